@@ -1,0 +1,32 @@
+# ARL-Tangram — the commands DESIGN.md §5 promises.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+export PYTHONPATH := $(CURDIR)/scheduler:$(CURDIR)/operator:$(CURDIR)/node-agent
+
+.PHONY: setup test lint typecheck bench bench-quick clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python ## create .venv with the project and its dev tools installed
+	$(BIN)/pip install -q -e '.[dev]'
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+typecheck: setup
+	$(BIN)/mypy scheduler/tangram tests
+
+test: setup lint typecheck ## lint, type-check and run the whole test suite
+	$(BIN)/pytest -n 2 -q
+
+bench: setup ## the benchmarks recorded in docs/benchmarks.md
+	$(BIN)/tangram bench scheduler --json --out docs/bench/scheduler.json
+	$(BIN)/tangram bench paper --out docs/bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

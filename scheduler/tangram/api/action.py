@@ -1,0 +1,112 @@
+"""An action: one atomic external invocation (seed 000 §2.4, §4.1)."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tangram.api.demand import (
+    ChoicesDemand,
+    Demand,
+    Efficiency,
+    RangeDemand,
+    allowed_units,
+)
+
+
+class ActionKind(StrEnum):
+    EXEC = "exec"  # argv in a trajectory's environment container (CPU)
+    SERVICE = "service"  # one call of a RewardService (GPU)
+    API = "api"  # one request against a named API quota
+
+
+_API_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
+
+ResourceName = str
+"""``cpu``, ``memory``, ``gpu``, ``gpu_memory`` or ``api:<name>``."""
+
+ElasticKey = Literal["cpu", "gpu"]
+
+
+class ActionSpec(BaseModel):
+    """The resource side of an action, as a trace line or an HTTP request carries it.
+
+    Unknown fields are rejected so that a misspelt resource never silently means "no demand".
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: ActionKind
+    type: Annotated[
+        str | None,
+        Field(description="action type for learned profiles; defaults to kind plus target"),
+    ] = None
+    cpu: Annotated[Demand | None, Field(description="cores, exec actions")] = None
+    memory_gb: Annotated[float | None, Field(ge=0, description="memory beyond the trajectory's")] = None
+    gpu: Annotated[Demand | None, Field(description="GPUs (DoP), service actions")] = None
+    gpu_memory_gb: Annotated[float | None, Field(ge=0)] = None
+    service: Annotated[str | None, Field(description="RewardService name, service actions")] = None
+    api: Annotated[str | None, Field(description="API quota name, api actions")] = None
+    quotas: Annotated[
+        dict[str, int],
+        Field(description="extra API quota units held while the action runs, by quota name"),
+    ] = Field(default_factory=dict)
+    key: Annotated[ElasticKey | None, Field(description="key elastic resource")] = None
+    t1_s: Annotated[float | None, Field(gt=0, description="duration with one key unit")] = None
+    efficiency: Efficiency | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.kind is ActionKind.EXEC and self.service is not None:
+            raise ValueError("service: only service actions name a service")
+        if self.kind is ActionKind.SERVICE and not self.service:
+            raise ValueError("service: a service action must name its RewardService")
+        if self.kind is ActionKind.API and not self.api:
+            raise ValueError("api: an api action must name its quota")
+        if self.kind is not ActionKind.API and self.api is not None:
+            raise ValueError("api: only api actions name an api; use quotas for extra quota units")
+        if self.kind is not ActionKind.SERVICE and self.gpu is not None:
+            raise ValueError("gpu: only service actions take GPUs")
+        for name, units in {**({self.api: 1} if self.api else {}), **self.quotas}.items():
+            if not _API_NAME.match(name):
+                raise ValueError(f"api: quota name {name!r} must be lower-case letters, digits, -_.")
+            if units < 1:
+                raise ValueError(f"quotas.{name}: must be at least 1")
+        for field in ("cpu", "gpu"):
+            demand = getattr(self, field)
+            if demand is not None and min(allowed_units(demand)) < 1:
+                raise ValueError(f"{field}: an action needs at least one unit")
+        key = self.elastic_key()
+        if self.key is not None and key != self.key:
+            raise ValueError(f"key: {self.key} is not a resource this action demands elastically")
+        if self.efficiency is not None and key is None:
+            raise ValueError("efficiency: given, but no resource has a range or choices of units")
+        return self
+
+    def elastic_key(self) -> ElasticKey | None:
+        """The key elastic resource: the explicit ``key``, else the one demand with several counts."""
+        if self.key is not None:
+            return self.key
+        elastic: list[ElasticKey] = []
+        if _is_variable(self.cpu):
+            elastic.append("cpu")
+        if _is_variable(self.gpu):
+            elastic.append("gpu")
+        if len(elastic) > 1:
+            raise ValueError("key: several resources are elastic; name the key one")
+        if not elastic and self.kind is ActionKind.SERVICE and self.gpu is None:
+            return "gpu"  # DoP choices come from the RewardService
+        return elastic[0] if elastic else None
+
+    def action_type(self) -> str:
+        if self.type:
+            return self.type
+        target = self.service or self.api
+        return f"{self.kind.value}:{target}" if target else self.kind.value
+
+
+def _is_variable(demand: Demand | None) -> bool:
+    return isinstance(demand, RangeDemand | ChoicesDemand) and len(allowed_units(demand)) > 1

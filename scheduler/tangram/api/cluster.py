@@ -1,0 +1,87 @@
+"""The cluster file of ``tangram bench`` (DESIGN.md §5): nodes, reward services and API quotas."""
+
+from __future__ import annotations
+
+from typing import Annotated, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tangram.api.demand import Efficiency
+
+_POW2 = (1, 2, 4, 8)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeSpec(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    cpus: Annotated[int, Field(ge=0, description="cores available to actions")] = 0
+    numa_nodes: Annotated[int, Field(ge=1)] = 1
+    memory_gb: Annotated[float, Field(ge=0)] = 0.0
+    gpus: Annotated[int, Field(ge=0, le=8)] = 0
+    gpu_memory_gb: Annotated[float, Field(gt=0, description="memory of each GPU")] = 80.0
+
+    @model_validator(mode="after")
+    def _numa_divides(self) -> Self:
+        if self.cpus and self.cpus % self.numa_nodes:
+            raise ValueError(f"cpus ({self.cpus}) must split evenly over numa_nodes ({self.numa_nodes})")
+        if self.gpus and self.gpus not in _POW2:
+            raise ValueError(f"gpus ({self.gpus}) must be 1, 2, 4 or 8 for buddy chunks")
+        return self
+
+
+class ServiceSpec(_Strict):
+    """A reward/teacher model service pooled on the GPUs."""
+
+    name: Annotated[str, Field(min_length=1)]
+    gpu_memory_gb: Annotated[float, Field(gt=0, description="total weights + working memory")]
+    dop_choices: Annotated[list[int], Field(min_length=1)] = Field(default_factory=lambda: [1, 2, 4, 8])
+    restore_s: Annotated[
+        float, Field(ge=0, description="time to restore the whole model from host memory")
+    ] = 0.0
+    efficiency: Efficiency | None = None
+
+    @field_validator("dop_choices")
+    @classmethod
+    def _powers_of_two(cls, v: list[int]) -> list[int]:
+        bad = [c for c in v if c not in _POW2]
+        if bad:
+            raise ValueError(f"DoP choices {bad} are not powers of two up to 8")
+        return sorted(set(v))
+
+
+class ApiSpec(_Strict):
+    """A named API quota: concurrency and/or a number of calls per period."""
+
+    name: Annotated[str, Field(min_length=1)]
+    concurrency: Annotated[int | None, Field(ge=1)] = None
+    rate_per_s: Annotated[float | None, Field(gt=0)] = None
+    period_s: Annotated[float, Field(gt=0, description="window the rate is counted over")] = 1.0
+    timeout_s: Annotated[
+        float, Field(gt=0, description="unmanaged baseline: how long an over-limit call hangs")
+    ] = 600.0
+
+    def calls_per_period(self) -> int | None:
+        if self.rate_per_s is None:
+            return None
+        return max(1, int(self.rate_per_s * self.period_s))
+
+
+class ClusterSpec(_Strict):
+    nodes: Annotated[list[NodeSpec], Field(min_length=1)]
+    services: list[ServiceSpec] = Field(default_factory=list)
+    apis: list[ApiSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Self:
+        for label, names in (
+            ("nodes", [n.name for n in self.nodes]),
+            ("services", [s.name for s in self.services]),
+            ("apis", [a.name for a in self.apis]),
+        ):
+            dup = {n for n in names if names.count(n) > 1}
+            if dup:
+                raise ValueError(f"{label}: duplicate names {sorted(dup)}")
+        return self

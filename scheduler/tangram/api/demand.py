@@ -1,0 +1,142 @@
+"""Demand of one resource type and the elasticity profile of an action (seed 000 §4.1).
+
+A demand is a fixed amount, a range ``{min, max}`` or a discrete set
+``{choices: [...]}``. Elasticity E(m) in (0, 1] turns the single-unit duration
+t1 into duration(m) = t1 / (E(m) * m).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RangeDemand(_Strict):
+    """Any whole number of units from ``min`` to ``max`` inclusive."""
+
+    min: Annotated[int, Field(ge=0, description="fewest units the action can run with")]
+    max: Annotated[int, Field(ge=0, description="most units the action can use")]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
+        return self
+
+
+class ChoicesDemand(_Strict):
+    """One of a discrete set of unit counts, e.g. GPU DoP ``[1, 2, 4, 8]``."""
+
+    choices: Annotated[list[int], Field(min_length=1, description="allowed unit counts")]
+
+    @field_validator("choices")
+    @classmethod
+    def _valid_choices(cls, v: list[int]) -> list[int]:
+        if any(c < 0 for c in v):
+            raise ValueError("choices must be non-negative")
+        if len(set(v)) != len(v):
+            raise ValueError("choices must not repeat")
+        return sorted(v)
+
+
+def _demand_tag(v: Any) -> str:
+    if isinstance(v, dict):
+        return "choices" if "choices" in v else "range"
+    if isinstance(v, ChoicesDemand):
+        return "choices"
+    if isinstance(v, RangeDemand):
+        return "range"
+    return "fixed"
+
+
+# Tagged so that a bad range reports "cpu.range.min ..." rather than one error per union member.
+Demand = Annotated[
+    Annotated[int, Tag("fixed")]
+    | Annotated[RangeDemand, Tag("range")]
+    | Annotated[ChoicesDemand, Tag("choices")],
+    Discriminator(_demand_tag),
+]
+
+
+def allowed_units(demand: Demand) -> tuple[int, ...]:
+    """All unit counts a demand allows, ascending."""
+    if isinstance(demand, int):
+        return (demand,)
+    if isinstance(demand, RangeDemand):
+        return tuple(range(demand.min, demand.max + 1))
+    return tuple(demand.choices)
+
+
+class AmdahlEfficiency(_Strict):
+    """Amdahl's law with parallel fraction ``amdahl``: speed-up(m) = 1 / ((1-p) + p/m)."""
+
+    amdahl: Annotated[float, Field(ge=0.0, le=1.0, description="parallel fraction p")]
+
+    def efficiency(self, m: int) -> float:
+        p = self.amdahl
+        return 1.0 / (m * ((1.0 - p) + p / m))
+
+
+class TableEfficiency(_Strict):
+    """Measured efficiency per unit count; counts between entries are interpolated linearly."""
+
+    table: Annotated[dict[int, float], Field(min_length=1)]
+
+    @field_validator("table")
+    @classmethod
+    def _in_unit_interval(cls, v: dict[int, float]) -> dict[int, float]:
+        for m, e in v.items():
+            if m < 1:
+                raise ValueError(f"unit count {m} must be >= 1")
+            if not 0.0 < e <= 1.0:
+                raise ValueError(f"efficiency at {m} units is {e}; it must be in (0, 1]")
+        return dict(sorted(v.items()))
+
+    def efficiency(self, m: int) -> float:
+        keys = list(self.table)
+        if m in self.table:
+            return self.table[m]
+        if m <= keys[0]:
+            return self.table[keys[0]]
+        if m >= keys[-1]:
+            # Beyond the measured range the speed-up stays flat, so efficiency falls as 1/m.
+            return self.table[keys[-1]] * keys[-1] / m
+        for lo, hi in zip(keys, keys[1:], strict=False):
+            if lo < m < hi:
+                w = (m - lo) / (hi - lo)
+                return self.table[lo] * (1 - w) + self.table[hi] * w
+        raise AssertionError("unreachable")
+
+
+def _efficiency_tag(v: Any) -> str:
+    if isinstance(v, dict):
+        return "table" if "table" in v else "amdahl"
+    return "table" if isinstance(v, TableEfficiency) else "amdahl"
+
+
+Efficiency = Annotated[
+    Annotated[AmdahlEfficiency, Tag("amdahl")] | Annotated[TableEfficiency, Tag("table")],
+    Discriminator(_efficiency_tag),
+]
+
+
+def duration(t1_s: float, efficiency: Efficiency | None, m: int) -> float:
+    """Eq. 1 of seed 000: duration(m) = t1 / (E(m) * m); without a profile the action is not elastic."""
+    if m <= 0:
+        raise ValueError(f"unit count must be positive, got {m}")
+    if efficiency is None:
+        return t1_s
+    return t1_s / (efficiency.efficiency(m) * m)

@@ -1,0 +1,1 @@
+"""The ``tangram`` command line."""

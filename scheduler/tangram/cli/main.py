@@ -1,0 +1,35 @@
+"""Entry point of the ``tangram`` command; each sub-command lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tangram",
+        description="ARL-Tangram: action-level pooling of external resources for agentic RL.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from tangram.cli import bench, explain, trace
+
+    trace.register(sub)
+    bench.register(sub)
+    explain.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

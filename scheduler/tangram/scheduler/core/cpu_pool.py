@@ -1,0 +1,114 @@
+"""CPU manager bookkeeping (seed 000 §5.2, "Pool in CPU Manager").
+
+Each core is held by at most one action. A trajectory is placed on its first
+action's node — one with cores for that action and memory for the whole
+trajectory, balancing memory load — and stays there. Core sets are chosen
+NUMA-aware: within one NUMA node when possible (best fit), otherwise over the
+fewest NUMA nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CpuNode:
+    name: str
+    numa: list[set[int]]  # free core ids per NUMA node
+    cores: int
+    memory_gb: float
+    memory_used_gb: float = 0.0
+
+    @property
+    def free_cores(self) -> int:
+        return sum(len(s) for s in self.numa)
+
+    @property
+    def free_memory_gb(self) -> float:
+        return self.memory_gb - self.memory_used_gb
+
+
+@dataclass(slots=True)
+class CpuPool:
+    nodes: dict[str, CpuNode] = field(default_factory=dict)
+    placement: dict[str, str] = field(default_factory=dict)  # trajectory -> node
+    reserved_gb: dict[str, float] = field(default_factory=dict)  # trajectory -> memory
+
+    @classmethod
+    def build(cls, nodes: Iterable[tuple[str, int, int, float]]) -> CpuPool:
+        """From ``(name, cores, numa_nodes, memory_gb)``; cores are split evenly over NUMA nodes."""
+        pool = cls()
+        for name, cores, numa_nodes, memory_gb in nodes:
+            if cores <= 0:
+                continue
+            per = cores // numa_nodes
+            numa = [set(range(i * per, (i + 1) * per)) for i in range(numa_nodes)]
+            pool.nodes[name] = CpuNode(name, numa, cores, memory_gb)
+        return pool
+
+    def choose_node(
+        self, memory_gb: float, min_cores: int, free: Mapping[str, int]
+    ) -> str | None:
+        """A node for a new trajectory: enough free cores now and memory for its whole life.
+
+        ``free`` overrides the free-core counts (the round's provisional view). Among
+        fitting nodes the one with the largest free memory fraction wins (memory load
+        balancing); ties go to the name for determinism.
+        """
+        best: tuple[float, str] | None = None
+        for node in self.nodes.values():
+            if free.get(node.name, node.free_cores) < min_cores:
+                continue
+            if node.free_memory_gb + 1e-9 < memory_gb:
+                continue
+            frac = node.free_memory_gb / node.memory_gb if node.memory_gb else 0.0
+            key = (-frac, node.name)
+            if best is None or key < (best[0], best[1]):
+                best = key
+        return None if best is None else best[1]
+
+    def memory_fits_somewhere(self, memory_gb: float) -> list[str]:
+        return [n.name for n in self.nodes.values() if n.free_memory_gb + 1e-9 >= memory_gb]
+
+    def place(self, trajectory: str, node: str, memory_gb: float) -> None:
+        if trajectory in self.placement:
+            raise ValueError(f"trajectory {trajectory} is already placed on {self.placement[trajectory]}")
+        self.nodes[node].memory_used_gb += memory_gb
+        self.placement[trajectory] = node
+        self.reserved_gb[trajectory] = memory_gb
+
+    def unplace(self, trajectory: str) -> None:
+        node = self.placement.pop(trajectory, None)
+        if node is not None:
+            self.nodes[node].memory_used_gb -= self.reserved_gb.pop(trajectory)
+
+    def take(self, node: str, n: int) -> tuple[int, ...]:
+        """Take ``n`` free cores of ``node``: one NUMA node (best fit) if possible, else fewest."""
+        cpu = self.nodes[node]
+        if n > cpu.free_cores:
+            raise ValueError(f"node {node}: {n} cores requested, {cpu.free_cores} free")
+        fitting = [i for i, s in enumerate(cpu.numa) if len(s) >= n]
+        if fitting:
+            order = [min(fitting, key=lambda i: (len(cpu.numa[i]), i))]
+        else:
+            order = sorted(range(len(cpu.numa)), key=lambda i: (-len(cpu.numa[i]), i))
+        taken: list[int] = []
+        for i in order:
+            want = n - len(taken)
+            if want == 0:
+                break
+            picked = sorted(cpu.numa[i])[:want]
+            cpu.numa[i].difference_update(picked)
+            taken.extend(picked)
+        return tuple(sorted(taken))
+
+    def give_back(self, node: str, cores: Iterable[int]) -> None:
+        cpu = self.nodes[node]
+        per = cpu.cores // len(cpu.numa)
+        for c in cores:
+            bucket = cpu.numa[c // per]
+            if c in bucket:
+                raise ValueError(f"node {node}: core {c} returned twice")
+            bucket.add(c)

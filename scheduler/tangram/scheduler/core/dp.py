@@ -1,0 +1,187 @@
+"""DPArrange (seed 000 Appendix B, Algorithm 3) with two DP operators.
+
+Given candidates in queue order, each with a map *allowed units -> duration*,
+find the allocation that minimises the sum of durations. The table is built
+once over all candidates: row ``p`` holds the optimum for the first ``p``
+candidates, so the greedy eviction of Algorithm 1 (which only ever drops the
+last candidate) reads every prefix from the same table instead of re-solving.
+
+* ``BasicTable`` — the basic operator: units are interchangeable (CPU cores of
+  one node). State = units used; numpy-vectorised over states.
+* ``ChunkTable`` — the GPU operator (Algorithm 4): state = free buddy chunks of
+  sizes 1/2/4/8. A task of k GPUs takes one aligned chunk of size 2^ceil(log2 k),
+  the smallest free one that fits, splitting a larger chunk into buddies — the
+  allocator of seed 000 §5.3. (Algorithm 4 as printed decomposes k over several
+  chunks, which could spread one tensor-parallel instance over nodes; we keep the
+  physical one-chunk rule so that the DP's states are exactly what the allocator
+  will produce.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+Durations = Mapping[int, float]
+CHUNK_SIZES = (1, 2, 4, 8)
+ChunkState = tuple[int, int, int, int]  # free chunks of size 1, 2, 4, 8
+
+
+def _check(durations: Sequence[Durations]) -> None:
+    for i, d in enumerate(durations):
+        if not d:
+            raise ValueError(f"candidate {i} allows no unit count")
+        for k, t in d.items():
+            if k < 1:
+                raise ValueError(f"candidate {i}: unit count {k} must be >= 1")
+            if not t >= 0:  # also rejects NaN
+                raise ValueError(f"candidate {i}: duration {t} at {k} units must be >= 0")
+
+
+class BasicTable:
+    """DP over interchangeable units: ``best(p)`` is the optimum for the first ``p`` candidates."""
+
+    def __init__(self, durations: Sequence[Durations], capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        _check(durations)
+        self.capacity = capacity
+        self.n = len(durations)
+        inf = np.inf
+        width = capacity + 1
+        cols = np.arange(width)
+        row: npt.NDArray[np.float64] = np.full(width, inf)
+        row[0] = 0.0
+        self._rows: list[npt.NDArray[np.float64]] = [row]
+        self._choice: list[npt.NDArray[np.int64]] = []
+        for d in durations:
+            ks = np.array([k for k in sorted(d) if k <= capacity], dtype=np.int64)
+            if ks.size == 0:
+                row = np.full(width, inf)
+                self._rows.append(row)
+                self._choice.append(np.zeros(width, dtype=np.int64))
+                continue
+            ts = np.array([d[int(k)] for k in ks])
+            src = cols[None, :] - ks[:, None]  # (K, width): state before taking k units
+            vals = np.where(src >= 0, self._rows[-1][np.clip(src, 0, None)] + ts[:, None], inf)
+            pick = np.argmin(vals, axis=0)  # ties -> fewest units (choices are ascending)
+            row = vals[pick, cols]
+            self._rows.append(row)
+            self._choice.append(np.where(np.isfinite(row), ks[pick], 0))
+
+    def best(self, p: int) -> tuple[float, list[int]]:
+        """Optimal (total duration, units per candidate) for the first ``p`` candidates."""
+        row = self._rows[p]
+        j = int(np.argmin(row))
+        total = float(row[j])
+        if not np.isfinite(total):
+            raise ValueError(
+                f"infeasible: the first {p} candidates cannot all get an allowed unit count "
+                f"within {self.capacity} units"
+            )
+        units = [0] * p
+        for i in range(p, 0, -1):
+            k = int(self._choice[i - 1][j])
+            units[i - 1] = k
+            j -= k
+        return total, units
+
+
+def dp_arrange(durations: Sequence[Durations], capacity: int) -> tuple[float, list[int]]:
+    """Optimal allocation of at most ``capacity`` interchangeable units (DESIGN.md §5 contract).
+
+    ``durations[i]`` maps each allowed unit count of candidate ``i`` to its duration.
+    Returns ``(total_duration, [units_i, ...])``; raises ``ValueError`` when the
+    candidates cannot all get one of their allowed counts.
+    """
+    return BasicTable(durations, capacity).best(len(durations))
+
+
+def chunk_level(k: int) -> int:
+    """Size of the buddy chunk a k-GPU task occupies: the next power of two."""
+    if not 1 <= k <= 8:
+        raise ValueError(f"GPU count {k} must be between 1 and 8")
+    size = 1
+    while size < k:
+        size *= 2
+    return size
+
+
+def take_chunk(state: ChunkState, k: int) -> ChunkState | None:
+    """Free-chunk counts after a k-GPU task takes the smallest fitting chunk (None: no fit)."""
+    need = chunk_level(k)
+    counts = list(state)
+    for idx, size in enumerate(CHUNK_SIZES):
+        if size < need or counts[idx] == 0:
+            continue
+        counts[idx] -= 1
+        # Splitting a chunk of `size` down to `need` leaves one free buddy per level in between.
+        half = size // 2
+        while half >= need:
+            counts[CHUNK_SIZES.index(half)] += 1
+            half //= 2
+        return (counts[0], counts[1], counts[2], counts[3])
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Cell:
+    total: float
+    prev: ChunkState
+    k: int
+
+
+class ChunkTable:
+    """DP over buddy-chunk states (GPU operator); same prefix semantics as ``BasicTable``."""
+
+    def __init__(self, durations: Sequence[Durations], chunks: ChunkState) -> None:
+        if any(c < 0 for c in chunks) or len(chunks) != 4:
+            raise ValueError(f"chunks must be four non-negative counts, got {chunks}")
+        _check(durations)
+        self.chunks = chunks
+        self.n = len(durations)
+        self._layers: list[dict[ChunkState, _Cell]] = [{chunks: _Cell(0.0, chunks, 0)}]
+        for d in durations:
+            layer: dict[ChunkState, _Cell] = {}
+            for state, cell in self._layers[-1].items():
+                for k in sorted(d):
+                    if k > 8:
+                        continue
+                    nxt = take_chunk(state, k)
+                    if nxt is None:
+                        continue
+                    total = cell.total + d[k]
+                    old = layer.get(nxt)
+                    if old is None or total < old.total:
+                        layer[nxt] = _Cell(total, state, k)
+            self._layers.append(layer)
+
+    def best(self, p: int) -> tuple[float, list[int]]:
+        layer = self._layers[p]
+        if not layer:
+            raise ValueError(
+                f"infeasible: the first {p} candidates cannot all get a GPU chunk from {self.chunks}"
+            )
+        # Deterministic tie-break: lowest total, then the state with the most free capacity left.
+        state = min(layer, key=lambda s: (layer[s].total, -_gpus(s), s))
+        total = layer[state].total
+        units = [0] * p
+        for i in range(p, 0, -1):
+            cell = self._layers[i][state]
+            units[i - 1] = cell.k
+            state = cell.prev
+        return total, units
+
+
+def _gpus(state: ChunkState) -> int:
+    return sum(c * s for c, s in zip(state, CHUNK_SIZES, strict=True))
+
+
+def dp_arrange_chunks(
+    durations: Sequence[Durations], chunks: ChunkState
+) -> tuple[float, list[int]]:
+    """The GPU variant of ``dp_arrange``: capacity is given as free chunk counts (N1, N2, N4, N8)."""
+    return ChunkTable(durations, chunks).best(len(durations))

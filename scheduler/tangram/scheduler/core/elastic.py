@@ -1,0 +1,97 @@
+"""Greedy eviction over one key resource (seed 000 §4.2, Algorithm 1, lines 7-12).
+
+Start from all candidates, each scheduled by DPArrange; repeatedly evict the
+last candidate (its units go to the ones ahead of it) while the approximated
+objective (Algorithm 2) strictly improves. All prefixes read one DP table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tangram.scheduler.core.dp import BasicTable, ChunkTable, ChunkState, Durations, chunk_level
+from tangram.scheduler.core.objective import Pending, estimate, unit_slots
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionStep:
+    """One evaluated prefix, kept for ``tangram explain``."""
+
+    kept: int
+    units: tuple[int, ...]
+    exact: float
+    approx: float
+
+    @property
+    def objective(self) -> float:
+        return self.exact + self.approx
+
+
+@dataclass(frozen=True, slots=True)
+class Arrangement:
+    kept: int  # the first `kept` candidates run now
+    units: tuple[int, ...]
+    steps: tuple[EvictionStep, ...]
+
+
+def _pending(d: Durations) -> Pending:
+    ks = tuple(sorted(d))
+    return Pending(ks, tuple(d[k] for k in ks))
+
+
+def greedy_evict(
+    candidates: Sequence[Durations],
+    rest: Sequence[Pending],
+    running: Sequence[tuple[float, int]],
+    depth: int,
+    *,
+    capacity: int | None = None,
+    chunks: ChunkState | None = None,
+) -> Arrangement:
+    """Choose how many candidates run now and their units.
+
+    ``candidates`` map allowed units -> duration, in queue order; ``rest`` is the
+    remaining queue of this resource; ``running`` holds (seconds until release,
+    units) of actions already running on it. Exactly one of ``capacity`` (basic
+    operator: free units) and ``chunks`` (GPU operator: free chunk counts) is given.
+    """
+    if (capacity is None) == (chunks is None):
+        raise ValueError("give exactly one of capacity and chunks")
+    table: BasicTable | ChunkTable
+    size: Callable[[int], int]
+    if chunks is not None:
+        table = ChunkTable(candidates, chunks)
+        free = sum(c * s for c, s in zip(chunks, (1, 2, 4, 8), strict=True))
+        size = chunk_level
+    else:
+        assert capacity is not None
+        table = BasicTable(candidates, capacity)
+        free = capacity
+
+        def size(k: int) -> int:
+            return k
+
+    def evaluate(p: int) -> EvictionStep:
+        exact, units = table.best(p)
+        used = sum(size(k) for k in units)
+        releases = list(running)
+        releases.extend((candidates[i][k], size(k)) for i, k in enumerate(units))
+        slots = unit_slots(free - used, releases)
+        waiting = [_pending(d) for d in candidates[p:]]
+        waiting.extend(rest)
+        return EvictionStep(p, tuple(units), exact, estimate(slots, waiting, depth))
+
+    n = len(candidates)
+    if n == 0:
+        return Arrangement(0, (), ())
+    best = evaluate(n)
+    steps = [best]
+    p = n
+    while p > 1:
+        step = evaluate(p - 1)
+        steps.append(step)
+        if step.objective >= best.objective:
+            break
+        best, p = step, p - 1
+    return Arrangement(best.kept, best.units, tuple(steps))

@@ -1,0 +1,211 @@
+"""GPU manager bookkeeping (seed 000 §5.3, "Pool in GPU Manager").
+
+GPUs of a node form buddy chunks ``(start, size)`` with ``size`` in 1/2/4/8 and
+``start`` a multiple of ``size``. At most one action runs on a GPU. A service at
+DoP k is a distinct instance occupying one chunk of size k; instances stay
+resident after their call and are evicted least-recently-used when another
+restore needs the memory. Among free chunks of the smallest fitting level, one
+that already holds the requested instance is preferred.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tangram.scheduler.core.dp import CHUNK_SIZES, ChunkState, chunk_level
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    node: str
+    start: int
+    size: int
+
+    @property
+    def gpus(self) -> range:
+        return range(self.start, self.start + self.size)
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    service: str
+    chunk: Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class GpuGrant:
+    chunk: Chunk
+    resident: bool  # the instance was already in GPU memory: no restore
+    evicted: tuple[Instance, ...]
+
+
+@dataclass(slots=True)
+class GpuNode:
+    name: str
+    gpus: int
+    memory_gb: float  # per GPU
+    free: dict[int, set[int]] = field(default_factory=dict)  # size -> starts of free chunks
+    used_gb: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free = {s: set() for s in CHUNK_SIZES}
+        self.free[self.gpus].add(0)
+        self.used_gb = [0.0] * self.gpus
+
+
+@dataclass(slots=True)
+class GpuPool:
+    nodes: dict[str, GpuNode] = field(default_factory=dict)
+    memory_gb: dict[str, float] = field(default_factory=dict)  # service -> total footprint
+    resident: OrderedDict[Instance, None] = field(default_factory=OrderedDict)  # LRU first
+    busy: set[Instance] = field(default_factory=set)
+
+    @classmethod
+    def build(
+        cls, nodes: Iterable[tuple[str, int, float]], services: dict[str, float]
+    ) -> GpuPool:
+        """From ``(name, gpus, memory_gb_per_gpu)`` and service -> GPU memory footprint."""
+        pool = cls(memory_gb=dict(services))
+        for name, gpus, mem in nodes:
+            if gpus > 0:
+                pool.nodes[name] = GpuNode(name, gpus, mem)
+        return pool
+
+    def fits(self, service: str, k: int) -> bool:
+        """Whether a DoP-k instance of ``service`` can ever fit in GPU memory."""
+        size = chunk_level(k)
+        per_gpu = self.memory_gb[service] / size
+        return any(n.gpus >= size and n.memory_gb + 1e-9 >= per_gpu for n in self.nodes.values())
+
+    def chunk_counts(self) -> ChunkState:
+        c = [0, 0, 0, 0]
+        for node in self.nodes.values():
+            for i, size in enumerate(CHUNK_SIZES):
+                c[i] += len(node.free[size])
+        return (c[0], c[1], c[2], c[3])
+
+    def is_resident_free(self, service: str, k: int) -> bool:
+        """An idle resident instance of (service, k) sits in a chunk that is free now."""
+        size = chunk_level(k)
+        for inst in self.resident:
+            if inst.service == service and inst.chunk.size == size and inst not in self.busy:
+                if self._chunk_is_free(inst.chunk):
+                    return True
+        return False
+
+    def _chunk_is_free(self, chunk: Chunk) -> bool:
+        node = self.nodes[chunk.node]
+        size = node.gpus
+        while size >= chunk.size:
+            start = chunk.start - chunk.start % size
+            if start in node.free[size]:
+                return True
+            size //= 2
+        return False
+
+    def allocate(self, service: str, k: int) -> GpuGrant:
+        """Take a chunk for a DoP-k call of ``service``; restore bookkeeping and LRU eviction."""
+        size = chunk_level(k)
+        target = self._choose(service, size)
+        if target is None:
+            raise ValueError(f"no free GPU chunk of size {size} for service {service}")
+        node = self.nodes[target.node]
+        self._carve(node, target)
+        inst = Instance(service, target)
+        evicted: list[Instance] = []
+        hit = inst in self.resident
+        if hit:
+            self.resident.move_to_end(inst)
+        else:
+            per_gpu = self.memory_gb[service] / size
+            if per_gpu > node.memory_gb + 1e-9:
+                self._release_chunk(node, target)
+                raise ValueError(
+                    f"service {service} needs {per_gpu:.1f} GB per GPU at DoP {size}; "
+                    f"GPUs of {node.name} have {node.memory_gb:.1f} GB"
+                )
+            for victim in list(self.resident):
+                if all(node.used_gb[g] + per_gpu <= node.memory_gb + 1e-9 for g in target.gpus):
+                    break
+                if victim.chunk.node != node.name or victim in self.busy:
+                    continue
+                if set(victim.chunk.gpus).isdisjoint(target.gpus):
+                    continue
+                self._evict(victim)
+                evicted.append(victim)
+            for g in target.gpus:
+                node.used_gb[g] += per_gpu
+            self.resident[inst] = None
+        self.busy.add(inst)
+        return GpuGrant(target, hit, tuple(evicted))
+
+    def release(self, service: str, chunk: Chunk) -> None:
+        inst = Instance(service, chunk)
+        self.busy.discard(inst)
+        self._release_chunk(self.nodes[chunk.node], chunk)
+
+    def evict_all(self, service: str) -> None:
+        for inst in [i for i in self.resident if i.service == service and i not in self.busy]:
+            self._evict(inst)
+
+    def _evict(self, inst: Instance) -> None:
+        node = self.nodes[inst.chunk.node]
+        per_gpu = self.memory_gb[inst.service] / inst.chunk.size
+        for g in inst.chunk.gpus:
+            node.used_gb[g] = max(0.0, node.used_gb[g] - per_gpu)
+        del self.resident[inst]
+
+    def _choose(self, service: str, size: int) -> Chunk | None:
+        """Smallest free level >= size; within it prefer a sub-chunk holding the instance."""
+        for level in (s for s in CHUNK_SIZES if s >= size):
+            options = [
+                (node.name, start)
+                for node in self.nodes.values()
+                for start in node.free[level]
+            ]
+            if not options:
+                continue
+            options.sort()
+            for inst in reversed(self.resident):  # most recently used first
+                c = inst.chunk
+                if inst.service != service or c.size != size or inst in self.busy:
+                    continue
+                for name, start in options:
+                    if c.node == name and start <= c.start < start + level:
+                        return c
+            name, start = options[0]
+            return Chunk(name, start, size)
+        return None
+
+    def _carve(self, node: GpuNode, target: Chunk) -> None:
+        """Split the free chunk containing ``target`` down to it, freeing the other buddies."""
+        level = target.size
+        while True:
+            start = target.start - target.start % level
+            if start in node.free[level]:
+                break
+            level *= 2
+            if level > node.gpus:
+                raise ValueError(f"chunk {target} is not free")
+        node.free[level].remove(start)
+        while level > target.size:
+            level //= 2
+            left, right = start, start + level
+            keep = left if target.start < right else right
+            node.free[level].add(right if keep == left else left)
+            start = keep
+
+    def _release_chunk(self, node: GpuNode, chunk: Chunk) -> None:
+        start, size = chunk.start, chunk.size
+        while size < node.gpus:
+            buddy = start ^ size
+            if buddy not in node.free[size]:
+                break
+            node.free[size].remove(buddy)
+            start = min(start, buddy)
+            size *= 2
+        if start in node.free[size]:
+            raise ValueError(f"chunk ({node.name}, {start}, {size}) freed twice")
+        node.free[size].add(start)

@@ -1,0 +1,68 @@
+"""ACT approximation (seed 000 Appendix A, Algorithm 2).
+
+The objective of a candidate prefix is the exact sum of the candidates' durations
+under the DP allocation, plus an estimate for the rest of the queue of the same
+key resource: each remaining action, in order, waits for its minimum units to
+free up and then runs. The first remaining action additionally tries its first
+``depth`` allowed unit counts and the best variant counts.
+
+One deliberate refinement: the completion heap holds one entry per *unit* (the
+time that unit frees up), not one per action, so an action needing u units waits
+for the u-th earliest release rather than for any single completion. With
+one-unit actions the two coincide.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A queued action as the estimate sees it: allowed unit counts and their durations."""
+
+    units: tuple[int, ...]  # ascending; units[0] is the minimum
+    durations: tuple[float, ...]
+
+
+def unit_slots(free_units: int, releases: Sequence[tuple[float, int]]) -> list[float]:
+    """Heap of the times (from now) at which each unit becomes free."""
+    slots = [0.0] * free_units
+    for t, u in releases:
+        slots.extend([t] * u)
+    heapq.heapify(slots)
+    return slots
+
+
+def _run(slots: list[float], units: int, dur: float) -> float:
+    """Place one action on the slot heap; return its completion time."""
+    if units == 1:
+        end = slots[0] + dur
+        heapq.heapreplace(slots, end)
+        return end
+    if units > len(slots):
+        return float("inf")
+    start = 0.0
+    for _ in range(units):
+        start = heapq.heappop(slots)
+    end = start + dur
+    for _ in range(units):
+        heapq.heappush(slots, end)
+    return end
+
+
+def estimate(slots: Sequence[float], rest: Sequence[Pending], depth: int) -> float:
+    """Approximate sum of completion times of ``rest`` started in order on ``slots``."""
+    if not rest:
+        return 0.0
+    head, tail = rest[0], rest[1:]
+    best = float("inf")
+    for i in range(min(max(depth, 1), len(head.units))):
+        heap = list(slots)
+        total = _run(heap, head.units[i], head.durations[i])
+        for p in tail:
+            total += _run(heap, p.units[0], p.durations[0])
+        best = min(best, total)
+    return best

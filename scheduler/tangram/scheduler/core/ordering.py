@@ -1,0 +1,82 @@
+"""Queue ordering policies.
+
+* ``fcfs`` (default, seed 000 §4.2): submission order. Every action is on a
+  trajectory's critical path, so nothing may starve.
+* ``trajectory-priority`` (after Heddle, seed 001 §4): actions of trajectories
+  predicted to have the most work left go first — the long tail of a rollout
+  batch decides when the step ends, so starting it early shortens the step. The
+  prediction is progressive: it is re-made every time the trajectory submits,
+  from how many steps it has taken, the durations its actions have shown, and an
+  optional client hint of remaining steps. Without a hint, the remaining steps
+  are the mean over finished trajectories of (length - steps taken) among those
+  that got at least as far (a survival estimate that sharpens as the batch
+  progresses). An ageing bound keeps it starvation-free: an action that has
+  waited ``ageing_factor`` times its expected duration (at least
+  ``min_age_s``) goes ahead of all non-overdue ones, oldest deadline first.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class LengthModel:
+    """Finished trajectory lengths, for E[remaining steps | steps taken so far]."""
+
+    lengths: list[int] = field(default_factory=list)  # sorted
+    default_steps: float = 8.0
+
+    def finished(self, steps: int) -> None:
+        bisect.insort(self.lengths, steps)
+
+    def expected_remaining(self, taken: int) -> float:
+        i = bisect.bisect_left(self.lengths, taken + 1)
+        longer = self.lengths[i:]
+        if not longer:
+            # Nothing this long has finished yet: assume it is as far from the end as it is from the start.
+            return max(1.0, float(taken)) if self.lengths else self.default_steps
+        return sum(longer) / len(longer) - taken
+
+
+class OrderedQueue:
+    """Queued action ids in policy order, with an optional ageing deadline per entry."""
+
+    def __init__(self) -> None:
+        self._by_key: list[tuple[tuple[float, ...], str]] = []
+        self._by_deadline: list[tuple[float, int, str]] = []
+        self._keys: dict[str, tuple[tuple[float, ...], float | None, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, action_id: str) -> bool:
+        return action_id in self._keys
+
+    def push(self, action_id: str, key: tuple[float, ...], seq: int, deadline: float | None) -> None:
+        bisect.insort(self._by_key, (key, action_id))
+        if deadline is not None:
+            bisect.insort(self._by_deadline, (deadline, seq, action_id))
+        self._keys[action_id] = (key, deadline, seq)
+
+    def remove(self, action_id: str) -> None:
+        key, deadline, seq = self._keys.pop(action_id)
+        i = bisect.bisect_left(self._by_key, (key, action_id))
+        del self._by_key[i]
+        if deadline is not None:
+            j = bisect.bisect_left(self._by_deadline, (deadline, seq, action_id))
+            del self._by_deadline[j]
+
+    def order(self, now: float) -> Iterator[str]:
+        """Overdue entries by deadline, then the rest by key."""
+        overdue: set[str] = set()
+        for deadline, _, aid in self._by_deadline:
+            if deadline > now:
+                break
+            overdue.add(aid)
+            yield aid
+        for _, aid in self._by_key:
+            if aid not in overdue:
+                yield aid

@@ -1,0 +1,134 @@
+"""Duration profiles: given ones (Eq. 1 of seed 000) and ones learned online.
+
+Learned profile, per action type. Under Amdahl's law with parallel fraction p,
+duration(m) = t1·((1-p) + p/m) = a + b/m with a = t1·(1-p) and b = t1·p, which
+is linear in x = 1/m. We keep the running sums of an ordinary least-squares
+fit of observed durations against 1/m (O(1) memory and update), clamp a, b >= 0,
+and read t1 = a + b and p = b / (a + b).
+
+The fit is *trusted* only when it has at least ``min_samples`` observations over
+at least two distinct unit counts and the standard error of p is at most
+``max_p_stderr``. Actions of one type differ in size (one test suite is not
+another), so the noise is large; the standard-error rule lets the estimate
+become usable as evidence accumulates instead of demanding a tight fit. Until
+then the type is scheduled as non-elastic at its minimum units, except that
+every ``probe_every``-th action of an untrusted type is offered twice its
+minimum, so that the fit sees a second unit count at all.
+
+Non-elastic durations (used only to estimate when units free up) are the mean
+observed duration of the type, falling back to ``default_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tangram.api.demand import AmdahlEfficiency, Efficiency, duration
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Single-unit duration and efficiency curve; duration(m) = t1 / (E(m)·m)."""
+
+    t1_s: float
+    efficiency: Efficiency | None
+
+    def duration(self, m: int) -> float:
+        return duration(self.t1_s, self.efficiency, m)
+
+
+@dataclass(slots=True)
+class _Fit:
+    n: int = 0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    syy: float = 0.0
+    counts: set[int] = field(default_factory=set)
+    submitted: int = 0
+
+    def add(self, m: int, d: float) -> None:
+        x = 1.0 / m
+        self.n += 1
+        self.sx += x
+        self.sy += d
+        self.sxx += x * x
+        self.sxy += x * d
+        self.syy += d * d
+        self.counts.add(m)
+
+    def mean(self) -> float:
+        return self.sy / self.n
+
+    def solve(self) -> tuple[float, float, float] | None:
+        """(t1, p, stderr of p) or None when the design is degenerate."""
+        n = self.n
+        vx = self.sxx - self.sx * self.sx / n
+        if n < 3 or vx <= 1e-12:
+            return None
+        b = (self.sxy - self.sx * self.sy / n) / vx
+        a = (self.sy - b * self.sx) / n
+        if b < 0:  # slower with more units: not elastic at all
+            a, b = self.sy / n, 0.0
+        elif a < 0:  # perfectly parallel; refit through the origin
+            a, b = 0.0, self.sxy / self.sxx
+        t1 = a + b
+        if t1 <= 0:
+            return None
+        rss = max(0.0, self.syy - 2 * a * self.sy - 2 * b * self.sxy + n * a * a
+                  + 2 * a * b * self.sx + b * b * self.sxx)
+        se_b = math.sqrt(rss / (n - 2) / vx)
+        return t1, b / t1, se_b / t1
+
+
+@dataclass(slots=True)
+class ProfileBook:
+    """Learns profiles of action types from completed runs; pure bookkeeping."""
+
+    min_samples: int = 8
+    max_p_stderr: float = 0.1
+    probe_every: int = 4
+    default_s: float = 1.0
+    _fits: dict[str, _Fit] = field(default_factory=dict)
+
+    def observe(self, action_type: str, units: int, duration_s: float) -> None:
+        if units >= 1 and duration_s >= 0 and math.isfinite(duration_s):
+            self._fits.setdefault(action_type, _Fit()).add(units, duration_s)
+
+    def mean_duration(self, action_type: str) -> float:
+        fit = self._fits.get(action_type)
+        return fit.mean() if fit and fit.n else self.default_s
+
+    def learned(self, action_type: str) -> Profile | None:
+        """The learned elastic profile, once trustworthy."""
+        fit = self._fits.get(action_type)
+        if fit is None or fit.n < self.min_samples or len(fit.counts) < 2:
+            return None
+        solved = fit.solve()
+        if solved is None:
+            return None
+        t1, p, se = solved
+        if se > self.max_p_stderr:
+            return None
+        return Profile(t1, AmdahlEfficiency(amdahl=min(1.0, max(0.0, p))))
+
+    def should_probe(self, action_type: str) -> bool:
+        """Count a submission of an untrusted elastic type; True on every ``probe_every``-th."""
+        fit = self._fits.setdefault(action_type, _Fit())
+        fit.submitted += 1
+        return fit.submitted % self.probe_every == 0
+
+    def summary(self) -> dict[str, dict[str, float | int | None]]:
+        out: dict[str, dict[str, float | int | None]] = {}
+        for t, fit in sorted(self._fits.items()):
+            prof = self.learned(t)
+            p = prof.efficiency.amdahl if prof and isinstance(prof.efficiency, AmdahlEfficiency) else None
+            out[t] = {
+                "samples": fit.n,
+                "mean_s": fit.mean() if fit.n else None,
+                "t1_s": prof.t1_s if prof else None,
+                "amdahl": p,
+            }
+        return out

@@ -1,0 +1,49 @@
+"""Basic resource manager (seed 000 §5.1): API concurrency and quota-per-period limits."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Quota:
+    name: str
+    concurrency: int | None
+    per_period: int | None  # calls allowed in any window of `period_s`
+    period_s: float
+    in_use: int = 0
+    starts: deque[float] = field(default_factory=deque)  # start times inside the window
+
+    def _expire(self, now: float) -> None:
+        while self.starts and self.starts[0] <= now - self.period_s:
+            self.starts.popleft()
+
+    def free(self, now: float) -> int:
+        """Units that may start at ``now`` (a large number when unlimited)."""
+        self._expire(now)
+        room = 1 << 30
+        if self.concurrency is not None:
+            room = min(room, self.concurrency - self.in_use)
+        if self.per_period is not None:
+            room = min(room, self.per_period - len(self.starts))
+        return max(0, room)
+
+    def next_window_s(self, now: float) -> float | None:
+        """When the rate window next frees a call, if the rate is what blocks."""
+        self._expire(now)
+        if self.per_period is not None and len(self.starts) >= self.per_period:
+            return self.starts[0] + self.period_s
+        return None
+
+    def acquire(self, now: float, n: int) -> None:
+        if n > self.free(now):
+            raise ValueError(f"quota {self.name}: {n} units requested, {self.free(now)} free")
+        self.in_use += n
+        if self.per_period is not None:
+            self.starts.extend([now] * n)
+
+    def release(self, n: int) -> None:
+        if n > self.in_use:
+            raise ValueError(f"quota {self.name}: releasing {n} units, {self.in_use} in use")
+        self.in_use -= n

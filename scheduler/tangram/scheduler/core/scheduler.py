@@ -1,0 +1,558 @@
+"""The scheduler: unified action queue, elastic rounds, resource bookkeeping.
+
+``Scheduler`` is synchronous and deterministic: every method takes the time as
+an argument and returns plain data. The service (HTTP), the node agent and the
+simulator all drive this one object.
+
+A round (``schedule``) follows Algorithm 1 of seed 000:
+
+1. Candidates: walk the queue in policy order and take every action that fits
+   at its minimum units, respecting topology (free cores of the trajectory's
+   node, buddy GPU chunks, quota windows). An action that does not fit blocks
+   every resource it needs for the rest of the round, so nothing behind it on
+   those resources overtakes it (FCFS per resource, hence no starvation), while
+   actions on unrelated resources — another node, an API quota — still proceed.
+2. Split candidates by key resource (the cores of one node, the GPU pool).
+3. Groups with no elastic candidate run at minimum units; the others go through
+   greedy eviction (``elastic.greedy_evict``) with the ACT approximation.
+4. Allocate exact cores (NUMA-aware), GPU chunks (buddy, residency-aware) and
+   quota units, and return the assignments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tangram.api.action import ActionKind, ActionSpec
+from tangram.api.cluster import ClusterSpec
+from tangram.api.demand import allowed_units
+from tangram.scheduler.core.cpu_pool import CpuPool
+from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
+from tangram.scheduler.core.elastic import EvictionStep, greedy_evict
+from tangram.scheduler.core.gpu_pool import Chunk, GpuPool
+from tangram.scheduler.core.objective import Pending
+from tangram.scheduler.core.ordering import LengthModel, OrderedQueue
+from tangram.scheduler.core.profiles import Profile, ProfileBook
+from tangram.scheduler.core.quota_pool import Quota
+
+Ordering = Literal["fcfs", "trajectory-priority"]
+GPU = "gpu"
+PLACE = "place"
+
+
+class SchedulingError(ValueError):
+    """A request the scheduler cannot accept; ``field`` names the offending input."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    ordering: Ordering = "fcfs"
+    depth: int = 2
+    max_candidates: int | None = None  # per round; None = the whole fitting prefix
+    elastic: bool = True
+    fixed_dop: int | None = None  # baseline: elastic actions always get this many units
+    ageing_factor: float = 4.0  # trajectory-priority: overdue after this x expected duration
+    min_age_s: float = 1.0
+    horizon: int | None = None  # queued actions per resource the estimate looks at
+    learn: bool = True
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise SchedulingError("depth", "must be at least 1")
+        if self.max_candidates is not None and self.max_candidates < 1:
+            raise SchedulingError("max_candidates", "must be at least 1")
+        if self.fixed_dop is not None and self.fixed_dop < 1:
+            raise SchedulingError("fixed_dop", "must be at least 1")
+        if self.ordering not in ("fcfs", "trajectory-priority"):
+            raise SchedulingError("ordering", f"unknown policy {self.ordering!r}")
+
+
+@dataclass(slots=True)
+class Trajectory:
+    id: str
+    memory_gb: float
+    hint_steps: int | None = None
+    steps_done: int = 0
+    busy_s: float = 0.0
+    active: int = 0  # queued + running actions
+
+
+@dataclass(slots=True)
+class Action:
+    id: str
+    trajectory: str
+    kind: ActionKind
+    type: str
+    seq: int
+    submitted_at: float
+    cpu: tuple[int, ...]
+    gpu: tuple[int, ...]
+    service: str | None
+    quotas: tuple[tuple[str, int], ...]
+    profile: Profile | None
+    elastic_capable: bool
+    probe: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    action_id: str
+    trajectory: str
+    node: str | None
+    cores: tuple[int, ...] = ()
+    chunk: Chunk | None = None
+    restore: bool = False  # the service instance must be restored into the chunk
+    evicted: tuple[str, ...] = ()  # "service@node:start+size" instances evicted for it
+    quotas: tuple[tuple[str, int], ...] = ()
+    units: int = 1  # units of the key resource (DoP)
+    expected_s: float = 0.0
+    started_at: float = 0.0
+    queued_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDecision:
+    """How one key resource's candidates were arranged (for ``tangram explain``)."""
+
+    resource: str
+    candidates: tuple[str, ...]
+    elastic: bool
+    kept: int
+    steps: tuple[EvictionStep, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    assignments: tuple[Assignment, ...]
+    wake_at: float | None  # earliest time a rate window frees a blocked action
+    groups: tuple[GroupDecision, ...] = ()
+    blocked: tuple[tuple[str, str], ...] = ()  # (action id, resource it waits for)
+
+
+@dataclass(slots=True)
+class _Running:
+    assignment: Assignment
+    action: Action
+    expected_end: float
+    resource: str
+
+
+@dataclass(slots=True)
+class _Provisional:
+    cpu_free: dict[str, int]
+    chunks: ChunkState
+    quota_free: dict[str, int]
+
+
+@dataclass(slots=True)
+class _Candidate:
+    action: Action
+    resource: str
+    node: str | None
+    durations: dict[int, float]
+
+
+class Scheduler:
+    def __init__(self, cluster: ClusterSpec, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.cluster = cluster
+        self.cpu = CpuPool.build((n.name, n.cpus, n.numa_nodes, n.memory_gb) for n in cluster.nodes)
+        self.gpu = GpuPool.build(
+            ((n.name, n.gpus, n.gpu_memory_gb) for n in cluster.nodes),
+            {s.name: s.gpu_memory_gb for s in cluster.services},
+        )
+        self.services = {s.name: s for s in cluster.services}
+        self.quotas = {
+            a.name: Quota(a.name, a.concurrency, a.calls_per_period(), a.period_s) for a in cluster.apis
+        }
+        self.book = ProfileBook()
+        self.lengths = LengthModel()
+        self.trajectories: dict[str, Trajectory] = {}
+        self.actions: dict[str, Action] = {}
+        self.queue = OrderedQueue()
+        self.running: dict[str, _Running] = {}
+        self._seq = 0
+
+    # ---- trajectories -------------------------------------------------------------
+    def open_trajectory(self, tid: str, memory_gb: float = 0.0, hint_steps: int | None = None) -> None:
+        if tid in self.trajectories:
+            raise SchedulingError("trajectory", f"{tid} is already open")
+        if memory_gb < 0:
+            raise SchedulingError("memory_gb", "must be >= 0")
+        if self.cpu.nodes and all(memory_gb > n.memory_gb for n in self.cpu.nodes.values()):
+            raise SchedulingError("memory_gb", f"{memory_gb} GB exceeds every node's memory")
+        self.trajectories[tid] = Trajectory(tid, memory_gb, hint_steps)
+
+    def close_trajectory(self, tid: str, finished: bool = True) -> list[str]:
+        """Close a trajectory; its queued actions are dropped and returned. Running ones must end first."""
+        traj = self._traj(tid)
+        if any(r.action.trajectory == tid for r in self.running.values()):
+            raise SchedulingError("trajectory", f"{tid} still has running actions")
+        dropped = [a.id for a in self.actions.values() if a.trajectory == tid]
+        for aid in dropped:
+            self._dequeue(aid)
+        self.cpu.unplace(tid)
+        if finished:
+            self.lengths.finished(traj.steps_done)
+        del self.trajectories[tid]
+        return dropped
+
+    def set_hint(self, tid: str, remaining_steps: int | None) -> None:
+        self._traj(tid).hint_steps = remaining_steps
+
+    # ---- actions -----------------------------------------------------------------
+    def submit(self, action_id: str, trajectory: str, spec: ActionSpec, now: float) -> Action:
+        traj = self._traj(trajectory)
+        if action_id in self.actions or action_id in self.running:
+            raise SchedulingError("id", f"action {action_id} already exists")
+        action = self._resolve(action_id, trajectory, spec, now)
+        self.actions[action_id] = action
+        traj.active += 1
+        self.queue.push(action_id, self._order_key(action, traj), action.seq, self._deadline(action, now))
+        return action
+
+    def cancel(self, action_id: str) -> bool:
+        """Remove a queued action; False when it is not queued (running ones end via ``complete``)."""
+        if action_id not in self.queue:
+            return False
+        self._dequeue(action_id)
+        return True
+
+    def complete(self, action_id: str, now: float, *, ok: bool = True) -> Assignment:
+        """A running action ended: release its units; learn from it when it succeeded."""
+        run = self.running.pop(action_id, None)
+        if run is None:
+            raise SchedulingError("id", f"action {action_id} is not running")
+        a, asg = run.action, run.assignment
+        if asg.cores:
+            assert asg.node is not None
+            self.cpu.give_back(asg.node, asg.cores)
+        if asg.chunk is not None:
+            assert a.service is not None
+            self.gpu.release(a.service, asg.chunk)
+        for q, n in asg.quotas:
+            self.quotas[q].release(n)
+        traj = self.trajectories.get(a.trajectory)
+        if traj is not None:
+            traj.active -= 1
+            if ok:
+                took = max(0.0, now - asg.started_at)
+                traj.steps_done += 1
+                traj.busy_s += took
+                if self.config.learn and a.profile is None:
+                    self.book.observe(a.type, asg.units, took)
+        return asg
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue)
+
+    # ---- the round ---------------------------------------------------------------
+    def schedule(self, now: float) -> Round:
+        cands, rest, blocked = self._candidates(now)
+        groups: dict[str, list[_Candidate]] = {}
+        for c in cands:
+            groups.setdefault(c.resource, []).append(c)
+        decisions: list[GroupDecision] = []
+        chosen: dict[str, int] = {}
+        for resource, group in groups.items():
+            units, decision = self._arrange(resource, group, rest.get(resource, []), now)
+            decisions.append(decision)
+            for c, k in zip(group, units, strict=False):
+                chosen[c.action.id] = k
+        assignments = [self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen]
+        wake = [
+            t for q in self.quotas.values() if (t := q.next_window_s(now)) is not None
+        ]
+        return Round(tuple(assignments), min(wake) if wake and self.queue else None,
+                     tuple(decisions), tuple(blocked))
+
+    # ---- internals ---------------------------------------------------------------
+    def _traj(self, tid: str) -> Trajectory:
+        try:
+            return self.trajectories[tid]
+        except KeyError:
+            raise SchedulingError("trajectory", f"{tid} is not open") from None
+
+    def _resolve(self, action_id: str, trajectory: str, spec: ActionSpec, now: float) -> Action:
+        cpu: tuple[int, ...] = ()
+        gpu: tuple[int, ...] = ()
+        profile = Profile(spec.t1_s, spec.efficiency) if spec.t1_s is not None else None
+        quotas = dict(spec.quotas)
+        for q in quotas:
+            if q not in self.quotas:
+                raise SchedulingError("quotas", f"unknown API quota {q!r}")
+        if spec.kind is ActionKind.EXEC:
+            if not self.cpu.nodes:
+                raise SchedulingError("kind", "this pool has no CPU nodes for exec actions")
+            cpu = allowed_units(spec.cpu) if spec.cpu is not None else (1,)
+            biggest = max(n.cores for n in self.cpu.nodes.values())
+            if cpu[0] > biggest:
+                raise SchedulingError("cpu", f"minimum {cpu[0]} cores exceeds the largest node ({biggest})")
+            cpu = tuple(k for k in cpu if k <= biggest)
+        elif spec.kind is ActionKind.SERVICE:
+            assert spec.service is not None
+            svc = self.services.get(spec.service)
+            if svc is None:
+                raise SchedulingError("service", f"unknown RewardService {spec.service!r}")
+            wanted = allowed_units(spec.gpu) if spec.gpu is not None else tuple(svc.dop_choices)
+            gpu = tuple(k for k in wanted if k in svc.dop_choices and self.gpu.fits(svc.name, k))
+            if not gpu:
+                raise SchedulingError(
+                    "gpu", f"no DoP in {list(wanted)} fits service {svc.name} on this pool's GPUs"
+                )
+            if profile is None and svc.efficiency is not None and spec.t1_s is None:
+                profile = None  # a service profile needs t1 from the request or learning
+            elif profile is not None and profile.efficiency is None and svc.efficiency is not None:
+                profile = Profile(profile.t1_s, svc.efficiency)
+        else:
+            assert spec.api is not None
+            if spec.api not in self.quotas:
+                raise SchedulingError("api", f"unknown API quota {spec.api!r}")
+            quotas[spec.api] = quotas.get(spec.api, 0) + 1
+        for q, n in quotas.items():
+            quota = self.quotas[q]
+            limit = min(x for x in (quota.concurrency, quota.per_period, 1 << 30) if x is not None)
+            if n > limit:
+                raise SchedulingError("quotas", f"{n} units of {q} exceed its limit of {limit}")
+        units = cpu or gpu
+        elastic_capable = len(units) > 1
+        self._seq += 1
+        action = Action(
+            action_id, trajectory, spec.kind, spec.action_type(), self._seq, now, cpu, gpu,
+            spec.service, tuple(sorted(quotas.items())), profile, elastic_capable,
+        )
+        if (
+            elastic_capable
+            and self.config.learn
+            and self.config.elastic
+            and self.config.fixed_dop is None
+            and (profile is None or profile.efficiency is None)
+            and self.book.learned(action.type) is None
+        ):
+            action.probe = self.book.should_probe(action.type)
+        return action
+
+    def _order_key(self, a: Action, traj: Trajectory) -> tuple[float, ...]:
+        if self.config.ordering == "fcfs":
+            return (float(a.seq),)
+        remaining = (
+            float(traj.hint_steps) if traj.hint_steps is not None
+            else self.lengths.expected_remaining(traj.steps_done)
+        )
+        per_step = traj.busy_s / traj.steps_done if traj.steps_done else self._expected(a)
+        return (-(remaining * per_step + self._expected(a)), float(a.seq))
+
+    def _deadline(self, a: Action, now: float) -> float | None:
+        if self.config.ordering == "fcfs":
+            return None
+        return now + max(self.config.min_age_s, self.config.ageing_factor * self._expected(a))
+
+    def _expected(self, a: Action) -> float:
+        units, durations = self._choices(a)
+        return durations[units[0]]
+
+    def _dequeue(self, action_id: str) -> None:
+        self.queue.remove(action_id)
+        a = self.actions.pop(action_id)
+        traj = self.trajectories.get(a.trajectory)
+        if traj is not None:
+            traj.active -= 1
+
+    def _choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float]]:
+        """Allowed key units for this round and their expected durations (no restore cost)."""
+        units = a.cpu or a.gpu or (1,)
+        profile = a.profile
+        learned = None
+        if profile is None or profile.efficiency is None:
+            learned = self.book.learned(a.type) if a.elastic_capable else None
+        elastic_profile = profile if profile is not None and profile.efficiency is not None else learned
+        cfg = self.config
+        if len(units) > 1:
+            if cfg.fixed_dop is not None:
+                fitting = [k for k in units if k <= cfg.fixed_dop]
+                units = (fitting[-1] if fitting else units[0],)
+            elif not cfg.elastic or elastic_profile is None:
+                probe = [k for k in units if k >= 2 * units[0]]
+                units = (probe[0],) if a.probe and probe else (units[0],)
+        if elastic_profile is not None:
+            return units, {k: elastic_profile.duration(k) for k in units}
+        base = profile.t1_s if profile is not None else self.book.mean_duration(a.type)
+        return units, dict.fromkeys(units, base)
+
+    def _candidates(
+        self, now: float
+    ) -> tuple[list[_Candidate], dict[str, list[Pending]], list[tuple[str, str]]]:
+        prov = _Provisional(
+            {n: node.free_cores for n, node in self.cpu.nodes.items()},
+            self.gpu.chunk_counts(),
+            {q: quota.free(now) for q, quota in self.quotas.items()},
+        )
+        all_resources = {f"cpu:{n}" for n in self.cpu.nodes} | {f"api:{q}" for q in self.quotas}
+        if self.gpu.nodes:
+            all_resources.add(GPU)
+        if self.cpu.nodes:
+            all_resources.add(PLACE)
+        blocked: set[str] = set()
+        cands: list[_Candidate] = []
+        rest: dict[str, list[Pending]] = {}
+        waits: list[tuple[str, str]] = []
+        horizon = self.config.horizon
+        limit = self.config.max_candidates
+        elastic_resources: set[str] = set()  # whose remaining queue the estimate needs
+        for aid in self.queue.order(now):
+            a = self.actions[aid]
+            units, durations = self._choices(a)
+            node = self.cpu.placement.get(a.trajectory) if a.cpu else None
+            needs = self._needs(a, node)
+            if blocked.isdisjoint(needs):
+                fit = self._fit(a, units[0], node, prov)
+                if isinstance(fit, str):
+                    node = fit if a.cpu else None
+                    if node is not None and a.trajectory not in self.cpu.placement:
+                        self.cpu.place(a.trajectory, node, self.trajectories[a.trajectory].memory_gb)
+                    resource = f"cpu:{node}" if a.cpu else (GPU if a.gpu else f"api:{a.quotas[0][0]}")
+                    cands.append(_Candidate(a, resource, node, durations))
+                    if len(durations) > 1:
+                        elastic_resources.add(resource)
+                    if limit is not None and len(cands) >= limit:
+                        blocked |= all_resources
+                    continue
+                blocked.update(fit)
+                waits.append((aid, ",".join(sorted(fit))))
+            else:
+                blocked.update(needs)
+            key = needs[0]
+            if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
+                rest.setdefault(key, []).append(Pending(units, tuple(durations[k] for k in units)))
+            if blocked >= all_resources and (
+                not elastic_resources
+                or (horizon is not None and all(len(rest.get(r, ())) >= horizon for r in elastic_resources))
+            ):
+                break
+        return cands, rest, waits
+
+    def _needs(self, a: Action, node: str | None) -> list[str]:
+        """Resources an action competes on; the first is its key resource."""
+        needs: list[str] = []
+        if a.cpu:
+            if node is not None:
+                needs.append(f"cpu:{node}")
+            else:
+                needs.append(PLACE)
+        if a.gpu:
+            needs.append(GPU)
+        needs.extend(f"api:{q}" for q, _ in a.quotas)
+        return needs
+
+    def _fit(self, a: Action, k: int, node: str | None, prov: _Provisional) -> str | set[str]:
+        """Provisionally take minimum units; returns the node (or "") or the set of blocking resources."""
+        short: set[str] = set()
+        for q, n in a.quotas:
+            if prov.quota_free[q] < n:
+                short.add(f"api:{q}")
+        chunks = prov.chunks
+        if a.gpu:
+            nxt = take_chunk(chunks, k)
+            if nxt is None:
+                short.add(GPU)
+            else:
+                chunks = nxt
+        if a.cpu:
+            if node is None:
+                mem = self.trajectories[a.trajectory].memory_gb
+                node = self.cpu.choose_node(mem, k, prov.cpu_free)
+                if node is None:
+                    short.add(PLACE)
+                    short.update(f"cpu:{n}" for n in self.cpu.memory_fits_somewhere(mem))
+            elif prov.cpu_free[node] < k:
+                short.add(f"cpu:{node}")
+        if short:
+            return short
+        for q, n in a.quotas:
+            prov.quota_free[q] -= n
+        prov.chunks = chunks
+        if a.cpu:
+            assert node is not None
+            prov.cpu_free[node] -= k
+            return node
+        return ""
+
+    def _arrange(
+        self, resource: str, group: list[_Candidate], rest: list[Pending], now: float
+    ) -> tuple[list[int], GroupDecision]:
+        ids = tuple(c.action.id for c in group)
+        durations = [self._with_restore(c) for c in group]
+        if all(len(d) == 1 for d in durations):
+            units = [next(iter(d)) for d in durations]
+            return units, GroupDecision(resource, ids, False, len(group), ())
+        running = [
+            (max(0.0, r.expected_end - now), _size(r.assignment))
+            for r in self.running.values()
+            if r.resource == resource
+        ]
+        if resource == GPU:
+            arrangement = greedy_evict(
+                durations, rest, running, self.config.depth, chunks=self.gpu.chunk_counts()
+            )
+        else:
+            node = resource.removeprefix("cpu:")
+            arrangement = greedy_evict(
+                durations, rest, running, self.config.depth,
+                capacity=self.cpu.nodes[node].free_cores,
+            )
+        return list(arrangement.units), GroupDecision(
+            resource, ids, True, arrangement.kept, arrangement.steps
+        )
+
+    def _with_restore(self, c: _Candidate) -> Mapping[int, float]:
+        a = c.action
+        if not a.gpu or a.service is None:
+            return c.durations
+        svc = self.services[a.service]
+        return {
+            k: d + (0.0 if self.gpu.is_resident_free(a.service, k) else svc.restore_s / chunk_level(k))
+            for k, d in c.durations.items()
+        }
+
+    def _start(self, c: _Candidate, k: int, now: float) -> Assignment:
+        a = c.action
+        self.queue.remove(a.id)
+        del self.actions[a.id]
+        cores: tuple[int, ...] = ()
+        chunk = None
+        restore = False
+        evicted: tuple[str, ...] = ()
+        expected = c.durations.get(k, 0.0)
+        if a.cpu:
+            assert c.node is not None
+            cores = self.cpu.take(c.node, k)
+        if a.gpu:
+            assert a.service is not None
+            grant = self.gpu.allocate(a.service, k)
+            chunk, restore = grant.chunk, not grant.resident
+            evicted = tuple(
+                f"{i.service}@{i.chunk.node}:{i.chunk.start}+{i.chunk.size}" for i in grant.evicted
+            )
+            if restore:
+                expected += self.services[a.service].restore_s / chunk.size
+        for q, n in a.quotas:
+            self.quotas[q].acquire(now, n)
+        asg = Assignment(
+            a.id, a.trajectory, c.node or (chunk.node if chunk else None), cores, chunk, restore,
+            evicted, a.quotas, k, expected, now, now - a.submitted_at,
+        )
+        self.running[a.id] = _Running(asg, a, now + expected, c.resource)
+        return asg
+
+
+def _size(asg: Assignment) -> int:
+    if asg.chunk is not None:
+        return asg.chunk.size
+    return len(asg.cores) or asg.units

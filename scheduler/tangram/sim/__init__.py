@@ -1,0 +1,1 @@
+"""Discrete-event replay of traces through the real scheduler core, plus the paper's baselines."""
