@@ -45,7 +45,9 @@ class ActionSpec(BaseModel):
         Field(description="action type for learned profiles; defaults to kind plus target"),
     ] = None
     cpu: Annotated[Demand | None, Field(description="cores, exec actions")] = None
-    memory_gb: Annotated[float | None, Field(ge=0, description="memory beyond the trajectory's")] = None
+    memory_gb: Annotated[
+        float | None, Field(ge=0, description="memory beyond the trajectory's")
+    ] = None
     gpu: Annotated[Demand | None, Field(description="GPUs (DoP), service actions")] = None
     gpu_memory_gb: Annotated[float | None, Field(ge=0)] = None
     service: Annotated[str | None, Field(description="RewardService name, service actions")] = None
@@ -72,7 +74,9 @@ class ActionSpec(BaseModel):
             raise ValueError("gpu: only service actions take GPUs")
         for name, units in {**({self.api: 1} if self.api else {}), **self.quotas}.items():
             if not _API_NAME.match(name):
-                raise ValueError(f"api: quota name {name!r} must be lower-case letters, digits, -_.")
+                raise ValueError(
+                    f"api: quota name {name!r} must be lower-case letters, digits, -_."
+                )
             if units < 1:
                 raise ValueError(f"quotas.{name}: must be at least 1")
         for field in ("cpu", "gpu"):
@@ -80,25 +84,27 @@ class ActionSpec(BaseModel):
             if demand is not None and min(allowed_units(demand)) < 1:
                 raise ValueError(f"{field}: an action needs at least one unit")
         key = self.elastic_key()
-        if self.key is not None and key != self.key:
+        if self.key is not None and self.key not in self._variable_resources():
             raise ValueError(f"key: {self.key} is not a resource this action demands elastically")
         if self.efficiency is not None and key is None:
             raise ValueError("efficiency: given, but no resource has a range or choices of units")
         return self
 
-    def elastic_key(self) -> ElasticKey | None:
-        """The key elastic resource: the explicit ``key``, else the one demand with several counts."""
-        if self.key is not None:
-            return self.key
+    def _variable_resources(self) -> list[ElasticKey]:
         elastic: list[ElasticKey] = []
         if _is_variable(self.cpu):
             elastic.append("cpu")
-        if _is_variable(self.gpu):
-            elastic.append("gpu")
+        if _is_variable(self.gpu) or (self.kind is ActionKind.SERVICE and self.gpu is None):
+            elastic.append("gpu")  # without a gpu field the DoP choices come from the service
+        return elastic
+
+    def elastic_key(self) -> ElasticKey | None:
+        """The key elastic resource: ``key`` if given, else the one demand with several counts."""
+        if self.key is not None:
+            return self.key
+        elastic = self._variable_resources()
         if len(elastic) > 1:
             raise ValueError("key: several resources are elastic; name the key one")
-        if not elastic and self.kind is ActionKind.SERVICE and self.gpu is None:
-            return "gpu"  # DoP choices come from the RewardService
         return elastic[0] if elastic else None
 
     def action_type(self) -> str:

@@ -26,7 +26,9 @@ class NodeSpec(_Strict):
     @model_validator(mode="after")
     def _numa_divides(self) -> Self:
         if self.cpus and self.cpus % self.numa_nodes:
-            raise ValueError(f"cpus ({self.cpus}) must split evenly over numa_nodes ({self.numa_nodes})")
+            raise ValueError(
+                f"cpus ({self.cpus}) must split evenly over numa_nodes ({self.numa_nodes})"
+            )
         if self.gpus and self.gpus not in _POW2:
             raise ValueError(f"gpus ({self.gpus}) must be 1, 2, 4 or 8 for buddy chunks")
         return self
@@ -37,11 +39,20 @@ class ServiceSpec(_Strict):
 
     name: Annotated[str, Field(min_length=1)]
     gpu_memory_gb: Annotated[float, Field(gt=0, description="total weights + working memory")]
-    dop_choices: Annotated[list[int], Field(min_length=1)] = Field(default_factory=lambda: [1, 2, 4, 8])
+    dop_choices: Annotated[list[int], Field(min_length=1)] = Field(
+        default_factory=lambda: [1, 2, 4, 8]
+    )
     restore_s: Annotated[
-        float, Field(ge=0, description="time to restore the whole model from host memory")
+        float, Field(ge=0, description="host-to-GPU copy time of the whole model on one GPU")
+    ] = 0.0
+    restore_fixed_s: Annotated[
+        float, Field(ge=0, description="per-restore set-up time, whatever the DoP")
     ] = 0.0
     efficiency: Efficiency | None = None
+
+    def restore_cost(self, gpus: int) -> float:
+        """Seconds to restore a DoP-``gpus`` instance: the k GPUs copy their shards in parallel."""
+        return self.restore_fixed_s + self.restore_s / gpus
 
     @field_validator("dop_choices")
     @classmethod

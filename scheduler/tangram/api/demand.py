@@ -7,6 +7,7 @@ t1 into duration(m) = t1 / (E(m) * m).
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Self
 
 from pydantic import (
@@ -114,7 +115,7 @@ class TableEfficiency(_Strict):
         if m >= keys[-1]:
             # Beyond the measured range the speed-up stays flat, so efficiency falls as 1/m.
             return self.table[keys[-1]] * keys[-1] / m
-        for lo, hi in zip(keys, keys[1:], strict=False):
+        for lo, hi in itertools.pairwise(keys):
             if lo < m < hi:
                 w = (m - lo) / (hi - lo)
                 return self.table[lo] * (1 - w) + self.table[hi] * w
@@ -134,7 +135,7 @@ Efficiency = Annotated[
 
 
 def duration(t1_s: float, efficiency: Efficiency | None, m: int) -> float:
-    """Eq. 1 of seed 000: duration(m) = t1 / (E(m) * m); without a profile the action is not elastic."""
+    """Eq. 1 of seed 000: duration(m) = t1 / (E(m)·m); no efficiency curve means not elastic."""
     if m <= 0:
         raise ValueError(f"unit count must be positive, got {m}")
     if efficiency is None:

@@ -22,10 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from tangram.cli.files import InputError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         code: int = args.run(args)
+    except InputError as e:
+        print(f"tangram: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return code

@@ -1,4 +1,4 @@
-"""ARL-Tangram's scheduler: the pure core (``tangram.scheduler.core``) and its public entry points."""
+"""ARL-Tangram's scheduler: the pure core (``tangram.scheduler.core``) and its entry points."""
 
 from tangram.scheduler.core.dp import dp_arrange, dp_arrange_chunks
 from tangram.scheduler.core.scheduler import (

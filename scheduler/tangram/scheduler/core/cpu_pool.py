@@ -48,9 +48,7 @@ class CpuPool:
             pool.nodes[name] = CpuNode(name, numa, cores, memory_gb)
         return pool
 
-    def choose_node(
-        self, memory_gb: float, min_cores: int, free: Mapping[str, int]
-    ) -> str | None:
+    def choose_node(self, memory_gb: float, min_cores: int, free: Mapping[str, int]) -> str | None:
         """A node for a new trajectory: enough free cores now and memory for its whole life.
 
         ``free`` overrides the free-core counts (the round's provisional view). Among
@@ -74,7 +72,9 @@ class CpuPool:
 
     def place(self, trajectory: str, node: str, memory_gb: float) -> None:
         if trajectory in self.placement:
-            raise ValueError(f"trajectory {trajectory} is already placed on {self.placement[trajectory]}")
+            raise ValueError(
+                f"trajectory {trajectory} is already placed on {self.placement[trajectory]}"
+            )
         self.nodes[node].memory_used_gb += memory_gb
         self.placement[trajectory] = node
         self.reserved_gb[trajectory] = memory_gb

@@ -19,6 +19,7 @@ last candidate) reads every prefix from the same table instead of re-solving.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,14 +32,22 @@ ChunkState = tuple[int, int, int, int]  # free chunks of size 1, 2, 4, 8
 
 
 def _check(durations: Sequence[Durations]) -> None:
+    """Every candidate allows some count >= 1, each with a finite duration >= 0.
+
+    Infinite durations are rejected too: the basic operator uses ``inf`` for "no
+    allocation", so it would report such a candidate as infeasible while the chunk
+    operator returned an infinite total; both now refuse it up front.
+    """
     for i, d in enumerate(durations):
         if not d:
             raise ValueError(f"candidate {i} allows no unit count")
         for k, t in d.items():
             if k < 1:
                 raise ValueError(f"candidate {i}: unit count {k} must be >= 1")
-            if not t >= 0:  # also rejects NaN
-                raise ValueError(f"candidate {i}: duration {t} at {k} units must be >= 0")
+            if not 0 <= t < math.inf:  # also rejects NaN
+                raise ValueError(
+                    f"candidate {i}: duration {t} at {k} units must be finite and >= 0"
+                )
 
 
 class BasicTable:
@@ -60,15 +69,17 @@ class BasicTable:
         for d in durations:
             ks = np.array([k for k in sorted(d) if k <= capacity], dtype=np.int64)
             if ks.size == 0:
-                row = np.full(width, inf)
-                self._rows.append(row)
+                self._rows.append(np.full(width, inf))
                 self._choice.append(np.zeros(width, dtype=np.int64))
                 continue
             ts = np.array([d[int(k)] for k in ks])
-            src = cols[None, :] - ks[:, None]  # (K, width): state before taking k units
-            vals = np.where(src >= 0, self._rows[-1][np.clip(src, 0, None)] + ts[:, None], inf)
-            pick = np.argmin(vals, axis=0)  # ties -> fewest units (choices are ascending)
-            row = vals[pick, cols]
+            # windows[j, k] = previous row at state j - k (inf below zero), without a gather.
+            kmax = int(ks[-1])
+            padded = np.concatenate((np.full(kmax, inf), self._rows[-1]))
+            windows = np.lib.stride_tricks.sliding_window_view(padded, kmax + 1)[:, ::-1]
+            vals = windows[:, ks] + ts  # (width, K)
+            pick = np.argmin(vals, axis=1)  # ties -> fewest units (choices are ascending)
+            row = vals[cols, pick]
             self._rows.append(row)
             self._choice.append(np.where(np.isfinite(row), ks[pick], 0))
 
@@ -95,7 +106,8 @@ def dp_arrange(durations: Sequence[Durations], capacity: int) -> tuple[float, li
 
     ``durations[i]`` maps each allowed unit count of candidate ``i`` to its duration.
     Returns ``(total_duration, [units_i, ...])``; raises ``ValueError`` when the
-    candidates cannot all get one of their allowed counts.
+    candidates cannot all get one of their allowed counts, or when a duration is
+    negative, NaN or infinite.
     """
     return BasicTable(durations, capacity).best(len(durations))
 
@@ -163,7 +175,8 @@ class ChunkTable:
         layer = self._layers[p]
         if not layer:
             raise ValueError(
-                f"infeasible: the first {p} candidates cannot all get a GPU chunk from {self.chunks}"
+                f"infeasible: the first {p} candidates cannot all get a GPU chunk "
+                f"from {self.chunks}"
             )
         # Deterministic tie-break: lowest total, then the state with the most free capacity left.
         state = min(layer, key=lambda s: (layer[s].total, -_gpus(s), s))
@@ -183,5 +196,5 @@ def _gpus(state: ChunkState) -> int:
 def dp_arrange_chunks(
     durations: Sequence[Durations], chunks: ChunkState
 ) -> tuple[float, list[int]]:
-    """The GPU variant of ``dp_arrange``: capacity is given as free chunk counts (N1, N2, N4, N8)."""
+    """The GPU variant of ``dp_arrange``: capacity is free chunk counts (N1, N2, N4, N8)."""
     return ChunkTable(durations, chunks).best(len(durations))

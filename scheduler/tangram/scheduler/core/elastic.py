@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tangram.scheduler.core.dp import BasicTable, ChunkTable, ChunkState, Durations, chunk_level
+from tangram.scheduler.core.dp import BasicTable, ChunkState, ChunkTable, Durations, chunk_level
 from tangram.scheduler.core.objective import Pending, estimate, unit_slots
 
 
@@ -48,6 +48,7 @@ def greedy_evict(
     *,
     capacity: int | None = None,
     chunks: ChunkState | None = None,
+    doubling: bool = False,
 ) -> Arrangement:
     """Choose how many candidates run now and their units.
 
@@ -80,7 +81,7 @@ def greedy_evict(
         slots = unit_slots(free - used, releases)
         waiting = [_pending(d) for d in candidates[p:]]
         waiting.extend(rest)
-        return EvictionStep(p, tuple(units), exact, estimate(slots, waiting, depth))
+        return EvictionStep(p, tuple(units), exact, estimate(slots, waiting, depth, doubling))
 
     n = len(candidates)
     if n == 0:
@@ -88,7 +89,10 @@ def greedy_evict(
     best = evaluate(n)
     steps = [best]
     p = n
-    while p > 1:
+    # As in Algorithm 1 (t runs to |C_j|), evicting every candidate is allowed: waiting
+    # for more units can beat starting now at the minimum. It never deadlocks: with no
+    # release pending, waiting cannot improve on the DP's allocation of the free units.
+    while p > 0:
         step = evaluate(p - 1)
         steps.append(step)
         if step.objective >= best.objective:

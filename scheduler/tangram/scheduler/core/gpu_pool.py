@@ -63,9 +63,7 @@ class GpuPool:
     busy: set[Instance] = field(default_factory=set)
 
     @classmethod
-    def build(
-        cls, nodes: Iterable[tuple[str, int, float]], services: dict[str, float]
-    ) -> GpuPool:
+    def build(cls, nodes: Iterable[tuple[str, int, float]], services: dict[str, float]) -> GpuPool:
         """From ``(name, gpus, memory_gb_per_gpu)`` and service -> GPU memory footprint."""
         pool = cls(memory_gb=dict(services))
         for name, gpus, mem in nodes:
@@ -90,9 +88,13 @@ class GpuPool:
         """An idle resident instance of (service, k) sits in a chunk that is free now."""
         size = chunk_level(k)
         for inst in self.resident:
-            if inst.service == service and inst.chunk.size == size and inst not in self.busy:
-                if self._chunk_is_free(inst.chunk):
-                    return True
+            if (
+                inst.service == service
+                and inst.chunk.size == size
+                and inst not in self.busy
+                and self._chunk_is_free(inst.chunk)
+            ):
+                return True
         return False
 
     def _chunk_is_free(self, chunk: Chunk) -> bool:
@@ -158,25 +160,43 @@ class GpuPool:
         del self.resident[inst]
 
     def _choose(self, service: str, size: int) -> Chunk | None:
-        """Smallest free level >= size; within it prefer a sub-chunk holding the instance."""
+        """Smallest free level >= size; within it, the aligned position that evicts least.
+
+        A position already holding the requested instance wins (seed 000 §5.3); after
+        that, the one whose GPUs need the least resident memory evicted (our addition:
+        otherwise a free, empty GPU could be passed over for one holding a warm model).
+        """
+        need = self.memory_gb[service] / size
+        recency = {inst: i for i, inst in enumerate(self.resident)}  # 0 = least recently used
         for level in (s for s in CHUNK_SIZES if s >= size):
-            options = [
-                (node.name, start)
-                for node in self.nodes.values()
-                for start in node.free[level]
-            ]
-            if not options:
-                continue
-            options.sort()
-            for inst in reversed(self.resident):  # most recently used first
-                c = inst.chunk
-                if inst.service != service or c.size != size or inst in self.busy:
-                    continue
-                for name, start in options:
-                    if c.node == name and start <= c.start < start + level:
-                        return c
-            name, start = options[0]
-            return Chunk(name, start, size)
+            best: tuple[tuple[int, float, int, str, int], Chunk] | None = None
+            for node in self.nodes.values():
+                for start in node.free[level]:
+                    for sub in range(start, start + level, size):
+                        chunk = Chunk(node.name, sub, size)
+                        hit = Instance(service, chunk) in self.resident
+                        excess = sum(
+                            max(0.0, node.used_gb[g] + need - node.memory_gb) for g in chunk.gpus
+                        )
+                        # Among equal evictions, disturb the least recently used instances (LRU).
+                        newest = (
+                            max(
+                                (
+                                    r
+                                    for inst, r in recency.items()
+                                    if inst.chunk.node == node.name
+                                    and not set(inst.chunk.gpus).isdisjoint(chunk.gpus)
+                                ),
+                                default=-1,
+                            )
+                            if excess > 0
+                            else -1
+                        )
+                        key = (0 if hit else 1, excess, newest, node.name, sub)
+                        if best is None or key < best[0]:
+                            best = (key, chunk)
+            if best is not None:
+                return best[1]
         return None
 
     def _carve(self, node: GpuNode, target: Chunk) -> None:

@@ -53,16 +53,50 @@ def _run(slots: list[float], units: int, dur: float) -> float:
     return end
 
 
-def estimate(slots: Sequence[float], rest: Sequence[Pending], depth: int) -> float:
+def head_choices(n: int, depth: int, doubling: bool) -> list[int]:
+    """Indices into the head's ``n`` allowed counts that the estimate tries.
+
+    The paper's rule tries the first ``depth`` counts. ``doubling`` (our option)
+    tries indices 0, 1, 3, 7, ... and the last, so a waiting action can foresee
+    waiting for many units (e.g. 1, 2, 4, 8, 16, 32 cores), not only for 1 or 2.
+    """
+    if not doubling:
+        return list(range(min(max(depth, 1), n)))
+    out, i = [0], 1
+    while i < n:
+        out.append(i)
+        i = 2 * i + 1
+    if out[-1] != n - 1:
+        out.append(n - 1)
+    return out
+
+
+def estimate(
+    slots: Sequence[float], rest: Sequence[Pending], depth: int, doubling: bool = False
+) -> float:
     """Approximate sum of completion times of ``rest`` started in order on ``slots``."""
     if not rest:
         return 0.0
     head, tail = rest[0], rest[1:]
     best = float("inf")
-    for i in range(min(max(depth, 1), len(head.units))):
+    for i in head_choices(len(head.units), depth, doubling):
         heap = list(slots)
         total = _run(heap, head.units[i], head.durations[i])
-        for p in tail:
-            total += _run(heap, p.units[0], p.durations[0])
+        total += _run_all(heap, tail)
         best = min(best, total)
     return best
+
+
+def _run_all(heap: list[float], items: Sequence[Pending]) -> float:
+    """``_run`` over many items; the one-unit case is inlined (it is the hot loop)."""
+    total = 0.0
+    replace = heapq.heapreplace
+    for p in items:
+        u = p.units[0]
+        if u == 1:
+            end = heap[0] + p.durations[0]
+            replace(heap, end)
+            total += end
+        else:
+            total += _run(heap, u, p.durations[0])
+    return total

@@ -36,7 +36,7 @@ class LengthModel:
         i = bisect.bisect_left(self.lengths, taken + 1)
         longer = self.lengths[i:]
         if not longer:
-            # Nothing this long has finished yet: assume it is as far from the end as it is from the start.
+            # Nothing this long has finished yet: guess it is as far from the end as from the start.
             return max(1.0, float(taken)) if self.lengths else self.default_steps
         return sum(longer) / len(longer) - taken
 
@@ -55,7 +55,9 @@ class OrderedQueue:
     def __contains__(self, action_id: str) -> bool:
         return action_id in self._keys
 
-    def push(self, action_id: str, key: tuple[float, ...], seq: int, deadline: float | None) -> None:
+    def push(
+        self, action_id: str, key: tuple[float, ...], seq: int, deadline: float | None
+    ) -> None:
         bisect.insort(self._by_key, (key, action_id))
         if deadline is not None:
             bisect.insort(self._by_deadline, (deadline, seq, action_id))
@@ -71,6 +73,10 @@ class OrderedQueue:
 
     def order(self, now: float) -> Iterator[str]:
         """Overdue entries by deadline, then the rest by key."""
+        if not self._by_deadline or self._by_deadline[0][0] > now:
+            for _, aid in self._by_key:
+                yield aid
+            return
         overdue: set[str] = set()
         for deadline, _, aid in self._by_deadline:
             if deadline > now:

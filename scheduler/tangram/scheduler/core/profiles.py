@@ -77,8 +77,15 @@ class _Fit:
         t1 = a + b
         if t1 <= 0:
             return None
-        rss = max(0.0, self.syy - 2 * a * self.sy - 2 * b * self.sxy + n * a * a
-                  + 2 * a * b * self.sx + b * b * self.sxx)
+        rss = max(
+            0.0,
+            self.syy
+            - 2 * a * self.sy
+            - 2 * b * self.sxy
+            + n * a * a
+            + 2 * a * b * self.sx
+            + b * b * self.sxx,
+        )
         se_b = math.sqrt(rss / (n - 2) / vx)
         return t1, b / t1, se_b / t1
 
@@ -92,10 +99,16 @@ class ProfileBook:
     probe_every: int = 4
     default_s: float = 1.0
     _fits: dict[str, _Fit] = field(default_factory=dict)
+    _versions: dict[str, int] = field(default_factory=dict)
 
     def observe(self, action_type: str, units: int, duration_s: float) -> None:
         if units >= 1 and duration_s >= 0 and math.isfinite(duration_s):
             self._fits.setdefault(action_type, _Fit()).add(units, duration_s)
+            self._versions[action_type] = self._versions.get(action_type, 0) + 1
+
+    def version(self, action_type: str) -> int:
+        """Changes whenever what the book says about ``action_type`` may have changed."""
+        return self._versions.get(action_type, 0)
 
     def mean_duration(self, action_type: str) -> float:
         fit = self._fits.get(action_type)
@@ -124,7 +137,11 @@ class ProfileBook:
         out: dict[str, dict[str, float | int | None]] = {}
         for t, fit in sorted(self._fits.items()):
             prof = self.learned(t)
-            p = prof.efficiency.amdahl if prof and isinstance(prof.efficiency, AmdahlEfficiency) else None
+            p = (
+                prof.efficiency.amdahl
+                if prof and isinstance(prof.efficiency, AmdahlEfficiency)
+                else None
+            )
             out[t] = {
                 "samples": fit.n,
                 "mean_s": fit.mean() if fit.n else None,

@@ -16,7 +16,10 @@ class Quota:
     starts: deque[float] = field(default_factory=deque)  # start times inside the window
 
     def _expire(self, now: float) -> None:
-        while self.starts and self.starts[0] <= now - self.period_s:
+        # A call counts until start + period_s. Compare that very sum (not start <= now -
+        # period_s, which rounds differently) so the window reopens exactly at the time
+        # ``next_window_s`` reports.
+        while self.starts and self.starts[0] + self.period_s <= now:
             self.starts.popleft()
 
     def free(self, now: float) -> int:

@@ -8,10 +8,14 @@ A round (``schedule``) follows Algorithm 1 of seed 000:
 
 1. Candidates: walk the queue in policy order and take every action that fits
    at its minimum units, respecting topology (free cores of the trajectory's
-   node, buddy GPU chunks, quota windows). An action that does not fit blocks
-   every resource it needs for the rest of the round, so nothing behind it on
-   those resources overtakes it (FCFS per resource, hence no starvation), while
-   actions on unrelated resources — another node, an API quota — still proceed.
+   node, buddy GPU chunks, quota windows). An action that does not fit — or
+   that waits behind one that did not — blocks every resource it needs for the
+   rest of the round, so nothing behind it on those resources overtakes it (FCFS
+   per resource, hence no starvation: by induction on queue position, the first
+   waiting action of a resource holds its reservation until running actions
+   release enough), while actions on unrelated resources — another node, an API
+   quota — still proceed. The price is head-of-line blocking for actions that
+   need several quotas; docs/simulator.md measures it.
 2. Split candidates by key resource (the cores of one node, the GPU pool).
 3. Groups with no elastic candidate run at minimum units; the others go through
    greedy eviction (``elastic.greedy_evict``) with the ACT approximation.
@@ -21,8 +25,8 @@ A round (``schedule``) follows Algorithm 1 of seed 000:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 from tangram.api.action import ActionKind, ActionSpec
@@ -54,6 +58,7 @@ class SchedulingError(ValueError):
 class SchedulerConfig:
     ordering: Ordering = "fcfs"
     depth: int = 2
+    explore: Literal["paper", "doubling"] = "paper"  # head counts the estimate tries
     max_candidates: int | None = None  # per round; None = the whole fitting prefix
     elastic: bool = True
     fixed_dop: int | None = None  # baseline: elastic actions always get this many units
@@ -69,6 +74,8 @@ class SchedulerConfig:
             raise SchedulingError("max_candidates", "must be at least 1")
         if self.fixed_dop is not None and self.fixed_dop < 1:
             raise SchedulingError("fixed_dop", "must be at least 1")
+        if self.explore not in ("paper", "doubling"):
+            raise SchedulingError("explore", f"unknown rule {self.explore!r}")
         if self.ordering not in ("fcfs", "trajectory-priority"):
             raise SchedulingError("ordering", f"unknown policy {self.ordering!r}")
 
@@ -81,6 +88,7 @@ class Trajectory:
     steps_done: int = 0
     busy_s: float = 0.0
     active: int = 0  # queued + running actions
+    queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
 
 
 @dataclass(slots=True)
@@ -98,6 +106,9 @@ class Action:
     profile: Profile | None
     elastic_capable: bool
     probe: bool = False
+    # Cache of _choices: (book version of the type, units, durations, pending view).
+    cache: tuple[int, tuple[int, ...], dict[int, float], Pending] | None = None
+    needs: tuple[str, ...] | None = None  # cached once the resources it needs are settled
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +180,8 @@ class Scheduler:
         )
         self.services = {s.name: s for s in cluster.services}
         self.quotas = {
-            a.name: Quota(a.name, a.concurrency, a.calls_per_period(), a.period_s) for a in cluster.apis
+            a.name: Quota(a.name, a.concurrency, a.calls_per_period(), a.period_s)
+            for a in cluster.apis
         }
         self.book = ProfileBook()
         self.lengths = LengthModel()
@@ -178,9 +190,14 @@ class Scheduler:
         self.queue = OrderedQueue()
         self.running: dict[str, _Running] = {}
         self._seq = 0
+        # Queued demand per resource, so a round stops walking once every resource anyone
+        # waits for is blocked (a round then costs O(candidates), not O(queue)).
+        self._waiting: dict[str, int] = {}
 
     # ---- trajectories -------------------------------------------------------------
-    def open_trajectory(self, tid: str, memory_gb: float = 0.0, hint_steps: int | None = None) -> None:
+    def open_trajectory(
+        self, tid: str, memory_gb: float = 0.0, hint_steps: int | None = None
+    ) -> None:
         if tid in self.trajectories:
             raise SchedulingError("trajectory", f"{tid} is already open")
         if memory_gb < 0:
@@ -190,7 +207,10 @@ class Scheduler:
         self.trajectories[tid] = Trajectory(tid, memory_gb, hint_steps)
 
     def close_trajectory(self, tid: str, finished: bool = True) -> list[str]:
-        """Close a trajectory; its queued actions are dropped and returned. Running ones must end first."""
+        """Close a trajectory; its queued actions are dropped and returned.
+
+        Running actions must end (``complete``) first.
+        """
         traj = self._traj(tid)
         if any(r.action.trajectory == tid for r in self.running.values()):
             raise SchedulingError("trajectory", f"{tid} still has running actions")
@@ -203,6 +223,19 @@ class Scheduler:
         del self.trajectories[tid]
         return dropped
 
+    def place_trajectory(self, tid: str, node: str) -> None:
+        """Pin a trajectory to a node (its environment already lives there)."""
+        traj = self._traj(tid)
+        if node not in self.cpu.nodes:
+            raise SchedulingError("node", f"unknown CPU node {node!r}")
+        if tid in self.cpu.placement:
+            raise SchedulingError(
+                "trajectory", f"{tid} is already placed on {self.cpu.placement[tid]}"
+            )
+        if self.cpu.nodes[node].free_memory_gb + 1e-9 < traj.memory_gb:
+            raise SchedulingError("node", f"{node} lacks {traj.memory_gb} GB for {tid}")
+        self._place(tid, node)
+
     def set_hint(self, tid: str, remaining_steps: int | None) -> None:
         self._traj(tid).hint_steps = remaining_steps
 
@@ -212,13 +245,11 @@ class Scheduler:
         if action_id in self.actions or action_id in self.running:
             raise SchedulingError("id", f"action {action_id} already exists")
         action = self._resolve(action_id, trajectory, spec, now)
-        self.actions[action_id] = action
-        traj.active += 1
-        self.queue.push(action_id, self._order_key(action, traj), action.seq, self._deadline(action, now))
+        self._enqueue(action, self._order_key(action, traj), self._deadline(action, now))
         return action
 
     def cancel(self, action_id: str) -> bool:
-        """Remove a queued action; False when it is not queued (running ones end via ``complete``)."""
+        """Remove a queued action; False if it is not queued (running ones end in ``complete``)."""
         if action_id not in self.queue:
             return False
         self._dequeue(action_id)
@@ -249,6 +280,52 @@ class Scheduler:
                     self.book.observe(a.type, asg.units, took)
         return asg
 
+    def adopt(
+        self,
+        action_id: str,
+        trajectory: str,
+        spec: ActionSpec,
+        *,
+        units: int,
+        started_at: float,
+        node: str | None = None,
+    ) -> Assignment:
+        """Register an action that is already running (a restarted scheduler, ``explain``).
+
+        Exec actions land on ``node`` (or the trajectory's node, or one chosen as for a
+        new trajectory) with ``units`` NUMA-chosen cores; service actions take a chunk.
+        """
+        self._traj(trajectory)
+        if action_id in self.actions or action_id in self.running:
+            raise SchedulingError("id", f"action {action_id} already exists")
+        a = self._resolve(action_id, trajectory, spec, started_at)
+        key_units = a.cpu or a.gpu or (1,)
+        if units not in key_units:
+            raise SchedulingError("units", f"{units} is not an allowed count {list(key_units)}")
+        resource = GPU if a.gpu else f"api:{a.quotas[0][0]}" if a.quotas and not a.cpu else ""
+        placed: str | None = None
+        if a.cpu:
+            placed = self.cpu.placement.get(trajectory)
+            if node is not None and placed is not None and node != placed:
+                raise SchedulingError("node", f"trajectory {trajectory} is on {placed}, not {node}")
+            if placed is None:
+                mem = self.trajectories[trajectory].memory_gb
+                free = {n: c.free_cores for n, c in self.cpu.nodes.items()}
+                placed = node if node is not None else self.cpu.choose_node(mem, units, free)
+                if placed is None or placed not in self.cpu.nodes:
+                    raise SchedulingError("node", f"no node can hold trajectory {trajectory}")
+                self._place(trajectory, placed)
+            resource = f"cpu:{placed}"
+        durations = self._choices(a)[1]
+        cand = _Candidate(
+            a, resource, placed if a.cpu else None, {units: durations.get(units, 0.0)}
+        )
+        self._enqueue(a, (float(a.seq),), None)
+        asg = self._start(cand, units, started_at)
+        run = self.running[action_id]
+        run.expected_end = started_at + asg.expected_s
+        return asg
+
     @property
     def queued(self) -> int:
         return len(self.queue)
@@ -266,12 +343,21 @@ class Scheduler:
             decisions.append(decision)
             for c, k in zip(group, units, strict=False):
                 chosen[c.action.id] = k
-        assignments = [self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen]
-        wake = [
-            t for q in self.quotas.values() if (t := q.next_window_s(now)) is not None
+            if decision.kept < len(group):
+                for c in group[decision.kept :]:
+                    blocked.append(
+                        (c.action.id, f"{resource} (evicted: waiting beats starting now)")
+                    )
+        assignments = [
+            self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen
         ]
-        return Round(tuple(assignments), min(wake) if wake and self.queue else None,
-                     tuple(decisions), tuple(blocked))
+        wake = [t for q in self.quotas.values() if (t := q.next_window_s(now)) is not None]
+        return Round(
+            tuple(assignments),
+            min(wake) if wake and self.queue else None,
+            tuple(decisions),
+            tuple(blocked),
+        )
 
     # ---- internals ---------------------------------------------------------------
     def _traj(self, tid: str) -> Trajectory:
@@ -294,7 +380,9 @@ class Scheduler:
             cpu = allowed_units(spec.cpu) if spec.cpu is not None else (1,)
             biggest = max(n.cores for n in self.cpu.nodes.values())
             if cpu[0] > biggest:
-                raise SchedulingError("cpu", f"minimum {cpu[0]} cores exceeds the largest node ({biggest})")
+                raise SchedulingError(
+                    "cpu", f"minimum {cpu[0]} cores exceeds the largest node ({biggest})"
+                )
             cpu = tuple(k for k in cpu if k <= biggest)
         elif spec.kind is ActionKind.SERVICE:
             assert spec.service is not None
@@ -325,8 +413,18 @@ class Scheduler:
         elastic_capable = len(units) > 1
         self._seq += 1
         action = Action(
-            action_id, trajectory, spec.kind, spec.action_type(), self._seq, now, cpu, gpu,
-            spec.service, tuple(sorted(quotas.items())), profile, elastic_capable,
+            action_id,
+            trajectory,
+            spec.kind,
+            spec.action_type(),
+            self._seq,
+            now,
+            cpu,
+            gpu,
+            spec.service,
+            tuple(sorted(quotas.items())),
+            profile,
+            elastic_capable,
         )
         if (
             elastic_capable
@@ -343,7 +441,8 @@ class Scheduler:
         if self.config.ordering == "fcfs":
             return (float(a.seq),)
         remaining = (
-            float(traj.hint_steps) if traj.hint_steps is not None
+            float(traj.hint_steps)
+            if traj.hint_steps is not None
             else self.lengths.expected_remaining(traj.steps_done)
         )
         per_step = traj.busy_s / traj.steps_done if traj.steps_done else self._expected(a)
@@ -355,24 +454,67 @@ class Scheduler:
         return now + max(self.config.min_age_s, self.config.ageing_factor * self._expected(a))
 
     def _expected(self, a: Action) -> float:
-        units, durations = self._choices(a)
+        units, durations, _ = self._choices(a)
         return durations[units[0]]
 
-    def _dequeue(self, action_id: str) -> None:
+    def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
+        traj = self.trajectories[a.trajectory]
+        self.actions[a.id] = a
+        traj.active += 1
+        if a.cpu:
+            traj.queued_exec += 1
+        self._count(a, +1)
+        self.queue.push(a.id, key, a.seq, deadline)
+
+    def _dequeue(self, action_id: str) -> Action:
+        """Take an action off the queue (cancelled, dropped or starting)."""
         self.queue.remove(action_id)
         a = self.actions.pop(action_id)
-        traj = self.trajectories.get(a.trajectory)
-        if traj is not None:
-            traj.active -= 1
+        self._count(a, -1)
+        traj = self.trajectories[a.trajectory]
+        traj.active -= 1
+        if a.cpu:
+            traj.queued_exec -= 1
+        return a
 
-    def _choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float]]:
-        """Allowed key units for this round and their expected durations (no restore cost)."""
+    def _count(self, a: Action, delta: int) -> None:
+        w = self._waiting
+        for r in self._needs(a, self.cpu.placement.get(a.trajectory) if a.cpu else None):
+            w[r] = w.get(r, 0) + delta
+
+    def _place(self, tid: str, node: str) -> None:
+        """Place a trajectory; its queued exec actions now wait on that node's cores."""
+        traj = self.trajectories[tid]
+        self.cpu.place(tid, node, traj.memory_gb)
+        if traj.queued_exec:
+            w = self._waiting
+            w[PLACE] -= traj.queued_exec
+            w[f"cpu:{node}"] = w.get(f"cpu:{node}", 0) + traj.queued_exec
+
+    def _choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float], Pending]:
+        """Allowed key units this round, their expected durations (no restore), as Pending too.
+
+        Cached per action until the profile book changes its mind about the action's type.
+        """
+        static = a.profile is not None and a.profile.efficiency is not None
+        stamp = -1 if static else self.book.version(a.type)
+        cache = a.cache
+        if cache is not None and cache[0] == stamp:
+            return cache[1], cache[2], cache[3]
+        units, durations = self._compute_choices(a)
+        pending = Pending(units, tuple(durations[k] for k in units))
+        a.cache = (stamp, units, durations, pending)
+        return units, durations, pending
+
+    def _compute_choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float]]:
         units = a.cpu or a.gpu or (1,)
         profile = a.profile
         learned = None
         if profile is None or profile.efficiency is None:
             learned = self.book.learned(a.type) if a.elastic_capable else None
-        elastic_profile = profile if profile is not None and profile.efficiency is not None else learned
+        elastic_profile = (
+            profile if profile is not None and profile.efficiency is not None else learned
+        )
         cfg = self.config
         if len(units) > 1:
             if cfg.fixed_dop is not None:
@@ -394,11 +536,7 @@ class Scheduler:
             self.gpu.chunk_counts(),
             {q: quota.free(now) for q, quota in self.quotas.items()},
         )
-        all_resources = {f"cpu:{n}" for n in self.cpu.nodes} | {f"api:{q}" for q in self.quotas}
-        if self.gpu.nodes:
-            all_resources.add(GPU)
-        if self.cpu.nodes:
-            all_resources.add(PLACE)
+        waited_on = {r for r, n in self._waiting.items() if n > 0}
         blocked: set[str] = set()
         cands: list[_Candidate] = []
         rest: dict[str, list[Pending]] = {}
@@ -406,9 +544,10 @@ class Scheduler:
         horizon = self.config.horizon
         limit = self.config.max_candidates
         elastic_resources: set[str] = set()  # whose remaining queue the estimate needs
-        for aid in self.queue.order(now):
+        order = self.queue.order(now)
+        for aid in order:
             a = self.actions[aid]
-            units, durations = self._choices(a)
+            units, durations, pending = self._choices(a)
             node = self.cpu.placement.get(a.trajectory) if a.cpu else None
             needs = self._needs(a, node)
             if blocked.isdisjoint(needs):
@@ -416,43 +555,76 @@ class Scheduler:
                 if isinstance(fit, str):
                     node = fit if a.cpu else None
                     if node is not None and a.trajectory not in self.cpu.placement:
-                        self.cpu.place(a.trajectory, node, self.trajectories[a.trajectory].memory_gb)
-                    resource = f"cpu:{node}" if a.cpu else (GPU if a.gpu else f"api:{a.quotas[0][0]}")
+                        self._place(a.trajectory, node)
+                    resource = (
+                        f"cpu:{node}" if a.cpu else (GPU if a.gpu else f"api:{a.quotas[0][0]}")
+                    )
                     cands.append(_Candidate(a, resource, node, durations))
                     if len(durations) > 1:
                         elastic_resources.add(resource)
                     if limit is not None and len(cands) >= limit:
-                        blocked |= all_resources
+                        blocked |= waited_on
                     continue
-                blocked.update(fit)
+                # It reserves everything it needs, not just what it is short of: an action
+                # that needs two quotas must not be overtaken forever on either one.
+                blocked.update(needs)
                 waits.append((aid, ",".join(sorted(fit))))
             else:
                 blocked.update(needs)
             key = needs[0]
             if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
-                rest.setdefault(key, []).append(Pending(units, tuple(durations[k] for k in units)))
-            if blocked >= all_resources and (
-                not elastic_resources
-                or (horizon is not None and all(len(rest.get(r, ())) >= horizon for r in elastic_resources))
-            ):
+                rest.setdefault(key, []).append(pending)
+            if blocked >= waited_on:
                 break
+        # Everything anyone waits for is blocked: no more candidates. Only the estimate's
+        # view of the remaining queue on elastic resources is still needed.
+        if elastic_resources:
+            self._collect_rest(order, elastic_resources, rest, horizon)
         return cands, rest, waits
 
-    def _needs(self, a: Action, node: str | None) -> list[str]:
+    def _collect_rest(
+        self,
+        order: Iterator[str],
+        resources: set[str],
+        rest: dict[str, list[Pending]],
+        horizon: int | None,
+    ) -> None:
+        open_lists = {r: rest.setdefault(r, []) for r in resources}
+        actions, placement = self.actions, self.cpu.placement
+        version = self.book.version
+        for aid in order:
+            a = actions[aid]
+            needs = a.needs or self._needs(a, placement.get(a.trajectory) if a.cpu else None)
+            target = open_lists.get(needs[0])
+            if target is None:
+                continue
+            cache = a.cache  # inlined cache hit of _choices: this loop sees the whole queue
+            if cache is not None and (cache[0] == -1 or cache[0] == version(a.type)):
+                target.append(cache[3])
+            else:
+                target.append(self._choices(a)[2])
+            if horizon is not None and len(target) >= horizon:
+                del open_lists[needs[0]]
+                if not open_lists:
+                    return
+
+    def _needs(self, a: Action, node: str | None) -> tuple[str, ...]:
         """Resources an action competes on; the first is its key resource."""
+        if a.needs is not None:
+            return a.needs
         needs: list[str] = []
         if a.cpu:
-            if node is not None:
-                needs.append(f"cpu:{node}")
-            else:
-                needs.append(PLACE)
+            needs.append(f"cpu:{node}" if node is not None else PLACE)
         if a.gpu:
             needs.append(GPU)
         needs.extend(f"api:{q}" for q, _ in a.quotas)
-        return needs
+        out = tuple(needs)
+        if not a.cpu or node is not None:  # an unplaced exec action's needs change on placement
+            a.needs = out
+        return out
 
     def _fit(self, a: Action, k: int, node: str | None, prov: _Provisional) -> str | set[str]:
-        """Provisionally take minimum units; returns the node (or "") or the set of blocking resources."""
+        """Provisionally take minimum units: the node (or "") if it fits, else what blocks it."""
         short: set[str] = set()
         for q, n in a.quotas:
             if prov.quota_free[q] < n:
@@ -497,15 +669,25 @@ class Scheduler:
             for r in self.running.values()
             if r.resource == resource
         ]
+        doubling = self.config.explore == "doubling"
         if resource == GPU:
             arrangement = greedy_evict(
-                durations, rest, running, self.config.depth, chunks=self.gpu.chunk_counts()
+                durations,
+                rest,
+                running,
+                self.config.depth,
+                chunks=self.gpu.chunk_counts(),
+                doubling=doubling,
             )
         else:
             node = resource.removeprefix("cpu:")
             arrangement = greedy_evict(
-                durations, rest, running, self.config.depth,
+                durations,
+                rest,
+                running,
+                self.config.depth,
                 capacity=self.cpu.nodes[node].free_cores,
+                doubling=doubling,
             )
         return list(arrangement.units), GroupDecision(
             resource, ids, True, arrangement.kept, arrangement.steps
@@ -517,14 +699,14 @@ class Scheduler:
             return c.durations
         svc = self.services[a.service]
         return {
-            k: d + (0.0 if self.gpu.is_resident_free(a.service, k) else svc.restore_s / chunk_level(k))
+            k: d
+            + (0.0 if self.gpu.is_resident_free(a.service, k) else svc.restore_cost(chunk_level(k)))
             for k, d in c.durations.items()
         }
 
     def _start(self, c: _Candidate, k: int, now: float) -> Assignment:
-        a = c.action
-        self.queue.remove(a.id)
-        del self.actions[a.id]
+        a = self._dequeue(c.action.id)
+        self.trajectories[a.trajectory].active += 1  # it stays active while it runs
         cores: tuple[int, ...] = ()
         chunk = None
         restore = False
@@ -541,12 +723,22 @@ class Scheduler:
                 f"{i.service}@{i.chunk.node}:{i.chunk.start}+{i.chunk.size}" for i in grant.evicted
             )
             if restore:
-                expected += self.services[a.service].restore_s / chunk.size
+                expected += self.services[a.service].restore_cost(chunk.size)
         for q, n in a.quotas:
             self.quotas[q].acquire(now, n)
         asg = Assignment(
-            a.id, a.trajectory, c.node or (chunk.node if chunk else None), cores, chunk, restore,
-            evicted, a.quotas, k, expected, now, now - a.submitted_at,
+            a.id,
+            a.trajectory,
+            c.node or (chunk.node if chunk else None),
+            cores,
+            chunk,
+            restore,
+            evicted,
+            a.quotas,
+            k,
+            expected,
+            now,
+            now - a.submitted_at,
         )
         self.running[a.id] = _Running(asg, a, now + expected, c.resource)
         return asg

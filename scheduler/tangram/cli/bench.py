@@ -1,0 +1,174 @@
+"""``tangram bench``: trace replays against the baselines, and scheduler micro-benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tangram.cli.files import InputError, load_cluster, load_trace_file
+from tangram.cli.progress import bar, note
+from tangram.scheduler.core.scheduler import SchedulerConfig
+from tangram.sim.policies import check_policy, simulate
+from tangram.sim.records import SimResult
+from tangram.sim.roundbench import DEFAULT_CASES, Case, measure
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="replay a trace under several policies, or run a benchmark",
+        description=(
+            "Without a sub-command: replay --trace on --cluster under each --policy and print "
+            "the figures of DESIGN.md §5. `tangram bench scheduler` measures round latency; "
+            "`tangram bench paper` runs the paper-scale sweeps recorded in docs/benchmarks.md."
+        ),
+    )
+    p.add_argument("what", nargs="?", choices=("scheduler", "paper"), help="a named benchmark")
+    p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
+    p.add_argument("--cluster", help="cluster YAML: nodes, services, apis")
+    p.add_argument("--policy", default="elastic", help="comma-separated policies")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depth", type=int, default=2, help="ACT approximation depth")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", help="PNG of ACT distributions per policy")
+    p.add_argument("--out", help="output file (scheduler) or directory (paper)")
+    p.add_argument("--quick", action="store_true", help="paper: smaller sweeps for a smoke run")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.depth < 1:
+        raise InputError("--depth: must be at least 1")
+    if args.what == "scheduler":
+        report = run_round_bench(progress=not args.json)
+        _emit(report, args)
+        return 0
+    if args.what == "paper":
+        from tangram.cli.paper import run_paper
+
+        out = Path(args.out or "docs/bench")
+        report = run_paper(out, quick=args.quick, seed=args.seed)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        return 0
+    if not args.trace or not args.cluster:
+        raise InputError("--trace and --cluster are required for a replay (or name a benchmark)")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not policies:
+        raise InputError("--policy: name at least one policy")
+    for p in policies:
+        try:
+            check_policy(p)
+        except ValueError as e:
+            raise InputError(f"--policy: {e}") from None
+    trace = load_trace_file(args.trace)
+    cluster = load_cluster(args.cluster)
+    results = replay_all(trace, cluster, policies, seed=args.seed, depth=args.depth)
+    report = {
+        "trace": args.trace,
+        "cluster": args.cluster,
+        "trajectories": len(trace),
+        "actions": sum(len(t.steps) for t in trace),
+        "policies": {p: r.summary() for p, r in results.items()},
+    }
+    if "elastic" in results:
+        base = results["elastic"].summary()["avg_act_s"]
+        report["avg_act_ratio_vs_elastic"] = {
+            p: r.summary()["avg_act_s"] / base if base else None for p, r in results.items()
+        }
+    if args.plot:
+        from tangram.cli.plots import act_cdf
+
+        act_cdf(results, args.plot, title=Path(args.trace).name)
+    _emit(report, args)
+    return 0
+
+
+def run_round_bench(
+    cases: Iterable[tuple[int, int, int, bool]] = DEFAULT_CASES,
+    rounds: int = 200,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Round latency per case: p50/p99 over ``rounds`` timed rounds."""
+    cases = list(cases)
+    report: list[dict[str, Any]] = []
+    with bar("scheduler rounds", len(cases), enabled=progress) as update:
+        for i, (cores, queued, cands, elastic) in enumerate(cases):
+            times = np.array(measure(Case(cores, queued, cands, elastic), rounds)) * 1e3
+            report.append(
+                {
+                    "cores": cores,
+                    "queued": queued,
+                    "candidates": cands,
+                    "elastic": elastic,
+                    "p50_ms": float(np.percentile(times, 50)),
+                    "p99_ms": float(np.percentile(times, 99)),
+                    "rounds": rounds,
+                }
+            )
+            update(i + 1, len(cases))
+    return {"cases": report, "depth": 2, "python": platform.python_version()}
+
+
+def replay_all(
+    trace: Any, cluster: Any, policies: list[str], *, seed: int, depth: int = 2
+) -> dict[str, SimResult]:
+    config = SchedulerConfig(depth=depth)
+    results: dict[str, SimResult] = {}
+    for policy in policies:
+        try:
+            with bar(f"replay {policy}", sum(len(t.steps) for t in trace)) as update:
+                results[policy] = simulate(
+                    trace, cluster, policy, seed=seed, config=config, progress=update
+                )
+        except ValueError as e:
+            raise InputError(f"{policy}: {e}") from None
+    return results
+
+
+def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
+    text = json.dumps(report, indent=None if args.json else 2)
+    if args.out and args.what == "scheduler":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        note(f"wrote {args.out}")
+    if args.json:
+        print(text)
+    else:
+        _table(report)
+
+
+def _table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if "cases" in report:
+        t = Table(title="scheduling round latency")
+        for col in ("cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms"):
+            t.add_column(col, justify="right")
+        for c in report["cases"]:
+            t.add_row(
+                *(
+                    f"{c[k]:.3f}" if isinstance(c[k], float) else str(c[k])
+                    for k in ("cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms")
+                )
+            )
+        console.print(t)
+        return
+    t = Table(title=f"{report['trajectories']} trajectories, {report['actions']} actions")
+    cols = ("avg_act_s", "p99_act_s", "avg_traj_act_s", "makespan_s", "unit_seconds")
+    t.add_column("policy")
+    for col in cols:
+        t.add_column(col, justify="right")
+    for p, s in report["policies"].items():
+        t.add_row(p, *(f"{s[c]:.2f}" for c in cols))
+    console.print(t)
+    sys.stdout.flush()

@@ -1,0 +1,193 @@
+"""``tangram explain STATE.json``: what the scheduler decides for a given state, and why.
+
+STATE.json::
+
+    {"cluster": {...cluster file...}, "config": {"depth": 2, ...}, "now": 100.0,
+     "trajectories": [{"id": "t1", "memory_gb": 4, "node": "n0"}],
+     "running": [{"id": "r1", "trajectory": "t1", "action": {...}, "units": 4, "started_s": 90}],
+     "queue": [{"id": "a1", "trajectory": "t2", "action": {...}, "submitted_s": 99}]}
+
+``queue`` is in submission order; ``action`` objects are trace actions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tangram.api.action import ActionSpec
+from tangram.api.cluster import ClusterSpec
+from tangram.cli.files import InputError, read_json
+from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig, SchedulingError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrajectoryState(_Strict):
+    id: str
+    memory_gb: Annotated[float, Field(ge=0)] = 0.0
+    node: str | None = None
+    hint_steps: int | None = None
+
+
+class RunningState(_Strict):
+    id: str
+    trajectory: str
+    action: ActionSpec
+    units: Annotated[int, Field(ge=1)]
+    started_s: float
+
+
+class QueuedState(_Strict):
+    id: str
+    trajectory: str
+    action: ActionSpec
+    submitted_s: float
+
+
+class ConfigState(_Strict):
+    ordering: str = "fcfs"
+    depth: Annotated[int, Field(ge=1)] = 2
+    explore: str = "paper"
+    max_candidates: int | None = None
+    elastic: bool = True
+    fixed_dop: int | None = None
+
+
+class State(_Strict):
+    cluster: ClusterSpec
+    config: ConfigState = Field(default_factory=ConfigState)
+    now: float = 0.0
+    trajectories: list[TrajectoryState] = Field(default_factory=list)
+    running: list[RunningState] = Field(default_factory=list)
+    queue: list[QueuedState] = Field(default_factory=list)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("explain", help="show the scheduler's decision for a state, step by step")
+    p.add_argument("state", help="STATE.json (see `tangram explain --help`)")
+    p.add_argument("--json", action="store_true", help="print the decision as JSON")
+    p.set_defaults(run=run)
+
+
+def decide(state: State) -> tuple[Scheduler, Round]:
+    cfg = state.config
+    sched = Scheduler(
+        state.cluster,
+        SchedulerConfig(
+            ordering=cfg.ordering,  # type: ignore[arg-type]
+            depth=cfg.depth,
+            explore=cfg.explore,  # type: ignore[arg-type]
+            max_candidates=cfg.max_candidates,
+            elastic=cfg.elastic,
+            fixed_dop=cfg.fixed_dop,
+        ),
+    )
+    for t in state.trajectories:
+        sched.open_trajectory(t.id, t.memory_gb, t.hint_steps)
+        if t.node is not None:
+            sched.place_trajectory(t.id, t.node)
+    for r in state.running:
+        sched.adopt(r.id, r.trajectory, r.action, units=r.units, started_at=r.started_s)
+    for q in state.queue:
+        sched.submit(q.id, q.trajectory, q.action, q.submitted_s)
+    return sched, sched.schedule(state.now)
+
+
+def as_dict(result: Round) -> dict[str, Any]:
+    return {
+        "assignments": [
+            {
+                "action": a.action_id,
+                "trajectory": a.trajectory,
+                "node": a.node,
+                "units": a.units,
+                "cores": list(a.cores),
+                "gpus": None if a.chunk is None else [a.chunk.node, a.chunk.start, a.chunk.size],
+                "restore": a.restore,
+                "evicted": list(a.evicted),
+                "quotas": dict(a.quotas),
+                "expected_s": a.expected_s,
+                "queued_s": a.queued_s,
+            }
+            for a in result.assignments
+        ],
+        "groups": [
+            {
+                "resource": g.resource,
+                "candidates": list(g.candidates),
+                "elastic": g.elastic,
+                "kept": g.kept,
+                "eviction_steps": [
+                    {
+                        "kept": st.kept,
+                        "units": list(st.units),
+                        "exact_s": st.exact,
+                        "approx_s": st.approx,
+                        "objective_s": st.objective,
+                    }
+                    for st in g.steps
+                ],
+            }
+            for g in result.groups
+        ],
+        "waiting": [{"action": a, "because": why} for a, why in result.blocked],
+        "wake_at": result.wake_at,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    data = read_json(args.state)
+    try:
+        state = State.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise InputError(f"{args.state}: {loc}: {err['msg']}") from None
+    try:
+        _, result = decide(state)
+    except SchedulingError as e:
+        raise InputError(f"{args.state}: {e}") from None
+    report = as_dict(result)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    _print(report)
+    return 0
+
+
+def _print(report: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    c = Console()
+    for g in report["groups"]:
+        kind = "elastic" if g["elastic"] else "fixed units"
+        c.print(
+            f"[bold]{g['resource']}[/bold]: {len(g['candidates'])} candidates ({kind}), "
+            f"{g['kept']} start now"
+        )
+        c.print(f"  candidates in queue order: {', '.join(g['candidates'])}")
+        for st in g["eviction_steps"]:
+            c.print(
+                f"  keep {st['kept']:>3}: units {st['units']}  exact {st['exact_s']:.2f} s + "
+                f"estimate {st['approx_s']:.2f} s = {st['objective_s']:.2f} s"
+            )
+        if g["elastic"] and g["eviction_steps"]:
+            c.print("  greedy eviction stops at the first step that does not lower the objective")
+    c.print("[bold]assignments[/bold]")
+    for a in report["assignments"]:
+        where = f"cores {a['cores']}" if a["cores"] else (f"GPUs {a['gpus']}" if a["gpus"] else "")
+        extra = " (restore)" if a["restore"] else ""
+        c.print(
+            f"  {a['action']}: {a['units']} units on {a['node']} {where}{extra}, "
+            f"expected {a['expected_s']:.2f} s"
+        )
+    if report["waiting"]:
+        c.print("[bold]waiting[/bold]")
+        for w in report["waiting"]:
+            c.print(f"  {w['action']}: {w['because']}")

@@ -1,0 +1,73 @@
+"""Reading the user's files, with errors that name the file, the line and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tangram.api.cluster import ClusterSpec
+from tangram.api.trace import TraceError, TrajectoryTrace, load_trace
+
+
+class InputError(Exception):
+    """Bad user input; the message is printed as is, without a traceback."""
+
+
+def _fields(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        parts.append(f"{loc}: {err['msg']}")
+    more = len(e.errors()) - 5
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def read_yaml(path: str | Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except OSError as e:
+        raise InputError(f"{path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise InputError(f"{path}: not valid YAML: {e}") from None
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    data = read_yaml(path)
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise InputError(f"{path}: {_fields(e)}") from None
+
+
+def load_trace_file(path: str | Path) -> list[TrajectoryTrace]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise InputError(f"{path}: {e.strerror}") from None
+    try:
+        trace = load_trace(lines)
+    except TraceError as e:
+        raise InputError(f"{path}: {e}") from None
+    if not trace:
+        raise InputError(f"{path}: no trajectories")
+    return trace
+
+
+def read_json(path: str | Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise InputError(f"{path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON: {e}") from None
+
+
+def dump_cluster(cluster: ClusterSpec) -> str:
+    return yaml.safe_dump(cluster.model_dump(mode="json", exclude_none=True), sort_keys=False)

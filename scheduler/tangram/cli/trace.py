@@ -1,0 +1,42 @@
+"""``tangram trace generate``: synthetic traces of the paper's workloads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tangram.cli.files import InputError, dump_cluster
+from tangram.sim.tracegen import SCENARIOS, generate, scenario_cluster
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("trace", help="generate synthetic traces")
+    tsub = p.add_subparsers(dest="trace_command", required=True, metavar="SUBCOMMAND")
+    g = tsub.add_parser(
+        "generate",
+        help="write a JSON Lines trace (DESIGN.md §5) for one of the paper's workloads",
+        description="Parameters and their sources: docs/trace-generator.md.",
+    )
+    g.add_argument("--scenario", required=True, choices=SCENARIOS)
+    g.add_argument("--trajectories", type=int, required=True, help="batch size (trajectories)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", "-o", help="trace file (default: stdout)")
+    g.add_argument("--cluster-out", help="also write the scenario's paper cluster as YAML")
+    g.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trajectories < 1:
+        raise InputError("--trajectories: must be at least 1")
+    trajs = generate(args.scenario, args.trajectories, args.seed)
+    lines = "".join(t.model_dump_json(exclude_defaults=True) + "\n" for t in trajs)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(lines)
+    else:
+        sys.stdout.write(lines)
+    if args.cluster_out:
+        with open(args.cluster_out, "w", encoding="utf-8") as f:
+            f.write(dump_cluster(scenario_cluster(args.scenario)))
+    return 0

@@ -1,0 +1,503 @@
+"""Where simulated actions run: ARL-Tangram's scheduler, or one of the paper's baselines (§6.1).
+
+Modelling assumptions are listed in docs/simulator.md; each class states its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from tangram.api.action import ActionKind, ActionSpec
+from tangram.api.cluster import ClusterSpec
+from tangram.api.demand import AmdahlEfficiency, Efficiency, allowed_units, duration
+from tangram.api.trace import TrajectoryTrace
+from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from tangram.sim.engine import Done
+from tangram.sim.events import EventLoop
+from tangram.sim.records import ActionRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Overheads:
+    """System overhead per action, added inside the action's run (seconds)."""
+
+    exec_s: float = 0.044  # Docker update + exec round trip per action (issue #3's figure)
+    service_s: float = 0.0
+    api_s: float = 0.0
+    profile_noise: float = 0.2  # lognormal sigma of profiled t1 vs the truth
+
+
+def true_duration(spec: ActionSpec, units: int) -> float:
+    """What the action really takes with ``units`` key units (the trace's ground truth)."""
+    t1 = spec.t1_s if spec.t1_s is not None else 1.0
+    return duration(t1, spec.efficiency, units)
+
+
+def speedup(eff: Efficiency | None, cores: float) -> float:
+    """Progress rate with a fractional share of cores (CFS time slicing below one core)."""
+    if cores <= 1.0 or eff is None:
+        return min(cores, 1.0)
+    if isinstance(eff, AmdahlEfficiency):
+        p = eff.amdahl
+        return 1.0 / ((1.0 - p) + p / cores)
+    lo = math.floor(cores)
+    hi = lo + 1
+    s_lo = eff.efficiency(lo) * lo
+    s_hi = eff.efficiency(hi) * hi
+    return s_lo + (s_hi - s_lo) * (cores - lo)
+
+
+# --------------------------------------------------------------------------- ARL-Tangram
+class SchedulerBackend:
+    """Actions go through the real ``tangram.scheduler`` core; execution is simulated.
+
+    What the scheduler is told mirrors the paper's setup (§6.1): profiles (t1 and
+    efficiency) only for actions that carry an efficiency curve, perturbed by
+    profiling noise; every other duration it learns online from completions.
+    """
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        cluster: ClusterSpec,
+        config: SchedulerConfig,
+        overheads: Overheads,
+        rng: np.random.Generator,
+    ) -> None:
+        self.loop = loop
+        self.sched = Scheduler(cluster, config)
+        self.overheads = overheads
+        self.rng = rng
+        self.services = {s.name: s for s in cluster.services}
+        self._pending: dict[str, tuple[ActionRecord, ActionSpec, Done]] = {}
+        self._dirty = False
+        self._wake: set[float] = set()
+        self.unit_seconds = 0.0
+        self.rounds = 0
+        loop.on_instant_end(self._round)
+
+    def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
+        self.sched.open_trajectory(traj.id, traj.memory_gb)
+        ready()
+
+    def close(self, traj: TrajectoryTrace, now: float) -> None:
+        self.sched.close_trajectory(traj.id)
+
+    def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
+        aid = f"{record.trajectory}#{record.step}"
+        self._pending[aid] = (record, spec, done)
+        self.sched.submit(aid, record.trajectory, self._visible(spec), record.submitted)
+        self._dirty = True
+
+    def _visible(self, spec: ActionSpec) -> ActionSpec:
+        if spec.efficiency is None and spec.kind is not ActionKind.SERVICE:
+            return spec.model_copy(update={"t1_s": None})
+        if spec.t1_s is None or self.overheads.profile_noise <= 0:
+            return spec
+        noisy = spec.t1_s * float(self.rng.lognormal(0.0, self.overheads.profile_noise))
+        return spec.model_copy(update={"t1_s": noisy})
+
+    def _round(self, now: float) -> None:
+        if not self._dirty and now not in self._wake:
+            return
+        self._dirty = False
+        self._wake.discard(now)
+        self.rounds += 1
+        result = self.sched.schedule(now)
+        for asg in result.assignments:
+            record, spec, done = self._pending.pop(asg.action_id)
+            overhead = {
+                ActionKind.EXEC: self.overheads.exec_s,
+                ActionKind.SERVICE: self.overheads.service_s,
+                ActionKind.API: self.overheads.api_s,
+            }[spec.kind]
+            if asg.restore and spec.service is not None and asg.chunk is not None:
+                overhead += self.services[spec.service].restore_cost(asg.chunk.size)
+            took = overhead + true_duration(spec, asg.units)
+            record.started, record.units, record.overhead_s = now, asg.units, overhead
+            held = asg.chunk.size if asg.chunk is not None else asg.units
+            self.unit_seconds += held * took
+            self.loop.at(now + took, partial(self._end, asg.action_id, record, done))
+        if result.wake_at is not None and result.wake_at not in self._wake:
+            self._wake.add(result.wake_at)
+            self.loop.at(result.wake_at, lambda: None)
+
+    def _end(self, aid: str, record: ActionRecord, done: Done) -> None:
+        now = self.loop.now
+        self.sched.complete(aid, now)
+        record.ended = now
+        self._dirty = True
+        done(record)
+
+    def finish(self, now: float) -> tuple[float, list[str]]:
+        return self.unit_seconds, [f"scheduler rounds: {self.rounds}"]
+
+
+# --------------------------------------------------------------------------- k8s-static
+@dataclass(slots=True)
+class _Job:
+    record: ActionRecord
+    spec: ActionSpec
+    done: Done
+    work: float  # single-core seconds left
+    want: float  # cores it can use (DoP, capped by the pod limit)
+    rate: float = 0.0
+
+
+@dataclass(slots=True)
+class _PodNode:
+    name: str
+    cores: float
+    memory_gb: float
+    requested: float = 0.0
+    memory_used: float = 0.0
+    jobs: dict[int, _Job] = field(default_factory=dict)
+    last: float = 0.0
+    version: int = 0
+
+
+class K8sStaticBackend:
+    """A pod per trajectory for its whole life (seed 000 §6.1 coding baseline).
+
+    * Pods request ``request`` cores and the trajectory's memory; the kube-scheduler
+      places a pod on the node with the most unrequested CPU where requests fit, or
+      leaves it Pending (FIFO) until a pod ends. A placed pod becomes ready after a
+      lognormal start latency (median ``pod_start_s``).
+    * Each exec action runs in its pod with up to ``dop`` processes, capped by the
+      pod's CPU ``limit``. Running actions on a node share its cores like CFS with
+      equal shares: max-min fair water-filling of their demands; an action's progress
+      rate is its speed-up at that (fractional) share.
+    * Unit-seconds are the requested cores times each pod's lifetime.
+    """
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        cluster: ClusterSpec,
+        overheads: Overheads,
+        rng: np.random.Generator,
+        *,
+        request: float = 0.5,
+        limit: float = 4.0,
+        dop: int = 1,
+        pod_start_s: float = 5.0,
+        pod_start_sigma: float = 0.5,
+    ) -> None:
+        self.loop = loop
+        self.overheads = overheads
+        self.rng = rng
+        self.request, self.limit, self.dop = request, limit, dop
+        self.pod_start_s, self.pod_start_sigma = pod_start_s, pod_start_sigma
+        self.nodes = [_PodNode(n.name, float(n.cpus), n.memory_gb) for n in cluster.nodes if n.cpus]
+        self.pods: dict[str, tuple[_PodNode, float]] = {}  # trajectory -> (node, admitted at)
+        self.pending: deque[tuple[TrajectoryTrace, Callable[[], None]]] = deque()
+        self.unit_seconds = 0.0
+        self.max_pending = 0
+        self._jid = 0
+
+    def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
+        self.pending.append((traj, ready))
+        self.max_pending = max(self.max_pending, len(self.pending))
+        self._admit(now)
+
+    def _admit(self, now: float) -> None:
+        while self.pending:
+            traj, ready = self.pending[0]
+            fitting = [
+                n
+                for n in self.nodes
+                if n.requested + self.request <= n.cores + 1e-9
+                and n.memory_used + traj.memory_gb <= n.memory_gb + 1e-9
+            ]
+            if not fitting:
+                return  # FIFO: the head pod blocks the rest, as the default queue sort does
+            self.pending.popleft()
+            node = max(fitting, key=lambda n: (n.cores - n.requested, n.name))
+            node.requested += self.request
+            node.memory_used += traj.memory_gb
+            self.pods[traj.id] = (node, now)
+            start = float(self.rng.lognormal(math.log(self.pod_start_s), self.pod_start_sigma))
+            self.loop.at(now + start, ready)
+
+    def close(self, traj: TrajectoryTrace, now: float) -> None:
+        node, since = self.pods.pop(traj.id)
+        node.requested -= self.request
+        node.memory_used -= traj.memory_gb
+        self.unit_seconds += self.request * (now - since)
+        self._admit(now)
+
+    def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
+        node, _ = self.pods[record.trajectory]
+        units = allowed_units(spec.cpu) if spec.cpu is not None else (1,)
+        fitting = [k for k in units if k <= self.dop]
+        want = min(float(fitting[-1] if fitting else units[0]), self.limit)
+        self._jid += 1
+        job = _Job(record, spec, done, spec.t1_s if spec.t1_s is not None else 1.0, want)
+        record.overhead_s = self.overheads.exec_s
+        jid = self._jid
+
+        def start() -> None:
+            record.started = self.loop.now - self.overheads.exec_s
+            record.units = want
+            self._update(node)
+            node.jobs[jid] = job
+            self._reschedule(node)
+
+        self.loop.at(self.loop.now + self.overheads.exec_s, start)
+
+    def _update(self, node: _PodNode) -> None:
+        """Advance every job on ``node`` to now at its current rate."""
+        now = self.loop.now
+        dt = now - node.last
+        if dt > 0:
+            for job in node.jobs.values():
+                job.work = max(0.0, job.work - job.rate * dt)
+        node.last = now
+
+    def _reschedule(self, node: _PodNode) -> None:
+        jobs = list(node.jobs.values())
+        shares = _water_fill([j.want for j in jobs], node.cores)
+        for job, share in zip(jobs, shares, strict=True):
+            job.rate = speedup(job.spec.efficiency, share)
+        node.version += 1
+        if not jobs:
+            return
+        version = node.version
+        soonest = min(job.work / job.rate if job.rate > 0 else math.inf for job in jobs)
+        self.loop.at(self.loop.now + soonest, lambda: self._tick(node, version))
+
+    def _tick(self, node: _PodNode, version: int) -> None:
+        if version != node.version:
+            return
+        self._update(node)
+        finished = [jid for jid, j in node.jobs.items() if j.work <= 1e-9]
+        for jid in finished:
+            job = node.jobs.pop(jid)
+            job.record.ended = self.loop.now
+            job.done(job.record)
+        self._reschedule(node)
+
+    def finish(self, now: float) -> tuple[float, list[str]]:
+        return self.unit_seconds, [f"k8s-static: most pods pending at once: {self.max_pending}"]
+
+
+def _water_fill(wants: list[float], capacity: float) -> list[float]:
+    """Max-min fair shares of ``capacity`` for the given demands."""
+    shares = [0.0] * len(wants)
+    order = sorted(range(len(wants)), key=lambda i: wants[i])
+    left, n = capacity, len(wants)
+    for pos, i in enumerate(order):
+        fair = left / (n - pos)
+        shares[i] = min(wants[i], fair)
+        left -= shares[i]
+    return shares
+
+
+# --------------------------------------------------------------------------- static-gpu
+@dataclass(slots=True)
+class _Instance:
+    service: str
+    dop: int
+    busy: bool = False
+
+
+class StaticGpuBackend:
+    """Each reward service on dedicated GPUs, always resident (seed 000 §6.1 MOPD baseline).
+
+    The cluster's GPUs are split evenly among the services; each service gets
+    instances of the largest allowed DoP that fits its share (9 services on 40 GPUs:
+    one TP-4 instance each; 1 service: five TP-8 replicas), unless ``dop`` is given.
+    An instance serves one call at a time (the same service-time model as the pooled
+    side, so the comparison isolates pooling); calls queue FIFO per service.
+    """
+
+    def __init__(
+        self, loop: EventLoop, cluster: ClusterSpec, overheads: Overheads, dop: int | None = None
+    ) -> None:
+        self.loop = loop
+        self.overheads = overheads
+        total = sum(n.gpus for n in cluster.nodes)
+        services = cluster.services
+        if not services:
+            raise ValueError("static-gpu: the cluster defines no services")
+        share = total // len(services)
+        self.instances: dict[str, list[_Instance]] = {}
+        self.queues: dict[str, deque[tuple[ActionRecord, ActionSpec, Done]]] = {}
+        self.gpus = 0
+        for svc in services:
+            choices = [k for k in svc.dop_choices if k <= (dop or share)]
+            if not choices:
+                raise ValueError(
+                    f"static-gpu: service {svc.name} gets {share} GPUs, below its DoP choices"
+                )
+            k = choices[-1]
+            count = max(1, share // k)
+            self.instances[svc.name] = [_Instance(svc.name, k) for _ in range(count)]
+            self.queues[svc.name] = deque()
+            self.gpus += k * count
+        self.unit_seconds = 0.0
+
+    def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
+        ready()
+
+    def close(self, traj: TrajectoryTrace, now: float) -> None:
+        return None
+
+    def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
+        assert spec.service is not None
+        self.queues[spec.service].append((record, spec, done))
+        self._dispatch(spec.service)
+
+    def _dispatch(self, service: str) -> None:
+        queue = self.queues[service]
+        for inst in self.instances[service]:
+            if not queue:
+                return
+            if inst.busy:
+                continue
+            record, spec, done = queue.popleft()
+            inst.busy = True
+            now = self.loop.now
+            took = self.overheads.service_s + true_duration(spec, inst.dop)
+            record.started, record.units, record.overhead_s = (
+                now,
+                inst.dop,
+                self.overheads.service_s,
+            )
+
+            def end(
+                inst: _Instance = inst, record: ActionRecord = record, done: Done = done
+            ) -> None:
+                inst.busy = False
+                record.ended = self.loop.now
+                done(record)
+                self._dispatch(inst.service)
+
+            self.loop.at(now + took, end)
+
+    def finish(self, now: float) -> tuple[float, list[str]]:
+        return self.gpus * now, [f"static-gpu: {self.gpus} GPUs dedicated for the whole run"]
+
+
+# --------------------------------------------------------------------------- unmanaged API
+@dataclass(slots=True)
+class _Provider:
+    name: str
+    concurrency: int | None
+    per_period: int | None
+    period_s: float
+    timeout_s: float
+    in_flight: int = 0
+    starts: deque[float] = field(default_factory=deque)
+    waiting: deque[Callable[[], None]] = field(default_factory=deque)
+
+    def rate_ok(self, now: float) -> bool:
+        while self.starts and self.starts[0] <= now - self.period_s:
+            self.starts.popleft()
+        return self.per_period is None or len(self.starts) < self.per_period
+
+
+class UnmanagedApiBackend:
+    """Every trajectory calls the APIs itself (seed 000 §6.1 DeepSearch baseline).
+
+    The provider enforces its limits: a call over the rate quota fails with a
+    rate-limit error after ``reject_s``; a call over the concurrency cap waits in
+    the provider's queue and fails if it is not served within ``timeout_s`` (600 s
+    in the paper). The client retries up to ``retries`` times after a backoff of
+    1, 2, 4 s; then the action fails (it still ends, and its ACT counts).
+    """
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        cluster: ClusterSpec,
+        overheads: Overheads,
+        *,
+        retries: int = 3,
+        reject_s: float = 0.2,
+    ) -> None:
+        self.loop = loop
+        self.overheads = overheads
+        self.retries, self.reject_s = retries, reject_s
+        self.providers = {
+            a.name: _Provider(a.name, a.concurrency, a.calls_per_period(), a.period_s, a.timeout_s)
+            for a in cluster.apis
+        }
+        self.unit_seconds = 0.0
+        self.errors = 0
+
+    def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
+        ready()
+
+    def close(self, traj: TrajectoryTrace, now: float) -> None:
+        return None
+
+    def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
+        record.started = self.loop.now
+        self._attempt(record, spec, done, 0)
+
+    def _attempt(self, record: ActionRecord, spec: ActionSpec, done: Done, attempt: int) -> None:
+        now = self.loop.now
+        record.attempts = attempt + 1
+        names = ([spec.api] if spec.api else []) + list(spec.quotas)
+        providers = [self.providers[n] for n in names]
+        if not all(p.rate_ok(now) for p in providers):
+            self.loop.at(now + self.reject_s, lambda: self._failed(record, spec, done, attempt))
+            return
+        full = [p for p in providers if p.concurrency is not None and p.in_flight >= p.concurrency]
+        if full:
+            provider = full[0]
+            state = {"served": False}
+
+            def serve() -> None:
+                state["served"] = True
+                self._attempt(record, spec, done, attempt)
+
+            def timeout() -> None:
+                if not state["served"]:
+                    provider.waiting.remove(serve)
+                    self._failed(record, spec, done, attempt)
+
+            provider.waiting.append(serve)
+            self.loop.at(now + provider.timeout_s, timeout)
+            return
+        for p in providers:
+            p.in_flight += 1
+            if p.per_period is not None:
+                p.starts.append(now)
+        took = self.overheads.api_s + true_duration(spec, 1)
+        self.unit_seconds += took
+
+        def end() -> None:
+            for p in providers:
+                p.in_flight -= 1
+                if p.waiting:
+                    p.waiting.popleft()()
+            record.ended = self.loop.now
+            record.units = 1
+            done(record)
+
+        self.loop.at(now + took, end)
+
+    def _failed(self, record: ActionRecord, spec: ActionSpec, done: Done, attempt: int) -> None:
+        self.errors += 1
+        if attempt >= self.retries:
+            record.ok = False
+            record.ended = self.loop.now
+            done(record)
+            return
+        backoff = float(2**attempt)
+        self.loop.at(
+            self.loop.now + backoff, lambda: self._attempt(record, spec, done, attempt + 1)
+        )
+
+    def finish(self, now: float) -> tuple[float, list[str]]:
+        return self.unit_seconds, [
+            f"unmanaged: {self.errors} failed attempts (rate limit or timeout)"
+        ]

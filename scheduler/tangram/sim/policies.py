@@ -1,0 +1,101 @@
+"""Policy names of ``tangram bench`` and how each is assembled from backends.
+
+==================== ==============================================================
+``elastic``          ARL-Tangram: every action through the scheduler, FCFS, depth 2
+``elastic-priority`` the same with ``trajectory-priority`` ordering
+``elastic-doubling`` the same with the estimate exploring doubling unit counts
+``fixed-dop-N``      action-level pooling, but elastic actions always get N units
+``k8s-static``       exec actions in a pod per trajectory (0.5 CPU request, 4 limit),
+                     single-process commands; ``k8s-static-dop-N`` runs N processes
+``static-gpu``       service calls on dedicated always-resident GPUs per service
+``unmanaged``        API calls straight to the provider, retried on errors
+==================== ==============================================================
+
+Baselines replace only the backend of the resource class they are about; the other
+action kinds still go through the elastic scheduler.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from tangram.api.action import ActionKind
+from tangram.api.cluster import ClusterSpec
+from tangram.api.trace import TrajectoryTrace
+from tangram.scheduler.core.scheduler import SchedulerConfig
+from tangram.sim.backends import (
+    K8sStaticBackend,
+    Overheads,
+    SchedulerBackend,
+    StaticGpuBackend,
+    UnmanagedApiBackend,
+)
+from tangram.sim.engine import Backend, Replay
+from tangram.sim.records import SimResult
+
+_FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
+_K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
+NAMED = ("elastic", "elastic-priority", "elastic-doubling", "static-gpu", "unmanaged")
+
+
+def check_policy(name: str) -> str:
+    """Validate a policy name; the error names the allowed forms."""
+    if name in NAMED or _FIXED.match(name) or _K8S.match(name):
+        return name
+    raise ValueError(
+        f"policy {name!r} is unknown; use one of {', '.join(NAMED)}, fixed-dop-N, "
+        "k8s-static or k8s-static-dop-N"
+    )
+
+
+def build(
+    policy: str,
+    cluster: ClusterSpec,
+    *,
+    seed: int = 0,
+    config: SchedulerConfig | None = None,
+    overheads: Overheads | None = None,
+) -> Replay:
+    check_policy(policy)
+    base = config or SchedulerConfig()
+    oh = overheads or Overheads()
+    rng = np.random.default_rng(seed)
+    if policy == "elastic-priority":
+        base = replace(base, ordering="trajectory-priority")
+    if policy == "elastic-doubling":
+        base = replace(base, explore="doubling")
+    if m := _FIXED.match(policy):
+        base = replace(base, fixed_dop=int(m.group(1)))
+    replay = Replay({}, policy)
+    pooled = SchedulerBackend(replay.loop, cluster, base, oh, rng)
+    routes: dict[ActionKind, Backend] = dict.fromkeys(ActionKind, pooled)
+    if m := _K8S.match(policy):
+        dop = int(m.group(1) or 1)
+        routes[ActionKind.EXEC] = K8sStaticBackend(replay.loop, cluster, oh, rng, dop=dop)
+    elif policy == "static-gpu":
+        routes[ActionKind.SERVICE] = StaticGpuBackend(replay.loop, cluster, oh)
+    elif policy == "unmanaged":
+        routes[ActionKind.API] = UnmanagedApiBackend(replay.loop, cluster, oh)
+    replay.routes = routes
+    replay.backends = list({id(b): b for b in routes.values()}.values())
+    return replay
+
+
+def simulate(
+    trace: Sequence[TrajectoryTrace],
+    cluster: ClusterSpec,
+    policy: str,
+    *,
+    seed: int = 0,
+    config: SchedulerConfig | None = None,
+    overheads: Overheads | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """Replay ``trace`` on ``cluster`` under ``policy``; deterministic for a seed."""
+    return build(policy, cluster, seed=seed, config=config, overheads=overheads).run(
+        trace, progress
+    )

@@ -1,0 +1,526 @@
+"""Resource managers of seed 000 §5: GPU buddy chunks, CPU cores/NUMA/memory, API quotas."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from tangram.scheduler.core.cpu_pool import CpuPool
+from tangram.scheduler.core.dp import CHUNK_SIZES, chunk_level, take_chunk
+from tangram.scheduler.core.gpu_pool import Chunk, GpuGrant, GpuPool, Instance
+from tangram.scheduler.core.quota_pool import Quota
+
+SETTINGS = settings(max_examples=120, deadline=None)
+EPS = 1e-6
+
+# ======================================================================================
+# GPU pool
+# ======================================================================================
+
+
+@dataclass
+class GpuModel:
+    """What the test knows independently of the pool: who holds what, the LRU order."""
+
+    busy: dict[Instance, None] = field(default_factory=dict)
+    lru: list[Instance] = field(default_factory=list)  # least recently used first
+
+
+def free_chunks(pool: GpuPool, node: str) -> list[Chunk]:
+    n = pool.nodes[node]
+    return [Chunk(node, start, size) for size in CHUNK_SIZES for start in n.free[size]]
+
+
+def contains(outer: Chunk, inner: Chunk) -> bool:
+    return outer.node == inner.node and outer.start <= inner.start < outer.start + outer.size
+
+
+def overlaps(a: Chunk, b: Chunk) -> bool:
+    return a.node == b.node and not set(a.gpus).isdisjoint(b.gpus)
+
+
+def check_gpu_invariants(pool: GpuPool, model: GpuModel) -> None:
+    for name, node in pool.nodes.items():
+        free = free_chunks(pool, name)
+        busy = [i.chunk for i in model.busy if i.chunk.node == name]
+        for c in free + busy:
+            assert c.size in CHUNK_SIZES
+            assert c.start % c.size == 0, f"unaligned chunk {c}"
+            assert 0 <= c.start and c.start + c.size <= node.gpus, f"chunk {c} outside the node"
+        chunks = free + busy
+        for i, a in enumerate(chunks):
+            for b in chunks[i + 1 :]:
+                assert not overlaps(a, b), f"{a} overlaps {b}"
+        # Every GPU is either in a free chunk or a busy one.
+        assert sum(c.size for c in chunks) == node.gpus
+        # Buddies are merged: no free chunk has its free buddy next to it.
+        for c in free:
+            if c.size < node.gpus:
+                assert (c.start ^ c.size) not in node.free[c.size], f"unmerged buddies at {c}"
+        # GPU memory: exactly the resident instances' shares, never over capacity.
+        for g in range(node.gpus):
+            expected = sum(
+                pool.memory_gb[i.service] / i.chunk.size
+                for i in pool.resident
+                if i.chunk.node == name and g in i.chunk.gpus
+            )
+            assert node.used_gb[g] == pytest.approx(expected, abs=EPS)
+            assert node.used_gb[g] <= node.memory_gb + EPS
+    assert set(pool.busy) == set(model.busy)
+    assert pool.busy <= set(pool.resident), "a busy instance is not resident"
+    assert list(pool.resident) == model.lru
+    counts = [0, 0, 0, 0]
+    for name in pool.nodes:
+        for c in free_chunks(pool, name):
+            counts[CHUNK_SIZES.index(c.size)] += 1
+    assert pool.chunk_counts() == tuple(counts)
+
+
+def snapshot(pool: GpuPool) -> tuple[object, ...]:
+    return (
+        {n: {s: set(v) for s, v in node.free.items()} for n, node in pool.nodes.items()},
+        {n: list(node.used_gb) for n, node in pool.nodes.items()},
+        list(pool.resident),
+        set(pool.busy),
+    )
+
+
+def check_allocation(
+    pool: GpuPool, model: GpuModel, service: str, k: int, before: tuple[object, ...]
+) -> None:
+    """Allocate and check the grant against the rules, stated from the state before."""
+    size = chunk_level(k)
+    counts = pool.chunk_counts()
+    free_before = [c for n in pool.nodes for c in free_chunks(pool, n)]
+    levels = [c.size for c in free_before if c.size >= size]
+    resident_before = list(pool.resident)
+    used_before = {n: list(node.used_gb) for n, node in pool.nodes.items()}
+    if not levels:
+        event("gpu: no free chunk")
+        assert take_chunk(counts, k) is None
+        with pytest.raises(ValueError):
+            pool.allocate(service, k)
+        assert snapshot(pool) == before
+        return
+    level = min(levels)
+    at_level = [c for c in free_before if c.size == level]
+    hits = [
+        i
+        for i in resident_before
+        if i.service == service
+        and i.chunk.size == size
+        and i not in model.busy
+        and any(contains(c, i.chunk) for c in at_level)
+    ]
+    per_gpu = pool.memory_gb[service] / size
+    if not hits and all(pool.nodes[c.node].memory_gb + EPS < per_gpu for c in at_level):
+        event("gpu: over memory")
+        with pytest.raises(ValueError):
+            pool.allocate(service, k)
+        assert snapshot(pool) == before, "a failed allocation changed the pool"
+        return
+
+    grant: GpuGrant = pool.allocate(service, k)
+    chunk = grant.chunk
+    assert chunk.size == size
+    # Best fit: the chunk was carved out of a free chunk of the smallest fitting level.
+    assert any(contains(c, chunk) for c in at_level), f"{chunk} not from a level-{level} chunk"
+    assert pool.chunk_counts() == take_chunk(counts, k)
+    inst = Instance(service, chunk)
+    # Residency: a free chunk of that level holding an idle instance of the service wins.
+    assert grant.resident == bool(hits)
+    event(f"gpu: resident={grant.resident} evicted={min(len(grant.evicted), 2)}")
+    if hits:
+        assert inst in hits
+        assert grant.evicted == ()
+        model.lru.remove(inst)
+    else:
+        node = pool.nodes[chunk.node]
+        victims = list(grant.evicted)
+        for v in victims:
+            assert v not in model.busy, f"busy instance {v} evicted"
+            assert overlaps(v.chunk, chunk), f"{v} evicted but does not share a GPU with {chunk}"
+        # LRU: victims are taken oldest first, and no older overlapping idle one is skipped.
+        positions = [resident_before.index(v) for v in victims]
+        assert positions == sorted(positions)
+        if victims:
+            for older in resident_before[: positions[-1]]:
+                if older not in model.busy and overlaps(older.chunk, chunk):
+                    assert older in victims, f"evicted newer instances but kept older {older}"
+
+        def fits(evicted: list[Instance]) -> bool:
+            for g in chunk.gpus:
+                used = used_before[chunk.node][g] - sum(
+                    pool.memory_gb[v.service] / v.chunk.size for v in evicted if g in v.chunk.gpus
+                )
+                if used + per_gpu > node.memory_gb + EPS:
+                    return False
+            return True
+
+        # ... and eviction stops as soon as the restore fits.
+        assert fits(victims)
+        if victims:
+            assert not fits(victims[:-1]), "evicted more than needed"
+        for v in victims:
+            model.lru.remove(v)
+    model.lru.append(inst)
+    model.busy[inst] = None
+
+
+gpu_pools = st.tuples(
+    st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=3),
+    st.sampled_from([24.0, 40.0, 80.0]),
+    # Footprints as fractions of one GPU's memory: sharing, eviction and refusals all occur.
+    st.lists(st.sampled_from([0.1, 0.3, 0.45, 0.6, 0.9, 1.5, 3.0]), min_size=1, max_size=4),
+)
+
+
+@SETTINGS
+@given(gpu_pools, st.data())
+def test_gpu_pool_random_allocate_release(
+    shape: tuple[list[int], float, list[float]], data: st.DataObject
+) -> None:
+    sizes, mem, footprints = shape
+    services = {f"s{i}": f * mem for i, f in enumerate(footprints)}
+    pool = GpuPool.build(((f"g{i}", n, mem) for i, n in enumerate(sizes)), services)
+    model = GpuModel()
+    check_gpu_invariants(pool, model)
+    for _ in range(data.draw(st.integers(1, 40), label="ops")):
+        op = data.draw(st.sampled_from(["alloc"] * 4 + ["release"] * 3 + ["evict_all"]))
+        if op == "alloc":
+            service = data.draw(st.sampled_from(sorted(services)), label="service")
+            k = data.draw(st.sampled_from([1, 1, 2, 2, 3, 4, 5, 8]), label="k")
+            check_allocation(pool, model, service, k, snapshot(pool))
+        elif op == "release" and model.busy:
+            inst = data.draw(st.sampled_from(list(model.busy)), label="release")
+            pool.release(inst.service, inst.chunk)
+            del model.busy[inst]
+        elif op == "evict_all":
+            service = data.draw(st.sampled_from(sorted(services)), label="evict")
+            pool.evict_all(service)
+            model.lru = [i for i in model.lru if i.service != service or i in model.busy]
+        check_gpu_invariants(pool, model)
+    # Releasing everything merges each node back into one chunk.
+    for inst in list(model.busy):
+        pool.release(inst.service, inst.chunk)
+        del model.busy[inst]
+        check_gpu_invariants(pool, model)
+    for name, node in pool.nodes.items():
+        assert free_chunks(pool, name) == [Chunk(name, 0, node.gpus)]
+
+
+def test_gpu_allocation_prefers_the_chunk_holding_the_instance() -> None:
+    pool = GpuPool.build([("g", 8, 80.0)], {"a": 10.0, "s": 10.0})
+    a = pool.allocate("a", 1)
+    s = pool.allocate("s", 1)
+    assert (a.chunk.start, s.chunk.start) == (0, 1)
+    pool.release("a", a.chunk)
+    pool.release("s", s.chunk)
+    assert pool.chunk_counts() == (0, 0, 0, 1)
+    # Cold, `s` would get GPU 0 (the leftmost); resident on GPU 1, it goes back there.
+    again = pool.allocate("s", 1)
+    assert again.chunk == Chunk("g", 1, 1)
+    assert again.resident and again.evicted == ()
+    pool.release("s", again.chunk)
+    cold = pool.allocate("s", 2)  # a DoP-2 instance is a distinct instance: not resident
+    assert cold.chunk == Chunk("g", 0, 2) and not cold.resident
+
+
+def test_gpu_allocation_same_level_resident_chunk_beats_leftmost() -> None:
+    pool = GpuPool.build([("g", 4, 80.0)], {"a": 10.0, "s": 10.0})
+    grants = [pool.allocate("a", 1), pool.allocate("a", 1), pool.allocate("s", 1)]
+    assert [g.chunk.start for g in grants] == [0, 1, 2]
+    busy3 = pool.allocate("a", 1)
+    pool.release("a", grants[0].chunk)
+    pool.release("s", grants[2].chunk)
+    # Free singles now: GPU 0 (cold for s) and GPU 2 (s resident): same level, s goes to 2.
+    assert pool.chunk_counts() == (2, 0, 0, 0)
+    assert pool.allocate("s", 1).chunk == Chunk("g", 2, 1)
+    assert busy3.chunk == Chunk("g", 3, 1)
+
+
+def test_gpu_eviction_is_least_recently_used() -> None:
+    pool = GpuPool.build([("g", 1, 80.0)], {"a": 40.0, "b": 40.0, "c": 40.0})
+    for svc in ("a", "b"):
+        g = pool.allocate(svc, 1)
+        assert g.evicted == ()
+        pool.release(svc, g.chunk)
+    g = pool.allocate("c", 1)  # 80 GB used: one of a, b must go, the older one
+    assert [i.service for i in g.evicted] == ["a"]
+    pool.release("c", g.chunk)
+    g = pool.allocate("b", 1)  # a hit refreshes b
+    assert g.resident
+    pool.release("b", g.chunk)
+    g = pool.allocate("a", 1)  # now c is the least recently used
+    assert [i.service for i in g.evicted] == ["c"]
+
+
+def test_gpu_evict_all_keeps_busy_instances() -> None:
+    pool = GpuPool.build([("g", 2, 80.0)], {"a": 10.0})
+    busy = pool.allocate("a", 1)
+    idle = pool.allocate("a", 1)
+    pool.release("a", idle.chunk)
+    pool.evict_all("a")
+    assert list(pool.resident) == [Instance("a", busy.chunk)]
+    assert pool.nodes["g"].used_gb == [10.0, 0.0]
+
+
+def test_gpu_allocation_over_memory_is_refused_without_side_effects() -> None:
+    pool = GpuPool.build([("g", 8, 24.0)], {"big": 40.0})
+    before = snapshot(pool)
+    assert not pool.fits("big", 1)
+    assert pool.fits("big", 2)
+    with pytest.raises(ValueError):
+        pool.allocate("big", 1)
+    assert snapshot(pool) == before
+    assert pool.allocate("big", 2).chunk == Chunk("g", 0, 2)
+
+
+# ======================================================================================
+# CPU pool
+# ======================================================================================
+
+
+cpu_nodes = st.lists(
+    st.tuples(st.sampled_from([1, 2, 4]), st.integers(1, 6), st.sampled_from([0.0, 8.0, 32.0])),
+    min_size=1,
+    max_size=3,
+)
+
+
+def build_cpu(spec: list[tuple[int, int, float]]) -> CpuPool:
+    return CpuPool.build(
+        (f"n{i}", numa * per, numa, mem) for i, (numa, per, mem) in enumerate(spec)
+    )
+
+
+def min_numa_nodes(free: list[int], n: int) -> int:
+    total, used = 0, 0
+    for f in sorted(free, reverse=True):
+        if total >= n:
+            break
+        total += f
+        used += 1
+    return used
+
+
+@SETTINGS
+@given(cpu_nodes, st.data())
+def test_cpu_take_give_back(spec: list[tuple[int, int, float]], data: st.DataObject) -> None:
+    pool = build_cpu(spec)
+    held: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for step in range(data.draw(st.integers(1, 30), label="ops")):
+        name = data.draw(st.sampled_from(sorted(pool.nodes)), label="node")
+        node = pool.nodes[name]
+        per = node.cores // len(node.numa)
+        if held and data.draw(st.booleans(), label="give back"):
+            key = data.draw(st.sampled_from(sorted(held)), label="holder")
+            hname, cores = held.pop(key)
+            pool.give_back(hname, cores)
+            with pytest.raises(ValueError):
+                pool.give_back(hname, cores[:1])
+        else:
+            n = data.draw(st.integers(1, node.cores + 1), label="n")
+            free_before = [set(s) for s in node.numa]
+            if n > node.free_cores:
+                with pytest.raises(ValueError):
+                    pool.take(name, n)
+                assert [set(s) for s in node.numa] == free_before
+            else:
+                cores = pool.take(name, n)
+                assert len(cores) == n == len(set(cores))
+                assert all(c in free_before[c // per] for c in cores), (
+                    "took a core that was not free"
+                )
+                used = sorted({c // per for c in cores})
+                counts = [len(s) for s in free_before]
+                fitting = [i for i, f in enumerate(counts) if f >= n]
+                if fitting:
+                    # One NUMA node, the best fit: fewest free cores among those that fit.
+                    assert used == [min(fitting, key=lambda i: (counts[i], i))]
+                else:
+                    assert len(used) == min_numa_nodes(counts, n)
+                held[step] = (name, cores)
+        # No core is free and held, none is held twice, none is lost.
+        for nm, nd in pool.nodes.items():
+            holders = [c for h, cs in held.values() if h == nm for c in cs]
+            free = [c for s in nd.numa for c in s]
+            assert len(holders) == len(set(holders))
+            assert sorted(holders + free) == list(range(nd.cores))
+
+
+def test_cpu_take_numa_rules() -> None:
+    pool = CpuPool.build([("n", 8, 2, 16.0)])  # NUMA 0: cores 0-3, NUMA 1: cores 4-7
+    first = pool.take("n", 3)
+    assert first == (0, 1, 2)
+    # NUMA 0 has 1 free, NUMA 1 has 4: a 1-core task goes to the fuller NUMA node 0.
+    assert pool.take("n", 1) == (3,)
+    # Two cores fit in NUMA 1 only.
+    assert pool.take("n", 2) == (4, 5)
+    pool.give_back("n", (0, 1, 2, 3))
+    # NUMA 0 has 4 free, NUMA 1 has 2: 5 cores span both, the larger first.
+    assert pool.take("n", 5) == (0, 1, 2, 3, 6)
+    with pytest.raises(ValueError):
+        pool.take("n", 2)
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 16), st.sampled_from([0.0, 4.0, 10.0, 16.0])),
+        min_size=1,
+        max_size=4,
+    ),
+    st.data(),
+)
+def test_cpu_choose_node_balances_memory(
+    spec: list[tuple[int, float]], data: st.DataObject
+) -> None:
+    pool = CpuPool.build((f"n{i}", max(c, 1), 1, m) for i, (c, m) in enumerate(spec))
+    for t in range(data.draw(st.integers(1, 12), label="trajectories")):
+        mem = data.draw(st.sampled_from([0.0, 1.0, 2.5, 4.0, 8.0]), label="mem")
+        min_cores = data.draw(st.integers(1, 4), label="cores")
+        free = {
+            n: data.draw(st.integers(0, node.cores), label=f"free {n}")
+            for n, node in pool.nodes.items()
+        }
+        expected = [
+            n
+            for n, node in pool.nodes.items()
+            if free[n] >= min_cores and node.free_memory_gb + 1e-9 >= mem
+        ]
+
+        def frac(n: str) -> float:
+            node = pool.nodes[n]
+            return node.free_memory_gb / node.memory_gb if node.memory_gb else 0.0
+
+        got = pool.choose_node(mem, min_cores, free)
+        if not expected:
+            assert got is None
+        else:
+            assert got == min(expected, key=lambda n: (-frac(n), n))
+            assert got in pool.memory_fits_somewhere(mem)
+            pool.place(f"t{t}", got, mem)
+            with pytest.raises(ValueError):
+                pool.place(f"t{t}", got, mem)
+        for node in pool.nodes.values():
+            assert node.memory_used_gb <= node.memory_gb + 1e-6
+            placed = sum(pool.reserved_gb[t] for t, n in pool.placement.items() if n == node.name)
+            assert node.memory_used_gb == pytest.approx(placed)
+    for t in list(pool.placement):
+        pool.unplace(t)
+    pool.unplace("never-placed")
+    for node in pool.nodes.values():
+        assert node.memory_used_gb == pytest.approx(0.0, abs=1e-9)
+
+
+def test_cpu_choose_node_prefers_free_memory_fraction_then_name() -> None:
+    pool = CpuPool.build([("a", 8, 1, 10.0), ("b", 8, 1, 20.0), ("c", 2, 1, 100.0)])
+    free = {"a": 8, "b": 8, "c": 2}
+    assert pool.choose_node(1.0, 4, free) == "a"  # c lacks the cores; a, b tie on fraction
+    pool.place("t1", "a", 5.0)
+    assert pool.choose_node(1.0, 4, free) == "b"
+    assert pool.choose_node(1.0, 2, free) == "b"  # b and c tie on fraction 1.0: by name
+    pool.place("t2", "b", 1.0)
+    assert pool.choose_node(1.0, 2, free) == "c"
+    assert pool.choose_node(50.0, 1, free) == "c"
+    assert pool.choose_node(50.0, 1, {"c": 0}) is None
+    assert pool.choose_node(200.0, 1, free) is None
+
+
+# ======================================================================================
+# Quotas
+# ======================================================================================
+
+
+def in_window(starts: list[float], now: float, period: float) -> int:
+    """Calls counted at ``now``: those that started within the last ``period`` seconds."""
+    return sum(1 for s in starts if s + period > now)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(st.none(), st.integers(1, 4)),
+    st.one_of(st.none(), st.integers(1, 4)),
+    st.floats(min_value=0.01, max_value=10.0, allow_nan=False),
+    st.data(),
+)
+def test_quota_limits_and_next_window(
+    concurrency: int | None, per_period: int | None, period: float, data: st.DataObject
+) -> None:
+    q = Quota("q", concurrency, per_period, period)
+    now = data.draw(st.floats(min_value=0.0, max_value=100.0), label="t0")
+    starts: list[float] = []
+    in_use = 0
+    for _ in range(data.draw(st.integers(1, 40), label="ops")):
+        now += data.draw(
+            st.one_of(st.just(0.0), st.floats(min_value=0.0, max_value=2 * period)), label="dt"
+        )
+        rate_room = (per_period - in_window(starts, now, period)) if per_period else 1 << 30
+        conc_room = (concurrency - in_use) if concurrency else 1 << 30
+        assert q.free(now) == max(0, min(rate_room, conc_room, 1 << 30))
+        assert rate_room >= 0 and conc_room >= 0
+        wake = q.next_window_s(now)
+        if per_period is not None and rate_room <= 0:
+            assert wake is not None and wake > now
+            # Exactly when a call can start again: at `wake`, and not a moment earlier.
+            earlier = math.nextafter(wake, -math.inf)
+            assert in_window(starts, wake, period) < per_period
+            assert in_window(starts, earlier, period) >= per_period
+            probe = Quota("q", None, per_period, period, starts=q.starts.copy())
+            assert probe.free(earlier) == 0
+            assert probe.next_window_s(earlier) == wake
+            assert probe.free(wake) >= 1
+        else:
+            assert wake is None
+        op = data.draw(st.sampled_from(["acquire", "acquire", "release"]), label="op")
+        if op == "acquire":
+            n = data.draw(st.integers(1, 3), label="n")
+            if n > q.free(now):
+                with pytest.raises(ValueError):
+                    q.acquire(now, n)
+            else:
+                q.acquire(now, n)
+                in_use += n
+                starts.extend([now] * n)
+        else:
+            n = data.draw(st.integers(1, 3), label="release")
+            if n > in_use:
+                with pytest.raises(ValueError):
+                    q.release(n)
+            else:
+                q.release(n)
+                in_use -= n
+        assert q.in_use == in_use
+        if concurrency is not None:
+            assert in_use <= concurrency
+        if per_period is not None:
+            assert in_window(starts, now, period) <= per_period
+
+
+def test_quota_rate_window_reopens_exactly_at_next_window() -> None:
+    # 62.3503056144171 + 2.5 - 2.5 < 62.3503056144171 in floating point: a window check
+    # written as `start <= now - period` would still count the call at the reported time.
+    q = Quota("q", None, 1, 2.5)
+    q.acquire(62.3503056144171, 1)
+    q.release(1)
+    wake = q.next_window_s(63.0)
+    assert wake == 62.3503056144171 + 2.5
+    assert q.free(math.nextafter(wake, -math.inf)) == 0
+    assert q.free(wake) == 1
+    assert q.next_window_s(wake) is None
+
+
+def test_quota_concurrency_blocks_without_a_window() -> None:
+    q = Quota("q", 2, None, 1.0)
+    q.acquire(0.0, 2)
+    assert q.free(5.0) == 0
+    assert q.next_window_s(5.0) is None  # waiting on a release, not on time
+    q.release(1)
+    assert q.free(5.0) == 1
+    with pytest.raises(ValueError):
+        q.release(2)

@@ -1,0 +1,249 @@
+"""Behaviour of the scheduler core on small, hand-checked states."""
+
+from __future__ import annotations
+
+import pytest
+
+from tangram.scheduler import Scheduler, SchedulerConfig, SchedulingError, dp_arrange
+from tangram.scheduler.core.profiles import ProfileBook
+
+from .helpers import api_call, cluster, elastic, exec_action, service_call
+
+
+def one_node(cpus: int = 8, numa: int = 2, memory: float = 64.0, **kw: object) -> Scheduler:
+    return Scheduler(
+        cluster(nodes=[{"name": "n1", "cpus": cpus, "numa_nodes": numa, "memory_gb": memory}]),
+        SchedulerConfig(**kw),  # type: ignore[arg-type]
+    )
+
+
+def test_elastic_candidates_share_free_cores_as_the_dp_says() -> None:
+    s = one_node(8)
+    specs = {"a": elastic(1, 8, 20, 0.9), "b": elastic(1, 8, 30, 0.95), "c": exec_action(1, 1.0)}
+    for aid, spec in specs.items():
+        s.open_trajectory(f"t-{aid}")
+        s.submit(aid, f"t-{aid}", spec, 0.0)
+    got = {a.action_id: a for a in s.schedule(0.0).assignments}
+    assert set(got) == {"a", "b", "c"}
+    durations = [
+        {k: specs[x].t1_s * ((1 - p) + p / k) for k in range(1, 9)}  # type: ignore[operator]
+        for x, p in (("a", 0.9), ("b", 0.95))
+    ]
+    _, best = dp_arrange([*durations, {1: 1.0}], 8)
+    assert [got["a"].units, got["b"].units, got["c"].units] == best
+    cores = [set(a.cores) for a in got.values()]
+    assert sum(len(c) for c in cores) == 8 and len(set().union(*cores)) == 8  # exclusive
+
+
+def test_cores_of_one_action_come_from_one_numa_node_when_possible() -> None:
+    s = one_node(8, numa=2)
+    for i in range(2):
+        s.open_trajectory(f"t{i}")
+        s.submit(f"a{i}", f"t{i}", exec_action(4, 1.0), 0.0)
+    for a in s.schedule(0.0).assignments:
+        assert {c // 4 for c in a.cores} in ({0}, {1})
+
+
+def test_waiting_for_units_beats_starting_at_the_minimum() -> None:
+    # 1 core is free; 31 are held by an action that ends in 0.1 s. A long elastic action
+    # should wait for them rather than start now with one core (Algorithm 1 may evict all).
+    s = one_node(32, numa=1)
+    s.open_trajectory("busy")
+    s.adopt("hold", "busy", exec_action(31, 0.1), units=31, started_at=0.0)
+    s.open_trajectory("t")
+    s.submit("long", "t", elastic(1, 32, 1000.0, 0.99), 0.0)
+    first = s.schedule(0.0)
+    assert first.assignments == ()
+    assert any(aid == "long" and "evicted" in why for aid, why in first.blocked)
+    s.complete("hold", 0.1)
+    (asg,) = s.schedule(0.1).assignments
+    assert asg.units == 32
+
+
+def test_without_pending_releases_the_head_starts_now() -> None:
+    s = one_node(4, numa=1)
+    s.open_trajectory("t")
+    s.submit("a", "t", elastic(1, 8, 100.0), 0.0)
+    (asg,) = s.schedule(0.0).assignments
+    assert asg.units == 4  # all free cores, capped by the node
+
+
+def test_trajectory_stays_on_its_node_and_memory_is_balanced() -> None:
+    s = Scheduler(
+        cluster(
+            nodes=[
+                {"name": "a", "cpus": 4, "memory_gb": 100},
+                {"name": "b", "cpus": 4, "memory_gb": 100},
+            ]
+        )
+    )
+    s.open_trajectory("t1", memory_gb=60)
+    s.open_trajectory("t2", memory_gb=10)
+    s.submit("x", "t1", exec_action(1, 1.0), 0.0)
+    (x,) = s.schedule(0.0).assignments
+    s.submit("y", "t2", exec_action(1, 1.0), 0.0)
+    (y,) = s.schedule(0.0).assignments
+    assert x.node != y.node  # t2 goes to the node with more free memory
+    s.complete("x", 1.0)
+    s.submit("x2", "t1", exec_action(1, 1.0), 1.0)
+    (x2,) = s.schedule(1.0).assignments
+    assert x2.node == x.node
+    with pytest.raises(SchedulingError, match="memory_gb"):
+        s.open_trajectory("huge", memory_gb=101)
+
+
+def test_fcfs_head_blocks_its_node_but_not_other_resources() -> None:
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "a", "cpus": 2, "memory_gb": 10}],
+            apis=[{"name": "search", "concurrency": 1}],
+        )
+    )
+    for t in ("t1", "t2", "t3"):
+        s.open_trajectory(t)
+    s.place_trajectory("t1", "a")
+    s.place_trajectory("t2", "a")
+    s.submit("big", "t1", exec_action(3 - 1, 1.0), 0.0)
+    s.schedule(0.0)
+    s.submit("wide", "t1", exec_action(2, 1.0), 0.0)  # cannot fit: the node is full
+    s.submit("small", "t2", exec_action(1, 1.0), 0.0)  # behind it on the same node
+    s.submit("q", "t3", api_call("search"), 0.0)  # unrelated resource
+    r = s.schedule(0.0)
+    assert [a.action_id for a in r.assignments] == ["q"]
+    s.complete("big", 1.0)
+    assert [a.action_id for a in s.schedule(1.0).assignments] == ["wide"]
+
+
+def test_rate_quota_sets_a_wake_up_time() -> None:
+    s = Scheduler(
+        cluster(nodes=[{"name": "a"}], apis=[{"name": "search", "rate_per_s": 2, "period_s": 1}])
+    )
+    s.open_trajectory("t")
+    for i in range(3):
+        s.submit(f"q{i}", "t", api_call("search", 0.01), 0.0)
+    r = s.schedule(0.0)
+    assert len(r.assignments) == 2
+    assert r.wake_at == pytest.approx(1.0)
+    for a in r.assignments:
+        s.complete(a.action_id, 0.01)
+    assert s.schedule(0.5).assignments == ()
+    assert [a.action_id for a in s.schedule(1.0).assignments] == ["q2"]
+
+
+def test_gpu_calls_reuse_resident_instances_and_evict_lru() -> None:
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "g", "gpus": 2, "gpu_memory_gb": 80}],
+            services=[
+                {"name": "a", "gpu_memory_gb": 60, "dop_choices": [1], "restore_s": 2},
+                {"name": "b", "gpu_memory_gb": 60, "dop_choices": [1], "restore_s": 2},
+                {"name": "c", "gpu_memory_gb": 60, "dop_choices": [1], "restore_s": 2},
+            ],
+        )
+    )
+    s.open_trajectory("t")
+    now = 0.0
+    restored = []
+    for i, svc in enumerate(["a", "b", "a", "c", "b"]):
+        s.submit(f"x{i}", "t", service_call(svc), now)
+        (asg,) = s.schedule(now).assignments
+        restored.append((svc, asg.restore, asg.evicted))
+        now += 1.0
+        s.complete(asg.action_id, now)
+    assert restored[0][1] and restored[1][1]  # cold
+    assert restored[2] == ("a", False, ())  # resident: no restore
+    # c needs a GPU: b was used less recently than a, so b is evicted.
+    assert restored[3][1] and restored[3][2] == ("b@g:1+1",)
+    assert restored[4][1]  # b must be restored again
+
+
+def test_unknown_targets_and_impossible_demands_are_rejected_with_the_field() -> None:
+    s = one_node(4)
+    s.open_trajectory("t")
+    with pytest.raises(SchedulingError) as e:
+        s.submit("a", "t", service_call("nope"), 0.0)
+    assert e.value.field == "service"
+    with pytest.raises(SchedulingError, match="unknown API quota"):
+        s.submit("b", "t", api_call("nope"), 0.0)
+    with pytest.raises(SchedulingError, match="exceeds the largest node"):
+        s.submit("c", "t", exec_action(5), 0.0)
+    s.submit("d", "t", exec_action(1), 0.0)
+    with pytest.raises(SchedulingError, match="already exists"):
+        s.submit("d", "t", exec_action(1), 0.0)
+    with pytest.raises(SchedulingError, match="not open"):
+        s.submit("e", "missing", exec_action(1), 0.0)
+    with pytest.raises(SchedulingError, match="depth"):
+        SchedulerConfig(depth=0)
+
+
+def test_fixed_dop_and_non_elastic_configs_restrict_units() -> None:
+    for cfg, expected in (({"fixed_dop": 4}, 4), ({"elastic": False}, 2)):
+        s = one_node(16, numa=1, **cfg)
+        s.open_trajectory("t")
+        s.submit("a", "t", elastic(2, 32, 100.0), 0.0)
+        (asg,) = s.schedule(0.0).assignments
+        assert asg.units == expected
+
+
+def test_profile_book_learns_amdahl_from_observations() -> None:
+    book = ProfileBook(min_samples=8, max_p_stderr=0.05)
+    t1, p = 120.0, 0.9
+    for i in range(12):
+        m = (1, 2, 4, 8)[i % 4]
+        book.observe("tests", m, t1 * ((1 - p) + p / m) * (1.0 + 0.01 * ((-1) ** i)))
+    prof = book.learned("tests")
+    assert prof is not None
+    assert prof.t1_s == pytest.approx(t1, rel=0.05)
+    assert prof.duration(4) == pytest.approx(t1 * (0.1 + 0.9 / 4), rel=0.05)
+    assert book.learned("other") is None
+    assert book.mean_duration("other") == book.default_s
+
+
+def test_unprofiled_elastic_type_is_probed_then_scheduled_elastically() -> None:
+    s = one_node(32, numa=1)
+    seen = []
+    now = 0.0
+    for i in range(24):
+        tid = f"t{i}"
+        s.open_trajectory(tid)
+        s.submit(f"a{i}", tid, exec_action({"min": 1, "max": 16}, type_="suite"), now)
+        (asg,) = s.schedule(now).assignments
+        seen.append(asg.units)
+        now += 60.0 * (0.2 + 0.8 / asg.units)  # the truth: t1 60 s, p 0.8
+        s.complete(asg.action_id, now)
+        s.close_trajectory(tid)
+    assert set(seen[:8]) == {1, 2}  # minimum, plus every 4th offered twice the minimum
+    assert s.book.learned("suite") is not None
+    assert max(seen[-4:]) > 2  # once trusted, the elastic algorithm takes over
+
+
+def test_trajectory_priority_orders_longer_trajectories_first_and_ages() -> None:
+    s = one_node(1, numa=1, ordering="trajectory-priority", ageing_factor=2.0, min_age_s=0.0)
+    s.open_trajectory("short", hint_steps=1)
+    s.open_trajectory("long", hint_steps=50)
+    s.open_trajectory("blocker")
+    s.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
+    s.submit("s", "short", exec_action(1, 10.0), 0.0)
+    s.submit("l", "long", exec_action(1, 10.0), 0.5)
+    s.complete("hold", 1.0)
+    assert [a.action_id for a in s.schedule(1.0).assignments] == ["l"]
+    # Ageing: after waiting ageing_factor x its expected duration, "s" goes before newer work.
+    s.submit("l2", "long", exec_action(1, 10.0), 15.0)
+    s.complete("l", 25.0)
+    assert [a.action_id for a in s.schedule(25.0).assignments] == ["s"]
+
+
+def test_cancel_and_close_drop_queued_actions() -> None:
+    s = one_node(1, numa=1)
+    s.open_trajectory("t")
+    s.submit("a", "t", exec_action(1, 1.0), 0.0)
+    s.submit("b", "t", exec_action(1, 1.0), 0.0)
+    assert s.cancel("b") is True
+    assert s.cancel("b") is False
+    (asg,) = s.schedule(0.0).assignments
+    s.submit("c", "t", exec_action(1, 1.0), 0.0)
+    with pytest.raises(SchedulingError, match="running"):
+        s.close_trajectory("t")
+    s.complete(asg.action_id, 1.0)
+    assert s.close_trajectory("t") == ["c"]
+    assert s.queued == 0
