@@ -103,7 +103,9 @@ def clusters(draw: st.DrawFn) -> ClusterSpec:
             nodes.append(NodeSpec(name="g", gpus=gpus, gpu_memory_gb=GPU_MEMORY))
         for s in range(draw(st.integers(1, 2))):
             dops = draw(
-                st.lists(st.sampled_from([d for d in (1, 2, 4, 8) if d <= gpus]), min_size=1, unique=True)
+                st.lists(
+                    st.sampled_from([d for d in (1, 2, 4, 8) if d <= gpus]), min_size=1, unique=True
+                )
             )
             fraction = draw(st.sampled_from([0.2, 0.5, 0.9]))
             services.append(
@@ -192,7 +194,9 @@ def workloads(draw: st.DrawFn, extra_quotas: bool = True) -> Workload:
                 spec = draw(service_specs(cluster, extra_quotas))
             else:
                 spec = ActionSpec(
-                    kind=ActionKind.API, api=API, t1_s=draw(st.one_of(st.none(), st.floats(0.1, 5.0)))
+                    kind=ActionKind.API,
+                    api=API,
+                    t1_s=draw(st.one_of(st.none(), st.floats(0.1, 5.0))),
                 )
             think = draw(st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
             factor = draw(st.one_of(st.just(1.0), st.floats(0.25, 2.0)))
@@ -340,7 +344,9 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
             )
             break
         sim.rounds += 1
-        assert sim.rounds <= cap, f"no progress after {sim.rounds} rounds; queued {sorted(sim.queued)}"
+        assert sim.rounds <= cap, (
+            f"no progress after {sim.rounds} rounds; queued {sorted(sim.queued)}"
+        )
         sim.now = min(nxt)
     assert sim.started == set(sim.order)
     assert len(sim.order) == w.actions
@@ -758,7 +764,10 @@ def test_placed_trajectory_does_not_starve_behind_new_trajectories() -> None:
 )
 def test_action_larger_than_its_trajectorys_node_is_rejected_or_harmless() -> None:
     cluster = ClusterSpec(
-        nodes=[NodeSpec(name="small", cpus=4, memory_gb=10), NodeSpec(name="big", cpus=16, memory_gb=1)]
+        nodes=[
+            NodeSpec(name="small", cpus=4, memory_gb=10),
+            NodeSpec(name="big", cpus=16, memory_gb=1),
+        ]
     )
     sched = Scheduler(cluster)
     for t in ("t", "u"):

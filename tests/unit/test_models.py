@@ -81,7 +81,10 @@ def test_table_efficiency_interpolates_and_flattens_beyond_the_table() -> None:
 
 
 def test_elastic_key_is_inferred_and_checked() -> None:
-    assert ActionSpec.model_validate({"kind": "exec", "cpu": {"min": 1, "max": 8}}).elastic_key() == "cpu"
+    assert (
+        ActionSpec.model_validate({"kind": "exec", "cpu": {"min": 1, "max": 8}}).elastic_key()
+        == "cpu"
+    )
     assert ActionSpec.model_validate({"kind": "service", "service": "rm"}).elastic_key() == "gpu"
     assert ActionSpec.model_validate({"kind": "exec", "cpu": 1}).elastic_key() is None
     assert "key" in _error({"kind": "exec", "cpu": 1, "key": "gpu"})
@@ -101,7 +104,10 @@ def test_cluster_validation() -> None:
         ClusterSpec.model_validate({"nodes": [{"name": "a"}, {"name": "a"}]})
     with pytest.raises(ValidationError, match="powers of two"):
         ClusterSpec.model_validate(
-            {"nodes": [{"name": "a"}], "services": [{"name": "s", "gpu_memory_gb": 1, "dop_choices": [3]}]}
+            {
+                "nodes": [{"name": "a"}],
+                "services": [{"name": "s", "gpu_memory_gb": 1, "dop_choices": [3]}],
+            }
         )
 
 
@@ -109,7 +115,9 @@ def test_trace_errors_carry_line_and_field() -> None:
     good = '{"version":1,"id":"t1","steps":[{"think_s":1,"action":{"kind":"exec","t1_s":2}}]}'
     assert load_trace([good, ""])[0].steps[0].action.t1_s == 2
     with pytest.raises(TraceError) as e:
-        load_trace([good, '{"version":1,"id":"t2","steps":[{"think_s":-1,"action":{"kind":"exec"}}]}'])
+        load_trace(
+            [good, '{"version":1,"id":"t2","steps":[{"think_s":-1,"action":{"kind":"exec"}}]}']
+        )
     assert e.value.line == 2
     assert "steps.0.think_s" in str(e.value)
     with pytest.raises(TraceError, match="duplicate trajectory id"):

@@ -203,7 +203,9 @@ def test_restore_cost_is_the_note_model_at_every_dop() -> None:
     # Note §1.6: restore(m) = 1 s + (weights / m) / 25 GB/s.
     for svc in scenario_cluster("mixed").services:
         for m in svc.dop_choices:
-            assert svc.restore_cost(m) == pytest.approx(1.0 + svc.gpu_memory_gb / m / 25.0, abs=1e-3)
+            assert svc.restore_cost(m) == pytest.approx(
+                1.0 + svc.gpu_memory_gb / m / 25.0, abs=1e-3
+            )
     assert restore_seconds(64.0) == pytest.approx(2.56)
 
 
