@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from tangram.api import ClusterSpec, TrajectoryTrace
+from tangram.api.demand import AmdahlEfficiency
 from tangram.sim.backends import Overheads, _water_fill, speedup
 from tangram.sim.policies import check_policy, simulate
 from tangram.sim.tracegen import generate, scenario_cluster
-from tangram.api.demand import AmdahlEfficiency
 
 NO_OVERHEAD = Overheads(exec_s=0.0, profile_noise=0.0)
 
@@ -105,7 +105,10 @@ def test_static_gpu_splits_gpus_evenly_and_queues_per_service() -> None:
 
 def test_unmanaged_api_calls_fail_after_retries_when_over_the_rate() -> None:
     cluster = ClusterSpec.model_validate(
-        {"nodes": [{"name": "n"}], "apis": [{"name": "search", "rate_per_s": 0.01, "period_s": 100}]}
+        {
+            "nodes": [{"name": "n"}],
+            "apis": [{"name": "search", "rate_per_s": 0.01, "period_s": 100}],
+        }
     )
     step = [{"think_s": 0.0, "action": {"kind": "api", "api": "search", "t1_s": 1.0}}]
     trace = [traj(f"t{i}", step) for i in range(2)]
@@ -131,3 +134,18 @@ def test_policy_names_are_checked() -> None:
     for bad in ("fixed-dop-0", "k8s", "elastic2"):
         with pytest.raises(ValueError, match="unknown"):
             check_policy(bad)
+
+
+def test_static_instances_batch_concurrent_calls_with_a_slowdown() -> None:
+    cluster = ClusterSpec.model_validate(
+        {
+            "nodes": [{"name": "g", "gpus": 4}],
+            "services": [{"name": "rm", "gpu_memory_gb": 10, "dop_choices": [4]}],
+        }
+    )
+    step = [{"think_s": 0.0, "action": {"kind": "service", "service": "rm", "t1_s": 10.0}}]
+    trace = [traj(f"t{i}", step) for i in range(3)]
+    r = simulate(trace, cluster, "static-gpu", overheads=NO_OVERHEAD)
+    # One TP-4 instance; all three calls run at once, admitted with 0, 1 and 2 in flight.
+    assert sorted(rec.started for rec in r.records) == [0.0, 0.0, 0.0]
+    assert sorted(rec.act_s for rec in r.records) == pytest.approx([10.0, 11.0, 12.0])

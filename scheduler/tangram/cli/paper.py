@@ -92,7 +92,12 @@ def coding_capacity(out: Path, batch: int, nodes: Sequence[int], seed: int) -> d
 
 
 def gpu_savings(out: Path, batch: int, gpu_counts: Sequence[int], seed: int) -> dict[str, Any]:
-    """Fewest pooled GPUs whose avg ACT matches static deployments on all 40 (Fig. 8b right)."""
+    """Fewest pooled GPUs whose reward-call ACT matches static deployments on 40 (Fig. 8b right).
+
+    The figure compared is the average ACT of the service (reward/teacher) calls, the
+    actions the GPUs serve; API and exec actions ride along unchanged in both runs.
+    """
+    metric = "avg_act_service_s"
     full = scenario_cluster("mixed")
     trace = generate("mixed", batch, seed)
     static = replay_all(trace, full, ["static-gpu"], seed=seed)["static-gpu"].summary()
@@ -102,25 +107,26 @@ def gpu_savings(out: Path, batch: int, gpu_counts: Sequence[int], seed: int) -> 
             "elastic"
         ].summary()
         note(
-            f"mixed batch {batch}: elastic on {g} GPUs avg ACT {pooled[g]['avg_act_s']:.2f} s "
-            f"(static-gpu on 40: {static['avg_act_s']:.2f} s)"
+            f"mixed batch {batch}: elastic on {g} GPUs, service ACT {pooled[g][metric]:.2f} s "
+            f"(static-gpu on 40: {static[metric]:.2f} s)"
         )
-    enough = [g for g in sorted(pooled) if pooled[g]["avg_act_s"] <= static["avg_act_s"]]
+    enough = [g for g in sorted(pooled) if pooled[g][metric] <= static[metric]]
     xs = sorted(pooled)
     lines(
         xs,
         {
-            "elastic (pooled)": [pooled[g]["avg_act_s"] for g in xs],
-            "static-gpu on 40 GPUs": [static["avg_act_s"]] * len(xs),
+            "elastic (pooled)": [pooled[g][metric] for g in xs],
+            "static-gpu on 40 GPUs": [static[metric]] * len(xs),
         },
         out / "gpu-savings.png",
         xlabel="GPUs in the pool",
-        ylabel="avg ACT (s)",
+        ylabel="avg service-call ACT (s)",
         title=f"MOPD+Search, 10 services, batch {batch} (Fig. 8b right)",
         logy=True,
     )
     return {
         "batch": batch,
+        "metric": metric,
         "static_gpu_40": static,
         "pooled": {str(g): s for g, s in pooled.items()},
         "fewest_gpus_matching_static": enough[0] if enough else None,
@@ -153,7 +159,10 @@ def run_paper(out: Path, *, quick: bool = False, seed: int = 0) -> dict[str, Any
         "mopd", 256 if quick else 2048, scenario_cluster("mopd"), ("elastic", "static-gpu"), seed
     )
     report["gpu_savings"] = gpu_savings(
-        out, 128 if quick else 1024, (8, 16, 40) if quick else (8, 12, 16, 20, 24, 32, 40), seed
+        out,
+        128 if quick else 1024,
+        (4, 8, 40) if quick else (4, 6, 8, 10, 12, 16, 24, 40),
+        seed,
     )
     report["wall_s"] = time.perf_counter() - started
     path = out / ("paper-quick.json" if quick else "paper.json")

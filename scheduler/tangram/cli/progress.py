@@ -14,7 +14,7 @@ _err = Console(stderr=True)
 @contextmanager
 def bar(label: str, total: int, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
     """Yields ``update(done, total)``."""
-    if not enabled:
+    if not enabled or not _err.is_terminal:
         yield lambda done, total: None
         return
     with Progress(

@@ -304,7 +304,7 @@ def _water_fill(wants: list[float], capacity: float) -> list[float]:
 class _Instance:
     service: str
     dop: int
-    busy: bool = False
+    in_flight: int = 0
 
 
 class StaticGpuBackend:
@@ -313,15 +313,26 @@ class StaticGpuBackend:
     The cluster's GPUs are split evenly among the services; each service gets
     instances of the largest allowed DoP that fits its share (9 services on 40 GPUs:
     one TP-4 instance each; 1 service: five TP-8 replicas), unless ``dop`` is given.
-    An instance serves one call at a time (the same service-time model as the pooled
-    side, so the comparison isolates pooling); calls queue FIFO per service.
+    An instance batches like an inference server (SGLang in the paper): up to
+    ``max_batch`` calls in flight, each slowed by ``1 + batch_slowdown·(k-1)`` where k is
+    the number in flight when it is admitted (fixed at admission: a simplification of
+    continuous batching). Further calls queue FIFO per service. The pooled side runs one
+    call per GPU chunk, as ARL-Tangram's GPU manager does, so batching favours the baseline.
     """
 
     def __init__(
-        self, loop: EventLoop, cluster: ClusterSpec, overheads: Overheads, dop: int | None = None
+        self,
+        loop: EventLoop,
+        cluster: ClusterSpec,
+        overheads: Overheads,
+        dop: int | None = None,
+        *,
+        max_batch: int = 8,
+        batch_slowdown: float = 0.1,
     ) -> None:
         self.loop = loop
         self.overheads = overheads
+        self.max_batch, self.batch_slowdown = max_batch, batch_slowdown
         total = sum(n.gpus for n in cluster.nodes)
         services = cluster.services
         if not services:
@@ -356,15 +367,15 @@ class StaticGpuBackend:
 
     def _dispatch(self, service: str) -> None:
         queue = self.queues[service]
-        for inst in self.instances[service]:
-            if not queue:
+        while queue:
+            inst = min(self.instances[service], key=lambda i: i.in_flight)
+            if inst.in_flight >= self.max_batch:
                 return
-            if inst.busy:
-                continue
             record, spec, done = queue.popleft()
-            inst.busy = True
+            slowdown = 1.0 + self.batch_slowdown * inst.in_flight
+            inst.in_flight += 1
             now = self.loop.now
-            took = self.overheads.service_s + true_duration(spec, inst.dop)
+            took = self.overheads.service_s + true_duration(spec, inst.dop) * slowdown
             record.started, record.units, record.overhead_s = (
                 now,
                 inst.dop,
@@ -374,7 +385,7 @@ class StaticGpuBackend:
             def end(
                 inst: _Instance = inst, record: ActionRecord = record, done: Done = done
             ) -> None:
-                inst.busy = False
+                inst.in_flight -= 1
                 record.ended = self.loop.now
                 done(record)
                 self._dispatch(inst.service)

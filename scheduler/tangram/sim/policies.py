@@ -39,7 +39,13 @@ from tangram.sim.records import SimResult
 
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
 _K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
-NAMED = ("elastic", "elastic-priority", "elastic-doubling", "static-gpu", "unmanaged")
+NAMED = (
+    "elastic",
+    "elastic-priority",
+    "elastic-doubling",
+    "static-gpu",
+    "unmanaged",
+)
 
 
 def check_policy(name: str) -> str:

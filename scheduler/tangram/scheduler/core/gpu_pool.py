@@ -165,12 +165,15 @@ class GpuPool:
         A position already holding the requested instance wins (seed 000 §5.3); after
         that, the one whose GPUs need the least resident memory evicted (our addition:
         otherwise a free, empty GPU could be passed over for one holding a warm model).
+        Positions on nodes whose GPUs are too small for the instance even when empty
+        come last, so ``allocate`` fails only when no position of the level can hold it.
         """
         need = self.memory_gb[service] / size
         recency = {inst: i for i, inst in enumerate(self.resident)}  # 0 = least recently used
         for level in (s for s in CHUNK_SIZES if s >= size):
-            best: tuple[tuple[int, float, int, str, int], Chunk] | None = None
+            best: tuple[tuple[int, int, float, int, str, int], Chunk] | None = None
             for node in self.nodes.values():
+                too_small = 0 if need <= node.memory_gb + 1e-9 else 1
                 for start in node.free[level]:
                     for sub in range(start, start + level, size):
                         chunk = Chunk(node.name, sub, size)
@@ -192,7 +195,7 @@ class GpuPool:
                             if excess > 0
                             else -1
                         )
-                        key = (0 if hit else 1, excess, newest, node.name, sub)
+                        key = (too_small, 0 if hit else 1, excess, newest, node.name, sub)
                         if best is None or key < best[0]:
                             best = (key, chunk)
             if best is not None:

@@ -278,6 +278,7 @@ class Scheduler:
                 traj.busy_s += took
                 if self.config.learn and a.profile is None:
                     self.book.observe(a.type, asg.units, took)
+
         return asg
 
     def adopt(
@@ -681,12 +682,13 @@ class Scheduler:
             )
         else:
             node = resource.removeprefix("cpu:")
+            capacity = self.cpu.nodes[node].free_cores
             arrangement = greedy_evict(
                 durations,
                 rest,
                 running,
                 self.config.depth,
-                capacity=self.cpu.nodes[node].free_cores,
+                capacity=capacity,
                 doubling=doubling,
             )
         return list(arrangement.units), GroupDecision(
