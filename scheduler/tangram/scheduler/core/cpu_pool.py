@@ -9,6 +9,7 @@ fewest NUMA nodes.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class CpuNode:
     name: str
-    numa: list[set[int]]  # free core ids per NUMA node
+    numa: list[list[int]]  # free core ids per NUMA node, ascending
     cores: int
     memory_gb: float
     memory_used_gb: float = 0.0
@@ -44,7 +45,7 @@ class CpuPool:
             if cores <= 0:
                 continue
             per = cores // numa_nodes
-            numa = [set(range(i * per, (i + 1) * per)) for i in range(numa_nodes)]
+            numa = [list(range(i * per, (i + 1) * per)) for i in range(numa_nodes)]
             pool.nodes[name] = CpuNode(name, numa, cores, memory_gb)
         return pool
 
@@ -99,9 +100,8 @@ class CpuPool:
             want = n - len(taken)
             if want == 0:
                 break
-            picked = sorted(cpu.numa[i])[:want]
-            cpu.numa[i].difference_update(picked)
-            taken.extend(picked)
+            taken.extend(cpu.numa[i][:want])
+            del cpu.numa[i][:want]
         return tuple(sorted(taken))
 
     def give_back(self, node: str, cores: Iterable[int]) -> None:
@@ -109,6 +109,7 @@ class CpuPool:
         per = cpu.cores // len(cpu.numa)
         for c in cores:
             bucket = cpu.numa[c // per]
-            if c in bucket:
+            i = bisect.bisect_left(bucket, c)
+            if i < len(bucket) and bucket[i] == c:
                 raise ValueError(f"node {node}: core {c} returned twice")
-            bucket.add(c)
+            bucket.insert(i, c)

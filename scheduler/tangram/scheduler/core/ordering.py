@@ -41,6 +41,30 @@ class LengthModel:
         return sum(longer) / len(longer) - taken
 
 
+class FifoQueue:
+    """Queued action ids in submission order: a dict keeps insertion order, O(1) removal."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, None] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, action_id: str) -> bool:
+        return action_id in self._ids
+
+    def push(
+        self, action_id: str, key: tuple[float, ...], seq: int, deadline: float | None
+    ) -> None:
+        self._ids[action_id] = None
+
+    def remove(self, action_id: str) -> None:
+        del self._ids[action_id]
+
+    def order(self, now: float) -> Iterator[str]:
+        return iter(self._ids)
+
+
 class OrderedQueue:
     """Queued action ids in policy order, with an optional ageing deadline per entry."""
 

@@ -37,7 +37,7 @@ from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
 from tangram.scheduler.core.elastic import EvictionStep, greedy_evict
 from tangram.scheduler.core.gpu_pool import Chunk, GpuPool
 from tangram.scheduler.core.objective import Pending
-from tangram.scheduler.core.ordering import LengthModel, OrderedQueue
+from tangram.scheduler.core.ordering import FifoQueue, LengthModel, OrderedQueue
 from tangram.scheduler.core.profiles import Profile, ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
 
@@ -187,7 +187,9 @@ class Scheduler:
         self.lengths = LengthModel()
         self.trajectories: dict[str, Trajectory] = {}
         self.actions: dict[str, Action] = {}
-        self.queue = OrderedQueue()
+        self.queue: FifoQueue | OrderedQueue = (
+            FifoQueue() if self.config.ordering == "fcfs" else OrderedQueue()
+        )
         self.running: dict[str, _Running] = {}
         self._seq = 0
         # Queued demand per resource, so a round stops walking once every resource anyone
