@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tangram.scheduler import dp_arrange, dp_arrange_chunks
 from tangram.scheduler.core.dp import (
     CHUNK_SIZES,

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+
 from tangram.scheduler.core.cpu_pool import CpuPool
 from tangram.scheduler.core.dp import CHUNK_SIZES, chunk_level, take_chunk
 from tangram.scheduler.core.gpu_pool import Chunk, GpuGrant, GpuPool, Instance
 from tangram.scheduler.core.quota_pool import Quota
 
-SETTINGS = settings(max_examples=120, deadline=None)
+SETTINGS = settings(max_examples=200, deadline=None)
 EPS = 1e-6
 
 # ======================================================================================
@@ -50,7 +50,7 @@ def check_gpu_invariants(pool: GpuPool, model: GpuModel) -> None:
         for c in free + busy:
             assert c.size in CHUNK_SIZES
             assert c.start % c.size == 0, f"unaligned chunk {c}"
-            assert 0 <= c.start and c.start + c.size <= node.gpus, f"chunk {c} outside the node"
+            assert c.start >= 0 and c.start + c.size <= node.gpus, f"chunk {c} outside the node"
         chunks = free + busy
         for i, a in enumerate(chunks):
             for b in chunks[i + 1 :]:
@@ -96,18 +96,24 @@ def check_allocation(
     size = chunk_level(k)
     counts = pool.chunk_counts()
     free_before = [c for n in pool.nodes for c in free_chunks(pool, n)]
-    levels = [c.size for c in free_before if c.size >= size]
+    per_gpu = pool.memory_gb[service] / size
+    # Only nodes whose GPUs can hold the instance at all are considered.
+    usable = [c for c in free_before if pool.nodes[c.node].memory_gb + EPS >= per_gpu]
+    levels = [c.size for c in usable if c.size >= size]
     resident_before = list(pool.resident)
     used_before = {n: list(node.used_gb) for n, node in pool.nodes.items()}
     if not levels:
-        event("gpu: no free chunk")
-        assert take_chunk(counts, k) is None
+        event("gpu: no free chunk that can hold it")
+        if not any(c.size >= size for c in free_before):
+            assert take_chunk(counts, k) is None
+        assert not pool.can_host(service, k)
         with pytest.raises(ValueError):
             pool.allocate(service, k)
-        assert snapshot(pool) == before
+        assert snapshot(pool) == before, "a failed allocation changed the pool"
         return
     level = min(levels)
-    at_level = [c for c in free_before if c.size == level]
+    smallest_overall = min(c.size for c in free_before if c.size >= size)
+    at_level = [c for c in usable if c.size == level]
     hits = [
         i
         for i in resident_before
@@ -116,20 +122,15 @@ def check_allocation(
         and i not in model.busy
         and any(contains(c, i.chunk) for c in at_level)
     ]
-    per_gpu = pool.memory_gb[service] / size
-    if not hits and all(pool.nodes[c.node].memory_gb + EPS < per_gpu for c in at_level):
-        event("gpu: over memory")
-        with pytest.raises(ValueError):
-            pool.allocate(service, k)
-        assert snapshot(pool) == before, "a failed allocation changed the pool"
-        return
+    assert pool.can_host(service, k)
 
     grant: GpuGrant = pool.allocate(service, k)
     chunk = grant.chunk
     assert chunk.size == size
     # Best fit: the chunk was carved out of a free chunk of the smallest fitting level.
     assert any(contains(c, chunk) for c in at_level), f"{chunk} not from a level-{level} chunk"
-    assert pool.chunk_counts() == take_chunk(counts, k)
+    if level == smallest_overall:  # chunk counts cannot see per-node GPU memory
+        assert pool.chunk_counts() == take_chunk(counts, k)
     inst = Instance(service, chunk)
     # Residency: a free chunk of that level holding an idle instance of the service wins.
     assert grant.resident == bool(hits)
@@ -140,15 +141,40 @@ def check_allocation(
         model.lru.remove(inst)
     else:
         node = pool.nodes[chunk.node]
+
+        def excess(c: Chunk) -> float:
+            n = pool.nodes[c.node]
+            return sum(max(0.0, used_before[c.node][g] + per_gpu - n.memory_gb) for g in c.gpus)
+
+        # Among the level's aligned positions on nodes that can hold it, the one that
+        # needs the least resident memory evicted.
+        positions = [
+            Chunk(c.node, sub, size)
+            for c in at_level
+            if pool.nodes[c.node].memory_gb + EPS >= per_gpu
+            for sub in range(c.start, c.start + c.size, size)
+        ]
+        assert node.memory_gb + EPS >= per_gpu
+        least = min(excess(c) for c in positions)
+        assert excess(chunk) == pytest.approx(least)
+        if least > EPS:
+            # Among equal evictions, the position whose newest resident is the oldest.
+            def newest(c: Chunk) -> int:
+                return max(
+                    (i for i, r in enumerate(resident_before) if overlaps(r.chunk, c)), default=-1
+                )
+
+            tied = [c for c in positions if excess(c) == pytest.approx(least)]
+            assert newest(chunk) == min(newest(c) for c in tied)
         victims = list(grant.evicted)
         for v in victims:
             assert v not in model.busy, f"busy instance {v} evicted"
             assert overlaps(v.chunk, chunk), f"{v} evicted but does not share a GPU with {chunk}"
         # LRU: victims are taken oldest first, and no older overlapping idle one is skipped.
-        positions = [resident_before.index(v) for v in victims]
-        assert positions == sorted(positions)
+        ages = [resident_before.index(v) for v in victims]
+        assert ages == sorted(ages)
         if victims:
-            for older in resident_before[: positions[-1]]:
+            for older in resident_before[: ages[-1]]:
                 if older not in model.busy and overlaps(older.chunk, chunk):
                     assert older in victims, f"evicted newer instances but kept older {older}"
 
@@ -172,9 +198,13 @@ def check_allocation(
 
 
 gpu_pools = st.tuples(
-    st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=3),
-    st.sampled_from([24.0, 40.0, 80.0]),
-    # Footprints as fractions of one GPU's memory: sharing, eviction and refusals all occur.
+    # (GPUs, memory per GPU) per node: nodes may differ in both.
+    st.lists(
+        st.tuples(st.sampled_from([1, 2, 4, 8]), st.sampled_from([24.0, 40.0, 80.0])),
+        min_size=1,
+        max_size=3,
+    ),
+    # Footprints as fractions of 40 GB: sharing, eviction and refusals all occur.
     st.lists(st.sampled_from([0.1, 0.3, 0.45, 0.6, 0.9, 1.5, 3.0]), min_size=1, max_size=4),
 )
 
@@ -182,11 +212,11 @@ gpu_pools = st.tuples(
 @SETTINGS
 @given(gpu_pools, st.data())
 def test_gpu_pool_random_allocate_release(
-    shape: tuple[list[int], float, list[float]], data: st.DataObject
+    shape: tuple[list[tuple[int, float]], list[float]], data: st.DataObject
 ) -> None:
-    sizes, mem, footprints = shape
-    services = {f"s{i}": f * mem for i, f in enumerate(footprints)}
-    pool = GpuPool.build(((f"g{i}", n, mem) for i, n in enumerate(sizes)), services)
+    nodes, footprints = shape
+    services = {f"s{i}": f * 40.0 for i, f in enumerate(footprints)}
+    pool = GpuPool.build(((f"g{i}", n, mem) for i, (n, mem) in enumerate(nodes)), services)
     model = GpuModel()
     check_gpu_invariants(pool, model)
     for _ in range(data.draw(st.integers(1, 40), label="ops")):
@@ -269,6 +299,27 @@ def test_gpu_evict_all_keeps_busy_instances() -> None:
     assert pool.nodes["g"].used_gb == [10.0, 0.0]
 
 
+def test_gpu_allocation_avoids_a_node_too_small_for_the_service() -> None:
+    pool = GpuPool.build([("a", 1, 80.0), ("b", 1, 24.0)], {"warm": 60.0, "x": 40.0})
+    g = pool.allocate("warm", 1)
+    pool.release("warm", g.chunk)
+    assert pool.fits("x", 1)
+    # b is empty but its 24 GB can never hold x; a can, by evicting `warm`.
+    grant = pool.allocate("x", 1)
+    assert grant.chunk == Chunk("a", 0, 1)
+    assert grant.evicted == (Instance("warm", Chunk("a", 0, 1)),)
+
+
+def test_gpu_allocation_prefers_an_empty_gpu_to_evicting() -> None:
+    pool = GpuPool.build([("g", 2, 80.0)], {"warm": 60.0, "x": 40.0})
+    g = pool.allocate("warm", 1)
+    pool.release("warm", g.chunk)
+    assert g.chunk == Chunk("g", 0, 1)
+    # GPU 0 holds `warm`; GPU 1 is empty: x goes to GPU 1 and nothing is evicted.
+    grant = pool.allocate("x", 1)
+    assert grant.chunk == Chunk("g", 1, 1) and grant.evicted == ()
+
+
 def test_gpu_allocation_over_memory_is_refused_without_side_effects() -> None:
     pool = GpuPool.build([("g", 8, 24.0)], {"big": 40.0})
     before = snapshot(pool)
@@ -317,7 +368,8 @@ def test_cpu_take_give_back(spec: list[tuple[int, int, float]], data: st.DataObj
         name = data.draw(st.sampled_from(sorted(pool.nodes)), label="node")
         node = pool.nodes[name]
         per = node.cores // len(node.numa)
-        if held and data.draw(st.booleans(), label="give back"):
+        give_back = bool(held) and data.draw(st.booleans(), label="give back")
+        if give_back:
             key = data.draw(st.sampled_from(sorted(held)), label="holder")
             hname, cores = held.pop(key)
             pool.give_back(hname, cores)
@@ -409,10 +461,12 @@ def test_cpu_choose_node_balances_memory(
                 pool.place(f"t{t}", got, mem)
         for node in pool.nodes.values():
             assert node.memory_used_gb <= node.memory_gb + 1e-6
-            placed = sum(pool.reserved_gb[t] for t, n in pool.placement.items() if n == node.name)
+            placed = sum(
+                pool.reserved_gb[tid] for tid, n in pool.placement.items() if n == node.name
+            )
             assert node.memory_used_gb == pytest.approx(placed)
-    for t in list(pool.placement):
-        pool.unplace(t)
+    for tid in list(pool.placement):
+        pool.unplace(tid)
     pool.unplace("never-placed")
     for node in pool.nodes.values():
         assert node.memory_used_gb == pytest.approx(0.0, abs=1e-9)

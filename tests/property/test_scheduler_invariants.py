@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+
 from tangram.api import (
     ActionKind,
     ActionSpec,
@@ -37,15 +38,14 @@ from tangram.api import (
 )
 from tangram.scheduler import Assignment, Round, Scheduler, SchedulerConfig, SchedulingError
 from tangram.scheduler.core.dp import chunk_level
+from tangram.scheduler.core.elastic import greedy_evict
+from tangram.scheduler.core.objective import Pending
+from tangram.scheduler.core.scheduler import Ordering
 
 GPU = "gpu"
 PLACE = "place"
 API = "q"
 GPU_MEMORY = 80.0
-
-# Known deviations from the documented FCFS rule (see the xfail tests at the end). The
-# random FCFS check tolerates exactly these two patterns, and nothing else.
-TOLERATE_KNOWN_FCFS_BUGS = True
 
 
 # ---- workloads ------------------------------------------------------------------------
@@ -64,6 +64,10 @@ class Traj:
     arrival_s: float
     memory_gb: float
     steps: tuple[Step, ...]
+    # The client gives up at this time: its queued action is cancelled ("cancel") or
+    # dropped by closing the trajectory ("close"); a running one is let finish.
+    abort_s: float | None = None
+    abort_by: str = "cancel"
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def efficiencies() -> st.SearchStrategy[AmdahlEfficiency | None]:
 
 
 @st.composite
-def clusters(draw: st.DrawFn) -> ClusterSpec:
+def clusters(draw: st.DrawFn, api: bool | None = None) -> ClusterSpec:
     nodes: list[NodeSpec] = []
     for i in range(draw(st.integers(1, 2))):
         nodes.append(
@@ -118,12 +122,12 @@ def clusters(draw: st.DrawFn) -> ClusterSpec:
                 )
             )
     apis: list[ApiSpec] = []
-    if draw(st.booleans()):
+    if api if api is not None else draw(st.booleans()):
         apis.append(
             ApiSpec(
                 name=API,
-                concurrency=draw(st.one_of(st.none(), st.integers(1, 3))),
-                rate_per_s=draw(st.one_of(st.none(), st.sampled_from([0.5, 1.0, 3.3]))),
+                concurrency=draw(st.sampled_from([None, 1, 2, 3])),
+                rate_per_s=draw(st.sampled_from([None, 0.5, 1.0, 3.3])),
                 period_s=draw(st.sampled_from([1.0, 0.7, 2.5])),
             )
         )
@@ -133,21 +137,23 @@ def clusters(draw: st.DrawFn) -> ClusterSpec:
 @st.composite
 def exec_specs(draw: st.DrawFn, cluster: ClusterSpec, extra_quotas: bool) -> ActionSpec:
     cores = [n.cpus for n in cluster.nodes if n.cpus]
-    # The minimum fits the smallest node: a larger one can deadlock a trajectory placed on
-    # a small node (see test_action_larger_than_its_trajectorys_node_*).
+    # Minimums fit the smallest node (a larger one is refused at submit once the
+    # trajectory sits on a small node); maxima may exceed every node.
+    top = max(cores) + 4
     low = draw(st.integers(1, min(cores)))
     shape = draw(st.sampled_from(["fixed", "range", "choices"]))
     cpu: int | RangeDemand | ChoicesDemand
     if shape == "fixed":
         cpu = low
     elif shape == "range":
-        cpu = RangeDemand(min=low, max=draw(st.integers(low, max(cores) + 4)))
+        cpu = RangeDemand(min=low, max=draw(st.integers(low, top)))
     else:
-        more = draw(st.lists(st.integers(low, max(cores) + 4), max_size=3))
+        more = draw(st.lists(st.integers(low, top), max_size=3))
         cpu = ChoicesDemand(choices=sorted({low, *more}))
     elastic = len(allowed_units(cpu)) > 1
     t1 = draw(st.one_of(st.none(), st.floats(0.1, 20.0)))
-    quotas = {API: 1} if extra_quotas and cluster.apis and draw(st.booleans()) else {}
+    quota = extra_quotas and bool(cluster.apis) and draw(st.booleans())
+    quotas = {API: 1} if quota else {}
     return ActionSpec(
         kind=ActionKind.EXEC,
         cpu=cpu,
@@ -166,7 +172,8 @@ def service_specs(draw: st.DrawFn, cluster: ClusterSpec, extra_quotas: bool) -> 
             choices=draw(st.lists(st.sampled_from(svc.dop_choices), min_size=1, unique=True))
         )
     elastic = gpu is None or len(gpu.choices) > 1
-    quotas = {API: 1} if extra_quotas and cluster.apis and draw(st.booleans()) else {}
+    quota = extra_quotas and bool(cluster.apis) and draw(st.booleans())
+    quotas = {API: 1} if quota else {}
     return ActionSpec(
         kind=ActionKind.SERVICE,
         service=svc.name,
@@ -178,12 +185,14 @@ def service_specs(draw: st.DrawFn, cluster: ClusterSpec, extra_quotas: bool) -> 
 
 
 @st.composite
-def workloads(draw: st.DrawFn, extra_quotas: bool = True) -> Workload:
-    cluster = draw(clusters())
+def workloads(draw: st.DrawFn, extra_quotas: bool = True, api: bool | None = None) -> Workload:
+    cluster = draw(clusters(api))
     kinds = ["exec"] + (["service"] if cluster.services else []) + (["api"] if cluster.apis else [])
     max_mem = max(n.memory_gb for n in cluster.nodes if n.cpus)
     trajs = []
     for t in range(draw(st.integers(1, 6))):
+        arrival = draw(st.one_of(st.just(0.0), st.floats(0.0, 5.0)))
+        memory = draw(st.sampled_from([m for m in (0.0, 2.0, 6.0, 12.0) if m <= max_mem]))
         steps = []
         for _ in range(draw(st.integers(1, 4))):
             kind = draw(st.sampled_from(kinds))
@@ -201,14 +210,9 @@ def workloads(draw: st.DrawFn, extra_quotas: bool = True) -> Workload:
             think = draw(st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
             factor = draw(st.one_of(st.just(1.0), st.floats(0.25, 2.0)))
             steps.append(Step(think, spec, factor))
-        trajs.append(
-            Traj(
-                f"t{t}",
-                draw(st.one_of(st.just(0.0), st.floats(0.0, 5.0))),
-                draw(st.sampled_from([m for m in (0.0, 2.0, 6.0, 12.0) if m <= max_mem])),
-                tuple(steps),
-            )
-        )
+        abort = draw(st.one_of(st.none(), st.none(), st.floats(0.0, 8.0)))
+        by = draw(st.sampled_from(["cancel", "close"]))
+        trajs.append(Traj(f"t{t}", arrival, memory, tuple(steps), abort, by))
     return Workload(cluster, tuple(trajs))
 
 
@@ -284,8 +288,11 @@ class Sim:
     sticky: dict[str, str] = field(default_factory=dict)  # trajectory -> node of its cores
     quota_starts: list[float] = field(default_factory=list)  # one entry per unit
     next_step: dict[str, int] = field(default_factory=dict)
-    events: list[tuple[float, int, str]] = field(default_factory=list)  # (time, seq, trajectory)
-    tolerated: list[str] = field(default_factory=list)
+    # (time, seq, "submit" | "abort", trajectory)
+    events: list[tuple[float, int, str, str]] = field(default_factory=list)
+    closed: set[str] = field(default_factory=set)
+    aborted: set[str] = field(default_factory=set)
+    cancelled: set[str] = field(default_factory=set)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -299,9 +306,21 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
     sim = Sim(w, Scheduler(w.cluster, config))
     sched = sim.sched
     seq = 0
-    for t in w.trajectories:
-        heapq.heappush(sim.events, (t.arrival_s + t.steps[0].think_s, seq, t.id))
+
+    def push(at: float, kind: str, tid: str) -> None:
+        nonlocal seq
+        heapq.heappush(sim.events, (at, seq, kind, tid))
         seq += 1
+
+    def close(tid: str, finished: bool) -> None:
+        assert sched.close_trajectory(tid, finished=finished) == []
+        sim.closed.add(tid)
+        assert tid not in sched.cpu.placement
+
+    for t in w.trajectories:
+        push(t.arrival_s + t.steps[0].think_s, "submit", t.id)
+        if t.abort_s is not None:
+            push(t.abort_s, "abort", t.id)
         sched.open_trajectory(t.id, memory_gb=t.memory_gb)
         sim.next_step[t.id] = 0
     cap = 6 * w.actions + 10
@@ -314,14 +333,20 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
             assert done == asg
             del sim.running[aid]
             tid = sim.traj_of[aid]
-            if sim.next_step[tid] < len(sim.traj(tid).steps):
-                step = sim.traj(tid).steps[sim.next_step[tid]]
-                heapq.heappush(sim.events, (sim.now + step.think_s, seq, tid))
-                seq += 1
+            if tid not in sim.aborted and sim.next_step[tid] < len(sim.traj(tid).steps):
+                push(sim.now + sim.traj(tid).steps[sim.next_step[tid]].think_s, "submit", tid)
             else:
-                assert sched.close_trajectory(tid) == []
+                close(tid, finished=tid not in sim.aborted)
         while sim.events and sim.events[0][0] <= sim.now:
-            _, _, tid = heapq.heappop(sim.events)
+            _, _, kind, tid = heapq.heappop(sim.events)
+            if tid in sim.closed:
+                continue
+            if kind == "abort":
+                abort(sim, tid)
+                running = any(sim.traj_of[a] == tid for a in sim.running)
+                if tid not in sim.closed and not running:
+                    close(tid, finished=False)
+                continue
             i = sim.next_step[tid]
             sim.next_step[tid] += 1
             aid = f"{tid}.{i}"
@@ -348,12 +373,34 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
             f"no progress after {sim.rounds} rounds; queued {sorted(sim.queued)}"
         )
         sim.now = min(nxt)
-    assert sim.started == set(sim.order)
-    assert len(sim.order) == w.actions
-    assert sched.queued == 0 and not sched.running
-    for tol in sim.tolerated:
-        event(f"tolerated known FCFS bug: {tol}")
+    assert not sim.started & sim.cancelled
+    assert sim.started | sim.cancelled == set(sim.order)
+    assert sim.closed == {t.id for t in w.trajectories}
+    assert sched.queued == 0 and not sched.running and not sched.trajectories
+    assert not sched.cpu.placement
+    if sim.cancelled:
+        event("some actions cancelled")
     return sim
+
+
+def abort(sim: Sim, tid: str) -> None:
+    """The client gives up on a trajectory: drop its queued action, if any."""
+    sim.aborted.add(tid)
+    queued = [a for a in sim.queued if sim.traj_of[a] == tid]
+    assert len(queued) <= 1
+    for aid in queued:
+        if sim.traj(tid).abort_by == "cancel":
+            assert sim.sched.cancel(aid)
+            assert not sim.sched.cancel(aid)
+        else:
+            assert sim.sched.close_trajectory(tid, finished=False) == [aid]
+            sim.closed.add(tid)
+            assert tid not in sim.sched.cpu.placement
+        sim.queued.discard(aid)
+        sim.cancelled.add(aid)
+    for aid in sim.running:
+        if sim.traj_of[aid] == tid:
+            assert not sim.sched.cancel(aid), "a running action cannot be cancelled"
 
 
 def run_round(sim: Sim, fcfs_check: bool) -> Round:
@@ -390,9 +437,8 @@ def check_assignment(sim: Sim, asg: Assignment, learned: bool) -> None:
     assert asg.started_at == sim.now
     assert asg.queued_s == pytest.approx(sim.now - sim.submitted_at[asg.action_id])
     assert asg.expected_s >= 0 and math.isfinite(asg.expected_s)
-    assert asg.units in permitted_units(sim.sched, sim.cluster, spec, learned), (
-        f"{asg.action_id}: {asg.units} units, allowed {permitted_units(sim.sched, sim.cluster, spec, learned)}"
-    )
+    permitted = permitted_units(sim.sched, sim.cluster, spec, learned)
+    assert asg.units in permitted, f"{asg.action_id}: {asg.units} units, allowed {permitted}"
     expected_quotas = dict(spec.quotas)
     if spec.kind is ActionKind.API:
         expected_quotas[API] = expected_quotas.get(API, 0) + 1
@@ -437,8 +483,8 @@ def check_capacity(sim: Sim) -> None:
         taken = gpus.setdefault(a.chunk.node, set())
         assert taken.isdisjoint(a.chunk.gpus), f"GPU of {a.chunk} held twice"
         taken.update(a.chunk.gpus)
-    for node in sched.gpu.nodes.values():
-        assert all(u <= node.memory_gb + 1e-6 for u in node.used_gb), "GPU memory over capacity"
+    for gnode in sched.gpu.nodes.values():
+        assert all(u <= gnode.memory_gb + 1e-6 for u in gnode.used_gb), "GPU memory over capacity"
     for api in sim.cluster.apis:
         in_use = sum(dict(a.quotas).get(api.name, 0) for a in running)
         if api.concurrency is not None:
@@ -450,7 +496,7 @@ def check_capacity(sim: Sim) -> None:
 
 
 def check_groups(sim: Sim, rnd: Round, queued_before: list[str]) -> None:
-    """Each key resource's group runs a prefix of its candidates (greedy eviction drops the tail)."""
+    """Each key resource's group runs a prefix of its candidates (eviction drops the tail)."""
     started = {a.action_id for a in rnd.assignments}
     seen: set[str] = set()
     pos = {a: i for i, a in enumerate(queued_before)}
@@ -500,14 +546,19 @@ def check_fcfs(
             continue
         spec = sim.spec[a]
         needs = set(short.get(a, set()))
-        if spec.kind is ActionKind.EXEC:
-            node = placed_before.get(sim.traj_of[a])
-            needs.add(f"cpu:{node}" if node is not None else PLACE)
-        elif spec.kind is ActionKind.SERVICE:
-            needs.add(GPU)
+        node = placed_before.get(sim.traj_of[a])
+        if spec.kind is ActionKind.EXEC and node is None:
+            # A trajectory's first action reserves placement and the cores it is short of,
+            # never a quota: memory is held for a trajectory's life (hold-and-wait).
+            needs = {PLACE} | {r for r in needs if r.startswith("cpu:")}
         else:
-            needs.add(f"api:{spec.api}")
-        needs.update(f"api:{q}" for q in spec.quotas)
+            if spec.kind is ActionKind.EXEC:
+                needs.add(f"cpu:{node}")
+            elif spec.kind is ActionKind.SERVICE:
+                needs.add(GPU)
+            else:
+                needs.add(f"api:{spec.api}")
+            needs.update(f"api:{q}" for q in spec.quotas)
         for b in queued_before[i + 1 :]:
             asg = started.get(b)
             if asg is None:
@@ -518,16 +569,6 @@ def check_fcfs(
             clash = needs & uses
             if not clash:
                 continue
-            if TOLERATE_KNOWN_FCFS_BUGS:
-                # Bug 1: a waiting action blocks only the resources it is short of, not all
-                # it needs, so B overtakes it on one it was not short of.
-                if a in short and not (short[a] & uses):
-                    sim.tolerated.append("partial blocking")
-                    continue
-                # Bug 2: a new trajectory is placed on a node whose cores are blocked.
-                if PLACE in uses and clash == {key_of(sim, asg)}:
-                    sim.tolerated.append("placement onto a blocked node")
-                    continue
             raise AssertionError(
                 f"t={sim.now}: {b} overtook {a} on {sorted(clash)} "
                 f"({a} needs {sorted(needs)}, short of {sorted(short.get(a, set()))})"
@@ -536,7 +577,7 @@ def check_fcfs(
 
 # ---- the properties -------------------------------------------------------------------
 
-SIM = settings(max_examples=60, deadline=None)
+SIM = settings(max_examples=150, deadline=None)
 
 
 @SIM
@@ -544,6 +585,13 @@ SIM = settings(max_examples=60, deadline=None)
 def test_fcfs_elastic_invariants_and_liveness(w: Workload) -> None:
     sim = simulate(w, SchedulerConfig(), fcfs_check=True)
     event(f"rounds: {min(sim.rounds // 10 * 10, 50)}+")
+
+
+@SIM
+@given(workloads(api=True))
+def test_api_quota_workloads(w: Workload) -> None:
+    """Concurrency and rate windows: never exceeded, and a rate-blocked queue wakes up."""
+    simulate(w, SchedulerConfig(), fcfs_check=True)
 
 
 @SIM
@@ -575,10 +623,16 @@ def test_trajectory_priority_is_starvation_free(w: Workload, ageing: float) -> N
     )
 
 
-@settings(max_examples=30, deadline=None)
-@given(workloads())
-def test_depth_and_doubling_do_not_break_invariants(w: Workload) -> None:
-    simulate(w, SchedulerConfig(depth=1, explore="doubling"), fcfs_check=True)
+@settings(max_examples=100, deadline=None)
+@given(workloads(), st.sampled_from([None, 1, 2]))
+def test_other_estimate_options_keep_the_invariants(w: Workload, horizon: int | None) -> None:
+    simulate(w, SchedulerConfig(depth=1, explore="doubling", horizon=horizon), fcfs_check=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads(), st.integers(1, 3))
+def test_max_candidates_keeps_the_invariants(w: Workload, limit: int) -> None:
+    simulate(w, SchedulerConfig(max_candidates=limit), fcfs_check=True)
 
 
 # ---- deterministic scenarios ----------------------------------------------------------
@@ -646,15 +700,9 @@ def test_rate_limited_api_wakes_exactly_when_the_window_opens() -> None:
     assert started(sched.schedule(rnd.wake_at)) == ["b"]
 
 
-# ---- known bugs (scheduler.py is not ours to change; see the report) -------------------
+# ---- FCFS across resources ----------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an action that does not fit blocks only the resources it is short of, "
-    "not every resource it needs (scheduler.py docstring, step 1), so a later action "
-    "overtakes it on the others",
-)
 def test_waiting_action_blocks_every_resource_it_needs() -> None:
     cluster = ClusterSpec(
         nodes=[NodeSpec(name="n", cpus=1, memory_gb=8)], apis=[ApiSpec(name=API, concurrency=1)]
@@ -674,11 +722,6 @@ def test_waiting_action_blocks_every_resource_it_needs() -> None:
     assert "c0" not in started(rnd)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a cpu+quota action starves while single-resource actions behind it "
-    "alternate on its core and its quota",
-)
 def test_cpu_and_quota_action_does_not_starve() -> None:
     cluster = ClusterSpec(
         nodes=[NodeSpec(name="n", cpus=1, memory_gb=8)], apis=[ApiSpec(name=API, concurrency=1)]
@@ -708,11 +751,6 @@ def test_cpu_and_quota_action_does_not_starve() -> None:
     assert ran, "a1 never started in 20 rounds of alternating competitors"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a new trajectory's first action is placed on a node whose cores are "
-    "blocked by an earlier waiting action, and overtakes it there",
-)
 def test_new_trajectory_does_not_overtake_on_a_blocked_node() -> None:
     cluster = ClusterSpec(nodes=[NodeSpec(name="n", cpus=4, memory_gb=8)])
     sched = Scheduler(cluster)
@@ -729,10 +767,6 @@ def test_new_trajectory_does_not_overtake_on_a_blocked_node() -> None:
     assert "v0" not in started(rnd), "v0 overtook a1 on the cores of n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a stream of new trajectories starves a placed trajectory's larger action",
-)
 def test_placed_trajectory_does_not_starve_behind_new_trajectories() -> None:
     cluster = ClusterSpec(nodes=[NodeSpec(name="n", cpus=4, memory_gb=64)])
     sched = Scheduler(cluster)
@@ -743,26 +777,61 @@ def test_placed_trajectory_does_not_starve_behind_new_trajectories() -> None:
     sched.open_trajectory("v0")
     sched.submit("v0.0", "v0", exec_spec(1), 0.0)
     assert started(sched.schedule(0.0)) == ["v0.0"]
-    sched.submit("a1", "a", exec_spec(4), 0.0)
+    sched.submit("a1", "a", exec_spec(4), 0.0)  # needs the whole node
     ran = False
     for i in range(1, 21):
-        # A new 1-core trajectory arrives every second; each runs 2 s, so cores never all free.
+        # A new 1-core trajectory arrives every second and runs 2 s: the four cores are
+        # never all free unless the newcomers wait behind a1.
         now = float(i)
-        sched.complete(f"v{i - 1}.0", now)
+        if i >= 2:
+            sched.complete(f"v{i - 2}.0", now)
         sched.open_trajectory(f"v{i}")
         sched.submit(f"v{i}.0", f"v{i}", exec_spec(1), now)
-        ran |= "a1" in started(sched.schedule(now))
+        ran = "a1" in started(sched.schedule(now))
         if ran:
             break
     assert ran, "a1 (4 cores) never started"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: submit accepts an exec action whose minimum exceeds the cores of the node "
-    "its trajectory is pinned to; it can never run and blocks that node forever",
-)
-def test_action_larger_than_its_trajectorys_node_is_rejected_or_harmless() -> None:
+def test_placed_trajectory_does_not_overtake_a_waiting_new_one() -> None:
+    cluster = ClusterSpec(nodes=[NodeSpec(name="n", cpus=4, memory_gb=8)])
+    sched = Scheduler(cluster)
+    for t in ("a", "b", "c", "d"):
+        sched.open_trajectory(t)
+    sched.submit("a0", "a", exec_spec(4), 0.0)
+    assert started(sched.schedule(0.0)) == ["a0"]
+    for t in ("b", "c", "d"):
+        sched.submit(f"{t}0", t, exec_spec(1), 0.0)
+    sched.complete("a0", 1.0)
+    sched.open_trajectory("new")
+    sched.submit("new0", "new", exec_spec(2), 1.0)  # behind b0, c0, d0: 1 core left
+    sched.submit("a1", "a", exec_spec(1), 1.0)  # a is placed on n; behind new0
+    rnd = sched.schedule(1.0)
+    assert started(rnd) == ["b0", "c0", "d0"], f"a1 overtook new0 on n: {rnd.blocked}"
+
+
+def test_new_trajectory_does_not_starve_behind_placed_ones() -> None:
+    cluster = ClusterSpec(nodes=[NodeSpec(name="n", cpus=2, memory_gb=8)])
+    sched = Scheduler(cluster)
+    for t in ("a", "b"):
+        sched.open_trajectory(t)
+        sched.submit(f"{t}0", t, exec_spec(1), 0.0)
+    assert started(sched.schedule(0.0)) == ["a0", "b0"]
+    sched.open_trajectory("new")
+    sched.submit("new0", "new", exec_spec(2), 0.0)
+    ran = False
+    for i in range(1, 21):
+        # a and b alternate: each 1-core action ends 2 s after it starts, one per second.
+        t = "a" if i % 2 else "b"
+        sched.complete(f"{t}{i - 1 if i < 2 else i - 2}", float(i))
+        sched.submit(f"{t}{i}", t, exec_spec(1), float(i))
+        ran = "new0" in started(sched.schedule(float(i)))
+        if ran:
+            break
+    assert ran, "new0 (2 cores) never started"
+
+
+def test_minimum_larger_than_the_trajectorys_node_is_rejected_or_harmless() -> None:
     cluster = ClusterSpec(
         nodes=[
             NodeSpec(name="small", cpus=4, memory_gb=10),
@@ -785,11 +854,172 @@ def test_action_larger_than_its_trajectorys_node_is_rejected_or_harmless() -> No
     assert "u1" in started(rnd), f"u1 waits forever behind t1: {rnd.blocked}, wake {rnd.wake_at}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with GPU nodes of different memory the round takes a chunk on a node "
-    "whose GPUs cannot hold the service, and schedule() raises ValueError",
-)
+@pytest.mark.parametrize("ordering", ["fcfs", "trajectory-priority"])
+def test_waiting_for_memory_does_not_deadlock_a_quota(ordering: Ordering) -> None:
+    cluster = ClusterSpec(
+        nodes=[NodeSpec(name="n", cpus=4, memory_gb=8.0)], apis=[ApiSpec(name=API, concurrency=1)]
+    )
+    sched = Scheduler(cluster, SchedulerConfig(ordering=ordering))
+    sched.open_trajectory("a", memory_gb=6.0)
+    sched.open_trajectory("b", memory_gb=6.0)  # fits only once `a` has closed
+    sched.submit("a0", "a", exec_spec(1), 0.0)
+    sched.submit("b0", "b", exec_spec(1, quotas={API: 1}), 0.0)
+    assert started(sched.schedule(0.0)) == ["a0"]
+    sched.complete("a0", 1.0)
+    sched.submit("a1", "a", ActionSpec(kind=ActionKind.API, api=API, t1_s=1.0), 1.0)
+    rnd = sched.schedule(1.0)
+    # Nothing runs and nothing will wake the scheduler: a1 must start, or `a` never closes.
+    assert started(rnd) == ["a1"], f"deadlock: {rnd.blocked}, wake {rnd.wake_at}"
+
+
+def test_eviction_tie_keeps_a_candidate_of_an_idle_resource() -> None:
+    d = 6.328160332836893
+    rest = [
+        Pending((9,), (8.833229008096767,)),
+        Pending((4,), (1.0,)),
+        Pending((1,), (1.6584990689480712,)),
+    ]
+    arrangement = greedy_evict([{4: d, 5: d}], rest, [], 2, capacity=12)
+    steps = {s.kept: s.objective for s in arrangement.steps}
+    assert arrangement.kept == 1, f"evicted on rounding noise: {steps}"
+    # With something running, waiting is evaluated; a tie within rounding still keeps it.
+    arrangement = greedy_evict([{4: d, 5: d}], rest, [(1e-12, 1)], 2, capacity=12)
+    steps = {s.kept: s.objective for s in arrangement.steps}
+    assert steps[0] == pytest.approx(steps[1], rel=1e-12)
+    assert arrangement.kept == 1, f"evicted on rounding noise: {steps}"
+
+
+def test_eviction_tie_does_not_idle_a_node_forever() -> None:
+    cluster = ClusterSpec(nodes=[NodeSpec(name="n", cpus=12, memory_gb=8.0)])
+    sched = Scheduler(cluster)
+    for t in "abcd":
+        sched.open_trajectory(t)
+        sched.submit(f"{t}0", t, exec_spec(1), 0.0)
+    assert len(started(sched.schedule(0.0))) == 4
+    for t in "abcd":
+        sched.complete(f"{t}0", 1.0)
+    flat = ActionSpec(
+        kind=ActionKind.EXEC,
+        cpu=RangeDemand(min=4, max=5),
+        t1_s=6.328160332836893,
+        efficiency=AmdahlEfficiency(amdahl=0.0),  # 4 or 5 cores: the same duration
+    )
+    sched.submit("a1", "a", flat, 1.0)
+    sched.submit(
+        "b1",
+        "b",
+        ActionSpec.model_validate({"kind": "exec", "cpu": 9, "t1_s": 8.833229008096767}),
+        1.0,
+    )
+    sched.submit("c1", "c", exec_spec(4), 1.0)
+    sched.submit(
+        "d1",
+        "d",
+        ActionSpec.model_validate({"kind": "exec", "cpu": 1, "t1_s": 1.6584990689480712}),
+        1.0,
+    )
+    rnd = sched.schedule(1.0)
+    assert "a1" in started(rnd), f"idle node, nothing started: {rnd.blocked}, wake {rnd.wake_at}"
+
+
+def test_eviction_never_idles_a_resource_forever() -> None:
+    cluster = ClusterSpec(
+        nodes=[NodeSpec(name="g", gpus=2, gpu_memory_gb=80.0)],
+        services=[
+            ServiceSpec(
+                name="rm",
+                gpu_memory_gb=16.0,
+                dop_choices=[1, 2],
+                efficiency=AmdahlEfficiency(amdahl=0.5),
+            )
+        ],
+        apis=[ApiSpec(name=API, rate_per_s=0.5, period_s=1.0)],  # one call per window
+    )
+    sched = Scheduler(cluster)
+    spec = ActionSpec(kind=ActionKind.SERVICE, service="rm", t1_s=1.0, quotas={API: 1})
+    for t in ("a", "b"):
+        sched.open_trajectory(t)
+        sched.submit(t, t, spec, 0.0)
+    rnd = sched.schedule(0.0)
+    assert started(rnd) == ["a"], f"idle GPUs, nothing started: {rnd.blocked}, wake {rnd.wake_at}"
+
+
+def test_max_candidates_never_evicts_everything_on_an_idle_node() -> None:
+    cluster = ClusterSpec(nodes=[NodeSpec(name="n", cpus=8, memory_gb=8.0)])
+    sched = Scheduler(cluster, SchedulerConfig(max_candidates=1))
+    for t in ("a", "b"):
+        sched.open_trajectory(t)
+        sched.submit(f"{t}0", t, exec_spec(1), 0.0)
+    assert started(sched.schedule(0.0)) == ["a0"]  # one candidate per round
+    assert started(sched.schedule(0.0)) == ["b0"]  # both trajectories are on n now
+    sched.complete("a0", 1.0)
+    sched.complete("b0", 1.0)
+    elastic = ActionSpec(
+        kind=ActionKind.EXEC,
+        cpu=RangeDemand(min=1, max=2),
+        t1_s=1.0,
+        efficiency=AmdahlEfficiency(amdahl=0.5),
+    )
+    sched.submit("a1", "a", elastic, 1.0)  # the only candidate (max_candidates=1)
+    sched.submit("b1", "b", exec_spec(7), 1.0)  # in `rest`: fits beside a1 at 1 core
+    rnd = sched.schedule(1.0)
+    # The node is idle and nothing will wake the scheduler: something must start.
+    assert started(rnd), f"idle node, nothing started: {rnd.blocked}, wake {rnd.wake_at}"
+
+
+def test_waiting_behind_a_memory_waiter_does_not_deadlock_a_quota() -> None:
+    cluster = ClusterSpec(
+        nodes=[NodeSpec(name="n", cpus=4, memory_gb=16.0)], apis=[ApiSpec(name=API)]
+    )
+    sched = Scheduler(cluster)
+    sched.open_trajectory("a", memory_gb=12.0)
+    sched.open_trajectory("b", memory_gb=6.0)  # fits only once `a` has closed
+    sched.open_trajectory("c", memory_gb=0.0)
+    sched.submit("a0", "a", exec_spec(1), 0.0)
+    assert started(sched.schedule(0.0)) == ["a0"]
+    sched.submit("b0", "b", exec_spec(1), 0.0)  # waits for memory: blocks placements
+    sched.submit("c0", "c", exec_spec(1, quotas={API: 1}), 0.0)  # behind b0 for a placement
+    sched.complete("a0", 1.0)
+    sched.submit("a1", "a", ActionSpec(kind=ActionKind.API, api=API, t1_s=1.0), 1.0)
+    rnd = sched.schedule(1.0)
+    assert started(rnd) == ["a1"], f"deadlock: {rnd.blocked}, wake {rnd.wake_at}"
+
+
+def pinned_to_small_node(config: SchedulerConfig | None = None) -> Scheduler:
+    """Trajectory ``t`` pinned to a 4-core node while an 8-core node exists."""
+    cluster = ClusterSpec(
+        nodes=[
+            NodeSpec(name="small", cpus=4, memory_gb=8.0),
+            NodeSpec(name="big", cpus=8, memory_gb=2.0),
+        ]
+    )
+    sched = Scheduler(cluster, config)
+    sched.open_trajectory("t", memory_gb=4.0)
+    sched.submit("t0", "t", exec_spec(1), 0.0)
+    assert [(a.action_id, a.node) for a in sched.schedule(0.0).assignments] == [("t0", "small")]
+    sched.complete("t0", 1.0)
+    return sched
+
+
+def test_probe_larger_than_the_trajectorys_node_still_runs() -> None:
+    sched = pinned_to_small_node()
+    spec = ActionSpec(kind=ActionKind.EXEC, cpu=ChoicesDemand(choices=[1, 5]))
+    now = 1.0
+    for i in range(1, 6):  # every 4th action of an untrusted elastic type is a probe
+        sched.submit(f"t{i}", "t", spec, now)
+        rnd = sched.schedule(now)
+        assert started(rnd) == [f"t{i}"], f"t{i} never runs: {rnd.blocked}, wake {rnd.wake_at}"
+        now += 1.0
+        sched.complete(f"t{i}", now)
+
+
+def test_fixed_dop_larger_than_the_trajectorys_node_still_runs() -> None:
+    sched = pinned_to_small_node(SchedulerConfig(fixed_dop=8))
+    sched.submit("t1", "t", exec_spec(RangeDemand(min=1, max=8)), 1.0)
+    rnd = sched.schedule(1.0)
+    assert started(rnd) == ["t1"], f"t1 never runs: {rnd.blocked}, wake {rnd.wake_at}"
+
+
 def test_service_lands_on_a_gpu_node_with_enough_memory() -> None:
     cluster = ClusterSpec(
         nodes=[
@@ -805,11 +1035,6 @@ def test_service_lands_on_a_gpu_node_with_enough_memory() -> None:
     assert [(a.action_id, a.node) for a in rnd.assignments] == [("x", "g2")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ActionSpec accepts t1_s=inf; an elastic group containing it makes "
-    "schedule() raise ValueError",
-)
 def test_infinite_t1_is_refused_at_the_boundary_or_scheduled() -> None:
     sched = Scheduler(ClusterSpec(nodes=[NodeSpec(name="n", cpus=4, memory_gb=8)]))
     sched.open_trajectory("t")

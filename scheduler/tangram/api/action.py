@@ -37,7 +37,7 @@ class ActionSpec(BaseModel):
     Unknown fields are rejected so that a misspelt resource never silently means "no demand".
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     kind: ActionKind
     type: Annotated[

@@ -12,7 +12,7 @@ _POW2 = (1, 2, 4, 8)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class NodeSpec(_Strict):

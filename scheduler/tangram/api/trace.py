@@ -14,14 +14,14 @@ from tangram.api.action import ActionSpec
 
 
 class Step(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     think_s: Annotated[float, Field(ge=0)] = 0.0
     action: ActionSpec
 
 
 class TrajectoryTrace(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     version: Literal[1]
     id: Annotated[str, Field(min_length=1)]

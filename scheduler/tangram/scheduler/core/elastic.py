@@ -89,13 +89,16 @@ def greedy_evict(
     best = evaluate(n)
     steps = [best]
     p = n
-    # As in Algorithm 1 (t runs to |C_j|), evicting every candidate is allowed: waiting
-    # for more units can beat starting now at the minimum. It never deadlocks: with no
-    # release pending, waiting cannot improve on the DP's allocation of the free units.
-    while p > 0:
+    # As in Algorithm 1 (t runs to |C_j|), evicting every candidate is allowed — waiting
+    # for more units can beat starting now at the minimum — but only while some running
+    # action will release units: otherwise nothing would wake the resource up again (the
+    # estimate can also be fooled by queued actions that wait on another resource).
+    keep_at_least = 0 if running else 1
+    while p > keep_at_least:
         step = evaluate(p - 1)
         steps.append(step)
-        if step.objective >= best.objective:
+        # Strictly better beyond rounding: a tie in exact arithmetic must not evict.
+        if step.objective >= best.objective - 1e-9 * max(1.0, abs(best.objective)):
             break
         best, p = step, p - 1
     return Arrangement(best.kept, best.units, tuple(steps))

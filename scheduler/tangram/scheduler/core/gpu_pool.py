@@ -77,6 +77,10 @@ class GpuPool:
         per_gpu = self.memory_gb[service] / size
         return any(n.gpus >= size and n.memory_gb + 1e-9 >= per_gpu for n in self.nodes.values())
 
+    def can_host(self, service: str, k: int) -> bool:
+        """Whether a free chunk on a node with large enough GPUs can take a DoP-k call now."""
+        return self._choose(service, chunk_level(k)) is not None
+
     def chunk_counts(self) -> ChunkState:
         c = [0, 0, 0, 0]
         for node in self.nodes.values():
@@ -165,15 +169,16 @@ class GpuPool:
         A position already holding the requested instance wins (seed 000 §5.3); after
         that, the one whose GPUs need the least resident memory evicted (our addition:
         otherwise a free, empty GPU could be passed over for one holding a warm model).
-        Positions on nodes whose GPUs are too small for the instance even when empty
-        come last, so ``allocate`` fails only when no position of the level can hold it.
+        Nodes whose GPUs are too small for the instance even when empty are skipped; if a
+        level has no other position, a larger level is tried.
         """
         need = self.memory_gb[service] / size
         recency = {inst: i for i, inst in enumerate(self.resident)}  # 0 = least recently used
         for level in (s for s in CHUNK_SIZES if s >= size):
-            best: tuple[tuple[int, int, float, int, str, int], Chunk] | None = None
+            best: tuple[tuple[int, float, int, str, int], Chunk] | None = None
             for node in self.nodes.values():
-                too_small = 0 if need <= node.memory_gb + 1e-9 else 1
+                if need > node.memory_gb + 1e-9:
+                    continue
                 for start in node.free[level]:
                     for sub in range(start, start + level, size):
                         chunk = Chunk(node.name, sub, size)
@@ -195,7 +200,7 @@ class GpuPool:
                             if excess > 0
                             else -1
                         )
-                        key = (too_small, 0 if hit else 1, excess, newest, node.name, sub)
+                        key = (0 if hit else 1, excess, newest, node.name, sub)
                         if best is None or key < best[0]:
                             best = (key, chunk)
             if best is not None:

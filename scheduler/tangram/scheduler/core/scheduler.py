@@ -179,6 +179,7 @@ class Scheduler:
             {s.name: s.gpu_memory_gb for s in cluster.services},
         )
         self.services = {s.name: s for s in cluster.services}
+        self._biggest_node = max((n.cores for n in self.cpu.nodes.values()), default=0)
         self.quotas = {
             a.name: Quota(a.name, a.concurrency, a.calls_per_period(), a.period_s)
             for a in cluster.apis
@@ -325,6 +326,9 @@ class Scheduler:
         )
         self._enqueue(a, (float(a.seq),), None)
         asg = self._start(cand, units, started_at)
+        if asg is None:
+            self._dequeue(action_id)
+            raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
         run = self.running[action_id]
         run.expected_end = started_at + asg.expected_s
         return asg
@@ -351,9 +355,8 @@ class Scheduler:
                     blocked.append(
                         (c.action.id, f"{resource} (evicted: waiting beats starting now)")
                     )
-        assignments = [
-            self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen
-        ]
+        started = (self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen)
+        assignments = [a for a in started if a is not None]
         wake = [t for q in self.quotas.values() if (t := q.next_window_s(now)) is not None]
         return Round(
             tuple(assignments),
@@ -381,12 +384,15 @@ class Scheduler:
             if not self.cpu.nodes:
                 raise SchedulingError("kind", "this pool has no CPU nodes for exec actions")
             cpu = allowed_units(spec.cpu) if spec.cpu is not None else (1,)
-            biggest = max(n.cores for n in self.cpu.nodes.values())
-            if cpu[0] > biggest:
-                raise SchedulingError(
-                    "cpu", f"minimum {cpu[0]} cores exceeds the largest node ({biggest})"
+            placed = self.cpu.placement.get(trajectory)
+            cap = self.cpu.nodes[placed].cores if placed is not None else self._biggest_node
+            if cpu[0] > cap:
+                where = (
+                    f"node {placed}, where {trajectory} lives," if placed else "the largest node"
                 )
-            cpu = tuple(k for k in cpu if k <= biggest)
+                raise SchedulingError(
+                    "cpu", f"minimum {cpu[0]} cores exceeds {where} ({cap} cores)"
+                )
         elif spec.kind is ActionKind.SERVICE:
             assert spec.service is not None
             svc = self.services.get(spec.service)
@@ -501,8 +507,10 @@ class Scheduler:
         """
         static = a.profile is not None and a.profile.efficiency is not None
         stamp = -1 if static else self.book.version(a.type)
+        if a.cpu and a.trajectory not in self.cpu.placement:
+            stamp = -2  # unplaced: its node, hence its core cap, is still open
         cache = a.cache
-        if cache is not None and cache[0] == stamp:
+        if cache is not None and cache[0] == stamp and stamp != -2:
             return cache[1], cache[2], cache[3]
         units, durations = self._compute_choices(a)
         pending = Pending(units, tuple(durations[k] for k in units))
@@ -511,6 +519,12 @@ class Scheduler:
 
     def _compute_choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float]]:
         units = a.cpu or a.gpu or (1,)
+        if a.cpu:
+            # Never more cores than the trajectory's node has (unplaced: the largest node), so
+            # fixed DoP and probe sizes stay runnable.
+            node = self.cpu.placement.get(a.trajectory)
+            cap = self.cpu.nodes[node].cores if node is not None else self._biggest_node
+            units = tuple(k for k in units if k <= cap) or units[:1]
         profile = a.profile
         learned = None
         if profile is None or profile.efficiency is None:
@@ -554,7 +568,7 @@ class Scheduler:
             node = self.cpu.placement.get(a.trajectory) if a.cpu else None
             needs = self._needs(a, node)
             if blocked.isdisjoint(needs):
-                fit = self._fit(a, units[0], node, prov)
+                fit = self._fit(a, units[0], node, prov, blocked)
                 if isinstance(fit, str):
                     node = fit if a.cpu else None
                     if node is not None and a.trajectory not in self.cpu.placement:
@@ -570,10 +584,10 @@ class Scheduler:
                     continue
                 # It reserves everything it needs, not just what it is short of: an action
                 # that needs two quotas must not be overtaken forever on either one.
-                blocked.update(needs)
+                blocked.update(self._reserves(a, needs, fit))
                 waits.append((aid, ",".join(sorted(fit))))
             else:
-                blocked.update(needs)
+                blocked.update(self._reserves(a, needs, set()))
             key = needs[0]
             if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
                 rest.setdefault(key, []).append(pending)
@@ -626,7 +640,21 @@ class Scheduler:
             a.needs = out
         return out
 
-    def _fit(self, a: Action, k: int, node: str | None, prov: _Provisional) -> str | set[str]:
+    def _reserves(self, a: Action, needs: tuple[str, ...], short: set[str]) -> set[str]:
+        """What a waiting action reserves for the rest of the round.
+
+        Normally everything it needs. A trajectory's first action (not yet placed) reserves
+        only placement and the cores it is short of: memory is held for a trajectory's whole
+        life, so if it also reserved a quota, a placed trajectory needing that quota to
+        finish could never release the memory it waits for (hold-and-wait deadlock).
+        """
+        if a.cpu and a.trajectory not in self.cpu.placement:
+            return {PLACE} | {r for r in short if r.startswith("cpu:")}
+        return set(needs) | short
+
+    def _fit(
+        self, a: Action, k: int, node: str | None, prov: _Provisional, blocked: set[str]
+    ) -> str | set[str]:
         """Provisionally take minimum units: the node (or "") if it fits, else what blocks it."""
         short: set[str] = set()
         for q, n in a.quotas:
@@ -635,14 +663,16 @@ class Scheduler:
         chunks = prov.chunks
         if a.gpu:
             nxt = take_chunk(chunks, k)
-            if nxt is None:
+            if nxt is None or (a.service is not None and not self.gpu.can_host(a.service, k)):
                 short.add(GPU)
             else:
                 chunks = nxt
         if a.cpu:
             if node is None:
                 mem = self.trajectories[a.trajectory].memory_gb
-                node = self.cpu.choose_node(mem, k, prov.cpu_free)
+                # A node whose cores an earlier action waits for is not offered to newcomers.
+                free = {n: (0 if f"cpu:{n}" in blocked else c) for n, c in prov.cpu_free.items()}
+                node = self.cpu.choose_node(mem, k, free)
                 if node is None:
                     short.add(PLACE)
                     short.update(f"cpu:{n}" for n in self.cpu.memory_fits_somewhere(mem))
@@ -708,8 +738,18 @@ class Scheduler:
             for k, d in c.durations.items()
         }
 
-    def _start(self, c: _Candidate, k: int, now: float) -> Assignment:
-        a = self._dequeue(c.action.id)
+    def _start(self, c: _Candidate, k: int, now: float) -> Assignment | None:
+        """Allocate and start; None (the action stays queued) if its GPU chunk went to an
+        earlier candidate of this round (chunk counts cannot see per-node GPU memory)."""
+        a = c.action
+        grant = None
+        if a.gpu:
+            assert a.service is not None
+            try:
+                grant = self.gpu.allocate(a.service, k)
+            except ValueError:
+                return None
+        self._dequeue(a.id)
         self.trajectories[a.trajectory].active += 1  # it stays active while it runs
         cores: tuple[int, ...] = ()
         chunk = None
@@ -719,9 +759,8 @@ class Scheduler:
         if a.cpu:
             assert c.node is not None
             cores = self.cpu.take(c.node, k)
-        if a.gpu:
+        if grant is not None:
             assert a.service is not None
-            grant = self.gpu.allocate(a.service, k)
             chunk, restore = grant.chunk, not grant.resident
             evicted = tuple(
                 f"{i.service}@{i.chunk.node}:{i.chunk.start}+{i.chunk.size}" for i in grant.evicted
