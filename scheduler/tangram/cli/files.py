@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 from pydantic import ValidationError
@@ -26,14 +27,22 @@ def _fields(e: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
-def read_yaml(path: str | Path) -> Any:
+def _read(path: str | Path, parse: Callable[[TextIO], Any], kind: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return parse(f)
     except OSError as e:
         raise InputError(f"{path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise InputError(f"{path}: not valid YAML: {e}") from None
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: not valid {kind}: {e}") from None
+
+
+def read_yaml(path: str | Path) -> Any:
+    return _read(path, yaml.safe_load, "YAML")
+
+
+def read_json(path: str | Path) -> Any:
+    return _read(path, json.load, "JSON")
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
@@ -57,16 +66,6 @@ def load_trace_file(path: str | Path) -> list[TrajectoryTrace]:
     if not trace:
         raise InputError(f"{path}: no trajectories")
     return trace
-
-
-def read_json(path: str | Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as e:
-        raise InputError(f"{path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON: {e}") from None
 
 
 def dump_cluster(cluster: ClusterSpec) -> str:

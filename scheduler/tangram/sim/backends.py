@@ -300,6 +300,16 @@ def _water_fill(wants: list[float], capacity: float) -> list[float]:
 
 
 # --------------------------------------------------------------------------- static-gpu
+class _NoTrajectoryState:
+    """For baselines that keep nothing per trajectory: admitted at once, nothing to close."""
+
+    def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
+        ready()
+
+    def close(self, traj: TrajectoryTrace, now: float) -> None:
+        return None
+
+
 @dataclass(slots=True)
 class _Instance:
     service: str
@@ -307,7 +317,7 @@ class _Instance:
     in_flight: int = 0
 
 
-class StaticGpuBackend:
+class StaticGpuBackend(_NoTrajectoryState):
     """Each reward service on dedicated GPUs, always resident (seed 000 §6.1 MOPD baseline).
 
     The cluster's GPUs are split evenly among the services; each service gets
@@ -353,12 +363,6 @@ class StaticGpuBackend:
             self.queues[svc.name] = deque()
             self.gpus += k * count
         self.unit_seconds = 0.0
-
-    def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
-        ready()
-
-    def close(self, traj: TrajectoryTrace, now: float) -> None:
-        return None
 
     def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
         assert spec.service is not None
@@ -414,7 +418,7 @@ class _Provider:
         return self.per_period is None or len(self.starts) < self.per_period
 
 
-class UnmanagedApiBackend:
+class UnmanagedApiBackend(_NoTrajectoryState):
     """Every trajectory calls the APIs itself (seed 000 §6.1 DeepSearch baseline).
 
     The provider enforces its limits: a call over the rate quota fails with a
@@ -442,12 +446,6 @@ class UnmanagedApiBackend:
         }
         self.unit_seconds = 0.0
         self.errors = 0
-
-    def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
-        ready()
-
-    def close(self, traj: TrajectoryTrace, now: float) -> None:
-        return None
 
     def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
         record.started = self.loop.now

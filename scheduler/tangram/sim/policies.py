@@ -7,7 +7,8 @@
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
 ``k8s-static``       exec actions in a pod per trajectory (0.5 CPU request, 4 limit),
                      single-process commands; ``k8s-static-dop-N`` runs N processes
-``static-gpu``       service calls on dedicated always-resident GPUs per service
+``static-gpu``       service calls on dedicated always-resident GPUs per service,
+                     batching up to 8 calls an instance; ``static-gpu-batch-N``: N
 ``unmanaged``        API calls straight to the provider, retried on errors
 ==================== ==============================================================
 
@@ -39,22 +40,17 @@ from tangram.sim.records import SimResult
 
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
 _K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
-NAMED = (
-    "elastic",
-    "elastic-priority",
-    "elastic-doubling",
-    "static-gpu",
-    "unmanaged",
-)
+_STATIC = re.compile(r"^static-gpu(?:-batch-([1-9][0-9]*))?$")
+NAMED = ("elastic", "elastic-priority", "elastic-doubling", "unmanaged")
 
 
 def check_policy(name: str) -> str:
     """Validate a policy name; the error names the allowed forms."""
-    if name in NAMED or _FIXED.match(name) or _K8S.match(name):
+    if name in NAMED or _FIXED.match(name) or _K8S.match(name) or _STATIC.match(name):
         return name
     raise ValueError(
         f"policy {name!r} is unknown; use one of {', '.join(NAMED)}, fixed-dop-N, "
-        "k8s-static or k8s-static-dop-N"
+        "k8s-static, k8s-static-dop-N, static-gpu or static-gpu-batch-N"
     )
 
 
@@ -82,8 +78,9 @@ def build(
     if m := _K8S.match(policy):
         dop = int(m.group(1) or 1)
         routes[ActionKind.EXEC] = K8sStaticBackend(replay.loop, cluster, oh, rng, dop=dop)
-    elif policy == "static-gpu":
-        routes[ActionKind.SERVICE] = StaticGpuBackend(replay.loop, cluster, oh)
+    elif m := _STATIC.match(policy):
+        batch = int(m.group(1) or 8)
+        routes[ActionKind.SERVICE] = StaticGpuBackend(replay.loop, cluster, oh, max_batch=batch)
     elif policy == "unmanaged":
         routes[ActionKind.API] = UnmanagedApiBackend(replay.loop, cluster, oh)
     replay.routes = routes
