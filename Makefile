@@ -28,5 +28,8 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench scheduler --json --out docs/bench/scheduler.json
 	$(BIN)/tangram bench paper --out docs/bench
 
+bench-quick: setup ## a smaller paper sweep for a smoke run (writes out/bench)
+	$(BIN)/tangram bench paper --quick --out out/bench
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

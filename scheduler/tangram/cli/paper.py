@@ -15,6 +15,7 @@ from typing import Any
 
 from tangram.api.cluster import ClusterSpec, NodeSpec
 from tangram.cli.bench import replay_all
+from tangram.cli.paper_report import render
 from tangram.cli.plots import lines
 from tangram.cli.progress import note
 from tangram.sim.tracegen import generate, scenario_cluster
@@ -176,5 +177,6 @@ def run_paper(out: Path, *, quick: bool = False, seed: int = 0) -> dict[str, Any
     report["wall_s"] = time.perf_counter() - started
     path = out / ("paper-quick.json" if quick else "paper.json")
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    note(f"wrote {path}")
+    path.with_suffix(".md").write_text(render(report), encoding="utf-8")
+    note(f"wrote {path} and {path.with_suffix('.md')}")
     return report
