@@ -14,8 +14,8 @@ setup: $(BIN)/python ## create .venv with the project and its dev tools installe
 	$(BIN)/pip install -q -e '.[dev]'
 
 lint: setup
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check scheduler operator node-agent tests
+	$(BIN)/ruff format --check scheduler operator node-agent tests
 	$(BIN)/lint-imports
 
 typecheck: setup

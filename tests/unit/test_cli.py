@@ -164,3 +164,14 @@ def test_round_bench_reports_every_case() -> None:
     for case in report["cases"]:
         assert set(case) >= {"cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms"}
         assert 0 < case["p50_ms"] <= case["p99_ms"]
+
+
+def test_the_readme_explain_example_shows_an_eviction(capsys: pytest.CaptureFixture[str]) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "explain" / "waiting.json"
+    code, out, _ = _run(capsys, "explain", str(example), "--json")
+    assert code == 0
+    decision = json.loads(out)
+    # Holding back the 0.2 s shell command gives the 120 s test suite a third core.
+    assert [a["action"] for a in decision["assignments"]] == ["reward-t2"]
+    assert decision["assignments"][0]["units"] == 3
+    assert decision["waiting"][0]["action"] == "ls-t3"
