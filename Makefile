@@ -19,7 +19,7 @@ lint: setup
 	$(BIN)/lint-imports
 
 typecheck: setup
-	$(BIN)/mypy scheduler/tangram tests
+	$(BIN)/mypy scheduler/tangram node-agent/tangram tests
 
 test: setup lint typecheck ## lint, type-check and run the whole test suite
 	$(BIN)/pytest -n 2 -q

@@ -1,0 +1,1 @@
+"""The per-node agent of ARL-Tangram: inventory, environments, allocate-on-execution."""
