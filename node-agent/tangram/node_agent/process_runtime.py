@@ -1,0 +1,204 @@
+"""The process runtime: trajectories as directories and cgroups, for hosts without Docker.
+
+Each trajectory gets a working directory and a cgroup. Between actions the cgroup is
+pinned to the node's small shared idle core set with a minimal quota; for each action
+the agent writes exactly the assigned cores and a matching quota (allocate-on-execution),
+starts the command already inside the cgroup, and returns the cgroup to the idle set
+when the command ends.
+
+It does not isolate like a container: commands share the host's file system, network,
+users and process table. Use it for trusted workloads, development and embedded mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from tangram.node_agent.cgroups import Cgroups, join
+
+IDLE_QUOTA_CORES = 0.1  # what a trajectory may use between actions (shells, stray jobs)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    exit_code: int | None  # None when killed by the runtime
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    cores: tuple[int, ...]
+    setup_s: float  # cgroup update before the command
+    exec_s: float  # the command itself
+    teardown_s: float  # back to the idle set
+
+    @property
+    def dop(self) -> int:
+        return len(self.cores)
+
+
+class ExecError(RuntimeError):
+    """A runtime request that cannot be carried out; the message says why."""
+
+
+def render(argv: Sequence[str], dop: int) -> list[str]:
+    """Fill ``{dop}`` in an argv template; nothing else is interpreted."""
+    return [a.replace("{dop}", str(dop)) for a in argv]
+
+
+async def _drain(stream: asyncio.StreamReader | None, cap: int) -> tuple[bytes, bool]:
+    """Read a stream to the end, keeping the first ``cap`` bytes."""
+    if stream is None:
+        return b"", False
+    kept = bytearray()
+    truncated = False
+    while chunk := await stream.read(65536):
+        room = cap - len(kept)
+        if len(chunk) > room:
+            truncated = True
+        kept += chunk[: max(0, room)]
+    return bytes(kept), truncated
+
+
+class ProcessRuntime:
+    def __init__(
+        self,
+        base_dir: Path,
+        cgroups: Cgroups,
+        idle_cores: Sequence[int],
+        *,
+        group_prefix: str = "tangram",
+    ) -> None:
+        if not idle_cores:
+            raise ExecError("idle_cores: at least one core must hold idle trajectories")
+        self.base_dir = base_dir
+        self.cgroups = cgroups
+        self.idle_cores = tuple(idle_cores)
+        self.prefix = group_prefix
+        self._open: set[str] = set()
+
+    def _group(self, trajectory: str) -> str:
+        return f"{self.prefix}/{trajectory}"
+
+    def workdir(self, trajectory: str) -> Path:
+        return self.base_dir / trajectory
+
+    def open(self, trajectory: str) -> Path:
+        """Create the trajectory's working directory and idle cgroup."""
+        if not trajectory or "/" in trajectory or trajectory.startswith("."):
+            raise ExecError(f"trajectory: {trajectory!r} is not a valid name")
+        if trajectory in self._open:
+            raise ExecError(f"trajectory: {trajectory} is already open")
+        work = self.workdir(trajectory)
+        work.mkdir(parents=True, exist_ok=True)
+        group = self._group(trajectory)
+        self.cgroups.create(group)
+        self.cgroups.limit(group, self.idle_cores, IDLE_QUOTA_CORES)
+        self._open.add(trajectory)
+        return work
+
+    def close(self, trajectory: str) -> None:
+        """Kill whatever still runs in the trajectory, remove its cgroup and directory."""
+        group = self._group(trajectory)
+        self._kill_group(group)
+        with contextlib.suppress(FileNotFoundError):
+            self.cgroups.remove(group)
+        shutil.rmtree(self.workdir(trajectory), ignore_errors=True)
+        self._open.discard(trajectory)
+
+    def _kill_group(self, group: str) -> None:
+        """SIGKILL every process in the cgroup, including ones that left the process group."""
+        for _ in range(50):
+            try:
+                pids = self.cgroups.pids(group)
+            except FileNotFoundError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
+
+    async def exec(
+        self,
+        trajectory: str,
+        argv: Sequence[str],
+        cores: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        output_cap: int = 1 << 20,
+        quota_cores: float | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` on exactly ``cores``; cancelling the awaiting task kills it."""
+        if trajectory not in self._open:
+            raise ExecError(f"trajectory: {trajectory} is not open")
+        if not argv:
+            raise ExecError("argv: empty command")
+        if not cores:
+            raise ExecError("cores: an action needs at least one core")
+        group = self._group(trajectory)
+        t0 = time.perf_counter()
+        self.cgroups.limit(group, cores, quota_cores if quota_cores is not None else len(cores))
+        t1 = time.perf_counter()
+        full_env = {**os.environ, **(env or {}), "TANGRAM_DOP": str(len(cores))}
+        proc = await asyncio.create_subprocess_exec(
+            *render(argv, len(cores)),
+            cwd=self.workdir(trajectory),
+            env=full_env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group, killed as a whole
+            preexec_fn=partial(join, self.cgroups.join_files(group)),
+        )
+        timed_out = False
+        drains = asyncio.gather(_drain(proc.stdout, output_cap), _drain(proc.stderr, output_cap))
+        try:
+            (out, out_cut), (err, err_cut) = await asyncio.wait_for(
+                asyncio.shield(drains), timeout_s
+            )
+            code: int | None = await proc.wait()
+        except TimeoutError:
+            timed_out = True
+            self._kill(proc, group)
+            (out, out_cut), (err, err_cut) = await drains
+            await proc.wait()
+            code = None
+        except asyncio.CancelledError:
+            self._kill(proc, group)
+            with contextlib.suppress(Exception):
+                await drains
+            await proc.wait()
+            self.cgroups.limit(group, self.idle_cores, IDLE_QUOTA_CORES)
+            raise
+        t2 = time.perf_counter()
+        self.cgroups.limit(group, self.idle_cores, IDLE_QUOTA_CORES)
+        t3 = time.perf_counter()
+        return ExecResult(
+            code,
+            out.decode(errors="replace"),
+            err.decode(errors="replace"),
+            out_cut,
+            err_cut,
+            timed_out,
+            tuple(sorted(cores)),
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+        )
+
+    def _kill(self, proc: asyncio.subprocess.Process, group: str) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        self._kill_group(group)

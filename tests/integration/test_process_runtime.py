@@ -1,0 +1,182 @@
+"""The process runtime against the real kernel: cgroups, process groups, pipes.
+
+Needs root and a writable cpuset hierarchy (v1 here; v2 where the host has it); skipped
+cleanly otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from tangram.node_agent.cgroups import CgroupV1, CgroupV2, detect, format_cpulist
+from tangram.node_agent.inventory import parse_cpulist
+from tangram.node_agent.process_runtime import ExecError, ProcessRuntime
+
+CORES = sorted(os.sched_getaffinity(0))
+T = TypeVar("T")
+
+
+def _cgroups_usable() -> bool:
+    if os.geteuid() != 0:
+        return False
+    cg = detect()
+    probe = f"tangram-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        cg.create(probe)
+        cg.remove(probe)
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _cgroups_usable(), reason="needs root and writable cgroups")
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[ProcessRuntime]:
+    rt = ProcessRuntime(
+        tmp_path / "work",
+        detect(),
+        idle_cores=CORES[:1],
+        group_prefix=f"tangram-test-{uuid.uuid4().hex[:8]}",
+    )
+    yield rt
+    for t in list(rt._open):
+        rt.close(t)
+    rt.cgroups.remove(rt.prefix)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def test_the_command_runs_on_exactly_its_cores_and_they_are_reclaimed(
+    runtime: ProcessRuntime,
+) -> None:
+    runtime.open("t1")
+    cores = CORES[-1:]
+    res = run(runtime.exec("t1", ["sh", "-c", "grep Cpus_allowed_list /proc/self/status"], cores))
+    assert res.exit_code == 0
+    seen = parse_cpulist(res.stdout.split(":")[1])
+    assert seen == cores
+    # Between actions the trajectory sits on the idle set again.
+    assert parse_cpulist(runtime.cgroups.cpus(runtime._group("t1"))) == CORES[:1]
+    assert res.setup_s >= 0 and res.exec_s > 0 and res.teardown_s >= 0
+
+
+def test_dop_reaches_the_command(runtime: ProcessRuntime) -> None:
+    runtime.open("t1")
+    res = run(runtime.exec("t1", ["sh", "-c", "echo {dop} $TANGRAM_DOP"], CORES))
+    assert res.stdout.split() == [str(len(CORES))] * 2
+    assert res.dop == len(CORES)
+
+
+def test_the_working_directory_persists_between_actions(runtime: ProcessRuntime) -> None:
+    runtime.open("t1")
+    run(runtime.exec("t1", ["sh", "-c", "echo state > notes.txt"], CORES[:1]))
+    res = run(runtime.exec("t1", ["cat", "notes.txt"], CORES[:1]))
+    assert res.stdout == "state\n"
+
+
+def test_a_runaway_command_and_its_children_die_at_the_timeout(runtime: ProcessRuntime) -> None:
+    runtime.open("t1")
+    # The grandchild leaves the process group: only the cgroup still knows it.
+    script = "setsid sleep 60 & sleep 60"
+    res = run(runtime.exec("t1", ["sh", "-c", script], CORES[:1], timeout_s=0.5))
+    assert res.timed_out and res.exit_code is None
+    assert res.exec_s < 10
+    assert runtime.cgroups.pids(runtime._group("t1")) == []
+
+
+def test_cancelling_the_task_kills_the_command(runtime: ProcessRuntime) -> None:
+    runtime.open("t1")
+
+    async def scenario() -> None:
+        task = asyncio.create_task(runtime.exec("t1", ["sleep", "60"], CORES[:1]))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(scenario())
+    assert runtime.cgroups.pids(runtime._group("t1")) == []
+    assert parse_cpulist(runtime.cgroups.cpus(runtime._group("t1"))) == CORES[:1]
+
+
+def test_output_is_capped_and_flagged(runtime: ProcessRuntime) -> None:
+    runtime.open("t1")
+    res = run(
+        runtime.exec(
+            "t1",
+            ["sh", "-c", "head -c 100000 /dev/zero | tr '\\0' x; echo err >&2"],
+            CORES[:1],
+            output_cap=1000,
+        )
+    )
+    assert len(res.stdout) == 1000 and res.stdout_truncated
+    assert res.stderr == "err\n" and not res.stderr_truncated
+
+
+def test_close_removes_everything(runtime: ProcessRuntime) -> None:
+    work = runtime.open("t1")
+    run(runtime.exec("t1", ["sh", "-c", "touch f"], CORES[:1]))
+    runtime.close("t1")
+    assert not work.exists()
+    with pytest.raises(FileNotFoundError):
+        runtime.cgroups.cpus(runtime._group("t1"))
+    with pytest.raises(ExecError, match="not open"):
+        run(runtime.exec("t1", ["true"], CORES[:1]))
+
+
+def test_bad_requests_are_refused(runtime: ProcessRuntime) -> None:
+    with pytest.raises(ExecError, match="trajectory"):
+        runtime.open("../escape")
+    runtime.open("t1")
+    with pytest.raises(ExecError, match="argv"):
+        run(runtime.exec("t1", [], CORES[:1]))
+    with pytest.raises(ExecError, match="cores"):
+        run(runtime.exec("t1", ["true"], []))
+
+
+def test_cpulist_round_trip() -> None:
+    for cores in ([0], [0, 1, 2, 5], [3, 4, 7, 8, 9]):
+        assert parse_cpulist(format_cpulist(cores)) == cores
+
+
+def test_v2_writes_cpuset_and_cpu_max(tmp_path: Path) -> None:
+    # This host's v2 hierarchy has no controllers, so v2 is checked on a file tree:
+    # delegation through cgroup.subtree_control, then the two limit files.
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    cg = CgroupV2(tmp_path)
+    cg.create("tangram")
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu"  # last write wins
+    (tmp_path / "tangram" / "cgroup.subtree_control").write_text("")
+    cg.limit("tangram", [0, 1, 2, 5], 4.0)
+    assert (tmp_path / "tangram" / "cpuset.cpus").read_text() == "0-2,5"
+    assert (tmp_path / "tangram" / "cpu.max").read_text() == "400000 100000"
+    cg.limit("tangram", [1], None)
+    assert (tmp_path / "tangram" / "cpu.max").read_text() == "max 100000"
+
+
+def test_v1_quota_files(tmp_path: Path) -> None:
+    for h in ("cpuset", "cpu"):
+        (tmp_path / h).mkdir()
+    (tmp_path / "cpuset" / "cpuset.cpus").write_text("0-3\n")
+    (tmp_path / "cpuset" / "cpuset.mems").write_text("0\n")
+    cg = CgroupV1(tmp_path)
+    # A real v1 kernel creates the knobs on mkdir; a file tree needs them made.
+    (tmp_path / "cpuset" / "g").mkdir()
+    (tmp_path / "cpuset" / "g" / "cpuset.cpus").write_text("")
+    (tmp_path / "cpuset" / "g" / "cpuset.mems").write_text("")
+    cg.create("g")
+    assert (tmp_path / "cpuset" / "g" / "cpuset.mems").read_text() == "0\n"
+    cg.limit("g", [2, 3], 1.5)
+    assert (tmp_path / "cpuset" / "g" / "cpuset.cpus").read_text() == "2-3"
+    assert (tmp_path / "cpu" / "g" / "cpu.cfs_quota_us").read_text() == "150000"
