@@ -518,17 +518,18 @@ def test_quota_limits_and_next_window(
         conc_room = (concurrency - in_use) if concurrency else 1 << 30
         assert q.free(now) == max(0, min(rate_room, conc_room, 1 << 30))
         assert rate_room >= 0 and conc_room >= 0
-        wake = q.next_window_s(now)
-        if per_period is not None and rate_room <= 0:
+        wake = q.next_expiry_s(now)
+        inside = in_window(starts, now, period)
+        if per_period is not None and inside > 0:
             assert wake is not None and wake > now
-            # Exactly when a call can start again: at `wake`, and not a moment earlier.
+            # Exactly when the oldest call stops counting: at `wake`, not a moment earlier.
             earlier = math.nextafter(wake, -math.inf)
-            assert in_window(starts, wake, period) < per_period
-            assert in_window(starts, earlier, period) >= per_period
-            probe = Quota("q", None, per_period, period, starts=q.starts.copy())
-            assert probe.free(earlier) == 0
-            assert probe.next_window_s(earlier) == wake
-            assert probe.free(wake) >= 1
+            assert in_window(starts, wake, period) < inside
+            assert in_window(starts, earlier, period) == inside
+            if rate_room <= 0:
+                probe = Quota("q", None, per_period, period, starts=q.starts.copy())
+                assert probe.free(earlier) == 0
+                assert probe.free(wake) >= 1
         else:
             assert wake is None
         op = data.draw(st.sampled_from(["acquire", "acquire", "release"]), label="op")
@@ -556,25 +557,56 @@ def test_quota_limits_and_next_window(
             assert in_window(starts, now, period) <= per_period
 
 
-def test_quota_rate_window_reopens_exactly_at_next_window() -> None:
+def test_quota_rate_window_reopens_exactly_at_the_expiry() -> None:
     # 62.3503056144171 + 2.5 - 2.5 < 62.3503056144171 in floating point: a window check
     # written as `start <= now - period` would still count the call at the reported time.
     q = Quota("q", None, 1, 2.5)
     q.acquire(62.3503056144171, 1)
     q.release(1)
-    wake = q.next_window_s(63.0)
+    wake = q.next_expiry_s(63.0)
     assert wake == 62.3503056144171 + 2.5
     assert q.free(math.nextafter(wake, -math.inf)) == 0
     assert q.free(wake) == 1
-    assert q.next_window_s(wake) is None
+    assert q.next_expiry_s(wake) is None
 
 
 def test_quota_concurrency_blocks_without_a_window() -> None:
     q = Quota("q", 2, None, 1.0)
     q.acquire(0.0, 2)
     assert q.free(5.0) == 0
-    assert q.next_window_s(5.0) is None  # waiting on a release, not on time
+    assert q.next_expiry_s(5.0) is None  # waiting on a release, not on time
     q.release(1)
     assert q.free(5.0) == 1
     with pytest.raises(ValueError):
         q.release(2)
+
+
+def test_a_multi_unit_wait_gets_a_wake_up_until_it_fits() -> None:
+    # 2 calls per second, one already started: an action needing both waits for the window
+    # to drain, and the scheduler must be told when (review finding: it was told nothing).
+    from tangram.api import ActionSpec, ClusterSpec
+    from tangram.scheduler import Scheduler
+
+    s = Scheduler(
+        ClusterSpec.model_validate(
+            {"nodes": [{"name": "n"}], "apis": [{"name": "search", "rate_per_s": 2}]}
+        )
+    )
+    s.open_trajectory("t")
+    s.submit("one", "t", ActionSpec.model_validate({"kind": "api", "api": "search"}), 0.0)
+    s.schedule(0.0)
+    s.complete("one", 0.1)
+    two = ActionSpec.model_validate({"kind": "api", "api": "search", "quotas": {"search": 1}})
+    s.submit("two", "t", two, 0.2)
+    r = s.schedule(0.2)
+    assert r.assignments == () and r.wake_at == 1.0
+    assert [a.action_id for a in s.schedule(1.0).assignments] == ["two"]
+
+
+def test_fractional_rates_are_never_exceeded() -> None:
+    from tangram.api import ApiSpec
+
+    assert ApiSpec(name="a", rate_per_s=0.5).window() == (1, 2.0)  # one call per 2 s
+    assert ApiSpec(name="a", rate_per_s=1.5, period_s=1.0).window() == (1, 1 / 1.5)
+    assert ApiSpec(name="a", rate_per_s=100, period_s=1.0).window() == (100, 1.0)
+    assert ApiSpec(name="a", concurrency=3).window() is None

@@ -489,10 +489,12 @@ def check_capacity(sim: Sim) -> None:
         in_use = sum(dict(a.quotas).get(api.name, 0) for a in running)
         if api.concurrency is not None:
             assert in_use <= api.concurrency, "API concurrency exceeded"
-        per = api.calls_per_period()
-        if per is not None:
-            window = sum(1 for s in sim.quota_starts if s + api.period_s > sim.now)
-            assert window <= per, f"{window} calls within {api.period_s}s, limit {per}"
+        limit = api.window()
+        if limit is not None:
+            per, span = limit
+            window = sum(1 for s in sim.quota_starts if s + span > sim.now)
+            assert window <= per, f"{window} calls within {span}s, limit {per}"
+            assert per / span <= api.rate_per_s * (1 + 1e-9)  # type: ignore[operator]
 
 
 def check_groups(sim: Sim, rnd: Round, queued_before: list[str]) -> None:

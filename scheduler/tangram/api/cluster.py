@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -74,10 +75,16 @@ class ApiSpec(_Strict):
         float, Field(gt=0, description="unmanaged baseline: how long an over-limit call hangs")
     ] = 600.0
 
-    def calls_per_period(self) -> int | None:
+    def window(self) -> tuple[int, float] | None:
+        """The rate as (calls, seconds): at most ``calls`` starts in any ``seconds`` window.
+
+        ``floor(rate·period)`` calls over exactly the time they take at ``rate``, so the
+        long-run rate is never exceeded (0.5/s over 1 s is 1 call per 2 s, not 1 per 1 s).
+        """
         if self.rate_per_s is None:
             return None
-        return max(1, int(self.rate_per_s * self.period_s))
+        calls = max(1, math.floor(self.rate_per_s * self.period_s + 1e-9))
+        return calls, calls / self.rate_per_s
 
 
 class ClusterSpec(_Strict):

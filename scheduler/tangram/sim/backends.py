@@ -17,6 +17,7 @@ from tangram.api.action import ActionKind, ActionSpec
 from tangram.api.cluster import ClusterSpec
 from tangram.api.demand import AmdahlEfficiency, Efficiency, allowed_units, duration
 from tangram.api.trace import TrajectoryTrace
+from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from tangram.sim.engine import Done
 from tangram.sim.events import EventLoop
@@ -403,19 +404,18 @@ class StaticGpuBackend(_NoTrajectoryState):
 # --------------------------------------------------------------------------- unmanaged API
 @dataclass(slots=True)
 class _Provider:
-    name: str
-    concurrency: int | None
-    per_period: int | None
-    period_s: float
+    """The provider's own limits: the same window arithmetic as the scheduler's quota."""
+
+    limits: Quota
     timeout_s: float
-    in_flight: int = 0
-    starts: deque[float] = field(default_factory=deque)
     waiting: deque[Callable[[], None]] = field(default_factory=deque)
 
     def rate_ok(self, now: float) -> bool:
-        while self.starts and self.starts[0] <= now - self.period_s:
-            self.starts.popleft()
-        return self.per_period is None or len(self.starts) < self.per_period
+        return self.limits.window_room(now) > 0
+
+    def full(self) -> bool:
+        q = self.limits
+        return q.concurrency is not None and q.in_use >= q.concurrency
 
 
 class UnmanagedApiBackend(_NoTrajectoryState):
@@ -441,7 +441,9 @@ class UnmanagedApiBackend(_NoTrajectoryState):
         self.overheads = overheads
         self.retries, self.reject_s = retries, reject_s
         self.providers = {
-            a.name: _Provider(a.name, a.concurrency, a.calls_per_period(), a.period_s, a.timeout_s)
+            a.name: _Provider(
+                Quota(a.name, a.concurrency, *(a.window() or (None, 1.0))), a.timeout_s
+            )
             for a in cluster.apis
         }
         self.unit_seconds = 0.0
@@ -459,7 +461,7 @@ class UnmanagedApiBackend(_NoTrajectoryState):
         if not all(p.rate_ok(now) for p in providers):
             self.loop.at(now + self.reject_s, lambda: self._failed(record, spec, done, attempt))
             return
-        full = [p for p in providers if p.concurrency is not None and p.in_flight >= p.concurrency]
+        full = [p for p in providers if p.full()]
         if full:
             provider = full[0]
             state = {"served": False}
@@ -477,15 +479,13 @@ class UnmanagedApiBackend(_NoTrajectoryState):
             self.loop.at(now + provider.timeout_s, timeout)
             return
         for p in providers:
-            p.in_flight += 1
-            if p.per_period is not None:
-                p.starts.append(now)
+            p.limits.acquire(now, 1)
         took = self.overheads.api_s + true_duration(spec, 1)
         self.unit_seconds += took
 
         def end() -> None:
             for p in providers:
-                p.in_flight -= 1
+                p.limits.release(1)
                 if p.waiting:
                     p.waiting.popleft()()
             record.ended = self.loop.now

@@ -88,28 +88,13 @@ class GpuPool:
                 c[i] += len(node.free[size])
         return (c[0], c[1], c[2], c[3])
 
-    def is_resident_free(self, service: str, k: int) -> bool:
-        """An idle resident instance of (service, k) sits in a chunk that is free now."""
-        size = chunk_level(k)
-        for inst in self.resident:
-            if (
-                inst.service == service
-                and inst.chunk.size == size
-                and inst not in self.busy
-                and self._chunk_is_free(inst.chunk)
-            ):
-                return True
-        return False
+    def is_warm(self, service: str, k: int) -> bool:
+        """Whether a DoP-k call would land, now, on a chunk that already holds the instance.
 
-    def _chunk_is_free(self, chunk: Chunk) -> bool:
-        node = self.nodes[chunk.node]
-        size = node.gpus
-        while size >= chunk.size:
-            start = chunk.start - chunk.start % size
-            if start in node.free[size]:
-                return True
-            size //= 2
-        return False
+        Asks the allocator's own choice, so the DP's restore estimate and the placement agree.
+        """
+        chunk = self._choose(service, chunk_level(k))
+        return chunk is not None and Instance(service, chunk) in self.resident
 
     def allocate(self, service: str, k: int) -> GpuGrant:
         """Take a chunk for a DoP-k call of ``service``; restore bookkeeping and LRU eviction."""

@@ -18,24 +18,32 @@ class Quota:
     def _expire(self, now: float) -> None:
         # A call counts until start + period_s. Compare that very sum (not start <= now -
         # period_s, which rounds differently) so the window reopens exactly at the time
-        # ``next_window_s`` reports.
+        # ``next_expiry_s`` reports.
         while self.starts and self.starts[0] + self.period_s <= now:
             self.starts.popleft()
 
-    def free(self, now: float) -> int:
-        """Units that may start at ``now`` (a large number when unlimited)."""
+    def window_room(self, now: float) -> int:
+        """Calls the rate window still admits at ``now`` (a large number when unlimited)."""
         self._expire(now)
-        room = 1 << 30
+        if self.per_period is None:
+            return 1 << 30
+        return max(0, self.per_period - len(self.starts))
+
+    def free(self, now: float) -> int:
+        """Units that may start at ``now``: both the concurrency and the rate window allow."""
+        room = self.window_room(now)
         if self.concurrency is not None:
             room = min(room, self.concurrency - self.in_use)
-        if self.per_period is not None:
-            room = min(room, self.per_period - len(self.starts))
         return max(0, room)
 
-    def next_window_s(self, now: float) -> float | None:
-        """When the rate window next frees a call, if the rate is what blocks."""
+    def next_expiry_s(self, now: float) -> float | None:
+        """When the oldest call in the rate window stops counting (None: window empty).
+
+        A round leaving actions that wait on this quota wakes up then; an action needing
+        several units may need several such expiries.
+        """
         self._expire(now)
-        if self.per_period is not None and len(self.starts) >= self.per_period:
+        if self.per_period is not None and self.starts:
             return self.starts[0] + self.period_s
         return None
 

@@ -87,7 +87,6 @@ class Trajectory:
     hint_steps: int | None = None
     steps_done: int = 0
     busy_s: float = 0.0
-    active: int = 0  # queued + running actions
     queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
 
 
@@ -181,8 +180,7 @@ class Scheduler:
         self.services = {s.name: s for s in cluster.services}
         self._biggest_node = max((n.cores for n in self.cpu.nodes.values()), default=0)
         self.quotas = {
-            a.name: Quota(a.name, a.concurrency, a.calls_per_period(), a.period_s)
-            for a in cluster.apis
+            a.name: Quota(a.name, a.concurrency, *(a.window() or (None, 1.0))) for a in cluster.apis
         }
         self.book = ProfileBook()
         self.lengths = LengthModel()
@@ -273,14 +271,15 @@ class Scheduler:
         for q, n in asg.quotas:
             self.quotas[q].release(n)
         traj = self.trajectories.get(a.trajectory)
-        if traj is not None:
-            traj.active -= 1
-            if ok:
-                took = max(0.0, now - asg.started_at)
-                traj.steps_done += 1
-                traj.busy_s += took
-                if self.config.learn and a.profile is None:
-                    self.book.observe(a.type, asg.units, took)
+        if traj is not None and ok:
+            took = max(0.0, now - asg.started_at)
+            traj.steps_done += 1
+            traj.busy_s += took
+            if self.config.learn and (a.profile is None or a.profile.efficiency is None):
+                if asg.restore and asg.chunk is not None and a.service is not None:
+                    # Learn the call, not the restore: the DP adds restores itself.
+                    took -= self.services[a.service].restore_cost(asg.chunk.size)
+                self.book.observe(a.type, asg.units, max(0.0, took))
 
         return asg
 
@@ -307,6 +306,12 @@ class Scheduler:
         if units not in key_units:
             raise SchedulingError("units", f"{units} is not an allowed count {list(key_units)}")
         resource = GPU if a.gpu else f"api:{a.quotas[0][0]}" if a.quotas and not a.cpu else ""
+        # Check every capacity before changing any state: a refused adopt leaves no trace.
+        for q, n in a.quotas:
+            if self.quotas[q].free(started_at) < n:
+                raise SchedulingError("quotas", f"{q} has no room for {n} more unit(s)")
+        if a.gpu and a.service is not None and not self.gpu.can_host(a.service, units):
+            raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
         placed: str | None = None
         if a.cpu:
             placed = self.cpu.placement.get(trajectory)
@@ -318,6 +323,11 @@ class Scheduler:
                 placed = node if node is not None else self.cpu.choose_node(mem, units, free)
                 if placed is None or placed not in self.cpu.nodes:
                     raise SchedulingError("node", f"no node can hold trajectory {trajectory}")
+            if self.cpu.nodes[placed].free_cores < units:
+                raise SchedulingError(
+                    "units", f"node {placed} has {self.cpu.nodes[placed].free_cores} free cores"
+                )
+            if trajectory not in self.cpu.placement:
                 self._place(trajectory, placed)
             resource = f"cpu:{placed}"
         durations = self._choices(a)[1]
@@ -357,7 +367,11 @@ class Scheduler:
                     )
         started = (self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen)
         assignments = [a for a in started if a is not None]
-        wake = [t for q in self.quotas.values() if (t := q.next_window_s(now)) is not None]
+        wake = [
+            t
+            for name, q in self.quotas.items()
+            if self._waiting.get(f"api:{name}", 0) > 0 and (t := q.next_expiry_s(now)) is not None
+        ]
         return Round(
             tuple(assignments),
             min(wake) if wake and self.queue else None,
@@ -404,9 +418,7 @@ class Scheduler:
                 raise SchedulingError(
                     "gpu", f"no DoP in {list(wanted)} fits service {svc.name} on this pool's GPUs"
                 )
-            if profile is None and svc.efficiency is not None and spec.t1_s is None:
-                profile = None  # a service profile needs t1 from the request or learning
-            elif profile is not None and profile.efficiency is None and svc.efficiency is not None:
+            if profile is not None and profile.efficiency is None and svc.efficiency is not None:
                 profile = Profile(profile.t1_s, svc.efficiency)
         else:
             assert spec.api is not None
@@ -431,7 +443,7 @@ class Scheduler:
             cpu,
             gpu,
             spec.service,
-            tuple(sorted(quotas.items())),
+            tuple(sorted(quotas.items(), key=lambda kv: (kv[0] != spec.api, kv[0]))),
             profile,
             elastic_capable,
         )
@@ -469,7 +481,6 @@ class Scheduler:
     def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
         traj = self.trajectories[a.trajectory]
         self.actions[a.id] = a
-        traj.active += 1
         if a.cpu:
             traj.queued_exec += 1
         self._count(a, +1)
@@ -480,10 +491,8 @@ class Scheduler:
         self.queue.remove(action_id)
         a = self.actions.pop(action_id)
         self._count(a, -1)
-        traj = self.trajectories[a.trajectory]
-        traj.active -= 1
         if a.cpu:
-            traj.queued_exec -= 1
+            self.trajectories[a.trajectory].queued_exec -= 1
         return a
 
     def _count(self, a: Action, delta: int) -> None:
@@ -733,8 +742,7 @@ class Scheduler:
             return c.durations
         svc = self.services[a.service]
         return {
-            k: d
-            + (0.0 if self.gpu.is_resident_free(a.service, k) else svc.restore_cost(chunk_level(k)))
+            k: d + (0.0 if self.gpu.is_warm(a.service, k) else svc.restore_cost(chunk_level(k)))
             for k, d in c.durations.items()
         }
 
@@ -750,7 +758,6 @@ class Scheduler:
             except ValueError:
                 return None
         self._dequeue(a.id)
-        self.trajectories[a.trajectory].active += 1  # it stays active while it runs
         cores: tuple[int, ...] = ()
         chunk = None
         restore = False
