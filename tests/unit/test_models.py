@@ -48,6 +48,10 @@ def _error(data: dict[str, object]) -> str:
         ({"kind": "exec", "gpu": 2}, "gpu", "only service actions"),
         ({"kind": "teleport"}, "kind", "Input should be"),
         ({"kind": "exec", "t1_s": 0}, "t1_s", "greater than 0"),
+        ({"kind": "exec", "t1_s": "inf"}, "t1_s", "finite number"),
+        ({"kind": "exec", "cpu": {"min": 1, "max": 100000000}}, "cpu.range.max", "less than"),
+        ({"kind": "exec", "memory_gb": 4}, "memory_gb", "Extra inputs"),
+        ({"kind": "api", "api": "search", "cpu": 2}, "cpu", "only exec actions"),
     ],
 )
 def test_bad_action_specs_name_the_field(data: dict[str, object], field: str, words: str) -> None:
@@ -93,6 +97,10 @@ def test_elastic_key_is_inferred_and_checked() -> None:
 def test_action_type_defaults_to_kind_and_target() -> None:
     assert ActionSpec.model_validate({"kind": "api", "api": "search"}).action_type() == "api:search"
     assert ActionSpec.model_validate({"kind": "exec", "type": "pytest"}).action_type() == "pytest"
+    # Shell commands and test suites never share a learned profile by default.
+    assert ActionSpec.model_validate({"kind": "exec"}).action_type() == "exec:cpu1"
+    ranged = ActionSpec.model_validate({"kind": "exec", "cpu": {"min": 1, "max": 32}})
+    assert ranged.action_type() == "exec:cpu1-32"
 
 
 def test_cluster_validation() -> None:

@@ -247,3 +247,32 @@ def test_cancel_and_close_drop_queued_actions() -> None:
     s.complete(asg.action_id, 1.0)
     assert s.close_trajectory("t") == ["c"]
     assert s.queued == 0
+
+
+def test_a_remaining_steps_hint_counts_down() -> None:
+    s = one_node(1, numa=1, ordering="trajectory-priority", min_age_s=1e9)
+    s.open_trajectory("hinted")
+    s.open_trajectory("other", hint_steps=3)
+    s.set_hint("hinted", 5)
+    # After four finished steps, "hinted" has 1 step left and "other" still 3.
+    for i in range(4):
+        s.submit(f"h{i}", "hinted", exec_action(1, 1.0), float(i))
+        (asg,) = s.schedule(float(i)).assignments
+        s.complete(asg.action_id, float(i) + 1)
+    s.open_trajectory("blocker")
+    s.adopt("hold", "blocker", exec_action(1, 1.0), units=1, started_at=4.0)
+    s.submit("h4", "hinted", exec_action(1, 1.0), 4.0)
+    s.submit("o0", "other", exec_action(1, 1.0), 4.5)
+    s.complete("hold", 5.0)
+    assert [a.action_id for a in s.schedule(5.0).assignments] == ["o0"]
+
+
+def test_adopt_refuses_more_than_the_node_has_and_changes_nothing() -> None:
+    s = one_node(8, numa=1)
+    s.open_trajectory("a")
+    s.open_trajectory("b")
+    s.adopt("r1", "a", exec_action(6, 1.0), units=6, started_at=0.0)
+    with pytest.raises(SchedulingError, match="free cores"):
+        s.adopt("r2", "b", exec_action(6, 1.0), units=6, started_at=0.0)
+    assert "r2" not in s.actions and "r2" not in s.running
+    assert s.queued == 0 and s.cpu.nodes["n1"].free_cores == 2

@@ -35,6 +35,8 @@ class ActionSpec(BaseModel):
     """The resource side of an action, as a trace line or an HTTP request carries it.
 
     Unknown fields are rejected so that a misspelt resource never silently means "no demand".
+    Memory is not per action: a trajectory reserves its memory for its whole life when it
+    opens (seed 000 §5.2), and a RewardService declares its GPU memory.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -45,11 +47,7 @@ class ActionSpec(BaseModel):
         Field(description="action type for learned profiles; defaults to kind plus target"),
     ] = None
     cpu: Annotated[Demand | None, Field(description="cores, exec actions")] = None
-    memory_gb: Annotated[
-        float | None, Field(ge=0, description="memory beyond the trajectory's")
-    ] = None
     gpu: Annotated[Demand | None, Field(description="GPUs (DoP), service actions")] = None
-    gpu_memory_gb: Annotated[float | None, Field(ge=0)] = None
     service: Annotated[str | None, Field(description="RewardService name, service actions")] = None
     api: Annotated[str | None, Field(description="API quota name, api actions")] = None
     quotas: Annotated[
@@ -72,6 +70,8 @@ class ActionSpec(BaseModel):
             raise ValueError("api: only api actions name an api; use quotas for extra quota units")
         if self.kind is not ActionKind.SERVICE and self.gpu is not None:
             raise ValueError("gpu: only service actions take GPUs")
+        if self.kind is not ActionKind.EXEC and self.cpu is not None:
+            raise ValueError("cpu: only exec actions take cores")
         for name, units in {**({self.api: 1} if self.api else {}), **self.quotas}.items():
             if not _API_NAME.match(name):
                 raise ValueError(
@@ -108,10 +108,19 @@ class ActionSpec(BaseModel):
         return elastic[0] if elastic else None
 
     def action_type(self) -> str:
+        """The profile key: ``type`` if given, else kind plus target or core demand.
+
+        The demand shape is part of the default so that one-core shell commands and
+        1-32-core test suites are never learned as one type.
+        """
         if self.type:
             return self.type
         target = self.service or self.api
-        return f"{self.kind.value}:{target}" if target else self.kind.value
+        if target:
+            return f"{self.kind.value}:{target}"
+        units = allowed_units(self.cpu) if self.cpu is not None else (1,)
+        shape = f"{units[0]}" if len(units) == 1 else f"{units[0]}-{units[-1]}"
+        return f"{self.kind.value}:cpu{shape}"
 
 
 def _is_variable(demand: Demand | None) -> bool:

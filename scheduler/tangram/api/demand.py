@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+MAX_UNITS = 4096  # more cores or GPUs than any node has; bounds what validation expands
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -28,8 +30,8 @@ class _Strict(BaseModel):
 class RangeDemand(_Strict):
     """Any whole number of units from ``min`` to ``max`` inclusive."""
 
-    min: Annotated[int, Field(ge=0, description="fewest units the action can run with")]
-    max: Annotated[int, Field(ge=0, description="most units the action can use")]
+    min: Annotated[int, Field(ge=0, le=MAX_UNITS, description="fewest units it can run with")]
+    max: Annotated[int, Field(ge=0, le=MAX_UNITS, description="most units it can use")]
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
@@ -46,8 +48,8 @@ class ChoicesDemand(_Strict):
     @field_validator("choices")
     @classmethod
     def _valid_choices(cls, v: list[int]) -> list[int]:
-        if any(c < 0 for c in v):
-            raise ValueError("choices must be non-negative")
+        if any(c < 0 or c > MAX_UNITS for c in v):
+            raise ValueError(f"choices must be between 0 and {MAX_UNITS}")
         if len(set(v)) != len(v):
             raise ValueError("choices must not repeat")
         return sorted(v)

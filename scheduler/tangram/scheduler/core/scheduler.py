@@ -84,7 +84,8 @@ class SchedulerConfig:
 class Trajectory:
     id: str
     memory_gb: float
-    hint_steps: int | None = None
+    hint_steps: int | None = None  # remaining steps the client announced ...
+    hint_at: int = 0  # ... when it had taken this many
     steps_done: int = 0
     busy_s: float = 0.0
     queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
@@ -238,7 +239,8 @@ class Scheduler:
         self._place(tid, node)
 
     def set_hint(self, tid: str, remaining_steps: int | None) -> None:
-        self._traj(tid).hint_steps = remaining_steps
+        traj = self._traj(tid)
+        traj.hint_steps, traj.hint_at = remaining_steps, traj.steps_done
 
     # ---- actions -----------------------------------------------------------------
     def submit(self, action_id: str, trajectory: str, spec: ActionSpec, now: float) -> Action:
@@ -322,7 +324,10 @@ class Scheduler:
                 free = {n: c.free_cores for n, c in self.cpu.nodes.items()}
                 placed = node if node is not None else self.cpu.choose_node(mem, units, free)
                 if placed is None or placed not in self.cpu.nodes:
-                    raise SchedulingError("node", f"no node can hold trajectory {trajectory}")
+                    raise SchedulingError(
+                        "node",
+                        f"no node has {units} free cores and {mem} GB free for {trajectory}",
+                    )
             if self.cpu.nodes[placed].free_cores < units:
                 raise SchedulingError(
                     "units", f"node {placed} has {self.cpu.nodes[placed].free_cores} free cores"
@@ -462,7 +467,7 @@ class Scheduler:
         if self.config.ordering == "fcfs":
             return (float(a.seq),)
         remaining = (
-            float(traj.hint_steps)
+            float(max(0, traj.hint_steps - (traj.steps_done - traj.hint_at)))
             if traj.hint_steps is not None
             else self.lengths.expected_remaining(traj.steps_done)
         )
