@@ -175,3 +175,83 @@ def test_the_readme_explain_example_shows_an_eviction(capsys: pytest.CaptureFixt
     assert [a["action"] for a in decision["assignments"]] == ["reward-t2"]
     assert decision["assignments"][0]["units"] == 3
     assert decision["waiting"][0]["action"] == "ls-t3"
+
+
+def test_errors_found_late_are_found_first_and_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("nodes:\n  - name: a\n    cpus: 4\n    memory_gb: 8\n")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"version":1,"id":"x","steps":[{"action":{"kind":"exec","t1_s":1}},'
+        '{"action":{"kind":"service","service":"judge","t1_s":1}}]}\n'
+    )
+    code, _, err = _run(
+        capsys,
+        "bench",
+        "--trace",
+        str(trace),
+        "--cluster",
+        str(cluster),
+        "--policy",
+        "elastic,static-gpu",
+    )
+    assert code == 2 and "trajectory x, step 1: service 'judge'" in err
+    code, _, err = _run(
+        capsys, "bench", "--trace", str(trace), "--cluster", str(cluster), "--seed", "-1"
+    )
+    assert code == 2 and "--seed" in err
+    trace.write_bytes(b'{"version":1,"id":"\xff"}\n')
+    code, _, err = _run(capsys, "bench", "--trace", str(trace), "--cluster", str(cluster))
+    assert code == 2 and "not UTF-8" in err
+    code, _, err = _run(
+        capsys, "trace", "generate", "--scenario", "coding", "--trajectories", "2", "--seed", "-3"
+    )
+    assert code == 2 and "--seed" in err
+    code, _, err = _run(
+        capsys,
+        "trace",
+        "generate",
+        "--scenario",
+        "coding",
+        "--trajectories",
+        "2",
+        "-o",
+        str(tmp_path / "missing-dir" / "t.jsonl"),
+    )
+    assert code == 2 and "--out: cannot write" in err
+
+
+def test_the_act_plot_is_drawn_next_to_the_trace_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace, cluster = tmp_path / "t.jsonl", tmp_path / "c.yaml"
+    _run(
+        capsys,
+        "trace",
+        "generate",
+        "--scenario",
+        "coding",
+        "--trajectories",
+        "4",
+        "-o",
+        str(trace),
+        "--cluster-out",
+        str(cluster),
+    )
+    code, out, _ = _run(capsys, "bench", "--trace", str(trace), "--cluster", str(cluster), "--json")
+    assert code == 0
+    assert json.loads(out)["plot"] == str(tmp_path / "t.act.png")
+    assert (tmp_path / "t.act.png").read_bytes()[:4] == b"\x89PNG"
+    code, _, err = _run(
+        capsys,
+        "bench",
+        "--trace",
+        str(trace),
+        "--cluster",
+        str(cluster),
+        "--plot",
+        str(tmp_path / "no" / "such" / "dir.png"),
+    )
+    assert code == 2 and "--plot: cannot write" in err

@@ -276,3 +276,17 @@ def test_adopt_refuses_more_than_the_node_has_and_changes_nothing() -> None:
         s.adopt("r2", "b", exec_action(6, 1.0), units=6, started_at=0.0)
     assert "r2" not in s.actions and "r2" not in s.running
     assert s.queued == 0 and s.cpu.nodes["n1"].free_cores == 2
+
+
+def test_a_t1_only_elastic_type_is_probed_and_then_learned() -> None:
+    # t1 given, no efficiency curve: the type is learned, not probed forever.
+    s = one_node(32, numa=1)
+    now = 0.0
+    for i in range(24):
+        s.open_trajectory(f"t{i}")
+        s.submit(f"a{i}", f"t{i}", exec_action({"min": 1, "max": 16}, t1=60.0), now)
+        (asg,) = s.schedule(now).assignments
+        now += 60.0 * (0.2 + 0.8 / asg.units)
+        s.complete(asg.action_id, now)
+        s.close_trajectory(f"t{i}")
+    assert s.book.learned("exec:cpu1-16") is not None

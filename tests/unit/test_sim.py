@@ -42,7 +42,8 @@ def test_contention_queues_actions_and_counts_it_in_act() -> None:
     trace = [traj(f"t{i}", step) for i in range(3)]
     r = simulate(trace, cpu_cluster(cpus=2), "elastic", overheads=NO_OVERHEAD)
     assert sorted(rec.act_s for rec in r.records) == pytest.approx([10.0, 10.0, 20.0])
-    assert r.unit_seconds == pytest.approx(30.0)
+    assert r.summary()["unit_seconds"] == pytest.approx(30.0)
+    assert r.summary()["unit_seconds_exec"] == pytest.approx(30.0)
 
 
 def test_elastic_beats_fixed_dop_one_on_an_idle_node() -> None:
@@ -149,3 +150,19 @@ def test_static_instances_batch_concurrent_calls_with_a_slowdown() -> None:
     # One TP-4 instance; all three calls run at once, admitted with 0, 1 and 2 in flight.
     assert sorted(rec.started for rec in r.records) == [0.0, 0.0, 0.0]
     assert sorted(rec.act_s for rec in r.records) == pytest.approx([10.0, 11.0, 12.0])
+
+
+def test_unmanaged_calls_over_concurrency_wait_at_the_provider_then_time_out() -> None:
+    cluster = ClusterSpec.model_validate(
+        {"nodes": [{"name": "n"}], "apis": [{"name": "search", "concurrency": 1, "timeout_s": 5}]}
+    )
+    long_call = [{"think_s": 0.0, "action": {"kind": "api", "api": "search", "t1_s": 100.0}}]
+    r = simulate(
+        [traj(f"t{i}", long_call) for i in range(2)], cluster, "unmanaged", overheads=NO_OVERHEAD
+    )
+    by = sorted(r.records, key=lambda rec: rec.ended)
+    # The second call queues at the provider, times out after 5 s, and retries 3 times
+    # (backoff 1, 2, 4 s) while the first still holds the only slot: it fails at 26 s.
+    assert not by[0].ok and by[0].attempts == 4
+    assert by[0].ended == pytest.approx(5 + 1 + 5 + 2 + 5 + 4 + 5)
+    assert by[1].ok and by[1].act_s == pytest.approx(100.0)

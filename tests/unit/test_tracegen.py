@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tangram.api.action import ActionKind
-from tangram.api.demand import AmdahlEfficiency, RangeDemand, TableEfficiency
+from tangram.api.demand import AmdahlEfficiency, RangeDemand, TableEfficiency, duration
 from tangram.api.trace import TrajectoryTrace, load_trace
 from tangram.scheduler.core.scheduler import Scheduler
 from tangram.sim.tracegen import (
@@ -247,3 +247,20 @@ def test_unknown_cluster_scenario_raises() -> None:
 
 def _busy_s(t: TrajectoryTrace) -> float:
     return sum(s.action.t1_s or 0.0 for s in t.steps)
+
+
+@pytest.mark.parametrize(("scenario", "n"), [("coding", 1280), ("deepsearch", 2048)])
+def test_invocations_vary_by_about_three_orders_of_magnitude(scenario: str, n: int) -> None:
+    # [T] §2.3 (Fig. 3d): "the number of invocations varies up to three orders of magnitude".
+    # Nothing is tuned for it: submissions of an unqueued replay, counted per 10 s window.
+    times = []
+    for t in generate(scenario, n, 0):
+        now = t.arrival_s
+        for step in t.steps:
+            now += step.think_s
+            times.append(now)
+            a = step.action
+            now += duration(a.t1_s or 1.0, a.efficiency, 1)
+    counts = np.bincount((np.array(times) // 10).astype(int))
+    busy = counts[counts > 0]
+    assert busy.max() / busy.min() >= 500

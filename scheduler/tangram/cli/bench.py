@@ -18,6 +18,7 @@ from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.policies import check_policy, simulate
 from tangram.sim.records import SimResult
 from tangram.sim.roundbench import DEFAULT_CASES, Case, measure
+from tangram.sim.validate import check_trace
 
 
 def register(sub: Any) -> None:
@@ -37,7 +38,10 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--depth", type=int, default=2, help="ACT approximation depth")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", help="PNG of ACT distributions per policy")
+    p.add_argument(
+        "--plot", help="PNG of ACT distributions per policy (default: next to the trace)"
+    )
+    p.add_argument("--no-plot", action="store_true", help="do not draw the ACT plot")
     p.add_argument("--out", help="output file (scheduler) or directory (paper)")
     p.add_argument("--quick", action="store_true", help="paper: smaller sweeps for a smoke run")
     p.set_defaults(run=run)
@@ -46,6 +50,8 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.depth < 1:
         raise InputError("--depth: must be at least 1")
+    if args.seed < 0:
+        raise InputError("--seed: must be >= 0")
     if args.what == "scheduler":
         report = run_round_bench(progress=not args.json)
         _emit(report, args)
@@ -70,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--policy: {e}") from None
     trace = load_trace_file(args.trace)
     cluster = load_cluster(args.cluster)
+    try:
+        check_trace(trace, cluster)
+    except ValueError as e:
+        raise InputError(f"{args.trace} on {args.cluster}: {e}") from None
     results = replay_all(trace, cluster, policies, seed=args.seed, depth=args.depth)
     report = {
         "trace": args.trace,
@@ -83,10 +93,15 @@ def run(args: argparse.Namespace) -> int:
         report["avg_act_ratio_vs_elastic"] = {
             p: r.summary()["avg_act_s"] / base if base else None for p, r in results.items()
         }
-    if args.plot:
+    if not args.no_plot:
         from tangram.cli.plots import act_cdf
 
-        act_cdf(results, args.plot, title=Path(args.trace).name)
+        plot = args.plot or str(Path(args.trace).with_suffix(".act.png"))
+        try:
+            act_cdf(results, plot, title=Path(args.trace).name)
+        except OSError as e:
+            raise InputError(f"--plot: cannot write {plot}: {e.strerror}") from None
+        report["plot"] = plot
     _emit(report, args)
     return 0
 
@@ -128,16 +143,19 @@ def replay_all(
                 results[policy] = simulate(
                     trace, cluster, policy, seed=seed, config=config, progress=update
                 )
-        except ValueError as e:
-            raise InputError(f"{policy}: {e}") from None
+        except (ValueError, RuntimeError) as e:
+            raise InputError(f"policy {policy}: {e}") from None
     return results
 
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
     text = json.dumps(report, indent=None if args.json else 2)
     if args.out and args.what == "scheduler":
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"--out: cannot write {args.out}: {e.strerror}") from None
         note(f"wrote {args.out}")
     if args.json:
         print(text)

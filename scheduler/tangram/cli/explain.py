@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -51,12 +51,17 @@ class QueuedState(_Strict):
 
 
 class ConfigState(_Strict):
-    ordering: str = "fcfs"
+    """``SchedulerConfig``'s fields; see docs/scheduler.md."""
+
+    ordering: Literal["fcfs", "trajectory-priority"] = "fcfs"
     depth: Annotated[int, Field(ge=1)] = 2
-    explore: str = "paper"
-    max_candidates: int | None = None
+    explore: Literal["paper", "doubling"] = "paper"
+    max_candidates: Annotated[int | None, Field(ge=1)] = None
     elastic: bool = True
-    fixed_dop: int | None = None
+    fixed_dop: Annotated[int | None, Field(ge=1)] = None
+    ageing_factor: Annotated[float, Field(gt=0)] = 4.0
+    min_age_s: Annotated[float, Field(ge=0)] = 1.0
+    horizon: Annotated[int | None, Field(ge=1)] = None
 
 
 class State(_Strict):
@@ -77,17 +82,7 @@ def register(sub: Any) -> None:
 
 def decide(state: State) -> tuple[Scheduler, Round]:
     cfg = state.config
-    sched = Scheduler(
-        state.cluster,
-        SchedulerConfig(
-            ordering=cfg.ordering,  # type: ignore[arg-type]
-            depth=cfg.depth,
-            explore=cfg.explore,  # type: ignore[arg-type]
-            max_candidates=cfg.max_candidates,
-            elastic=cfg.elastic,
-            fixed_dop=cfg.fixed_dop,
-        ),
-    )
+    sched = Scheduler(state.cluster, SchedulerConfig(**cfg.model_dump()))
     for t in state.trajectories:
         sched.open_trajectory(t.id, t.memory_gb, t.hint_steps)
         if t.node is not None:

@@ -33,6 +33,8 @@ def _read(path: str | Path, parse: Callable[[TextIO], Any], kind: str) -> Any:
             return parse(f)
     except OSError as e:
         raise InputError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not valid {kind}: {e}") from None
 
@@ -59,6 +61,8 @@ def load_trace_file(path: str | Path) -> list[TrajectoryTrace]:
             lines = f.readlines()
     except OSError as e:
         raise InputError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         trace = load_trace(lines)
     except TraceError as e:

@@ -52,7 +52,7 @@ def render(report: dict[str, Any]) -> str:
     for p, s in report["mopd"].items():
         out.append(
             f"| {p} | {s.get('avg_act_service_s', 0):.2f} | {s['avg_act_s']:.2f} | "
-            f"{s['unit_seconds']:.0f} |"
+            f"{s.get('unit_seconds_service', 0.0):.0f} |"
         )
     g = report["gpu_savings"]
     out += ["", f"### MOPD+Search (10 services), batch {g['batch']}: GPUs for the same ACT", ""]

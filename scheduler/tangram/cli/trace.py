@@ -29,14 +29,22 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.trajectories < 1:
         raise InputError("--trajectories: must be at least 1")
+    if args.seed < 0:
+        raise InputError("--seed: must be >= 0")
     trajs = generate(args.scenario, args.trajectories, args.seed)
     lines = "".join(t.model_dump_json(exclude_defaults=True) + "\n" for t in trajs)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(lines)
+        _write("--out", args.out, lines)
     else:
         sys.stdout.write(lines)
     if args.cluster_out:
-        with open(args.cluster_out, "w", encoding="utf-8") as f:
-            f.write(dump_cluster(scenario_cluster(args.scenario)))
+        _write("--cluster-out", args.cluster_out, dump_cluster(scenario_cluster(args.scenario)))
     return 0
+
+
+def _write(flag: str, path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise InputError(f"{flag}: cannot write {path}: {e.strerror}") from None

@@ -79,7 +79,7 @@ class SchedulerBackend:
         self._pending: dict[str, tuple[ActionRecord, ActionSpec, Done]] = {}
         self._dirty = False
         self._wake: set[float] = set()
-        self.unit_seconds = 0.0
+        self.unit_seconds: dict[str, float] = {}
         self.rounds = 0
         loop.on_instant_end(self._round)
 
@@ -123,7 +123,8 @@ class SchedulerBackend:
             took = overhead + true_duration(spec, asg.units)
             record.started, record.units, record.overhead_s = now, asg.units, overhead
             held = asg.chunk.size if asg.chunk is not None else asg.units
-            self.unit_seconds += held * took
+            kind = spec.kind.value
+            self.unit_seconds[kind] = self.unit_seconds.get(kind, 0.0) + held * took
             self.loop.at(now + took, partial(self._end, asg.action_id, record, done))
         if result.wake_at is not None and result.wake_at not in self._wake:
             self._wake.add(result.wake_at)
@@ -136,7 +137,7 @@ class SchedulerBackend:
         self._dirty = True
         done(record)
 
-    def finish(self, now: float) -> tuple[float, list[str]]:
+    def finish(self, now: float) -> tuple[dict[str, float], list[str]]:
         return self.unit_seconds, [f"scheduler rounds: {self.rounds}"]
 
 
@@ -198,7 +199,7 @@ class K8sStaticBackend:
         self.nodes = [_PodNode(n.name, float(n.cpus), n.memory_gb) for n in cluster.nodes if n.cpus]
         self.pods: dict[str, tuple[_PodNode, float]] = {}  # trajectory -> (node, admitted at)
         self.pending: deque[tuple[TrajectoryTrace, Callable[[], None]]] = deque()
-        self.unit_seconds = 0.0
+        self.unit_seconds: dict[str, float] = {}
         self.max_pending = 0
         self._jid = 0
 
@@ -230,7 +231,8 @@ class K8sStaticBackend:
         node, since = self.pods.pop(traj.id)
         node.requested -= self.request
         node.memory_used -= traj.memory_gb
-        self.unit_seconds += self.request * (now - since)
+        held = self.request * (now - since)
+        self.unit_seconds["exec"] = self.unit_seconds.get("exec", 0.0) + held
         self._admit(now)
 
     def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
@@ -284,7 +286,7 @@ class K8sStaticBackend:
             job.done(job.record)
         self._reschedule(node)
 
-    def finish(self, now: float) -> tuple[float, list[str]]:
+    def finish(self, now: float) -> tuple[dict[str, float], list[str]]:
         return self.unit_seconds, [f"k8s-static: most pods pending at once: {self.max_pending}"]
 
 
@@ -363,7 +365,6 @@ class StaticGpuBackend(_NoTrajectoryState):
             self.instances[svc.name] = [_Instance(svc.name, k) for _ in range(count)]
             self.queues[svc.name] = deque()
             self.gpus += k * count
-        self.unit_seconds = 0.0
 
     def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
         assert spec.service is not None
@@ -397,8 +398,10 @@ class StaticGpuBackend(_NoTrajectoryState):
 
             self.loop.at(now + took, end)
 
-    def finish(self, now: float) -> tuple[float, list[str]]:
-        return self.gpus * now, [f"static-gpu: {self.gpus} GPUs dedicated for the whole run"]
+    def finish(self, now: float) -> tuple[dict[str, float], list[str]]:
+        return {"service": self.gpus * now}, [
+            f"static-gpu: {self.gpus} GPUs dedicated for the whole run"
+        ]
 
 
 # --------------------------------------------------------------------------- unmanaged API
@@ -446,7 +449,7 @@ class UnmanagedApiBackend(_NoTrajectoryState):
             )
             for a in cluster.apis
         }
-        self.unit_seconds = 0.0
+        self.unit_seconds: dict[str, float] = {}
         self.errors = 0
 
     def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
@@ -481,7 +484,7 @@ class UnmanagedApiBackend(_NoTrajectoryState):
         for p in providers:
             p.limits.acquire(now, 1)
         took = self.overheads.api_s + true_duration(spec, 1)
-        self.unit_seconds += took
+        self.unit_seconds["api"] = self.unit_seconds.get("api", 0.0) + took
 
         def end() -> None:
             for p in providers:
@@ -506,7 +509,7 @@ class UnmanagedApiBackend(_NoTrajectoryState):
             self.loop.now + backoff, lambda: self._attempt(record, spec, done, attempt + 1)
         )
 
-    def finish(self, now: float) -> tuple[float, list[str]]:
+    def finish(self, now: float) -> tuple[dict[str, float], list[str]]:
         return self.unit_seconds, [
             f"unmanaged: {self.errors} failed attempts (rate limit or timeout)"
         ]

@@ -32,8 +32,8 @@ class Backend(Protocol):
 
     def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None: ...
 
-    def finish(self, now: float) -> tuple[float, list[str]]:
-        """At the end: (unit-seconds reserved, notes)."""
+    def finish(self, now: float) -> tuple[dict[str, float], list[str]]:
+        """At the end: (unit-seconds held per action kind, notes)."""
         ...
 
 
@@ -73,7 +73,9 @@ class Replay:
         self.result.makespan_s = self.loop.now
         for b in self.backends:
             units, notes = b.finish(self.loop.now)
-            self.result.unit_seconds += units
+            for kind, held in units.items():
+                by = self.result.unit_seconds_by
+                by[kind] = by.get(kind, 0.0) + held
             self.result.notes.extend(notes)
         return self.result
 

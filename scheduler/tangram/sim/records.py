@@ -35,7 +35,7 @@ class SimResult:
     policy: str
     records: list[ActionRecord] = field(default_factory=list)
     makespan_s: float = 0.0
-    unit_seconds: float = 0.0
+    unit_seconds_by: dict[str, float] = field(default_factory=dict)  # per action kind
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, float]:
@@ -51,7 +51,8 @@ class SimResult:
             "p99_act_s": float(np.percentile(acts, 99)),
             "avg_traj_act_s": float(np.mean(list(per_traj.values()))) if per_traj else 0.0,
             "makespan_s": self.makespan_s,
-            "unit_seconds": self.unit_seconds,
+            # Sum over resource classes (contract); the per-kind figures are comparable.
+            "unit_seconds": sum(self.unit_seconds_by.values()),
             "actions": float(len(self.records)),
             "failed": float(sum(not r.ok for r in self.records)),
             "avg_queue_s": float(np.mean([r.queued_s for r in self.records]))
@@ -63,4 +64,6 @@ class SimResult:
         }
         for kind, values in sorted(by_kind.items()):
             out[f"avg_act_{kind}_s"] = float(np.mean(values))
+        for kind, held in sorted(self.unit_seconds_by.items()):
+            out[f"unit_seconds_{kind}"] = held
         return out
