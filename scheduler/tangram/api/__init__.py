@@ -2,7 +2,8 @@
 
 Actions, demand vectors, efficiency profiles, the cluster file and the trace
 format. Pydantic models validate at the boundary; the scheduler core converts
-them to plain data once (see ``tangram.scheduler.core.actions``).
+them to plain data once (``Scheduler.submit`` resolves an ``ActionSpec`` into an
+``Action``).
 """
 
 from tangram.api.action import ActionKind, ActionSpec, ResourceName

@@ -132,20 +132,3 @@ class ProfileBook:
         fit = self._fits.setdefault(action_type, _Fit())
         fit.submitted += 1
         return fit.submitted % self.probe_every == 0
-
-    def summary(self) -> dict[str, dict[str, float | int | None]]:
-        out: dict[str, dict[str, float | int | None]] = {}
-        for t, fit in sorted(self._fits.items()):
-            prof = self.learned(t)
-            p = (
-                prof.efficiency.amdahl
-                if prof and isinstance(prof.efficiency, AmdahlEfficiency)
-                else None
-            )
-            out[t] = {
-                "samples": fit.n,
-                "mean_s": fit.mean() if fit.n else None,
-                "t1_s": prof.t1_s if prof else None,
-                "amdahl": p,
-            }
-        return out
