@@ -22,7 +22,7 @@ typecheck: setup
 	$(BIN)/mypy scheduler/tangram node-agent/tangram tests
 
 test: setup lint typecheck ## lint, type-check and run the whole test suite
-	$(BIN)/pytest -n 2 -q
+	$(BIN)/pytest -n 2 --dist loadgroup -q
 
 bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench scheduler --json --out docs/bench/scheduler.json

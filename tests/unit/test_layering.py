@@ -18,3 +18,28 @@ def test_import_contracts_hold() -> None:
     proc = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, check=False, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 kept, 0 broken" in proc.stdout
+
+
+ADAPTERS = {
+    "docker": {"node-agent/tangram/node_agent/docker_runtime.py"},
+    "pynvml": {"node-agent/tangram/node_agent/gpus.py"},
+    "kubernetes": set(),
+}
+
+
+def test_only_adapter_modules_import_io_libraries() -> None:
+    import ast
+
+    for top in ("scheduler", "operator", "node-agent"):
+        for path in (ROOT / top).rglob("*.py"):
+            rel = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names: list[str] = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                for name in names:
+                    lib = name.split(".")[0]
+                    if lib in ADAPTERS:
+                        assert rel in ADAPTERS[lib], f"{rel} imports {lib}"
