@@ -129,11 +129,23 @@ class DockerRuntime:
             container.remove(force=True, v=True)
 
     def adopt(self) -> list[str]:
-        """Find the containers this agent owns (after a restart) and take them back."""
+        """Find the containers this agent owns (after a restart) and take them back.
+
+        Running ones are taken as they are, stopped ones restarted (their files survive);
+        ones Docker will not start (being removed, dead) are left out and reported lost
+        by the caller, which sees them missing from the returned trajectories.
+        """
         found = self.client.containers.list(all=True, filters={"label": f"{LABEL}/trajectory"})
         for c in found:
-            if c.status != "running":
-                c.start()
+            if c.status in ("removing", "dead"):
+                continue
+            try:
+                if c.status == "paused":
+                    c.unpause()
+                elif c.status != "running":
+                    c.start()
+            except (APIError, NotFound):
+                continue
             self.containers[c.labels[f"{LABEL}/trajectory"]] = c
         return sorted(self.containers)
 
