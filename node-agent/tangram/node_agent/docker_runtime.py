@@ -28,7 +28,15 @@ import docker
 from docker.errors import APIError, DockerException, NotFound
 
 from tangram.node_agent.cgroups import PERIOD_US, format_cpulist
-from tangram.node_agent.process_runtime import IDLE_QUOTA_CORES, ExecError, ExecResult, render
+from tangram.node_agent.execution import (
+    IDLE_QUOTA_CORES,
+    ExecError,
+    ExecResult,
+    Output,
+    cap,
+    render,
+    supervise,
+)
 
 LABEL = "dev.tangram"  # label prefix that marks and identifies our containers
 
@@ -176,40 +184,22 @@ class DockerRuntime:
         exec_id = await asyncio.to_thread(
             api.exec_create, container.id, render(argv, len(cores)), environment=full_env
         )
-        job = asyncio.create_task(asyncio.to_thread(self._collect, api, exec_id["Id"], output_cap))
-        timed_out = False
-        try:
-            out, out_cut, err, err_cut = await asyncio.wait_for(asyncio.shield(job), timeout_s)
-        except TimeoutError:
-            timed_out = True
+
+        async def kill() -> None:
             await asyncio.to_thread(self._kill_execs, container)
-            out, out_cut, err, err_cut = await job
-        except asyncio.CancelledError:
-            await asyncio.to_thread(self._kill_execs, container)
-            with contextlib.suppress(Exception):
-                await job
+
+        async def idle() -> None:
             await asyncio.to_thread(self._limit, container, self.idle_cores, IDLE_QUOTA_CORES)
-            raise
+
+        collect = asyncio.to_thread(self._collect, api, exec_id["Id"], output_cap)
+        output, timed_out = await supervise(collect, timeout_s, kill, idle)
         t2 = time.perf_counter()
-        code = (
-            None
-            if timed_out
-            else (await asyncio.to_thread(api.exec_inspect, exec_id["Id"]))["ExitCode"]
-        )
-        await asyncio.to_thread(self._limit, container, self.idle_cores, IDLE_QUOTA_CORES)
+        code = None
+        if not timed_out:
+            code = (await asyncio.to_thread(api.exec_inspect, exec_id["Id"]))["ExitCode"]
+        await idle()
         t3 = time.perf_counter()
-        return ExecResult(
-            code,
-            out.decode(errors="replace"),
-            err.decode(errors="replace"),
-            out_cut,
-            err_cut,
-            timed_out,
-            tuple(sorted(cores)),
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
-        )
+        return ExecResult.of(code, output, timed_out, cores, (t0, t1, t2, t3))
 
     def _limit(self, container: Any, cores: Sequence[int], quota_cores: float) -> None:
         container.update(
@@ -219,19 +209,15 @@ class DockerRuntime:
         )
 
     @staticmethod
-    def _collect(api: Any, exec_id: str, cap: int) -> tuple[bytes, bool, bytes, bool]:
+    def _collect(api: Any, exec_id: str, limit: int) -> Output:
         out, err = bytearray(), bytearray()
         out_cut = err_cut = False
         for chunk_out, chunk_err in api.exec_start(exec_id, stream=True, demux=True):
             if chunk_out:
-                room = cap - len(out)
-                out_cut |= len(chunk_out) > room
-                out += chunk_out[: max(0, room)]
+                out_cut |= cap(out, chunk_out, limit)
             if chunk_err:
-                room = cap - len(err)
-                err_cut |= len(chunk_err) > room
-                err += chunk_err[: max(0, room)]
-        return bytes(out), out_cut, bytes(err), err_cut
+                err_cut |= cap(err, chunk_err, limit)
+        return Output(bytes(out), out_cut, bytes(err), err_cut)
 
     def _kill_execs(self, container: Any) -> None:
         """SIGKILL every process in the container but its PID 1, through its cgroup.

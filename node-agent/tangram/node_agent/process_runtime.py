@@ -19,54 +19,31 @@ import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from tangram.node_agent.cgroups import Cgroups, join
+from tangram.node_agent.execution import (
+    IDLE_QUOTA_CORES,
+    ExecError,
+    ExecResult,
+    Output,
+    cap,
+    render,
+    supervise,
+)
 
-IDLE_QUOTA_CORES = 0.1  # what a trajectory may use between actions (shells, stray jobs)
-
-
-@dataclass(frozen=True, slots=True)
-class ExecResult:
-    exit_code: int | None  # None when killed by the runtime
-    stdout: str
-    stderr: str
-    stdout_truncated: bool
-    stderr_truncated: bool
-    timed_out: bool
-    cores: tuple[int, ...]
-    setup_s: float  # cgroup update before the command
-    exec_s: float  # the command itself
-    teardown_s: float  # back to the idle set
-
-    @property
-    def dop(self) -> int:
-        return len(self.cores)
+__all__ = ["ExecError", "ExecResult", "ProcessRuntime"]
 
 
-class ExecError(RuntimeError):
-    """A runtime request that cannot be carried out; the message says why."""
-
-
-def render(argv: Sequence[str], dop: int) -> list[str]:
-    """Fill ``{dop}`` in an argv template; nothing else is interpreted."""
-    return [a.replace("{dop}", str(dop)) for a in argv]
-
-
-async def _drain(stream: asyncio.StreamReader | None, cap: int) -> tuple[bytes, bool]:
-    """Read a stream to the end, keeping the first ``cap`` bytes."""
-    if stream is None:
-        return b"", False
+async def _drain(stream: asyncio.StreamReader | None, limit: int) -> tuple[bytes, bool]:
+    """Read a stream to the end, keeping the first ``limit`` bytes."""
     kept = bytearray()
-    truncated = False
-    while chunk := await stream.read(65536):
-        room = cap - len(kept)
-        if len(chunk) > room:
-            truncated = True
-        kept += chunk[: max(0, room)]
-    return bytes(kept), truncated
+    cut = False
+    if stream is not None:
+        while chunk := await stream.read(65536):
+            cut |= cap(kept, chunk, limit)
+    return bytes(kept), cut
 
 
 class ProcessRuntime:
@@ -162,40 +139,27 @@ class ProcessRuntime:
             start_new_session=True,  # its own process group, killed as a whole
             preexec_fn=partial(join, self.cgroups.join_files(group)),
         )
-        timed_out = False
-        drains = asyncio.gather(_drain(proc.stdout, output_cap), _drain(proc.stderr, output_cap))
-        try:
-            (out, out_cut), (err, err_cut) = await asyncio.wait_for(
-                asyncio.shield(drains), timeout_s
+
+        async def collect() -> Output:
+            (out, out_cut), (err, err_cut) = await asyncio.gather(
+                _drain(proc.stdout, output_cap), _drain(proc.stderr, output_cap)
             )
-            code: int | None = await proc.wait()
-        except TimeoutError:
-            timed_out = True
+            return Output(out, out_cut, err, err_cut)
+
+        async def kill() -> None:
             self._kill(proc, group)
-            (out, out_cut), (err, err_cut) = await drains
-            await proc.wait()
-            code = None
-        except asyncio.CancelledError:
-            self._kill(proc, group)
-            with contextlib.suppress(Exception):
-                await drains
+
+        async def idle() -> None:
             await proc.wait()
             self.cgroups.limit(group, self.idle_cores, IDLE_QUOTA_CORES)
-            raise
+
+        output, timed_out = await supervise(collect(), timeout_s, kill, idle)
+        code = await proc.wait()
         t2 = time.perf_counter()
         self.cgroups.limit(group, self.idle_cores, IDLE_QUOTA_CORES)
         t3 = time.perf_counter()
-        return ExecResult(
-            code,
-            out.decode(errors="replace"),
-            err.decode(errors="replace"),
-            out_cut,
-            err_cut,
-            timed_out,
-            tuple(sorted(cores)),
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
+        return ExecResult.of(
+            None if timed_out else code, output, timed_out, cores, (t0, t1, t2, t3)
         )
 
     def _kill(self, proc: asyncio.subprocess.Process, group: str) -> None:

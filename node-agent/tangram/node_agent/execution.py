@@ -1,0 +1,101 @@
+"""What every runtime shares: the result of an action, and how a running one is supervised."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+IDLE_QUOTA_CORES = 0.1  # what a trajectory may use between actions (shells, stray jobs)
+
+
+class ExecError(RuntimeError):
+    """A runtime request that cannot be carried out; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    stdout: bytes
+    stdout_truncated: bool
+    stderr: bytes
+    stderr_truncated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    exit_code: int | None  # None when killed by the runtime
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    cores: tuple[int, ...]
+    setup_s: float  # cgroup update before the command
+    exec_s: float  # the command itself
+    teardown_s: float  # back to the idle set
+
+    @property
+    def dop(self) -> int:
+        return len(self.cores)
+
+    @classmethod
+    def of(
+        cls,
+        code: int | None,
+        output: Output,
+        timed_out: bool,
+        cores: Sequence[int],
+        stamps: tuple[float, float, float, float],
+    ) -> ExecResult:
+        """Assemble a result from the output and the four time stamps of an exec."""
+        t0, t1, t2, t3 = stamps
+        return cls(
+            code,
+            output.stdout.decode(errors="replace"),
+            output.stderr.decode(errors="replace"),
+            output.stdout_truncated,
+            output.stderr_truncated,
+            timed_out,
+            tuple(sorted(cores)),
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+        )
+
+
+def render(argv: Sequence[str], dop: int) -> list[str]:
+    """Fill ``{dop}`` in an argv template; nothing else is interpreted."""
+    return [a.replace("{dop}", str(dop)) for a in argv]
+
+
+def cap(kept: bytearray, chunk: bytes, limit: int) -> bool:
+    """Append what fits of ``chunk`` under ``limit`` bytes; True when some was cut."""
+    room = limit - len(kept)
+    kept += chunk[: max(0, room)]
+    return len(chunk) > room
+
+
+async def supervise(
+    collect: Awaitable[Output],
+    timeout_s: float | None,
+    kill: Callable[[], Awaitable[None]],
+    on_cancel: Callable[[], Awaitable[None]],
+) -> tuple[Output, bool]:
+    """Await a command's output; at the deadline kill it, on cancellation kill and re-raise.
+
+    Returns the output (what it wrote before being killed, if it was) and whether the
+    deadline passed.
+    """
+    task = asyncio.ensure_future(collect)
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), timeout_s), False
+    except TimeoutError:
+        await kill()
+        return await task, True
+    except asyncio.CancelledError:
+        await kill()
+        with contextlib.suppress(Exception):
+            await task
+        await on_cancel()
+        raise
