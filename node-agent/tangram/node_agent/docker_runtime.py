@@ -34,6 +34,7 @@ from tangram.node_agent.execution import (
     ExecResult,
     Output,
     cap,
+    check_request,
     render,
     supervise,
 )
@@ -170,12 +171,8 @@ class DockerRuntime:
     ) -> ExecResult:
         """Run ``argv`` in the trajectory's container on exactly ``cores`` (portable path)."""
         container = self.containers.get(trajectory)
-        if container is None:
-            raise ExecError(f"trajectory: {trajectory} is not open")
-        if not argv:
-            raise ExecError("argv: empty command")
-        if not cores:
-            raise ExecError("cores: an action needs at least one core")
+        check_request(container is not None, trajectory, argv, cores)
+        assert container is not None  # for the type checker: check_request raised otherwise
         t0 = time.perf_counter()
         await asyncio.to_thread(self._limit, container, cores, float(len(cores)))
         t1 = time.perf_counter()

@@ -64,6 +64,18 @@ class ExecResult:
         )
 
 
+def check_request(
+    is_open: bool, trajectory: str, argv: Sequence[str], cores: Sequence[int]
+) -> None:
+    """The checks every runtime makes before running anything."""
+    if not is_open:
+        raise ExecError(f"trajectory: {trajectory} is not open")
+    if not argv:
+        raise ExecError("argv: empty command")
+    if not cores:
+        raise ExecError("cores: an action needs at least one core")
+
+
 def render(argv: Sequence[str], dop: int) -> list[str]:
     """Fill ``{dop}`` in an argv template; nothing else is interpreted."""
     return [a.replace("{dop}", str(dop)) for a in argv]

@@ -29,6 +29,7 @@ from tangram.node_agent.execution import (
     ExecResult,
     Output,
     cap,
+    check_request,
     render,
     supervise,
 )
@@ -118,12 +119,7 @@ class ProcessRuntime:
         quota_cores: float | None = None,
     ) -> ExecResult:
         """Run ``argv`` on exactly ``cores``; cancelling the awaiting task kills it."""
-        if trajectory not in self._open:
-            raise ExecError(f"trajectory: {trajectory} is not open")
-        if not argv:
-            raise ExecError("argv: empty command")
-        if not cores:
-            raise ExecError("cores: an action needs at least one core")
+        check_request(trajectory in self._open, trajectory, argv, cores)
         group = self._group(trajectory)
         t0 = time.perf_counter()
         self.cgroups.limit(group, cores, quota_cores if quota_cores is not None else len(cores))
@@ -147,7 +143,7 @@ class ProcessRuntime:
             return Output(out, out_cut, err, err_cut)
 
         async def kill() -> None:
-            self._kill(proc, group)
+            await asyncio.to_thread(self._kill, proc, group)  # it polls: not on the loop
 
         async def idle() -> None:
             await proc.wait()

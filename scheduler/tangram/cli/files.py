@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,21 @@ from tangram.api.trace import TraceError, TrajectoryTrace, load_trace
 
 class InputError(Exception):
     """Bad user input; the message is printed as is, without a traceback."""
+
+
+def whole_number(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least``; argparse names the flag in its error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return parse
 
 
 def _fields(e: ValidationError) -> str:

@@ -25,7 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tangram.cli.files import InputError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (exit 2, flag named) and --help (exit 0)
+        return int(e.code or 0)
     try:
         code: int = args.run(args)
     except InputError as e:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from tangram.cli.files import InputError, dump_cluster
+from tangram.cli.files import InputError, dump_cluster, whole_number
 from tangram.sim.tracegen import SCENARIOS, generate, scenario_cluster
 
 
@@ -19,18 +19,16 @@ def register(sub: Any) -> None:
         description="Parameters and their sources: docs/trace-generator.md.",
     )
     g.add_argument("--scenario", required=True, choices=SCENARIOS)
-    g.add_argument("--trajectories", type=int, required=True, help="batch size (trajectories)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--trajectories", type=whole_number(1), required=True, help="batch size (trajectories)"
+    )
+    g.add_argument("--seed", type=whole_number(0), default=0)
     g.add_argument("--out", "-o", help="trace file (default: stdout)")
     g.add_argument("--cluster-out", help="also write the scenario's paper cluster as YAML")
     g.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.trajectories < 1:
-        raise InputError("--trajectories: must be at least 1")
-    if args.seed < 0:
-        raise InputError("--seed: must be >= 0")
     trajs = generate(args.scenario, args.trajectories, args.seed)
     lines = "".join(t.model_dump_json(exclude_defaults=True) + "\n" for t in trajs)
     if args.out:

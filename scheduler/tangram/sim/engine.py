@@ -46,8 +46,8 @@ class _Traj:
 
 
 class Replay:
-    def __init__(self, routes: dict[ActionKind, Backend], policy: str) -> None:
-        self.loop = EventLoop()
+    def __init__(self, loop: EventLoop, routes: dict[ActionKind, Backend], policy: str) -> None:
+        self.loop = loop  # the backends' loop: they schedule their own events on it
         self.routes = routes
         self.backends: list[Backend] = list({id(b): b for b in routes.values()}.values())
         self.result = SimResult(policy)

@@ -36,6 +36,7 @@ from tangram.sim.backends import (
     UnmanagedApiBackend,
 )
 from tangram.sim.engine import Backend, Replay
+from tangram.sim.events import EventLoop
 from tangram.sim.records import SimResult
 
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
@@ -72,20 +73,18 @@ def build(
         base = replace(base, explore="doubling")
     if m := _FIXED.match(policy):
         base = replace(base, fixed_dop=int(m.group(1)))
-    replay = Replay({}, policy)
-    pooled = SchedulerBackend(replay.loop, cluster, base, oh, rng)
+    loop = EventLoop()
+    pooled = SchedulerBackend(loop, cluster, base, oh, rng)
     routes: dict[ActionKind, Backend] = dict.fromkeys(ActionKind, pooled)
     if m := _K8S.match(policy):
         dop = int(m.group(1) or 1)
-        routes[ActionKind.EXEC] = K8sStaticBackend(replay.loop, cluster, oh, rng, dop=dop)
+        routes[ActionKind.EXEC] = K8sStaticBackend(loop, cluster, oh, rng, dop=dop)
     elif m := _STATIC.match(policy):
         batch = int(m.group(1) or 8)
-        routes[ActionKind.SERVICE] = StaticGpuBackend(replay.loop, cluster, oh, max_batch=batch)
+        routes[ActionKind.SERVICE] = StaticGpuBackend(loop, cluster, oh, max_batch=batch)
     elif policy == "unmanaged":
-        routes[ActionKind.API] = UnmanagedApiBackend(replay.loop, cluster, oh)
-    replay.routes = routes
-    replay.backends = list({id(b): b for b in routes.values()}.values())
-    return replay
+        routes[ActionKind.API] = UnmanagedApiBackend(loop, cluster, oh)
+    return Replay(loop, routes, policy)
 
 
 def simulate(

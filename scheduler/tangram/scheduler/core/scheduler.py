@@ -172,7 +172,6 @@ class _Candidate:
 class Scheduler:
     def __init__(self, cluster: ClusterSpec, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
-        self.cluster = cluster
         self.cpu = CpuPool.build((n.name, n.cpus, n.numa_nodes, n.memory_gb) for n in cluster.nodes)
         self.gpu = GpuPool.build(
             ((n.name, n.gpus, n.gpu_memory_gb) for n in cluster.nodes),
@@ -379,7 +378,7 @@ class Scheduler:
         ]
         return Round(
             tuple(assignments),
-            min(wake) if wake and self.queue else None,
+            min(wake, default=None),
             tuple(decisions),
             tuple(blocked),
         )
