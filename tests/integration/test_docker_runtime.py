@@ -6,25 +6,33 @@ import asyncio
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tangram.node_agent.docker_runtime import DockerRuntime, EnvTemplate
+from tangram.node_agent.exec_server import Built
+from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.inventory import parse_cpulist
-from tangram.node_agent.process_runtime import ExecError
 
 # One worker runs every Docker test, so only one of them may start (and stop) dockerd.
 pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker")]
 CORES = sorted(os.sched_getaffinity(0))
 
 
+PATHS = ["fast", "portable"]
+
+
 @pytest.fixture
-def runtime(docker_client: Any, busybox: str) -> Iterator[DockerRuntime]:
-    rt = DockerRuntime(CORES[:1], client=docker_client)
+def runtime(
+    docker_client: Any, busybox: str, execd: Built, tmp_path: Any
+) -> Iterator[DockerRuntime]:
+    rt = DockerRuntime(CORES[:1], client=docker_client, execd=execd, state_dir=tmp_path)
     yield rt
-    for t in list(rt.containers):
+    for t in list(rt.envs):
         rt.close(t)
+    rt.shutdown_warm()
 
 
 def template(busybox: str, **kw: Any) -> EnvTemplate:
@@ -35,119 +43,211 @@ def tid() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
 
 
+def run(rt: DockerRuntime, t: str, argv: list[str], cores: list[int], **kw: Any) -> ExecResult:
+    return asyncio.run(rt.exec(t, argv, cores, **kw))
+
+
+def group_limits(rt: DockerRuntime, t: str) -> tuple[list[int], float]:
+    """The cores and quota (in cores) the container's cgroup holds right now."""
+    env = rt.envs[t]
+    group = env.cgroup or rt._container_group(env.container)
+    root = Path("/sys/fs/cgroup")
+    if rt.cgroups.version == 1:
+        quota = int((root / "cpu" / group / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / group / "cpu.cfs_period_us").read_text())
+    else:
+        q, p = (root / group / "cpu.max").read_text().split()
+        quota, period = int(q), int(p)
+    return parse_cpulist(rt.cgroups.cpus(group)), quota / period
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_the_command_sees_exactly_its_cores_then_the_idle_set(
-    runtime: DockerRuntime, busybox: str
+    runtime: DockerRuntime, busybox: str, path: str
 ) -> None:
     t = tid()
     runtime.open(t, template(busybox))
-    res = asyncio.run(
-        runtime.exec(t, ["grep", "Cpus_allowed_list", "/proc/self/status"], CORES[-1:])
-    )
-    assert res.exit_code == 0
+    res = run(runtime, t, ["grep", "Cpus_allowed_list", "/proc/self/status"], CORES[-1:], path=path)
+    assert res.exit_code == 0 and res.path == path
     assert parse_cpulist(res.stdout.split(":")[1]) == CORES[-1:]
-    runtime.containers[t].reload()
-    host = runtime.containers[t].attrs["HostConfig"]
-    assert parse_cpulist(host["CpusetCpus"]) == CORES[:1]
-    assert host["CpuQuota"] == 10_000  # the idle quota, 0.1 core
+    quota = run(runtime, t, ["cat", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"], CORES, path=path)
+    if quota.exit_code == 0:  # cgroup v1 shows the container its own cpu group
+        assert int(quota.stdout) == len(CORES) * 100_000
+    assert group_limits(runtime, t) == (CORES[:1], 0.1)  # back on the idle set
 
 
-def test_dop_and_the_memory_limit_reach_the_container(runtime: DockerRuntime, busybox: str) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_dop_and_the_memory_limit_reach_the_container(
+    runtime: DockerRuntime, busybox: str, path: str
+) -> None:
     t = tid()
     runtime.open(t, template(busybox))
-    res = asyncio.run(runtime.exec(t, ["sh", "-c", "echo {dop} $TANGRAM_DOP"], CORES))
+    res = run(runtime, t, ["sh", "-c", "echo {dop} $TANGRAM_DOP"], CORES, path=path)
     assert res.stdout.split() == [str(len(CORES))] * 2
-    limit = asyncio.run(
-        runtime.exec(
-            t,
-            [
-                "sh",
-                "-c",
-                "cat /sys/fs/cgroup/memory/memory.limit_in_bytes "
-                "2>/dev/null || cat /sys/fs/cgroup/memory.max",
-            ],
-            CORES[:1],
-        )
+    limit = run(
+        runtime,
+        t,
+        [
+            "sh",
+            "-c",
+            "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null "
+            "|| cat /sys/fs/cgroup/memory.max",
+        ],
+        CORES[:1],
+        path=path,
     )
     assert int(limit.stdout) == int(0.25 * 1024**3)
 
 
-def test_hardening_is_in_effect(runtime: DockerRuntime, busybox: str) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_hardening_is_in_effect(runtime: DockerRuntime, busybox: str, path: str) -> None:
     t = tid()
     runtime.open(t, template(busybox))
-    status = asyncio.run(runtime.exec(t, ["cat", "/proc/self/status"], CORES[:1])).stdout
+    status = run(runtime, t, ["cat", "/proc/self/status"], CORES[:1], path=path).stdout
     fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
     assert fields["CapEff"].strip() == "0000000000000000"
     assert fields["NoNewPrivs"].strip() == "1"
-    nets = asyncio.run(runtime.exec(t, ["ls", "/sys/class/net"], CORES[:1])).stdout.split()
+    nets = run(runtime, t, ["ls", "/sys/class/net"], CORES[:1], path=path).stdout.split()
     assert nets == ["lo"]
 
 
-def test_a_runaway_command_is_killed_at_its_timeout(runtime: DockerRuntime, busybox: str) -> None:
+def only_pid1_left(runtime: DockerRuntime, t: str) -> bool:
+    return len(runtime.envs[t].container.top()["Processes"]) == 1
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_runaway_command_is_killed_at_its_timeout(
+    runtime: DockerRuntime, busybox: str, path: str
+) -> None:
     t = tid()
     runtime.open(t, template(busybox))
-    res = asyncio.run(
-        runtime.exec(t, ["sh", "-c", "setsid sleep 600 & sleep 600"], CORES[:1], timeout_s=1.0)
-    )
+    argv = ["sh", "-c", "setsid sleep 600 & sleep 600"]
+    res = run(runtime, t, argv, CORES[:1], timeout_s=1.0, path=path)
     assert res.timed_out and res.exit_code is None
-    processes = runtime.containers[t].top()["Processes"]
-    assert len(processes) == 1  # only the environment's PID 1 is left
+    assert only_pid1_left(runtime, t)
+    assert group_limits(runtime, t) == (CORES[:1], 0.1)
 
 
-def test_cancellation_stops_the_command(runtime: DockerRuntime, busybox: str) -> None:
+def test_the_fast_path_also_kills_what_a_command_orphaned(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    t = tid()
+    runtime.open(t, template(busybox))
+    # The middle shell exits at once: the sleeper is nobody's descendant any more.
+    argv = ["sh", "-c", "sh -c 'setsid sleep 600 &'; sleep 600"]
+    res = run(runtime, t, argv, CORES[:1], timeout_s=1.0, path="fast")
+    assert res.timed_out
+    assert only_pid1_left(runtime, t)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_cancellation_stops_the_command(runtime: DockerRuntime, busybox: str, path: str) -> None:
     t = tid()
     runtime.open(t, template(busybox))
 
     async def scenario() -> None:
-        task = asyncio.create_task(runtime.exec(t, ["sleep", "600"], CORES[:1]))
+        task = asyncio.create_task(runtime.exec(t, ["sleep", "600"], CORES[:1], path=path))
         await asyncio.sleep(1.0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(scenario())
-    assert len(runtime.containers[t].top()["Processes"]) == 1
+    assert only_pid1_left(runtime, t)
+    assert group_limits(runtime, t) == (CORES[:1], 0.1)
 
 
-def test_output_is_capped_and_flagged(runtime: DockerRuntime, busybox: str) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_output_is_capped_and_flagged(runtime: DockerRuntime, busybox: str, path: str) -> None:
     t = tid()
     runtime.open(t, template(busybox))
-    res = asyncio.run(
-        runtime.exec(
-            t,
-            ["sh", "-c", "head -c 100000 /dev/zero | tr '\\0' x; echo err >&2"],
-            CORES[:1],
-            output_cap=1000,
-        )
-    )
+    argv = ["sh", "-c", "head -c 100000 /dev/zero | tr '\\0' x; echo err >&2"]
+    res = run(runtime, t, argv, CORES[:1], output_cap=1000, path=path)
     assert len(res.stdout) == 1000 and res.stdout_truncated
-    assert res.stderr == "err\n"
+    assert res.stderr == "err\n" and not res.stderr_truncated
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_exit_codes_and_signals(runtime: DockerRuntime, busybox: str, path: str) -> None:
+    t = tid()
+    runtime.open(t, template(busybox))
+    assert run(runtime, t, ["sh", "-c", "exit 3"], CORES[:1], path=path).exit_code == 3
+    assert run(runtime, t, ["sh", "-c", "kill -9 $$"], CORES[:1], path=path).exit_code == 137
+    missing = run(runtime, t, ["no-such-tool"], CORES[:1], path=path)
+    assert missing.exit_code == 127 if path == "fast" else missing.exit_code in (126, 127)
 
 
 def test_a_restarted_agent_readopts_its_containers_with_their_files(
-    runtime: DockerRuntime, docker_client: Any, busybox: str
+    runtime: DockerRuntime, docker_client: Any, busybox: str, execd: Built
 ) -> None:
     t = tid()
     runtime.open(t, template(busybox, setup=[["sh", "-c", "echo ready > setup.txt"]]))
-    asyncio.run(runtime.exec(t, ["sh", "-c", "echo progress > notes.txt"], CORES[:1]))
-    restarted = DockerRuntime(CORES[:1], client=docker_client)
+    run(runtime, t, ["sh", "-c", "echo progress > notes.txt"], CORES[:1])
+    restarted = DockerRuntime(
+        CORES[:1], client=docker_client, execd=execd, state_dir=runtime.state_dir
+    )
     assert t in restarted.adopt()
-    res = asyncio.run(restarted.exec(t, ["cat", "setup.txt", "notes.txt"], CORES[:1]))
-    assert res.stdout == "ready\nprogress\n"
+    res = run(restarted, t, ["cat", "setup.txt", "notes.txt"], CORES[:1])
+    assert res.stdout == "ready\nprogress\n" and res.path == "fast"
+
+
+def test_without_the_exec_server_the_portable_path_runs_and_says_why(
+    docker_client: Any, busybox: str, tmp_path: Any
+) -> None:
+    rt = DockerRuntime(
+        CORES[:1], client=docker_client, execd=Built(None, "no C compiler"), state_dir=tmp_path
+    )
+    t = tid()
+    rt.open(t, template(busybox))
+    try:
+        res = run(rt, t, ["true"], CORES[:1])
+        assert res.path == "portable" and res.fallback == "no C compiler"
+        with pytest.raises(ExecError, match="fast path is not possible"):
+            run(rt, t, ["true"], CORES[:1], path="fast")
+    finally:
+        rt.close(t)
+
+
+def test_the_warm_pool_hands_out_ready_containers(runtime: DockerRuntime, busybox: str) -> None:
+    tpl = template(busybox, warm=2, setup=[["sh", "-c", "echo warmed > setup.txt"]])
+    assert runtime.warm(tpl) == 2
+    t = tid()
+    opened = runtime.open(t, tpl)
+    assert opened.warm
+    runtime.envs[t].container.reload()
+    assert runtime.envs[t].container.name == f"tangram-t-{t}"
+    res = run(runtime, t, ["cat", "setup.txt"], CORES[:1])
+    assert res.stdout == "warmed\n" and res.path == "fast"
+    assert runtime.warm(tpl) == 1  # refilled
+    changed = template(busybox, warm=1, env={"V": "2"})
+    assert runtime.warm(changed) == 1  # the older version's containers are gone
+    assert sum(len(v) for v in runtime.warm_pool.values()) == 1
+    assert not runtime.open(tid(), tpl).warm  # nothing warm of the old version is left
+
+
+def test_a_non_root_user_owns_its_workdir(runtime: DockerRuntime, busybox: str) -> None:
+    t = tid()
+    runtime.open(t, template(busybox, user="1000:1000", workdir="/home/agent/work"))
+    res = run(runtime, t, ["sh", "-c", "id -u; pwd; touch mine && echo ok"], CORES[:1])
+    assert res.stdout.split() == ["1000", "/home/agent/work", "ok"]
 
 
 def test_read_only_root_with_a_writable_workdir(runtime: DockerRuntime, busybox: str) -> None:
     t = tid()
     runtime.open(t, template(busybox, read_only_root=True))
-    ok = asyncio.run(runtime.exec(t, ["touch", "/work/x"], CORES[:1]))
-    denied = asyncio.run(runtime.exec(t, ["touch", "/bin/x"], CORES[:1]))
+    ok = run(runtime, t, ["touch", "/work/x"], CORES[:1])
+    denied = run(runtime, t, ["touch", "/bin/x"], CORES[:1])
     assert ok.exit_code == 0 and denied.exit_code != 0
 
 
 def test_failing_setup_and_bad_requests_are_refused(runtime: DockerRuntime, busybox: str) -> None:
     with pytest.raises(ExecError, match="setup"):
         runtime.open(tid(), template(busybox, setup=[["false"]]))
-    assert runtime.containers == {}
+    assert runtime.envs == {}
+    assert not any(runtime.state_dir.joinpath("run").iterdir())  # no socket dir left behind
     with pytest.raises(ExecError, match="not open"):
-        asyncio.run(runtime.exec("nope", ["true"], CORES[:1]))
-    with pytest.raises(ExecError, match="cannot start"):
+        run(runtime, "nope", ["true"], CORES[:1])
+    with pytest.raises(ExecError, match="not found"):
         runtime.open(tid(), template("tangram-test/missing:0"))
+    with pytest.raises(ExecError, match="trajectory"):
+        runtime.open("bad/name", template(busybox))

@@ -2,32 +2,53 @@
 
 A trajectory's container lives as long as the trajectory: its memory is reserved and
 limited for that whole life; between actions its cpuset is the node's small idle core
-set with a minimal quota. This is the *portable* allocate-on-execution path of seed 000
-§5.2: before each command, Docker's update API sets the container's cpuset and quota to
-exactly the assigned cores; the command runs through Docker's exec API; then the
-container returns to the idle set.
+set with a minimal quota. Before each command the container's cgroup gets exactly the
+assigned cores and a matching quota (allocate-on-execution, seed 000 §5.2), and after it
+the idle set again. Two paths:
 
-Hardened by default: no network, every capability dropped, no-new-privileges, a pids
-limit, optionally a read-only root file system with a writable working directory.
-Commands are argv lists; nothing is passed through a shell unless the argv says so.
+- **fast**: the agent writes the container's cgroup files itself and asks the exec
+  server, the container's PID 1, to start the command over a Unix socket;
+- **portable**: Docker's update and exec APIs, as the paper does. Used when the fast
+  path is not possible (no exec server binary, a container created without it, no
+  access to the container's cgroup), and the result says why.
+
+Opening takes a ready container from the template's warm pool when there is one (a
+rename), else creates one. Docker labels are immutable, so a container's trajectory is
+its name (``tangram-t-<trajectory>``); labels name the pool, the environment, the
+template version and the socket directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
+import secrets
+import shutil
 import signal
+import tarfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import docker
-from docker.errors import APIError, DockerException, NotFound
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
-from tangram.node_agent.cgroups import PERIOD_US, format_cpulist
+from tangram.node_agent.cgroups import PERIOD_US, CgroupError, Cgroups, detect, format_cpulist
+from tangram.node_agent.env_template import (
+    LABEL,
+    TRAJECTORY_PREFIX,
+    WARM_PREFIX,
+    EnvTemplate,
+    User,
+    check_trajectory_id,
+    pick_user,
+    spec,
+)
+from tangram.node_agent.exec_server import IN_CONTAINER_BIN, SOCKET_NAME, Built, Channel
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
@@ -38,25 +59,38 @@ from tangram.node_agent.execution import (
     render,
     supervise,
 )
+from tangram.node_agent.sessions import BashSession, PythonSession, Session
 
-LABEL = "dev.tangram"  # label prefix that marks and identifies our containers
+__all__ = ["DockerRuntime", "EnvTemplate", "Opened"]
+
+
+@dataclass(slots=True)
+class Env:
+    """A container the agent holds: an open trajectory's or a warm one."""
+
+    container: Any
+    template: str  # EnvTemplate.digest() it was built from
+    workdir: str
+    run_dir: Path | None  # the socket directory shared with the exec server, if any
+    cgroup: str | None = None  # the container's group, resolved on first use
 
 
 @dataclass(frozen=True, slots=True)
-class EnvTemplate:
-    """How to build a trajectory's environment (the TrajectoryEnv custom resource's core)."""
+class Command:
+    """One action's command as both paths run it."""
 
-    name: str
-    image: str
-    memory_gb: float = 1.0
-    workdir: str = "/work"
-    env: Mapping[str, str] = field(default_factory=dict)
-    setup: Sequence[Sequence[str]] = ()  # argv lists run once when the environment opens
-    network: str = "none"
-    read_only_root: bool = False
-    user: str | None = None
-    pids_limit: int = 512
-    pool: str = "default"
+    argv: list[str]  # {dop} already filled in
+    cores: Sequence[int]
+    timeout_s: float | None
+    env: dict[str, str]
+    output_cap: int
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    container_id: str
+    warm: bool  # taken from the warm pool
+    seconds: float
 
 
 class DockerRuntime:
@@ -65,7 +99,10 @@ class DockerRuntime:
         idle_cores: Sequence[int],
         *,
         client: Any = None,
+        state_dir: Path = Path("/var/lib/tangram/agent"),
+        execd: Built | None = None,
         cgroup_root: Path = Path("/sys/fs/cgroup"),
+        proc_root: Path = Path("/proc"),
     ) -> None:
         if not idle_cores:
             raise ExecError("idle_cores: at least one core must hold idle trajectories")
@@ -75,67 +112,73 @@ class DockerRuntime:
         except DockerException as e:
             raise ExecError(f"docker: the engine is not reachable: {e}") from None
         self.idle_cores = tuple(idle_cores)
-        self.cgroup_root = cgroup_root
-        self.containers: dict[str, Any] = {}
+        self.state_dir = state_dir
+        self.execd = execd.path if execd else None
+        self.no_fast = execd.reason if execd else "no exec server was configured"
+        self.cgroups: Cgroups = detect(cgroup_root)
+        self.proc_root = proc_root
+        self.envs: dict[str, Env] = {}  # by trajectory
+        self.warm_pool: dict[str, list[Env]] = {}  # by template digest
+        self.sessions: dict[tuple[str, str, str], Session] = {}  # (trajectory, kind, name)
+        self._facts: dict[str, tuple[User | None, bool]] = {}  # by image, user, workdir
+
+    @property
+    def containers(self) -> dict[str, Any]:
+        return {t: e.container for t, e in self.envs.items()}
 
     # ---- lifecycle ---------------------------------------------------------------
-    def open(self, trajectory: str, template: EnvTemplate) -> str:
-        """Create and start the trajectory's container; returns its id."""
-        if trajectory in self.containers:
+    def open(self, trajectory: str, template: EnvTemplate) -> Opened:
+        """Give the trajectory an environment: a warm container if one is ready."""
+        check_trajectory_id(trajectory)
+        if trajectory in self.envs:
             raise ExecError(f"trajectory: {trajectory} is already open")
-        mem = int(template.memory_gb * 1024**3)
-        kwargs: dict[str, Any] = {
-            "command": ["sleep", "2147483647"],  # PID 1 only keeps the environment alive
-            "detach": True,
-            "name": f"tangram-{trajectory}",
-            "labels": {
-                f"{LABEL}/trajectory": trajectory,
-                f"{LABEL}/env": template.name,
-                f"{LABEL}/pool": template.pool,
-            },
-            "network_mode": template.network,
-            "cap_drop": ["ALL"],
-            "security_opt": ["no-new-privileges"],
-            "pids_limit": template.pids_limit,
-            "mem_limit": mem,
-            "memswap_limit": mem,  # no swap: the limit is the trajectory's memory
-            "cpuset_cpus": format_cpulist(self.idle_cores),
-            "cpu_period": PERIOD_US,
-            "cpu_quota": int(IDLE_QUOTA_CORES * PERIOD_US),
-            "working_dir": template.workdir,
-            "environment": dict(template.env),
-            "read_only": template.read_only_root,
-        }
-        if template.read_only_root:
-            kwargs["tmpfs"] = {template.workdir: "rw,exec", "/tmp": "rw"}
-        if template.user:
-            kwargs["user"] = template.user
-        try:
-            container = self.client.containers.run(template.image, **kwargs)
-        except (APIError, DockerException) as e:
-            raise ExecError(f"image {template.image}: cannot start the environment: {e}") from None
-        self.containers[trajectory] = container
-        try:
-            container.exec_run(["mkdir", "-p", template.workdir])
-            for argv in template.setup:
-                code, out = container.exec_run(list(argv), workdir=template.workdir)
-                if code != 0:
-                    raise ExecError(
-                        f"setup {list(argv)} failed with exit code {code}: "
-                        f"{out.decode(errors='replace')[-500:]}"
-                    )
-        except ExecError:
-            self.close(trajectory)
-            raise
-        return str(container.id)
+        t0 = time.perf_counter()
+        ready = self.warm_pool.get(template.digest(), [])
+        while ready:
+            env = ready.pop()
+            try:
+                env.container.rename(TRAJECTORY_PREFIX + trajectory)
+            except (APIError, NotFound):
+                self._remove(env)  # gone or broken while it waited: try the next one
+                continue
+            self.envs[trajectory] = env
+            return Opened(str(env.container.id), True, time.perf_counter() - t0)
+        env = self._create(template, TRAJECTORY_PREFIX + trajectory)
+        self.envs[trajectory] = env
+        return Opened(str(env.container.id), False, time.perf_counter() - t0)
+
+    def warm(self, template: EnvTemplate) -> int:
+        """Top the template's warm pool up to ``template.warm``; returns how many were made.
+
+        Warm containers of other versions of the same environment are removed.
+        """
+        digest = template.digest()
+        for other, envs in list(self.warm_pool.items()):
+            if other != digest and envs and self._env_name(envs[0]) == template.name:
+                for env in self.warm_pool.pop(other):
+                    self._remove(env)
+        ready = self.warm_pool.setdefault(digest, [])
+        made = 0
+        while len(ready) < template.warm:
+            ready.append(self._create(template, WARM_PREFIX + secrets.token_hex(6)))
+            made += 1
+        while len(ready) > template.warm:
+            self._remove(ready.pop())
+        return made
 
     def close(self, trajectory: str) -> None:
         """Remove the container and everything it wrote."""
-        container = self.containers.pop(trajectory, None)
-        if container is None:
-            return
-        with contextlib.suppress(NotFound):
-            container.remove(force=True, v=True)
+        for key in [k for k in self.sessions if k[0] == trajectory]:
+            self.sessions.pop(key).alive = False  # removing the container ends its process
+        env = self.envs.pop(trajectory, None)
+        if env is not None:
+            self._remove(env)
+
+    def shutdown_warm(self) -> None:
+        for envs in self.warm_pool.values():
+            for env in envs:
+                self._remove(env)
+        self.warm_pool.clear()
 
     def adopt(self) -> list[str]:
         """Find the containers this agent owns (after a restart) and take them back.
@@ -144,7 +187,7 @@ class DockerRuntime:
         ones Docker will not start (being removed, dead) are left out and reported lost
         by the caller, which sees them missing from the returned trajectories.
         """
-        found = self.client.containers.list(all=True, filters={"label": f"{LABEL}/trajectory"})
+        found = self.client.containers.list(all=True, filters={"label": f"{LABEL}/template"})
         for c in found:
             if c.status in ("removing", "dead"):
                 continue
@@ -155,8 +198,141 @@ class DockerRuntime:
                     c.start()
             except (APIError, NotFound):
                 continue
-            self.containers[c.labels[f"{LABEL}/trajectory"]] = c
-        return sorted(self.containers)
+            run = c.labels.get(f"{LABEL}/run")
+            entry = (c.attrs.get("Config", {}).get("Entrypoint") or [""])[0]
+            env = Env(
+                c,
+                c.labels[f"{LABEL}/template"],
+                c.attrs.get("Config", {}).get("WorkingDir") or "/",
+                self.state_dir / "run" / run if run and entry == IN_CONTAINER_BIN else None,
+            )
+            if c.name.startswith(TRAJECTORY_PREFIX):
+                self.envs[c.name.removeprefix(TRAJECTORY_PREFIX)] = env
+            elif c.name.startswith(WARM_PREFIX):
+                self.warm_pool.setdefault(env.template, []).append(env)
+        return sorted(self.envs)
+
+    def _create(self, template: EnvTemplate, name: str) -> Env:
+        user, has_workdir = self._image_facts(template)
+        run_dir: Path | None = None
+        labels: dict[str, str] = {}
+        if self.execd is not None:
+            token = secrets.token_hex(8)
+            run_dir = self.state_dir / "run" / token
+            run_dir.mkdir(parents=True, exist_ok=False)
+            run_dir.chmod(0o777)  # the container's user creates the socket here
+            labels[f"{LABEL}/run"] = token
+        if name.startswith(TRAJECTORY_PREFIX):
+            labels[f"{LABEL}/trajectory"] = name.removeprefix(TRAJECTORY_PREFIX)
+        kwargs = spec(
+            template,
+            name=name,
+            labels=labels,
+            idle_cores=self.idle_cores,
+            user=user,
+            execd=str(self.execd) if self.execd else None,
+            run_dir=str(run_dir) if run_dir else None,
+        )
+        try:
+            container = self.client.containers.create(template.image, **kwargs)
+        except (APIError, DockerException) as e:
+            if run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise ExecError(f"image {template.image}: cannot create the environment: {e}") from None
+        env = Env(container, template.digest(), template.workdir, run_dir)
+        try:
+            if user and not has_workdir and not template.read_only_root:
+                self._own_workdir(container, template.workdir, user)
+            container.start()
+            self._await_exec_server(env)
+            self._setup(env, template)
+        except (APIError, DockerException, ExecError) as e:
+            self._remove(env)
+            if isinstance(e, ExecError):
+                raise
+            raise ExecError(f"image {template.image}: cannot start the environment: {e}") from None
+        return env
+
+    def _setup(self, env: Env, template: EnvTemplate) -> None:
+        if not template.setup:
+            return
+        # Setup is bounded work at open time: the idle cores without the idle quota.
+        env.container.update(cpu_quota=-1)
+        for argv in template.setup:
+            code, out = env.container.exec_run(list(argv), workdir=template.workdir)
+            if code != 0:
+                raise ExecError(
+                    f"setup {list(argv)} failed with exit code {code}: "
+                    f"{out.decode(errors='replace')[-500:]}"
+                )
+        env.container.update(cpu_period=PERIOD_US, cpu_quota=int(IDLE_QUOTA_CORES * PERIOD_US))
+
+    def _await_exec_server(self, env: Env) -> None:
+        if env.run_dir is None:
+            return
+        sock = env.run_dir / SOCKET_NAME
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            if time.monotonic() > deadline:
+                env.container.reload()
+                logs = env.container.logs(tail=5).decode(errors="replace").strip()
+                raise ExecError(
+                    f"the exec server did not start (container {env.container.status}): {logs}"
+                )
+            time.sleep(0.002)
+
+    @staticmethod
+    def _own_workdir(container: Any, workdir: str, user: User) -> None:
+        """Make the workdir the environment user's (Docker would make a missing one
+        root's, and a container without capabilities cannot chown it)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(workdir.strip("/"))  # missing parents are made root's
+            info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, 0o755, user.uid, user.gid
+            tar.addfile(info)
+        container.put_archive("/", buf.getvalue())
+
+    def _image_facts(self, template: EnvTemplate) -> tuple[User | None, bool]:
+        """The user commands run as, and whether the image itself has the workdir."""
+        try:
+            image = self.client.images.get(template.image)
+        except ImageNotFound:
+            raise ExecError(f"image {template.image}: not found on this node") from None
+        key = f"{image.id}|{template.user}|{template.workdir}"
+        if key not in self._facts:
+            passwd, has_workdir = self._probe(image.id, template.workdir)
+            requested = template.user or image.attrs.get("Config", {}).get("User") or None
+            self._facts[key] = (pick_user(passwd, requested), has_workdir)
+        return self._facts[key]
+
+    def _probe(self, image_id: str, workdir: str) -> tuple[str, bool]:
+        """Read the image's /etc/passwd and look for the workdir (never started)."""
+        probe = self.client.containers.create(image_id, entrypoint=["/"], network_mode="none")
+        try:
+            try:
+                probe.get_archive(workdir)
+                has_workdir = True
+            except NotFound:
+                has_workdir = False
+            try:
+                stream, _ = probe.get_archive("/etc/passwd")
+            except NotFound:
+                return "", has_workdir
+            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                member = tar.extractfile("passwd")
+                return (member.read().decode(errors="replace") if member else ""), has_workdir
+        finally:
+            probe.remove(force=True)
+
+    @staticmethod
+    def _env_name(env: Env) -> str:
+        return str(env.container.labels.get(f"{LABEL}/env", ""))
+
+    def _remove(self, env: Env) -> None:
+        with contextlib.suppress(NotFound, APIError):
+            env.container.remove(force=True, v=True)
+        if env.run_dir is not None:
+            shutil.rmtree(env.run_dir, ignore_errors=True)
 
     # ---- execution ---------------------------------------------------------------
     async def exec(
@@ -168,37 +344,188 @@ class DockerRuntime:
         timeout_s: float | None = None,
         env: Mapping[str, str] | None = None,
         output_cap: int = 1 << 20,
+        path: str = "auto",
     ) -> ExecResult:
-        """Run ``argv`` in the trajectory's container on exactly ``cores`` (portable path)."""
-        container = self.containers.get(trajectory)
-        check_request(container is not None, trajectory, argv, cores)
-        assert container is not None  # for the type checker: check_request raised otherwise
-        t0 = time.perf_counter()
-        await asyncio.to_thread(self._limit, container, cores, float(len(cores)))
-        t1 = time.perf_counter()
-        api = self.client.api
+        """Run ``argv`` in the trajectory's container on exactly ``cores``.
+
+        ``path``: ``auto`` (fast when possible), ``fast`` (fail if impossible) or
+        ``portable``.
+        """
+        held = self.envs.get(trajectory)
+        check_request(held is not None, trajectory, argv, cores)
+        assert held is not None  # for the type checker: check_request raised otherwise
         full_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
-        exec_id = await asyncio.to_thread(
-            api.exec_create, container.id, render(argv, len(cores)), environment=full_env
+        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap)
+        why = "" if path == "portable" else self._fast_unavailable(held)
+        if path == "fast" and why:
+            raise ExecError(f"path: the fast path is not possible here: {why}")
+        if path != "portable" and not why:
+            return await self._exec_fast(held, cmd)
+        res = await self._exec_portable(held, cmd)
+        return replace(res, fallback=why)
+
+    async def session(
+        self,
+        trajectory: str,
+        kind: str,
+        code: str,
+        cores: Sequence[int],
+        *,
+        name: str = "main",
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        output_cap: int = 1 << 20,
+    ) -> ExecResult:
+        """Run ``code`` in the trajectory's persistent ``kind`` session (bash or python),
+        started on first use, on exactly ``cores`` for the duration of the action."""
+        held = self.envs.get(trajectory)
+        check_request(held is not None, trajectory, [code] if code else [], cores)
+        assert held is not None
+        if kind not in ("bash", "python"):
+            raise ExecError(f"kind: {kind!r} is not a session kind (bash, python)")
+        why = self._fast_unavailable(held)
+        if why:
+            raise ExecError(f"{kind} session: sessions need the exec server: {why}")
+        assert held.run_dir is not None
+        dop_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
+        t0 = time.perf_counter()
+        self._limit_group(held, cores, float(len(cores)))
+        try:
+            key = (trajectory, kind, name)
+            sess = self.sessions.get(key)
+            if sess is None or not sess.alive:
+                start = BashSession.start if kind == "bash" else PythonSession.start
+                sess = await start(held.run_dir / SOCKET_NAME, held.workdir, dop_env)
+                self.sessions[key] = sess
+            t1 = time.perf_counter()
+            # {dop} is filled in bash commands, as in argv; Python reads TANGRAM_DOP.
+            text = render([code], len(cores))[0] if kind == "bash" else code
+            reply = await sess.run(
+                text,
+                timeout_s=timeout_s,
+                output_cap=output_cap,
+                env=dop_env,
+            )
+            t2 = time.perf_counter()
+        finally:
+            self._limit_group(held, self.idle_cores, IDLE_QUOTA_CORES)
+        t3 = time.perf_counter()
+        output = Output(
+            reply.stdout.encode(),
+            reply.stdout_truncated,
+            reply.stderr.encode(),
+            reply.stderr_truncated,
+        )
+        return ExecResult.of(
+            reply.exit_code, output, reply.timed_out, cores, (t0, t1, t2, t3), path=kind
         )
 
-        async def kill() -> None:
-            await asyncio.to_thread(self._kill_execs, container)
+    def _fast_unavailable(self, env: Env) -> str:
+        """Why the fast path cannot serve this container ('' when it can)."""
+        if env.run_dir is None:
+            return self.no_fast if self.execd is None else "created without the exec server"
+        if env.cgroup is None:
+            try:
+                env.cgroup = self._container_group(env.container)
+            except ExecError as e:
+                return str(e)
+        return ""
+
+    def _container_group(self, container: Any) -> str:
+        """The container's cgroup, read from its PID 1 (works for cgroupfs and systemd
+        drivers, v1 and v2); checked writable by this agent."""
+        container.reload()
+        pid = int(container.attrs["State"]["Pid"])
+        try:
+            lines = (self.proc_root / str(pid) / "cgroup").read_text().splitlines()
+        except OSError as e:
+            raise ExecError(f"the container's cgroup is not visible here: {e.strerror}") from None
+        paths: dict[str, str] = {}
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            for ctrl in controllers.split(",") if controllers else [""]:
+                paths[ctrl] = path
+        if self.cgroups.version == 1:
+            group = paths.get("cpuset")
+            if group is None or paths.get("cpu") != group:
+                raise ExecError("the container's cpuset and cpu cgroups differ")
+        else:
+            group = paths.get("")
+        if not group:
+            raise ExecError("the container's cgroup was not found")
+        group = group.strip("/")
+        try:
+            self.cgroups.cpus(group)
+        except OSError as e:
+            raise ExecError(f"the container's cgroup {group}: {e.strerror}") from None
+        return group
+
+    def _limit_group(self, env: Env, cores: Sequence[int], quota_cores: float) -> None:
+        assert env.cgroup is not None
+        try:
+            self.cgroups.limit(env.cgroup, cores, quota_cores)
+        except CgroupError as e:
+            raise ExecError(str(e)) from None
+
+    async def _exec_fast(self, held: Env, cmd: Command) -> ExecResult:
+        assert held.run_dir is not None
+        t0 = time.perf_counter()
+        self._limit_group(held, cmd.cores, float(len(cmd.cores)))
+        try:
+            chan = await Channel.start(
+                held.run_dir / SOCKET_NAME, cmd.argv, cwd=held.workdir, env=cmd.env
+            )
+        except BaseException:
+            self._limit_group(held, self.idle_cores, IDLE_QUOTA_CORES)
+            raise
+        t1 = time.perf_counter()
 
         async def idle() -> None:
-            await asyncio.to_thread(self._limit, container, self.idle_cores, IDLE_QUOTA_CORES)
+            self._limit_group(held, self.idle_cores, IDLE_QUOTA_CORES)
 
-        collect = asyncio.to_thread(self._collect, api, exec_id["Id"], output_cap)
-        output, timed_out = await supervise(collect, timeout_s, kill, idle)
+        try:
+            output, timed_out = await supervise(
+                chan.collect(cmd.output_cap), cmd.timeout_s, chan.kill, idle
+            )
+        finally:
+            chan.close()
+        t2 = time.perf_counter()
+        self._limit_group(held, self.idle_cores, IDLE_QUOTA_CORES)
+        t3 = time.perf_counter()
+        code = None if timed_out else chan.exit_code
+        return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
+
+    async def _exec_portable(self, held: Env, cmd: Command) -> ExecResult:
+        container = held.container
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self._update, container, cmd.cores, float(len(cmd.cores)))
+        t1 = time.perf_counter()
+        api = self.client.api
+        exec_id = (
+            await asyncio.to_thread(
+                api.exec_create, container.id, cmd.argv, environment=cmd.env, workdir=held.workdir
+            )
+        )["Id"]
+
+        async def kill() -> None:
+            await asyncio.to_thread(self._kill_exec, api, exec_id)
+
+        async def idle() -> None:
+            await asyncio.to_thread(self._update, container, self.idle_cores, IDLE_QUOTA_CORES)
+
+        collect = asyncio.to_thread(self._collect, api, exec_id, cmd.output_cap)
+        output, timed_out = await supervise(collect, cmd.timeout_s, kill, idle)
         t2 = time.perf_counter()
         code = None
         if not timed_out:
-            code = (await asyncio.to_thread(api.exec_inspect, exec_id["Id"]))["ExitCode"]
+            code = (await asyncio.to_thread(api.exec_inspect, exec_id))["ExitCode"]
         await idle()
         t3 = time.perf_counter()
-        return ExecResult.of(code, output, timed_out, cores, (t0, t1, t2, t3))
+        stamps = (t0, t1, t2, t3)
+        return ExecResult.of(code, output, timed_out, cmd.cores, stamps, path="portable")
 
-    def _limit(self, container: Any, cores: Sequence[int], quota_cores: float) -> None:
+    @staticmethod
+    def _update(container: Any, cores: Sequence[int], quota_cores: float) -> None:
         container.update(
             cpuset_cpus=format_cpulist(cores),
             cpu_period=PERIOD_US,
@@ -216,25 +543,36 @@ class DockerRuntime:
                 err_cut |= cap(err, chunk_err, limit)
         return Output(bytes(out), out_cut, bytes(err), err_cut)
 
-    def _kill_execs(self, container: Any) -> None:
-        """SIGKILL every process in the container but its PID 1, through its cgroup.
-
-        The cgroup also holds children that left the exec's process group (setsid).
-        """
-        container.reload()
-        init = int(container.attrs["State"]["Pid"])
-        procs = self._cgroup_procs(container.id)
-        for pid in procs:
-            if pid != init:
+    def _kill_exec(self, api: Any, exec_id: str) -> None:
+        """SIGKILL the exec's process, its process group and all its descendants."""
+        pid = int(api.exec_inspect(exec_id).get("Pid") or 0)
+        if pid > 0:
+            for victim in tree(self.proc_root, pid):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(victim, signal.SIGKILL)
 
-    def _cgroup_procs(self, container_id: str) -> list[int]:
-        for path in (
-            self.cgroup_root / "cpuset" / "docker" / container_id / "cgroup.procs",  # v1
-            self.cgroup_root / "system.slice" / f"docker-{container_id}.scope" / "cgroup.procs",
-            self.cgroup_root / "docker" / container_id / "cgroup.procs",  # v2, cgroupfs driver
-        ):
-            if path.exists():
-                return [int(p) for p in path.read_text(encoding="ascii").split()]
-        raise ExecError(f"container {container_id[:12]}: its cgroup was not found")
+
+def tree(proc_root: Path, root: int) -> list[int]:
+    """``root``, every descendant, and (when ``root`` leads one) its process group."""
+    parent: dict[int, int] = {}
+    group: dict[int, int] = {}
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        parent[int(entry.name)], group[int(entry.name)] = int(fields[1]), int(fields[2])
+    out = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, ppid in parent.items():
+            if ppid in out and pid not in out:
+                out.add(pid)
+                grew = True
+    if group.get(root) == root:
+        out |= {pid for pid, g in group.items() if g == root}
+    return sorted(out)

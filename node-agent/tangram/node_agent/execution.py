@@ -31,9 +31,11 @@ class ExecResult:
     stderr_truncated: bool
     timed_out: bool
     cores: tuple[int, ...]
-    setup_s: float  # cgroup update before the command
+    setup_s: float  # cgroup update and start, before the command runs
     exec_s: float  # the command itself
     teardown_s: float  # back to the idle set
+    path: str = "process"  # how it was started: fast, portable (Docker) or process
+    fallback: str = ""  # why the fast path was not taken, when it was not
 
     @property
     def dop(self) -> int:
@@ -47,11 +49,16 @@ class ExecResult:
         timed_out: bool,
         cores: Sequence[int],
         stamps: tuple[float, float, float, float],
+        *,
+        path: str = "process",
     ) -> ExecResult:
-        """Assemble a result from the output and the four time stamps of an exec."""
+        """Assemble a result from the output and the four time stamps of an exec.
+
+        A command killed by a signal reports 128 + the signal, as shells and Docker do.
+        """
         t0, t1, t2, t3 = stamps
         return cls(
-            code,
+            128 - code if code is not None and code < 0 else code,
             output.stdout.decode(errors="replace"),
             output.stderr.decode(errors="replace"),
             output.stdout_truncated,
@@ -61,6 +68,7 @@ class ExecResult:
             t1 - t0,
             t2 - t1,
             t3 - t2,
+            path,
         )
 
 

@@ -1,0 +1,148 @@
+"""What a trajectory environment is built from, and the container spec it turns into (pure).
+
+``EnvTemplate`` is the node-side core of the TrajectoryEnv custom resource. ``spec``
+turns one into the keyword arguments of Docker's create call: hardened by default (no
+network, every capability dropped, no-new-privileges, a pids limit, memory reserved and
+limited with no swap, the idle core set with a minimal quota) and, when the exec server
+is available, with it as PID 1 behind a socket directory shared with the agent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tangram.node_agent.cgroups import PERIOD_US, format_cpulist
+from tangram.node_agent.exec_server import IN_CONTAINER_BIN, IN_CONTAINER_RUN, SOCKET_NAME
+from tangram.node_agent.execution import IDLE_QUOTA_CORES, ExecError
+
+LABEL = "dev.tangram"  # label prefix that marks and identifies our containers
+TRAJECTORY_PREFIX = "tangram-t-"  # container name of an open trajectory's environment
+WARM_PREFIX = "tangram-w-"  # container name of a ready, unassigned environment
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvTemplate:
+    name: str
+    image: str
+    memory_gb: float = 1.0
+    workdir: str = "/work"
+    env: Mapping[str, str] = field(default_factory=dict)
+    setup: Sequence[Sequence[str]] = ()  # argv lists run once when the environment opens
+    network: str = "none"
+    read_only_root: bool = False
+    user: str | None = None  # None: the image's non-root user when it has one
+    pids_limit: int = 512
+    pool: str = "default"
+    warm: int = 0  # ready containers kept for this template
+
+    def digest(self) -> str:
+        """Identifies what a container was built from; warm containers of an older
+        version of the template are never handed out."""
+        body = asdict(self)
+        body.pop("warm")
+        body["env"] = dict(self.env)
+        body["setup"] = [list(a) for a in self.setup]
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class User:
+    uid: int
+    gid: int
+
+    @property
+    def spec(self) -> str:
+        return f"{self.uid}:{self.gid}"
+
+
+def check_trajectory_id(trajectory: str) -> None:
+    if not _NAME.fullmatch(trajectory):
+        raise ExecError(
+            f"trajectory: {trajectory!r} must be 1-128 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def pick_user(passwd: str, requested: str | None) -> User | None:
+    """The user commands run as: ``requested`` (a name, ``uid`` or ``uid:gid``) or else
+    the image's first regular user (uid 1000-59999); None means root."""
+    entries: dict[str, User] = {}
+    for line in passwd.splitlines():
+        parts = line.split(":")
+        if len(parts) >= 4 and parts[2].isdigit() and parts[3].isdigit():
+            entries[parts[0]] = User(int(parts[2]), int(parts[3]))
+    if requested:
+        name, _, group = requested.partition(":")
+        if name.isdigit():
+            uid = int(name)
+            by_uid = {u.uid: u for u in entries.values()}
+            gid = int(group) if group.isdigit() else by_uid.get(uid, User(uid, uid)).gid
+            return None if uid == 0 else User(uid, gid)
+        if name not in entries:
+            raise ExecError(f"user: {name!r} is not in the image's /etc/passwd")
+        user = entries[name]
+        if group.isdigit():
+            user = User(user.uid, int(group))
+        return None if user.uid == 0 else user
+    regular = sorted((u for u in entries.values() if 1000 <= u.uid < 60000), key=lambda u: u.uid)
+    return regular[0] if regular else None
+
+
+def spec(
+    template: EnvTemplate,
+    *,
+    name: str,
+    labels: Mapping[str, str],
+    idle_cores: Sequence[int],
+    user: User | None,
+    execd: str | None,
+    run_dir: str | None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``client.containers.create``."""
+    mem = int(template.memory_gb * 1024**3)
+    kwargs: dict[str, Any] = {
+        "name": name,
+        "labels": {
+            f"{LABEL}/env": template.name,
+            f"{LABEL}/pool": template.pool,
+            f"{LABEL}/template": template.digest(),
+            **labels,
+        },
+        "network_mode": template.network,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "pids_limit": template.pids_limit,
+        "mem_limit": mem,
+        "mem_reservation": mem,
+        "memswap_limit": mem,  # no swap: the limit is the trajectory's memory
+        "cpuset_cpus": format_cpulist(idle_cores),
+        "cpu_period": PERIOD_US,
+        "cpu_quota": int(IDLE_QUOTA_CORES * PERIOD_US),
+        "working_dir": template.workdir,
+        "environment": dict(template.env),
+        "read_only": template.read_only_root,
+        "init": False,
+    }
+    if execd and run_dir:
+        # The exec server is PID 1: it reaps orphans and starts commands on request.
+        kwargs["entrypoint"] = [IN_CONTAINER_BIN, f"{IN_CONTAINER_RUN}/{SOCKET_NAME}"]
+        kwargs["command"] = []
+        kwargs["volumes"] = {
+            execd: {"bind": IN_CONTAINER_BIN, "mode": "ro"},
+            run_dir: {"bind": IN_CONTAINER_RUN, "mode": "rw"},
+        }
+    else:
+        kwargs["entrypoint"] = ["sleep"]  # PID 1 only keeps the environment alive
+        kwargs["command"] = ["2147483647"]
+    if template.read_only_root:
+        owner = f",uid={user.uid},gid={user.gid}" if user else ""
+        kwargs["tmpfs"] = {template.workdir: f"rw,exec{owner}", "/tmp": "rw,mode=1777"}
+    if user:
+        kwargs["user"] = user.spec
+    return kwargs

@@ -1,0 +1,387 @@
+/*
+ * tangram-execd: the in-container exec server of the fast allocate-on-execution path.
+ *
+ * Runs as the container's PID 1 (bind-mounted read-only from the host, static, no
+ * dependencies) and listens on a Unix socket in a directory the node agent shares with
+ * the container. The agent writes the container's cgroup files itself and then asks
+ * this server to start the command, so an action costs one connect and one fork instead
+ * of Docker's update + exec round trips. Commands inherit everything the container was
+ * given: namespaces, cgroup, user, dropped capabilities, no-new-privileges.
+ *
+ * One forked handler per connection. Frames both ways: type (1 byte), length (4 bytes,
+ * big endian), payload.
+ *   agent -> server: 'R' request (NUL-terminated strings: mode "pipe"|"pty", cwd, argc,
+ *                    argv..., envc, "K=V"...), 'I' stdin bytes, 'E' stdin EOF,
+ *                    'K' signal number (decimal): signal the command's process group;
+ *                    SIGKILL also kills every descendant it left behind.
+ *   server -> agent: 'S' started (pid), '1' stdout, '2' stderr, 'X' exit status
+ *                    (decimal; negative = killed by that signal), 'Z' error message.
+ * If the agent disconnects before the command ends, the command's tree is killed: a
+ * command nobody waits for holds cores nobody accounts for.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <unistd.h>
+
+#define MAX_FRAME (1u << 20)
+#define MAX_ARGS 4096
+
+static int write_all(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int read_all(int fd, void *buf, size_t len) {
+    char *p = buf;
+    while (len > 0) {
+        ssize_t n = read(fd, p, len);
+        if (n == 0) return -1;
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int send_frame(int fd, char type, const void *data, uint32_t len) {
+    unsigned char head[5] = {(unsigned char)type, (unsigned char)(len >> 24),
+                             (unsigned char)(len >> 16), (unsigned char)(len >> 8),
+                             (unsigned char)len};
+    if (write_all(fd, head, 5) < 0) return -1;
+    return len ? write_all(fd, data, len) : 0;
+}
+
+static int send_text(int fd, char type, const char *text) {
+    return send_frame(fd, type, text, (uint32_t)strlen(text));
+}
+
+/* Reads one frame; the payload is malloc'd and NUL-terminated (free it). */
+static int recv_frame(int fd, char *type, char **data, uint32_t *len) {
+    unsigned char head[5];
+    if (read_all(fd, head, 5) < 0) return -1;
+    *type = (char)head[0];
+    *len = ((uint32_t)head[1] << 24) | ((uint32_t)head[2] << 16) | ((uint32_t)head[3] << 8) |
+           (uint32_t)head[4];
+    if (*len > MAX_FRAME) return -1;
+    *data = malloc(*len + 1);
+    if (*data == NULL) return -1;
+    if (read_all(fd, *data, *len) < 0) {
+        free(*data);
+        return -1;
+    }
+    (*data)[*len] = '\0';
+    return 0;
+}
+
+/* Splits a request payload into its NUL-terminated strings. */
+static int split(char *data, uint32_t len, char **out, int max) {
+    int n = 0;
+    uint32_t i = 0;
+    while (i < len && n < max) {
+        out[n++] = data + i;
+        i += (uint32_t)strlen(data + i) + 1;
+    }
+    return i >= len ? n : -1;
+}
+
+/* The command this handler runs, and its wait status once reaped. */
+static pid_t cmd_pid;
+static int cmd_exited, cmd_status;
+
+static void reap(void) {
+    pid_t w;
+    int st;
+    while ((w = waitpid(-1, &st, WNOHANG)) > 0)
+        if (w == cmd_pid) cmd_exited = 1, cmd_status = st;
+}
+
+/* Descendants orphaned by the command are re-parented to this handler (a subreaper), so
+ * killing "the tree" means: the command's process group, then every child we still have,
+ * until none is left. */
+static void kill_tree(pid_t group, int sig) {
+    if (group > 0) kill(-group, sig);
+    if (sig != SIGKILL) return; /* an interrupt is for the command, delivered once */
+    for (int round = 0; round < 100; round++) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
+        FILE *f = fopen(path, "r");
+        if (f == NULL) return;
+        int pid, found = 0;
+        while (fscanf(f, "%d", &pid) == 1) {
+            kill(pid, sig);
+            found = 1;
+        }
+        fclose(f);
+        if (!found) return;
+        usleep(1000);
+        reap(); /* dead children leave the list once reaped */
+    }
+}
+
+struct child {
+    pid_t pid;
+    int in, out, err; /* our ends; in pty mode all three are the master */
+    int pty;
+};
+
+/* Forks the command. On failure returns -1 with a message in msg. */
+static int spawn(char **fields, int nfields, struct child *c, char *msg, size_t msglen) {
+    if (nfields < 3) {
+        snprintf(msg, msglen, "request: too few fields");
+        return -1;
+    }
+    const char *mode = fields[0], *cwd = fields[1];
+    int argc = atoi(fields[2]);
+    if (argc < 1 || 4 + argc > nfields) {
+        snprintf(msg, msglen, "request: bad argv count");
+        return -1;
+    }
+    int envc = atoi(fields[3 + argc]);
+    if (envc < 0 || 4 + argc + envc > nfields) {
+        snprintf(msg, msglen, "request: bad env count");
+        return -1;
+    }
+    char **argv = calloc((size_t)argc + 1, sizeof *argv);
+    for (int i = 0; i < argc; i++) argv[i] = fields[3 + i];
+    char **envs = fields + 4 + argc;
+    c->pty = strcmp(mode, "pty") == 0;
+
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, status[2];
+    int master = -1;
+    char slave[128] = "";
+    if (c->pty) {
+        master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (master < 0 || grantpt(master) < 0 || unlockpt(master) < 0 ||
+            ptsname_r(master, slave, sizeof slave) != 0) {
+            snprintf(msg, msglen, "pty: %s", strerror(errno));
+            return -1;
+        }
+    } else if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 ||
+               pipe2(err, O_CLOEXEC) < 0) {
+        snprintf(msg, msglen, "pipe: %s", strerror(errno));
+        return -1;
+    }
+    if (pipe2(status, O_CLOEXEC) < 0) {
+        snprintf(msg, msglen, "pipe: %s", strerror(errno));
+        return -1;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        snprintf(msg, msglen, "fork: %s", strerror(errno));
+        return -1;
+    }
+    if (pid == 0) {
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        setsid(); /* its own process group and session: killed as a whole */
+        int fail = 0;
+        if (c->pty) {
+            int s = open(slave, O_RDWR);
+            struct termios t;
+            if (s < 0 || ioctl(s, TIOCSCTTY, 0) < 0) fail = errno;
+            if (!fail && tcgetattr(s, &t) == 0) {
+                t.c_lflag &= ~(tcflag_t)(ECHO | ECHONL); /* the agent knows what it sent */
+                t.c_oflag &= ~(tcflag_t)ONLCR;           /* output bytes as written */
+                tcsetattr(s, TCSANOW, &t);
+            }
+            dup2(s, 0), dup2(s, 1), dup2(s, 2);
+        } else {
+            dup2(in[0], 0), dup2(out[1], 1), dup2(err[1], 2);
+        }
+        for (int i = 0; !fail && i < envc; i++)
+            if (putenv(envs[i]) != 0) fail = errno;
+        if (!fail && cwd[0] && chdir(cwd) < 0) fail = errno;
+        if (!fail) {
+            execvp(argv[0], argv);
+            fail = errno;
+        }
+        (void)!write(status[1], &fail, sizeof fail);
+        _exit(127);
+    }
+    close(status[1]);
+    int child_errno = 0;
+    ssize_t got = read(status[0], &child_errno, sizeof child_errno);
+    close(status[0]);
+    free(argv);
+    c->pid = pid;
+    if (c->pty) {
+        c->in = c->out = master;
+        c->err = -1;
+    } else {
+        close(in[0]), close(out[1]), close(err[1]);
+        c->in = in[1], c->out = out[0], c->err = err[0];
+    }
+    if (got == (ssize_t)sizeof child_errno) {
+        snprintf(msg, msglen, "tangram-execd: %s: %s\n", fields[3], strerror(child_errno));
+        return 1; /* started, but exec failed: reported as exit 127 with the reason */
+    }
+    return 0;
+}
+
+static int relay(int from, int sock, char type) {
+    char buf[65536];
+    ssize_t n = read(from, buf, sizeof buf);
+    if (n > 0) return send_frame(sock, type, buf, (uint32_t)n) < 0 ? -2 : 1;
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return 1;
+    return 0; /* EOF (or EIO: the pty's other side is gone) */
+}
+
+static void handle(int sock) {
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+
+    char type, *data;
+    uint32_t len;
+    if (recv_frame(sock, &type, &data, &len) < 0 || type != 'R') {
+        send_text(sock, 'Z', "protocol: the first frame must be a request");
+        return;
+    }
+    char **fields = calloc(4 + MAX_ARGS * 2, sizeof *fields);
+    int nfields = split(data, len, fields, 4 + MAX_ARGS * 2);
+    struct child c = {0};
+    char msg[512] = "";
+    int rc = nfields < 0 ? -1 : spawn(fields, nfields, &c, msg, sizeof msg);
+    if (rc < 0) {
+        send_text(sock, 'Z', nfields < 0 ? "request: malformed" : msg);
+        return;
+    }
+    char pidtext[32];
+    snprintf(pidtext, sizeof pidtext, "%d", (int)c.pid);
+    send_text(sock, 'S', pidtext);
+    if (rc == 1) send_frame(sock, c.pty ? '1' : '2', msg, (uint32_t)strlen(msg));
+
+    cmd_pid = c.pid;
+    int out_open = 1, err_open = c.err >= 0, sock_open = 1;
+    while (!cmd_exited || out_open || err_open) {
+        struct pollfd p[4] = {{sfd, POLLIN, 0},
+                              {out_open ? c.out : -1, POLLIN, 0},
+                              {err_open ? c.err : -1, POLLIN, 0},
+                              {sock_open ? sock : -1, POLLIN, 0}};
+        /* Once the command has exited, take what its pipes already hold and stop: a
+         * background process that inherited them must not hold the action open. */
+        int ready = poll(p, 4, cmd_exited ? 0 : -1);
+        if (ready < 0 && errno != EINTR) break;
+        if (cmd_exited && ready == 0) break;
+        if (p[0].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == sizeof si) {
+            }
+            reap();
+        }
+        if (p[1].revents & (POLLIN | POLLHUP | POLLERR)) {
+            int r = relay(c.out, sock, '1');
+            if (r == -2) sock_open = 0, kill_tree(c.pid, SIGKILL);
+            if (r == 0) out_open = 0;
+        }
+        if (p[2].revents & (POLLIN | POLLHUP | POLLERR)) {
+            int r = relay(c.err, sock, '2');
+            if (r == -2) sock_open = 0, kill_tree(c.pid, SIGKILL);
+            if (r == 0) err_open = 0;
+        }
+        if (p[3].revents & (POLLIN | POLLHUP | POLLERR)) {
+            if (recv_frame(sock, &type, &data, &len) < 0) {
+                sock_open = 0; /* the agent is gone: nobody waits for this command */
+                kill_tree(c.pid, SIGKILL);
+                continue;
+            }
+            if (type == 'I' && c.in >= 0) {
+                write_all(c.in, data, len);
+            } else if (type == 'E' && c.in >= 0 && !c.pty) {
+                close(c.in);
+                c.in = -1;
+            } else if (type == 'K') {
+                int sig = atoi(data);
+                kill_tree(c.pid, sig > 0 ? sig : SIGKILL);
+            }
+            free(data);
+        }
+    }
+    while (!cmd_exited && waitpid(c.pid, &cmd_status, 0) < 0 && errno == EINTR) {
+    }
+    int st = cmd_status;
+    char code[32];
+    snprintf(code, sizeof code, "%d", WIFSIGNALED(st) ? -WTERMSIG(st) : WEXITSTATUS(st));
+    if (sock_open) send_text(sock, 'X', code);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s SOCKET\n", argv[0]);
+        return 2;
+    }
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (strlen(argv[1]) >= sizeof addr.sun_path) {
+        fprintf(stderr, "tangram-execd: socket path too long\n");
+        return 2;
+    }
+    strcpy(addr.sun_path, argv[1]);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGINT);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    unlink(argv[1]); /* a restarted container finds its old socket file */
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&addr, sizeof addr) < 0 || listen(lfd, 64) < 0) {
+        fprintf(stderr, "tangram-execd: %s: %s\n", argv[1], strerror(errno));
+        return 1;
+    }
+    for (;;) {
+        struct pollfd p[2] = {{sfd, POLLIN, 0}, {lfd, POLLIN, 0}};
+        if (poll(p, 2, -1) < 0 && errno != EINTR) return 1;
+        if (p[0].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == sizeof si)
+                if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) return 0;
+            while (waitpid(-1, NULL, WNOHANG) > 0) {
+            }
+        }
+        if (p[1].revents & POLLIN) {
+            int conn = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+            if (conn < 0) continue;
+            pid_t pid = fork();
+            if (pid == 0) {
+                close(lfd);
+                close(sfd);
+                handle(conn);
+                _exit(0);
+            }
+            close(conn);
+        }
+    }
+}

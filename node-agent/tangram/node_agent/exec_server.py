@@ -1,0 +1,197 @@
+"""The agent's side of the in-container exec server (``exec_server.c``): build and talk.
+
+The fast allocate-on-execution path starts each command through a tiny static server
+that is the container's PID 1, reached over a Unix socket in a directory the agent
+shares with the container. ``build`` compiles it once per source version into a cache
+(or takes a prebuilt binary from ``TANGRAM_EXECD``); ``Channel`` speaks its frame
+protocol: a request, then stdout/stderr/exit frames from the server and stdin/kill
+frames from the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tangram.node_agent.execution import ExecError, Output, cap
+
+SOURCE = Path(__file__).with_name("exec_server.c")
+IN_CONTAINER_BIN = "/.tangram/execd"
+IN_CONTAINER_RUN = "/.tangram/run"
+SOCKET_NAME = "exec.sock"
+_HEAD = struct.Struct(">cI")
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    path: Path | None
+    reason: str  # why there is no binary (empty when there is one)
+
+
+def build(cache_dir: Path) -> Built:
+    """The exec server binary: ``TANGRAM_EXECD`` if set, else compiled into ``cache_dir``.
+
+    Compiled statically so that it runs in any image of the host's architecture; keyed by
+    the source's hash so an upgraded agent never runs a stale server.
+    """
+    prebuilt = os.environ.get("TANGRAM_EXECD")
+    if prebuilt:
+        path = Path(prebuilt)
+        if not os.access(path, os.X_OK):
+            return Built(None, f"TANGRAM_EXECD={prebuilt} is not an executable file")
+        return Built(path, "")
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    target = cache_dir / f"tangram-execd-{digest}"
+    if target.exists():
+        return Built(target, "")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return Built(None, "no C compiler to build the exec server (set TANGRAM_EXECD)")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".execd-")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, "-static", "-O2", "-o", tmp, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            return Built(None, f"building the exec server failed: {done.stderr.strip()[-300:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic: concurrent builders never see half a binary
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return Built(target, "")
+
+
+def _connect(path: Path) -> socket.socket:
+    """Connect without following a link the container may have put in the shared directory.
+
+    The socket's directory is writable from inside the container; opening the final name
+    with O_NOFOLLOW and connecting through /proc/self/fd pins the inode we checked.
+    """
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ExecError(f"exec server socket {path}: {e.strerror}") from None
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise ExecError(f"exec server socket {path}: not a socket")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(f"/proc/self/fd/{fd}")
+        except OSError as e:
+            sock.close()
+            raise ExecError(f"exec server socket {path}: {e.strerror}") from None
+        sock.setblocking(False)
+        return sock
+    finally:
+        os.close(fd)
+
+
+def _request(mode: str, argv: Sequence[str], cwd: str, env: Mapping[str, str]) -> bytes:
+    for k, v in env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise ExecError(f"env: {k!r} is not a valid variable")
+    if any("\0" in a for a in argv) or "\0" in cwd:
+        raise ExecError("argv: arguments cannot contain NUL bytes")
+    fields = [
+        mode,
+        cwd,
+        str(len(argv)),
+        *argv,
+        str(len(env)),
+        *(f"{k}={v}" for k, v in env.items()),
+    ]
+    return b"".join(f.encode() + b"\0" for f in fields)
+
+
+class Channel:
+    """One command running under the exec server."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.exit_code: int | None = None  # set by the exit frame; negative: a signal
+
+    @classmethod
+    async def start(
+        cls,
+        sock_path: Path,
+        argv: Sequence[str],
+        *,
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        mode: Literal["pipe", "pty"] = "pipe",
+    ) -> Channel:
+        payload = _request(mode, argv, cwd, env or {})
+        reader, writer = await asyncio.open_unix_connection(sock=_connect(sock_path))
+        chan = cls(reader, writer)
+        await chan._send(b"R", payload)
+        kind, data = await chan.frame()
+        if kind != b"S":
+            chan.close()
+            raise ExecError(f"exec server: {data.decode(errors='replace')}")
+        return chan
+
+    async def _send(self, kind: bytes, data: bytes) -> None:
+        self._writer.write(_HEAD.pack(kind, len(data)) + data)
+        await self._writer.drain()
+
+    async def frame(self) -> tuple[bytes, bytes]:
+        """The next frame from the server; ``(b"", b"")`` once the connection ends."""
+        try:
+            head = await self._reader.readexactly(_HEAD.size)
+            kind, n = _HEAD.unpack(head)
+            data = await self._reader.readexactly(n)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return b"", b""
+        if kind == b"X":
+            self.exit_code = int(data)
+        return kind, data
+
+    async def write(self, data: bytes) -> None:
+        await self._send(b"I", data)
+
+    async def close_stdin(self) -> None:
+        await self._send(b"E", b"")
+
+    async def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the command's process group and every descendant it left behind."""
+        with contextlib.suppress(ConnectionError):
+            await self._send(b"K", str(int(sig)).encode())
+
+    async def collect(self, limit: int) -> Output:
+        """Read stdout and stderr (each capped at ``limit`` bytes) until the command ends."""
+        out, err = bytearray(), bytearray()
+        out_cut = err_cut = False
+        while True:
+            kind, data = await self.frame()
+            if kind == b"1":
+                out_cut |= cap(out, data, limit)
+            elif kind == b"2":
+                err_cut |= cap(err, data, limit)
+            elif kind == b"Z":
+                raise ExecError(f"exec server: {data.decode(errors='replace')}")
+            elif kind in (b"X", b""):
+                return Output(bytes(out), out_cut, bytes(err), err_cut)
+
+    def close(self) -> None:
+        """Disconnect; a command still running is killed by the server."""
+        self._writer.close()

@@ -1,0 +1,249 @@
+"""Persistent tool sessions inside a trajectory's environment: bash and Python.
+
+A session is a long-lived process the exec server started in the container; its state
+(bash's working directory and variables, Python's globals) persists across actions.
+It lives in the container's cgroup, so it holds only the idle set between actions and
+gets the action's cores while one runs (the runtime writes the cgroup around each).
+
+- bash runs on a pty (job control and interactive programs behave as on a terminal).
+  Each command goes through ``eval`` of an ANSI-C-quoted string, so a command with an
+  unbalanced quote is a syntax error for that command only, followed by a marker line
+  carrying ``$?``. A timeout sends Ctrl-C through the pty to the foreground job.
+- Python runs a small driver over pipes: one JSON request per line, one JSON reply per
+  line; stdout and stderr of the code are captured separately and the value of a final
+  expression is printed, as in a REPL. A timeout sends SIGINT (KeyboardInterrupt).
+A session that does not answer after its interrupt is killed and reported lost; the next
+action starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tangram.node_agent.exec_server import Channel
+from tangram.node_agent.execution import ExecError
+
+INTERRUPT_GRACE_S = 2.0  # how long an interrupted session may take to answer
+_MARKER = re.compile(rb"\x1etangram-[0-9a-f]{16}:\d+\x1e\n")
+
+_PY_DRIVER = r"""
+import ast, contextlib, io, json, os, sys, traceback
+proto = os.fdopen(os.dup(1), "w", encoding="utf-8")
+os.dup2(2, 1)  # what child processes print must not mix with the replies
+ns = {"__name__": "__main__", "__builtins__": __builtins__}
+
+def run(code):
+    tree = ast.parse(code, "<session>")
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, "<session>", "exec"), ns)
+    if last is not None:
+        value = eval(compile(ast.Expression(last.value), "<session>", "eval"), ns)
+        if value is not None:
+            print(repr(value))
+
+while True:
+    try:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        req = json.loads(line)
+        os.environ.update(req["env"])
+        out, err, ok = io.StringIO(), io.StringIO(), True
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                run(req["code"])
+        except BaseException:
+            ok = False
+            err.write(traceback.format_exc())
+        cap = req["cap"]
+        o, e = out.getvalue(), err.getvalue()
+        reply = {"ok": ok, "stdout": o[:cap], "stderr": e[:cap],
+                 "stdout_truncated": len(o) > cap, "stderr_truncated": len(e) > cap}
+        proto.write(json.dumps(reply) + "\n")
+        proto.flush()
+    except KeyboardInterrupt:
+        continue
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    exit_code: int | None  # None: the session did not answer and was killed
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+
+
+def ansi_c_quote(text: str) -> str:
+    """Quote ``text`` as bash's ``$'...'`` so that any bytes survive one line."""
+    out = []
+    for ch in text:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch.isprintable() and ord(ch) < 0x80:
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "$'" + "".join(out) + "'"
+
+
+class Session:
+    kind: str
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self.alive = True
+        self._lock = asyncio.Lock()  # one action at a time per session
+
+    async def _interrupt(self) -> None:
+        raise NotImplementedError
+
+    async def _reply(self, cap: int) -> Reply:
+        raise NotImplementedError
+
+    async def _send(self, code: str, cap: int, env: Mapping[str, str]) -> None:
+        raise NotImplementedError
+
+    async def run(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None,
+        output_cap: int,
+        env: Mapping[str, str] | None = None,
+    ) -> Reply:
+        """Run ``code``; ``env`` is exported into the session first (e.g. TANGRAM_DOP)."""
+        if not self.alive:
+            raise ExecError(f"{self.kind} session: it has ended")
+        async with self._lock:
+            await self._send(code, output_cap, env or {})
+            pending = asyncio.ensure_future(self._reply(output_cap))
+            try:
+                return await asyncio.wait_for(asyncio.shield(pending), timeout_s)
+            except TimeoutError:
+                await self._interrupt()
+                try:
+                    reply = await asyncio.wait_for(pending, INTERRUPT_GRACE_S)
+                except TimeoutError:
+                    await self.kill()
+                    return Reply(None, "", "", False, False, True)
+                return replace(reply, exit_code=None, timed_out=True)
+            except asyncio.CancelledError:
+                await self.kill()
+                raise
+
+    async def kill(self) -> None:
+        self.alive = False
+        await self.chan.kill()
+        self.chan.close()
+
+
+class BashSession(Session):
+    kind = "bash"
+
+    @classmethod
+    async def start(cls, sock: Path, cwd: str, env: Mapping[str, str]) -> BashSession:
+        argv = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
+        quiet = {"PS1": "", "PS2": "", "PROMPT_COMMAND": "", "TERM": "dumb", **env}
+        session = cls(await Channel.start(sock, argv, cwd=cwd, env=quiet, mode="pty"))
+        await session.run("true", timeout_s=30, output_cap=1 << 16)  # drains start-up noise
+        return session
+
+    def __init__(self, chan: Channel) -> None:
+        super().__init__(chan)
+        self._marker = ""
+        self._buffer = bytearray()
+
+    async def _send(self, code: str, cap: int, env: Mapping[str, str]) -> None:
+        exports = "".join(f"export {k}={ansi_c_quote(v)}; " for k, v in env.items())
+        await self.chan.write(f"{exports}eval {ansi_c_quote(code)}; {self._new_marker()}".encode())
+
+    def _new_marker(self) -> str:
+        """A fresh marker, and the command line that prints it with ``$?``."""
+        self._marker = "\x1etangram-" + secrets.token_hex(8)
+        return f"printf '{self._marker}:%d\\036\\n' \"$?\"\n"
+
+    async def _interrupt(self) -> None:
+        # Ctrl-C: SIGINT to the terminal's foreground job. An interactive shell then drops
+        # the rest of the line, marker included: ask for a new one on a line of its own.
+        await self.chan.write(b"\x03" + self._new_marker().encode())
+
+    async def _reply(self, cap: int) -> Reply:
+        while True:
+            pattern = re.compile(re.escape(self._marker.encode()) + rb":(\d+)\x1e\n")
+            found = pattern.search(bytes(self._buffer))  # a match must not see the buffer shrink
+            if found:
+                out = _MARKER.sub(b"", bytes(self._buffer[: found.start()]))  # superseded ones
+                del self._buffer[: found.end()]
+                text = out[:cap].decode(errors="replace")
+                return Reply(int(found.group(1)), text, "", len(out) > cap, False, False)
+            kind, data = await self.chan.frame()
+            if kind == b"1":
+                self._buffer += data
+            elif kind in (b"X", b""):  # the shell exited (``exit`` in the command)
+                self.alive = False
+                out = bytes(self._buffer)
+                code = self.chan.exit_code
+                return Reply(
+                    code, out[:cap].decode(errors="replace"), "", len(out) > cap, False, False
+                )
+
+
+class PythonSession(Session):
+    kind = "python"
+
+    @classmethod
+    async def start(cls, sock: Path, cwd: str, env: Mapping[str, str]) -> PythonSession:
+        argv = ["python3", "-u", "-c", _PY_DRIVER]
+        return cls(await Channel.start(sock, argv, cwd=cwd, env=dict(env), mode="pipe"))
+
+    def __init__(self, chan: Channel) -> None:
+        super().__init__(chan)
+        self._lines = bytearray()
+        self._stray = bytearray()  # what child processes wrote to the real stdout/stderr
+
+    async def _send(self, code: str, cap: int, env: Mapping[str, str]) -> None:
+        request = {"code": code, "cap": cap, "env": dict(env)}
+        await self.chan.write((json.dumps(request) + "\n").encode())
+
+    async def _interrupt(self) -> None:
+        await self.chan.kill(signal.SIGINT)
+
+    async def _reply(self, cap: int) -> Reply:
+        while b"\n" not in self._lines:
+            kind, data = await self.chan.frame()
+            if kind == b"1":
+                self._lines += data
+            elif kind == b"2":
+                self._stray += data
+            elif kind in (b"X", b""):
+                self.alive = False
+                raise ExecError(
+                    f"python session: the interpreter exited: "
+                    f"{bytes(self._stray[-500:]).decode(errors='replace')}"
+                )
+        line, _, rest = bytes(self._lines).partition(b"\n")
+        self._lines = bytearray(rest)
+        body = json.loads(line)
+        stray = bytes(self._stray).decode(errors="replace")
+        self._stray.clear()
+        stderr = stray + body["stderr"]
+        return Reply(
+            0 if body["ok"] else 1,
+            body["stdout"],
+            stderr[:cap],
+            body["stdout_truncated"],
+            body["stderr_truncated"] or len(stderr) > cap,
+            False,
+        )

@@ -1,0 +1,157 @@
+"""A real coding environment: pytest -n {dop} in a Debian container runs on its cores.
+
+The image (python3, pytest, pytest-xdist, an unprivileged ``agent`` user) is built by
+debootstrap once and cached (tests/integration/docker_engine.py). A small test suite is
+written into the trajectory's working directory through exec (the environment has no
+network), then run with as many xdist workers as the command was given cores: every
+test records its worker, its CPU affinity and its TANGRAM_DOP, and the records must show
+exactly DoP workers, each seeing exactly the assigned cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import textwrap
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from tangram.node_agent.docker_runtime import DockerRuntime, EnvTemplate
+from tangram.node_agent.exec_server import Built
+
+# One worker runs every Docker test, so only one of them may start (and stop) dockerd.
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.xdist_group("docker")]
+CORES = sorted(os.sched_getaffinity(0))
+N_TESTS = 8  # enough that xdist's load scheduling hands every worker some
+
+# Runs inside the container. Each test writes its own record file, so concurrent
+# workers never share a file. (No "{dop}" here: the runtime would fill it in.)
+SUITE = textwrap.dedent(
+    """
+    import json
+    import os
+    import pathlib
+
+    import pytest
+
+
+    @pytest.mark.parametrize("i", range(N_TESTS))
+    def test_record(i):
+        record = {
+            "test": i,
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "none"),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "dop": os.environ.get("TANGRAM_DOP"),
+            "uid": os.getuid(),
+        }
+        records = pathlib.Path("records")
+        records.mkdir(exist_ok=True)
+        (records / f"{i}.json").write_text(json.dumps(record))
+    """
+).replace("N_TESTS", str(N_TESTS))
+WRITE = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text(sys.argv[2])"
+READ = (
+    "import json, pathlib; "
+    "print(json.dumps([json.loads(p.read_text()) for p in pathlib.Path('records').iterdir()]))"
+)
+
+
+@pytest.fixture
+def env(
+    docker_client: Any, coding_image: str, execd: Built, tmp_path: Any
+) -> Iterator[tuple[DockerRuntime, str]]:
+    """A trajectory with the test suite in its workdir; it runs as the image's unprivileged
+    user without the template naming one."""
+    runtime = DockerRuntime(CORES[:1], client=docker_client, execd=execd, state_dir=tmp_path)
+    t = f"t-{uuid.uuid4().hex[:10]}"
+    runtime.open(t, EnvTemplate(name="coding", image=coding_image, memory_gb=0.5))
+    try:
+        wrote = asyncio.run(
+            runtime.exec(t, ["python3", "-c", WRITE, "test_suite.py", SUITE], CORES[:1])
+        )
+        assert wrote.exit_code == 0, wrote.stderr
+        yield runtime, t
+    finally:
+        runtime.close(t)
+
+
+def run_suite(runtime: DockerRuntime, t: str, cores: Sequence[int]) -> list[dict[str, Any]]:
+    res = asyncio.run(
+        runtime.exec(
+            t,
+            ["python3", "-m", "pytest", "-n", "{dop}", "-q", "-p", "no:cacheprovider"],
+            cores,
+            timeout_s=300,
+        )
+    )
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert res.path == "fast", res.fallback
+    assert re.search(rf"\b{N_TESTS} passed\b", res.stdout), res.stdout
+    assert res.cores == tuple(cores)
+    read = asyncio.run(runtime.exec(t, ["python3", "-c", READ], CORES[:1]))
+    assert read.exit_code == 0, read.stderr
+    records: list[dict[str, Any]] = json.loads(read.stdout)
+    assert sorted(r["test"] for r in records) == list(range(N_TESTS))
+    return records
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
+def test_pytest_runs_one_xdist_worker_per_assigned_core(env: tuple[DockerRuntime, str]) -> None:
+    cores = CORES[:2]
+    records = run_suite(*env, cores)
+    assert {r["worker"] for r in records} == {"gw0", "gw1"}
+    for r in records:
+        assert r["affinity"] == cores
+        assert r["dop"] == "2"
+        assert r["uid"] == 1000  # the unprivileged agent user, not root
+
+
+def test_one_core_means_dop_one(env: tuple[DockerRuntime, str]) -> None:
+    cores = CORES[-1:]
+    records = run_suite(*env, cores)
+    assert {r["worker"] for r in records} == {"gw0"}
+    for r in records:
+        assert r["affinity"] == cores
+        assert r["dop"] == "1"
+        assert r["uid"] == 1000
+
+
+def test_bash_and_python_sessions_persist_and_hold_cores_only_during_actions(
+    env: tuple[DockerRuntime, str],
+) -> None:
+    runtime, t = env
+    cores = CORES[-1:]
+
+    async def session(kind: str, code: str) -> str:
+        res = await runtime.session(t, kind, code, cores, timeout_s=60)
+        assert res.exit_code == 0, res.stdout + res.stderr
+        assert res.path == kind
+        return res.stdout
+
+    async def scenario() -> tuple[str, str]:
+        # bash: the working directory and variables outlive the action
+        await session("bash", "mkdir -p deep && cd deep && LEVEL=deep")
+        bash = await session("bash", "pwd; echo $LEVEL; id -u; echo {dop} $TANGRAM_DOP")
+        # python: globals persist; during an action it runs on the action's cores
+        await session("python", "import os\nhits = 1")
+        python = await session("python", "hits += 1\n(hits, sorted(os.sched_getaffinity(0)))")
+        return bash, python
+
+    bash, python = asyncio.run(scenario())
+    assert bash.split() == ["/work/deep", "deep", "1000", "1", "1"]
+    assert python == f"(2, {cores})\n"
+    # between actions both sessions are back on the idle core set
+    pids = _session_pids(runtime, t)
+    assert len(pids) == 2
+    for pid in pids:
+        assert sorted(os.sched_getaffinity(pid)) == CORES[:1]
+
+
+def _session_pids(runtime: DockerRuntime, t: str) -> list[int]:
+    top = runtime.envs[t].container.top(ps_args="-eo pid,args")
+    return [int(p[0]) for p in top["Processes"] if "bash --norc" in p[1] or "python3 -u -c" in p[1]]

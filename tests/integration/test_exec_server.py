@@ -1,0 +1,285 @@
+"""The exec server and the sessions on top of it, run as a host process (no Docker).
+
+The same static binary is every fast-path container's PID 1; here it serves a socket in
+a temporary directory so that its protocol, its kill semantics and the bash and Python
+sessions are tested on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tangram.node_agent.exec_server import Built, Channel
+from tangram.node_agent.execution import ExecError
+from tangram.node_agent.sessions import BashSession, PythonSession, ansi_c_quote
+
+
+@pytest.fixture
+def server(execd: Built) -> Iterator[Path]:
+    assert execd.path is not None
+    run_dir = Path(tempfile.mkdtemp(prefix="execd-", dir="/tmp"))  # short: a socket path
+    sock = run_dir / "exec.sock"
+    proc = subprocess.Popen([str(execd.path), str(sock)], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    yield sock
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(10)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def collect(sock: Path, argv: list[str], **kw: object) -> tuple[bytes, bytes, int | None]:
+    chan = await Channel.start(sock, argv, **kw)  # type: ignore[arg-type]
+    out = await chan.collect(1 << 20)
+    chan.close()
+    return out.stdout, out.stderr, chan.exit_code
+
+
+def test_argv_env_and_cwd_reach_the_command(server: Path, tmp_path: Path) -> None:
+    out, err, code = asyncio.run(
+        collect(
+            server,
+            ["sh", "-c", 'echo "$A|$(pwd)|$1"; echo oops >&2; exit 4', "sh", "a b;c"],
+            cwd=str(tmp_path),
+            env={"A": "x y"},
+        )
+    )
+    assert out == f"x y|{tmp_path}|a b;c\n".encode() and err == b"oops\n" and code == 4
+
+
+def test_stdin_is_streamed_and_closed(server: Path) -> None:
+    async def scenario() -> bytes:
+        chan = await Channel.start(server, ["tr", "a-z", "A-Z"])
+        await chan.write(b"hello ")
+        await chan.write(b"world")
+        await chan.close_stdin()
+        out = await chan.collect(1 << 20)
+        chan.close()
+        return out.stdout
+
+    assert asyncio.run(scenario()) == b"HELLO WORLD"
+
+
+def test_a_missing_program_exits_127_with_the_reason(server: Path) -> None:
+    _, err, code = asyncio.run(collect(server, ["/no/such/tool"]))
+    assert code == 127 and b"No such file or directory" in err
+
+
+def test_output_written_before_exit_is_complete_and_background_output_does_not_block(
+    server: Path,
+) -> None:
+    # The sleeper keeps the pipes open; the action still ends when its command does.
+    out, _, code = asyncio.run(
+        collect(server, ["sh", "-c", "head -c 300000 /dev/zero; sleep 30 & exit 0"])
+    )
+    assert len(out) == 300000 and code == 0
+
+
+def test_kill_reaches_orphaned_descendants(server: Path, tmp_path: Path) -> None:
+    pidfile = tmp_path / "orphan.pid"
+
+    async def scenario() -> int | None:
+        chan = await Channel.start(
+            server, ["sh", "-c", f"sh -c 'setsid sleep 600 & echo $! > {pidfile}'; sleep 600"]
+        )
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            await asyncio.sleep(0.01)
+        await chan.kill()
+        await chan.collect(1 << 20)
+        chan.close()
+        return chan.exit_code
+
+    assert asyncio.run(scenario()) == -signal.SIGKILL
+    orphan = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while alive(orphan) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(orphan)
+
+
+def test_a_disconnected_agent_leaves_nothing_running(server: Path, tmp_path: Path) -> None:
+    pidfile = tmp_path / "cmd.pid"
+
+    async def scenario() -> None:
+        chan = await Channel.start(server, ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 600"])
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            await asyncio.sleep(0.01)
+        chan.close()
+
+    asyncio.run(scenario())
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(pid)
+
+
+def test_bad_requests_are_refused_before_anything_runs(server: Path) -> None:
+    with pytest.raises(ExecError, match="env"):
+        asyncio.run(collect(server, ["true"], env={"A=B": "x"}))
+    with pytest.raises(ExecError, match="NUL"):
+        asyncio.run(collect(server, ["echo", "a\0b"]))
+
+
+def test_a_link_planted_in_the_socket_directory_is_not_followed(
+    server: Path, tmp_path: Path
+) -> None:
+    planted = tmp_path / "exec.sock"
+    planted.symlink_to(server)
+    with pytest.raises(ExecError, match="exec server socket"):
+        asyncio.run(collect(planted, ["true"]))
+
+
+def test_ansi_c_quoting_round_trips_through_bash() -> None:
+    text = "a 'quoted' \"double\" $HOME `x` \\ back\nnew line\ttab \x01 é"
+    out = subprocess.run(
+        ["bash", "-c", f"printf %s {ansi_c_quote(text)}"], capture_output=True, check=True
+    ).stdout
+    assert out.decode() == text
+
+
+def test_the_bash_session_keeps_its_cwd_and_variables(server: Path, tmp_path: Path) -> None:
+    async def scenario() -> list[tuple[int | None, str]]:
+        bash = await BashSession.start(server, str(tmp_path), {})
+        results = []
+        for code in [
+            "mkdir -p sub && cd sub && export GREETING=hi && X=42",
+            'pwd; echo "$GREETING $X"',
+            "echo 'unbalanced",  # a syntax error for this command only
+            "false",
+            "[ -t 0 ] && echo tty",
+            'echo "dop=$TANGRAM_DOP"',
+        ]:
+            r = await bash.run(code, timeout_s=30, output_cap=1 << 16, env={"TANGRAM_DOP": "3"})
+            results.append((r.exit_code, r.stdout))
+        await bash.kill()
+        return results
+
+    res = asyncio.run(scenario())
+    assert res[0] == (0, "")
+    assert res[1] == (0, f"{tmp_path}/sub\nhi 42\n")
+    assert res[2][0] == 2 and "unexpected EOF" in res[2][1]
+    assert res[3] == (1, "")
+    assert res[4] == (0, "tty\n")
+    assert res[5] == (0, "dop=3\n")
+
+
+def test_a_bash_timeout_interrupts_the_job_and_the_session_survives(
+    server: Path, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[bool, str, int | None, str]:
+        bash = await BashSession.start(server, str(tmp_path), {})
+        await bash.run("STATE=kept", timeout_s=30, output_cap=1024)
+        slow = await bash.run("echo started; sleep 600", timeout_s=0.5, output_cap=1024)
+        after = await bash.run("echo $STATE", timeout_s=30, output_cap=1024)
+        await bash.kill()
+        return slow.timed_out, slow.stdout, after.exit_code, after.stdout
+
+    timed_out, slow_out, code, out = asyncio.run(scenario())
+    assert timed_out and slow_out.startswith("started\n")  # bash adds a newline at ^C
+    assert code == 0 and out == "kept\n"
+
+
+def test_exit_ends_the_bash_session(server: Path, tmp_path: Path) -> None:
+    async def scenario() -> tuple[int | None, bool]:
+        bash = await BashSession.start(server, str(tmp_path), {})
+        r = await bash.run("exit 7", timeout_s=30, output_cap=1024)
+        return r.exit_code, bash.alive
+
+    assert asyncio.run(scenario()) == (7, False)
+
+
+def test_the_python_session_keeps_its_variables(server: Path, tmp_path: Path) -> None:
+    async def scenario() -> list[tuple[int | None, str, str]]:
+        py = await PythonSession.start(server, str(tmp_path), {})
+        out = []
+        for code in [
+            "import os\nx = 20",
+            "x += 1\nprint('x is', x)\nx * 2",
+            "1 / 0",
+            "import subprocess; subprocess.run(['echo', 'from a child'])",
+            "os.environ['TANGRAM_DOP']",
+        ]:
+            r = await py.run(code, timeout_s=30, output_cap=1 << 16, env={"TANGRAM_DOP": "2"})
+            out.append((r.exit_code, r.stdout, r.stderr))
+        await py.kill()
+        return out
+
+    res = asyncio.run(scenario())
+    assert res[0] == (0, "", "")
+    assert res[1] == (0, "x is 21\n42\n", "")
+    assert res[2][0] == 1 and "ZeroDivisionError" in res[2][2]
+    assert res[3][0] == 0 and "from a child" in res[3][2]  # child output is kept apart
+    assert res[4] == (0, "'2'\n", "")
+
+
+def test_a_python_timeout_raises_keyboard_interrupt_and_keeps_state(
+    server: Path, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[bool, str, str]:
+        py = await PythonSession.start(server, str(tmp_path), {})
+        await py.run("kept = 'yes'", timeout_s=30, output_cap=1024)
+        slow = await py.run(
+            "import time\nwhile True: time.sleep(0.01)", timeout_s=0.5, output_cap=1 << 16
+        )
+        after = await py.run("kept", timeout_s=30, output_cap=1024)
+        await py.kill()
+        return slow.timed_out, slow.stderr, after.stdout
+
+    timed_out, err, out = asyncio.run(scenario())
+    assert timed_out and "KeyboardInterrupt" in err and out == "'yes'\n"
+
+
+def test_output_caps_hold_in_sessions(server: Path, tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, bool, int, bool]:
+        bash = await BashSession.start(server, str(tmp_path), {})
+        py = await PythonSession.start(server, str(tmp_path), {})
+        b = await bash.run("head -c 5000 /dev/zero | tr '\\0' x", timeout_s=30, output_cap=100)
+        p = await py.run("print('y' * 5000)", timeout_s=30, output_cap=100)
+        await bash.kill()
+        await py.kill()
+        return len(b.stdout), b.stdout_truncated, len(p.stdout), p.stdout_truncated
+
+    assert asyncio.run(scenario()) == (100, True, 100, True)
+
+
+def test_the_server_reaps_everything(server: Path) -> None:
+    for _ in range(20):
+        asyncio.run(collect(server, ["sh", "-c", "sleep 0.01 & true"]))
+    time.sleep(0.2)
+    zombies = [
+        p for p in os.listdir("/proc") if p.isdigit() and _is_zombie_child_of_server(p, server)
+    ]
+    assert zombies == []
+
+
+def _is_zombie_child_of_server(pid: str, server: Path) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().split(") ")[1].split()
+    except (FileNotFoundError, IndexError):
+        return False
+    if state[0] != "Z":
+        return False
+    with open(f"/proc/{state[1]}/cmdline", "rb") as f:
+        return str(server).encode() in f.read()

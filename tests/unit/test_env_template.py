@@ -1,0 +1,92 @@
+"""Environment templates: the container spec, the user choice, names and identities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tangram.node_agent.docker_runtime import tree
+from tangram.node_agent.env_template import (
+    EnvTemplate,
+    User,
+    check_trajectory_id,
+    pick_user,
+    spec,
+)
+from tangram.node_agent.execution import ExecError
+
+PASSWD = """root:x:0:0:root:/root:/bin/bash
+daemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin
+nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
+dev:x:1001:1001::/home/dev:/bin/bash
+agent:x:1000:1000::/home/agent:/bin/bash
+"""
+
+
+def test_the_images_first_regular_user_is_chosen_unless_one_is_asked_for() -> None:
+    assert pick_user(PASSWD, None) == User(1000, 1000)
+    assert pick_user(PASSWD, "dev") == User(1001, 1001)
+    assert pick_user(PASSWD, "dev:50") == User(1001, 50)
+    assert pick_user(PASSWD, "1234") == User(1234, 1234)
+    assert pick_user(PASSWD, "1001") == User(1001, 1001)
+    assert pick_user(PASSWD, "root") is None
+    assert pick_user(PASSWD, "0") is None
+    assert pick_user("root:x:0:0::/root:/bin/sh\n", None) is None  # only root: stays root
+    assert pick_user("", None) is None
+    with pytest.raises(ExecError, match="user: 'ghost'"):
+        pick_user(PASSWD, "ghost")
+
+
+def test_the_spec_is_hardened_and_wires_the_exec_server() -> None:
+    tpl = EnvTemplate(name="swe", image="img", memory_gb=2, env={"A": "1"}, pool="p")
+    kw = spec(
+        tpl,
+        name="tangram-t-x",
+        labels={"dev.tangram/run": "tok"},
+        idle_cores=[0, 1],
+        user=User(1000, 1000),
+        execd="/cache/execd",
+        run_dir="/state/run/tok",
+    )
+    assert kw["network_mode"] == "none"
+    assert kw["cap_drop"] == ["ALL"] and kw["security_opt"] == ["no-new-privileges"]
+    assert kw["mem_limit"] == kw["memswap_limit"] == kw["mem_reservation"] == 2 * 1024**3
+    assert kw["cpuset_cpus"] == "0-1" and kw["cpu_quota"] == 10_000
+    assert kw["user"] == "1000:1000"
+    assert kw["entrypoint"] == ["/.tangram/execd", "/.tangram/run/exec.sock"]
+    assert kw["volumes"]["/cache/execd"] == {"bind": "/.tangram/execd", "mode": "ro"}
+    assert kw["labels"]["dev.tangram/pool"] == "p" and kw["labels"]["dev.tangram/run"] == "tok"
+    plain = spec(tpl, name="n", labels={}, idle_cores=[0], user=None, execd=None, run_dir=None)
+    assert plain["entrypoint"] == ["sleep"] and "volumes" not in plain and "user" not in plain
+
+
+def test_a_read_only_root_gets_a_workdir_the_user_can_write() -> None:
+    tpl = EnvTemplate(name="e", image="i", read_only_root=True)
+    kw = spec(tpl, name="n", labels={}, idle_cores=[0], user=User(7, 8), execd=None, run_dir=None)
+    assert kw["read_only"] and kw["tmpfs"]["/work"] == "rw,exec,uid=7,gid=8"
+
+
+def test_the_template_digest_ignores_the_warm_pool_size_only() -> None:
+    a = EnvTemplate(name="e", image="i", warm=1)
+    assert a.digest() == EnvTemplate(name="e", image="i", warm=5).digest()
+    assert a.digest() != EnvTemplate(name="e", image="i", env={"X": "1"}).digest()
+    assert a.digest() != EnvTemplate(name="e", image="i", setup=[["make"]]).digest()
+
+
+@pytest.mark.parametrize("bad", ["", "-x", "a/b", "a b", "x" * 129, "é"])
+def test_trajectory_ids_must_make_container_names(bad: str) -> None:
+    with pytest.raises(ExecError, match="trajectory"):
+        check_trajectory_id(bad)
+    check_trajectory_id("traj-17_a.b")
+
+
+def test_tree_finds_descendants_and_the_group(tmp_path: Path) -> None:
+    # pid: (ppid, pgid); 10 leads its group; 13 was orphaned to 1 but is still in the group
+    procs = {1: (0, 1), 10: (1, 10), 11: (10, 10), 12: (11, 12), 13: (1, 10), 20: (1, 20)}
+    for pid, (ppid, pgid) in procs.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a (b) c) S {ppid} {pgid} 0\n")
+    (tmp_path / "self").mkdir()
+    assert tree(tmp_path, 10) == [10, 11, 12, 13]
+    assert tree(tmp_path, 11) == [11, 12]  # not a group leader: its group is not its own
