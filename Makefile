@@ -27,6 +27,7 @@ test: setup lint typecheck ## lint, type-check and run the whole test suite
 bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench scheduler --json --out docs/bench/scheduler.json
 	$(BIN)/tangram bench paper --out docs/bench
+	$(BIN)/tangram bench exec --json --out docs/bench/exec.json  # needs a Docker Engine
 
 bench-quick: setup ## a smaller paper sweep for a smoke run (writes out/bench)
 	$(BIN)/tangram bench paper --quick --out out/bench

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tangram.node_agent.docker_runtime import import_busybox
 
 BUSYBOX_IMAGE = "tangram-test/busybox:1"
 
@@ -90,42 +90,8 @@ def engine() -> Iterator[Any]:
 
 
 def busybox_image(client: Any) -> str | None:
-    """Import the busybox test image once; None when busybox-static is not installed."""
-    import docker.errors
-
-    try:
-        client.images.get(BUSYBOX_IMAGE)
-        return BUSYBOX_IMAGE
-    except docker.errors.ImageNotFound:
-        pass
-    busybox = Path("/bin/busybox")
-    if not busybox.exists() or not _looks_static(busybox):
-        return None
-    applets = subprocess.run(
-        [str(busybox), "--list"], capture_output=True, text=True, check=True
-    ).stdout.split()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for d in ("bin", "tmp", "work", "proc", "sys", "dev", "etc"):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
-            tar.addfile(info)
-        tar.add(busybox, arcname="bin/busybox")
-        for name in applets:
-            if name == "busybox":
-                continue
-            link = tarfile.TarInfo(f"bin/{name}")
-            link.type, link.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(link)
-    repository, tag = BUSYBOX_IMAGE.rsplit(":", 1)
-    client.api.import_image_from_data(buf.getvalue(), repository=repository, tag=tag)
-    return BUSYBOX_IMAGE
-
-
-def _looks_static(path: Path) -> bool:
-    """No ELF interpreter segment (PT_INTERP) means a static binary."""
-    data = path.read_bytes()[:4096]
-    return b"/lib64/ld-linux" not in data and b"/lib/ld-linux" not in data
+    """The busybox test image, imported once; None when busybox-static is not installed."""
+    return import_busybox(client, BUSYBOX_IMAGE)
 
 
 # ---- the coding-environment image -------------------------------------------------

@@ -155,3 +155,12 @@ def test_bash_and_python_sessions_persist_and_hold_cores_only_during_actions(
 def _session_pids(runtime: DockerRuntime, t: str) -> list[int]:
     top = runtime.envs[t].container.top(ps_args="-eo pid,args")
     return [int(p[0]) for p in top["Processes"] if "bash --norc" in p[1] or "python3 -u -c" in p[1]]
+
+
+def test_the_memory_limit_holds(env: tuple[DockerRuntime, str]) -> None:
+    runtime, t = env  # the environment has 0.5 GiB and no swap
+    grab = "b = bytearray(900 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096]); print('survived')"
+    res = asyncio.run(runtime.exec(t, ["python3", "-c", grab], CORES[:1], timeout_s=120))
+    assert res.exit_code == 137 and "survived" not in res.stdout  # SIGKILL by the OOM killer
+    alive = asyncio.run(runtime.exec(t, ["true"], CORES[:1]))
+    assert alive.exit_code == 0  # the environment itself lives on

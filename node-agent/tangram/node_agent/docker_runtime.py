@@ -27,6 +27,7 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import tarfile
 import time
 from collections.abc import Mapping, Sequence
@@ -61,7 +62,7 @@ from tangram.node_agent.execution import (
 )
 from tangram.node_agent.sessions import BashSession, PythonSession, Session
 
-__all__ = ["DockerRuntime", "EnvTemplate", "Opened"]
+__all__ = ["DockerRuntime", "EnvTemplate", "Opened", "import_busybox"]
 
 
 @dataclass(slots=True)
@@ -576,3 +577,43 @@ def tree(proc_root: Path, root: int) -> list[int]:
     if group.get(root) == root:
         out |= {pid for pid, g in group.items() if g == root}
     return sorted(out)
+
+
+def import_busybox(client: Any, tag: str, busybox: Path = Path("/bin/busybox")) -> str | None:
+    """A minimal image (busybox-static and its applet links), imported once under ``tag``.
+
+    Nothing can be pulled on an air-gapped node; this makes an image for the exec
+    benchmark and quick tests out of Debian's busybox-static. None when it is missing.
+    """
+    try:
+        client.images.get(tag)
+        return tag
+    except ImageNotFound:
+        pass
+    if not busybox.exists() or not _looks_static(busybox):
+        return None
+    applets = subprocess.run(
+        [str(busybox), "--list"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for d in ("bin", "tmp", "work", "proc", "sys", "dev", "etc"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+            tar.addfile(info)
+        tar.add(busybox, arcname="bin/busybox")
+        for name in applets:
+            if name == "busybox":
+                continue
+            link = tarfile.TarInfo(f"bin/{name}")
+            link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(link)
+    repository, version = tag.rsplit(":", 1)
+    client.api.import_image_from_data(buf.getvalue(), repository=repository, tag=version)
+    return tag
+
+
+def _looks_static(path: Path) -> bool:
+    """No ELF interpreter segment (PT_INTERP) means a static binary."""
+    data = path.read_bytes()[:4096]
+    return b"/lib64/ld-linux" not in data and b"/lib/ld-linux" not in data

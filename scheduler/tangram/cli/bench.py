@@ -28,10 +28,14 @@ def register(sub: Any) -> None:
         description=(
             "Without a sub-command: replay --trace on --cluster under each --policy and print "
             "the figures of DESIGN.md §5. `tangram bench scheduler` measures round latency; "
-            "`tangram bench paper` runs the paper-scale sweeps recorded in docs/benchmarks.md."
+            "`tangram bench paper` runs the paper-scale sweeps recorded in docs/benchmarks.md; "
+            "`tangram bench exec` measures per-action overhead of the fast and portable "
+            "allocate-on-execution paths and open latency (needs a Docker Engine)."
         ),
     )
-    p.add_argument("what", nargs="?", choices=("scheduler", "paper"), help="a named benchmark")
+    p.add_argument(
+        "what", nargs="?", choices=("scheduler", "paper", "exec"), help="a named benchmark"
+    )
     p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
     p.add_argument("--cluster", help="cluster YAML: nodes, services, apis")
     p.add_argument("--policy", default="elastic", help="comma-separated policies")
@@ -44,6 +48,16 @@ def register(sub: Any) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not draw the ACT plot")
     p.add_argument("--out", help="output file (scheduler) or directory (paper)")
     p.add_argument("--quick", action="store_true", help="paper: smaller sweeps for a smoke run")
+    p.add_argument(
+        "--actions", type=whole_number(1), default=500, help="exec: timed actions per path"
+    )
+    p.add_argument(
+        "--opens", type=whole_number(1), default=30, help="exec: timed opens of each kind"
+    )
+    p.add_argument("--image", help="exec: environment image (default: one made from busybox)")
+    p.add_argument(
+        "--state-dir", default="/var/lib/tangram/bench", help="exec: agent state (socket dirs)"
+    )
     p.set_defaults(run=run)
 
 
@@ -51,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "scheduler":
         report = run_round_bench(progress=not args.json)
         _emit(report, args)
+        return 0
+    if args.what == "exec":
+        from tangram.cli.bench_exec import run_exec_bench
+
+        _emit(run_exec_bench(args), args)
         return 0
     if args.what == "paper":
         from tangram.cli.paper import run_paper
@@ -146,7 +165,7 @@ def replay_all(
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
     text = json.dumps(report, indent=None if args.json else 2)
-    if args.out and args.what == "scheduler":
+    if args.out and args.what in ("scheduler", "exec"):
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -164,6 +183,11 @@ def _table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
+    if "portable" in report:
+        from tangram.cli.bench_exec import print_tables
+
+        print_tables(report, console)
+        return
     if "cases" in report:
         t = Table(title="scheduling round latency")
         for col in ("cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms"):
