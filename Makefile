@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 export PYTHONPATH := $(CURDIR)/scheduler:$(CURDIR)/operator:$(CURDIR)/node-agent
 
-.PHONY: setup test lint typecheck bench bench-quick clean
+.PHONY: setup run test lint typecheck bench bench-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,9 @@ lint: setup
 
 typecheck: setup
 	$(BIN)/mypy scheduler/tangram node-agent/tangram tests
+
+run: setup ## the embedded default: scheduler + local node agent serving manifests/examples/local
+	$(BIN)/tangram up -f manifests/examples/local
 
 test: setup lint typecheck ## lint, type-check and run the whole test suite
 	$(BIN)/pytest -n 2 --dist loadgroup -q

@@ -151,8 +151,11 @@ class Channel:
         return chan
 
     async def _send(self, kind: bytes, data: bytes) -> None:
-        self._writer.write(_HEAD.pack(kind, len(data)) + data)
-        await self._writer.drain()
+        try:
+            self._writer.write(_HEAD.pack(kind, len(data)) + data)
+            await self._writer.drain()
+        except ConnectionError:
+            raise ExecError("exec server: the command has ended") from None
 
     async def frame(self) -> tuple[bytes, bytes]:
         """The next frame from the server; ``(b"", b"")`` once the connection ends."""
@@ -174,7 +177,7 @@ class Channel:
 
     async def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the command's process group and every descendant it left behind."""
-        with contextlib.suppress(ConnectionError):
+        with contextlib.suppress(ExecError):
             await self._send(b"K", str(int(sig)).encode())
 
     async def collect(self, limit: int) -> Output:

@@ -157,7 +157,14 @@ class BashSession(Session):
         argv = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
         quiet = {"PS1": "", "PS2": "", "PROMPT_COMMAND": "", "TERM": "dumb", **env}
         session = cls(await Channel.start(sock, argv, cwd=cwd, env=quiet, mode="pty"))
-        await session.run("true", timeout_s=30, output_cap=1 << 16)  # drains start-up noise
+        try:
+            first = await session.run("true", timeout_s=30, output_cap=1 << 16)  # start-up noise
+        except ExecError:
+            first = Reply(session.chan.exit_code, "", "", False, False, False)
+        if not session.alive or first.exit_code != 0:
+            raise ExecError(
+                f"bash session: bash did not start (exit {first.exit_code}): {first.stdout[-300:]}"
+            )
         return session
 
     def __init__(self, chan: Channel) -> None:

@@ -88,7 +88,8 @@ class ApiSpec(_Strict):
 
 
 class ClusterSpec(_Strict):
-    nodes: Annotated[list[NodeSpec], Field(min_length=1)]
+    # Empty for a running service: nodes join as their agents register.
+    nodes: list[NodeSpec] = Field(default_factory=list)
     services: list[ServiceSpec] = Field(default_factory=list)
     apis: list[ApiSpec] = Field(default_factory=list)
 

@@ -66,9 +66,12 @@ def read_json(path: str | Path) -> Any:
 def load_cluster(path: str | Path) -> ClusterSpec:
     data = read_yaml(path)
     try:
-        return ClusterSpec.model_validate(data)
+        cluster = ClusterSpec.model_validate(data)
     except ValidationError as e:
         raise InputError(f"{path}: {_fields(e)}") from None
+    if not cluster.nodes:
+        raise InputError(f"{path}: nodes: a replay needs at least one node")
+    return cluster
 
 
 def load_trace_file(path: str | Path) -> list[TrajectoryTrace]:

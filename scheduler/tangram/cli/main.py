@@ -13,8 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="ARL-Tangram: action-level pooling of external resources for agentic RL.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from tangram.cli import bench, explain, trace
+    from tangram.cli import bench, explain, trace, up
 
+    up.register(sub)
     trace.register(sub)
     bench.register(sub)
     explain.register(sub)

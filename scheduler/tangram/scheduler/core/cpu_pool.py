@@ -42,12 +42,15 @@ class CpuPool:
         """From ``(name, cores, numa_nodes, memory_gb)``; cores are split evenly over NUMA nodes."""
         pool = cls()
         for name, cores, numa_nodes, memory_gb in nodes:
-            if cores <= 0:
-                continue
-            per = cores // numa_nodes
-            numa = [list(range(i * per, (i + 1) * per)) for i in range(numa_nodes)]
-            pool.nodes[name] = CpuNode(name, numa, cores, memory_gb)
+            pool.add(name, cores, numa_nodes, memory_gb)
         return pool
+
+    def add(self, name: str, cores: int, numa_nodes: int, memory_gb: float) -> None:
+        if cores <= 0:
+            return
+        per = cores // numa_nodes
+        numa = [list(range(i * per, (i + 1) * per)) for i in range(numa_nodes)]
+        self.nodes[name] = CpuNode(name, numa, cores, memory_gb)
 
     def choose_node(self, memory_gb: float, min_cores: int, free: Mapping[str, int]) -> str | None:
         """A node for a new trajectory: enough free cores now and memory for its whole life.

@@ -52,6 +52,7 @@ class SchedulingError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,15 @@ class Round:
     blocked: tuple[tuple[str, str], ...] = ()  # (action id, resource it waits for)
 
 
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """What a node took with it when it left (its agent stopped answering)."""
+
+    running: tuple[str, ...]  # actions that were running there: they end in error
+    trajectories: tuple[str, ...]  # trajectories placed there: their environments are lost
+    dropped: tuple[str, ...]  # queued actions of those trajectories
+
+
 @dataclass(slots=True)
 class _Running:
     assignment: Assignment
@@ -236,6 +246,47 @@ class Scheduler:
         if self.cpu.nodes[node].free_memory_gb + 1e-9 < traj.memory_gb:
             raise SchedulingError("node", f"{node} lacks {traj.memory_gb} GB for {tid}")
         self._place(tid, node)
+
+    # ---- nodes (a service adds them as agents register, drains them when they leave)
+    def add_node(self, name: str, cores: int, numa_nodes: int = 1, memory_gb: float = 0.0) -> None:
+        if name in self.cpu.nodes:
+            raise SchedulingError("node", f"{name} is already part of the pool")
+        if cores < 0 or numa_nodes < 1 or (cores and cores % numa_nodes):
+            raise SchedulingError(
+                "cores", f"{cores} cores cannot split over {numa_nodes} NUMA nodes"
+            )
+        self.cpu.add(name, cores, numa_nodes, memory_gb)
+        self._nodes_changed()
+
+    def drain_node(self, name: str) -> Drained:
+        """Take a node out: its trajectories are closed, every running action of theirs
+        forgotten (quota units come back), their queued actions dropped."""
+        if name not in self.cpu.nodes:
+            raise SchedulingError("node", f"{name} is not part of the pool")
+        placed = tuple(sorted(t for t, n in self.cpu.placement.items() if n == name))
+        lost = set(placed)
+        running = tuple(
+            aid
+            for aid, r in self.running.items()
+            if r.assignment.node == name or r.action.trajectory in lost
+        )
+        for aid in running:
+            for q, n in self.running.pop(aid).assignment.quotas:
+                self.quotas[q].release(n)
+        dropped: list[str] = []
+        for tid in placed:
+            dropped.extend(self.close_trajectory(tid, finished=False))
+        del self.cpu.nodes[name]
+        self._nodes_changed()
+        return Drained(running, placed, tuple(dropped))
+
+    def _nodes_changed(self) -> None:
+        """Capacity changed: every cached choice and waiting count is stale."""
+        self._biggest_node = max((n.cores for n in self.cpu.nodes.values()), default=0)
+        self._waiting = {}
+        for a in self.actions.values():
+            a.cache, a.needs = None, None
+            self._count(a, +1)
 
     def set_hint(self, tid: str, remaining_steps: int | None) -> None:
         traj = self._traj(tid)

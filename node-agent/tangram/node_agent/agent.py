@@ -1,0 +1,260 @@
+"""The node agent: one runtime behind the operations the scheduler service asks for.
+
+``NodeAgent.create`` picks the Docker runtime when a Docker Engine is reachable and the
+process runtime otherwise, re-adopts what a previous agent left, and answers
+``AgentRequest``s (open, close, exec, session, warm, cancel) with ``AgentReply``s. The
+link to the scheduler (``link.py``) only moves these messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tangram.api.inventory import NodeInventory
+from tangram.api.wire import AgentHello, AgentReply, AgentRequest, EnvSpec, ExecOutcome
+from tangram.node_agent.cgroups import detect
+from tangram.node_agent.docker_runtime import DockerRuntime
+from tangram.node_agent.env_template import EnvTemplate
+from tangram.node_agent.exec_server import build
+from tangram.node_agent.execution import ExecError, ExecResult
+from tangram.node_agent.inventory import read_inventory
+from tangram.node_agent.process_runtime import ProcessRuntime
+
+log = logging.getLogger("tangram.agent")
+
+
+def split_cores(
+    cores: Sequence[int], idle: int, for_actions: int | None
+) -> tuple[list[int], list[int]]:
+    """(action cores, idle cores): the idle set is the first ``idle`` cores; actions get
+    the last ``for_actions`` (default: all the others; all of them on a one-core node)."""
+    ordered = sorted(cores)
+    if idle < 1:
+        raise ExecError("idle_cores: at least one core must hold idle trajectories")
+    idle_set = ordered[: min(idle, len(ordered))]
+    rest = ordered[len(idle_set) :] or ordered
+    n = len(rest) if for_actions is None else min(for_actions, len(ordered))
+    actions = rest[-n:] if n <= len(rest) else ordered[-n:]
+    return sorted(actions), idle_set
+
+
+@dataclass(slots=True)
+class _ProcessEnv:
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        runtime: DockerRuntime | ProcessRuntime,
+        inventory: NodeInventory,
+        action_cores: list[int],
+        idle_cores: list[int],
+        *,
+        node: str,
+        fast_path: str = "",
+    ) -> None:
+        self.runtime = runtime
+        self.inventory = inventory
+        self.action_cores = action_cores
+        self.idle_cores = idle_cores
+        self.node = node
+        self.fast_path = fast_path
+        self.kind: str = "docker" if isinstance(runtime, DockerRuntime) else "process"
+        self.adopted: list[str] = []
+        self._process_envs: dict[str, _ProcessEnv] = {}
+        self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
+        self._background: set[asyncio.Future[None]] = set()
+
+    @classmethod
+    def create(
+        cls,
+        state_dir: Path,
+        *,
+        node: str | None = None,
+        runtime: str = "auto",
+        idle_cores: int = 1,
+        cores_for_actions: int | None = None,
+        cache_dir: Path | None = None,
+    ) -> NodeAgent:
+        """An agent for this machine; ``runtime``: auto, docker or process."""
+        inventory = read_inventory()
+        actions, idle = split_cores(sorted(os.sched_getaffinity(0)), idle_cores, cores_for_actions)
+        name = node or inventory.hostname
+        if runtime in ("auto", "docker"):
+            built = build(cache_dir or state_dir / "cache")
+            try:
+                rt = DockerRuntime(idle, state_dir=state_dir / "docker", execd=built)
+            except ExecError:
+                if runtime == "docker":
+                    raise
+            else:
+                agent = cls(rt, inventory, actions, idle, node=name, fast_path=built.reason)
+                agent.adopted = rt.adopt()
+                return agent
+        cgroups = detect()
+        prt = ProcessRuntime(state_dir / "trajectories", cgroups, idle, group_prefix="tangram")
+        return cls(prt, inventory, actions, idle, node=name, fast_path="the process runtime")
+
+    def hello(self) -> AgentHello:
+        return AgentHello(
+            node=self.node,
+            inventory=self.inventory,
+            runtime="docker" if self.kind == "docker" else "process",
+            action_cores=self.action_cores,
+            idle_cores=self.idle_cores,
+            fast_path=self.fast_path,
+            trajectories=self.adopted,
+        )
+
+    async def handle(self, req: AgentRequest) -> AgentReply:
+        """Answer one request; errors become a reply, never an exception."""
+        if req.op == "cancel":
+            task = self._tasks.get(req.target or -1)
+            if task is not None:
+                task.cancel()
+            return AgentReply(rid=req.rid, ok=True)
+        task = asyncio.ensure_future(self._run(req))
+        self._tasks[req.rid] = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return AgentReply(rid=req.rid, ok=False, error="cancelled")
+        finally:
+            self._tasks.pop(req.rid, None)
+
+    async def _run(self, req: AgentRequest) -> AgentReply:
+        try:
+            if req.op == "open":
+                assert req.trajectory and req.env
+                seconds, warm = await self.open(req.trajectory, req.env)
+                return AgentReply(rid=req.rid, ok=True, opened_s=seconds, warm=warm)
+            if req.op == "close":
+                assert req.trajectory
+                await asyncio.to_thread(self.close, req.trajectory)
+                return AgentReply(rid=req.rid, ok=True)
+            if req.op == "warm":
+                assert req.env
+                await self.warm(req.env)
+                return AgentReply(rid=req.rid, ok=True)
+            assert req.trajectory
+            result = await self.exec(req)
+            return AgentReply(rid=req.rid, ok=True, result=outcome(result))
+        except ExecError as e:
+            return AgentReply(rid=req.rid, ok=False, error=str(e))
+        except (OSError, RuntimeError) as e:  # the runtime's plumbing failed: say so, stay up
+            log.exception("%s %s failed", req.op, req.trajectory)
+            return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}", retryable=True)
+
+    async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
+        rt = self.runtime
+        if isinstance(rt, DockerRuntime):
+            opened = await asyncio.to_thread(rt.open, trajectory, template(spec))
+            if spec.warm:
+                refill = asyncio.ensure_future(self.warm(spec))  # off the request path
+                self._background.add(refill)
+                refill.add_done_callback(self._background.discard)
+            return opened.seconds, opened.warm
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        rt.open(trajectory)
+        self._process_envs[trajectory] = _ProcessEnv(dict(spec.env))
+        for argv in spec.setup:
+            res = await rt.exec(trajectory, argv, self.idle_cores, env=spec.env)
+            if res.exit_code != 0:
+                rt.close(trajectory)
+                raise ExecError(
+                    f"setup {argv} failed with exit code {res.exit_code}: {res.stderr[-500:]}"
+                )
+        return loop.time() - t0, False
+
+    async def warm(self, spec: EnvSpec) -> None:
+        if isinstance(self.runtime, DockerRuntime):
+            with contextlib.suppress(ExecError):
+                await asyncio.to_thread(self.runtime.warm, template(spec))
+
+    def close(self, trajectory: str) -> None:
+        self._process_envs.pop(trajectory, None)
+        self.runtime.close(trajectory)
+
+    async def exec(self, req: AgentRequest) -> ExecResult:
+        assert req.trajectory is not None
+        rt = self.runtime
+        if req.op == "session":
+            if not isinstance(rt, DockerRuntime):
+                raise ExecError("session: persistent sessions need the Docker runtime")
+            assert req.session is not None and req.code is not None
+            return await rt.session(
+                req.trajectory,
+                req.session.kind,
+                req.code,
+                req.cores,
+                name=req.session.name,
+                timeout_s=req.timeout_s,
+                env=req.environ,
+                output_cap=req.output_cap,
+            )
+        assert req.argv is not None
+        if isinstance(rt, DockerRuntime):
+            return await rt.exec(
+                req.trajectory,
+                req.argv,
+                req.cores,
+                timeout_s=req.timeout_s,
+                env=req.environ,
+                output_cap=req.output_cap,
+            )
+        base = self._process_envs.get(req.trajectory, _ProcessEnv()).env
+        return await rt.exec(
+            req.trajectory,
+            req.argv,
+            req.cores,
+            timeout_s=req.timeout_s,
+            env={**base, **req.environ},
+            output_cap=req.output_cap,
+        )
+
+    def shutdown(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        if isinstance(self.runtime, DockerRuntime):
+            self.runtime.shutdown_warm()
+
+
+def template(spec: EnvSpec) -> EnvTemplate:
+    return EnvTemplate(
+        name=spec.name,
+        image=spec.image,
+        memory_gb=spec.memory_gb,
+        workdir=spec.workdir,
+        env=dict(spec.env),
+        setup=[list(a) for a in spec.setup],
+        network=spec.network,
+        read_only_root=spec.read_only_root,
+        user=spec.user,
+        pids_limit=spec.pids_limit,
+        pool=spec.pool,
+        warm=spec.warm,
+    )
+
+
+def outcome(r: ExecResult) -> ExecOutcome:
+    return ExecOutcome(
+        exit_code=r.exit_code,
+        stdout=r.stdout,
+        stderr=r.stderr,
+        stdout_truncated=r.stdout_truncated,
+        stderr_truncated=r.stderr_truncated,
+        timed_out=r.timed_out,
+        setup_s=r.setup_s,
+        exec_s=r.exec_s,
+        teardown_s=r.teardown_s,
+        path=r.path,
+        fallback=r.fallback,
+    )

@@ -1,0 +1,932 @@
+"""The custom resources of ``tangram.dev/v1alpha1``: ActionPool, TrajectoryEnv, RewardService.
+
+One source of truth for three readers: the operator (objects from the API server), embedded
+mode (``tangram up -f``, the same YAML ``kubectl apply`` takes) and the CRD generator (the
+OpenAPI schemas come from these models, so every field has a description, a default and its
+constraints as ``Field`` arguments or ``Literal`` enums).
+
+Kubernetes conventions: keys are camelCase in YAML and snake_case in Python; a spec rejects
+unknown keys (a misspelt key is an error naming it, never a silently ignored setting) and
+infinite or NaN numbers; ``metadata`` ignores what the API server adds (uid,
+resourceVersion, ...). ``status`` is written by the operator and ignored on input.
+
+This module is pure: reading files and parsing YAML happen in ``tangram.cli.manifests``,
+which hands the parsed documents to :func:`parse_documents`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Self, TypeAlias
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from tangram.api.action import _API_NAME
+from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units
+
+GROUP = "tangram.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+SHORT_NAMES = {"ActionPool": "ap", "TrajectoryEnv": "tenv", "RewardService": "rsvc"}
+PLURALS = {
+    "ActionPool": "actionpools",
+    "TrajectoryEnv": "trajectoryenvs",
+    "RewardService": "rewardservices",
+}
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+POOL_REF = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+ENTRYPOINT = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+GpuCount = Literal[1, 2, 4, 8]
+ObjectKey: TypeAlias = tuple[str, str]
+"""(namespace, name) of an object."""
+
+_DNS_LABEL = re.compile(DNS_LABEL)
+_HTTP_URL: TypeAdapter[HttpUrl] = TypeAdapter(HttpUrl)
+
+
+class _Spec(BaseModel):
+    """A part of a spec: camelCase keys, unknown keys rejected, finite numbers only."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,  # Python code may use snake_case (populate_by_name)
+        validate_by_alias=True,
+        extra="forbid",
+        frozen=True,
+        allow_inf_nan=False,
+    )
+
+
+def _unique(label: str, names: Iterable[str]) -> None:
+    dup = sorted(n for n, count in Counter(names).items() if count > 1)
+    if dup:
+        raise ValueError(f"duplicate {label} {dup}")
+
+
+# --- metadata --------------------------------------------------------------------------------
+
+
+class ObjectMeta(BaseModel):
+    """The part of Kubernetes object metadata that Tangram reads; other keys are ignored."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        extra="ignore",  # uid, resourceVersion, creationTimestamp, managedFields, ...
+        frozen=True,
+    )
+
+    name: Annotated[
+        str,
+        Field(
+            pattern=DNS_LABEL,
+            max_length=63,
+            description="object name: lower-case letters, digits and '-', at most 63",
+        ),
+    ]
+    namespace: Annotated[
+        str, Field(pattern=DNS_LABEL, max_length=63, description="namespace of the object")
+    ] = "default"
+    labels: Annotated[dict[str, str], Field(description="Kubernetes labels")] = {}
+    annotations: Annotated[dict[str, str], Field(description="Kubernetes annotations")] = {}
+    generation: Annotated[
+        int | None, Field(ge=0, description="spec generation, set by the API server")
+    ] = None
+
+    @property
+    def key(self) -> ObjectKey:
+        return (self.namespace, self.name)
+
+
+# --- ActionPool ------------------------------------------------------------------------------
+
+
+class CpuPool(_Spec):
+    """The CPU cores pooled for exec actions."""
+
+    node_selector: Annotated[
+        dict[str, str], Field(description="labels of the nodes whose cores join the pool")
+    ] = {}
+    cores_per_node: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="cores reserved for actions on each node; unset = every core but the "
+            "idle set",
+        ),
+    ] = None
+    idle_cores: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="cores per node that idle environment containers share between actions",
+        ),
+    ] = 1
+
+
+class GpuPool(_Spec):
+    """The GPUs pooled for RewardService calls, allocated in power-of-two chunks."""
+
+    node_selector: Annotated[
+        dict[str, str], Field(description="labels of the nodes whose GPUs join the pool")
+    ] = {}
+    gpus_per_node: Annotated[
+        GpuCount | None,
+        Field(description="GPUs per node used by the pool (1, 2, 4 or 8); unset = all of them"),
+    ] = None
+
+
+class SecretRef(_Spec):
+    """A key of a Secret in the pool's namespace."""
+
+    name: Annotated[
+        str, Field(pattern=DNS_SUBDOMAIN, max_length=253, description="name of the Secret")
+    ]
+    key: Annotated[
+        str, Field(pattern=SECRET_KEY, max_length=253, description="key within the Secret")
+    ]
+
+
+class ApiQuota(_Spec):
+    """A named API quota: at most ``concurrency`` calls in flight, ``rate`` starts per period."""
+
+    name: Annotated[
+        str,
+        Field(
+            pattern=_API_NAME.pattern,
+            max_length=63,
+            description="quota name; actions ask for it as api:<name>",
+        ),
+    ]
+    concurrency: Annotated[int | None, Field(ge=1, description="calls in flight at most")] = None
+    rate: Annotated[int | None, Field(ge=1, description="calls started per periodSeconds")] = None
+    period_seconds: Annotated[
+        float, Field(gt=0, description="window that rate is counted over, seconds")
+    ] = 1.0
+    burst: Annotated[
+        int | None, Field(ge=1, description="calls that may start at once; unset = rate")
+    ] = None
+    endpoint: Annotated[
+        str | None,
+        Field(
+            pattern=r"^https?://",
+            description="http(s) base URL the scheduler calls; unset = the caller makes the call",
+        ),
+    ] = None
+    secret_ref: Annotated[
+        SecretRef | None, Field(description="Secret key holding the API credential")
+    ] = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                _HTTP_URL.validate_python(v)
+            except ValidationError as e:
+                raise ValueError(f"not an http(s) URL: {e.errors()[0]['msg']}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _limited(self) -> Self:
+        if self.concurrency is None and self.rate is None:
+            raise ValueError("set concurrency, rate or both: a quota needs a limit")
+        if self.burst is not None and self.rate is None:
+            raise ValueError("burst: only a rate has a burst")
+        return self
+
+
+class Scheduling(_Spec):
+    """How the pool's scheduler orders and sizes actions."""
+
+    ordering: Annotated[
+        Literal["fcfs", "trajectory-priority"],
+        Field(description="queue order: first come first served, or by trajectory priority"),
+    ] = "fcfs"
+    depth: Annotated[
+        int,
+        Field(ge=1, le=4, description="look-ahead of the completion-time approximation"),
+    ] = 2
+    max_candidates: Annotated[
+        int | None,
+        Field(ge=1, description="queued actions considered per round; unset = no limit"),
+    ] = None
+    elastic: Annotated[
+        bool, Field(description="give elastic actions more units than their minimum")
+    ] = True
+
+
+class Access(_Spec):
+    """Who may submit actions to the pool and reference it from their resources."""
+
+    namespaces: Annotated[
+        list[str],
+        Field(description="namespaces admitted besides the pool's own; '*' admits every one"),
+    ] = []
+    service_accounts: Annotated[
+        list[str],
+        Field(description="service accounts admitted, as namespace/name"),
+    ] = []
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespaces(cls, v: list[str]) -> list[str]:
+        bad = [n for n in v if n != "*" and not (_DNS_LABEL.match(n) and len(n) <= 63)]
+        if bad:
+            raise ValueError(f"not namespace names: {bad}")
+        return v
+
+    @field_validator("service_accounts")
+    @classmethod
+    def _service_accounts(cls, v: list[str]) -> list[str]:
+        bad = []
+        for sa in v:
+            ns, slash, name = sa.partition("/")
+            if not slash or not _DNS_LABEL.match(ns) or not re.match(DNS_SUBDOMAIN, name):
+                bad.append(sa)
+        if bad:
+            raise ValueError(f"service accounts must be namespace/name: {bad}")
+        return v
+
+    def admits(self, own_namespace: str, namespace: str) -> bool:
+        """Whether objects of ``namespace`` may use a pool living in ``own_namespace``."""
+        return namespace == own_namespace or "*" in self.namespaces or namespace in self.namespaces
+
+
+Quantity = int | float | str
+
+
+class SchedulerDeployment(_Spec):
+    """The scheduler pod of the pool."""
+
+    replicas: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1,
+            description="scheduler pods; exactly 1, since one scheduler owns a pool's resources",
+        ),
+    ] = 1
+    resources: Annotated[
+        dict[str, dict[str, Quantity]],
+        Field(
+            description="Kubernetes resource requirements of the scheduler container, passed "
+            'through, e.g. {"requests": {"cpu": "1"}}'
+        ),
+    ] = {}
+    port: Annotated[int, Field(ge=1, le=65535, description="HTTP port of the action API")] = 8080
+
+    @field_validator("resources")
+    @classmethod
+    def _requirements(cls, v: dict[str, dict[str, Quantity]]) -> dict[str, dict[str, Quantity]]:
+        for section, amounts in v.items():
+            if section not in ("requests", "limits"):
+                raise ValueError(f"{section!r}: only requests and limits can be set")
+            for resource, amount in amounts.items():
+                ok = amount >= 0 if not isinstance(amount, str) else QUANTITY.match(amount)
+                if isinstance(amount, bool) or not ok:
+                    raise ValueError(f"{section}.{resource}: {amount!r} is not a quantity")
+        return v
+
+
+class Admission(_Spec):
+    """Bounds on what the scheduler accepts before it answers 429 or 413."""
+
+    max_queued: Annotated[
+        int, Field(ge=1, description="queued actions at most; more are refused with 429")
+    ] = 100000
+    max_request_bytes: Annotated[
+        int, Field(ge=1024, description="largest request body accepted, bytes")
+    ] = 1048576
+
+
+class ActionPoolSpec(_Spec):
+    """Resources pooled at the level of single actions, and the scheduler that owns them."""
+
+    cpu: Annotated[CpuPool | None, Field(description="CPU cores for exec actions")] = None
+    gpu: Annotated[GpuPool | None, Field(description="GPUs for RewardService calls")] = None
+    apis: Annotated[list[ApiQuota], Field(description="named API quotas")] = []
+    scheduling: Annotated[Scheduling, Field(description="scheduling policy")] = Scheduling()
+    access: Annotated[Access, Field(description="who may use the pool")] = Access()
+    scheduler: Annotated[SchedulerDeployment, Field(description="the scheduler pod")] = (
+        SchedulerDeployment()
+    )
+    admission: Annotated[Admission, Field(description="request and queue bounds")] = Admission()
+
+    @field_validator("apis")
+    @classmethod
+    def _unique_apis(cls, v: list[ApiQuota]) -> list[ApiQuota]:
+        _unique("API names", (a.name for a in v))
+        return v
+
+    @model_validator(mode="after")
+    def _pools_something(self) -> Self:
+        if self.cpu is None and self.gpu is None and not self.apis:
+            raise ValueError("a pool needs cpu, gpu or apis")
+        return self
+
+
+# --- TrajectoryEnv ---------------------------------------------------------------------------
+
+
+class Security(_Spec):
+    """Hardening of the environment containers."""
+
+    read_only_root: Annotated[
+        bool, Field(description="mount the image's root filesystem read-only")
+    ] = False
+    user: Annotated[
+        str | None,
+        Field(
+            min_length=1, description="user (name or uid[:gid]) commands run as; unset = image's"
+        ),
+    ] = None
+    pids_limit: Annotated[
+        int, Field(ge=16, description="processes and threads per container at most")
+    ] = 512
+
+
+class ActionProfile(_Spec):
+    """A named kind of exec action: its argv template, core demand and speed-up profile."""
+
+    name: Annotated[
+        str,
+        Field(
+            pattern=_API_NAME.pattern,
+            max_length=63,
+            description="profile name that requests refer to",
+        ),
+    ]
+    command: Annotated[
+        list[str],
+        Field(
+            description="argv template; '{dop}' is replaced by the cores granted; empty = the "
+            "request supplies the argv"
+        ),
+    ] = []
+    cpu: Annotated[
+        Demand | None,
+        Field(description="cores: n, {min, max} or {choices}; unset = the environment's cpu"),
+    ] = None
+    t1_seconds: Annotated[
+        float | None, Field(gt=0, description="run time with one core, seconds, if known")
+    ] = None
+    efficiency: Annotated[
+        Efficiency | None,
+        Field(description="parallel efficiency, {amdahl: p} or {table: {m: E(m)}}"),
+    ] = None
+    timeout_seconds: Annotated[
+        float | None, Field(gt=0, description="kill the command after this long")
+    ] = None
+
+
+class TrajectoryEnvSpec(_Spec):
+    """The environment container that each trajectory owns for its lifetime."""
+
+    pool_ref: Annotated[
+        str,
+        Field(
+            pattern=POOL_REF,
+            max_length=127,
+            description="ActionPool in the same namespace, or namespace/name",
+        ),
+    ]
+    image: Annotated[
+        str,
+        Field(min_length=1, description="container image (ignored by the process runtime)"),
+    ]
+    memory_gib: Annotated[
+        float,
+        Field(alias="memoryGiB", gt=0, description="memory reserved per trajectory, GiB"),
+    ] = 1.0
+    cpu: Annotated[
+        Demand, Field(description="default cores per action: n, {min, max} or {choices}")
+    ] = RangeDemand(min=1, max=1)
+    workdir: Annotated[
+        str, Field(pattern=r"^/", description="absolute working directory of commands")
+    ] = "/work"
+    env: Annotated[dict[str, str], Field(description="environment variables of commands")] = {}
+    setup: Annotated[
+        list[Annotated[list[str], Field(min_length=1)]],
+        Field(description="argv lists run once when a trajectory opens, in order"),
+    ] = []
+    network: Annotated[
+        str,
+        Field(min_length=1, description="container network: none, host or a network name"),
+    ] = "none"
+    security: Annotated[Security, Field(description="container hardening")] = Security()
+    warm_pool: Annotated[
+        int, Field(ge=0, description="containers kept started ahead of trajectories")
+    ] = 0
+    idle_timeout_seconds: Annotated[
+        float | None,
+        Field(gt=0, description="close a trajectory idle this long; unset = never"),
+    ] = None
+    actions: Annotated[list[ActionProfile], Field(description="named action profiles")] = []
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not re.match(ENV_NAME, k)]
+        if bad:
+            raise ValueError(f"not environment variable names: {bad}")
+        return v
+
+    @field_validator("setup")
+    @classmethod
+    def _argv(cls, v: list[list[str]]) -> list[list[str]]:
+        for i, argv in enumerate(v):
+            if not argv[0]:
+                raise ValueError(f"setup[{i}]: the program name is empty")
+        return v
+
+    @field_validator("cpu")
+    @classmethod
+    def _cpu_at_least_one(cls, v: Demand) -> Demand:
+        if min(allowed_units(v)) < 1:
+            raise ValueError("an action needs at least one core")
+        return v
+
+    @field_validator("actions")
+    @classmethod
+    def _unique_actions(cls, v: list[ActionProfile]) -> list[ActionProfile]:
+        _unique("action profile names", (a.name for a in v))
+        for i, profile in enumerate(v):
+            if profile.cpu is not None and min(allowed_units(profile.cpu)) < 1:
+                raise ValueError(f"actions[{i}].cpu: an action needs at least one core")
+            if profile.command and not profile.command[0]:
+                raise ValueError(f"actions[{i}].command: the program name is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _efficiency_needs_a_range(self) -> Self:
+        for i, profile in enumerate(self.actions):
+            if profile.efficiency is not None and len(allowed_units(self.profile_cpu(profile))) < 2:
+                raise ValueError(
+                    f"actions[{i}].efficiency: given, but cpu allows only one core count"
+                )
+        return self
+
+    def profile_cpu(self, profile: ActionProfile) -> Demand:
+        """The core demand of a profile: its own, else the environment's default."""
+        return profile.cpu if profile.cpu is not None else self.cpu
+
+
+# --- RewardService ---------------------------------------------------------------------------
+
+
+class InputSizeRange(_Spec):
+    """Request sizes a profile was measured on, inclusive."""
+
+    min: Annotated[int, Field(ge=0, description="smallest input size")]
+    max: Annotated[int, Field(ge=0, description="largest input size")]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
+        return self
+
+
+class ServiceProfile(_Spec):
+    """Measured duration of one call at one DoP, optionally for a range of input sizes."""
+
+    dop: Annotated[GpuCount, Field(description="GPUs of the instance")]
+    t1_seconds: Annotated[float, Field(gt=0, description="duration of one call, seconds")]
+    input_size: Annotated[
+        InputSizeRange | None,
+        Field(description="input sizes (e.g. tokens) it applies to; unset = all"),
+    ] = None
+
+
+class RewardServiceSpec(_Spec):
+    """A reward or teacher model served from the pool's GPUs, restored on demand."""
+
+    pool_ref: Annotated[
+        str,
+        Field(
+            pattern=POOL_REF,
+            max_length=127,
+            description="ActionPool in the same namespace, or namespace/name",
+        ),
+    ]
+    entrypoint: Annotated[
+        str,
+        Field(
+            pattern=ENTRYPOINT, description="callable serving the model, package.module:function"
+        ),
+    ]
+    weights: Annotated[str, Field(min_length=1, description="path or URL of the model weights")]
+    gpu_memory_gib: Annotated[
+        float,
+        Field(alias="gpuMemoryGiB", gt=0, description="weights plus working memory, GiB"),
+    ]
+    dop_choices: Annotated[
+        list[GpuCount],
+        Field(min_length=1, description="GPUs an instance may span: 1, 2, 4 or 8"),
+    ] = [1]
+    profiles: Annotated[
+        list[ServiceProfile], Field(description="measured call durations by DoP")
+    ] = []
+    max_batch: Annotated[int, Field(ge=1, description="calls batched into one execution")] = 1
+    restore_seconds: Annotated[
+        float | None,
+        Field(ge=0, description="measured host-to-GPU restore time, if known"),
+    ] = None
+
+    @field_validator("dop_choices")
+    @classmethod
+    def _distinct(cls, v: list[GpuCount]) -> list[GpuCount]:
+        if len(set(v)) != len(v):
+            raise ValueError("DoP choices must not repeat")
+        return sorted(v)
+
+    @model_validator(mode="after")
+    def _profiles_match(self) -> Self:
+        for i, profile in enumerate(self.profiles):
+            if profile.dop not in self.dop_choices:
+                raise ValueError(
+                    f"profiles[{i}].dop: {profile.dop} is not one of dopChoices {self.dop_choices}"
+                )
+            for j, other in enumerate(self.profiles[:i]):
+                if other.dop == profile.dop and _overlap(other.input_size, profile.input_size):
+                    raise ValueError(
+                        f"profiles[{i}]: overlaps profiles[{j}] (same dop {profile.dop} and "
+                        "input sizes)"
+                    )
+        return self
+
+
+def _overlap(a: InputSizeRange | None, b: InputSizeRange | None) -> bool:
+    if a is None or b is None:
+        return True
+    return a.min <= b.max and b.min <= a.max
+
+
+# --- the resources ---------------------------------------------------------------------------
+
+
+_OBJECT_CONFIG = ConfigDict(
+    alias_generator=to_camel,
+    validate_by_name=True,
+    validate_by_alias=True,
+    extra="forbid",  # a misspelt "spec" is an error, not an empty spec
+    frozen=True,
+)
+_ApiVersion = Annotated[Literal["tangram.dev/v1alpha1"], Field(description="API group/version")]
+_Metadata = Annotated[ObjectMeta, Field(description="standard object metadata")]
+_Status = Annotated[
+    dict[str, Any] | None, Field(description="written by the operator; ignored on input")
+]
+
+
+class ActionPool(BaseModel):
+    """Pooled CPU cores, GPUs and API quotas with the scheduler that hands them to actions."""
+
+    model_config = _OBJECT_CONFIG
+
+    api_version: _ApiVersion
+    kind: Annotated[Literal["ActionPool"], Field(description="ActionPool")]
+    metadata: _Metadata
+    spec: Annotated[ActionPoolSpec, Field(description="desired state")]
+    status: _Status = None
+
+    @property
+    def key(self) -> ObjectKey:
+        return self.metadata.key
+
+
+class TrajectoryEnv(BaseModel):
+    """The per-trajectory environment container and its named exec actions."""
+
+    model_config = _OBJECT_CONFIG
+
+    api_version: _ApiVersion
+    kind: Annotated[Literal["TrajectoryEnv"], Field(description="TrajectoryEnv")]
+    metadata: _Metadata
+    spec: Annotated[TrajectoryEnvSpec, Field(description="desired state")]
+    status: _Status = None
+
+    @property
+    def key(self) -> ObjectKey:
+        return self.metadata.key
+
+    def pool_key(self) -> ObjectKey:
+        return resolve_pool_ref(self.spec.pool_ref, self.metadata.namespace)
+
+
+class RewardService(BaseModel):
+    """A GPU reward or teacher model called as service actions."""
+
+    model_config = _OBJECT_CONFIG
+
+    api_version: _ApiVersion
+    kind: Annotated[Literal["RewardService"], Field(description="RewardService")]
+    metadata: _Metadata
+    spec: Annotated[RewardServiceSpec, Field(description="desired state")]
+    status: _Status = None
+
+    @property
+    def key(self) -> ObjectKey:
+        return self.metadata.key
+
+    def pool_key(self) -> ObjectKey:
+        return resolve_pool_ref(self.spec.pool_ref, self.metadata.namespace)
+
+
+Resource = Annotated[ActionPool | TrajectoryEnv | RewardService, Field(discriminator="kind")]
+KINDS: dict[str, type[ActionPool] | type[TrajectoryEnv] | type[RewardService]] = {
+    "ActionPool": ActionPool,
+    "TrajectoryEnv": TrajectoryEnv,
+    "RewardService": RewardService,
+}
+
+
+def resolve_pool_ref(ref: str, namespace: str) -> ObjectKey:
+    """``name`` or ``namespace/name`` as the key of an ActionPool, seen from ``namespace``."""
+    ns, slash, name = ref.partition("/")
+    return (ns, name) if slash else (namespace, ref)
+
+
+# --- documents -------------------------------------------------------------------------------
+
+
+class ResourceError(ValueError):
+    """One or more documents are invalid; each line of the message is one problem."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass(frozen=True)
+class Document:
+    """One parsed YAML document and where it came from (``index`` is 1-based)."""
+
+    file: str
+    index: int
+    content: object
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}: document {self.index}"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """The resources of a set of documents, keyed by (namespace, name).
+
+    A later declaration of the same kind and key replaces an earlier one, as with
+    ``kubectl apply``; :meth:`check_references` reports it. ``other`` holds the documents
+    of other API groups (Secrets, ConfigMaps, ...) as they were.
+    """
+
+    pools: Mapping[ObjectKey, ActionPool] = field(default_factory=dict)
+    envs: Mapping[ObjectKey, TrajectoryEnv] = field(default_factory=dict)
+    services: Mapping[ObjectKey, RewardService] = field(default_factory=dict)
+    other: list[dict[str, Any]] = field(default_factory=list)
+    declared: Mapping[tuple[str, str, str], tuple[str, ...]] = field(default_factory=dict)
+    """(kind, namespace, name) -> where each declaration came from, in order."""
+
+    def __len__(self) -> int:
+        return len(self.pools) + len(self.envs) + len(self.services)
+
+    def _where(self, kind: str, key: ObjectKey) -> str:
+        places = self.declared.get((kind, *key), ())
+        return f" ({places[-1]})" if places else ""
+
+    def check_references(self) -> list[str]:
+        """Problems between documents: duplicates, dangling or unusable pool references."""
+        problems: list[str] = []
+        for (kind, ns, name), places in self.declared.items():
+            if len(places) > 1:
+                problems.append(
+                    f"{kind} {ns}/{name} is declared {len(places)} times: {', '.join(places)}"
+                )
+        users: list[TrajectoryEnv | RewardService] = [*self.envs.values(), *self.services.values()]
+        for obj in users:
+            ns, name = obj.key
+            who = f"{obj.kind} {ns}/{name}{self._where(obj.kind, obj.key)}: spec.poolRef"
+            pool_key = obj.pool_key()
+            pool = self.pools.get(pool_key)
+            if pool is None:
+                problems.append(f"{who}: no ActionPool {pool_key[0]}/{pool_key[1]}")
+                continue
+            if not pool.spec.access.admits(pool_key[0], ns):
+                problems.append(
+                    f"{who}: ActionPool {pool_key[0]}/{pool_key[1]} does not admit namespace "
+                    f"{ns} (spec.access.namespaces)"
+                )
+            if isinstance(obj, TrajectoryEnv) and pool.spec.cpu is None:
+                problems.append(f"{who}: ActionPool {pool_key[1]} has no cpu section")
+            if isinstance(obj, RewardService):
+                gpu = pool.spec.gpu
+                if gpu is None:
+                    problems.append(f"{who}: ActionPool {pool_key[1]} has no gpu section")
+                elif (
+                    gpu.gpus_per_node is not None and min(obj.spec.dop_choices) > gpu.gpus_per_node
+                ):
+                    problems.append(
+                        f"{who}: dopChoices {obj.spec.dop_choices} do not fit in "
+                        f"gpusPerNode {gpu.gpus_per_node} of ActionPool {pool_key[1]}"
+                    )
+        return problems
+
+    def secret_value(self, namespace: str, ref: SecretRef) -> str | None:
+        """The value of a Secret key among ``other`` (stringData, else base64 data), if there."""
+        for doc in reversed(self.other):
+            meta = doc.get("metadata") or {}
+            if (
+                doc.get("apiVersion") == "v1"
+                and doc.get("kind") == "Secret"
+                and meta.get("name") == ref.name
+                and meta.get("namespace", "default") == namespace
+            ):
+                plain = (doc.get("stringData") or {}).get(ref.key)
+                if plain is not None:
+                    return str(plain)
+                encoded = (doc.get("data") or {}).get(ref.key)
+                if encoded is None:
+                    return None
+                try:
+                    return base64.b64decode(str(encoded), validate=True).decode("utf-8")
+                except (binascii.Error, UnicodeDecodeError):
+                    raise ValueError(
+                        f"Secret {namespace}/{ref.name}: data.{ref.key} is not base64 UTF-8"
+                    ) from None
+        return None
+
+
+_UNION_TAGS = frozenset({"fixed", "range", "choices", "amdahl", "table"})
+_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+
+
+def yaml_path(loc: Sequence[int | str], data: object) -> str:
+    """A pydantic error location in YAML spelling, e.g. ``spec.apis[0].rate``.
+
+    Walks the input alongside the location, so that the tags of tagged unions (a Demand's
+    ``range``, an Efficiency's ``amdahl``), which are not keys in the YAML, are left out.
+    """
+    out = ""
+    node: object = data
+    for part in loc:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            out += f"[{part}]"
+            node = node[part]
+            continue
+        elif isinstance(part, str) and part in _UNION_TAGS:
+            continue
+        else:
+            node = None
+        if isinstance(part, str) and _PLAIN_KEY.match(part):
+            out += f".{part}"
+        else:
+            out += f"[{part!r}]"
+    return out.lstrip(".") or "(document)"
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown field (misspelt? keys are camelCase)"
+    msg = str(err["msg"])
+    return msg.removeprefix("Value error, ")
+
+
+def _describe(body: Mapping[str, Any]) -> str:
+    kind, meta = body.get("kind"), body.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    if isinstance(kind, str) and isinstance(name, str):
+        return f" ({kind}/{name})"
+    return f" ({kind})" if isinstance(kind, str) else ""
+
+
+def parse_documents(documents: Iterable[Document]) -> Resources:
+    """Validate parsed documents into :class:`Resources`.
+
+    Empty documents are skipped and those of other API groups go to ``other`` (a ``v1``
+    ``List`` is unpacked first). Every problem of every document is collected into one
+    :class:`ResourceError`; references between documents are checked separately
+    (:meth:`Resources.check_references`).
+    """
+    problems: list[str] = []
+    found: dict[str, dict[ObjectKey, Any]] = {kind: {} for kind in KINDS}
+    other: list[dict[str, Any]] = []
+    declared: dict[tuple[str, str, str], tuple[str, ...]] = {}
+
+    def one(where: str, body: object) -> None:
+        if body is None:
+            return
+        if not isinstance(body, dict):
+            problems.append(f"{where}: a manifest must be a mapping, not {type(body).__name__}")
+            return
+        label = where + _describe(body)
+        api_version, kind = body.get("apiVersion"), body.get("kind")
+        if not isinstance(api_version, str) or not api_version:
+            problems.append(f"{label}: apiVersion: required (a string)")
+            return
+        if not isinstance(kind, str) or not kind:
+            problems.append(f"{label}: kind: required (a string)")
+            return
+        if api_version.split("/")[0] != GROUP:
+            if api_version == "v1" and kind == "List" and isinstance(body.get("items"), list):
+                for i, item in enumerate(body["items"]):
+                    one(f"{where} items[{i}]", item)
+            else:
+                other.append(body)
+            return
+        if api_version != API_VERSION:
+            problems.append(
+                f"{label}: apiVersion: {api_version!r} is not served; use {API_VERSION}"
+            )
+            return
+        cls = KINDS.get(kind)
+        if cls is None:
+            problems.append(
+                f"{label}: kind: {kind!r} is not a kind of {GROUP} (expected one of "
+                f"{', '.join(KINDS)})"
+            )
+            return
+        try:
+            obj = cls.model_validate(body, by_alias=True, by_name=False)
+        except ValidationError as e:
+            problems.extend(
+                f"{label}: {yaml_path(err['loc'], body)}: {_message(err)}" for err in e.errors()
+            )
+            return
+        found[kind][obj.key] = obj
+        decl = (kind, *obj.key)
+        declared[decl] = (*declared.get(decl, ()), where)
+
+    for doc in documents:
+        one(doc.where, doc.content)
+    if problems:
+        raise ResourceError(problems)
+    return Resources(
+        pools=found["ActionPool"],
+        envs=found["TrajectoryEnv"],
+        services=found["RewardService"],
+        other=other,
+        declared=declared,
+    )
+
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KINDS",
+    "PLURALS",
+    "SHORT_NAMES",
+    "VERSION",
+    "Access",
+    "ActionPool",
+    "ActionPoolSpec",
+    "ActionProfile",
+    "Admission",
+    "ApiQuota",
+    "CpuPool",
+    "Document",
+    "GpuPool",
+    "InputSizeRange",
+    "ObjectKey",
+    "ObjectMeta",
+    "Resource",
+    "ResourceError",
+    "Resources",
+    "RewardService",
+    "RewardServiceSpec",
+    "SchedulerDeployment",
+    "Scheduling",
+    "SecretRef",
+    "Security",
+    "ServiceProfile",
+    "TrajectoryEnv",
+    "TrajectoryEnvSpec",
+    "parse_documents",
+    "resolve_pool_ref",
+    "yaml_path",
+]

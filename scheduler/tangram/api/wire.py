@@ -1,0 +1,261 @@
+"""The scheduler service's HTTP API (``/v1``) and its node-agent protocol, as models.
+
+Requests forbid unknown fields, so a misspelt option is a 400 naming it rather than a
+silently ignored setting. Every action ends in an ``ActionResult`` whatever its kind:
+status, outputs, the allocation it ran with and where its time went.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tangram.api.demand import Demand, Efficiency
+from tangram.api.inventory import NodeInventory
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+_ID = re.compile(ID_PATTERN)
+MAX_OUTPUT = 16 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+Id = Annotated[str, Field(pattern=ID_PATTERN, description="letters, digits, _ . -; ≤ 128")]
+IdempotencyKey = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=200,
+        description="a retried submission with the same key never runs the action twice",
+    ),
+]
+
+
+class ActionStatus(StrEnum):
+    OK = "ok"  # ran and ended (whatever its exit code)
+    ERROR = "error"  # could not run or ended abnormally (see ``error``)
+    TIMEOUT = "timeout"  # killed at its execution timeout
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"  # never admitted or never started (see ``error``)
+
+
+# ---- trajectories ----------------------------------------------------------------
+class OpenTrajectory(_Strict):
+    env: Annotated[str, Field(min_length=1, description="TrajectoryEnv name in the pool")]
+    id: Annotated[Id | None, Field(description="chosen by the server when absent")] = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    expected_steps: Annotated[
+        int | None, Field(ge=1, description="remaining actions, for trajectory-priority ordering")
+    ] = None
+
+
+class TrajectoryState(StrEnum):
+    OPEN = "open"
+    LOST = "lost"  # its node left the pool; its environment is gone
+    CLOSED = "closed"
+
+
+class TrajectoryInfo(_Strict):
+    id: str
+    env: str
+    node: str | None
+    state: TrajectoryState
+    labels: dict[str, str] = Field(default_factory=dict)
+    opened_at: float  # unix seconds
+    actions: int = 0  # submitted so far
+    open_s: float | None = None  # how long opening the environment took
+    warm: bool | None = None  # the environment came from the warm pool
+
+
+# ---- actions -----------------------------------------------------------------------
+class Session(_Strict):
+    kind: Literal["bash", "python"]
+    name: Annotated[str, Field(pattern=ID_PATTERN)] = "main"
+
+
+class ExecRequest(_Strict):
+    """A command in the trajectory's environment: an argv, a named action profile of
+    the TrajectoryEnv (plus ``args``), or ``code`` for a persistent session."""
+
+    argv: Annotated[list[str] | None, Field(min_length=1)] = None
+    profile: Annotated[str | None, Field(description="TrajectoryEnv action profile")] = None
+    args: list[str] = Field(default_factory=list, description="appended to the profile's command")
+    session: Session | None = None
+    code: Annotated[str | None, Field(description="what a session runs")] = None
+    cpu: Annotated[Demand | None, Field(description="cores: fixed, {min,max} or {choices}")] = None
+    t1_s: Annotated[float | None, Field(gt=0, description="duration on one core, if known")] = None
+    efficiency: Efficiency | None = None
+    type: Annotated[str | None, Field(description="action type for learned profiles")] = None
+    timeout_s: Annotated[
+        float | None, Field(gt=0, description="execution time limit; queueing does not count")
+    ] = None
+    queue_timeout_s: Annotated[
+        float | None, Field(gt=0, description="give up (rejected) if not started by then")
+    ] = None
+    env: dict[str, str] = Field(default_factory=dict)
+    output_cap: Annotated[int, Field(ge=0, le=MAX_OUTPUT)] = 1 << 20
+    idempotency_key: IdempotencyKey | None = None
+
+    @model_validator(mode="after")
+    def _one_command(self) -> Self:
+        given = [n for n in ("argv", "profile", "session") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of argv, profile or session")
+        if (self.session is None) != (self.code is None):
+            raise ValueError("code: a session action needs code, and only it takes code")
+        if self.args and self.profile is None:
+            raise ValueError("args: only a profile action takes args")
+        return self
+
+
+class ApiLeaseRequest(_Strict):
+    units: Annotated[int, Field(ge=1, le=1024)] = 1
+    hold_s: Annotated[
+        float, Field(gt=0, le=3600, description="the lease ends by itself after this long")
+    ] = 300.0
+    queue_timeout_s: Annotated[float | None, Field(gt=0)] = None
+    idempotency_key: IdempotencyKey | None = None
+
+
+class Allocation(_Strict):
+    node: str | None = None
+    cores: list[int] = Field(default_factory=list)
+    gpus: list[int] = Field(default_factory=list)
+    dop: int = 0
+    path: str | None = None  # how an exec ran: fast, portable, process, bash, python
+    fallback: str | None = None  # why the fast path was not taken
+
+
+class Timings(_Strict):
+    queued_s: float = 0.0  # submitted until its units were allocated
+    overhead_s: float = 0.0  # the system's share: dispatch, cgroup writes, start, return
+    exec_s: float = 0.0  # the command itself
+    act_s: float = 0.0  # action completion time: queued + overhead + exec
+
+
+class ErrorInfo(_Strict):
+    code: str
+    message: str
+    retryable: bool = False
+
+
+class ActionResult(_Strict):
+    id: str
+    trajectory: str | None = None
+    kind: Literal["exec", "service", "api"]
+    status: ActionStatus
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    output: Any = None  # service calls and proxied API requests
+    lease: str | None = None  # api leases: release it when done
+    error: ErrorInfo | None = None
+    allocation: Allocation = Field(default_factory=Allocation)
+    timings: Timings = Field(default_factory=Timings)
+
+
+class BatchItem(_Strict):
+    trajectory: Id
+    exec: ExecRequest
+
+
+class BatchRequest(_Strict):
+    actions: Annotated[list[BatchItem], Field(min_length=1, max_length=1000)]
+
+
+class BatchResponse(_Strict):
+    results: list[ActionResult]
+
+
+class ErrorDetail(_Strict):
+    field: str
+    message: str
+
+
+class ErrorBody(_Strict):
+    class Inner(_Strict):
+        code: str
+        message: str
+        details: list[ErrorDetail] = Field(default_factory=list)
+
+    error: Inner
+
+
+# ---- the node-agent protocol (JSON messages over one WebSocket per agent) -------------
+class AgentHello(_Strict):
+    """First message of an agent: who it is and what it holds."""
+
+    node: Annotated[str, Field(min_length=1)]
+    inventory: NodeInventory
+    runtime: Literal["docker", "process"]
+    action_cores: Annotated[list[int], Field(description="cores it runs actions on")]
+    idle_cores: list[int]
+    fast_path: str = ""  # why the fast path is unavailable ('' when it is)
+    trajectories: list[str] = Field(default_factory=list, description="re-adopted environments")
+
+
+class EnvSpec(_Strict):
+    """What the agent needs to open an environment (from the TrajectoryEnv)."""
+
+    name: str
+    image: str
+    memory_gb: float
+    workdir: str = "/work"
+    env: dict[str, str] = Field(default_factory=dict)
+    setup: list[list[str]] = Field(default_factory=list)
+    network: str = "none"
+    read_only_root: bool = False
+    user: str | None = None
+    pids_limit: int = 512
+    pool: str = "default"
+    warm: int = 0
+
+
+class AgentRequest(_Strict):
+    op: Literal["open", "close", "exec", "session", "cancel", "warm"]
+    rid: int  # request id; the reply carries it
+    trajectory: str | None = None
+    env: EnvSpec | None = None
+    argv: list[str] | None = None
+    code: str | None = None
+    session: Session | None = None
+    cores: list[int] = Field(default_factory=list)
+    timeout_s: float | None = None
+    environ: dict[str, str] = Field(default_factory=dict)
+    output_cap: int = 1 << 20
+    target: int | None = None  # cancel: the rid of the request to cancel
+
+
+class ExecOutcome(_Strict):
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    setup_s: float
+    exec_s: float
+    teardown_s: float
+    path: str
+    fallback: str = ""
+
+
+class AgentReply(_Strict):
+    rid: int
+    ok: bool
+    error: str | None = None
+    retryable: bool = False
+    result: ExecOutcome | None = None
+    opened_s: float | None = None
+    warm: bool | None = None
+
+
+def valid_id(text: str) -> bool:
+    return bool(_ID.match(text))

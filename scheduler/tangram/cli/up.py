@@ -1,0 +1,150 @@
+"""``tangram up -f FILE_OR_DIR…``: embedded mode — the scheduler and a local node agent.
+
+Reads the same ActionPool / TrajectoryEnv / RewardService documents ``kubectl apply``
+takes, serves the pool on 127.0.0.1, and runs one node agent for this machine: the Docker
+runtime when a Docker Engine is reachable, else the process runtime. Ctrl-C stops
+admitting, lets in-flight actions finish (``--grace``), and removes every environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from tangram.cli.files import InputError
+from tangram.cli.manifests import load_documents
+from tangram.cli.progress import note
+from tangram.client.common import DEFAULT_TOKEN_FILE
+from tangram.service.auth import TokenError, TokenStore
+from tangram.service.embedded import Running, run
+from tangram.service.from_resources import PoolChoiceError, choose_pool, pool_config
+
+LOCAL_BUSYBOX = "tangram-local/busybox:"  # images under this name are made, not pulled
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run the scheduler and a local node agent (embedded mode)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-f", "--file", action="append", required=True, help="YAML file or directory")
+    p.add_argument("--pool", help="the ActionPool to serve when the files declare several")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--runtime", choices=("auto", "docker", "process"), default="auto")
+    p.add_argument(
+        "--state-dir",
+        default=os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram")),
+        help="the agent's state: socket directories, process-runtime workdirs",
+    )
+    p.add_argument(
+        "--token-file",
+        default=os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE)),
+        help="TOKEN TENANT lines; created with a client and an agent token if missing",
+    )
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds in-flight actions get at exit"
+    )
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(run=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        resources = load_documents(args.file)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    problems = resources.check_references()
+    if problems:
+        raise InputError("; ".join(problems))
+    try:
+        pool = choose_pool(resources, args.pool)
+    except PoolChoiceError as e:
+        raise InputError(str(e)) from None
+    config = pool_config(resources, pool)
+    tokens = _tokens(Path(args.token_file))
+    agent = _agent(args, config.idle_cores, config.cores_per_node)
+    _local_images(agent, [e.spec.image for e in config.envs.values()])
+    stop = asyncio.Event()
+
+    def ready(r: Running) -> None:
+        runtime = agent.kind
+        if agent.kind == "docker" and agent.fast_path:
+            runtime += f" (portable path only: {agent.fast_path})"
+        note(
+            f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
+            f"  node {agent.node}: action cores {agent.action_cores}, idle {agent.idle_cores}, "
+            f"{runtime} runtime\n"
+            f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
+            f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
+            f"  token file: {args.token_file}\n"
+            f"  try: python examples/rollout.py --url {r.url}     (Ctrl-C stops)"
+        )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run(
+            config,
+            tokens,
+            agent,
+            stop,
+            host=args.host,
+            port=args.port,
+            on_ready=ready,
+            grace_s=args.grace,
+        )
+
+    try:
+        asyncio.run(main())
+    except OSError as e:
+        raise InputError(f"--port {args.port}: {e.strerror}") from None
+    note("stopped; every environment was removed")
+    return 0
+
+
+def _tokens(path: Path) -> TokenStore:
+    try:
+        if path.exists():
+            return TokenStore.load(path)
+        store = TokenStore.create(path)
+        note(f"created {path} (a client and an agent token)")
+        return store
+    except (TokenError, OSError) as e:
+        raise InputError(f"--token-file: {e}") from None
+
+
+def _agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
+    from tangram.node_agent.agent import NodeAgent
+    from tangram.node_agent.execution import ExecError
+
+    try:
+        return NodeAgent.create(
+            Path(args.state_dir), runtime=args.runtime, idle_cores=idle, cores_for_actions=cores
+        )
+    except (ExecError, OSError) as e:
+        raise InputError(f"--runtime {args.runtime}: {e}") from None
+
+
+def _local_images(agent: Any, images: list[str]) -> None:
+    """Make the busybox images the local examples name (nothing can be pulled here)."""
+    if agent.kind != "docker":
+        return
+    from tangram.node_agent.docker_runtime import import_busybox
+
+    for image in images:
+        if image.startswith(LOCAL_BUSYBOX) and import_busybox(agent.runtime.client, image) is None:
+            print(f"tangram: warning: {image}: busybox-static is not installed", file=sys.stderr)

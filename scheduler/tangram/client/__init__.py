@@ -1,0 +1,29 @@
+"""The Python client of ARL-Tangram, for rollout workers.
+
+    from tangram.client import AsyncClient
+
+    async with AsyncClient() as client:               # TANGRAM_URL, TANGRAM_TOKEN
+        async with client.trajectory("sandbox") as t:  # opens, and closes at the end
+            r = await t.exec(["pytest", "-n", "{dop}", "-q"], elastic=(1, 8), amdahl=0.9)
+            print(r.status, r.exit_code, r.allocation.dop, r.timings.act_s)
+
+``Client`` is the same API without ``await``. Every submission carries an idempotency
+key, so the client's retries (connection errors, 429 and 503 with Retry-After) never run
+an action twice.
+"""
+
+from tangram.api.wire import ActionResult, ActionStatus, TrajectoryInfo
+from tangram.client.aio import AsyncClient, AsyncTrajectory
+from tangram.client.common import TangramError
+from tangram.client.sync import Client, Trajectory
+
+__all__ = [
+    "ActionResult",
+    "ActionStatus",
+    "AsyncClient",
+    "AsyncTrajectory",
+    "Client",
+    "TangramError",
+    "Trajectory",
+    "TrajectoryInfo",
+]

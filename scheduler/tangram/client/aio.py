@@ -1,0 +1,151 @@
+"""The asyncio client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from tangram.api.wire import ActionResult, TrajectoryInfo
+from tangram.client.common import (
+    RETRY_STATUS,
+    Call,
+    TangramError,
+    answer,
+    exec_body,
+    open_body,
+    result,
+    retry_after,
+    settings,
+    trajectory_info,
+)
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        retries: int = 5,
+        backoff_s: float = 0.1,
+        timeout_s: float | None = None,
+    ) -> None:
+        base, tok = settings(url, token)
+        headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._http = httpx.AsyncClient(
+            base_url=base, headers=headers, timeout=timeout_s, limits=limits
+        )
+        self.retries, self.backoff_s = retries, backoff_s
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, call: Call) -> Any:
+        for attempt in range(self.retries + 1):
+            response = None
+            try:
+                response = await self._http.request(
+                    call.method, call.path, json=call.body, headers=call.headers
+                )
+                if response.status_code not in RETRY_STATUS or attempt == self.retries:
+                    return answer(response)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                if attempt == self.retries:
+                    raise
+            await asyncio.sleep(retry_after(response, attempt, self.backoff_s))
+        raise AssertionError("unreachable")
+
+    # ---- trajectories --------------------------------------------------------------
+    async def open(
+        self,
+        env: str,
+        *,
+        id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        expected_steps: int | None = None,
+    ) -> TrajectoryInfo:
+        body = open_body(env, id, labels, expected_steps)
+        return trajectory_info(await self._call(Call("POST", "/v1/trajectories", body)))
+
+    async def get(self, trajectory: str) -> TrajectoryInfo:
+        return trajectory_info(await self._call(Call("GET", f"/v1/trajectories/{trajectory}")))
+
+    async def close(self, trajectory: str) -> TrajectoryInfo:
+        return trajectory_info(await self._call(Call("DELETE", f"/v1/trajectories/{trajectory}")))
+
+    def trajectory(self, env: str, **kw: Any) -> AsyncTrajectory:
+        """``async with client.trajectory(env) as t``: opened on entry, closed on exit."""
+        return AsyncTrajectory(self, env, kw)
+
+    # ---- actions -----------------------------------------------------------------------
+    async def exec(
+        self, trajectory: str, argv: Sequence[str] | None = None, **kw: Any
+    ) -> ActionResult:
+        """Run a command; see ``tangram.client.common.exec_body`` for the options."""
+        body = exec_body(argv, **kw)
+        return result(await self._call(Call("POST", f"/v1/trajectories/{trajectory}/exec", body)))
+
+    async def batch(self, items: Sequence[tuple[str, dict[str, Any]]]) -> list[ActionResult]:
+        """Many actions in one request: ``(trajectory, exec_body(...))`` pairs."""
+        body = {"actions": [{"trajectory": t, "exec": e} for t, e in items]}
+        data = await self._call(Call("POST", "/v1/batch", body))
+        return [result(r) for r in data["results"]]
+
+    async def cancel(self, action: str) -> bool:
+        """Cancel by action id, or by idempotency key as ``key:<key>``."""
+        return bool((await self._call(Call("DELETE", f"/v1/actions/{action}")))["cancelled"])
+
+    async def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
+        body = {"units": units, "hold_s": hold_s}
+        return result(await self._call(Call("POST", f"/v1/apis/{api}/lease", body)))
+
+    async def release(self, lease: str) -> ActionResult:
+        return result(await self._call(Call("DELETE", f"/v1/leases/{lease}")))
+
+
+class AsyncTrajectory:
+    def __init__(self, client: AsyncClient, env: str, open_kw: dict[str, Any]) -> None:
+        self.client, self.env, self._open_kw = client, env, open_kw
+        self.info: TrajectoryInfo | None = None
+
+    @property
+    def id(self) -> str:
+        if self.info is None:
+            raise TangramError(0, "not_open", "the trajectory is not open", [])
+        return self.info.id
+
+    async def __aenter__(self) -> Self:
+        self.info = await self.client.open(self.env, **self._open_kw)
+        return self
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.info is not None:
+            await self.client.close(self.info.id)
+
+    async def exec(self, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
+        return await self.client.exec(self.id, argv, **kw)
+
+    async def bash(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
+        """Run ``code`` in the trajectory's persistent bash session."""
+        return await self.client.exec(
+            self.id, session={"kind": "bash", "name": name}, code=code, **kw
+        )
+
+    async def python(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
+        """Run ``code`` in the trajectory's persistent Python session."""
+        return await self.client.exec(
+            self.id, session={"kind": "python", "name": name}, code=code, **kw
+        )

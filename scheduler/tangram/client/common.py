@@ -1,0 +1,150 @@
+"""What the sync and async clients share: building requests, reading answers, retrying."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tangram.api.wire import ActionResult, TrajectoryInfo
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+DEFAULT_TOKEN_FILE = Path.home() / ".config" / "tangram" / "tokens"
+RETRY_STATUS = (429, 503)
+
+
+class TangramError(Exception):
+    """An error answer of the service; ``field`` names the offending input when known."""
+
+    def __init__(self, status: int, code: str, message: str, details: list[dict[str, str]]) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details
+        self.field = details[0]["field"] if details else None
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in RETRY_STATUS
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    method: str
+    path: str
+    body: dict[str, Any] | None = None
+    headers: Mapping[str, str] | None = None
+
+
+def settings(url: str | None, token: str | None) -> tuple[str, str | None]:
+    """URL and token from the arguments, else TANGRAM_URL / TANGRAM_TOKEN, else the token
+    file that embedded mode writes (its first non-agent token)."""
+    url = url or os.environ.get("TANGRAM_URL") or DEFAULT_URL
+    token = token or os.environ.get("TANGRAM_TOKEN")
+    if token is None:
+        path = Path(os.environ.get("TANGRAM_TOKEN_FILE", DEFAULT_TOKEN_FILE))
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                parts = line.split("#", 1)[0].split()
+                if len(parts) == 2 and parts[1] != "system:agent":
+                    token = parts[0]
+                    break
+    return url.rstrip("/"), token
+
+
+def exec_body(
+    argv: Sequence[str] | None,
+    *,
+    profile: str | None = None,
+    args: Sequence[str] = (),
+    session: dict[str, str] | None = None,
+    code: str | None = None,
+    cores: int | None = None,
+    elastic: tuple[int, int] | None = None,
+    choices: Sequence[int] | None = None,
+    t1_s: float | None = None,
+    amdahl: float | None = None,
+    timeout_s: float | None = None,
+    queue_timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+    output_cap: int | None = None,
+    idempotency_key: str | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"idempotency_key": idempotency_key or uuid.uuid4().hex}
+    if argv is not None:
+        body["argv"] = list(argv)
+    if profile is not None:
+        body["profile"] = profile
+    if args:
+        body["args"] = list(args)
+    if session is not None:
+        body["session"], body["code"] = session, code
+    if sum(x is not None for x in (cores, elastic, choices)) > 1:
+        raise ValueError("give at most one of cores, elastic and choices")
+    if cores is not None:
+        body["cpu"] = cores
+    if elastic is not None:
+        body["cpu"] = {"min": elastic[0], "max": elastic[1]}
+    if choices is not None:
+        body["cpu"] = {"choices": list(choices)}
+    if amdahl is not None:
+        body["efficiency"] = {"amdahl": amdahl}
+    for name, value in (
+        ("t1_s", t1_s),
+        ("timeout_s", timeout_s),
+        ("queue_timeout_s", queue_timeout_s),
+        ("output_cap", output_cap),
+    ):
+        if value is not None:
+            body[name] = value
+    if env:
+        body["env"] = dict(env)
+    return body
+
+
+def answer(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            err = response.json()["error"]
+            raise TangramError(
+                response.status_code, err["code"], err["message"], err.get("details", [])
+            )
+        except (ValueError, KeyError, TypeError):
+            raise TangramError(response.status_code, "http", response.text[:500], []) from None
+    return response.json()
+
+
+def retry_after(response: httpx.Response | None, attempt: int, base: float) -> float:
+    """How long to wait before retry ``attempt``: Retry-After when given, else backoff."""
+    if response is not None:
+        given = response.headers.get("retry-after", "")
+        if given.replace(".", "", 1).isdigit():
+            return min(float(given), 30.0)
+    return min(base * 2.0**attempt, 10.0)
+
+
+def result(data: Any) -> ActionResult:
+    return ActionResult.model_validate(data)
+
+
+def trajectory_info(data: Any) -> TrajectoryInfo:
+    return TrajectoryInfo.model_validate(data)
+
+
+def open_body(
+    env: str, id: str | None, labels: Mapping[str, str] | None, expected_steps: int | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"env": env}
+    if id is not None:
+        body["id"] = id
+    if labels:
+        body["labels"] = dict(labels)
+    if expected_steps is not None:
+        body["expected_steps"] = expected_steps
+    return body

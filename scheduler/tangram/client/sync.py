@@ -1,0 +1,108 @@
+"""The synchronous client: the asyncio client driven on a private event-loop thread.
+
+One implementation of the protocol (``AsyncClient``), so the two clients cannot drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from tangram.api.wire import ActionResult, TrajectoryInfo
+from tangram.client.aio import AsyncClient
+from tangram.client.common import TangramError
+
+T = TypeVar("T")
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, **kw: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="tangram-client"
+        )
+        self._thread.start()
+        self._async = self._run(self._make(url, token, kw))
+
+    @staticmethod
+    async def _make(url: str | None, token: str | None, kw: dict[str, Any]) -> AsyncClient:
+        return AsyncClient(url, token, **kw)  # created on the loop that will use it
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Close the connections and stop the loop thread."""
+        if self._loop.is_running():
+            self._run(self._async.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+
+    def open(self, env: str, **kw: Any) -> TrajectoryInfo:
+        return self._run(self._async.open(env, **kw))
+
+    def get(self, trajectory: str) -> TrajectoryInfo:
+        return self._run(self._async.get(trajectory))
+
+    def close(self, trajectory: str) -> TrajectoryInfo:
+        return self._run(self._async.close(trajectory))
+
+    def trajectory(self, env: str, **kw: Any) -> Trajectory:
+        """``with client.trajectory(env) as t``: opened on entry, closed on exit."""
+        return Trajectory(self, env, kw)
+
+    def exec(self, trajectory: str, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
+        return self._run(self._async.exec(trajectory, argv, **kw))
+
+    def batch(self, items: Sequence[tuple[str, dict[str, Any]]]) -> list[ActionResult]:
+        return self._run(self._async.batch(items))
+
+    def cancel(self, action: str) -> bool:
+        return self._run(self._async.cancel(action))
+
+    def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
+        return self._run(self._async.lease(api, units, hold_s))
+
+    def release(self, lease: str) -> ActionResult:
+        return self._run(self._async.release(lease))
+
+
+class Trajectory:
+    def __init__(self, client: Client, env: str, open_kw: dict[str, Any]) -> None:
+        self.client, self.env, self._open_kw = client, env, open_kw
+        self.info: TrajectoryInfo | None = None
+
+    @property
+    def id(self) -> str:
+        if self.info is None:
+            raise TangramError(0, "not_open", "the trajectory is not open", [])
+        return self.info.id
+
+    def __enter__(self) -> Self:
+        self.info = self.client.open(self.env, **self._open_kw)
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.info is not None:
+            self.client.close(self.info.id)
+
+    def exec(self, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
+        return self.client.exec(self.id, argv, **kw)
+
+    def bash(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
+        return self.client.exec(self.id, session={"kind": "bash", "name": name}, code=code, **kw)
+
+    def python(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
+        return self.client.exec(self.id, session={"kind": "python", "name": name}, code=code, **kw)

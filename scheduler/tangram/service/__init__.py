@@ -1,0 +1,1 @@
+"""The scheduler service: HTTP API, scheduling loop, node-agent hub, embedded mode."""

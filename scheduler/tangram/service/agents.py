@@ -1,0 +1,148 @@
+"""The scheduler's side of the node-agent protocol: one WebSocket per agent.
+
+An agent connects, says hello (its node, inventory, cores, re-adopted environments), then
+answers ``AgentRequest``s with ``AgentReply``s carrying the same ``rid`` and sends a
+heartbeat every second. The hub keeps one ``AgentLink`` per node; a link that stops
+talking for the pool's heartbeat timeout is closed and its node drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from tangram.api.wire import AgentHello, AgentReply, AgentRequest
+
+log = logging.getLogger("tangram.service")
+
+
+class Socket(Protocol):
+    """What the link needs of a WebSocket (Starlette's has it)."""
+
+    async def send_text(self, data: str) -> None: ...
+    async def receive_text(self) -> str: ...
+    async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
+
+
+class AgentGoneError(RuntimeError):
+    """The agent's connection ended while a request was outstanding."""
+
+
+class AgentLink:
+    def __init__(self, hello: AgentHello, socket: Socket) -> None:
+        self.hello = hello
+        self.node = hello.node
+        self.socket = socket
+        self.last_seen = time.monotonic()
+        self._rid = 0
+        self._pending: dict[int, asyncio.Future[AgentReply]] = {}
+        self._send_lock = asyncio.Lock()
+        self.closed = False
+
+    def next_rid(self) -> int:
+        self._rid += 1
+        return self._rid
+
+    async def request(self, req: AgentRequest) -> AgentReply:
+        if self.closed:
+            raise AgentGoneError(f"node {self.node}: its agent is gone")
+        fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
+        self._pending[req.rid] = fut
+        try:
+            async with self._send_lock:
+                await self.socket.send_text(req.model_dump_json(exclude_defaults=True))
+            return await fut
+        except asyncio.CancelledError:
+            with contextlib.suppress(AgentGoneError, Exception):
+                await self.send(AgentRequest(op="cancel", rid=self.next_rid(), target=req.rid))
+            raise
+        finally:
+            self._pending.pop(req.rid, None)
+
+    async def send(self, req: AgentRequest) -> None:
+        """Fire and forget (cancel requests)."""
+        if self.closed:
+            raise AgentGoneError(f"node {self.node}: its agent is gone")
+        async with self._send_lock:
+            await self.socket.send_text(req.model_dump_json(exclude_defaults=True))
+
+    async def receive_forever(self) -> None:
+        """Route replies to their requests until the connection ends."""
+        try:
+            while True:
+                text = await self.socket.receive_text()
+                self.last_seen = time.monotonic()
+                data: dict[str, Any] = json.loads(text)
+                if "heartbeat" in data:
+                    continue
+                reply = AgentReply.model_validate(data)
+                fut = self._pending.get(reply.rid)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply)
+        finally:
+            self.fail_pending()
+
+    def fail_pending(self) -> None:
+        self.closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(AgentGoneError(f"node {self.node}: the agent disconnected"))
+
+
+def _is_disconnect(e: Exception) -> bool:
+    return type(e).__name__ in ("WebSocketDisconnect", "ConnectionClosed", "ConnectionClosedError")
+
+
+class AgentHub:
+    """Live links by node; tells the engine when nodes come and go."""
+
+    def __init__(
+        self,
+        on_join: Callable[[AgentLink], Awaitable[None]],
+        on_leave: Callable[[AgentLink], Awaitable[None]],
+        heartbeat_timeout_s: float,
+    ) -> None:
+        self.links: dict[str, AgentLink] = {}
+        self._on_join = on_join
+        self._on_leave = on_leave
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+
+    async def serve(self, socket: Socket) -> None:
+        """Run one agent's connection from its hello to its end."""
+        hello = AgentHello.model_validate_json(await socket.receive_text())
+        old = self.links.get(hello.node)
+        if old is not None:  # a reconnect: the old link is dead even if TCP has not noticed
+            await self._leave(old)
+        link = AgentLink(hello, socket)
+        self.links[hello.node] = link
+        await self._on_join(link)
+        try:
+            await link.receive_forever()
+        except Exception as e:  # any end of the connection means the same: drain
+            if not _is_disconnect(e):
+                log.exception("node %s: bad message from its agent; dropping the link", link.node)
+        finally:
+            if self.links.get(hello.node) is link:
+                await self._leave(link)
+
+    async def watch(self) -> None:
+        """Drain nodes whose agents went silent (a partition, a hung agent)."""
+        while True:
+            await asyncio.sleep(self.heartbeat_timeout_s / 4)
+            now = time.monotonic()
+            for link in list(self.links.values()):
+                if now - link.last_seen > self.heartbeat_timeout_s:
+                    await self._leave(link)
+                    with contextlib.suppress(Exception):
+                        await link.socket.close(code=1011, reason="heartbeat timeout")
+
+    async def _leave(self, link: AgentLink) -> None:
+        if self.links.get(link.node) is link:
+            del self.links[link.node]
+        link.fail_pending()
+        await self._on_leave(link)

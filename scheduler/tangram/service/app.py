@@ -1,0 +1,230 @@
+"""The HTTP API (``/v1``) and the agents' WebSocket endpoint: handlers only translate.
+
+Errors are ``{"error": {"code", "message", "details"}}``: 400 for bad input (with the
+offending fields), 401 without a valid token, 404 for what does not exist (or belongs to
+another tenant), 409 for conflicts, 413 for oversized bodies, 429 with Retry-After when
+admission control sheds load, 503 while no node can take the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tangram.api.wire import (
+    ActionResult,
+    ApiLeaseRequest,
+    BatchRequest,
+    BatchResponse,
+    ErrorBody,
+    ExecRequest,
+    OpenTrajectory,
+    TrajectoryInfo,
+)
+from tangram.service.auth import AGENT_TENANT, TokenStore
+from tangram.service.engine import Engine, EngineError, check_id
+
+log = logging.getLogger("tangram.service")
+
+_STATUS = {"invalid": 400, "not_found": 404, "conflict": 409, "overloaded": 429, "unavailable": 503}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503)
+}
+
+
+def _error(
+    status: int,
+    code: str,
+    message: str,
+    details: list[dict[str, str]] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"code": code, "message": message, "details": details or []}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes with 413 before reading them whole."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await _error(413, "too_large", f"request body over {self.limit} bytes")(
+                scope, receive, send
+            )
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                raise _TooLargeError
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLargeError:
+            await _error(413, "too_large", f"request body over {self.limit} bytes")(
+                scope, receive, send
+            )
+
+
+class _TooLargeError(Exception):
+    pass
+
+
+def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(
+        title="ARL-Tangram scheduler",
+        version="v1",
+        description="Submit actions of agentic RL rollouts; the scheduler pools the resources.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimit, limit=max_body)
+    app.state.tokens = tokens
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        details = [
+            {"field": ".".join(str(p) for p in e["loc"][1:] or e["loc"]), "message": e["msg"]}
+            for e in exc.errors()
+        ]
+        first = details[0] if details else {"field": "body", "message": "invalid"}
+        return _error(400, "invalid", f"{first['field']}: {first['message']}", details)
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+        status = _STATUS[exc.kind]
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        details = [{"field": exc.field, "message": exc.message}]
+        return _error(status, exc.kind, str(exc), details, headers)
+
+    def tenant(authorization: Annotated[str | None, Header()] = None) -> str:
+        who = _bearer(tokens, authorization)
+        if who is None or who == AGENT_TENANT:
+            raise _UnauthorizedError
+        return who
+
+    @app.exception_handler(_UnauthorizedError)
+    async def _unauth(_: Request, __: _UnauthorizedError) -> JSONResponse:
+        return _error(
+            401,
+            "unauthorized",
+            "a valid bearer token is required",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    @app.post("/v1/trajectories", status_code=201, responses=_ERRORS)
+    async def open_trajectory(req: OpenTrajectory, who: TenantId) -> TrajectoryInfo:
+        return (await engine.open_trajectory(who, req)).info()
+
+    @app.get("/v1/trajectories/{trajectory}", responses=_ERRORS)
+    async def get_trajectory(trajectory: str, who: TenantId) -> TrajectoryInfo:
+        return engine.trajectory(who, trajectory).info()
+
+    @app.delete("/v1/trajectories/{trajectory}", responses=_ERRORS)
+    async def close_trajectory(trajectory: str, who: TenantId) -> TrajectoryInfo:
+        return (await engine.close_trajectory(who, trajectory)).info()
+
+    @app.post("/v1/trajectories/{trajectory}/exec", responses=_ERRORS)
+    async def exec_action(
+        trajectory: str,
+        req: ExecRequest,
+        who: TenantId,
+        idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    ) -> ActionResult:
+        if idempotency_key and req.idempotency_key is None:
+            req = req.model_copy(update={"idempotency_key": idempotency_key})
+        rec = engine.submit_exec(who, trajectory, req)
+        return await asyncio.shield(rec.done)
+
+    @app.post("/v1/batch", responses=_ERRORS)
+    async def batch(req: BatchRequest, who: TenantId) -> BatchResponse:
+        recs = []
+        for item in req.actions:  # all admitted, or none run: check everything first
+            engine.trajectory(who, item.trajectory)
+        for item in req.actions:
+            recs.append(engine.submit_exec(who, item.trajectory, item.exec))
+        results = await asyncio.gather(*(asyncio.shield(r.done) for r in recs))
+        return BatchResponse(results=list(results))
+
+    @app.delete("/v1/actions/{action}", responses=_ERRORS)
+    async def cancel_action(action: str, who: TenantId) -> dict[str, bool]:
+        if action.startswith("key:"):
+            rec = engine.idempotent.get((who, action[4:]))
+            action = rec.id if rec is not None else ""
+        return {"cancelled": engine.cancel(who, action)}
+
+    @app.post("/v1/apis/{api}/lease", responses=_ERRORS)
+    async def lease(api: str, req: ApiLeaseRequest, who: TenantId) -> ActionResult:
+        check_id(api, "api")
+        return await asyncio.shield(engine.lease_api(who, api, req).done)
+
+    @app.delete("/v1/leases/{lease}", responses=_ERRORS)
+    async def release(lease: str, who: TenantId) -> ActionResult:
+        return engine.release(who, lease)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz() -> PlainTextResponse:
+        if engine.ready:
+            return PlainTextResponse("ready")
+        return PlainTextResponse("no agent connected" if engine.accepting else "stopping", 503)
+
+    @app.websocket("/v1/agents")
+    async def agents(ws: WebSocket) -> None:
+        if _bearer(tokens, ws.headers.get("authorization")) != AGENT_TENANT:
+            await ws.close(code=1008, reason="an agent token is required")
+            return
+        await ws.accept()
+        with contextlib.suppress(WebSocketDisconnect):
+            await engine.hub.serve(ws)
+
+    return app
+
+
+class _UnauthorizedError(Exception):
+    pass
+
+
+def _tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+    """The caller's tenant from its bearer token; agents' tokens do not submit."""
+    who = _bearer(request.app.state.tokens, authorization)
+    if who is None or who == AGENT_TENANT:
+        raise _UnauthorizedError
+    return who
+
+
+TenantId = Annotated[str, Depends(_tenant)]
+
+
+def _bearer(tokens: TokenStore, header: str | None) -> str | None:
+    if not header or not header.lower().startswith("bearer "):
+        return None
+    return tokens.tenant(header[7:].strip())

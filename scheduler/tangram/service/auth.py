@@ -1,0 +1,67 @@
+"""Bearer tokens mapped to tenants (embedded mode's token file).
+
+The file holds one ``TOKEN TENANT`` pair a line (``#`` starts a comment). The tenant
+``system:agent`` is the node agents' identity: it may connect to the agent endpoint and
+nothing else; every other tenant may submit and see only its own trajectories. In a
+cluster the operator wires ServiceAccount tokens checked with TokenReview instead.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+AGENT_TENANT = "system:agent"
+
+
+class TokenError(ValueError):
+    pass
+
+
+class TokenStore:
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self._tokens = dict(tokens)
+
+    @classmethod
+    def load(cls, path: Path) -> TokenStore:
+        tokens: dict[str, str] = {}
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise TokenError(f"{path}: {e.strerror}") from None
+        for n, raw in enumerate(text.splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2 or len(parts[0]) < 16:
+                raise TokenError(
+                    f"{path}:{n}: expected 'TOKEN TENANT' with a token of ≥ 16 characters"
+                )
+            tokens[parts[0]] = parts[1]
+        if not tokens:
+            raise TokenError(f"{path}: no tokens")
+        return cls(tokens)
+
+    @staticmethod
+    def create(path: Path, tenant: str = "local") -> TokenStore:
+        """Write a new file with one client token for ``tenant`` and one agent token."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        client, agent = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(
+                f"# ARL-Tangram tokens: TOKEN TENANT\n{client} {tenant}\n{agent} {AGENT_TENANT}\n"
+            )
+        return TokenStore({client: tenant, agent: AGENT_TENANT})
+
+    def tenant(self, token: str) -> str | None:
+        for known, tenant in self._tokens.items():
+            if hmac.compare_digest(known, token):  # no timing oracle on the token
+                return tenant
+        return None
+
+    def token_for(self, tenant: str) -> str | None:
+        return next((t for t, who in self._tokens.items() if who == tenant), None)

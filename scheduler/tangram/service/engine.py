@@ -1,0 +1,572 @@
+"""The scheduling loop of the service: the core scheduler, driven by events.
+
+Requests become core actions; a round runs whenever something arrived, finished, or a
+rate window is due; each assignment is dispatched to the agent of its node, and its
+result resolves the future the HTTP handler awaits. The engine owns every piece of
+mutable state of the service and runs on one event loop, so no locks are needed.
+
+Errors carry the field they are about (``EngineError.field``) and an HTTP-ish kind, so
+the handlers only translate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tangram.api.action import ActionSpec
+from tangram.api.cluster import ClusterSpec
+from tangram.api.wire import (
+    ActionResult,
+    ActionStatus,
+    AgentReply,
+    AgentRequest,
+    Allocation,
+    ApiLeaseRequest,
+    ErrorInfo,
+    ExecRequest,
+    OpenTrajectory,
+    Timings,
+    TrajectoryInfo,
+    TrajectoryState,
+    valid_id,
+)
+from tangram.scheduler.core.scheduler import Assignment, Scheduler, SchedulingError
+from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
+from tangram.service.config import EnvConfig, PoolConfig
+
+log = logging.getLogger("tangram.service")
+
+ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable"]
+
+
+class EngineError(Exception):
+    def __init__(self, kind: ErrorKind, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.kind = kind
+        self.field = field
+        self.message = message
+
+
+@dataclass(slots=True)
+class TrajectoryRecord:
+    id: str
+    tenant: str
+    env: str
+    node: str | None
+    labels: dict[str, str]
+    opened_at: float  # unix seconds
+    state: TrajectoryState = TrajectoryState.OPEN
+    actions: int = 0
+    open_s: float | None = None
+    warm: bool | None = None
+    running: set[str] = field(default_factory=set)
+
+    def info(self) -> TrajectoryInfo:
+        return TrajectoryInfo(
+            id=self.id,
+            env=self.env,
+            node=self.node,
+            state=self.state,
+            labels=self.labels,
+            opened_at=self.opened_at,
+            actions=self.actions,
+            open_s=self.open_s,
+            warm=self.warm,
+        )
+
+
+@dataclass(slots=True)
+class ActionRecord:
+    id: str
+    tenant: str
+    trajectory: str | None
+    kind: Literal["exec", "service", "api"]
+    request: ExecRequest | ApiLeaseRequest
+    argv: list[str] | None
+    submitted: float  # engine clock
+    done: asyncio.Future[ActionResult]
+    started: float | None = None
+    assignment: Assignment | None = None
+    task: asyncio.Task[None] | None = None
+    expiry: asyncio.TimerHandle | None = None  # queue timeout, or a lease's hold limit
+    cancelled: bool = False
+
+
+class Engine:
+    def __init__(self, config: PoolConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.core = Scheduler(ClusterSpec(apis=list(config.apis)), config.scheduling)
+        self.hub = AgentHub(self._join, self._leave, config.heartbeat_timeout_s)
+        self.trajectories: dict[str, TrajectoryRecord] = {}
+        self.actions: dict[str, ActionRecord] = {}
+        self.idempotent: dict[tuple[str, str], ActionRecord] = {}  # (tenant, key)
+        self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
+        self.leases: dict[str, str] = {}  # lease id -> action id
+        self.accepting = True
+        self._ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._rounds(), name="rounds"),
+            asyncio.create_task(self.hub.watch(), name="heartbeats"),
+        ]
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop admitting; give running actions ``grace_s`` to finish, cancel the rest."""
+        self.accepting = False
+        for rec in list(self.actions.values()):
+            if rec.started is None:
+                self._finish(
+                    rec,
+                    ActionStatus.CANCELLED,
+                    error=_err("shutdown", "the scheduler stopped", True),
+                )
+        running = [r.task for r in self.actions.values() if r.task is not None]
+        if running:
+            _, late = await asyncio.wait(running, timeout=grace_s)
+            for t in late:
+                t.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*late, return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.accepting and bool(self.hub.links)
+
+    # ---- nodes -------------------------------------------------------------------
+    async def _join(self, link: AgentLink) -> None:
+        hello = link.hello
+        cores = sorted(hello.action_cores)
+        self.core.add_node(hello.node, cores=len(cores), memory_gb=hello.inventory.memory_gb)
+        self.node_cores[hello.node] = cores
+        for tid in hello.trajectories:
+            rec = self.trajectories.get(tid)
+            if rec is not None and rec.state is TrajectoryState.OPEN and rec.node is None:
+                rec.node = hello.node
+        log.info(
+            "node %s joined: %d action cores, %s runtime", hello.node, len(cores), hello.runtime
+        )
+        self._wake.set()
+
+    async def _leave(self, link: AgentLink) -> None:
+        if link.node not in self.node_cores:
+            return
+        drained = self.core.drain_node(link.node)
+        del self.node_cores[link.node]
+        lost = _err("node_lost", f"node {link.node} left the pool", retryable=True)
+        for aid in (*drained.running, *drained.dropped):
+            rec = self.actions.get(aid)
+            if rec is not None:
+                if rec.task is not None:
+                    rec.task.cancel()
+                self._finish(rec, ActionStatus.ERROR, error=lost)
+        for tid in drained.trajectories:
+            if tid in self.trajectories:
+                self.trajectories[tid].state = TrajectoryState.LOST
+        log.warning(
+            "node %s left: %d actions ended, %d trajectories lost",
+            link.node,
+            len(drained.running) + len(drained.dropped),
+            len(drained.trajectories),
+        )
+        self._wake.set()
+
+    # ---- trajectories --------------------------------------------------------------
+    def trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
+        rec = self.trajectories.get(tid)
+        if rec is None or rec.tenant != tenant:  # another tenant's trajectory does not exist
+            raise EngineError("not_found", "trajectory", f"{tid} does not exist")
+        return rec
+
+    async def open_trajectory(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
+        self._admitting()
+        env = self.config.envs.get(req.env)
+        if env is None:
+            known = ", ".join(sorted(self.config.envs)) or "none"
+            raise EngineError(
+                "invalid", "env", f"unknown TrajectoryEnv {req.env!r} (known: {known})"
+            )
+        tid = req.id or f"t-{secrets.token_hex(6)}"
+        if tid in self.trajectories:
+            raise EngineError("conflict", "id", f"trajectory {tid} already exists")
+        try:
+            self.core.open_trajectory(tid, env.spec.memory_gb, req.expected_steps)
+        except SchedulingError as e:
+            raise EngineError("invalid", e.field, e.message) from None
+        node = self.core.cpu.choose_node(env.spec.memory_gb, 0, {})
+        if node is None:
+            self.core.close_trajectory(tid, finished=False)
+            raise EngineError(
+                "overloaded" if self.hub.links else "unavailable",
+                "env",
+                f"no node has {env.spec.memory_gb} GiB free for a new trajectory",
+            )
+        self.core.place_trajectory(tid, node)
+        rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), time.time())
+        self.trajectories[tid] = rec
+        try:
+            reply = await self._ask(
+                node, AgentRequest(op="open", rid=0, trajectory=tid, env=env.spec)
+            )
+        except BaseException:
+            self._forget(rec)
+            raise
+        if not reply.ok:
+            self._forget(rec)
+            raise EngineError("unavailable", "env", f"opening on {node} failed: {reply.error}")
+        rec.open_s, rec.warm = reply.opened_s, reply.warm
+        return rec
+
+    async def close_trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
+        rec = self.trajectory(tenant, tid)
+        if rec.state is TrajectoryState.CLOSED:
+            return rec
+        for aid in list(rec.running):
+            self.cancel(tenant, aid)
+        for aid in [a for a, r in self.actions.items() if r.trajectory == tid]:
+            self.cancel(tenant, aid)
+        running = [self.actions[a].task for a in rec.running if a in self.actions]
+        await asyncio.gather(*(t for t in running if t is not None), return_exceptions=True)
+        if rec.state is TrajectoryState.OPEN and rec.node in self.hub.links:
+            with contextlib.suppress(AgentGoneError, EngineError):
+                await self._ask(rec.node, AgentRequest(op="close", rid=0, trajectory=tid))
+        self._forget(rec)
+        rec.state = TrajectoryState.CLOSED
+        return rec
+
+    def _forget(self, rec: TrajectoryRecord) -> None:
+        if rec.id in self.core.trajectories:
+            with contextlib.suppress(SchedulingError):
+                self.core.close_trajectory(rec.id, finished=rec.actions > 0)
+        self.trajectories.pop(rec.id, None)
+
+    # ---- actions -------------------------------------------------------------------
+    def submit_exec(self, tenant: str, tid: str, req: ExecRequest) -> ActionRecord:
+        """Queue an exec action; ``await record.done`` for its result."""
+        if req.idempotency_key is not None:
+            again = self.idempotent.get((tenant, req.idempotency_key))
+            if again is not None:
+                return again
+        self._admitting()
+        traj = self.trajectory(tenant, tid)
+        if traj.state is not TrajectoryState.OPEN:
+            raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}")
+        env = self.config.envs[traj.env]
+        argv, spec = self._exec_spec(env, req)
+        rec = self._record(tenant, tid, "exec", req, argv)
+        try:
+            self.core.submit(rec.id, tid, spec, rec.submitted)
+        except SchedulingError as e:
+            raise EngineError("invalid", e.field, e.message) from None
+        traj.actions += 1
+        self._admit(rec, req.queue_timeout_s, req.idempotency_key)
+        return rec
+
+    def _exec_spec(self, env: EnvConfig, req: ExecRequest) -> tuple[list[str] | None, ActionSpec]:
+        cpu, t1, eff, argv = req.cpu, req.t1_s, req.efficiency, req.argv
+        kind = req.type
+        if req.profile is not None:
+            prof = env.profiles.get(req.profile)
+            if prof is None:
+                known = ", ".join(sorted(env.profiles)) or "none"
+                raise EngineError(
+                    "invalid",
+                    "profile",
+                    f"{env.spec.name} has no profile {req.profile!r} (known: {known})",
+                )
+            argv = [*prof.command, *req.args]
+            cpu = cpu if cpu is not None else prof.cpu
+            t1 = t1 if t1 is not None else prof.t1_s
+            eff = eff if eff is not None else prof.efficiency
+            kind = kind or f"exec:{env.spec.name}/{req.profile}"
+        try:
+            spec = ActionSpec(
+                kind="exec",
+                cpu=cpu if cpu is not None else env.cpu,
+                t1_s=t1,
+                efficiency=eff,
+                type=kind,
+            )
+        except ValueError as e:
+            raise EngineError("invalid", "cpu", str(e)) from None
+        return argv, spec
+
+    def lease_api(self, tenant: str, api: str, req: ApiLeaseRequest) -> ActionRecord:
+        """Queue a lease of ``req.units`` of an API quota; the result carries the lease id."""
+        if req.idempotency_key is not None:
+            again = self.idempotent.get((tenant, req.idempotency_key))
+            if again is not None:
+                return again
+        self._admitting()
+        if api not in self.core.quotas:
+            known = ", ".join(sorted(self.core.quotas)) or "none"
+            raise EngineError("not_found", "api", f"unknown API quota {api!r} (known: {known})")
+        holder = f"lease-{tenant}"  # leases are not tied to a trajectory: one per tenant
+        if holder not in self.core.trajectories:
+            self.core.open_trajectory(holder)
+        spec = ActionSpec(kind="api", api=api, quotas={api: req.units} if req.units > 1 else {})
+        rec = self._record(tenant, None, "api", req, None)
+        try:
+            self.core.submit(rec.id, holder, spec, rec.submitted)
+        except SchedulingError as e:
+            raise EngineError("invalid", e.field, e.message) from None
+        self._admit(rec, req.queue_timeout_s, req.idempotency_key)
+        return rec
+
+    def release(self, tenant: str, lease: str) -> ActionResult:
+        aid = self.leases.get(lease)
+        rec = self.actions.get(aid) if aid else None
+        if rec is None or rec.tenant != tenant:
+            raise EngineError("not_found", "lease", f"{lease} is not held")
+        return self._end_lease(rec)
+
+    def _end_lease(self, rec: ActionRecord) -> ActionResult:
+        assert rec.assignment is not None and rec.started is not None
+        if rec.expiry is not None:
+            rec.expiry.cancel()
+        now = self.clock()
+        with contextlib.suppress(SchedulingError):
+            self.core.complete(rec.id, now)
+        self.leases = {k: v for k, v in self.leases.items() if v != rec.id}
+        self.actions.pop(rec.id, None)
+        self._wake.set()
+        return self._result(rec, ActionStatus.OK, exec_s=now - rec.started)
+
+    def cancel(self, tenant: str, aid: str) -> bool:
+        """Cancel a queued or running action; False if it already ended."""
+        rec = self.actions.get(aid)
+        if rec is None or rec.tenant != tenant:
+            return False
+        rec.cancelled = True
+        if rec.started is None:
+            self.core.cancel(aid)
+            self._finish(rec, ActionStatus.CANCELLED)
+            return True
+        if rec.task is not None:
+            rec.task.cancel()  # the dispatch ends it as cancelled
+        elif rec.kind == "api":
+            self._end_lease(rec)
+        return True
+
+    def _record(
+        self,
+        tenant: str,
+        tid: str | None,
+        kind: Literal["exec", "service", "api"],
+        req: ExecRequest | ApiLeaseRequest,
+        argv: list[str] | None,
+    ) -> ActionRecord:
+        aid = f"a-{next(self._ids)}-{secrets.token_hex(3)}"
+        fut: asyncio.Future[ActionResult] = asyncio.get_running_loop().create_future()
+        return ActionRecord(aid, tenant, tid, kind, req, argv, self.clock(), fut)
+
+    def _admit(self, rec: ActionRecord, queue_timeout_s: float | None, key: str | None) -> None:
+        self.actions[rec.id] = rec
+        if key is not None:
+            self.idempotent[(rec.tenant, key)] = rec
+        if queue_timeout_s is not None:
+            rec.expiry = asyncio.get_running_loop().call_later(
+                queue_timeout_s, self._queue_timeout, rec
+            )
+        self._wake.set()
+
+    def _admitting(self) -> None:
+        if not self.accepting:
+            raise EngineError("unavailable", "service", "the scheduler is shutting down")
+        if self.core.queued >= self.config.max_queued:
+            raise EngineError("overloaded", "queue", f"{self.core.queued} actions are queued")
+
+    def _queue_timeout(self, rec: ActionRecord) -> None:
+        if rec.started is None and rec.id in self.actions:
+            self.core.cancel(rec.id)
+            self._finish(
+                rec,
+                ActionStatus.REJECTED,
+                error=_err("queue_timeout", "not started within queue_timeout_s", True),
+            )
+
+    # ---- rounds and dispatch ---------------------------------------------------------
+    async def _rounds(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            now = self.clock()
+            try:
+                rnd = self.core.schedule(now)
+            except Exception:  # a bug must not stop the service: log it, retry later
+                log.exception("scheduling round failed")
+                await asyncio.sleep(0.1)
+                self._wake.set()
+                continue
+            for asg in rnd.assignments:
+                self._start(asg, now)
+            if rnd.wake_at is not None:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = asyncio.get_running_loop().call_later(
+                    max(0.0, rnd.wake_at - now), self._wake.set
+                )
+
+    def _start(self, asg: Assignment, now: float) -> None:
+        rec = self.actions[asg.action_id]
+        rec.started, rec.assignment = now, asg
+        if rec.kind == "api":
+            assert isinstance(rec.request, ApiLeaseRequest)
+            lease = f"l-{secrets.token_hex(8)}"
+            self.leases[lease] = rec.id
+            if rec.expiry is not None:
+                rec.expiry.cancel()
+            rec.expiry = asyncio.get_running_loop().call_later(
+                rec.request.hold_s, self._end_lease, rec
+            )
+            if not rec.done.done():
+                rec.done.set_result(self._result(rec, ActionStatus.OK, lease=lease))
+            return
+        if rec.expiry is not None:
+            rec.expiry.cancel()
+        if rec.trajectory is not None:
+            self.trajectories[rec.trajectory].running.add(rec.id)
+        rec.task = asyncio.create_task(self._dispatch(rec, asg))
+
+    async def _dispatch(self, rec: ActionRecord, asg: Assignment) -> None:
+        assert asg.node is not None and isinstance(rec.request, ExecRequest)
+        req = rec.request
+        cores = [self.node_cores[asg.node][i] for i in asg.cores]
+        env = self.config.envs[self.trajectories[rec.trajectory or ""].env]
+        timeout = req.timeout_s
+        if timeout is None and req.profile is not None:
+            timeout = env.profiles[req.profile].timeout_s
+        msg = AgentRequest(
+            op="session" if req.session else "exec",
+            rid=0,
+            trajectory=rec.trajectory,
+            argv=rec.argv,
+            session=req.session,
+            code=req.code,
+            cores=cores,
+            timeout_s=timeout,
+            environ=dict(req.env),
+            output_cap=req.output_cap,
+        )
+        t0 = self.clock()
+        status, reply, error = ActionStatus.ERROR, None, None
+        try:
+            reply = await self._ask(asg.node, msg)
+            if reply.ok and reply.result is not None:
+                status = ActionStatus.TIMEOUT if reply.result.timed_out else ActionStatus.OK
+            else:
+                error = _err(
+                    "exec_failed", reply.error or "the agent refused the action", reply.retryable
+                )
+        except asyncio.CancelledError:
+            status = ActionStatus.CANCELLED
+        except (AgentGoneError, EngineError) as e:
+            error = _err("node_lost", str(e), retryable=True)
+        now = self.clock()
+        if rec.id in self.core.running:
+            self.core.complete(rec.id, now, ok=status is ActionStatus.OK)
+        if rec.trajectory in self.trajectories:
+            self.trajectories[rec.trajectory].running.discard(rec.id)
+        out = reply.result if reply is not None else None
+        exec_s = out.exec_s if out is not None else 0.0
+        overhead = max(0.0, (now - t0) - exec_s)
+        self._finish(rec, status, error=error, exec_s=exec_s, overhead_s=overhead, reply=reply)
+        self._wake.set()
+
+    async def _ask(self, node: str | None, msg: AgentRequest) -> AgentReply:
+        link = self.hub.links.get(node or "")
+        if link is None:
+            raise EngineError("unavailable", "node", f"node {node} has no agent connected")
+        return await link.request(msg.model_copy(update={"rid": link.next_rid()}))
+
+    # ---- results -----------------------------------------------------------------------
+    def _finish(
+        self,
+        rec: ActionRecord,
+        status: ActionStatus,
+        *,
+        error: ErrorInfo | None = None,
+        exec_s: float = 0.0,
+        overhead_s: float = 0.0,
+        reply: AgentReply | None = None,
+    ) -> None:
+        if rec.expiry is not None:
+            rec.expiry.cancel()
+        self.actions.pop(rec.id, None)
+        if not rec.done.done():
+            rec.done.set_result(
+                self._result(
+                    rec, status, error=error, exec_s=exec_s, overhead_s=overhead_s, reply=reply
+                )
+            )
+
+    def _result(
+        self,
+        rec: ActionRecord,
+        status: ActionStatus,
+        *,
+        error: ErrorInfo | None = None,
+        exec_s: float = 0.0,
+        overhead_s: float = 0.0,
+        reply: AgentReply | None = None,
+        lease: str | None = None,
+    ) -> ActionResult:
+        now = self.clock()
+        queued = (rec.started if rec.started is not None else now) - rec.submitted
+        asg = rec.assignment
+        out = reply.result if reply is not None else None
+        alloc = Allocation()
+        if asg is not None:
+            node_cores = self.node_cores.get(asg.node or "", [])
+            alloc = Allocation(
+                node=asg.node,
+                cores=[node_cores[i] for i in asg.cores if i < len(node_cores)],
+                dop=asg.units if asg.cores or asg.chunk else 0,
+                path=out.path if out is not None else None,
+                fallback=(out.fallback or None) if out is not None else None,
+            )
+        return ActionResult(
+            id=rec.id,
+            trajectory=rec.trajectory,
+            kind=rec.kind,
+            status=status,
+            exit_code=out.exit_code if out is not None else None,
+            stdout=out.stdout if out is not None else "",
+            stderr=out.stderr if out is not None else "",
+            stdout_truncated=out.stdout_truncated if out is not None else False,
+            stderr_truncated=out.stderr_truncated if out is not None else False,
+            lease=lease,
+            error=error,
+            allocation=alloc,
+            timings=Timings(
+                queued_s=queued,
+                overhead_s=overhead_s,
+                exec_s=exec_s,
+                act_s=queued + overhead_s + exec_s,
+            ),
+        )
+
+
+def _err(code: str, message: str, retryable: bool = False) -> ErrorInfo:
+    return ErrorInfo(code=code, message=message, retryable=retryable)
+
+
+def check_id(text: str, field: str) -> None:
+    if not valid_id(text):
+        raise EngineError("invalid", field, f"{text!r} must be letters, digits, _ . - (≤ 128)")

@@ -1,0 +1,96 @@
+"""From custom resources to what a running scheduler serves (pure translation)."""
+
+from __future__ import annotations
+
+from tangram.api.cluster import ApiSpec
+from tangram.api.resources import ActionPool, Resources, TrajectoryEnv
+from tangram.api.wire import EnvSpec
+from tangram.scheduler.core.scheduler import SchedulerConfig
+from tangram.service.config import ActionProfile, EnvConfig, PoolConfig
+
+
+class PoolChoiceError(ValueError):
+    pass
+
+
+def choose_pool(resources: Resources, name: str | None) -> ActionPool:
+    """The pool to serve: the one named, or the only one declared."""
+    pools = list(resources.pools.values())
+    if name is not None:
+        found = [p for p in pools if p.metadata.name == name]
+        if not found:
+            known = ", ".join(p.metadata.name for p in pools) or "none"
+            raise PoolChoiceError(f"--pool: no ActionPool {name!r} (declared: {known})")
+        return found[0]
+    if len(pools) != 1:
+        raise PoolChoiceError(
+            f"{len(pools)} ActionPools declared; name the one to serve with --pool"
+            if pools
+            else "no ActionPool declared: the files need one (kind: ActionPool)"
+        )
+    return pools[0]
+
+
+def pool_config(resources: Resources, pool: ActionPool) -> PoolConfig:
+    spec = pool.spec
+    envs = {
+        env.metadata.name: env_config(env, pool.metadata.name)
+        for env in resources.envs.values()
+        if env.pool_key() == pool.key
+    }
+    apis = tuple(
+        ApiSpec(
+            name=q.name,
+            concurrency=q.concurrency,
+            rate_per_s=q.rate / q.period_seconds if q.rate is not None else None,
+            period_s=q.period_seconds,
+        )
+        for q in spec.apis
+    )
+    scheduling = SchedulerConfig(
+        ordering=spec.scheduling.ordering,
+        depth=spec.scheduling.depth,
+        max_candidates=spec.scheduling.max_candidates,
+        elastic=spec.scheduling.elastic,
+    )
+    return PoolConfig(
+        name=pool.metadata.name,
+        envs=envs,
+        apis=apis,
+        scheduling=scheduling,
+        idle_cores=spec.cpu.idle_cores if spec.cpu else 1,
+        cores_per_node=spec.cpu.cores_per_node if spec.cpu else None,
+        max_queued=spec.admission.max_queued,
+    )
+
+
+def env_config(env: TrajectoryEnv, pool: str) -> EnvConfig:
+    s = env.spec
+    profiles = {
+        p.name: ActionProfile(
+            command=tuple(p.command),
+            cpu=p.cpu if p.cpu is not None else s.cpu,
+            t1_s=p.t1_seconds,
+            efficiency=p.efficiency,
+            timeout_s=p.timeout_seconds,
+        )
+        for p in s.actions
+    }
+    return EnvConfig(
+        spec=EnvSpec(
+            name=env.metadata.name,
+            image=s.image,
+            memory_gb=s.memory_gib,
+            workdir=s.workdir,
+            env=dict(s.env),
+            setup=[list(a) for a in s.setup],
+            network=s.network,
+            read_only_root=s.security.read_only_root,
+            user=s.security.user,
+            pids_limit=s.security.pids_limit,
+            pool=pool,
+            warm=s.warm_pool,
+        ),
+        cpu=s.cpu,
+        profiles=profiles,
+    )

@@ -1,0 +1,66 @@
+"""A running scheduler service with a real local node agent, for the tests.
+
+The service runs on its own event-loop thread (exactly as ``tangram up`` runs it), bound to
+127.0.0.1 on a free port; tests talk to it through the real client over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tangram.node_agent.agent import NodeAgent
+from tangram.service.auth import TokenStore
+from tangram.service.config import PoolConfig
+from tangram.service.embedded import Running, free_port, run
+
+
+@contextmanager
+def service(
+    config: PoolConfig, agent: NodeAgent | None, tmp: Path, *, grace_s: float = 5.0
+) -> Iterator[tuple[Running, str]]:
+    """Yield the running service and a client token."""
+    tokens = TokenStore.create(tmp / "tokens")
+    token = tokens.token_for("local")
+    assert token is not None
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    ready: list[Running] = []
+    started = threading.Event()
+    failure: list[BaseException] = []
+
+    def on_ready(r: Running) -> None:
+        ready.append(r)
+        started.set()
+
+    def main() -> None:
+        async def go() -> None:
+            try:
+                await run(
+                    config,
+                    tokens,
+                    agent,
+                    stop,
+                    port=free_port(),
+                    grace_s=grace_s,
+                    on_ready=on_ready,
+                )
+            except BaseException as e:  # surfaced to the test below
+                failure.append(e)
+                started.set()
+
+        loop.run_until_complete(go())
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    started.wait(60)
+    if failure:
+        raise failure[0]
+    try:
+        yield ready[0], token
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(60)

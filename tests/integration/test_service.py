@@ -1,0 +1,131 @@
+"""The scheduler service end to end: real HTTP, a real agent over its WebSocket, real
+processes in real cgroups (the process runtime), the real client."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tangram.api.cluster import ApiSpec
+from tangram.api.demand import AmdahlEfficiency, RangeDemand
+from tangram.api.wire import EnvSpec
+from tangram.client import ActionStatus, Client, TangramError
+from tangram.node_agent.agent import NodeAgent
+from tangram.service.config import ActionProfile, EnvConfig, PoolConfig
+
+from .service_harness import service
+
+pytestmark = [pytest.mark.xdist_group("service")]
+CORES = sorted(os.sched_getaffinity(0))
+
+CONFIG = PoolConfig(
+    envs={
+        "shell": EnvConfig(
+            spec=EnvSpec(name="shell", image="unused-by-the-process-runtime", memory_gb=0.1),
+            profiles={
+                "tests": ActionProfile(
+                    command=("sh", "-c", "echo dop={dop} env=$TANGRAM_DOP"),
+                    cpu=RangeDemand(min=1, max=len(CORES)),
+                    t1_s=10.0,
+                    efficiency=AmdahlEfficiency(amdahl=0.99),
+                )
+            },
+        )
+    },
+    apis=(ApiSpec(name="search", concurrency=1),),
+)
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[Client]:
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    agent = NodeAgent.create(
+        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
+    )
+    with service(CONFIG, agent, tmp_path) as (running, token), Client(running.url, token) as c:
+        yield c
+
+
+def test_open_exec_close(client: Client) -> None:
+    with client.trajectory("shell", labels={"job": "grpo-1"}) as t:
+        assert t.info is not None and t.info.node and t.info.labels == {"job": "grpo-1"}
+        r = t.exec(["sh", "-c", "echo hi; echo err >&2; exit 3"])
+        assert r.status is ActionStatus.OK and r.exit_code == 3
+        assert (r.stdout, r.stderr) == ("hi\n", "err\n")
+        assert r.allocation.dop == 1 and len(r.allocation.cores) == 1
+        assert r.timings.act_s >= r.timings.exec_s > 0
+        assert client.get(t.id).actions == 1
+    with pytest.raises(TangramError) as e:
+        client.get(t.id)
+    assert e.value.status == 404
+
+
+def test_an_elastic_profile_gets_every_free_core(client: Client) -> None:
+    with client.trajectory("shell") as t:
+        r = t.exec(profile="tests")
+        assert r.status is ActionStatus.OK
+        assert r.stdout == f"dop={len(CORES)} env={len(CORES)}\n"
+        assert r.allocation.cores == CORES and r.allocation.path == "process"
+
+
+def test_a_timeout_counts_execution_only(client: Client) -> None:
+    with client.trajectory("shell") as t:
+        r = t.exec(["sleep", "30"], timeout_s=0.5)
+        assert r.status is ActionStatus.TIMEOUT and r.exit_code is None, r.error
+
+
+def test_idempotent_retries_run_once(client: Client, tmp_path: Path) -> None:
+    with client.trajectory("shell") as t:
+        first = t.exec(["sh", "-c", "echo x >> count; wc -l < count"], idempotency_key="k1")
+        again = t.exec(["sh", "-c", "echo x >> count; wc -l < count"], idempotency_key="k1")
+        assert first.id == again.id and first.stdout == again.stdout == "1\n"
+
+
+def test_cancel_a_running_action_by_its_key(client: Client) -> None:
+    with client.trajectory("shell") as t:
+        box: list[object] = []
+        worker = threading.Thread(
+            target=lambda: box.append(t.exec(["sleep", "30"], idempotency_key="slow"))
+        )
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not client.cancel("key:slow"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        worker.join(20)
+        (r,) = box
+        assert r.status is ActionStatus.CANCELLED  # type: ignore[attr-defined]
+
+
+def test_api_leases_respect_the_quota(client: Client) -> None:
+    first = client.lease("search")
+    assert first.status is ActionStatus.OK and first.lease
+    box: list[object] = []
+    waiter = threading.Thread(target=lambda: box.append(client.lease("search")))
+    waiter.start()
+    time.sleep(0.3)
+    assert not box  # concurrency 1: the second lease waits for the first
+    client.release(first.lease)
+    waiter.join(10)
+    second = box[0]
+    assert second.timings.queued_s > 0.2  # type: ignore[attr-defined]
+    client.release(second.lease)  # type: ignore[attr-defined]
+
+
+def test_bad_input_is_a_400_naming_the_field(client: Client) -> None:
+    with client.trajectory("shell") as t:
+        with pytest.raises(TangramError) as e:
+            client.exec(t.id, ["true"], cores=0)
+        assert e.value.status == 400 and e.value.field and "cpu" in e.value.field
+    with pytest.raises(TangramError) as e:
+        client.open("no-such-env")
+    assert e.value.status == 400 and e.value.field == "env"
+    with pytest.raises(TangramError) as e:
+        client.exec("nope", ["true"])
+    assert e.value.status == 404

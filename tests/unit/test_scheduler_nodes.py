@@ -1,0 +1,68 @@
+"""Nodes joining and leaving a running scheduler (agents register and disappear)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tangram.scheduler import Scheduler, SchedulingError
+
+from .helpers import api_call, cluster, exec_action
+
+
+def test_a_pool_starts_empty_and_schedules_once_a_node_joins() -> None:
+    s = Scheduler(cluster(nodes=[], apis=[{"name": "search", "concurrency": 2}]))
+    s.open_trajectory("t1", memory_gb=1)
+    with pytest.raises(SchedulingError, match="no CPU nodes"):
+        s.submit("a1", "t1", exec_action(2, t1=1.0), now=0.0)
+    s.add_node("n1", cores=4, memory_gb=8)
+    s.submit("a1", "t1", exec_action(2, t1=1.0), now=0.0)
+    (asg,) = s.schedule(0.0).assignments
+    assert asg.node == "n1" and len(asg.cores) == 2
+    with pytest.raises(SchedulingError, match="already part"):
+        s.add_node("n1", cores=4)
+    with pytest.raises(SchedulingError, match="cores"):
+        s.add_node("n2", cores=3, numa_nodes=2)
+
+
+def test_a_bigger_node_lets_queued_actions_ask_for_more() -> None:
+    s = Scheduler(cluster(nodes=[{"name": "small", "cpus": 2, "memory_gb": 8}]))
+    s.open_trajectory("t1", memory_gb=1)
+    with pytest.raises(SchedulingError, match="largest node"):
+        s.submit("a1", "t1", exec_action(4, t1=1.0), now=0.0)
+    s.add_node("big", cores=8, memory_gb=8)
+    s.submit("a1", "t1", exec_action(4, t1=1.0), now=0.0)
+    (asg,) = s.schedule(0.0).assignments
+    assert asg.node == "big"
+
+
+def test_draining_a_node_ends_its_work_and_frees_what_it_held() -> None:
+    s = Scheduler(
+        cluster(
+            nodes=[
+                {"name": "n1", "cpus": 2, "memory_gb": 8},
+                {"name": "n2", "cpus": 2, "memory_gb": 8},
+            ],
+            apis=[{"name": "search", "concurrency": 1}],
+        )
+    )
+    for t, node in (("t1", "n1"), ("t2", "n2")):
+        s.open_trajectory(t, memory_gb=1)
+        s.place_trajectory(t, node)
+    s.submit("run", "t1", exec_action(2, t1=5.0), now=0.0)
+    s.submit("call", "t1", api_call("search"), now=0.0)
+    s.submit("other", "t2", exec_action(1, t1=1.0), now=0.0)
+    started = {a.action_id for a in s.schedule(0.0).assignments}
+    assert started == {"run", "call", "other"}
+    s.submit("queued", "t1", exec_action(1, t1=1.0), now=0.1)
+    drained = s.drain_node("n1")
+    assert set(drained.running) == {"run", "call"} and drained.trajectories == ("t1",)
+    assert drained.dropped == ("queued",)
+    assert "t1" not in s.trajectories and "n1" not in s.cpu.nodes
+    with pytest.raises(SchedulingError, match="not running"):
+        s.complete("call", now=1.0)
+    s.open_trajectory("t3", memory_gb=1)
+    s.submit("next", "t3", api_call("search"), now=1.0)
+    assert [a.action_id for a in s.schedule(1.0).assignments] == ["next"]
+    s.complete("other", now=1.0)
+    with pytest.raises(SchedulingError, match="not part"):
+        s.drain_node("n1")
