@@ -179,3 +179,22 @@ def test_v1_quota_files(tmp_path: Path) -> None:
     cg.limit("g", [2, 3], 1.5)
     assert (tmp_path / "cpuset" / "g" / "cpuset.cpus").read_text() == "2-3"
     assert (tmp_path / "cpu" / "g" / "cpu.cfs_quota_us").read_text() == "150000"
+
+
+def test_a_restarted_agent_adopts_its_trajectories_and_stops_their_leftovers(
+    runtime: ProcessRuntime, tmp_path: Path
+) -> None:
+    runtime.open("t1")
+    run(runtime.exec("t1", ["sh", "-c", "echo kept > notes.txt"], CORES[:1]))
+    # A command left running, as a crashed agent would leave it.
+    run(runtime.exec("t1", ["sh", "-c", "setsid sleep 600 > /dev/null 2>&1 &"], CORES[:1]))
+    assert runtime.cgroups.pids(runtime._group("t1"))
+    restarted = ProcessRuntime(
+        runtime.base_dir, runtime.cgroups, idle_cores=CORES[:1], group_prefix=runtime.prefix
+    )
+    assert restarted.adopt() == ["t1"]
+    assert restarted.cgroups.pids(restarted._group("t1")) == []
+    res = run(restarted.exec("t1", ["cat", "notes.txt"], CORES[:1]))
+    assert res.stdout == "kept\n"
+    runtime._open.discard("t1")  # the restarted runtime owns it now
+    restarted.close("t1")

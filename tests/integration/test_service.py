@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tangram.api.cluster import ApiSpec
@@ -129,3 +130,21 @@ def test_bad_input_is_a_400_naming_the_field(client: Client) -> None:
     with pytest.raises(TangramError) as e:
         client.exec("nope", ["true"])
     assert e.value.status == 404
+
+
+def test_metrics_and_health(client: Client) -> None:
+    with client.trajectory("shell") as t:
+        for _ in range(3):
+            t.exec(["true"])
+        url = str(client._async._http.base_url)
+        text = httpx.get(f"{url}/metrics").text
+    count = [ln for ln in text.splitlines() if ln.startswith("tangram_action_act_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 3
+    assert 'tangram_actions_total{kind="exec",pool="default",status="ok"}' in text
+    assert (
+        f'tangram_units_capacity{{node="{os.uname().nodename}",pool="default",resource="cpu"}}'
+        in text
+    )
+    assert 'tangram_agents_connected{pool="default"} 1.0' in text
+    assert httpx.get(f"{url}/healthz").text == "ok"
+    assert httpx.get(f"{url}/readyz").status_code == 200

@@ -100,7 +100,9 @@ class NodeAgent:
                 return agent
         cgroups = detect()
         prt = ProcessRuntime(state_dir / "trajectories", cgroups, idle, group_prefix="tangram")
-        return cls(prt, inventory, actions, idle, node=name, fast_path="the process runtime")
+        agent = cls(prt, inventory, actions, idle, node=name, fast_path="the process runtime")
+        agent.adopted = prt.adopt()
+        return agent
 
     def hello(self) -> AgentHello:
         return AgentHello(

@@ -93,6 +93,22 @@ class ProcessRuntime:
         shutil.rmtree(self.workdir(trajectory), ignore_errors=True)
         self._open.discard(trajectory)
 
+    def adopt(self) -> list[str]:
+        """Take back the trajectories a previous agent left (a restart): their directories
+        and cgroups stay; whatever still ran in them is killed, since nobody waits for it."""
+        if not self.base_dir.is_dir():
+            return []
+        for work in sorted(self.base_dir.iterdir()):
+            name = work.name
+            if not work.is_dir() or name in self._open or name.startswith("."):
+                continue
+            group = self._group(name)
+            self._kill_group(group)
+            self.cgroups.create(group)
+            self.cgroups.limit(group, self.idle_cores, IDLE_QUOTA_CORES)
+            self._open.add(name)
+        return sorted(self._open)
+
     def _kill_group(self, group: str) -> None:
         """SIGKILL every process in the cgroup, including ones that left the process group."""
         for _ in range(50):

@@ -17,11 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tangram.api.resources import ActionPool
 from tangram.cli.files import InputError
 from tangram.cli.manifests import load_documents
 from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.service.auth import TokenError, TokenStore
+from tangram.service.config import PoolConfig
 from tangram.service.embedded import Running, run
 from tangram.service.from_resources import PoolChoiceError, choose_pool, pool_config
 
@@ -57,25 +59,34 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run_up)
 
 
-def run_up(args: argparse.Namespace) -> int:
+def setup_logging(verbose: bool) -> None:
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+
+
+def load_pool(files: list[str], name: str | None) -> tuple[ActionPool, PoolConfig]:
+    """The pool to serve from CR documents; every problem named, or InputError."""
     try:
-        resources = load_documents(args.file)
+        resources = load_documents(files)
     except ValueError as e:
         raise InputError(str(e)) from None
     problems = resources.check_references()
     if problems:
         raise InputError("; ".join(problems))
     try:
-        pool = choose_pool(resources, args.pool)
+        pool = choose_pool(resources, name)
     except PoolChoiceError as e:
         raise InputError(str(e)) from None
-    config = pool_config(resources, pool)
-    tokens = _tokens(Path(args.token_file))
-    agent = _agent(args, config.idle_cores, config.cores_per_node)
+    return pool, pool_config(resources, pool)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    setup_logging(args.verbose)
+    pool, config = load_pool(args.file, args.pool)
+    tokens = load_tokens(Path(args.token_file))
+    agent = make_agent(args, config.idle_cores, config.cores_per_node)
     _local_images(agent, [e.spec.image for e in config.envs.values()])
     stop = asyncio.Event()
 
@@ -116,7 +127,7 @@ def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokens(path: Path) -> TokenStore:
+def load_tokens(path: Path) -> TokenStore:
     try:
         if path.exists():
             return TokenStore.load(path)
@@ -127,13 +138,17 @@ def _tokens(path: Path) -> TokenStore:
         raise InputError(f"--token-file: {e}") from None
 
 
-def _agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
+def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
     from tangram.node_agent.agent import NodeAgent
     from tangram.node_agent.execution import ExecError
 
     try:
         return NodeAgent.create(
-            Path(args.state_dir), runtime=args.runtime, idle_cores=idle, cores_for_actions=cores
+            Path(args.state_dir),
+            node=getattr(args, "node", None),
+            runtime=args.runtime,
+            idle_cores=idle,
+            cores_for_actions=cores,
         )
     except (ExecError, OSError) as e:
         raise InputError(f"--runtime {args.runtime}: {e}") from None

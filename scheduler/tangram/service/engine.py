@@ -116,6 +116,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._timer: asyncio.TimerHandle | None = None
+        from tangram.service.metrics import Metrics  # metrics read the engine back
+
+        self.metrics = Metrics(self)
 
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -346,7 +349,22 @@ class Engine:
         self.leases = {k: v for k, v in self.leases.items() if v != rec.id}
         self.actions.pop(rec.id, None)
         self._wake.set()
-        return self._result(rec, ActionStatus.OK, exec_s=now - rec.started)
+        result = self._result(rec, ActionStatus.OK, exec_s=now - rec.started)
+        self._ended(result)
+        return result
+
+    def _ended(self, result: ActionResult) -> None:
+        self.metrics.ended(result)
+        log.info(
+            "action ended",
+            extra={
+                "action": result.id,
+                "trajectory": result.trajectory,
+                "kind": result.kind,
+                "status": result.status.value,
+                "act_s": round(result.timings.act_s, 6),
+            },
+        )
 
     def cancel(self, tenant: str, aid: str) -> bool:
         """Cancel a queued or running action; False if it already ended."""
@@ -390,6 +408,7 @@ class Engine:
         if not self.accepting:
             raise EngineError("unavailable", "service", "the scheduler is shutting down")
         if self.core.queued >= self.config.max_queued:
+            self.metrics.rejected.labels(self.config.name).inc()
             raise EngineError("overloaded", "queue", f"{self.core.queued} actions are queued")
 
     def _queue_timeout(self, rec: ActionRecord) -> None:
@@ -510,11 +529,11 @@ class Engine:
             rec.expiry.cancel()
         self.actions.pop(rec.id, None)
         if not rec.done.done():
-            rec.done.set_result(
-                self._result(
-                    rec, status, error=error, exec_s=exec_s, overhead_s=overhead_s, reply=reply
-                )
+            result = self._result(
+                rec, status, error=error, exec_s=exec_s, overhead_s=overhead_s, reply=reply
             )
+            rec.done.set_result(result)
+            self._ended(result)
 
     def _result(
         self,

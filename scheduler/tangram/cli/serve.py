@@ -1,0 +1,104 @@
+"""``tangram serve`` (the scheduler alone) and ``tangram agent`` (a node agent alone).
+
+What the scheduler Deployment and the node-agent DaemonSet run; ``tangram up`` is both in
+one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from tangram.cli.files import InputError
+from tangram.cli.progress import note
+from tangram.cli.up import load_pool, load_tokens, make_agent, setup_logging
+from tangram.client.common import DEFAULT_TOKEN_FILE
+from tangram.service.auth import AGENT_TENANT
+from tangram.service.embedded import Running, run
+
+_STATE = os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram"))
+_TOKENS = os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE))
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the scheduler service of one pool (no local agent)")
+    p.add_argument("-f", "--file", action="append", required=True, help="YAML file or directory")
+    p.add_argument("--pool", help="the ActionPool to serve when the files declare several")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--token-file", default=_TOKENS, help="TOKEN TENANT lines (created if missing)")
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds in-flight actions get at exit"
+    )
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(run=run_serve)
+
+    a = sub.add_parser("agent", help="run a node agent that serves a scheduler")
+    a.add_argument("--scheduler", required=True, help="ws://HOST:PORT/v1/agents")
+    a.add_argument("--token-file", default=_TOKENS, help="holds a system:agent token")
+    a.add_argument("--node", help="node name (default: the hostname)")
+    a.add_argument("--runtime", choices=("auto", "docker", "process"), default="auto")
+    a.add_argument("--state-dir", default=_STATE)
+    a.add_argument("--idle-cores", type=int, default=1, help="size of the idle core set")
+    a.add_argument("--cores", type=int, help="cores for actions (default: all but the idle set)")
+    a.add_argument("-v", "--verbose", action="store_true")
+    a.set_defaults(run=run_agent)
+
+
+def _until_signalled(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    setup_logging(args.verbose)
+    pool, config = load_pool(args.file, args.pool)
+    tokens = load_tokens(Path(args.token_file))
+    stop = asyncio.Event()
+
+    def ready(r: Running) -> None:
+        note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.url}/v1/agents")
+
+    async def main() -> None:
+        _until_signalled(stop)
+        await run(
+            config,
+            tokens,
+            None,
+            stop,
+            host=args.host,
+            port=args.port,
+            on_ready=ready,
+            grace_s=args.grace,
+        )
+
+    try:
+        asyncio.run(main())
+    except OSError as e:
+        raise InputError(f"--port {args.port}: {e.strerror}") from None
+    return 0
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from tangram.node_agent.link import serve as serve_link
+
+    setup_logging(args.verbose)
+    token = load_tokens(Path(args.token_file)).token_for(AGENT_TENANT)
+    if token is None:
+        raise InputError(f"--token-file {args.token_file}: no {AGENT_TENANT} token")
+    agent = make_agent(args, args.idle_cores, args.cores)
+    stop = asyncio.Event()
+    note(f"agent {agent.node}: {agent.kind} runtime, action cores {agent.action_cores}")
+
+    async def main() -> None:
+        _until_signalled(stop)
+        await serve_link(agent, args.scheduler, token, stop)
+        await asyncio.to_thread(agent.shutdown)
+
+    asyncio.run(main())
+    return 0

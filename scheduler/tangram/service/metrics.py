@@ -1,0 +1,152 @@
+"""Prometheus metrics of one scheduler (its own registry, so engines never share series).
+
+Histograms are observed as actions end; gauges (queue depth, units in use and capacity
+per resource and node, quota use, agent health) are read from the engine at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tangram.api.wire import ActionResult
+
+if TYPE_CHECKING:
+    from tangram.service.engine import Engine
+
+# From 100 µs (the fast path's share) to 20 minutes (a long test suite).
+_BUCKETS = (
+    0.0001,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+    600,
+    1200,
+)
+
+
+class Metrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        labels = ("pool", "kind")
+        self.actions = Counter(
+            "tangram_actions",
+            "Actions ended, by status",
+            (*labels, "status"),
+            registry=self.registry,
+        )
+        self.phases = {
+            phase: Histogram(
+                f"tangram_action_{phase}_seconds",
+                doc,
+                labels,
+                buckets=_BUCKETS,
+                registry=self.registry,
+            )
+            for phase, doc in (
+                ("act", "Action completion time: queued + overhead + exec"),
+                ("queued", "Time from submission to allocation"),
+                ("overhead", "System overhead: dispatch, cgroup writes, start, reclaim"),
+                ("exec", "The command's own run time"),
+            )
+        }
+        self.rejected = Counter(
+            "tangram_admission_rejected",
+            "Requests shed by admission control (429)",
+            ("pool",),
+            registry=self.registry,
+        )
+        self.registry.register(_Live(engine))
+        self.pool = engine.config.name
+
+    def ended(self, result: ActionResult) -> None:
+        self.actions.labels(self.pool, result.kind, result.status.value).inc()
+        if result.status.value in ("ok", "timeout"):
+            t = result.timings
+            for phase, value in (
+                ("act", t.act_s),
+                ("queued", t.queued_s),
+                ("overhead", t.overhead_s),
+                ("exec", t.exec_s),
+            ):
+                self.phases[phase].labels(self.pool, result.kind).observe(value)
+
+    def scrape(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Live(Collector):
+    """Gauges read from the engine when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        e, pool = self.engine, self.engine.config.name
+        depth = GaugeMetricFamily(
+            "tangram_queue_depth", "Actions waiting for units", labels=["pool"]
+        )
+        depth.add_metric([pool], e.core.queued)
+        yield depth
+        cap = GaugeMetricFamily(
+            "tangram_units_capacity", "Units a resource has", labels=["pool", "resource", "node"]
+        )
+        used = GaugeMetricFamily(
+            "tangram_units_in_use",
+            "Units held by running actions",
+            labels=["pool", "resource", "node"],
+        )
+        for name, node in e.core.cpu.nodes.items():
+            cap.add_metric([pool, "cpu", name], node.cores)
+            used.add_metric([pool, "cpu", name], node.cores - node.free_cores)
+            cap.add_metric([pool, "memory_gb", name], node.memory_gb)
+            used.add_metric([pool, "memory_gb", name], node.memory_used_gb)
+        for name, q in e.core.quotas.items():
+            if q.concurrency is not None:
+                cap.add_metric([pool, f"api:{name}", ""], q.concurrency)
+            used.add_metric([pool, f"api:{name}", ""], q.in_use)
+        yield cap
+        yield used
+        agents = GaugeMetricFamily(
+            "tangram_agents_connected", "Node agents connected", labels=["pool"]
+        )
+        agents.add_metric([pool], len(e.hub.links))
+        yield agents
+        age = GaugeMetricFamily(
+            "tangram_agent_heartbeat_age_seconds",
+            "Since an agent was last heard",
+            labels=["pool", "node"],
+        )
+        now = time.monotonic()
+        for name, link in e.hub.links.items():
+            age.add_metric([pool, name], now - link.last_seen)
+        yield age
+        traj = GaugeMetricFamily(
+            "tangram_trajectories", "Trajectories by state", labels=["pool", "state"]
+        )
+        counts: dict[str, int] = {}
+        for rec in e.trajectories.values():
+            counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
+        for state, n in sorted(counts.items()):
+            traj.add_metric([pool, state], n)
+        yield traj

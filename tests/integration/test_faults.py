@@ -1,0 +1,166 @@
+"""Faults, with the scheduler and the node agent as separate processes (`tangram serve`,
+`tangram agent`): an agent killed mid-action, and a flood beyond admission control."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tangram.client import ActionResult, ActionStatus, Client, TangramError
+from tangram.service.embedded import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service")]
+ROOT = Path(__file__).resolve().parents[2]
+
+POOL = """
+apiVersion: tangram.dev/v1alpha1
+kind: ActionPool
+metadata: {name: faults}
+spec:
+  cpu: {idleCores: 1}
+  admission: {maxQueued: 3}
+---
+apiVersion: tangram.dev/v1alpha1
+kind: TrajectoryEnv
+metadata: {name: shell}
+spec:
+  poolRef: faults
+  image: unused
+  memoryGiB: 0.1
+"""
+
+
+def _tangram(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tangram.cli.main", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait(predicate: object, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        (tmp / "pool.yaml").write_text(POOL)
+        self.tmp, self.port = tmp, free_port()
+        self.env = {**os.environ, "TANGRAM_TOKEN_FILE": str(tmp / "tokens")}
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.scheduler = _tangram(
+            "serve", "-f", str(tmp / "pool.yaml"), "--port", str(self.port), env=self.env
+        )
+        _wait(lambda: self._get("/healthz") == 200, "the scheduler did not start")
+        self.agents: list[subprocess.Popen[str]] = []
+
+    def _get(self, path: str) -> int:
+        try:
+            return httpx.get(self.url + path).status_code
+        except httpx.HTTPError:
+            return 0
+
+    def agent(self, state: str) -> subprocess.Popen[str]:
+        proc = _tangram(
+            "agent",
+            "--scheduler",
+            f"ws://127.0.0.1:{self.port}/v1/agents",
+            "--runtime",
+            "process",
+            "--node",
+            "n1",
+            "--state-dir",
+            str(self.tmp / state),
+            env=self.env,
+        )
+        self.agents.append(proc)
+        _wait(lambda: self._get("/readyz") == 200, "the agent did not register")
+        return proc
+
+    def stop(self) -> None:
+        for proc in (*self.agents, self.scheduler):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (*self.agents, self.scheduler):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    monkeypatch.setenv("TANGRAM_TOKEN_FILE", str(tmp_path / "tokens"))  # the clients' too
+    c = Cluster(tmp_path)
+    yield c
+    c.stop()
+
+
+def test_an_agent_killed_mid_action_ends_it_retryably_and_loses_its_trajectories(
+    cluster: Cluster,
+) -> None:
+    victim = cluster.agent("state-a")
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell")
+        box: list[ActionResult] = []
+        runner = threading.Thread(target=lambda: box.append(client.exec(t.id, ["sleep", "60"])))
+        runner.start()
+        time.sleep(1.0)  # the action is running on the agent
+        victim.kill()
+        runner.join(30)
+        (r,) = box
+        assert r.status is ActionStatus.ERROR
+        assert r.error is not None and r.error.code == "node_lost" and r.error.retryable
+        assert client.get(t.id).state.value == "lost"
+        # A new agent joins; new trajectories go to it.
+        cluster.agent("state-b")
+        with client.trajectory("shell") as fresh:
+            assert fresh.exec(["true"]).status is ActionStatus.OK
+
+
+def test_a_flood_beyond_admission_is_answered_429_and_nothing_accepted_is_lost(
+    cluster: Cluster,
+) -> None:
+    cluster.agent("state-a")
+    with Client(cluster.url, retries=0) as client:
+        trajectories = [client.open("shell").id for _ in range(8)]
+        accepted: list[ActionResult] = []
+        refused: list[TangramError] = []
+        lock = threading.Lock()
+
+        def submit(tid: str) -> None:
+            try:
+                r = client.exec(tid, ["sleep", "1"])
+                with lock:
+                    accepted.append(r)
+            except TangramError as e:
+                with lock:
+                    refused.append(e)
+
+        threads = [threading.Thread(target=submit, args=(t,)) for t in trajectories]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert refused and all(e.status == 429 for e in refused)
+        assert accepted and all(r.status is ActionStatus.OK and r.exit_code == 0 for r in accepted)
+        assert len(accepted) + len(refused) == len(trajectories)
+        for t in trajectories:
+            client.close(t)
