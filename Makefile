@@ -31,6 +31,7 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench scheduler --json --out docs/bench/scheduler.json
 	$(BIN)/tangram bench paper --out docs/bench
 	$(BIN)/tangram bench exec --json --out docs/bench/exec.json  # needs a Docker Engine
+	$(BIN)/tangram bench service --sweep 2,1,0.7,0.5,0.4 --json --out docs/bench/service.json
 
 bench-quick: setup ## a smaller paper sweep for a smoke run (writes out/bench)
 	$(BIN)/tangram bench paper --quick --out out/bench

@@ -136,7 +136,7 @@ def test_metrics_and_health(client: Client) -> None:
     with client.trajectory("shell") as t:
         for _ in range(3):
             t.exec(["true"])
-        url = str(client._async._http.base_url)
+        url = client._async.url
         text = httpx.get(f"{url}/metrics").text
     count = [ln for ln in text.splitlines() if ln.startswith("tangram_action_act_seconds_count")]
     assert count and float(count[0].split()[-1]) >= 3

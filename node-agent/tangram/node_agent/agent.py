@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import AgentHello, AgentReply, AgentRequest, EnvSpec, ExecOutcome
@@ -24,6 +25,7 @@ from tangram.node_agent.env_template import EnvTemplate
 from tangram.node_agent.exec_server import build
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.inventory import read_inventory
+from tangram.node_agent.noop_runtime import NoopRuntime
 from tangram.node_agent.process_runtime import ProcessRuntime
 
 log = logging.getLogger("tangram.agent")
@@ -52,7 +54,7 @@ class _ProcessEnv:
 class NodeAgent:
     def __init__(
         self,
-        runtime: DockerRuntime | ProcessRuntime,
+        runtime: DockerRuntime | ProcessRuntime | NoopRuntime,
         inventory: NodeInventory,
         action_cores: list[int],
         idle_cores: list[int],
@@ -66,7 +68,13 @@ class NodeAgent:
         self.idle_cores = idle_cores
         self.node = node
         self.fast_path = fast_path
-        self.kind: str = "docker" if isinstance(runtime, DockerRuntime) else "process"
+        self.kind: Literal["docker", "process", "noop"] = (
+            "docker"
+            if isinstance(runtime, DockerRuntime)
+            else "noop"
+            if isinstance(runtime, NoopRuntime)
+            else "process"
+        )
         self.adopted: list[str] = []
         self._process_envs: dict[str, _ProcessEnv] = {}
         self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
@@ -83,8 +91,19 @@ class NodeAgent:
         cores_for_actions: int | None = None,
         cache_dir: Path | None = None,
     ) -> NodeAgent:
-        """An agent for this machine; ``runtime``: auto, docker or process."""
+        """An agent for this machine; ``runtime``: auto, docker, process, or noop (runs
+        nothing, on ``cores_for_actions`` virtual cores: for benchmarks of the service)."""
         inventory = read_inventory()
+        if runtime == "noop":
+            virtual = list(range(cores_for_actions or 1024))
+            return cls(
+                NoopRuntime(),
+                inventory,
+                virtual,
+                [0],
+                node=node or inventory.hostname,
+                fast_path="the noop runtime",
+            )
         actions, idle = split_cores(sorted(os.sched_getaffinity(0)), idle_cores, cores_for_actions)
         name = node or inventory.hostname
         if runtime in ("auto", "docker"):
@@ -108,7 +127,7 @@ class NodeAgent:
         return AgentHello(
             node=self.node,
             inventory=self.inventory,
-            runtime="docker" if self.kind == "docker" else "process",
+            runtime=self.kind,
             action_cores=self.action_cores,
             idle_cores=self.idle_cores,
             fast_path=self.fast_path,
@@ -163,6 +182,9 @@ class NodeAgent:
                 self._background.add(refill)
                 refill.add_done_callback(self._background.discard)
             return opened.seconds, opened.warm
+        if isinstance(rt, NoopRuntime):
+            rt.open(trajectory)
+            return 0.0, False
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         rt.open(trajectory)

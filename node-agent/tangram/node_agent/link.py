@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 
 import websockets
@@ -33,9 +34,12 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
                 additional_headers={"Authorization": f"Bearer {token}"},
                 max_size=64 << 20,
                 ping_interval=None,  # our heartbeats do it, at the pool's pace
+                compression=None,  # small JSON messages: deflate costs more than it saves
                 open_timeout=10,
             ) as ws:
                 backoff = 0.1
+                gc.collect()
+                gc.freeze()  # start-up objects are forever: keep collections short
                 await ws.send(agent.hello().model_dump_json())
                 log.info("connected to %s as %s", url, agent.node)
                 await _session(agent, ws, stop)
@@ -66,7 +70,7 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
 
     async def heartbeat() -> None:
         while True:
-            await send('{"heartbeat": true}')
+            await send('{"heartbeat":true}')
             await asyncio.sleep(HEARTBEAT_S)
 
     beats = asyncio.create_task(heartbeat())

@@ -34,7 +34,10 @@ def register(sub: Any) -> None:
         ),
     )
     p.add_argument(
-        "what", nargs="?", choices=("scheduler", "paper", "exec"), help="a named benchmark"
+        "what",
+        nargs="?",
+        choices=("scheduler", "paper", "exec", "service"),
+        help="a named benchmark",
     )
     p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
     p.add_argument("--cluster", help="cluster YAML: nodes, services, apis")
@@ -56,6 +59,16 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--image", help="exec: environment image (default: one made from busybox)")
     p.add_argument(
+        "--trajectories",
+        type=whole_number(1),
+        default=1000,
+        help="service: concurrent trajectories",
+    )
+    p.add_argument("--think", type=float, default=0.4, help="service: mean think time, seconds")
+    p.add_argument("--sweep", help="service: comma-separated think times (e.g. 2,1,0.5,0.3)")
+    p.add_argument("--duration", type=float, default=20.0, help="service: measured seconds")
+    p.add_argument("--warmup", type=float, default=5.0, help="service: seconds before measuring")
+    p.add_argument(
         "--state-dir", default="/var/lib/tangram/bench", help="exec: agent state (socket dirs)"
     )
     p.set_defaults(run=run)
@@ -65,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "scheduler":
         report = run_round_bench(progress=not args.json)
         _emit(report, args)
+        return 0
+    if args.what == "service":
+        from tangram.cli.bench_service import run_service_bench
+
+        _emit(run_service_bench(args), args)
         return 0
     if args.what == "exec":
         from tangram.cli.bench_exec import run_exec_bench
@@ -165,7 +183,7 @@ def replay_all(
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
     text = json.dumps(report, indent=None if args.json else 2)
-    if args.out and args.what in ("scheduler", "exec"):
+    if args.out and args.what in ("scheduler", "exec", "service"):
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -183,6 +201,8 @@ def _table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
+    if "actions_per_s" in report:
+        return  # bench service printed its lines already
     if "portable" in report:
         from tangram.cli.bench_exec import print_tables
 

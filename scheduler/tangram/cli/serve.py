@@ -15,7 +15,7 @@ from typing import Any
 
 from tangram.cli.files import InputError
 from tangram.cli.progress import note
-from tangram.cli.up import load_pool, load_tokens, make_agent, setup_logging
+from tangram.cli.up import load_pool, load_tokens, make_agent, run_loop, setup_logging
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.service.auth import AGENT_TENANT
 from tangram.service.embedded import Running, run
@@ -41,10 +41,17 @@ def register(sub: Any) -> None:
     a.add_argument("--scheduler", required=True, help="ws://HOST:PORT/v1/agents")
     a.add_argument("--token-file", default=_TOKENS, help="holds a system:agent token")
     a.add_argument("--node", help="node name (default: the hostname)")
-    a.add_argument("--runtime", choices=("auto", "docker", "process"), default="auto")
+    a.add_argument(
+        "--runtime",
+        choices=("auto", "docker", "process", "noop"),
+        default="auto",
+        help="noop runs nothing (benchmarks of the service only)",
+    )
     a.add_argument("--state-dir", default=_STATE)
     a.add_argument("--idle-cores", type=int, default=1, help="size of the idle core set")
-    a.add_argument("--cores", type=int, help="cores for actions (default: all but the idle set)")
+    a.add_argument(
+        "--cores", type=int, help="cores for actions (default: all but the idle set; noop: virtual)"
+    )
     a.add_argument("-v", "--verbose", action="store_true")
     a.set_defaults(run=run_agent)
 
@@ -78,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
 
     try:
-        asyncio.run(main())
+        run_loop(main())
     except OSError as e:
         raise InputError(f"--port {args.port}: {e.strerror}") from None
     return 0
@@ -100,5 +107,5 @@ def run_agent(args: argparse.Namespace) -> int:
         await serve_link(agent, args.scheduler, token, stop)
         await asyncio.to_thread(agent.shutdown)
 
-    asyncio.run(main())
+    run_loop(main())
     return 0

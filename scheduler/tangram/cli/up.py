@@ -41,7 +41,13 @@ def register(sub: Any) -> None:
     p.add_argument("--pool", help="the ActionPool to serve when the files declare several")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--runtime", choices=("auto", "docker", "process"), default="auto")
+    p.add_argument(
+        "--runtime",
+        choices=("auto", "docker", "process", "noop"),
+        default="auto",
+        help="noop runs nothing (benchmarks of the service only)",
+    )
+    p.add_argument("--cores", type=int, help="cores for actions (noop: virtual cores)")
     p.add_argument(
         "--state-dir",
         default=os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram")),
@@ -86,7 +92,7 @@ def run_up(args: argparse.Namespace) -> int:
     setup_logging(args.verbose)
     pool, config = load_pool(args.file, args.pool)
     tokens = load_tokens(Path(args.token_file))
-    agent = make_agent(args, config.idle_cores, config.cores_per_node)
+    agent = make_agent(args, config.idle_cores, args.cores or config.cores_per_node)
     _local_images(agent, [e.spec.image for e in config.envs.values()])
     stop = asyncio.Event()
 
@@ -120,7 +126,7 @@ def run_up(args: argparse.Namespace) -> int:
         )
 
     try:
-        asyncio.run(main())
+        run_loop(main())
     except OSError as e:
         raise InputError(f"--port {args.port}: {e.strerror}") from None
     note("stopped; every environment was removed")
@@ -163,3 +169,12 @@ def _local_images(agent: Any, images: list[str]) -> None:
     for image in images:
         if image.startswith(LOCAL_BUSYBOX) and import_busybox(agent.runtime.client, image) is None:
             print(f"tangram: warning: {image}: busybox-static is not installed", file=sys.stderr)
+
+
+def run_loop(coro: Any) -> Any:
+    """uvloop when it is installed (uvicorn[standard] brings it): a faster event loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

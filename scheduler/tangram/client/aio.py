@@ -7,12 +7,13 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
-import httpx
+import aiohttp
 
 from tangram.api.wire import ActionResult, TrajectoryInfo
 from tangram.client.common import (
     RETRY_STATUS,
     Call,
+    Reply,
     TangramError,
     answer,
     exec_body,
@@ -34,12 +35,10 @@ class AsyncClient:
         backoff_s: float = 0.1,
         timeout_s: float | None = None,
     ) -> None:
-        base, tok = settings(url, token)
-        headers = {"Authorization": f"Bearer {tok}"} if tok else {}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self._http = httpx.AsyncClient(
-            base_url=base, headers=headers, timeout=timeout_s, limits=limits
-        )
+        self.url, tok = settings(url, token)
+        self._headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None  # made on the loop that uses it
         self.retries, self.backoff_s = retries, backoff_s
 
     async def __aenter__(self) -> Self:
@@ -49,21 +48,30 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def _call(self, call: Call) -> Any:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                self.url,
+                headers=self._headers,
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=0),  # one connection per waiting action
+            )
         for attempt in range(self.retries + 1):
-            response = None
+            reply: Reply | None = None
             try:
-                response = await self._http.request(
+                async with self._session.request(
                     call.method, call.path, json=call.body, headers=call.headers
-                )
-                if response.status_code not in RETRY_STATUS or attempt == self.retries:
-                    return answer(response)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                ) as response:
+                    reply = Reply(response.status, await response.read(), response.headers)
+                if reply.status not in RETRY_STATUS or attempt == self.retries:
+                    return answer(reply)
+            except aiohttp.ClientConnectionError:
                 if attempt == self.retries:
                     raise
-            await asyncio.sleep(retry_after(response, attempt, self.backoff_s))
+            await asyncio.sleep(retry_after(reply, attempt, self.backoff_s))
         raise AssertionError("unreachable")
 
     # ---- trajectories --------------------------------------------------------------

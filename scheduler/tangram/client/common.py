@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from tangram.api.wire import ActionResult, TrajectoryInfo
 
@@ -32,6 +31,15 @@ class TangramError(Exception):
     @property
     def retryable(self) -> bool:
         return self.status in RETRY_STATUS
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An HTTP answer, whatever library carried it."""
+
+    status: int
+    body: bytes
+    headers: Mapping[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,22 +116,21 @@ def exec_body(
     return body
 
 
-def answer(response: httpx.Response) -> Any:
-    if response.status_code >= 400:
+def answer(reply: Reply) -> Any:
+    if reply.status >= 400:
         try:
-            err = response.json()["error"]
-            raise TangramError(
-                response.status_code, err["code"], err["message"], err.get("details", [])
-            )
+            err = json.loads(reply.body)["error"]
+            raise TangramError(reply.status, err["code"], err["message"], err.get("details", []))
         except (ValueError, KeyError, TypeError):
-            raise TangramError(response.status_code, "http", response.text[:500], []) from None
-    return response.json()
+            text = reply.body[:500].decode(errors="replace")
+            raise TangramError(reply.status, "http", text, []) from None
+    return json.loads(reply.body)
 
 
-def retry_after(response: httpx.Response | None, attempt: int, base: float) -> float:
+def retry_after(reply: Reply | None, attempt: int, base: float) -> float:
     """How long to wait before retry ``attempt``: Retry-After when given, else backoff."""
-    if response is not None:
-        given = response.headers.get("retry-after", "")
+    if reply is not None:
+        given = reply.headers.get("retry-after", "")
         if given.replace(".", "", 1).isdigit():
             return min(float(given), 30.0)
     return min(base * 2.0**attempt, 10.0)

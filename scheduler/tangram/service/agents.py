@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from tangram.api.wire import AgentHello, AgentReply, AgentRequest
 
 log = logging.getLogger("tangram.service")
+HEARTBEAT = '{"heartbeat"'  # how an agent's heartbeat message starts
 
 
 class Socket(Protocol):
@@ -55,7 +55,7 @@ class AgentLink:
         self._pending[req.rid] = fut
         try:
             async with self._send_lock:
-                await self.socket.send_text(req.model_dump_json(exclude_defaults=True))
+                await self.socket.send_text(req.model_dump_json())
             return await fut
         except asyncio.CancelledError:
             with contextlib.suppress(AgentGoneError, Exception):
@@ -77,10 +77,9 @@ class AgentLink:
             while True:
                 text = await self.socket.receive_text()
                 self.last_seen = time.monotonic()
-                data: dict[str, Any] = json.loads(text)
-                if "heartbeat" in data:
+                if text.startswith(HEARTBEAT):
                     continue
-                reply = AgentReply.model_validate(data)
+                reply = AgentReply.model_validate_json(text)
                 fut = self._pending.get(reply.rid)
                 if fut is not None and not fut.done():
                     fut.set_result(reply)

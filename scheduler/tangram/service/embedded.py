@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import socket
 from collections.abc import Callable, Iterator
@@ -39,6 +40,14 @@ class Running:
     engine: Engine
 
 
+def quiet_gc() -> None:
+    """Long-lived start-up objects never need collecting again, and frequent collections
+    over thousands of in-flight requests were the service's latency tail (benchmarks.md)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -62,7 +71,13 @@ async def run(
     app = create_app(engine, tokens)
     server = _Server(
         uvicorn.Config(
-            app, host=host, port=port, log_level="warning", lifespan="on", ws="websockets-sansio"
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            ws="websockets-sansio",
+            ws_per_message_deflate=False,
         )
     )
     server_task = asyncio.create_task(server.serve())
@@ -84,6 +99,7 @@ async def run(
             if agent_task.done():
                 agent_task.result()
             await asyncio.sleep(0.01)
+    quiet_gc()
     if on_ready is not None:
         on_ready(Running(url, engine))
     try:

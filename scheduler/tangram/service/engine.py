@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec
@@ -113,6 +113,7 @@ class Engine:
         self.leases: dict[str, str] = {}  # lease id -> action id
         self.accepting = True
         self._ids = itertools.count(1)
+        self._epoch = secrets.token_hex(3)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -224,9 +225,7 @@ class Engine:
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), time.time())
         self.trajectories[tid] = rec
         try:
-            reply = await self._ask(
-                node, AgentRequest(op="open", rid=0, trajectory=tid, env=env.spec)
-            )
+            reply = await self._ask(node, op="open", trajectory=tid, env=env.spec)
         except BaseException:
             self._forget(rec)
             raise
@@ -248,7 +247,7 @@ class Engine:
         await asyncio.gather(*(t for t in running if t is not None), return_exceptions=True)
         if rec.state is TrajectoryState.OPEN and rec.node in self.hub.links:
             with contextlib.suppress(AgentGoneError, EngineError):
-                await self._ask(rec.node, AgentRequest(op="close", rid=0, trajectory=tid))
+                await self._ask(rec.node, op="close", trajectory=tid)
         self._forget(rec)
         rec.state = TrajectoryState.CLOSED
         return rec
@@ -390,7 +389,7 @@ class Engine:
         req: ExecRequest | ApiLeaseRequest,
         argv: list[str] | None,
     ) -> ActionRecord:
-        aid = f"a-{next(self._ids)}-{secrets.token_hex(3)}"
+        aid = f"a-{self._epoch}-{next(self._ids)}"  # unique across restarts by the epoch
         fut: asyncio.Future[ActionResult] = asyncio.get_running_loop().create_future()
         return ActionRecord(aid, tenant, tid, kind, req, argv, self.clock(), fut)
 
@@ -471,9 +470,8 @@ class Engine:
         timeout = req.timeout_s
         if timeout is None and req.profile is not None:
             timeout = env.profiles[req.profile].timeout_s
-        msg = AgentRequest(
+        msg = dict(
             op="session" if req.session else "exec",
-            rid=0,
             trajectory=rec.trajectory,
             argv=rec.argv,
             session=req.session,
@@ -486,7 +484,7 @@ class Engine:
         t0 = self.clock()
         status, reply, error = ActionStatus.ERROR, None, None
         try:
-            reply = await self._ask(asg.node, msg)
+            reply = await self._ask(asg.node, **msg)
             if reply.ok and reply.result is not None:
                 status = ActionStatus.TIMEOUT if reply.result.timed_out else ActionStatus.OK
             else:
@@ -508,11 +506,11 @@ class Engine:
         self._finish(rec, status, error=error, exec_s=exec_s, overhead_s=overhead, reply=reply)
         self._wake.set()
 
-    async def _ask(self, node: str | None, msg: AgentRequest) -> AgentReply:
+    async def _ask(self, node: str | None, **fields: Any) -> AgentReply:
         link = self.hub.links.get(node or "")
         if link is None:
             raise EngineError("unavailable", "node", f"node {node} has no agent connected")
-        return await link.request(msg.model_copy(update={"rid": link.next_rid()}))
+        return await link.request(AgentRequest(rid=link.next_rid(), **fields))
 
     # ---- results -----------------------------------------------------------------------
     def _finish(

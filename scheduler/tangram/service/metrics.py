@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -45,6 +45,9 @@ _BUCKETS = (
 )
 
 
+_PHASES = ("act", "queued", "overhead", "exec")
+
+
 class Metrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
@@ -78,18 +81,24 @@ class Metrics:
         )
         self.registry.register(_Live(engine))
         self.pool = engine.config.name
+        self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     def ended(self, result: ActionResult) -> None:
-        self.actions.labels(self.pool, result.kind, result.status.value).inc()
+        key = (result.kind, result.status.value)
+        children = self._children.get(key)
+        if children is None:  # label lookups cost more than the observations: cache them
+            children = (
+                self.actions.labels(self.pool, *key),
+                *(self.phases[p].labels(self.pool, result.kind) for p in _PHASES),
+            )
+            self._children[key] = children
+        children[0].inc()
         if result.status.value in ("ok", "timeout"):
             t = result.timings
-            for phase, value in (
-                ("act", t.act_s),
-                ("queued", t.queued_s),
-                ("overhead", t.overhead_s),
-                ("exec", t.exec_s),
+            for child, value in zip(
+                children[1:], (t.act_s, t.queued_s, t.overhead_s, t.exec_s), strict=True
             ):
-                self.phases[phase].labels(self.pool, result.kind).observe(value)
+                child.observe(value)
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

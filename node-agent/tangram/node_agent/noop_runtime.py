@@ -1,0 +1,37 @@
+"""A runtime that runs nothing: every command "exits 0" at once, on as many virtual cores
+as asked. Only for measuring the scheduler service itself (``tangram bench service``):
+with it, an action's whole time is the system's overhead."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from tangram.node_agent.execution import ExecResult, Output, check_request
+
+_NOTHING = Output(b"", False, b"", False)
+
+
+class NoopRuntime:
+    def __init__(self) -> None:
+        self._open: set[str] = set()
+
+    def open(self, trajectory: str) -> None:
+        self._open.add(trajectory)
+
+    def close(self, trajectory: str) -> None:
+        self._open.discard(trajectory)
+
+    async def exec(
+        self,
+        trajectory: str,
+        argv: Sequence[str],
+        cores: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        output_cap: int = 1 << 20,
+    ) -> ExecResult:
+        check_request(trajectory in self._open, trajectory, argv, cores)
+        t = time.perf_counter()
+        return ExecResult.of(0, _NOTHING, False, cores, (t, t, t, t), path="noop")
