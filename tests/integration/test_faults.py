@@ -63,11 +63,14 @@ class Cluster:
         self.tmp, self.port = tmp, free_port()
         self.env = {**os.environ, "TANGRAM_TOKEN_FILE": str(tmp / "tokens")}
         self.url = f"http://127.0.0.1:{self.port}"
+        self.agents: list[subprocess.Popen[str]] = []
+        self.start_scheduler()
+
+    def start_scheduler(self) -> None:
         self.scheduler = _tangram(
-            "serve", "-f", str(tmp / "pool.yaml"), "--port", str(self.port), env=self.env
+            "serve", "-f", str(self.tmp / "pool.yaml"), "--port", str(self.port), env=self.env
         )
         _wait(lambda: self._get("/healthz") == 200, "the scheduler did not start")
-        self.agents: list[subprocess.Popen[str]] = []
 
     def _get(self, path: str) -> int:
         try:
@@ -164,3 +167,43 @@ def test_a_flood_beyond_admission_is_answered_429_and_nothing_accepted_is_lost(
         assert len(accepted) + len(refused) == len(trajectories)
         for t in trajectories:
             client.close(t)
+
+
+def test_a_restarted_scheduler_takes_back_trajectories_and_running_actions(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.agent("state-a")
+    marker = tmp_path / "runs"
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell", labels={"job": "j1"})
+        slow = ["sh", "-c", f"echo run >> {marker}; sleep 3; echo finished"]
+        box: list[object] = []
+        runner = threading.Thread(
+            target=lambda: box.append(
+                _swallow(lambda: client.exec(t.id, slow, idempotency_key="k"))
+            )
+        )
+        runner.start()
+        _wait(marker.exists, "the action did not start")
+        cluster.scheduler.kill()  # a crash mid-action: no graceful anything
+        cluster.scheduler.wait(10)
+        runner.join(30)
+        assert isinstance(box[0], Exception)  # the client saw the scheduler go
+        cluster.start_scheduler()
+        _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
+    with Client(cluster.url, retries=5) as client:
+        again = client.exec(t.id, slow, idempotency_key="k")  # the retry of the same action
+        assert again.status is ActionStatus.OK and again.stdout == "finished\n"
+        assert marker.read_text() == "run\n"  # it ran once
+        info = client.get(t.id)
+        assert info.state.value == "open" and info.labels == {"job": "j1"}
+        later = client.exec(t.id, ["sh", "-c", f"cat {marker}"], idempotency_key="k2")
+        assert later.stdout == "run\n"
+        client.close(t.id)
+
+
+def _swallow(call: object) -> object:
+    try:
+        return call()  # type: ignore[operator]
+    except Exception as e:  # the test looks at what it was
+        return e

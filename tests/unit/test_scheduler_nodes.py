@@ -66,3 +66,17 @@ def test_draining_a_node_ends_its_work_and_frees_what_it_held() -> None:
     s.complete("other", now=1.0)
     with pytest.raises(SchedulingError, match="not part"):
         s.drain_node("n1")
+
+
+def test_adopting_an_action_on_its_exact_cores() -> None:
+    s = Scheduler(cluster(nodes=[{"name": "n1", "cpus": 4, "memory_gb": 8}]))
+    s.open_trajectory("t1", memory_gb=1)
+    asg = s.adopt("old", "t1", exec_action(2), units=2, started_at=0.0, node="n1", cores=[1, 3])
+    assert asg.cores == (1, 3) and s.cpu.nodes["n1"].free_cores == 2
+    s.open_trajectory("t2", memory_gb=1)
+    with pytest.raises(SchedulingError, match="not free"):
+        s.adopt("clash", "t2", exec_action(1), units=1, started_at=0.0, node="n1", cores=[3])
+    with pytest.raises(SchedulingError, match="distinct"):
+        s.adopt("bad", "t2", exec_action(2), units=2, started_at=0.0, node="n1", cores=[0, 0])
+    s.complete("old", now=1.0)
+    assert s.cpu.nodes["n1"].free_cores == 4

@@ -12,13 +12,23 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from tangram.api.inventory import NodeInventory
-from tangram.api.wire import AgentHello, AgentReply, AgentRequest, EnvSpec, ExecOutcome
+from tangram.api.wire import (
+    AgentHello,
+    AgentReply,
+    AgentRequest,
+    EnvSpec,
+    ExecOutcome,
+    RunningAction,
+    TrajectoryMeta,
+)
 from tangram.node_agent.cgroups import detect
 from tangram.node_agent.docker_runtime import DockerRuntime
 from tangram.node_agent.env_template import EnvTemplate
@@ -29,6 +39,7 @@ from tangram.node_agent.noop_runtime import NoopRuntime
 from tangram.node_agent.process_runtime import ProcessRuntime
 
 log = logging.getLogger("tangram.agent")
+MAX_REMEMBERED = 50_000  # results kept per agent for retried keys
 
 
 def split_cores(
@@ -76,8 +87,18 @@ class NodeAgent:
             else "process"
         )
         self.adopted: list[str] = []
+        self.meta_dir: Path | None = None  # where trajectory metadata outlives the agent
+        self.meta: dict[str, TrajectoryMeta] = {}
         self._process_envs: dict[str, _ProcessEnv] = {}
         self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
+        # At-most-once execution per key: finished replies, and keyed runs in flight with
+        # (trajectory, cores, start). Keyed runs outlive the link that asked for them.
+        self._results: OrderedDict[str, AgentReply] = OrderedDict()
+        self._keyed: dict[str, asyncio.Task[AgentReply]] = {}
+        self._keyed_info: dict[str, tuple[str, list[int], float]] = {}
+        self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
+        self._unsent: list[AgentReply] = []  # their results, until a link takes them
+        self._sink: Callable[[AgentReply], None] | None = None
         self._background: set[asyncio.Future[None]] = set()
 
     @classmethod
@@ -116,14 +137,17 @@ class NodeAgent:
             else:
                 agent = cls(rt, inventory, actions, idle, node=name, fast_path=built.reason)
                 agent.adopted = rt.adopt()
+                agent.load_meta(state_dir / "meta")
                 return agent
         cgroups = detect()
         prt = ProcessRuntime(state_dir / "trajectories", cgroups, idle, group_prefix="tangram")
         agent = cls(prt, inventory, actions, idle, node=name, fast_path="the process runtime")
         agent.adopted = prt.adopt()
+        agent.load_meta(state_dir / "meta")
         return agent
 
     def hello(self) -> AgentHello:
+        now = time.monotonic()
         return AgentHello(
             node=self.node,
             inventory=self.inventory,
@@ -131,8 +155,29 @@ class NodeAgent:
             action_cores=self.action_cores,
             idle_cores=self.idle_cores,
             fast_path=self.fast_path,
-            trajectories=self.adopted,
+            trajectories=[
+                self.meta.get(t) or TrajectoryMeta(id=t, tenant="", env="") for t in self._held()
+            ],
+            running=[
+                RunningAction(key=k, trajectory=t, cores=c, running_s=now - t0)
+                for k, (t, c, t0) in self._keyed_info.items()
+                if k in self._orphaned
+            ],
         )
+
+    def _held(self) -> list[str]:
+        rt = self.runtime
+        return sorted(rt.envs) if isinstance(rt, DockerRuntime) else rt.held()
+
+    def attach(self, sink: Callable[[AgentReply], None]) -> None:
+        """A link is up: results of runs whose requester went away go to ``sink``."""
+        self._sink = sink
+        for reply in self._unsent:
+            sink(reply)
+        self._unsent.clear()
+
+    def detach(self) -> None:
+        self._sink = None
 
     async def handle(self, req: AgentRequest) -> AgentReply:
         """Answer one request; errors become a reply, never an exception."""
@@ -141,6 +186,8 @@ class NodeAgent:
             if task is not None:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
+        if req.key is not None and req.op in ("exec", "session"):
+            return await self._once(req, req.key)
         task = asyncio.ensure_future(self._run(req))
         self._tasks[req.rid] = task
         try:
@@ -150,11 +197,55 @@ class NodeAgent:
         finally:
             self._tasks.pop(req.rid, None)
 
+    async def _once(self, req: AgentRequest, key: str) -> AgentReply:
+        """Run a keyed action at most once: a repeat gets the first run's reply, or waits
+        for the run in flight. The run goes on if the requester's link drops; its result
+        is then sent, unasked, on the next link (rid 0, with its key)."""
+        done = self._results.get(key)
+        if done is not None:
+            return done.model_copy(update={"rid": req.rid, "replayed": True})
+        task = self._keyed.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._run(req))
+            self._keyed[key] = task
+            self._keyed_info[key] = (req.trajectory or "", list(req.cores), time.monotonic())
+            task.add_done_callback(lambda t: self._keyed_done(key, t))
+        self._tasks[req.rid] = task  # an explicit cancel request cancels the run itself
+        try:
+            reply = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # cancelled on request
+                return AgentReply(rid=req.rid, ok=False, error="cancelled", key=key)
+            self._orphaned.add(key)  # the link dropped: the run goes on without us
+            raise
+        finally:
+            self._tasks.pop(req.rid, None)
+        return reply.model_copy(update={"rid": req.rid, "key": key})
+
+    def _keyed_done(self, key: str, task: asyncio.Task[AgentReply]) -> None:
+        if task.cancelled():
+            reply = AgentReply(rid=0, ok=False, error="cancelled", key=key)
+        else:
+            reply = task.result().model_copy(update={"rid": 0, "key": key})
+        self._results[key] = reply
+        while len(self._results) > MAX_REMEMBERED:
+            self._results.popitem(last=False)
+        self._keyed.pop(key, None)
+        self._keyed_info.pop(key, None)
+        if key in self._orphaned:
+            self._orphaned.discard(key)
+            if self._sink is not None:
+                self._sink(reply)
+            else:
+                self._unsent.append(reply)
+
     async def _run(self, req: AgentRequest) -> AgentReply:
         try:
             if req.op == "open":
                 assert req.trajectory and req.env
                 seconds, warm = await self.open(req.trajectory, req.env)
+                if req.meta is not None:
+                    self._remember(req.meta)
                 return AgentReply(rid=req.rid, ok=True, opened_s=seconds, warm=warm)
             if req.op == "close":
                 assert req.trajectory
@@ -206,6 +297,31 @@ class NodeAgent:
     def close(self, trajectory: str) -> None:
         self._process_envs.pop(trajectory, None)
         self.runtime.close(trajectory)
+        self.meta.pop(trajectory, None)
+        if self.meta_dir is not None:
+            (self.meta_dir / f"{trajectory}.json").unlink(missing_ok=True)
+
+    def _remember(self, meta: TrajectoryMeta) -> None:
+        self.meta[meta.id] = meta
+        if self.meta_dir is not None:
+            self.meta_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.meta_dir / f".{meta.id}.json"
+            tmp.write_text(meta.model_dump_json(), encoding="utf-8")
+            tmp.replace(self.meta_dir / f"{meta.id}.json")  # atomic: never half a file
+
+    def load_meta(self, meta_dir: Path) -> None:
+        """Metadata of the environments this agent holds, as a previous agent wrote it."""
+        self.meta_dir = meta_dir
+        held = set(self._held())
+        for path in sorted(meta_dir.glob("*.json")) if meta_dir.is_dir() else []:
+            try:
+                meta = TrajectoryMeta.model_validate_json(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if meta.id in held:
+                self.meta[meta.id] = meta
+            else:
+                path.unlink(missing_ok=True)  # its environment is gone
 
     async def exec(self, req: AgentRequest) -> ExecResult:
         assert req.trajectory is not None

@@ -17,7 +17,7 @@ import logging
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from tangram.api.wire import AgentRequest
+from tangram.api.wire import AgentReply, AgentRequest
 from tangram.node_agent.agent import NodeAgent
 
 log = logging.getLogger("tangram.agent")
@@ -73,8 +73,14 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
             await send('{"heartbeat":true}')
             await asyncio.sleep(HEARTBEAT_S)
 
+    def orphan(reply: AgentReply) -> None:  # a run that finished after its link dropped
+        task = asyncio.ensure_future(send(reply.model_dump_json()))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
     beats = asyncio.create_task(heartbeat())
     stopping = asyncio.create_task(stop.wait())
+    agent.attach(orphan)
     try:
         while True:
             recv = asyncio.ensure_future(ws.recv())
@@ -91,6 +97,7 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
             tasks.add(task)
             task.add_done_callback(tasks.discard)
     finally:
+        agent.detach()
         beats.cancel()
         stopping.cancel()
         for task in tasks:

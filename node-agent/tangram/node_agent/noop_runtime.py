@@ -19,6 +19,9 @@ class NoopRuntime:
     def open(self, trajectory: str) -> None:
         self._open.add(trajectory)
 
+    def held(self) -> list[str]:
+        return sorted(self._open)
+
     def close(self, trajectory: str) -> None:
         self._open.discard(trajectory)
 

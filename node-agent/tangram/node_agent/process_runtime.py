@@ -67,6 +67,10 @@ class ProcessRuntime:
     def _group(self, trajectory: str) -> str:
         return f"{self.prefix}/{trajectory}"
 
+    def held(self) -> list[str]:
+        """The trajectories open here."""
+        return sorted(self._open)
+
     def workdir(self, trajectory: str) -> Path:
         return self.base_dir / trajectory
 

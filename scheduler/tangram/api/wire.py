@@ -189,6 +189,25 @@ class ErrorBody(_Strict):
 
 
 # ---- the node-agent protocol (JSON messages over one WebSocket per agent) -------------
+class TrajectoryMeta(_Strict):
+    """What the agent keeps of a trajectory so a restarted scheduler can take it back."""
+
+    id: str
+    tenant: str
+    env: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    opened_at: float = 0.0
+
+
+class RunningAction(_Strict):
+    """An action still running on an agent whose scheduler went away."""
+
+    key: str  # tenant-scoped idempotency key ("tenant" + US + key)
+    trajectory: str
+    cores: list[int]
+    running_s: float
+
+
 class AgentHello(_Strict):
     """First message of an agent: who it is and what it holds."""
 
@@ -198,7 +217,10 @@ class AgentHello(_Strict):
     action_cores: Annotated[list[int], Field(description="cores it runs actions on")]
     idle_cores: list[int]
     fast_path: str = ""  # why the fast path is unavailable ('' when it is)
-    trajectories: list[str] = Field(default_factory=list, description="re-adopted environments")
+    trajectories: list[TrajectoryMeta] = Field(
+        default_factory=list, description="environments it holds (re-adopted included)"
+    )
+    running: list[RunningAction] = Field(default_factory=list)
 
 
 class EnvSpec(_Strict):
@@ -231,6 +253,8 @@ class AgentRequest(_Strict):
     environ: dict[str, str] = Field(default_factory=dict)
     output_cap: int = 1 << 20
     target: int | None = None  # cancel: the rid of the request to cancel
+    key: str | None = None  # exec: runs at most once per key; a repeat gets the first result
+    meta: TrajectoryMeta | None = None  # open: kept by the agent for a restarted scheduler
 
 
 class ExecOutcome(_Strict):
@@ -248,13 +272,15 @@ class ExecOutcome(_Strict):
 
 
 class AgentReply(_Strict):
-    rid: int
+    rid: int  # 0: an action that finished after its scheduler went away (see ``key``)
     ok: bool
     error: str | None = None
     retryable: bool = False
     result: ExecOutcome | None = None
     opened_s: float | None = None
     warm: bool | None = None
+    key: str | None = None
+    replayed: bool = False  # the result of an earlier run with the same key
 
 
 def valid_id(text: str) -> bool:

@@ -82,6 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             on_ready=ready,
             grace_s=args.grace,
+            close_on_exit=False,  # environments outlive a scheduler restart
         )
 
     try:

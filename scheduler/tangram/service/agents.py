@@ -34,8 +34,14 @@ class AgentGoneError(RuntimeError):
 
 
 class AgentLink:
-    def __init__(self, hello: AgentHello, socket: Socket) -> None:
+    def __init__(
+        self,
+        hello: AgentHello,
+        socket: Socket,
+        on_orphan: Callable[[AgentReply], None] = lambda reply: None,
+    ) -> None:
         self.hello = hello
+        self.on_orphan = on_orphan
         self.node = hello.node
         self.socket = socket
         self.last_seen = time.monotonic()
@@ -83,6 +89,8 @@ class AgentLink:
                 fut = self._pending.get(reply.rid)
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
+                elif reply.rid == 0 and reply.key:
+                    self.on_orphan(reply)  # a run that outlived the link that asked for it
         finally:
             self.fail_pending()
 
@@ -105,8 +113,10 @@ class AgentHub:
         on_join: Callable[[AgentLink], Awaitable[None]],
         on_leave: Callable[[AgentLink], Awaitable[None]],
         heartbeat_timeout_s: float,
+        on_orphan: Callable[[AgentReply], None] = lambda reply: None,
     ) -> None:
         self.links: dict[str, AgentLink] = {}
+        self._on_orphan = on_orphan
         self._on_join = on_join
         self._on_leave = on_leave
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -117,7 +127,7 @@ class AgentHub:
         old = self.links.get(hello.node)
         if old is not None:  # a reconnect: the old link is dead even if TCP has not noticed
             await self._leave(old)
-        link = AgentLink(hello, socket)
+        link = AgentLink(hello, socket, self._on_orphan)
         self.links[hello.node] = link
         await self._on_join(link)
         try:

@@ -64,9 +64,12 @@ async def run(
     port: int = 8080,
     on_ready: Callable[[Running], None] | None = None,
     grace_s: float = 10.0,
+    close_on_exit: bool = True,
 ) -> None:
     """Serve until ``stop`` is set; then stop admitting, let in-flight actions finish
-    within ``grace_s``, close every environment the engine opened, stop the agent."""
+    within ``grace_s``, stop the agent. With ``close_on_exit`` (embedded mode) every
+    environment is removed; without it (a scheduler alone) they stay on their nodes for
+    the next scheduler to take back."""
     engine = Engine(config)
     app = create_app(engine, tokens)
     server = _Server(
@@ -106,7 +109,7 @@ async def run(
         await stop.wait()
     finally:
         engine.accepting = False
-        for rec in list(engine.trajectories.values()):
+        for rec in list(engine.trajectories.values()) if close_on_exit else []:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(engine.close_trajectory(rec.tenant, rec.id), grace_s)
         agent_stop.set()

@@ -17,7 +17,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,8 +33,10 @@ from tangram.api.wire import (
     ErrorInfo,
     ExecRequest,
     OpenTrajectory,
+    RunningAction,
     Timings,
     TrajectoryInfo,
+    TrajectoryMeta,
     TrajectoryState,
     valid_id,
 )
@@ -43,6 +45,8 @@ from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import EnvConfig, PoolConfig
 
 log = logging.getLogger("tangram.service")
+
+KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
 
 ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable"]
 
@@ -105,12 +109,14 @@ class Engine:
         self.config = config
         self.clock = clock
         self.core = Scheduler(ClusterSpec(apis=list(config.apis)), config.scheduling)
-        self.hub = AgentHub(self._join, self._leave, config.heartbeat_timeout_s)
+        self.hub = AgentHub(self._join, self._leave, config.heartbeat_timeout_s, self._orphan)
         self.trajectories: dict[str, TrajectoryRecord] = {}
         self.actions: dict[str, ActionRecord] = {}
         self.idempotent: dict[tuple[str, str], ActionRecord] = {}  # (tenant, key)
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
         self.leases: dict[str, str] = {}  # lease id -> action id
+        self.by_agent_key: dict[str, ActionRecord] = {}  # adopted actions, by agent key
+        self._spawned: set[asyncio.Future[Any]] = set()
         self.accepting = True
         self._ids = itertools.count(1)
         self._epoch = secrets.token_hex(3)
@@ -159,14 +165,103 @@ class Engine:
         cores = sorted(hello.action_cores)
         self.core.add_node(hello.node, cores=len(cores), memory_gb=hello.inventory.memory_gb)
         self.node_cores[hello.node] = cores
-        for tid in hello.trajectories:
-            rec = self.trajectories.get(tid)
-            if rec is not None and rec.state is TrajectoryState.OPEN and rec.node is None:
-                rec.node = hello.node
+        stale = [m.id for m in hello.trajectories if not self._take_back(m, hello.node)]
+        adopted = sum(self._adopt_running(r, hello.node) for r in hello.running)
+        for tid in stale:  # environments nobody can use any more: lost before, or unknown
+            self._background(self._ask(hello.node, op="close", trajectory=tid))
         log.info(
-            "node %s joined: %d action cores, %s runtime", hello.node, len(cores), hello.runtime
+            "node %s joined: %d action cores, %s runtime, %d trajectories and %d running "
+            "actions taken back, %d stale environments closed",
+            hello.node,
+            len(cores),
+            hello.runtime,
+            len(hello.trajectories) - len(stale),
+            adopted,
+            len(stale),
         )
         self._wake.set()
+
+    def _take_back(self, meta: TrajectoryMeta, node: str) -> bool:
+        """A trajectory an agent holds: this scheduler's (a reconnect), or one a previous
+        scheduler opened (a restart). False when its environment should go."""
+        rec = self.trajectories.get(meta.id)
+        if rec is not None:
+            if rec.state is TrajectoryState.OPEN and rec.node in (None, node):
+                rec.node = node
+                return True
+            return False  # drained as lost while its agent was away
+        env = self.config.envs.get(meta.env)
+        if env is None or not meta.tenant:
+            return False
+        try:
+            self.core.open_trajectory(meta.id, env.spec.memory_gb)
+            self.core.place_trajectory(meta.id, node)
+        except SchedulingError as e:
+            log.warning("cannot take back trajectory %s on %s: %s", meta.id, node, e)
+            return False
+        self.trajectories[meta.id] = TrajectoryRecord(
+            meta.id, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at
+        )
+        return True
+
+    def _adopt_running(self, run: RunningAction, node: str) -> bool:
+        """An action still running on a node whose scheduler restarted: its cores stay
+        held; a retry of its key waits for it; its result arrives unasked (``_orphan``)."""
+        tenant, _, key = run.key.partition(KEY_SEP)
+        traj = self.trajectories.get(run.trajectory)
+        if traj is None or traj.tenant != tenant or (tenant, key) in self.idempotent:
+            return False
+        index = {c: i for i, c in enumerate(self.node_cores[node])}
+        req = ExecRequest(argv=["(adopted)"], idempotency_key=key)
+        rec = self._record(tenant, run.trajectory, "exec", req, None)
+        rec.submitted = rec.submitted - run.running_s
+        try:
+            asg = self.core.adopt(
+                rec.id,
+                run.trajectory,
+                ActionSpec(kind="exec", cpu=len(run.cores)),
+                units=len(run.cores),
+                started_at=self.clock() - run.running_s,
+                node=node,
+                cores=[index[c] for c in run.cores if c in index],
+            )
+        except SchedulingError as e:
+            log.warning("cannot adopt running action %s on %s: %s", run.key, node, e)
+            return False
+        rec.started, rec.assignment = asg.started_at, asg
+        self.actions[rec.id] = rec
+        self.idempotent[(tenant, key)] = rec
+        self.by_agent_key[run.key] = rec
+        traj.running.add(rec.id)
+        return True
+
+    def _orphan(self, reply: AgentReply) -> None:
+        """The result of an adopted action, sent by its agent when it finished."""
+        rec = self.by_agent_key.pop(reply.key or "", None)
+        if rec is None or rec.id not in self.actions:
+            return
+        if rec.id in self.core.running:
+            self.core.complete(rec.id, self.clock(), ok=reply.ok)
+        if rec.trajectory in self.trajectories:
+            self.trajectories[rec.trajectory].running.discard(rec.id)
+        out = reply.result
+        status = ActionStatus.ERROR
+        error = None
+        if reply.ok and out is not None:
+            status = ActionStatus.TIMEOUT if out.timed_out else ActionStatus.OK
+        elif reply.error == "cancelled":
+            status = ActionStatus.CANCELLED
+        else:
+            error = _err("exec_failed", reply.error or "the agent refused the action")
+        exec_s = out.exec_s if out is not None else 0.0
+        self._finish(rec, status, error=error, exec_s=exec_s, reply=reply)
+        self._wake.set()
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never unretrieved
 
     async def _leave(self, link: AgentLink) -> None:
         if link.node not in self.node_cores:
@@ -225,7 +320,10 @@ class Engine:
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), time.time())
         self.trajectories[tid] = rec
         try:
-            reply = await self._ask(node, op="open", trajectory=tid, env=env.spec)
+            meta = TrajectoryMeta(
+                id=tid, tenant=tenant, env=req.env, labels=dict(req.labels), opened_at=rec.opened_at
+            )
+            reply = await self._ask(node, op="open", trajectory=tid, env=env.spec, meta=meta)
         except BaseException:
             self._forget(rec)
             raise
@@ -480,6 +578,7 @@ class Engine:
             timeout_s=timeout,
             environ=dict(req.env),
             output_cap=req.output_cap,
+            key=f"{rec.tenant}{KEY_SEP}{req.idempotency_key}" if req.idempotency_key else None,
         )
         t0 = self.clock()
         status, reply, error = ActionStatus.ERROR, None, None

@@ -107,6 +107,19 @@ class CpuPool:
             del cpu.numa[i][:want]
         return tuple(sorted(taken))
 
+    def take_exact(self, node: str, cores: Iterable[int]) -> tuple[int, ...]:
+        """Take these very cores (an adopted action already runs on them)."""
+        cpu = self.nodes[node]
+        per = cpu.cores // len(cpu.numa)
+        wanted = sorted(set(cores))
+        for c in wanted:
+            bucket = cpu.numa[c // per] if 0 <= c < cpu.cores else []
+            if c not in bucket:
+                raise ValueError(f"node {node}: core {c} is not free")
+        for c in wanted:
+            cpu.numa[c // per].remove(c)
+        return tuple(wanted)
+
     def give_back(self, node: str, cores: Iterable[int]) -> None:
         cpu = self.nodes[node]
         per = cpu.cores // len(cpu.numa)

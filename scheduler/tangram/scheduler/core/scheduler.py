@@ -25,7 +25,7 @@ A round (``schedule``) follows Algorithm 1 of seed 000:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -344,12 +344,16 @@ class Scheduler:
         units: int,
         started_at: float,
         node: str | None = None,
+        cores: Sequence[int] | None = None,
     ) -> Assignment:
         """Register an action that is already running (a restarted scheduler, ``explain``).
 
         Exec actions land on ``node`` (or the trajectory's node, or one chosen as for a
-        new trajectory) with ``units`` NUMA-chosen cores; service actions take a chunk.
+        new trajectory) with ``cores`` when given (the ones it runs on), else ``units``
+        NUMA-chosen cores; service actions take a chunk.
         """
+        if cores is not None and len(set(cores)) != units:
+            raise SchedulingError("cores", f"{len(set(cores))} distinct cores for {units} units")
         self._traj(trajectory)
         if action_id in self.actions or action_id in self.running:
             raise SchedulingError("id", f"action {action_id} already exists")
@@ -382,6 +386,15 @@ class Scheduler:
                 raise SchedulingError(
                     "units", f"node {placed} has {self.cpu.nodes[placed].free_cores} free cores"
                 )
+            node_cpu = self.cpu.nodes[placed]
+            per = node_cpu.cores // len(node_cpu.numa)
+            busy = [
+                c
+                for c in cores or ()
+                if not 0 <= c < node_cpu.cores or c not in node_cpu.numa[c // per]
+            ]
+            if busy:
+                raise SchedulingError("cores", f"cores {busy} of node {placed} are not free")
             if trajectory not in self.cpu.placement:
                 self._place(trajectory, placed)
             resource = f"cpu:{placed}"
@@ -390,7 +403,7 @@ class Scheduler:
             a, resource, placed if a.cpu else None, {units: durations.get(units, 0.0)}
         )
         self._enqueue(a, (float(a.seq),), None)
-        asg = self._start(cand, units, started_at)
+        asg = self._start(cand, units, started_at, exact=cores)
         if asg is None:
             self._dequeue(action_id)
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
@@ -801,7 +814,9 @@ class Scheduler:
             for k, d in c.durations.items()
         }
 
-    def _start(self, c: _Candidate, k: int, now: float) -> Assignment | None:
+    def _start(
+        self, c: _Candidate, k: int, now: float, exact: Sequence[int] | None = None
+    ) -> Assignment | None:
         """Allocate and start; None (the action stays queued) if its GPU chunk went to an
         earlier candidate of this round (chunk counts cannot see per-node GPU memory)."""
         a = c.action
@@ -820,7 +835,9 @@ class Scheduler:
         expected = c.durations.get(k, 0.0)
         if a.cpu:
             assert c.node is not None
-            cores = self.cpu.take(c.node, k)
+            cores = (
+                self.cpu.take(c.node, k) if exact is None else self.cpu.take_exact(c.node, exact)
+            )
         if grant is not None:
             assert a.service is not None
             chunk, restore = grant.chunk, not grant.resident
