@@ -207,3 +207,39 @@ def _swallow(call: object) -> object:
         return call()  # type: ignore[operator]
     except Exception as e:  # the test looks at what it was
         return e
+
+
+def test_a_reload_applies_new_definitions_without_dropping_queued_actions(
+    cluster: Cluster,
+) -> None:
+    cluster.agent("state-a")
+    with Client(cluster.url, retries=0) as client:
+        t1, t2 = client.open("shell").id, client.open("shell").id
+        results: list[ActionResult] = []
+        threads = [
+            threading.Thread(target=lambda t=t: results.append(client.exec(t, ["sleep", "2"])))
+            for t in (t1, t2)
+        ]
+        for th in threads:
+            th.start()
+        time.sleep(0.5)  # one runs on the only action core, the other waits in the queue
+        (cluster.tmp / "pool.yaml").write_text(
+            POOL.replace("maxQueued: 3", "maxQueued: 10")
+            + "---\napiVersion: tangram.dev/v1alpha1\nkind: TrajectoryEnv\n"
+            "metadata: {name: second}\nspec: {poolRef: faults, image: unused, memoryGiB: 0.1}\n"
+        )
+        cluster.scheduler.send_signal(signal.SIGHUP)
+        _wait(lambda: _opens(client, "second"), "the new environment did not appear")
+        for th in threads:
+            th.join(30)
+        assert [r.status for r in results] == [ActionStatus.OK, ActionStatus.OK]
+        for t in (t1, t2):
+            client.close(t)
+
+
+def _opens(client: Client, env: str) -> bool:
+    try:
+        client.close(client.open(env).id)
+    except TangramError:
+        return False
+    return True

@@ -80,3 +80,39 @@ def test_adopting_an_action_on_its_exact_cores() -> None:
         s.adopt("bad", "t2", exec_action(2), units=2, started_at=0.0, node="n1", cores=[0, 0])
     s.complete("old", now=1.0)
     assert s.cpu.nodes["n1"].free_cores == 4
+
+
+def test_quota_definitions_change_in_place_and_waiting_actions_keep_theirs() -> None:
+    from tangram.api import ApiSpec
+
+    s = Scheduler(
+        cluster(nodes=[{"name": "n1", "cpus": 1}], apis=[{"name": "search", "concurrency": 1}])
+    )
+    s.open_trajectory("t1")
+    s.submit("a", "t1", api_call("search"), now=0.0)
+    s.submit("b", "t1", api_call("search"), now=0.0)
+    assert [x.action_id for x in s.schedule(0.0).assignments] == ["a"]
+    s.set_quotas([ApiSpec(name="search", concurrency=2), ApiSpec(name="browse", concurrency=1)])
+    assert [x.action_id for x in s.schedule(0.1).assignments] == ["b"]  # the raised limit
+    assert "browse" in s.quotas
+    s.set_quotas([])  # removed, but running actions still hold it
+    assert "search" in s.quotas and "browse" not in s.quotas
+    s.complete("a", now=1.0)
+    s.complete("b", now=1.0)
+    s.set_quotas([])
+    assert s.quotas == {}
+
+
+def test_the_ordering_changes_only_with_an_empty_queue() -> None:
+    from tangram.scheduler import SchedulerConfig
+
+    s = Scheduler(cluster(nodes=[{"name": "n1", "cpus": 1, "memory_gb": 1}]))
+    s.open_trajectory("t1")
+    s.submit("a", "t1", exec_action(1, t1=1.0), now=0.0)
+    with pytest.raises(SchedulingError, match="ordering"):
+        s.set_config(SchedulerConfig(ordering="trajectory-priority"))
+    s.set_config(SchedulerConfig(depth=3))
+    assert s.config.depth == 3
+    s.schedule(0.0)
+    s.set_config(SchedulerConfig(ordering="trajectory-priority"))
+    assert s.config.ordering == "trajectory-priority"

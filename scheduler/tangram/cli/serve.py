@@ -15,7 +15,14 @@ from typing import Any
 
 from tangram.cli.files import InputError
 from tangram.cli.progress import note
-from tangram.cli.up import load_pool, load_tokens, make_agent, run_loop, setup_logging
+from tangram.cli.up import (
+    load_pool,
+    load_tokens,
+    make_agent,
+    reload_on_hangup,
+    run_loop,
+    setup_logging,
+)
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.service.auth import AGENT_TENANT
 from tangram.service.embedded import Running, run
@@ -69,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
 
     def ready(r: Running) -> None:
+        reload_on_hangup(args.file, args.pool, r.engine)
         note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.url}/v1/agents")
 
     async def main() -> None:

@@ -97,6 +97,7 @@ def run_up(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
 
     def ready(r: Running) -> None:
+        reload_on_hangup(args.file, args.pool, r.engine)
         runtime = agent.kind
         if agent.kind == "docker" and agent.fast_path:
             runtime += f" (portable path only: {agent.fast_path})"
@@ -107,7 +108,8 @@ def run_up(args: argparse.Namespace) -> int:
             f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
             f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
             f"  token file: {args.token_file}\n"
-            f"  try: python examples/rollout.py --url {r.url}     (Ctrl-C stops)"
+            f"  try: python examples/rollout.py --url {r.url}\n"
+            f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
         )
 
     async def main() -> None:
@@ -169,6 +171,22 @@ def _local_images(agent: Any, images: list[str]) -> None:
     for image in images:
         if image.startswith(LOCAL_BUSYBOX) and import_busybox(agent.runtime.client, image) is None:
             print(f"tangram: warning: {image}: busybox-static is not installed", file=sys.stderr)
+
+
+def reload_on_hangup(files: list[str], pool: str | None, engine: Any) -> None:
+    """SIGHUP re-reads the files and applies them while running (nothing queued is lost);
+    a file with errors is reported and the running configuration kept."""
+
+    def reload() -> None:
+        try:
+            _, config = load_pool(files, pool)
+        except InputError as e:
+            note(f"[red]reload refused[/]: {e}")
+            return
+        changes = engine.reconfigure(config)
+        note("reloaded: " + ("; ".join(changes) if changes else "no changes"))
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
 
 
 def run_loop(coro: Any) -> Any:

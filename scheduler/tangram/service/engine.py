@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from tangram.api.action import ActionSpec
@@ -67,6 +67,7 @@ class TrajectoryRecord:
     node: str | None
     labels: dict[str, str]
     opened_at: float  # unix seconds
+    env_config: EnvConfig
     state: TrajectoryState = TrajectoryState.OPEN
     actions: int = 0
     open_s: float | None = None
@@ -159,6 +160,43 @@ class Engine:
     def ready(self) -> bool:
         return self.accepting and bool(self.hub.links)
 
+    # ---- configuration ---------------------------------------------------------------
+    def reconfigure(self, config: PoolConfig) -> list[str]:
+        """Apply new pool, environment and quota definitions while running; nothing
+        queued is dropped. Returns what changed (and what could not), for the log."""
+        changes: list[str] = []
+        old = self.config
+        for name in sorted(set(old.envs) | set(config.envs)):
+            before, after = old.envs.get(name), config.envs.get(name)
+            if before != after:
+                verb = "added" if before is None else "removed" if after is None else "changed"
+                changes.append(f"env {name} {verb}")
+                if after is not None and after.spec.warm:
+                    for node in self.hub.links:
+                        self._background(self._ask(node, op="warm", env=after.spec))
+        if old.apis != config.apis:
+            self.core.set_quotas(config.apis)
+            changes.append("API quotas " + ", ".join(a.name for a in config.apis))
+        scheduling = config.scheduling
+        if scheduling != old.scheduling:
+            try:
+                self.core.set_config(scheduling)
+                changes.append("scheduling")
+            except SchedulingError as e:
+                scheduling = replace(scheduling, ordering=old.scheduling.ordering)
+                self.core.set_config(scheduling)
+                changes.append(f"scheduling, except {e}")
+        self.config = replace(config, scheduling=scheduling)
+        self.hub.heartbeat_timeout_s = config.heartbeat_timeout_s
+        self.metrics.pool = config.name
+        self._wake.set()
+        return changes
+
+    def env_of(self, traj: TrajectoryRecord) -> EnvConfig:
+        """The trajectory's environment as configured now, or as it was opened if its
+        definition has since been removed."""
+        return self.config.envs.get(traj.env) or traj.env_config
+
     # ---- nodes -------------------------------------------------------------------
     async def _join(self, link: AgentLink) -> None:
         hello = link.hello
@@ -169,6 +207,9 @@ class Engine:
         adopted = sum(self._adopt_running(r, hello.node) for r in hello.running)
         for tid in stale:  # environments nobody can use any more: lost before, or unknown
             self._background(self._ask(hello.node, op="close", trajectory=tid))
+        for env in self.config.envs.values():
+            if env.spec.warm:
+                self._background(self._ask(hello.node, op="warm", env=env.spec))
         log.info(
             "node %s joined: %d action cores, %s runtime, %d trajectories and %d running "
             "actions taken back, %d stale environments closed",
@@ -200,7 +241,7 @@ class Engine:
             log.warning("cannot take back trajectory %s on %s: %s", meta.id, node, e)
             return False
         self.trajectories[meta.id] = TrajectoryRecord(
-            meta.id, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at
+            meta.id, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env
         )
         return True
 
@@ -317,7 +358,7 @@ class Engine:
                 f"no node has {env.spec.memory_gb} GiB free for a new trajectory",
             )
         self.core.place_trajectory(tid, node)
-        rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), time.time())
+        rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), time.time(), env)
         self.trajectories[tid] = rec
         try:
             meta = TrajectoryMeta(
@@ -367,7 +408,7 @@ class Engine:
         traj = self.trajectory(tenant, tid)
         if traj.state is not TrajectoryState.OPEN:
             raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}")
-        env = self.config.envs[traj.env]
+        env = self.env_of(traj)
         argv, spec = self._exec_spec(env, req)
         rec = self._record(tenant, tid, "exec", req, argv)
         try:
@@ -414,8 +455,9 @@ class Engine:
             if again is not None:
                 return again
         self._admitting()
-        if api not in self.core.quotas:
-            known = ", ".join(sorted(self.core.quotas)) or "none"
+        configured = {a.name for a in self.config.apis}
+        if api not in configured or api not in self.core.quotas:
+            known = ", ".join(sorted(configured)) or "none"
             raise EngineError("not_found", "api", f"unknown API quota {api!r} (known: {known})")
         holder = f"lease-{tenant}"  # leases are not tied to a trajectory: one per tenant
         if holder not in self.core.trajectories:
@@ -564,7 +606,7 @@ class Engine:
         assert asg.node is not None and isinstance(rec.request, ExecRequest)
         req = rec.request
         cores = [self.node_cores[asg.node][i] for i in asg.cores]
-        env = self.config.envs[self.trajectories[rec.trajectory or ""].env]
+        env = self.env_of(self.trajectories[rec.trajectory or ""])
         timeout = req.timeout_s
         if timeout is None and req.profile is not None:
             timeout = env.profiles[req.profile].timeout_s

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tangram.api.action import ActionKind, ActionSpec
-from tangram.api.cluster import ClusterSpec
+from tangram.api.cluster import ApiSpec, ClusterSpec
 from tangram.api.demand import allowed_units
 from tangram.scheduler.core.cpu_pool import CpuPool
 from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
@@ -287,6 +287,35 @@ class Scheduler:
         for a in self.actions.values():
             a.cache, a.needs = None, None
             self._count(a, +1)
+
+    # ---- configuration changes while running --------------------------------------
+    def set_quotas(self, apis: Sequence[ApiSpec]) -> None:
+        """New quota definitions: limits change in place (units held stay held, and a lower
+        limit only stops new starts); new quotas appear; a removed one stays while any
+        queued or running action needs it, so nothing waiting is dropped."""
+        wanted = {a.name: a for a in apis}
+        for name, spec in wanted.items():
+            per, period = spec.window() or (None, 1.0)
+            q = self.quotas.get(name)
+            if q is None:
+                self.quotas[name] = Quota(name, spec.concurrency, per, period)
+            else:
+                q.concurrency, q.per_period, q.period_s = spec.concurrency, per, period
+        needed = {q for a in self.actions.values() for q, _ in a.quotas} | {
+            q for r in self.running.values() for q, _ in r.assignment.quotas
+        }
+        for name in [n for n in self.quotas if n not in wanted and n not in needed]:
+            del self.quotas[name]
+
+    def set_config(self, config: SchedulerConfig) -> None:
+        """New scheduling settings; the queue ordering can only change with an empty queue."""
+        if config.ordering != self.config.ordering and len(self.queue):
+            raise SchedulingError("ordering", "can only change while no action is queued")
+        if config.ordering != self.config.ordering:
+            self.queue = FifoQueue() if config.ordering == "fcfs" else OrderedQueue()
+        self.config = config
+        for a in self.actions.values():
+            a.cache = None
 
     def set_hint(self, tid: str, remaining_steps: int | None) -> None:
         traj = self._traj(tid)
