@@ -3,10 +3,12 @@ processes in real cgroups (the process runtime), the real client."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -16,8 +18,9 @@ from tangram.api.cluster import ApiSpec
 from tangram.api.demand import AmdahlEfficiency, RangeDemand
 from tangram.api.wire import EnvSpec
 from tangram.client import ActionStatus, Client, TangramError
+from tangram.client.common import Call
 from tangram.node_agent.agent import NodeAgent
-from tangram.service.config import ActionProfile, EnvConfig, PoolConfig
+from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
 
 from .service_harness import service
 
@@ -148,3 +151,57 @@ def test_metrics_and_health(client: Client) -> None:
     assert 'tangram_agents_connected{pool="default"} 1.0' in text
     assert httpx.get(f"{url}/healthz").text == "ok"
     assert httpx.get(f"{url}/readyz").status_code == 200
+
+
+class _Provider(BaseHTTPRequestHandler):
+    """An API provider on 127.0.0.1 that wants a bearer credential."""
+
+    def do_GET(self) -> None:
+        ok = self.headers.get("Authorization") == f"Bearer {SECRET}"
+        body = json.dumps({"path": self.path, "auth_ok": ok}).encode()
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+SECRET = "s3cret-credential-value"
+
+
+def test_proxied_api_calls_use_the_credential_and_never_return_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    provider = ThreadingHTTPServer(("127.0.0.1", 0), _Provider)
+    threading.Thread(target=provider.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{provider.server_address[1]}"
+    config = PoolConfig(
+        apis=(ApiSpec(name="search", concurrency=1), ApiSpec(name="plain", concurrency=1)),
+        endpoints={"search": ApiEndpoint(url, SECRET)},
+    )
+    caplog.set_level("DEBUG")
+    try:
+        with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
+            r = c.call("search", "/v1/find", query={"q": "tangram"})
+            assert r.status is ActionStatus.OK and r.kind == "api"
+            assert r.output == {
+                "status": 200,
+                "body": {"path": "/v1/find?q=tangram", "auth_ok": True},
+            }
+            assert SECRET not in r.model_dump_json()
+            with pytest.raises(TangramError) as e:
+                c.call("plain", "/")
+            assert e.value.status == 400 and e.value.field == "api"
+            with pytest.raises(TangramError) as e:
+                c._run(c._async._call(_raw_call("search", {"headers": {"Authorization": "x"}})))
+            assert e.value.status == 400
+    finally:
+        provider.shutdown()
+    assert SECRET not in caplog.text
+
+
+def _raw_call(api: str, body: dict[str, object]) -> Call:
+    return Call("POST", f"/v1/apis/{api}/call", body)

@@ -122,6 +122,27 @@ class ApiLeaseRequest(_Strict):
     idempotency_key: IdempotencyKey | None = None
 
 
+class ApiCallRequest(_Strict):
+    """A request the service makes for the caller against a quota's endpoint, with the
+    credential it holds (never returned, never logged)."""
+
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "GET"
+    path: Annotated[str, Field(pattern=r"^/[^\s]*$", max_length=2048)] = "/"
+    query: dict[str, str] = Field(default_factory=dict)
+    body: Any = None  # sent as JSON when given
+    headers: dict[str, str] = Field(default_factory=dict)
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    queue_timeout_s: Annotated[float | None, Field(gt=0)] = None
+    idempotency_key: IdempotencyKey | None = None
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> Self:
+        bad = [h for h in self.headers if h.lower() in ("authorization", "cookie", "host")]
+        if bad:
+            raise ValueError(f"headers: {bad[0]} is set by the service")
+        return self
+
+
 class Allocation(_Strict):
     node: str | None = None
     cores: list[int] = Field(default_factory=list)

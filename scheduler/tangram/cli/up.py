@@ -85,7 +85,10 @@ def load_pool(files: list[str], name: str | None) -> tuple[ActionPool, PoolConfi
         pool = choose_pool(resources, name)
     except PoolChoiceError as e:
         raise InputError(str(e)) from None
-    return pool, pool_config(resources, pool)
+    try:
+        return pool, pool_config(resources, pool)
+    except PoolChoiceError as e:
+        raise InputError(str(e)) from None
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -117,6 +118,26 @@ class AsyncClient:
     async def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
         body = {"units": units, "hold_s": hold_s}
         return result(await self._call(Call("POST", f"/v1/apis/{api}/lease", body)))
+
+    async def call(
+        self,
+        api: str,
+        path: str = "/",
+        *,
+        method: str = "GET",
+        query: dict[str, str] | None = None,
+        body: Any = None,
+        timeout_s: float = 60.0,
+    ) -> ActionResult:
+        """Have the service make the request, with the quota's credential, when the quota
+        admits it; ``result.output`` is ``{"status", "body"}``."""
+        req: dict[str, Any] = {"method": method, "path": path, "timeout_s": timeout_s}
+        if query:
+            req["query"] = query
+        if body is not None:
+            req["body"] = body
+        req["idempotency_key"] = uuid.uuid4().hex
+        return result(await self._call(Call("POST", f"/v1/apis/{api}/call", req)))
 
     async def release(self, lease: str) -> ActionResult:
         return result(await self._call(Call("DELETE", f"/v1/leases/{lease}")))

@@ -73,6 +73,9 @@ class Client:
     def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
         return self._run(self._async.lease(api, units, hold_s))
 
+    def call(self, api: str, path: str = "/", **kw: Any) -> ActionResult:
+        return self._run(self._async.call(api, path, **kw))
+
     def release(self, lease: str) -> ActionResult:
         return self._run(self._async.release(lease))
 

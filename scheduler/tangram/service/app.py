@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.api.wire import (
     ActionResult,
+    ApiCallRequest,
     ApiLeaseRequest,
     BatchRequest,
     BatchResponse,
@@ -191,6 +192,11 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
 
     @app.post("/v1/apis/{api}/lease", responses=_ERRORS)
     async def lease(api: str, req: ApiLeaseRequest, who: TenantId) -> ActionResult:
+        check_id(api, "api")
+        return await asyncio.shield(engine.lease_api(who, api, req).done)
+
+    @app.post("/v1/apis/{api}/call", responses=_ERRORS)
+    async def call_api(api: str, req: ApiCallRequest, who: TenantId) -> ActionResult:
         check_id(api, "api")
         return await asyncio.shield(engine.lease_api(who, api, req).done)
 

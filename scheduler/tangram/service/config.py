@@ -30,10 +30,20 @@ class EnvConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ApiEndpoint:
+    """Where the service sends proxied calls of a quota, and the credential it adds."""
+
+    url: str
+    credential: str | None = field(default=None, repr=False)  # never printed
+    header: str = "Authorization"  # sent as "Bearer <credential>"
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     name: str = "default"
     envs: dict[str, EnvConfig] = field(default_factory=dict)
     apis: tuple[ApiSpec, ...] = ()
+    endpoints: dict[str, ApiEndpoint] = field(default_factory=dict)  # by quota name
     scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)
     idle_cores: int = 1  # per node: the shared set idle environments sit on
     cores_per_node: int | None = None  # per node: cores for actions (None: all but idle)

@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+import aiohttp
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec
@@ -29,6 +32,7 @@ from tangram.api.wire import (
     AgentReply,
     AgentRequest,
     Allocation,
+    ApiCallRequest,
     ApiLeaseRequest,
     ErrorInfo,
     ExecRequest,
@@ -42,7 +46,7 @@ from tangram.api.wire import (
 )
 from tangram.scheduler.core.scheduler import Assignment, Scheduler, SchedulingError
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
-from tangram.service.config import EnvConfig, PoolConfig
+from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig
 
 log = logging.getLogger("tangram.service")
 
@@ -94,7 +98,7 @@ class ActionRecord:
     tenant: str
     trajectory: str | None
     kind: Literal["exec", "service", "api"]
-    request: ExecRequest | ApiLeaseRequest
+    request: ExecRequest | ApiLeaseRequest | ApiCallRequest
     argv: list[str] | None
     submitted: float  # engine clock
     done: asyncio.Future[ActionResult]
@@ -118,6 +122,7 @@ class Engine:
         self.leases: dict[str, str] = {}  # lease id -> action id
         self.by_agent_key: dict[str, ActionRecord] = {}  # adopted actions, by agent key
         self._spawned: set[asyncio.Future[Any]] = set()
+        self._http: aiohttp.ClientSession | None = None  # outbound calls of proxied APIs
         self.accepting = True
         self._ids = itertools.count(1)
         self._epoch = secrets.token_hex(3)
@@ -155,6 +160,8 @@ class Engine:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
 
     @property
     def ready(self) -> bool:
@@ -448,8 +455,11 @@ class Engine:
             raise EngineError("invalid", "cpu", str(e)) from None
         return argv, spec
 
-    def lease_api(self, tenant: str, api: str, req: ApiLeaseRequest) -> ActionRecord:
-        """Queue a lease of ``req.units`` of an API quota; the result carries the lease id."""
+    def lease_api(
+        self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest
+    ) -> ActionRecord:
+        """Queue a lease of ``req.units`` of an API quota (the result carries the lease
+        id), or a call the service makes for the caller once the quota admits it."""
         if req.idempotency_key is not None:
             again = self.idempotent.get((tenant, req.idempotency_key))
             if again is not None:
@@ -459,10 +469,15 @@ class Engine:
         if api not in configured or api not in self.core.quotas:
             known = ", ".join(sorted(configured)) or "none"
             raise EngineError("not_found", "api", f"unknown API quota {api!r} (known: {known})")
+        if isinstance(req, ApiCallRequest) and api not in self.config.endpoints:
+            raise EngineError(
+                "invalid", "api", f"quota {api!r} has no endpoint: lease it and call it yourself"
+            )
         holder = f"lease-{tenant}"  # leases are not tied to a trajectory: one per tenant
         if holder not in self.core.trajectories:
             self.core.open_trajectory(holder)
-        spec = ActionSpec(kind="api", api=api, quotas={api: req.units} if req.units > 1 else {})
+        units = req.units if isinstance(req, ApiLeaseRequest) else 1
+        spec = ActionSpec(kind="api", api=api, quotas={api: units} if units > 1 else {})
         rec = self._record(tenant, None, "api", req, None)
         try:
             self.core.submit(rec.id, holder, spec, rec.submitted)
@@ -526,7 +541,7 @@ class Engine:
         tenant: str,
         tid: str | None,
         kind: Literal["exec", "service", "api"],
-        req: ExecRequest | ApiLeaseRequest,
+        req: ExecRequest | ApiLeaseRequest | ApiCallRequest,
         argv: list[str] | None,
     ) -> ActionRecord:
         aid = f"a-{self._epoch}-{next(self._ids)}"  # unique across restarts by the epoch
@@ -584,6 +599,11 @@ class Engine:
     def _start(self, asg: Assignment, now: float) -> None:
         rec = self.actions[asg.action_id]
         rec.started, rec.assignment = now, asg
+        if isinstance(rec.request, ApiCallRequest):
+            if rec.expiry is not None:
+                rec.expiry.cancel()
+            rec.task = asyncio.create_task(self._proxy(rec, rec.request))
+            return
         if rec.kind == "api":
             assert isinstance(rec.request, ApiLeaseRequest)
             lease = f"l-{secrets.token_hex(8)}"
@@ -647,6 +667,54 @@ class Engine:
         self._finish(rec, status, error=error, exec_s=exec_s, overhead_s=overhead, reply=reply)
         self._wake.set()
 
+    async def _proxy(self, rec: ActionRecord, req: ApiCallRequest) -> None:
+        """Make the call with the quota's credential; the answer goes back, the credential
+        never does (nor into logs or errors)."""
+        assert rec.assignment is not None
+        api = rec.assignment.quotas[0][0] if rec.assignment.quotas else ""
+        endpoint = self.config.endpoints.get(api)
+        t0 = self.clock()
+        status, output, error = ActionStatus.ERROR, None, None
+        try:
+            if endpoint is None:
+                raise EngineError("invalid", "api", f"quota {api!r} lost its endpoint")
+            headers = dict(req.headers)
+            if endpoint.credential is not None:
+                headers[endpoint.header] = f"Bearer {endpoint.credential}"
+            session = await self._http_session()
+            async with session.request(
+                req.method,
+                endpoint.url.rstrip("/") + req.path,
+                params=req.query,
+                json=req.body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=req.timeout_s),
+                allow_redirects=False,  # a redirect would carry the credential elsewhere
+            ) as resp:
+                raw = await resp.read()
+                try:
+                    body: Any = json.loads(raw) if raw else None
+                except ValueError:
+                    body = raw.decode(errors="replace")
+                output = {"status": resp.status, "body": body}
+                status = ActionStatus.OK
+        except asyncio.CancelledError:
+            status = ActionStatus.CANCELLED
+        except TimeoutError:
+            status = ActionStatus.TIMEOUT
+        except (aiohttp.ClientError, EngineError) as e:
+            error = _err("api_failed", _scrub(str(e), endpoint), retryable=True)
+        now = self.clock()
+        if rec.id in self.core.running:
+            self.core.complete(rec.id, now, ok=status is ActionStatus.OK)
+        self._finish(rec, status, error=error, exec_s=now - t0, output=output)
+        self._wake.set()
+
+    async def _http_session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        return self._http
+
     async def _ask(self, node: str | None, **fields: Any) -> AgentReply:
         link = self.hub.links.get(node or "")
         if link is None:
@@ -663,13 +731,20 @@ class Engine:
         exec_s: float = 0.0,
         overhead_s: float = 0.0,
         reply: AgentReply | None = None,
+        output: Any = None,
     ) -> None:
         if rec.expiry is not None:
             rec.expiry.cancel()
         self.actions.pop(rec.id, None)
         if not rec.done.done():
             result = self._result(
-                rec, status, error=error, exec_s=exec_s, overhead_s=overhead_s, reply=reply
+                rec,
+                status,
+                error=error,
+                exec_s=exec_s,
+                overhead_s=overhead_s,
+                reply=reply,
+                output=output,
             )
             rec.done.set_result(result)
             self._ended(result)
@@ -684,6 +759,7 @@ class Engine:
         overhead_s: float = 0.0,
         reply: AgentReply | None = None,
         lease: str | None = None,
+        output: Any = None,
     ) -> ActionResult:
         now = self.clock()
         queued = (rec.started if rec.started is not None else now) - rec.submitted
@@ -710,6 +786,7 @@ class Engine:
             stdout_truncated=out.stdout_truncated if out is not None else False,
             stderr_truncated=out.stderr_truncated if out is not None else False,
             lease=lease,
+            output=output,
             error=error,
             allocation=alloc,
             timings=Timings(
@@ -723,6 +800,13 @@ class Engine:
 
 def _err(code: str, message: str, retryable: bool = False) -> ErrorInfo:
     return ErrorInfo(code=code, message=message, retryable=retryable)
+
+
+def _scrub(text: str, endpoint: ApiEndpoint | None) -> str:
+    """An error message without the credential, whatever the library put in it."""
+    if endpoint is not None and endpoint.credential:
+        text = text.replace(endpoint.credential, "***")
+    return text
 
 
 def check_id(text: str, field: str) -> None:

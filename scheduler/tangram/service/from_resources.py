@@ -6,7 +6,7 @@ from tangram.api.cluster import ApiSpec
 from tangram.api.resources import ActionPool, Resources, TrajectoryEnv
 from tangram.api.wire import EnvSpec
 from tangram.scheduler.core.scheduler import SchedulerConfig
-from tangram.service.config import ActionProfile, EnvConfig, PoolConfig
+from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
 
 
 class PoolChoiceError(ValueError):
@@ -47,6 +47,19 @@ def pool_config(resources: Resources, pool: ActionPool) -> PoolConfig:
         )
         for q in spec.apis
     )
+    endpoints = {}
+    for q in spec.apis:
+        if q.endpoint is None:
+            continue
+        credential = None
+        if q.secret_ref is not None:
+            credential = resources.secret_value(pool.metadata.namespace, q.secret_ref)
+            if credential is None:
+                raise PoolChoiceError(
+                    f"ActionPool {pool.metadata.name}: apis[{q.name}].secretRef: Secret "
+                    f"{q.secret_ref.name} key {q.secret_ref.key} is not among the documents"
+                )
+        endpoints[q.name] = ApiEndpoint(q.endpoint, credential)
     scheduling = SchedulerConfig(
         ordering=spec.scheduling.ordering,
         depth=spec.scheduling.depth,
@@ -57,6 +70,7 @@ def pool_config(resources: Resources, pool: ActionPool) -> PoolConfig:
         name=pool.metadata.name,
         envs=envs,
         apis=apis,
+        endpoints=endpoints,
         scheduling=scheduling,
         idle_cores=spec.cpu.idle_cores if spec.cpu else 1,
         cores_per_node=spec.cpu.cores_per_node if spec.cpu else None,
