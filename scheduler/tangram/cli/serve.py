@@ -16,6 +16,7 @@ from typing import Any
 from tangram.cli.files import InputError
 from tangram.cli.progress import note
 from tangram.cli.up import (
+    add_log_flags,
     load_pool,
     load_tokens,
     make_agent,
@@ -41,7 +42,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds in-flight actions get at exit"
     )
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_log_flags(p)
     p.set_defaults(run=run_serve)
 
     a = sub.add_parser("agent", help="run a node agent that serves a scheduler")
@@ -59,7 +60,7 @@ def register(sub: Any) -> None:
     a.add_argument(
         "--cores", type=int, help="cores for actions (default: all but the idle set; noop: virtual)"
     )
-    a.add_argument("-v", "--verbose", action="store_true")
+    add_log_flags(a)
     a.set_defaults(run=run_agent)
 
 
@@ -70,7 +71,7 @@ def _until_signalled(stop: asyncio.Event) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    setup_logging(args.verbose)
+    setup_logging(args)
     pool, config = load_pool(args.file, args.pool)
     tokens = load_tokens(Path(args.token_file))
     stop = asyncio.Event()
@@ -103,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_agent(args: argparse.Namespace) -> int:
     from tangram.node_agent.link import serve as serve_link
 
-    setup_logging(args.verbose)
+    setup_logging(args)
     token = load_tokens(Path(args.token_file)).token_for(AGENT_TENANT)
     if token is None:
         raise InputError(f"--token-file {args.token_file}: no {AGENT_TENANT} token")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -61,15 +60,19 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds in-flight actions get at exit"
     )
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_log_flags(p)
     p.set_defaults(run=run_up)
 
 
-def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+def setup_logging(args: argparse.Namespace) -> None:
+    from tangram.service.logs import setup
+
+    setup(args.verbose, args.log_json)
+
+
+def add_log_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", help="log every action (INFO)")
+    p.add_argument("--log-json", action="store_true", help="one JSON object a log line")
 
 
 def load_pool(files: list[str], name: str | None) -> tuple[ActionPool, PoolConfig]:
@@ -92,7 +95,7 @@ def load_pool(files: list[str], name: str | None) -> tuple[ActionPool, PoolConfi
 
 
 def run_up(args: argparse.Namespace) -> int:
-    setup_logging(args.verbose)
+    setup_logging(args)
     pool, config = load_pool(args.file, args.pool)
     tokens = load_tokens(Path(args.token_file))
     agent = make_agent(args, config.idle_cores, args.cores or config.cores_per_node)

@@ -379,6 +379,17 @@ class Engine:
             self._forget(rec)
             raise EngineError("unavailable", "env", f"opening on {node} failed: {reply.error}")
         rec.open_s, rec.warm = reply.opened_s, reply.warm
+        log.info(
+            "trajectory opened",
+            extra={
+                "trajectory": tid,
+                "tenant": tenant,
+                "env": req.env,
+                "node": node,
+                "open_s": reply.opened_s,
+                "warm": reply.warm,
+            },
+        )
         return rec
 
     async def close_trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
@@ -396,6 +407,7 @@ class Engine:
                 await self._ask(rec.node, op="close", trajectory=tid)
         self._forget(rec)
         rec.state = TrajectoryState.CLOSED
+        log.info("trajectory closed", extra={"trajectory": tid, "actions": rec.actions})
         return rec
 
     def _forget(self, rec: TrajectoryRecord) -> None:

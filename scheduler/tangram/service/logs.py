@@ -1,0 +1,37 @@
+"""Structured logs: one JSON object a line, with the ids a record carries (action,
+trajectory, node...), for log pipelines; plain text stays the default for terminals."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup(verbose: bool, as_json: bool) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        JsonFormatter()
+        if as_json
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
