@@ -205,3 +205,22 @@ def test_proxied_api_calls_use_the_credential_and_never_return_it(
 
 def _raw_call(api: str, body: dict[str, object]) -> Call:
     return Call("POST", f"/v1/apis/{api}/call", body)
+
+
+def test_a_key_reused_for_another_operation_is_a_conflict(client: Client) -> None:
+    with client.trajectory("shell") as t:
+        t.exec(["true"], idempotency_key="same")
+        with pytest.raises(TangramError) as e:
+            client.exec("other-trajectory", ["true"], idempotency_key="same")
+        assert e.value.status == 409 and e.value.field == "idempotency_key"
+
+
+def test_a_lease_of_n_units_holds_exactly_n(tmp_path: Path) -> None:
+    config = PoolConfig(apis=(ApiSpec(name="search", concurrency=4),))
+    with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
+        whole = c.lease("search", units=4)
+        assert whole.status is ActionStatus.OK and whole.lease
+        c.release(whole.lease)
+        with pytest.raises(TangramError) as e:
+            c.lease("search", units=5)
+        assert e.value.status == 400

@@ -260,9 +260,9 @@ class NodeAgent:
             return AgentReply(rid=req.rid, ok=True, result=outcome(result))
         except ExecError as e:
             return AgentReply(rid=req.rid, ok=False, error=str(e))
-        except (OSError, RuntimeError) as e:  # the runtime's plumbing failed: say so, stay up
+        except Exception as e:  # a request must always be answered: say what failed, stay up
             log.exception("%s %s failed", req.op, req.trajectory)
-            return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}", retryable=True)
+            return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}")
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
         rt = self.runtime

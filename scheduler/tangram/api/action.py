@@ -16,6 +16,8 @@ from tangram.api.demand import (
     allowed_units,
 )
 
+MAX_T1_S = 1e7  # ~4 months: beyond it a duration is a mistake, and sums of them overflow
+
 
 class ActionKind(StrEnum):
     EXEC = "exec"  # argv in a trajectory's environment container (CPU)
@@ -55,7 +57,9 @@ class ActionSpec(BaseModel):
         Field(description="extra API quota units held while the action runs, by quota name"),
     ] = Field(default_factory=dict)
     key: Annotated[ElasticKey | None, Field(description="key elastic resource")] = None
-    t1_s: Annotated[float | None, Field(gt=0, description="duration with one key unit")] = None
+    t1_s: Annotated[
+        float | None, Field(gt=0, le=MAX_T1_S, description="duration with one key unit")
+    ] = None
     efficiency: Efficiency | None = None
 
     @model_validator(mode="after")

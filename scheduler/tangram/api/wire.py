@@ -13,11 +13,13 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tangram.api.action import MAX_T1_S
 from tangram.api.demand import Demand, Efficiency
 from tangram.api.inventory import NodeInventory
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 _ID = re.compile(ID_PATTERN)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_OUTPUT = 16 << 20
 
 
@@ -88,7 +90,9 @@ class ExecRequest(_Strict):
     session: Session | None = None
     code: Annotated[str | None, Field(description="what a session runs")] = None
     cpu: Annotated[Demand | None, Field(description="cores: fixed, {min,max} or {choices}")] = None
-    t1_s: Annotated[float | None, Field(gt=0, description="duration on one core, if known")] = None
+    t1_s: Annotated[
+        float | None, Field(gt=0, le=MAX_T1_S, description="duration on one core, if known")
+    ] = None
     efficiency: Efficiency | None = None
     type: Annotated[str | None, Field(description="action type for learned profiles")] = None
     timeout_s: Annotated[
@@ -103,6 +107,14 @@ class ExecRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_command(self) -> Self:
+        for name, texts in (("argv", self.argv or []), ("args", self.args)):
+            if any("\0" in a for a in texts):
+                raise ValueError(f"{name}: arguments cannot contain NUL bytes")
+        for k, v in self.env.items():
+            if not _ENV_NAME.match(k):
+                raise ValueError(f"env: {k!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
+            if "\0" in v:
+                raise ValueError(f"env.{k}: values cannot contain NUL bytes")
         given = [n for n in ("argv", "profile", "session") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of argv, profile or session")

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.api.wire import (
@@ -121,6 +122,15 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
         ]
         first = details[0] if details else {"field": "body", "message": "invalid"}
         return _error(400, "invalid", f"{first['field']}: {first['message']}", details)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The framework's own answers (unknown route, wrong method, unreadable body) in
+        # the same error shape as ours.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid")
+        details = [{"field": "body", "message": str(exc.detail)}] if exc.status_code == 400 else []
+        headers = dict(exc.headers) if exc.headers else None
+        return _error(exc.status_code, code, str(exc.detail), details, headers)
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> JSONResponse:
@@ -294,9 +304,17 @@ def _schema(app: FastAPI, models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in defs.get("$defs", {}).items():
         schemas.setdefault(name, schema)
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path in doc.get("paths", {}).values():
         for op in path.values():
             op.pop("x-tangram-body", None)
+            op.get("responses", {}).pop("422", None)  # bad input is a 400 here, never 422
+            params = [p for p in op.get("parameters", []) if p.get("name") != "authorization"]
+            if params:
+                op["parameters"] = params
+            else:
+                op.pop("parameters", None)
+            op["security"] = [{"bearer": []}]
     app.openapi_schema = doc
     return doc
 

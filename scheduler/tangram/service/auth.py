@@ -58,8 +58,9 @@ class TokenStore:
         return TokenStore({client: tenant, agent: AGENT_TENANT})
 
     def tenant(self, token: str) -> str | None:
+        given = token.encode("utf-8", "surrogateescape")  # any header bytes, no exception
         for known, tenant in self._tokens.items():
-            if hmac.compare_digest(known, token):  # no timing oracle on the token
+            if hmac.compare_digest(known.encode(), given):  # no timing oracle on the token
                 return tenant
         return None
 

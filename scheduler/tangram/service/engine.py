@@ -100,6 +100,7 @@ class ActionRecord:
     kind: Literal["exec", "service", "api"]
     request: ExecRequest | ApiLeaseRequest | ApiCallRequest
     argv: list[str] | None
+    target: str  # what its idempotency key is for: "exec on t-1", "lease of search"
     submitted: float  # engine clock
     done: asyncio.Future[ActionResult]
     started: float | None = None
@@ -261,7 +262,9 @@ class Engine:
             return False
         index = {c: i for i, c in enumerate(self.node_cores[node])}
         req = ExecRequest(argv=["(adopted)"], idempotency_key=key)
-        rec = self._record(tenant, run.trajectory, "exec", req, None)
+        rec = self._record(
+            tenant, run.trajectory, "exec", req, None, target=f"exec on {run.trajectory}"
+        )
         rec.submitted = rec.submitted - run.running_s
         try:
             asg = self.core.adopt(
@@ -417,19 +420,30 @@ class Engine:
         self.trajectories.pop(rec.id, None)
 
     # ---- actions -------------------------------------------------------------------
+    def _repeat(self, tenant: str, key: str | None, target: str) -> ActionRecord | None:
+        """The action an idempotency key already names; a key reused for another
+        operation or target is a conflict, not a replay."""
+        if key is None:
+            return None
+        again = self.idempotent.get((tenant, key))
+        if again is not None and again.target != target:
+            raise EngineError(
+                "conflict", "idempotency_key", f"{key!r} was used for {again.target}, not {target}"
+            )
+        return again
+
     def submit_exec(self, tenant: str, tid: str, req: ExecRequest) -> ActionRecord:
         """Queue an exec action; ``await record.done`` for its result."""
-        if req.idempotency_key is not None:
-            again = self.idempotent.get((tenant, req.idempotency_key))
-            if again is not None:
-                return again
+        again = self._repeat(tenant, req.idempotency_key, f"exec on {tid}")
+        if again is not None:
+            return again
         self._admitting()
         traj = self.trajectory(tenant, tid)
         if traj.state is not TrajectoryState.OPEN:
             raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}")
         env = self.env_of(traj)
         argv, spec = self._exec_spec(env, req)
-        rec = self._record(tenant, tid, "exec", req, argv)
+        rec = self._record(tenant, tid, "exec", req, argv, target=f"exec on {tid}")
         try:
             self.core.submit(rec.id, tid, spec, rec.submitted)
         except SchedulingError as e:
@@ -472,10 +486,10 @@ class Engine:
     ) -> ActionRecord:
         """Queue a lease of ``req.units`` of an API quota (the result carries the lease
         id), or a call the service makes for the caller once the quota admits it."""
-        if req.idempotency_key is not None:
-            again = self.idempotent.get((tenant, req.idempotency_key))
-            if again is not None:
-                return again
+        what = f"{'lease' if isinstance(req, ApiLeaseRequest) else 'call'} of {api}"
+        again = self._repeat(tenant, req.idempotency_key, what)
+        if again is not None:
+            return again
         self._admitting()
         configured = {a.name for a in self.config.apis}
         if api not in configured or api not in self.core.quotas:
@@ -485,12 +499,13 @@ class Engine:
             raise EngineError(
                 "invalid", "api", f"quota {api!r} has no endpoint: lease it and call it yourself"
             )
-        holder = f"lease-{tenant}"  # leases are not tied to a trajectory: one per tenant
+        holder = f"~leases/{tenant}"  # leases hold no trajectory; "~" is never in an id
         if holder not in self.core.trajectories:
             self.core.open_trajectory(holder)
         units = req.units if isinstance(req, ApiLeaseRequest) else 1
-        spec = ActionSpec(kind="api", api=api, quotas={api: units} if units > 1 else {})
-        rec = self._record(tenant, None, "api", req, None)
+        # ``quotas`` are units beyond the one an api action holds anyway.
+        spec = ActionSpec(kind="api", api=api, quotas={api: units - 1} if units > 1 else {})
+        rec = self._record(tenant, None, "api", req, None, target=what)
         try:
             self.core.submit(rec.id, holder, spec, rec.submitted)
         except SchedulingError as e:
@@ -555,10 +570,12 @@ class Engine:
         kind: Literal["exec", "service", "api"],
         req: ExecRequest | ApiLeaseRequest | ApiCallRequest,
         argv: list[str] | None,
+        *,
+        target: str,
     ) -> ActionRecord:
         aid = f"a-{self._epoch}-{next(self._ids)}"  # unique across restarts by the epoch
         fut: asyncio.Future[ActionResult] = asyncio.get_running_loop().create_future()
-        return ActionRecord(aid, tenant, tid, kind, req, argv, self.clock(), fut)
+        return ActionRecord(aid, tenant, tid, kind, req, argv, target, self.clock(), fut)
 
     def _admit(self, rec: ActionRecord, queue_timeout_s: float | None, key: str | None) -> None:
         self.actions[rec.id] = rec
@@ -594,9 +611,10 @@ class Engine:
             now = self.clock()
             try:
                 rnd = self.core.schedule(now)
-            except Exception:  # a bug must not stop the service: log it, retry later
-                log.exception("scheduling round failed")
-                await asyncio.sleep(0.1)
+            except Exception:  # a bug must not stop the service: shed what triggered it
+                log.exception("scheduling round failed; rejecting the newest queued action")
+                self._reject_newest()
+                await asyncio.sleep(0.01)
                 self._wake.set()
                 continue
             for asg in rnd.assignments:
@@ -607,6 +625,19 @@ class Engine:
                 self._timer = asyncio.get_running_loop().call_later(
                     max(0.0, rnd.wake_at - now), self._wake.set
                 )
+
+    def _reject_newest(self) -> None:
+        """A round raised: the newest queued action is the likeliest cause. Rejecting one
+        per failed round isolates a poisonous request instead of stalling everyone."""
+        for rec in reversed(list(self.actions.values())):
+            if rec.started is None:
+                self.core.cancel(rec.id)
+                self._finish(
+                    rec,
+                    ActionStatus.REJECTED,
+                    error=_err("scheduling_failed", "the scheduler could not place this action"),
+                )
+                return
 
     def _start(self, asg: Assignment, now: float) -> None:
         rec = self.actions[asg.action_id]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tangram.api.action import ActionSpec
+from tangram.api.action import MAX_T1_S, ActionSpec
 from tangram.api.cluster import ClusterSpec, NodeSpec
 from tangram.api.demand import AmdahlEfficiency, RangeDemand
 from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -61,7 +61,7 @@ def measure(case: Case, rounds: int, depth: int = 2, seed: int = 0) -> list[floa
     s.open_trajectory("blocker")
     s.place_trajectory("blocker", "n0")
     if blockers:
-        hold = ActionSpec(kind="exec", cpu=blockers, t1_s=1e9)
+        hold = ActionSpec(kind="exec", cpu=blockers, t1_s=MAX_T1_S)  # holds its cores all along
         s.adopt("hold", "blocker", hold, units=blockers, started_at=0.0)
     serial = 0
     for i in range(case.queued):
