@@ -20,12 +20,16 @@ from tangram.service.embedded import Running, free_port, run
 
 @contextmanager
 def service(
-    config: PoolConfig, agent: NodeAgent | None, tmp: Path, *, grace_s: float = 5.0
+    config: PoolConfig,
+    agent: NodeAgent | None,
+    tmp: Path,
+    *,
+    grace_s: float = 5.0,
+    tokens: TokenStore | None = None,
 ) -> Iterator[tuple[Running, str]]:
-    """Yield the running service and a client token."""
-    tokens = TokenStore.create(tmp / "tokens")
-    token = tokens.token_for("local")
-    assert token is not None
+    """Yield the running service and a client token (of tenant ``local``, if any)."""
+    tokens = tokens or TokenStore.create(tmp / "tokens")
+    token = tokens.token_for("local") or ""
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     ready: list[Running] = []

@@ -251,3 +251,14 @@ def test_failing_setup_and_bad_requests_are_refused(runtime: DockerRuntime, busy
         runtime.open(tid(), template("tangram-test/missing:0"))
     with pytest.raises(ExecError, match="trajectory"):
         runtime.open("bad/name", template(busybox))
+
+
+def test_an_agent_adopts_only_its_own_containers(
+    runtime: DockerRuntime, docker_client: Any, busybox: str, execd: Built, tmp_path: Path
+) -> None:
+    t = tid()
+    runtime.open(t, template(busybox))
+    stranger = DockerRuntime(
+        CORES[:1], client=docker_client, execd=execd, state_dir=tmp_path / "another-agent"
+    )
+    assert t not in stranger.adopt()

@@ -20,6 +20,7 @@ from tangram.api.wire import EnvSpec
 from tangram.client import ActionStatus, Client, TangramError
 from tangram.client.common import Call
 from tangram.node_agent.agent import NodeAgent
+from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
 
 from .service_harness import service
@@ -224,3 +225,28 @@ def test_a_lease_of_n_units_holds_exactly_n(tmp_path: Path) -> None:
         with pytest.raises(TangramError) as e:
             c.lease("search", units=5)
         assert e.value.status == 400
+
+
+def test_a_tenant_sees_and_touches_only_its_own_trajectories(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    alice, bob, agent_token = "a" * 24, "b" * 24, "c" * 24
+    tokens = TokenStore({alice: "alice", bob: "bob", agent_token: AGENT_TENANT})
+    agent = NodeAgent.create(tmp_path / "agent", runtime="process")
+    with (
+        service(CONFIG, agent, tmp_path, tokens=tokens) as (running, _),
+        Client(running.url, alice) as a,
+        Client(running.url, bob) as b,
+    ):
+        mine = a.open("shell")
+        for attempt in (
+            lambda: b.get(mine.id),
+            lambda: b.exec(mine.id, ["true"]),
+            lambda: b.close(mine.id),
+        ):
+            with pytest.raises(TangramError) as e:
+                attempt()
+            assert e.value.status == 404  # another tenant's trajectory does not exist
+        assert b.cancel("key:anything") is False
+        assert a.exec(mine.id, ["true"]).status is ActionStatus.OK
+        a.close(mine.id)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tangram.node_agent.docker_runtime import owner_id
 from tangram.service.embedded import free_port
 
 pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker")]
@@ -84,5 +85,6 @@ def test_up_serves_the_example_pool_to_the_example_driver(
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0, out
     assert "every environment was removed" in out
-    left = docker_client.containers.list(all=True, filters={"label": "dev.tangram/pool=local"})
+    owner = owner_id(tmp_path / "state" / "docker")  # this agent's containers, no one else's
+    left = docker_client.containers.list(all=True, filters={"label": f"dev.tangram/owner={owner}"})
     assert left == []

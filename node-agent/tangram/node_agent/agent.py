@@ -30,7 +30,7 @@ from tangram.api.wire import (
     TrajectoryMeta,
 )
 from tangram.node_agent.cgroups import detect
-from tangram.node_agent.docker_runtime import DockerRuntime
+from tangram.node_agent.docker_runtime import DockerRuntime, owner_id
 from tangram.node_agent.env_template import EnvTemplate
 from tangram.node_agent.exec_server import build
 from tangram.node_agent.execution import ExecError, ExecResult
@@ -140,7 +140,12 @@ class NodeAgent:
                 agent.load_meta(state_dir / "meta")
                 return agent
         cgroups = detect()
-        prt = ProcessRuntime(state_dir / "trajectories", cgroups, idle, group_prefix="tangram")
+        prt = ProcessRuntime(
+            state_dir / "trajectories",
+            cgroups,
+            idle,
+            group_prefix=f"tangram-{owner_id(state_dir)}",  # apart from other agents' groups
+        )
         agent = cls(prt, inventory, actions, idle, node=name, fast_path="the process runtime")
         agent.adopted = prt.adopt()
         agent.load_meta(state_dir / "meta")

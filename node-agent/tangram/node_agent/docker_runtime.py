@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import os
 import secrets
@@ -114,6 +115,8 @@ class DockerRuntime:
             raise ExecError(f"docker: the engine is not reachable: {e}") from None
         self.idle_cores = tuple(idle_cores)
         self.state_dir = state_dir
+        # Several agents may share a Docker Engine (pools, tests): each adopts only its own.
+        self.owner = owner_id(state_dir)
         self.execd = execd.path if execd else None
         self.no_fast = execd.reason if execd else "no exec server was configured"
         self.cgroups: Cgroups = detect(cgroup_root)
@@ -188,7 +191,11 @@ class DockerRuntime:
         ones Docker will not start (being removed, dead) are left out and reported lost
         by the caller, which sees them missing from the returned trajectories.
         """
-        found = self.client.containers.list(all=True, filters={"label": f"{LABEL}/template"})
+        found = self.client.containers.list(
+            all=True,
+            filters={"label": f"{LABEL}/owner={self.owner}"},
+            ignore_removed=True,  # one removed between listing and inspecting is no error
+        )
         for c in found:
             if c.status in ("removing", "dead"):
                 continue
@@ -216,7 +223,7 @@ class DockerRuntime:
     def _create(self, template: EnvTemplate, name: str) -> Env:
         user, has_workdir = self._image_facts(template)
         run_dir: Path | None = None
-        labels: dict[str, str] = {}
+        labels: dict[str, str] = {f"{LABEL}/owner": self.owner}
         if self.execd is not None:
             token = secrets.token_hex(8)
             run_dir = self.state_dir / "run" / token
@@ -551,6 +558,11 @@ class DockerRuntime:
             for victim in tree(self.proc_root, pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, signal.SIGKILL)
+
+
+def owner_id(state_dir: Path) -> str:
+    """Names the agent that owns a container (or cgroup): its state directory's digest."""
+    return hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
 
 
 def tree(proc_root: Path, root: int) -> list[int]:
