@@ -34,9 +34,13 @@ INTERRUPT_GRACE_S = 2.0  # how long an interrupted session may take to answer
 _MARKER = re.compile(rb"\x1etangram-[0-9a-f]{16}:\d+\x1e\n")
 
 _PY_DRIVER = r"""
-import ast, contextlib, io, json, os, sys, traceback
+import ast, contextlib, io, json, os, sys, tempfile, traceback
 proto = os.fdopen(os.dup(1), "w", encoding="utf-8")
-os.dup2(2, 1)  # what child processes print must not mix with the replies
+# What child processes write lands in a spill file, read back into the reply in order,
+# so it can neither mix with the replies nor trail behind them.
+spill = tempfile.TemporaryFile()
+os.dup2(spill.fileno(), 1)
+os.dup2(spill.fileno(), 2)
 ns = {"__name__": "__main__", "__builtins__": __builtins__}
 
 def run(code):
@@ -47,6 +51,15 @@ def run(code):
         value = eval(compile(ast.Expression(last.value), "<session>", "eval"), ns)
         if value is not None:
             print(repr(value))
+
+def spilled():
+    os.lseek(1, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(1, 1 << 16):
+        chunks.append(chunk)
+    os.ftruncate(1, 0)
+    os.lseek(1, 0, os.SEEK_SET)
+    return b"".join(chunks).decode(errors="replace")
 
 while True:
     try:
@@ -63,7 +76,7 @@ while True:
             ok = False
             err.write(traceback.format_exc())
         cap = req["cap"]
-        o, e = out.getvalue(), err.getvalue()
+        o, e = out.getvalue(), spilled() + err.getvalue()
         reply = {"ok": ok, "stdout": o[:cap], "stderr": e[:cap],
                  "stdout_truncated": len(o) > cap, "stderr_truncated": len(e) > cap}
         proto.write(json.dumps(reply) + "\n")
