@@ -50,6 +50,7 @@ from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig
 
 log = logging.getLogger("tangram.service")
 
+MAX_KEYS = 100_000  # idempotency keys remembered per scheduler
 KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
 
 ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable"]
@@ -108,6 +109,7 @@ class ActionRecord:
     task: asyncio.Task[None] | None = None
     expiry: asyncio.TimerHandle | None = None  # queue timeout, or a lease's hold limit
     cancelled: bool = False
+    lease: str | None = None  # an API lease's id while held
 
 
 class Engine:
@@ -281,7 +283,7 @@ class Engine:
             return False
         rec.started, rec.assignment = asg.started_at, asg
         self.actions[rec.id] = rec
-        self.idempotent[(tenant, key)] = rec
+        self._remember_key(tenant, key, rec)
         self.by_agent_key[run.key] = rec
         traj.running.add(rec.id)
         return True
@@ -329,7 +331,8 @@ class Engine:
         for tid in drained.trajectories:
             if tid in self.trajectories:
                 self.trajectories[tid].state = TrajectoryState.LOST
-        log.warning(
+        log.log(
+            logging.WARNING if self.accepting else logging.INFO,  # expected at shutdown
             "node %s left: %d actions ended, %d trajectories lost",
             link.node,
             len(drained.running) + len(drained.dropped),
@@ -527,7 +530,8 @@ class Engine:
         now = self.clock()
         with contextlib.suppress(SchedulingError):
             self.core.complete(rec.id, now)
-        self.leases = {k: v for k, v in self.leases.items() if v != rec.id}
+        if rec.lease is not None:
+            self.leases.pop(rec.lease, None)
         self.actions.pop(rec.id, None)
         self._wake.set()
         result = self._result(rec, ActionStatus.OK, exec_s=now - rec.started)
@@ -580,12 +584,22 @@ class Engine:
     def _admit(self, rec: ActionRecord, queue_timeout_s: float | None, key: str | None) -> None:
         self.actions[rec.id] = rec
         if key is not None:
-            self.idempotent[(rec.tenant, key)] = rec
+            self._remember_key(rec.tenant, key, rec)
         if queue_timeout_s is not None:
             rec.expiry = asyncio.get_running_loop().call_later(
                 queue_timeout_s, self._queue_timeout, rec
             )
         self._wake.set()
+
+    def _remember_key(self, tenant: str, key: str, rec: ActionRecord) -> None:
+        """Keys are kept for the newest ``MAX_KEYS`` actions (a retry comes within
+        seconds, not after a hundred thousand other actions): memory stays bounded."""
+        self.idempotent[(tenant, key)] = rec
+        while len(self.idempotent) > MAX_KEYS:
+            oldest = next(iter(self.idempotent))
+            if not self.idempotent[oldest].done.done():
+                break  # never forget the key of an action still in flight
+            del self.idempotent[oldest]
 
     def _admitting(self) -> None:
         if not self.accepting:
@@ -651,6 +665,7 @@ class Engine:
             assert isinstance(rec.request, ApiLeaseRequest)
             lease = f"l-{secrets.token_hex(8)}"
             self.leases[lease] = rec.id
+            rec.lease = lease
             if rec.expiry is not None:
                 rec.expiry.cancel()
             rec.expiry = asyncio.get_running_loop().call_later(
