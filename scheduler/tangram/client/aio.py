@@ -10,13 +10,14 @@ from typing import Any, Self
 
 import aiohttp
 
-from tangram.api.wire import ActionResult, TrajectoryInfo
+from tangram.api.wire import ActionResult, BatchResponse, TrajectoryInfo
 from tangram.client.common import (
     RETRY_STATUS,
     Call,
     Reply,
     TangramError,
-    answer,
+    check,
+    data,
     exec_body,
     open_body,
     result,
@@ -52,7 +53,7 @@ class AsyncClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _call(self, call: Call) -> Any:
+    async def _call(self, call: Call) -> Reply:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 self.url,
@@ -68,7 +69,7 @@ class AsyncClient:
                 ) as response:
                     reply = Reply(response.status, await response.read(), response.headers)
                 if reply.status not in RETRY_STATUS or attempt == self.retries:
-                    return answer(reply)
+                    return check(reply)
             except aiohttp.ClientConnectionError:
                 if attempt == self.retries:
                     raise
@@ -108,12 +109,12 @@ class AsyncClient:
     async def batch(self, items: Sequence[tuple[str, dict[str, Any]]]) -> list[ActionResult]:
         """Many actions in one request: ``(trajectory, exec_body(...))`` pairs."""
         body = {"actions": [{"trajectory": t, "exec": e} for t, e in items]}
-        data = await self._call(Call("POST", "/v1/batch", body))
-        return [result(r) for r in data["results"]]
+        reply = await self._call(Call("POST", "/v1/batch", body))
+        return BatchResponse.model_validate_json(reply.body).results
 
     async def cancel(self, action: str) -> bool:
         """Cancel by action id, or by idempotency key as ``key:<key>``."""
-        return bool((await self._call(Call("DELETE", f"/v1/actions/{action}")))["cancelled"])
+        return bool(data(await self._call(Call("DELETE", f"/v1/actions/{action}")))["cancelled"])
 
     async def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
         body = {"units": units, "hold_s": hold_s}

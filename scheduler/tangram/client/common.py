@@ -116,7 +116,8 @@ def exec_body(
     return body
 
 
-def answer(reply: Reply) -> Any:
+def check(reply: Reply) -> Reply:
+    """The reply, or the service's error as a ``TangramError``."""
     if reply.status >= 400:
         try:
             err = json.loads(reply.body)["error"]
@@ -124,7 +125,7 @@ def answer(reply: Reply) -> Any:
         except (ValueError, KeyError, TypeError):
             text = reply.body[:500].decode(errors="replace")
             raise TangramError(reply.status, "http", text, []) from None
-    return json.loads(reply.body)
+    return reply
 
 
 def retry_after(reply: Reply | None, attempt: int, base: float) -> float:
@@ -136,12 +137,16 @@ def retry_after(reply: Reply | None, attempt: int, base: float) -> float:
     return min(base * 2.0**attempt, 10.0)
 
 
-def result(data: Any) -> ActionResult:
-    return ActionResult.model_validate(data)
+def result(reply: Reply) -> ActionResult:
+    return ActionResult.model_validate_json(reply.body)
 
 
-def trajectory_info(data: Any) -> TrajectoryInfo:
-    return TrajectoryInfo.model_validate(data)
+def trajectory_info(reply: Reply) -> TrajectoryInfo:
+    return TrajectoryInfo.model_validate_json(reply.body)
+
+
+def data(reply: Reply) -> Any:
+    return json.loads(reply.body)
 
 
 def open_body(

@@ -18,6 +18,7 @@ import json
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -120,12 +121,14 @@ class Engine:
         self.hub = AgentHub(self._join, self._leave, config.heartbeat_timeout_s, self._orphan)
         self.trajectories: dict[str, TrajectoryRecord] = {}
         self.actions: dict[str, ActionRecord] = {}
-        self.idempotent: dict[tuple[str, str], ActionRecord] = {}  # (tenant, key)
+        # (tenant, key), oldest first; an OrderedDict pops its front in O(1), a dict does not
+        self.idempotent: OrderedDict[tuple[str, str], ActionRecord] = OrderedDict()
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
         self.leases: dict[str, str] = {}  # lease id -> action id
         self.by_agent_key: dict[str, ActionRecord] = {}  # adopted actions, by agent key
         self._spawned: set[asyncio.Future[Any]] = set()
         self._http: aiohttp.ClientSession | None = None  # outbound calls of proxied APIs
+        self._specs: dict[tuple[Any, ...], ActionSpec] = {}  # validated action shapes
         self.accepting = True
         self._ids = itertools.count(1)
         self._epoch = secrets.token_hex(3)
@@ -472,16 +475,18 @@ class Engine:
             t1 = t1 if t1 is not None else prof.t1_s
             eff = eff if eff is not None else prof.efficiency
             kind = kind or f"exec:{env.spec.name}/{req.profile}"
+        shape: tuple[Any, ...] = (cpu if cpu is not None else env.cpu, t1, eff, kind)
         try:
-            spec = ActionSpec(
-                kind="exec",
-                cpu=cpu if cpu is not None else env.cpu,
-                t1_s=t1,
-                efficiency=eff,
-                type=kind,
-            )
-        except ValueError as e:
-            raise EngineError("invalid", "cpu", str(e)) from None
+            spec = self._specs.get(shape)
+        except TypeError:  # an unhashable part (an efficiency table): no caching
+            shape, spec = (), None
+        if spec is None:  # a handful of shapes recur: validate each once
+            try:
+                spec = ActionSpec(kind="exec", cpu=shape[0], t1_s=t1, efficiency=eff, type=kind)
+            except ValueError as e:
+                raise EngineError("invalid", "cpu", str(e)) from None
+            if shape and len(self._specs) < 10_000:
+                self._specs[shape] = spec
         return argv, spec
 
     def lease_api(
@@ -596,10 +601,10 @@ class Engine:
         seconds, not after a hundred thousand other actions): memory stays bounded."""
         self.idempotent[(tenant, key)] = rec
         while len(self.idempotent) > MAX_KEYS:
-            oldest = next(iter(self.idempotent))
-            if not self.idempotent[oldest].done.done():
+            record = next(iter(self.idempotent.values()))
+            if not record.done.done():
                 break  # never forget the key of an action still in flight
-            del self.idempotent[oldest]
+            self.idempotent.popitem(last=False)
 
     def _admitting(self) -> None:
         if not self.accepting:
@@ -823,6 +828,8 @@ class Engine:
         queued = (rec.started if rec.started is not None else now) - rec.submitted
         asg = rec.assignment
         out = reply.result if reply is not None else None
+        # Validated construction on purpose: model_construct inspects default factories'
+        # signatures on every call and costs more (py-spy, docs/benchmarks.md).
         alloc = Allocation()
         if asg is not None:
             node_cores = self.node_cores.get(asg.node or "", [])
