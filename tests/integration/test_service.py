@@ -17,7 +17,7 @@ import pytest
 from tangram.api.cluster import ApiSpec
 from tangram.api.demand import AmdahlEfficiency, RangeDemand
 from tangram.api.wire import EnvSpec
-from tangram.client import ActionStatus, Client, TangramError
+from tangram.client import ActionResult, ActionStatus, Client, TangramError
 from tangram.client.common import Call
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
@@ -250,3 +250,17 @@ def test_a_tenant_sees_and_touches_only_its_own_trajectories(tmp_path: Path) -> 
         assert b.cancel("key:anything") is False
         assert a.exec(mine.id, ["true"]).status is ActionStatus.OK
         a.close(mine.id)
+
+
+def test_cancelling_a_whole_trajectory_keeps_it_open(client: Client) -> None:
+    with client.trajectory("shell") as t:
+        box: list[ActionResult] = []
+        worker = threading.Thread(target=lambda: box.append(t.exec(["sleep", "30"])))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while client.cancel_all(t.id) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        worker.join(20)
+        assert box[0].status is ActionStatus.CANCELLED
+        assert t.exec(["true"]).status is ActionStatus.OK  # still open

@@ -13,13 +13,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="ARL-Tangram: action-level pooling of external resources for agentic RL.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from tangram.cli import bench, explain, serve, trace, up
+    from tangram.cli import bench, crds, explain, serve, trace, up
 
     up.register(sub)
     serve.register(sub)
     trace.register(sub)
     bench.register(sub)
     explain.register(sub)
+    crds.register(sub)
     return parser
 
 

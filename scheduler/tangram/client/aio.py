@@ -116,6 +116,11 @@ class AsyncClient:
         """Cancel by action id, or by idempotency key as ``key:<key>``."""
         return bool(data(await self._call(Call("DELETE", f"/v1/actions/{action}")))["cancelled"])
 
+    async def cancel_all(self, trajectory: str) -> int:
+        """Cancel every queued and running action of a trajectory (it stays open)."""
+        reply = await self._call(Call("POST", f"/v1/trajectories/{trajectory}/cancel"))
+        return int(data(reply)["cancelled"])
+
     async def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
         body = {"units": units, "hold_s": hold_s}
         return result(await self._call(Call("POST", f"/v1/apis/{api}/lease", body)))

@@ -70,6 +70,9 @@ class Client:
     def cancel(self, action: str) -> bool:
         return self._run(self._async.cancel(action))
 
+    def cancel_all(self, trajectory: str) -> int:
+        return self._run(self._async.cancel_all(trajectory))
+
     def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
         return self._run(self._async.lease(api, units, hold_s))
 

@@ -183,6 +183,10 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
         rec = engine.submit_exec(who, trajectory, req)
         return _json(await asyncio.shield(rec.done))
 
+    @app.post("/v1/trajectories/{trajectory}/cancel", responses=_ERRORS)
+    async def cancel_trajectory(trajectory: str, who: TenantId) -> dict[str, int]:
+        return {"cancelled": engine.cancel_trajectory(who, trajectory)}
+
     @app.post("/v1/batch", responses=_ERRORS)
     async def batch(req: BatchRequest, who: TenantId) -> BatchResponse:
         recs = []

@@ -401,6 +401,12 @@ class Engine:
         )
         return rec
 
+    def cancel_trajectory(self, tenant: str, tid: str) -> int:
+        """Cancel every queued and running action of a trajectory, which stays open."""
+        self.trajectory(tenant, tid)  # 404 for a stranger's
+        mine = [a for a, r in self.actions.items() if r.trajectory == tid and r.tenant == tenant]
+        return sum(self.cancel(tenant, aid) for aid in mine)
+
     async def close_trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
         rec = self.trajectory(tenant, tid)
         if rec.state is TrajectoryState.CLOSED:
