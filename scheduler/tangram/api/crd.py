@@ -233,12 +233,16 @@ def structural(node: Mapping[str, Any], defs: Mapping[str, Schema]) -> Schema:
         raise CrdError(f"a schema node without a type: {sorted(node)}")
     if isinstance(node["type"], list):
         raise CrdError(f"a node of several types: {node['type']}")
+    for bound in ("minimum", "maximum"):
+        strict = "exclusiveM" + bound[1:]
+        if bound in node and strict in node and not isinstance(node[strict], bool):
+            raise CrdError(f"both {bound} and {strict}: OpenAPI v3.0 takes one bound")
     for key, value in node.items():
-        if key in _DROP or key.startswith("x-kubernetes-"):
-            if key.startswith("x-kubernetes-"):
-                out[key] = copy.deepcopy(value)
+        if key in _DROP:
             continue
-        if key == "properties":
+        if key.startswith("x-kubernetes-"):
+            out[key] = copy.deepcopy(value)
+        elif key == "properties":
             out[key] = {name: structural(sub, defs) for name, sub in value.items()}
         elif key == "items":
             out[key] = structural(value, defs)
@@ -248,11 +252,10 @@ def structural(node: Mapping[str, Any], defs: Mapping[str, Schema]) -> Schema:
             elif value is not False:  # false: forbidden in v1 CRDs; unknown keys are pruned
                 out[key] = structural(value, defs)
         elif key in ("exclusiveMinimum", "exclusiveMaximum"):
-            bound = "minimum" if key == "exclusiveMinimum" else "maximum"
             if isinstance(value, bool):
                 out[key] = value
-            else:
-                out[bound] = value
+            else:  # JSON Schema 2020-12 number -> OpenAPI v3.0 bound + flag
+                out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
                 out[key] = True
         elif key == "default":
             if value is not None:
@@ -266,18 +269,6 @@ def structural(node: Mapping[str, Any], defs: Mapping[str, Schema]) -> Schema:
                 raise CrdError("uniqueItems: true is forbidden in CRDs; use a list type")
         else:
             raise CrdError(f"schema key {key!r} has no structural equivalent")
-    if (
-        "minimum" in node
-        and "exclusiveMinimum" in node
-        and not isinstance(node["exclusiveMinimum"], bool)
-    ):
-        out["minimum"] = max(node["minimum"], node["exclusiveMinimum"])
-    if (
-        "maximum" in node
-        and "exclusiveMaximum" in node
-        and not isinstance(node["exclusiveMaximum"], bool)
-    ):
-        out["maximum"] = min(node["maximum"], node["exclusiveMaximum"])
     return out
 
 
