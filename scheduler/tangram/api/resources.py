@@ -603,58 +603,46 @@ _Status = Annotated[
 ]
 
 
-class ActionPool(BaseModel):
+class _Object(BaseModel):
+    """What every custom resource has besides its kind and spec."""
+
+    model_config = _OBJECT_CONFIG
+
+    api_version: _ApiVersion
+    metadata: _Metadata
+    status: _Status = None
+
+    @property
+    def key(self) -> ObjectKey:
+        return self.metadata.key
+
+
+class _PoolMember(_Object):
+    spec: Any  # narrowed by each kind; it names its pool
+
+    def pool_key(self) -> ObjectKey:
+        return resolve_pool_ref(self.spec.pool_ref, self.metadata.namespace)
+
+
+class ActionPool(_Object):
     """Pooled CPU cores, GPUs and API quotas with the scheduler that hands them to actions."""
 
-    model_config = _OBJECT_CONFIG
-
-    api_version: _ApiVersion
     kind: Annotated[Literal["ActionPool"], Field(description="ActionPool")]
-    metadata: _Metadata
     spec: Annotated[ActionPoolSpec, Field(description="desired state")]
-    status: _Status = None
-
-    @property
-    def key(self) -> ObjectKey:
-        return self.metadata.key
 
 
-class TrajectoryEnv(BaseModel):
+class TrajectoryEnv(_PoolMember):
     """The per-trajectory environment container and its named exec actions."""
 
-    model_config = _OBJECT_CONFIG
-
-    api_version: _ApiVersion
     kind: Annotated[Literal["TrajectoryEnv"], Field(description="TrajectoryEnv")]
-    metadata: _Metadata
     spec: Annotated[TrajectoryEnvSpec, Field(description="desired state")]
-    status: _Status = None
-
-    @property
-    def key(self) -> ObjectKey:
-        return self.metadata.key
-
-    def pool_key(self) -> ObjectKey:
-        return resolve_pool_ref(self.spec.pool_ref, self.metadata.namespace)
 
 
-class RewardService(BaseModel):
+class RewardService(_PoolMember):
     """A GPU reward or teacher model called as service actions."""
 
-    model_config = _OBJECT_CONFIG
-
-    api_version: _ApiVersion
     kind: Annotated[Literal["RewardService"], Field(description="RewardService")]
-    metadata: _Metadata
     spec: Annotated[RewardServiceSpec, Field(description="desired state")]
-    status: _Status = None
-
-    @property
-    def key(self) -> ObjectKey:
-        return self.metadata.key
-
-    def pool_key(self) -> ObjectKey:
-        return resolve_pool_ref(self.spec.pool_ref, self.metadata.namespace)
 
 
 Resource = Annotated[ActionPool | TrajectoryEnv | RewardService, Field(discriminator="kind")]
