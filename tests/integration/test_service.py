@@ -18,7 +18,7 @@ from tangram.api.cluster import ApiSpec
 from tangram.api.demand import AmdahlEfficiency, RangeDemand
 from tangram.api.wire import EnvSpec
 from tangram.client import ActionResult, ActionStatus, Client, TangramError
-from tangram.client.common import Call
+from tangram.client.common import Call, exec_body
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
@@ -264,3 +264,29 @@ def test_cancelling_a_whole_trajectory_keeps_it_open(client: Client) -> None:
         worker.join(20)
         assert box[0].status is ActionStatus.CANCELLED
         assert t.exec(["true"]).status is ActionStatus.OK  # still open
+
+
+def test_a_batch_is_admitted_whole_or_not_at_all(client: Client, tmp_path: Path) -> None:
+    with client.trajectory("shell") as t:
+        results = client.batch(
+            [
+                {"trajectory": t.id, "exec": exec_body(["sh", "-c", "echo one"])},
+                {"api": "search", "lease": {"units": 1, "hold_s": 1}},
+                {"trajectory": t.id, "exec": exec_body(["sh", "-c", "echo two"])},
+            ]
+        )
+        assert [r.kind for r in results] == ["exec", "api", "exec"]
+        assert [results[0].stdout, results[2].stdout] == ["one\n", "two\n"]
+        assert results[1].lease
+        client.release(results[1].lease)
+        marker = tmp_path / "ran"
+        with pytest.raises(TangramError) as e:
+            client.batch(
+                [
+                    {"trajectory": t.id, "exec": exec_body(["touch", str(marker)])},
+                    {"trajectory": "no-such-trajectory", "exec": exec_body(["true"])},
+                ]
+            )
+        assert e.value.status == 404
+        time.sleep(0.3)
+        assert not marker.exists()  # the first item was withdrawn with the batch

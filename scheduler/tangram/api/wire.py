@@ -195,8 +195,25 @@ class ActionResult(_Strict):
 
 
 class BatchItem(_Strict):
-    trajectory: Id
-    exec: ExecRequest
+    """One action of a batch: ``exec`` on a ``trajectory``, or a ``lease`` or ``call`` of
+    an ``api`` quota."""
+
+    trajectory: Id | None = None
+    exec: ExecRequest | None = None
+    api: Annotated[str | None, Field(pattern=ID_PATTERN)] = None
+    lease: ApiLeaseRequest | None = None
+    call: ApiCallRequest | None = None
+
+    @model_validator(mode="after")
+    def _one_action(self) -> Self:
+        given = [n for n in ("exec", "lease", "call") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of exec, lease or call")
+        if self.exec is not None and self.trajectory is None:
+            raise ValueError("trajectory: an exec item names its trajectory")
+        if self.exec is None and self.api is None:
+            raise ValueError("api: a lease or call item names its quota")
+        return self
 
 
 class BatchRequest(_Strict):

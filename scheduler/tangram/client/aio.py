@@ -106,9 +106,11 @@ class AsyncClient:
         body = exec_body(argv, **kw)
         return result(await self._call(Call("POST", f"/v1/trajectories/{trajectory}/exec", body)))
 
-    async def batch(self, items: Sequence[tuple[str, dict[str, Any]]]) -> list[ActionResult]:
-        """Many actions in one request: ``(trajectory, exec_body(...))`` pairs."""
-        body = {"actions": [{"trajectory": t, "exec": e} for t, e in items]}
+    async def batch(self, items: Sequence[dict[str, Any]]) -> list[ActionResult]:
+        """Many actions in one request, admitted all or none, e.g.
+        ``{"trajectory": t, "exec": exec_body(["make"])}`` or ``{"api": "search",
+        "lease": {"units": 1}}``; results in the same order."""
+        body = {"actions": list(items)}
         reply = await self._call(Call("POST", "/v1/batch", body))
         return BatchResponse.model_validate_json(reply.body).results
 

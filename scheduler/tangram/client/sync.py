@@ -64,7 +64,7 @@ class Client:
     def exec(self, trajectory: str, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
         return self._run(self._async.exec(trajectory, argv, **kw))
 
-    def batch(self, items: Sequence[tuple[str, dict[str, Any]]]) -> list[ActionResult]:
+    def batch(self, items: Sequence[dict[str, Any]]) -> list[ActionResult]:
         return self._run(self._async.batch(items))
 
     def cancel(self, action: str) -> bool:

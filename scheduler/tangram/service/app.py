@@ -189,11 +189,7 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
 
     @app.post("/v1/batch", responses=_ERRORS)
     async def batch(req: BatchRequest, who: TenantId) -> BatchResponse:
-        recs = []
-        for item in req.actions:  # all admitted, or none run: check everything first
-            engine.trajectory(who, item.trajectory)
-        for item in req.actions:
-            recs.append(engine.submit_exec(who, item.trajectory, item.exec))
+        recs = engine.submit_batch(who, req.actions)
         results = await asyncio.gather(*(asyncio.shield(r.done) for r in recs))
         return BatchResponse(results=list(results))
 

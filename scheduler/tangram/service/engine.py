@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -35,6 +35,7 @@ from tangram.api.wire import (
     Allocation,
     ApiCallRequest,
     ApiLeaseRequest,
+    BatchItem,
     ErrorInfo,
     ExecRequest,
     OpenTrajectory,
@@ -432,6 +433,25 @@ class Engine:
         self.trajectories.pop(rec.id, None)
 
     # ---- actions -------------------------------------------------------------------
+    def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:
+        """Admit every item or none: an item refused cancels the ones admitted before it."""
+        admitted: list[ActionRecord] = []
+        try:
+            for item in items:
+                if item.exec is not None:
+                    assert item.trajectory is not None
+                    admitted.append(self.submit_exec(tenant, item.trajectory, item.exec))
+                else:
+                    assert item.api is not None
+                    req = item.lease if item.lease is not None else item.call
+                    assert req is not None
+                    admitted.append(self.lease_api(tenant, item.api, req))
+        except EngineError:
+            for rec in admitted:
+                self.cancel(tenant, rec.id)
+            raise
+        return admitted
+
     def _repeat(self, tenant: str, key: str | None, target: str) -> ActionRecord | None:
         """The action an idempotency key already names; a key reused for another
         operation or target is a conflict, not a replay."""
