@@ -1,0 +1,521 @@
+"""Desired state of an ActionPool: pure functions from custom resources to manifests.
+
+No I/O, no clock, no randomness: the same resources give identical dicts, so the operator
+can diff desired against live objects. What needs the cluster or randomness (the pool's
+uid, the agent token) is passed in.
+
+Children of ``ActionPool <pool>`` in namespace ``<ns>``, all owned by the pool (deleting it
+garbage-collects them; the two cluster-scoped ones excepted, below):
+
+- ConfigMap ``tangram-<pool>-config``: ``pool.yaml``, the pool and its TrajectoryEnvs and
+  RewardServices (never Secrets: credentials stay in their Secrets).
+- Secret ``tangram-<pool>-tokens``: ``tokens``, the ``TOKEN TENANT`` file holding the
+  agent token that the scheduler and the node agents share.
+- ServiceAccounts ``tangram-<pool>-scheduler`` and ``tangram-<pool>-agent``.
+- Role/RoleBinding ``tangram-<pool>-scheduler`` (read the three kinds, get only the Secrets
+  of ``spec.apis[*].secretRef``), ClusterRole/ClusterRoleBinding
+  ``tangram-<ns>-<pool>-tokenreview`` (create TokenReviews, to authenticate clients by
+  their ServiceAccount tokens). These two are cluster-scoped and so carry no
+  ownerReference (see :func:`cluster_metadata`). The agent gets no API access at all.
+- Deployment and Service ``tangram-<pool>-scheduler``.
+- DaemonSets ``tangram-<pool>-cpu-agent`` (when ``spec.cpu``) and ``tangram-<pool>-gpu-agent``
+  (when ``spec.gpu``); an API-only pool has none. The two selectors should pick disjoint
+  nodes: a scheduler knows one agent per node name.
+
+Config changes do not restart the scheduler: the pod template carries no checksum of the
+config. Kubelet refreshes the mounted ConfigMap (a projected volume, never a subPath), and
+the operator then tells the running scheduler to reload (``tangram serve`` re-reads its
+files on SIGHUP), so open trajectories and queued actions survive an edit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+from tangram.api.resources import (
+    API_VERSION,
+    GROUP,
+    PLURALS,
+    ActionPool,
+    RewardService,
+    TrajectoryEnv,
+)
+
+Manifest = dict[str, Any]
+
+CONFIG_DIR = "/etc/tangram"
+POOL_FILE = f"{CONFIG_DIR}/pool.yaml"
+TOKEN_FILE = f"{CONFIG_DIR}/tokens"
+AGENT_TENANT = "system:agent"  # tangram.service.auth.AGENT_TENANT; the operator sits apart
+STATE_ROOT = "/var/lib/tangram"
+CGROUP_ROOT = "/sys/fs/cgroup"
+DOCKER_SOCKET = "/var/run/docker.sock"
+NONROOT_UID = 65532  # the distroless "nonroot" user; any non-zero uid works
+MIN_TOKEN_CHARS = 16  # what TokenStore accepts
+POOL_NAMESPACE_LABEL = "tangram.dev/pool-namespace"
+
+
+# --- names and metadata -----------------------------------------------------------------------
+
+
+def child_name(pool: ActionPool, suffix: str) -> str:
+    return f"tangram-{pool.metadata.name}-{suffix}"
+
+
+def selector_labels(pool: ActionPool, component: str) -> dict[str, str]:
+    """The labels a workload selects its pods by (selectors are immutable: keep them few)."""
+    return {
+        "app.kubernetes.io/name": "arl-tangram",
+        "app.kubernetes.io/instance": pool.metadata.name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(pool: ActionPool, component: str) -> dict[str, str]:
+    return {**selector_labels(pool, component), "app.kubernetes.io/managed-by": "tangram-operator"}
+
+
+def owner_reference(pool: ActionPool, uid: str) -> Manifest:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ActionPool",
+        "name": pool.metadata.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(pool: ActionPool, name: str, component: str, uid: str) -> Manifest:
+    return {
+        "name": name,
+        "namespace": pool.metadata.namespace,
+        "labels": labels(pool, component),
+        "ownerReferences": [owner_reference(pool, uid)],
+    }
+
+
+def cluster_metadata(pool: ActionPool, name: str, component: str) -> Manifest:
+    """Metadata of a cluster-scoped child. It has no ownerReference: the garbage collector
+    treats a namespaced owner of a cluster-scoped object as unresolvable and never collects
+    it. The pool's finalizer deletes these by their labels instead."""
+    return {
+        "name": name,
+        "labels": {**labels(pool, component), POOL_NAMESPACE_LABEL: pool.metadata.namespace},
+    }
+
+
+# --- the pool's documents ---------------------------------------------------------------------
+
+
+def _document(obj: ActionPool | TrajectoryEnv | RewardService) -> Manifest:
+    return obj.model_dump(by_alias=True, exclude_none=True, exclude={"status"}, mode="json")
+
+
+def pool_documents(
+    pool: ActionPool, envs: Iterable[TrajectoryEnv], services: Iterable[RewardService]
+) -> str:
+    """``pool.yaml``: the pool, then its envs and services sorted by key (input order must
+    not change the ConfigMap)."""
+    docs = [_document(pool)]
+    docs += [_document(e) for e in sorted(envs, key=lambda e: e.key)]
+    docs += [_document(s) for s in sorted(services, key=lambda s: s.key)]
+    return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
+
+
+def config_map(
+    pool: ActionPool,
+    envs: Iterable[TrajectoryEnv],
+    services: Iterable[RewardService],
+    uid: str,
+) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(pool, child_name(pool, "config"), "scheduler", uid),
+        "data": {"pool.yaml": pool_documents(pool, envs, services)},
+    }
+
+
+def token_secret(pool: ActionPool, agent_token: str, uid: str) -> Manifest:
+    if len(agent_token) < MIN_TOKEN_CHARS or any(c.isspace() for c in agent_token):
+        raise ValueError(f"agent_token: at least {MIN_TOKEN_CHARS} characters, no whitespace")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(pool, child_name(pool, "tokens"), "scheduler", uid),
+        "type": "Opaque",
+        "stringData": {"tokens": f"{agent_token} {AGENT_TENANT}\n"},
+    }
+
+
+# --- identities and RBAC ----------------------------------------------------------------------
+
+
+def service_account(pool: ActionPool, component: str, suffix: str, uid: str) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(pool, child_name(pool, suffix), component, uid),
+        # Only the scheduler talks to the API server (TokenReview, Secrets, its CRs).
+        "automountServiceAccountToken": component == "scheduler",
+    }
+
+
+def secret_names(pool: ActionPool) -> list[str]:
+    """The Secrets named by ``spec.apis[*].secretRef``, sorted, each once."""
+    return sorted({q.secret_ref.name for q in pool.spec.apis if q.secret_ref is not None})
+
+
+def scheduler_role(pool: ActionPool, uid: str) -> Manifest:
+    rules: list[Manifest] = [
+        {
+            "apiGroups": [GROUP],
+            "resources": sorted(PLURALS.values()),
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    names = secret_names(pool)
+    if names:  # a rule without resourceNames would grant every Secret of the namespace
+        rules.append(
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": names, "verbs": ["get"]}
+        )
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(pool, child_name(pool, "scheduler"), "scheduler", uid),
+        "rules": rules,
+    }
+
+
+def _scheduler_subject(pool: ActionPool) -> Manifest:
+    return {
+        "kind": "ServiceAccount",
+        "name": child_name(pool, "scheduler"),
+        "namespace": pool.metadata.namespace,
+    }
+
+
+def scheduler_role_binding(pool: ActionPool, uid: str) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(pool, child_name(pool, "scheduler"), "scheduler", uid),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": child_name(pool, "scheduler"),
+        },
+        "subjects": [_scheduler_subject(pool)],
+    }
+
+
+def tokenreview_name(pool: ActionPool) -> str:
+    # Cluster-scoped: pools of the same name in two namespaces must not collide.
+    return f"tangram-{pool.metadata.namespace}-{pool.metadata.name}-tokenreview"
+
+
+def tokenreview_cluster_role(pool: ActionPool) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": cluster_metadata(pool, tokenreview_name(pool), "scheduler"),
+        "rules": [
+            {
+                "apiGroups": ["authentication.k8s.io"],
+                "resources": ["tokenreviews"],
+                "verbs": ["create"],
+            }
+        ],
+    }
+
+
+def tokenreview_cluster_role_binding(pool: ActionPool) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": cluster_metadata(pool, tokenreview_name(pool), "scheduler"),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": tokenreview_name(pool),
+        },
+        "subjects": [_scheduler_subject(pool)],
+    }
+
+
+# --- the scheduler ----------------------------------------------------------------------------
+
+
+def scheduler_url(pool: ActionPool) -> str:
+    """Where node agents connect: the scheduler Service's cluster DNS name."""
+    ns, port = pool.metadata.namespace, pool.spec.scheduler.port
+    return f"ws://{child_name(pool, 'scheduler')}.{ns}.svc:{port}/v1/agents"
+
+
+def _restricted_security_context() -> Manifest:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _scratch_volume() -> Manifest:
+    # The root filesystem is read-only; Python and libraries may still want a /tmp.
+    return {"name": "tmp", "emptyDir": {}}
+
+
+def scheduler_container(pool: ActionPool, image: str) -> Manifest:
+    port = pool.spec.scheduler.port
+    # Probes go through the named port, so a port change in the spec needs no probe edit.
+    return {
+        "name": "scheduler",
+        "image": image,
+        "command": [
+            "tangram",
+            "serve",
+            "-f",
+            POOL_FILE,
+            "--token-file",
+            TOKEN_FILE,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+            "--log-json",
+        ],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "resources": {k: dict(v) for k, v in sorted(pool.spec.scheduler.resources.items())},
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "securityContext": _restricted_security_context(),
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+
+
+def scheduler_deployment(pool: ActionPool, image: str, uid: str) -> Manifest:
+    name = child_name(pool, "scheduler")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(pool, name, "scheduler", uid),
+        "spec": {
+            "replicas": pool.spec.scheduler.replicas,
+            # One scheduler owns the pool's units: never two at once, even mid-rollout.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector_labels(pool, "scheduler")},
+            "template": {
+                # No config checksum here on purpose: a config change must not restart
+                # the scheduler (the operator has it reload instead).
+                "metadata": {"labels": labels(pool, "scheduler")},
+                "spec": {
+                    "serviceAccountName": name,
+                    "automountServiceAccountToken": True,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": NONROOT_UID,
+                        "runAsGroup": NONROOT_UID,
+                        "fsGroup": NONROOT_UID,  # lets the non-root user read the tokens
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [scheduler_container(pool, image)],
+                    "volumes": [
+                        {
+                            # Projected, not subPath: kubelet refreshes it in place.
+                            "name": "config",
+                            "projected": {
+                                "defaultMode": 0o440,
+                                "sources": [
+                                    {"configMap": {"name": child_name(pool, "config")}},
+                                    {"secret": {"name": child_name(pool, "tokens")}},
+                                ],
+                            },
+                        },
+                        _scratch_volume(),
+                    ],
+                },
+            },
+        },
+    }
+
+
+def scheduler_service(pool: ActionPool, uid: str) -> Manifest:
+    port = pool.spec.scheduler.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(pool, child_name(pool, "scheduler"), "scheduler", uid),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(pool, "scheduler"),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+            # The scheduler is Ready only once an agent is connected, and agents connect
+            # through this Service: without this neither would ever happen. Clients that
+            # come early get 503 with Retry-After, which tangram.client honours.
+            "publishNotReadyAddresses": True,
+        },
+    }
+
+
+# --- the node agents --------------------------------------------------------------------------
+
+
+def state_dir(pool: ActionPool, role: str) -> str:
+    # Per pool: two pools' agents on one node keep their environments apart.
+    base = f"{STATE_ROOT}/{pool.metadata.name}"
+    return base if role == "cpu" else f"{base}-{role}"
+
+
+def agent_command(pool: ActionPool, role: str) -> list[str]:
+    cpu = pool.spec.cpu if role == "cpu" else None
+    idle = cpu.idle_cores if cpu is not None else 1
+    command = [
+        "tangram", "agent", "--scheduler", scheduler_url(pool), "--token-file", TOKEN_FILE,
+        "--node", "$(NODE_NAME)", "--state-dir", state_dir(pool, role),
+        "--idle-cores", str(idle), "--log-json",
+    ]  # fmt: skip
+    if cpu is not None and cpu.cores_per_node is not None:
+        command += ["--cores", str(cpu.cores_per_node)]
+    return command
+
+
+def _host_path(name: str, path: str, kind: str) -> Manifest:
+    return {"name": name, "hostPath": {"path": path, "type": kind}}
+
+
+def agent_container(pool: ActionPool, role: str, image: str) -> Manifest:
+    state = state_dir(pool, role)
+    return {
+        "name": "agent",
+        "image": image,
+        "command": agent_command(pool, role),
+        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        # Privileged, and only the agent container, because on cgroup v2 it is the one
+        # way to get the host cgroup namespace: Kubernetes has no field for it, and
+        # containerd and CRI-O give every unprivileged container a private one, where the
+        # /proc/<pid>/cgroup paths of the environment containers no longer name their
+        # directories under /sys/fs/cgroup (see agent_daemon_set). Capabilities alone
+        # cannot change a namespace. The Docker socket makes the agent root-equivalent on
+        # its node in any case; what stays confined is what is not needed: no API token,
+        # no host network, a read-only root, three host paths.
+        "securityContext": {
+            "privileged": True,
+            "runAsUser": 0,  # cgroupfs files and the Docker socket belong to root
+            "readOnlyRootFilesystem": True,
+        },
+        "volumeMounts": [
+            {"name": "tokens", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "cgroup", "mountPath": CGROUP_ROOT},
+            {"name": "docker-socket", "mountPath": DOCKER_SOCKET},
+            # Same path inside and out: the agent hands paths under it (the exec server,
+            # its compile cache, each container's socket directory) to Docker, which
+            # resolves them on the host.
+            {"name": "state", "mountPath": state},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+
+
+def agent_daemon_set(pool: ActionPool, role: str, image: str, uid: str) -> Manifest:
+    """The node agents of one section (``cpu`` or ``gpu``) of the pool.
+
+    The agent writes the environment containers' cgroups (cpuset, CPU quota), reads the
+    host's ``/proc`` (host PID namespace) to find them and to kill timed-out commands,
+    drives the Docker Engine through its socket, and keeps state in a host directory.
+    """
+    section = pool.spec.cpu if role == "cpu" else pool.spec.gpu
+    if section is None:
+        raise ValueError(f"ActionPool {pool.metadata.name}: no spec.{role}, so no {role} agents")
+    name = child_name(pool, f"{role}-agent")
+    match = {**selector_labels(pool, "node-agent"), "tangram.dev/agent-role": role}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": metadata(pool, name, "node-agent", uid),
+        "spec": {
+            "selector": {"matchLabels": match},
+            "template": {
+                "metadata": {"labels": {**labels(pool, "node-agent"), **match}},
+                "spec": {
+                    "serviceAccountName": child_name(pool, "agent"),
+                    "automountServiceAccountToken": False,  # the agent needs no API access
+                    "hostPID": True,
+                    "nodeSelector": dict(sorted(section.node_selector.items())),
+                    "containers": [agent_container(pool, role, image)],
+                    "volumes": [
+                        {
+                            "name": "tokens",
+                            "secret": {
+                                "secretName": child_name(pool, "tokens"),
+                                "defaultMode": 0o400,
+                            },
+                        },
+                        _host_path("cgroup", CGROUP_ROOT, "Directory"),
+                        _host_path("docker-socket", DOCKER_SOCKET, "Socket"),
+                        _host_path("state", state_dir(pool, role), "DirectoryOrCreate"),
+                        _scratch_volume(),
+                    ],
+                },
+            },
+        },
+    }
+
+
+# --- everything -------------------------------------------------------------------------------
+
+
+def build_pool(
+    pool: ActionPool,
+    *,
+    image: str,
+    envs: list[TrajectoryEnv],
+    services: list[RewardService],
+    uid: str,
+    agent_token: str,
+) -> list[Manifest]:
+    """Every object the pool needs, in an order that can be applied first to last.
+
+    ``uid``: the ActionPool's metadata.uid (the model's metadata does not keep it).
+    ``agent_token``: the token node agents present to the scheduler (≥ 16 characters); the
+    operator creates it once and passes the live Secret's value on later reconciles.
+    ``envs``/``services``: the pool's members, already checked to reference it.
+    """
+    objects = [
+        config_map(pool, envs, services, uid),
+        token_secret(pool, agent_token, uid),
+        service_account(pool, "scheduler", "scheduler", uid),
+        service_account(pool, "node-agent", "agent", uid),
+        scheduler_role(pool, uid),
+        scheduler_role_binding(pool, uid),
+        tokenreview_cluster_role(pool),
+        tokenreview_cluster_role_binding(pool),
+        scheduler_deployment(pool, image, uid),
+        scheduler_service(pool, uid),
+    ]
+    objects += [
+        agent_daemon_set(pool, role, image, uid)
+        for role, section in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu))
+        if section is not None
+    ]
+    return objects
+
+
+__all__ = ["Manifest", "build_pool", "scheduler_url"]

@@ -1,0 +1,242 @@
+"""The operator's desired-state builders, fed with the example manifests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tangram.api.resources import ActionPool, Document, Resources, parse_documents
+from tangram.cli.manifests import load_documents
+from tangram.operator.builders import build_pool
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "manifests" / "examples"
+UID = "0f1e2d3c-0000-4000-8000-000000000001"
+TOKEN = "agent-token-0123456789abcdef"
+IMAGE = "ghcr.io/example/arl-tangram:0.1.0"
+NAMESPACED = {"ConfigMap", "Secret", "ServiceAccount", "Role", "RoleBinding", "Deployment",
+              "Service", "DaemonSet"}  # fmt: skip
+
+
+def _resources(example: str) -> Resources:
+    return load_documents([EXAMPLES / example / "pool.yaml"])
+
+
+def _build(resources: Resources, pool_name: str) -> list[dict[str, Any]]:
+    pool = next(p for p in resources.pools.values() if p.metadata.name == pool_name)
+    envs = [e for e in resources.envs.values() if e.pool_key() == pool.key]
+    services = [s for s in resources.services.values() if s.pool_key() == pool.key]
+    return build_pool(pool, image=IMAGE, envs=envs, services=services, uid=UID, agent_token=TOKEN)
+
+
+def _one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, (kind, name, [o["metadata"]["name"] for o in found])
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def coding() -> list[dict[str, Any]]:
+    return _build(_resources("coding"), "coding")
+
+
+@pytest.fixture(scope="module")
+def deepsearch() -> list[dict[str, Any]]:
+    return _build(_resources("deepsearch"), "deepsearch")
+
+
+@pytest.mark.parametrize(
+    ("example", "pool"),
+    [("coding", "coding"), ("deepsearch", "deepsearch"), ("mopd", "mopd"), ("local", "local")],
+)
+def test_every_child_is_labelled_named_and_owned(example: str, pool: str) -> None:
+    resources = _resources(example)
+    namespace = next(
+        p for p in resources.pools.values() if p.metadata.name == pool
+    ).metadata.namespace
+    objects = _build(resources, pool)
+    for obj in objects:
+        meta = obj["metadata"]
+        assert meta["name"].startswith(f"tangram-{pool}-") or meta["name"].startswith(
+            f"tangram-{namespace}-{pool}-"
+        )
+        assert meta["labels"]["app.kubernetes.io/name"] == "arl-tangram"
+        assert meta["labels"]["app.kubernetes.io/instance"] == pool
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "tangram-operator"
+        assert meta["labels"]["app.kubernetes.io/component"] in ("scheduler", "node-agent")
+        if obj["kind"] in NAMESPACED:
+            assert meta["namespace"] == namespace
+            assert meta["ownerReferences"] == [
+                {
+                    "apiVersion": "tangram.dev/v1alpha1",
+                    "kind": "ActionPool",
+                    "name": pool,
+                    "uid": UID,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ]
+        else:  # cluster-scoped: a namespaced owner would never be collected
+            assert obj["kind"] in ("ClusterRole", "ClusterRoleBinding")
+            assert "namespace" not in meta and "ownerReferences" not in meta
+            assert meta["labels"]["tangram.dev/pool-namespace"] == namespace
+
+
+def test_config_map_holds_the_pool_and_its_members_without_status(
+    coding: list[dict[str, Any]],
+) -> None:
+    text = _one(coding, "ConfigMap", "tangram-coding-config")["data"]["pool.yaml"]
+    docs = [Document("pool.yaml", i + 1, d) for i, d in enumerate(yaml.safe_load_all(text))]
+    parsed = parse_documents(docs)  # the scheduler can read back what it is given
+    assert [p.metadata.name for p in parsed.pools.values()] == ["coding"]
+    assert [e.metadata.name for e in parsed.envs.values()] == ["swe"]
+    assert parsed.pools[("rl", "coding")].spec == _resources("coding").pools[("rl", "coding")].spec
+    assert "status" not in text
+
+
+def test_scheduler_deployment_service_and_probes(coding: list[dict[str, Any]]) -> None:
+    deploy = _one(coding, "Deployment", "tangram-coding-scheduler")
+    spec = deploy["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    # No config checksum: an edited TrajectoryEnv must not restart the scheduler.
+    assert "annotations" not in spec["template"]["metadata"]
+    (container,) = pod["containers"]
+    assert container["image"] == IMAGE
+    assert container["command"] == [
+        "tangram", "serve", "-f", "/etc/tangram/pool.yaml", "--token-file", "/etc/tangram/tokens",
+        "--host", "0.0.0.0", "--port", "8080", "--log-json",
+    ]  # fmt: skip
+    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["resources"] == {
+        "limits": {"memory": "4Gi"},
+        "requests": {"cpu": "2", "memory": "2Gi"},
+    }
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and sc["runAsNonRoot"]
+    assert sc["capabilities"] == {"drop": ["ALL"]} and not sc["allowPrivilegeEscalation"]
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    (config,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    sources = config["projected"]["sources"]
+    assert {"configMap": {"name": "tangram-coding-config"}} in sources
+    assert {"secret": {"name": "tangram-coding-tokens"}} in sources
+    assert pod["serviceAccountName"] == "tangram-coding-scheduler"
+
+    service = _one(coding, "Service", "tangram-coding-scheduler")
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"] == spec["selector"]["matchLabels"]
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    # Agents must reach the scheduler before it is Ready (Ready = an agent connected).
+    assert service["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_agent_token_is_shared_through_a_secret(coding: list[dict[str, Any]]) -> None:
+    secret = _one(coding, "Secret", "tangram-coding-tokens")
+    assert secret["stringData"] == {"tokens": f"{TOKEN} system:agent\n"}
+
+
+def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
+    ds = _one(coding, "DaemonSet")
+    assert ds["metadata"]["name"] == "tangram-coding-cpu-agent"
+    spec = ds["spec"]
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert spec["selector"]["matchLabels"]["app.kubernetes.io/component"] == "node-agent"
+    pod = spec["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert pod["nodeSelector"] == {"tangram.dev/role": "sandbox"}
+    assert pod["automountServiceAccountToken"] is False
+    assert "tolerations" not in pod
+    (container,) = pod["containers"]
+    assert container["command"] == [
+        "tangram", "agent",
+        "--scheduler", "ws://tangram-coding-scheduler.rl.svc:8080/v1/agents",
+        "--token-file", "/etc/tangram/tokens",
+        "--node", "$(NODE_NAME)", "--state-dir", "/var/lib/tangram/coding",
+        "--idle-cores", "2", "--log-json", "--cores", "60",
+    ]  # fmt: skip
+    assert container["env"] == [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    ]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {
+        "cgroup": {"path": "/sys/fs/cgroup", "type": "Directory"},
+        "docker-socket": {"path": "/var/run/docker.sock", "type": "Socket"},
+        "state": {"path": "/var/lib/tangram/coding", "type": "DirectoryOrCreate"},
+    }
+    for name, host in host_paths.items():  # bind-mounted into containers: same path
+        assert mounts[name] == host["path"]
+    assert container["securityContext"]["privileged"] is True  # host cgroupns: see builders
+
+
+def test_api_only_pool_has_no_agents(deepsearch: list[dict[str, Any]]) -> None:
+    kinds = [o["kind"] for o in deepsearch]
+    assert "DaemonSet" not in kinds
+    assert "Deployment" in kinds and "Service" in kinds
+
+
+def test_gpu_pool_gets_a_gpu_agent() -> None:
+    objects = _build(_resources("mopd"), "mopd")
+    ds = _one(objects, "DaemonSet")
+    assert ds["metadata"]["name"] == "tangram-mopd-gpu-agent"
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert "--cores" not in pod["containers"][0]["command"]
+
+
+def test_rbac_is_least_privilege(deepsearch: list[dict[str, Any]]) -> None:
+    role = _one(deepsearch, "Role", "tangram-deepsearch-scheduler")
+    crs = {"actionpools", "trajectoryenvs", "rewardservices"}
+    tangram_rules = [r for r in role["rules"] if r["apiGroups"] == ["tangram.dev"]]
+    assert [set(r["resources"]) for r in tangram_rules] == [crs]
+    assert tangram_rules[0]["verbs"] == ["get", "list", "watch"]
+    (secrets,) = [r for r in role["rules"] if r["resources"] == ["secrets"]]
+    assert secrets["resourceNames"] == ["search-api-keys"]  # the secretRefs, once
+    assert secrets["verbs"] == ["get"]
+    binding = _one(deepsearch, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "tangram-deepsearch-scheduler", "namespace": "rl"}
+    ]
+    cluster_role = _one(deepsearch, "ClusterRole")
+    assert cluster_role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
+    ]
+    assert _one(deepsearch, "ClusterRoleBinding")["subjects"] == binding["subjects"]
+
+
+def test_pool_without_secret_refs_gets_no_secret_access(coding: list[dict[str, Any]]) -> None:
+    role = _one(coding, "Role")
+    assert all("secrets" not in r["resources"] for r in role["rules"])
+
+
+def test_service_accounts(coding: list[dict[str, Any]]) -> None:
+    agent = _one(coding, "ServiceAccount", "tangram-coding-agent")
+    scheduler = _one(coding, "ServiceAccount", "tangram-coding-scheduler")
+    assert agent["automountServiceAccountToken"] is False
+    assert scheduler["automountServiceAccountToken"] is True
+
+
+def test_output_is_deterministic_whatever_the_member_order() -> None:
+    resources = _resources("mopd")
+    pool: ActionPool = resources.pools[("rl", "mopd")]
+    services = list(resources.services.values())
+    first = build_pool(pool, image=IMAGE, envs=[], services=services, uid=UID, agent_token=TOKEN)
+    random.Random(7).shuffle(services)
+    again = build_pool(pool, image=IMAGE, envs=[], services=services, uid=UID, agent_token=TOKEN)
+    assert first == again
+    assert yaml.safe_dump_all(first) == yaml.safe_dump_all(again)
+
+
+def test_short_agent_token_is_refused() -> None:
+    pool = _resources("coding").pools[("rl", "coding")]
+    with pytest.raises(ValueError, match="agent_token"):
+        build_pool(pool, image=IMAGE, envs=[], services=[], uid=UID, agent_token="short")
