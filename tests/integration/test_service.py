@@ -20,7 +20,7 @@ from tangram.api.wire import EnvSpec
 from tangram.client import ActionResult, ActionStatus, Client, TangramError
 from tangram.client.common import Call, exec_body
 from tangram.node_agent.agent import NodeAgent
-from tangram.service.auth import AGENT_TENANT, TokenStore
+from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
 
 from .service_harness import service
@@ -186,6 +186,8 @@ def test_proxied_api_calls_use_the_credential_and_never_return_it(
     caplog.set_level("DEBUG")
     try:
         with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
+            # A pool of API quotas only needs no node to be ready.
+            assert httpx.get(f"{running.url}/readyz").status_code == 200
             r = c.call("search", "/v1/find", query={"q": "tangram"})
             assert r.status is ActionStatus.OK and r.kind == "api"
             assert r.output == {
@@ -290,3 +292,27 @@ def test_a_batch_is_admitted_whole_or_not_at_all(client: Client, tmp_path: Path)
         assert e.value.status == 404
         time.sleep(0.3)
         assert not marker.exists()  # the first item was withdrawn with the batch
+
+
+def test_the_operator_reloads_over_http_and_nobody_else_can(tmp_path: Path) -> None:
+    user, operator = "u" * 24, "o" * 24
+    tokens = TokenStore({user: "local", operator: OPERATOR_TENANT})
+    config = PoolConfig(apis=(ApiSpec(name="search", concurrency=1),))
+    with service(config, None, tmp_path, tokens=tokens) as (running, _):
+        url = f"{running.url}/v1/admin/reload"
+        for who in (user, "x" * 24):
+            assert httpx.post(url, headers={"Authorization": f"Bearer {who}"}).status_code == 401
+        bigger = PoolConfig(apis=(ApiSpec(name="search", concurrency=5),))
+        running.engine.reloader = lambda: bigger
+        answer = httpx.post(url, headers={"Authorization": f"Bearer {operator}"})
+        assert answer.status_code == 200 and answer.json()["changes"]
+        assert running.engine.core.quotas["search"].concurrency == 5
+        # An operator token cannot submit work.
+        assert (
+            httpx.post(
+                f"{running.url}/v1/apis/search/lease",
+                json={},
+                headers={"Authorization": f"Bearer {operator}"},
+            ).status_code
+            == 401
+        )

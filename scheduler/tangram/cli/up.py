@@ -180,8 +180,17 @@ def _local_images(agent: Any, images: list[str]) -> None:
 
 
 def reload_on_hangup(files: list[str], pool: str | None, engine: Any) -> None:
-    """SIGHUP re-reads the files and applies them while running (nothing queued is lost);
-    a file with errors is reported and the running configuration kept."""
+    """SIGHUP (or ``POST /v1/admin/reload`` with an operator token) re-reads the files and
+    applies them while running (nothing queued is lost); a file with errors is reported and
+    the running configuration kept."""
+
+    def read() -> PoolConfig:
+        try:
+            return load_pool(files, pool)[1]
+        except InputError as e:
+            raise ValueError(str(e)) from None
+
+    engine.reloader = read
 
     def reload() -> None:
         try:

@@ -37,7 +37,7 @@ from tangram.api.wire import (
     OpenTrajectory,
     TrajectoryInfo,
 )
-from tangram.service.auth import AGENT_TENANT, TokenStore
+from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.engine import Engine, EngineError, check_id
 
 log = logging.getLogger("tangram.service")
@@ -214,6 +214,19 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
     async def release(lease: str, who: TenantId) -> ActionResult:
         return engine.release(who, lease)
 
+    @app.post("/v1/admin/reload", include_in_schema=False)
+    async def reload(request: Request) -> JSONResponse:
+        """Re-read the pool's files (the operator calls this after kubelet refreshed them)."""
+        if _bearer(tokens, request.headers.get("authorization")) != OPERATOR_TENANT:
+            raise _UnauthorizedError
+        if engine.reloader is None:
+            return _error(409, "conflict", "this scheduler has no files to reload")
+        try:
+            config = engine.reloader()
+        except ValueError as e:  # the files are wrong: keep running as before
+            return _error(400, "invalid", f"reload refused: {e}")
+        return JSONResponse({"changes": engine.reconfigure(config)})
+
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(engine.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
@@ -323,7 +336,7 @@ async def _tenant(request: Request, authorization: Annotated[str | None, Header(
     # async: a sync dependency would cost a thread-pool hop on every request
     """The caller's tenant from its bearer token; agents' tokens do not submit."""
     who = _bearer(request.app.state.tokens, authorization)
-    if who is None or who == AGENT_TENANT:
+    if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
         raise _UnauthorizedError
     return who
 

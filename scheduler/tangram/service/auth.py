@@ -2,8 +2,9 @@
 
 The file holds one ``TOKEN TENANT`` pair a line (``#`` starts a comment). The tenant
 ``system:agent`` is the node agents' identity: it may connect to the agent endpoint and
-nothing else; every other tenant may submit and see only its own trajectories. In a
-cluster the operator wires ServiceAccount tokens checked with TokenReview instead.
+nothing else; ``system:operator`` may only trigger a configuration reload; every other
+tenant may submit and see only its own trajectories. In a cluster the operator wires
+ServiceAccount tokens checked with TokenReview instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import secrets
 from pathlib import Path
 
 AGENT_TENANT = "system:agent"
+OPERATOR_TENANT = "system:operator"  # may only reload the configuration
 
 
 class TokenError(ValueError):

@@ -130,6 +130,8 @@ class Engine:
         self._spawned: set[asyncio.Future[Any]] = set()
         self._http: aiohttp.ClientSession | None = None  # outbound calls of proxied APIs
         self._specs: dict[tuple[Any, ...], ActionSpec] = {}  # validated action shapes
+        # Re-reads the pool's definitions (set by the CLI); POST /v1/admin/reload calls it.
+        self.reloader: Callable[[], PoolConfig] | None = None
         self.accepting = True
         self._ids = itertools.count(1)
         self._epoch = secrets.token_hex(3)
@@ -172,7 +174,9 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        return self.accepting and bool(self.hub.links)
+        """Admitting, and able to run something: an agent is connected, or the pool has no
+        environments at all (API quotas only: nothing needs a node)."""
+        return self.accepting and (bool(self.hub.links) or not self.config.envs)
 
     # ---- configuration ---------------------------------------------------------------
     def reconfigure(self, config: PoolConfig) -> list[str]:
