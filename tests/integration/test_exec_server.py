@@ -283,3 +283,22 @@ def _is_zombie_child_of_server(pid: str, server: Path) -> bool:
         return False
     with open(f"/proc/{state[1]}/cmdline", "rb") as f:
         return str(server).encode() in f.read()
+
+
+def test_sessions_take_commands_longer_than_a_terminal_line_and_a_frame(
+    server: Path, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[str, str]:
+        bash = await BashSession.start(server, str(tmp_path), {})
+        py = await PythonSession.start(server, str(tmp_path), {})
+        text = "é'x\\" * 3000  # 12,000 characters, far more bytes once quoted
+        b = await bash.run(f"cat <<'EOF' | wc -c\n{text}\nEOF", timeout_s=30, output_cap=1024)
+        blob = "a" * (3 << 20)  # 3 MiB of code: several stdin frames
+        p = await py.run(f"s = '{blob}'\nlen(s)", timeout_s=60, output_cap=1024)
+        await bash.kill()
+        await py.kill()
+        return b.stdout.strip(), p.stdout.strip()
+
+    bash_out, py_out = asyncio.run(scenario())
+    assert bash_out == str(len(("é'x\\" * 3000 + "\n").encode()))
+    assert py_out == str(3 << 20)

@@ -198,3 +198,23 @@ def test_a_restarted_agent_adopts_its_trajectories_and_stops_their_leftovers(
     assert res.stdout == "kept\n"
     runtime._open.discard("t1")  # the restarted runtime owns it now
     restarted.close("t1")
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
+def test_an_action_keeps_its_cores_when_a_concurrent_one_ends(runtime: ProcessRuntime) -> None:
+    runtime.open("t1")
+
+    async def scenario() -> tuple[str, str]:
+        slow = asyncio.create_task(
+            runtime.exec(
+                "t1", ["sh", "-c", "sleep 1; grep Cpus_allowed_list /proc/self/status"], CORES[1:2]
+            )
+        )
+        await asyncio.sleep(0.2)
+        await runtime.exec("t1", ["true"], CORES[:1])  # ends while the slow one runs
+        res = await slow
+        return res.stdout, runtime.cgroups.cpus(runtime._group("t1"))
+
+    seen, after = run(scenario())
+    assert parse_cpulist(seen.split(":")[1]) == CORES[1:2]  # not the idle set
+    assert parse_cpulist(after) == CORES[:1]  # idle once both ended

@@ -109,3 +109,14 @@ def test_without_a_driver_nvml_reports_no_gpus() -> None:
     if Path("/dev/nvidiactl").exists():
         pytest.skip("an NVIDIA driver is present: the GPU tests cover nvml_gpus")
     assert nvml_gpus() == []
+
+
+def test_allotments_share_an_environment_between_concurrent_actions() -> None:
+    from tangram.node_agent.execution import Allotments
+
+    a = Allotments()
+    assert a.enter("env", [2], 1.0) == ([2], 1.0)
+    assert a.enter("env", [0, 1], 2.0) == ([0, 1, 2], 3.0)
+    assert a.leave("env", [2], 1.0) == ([0, 1], 2.0)
+    assert a.leave("env", [0, 1], 2.0) is None  # the last one: back to idle
+    assert a.leave("env", [0, 1], 2.0) is None  # leaving twice changes nothing

@@ -53,6 +53,7 @@ from tangram.node_agent.env_template import (
 from tangram.node_agent.exec_server import IN_CONTAINER_BIN, SOCKET_NAME, Built, Channel
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
+    Allotments,
     ExecError,
     ExecResult,
     Output,
@@ -125,6 +126,7 @@ class DockerRuntime:
         self.warm_pool: dict[str, list[Env]] = {}  # by template digest
         self.sessions: dict[tuple[str, str, str], Session] = {}  # (trajectory, kind, name)
         self._facts: dict[str, tuple[User | None, bool]] = {}  # by image, user, workdir
+        self.allot = Allotments()
 
     @property
     def containers(self) -> dict[str, Any]:
@@ -397,7 +399,7 @@ class DockerRuntime:
         assert held.run_dir is not None
         dop_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
         t0 = time.perf_counter()
-        self._limit_group(held, cores, float(len(cores)))
+        self._group_enter(held, cores)
         try:
             key = (trajectory, kind, name)
             sess = self.sessions.get(key)
@@ -416,7 +418,7 @@ class DockerRuntime:
             )
             t2 = time.perf_counter()
         finally:
-            self._limit_group(held, self.idle_cores, IDLE_QUOTA_CORES)
+            self._group_leave(held, cores)
         t3 = time.perf_counter()
         output = Output(
             reply.stdout.encode(),
@@ -468,6 +470,20 @@ class DockerRuntime:
             raise ExecError(f"the container's cgroup {group}: {e.strerror}") from None
         return group
 
+    # Concurrent actions of one environment share its cgroup (see ``Allotments``).
+    def _enter(self, env: Env, cores: Sequence[int]) -> tuple[list[int], float]:
+        return self.allot.enter(str(env.container.id), cores, float(len(cores)))
+
+    def _leave(self, env: Env, cores: Sequence[int]) -> tuple[list[int], float]:
+        rest = self.allot.leave(str(env.container.id), cores, float(len(cores)))
+        return rest or (list(self.idle_cores), IDLE_QUOTA_CORES)
+
+    def _group_enter(self, env: Env, cores: Sequence[int]) -> None:
+        self._limit_group(env, *self._enter(env, cores))
+
+    def _group_leave(self, env: Env, cores: Sequence[int]) -> None:
+        self._limit_group(env, *self._leave(env, cores))
+
     def _limit_group(self, env: Env, cores: Sequence[int], quota_cores: float) -> None:
         assert env.cgroup is not None
         try:
@@ -478,18 +494,18 @@ class DockerRuntime:
     async def _exec_fast(self, held: Env, cmd: Command) -> ExecResult:
         assert held.run_dir is not None
         t0 = time.perf_counter()
-        self._limit_group(held, cmd.cores, float(len(cmd.cores)))
+        self._group_enter(held, cmd.cores)
         try:
             chan = await Channel.start(
                 held.run_dir / SOCKET_NAME, cmd.argv, cwd=held.workdir, env=cmd.env
             )
         except BaseException:
-            self._limit_group(held, self.idle_cores, IDLE_QUOTA_CORES)
+            self._group_leave(held, cmd.cores)
             raise
         t1 = time.perf_counter()
 
         async def idle() -> None:
-            self._limit_group(held, self.idle_cores, IDLE_QUOTA_CORES)
+            self._group_leave(held, cmd.cores)
 
         try:
             output, timed_out = await supervise(
@@ -498,7 +514,7 @@ class DockerRuntime:
         finally:
             chan.close()
         t2 = time.perf_counter()
-        self._limit_group(held, self.idle_cores, IDLE_QUOTA_CORES)
+        self._group_leave(held, cmd.cores)
         t3 = time.perf_counter()
         code = None if timed_out else chan.exit_code
         return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
@@ -506,7 +522,7 @@ class DockerRuntime:
     async def _exec_portable(self, held: Env, cmd: Command) -> ExecResult:
         container = held.container
         t0 = time.perf_counter()
-        await asyncio.to_thread(self._update, container, cmd.cores, float(len(cmd.cores)))
+        await asyncio.to_thread(self._update, container, *self._enter(held, cmd.cores))
         t1 = time.perf_counter()
         api = self.client.api
         exec_id = (
@@ -519,7 +535,7 @@ class DockerRuntime:
             await asyncio.to_thread(self._kill_exec, api, exec_id)
 
         async def idle() -> None:
-            await asyncio.to_thread(self._update, container, self.idle_cores, IDLE_QUOTA_CORES)
+            await asyncio.to_thread(self._update, container, *self._leave(held, cmd.cores))
 
         collect = asyncio.to_thread(self._collect, api, exec_id, cmd.output_cap)
         output, timed_out = await supervise(collect, cmd.timeout_s, kill, idle)

@@ -33,6 +33,7 @@ IN_CONTAINER_BIN = "/.tangram/execd"
 IN_CONTAINER_RUN = "/.tangram/run"
 SOCKET_NAME = "exec.sock"
 _HEAD = struct.Struct(">cI")
+FRAME_BYTES = 512 << 10  # stdin frames; exec_server.c refuses frames over 1 MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +171,8 @@ class Channel:
         return kind, data
 
     async def write(self, data: bytes) -> None:
-        await self._send(b"I", data)
+        for start in range(0, max(len(data), 1), FRAME_BYTES):  # the server takes ≤ 1 MiB
+            await self._send(b"I", data[start : start + FRAME_BYTES])
 
     async def close_stdin(self) -> None:
         await self._send(b"E", b"")

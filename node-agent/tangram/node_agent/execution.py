@@ -72,6 +72,38 @@ class ExecResult:
         )
 
 
+class Allotments:
+    """The cores held by the actions running in each environment right now.
+
+    An environment has one cgroup, so actions running in it at the same time share it: it
+    gets the union of their cores and the sum of their quotas, and returns to the idle set
+    only when the last of them ends. (One at a time, an action's cgroup is exactly its own
+    cores.)
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[tuple[tuple[int, ...], float]]] = {}
+
+    def enter(self, env: str, cores: Sequence[int], quota: float) -> tuple[list[int], float]:
+        """Register an action; the limits the environment needs now."""
+        self._held.setdefault(env, []).append((tuple(cores), quota))
+        return self._limits(env)
+
+    def leave(self, env: str, cores: Sequence[int], quota: float) -> tuple[list[int], float] | None:
+        """An action ended; the limits the others still need, or None for the idle set."""
+        held = self._held.get(env, [])
+        if (tuple(cores), quota) in held:
+            held.remove((tuple(cores), quota))
+        if not held:
+            self._held.pop(env, None)
+            return None
+        return self._limits(env)
+
+    def _limits(self, env: str) -> tuple[list[int], float]:
+        held = self._held[env]
+        return sorted({c for cores, _ in held for c in cores}), sum(q for _, q in held)
+
+
 def check_request(
     is_open: bool, trajectory: str, argv: Sequence[str], cores: Sequence[int]
 ) -> None:

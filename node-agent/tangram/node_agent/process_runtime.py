@@ -25,6 +25,7 @@ from pathlib import Path
 from tangram.node_agent.cgroups import Cgroups, join
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
+    Allotments,
     ExecError,
     ExecResult,
     Output,
@@ -63,6 +64,7 @@ class ProcessRuntime:
         self.idle_cores = tuple(idle_cores)
         self.prefix = group_prefix
         self._open: set[str] = set()
+        self.allot = Allotments()
 
     def _group(self, trajectory: str) -> str:
         return f"{self.prefix}/{trajectory}"
@@ -142,7 +144,8 @@ class ProcessRuntime:
         check_request(trajectory in self._open, trajectory, argv, cores)
         group = self._group(trajectory)
         t0 = time.perf_counter()
-        self.cgroups.limit(group, cores, quota_cores if quota_cores is not None else len(cores))
+        quota = float(quota_cores if quota_cores is not None else len(cores))
+        self.cgroups.limit(group, *self.allot.enter(trajectory, cores, quota))
         t1 = time.perf_counter()
         full_env = {**os.environ, **(env or {}), "TANGRAM_DOP": str(len(cores))}
         proc = await asyncio.create_subprocess_exec(
@@ -165,14 +168,18 @@ class ProcessRuntime:
         async def kill() -> None:
             await asyncio.to_thread(self._kill, proc, group)  # it polls: not on the loop
 
+        def release() -> None:  # the others running here keep theirs (see Allotments)
+            rest = self.allot.leave(trajectory, cores, quota)
+            self.cgroups.limit(group, *(rest or (self.idle_cores, IDLE_QUOTA_CORES)))
+
         async def idle() -> None:
             await proc.wait()
-            self.cgroups.limit(group, self.idle_cores, IDLE_QUOTA_CORES)
+            release()
 
         output, timed_out = await supervise(collect(), timeout_s, kill, idle)
         code = await proc.wait()
         t2 = time.perf_counter()
-        self.cgroups.limit(group, self.idle_cores, IDLE_QUOTA_CORES)
+        release()
         t3 = time.perf_counter()
         return ExecResult.of(
             None if timed_out else code, output, timed_out, cores, (t0, t1, t2, t3)

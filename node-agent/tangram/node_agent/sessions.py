@@ -31,6 +31,7 @@ from tangram.node_agent.exec_server import Channel
 from tangram.node_agent.execution import ExecError
 
 INTERRUPT_GRACE_S = 2.0  # how long an interrupted session may take to answer
+LINE_BYTES = 2000  # per line sent to bash's terminal; its line buffer holds 4095
 _MARKER = re.compile(rb"\x1etangram-[0-9a-f]{16}:\d+\x1e\n")
 
 _PY_DRIVER = r"""
@@ -96,19 +97,36 @@ class Reply:
     timed_out: bool
 
 
+def _escaped(ch: str) -> str:
+    if ch in "\\'":
+        return "\\" + ch
+    if ch == "\n":
+        return "\\n"
+    if ch.isprintable() and ord(ch) < 0x80:
+        return ch
+    return "".join(f"\\x{b:02x}" for b in ch.encode())
+
+
 def ansi_c_quote(text: str) -> str:
     """Quote ``text`` as bash's ``$'...'`` so that any bytes survive one line."""
-    out = []
+    return "$'" + "".join(_escaped(ch) for ch in text) + "'"
+
+
+def quoted_pieces(text: str, limit: int = LINE_BYTES) -> list[str]:
+    """``text`` as ``$'...'`` pieces of at most ``limit`` bytes each: a terminal takes
+    lines of at most 4095 bytes, and a longer one never reaches the shell."""
+    pieces: list[str] = []
+    current: list[str] = []
+    size = 0
     for ch in text:
-        if ch in "\\'":
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch.isprintable() and ord(ch) < 0x80:
-            out.append(ch)
-        else:
-            out.extend(f"\\x{b:02x}" for b in ch.encode())
-    return "$'" + "".join(out) + "'"
+        esc = _escaped(ch)
+        if current and size + len(esc) > limit:
+            pieces.append("$'" + "".join(current) + "'")
+            current, size = [], 0
+        current.append(esc)
+        size += len(esc)
+    pieces.append("$'" + "".join(current) + "'")
+    return pieces
 
 
 class Session:
@@ -140,7 +158,11 @@ class Session:
         if not self.alive:
             raise ExecError(f"{self.kind} session: it has ended")
         async with self._lock:
-            await self._send(code, output_cap, env or {})
+            try:
+                await self._send(code, output_cap, env or {})
+            except ExecError:
+                await self.kill()  # half a request may have reached it: start afresh
+                raise
             pending = asyncio.ensure_future(self._reply(output_cap))
             try:
                 return await asyncio.wait_for(asyncio.shield(pending), timeout_s)
@@ -186,8 +208,13 @@ class BashSession(Session):
         self._buffer = bytearray()
 
     async def _send(self, code: str, cap: int, env: Mapping[str, str]) -> None:
+        # The code arrives as pieces appended to a variable, one short line each, then one
+        # line evaluates it: a command of any length fits the terminal's line buffer.
+        lines = ["__tangram_code=''"]
+        lines += [f"__tangram_code+={piece}" for piece in quoted_pieces(code)]
         exports = "".join(f"export {k}={ansi_c_quote(v)}; " for k, v in env.items())
-        await self.chan.write(f"{exports}eval {ansi_c_quote(code)}; {self._new_marker()}".encode())
+        lines.append(f'{exports}eval "$__tangram_code"; {self._new_marker()}')
+        await self.chan.write("\n".join(lines).encode())
 
     def _new_marker(self) -> str:
         """A fresh marker, and the command line that prints it with ``$?``."""

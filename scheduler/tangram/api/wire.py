@@ -59,6 +59,7 @@ class OpenTrajectory(_Strict):
 class TrajectoryState(StrEnum):
     OPEN = "open"
     LOST = "lost"  # its node left the pool; its environment is gone
+    CLOSING = "closing"  # its actions are being cancelled and its environment removed
     CLOSED = "closed"
 
 
@@ -152,6 +153,9 @@ class ApiCallRequest(_Strict):
         bad = [h for h in self.headers if h.lower() in ("authorization", "cookie", "host")]
         if bad:
             raise ValueError(f"headers: {bad[0]} is set by the service")
+        for name, value in self.headers.items():
+            if any(c in name + value for c in "\r\n\0") or not name.strip():
+                raise ValueError(f"headers: {name!r} has control characters or no name")
         return self
 
 

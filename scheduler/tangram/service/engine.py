@@ -154,6 +154,7 @@ class Engine:
         self.accepting = False
         for rec in list(self.actions.values()):
             if rec.started is None:
+                self.core.cancel(rec.id)
                 self._finish(
                     rec,
                     ActionStatus.CANCELLED,
@@ -414,16 +415,16 @@ class Engine:
 
     async def close_trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
         rec = self.trajectory(tenant, tid)
-        if rec.state is TrajectoryState.CLOSED:
+        if rec.state in (TrajectoryState.CLOSED, TrajectoryState.CLOSING):
             return rec
-        for aid in list(rec.running):
-            self.cancel(tenant, aid)
+        had_environment = rec.state is TrajectoryState.OPEN
+        rec.state = TrajectoryState.CLOSING  # before any await: no new action gets in now
         for aid in [a for a, r in self.actions.items() if r.trajectory == tid]:
             self.cancel(tenant, aid)
         running = [self.actions[a].task for a in rec.running if a in self.actions]
         await asyncio.gather(*(t for t in running if t is not None), return_exceptions=True)
-        if rec.state is TrajectoryState.OPEN and rec.node in self.hub.links:
-            with contextlib.suppress(AgentGoneError, EngineError):
+        if had_environment and rec.node in self.hub.links:
+            with contextlib.suppress(EngineError):
                 await self._ask(rec.node, op="close", trajectory=tid)
         self._forget(rec)
         rec.state = TrajectoryState.CLOSED
@@ -431,28 +432,45 @@ class Engine:
         return rec
 
     def _forget(self, rec: TrajectoryRecord) -> None:
-        if rec.id in self.core.trajectories:
+        """Drop a trajectory from the engine and the core; anything of it still running
+        (an adopted action) is forgotten in the core too, so its memory never leaks."""
+        for aid in [a for a, r in self.core.running.items() if r.action.trajectory == rec.id]:
             with contextlib.suppress(SchedulingError):
-                self.core.close_trajectory(rec.id, finished=rec.actions > 0)
+                self.core.complete(aid, self.clock(), ok=False)
+        if rec.id in self.core.trajectories:
+            for aid in self.core.close_trajectory(rec.id, finished=rec.actions > 0):
+                stale = self.actions.get(aid)
+                if stale is not None:
+                    self._finish(stale, ActionStatus.CANCELLED)
         self.trajectories.pop(rec.id, None)
 
     # ---- actions -------------------------------------------------------------------
     def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:
-        """Admit every item or none: an item refused cancels the ones admitted before it."""
+        """Admit every item or none: an item refused withdraws the ones this call admitted
+        before it (their keys too, so a retry runs them)."""
+        self._admitting(extra=len(items))
         admitted: list[ActionRecord] = []
+        fresh: list[ActionRecord] = []  # created here, not earlier actions found by key
         try:
             for item in items:
+                before = len(self.actions)
                 if item.exec is not None:
                     assert item.trajectory is not None
-                    admitted.append(self.submit_exec(tenant, item.trajectory, item.exec))
+                    rec = self.submit_exec(tenant, item.trajectory, item.exec)
                 else:
                     assert item.api is not None
                     req = item.lease if item.lease is not None else item.call
                     assert req is not None
-                    admitted.append(self.lease_api(tenant, item.api, req))
+                    rec = self.lease_api(tenant, item.api, req)
+                admitted.append(rec)
+                if len(self.actions) > before:
+                    fresh.append(rec)
         except EngineError:
-            for rec in admitted:
+            for rec in fresh:
                 self.cancel(tenant, rec.id)
+                key = getattr(rec.request, "idempotency_key", None)
+                if key is not None and self.idempotent.get((tenant, key)) is rec:
+                    del self.idempotent[(tenant, key)]
             raise
         return admitted
 
@@ -636,10 +654,10 @@ class Engine:
                 break  # never forget the key of an action still in flight
             self.idempotent.popitem(last=False)
 
-    def _admitting(self) -> None:
+    def _admitting(self, extra: int = 1) -> None:
         if not self.accepting:
             raise EngineError("unavailable", "service", "the scheduler is shutting down")
-        if self.core.queued >= self.config.max_queued:
+        if self.core.queued + extra > self.config.max_queued:
             self.metrics.rejected.labels(self.config.name).inc()
             raise EngineError("overloaded", "queue", f"{self.core.queued} actions are queued")
 
@@ -667,13 +685,24 @@ class Engine:
                 self._wake.set()
                 continue
             for asg in rnd.assignments:
-                self._start(asg, now)
+                try:
+                    self._start(asg, now)
+                except Exception:  # one bad start must not end the loop
+                    log.exception("starting %s failed", asg.action_id)
+                    self._abandon(asg.action_id)
             if rnd.wake_at is not None:
                 if self._timer is not None:
                     self._timer.cancel()
                 self._timer = asyncio.get_running_loop().call_later(
                     max(0.0, rnd.wake_at - now), self._wake.set
                 )
+
+    def _abandon(self, aid: str) -> None:
+        with contextlib.suppress(SchedulingError):
+            self.core.complete(aid, self.clock(), ok=False)
+        rec = self.actions.get(aid)
+        if rec is not None:
+            self._finish(rec, ActionStatus.ERROR, error=_err("start_failed", "could not start"))
 
     def _reject_newest(self) -> None:
         """A round raised: the newest queued action is the likeliest cause. Rejecting one
@@ -747,8 +776,8 @@ class Engine:
                 )
         except asyncio.CancelledError:
             status = ActionStatus.CANCELLED
-        except (AgentGoneError, EngineError) as e:
-            error = _err("node_lost", str(e), retryable=True)
+        except EngineError as e:
+            error = _err("node_lost", e.message, retryable=True)
         now = self.clock()
         if rec.id in self.core.running:
             self.core.complete(rec.id, now, ok=status is ActionStatus.OK)
@@ -771,7 +800,8 @@ class Engine:
         try:
             if endpoint is None:
                 raise EngineError("invalid", "api", f"quota {api!r} lost its endpoint")
-            headers = dict(req.headers)
+            # The credential's header is the service's alone, whatever its capitalisation.
+            headers = {k: v for k, v in req.headers.items() if k.lower() != endpoint.header.lower()}
             if endpoint.credential is not None:
                 headers[endpoint.header] = f"Bearer {endpoint.credential}"
             session = await self._http_session()
@@ -797,6 +827,8 @@ class Engine:
             status = ActionStatus.TIMEOUT
         except (aiohttp.ClientError, EngineError) as e:
             error = _err("api_failed", _scrub(str(e), endpoint), retryable=True)
+        except Exception as e:  # anything else must still end the call and free its unit
+            error = _err("api_failed", _scrub(f"{type(e).__name__}: {e}", endpoint))
         now = self.clock()
         if rec.id in self.core.running:
             self.core.complete(rec.id, now, ok=status is ActionStatus.OK)
@@ -812,7 +844,10 @@ class Engine:
         link = self.hub.links.get(node or "")
         if link is None:
             raise EngineError("unavailable", "node", f"node {node} has no agent connected")
-        return await link.request(AgentRequest(rid=link.next_rid(), **fields))
+        try:
+            return await link.request(AgentRequest(rid=link.next_rid(), **fields))
+        except (AgentGoneError, RuntimeError, OSError) as e:  # incl. a socket closing under us
+            raise EngineError("unavailable", "node", f"node {node}: {e}") from None
 
     # ---- results -----------------------------------------------------------------------
     def _finish(
