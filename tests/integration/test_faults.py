@@ -243,3 +243,30 @@ def _opens(client: Client, env: str) -> bool:
     except TangramError:
         return False
     return True
+
+
+def test_an_action_adopted_after_a_restart_can_be_cancelled(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.agent("state-a")
+    marker = tmp_path / "runs"
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell")
+        slow = ["sh", "-c", f"echo run >> {marker}; sleep 30; echo done >> {marker}"]
+        runner = threading.Thread(
+            target=lambda: _swallow(lambda: client.exec(t.id, slow, idempotency_key="long"))
+        )
+        runner.start()
+        _wait(marker.exists, "the action did not start")
+        cluster.scheduler.kill()
+        cluster.scheduler.wait(10)
+        runner.join(30)
+        cluster.start_scheduler()
+        _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
+    with Client(cluster.url, retries=5) as client:
+        assert client.cancel("key:long")
+        r = client.exec(t.id, slow, idempotency_key="long")  # the same action: now ended
+        assert r.status is ActionStatus.CANCELLED
+        assert marker.read_text() == "run\n"  # killed, never finished, never rerun
+        assert client.exec(t.id, ["true"]).status is ActionStatus.OK  # its cores came back
+        client.close(t.id)

@@ -39,7 +39,13 @@ from tangram.node_agent.noop_runtime import NoopRuntime
 from tangram.node_agent.process_runtime import ProcessRuntime
 
 log = logging.getLogger("tangram.agent")
-MAX_REMEMBERED = 50_000  # results kept per agent for retried keys
+MAX_REMEMBERED = 50_000  # results kept per agent for retried keys ...
+MAX_REMEMBERED_BYTES = 256 << 20  # ... and the output they may hold
+
+
+def _size(reply: AgentReply) -> int:
+    out = reply.result
+    return 256 + (len(out.stdout) + len(out.stderr) if out is not None else 0)
 
 
 def split_cores(
@@ -94,6 +100,7 @@ class NodeAgent:
         # At-most-once execution per key: finished replies, and keyed runs in flight with
         # (trajectory, cores, start). Keyed runs outlive the link that asked for them.
         self._results: OrderedDict[str, AgentReply] = OrderedDict()
+        self._result_bytes = 0
         self._keyed: dict[str, asyncio.Task[AgentReply]] = {}
         self._keyed_info: dict[str, tuple[str, list[int], float]] = {}
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
@@ -186,8 +193,8 @@ class NodeAgent:
 
     async def handle(self, req: AgentRequest) -> AgentReply:
         """Answer one request; errors become a reply, never an exception."""
-        if req.op == "cancel":
-            task = self._tasks.get(req.target or -1)
+        if req.op == "cancel":  # by the rid that started it, or by key (an adopted run)
+            task = self._keyed.get(req.key) if req.key else self._tasks.get(req.target or -1)
             if task is not None:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
@@ -221,7 +228,10 @@ class NodeAgent:
         except asyncio.CancelledError:
             if task.cancelled():  # cancelled on request
                 return AgentReply(rid=req.rid, ok=False, error="cancelled", key=key)
-            self._orphaned.add(key)  # the link dropped: the run goes on without us
+            if task.done():  # it finished just as the link dropped: report it unasked
+                self._deliver(self._results[key])
+            else:
+                self._orphaned.add(key)  # the link dropped: the run goes on without us
             raise
         finally:
             self._tasks.pop(req.rid, None)
@@ -233,16 +243,21 @@ class NodeAgent:
         else:
             reply = task.result().model_copy(update={"rid": 0, "key": key})
         self._results[key] = reply
-        while len(self._results) > MAX_REMEMBERED:
-            self._results.popitem(last=False)
+        self._result_bytes += _size(reply)
+        while len(self._results) > MAX_REMEMBERED or self._result_bytes > MAX_REMEMBERED_BYTES:
+            _, old = self._results.popitem(last=False)
+            self._result_bytes -= _size(old)
         self._keyed.pop(key, None)
         self._keyed_info.pop(key, None)
         if key in self._orphaned:
             self._orphaned.discard(key)
-            if self._sink is not None:
-                self._sink(reply)
-            else:
-                self._unsent.append(reply)
+            self._deliver(reply)
+
+    def _deliver(self, reply: AgentReply) -> None:
+        if self._sink is not None:
+            self._sink(reply)
+        else:
+            self._unsent.append(reply)
 
     async def _run(self, req: AgentRequest) -> AgentReply:
         try:
@@ -365,11 +380,13 @@ class NodeAgent:
             output_cap=req.output_cap,
         )
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        """Cancel what runs (on the loop: tasks are not thread-safe), then remove the warm
+        containers (off the loop: Docker calls block)."""
         for task in self._tasks.values():
             task.cancel()
         if isinstance(self.runtime, DockerRuntime):
-            self.runtime.shutdown_warm()
+            await asyncio.to_thread(self.runtime.shutdown_warm)
 
 
 def template(spec: EnvSpec) -> EnvTemplate:

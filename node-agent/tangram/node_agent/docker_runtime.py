@@ -230,7 +230,8 @@ class DockerRuntime:
             token = secrets.token_hex(8)
             run_dir = self.state_dir / "run" / token
             run_dir.mkdir(parents=True, exist_ok=False)
-            run_dir.chmod(0o777)  # the container's user creates the socket here
+            run_dir.chmod(0o1777)  # the container's user creates the socket; sticky: no one
+            # else on the host can remove or replace it once there
             labels[f"{LABEL}/run"] = token
         if name.startswith(TRAJECTORY_PREFIX):
             labels[f"{LABEL}/trajectory"] = name.removeprefix(TRAJECTORY_PREFIX)

@@ -115,7 +115,7 @@ def run_agent(args: argparse.Namespace) -> int:
     async def main() -> None:
         _until_signalled(stop)
         await serve_link(agent, args.scheduler, token, stop)
-        await asyncio.to_thread(agent.shutdown)
+        await agent.shutdown()
 
     run_loop(main())
     return 0

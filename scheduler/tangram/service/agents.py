@@ -19,6 +19,7 @@ from tangram.api.wire import AgentHello, AgentReply, AgentRequest
 
 log = logging.getLogger("tangram.service")
 HEARTBEAT = '{"heartbeat"'  # how an agent's heartbeat message starts
+CANCEL_WAIT_S = 5.0  # how long a cancelled request waits for its command to be gone
 
 
 class Socket(Protocol):
@@ -64,8 +65,11 @@ class AgentLink:
                 await self.socket.send_text(req.model_dump_json())
             return await fut
         except asyncio.CancelledError:
-            with contextlib.suppress(AgentGoneError, Exception):
+            # Wait (bounded) for the agent to report the command gone: its cores must not
+            # be handed out while it still runs.
+            with contextlib.suppress(Exception):
                 await self.send(AgentRequest(op="cancel", rid=self.next_rid(), target=req.rid))
+                await asyncio.wait_for(asyncio.shield(fut), CANCEL_WAIT_S)
             raise
         finally:
             self._pending.pop(req.rid, None)

@@ -116,6 +116,6 @@ async def run(
         if agent_task is not None:
             await asyncio.gather(agent_task, return_exceptions=True)
         if agent is not None:
-            await asyncio.to_thread(agent.shutdown)
+            await agent.shutdown()
         server.should_exit = True
         await server_task

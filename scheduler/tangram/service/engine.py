@@ -52,7 +52,8 @@ from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig
 
 log = logging.getLogger("tangram.service")
 
-MAX_KEYS = 100_000  # idempotency keys remembered per scheduler
+MAX_KEYS = 100_000  # idempotency keys remembered per scheduler ...
+MAX_KEY_BYTES = 256 << 20  # ... and the output their results may hold
 KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
 
 ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable"]
@@ -124,6 +125,8 @@ class Engine:
         self.actions: dict[str, ActionRecord] = {}
         # (tenant, key), oldest first; an OrderedDict pops its front in O(1), a dict does not
         self.idempotent: OrderedDict[tuple[str, str], ActionRecord] = OrderedDict()
+        self._key_bytes = 0  # output held by the results of remembered keys
+        self._keyed_ids: set[str] = set()  # actions with a key, until they end
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
         self.leases: dict[str, str] = {}  # lease id -> action id
         self.by_agent_key: dict[str, ActionRecord] = {}  # adopted actions, by agent key
@@ -593,6 +596,10 @@ class Engine:
 
     def _ended(self, result: ActionResult) -> None:
         self.metrics.ended(result)
+        if result.id in self._keyed_ids:
+            self._keyed_ids.discard(result.id)
+            self._key_bytes += _output_bytes(result)
+            self._trim_keys()
         log.info(
             "action ended",
             extra={
@@ -618,6 +625,11 @@ class Engine:
             rec.task.cancel()  # the dispatch ends it as cancelled
         elif rec.kind == "api":
             self._end_lease(rec)
+        else:  # adopted after a restart: only its agent holds it; its result follows
+            agent_key = next((k for k, r in self.by_agent_key.items() if r is rec), None)
+            node = rec.assignment.node if rec.assignment else None
+            if agent_key is not None and node is not None:
+                self._background(self._ask(node, op="cancel", key=agent_key))
         return True
 
     def _record(
@@ -645,14 +657,23 @@ class Engine:
         self._wake.set()
 
     def _remember_key(self, tenant: str, key: str, rec: ActionRecord) -> None:
-        """Keys are kept for the newest ``MAX_KEYS`` actions (a retry comes within
-        seconds, not after a hundred thousand other actions): memory stays bounded."""
         self.idempotent[(tenant, key)] = rec
-        while len(self.idempotent) > MAX_KEYS:
-            record = next(iter(self.idempotent.values()))
+        self._keyed_ids.add(rec.id)
+        self._trim_keys()
+
+    def _trim_keys(self) -> None:
+        """Keys are kept for the newest ``MAX_KEYS`` actions and ``MAX_KEY_BYTES`` of their
+        outputs (a retry comes within seconds): memory stays bounded. An action still in
+        flight keeps its key; it moves to the back."""
+        for _ in range(len(self.idempotent)):
+            if len(self.idempotent) <= MAX_KEYS and self._key_bytes <= MAX_KEY_BYTES:
+                return
+            key, record = next(iter(self.idempotent.items()))
             if not record.done.done():
-                break  # never forget the key of an action still in flight
+                self.idempotent.move_to_end(key)
+                continue
             self.idempotent.popitem(last=False)
+            self._key_bytes -= _output_bytes(record.done.result())
 
     def _admitting(self, extra: int = 1) -> None:
         if not self.accepting:
@@ -930,6 +951,10 @@ class Engine:
 
 def _err(code: str, message: str, retryable: bool = False) -> ErrorInfo:
     return ErrorInfo(code=code, message=message, retryable=retryable)
+
+
+def _output_bytes(result: ActionResult) -> int:
+    return 256 + len(result.stdout) + len(result.stderr)
 
 
 def _scrub(text: str, endpoint: ApiEndpoint | None) -> str:
