@@ -36,3 +36,26 @@ def test_idempotency_keys_are_bounded_and_in_flight_ones_kept(
             await e.stop(grace_s=0)
 
     asyncio.run(scenario())
+
+
+def test_an_efficiency_table_is_not_cached_but_still_accepted() -> None:
+    from tangram.api.demand import RangeDemand, TableEfficiency
+    from tangram.api.wire import EnvSpec
+    from tangram.service.config import EnvConfig
+
+    env = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))
+    e_config = PoolConfig(envs={"e": env})
+
+    async def scenario() -> None:
+        e = Engine(e_config)
+        req = ExecRequest(
+            argv=["true"],
+            cpu=RangeDemand(min=1, max=2),
+            t1_s=1.0,
+            efficiency=TableEfficiency(table={1: 1.0, 2: 0.9}),
+        )
+        argv, spec = e._exec_spec(env, req)
+        assert argv == ["true"] and spec.efficiency is not None
+        assert e._specs == {}
+
+    asyncio.run(scenario())

@@ -526,14 +526,15 @@ class Engine:
             t1 = t1 if t1 is not None else prof.t1_s
             eff = eff if eff is not None else prof.efficiency
             kind = kind or f"exec:{env.spec.name}/{req.profile}"
-        shape: tuple[Any, ...] = (cpu if cpu is not None else env.cpu, t1, eff, kind)
+        cores = cpu if cpu is not None else env.cpu
+        shape: tuple[Any, ...] = (cores, t1, eff, kind)
         try:
             spec = self._specs.get(shape)
         except TypeError:  # an unhashable part (an efficiency table): no caching
             shape, spec = (), None
         if spec is None:  # a handful of shapes recur: validate each once
             try:
-                spec = ActionSpec(kind="exec", cpu=shape[0], t1_s=t1, efficiency=eff, type=kind)
+                spec = ActionSpec(kind="exec", cpu=cores, t1_s=t1, efficiency=eff, type=kind)
             except ValueError as e:
                 raise EngineError("invalid", "cpu", str(e)) from None
             if shape and len(self._specs) < 10_000:
