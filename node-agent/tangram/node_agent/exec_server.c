@@ -160,12 +160,12 @@ static int spawn(char **fields, int nfields, struct child *c, char *msg, size_t 
     }
     const char *mode = fields[0], *cwd = fields[1];
     int argc = atoi(fields[2]);
-    if (argc < 1 || 4 + argc > nfields) {
+    if (argc < 1 || argc > MAX_ARGS || 4 + argc > nfields) {
         snprintf(msg, msglen, "request: bad argv count");
         return -1;
     }
     int envc = atoi(fields[3 + argc]);
-    if (envc < 0 || 4 + argc + envc > nfields) {
+    if (envc < 0 || envc > MAX_ARGS || 4 + argc + envc > nfields) {
         snprintf(msg, msglen, "request: bad env count");
         return -1;
     }

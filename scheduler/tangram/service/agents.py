@@ -133,7 +133,13 @@ class AgentHub:
             await self._leave(old)
         link = AgentLink(hello, socket, self._on_orphan)
         self.links[hello.node] = link
-        await self._on_join(link)
+        try:
+            await self._on_join(link)
+        except Exception:  # a node the pool cannot take: refuse it rather than keep a dead link
+            log.exception("node %s could not join", hello.node)
+            del self.links[hello.node]
+            await socket.close(code=1011, reason="could not join the pool")
+            return
         try:
             await link.receive_forever()
         except Exception as e:  # any end of the connection means the same: drain
