@@ -218,3 +218,13 @@ def test_an_action_keeps_its_cores_when_a_concurrent_one_ends(runtime: ProcessRu
     seen, after = run(scenario())
     assert parse_cpulist(seen.split(":")[1]) == CORES[1:2]  # not the idle set
     assert parse_cpulist(after) == CORES[:1]  # idle once both ended
+
+
+def test_an_agent_without_cgroup_access_says_so_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tangram.node_agent import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "detect", lambda: CgroupV1(tmp_path / "no-cgroups"))
+    with pytest.raises(ExecError, match="write access to the cgroup hierarchy"):
+        agent_module.NodeAgent.create(tmp_path / "state", runtime="process")

@@ -29,7 +29,7 @@ from tangram.api.wire import (
     RunningAction,
     TrajectoryMeta,
 )
-from tangram.node_agent.cgroups import detect
+from tangram.node_agent.cgroups import CgroupError, detect
 from tangram.node_agent.docker_runtime import DockerRuntime, owner_id
 from tangram.node_agent.env_template import EnvTemplate
 from tangram.node_agent.exec_server import build
@@ -147,12 +147,16 @@ class NodeAgent:
                 agent.load_meta(state_dir / "meta")
                 return agent
         cgroups = detect()
-        prt = ProcessRuntime(
-            state_dir / "trajectories",
-            cgroups,
-            idle,
-            group_prefix=f"tangram-{owner_id(state_dir)}",  # apart from other agents' groups
-        )
+        prefix = f"tangram-{owner_id(state_dir)}"  # apart from other agents' groups
+        try:  # fail at start, naming the cause, rather than at the first trajectory
+            cgroups.create(prefix)
+        except (OSError, CgroupError) as e:
+            raise ExecError(
+                f"the process runtime needs write access to the cgroup hierarchy "
+                f"({cgroups.__class__.__name__} at /sys/fs/cgroup): {e}; run as root, or with "
+                "a Docker Engine reachable"
+            ) from None
+        prt = ProcessRuntime(state_dir / "trajectories", cgroups, idle, group_prefix=prefix)
         agent = cls(prt, inventory, actions, idle, node=name, fast_path="the process runtime")
         agent.adopted = prt.adopt()
         agent.load_meta(state_dir / "meta")
