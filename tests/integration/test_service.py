@@ -316,3 +316,16 @@ def test_the_operator_reloads_over_http_and_nobody_else_can(tmp_path: Path) -> N
             ).status_code
             == 401
         )
+
+
+def test_the_idempotency_key_header_works_like_the_field(client: Client) -> None:
+    url, token = client._async.url, client._async._headers["Authorization"]
+    with client.trajectory("shell") as t:
+        send = {"argv": ["sh", "-c", "echo x >> n; wc -l < n"]}
+        headers = {"Authorization": token, "Idempotency-Key": "h1"}
+        first = httpx.post(f"{url}/v1/trajectories/{t.id}/exec", json=send, headers=headers)
+        again = httpx.post(f"{url}/v1/trajectories/{t.id}/exec", json=send, headers=headers)
+        assert first.json()["id"] == again.json()["id"] and again.json()["stdout"] == "1\n"
+        too_long = {**headers, "Idempotency-Key": "k" * 201}
+        bad = httpx.post(f"{url}/v1/trajectories/{t.id}/exec", json=send, headers=too_long)
+        assert bad.status_code == 400 and "Idempotency-Key" in bad.json()["error"]["message"]

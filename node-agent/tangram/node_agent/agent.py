@@ -92,7 +92,6 @@ class NodeAgent:
             if isinstance(runtime, NoopRuntime)
             else "process"
         )
-        self.adopted: list[str] = []
         self.meta_dir: Path | None = None  # where trajectory metadata outlives the agent
         self.meta: dict[str, TrajectoryMeta] = {}
         self._process_envs: dict[str, _ProcessEnv] = {}
@@ -143,7 +142,7 @@ class NodeAgent:
                     raise
             else:
                 agent = cls(rt, inventory, actions, idle, node=name, fast_path=built.reason)
-                agent.adopted = rt.adopt()
+                rt.adopt()  # what a previous agent left; hello() reports what is held
                 agent.load_meta(state_dir / "meta")
                 return agent
         cgroups = detect()
@@ -158,7 +157,7 @@ class NodeAgent:
             ) from None
         prt = ProcessRuntime(state_dir / "trajectories", cgroups, idle, group_prefix=prefix)
         agent = cls(prt, inventory, actions, idle, node=name, fast_path="the process runtime")
-        agent.adopted = prt.adopt()
+        prt.adopt()
         agent.load_meta(state_dir / "meta")
         return agent
 
@@ -411,16 +410,4 @@ def template(spec: EnvSpec) -> EnvTemplate:
 
 
 def outcome(r: ExecResult) -> ExecOutcome:
-    return ExecOutcome(
-        exit_code=r.exit_code,
-        stdout=r.stdout,
-        stderr=r.stderr,
-        stdout_truncated=r.stdout_truncated,
-        stderr_truncated=r.stderr_truncated,
-        timed_out=r.timed_out,
-        setup_s=r.setup_s,
-        exec_s=r.exec_s,
-        teardown_s=r.teardown_s,
-        path=r.path,
-        fallback=r.fallback,
-    )
+    return ExecOutcome.model_validate(r, from_attributes=True)  # the same fields on the wire

@@ -128,10 +128,6 @@ class DockerRuntime:
         self._facts: dict[str, tuple[User | None, bool]] = {}  # by image, user, workdir
         self.allot = Allotments()
 
-    @property
-    def containers(self) -> dict[str, Any]:
-        return {t: e.container for t, e in self.envs.items()}
-
     # ---- lifecycle ---------------------------------------------------------------
     def open(self, trajectory: str, template: EnvTemplate) -> Opened:
         """Give the trajectory an environment: a warm container if one is ready."""

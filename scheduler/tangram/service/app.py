@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -21,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,6 +33,7 @@ from tangram.api.wire import (
     BatchResponse,
     ErrorBody,
     ExecRequest,
+    IdempotencyKey,
     OpenTrajectory,
     TrajectoryInfo,
 )
@@ -178,8 +178,8 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
         who = await _tenant(request, request.headers.get("authorization"))
         req = _parse(ExecRequest, await request.body())
         key = request.headers.get("idempotency-key")
-        if key and req.idempotency_key is None:
-            req = _parse(ExecRequest, await request.body(), idempotency_key=key)
+        if key and req.idempotency_key is None:  # the header's key, checked as the field is
+            req = req.model_copy(update={"idempotency_key": _header_key(key)})
         rec = engine.submit_exec(who, trajectory, req)
         return _json(await asyncio.shield(rec.done))
 
@@ -260,21 +260,26 @@ class _UnauthorizedError(Exception):
 M = TypeVar("M", bound=BaseModel)
 
 
-def _parse(model: type[M], body: bytes, **extra: Any) -> M:
+def _parse(model: type[M], body: bytes) -> M:
     """Validate a JSON body; errors become the same 400 as FastAPI's own validation."""
     try:
-        if extra:
-            data = json.loads(body)
-            if not isinstance(data, dict):
-                raise RequestValidationError([{"loc": ("body",), "msg": "must be an object"}])
-            return model.model_validate({**data, **extra})
         return model.model_validate_json(body)
     except ValidationError as e:
         raise RequestValidationError(
             [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
         ) from None
-    except ValueError:
-        raise RequestValidationError([{"loc": ("body",), "msg": "not valid JSON"}]) from None
+
+
+_KEY = TypeAdapter(IdempotencyKey)
+
+
+def _header_key(key: str) -> str:
+    try:
+        return _KEY.validate_python(key)
+    except ValidationError as e:
+        raise RequestValidationError(
+            [{**err, "loc": ("header", "Idempotency-Key")} for err in e.errors(include_url=False)]
+        ) from None
 
 
 def _json(model: BaseModel) -> Response:

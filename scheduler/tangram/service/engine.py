@@ -49,6 +49,7 @@ from tangram.api.wire import (
 from tangram.scheduler.core.scheduler import Assignment, Scheduler, SchedulingError
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig
+from tangram.service.metrics import Metrics
 
 log = logging.getLogger("tangram.service")
 
@@ -83,17 +84,7 @@ class TrajectoryRecord:
     running: set[str] = field(default_factory=set)
 
     def info(self) -> TrajectoryInfo:
-        return TrajectoryInfo(
-            id=self.id,
-            env=self.env,
-            node=self.node,
-            state=self.state,
-            labels=self.labels,
-            opened_at=self.opened_at,
-            actions=self.actions,
-            open_s=self.open_s,
-            warm=self.warm,
-        )
+        return TrajectoryInfo.model_validate(self, from_attributes=True)
 
 
 @dataclass(slots=True)
@@ -113,6 +104,7 @@ class ActionRecord:
     expiry: asyncio.TimerHandle | None = None  # queue timeout, or a lease's hold limit
     cancelled: bool = False
     lease: str | None = None  # an API lease's id while held
+    agent_key: str | None = None  # adopted after a restart: the key its agent runs it under
 
 
 class Engine:
@@ -141,8 +133,6 @@ class Engine:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._timer: asyncio.TimerHandle | None = None
-        from tangram.service.metrics import Metrics  # metrics read the engine back
-
         self.metrics = Metrics(self)
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -296,6 +286,7 @@ class Engine:
         rec.started, rec.assignment = asg.started_at, asg
         self.actions[rec.id] = rec
         self._remember_key(tenant, key, rec)
+        rec.agent_key = run.key
         self.by_agent_key[run.key] = rec
         traj.running.add(rec.id)
         return True
@@ -627,10 +618,9 @@ class Engine:
         elif rec.kind == "api":
             self._end_lease(rec)
         else:  # adopted after a restart: only its agent holds it; its result follows
-            agent_key = next((k for k, r in self.by_agent_key.items() if r is rec), None)
             node = rec.assignment.node if rec.assignment else None
-            if agent_key is not None and node is not None:
-                self._background(self._ask(node, op="cancel", key=agent_key))
+            if rec.agent_key is not None and node is not None:
+                self._background(self._ask(node, op="cancel", key=rec.agent_key))
         return True
 
     def _record(
@@ -872,30 +862,13 @@ class Engine:
             raise EngineError("unavailable", "node", f"node {node}: {e}") from None
 
     # ---- results -----------------------------------------------------------------------
-    def _finish(
-        self,
-        rec: ActionRecord,
-        status: ActionStatus,
-        *,
-        error: ErrorInfo | None = None,
-        exec_s: float = 0.0,
-        overhead_s: float = 0.0,
-        reply: AgentReply | None = None,
-        output: Any = None,
-    ) -> None:
+    def _finish(self, rec: ActionRecord, status: ActionStatus, **details: Any) -> None:
+        """End an action: its result (``details`` as for ``_result``) goes to its waiter."""
         if rec.expiry is not None:
             rec.expiry.cancel()
         self.actions.pop(rec.id, None)
         if not rec.done.done():
-            result = self._result(
-                rec,
-                status,
-                error=error,
-                exec_s=exec_s,
-                overhead_s=overhead_s,
-                reply=reply,
-                output=output,
-            )
+            result = self._result(rec, status, **details)
             rec.done.set_result(result)
             self._ended(result)
 
