@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tangram.node_agent.docker_runtime import DockerRuntime, EnvTemplate
+from tangram.api.wire import EnvSpec
+from tangram.node_agent.docker_runtime import DockerRuntime
 from tangram.node_agent.exec_server import Built
 
 # One worker runs every Docker test, so only one of them may start (and stop) dockerd.
@@ -69,7 +70,7 @@ def env(
     user without the template naming one."""
     runtime = DockerRuntime(CORES[:1], client=docker_client, execd=execd, state_dir=tmp_path)
     t = f"t-{uuid.uuid4().hex[:10]}"
-    runtime.open(t, EnvTemplate(name="coding", image=coding_image, memory_gb=0.5))
+    runtime.open(t, EnvSpec(name="coding", image=coding_image, memory_gb=0.5))
     try:
         wrote = asyncio.run(
             runtime.exec(t, ["python3", "-c", WRITE, "test_suite.py", SUITE], CORES[:1])

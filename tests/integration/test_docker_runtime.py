@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from tangram.node_agent.docker_runtime import DockerRuntime, EnvTemplate
+from tangram.api.wire import EnvSpec
+from tangram.node_agent.docker_runtime import DockerRuntime
 from tangram.node_agent.exec_server import Built
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.inventory import parse_cpulist
@@ -35,8 +36,8 @@ def runtime(
     rt.shutdown_warm()
 
 
-def template(busybox: str, **kw: Any) -> EnvTemplate:
-    return EnvTemplate(name="test-env", image=busybox, memory_gb=0.25, **kw)
+def template(busybox: str, **kw: Any) -> EnvSpec:
+    return EnvSpec(name="test-env", image=busybox, memory_gb=0.25, **kw)
 
 
 def tid() -> str:

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import tree
 from tangram.node_agent.env_template import (
-    EnvTemplate,
     User,
     check_trajectory_id,
+    digest,
     pick_user,
     spec,
 )
@@ -39,7 +40,7 @@ def test_the_images_first_regular_user_is_chosen_unless_one_is_asked_for() -> No
 
 
 def test_the_spec_is_hardened_and_wires_the_exec_server() -> None:
-    tpl = EnvTemplate(name="swe", image="img", memory_gb=2, env={"A": "1"}, pool="p")
+    tpl = EnvSpec(name="swe", image="img", memory_gb=2, env={"A": "1"}, pool="p")
     kw = spec(
         tpl,
         name="tangram-t-x",
@@ -62,16 +63,16 @@ def test_the_spec_is_hardened_and_wires_the_exec_server() -> None:
 
 
 def test_a_read_only_root_gets_a_workdir_the_user_can_write() -> None:
-    tpl = EnvTemplate(name="e", image="i", read_only_root=True)
+    tpl = EnvSpec(name="e", image="i", read_only_root=True)
     kw = spec(tpl, name="n", labels={}, idle_cores=[0], user=User(7, 8), execd=None, run_dir=None)
     assert kw["read_only"] and kw["tmpfs"]["/work"] == "rw,exec,uid=7,gid=8"
 
 
 def test_the_template_digest_ignores_the_warm_pool_size_only() -> None:
-    a = EnvTemplate(name="e", image="i", warm=1)
-    assert a.digest() == EnvTemplate(name="e", image="i", warm=5).digest()
-    assert a.digest() != EnvTemplate(name="e", image="i", env={"X": "1"}).digest()
-    assert a.digest() != EnvTemplate(name="e", image="i", setup=[["make"]]).digest()
+    a = EnvSpec(name="e", image="i", warm=1)
+    assert digest(a) == digest(EnvSpec(name="e", image="i", warm=5))
+    assert digest(a) != digest(EnvSpec(name="e", image="i", env={"X": "1"}))
+    assert digest(a) != digest(EnvSpec(name="e", image="i", setup=[["make"]]))
 
 
 @pytest.mark.parametrize("bad", ["", "-x", "a/b", "a b", "x" * 129, "é"])

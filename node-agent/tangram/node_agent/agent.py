@@ -31,7 +31,6 @@ from tangram.api.wire import (
 )
 from tangram.node_agent.cgroups import CgroupError, detect
 from tangram.node_agent.docker_runtime import DockerRuntime, owner_id
-from tangram.node_agent.env_template import EnvTemplate
 from tangram.node_agent.exec_server import build
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.inventory import read_inventory
@@ -290,7 +289,7 @@ class NodeAgent:
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
         rt = self.runtime
         if isinstance(rt, DockerRuntime):
-            opened = await asyncio.to_thread(rt.open, trajectory, template(spec))
+            opened = await asyncio.to_thread(rt.open, trajectory, spec)
             if spec.warm:
                 refill = asyncio.ensure_future(self.warm(spec))  # off the request path
                 self._background.add(refill)
@@ -315,7 +314,7 @@ class NodeAgent:
     async def warm(self, spec: EnvSpec) -> None:
         if isinstance(self.runtime, DockerRuntime):
             with contextlib.suppress(ExecError):
-                await asyncio.to_thread(self.runtime.warm, template(spec))
+                await asyncio.to_thread(self.runtime.warm, spec)
 
     def close(self, trajectory: str) -> None:
         self._process_envs.pop(trajectory, None)
@@ -390,23 +389,6 @@ class NodeAgent:
             task.cancel()
         if isinstance(self.runtime, DockerRuntime):
             await asyncio.to_thread(self.runtime.shutdown_warm)
-
-
-def template(spec: EnvSpec) -> EnvTemplate:
-    return EnvTemplate(
-        name=spec.name,
-        image=spec.image,
-        memory_gb=spec.memory_gb,
-        workdir=spec.workdir,
-        env=dict(spec.env),
-        setup=[list(a) for a in spec.setup],
-        network=spec.network,
-        read_only_root=spec.read_only_root,
-        user=spec.user,
-        pids_limit=spec.pids_limit,
-        pool=spec.pool,
-        warm=spec.warm,
-    )
 
 
 def outcome(r: ExecResult) -> ExecOutcome:

@@ -39,14 +39,15 @@ from typing import Any
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
+from tangram.api.wire import EnvSpec
 from tangram.node_agent.cgroups import PERIOD_US, CgroupError, Cgroups, detect, format_cpulist
 from tangram.node_agent.env_template import (
     LABEL,
     TRAJECTORY_PREFIX,
     WARM_PREFIX,
-    EnvTemplate,
     User,
     check_trajectory_id,
+    digest,
     pick_user,
     spec,
 )
@@ -64,7 +65,7 @@ from tangram.node_agent.execution import (
 )
 from tangram.node_agent.sessions import BashSession, PythonSession, Session
 
-__all__ = ["DockerRuntime", "EnvTemplate", "Opened", "import_busybox"]
+__all__ = ["DockerRuntime", "Opened", "import_busybox"]
 
 
 @dataclass(slots=True)
@@ -72,7 +73,7 @@ class Env:
     """A container the agent holds: an open trajectory's or a warm one."""
 
     container: Any
-    template: str  # EnvTemplate.digest() it was built from
+    template: str  # digest() of the EnvSpec it was built from
     workdir: str
     run_dir: Path | None  # the socket directory shared with the exec server, if any
     cgroup: str | None = None  # the container's group, resolved on first use
@@ -129,13 +130,13 @@ class DockerRuntime:
         self.allot = Allotments()
 
     # ---- lifecycle ---------------------------------------------------------------
-    def open(self, trajectory: str, template: EnvTemplate) -> Opened:
+    def open(self, trajectory: str, template: EnvSpec) -> Opened:
         """Give the trajectory an environment: a warm container if one is ready."""
         check_trajectory_id(trajectory)
         if trajectory in self.envs:
             raise ExecError(f"trajectory: {trajectory} is already open")
         t0 = time.perf_counter()
-        ready = self.warm_pool.get(template.digest(), [])
+        ready = self.warm_pool.get(digest(template), [])
         while ready:
             env = ready.pop()
             try:
@@ -149,17 +150,17 @@ class DockerRuntime:
         self.envs[trajectory] = env
         return Opened(str(env.container.id), False, time.perf_counter() - t0)
 
-    def warm(self, template: EnvTemplate) -> int:
+    def warm(self, template: EnvSpec) -> int:
         """Top the template's warm pool up to ``template.warm``; returns how many were made.
 
         Warm containers of other versions of the same environment are removed.
         """
-        digest = template.digest()
+        current = digest(template)
         for other, envs in list(self.warm_pool.items()):
-            if other != digest and envs and self._env_name(envs[0]) == template.name:
+            if other != current and envs and self._env_name(envs[0]) == template.name:
                 for env in self.warm_pool.pop(other):
                     self._remove(env)
-        ready = self.warm_pool.setdefault(digest, [])
+        ready = self.warm_pool.setdefault(current, [])
         made = 0
         while len(ready) < template.warm:
             ready.append(self._create(template, WARM_PREFIX + secrets.token_hex(6)))
@@ -218,7 +219,7 @@ class DockerRuntime:
                 self.warm_pool.setdefault(env.template, []).append(env)
         return sorted(self.envs)
 
-    def _create(self, template: EnvTemplate, name: str) -> Env:
+    def _create(self, template: EnvSpec, name: str) -> Env:
         user, has_workdir = self._image_facts(template)
         run_dir: Path | None = None
         labels: dict[str, str] = {f"{LABEL}/owner": self.owner}
@@ -246,7 +247,7 @@ class DockerRuntime:
             if run_dir:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise ExecError(f"image {template.image}: cannot create the environment: {e}") from None
-        env = Env(container, template.digest(), template.workdir, run_dir)
+        env = Env(container, digest(template), template.workdir, run_dir)
         try:
             if user and not has_workdir and not template.read_only_root:
                 self._own_workdir(container, template.workdir, user)
@@ -260,7 +261,7 @@ class DockerRuntime:
             raise ExecError(f"image {template.image}: cannot start the environment: {e}") from None
         return env
 
-    def _setup(self, env: Env, template: EnvTemplate) -> None:
+    def _setup(self, env: Env, template: EnvSpec) -> None:
         if not template.setup:
             return
         # Setup is bounded work at open time: the idle cores without the idle quota.
@@ -299,7 +300,7 @@ class DockerRuntime:
             tar.addfile(info)
         container.put_archive("/", buf.getvalue())
 
-    def _image_facts(self, template: EnvTemplate) -> tuple[User | None, bool]:
+    def _image_facts(self, template: EnvSpec) -> tuple[User | None, bool]:
         """The user commands run as, and whether the image itself has the workdir."""
         try:
             image = self.client.images.get(template.image)

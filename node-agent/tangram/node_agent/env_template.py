@@ -1,10 +1,11 @@
 """What a trajectory environment is built from, and the container spec it turns into (pure).
 
-``EnvTemplate`` is the node-side core of the TrajectoryEnv custom resource. ``spec``
-turns one into the keyword arguments of Docker's create call: hardened by default (no
-network, every capability dropped, no-new-privileges, a pids limit, memory reserved and
-limited with no swap, the idle core set with a minimal quota) and, when the exec server
-is available, with it as PID 1 behind a socket directory shared with the agent.
+An ``EnvSpec`` (the node side of the TrajectoryEnv custom resource) is what an
+environment is built from; ``spec`` turns one into the keyword arguments of Docker's
+create call: hardened by default (no network, every capability dropped,
+no-new-privileges, a pids limit, memory reserved and limited with no swap, the idle core
+set with a minimal quota) and, when the exec server is available, with it as PID 1
+behind a socket directory shared with the agent.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tangram.api.wire import EnvSpec
 from tangram.node_agent.cgroups import PERIOD_US, format_cpulist
 from tangram.node_agent.exec_server import IN_CONTAINER_BIN, IN_CONTAINER_RUN, SOCKET_NAME
 from tangram.node_agent.execution import IDLE_QUOTA_CORES, ExecError
@@ -26,29 +28,11 @@ WARM_PREFIX = "tangram-w-"  # container name of a ready, unassigned environment
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-@dataclass(frozen=True, slots=True)
-class EnvTemplate:
-    name: str
-    image: str
-    memory_gb: float = 1.0
-    workdir: str = "/work"
-    env: Mapping[str, str] = field(default_factory=dict)
-    setup: Sequence[Sequence[str]] = ()  # argv lists run once when the environment opens
-    network: str = "none"
-    read_only_root: bool = False
-    user: str | None = None  # None: the image's non-root user when it has one
-    pids_limit: int = 512
-    pool: str = "default"
-    warm: int = 0  # ready containers kept for this template
-
-    def digest(self) -> str:
-        """Identifies what a container was built from; warm containers of an older
-        version of the template are never handed out."""
-        body = asdict(self)
-        body.pop("warm")
-        body["env"] = dict(self.env)
-        body["setup"] = [list(a) for a in self.setup]
-        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+def digest(template: EnvSpec) -> str:
+    """Identifies what a container was built from (everything but the warm pool size):
+    warm containers of an older version of the environment are never handed out."""
+    body = template.model_dump(exclude={"warm"})
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +79,7 @@ def pick_user(passwd: str, requested: str | None) -> User | None:
 
 
 def spec(
-    template: EnvTemplate,
+    template: EnvSpec,
     *,
     name: str,
     labels: Mapping[str, str],
@@ -111,7 +95,7 @@ def spec(
         "labels": {
             f"{LABEL}/env": template.name,
             f"{LABEL}/pool": template.pool,
-            f"{LABEL}/template": template.digest(),
+            f"{LABEL}/template": digest(template),
             **labels,
         },
         "network_mode": template.network,

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import DockerRuntime
-from tangram.node_agent.env_template import EnvTemplate
 from tangram.node_agent.execution import ExecError
 
 WARMUP = 20  # actions per path before timing starts (caches, first connections)
@@ -68,7 +67,7 @@ async def measure_exec(
 
 def measure_open(
     rt: DockerRuntime,
-    template: EnvTemplate,
+    template: EnvSpec,
     opens: int,
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> dict[str, Any]:
@@ -76,7 +75,7 @@ def measure_open(
     warm pool (a rename); the pool is refilled between warm opens, untimed."""
     cold: list[float] = []
     warm: list[float] = []
-    pooled = replace(template, warm=1)
+    pooled = template.model_copy(update={"warm": 1})
     for i in range(opens):
         t = f"bench-open-{i}"
         cold.append(rt.open(t, template).seconds)

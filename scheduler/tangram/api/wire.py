@@ -278,20 +278,20 @@ class AgentHello(_Strict):
 
 
 class EnvSpec(_Strict):
-    """What the agent needs to open an environment (from the TrajectoryEnv)."""
+    """What an environment is built from: the node side of a TrajectoryEnv."""
 
     name: str
     image: str
-    memory_gb: float
+    memory_gb: float = 1.0
     workdir: str = "/work"
     env: dict[str, str] = Field(default_factory=dict)
-    setup: list[list[str]] = Field(default_factory=list)
+    setup: list[list[str]] = Field(default_factory=list)  # argv lists run once at open
     network: str = "none"
     read_only_root: bool = False
-    user: str | None = None
+    user: str | None = None  # None: the image's non-root user when it has one
     pids_limit: int = 512
     pool: str = "default"
-    warm: int = 0
+    warm: int = 0  # ready containers kept for this environment
 
 
 class AgentRequest(_Strict):

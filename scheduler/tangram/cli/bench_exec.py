@@ -13,9 +13,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tangram.api.wire import EnvSpec
 from tangram.cli.files import InputError
 from tangram.cli.progress import bar, note
-from tangram.node_agent.docker_runtime import DockerRuntime, EnvTemplate, import_busybox
+from tangram.node_agent.docker_runtime import DockerRuntime, import_busybox
 from tangram.node_agent.exec_server import build
 from tangram.node_agent.execution import ExecError
 
@@ -41,7 +42,7 @@ def run_exec_bench(args: argparse.Namespace) -> dict[str, Any]:
     image = args.image or import_busybox(rt.client, BENCH_IMAGE)
     if image is None:
         raise InputError("--image: none given, and busybox-static is not installed to make one")
-    template = EnvTemplate(name="bench", image=image, memory_gb=0.25)
+    template = EnvSpec(name="bench", image=image, memory_gb=0.25)
     action_cores = cores[-1:]
     trajectory = "bench-exec"
     rt.close(trajectory)
