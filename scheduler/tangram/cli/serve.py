@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,13 @@ from tangram.cli.up import (
     make_agent,
     reload_on_hangup,
     run_loop,
+    serve_until_signalled,
     setup_logging,
+    stop_on_signals,
 )
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.service.auth import AGENT_TENANT
-from tangram.service.embedded import Running, run
+from tangram.service.embedded import Running
 
 _STATE = os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram"))
 _TOKENS = os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE))
@@ -64,40 +65,17 @@ def register(sub: Any) -> None:
     a.set_defaults(run=run_agent)
 
 
-def _until_signalled(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     setup_logging(args)
     pool, config = load_pool(args.file, args.pool)
     tokens = load_tokens(Path(args.token_file))
-    stop = asyncio.Event()
 
     def ready(r: Running) -> None:
         reload_on_hangup(args.file, args.pool, r.engine)
         note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.url}/v1/agents")
 
-    async def main() -> None:
-        _until_signalled(stop)
-        await run(
-            config,
-            tokens,
-            None,
-            stop,
-            host=args.host,
-            port=args.port,
-            on_ready=ready,
-            grace_s=args.grace,
-            close_on_exit=False,  # environments outlive a scheduler restart
-        )
-
-    try:
-        run_loop(main())
-    except OSError as e:
-        raise InputError(f"--port {args.port}: {e.strerror}") from None
+    # Environments outlive a scheduler restart: the next scheduler takes them back.
+    serve_until_signalled(args, config, tokens, None, ready, close_on_exit=False)
     return 0
 
 
@@ -113,7 +91,7 @@ def run_agent(args: argparse.Namespace) -> int:
     note(f"agent {agent.node}: {agent.kind} runtime, action cores {agent.action_cores}")
 
     async def main() -> None:
-        _until_signalled(stop)
+        stop_on_signals(stop)
         await serve_link(agent, args.scheduler, token, stop)
         await agent.shutdown()
 

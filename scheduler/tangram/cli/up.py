@@ -13,6 +13,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,6 @@ def run_up(args: argparse.Namespace) -> int:
     tokens = load_tokens(Path(args.token_file))
     agent = make_agent(args, config.idle_cores, args.cores or config.cores_per_node)
     _local_images(agent, [e.spec.image for e in config.envs.values()])
-    stop = asyncio.Event()
 
     def ready(r: Running) -> None:
         reload_on_hangup(args.file, args.pool, r.engine)
@@ -118,25 +118,7 @@ def run_up(args: argparse.Namespace) -> int:
             f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
         )
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await run(
-            config,
-            tokens,
-            agent,
-            stop,
-            host=args.host,
-            port=args.port,
-            on_ready=ready,
-            grace_s=args.grace,
-        )
-
-    try:
-        run_loop(main())
-    except OSError as e:
-        raise InputError(f"--port {args.port}: {e.strerror}") from None
+    serve_until_signalled(args, config, tokens, agent, ready, close_on_exit=True)
     note("stopped; every environment was removed")
     return 0
 
@@ -202,6 +184,44 @@ def reload_on_hangup(files: list[str], pool: str | None, engine: Any) -> None:
         note("reloaded: " + ("; ".join(changes) if changes else "no changes"))
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def serve_until_signalled(
+    args: argparse.Namespace,
+    config: PoolConfig,
+    tokens: TokenStore,
+    agent: Any,
+    ready: Callable[[Running], None],
+    *,
+    close_on_exit: bool,
+) -> None:
+    """Serve the pool on ``--host``/``--port`` until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        stop_on_signals(stop)
+        await run(
+            config,
+            tokens,
+            agent,
+            stop,
+            host=args.host,
+            port=args.port,
+            on_ready=ready,
+            grace_s=args.grace,
+            close_on_exit=close_on_exit,
+        )
+
+    try:
+        run_loop(main())
+    except OSError as e:
+        raise InputError(f"--port {args.port}: {e.strerror}") from None
 
 
 def run_loop(coro: Any) -> Any:
