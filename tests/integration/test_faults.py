@@ -120,12 +120,14 @@ def test_an_agent_killed_mid_action_ends_it_retryably_and_loses_its_trajectories
     cluster: Cluster,
 ) -> None:
     victim = cluster.agent("state-a")
+    started = cluster.tmp / "started"
     with Client(cluster.url, retries=0) as client:
         t = client.open("shell")
         box: list[ActionResult] = []
-        runner = threading.Thread(target=lambda: box.append(client.exec(t.id, ["sleep", "60"])))
+        argv = ["sh", "-c", f"touch {started}; sleep 60"]
+        runner = threading.Thread(target=lambda: box.append(client.exec(t.id, argv)))
         runner.start()
-        time.sleep(1.0)  # the action is running on the agent
+        _wait(started.exists, "the action did not start")  # it runs on the agent now
         victim.kill()
         runner.join(30)
         (r,) = box
@@ -176,21 +178,9 @@ def test_a_restarted_scheduler_takes_back_trajectories_and_running_actions(
     marker = tmp_path / "runs"
     with Client(cluster.url, retries=0) as client:
         t = client.open("shell", labels={"job": "j1"})
-        slow = ["sh", "-c", f"echo run >> {marker}; sleep 3; echo finished"]
-        box: list[object] = []
-        runner = threading.Thread(
-            target=lambda: box.append(
-                _swallow(lambda: client.exec(t.id, slow, idempotency_key="k"))
-            )
-        )
-        runner.start()
-        _wait(marker.exists, "the action did not start")
-        cluster.scheduler.kill()  # a crash mid-action: no graceful anything
-        cluster.scheduler.wait(10)
-        runner.join(30)
-        assert isinstance(box[0], Exception)  # the client saw the scheduler go
-        cluster.start_scheduler()
-        _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
+    slow = ["sh", "-c", f"echo run >> {marker}; sleep 3; echo finished"]
+    seen = _crash_mid_action(cluster, t.id, slow, "k", marker)
+    assert isinstance(seen, Exception)  # the client saw the scheduler go
     with Client(cluster.url, retries=5) as client:
         again = client.exec(t.id, slow, idempotency_key="k")  # the retry of the same action
         assert again.status is ActionStatus.OK and again.stdout == "finished\n"
@@ -202,11 +192,30 @@ def test_a_restarted_scheduler_takes_back_trajectories_and_running_actions(
         client.close(t.id)
 
 
-def _swallow(call: object) -> object:
-    try:
-        return call()  # type: ignore[operator]
-    except Exception as e:  # the test looks at what it was
-        return e
+def _crash_mid_action(
+    cluster: Cluster, trajectory: str, argv: list[str], key: str, started: Path
+) -> object:
+    """Submit ``argv`` (it creates ``started``), SIGKILL the scheduler once it runs,
+    start a new scheduler and wait for the agent to be back. Returns what the client got
+    (an exception: its scheduler went away)."""
+    seen: list[object] = []
+
+    def submit() -> None:
+        with Client(cluster.url, retries=0) as client:
+            try:
+                seen.append(client.exec(trajectory, argv, idempotency_key=key))
+            except Exception as e:  # the caller looks at what it was
+                seen.append(e)
+
+    runner = threading.Thread(target=submit)
+    runner.start()
+    _wait(started.exists, "the action did not start")
+    cluster.scheduler.kill()  # a crash mid-action: no graceful anything
+    cluster.scheduler.wait(10)
+    runner.join(30)
+    cluster.start_scheduler()
+    _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
+    return seen[0]
 
 
 def test_a_reload_applies_new_definitions_without_dropping_queued_actions(
@@ -252,17 +261,8 @@ def test_an_action_adopted_after_a_restart_can_be_cancelled(
     marker = tmp_path / "runs"
     with Client(cluster.url, retries=0) as client:
         t = client.open("shell")
-        slow = ["sh", "-c", f"echo run >> {marker}; sleep 30; echo done >> {marker}"]
-        runner = threading.Thread(
-            target=lambda: _swallow(lambda: client.exec(t.id, slow, idempotency_key="long"))
-        )
-        runner.start()
-        _wait(marker.exists, "the action did not start")
-        cluster.scheduler.kill()
-        cluster.scheduler.wait(10)
-        runner.join(30)
-        cluster.start_scheduler()
-        _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
+    slow = ["sh", "-c", f"echo run >> {marker}; sleep 30; echo done >> {marker}"]
+    _crash_mid_action(cluster, t.id, slow, "long", marker)
     with Client(cluster.url, retries=5) as client:
         assert client.cancel("key:long")
         r = client.exec(t.id, slow, idempotency_key="long")  # the same action: now ended
