@@ -12,8 +12,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from tangram.api.wire import ActionResult, TrajectoryInfo
-from tangram.client.aio import AsyncClient
-from tangram.client.common import TangramError
+from tangram.client.aio import AsyncClient, AsyncTrajectory
 
 T = TypeVar("T")
 
@@ -84,31 +83,34 @@ class Client:
 
 
 class Trajectory:
+    """The asyncio ``AsyncTrajectory``, driven on its client's loop thread."""
+
     def __init__(self, client: Client, env: str, open_kw: dict[str, Any]) -> None:
-        self.client, self.env, self._open_kw = client, env, open_kw
-        self.info: TrajectoryInfo | None = None
+        self.client = client
+        self._async = AsyncTrajectory(client._async, env, open_kw)
+
+    @property
+    def info(self) -> TrajectoryInfo | None:
+        return self._async.info
 
     @property
     def id(self) -> str:
-        if self.info is None:
-            raise TangramError(0, "not_open", "the trajectory is not open", [])
-        return self.info.id
+        return self._async.id
 
     def __enter__(self) -> Self:
-        self.info = self.client.open(self.env, **self._open_kw)
+        self.client._run(self._async.__aenter__())
         return self
 
     def __exit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.info is not None:
-            self.client.close(self.info.id)
+        self.client._run(self._async.__aexit__(typ, exc, tb))
 
     def exec(self, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
-        return self.client.exec(self.id, argv, **kw)
+        return self.client._run(self._async.exec(argv, **kw))
 
     def bash(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
-        return self.client.exec(self.id, session={"kind": "bash", "name": name}, code=code, **kw)
+        return self.client._run(self._async.bash(code, name, **kw))
 
     def python(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
-        return self.client.exec(self.id, session={"kind": "python", "name": name}, code=code, **kw)
+        return self.client._run(self._async.python(code, name, **kw))
