@@ -33,6 +33,7 @@ from tangram.cli.files import InputError
 from tangram.cli.progress import bar, note
 from tangram.cli.up import run_loop
 from tangram.client import AsyncClient
+from tangram.service.auth import TokenStore
 from tangram.service.embedded import quiet_gc
 
 POOL = """\
@@ -160,11 +161,8 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
             )
         )
         _ready(url, procs)
-        token = next(
-            line.split()[0]
-            for line in (tmp / "tokens").read_text().splitlines()
-            if line and not line.startswith("#") and line.split()[1] != "system:agent"
-        )
+        token = TokenStore.load(tmp / "tokens").token_for("local")  # what serve created
+        assert token is not None
         cases = []
         with bar("service load", len(thinks), enabled=not args.json) as update:
             for i, think in enumerate(thinks):

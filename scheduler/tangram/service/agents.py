@@ -15,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from starlette.websockets import WebSocketDisconnect
+
 from tangram.api.wire import AgentHello, AgentReply, AgentRequest
 
 log = logging.getLogger("tangram.service")
@@ -105,10 +107,6 @@ class AgentLink:
                 fut.set_exception(AgentGoneError(f"node {self.node}: the agent disconnected"))
 
 
-def _is_disconnect(e: Exception) -> bool:
-    return type(e).__name__ in ("WebSocketDisconnect", "ConnectionClosed", "ConnectionClosedError")
-
-
 class AgentHub:
     """Live links by node; tells the engine when nodes come and go."""
 
@@ -142,9 +140,10 @@ class AgentHub:
             return
         try:
             await link.receive_forever()
-        except Exception as e:  # any end of the connection means the same: drain
-            if not _is_disconnect(e):
-                log.exception("node %s: bad message from its agent; dropping the link", link.node)
+        except WebSocketDisconnect:
+            pass  # the agent went away: drained below
+        except Exception:  # a message we cannot read: drop the link, drain the same way
+            log.exception("node %s: bad message from its agent; dropping the link", link.node)
         finally:
             if self.links.get(hello.node) is link:
                 await self._leave(link)
