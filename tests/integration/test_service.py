@@ -111,16 +111,23 @@ def test_cancel_a_running_action_by_its_key(client: Client) -> None:
 def test_api_leases_respect_the_quota(client: Client) -> None:
     first = client.lease("search")
     assert first.status is ActionStatus.OK and first.lease
-    box: list[object] = []
-    waiter = threading.Thread(target=lambda: box.append(client.lease("search")))
+    granted: list[tuple[float, ActionResult]] = []
+
+    def wait_for_second() -> None:
+        second = client.lease("search")
+        granted.append((time.monotonic(), second))
+
+    waiter = threading.Thread(target=wait_for_second)
     waiter.start()
     time.sleep(0.3)
-    assert not box  # concurrency 1: the second lease waits for the first
+    assert not granted  # concurrency 1: the second lease waits for the first
+    released_at = time.monotonic()
     client.release(first.lease)
     waiter.join(10)
-    second = box[0]
-    assert second.timings.queued_s > 0.2  # type: ignore[attr-defined]
-    client.release(second.lease)  # type: ignore[attr-defined]
+    ((got_at, second),) = granted
+    assert got_at >= released_at and second.timings.queued_s > 0  # only after the release
+    assert second.lease
+    client.release(second.lease)
 
 
 def test_bad_input_is_a_400_naming_the_field(client: Client) -> None:
