@@ -19,7 +19,7 @@ lint: setup
 	$(BIN)/lint-imports
 
 typecheck: setup
-	$(BIN)/mypy scheduler/tangram node-agent/tangram tests
+	$(BIN)/mypy scheduler/tangram node-agent/tangram operator/tangram tests
 
 run: setup ## the embedded default: scheduler + local node agent serving manifests/examples/local
 	$(BIN)/tangram up -f manifests/examples/local

@@ -17,6 +17,7 @@ import pytest
 from tangram.api.cluster import ApiSpec
 from tangram.api.demand import AmdahlEfficiency, RangeDemand
 from tangram.api.wire import EnvSpec
+from tangram.cli.up import pool_reloader
 from tangram.client import ActionResult, ActionStatus, Client, TangramError
 from tangram.client.common import Call, exec_body
 from tangram.node_agent.agent import NodeAgent
@@ -310,7 +311,7 @@ def test_the_operator_reloads_over_http_and_nobody_else_can(tmp_path: Path) -> N
         for who in (user, "x" * 24):
             assert httpx.post(url, headers={"Authorization": f"Bearer {who}"}).status_code == 401
         bigger = PoolConfig(apis=(ApiSpec(name="search", concurrency=5),))
-        running.engine.reloader = lambda: bigger
+        running.engine.reloader = lambda _text: bigger
         answer = httpx.post(url, headers={"Authorization": f"Bearer {operator}"})
         assert answer.status_code == 200 and answer.json()["changes"]
         assert running.engine.core.quotas["search"].concurrency == 5
@@ -336,3 +337,59 @@ def test_the_idempotency_key_header_works_like_the_field(client: Client) -> None
         too_long = {**headers, "Idempotency-Key": "k" * 201}
         bad = httpx.post(f"{url}/v1/trajectories/{t.id}/exec", json=send, headers=too_long)
         assert bad.status_code == 400 and "Idempotency-Key" in bad.json()["error"]["message"]
+
+
+POOL_DOCUMENTS = """\
+apiVersion: tangram.dev/v1alpha1
+kind: ActionPool
+metadata: {name: p, namespace: rl}
+spec:
+  cpu: {}
+  apis: [{name: search, concurrency: 3}]
+---
+apiVersion: tangram.dev/v1alpha1
+kind: TrajectoryEnv
+metadata: {name: shell, namespace: rl}
+spec: {poolRef: p, image: unused-by-the-process-runtime}
+"""
+
+
+def test_the_operator_pushes_documents_reads_figures_and_drains(tmp_path: Path) -> None:
+    """The three admin calls the operator makes, against a real agent."""
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    user, operator, agent_token = "u" * 24, "o" * 24, "g" * 24
+    tokens = TokenStore({user: "local", operator: OPERATOR_TENANT, agent_token: AGENT_TENANT})
+    agent = NodeAgent.create(
+        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
+    )
+    with (
+        service(CONFIG, agent, tmp_path, tokens=tokens) as (running, _),
+        Client(running.url, user) as client,
+    ):
+        running.engine.reloader = pool_reloader([], None)
+        op = {"Authorization": f"Bearer {operator}"}
+        status, reload, drain = (
+            f"{running.url}/v1/admin/{x}" for x in ("status", "reload", "drain")
+        )
+        assert httpx.get(status, headers={"Authorization": f"Bearer {user}"}).status_code == 401
+        figures = httpx.get(status, headers=op).json()
+        assert (figures["nodes"], figures["cores"], figures["draining"]) == (1, len(CORES), False)
+
+        bad = httpx.post(
+            reload, content=POOL_DOCUMENTS.replace("concurrency: 3", "x: 1"), headers=op
+        )
+        assert bad.status_code == 400 and "spec.apis[0].x" in bad.json()["error"]["message"]
+        assert running.engine.core.quotas["search"].concurrency == 1  # the old config stays
+        good = httpx.post(reload, content=POOL_DOCUMENTS, headers=op)
+        assert good.status_code == 200, good.text
+        assert running.engine.core.quotas["search"].concurrency == 3
+
+        with client.trajectory("shell") as t:
+            figures = httpx.post(drain, headers=op).json()
+            assert figures["draining"] and figures["trajectories"] == 1
+            with pytest.raises(TangramError) as refused:
+                client.trajectory("shell").__enter__()
+            assert refused.value.status == 503 and "being deleted" in str(refused.value)
+            assert t.exec(["echo", "still served"]).stdout == "still served\n"
+        assert httpx.get(status, headers=op).json()["trajectories"] == 0

@@ -11,12 +11,13 @@ import yaml
 
 from tangram.api.resources import ActionPool, Document, Resources, parse_documents
 from tangram.cli.manifests import load_documents
-from tangram.operator.builders import build_pool
+from tangram.operator.builders import build_pool, parse_tokens, token_secret
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "manifests" / "examples"
 UID = "0f1e2d3c-0000-4000-8000-000000000001"
 TOKEN = "agent-token-0123456789abcdef"
+OP_TOKEN = "operator-token-0123456789abcdef"
 IMAGE = "ghcr.io/example/arl-tangram:0.1.0"
 NAMESPACED = {"ConfigMap", "Secret", "ServiceAccount", "Role", "RoleBinding", "Deployment",
               "Service", "DaemonSet"}  # fmt: skip
@@ -30,7 +31,15 @@ def _build(resources: Resources, pool_name: str) -> list[dict[str, Any]]:
     pool = next(p for p in resources.pools.values() if p.metadata.name == pool_name)
     envs = [e for e in resources.envs.values() if e.pool_key() == pool.key]
     services = [s for s in resources.services.values() if s.pool_key() == pool.key]
-    return build_pool(pool, image=IMAGE, envs=envs, services=services, uid=UID, agent_token=TOKEN)
+    return build_pool(
+        pool,
+        image=IMAGE,
+        envs=envs,
+        services=services,
+        uid=UID,
+        agent_token=TOKEN,
+        operator_token=OP_TOKEN,
+    )
 
 
 def _one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -109,7 +118,7 @@ def test_scheduler_deployment_service_and_probes(coding: list[dict[str, Any]]) -
     assert container["image"] == IMAGE
     assert container["command"] == [
         "tangram", "serve", "-f", "/etc/tangram/pool.yaml", "--token-file", "/etc/tangram/tokens",
-        "--host", "0.0.0.0", "--port", "8080", "--log-json",
+        "--host", "0.0.0.0", "--port", "8080", "--kubernetes", "--log-json",
     ]  # fmt: skip
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
@@ -125,7 +134,9 @@ def test_scheduler_deployment_service_and_probes(coding: list[dict[str, Any]]) -
     (config,) = [v for v in pod["volumes"] if v["name"] == "config"]
     sources = config["projected"]["sources"]
     assert {"configMap": {"name": "tangram-coding-config"}} in sources
-    assert {"secret": {"name": "tangram-coding-tokens"}} in sources
+    assert {
+        "secret": {"name": "tangram-coding-tokens", "items": [{"key": "tokens", "path": "tokens"}]}
+    } in sources
     assert pod["serviceAccountName"] == "tangram-coding-scheduler"
 
     service = _one(coding, "Service", "tangram-coding-scheduler")
@@ -138,9 +149,33 @@ def test_scheduler_deployment_service_and_probes(coding: list[dict[str, Any]]) -
     assert service["spec"]["publishNotReadyAddresses"] is True
 
 
-def test_agent_token_is_shared_through_a_secret(coding: list[dict[str, Any]]) -> None:
+def test_tokens_secret_gives_agents_only_their_own_token(coding: list[dict[str, Any]]) -> None:
     secret = _one(coding, "Secret", "tangram-coding-tokens")
-    assert secret["stringData"] == {"tokens": f"{TOKEN} system:agent\n"}
+    assert secret["stringData"] == {
+        "tokens": f"{TOKEN} system:agent\n{OP_TOKEN} system:operator\n",
+        "agent": f"{TOKEN} system:agent\n",
+    }
+    assert parse_tokens(secret["stringData"]["tokens"]) == {
+        "system:agent": TOKEN,
+        "system:operator": OP_TOKEN,
+    }
+    ds = _one(coding, "DaemonSet")
+    (volume,) = [v for v in ds["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert volume["secret"]["items"] == [{"key": "agent", "path": "tokens"}]
+    deployment = _one(coding, "Deployment")
+    (projected,) = [
+        v for v in deployment["spec"]["template"]["spec"]["volumes"] if "projected" in v
+    ]
+    secret_source = projected["projected"]["sources"][1]["secret"]
+    assert secret_source["items"] == [{"key": "tokens", "path": "tokens"}]
+
+
+def test_tokens_must_be_long_and_distinct() -> None:
+    pool = next(iter(_resources("coding").pools.values()))
+    with pytest.raises(ValueError, match="operator_token"):
+        token_secret(pool, TOKEN, "short", UID)
+    with pytest.raises(ValueError, match="differ"):
+        token_secret(pool, TOKEN, TOKEN, UID)
 
 
 def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
@@ -229,9 +264,25 @@ def test_output_is_deterministic_whatever_the_member_order() -> None:
     resources = _resources("mopd")
     pool: ActionPool = resources.pools[("rl", "mopd")]
     services = list(resources.services.values())
-    first = build_pool(pool, image=IMAGE, envs=[], services=services, uid=UID, agent_token=TOKEN)
+    first = build_pool(
+        pool,
+        image=IMAGE,
+        envs=[],
+        services=services,
+        uid=UID,
+        agent_token=TOKEN,
+        operator_token=OP_TOKEN,
+    )
     random.Random(7).shuffle(services)
-    again = build_pool(pool, image=IMAGE, envs=[], services=services, uid=UID, agent_token=TOKEN)
+    again = build_pool(
+        pool,
+        image=IMAGE,
+        envs=[],
+        services=services,
+        uid=UID,
+        agent_token=TOKEN,
+        operator_token=OP_TOKEN,
+    )
     assert first == again
     assert yaml.safe_dump_all(first) == yaml.safe_dump_all(again)
 
@@ -239,4 +290,12 @@ def test_output_is_deterministic_whatever_the_member_order() -> None:
 def test_short_agent_token_is_refused() -> None:
     pool = _resources("coding").pools[("rl", "coding")]
     with pytest.raises(ValueError, match="agent_token"):
-        build_pool(pool, image=IMAGE, envs=[], services=[], uid=UID, agent_token="short")
+        build_pool(
+            pool,
+            image=IMAGE,
+            envs=[],
+            services=[],
+            uid=UID,
+            agent_token="short",
+            operator_token=OP_TOKEN,
+        )

@@ -9,8 +9,9 @@ garbage-collects them; the two cluster-scoped ones excepted, below):
 
 - ConfigMap ``tangram-<pool>-config``: ``pool.yaml``, the pool and its TrajectoryEnvs and
   RewardServices (never Secrets: credentials stay in their Secrets).
-- Secret ``tangram-<pool>-tokens``: ``tokens``, the ``TOKEN TENANT`` file holding the
-  agent token that the scheduler and the node agents share.
+- Secret ``tangram-<pool>-tokens``: ``tokens``, the scheduler's ``TOKEN TENANT`` file (the
+  node agents' token and the operator's), and ``agent``, the agents' own file with their
+  token only (an agent never holds the operator's token, which may reload the config).
 - ServiceAccounts ``tangram-<pool>-scheduler`` and ``tangram-<pool>-agent``.
 - Role/RoleBinding ``tangram-<pool>-scheduler`` (read the three kinds, get only the Secrets
   of ``spec.apis[*].secretRef``), ClusterRole/ClusterRoleBinding
@@ -49,7 +50,10 @@ Manifest = dict[str, Any]
 CONFIG_DIR = "/etc/tangram"
 POOL_FILE = f"{CONFIG_DIR}/pool.yaml"
 TOKEN_FILE = f"{CONFIG_DIR}/tokens"
+SCHEDULER_TOKENS_KEY = "tokens"  # keys of the tokens Secret
+AGENT_TOKENS_KEY = "agent"
 AGENT_TENANT = "system:agent"  # tangram.service.auth.AGENT_TENANT; the operator sits apart
+OPERATOR_TENANT = "system:operator"  # tangram.service.auth.OPERATOR_TENANT
 STATE_ROOT = "/var/lib/tangram"
 CGROUP_ROOT = "/sys/fs/cgroup"
 DOCKER_SOCKET = "/var/run/docker.sock"
@@ -140,16 +144,33 @@ def config_map(
     }
 
 
-def token_secret(pool: ActionPool, agent_token: str, uid: str) -> Manifest:
-    if len(agent_token) < MIN_TOKEN_CHARS or any(c.isspace() for c in agent_token):
-        raise ValueError(f"agent_token: at least {MIN_TOKEN_CHARS} characters, no whitespace")
+def token_secret(pool: ActionPool, agent_token: str, operator_token: str, uid: str) -> Manifest:
+    for name, token in (("agent_token", agent_token), ("operator_token", operator_token)):
+        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+            raise ValueError(f"{name}: at least {MIN_TOKEN_CHARS} characters, no whitespace")
+    if agent_token == operator_token:
+        raise ValueError("agent_token and operator_token must differ")
+    agent = f"{agent_token} {AGENT_TENANT}\n"
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": metadata(pool, child_name(pool, "tokens"), "scheduler", uid),
         "type": "Opaque",
-        "stringData": {"tokens": f"{agent_token} {AGENT_TENANT}\n"},
+        "stringData": {
+            SCHEDULER_TOKENS_KEY: agent + f"{operator_token} {OPERATOR_TENANT}\n",
+            AGENT_TOKENS_KEY: agent,
+        },
     }
+
+
+def parse_tokens(text: str) -> dict[str, str]:
+    """tenant -> token of a ``TOKEN TENANT`` file (the live Secret's, to keep its tokens)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split("#", 1)[0].split()
+        if len(parts) == 2:
+            out[parts[1]] = parts[0]
+    return out
 
 
 # --- identities and RBAC ----------------------------------------------------------------------
@@ -288,6 +309,7 @@ def scheduler_container(pool: ActionPool, image: str) -> Manifest:
             "0.0.0.0",
             "--port",
             str(port),
+            "--kubernetes",  # TokenReview for clients, secretRefs from the API server
             "--log-json",
         ],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
@@ -345,7 +367,14 @@ def scheduler_deployment(pool: ActionPool, image: str, uid: str) -> Manifest:
                                 "defaultMode": 0o440,
                                 "sources": [
                                     {"configMap": {"name": child_name(pool, "config")}},
-                                    {"secret": {"name": child_name(pool, "tokens")}},
+                                    {
+                                        "secret": {
+                                            "name": child_name(pool, "tokens"),
+                                            "items": [
+                                                {"key": SCHEDULER_TOKENS_KEY, "path": "tokens"}
+                                            ],
+                                        }
+                                    },
                                 ],
                             },
                         },
@@ -466,6 +495,8 @@ def agent_daemon_set(pool: ActionPool, role: str, image: str, uid: str) -> Manif
                             "secret": {
                                 "secretName": child_name(pool, "tokens"),
                                 "defaultMode": 0o400,
+                                # Only the agents' own token, never the operator's.
+                                "items": [{"key": AGENT_TOKENS_KEY, "path": "tokens"}],
                             },
                         },
                         _host_path("cgroup", CGROUP_ROOT, "Directory"),
@@ -490,17 +521,19 @@ def build_pool(
     services: list[RewardService],
     uid: str,
     agent_token: str,
+    operator_token: str,
 ) -> list[Manifest]:
     """Every object the pool needs, in an order that can be applied first to last.
 
     ``uid``: the ActionPool's metadata.uid (the model's metadata does not keep it).
-    ``agent_token``: the token node agents present to the scheduler (≥ 16 characters); the
-    operator creates it once and passes the live Secret's value on later reconciles.
+    ``agent_token``, ``operator_token``: what node agents and the operator present to the
+    scheduler (≥ 16 characters each); the operator creates them once and passes the live
+    Secret's values on later reconciles.
     ``envs``/``services``: the pool's members, already checked to reference it.
     """
     objects = [
         config_map(pool, envs, services, uid),
-        token_secret(pool, agent_token, uid),
+        token_secret(pool, agent_token, operator_token, uid),
         service_account(pool, "scheduler", "scheduler", uid),
         service_account(pool, "node-agent", "agent", uid),
         scheduler_role(pool, uid),
@@ -518,4 +551,4 @@ def build_pool(
     return objects
 
 
-__all__ = ["Manifest", "build_pool", "scheduler_url"]
+__all__ = ["Manifest", "build_pool", "parse_tokens", "scheduler_url"]

@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tangram.api.resources import GROUP, KINDS, PLURALS, SHORT_NAMES, VERSION
+from tangram.api.status import STATUS_MODELS
 
 CRD_API_VERSION = "apiextensions.k8s.io/v1"
 CATEGORIES = ["tangram"]
@@ -107,18 +108,19 @@ LIST_TYPES: dict[tuple[str, str], Schema] = {
         "x-kubernetes-list-type": "map",
         "x-kubernetes-list-map-keys": ["name"],
     },
+    # One condition per type, as kubectl wait --for=condition=Ready expects.
+    ("PoolStatus", "conditions"): {
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["type"],
+    },
+    ("MemberStatus", "conditions"): {
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["type"],
+    },
     # Distinct values of {1, 2, 4, 8}: never more than four.
     ("RewardServiceSpec", "dopChoices"): {"x-kubernetes-list-type": "set", "maxItems": 4},
 }
 
-_STATUS: Schema = {
-    # A typed status (conditions, observedGeneration, live figures) replaces this once the
-    # operator writes it (issue #5); until then the API server keeps whatever it is given.
-    "type": "object",
-    "description": "written by the operator: conditions (Ready and reasons), observedGeneration "
-    "and live figures",
-    "x-kubernetes-preserve-unknown-fields": True,
-}
 
 _READY = {
     "name": "Ready",
@@ -182,7 +184,7 @@ def crd(kind: str) -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "schema": {"openAPIV3Schema": openapi_schema(KINDS[kind])},
+                    "schema": {"openAPIV3Schema": openapi_schema(KINDS[kind], STATUS_MODELS[kind])},
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS[kind]),
                 }
@@ -196,13 +198,18 @@ def crds() -> dict[str, dict[str, Any]]:
     return {kind: crd(kind) for kind in KINDS}
 
 
-def openapi_schema(model: type[BaseModel]) -> Schema:
-    """The structural ``openAPIV3Schema`` of a resource model (apiVersion, kind, metadata, spec,
-    status)."""
+def openapi_schema(model: type[BaseModel], status: type[BaseModel]) -> Schema:
+    """The structural ``openAPIV3Schema`` of a resource model (apiVersion, kind, metadata, spec)
+    and its status model."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs: dict[str, Schema] = copy.deepcopy(raw.get("$defs", {}))
     _annotate(defs)
     spec = structural(raw["properties"]["spec"], defs)
+    status_raw = status.model_json_schema(by_alias=True, mode="validation")
+    status_defs = {**status_raw.pop("$defs", {}), status.__name__: status_raw}
+    _annotate(status_defs)  # the status model itself is a $defs entry for RULES/LIST_TYPES
+    status_schema = structural(status_defs[status.__name__], status_defs)
+    status_schema["description"] = "written by the operator; " + status_schema["description"]
     return {
         "type": "object",
         "description": _text(raw.get("description")),
@@ -211,7 +218,7 @@ def openapi_schema(model: type[BaseModel]) -> Schema:
             "kind": {"type": "string", "description": "kind of the resource"},
             "metadata": {"type": "object"},
             "spec": spec,
-            "status": copy.deepcopy(_STATUS),
+            "status": status_schema,
         },
         "required": ["spec"],
     }

@@ -298,6 +298,15 @@ class SchedulerDeployment(_Spec):
         ),
     ] = {}
     port: Annotated[int, Field(ge=1, le=65535, description="HTTP port of the action API")] = 8080
+    drain_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=86_400,
+            description="on deletion: how long open trajectories may go on (no new ones are "
+            "admitted) before the pool and its environments are removed",
+        ),
+    ] = 600
 
     @field_validator("resources")
     @classmethod
@@ -659,6 +668,36 @@ def resolve_pool_ref(ref: str, namespace: str) -> ObjectKey:
     return (ns, name) if slash else (namespace, ref)
 
 
+def reference_problem(
+    obj: TrajectoryEnv | RewardService, pool: ActionPool | None
+) -> tuple[str, str] | None:
+    """Why ``obj`` cannot use the pool its ``spec.poolRef`` names (``pool``, None when there
+    is none), as (a CamelCase reason, a message); None when it can."""
+    pool_ns, pool_name = obj.pool_key()
+    if pool is None:
+        return "PoolNotFound", f"no ActionPool {pool_ns}/{pool_name}"
+    ns = obj.metadata.namespace
+    if not pool.spec.access.admits(pool_ns, ns):
+        return (
+            "NamespaceNotAdmitted",
+            f"ActionPool {pool_ns}/{pool_name} does not admit namespace {ns} "
+            "(spec.access.namespaces)",
+        )
+    if isinstance(obj, TrajectoryEnv) and pool.spec.cpu is None:
+        return "NoCpuSection", f"ActionPool {pool_name} has no cpu section"
+    if isinstance(obj, RewardService):
+        gpu = pool.spec.gpu
+        if gpu is None:
+            return "NoGpuSection", f"ActionPool {pool_name} has no gpu section"
+        if gpu.gpus_per_node is not None and min(obj.spec.dop_choices) > gpu.gpus_per_node:
+            return (
+                "DopDoesNotFit",
+                f"dopChoices {obj.spec.dop_choices} do not fit in gpusPerNode "
+                f"{gpu.gpus_per_node} of ActionPool {pool_name}",
+            )
+    return None
+
+
 # --- documents -------------------------------------------------------------------------------
 
 
@@ -718,29 +757,9 @@ class Resources:
         for obj in users:
             ns, name = obj.key
             who = f"{obj.kind} {ns}/{name}{self._where(obj.kind, obj.key)}: spec.poolRef"
-            pool_key = obj.pool_key()
-            pool = self.pools.get(pool_key)
-            if pool is None:
-                problems.append(f"{who}: no ActionPool {pool_key[0]}/{pool_key[1]}")
-                continue
-            if not pool.spec.access.admits(pool_key[0], ns):
-                problems.append(
-                    f"{who}: ActionPool {pool_key[0]}/{pool_key[1]} does not admit namespace "
-                    f"{ns} (spec.access.namespaces)"
-                )
-            if isinstance(obj, TrajectoryEnv) and pool.spec.cpu is None:
-                problems.append(f"{who}: ActionPool {pool_key[1]} has no cpu section")
-            if isinstance(obj, RewardService):
-                gpu = pool.spec.gpu
-                if gpu is None:
-                    problems.append(f"{who}: ActionPool {pool_key[1]} has no gpu section")
-                elif (
-                    gpu.gpus_per_node is not None and min(obj.spec.dop_choices) > gpu.gpus_per_node
-                ):
-                    problems.append(
-                        f"{who}: dopChoices {obj.spec.dop_choices} do not fit in "
-                        f"gpusPerNode {gpu.gpus_per_node} of ActionPool {pool_key[1]}"
-                    )
+            problem = reference_problem(obj, self.pools.get(obj.pool_key()))
+            if problem is not None:
+                problems.append(f"{who}: {problem[1]}")
         return problems
 
     def secret_value(self, namespace: str, ref: SecretRef) -> str | None:

@@ -228,6 +228,25 @@ class BatchResponse(_Strict):
     results: list[ActionResult]
 
 
+class PoolFigures(_Strict):
+    """A scheduler's live figures (``GET /v1/admin/status``, for the operator's CR status)."""
+
+    pool: str
+    epoch: str = Field(description="changes when the scheduler restarts")
+    accepting: bool = Field(description="admitting actions (false while stopping)")
+    draining: bool = Field(description="refusing new trajectories (the pool is being deleted)")
+    nodes: int = Field(ge=0, description="node agents connected")
+    cores: int = Field(ge=0, description="cores for actions, all nodes")
+    cores_in_use: int = Field(ge=0)
+    gpus: int = Field(ge=0)
+    gpus_in_use: int = Field(ge=0)
+    queue_depth: int = Field(ge=0, description="actions waiting for units")
+    running: int = Field(ge=0)
+    trajectories: int = Field(ge=0, description="trajectories open or opening")
+    apis: dict[str, int] = Field(description="quota name -> calls in flight")
+    environments: int = Field(ge=0, description="TrajectoryEnvs served")
+
+
 class ErrorDetail(_Strict):
     field: str
     message: str

@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="ARL-Tangram: action-level pooling of external resources for agentic RL.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from tangram.cli import bench, crds, explain, serve, trace, up
+    from tangram.cli import bench, crds, explain, operator, serve, trace, up
 
     up.register(sub)
     serve.register(sub)
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     explain.register(sub)
     crds.register(sub)
+    operator.register(sub)
     return parser
 
 

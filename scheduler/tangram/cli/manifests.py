@@ -55,6 +55,11 @@ def read_documents(path: Path, problems: list[str]) -> list[Document]:
     except UnicodeDecodeError as e:
         problems.append(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
         return []
+    return split_documents(text, str(path), problems)
+
+
+def split_documents(text: str, source: str, problems: list[str]) -> list[Document]:
+    """The YAML documents of ``text`` (from ``source``, for messages)."""
     documents: list[Document] = []
     stream = yaml.load_all(text, Loader=_StrictLoader)  # a SafeLoader
     index = 0
@@ -65,9 +70,9 @@ def read_documents(path: Path, problems: list[str]) -> list[Document]:
         except StopIteration:
             break
         except yaml.YAMLError as e:
-            problems.append(f"{path}: document {index}: not valid YAML: {_one_line(e)}")
+            problems.append(f"{source}: document {index}: not valid YAML: {_one_line(e)}")
             break
-        documents.append(Document(str(path), index, content))
+        documents.append(Document(source, index, content))
     return documents
 
 
@@ -106,3 +111,16 @@ def load_documents(paths: Sequence[str | Path]) -> Resources:
     if problems:
         raise ResourceError(problems)
     return resources
+
+
+def load_text(text: str, source: str) -> Resources:
+    """Validate the documents of one YAML text (a pushed ``pool.yaml``), as
+    :func:`load_documents` does for files."""
+    problems: list[str] = []
+    documents = split_documents(text, source, problems)
+    if not problems:
+        try:
+            return parse_documents(documents)
+        except ResourceError as e:
+            problems.extend(e.problems)
+    raise ResourceError(problems)

@@ -43,6 +43,17 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds in-flight actions get at exit"
     )
+    p.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="in a cluster: authenticate clients by their ServiceAccount tokens (TokenReview, "
+        "admitted by spec.access) and read secretRef Secrets from the API server",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        help="with --kubernetes outside a pod: the kubeconfig to act with (default: "
+        "in-cluster ServiceAccount, else $KUBECONFIG)",
+    )
     add_log_flags(p)
     p.set_defaults(run=run_serve)
 
@@ -67,15 +78,25 @@ def register(sub: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     setup_logging(args)
-    pool, config = load_pool(args.file, args.pool)
+    secrets, reviewer = None, None
+    if args.kubernetes:
+        from tangram.service.kube import KubeApi, KubeError, api_client
+        from tangram.service.reviews import TokenReviewer
+
+        try:
+            kube = KubeApi(api_client(args.kubeconfig))
+        except KubeError as e:
+            raise InputError(f"--kubernetes: {e}") from None
+        secrets, reviewer = kube.secret, TokenReviewer(kube.review)
+    pool, config = load_pool(args.file, args.pool, secrets)
     tokens = load_tokens(Path(args.token_file))
 
     def ready(r: Running) -> None:
-        reload_on_hangup(args.file, args.pool, r.engine)
+        reload_on_hangup(args.file, args.pool, r.engine, secrets)
         note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.url}/v1/agents")
 
     # Environments outlive a scheduler restart: the next scheduler takes them back.
-    serve_until_signalled(args, config, tokens, None, ready, close_on_exit=False)
+    serve_until_signalled(args, config, tokens, None, ready, close_on_exit=False, reviewer=reviewer)
     return 0
 
 

@@ -17,15 +17,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tangram.api.resources import ActionPool
+from tangram.api.resources import ActionPool, Resources
 from tangram.cli.files import InputError
-from tangram.cli.manifests import load_documents
+from tangram.cli.manifests import load_documents, load_text
 from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.service.auth import TokenError, TokenStore
 from tangram.service.config import PoolConfig
 from tangram.service.embedded import Running, run
-from tangram.service.from_resources import PoolChoiceError, choose_pool, pool_config
+from tangram.service.from_resources import (
+    PoolChoiceError,
+    SecretLookup,
+    choose_pool,
+    pool_config,
+)
 
 LOCAL_BUSYBOX = "tangram-local/busybox:"  # images under this name are made, not pulled
 
@@ -76,21 +81,37 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-json", action="store_true", help="one JSON object a log line")
 
 
-def load_pool(files: list[str], name: str | None) -> tuple[ActionPool, PoolConfig]:
+def load_pool(
+    files: list[str], name: str | None, secrets: SecretLookup | None = None
+) -> tuple[ActionPool, PoolConfig]:
     """The pool to serve from CR documents; every problem named, or InputError."""
     try:
         resources = load_documents(files)
     except ValueError as e:
         raise InputError(str(e)) from None
+    return _pool_of(resources, name, secrets)
+
+
+def load_pool_text(
+    text: str, name: str | None, secrets: SecretLookup | None = None
+) -> tuple[ActionPool, PoolConfig]:
+    """As :func:`load_pool`, from pushed documents (``POST /v1/admin/reload``)."""
+    try:
+        resources = load_text(text, "pushed pool.yaml")
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return _pool_of(resources, name, secrets)
+
+
+def _pool_of(
+    resources: Resources, name: str | None, secrets: SecretLookup | None
+) -> tuple[ActionPool, PoolConfig]:
     problems = resources.check_references()
     if problems:
         raise InputError("; ".join(problems))
     try:
         pool = choose_pool(resources, name)
-    except PoolChoiceError as e:
-        raise InputError(str(e)) from None
-    try:
-        return pool, pool_config(resources, pool)
+        return pool, pool_config(resources, pool, secrets)
     except PoolChoiceError as e:
         raise InputError(str(e)) from None
 
@@ -161,23 +182,35 @@ def _local_images(agent: Any, images: list[str]) -> None:
             print(f"tangram: warning: {image}: busybox-static is not installed", file=sys.stderr)
 
 
-def reload_on_hangup(files: list[str], pool: str | None, engine: Any) -> None:
-    """SIGHUP (or ``POST /v1/admin/reload`` with an operator token) re-reads the files and
-    applies them while running (nothing queued is lost); a file with errors is reported and
-    the running configuration kept."""
+def pool_reloader(
+    files: list[str], pool: str | None, secrets: SecretLookup | None = None
+) -> Callable[[str | None], PoolConfig]:
+    """The engine's reloader: pushed documents (text), or with None the files anew;
+    ValueError naming every problem."""
 
-    def read() -> PoolConfig:
+    def read(text: str | None) -> PoolConfig:
         try:
-            return load_pool(files, pool)[1]
+            if text is None:
+                return load_pool(files, pool, secrets)[1]
+            return load_pool_text(text, pool, secrets)[1]
         except InputError as e:
             raise ValueError(str(e)) from None
 
-    engine.reloader = read
+    return read
+
+
+def reload_on_hangup(
+    files: list[str], pool: str | None, engine: Any, secrets: SecretLookup | None = None
+) -> None:
+    """SIGHUP (or ``POST /v1/admin/reload`` with an operator token) re-reads the files, or
+    takes the documents pushed in the request, and applies them while running (nothing
+    queued is lost); definitions with errors are reported and the running ones kept."""
+    engine.reloader = pool_reloader(files, pool, secrets)
 
     def reload() -> None:
         try:
-            _, config = load_pool(files, pool)
-        except InputError as e:
+            config = engine.reloader(None)
+        except ValueError as e:
             note(f"[red]reload refused[/]: {e}")
             return
         changes = engine.reconfigure(config)
@@ -200,6 +233,7 @@ def serve_until_signalled(
     ready: Callable[[Running], None],
     *,
     close_on_exit: bool,
+    reviewer: Any = None,
 ) -> None:
     """Serve the pool on ``--host``/``--port`` until SIGINT or SIGTERM."""
     stop = asyncio.Event()
@@ -216,6 +250,7 @@ def serve_until_signalled(
             on_ready=ready,
             grace_s=args.grace,
             close_on_exit=close_on_exit,
+            reviewer=reviewer,
         )
 
     try:

@@ -39,12 +39,13 @@ from tangram.api.wire import (
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.engine import Engine, EngineError, check_id
+from tangram.service.reviews import NotAdmittedError, ReviewError, TokenReviewer
 
 log = logging.getLogger("tangram.service")
 
 _STATUS = {"invalid": 400, "not_found": 404, "conflict": 409, "overloaded": 429, "unavailable": 503}
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 429, 503)
 }
 
 
@@ -97,7 +98,17 @@ class _TooLargeError(Exception):
     pass
 
 
-def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -> FastAPI:
+def create_app(
+    engine: Engine,
+    tokens: TokenStore,
+    *,
+    max_body: int = 1 << 20,
+    reviewer: TokenReviewer | None = None,
+) -> FastAPI:
+    """``reviewer``: in a cluster, clients' ServiceAccount tokens are checked with
+    TokenReview and admitted by the pool's access list; the token file then holds only the
+    agents' and the operator's tokens."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
@@ -112,6 +123,8 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
     )
     app.add_middleware(BodyLimit, limit=max_body)
     app.state.tokens = tokens
+    app.state.reviewer = reviewer
+    app.state.engine = engine
     app.openapi = lambda: _schema(app, [ExecRequest])  # type: ignore[method-assign]
 
     @app.exception_handler(RequestValidationError)
@@ -139,11 +152,9 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
         details = [{"field": exc.field, "message": exc.message}]
         return _error(status, exc.kind, str(exc), details, headers)
 
-    def tenant(authorization: Annotated[str | None, Header()] = None) -> str:
-        who = _bearer(tokens, authorization)
-        if who is None or who == AGENT_TENANT:
-            raise _UnauthorizedError
-        return who
+    @app.exception_handler(NotAdmittedError)
+    async def _forbidden(_: Request, exc: NotAdmittedError) -> JSONResponse:
+        return _error(403, "forbidden", str(exc))
 
     @app.exception_handler(_UnauthorizedError)
     async def _unauth(_: Request, __: _UnauthorizedError) -> JSONResponse:
@@ -214,18 +225,38 @@ def create_app(engine: Engine, tokens: TokenStore, *, max_body: int = 1 << 20) -
     async def release(lease: str, who: TenantId) -> ActionResult:
         return engine.release(who, lease)
 
-    @app.post("/v1/admin/reload", include_in_schema=False)
-    async def reload(request: Request) -> JSONResponse:
-        """Re-read the pool's files (the operator calls this after kubelet refreshed them)."""
+    def operator(request: Request) -> None:
         if _bearer(tokens, request.headers.get("authorization")) != OPERATOR_TENANT:
             raise _UnauthorizedError
+
+    @app.post("/v1/admin/reload", include_in_schema=False)
+    async def reload(request: Request) -> JSONResponse:
+        """Apply new definitions: the pool's documents as a YAML body (the operator pushes
+        its ConfigMap's ``pool.yaml``), or with no body re-read the files."""
+        operator(request)
         if engine.reloader is None:
             return _error(409, "conflict", "this scheduler has no files to reload")
-        try:
-            config = engine.reloader()
-        except ValueError as e:  # the files are wrong: keep running as before
+        text = (await request.body()).decode("utf-8", "replace") or None
+        try:  # a thread: resolving secretRefs may ask the API server
+            config = await asyncio.to_thread(engine.reloader, text)
+        except ValueError as e:  # the definitions are wrong: keep running as before
             return _error(400, "invalid", f"reload refused: {e}")
         return JSONResponse({"changes": engine.reconfigure(config)})
+
+    @app.get("/v1/admin/status", include_in_schema=False)
+    async def status(request: Request) -> Response:
+        operator(request)
+        return _json(engine.figures())
+
+    @app.post("/v1/admin/drain", include_in_schema=False)
+    async def drain(request: Request) -> Response:
+        """Refuse new trajectories (the ActionPool is being deleted); open ones go on until
+        their owners close them or the operator's drain timeout passes."""
+        operator(request)
+        if not engine.draining:
+            engine.draining = True
+            log.info("draining: no new trajectories")
+        return _json(engine.figures())
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
@@ -341,6 +372,16 @@ async def _tenant(request: Request, authorization: Annotated[str | None, Header(
     # async: a sync dependency would cost a thread-pool hop on every request
     """The caller's tenant from its bearer token; agents' tokens do not submit."""
     who = _bearer(request.app.state.tokens, authorization)
+    if who is None:
+        reviewer: TokenReviewer | None = request.app.state.reviewer
+        token = _token(authorization)
+        if reviewer is not None and token:
+            try:
+                who = await reviewer.tenant(token, request.app.state.engine.config)
+            except (ReviewError, OSError) as e:
+                raise EngineError(
+                    "unavailable", "authorization", f"cannot check token: {e}"
+                ) from None
     if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
         raise _UnauthorizedError
     return who
@@ -349,7 +390,12 @@ async def _tenant(request: Request, authorization: Annotated[str | None, Header(
 TenantId = Annotated[str, Depends(_tenant)]
 
 
-def _bearer(tokens: TokenStore, header: str | None) -> str | None:
+def _token(header: str | None) -> str | None:
     if not header or not header.lower().startswith("bearer "):
         return None
-    return tokens.tenant(header[7:].strip())
+    return header[7:].strip() or None
+
+
+def _bearer(tokens: TokenStore, header: str | None) -> str | None:
+    token = _token(header)
+    return tokens.tenant(token) if token is not None else None

@@ -49,3 +49,8 @@ class PoolConfig:
     cores_per_node: int | None = None  # per node: cores for actions (None: all but idle)
     max_queued: int = 100_000  # admission control: beyond this, 429
     heartbeat_timeout_s: float = 5.0  # an agent silent this long is drained
+    # Who may submit when clients present ServiceAccount tokens (in a cluster): the pool's
+    # namespace, spec.access.namespaces ('*': all) and spec.access.serviceAccounts (ns/name).
+    namespace: str = "default"
+    access_namespaces: tuple[str, ...] = ()
+    access_service_accounts: tuple[str, ...] = ()

@@ -22,6 +22,7 @@ from tangram.service.app import create_app
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import PoolConfig
 from tangram.service.engine import Engine
+from tangram.service.reviews import TokenReviewer
 
 log = logging.getLogger("tangram.service")
 
@@ -65,13 +66,14 @@ async def run(
     on_ready: Callable[[Running], None] | None = None,
     grace_s: float = 10.0,
     close_on_exit: bool = True,
+    reviewer: TokenReviewer | None = None,
 ) -> None:
     """Serve until ``stop`` is set; then stop admitting, let in-flight actions finish
     within ``grace_s``, stop the agent. With ``close_on_exit`` (embedded mode) every
     environment is removed; without it (a scheduler alone) they stay on their nodes for
     the next scheduler to take back."""
     engine = Engine(config)
-    app = create_app(engine, tokens)
+    app = create_app(engine, tokens, reviewer=reviewer)
     server = _Server(
         uvicorn.Config(
             app,

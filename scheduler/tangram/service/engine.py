@@ -39,6 +39,7 @@ from tangram.api.wire import (
     ErrorInfo,
     ExecRequest,
     OpenTrajectory,
+    PoolFigures,
     RunningAction,
     Timings,
     TrajectoryInfo,
@@ -125,9 +126,11 @@ class Engine:
         self._spawned: set[asyncio.Future[Any]] = set()
         self._http: aiohttp.ClientSession | None = None  # outbound calls of proxied APIs
         self._specs: dict[tuple[Any, ...], ActionSpec] = {}  # validated action shapes
-        # Re-reads the pool's definitions (set by the CLI); POST /v1/admin/reload calls it.
-        self.reloader: Callable[[], PoolConfig] | None = None
+        # The pool's definitions anew (set by the CLI): from pushed documents, or with None
+        # from the files; POST /v1/admin/reload calls it (in a thread: it may do I/O).
+        self.reloader: Callable[[str | None], PoolConfig] | None = None
         self.accepting = True
+        self.draining = False  # the pool is being deleted: no new trajectories
         self._ids = itertools.count(1)
         self._epoch = secrets.token_hex(3)
         self._wake = asyncio.Event()
@@ -171,6 +174,28 @@ class Engine:
         """Admitting, and able to run something: an agent is connected, or the pool has no
         environments at all (API quotas only: nothing needs a node)."""
         return self.accepting and (bool(self.hub.links) or not self.config.envs)
+
+    def figures(self) -> PoolFigures:
+        """What the operator copies into the ActionPool's status."""
+        nodes = self.core.cpu.nodes.values()
+        return PoolFigures(
+            pool=self.config.name,
+            epoch=self._epoch,
+            accepting=self.accepting,
+            draining=self.draining,
+            nodes=len(self.hub.links),
+            cores=sum(n.cores for n in nodes),
+            cores_in_use=sum(n.cores - n.free_cores for n in nodes),
+            gpus=0,  # GPU nodes arrive with the GPU manager
+            gpus_in_use=0,
+            queue_depth=self.core.queued,
+            running=sum(1 for r in self.actions.values() if r.started is not None),
+            trajectories=sum(
+                1 for t in self.trajectories.values() if t.state is not TrajectoryState.CLOSED
+            ),
+            apis={name: q.in_use for name, q in sorted(self.core.quotas.items())},
+            environments=len(self.config.envs),
+        )
 
     # ---- configuration ---------------------------------------------------------------
     def reconfigure(self, config: PoolConfig) -> list[str]:
@@ -352,6 +377,10 @@ class Engine:
 
     async def open_trajectory(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
         self._admitting()
+        if self.draining:
+            raise EngineError(
+                "unavailable", "service", "the pool is being deleted: no new trajectories"
+            )
         env = self.config.envs.get(req.env)
         if env is None:
             known = ", ".join(sorted(self.config.envs)) or "none"

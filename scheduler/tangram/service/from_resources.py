@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tangram.api.cluster import ApiSpec
-from tangram.api.resources import ActionPool, Resources, TrajectoryEnv
+from tangram.api.resources import ActionPool, Resources, SecretRef, TrajectoryEnv
 from tangram.api.wire import EnvSpec
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
@@ -31,7 +33,28 @@ def choose_pool(resources: Resources, name: str | None) -> ActionPool:
     return pools[0]
 
 
-def pool_config(resources: Resources, pool: ActionPool) -> PoolConfig:
+SecretLookup = Callable[[str, SecretRef], str]
+"""(namespace, secretRef) -> the value; raises LookupError saying what is missing."""
+
+
+def secret_from_documents(resources: Resources) -> SecretLookup:
+    """Embedded mode: Secrets are documents next to the pool."""
+
+    def lookup(namespace: str, ref: SecretRef) -> str:
+        value = resources.secret_value(namespace, ref)
+        if value is None:
+            raise LookupError(f"Secret {ref.name} key {ref.key} is not among the documents")
+        return value
+
+    return lookup
+
+
+def pool_config(
+    resources: Resources, pool: ActionPool, secrets: SecretLookup | None = None
+) -> PoolConfig:
+    """``secrets``: where secretRefs resolve (default: Secret documents among ``resources``;
+    in a cluster, the API server)."""
+    lookup = secrets or secret_from_documents(resources)
     spec = pool.spec
     envs = {
         env.metadata.name: env_config(env, pool.metadata.name)
@@ -53,12 +76,12 @@ def pool_config(resources: Resources, pool: ActionPool) -> PoolConfig:
             continue
         credential = None
         if q.secret_ref is not None:
-            credential = resources.secret_value(pool.metadata.namespace, q.secret_ref)
-            if credential is None:
+            try:
+                credential = lookup(pool.metadata.namespace, q.secret_ref)
+            except LookupError as e:
                 raise PoolChoiceError(
-                    f"ActionPool {pool.metadata.name}: apis[{q.name}].secretRef: Secret "
-                    f"{q.secret_ref.name} key {q.secret_ref.key} is not among the documents"
-                )
+                    f"ActionPool {pool.metadata.name}: apis[{q.name}].secretRef: {e}"
+                ) from None
         endpoints[q.name] = ApiEndpoint(q.endpoint, credential)
     scheduling = SchedulerConfig(
         ordering=spec.scheduling.ordering,
@@ -75,6 +98,9 @@ def pool_config(resources: Resources, pool: ActionPool) -> PoolConfig:
         idle_cores=spec.cpu.idle_cores if spec.cpu else 1,
         cores_per_node=spec.cpu.cores_per_node if spec.cpu else None,
         max_queued=spec.admission.max_queued,
+        namespace=pool.metadata.namespace,
+        access_namespaces=tuple(spec.access.namespaces),
+        access_service_accounts=tuple(spec.access.service_accounts),
     )
 
 

@@ -1,0 +1,88 @@
+"""The kopf handlers: each translates one kind of event into a :class:`Reconciler` call.
+
+Handlers are sync (kopf runs them in its thread pool: the Kubernetes client and the
+scheduler link block). kopf keeps its progress and diff base in annotations under
+``kopf.tangram.dev``, since the status schema is typed and the API server prunes anything
+else there; the status itself is patched by the reconciler.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from tangram.api.resources import GROUP, PLURALS, VERSION
+from tangram.operator.reconciler import Reconciler, RetryError
+
+FINALIZER = "tangram.dev/drain"
+REFRESH_S = 10.0  # status refresh, and a config push to a scheduler that missed one
+
+_state: dict[str, Reconciler] = {}
+
+
+def install(reconciler: Reconciler) -> None:
+    """Set the reconciler the handlers use (before ``kopf.run``)."""
+    _state["reconciler"] = reconciler
+
+
+def _r() -> Reconciler:
+    return _state["reconciler"]
+
+
+def _retrying(call: Any, *args: Any) -> None:
+    try:
+        call(*args)
+    except RetryError as e:
+        raise kopf.TemporaryError(str(e), delay=e.delay_s) from None
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    prefix = "kopf.tangram.dev"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=prefix, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING  # our own Events say what matters
+    settings.peering.standalone = True  # one replica (the chart's Deployment is Recreate)
+
+
+_POOLS = (GROUP, VERSION, PLURALS["ActionPool"])
+
+
+@kopf.on.resume(*_POOLS)
+@kopf.on.create(*_POOLS)
+@kopf.on.update(*_POOLS, field="spec")
+def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
+    _retrying(_r().reconcile_pool, namespace or "", name)
+
+
+@kopf.timer(*_POOLS, interval=REFRESH_S, initial_delay=REFRESH_S)
+def pool_refresh(namespace: str | None, name: str, **_: Any) -> None:
+    _retrying(_r().refresh_pool, namespace or "", name)
+
+
+@kopf.on.delete(*_POOLS)
+def pool_deleted(body: kopf.Body, **_: Any) -> None:
+    _retrying(_r().drain_pool, dict(body))
+
+
+def _member(kind: str) -> None:
+    resource = (GROUP, VERSION, PLURALS[kind])
+
+    @kopf.on.resume(*resource, id="changed")
+    @kopf.on.create(*resource, id="changed")
+    @kopf.on.update(*resource, field="spec", id="changed")
+    def changed(namespace: str | None, name: str, **_: Any) -> None:
+        _retrying(_r().reconcile_member, kind, namespace or "", name)
+
+    @kopf.on.delete(*resource, optional=True, id="deleted")  # optional: no finalizer
+    def deleted(body: kopf.Body, **_: Any) -> None:
+        _retrying(_r().member_deleted, dict(body))
+
+
+_member("TrajectoryEnv")
+_member("RewardService")

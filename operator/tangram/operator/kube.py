@@ -1,0 +1,180 @@
+"""The operator's Kubernetes API adapter (the only operator module importing ``kubernetes``).
+
+Children are written with server-side apply under one field manager, so a reconcile sends
+the whole desired object and the API server merges it: fields that other controllers own
+(a Deployment's replicas under an autoscaler, defaults the API server filled in) are left
+alone, and a field the operator stops setting is removed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import logging
+import os
+from typing import Any, cast
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError
+
+from tangram.api.resources import API_VERSION, GROUP, PLURALS, VERSION
+from tangram.operator.builders import POOL_NAMESPACE_LABEL, Manifest
+
+log = logging.getLogger("tangram.operator")
+
+FIELD_MANAGER = "tangram-operator"
+
+
+def api_client(kubeconfig: str | None = None) -> Any:
+    """In a pod: its ServiceAccount; elsewhere ``kubeconfig`` or ``$KUBECONFIG`` (e2e runs
+    the operator as a process with the chart's ServiceAccount token in a kubeconfig)."""
+    if kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        return client.ApiClient()
+    return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+
+
+class Cluster:
+    """Reads and writes of one operator; ``namespaces`` None means every namespace."""
+
+    def __init__(self, api: Any, namespaces: list[str] | None = None) -> None:
+        self.api = api
+        self.namespaces = namespaces
+        self._custom = client.CustomObjectsApi(api)
+        self._core = client.CoreV1Api(api)
+        self._dynamic: DynamicClient | None = None
+
+    @property
+    def dynamic(self) -> DynamicClient:
+        if self._dynamic is None:  # discovery on first use, not at import
+            self._dynamic = DynamicClient(self.api)  # type: ignore[no-untyped-call]
+        return self._dynamic
+
+    # ---- the custom resources --------------------------------------------------------
+    def get_custom(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj = self._custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURALS[kind], name
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return cast(dict[str, Any], obj)
+
+    def list_custom(self, kind: str) -> list[dict[str, Any]]:
+        """Every object of ``kind`` in the watched namespaces."""
+        plural = PLURALS[kind]
+        if self.namespaces is None:
+            found = self._custom.list_cluster_custom_object(GROUP, VERSION, plural)
+            return list(cast(dict[str, Any], found).get("items", []))
+        items: list[dict[str, Any]] = []
+        for ns in self.namespaces:
+            found = self._custom.list_namespaced_custom_object(GROUP, VERSION, ns, plural)
+            items.extend(cast(dict[str, Any], found).get("items", []))
+        return items
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Replace ``status`` (a merge patch: lists such as conditions are replaced whole)."""
+        try:
+            self._custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURALS[kind], name, {"status": status}
+            )
+        except ApiException as e:
+            if e.status != 404:  # deleted meanwhile: nothing to report on
+                raise
+
+    # ---- children ----------------------------------------------------------------------
+    def _resource(self, manifest: Manifest) -> Any:
+        return self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+
+    def apply(self, manifest: Manifest) -> None:
+        meta = manifest["metadata"]
+        self._resource(manifest).server_side_apply(
+            body=manifest,
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,  # the operator owns its children's fields
+        )
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        res = self.dynamic.resources.get(api_version=api_version, kind=kind)
+        try:
+            obj: dict[str, Any] = res.get(name=name, namespace=namespace).to_dict()
+        except NotFoundError:
+            return None
+        return obj
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        res = self.dynamic.resources.get(api_version=api_version, kind=kind)
+        try:
+            res.delete(name=name, namespace=namespace)
+        except NotFoundError:
+            return False
+        return True
+
+    def delete_cluster_children(self, namespace: str, pool: str) -> list[str]:
+        """The pool's cluster-scoped children (found by labels: they have no owner)."""
+        selector = f"app.kubernetes.io/instance={pool},{POOL_NAMESPACE_LABEL}={namespace}"
+        deleted = []
+        for kind in ("ClusterRoleBinding", "ClusterRole"):
+            res = self.dynamic.resources.get(api_version="rbac.authorization.k8s.io/v1", kind=kind)
+            for item in res.get(label_selector=selector).items:
+                name = item.metadata.name
+                if self.delete("rbac.authorization.k8s.io/v1", kind, None, name):
+                    deleted.append(f"{kind}/{name}")
+        return deleted
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's data decoded, or None when there is no such Secret."""
+        try:
+            obj = self._core.read_namespaced_secret(name, namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        out = {}
+        for key, encoded in (obj.data or {}).items():
+            try:
+                out[key] = base64.b64decode(encoded, validate=True).decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError):
+                continue  # not ours to read: the operator rewrites what it needs
+        return out
+
+    def event(
+        self, obj: dict[str, Any], type_: str, reason: str, message: str, now: dt.datetime
+    ) -> None:
+        """A core Event on ``obj`` (``kubectl describe`` shows it)."""
+        meta = obj["metadata"]
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(
+                generate_name=f"{meta['name']}.", namespace=meta["namespace"]
+            ),
+            involved_object=client.V1ObjectReference(
+                api_version=obj.get("apiVersion", API_VERSION),
+                kind=obj["kind"],
+                name=meta["name"],
+                namespace=meta["namespace"],
+                uid=meta.get("uid"),
+                resource_version=meta.get("resourceVersion"),
+            ),
+            type=type_,
+            reason=reason,
+            message=message[:1024],
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            source=client.V1EventSource(component=FIELD_MANAGER),
+            reporting_component=FIELD_MANAGER,
+        )
+        try:
+            self._core.create_namespaced_event(meta["namespace"], body)
+        except ApiException as e:  # an Event is a courtesy: never fail a reconcile on it
+            log.warning("event not posted: %s %s", e.status, e.reason)
+
+
+__all__ = ["FIELD_MANAGER", "Cluster", "api_client"]

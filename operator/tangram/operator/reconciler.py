@@ -1,0 +1,374 @@
+"""What the operator does when a pool or one of its members changes (no kopf in here).
+
+The kopf handlers (:mod:`tangram.operator.handlers`) only translate events into calls of
+:class:`Reconciler`, and :class:`RetryError` into kopf's temporary errors. Everything
+is level-based: each call reads the current objects, builds the desired children with the
+pure builders and applies them, so a missed or repeated event is harmless.
+
+- A pool: apply its children; push its documents (pool + members) to the running
+  scheduler, which reconfigures without a restart; write the members' and its own status.
+- A member (TrajectoryEnv, RewardService): write its status (Ready, or why not, with a
+  Warning Event when that changes), then reconcile the pool it names.
+- A deleted pool: the scheduler stops admitting trajectories; the finalizer holds the pool
+  until the open ones are closed or ``spec.scheduler.drainSeconds`` passed; then the
+  cluster-scoped RBAC goes and the garbage collector takes the rest (owner references).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from tangram.api.resources import (
+    ActionPool,
+    ObjectKey,
+    RewardService,
+    TrajectoryEnv,
+    resolve_pool_ref,
+    yaml_path,
+)
+from tangram.api.status import READY, MemberStatus, PoolStatus, parse_conditions, ready
+from tangram.api.wire import PoolFigures
+from tangram.operator.builders import (
+    AGENT_TENANT,
+    OPERATOR_TENANT,
+    SCHEDULER_TOKENS_KEY,
+    Manifest,
+    build_pool,
+    child_name,
+    parse_tokens,
+)
+from tangram.operator.kube import Cluster
+from tangram.operator.scheduler_link import Endpoints, SchedulerError, SchedulerLink
+from tangram.operator.status import (
+    PoolObservation,
+    invalid_member_status,
+    member_status,
+    pool_status,
+)
+
+log = logging.getLogger("tangram.operator")
+
+Member = TrajectoryEnv | RewardService
+MEMBER_KINDS: dict[str, type[TrajectoryEnv] | type[RewardService]] = {
+    "TrajectoryEnv": TrajectoryEnv,
+    "RewardService": RewardService,
+}
+DRAIN_POLL_S = 5.0
+
+
+class RetryError(Exception):
+    """Not done yet: call again after ``delay_s``."""
+
+    def __init__(self, message: str, delay_s: float = DRAIN_POLL_S) -> None:
+        super().__init__(message)
+        self.delay_s = delay_s
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def rfc3339(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def validation_message(e: ValidationError, body: dict[str, Any]) -> str:
+    """The first problems of a spec, in YAML spelling (``spec.apis[0].rate: ...``)."""
+    parts = [f"{yaml_path(err['loc'], body)}: {err['msg']}" for err in e.errors()[:5]]
+    return "; ".join(parts)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        image: str,
+        endpoints: Endpoints | None = None,
+        link: SchedulerLink | None = None,
+        clock: Callable[[], dt.datetime] = _utcnow,
+    ) -> None:
+        self.cluster = cluster
+        self.image = image
+        self.endpoints = endpoints or Endpoints()
+        self.link = link or SchedulerLink()
+        self.clock = clock
+        # (pool uid, scheduler epoch) -> digest of the documents it was last given: a
+        # restarted scheduler (new epoch) or changed documents get a push, nothing else.
+        self._pushed: dict[tuple[str, str], str] = {}
+        # One pass at a time per pool (kopf runs handlers of different objects in threads).
+        self._locks: dict[ObjectKey, threading.RLock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, key: ObjectKey) -> threading.RLock:
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.RLock())
+
+    # ---- pools -----------------------------------------------------------------------
+    def reconcile_pool(self, namespace: str, name: str) -> None:
+        """Children, config push, member statuses and pool status of one pool."""
+        with self._lock((namespace, name)):
+            body = self.cluster.get_custom("ActionPool", namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            pool = self._parse_pool(body)
+            if pool is None:
+                return
+            members = self._members_of(pool)
+            tokens = self._tokens(pool)
+            uid = body["metadata"]["uid"]
+            objects = build_pool(
+                pool,
+                image=self.image,
+                envs=[m for m in members if isinstance(m, TrajectoryEnv)],
+                services=[m for m in members if isinstance(m, RewardService)],
+                uid=uid,
+                agent_token=tokens[AGENT_TENANT],
+                operator_token=tokens[OPERATOR_TENANT],
+            )
+            for manifest in objects:
+                self.cluster.apply(manifest)
+            self._remove_dropped_agents(pool)
+            self._refresh(pool, body, _documents(objects), tokens[OPERATOR_TENANT])
+
+    def refresh_pool(self, namespace: str, name: str) -> None:
+        """The periodic pass: status from the scheduler, and a push if it missed one."""
+        with self._lock((namespace, name)):
+            body = self.cluster.get_custom("ActionPool", namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            pool = self._parse_pool(body)
+            if pool is None:
+                return
+            config = self.cluster.get("v1", "ConfigMap", namespace, child_name(pool, "config"))
+            live = self.cluster.secret_data(namespace, child_name(pool, "tokens")) or {}
+            token = parse_tokens(live.get(SCHEDULER_TOKENS_KEY, "")).get(OPERATOR_TENANT)
+            if config is None or token is None:  # not reconciled yet: do it whole
+                self.reconcile_pool(namespace, name)  # the lock is reentrant
+                return
+            documents = (config.get("data") or {}).get("pool.yaml", "")
+            self._refresh(pool, body, documents, token)
+
+    def _parse_pool(self, body: dict[str, Any]) -> ActionPool | None:
+        """The pool model, or None after reporting why its spec is invalid."""
+        try:
+            return ActionPool.model_validate(body)
+        except ValidationError as e:
+            message = validation_message(e, body)
+            meta = body["metadata"]
+            previous = parse_conditions((body.get("status") or {}).get("conditions"))
+            seen = PoolObservation(
+                generation=meta.get("generation", 0),
+                previous=previous,
+                endpoint="",
+                invalid=message,
+            )
+            status = pool_status(None, seen, rfc3339(self.clock()))
+            self._write_status(body, status, previous)
+            return None
+
+    def _members_of(self, pool: ActionPool) -> list[Member]:
+        """The members that name this pool and that it can serve (the others get a status
+        saying why, and are left out of its config)."""
+        usable: list[Member] = []
+        for kind, model in MEMBER_KINDS.items():
+            for body in self.cluster.list_custom(kind):
+                meta = body.get("metadata", {})
+                ref = (body.get("spec") or {}).get("poolRef", "")
+                if not isinstance(ref, str) or resolve_pool_ref(ref, meta.get("namespace", "")) != (
+                    pool.key
+                ):
+                    continue
+                member = self._member_status(kind, model, body, pool)
+                if member is not None:
+                    usable.append(member)
+        return usable
+
+    def _tokens(self, pool: ActionPool) -> dict[str, str]:
+        """The agent and operator tokens: the live Secret's, else new ones."""
+        live = self.cluster.secret_data(pool.metadata.namespace, child_name(pool, "tokens")) or {}
+        tokens = parse_tokens(live.get(SCHEDULER_TOKENS_KEY, ""))
+        for tenant in (AGENT_TENANT, OPERATOR_TENANT):
+            tokens.setdefault(tenant, secrets.token_urlsafe(32))
+        return tokens
+
+    def _remove_dropped_agents(self, pool: ActionPool) -> None:
+        for role, section in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)):
+            if section is None:
+                name = child_name(pool, f"{role}-agent")
+                if self.cluster.delete("apps/v1", "DaemonSet", pool.metadata.namespace, name):
+                    log.info("removed DaemonSet %s (no spec.%s)", name, role)
+
+    def _refresh(self, pool: ActionPool, body: dict[str, Any], documents: str, token: str) -> None:
+        meta = body["metadata"]
+        base = self.endpoints.url(pool)
+        figures, unreachable = None, None
+        try:
+            figures = self.link.figures(base, token)
+            self._push(meta["uid"], figures, base, token, documents)
+        except SchedulerError as e:
+            unreachable = str(e)
+        previous = parse_conditions((body.get("status") or {}).get("conditions"))
+        seen = PoolObservation(
+            generation=meta.get("generation", 0),
+            previous=previous,
+            endpoint=self.endpoints.cluster_url(pool),
+            scheduler_available=self._scheduler_available(pool),
+            figures=figures,
+            unreachable=unreachable,
+        )
+        self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
+
+    def _push(self, uid: str, figures: PoolFigures, base: str, token: str, documents: str) -> None:
+        digest = hashlib.sha256(documents.encode()).hexdigest()
+        key = (uid, figures.epoch)
+        if self._pushed.get(key) == digest:
+            return
+        changes = self.link.reload(base, token, documents)
+        self._pushed[key] = digest
+        log.info("pushed config to %s: %s", base, "; ".join(changes) or "no changes")
+
+    def _scheduler_available(self, pool: ActionPool) -> bool:
+        deployment = self.cluster.get(
+            "apps/v1", "Deployment", pool.metadata.namespace, child_name(pool, "scheduler")
+        )
+        status = (deployment or {}).get("status") or {}
+        return int(status.get("availableReplicas") or 0) >= 1
+
+    # ---- deletion --------------------------------------------------------------------
+    def drain_pool(self, body: dict[str, Any]) -> None:
+        """The finalizer's work; :class:`RetryError` while trajectories may still finish."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        with self._lock((namespace, name)):
+            try:
+                pool = ActionPool.model_validate(body)
+            except ValidationError:
+                pool = None  # an invalid pool never had a scheduler to drain
+            if pool is not None:
+                self._drain(pool, body)
+            deleted = self.cluster.delete_cluster_children(namespace, name)
+            log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
+
+    def _drain(self, pool: ActionPool, body: dict[str, Any]) -> None:
+        live = self.cluster.secret_data(pool.metadata.namespace, child_name(pool, "tokens")) or {}
+        token = parse_tokens(live.get(SCHEDULER_TOKENS_KEY, "")).get(OPERATOR_TENANT)
+        if token is None:
+            return
+        since = body["metadata"].get("deletionTimestamp") or rfc3339(self.clock())
+        started = dt.datetime.fromisoformat(since.replace("Z", "+00:00"))
+        left = pool.spec.scheduler.drain_seconds - (self.clock() - started).total_seconds()
+        try:
+            figures = self.link.drain(self.endpoints.url(pool), token)
+        except SchedulerError as e:
+            log.info("pool %s: no scheduler to drain (%s)", pool.metadata.name, e)
+            return
+        if figures.trajectories == 0 or left <= 0:
+            return
+        previous = parse_conditions((body.get("status") or {}).get("conditions"))
+        seen = PoolObservation(
+            generation=body["metadata"].get("generation", 0),
+            previous=previous,
+            endpoint=self.endpoints.cluster_url(pool),
+            scheduler_available=True,
+            figures=figures,
+            deleting=True,
+            drain_left_s=left,
+        )
+        self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
+        raise RetryError(f"{figures.trajectories} trajectories open; {left:.0f} s left")
+
+    # ---- members ---------------------------------------------------------------------
+    def reconcile_member(self, kind: str, namespace: str, name: str) -> None:
+        body = self.cluster.get_custom(kind, namespace, name)
+        if body is None:
+            return
+        pool_key = self._member_pool_key(body)
+        pool_body = None
+        if pool_key is not None:
+            pool_body = self.cluster.get_custom("ActionPool", pool_key[0], pool_key[1])
+        pool = None
+        if pool_body is not None:
+            try:
+                pool = ActionPool.model_validate(pool_body)
+            except ValidationError:
+                pool = None  # the pool reports its own problem
+        self._member_status(kind, MEMBER_KINDS[kind], body, pool)
+        if pool is not None and pool_key is not None:
+            self.reconcile_pool(*pool_key)
+
+    def member_deleted(self, body: dict[str, Any]) -> None:
+        """Take a deleted member out of its pool's config."""
+        pool_key = self._member_pool_key(body)
+        if pool_key is not None:
+            self.reconcile_pool(*pool_key)
+
+    @staticmethod
+    def _member_pool_key(body: dict[str, Any]) -> ObjectKey | None:
+        ref = (body.get("spec") or {}).get("poolRef")
+        namespace = body.get("metadata", {}).get("namespace", "")
+        return resolve_pool_ref(ref, namespace) if isinstance(ref, str) and ref else None
+
+    def _member_status(
+        self,
+        kind: str,
+        model: type[TrajectoryEnv] | type[RewardService],
+        body: dict[str, Any],
+        pool: ActionPool | None,
+    ) -> Member | None:
+        """Write the member's status; the member when its pool can serve it."""
+        meta = body["metadata"]
+        previous = parse_conditions((body.get("status") or {}).get("conditions"))
+        now = rfc3339(self.clock())
+        member: Member | None = None
+        try:
+            member = model.model_validate(body)
+        except ValidationError as e:
+            ref = str((body.get("spec") or {}).get("poolRef", ""))
+            status = invalid_member_status(
+                meta.get("generation", 0), ref, previous, validation_message(e, body), now
+            )
+        else:
+            status = member_status(member, pool, previous, now)
+        self._write_status(body, status, previous)
+        cond = ready(status.conditions)
+        return member if cond is not None and cond.status == "True" else None
+
+    # ---- status ----------------------------------------------------------------------
+    def _write_status(
+        self,
+        body: dict[str, Any],
+        status: PoolStatus | MemberStatus,
+        previous: list[Any],
+    ) -> None:
+        """Patch the status when it changed; a Warning Event when Ready turns False or
+        its reason changes (not on every pass)."""
+        new = status.model_dump(by_alias=True, mode="json")
+        if (body.get("status") or {}) == new:
+            return
+        meta = body["metadata"]
+        self.cluster.patch_status(body["kind"], meta["namespace"], meta["name"], new)
+        old, cond = ready(previous), ready(status.conditions)
+        if cond is None or (
+            old is not None and (old.status, old.reason) == (cond.status, cond.reason)
+        ):
+            return
+        type_ = "Normal" if cond.status == "True" else "Warning"
+        self.cluster.event(body, type_, cond.reason, cond.message, self.clock())
+
+
+def _documents(objects: list[Manifest]) -> str:
+    config = next(o for o in objects if o["kind"] == "ConfigMap")
+    text: str = config["data"]["pool.yaml"]
+    return text
+
+
+__all__ = ["MEMBER_KINDS", "READY", "Reconciler", "RetryError"]

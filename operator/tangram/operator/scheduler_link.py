@@ -1,0 +1,91 @@
+"""How the operator talks to a pool's scheduler: its figures, config pushes, drains.
+
+Plain HTTP with the operator's token (``system:operator`` in the pool's tokens Secret),
+which may do nothing but these three admin calls. In a cluster the scheduler is reached
+through its Service's DNS name. An operator running outside the cluster (development, the
+e2e tests) cannot resolve that, so ``--scheduler-endpoints FILE`` maps ``namespace/pool``
+to a URL; the file is re-read on every call and only whoever starts the operator can set
+it (an annotation on the pool would let anyone who edits pools send the token elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tangram.api.resources import ActionPool
+from tangram.api.wire import PoolFigures
+from tangram.operator.builders import child_name
+
+TIMEOUT_S = 5.0
+
+
+class SchedulerError(RuntimeError):
+    """No answer, a refusal, or an answer that is not a scheduler's."""
+
+
+class Endpoints:
+    """The base URL of each pool's scheduler."""
+
+    def __init__(self, overrides: Path | None = None) -> None:
+        self.overrides = overrides
+
+    def cluster_url(self, pool: ActionPool) -> str:
+        ns, port = pool.metadata.namespace, pool.spec.scheduler.port
+        return f"http://{child_name(pool, 'scheduler')}.{ns}.svc:{port}"
+
+    def url(self, pool: ActionPool) -> str:
+        if self.overrides is not None:
+            try:
+                table = yaml.safe_load(self.overrides.read_text(encoding="utf-8")) or {}
+            except (OSError, yaml.YAMLError):
+                table = {}
+            found = table.get(f"{pool.metadata.namespace}/{pool.metadata.name}")
+            if isinstance(found, str):
+                return found.rstrip("/")
+        return self.cluster_url(pool)
+
+
+class SchedulerLink:
+    def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, url: str, token: str, body: bytes | None = None) -> bytes:
+        headers = {"Authorization": f"Bearer {token}"}
+        if body is not None:
+            headers["Content-Type"] = "application/yaml"
+        req = urllib.request.Request(url, data=body, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                data: bytes = resp.read()
+                return data
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode("utf-8", "replace")[:500]
+            raise SchedulerError(f"{method} {url}: HTTP {e.code} {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise SchedulerError(f"{method} {url}: {reason}") from None
+
+    def figures(self, base: str, token: str) -> PoolFigures:
+        data = self._call("GET", f"{base}/v1/admin/status", token)
+        try:
+            return PoolFigures.model_validate_json(data)
+        except ValueError as e:
+            raise SchedulerError(f"{base}: not a scheduler's status: {e}") from None
+
+    def reload(self, base: str, token: str, documents: str) -> list[str]:
+        """Push the pool's documents; the changes the scheduler made."""
+        data = self._call("POST", f"{base}/v1/admin/reload", token, documents.encode("utf-8"))
+        changes = json.loads(data).get("changes", [])
+        return [str(c) for c in changes]
+
+    def drain(self, base: str, token: str) -> PoolFigures:
+        data = self._call("POST", f"{base}/v1/admin/drain", token, b"")
+        return PoolFigures.model_validate_json(data)
+
+
+__all__ = ["Endpoints", "SchedulerError", "SchedulerLink"]

@@ -1,0 +1,161 @@
+"""The status the operator writes: pure functions from observations to status objects.
+
+The handlers gather what they saw (the scheduler's figures, its Deployment, the pool's
+members) and hand it here; what comes back is patched onto the object as is. The clock is
+an argument, so the same observations always give the same status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tangram.api.resources import ActionPool, RewardService, TrajectoryEnv, reference_problem
+from tangram.api.status import (
+    READY,
+    Condition,
+    ConditionStatus,
+    MemberStatus,
+    PoolStatus,
+    condition,
+)
+from tangram.api.wire import PoolFigures
+from tangram.operator.builders import child_name
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """What the operator saw of one pool in one pass."""
+
+    generation: int
+    previous: Sequence[Condition]
+    endpoint: str
+    invalid: str | None = None  # the spec does not validate (what is wrong)
+    scheduler_available: bool = False  # the Deployment has an available replica
+    figures: PoolFigures | None = None  # the scheduler's own, None when unreachable
+    unreachable: str | None = None  # why the figures are missing
+    deleting: bool = False
+    drain_left_s: float = 0.0
+
+
+def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> PoolStatus:
+    """``pool`` is None when its spec did not validate (``seen.invalid`` says why)."""
+    status, reason, message = _pool_ready(pool, seen)
+    conditions = condition(
+        seen.previous,
+        type=READY,
+        status=status,
+        reason=reason,
+        message=message,
+        generation=seen.generation,
+        now=now,
+    )
+    f = seen.figures
+    if f is None:
+        return PoolStatus(
+            observed_generation=seen.generation, conditions=conditions, endpoint=seen.endpoint
+        )
+    return PoolStatus(
+        observed_generation=seen.generation,
+        conditions=conditions,
+        endpoint=seen.endpoint,
+        nodes=f.nodes,
+        cores=f.cores,
+        cores_in_use=f.cores_in_use,
+        gpus=f.gpus,
+        gpus_in_use=f.gpus_in_use,
+        queue_depth=f.queue_depth,
+        running=f.running,
+        trajectories=f.trajectories,
+        apis=dict(f.apis),
+        environments=f.environments,
+    )
+
+
+def _pool_ready(pool: ActionPool | None, seen: PoolObservation) -> tuple[ConditionStatus, str, str]:
+    if pool is None or seen.invalid is not None:
+        return "False", "InvalidSpec", seen.invalid or "the spec does not validate"
+    f = seen.figures
+    if seen.deleting:
+        open_ = f.trajectories if f is not None else 0
+        return (
+            "False",
+            "Draining",
+            f"being deleted: {open_} trajectories still open, removed in at most "
+            f"{max(0, round(seen.drain_left_s))} s",
+        )
+    deployment = child_name(pool, "scheduler")
+    if not seen.scheduler_available:
+        return "False", "SchedulerUnavailable", f"Deployment {deployment} has no available pod"
+    if f is None:
+        return "False", "SchedulerUnreachable", seen.unreachable or f"{seen.endpoint} not answering"
+    sections = [r for r, s in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)) if s is not None]
+    if sections and f.nodes == 0:
+        agents = ", ".join(child_name(pool, f"{r}-agent") for r in sections)
+        return (
+            "False",
+            "NoNodes",
+            f"no node agent connected (DaemonSets {agents}: check their nodeSelector)",
+        )
+    return (
+        "True",
+        "Ready",
+        f"{f.nodes} nodes, {f.cores} cores, {f.gpus} GPUs, {len(f.apis)} API quotas",
+    )
+
+
+def member_status(
+    member: TrajectoryEnv | RewardService,
+    pool: ActionPool | None,
+    previous: Sequence[Condition],
+    now: str,
+) -> MemberStatus:
+    """Ready when the pool it names exists and can serve it."""
+    generation = member.metadata.generation or 0
+    ns, name = member.pool_key()
+    problem = reference_problem(member, pool)
+    if problem is None:
+        status: ConditionStatus = "True"
+        reason, message = "Accepted", f"served by ActionPool {ns}/{name}"
+    else:
+        status, (reason, message) = "False", problem
+    return MemberStatus(
+        observed_generation=generation,
+        conditions=condition(
+            previous,
+            type=READY,
+            status=status,
+            reason=reason,
+            message=message,
+            generation=generation,
+            now=now,
+        ),
+        pool=f"{ns}/{name}",
+    )
+
+
+def invalid_member_status(
+    generation: int, pool_ref: str, previous: Sequence[Condition], message: str, now: str
+) -> MemberStatus:
+    """A member whose spec does not validate (what CEL cannot check, pydantic does)."""
+    return MemberStatus(
+        observed_generation=generation,
+        conditions=condition(
+            previous,
+            type=READY,
+            status="False",
+            reason="InvalidSpec",
+            message=message,
+            generation=generation,
+            now=now,
+        ),
+        pool=pool_ref,
+    )
+
+
+__all__ = [
+    "PoolObservation",
+    "invalid_member_status",
+    "member_status",
+    "pool_status",
+]

@@ -1,0 +1,75 @@
+"""``tangram operator``: the kopf operator that turns ActionPools into running pools.
+
+In the chart's Deployment it uses its ServiceAccount; outside a cluster ``$KUBECONFIG``
+(or ``--kubeconfig``), with ``--scheduler-endpoints`` mapping ``namespace/pool`` to the
+URL of a scheduler it cannot reach by its Service name (e2e tests, development).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from tangram.cli.files import InputError
+from tangram.cli.up import add_log_flags, setup_logging
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "operator",
+        help="run the Kubernetes operator (ActionPool, TrajectoryEnv, RewardService)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--image", required=True, help="image of the schedulers and node agents it creates"
+    )
+    p.add_argument(
+        "--namespace",
+        action="append",
+        help="watch this namespace (repeatable; default: every namespace)",
+    )
+    p.add_argument("--kubeconfig", help="outside a cluster: the kubeconfig to act with")
+    p.add_argument(
+        "--scheduler-endpoints",
+        type=Path,
+        help="YAML file of 'namespace/pool: http://host:port' for schedulers outside the "
+        "cluster network (re-read on every use)",
+    )
+    p.add_argument("--liveness-port", type=int, help="serve GET /healthz on this port (0.0.0.0)")
+    add_log_flags(p)
+    p.set_defaults(run=run_operator)
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    from tangram.operator import handlers
+    from tangram.operator.kube import Cluster, api_client
+    from tangram.operator.reconciler import Reconciler
+    from tangram.operator.scheduler_link import Endpoints
+
+    setup_logging(args)
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    try:
+        api = api_client(args.kubeconfig)
+    except Exception as e:  # the client raises several kinds for a missing or bad config
+        raise InputError(f"no Kubernetes credentials: {e}") from None
+    cluster = Cluster(api, args.namespace)
+    handlers.install(
+        Reconciler(cluster, image=args.image, endpoints=Endpoints(args.scheduler_endpoints))
+    )
+    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    asyncio.run(
+        kopf.operator(
+            clusterwide=args.namespace is None,
+            namespaces=args.namespace or (),
+            standalone=True,
+            liveness_endpoint=liveness,
+        )
+    )
+    return 0

@@ -1,0 +1,119 @@
+"""The operator's pure status functions: conditions, pool readiness, member references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tangram.api.resources import ActionPool, TrajectoryEnv
+from tangram.api.status import Condition, condition, parse_conditions, ready
+from tangram.api.wire import PoolFigures
+from tangram.cli.manifests import load_documents
+from tangram.operator.status import (
+    PoolObservation,
+    invalid_member_status,
+    member_status,
+    pool_status,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
+T0, T1 = "2026-11-21T08:00:00Z", "2026-11-21T08:05:00Z"
+
+
+def _coding() -> tuple[ActionPool, TrajectoryEnv]:
+    resources = load_documents([EXAMPLES / "coding" / "pool.yaml"])
+    pool = next(iter(resources.pools.values()))
+    env = next(iter(resources.envs.values()))
+    return pool, env
+
+
+def _figures(**changes: object) -> PoolFigures:
+    base: dict[str, object] = dict(
+        pool="coding", epoch="e1", accepting=True, draining=False, nodes=2, cores=120,
+        cores_in_use=7, gpus=0, gpus_in_use=0, queue_depth=3, running=5, trajectories=9,
+        apis={}, environments=1,
+    )  # fmt: skip
+    return PoolFigures.model_validate({**base, **changes})
+
+
+def test_transition_time_moves_only_when_the_status_changes() -> None:
+    first = condition([], type="Ready", status="False", reason="NoNodes", message="a",
+                      generation=1, now=T0)  # fmt: skip
+    same = condition(first, type="Ready", status="False", reason="SchedulerUnreachable",
+                     message="b", generation=2, now=T1)  # fmt: skip
+    assert same[0].last_transition_time == T0 and same[0].reason == "SchedulerUnreachable"
+    flipped = condition(same, type="Ready", status="True", reason="Ready", message="c",
+                        generation=2, now=T1)  # fmt: skip
+    assert len(flipped) == 1 and flipped[0].last_transition_time == T1
+    assert flipped[0].observed_generation == 2
+
+
+def test_unparseable_conditions_are_dropped() -> None:
+    raw = [{"type": "Ready"}, Condition(type="Ready", status="True", reason="Ready",
+           last_transition_time=T0).model_dump(by_alias=True)]  # fmt: skip
+    assert [c.status for c in parse_conditions(raw)] == ["True"]
+    assert parse_conditions("garbage") == []
+
+
+@pytest.mark.parametrize(
+    ("seen", "reason"),
+    [
+        (dict(scheduler_available=False), "SchedulerUnavailable"),
+        (dict(scheduler_available=True, unreachable="refused"), "SchedulerUnreachable"),
+        (dict(scheduler_available=True, figures=_figures(nodes=0)), "NoNodes"),
+        (dict(scheduler_available=True, figures=_figures()), "Ready"),
+        (dict(deleting=True, figures=_figures(), drain_left_s=42.4), "Draining"),
+    ],
+)
+def test_pool_ready_reasons(seen: dict[str, object], reason: str) -> None:
+    pool, _ = _coding()
+    obs = PoolObservation(generation=3, previous=[], endpoint="http://x", **seen)  # type: ignore[arg-type]
+    status = pool_status(pool, obs, T0)
+    cond = ready(status.conditions)
+    assert cond is not None and cond.reason == reason
+    assert cond.status == ("True" if reason == "Ready" else "False")
+    assert status.observed_generation == 3 and cond.observed_generation == 3
+    if reason == "SchedulerUnreachable":
+        assert cond.message == "refused"
+    if reason == "Draining":
+        assert "9 trajectories still open" in cond.message and "42 s" in cond.message
+
+
+def test_pool_status_copies_the_scheduler_figures() -> None:
+    pool, _ = _coding()
+    obs = PoolObservation(generation=1, previous=[], endpoint="http://e", scheduler_available=True,
+                          figures=_figures(apis={"search": 2}))  # fmt: skip
+    status = pool_status(pool, obs, T0).model_dump(by_alias=True)
+    assert {k: status[k] for k in ("nodes", "cores", "coresInUse", "queueDepth", "running")} == {
+        "nodes": 2, "cores": 120, "coresInUse": 7, "queueDepth": 3, "running": 5,
+    }  # fmt: skip
+    assert status["apis"] == {"search": 2} and status["endpoint"] == "http://e"
+
+
+def test_invalid_pool_spec_is_reported() -> None:
+    obs = PoolObservation(generation=4, previous=[], endpoint="", invalid="spec.cpu.idleCores: bad")
+    cond = ready(pool_status(None, obs, T0).conditions)
+    assert cond is not None and (cond.reason, cond.message) == (
+        "InvalidSpec",
+        "spec.cpu.idleCores: bad",
+    )
+
+
+def test_member_status_names_the_pool_or_why_not() -> None:
+    pool, env = _coding()
+    ok = member_status(env, pool, [], T0)
+    cond = ready(ok.conditions)
+    assert cond is not None and cond.status == "True" and ok.pool == "rl/coding"
+    missing = ready(member_status(env, None, ok.conditions, T1).conditions)
+    assert missing is not None and missing.reason == "PoolNotFound"
+    assert missing.last_transition_time == T1
+    no_cpu = pool.model_copy(update={"spec": pool.spec.model_copy(update={"cpu": None})})
+    cond = ready(member_status(env, no_cpu, [], T0).conditions)
+    assert cond is not None and cond.reason == "NoCpuSection"
+
+
+def test_invalid_member_status() -> None:
+    st = invalid_member_status(2, "coding", [], "spec.cpu: min > max", T0)
+    cond = ready(st.conditions)
+    assert cond is not None and cond.reason == "InvalidSpec" and st.pool == "coding"
