@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 export PYTHONPATH := $(CURDIR)/scheduler:$(CURDIR)/operator:$(CURDIR)/node-agent
 
-.PHONY: setup run test lint typecheck bench bench-quick clean
+.PHONY: setup run test e2e lint typecheck bench bench-quick images manifests chart-lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,18 +14,34 @@ setup: $(BIN)/python ## create .venv with the project and its dev tools installe
 	$(BIN)/pip install -q -e '.[dev]'
 
 lint: setup
-	$(BIN)/ruff check scheduler operator node-agent tests
-	$(BIN)/ruff format --check scheduler operator node-agent tests
+	$(BIN)/ruff check scheduler operator node-agent tests e2e
+	$(BIN)/ruff format --check scheduler operator node-agent tests e2e
 	$(BIN)/lint-imports
 
 typecheck: setup
-	$(BIN)/mypy scheduler/tangram node-agent/tangram operator/tangram tests
+	$(BIN)/mypy scheduler/tangram node-agent/tangram operator/tangram tests e2e
 
 run: setup ## the embedded default: scheduler + local node agent serving manifests/examples/local
 	$(BIN)/tangram up -f manifests/examples/local
 
 test: setup lint typecheck ## lint, type-check and run the whole test suite
 	$(BIN)/pytest -n 2 --dist loadgroup -q
+
+e2e: setup ## end to end on a real control plane built from the Go module proxy (e2e/README.md)
+	bash e2e/build-tools.sh
+	$(BIN)/pytest e2e -v -p no:cacheprovider
+
+HELM ?= $(shell bash e2e/build-tools.sh 2>/dev/null | tail -n 1)/helm
+
+images: ## the operator, scheduler and node-agent images, built without pulling (docs/install.md)
+	images/build.sh
+
+manifests: setup ## regenerate crds/, the chart's CRD templates and manifests/install.yaml
+	$(BIN)/tangram crds
+	HELM=$(HELM) charts/render-install.sh
+
+chart-lint: ## helm lint --strict of the chart
+	$(HELM) lint --strict charts/arl-tangram
 
 bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench scheduler --json --out docs/bench/scheduler.json

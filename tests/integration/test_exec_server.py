@@ -302,3 +302,26 @@ def test_sessions_take_commands_longer_than_a_terminal_line_and_a_frame(
     bash_out, py_out = asyncio.run(scenario())
     assert bash_out == str(len(("é'x\\" * 3000 + "\n").encode()))
     assert py_out == str(3 << 20)
+
+
+def test_a_prebuilt_server_is_copied_onto_the_cache_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Docker mounts the server from the host: in a pod the image's own copy is not there,
+    so the agent copies it into its cache (a host path) and hands out that copy."""
+    from tangram.node_agent.exec_server import build
+
+    prebuilt = tmp_path / "image" / "tangram-execd"
+    prebuilt.parent.mkdir()
+    prebuilt.write_bytes(b"#!/bin/sh\nexit 0\n")
+    prebuilt.chmod(0o755)
+    monkeypatch.setenv("TANGRAM_EXECD", str(prebuilt))
+    cache = tmp_path / "state" / "cache"
+    first = build(cache)
+    assert first.path is not None and first.path.parent == cache
+    assert first.path.read_bytes() == prebuilt.read_bytes() and os.access(first.path, os.X_OK)
+    assert build(cache).path == first.path  # the same content: the same copy
+    prebuilt.write_bytes(b"#!/bin/sh\nexit 1\n")
+    assert build(cache).path != first.path  # an upgraded image: a new copy
+    prebuilt.chmod(0o644)
+    assert build(cache).path is None

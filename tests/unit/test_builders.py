@@ -195,7 +195,7 @@ def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
         "--scheduler", "ws://tangram-coding-scheduler.rl.svc:8080/v1/agents",
         "--token-file", "/etc/tangram/tokens",
         "--node", "$(NODE_NAME)", "--state-dir", "/var/lib/tangram/coding",
-        "--idle-cores", "2", "--log-json", "--cores", "60",
+        "--idle-cores", "2", "--log-json", "--runtime", "docker", "--cores", "60",
     ]  # fmt: skip
     assert container["env"] == [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}

@@ -12,10 +12,21 @@ import yaml
 
 from tangram.api.crd import LIST_TYPES, RULES, CrdError, crd, crds, openapi_schema, structural
 from tangram.api.resources import KINDS, PLURALS, SHORT_NAMES
-from tangram.cli.crds import file_name, render, rendered
+from tangram.api.status import STATUS_MODELS
+from tangram.cli.crds import (
+    CHART_CRDS,
+    escape_template,
+    file_name,
+    render,
+    render_template,
+    rendered,
+    rendered_templates,
+    stale,
+)
 from tangram.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "arl-tangram"
 EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*/*.yaml"))
 
 # Keys of a JSONSchemaProps that the generator may emit.
@@ -82,24 +93,105 @@ def test_crds_are_current() -> None:
     )
 
 
+def test_chart_crd_templates_are_current() -> None:
+    templates = CHART / CHART_CRDS
+    assert stale(ROOT / "crds", CHART) == [], (
+        f"{templates.relative_to(ROOT)} (or crds/) is out of date with tangram.api.resources: "
+        "run `tangram crds` (or `.venv/bin/tangram crds`) and commit the result"
+    )
+    assert sorted(p.name for p in templates.iterdir()) == sorted(rendered_templates())
+
+
 def test_generation_is_deterministic() -> None:
     assert crds() == crds()
     assert [render(k) for k in KINDS] == [render(k) for k in KINDS]
+    assert [render_template(k) for k in KINDS] == [render_template(k) for k in KINDS]
 
 
 def test_cli_writes_and_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "crds"
-    assert main(["crds", "--check", "--out", str(out)]) == 1
-    assert main(["crds", "--out", str(out)]) == 0
+    assert main(["crds", "--check", "--no-chart", "--out", str(out)]) == 1
+    assert main(["crds", "--no-chart", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(file_name(k) for k in KINDS)
-    assert main(["crds", "--check", "--out", str(out)]) == 0
+    assert main(["crds", "--check", "--no-chart", "--out", str(out)]) == 0
     victim = out / file_name("TrajectoryEnv")
     victim.write_text(victim.read_text(encoding="utf-8") + "# edited\n", encoding="utf-8")
     capsys.readouterr()
-    assert main(["crds", "--check", "--out", str(out)]) == 1
+    assert main(["crds", "--check", "--no-chart", "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert str(victim) in err and "tangram crds" in err
     assert file_name("ActionPool") not in err
+
+
+def test_cli_writes_and_checks_the_chart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, chart = tmp_path / "crds", tmp_path / "chart"
+    chart.mkdir()
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: x\nversion: 0.1.0\n")
+    args = ["crds", "--out", str(out), "--chart", str(chart)]
+    assert main(args) == 0
+    templates = chart / CHART_CRDS
+    assert sorted(p.name for p in templates.iterdir()) == sorted(file_name(k) for k in KINDS)
+    assert main([*args, "--check"]) == 0
+    # crds/ current, a chart template edited: the check names only that template
+    victim = templates / file_name("RewardService")
+    victim.write_text(victim.read_text(encoding="utf-8").replace("keep", "delete"))
+    capsys.readouterr()
+    assert main([*args, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert str(victim) in err and f"--chart {chart}" in err
+    assert not any(str(out / file_name(k)) in err for k in KINDS)
+    # a template no kind generates any more (a removed kind) is stale, and writing drops it
+    ghost = templates / "ghosts.tangram.dev.yaml"
+    ghost.write_text("{{- if .Values.crds.install }}\n{{- end }}\n")
+    assert main(args) == 0
+    assert not ghost.exists() and victim.read_text() == render_template("RewardService")
+    ghost.write_text("")
+    capsys.readouterr()
+    assert main([*args, "--check"]) == 1
+    assert str(ghost) in capsys.readouterr().err
+    # the chart is left alone on request, and a directory without Chart.yaml is refused
+    ghost.unlink()
+    victim.unlink()
+    assert main([*args[:3], "--no-chart", "--check"]) == 0
+    assert main(["crds", "--out", str(out), "--chart", str(out), "--check"]) == 2
+    assert "not a Helm chart" in capsys.readouterr().err
+
+
+def test_cli_skips_the_default_chart_when_there_is_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["crds"]) == 0
+    assert sorted(p.name for p in (tmp_path / "crds").iterdir()) == sorted(rendered())
+    assert not (tmp_path / "charts").exists()
+    assert "no chart at charts/arl-tangram; skipped" in capsys.readouterr().err
+
+
+def test_chart_templates_hold_the_same_crds() -> None:
+    """With its conditionals taken and its include dropped, a chart template is the CRD of
+    crds/ plus the keep annotation; with crds.install false it renders nothing."""
+    for kind in KINDS:
+        text = render_template(kind)
+        lines = text.splitlines()
+        assert lines[0] == "{{- if .Values.crds.install }}" and lines[-1] == "{{- end }}"
+        assert "# generated by `tangram crds`; do not edit" in lines
+        body = [
+            line
+            for line in lines
+            if not re.fullmatch(r"\s*\{\{- (if \.Values\.crds\.(install|keep)|end) \}\}", line)
+            and 'include "arl-tangram.labels"' not in line
+        ]
+        assert not any("{{" in line for line in body), kind
+        expected = crd(kind)
+        expected["metadata"]["annotations"] = {"helm.sh/resource-policy": "keep"}
+        assert yaml.safe_load("\n".join(body)) == expected
+
+
+def test_template_escaping() -> None:
+    assert escape_template("a {{dop}} b }} c") == 'a {{ "{{" }}dop}} b }} c'
+    assert escape_template("{min, max} | {choices}") == "{min, max} | {choices}"
 
 
 def test_files_are_plain_yaml_with_a_header() -> None:
@@ -180,7 +272,8 @@ def test_schema_is_structural(kind: str) -> None:
     schema = _schema(kind)
     assert schema["properties"]["metadata"] == {"type": "object"}
     status = schema["properties"]["status"]
-    assert status["type"] == "object" and status["x-kubernetes-preserve-unknown-fields"] is True
+    assert status["type"] == "object" and "observedGeneration" in status["properties"]
+    assert status["properties"]["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
     assert schema["required"] == ["spec"]
     for path, node in _nodes(schema):
         assert set(node) <= ALLOWED, f"{kind} {path}: keys {sorted(set(node) - ALLOWED)}"
@@ -289,8 +382,9 @@ def test_cel_rules() -> None:
 
 def test_every_rule_and_list_type_names_a_real_field() -> None:
     defs: dict[str, Any] = {}
-    for cls in KINDS.values():
-        defs.update(cls.model_json_schema(by_alias=True, mode="validation")["$defs"])
+    for cls in [*KINDS.values(), *STATUS_MODELS.values()]:
+        schema = cls.model_json_schema(by_alias=True, mode="validation")
+        defs.update(schema.get("$defs", {}), **{cls.__name__: schema})
     for name, prop in [*RULES, *LIST_TYPES]:
         assert name in defs, name
         if prop is not None:
@@ -403,4 +497,4 @@ def test_the_validator_catches_what_the_api_server_would() -> None:
 
 def test_schema_of_a_model_matches_crd() -> None:
     for kind, cls in KINDS.items():
-        assert openapi_schema(cls) == _schema(kind)
+        assert openapi_schema(cls, STATUS_MODELS[kind]) == _schema(kind)

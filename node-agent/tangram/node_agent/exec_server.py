@@ -21,7 +21,7 @@ import stat
 import struct
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -43,17 +43,30 @@ class Built:
 
 
 def build(cache_dir: Path) -> Built:
-    """The exec server binary: ``TANGRAM_EXECD`` if set, else compiled into ``cache_dir``.
+    """The exec server binary in ``cache_dir``: a copy of ``TANGRAM_EXECD`` if set (the
+    agent image's prebuilt one), else compiled there.
 
+    Docker bind-mounts it into every environment from the *host*, so it must live on a
+    host path: in a pod the cache sits in the agent's state directory (a hostPath mounted
+    at the same path), while the image's own files exist only inside the agent container.
     Compiled statically so that it runs in any image of the host's architecture; keyed by
-    the source's hash so an upgraded agent never runs a stale server.
+    the content's hash so an upgraded agent never runs a stale server.
     """
     prebuilt = os.environ.get("TANGRAM_EXECD")
     if prebuilt:
         path = Path(prebuilt)
-        if not os.access(path, os.X_OK):
+        if not os.access(path, os.X_OK) or not path.is_file():
             return Built(None, f"TANGRAM_EXECD={prebuilt} is not an executable file")
-        return Built(path, "")
+        data = path.read_bytes()
+        target = cache_dir / f"tangram-execd-{hashlib.sha256(data).hexdigest()[:16]}"
+
+        def copy_to(tmp: str) -> str | None:
+            Path(tmp).write_bytes(data)
+            return None
+
+        if not target.exists():
+            _install(cache_dir, target, copy_to)
+        return Built(target, "")
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
     target = cache_dir / f"tangram-execd-{digest}"
     if target.exists():
@@ -61,10 +74,8 @@ def build(cache_dir: Path) -> Built:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return Built(None, "no C compiler to build the exec server (set TANGRAM_EXECD)")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".execd-")
-    os.close(fd)
-    try:
+
+    def compile_to(tmp: str) -> str | None:
         done = subprocess.run(
             [cc, "-static", "-O2", "-o", tmp, str(SOURCE)],
             capture_output=True,
@@ -72,13 +83,29 @@ def build(cache_dir: Path) -> Built:
             check=False,
         )
         if done.returncode != 0:
-            return Built(None, f"building the exec server failed: {done.stderr.strip()[-300:]}")
+            return f"building the exec server failed: {done.stderr.strip()[-300:]}"
+        return None
+
+    error = _install(cache_dir, target, compile_to)
+    return Built(None, error) if error else Built(target, "")
+
+
+def _install(cache_dir: Path, target: Path, make: Callable[[str], str | None]) -> str | None:
+    """Make ``target`` through a temporary file and an atomic rename (concurrent agents
+    never see half a binary); ``make`` writes the file or returns an error."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".execd-")
+    os.close(fd)
+    try:
+        error = make(tmp)
+        if error:
+            return error
         os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: concurrent builders never see half a binary
+        os.replace(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    return Built(target, "")
+    return None
 
 
 def _connect(path: Path) -> socket.socket:

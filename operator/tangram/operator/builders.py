@@ -420,6 +420,9 @@ def agent_command(pool: ActionPool, role: str) -> list[str]:
         "tangram", "agent", "--scheduler", scheduler_url(pool), "--token-file", TOKEN_FILE,
         "--node", "$(NODE_NAME)", "--state-dir", state_dir(pool, role),
         "--idle-cores", str(idle), "--log-json",
+        # Never "auto": without its Docker socket an agent must fail, not fall back to
+        # running commands in its own (privileged) container.
+        "--runtime", "docker",
     ]  # fmt: skip
     if cpu is not None and cpu.cores_per_node is not None:
         command += ["--cores", str(cpu.cores_per_node)]

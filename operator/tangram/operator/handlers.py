@@ -50,6 +50,25 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.standalone = True  # one replica (the chart's Deployment is Recreate)
 
 
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf talks to the API server with the same credentials as the reconciler's client
+    (in-cluster ServiceAccount, or the kubeconfig given on the command line). kopf calls
+    this again on a 401, and the client's hook re-reads a rotated ServiceAccount token."""
+    c = _r().cluster.api.configuration
+    header = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization")
+    scheme, _sep, token = (header or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=c.host,
+        ca_path=c.ssl_ca_cert,
+        insecure=not c.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=c.cert_file,
+        private_key_path=c.key_file,
+    )
+
+
 _POOLS = (GROUP, VERSION, PLURALS["ActionPool"])
 
 

@@ -1,7 +1,19 @@
 """``tangram crds``: write the CustomResourceDefinitions generated from the pydantic models.
 
-One file per kind, ``<DIR>/<plural>.tangram.dev.yaml``. ``--check`` writes nothing and exits 1
-when a file is missing or differs (for CI); ``tests/unit/test_crds.py`` runs the same check.
+One render, two outputs, one file per kind in each:
+
+- ``<OUT>/<plural>.tangram.dev.yaml`` (default ``crds/``): the plain CRDs, for
+  ``kubectl apply``;
+- ``<CHART>/templates/crds/<plural>.tangram.dev.yaml`` (default ``charts/arl-tangram``):
+  the same CRD as a Helm template, inside ``{{- if .Values.crds.install }}``, with the
+  chart's labels and, when ``.Values.crds.keep``, ``helm.sh/resource-policy: keep``. They
+  are templates and not the chart's ``crds/`` directory because Helm installs that
+  directory once and never upgrades it.
+
+``--check`` writes nothing and exits 1 when a file is missing, differs, or is a stale
+``*.tangram.dev.yaml`` no kind generates (for CI); ``tests/unit/test_crds.py`` runs the
+same check. Writing removes such stale files. The default chart is skipped when there is
+none below the working directory; ``--no-chart`` skips it always.
 """
 
 from __future__ import annotations
@@ -22,47 +34,148 @@ HEADER = (
     "# source: tangram.api.resources.{kind} (see crds/README.md)\n"
 )
 DEFAULT_OUT = "crds"
+DEFAULT_CHART = "charts/arl-tangram"
+CHART_CRDS = Path("templates") / "crds"  # inside the chart
+GENERATED = "*.tangram.dev.yaml"  # what a generated file is called, in either directory
+# Values of the chart that the templates read (charts/arl-tangram/values.yaml).
+INSTALL_VALUE = ".Values.crds.install"
+KEEP_VALUE = ".Values.crds.keep"
+LABELS_TEMPLATE = "arl-tangram.labels"  # a named template of the chart's _helpers.tpl
 
 
 def file_name(kind: str) -> str:
     return f"{crd_name(kind)}.yaml"
 
 
+def _dump(value: Any) -> str:
+    return yaml.safe_dump(value, sort_keys=True, default_flow_style=False, width=100)
+
+
 def render(kind: str) -> str:
     """The YAML text of the CRD of ``kind``, as ``tangram crds`` writes it."""
-    body = yaml.safe_dump(crd(kind), sort_keys=True, default_flow_style=False, width=100)
-    return HEADER.format(kind=kind) + "---\n" + body
+    return HEADER.format(kind=kind) + "---\n" + _dump(crd(kind))
+
+
+def _indent(text: str, spaces: int) -> str:
+    pad = " " * spaces
+    return "".join(pad + line if line.strip() else line for line in text.splitlines(True))
+
+
+def escape_template(text: str) -> str:
+    """``text`` as literal output of a Go template: ``{{`` would start an action.
+
+    ``}}`` alone is plain text to Go's parser, so only the opening delimiter is quoted.
+    """
+    return text.replace("{{", '{{ "{{" }}')
+
+
+def render_template(kind: str) -> str:
+    """The chart template of the CRD of ``kind``: the same object as :func:`render`, plus
+    the chart's labels and the keep annotation, all behind ``crds.install``."""
+    doc = crd(kind)
+    meta = dict(doc["metadata"])
+    labels = meta.pop("labels", {})
+    annotations = meta.pop("annotations", {})
+    head = {k: v for k, v in doc.items() if k in ("apiVersion", "kind")}
+    rest = {k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "metadata")}
+    keep = "helm.sh/resource-policy: keep\n"
+    lines = [
+        f"{{{{- if {INSTALL_VALUE} }}}}\n",
+        HEADER.format(kind=kind),
+        escape_template(_dump(head)),
+        "metadata:\n",
+        escape_template(_indent(_dump(meta), 2)) if meta else "",
+        "  labels:\n",
+        escape_template(_indent(_dump(labels), 4)) if labels else "",
+        f'    {{{{- include "{LABELS_TEMPLATE}" . | nindent 4 }}}}\n',
+    ]
+    if annotations:  # the keep annotation joins those the CRD has
+        lines += [
+            "  annotations:\n",
+            escape_template(_indent(_dump(annotations), 4)),
+            f"    {{{{- if {KEEP_VALUE} }}}}\n",
+            _indent(keep, 4),
+            "    {{- end }}\n",
+        ]
+    else:
+        lines += [f"  {{{{- if {KEEP_VALUE} }}}}\n", "  annotations:\n"]
+        lines += [_indent(keep, 4), "  {{- end }}\n"]
+    lines += [escape_template(_dump(rest)), "{{- end }}\n"]
+    return "".join(lines)
 
 
 def rendered() -> dict[str, str]:
-    """File name -> content, for every kind."""
+    """File name -> content of ``crds/``, for every kind."""
     return {file_name(kind): render(kind) for kind in KINDS}
 
 
-def stale(out: Path) -> list[str]:
-    """The generated files under ``out`` that are missing or differ from the models."""
+def rendered_templates() -> dict[str, str]:
+    """File name -> content of the chart's ``templates/crds/``, for every kind."""
+    return {file_name(kind): render_template(kind) for kind in KINDS}
+
+
+def _outputs(out: Path, chart: Path | None) -> list[tuple[Path, dict[str, str]]]:
+    outputs = [(out, rendered())]
+    if chart is not None:
+        outputs.append((chart / CHART_CRDS, rendered_templates()))
+    return outputs
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _extra(directory: Path, files: dict[str, str]) -> list[Path]:
+    """Generated-looking files in ``directory`` that no kind generates (a removed kind)."""
+    return sorted(p for p in directory.glob(GENERATED) if p.name not in files)
+
+
+def stale(out: Path, chart: Path | None = None) -> list[str]:
+    """The generated files under ``out`` (and the chart's templates, when ``chart`` is
+    given) that are missing, differ from the models, or are no longer generated."""
     bad = []
-    for name, text in rendered().items():
-        path = out / name
-        try:
-            current = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            current = None
-        except OSError as e:
-            raise InputError(f"cannot read {path}: {e.strerror}") from None
-        if current != text:
-            bad.append(str(path))
+    for directory, files in _outputs(out, chart):
+        bad += [str(directory / n) for n, text in files.items() if _read(directory / n) != text]
+        bad += [str(p) for p in _extra(directory, files)]
     return bad
+
+
+def write(out: Path, chart: Path | None = None) -> list[Path]:
+    """Write every generated file, remove stale ones; the paths written."""
+    written = []
+    for directory, files in _outputs(out, chart):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for name, text in files.items():
+                (directory / name).write_text(text, encoding="utf-8")
+                written.append(directory / name)
+            for path in _extra(directory, files):
+                path.unlink()
+        except OSError as e:
+            raise InputError(f"cannot write {e.filename or directory}: {e.strerror}") from None
+    return written
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "crds",
-        help="write the CustomResourceDefinitions generated from the models",
+        help="write the CustomResourceDefinitions (and the chart's CRD templates) from the models",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", "-o", default=DEFAULT_OUT, help=f"directory (default: {DEFAULT_OUT})")
+    chart = p.add_mutually_exclusive_group()
+    chart.add_argument(
+        "--chart",
+        help=f"the Helm chart whose templates/crds/ to write (default: {DEFAULT_CHART}, "
+        "when it exists)",
+    )
+    chart.add_argument("--no-chart", action="store_true", help="leave the chart alone")
     p.add_argument(
         "--check",
         action="store_true",
@@ -71,27 +184,42 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _chart(args: argparse.Namespace) -> Path | None:
+    if args.no_chart:
+        return None
+    if args.chart is None:
+        default = Path(DEFAULT_CHART)
+        if (default / "Chart.yaml").is_file():
+            return default
+        print(f"tangram crds: no chart at {default}; skipped (--chart DIR)", file=sys.stderr)
+        return None
+    chart = Path(args.chart)
+    if not (chart / "Chart.yaml").is_file():
+        raise InputError(f"--chart {chart}: not a Helm chart (no Chart.yaml)")
+    return chart
+
+
+def _command(args: argparse.Namespace) -> str:
+    words = ["tangram crds"]
+    if args.out != DEFAULT_OUT:
+        words.append(f"--out {args.out}")
+    if args.chart is not None:
+        words.append(f"--chart {args.chart}")
+    if args.no_chart:
+        words.append("--no-chart")
+    return " ".join(words)
+
+
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    out, chart = Path(args.out), _chart(args)
     if args.check:
-        bad = stale(out)
+        bad = stale(out, chart)
         if bad:
-            print(
-                "out of date (regenerate with `tangram crds"
-                + ("" if args.out == DEFAULT_OUT else f" --out {args.out}")
-                + "`):",
-                file=sys.stderr,
-            )
+            print(f"out of date (regenerate with `{_command(args)}`):", file=sys.stderr)
             for path in bad:
                 print(f"  {path}", file=sys.stderr)
             return 1
         return 0
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for name, text in rendered().items():
-            (out / name).write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"--out: cannot write {e.filename or out}: {e.strerror}") from None
-    for name in rendered():
-        print(out / name)
+    for written in write(out, chart):
+        print(written)
     return 0

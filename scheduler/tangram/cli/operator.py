@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +52,6 @@ def run_operator(args: argparse.Namespace) -> int:
     from tangram.operator.scheduler_link import Endpoints
 
     setup_logging(args)
-    if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     try:
         api = api_client(args.kubeconfig)
     except Exception as e:  # the client raises several kinds for a missing or bad config

@@ -1,0 +1,70 @@
+"""Fixtures of the end-to-end tests: one real control plane per test session.
+
+The toolchain comes from ``TANGRAM_E2E_BIN`` when set (a directory with etcd,
+kube-apiserver, kube-controller-manager, kube-scheduler, kwok and kubectl), or
+else from ``e2e/build-tools.sh``, which builds it once into its cache and
+prints the bin dir (a first build takes ~20 minutes; later runs ~1 s).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Generator, Iterator
+from pathlib import Path
+
+import pytest
+from harness.controlplane import ControlPlane
+
+E2E_DIR = Path(__file__).resolve().parent
+BUILD_TOOLS = E2E_DIR / "build-tools.sh"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "e2e: runs against a real Kubernetes control plane (e2e/harness)"
+    )
+
+
+def _bin_dir() -> Path:
+    override = os.environ.get("TANGRAM_E2E_BIN")
+    if override:
+        return Path(override)
+    # stderr (the build's progress) passes through; stdout's last line is the bin dir.
+    result = subprocess.run(
+        ["bash", str(BUILD_TOOLS)], stdout=subprocess.PIPE, text=True, check=False
+    )
+    if result.returncode != 0:
+        pytest.fail(f"{BUILD_TOOLS} failed with status {result.returncode}", pytrace=False)
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def e2e_bin_dir() -> Path:
+    """The directory holding the pinned control-plane binaries, kwok, kubectl and helm."""
+    return _bin_dir()
+
+
+@pytest.fixture(scope="session")
+def control_plane(
+    e2e_bin_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ControlPlane]:
+    """A started control plane shared by the whole session; logs under its work dir."""
+    plane = ControlPlane(e2e_bin_dir, tmp_path_factory.mktemp("controlplane"))
+    plane.start()
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Point a failed e2e test at the component logs."""
+    report: pytest.TestReport = yield
+    plane = getattr(item, "funcargs", {}).get("control_plane")
+    if report.failed and isinstance(plane, ControlPlane):
+        report.sections.append(("control plane logs", f"{plane.log_dir}/<component>.log"))
+    return report

@@ -1,0 +1,1 @@
+"""Harness for the end-to-end tests: a real Kubernetes control plane on 127.0.0.1."""
