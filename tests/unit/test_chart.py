@@ -37,7 +37,6 @@ NEEDED: dict[tuple[str, str], set[str]] = {
     ("tangram.dev", "actionpools/finalizers"): {"update"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     **{("", r): RW for r in ("configmaps", "secrets", "serviceaccounts", "services")},
-    ("", "nodes"): {"get", "list", "watch"},
     ("", "namespaces"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
