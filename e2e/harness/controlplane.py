@@ -44,6 +44,7 @@ import os
 import random
 import secrets
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -249,8 +250,6 @@ def _free_ports(count: int) -> list[int]:
 
 
 def _port_is_free(port: int) -> bool:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((HOST, port))
@@ -277,6 +276,8 @@ def _die_with_parent() -> None:
 
     The process groups are the orderly way down (:meth:`ControlPlane.stop`);
     this catches a test run that is itself killed and never gets to stop().
+    Linux ties the signal to the *thread* that started the child: start the
+    control plane from a thread that outlives it (pytest's main thread does).
     """
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -477,6 +478,7 @@ class ControlPlane:
 
     @property
     def running(self) -> bool:
+        """Whether components have been started and not stopped since."""
         return bool(self._components)
 
     def log_path(self, component: str) -> Path:
@@ -490,10 +492,13 @@ class ControlPlane:
         and kwok answer their health checks, and the ``default`` ServiceAccount
         exists in the ``default`` namespace (so controllers run). On any failure
         everything started so far is stopped and :class:`ControlPlaneError` is
-        raised with the tail of the failing component's log.
+        raised with the tail of the failing component's log. A work dir serves
+        one start: start a new ControlPlane in a new work dir for a fresh cluster.
         """
         if self._components:
             raise ControlPlaneError("the control plane is already running")
+        if (self.work_dir / "etcd-data").exists():
+            raise ControlPlaneError(f"{self.work_dir} was used before; give a fresh work dir")
         deadline = time.monotonic() + self.start_timeout
         atexit.register(self.stop)
         try:
