@@ -10,8 +10,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# CI adds the gpu extra (PyTorch, several GB) so that the GPU worker's CPU path is tested.
+EXTRAS ?= $(or $(TANGRAM_EXTRAS),dev)
+
 setup: $(BIN)/python ## create .venv with the project and its dev tools installed
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 
 lint: setup
 	$(BIN)/ruff check scheduler operator node-agent tests e2e

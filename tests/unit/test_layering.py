@@ -23,6 +23,10 @@ def test_import_contracts_hold() -> None:
 ADAPTERS = {
     "docker": {"node-agent/tangram/node_agent/docker_runtime.py"},
     "pynvml": {"node-agent/tangram/node_agent/gpus.py"},
+    "torch": {
+        "node-agent/tangram/node_agent/gpu_worker.py",
+        "node-agent/tangram/node_agent/gpu_bench.py",
+    },
     "kubernetes": {
         "scheduler/tangram/service/kube.py",
         "operator/tangram/operator/kube.py",

@@ -30,13 +30,15 @@ def register(sub: Any) -> None:
             "the figures of DESIGN.md §5. `tangram bench scheduler` measures round latency; "
             "`tangram bench paper` runs the paper-scale sweeps recorded in docs/benchmarks.md; "
             "`tangram bench exec` measures per-action overhead of the fast and portable "
-            "allocate-on-execution paths and open latency (needs a Docker Engine)."
+            "allocate-on-execution paths and open latency (needs a Docker Engine); "
+            "`tangram bench gpu` compares restore bandwidth with the host-to-device copy "
+            "bandwidth (needs the gpu extra; on the CPU without CUDA)."
         ),
     )
     p.add_argument(
         "what",
         nargs="?",
-        choices=("scheduler", "paper", "exec", "service"),
+        choices=("scheduler", "paper", "exec", "service", "gpu"),
         help="a named benchmark",
     )
     p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
@@ -71,6 +73,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--state-dir", default="/var/lib/tangram/bench", help="exec: agent state (socket dirs)"
     )
+    p.add_argument("--size-mb", type=whole_number(32), default=1024, help="gpu: model size")
     p.set_defaults(run=run)
 
 
@@ -83,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
         from tangram.cli.bench_service import run_service_bench
 
         _emit(run_service_bench(args), args)
+        return 0
+    if args.what == "gpu":
+        try:
+            from tangram.node_agent.gpu_bench import run as run_gpu_bench
+        except ImportError as e:
+            raise InputError(f"bench gpu needs PyTorch (pip install '.[gpu]'): {e}") from None
+        _emit(run_gpu_bench(args.size_mb, repeats=5), args)
         return 0
     if args.what == "exec":
         from tangram.cli.bench_exec import run_exec_bench

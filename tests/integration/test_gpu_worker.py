@@ -1,0 +1,131 @@
+"""The GPU worker on the CPU: the same code paths as on a GPU (load once, restore, evict,
+LRU, refusal, DoP split), with a tiny model built in code. CUDA runs are marked ``gpu``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tangram.node_agent.gpu_residency import BusyError, NeverFitsError  # noqa: E402
+from tangram.node_agent.gpu_worker import GpuWorker, ServiceDef, ServiceError  # noqa: E402
+from tests.fixtures.tiny_reward import weights  # noqa: E402
+
+ENTRY = "tests.fixtures.tiny_reward:build"
+MB = 2**20
+INPUTS = [[float(i + j) / 10 for j in range(16)] for i in range(6)]
+
+
+def _spec(tmp: Path, name: str, seed: int = 0, mb: int = 4) -> ServiceDef:
+    path = tmp / f"{name}.pt"
+    weights(str(path), seed)
+    return ServiceDef(name, ENTRY, str(path), mb * MB)
+
+
+def _worker(devices: int = 2, mb: int = 10) -> GpuWorker:
+    return GpuWorker({d: mb * MB for d in range(devices)})
+
+
+def test_load_once_restore_then_hit(tmp_path: Path) -> None:
+    w = _worker()
+    w.load(_spec(tmp_path, "judge"))
+    assert w.load(_spec(tmp_path, "judge")) == 0.0 and w.loads == 1
+    first, stats = w.call("judge", [0], INPUTS)
+    assert not stats.hit and stats.restored_bytes > 0 and len(first) == len(INPUTS)
+    again, stats = w.call("judge", [0], INPUTS)
+    assert stats.hit and stats.restore_s == 0.0 and again == first
+    assert w.resident() == {"judge@dop1": [0]}
+
+
+def test_outputs_are_bit_exact_across_eviction_and_dop(tmp_path: Path) -> None:
+    w = _worker(devices=2, mb=5)
+    for name, seed in (("a", 0), ("b", 1)):
+        w.load(_spec(tmp_path, name, seed))
+    before, _ = w.call("a", [0], INPUTS)
+    w.call("b", [0], INPUTS)  # 4 + 4 MB > 5 MB: a is evicted from device 0
+    assert w.resident() == {"b@dop1": [0]} and w.evictions == 1
+    after, stats = w.call("a", [0], INPUTS)
+    assert not stats.hit and stats.evicted == ["b@dop1"]
+    assert after == before  # restored from the host copy: identical weights, identical scores
+    split, stats = w.call("a", [0, 1], INPUTS)  # DoP 2: half the batch on each replica
+    # Another batch shape takes other kernels: equal up to float rounding, not bitwise.
+    assert split == pytest.approx(before, rel=1e-5) and w.resident()["a@dop2"] == [0, 1]
+
+
+def test_least_recently_used_goes_first(tmp_path: Path) -> None:
+    w = _worker(devices=1, mb=9)
+    for name in ("a", "b", "c"):
+        w.load(_spec(tmp_path, name, mb=3))
+    for name in ("a", "b", "c", "b", "a"):
+        w.call(name, [0], INPUTS[:1])
+    w.load(_spec(tmp_path, "d", mb=3))
+    _, stats = w.call("d", [0], INPUTS[:1])
+    assert stats.evicted == ["c@dop1"]  # b was used after c; a after both
+
+
+def test_refusals_name_the_problem(tmp_path: Path) -> None:
+    w = _worker(devices=1, mb=3)
+    big = _spec(tmp_path, "big", mb=4)
+    w.load(big)
+    with pytest.raises(NeverFitsError, match=r"needs 4\.0 MiB per GPU; a GPU here has 3\.0 MiB"):
+        w.call("big", [0], INPUTS)
+    with pytest.raises(ServiceError, match="unknown service"):
+        w.call("nope", [0], INPUTS)
+    with pytest.raises(ServiceError, match="entrypoint"):
+        w.load(ServiceDef("bad", "tests.fixtures.tiny_reward:missing", big.weights, MB))
+    with pytest.raises(ServiceError, match="weights"):
+        w.load(ServiceDef("gone", ENTRY, str(tmp_path / "none.pt"), MB))
+    with pytest.raises(ServiceError, match="more than gpuMemoryGiB"):
+        w.load(ServiceDef("tight", ENTRY, big.weights, 100))
+
+
+def test_a_running_instance_is_never_evicted(tmp_path: Path) -> None:
+    w = _worker(devices=1, mb=5)
+    for name in ("a", "b"):
+        w.load(_spec(tmp_path, name))
+    w.call("a", [0], INPUTS)
+    w.residency.acquire(("a", 1))  # as if a call on a were still running
+    with pytest.raises(BusyError):
+        w.call("b", [0], INPUTS)
+    w.residency.release(("a", 1))
+    _, stats = w.call("b", [0], INPUTS)
+    assert stats.evicted == ["a@dop1"]
+
+
+@pytest.mark.gpu
+def test_restore_and_evict_on_a_real_gpu(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    free, _total = torch.cuda.mem_get_info(0)
+    w = GpuWorker({0: free // 2})
+    w.load(_spec(tmp_path, "a", 0))
+    w.load(_spec(tmp_path, "b", 1))
+    on_gpu, stats = w.call("a", [0], INPUTS)
+    assert not stats.hit and next(iter(w.instances[("a", 1)][0].parameters())).is_cuda
+    w.evict_all()
+    assert ("a", 1) not in w.instances
+    again, _ = w.call("a", [0], INPUTS)
+    assert again == on_gpu
+
+
+def test_bench_gpu_prints_the_design_shape() -> None:
+    import json
+    import subprocess
+    import sys
+
+    tangram = str(Path(sys.executable).parent / "tangram")
+    done = subprocess.run(
+        [tangram, "bench", "gpu", "--json", "--size-mb", "32"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    report = json.loads(done.stdout)
+    assert {"device", "h2d_gbps", "restore_gbps", "restore_fraction"} <= set(report)
+    assert report["bytes"] == 32 * 2**20 and report["restore_gbps"] > 0
+    assert report["restore_fraction"] == pytest.approx(
+        report["restore_gbps"] / report["h2d_gbps"], rel=0.01
+    )
