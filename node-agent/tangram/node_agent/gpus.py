@@ -8,7 +8,7 @@ from tangram.api.inventory import GpuInfo
 def nvml_gpus() -> list[GpuInfo]:
     """The node's GPUs, or an empty list where NVML (the driver or the package) is absent."""
     try:
-        import pynvml  # type: ignore[import-not-found,unused-ignore]
+        import pynvml  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         return []
     try:
