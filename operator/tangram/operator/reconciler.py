@@ -149,8 +149,7 @@ class Reconciler:
             if pool is None:
                 return
             config = self.cluster.get("v1", "ConfigMap", namespace, child_name(pool, "config"))
-            live = self.cluster.secret_data(namespace, child_name(pool, "tokens")) or {}
-            token = parse_tokens(live.get(SCHEDULER_TOKENS_KEY, "")).get(OPERATOR_TENANT)
+            token = self._live_tokens(pool).get(OPERATOR_TENANT)
             if config is None or token is None:  # not reconciled yet: do it whole
                 self.reconcile_pool(namespace, name)  # the lock is reentrant
                 return
@@ -192,10 +191,14 @@ class Reconciler:
                     usable.append(member)
         return usable
 
+    def _live_tokens(self, pool: ActionPool) -> dict[str, str]:
+        """tenant -> token in the pool's live tokens Secret (empty before the first pass)."""
+        live = self.cluster.secret_data(pool.metadata.namespace, child_name(pool, "tokens")) or {}
+        return parse_tokens(live.get(SCHEDULER_TOKENS_KEY, ""))
+
     def _tokens(self, pool: ActionPool) -> dict[str, str]:
         """The agent and operator tokens: the live Secret's, else new ones."""
-        live = self.cluster.secret_data(pool.metadata.namespace, child_name(pool, "tokens")) or {}
-        tokens = parse_tokens(live.get(SCHEDULER_TOKENS_KEY, ""))
+        tokens = self._live_tokens(pool)
         for tenant in (AGENT_TENANT, OPERATOR_TENANT):
             tokens.setdefault(tenant, secrets.token_urlsafe(32))
         return tokens
@@ -259,8 +262,7 @@ class Reconciler:
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
 
     def _drain(self, pool: ActionPool, body: dict[str, Any]) -> None:
-        live = self.cluster.secret_data(pool.metadata.namespace, child_name(pool, "tokens")) or {}
-        token = parse_tokens(live.get(SCHEDULER_TOKENS_KEY, "")).get(OPERATOR_TENANT)
+        token = self._live_tokens(pool).get(OPERATOR_TENANT)
         if token is None:
             return
         since = body["metadata"].get("deletionTimestamp") or rfc3339(self.clock())
