@@ -68,22 +68,18 @@ def _write_items(
 
 
 def _volume_source(volume: dict[str, Any], namespace: str, get: KubectlJson, target: Path) -> None:
-    if "configMap" in volume:
-        cm = get("configmap", volume["configMap"]["name"], namespace)
-        _write_items(cm.get("data", {}), volume["configMap"].get("items"), target, False)
-    elif "secret" in volume:
-        secret = get("secret", volume["secret"]["secretName"], namespace)
-        _write_items(secret.get("data", {}), volume["secret"].get("items"), target, True)
-    elif "projected" in volume:
-        for source in volume["projected"]["sources"]:
-            if "configMap" in source:
-                cm = get("configmap", source["configMap"]["name"], namespace)
-                _write_items(cm.get("data", {}), source["configMap"].get("items"), target, False)
-            elif "secret" in source:
-                secret = get("secret", source["secret"]["name"], namespace)
-                _write_items(secret.get("data", {}), source["secret"].get("items"), target, True)
-    else:  # emptyDir, hostPath
-        target.mkdir(parents=True, exist_ok=True)
+    # A configMap or secret volume is a projected volume of one source.
+    sources = volume["projected"]["sources"] if "projected" in volume else [volume]
+    target.mkdir(parents=True, exist_ok=True)
+    for source in sources:
+        if "configMap" in source:
+            cm = get("configmap", source["configMap"]["name"], namespace)
+            _write_items(cm.get("data", {}), source["configMap"].get("items"), target, False)
+        elif "secret" in source:
+            ref = source["secret"]
+            secret = get("secret", ref.get("secretName") or ref["name"], namespace)
+            _write_items(secret.get("data", {}), ref.get("items"), target, True)
+        # emptyDir, hostPath: the directory itself
 
 
 def local_pod(

@@ -31,15 +31,14 @@ def _build(resources: Resources, pool_name: str) -> list[dict[str, Any]]:
     pool = next(p for p in resources.pools.values() if p.metadata.name == pool_name)
     envs = [e for e in resources.envs.values() if e.pool_key() == pool.key]
     services = [s for s in resources.services.values() if s.pool_key() == pool.key]
-    return build_pool(
-        pool,
-        image=IMAGE,
-        envs=envs,
-        services=services,
-        uid=UID,
-        agent_token=TOKEN,
-        operator_token=OP_TOKEN,
-    )
+    return _pool_objects(pool, envs=envs, services=services)
+
+
+def _pool_objects(pool: ActionPool, **given: Any) -> list[dict[str, Any]]:
+    """build_pool with the test's image, uid and tokens unless ``given``."""
+    kw: dict[str, Any] = dict(image=IMAGE, envs=[], services=[], uid=UID, agent_token=TOKEN,
+                              operator_token=OP_TOKEN)  # fmt: skip
+    return build_pool(pool, **{**kw, **given})
 
 
 def _one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -264,25 +263,9 @@ def test_output_is_deterministic_whatever_the_member_order() -> None:
     resources = _resources("mopd")
     pool: ActionPool = resources.pools[("rl", "mopd")]
     services = list(resources.services.values())
-    first = build_pool(
-        pool,
-        image=IMAGE,
-        envs=[],
-        services=services,
-        uid=UID,
-        agent_token=TOKEN,
-        operator_token=OP_TOKEN,
-    )
+    first = _pool_objects(pool, services=list(services))
     random.Random(7).shuffle(services)
-    again = build_pool(
-        pool,
-        image=IMAGE,
-        envs=[],
-        services=services,
-        uid=UID,
-        agent_token=TOKEN,
-        operator_token=OP_TOKEN,
-    )
+    again = _pool_objects(pool, services=services)
     assert first == again
     assert yaml.safe_dump_all(first) == yaml.safe_dump_all(again)
 
@@ -290,12 +273,4 @@ def test_output_is_deterministic_whatever_the_member_order() -> None:
 def test_short_agent_token_is_refused() -> None:
     pool = _resources("coding").pools[("rl", "coding")]
     with pytest.raises(ValueError, match="agent_token"):
-        build_pool(
-            pool,
-            image=IMAGE,
-            envs=[],
-            services=[],
-            uid=UID,
-            agent_token="short",
-            operator_token=OP_TOKEN,
-        )
+        _pool_objects(pool, agent_token="short")

@@ -113,24 +113,22 @@ class Reconciler:
             return self._locks.setdefault(key, threading.RLock())
 
     # ---- pools -----------------------------------------------------------------------
-    def reconcile_pool(self, namespace: str, name: str) -> None:
-        """Children, config push, member statuses and pool status of one pool."""
+    def reconcile_pool(self, namespace: str, name: str) -> bool:
+        """Children, config push, member statuses and pool status of one pool; False when
+        there is no pool to serve (gone, being deleted, or invalid: its status says why)."""
         with self._lock((namespace, name)):
-            body = self.cluster.get_custom("ActionPool", namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                return
-            pool = self._parse_pool(body)
-            if pool is None:
-                return
-            members = self._members_of(pool)
+            live = self._live_pool(namespace, name)
+            if live is None:
+                return False
+            body, pool = live
+            members = self._member_statuses(pool.key, pool)
             tokens = self._tokens(pool)
-            uid = body["metadata"]["uid"]
             objects = build_pool(
                 pool,
                 image=self.image,
                 envs=[m for m in members if isinstance(m, TrajectoryEnv)],
                 services=[m for m in members if isinstance(m, RewardService)],
-                uid=uid,
+                uid=body["metadata"]["uid"],
                 agent_token=tokens[AGENT_TENANT],
                 operator_token=tokens[OPERATOR_TENANT],
             )
@@ -138,16 +136,15 @@ class Reconciler:
                 self.cluster.apply(manifest)
             self._remove_dropped_agents(pool)
             self._refresh(pool, body, _documents(objects), tokens[OPERATOR_TENANT])
+            return True
 
     def refresh_pool(self, namespace: str, name: str) -> None:
         """The periodic pass: status from the scheduler, and a push if it missed one."""
         with self._lock((namespace, name)):
-            body = self.cluster.get_custom("ActionPool", namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
+            live = self._live_pool(namespace, name)
+            if live is None:
                 return
-            pool = self._parse_pool(body)
-            if pool is None:
-                return
+            body, pool = live
             config = self.cluster.get("v1", "ConfigMap", namespace, child_name(pool, "config"))
             token = self._live_tokens(pool).get(OPERATOR_TENANT)
             if config is None or token is None:  # not reconciled yet: do it whole
@@ -155,6 +152,14 @@ class Reconciler:
                 return
             documents = (config.get("data") or {}).get("pool.yaml", "")
             self._refresh(pool, body, documents, token)
+
+    def _live_pool(self, namespace: str, name: str) -> tuple[dict[str, Any], ActionPool] | None:
+        """The pool's object and model, unless it is gone, being deleted, or invalid."""
+        body = self.cluster.get_custom("ActionPool", namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        pool = self._parse_pool(body)
+        return None if pool is None else (body, pool)
 
     def _parse_pool(self, body: dict[str, Any]) -> ActionPool | None:
         """The pool model, or None after reporting why its spec is invalid."""
@@ -174,17 +179,14 @@ class Reconciler:
             self._write_status(body, status, previous)
             return None
 
-    def _members_of(self, pool: ActionPool) -> list[Member]:
-        """The members that name this pool and that it can serve (the others get a status
-        saying why, and are left out of its config)."""
+    def _member_statuses(self, key: ObjectKey, pool: ActionPool | None) -> list[Member]:
+        """Write the status of every member naming the pool ``key`` (``pool`` None: there
+        is none); the members it can serve (the others' status says why they are left out
+        of its config)."""
         usable: list[Member] = []
         for kind, model in MEMBER_KINDS.items():
             for body in self.cluster.list_custom(kind):
-                meta = body.get("metadata", {})
-                ref = (body.get("spec") or {}).get("poolRef", "")
-                if not isinstance(ref, str) or resolve_pool_ref(ref, meta.get("namespace", "")) != (
-                    pool.key
-                ):
+                if self._member_pool_key(body) != key:
                     continue
                 member = self._member_status(kind, model, body, pool)
                 if member is not None:
@@ -259,6 +261,7 @@ class Reconciler:
             if pool is not None:
                 self._drain(pool, body)
             deleted = self.cluster.delete_cluster_children(namespace, name)
+            self._member_statuses((namespace, name), None)  # they now name no pool
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
 
     def _drain(self, pool: ActionPool, body: dict[str, Any]) -> None:
@@ -294,18 +297,9 @@ class Reconciler:
         if body is None:
             return
         pool_key = self._member_pool_key(body)
-        pool_body = None
-        if pool_key is not None:
-            pool_body = self.cluster.get_custom("ActionPool", pool_key[0], pool_key[1])
-        pool = None
-        if pool_body is not None:
-            try:
-                pool = ActionPool.model_validate(pool_body)
-            except ValidationError:
-                pool = None  # the pool reports its own problem
-        self._member_status(kind, MEMBER_KINDS[kind], body, pool)
-        if pool is not None and pool_key is not None:
-            self.reconcile_pool(*pool_key)
+        # The pool's pass writes this member's status along with the others'.
+        if pool_key is None or not self.reconcile_pool(*pool_key):
+            self._member_status(kind, MEMBER_KINDS[kind], body, None)
 
     def member_deleted(self, body: dict[str, Any]) -> None:
         """Take a deleted member out of its pool's config."""

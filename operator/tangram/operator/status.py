@@ -38,6 +38,13 @@ class PoolObservation:
     drain_left_s: float = 0.0
 
 
+# The scheduler's figures (PoolFigures) that a pool's status shows under the same names.
+LIVE_FIGURES = frozenset(
+    {"nodes", "cores", "cores_in_use", "gpus", "gpus_in_use", "queue_depth", "running",
+     "trajectories", "apis", "environments"}
+)  # fmt: skip
+
+
 def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> PoolStatus:
     """``pool`` is None when its spec did not validate (``seen.invalid`` says why)."""
     status, reason, message = _pool_ready(pool, seen)
@@ -50,25 +57,12 @@ def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> Poo
         generation=seen.generation,
         now=now,
     )
-    f = seen.figures
-    if f is None:
-        return PoolStatus(
-            observed_generation=seen.generation, conditions=conditions, endpoint=seen.endpoint
-        )
+    live = seen.figures.model_dump(include=set(LIVE_FIGURES)) if seen.figures is not None else {}
     return PoolStatus(
         observed_generation=seen.generation,
         conditions=conditions,
         endpoint=seen.endpoint,
-        nodes=f.nodes,
-        cores=f.cores,
-        cores_in_use=f.cores_in_use,
-        gpus=f.gpus,
-        gpus_in_use=f.gpus_in_use,
-        queue_depth=f.queue_depth,
-        running=f.running,
-        trajectories=f.trajectories,
-        apis=dict(f.apis),
-        environments=f.environments,
+        **live,
     )
 
 
@@ -115,42 +109,30 @@ def member_status(
     ns, name = member.pool_key()
     problem = reference_problem(member, pool)
     if problem is None:
-        status: ConditionStatus = "True"
-        reason, message = "Accepted", f"served by ActionPool {ns}/{name}"
-    else:
-        status, (reason, message) = "False", problem
-    return MemberStatus(
-        observed_generation=generation,
-        conditions=condition(
-            previous,
-            type=READY,
-            status=status,
-            reason=reason,
-            message=message,
-            generation=generation,
-            now=now,
-        ),
-        pool=f"{ns}/{name}",
-    )
+        return _member(generation, f"{ns}/{name}", previous, now,
+                       ("True", "Accepted", f"served by ActionPool {ns}/{name}"))  # fmt: skip
+    return _member(generation, f"{ns}/{name}", previous, now, ("False", *problem))
 
 
 def invalid_member_status(
     generation: int, pool_ref: str, previous: Sequence[Condition], message: str, now: str
 ) -> MemberStatus:
     """A member whose spec does not validate (what CEL cannot check, pydantic does)."""
-    return MemberStatus(
-        observed_generation=generation,
-        conditions=condition(
-            previous,
-            type=READY,
-            status="False",
-            reason="InvalidSpec",
-            message=message,
-            generation=generation,
-            now=now,
-        ),
-        pool=pool_ref,
-    )
+    return _member(generation, pool_ref, previous, now, ("False", "InvalidSpec", message))
+
+
+def _member(
+    generation: int,
+    pool: str,
+    previous: Sequence[Condition],
+    now: str,
+    ready_as: tuple[ConditionStatus, str, str],
+) -> MemberStatus:
+    """A member's status with Ready as (status, reason, message)."""
+    status, reason, message = ready_as
+    conditions = condition(previous, type=READY, status=status, reason=reason, message=message,
+                           generation=generation, now=now)  # fmt: skip
+    return MemberStatus(observed_generation=generation, conditions=conditions, pool=pool)
 
 
 __all__ = [

@@ -412,17 +412,20 @@ class ActionProfile(_Spec):
     ] = None
 
 
+PoolRef = Annotated[
+    str,
+    Field(
+        pattern=POOL_REF,
+        max_length=127,
+        description="ActionPool in the same namespace, or namespace/name",
+    ),
+]
+
+
 class TrajectoryEnvSpec(_Spec):
     """The environment container that each trajectory owns for its lifetime."""
 
-    pool_ref: Annotated[
-        str,
-        Field(
-            pattern=POOL_REF,
-            max_length=127,
-            description="ActionPool in the same namespace, or namespace/name",
-        ),
-    ]
+    pool_ref: PoolRef
     image: Annotated[
         str,
         Field(min_length=1, description="container image (ignored by the process runtime)"),
@@ -534,14 +537,7 @@ class ServiceProfile(_Spec):
 class RewardServiceSpec(_Spec):
     """A reward or teacher model served from the pool's GPUs, restored on demand."""
 
-    pool_ref: Annotated[
-        str,
-        Field(
-            pattern=POOL_REF,
-            max_length=127,
-            description="ActionPool in the same namespace, or namespace/name",
-        ),
-    ]
+    pool_ref: PoolRef
     entrypoint: Annotated[
         str,
         Field(
