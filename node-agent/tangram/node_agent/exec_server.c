@@ -342,12 +342,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s SOCKET\n", argv[0]);
         return 2;
     }
+    /* Bind under a temporary name, listen, then rename into place: the final name appears
+     * only once connections are accepted, so a client that waits for it never races
+     * bind() against listen() (ECONNREFUSED). */
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    if (strlen(argv[1]) >= sizeof addr.sun_path) {
+    if (snprintf(addr.sun_path, sizeof addr.sun_path, "%s.new", argv[1]) >= (int)sizeof addr.sun_path) {
         fprintf(stderr, "tangram-execd: socket path too long\n");
         return 2;
     }
-    strcpy(addr.sun_path, argv[1]);
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
@@ -357,7 +359,9 @@ int main(int argc, char **argv) {
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     unlink(argv[1]); /* a restarted container finds its old socket file */
-    if (lfd < 0 || bind(lfd, (struct sockaddr *)&addr, sizeof addr) < 0 || listen(lfd, 64) < 0) {
+    unlink(addr.sun_path);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&addr, sizeof addr) < 0 || listen(lfd, 64) < 0 ||
+        rename(addr.sun_path, argv[1]) < 0) {
         fprintf(stderr, "tangram-execd: %s: %s\n", argv[1], strerror(errno));
         return 1;
     }
