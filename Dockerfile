@@ -30,6 +30,9 @@ FROM ${BUILDER} AS build
 # A PEM bundle pip must trust besides the system's (a TLS-intercepting proxy); only this
 # stage sees it.
 ARG EXTRA_CA_PEM=""
+# Optional extras of the project to install too, e.g. "gpu" (PyTorch and nvidia-ml-py, for
+# the GPU pools' node agents: the chart's gpuAgentImage). Several GB: not in the default.
+ARG EXTRAS=""
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_DEFAULT_TIMEOUT=120
 RUN set -eu; \
     cp /etc/ssl/certs/ca-certificates.crt /tmp/ca.pem; \
@@ -39,7 +42,7 @@ ENV PIP_CERT=/tmp/ca.pem
 # Dependencies first (a layer that survives source edits), from pyproject.toml's list.
 RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip
 COPY pyproject.toml /src/pyproject.toml
-RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']))" >/tmp/requirements.txt \
+RUN EXTRAS="$EXTRAS" python3 -c "import os, tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + [d for e in os.environ['EXTRAS'].split(',') if e for d in p['optional-dependencies'][e]]))" >/tmp/requirements.txt \
     && /opt/venv/bin/pip install -q -r /tmp/requirements.txt
 # Then the project itself (a regular, non-editable install: the source tree stays here).
 COPY README.md /src/README.md

@@ -4,13 +4,15 @@ LRU, refusal, DoP split), with a tiny model built in code. CUDA runs are marked 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from tangram.api.wire import ServiceDef  # noqa: E402
 from tangram.node_agent.gpu_residency import BusyError, NeverFitsError  # noqa: E402
-from tangram.node_agent.gpu_worker import GpuWorker, ServiceDef, ServiceError  # noqa: E402
+from tangram.node_agent.gpu_worker import GpuWorker, ServiceError  # noqa: E402
 from tests.fixtures.tiny_reward import weights  # noqa: E402
 
 ENTRY = "tests.fixtures.tiny_reward:build"
@@ -18,10 +20,29 @@ MB = 2**20
 INPUTS = [[float(i + j) / 10 for j in range(16)] for i in range(6)]
 
 
-def _spec(tmp: Path, name: str, seed: int = 0, mb: int = 4) -> ServiceDef:
+def _def(
+    name: str,
+    weights_path: str,
+    mb: float,
+    *,
+    entry: str = ENTRY,
+    replicated: bool = True,
+    max_batch: int = 16,
+) -> ServiceDef:
+    return ServiceDef(
+        name=name,
+        entrypoint=entry,
+        weights=weights_path,
+        gpu_memory_gb=mb / 1024,
+        replicated=replicated,
+        max_batch=max_batch,
+    )
+
+
+def _spec(tmp: Path, name: str, seed: int = 0, mb: int = 4, max_batch: int = 16) -> ServiceDef:
     path = tmp / f"{name}.pt"
     weights(str(path), seed)
-    return ServiceDef(name, ENTRY, str(path), mb * MB)
+    return _def(name, str(path), mb, max_batch=max_batch)
 
 
 def _worker(devices: int = 2, mb: int = 10) -> GpuWorker:
@@ -36,7 +57,7 @@ def test_load_once_restore_then_hit(tmp_path: Path) -> None:
     assert not stats.hit and stats.restored_bytes > 0 and len(first) == len(INPUTS)
     again, stats = w.call("judge", [0], INPUTS)
     assert stats.hit and stats.restore_s == 0.0 and again == first
-    assert w.resident() == {"judge@dop1": [0]}
+    assert w.resident() == {"judge@0": [0]}
 
 
 def test_outputs_are_bit_exact_across_eviction_and_dop(tmp_path: Path) -> None:
@@ -45,13 +66,13 @@ def test_outputs_are_bit_exact_across_eviction_and_dop(tmp_path: Path) -> None:
         w.load(_spec(tmp_path, name, seed))
     before, _ = w.call("a", [0], INPUTS)
     w.call("b", [0], INPUTS)  # 4 + 4 MB > 5 MB: a is evicted from device 0
-    assert w.resident() == {"b@dop1": [0]} and w.evictions == 1
+    assert w.resident() == {"b@0": [0]} and w.evictions == 1
     after, stats = w.call("a", [0], INPUTS)
-    assert not stats.hit and stats.evicted == ["b@dop1"]
+    assert not stats.hit and stats.evicted == ["b@0"]
     assert after == before  # restored from the host copy: identical weights, identical scores
     split, stats = w.call("a", [0, 1], INPUTS)  # DoP 2: half the batch on each replica
     # Another batch shape takes other kernels: equal up to float rounding, not bitwise.
-    assert split == pytest.approx(before, rel=1e-5) and w.resident()["a@dop2"] == [0, 1]
+    assert split == pytest.approx(before, rel=1e-5) and w.resident()["a@0,1"] == [0, 1]
 
 
 def test_least_recently_used_goes_first(tmp_path: Path) -> None:
@@ -62,7 +83,7 @@ def test_least_recently_used_goes_first(tmp_path: Path) -> None:
         w.call(name, [0], INPUTS[:1])
     w.load(_spec(tmp_path, "d", mb=3))
     _, stats = w.call("d", [0], INPUTS[:1])
-    assert stats.evicted == ["c@dop1"]  # b was used after c; a after both
+    assert stats.evicted == ["c@0"]  # b was used after c; a after both
 
 
 def test_refusals_name_the_problem(tmp_path: Path) -> None:
@@ -74,11 +95,13 @@ def test_refusals_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(ServiceError, match="unknown service"):
         w.call("nope", [0], INPUTS)
     with pytest.raises(ServiceError, match="entrypoint"):
-        w.load(ServiceDef("bad", "tests.fixtures.tiny_reward:missing", big.weights, MB))
+        w.load(_def("bad", big.weights, 1, entry="tests.fixtures.tiny_reward:missing"))
     with pytest.raises(ServiceError, match="weights"):
-        w.load(ServiceDef("gone", ENTRY, str(tmp_path / "none.pt"), MB))
+        w.load(_def("gone", str(tmp_path / "none.pt"), 1))
     with pytest.raises(ServiceError, match="more than gpuMemoryGiB"):
-        w.load(ServiceDef("tight", ENTRY, big.weights, 100))
+        w.load(_def("tight", big.weights, 0.0001))
+    with pytest.raises(ServiceError, match="external inference server"):
+        w.load(_def("sharded", big.weights, 1, replicated=False))
 
 
 def test_a_running_instance_is_never_evicted(tmp_path: Path) -> None:
@@ -86,12 +109,31 @@ def test_a_running_instance_is_never_evicted(tmp_path: Path) -> None:
     for name in ("a", "b"):
         w.load(_spec(tmp_path, name))
     w.call("a", [0], INPUTS)
-    w.residency.acquire(("a", 1))  # as if a call on a were still running
+    w.residency.acquire(("a", (0,)))  # as if a call on a were still running
     with pytest.raises(BusyError):
         w.call("b", [0], INPUTS)
-    w.residency.release(("a", 1))
+    w.residency.release(("a", (0,)))
     _, stats = w.call("b", [0], INPUTS)
-    assert stats.evicted == ["a@dop1"]
+    assert stats.evicted == ["a@0"]
+
+
+def test_a_gpu_runs_one_call_at_a_time_and_batches_are_capped(tmp_path: Path) -> None:
+    w = _worker(devices=2)
+    w.load(_spec(tmp_path, "a", max_batch=2))
+    w._running.add(0)  # a call in flight on device 0
+    with pytest.raises(BusyError, match=r"GPUs \[0\] are running another call"):
+        w.call("a", [0, 1], INPUTS)
+    w._running.clear()
+    sizes: list[int] = []
+    score = w.services["a"].score
+
+    def counted(module: Any, batch: list[object]) -> list[object]:
+        sizes.append(len(batch))
+        return score(module, batch)
+
+    w.services["a"].score = counted
+    out, _ = w.call("a", [0, 1], INPUTS)  # 3 inputs per replica, 2 per forward pass
+    assert len(out) == len(INPUTS) and sizes == [2, 1, 2, 1]
 
 
 @pytest.mark.gpu
@@ -103,9 +145,9 @@ def test_restore_and_evict_on_a_real_gpu(tmp_path: Path) -> None:
     w.load(_spec(tmp_path, "a", 0))
     w.load(_spec(tmp_path, "b", 1))
     on_gpu, stats = w.call("a", [0], INPUTS)
-    assert not stats.hit and next(iter(w.instances[("a", 1)][0].parameters())).is_cuda
+    assert not stats.hit and next(iter(w.instances[("a", (0,))][0].parameters())).is_cuda
     w.evict_all()
-    assert ("a", 1) not in w.instances
+    assert ("a", (0,)) not in w.instances
     again, _ = w.call("a", [0], INPUTS)
     assert again == on_gpu
 

@@ -194,7 +194,8 @@ def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
         "--scheduler", "ws://tangram-coding-scheduler.rl.svc:8080/v1/agents",
         "--token-file", "/etc/tangram/tokens",
         "--node", "$(NODE_NAME)", "--state-dir", "/var/lib/tangram/coding",
-        "--idle-cores", "2", "--log-json", "--runtime", "docker", "--cores", "60",
+        "--idle-cores", "2", "--log-json", "--runtime", "docker", "--gpus", "none",
+        "--cores", "60",
     ]  # fmt: skip
     assert container["env"] == [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
@@ -223,7 +224,12 @@ def test_gpu_pool_gets_a_gpu_agent() -> None:
     assert ds["metadata"]["name"] == "tangram-mopd-gpu-agent"
     pod = ds["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
-    assert "--cores" not in pod["containers"][0]["command"]
+    agent = pod["containers"][0]
+    assert "--cores" not in agent["command"]
+    flag = agent["command"].index("--gpus")
+    assert agent["command"][flag + 1] == "auto"  # serves RewardService calls on its GPUs
+    assert agent["resources"] == {"limits": {"nvidia.com/gpu": 8}}  # gpusPerNode
+    assert {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"} in agent["env"]
 
 
 def test_rbac_is_least_privilege(deepsearch: list[dict[str, Any]]) -> None:

@@ -7,9 +7,17 @@ import asyncio
 import pytest
 
 from tangram.api.cluster import ApiSpec
-from tangram.api.wire import ActionStatus, ApiLeaseRequest, ExecRequest
+from tangram.api.demand import ChoicesDemand, duration
+from tangram.api.wire import (
+    ActionStatus,
+    ApiLeaseRequest,
+    ExecRequest,
+    ServiceCallRequest,
+    ServiceDef,
+)
+from tangram.cli.up import load_pool
 from tangram.service import engine as engine_module
-from tangram.service.config import PoolConfig
+from tangram.service.config import PoolConfig, ServiceConfig
 from tangram.service.engine import Engine, EngineError
 
 
@@ -59,3 +67,49 @@ def test_an_efficiency_table_is_not_cached_but_still_accepted() -> None:
         assert e._specs == {}
 
     asyncio.run(scenario())
+
+
+def _teacher() -> ServiceConfig:
+    return ServiceConfig(
+        spec=ServiceDef(name="teacher", entrypoint="m:f", weights="w", gpu_memory_gb=1),
+        dop_choices=(1, 2, 4),
+        profiles=(
+            (1, 1.2, (0, 4095)),
+            (1, 3.5, (4096, 32768)),
+            (2, 0.7, (0, 4095)),
+            (2, 1.9, (4096, 32768)),
+        ),
+    )
+
+
+def test_a_call_is_estimated_from_the_profiles_of_its_input_size() -> None:
+    cfg = _teacher()
+    assert cfg.durations(100) == {1: 1.2, 2: 0.7}
+    assert cfg.durations(5000) == {1: 3.5, 2: 1.9}
+    assert cfg.durations(None) == {1: 3.5, 2: 1.9}  # unknown size: the slowest, to be safe
+    for size, want in ((100, {1: 1.2, 2: 0.7}), (5000, {1: 3.5, 2: 1.9})):
+        spec = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], input_size=size))
+        assert spec.gpu == ChoicesDemand(choices=[1, 2])  # DoP 4 has no profile: not offered
+        assert spec.t1_s is not None
+        assert {k: duration(spec.t1_s, spec.efficiency, k) for k in want} == pytest.approx(want)
+
+
+def test_a_call_narrows_its_dop_within_the_services_choices() -> None:
+    cfg = _teacher()
+    narrowed = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=2, input_size=1))
+    assert narrowed.gpu == ChoicesDemand(choices=[2]) and narrowed.t1_s == pytest.approx(1.4)
+    unprofiled = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=4, t1_s=3.0))
+    assert unprofiled.gpu == ChoicesDemand(choices=[4]) and unprofiled.t1_s == 3.0
+    with pytest.raises(EngineError, match=r"no DoP in \[8\].*dopChoices \[1, 2, 4\]") as e:
+        Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=8))
+    assert e.value.field == "gpu"
+
+
+def test_reward_services_of_the_pool_become_its_service_configs() -> None:
+    _, config = load_pool(["manifests/examples/mopd/pool.yaml"], None)
+    assert sorted(config.services) == ["code-teacher", "judge", "math-teacher"]
+    judge, math = config.services["judge"], config.services["math-teacher"]
+    assert judge.spec.replicated and judge.spec.max_batch == 16 and judge.restore_s == 2.5
+    assert math.dop_choices == (1, 2) and math.durations(5000) == {1: 3.5, 2: 1.9}
+    assert not config.services["code-teacher"].spec.replicated  # parallelism: shard
+    assert config.gpus_per_node == 8

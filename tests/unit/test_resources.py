@@ -188,7 +188,7 @@ def test_defaults() -> None:
     )
     assert (e.warm_pool, e.idle_timeout_seconds) == (0, None)
     s = res.services[("default", "s")].spec
-    assert (s.dop_choices, s.profiles, s.max_batch, s.restore_seconds) == ([1], [], 1, None)
+    assert (s.dop_choices, s.profiles, s.max_batch, s.restore_seconds) == ([1], [], 16, None)
     assert s.gpu_memory_gib == 1.5
 
 

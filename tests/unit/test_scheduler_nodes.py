@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tangram.api.action import ActionSpec
+from tangram.api.cluster import ServiceSpec
 from tangram.scheduler import Scheduler, SchedulingError
 
 from .helpers import api_call, cluster, exec_action
@@ -116,3 +118,58 @@ def test_the_ordering_changes_only_with_an_empty_queue() -> None:
     s.schedule(0.0)
     s.set_config(SchedulerConfig(ordering="trajectory-priority"))
     assert s.config.ordering == "trajectory-priority"
+
+
+def _service_action(name: str, t1: float | None = 1.0) -> ActionSpec:
+    return ActionSpec(kind="service", service=name, t1_s=t1)
+
+
+def test_gpu_nodes_join_and_leave_with_what_they_held() -> None:
+    s = Scheduler(cluster(nodes=[]))
+    s.set_services([ServiceSpec(name="judge", gpu_memory_gb=6, dop_choices=[1], replicated=True)])
+    s.open_trajectory("~svc")
+    with pytest.raises(SchedulingError, match="fits service judge"):
+        s.submit("c1", "~svc", _service_action("judge"), now=0.0)  # no GPUs yet
+    with pytest.raises(SchedulingError, match="1, 2, 4 or 8"):
+        s.add_gpu_node("g", gpus=3, memory_gb=10)
+    s.add_gpu_node("g", gpus=2, memory_gb=10)
+    s.submit("c1", "~svc", _service_action("judge"), now=0.0)
+    (asg,) = s.schedule(0.0).assignments
+    assert asg.node == "g" and asg.chunk is not None and asg.restore
+    s.complete("c1", 1.0)
+    s.submit("c2", "~svc", _service_action("judge"), now=1.0)
+    (again,) = s.schedule(1.0).assignments
+    assert again.chunk == asg.chunk and not again.restore  # the warm chunk is preferred
+    drained = s.drain_node("g")
+    assert drained.running == ("c2",) and "g" not in s.gpu.nodes and not s.gpu.resident
+
+
+def test_a_replicated_instance_holds_the_whole_model_on_each_gpu() -> None:
+    sharded = ServiceSpec(name="s", gpu_memory_gb=12, dop_choices=[2], restore_s=4.0)
+    replicas = sharded.model_copy(update={"name": "r", "replicated": True})
+    assert (sharded.memory_per_gpu(2), replicas.memory_per_gpu(2)) == (6.0, 12.0)
+    assert (sharded.restore_cost(2), replicas.restore_cost(2)) == (2.0, 4.0)
+    s = Scheduler(cluster(nodes=[]))
+    s.add_gpu_node("g", gpus=2, memory_gb=10)
+    s.set_services([sharded, replicas])
+    assert s.gpu.fits("s", 2) and not s.gpu.fits("r", 2)
+
+
+def test_redefining_services_keeps_what_waiting_calls_need() -> None:
+    s = Scheduler(cluster(nodes=[]))
+    s.add_gpu_node("g", gpus=1, memory_gb=10)
+    s.set_services([ServiceSpec(name=n, gpu_memory_gb=4, dop_choices=[1]) for n in "ab"])
+    s.open_trajectory("~svc")
+    s.submit("c1", "~svc", _service_action("a"), now=0.0)
+    s.schedule(0.0)
+    s.complete("c1", 1.0)
+    assert [i.service for i in s.gpu.resident] == ["a"]
+    s.submit("c2", "~svc", _service_action("b"), now=1.0)
+    s.set_services([ServiceSpec(name="a", gpu_memory_gb=5, dop_choices=[1])])
+    assert set(s.services) == {"a", "b"}  # b is removed but still awaited
+    assert not s.gpu.resident  # a's footprint changed: its idle instance is stale
+    (asg,) = s.schedule(1.0).assignments
+    assert asg.action_id == "c2"
+    s.complete("c2", 2.0)
+    s.set_services([ServiceSpec(name="a", gpu_memory_gb=5, dop_choices=[1])])
+    assert set(s.services) == {"a"} and "b" not in s.gpu.memory_gb

@@ -33,6 +33,8 @@ from tangram.node_agent.cgroups import CgroupError, detect
 from tangram.node_agent.docker_runtime import DockerRuntime, owner_id
 from tangram.node_agent.exec_server import build
 from tangram.node_agent.execution import ExecError, ExecResult
+from tangram.node_agent.gpu_service import GpuOptions, GpuRole
+from tangram.node_agent.gpus import nvml_gpus
 from tangram.node_agent.inventory import read_inventory
 from tangram.node_agent.noop_runtime import NoopRuntime
 from tangram.node_agent.process_runtime import ProcessRuntime
@@ -77,8 +79,10 @@ class NodeAgent:
         *,
         node: str,
         fast_path: str = "",
+        gpu: GpuRole | None = None,
     ) -> None:
         self.runtime = runtime
+        self.gpu = gpu  # RewardService calls on this node's GPUs, if it serves them
         self.inventory = inventory
         self.action_cores = action_cores
         self.idle_cores = idle_cores
@@ -116,10 +120,37 @@ class NodeAgent:
         idle_cores: int = 1,
         cores_for_actions: int | None = None,
         cache_dir: Path | None = None,
+        gpus: GpuOptions | None = None,
     ) -> NodeAgent:
         """An agent for this machine; ``runtime``: auto, docker, process, or noop (runs
-        nothing, on ``cores_for_actions`` virtual cores: for benchmarks of the service)."""
-        inventory = read_inventory()
+        nothing, on ``cores_for_actions`` virtual cores: for benchmarks of the service);
+        ``gpus``: whether it serves RewardService calls, and on which devices."""
+        options = gpus or GpuOptions()
+        inventory = read_inventory(gpus=nvml_gpus if options.mode == "auto" else None)
+        agent = cls._create(
+            state_dir,
+            node=node,
+            runtime=runtime,
+            idle_cores=idle_cores,
+            cores_for_actions=cores_for_actions,
+            cache_dir=cache_dir,
+            inventory=inventory,
+        )
+        agent.gpu = GpuRole.start(options, nvml_gpus=len(inventory.gpus))
+        return agent
+
+    @classmethod
+    def _create(
+        cls,
+        state_dir: Path,
+        *,
+        node: str | None,
+        runtime: str,
+        idle_cores: int,
+        cores_for_actions: int | None,
+        cache_dir: Path | None,
+        inventory: NodeInventory,
+    ) -> NodeAgent:
         if runtime == "noop":
             virtual = list(range(cores_for_actions or 1024))
             return cls(
@@ -177,6 +208,7 @@ class NodeAgent:
                 for k, (t, c, t0) in self._keyed_info.items()
                 if k in self._orphaned
             ],
+            gpu=self.gpu.info if self.gpu is not None else None,
         )
 
     def _held(self) -> list[str]:
@@ -277,6 +309,15 @@ class NodeAgent:
                 assert req.env
                 await self.warm(req.env)
                 return AgentReply(rid=req.rid, ok=True)
+            if req.op in ("services", "call"):
+                if self.gpu is None:
+                    raise ExecError(f"{self.node} has no GPU role (the agent runs without --gpus)")
+                if req.op == "services":
+                    loaded = await self.gpu.sync(req.services or [])
+                    return AgentReply(rid=req.rid, ok=True, loaded=loaded)
+                assert req.service is not None
+                out = await self.gpu.call(req.service, req.gpus, req.inputs or [])
+                return AgentReply(rid=req.rid, ok=True, call=out)
             assert req.trajectory
             result = await self.exec(req)
             return AgentReply(rid=req.rid, ok=True, result=outcome(result))

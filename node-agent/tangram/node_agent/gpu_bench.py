@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tangram.node_agent.gpu_worker import GpuWorker, ServiceDef
+from tangram.api.wire import ServiceDef
+from tangram.node_agent.gpu_worker import GIB, GpuWorker
 
 WIDTH = 4096  # one fp16 layer: 32 MiB
 
@@ -48,20 +48,8 @@ def run(size_mb: int = 1024, repeats: int = 5) -> dict[str, Any]:
     layers = max(1, size_mb // 32)
     _LAYERS["n"] = layers
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     name = torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA: the same path, on the CPU)"
     nbytes = layers * WIDTH * WIDTH * 2
-
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    host = host.pin_memory() if cuda else host
-    copies = []
-    for _ in range(repeats):
-        _sync(cuda)
-        t0 = time.perf_counter()
-        on_device = host.to(device, non_blocking=True) if cuda else host.clone()
-        _sync(cuda)
-        copies.append(time.perf_counter() - t0)
-        del on_device
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "wide.pt"
@@ -69,15 +57,19 @@ def run(size_mb: int = 1024, repeats: int = 5) -> dict[str, Any]:
         torch.save(_Wide(layers).state_dict(), weights)
         capacity = nbytes * 2
         worker = GpuWorker({0: capacity})
+        h2d = worker.h2d_gbps(0, nbytes, repeats)
         entry = f"{__name__}:build"
-        worker.load(ServiceDef("wide", entry, str(weights), capacity))
+        worker.load(
+            ServiceDef(
+                name="wide", entrypoint=entry, weights=str(weights), gpu_memory_gb=capacity / GIB
+            )
+        )
         restores = []
         for _ in range(repeats):
             worker.evict_all()
             _, stats = worker.call("wide", [0], [])
             restores.append(stats.restore_s)
         worker.evict_all()
-    h2d = nbytes / statistics.median(copies) / 1e9
     restore = nbytes / statistics.median(restores) / 1e9
     return {
         "device": name,
@@ -88,11 +80,6 @@ def run(size_mb: int = 1024, repeats: int = 5) -> dict[str, Any]:
         "restore_s_per_gb": round(statistics.median(restores) / (nbytes / 1e9), 4),
         "repeats": repeats,
     }
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
 
 
 __all__ = ["build", "run"]

@@ -19,8 +19,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-InstanceKey = tuple[str, int]
-"""(service name, DoP): each DoP of a service is its own instance."""
+InstanceKey = tuple[str, tuple[int, ...]]
+"""(service name, its devices, ascending): as in the scheduler's GPU pool, an instance is a
+service on one chunk, so a DoP-2 instance and two DoP-1 instances are three instances."""
 
 
 class NeverFitsError(ValueError):
@@ -55,10 +56,10 @@ class Residency:
     def used(self, device: int) -> int:
         return sum(p.bytes_per_device for p in self.resident.values() if device in p.devices)
 
-    def plan(self, key: InstanceKey, devices: Iterable[int], bytes_per_device: int) -> Plan:
-        """How to make ``key`` resident on exactly ``devices``; raises :class:`NeverFitsError`
-        or :class:`BusyError` when it cannot be."""
-        chunk = tuple(sorted(devices))
+    def plan(self, key: InstanceKey, bytes_per_device: int) -> Plan:
+        """How to make ``key`` resident on its devices; raises :class:`NeverFitsError` or
+        :class:`BusyError` when it cannot be."""
+        chunk = key[1]
         unknown = [d for d in chunk if d not in self.capacity]
         if unknown or not chunk:
             raise ValueError(f"devices {list(chunk)}: not this worker's ({sorted(self.capacity)})")
@@ -68,8 +69,7 @@ class Residency:
                 f"{key[0]} needs {_size(bytes_per_device)} per GPU; a GPU here has "
                 f"{_size(smallest)} for services"
             )
-        here = self.resident.get(key)
-        if here is not None and here.devices == chunk:
+        if key in self.resident:
             return Plan(hit=True)
         evict: list[InstanceKey] = []
         freed = dict.fromkeys(chunk, 0)
@@ -85,14 +85,10 @@ class Residency:
                 self.used(d) - freed[d] + bytes_per_device <= self.capacity[d] for d in chunk
             )
 
-        if here is not None:  # resident on another chunk: that copy goes first
-            if here.busy:
-                raise BusyError(f"{key[0]} (DoP {key[1]}) is running on GPUs {list(here.devices)}")
-            drop(key, here)
         for other, placement in self.resident.items():  # least recently used first
             if fits():
                 break
-            if other != key and not placement.busy and set(placement.devices) & set(chunk):
+            if not placement.busy and set(placement.devices) & set(chunk):
                 drop(other, placement)
         if not fits():
             raise BusyError(
@@ -100,16 +96,16 @@ class Residency:
             )
         return Plan(hit=False, evict=tuple(evict))
 
-    def admit(self, key: InstanceKey, devices: Iterable[int], bytes_per_device: int) -> None:
+    def admit(self, key: InstanceKey, bytes_per_device: int) -> None:
         """Record ``key`` as restored (after the plan's evictions were carried out)."""
-        self.resident[key] = Placement(tuple(sorted(devices)), bytes_per_device)
+        self.resident[key] = Placement(key[1], bytes_per_device)
         self.resident.move_to_end(key)
 
     def evict(self, key: InstanceKey) -> Placement:
         placement = self.resident.pop(key)
         if placement.busy:
             self.resident[key] = placement
-            raise BusyError(f"{key[0]} (DoP {key[1]}) is running")
+            raise BusyError(f"{name(key)} is running")
         return placement
 
     def acquire(self, key: InstanceKey) -> None:
@@ -121,8 +117,26 @@ class Residency:
         self.resident[key].busy -= 1
 
 
+def instance_key(service: str, devices: Iterable[int]) -> InstanceKey:
+    return service, tuple(sorted(devices))
+
+
+def name(key: InstanceKey) -> str:
+    """``judge@0`` or ``teacher@0,1``: the service and its devices."""
+    return f"{key[0]}@{','.join(map(str, key[1]))}"
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-__all__ = ["BusyError", "InstanceKey", "NeverFitsError", "Placement", "Plan", "Residency"]
+__all__ = [
+    "BusyError",
+    "InstanceKey",
+    "NeverFitsError",
+    "Placement",
+    "Plan",
+    "Residency",
+    "instance_key",
+    "name",
+]

@@ -24,6 +24,7 @@ Without CUDA the same code runs with ``cpu`` standing for every device (tests, a
 from __future__ import annotations
 
 import importlib
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,21 +33,22 @@ from typing import Any
 
 import torch
 
-from tangram.node_agent.gpu_residency import InstanceKey, Residency
+from tangram.api.wire import ServiceDef
+from tangram.node_agent.gpu_residency import (
+    BusyError,
+    InstanceKey,
+    Residency,
+    instance_key,
+    name,
+)
+
+GIB = 2**30
 
 Score = Callable[[torch.nn.Module, list[Any]], list[Any]]
 
 
 class ServiceError(RuntimeError):
     """A service that cannot be loaded or called (bad entry point, weights, outputs)."""
-
-
-@dataclass(frozen=True)
-class ServiceDef:
-    name: str
-    entrypoint: str  # package.module:function -> (module on meta, score)
-    weights: str  # a torch.save(state_dict) file
-    bytes_per_device: int  # weights plus working memory, per GPU of an instance
 
 
 @dataclass
@@ -68,6 +70,16 @@ class _Service:
     score: Score
     host: dict[str, torch.Tensor]  # the master copy: pinned host memory when CUDA is there
     nbytes: int
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Weights plus working memory on each GPU of an instance (every GPU of a DoP-k
+        instance holds a whole replica)."""
+        return bytes_per_device(self.spec)
+
+
+def bytes_per_device(spec: ServiceDef) -> int:
+    return int(spec.gpu_memory_gb * GIB)
 
 
 def resolve(entrypoint: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
@@ -92,8 +104,11 @@ class GpuWorker:
         *,
         device: Callable[[int], torch.device] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        cpu: bool = False,
     ) -> None:
-        self.cuda = torch.cuda.is_available()
+        """``capacity``: device index -> bytes instances may use; ``cpu``: CPU memory stands
+        in for every device even where CUDA is available."""
+        self.cuda = torch.cuda.is_available() and not cpu
         self.device = device or (
             (lambda i: torch.device("cuda", i)) if self.cuda else (lambda _i: torch.device("cpu"))
         )
@@ -103,13 +118,35 @@ class GpuWorker:
         self.instances: dict[InstanceKey, list[torch.nn.Module]] = {}
         self.loads = 0  # reads of weights from storage: one per service, ever
         self.hits = self.restores = self.evictions = 0
+        self._running: set[int] = set()  # devices with a call on them
         self._lock = threading.Lock()
+
+    def h2d_gbps(self, device: int, nbytes: int = 64 << 20, repeats: int = 3) -> float:
+        """Host-to-device copy bandwidth from pinned memory, GB/s (median of ``repeats``):
+        what a restore can reach, and what the scheduler divides model bytes by."""
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        host = host.pin_memory() if self.cuda else host
+        target = self.device(device)
+        times = []
+        for _ in range(repeats):
+            self._synchronize([device])
+            t0 = time.perf_counter()
+            copy = host.to(target, non_blocking=True, copy=True)
+            self._synchronize([device])
+            times.append(time.perf_counter() - t0)
+            del copy
+        return nbytes / max(statistics.median(times), 1e-9) / 1e9
 
     # ---- loading ---------------------------------------------------------------------
     def load(self, spec: ServiceDef) -> float:
         """Read ``spec``'s weights into host memory (once); seconds it took."""
         if spec.name in self.services:
             return 0.0
+        if not spec.replicated:
+            raise ServiceError(
+                f"{spec.name}: the built-in PyTorch worker runs a DoP-k instance as k replicas; "
+                "a sharded model needs an external inference server (parallelism: shard)"
+            )
         t0 = self.clock()
         build = resolve(spec.entrypoint)
         try:
@@ -124,10 +161,10 @@ class GpuWorker:
         if missing:
             raise ServiceError(f"{spec.name}: weights lack {sorted(missing)[:5]}")
         nbytes = sum(t.numel() * t.element_size() for t in host.values())
-        if nbytes > spec.bytes_per_device:
+        if nbytes > bytes_per_device(spec):
             raise ServiceError(
                 f"{spec.name}: weights are {nbytes} bytes, more than gpuMemoryGiB allows "
-                f"({spec.bytes_per_device})"
+                f"({bytes_per_device(spec)})"
             )
         self.services[spec.name] = _Service(spec, build, score, host, nbytes)
         self.loads += 1
@@ -148,20 +185,26 @@ class GpuWorker:
 
     # ---- calls -------------------------------------------------------------------------
     def call(
-        self, name: str, chunk: Sequence[int], inputs: list[Any]
+        self, service_name: str, chunk: Sequence[int], inputs: list[Any]
     ) -> tuple[list[Any], CallStats]:
-        """Run ``inputs`` through service ``name`` on the devices of ``chunk``."""
-        service = self.services.get(name)
+        """Run ``inputs`` through service ``service_name`` on the devices of ``chunk``."""
+        service = self.services.get(service_name)
         if service is None:
-            raise ServiceError(f"unknown service {name!r} (loaded: {sorted(self.services)})")
-        key: InstanceKey = (name, len(chunk))
+            raise ServiceError(
+                f"unknown service {service_name!r} (loaded: {sorted(self.services)})"
+            )
+        key: InstanceKey = instance_key(service_name, chunk)
+        chunk = key[1]
         with self._lock:
-            plan = self.residency.plan(key, chunk, service.spec.bytes_per_device)
+            taken = self._running.intersection(chunk)
+            if taken:  # the scheduler never does this; a stale or foreign caller might
+                raise BusyError(f"GPUs {sorted(taken)} are running another call")
+            plan = self.residency.plan(key, service.bytes_per_device)
             stats = CallStats(hit=plan.hit)
             t0 = self.clock()
             for victim in plan.evict:
                 self._evict(victim)
-                stats.evicted.append(f"{victim[0]}@dop{victim[1]}")
+                stats.evicted.append(name(victim))
             stats.evict_s = self.clock() - t0
             if plan.hit:
                 self.hits += 1
@@ -171,9 +214,10 @@ class GpuWorker:
                 self._synchronize(chunk)
                 stats.restore_s = self.clock() - t0
                 stats.restored_bytes = service.nbytes * len(chunk)
-                self.residency.admit(key, chunk, service.spec.bytes_per_device)
+                self.residency.admit(key, service.bytes_per_device)
                 self.restores += 1
             self.residency.acquire(key)
+            self._running.update(chunk)
             replicas = self.instances[key]
         try:
             t0 = self.clock()
@@ -182,7 +226,11 @@ class GpuWorker:
         finally:
             with self._lock:
                 self.residency.release(key)
+                self._running.difference_update(chunk)
         return outputs, stats
+
+    def loaded_bytes(self, service: str) -> int:
+        return self.services[service].nbytes
 
     def _restore(self, service: _Service, index: int) -> torch.nn.Module:
         device = self.device(index)
@@ -218,25 +266,42 @@ class GpuWorker:
         with torch.inference_mode():
             for r, replica in enumerate(replicas):
                 part = inputs[r * share : (r + 1) * share]
-                if part:
-                    got = score(replica, part)
-                    if len(got) != len(part):
+                step = service.spec.max_batch  # forward passes of at most maxBatch inputs
+                for i in range(0, len(part), step):
+                    batch = part[i : i + step]
+                    got = score(replica, batch)
+                    if len(got) != len(batch):
                         raise ServiceError(
                             f"{service.spec.name}: score returned {len(got)} outputs for "
-                            f"{len(part)} inputs"
+                            f"{len(batch)} inputs"
                         )
                     outputs.extend(got)
         self._synchronize(chunk)
         return outputs
 
-    def evict_all(self) -> None:
+    def evict_all(self, service: str | None = None) -> None:
+        """Drop idle instances (of ``service``, or all); running ones stay."""
         with self._lock:
-            for key in list(self.residency.resident):
-                self._evict(key)
+            for key, placement in list(self.residency.resident.items()):
+                if (service is None or key[0] == service) and not placement.busy:
+                    self._evict(key)
+
+    def unload(self, service: str) -> None:
+        """Forget a service (its RewardService was removed or changed): its idle instances
+        and its host copy go; a running call keeps its own references until it ends."""
+        self.evict_all(service)
+        self.services.pop(service, None)
 
     def resident(self) -> dict[str, list[int]]:
-        """service@dopK -> its devices, for status and metrics."""
-        return {f"{k[0]}@dop{k[1]}": list(p.devices) for k, p in self.residency.resident.items()}
+        """service@devices -> its devices, for status and metrics."""
+        return {name(k): list(p.devices) for k, p in self.residency.resident.items()}
 
 
-__all__ = ["CallStats", "GpuWorker", "ServiceDef", "ServiceError", "resolve"]
+def cuda_memory() -> list[int]:
+    """Total memory of each visible CUDA device, bytes (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.mem_get_info(d)[1] for d in range(torch.cuda.device_count())]
+
+
+__all__ = ["CallStats", "GpuWorker", "ServiceError", "bytes_per_device", "cuda_memory", "resolve"]

@@ -423,6 +423,9 @@ def agent_command(pool: ActionPool, role: str) -> list[str]:
         # Never "auto": without its Docker socket an agent must fail, not fall back to
         # running commands in its own (privileged) container.
         "--runtime", "docker",
+        # GPU agents serve RewardService calls on the node's CUDA devices; CPU agents never
+        # load PyTorch.
+        "--gpus", "auto" if role == "gpu" else "none",
     ]  # fmt: skip
     if cpu is not None and cpu.cores_per_node is not None:
         command += ["--cores", str(cpu.cores_per_node)]
@@ -435,11 +438,23 @@ def _host_path(name: str, path: str, kind: str) -> Manifest:
 
 def agent_container(pool: ActionPool, role: str, image: str) -> Manifest:
     state = state_dir(pool, role)
+    env: list[Manifest] = [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    ]
+    extra: Manifest = {}
+    if role == "gpu":
+        gpus = pool.spec.gpu.gpus_per_node if pool.spec.gpu is not None else None
+        if gpus is not None:  # the device plugin hands exactly these to the agent
+            extra["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+        else:  # every GPU of the node, through the NVIDIA container runtime
+            env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
+        env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"})
     return {
         "name": "agent",
         "image": image,
         "command": agent_command(pool, role),
-        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "env": env,
+        **extra,
         # Privileged, and only the agent container, because on cgroup v2 it is the one
         # way to get the host cgroup namespace: Kubernetes has no field for it, and
         # containerd and CRI-O give every unprivileged container a private one, where the
@@ -525,8 +540,12 @@ def build_pool(
     uid: str,
     agent_token: str,
     operator_token: str,
+    gpu_image: str | None = None,
 ) -> list[Manifest]:
     """Every object the pool needs, in an order that can be applied first to last.
+
+    ``gpu_image``: the GPU agents' image (one with the ``gpu`` extra: PyTorch); default
+    ``image``.
 
     ``uid``: the ActionPool's metadata.uid (the model's metadata does not keep it).
     ``agent_token``, ``operator_token``: what node agents and the operator present to the
@@ -547,7 +566,7 @@ def build_pool(
         scheduler_service(pool, uid),
     ]
     objects += [
-        agent_daemon_set(pool, role, image, uid)
+        agent_daemon_set(pool, role, gpu_image or image if role == "gpu" else image, uid)
         for role, section in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu))
         if section is not None
     ]

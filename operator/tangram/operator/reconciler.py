@@ -92,12 +92,14 @@ class Reconciler:
         cluster: Cluster,
         *,
         image: str,
+        gpu_image: str | None = None,
         endpoints: Endpoints | None = None,
         link: SchedulerLink | None = None,
         clock: Callable[[], dt.datetime] = _utcnow,
     ) -> None:
         self.cluster = cluster
         self.image = image
+        self.gpu_image = gpu_image  # GPU agents' image (with PyTorch); None: ``image``
         self.endpoints = endpoints or Endpoints()
         self.link = link or SchedulerLink()
         self.clock = clock
@@ -126,6 +128,7 @@ class Reconciler:
             objects = build_pool(
                 pool,
                 image=self.image,
+                gpu_image=self.gpu_image,
                 envs=[m for m in members if isinstance(m, TrajectoryEnv)],
                 services=[m for m in members if isinstance(m, RewardService)],
                 uid=body["metadata"]["uid"],

@@ -50,10 +50,23 @@ class ServiceSpec(_Strict):
         float, Field(ge=0, description="per-restore set-up time, whatever the DoP")
     ] = 0.0
     efficiency: Efficiency | None = None
+    replicated: Annotated[
+        bool,
+        Field(
+            description="a DoP-k instance is k full replicas, each taking 1/k of a batch "
+            "(the built-in PyTorch worker); otherwise the model is sharded over the k GPUs "
+            "(tensor parallelism, as in seed 000)"
+        ),
+    ] = False
 
     def restore_cost(self, gpus: int) -> float:
-        """Seconds to restore a DoP-``gpus`` instance: the k GPUs copy their shards in parallel."""
-        return self.restore_fixed_s + self.restore_s / gpus
+        """Seconds to restore a DoP-``gpus`` instance: the k GPUs copy in parallel, a shard
+        each, or the whole model each when replicated."""
+        return self.restore_fixed_s + (self.restore_s if self.replicated else self.restore_s / gpus)
+
+    def memory_per_gpu(self, gpus: int) -> float:
+        """GPU memory a DoP-``gpus`` instance holds on each of its GPUs, GB."""
+        return self.gpu_memory_gb if self.replicated else self.gpu_memory_gb / gpus
 
     @field_validator("dop_choices")
     @classmethod

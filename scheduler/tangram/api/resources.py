@@ -556,10 +556,29 @@ class RewardServiceSpec(_Spec):
     profiles: Annotated[
         list[ServiceProfile], Field(description="measured call durations by DoP")
     ] = []
-    max_batch: Annotated[int, Field(ge=1, description="calls batched into one execution")] = 1
+    max_batch: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="inputs scored in one forward pass; a call with more is split",
+        ),
+    ] = 16
+    parallelism: Annotated[
+        Literal["replicate", "shard"],
+        Field(
+            description="replicate: a DoP-k instance is k full copies, each scoring 1/k of a "
+            "call's inputs (the built-in PyTorch worker; gpuMemoryGiB is per GPU); shard: "
+            "the model is split over its k GPUs (an external inference server with tensor "
+            "parallelism; gpuMemoryGiB is the total)"
+        ),
+    ] = "replicate"
     restore_seconds: Annotated[
         float | None,
-        Field(ge=0, description="measured host-to-GPU restore time, if known"),
+        Field(
+            ge=0,
+            description="host-to-GPU restore time of one GPU's copy; unset = model bytes "
+            "over the host-to-device bandwidth the node agents measure",
+        ),
     ] = None
 
     @field_validator("dop_choices")

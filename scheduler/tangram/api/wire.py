@@ -159,6 +159,42 @@ class ApiCallRequest(_Strict):
         return self
 
 
+class ServiceCallRequest(_Strict):
+    """One call of a RewardService: its ``inputs`` are scored together (a batch) on the
+    GPUs the scheduler gives the call, the model restored there first if it is not."""
+
+    inputs: Annotated[
+        list[Any], Field(min_length=1, max_length=100_000, description="one entry per sample")
+    ]
+    input_size: Annotated[
+        int | None,
+        Field(ge=0, description="size of the call (e.g. tokens): picks the matching profile"),
+    ] = None
+    gpu: Annotated[
+        Demand | None, Field(description="DoP choices, within the service's dopChoices")
+    ] = None
+    t1_s: Annotated[
+        float | None,
+        Field(gt=0, le=MAX_T1_S, description="duration on one GPU, if the profiles lack it"),
+    ] = None
+    timeout_s: Annotated[
+        float | None, Field(gt=0, description="give up waiting for the result after this long")
+    ] = None
+    queue_timeout_s: Annotated[float | None, Field(gt=0)] = None
+    idempotency_key: IdempotencyKey | None = None
+
+
+class ServiceStats(_Strict):
+    """What a service call found on its GPUs and what making the model resident cost."""
+
+    service: str
+    resident: bool = Field(description="the instance was already in GPU memory (a hit)")
+    restore_s: float = 0.0
+    evict_s: float = 0.0
+    restored_bytes: int = 0
+    evicted: list[str] = Field(default_factory=list, description="instances evicted for it")
+
+
 class Allocation(_Strict):
     node: str | None = None
     cores: list[int] = Field(default_factory=list)
@@ -171,8 +207,9 @@ class Allocation(_Strict):
 class Timings(_Strict):
     queued_s: float = 0.0  # submitted until its units were allocated
     overhead_s: float = 0.0  # the system's share: dispatch, cgroup writes, start, return
+    restore_s: float = 0.0  # service calls: evicting and restoring the model on its GPUs
     exec_s: float = 0.0  # the command itself
-    act_s: float = 0.0  # action completion time: queued + overhead + exec
+    act_s: float = 0.0  # action completion time: queued + overhead + restore + exec
 
 
 class ErrorInfo(_Strict):
@@ -193,6 +230,7 @@ class ActionResult(_Strict):
     stderr_truncated: bool = False
     output: Any = None  # service calls and proxied API requests
     lease: str | None = None  # api leases: release it when done
+    service: ServiceStats | None = None  # service calls
     error: ErrorInfo | None = None
     allocation: Allocation = Field(default_factory=Allocation)
     timings: Timings = Field(default_factory=Timings)
@@ -281,6 +319,39 @@ class RunningAction(_Strict):
     running_s: float
 
 
+class GpuWorkerInfo(_Strict):
+    """The GPUs an agent's worker serves RewardService calls on."""
+
+    backend: Literal["cuda", "cpu"] = Field(description="cpu: devices stand in for GPUs")
+    devices: Annotated[list[int], Field(min_length=1, description="device indexes")]
+    memory_bytes: list[int] = Field(description="per device: what service instances may use")
+    h2d_gbps: float = Field(gt=0, description="measured host-to-device copy bandwidth")
+
+
+class ServiceDef(_Strict):
+    """The node side of a RewardService: what the worker loads."""
+
+    name: str
+    entrypoint: str  # package.module:function -> (torch module, score)
+    weights: str
+    gpu_memory_gb: float  # per GPU of an instance when replicated, else over its GPUs
+    replicated: bool = True
+    max_batch: int = 16  # inputs per forward pass
+
+
+class ServiceLoad(_Strict):
+    ok: bool
+    bytes: int = 0  # weights held in host memory
+    load_s: float = 0.0
+    error: str | None = None
+
+
+class ServiceOutcome(_Strict):
+    outputs: list[Any]
+    stats: ServiceStats
+    exec_s: float
+
+
 class AgentHello(_Strict):
     """First message of an agent: who it is and what it holds."""
 
@@ -294,6 +365,7 @@ class AgentHello(_Strict):
         default_factory=list, description="environments it holds (re-adopted included)"
     )
     running: list[RunningAction] = Field(default_factory=list)
+    gpu: GpuWorkerInfo | None = None  # a GPU worker for RewardService calls
 
 
 class EnvSpec(_Strict):
@@ -314,7 +386,7 @@ class EnvSpec(_Strict):
 
 
 class AgentRequest(_Strict):
-    op: Literal["open", "close", "exec", "session", "cancel", "warm"]
+    op: Literal["open", "close", "exec", "session", "cancel", "warm", "services", "call"]
     rid: int  # request id; the reply carries it
     trajectory: str | None = None
     env: EnvSpec | None = None
@@ -328,6 +400,10 @@ class AgentRequest(_Strict):
     target: int | None = None  # cancel: the rid of the request to cancel
     key: str | None = None  # exec: runs at most once per key; a repeat gets the first result
     meta: TrajectoryMeta | None = None  # open: kept by the agent for a restarted scheduler
+    services: list[ServiceDef] | None = None  # services: the full set the worker should hold
+    service: str | None = None  # call: which one, on ``gpus`` (device indexes)
+    gpus: list[int] = Field(default_factory=list)
+    inputs: list[Any] | None = None
 
 
 class ExecOutcome(_Strict):
@@ -354,6 +430,8 @@ class AgentReply(_Strict):
     warm: bool | None = None
     key: str | None = None
     replayed: bool = False  # the result of an earlier run with the same key
+    loaded: dict[str, ServiceLoad] = Field(default_factory=dict)  # services: per service
+    call: ServiceOutcome | None = None
 
 
 def valid_id(text: str) -> bool:

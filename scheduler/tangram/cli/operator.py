@@ -27,6 +27,11 @@ def register(sub: Any) -> None:
         "--image", required=True, help="image of the schedulers and node agents it creates"
     )
     p.add_argument(
+        "--gpu-agent-image",
+        help="image of the GPU node agents: one built with the gpu extra (PyTorch); "
+        "default --image",
+    )
+    p.add_argument(
         "--namespace",
         action="append",
         help="watch this namespace (repeatable; default: every namespace)",
@@ -58,7 +63,12 @@ def run_operator(args: argparse.Namespace) -> int:
         raise InputError(f"no Kubernetes credentials: {e}") from None
     cluster = Cluster(api, args.namespace)
     handlers.install(
-        Reconciler(cluster, image=args.image, endpoints=Endpoints(args.scheduler_endpoints))
+        Reconciler(
+            cluster,
+            image=args.image,
+            gpu_image=args.gpu_agent_image,
+            endpoints=Endpoints(args.scheduler_endpoints),
+        )
     )
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     asyncio.run(

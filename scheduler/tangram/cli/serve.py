@@ -15,6 +15,7 @@ from typing import Any
 from tangram.cli.files import InputError
 from tangram.cli.progress import note
 from tangram.cli.up import (
+    add_gpu_flags,
     add_log_flags,
     load_pool,
     load_tokens,
@@ -72,6 +73,7 @@ def register(sub: Any) -> None:
     a.add_argument(
         "--cores", type=int, help="cores for actions (default: all but the idle set; noop: virtual)"
     )
+    add_gpu_flags(a)
     add_log_flags(a)
     a.set_defaults(run=run_agent)
 

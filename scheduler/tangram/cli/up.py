@@ -53,6 +53,7 @@ def register(sub: Any) -> None:
         help="noop runs nothing (benchmarks of the service only)",
     )
     p.add_argument("--cores", type=int, help="cores for actions (noop: virtual cores)")
+    add_gpu_flags(p)
     p.add_argument(
         "--state-dir",
         default=os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram")),
@@ -155,10 +156,30 @@ def load_tokens(path: Path) -> TokenStore:
         raise InputError(f"--token-file: {e}") from None
 
 
+def add_gpu_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gpus",
+        default="auto",
+        help="serve RewardService calls: auto (the CUDA devices, if any), none, or cpu:N "
+        "(N of 1, 2, 4, 8 CPU-backed devices standing in for GPUs: try it without a GPU)",
+    )
+    p.add_argument(
+        "--gpu-memory-mib",
+        type=int,
+        help="memory per device for service instances (default: the GPU's total less a "
+        "reserve; cpu:N: 1024)",
+    )
+
+
 def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
     from tangram.node_agent.agent import NodeAgent
     from tangram.node_agent.execution import ExecError
+    from tangram.node_agent.gpu_service import GpuOptions
 
+    try:
+        gpus = GpuOptions.parse(args.gpus, args.gpu_memory_mib)
+    except ExecError as e:
+        raise InputError(str(e)) from None
     try:
         return NodeAgent.create(
             Path(args.state_dir),
@@ -166,9 +187,10 @@ def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
             runtime=args.runtime,
             idle_cores=idle,
             cores_for_actions=cores,
+            gpus=gpus,
         )
     except (ExecError, OSError) as e:
-        raise InputError(f"--runtime {args.runtime}: {e}") from None
+        raise InputError(f"--runtime {args.runtime} --gpus {args.gpus}: {e}") from None
 
 
 def _local_images(agent: Any, images: list[str]) -> None:

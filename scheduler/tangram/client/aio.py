@@ -150,6 +150,31 @@ class AsyncClient:
     async def release(self, lease: str) -> ActionResult:
         return result(await self._call(Call("DELETE", f"/v1/leases/{lease}")))
 
+    async def score(
+        self,
+        service: str,
+        inputs: Sequence[Any],
+        *,
+        input_size: int | None = None,
+        gpu: int | dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        queue_timeout_s: float | None = None,
+    ) -> ActionResult:
+        """One call of a RewardService: ``inputs`` scored together on the GPUs the
+        scheduler gives the call; ``result.output`` holds one output per input.
+        ``input_size`` (e.g. tokens) picks the RewardService's profile for that size;
+        ``gpu`` narrows the DoP (``2`` or ``{"choices": [1, 2]}``). Retried safely: the
+        request carries an idempotency key."""
+        req: dict[str, Any] = {"inputs": list(inputs), "idempotency_key": uuid.uuid4().hex}
+        optional = {
+            "input_size": input_size,
+            "gpu": gpu,
+            "timeout_s": timeout_s,
+            "queue_timeout_s": queue_timeout_s,
+        }
+        req.update({k: v for k, v in optional.items() if v is not None})
+        return result(await self._call(Call("POST", f"/v1/services/{service}/call", req)))
+
 
 class AsyncTrajectory:
     def __init__(self, client: AsyncClient, env: str, open_kw: dict[str, Any]) -> None:

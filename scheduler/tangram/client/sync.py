@@ -81,6 +81,10 @@ class Client:
     def release(self, lease: str) -> ActionResult:
         return self._run(self._async.release(lease))
 
+    def score(self, service: str, inputs: Sequence[Any], **kw: Any) -> ActionResult:
+        """One call of a RewardService (see ``AsyncClient.score``)."""
+        return self._run(self._async.score(service, inputs, **kw))
+
 
 class Trajectory:
     """The asyncio ``AsyncTrajectory``, driven on its client's loop thread."""

@@ -35,6 +35,7 @@ from tangram.api.wire import (
     ExecRequest,
     IdempotencyKey,
     OpenTrajectory,
+    ServiceCallRequest,
     TrajectoryInfo,
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
@@ -220,6 +221,11 @@ def create_app(
     async def call_api(api: str, req: ApiCallRequest, who: TenantId) -> ActionResult:
         check_id(api, "api")
         return await asyncio.shield(engine.lease_api(who, api, req).done)
+
+    @app.post("/v1/services/{service}/call", responses=_ERRORS)
+    async def call_service(service: str, req: ServiceCallRequest, who: TenantId) -> ActionResult:
+        check_id(service, "service")
+        return await asyncio.shield(engine.submit_service(who, service, req).done)
 
     @app.delete("/v1/leases/{lease}", responses=_ERRORS)
     async def release(lease: str, who: TenantId) -> ActionResult:

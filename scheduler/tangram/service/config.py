@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from tangram.api.cluster import ApiSpec
 from tangram.api.demand import Demand, Efficiency, RangeDemand
-from tangram.api.wire import EnvSpec
+from tangram.api.wire import EnvSpec, ServiceDef
 from tangram.scheduler.core.scheduler import SchedulerConfig
 
 
@@ -30,6 +30,28 @@ class EnvConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """A RewardService as the scheduler serves it."""
+
+    spec: ServiceDef  # what the GPU agents load
+    dop_choices: tuple[int, ...] = (1,)
+    # Measured call durations: (dop, seconds, (min, max) input size or None for any size).
+    profiles: tuple[tuple[int, float, tuple[int, int] | None], ...] = ()
+    restore_s: float | None = None  # declared; None: model bytes over measured bandwidth
+
+    def durations(self, input_size: int | None) -> dict[int, float]:
+        """Expected call duration per profiled DoP for a call of ``input_size``: the
+        profiles whose range holds it (or that have none). Without a size, the slowest
+        profile of each DoP: a conservative estimate."""
+        out: dict[int, float] = {}
+        for dop, seconds, size in self.profiles:
+            if input_size is not None and size is not None and not size[0] <= input_size <= size[1]:
+                continue
+            out[dop] = max(out.get(dop, 0.0), seconds)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class ApiEndpoint:
     """Where the service sends proxied calls of a quota, and the credential it adds."""
 
@@ -42,6 +64,8 @@ class ApiEndpoint:
 class PoolConfig:
     name: str = "default"
     envs: dict[str, EnvConfig] = field(default_factory=dict)
+    services: dict[str, ServiceConfig] = field(default_factory=dict)  # RewardServices
+    gpus_per_node: int | None = None  # GPUs of each node the pool uses (None: all)
     apis: tuple[ApiSpec, ...] = ()
     endpoints: dict[str, ApiEndpoint] = field(default_factory=dict)  # by quota name
     scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)

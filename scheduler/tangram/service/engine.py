@@ -26,7 +26,8 @@ from typing import Any, Literal
 import aiohttp
 
 from tangram.api.action import ActionSpec
-from tangram.api.cluster import ClusterSpec
+from tangram.api.cluster import ClusterSpec, ServiceSpec
+from tangram.api.demand import ChoicesDemand, TableEfficiency, allowed_units
 from tangram.api.wire import (
     ActionResult,
     ActionStatus,
@@ -38,9 +39,13 @@ from tangram.api.wire import (
     BatchItem,
     ErrorInfo,
     ExecRequest,
+    GpuWorkerInfo,
     OpenTrajectory,
     PoolFigures,
     RunningAction,
+    ServiceCallRequest,
+    ServiceLoad,
+    ServiceStats,
     Timings,
     TrajectoryInfo,
     TrajectoryMeta,
@@ -49,7 +54,7 @@ from tangram.api.wire import (
 )
 from tangram.scheduler.core.scheduler import Assignment, Scheduler, SchedulingError
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
-from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig
+from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig, ServiceConfig
 from tangram.service.metrics import Metrics
 
 log = logging.getLogger("tangram.service")
@@ -94,7 +99,7 @@ class ActionRecord:
     tenant: str
     trajectory: str | None
     kind: Literal["exec", "service", "api"]
-    request: ExecRequest | ApiLeaseRequest | ApiCallRequest
+    request: ExecRequest | ApiLeaseRequest | ApiCallRequest | ServiceCallRequest
     argv: list[str] | None
     target: str  # what its idempotency key is for: "exec on t-1", "lease of search"
     submitted: float  # engine clock
@@ -121,6 +126,9 @@ class Engine:
         self._key_bytes = 0  # output held by the results of remembered keys
         self._keyed_ids: set[str] = set()  # actions with a key, until they end
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
+        self.node_gpus: dict[str, list[int]] = {}  # the pool's GPU index -> device index
+        self.h2d_gbps: dict[str, float] = {}  # measured by each GPU node's agent
+        self.loads: dict[str, dict[str, ServiceLoad]] = {}  # node -> service -> load
         self.leases: dict[str, str] = {}  # lease id -> action id
         self.by_agent_key: dict[str, ActionRecord] = {}  # adopted actions, by agent key
         self._spawned: set[asyncio.Future[Any]] = set()
@@ -137,6 +145,7 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self.metrics = Metrics(self)
+        self.core.set_services(self._service_specs())
 
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -186,8 +195,8 @@ class Engine:
             nodes=len(self.hub.links),
             cores=sum(n.cores for n in nodes),
             cores_in_use=sum(n.cores - n.free_cores for n in nodes),
-            gpus=0,  # GPU nodes arrive with the GPU manager
-            gpus_in_use=0,
+            gpus=sum(n.gpus for n in self.core.gpu.nodes.values()),
+            gpus_in_use=sum(n.gpus - n.free_gpus for n in self.core.gpu.nodes.values()),
             queue_depth=self.core.queued,
             running=sum(1 for r in self.actions.values() if r.started is not None),
             trajectories=sum(
@@ -211,6 +220,8 @@ class Engine:
                 if after is not None and after.spec.warm:
                     for node in self.hub.links:
                         self._background(self._ask(node, op="warm", env=after.spec))
+        if old.services != config.services or old.gpus_per_node != config.gpus_per_node:
+            changes.append("RewardServices " + (", ".join(sorted(config.services)) or "none"))
         if old.apis != config.apis:
             self.core.set_quotas(config.apis)
             changes.append("API quotas " + ", ".join(a.name for a in config.apis))
@@ -224,6 +235,10 @@ class Engine:
                 self.core.set_config(scheduling)
                 changes.append(f"scheduling, except {e}")
         self.config = replace(config, scheduling=scheduling)
+        if old.services != config.services:
+            self.core.set_services(self._service_specs())
+            for node in self.node_gpus:
+                self._background(self._sync_services(node))
         self.hub.heartbeat_timeout_s = config.heartbeat_timeout_s
         self.metrics.pool = config.name
         self._wake.set()
@@ -240,6 +255,8 @@ class Engine:
         cores = sorted(hello.action_cores)
         self.core.add_node(hello.node, cores=len(cores), memory_gb=hello.inventory.memory_gb)
         self.node_cores[hello.node] = cores
+        if hello.gpu is not None:
+            self._join_gpus(hello.node, hello.gpu)
         stale = [m.id for m in hello.trajectories if not self._take_back(m, hello.node)]
         adopted = sum(self._adopt_running(r, hello.node) for r in hello.running)
         for tid in stale:  # environments nobody can use any more: lost before, or unknown
@@ -349,6 +366,9 @@ class Engine:
             return
         drained = self.core.drain_node(link.node)
         del self.node_cores[link.node]
+        self.node_gpus.pop(link.node, None)
+        self.h2d_gbps.pop(link.node, None)
+        self.loads.pop(link.node, None)
         lost = _err("node_lost", f"node {link.node} left the pool", retryable=True)
         for aid in (*drained.running, *drained.dropped):
             rec = self.actions.get(aid)
@@ -657,7 +677,7 @@ class Engine:
         tenant: str,
         tid: str | None,
         kind: Literal["exec", "service", "api"],
-        req: ExecRequest | ApiLeaseRequest | ApiCallRequest,
+        req: ExecRequest | ApiLeaseRequest | ApiCallRequest | ServiceCallRequest,
         argv: list[str] | None,
         *,
         target: str,
@@ -710,6 +730,195 @@ class Engine:
                 ActionStatus.REJECTED,
                 error=_err("queue_timeout", "not started within queue_timeout_s", True),
             )
+
+    # ---- RewardService calls (the GPU manager) ----------------------------------------
+    def _join_gpus(self, node: str, gpu: GpuWorkerInfo) -> None:
+        """A node's GPU worker joins: its devices (as many as the pool's gpusPerNode allows,
+        a power of two for buddy chunks) become a GPU node of the core, and it is told
+        which services to load."""
+        limit = min(len(gpu.devices), self.config.gpus_per_node or 8)
+        count = max(k for k in (1, 2, 4, 8) if k <= limit)
+        memory_gb = min(gpu.memory_bytes[:count]) / 2**30
+        try:
+            self.core.add_gpu_node(node, count, memory_gb)
+        except SchedulingError as e:
+            log.warning("the GPUs of %s cannot join: %s", node, e)
+            return
+        self.node_gpus[node] = list(gpu.devices[:count])
+        self.h2d_gbps[node] = gpu.h2d_gbps
+        log.info(
+            "node %s: %d %s GPUs join, %.1f GiB each for services, host-to-device %.1f GB/s",
+            node,
+            count,
+            gpu.backend,
+            memory_gb,
+            gpu.h2d_gbps,
+        )
+        self._background(self._sync_services(node))
+
+    async def _sync_services(self, node: str) -> None:
+        """Have ``node``'s worker hold exactly the pool's services (it loads each once into
+        host memory); their measured sizes feed the restore estimates."""
+        defs = [c.spec for c in self.config.services.values()]
+        try:
+            reply = await self._ask(node, op="services", services=defs)
+        except EngineError as e:
+            log.warning("services not synced to %s: %s", node, e.message)
+            return
+        if not reply.ok:
+            log.warning("services not synced to %s: %s", node, reply.error)
+            return
+        if node in self.node_gpus:
+            self.loads[node] = dict(reply.loaded)
+            for name, load in sorted(reply.loaded.items()):
+                if not load.ok:
+                    log.warning("RewardService %s cannot load on %s: %s", name, node, load.error)
+            self.core.set_services(self._service_specs())
+            self._wake.set()
+
+    def _service_specs(self) -> list[ServiceSpec]:
+        return [self._service_spec(c) for c in self.config.services.values()]
+
+    def _service_spec(self, cfg: ServiceConfig) -> ServiceSpec:
+        """The core's view of a service. Its restore cost is the declared one, or the
+        model's bytes over the slowest measured host-to-device bandwidth."""
+        restore = cfg.restore_s
+        if restore is None:
+            restore = max(
+                (
+                    loads[cfg.spec.name].bytes / (self.h2d_gbps[node] * 1e9)
+                    for node, loads in self.loads.items()
+                    if cfg.spec.name in loads and node in self.h2d_gbps
+                ),
+                default=0.0,
+            )
+        return ServiceSpec(
+            name=cfg.spec.name,
+            gpu_memory_gb=cfg.spec.gpu_memory_gb,
+            dop_choices=list(cfg.dop_choices),
+            restore_s=restore,
+            replicated=cfg.spec.replicated,
+        )
+
+    def submit_service(self, tenant: str, service: str, req: ServiceCallRequest) -> ActionRecord:
+        """Queue one call of a RewardService; ``await record.done`` for its result."""
+        what = f"call of service {service}"
+        again = self._repeat(tenant, req.idempotency_key, what)
+        if again is not None:
+            return again
+        self._admitting()
+        cfg = self.config.services.get(service)
+        if cfg is None:
+            known = ", ".join(sorted(self.config.services)) or "none"
+            raise EngineError(
+                "not_found", "service", f"unknown RewardService {service!r} (known: {known})"
+            )
+        if not self.node_gpus:
+            raise EngineError("unavailable", "service", "no GPU node agent is connected")
+        if not any(loads.get(service, _UNLOADED).ok for loads in self.loads.values()):
+            errors = {
+                n: loads[service].error for n, loads in self.loads.items() if service in loads
+            }
+            raise EngineError(
+                "unavailable",
+                "service",
+                f"{service} is loaded on no GPU node"
+                + (
+                    f": {'; '.join(f'{n}: {e}' for n, e in sorted(errors.items()))}"
+                    if errors
+                    else ""
+                ),
+            )
+        spec = self._call_spec(cfg, req)
+        holder = f"~services/{tenant}"  # service calls hold no trajectory
+        if holder not in self.core.trajectories:
+            self.core.open_trajectory(holder)
+        rec = self._record(tenant, None, "service", req, None, target=what)
+        try:
+            self.core.submit(rec.id, holder, spec, rec.submitted)
+        except SchedulingError as e:
+            raise EngineError("invalid", e.field, e.message) from None
+        self._admit(rec, req.queue_timeout_s, req.idempotency_key)
+        return rec
+
+    @staticmethod
+    def _call_spec(cfg: ServiceConfig, req: ServiceCallRequest) -> ActionSpec:
+        """The call as the elastic algorithm sees it: the DoPs it may get, and from the
+        profiles measured for its input size a duration for each (as t1 and an
+        efficiency table that reproduce them exactly)."""
+        name = cfg.spec.name
+        allowed = set(cfg.dop_choices)
+        if req.gpu is not None:
+            allowed &= set(allowed_units(req.gpu))
+            if not allowed:
+                raise EngineError(
+                    "invalid",
+                    "gpu",
+                    f"no DoP in {list(allowed_units(req.gpu))} is one of {name}'s dopChoices "
+                    f"{list(cfg.dop_choices)}",
+                )
+        durations = {k: d for k, d in cfg.durations(req.input_size).items() if k in allowed}
+        kind = f"service:{name}"
+        if not durations:  # unprofiled: the request's t1, else learned online
+            return ActionSpec(
+                kind="service",
+                service=name,
+                gpu=ChoicesDemand(choices=sorted(allowed)),
+                t1_s=req.t1_s,
+                type=kind,
+            )
+        t1 = min(k * d for k, d in durations.items())
+        table = {k: min(1.0, t1 / (k * d)) for k, d in durations.items()}
+        return ActionSpec(
+            kind="service",
+            service=name,
+            gpu=ChoicesDemand(choices=sorted(durations)),
+            t1_s=t1,
+            efficiency=TableEfficiency(table=table) if len(durations) > 1 else None,
+            type=kind,
+        )
+
+    async def _call(self, rec: ActionRecord, asg: Assignment) -> None:
+        assert asg.node is not None and asg.chunk is not None
+        assert isinstance(rec.request, ServiceCallRequest)
+        req = rec.request
+        devices = self.node_gpus.get(asg.node, [])
+        gpus = [devices[g] for g in asg.chunk.gpus if g < len(devices)]
+        service = rec.target.removeprefix("call of service ")
+        t0 = self.clock()
+        status, reply, error = ActionStatus.ERROR, None, None
+        try:
+            reply = await asyncio.wait_for(
+                self._ask(asg.node, op="call", service=service, gpus=gpus, inputs=req.inputs),
+                req.timeout_s,
+            )
+            if reply.ok and reply.call is not None:
+                status = ActionStatus.OK
+            else:
+                error = _err("service_failed", reply.error or "the agent refused the call")
+        except asyncio.CancelledError:
+            status = ActionStatus.CANCELLED
+        except TimeoutError:
+            status = ActionStatus.TIMEOUT
+        except EngineError as e:
+            error = _err("node_lost", e.message, retryable=True)
+        now = self.clock()
+        if rec.id in self.core.running:
+            self.core.complete(rec.id, now, ok=status is ActionStatus.OK)
+        call = reply.call if reply is not None else None
+        exec_s = call.exec_s if call is not None else 0.0
+        restore_s = call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
+        self._finish(
+            rec,
+            status,
+            error=error,
+            exec_s=exec_s,
+            restore_s=restore_s,
+            overhead_s=max(0.0, (now - t0) - exec_s - restore_s),
+            output=call.outputs if call is not None else None,
+            service=call.stats if call is not None else None,
+        )
+        self._wake.set()
 
     # ---- rounds and dispatch ---------------------------------------------------------
     async def _rounds(self) -> None:
@@ -781,6 +990,9 @@ class Engine:
             return
         if rec.expiry is not None:
             rec.expiry.cancel()
+        if rec.kind == "service":
+            rec.task = asyncio.create_task(self._call(rec, asg))
+            return
         if rec.trajectory is not None:
             self.trajectories[rec.trajectory].running.add(rec.id)
         rec.task = asyncio.create_task(self._dispatch(rec, asg))
@@ -909,9 +1121,11 @@ class Engine:
         error: ErrorInfo | None = None,
         exec_s: float = 0.0,
         overhead_s: float = 0.0,
+        restore_s: float = 0.0,
         reply: AgentReply | None = None,
         lease: str | None = None,
         output: Any = None,
+        service: ServiceStats | None = None,
     ) -> ActionResult:
         now = self.clock()
         queued = (rec.started if rec.started is not None else now) - rec.submitted
@@ -922,9 +1136,11 @@ class Engine:
         alloc = Allocation()
         if asg is not None:
             node_cores = self.node_cores.get(asg.node or "", [])
+            devices = self.node_gpus.get(asg.node or "", [])
             alloc = Allocation(
                 node=asg.node,
                 cores=[node_cores[i] for i in asg.cores if i < len(node_cores)],
+                gpus=[devices[g] for g in asg.chunk.gpus if g < len(devices)] if asg.chunk else [],
                 dop=asg.units if asg.cores or asg.chunk else 0,
                 path=out.path if out is not None else None,
                 fallback=(out.fallback or None) if out is not None else None,
@@ -941,15 +1157,20 @@ class Engine:
             stderr_truncated=out.stderr_truncated if out is not None else False,
             lease=lease,
             output=output,
+            service=service,
             error=error,
             allocation=alloc,
             timings=Timings(
                 queued_s=queued,
                 overhead_s=overhead_s,
+                restore_s=restore_s,
                 exec_s=exec_s,
-                act_s=queued + overhead_s + exec_s,
+                act_s=queued + overhead_s + restore_s + exec_s,
             ),
         )
+
+
+_UNLOADED = ServiceLoad(ok=False, error="not loaded")
 
 
 def _err(code: str, message: str, retryable: bool = False) -> ErrorInfo:

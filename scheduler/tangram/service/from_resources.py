@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tangram.api.cluster import ApiSpec
-from tangram.api.resources import ActionPool, Resources, SecretRef, TrajectoryEnv
-from tangram.api.wire import EnvSpec
+from tangram.api.resources import ActionPool, Resources, RewardService, SecretRef, TrajectoryEnv
+from tangram.api.wire import EnvSpec, ServiceDef
 from tangram.scheduler.core.scheduler import SchedulerConfig
-from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
+from tangram.service.config import (
+    ActionProfile,
+    ApiEndpoint,
+    EnvConfig,
+    PoolConfig,
+    ServiceConfig,
+)
 
 
 class PoolChoiceError(ValueError):
@@ -61,6 +67,11 @@ def pool_config(
         for env in resources.envs.values()
         if env.pool_key() == pool.key
     }
+    services = {
+        svc.metadata.name: service_config(svc)
+        for svc in resources.services.values()
+        if svc.pool_key() == pool.key and spec.gpu is not None
+    }
     apis = tuple(
         ApiSpec(
             name=q.name,
@@ -92,6 +103,8 @@ def pool_config(
     return PoolConfig(
         name=pool.metadata.name,
         envs=envs,
+        services=services,
+        gpus_per_node=spec.gpu.gpus_per_node if spec.gpu else None,
         apis=apis,
         endpoints=endpoints,
         scheduling=scheduling,
@@ -133,4 +146,28 @@ def env_config(env: TrajectoryEnv, pool: str) -> EnvConfig:
         ),
         cpu=s.cpu,
         profiles=profiles,
+    )
+
+
+def service_config(svc: RewardService) -> ServiceConfig:
+    s = svc.spec
+    return ServiceConfig(
+        spec=ServiceDef(
+            name=svc.metadata.name,
+            entrypoint=s.entrypoint,
+            weights=s.weights,
+            gpu_memory_gb=s.gpu_memory_gib,
+            replicated=s.parallelism == "replicate",
+            max_batch=s.max_batch,
+        ),
+        dop_choices=tuple(s.dop_choices),
+        profiles=tuple(
+            (
+                p.dop,
+                p.t1_seconds,
+                (p.input_size.min, p.input_size.max) if p.input_size is not None else None,
+            )
+            for p in s.profiles
+        ),
+        restore_s=s.restore_seconds,
     )

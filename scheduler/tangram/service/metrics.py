@@ -45,7 +45,7 @@ _BUCKETS = (
 )
 
 
-_PHASES = ("act", "queued", "overhead", "exec")
+_PHASES = ("act", "queued", "overhead", "restore", "exec")
 
 
 class Metrics:
@@ -70,9 +70,28 @@ class Metrics:
                 ("act", "Action completion time: queued + overhead + exec"),
                 ("queued", "Time from submission to allocation"),
                 ("overhead", "System overhead: dispatch, cgroup writes, start, reclaim"),
+                ("restore", "Service calls: evicting and restoring models on their GPUs"),
                 ("exec", "The command's own run time"),
             )
         }
+        self.service_calls = Counter(
+            "tangram_service_calls",
+            "RewardService calls ended, by whether the model was already on its GPUs",
+            ("pool", "service", "resident"),
+            registry=self.registry,
+        )
+        self.restored_bytes = Counter(
+            "tangram_service_restored_bytes",
+            "Bytes of models restored into GPU memory",
+            ("pool", "service"),
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            "tangram_service_evictions",
+            "Model instances evicted from GPU memory for another call",
+            ("pool", "service"),
+            registry=self.registry,
+        )
         self.rejected = Counter(
             "tangram_admission_rejected",
             "Requests shed by admission control (429)",
@@ -96,9 +115,18 @@ class Metrics:
         if result.status.value in ("ok", "timeout"):
             t = result.timings
             for child, value in zip(
-                children[1:], (t.act_s, t.queued_s, t.overhead_s, t.exec_s), strict=True
+                children[1:],
+                (t.act_s, t.queued_s, t.overhead_s, t.restore_s, t.exec_s),
+                strict=True,
             ):
                 child.observe(value)
+        stats = result.service
+        if stats is not None:
+            svc = stats.service
+            self.service_calls.labels(self.pool, svc, str(stats.resident).lower()).inc()
+            self.restored_bytes.labels(self.pool, svc).inc(stats.restored_bytes)
+            if stats.evicted:
+                self.evictions.labels(self.pool, svc).inc(len(stats.evicted))
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)
@@ -130,6 +158,9 @@ class _Live(Collector):
             used.add_metric([pool, "cpu", name], node.cores - node.free_cores)
             cap.add_metric([pool, "memory_gb", name], node.memory_gb)
             used.add_metric([pool, "memory_gb", name], node.memory_used_gb)
+        for name, gpu in e.core.gpu.nodes.items():
+            cap.add_metric([pool, "gpu", name], gpu.gpus)
+            used.add_metric([pool, "gpu", name], gpu.gpus - gpu.free_gpus)
         for name, q in e.core.quotas.items():
             if q.concurrency is not None:
                 cap.add_metric([pool, f"api:{name}", ""], q.concurrency)

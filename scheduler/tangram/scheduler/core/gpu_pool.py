@@ -54,27 +54,67 @@ class GpuNode:
         self.free[self.gpus].add(0)
         self.used_gb = [0.0] * self.gpus
 
+    @property
+    def free_gpus(self) -> int:
+        return sum(size * len(starts) for size, starts in self.free.items())
+
 
 @dataclass(slots=True)
 class GpuPool:
     nodes: dict[str, GpuNode] = field(default_factory=dict)
     memory_gb: dict[str, float] = field(default_factory=dict)  # service -> total footprint
-    resident: OrderedDict[Instance, None] = field(default_factory=OrderedDict)  # LRU first
+    # Services whose DoP-k instance is k full replicas (each GPU holds the whole footprint);
+    # the others are sharded over their k GPUs.
+    replicated: set[str] = field(default_factory=set)
+    # Resident instances, least recently used first, with the GB each holds per GPU.
+    resident: OrderedDict[Instance, float] = field(default_factory=OrderedDict)
     busy: set[Instance] = field(default_factory=set)
 
     @classmethod
-    def build(cls, nodes: Iterable[tuple[str, int, float]], services: dict[str, float]) -> GpuPool:
+    def build(
+        cls,
+        nodes: Iterable[tuple[str, int, float]],
+        services: dict[str, float],
+        replicated: Iterable[str] = (),
+    ) -> GpuPool:
         """From ``(name, gpus, memory_gb_per_gpu)`` and service -> GPU memory footprint."""
-        pool = cls(memory_gb=dict(services))
+        pool = cls(memory_gb=dict(services), replicated=set(replicated))
         for name, gpus, mem in nodes:
             if gpus > 0:
-                pool.nodes[name] = GpuNode(name, gpus, mem)
+                pool.add_node(name, gpus, mem)
         return pool
+
+    # ---- membership (agents come and go; RewardServices are edited) ---------------------
+    def add_node(self, name: str, gpus: int, memory_gb: float) -> None:
+        if gpus not in CHUNK_SIZES:
+            raise ValueError(f"node {name}: {gpus} GPUs; buddy chunks need 1, 2, 4 or 8")
+        self.nodes[name] = GpuNode(name, gpus, memory_gb)
+
+    def remove_node(self, name: str) -> None:
+        """Forget a node with whatever it held (its agent is gone)."""
+        self.nodes.pop(name, None)
+        for inst in [i for i in self.resident if i.chunk.node == name]:
+            del self.resident[inst]
+        self.busy = {i for i in self.busy if i.chunk.node != name}
+
+    def set_service(self, service: str, memory_gb: float, replicated: bool) -> None:
+        """Define or redefine a service; idle instances of a changed one are dropped (their
+        footprint is stale), busy ones are accounted at the new size when they end."""
+        if self.memory_gb.get(service) == memory_gb and (service in self.replicated) == replicated:
+            return
+        self.evict_all(service)
+        self.memory_gb[service] = memory_gb
+        (self.replicated.add if replicated else self.replicated.discard)(service)
+
+    def per_gpu(self, service: str, size: int) -> float:
+        """GB a chunk-``size`` instance of ``service`` holds on each of its GPUs."""
+        total = self.memory_gb[service]
+        return total if service in self.replicated else total / size
 
     def fits(self, service: str, k: int) -> bool:
         """Whether a DoP-k instance of ``service`` can ever fit in GPU memory."""
         size = chunk_level(k)
-        per_gpu = self.memory_gb[service] / size
+        per_gpu = self.per_gpu(service, size)
         return any(n.gpus >= size and n.memory_gb + 1e-9 >= per_gpu for n in self.nodes.values())
 
     def can_host(self, service: str, k: int) -> bool:
@@ -110,7 +150,7 @@ class GpuPool:
         if hit:
             self.resident.move_to_end(inst)
         else:
-            per_gpu = self.memory_gb[service] / size
+            per_gpu = self.per_gpu(service, size)
             if per_gpu > node.memory_gb + 1e-9:
                 self._release_chunk(node, target)
                 raise ValueError(
@@ -128,14 +168,16 @@ class GpuPool:
                 evicted.append(victim)
             for g in target.gpus:
                 node.used_gb[g] += per_gpu
-            self.resident[inst] = None
+            self.resident[inst] = per_gpu
         self.busy.add(inst)
         return GpuGrant(target, hit, tuple(evicted))
 
     def release(self, service: str, chunk: Chunk) -> None:
         inst = Instance(service, chunk)
         self.busy.discard(inst)
-        self._release_chunk(self.nodes[chunk.node], chunk)
+        node = self.nodes.get(chunk.node)
+        if node is not None:  # else the node left while the call ran
+            self._release_chunk(node, chunk)
 
     def evict_all(self, service: str) -> None:
         for inst in [i for i in self.resident if i.service == service and i not in self.busy]:
@@ -143,10 +185,9 @@ class GpuPool:
 
     def _evict(self, inst: Instance) -> None:
         node = self.nodes[inst.chunk.node]
-        per_gpu = self.memory_gb[inst.service] / inst.chunk.size
+        per_gpu = self.resident.pop(inst)
         for g in inst.chunk.gpus:
             node.used_gb[g] = max(0.0, node.used_gb[g] - per_gpu)
-        del self.resident[inst]
 
     def _choose(self, service: str, size: int) -> Chunk | None:
         """Smallest free level >= size; within it, the aligned position that evicts least.
@@ -157,7 +198,7 @@ class GpuPool:
         Nodes whose GPUs are too small for the instance even when empty are skipped; if a
         level has no other position, a larger level is tried.
         """
-        need = self.memory_gb[service] / size
+        need = self.per_gpu(service, size)
         recency = {inst: i for i, inst in enumerate(self.resident)}  # 0 = least recently used
         for level in (s for s in CHUNK_SIZES if s >= size):
             best: tuple[tuple[int, float, int, str, int], Chunk] | None = None

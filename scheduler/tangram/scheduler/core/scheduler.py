@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tangram.api.action import ActionKind, ActionSpec
-from tangram.api.cluster import ApiSpec, ClusterSpec
+from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
 from tangram.api.demand import allowed_units
 from tangram.scheduler.core.cpu_pool import CpuPool
 from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
@@ -186,6 +186,7 @@ class Scheduler:
         self.gpu = GpuPool.build(
             ((n.name, n.gpus, n.gpu_memory_gb) for n in cluster.nodes),
             {s.name: s.gpu_memory_gb for s in cluster.services},
+            (s.name for s in cluster.services if s.replicated),
         )
         self.services = {s.name: s for s in cluster.services}
         self._biggest_node = max((n.cores for n in self.cpu.nodes.values()), default=0)
@@ -258,10 +259,41 @@ class Scheduler:
         self.cpu.add(name, cores, numa_nodes, memory_gb)
         self._nodes_changed()
 
+    def add_gpu_node(self, name: str, gpus: int, memory_gb: float) -> None:
+        """A node's GPUs join the pool: ``gpus`` (1, 2, 4 or 8) of ``memory_gb`` each, the
+        memory services may use. A node may have cores, GPUs or both."""
+        if name in self.gpu.nodes:
+            raise SchedulingError("node", f"{name}'s GPUs are already part of the pool")
+        if memory_gb <= 0:
+            raise SchedulingError("memory_gb", f"GPU memory must be positive, got {memory_gb}")
+        try:
+            self.gpu.add_node(name, gpus, memory_gb)
+        except ValueError as e:
+            raise SchedulingError("gpus", str(e)) from None
+        self._nodes_changed()
+
+    def set_services(self, services: Sequence[ServiceSpec]) -> None:
+        """New RewardService definitions. A removed service stays while any queued or
+        running action needs it (nothing waiting is dropped); a changed footprint drops its
+        idle instances."""
+        wanted = {s.name: s for s in services}
+        needed = {a.service for a in self.actions.values()} | {
+            r.action.service for r in self.running.values()
+        }
+        for name in [n for n in self.services if n not in wanted and n not in needed]:
+            del self.services[name]
+            self.gpu.evict_all(name)
+            self.gpu.memory_gb.pop(name, None)
+        for spec in wanted.values():
+            self.services[spec.name] = spec
+            self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated)
+        for a in self.actions.values():
+            a.cache = None
+
     def drain_node(self, name: str) -> Drained:
         """Take a node out: its trajectories are closed, every running action of theirs
-        forgotten (quota units come back), their queued actions dropped."""
-        if name not in self.cpu.nodes:
+        or on its GPUs forgotten (quota units come back), their queued actions dropped."""
+        if name not in self.cpu.nodes and name not in self.gpu.nodes:
             raise SchedulingError("node", f"{name} is not part of the pool")
         placed = tuple(sorted(t for t, n in self.cpu.placement.items() if n == name))
         lost = set(placed)
@@ -276,7 +308,8 @@ class Scheduler:
         dropped: list[str] = []
         for tid in placed:
             dropped.extend(self.close_trajectory(tid, finished=False))
-        del self.cpu.nodes[name]
+        self.cpu.nodes.pop(name, None)
+        self.gpu.remove_node(name)
         self._nodes_changed()
         return Drained(running, placed, tuple(dropped))
 

@@ -1,0 +1,209 @@
+"""The node agent's GPU role: RewardService calls on the node's GPUs, behind one interface.
+
+:class:`ServiceBackend` is what the agent needs from whatever holds the models. The
+built-in PyTorch worker (:mod:`tangram.node_agent.gpu_worker`) implements it and is the
+one tested here. An external inference server that can release and resume its GPU memory
+fits behind the same interface: ``load`` starts the server once and puts it to sleep
+(its weights stay in host memory), a call's restore is a wake-up on the chunk's GPUs
+(vLLM ``/wake_up``, SGLang ``/resume_memory_occupation``), an eviction is a sleep (vLLM
+``/sleep`` level 1, SGLang ``/release_memory_occupation``), and the call itself is
+forwarded to the server.
+
+:class:`GpuRole` runs a backend for the agent: torch work happens in threads off the
+event loop, and a call answers only once its thread has finished, even when cancelled,
+so the scheduler never hands a GPU to a second call while the first still runs on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tangram.api.wire import (
+    GpuWorkerInfo,
+    ServiceDef,
+    ServiceLoad,
+    ServiceOutcome,
+    ServiceStats,
+)
+from tangram.node_agent.execution import ExecError
+
+log = logging.getLogger("tangram.agent.gpu")
+MIB = 2**20
+# Kept free on each GPU for the CUDA context, the caching allocator's slack and kernels'
+# workspaces: a restore the residency plan admits must never run out of memory.
+RESERVE_BYTES = 1536 * MIB
+RESERVE_FRACTION = 0.03
+
+
+class CallStatsLike(Protocol):
+    hit: bool
+    restore_s: float
+    evict_s: float
+    exec_s: float
+    restored_bytes: int
+    evicted: list[str]
+
+
+class ServiceBackend(Protocol):
+    """What serves RewardService calls on this node's GPUs (see the module docstring)."""
+
+    def load(self, spec: ServiceDef) -> float:
+        """Bring ``spec`` into host memory once; seconds it took. Raises on a bad service."""
+        ...
+
+    def loaded_bytes(self, service: str) -> int:
+        """Bytes a restore of one replica copies to a GPU."""
+        ...
+
+    def unload(self, service: str) -> None: ...
+
+    def call(
+        self, service: str, chunk: Sequence[int], inputs: list[Any]
+    ) -> tuple[list[Any], CallStatsLike]:
+        """Make the service resident on ``chunk`` (evicting as needed) and run ``inputs``."""
+        ...
+
+    def resident(self) -> dict[str, list[int]]: ...
+
+    def h2d_gbps(self, device: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class GpuOptions:
+    """``--gpus``: ``auto`` (CUDA devices if any), ``none``, or ``cpu:N`` (N CPU-backed
+    devices standing in for GPUs: tests and demos); ``--gpu-memory-mib`` overrides what
+    each device offers to service instances."""
+
+    mode: str = "none"
+    memory_mib: int | None = None
+
+    @classmethod
+    def parse(cls, text: str, memory_mib: int | None = None) -> GpuOptions:
+        if text in ("auto", "none"):
+            return cls(text, memory_mib)
+        count = text.removeprefix("cpu:")
+        if text.startswith("cpu:") and count.isdigit() and int(count) in (1, 2, 4, 8):
+            return cls(text, memory_mib)
+        raise ExecError(f"--gpus: {text!r} is not auto, none or cpu:N with N in 1, 2, 4, 8")
+
+
+class GpuRole:
+    def __init__(self, backend: ServiceBackend, info: GpuWorkerInfo) -> None:
+        self.backend = backend
+        self.info = info
+        self.defs: dict[str, ServiceDef] = {}
+        self.loaded: dict[str, ServiceLoad] = {}
+        self._sync_lock = asyncio.Lock()
+
+    @classmethod
+    def start(cls, options: GpuOptions, nvml_gpus: int = 0) -> GpuRole | None:
+        """The role for ``options``, or None (no GPUs asked for, or none found with auto).
+        ``nvml_gpus``: GPUs NVML sees; with auto and none, PyTorch is never imported (it
+        costs seconds and hundreds of MB on every CPU node)."""
+        if options.mode == "none" or (options.mode == "auto" and nvml_gpus == 0):
+            return None
+        try:
+            from tangram.node_agent.gpu_worker import GpuWorker, cuda_memory
+        except ImportError as e:
+            if options.mode == "auto":
+                log.info("no GPU role: %s (install the gpu extra)", e)
+                return None
+            raise ExecError(f"--gpus {options.mode}: PyTorch is not installed ({e})") from None
+        if options.mode == "auto":
+            totals = cuda_memory()
+            if not totals:
+                return None
+            usable = max(k for k in (1, 2, 4, 8) if k <= len(totals))
+            if usable < len(totals):
+                log.warning("%d CUDA devices: buddy chunks use the first %d", len(totals), usable)
+            totals = totals[:usable]
+            devices = list(range(usable))
+            backend = "cuda"
+        else:
+            devices = list(range(int(options.mode.removeprefix("cpu:"))))
+            totals = [(options.memory_mib or 1024) * MIB for _ in devices]
+            backend = "cpu"
+        if options.memory_mib is not None:
+            capacity = [options.memory_mib * MIB for _ in devices]
+        else:
+            capacity = [
+                max(0, int(t - RESERVE_BYTES - RESERVE_FRACTION * t)) if backend == "cuda" else t
+                for t in totals
+            ]
+        worker = GpuWorker(dict(zip(devices, capacity, strict=True)), cpu=backend == "cpu")
+        gbps = worker.h2d_gbps(devices[0])
+        info = GpuWorkerInfo(backend=backend, devices=devices, memory_bytes=capacity, h2d_gbps=gbps)
+        log.info(
+            "GPU role: %d %s devices, %.1f GiB each for services, host-to-device %.1f GB/s",
+            len(devices),
+            backend,
+            min(capacity) / 2**30,
+            gbps,
+        )
+        return cls(worker, info)
+
+    async def sync(self, defs: Sequence[ServiceDef]) -> dict[str, ServiceLoad]:
+        """Hold exactly ``defs``: new ones are loaded (once, into host memory), changed ones
+        reloaded, removed ones dropped. One failing service does not stop the others."""
+        async with self._sync_lock:
+            wanted = {d.name: d for d in defs}
+            for name in [n for n in self.defs if wanted.get(n) != self.defs[n]]:
+                await asyncio.to_thread(self.backend.unload, name)
+                self.defs.pop(name)
+                self.loaded.pop(name, None)
+            for name, spec in wanted.items():
+                if name in self.defs:
+                    continue
+                self.defs[name] = spec
+                try:
+                    seconds = await asyncio.to_thread(self.backend.load, spec)
+                except Exception as e:  # a bad service is reported, never fatal
+                    self.loaded[name] = ServiceLoad(ok=False, error=str(e))
+                    log.warning("RewardService %s not loaded: %s", name, e)
+                    continue
+                self.loaded[name] = ServiceLoad(
+                    ok=True, bytes=self.backend.loaded_bytes(name), load_s=seconds
+                )
+                log.info("RewardService %s loaded in %.2f s", name, seconds)
+            return dict(self.loaded)
+
+    async def call(self, service: str, gpus: Sequence[int], inputs: list[Any]) -> ServiceOutcome:
+        unknown = [g for g in gpus if g not in self.info.devices]
+        if unknown or not gpus:
+            raise ExecError(f"gpus {list(gpus)}: not this worker's devices {self.info.devices}")
+        state = self.loaded.get(service)
+        if state is None or not state.ok:
+            why = state.error if state is not None else "not defined on this node"
+            raise ExecError(f"service {service}: {why}")
+        work = asyncio.ensure_future(
+            asyncio.to_thread(self.backend.call, service, list(gpus), inputs)
+        )
+        try:
+            outputs, stats = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: answer once it is done with the GPUs.
+            with contextlib.suppress(Exception):
+                await work
+            raise
+        except Exception as e:
+            raise ExecError(f"service {service}: {e}") from None
+        return ServiceOutcome(
+            outputs=outputs,
+            stats=ServiceStats(
+                service=service,
+                resident=stats.hit,
+                restore_s=stats.restore_s,
+                evict_s=stats.evict_s,
+                restored_bytes=stats.restored_bytes,
+                evicted=list(stats.evicted),
+            ),
+            exec_s=stats.exec_s,
+        )
+
+
+__all__ = ["GpuOptions", "GpuRole", "ServiceBackend"]

@@ -1,0 +1,123 @@
+"""RewardService calls end to end: the real client, the scheduler over HTTP, a real agent
+with the GPU role on CPU-backed devices (``--gpus cpu:N``), the PyTorch worker and a tiny
+model built in code. The same path runs on CUDA devices with ``--gpus auto``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tangram.api.wire import ServiceDef  # noqa: E402
+from tangram.client import ActionStatus, Client, TangramError  # noqa: E402
+from tangram.node_agent.agent import NodeAgent  # noqa: E402
+from tangram.node_agent.gpu_service import GpuOptions  # noqa: E402
+from tangram.service.config import PoolConfig, ServiceConfig  # noqa: E402
+from tests.fixtures.tiny_reward import TinyReward, weights  # noqa: E402
+
+from .service_harness import service  # noqa: E402
+
+pytestmark = [pytest.mark.xdist_group("service")]
+ENTRY = "tests.fixtures.tiny_reward:build"
+INPUTS = [[float(i + j) / 10 for j in range(16)] for i in range(6)]
+
+
+def _service(
+    tmp: Path, name: str, mib: int, seed: int = 0, dops: tuple[int, ...] = (1,), **kw: object
+) -> ServiceConfig:
+    path = tmp / f"{name}.pt"
+    weights(str(path), seed)
+    spec = ServiceDef(name=name, entrypoint=ENTRY, weights=str(path), gpu_memory_gb=mib / 1024)
+    return ServiceConfig(spec=spec, dop_choices=dops, **kw)  # type: ignore[arg-type]
+
+
+def _expected(seed: int) -> list[float]:
+    torch.manual_seed(seed)
+    model = TinyReward()
+    with torch.inference_mode():
+        return [float(v) for v in model(torch.tensor(INPUTS))]
+
+
+@contextmanager
+def _running(
+    tmp: Path, services: list[ServiceConfig], devices: int = 1, mib: int = 10
+) -> Iterator[Client]:
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    agent = NodeAgent.create(
+        tmp / "agent",
+        runtime="process",
+        gpus=GpuOptions(f"cpu:{devices}", mib),
+    )
+    config = PoolConfig(services={s.spec.name: s for s in services})
+    with service(config, agent, tmp) as (running, token), Client(running.url, token) as c:
+        yield c
+
+
+def test_restore_then_resident_with_the_models_own_scores(tmp_path: Path) -> None:
+    with _running(tmp_path, [_service(tmp_path, "judge", 4, seed=3)]) as client:
+        first = client.score("judge", INPUTS)
+        assert first.status is ActionStatus.OK, first.error
+        assert first.kind == "service" and first.output == _expected(3)
+        assert first.service is not None and not first.service.resident
+        assert first.service.restored_bytes > 0 and first.timings.restore_s > 0
+        assert first.allocation.gpus == [0] and first.allocation.dop == 1
+        again = client.score("judge", INPUTS)
+        assert again.service is not None and again.service.resident
+        assert again.output == first.output and again.timings.restore_s < first.timings.restore_s
+
+
+def test_the_scheduler_and_the_worker_evict_the_least_recently_used(tmp_path: Path) -> None:
+    services = [_service(tmp_path, n, 6, seed=i) for i, n in enumerate(("judge", "critic"))]
+    with _running(tmp_path, services) as client:  # one 10 MiB device: one model at a time
+        client.score("judge", INPUTS)
+        critic = client.score("critic", INPUTS)
+        assert critic.service is not None and critic.service.evicted == ["judge@0"]
+        judge = client.score("judge", INPUTS)
+        assert judge.service is not None and not judge.service.resident
+        assert judge.service.evicted == ["critic@0"] and judge.output == _expected(0)
+        metrics = httpx_get(client, "/metrics")
+        calls = 'tangram_service_calls_total{pool="default",resident="false",service="judge"}'
+        assert f"{calls} 2.0" in metrics
+        assert "tangram_units_capacity{node=" in metrics and 'resource="gpu"' in metrics
+
+
+def test_a_call_may_span_a_chunk_of_gpus(tmp_path: Path) -> None:
+    teacher = _service(
+        tmp_path, "teacher", 4, seed=1, dops=(1, 2), profiles=((1, 2.0, None), (2, 1.1, None))
+    )
+    with _running(tmp_path, [teacher], devices=2) as client:
+        r = client.score("teacher", INPUTS)  # alone: the faster DoP 2, one replica per device
+        assert r.status is ActionStatus.OK and r.allocation.gpus == [0, 1]
+        assert r.allocation.dop == 2 and r.output == pytest.approx(_expected(1), rel=1e-5)
+        one = client.score("teacher", INPUTS, gpu=1)  # the caller narrowed it
+        assert one.allocation.dop == 1 and len(one.allocation.gpus) == 1
+
+
+def test_bad_calls_and_bad_services_are_named(tmp_path: Path) -> None:
+    broken = ServiceConfig(
+        spec=ServiceDef(
+            name="broken", entrypoint=ENTRY, weights=str(tmp_path / "none.pt"), gpu_memory_gb=0.001
+        )
+    )
+    with _running(tmp_path, [_service(tmp_path, "judge", 4), broken]) as client:
+        cases: list[tuple[str, dict[str, int], int, str]] = [
+            ("nope", {}, 404, "unknown RewardService 'nope'"),
+            ("judge", {"gpu": 2}, 400, "dopChoices"),
+            ("broken", {}, 503, "none.pt"),
+        ]
+        for name, options, status, text in cases:
+            with pytest.raises(TangramError) as e:
+                client.score(name, INPUTS, **options)
+            assert e.value.status == status and text in str(e.value)
+        assert client.score("judge", INPUTS).status is ActionStatus.OK
+
+
+def httpx_get(client: Client, path: str) -> str:
+    return httpx.get(client._async.url + path, timeout=10).text
