@@ -5,7 +5,8 @@ model built in code. The same path runs on CUDA devices with ``--gpus auto``."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from tangram.api.wire import ServiceDef  # noqa: E402
 from tangram.client import ActionStatus, Client, TangramError  # noqa: E402
 from tangram.node_agent.agent import NodeAgent  # noqa: E402
 from tangram.node_agent.gpu_service import GpuOptions  # noqa: E402
+from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore  # noqa: E402
 from tangram.service.config import PoolConfig, ServiceConfig  # noqa: E402
+from tangram.service.embedded import Running  # noqa: E402
 from tests.fixtures.tiny_reward import TinyReward, weights  # noqa: E402
 
 from .service_harness import service  # noqa: E402
@@ -44,10 +47,13 @@ def _expected(seed: int) -> list[float]:
         return [float(v) for v in model(torch.tensor(INPUTS))]
 
 
+USER, OPERATOR, AGENT = "u" * 24, "o" * 24, "g" * 24
+
+
 @contextmanager
-def _running(
+def _serving(
     tmp: Path, services: list[ServiceConfig], devices: int = 1, mib: int = 10
-) -> Iterator[Client]:
+) -> Iterator[tuple[Running, Client]]:
     if os.geteuid() != 0:
         pytest.skip("the process runtime writes cgroups: needs root")
     agent = NodeAgent.create(
@@ -56,8 +62,20 @@ def _running(
         gpus=GpuOptions(f"cpu:{devices}", mib),
     )
     config = PoolConfig(services={s.spec.name: s for s in services})
-    with service(config, agent, tmp) as (running, token), Client(running.url, token) as c:
-        yield c
+    tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT, AGENT: AGENT_TENANT})
+    with (
+        service(config, agent, tmp, tokens=tokens) as (running, _),
+        Client(running.url, USER) as c,
+    ):
+        yield running, c
+
+
+@contextmanager
+def _running(
+    tmp: Path, services: list[ServiceConfig], devices: int = 1, mib: int = 10
+) -> Iterator[Client]:
+    with _serving(tmp, services, devices, mib) as (_, client):
+        yield client
 
 
 def test_restore_then_resident_with_the_models_own_scores(tmp_path: Path) -> None:
@@ -117,6 +135,47 @@ def test_bad_calls_and_bad_services_are_named(tmp_path: Path) -> None:
                 client.score(name, INPUTS, **options)
             assert e.value.status == status and text in str(e.value)
         assert client.score("judge", INPUTS).status is ActionStatus.OK
+
+
+def test_reloaded_services_are_loaded_and_edited_ones_reloaded(tmp_path: Path) -> None:
+    judge = _service(tmp_path, "judge", 4, seed=0)
+    with _serving(tmp_path, [judge], devices=2) as (running, client):
+        assert client.score("judge", INPUTS).output == _expected(0)
+        weights(str(tmp_path / "judge.pt"), 5)  # new weights, and a new size: an edit
+        edited = _service(tmp_path, "judge", 5, seed=5)
+        critic = _service(tmp_path, "critic", 4, seed=2)
+        reloaded = PoolConfig(services={"judge": edited, "critic": critic})
+        running.engine.reloader = lambda _text: reloaded
+        answer = httpx.post(
+            f"{running.url}/v1/admin/reload",
+            headers={"Authorization": f"Bearer {OPERATOR}"},
+            timeout=30,
+        )
+        assert (
+            answer.status_code == 200 and "RewardServices critic, judge" in answer.json()["changes"]
+        )
+        assert _eventually(lambda: client.score("critic", INPUTS).output == _expected(2))
+        assert _eventually(lambda: client.score("judge", INPUTS).output == _expected(5))
+        figures = httpx.get(
+            f"{running.url}/v1/admin/status",
+            headers={"Authorization": f"Bearer {OPERATOR}"},
+            timeout=10,
+        ).json()
+        assert figures["gpus"] == 2 and figures["gpus_in_use"] == 0
+
+
+def _eventually(check: Callable[[], bool], timeout_s: float = 20) -> bool:
+    """The agent loads reloaded services in the background: a call may race it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return True
+        except TangramError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def httpx_get(client: Client, path: str) -> str:

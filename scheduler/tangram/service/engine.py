@@ -599,13 +599,26 @@ class Engine:
             raise EngineError(
                 "invalid", "api", f"quota {api!r} has no endpoint: lease it and call it yourself"
             )
-        holder = f"~leases/{tenant}"  # leases hold no trajectory; "~" is never in an id
-        if holder not in self.core.trajectories:
-            self.core.open_trajectory(holder)
         units = req.units if isinstance(req, ApiLeaseRequest) else 1
         # ``quotas`` are units beyond the one an api action holds anyway.
         spec = ActionSpec(kind="api", api=api, quotas={api: units - 1} if units > 1 else {})
-        rec = self._record(tenant, None, "api", req, None, target=what)
+        return self._submit_detached(tenant, "leases", req, spec, what)
+
+    def _submit_detached(
+        self,
+        tenant: str,
+        group: str,
+        req: ApiLeaseRequest | ApiCallRequest | ServiceCallRequest,
+        spec: ActionSpec,
+        what: str,
+    ) -> ActionRecord:
+        """Queue an action that belongs to no trajectory (API leases and calls, service
+        calls): the core counts it under the tenant's holder, ``~group/tenant``."""
+        holder = f"~{group}/{tenant}"  # "~" is never in a trajectory id
+        if holder not in self.core.trajectories:
+            self.core.open_trajectory(holder)
+        kind: Literal["service", "api"] = "service" if spec.kind == "service" else "api"
+        rec = self._record(tenant, None, kind, req, None, target=what)
         try:
             self.core.submit(rec.id, holder, spec, rec.submitted)
         except SchedulingError as e:
@@ -829,17 +842,7 @@ class Engine:
                     else ""
                 ),
             )
-        spec = self._call_spec(cfg, req)
-        holder = f"~services/{tenant}"  # service calls hold no trajectory
-        if holder not in self.core.trajectories:
-            self.core.open_trajectory(holder)
-        rec = self._record(tenant, None, "service", req, None, target=what)
-        try:
-            self.core.submit(rec.id, holder, spec, rec.submitted)
-        except SchedulingError as e:
-            raise EngineError("invalid", e.field, e.message) from None
-        self._admit(rec, req.queue_timeout_s, req.idempotency_key)
-        return rec
+        return self._submit_detached(tenant, "services", req, self._call_spec(cfg, req), what)
 
     @staticmethod
     def _call_spec(cfg: ServiceConfig, req: ServiceCallRequest) -> ActionSpec:
