@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,7 @@ from .service_harness import service  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("service")]
 ENTRY = "tests.fixtures.tiny_reward:build"
+SLOW_ENTRY = "tests.fixtures.tiny_reward:build_slow"
 INPUTS = [[float(i + j) / 10 for j in range(16)] for i in range(6)]
 
 
@@ -116,6 +118,18 @@ def test_a_call_may_span_a_chunk_of_gpus(tmp_path: Path) -> None:
         assert r.allocation.dop == 2 and r.output == pytest.approx(_expected(1), rel=1e-5)
         one = client.score("teacher", INPUTS, gpu=1)  # the caller narrowed it
         assert one.allocation.dop == 1 and len(one.allocation.gpus) == 1
+
+
+def test_a_timed_out_call_keeps_its_gpu_until_it_ends(tmp_path: Path) -> None:
+    slow = _service(tmp_path, "slow", 4)
+    slow = replace(slow, spec=slow.spec.model_copy(update={"entrypoint": SLOW_ENTRY}))
+    with _running(tmp_path, [slow]) as client:  # one device
+        late = client.score("slow", INPUTS, timeout_s=0.2)
+        assert late.status is ActionStatus.TIMEOUT and late.output is None
+        # Its thread still runs on device 0: the next call waits for it, never shares it.
+        after = client.score("slow", INPUTS)
+        assert after.status is ActionStatus.OK, after.error
+        assert after.output == _expected(0) and after.timings.queued_s > 0
 
 
 def test_bad_calls_and_bad_services_are_named(tmp_path: Path) -> None:

@@ -173,3 +173,16 @@ def test_redefining_services_keeps_what_waiting_calls_need() -> None:
     s.complete("c2", 2.0)
     s.set_services([ServiceSpec(name="a", gpu_memory_gb=5, dop_choices=[1])])
     assert set(s.services) == {"a"} and "b" not in s.gpu.memory_gb
+
+
+def test_an_instance_redefined_while_it_ran_is_dropped_when_it_ends() -> None:
+    s = Scheduler(cluster(nodes=[]))
+    s.add_gpu_node("g", gpus=1, memory_gb=10)
+    s.set_services([ServiceSpec(name="a", gpu_memory_gb=4, dop_choices=[1])])
+    s.open_trajectory("~svc")
+    s.submit("c1", "~svc", _service_action("a"), now=0.0)
+    s.schedule(0.0)
+    s.set_services([ServiceSpec(name="a", gpu_memory_gb=6, dop_choices=[1])])  # an edit
+    assert [i.service for i in s.gpu.resident] == ["a"]  # busy: kept while it runs
+    s.complete("c1", 1.0)
+    assert not s.gpu.resident and s.gpu.nodes["g"].used_gb == [0.0]

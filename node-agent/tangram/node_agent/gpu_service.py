@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ MIB = 2**20
 # workspaces: a restore the residency plan admits must never run out of memory.
 RESERVE_BYTES = 1536 * MIB
 RESERVE_FRACTION = 0.03
+MAX_OUTPUT_BYTES = 8 << 20  # a call's outputs as JSON; the link's messages stay far below 16 MiB
 
 
 class CallStatsLike(Protocol):
@@ -110,8 +112,10 @@ class GpuRole:
         try:
             from tangram.node_agent.gpu_worker import GpuWorker, cuda_memory
         except ImportError as e:
-            if options.mode == "auto":
-                log.info("no GPU role: %s (install the gpu extra)", e)
+            if options.mode == "auto":  # NVML sees GPUs, so serving them was likely meant
+                log.warning(
+                    "%d GPUs but no GPU role: %s (use an image with the gpu extra)", nvml_gpus, e
+                )
                 return None
             raise ExecError(f"--gpus {options.mode}: PyTorch is not installed ({e})") from None
         if options.mode == "auto":
@@ -159,13 +163,13 @@ class GpuRole:
             for name, spec in wanted.items():
                 if name in self.defs:
                     continue
-                self.defs[name] = spec
                 try:
                     seconds = await asyncio.to_thread(self.backend.load, spec)
-                except Exception as e:  # a bad service is reported, never fatal
+                except Exception as e:  # reported, never fatal; the next sync tries again
                     self.loaded[name] = ServiceLoad(ok=False, error=str(e))
                     log.warning("RewardService %s not loaded: %s", name, e)
                     continue
+                self.defs[name] = spec
                 self.loaded[name] = ServiceLoad(
                     ok=True, bytes=self.backend.loaded_bytes(name), load_s=seconds
                 )
@@ -192,6 +196,12 @@ class GpuRole:
             raise
         except Exception as e:
             raise ExecError(f"service {service}: {e}") from None
+        size = len(json.dumps(outputs, default=str))
+        if size > MAX_OUTPUT_BYTES:  # the reply must fit a WebSocket message of the link
+            raise ExecError(
+                f"service {service}: outputs of {size} bytes exceed {MAX_OUTPUT_BYTES}; "
+                "split the call or return less per input"
+            )
         return ServiceOutcome(
             outputs=outputs,
             stats=ServiceStats(

@@ -28,8 +28,10 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +47,7 @@ from tangram.node_agent.gpu_residency import (
 GIB = 2**30
 
 Score = Callable[[torch.nn.Module, list[Any]], list[Any]]
+T = TypeVar("T")
 
 
 class ServiceError(RuntimeError):
@@ -119,6 +122,7 @@ class GpuWorker:
         self.loads = 0  # reads of weights from storage: one per service, ever
         self.hits = self.restores = self.evictions = 0
         self._running: set[int] = set()  # devices with a call on them
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpu-replica")
         self._lock = threading.Lock()
 
     def h2d_gbps(self, device: int, nbytes: int = 64 << 20, repeats: int = 3) -> float:
@@ -206,28 +210,42 @@ class GpuWorker:
                 self._evict(victim)
                 stats.evicted.append(name(victim))
             stats.evict_s = self.clock() - t0
+            self._running.update(chunk)  # ours alone from here: no other call plans on them
             if plan.hit:
                 self.hits += 1
-            else:
+                self.residency.acquire(key)
+                replicas = self.instances[key]
+        acquired = plan.hit
+        try:
+            if not plan.hit:  # outside the lock: calls on other chunks go on meanwhile
                 t0 = self.clock()
-                self.instances[key] = [self._restore(service, d) for d in chunk]
+                replicas = self._parallel([partial(self._restore, service, d) for d in chunk])
                 self._synchronize(chunk)
                 stats.restore_s = self.clock() - t0
                 stats.restored_bytes = service.nbytes * len(chunk)
-                self.residency.admit(key, service.bytes_per_device)
-                self.restores += 1
-            self.residency.acquire(key)
-            self._running.update(chunk)
-            replicas = self.instances[key]
-        try:
+                with self._lock:
+                    self.instances[key] = replicas
+                    self.residency.admit(key, service.bytes_per_device)
+                    self.residency.acquire(key)
+                    acquired = True
+                    self.restores += 1
             t0 = self.clock()
             outputs = self._run(service, replicas, chunk, inputs)
             stats.exec_s = self.clock() - t0
         finally:
             with self._lock:
-                self.residency.release(key)
+                if acquired:
+                    self.residency.release(key)
+                    if self.services.get(service_name) is not service:
+                        self._evict(key)  # its service was edited or removed meanwhile
                 self._running.difference_update(chunk)
         return outputs, stats
+
+    def _parallel(self, jobs: list[Callable[[], T]]) -> list[T]:
+        """Run one job per device at once (a DoP-k call drives its k GPUs together)."""
+        if len(jobs) == 1:
+            return [jobs[0]()]
+        return list(self._pool.map(lambda job: job(), jobs))
 
     def loaded_bytes(self, service: str) -> int:
         return self.services[service].nbytes
@@ -262,22 +280,26 @@ class GpuWorker:
         score = service.score
         k = len(replicas)
         share = -(-len(inputs) // k) if inputs else 0  # ceil: the batch over the replicas
-        outputs: list[Any] = []
-        with torch.inference_mode():
-            for r, replica in enumerate(replicas):
-                part = inputs[r * share : (r + 1) * share]
-                step = service.spec.max_batch  # forward passes of at most maxBatch inputs
+        step = service.spec.max_batch  # forward passes of at most maxBatch inputs
+
+        def replica_run(r: int) -> list[Any]:
+            part = inputs[r * share : (r + 1) * share]
+            out: list[Any] = []
+            with torch.inference_mode():  # per thread: the mode is thread-local
                 for i in range(0, len(part), step):
                     batch = part[i : i + step]
-                    got = score(replica, batch)
+                    got = score(replicas[r], batch)
                     if len(got) != len(batch):
                         raise ServiceError(
                             f"{service.spec.name}: score returned {len(got)} outputs for "
                             f"{len(batch)} inputs"
                         )
-                    outputs.extend(got)
+                    out.extend(got)
+            return out
+
+        parts = self._parallel([partial(replica_run, r) for r in range(k)])
         self._synchronize(chunk)
-        return outputs
+        return [o for part in parts for o in part]
 
     def evict_all(self, service: str | None = None) -> None:
         """Drop idle instances (of ``service``, or all); running ones stay."""

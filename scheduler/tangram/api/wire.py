@@ -327,6 +327,14 @@ class GpuWorkerInfo(_Strict):
     memory_bytes: list[int] = Field(description="per device: what service instances may use")
     h2d_gbps: float = Field(gt=0, description="measured host-to-device copy bandwidth")
 
+    @model_validator(mode="after")
+    def _one_memory_per_device(self) -> Self:
+        if len(self.memory_bytes) != len(self.devices):
+            raise ValueError(
+                f"memory_bytes: {len(self.memory_bytes)} entries for {len(self.devices)} devices"
+            )
+        return self
+
 
 class ServiceDef(_Strict):
     """The node side of a RewardService: what the worker loads."""

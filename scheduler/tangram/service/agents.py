@@ -65,7 +65,9 @@ class AgentLink:
         try:
             async with self._send_lock:
                 await self.socket.send_text(req.model_dump_json())
-            return await fut
+            # Shielded: cancelling this request must not cancel ``fut``, which the wait
+            # below still needs.
+            return await asyncio.shield(fut)
         except asyncio.CancelledError:
             # Wait (bounded) for the agent to report the command gone: its cores must not
             # be handed out while it still runs.

@@ -890,11 +890,13 @@ class Engine:
         service = rec.target.removeprefix("call of service ")
         t0 = self.clock()
         status, reply, error = ActionStatus.ERROR, None, None
+        # The call's thread cannot be stopped once it runs: its chunk stays held until the
+        # agent answers, even when the caller stops waiting (timeout, cancel).
+        ask = asyncio.ensure_future(
+            self._ask(asg.node, op="call", service=service, gpus=gpus, inputs=req.inputs)
+        )
         try:
-            reply = await asyncio.wait_for(
-                self._ask(asg.node, op="call", service=service, gpus=gpus, inputs=req.inputs),
-                req.timeout_s,
-            )
+            reply = await asyncio.wait_for(asyncio.shield(ask), req.timeout_s)
             if reply.ok and reply.call is not None:
                 status = ActionStatus.OK
             else:
@@ -906,8 +908,13 @@ class Engine:
         except EngineError as e:
             error = _err("node_lost", e.message, retryable=True)
         now = self.clock()
-        if rec.id in self.core.running:
-            self.core.complete(rec.id, now, ok=status is ActionStatus.OK)
+        if ask.done():
+            self._complete_call(rec.id, ok=status is ActionStatus.OK)
+        else:
+            ask.add_done_callback(lambda _: self._complete_call(rec.id, ok=False))
+            self._spawned.add(ask)
+            ask.add_done_callback(self._spawned.discard)
+            ask.add_done_callback(lambda t: t.cancelled() or t.exception())
         call = reply.call if reply is not None else None
         exec_s = call.exec_s if call is not None else 0.0
         restore_s = call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
@@ -922,6 +929,11 @@ class Engine:
             service=call.stats if call is not None else None,
         )
         self._wake.set()
+
+    def _complete_call(self, aid: str, *, ok: bool) -> None:
+        if aid in self.core.running:
+            self.core.complete(aid, self.clock(), ok=ok)
+            self._wake.set()
 
     # ---- rounds and dispatch ---------------------------------------------------------
     async def _rounds(self) -> None:

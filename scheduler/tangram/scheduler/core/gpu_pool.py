@@ -178,6 +178,11 @@ class GpuPool:
         node = self.nodes.get(chunk.node)
         if node is not None:  # else the node left while the call ran
             self._release_chunk(node, chunk)
+            charged = self.resident.get(inst)
+            if charged is not None and (
+                service not in self.memory_gb or charged != self.per_gpu(service, chunk.size)
+            ):
+                self._evict(inst)  # redefined or removed while it ran: stale now
 
     def evict_all(self, service: str) -> None:
         for inst in [i for i in self.resident if i.service == service and i not in self.busy]:
