@@ -118,27 +118,20 @@ class GpuRole:
                 )
                 return None
             raise ExecError(f"--gpus {options.mode}: PyTorch is not installed ({e})") from None
+        # Every device is offered; the scheduler uses a power of two of them (buddy chunks).
+        override = options.memory_mib * MIB if options.memory_mib is not None else None
         if options.mode == "auto":
             totals = cuda_memory()
             if not totals:
                 return None
-            usable = max(k for k in (1, 2, 4, 8) if k <= len(totals))
-            if usable < len(totals):
-                log.warning("%d CUDA devices: buddy chunks use the first %d", len(totals), usable)
-            totals = totals[:usable]
-            devices = list(range(usable))
+            capacity = [
+                override or max(0, int(t - RESERVE_BYTES - RESERVE_FRACTION * t)) for t in totals
+            ]
             backend = "cuda"
         else:
-            devices = list(range(int(options.mode.removeprefix("cpu:"))))
-            totals = [(options.memory_mib or 1024) * MIB for _ in devices]
+            capacity = [override or 1024 * MIB] * int(options.mode.removeprefix("cpu:"))
             backend = "cpu"
-        if options.memory_mib is not None:
-            capacity = [options.memory_mib * MIB for _ in devices]
-        else:
-            capacity = [
-                max(0, int(t - RESERVE_BYTES - RESERVE_FRACTION * t)) if backend == "cuda" else t
-                for t in totals
-            ]
+        devices = list(range(len(capacity)))
         worker = GpuWorker(dict(zip(devices, capacity, strict=True)), cpu=backend == "cpu")
         gbps = worker.h2d_gbps(devices[0])
         info = GpuWorkerInfo(backend=backend, devices=devices, memory_bytes=capacity, h2d_gbps=gbps)

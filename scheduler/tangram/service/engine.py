@@ -220,7 +220,7 @@ class Engine:
                 if after is not None and after.spec.warm:
                     for node in self.hub.links:
                         self._background(self._ask(node, op="warm", env=after.spec))
-        if old.services != config.services or old.gpus_per_node != config.gpus_per_node:
+        if old.services != config.services:
             changes.append("RewardServices " + (", ".join(sorted(config.services)) or "none"))
         if old.apis != config.apis:
             self.core.set_quotas(config.apis)
@@ -355,8 +355,8 @@ class Engine:
         self._finish(rec, status, error=error, exec_s=exec_s, reply=reply)
         self._wake.set()
 
-    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.ensure_future(coro)
+    def _background(self, work: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> None:
+        task = asyncio.ensure_future(work)
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never unretrieved
@@ -751,6 +751,10 @@ class Engine:
         which services to load."""
         limit = min(len(gpu.devices), self.config.gpus_per_node or 8)
         count = max(k for k in (1, 2, 4, 8) if k <= limit)
+        if count < len(gpu.devices):
+            log.warning(
+                "node %s: %d GPUs, buddy chunks use the first %d", node, len(gpu.devices), count
+            )
         memory_gb = min(gpu.memory_bytes[:count]) / 2**30
         try:
             self.core.add_gpu_node(node, count, memory_gb)
@@ -828,19 +832,13 @@ class Engine:
             )
         if not self.node_gpus:
             raise EngineError("unavailable", "service", "no GPU node agent is connected")
-        if not any(loads.get(service, _UNLOADED).ok for loads in self.loads.values()):
-            errors = {
-                n: loads[service].error for n, loads in self.loads.items() if service in loads
-            }
+        states = {n: loads[service] for n, loads in self.loads.items() if service in loads}
+        if not any(s.ok for s in states.values()):
+            why = "; ".join(f"{n}: {s.error}" for n, s in sorted(states.items()))
             raise EngineError(
                 "unavailable",
                 "service",
-                f"{service} is loaded on no GPU node"
-                + (
-                    f": {'; '.join(f'{n}: {e}' for n, e in sorted(errors.items()))}"
-                    if errors
-                    else ""
-                ),
+                f"{service} is loaded on no GPU node{': ' if why else ''}{why}",
             )
         return self._submit_detached(tenant, "services", req, self._call_spec(cfg, req), what)
 
@@ -885,9 +883,8 @@ class Engine:
         assert asg.node is not None and asg.chunk is not None
         assert isinstance(rec.request, ServiceCallRequest)
         req = rec.request
-        devices = self.node_gpus.get(asg.node, [])
-        gpus = [devices[g] for g in asg.chunk.gpus if g < len(devices)]
-        service = rec.target.removeprefix("call of service ")
+        gpus = self._devices(asg)
+        service = self.core.running[rec.id].action.service
         t0 = self.clock()
         status, reply, error = ActionStatus.ERROR, None, None
         # The call's thread cannot be stopped once it runs: its chunk stays held until the
@@ -911,10 +908,8 @@ class Engine:
         if ask.done():
             self._complete_call(rec.id, ok=status is ActionStatus.OK)
         else:
+            self._background(ask)
             ask.add_done_callback(lambda _: self._complete_call(rec.id, ok=False))
-            self._spawned.add(ask)
-            ask.add_done_callback(self._spawned.discard)
-            ask.add_done_callback(lambda t: t.cancelled() or t.exception())
         call = reply.call if reply is not None else None
         exec_s = call.exec_s if call is not None else 0.0
         restore_s = call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
@@ -929,6 +924,11 @@ class Engine:
             service=call.stats if call is not None else None,
         )
         self._wake.set()
+
+    def _devices(self, asg: Assignment) -> list[int]:
+        """The device indexes of an assignment's GPU chunk (none for other actions)."""
+        devices = self.node_gpus.get(asg.node or "", [])
+        return [devices[g] for g in asg.chunk.gpus if g < len(devices)] if asg.chunk else []
 
     def _complete_call(self, aid: str, *, ok: bool) -> None:
         if aid in self.core.running:
@@ -1151,11 +1151,10 @@ class Engine:
         alloc = Allocation()
         if asg is not None:
             node_cores = self.node_cores.get(asg.node or "", [])
-            devices = self.node_gpus.get(asg.node or "", [])
             alloc = Allocation(
                 node=asg.node,
                 cores=[node_cores[i] for i in asg.cores if i < len(node_cores)],
-                gpus=[devices[g] for g in asg.chunk.gpus if g < len(devices)] if asg.chunk else [],
+                gpus=self._devices(asg),
                 dop=asg.units if asg.cores or asg.chunk else 0,
                 path=out.path if out is not None else None,
                 fallback=(out.fallback or None) if out is not None else None,
@@ -1183,9 +1182,6 @@ class Engine:
                 act_s=queued + overhead_s + restore_s + exec_s,
             ),
         )
-
-
-_UNLOADED = ServiceLoad(ok=False, error="not loaded")
 
 
 def _err(code: str, message: str, retryable: bool = False) -> ErrorInfo:

@@ -45,7 +45,7 @@ _BUCKETS = (
 )
 
 
-_PHASES = ("act", "queued", "overhead", "restore", "exec")
+_PHASES = ("act", "queued", "overhead", "exec")
 
 
 class Metrics:
@@ -67,7 +67,7 @@ class Metrics:
                 registry=self.registry,
             )
             for phase, doc in (
-                ("act", "Action completion time: queued + overhead + exec"),
+                ("act", "Action completion time: queued + overhead + restore + exec"),
                 ("queued", "Time from submission to allocation"),
                 ("overhead", "System overhead: dispatch, cgroup writes, start, reclaim"),
                 ("restore", "Service calls: evicting and restoring models on their GPUs"),
@@ -115,13 +115,12 @@ class Metrics:
         if result.status.value in ("ok", "timeout"):
             t = result.timings
             for child, value in zip(
-                children[1:],
-                (t.act_s, t.queued_s, t.overhead_s, t.restore_s, t.exec_s),
-                strict=True,
+                children[1:], (t.act_s, t.queued_s, t.overhead_s, t.exec_s), strict=True
             ):
                 child.observe(value)
         stats = result.service
-        if stats is not None:
+        if stats is not None:  # service calls only: off the exec hot path
+            self.phases["restore"].labels(self.pool, result.kind).observe(result.timings.restore_s)
             svc = stats.service
             self.service_calls.labels(self.pool, svc, str(stats.resident).lower()).inc()
             self.restored_bytes.labels(self.pool, svc).inc(stats.restored_bytes)

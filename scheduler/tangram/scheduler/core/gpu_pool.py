@@ -106,6 +106,11 @@ class GpuPool:
         self.memory_gb[service] = memory_gb
         (self.replicated.add if replicated else self.replicated.discard)(service)
 
+    def remove_service(self, service: str) -> None:
+        self.evict_all(service)
+        self.memory_gb.pop(service, None)
+        self.replicated.discard(service)
+
     def per_gpu(self, service: str, size: int) -> float:
         """GB a chunk-``size`` instance of ``service`` holds on each of its GPUs."""
         total = self.memory_gb[service]

@@ -282,8 +282,7 @@ class Scheduler:
         }
         for name in [n for n in self.services if n not in wanted and n not in needed]:
             del self.services[name]
-            self.gpu.evict_all(name)
-            self.gpu.memory_gb.pop(name, None)
+            self.gpu.remove_service(name)
         for spec in wanted.values():
             self.services[spec.name] = spec
             self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated)
