@@ -51,6 +51,10 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench paper --out docs/bench
 	$(BIN)/tangram bench exec --json --out docs/bench/exec.json  # needs a Docker Engine
 	$(BIN)/tangram bench service --sweep 2,1,0.7,0.5,0.4 --json --out docs/bench/service.json
+	@if $(BIN)/python -c 'import torch' 2>/dev/null; then \
+		$(BIN)/tangram bench gpu --json --out docs/bench/gpu.json && \
+		$(BIN)/tangram bench gpu-pool --json --out docs/bench/gpu_pool.json; \
+	else echo "skipping bench gpu and gpu-pool: no PyTorch (make setup EXTRAS=dev,gpu)"; fi
 
 bench-quick: setup ## a smaller paper sweep for a smoke run (writes out/bench)
 	$(BIN)/tangram bench paper --quick --out out/bench

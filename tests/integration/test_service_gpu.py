@@ -4,6 +4,8 @@ model built in code. The same path runs on CUDA devices with ``--gpus auto``."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -16,8 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tangram.api.wire import ServiceDef  # noqa: E402
-from tangram.client import ActionStatus, Client, TangramError  # noqa: E402
+from tangram.api.wire import ActionResult, ServiceDef  # noqa: E402
+from tangram.client import ActionStatus, AsyncClient, Client, TangramError  # noqa: E402
 from tangram.node_agent.agent import NodeAgent  # noqa: E402
 from tangram.node_agent.gpu_service import GpuOptions  # noqa: E402
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore  # noqa: E402
@@ -30,6 +32,7 @@ from .service_harness import service  # noqa: E402
 pytestmark = [pytest.mark.xdist_group("service")]
 ENTRY = "tests.fixtures.tiny_reward:build"
 SLOW_ENTRY = "tests.fixtures.tiny_reward:build_slow"
+STAMPED_ENTRY = "tests.fixtures.tiny_reward:build_stamped"
 INPUTS = [[float(i + j) / 10 for j in range(16)] for i in range(6)]
 
 
@@ -54,14 +57,15 @@ USER, OPERATOR, AGENT = "u" * 24, "o" * 24, "g" * 24
 
 @contextmanager
 def _serving(
-    tmp: Path, services: list[ServiceConfig], devices: int = 1, mib: int = 10
+    tmp: Path, services: list[ServiceConfig], devices: int = 1, mib: int = 10, gpus: str = "cpu"
 ) -> Iterator[tuple[Running, Client]]:
+    """``gpus``: ``cpu`` (``devices`` CPU-backed devices) or ``auto`` (the CUDA devices)."""
     if os.geteuid() != 0:
         pytest.skip("the process runtime writes cgroups: needs root")
     agent = NodeAgent.create(
         tmp / "agent",
         runtime="process",
-        gpus=GpuOptions(f"cpu:{devices}", mib),
+        gpus=GpuOptions("auto" if gpus == "auto" else f"cpu:{devices}", mib),
     )
     config = PoolConfig(services={s.spec.name: s for s in services})
     tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT, AGENT: AGENT_TENANT})
@@ -130,6 +134,31 @@ def test_a_timed_out_call_keeps_its_gpu_until_it_ends(tmp_path: Path) -> None:
         after = client.score("slow", INPUTS)
         assert after.status is ActionStatus.OK, after.error
         assert after.output == _expected(0) and after.timings.queued_s > 0
+
+
+@pytest.mark.parametrize("gpus", ["cpu", pytest.param("auto", marks=pytest.mark.gpu)])
+def test_calls_of_two_services_never_share_a_gpu(tmp_path: Path, gpus: str) -> None:
+    if gpus == "auto" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    stamped = [
+        replace(s, spec=s.spec.model_copy(update={"entrypoint": STAMPED_ENTRY}))
+        for s in (_service(tmp_path, "judge", 6, seed=0), _service(tmp_path, "critic", 6, 1))
+    ]
+    # One device that holds one of the two at a time: every switch is an eviction.
+    with _serving(tmp_path, stamped, gpus=gpus) as (running, _):
+
+        async def burst() -> list[ActionResult]:
+            async with AsyncClient(running.url, USER) as c:
+                calls = [c.score(n, INPUTS[:1]) for n in ("judge", "critic") * 4]
+                return list(await asyncio.gather(*calls))
+
+        results = asyncio.run(burst())
+    assert all(r.status is ActionStatus.OK for r in results), [r.error for r in results]
+    assert {tuple(r.allocation.gpus) for r in results} == {(0,)}
+    spans = sorted(tuple(r.output[0]) for r in results)
+    for (_, ended), (started, _) in itertools.pairwise(spans):
+        assert started >= ended  # one call at a time on the device
+    assert sum(len(r.service.evicted) for r in results if r.service) >= 1
 
 
 def test_bad_calls_and_bad_services_are_named(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +38,69 @@ class _Wide(torch.nn.Module):
         return x
 
 
-_LAYERS = {"n": 8}
+Score = Callable[[torch.nn.Module, list[Any]], list[Any]]
 
 
-def build() -> tuple[torch.nn.Module, Any]:
-    """The bench service's entry point (``tangram.node_agent.gpu_bench:build``)."""
-    return _Wide(_LAYERS["n"]), lambda module, inputs: list(inputs)
+def _echo(module: torch.nn.Module, inputs: list[Any]) -> list[Any]:
+    return list(inputs)
+
+
+def _timed(module: torch.nn.Module, inputs: list[Any]) -> list[Any]:
+    """Modeled compute: each input is milliseconds of device time; the call sleeps their
+    sum (leaving the CPU to restores and the scheduler) and answers, per input, a checksum
+    of the weights it ran with, so a caller can tell which model was resident."""
+    try:
+        ms = sum(float(x) for x in inputs)
+    except (TypeError, ValueError):
+        raise ValueError("timed bench service: every input is a number of milliseconds") from None
+    time.sleep(ms / 1000)
+    return [_checksum(module.state_dict())] * len(inputs)
+
+
+def _checksum(state: dict[str, torch.Tensor]) -> float:
+    return float(state["layers.0.weight"][0, :8].float().sum())
+
+
+_SCORES: dict[str, Score] = {"wide": _echo, "timed": _timed}
+
+
+def __getattr__(name: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
+    """Entry points sized by their name (PEP 562): ``wide_<layers>`` (score echoes its
+    inputs; ``tangram bench gpu``) and ``timed_<layers>`` (modeled compute; ``tangram bench
+    gpu-pool``), each a stack of ``<layers>`` fp16 layers of 32 MiB."""
+    kind, _, layers = name.partition("_")
+    if kind not in _SCORES or not layers.isdigit() or int(layers) < 1:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    n, score = int(layers), _SCORES[kind]
+    return lambda: (_Wide(n), score)
+
+
+def entrypoint(kind: str, layers: int) -> str:
+    return f"{__name__}:{kind}_{layers}"
+
+
+def write_weights(path: Path, layers: int, seed: int = 0) -> tuple[int, float]:
+    """The seeded weights of a ``layers``-deep bench model, in ``path``: their bytes, and
+    the checksum a ``timed`` call of that model answers."""
+    torch.manual_seed(seed)
+    state = _Wide(layers).state_dict()
+    torch.save(state, path)
+    return layers * WIDTH * WIDTH * 2, _checksum(state)
 
 
 def run(size_mb: int = 1024, repeats: int = 5) -> dict[str, Any]:
     layers = max(1, size_mb // 32)
-    _LAYERS["n"] = layers
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA: the same path, on the CPU)"
     nbytes = layers * WIDTH * WIDTH * 2
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "wide.pt"
-        torch.manual_seed(0)
-        torch.save(_Wide(layers).state_dict(), weights)
+        write_weights(weights, layers)
         capacity = nbytes * 2
         worker = GpuWorker({0: capacity})
         h2d = worker.h2d_gbps(0, nbytes, repeats)
-        entry = f"{__name__}:build"
+        entry = entrypoint("wide", layers)
         worker.load(
             ServiceDef(
                 name="wide", entrypoint=entry, weights=str(weights), gpu_memory_gb=capacity / GIB
@@ -82,4 +124,4 @@ def run(size_mb: int = 1024, repeats: int = 5) -> dict[str, Any]:
     }
 
 
-__all__ = ["build", "run"]
+__all__ = ["entrypoint", "run", "write_weights"]

@@ -32,13 +32,15 @@ def register(sub: Any) -> None:
             "`tangram bench exec` measures per-action overhead of the fast and portable "
             "allocate-on-execution paths and open latency (needs a Docker Engine); "
             "`tangram bench gpu` compares restore bandwidth with the host-to-device copy "
-            "bandwidth (needs the gpu extra; on the CPU without CUDA)."
+            "bandwidth (needs the gpu extra; on the CPU without CUDA); `tangram bench "
+            "gpu-pool` compares RewardServices pooled on shared devices with one static "
+            "device per service for the same calls (needs the gpu extra)."
         ),
     )
     p.add_argument(
         "what",
         nargs="?",
-        choices=("scheduler", "paper", "exec", "service", "gpu"),
+        choices=("scheduler", "paper", "exec", "service", "gpu", "gpu-pool"),
         help="a named benchmark",
     )
     p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
@@ -73,7 +75,22 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--state-dir", default="/var/lib/tangram/bench", help="exec: agent state (socket dirs)"
     )
-    p.add_argument("--size-mb", type=whole_number(32), default=1024, help="gpu: model size")
+    p.add_argument(
+        "--size-mb", type=whole_number(32), default=None, help="gpu, gpu-pool: model size"
+    )
+    g = p.add_argument_group("gpu-pool")
+    g.add_argument("--services", type=whole_number(1), default=4, help="services (teachers)")
+    g.add_argument("--pooled", default="2,4", help="devices of each pooled run, comma-separated")
+    g.add_argument(
+        "--per-device", type=whole_number(1), default=2, help="services one device can hold"
+    )
+    g.add_argument("--rounds", type=whole_number(1), default=8, help="rollout rounds")
+    g.add_argument("--round-s", type=float, default=5.0, help="seconds per round")
+    g.add_argument("--burst", type=whole_number(0), default=10, help="mean calls per burst")
+    g.add_argument(
+        "--compute-ms", type=float, default=150.0, help="median modeled compute per call"
+    )
+    g.add_argument("--active", type=float, default=0.5, help="chance a service is in a round's mix")
     p.set_defaults(run=run)
 
 
@@ -92,7 +109,12 @@ def run(args: argparse.Namespace) -> int:
             from tangram.node_agent.gpu_bench import run as run_gpu_bench
         except ImportError as e:
             raise InputError(f"bench gpu needs PyTorch (pip install '.[gpu]'): {e}") from None
-        _emit(run_gpu_bench(args.size_mb, repeats=5), args)
+        _emit(run_gpu_bench(args.size_mb or 1024, repeats=5), args)
+        return 0
+    if args.what == "gpu-pool":
+        from tangram.cli.bench_gpu_pool import run_gpu_pool_bench
+
+        _emit(run_gpu_pool_bench(args), args)
         return 0
     if args.what == "exec":
         from tangram.cli.bench_exec import run_exec_bench
@@ -193,7 +215,7 @@ def replay_all(
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
     text = json.dumps(report, indent=None if args.json else 2)
-    if args.out and args.what in ("scheduler", "exec", "service"):
+    if args.out and args.what in ("scheduler", "exec", "service", "gpu", "gpu-pool"):
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -211,8 +233,17 @@ def _table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    if "actions_per_s" in report:
-        return  # bench service printed its lines already
+    if "actions_per_s" in report or "vs_static" in report:
+        return  # bench service and gpu-pool printed their lines already
+    if "restore_fraction" in report:
+        t = Table(title=f"restore bandwidth on {report['device']}")
+        t.add_column("figure")
+        t.add_column("value", justify="right")
+        for k, v in report.items():
+            if k != "device":
+                t.add_row(k, str(v))
+        console.print(t)
+        return
     if "portable" in report:
         from tangram.cli.bench_exec import print_tables
 

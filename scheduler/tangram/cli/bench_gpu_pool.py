@@ -1,0 +1,336 @@
+"""``tangram bench gpu-pool``: reward services pooled on shared GPUs against one static GPU
+per service, for the same calls (seed 000 §5.3, the comparison behind its MOPD figures).
+
+Both sides run the real system in this process: the scheduler service over HTTP, a node
+agent with the GPU role and the PyTorch worker, the real ``AsyncClient``. The calls are one
+open-loop trace replayed against each setup:
+
+- ``static``: one deployment per service, as today: a scheduler and an agent with one
+  device each, the service made resident before the trace starts and never evicted.
+- ``pooled-<G>``: one scheduler, one agent with G devices for all services; every call
+  gets a device from the elastic algorithm, its service is restored there unless resident,
+  LRU eviction makes room (each device holds ``--per-device`` services at most).
+
+The trace follows the shape of multi-teacher distillation: rounds of rollouts, in each a
+changing subset of the services (the domains of that batch) called in a burst as
+trajectories finish. A call's compute is modeled (``timed`` bench model: it sleeps its
+milliseconds, on the device's thread) so the figures show what pooling changes: queueing,
+restores, evictions; restores are real copies of the service's weights. Without CUDA the
+devices are CPU-backed (``--gpus cpu:N``) and the report says so.
+
+GPU-seconds: ``held`` is devices × the run's span (what a deployment pays for);
+``busy`` is the sum over calls of (restore + compute) × devices of the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tangram.api.wire import ActionResult, ActionStatus, ServiceDef
+from tangram.cli.files import InputError
+from tangram.cli.progress import note
+from tangram.cli.up import run_loop
+from tangram.client import AsyncClient
+from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.gpu_service import GpuOptions
+from tangram.service.auth import AGENT_TENANT, TokenStore
+from tangram.service.config import PoolConfig, ServiceConfig
+from tangram.service.embedded import Running, free_port, run
+
+LAYER_MB = 32  # one layer of the bench model (tangram.node_agent.gpu_bench.WIDTH² fp16)
+HEADROOM = 1.25  # a service's gpuMemoryGiB over its weights: activations, workspace
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    at_s: float  # from the start of the trace
+    service: str
+    compute_ms: float
+
+
+def call_trace(
+    services: Sequence[str],
+    *,
+    rounds: int,
+    round_s: float,
+    burst: int,
+    compute_ms: float,
+    active: float,
+    seed: int,
+) -> list[Call]:
+    """Rounds of ``round_s``; in each, every service is in the batch's mix with probability
+    ``active`` (at least one is), and each one in it gets a Poisson(``burst``) number of
+    calls spread uniformly over the first 60 % of the round (trajectories finishing), each
+    with a lognormal compute time of median ``compute_ms``. Deterministic in ``seed``."""
+    if not services:
+        raise ValueError("no services")
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    calls: list[Call] = []
+    for r in range(rounds):
+        mix = [s for s in services if rng.random() < active] or [rng.choice(list(services))]
+        for s in mix:
+            for _ in range(int(np_rng.poisson(burst))):
+                at = r * round_s + rng.uniform(0, 0.6 * round_s)
+                ms = compute_ms * float(np.exp(np_rng.normal(0.0, 0.3)))
+                calls.append(Call(round(at, 4), s, round(ms, 2)))
+    return sorted(calls, key=lambda c: c.at_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """One scheduler + agent: the services it serves on its devices."""
+
+    name: str
+    services: tuple[ServiceConfig, ...]
+    devices: int
+
+
+async def _serve(
+    setup: Setup, tmp: Path, per_device_mib: int, stack: AsyncExitStack
+) -> tuple[Running, str]:
+    user, agent_token = secrets.token_hex(16), secrets.token_hex(16)
+    tokens = TokenStore({user: "bench", agent_token: AGENT_TENANT})
+    agent = NodeAgent.create(
+        tmp / setup.name,
+        node=setup.name,
+        runtime="noop",
+        cores_for_actions=1,
+        gpus=GpuOptions(f"cpu:{setup.devices}", per_device_mib),
+    )
+    config = PoolConfig(name=setup.name, services={s.spec.name: s for s in setup.services})
+    stop = asyncio.Event()
+    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        run(config, tokens, agent, stop, port=free_port(), on_ready=ready.set_result)
+    )
+
+    async def shutdown() -> None:
+        stop.set()
+        await task
+
+    stack.push_async_callback(shutdown)
+    first: set[asyncio.Future[Any]] = {task, ready}
+    done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()  # why it could not start
+        raise InputError(f"bench gpu-pool: {setup.name} stopped at start")
+    running = ready.result()
+    await _until_loaded(running, [s.spec.name for s in setup.services])
+    return running, user
+
+
+async def _until_loaded(running: Running, services: list[str], timeout_s: float = 300) -> None:
+    """Until the agent has read every service's weights into host memory (at start)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {s: load for loads in running.engine.loads.values() for s, load in loads.items()}
+        failed = {s: load.error for s, load in states.items() if not load.ok}
+        if failed:
+            raise InputError(f"bench gpu-pool: services failed to load: {failed}")
+        if set(states).issuperset(services):
+            return
+        if time.monotonic() > deadline:
+            raise InputError(f"bench gpu-pool: services not loaded after {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+async def _replay(
+    clients: dict[str, AsyncClient], calls: list[Call], checks: dict[str, float]
+) -> tuple[list[tuple[Call, ActionResult]], float]:
+    """Submit each call at its time (open loop); the results and the span, first arrival
+    to last completion. Every answer must carry its own service's checksum: a call that
+    ran on another model's weights (a residency bug) stops the bench."""
+    out: list[tuple[Call, ActionResult]] = []
+    start = time.perf_counter()
+    end = start
+
+    async def one(c: Call) -> None:
+        nonlocal end
+        await asyncio.sleep(max(0.0, start + c.at_s - time.perf_counter()))
+        r = await clients[c.service].score(c.service, [c.compute_ms], input_size=1)
+        if r.status != ActionStatus.OK:
+            raise InputError(f"bench gpu-pool: a call of {c.service} ended {r.status}: {r.error}")
+        if r.output != [checks[c.service]]:
+            raise InputError(
+                f"bench gpu-pool: a call of {c.service} ran on other weights "
+                f"(answered {r.output}, its model's checksum is {checks[c.service]})"
+            )
+        out.append((c, r))
+        end = max(end, time.perf_counter())
+
+    await asyncio.gather(*(one(c) for c in calls))
+    return out, end - start
+
+
+def _summary(
+    results: list[tuple[Call, ActionResult]], span_s: float, devices: int
+) -> dict[str, Any]:
+    act = np.array([r.timings.act_s for _, r in results])
+    queued = np.array([r.timings.queued_s for _, r in results])
+    restore = np.array([r.timings.restore_s for _, r in results])
+    busy = sum(
+        (r.timings.restore_s + r.timings.exec_s) * len(r.allocation.gpus) for _, r in results
+    )
+    hits = sum(1 for _, r in results if r.service is not None and r.service.resident)
+    return {
+        "devices": devices,
+        "calls": len(results),
+        "avg_act_s": float(act.mean()),
+        "p50_act_s": float(np.percentile(act, 50)),
+        "p99_act_s": float(np.percentile(act, 99)),
+        "avg_queued_s": float(queued.mean()),
+        "avg_restore_s": float(restore.mean()),
+        "hit_rate": hits / len(results),
+        "restores": len(results) - hits,
+        "evictions": sum(len(r.service.evicted) for _, r in results if r.service is not None),
+        "span_s": span_s,
+        "gpu_seconds_held": devices * span_s,
+        "gpu_seconds_busy": busy,
+    }
+
+
+async def _run_setup(
+    setups: list[Setup],
+    calls: list[Call],
+    checks: dict[str, float],
+    tmp: Path,
+    per_device_mib: int,
+) -> dict[str, Any]:
+    """Start every scheduler of one side, make each service resident once (a deployment
+    is warm before traffic), replay the trace, stop them."""
+    async with AsyncExitStack() as stack:
+        clients: dict[str, AsyncClient] = {}
+        for setup in setups:
+            running, token = await _serve(setup, tmp, per_device_mib, stack)
+            client = await stack.enter_async_context(AsyncClient(running.url, token))
+            for s in setup.services:
+                clients[s.spec.name] = client
+        for name, client in clients.items():
+            warm = await client.score(name, [0.0], input_size=1)
+            if warm.status != ActionStatus.OK:
+                raise InputError(
+                    f"bench gpu-pool: warming {name} ended {warm.status}: {warm.error}"
+                )
+        results, span = await _replay(clients, calls, checks)
+    return _summary(results, span, sum(s.devices for s in setups))
+
+
+def _services(
+    names: list[str], weights: Path, layers: int, compute_ms: float
+) -> list[tuple[ServiceConfig, float]]:
+    """One bench model per name (seeded apart), and the checksum its calls answer."""
+    from tangram.node_agent.gpu_bench import entrypoint, write_weights  # needs PyTorch
+
+    out = []
+    for i, name in enumerate(names):
+        path = weights / f"{name}.pt"
+        nbytes, check = write_weights(path, layers, seed=i)
+        spec = ServiceDef(
+            name=name,
+            entrypoint=entrypoint("timed", layers),
+            weights=str(path),
+            gpu_memory_gb=nbytes * HEADROOM / 2**30,
+            max_batch=1,
+        )
+        # The profile the elastic algorithm plans with: a call's median compute at DoP 1.
+        cfg = ServiceConfig(spec=spec, profiles=((1, compute_ms / 1000, None),))
+        out.append((cfg, check))
+    return out
+
+
+def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        from tangram.node_agent.gpu_worker import cuda_memory
+    except ImportError as e:
+        raise InputError(f"bench gpu-pool needs PyTorch (pip install '.[gpu]'): {e}") from None
+    n = args.services
+    pooled = sorted({int(g) for g in str(args.pooled).split(",")})
+    for g in pooled:
+        if g not in (1, 2, 4, 8):
+            raise InputError(f"--pooled: {g} devices is not 1, 2, 4 or 8 (a GPU chunk)")
+    layers = max(1, (args.size_mb or 256) // LAYER_MB)
+    names = [f"teacher-{i}" for i in range(n)]
+    calls = call_trace(
+        names,
+        rounds=args.rounds,
+        round_s=args.round_s,
+        burst=args.burst,
+        compute_ms=args.compute_ms,
+        active=args.active,
+        seed=args.seed,
+    )
+    if not calls:
+        raise InputError("bench gpu-pool: the trace has no calls (raise --burst or --rounds)")
+    model_mib = layers * LAYER_MB
+    per_device_mib = int(model_mib * HEADROOM * args.per_device) + 1
+    tmp = Path(tempfile.mkdtemp(prefix="tangram-bench-gpu-pool-"))
+    try:
+        made = _services(names, tmp, layers, args.compute_ms)
+        services = [cfg for cfg, _ in made]
+        checks = {cfg.spec.name: check for cfg, check in made}
+        sides: dict[str, list[Setup]] = {
+            "static": [Setup(f"static-{s.spec.name}", (s,), 1) for s in services]
+        }
+        for g in pooled:
+            sides[f"pooled-{g}"] = [Setup(f"pooled-{g}", tuple(services), g)]
+        report_sides: dict[str, Any] = {}
+        for i, (side, setups) in enumerate(sides.items()):
+            if not args.json:
+                note(
+                    f"[{i + 1}/{len(sides)}] {side}: {len(calls)} calls over {len(names)} services"
+                )
+            report_sides[side] = run_loop(_run_setup(setups, calls, checks, tmp, per_device_mib))
+            if not args.json:
+                s = report_sides[side]
+                note(
+                    f"  {side}: ACT avg {s['avg_act_s']:.3f} s p99 {s['p99_act_s']:.3f} s, "
+                    f"hit rate {s['hit_rate']:.2f}, GPU-s held {s['gpu_seconds_held']:.1f} "
+                    f"busy {s['gpu_seconds_busy']:.1f}"
+                )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    static = report_sides["static"]
+    cuda = bool(cuda_memory())
+    return {
+        "device": "cpu-backed devices (--gpus cpu:N; modeled compute, real restores)"
+        + ("" if not cuda else "; CUDA present but not used: the bench needs N devices"),
+        "services": n,
+        "model_mb": model_mib,
+        "per_device": args.per_device,
+        "calls": len(calls),
+        "trace": {
+            "rounds": args.rounds,
+            "round_s": args.round_s,
+            "burst": args.burst,
+            "compute_ms": args.compute_ms,
+            "active": args.active,
+            "seed": args.seed,
+        },
+        "sides": report_sides,
+        "vs_static": {
+            side: {
+                "avg_act": s["avg_act_s"] / static["avg_act_s"],
+                "p99_act": s["p99_act_s"] / static["p99_act_s"],
+                "gpu_seconds_held": s["gpu_seconds_held"] / static["gpu_seconds_held"],
+            }
+            for side, s in report_sides.items()
+        },
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}",
+    }
