@@ -161,6 +161,22 @@ def test_calls_of_two_services_never_share_a_gpu(tmp_path: Path, gpus: str) -> N
     assert sum(len(r.service.evicted) for r in results if r.service) >= 1
 
 
+def test_a_batch_takes_service_calls_all_or_none(tmp_path: Path) -> None:
+    services = [_service(tmp_path, n, 4, seed=i) for i, n in enumerate(("judge", "critic"))]
+    with _running(tmp_path, services, devices=2) as client:
+        items = [{"service": n, "score": {"inputs": INPUTS}} for n in ("critic", "judge")]
+        critic, judge = client.batch(items)
+        assert (critic.kind, critic.service and critic.service.service) == ("service", "critic")
+        assert critic.output == _expected(1) and judge.output == _expected(0)
+        with pytest.raises(TangramError) as e:
+            client.batch([items[0], {"service": "nope", "score": {"inputs": INPUTS}}])
+        assert e.value.status == 404 and "unknown RewardService 'nope'" in str(e.value)
+        calls = httpx_get(client, "/metrics")
+        ran = 'tangram_service_calls_total{pool="default",resident="false",service="critic"}'
+        # the withdrawn critic call never ran, resident or not
+        assert f"{ran} 1.0" in calls and 'resident="true",service="critic"' not in calls
+
+
 def test_bad_calls_and_bad_services_are_named(tmp_path: Path) -> None:
     broken = ServiceConfig(
         spec=ServiceDef(

@@ -132,3 +132,29 @@ def test_trace_errors_carry_line_and_field() -> None:
         load_trace([good, good])
     with pytest.raises(TraceError, match="version"):
         load_trace(['{"version":2,"id":"x"}'])
+
+
+@pytest.mark.parametrize(
+    ("item", "words"),
+    [
+        ({"trajectory": "t", "exec": {"argv": ["true"]}, "score": {"inputs": [1]}}, "exactly one"),
+        ({"exec": {"argv": ["true"]}}, "trajectory: an exec item"),
+        ({"lease": {}}, "api: a lease or call item"),
+        ({"score": {"inputs": [1]}}, "service: a score item"),
+        ({"service": "judge", "api": "search", "lease": {}}, "service: only a score item"),
+        ({"service": "judge", "api": "search", "score": {"inputs": [1]}}, "api: only a lease"),
+        ({"service": "judge", "score": {"inputs": []}}, "score.inputs"),
+    ],
+)
+def test_batch_items_name_what_is_wrong(item: dict[str, object], words: str) -> None:
+    from tangram.api.wire import BatchItem
+
+    with pytest.raises(ValidationError, match=words):
+        BatchItem.model_validate(item)
+
+
+def test_a_score_item_is_a_service_call() -> None:
+    from tangram.api.wire import BatchItem
+
+    item = BatchItem.model_validate({"service": "judge", "score": {"inputs": [[0.1]]}})
+    assert item.score is not None and item.score.inputs == [[0.1]] and item.exec is None

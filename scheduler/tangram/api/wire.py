@@ -237,24 +237,32 @@ class ActionResult(_Strict):
 
 
 class BatchItem(_Strict):
-    """One action of a batch: ``exec`` on a ``trajectory``, or a ``lease`` or ``call`` of
-    an ``api`` quota."""
+    """One action of a batch: ``exec`` on a ``trajectory``, a ``lease`` or ``call`` of an
+    ``api`` quota, or a ``score`` call of a RewardService named by ``service``."""
 
     trajectory: Id | None = None
     exec: ExecRequest | None = None
     api: Annotated[str | None, Field(pattern=ID_PATTERN)] = None
     lease: ApiLeaseRequest | None = None
     call: ApiCallRequest | None = None
+    service: Annotated[str | None, Field(pattern=ID_PATTERN)] = None
+    score: ServiceCallRequest | None = None
 
     @model_validator(mode="after")
     def _one_action(self) -> Self:
-        given = [n for n in ("exec", "lease", "call") if getattr(self, n) is not None]
+        given = [n for n in ("exec", "lease", "call", "score") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of exec, lease or call")
+            raise ValueError("give exactly one of exec, lease, call or score")
         if self.exec is not None and self.trajectory is None:
             raise ValueError("trajectory: an exec item names its trajectory")
-        if self.exec is None and self.api is None:
+        if (self.lease is not None or self.call is not None) and self.api is None:
             raise ValueError("api: a lease or call item names its quota")
+        if self.score is not None and self.service is None:
+            raise ValueError("service: a score item names its RewardService")
+        if self.service is not None and self.score is None:
+            raise ValueError("service: only a score item names a RewardService")
+        if self.api is not None and self.lease is None and self.call is None:
+            raise ValueError("api: only a lease or call item names a quota")
         return self
 
 

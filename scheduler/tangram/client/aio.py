@@ -108,8 +108,9 @@ class AsyncClient:
 
     async def batch(self, items: Sequence[dict[str, Any]]) -> list[ActionResult]:
         """Many actions in one request, admitted all or none, e.g.
-        ``{"trajectory": t, "exec": exec_body(["make"])}`` or ``{"api": "search",
-        "lease": {"units": 1}}``; results in the same order."""
+        ``{"trajectory": t, "exec": exec_body(["make"])}``, ``{"api": "search",
+        "lease": {"units": 1}}`` or ``{"service": "judge", "score": {"inputs": [...]}}``;
+        results in the same order."""
         body = {"actions": list(items)}
         reply = await self._call(Call("POST", "/v1/batch", body))
         return BatchResponse.model_validate_json(reply.body).results

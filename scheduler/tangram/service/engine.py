@@ -500,6 +500,9 @@ class Engine:
                 if item.exec is not None:
                     assert item.trajectory is not None
                     rec = self.submit_exec(tenant, item.trajectory, item.exec)
+                elif item.score is not None:
+                    assert item.service is not None
+                    rec = self.submit_service(tenant, item.service, item.score)
                 else:
                     assert item.api is not None
                     req = item.lease if item.lease is not None else item.call
