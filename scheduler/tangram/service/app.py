@@ -39,7 +39,7 @@ from tangram.api.wire import (
     TrajectoryInfo,
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
-from tangram.service.engine import Engine, EngineError, check_id
+from tangram.service.engine import ActionRecord, Engine, EngineError, check_id
 from tangram.service.reviews import NotAdmittedError, ReviewError, TokenReviewer
 
 log = logging.getLogger("tangram.service")
@@ -192,8 +192,7 @@ def create_app(
         key = request.headers.get("idempotency-key")
         if key and req.idempotency_key is None:  # the header's key, checked as the field is
             req = req.model_copy(update={"idempotency_key": _header_key(key)})
-        rec = engine.submit_exec(who, trajectory, req)
-        return _json(await asyncio.shield(rec.done))
+        return await _answer(engine.submit_exec(who, trajectory, req))
 
     @app.post("/v1/trajectories/{trajectory}/cancel", responses=_ERRORS)
     async def cancel_trajectory(trajectory: str, who: TenantId) -> dict[str, int]:
@@ -208,7 +207,7 @@ def create_app(
     @app.delete("/v1/actions/{action}", responses=_ERRORS)
     async def cancel_action(action: str, who: TenantId) -> dict[str, bool]:
         if action.startswith("key:"):
-            rec = engine.idempotent.get((who, action[4:]))
+            rec = engine.idempotent.get(who, action[4:])
             action = rec.id if rec is not None else ""
         return {"cancelled": engine.cancel(who, action)}
 
@@ -222,10 +221,10 @@ def create_app(
         check_id(api, "api")
         return await asyncio.shield(engine.lease_api(who, api, req).done)
 
-    @app.post("/v1/services/{service}/call", responses=_ERRORS)
-    async def call_service(service: str, req: ServiceCallRequest, who: TenantId) -> ActionResult:
+    @app.post("/v1/services/{service}/call", response_model=ActionResult, responses=_ERRORS)
+    async def call_service(service: str, req: ServiceCallRequest, who: TenantId) -> Response:
         check_id(service, "service")
-        return await asyncio.shield(engine.submit_service(who, service, req).done)
+        return await _answer(engine.submit_service(who, service, req))
 
     @app.delete("/v1/leases/{lease}", responses=_ERRORS)
     async def release(lease: str, who: TenantId) -> ActionResult:
@@ -321,6 +320,13 @@ def _header_key(key: str) -> str:
 
 def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
+
+
+async def _answer(rec: ActionRecord) -> Response:
+    """The action's result once it ends; the JSON the engine kept for its key if any (a
+    keyed action is serialized once)."""
+    result = await asyncio.shield(rec.done)
+    return Response(rec.answer or result.model_dump_json(), media_type="application/json")
 
 
 def _body(model: type[BaseModel], header: str | None = None) -> dict[str, Any]:

@@ -18,7 +18,6 @@ import json
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -55,12 +54,11 @@ from tangram.api.wire import (
 from tangram.scheduler.core.scheduler import Assignment, Scheduler, SchedulingError
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig, ServiceConfig
+from tangram.service.keys import KeyMemory, Remembered
 from tangram.service.metrics import Metrics
 
 log = logging.getLogger("tangram.service")
 
-MAX_KEYS = 100_000  # idempotency keys remembered per scheduler ...
-MAX_KEY_BYTES = 256 << 20  # ... and the output their results may hold
 KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
 
 ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable"]
@@ -99,7 +97,8 @@ class ActionRecord:
     tenant: str
     trajectory: str | None
     kind: Literal["exec", "service", "api"]
-    request: ExecRequest | ApiLeaseRequest | ApiCallRequest | ServiceCallRequest
+    # None only on the stand-in answering a retry of a key whose action already ended
+    request: ExecRequest | ApiLeaseRequest | ApiCallRequest | ServiceCallRequest | None
     argv: list[str] | None
     target: str  # what its idempotency key is for: "exec on t-1", "lease of search"
     submitted: float  # engine clock
@@ -111,6 +110,7 @@ class ActionRecord:
     cancelled: bool = False
     lease: str | None = None  # an API lease's id while held
     agent_key: str | None = None  # adopted after a restart: the key its agent runs it under
+    answer: bytes | None = None  # ``done``'s result as JSON, once kept for its key's retries
 
 
 class Engine:
@@ -121,10 +121,7 @@ class Engine:
         self.hub = AgentHub(self._join, self._leave, config.heartbeat_timeout_s, self._orphan)
         self.trajectories: dict[str, TrajectoryRecord] = {}
         self.actions: dict[str, ActionRecord] = {}
-        # (tenant, key), oldest first; an OrderedDict pops its front in O(1), a dict does not
-        self.idempotent: OrderedDict[tuple[str, str], ActionRecord] = OrderedDict()
-        self._key_bytes = 0  # output held by the results of remembered keys
-        self._keyed_ids: set[str] = set()  # actions with a key, until they end
+        self.idempotent: KeyMemory[ActionRecord] = KeyMemory()
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
         self.node_gpus: dict[str, list[int]] = {}  # the pool's GPU index -> device index
         self.h2d_gbps: dict[str, float] = {}  # measured by each GPU node's agent
@@ -515,8 +512,8 @@ class Engine:
             for rec in fresh:
                 self.cancel(tenant, rec.id)
                 key = getattr(rec.request, "idempotency_key", None)
-                if key is not None and self.idempotent.get((tenant, key)) is rec:
-                    del self.idempotent[(tenant, key)]
+                if key is not None:
+                    self.idempotent.forget(tenant, key, rec)
             raise
         return admitted
 
@@ -525,12 +522,32 @@ class Engine:
         operation or target is a conflict, not a replay."""
         if key is None:
             return None
-        again = self.idempotent.get((tenant, key))
+        again = self.idempotent.get(tenant, key)
         if again is not None and again.target != target:
             raise EngineError(
                 "conflict", "idempotency_key", f"{key!r} was used for {again.target}, not {target}"
             )
+        if isinstance(again, Remembered):
+            return self._replay(tenant, again)
         return again
+
+    def _replay(self, tenant: str, kept: Remembered) -> ActionRecord:
+        """A stand-in for an ended keyed action: its answer, ready."""
+        result = ActionResult.model_validate_json(kept.result)
+        fut: asyncio.Future[ActionResult] = asyncio.get_running_loop().create_future()
+        fut.set_result(result)
+        return ActionRecord(
+            kept.id,
+            tenant,
+            result.trajectory,
+            result.kind,
+            None,
+            None,
+            kept.target,
+            self.clock(),
+            fut,
+            answer=kept.result,
+        )
 
     def submit_exec(self, tenant: str, tid: str, req: ExecRequest) -> ActionRecord:
         """Queue an exec action; ``await record.done`` for its result."""
@@ -648,15 +665,14 @@ class Engine:
         self.actions.pop(rec.id, None)
         self._wake.set()
         result = self._result(rec, ActionStatus.OK, exec_s=now - rec.started)
-        self._ended(result)
+        self._ended(rec, result)
         return result
 
-    def _ended(self, result: ActionResult) -> None:
+    def _ended(self, rec: ActionRecord, result: ActionResult) -> None:
         self.metrics.ended(result)
-        if result.id in self._keyed_ids:
-            self._keyed_ids.discard(result.id)
-            self._key_bytes += _output_bytes(result)
-            self._trim_keys()
+        if self.idempotent.in_flight(rec.id):  # what its submitter got (a lease: the grant)
+            rec.answer = rec.done.result().model_dump_json().encode()
+            self.idempotent.ended(rec, rec.target, rec.answer)
         log.info(
             "action ended",
             extra={
@@ -713,23 +729,7 @@ class Engine:
         self._wake.set()
 
     def _remember_key(self, tenant: str, key: str, rec: ActionRecord) -> None:
-        self.idempotent[(tenant, key)] = rec
-        self._keyed_ids.add(rec.id)
-        self._trim_keys()
-
-    def _trim_keys(self) -> None:
-        """Keys are kept for the newest ``MAX_KEYS`` actions and ``MAX_KEY_BYTES`` of their
-        outputs (a retry comes within seconds): memory stays bounded. An action still in
-        flight keeps its key; it moves to the back."""
-        for _ in range(len(self.idempotent)):
-            if len(self.idempotent) <= MAX_KEYS and self._key_bytes <= MAX_KEY_BYTES:
-                return
-            key, record = next(iter(self.idempotent.items()))
-            if not record.done.done():
-                self.idempotent.move_to_end(key)
-                continue
-            self.idempotent.popitem(last=False)
-            self._key_bytes -= _output_bytes(record.done.result())
+        self.idempotent.remember(tenant, key, rec)
 
     def _admitting(self, extra: int = 1) -> None:
         if not self.accepting:
@@ -1129,7 +1129,7 @@ class Engine:
         if not rec.done.done():
             result = self._result(rec, status, **details)
             rec.done.set_result(result)
-            self._ended(result)
+            self._ended(rec, result)
 
     def _result(
         self,
@@ -1189,10 +1189,6 @@ class Engine:
 
 def _err(code: str, message: str, retryable: bool = False) -> ErrorInfo:
     return ErrorInfo(code=code, message=message, retryable=retryable)
-
-
-def _output_bytes(result: ActionResult) -> int:
-    return 256 + len(result.stdout) + len(result.stderr)
 
 
 def _scrub(text: str, endpoint: ApiEndpoint | None) -> str:

@@ -1,0 +1,64 @@
+"""Idempotency keys: in flight they name the action, ended they keep only its answer."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+from tangram.service.keys import KeyMemory, Remembered
+
+
+@dataclass
+class Rec:
+    id: str
+
+
+def test_an_ended_action_leaves_only_its_answer_untracked_by_the_gc() -> None:
+    m: KeyMemory[Rec] = KeyMemory()
+    rec = Rec("a-1")
+    m.remember("t", "k", rec)
+    assert m.get("t", "k") is rec and m.in_flight("a-1")
+    m.ended(rec, "exec on x", b'{"id":"a-1"}')
+    kept = m.get("t", "k")
+    assert kept == Remembered("a-1", "exec on x", b'{"id":"a-1"}') and not m.in_flight("a-1")
+    assert m.bytes == len(b'{"id":"a-1"}')
+    gc.collect()
+    stored = m._entries[("t", "k")]
+    assert not gc.is_tracked(stored)  # strings and bytes only: no collection walks it again
+
+
+def test_the_oldest_ended_keys_go_first_and_in_flight_ones_stay() -> None:
+    m: KeyMemory[Rec] = KeyMemory(max_keys=2)
+    running = Rec("a-0")
+    m.remember("t", "k0", running)
+    for i in range(1, 5):
+        rec = Rec(f"a-{i}")
+        m.remember("t", f"k{i}", rec)
+        m.ended(rec, "x", b"{}")
+    # k0 is still running: it stays (moved to the back) beyond the bound
+    assert m.keys()[-1] == ("t", "k0") or ("t", "k0") in m
+    assert ("t", "k4") in m and ("t", "k1") not in m and len(m) <= 3
+    m.ended(running, "x", b"{}")
+    assert len(m) == 2
+
+
+def test_the_byte_bound_counts_the_answers() -> None:
+    m: KeyMemory[Rec] = KeyMemory(max_bytes=10)
+    for i in range(3):
+        rec = Rec(f"a-{i}")
+        m.remember("t", f"k{i}", rec)
+        m.ended(rec, "x", b"12345")
+    assert m.keys() == [("t", "k1"), ("t", "k2")] and m.bytes == 10
+
+
+def test_forget_and_a_late_end_touch_only_their_own_record() -> None:
+    m: KeyMemory[Rec] = KeyMemory()
+    first, second = Rec("a-1"), Rec("a-2")
+    m.remember("t", "k", first)
+    m.forget("t", "k", second)  # not the key's action: nothing happens
+    assert m.get("t", "k") is first
+    m.forget("t", "k", first)
+    assert ("t", "k") not in m and not m.in_flight("a-1")
+    m.remember("t", "k", second)
+    m.ended(first, "x", b"{}")  # a withdrawn action ending later does not overwrite
+    assert m.get("t", "k") is second and m.bytes == 0
