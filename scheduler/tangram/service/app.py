@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -99,6 +100,89 @@ class _TooLargeError(Exception):
     pass
 
 
+_EXEC_PATH = re.compile(r"/v1/trajectories/([^/]+)/exec")
+_JSON = [(b"content-type", b"application/json")]
+
+
+class _Service(FastAPI):
+    """FastAPI with its two hot paths taken before the middleware stack, which under load
+    cost more than the scheduling itself (docs/benchmarks.md): a plain exec of a known
+    tenant, and the agents' WebSocket (every dispatch is a send on it). Anything else about
+    an exec (a bad body, an unknown token, an error from the engine, an Idempotency-Key
+    header) goes the canonical way, body replayed, so answers never differ."""
+
+    hot: tuple[Engine, TokenStore, int] | None = None  # engine, tokens, max body
+    agents_ws: Callable[[WebSocket], Awaitable[None]] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http" and scope["method"] == "POST" and self.hot is not None:
+            match = _EXEC_PATH.fullmatch(scope["path"])
+            if match is not None:
+                await self._exec(match.group(1), scope, receive, send)
+                return
+        elif kind == "websocket" and scope["path"] == "/v1/agents" and self.agents_ws:
+            await self.agents_ws(WebSocket(scope, receive, send))
+            return
+        await super().__call__(scope, receive, send)
+
+    async def _exec(self, tid: str, scope: Scope, receive: Receive, send: Send) -> None:
+        assert self.hot is not None
+        engine, tokens, limit = self.hot
+        length = auth = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"authorization":
+                auth = value.decode("latin-1")
+            elif name == b"idempotency-key":
+                length = None  # the header's key is checked the canonical way
+                break
+        who = _bearer(tokens, auth)
+        if (
+            length is None
+            or not length.isdigit()
+            or int(length) > limit
+            or who is None
+            or who in (AGENT_TENANT, OPERATOR_TENANT)
+        ):
+            await super().__call__(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            rec = engine.submit_exec(who, tid, ExecRequest.model_validate_json(body))
+        except (ValidationError, EngineError):  # nothing was admitted: answer it canonically
+            await super().__call__(scope, _replay(body, receive), send)
+            return
+        result = await asyncio.shield(rec.done)
+        payload = rec.answer or result.model_dump_json().encode()
+        headers = [*_JSON, (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` with the body already read given again first."""
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
 def create_app(
     engine: Engine,
     tokens: TokenStore,
@@ -116,7 +200,7 @@ def create_app(
         yield
         await engine.stop()
 
-    app = FastAPI(
+    app = _Service(
         title="ARL-Tangram scheduler",
         version="v1",
         description="Submit actions of agentic RL rollouts; the scheduler pools the resources.",
@@ -286,6 +370,8 @@ def create_app(
         with contextlib.suppress(WebSocketDisconnect):
             await engine.hub.serve(ws)
 
+    app.hot = (engine, tokens, max_body)
+    app.agents_ws = agents
     return app
 
 
