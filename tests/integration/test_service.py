@@ -290,16 +290,14 @@ def test_a_batch_is_admitted_whole_or_not_at_all(client: Client, tmp_path: Path)
         assert results[1].lease
         client.release(results[1].lease)
         marker = tmp_path / "ran"
+        touch = {"trajectory": t.id, "exec": exec_body(["touch", str(marker)])}  # keyed
         with pytest.raises(TangramError) as e:
-            client.batch(
-                [
-                    {"trajectory": t.id, "exec": exec_body(["touch", str(marker)])},
-                    {"trajectory": "no-such-trajectory", "exec": exec_body(["true"])},
-                ]
-            )
+            client.batch([touch, {"trajectory": "no-such-trajectory", "exec": exec_body(["true"])}])
         assert e.value.status == 404
         time.sleep(0.3)
         assert not marker.exists()  # the first item was withdrawn with the batch
+        (again,) = client.batch([touch])  # its key was forgotten too: a retry runs it
+        assert again.status is ActionStatus.OK and marker.exists()
 
 
 def test_the_operator_reloads_over_http_and_nobody_else_can(tmp_path: Path) -> None:

@@ -158,3 +158,10 @@ def test_a_score_item_is_a_service_call() -> None:
 
     item = BatchItem.model_validate({"service": "judge", "score": {"inputs": [[0.1]]}})
     assert item.score is not None and item.score.inputs == [[0.1]] and item.exec is None
+
+
+def test_only_an_exec_item_names_a_trajectory() -> None:
+    from tangram.api.wire import BatchItem
+
+    with pytest.raises(ValidationError, match="only an exec item names a trajectory"):
+        BatchItem.model_validate({"trajectory": "t", "service": "j", "score": {"inputs": [1]}})

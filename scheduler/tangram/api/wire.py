@@ -255,6 +255,8 @@ class BatchItem(_Strict):
             raise ValueError("give exactly one of exec, lease, call or score")
         if self.exec is not None and self.trajectory is None:
             raise ValueError("trajectory: an exec item names its trajectory")
+        if self.exec is None and self.trajectory is not None:
+            raise ValueError("trajectory: only an exec item names a trajectory")
         if (self.lease is not None or self.call is not None) and self.api is None:
             raise ValueError("api: a lease or call item names its quota")
         if self.score is not None and self.service is None:

@@ -62,6 +62,13 @@ def _error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _engine_error(exc: EngineError) -> JSONResponse:
+    status = _STATUS[exc.kind]
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    details = [{"field": exc.field, "message": exc.message}]
+    return _error(status, exc.kind, str(exc), details, headers)
+
+
 class BodyLimit:
     """Refuse request bodies over ``limit`` bytes with 413 before reading them whole."""
 
@@ -109,7 +116,8 @@ class _Service(FastAPI):
     cost more than the scheduling itself (docs/benchmarks.md): a plain exec of a known
     tenant, and the agents' WebSocket (every dispatch is a send on it). Anything else about
     an exec (a bad body, an unknown token, an error from the engine, an Idempotency-Key
-    header) goes the canonical way, body replayed, so answers never differ."""
+    header) is answered as the canonical route answers it (a bad body by that route, its
+    body replayed)."""
 
     hot: tuple[Engine, TokenStore, int] | None = None  # engine, tokens, max body
     agents_ws: Callable[[WebSocket], Awaitable[None]] | None = None
@@ -133,10 +141,10 @@ class _Service(FastAPI):
         for name, value in scope["headers"]:
             if name == b"content-length":
                 length = value
-            elif name == b"authorization":
+            elif name == b"authorization" and auth is None:  # the first, as Starlette's
                 auth = value.decode("latin-1")
-            elif name == b"idempotency-key":
-                length = None  # the header's key is checked the canonical way
+            elif name in (b"idempotency-key", b"transfer-encoding"):
+                length = None  # checked, or limited while it streams, the canonical way
                 break
         who = _bearer(tokens, auth)
         if (
@@ -159,8 +167,11 @@ class _Service(FastAPI):
         body = b"".join(chunks)
         try:
             rec = engine.submit_exec(who, tid, ExecRequest.model_validate_json(body))
-        except (ValidationError, EngineError):  # nothing was admitted: answer it canonically
+        except ValidationError:  # nothing was admitted: the canonical route names the field
             await super().__call__(scope, _replay(body, receive), send)
+            return
+        except EngineError as e:  # answered here: submitting again would count it twice
+            await _engine_error(e)(scope, receive, send)
             return
         result = await asyncio.shield(rec.done)
         payload = rec.answer or result.model_dump_json().encode()
@@ -232,10 +243,7 @@ def create_app(
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> JSONResponse:
-        status = _STATUS[exc.kind]
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
-        details = [{"field": exc.field, "message": exc.message}]
-        return _error(status, exc.kind, str(exc), details, headers)
+        return _engine_error(exc)
 
     @app.exception_handler(NotAdmittedError)
     async def _forbidden(_: Request, exc: NotAdmittedError) -> JSONResponse:

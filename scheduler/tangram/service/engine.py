@@ -510,10 +510,10 @@ class Engine:
                     fresh.append(rec)
         except EngineError:
             for rec in fresh:
-                self.cancel(tenant, rec.id)
                 key = getattr(rec.request, "idempotency_key", None)
-                if key is not None:
+                if key is not None:  # first: a cancelled action's key would keep its answer
                     self.idempotent.forget(tenant, key, rec)
+                self.cancel(tenant, rec.id)
             raise
         return admitted
 
@@ -1130,6 +1130,8 @@ class Engine:
             result = self._result(rec, status, **details)
             rec.done.set_result(result)
             self._ended(rec, result)
+        elif self.idempotent.in_flight(rec.id):  # a granted lease ended another way
+            self._ended(rec, self._result(rec, status, **details))
 
     def _result(
         self,
