@@ -92,11 +92,10 @@ def run(size_mb: int = 1024, repeats: int = 5) -> dict[str, Any]:
     layers = max(1, size_mb // 32)
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA: the same path, on the CPU)"
-    nbytes = layers * WIDTH * WIDTH * 2
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "wide.pt"
-        write_weights(weights, layers)
+        nbytes, _ = write_weights(weights, layers)
         capacity = nbytes * 2
         worker = GpuWorker({0: capacity})
         h2d = worker.h2d_gbps(0, nbytes, repeats)
