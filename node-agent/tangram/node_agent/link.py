@@ -1,10 +1,11 @@
 """The agent's side of the link to the scheduler: one WebSocket, reconnected when lost.
 
 Register with a hello, answer each request on its own task (replies carry the request's
-``rid``), send a heartbeat every second. When the connection drops, every request in
-flight is cancelled — a command nobody waits for holds cores nobody accounts for — and
-the agent reconnects with backoff; its environments stay, and the hello of the next
-connection lists them.
+``rid``), send a heartbeat every second. One writer sends what a loop tick queued, in one
+frame when the scheduler took the packing subprotocol (``AGENT_SUBPROTOCOL``). When the
+connection drops, every request in flight is cancelled — a command nobody waits for holds
+cores nobody accounts for — and the agent reconnects with backoff; its environments stay,
+and the hello of the next connection lists them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from tangram.api.wire import AgentReply, AgentRequest
+from tangram.api.wire import AGENT_SUBPROTOCOL, AgentReply, AgentRequest, pack, unpack
 from tangram.node_agent.agent import NodeAgent
 
 log = logging.getLogger("tangram.agent")
@@ -36,6 +37,7 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
                 ping_interval=None,  # our heartbeats do it, at the pool's pace
                 compression=None,  # small JSON messages: deflate costs more than it saves
                 open_timeout=10,
+                subprotocols=[websockets.Subprotocol(AGENT_SUBPROTOCOL)],
             ) as ws:
                 backoff = 0.1
                 gc.collect()
@@ -56,50 +58,61 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
 
 
 async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyncio.Event) -> None:
+    packed = ws.subprotocol == AGENT_SUBPROTOCOL  # the scheduler reads packed frames
     tasks: set[asyncio.Task[None]] = set()
-    lock = asyncio.Lock()
+    outbox: list[str] = []
+    queued = asyncio.Event()
 
-    async def send(text: str) -> None:
-        async with lock:
-            await ws.send(text)
+    def post(text: str) -> None:
+        outbox.append(text)
+        queued.set()
+
+    async def write_forever() -> None:
+        """One writer, so replies finished in the same tick leave in one frame."""
+        while True:
+            await queued.wait()
+            queued.clear()
+            batch = outbox[:]
+            outbox.clear()
+            if packed:
+                await ws.send(pack(batch))
+            else:
+                for text in batch:
+                    await ws.send(text)
 
     async def answer(req: AgentRequest) -> None:
-        reply = await agent.handle(req)
-        with contextlib.suppress(ConnectionClosed):
-            await send(reply.model_dump_json())
+        post((await agent.handle(req)).model_dump_json())
 
     async def heartbeat() -> None:
         while True:
-            await send('{"heartbeat":true}')
+            post('{"heartbeat":true}')
             await asyncio.sleep(HEARTBEAT_S)
 
     def orphan(reply: AgentReply) -> None:  # a run that finished after its link dropped
-        task = asyncio.ensure_future(send(reply.model_dump_json()))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        post(reply.model_dump_json())
 
-    beats = asyncio.create_task(heartbeat())
+    async def read_forever() -> None:
+        while True:
+            for text in unpack(await ws.recv(decode=True)):
+                task = asyncio.create_task(answer(AgentRequest.model_validate_json(text)))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+    parts = [
+        asyncio.create_task(read_forever()),
+        asyncio.create_task(write_forever()),
+        asyncio.create_task(heartbeat()),
+    ]
     stopping = asyncio.create_task(stop.wait())
     agent.attach(orphan)
     try:
-        while True:
-            recv = asyncio.ensure_future(ws.recv())
-            done, _ = await asyncio.wait(
-                {recv, stopping, beats}, return_when=asyncio.FIRST_COMPLETED
-            )
-            if recv not in done:
-                recv.cancel()
-                if beats in done:
-                    beats.result()  # re-raises why the heartbeat stopped
-                return
-            req = AgentRequest.model_validate_json(recv.result())
-            task = asyncio.create_task(answer(req))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        done, _ = await asyncio.wait({*parts, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for part in parts:
+            if part in done:
+                part.result()  # re-raises why the link ended (ConnectionClosed: reconnect)
     finally:
         agent.detach()
-        beats.cancel()
         stopping.cancel()
-        for task in tasks:
+        for task in (*parts, *tasks):
             task.cancel()
-        await asyncio.gather(*tasks, beats, return_exceptions=True)
+        await asyncio.gather(*parts, *tasks, return_exceptions=True)

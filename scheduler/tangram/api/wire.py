@@ -403,6 +403,23 @@ class EnvSpec(_Strict):
     warm: int = 0  # ready containers kept for this environment
 
 
+# The agent link's subprotocol: a WebSocket frame may hold several messages, one a line
+# (JSON as pydantic writes it never holds a raw newline). Each side offers or accepts it
+# at the handshake and packs only when the other has said it reads packed frames, so an
+# agent and a scheduler of different releases still talk, one message a frame.
+AGENT_SUBPROTOCOL = "tangram.lines.v1"
+
+
+def pack(messages: list[str]) -> str:
+    """One frame for messages queued in the same loop tick: a send per tick, not per
+    message, is most of the link's cost under load."""
+    return "\n".join(messages)
+
+
+def unpack(frame: str) -> list[str]:
+    return frame.split("\n")
+
+
 class AgentRequest(_Strict):
     op: Literal["open", "close", "exec", "session", "cancel", "warm", "services", "call"]
     rid: int  # request id; the reply carries it

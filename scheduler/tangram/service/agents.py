@@ -17,7 +17,7 @@ from typing import Protocol
 
 from starlette.websockets import WebSocketDisconnect
 
-from tangram.api.wire import AgentHello, AgentReply, AgentRequest
+from tangram.api.wire import AgentHello, AgentReply, AgentRequest, pack, unpack
 
 log = logging.getLogger("tangram.service")
 HEARTBEAT = '{"heartbeat"'  # how an agent's heartbeat message starts
@@ -37,20 +37,28 @@ class AgentGoneError(RuntimeError):
 
 
 class AgentLink:
+    """One agent's connection. Requests are queued and written by one writer task, a
+    frame per loop tick when the agent reads packed frames (``packed``)."""
+
     def __init__(
         self,
         hello: AgentHello,
         socket: Socket,
         on_orphan: Callable[[AgentReply], None] = lambda reply: None,
+        *,
+        packed: bool = False,
     ) -> None:
         self.hello = hello
         self.on_orphan = on_orphan
         self.node = hello.node
         self.socket = socket
+        self.packed = packed
         self.last_seen = time.monotonic()
         self._rid = 0
         self._pending: dict[int, asyncio.Future[AgentReply]] = {}
-        self._send_lock = asyncio.Lock()
+        self._outbox: list[str] = []
+        self._queued = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
         self.closed = False
 
     def next_rid(self) -> int:
@@ -58,13 +66,10 @@ class AgentLink:
         return self._rid
 
     async def request(self, req: AgentRequest) -> AgentReply:
-        if self.closed:
-            raise AgentGoneError(f"node {self.node}: its agent is gone")
         fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
+        self._post(req.model_dump_json())
         self._pending[req.rid] = fut
         try:
-            async with self._send_lock:
-                await self.socket.send_text(req.model_dump_json())
             # Shielded: cancelling this request must not cancel ``fut``, which the wait
             # below still needs.
             return await asyncio.shield(fut)
@@ -80,30 +85,55 @@ class AgentLink:
 
     async def send(self, req: AgentRequest) -> None:
         """Fire and forget (cancel requests)."""
+        self._post(req.model_dump_json(exclude_defaults=True))
+
+    def _post(self, text: str) -> None:
         if self.closed:
             raise AgentGoneError(f"node {self.node}: its agent is gone")
-        async with self._send_lock:
-            await self.socket.send_text(req.model_dump_json(exclude_defaults=True))
+        self._outbox.append(text)
+        self._queued.set()
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write_forever())
+
+    async def _write_forever(self) -> None:
+        try:
+            while True:
+                await self._queued.wait()
+                self._queued.clear()
+                batch, self._outbox = self._outbox, []
+                if self.packed:
+                    await self.socket.send_text(pack(batch))
+                else:
+                    for text in batch:
+                        await self.socket.send_text(text)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the socket is gone: nothing sent will be answered
+            log.info("node %s: the link failed while sending: %s", self.node, e)
+            self.fail_pending()
 
     async def receive_forever(self) -> None:
         """Route replies to their requests until the connection ends."""
         try:
             while True:
-                text = await self.socket.receive_text()
+                frame = await self.socket.receive_text()
                 self.last_seen = time.monotonic()
-                if text.startswith(HEARTBEAT):
-                    continue
-                reply = AgentReply.model_validate_json(text)
-                fut = self._pending.get(reply.rid)
-                if fut is not None and not fut.done():
-                    fut.set_result(reply)
-                elif reply.rid == 0 and reply.key:
-                    self.on_orphan(reply)  # a run that outlived the link that asked for it
+                for text in unpack(frame):  # an agent that does not pack sends one a frame
+                    if text.startswith(HEARTBEAT):
+                        continue
+                    reply = AgentReply.model_validate_json(text)
+                    fut = self._pending.get(reply.rid)
+                    if fut is not None and not fut.done():
+                        fut.set_result(reply)
+                    elif reply.rid == 0 and reply.key:
+                        self.on_orphan(reply)  # a run that outlived the link that asked for it
         finally:
             self.fail_pending()
 
     def fail_pending(self) -> None:
         self.closed = True
+        if self._writer is not None and self._writer is not asyncio.current_task():
+            self._writer.cancel()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(AgentGoneError(f"node {self.node}: the agent disconnected"))
@@ -125,13 +155,14 @@ class AgentHub:
         self._on_leave = on_leave
         self.heartbeat_timeout_s = heartbeat_timeout_s
 
-    async def serve(self, socket: Socket) -> None:
-        """Run one agent's connection from its hello to its end."""
+    async def serve(self, socket: Socket, *, packed: bool = False) -> None:
+        """Run one agent's connection from its hello to its end; ``packed``: the agent
+        took the subprotocol that lets a frame hold several messages."""
         hello = AgentHello.model_validate_json(await socket.receive_text())
         old = self.links.get(hello.node)
         if old is not None:  # a reconnect: the old link is dead even if TCP has not noticed
             await self._leave(old)
-        link = AgentLink(hello, socket, self._on_orphan)
+        link = AgentLink(hello, socket, self._on_orphan, packed=packed)
         self.links[hello.node] = link
         try:
             await self._on_join(link)

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.api.wire import (
+    AGENT_SUBPROTOCOL,
     ActionResult,
     ApiCallRequest,
     ApiLeaseRequest,
@@ -374,9 +375,10 @@ def create_app(
         if _bearer(tokens, ws.headers.get("authorization")) != AGENT_TENANT:
             await ws.close(code=1008, reason="an agent token is required")
             return
-        await ws.accept()
+        packed = AGENT_SUBPROTOCOL in ws.scope.get("subprotocols", ())
+        await ws.accept(subprotocol=AGENT_SUBPROTOCOL if packed else None)
         with contextlib.suppress(WebSocketDisconnect):
-            await engine.hub.serve(ws)
+            await engine.hub.serve(ws, packed=packed)
 
     app.hot = (engine, tokens, max_body)
     app.agents_ws = agents

@@ -673,16 +673,17 @@ class Engine:
         if self.idempotent.in_flight(rec.id):  # what its submitter got (a lease: the grant)
             rec.answer = rec.done.result().model_dump_json().encode()
             self.idempotent.ended(rec, rec.target, rec.answer)
-        log.info(
-            "action ended",
-            extra={
-                "action": result.id,
-                "trajectory": result.trajectory,
-                "kind": result.kind,
-                "status": result.status.value,
-                "act_s": round(result.timings.act_s, 6),
-            },
-        )
+        if log.isEnabledFor(logging.INFO):  # its fields cost ~1% of the CPU at 2,000/s
+            log.info(
+                "action ended",
+                extra={
+                    "action": result.id,
+                    "trajectory": result.trajectory,
+                    "kind": result.kind,
+                    "status": result.status.value,
+                    "act_s": round(result.timings.act_s, 6),
+                },
+            )
 
     def cancel(self, tenant: str, aid: str) -> bool:
         """Cancel a queued or running action; False if it already ended."""

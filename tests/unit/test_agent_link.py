@@ -1,0 +1,103 @@
+"""The scheduler's side of the agent link: requests queued in one loop tick leave in one
+frame when the agent reads packed frames, one a frame when it does not; a packed frame of
+replies answers each request; a failed send fails what waits instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tangram.api.inventory import NodeInventory
+from tangram.api.wire import AgentHello, AgentReply, AgentRequest, pack, unpack
+from tangram.service.agents import AgentGoneError, AgentLink
+
+
+class Socket:
+    """Records what the link sends; ``receive_text`` hands out frames the test queues."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.sent: list[str] = []
+        self.inbox: asyncio.Queue[str] = asyncio.Queue()
+        self.fail = fail
+
+    async def send_text(self, data: str) -> None:
+        if self.fail:
+            raise RuntimeError("the connection is closed")
+        self.sent.append(data)
+
+    async def receive_text(self) -> str:
+        return await self.inbox.get()
+
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
+        pass
+
+
+def _hello() -> AgentHello:
+    inventory = NodeInventory(
+        node_id="n1", hostname="n1", numa=[[0, 1]], memory_gb=1.0, cgroup_version=2
+    )
+    return AgentHello(
+        node="n1", inventory=inventory, runtime="noop", action_cores=[0, 1], idle_cores=[]
+    )
+
+
+def _exec(link: AgentLink) -> AgentRequest:
+    return AgentRequest(op="exec", rid=link.next_rid(), trajectory="t", argv=["true"])
+
+
+async def _requests_of_one_tick(packed: bool) -> tuple[list[str], list[AgentReply]]:
+    socket = Socket()
+    link = AgentLink(_hello(), socket, packed=packed)
+    reader = asyncio.create_task(link.receive_forever())
+    reqs = [_exec(link) for _ in range(3)]
+    waiting = [asyncio.create_task(link.request(r)) for r in reqs]
+    while sum(len(unpack(f)) for f in socket.sent) < 3:
+        await asyncio.sleep(0)
+    frames = list(socket.sent)
+    replies = [AgentReply(rid=r.rid, ok=True).model_dump_json() for r in reversed(reqs)]
+    await socket.inbox.put(pack(replies))  # all three answers in one frame
+    answered = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+    reader.cancel()
+    return frames, answered
+
+
+def test_requests_of_one_tick_leave_in_one_frame_when_the_agent_reads_packed_frames() -> None:
+    frames, answered = asyncio.run(_requests_of_one_tick(packed=True))
+    assert len(frames) == 1
+    assert [AgentRequest.model_validate_json(m).rid for m in unpack(frames[0])] == [1, 2, 3]
+    assert [a.rid for a in answered] == [1, 2, 3]  # each request got its own reply
+
+
+def test_an_agent_that_does_not_read_packed_frames_gets_one_message_a_frame() -> None:
+    frames, answered = asyncio.run(_requests_of_one_tick(packed=False))
+    assert [AgentRequest.model_validate_json(f).rid for f in frames] == [1, 2, 3]
+    assert [a.rid for a in answered] == [1, 2, 3]
+
+
+def test_a_send_that_fails_fails_the_waiting_requests_and_closes_the_link() -> None:
+    async def go() -> None:
+        link = AgentLink(_hello(), Socket(fail=True), packed=True)
+        with pytest.raises(AgentGoneError):
+            await asyncio.wait_for(link.request(_exec(link)), 5)
+        assert link.closed
+        with pytest.raises(AgentGoneError):  # nothing more is queued on a dead link
+            await link.request(_exec(link))
+
+    asyncio.run(go())
+
+
+def test_heartbeats_in_a_packed_frame_are_skipped() -> None:
+    async def go() -> None:
+        socket = Socket()
+        link = AgentLink(_hello(), socket, packed=True)
+        reader = asyncio.create_task(link.receive_forever())
+        req = _exec(link)
+        waiting = asyncio.create_task(link.request(req))
+        await asyncio.sleep(0)
+        reply = AgentReply(rid=req.rid, ok=True).model_dump_json()
+        await socket.inbox.put(pack(['{"heartbeat":true}', reply, '{"heartbeat":true}']))
+        assert (await asyncio.wait_for(waiting, 5)).rid == req.rid
+        reader.cancel()
+
+    asyncio.run(go())
