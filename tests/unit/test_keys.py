@@ -21,10 +21,11 @@ def test_an_ended_action_leaves_only_its_answer_untracked_by_the_gc() -> None:
     m.ended(rec, "exec on x", b'{"id":"a-1"}')
     kept = m.get("t", "k")
     assert kept == Remembered("a-1", "exec on x", b'{"id":"a-1"}') and not m.in_flight("a-1")
-    assert m.bytes == len(b'{"id":"a-1"}')
-    gc.collect()
-    stored = m._entries[("t", "k")]
-    assert not gc.is_tracked(stored)  # strings and bytes only: no collection walks it again
+    assert m.bytes == len(b'a-1\x00exec on x\x00{"id":"a-1"}')  # all it keeps
+    (joined, stored), *_ = m._entries.items()
+    # no container the GC tracks: a str key and a bytes value, walked by no collection
+    assert isinstance(joined, str) and isinstance(stored, bytes)
+    assert not gc.is_tracked(joined) and not gc.is_tracked(stored)
 
 
 def test_the_oldest_ended_keys_go_first_and_in_flight_ones_stay() -> None:
@@ -41,13 +42,13 @@ def test_the_oldest_ended_keys_go_first_and_in_flight_ones_stay() -> None:
     assert len(m) == 2
 
 
-def test_the_byte_bound_counts_the_answers() -> None:
-    m: KeyMemory[Rec] = KeyMemory(max_bytes=10)
+def test_the_byte_bound_counts_what_ended_actions_keep() -> None:
+    m: KeyMemory[Rec] = KeyMemory(max_bytes=22)
     for i in range(3):
         rec = Rec(f"a-{i}")
         m.remember("t", f"k{i}", rec)
-        m.ended(rec, "x", b"12345")
-    assert m.keys() == [("t", "k1"), ("t", "k2")] and m.bytes == 10
+        m.ended(rec, "x", b"12345")  # kept as b"a-i\x00x\x0012345": 11 bytes
+    assert m.keys() == [("t", "k1"), ("t", "k2")] and m.bytes == 22
 
 
 def test_forget_and_a_late_end_touch_only_their_own_record() -> None:
@@ -61,3 +62,13 @@ def test_forget_and_a_late_end_touch_only_their_own_record() -> None:
     m.remember("t", "k", second)
     m.ended(first, "x", b"{}")  # a withdrawn action ending later does not overwrite
     assert m.get("t", "k") is second and m.bytes == 0
+
+
+def test_a_key_holding_the_separator_stays_apart_from_its_tenant() -> None:
+    m: KeyMemory[Rec] = KeyMemory()
+    rec = Rec("a-1")
+    m.remember("t", "k\x00with\x00nul", rec)
+    m.ended(rec, "exec on t-1", b'{"s":"a\\u0000b"}')
+    assert m.keys() == [("t", "k\x00with\x00nul")] and ("t", "k\x00with\x00nul") in m
+    assert m.get("t", "k\x00with\x00nul") == Remembered("a-1", "exec on t-1", b'{"s":"a\\u0000b"}')
+    assert m.get("t", "k") is None

@@ -73,6 +73,11 @@ def register(sub: Any) -> None:
     p.add_argument("--duration", type=float, default=20.0, help="service: measured seconds")
     p.add_argument("--warmup", type=float, default=5.0, help="service: seconds before measuring")
     p.add_argument(
+        "--generator-gc",
+        action="store_true",
+        help="service: keep the load generator's cyclic GC on while measuring",
+    )
+    p.add_argument(
         "--state-dir", default="/var/lib/tangram/bench", help="exec: agent state (socket dirs)"
     )
     p.add_argument(
