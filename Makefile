@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 export PYTHONPATH := $(CURDIR)/scheduler:$(CURDIR)/operator:$(CURDIR)/node-agent
 
-.PHONY: setup run test e2e lint typecheck bench bench-quick images manifests chart-lint clean
+.PHONY: setup run test e2e lint typecheck bench bench-quick gpu-kit images manifests chart-lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,20 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 		$(BIN)/tangram bench gpu --json --out docs/bench/gpu.json && \
 		$(BIN)/tangram bench gpu-pool --json --out docs/bench/gpu_pool.json; \
 	else echo "skipping bench gpu and gpu-pool: no PyTorch (make setup EXTRAS=dev,gpu)"; fi
+
+# What a lent GPU machine lacks: its python3 (3.12) holds PyTorch and most of the rest, and
+# it reaches no registry, so these travel as wheels in .whl/ (docs/gpu.md, tests/gpu-device.sh).
+GPU_KIT := pydantic pydantic_core annotated_types typing_inspection docker fastapi starlette \
+	uvicorn httptools websockets
+GPU_PLATFORMS := $(foreach n,2_17 2_24 2_27 2_28 2_31 2_34 2_35,--platform manylinux_$(n)_x86_64) \
+	--platform manylinux2014_x86_64 --platform manylinux1_x86_64
+
+gpu-kit: setup ## wheels (cp312, the versions in .venv) a lent GPU machine lacks, into .whl/
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_PLATFORMS) -d .whl $$($(BIN)/python -c \
+		"import importlib.metadata as m; print(*(f'{n}=={m.version(n)}' for n in '$(GPU_KIT)'.split()))")
+	@du -sh .whl
 
 bench-quick: setup ## a smaller paper sweep for a smoke run (writes out/bench)
 	$(BIN)/tangram bench paper --quick --out out/bench

@@ -123,7 +123,7 @@ class NodeAgent:
         nothing, on ``cores_for_actions`` virtual cores: for benchmarks of the service);
         ``gpus``: whether it serves RewardService calls, and on which devices."""
         options = gpus or GpuOptions()
-        inventory = read_inventory(gpus=nvml_gpus if options.mode == "auto" else None)
+        inventory = read_inventory(gpus=nvml_gpus if options.mode in ("auto", "cuda") else None)
         agent = cls._create(
             state_dir,
             node=node,

@@ -77,12 +77,14 @@ class ServiceBackend(Protocol):
 
 @dataclass(frozen=True)
 class GpuOptions:
-    """``--gpus``: ``auto`` (CUDA devices if any), ``none``, or ``cpu:N`` (N CPU-backed
+    """``--gpus``: ``auto`` (every CUDA device, if any), ``cuda:0,2`` (those CUDA devices
+    only: the node's GPUs other agents or jobs keep), ``none``, or ``cpu:N`` (N CPU-backed
     devices standing in for GPUs: tests and demos); ``--gpu-memory-mib`` overrides what
     each device offers to service instances."""
 
     mode: str = "none"
     memory_mib: int | None = None
+    devices: tuple[int, ...] = ()  # cuda: the CUDA device indexes to serve
 
     @classmethod
     def parse(cls, text: str, memory_mib: int | None = None) -> GpuOptions:
@@ -91,7 +93,17 @@ class GpuOptions:
         count = text.removeprefix("cpu:")
         if text.startswith("cpu:") and count.isdigit() and int(count) in (1, 2, 4, 8):
             return cls(text, memory_mib)
-        raise ExecError(f"--gpus: {text!r} is not auto, none or cpu:N with N in 1, 2, 4, 8")
+        if text.startswith("cuda:"):
+            listed = text.removeprefix("cuda:").split(",")
+            if not all(d.isdigit() for d in listed):
+                raise ExecError(f"--gpus: {text!r}: cuda: takes device indexes, e.g. cuda:0,1")
+            devices = tuple(int(d) for d in listed)
+            if len(set(devices)) != len(devices):
+                raise ExecError(f"--gpus: {text!r} names a device twice")
+            return cls("cuda", memory_mib, devices)
+        raise ExecError(
+            f"--gpus: {text!r} is not auto, none, cuda:I,J,... or cpu:N with N in 1, 2, 4, 8"
+        )
 
 
 class GpuRole:
@@ -120,18 +132,26 @@ class GpuRole:
             raise ExecError(f"--gpus {options.mode}: PyTorch is not installed ({e})") from None
         # Every device is offered; the scheduler uses a power of two of them (buddy chunks).
         override = options.memory_mib * MIB if options.memory_mib is not None else None
-        if options.mode == "auto":
+        if options.mode in ("auto", "cuda"):
             totals = cuda_memory()
-            if not totals:
+            if options.mode == "auto" and not totals:
                 return None
+            devices = list(options.devices) or list(range(len(totals)))
+            missing = [d for d in devices if d >= len(totals)]
+            if missing:
+                raise ExecError(
+                    f"--gpus cuda:{','.join(map(str, devices))}: no CUDA device {missing} "
+                    f"({len(totals)} visible)"
+                )
             capacity = [
-                override or max(0, int(t - RESERVE_BYTES - RESERVE_FRACTION * t)) for t in totals
+                override or max(0, int(t - RESERVE_BYTES - RESERVE_FRACTION * t))
+                for t in (totals[d] for d in devices)
             ]
             backend = "cuda"
         else:
             capacity = [override or 1024 * MIB] * int(options.mode.removeprefix("cpu:"))
+            devices = list(range(len(capacity)))
             backend = "cpu"
-        devices = list(range(len(capacity)))
         worker = GpuWorker(dict(zip(devices, capacity, strict=True)), cpu=backend == "cpu")
         gbps = worker.h2d_gbps(devices[0])
         info = GpuWorkerInfo(backend=backend, devices=devices, memory_bytes=capacity, h2d_gbps=gbps)

@@ -85,7 +85,18 @@ def register(sub: Any) -> None:
     )
     g = p.add_argument_group("gpu-pool")
     g.add_argument("--services", type=whole_number(1), default=4, help="services (teachers)")
-    g.add_argument("--pooled", default="2,4", help="devices of each pooled run, comma-separated")
+    g.add_argument(
+        "--pooled",
+        default="auto",
+        help="devices of each pooled run, comma-separated (auto: 1, 2, 4 up to the CUDA "
+        "devices there are; 2,4 CPU-backed)",
+    )
+    g.add_argument(
+        "--devices",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="CUDA devices when there are any (auto), or CPU-backed ones",
+    )
     g.add_argument(
         "--per-device", type=whole_number(1), default=2, help="services one device can hold"
     )

@@ -15,8 +15,12 @@ The trace follows the shape of multi-teacher distillation: rounds of rollouts, i
 changing subset of the services (the domains of that batch) called in a burst as
 trajectories finish. A call's compute is modeled (``timed`` bench model: it sleeps its
 milliseconds, on the device's thread) so the figures show what pooling changes: queueing,
-restores, evictions; restores are real copies of the service's weights. Without CUDA the
-devices are CPU-backed (``--gpus cpu:N``) and the report says so.
+restores, evictions; restores are real copies of the service's weights. With CUDA
+(``--devices auto`` finds it) the agents serve real devices (``--gpus cuda:I,...``): the
+pooled sides need that many, and static deployments share them round-robin when there are
+fewer than services, which leaves their figures alone (after the warm-up they never
+restore, and their compute is modeled). Without CUDA the devices are CPU-backed (``--gpus
+cpu:N``). The report says which.
 
 GPU-seconds: ``held`` is devices × the run's span (what a deployment pays for);
 ``busy`` is the sum over calls of (restore + compute) × devices of the call.
@@ -99,6 +103,7 @@ class Setup:
     name: str
     services: tuple[ServiceConfig, ...]
     devices: int
+    cuda: tuple[int, ...] = ()  # the CUDA devices it serves; none: CPU-backed devices
 
 
 async def _serve(
@@ -111,7 +116,9 @@ async def _serve(
         node=setup.name,
         runtime="noop",
         cores_for_actions=1,
-        gpus=GpuOptions(f"cpu:{setup.devices}", per_device_mib),
+        gpus=GpuOptions("cuda", per_device_mib, setup.cuda)
+        if setup.cuda
+        else GpuOptions(f"cpu:{setup.devices}", per_device_mib),
     )
     config = PoolConfig(name=setup.name, services={s.spec.name: s for s in setup.services})
     stop = asyncio.Event()
@@ -254,16 +261,42 @@ def _services(
     return out
 
 
+def _devices_said(visible: int, services: int) -> str:
+    if not visible:
+        return "cpu-backed devices (--gpus cpu:N; modeled compute, real restores)"
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    shared = (
+        f"; the {services} static deployments share them round-robin (no restores after "
+        "warm-up, modeled compute)"
+        if visible < services
+        else ""
+    )
+    return f"{visible} × {name} (--gpus cuda:...; modeled compute, real restores){shared}"
+
+
 def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         from tangram.node_agent.gpu_worker import cuda_memory
     except ImportError as e:
         raise InputError(f"bench gpu-pool needs PyTorch (pip install '.[gpu]'): {e}") from None
     n = args.services
-    pooled = sorted({int(g) for g in str(args.pooled).split(",")})
+    visible = len(cuda_memory()) if args.devices != "cpu" else 0
+    if args.devices == "cuda" and not visible:
+        raise InputError("bench gpu-pool --devices cuda: no CUDA device is visible")
+    if args.pooled == "auto":  # as many as the machine has, up to 4; 2 and 4 on the CPU
+        pooled = [g for g in (1, 2, 4) if g <= visible] if visible else [2, 4]
+    else:
+        pooled = sorted({int(g) for g in str(args.pooled).split(",")})
     for g in pooled:
         if g not in (1, 2, 4, 8):
             raise InputError(f"--pooled: {g} devices is not 1, 2, 4 or 8 (a GPU chunk)")
+        if visible and g > visible:
+            raise InputError(
+                f"--pooled: {g} devices, but {visible} CUDA devices are visible "
+                "(--pooled up to that, or --devices cpu)"
+            )
     layers = max(1, (args.size_mb or 256) // LAYER_MB)
     names = [f"teacher-{i}" for i in range(n)]
     calls = call_trace(
@@ -284,11 +317,17 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
         made = _services(names, tmp, layers, args.compute_ms)
         services = [cfg for cfg, _ in made]
         checks = {cfg.spec.name: check for cfg, check in made}
+
+        def cuda(first: int, count: int) -> tuple[int, ...]:
+            return tuple((first + k) % visible for k in range(count)) if visible else ()
+
         sides: dict[str, list[Setup]] = {
-            "static": [Setup(f"static-{s.spec.name}", (s,), 1) for s in services]
+            "static": [
+                Setup(f"static-{s.spec.name}", (s,), 1, cuda(i, 1)) for i, s in enumerate(services)
+            ]
         }
         for g in pooled:
-            sides[f"pooled-{g}"] = [Setup(f"pooled-{g}", tuple(services), g)]
+            sides[f"pooled-{g}"] = [Setup(f"pooled-{g}", tuple(services), g, cuda(0, g))]
         report_sides: dict[str, Any] = {}
         for i, (side, setups) in enumerate(sides.items()):
             if not args.json:
@@ -306,10 +345,8 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     static = report_sides["static"]
-    cuda = bool(cuda_memory())
     return {
-        "device": "cpu-backed devices (--gpus cpu:N; modeled compute, real restores)"
-        + ("" if not cuda else "; CUDA present but not used: the bench needs N devices"),
+        "device": _devices_said(visible, n),
         "services": n,
         "model_mb": model_mib,
         "per_device": args.per_device,

@@ -160,8 +160,9 @@ def add_gpu_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpus",
         default="auto",
-        help="serve RewardService calls: auto (the CUDA devices, if any), none, or cpu:N "
-        "(N of 1, 2, 4, 8 CPU-backed devices standing in for GPUs: try it without a GPU)",
+        help="serve RewardService calls: auto (every CUDA device, if any), cuda:0,1 (those "
+        "CUDA devices only), none, or cpu:N (N of 1, 2, 4, 8 CPU-backed devices standing in "
+        "for GPUs: try it without a GPU)",
     )
     p.add_argument(
         "--gpu-memory-mib",
