@@ -326,4 +326,17 @@ def cuda_memory() -> list[int]:
     return [torch.cuda.mem_get_info(d)[1] for d in range(torch.cuda.device_count())]
 
 
-__all__ = ["CallStats", "GpuWorker", "ServiceError", "bytes_per_device", "cuda_memory", "resolve"]
+def cuda_name(device: int = 0) -> str:
+    """The model of a visible CUDA device, as reports name it."""
+    return str(torch.cuda.get_device_name(device))
+
+
+__all__ = [
+    "CallStats",
+    "GpuWorker",
+    "ServiceError",
+    "bytes_per_device",
+    "cuda_memory",
+    "cuda_name",
+    "resolve",
+]

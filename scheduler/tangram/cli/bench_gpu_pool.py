@@ -264,9 +264,9 @@ def _services(
 def _devices_said(visible: int, services: int) -> str:
     if not visible:
         return "cpu-backed devices (--gpus cpu:N; modeled compute, real restores)"
-    import torch
+    from tangram.node_agent.gpu_worker import cuda_name
 
-    name = torch.cuda.get_device_name(0)
+    name = cuda_name(0)
     shared = (
         f"; the {services} static deployments share them round-robin (no restores after "
         "warm-up, modeled compute)"
