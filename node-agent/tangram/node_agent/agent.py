@@ -260,10 +260,10 @@ class NodeAgent:
         except asyncio.CancelledError:
             if task.cancelled():  # cancelled on request
                 return AgentReply(rid=req.rid, ok=False, error="cancelled", key=key)
-            if task.done():  # it finished just as the link dropped: report it unasked
+            if key in self._results:  # it finished just as the link dropped: report it
                 self._deliver(AgentReply.model_validate_json(self._results[key]))
-            else:
-                self._orphaned.add(key)  # the link dropped: the run goes on without us
+            else:  # running, or finished with its done-callback still to come: that one
+                self._orphaned.add(key)  # reports it, unasked; the run goes on without us
             raise
         finally:
             self._tasks.pop(req.rid, None)
