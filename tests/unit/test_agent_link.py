@@ -20,6 +20,7 @@ class Socket:
         self.sent: list[str] = []
         self.inbox: asyncio.Queue[str] = asyncio.Queue()
         self.fail = fail
+        self.closed_with: int | None = None
 
     async def send_text(self, data: str) -> None:
         if self.fail:
@@ -30,7 +31,7 @@ class Socket:
         return await self.inbox.get()
 
     async def close(self, code: int = 1000, reason: str | None = None) -> None:
-        pass
+        self.closed_with = code
 
 
 def _hello() -> AgentHello:
@@ -56,7 +57,8 @@ async def _requests_of_one_tick(packed: bool) -> tuple[list[str], list[AgentRepl
         await asyncio.sleep(0)
     frames = list(socket.sent)
     replies = [AgentReply(rid=r.rid, ok=True).model_dump_json() for r in reversed(reqs)]
-    await socket.inbox.put(pack(replies))  # all three answers in one frame
+    (frame,) = pack(replies)  # all three answers in one frame
+    await socket.inbox.put(frame)
     answered = await asyncio.wait_for(asyncio.gather(*waiting), 5)
     reader.cancel()
     return frames, answered
@@ -77,10 +79,13 @@ def test_an_agent_that_does_not_read_packed_frames_gets_one_message_a_frame() ->
 
 def test_a_send_that_fails_fails_the_waiting_requests_and_closes_the_link() -> None:
     async def go() -> None:
-        link = AgentLink(_hello(), Socket(fail=True), packed=True)
+        socket = Socket(fail=True)
+        link = AgentLink(_hello(), socket, packed=True)
         with pytest.raises(AgentGoneError):
             await asyncio.wait_for(link.request(_exec(link)), 5)
         assert link.closed
+        await asyncio.sleep(0)
+        assert socket.closed_with == 1011  # its reader ends too, and the node is drained
         with pytest.raises(AgentGoneError):  # nothing more is queued on a dead link
             await link.request(_exec(link))
 
@@ -96,8 +101,17 @@ def test_heartbeats_in_a_packed_frame_are_skipped() -> None:
         waiting = asyncio.create_task(link.request(req))
         await asyncio.sleep(0)
         reply = AgentReply(rid=req.rid, ok=True).model_dump_json()
-        await socket.inbox.put(pack(['{"heartbeat":true}', reply, '{"heartbeat":true}']))
+        (frame,) = pack(['{"heartbeat":true}', reply, '{"heartbeat":true}'])
+        await socket.inbox.put(frame)
         assert (await asyncio.wait_for(waiting, 5)).rid == req.rid
         reader.cancel()
 
     asyncio.run(go())
+
+
+def test_a_packed_frame_stops_growing_at_its_limit_and_a_big_message_goes_alone() -> None:
+    small, big = "x" * 30, "y" * 250
+    frames = pack([small, small, small, big, small], limit=100)
+    assert [unpack(f) for f in frames] == [[small, small, small], [big], [small]]
+    assert all(len(f) <= 100 for f in frames if f != big)
+    assert pack([]) == []

@@ -31,6 +31,8 @@ def test_gpus_values(text: str, mode: str, devices: tuple[int, ...]) -> None:
         ("cuda:", "device indexes"),
         ("cuda:0,x", "device indexes"),
         ("cuda:1,1", "names a device twice"),
+        ("cuda:\u00b2", "device indexes"),  # a digit to str.isdigit, not to int()
+        ("cpu:\u00b2", "cpu:N with N in 1, 2, 4, 8"),
         ("gpu0", "is not auto, none"),
     ],
 )

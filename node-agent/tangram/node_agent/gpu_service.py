@@ -91,11 +91,11 @@ class GpuOptions:
         if text in ("auto", "none"):
             return cls(text, memory_mib)
         count = text.removeprefix("cpu:")
-        if text.startswith("cpu:") and count.isdigit() and int(count) in (1, 2, 4, 8):
+        if text.startswith("cpu:") and count.isdecimal() and int(count) in (1, 2, 4, 8):
             return cls(text, memory_mib)
         if text.startswith("cuda:"):
             listed = text.removeprefix("cuda:").split(",")
-            if not all(d.isdigit() for d in listed):
+            if not all(d.isascii() and d.isdecimal() for d in listed):
                 raise ExecError(f"--gpus: {text!r}: cuda: takes device indexes, e.g. cuda:0,1")
             devices = tuple(int(d) for d in listed)
             if len(set(devices)) != len(devices):
@@ -122,7 +122,7 @@ class GpuRole:
         if options.mode == "none" or (options.mode == "auto" and nvml_gpus == 0):
             return None
         try:
-            from tangram.node_agent.gpu_worker import GpuWorker, cuda_memory
+            from tangram.node_agent.gpu_worker import GpuWorker, cuda_count, cuda_memory
         except ImportError as e:
             if options.mode == "auto":  # NVML sees GPUs, so serving them was likely meant
                 log.warning(
@@ -133,19 +133,20 @@ class GpuRole:
         # Every device is offered; the scheduler uses a power of two of them (buddy chunks).
         override = options.memory_mib * MIB if options.memory_mib is not None else None
         if options.mode in ("auto", "cuda"):
-            totals = cuda_memory()
-            if options.mode == "auto" and not totals:
+            visible = cuda_count()
+            if options.mode == "auto" and not visible:
                 return None
-            devices = list(options.devices) or list(range(len(totals)))
-            missing = [d for d in devices if d >= len(totals)]
+            devices = list(options.devices) or list(range(visible))
+            missing = [d for d in devices if d >= visible]
             if missing:
                 raise ExecError(
                     f"--gpus cuda:{','.join(map(str, devices))}: no CUDA device {missing} "
-                    f"({len(totals)} visible)"
+                    f"({visible} visible)"
                 )
+            # Only the chosen devices are touched: the others may be the trainer's.
             capacity = [
                 override or max(0, int(t - RESERVE_BYTES - RESERVE_FRACTION * t))
-                for t in (totals[d] for d in devices)
+                for t in cuda_memory(devices)
             ]
             backend = "cuda"
         else:

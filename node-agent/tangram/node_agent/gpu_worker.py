@@ -319,11 +319,17 @@ class GpuWorker:
         return {name(k): list(p.devices) for k, p in self.residency.resident.items()}
 
 
-def cuda_memory() -> list[int]:
-    """Total memory of each visible CUDA device, bytes (empty without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.mem_get_info(d)[1] for d in range(torch.cuda.device_count())]
+def cuda_count() -> int:
+    """Visible CUDA devices (0 without CUDA), without opening a context on any."""
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def cuda_memory(devices: Sequence[int] | None = None) -> list[int]:
+    """Total memory of ``devices`` (default: every visible one), bytes; empty without
+    CUDA. Read from the device properties, which opens no context on the device."""
+    if devices is None:
+        devices = range(cuda_count())
+    return [int(torch.cuda.get_device_properties(d).total_memory) for d in devices]
 
 
 def cuda_name(device: int = 0) -> str:
@@ -336,6 +342,7 @@ __all__ = [
     "GpuWorker",
     "ServiceError",
     "bytes_per_device",
+    "cuda_count",
     "cuda_memory",
     "cuda_name",
     "resolve",

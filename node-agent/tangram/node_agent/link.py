@@ -74,11 +74,8 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
             queued.clear()
             batch = outbox[:]
             outbox.clear()
-            if packed:
-                await ws.send(pack(batch))
-            else:
-                for text in batch:
-                    await ws.send(text)
+            for frame in pack(batch) if packed else batch:
+                await ws.send(frame)
 
     async def answer(req: AgentRequest) -> None:
         post((await agent.handle(req)).model_dump_json())

@@ -410,10 +410,25 @@ class EnvSpec(_Strict):
 AGENT_SUBPROTOCOL = "tangram.lines.v1"
 
 
-def pack(messages: list[str]) -> str:
-    """One frame for messages queued in the same loop tick: a send per tick, not per
-    message, is most of the link's cost under load."""
-    return "\n".join(messages)
+FRAME_BYTES = 1 << 20  # a packed frame stops growing here, far below either side's limit
+
+
+def pack(messages: list[str], limit: int = FRAME_BYTES) -> list[str]:
+    """Frames for messages queued in the same loop tick: a send per tick, not per message,
+    is most of the link's cost under load. A frame holds messages up to ``limit`` bytes in
+    all; a larger message goes alone (each message fits the link on its own)."""
+    frames: list[str] = []
+    batch: list[str] = []
+    size = 0
+    for text in messages:
+        if batch and size + len(text) + 1 > limit:
+            frames.append("\n".join(batch))
+            batch, size = [], 0
+        batch.append(text)
+        size += len(text) + 1
+    if batch:
+        frames.append("\n".join(batch))
+    return frames
 
 
 def unpack(frame: str) -> list[str]:

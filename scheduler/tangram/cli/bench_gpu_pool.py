@@ -278,11 +278,11 @@ def _devices_said(visible: int, services: int) -> str:
 
 def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
-        from tangram.node_agent.gpu_worker import cuda_memory
+        from tangram.node_agent.gpu_worker import cuda_count
     except ImportError as e:
         raise InputError(f"bench gpu-pool needs PyTorch (pip install '.[gpu]'): {e}") from None
     n = args.services
-    visible = len(cuda_memory()) if args.devices != "cpu" else 0
+    visible = cuda_count() if args.devices != "cpu" else 0
     if args.devices == "cuda" and not visible:
         raise InputError("bench gpu-pool --devices cuda: no CUDA device is visible")
     if args.pooled == "auto":  # as many as the machine has, up to 4; 2 and 4 on the CPU

@@ -101,16 +101,15 @@ class AgentLink:
                 await self._queued.wait()
                 self._queued.clear()
                 batch, self._outbox = self._outbox, []
-                if self.packed:
-                    await self.socket.send_text(pack(batch))
-                else:
-                    for text in batch:
-                        await self.socket.send_text(text)
+                for frame in pack(batch) if self.packed else batch:
+                    await self.socket.send_text(frame)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the socket is gone: nothing sent will be answered
-            log.info("node %s: the link failed while sending: %s", self.node, e)
+        except Exception as e:  # nothing sent will be answered: end the link, drain the node
+            log.warning("node %s: the link failed while sending: %s", self.node, e)
             self.fail_pending()
+            with contextlib.suppress(Exception):
+                await self.socket.close(code=1011, reason="send failed")
 
     async def receive_forever(self) -> None:
         """Route replies to their requests until the connection ends."""
@@ -169,6 +168,7 @@ class AgentHub:
         except Exception:  # a node the pool cannot take: refuse it rather than keep a dead link
             log.exception("node %s could not join", hello.node)
             del self.links[hello.node]
+            link.fail_pending()
             await socket.close(code=1011, reason="could not join the pool")
             return
         try:

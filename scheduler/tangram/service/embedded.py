@@ -85,6 +85,7 @@ async def run(
             lifespan="on",
             ws="websockets-sansio",
             ws_per_message_deflate=False,
+            ws_max_size=64 << 20,  # as the agent's: a reply may be up to 16 MiB of output
             proxy_headers=False,  # nothing reads the client's address: skip a wrapper a call
         )
     )
