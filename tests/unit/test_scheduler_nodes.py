@@ -147,11 +147,11 @@ def test_gpu_nodes_join_and_leave_with_what_they_held() -> None:
 def test_a_replicated_instance_holds_the_whole_model_on_each_gpu() -> None:
     sharded = ServiceSpec(name="s", gpu_memory_gb=12, dop_choices=[2], restore_s=4.0)
     replicas = sharded.model_copy(update={"name": "r", "replicated": True})
-    assert (sharded.memory_per_gpu(2), replicas.memory_per_gpu(2)) == (6.0, 12.0)
     assert (sharded.restore_cost(2), replicas.restore_cost(2)) == (2.0, 4.0)
     s = Scheduler(cluster(nodes=[]))
     s.add_gpu_node("g", gpus=2, memory_gb=10)
     s.set_services([sharded, replicas])
+    assert (s.gpu.per_gpu("s", 2), s.gpu.per_gpu("r", 2)) == (6.0, 12.0)
     assert s.gpu.fits("s", 2) and not s.gpu.fits("r", 2)
 
 

@@ -173,7 +173,8 @@ class GpuRole:
             for name in [n for n in self.defs if wanted.get(n) != self.defs[n]]:
                 await asyncio.to_thread(self.backend.unload, name)
                 self.defs.pop(name)
-                self.loaded.pop(name, None)
+            for name in [n for n in self.loaded if n not in self.defs]:
+                del self.loaded[name]  # changed or removed; a failed load is tried again
             for name, spec in wanted.items():
                 if name in self.defs:
                     continue
@@ -198,11 +199,15 @@ class GpuRole:
         if state is None or not state.ok:
             why = state.error if state is not None else "not defined on this node"
             raise ExecError(f"service {service}: {why}")
-        work = asyncio.ensure_future(
-            asyncio.to_thread(self.backend.call, service, list(gpus), inputs)
-        )
+
+        def run() -> tuple[list[Any], CallStatsLike, int]:
+            outputs, stats = self.backend.call(service, list(gpus), inputs)
+            # Measured here, in the thread: up to 8 MiB of JSON would stall the agent's loop.
+            return outputs, stats, len(json.dumps(outputs, default=str))
+
+        work = asyncio.ensure_future(asyncio.to_thread(run))
         try:
-            outputs, stats = await asyncio.shield(work)
+            outputs, stats, size = await asyncio.shield(work)
         except asyncio.CancelledError:
             # The thread cannot be stopped: answer once it is done with the GPUs.
             with contextlib.suppress(Exception):
@@ -210,7 +215,6 @@ class GpuRole:
             raise
         except Exception as e:
             raise ExecError(f"service {service}: {e}") from None
-        size = len(json.dumps(outputs, default=str))
         if size > MAX_OUTPUT_BYTES:  # the reply must fit a WebSocket message of the link
             raise ExecError(
                 f"service {service}: outputs of {size} bytes exceed {MAX_OUTPUT_BYTES}; "

@@ -262,8 +262,9 @@ class GpuWorker:
         self.residency.evict(key)
         self.instances.pop(key, None)  # the device tensors go with their last reference
         self.evictions += 1
-        if self.cuda:
-            torch.cuda.empty_cache()  # hand the memory back for other processes' NVML view
+        # The freed blocks stay in PyTorch's cache, where the restore that made room for
+        # itself takes them; only evict_all hands memory back (empty_cache waits for the
+        # whole device, so never per eviction under the lock).
 
     def _synchronize(self, chunk: Sequence[int]) -> None:
         if self.cuda:
@@ -302,11 +303,18 @@ class GpuWorker:
         return [o for part in parts for o in part]
 
     def evict_all(self, service: str | None = None) -> None:
-        """Drop idle instances (of ``service``, or all); running ones stay."""
+        """Drop idle instances (of ``service``, or all); running ones stay. Their memory
+        goes back to the device, for other processes' NVML view."""
         with self._lock:
-            for key, placement in list(self.residency.resident.items()):
-                if (service is None or key[0] == service) and not placement.busy:
-                    self._evict(key)
+            idle = [
+                key
+                for key, placement in self.residency.resident.items()
+                if (service is None or key[0] == service) and not placement.busy
+            ]
+            for key in idle:
+                self._evict(key)
+        if idle and self.cuda:
+            torch.cuda.empty_cache()
 
     def unload(self, service: str) -> None:
         """Forget a service (its RewardService was removed or changed): its idle instances

@@ -64,10 +64,6 @@ class ServiceSpec(_Strict):
         each, or the whole model each when replicated."""
         return self.restore_fixed_s + (self.restore_s if self.replicated else self.restore_s / gpus)
 
-    def memory_per_gpu(self, gpus: int) -> float:
-        """GPU memory a DoP-``gpus`` instance holds on each of its GPUs, GB."""
-        return self.gpu_memory_gb if self.replicated else self.gpu_memory_gb / gpus
-
     @field_validator("dop_choices")
     @classmethod
     def _powers_of_two(cls, v: list[int]) -> list[int]:

@@ -286,8 +286,6 @@ class Scheduler:
         for spec in wanted.values():
             self.services[spec.name] = spec
             self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated)
-        for a in self.actions.values():
-            a.cache = None
 
     def drain_node(self, name: str) -> Drained:
         """Take a node out: its trajectories are closed, every running action of theirs
