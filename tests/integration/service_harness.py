@@ -16,6 +16,7 @@ from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import TokenStore
 from tangram.service.config import PoolConfig
 from tangram.service.embedded import Running, free_port, run
+from tangram.service.reviews import TokenReviewer
 
 
 @contextmanager
@@ -26,6 +27,7 @@ def service(
     *,
     grace_s: float = 5.0,
     tokens: TokenStore | None = None,
+    reviewer: TokenReviewer | None = None,
 ) -> Iterator[tuple[Running, str]]:
     """Yield the running service and a client token (of tenant ``local``, if any)."""
     tokens = tokens or TokenStore.create(tmp / "tokens")
@@ -51,6 +53,7 @@ def service(
                     port=free_port(),
                     grace_s=grace_s,
                     on_ready=on_ready,
+                    reviewer=reviewer,
                 )
             except BaseException as e:  # surfaced to the test below
                 failure.append(e)

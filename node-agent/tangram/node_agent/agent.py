@@ -28,6 +28,7 @@ from tangram.api.wire import (
     ExecOutcome,
     RunningAction,
     TrajectoryMeta,
+    json_bytes,
 )
 from tangram.node_agent.cgroups import CgroupError, detect
 from tangram.node_agent.docker_runtime import DockerRuntime, owner_id
@@ -274,7 +275,7 @@ class NodeAgent:
             reply = AgentReply(rid=0, ok=False, error="cancelled", key=key)
         else:
             reply = task.result().model_copy(update={"rid": 0, "key": key})
-        kept = self._results[key] = reply.model_dump_json().encode()
+        kept = self._results[key] = json_bytes(reply)
         self._result_bytes += len(kept)
         while len(self._results) > MAX_REMEMBERED or self._result_bytes > MAX_REMEMBERED_BYTES:
             _, old = self._results.popitem(last=False)

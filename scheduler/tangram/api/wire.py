@@ -403,6 +403,12 @@ class EnvSpec(_Strict):
     warm: int = 0  # ready containers kept for this environment
 
 
+def json_bytes(model: BaseModel) -> bytes:
+    """``model.model_dump_json()`` as the bytes the serializer made, without the decode and
+    encode around it (two copies of up to 16 MiB of output, on every keyed action)."""
+    return model.__pydantic_serializer__.to_json(model)
+
+
 # The agent link's subprotocol: a WebSocket frame may hold several messages, one a line
 # (JSON as pydantic writes it never holds a raw newline). Each side offers or accepts it
 # at the handshake and packs only when the other has said it reads packed frames, so an

@@ -229,17 +229,22 @@ def reload_on_hangup(
     takes the documents pushed in the request, and applies them while running (nothing
     queued is lost); definitions with errors are reported and the running ones kept."""
     engine.reloader = pool_reloader(files, pool, secrets)
+    pending: set[asyncio.Task[None]] = set()
 
-    def reload() -> None:
+    async def reload() -> None:
         try:
-            config = engine.reloader(None)
+            changes = await engine.reload(None)
         except ValueError as e:
             note(f"[red]reload refused[/]: {e}")
             return
-        changes = engine.reconfigure(config)
         note("reloaded: " + ("; ".join(changes) if changes else "no changes"))
 
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+    def hangup() -> None:  # off the handler: reading files and secrets must not block
+        task = asyncio.ensure_future(reload())
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hangup)
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:

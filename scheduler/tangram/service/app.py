@@ -39,6 +39,7 @@ from tangram.api.wire import (
     OpenTrajectory,
     ServiceCallRequest,
     TrajectoryInfo,
+    json_bytes,
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.engine import ActionRecord, Engine, EngineError, check_id
@@ -120,7 +121,7 @@ class _Service(FastAPI):
     header) is answered as the canonical route answers it (a bad body by that route, its
     body replayed)."""
 
-    hot: tuple[Engine, TokenStore, int] | None = None  # engine, tokens, max body
+    hot: tuple[Engine, TokenStore, TokenReviewer | None, int] | None = None  # ..., max body
     agents_ws: Callable[[WebSocket], Awaitable[None]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -137,7 +138,7 @@ class _Service(FastAPI):
 
     async def _exec(self, tid: str, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.hot is not None
-        engine, tokens, limit = self.hot
+        engine, tokens, reviewer, limit = self.hot
         length = auth = None
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -147,14 +148,16 @@ class _Service(FastAPI):
             elif name in (b"idempotency-key", b"transfer-encoding"):
                 length = None  # checked, or limited while it streams, the canonical way
                 break
-        who = _bearer(tokens, auth)
-        if (
-            length is None
-            or not length.isdigit()
-            or int(length) > limit
-            or who is None
-            or who in (AGENT_TENANT, OPERATOR_TENANT)
-        ):
+        who = None
+        if length is not None and length.isdigit() and int(length) <= limit:
+            try:
+                who = await _who(tokens, reviewer, engine, auth)
+            except NotAdmittedError:
+                pass  # the canonical route says why (403), from the cached review
+            except (ReviewError, OSError) as e:  # answered here: not asked twice
+                await _engine_error(_unchecked(e))(scope, receive, send)
+                return
+        if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
             await super().__call__(scope, receive, send)
             return
         chunks = []
@@ -174,8 +177,7 @@ class _Service(FastAPI):
         except EngineError as e:  # answered here: submitting again would count it twice
             await _engine_error(e)(scope, receive, send)
             return
-        result = await asyncio.shield(rec.done)
-        payload = rec.answer or result.model_dump_json().encode()
+        payload = _payload(rec, await asyncio.shield(rec.done))
         headers = [*_JSON, (b"content-length", str(len(payload)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
@@ -291,11 +293,12 @@ def create_app(
     async def cancel_trajectory(trajectory: str, who: TenantId) -> dict[str, int]:
         return {"cancelled": engine.cancel_trajectory(who, trajectory)}
 
-    @app.post("/v1/batch", responses=_ERRORS)
-    async def batch(req: BatchRequest, who: TenantId) -> BatchResponse:
+    @app.post("/v1/batch", response_model=BatchResponse, responses=_ERRORS)
+    async def batch(req: BatchRequest, who: TenantId) -> Response:
         recs = engine.submit_batch(who, req.actions)
         results = await asyncio.gather(*(asyncio.shield(r.done) for r in recs))
-        return BatchResponse(results=list(results))
+        parts = b",".join(_payload(r, res) for r, res in zip(recs, results, strict=True))
+        return Response(b'{"results":[' + parts + b"]}", media_type="application/json")
 
     @app.delete("/v1/actions/{action}", responses=_ERRORS)
     async def cancel_action(action: str, who: TenantId) -> dict[str, bool]:
@@ -304,15 +307,15 @@ def create_app(
             action = rec.id if rec is not None else ""
         return {"cancelled": engine.cancel(who, action)}
 
-    @app.post("/v1/apis/{api}/lease", responses=_ERRORS)
-    async def lease(api: str, req: ApiLeaseRequest, who: TenantId) -> ActionResult:
+    @app.post("/v1/apis/{api}/lease", response_model=ActionResult, responses=_ERRORS)
+    async def lease(api: str, req: ApiLeaseRequest, who: TenantId) -> Response:
         check_id(api, "api")
-        return await asyncio.shield(engine.lease_api(who, api, req).done)
+        return await _answer(engine.lease_api(who, api, req))
 
-    @app.post("/v1/apis/{api}/call", responses=_ERRORS)
-    async def call_api(api: str, req: ApiCallRequest, who: TenantId) -> ActionResult:
+    @app.post("/v1/apis/{api}/call", response_model=ActionResult, responses=_ERRORS)
+    async def call_api(api: str, req: ApiCallRequest, who: TenantId) -> Response:
         check_id(api, "api")
-        return await asyncio.shield(engine.lease_api(who, api, req).done)
+        return await _answer(engine.lease_api(who, api, req))
 
     @app.post("/v1/services/{service}/call", response_model=ActionResult, responses=_ERRORS)
     async def call_service(service: str, req: ServiceCallRequest, who: TenantId) -> Response:
@@ -335,11 +338,11 @@ def create_app(
         if engine.reloader is None:
             return _error(409, "conflict", "this scheduler has no files to reload")
         text = (await request.body()).decode("utf-8", "replace") or None
-        try:  # a thread: resolving secretRefs may ask the API server
-            config = await asyncio.to_thread(engine.reloader, text)
+        try:
+            changes = await engine.reload(text)
         except ValueError as e:  # the definitions are wrong: keep running as before
             return _error(400, "invalid", f"reload refused: {e}")
-        return JSONResponse({"changes": engine.reconfigure(config)})
+        return JSONResponse({"changes": changes})
 
     @app.get("/v1/admin/status", include_in_schema=False)
     async def status(request: Request) -> Response:
@@ -380,7 +383,7 @@ def create_app(
         with contextlib.suppress(WebSocketDisconnect):
             await engine.hub.serve(ws, packed=packed)
 
-    app.hot = (engine, tokens, max_body)
+    app.hot = (engine, tokens, reviewer, max_body)
     app.agents_ws = agents
     return app
 
@@ -415,14 +418,19 @@ def _header_key(key: str) -> str:
 
 
 def _json(model: BaseModel) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
+    return Response(json_bytes(model), media_type="application/json")
 
 
 async def _answer(rec: ActionRecord) -> Response:
-    """The action's result once it ends; the JSON the engine kept for its key if any (a
-    keyed action is serialized once)."""
-    result = await asyncio.shield(rec.done)
-    return Response(rec.answer or result.model_dump_json(), media_type="application/json")
+    """The action's result once it ends, as JSON."""
+    payload = _payload(rec, await asyncio.shield(rec.done))
+    return Response(payload, media_type="application/json")
+
+
+def _payload(rec: ActionRecord, result: ActionResult) -> bytes:
+    """A result's JSON: the bytes the engine kept for its key if any (a keyed action is
+    serialized once)."""
+    return rec.answer or json_bytes(result)
 
 
 def _body(model: type[BaseModel], header: str | None = None) -> dict[str, Any]:
@@ -479,19 +487,31 @@ def _schema(app: FastAPI, models: Sequence[type[BaseModel]]) -> dict[str, Any]:
 async def _tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
     # async: a sync dependency would cost a thread-pool hop on every request
     """The caller's tenant from its bearer token; agents' tokens do not submit."""
-    who = _bearer(request.app.state.tokens, authorization)
-    if who is None:
-        reviewer: TokenReviewer | None = request.app.state.reviewer
-        token = _token(authorization)
-        if reviewer is not None and token:
-            try:
-                who = await reviewer.tenant(token, request.app.state.engine.config)
-            except (ReviewError, OSError) as e:
-                raise EngineError(
-                    "unavailable", "authorization", f"cannot check token: {e}"
-                ) from None
+    state = request.app.state
+    try:
+        who = await _who(state.tokens, state.reviewer, state.engine, authorization)
+    except (ReviewError, OSError) as e:
+        raise _unchecked(e) from None
     if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
         raise _UnauthorizedError
+    return who
+
+
+def _unchecked(e: Exception) -> EngineError:
+    return EngineError("unavailable", "authorization", f"cannot check token: {e}")
+
+
+async def _who(
+    tokens: TokenStore, reviewer: TokenReviewer | None, engine: Engine, authorization: str | None
+) -> str | None:
+    """The token file's tenant, else (in a cluster) the reviewed ServiceAccount; None for
+    no valid token. Raises what the review raises (NotAdmittedError, ReviewError)."""
+    token = _token(authorization)
+    if token is None:
+        return None
+    who = tokens.tenant(token)
+    if who is None and reviewer is not None:
+        who = await reviewer.tenant(token, engine.config)
     return who
 
 
