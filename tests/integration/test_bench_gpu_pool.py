@@ -37,8 +37,3 @@ def test_pooled_and_static_serve_the_same_calls_and_pooling_restores(tmp_path: P
     assert pooled["restores"] >= 1 and pooled["evictions"] >= 1
     for side in (static, pooled):  # a device is never busy with two calls at once
         assert 0 < side["gpu_seconds_busy"] <= side["gpu_seconds_held"]
-    assert report["vs_static"]["static"] == {
-        "avg_act": 1.0,
-        "p99_act": 1.0,
-        "gpu_seconds_held": 1.0,
-    }

@@ -19,5 +19,4 @@ def test_bench_service_prints_the_design_shape(capsys: pytest.CaptureFixture[str
     assert report["trajectories"] == 5 and report["actions_per_s"] > 0
     assert 0 < report["p50_overhead_ms"] <= report["p99_overhead_ms"]
     assert [c["think_s"] for c in report["cases"]] == [0.05]
-    # the generator's collector is paused only while it measures
-    assert report["generator_gc"] is False and gc.isenabled()
+    assert gc.isenabled()  # the generator's collector is paused only while it measures

@@ -170,6 +170,3 @@ def test_bench_gpu_prints_the_design_shape() -> None:
     report = json.loads(done.stdout)
     assert {"device", "h2d_gbps", "restore_gbps", "restore_fraction"} <= set(report)
     assert report["bytes"] == 32 * 2**20 and report["restore_gbps"] > 0
-    assert report["restore_fraction"] == pytest.approx(
-        report["restore_gbps"] / report["h2d_gbps"], rel=0.01
-    )

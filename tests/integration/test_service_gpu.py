@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from tangram.node_agent.gpu_service import GpuOptions  # noqa: E402
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore  # noqa: E402
 from tangram.service.config import PoolConfig, ServiceConfig  # noqa: E402
 from tangram.service.embedded import Running  # noqa: E402
+from tests.fixtures import tiny_reward  # noqa: E402
 from tests.fixtures.tiny_reward import TinyReward, weights  # noqa: E402
 
 from .service_harness import service  # noqa: E402
@@ -42,6 +44,13 @@ def _service(
     weights(str(path), seed)
     spec = ServiceDef(name=name, entrypoint=ENTRY, weights=str(path), gpu_memory_gb=mib / 1024)
     return ServiceConfig(spec=spec, dop_choices=dops, **kw)  # type: ignore[arg-type]
+
+
+def _until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def _expected(seed: int) -> list[float]:
@@ -126,13 +135,36 @@ def test_a_call_may_span_a_chunk_of_gpus(tmp_path: Path) -> None:
 def test_a_timed_out_call_keeps_its_gpu_until_it_ends(tmp_path: Path) -> None:
     slow = _service(tmp_path, "slow", 4)
     slow = replace(slow, spec=slow.spec.model_copy(update={"entrypoint": SLOW_ENTRY}))
-    with _running(tmp_path, [slow]) as client:  # one device
-        late = client.score("slow", INPUTS, timeout_s=0.2)
-        assert late.status is ActionStatus.TIMEOUT and late.output is None
-        # Its thread still runs on device 0: the next call waits for it, never shares it.
-        after = client.score("slow", INPUTS)
+    tiny_reward.SLOW_GATE.clear()
+    tiny_reward.SLOW_SPANS.clear()
+    try:
+        with _serving(tmp_path, [slow]) as (running, client):  # one device
+            late = client.score("slow", INPUTS, timeout_s=0.2)
+            assert late.status is ActionStatus.TIMEOUT and late.output is None
+            # Its thread still holds device 0: the next call must wait for it.
+            box: list[ActionResult] = []
+            nxt = threading.Thread(target=lambda: box.append(client.score("slow", INPUTS)))
+            nxt.start()
+            engine = running.engine
+            _until(  # answered, or admitted and seen by a round since (then still queued)
+                lambda: (
+                    bool(box)
+                    or (
+                        any(r.kind == "service" for r in engine.actions.values())
+                        and not engine._wake.is_set()
+                    )
+                ),
+                "the second call was never scheduled",
+            )
+            tiny_reward.SLOW_GATE.set()
+            nxt.join(30)
+            (after,) = box
         assert after.status is ActionStatus.OK, after.error
         assert after.output == _expected(0) and after.timings.queued_s > 0
+        (_, first_ended), (second_started, _) = sorted(tiny_reward.SLOW_SPANS)
+        assert second_started >= first_ended  # never both on device 0
+    finally:
+        tiny_reward.SLOW_GATE.set()
 
 
 @pytest.mark.parametrize(
