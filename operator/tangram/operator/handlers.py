@@ -80,8 +80,8 @@ def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
 
 
 @kopf.timer(*_POOLS, interval=REFRESH_S, initial_delay=REFRESH_S)
-def pool_refresh(namespace: str | None, name: str, **_: Any) -> None:
-    _retrying(_r().refresh_pool, namespace or "", name)
+def pool_refresh(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> None:
+    _retrying(_r().refresh_pool, namespace or "", name, dict(body))
 
 
 @kopf.on.delete(*_POOLS)

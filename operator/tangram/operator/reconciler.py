@@ -103,9 +103,12 @@ class Reconciler:
         self.endpoints = endpoints or Endpoints()
         self.link = link or SchedulerLink()
         self.clock = clock
-        # (pool uid, scheduler epoch) -> digest of the documents it was last given: a
+        # pool uid -> (scheduler epoch, digest of the documents it was last given): a
         # restarted scheduler (new epoch) or changed documents get a push, nothing else.
-        self._pushed: dict[tuple[str, str], str] = {}
+        self._pushed: dict[str, tuple[str, str]] = {}
+        # pool uid -> (documents, operator token) of its last full pass: what the periodic
+        # refresh pushes, without reading the ConfigMap and the Secret back every 10 s.
+        self._built: dict[str, tuple[str, str]] = {}
         # One pass at a time per pool (kopf runs handlers of different objects in threads).
         self._locks: dict[ObjectKey, threading.RLock] = {}
         self._locks_guard = threading.Lock()
@@ -138,27 +141,33 @@ class Reconciler:
             for manifest in objects:
                 self.cluster.apply(manifest)
             self._remove_dropped_agents(pool)
-            self._refresh(pool, body, _documents(objects), tokens[OPERATOR_TENANT])
+            built = self._built[body["metadata"]["uid"]] = (
+                _documents(objects),
+                tokens[OPERATOR_TENANT],
+            )
+            self._refresh(pool, body, *built)
             return True
 
-    def refresh_pool(self, namespace: str, name: str) -> None:
-        """The periodic pass: status from the scheduler, and a push if it missed one."""
+    def refresh_pool(self, namespace: str, name: str, body: dict[str, Any] | None = None) -> None:
+        """The periodic pass: status from the scheduler, and a push if it missed one.
+        ``body``: the pool as the caller just read it (kopf's timer)."""
         with self._lock((namespace, name)):
-            live = self._live_pool(namespace, name)
+            live = self._live_pool(namespace, name, body)
             if live is None:
                 return
             body, pool = live
-            config = self.cluster.get("v1", "ConfigMap", namespace, child_name(pool, "config"))
-            token = self._live_tokens(pool).get(OPERATOR_TENANT)
-            if config is None or token is None:  # not reconciled yet: do it whole
+            built = self._built.get(body["metadata"]["uid"])
+            if built is None:  # no full pass in this process yet: do it whole
                 self.reconcile_pool(namespace, name)  # the lock is reentrant
                 return
-            documents = (config.get("data") or {}).get("pool.yaml", "")
-            self._refresh(pool, body, documents, token)
+            self._refresh(pool, body, *built)
 
-    def _live_pool(self, namespace: str, name: str) -> tuple[dict[str, Any], ActionPool] | None:
+    def _live_pool(
+        self, namespace: str, name: str, body: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], ActionPool] | None:
         """The pool's object and model, unless it is gone, being deleted, or invalid."""
-        body = self.cluster.get_custom("ActionPool", namespace, name)
+        if body is None:
+            body = self.cluster.get_custom("ActionPool", namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
         pool = self._parse_pool(body)
@@ -187,11 +196,11 @@ class Reconciler:
         is none); the members it can serve (the others' status says why they are left out
         of its config)."""
         usable: list[Member] = []
-        for kind, model in MEMBER_KINDS.items():
+        for kind in MEMBER_KINDS:
             for body in self.cluster.list_custom(kind):
                 if self._member_pool_key(body) != key:
                     continue
-                member = self._member_status(kind, model, body, pool)
+                member = self._member_status(kind, body, pool)
                 if member is not None:
                     usable.append(member)
         return usable
@@ -236,12 +245,11 @@ class Reconciler:
         self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
 
     def _push(self, uid: str, figures: PoolFigures, base: str, token: str, documents: str) -> None:
-        digest = hashlib.sha256(documents.encode()).hexdigest()
-        key = (uid, figures.epoch)
-        if self._pushed.get(key) == digest:
+        given = (figures.epoch, hashlib.sha256(documents.encode()).hexdigest())
+        if self._pushed.get(uid) == given:
             return
         changes = self.link.reload(base, token, documents)
-        self._pushed[key] = digest
+        self._pushed[uid] = given
         log.info("pushed config to %s: %s", base, "; ".join(changes) or "no changes")
 
     def _scheduler_available(self, pool: ActionPool) -> bool:
@@ -266,6 +274,10 @@ class Reconciler:
             deleted = self.cluster.delete_cluster_children(namespace, name)
             self._member_statuses((namespace, name), None)  # they now name no pool
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
+            self._pushed.pop(meta.get("uid", ""), None)
+            self._built.pop(meta.get("uid", ""), None)
+        with self._locks_guard:
+            self._locks.pop((namespace, name), None)
 
     def _drain(self, pool: ActionPool, body: dict[str, Any]) -> None:
         token = self._live_tokens(pool).get(OPERATOR_TENANT)
@@ -302,7 +314,7 @@ class Reconciler:
         pool_key = self._member_pool_key(body)
         # The pool's pass writes this member's status along with the others'.
         if pool_key is None or not self.reconcile_pool(*pool_key):
-            self._member_status(kind, MEMBER_KINDS[kind], body, None)
+            self._member_status(kind, body, None)
 
     def member_deleted(self, body: dict[str, Any]) -> None:
         """Take a deleted member out of its pool's config."""
@@ -317,11 +329,7 @@ class Reconciler:
         return resolve_pool_ref(ref, namespace) if isinstance(ref, str) and ref else None
 
     def _member_status(
-        self,
-        kind: str,
-        model: type[TrajectoryEnv] | type[RewardService],
-        body: dict[str, Any],
-        pool: ActionPool | None,
+        self, kind: str, body: dict[str, Any], pool: ActionPool | None
     ) -> Member | None:
         """Write the member's status; the member when its pool can serve it."""
         meta = body["metadata"]
@@ -329,7 +337,7 @@ class Reconciler:
         now = rfc3339(self.clock())
         member: Member | None = None
         try:
-            member = model.model_validate(body)
+            member = MEMBER_KINDS[kind].model_validate(body)
         except ValidationError as e:
             ref = str((body.get("spec") or {}).get("poolRef", ""))
             status = invalid_member_status(
