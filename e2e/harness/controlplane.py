@@ -228,7 +228,7 @@ class Ports:
     kwok: int
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """Pick ``count`` distinct TCP ports that are free on 127.0.0.1.
 
     The ports come from below the kernel's ephemeral range: a port from bind(0)
@@ -283,7 +283,7 @@ def _die_with_parent() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-class _Component:
+class Component:
     """One control-plane process, in its own process group, logging to a file."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
@@ -311,6 +311,14 @@ class _Component:
     def returncode(self) -> int | None:
         """None while running (or never started), else the exit status."""
         return None if self._popen is None else self._popen.poll()
+
+    @property
+    def pid(self) -> int:
+        assert self._popen is not None, f"{self.name} was never started"
+        return self._popen.pid
+
+    def alive(self) -> bool:
+        return self._popen is not None and self.returncode() is None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``grace_s``; reap; close the log."""
@@ -458,7 +466,7 @@ class ControlPlane:
         self.admin_kubeconfig = self.work_dir / "admin.kubeconfig"
         self.ca_cert = self.pki_dir / "ca.crt"
         self._ports: Ports | None = None
-        self._components: list[_Component] = []
+        self._components: list[Component] = []
         self._admin_tls: ssl.SSLContext | None = None
         self._env = self._child_env()
 
@@ -634,7 +642,7 @@ class ControlPlane:
         env["HOME"] = str(self.work_dir / "home")
         return env
 
-    def _component(self, name: str) -> _Component:
+    def _component(self, name: str) -> Component:
         for component in self._components:
             if component.name == name:
                 return component
@@ -651,7 +659,7 @@ class ControlPlane:
             self._binary(name)
         for directory in (self.work_dir, self.pki_dir, self.log_dir, self.work_dir / "home"):
             directory.mkdir(parents=True, exist_ok=True)
-        ports = _free_ports(6)
+        ports = free_ports(6)
         self._ports = Ports(*ports)
 
         pki = _Pki(self.pki_dir)
@@ -718,8 +726,8 @@ class ControlPlane:
 
     # -- components -----------------------------------------------------------------
 
-    def _launch(self, name: str, args: Sequence[str]) -> _Component:
-        component = _Component(name, [self._binary(name), *args], self.log_path(name))
+    def _launch(self, name: str, args: Sequence[str]) -> Component:
+        component = Component(name, [self._binary(name), *args], self.log_path(name))
         self._components.append(component)
         component.start(self._env, self.work_dir)
         return component
@@ -858,7 +866,7 @@ class ControlPlane:
     # -- waiting and probing --------------------------------------------------------
 
     def _wait(
-        self, what: str, component: _Component, probe: Callable[[], bool], deadline: float
+        self, what: str, component: Component, probe: Callable[[], bool], deadline: float
     ) -> None:
         """Poll ``probe`` until true; fail fast if any component exits meanwhile."""
         while True:

@@ -22,14 +22,14 @@ import base64
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from harness.controlplane import Component, free_ports
 
 KubectlJson = Callable[..., Any]
 """``kubectl get …`` as parsed JSON: (kind, name, namespace) -> object."""
@@ -38,10 +38,9 @@ REAL_HOST_PATHS = ("/sys/fs/cgroup", "/var/run/docker.sock")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A free port below the ephemeral range, which an outgoing connection cannot take
+    before its server binds it (:func:`harness.controlplane.free_ports`)."""
+    return free_ports(1)[0]
 
 
 @dataclass
@@ -133,46 +132,21 @@ def replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return [*argv[: i + 1], value, *argv[i + 2 :]]
 
 
-class Process:
-    """A child in its own process group, logging to a file; stopped with SIGTERM."""
+class Process(Component):
+    """A child in its own process group, logging to a file, killed with the test run;
+    stopped with SIGTERM, then SIGKILL."""
 
     def __init__(
         self, name: str, argv: list[str], env: Mapping[str, str], log: Path, cwd: Path
     ) -> None:
-        self.name, self.argv, self.log_path = name, argv, log
-        self._log = log.open("ab")
-        self.proc = subprocess.Popen(
-            argv,
-            env={**os.environ, **env},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+        super().__init__(name, argv, log)
+        self.start({**os.environ, **env}, cwd)
 
     def tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return self.log_tail(lines)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        super().stop(grace_s)
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, every: float = 0.5) -> Any:

@@ -320,19 +320,6 @@ def test_watch_namespaces_become_namespace_flags() -> None:
     )
 
 
-def test_crd_templates_are_switched_and_kept() -> None:
-    for kind in KINDS:
-        text = (TEMPLATES / "crds" / f"{PLURALS[kind]}.tangram.dev.yaml").read_text()
-        assert text.startswith("{{- if .Values.crds.install }}\n")
-        assert (
-            "  {{- if .Values.crds.keep }}\n  annotations:\n    helm.sh/resource-policy: keep\n"
-            in text
-        )
-
-
-# --- manifests/install.yaml: the chart rendered with its defaults ---------------------------
-
-
 def test_install_yaml_says_how_it_was_made() -> None:
     text = INSTALL.read_text()
     assert text.startswith("# ARL-Tangram install manifests")

@@ -117,10 +117,3 @@ def test_invalid_member_status() -> None:
     st = invalid_member_status(2, "coding", [], "spec.cpu: min > max", T0)
     cond = ready(st.conditions)
     assert cond is not None and cond.reason == "InvalidSpec" and st.pool == "coding"
-
-
-def test_the_copied_figures_exist_in_both_models() -> None:
-    from tangram.api.status import PoolStatus
-    from tangram.operator.status import LIVE_FIGURES
-
-    assert set(PoolFigures.model_fields) & set(PoolStatus.model_fields) >= LIVE_FIGURES

@@ -44,6 +44,7 @@ from tangram.api.resources import (
     RewardService,
     TrajectoryEnv,
 )
+from tangram.api.tokens import token_lines
 
 Manifest = dict[str, Any]
 
@@ -165,12 +166,7 @@ def token_secret(pool: ActionPool, agent_token: str, operator_token: str, uid: s
 
 def parse_tokens(text: str) -> dict[str, str]:
     """tenant -> token of a ``TOKEN TENANT`` file (the live Secret's, to keep its tokens)."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.split("#", 1)[0].split()
-        if len(parts) == 2:
-            out[parts[1]] = parts[0]
-    return out
+    return {fields[1]: fields[0] for _, fields in token_lines(text) if len(fields) == 2}
 
 
 # --- identities and RBAC ----------------------------------------------------------------------

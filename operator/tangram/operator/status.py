@@ -39,10 +39,7 @@ class PoolObservation:
 
 
 # The scheduler's figures (PoolFigures) that a pool's status shows under the same names.
-LIVE_FIGURES = frozenset(
-    {"nodes", "cores", "cores_in_use", "gpus", "gpus_in_use", "queue_depth", "running",
-     "trajectories", "apis", "environments"}
-)  # fmt: skip
+LIVE_FIGURES = frozenset(PoolFigures.model_fields) & frozenset(PoolStatus.model_fields)
 
 
 def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> PoolStatus:

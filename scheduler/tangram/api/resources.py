@@ -273,7 +273,12 @@ class Access(_Spec):
 
     def admits(self, own_namespace: str, namespace: str) -> bool:
         """Whether objects of ``namespace`` may use a pool living in ``own_namespace``."""
-        return namespace == own_namespace or "*" in self.namespaces or namespace in self.namespaces
+        return namespace_admitted(own_namespace, namespace, self.namespaces)
+
+
+def namespace_admitted(own: str, namespace: str, admitted: Sequence[str]) -> bool:
+    """A pool living in ``own`` admits ``namespace``: its own, or listed (``*``: any)."""
+    return namespace == own or "*" in admitted or namespace in admitted
 
 
 Quantity = int | float | str
@@ -948,6 +953,7 @@ __all__ = [
     "ServiceProfile",
     "TrajectoryEnv",
     "TrajectoryEnvSpec",
+    "namespace_admitted",
     "parse_documents",
     "resolve_pool_ref",
     "yaml_path",

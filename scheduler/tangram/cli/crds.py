@@ -73,35 +73,28 @@ def render_template(kind: str) -> str:
     """The chart template of the CRD of ``kind``: the same object as :func:`render`, plus
     the chart's labels and the keep annotation, all behind ``crds.install``."""
     doc = crd(kind)
-    meta = dict(doc["metadata"])
-    labels = meta.pop("labels", {})
-    annotations = meta.pop("annotations", {})
+    meta = dict(doc["metadata"])  # {name, labels}: a CRD of ours carries no annotations
+    labels = meta.pop("labels")
     head = {k: v for k, v in doc.items() if k in ("apiVersion", "kind")}
     rest = {k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "metadata")}
-    keep = "helm.sh/resource-policy: keep\n"
-    lines = [
-        f"{{{{- if {INSTALL_VALUE} }}}}\n",
-        HEADER.format(kind=kind),
-        escape_template(_dump(head)),
-        "metadata:\n",
-        escape_template(_indent(_dump(meta), 2)) if meta else "",
-        "  labels:\n",
-        escape_template(_indent(_dump(labels), 4)) if labels else "",
-        f'    {{{{- include "{LABELS_TEMPLATE}" . | nindent 4 }}}}\n',
-    ]
-    if annotations:  # the keep annotation joins those the CRD has
-        lines += [
+    return "".join(
+        [
+            f"{{{{- if {INSTALL_VALUE} }}}}\n",
+            HEADER.format(kind=kind),
+            escape_template(_dump(head)),
+            "metadata:\n",
+            escape_template(_indent(_dump(meta), 2)),
+            "  labels:\n",
+            escape_template(_indent(_dump(labels), 4)),
+            f'    {{{{- include "{LABELS_TEMPLATE}" . | nindent 4 }}}}\n',
+            f"  {{{{- if {KEEP_VALUE} }}}}\n",
             "  annotations:\n",
-            escape_template(_indent(_dump(annotations), 4)),
-            f"    {{{{- if {KEEP_VALUE} }}}}\n",
-            _indent(keep, 4),
-            "    {{- end }}\n",
+            _indent("helm.sh/resource-policy: keep\n", 4),
+            "  {{- end }}\n",
+            escape_template(_dump(rest)),
+            "{{- end }}\n",
         ]
-    else:
-        lines += [f"  {{{{- if {KEEP_VALUE} }}}}\n", "  annotations:\n"]
-        lines += [_indent(keep, 4), "  {{- end }}\n"]
-    lines += [escape_template(_dump(rest)), "{{- end }}\n"]
-    return "".join(lines)
+    )
 
 
 def rendered() -> dict[str, str]:

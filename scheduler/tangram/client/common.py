@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tangram.api.tokens import token_lines
 from tangram.api.wire import ActionResult, TrajectoryInfo
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -58,11 +59,8 @@ def settings(url: str | None, token: str | None) -> tuple[str, str | None]:
     if token is None:
         path = Path(os.environ.get("TANGRAM_TOKEN_FILE", DEFAULT_TOKEN_FILE))
         if path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                parts = line.split("#", 1)[0].split()
-                if len(parts) == 2 and parts[1] != "system:agent":
-                    token = parts[0]
-                    break
+            lines = token_lines(path.read_text(encoding="utf-8"))
+            token = next((f[0] for _, f in lines if len(f) == 2 and f[1] != "system:agent"), None)
     return url.rstrip("/"), token
 
 

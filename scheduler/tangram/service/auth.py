@@ -14,6 +14,8 @@ import os
 import secrets
 from pathlib import Path
 
+from tangram.api.tokens import token_lines
+
 AGENT_TENANT = "system:agent"
 OPERATOR_TENANT = "system:operator"  # may only reload the configuration
 
@@ -33,11 +35,7 @@ class TokenStore:
             text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise TokenError(f"{path}: {e.strerror}") from None
-        for n, raw in enumerate(text.splitlines(), 1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
+        for n, parts in token_lines(text):
             if len(parts) != 2 or len(parts[0]) < 16:
                 raise TokenError(
                     f"{path}:{n}: expected 'TOKEN TENANT' with a token of ≥ 16 characters"

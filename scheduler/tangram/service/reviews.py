@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from tangram.api.resources import namespace_admitted
 from tangram.service.config import PoolConfig
 
 SA_PREFIX = "system:serviceaccount:"
@@ -45,9 +46,7 @@ def admitted(username: str, config: PoolConfig) -> bool:
     if not namespace or not name:
         return False
     return (
-        namespace == config.namespace
-        or "*" in config.access_namespaces
-        or namespace in config.access_namespaces
+        namespace_admitted(config.namespace, namespace, config.access_namespaces)
         or f"{namespace}/{name}" in config.access_service_accounts
     )
 
