@@ -100,6 +100,12 @@ def test_refusals_name_the_problem(tmp_path: Path) -> None:
         w.load(_def("gone", str(tmp_path / "none.pt"), 1))
     with pytest.raises(ServiceError, match="more than gpuMemoryGiB"):
         w.load(_def("tight", big.weights, 0.0001))
+    extra = torch.load(big.weights, weights_only=True)
+    extra["spare.weight"] = torch.zeros(2)
+    torch.save(extra, tmp_path / "extra.pt")  # a restore would refuse the unknown key
+    with pytest.raises(ServiceError, match=r"unexpected \['spare.weight'\]"):
+        w.load(_def("extra", str(tmp_path / "extra.pt"), 1))
+    assert "extra" not in w.services
     with pytest.raises(ServiceError, match="external inference server"):
         w.load(_def("sharded", big.weights, 1, replicated=False))
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tangram.api.wire import ServiceDef
-from tangram.node_agent.gpu_worker import GIB, GpuWorker
+from tangram.node_agent.gpu_worker import GIB, GpuWorker, Score, cuda_name
 
 WIDTH = 4096  # one fp16 layer: 32 MiB
 
@@ -36,9 +36,6 @@ class _Wide(torch.nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
-
-
-Score = Callable[[torch.nn.Module, list[Any]], list[Any]]
 
 
 def _echo(module: torch.nn.Module, inputs: list[Any]) -> list[Any]:
@@ -91,7 +88,7 @@ def write_weights(path: Path, layers: int, seed: int = 0) -> tuple[int, float]:
 def run(size_mb: int = 1024, repeats: int = 5) -> dict[str, Any]:
     layers = max(1, size_mb // 32)
     cuda = torch.cuda.is_available()
-    name = torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA: the same path, on the CPU)"
+    name = cuda_name(0) if cuda else "cpu (no CUDA: the same path, on the CPU)"
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "wide.pt"

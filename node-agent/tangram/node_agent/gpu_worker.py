@@ -159,17 +159,21 @@ class GpuWorker:
             raise ServiceError(f"{spec.name}: weights {spec.weights}: {e}") from None
         if not isinstance(state, dict):
             raise ServiceError(f"{spec.name}: {spec.weights} is not a state dict")
-        host = {k: (v.pin_memory() if self.cuda else v.contiguous()) for k, v in state.items()}
+        # Checked before pinning: a service that is refused costs no pinned copy.
         skeleton, score = self._skeleton(build, spec)
-        missing = set(skeleton.state_dict()) - set(host)
-        if missing:
-            raise ServiceError(f"{spec.name}: weights lack {sorted(missing)[:5]}")
-        nbytes = sum(t.numel() * t.element_size() for t in host.values())
+        wanted = set(skeleton.state_dict())
+        missing, unexpected = wanted - set(state), set(state) - wanted
+        if missing or unexpected:  # a restore loads strictly: every call would fail later
+            wrong = [f"lack {sorted(missing)[:5]}"] if missing else []
+            wrong += [f"have unexpected {sorted(unexpected)[:5]}"] if unexpected else []
+            raise ServiceError(f"{spec.name}: weights {' and '.join(wrong)}")
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
         if nbytes > bytes_per_device(spec):
             raise ServiceError(
                 f"{spec.name}: weights are {nbytes} bytes, more than gpuMemoryGiB allows "
                 f"({bytes_per_device(spec)})"
             )
+        host = {k: (v.pin_memory() if self.cuda else v.contiguous()) for k, v in state.items()}
         self.services[spec.name] = _Service(spec, build, score, host, nbytes)
         self.loads += 1
         return self.clock() - t0

@@ -52,6 +52,7 @@ from tangram.api.wire import (
     json_bytes,
     valid_id,
 )
+from tangram.scheduler.core.dp import CHUNK_SIZES
 from tangram.scheduler.core.scheduler import Assignment, Scheduler, SchedulingError
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig, ServiceConfig
@@ -759,7 +760,7 @@ class Engine:
         a power of two for buddy chunks) become a GPU node of the core, and it is told
         which services to load."""
         limit = min(len(gpu.devices), self.config.gpus_per_node or 8)
-        count = max(k for k in (1, 2, 4, 8) if k <= limit)
+        count = max(k for k in CHUNK_SIZES if k <= limit)
         if count < len(gpu.devices):
             log.warning(
                 "node %s: %d GPUs, buddy chunks use the first %d", node, len(gpu.devices), count
