@@ -28,6 +28,7 @@ def service(
     grace_s: float = 5.0,
     tokens: TokenStore | None = None,
     reviewer: TokenReviewer | None = None,
+    close_on_exit: bool = True,
 ) -> Iterator[tuple[Running, str]]:
     """Yield the running service and a client token (of tenant ``local``, if any)."""
     tokens = tokens or TokenStore.create(tmp / "tokens")
@@ -54,6 +55,7 @@ def service(
                     grace_s=grace_s,
                     on_ready=on_ready,
                     reviewer=reviewer,
+                    close_on_exit=close_on_exit,
                 )
             except BaseException as e:  # surfaced to the test below
                 failure.append(e)

@@ -115,3 +115,10 @@ def test_a_packed_frame_stops_growing_at_its_limit_and_a_big_message_goes_alone(
     assert [unpack(f) for f in frames] == [[small, small, small], [big], [small]]
     assert all(len(f) <= 100 for f in frames if f != big)
     assert pack([]) == []
+
+
+def test_bytes_pack_into_bytes_frames_as_text_into_text() -> None:
+    assert pack([b'{"id":1}', b'{"id":2}']) == [b'{"id":1}\n{"id":2}']
+    assert pack([b"a" * 6, b"b" * 6], limit=10) == [b"a" * 6, b"b" * 6]
+    single = b'{"id":3}'
+    assert pack([single])[0] is single  # one message: sent as it is, no copy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,11 @@ def test_reward_services_of_the_pool_become_its_service_configs() -> None:
     assert math.dop_choices == (1, 2) and math.durations(5000) == {1: 3.5, 2: 1.9}
     assert not config.services["code-teacher"].spec.replicated  # parallelism: shard
     assert config.gpus_per_node == 8
+
+
+def test_the_pools_admission_bounds_reach_the_scheduler(tmp_path: Path) -> None:
+    text = Path("manifests/examples/deepsearch/pool.yaml").read_text()
+    text = text.replace("maxQueued: 50000", "maxQueued: 50000\n    maxRequestBytes: 4096")
+    (tmp_path / "pool.yaml").write_text(text)
+    _, config = load_pool([str(tmp_path / "pool.yaml")], "deepsearch")
+    assert (config.max_queued, config.max_request_bytes) == (50000, 4096)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, AnyStr, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -309,6 +309,31 @@ class ErrorBody(_Strict):
     error: Inner
 
 
+# The action stream (``/v1/stream``): a client's execs multiplexed on one WebSocket in the
+# agent link's framing (``AGENT_SUBPROTOCOL``: a frame holds messages one a line). Under
+# load a request per action costs the client and the scheduler more than the action.
+STREAM_PATH = "/v1/stream"
+
+
+class StreamExec(_Strict):
+    """What ``POST /v1/trajectories/{trajectory}/exec`` takes, with an id of the caller's
+    choosing that the answer carries."""
+
+    id: Annotated[int, Field(ge=0, le=1 << 53)]
+    trajectory: str
+    exec: ExecRequest
+
+
+class StreamAnswer(_Strict):
+    """The answer to one ``StreamExec``: what the HTTP route would have answered."""
+
+    id: int | None  # None: a message too broken to read its id from
+    status: int  # the HTTP status the route would give
+    result: ActionResult | None = None  # status 200
+    error: ErrorBody.Inner | None = None  # otherwise
+    retry_after: float | None = None  # 429 and 503: seconds before trying again
+
+
 # ---- the node-agent protocol (JSON messages over one WebSocket per agent) -------------
 class TrajectoryMeta(_Strict):
     """What the agent keeps of a trajectory so a restarted scheduler can take it back."""
@@ -419,22 +444,28 @@ AGENT_SUBPROTOCOL = "tangram.lines.v1"
 FRAME_BYTES = 1 << 20  # a packed frame stops growing here, far below either side's limit
 
 
-def pack(messages: list[str], limit: int = FRAME_BYTES) -> list[str]:
+def pack(messages: list[AnyStr], limit: int = FRAME_BYTES) -> list[AnyStr]:
     """Frames for messages queued in the same loop tick: a send per tick, not per message,
     is most of the link's cost under load. A frame holds messages up to ``limit`` bytes in
-    all; a larger message goes alone (each message fits the link on its own)."""
-    frames: list[str] = []
-    batch: list[str] = []
+    all; a larger message goes alone (each message fits the link on its own). Text
+    messages make text frames, bytes make bytes."""
+    frames: list[AnyStr] = []
+    batch: list[AnyStr] = []
     size = 0
     for text in messages:
         if batch and size + len(text) + 1 > limit:
-            frames.append("\n".join(batch))
+            frames.append(_joined(batch))
             batch, size = [], 0
         batch.append(text)
         size += len(text) + 1
     if batch:
-        frames.append("\n".join(batch))
+        frames.append(_joined(batch))
     return frames
+
+
+def _joined(batch: list[AnyStr]) -> AnyStr:
+    first = batch[0]
+    return first if len(batch) == 1 else ("\n" if isinstance(first, str) else b"\n").join(batch)
 
 
 def unpack(frame: str) -> list[str]:

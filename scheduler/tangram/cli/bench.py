@@ -78,6 +78,20 @@ def register(sub: Any) -> None:
         help="service: keep the load generator's cyclic GC on while measuring",
     )
     p.add_argument(
+        "--transport",
+        choices=("stream", "http"),
+        default="stream",
+        help="service: the client's execs on its action stream (one WebSocket) or a request each",
+    )
+    p.add_argument(
+        "--placement",
+        choices=("dedicated", "shared"),
+        default="dedicated",
+        help="service: the scheduler alone on one CPU, the agent and generator on the others "
+        "(dedicated, as a scheduler pod with a whole-core CPU request gets), or all three "
+        "wherever the OS puts them (shared)",
+    )
+    p.add_argument(
         "--state-dir", default="/var/lib/tangram/bench", help="exec: agent state (socket dirs)"
     )
     p.add_argument(

@@ -3,12 +3,16 @@
 Three processes, as in a cluster: ``tangram serve`` (the scheduler), ``tangram agent
 --runtime noop`` (a node agent whose commands end at once, on 1024 virtual cores, so an
 action's whole time is the system's), and the load generator (this process, the real
-``AsyncClient``). N trajectories run a closed loop — think (exponential, mean ``think``),
-submit, wait for the result — for a warm-up and then a measured window. A sweep over think
-times raises the offered load until the service saturates.
+``AsyncClient``, its execs on the action stream unless ``--transport http``). N
+trajectories run a closed loop — think (exponential, mean ``think``), submit, wait for the
+result — for a warm-up and then a measured window. A sweep over think times raises the
+offered load until the service saturates.
 
-Overhead is what a client sees beyond the command's run time: HTTP, admission, the
-scheduling round, the agent round trip, the answer. All processes share this machine.
+Overhead is what a client sees beyond the command's run time: the transport, admission,
+the scheduling round, the agent round trip, the answer. All processes share this machine;
+with ``--placement dedicated`` (the default) the scheduler runs alone on one CPU and the
+agent and the generator share the rest, as in a cluster whose scheduler pod asks for a
+whole core (the kubelet's static CPU manager then gives it one of its own).
 """
 
 from __future__ import annotations
@@ -64,10 +68,11 @@ async def _load(
     warmup_s: float,
     measure_s: float,
     generator_gc: bool = False,
+    stream: bool = True,
 ) -> dict[str, Any]:
     overhead: list[float] = []
     server: list[float] = []  # queued + overhead, as the service reports it
-    async with AsyncClient(url, token, retries=0) as client:
+    async with AsyncClient(url, token, retries=0, stream=stream) as client:
         sem = asyncio.Semaphore(64)
 
         async def open_one() -> str:
@@ -148,6 +153,17 @@ def _ready(url: str, procs: list[subprocess.Popen[str]]) -> None:
         time.sleep(0.1)
 
 
+def cpu_placement(mode: str, allowed: set[int]) -> tuple[set[int], set[int]] | None:
+    """The scheduler's CPUs and everyone else's, or None to let the OS place all three.
+
+    Dedicated needs two CPUs at least: the lowest allowed one is the scheduler's.
+    """
+    if mode == "shared" or len(allowed) < 2:
+        return None
+    first = min(allowed)
+    return {first}, allowed - {first}
+
+
 def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
     thinks = [float(x) for x in str(args.sweep).split(",")] if args.sweep else [args.think]
     tmp = Path(tempfile.mkdtemp(prefix="tangram-bench-service-"))
@@ -157,8 +173,19 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TANGRAM_TOKEN_FILE": str(tmp / "tokens")}
-    procs = [_spawn(["serve", "-f", str(tmp / "pool.yaml"), "--port", str(port)], env)]
+    allowed = os.sched_getaffinity(0)
+    placement = cpu_placement(args.placement, allowed)
+    if args.placement == "dedicated" and placement is None:
+        note("bench service: one CPU only, so the three processes share it")
+    # A child takes the CPU set of the thread that starts it: this thread moves to the
+    # scheduler's CPU to start it, then to the others' for the agent and the generator.
+    procs: list[subprocess.Popen[str]] = []
     try:
+        if placement is not None:
+            os.sched_setaffinity(0, placement[0])
+        procs.append(_spawn(["serve", "-f", str(tmp / "pool.yaml"), "--port", str(port)], env))
+        if placement is not None:
+            os.sched_setaffinity(0, placement[1])
         _ready_file(tmp / "tokens", procs)
         procs.append(
             _spawn(
@@ -192,10 +219,12 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
                     warmup_s=args.warmup,
                     measure_s=args.duration,
                     generator_gc=args.generator_gc,
+                    stream=args.transport == "stream",
                 )
                 cases.append(run_loop(load))
                 update(i + 1, len(thinks))
     finally:
+        os.sched_setaffinity(0, allowed)
         for p in reversed(procs):
             p.send_signal(signal.SIGINT)
             try:
@@ -213,6 +242,16 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "generator_gc": args.generator_gc,
+        "transport": args.transport,
+        "placement": (
+            {"mode": "shared", "cpus": sorted(allowed)}
+            if placement is None
+            else {
+                "mode": "dedicated",
+                "scheduler_cpus": sorted(placement[0]),
+                "agent_and_generator_cpus": sorted(placement[1]),
+            }
+        ),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}",
     }

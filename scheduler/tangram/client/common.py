@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tangram.api.tokens import token_lines
-from tangram.api.wire import ActionResult, TrajectoryInfo
+from tangram.api.wire import ActionResult, StreamAnswer, TrajectoryInfo
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_TOKEN_FILE = Path.home() / ".config" / "tangram" / "tokens"
@@ -131,8 +131,24 @@ def retry_after(reply: Reply | None, attempt: int, base: float) -> float:
     if reply is not None:
         given = reply.headers.get("retry-after", "")
         if given.replace(".", "", 1).isdigit():
-            return min(float(given), 30.0)
+            return backoff(float(given), attempt, base)
+    return backoff(None, attempt, base)
+
+
+def backoff(given: float | None, attempt: int, base: float) -> float:
+    """The service's ``given`` wait (capped), else exponential backoff from ``base``."""
+    if given is not None and given >= 0:
+        return min(given, 30.0)
     return min(base * 2.0**attempt, 10.0)
+
+
+def stream_error(answer: StreamAnswer) -> TangramError:
+    """The error a streamed answer carries, as the HTTP route would have raised it."""
+    err = answer.error
+    if err is None:
+        return TangramError(answer.status, "http", "an answer with neither result nor error", [])
+    details = [d.model_dump() for d in err.details]
+    return TangramError(answer.status, err.code, err.message, details)
 
 
 def result(reply: Reply) -> ActionResult:

@@ -17,7 +17,8 @@ from typing import Protocol
 
 from starlette.websockets import WebSocketDisconnect
 
-from tangram.api.wire import AgentHello, AgentReply, AgentRequest, pack, unpack
+from tangram.api.wire import AgentHello, AgentReply, AgentRequest, unpack
+from tangram.service.outbox import Outbox
 
 log = logging.getLogger("tangram.service")
 HEARTBEAT = '{"heartbeat"'  # how an agent's heartbeat message starts
@@ -38,7 +39,7 @@ class AgentGoneError(RuntimeError):
 
 class AgentLink:
     """One agent's connection. Requests are queued and written by one writer task, a
-    frame per loop tick when the agent reads packed frames (``packed``)."""
+    frame per loop tick when the agent reads packed frames (``packed``, ``Outbox``)."""
 
     def __init__(
         self,
@@ -56,9 +57,7 @@ class AgentLink:
         self.last_seen = time.monotonic()
         self._rid = 0
         self._pending: dict[int, asyncio.Future[AgentReply]] = {}
-        self._outbox: list[str] = []
-        self._queued = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
+        self._outbox: Outbox[str] = Outbox(self._send, self._send_failed, packed=packed)
         self.closed = False
 
     def next_rid(self) -> int:
@@ -90,26 +89,16 @@ class AgentLink:
     def _post(self, text: str) -> None:
         if self.closed:
             raise AgentGoneError(f"node {self.node}: its agent is gone")
-        self._outbox.append(text)
-        self._queued.set()
-        if self._writer is None:
-            self._writer = asyncio.create_task(self._write_forever())
+        self._outbox.post(text)
 
-    async def _write_forever(self) -> None:
-        try:
-            while True:
-                await self._queued.wait()
-                self._queued.clear()
-                batch, self._outbox = self._outbox, []
-                for frame in pack(batch) if self.packed else batch:
-                    await self.socket.send_text(frame)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # nothing sent will be answered: end the link, drain the node
-            log.warning("node %s: the link failed while sending: %s", self.node, e)
-            self.fail_pending()
-            with contextlib.suppress(Exception):
-                await self.socket.close(code=1011, reason="send failed")
+    async def _send(self, frame: str) -> None:
+        await self.socket.send_text(frame)
+
+    async def _send_failed(self, e: Exception) -> None:
+        """Nothing sent will be answered: end the link, drain the node."""
+        log.warning("node %s: the link failed while sending: %s", self.node, e)
+        self.fail_pending()
+        await self.socket.close(code=1011, reason="send failed")
 
     async def receive_forever(self) -> None:
         """Route replies to their requests until the connection ends."""
@@ -131,8 +120,7 @@ class AgentLink:
 
     def fail_pending(self) -> None:
         self.closed = True
-        if self._writer is not None and self._writer is not asyncio.current_task():
-            self._writer.cancel()
+        self._outbox.close()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(AgentGoneError(f"node {self.node}: the agent disconnected"))

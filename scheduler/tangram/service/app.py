@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.api.wire import (
     AGENT_SUBPROTOCOL,
+    STREAM_PATH,
     ActionResult,
     ApiCallRequest,
     ApiLeaseRequest,
@@ -41,13 +42,21 @@ from tangram.api.wire import (
     TrajectoryInfo,
     json_bytes,
 )
+from tangram.service.answers import (
+    RETRY_AFTER_S,
+    RETRY_STATUS,
+    engine_error,
+    error_body,
+    invalid,
+    payload,
+)
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.engine import ActionRecord, Engine, EngineError, check_id
 from tangram.service.reviews import NotAdmittedError, ReviewError, TokenReviewer
+from tangram.service.stream import ActionStream
 
 log = logging.getLogger("tangram.service")
 
-_STATUS = {"invalid": 400, "not_found": 404, "conflict": 409, "overloaded": 429, "unavailable": 503}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 429, 503)
 }
@@ -60,32 +69,35 @@ def _error(
     details: list[dict[str, str]] | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = {"error": {"code": code, "message": message, "details": details or []}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(code, message, details), status_code=status, headers=headers)
+
+
+def _unauthorized() -> JSONResponse:
+    message = "a valid bearer token is required"
+    return _error(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
 
 
 def _engine_error(exc: EngineError) -> JSONResponse:
-    status = _STATUS[exc.kind]
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    details = [{"field": exc.field, "message": exc.message}]
-    return _error(status, exc.kind, str(exc), details, headers)
+    status, body = engine_error(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in RETRY_STATUS else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413 before reading them whole."""
+    """Refuse request bodies over ``limit()`` bytes (the pool's
+    ``admission.maxRequestBytes``, as reloaded) with 413 before reading them whole."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: Callable[[], int]) -> None:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit()
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _error(413, "too_large", f"request body over {self.limit} bytes")(
-                scope, receive, send
-            )
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _error(413, "too_large", f"request body over {limit} bytes")(scope, receive, send)
             return
         seen = 0
 
@@ -93,16 +105,14 @@ class BodyLimit:
             nonlocal seen
             msg = await receive()
             seen += len(msg.get("body", b""))
-            if seen > self.limit:
+            if seen > limit:
                 raise _TooLargeError
             return msg
 
         try:
             await self.app(scope, limited, send)
         except _TooLargeError:
-            await _error(413, "too_large", f"request body over {self.limit} bytes")(
-                scope, receive, send
-            )
+            await _error(413, "too_large", f"request body over {limit} bytes")(scope, receive, send)
 
 
 class _TooLargeError(Exception):
@@ -121,8 +131,10 @@ class _Service(FastAPI):
     header) is answered as the canonical route answers it (a bad body by that route, its
     body replayed)."""
 
-    hot: tuple[Engine, TokenStore, TokenReviewer | None, int] | None = None  # ..., max body
+    hot: tuple[Engine, TokenStore, TokenReviewer | None] | None = None
     agents_ws: Callable[[WebSocket], Awaitable[None]] | None = None
+    stream_ws: Callable[[WebSocket], Awaitable[None]] | None = None
+    streams: set[ActionStream]  # open action streams, drained when the service stops
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -134,11 +146,15 @@ class _Service(FastAPI):
         elif kind == "websocket" and scope["path"] == "/v1/agents" and self.agents_ws:
             await self.agents_ws(WebSocket(scope, receive, send))
             return
+        elif kind == "websocket" and scope["path"] == STREAM_PATH and self.stream_ws:
+            await self.stream_ws(WebSocket(scope, receive, send))
+            return
         await super().__call__(scope, receive, send)
 
     async def _exec(self, tid: str, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.hot is not None
-        engine, tokens, reviewer, limit = self.hot
+        engine, tokens, reviewer = self.hot
+        limit = engine.config.max_request_bytes
         length = auth = None
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -177,10 +193,10 @@ class _Service(FastAPI):
         except EngineError as e:  # answered here: submitting again would count it twice
             await _engine_error(e)(scope, receive, send)
             return
-        payload = _payload(rec, await asyncio.shield(rec.done))
-        headers = [*_JSON, (b"content-length", str(len(payload)).encode())]
+        answer = payload(rec, await asyncio.shield(rec.done))
+        headers = [*_JSON, (b"content-length", str(len(answer)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await send({"type": "http.response.body", "body": answer})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -201,9 +217,8 @@ def create_app(
     engine: Engine,
     tokens: TokenStore,
     *,
-    max_body: int = 1 << 20,
     reviewer: TokenReviewer | None = None,
-) -> FastAPI:
+) -> _Service:
     """``reviewer``: in a cluster, clients' ServiceAccount tokens are checked with
     TokenReview and admitted by the pool's access list; the token file then holds only the
     agents' and the operator's tokens."""
@@ -220,7 +235,7 @@ def create_app(
         description="Submit actions of agentic RL rollouts; the scheduler pools the resources.",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, limit=max_body)
+    app.add_middleware(BodyLimit, limit=lambda: engine.config.max_request_bytes)
     app.state.tokens = tokens
     app.state.reviewer = reviewer
     app.state.engine = engine
@@ -228,12 +243,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        details = [
-            {"field": ".".join(str(p) for p in e["loc"][1:] or e["loc"]), "message": e["msg"]}
-            for e in exc.errors()
-        ]
-        first = details[0] if details else {"field": "body", "message": "invalid"}
-        return _error(400, "invalid", f"{first['field']}: {first['message']}", details)
+        return JSONResponse(invalid(exc.errors(), skip=1), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -254,12 +264,7 @@ def create_app(
 
     @app.exception_handler(_UnauthorizedError)
     async def _unauth(_: Request, __: _UnauthorizedError) -> JSONResponse:
-        return _error(
-            401,
-            "unauthorized",
-            "a valid bearer token is required",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        return _unauthorized()
 
     @app.post("/v1/trajectories", status_code=201, responses=_ERRORS)
     async def open_trajectory(req: OpenTrajectory, who: TenantId) -> TrajectoryInfo:
@@ -297,7 +302,7 @@ def create_app(
     async def batch(req: BatchRequest, who: TenantId) -> Response:
         recs = engine.submit_batch(who, req.actions)
         results = await asyncio.gather(*(asyncio.shield(r.done) for r in recs))
-        parts = b",".join(_payload(r, res) for r, res in zip(recs, results, strict=True))
+        parts = b",".join(payload(r, res) for r, res in zip(recs, results, strict=True))
         return Response(b'{"results":[' + parts + b"]}", media_type="application/json")
 
     @app.delete("/v1/actions/{action}", responses=_ERRORS)
@@ -383,8 +388,42 @@ def create_app(
         with contextlib.suppress(WebSocketDisconnect):
             await engine.hub.serve(ws, packed=packed)
 
-    app.hot = (engine, tokens, reviewer, max_body)
+    @app.websocket(STREAM_PATH)
+    async def stream(ws: WebSocket) -> None:
+        """Execs multiplexed on one WebSocket (``tangram.service.stream``)."""
+        auth = ws.headers.get("authorization")
+
+        async def who() -> str | None:
+            tenant = await _who(tokens, reviewer, engine, auth)
+            return None if tenant in (AGENT_TENANT, OPERATOR_TENANT) else tenant
+
+        try:
+            tenant = await who()
+        except NotAdmittedError as e:
+            await ws.send_denial_response(_error(403, "forbidden", str(e)))
+            return
+        except (ReviewError, OSError) as e:
+            await ws.send_denial_response(_engine_error(_unchecked(e)))
+            return
+        if tenant is None:
+            await ws.send_denial_response(_unauthorized())
+            return
+        if AGENT_SUBPROTOCOL not in ws.scope.get("subprotocols", ()):
+            message = f"offer the subprotocol {AGENT_SUBPROTOCOL}: answers come a line each"
+            await ws.send_denial_response(_error(400, "invalid", message))
+            return
+        await ws.accept(subprotocol=AGENT_SUBPROTOCOL)
+        link = ActionStream(engine, tenant, ws, recheck=who)
+        app.streams.add(link)
+        try:
+            await link.serve()
+        finally:
+            app.streams.discard(link)
+
+    app.hot = (engine, tokens, reviewer)
     app.agents_ws = agents
+    app.stream_ws = stream
+    app.streams = set()
     return app
 
 
@@ -423,14 +462,7 @@ def _json(model: BaseModel) -> Response:
 
 async def _answer(rec: ActionRecord) -> Response:
     """The action's result once it ends, as JSON."""
-    payload = _payload(rec, await asyncio.shield(rec.done))
-    return Response(payload, media_type="application/json")
-
-
-def _payload(rec: ActionRecord, result: ActionResult) -> bytes:
-    """A result's JSON: the bytes the engine kept for its key if any (a keyed action is
-    serialized once)."""
-    return rec.answer or json_bytes(result)
+    return Response(payload(rec, await asyncio.shield(rec.done)), media_type="application/json")
 
 
 def _body(model: type[BaseModel], header: str | None = None) -> dict[str, Any]:

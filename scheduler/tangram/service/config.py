@@ -72,6 +72,7 @@ class PoolConfig:
     idle_cores: int = 1  # per node: the shared set idle environments sit on
     cores_per_node: int | None = None  # per node: cores for actions (None: all but idle)
     max_queued: int = 100_000  # admission control: beyond this, 429
+    max_request_bytes: int = 1 << 20  # a larger request body (or stream message): 413
     heartbeat_timeout_s: float = 5.0  # an agent silent this long is drained
     # Who may submit when clients present ServiceAccount tokens (in a cluster): the pool's
     # namespace, spec.access.namespaces ('*': all) and spec.access.serviceAccounts (ns/name).

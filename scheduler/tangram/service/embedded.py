@@ -118,6 +118,9 @@ async def run(
         for rec in list(engine.trajectories.values()) if close_on_exit else []:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(engine.close_trajectory(rec.tenant, rec.id), grace_s)
+        # Streamed actions get their answers as HTTP requests do (the server waits for
+        # those): each stream closes once it has answered what it admitted.
+        await asyncio.gather(*(s.drain(grace_s) for s in list(app.streams)), return_exceptions=True)
         agent_stop.set()
         if agent_task is not None:
             await asyncio.gather(agent_task, return_exceptions=True)

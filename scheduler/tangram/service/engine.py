@@ -998,7 +998,7 @@ class Engine:
         if isinstance(rec.request, ApiCallRequest):
             if rec.expiry is not None:
                 rec.expiry.cancel()
-            rec.task = asyncio.create_task(self._proxy(rec, rec.request))
+            rec.task = self._run(rec, self._proxy(rec, rec.request))
             return
         if rec.kind == "api":
             assert isinstance(rec.request, ApiLeaseRequest)
@@ -1016,11 +1016,35 @@ class Engine:
         if rec.expiry is not None:
             rec.expiry.cancel()
         if rec.kind == "service":
-            rec.task = asyncio.create_task(self._call(rec, asg))
+            rec.task = self._run(rec, self._call(rec, asg))
             return
         if rec.trajectory is not None:
             self.trajectories[rec.trajectory].running.add(rec.id)
-        rec.task = asyncio.create_task(self._dispatch(rec, asg))
+        rec.task = self._run(rec, self._dispatch(rec, asg))
+
+    def _run(self, rec: ActionRecord, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """The task that runs a started action. It ends the action itself; if it ends
+        without doing so — cancelled before its first step, so its body never ran and
+        nothing was sent anywhere, or a bug — the action still ends and its units come
+        back, or its waiter would wait forever."""
+        task = asyncio.create_task(work)
+        task.add_done_callback(lambda _: self._settle(rec, task))
+        return task
+
+    def _settle(self, rec: ActionRecord, task: asyncio.Task[None]) -> None:
+        if rec.done.done():
+            return
+        if not task.cancelled() and task.exception() is not None:
+            log.error("action %s failed in the scheduler", rec.id, exc_info=task.exception())
+        if rec.id in self.core.running:
+            self.core.complete(rec.id, self.clock(), ok=False)
+        if rec.trajectory in self.trajectories:
+            self.trajectories[rec.trajectory].running.discard(rec.id)
+        if task.cancelled():
+            self._finish(rec, ActionStatus.CANCELLED)
+        else:
+            self._finish(rec, ActionStatus.ERROR, error=_err("internal", "the scheduler failed"))
+        self._wake.set()
 
     async def _dispatch(self, rec: ActionRecord, asg: Assignment) -> None:
         assert asg.node is not None and isinstance(rec.request, ExecRequest)

@@ -1,0 +1,125 @@
+"""The client's side of the action stream (``/v1/stream``, ``tangram.service.stream``).
+
+One WebSocket per client carries every exec its trajectories submit: a message per exec
+(``StreamExec``), an answer per message (``StreamAnswer``), matched by id. What one loop
+tick queued leaves in one frame, a message a line. The service's side has the same
+writer; the client may not import it (it needs only the wire models).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+import aiohttp
+
+from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, StreamAnswer, pack
+
+log = logging.getLogger("tangram.client")
+
+
+class StreamClosedError(aiohttp.ClientConnectionError):
+    """The stream ended before the answer came: retry under the same idempotency key."""
+
+
+class NoStreamError(Exception):
+    """The service refused the stream's handshake (``status``; 404: it has none)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"the service refused the action stream ({status})")
+        self.status = status
+
+
+class ExecStream:
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self._ws = ws
+        self._pending: dict[int, asyncio.Future[StreamAnswer]] = {}
+        self._ids = 0
+        self._queue: list[bytes] = []
+        self._queued = asyncio.Event()
+        self.closed = False
+        self._reader = asyncio.create_task(self._read_forever())
+        self._writer = asyncio.create_task(self._write_forever())
+
+    @classmethod
+    async def connect(cls, session: aiohttp.ClientSession, headers: dict[str, str]) -> ExecStream:
+        try:
+            ws = await session.ws_connect(
+                STREAM_PATH,
+                protocols=(AGENT_SUBPROTOCOL,),
+                headers=headers,
+                max_msg_size=64 << 20,  # a frame of answers, each up to 16 MiB of output
+                compress=0,  # small JSON messages: deflate costs more than it saves
+            )
+        except aiohttp.WSServerHandshakeError as e:
+            raise NoStreamError(e.status) from None
+        if ws.protocol != AGENT_SUBPROTOCOL:  # not a service that answers a line each
+            await ws.close()
+            raise NoStreamError(400)
+        return cls(ws)
+
+    async def exec(self, trajectory: str, body: dict[str, Any]) -> StreamAnswer:
+        """Submit one exec (``body`` as ``POST .../exec`` takes it); its answer."""
+        if self.closed:
+            raise StreamClosedError("the action stream is closed")
+        self._ids += 1
+        mid = self._ids
+        fut: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
+        self._pending[mid] = fut
+        msg = {"id": mid, "trajectory": trajectory, "exec": body}
+        self._queue.append(json.dumps(msg, separators=(",", ":")).encode())
+        self._queued.set()
+        try:
+            return await fut
+        finally:
+            self._pending.pop(mid, None)
+
+    async def aclose(self) -> None:
+        self._writer.cancel()
+        await self._ws.close()
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+
+    async def _write_forever(self) -> None:
+        try:
+            while True:
+                await self._queued.wait()
+                self._queued.clear()
+                batch, self._queue = self._queue, []
+                for frame in pack(batch):
+                    await self._ws.send_bytes(frame)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # nothing queued will be answered: end the stream
+            log.warning("action stream: send failed: %s", e)
+            await self._ws.close()
+
+    async def _read_forever(self) -> None:
+        try:
+            async for msg in self._ws:
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    data = msg.data
+                elif msg.type == aiohttp.WSMsgType.TEXT:
+                    data = msg.data.encode()
+                else:
+                    break
+                for line in data.split(b"\n"):
+                    answer = StreamAnswer.model_validate_json(line)
+                    fut = self._pending.get(answer.id) if answer.id is not None else None
+                    if fut is not None and not fut.done():
+                        fut.set_result(answer)
+                    elif answer.id is None:  # a message of ours it could not read: a bug
+                        log.error("action stream: the service could not read a message: %s", line)
+        except Exception as e:
+            log.warning("action stream: %s", e)
+        finally:
+            self.closed = True
+            self._writer.cancel()
+            with contextlib.suppress(Exception):
+                await self._ws.close()
+            why = self._ws.close_code
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(StreamClosedError(f"the action stream closed ({why})"))

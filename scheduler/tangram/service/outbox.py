@@ -1,0 +1,62 @@
+"""One writer per WebSocket, sending what a loop tick queued in as few frames as it can.
+
+Messages are posted without waiting; the writer task wakes once per tick and sends the
+batch, packed a message a line when the peer reads packed frames (``wire.pack``). A send
+per tick rather than per message is most of a link's cost under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import AnyStr, Generic
+
+from tangram.api.wire import pack
+
+log = logging.getLogger("tangram.service")
+
+
+class Outbox(Generic[AnyStr]):
+    """``send`` writes one frame; ``on_failure`` runs once if a send raises (nothing
+    queued after it will be written, so the connection is as good as gone)."""
+
+    def __init__(
+        self,
+        send: Callable[[AnyStr], Awaitable[None]],
+        on_failure: Callable[[Exception], Awaitable[None]],
+        *,
+        packed: bool,
+    ) -> None:
+        self._send: Callable[[AnyStr], Awaitable[None]] = send
+        self._on_failure = on_failure
+        self.packed = packed
+        self._queue: list[AnyStr] = []
+        self._queued = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+
+    def post(self, message: AnyStr) -> None:
+        self._queue.append(message)
+        self._queued.set()
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write_forever())
+
+    def close(self) -> None:
+        """Stop writing (what is still queued is dropped)."""
+        if self._writer is not None and self._writer is not asyncio.current_task():
+            self._writer.cancel()
+
+    async def _write_forever(self) -> None:
+        try:
+            while True:
+                await self._queued.wait()
+                self._queued.clear()
+                batch, self._queue = self._queue, []
+                for frame in pack(batch) if self.packed else batch:
+                    await self._send(frame)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                await self._on_failure(e)

@@ -1,0 +1,173 @@
+"""The action stream (``/v1/stream``): a client's execs multiplexed on one WebSocket.
+
+A rollout worker runs many trajectories at once. Over HTTP each of their actions is a
+request of its own (parsing, a task, a response written in two sends), which under load
+costs the worker and the scheduler more than scheduling the action does
+(docs/benchmarks.md). On the stream each message is an exec as the HTTP route takes it
+plus an id of the caller's (``StreamExec``); each answer carries that id and what the
+route would have answered (``StreamAnswer``): the result, or the same error with the same
+status. Answers leave as actions end, in any order, what one loop tick finished in one
+frame, a message a line (the agent link's framing).
+
+The caller's tenant is the one its bearer token names at the handshake, reviewed again
+every ``REVIEW_S`` as the HTTP path's cached review is. A stream that drops loses only its
+answers: the actions go on, and a retry with the same idempotency key gets the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from tangram.api.wire import StreamExec
+from tangram.service.answers import RETRY_AFTER_S, RETRY_STATUS, engine_error, error_body, payload
+from tangram.service.answers import invalid as invalid_body
+from tangram.service.engine import ActionRecord, Engine, EngineError
+from tangram.service.outbox import Outbox
+
+log = logging.getLogger("tangram.service")
+REVIEW_S = 60.0  # how long a tenant, once checked, stands (as the token review cache)
+_ID = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,16})\s*[,}]')  # of a message we cannot parse
+
+
+class Socket(Protocol):
+    """What the stream needs of a WebSocket (Starlette's has it)."""
+
+    async def receive(self) -> Any: ...
+    async def send_bytes(self, data: bytes) -> None: ...
+    async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
+
+
+class ActionStream:
+    """One client's stream, from the accepted handshake to its end. ``recheck`` says who
+    the handshake's token names now (None: nobody may submit with it any more)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tenant: str,
+        socket: Socket,
+        *,
+        recheck: Callable[[], Awaitable[str | None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine, self.tenant, self.socket = engine, tenant, socket
+        self._recheck, self._clock = recheck, clock
+        self._checked = clock()
+        self._outbox: Outbox[bytes] = Outbox(socket.send_bytes, self._send_failed, packed=True)
+        self.in_flight = 0  # admitted actions not answered yet
+        self.closed = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                msg = await self.socket.receive()
+                if msg["type"] == "websocket.disconnect":
+                    return
+                data = msg.get("bytes")
+                if data is None:
+                    data = (msg.get("text") or "").encode()
+                if self._clock() - self._checked > REVIEW_S and not await self._still_admitted():
+                    return
+                for line in data.split(b"\n"):
+                    if line.strip():
+                        self._take(line)
+        finally:
+            self.closed = True
+            self._idle.set()
+            self._outbox.close()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) until every admitted action is answered, then close: the
+        scheduler is stopping, and admits nothing new."""
+        if not self.closed:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+                await asyncio.sleep(0)  # the writer sends what the last answer queued
+            except TimeoutError:
+                pass
+        await self.socket.close(code=1001, reason="the scheduler is stopping")
+
+    async def _still_admitted(self) -> bool:
+        try:
+            who = await self._recheck()
+        except Exception as e:  # the review itself failed: as the HTTP path, not admitted
+            log.warning("stream of %s: cannot check its token again: %s", self.tenant, e)
+            who = None
+        if who != self.tenant:
+            await self.socket.close(code=1008, reason="the token is no longer admitted")
+            return False
+        self._checked = self._clock()
+        return True
+
+    def _take(self, line: bytes) -> None:
+        """Admit one message, or answer at once why not."""
+        limit = self.engine.config.max_request_bytes
+        if len(line) > limit:
+            body = error_body("too_large", f"message over {limit} bytes")
+            self._answer(_line_id(line), 413, body)
+            return
+        try:
+            msg = StreamExec.model_validate_json(line)
+        except ValidationError as e:
+            # Fields named as the HTTP route names them: from the exec body's root, and
+            # the body itself "body"; the message's own fields by their names.
+            errors = [
+                {**err, "loc": ("body", *err["loc"][1:])}
+                if err["loc"][:1] == ("exec",)
+                else {**err, "loc": ("message", *err["loc"])}
+                for err in e.errors(include_url=False)
+            ]
+            self._answer(_line_id(line), 400, invalid_body(errors, skip=1))
+            return
+        try:
+            rec = self.engine.submit_exec(self.tenant, msg.trajectory, msg.exec)
+        except EngineError as e:
+            self._answer(msg.id, *engine_error(e))
+            return
+        except Exception:  # one bad message must not end everyone's answers
+            log.exception("stream of %s: message %d failed", self.tenant, msg.id)
+            self._answer(msg.id, 500, error_body("internal", "the scheduler failed"))
+            return
+        self.in_flight += 1
+        self._idle.clear()
+        rec.done.add_done_callback(lambda _: self._ended(msg.id, rec))
+
+    def _ended(self, mid: int, rec: ActionRecord) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+        if self.closed:
+            return  # kept for a retry under its key, if it had one
+        if rec.done.cancelled():
+            body = error_body("unavailable", "the action was dropped; retry it")
+            self._answer(mid, 503, body)
+            return
+        answer = payload(rec, rec.done.result())
+        self._outbox.post(b'{"id":%d,"status":200,"result":%b}' % (mid, answer))
+
+    def _answer(self, mid: int | None, status: int, body: dict[str, Any]) -> None:
+        msg: dict[str, Any] = {"id": mid, "status": status, **body}
+        if status in RETRY_STATUS:
+            msg["retry_after"] = RETRY_AFTER_S
+        self._outbox.post(json.dumps(msg, separators=(",", ":")).encode())
+
+    async def _send_failed(self, e: Exception) -> None:
+        log.info("stream of %s: send failed (%s); closing it", self.tenant, e)
+        self.closed = True
+        await self.socket.close(code=1011, reason="send failed")
+
+
+def _line_id(line: bytes) -> int | None:
+    """The id of a message too broken to validate, when its start says it."""
+    match = _ID.match(line[:64])
+    return int(match.group(1)) if match else None

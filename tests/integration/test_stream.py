@@ -1,0 +1,264 @@
+"""The action stream (``/v1/stream``) against a real service and a real agent: the
+async client's execs on one WebSocket, answered as the HTTP route answers them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, EnvSpec
+from tangram.client import ActionStatus, AsyncClient, Client, TangramError
+from tangram.node_agent.agent import NodeAgent
+from tangram.service.config import EnvConfig, PoolConfig
+from tangram.service.embedded import Running
+
+from .service_harness import service
+
+pytestmark = [pytest.mark.xdist_group("service")]
+CONFIG = PoolConfig(envs={"noop": EnvConfig(spec=EnvSpec(name="noop", image="none"))})
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[tuple[Running, str]]:
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=64)
+    with service(CONFIG, agent, tmp_path) as (running, token):
+        yield running, token
+
+
+async def _raw(url: str, token: str, lines: list[bytes]) -> list[dict[str, Any]]:
+    """Send ``lines`` in one frame on a stream of our own; the answers, by id order."""
+    async with (
+        aiohttp.ClientSession(url) as session,
+        session.ws_connect(
+            STREAM_PATH,
+            protocols=(AGENT_SUBPROTOCOL,),
+            headers={"Authorization": f"Bearer {token}"},
+        ) as ws,
+    ):
+        await ws.send_bytes(b"\n".join(lines))
+        answers: list[dict[str, Any]] = []
+        while len(answers) < len(lines):
+            msg = await ws.receive(timeout=30)
+            answers += [json.loads(line) for line in msg.data.split(b"\n")]
+    return sorted(answers, key=lambda a: (a["id"] is None, a["id"] or 0))
+
+
+def test_execs_share_one_stream_and_get_what_http_gives(running: tuple[Running, str]) -> None:
+    run, token = running
+
+    async def go() -> None:
+        async with AsyncClient(run.url, token) as client:
+            tids = [(await client.open("noop")).id for _ in range(20)]
+            results = await asyncio.gather(*(client.exec(t, ["true"]) for t in tids * 5))
+            assert client._stream is not None and not client._stream.closed
+            assert all(r.status is ActionStatus.OK and r.exit_code == 0 for r in results)
+            assert len({r.id for r in results}) == 100
+            assert [r.trajectory for r in results] == tids * 5
+            info = await client.get(tids[0])
+            assert info.actions == 5
+            for t in tids:
+                await client.close(t)
+
+    asyncio.run(go())
+    assert len(run.engine.actions) == 0  # nothing left behind
+
+
+def test_errors_are_the_http_routes_errors(running: tuple[Running, str]) -> None:
+    """Same status, code, field and message on the stream as over HTTP."""
+    run, token = running
+    with Client(run.url, token) as sync:
+        tid = sync.open("noop").id
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("t-nobody", {}),  # unknown trajectory: 404
+        (tid, {"cores": 0}),  # a bad field: 400 naming it
+        (tid, {"profile": "nope"}),  # the env has no such profile
+    ]
+
+    def outcome(e: TangramError) -> tuple[int, str, str, str | None]:
+        return e.status, e.code, e.message, e.field
+
+    async def streamed(t: str, kw: dict[str, Any]) -> TangramError:
+        async with AsyncClient(run.url, token) as client:
+            with pytest.raises(TangramError) as e:
+                await client.exec(t, None if "profile" in kw else ["true"], **kw)
+            assert client._stream is not None  # answered on the stream, not over HTTP
+            return e.value
+
+    for t, kw in cases:
+        with Client(run.url, token, stream=False) as sync, pytest.raises(TangramError) as http:
+            sync.exec(t, None if "profile" in kw else ["true"], **kw)
+        assert outcome(asyncio.run(streamed(t, kw))) == outcome(http.value)
+
+
+def test_a_broken_or_oversized_message_is_answered_and_the_stream_goes_on(
+    running: tuple[Running, str],
+) -> None:
+    run, token = running
+    with Client(run.url, token) as sync:
+        tid = sync.open("noop").id
+    good = json.dumps({"id": 1, "trajectory": tid, "exec": {"argv": ["true"]}}).encode()
+    no_argv = json.dumps({"id": 2, "trajectory": tid, "exec": {}}).encode()
+    bad_id = json.dumps({"id": "x", "trajectory": tid, "exec": {"argv": ["true"]}}).encode()
+    huge = b'{"id":3,"trajectory":"' + b"x" * (2 << 20) + b'"}'
+    answers = asyncio.run(_raw(run.url, token, [good, no_argv, huge, b"{not json", bad_id]))
+    assert [(a["id"], a["status"]) for a in answers] == [
+        (1, 200),
+        (2, 400),
+        (3, 413),
+        (None, 400),
+        (None, 400),
+    ]
+    assert answers[0]["result"]["status"] == "ok"
+    assert answers[1]["error"]["details"][0]["field"] == "body"
+    assert "give exactly one of argv" in answers[1]["error"]["message"]
+    assert answers[2]["error"]["code"] == "too_large"
+    assert answers[4]["error"]["details"][0]["field"] == "id"
+
+
+def test_a_bad_token_is_refused_at_the_handshake_and_answered_as_http_does(
+    running: tuple[Running, str],
+) -> None:
+    run, token = running
+
+    async def go() -> None:
+        async with aiohttp.ClientSession(run.url) as session:
+            with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                await session.ws_connect(
+                    STREAM_PATH,
+                    protocols=(AGENT_SUBPROTOCOL,),
+                    headers={"Authorization": "Bearer wrong"},
+                )
+            assert e.value.status == 401
+            with pytest.raises(aiohttp.WSServerHandshakeError) as e:  # no subprotocol
+                await session.ws_connect(STREAM_PATH, headers={"Authorization": f"Bearer {token}"})
+            assert e.value.status == 400
+        async with AsyncClient(run.url, "wrong") as client:
+            with pytest.raises(TangramError) as err:
+                await client.exec("t-any", ["true"])
+            assert (err.value.status, err.value.code) == (401, "unauthorized")
+
+    asyncio.run(go())
+
+
+def test_a_retry_after_the_stream_dropped_never_runs_the_action_twice(
+    running: tuple[Running, str],
+) -> None:
+    """An answer lost with its stream: the same key, asked again on a new stream or over
+    HTTP, gets the first run's result."""
+    run, token = running
+    with Client(run.url, token) as sync:
+        tid = sync.open("noop").id
+    key = "retry-after-drop-1"
+    line = json.dumps(
+        {"id": 7, "trajectory": tid, "exec": {"argv": ["true"], "idempotency_key": key}}
+    ).encode()
+    first = asyncio.run(_raw(run.url, token, [line]))[0]["result"]
+
+    async def again() -> Any:
+        async with AsyncClient(run.url, token) as client:
+            return await client.exec(tid, ["true"], idempotency_key=key)
+
+    streamed = asyncio.run(again())
+    with Client(run.url, token, stream=False) as sync:
+        over_http = sync.exec(tid, ["true"], idempotency_key=key)
+        assert sync.get(tid).actions == 1
+    assert streamed.id == over_http.id == first["id"]
+
+
+def test_admission_control_answers_429_on_the_stream(tmp_path: Path) -> None:
+    """A frame of 20 execs, read in one tick against a queue of 5: 5 admitted (and run),
+    15 answered 429 with a Retry-After."""
+    config = PoolConfig(envs=CONFIG.envs, max_queued=5)
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=4)
+    with service(config, agent, tmp_path) as (run, token):
+        with Client(run.url, token) as sync:
+            tid = sync.open("noop").id
+        lines = [
+            json.dumps({"id": i, "trajectory": tid, "exec": {"argv": ["true"]}}).encode()
+            for i in range(1, 21)
+        ]
+        answers = asyncio.run(_raw(run.url, token, lines))
+        assert [a["status"] for a in answers] == [200] * 5 + [429] * 15
+        assert {a["error"]["code"] for a in answers[5:]} == {"overloaded"}
+        assert {a["retry_after"] for a in answers[5:]} == {1}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the process runtime writes cgroups: needs root")
+def test_stopping_the_service_answers_what_the_stream_admitted(tmp_path: Path) -> None:
+    agent = NodeAgent.create(tmp_path / "agent", runtime="process", cores_for_actions=1)
+    config = PoolConfig(
+        envs={"shell": EnvConfig(spec=EnvSpec(name="shell", image="unused", memory_gb=0.1))}
+    )
+    results: list[Any] = []
+
+    async def go(url: str, token: str, stopping: asyncio.Event) -> None:
+        async with AsyncClient(url, token, retries=0) as client:
+            tid = (await client.open("shell")).id
+            task = asyncio.create_task(client.exec(tid, ["sh", "-c", "sleep 1; echo done"]))
+            await asyncio.sleep(0.3)  # admitted and running
+            stopping.set()
+            results.append(await task)
+
+    with service(config, agent, tmp_path, close_on_exit=False) as (run, token):
+        stopping = asyncio.Event()
+        loop = asyncio.new_event_loop()
+        client_task = loop.create_task(go(run.url, token, stopping))
+        loop.run_until_complete(stopping.wait())
+    # the service stopped (the harness waited for it) while the action ran
+    loop.run_until_complete(client_task)
+    loop.close()
+    assert results[0].status is ActionStatus.OK and results[0].stdout == "done\n"
+
+
+def test_the_pools_request_limit_bounds_http_bodies_and_stream_messages(tmp_path: Path) -> None:
+    """``admission.maxRequestBytes`` (2 KiB here): a 3 KiB exec is a 413 either way."""
+    config = PoolConfig(envs=CONFIG.envs, max_request_bytes=2048)
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=4)
+    with service(config, agent, tmp_path) as (run, token):
+        with Client(run.url, token, stream=False) as sync:
+            tid = sync.open("noop").id
+            with pytest.raises(TangramError) as e:
+                sync.exec(tid, ["echo", "x" * 3000])
+            assert (e.value.status, e.value.code) == (413, "too_large")
+            assert sync.exec(tid, ["echo", "x" * 1000]).status is ActionStatus.OK
+        big = {"id": 5, "trajectory": tid, "exec": {"argv": ["echo", "x" * 3000]}}
+        answer = asyncio.run(_raw(run.url, token, [json.dumps(big).encode()]))[0]
+        assert (answer["id"], answer["status"]) == (5, 413)
+        assert answer["error"]["message"] == "message over 2048 bytes"
+
+
+def test_an_action_cancelled_in_the_tick_it_starts_still_ends(
+    running: tuple[Running, str],
+) -> None:
+    """Its task is cancelled before its first step, so its body never runs: the action
+    must still end (cancelled), on either transport, and give its core back."""
+    run, token = running
+    engine = run.engine
+    start = engine._start
+
+    def start_then_cancel(asg: Any, now: float) -> None:
+        start(asg, now)
+        engine.cancel("local", asg.action_id)
+
+    async def once(stream: bool) -> tuple[str, ActionStatus]:
+        async with AsyncClient(run.url, token, stream=stream) as c:
+            tid = (await c.open("noop")).id
+            return tid, (await asyncio.wait_for(c.exec(tid, ["true"]), 30)).status
+
+    engine._start = start_then_cancel  # type: ignore[method-assign]
+    try:
+        for stream in (True, False):
+            tid, status = asyncio.run(once(stream))
+            assert status is ActionStatus.CANCELLED
+    finally:
+        engine._start = start  # type: ignore[method-assign]
+    with Client(run.url, token) as c:
+        assert c.exec(tid, ["true"]).status is ActionStatus.OK
+    assert not engine.trajectories[tid].running and not engine.core.running
