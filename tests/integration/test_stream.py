@@ -12,6 +12,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, EnvSpec
 from tangram.client import ActionStatus, AsyncClient, Client, TangramError
@@ -262,3 +264,52 @@ def test_an_action_cancelled_in_the_tick_it_starts_still_ends(
     with Client(run.url, token) as c:
         assert c.exec(tid, ["true"]).status is ActionStatus.OK
     assert not engine.trajectories[tid].running and not engine.core.running
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_FIELDS = st.sampled_from(["argv", "cpu", "profile", "session", "code", "env", "args"])
+_OPTIONS = st.sampled_from(["cpu", "timeout_s", "t1_s", "env", "output_cap", "type"])
+
+
+def test_fuzzed_messages_are_answered_below_500_and_the_stream_goes_on(
+    running: tuple[Running, str],
+) -> None:
+    """Whatever a line holds — random bytes, random JSON, exec bodies of random fields,
+    commands with random options — it gets exactly one answer, never a 5xx, and the
+    stream keeps answering."""
+    run, token = running
+    with Client(run.url, token, stream=False) as sync:
+        tid = sync.open("noop").id
+    command = st.builds(
+        lambda argv, options: {"argv": argv, **options},
+        st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=3),
+        st.dictionaries(_OPTIONS, _JSON, max_size=2),
+    )
+    message = st.fixed_dictionaries(
+        {
+            "id": st.integers(min_value=0, max_value=1 << 53),
+            "trajectory": st.sampled_from([tid, tid, tid, "t-nobody"]) | st.text(max_size=12),
+            "exec": command | st.dictionaries(_FIELDS, _JSON, max_size=3),
+        }
+    )
+    line = (
+        message.map(lambda m: json.dumps(m).encode())
+        | _JSON.map(lambda v: json.dumps(v).encode())
+        | st.binary(max_size=40)
+    ).filter(lambda b: b.strip() and b"\n" not in b)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(line, min_size=1, max_size=8))
+    def check(lines: list[bytes]) -> None:
+        answers = asyncio.run(_raw(run.url, token, lines))
+        assert len(answers) == len(lines)
+        assert all(a["status"] < 500 for a in answers), answers
+        assert all(("result" in a) == (a["status"] == 200) for a in answers)
+
+    check()
