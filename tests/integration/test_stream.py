@@ -313,3 +313,21 @@ def test_fuzzed_messages_are_answered_below_500_and_the_stream_goes_on(
         assert all(("result" in a) == (a["status"] == 200) for a in answers)
 
     check()
+
+
+def test_an_exec_too_large_for_a_frame_goes_over_http(running: tuple[Running, str]) -> None:
+    """Over 32 MiB the client does not put it on the stream (whose frames stop at 64 MiB):
+    HTTP answers it, here with the pool's 413, and the stream stays up for the rest."""
+    run, token = running
+
+    async def go() -> None:
+        async with AsyncClient(run.url, token) as client:
+            tid = (await client.open("noop")).id
+            assert (await client.exec(tid, ["true"])).status is ActionStatus.OK
+            with pytest.raises(TangramError) as e:
+                await client.exec(tid, ["echo", "x" * (33 << 20)])
+            assert (e.value.status, e.value.code) == (413, "too_large")
+            assert client._stream is not None and not client._stream.closed
+            assert (await client.exec(tid, ["true"])).status is ActionStatus.OK
+
+    asyncio.run(go())

@@ -11,6 +11,7 @@ import pytest
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import AgentHello, AgentReply, AgentRequest, pack, unpack
 from tangram.service.agents import AgentGoneError, AgentLink
+from tangram.service.outbox import Outbox
 
 
 class Socket:
@@ -122,3 +123,29 @@ def test_bytes_pack_into_bytes_frames_as_text_into_text() -> None:
     assert pack([b"a" * 6, b"b" * 6], limit=10) == [b"a" * 6, b"b" * 6]
     single = b'{"id":3}'
     assert pack([single])[0] is single  # one message: sent as it is, no copy
+
+
+def test_an_outbox_counts_what_it_has_not_sent_and_says_when_all_is_sent() -> None:
+    async def go() -> None:
+        release = asyncio.Event()
+        sent: list[bytes] = []
+
+        async def send(frame: bytes) -> None:
+            await release.wait()  # a peer that does not read yet
+            sent.append(frame)
+
+        async def failed(e: Exception) -> None:
+            raise AssertionError(e)
+
+        box: Outbox[bytes] = Outbox(send, failed, packed=True)
+        box.post(b"a" * 10)
+        box.post(b"b" * 5)
+        flushed = asyncio.create_task(box.flushed())
+        await asyncio.sleep(0.01)
+        assert box.backlog == 15 and not flushed.done()
+        release.set()
+        await asyncio.wait_for(flushed, 5)
+        assert box.backlog == 0 and sent == [b"a" * 10 + b"\n" + b"b" * 5]
+        box.close()
+
+    asyncio.run(go())

@@ -29,6 +29,8 @@ from tangram.client.common import (
 )
 from tangram.client.stream import ExecStream, NoStreamError
 
+STREAM_RETRY_S = 30.0  # after a refused stream handshake, HTTP alone for this long
+
 
 class AsyncClient:
     def __init__(
@@ -53,6 +55,7 @@ class AsyncClient:
         self.stream = stream
         self._stream: ExecStream | None = None
         self._stream_lock = asyncio.Lock()
+        self._stream_refused_until = 0.0  # a refused handshake is not asked again before
 
     async def __aenter__(self) -> Self:
         return self
@@ -61,6 +64,7 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        self.stream = False  # what is still retrying goes over HTTP, on no new stream
         if self._stream is not None:
             await self._stream.aclose()
         if self._session is not None:
@@ -136,7 +140,12 @@ class AsyncClient:
                 stream = await self._open_stream()
                 if stream is None:
                     return None
-                answer = await asyncio.wait_for(stream.exec(trajectory, body), self._timeout.total)
+                try:
+                    answer = await asyncio.wait_for(
+                        stream.exec(trajectory, body), self._timeout.total
+                    )
+                except NoStreamError:  # too large for a frame: HTTP says 413 or runs it
+                    return None
                 if answer.status == 200 and answer.result is not None:
                     return answer.result
                 if answer.status not in RETRY_STATUS or attempt == self.retries:
@@ -153,14 +162,17 @@ class AsyncClient:
         if stream is not None and not stream.closed:
             return stream
         async with self._stream_lock:  # one handshake, however many execs wait on it
-            if not self.stream:
+            loop = asyncio.get_running_loop()
+            if not self.stream or loop.time() < self._stream_refused_until:
                 return None
             if self._stream is None or self._stream.closed:
                 try:
                     self._stream = await ExecStream.connect(self._http(), self._headers)
                 except NoStreamError as e:
-                    if e.status == 404:  # an earlier release: HTTP from now on
+                    if e.status in (400, 404):  # an earlier release, or a proxy in the way
                         self.stream = False
+                    else:  # HTTP answers it (a bad token's 401); the stream again later
+                        self._stream_refused_until = loop.time() + STREAM_RETRY_S
                     return None
             return self._stream
 

@@ -19,6 +19,9 @@ import aiohttp
 from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, StreamAnswer, pack
 
 log = logging.getLogger("tangram.client")
+# A larger exec goes over HTTP: the service reads frames of up to 64 MiB, and a message
+# over that would end the stream, not get a 413.
+MAX_MESSAGE_BYTES = 32 << 20
 
 
 class StreamClosedError(aiohttp.ClientConnectionError):
@@ -26,7 +29,8 @@ class StreamClosedError(aiohttp.ClientConnectionError):
 
 
 class NoStreamError(Exception):
-    """The service refused the stream's handshake (``status``; 404: it has none)."""
+    """Not for the stream: the service refused its handshake (``status``; 404: it has
+    none), or a message is too large for it (413)."""
 
     def __init__(self, status: int) -> None:
         super().__init__(f"the service refused the action stream ({status})")
@@ -67,10 +71,13 @@ class ExecStream:
             raise StreamClosedError("the action stream is closed")
         self._ids += 1
         mid = self._ids
+        msg = {"id": mid, "trajectory": trajectory, "exec": body}
+        line = json.dumps(msg, separators=(",", ":")).encode()
+        if len(line) > MAX_MESSAGE_BYTES:
+            raise NoStreamError(413)
         fut: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
         self._pending[mid] = fut
-        msg = {"id": mid, "trajectory": trajectory, "exec": body}
-        self._queue.append(json.dumps(msg, separators=(",", ":")).encode())
+        self._queue.append(line)
         self._queued.set()
         try:
             return await fut
@@ -81,6 +88,24 @@ class ExecStream:
         self._writer.cancel()
         await self._ws.close()
         await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+
+    def _route(self, line: bytes) -> None:
+        """One answer to its waiter; one this client cannot read fails only its own."""
+        try:
+            answer = StreamAnswer.model_validate_json(line)
+        except ValueError as e:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                fut = self._pending.get(json.loads(line).get("id"))
+                if fut is not None and not fut.done():
+                    fut.set_exception(e)
+                    return
+            log.error("action stream: an answer this client cannot read: %.200r", line)
+            return
+        fut = self._pending.get(answer.id) if answer.id is not None else None
+        if fut is not None and not fut.done():
+            fut.set_result(answer)
+        elif answer.id is None:  # a message of ours it could not read: a bug
+            log.error("action stream: the service could not read a message: %s", answer.error)
 
     async def _write_forever(self) -> None:
         try:
@@ -106,12 +131,7 @@ class ExecStream:
                 else:
                     break
                 for line in data.split(b"\n"):
-                    answer = StreamAnswer.model_validate_json(line)
-                    fut = self._pending.get(answer.id) if answer.id is not None else None
-                    if fut is not None and not fut.done():
-                        fut.set_result(answer)
-                    elif answer.id is None:  # a message of ours it could not read: a bug
-                        log.error("action stream: the service could not read a message: %s", line)
+                    self._route(line)
         except Exception as e:
             log.warning("action stream: %s", e)
         finally:

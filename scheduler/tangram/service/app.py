@@ -392,28 +392,42 @@ def create_app(
     async def stream(ws: WebSocket) -> None:
         """Execs multiplexed on one WebSocket (``tangram.service.stream``)."""
         auth = ws.headers.get("authorization")
+        unauthorized = 401, error_body("unauthorized", "a valid bearer token is required")
 
-        async def who() -> str | None:
-            tenant = await _who(tokens, reviewer, engine, auth)
-            return None if tenant in (AGENT_TENANT, OPERATOR_TENANT) else tenant
+        async def admit() -> str | tuple[int, dict[str, Any]]:
+            """As for a request: the token's tenant, or the status and body refusing it."""
+            try:
+                who = await _who(tokens, reviewer, engine, auth)
+            except NotAdmittedError as e:
+                return 403, error_body("forbidden", str(e))
+            except (ReviewError, OSError) as e:
+                return engine_error(_unchecked(e))
+            if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
+                return unauthorized
+            return who
 
-        try:
-            tenant = await who()
-        except NotAdmittedError as e:
-            await ws.send_denial_response(_error(403, "forbidden", str(e)))
-            return
-        except (ReviewError, OSError) as e:
-            await ws.send_denial_response(_engine_error(_unchecked(e)))
-            return
-        if tenant is None:
-            await ws.send_denial_response(_unauthorized())
+        tenant = await admit()
+        if not isinstance(tenant, str):
+            status, body = tenant
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if status in RETRY_STATUS else {}
+            if status == 401:
+                headers["WWW-Authenticate"] = "Bearer"
+            await ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
             return
         if AGENT_SUBPROTOCOL not in ws.scope.get("subprotocols", ()):
             message = f"offer the subprotocol {AGENT_SUBPROTOCOL}: answers come a line each"
             await ws.send_denial_response(_error(400, "invalid", message))
             return
+        first = tenant
+
+        async def refusal() -> tuple[int, dict[str, Any]] | None:
+            now = await admit()
+            if isinstance(now, str):
+                return None if now == first else unauthorized
+            return now
+
         await ws.accept(subprotocol=AGENT_SUBPROTOCOL)
-        link = ActionStream(engine, tenant, ws, recheck=who)
+        link = ActionStream(engine, first, ws, refusal=refusal)
         app.streams.add(link)
         try:
             await link.serve()

@@ -35,12 +35,23 @@ class Outbox(Generic[AnyStr]):
         self._queue: list[AnyStr] = []
         self._queued = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+        self.backlog = 0  # bytes (or characters) posted and not sent yet
+        self._empty = asyncio.Event()  # nothing posted is unsent
+        self._empty.set()
 
     def post(self, message: AnyStr) -> None:
         self._queue.append(message)
+        self.backlog += len(message)
+        self._empty.clear()
         self._queued.set()
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_forever())
+
+    async def flushed(self) -> None:
+        """Wait until everything posted so far is sent (a peer that does not read holds
+        the writer, and so this, until it reads)."""
+        if self._writer is not None and not self._writer.done():
+            await self._empty.wait()
 
     def close(self) -> None:
         """Stop writing (what is still queued is dropped)."""
@@ -55,8 +66,13 @@ class Outbox(Generic[AnyStr]):
                 batch, self._queue = self._queue, []
                 for frame in pack(batch) if self.packed else batch:
                     await self._send(frame)
+                self.backlog -= sum(len(m) for m in batch)
+                if not self._queue:
+                    self._empty.set()
         except asyncio.CancelledError:
             raise
         except Exception as e:
             with contextlib.suppress(Exception):
                 await self._on_failure(e)
+        finally:
+            self._empty.set()  # nothing more will be sent: nobody may wait for it

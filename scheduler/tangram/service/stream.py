@@ -9,18 +9,21 @@ route would have answered (``StreamAnswer``): the result, or the same error with
 status. Answers leave as actions end, in any order, what one loop tick finished in one
 frame, a message a line (the agent link's framing).
 
-The caller's tenant is the one its bearer token names at the handshake, reviewed again
-every ``REVIEW_S`` as the HTTP path's cached review is. A stream that drops loses only its
-answers: the actions go on, and a retry with the same idempotency key gets the result.
+The caller's tenant is the one its bearer token names at the handshake, and every frame
+is admitted as an HTTP request is (``refusal``: the token file, or the cached review and
+the pool's live access list); a frame that is not gets each of its messages refused with
+the status HTTP would give, and the stream goes on answering what it admitted. A stream
+that drops loses only its answers: the actions go on, and a retry with the same
+idempotency key gets the result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -33,7 +36,9 @@ from tangram.service.engine import ActionRecord, Engine, EngineError
 from tangram.service.outbox import Outbox
 
 log = logging.getLogger("tangram.service")
-REVIEW_S = 60.0  # how long a tenant, once checked, stands (as the token review cache)
+# Answers not yet sent beyond which the stream reads nothing more until they are: a client
+# that submits and never reads holds its own stream, not the scheduler's memory.
+BACKLOG_BYTES = 64 << 20
 _ID = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,16})\s*[,}]')  # of a message we cannot parse
 
 
@@ -46,8 +51,10 @@ class Socket(Protocol):
 
 
 class ActionStream:
-    """One client's stream, from the accepted handshake to its end. ``recheck`` says who
-    the handshake's token names now (None: nobody may submit with it any more)."""
+    """One client's stream, from the accepted handshake to its end. ``refusal`` admits
+    a frame as an HTTP request is admitted: None, or the status and error body to refuse
+    its messages with (a token no longer valid, an account the pool no longer admits, a
+    review that failed)."""
 
     def __init__(
         self,
@@ -55,12 +62,10 @@ class ActionStream:
         tenant: str,
         socket: Socket,
         *,
-        recheck: Callable[[], Awaitable[str | None]],
-        clock: Callable[[], float] = time.monotonic,
+        refusal: Callable[[], Awaitable[tuple[int, dict[str, Any]] | None]],
     ) -> None:
         self.engine, self.tenant, self.socket = engine, tenant, socket
-        self._recheck, self._clock = recheck, clock
-        self._checked = clock()
+        self._refusal = refusal
         self._outbox: Outbox[bytes] = Outbox(socket.send_bytes, self._send_failed, packed=True)
         self.in_flight = 0  # admitted actions not answered yet
         self.closed = False
@@ -69,45 +74,36 @@ class ActionStream:
 
     async def serve(self) -> None:
         try:
-            while True:
+            while not self.closed:
+                if self._outbox.backlog > BACKLOG_BYTES:
+                    await self._outbox.flushed()
+                    continue
                 msg = await self.socket.receive()
                 if msg["type"] == "websocket.disconnect":
                     return
                 data = msg.get("bytes")
                 if data is None:
                     data = (msg.get("text") or "").encode()
-                if self._clock() - self._checked > REVIEW_S and not await self._still_admitted():
-                    return
-                for line in data.split(b"\n"):
-                    if line.strip():
+                lines = [line for line in data.split(b"\n") if line.strip()]
+                refused = await self._refusal()
+                for line in lines:
+                    if refused is None:
                         self._take(line)
+                    else:
+                        self._answer(_line_id(line), *refused)
         finally:
             self.closed = True
             self._idle.set()
             self._outbox.close()
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait (bounded) until every admitted action is answered, then close: the
-        scheduler is stopping, and admits nothing new."""
-        if not self.closed:
-            try:
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
-                await asyncio.sleep(0)  # the writer sends what the last answer queued
-            except TimeoutError:
-                pass
+        """Wait (bounded) until every admitted action is answered and the answers are
+        sent, then close: the scheduler is stopping, and admits nothing new."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+                await self._outbox.flushed()
         await self.socket.close(code=1001, reason="the scheduler is stopping")
-
-    async def _still_admitted(self) -> bool:
-        try:
-            who = await self._recheck()
-        except Exception as e:  # the review itself failed: as the HTTP path, not admitted
-            log.warning("stream of %s: cannot check its token again: %s", self.tenant, e)
-            who = None
-        if who != self.tenant:
-            await self.socket.close(code=1008, reason="the token is no longer admitted")
-            return False
-        self._checked = self._clock()
-        return True
 
     def _take(self, line: bytes) -> None:
         """Admit one message, or answer at once why not."""
