@@ -223,6 +223,10 @@ class NodeAgent:
     def detach(self) -> None:
         self._sink = None
 
+    def keep_unsent(self, reply: AgentReply) -> None:
+        """A result the link took but could not send: the next link gets it."""
+        self._unsent.append(reply)
+
     async def handle(self, req: AgentRequest) -> AgentReply:
         """Answer one request; errors become a reply, never an exception."""
         if req.op == "cancel":  # by the rid that started it, or by key (an adopted run)

@@ -61,6 +61,8 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
     packed = ws.subprotocol == AGENT_SUBPROTOCOL  # the scheduler reads packed frames
     tasks: set[asyncio.Task[None]] = set()
     outbox: list[str] = []
+    sending: list[str] = []  # the batch being written
+    orphans: list[tuple[str, AgentReply]] = []  # unasked results this link took
     queued = asyncio.Event()
 
     def post(text: str) -> None:
@@ -69,13 +71,18 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
 
     async def write_forever() -> None:
         """One writer, so replies finished in the same tick leave in one frame."""
+        nonlocal sending
         while True:
             await queued.wait()
             queued.clear()
-            batch = outbox[:]
+            sending = outbox[:]
             outbox.clear()
-            for frame in pack(batch) if packed else batch:
+            for frame in pack(sending) if packed else sending:
                 await ws.send(frame)
+            if orphans:  # those sent need no giving back
+                sent = set(sending)
+                orphans[:] = [o for o in orphans if o[0] not in sent]
+            sending = []
 
     async def answer(req: AgentRequest) -> None:
         post((await agent.handle(req)).model_dump_json())
@@ -86,7 +93,9 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
             await asyncio.sleep(HEARTBEAT_S)
 
     def orphan(reply: AgentReply) -> None:  # a run that finished after its link dropped
-        post(reply.model_dump_json())
+        text = reply.model_dump_json()
+        orphans.append((text, reply))
+        post(text)
 
     async def read_forever() -> None:
         while True:
@@ -113,3 +122,9 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
         for task in (*parts, *tasks):
             task.cancel()
         await asyncio.gather(*parts, *tasks, return_exceptions=True)
+        # Unasked results this link took but did not get out go to the next link: nobody
+        # would ask for them again (a scheduler that adopted the run waits for this one).
+        unsent = {*sending, *outbox}
+        for text, reply in orphans:
+            if text in unsent:
+                agent.keep_unsent(reply)
