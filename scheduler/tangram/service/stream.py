@@ -79,8 +79,8 @@ class ActionStream:
                     await self._outbox.flushed()
                     continue
                 msg = await self.socket.receive()
-                if msg["type"] == "websocket.disconnect":
-                    return
+                if msg["type"] == "websocket.disconnect" or self.closed:
+                    return  # gone, or its answers can no longer be sent
                 data = msg.get("bytes")
                 if data is None:
                     data = (msg.get("text") or "").encode()
