@@ -186,3 +186,26 @@ def test_an_instance_redefined_while_it_ran_is_dropped_when_it_ends() -> None:
     assert [i.service for i in s.gpu.resident] == ["a"]  # busy: kept while it runs
     s.complete("c1", 1.0)
     assert not s.gpu.resident and s.gpu.nodes["g"].used_gb == [0.0]
+
+
+def test_a_call_never_lands_on_a_node_that_could_not_load_its_service() -> None:
+    s = Scheduler(cluster(nodes=[]))
+    for node in ("a", "b"):
+        s.add_gpu_node(node, gpus=1, memory_gb=10)
+    s.set_services([ServiceSpec(name=n, gpu_memory_gb=4, dop_choices=[1]) for n in "xy"])
+    s.set_unloadable("a", ["x"])  # a's worker failed to load x; y loaded everywhere
+    s.open_trajectory("~svc")
+    s.submit("c1", "~svc", _service_action("x"), now=0.0)
+    (asg,) = s.schedule(0.0).assignments
+    assert (asg.action_id, asg.node) == ("c1", "b")  # b, though a sorts first
+    s.submit("c2", "~svc", _service_action("y"), now=0.0)
+    assert [(g.action_id, g.node) for g in s.schedule(0.0).assignments] == [("c2", "a")]
+    s.submit("c3", "~svc", _service_action("x"), now=0.0)
+    s.complete("c2", 1.0)
+    assert s.schedule(1.0).assignments == ()  # a is free, but cannot run x: c3 waits
+    s.complete("c1", 2.0)
+    assert [(g.action_id, g.node) for g in s.schedule(2.0).assignments] == [("c3", "b")]
+    s.set_unloadable("b", ["x"])  # now nowhere: it can never fit
+    assert not s.gpu.fits("x", 1) and s.gpu.fits("y", 1)
+    with pytest.raises(SchedulingError, match="no GPUs"):
+        s.set_unloadable("z", [])

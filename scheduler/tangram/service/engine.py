@@ -801,6 +801,7 @@ class Engine:
                 if not load.ok:
                     log.warning("RewardService %s cannot load on %s: %s", name, node, load.error)
             self.core.set_services(self._service_specs())
+            self.core.set_unloadable(node, (n for n, load in reply.loaded.items() if not load.ok))
             self._wake.set()
 
     def _service_specs(self) -> list[ServiceSpec]:

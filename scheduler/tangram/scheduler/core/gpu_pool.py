@@ -69,6 +69,8 @@ class GpuPool:
     # Resident instances, least recently used first, with the GB each holds per GPU.
     resident: OrderedDict[Instance, float] = field(default_factory=OrderedDict)
     busy: set[Instance] = field(default_factory=set)
+    # Services a node cannot host (its worker could not load them): never placed there.
+    unloadable: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -93,6 +95,7 @@ class GpuPool:
     def remove_node(self, name: str) -> None:
         """Forget a node with whatever it held (its agent is gone)."""
         self.nodes.pop(name, None)
+        self.unloadable.pop(name, None)
         for inst in [i for i in self.resident if i.chunk.node == name]:
             del self.resident[inst]
         self.busy = {i for i in self.busy if i.chunk.node != name}
@@ -120,7 +123,14 @@ class GpuPool:
         """Whether a DoP-k instance of ``service`` can ever fit in GPU memory."""
         size = chunk_level(k)
         per_gpu = self.per_gpu(service, size)
-        return any(n.gpus >= size and n.memory_gb + 1e-9 >= per_gpu for n in self.nodes.values())
+        return any(
+            n.gpus >= size and n.memory_gb + 1e-9 >= per_gpu and self.hosts(n.name, service)
+            for n in self.nodes.values()
+        )
+
+    def hosts(self, node: str, service: str) -> bool:
+        """Whether ``node``'s worker holds ``service`` (it could load it)."""
+        return service not in self.unloadable.get(node, ())
 
     def can_host(self, service: str, k: int) -> bool:
         """Whether a free chunk on a node with large enough GPUs can take a DoP-k call now."""
@@ -205,15 +215,16 @@ class GpuPool:
         A position already holding the requested instance wins (seed 000 §5.3); after
         that, the one whose GPUs need the least resident memory evicted (our addition:
         otherwise a free, empty GPU could be passed over for one holding a warm model).
-        Nodes whose GPUs are too small for the instance even when empty are skipped; if a
-        level has no other position, a larger level is tried.
+        Nodes whose GPUs are too small for the instance even when empty, or whose worker
+        could not load the service, are skipped; if a level has no other position, a larger
+        level is tried.
         """
         need = self.per_gpu(service, size)
         recency = {inst: i for i, inst in enumerate(self.resident)}  # 0 = least recently used
         for level in (s for s in CHUNK_SIZES if s >= size):
             best: tuple[tuple[int, float, int, str, int], Chunk] | None = None
             for node in self.nodes.values():
-                if need > node.memory_gb + 1e-9:
+                if need > node.memory_gb + 1e-9 or not self.hosts(node.name, service):
                     continue
                 for start in node.free[level]:
                     for sub in range(start, start + level, size):

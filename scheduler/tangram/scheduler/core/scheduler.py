@@ -25,7 +25,7 @@ A round (``schedule``) follows Algorithm 1 of seed 000:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -286,6 +286,13 @@ class Scheduler:
         for spec in wanted.values():
             self.services[spec.name] = spec
             self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated)
+
+    def set_unloadable(self, node: str, services: Iterable[str]) -> None:
+        """The services ``node``'s GPU worker could not load: no call of them is placed
+        there (others may still run them)."""
+        if node not in self.gpu.nodes:
+            raise SchedulingError("node", f"{node} has no GPUs in the pool")
+        self.gpu.unloadable[node] = frozenset(services)
 
     def drain_node(self, name: str) -> Drained:
         """Take a node out: its trajectories are closed, every running action of theirs
