@@ -10,8 +10,8 @@ import pytest
 
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import AgentHello, AgentReply, AgentRequest, pack, unpack
+from tangram.client.outbox import Outbox
 from tangram.service.agents import AgentGoneError, AgentLink
-from tangram.service.outbox import Outbox
 
 
 class Socket:

@@ -16,7 +16,8 @@ from typing import Any
 
 import aiohttp
 
-from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, StreamAnswer, pack
+from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, StreamAnswer
+from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
 # A larger exec goes over HTTP: the service reads frames of up to 64 MiB, and a message
@@ -42,11 +43,9 @@ class ExecStream:
         self._ws = ws
         self._pending: dict[int, asyncio.Future[StreamAnswer]] = {}
         self._ids = 0
-        self._queue: list[bytes] = []
-        self._queued = asyncio.Event()
+        self._outbox: Outbox[bytes] = Outbox(ws.send_bytes, self._send_failed, packed=True)
         self.closed = False
         self._reader = asyncio.create_task(self._read_forever())
-        self._writer = asyncio.create_task(self._write_forever())
 
     @classmethod
     async def connect(cls, session: aiohttp.ClientSession, headers: dict[str, str]) -> ExecStream:
@@ -77,17 +76,16 @@ class ExecStream:
             raise NoStreamError(413)
         fut: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
         self._pending[mid] = fut
-        self._queue.append(line)
-        self._queued.set()
+        self._outbox.post(line)
         try:
             return await fut
         finally:
             self._pending.pop(mid, None)
 
     async def aclose(self) -> None:
-        self._writer.cancel()
+        self._outbox.close()
         await self._ws.close()
-        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+        await asyncio.gather(self._reader, return_exceptions=True)
 
     def _route(self, line: bytes) -> None:
         """One answer to its waiter; one this client cannot read fails only its own."""
@@ -107,19 +105,10 @@ class ExecStream:
         elif answer.id is None:  # a message of ours it could not read: a bug
             log.error("action stream: the service could not read a message: %s", answer.error)
 
-    async def _write_forever(self) -> None:
-        try:
-            while True:
-                await self._queued.wait()
-                self._queued.clear()
-                batch, self._queue = self._queue, []
-                for frame in pack(batch):
-                    await self._ws.send_bytes(frame)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # nothing queued will be answered: end the stream
-            log.warning("action stream: send failed: %s", e)
-            await self._ws.close()
+    async def _send_failed(self, e: Exception) -> None:
+        """Nothing queued will be answered: end the stream (its waiters fail, and retry)."""
+        log.warning("action stream: send failed: %s", e)
+        await self._ws.close()
 
     async def _read_forever(self) -> None:
         try:
@@ -136,7 +125,7 @@ class ExecStream:
             log.warning("action stream: %s", e)
         finally:
             self.closed = True
-            self._writer.cancel()
+            self._outbox.close()
             with contextlib.suppress(Exception):
                 await self._ws.close()
             why = self._ws.close_code

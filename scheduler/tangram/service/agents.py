@@ -18,7 +18,7 @@ from typing import Protocol
 from starlette.websockets import WebSocketDisconnect
 
 from tangram.api.wire import AgentHello, AgentReply, AgentRequest, unpack
-from tangram.service.outbox import Outbox
+from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.service")
 HEARTBEAT = '{"heartbeat"'  # how an agent's heartbeat message starts

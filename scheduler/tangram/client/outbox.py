@@ -3,19 +3,19 @@
 Messages are posted without waiting; the writer task wakes once per tick and sends the
 batch, packed a message a line when the peer reads packed frames (``wire.pack``). A send
 per tick rather than per message is most of a link's cost under load.
+
+Both ends of the action stream use it, and the scheduler's agent links: it lives with the
+client because the client may import only the wire models and itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Awaitable, Callable
 from typing import AnyStr, Generic
 
 from tangram.api.wire import pack
-
-log = logging.getLogger("tangram.service")
 
 
 class Outbox(Generic[AnyStr]):
