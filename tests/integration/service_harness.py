@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,3 +74,11 @@ def service(
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(60)
+
+
+def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Wait for ``check`` (polled); fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)

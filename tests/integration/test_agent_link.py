@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
 
-from .service_harness import service
+from .service_harness import service, until
 
 pytestmark = [pytest.mark.xdist_group("service")]
 CONFIG = PoolConfig(envs={"noop": EnvConfig(spec=EnvSpec(name="noop", image="none"))})
@@ -41,13 +39,6 @@ class Frames:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.socket, name)
-
-
-def _until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def _batch_of_execs(client: Client) -> list[str]:
@@ -113,7 +104,7 @@ def test_an_agent_of_an_earlier_release_gets_one_message_a_frame(tmp_path: Path)
 
         thread = threading.Thread(target=old, daemon=True)
         thread.start()
-        _until(lambda: agent.node in running.engine.hub.links or bool(failure), "no agent")
+        until(lambda: agent.node in running.engine.hub.links or bool(failure), "no agent")
         assert not running.engine.hub.links[agent.node].packed
         with Client(running.url, token) as c:
             ids = _batch_of_execs(c)

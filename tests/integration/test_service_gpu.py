@@ -28,7 +28,7 @@ from tangram.service.embedded import Running  # noqa: E402
 from tests.fixtures import tiny_reward  # noqa: E402
 from tests.fixtures.tiny_reward import TinyReward, weights  # noqa: E402
 
-from .service_harness import service  # noqa: E402
+from .service_harness import service, until  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("service")]
 ENTRY = "tests.fixtures.tiny_reward:build"
@@ -44,13 +44,6 @@ def _service(
     weights(str(path), seed)
     spec = ServiceDef(name=name, entrypoint=ENTRY, weights=str(path), gpu_memory_gb=mib / 1024)
     return ServiceConfig(spec=spec, dop_choices=dops, **kw)  # type: ignore[arg-type]
-
-
-def _until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def _expected(seed: int) -> list[float]:
@@ -146,7 +139,7 @@ def test_a_timed_out_call_keeps_its_gpu_until_it_ends(tmp_path: Path) -> None:
             nxt = threading.Thread(target=lambda: box.append(client.score("slow", INPUTS)))
             nxt.start()
             engine = running.engine
-            _until(  # answered, or admitted and seen by a round since (then still queued)
+            until(  # answered, or admitted and seen by a round since (then still queued)
                 lambda: (
                     bool(box)
                     or (
