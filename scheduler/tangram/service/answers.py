@@ -20,6 +20,9 @@ def error_body(
     return {"error": {"code": code, "message": message, "details": details or []}}
 
 
+UNAUTHORIZED = 401, error_body("unauthorized", "a valid bearer token is required")
+
+
 def engine_error(exc: EngineError) -> tuple[int, dict[str, Any]]:
     details = [{"field": exc.field, "message": exc.message}]
     return STATUS[exc.kind], error_body(exc.kind, str(exc), details)

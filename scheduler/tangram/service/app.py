@@ -45,6 +45,7 @@ from tangram.api.wire import (
 from tangram.service.answers import (
     RETRY_AFTER_S,
     RETRY_STATUS,
+    UNAUTHORIZED,
     engine_error,
     error_body,
     invalid,
@@ -72,15 +73,18 @@ def _error(
     return JSONResponse(error_body(code, message, details), status_code=status, headers=headers)
 
 
-def _unauthorized() -> JSONResponse:
-    message = "a valid bearer token is required"
-    return _error(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+def _refused(status: int, body: dict[str, Any]) -> JSONResponse:
+    """An error answer with the headers its status takes."""
+    headers = {}
+    if status in RETRY_STATUS:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def _engine_error(exc: EngineError) -> JSONResponse:
-    status, body = engine_error(exc)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in RETRY_STATUS else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return _refused(*engine_error(exc))
 
 
 class BodyLimit:
@@ -264,7 +268,7 @@ def create_app(
 
     @app.exception_handler(_UnauthorizedError)
     async def _unauth(_: Request, __: _UnauthorizedError) -> JSONResponse:
-        return _unauthorized()
+        return _refused(*UNAUTHORIZED)
 
     @app.post("/v1/trajectories", status_code=201, responses=_ERRORS)
     async def open_trajectory(req: OpenTrajectory, who: TenantId) -> TrajectoryInfo:
@@ -392,7 +396,6 @@ def create_app(
     async def stream(ws: WebSocket) -> None:
         """Execs multiplexed on one WebSocket (``tangram.service.stream``)."""
         auth = ws.headers.get("authorization")
-        unauthorized = 401, error_body("unauthorized", "a valid bearer token is required")
 
         async def admit() -> str | tuple[int, dict[str, Any]]:
             """As for a request: the token's tenant, or the status and body refusing it."""
@@ -403,16 +406,12 @@ def create_app(
             except (ReviewError, OSError) as e:
                 return engine_error(_unchecked(e))
             if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
-                return unauthorized
+                return UNAUTHORIZED
             return who
 
         tenant = await admit()
         if not isinstance(tenant, str):
-            status, body = tenant
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if status in RETRY_STATUS else {}
-            if status == 401:
-                headers["WWW-Authenticate"] = "Bearer"
-            await ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
+            await ws.send_denial_response(_refused(*tenant))
             return
         if AGENT_SUBPROTOCOL not in ws.scope.get("subprotocols", ()):
             message = f"offer the subprotocol {AGENT_SUBPROTOCOL}: answers come a line each"
@@ -423,7 +422,7 @@ def create_app(
         async def refusal() -> tuple[int, dict[str, Any]] | None:
             now = await admit()
             if isinstance(now, str):
-                return None if now == first else unauthorized
+                return None if now == first else UNAUTHORIZED
             return now
 
         await ws.accept(subprotocol=AGENT_SUBPROTOCOL)
