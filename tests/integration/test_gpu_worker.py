@@ -75,6 +75,28 @@ def test_outputs_are_bit_exact_across_eviction_and_dop(tmp_path: Path) -> None:
     assert split == pytest.approx(before, rel=1e-5) and w.resident()["a@0,1"] == [0, 1]
 
 
+def test_the_weights_file_is_read_once_and_may_change_after(tmp_path: Path) -> None:
+    w = _worker(devices=1, mb=5)
+    spec = _spec(tmp_path, "a")
+    w.load(spec)
+    w.load(_spec(tmp_path, "b", seed=1))
+    before, _ = w.call("a", [0], INPUTS)
+    weights(spec.weights, seed=7)  # rewritten in place: a mapped file would now read these
+    w.call("b", [0], INPUTS)  # evicts a: its next call restores from the host copy
+    Path(spec.weights).unlink()
+    after, stats = w.call("a", [0], INPUTS)
+    assert not stats.hit and after == before and w.loads == 2
+
+
+def test_weights_saved_in_the_legacy_format_load(tmp_path: Path) -> None:
+    state = torch.load(_spec(tmp_path, "zip").weights, weights_only=True)
+    torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    w = _worker(devices=1)
+    w.load(_spec(tmp_path, "zip"))
+    w.load(_def("legacy", str(tmp_path / "legacy.pt"), 4))
+    assert w.call("legacy", [0], INPUTS)[0] == w.call("zip", [0], INPUTS)[0]
+
+
 def test_least_recently_used_goes_first(tmp_path: Path) -> None:
     w = _worker(devices=1, mb=9)
     for name in ("a", "b", "c"):

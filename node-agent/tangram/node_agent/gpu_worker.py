@@ -7,8 +7,9 @@ The only module that imports ``torch``. A RewardService names an entry point
 ``torch.device("meta")``, so building allocates nothing), ``score(module, inputs) ->
 outputs`` the call itself. Its ``weights`` is a file written by ``torch.save(state_dict)``.
 
-- **Load once**: the state dict is read to host memory at start (pinned when CUDA is
-  there, so restores are asynchronous DMA copies) and never read from disk again.
+- **Load once**: the state dict is mapped from its file and copied once into host memory
+  at start (pinned when CUDA is there, so restores are asynchronous DMA copies); the file
+  is never read again.
 - **Restore**: for a call on a chunk of k devices the service's DoP-k instance is made
   resident there: a fresh module skeleton per device, its tensors copied from the pinned
   host copy (``non_blocking``), ``load_state_dict(assign=True)`` (no second allocation).
@@ -27,6 +28,7 @@ import importlib
 import statistics
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,6 +85,18 @@ class _Service:
 
 def bytes_per_device(spec: ServiceDef) -> int:
     return int(spec.gpu_memory_gb * GIB)
+
+
+def read_weights(path: str) -> Any:
+    """A ``torch.save`` file's contents, its tensors on the CPU.
+
+    Files in the zip format (every ``torch.save`` since PyTorch 1.6) are memory-mapped:
+    their pages are read as the pinned copy is made, so loading holds one copy of the
+    weights in host memory, not two (a 70B model in bf16 would otherwise need 280 GB at
+    its peak). Older files cannot be mapped and are read whole.
+    """
+    mapped = zipfile.is_zipfile(path)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
 
 
 def resolve(entrypoint: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
@@ -154,7 +168,7 @@ class GpuWorker:
         t0 = self.clock()
         build = resolve(spec.entrypoint)
         try:
-            state = torch.load(spec.weights, map_location="cpu", weights_only=True)
+            state = read_weights(spec.weights)
         except (OSError, RuntimeError, ValueError) as e:
             raise ServiceError(f"{spec.name}: weights {spec.weights}: {e}") from None
         if not isinstance(state, dict):
@@ -173,7 +187,13 @@ class GpuWorker:
                 f"{spec.name}: weights are {nbytes} bytes, more than gpuMemoryGiB allows "
                 f"({bytes_per_device(spec)})"
             )
-        host = {k: (v.pin_memory() if self.cuda else v.contiguous()) for k, v in state.items()}
+        # The one host copy that stays: pinned (DMA-able) with CUDA, else plain memory of
+        # its own, so the weights file is never read again and may change or go.
+        host = {
+            k: (v.pin_memory() if self.cuda else v.clone(memory_format=torch.contiguous_format))
+            for k, v in state.items()
+        }
+        del state  # unmaps the file
         self.services[spec.name] = _Service(spec, build, score, host, nbytes)
         self.loads += 1
         return self.clock() - t0
@@ -357,5 +377,6 @@ __all__ = [
     "cuda_count",
     "cuda_memory",
     "cuda_name",
+    "read_weights",
     "resolve",
 ]
