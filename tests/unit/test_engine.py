@@ -84,6 +84,7 @@ def test_a_call_is_estimated_from_the_profiles_of_its_input_size() -> None:
     assert cfg.durations(100) == {1: 1.2, 2: 0.7}
     assert cfg.durations(5000) == {1: 3.5, 2: 1.9}
     assert cfg.durations(None) == {1: 3.5, 2: 1.9}  # unknown size: the slowest, to be safe
+    assert cfg.durations(90_000) == {1: 3.5, 2: 1.9}  # beyond every range: the nearest
     for size, want in ((100, {1: 1.2, 2: 0.7}), (5000, {1: 3.5, 2: 1.9})):
         spec = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], input_size=size))
         assert spec.gpu == ChoicesDemand(choices=[1, 2])  # DoP 4 has no profile: not offered
@@ -94,7 +95,9 @@ def test_a_call_is_estimated_from_the_profiles_of_its_input_size() -> None:
 def test_a_call_narrows_its_dop_within_the_services_choices() -> None:
     cfg = _teacher()
     narrowed = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=2, input_size=1))
-    assert narrowed.gpu == ChoicesDemand(choices=[2]) and narrowed.t1_s == pytest.approx(1.4)
+    assert narrowed.gpu == ChoicesDemand(choices=[2])
+    # One DoP left: its profiled duration is the estimate, not k times it.
+    assert duration(narrowed.t1_s or 0, narrowed.efficiency, 2) == pytest.approx(0.7)
     unprofiled = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=4, t1_s=3.0))
     assert unprofiled.gpu == ChoicesDemand(choices=[4]) and unprofiled.t1_s == 3.0
     with pytest.raises(EngineError, match=r"no DoP in \[8\].*dopChoices \[1, 2, 4\]") as e:

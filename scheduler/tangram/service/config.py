@@ -41,14 +41,18 @@ class ServiceConfig:
 
     def durations(self, input_size: int | None) -> dict[int, float]:
         """Expected call duration per profiled DoP for a call of ``input_size``: the
-        profiles whose range holds it (or that have none). Without a size, the slowest
-        profile of each DoP: a conservative estimate."""
-        out: dict[int, float] = {}
+        profiles whose range holds it (or that have none); a size outside every range of
+        a DoP takes that DoP's nearest range. Without a size, the slowest profile of each
+        DoP: a conservative estimate."""
+        best: dict[int, tuple[int, float]] = {}  # dop -> (distance to the range, seconds)
         for dop, seconds, size in self.profiles:
-            if input_size is not None and size is not None and not size[0] <= input_size <= size[1]:
-                continue
-            out[dop] = max(out.get(dop, 0.0), seconds)
-        return out
+            gap = 0
+            if input_size is not None and size is not None:
+                gap = max(size[0] - input_size, input_size - size[1], 0)
+            held = best.get(dop)
+            if held is None or gap < held[0] or (gap == held[0] and seconds > held[1]):
+                best[dop] = (gap, seconds)
+        return {dop: seconds for dop, (_, seconds) in best.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -879,6 +879,11 @@ class Engine:
                 t1_s=req.t1_s,
                 type=kind,
             )
+        if len(durations) == 1:  # one DoP: not elastic, and its duration is the estimate
+            ((k, d),) = durations.items()
+            return ActionSpec(
+                kind="service", service=name, gpu=ChoicesDemand(choices=[k]), t1_s=d, type=kind
+            )
         t1 = min(k * d for k, d in durations.items())
         table = {k: min(1.0, t1 / (k * d)) for k, d in durations.items()}
         return ActionSpec(
@@ -886,7 +891,7 @@ class Engine:
             service=name,
             gpu=ChoicesDemand(choices=sorted(durations)),
             t1_s=t1,
-            efficiency=TableEfficiency(table=table) if len(durations) > 1 else None,
+            efficiency=TableEfficiency(table=table),
             type=kind,
         )
 
