@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from tangram.api.wire import ServiceDef  # noqa: E402
 from tangram.node_agent.gpu_residency import BusyError, NeverFitsError  # noqa: E402
 from tangram.node_agent.gpu_worker import GpuWorker, ServiceError  # noqa: E402
-from tests.fixtures.tiny_reward import weights  # noqa: E402
+from tests.fixtures.tiny_reward import score, weights  # noqa: E402
 
 ENTRY = "tests.fixtures.tiny_reward:build"
 MB = 2**20
@@ -95,6 +95,25 @@ def test_weights_saved_in_the_legacy_format_load(tmp_path: Path) -> None:
     w.load(_spec(tmp_path, "zip"))
     w.load(_def("legacy", str(tmp_path / "legacy.pt"), 4))
     assert w.call("legacy", [0], INPUTS)[0] == w.call("zip", [0], INPUTS)[0]
+
+
+def test_buffers_the_module_computes_itself_are_restored(tmp_path: Path) -> None:
+    from tests.fixtures.tiny_reward import RotaryReward
+
+    path = tmp_path / "rotary.pt"
+    weights(str(path), seed=3)  # RotaryReward's state dict is TinyReward's
+    model = RotaryReward()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    with torch.inference_mode():
+        want = score(model, INPUTS)
+    w = _worker(devices=2)
+    w.load(_def("rotary", str(path), 4, entry="tests.fixtures.tiny_reward:build_rotary"))
+    got, _ = w.call("rotary", [0], INPUTS)
+    w.evict_all()
+    again, stats = w.call("rotary", [1], INPUTS)
+    assert got == want and again == want and not stats.hit
+    with pytest.raises(ServiceError, match=r"buffers \['mask'\] are on the meta device"):
+        w.load(_def("meta", str(path), 4, entry="tests.fixtures.tiny_reward:build_meta_buffer"))
 
 
 def test_least_recently_used_goes_first(tmp_path: Path) -> None:

@@ -3,9 +3,9 @@ call is given, evicted when the memory is needed (evict-on-execution, seed 000 Â
 
 The only module that imports ``torch``. A RewardService names an entry point
 ``package.module:function`` returning ``(module, score)``: ``module`` a ``torch.nn.Module``
-(built on the ``meta`` device: the worker calls the function under
-``torch.device("meta")``, so building allocates nothing), ``score(module, inputs) ->
-outputs`` the call itself. Its ``weights`` is a file written by ``torch.save(state_dict)``.
+(its parameters built on the ``meta`` device, so building allocates nothing; buffers it
+computes itself and leaves out of its state dict are computed once at load and restored
+with the weights), ``score(module, inputs) -> outputs`` the call itself. Its ``weights`` is a file written by ``torch.save(state_dict)``.
 
 - **Load once**: the state dict is mapped from its file and copied once into host memory
   at start (pinned when CUDA is there, so restores are asynchronous DMA copies); the file
@@ -29,7 +29,8 @@ import statistics
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -74,7 +75,11 @@ class _Service:
     build: Callable[[], tuple[torch.nn.Module, Score]]
     score: Score
     host: dict[str, torch.Tensor]  # the master copy: pinned host memory when CUDA is there
-    nbytes: int
+    nbytes: int  # what a restore copies to each device: ``host`` and ``buffers``
+    # Buffers the module computes itself and leaves out of its state dict (``persistent=False``,
+    # like the rotary ``inv_freq`` of most transformers): computed once at load, copied
+    # like the weights, since a skeleton built on ``meta`` holds no values for them.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def bytes_per_device(self) -> int:
@@ -85,6 +90,37 @@ class _Service:
 
 def bytes_per_device(spec: ServiceDef) -> int:
     return int(spec.gpu_memory_gb * GIB)
+
+
+_META_PARAMS = threading.local()  # set in the thread that builds a load-time skeleton
+_META_PARAMS_LOCK = threading.Lock()
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on ``meta`` but everything else real.
+
+    ``torch.device("meta")`` puts buffers on ``meta`` too, and buffers a module computes
+    in ``__init__`` (rotary frequencies, masks) are then lost. So parameters are moved to
+    ``meta`` as they are registered, as accelerate's ``init_empty_weights`` does, but only
+    in this thread: the worker builds skeletons in other threads at the same time.
+    """
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: Any) -> None:
+        original(module, name, param)
+        if getattr(_META_PARAMS, "on", False) and param is not None and not param.is_meta:
+            meta = param.detach().to("meta")
+            module._parameters[name] = torch.nn.Parameter(meta, param.requires_grad)
+
+    with _META_PARAMS_LOCK:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+        _META_PARAMS.on = True
+        try:
+            yield
+        finally:
+            _META_PARAMS.on = False
+            torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def read_weights(path: str) -> Any:
@@ -174,14 +210,21 @@ class GpuWorker:
         if not isinstance(state, dict):
             raise ServiceError(f"{spec.name}: {spec.weights} is not a state dict")
         # Checked before pinning: a service that is refused costs no pinned copy.
-        skeleton, score = self._skeleton(build, spec)
+        skeleton, score = self._skeleton(build, spec, computed_buffers=True)
         wanted = set(skeleton.state_dict())
         missing, unexpected = wanted - set(state), set(state) - wanted
         if missing or unexpected:  # a restore loads strictly: every call would fail later
             wrong = [f"lack {sorted(missing)[:5]}"] if missing else []
             wrong += [f"have unexpected {sorted(unexpected)[:5]}"] if unexpected else []
             raise ServiceError(f"{spec.name}: weights {' and '.join(wrong)}")
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        computed = {n: b for n, b in skeleton.named_buffers() if n not in wanted}
+        unset = sorted(n for n, b in computed.items() if b.is_meta)
+        if unset:
+            raise ServiceError(
+                f"{spec.name}: buffers {unset[:5]} are on the meta device and not in the "
+                f"weights; {spec.entrypoint} must build them without device='meta'"
+            )
+        nbytes = sum(t.numel() * t.element_size() for t in (*state.values(), *computed.values()))
         if nbytes > bytes_per_device(spec):
             raise ServiceError(
                 f"{spec.name}: weights are {nbytes} bytes, more than gpuMemoryGiB allows "
@@ -189,20 +232,31 @@ class GpuWorker:
             )
         # The one host copy that stays: pinned (DMA-able) with CUDA, else plain memory of
         # its own, so the weights file is never read again and may change or go.
-        host = {
-            k: (v.pin_memory() if self.cuda else v.clone(memory_format=torch.contiguous_format))
-            for k, v in state.items()
-        }
+        host, buffers = self._keep(state), self._keep(computed)
         del state  # unmaps the file
-        self.services[spec.name] = _Service(spec, build, score, host, nbytes)
+        self.services[spec.name] = _Service(spec, build, score, host, nbytes, buffers)
         self.loads += 1
         return self.clock() - t0
 
+    def _keep(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The one host copy that stays: pinned (DMA-able) with CUDA, else plain memory of
+        its own, so the weights file is never read again and may change or go."""
+        return {
+            k: (v.pin_memory() if self.cuda else v.clone(memory_format=torch.contiguous_format))
+            for k, v in tensors.items()
+        }
+
     @staticmethod
     def _skeleton(
-        build: Callable[[], tuple[torch.nn.Module, Score]], spec: ServiceDef
+        build: Callable[[], tuple[torch.nn.Module, Score]],
+        spec: ServiceDef,
+        *,
+        computed_buffers: bool = False,
     ) -> tuple[torch.nn.Module, Score]:
-        with torch.device("meta"):
+        """``build()`` with its parameters on ``meta`` (no memory, no init). Its buffers are
+        on ``meta`` too unless ``computed_buffers``: then they are computed on the CPU, as at
+        load, where the ones missing from the weights are kept."""
+        with parameters_on_meta() if computed_buffers else torch.device("meta"):
             built = build()
         if not (isinstance(built, tuple) and len(built) == 2):
             raise ServiceError(f"{spec.name}: {spec.entrypoint} must return (module, score)")
@@ -280,6 +334,11 @@ class GpuWorker:
         # copy=True: on the CPU too the instance gets its own memory, as on a GPU.
         state = {k: v.to(device, non_blocking=True, copy=True) for k, v in service.host.items()}
         module.load_state_dict(state, strict=True, assign=True)
+        for path, value in service.buffers.items():
+            owner, _, leaf = path.rpartition(".")
+            module.get_submodule(owner).register_buffer(
+                leaf, value.to(device, non_blocking=True, copy=True), persistent=False
+            )
         return module.eval()
 
     def _evict(self, key: InstanceKey) -> None:
