@@ -24,13 +24,13 @@ Without CUDA the same code runs with ``cpu`` standing for every device (tests, a
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import statistics
 import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -96,7 +96,7 @@ _META_PARAMS = threading.local()  # set in the thread that builds a load-time sk
 _META_PARAMS_LOCK = threading.Lock()
 
 
-@contextmanager
+@contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Build modules with their parameters on ``meta`` but everything else real.
 
@@ -328,7 +328,17 @@ class GpuWorker:
     def loaded_bytes(self, service: str) -> int:
         return self.services[service].nbytes
 
+    def _current(self, index: int) -> contextlib.AbstractContextManager[Any]:
+        """Make ``index`` the thread's current CUDA device. Worker threads otherwise keep
+        device 0, where a score's ``.cuda()`` or ``current_stream()`` would land, on a GPU
+        that another call may have."""
+        return torch.cuda.device(self.device(index)) if self.cuda else contextlib.nullcontext()
+
     def _restore(self, service: _Service, index: int) -> torch.nn.Module:
+        with self._current(index):
+            return self._restore_here(service, index)
+
+    def _restore_here(self, service: _Service, index: int) -> torch.nn.Module:
         device = self.device(index)
         module, _ = self._skeleton(service.build, service.spec)
         # copy=True: on the CPU too the instance gets its own memory, as on a GPU.
@@ -369,7 +379,8 @@ class GpuWorker:
         def replica_run(r: int) -> list[Any]:
             part = inputs[r * share : (r + 1) * share]
             out: list[Any] = []
-            with torch.inference_mode():  # per thread: the mode is thread-local
+            # Per thread: the inference mode and the current device are thread-local.
+            with torch.inference_mode(), self._current(chunk[r]):
                 for i in range(0, len(part), step):
                     batch = part[i : i + step]
                     got = score(replicas[r], batch)
