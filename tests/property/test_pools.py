@@ -167,30 +167,34 @@ def check_allocation(
             tied = [c for c in positions if excess(c) == pytest.approx(least)]
             assert newest(chunk) == min(newest(c) for c in tied)
         victims = list(grant.evicted)
-        for v in victims:
-            assert v not in model.busy, f"busy instance {v} evicted"
-            assert overlaps(v.chunk, chunk), f"{v} evicted but does not share a GPU with {chunk}"
-        # LRU: victims are taken oldest first, and no older overlapping idle one is skipped.
-        ages = [resident_before.index(v) for v in victims]
-        assert ages == sorted(ages)
-        if victims:
-            for older in resident_before[: ages[-1]]:
-                if older not in model.busy and overlaps(older.chunk, chunk):
-                    assert older in victims, f"evicted newer instances but kept older {older}"
 
-        def fits(evicted: list[Instance]) -> bool:
+        def short(evicted: list[Instance]) -> set[int]:
+            """The chunk's GPUs still lacking room once ``evicted`` are gone."""
+            out = set()
             for g in chunk.gpus:
                 used = used_before[chunk.node][g] - sum(
                     pool.memory_gb[v.service] / v.chunk.size for v in evicted if g in v.chunk.gpus
                 )
                 if used + per_gpu > node.memory_gb + EPS:
-                    return False
-            return True
+                    out.add(g)
+            return out
 
-        # ... and eviction stops as soon as the restore fits.
-        assert fits(victims)
+        for i, v in enumerate(victims):
+            assert v not in model.busy, f"busy instance {v} evicted"
+            # Each victim frees a GPU that still lacked room when it was taken.
+            assert short(victims[:i]) & set(v.chunk.gpus), f"{v} evicted but not needed"
+        # LRU: victims are taken oldest first, and an older idle instance is skipped only
+        # when none of its GPUs still lacked room.
+        ages = [resident_before.index(v) for v in victims]
+        assert ages == sorted(ages)
         if victims:
-            assert not fits(victims[:-1]), "evicted more than needed"
+            for age, older in enumerate(resident_before[: ages[-1]]):
+                if older in model.busy or older in victims or older.chunk.node != chunk.node:
+                    continue
+                before = [v for v, a in zip(victims, ages, strict=True) if a < age]
+                assert not short(before) & set(older.chunk.gpus), f"kept older {older}"
+        # ... and eviction stops as soon as the restore fits.
+        assert not short(victims)
         for v in victims:
             model.lru.remove(v)
     model.lru.append(inst)
@@ -287,6 +291,20 @@ def test_gpu_eviction_is_least_recently_used() -> None:
     pool.release("b", g.chunk)
     g = pool.allocate("a", 1)  # now c is the least recently used
     assert [i.service for i in g.evicted] == ["c"]
+
+
+def test_gpu_eviction_leaves_instances_on_gpus_with_room() -> None:
+    pool = GpuPool.build([("g", 2, 10.0)], {"a": 4.0, "b": 8.0, "c": 8.0})
+    for svc, k in (("a", 1), ("b", 1)):  # a on GPU 0, then b on GPU 1
+        pool.release(svc, pool.allocate(svc, k).chunk)
+    pool.replicated.add("c")  # 8 GB on each GPU of a DoP-2 chunk: b must go, a too
+    assert {i.service for i in pool.allocate("c", 2).evicted} == {"a", "b"}
+    pool = GpuPool.build([("g", 2, 10.0)], {"a": 4.0, "b": 8.0, "c": 8.0})
+    for svc in ("a", "b"):
+        pool.release(svc, pool.allocate(svc, 1).chunk)
+    # Sharded c: 4 GB a GPU. GPU 0 holds a (4 GB) and has room; only b (GPU 1) goes,
+    # though a is the least recently used.
+    assert [i.service for i in pool.allocate("c", 2).evicted] == ["b"]
 
 
 def test_gpu_evict_all_keeps_busy_instances() -> None:

@@ -57,6 +57,13 @@ def test_a_dop_two_instance_needs_room_on_both_devices() -> None:
     assert r.plan(("big", (0, 1)), 5 * GB).evict == (("a", (1,)),)
 
 
+def test_an_instance_on_a_device_with_room_stays() -> None:
+    r = _residency(devices=2)
+    r.admit(("a", (1,)), 4 * GB)  # the least recently used, but device 1 has room for c
+    r.admit(("b", (0,)), 8 * GB)
+    assert r.plan(("c", (0, 1)), 4 * GB).evict == (("b", (0,)),)
+
+
 def test_busy_instances_are_never_evicted() -> None:
     r = _residency(devices=1)
     running = ("running", (0,))

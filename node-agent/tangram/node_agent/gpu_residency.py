@@ -4,8 +4,8 @@ The GPU manager of ARL-Tangram (seed 000 §5.3): every reward service is loaded 
 host memory; a call gets a chunk of 1/2/4/8 GPUs from the scheduler, and the service's
 instance for that DoP is restored into the chunk unless it is already resident there.
 Instances stay resident after their calls (a later call on the same chunk is a hit) until
-memory is needed: then the least recently used idle instances on the chunk's devices are
-evicted. Eviction writes nothing back (the host copy is the master).
+memory is needed: then the least recently used idle instances on the chunk's devices that
+lack room are evicted. Eviction writes nothing back (the host copy is the master).
 
 This module only decides; :mod:`tangram.node_agent.gpu_worker` moves the tensors. The
 accounting is in bytes per device against a capacity the worker measured (NVML's total
@@ -80,17 +80,21 @@ class Residency:
                 if d in freed:
                     freed[d] += p.bytes_per_device
 
-        def fits() -> bool:
-            return all(
-                self.used(d) - freed[d] + bytes_per_device <= self.capacity[d] for d in chunk
-            )
+        def short() -> set[int]:
+            """The chunk's devices that still lack room."""
+            return {
+                d for d in chunk if self.used(d) - freed[d] + bytes_per_device > self.capacity[d]
+            }
 
-        for other, placement in self.resident.items():  # least recently used first
-            if fits():
+        # Least recently used first, and only instances on a device still short: one that
+        # shares only devices with room to spare stays (the scheduler's pool does the same).
+        for other, placement in self.resident.items():
+            lacking = short()
+            if not lacking:
                 break
-            if not placement.busy and set(placement.devices) & set(chunk):
+            if not placement.busy and lacking.intersection(placement.devices):
                 drop(other, placement)
-        if not fits():
+        if short():
             raise BusyError(
                 f"GPUs {list(chunk)}: memory held by running calls; {key[0]} cannot be restored now"
             )

@@ -172,12 +172,17 @@ class GpuPool:
                     f"service {service} needs {per_gpu:.1f} GB per GPU at DoP {size}; "
                     f"GPUs of {node.name} have {node.memory_gb:.1f} GB"
                 )
+            # Least recently used first, and only instances on a GPU still short of memory
+            # (the node agent's residency plan does the same, so both evict alike).
             for victim in list(self.resident):
-                if all(node.used_gb[g] + per_gpu <= node.memory_gb + 1e-9 for g in target.gpus):
+                short = {
+                    g for g in target.gpus if node.used_gb[g] + per_gpu > node.memory_gb + 1e-9
+                }
+                if not short:
                     break
                 if victim.chunk.node != node.name or victim in self.busy:
                     continue
-                if set(victim.chunk.gpus).isdisjoint(target.gpus):
+                if short.isdisjoint(victim.chunk.gpus):
                     continue
                 self._evict(victim)
                 evicted.append(victim)
