@@ -254,6 +254,28 @@ def test_reloaded_services_are_loaded_and_edited_ones_reloaded(tmp_path: Path) -
         assert figures["gpus"] == 2 and figures["gpus_in_use"] == 0
 
 
+def test_new_weights_of_the_same_size_leave_nothing_resident(tmp_path: Path) -> None:
+    judge = _service(tmp_path, "judge", 4, seed=0)
+    with _serving(tmp_path, [judge]) as (running, client):
+        assert client.score("judge", INPUTS).output == _expected(0)
+        pool = running.engine.core.gpu
+        assert [i.service for i in pool.resident] == ["judge"]
+        path = tmp_path / "judge-v2.pt"
+        weights(str(path), 5)
+        edited = replace(judge, spec=judge.spec.model_copy(update={"weights": str(path)}))
+        running.engine.reloader = lambda _text: PoolConfig(services={"judge": edited})
+        answer = httpx.post(
+            f"{running.url}/v1/admin/reload",
+            headers={"Authorization": f"Bearer {OPERATOR}"},
+            timeout=30,
+        )
+        assert answer.status_code == 200
+        # The worker reloads judge, so the scheduler no longer counts on a warm instance
+        # (its estimate of the next call includes the restore).
+        assert list(pool.resident) == []
+        assert _eventually(lambda: client.score("judge", INPUTS).output == _expected(5))
+
+
 def _eventually(check: Callable[[], bool], timeout_s: float = 20) -> bool:
     """The agent loads reloaded services in the background: a call may race it."""
     deadline = time.monotonic() + timeout_s

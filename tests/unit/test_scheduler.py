@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tangram.scheduler import Scheduler, SchedulerConfig, SchedulingError, dp_arrange
+from tangram.scheduler import Assignment, Scheduler, SchedulerConfig, SchedulingError, dp_arrange
 from tangram.scheduler.core.profiles import ProfileBook
 
 from .helpers import api_call, cluster, elastic, exec_action, service_call
@@ -155,6 +155,53 @@ def test_gpu_calls_reuse_resident_instances_and_evict_lru() -> None:
     # c needs a GPU: b was used less recently than a, so b is evicted.
     assert restored[3][1] and restored[3][2] == ("b@g:1+1",)
     assert restored[4][1]  # b must be restored again
+
+
+def test_gpu_residency_follows_what_the_workers_hold() -> None:
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
+            services=[{"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "restore_s": 2}],
+        )
+    )
+    s.open_trajectory("t")
+
+    def start(i: int) -> Assignment:
+        s.submit(f"x{i}", "t", service_call("a"), float(i))
+        (asg,) = s.schedule(float(i)).assignments
+        return asg
+
+    def call(i: int, *, ok: bool = True) -> bool:
+        asg = start(i)
+        s.complete(asg.action_id, i + 0.5, ok=ok)
+        return asg.restore
+
+    assert call(0, ok=False)  # a call that failed while restoring...
+    assert call(1)  # ...left nothing resident: restored again
+    assert not call(2, ok=False)  # one that failed on a resident instance...
+    assert not call(3)  # ...left it there
+    s.forget_resident("a")  # its weights changed: the workers reload it
+    assert call(4)
+    running = start(5)
+    assert not running.restore
+    s.forget_resident("a")  # while a call runs on it: gone when the call ends
+    s.complete(running.action_id, 5.5)
+    assert call(6)
+
+
+def test_a_service_call_is_learned_without_its_measured_restore() -> None:
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
+            services=[{"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "restore_s": 2}],
+        )
+    )
+    s.open_trajectory("t")
+    s.submit("x", "t", service_call("a"), 0.0)
+    (asg,) = s.schedule(0.0).assignments
+    kind = s.running["x"].action.type
+    s.complete("x", 3.0, restore_s=0.5)  # the estimate said 2 s of restore; it took 0.5
+    assert asg.restore and s.book.mean_duration(kind) == pytest.approx(2.5)
 
 
 def test_unknown_targets_and_impossible_demands_are_rejected_with_the_field() -> None:

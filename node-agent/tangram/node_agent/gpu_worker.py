@@ -5,7 +5,8 @@ The only module that imports ``torch``. A RewardService names an entry point
 ``package.module:function`` returning ``(module, score)``: ``module`` a ``torch.nn.Module``
 (its parameters built on the ``meta`` device, so building allocates nothing; buffers it
 computes itself and leaves out of its state dict are computed once at load and restored
-with the weights), ``score(module, inputs) -> outputs`` the call itself. Its ``weights`` is a file written by ``torch.save(state_dict)``.
+with the weights), ``score(module, inputs) -> outputs`` the call itself. Its ``weights``
+is a file written by ``torch.save(state_dict)``.
 
 - **Load once**: the state dict is mapped from its file and copied once into host memory
   at start (pinned when CUDA is there, so restores are asynchronous DMA copies); the file

@@ -243,6 +243,10 @@ class Engine:
         self.config = replace(config, scheduling=scheduling)
         if old.services != config.services:
             self.core.set_services(self._service_specs())
+            for name, before in old.services.items():  # the workers reload these
+                after = config.services.get(name)
+                if after is not None and after.spec != before.spec:
+                    self.core.forget_resident(name)
             for node in self.node_gpus:
                 self._background(self._sync_services(node))
         self.hub.heartbeat_timeout_s = config.heartbeat_timeout_s
@@ -921,14 +925,15 @@ class Engine:
         except EngineError as e:
             error = _err("node_lost", e.message, retryable=True)
         now = self.clock()
-        if ask.done():
-            self._complete_call(rec.id, ok=status is ActionStatus.OK)
-        else:
-            self._background(ask)
-            ask.add_done_callback(lambda _: self._complete_call(rec.id, ok=False))
         call = reply.call if reply is not None else None
         exec_s = call.exec_s if call is not None else 0.0
         restore_s = call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
+        if ask.done():
+            ok = status is ActionStatus.OK
+            self._complete_call(rec.id, ok=ok, restore_s=restore_s if ok else None)
+        else:
+            self._background(ask)
+            ask.add_done_callback(lambda _: self._complete_call(rec.id, ok=False))
         self._finish(
             rec,
             status,
@@ -946,9 +951,9 @@ class Engine:
         devices = self.node_gpus.get(asg.node or "", [])
         return [devices[g] for g in asg.chunk.gpus if g < len(devices)] if asg.chunk else []
 
-    def _complete_call(self, aid: str, *, ok: bool) -> None:
+    def _complete_call(self, aid: str, *, ok: bool, restore_s: float | None = None) -> None:
         if aid in self.core.running:
-            self.core.complete(aid, self.clock(), ok=ok)
+            self.core.complete(aid, self.clock(), ok=ok, restore_s=restore_s)
             self._wake.set()
 
     # ---- rounds and dispatch ---------------------------------------------------------

@@ -69,6 +69,8 @@ class GpuPool:
     # Resident instances, least recently used first, with the GB each holds per GPU.
     resident: OrderedDict[Instance, float] = field(default_factory=OrderedDict)
     busy: set[Instance] = field(default_factory=set)
+    # Busy instances whose service was redefined while they ran: dropped when they end.
+    stale: set[Instance] = field(default_factory=set)
     # Services a node cannot host (its worker could not load them): never placed there.
     unloadable: dict[str, frozenset[str]] = field(default_factory=dict)
 
@@ -99,6 +101,7 @@ class GpuPool:
         for inst in [i for i in self.resident if i.chunk.node == name]:
             del self.resident[inst]
         self.busy = {i for i in self.busy if i.chunk.node != name}
+        self.stale = {i for i in self.stale if i.chunk.node != name}
 
     def set_service(self, service: str, memory_gb: float, replicated: bool) -> None:
         """Define or redefine a service; idle instances of a changed one are dropped (their
@@ -192,7 +195,9 @@ class GpuPool:
         self.busy.add(inst)
         return GpuGrant(target, hit, tuple(evicted))
 
-    def release(self, service: str, chunk: Chunk) -> None:
+    def release(self, service: str, chunk: Chunk, *, resident: bool = True) -> None:
+        """A call on ``chunk`` ended; ``resident=False``: its instance is not in GPU memory
+        after all (a restore that failed)."""
         inst = Instance(service, chunk)
         self.busy.discard(inst)
         node = self.nodes.get(chunk.node)
@@ -200,13 +205,24 @@ class GpuPool:
             self._release_chunk(node, chunk)
             charged = self.resident.get(inst)
             if charged is not None and (
-                service not in self.memory_gb or charged != self.per_gpu(service, chunk.size)
+                not resident
+                or inst in self.stale
+                or service not in self.memory_gb
+                or charged != self.per_gpu(service, chunk.size)
             ):
                 self._evict(inst)  # redefined or removed while it ran: stale now
+        self.stale.discard(inst)
 
     def evict_all(self, service: str) -> None:
         for inst in [i for i in self.resident if i.service == service and i not in self.busy]:
             self._evict(inst)
+
+    def forget(self, service: str) -> None:
+        """``service``'s instances are no longer what the workers hold (its weights or
+        entry point changed: the workers reload it): idle ones go now, busy ones when
+        their calls end, as the workers do."""
+        self.evict_all(service)
+        self.stale.update(i for i in self.busy if i.service == service)
 
     def _evict(self, inst: Instance) -> None:
         node = self.nodes[inst.chunk.node]

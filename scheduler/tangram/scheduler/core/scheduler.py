@@ -287,6 +287,11 @@ class Scheduler:
             self.services[spec.name] = spec
             self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated)
 
+    def forget_resident(self, service: str) -> None:
+        """The workers reload ``service`` (its weights or entry point changed): none of its
+        instances is resident any more, so the next call on each chunk pays a restore."""
+        self.gpu.forget(service)
+
     def set_unloadable(self, node: str, services: Iterable[str]) -> None:
         """The services ``node``'s GPU worker could not load: no call of them is placed
         there (others may still run them)."""
@@ -374,8 +379,15 @@ class Scheduler:
         self._dequeue(action_id)
         return True
 
-    def complete(self, action_id: str, now: float, *, ok: bool = True) -> Assignment:
-        """A running action ended: release its units; learn from it when it succeeded."""
+    def complete(
+        self, action_id: str, now: float, *, ok: bool = True, restore_s: float | None = None
+    ) -> Assignment:
+        """A running action ended: release its units; learn from it when it succeeded.
+
+        ``restore_s``: what a service call spent restoring (and evicting), as measured;
+        learning leaves it out. A failed call that had to restore leaves its instance out
+        of the residency view: the restore may be what failed.
+        """
         run = self.running.pop(action_id, None)
         if run is None:
             raise SchedulingError("id", f"action {action_id} is not running")
@@ -385,7 +397,7 @@ class Scheduler:
             self.cpu.give_back(asg.node, asg.cores)
         if asg.chunk is not None:
             assert a.service is not None
-            self.gpu.release(a.service, asg.chunk)
+            self.gpu.release(a.service, asg.chunk, resident=ok or not asg.restore)
         for q, n in asg.quotas:
             self.quotas[q].release(n)
         traj = self.trajectories.get(a.trajectory)
@@ -394,9 +406,12 @@ class Scheduler:
             traj.steps_done += 1
             traj.busy_s += took
             if self.config.learn and (a.profile is None or a.profile.efficiency is None):
-                if asg.restore and asg.chunk is not None and a.service is not None:
+                if asg.chunk is not None and a.service is not None:
                     # Learn the call, not the restore: the DP adds restores itself.
-                    took -= self.services[a.service].restore_cost(asg.chunk.size)
+                    if restore_s is None:
+                        restore_s = self.services[a.service].restore_cost(asg.chunk.size)
+                        restore_s = restore_s if asg.restore else 0.0
+                    took -= restore_s
                 self.book.observe(a.type, asg.units, max(0.0, took))
 
         return asg
