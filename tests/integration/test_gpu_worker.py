@@ -3,6 +3,8 @@ LRU, refusal, DoP split), with a tiny model built in code. CUDA runs are marked 
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from tangram.api.wire import ServiceDef  # noqa: E402
 from tangram.node_agent.gpu_residency import BusyError, NeverFitsError  # noqa: E402
 from tangram.node_agent.gpu_worker import GpuWorker, ServiceError  # noqa: E402
 from tests.fixtures.tiny_reward import score, weights  # noqa: E402
+
+from .service_harness import until  # noqa: E402
 
 ENTRY = "tests.fixtures.tiny_reward:build"
 MB = 2**20
@@ -164,13 +168,9 @@ def test_a_running_instance_is_never_evicted(tmp_path: Path) -> None:
     assert stats.evicted == ["a@0"]
 
 
-def test_a_gpu_runs_one_call_at_a_time_and_batches_are_capped(tmp_path: Path) -> None:
+def test_batches_are_split_over_replicas_and_capped(tmp_path: Path) -> None:
     w = _worker(devices=2)
     w.load(_spec(tmp_path, "a", max_batch=2))
-    w._running.add(0)  # a call in flight on device 0
-    with pytest.raises(BusyError, match=r"GPUs \[0\] are running another call"):
-        w.call("a", [0, 1], INPUTS)
-    w._running.clear()
     sizes: list[int] = []
     score = w.services["a"].score
 
@@ -183,6 +183,47 @@ def test_a_gpu_runs_one_call_at_a_time_and_batches_are_capped(tmp_path: Path) ->
     assert sorted(sizes) == [1, 1, 2, 2]  # the two replicas run at once
     alone, _ = w.call("a", [0], INPUTS)
     assert out == pytest.approx(alone, rel=1e-5)  # in the order of the inputs
+
+
+def test_a_call_waits_for_a_call_still_running_on_its_gpu(tmp_path: Path) -> None:
+    """As after a reconnect: the scheduler no longer knows of a call that still runs."""
+    w = _worker(devices=2)
+    w.load(_spec(tmp_path, "a"))
+    score, gate, spans = w.services["a"].score, threading.Event(), []
+
+    def gated(module: Any, batch: list[object]) -> list[object]:
+        started, which = time.monotonic(), threading.current_thread().name
+        if which == "first":
+            gate.wait()
+        out = score(module, batch)
+        spans.append(("first" if which == "first" else "second", started, time.monotonic()))
+        return out
+
+    w.services["a"].score = gated
+    failed: list[BaseException] = []
+
+    def call(chunk: list[int], inputs: list[Any]) -> None:
+        try:
+            w.call("a", chunk, inputs)
+        except BaseException as e:
+            failed.append(e)
+
+    first = threading.Thread(target=call, args=([0], INPUTS[:1]), name="first", daemon=True)
+    second = threading.Thread(target=call, args=([0, 1], INPUTS[:2]), daemon=True)
+    try:
+        first.start()
+        until(lambda: 0 in w._running, "the first call on GPU 0")
+        second.start()
+        second.join(0.3)
+        assert second.is_alive() and spans == []  # waiting: not failing, not sharing GPU 0
+    finally:
+        gate.set()
+        first.join(30)
+        second.join(30)
+    assert failed == []
+    (_, _, first_end), *seconds = sorted(spans, key=lambda s: s[0])
+    assert [s[0] for s in seconds] == ["second", "second"]
+    assert all(start >= first_end for _, start, _ in seconds)
 
 
 @pytest.mark.gpu

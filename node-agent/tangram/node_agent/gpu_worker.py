@@ -41,7 +41,6 @@ import torch
 
 from tangram.api.wire import ServiceDef
 from tangram.node_agent.gpu_residency import (
-    BusyError,
     InstanceKey,
     Residency,
     instance_key,
@@ -175,6 +174,7 @@ class GpuWorker:
         self._running: set[int] = set()  # devices with a call on them
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpu-replica")
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # notified when calls leave devices
 
     def h2d_gbps(self, device: int, nbytes: int = 64 << 20, repeats: int = 3) -> float:
         """Host-to-device copy bandwidth from pinned memory, GB/s (median of ``repeats``):
@@ -279,9 +279,10 @@ class GpuWorker:
         key: InstanceKey = instance_key(service_name, chunk)
         chunk = key[1]
         with self._lock:
-            taken = self._running.intersection(chunk)
-            if taken:  # the scheduler never does this; a stale or foreign caller might
-                raise BusyError(f"GPUs {sorted(taken)} are running another call")
+            # The scheduler gives a device to one call at a time, but a call from before
+            # its link dropped (the agent reconnected, or the scheduler restarted) may still
+            # run: this one waits for it, rather than share the GPU or fail.
+            self._freed.wait_for(lambda: not self._running.intersection(chunk))
             plan = self.residency.plan(key, service.bytes_per_device)
             stats = CallStats(hit=plan.hit)
             t0 = self.clock()
@@ -318,6 +319,7 @@ class GpuWorker:
                     if self.services.get(service_name) is not service:
                         self._evict(key)  # its service was edited or removed meanwhile
                 self._running.difference_update(chunk)
+                self._freed.notify_all()
         return outputs, stats
 
     def _parallel(self, jobs: list[Callable[[], T]]) -> list[T]:
