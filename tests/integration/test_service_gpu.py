@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 torch = pytest.importorskip("torch")
 
@@ -100,7 +101,7 @@ def test_restore_then_resident_with_the_models_own_scores(tmp_path: Path) -> Non
 
 def test_the_scheduler_and_the_worker_evict_the_least_recently_used(tmp_path: Path) -> None:
     services = [_service(tmp_path, n, 6, seed=i) for i, n in enumerate(("judge", "critic"))]
-    with _running(tmp_path, services) as client:  # one 10 MiB device: one model at a time
+    with _serving(tmp_path, services) as (running, client):  # 10 MiB: one model at a time
         client.score("judge", INPUTS)
         critic = client.score("critic", INPUTS)
         assert critic.service is not None and critic.service.evicted == ["judge@0"]
@@ -110,6 +111,26 @@ def test_the_scheduler_and_the_worker_evict_the_least_recently_used(tmp_path: Pa
         metrics = httpx_get(client, "/metrics")
         calls = 'tangram_service_calls_total{pool="default",resident="false",service="judge"}'
         assert f"{calls} 2.0" in metrics
+        samples = {
+            (m.name, tuple(sorted(m.labels.items()))): m.value
+            for family in text_string_to_metric_families(metrics)
+            for m in family.samples
+        }
+
+        def sample(name: str, **labels: str) -> float | None:
+            return samples.get((name, tuple(sorted({"pool": "default", **labels}.items()))))
+
+        # Restores and evictions are timed apart: judge restored twice, critic evicted once.
+        assert sample("tangram_service_restore_seconds_count", service="judge") == 2
+        assert sample("tangram_service_evict_seconds_count", service="critic") == 1
+        # What is resident now, and what it holds of the device's memory.
+        node = next(iter(running.engine.core.gpu.nodes))
+        resident = "tangram_service_resident_instances"
+        assert sample(resident, service="judge", node=node) == 1
+        assert sample(resident, service="critic", node=node) is None
+        assert sample("tangram_gpu_memory_resident_gb", node=node, gpu="0") == pytest.approx(
+            6 / 1024
+        )
         assert "tangram_units_capacity{node=" in metrics and 'resource="gpu"' in metrics
 
 

@@ -92,6 +92,19 @@ class Metrics:
             ("pool", "service"),
             registry=self.registry,
         )
+        self.service_phases = {
+            phase: Histogram(
+                f"tangram_service_{phase}_seconds",
+                doc,
+                ("pool", "service"),
+                buckets=_BUCKETS,
+                registry=self.registry,
+            )
+            for phase, doc in (
+                ("restore", "Service calls that restored: copying the model into GPU memory"),
+                ("evict", "Service calls that evicted: freeing GPU memory for their model"),
+            )
+        }
         self.rejected = Counter(
             "tangram_admission_rejected",
             "Requests shed by admission control (429)",
@@ -126,6 +139,9 @@ class Metrics:
             self.restored_bytes.labels(self.pool, svc).inc(stats.restored_bytes)
             if stats.evicted:
                 self.evictions.labels(self.pool, svc).inc(len(stats.evicted))
+                self.service_phases["evict"].labels(self.pool, svc).observe(stats.evict_s)
+            if not stats.resident:
+                self.service_phases["restore"].labels(self.pool, svc).observe(stats.restore_s)
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)
@@ -166,6 +182,7 @@ class _Live(Collector):
             used.add_metric([pool, f"api:{name}", ""], q.in_use)
         yield cap
         yield used
+        yield from _gpu_residency(e, pool)
         agents = GaugeMetricFamily(
             "tangram_agents_connected", "Node agents connected", labels=["pool"]
         )
@@ -189,3 +206,30 @@ class _Live(Collector):
         for state, n in sorted(counts.items()):
             traj.add_metric([pool, state], n)
         yield traj
+
+
+def _gpu_residency(e: Engine, pool: str) -> Iterator[GaugeMetricFamily]:
+    """What the scheduler counts as resident in GPU memory: instances per service and
+    node, and the GB they hold on each GPU."""
+    instances = GaugeMetricFamily(
+        "tangram_service_resident_instances",
+        "RewardService instances resident in GPU memory (a DoP-k instance spans k GPUs)",
+        labels=["pool", "service", "node"],
+    )
+    counts: dict[tuple[str, str], int] = {}
+    for inst in e.core.gpu.resident:
+        key = (inst.service, inst.chunk.node)
+        counts[key] = counts.get(key, 0) + 1
+    for (service, node), n in sorted(counts.items()):
+        instances.add_metric([pool, service, node], n)
+    yield instances
+    memory = GaugeMetricFamily(
+        "tangram_gpu_memory_resident_gb",
+        "GPU memory held by resident service instances, per GPU",
+        labels=["pool", "node", "gpu"],  # gpu: the device index on its node
+    )
+    for name, node in e.core.gpu.nodes.items():
+        devices = e.node_gpus.get(name, [])
+        for g, gb in enumerate(node.used_gb):
+            memory.add_metric([pool, name, str(devices[g] if g < len(devices) else g)], gb)
+    yield memory
