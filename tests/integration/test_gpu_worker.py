@@ -132,11 +132,15 @@ def test_least_recently_used_goes_first(tmp_path: Path) -> None:
 
 
 def test_refusals_name_the_problem(tmp_path: Path) -> None:
-    w = _worker(devices=1, mb=3)
+    w = GpuWorker({0: 3 * MB, 1: 5 * MB})
     big = _spec(tmp_path, "big", mb=4)
-    w.load(big)
+    with pytest.raises(ServiceError, match=r"gpuMemoryGiB 0.0078125 is more than any GPU here"):
+        w.load(_def("huge", big.weights, 8))  # refused before it is read: no host copy
+    assert "huge" not in w.services
+    w.load(big)  # fits GPU 1, not GPU 0
     with pytest.raises(NeverFitsError, match=r"needs 4\.0 MiB per GPU; a GPU here has 3\.0 MiB"):
         w.call("big", [0], INPUTS)
+    assert w.call("big", [1], INPUTS)[0]
     with pytest.raises(ServiceError, match="unknown service"):
         w.call("nope", [0], INPUTS)
     with pytest.raises(ServiceError, match="entrypoint"):

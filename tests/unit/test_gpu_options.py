@@ -47,3 +47,13 @@ def test_a_cuda_device_that_is_not_there_stops_the_role_naming_it() -> None:
     absent = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ExecError, match=rf"no CUDA device \[{absent}\]"):
         GpuRole.start(GpuOptions.parse(f"cuda:{absent}"))
+
+
+@pytest.mark.gpu
+def test_more_gpu_memory_than_the_device_has_is_refused_naming_the_flag() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    total = torch.cuda.get_device_properties(0).total_memory // 2**20
+    with pytest.raises(ExecError, match=rf"--gpu-memory-mib {total}: more than the \d+ MiB"):
+        GpuRole.start(GpuOptions.parse("cuda:0", total))

@@ -66,8 +66,8 @@ class Residency:
         smallest = min(self.capacity[d] for d in chunk)
         if bytes_per_device > smallest:
             raise NeverFitsError(
-                f"{key[0]} needs {_size(bytes_per_device)} per GPU; a GPU here has "
-                f"{_size(smallest)} for services"
+                f"{key[0]} needs {size_text(bytes_per_device)} per GPU; a GPU here has "
+                f"{size_text(smallest)} for services"
             )
         if key in self.resident:
             return Plan(hit=True)
@@ -130,7 +130,8 @@ def name(key: InstanceKey) -> str:
     return f"{key[0]}@{','.join(map(str, key[1]))}"
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """Bytes as people read them: MiB, or GiB from 1 GiB."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
@@ -143,4 +144,5 @@ __all__ = [
     "Residency",
     "instance_key",
     "name",
+    "size_text",
 ]

@@ -144,10 +144,16 @@ class GpuRole:
                     f"({visible} visible)"
                 )
             # Only the chosen devices are touched: the others may be the trainer's.
-            capacity = [
-                override or max(0, int(t - RESERVE_BYTES - RESERVE_FRACTION * t))
-                for t in cuda_memory(devices)
+            usable = [
+                max(0, int(t - RESERVE_BYTES - RESERVE_FRACTION * t)) for t in cuda_memory(devices)
             ]
+            if override is not None and override > min(usable):
+                # More than a device has would let a restore run out of memory.
+                raise ExecError(
+                    f"--gpu-memory-mib {options.memory_mib}: more than the {min(usable) // MIB} "
+                    "MiB a GPU here can give services (its memory less a reserve for CUDA)"
+                )
+            capacity = [override or u for u in usable]
             backend = "cuda"
         else:
             capacity = [override or 1024 * MIB] * int(options.mode.removeprefix("cpu:"))

@@ -45,6 +45,7 @@ from tangram.node_agent.gpu_residency import (
     Residency,
     instance_key,
     name,
+    size_text,
 )
 
 GIB = 2**30
@@ -197,6 +198,12 @@ class GpuWorker:
         """Read ``spec``'s weights into host memory (once); seconds it took."""
         if spec.name in self.services:
             return 0.0
+        largest = max(self.residency.capacity.values(), default=0)
+        if bytes_per_device(spec) > largest:  # refused before it costs a pinned host copy
+            raise ServiceError(
+                f"{spec.name}: gpuMemoryGiB {spec.gpu_memory_gb:g} is more than any GPU here "
+                f"has for services ({size_text(largest)})"
+            )
         if not spec.replicated:
             raise ServiceError(
                 f"{spec.name}: the built-in PyTorch worker runs a DoP-k instance as k replicas; "

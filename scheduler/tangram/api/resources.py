@@ -549,7 +549,13 @@ class RewardServiceSpec(_Spec):
             pattern=ENTRYPOINT, description="callable serving the model, package.module:function"
         ),
     ]
-    weights: Annotated[str, Field(min_length=1, description="path or URL of the model weights")]
+    weights: Annotated[
+        str,
+        Field(
+            min_length=1,
+            description="path of the model weights on the GPU nodes: a torch.save state dict",
+        ),
+    ]
     gpu_memory_gib: Annotated[
         float,
         Field(alias="gpuMemoryGiB", gt=0, description="weights plus working memory, GiB"),
