@@ -297,6 +297,29 @@ def test_new_weights_of_the_same_size_leave_nothing_resident(tmp_path: Path) -> 
         assert _eventually(lambda: client.score("judge", INPUTS).output == _expected(5))
 
 
+def test_a_restarted_scheduler_learns_what_the_worker_holds(tmp_path: Path) -> None:
+    judge = _service(tmp_path, "judge", 4, seed=0)
+    agent = NodeAgent.create(
+        tmp_path / "agent", runtime="noop", cores_for_actions=1, gpus=GpuOptions.parse("cpu:1")
+    )
+    config = PoolConfig(services={"judge": judge})
+    tokens = TokenStore({USER: "local", AGENT: AGENT_TENANT})
+    with (
+        service(config, agent, tmp_path, tokens=tokens, close_on_exit=False) as (running, _),
+        Client(running.url, USER) as client,
+    ):
+        assert not client.score("judge", INPUTS).service.resident  # type: ignore[union-attr]
+    with service(config, agent, tmp_path, tokens=tokens) as (running, _):
+        pool = running.engine.core.gpu
+        until(lambda: list(pool.resident) != [], "the worker's report of judge")
+        (instance,) = pool.resident
+        assert instance.service == "judge" and instance.chunk.gpus == range(1)
+        # The restarted scheduler counts on it (no restore in its estimate): so does the worker.
+        assert pool.is_warm("judge", 1)
+        with Client(running.url, USER) as client:
+            assert client.score("judge", INPUTS).service.resident  # type: ignore[union-attr]
+
+
 def _eventually(check: Callable[[], bool], timeout_s: float = 20) -> bool:
     """The agent loads reloaded services in the background: a call may race it."""
     deadline = time.monotonic() + timeout_s

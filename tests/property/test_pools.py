@@ -191,8 +191,8 @@ def check_allocation(
             for age, older in enumerate(resident_before[: ages[-1]]):
                 if older in model.busy or older in victims or older.chunk.node != chunk.node:
                     continue
-                before = [v for v, a in zip(victims, ages, strict=True) if a < age]
-                assert not short(before) & set(older.chunk.gpus), f"kept older {older}"
+                earlier = [v for v, a in zip(victims, ages, strict=True) if a < age]
+                assert not short(earlier) & set(older.chunk.gpus), f"kept older {older}"
         # ... and eviction stops as soon as the restore fits.
         assert not short(victims)
         for v in victims:
@@ -305,6 +305,36 @@ def test_gpu_eviction_leaves_instances_on_gpus_with_room() -> None:
     # Sharded c: 4 GB a GPU. GPU 0 holds a (4 GB) and has room; only b (GPU 1) goes,
     # though a is the least recently used.
     assert [i.service for i in pool.allocate("c", 2).evicted] == ["b"]
+
+
+def test_a_nodes_residency_is_synced_from_its_worker() -> None:
+    pool = GpuPool.build([("g", 4, 10.0), ("h", 1, 10.0)], {"a": 4.0, "b": 4.0, "big": 8.0})
+    other = pool.allocate("a", 1)  # h's single GPU: the smallest free level
+    running = pool.allocate("b", 1)  # g:0, its call still running
+    idle = pool.allocate("a", 1)  # g:1
+    pool.release("a", idle.chunk)
+    assert (other.chunk.node, running.chunk, idle.chunk) == (
+        "h",
+        Chunk("g", 0, 1),
+        Chunk("g", 1, 1),
+    )
+    pool.sync_node(
+        "g",
+        [
+            ("b", 2, 1),  # reported: resident
+            ("nope", 3, 1),  # an unknown service
+            ("a", 1, 2),  # not a buddy chunk
+            ("a", 2, 4),  # beyond the node's GPUs
+            ("big", 2, 1),  # would overfill GPU 2 next to b
+            ("a", 3, 1),
+        ],
+    )
+    b2, a3 = Instance("b", Chunk("g", 2, 1)), Instance("a", Chunk("g", 3, 1))
+    # Idle instances are the reported ones (a on g:1 is gone); busy ones are their calls'.
+    assert set(pool.resident) == {Instance("a", other.chunk), Instance("b", running.chunk), b2, a3}
+    assert pool.nodes["g"].used_gb == [4.0, 0.0, 4.0, 4.0]
+    # Of unknown recency: older than everything this scheduler saw used, in reported order.
+    assert list(pool.resident)[:2] == [b2, a3]
 
 
 def test_gpu_evict_all_keeps_busy_instances() -> None:

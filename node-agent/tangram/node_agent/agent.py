@@ -317,7 +317,8 @@ class NodeAgent:
                     raise ExecError(f"{self.node} has no GPU role (the agent runs without --gpus)")
                 if req.op == "services":
                     loaded = await self.gpu.sync(req.services or [])
-                    return AgentReply(rid=req.rid, ok=True, loaded=loaded)
+                    resident = self.gpu.resident()
+                    return AgentReply(rid=req.rid, ok=True, loaded=loaded, resident=resident)
                 assert req.service is not None
                 out = await self.gpu.call(req.service, req.gpus, req.inputs or [])
                 return AgentReply(rid=req.rid, ok=True, call=out)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from tangram.api.wire import (
     GpuWorkerInfo,
+    ResidentInstance,
     ServiceDef,
     ServiceLoad,
     ServiceOutcome,
@@ -70,7 +71,9 @@ class ServiceBackend(Protocol):
         """Make the service resident on ``chunk`` (evicting as needed) and run ``inputs``."""
         ...
 
-    def resident(self) -> dict[str, list[int]]: ...
+    def resident_instances(self) -> list[tuple[str, list[int]]]:
+        """(service, devices) of the instances in GPU memory, least recently used first."""
+        ...
 
     def h2d_gbps(self, device: int) -> float: ...
 
@@ -196,6 +199,11 @@ class GpuRole:
                 )
                 log.info("RewardService %s loaded in %.2f s", name, seconds)
             return dict(self.loaded)
+
+    def resident(self) -> list[ResidentInstance]:
+        return [
+            ResidentInstance(service=s, devices=d) for s, d in self.backend.resident_instances()
+        ]
 
     async def call(self, service: str, gpus: Sequence[int], inputs: list[Any]) -> ServiceOutcome:
         unknown = [g for g in gpus if g not in self.info.devices]

@@ -115,7 +115,7 @@ def parameters_on_meta() -> Iterator[None]:
             module._parameters[name] = torch.nn.Parameter(meta, param.requires_grad)
 
     with _META_PARAMS_LOCK:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
         _META_PARAMS.on = True
         try:
             yield
@@ -427,8 +427,13 @@ class GpuWorker:
         self.services.pop(service, None)
 
     def resident(self) -> dict[str, list[int]]:
-        """service@devices -> its devices, for status and metrics."""
+        """service@devices -> its devices."""
         return {name(k): list(p.devices) for k, p in self.residency.resident.items()}
+
+    def resident_instances(self) -> list[tuple[str, list[int]]]:
+        """(service, devices), least recently used first."""
+        with self._lock:
+            return [(k[0], list(p.devices)) for k, p in self.residency.resident.items()]
 
 
 def cuda_count() -> int:

@@ -389,6 +389,13 @@ class ServiceLoad(_Strict):
     error: str | None = None
 
 
+class ResidentInstance(_Strict):
+    """A service instance in GPU memory on a worker: the service, on these devices."""
+
+    service: str
+    devices: list[int]
+
+
 class ServiceOutcome(_Strict):
     outputs: list[Any]
     stats: ServiceStats
@@ -518,6 +525,9 @@ class AgentReply(_Strict):
     key: str | None = None
     replayed: bool = False  # the result of an earlier run with the same key
     loaded: dict[str, ServiceLoad] = Field(default_factory=dict)  # services: per service
+    # services: the worker's instances in GPU memory after the sync, least recently used
+    # first; the scheduler's residency view of the node starts from them
+    resident: list[ResidentInstance] = Field(default_factory=list)
     call: ServiceOutcome | None = None
 
 

@@ -41,6 +41,7 @@ from tangram.api.wire import (
     GpuWorkerInfo,
     OpenTrajectory,
     PoolFigures,
+    ResidentInstance,
     RunningAction,
     ServiceCallRequest,
     ServiceLoad,
@@ -243,9 +244,9 @@ class Engine:
         self.config = replace(config, scheduling=scheduling)
         if old.services != config.services:
             self.core.set_services(self._service_specs())
-            for name, before in old.services.items():  # the workers reload these
-                after = config.services.get(name)
-                if after is not None and after.spec != before.spec:
+            for name, was in old.services.items():  # the workers reload these
+                edited = config.services.get(name)
+                if edited is not None and edited.spec != was.spec:
                     self.core.forget_resident(name)
             for node in self.node_gpus:
                 self._background(self._sync_services(node))
@@ -800,6 +801,7 @@ class Engine:
             log.warning("services not synced to %s: %s", node, reply.error)
             return
         if node in self.node_gpus:
+            self._sync_resident(node, reply.resident)
             self.loads[node] = dict(reply.loaded)
             for name, load in sorted(reply.loaded.items()):
                 if not load.ok:
@@ -945,6 +947,17 @@ class Engine:
             service=call.stats if call is not None else None,
         )
         self._wake.set()
+
+    def _sync_resident(self, node: str, resident: list[ResidentInstance]) -> None:
+        """The core's residency view of ``node`` from its worker's report: the device
+        indexes become the node's GPU positions; instances off the pool's GPUs are left out."""
+        position = {d: i for i, d in enumerate(self.node_gpus[node])}
+        found: list[tuple[str, int, int]] = []
+        for r in resident:
+            at = sorted(position.get(d, -1) for d in r.devices)
+            if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
+                found.append((r.service, at[0], len(at)))
+        self.core.sync_resident(node, found)
 
     def _devices(self, asg: Assignment) -> list[int]:
         """The device indexes of an assignment's GPU chunk (none for other actions)."""

@@ -228,8 +228,8 @@ def _gpu_residency(e: Engine, pool: str) -> Iterator[GaugeMetricFamily]:
         "GPU memory held by resident service instances, per GPU",
         labels=["pool", "node", "gpu"],  # gpu: the device index on its node
     )
-    for name, node in e.core.gpu.nodes.items():
+    for name, gpus in e.core.gpu.nodes.items():
         devices = e.node_gpus.get(name, [])
-        for g, gb in enumerate(node.used_gb):
+        for g, gb in enumerate(gpus.used_gb):
             memory.add_metric([pool, name, str(devices[g] if g < len(devices) else g)], gb)
     yield memory

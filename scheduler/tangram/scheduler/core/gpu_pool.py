@@ -217,6 +217,35 @@ class GpuPool:
         for inst in [i for i in self.resident if i.service == service and i not in self.busy]:
             self._evict(inst)
 
+    def sync_node(self, node: str, instances: Iterable[tuple[str, int, int]]) -> None:
+        """Make the idle instances on ``node`` those its worker reports: ``(service, start,
+        size)``, least recently used first. Instances of unknown services, chunks that are
+        not buddy chunks of the node, or that would overfill a GPU are left out; busy ones
+        stay as they are (their calls decide)."""
+        n = self.nodes.get(node)
+        if n is None:
+            return
+        reported: list[Instance] = []
+        for service, start, size in instances:
+            buddy = size in CHUNK_SIZES and start % size == 0 and start + size <= n.gpus
+            if service in self.memory_gb and buddy:
+                reported.append(Instance(service, Chunk(node, start, size)))
+        for inst in [i for i in self.resident if i.chunk.node == node and i not in self.busy]:
+            if inst not in reported:
+                self._evict(inst)
+        added: list[Instance] = []
+        for inst in reported:  # those already resident keep this scheduler's own recency
+            per_gpu = self.per_gpu(inst.service, inst.chunk.size)
+            if inst not in self.resident and all(
+                n.used_gb[g] + per_gpu <= n.memory_gb + 1e-9 for g in inst.chunk.gpus
+            ):
+                for g in inst.chunk.gpus:
+                    n.used_gb[g] += per_gpu
+                self.resident[inst] = per_gpu
+                added.append(inst)
+        for inst in reversed(added):  # unknown recency: older than anything seen used here
+            self.resident.move_to_end(inst, last=False)
+
     def forget(self, service: str) -> None:
         """``service``'s instances are no longer what the workers hold (its weights or
         entry point changed: the workers reload it): idle ones go now, busy ones when

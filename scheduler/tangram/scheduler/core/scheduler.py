@@ -287,6 +287,13 @@ class Scheduler:
             self.services[spec.name] = spec
             self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated)
 
+    def sync_resident(self, node: str, instances: Iterable[tuple[str, int, int]]) -> None:
+        """What ``node``'s worker holds in GPU memory: ``(service, first GPU, GPUs)``, least
+        recently used first (after a restart or a reconnect the scheduler knows nothing)."""
+        if node not in self.gpu.nodes:
+            raise SchedulingError("node", f"{node} has no GPUs in the pool")
+        self.gpu.sync_node(node, instances)
+
     def forget_resident(self, service: str) -> None:
         """The workers reload ``service`` (its weights or entry point changed): none of its
         instances is resident any more, so the next call on each chunk pays a restore."""
