@@ -157,7 +157,8 @@ def test_gpu_calls_reuse_resident_instances_and_evict_lru() -> None:
     assert restored[4][1]  # b must be restored again
 
 
-def test_gpu_residency_follows_what_the_workers_hold() -> None:
+def _one_gpu_one_service() -> Scheduler:
+    """One GPU, service ``a`` (a 2 s restore), trajectory ``t`` open."""
     s = Scheduler(
         cluster(
             nodes=[{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
@@ -165,6 +166,11 @@ def test_gpu_residency_follows_what_the_workers_hold() -> None:
         )
     )
     s.open_trajectory("t")
+    return s
+
+
+def test_gpu_residency_follows_what_the_workers_hold() -> None:
+    s = _one_gpu_one_service()
 
     def start(i: int) -> Assignment:
         s.submit(f"x{i}", "t", service_call("a"), float(i))
@@ -190,13 +196,7 @@ def test_gpu_residency_follows_what_the_workers_hold() -> None:
 
 
 def test_a_service_call_is_learned_without_its_measured_restore() -> None:
-    s = Scheduler(
-        cluster(
-            nodes=[{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
-            services=[{"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "restore_s": 2}],
-        )
-    )
-    s.open_trajectory("t")
+    s = _one_gpu_one_service()
     s.submit("x", "t", service_call("a"), 0.0)
     (asg,) = s.schedule(0.0).assignments
     kind = s.running["x"].action.type
