@@ -149,3 +149,9 @@ def test_an_outbox_counts_what_it_has_not_sent_and_says_when_all_is_sent() -> No
         box.close()
 
     asyncio.run(go())
+
+
+def test_a_reply_field_from_a_newer_agent_is_ignored_not_a_broken_link() -> None:
+    newer = '{"rid": 3, "ok": true, "resident": [], "from_a_later_release": {"x": 1}}'
+    reply = AgentReply.model_validate_json(newer)
+    assert reply.rid == 3 and reply.ok and not hasattr(reply, "from_a_later_release")

@@ -515,6 +515,10 @@ class ExecOutcome(_Strict):
 
 
 class AgentReply(_Strict):
+    # Agents (a DaemonSet) and the scheduler (a Deployment) are upgraded apart: a field a
+    # newer agent adds to its replies is ignored by an older scheduler, not a broken link.
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
     rid: int  # 0: an action that finished after its scheduler went away (see ``key``)
     ok: bool
     error: str | None = None
