@@ -335,6 +335,13 @@ def test_a_nodes_residency_is_synced_from_its_worker() -> None:
     assert pool.nodes["g"].used_gb == [4.0, 0.0, 4.0, 4.0]
     # Of unknown recency: older than everything this scheduler saw used, in reported order.
     assert list(pool.resident)[:2] == [b2, a3]
+    # A GPU with a call running is left as it is: the report may predate the call.
+    pool = GpuPool.build([("g", 1, 10.0)], {"a": 4.0, "b": 4.0, "big": 8.0})
+    pool.release("a", pool.allocate("a", 1).chunk)
+    pool.allocate("b", 1)
+    before = (list(pool.resident), list(pool.nodes["g"].used_gb))
+    pool.sync_node("g", [("big", 0, 1)])
+    assert (list(pool.resident), pool.nodes["g"].used_gb) == before
 
 
 def test_gpu_evict_all_keeps_busy_instances() -> None:

@@ -192,7 +192,10 @@ def test_gpu_residency_follows_what_the_workers_hold() -> None:
     assert not running.restore
     s.forget_resident("a")  # while a call runs on it: gone when the call ends
     s.complete(running.action_id, 5.5)
-    assert call(6)
+    late = start(6)
+    assert late.restore
+    s.complete(late.action_id, 6.5, ok=False, resident=True)  # timed out, but it ran
+    assert not call(7)
 
 
 def test_a_service_call_is_learned_without_its_measured_restore() -> None:

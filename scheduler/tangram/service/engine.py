@@ -932,10 +932,19 @@ class Engine:
         restore_s = call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
         if ask.done():
             ok = status is ActionStatus.OK
-            self._complete_call(rec.id, ok=ok, restore_s=restore_s if ok else None)
+            self._complete_call(
+                rec.id, ok=ok, restore_s=restore_s if ok else None, resident=ok or None
+            )
         else:
             self._background(ask)
-            ask.add_done_callback(lambda _: self._complete_call(rec.id, ok=False))
+
+            def late(done: asyncio.Future[AgentReply]) -> None:
+                """The call ended after its caller stopped waiting: not learned from, but
+                if it ran, its instance is resident."""
+                ran = not done.cancelled() and done.exception() is None and done.result().ok
+                self._complete_call(rec.id, ok=False, resident=ran or None)
+
+            ask.add_done_callback(late)
         self._finish(
             rec,
             status,
@@ -964,9 +973,16 @@ class Engine:
         devices = self.node_gpus.get(asg.node or "", [])
         return [devices[g] for g in asg.chunk.gpus if g < len(devices)] if asg.chunk else []
 
-    def _complete_call(self, aid: str, *, ok: bool, restore_s: float | None = None) -> None:
+    def _complete_call(
+        self,
+        aid: str,
+        *,
+        ok: bool,
+        restore_s: float | None = None,
+        resident: bool | None = None,
+    ) -> None:
         if aid in self.core.running:
-            self.core.complete(aid, self.clock(), ok=ok, restore_s=restore_s)
+            self.core.complete(aid, self.clock(), ok=ok, restore_s=restore_s, resident=resident)
             self._wake.set()
 
     # ---- rounds and dispatch ---------------------------------------------------------

@@ -220,18 +220,24 @@ class GpuPool:
     def sync_node(self, node: str, instances: Iterable[tuple[str, int, int]]) -> None:
         """Make the idle instances on ``node`` those its worker reports: ``(service, start,
         size)``, least recently used first. Instances of unknown services, chunks that are
-        not buddy chunks of the node, or that would overfill a GPU are left out; busy ones
-        stay as they are (their calls decide)."""
+        not buddy chunks of the node, or that would overfill a GPU are left out. GPUs with a
+        call running are left as this scheduler has them: the report may predate the call,
+        whose worker evicts and restores as the call's own plan says."""
         n = self.nodes.get(node)
         if n is None:
             return
+        running = {g for i in self.busy if i.chunk.node == node for g in i.chunk.gpus}
         reported: list[Instance] = []
         for service, start, size in instances:
             buddy = size in CHUNK_SIZES and start % size == 0 and start + size <= n.gpus
-            if service in self.memory_gb and buddy:
+            if (
+                service in self.memory_gb
+                and buddy
+                and running.isdisjoint(range(start, start + size))
+            ):
                 reported.append(Instance(service, Chunk(node, start, size)))
         for inst in [i for i in self.resident if i.chunk.node == node and i not in self.busy]:
-            if inst not in reported:
+            if inst not in reported and running.isdisjoint(inst.chunk.gpus):
                 self._evict(inst)
         added: list[Instance] = []
         for inst in reported:  # those already resident keep this scheduler's own recency

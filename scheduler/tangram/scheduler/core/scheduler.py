@@ -387,13 +387,20 @@ class Scheduler:
         return True
 
     def complete(
-        self, action_id: str, now: float, *, ok: bool = True, restore_s: float | None = None
+        self,
+        action_id: str,
+        now: float,
+        *,
+        ok: bool = True,
+        restore_s: float | None = None,
+        resident: bool | None = None,
     ) -> Assignment:
         """A running action ended: release its units; learn from it when it succeeded.
 
         ``restore_s``: what a service call spent restoring (and evicting), as measured;
-        learning leaves it out. A failed call that had to restore leaves its instance out
-        of the residency view: the restore may be what failed.
+        learning leaves it out. ``resident``: whether its instance is in GPU memory now, as
+        its worker said (a call that timed out may still have restored it); when unknown,
+        a failed call that had to restore leaves it out: the restore may be what failed.
         """
         run = self.running.pop(action_id, None)
         if run is None:
@@ -404,7 +411,9 @@ class Scheduler:
             self.cpu.give_back(asg.node, asg.cores)
         if asg.chunk is not None:
             assert a.service is not None
-            self.gpu.release(a.service, asg.chunk, resident=ok or not asg.restore)
+            if resident is None:
+                resident = ok or not asg.restore
+            self.gpu.release(a.service, asg.chunk, resident=resident)
         for q, n in asg.quotas:
             self.quotas[q].release(n)
         traj = self.trajectories.get(a.trajectory)
