@@ -317,7 +317,7 @@ class NodeAgent:
                     raise ExecError(f"{self.node} has no GPU role (the agent runs without --gpus)")
                 if req.op == "services":
                     loaded = await self.gpu.sync(req.services or [])
-                    resident = self.gpu.resident()
+                    resident = await asyncio.to_thread(self.gpu.resident)  # takes a lock
                     return AgentReply(rid=req.rid, ok=True, loaded=loaded, resident=resident)
                 assert req.service is not None
                 out = await self.gpu.call(req.service, req.gpus, req.inputs or [])

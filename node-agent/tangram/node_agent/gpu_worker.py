@@ -106,15 +106,15 @@ def parameters_on_meta() -> Iterator[None]:
     ``meta`` as they are registered, as accelerate's ``init_empty_weights`` does, but only
     in this thread: the worker builds skeletons in other threads at the same time.
     """
-    original = torch.nn.Module.register_parameter
-
-    def register(module: torch.nn.Module, name: str, param: Any) -> None:
-        original(module, name, param)
-        if getattr(_META_PARAMS, "on", False) and param is not None and not param.is_meta:
-            meta = param.detach().to("meta")
-            module._parameters[name] = torch.nn.Parameter(meta, param.requires_grad)
-
     with _META_PARAMS_LOCK:
+        original = torch.nn.Module.register_parameter
+
+        def register(module: torch.nn.Module, name: str, param: Any) -> None:
+            original(module, name, param)
+            if getattr(_META_PARAMS, "on", False) and param is not None and not param.is_meta:
+                meta = param.detach().to("meta")
+                module._parameters[name] = torch.nn.Parameter(meta, param.requires_grad)
+
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
         _META_PARAMS.on = True
         try:
@@ -278,11 +278,6 @@ class GpuWorker:
         self, service_name: str, chunk: Sequence[int], inputs: list[Any]
     ) -> tuple[list[Any], CallStats]:
         """Run ``inputs`` through service ``service_name`` on the devices of ``chunk``."""
-        service = self.services.get(service_name)
-        if service is None:
-            raise ServiceError(
-                f"unknown service {service_name!r} (loaded: {sorted(self.services)})"
-            )
         key: InstanceKey = instance_key(service_name, chunk)
         chunk = key[1]
         with self._lock:
@@ -290,6 +285,11 @@ class GpuWorker:
             # its link dropped (the agent reconnected, or the scheduler restarted) may still
             # run: this one waits for it, rather than share the GPU or fail.
             self._freed.wait_for(lambda: not self._running.intersection(chunk))
+            service = self.services.get(service_name)  # as it is now, after any wait
+            if service is None:
+                raise ServiceError(
+                    f"unknown service {service_name!r} (loaded: {sorted(self.services)})"
+                )
             plan = self.residency.plan(key, service.bytes_per_device)
             stats = CallStats(hit=plan.hit)
             t0 = self.clock()
