@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from tangram.api.wire import ServiceDef  # noqa: E402
 from tangram.node_agent.gpu_residency import BusyError, NeverFitsError  # noqa: E402
-from tangram.node_agent.gpu_worker import GpuWorker, ServiceError  # noqa: E402
+from tangram.node_agent.gpu_worker import GpuWorker, ServiceError, read_weights  # noqa: E402
 from tests.fixtures.tiny_reward import score, weights  # noqa: E402
 
 from .service_harness import until  # noqa: E402
@@ -90,6 +90,16 @@ def test_the_weights_file_is_read_once_and_may_change_after(tmp_path: Path) -> N
     Path(spec.weights).unlink()
     after, stats = w.call("a", [0], INPUTS)
     assert not stats.hit and after == before and w.loads == 2
+
+
+def test_weights_are_mapped_from_the_file_not_read_into_a_first_copy(tmp_path: Path) -> None:
+    path = _spec(tmp_path, "a").weights
+
+    def mapped() -> bool:
+        return path in Path("/proc/self/maps").read_text()
+
+    state = read_weights(path)
+    assert mapped() and set(state) == {"embed.weight", "embed.bias", "head.weight", "head.bias"}
 
 
 def test_weights_saved_in_the_legacy_format_load(tmp_path: Path) -> None:
