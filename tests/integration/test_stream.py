@@ -200,18 +200,19 @@ def test_stopping_the_service_answers_what_the_stream_admitted(tmp_path: Path) -
     )
     results: list[Any] = []
 
-    async def go(url: str, token: str, stopping: asyncio.Event) -> None:
-        async with AsyncClient(url, token, retries=0) as client:
+    async def go(run: Running, token: str, stopping: asyncio.Event) -> None:
+        async with AsyncClient(run.url, token, retries=0) as client:
             tid = (await client.open("shell")).id
             task = asyncio.create_task(client.exec(tid, ["sh", "-c", "sleep 1; echo done"]))
-            await asyncio.sleep(0.3)  # admitted and running
+            while not run.engine.core.running:  # until admitted and running
+                await asyncio.sleep(0.01)
             stopping.set()
             results.append(await task)
 
     with service(config, agent, tmp_path, close_on_exit=False) as (run, token):
         stopping = asyncio.Event()
         loop = asyncio.new_event_loop()
-        client_task = loop.create_task(go(run.url, token, stopping))
+        client_task = loop.create_task(go(run, token, stopping))
         loop.run_until_complete(stopping.wait())
     # the service stopped (the harness waited for it) while the action ran
     loop.run_until_complete(client_task)
@@ -327,6 +328,8 @@ def test_an_exec_too_large_for_a_frame_goes_over_http(running: tuple[Running, st
             with pytest.raises(TangramError) as e:
                 await client.exec(tid, ["echo", "x" * (33 << 20)])
             assert (e.value.status, e.value.code) == (413, "too_large")
+            # HTTP's wording: the stream would have said "message over ..." instead.
+            assert e.value.message.startswith("request body over")
             assert client._stream is not None and not client._stream.closed
             assert (await client.exec(tid, ["true"])).status is ActionStatus.OK
 
