@@ -61,7 +61,7 @@ def test_load_once_restore_then_hit(tmp_path: Path) -> None:
     assert not stats.hit and stats.restored_bytes > 0 and len(first) == len(INPUTS)
     again, stats = w.call("judge", [0], INPUTS)
     assert stats.hit and stats.restore_s == 0.0 and again == first
-    assert w.resident() == {"judge@0": [0]}
+    assert w.resident_instances() == [("judge", [0])]
 
 
 def test_outputs_are_bit_exact_across_eviction_and_dop(tmp_path: Path) -> None:
@@ -70,13 +70,13 @@ def test_outputs_are_bit_exact_across_eviction_and_dop(tmp_path: Path) -> None:
         w.load(_spec(tmp_path, name, seed))
     before, _ = w.call("a", [0], INPUTS)
     w.call("b", [0], INPUTS)  # 4 + 4 MB > 5 MB: a is evicted from device 0
-    assert w.resident() == {"b@0": [0]} and w.evictions == 1
+    assert w.resident_instances() == [("b", [0])] and w.evictions == 1
     after, stats = w.call("a", [0], INPUTS)
     assert not stats.hit and stats.evicted == ["b@0"]
     assert after == before  # restored from the host copy: identical weights, identical scores
     split, stats = w.call("a", [0, 1], INPUTS)  # DoP 2: half the batch on each replica
     # Another batch shape takes other kernels: equal up to float rounding, not bitwise.
-    assert split == pytest.approx(before, rel=1e-5) and w.resident()["a@0,1"] == [0, 1]
+    assert split == pytest.approx(before, rel=1e-5) and ("a", [0, 1]) in w.resident_instances()
 
 
 def test_the_weights_file_is_read_once_and_may_change_after(tmp_path: Path) -> None:

@@ -49,9 +49,6 @@ class _DroppingLink:
 
     subprotocol = AGENT_SUBPROTOCOL
 
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
     async def send(self, frame: str) -> None:
         raise ConnectionError("the link dropped")
 

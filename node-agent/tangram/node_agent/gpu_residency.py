@@ -72,28 +72,23 @@ class Residency:
         if key in self.resident:
             return Plan(hit=True)
         evict: list[InstanceKey] = []
-        freed = dict.fromkeys(chunk, 0)
-
-        def drop(k: InstanceKey, p: Placement) -> None:
-            evict.append(k)
-            for d in p.devices:
-                if d in freed:
-                    freed[d] += p.bytes_per_device
+        # Bytes each of the chunk's devices still has to free for the instance to fit.
+        lacking = {d: self.used(d) + bytes_per_device - self.capacity[d] for d in chunk}
 
         def short() -> set[int]:
-            """The chunk's devices that still lack room."""
-            return {
-                d for d in chunk if self.used(d) - freed[d] + bytes_per_device > self.capacity[d]
-            }
+            return {d for d, n in lacking.items() if n > 0}
 
         # Least recently used first, and only instances on a device still short: one that
         # shares only devices with room to spare stays (the scheduler's pool does the same).
         for other, placement in self.resident.items():
-            lacking = short()
-            if not lacking:
+            devices = short()
+            if not devices:
                 break
-            if not placement.busy and lacking.intersection(placement.devices):
-                drop(other, placement)
+            if not placement.busy and devices.intersection(placement.devices):
+                evict.append(other)
+                for d in placement.devices:
+                    if d in lacking:
+                        lacking[d] -= placement.bytes_per_device
         if short():
             raise BusyError(
                 f"GPUs {list(chunk)}: memory held by running calls; {key[0]} cannot be restored now"

@@ -238,8 +238,6 @@ class GpuWorker:
                 f"{spec.name}: weights are {nbytes} bytes, more than gpuMemoryGiB allows "
                 f"({bytes_per_device(spec)})"
             )
-        # The one host copy that stays: pinned (DMA-able) with CUDA, else plain memory of
-        # its own, so the weights file is never read again and may change or go.
         host, buffers = self._keep(state), self._keep(computed)
         del state  # unmaps the file
         self.services[spec.name] = _Service(spec, build, score, host, nbytes, buffers)
@@ -345,21 +343,19 @@ class GpuWorker:
         return torch.cuda.device(self.device(index)) if self.cuda else contextlib.nullcontext()
 
     def _restore(self, service: _Service, index: int) -> torch.nn.Module:
-        with self._current(index):
-            return self._restore_here(service, index)
-
-    def _restore_here(self, service: _Service, index: int) -> torch.nn.Module:
         device = self.device(index)
-        module, _ = self._skeleton(service.build, service.spec)
-        # copy=True: on the CPU too the instance gets its own memory, as on a GPU.
-        state = {k: v.to(device, non_blocking=True, copy=True) for k, v in service.host.items()}
-        module.load_state_dict(state, strict=True, assign=True)
-        for path, value in service.buffers.items():
-            owner, _, leaf = path.rpartition(".")
-            module.get_submodule(owner).register_buffer(
-                leaf, value.to(device, non_blocking=True, copy=True), persistent=False
-            )
-        return module.eval()
+        with self._current(index):
+            module, _ = self._skeleton(service.build, service.spec)
+            # copy=True: on the CPU too the instance gets its own memory, as on a GPU.
+            host = service.host.items()
+            state = {k: v.to(device, non_blocking=True, copy=True) for k, v in host}
+            module.load_state_dict(state, strict=True, assign=True)
+            for path, value in service.buffers.items():
+                owner, _, leaf = path.rpartition(".")
+                module.get_submodule(owner).register_buffer(
+                    leaf, value.to(device, non_blocking=True, copy=True), persistent=False
+                )
+            return module.eval()
 
     def _evict(self, key: InstanceKey) -> None:
         self.residency.evict(key)
@@ -425,10 +421,6 @@ class GpuWorker:
         and its host copy go; a running call keeps its own references until it ends."""
         self.evict_all(service)
         self.services.pop(service, None)
-
-    def resident(self) -> dict[str, list[int]]:
-        """service@devices -> its devices."""
-        return {name(k): list(p.devices) for k, p in self.residency.resident.items()}
 
     def resident_instances(self) -> list[tuple[str, list[int]]]:
         """(service, devices), least recently used first."""
