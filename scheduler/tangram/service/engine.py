@@ -931,10 +931,7 @@ class Engine:
         exec_s = call.exec_s if call is not None else 0.0
         restore_s = call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
         if ask.done():
-            ok = status is ActionStatus.OK
-            self._complete_call(
-                rec.id, ok=ok, restore_s=restore_s if ok else None, resident=ok or None
-            )
+            self._complete_call(rec.id, ok=status is ActionStatus.OK, restore_s=restore_s)
         else:
             self._background(ask)
 

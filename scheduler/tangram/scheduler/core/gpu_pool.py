@@ -189,9 +189,7 @@ class GpuPool:
                     continue
                 self._evict(victim)
                 evicted.append(victim)
-            for g in target.gpus:
-                node.used_gb[g] += per_gpu
-            self.resident[inst] = per_gpu
+            self._charge(inst, per_gpu)
         self.busy.add(inst)
         return GpuGrant(target, hit, tuple(evicted))
 
@@ -227,16 +225,15 @@ class GpuPool:
         if n is None:
             return
         running = {g for i in self.busy if i.chunk.node == node for g in i.chunk.gpus}
-        reported: list[Instance] = []
+        reported: dict[Instance, None] = {}  # in the reported order
         for service, start, size in instances:
             buddy = size in CHUNK_SIZES and start % size == 0 and start + size <= n.gpus
-            if (
-                service in self.memory_gb
-                and buddy
-                and running.isdisjoint(range(start, start + size))
-            ):
-                reported.append(Instance(service, Chunk(node, start, size)))
-        for inst in [i for i in self.resident if i.chunk.node == node and i not in self.busy]:
+            if service in self.memory_gb and buddy:
+                inst = Instance(service, Chunk(node, start, size))
+                if running.isdisjoint(inst.chunk.gpus):
+                    reported[inst] = None
+        # Busy instances are on running GPUs, so this leaves them too.
+        for inst in [i for i in self.resident if i.chunk.node == node]:
             if inst not in reported and running.isdisjoint(inst.chunk.gpus):
                 self._evict(inst)
         added: list[Instance] = []
@@ -245,9 +242,7 @@ class GpuPool:
             if inst not in self.resident and all(
                 n.used_gb[g] + per_gpu <= n.memory_gb + 1e-9 for g in inst.chunk.gpus
             ):
-                for g in inst.chunk.gpus:
-                    n.used_gb[g] += per_gpu
-                self.resident[inst] = per_gpu
+                self._charge(inst, per_gpu)
                 added.append(inst)
         for inst in reversed(added):  # unknown recency: older than anything seen used here
             self.resident.move_to_end(inst, last=False)
@@ -258,6 +253,13 @@ class GpuPool:
         their calls end, as the workers do."""
         self.evict_all(service)
         self.stale.update(i for i in self.busy if i.service == service)
+
+    def _charge(self, inst: Instance, per_gpu: float) -> None:
+        """``inst`` is resident now, holding ``per_gpu`` GB on each of its GPUs."""
+        node = self.nodes[inst.chunk.node]
+        for g in inst.chunk.gpus:
+            node.used_gb[g] += per_gpu
+        self.resident[inst] = per_gpu
 
     def _evict(self, inst: Instance) -> None:
         node = self.nodes[inst.chunk.node]
