@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tangram.api.cluster import ServiceSpec
 from tangram.scheduler import Assignment, Scheduler, SchedulerConfig, SchedulingError, dp_arrange
 from tangram.scheduler.core.profiles import ProfileBook
 
@@ -157,6 +158,10 @@ def test_gpu_calls_reuse_resident_instances_and_evict_lru() -> None:
     assert restored[4][1]  # b must be restored again
 
 
+def _service_a(revision: str = "") -> ServiceSpec:
+    return ServiceSpec(name="a", gpu_memory_gb=10, dop_choices=[1], restore_s=2, revision=revision)
+
+
 def _one_gpu_one_service() -> Scheduler:
     """One GPU, service ``a`` (a 2 s restore), trajectory ``t`` open."""
     s = Scheduler(
@@ -186,11 +191,11 @@ def test_gpu_residency_follows_what_the_workers_hold() -> None:
     assert call(1)  # ...left nothing resident: restored again
     assert not call(2, ok=False)  # one that failed on a resident instance...
     assert not call(3)  # ...left it there
-    s.forget_resident("a")  # its weights changed: the workers reload it
+    s.set_services([_service_a("v2")])  # its weights changed: the workers reload it
     assert call(4)
     running = start(5)
     assert not running.restore
-    s.forget_resident("a")  # while a call runs on it: gone when the call ends
+    s.set_services([_service_a("v3")])  # while a call runs on it: gone when the call ends
     s.complete(running.action_id, 5.5)
     late = start(6)
     assert late.restore

@@ -50,6 +50,13 @@ class ServiceSpec(_Strict):
         float, Field(ge=0, description="per-restore set-up time, whatever the DoP")
     ] = 0.0
     efficiency: Efficiency | None = None
+    revision: Annotated[
+        str,
+        Field(
+            description="changes whenever what the workers load changes (weights, entry "
+            "point): instances of an earlier revision are no longer resident"
+        ),
+    ] = ""
     replicated: Annotated[
         bool,
         Field(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -244,10 +245,6 @@ class Engine:
         self.config = replace(config, scheduling=scheduling)
         if old.services != config.services:
             self.core.set_services(self._service_specs())
-            for name, was in old.services.items():  # the workers reload these
-                edited = config.services.get(name)
-                if edited is not None and edited.spec != was.spec:
-                    self.core.forget_resident(name)
             for node in self.node_gpus:
                 self._background(self._sync_services(node))
         self.hub.heartbeat_timeout_s = config.heartbeat_timeout_s
@@ -832,6 +829,8 @@ class Engine:
             dop_choices=list(cfg.dop_choices),
             restore_s=restore,
             replicated=cfg.spec.replicated,
+            # What the workers load: any change to it makes them reload the service.
+            revision=hashlib.sha256(json_bytes(cfg.spec)).hexdigest()[:16],
         )
 
     def submit_service(self, tenant: str, service: str, req: ServiceCallRequest) -> ActionRecord:

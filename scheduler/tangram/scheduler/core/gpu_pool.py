@@ -71,6 +71,7 @@ class GpuPool:
     busy: set[Instance] = field(default_factory=set)
     # Busy instances whose service was redefined while they ran: dropped when they end.
     stale: set[Instance] = field(default_factory=set)
+    revision: dict[str, str] = field(default_factory=dict)  # service -> what workers load
     # Services a node cannot host (its worker could not load them): never placed there.
     unloadable: dict[str, frozenset[str]] = field(default_factory=dict)
 
@@ -103,18 +104,27 @@ class GpuPool:
         self.busy = {i for i in self.busy if i.chunk.node != name}
         self.stale = {i for i in self.stale if i.chunk.node != name}
 
-    def set_service(self, service: str, memory_gb: float, replicated: bool) -> None:
-        """Define or redefine a service; idle instances of a changed one are dropped (their
-        footprint is stale), busy ones are accounted at the new size when they end."""
-        if self.memory_gb.get(service) == memory_gb and (service in self.replicated) == replicated:
+    def set_service(
+        self, service: str, memory_gb: float, replicated: bool, revision: str = ""
+    ) -> None:
+        """Define or redefine a service. A change of footprint, layout or revision makes
+        its instances stale, as the workers reload it: idle ones go now, busy ones when
+        their calls end."""
+        if (
+            self.memory_gb.get(service) == memory_gb
+            and (service in self.replicated) == replicated
+            and self.revision.get(service) == revision
+        ):
             return
-        self.evict_all(service)
+        self.forget(service)
         self.memory_gb[service] = memory_gb
+        self.revision[service] = revision
         (self.replicated.add if replicated else self.replicated.discard)(service)
 
     def remove_service(self, service: str) -> None:
-        self.evict_all(service)
+        self.forget(service)
         self.memory_gb.pop(service, None)
+        self.revision.pop(service, None)
         self.replicated.discard(service)
 
     def per_gpu(self, service: str, size: int) -> float:
@@ -201,14 +211,8 @@ class GpuPool:
         node = self.nodes.get(chunk.node)
         if node is not None:  # else the node left while the call ran
             self._release_chunk(node, chunk)
-            charged = self.resident.get(inst)
-            if charged is not None and (
-                not resident
-                or inst in self.stale
-                or service not in self.memory_gb
-                or charged != self.per_gpu(service, chunk.size)
-            ):
-                self._evict(inst)  # redefined or removed while it ran: stale now
+            if inst in self.resident and (not resident or inst in self.stale):
+                self._evict(inst)  # not restored after all, or redefined while it ran
         self.stale.discard(inst)
 
     def evict_all(self, service: str) -> None:
@@ -248,9 +252,8 @@ class GpuPool:
             self.resident.move_to_end(inst, last=False)
 
     def forget(self, service: str) -> None:
-        """``service``'s instances are no longer what the workers hold (its weights or
-        entry point changed: the workers reload it): idle ones go now, busy ones when
-        their calls end, as the workers do."""
+        """``service``'s instances are no longer what the workers hold: idle ones go now,
+        busy ones when their calls end, as the workers do."""
         self.evict_all(service)
         self.stale.update(i for i in self.busy if i.service == service)
 

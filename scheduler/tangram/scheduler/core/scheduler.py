@@ -285,7 +285,7 @@ class Scheduler:
             self.gpu.remove_service(name)
         for spec in wanted.values():
             self.services[spec.name] = spec
-            self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated)
+            self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated, spec.revision)
 
     def sync_resident(self, node: str, instances: Iterable[tuple[str, int, int]]) -> None:
         """What ``node``'s worker holds in GPU memory: ``(service, first GPU, GPUs)``, least
@@ -293,11 +293,6 @@ class Scheduler:
         if node not in self.gpu.nodes:
             raise SchedulingError("node", f"{node} has no GPUs in the pool")
         self.gpu.sync_node(node, instances)
-
-    def forget_resident(self, service: str) -> None:
-        """The workers reload ``service`` (its weights or entry point changed): none of its
-        instances is resident any more, so the next call on each chunk pays a restore."""
-        self.gpu.forget(service)
 
     def set_unloadable(self, node: str, services: Iterable[str]) -> None:
         """The services ``node``'s GPU worker could not load: no call of them is placed
