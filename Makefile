@@ -4,31 +4,40 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 export PYTHONPATH := $(CURDIR)/scheduler:$(CURDIR)/operator:$(CURDIR)/node-agent
 
-.PHONY: setup run test e2e lint typecheck bench bench-quick gpu-kit images manifests chart-lint clean
+.PHONY: setup run test test-gpu e2e lint typecheck bench bench-quick gpu-kit images manifests chart-lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# CI adds the gpu extra (PyTorch, several GB) so that the GPU worker's CPU path is tested.
+# The gpu extra (PyTorch, several GB) is left out by default; `make test-gpu` adds it.
 EXTRAS ?= $(or $(TANGRAM_EXTRAS),dev)
 
 setup: $(BIN)/python ## create .venv with the project and its dev tools installed
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 
+LINTED := conftest.py scheduler operator node-agent tests e2e
+
 lint: setup
-	$(BIN)/ruff check scheduler operator node-agent tests e2e
-	$(BIN)/ruff format --check scheduler operator node-agent tests e2e
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/lint-imports
 
+TYPED := scheduler/tangram node-agent/tangram operator/tangram tests e2e
+
 typecheck: setup
-	$(BIN)/mypy scheduler/tangram node-agent/tangram operator/tangram tests e2e
+	$(BIN)/mypy $(TYPED)
 
 run: setup ## the embedded default: scheduler + local node agent serving manifests/examples/local
 	$(BIN)/tangram up -f manifests/examples/local
 
 test: setup lint typecheck ## lint, type-check and run the whole test suite
 	$(BIN)/pytest -n 2 --dist loadgroup -q
+
+test-gpu: ## the tests that need PyTorch (the gpu extra, several GB), on the CPU; CUDA ones skip
+	$(MAKE) setup EXTRAS=dev,gpu
+	$(BIN)/mypy $(TYPED)  # the GPU worker type-checks against PyTorch's own stubs too
+	$(BIN)/pytest -n 2 --dist loadgroup -q -m torch
 
 e2e: setup ## end to end on a real control plane built from the Go module proxy (e2e/README.md)
 	bash e2e/build-tools.sh

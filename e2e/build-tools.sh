@@ -128,7 +128,7 @@ reports() {
 }
 
 # -- kube-apiserver, kube-controller-manager, kube-scheduler ------------------
-KUBE_CMDS=(kube-apiserver kube-controller-manager kube-scheduler)
+KUBE_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
 kube_built() {
   local c
   for c in "${KUBE_CMDS[@]}"; do reports "$BIN/$c" "Kubernetes $K8S_VERSION" || return 1; done

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+from tests import GPU_EXTRA
+
+pytest.importorskip("torch", reason=GPU_EXTRA)
+pytestmark = pytest.mark.torch
 
 
 def test_pooled_and_static_serve_the_same_calls_and_pooling_restores(tmp_path: Path) -> None:

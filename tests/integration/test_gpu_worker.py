@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests import GPU_EXTRA
+
+torch = pytest.importorskip("torch", reason=GPU_EXTRA)
+pytestmark = pytest.mark.torch
 
 from tangram.api.wire import ServiceDef  # noqa: E402
 from tangram.node_agent.gpu_residency import BusyError, NeverFitsError  # noqa: E402

@@ -17,7 +17,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-torch = pytest.importorskip("torch")
+from tests import GPU_EXTRA
+
+torch = pytest.importorskip("torch", reason=GPU_EXTRA)
 
 from tangram.api.wire import ActionResult, ServiceDef  # noqa: E402
 from tangram.client import ActionStatus, AsyncClient, Client, TangramError  # noqa: E402
@@ -31,7 +33,7 @@ from tests.fixtures.tiny_reward import TinyReward, weights  # noqa: E402
 
 from .service_harness import service, until  # noqa: E402
 
-pytestmark = [pytest.mark.xdist_group("service")]
+pytestmark = [pytest.mark.xdist_group("service"), pytest.mark.torch]
 ENTRY = "tests.fixtures.tiny_reward:build"
 SLOW_ENTRY = "tests.fixtures.tiny_reward:build_slow"
 STAMPED_ENTRY = "tests.fixtures.tiny_reward:build_stamped"

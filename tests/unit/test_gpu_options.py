@@ -7,6 +7,7 @@ import pytest
 
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
+from tests import GPU_EXTRA
 
 
 @pytest.mark.parametrize(
@@ -42,16 +43,18 @@ def test_bad_gpus_values_are_named(text: str, why: str) -> None:
     assert why in str(e.value) and repr(text) in str(e.value)
 
 
+@pytest.mark.torch
 def test_a_cuda_device_that_is_not_there_stops_the_role_naming_it() -> None:
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason=GPU_EXTRA)
     absent = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ExecError, match=rf"no CUDA device \[{absent}\]"):
         GpuRole.start(GpuOptions.parse(f"cuda:{absent}"))
 
 
 @pytest.mark.gpu
+@pytest.mark.torch
 def test_more_gpu_memory_than_the_device_has_is_refused_naming_the_flag() -> None:
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason=GPU_EXTRA)
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     total = torch.cuda.get_device_properties(0).total_memory // 2**20
