@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness.controlplane import ControlPlane
+from harness.kubelet import RealNode, node_prerequisites
 
 E2E_DIR = Path(__file__).resolve().parent
 BUILD_TOOLS = E2E_DIR / "build-tools.sh"
+REAL_NODE = "node-0"
+SANDBOX_LABELS = {"tangram.dev/role": "sandbox"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,6 +61,51 @@ def control_plane(
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="module")
+def real_node(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealNode]:
+    """A kubelet + containerd node (``node-0``, labelled as a sandbox node) joined to the
+    control plane for one test module; stopped, and its host changes undone, after it.
+    (Per module: a module whose pods must stay on kwok's nodes never sees it.)"""
+    missing = node_prerequisites()
+    if missing:
+        pytest.skip(f"a real node needs {', '.join(missing)} (apt-get install containerd ...)")
+    node = RealNode(control_plane, tmp_path_factory.mktemp("node"), name=REAL_NODE,
+                    labels=SANDBOX_LABELS)  # fmt: skip
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[Any]:
+    """A client of the Docker Engine the images are made with (started if none runs)."""
+    sys.path.insert(0, str(E2E_DIR.parent))
+    from tests.integration.docker_engine import engine
+
+    gen = engine()
+    client = next(gen)
+    if client is None:
+        pytest.skip("no Docker Engine, and none can be started here (needs root and docker.io)")
+    yield client
+    for _ in gen:  # stops a dockerd this fixture started
+        pass
+
+
+@pytest.fixture(scope="module")
+def busybox_on_node(real_node: RealNode, docker_client: Any) -> str:
+    """The busybox test image, in the real node's containerd under its full name."""
+    from tests.integration.docker_engine import busybox_image
+
+    image = busybox_image(docker_client)
+    if image is None:
+        pytest.skip("busybox-static is not installed: no test image can be built")
+    return real_node.import_image(docker_client, image, f"docker.io/{image}")
 
 
 @pytest.hookimpl(wrapper=True)

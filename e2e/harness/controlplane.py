@@ -678,6 +678,13 @@ class ControlPlane:
             server=True,
         )
         pki.rsa_key_pair("service-account")
+        # What the apiserver shows kubelets for logs, exec and port-forward.
+        pki.issue(
+            "apiserver-kubelet-client",
+            common_name="kube-apiserver-kubelet-client",
+            organization="system:masters",
+            client=True,
+        )
         clients = {
             "admin": ("tangram-e2e-admin", "system:masters"),
             "kube-controller-manager": ("system:kube-controller-manager", None),
@@ -782,6 +789,11 @@ class ControlPlane:
                 "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",
                 "--profiling=false",
+                # Real kubelets (harness.kubelet) serve certificates of this CA on 127.0.0.1.
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                f"--kubelet-certificate-authority={self.ca_cert}",
+                "--kubelet-preferred-address-types=InternalIP",
             ],
         )
 

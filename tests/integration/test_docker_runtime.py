@@ -15,6 +15,7 @@ from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import DockerRuntime
 from tangram.node_agent.exec_server import Built
 from tangram.node_agent.execution import ExecError, ExecResult
+from tangram.node_agent.fast_path import cgroup_of
 from tangram.node_agent.inventory import parse_cpulist
 
 # One worker runs every Docker test, so only one of them may start (and stop) dockerd.
@@ -51,7 +52,8 @@ def run(rt: DockerRuntime, t: str, argv: list[str], cores: list[int], **kw: Any)
 def group_limits(rt: DockerRuntime, t: str) -> tuple[list[int], float]:
     """The cores and quota (in cores) the container's cgroup holds right now."""
     env = rt.envs[t]
-    group = env.cgroup or rt._container_group(env.container)
+    env.container.reload()
+    group = cgroup_of(int(env.container.attrs["State"]["Pid"]), rt.cgroups)
     root = Path("/sys/fs/cgroup")
     if rt.cgroups.version == 1:
         quota = int((root / "cpu" / group / "cpu.cfs_quota_us").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = '''
+CASES = """
 import pytest
 
 def test_a_missing_tool():
@@ -25,7 +25,7 @@ def test_expected_failure():
 
 def test_runs():
     pass
-'''
+"""
 MODULE_SKIP = 'import pytest\npytest.importorskip("no_such_module_here")\n'
 
 

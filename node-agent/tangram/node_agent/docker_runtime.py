@@ -40,7 +40,7 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.cgroups import PERIOD_US, CgroupError, Cgroups, detect, format_cpulist
+from tangram.node_agent.cgroups import PERIOD_US, Cgroups, detect, format_cpulist
 from tangram.node_agent.env_template import (
     LABEL,
     TRAJECTORY_PREFIX,
@@ -51,10 +51,9 @@ from tangram.node_agent.env_template import (
     pick_user,
     spec,
 )
-from tangram.node_agent.exec_server import IN_CONTAINER_BIN, SOCKET_NAME, Built, Channel
+from tangram.node_agent.exec_server import IN_CONTAINER_BIN, SOCKET_NAME, Built
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
-    Allotments,
     ExecError,
     ExecResult,
     Output,
@@ -63,7 +62,7 @@ from tangram.node_agent.execution import (
     render,
     supervise,
 )
-from tangram.node_agent.sessions import BashSession, PythonSession, Session
+from tangram.node_agent.fast_path import Command, FastPath, Reachable, cgroup_of
 
 __all__ = ["DockerRuntime", "Opened", "import_busybox"]
 
@@ -76,18 +75,7 @@ class Env:
     template: str  # digest() of the EnvSpec it was built from
     workdir: str
     run_dir: Path | None  # the socket directory shared with the exec server, if any
-    cgroup: str | None = None  # the container's group, resolved on first use
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """One action's command as both paths run it."""
-
-    argv: list[str]  # {dop} already filled in
-    cores: Sequence[int]
-    timeout_s: float | None
-    env: dict[str, str]
-    output_cap: int
+    reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +113,8 @@ class DockerRuntime:
         self.proc_root = proc_root
         self.envs: dict[str, Env] = {}  # by trajectory
         self.warm_pool: dict[str, list[Env]] = {}  # by template digest
-        self.sessions: dict[tuple[str, str, str], Session] = {}  # (trajectory, kind, name)
         self._facts: dict[str, tuple[User | None, bool]] = {}  # by image, user, workdir
-        self.allot = Allotments()
+        self.fast = FastPath(self.cgroups, self.idle_cores)
 
     # ---- lifecycle ---------------------------------------------------------------
     def open(self, trajectory: str, template: EnvSpec) -> Opened:
@@ -171,8 +158,7 @@ class DockerRuntime:
 
     def close(self, trajectory: str) -> None:
         """Remove the container and everything it wrote."""
-        for key in [k for k in self.sessions if k[0] == trajectory]:
-            self.sessions.pop(key).alive = False  # removing the container ends its process
+        self.fast.end_sessions(trajectory)  # removing the container ends their processes
         env = self.envs.pop(trajectory, None)
         if env is not None:
             self._remove(env)
@@ -368,7 +354,8 @@ class DockerRuntime:
         if path == "fast" and why:
             raise ExecError(f"path: the fast path is not possible here: {why}")
         if path != "portable" and not why:
-            return await self._exec_fast(held, cmd)
+            assert held.reach is not None  # resolved by _fast_unavailable
+            return await self.fast.exec(held.reach, cmd)
         res = await self._exec_portable(held, cmd)
         return replace(res, fallback=why)
 
@@ -389,138 +376,42 @@ class DockerRuntime:
         held = self.envs.get(trajectory)
         check_request(held is not None, trajectory, [code] if code else [], cores)
         assert held is not None
-        if kind not in ("bash", "python"):
-            raise ExecError(f"kind: {kind!r} is not a session kind (bash, python)")
         why = self._fast_unavailable(held)
         if why:
             raise ExecError(f"{kind} session: sessions need the exec server: {why}")
-        assert held.run_dir is not None
-        dop_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
-        t0 = time.perf_counter()
-        self._group_enter(held, cores)
-        try:
-            key = (trajectory, kind, name)
-            sess = self.sessions.get(key)
-            if sess is None or not sess.alive:
-                start = BashSession.start if kind == "bash" else PythonSession.start
-                sess = await start(held.run_dir / SOCKET_NAME, held.workdir, dop_env)
-                self.sessions[key] = sess
-            t1 = time.perf_counter()
-            # {dop} is filled in bash commands, as in argv; Python reads TANGRAM_DOP.
-            text = render([code], len(cores))[0] if kind == "bash" else code
-            reply = await sess.run(
-                text,
-                timeout_s=timeout_s,
-                output_cap=output_cap,
-                env=dop_env,
-            )
-            t2 = time.perf_counter()
-        finally:
-            self._group_leave(held, cores)
-        t3 = time.perf_counter()
-        output = Output(
-            reply.stdout.encode(),
-            reply.stdout_truncated,
-            reply.stderr.encode(),
-            reply.stderr_truncated,
-        )
-        return ExecResult.of(
-            reply.exit_code, output, reply.timed_out, cores, (t0, t1, t2, t3), path=kind
+        assert held.reach is not None
+        return await self.fast.session(
+            held.reach,
+            trajectory,
+            kind,
+            code,
+            cores,
+            name=name,
+            timeout_s=timeout_s,
+            environ=env,
+            output_cap=output_cap,
         )
 
     def _fast_unavailable(self, env: Env) -> str:
         """Why the fast path cannot serve this container ('' when it can)."""
         if env.run_dir is None:
             return self.no_fast if self.execd is None else "created without the exec server"
-        if env.cgroup is None:
+        if env.reach is None:
             try:
-                env.cgroup = self._container_group(env.container)
+                env.container.reload()
+                pid = int(env.container.attrs["State"]["Pid"])
+                group = cgroup_of(pid, self.cgroups, self.proc_root)
             except ExecError as e:
                 return str(e)
+            socket = env.run_dir / SOCKET_NAME
+            env.reach = Reachable(str(env.container.id), socket, pid, group, env.workdir)
         return ""
-
-    def _container_group(self, container: Any) -> str:
-        """The container's cgroup, read from its PID 1 (works for cgroupfs and systemd
-        drivers, v1 and v2); checked writable by this agent."""
-        container.reload()
-        pid = int(container.attrs["State"]["Pid"])
-        try:
-            lines = (self.proc_root / str(pid) / "cgroup").read_text().splitlines()
-        except OSError as e:
-            raise ExecError(f"the container's cgroup is not visible here: {e.strerror}") from None
-        paths: dict[str, str] = {}
-        for line in lines:
-            _, controllers, path = line.split(":", 2)
-            for ctrl in controllers.split(",") if controllers else [""]:
-                paths[ctrl] = path
-        if self.cgroups.version == 1:
-            group = paths.get("cpuset")
-            if group is None or paths.get("cpu") != group:
-                raise ExecError("the container's cpuset and cpu cgroups differ")
-        else:
-            group = paths.get("")
-        if not group:
-            raise ExecError("the container's cgroup was not found")
-        group = group.strip("/")
-        try:
-            self.cgroups.cpus(group)
-        except OSError as e:
-            raise ExecError(f"the container's cgroup {group}: {e.strerror}") from None
-        return group
-
-    # Concurrent actions of one environment share its cgroup (see ``Allotments``).
-    def _enter(self, env: Env, cores: Sequence[int]) -> tuple[list[int], float]:
-        return self.allot.enter(str(env.container.id), cores, float(len(cores)))
-
-    def _leave(self, env: Env, cores: Sequence[int]) -> tuple[list[int], float]:
-        rest = self.allot.leave(str(env.container.id), cores, float(len(cores)))
-        return rest or (list(self.idle_cores), IDLE_QUOTA_CORES)
-
-    def _group_enter(self, env: Env, cores: Sequence[int]) -> None:
-        self._limit_group(env, *self._enter(env, cores))
-
-    def _group_leave(self, env: Env, cores: Sequence[int]) -> None:
-        self._limit_group(env, *self._leave(env, cores))
-
-    def _limit_group(self, env: Env, cores: Sequence[int], quota_cores: float) -> None:
-        assert env.cgroup is not None
-        try:
-            self.cgroups.limit(env.cgroup, cores, quota_cores)
-        except CgroupError as e:
-            raise ExecError(str(e)) from None
-
-    async def _exec_fast(self, held: Env, cmd: Command) -> ExecResult:
-        assert held.run_dir is not None
-        t0 = time.perf_counter()
-        self._group_enter(held, cmd.cores)
-        try:
-            chan = await Channel.start(
-                held.run_dir / SOCKET_NAME, cmd.argv, cwd=held.workdir, env=cmd.env
-            )
-        except BaseException:
-            self._group_leave(held, cmd.cores)
-            raise
-        t1 = time.perf_counter()
-
-        async def idle() -> None:
-            self._group_leave(held, cmd.cores)
-
-        try:
-            output, timed_out = await supervise(
-                chan.collect(cmd.output_cap), cmd.timeout_s, chan.kill, idle
-            )
-        finally:
-            chan.close()
-        t2 = time.perf_counter()
-        self._group_leave(held, cmd.cores)
-        t3 = time.perf_counter()
-        code = None if timed_out else chan.exit_code
-        return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
 
     async def _exec_portable(self, held: Env, cmd: Command) -> ExecResult:
         container = held.container
         t0 = time.perf_counter()
-        await asyncio.to_thread(self._update, container, *self._enter(held, cmd.cores))
+        key = str(container.id)
+        await asyncio.to_thread(self._update, container, *self.fast.enter(key, cmd.cores))
         t1 = time.perf_counter()
         api = self.client.api
         exec_id = (
@@ -533,7 +424,7 @@ class DockerRuntime:
             await asyncio.to_thread(self._kill_exec, api, exec_id)
 
         async def idle() -> None:
-            await asyncio.to_thread(self._update, container, *self._leave(held, cmd.cores))
+            await asyncio.to_thread(self._update, container, *self.fast.leave(key, cmd.cores))
 
         collect = asyncio.to_thread(self._collect, api, exec_id, cmd.output_cap)
         output, timed_out = await supervise(collect, cmd.timeout_s, kill, idle)

@@ -18,6 +18,15 @@
  *                    (decimal; negative = killed by that signal), 'Z' error message.
  * If the agent disconnects before the command ends, the command's tree is killed: a
  * command nobody waits for holds cores nobody accounts for.
+ *
+ * The agent checks that the socket it reaches is this process's (SO_PEERCRED: the pid
+ * that called listen()), so a command that plants its own server over the socket's name
+ * is refused. This process is made non-dumpable so that no command of the same user can
+ * ptrace it or take its listening socket.
+ *
+ * `tangram-execd --install DEST` copies the binary to DEST (mode 0555) and exits: how a
+ * pod's init container, from the node agent's image, puts it into a volume the sandbox
+ * container then runs it from.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -337,11 +346,38 @@ static void handle(int sock) {
     if (sock_open) send_text(sock, 'X', code);
 }
 
-int main(int argc, char **argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s SOCKET\n", argv[0]);
+static int install(const char *dest) {
+    char tmp[4096];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", dest) >= (int)sizeof tmp) {
+        fprintf(stderr, "tangram-execd: %s: path too long\n", dest);
         return 2;
     }
+    int in = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+    int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0555);
+    if (in < 0 || out < 0) {
+        fprintf(stderr, "tangram-execd: install %s: %s\n", dest, strerror(errno));
+        return 1;
+    }
+    char buf[65536];
+    ssize_t n;
+    while ((n = read(in, buf, sizeof buf)) > 0)
+        if (write_all(out, buf, (size_t)n) < 0) break;
+    if (n != 0 || fchmod(out, 0555) < 0 || close(out) < 0 || rename(tmp, dest) < 0) {
+        fprintf(stderr, "tangram-execd: install %s: %s\n", dest, strerror(errno));
+        unlink(tmp);
+        return 1;
+    }
+    close(in);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "--install") == 0) return install(argv[2]);
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s SOCKET | --install DEST\n", argv[0]);
+        return 2;
+    }
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* no ptrace, no pidfd_getfd by commands */
     /* Bind under a temporary name, listen, then rename into place: the final name appears
      * only once connections are accepted, so a client that waits for it never races
      * bind() against listen() (ECONNREFUSED). */

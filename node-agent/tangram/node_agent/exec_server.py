@@ -108,11 +108,14 @@ def _install(cache_dir: Path, target: Path, make: Callable[[str], str | None]) -
     return None
 
 
-def _connect(path: Path) -> socket.socket:
+def _connect(path: Path, server_pid: int | None = None) -> socket.socket:
     """Connect without following a link the container may have put in the shared directory.
 
     The socket's directory is writable from inside the container; opening the final name
-    with O_NOFOLLOW and connecting through /proc/self/fd pins the inode we checked.
+    with O_NOFOLLOW and connecting through /proc/self/fd pins the inode we checked. With
+    ``server_pid`` (the exec server, as this agent's /proc sees it), the socket must have
+    been listened on by that process (SO_PEERCRED): a command that planted its own server
+    under the socket's name answers from another pid and is refused.
     """
     try:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -127,10 +130,25 @@ def _connect(path: Path) -> socket.socket:
         except OSError as e:
             sock.close()
             raise ExecError(f"exec server socket {path}: {e.strerror}") from None
+        if server_pid is not None:
+            pid = peer_pid(sock)
+            if pid != server_pid:
+                sock.close()
+                raise ExecError(
+                    f"exec server socket {path}: answered by pid {pid}, not by the "
+                    f"environment's exec server (pid {server_pid}); refused"
+                )
         sock.setblocking(False)
         return sock
     finally:
         os.close(fd)
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid that listened on the server end of a connected Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _, _ = struct.unpack("3i", creds)
+    return int(pid)
 
 
 def _request(mode: str, argv: Sequence[str], cwd: str, env: Mapping[str, str]) -> bytes:
@@ -167,9 +185,11 @@ class Channel:
         cwd: str = "",
         env: Mapping[str, str] | None = None,
         mode: Literal["pipe", "pty"] = "pipe",
+        server_pid: int | None = None,
     ) -> Channel:
         payload = _request(mode, argv, cwd, env or {})
-        reader, writer = await asyncio.open_unix_connection(sock=_connect(sock_path))
+        sock = _connect(sock_path, server_pid)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
         chan = cls(reader, writer)
         await chan._send(b"R", payload)
         kind, data = await chan.frame()

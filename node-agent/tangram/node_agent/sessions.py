@@ -188,10 +188,15 @@ class BashSession(Session):
     kind = "bash"
 
     @classmethod
-    async def start(cls, sock: Path, cwd: str, env: Mapping[str, str]) -> BashSession:
+    async def start(
+        cls, sock: Path, cwd: str, env: Mapping[str, str], server_pid: int | None = None
+    ) -> BashSession:
         argv = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
         quiet = {"PS1": "", "PS2": "", "PROMPT_COMMAND": "", "TERM": "dumb", **env}
-        session = cls(await Channel.start(sock, argv, cwd=cwd, env=quiet, mode="pty"))
+        chan = await Channel.start(
+            sock, argv, cwd=cwd, env=quiet, mode="pty", server_pid=server_pid
+        )
+        session = cls(chan)
         try:
             first = await session.run("true", timeout_s=30, output_cap=1 << 16)  # start-up noise
         except ExecError:
@@ -251,9 +256,14 @@ class PythonSession(Session):
     kind = "python"
 
     @classmethod
-    async def start(cls, sock: Path, cwd: str, env: Mapping[str, str]) -> PythonSession:
+    async def start(
+        cls, sock: Path, cwd: str, env: Mapping[str, str], server_pid: int | None = None
+    ) -> PythonSession:
         argv = ["python3", "-u", "-c", _PY_DRIVER]
-        return cls(await Channel.start(sock, argv, cwd=cwd, env=dict(env), mode="pipe"))
+        chan = await Channel.start(
+            sock, argv, cwd=cwd, env=dict(env), mode="pipe", server_pid=server_pid
+        )
+        return cls(chan)
 
     def __init__(self, chan: Channel) -> None:
         super().__init__(chan)

@@ -1,0 +1,188 @@
+"""Allocate-on-execution through an environment's exec server: what the Docker and the
+pod runtimes share once they know where an environment's exec server and cgroup are.
+
+Before each command the environment's cgroup gets exactly the action's cores and a
+matching quota; the exec server (the environment's PID 1) starts the command, which so
+inherits the cgroup; afterwards the cgroup goes back to the idle set. Every connection
+checks that the socket is the exec server's own (its pid, SO_PEERCRED), so a command that
+plants a server over the socket's name cannot answer for the environment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tangram.node_agent.cgroups import CgroupError, Cgroups
+from tangram.node_agent.exec_server import Channel
+from tangram.node_agent.execution import (
+    IDLE_QUOTA_CORES,
+    Allotments,
+    ExecError,
+    ExecResult,
+    Output,
+    render,
+    supervise,
+)
+from tangram.node_agent.sessions import BashSession, PythonSession, Session
+
+__all__ = ["Command", "FastPath", "Reachable", "cgroup_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reachable:
+    """An environment as the fast path reaches it."""
+
+    key: str  # names its cgroup's holders: concurrent actions share the cgroup
+    socket: Path  # the exec server's socket, as a path this agent can connect to
+    pid: int  # the exec server, as this agent's /proc sees it
+    cgroup: str  # its group, relative to the cgroup root
+    workdir: str
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One action's command as the runtimes run it."""
+
+    argv: list[str]  # {dop} already filled in
+    cores: Sequence[int]
+    timeout_s: float | None
+    env: dict[str, str]
+    output_cap: int
+
+
+def cgroup_of(pid: int, cgroups: Cgroups, proc_root: Path = Path("/proc")) -> str:
+    """The cgroup of process ``pid`` that holds its CPU limits, read from
+    ``/proc/<pid>/cgroup`` (cgroupfs and systemd drivers, v1 and v2), checked readable."""
+    try:
+        lines = (proc_root / str(pid) / "cgroup").read_text().splitlines()
+    except OSError as e:
+        raise ExecError(f"the container's cgroup is not visible here: {e.strerror}") from None
+    paths: dict[str, str] = {}
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for ctrl in controllers.split(",") if controllers else [""]:
+            paths[ctrl] = path
+    if cgroups.version == 1:
+        group = paths.get("cpuset")
+        if group is None or paths.get("cpu") != group:
+            raise ExecError("the container's cpuset and cpu cgroups differ")
+    else:
+        group = paths.get("")
+    if not group:
+        raise ExecError("the container's cgroup was not found")
+    group = group.strip("/")
+    try:
+        cgroups.cpus(group)
+    except OSError as e:
+        raise ExecError(f"the container's cgroup {group}: {e.strerror}") from None
+    return group
+
+
+class FastPath:
+    """Runs commands and sessions in reachable environments on exactly their cores."""
+
+    def __init__(self, cgroups: Cgroups, idle_cores: Sequence[int]) -> None:
+        self.cgroups = cgroups
+        self.idle_cores = tuple(idle_cores)
+        self.allot = Allotments()
+        self.sessions: dict[tuple[str, str, str], Session] = {}  # (trajectory, kind, name)
+
+    # Concurrent actions of one environment share its cgroup (see ``Allotments``).
+    def enter(self, key: str, cores: Sequence[int]) -> tuple[list[int], float]:
+        return self.allot.enter(key, cores, float(len(cores)))
+
+    def leave(self, key: str, cores: Sequence[int]) -> tuple[list[int], float]:
+        rest = self.allot.leave(key, cores, float(len(cores)))
+        return rest or (list(self.idle_cores), IDLE_QUOTA_CORES)
+
+    def _limit(self, env: Reachable, cores: Sequence[int], quota_cores: float) -> None:
+        try:
+            self.cgroups.limit(env.cgroup, cores, quota_cores)
+        except CgroupError as e:
+            raise ExecError(str(e)) from None
+
+    def group_enter(self, env: Reachable, cores: Sequence[int]) -> None:
+        self._limit(env, *self.enter(env.key, cores))
+
+    def group_leave(self, env: Reachable, cores: Sequence[int]) -> None:
+        self._limit(env, *self.leave(env.key, cores))
+
+    async def exec(self, env: Reachable, cmd: Command) -> ExecResult:
+        t0 = time.perf_counter()
+        self.group_enter(env, cmd.cores)
+        try:
+            chan = await Channel.start(
+                env.socket, cmd.argv, cwd=env.workdir, env=cmd.env, server_pid=env.pid
+            )
+        except BaseException:
+            self.group_leave(env, cmd.cores)
+            raise
+        t1 = time.perf_counter()
+
+        async def idle() -> None:
+            self.group_leave(env, cmd.cores)
+
+        try:
+            output, timed_out = await supervise(
+                chan.collect(cmd.output_cap), cmd.timeout_s, chan.kill, idle
+            )
+        finally:
+            chan.close()
+        t2 = time.perf_counter()
+        self.group_leave(env, cmd.cores)
+        t3 = time.perf_counter()
+        code = None if timed_out else chan.exit_code
+        return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
+
+    async def session(
+        self,
+        env: Reachable,
+        trajectory: str,
+        kind: str,
+        code: str,
+        cores: Sequence[int],
+        *,
+        name: str = "main",
+        timeout_s: float | None = None,
+        environ: Mapping[str, str] | None = None,
+        output_cap: int = 1 << 20,
+    ) -> ExecResult:
+        """Run ``code`` in the trajectory's persistent ``kind`` session (bash or python),
+        started on first use, on exactly ``cores`` for the duration of the action."""
+        if kind not in ("bash", "python"):
+            raise ExecError(f"kind: {kind!r} is not a session kind (bash, python)")
+        dop_env = {**(environ or {}), "TANGRAM_DOP": str(len(cores))}
+        t0 = time.perf_counter()
+        self.group_enter(env, cores)
+        try:
+            key = (trajectory, kind, name)
+            sess = self.sessions.get(key)
+            if sess is None or not sess.alive:
+                start = BashSession.start if kind == "bash" else PythonSession.start
+                sess = await start(env.socket, env.workdir, dop_env, server_pid=env.pid)
+                self.sessions[key] = sess
+            t1 = time.perf_counter()
+            # {dop} is filled in bash commands, as in argv; Python reads TANGRAM_DOP.
+            text = render([code], len(cores))[0] if kind == "bash" else code
+            reply = await sess.run(text, timeout_s=timeout_s, output_cap=output_cap, env=dop_env)
+            t2 = time.perf_counter()
+        finally:
+            self.group_leave(env, cores)
+        t3 = time.perf_counter()
+        output = Output(
+            reply.stdout.encode(),
+            reply.stdout_truncated,
+            reply.stderr.encode(),
+            reply.stderr_truncated,
+        )
+        return ExecResult.of(
+            reply.exit_code, output, reply.timed_out, cores, (t0, t1, t2, t3), path=kind
+        )
+
+    def end_sessions(self, trajectory: str) -> None:
+        """The trajectory's environment is going: its sessions end with it."""
+        for key in [k for k in self.sessions if k[0] == trajectory]:
+            self.sessions.pop(key).alive = False
