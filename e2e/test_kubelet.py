@@ -62,9 +62,9 @@ def test_a_pod_runs_on_the_real_node_and_its_cpuset_follows_the_host(
 
     # The container's cgroup, from its id in the pod's status; one core written from the
     # host is what the container sees at its next command.
-    status = obj["status"]["containerStatuses"][0]  # type: ignore[index]
+    status = obj["status"]["containerStatuses"][0]
     container_id = status["containerID"].removeprefix("containerd://")
-    group = real_node.cgroup_dir("cpuset", obj["metadata"]["uid"], container_id)  # type: ignore[index]
+    group = real_node.cgroup_dir("cpuset", obj["metadata"]["uid"], container_id)
     assert group is not None
     core = max(os.sched_getaffinity(0))
     (group / "cpuset.cpus").write_text(str(core))

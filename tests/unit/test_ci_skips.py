@@ -26,6 +26,7 @@ def test_expected_failure():
 def test_runs():
     pass
 """
+PYTEST = [sys.executable, "-m", "pytest", "-p", "tests.ci_skips", "-p", "no:cacheprovider", "-rA"]
 MODULE_SKIP = 'import pytest\npytest.importorskip("no_such_module_here")\n'
 
 
@@ -36,8 +37,7 @@ def _run(tmp_path: Path, ci: str | None, source: str) -> subprocess.CompletedPro
         env["CI"] = ci
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.ci_skips", "-p", "no:cacheprovider"]
-        + ["-rA", "-q", str(tmp_path / "test_cases.py")],
+        [*PYTEST, str(tmp_path / "test_cases.py")],
         cwd=tmp_path,
         env=env,
         capture_output=True,
