@@ -455,6 +455,14 @@ class TrajectoryEnvSpec(_Spec):
         Field(min_length=1, description="container network: none, host or a network name"),
     ] = "none"
     security: Annotated[Security, Field(description="container hardening")] = Security()
+    runtime_class_name: Annotated[
+        str | None,
+        Field(
+            pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+            description="RuntimeClass of the sandbox pods on Kubernetes (gVisor, Kata); "
+            "unset = the node's default runtime",
+        ),
+    ] = None
     warm_pool: Annotated[
         int, Field(ge=0, description="containers kept started ahead of trajectories")
     ] = 0

@@ -142,6 +142,7 @@ def env_config(env: TrajectoryEnv, pool: str) -> EnvConfig:
             read_only_root=s.security.read_only_root,
             user=s.security.user,
             pids_limit=s.security.pids_limit,
+            runtime_class_name=s.runtime_class_name,
             pool=pool,
             warm=s.warm_pool,
         ),

@@ -1,0 +1,143 @@
+"""The pod runtime on the real node: sandboxes are pods the kubelet runs on containerd, the
+agent reaches their exec servers through the host's /proc and writes their cgroups, with
+no Docker socket anywhere; warm claims, cold opens, a restarted agent taking its pods back
+with their files, and nothing left after close."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness.controlplane import ControlPlane
+from harness.kubelet import RealNode, write_image_archive
+from harness.pods import wait_for
+
+from tangram.api.wire import EnvSpec
+from tangram.node_agent.exec_server import build
+from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH, PodRuntime, kube_pod_api
+
+pytestmark = pytest.mark.e2e
+
+NS = "sandboxes"
+EXECD_IMAGE = "docker.io/tangram-test/execd:1"
+CORES = sorted(os.sched_getaffinity(0))
+
+
+@pytest.fixture(scope="module")
+def images(
+    real_node: RealNode, busybox_on_node: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, str]:
+    """(sandbox image, execd image) in the node's containerd. The execd image holds the
+    exec server where the agent's image has it, as the only file."""
+    work = tmp_path_factory.mktemp("execd")
+    built = build(work / "cache")
+    assert built.path is not None, built.reason
+    archive = work / "execd.tar"
+    write_image_archive(
+        archive, EXECD_IMAGE, {DEFAULT_EXECD_PATH.lstrip("/"): built.path},
+        entrypoint=[DEFAULT_EXECD_PATH],
+    )  # fmt: skip
+    real_node.ctr("images", "import", str(archive))
+    return busybox_on_node, EXECD_IMAGE
+
+
+@pytest.fixture(scope="module")
+def namespace(control_plane: ControlPlane) -> Iterator[str]:
+    control_plane.kubectl("create", "namespace", NS)
+    yield NS
+    control_plane.kubectl("delete", "namespace", NS, "--wait=true", timeout=120)
+
+
+def _runtime(cp: ControlPlane, node: RealNode, execd_image: str) -> PodRuntime:
+    return PodRuntime(
+        [CORES[0]],
+        api=kube_pod_api(NS, str(cp.admin_kubeconfig)),
+        node=node.name,
+        namespace=NS,
+        execd_image=execd_image,
+    )
+
+
+def _run(rt: PodRuntime, t: str, argv: list[str], cores: list[int]) -> Any:
+    return asyncio.run(rt.exec(t, argv, cores, timeout_s=60))
+
+
+def _pods(cp: ControlPlane) -> list[dict[str, Any]]:
+    out = cp.kubectl("get", "pods", "-n", NS, "-l", "tangram.dev/sandbox=true", "-o", "json")
+    items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+    return items
+
+
+def test_sandboxes_are_pods_with_cores_only_while_an_action_runs(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    cp = control_plane
+    image, execd_image = images
+    rt = _runtime(cp, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, workdir="/work", warm=1, pool="p")
+
+    assert rt.warm(spec) == 1
+    warm = rt.open("t-1", spec)
+    assert warm.warm
+    cold = rt.open("t-2", spec)
+    assert not cold.warm
+    pods = {p["metadata"]["labels"].get("tangram.dev/trajectory"): p for p in _pods(cp)}
+    assert set(pods) == {"t-1", "t-2"}
+    pod = pods["t-1"]
+    assert pod["spec"]["nodeName"] == real_node.name
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    sandbox = pod["spec"]["containers"][0]
+    assert sandbox["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert sandbox["resources"]["limits"]["memory"] == "256Mi"
+    assert "cpu" not in sandbox["resources"]["requests"]  # the pool's cores, not the pod's
+
+    # The action's cores inside the pod while it runs; the idle core afterwards.
+    core = CORES[-1]
+    res = _run(rt, "t-1", ["sh", "-c", "grep Cpus_allowed_list /proc/self/status; "
+                           "echo kept > /work/f; echo $TANGRAM_DOP"], [core])  # fmt: skip
+    assert res.exit_code == 0, res
+    assert res.stdout.split() == ["Cpus_allowed_list:", str(core), "1"]
+    assert res.path == "fast"
+    assert rt.cgroups.cpus(rt.envs["t-1"].reach.cgroup) == str(CORES[0])
+
+    # A restarted agent takes its pods back, files and all; nothing was deleted.
+    again = _runtime(cp, real_node, execd_image)
+    assert again.adopt() == ["t-1", "t-2"]
+    assert _run(again, "t-1", ["cat", "/work/f"], [core]).stdout == "kept\n"
+    assert len(_pods(cp)) == 2
+
+    again.close("t-1")
+    again.close("t-2")
+    again.shutdown_warm()
+    wait_for("every sandbox pod to go", lambda: not _pods(cp), 60)
+
+
+def test_a_command_cannot_answer_for_the_exec_server(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    """A command that plants its own listener under the socket's name is refused: the
+    agent checks the pid that listens (the sandbox's PID 1)."""
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, workdir="/work", pool="p")
+    rt.open("t-3", spec)
+    try:
+        reach = rt.envs["t-3"].reach
+        fake = Path(f"/proc/{reach.pid}/root/.tangram/run/fake.sock")
+        import socket
+
+        # As a command in the sandbox could: a listener of another process, moved over
+        # the real socket's name (the directory is the sandbox's).
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as planted:
+            planted.bind(str(fake))
+            planted.listen(1)
+            os.replace(fake, reach.socket)
+            with pytest.raises(Exception, match="not by the environment's exec server"):
+                _run(rt, "t-3", ["echo", "forged"], [CORES[-1]])
+    finally:
+        rt.close("t-3")

@@ -1,0 +1,472 @@
+"""Trajectory environments as Kubernetes pods on the agent's own node (any CRI runtime).
+
+The node agent (a DaemonSet pod with the host's PID namespace and cgroup tree) creates
+each sandbox pod bound to its node, finds the sandbox container's exec server among the
+host's processes, and from then on works as the Docker runtime's fast path does:
+allocate-on-execution by writing the container's cgroup, commands started by the exec
+server, reached at ``/proc/<pid>/root/.tangram/run/exec.sock`` and checked to be that
+process's socket. It needs no Docker socket and no container runtime API.
+
+A warm pod is claimed by relabelling it (one API call); a cold open creates a pod and
+waits for it. Pods outlive the agent: a restarted agent lists the pods of its pool on its
+node and takes them back with their files; nothing deletes them but a close, the pool's
+deletion (ownerReference) or an agent that finds them dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tangram.api.wire import EnvSpec
+from tangram.node_agent.cgroups import Cgroups, detect
+from tangram.node_agent.env_template import User, check_trajectory_id, digest, pick_user
+from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
+from tangram.node_agent.execution import (
+    IDLE_QUOTA_CORES,
+    ExecError,
+    ExecResult,
+    check_request,
+    render,
+)
+from tangram.node_agent.fast_path import Command, FastPath, Reachable, cgroup_of
+from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
+
+__all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime", "kube_pod_api"]
+
+DEFAULT_EXECD_PATH = "/usr/local/libexec/tangram/tangram-execd"  # in the agent's image
+STATE = f"{LABEL}/state"  # warm | open
+TRAJECTORY = f"{LABEL}/trajectory"
+
+
+class PodApi(Protocol):
+    """The few Kubernetes calls the runtime makes (``kube_pod_api`` is the real one)."""
+
+    def create(self, manifest: dict[str, Any]) -> None: ...
+    def get(self, name: str) -> dict[str, Any] | None: ...
+    def list(self, selector: str) -> list[dict[str, Any]]: ...
+    def label(self, name: str, labels: Mapping[str, str]) -> None: ...
+    def delete(self, name: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Pod:
+    """A sandbox pod the agent holds, open or warm."""
+
+    name: str
+    template: str  # digest() of the EnvSpec it was built from
+    env_name: str
+    reach: Reachable
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    container_id: str
+    warm: bool
+    seconds: float
+
+
+class PodRuntime:
+    def __init__(
+        self,
+        idle_cores: Sequence[int],
+        *,
+        api: PodApi,
+        node: str,
+        namespace: str,
+        execd_image: str,
+        execd_path: str = DEFAULT_EXECD_PATH,
+        owner: Mapping[str, Any] | None = None,
+        cgroup_root: Path = Path("/sys/fs/cgroup"),
+        proc_root: Path = Path("/proc"),
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if not idle_cores:
+            raise ExecError("idle_cores: at least one core must hold idle trajectories")
+        self.api = api
+        self.node = node
+        self.namespace = namespace
+        self.execd_image = execd_image
+        self.execd_path = execd_path
+        self.owner = dict(owner) if owner else None
+        self.idle_cores = tuple(idle_cores)
+        self.cgroups: Cgroups = detect(cgroup_root)
+        self.cgroup_root = cgroup_root
+        self.proc_root = proc_root
+        self.start_timeout_s = start_timeout_s
+        self.envs: dict[str, Pod] = {}  # by trajectory
+        self.warm_pool: dict[str, list[Pod]] = {}  # by template digest
+        self.fast = FastPath(self.cgroups, self.idle_cores)
+        self._facts: dict[str, tuple[User | None, bool]] = {}  # by image|user|workdir
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def open(self, trajectory: str, template: EnvSpec) -> Opened:
+        """Give the trajectory a sandbox pod: a warm one if one is ready."""
+        check_trajectory_id(trajectory)
+        if trajectory in self.envs:
+            raise ExecError(f"trajectory: {trajectory} is already open")
+        t0 = time.perf_counter()
+        ready = self.warm_pool.get(digest(template), [])
+        while ready:
+            pod = ready.pop()
+            try:
+                self.api.label(pod.name, {STATE: "open", TRAJECTORY: trajectory})
+            except ExecError:
+                self._delete(pod.name)  # gone or broken while it waited: try the next
+                continue
+            self.envs[trajectory] = pod
+            return Opened(pod.reach.key, True, time.perf_counter() - t0)
+        pod = self._create(template, {STATE: "open", TRAJECTORY: trajectory})
+        self.envs[trajectory] = pod
+        return Opened(pod.reach.key, False, time.perf_counter() - t0)
+
+    def warm(self, template: EnvSpec) -> int:
+        """Top the template's warm pool up to ``template.warm``; older versions go."""
+        current = digest(template)
+        for other, pods in list(self.warm_pool.items()):
+            if other != current and pods and pods[0].env_name == template.name:
+                for pod in self.warm_pool.pop(other):
+                    self._delete(pod.name)
+        ready = self.warm_pool.setdefault(current, [])
+        made = 0
+        while len(ready) < template.warm:
+            ready.append(self._create(template, {STATE: "warm"}))
+            made += 1
+        while len(ready) > template.warm:
+            self._delete(ready.pop().name)
+        return made
+
+    def close(self, trajectory: str) -> None:
+        """Delete the trajectory's pod and everything it wrote."""
+        self.fast.end_sessions(trajectory)
+        pod = self.envs.pop(trajectory, None)
+        if pod is not None:
+            self._delete(pod.name)
+
+    def shutdown_warm(self) -> None:
+        for pods in self.warm_pool.values():
+            for pod in pods:
+                self._delete(pod.name)
+        self.warm_pool.clear()
+
+    def adopt(self) -> list[str]:
+        """Take back the sandbox pods of this pool on this node (after a restart).
+
+        Running pods whose exec server answers are taken as they are, open or warm; pods
+        that ended or never started are deleted (their environment is gone, and the caller
+        reports their trajectories lost).
+        """
+        selector = f"{LABEL}/sandbox=true,{LABEL}/node={self.node}"
+        for obj in self.api.list(selector):
+            meta = obj["metadata"]
+            name, labels = meta["name"], meta.get("labels") or {}
+            try:
+                reach = self._reach(obj, wait_s=2.0)
+            except ExecError:
+                self._delete(name)
+                continue
+            pod = Pod(name, labels.get(f"{LABEL}/template", ""), labels.get(f"{LABEL}/env", ""),
+                      reach)  # fmt: skip
+            trajectory = labels.get(TRAJECTORY)
+            if labels.get(STATE) == "open" and trajectory:
+                self.envs[trajectory] = pod
+            elif labels.get(STATE) == "warm":
+                self.warm_pool.setdefault(pod.template, []).append(pod)
+            else:
+                self._delete(name)
+        return sorted(self.envs)
+
+    def _create(self, template: EnvSpec, state: Mapping[str, str]) -> Pod:
+        user, has_workdir = self._facts.get(self._facts_key(template), (None, True))
+        name = f"tangram-{template.pool}-{secrets.token_hex(5)}"[:63]
+        manifest = sandbox_pod(
+            template,
+            name=name,
+            namespace=self.namespace,
+            node=self.node,
+            execd_image=self.execd_image,
+            execd_path=self.execd_path,
+            extra_labels=state,
+            owner=self.owner,
+            user=user,
+            own_workdir=not has_workdir,
+        )
+        self.api.create(manifest)
+        try:
+            reach = self._reach(self._running(name), wait_s=10.0)
+            if self._learn_facts(template, reach):  # first pod of this image: redo it
+                self._delete(name)
+                return self._create(template, state)
+            self._prepare(reach, template)
+        except BaseException:
+            self._delete(name)
+            raise
+        return Pod(name, digest(template), template.name, reach)
+
+    @staticmethod
+    def _facts_key(template: EnvSpec) -> str:
+        return f"{template.image}|{template.user}|{template.workdir}"
+
+    def _learn_facts(self, template: EnvSpec, reach: Reachable) -> bool:
+        """Read the image's users and workdir from the first pod of an image; True when
+        that pod was made without them (it runs as the wrong user, or lacks the workdir)."""
+        key = self._facts_key(template)
+        if key in self._facts:
+            return False
+        root = self.proc_root / str(reach.pid) / "root"
+        try:
+            passwd = (root / "etc/passwd").read_text(errors="replace")
+        except OSError:
+            passwd = ""
+        user = pick_user(passwd, template.user)
+        has_workdir = (root / template.workdir.lstrip("/")).is_dir()
+        self._facts[key] = (user, has_workdir)
+        running_as = self._uid(reach.pid)
+        return (user.uid if user else 0) != running_as or not has_workdir
+
+    def _uid(self, pid: int) -> int:
+        for line in (self.proc_root / str(pid) / "status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+        raise ExecError(f"pid {pid}: no Uid in its status")
+
+    def _prepare(self, reach: Reachable, template: EnvSpec) -> None:
+        """Idle limits and the pids limit; then the environment's setup commands, on the
+        idle cores without the idle quota (bounded work at open time)."""
+        self._pids_limit(reach.cgroup, template.pids_limit)
+        if template.setup:
+            self.cgroups.limit(reach.cgroup, self.idle_cores, None)
+            for argv in template.setup:
+                cmd = Command(list(argv), self.idle_cores, 600.0, dict(template.env), 1 << 16)
+                res = asyncio.run(self.fast.exec(reach, cmd))
+                if res.exit_code != 0:
+                    raise ExecError(
+                        f"setup {list(argv)} failed with exit code {res.exit_code}: "
+                        f"{res.stderr[-500:]}"
+                    )
+        self.cgroups.limit(reach.cgroup, self.idle_cores, IDLE_QUOTA_CORES)
+
+    def _pids_limit(self, group: str, limit: int) -> None:
+        # Kubernetes has no per-pod pids field (only the node-wide podPidsLimit).
+        path = (
+            self.cgroup_root / "pids" / group / "pids.max"
+            if self.cgroups.version == 1
+            else self.cgroup_root / group / "pids.max"
+        )
+        with contextlib.suppress(OSError):  # no pids controller: the node's limit holds
+            path.write_text(str(limit))
+
+    def _running(self, name: str) -> dict[str, Any]:
+        """The pod once its sandbox container runs; a clear error if it never will."""
+        deadline = time.monotonic() + self.start_timeout_s
+        delay = 0.02
+        while True:
+            obj = self.api.get(name)
+            if obj is None:
+                raise ExecError(f"pod {self.namespace}/{name}: deleted while starting")
+            status = obj.get("status") or {}
+            phase = status.get("phase")
+            if phase in ("Failed", "Succeeded"):
+                raise ExecError(f"pod {self.namespace}/{name}: {phase}: {_why(status)}")
+            for c in status.get("containerStatuses") or []:
+                if c.get("name") == SANDBOX and "running" in (c.get("state") or {}):
+                    return obj
+            waiting = _waiting(status)
+            if waiting in _NEVER_STARTS:
+                raise ExecError(
+                    f"pod {self.namespace}/{name}: {waiting}: {_why(status)} (image "
+                    f"{_image(obj)}: images must be on the node or pullable)"
+                )
+            if time.monotonic() > deadline:
+                raise ExecError(
+                    f"pod {self.namespace}/{name}: not running after "
+                    f"{self.start_timeout_s:.0f} s: {_why(status) or phase}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+
+    def _reach(self, obj: dict[str, Any], *, wait_s: float) -> Reachable:
+        """Where the sandbox container's exec server and cgroup are, seen from here."""
+        status = obj.get("status") or {}
+        ids = [
+            c.get("containerID", "")
+            for c in status.get("containerStatuses") or []
+            if c.get("name") == SANDBOX and "running" in (c.get("state") or {})
+        ]
+        if not ids or "://" not in ids[0]:
+            raise ExecError(f"pod {obj['metadata']['name']}: the sandbox is not running")
+        container_id = ids[0].split("://", 1)[1]
+        pid = self._init_pid(container_id)
+        group = cgroup_of(pid, self.cgroups, self.proc_root)
+        socket = self.proc_root / str(pid) / "root" / IN_CONTAINER_RUN.lstrip("/") / SOCKET_NAME
+        deadline = time.monotonic() + wait_s
+        while not socket.exists():
+            if time.monotonic() > deadline:
+                raise ExecError(f"pod {obj['metadata']['name']}: the exec server did not start")
+            time.sleep(0.002)
+        workdir = obj["spec"]["containers"][0].get("workingDir") or "/"
+        return Reachable(container_id, socket, pid, group, workdir)
+
+    def _init_pid(self, container_id: str) -> int:
+        """The container's PID 1 among the host's processes (needs the host PID
+        namespace): the process in a cgroup named by the container id whose own
+        namespace calls it 1."""
+        for entry in self.proc_root.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if container_id not in (entry / "cgroup").read_text():
+                    continue
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("NSpid:") and line.split()[-1] == "1":
+                    return int(entry.name)
+        raise ExecError(
+            f"container {container_id[:12]}: its processes are not visible here (the agent "
+            "needs the host's PID namespace: hostPID)"
+        )
+
+    def _delete(self, name: str) -> None:
+        with contextlib.suppress(ExecError):
+            self.api.delete(name)
+
+    # ---- execution ---------------------------------------------------------------
+    async def exec(
+        self,
+        trajectory: str,
+        argv: Sequence[str],
+        cores: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        output_cap: int = 1 << 20,
+    ) -> ExecResult:
+        """Run ``argv`` in the trajectory's pod on exactly ``cores``."""
+        held = self.envs.get(trajectory)
+        check_request(held is not None, trajectory, argv, cores)
+        assert held is not None
+        full_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
+        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap)
+        return await self.fast.exec(held.reach, cmd)
+
+    async def session(
+        self,
+        trajectory: str,
+        kind: str,
+        code: str,
+        cores: Sequence[int],
+        *,
+        name: str = "main",
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        output_cap: int = 1 << 20,
+    ) -> ExecResult:
+        held = self.envs.get(trajectory)
+        check_request(held is not None, trajectory, [code] if code else [], cores)
+        assert held is not None
+        return await self.fast.session(
+            held.reach, trajectory, kind, code, cores, name=name, timeout_s=timeout_s,
+            environ=env, output_cap=output_cap,
+        )  # fmt: skip
+
+
+# Waiting reasons after which the sandbox container will not start by itself.
+_NEVER_STARTS = frozenset(
+    {"ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+     "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+)  # fmt: skip
+
+
+def _waiting(status: Mapping[str, Any]) -> str:
+    for c in [*(status.get("initContainerStatuses") or []),
+              *(status.get("containerStatuses") or [])]:  # fmt: skip
+        reason = ((c.get("state") or {}).get("waiting") or {}).get("reason")
+        if reason:
+            return str(reason)
+    return ""
+
+
+def _why(status: Mapping[str, Any]) -> str:
+    """The most telling message of a pod's status: a container's, else the pod's."""
+    for c in [*(status.get("initContainerStatuses") or []),
+              *(status.get("containerStatuses") or [])]:  # fmt: skip
+        for state in (c.get("state") or {}).values():
+            if isinstance(state, dict) and (state.get("message") or state.get("reason")):
+                return f"{c.get('name')}: {state.get('reason', '')} {state.get('message', '')}"
+    for cond in status.get("conditions") or []:
+        if cond.get("status") == "False" and cond.get("message"):
+            return str(cond["message"])
+    return str(status.get("message") or status.get("reason") or "")
+
+
+def _image(obj: Mapping[str, Any]) -> str:
+    return ", ".join(c.get("image", "") for c in obj["spec"]["containers"])
+
+
+def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
+    """The Kubernetes API as the runtime uses it: ``kubeconfig`` if given, else in-cluster
+    credentials (the agent's ServiceAccount), else ``KUBECONFIG``."""
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    api_client: Any
+    try:
+        if kubeconfig:
+            raise config.ConfigException("a kubeconfig was given")
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        api_client = client.ApiClient()
+    except config.ConfigException:
+        api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    core = client.CoreV1Api(api_client)
+
+    def to_dict(obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = api_client.sanitize_for_serialization(obj)
+        return out
+
+    def fail(e: ApiException, what: str) -> ExecError:
+        return ExecError(f"{what}: the API server answered {e.status} {e.reason}")
+
+    class Api:
+        def create(self, manifest: dict[str, Any]) -> None:
+            try:
+                core.create_namespaced_pod(namespace, manifest)  # type: ignore[arg-type]
+            except ApiException as e:
+                raise fail(e, f"creating pod {namespace}/{manifest['metadata']['name']}") from None
+
+        def get(self, name: str) -> dict[str, Any] | None:
+            try:
+                return to_dict(core.read_namespaced_pod(name, namespace))
+            except ApiException as e:
+                if e.status == 404:
+                    return None
+                raise fail(e, f"reading pod {namespace}/{name}") from None
+
+        def list(self, selector: str) -> list[dict[str, Any]]:
+            try:
+                pods = core.list_namespaced_pod(namespace, label_selector=selector)
+            except ApiException as e:
+                raise fail(e, f"listing pods {selector}") from None
+            return [to_dict(p) for p in pods.items]
+
+        def label(self, name: str, labels: Mapping[str, str]) -> None:
+            try:
+                core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": dict(labels)}})
+            except ApiException as e:
+                raise fail(e, f"labelling pod {namespace}/{name}") from None
+
+        def delete(self, name: str) -> None:
+            try:
+                core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+            except ApiException as e:
+                if e.status != 404:
+                    raise fail(e, f"deleting pod {namespace}/{name}") from None
+
+    return Api()
