@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 export PYTHONPATH := $(CURDIR)/scheduler:$(CURDIR)/operator:$(CURDIR)/node-agent
 
-.PHONY: setup run test test-gpu e2e lint typecheck bench bench-quick gpu-kit images manifests chart-lint clean
+.PHONY: setup run test test-gpu e2e bench-pods lint typecheck bench bench-quick gpu-kit images manifests chart-lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -59,6 +59,7 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench scheduler --json --out docs/bench/scheduler.json
 	$(BIN)/tangram bench paper --out docs/bench
 	$(BIN)/tangram bench exec --json --out docs/bench/exec.json  # needs a Docker Engine
+	$(BIN)/python e2e/bench_pods.py  # the pod runtime on a real kubelet: root, containerd
 	$(BIN)/tangram bench service --sweep 2,1,0.7,0.5,0.48,0.45,0.4,0.33,0.25,0.2,0.16,0.13,0.1 --json --out docs/bench/service.json
 	$(BIN)/tangram bench service --transport http --sweep 2,1,0.7,0.5,0.48,0.45,0.4,0.33,0.28,0.25,0.2 --json --out docs/bench/service_http.json
 	@if $(BIN)/python -c 'import torch' 2>/dev/null; then \
@@ -79,6 +80,9 @@ gpu-kit: setup ## wheels (cp312, the versions in .venv) a lent GPU machine lacks
 		--implementation cp $(GPU_PLATFORMS) -d .whl $$($(BIN)/python -c \
 		"import importlib.metadata as m; print(*(f'{n}=={m.version(n)}' for n in '$(GPU_KIT)'.split()))")
 	@du -sh .whl
+
+bench-pods: setup ## the pod runtime's overhead and open latency on a real kubelet (root)
+	$(BIN)/python e2e/bench_pods.py
 
 bench-quick: setup ## a smaller paper sweep for a smoke run (writes out/bench)
 	$(BIN)/tangram bench paper --quick --out out/bench

@@ -184,6 +184,10 @@ def _start_agent(s: Stack, pool: str, namespace: str, url: str, role: str = "cpu
     pod = local_pod(ds["spec"]["template"], namespace, kubectl_json(s.kubectl), work,
                     node=SANDBOX_NODE)  # fmt: skip
     argv = replace_flag(pod.argv, "--scheduler", url.replace("http://", "ws://") + "/v1/agents")
+    # kwok's fake node runs no pods, so this agent runs its sandboxes as containers of the
+    # Docker Engine; the pod runtime the DaemonSet names runs on the real kubelet in
+    # test_pod_runtime.py.
+    argv = replace_flag(argv, "--runtime", "docker")
     state = pod.argv[pod.argv.index("--state-dir") + 1]
     argv = replace_flag(argv, "--state-dir", str(work / state.strip("/").replace("/", "-")))
     return s.start(f"{pool}-{role}-agent", argv, pod.env)

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 from harness.controlplane import ControlPlane
-from harness.kubelet import RealNode, write_image_archive
+from harness.kubelet import RealNode
 from harness.pods import wait_for
 
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.exec_server import build
-from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH, PodRuntime, kube_pod_api
+from tangram.node_agent.kube_pods import kube_pod_api
+from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH, PodRuntime
 
 pytestmark = pytest.mark.e2e
 
@@ -34,15 +35,9 @@ def images(
 ) -> tuple[str, str]:
     """(sandbox image, execd image) in the node's containerd. The execd image holds the
     exec server where the agent's image has it, as the only file."""
-    work = tmp_path_factory.mktemp("execd")
-    built = build(work / "cache")
+    built = build(tmp_path_factory.mktemp("execd"))
     assert built.path is not None, built.reason
-    archive = work / "execd.tar"
-    write_image_archive(
-        archive, EXECD_IMAGE, {DEFAULT_EXECD_PATH.lstrip("/"): built.path},
-        entrypoint=[DEFAULT_EXECD_PATH],
-    )  # fmt: skip
-    real_node.ctr("images", "import", str(archive))
+    real_node.import_execd_image(built.path, EXECD_IMAGE, DEFAULT_EXECD_PATH)
     return busybox_on_node, EXECD_IMAGE
 
 

@@ -202,6 +202,16 @@ class RealNode:
             raise NodeError(f"{name}: not in containerd after the import")
         return name
 
+    def import_execd_image(self, execd: Path, name: str, path_in_image: str) -> str:
+        """An image holding only the exec server at ``path_in_image`` (where the agent's
+        image has it): what a sandbox pod's init container copies it from."""
+        archive = self.work / "execd-image.tar"
+        write_image_archive(
+            archive, name, {path_in_image.lstrip("/"): execd}, entrypoint=[path_in_image]
+        )
+        self.ctr("images", "import", str(archive))
+        return name
+
     def cgroup_dir(self, controller: str, pod_uid: str, container_id: str) -> Path | None:
         """Where a pod container's cgroup lies in ``controller`` (cgroup v1, cgroupfs)."""
         base = CGROUP_ROOT / controller / "kubepods"

@@ -20,7 +20,7 @@ TOKEN = "agent-token-0123456789abcdef"
 OP_TOKEN = "operator-token-0123456789abcdef"
 IMAGE = "ghcr.io/example/arl-tangram:0.1.0"
 NAMESPACED = {"ConfigMap", "Secret", "ServiceAccount", "Role", "RoleBinding", "Deployment",
-              "Service", "DaemonSet"}  # fmt: skip
+              "Service", "DaemonSet", "NetworkPolicy"}  # fmt: skip
 
 
 def _resources(example: str) -> Resources:
@@ -186,7 +186,7 @@ def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
     pod = spec["template"]["spec"]
     assert pod["hostPID"] is True
     assert pod["nodeSelector"] == {"tangram.dev/role": "sandbox"}
-    assert pod["automountServiceAccountToken"] is False
+    assert pod["automountServiceAccountToken"] is True  # it creates its sandbox pods
     assert "tolerations" not in pod
     (container,) = pod["containers"]
     assert container["command"] == [
@@ -194,17 +194,21 @@ def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
         "--scheduler", "ws://tangram-coding-scheduler.rl.svc:8080/v1/agents",
         "--token-file", "/etc/tangram/tokens",
         "--node", "$(NODE_NAME)", "--state-dir", "/var/lib/tangram/coding",
-        "--idle-cores", "2", "--log-json", "--runtime", "docker", "--gpus", "none",
-        "--cores", "60",
+        "--idle-cores", "2", "--log-json",
+        "--runtime", "pod", "--namespace", "$(POD_NAMESPACE)",
+        "--execd-image", IMAGE, "--pool-name", "coding", "--pool-uid", UID,
+        "--gpus", "none", "--cores", "60",
     ]  # fmt: skip
     assert container["env"] == [
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
+    # No container runtime socket: the kubelet runs the sandboxes on the node's CRI runtime.
+    assert not any("sock" in str(v) for v in pod["volumes"])
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
     assert host_paths == {
         "cgroup": {"path": "/sys/fs/cgroup", "type": "Directory"},
-        "docker-socket": {"path": "/var/run/docker.sock", "type": "Socket"},
         "state": {"path": "/var/lib/tangram/coding", "type": "DirectoryOrCreate"},
     }
     for name, host in host_paths.items():  # bind-mounted into containers: same path
@@ -254,15 +258,46 @@ def test_rbac_is_least_privilege(deepsearch: list[dict[str, Any]]) -> None:
 
 
 def test_pool_without_secret_refs_gets_no_secret_access(coding: list[dict[str, Any]]) -> None:
-    role = _one(coding, "Role")
+    role = _one(coding, "Role", "tangram-coding-scheduler")
     assert all("secrets" not in r["resources"] for r in role["rules"])
 
 
 def test_service_accounts(coding: list[dict[str, Any]]) -> None:
     agent = _one(coding, "ServiceAccount", "tangram-coding-agent")
     scheduler = _one(coding, "ServiceAccount", "tangram-coding-scheduler")
+    # Neither account mounts its token by default; the two pods that need one ask for it.
     assert agent["automountServiceAccountToken"] is False
-    assert scheduler["automountServiceAccountToken"] is True
+    assert scheduler["automountServiceAccountToken"] is False
+
+
+def test_agents_may_manage_pods_of_their_namespace_only(coding: list[dict[str, Any]]) -> None:
+    role = _one(coding, "Role", "tangram-coding-agent")
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["pods"],
+            "verbs": ["create", "delete", "get", "list", "patch", "watch"],
+        }
+    ]
+    binding = _one(coding, "RoleBinding", "tangram-coding-agent")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "tangram-coding-agent", "namespace": "rl"}
+    ]
+
+
+def test_sandboxes_without_network_get_none(coding: list[dict[str, Any]]) -> None:
+    policy = _one(coding, "NetworkPolicy", "tangram-coding-sandboxes")
+    assert policy["spec"] == {
+        "podSelector": {
+            "matchLabels": {"tangram.dev/pool": "coding", "tangram.dev/network": "none"}
+        },
+        "policyTypes": ["Ingress", "Egress"],  # and no rule: nothing in, nothing out
+    }
+
+
+def test_api_only_pool_has_no_agent_rbac(deepsearch: list[dict[str, Any]]) -> None:
+    assert not [o for o in deepsearch if o["metadata"]["name"] == "tangram-deepsearch-agent"
+                and o["kind"] in ("Role", "RoleBinding")]  # fmt: skip
 
 
 def test_output_is_deterministic_whatever_the_member_order() -> None:

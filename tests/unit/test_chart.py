@@ -47,6 +47,9 @@ NEEDED: dict[tuple[str, str], set[str]] = {
         for r in ("roles", "rolebindings", "clusterroles", "clusterrolebindings")
     },
     ("authentication.k8s.io", "tokenreviews"): {"create"},
+    ("networking.k8s.io", "networkpolicies"): RW,
+    # Granted on to the node agents (their sandbox pods); the operator makes no pod.
+    ("", "pods"): {"get", "list", "watch", "create", "patch", "delete"},
 }
 
 
@@ -244,7 +247,8 @@ def test_every_rule_says_why() -> None:
 
 def _kind_resource(manifest: dict[str, Any]) -> tuple[str, str]:
     group = manifest["apiVersion"].rpartition("/")[0]
-    return group, manifest["kind"].lower() + "s"
+    kind = manifest["kind"].lower()
+    return group, kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
 
 
 def test_the_operator_may_manage_every_child_the_builders_make() -> None:

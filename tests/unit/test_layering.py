@@ -30,6 +30,7 @@ ADAPTERS = {
     "kubernetes": {
         "scheduler/tangram/service/kube.py",
         "operator/tangram/operator/kube.py",
+        "node-agent/tangram/node_agent/kube_pods.py",
     },
     # kopf drives the operator's event loop: only the handlers and the command know of it.
     "kopf": {

@@ -38,6 +38,7 @@ from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
 from tangram.node_agent.inventory import read_inventory
 from tangram.node_agent.noop_runtime import NoopRuntime
+from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH, PodRuntime
 from tangram.node_agent.process_runtime import ProcessRuntime
 
 log = logging.getLogger("tangram.agent")
@@ -60,6 +61,28 @@ def split_cores(
     return sorted(actions), idle_set
 
 
+@dataclass(frozen=True, slots=True)
+class PodOptions:
+    """What the pod runtime needs to know of its cluster (``tangram agent --runtime pod``)."""
+
+    namespace: str  # where the sandbox pods go: the pool's
+    execd_image: str  # an image holding the exec server (the agent's own)
+    execd_path: str = DEFAULT_EXECD_PATH
+    pool: str = ""  # the ActionPool that owns the sandboxes (with pool_uid)
+    pool_uid: str = ""
+    kubeconfig: str | None = None  # outside a pod; in one, its ServiceAccount
+
+    def owner(self) -> dict[str, object] | None:
+        if not (self.pool and self.pool_uid):
+            return None
+        return {"apiVersion": "tangram.dev/v1alpha1", "kind": "ActionPool", "name": self.pool,
+                "uid": self.pool_uid, "controller": False, "blockOwnerDeletion": False}  # fmt: skip
+
+
+# Runtimes whose environments are reached through their exec servers (open, warm, sessions).
+Sandboxed = DockerRuntime | PodRuntime
+
+
 @dataclass(slots=True)
 class _ProcessEnv:
     env: dict[str, str] = field(default_factory=dict)
@@ -68,7 +91,7 @@ class _ProcessEnv:
 class NodeAgent:
     def __init__(
         self,
-        runtime: DockerRuntime | ProcessRuntime | NoopRuntime,
+        runtime: DockerRuntime | PodRuntime | ProcessRuntime | NoopRuntime,
         inventory: NodeInventory,
         action_cores: list[int],
         idle_cores: list[int],
@@ -84,9 +107,11 @@ class NodeAgent:
         self.idle_cores = idle_cores
         self.node = node
         self.fast_path = fast_path
-        self.kind: Literal["docker", "process", "noop"] = (
+        self.kind: Literal["docker", "pod", "process", "noop"] = (
             "docker"
             if isinstance(runtime, DockerRuntime)
+            else "pod"
+            if isinstance(runtime, PodRuntime)
             else "noop"
             if isinstance(runtime, NoopRuntime)
             else "process"
@@ -119,10 +144,12 @@ class NodeAgent:
         cores_for_actions: int | None = None,
         cache_dir: Path | None = None,
         gpus: GpuOptions | None = None,
+        pods: PodOptions | None = None,
     ) -> NodeAgent:
-        """An agent for this machine; ``runtime``: auto, docker, process, or noop (runs
-        nothing, on ``cores_for_actions`` virtual cores: for benchmarks of the service);
-        ``gpus``: whether it serves RewardService calls, and on which devices."""
+        """An agent for this machine; ``runtime``: auto, docker, pod (sandboxes as pods on
+        this Kubernetes node: ``pods`` says where), process, or noop (runs nothing, on
+        ``cores_for_actions`` virtual cores: for benchmarks of the service); ``gpus``:
+        whether it serves RewardService calls, and on which devices."""
         options = gpus or GpuOptions()
         inventory = read_inventory(gpus=nvml_gpus if options.mode in ("auto", "cuda") else None)
         agent = cls._create(
@@ -133,6 +160,7 @@ class NodeAgent:
             cores_for_actions=cores_for_actions,
             cache_dir=cache_dir,
             inventory=inventory,
+            pods=pods,
         )
         agent.gpu = GpuRole.start(options, nvml_gpus=len(inventory.gpus))
         return agent
@@ -148,6 +176,7 @@ class NodeAgent:
         cores_for_actions: int | None,
         cache_dir: Path | None,
         inventory: NodeInventory,
+        pods: PodOptions | None = None,
     ) -> NodeAgent:
         if runtime == "noop":
             virtual = list(range(cores_for_actions or 1024))
@@ -161,6 +190,24 @@ class NodeAgent:
             )
         actions, idle = split_cores(sorted(os.sched_getaffinity(0)), idle_cores, cores_for_actions)
         name = node or inventory.hostname
+        if runtime == "pod":
+            if pods is None:
+                raise ExecError("--runtime pod needs --namespace and --execd-image")
+            from tangram.node_agent.kube_pods import kube_pod_api
+
+            pod_rt = PodRuntime(
+                idle,
+                api=kube_pod_api(pods.namespace, pods.kubeconfig),
+                node=name,
+                namespace=pods.namespace,
+                execd_image=pods.execd_image,
+                execd_path=pods.execd_path,
+                owner=pods.owner(),
+            )
+            agent = cls(pod_rt, inventory, actions, idle, node=name, fast_path="the pod runtime")
+            pod_rt.adopt()  # the sandbox pods of this pool on this node, with their files
+            agent.load_meta(state_dir / "meta")
+            return agent
         if runtime in ("auto", "docker"):
             built = build(cache_dir or state_dir / "cache")
             try:
@@ -211,7 +258,7 @@ class NodeAgent:
 
     def _held(self) -> list[str]:
         rt = self.runtime
-        return sorted(rt.envs) if isinstance(rt, DockerRuntime) else rt.held()
+        return sorted(rt.envs) if isinstance(rt, Sandboxed) else rt.held()
 
     def attach(self, sink: Callable[[AgentReply], None]) -> None:
         """A link is up: results of runs whose requester went away go to ``sink``."""
@@ -333,7 +380,7 @@ class NodeAgent:
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
         rt = self.runtime
-        if isinstance(rt, DockerRuntime):
+        if isinstance(rt, Sandboxed):
             opened = await asyncio.to_thread(rt.open, trajectory, spec)
             if spec.warm:
                 refill = asyncio.ensure_future(self.warm(spec))  # off the request path
@@ -357,7 +404,7 @@ class NodeAgent:
         return loop.time() - t0, False
 
     async def warm(self, spec: EnvSpec) -> None:
-        if isinstance(self.runtime, DockerRuntime):
+        if isinstance(self.runtime, Sandboxed):
             with contextlib.suppress(ExecError):
                 await asyncio.to_thread(self.runtime.warm, spec)
 
@@ -394,8 +441,8 @@ class NodeAgent:
         assert req.trajectory is not None
         rt = self.runtime
         if req.op == "session":
-            if not isinstance(rt, DockerRuntime):
-                raise ExecError("session: persistent sessions need the Docker runtime")
+            if not isinstance(rt, Sandboxed):
+                raise ExecError("session: persistent sessions need the Docker or pod runtime")
             assert req.session is not None and req.code is not None
             return await rt.session(
                 req.trajectory,
@@ -408,7 +455,7 @@ class NodeAgent:
                 output_cap=req.output_cap,
             )
         assert req.argv is not None
-        if isinstance(rt, DockerRuntime):
+        if isinstance(rt, Sandboxed):
             return await rt.exec(
                 req.trajectory,
                 req.argv,
@@ -432,7 +479,7 @@ class NodeAgent:
         containers (off the loop: Docker calls block)."""
         for task in self._tasks.values():
             task.cancel()
-        if isinstance(self.runtime, DockerRuntime):
+        if isinstance(self.runtime, Sandboxed):
             await asyncio.to_thread(self.runtime.shutdown_warm)
 
 

@@ -56,6 +56,7 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
+    Opened,
     Output,
     cap,
     check_request,
@@ -76,13 +77,6 @@ class Env:
     workdir: str
     run_dir: Path | None  # the socket directory shared with the exec server, if any
     reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
-
-
-@dataclass(frozen=True, slots=True)
-class Opened:
-    container_id: str
-    warm: bool  # taken from the warm pool
-    seconds: float
 
 
 class DockerRuntime:

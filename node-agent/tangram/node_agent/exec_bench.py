@@ -11,15 +11,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.docker_runtime import DockerRuntime
-from tangram.node_agent.execution import ExecError
+from tangram.node_agent.execution import ExecError, ExecResult, Opened
 
 WARMUP = 20  # actions per path before timing starts (caches, first connections)
+
+
+class Measured(Protocol):
+    """A runtime with environments reached through their exec servers (Docker, pods)."""
+
+    async def exec(
+        self, trajectory: str, argv: Sequence[str], cores: Sequence[int], *, path: str = ...
+    ) -> ExecResult: ...
+    def open(self, trajectory: str, template: EnvSpec) -> Opened: ...
+    def close(self, trajectory: str) -> None: ...
+    def warm(self, template: EnvSpec) -> int: ...
+    def shutdown_warm(self) -> None: ...
 
 
 def _summary(seconds: Sequence[float]) -> dict[str, float]:
@@ -32,17 +43,19 @@ def _summary(seconds: Sequence[float]) -> dict[str, float]:
 
 
 async def measure_exec(
-    rt: DockerRuntime,
+    rt: Measured,
     trajectory: str,
     actions: int,
     cores: Sequence[int],
+    *,
+    paths: Sequence[str] = ("fast", "portable"),
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> dict[str, Any]:
-    """Overhead per action of both paths, ``actions`` of each, interleaved."""
-    times: dict[str, list[float]] = {"fast": [], "portable": []}
-    split: dict[str, list[tuple[float, float, float]]] = {"fast": [], "portable": []}
+    """Overhead per action of each path, ``actions`` of each, interleaved."""
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    split: dict[str, list[tuple[float, float, float]]] = {p: [] for p in paths}
     for i in range(WARMUP + actions):
-        for path in ("fast", "portable"):
+        for path in paths:
             t0 = time.perf_counter()
             res = await rt.exec(trajectory, ["true"], cores, path=path)
             elapsed = time.perf_counter() - t0
@@ -53,7 +66,7 @@ async def measure_exec(
                 split[path].append((res.setup_s, res.exec_s, res.teardown_s))
         progress(max(0, i + 1 - WARMUP), actions)
     out: dict[str, Any] = {"actions": actions, "cores": list(cores)}
-    for path in ("fast", "portable"):
+    for path in paths:
         parts = np.median(np.asarray(split[path]), axis=0) * 1e3
         out[path] = {
             **_summary(times[path]),
@@ -61,12 +74,13 @@ async def measure_exec(
             "exec_p50_ms": float(parts[1]),
             "teardown_p50_ms": float(parts[2]),
         }
-    out["portable_over_fast_p50"] = out["portable"]["p50_ms"] / out["fast"]["p50_ms"]
+    if "portable" in out:
+        out["portable_over_fast_p50"] = out["portable"]["p50_ms"] / out["fast"]["p50_ms"]
     return out
 
 
 def measure_open(
-    rt: DockerRuntime,
+    rt: Measured,
     template: EnvSpec,
     opens: int,
     progress: Callable[[int, int], None] = lambda done, total: None,

@@ -72,6 +72,15 @@ class ExecResult:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """An environment given to a trajectory."""
+
+    container_id: str
+    warm: bool  # taken from the warm pool
+    seconds: float
+
+
 class Allotments:
     """The cores held by the actions running in each environment right now.
 

@@ -32,13 +32,14 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
+    Opened,
     check_request,
     render,
 )
 from tangram.node_agent.fast_path import Command, FastPath, Reachable, cgroup_of
 from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
 
-__all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime", "kube_pod_api"]
+__all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime"]
 
 DEFAULT_EXECD_PATH = "/usr/local/libexec/tangram/tangram-execd"  # in the agent's image
 STATE = f"{LABEL}/state"  # warm | open
@@ -46,7 +47,8 @@ TRAJECTORY = f"{LABEL}/trajectory"
 
 
 class PodApi(Protocol):
-    """The few Kubernetes calls the runtime makes (``kube_pod_api`` is the real one)."""
+    """The few Kubernetes calls the runtime makes (``kube_pods.kube_pod_api`` is the real
+    one; a runtime is handed it, so this module imports no Kubernetes client)."""
 
     def create(self, manifest: dict[str, Any]) -> None: ...
     def get(self, name: str) -> dict[str, Any] | None: ...
@@ -63,13 +65,6 @@ class Pod:
     template: str  # digest() of the EnvSpec it was built from
     env_name: str
     reach: Reachable
-
-
-@dataclass(frozen=True, slots=True)
-class Opened:
-    container_id: str
-    warm: bool
-    seconds: float
 
 
 class PodRuntime:
@@ -348,8 +343,12 @@ class PodRuntime:
         timeout_s: float | None = None,
         env: Mapping[str, str] | None = None,
         output_cap: int = 1 << 20,
+        path: str = "auto",
     ) -> ExecResult:
-        """Run ``argv`` in the trajectory's pod on exactly ``cores``."""
+        """Run ``argv`` in the trajectory's pod on exactly ``cores`` (``path``: auto or
+        fast; a pod has no portable path, which would need the container runtime's API)."""
+        if path not in ("auto", "fast"):
+            raise ExecError(f"path: {path!r}: the pod runtime has only the fast path")
         held = self.envs.get(trajectory)
         check_request(held is not None, trajectory, argv, cores)
         assert held is not None
@@ -409,64 +408,3 @@ def _why(status: Mapping[str, Any]) -> str:
 
 def _image(obj: Mapping[str, Any]) -> str:
     return ", ".join(c.get("image", "") for c in obj["spec"]["containers"])
-
-
-def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
-    """The Kubernetes API as the runtime uses it: ``kubeconfig`` if given, else in-cluster
-    credentials (the agent's ServiceAccount), else ``KUBECONFIG``."""
-    from kubernetes import client, config
-    from kubernetes.client.exceptions import ApiException
-
-    api_client: Any
-    try:
-        if kubeconfig:
-            raise config.ConfigException("a kubeconfig was given")
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-        api_client = client.ApiClient()
-    except config.ConfigException:
-        api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-    core = client.CoreV1Api(api_client)
-
-    def to_dict(obj: Any) -> dict[str, Any]:
-        out: dict[str, Any] = api_client.sanitize_for_serialization(obj)
-        return out
-
-    def fail(e: ApiException, what: str) -> ExecError:
-        return ExecError(f"{what}: the API server answered {e.status} {e.reason}")
-
-    class Api:
-        def create(self, manifest: dict[str, Any]) -> None:
-            try:
-                core.create_namespaced_pod(namespace, manifest)  # type: ignore[arg-type]
-            except ApiException as e:
-                raise fail(e, f"creating pod {namespace}/{manifest['metadata']['name']}") from None
-
-        def get(self, name: str) -> dict[str, Any] | None:
-            try:
-                return to_dict(core.read_namespaced_pod(name, namespace))
-            except ApiException as e:
-                if e.status == 404:
-                    return None
-                raise fail(e, f"reading pod {namespace}/{name}") from None
-
-        def list(self, selector: str) -> list[dict[str, Any]]:
-            try:
-                pods = core.list_namespaced_pod(namespace, label_selector=selector)
-            except ApiException as e:
-                raise fail(e, f"listing pods {selector}") from None
-            return [to_dict(p) for p in pods.items]
-
-        def label(self, name: str, labels: Mapping[str, str]) -> None:
-            try:
-                core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": dict(labels)}})
-            except ApiException as e:
-                raise fail(e, f"labelling pod {namespace}/{name}") from None
-
-        def delete(self, name: str) -> None:
-            try:
-                core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
-            except ApiException as e:
-                if e.status != 404:
-                    raise fail(e, f"deleting pod {namespace}/{name}") from None
-
-    return Api()

@@ -13,11 +13,14 @@ garbage-collects them; the two cluster-scoped ones excepted, below):
   node agents' token and the operator's), and ``agent``, the agents' own file with their
   token only (an agent never holds the operator's token, which may reload the config).
 - ServiceAccounts ``tangram-<pool>-scheduler`` and ``tangram-<pool>-agent``.
+- Role/RoleBinding ``tangram-<pool>-agent`` (pods of the namespace: the node agents' sandbox
+  pods) and NetworkPolicy ``tangram-<pool>-sandboxes`` (no traffic for sandboxes of
+  environments with ``network: none``), when the pool has agents.
 - Role/RoleBinding ``tangram-<pool>-scheduler`` (read the three kinds, get only the Secrets
   of ``spec.apis[*].secretRef``), ClusterRole/ClusterRoleBinding
   ``tangram-<ns>-<pool>-tokenreview`` (create TokenReviews, to authenticate clients by
   their ServiceAccount tokens). These two are cluster-scoped and so carry no
-  ownerReference (see :func:`cluster_metadata`). The agent gets no API access at all.
+  ownerReference (see :func:`cluster_metadata`).
 - Deployment and Service ``tangram-<pool>-scheduler``.
 - DaemonSets ``tangram-<pool>-cpu-agent`` (when ``spec.cpu``) and ``tangram-<pool>-gpu-agent``
   (when ``spec.gpu``); an API-only pool has none. The two selectors should pick disjoint
@@ -57,7 +60,6 @@ AGENT_TENANT = "system:agent"  # tangram.service.auth.AGENT_TENANT; the operator
 OPERATOR_TENANT = "system:operator"  # tangram.service.auth.OPERATOR_TENANT
 STATE_ROOT = "/var/lib/tangram"
 CGROUP_ROOT = "/sys/fs/cgroup"
-DOCKER_SOCKET = "/var/run/docker.sock"
 NONROOT_UID = 65532  # the distroless "nonroot" user; any non-zero uid works
 MIN_TOKEN_CHARS = 16  # what TokenStore accepts
 POOL_NAMESPACE_LABEL = "tangram.dev/pool-namespace"
@@ -177,8 +179,9 @@ def service_account(pool: ActionPool, component: str, suffix: str, uid: str) -> 
         "apiVersion": "v1",
         "kind": "ServiceAccount",
         "metadata": metadata(pool, child_name(pool, suffix), component, uid),
-        # Only the scheduler talks to the API server (TokenReview, Secrets, its CRs).
-        "automountServiceAccountToken": component == "scheduler",
+        # The scheduler (TokenReview, Secrets, its CRs) and the node agents (their sandbox
+        # pods) talk to the API server; their pods say so themselves.
+        "automountServiceAccountToken": False,
     }
 
 
@@ -264,6 +267,63 @@ def tokenreview_cluster_role_binding(pool: ActionPool) -> Manifest:
     }
 
 
+def agent_role(pool: ActionPool, uid: str) -> Manifest:
+    """The node agents may manage pods in the pool's namespace, nothing else: the sandbox
+    pods they create, claim (relabel), list after a restart and delete."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(pool, child_name(pool, "agent"), "node-agent", uid),
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["pods"],
+                "verbs": ["create", "delete", "get", "list", "patch", "watch"],
+            }
+        ],
+    }
+
+
+def agent_role_binding(pool: ActionPool, uid: str) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(pool, child_name(pool, "agent"), "node-agent", uid),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": child_name(pool, "agent"),
+        },
+        "subjects": [
+            {
+                "kind": "ServiceAccount",
+                "name": child_name(pool, "agent"),
+                "namespace": pool.metadata.namespace,
+            }
+        ],
+    }
+
+
+def sandbox_network_policy(pool: ActionPool, uid: str) -> Manifest:
+    """Sandboxes of environments with ``network: none`` get no traffic in or out (the pod
+    runtime labels them ``tangram.dev/network=none``); enforced where the cluster's network
+    plugin implements NetworkPolicy."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(pool, child_name(pool, "sandboxes"), "node-agent", uid),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {
+                    "tangram.dev/pool": pool.metadata.name,
+                    "tangram.dev/network": "none",
+                }
+            },
+            "policyTypes": ["Ingress", "Egress"],
+        },
+    }
+
+
 # --- the scheduler ----------------------------------------------------------------------------
 
 
@@ -346,7 +406,7 @@ def scheduler_deployment(pool: ActionPool, image: str, uid: str) -> Manifest:
                 "metadata": {"labels": labels(pool, "scheduler")},
                 "spec": {
                     "serviceAccountName": name,
-                    "automountServiceAccountToken": True,
+                    "automountServiceAccountToken": True,  # TokenReview, Secrets, its CRs
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": NONROOT_UID,
@@ -409,16 +469,18 @@ def state_dir(pool: ActionPool, role: str) -> str:
     return base if role == "cpu" else f"{base}-{role}"
 
 
-def agent_command(pool: ActionPool, role: str) -> list[str]:
+def agent_command(pool: ActionPool, role: str, image: str, uid: str) -> list[str]:
     cpu = pool.spec.cpu if role == "cpu" else None
     idle = cpu.idle_cores if cpu is not None else 1
     command = [
         "tangram", "agent", "--scheduler", scheduler_url(pool), "--token-file", TOKEN_FILE,
         "--node", "$(NODE_NAME)", "--state-dir", state_dir(pool, role),
         "--idle-cores", str(idle), "--log-json",
-        # Never "auto": without its Docker socket an agent must fail, not fall back to
-        # running commands in its own (privileged) container.
-        "--runtime", "docker",
+        # Sandboxes are pods the kubelet runs on the node's CRI runtime; never "auto",
+        # which would fall back to commands in the agent's own (privileged) container.
+        "--runtime", "pod", "--namespace", "$(POD_NAMESPACE)",
+        # The init container of each sandbox copies the exec server out of this image.
+        "--execd-image", image, "--pool-name", pool.metadata.name, "--pool-uid", uid,
         # GPU agents serve RewardService calls on the node's CUDA devices; CPU agents never
         # load PyTorch.
         "--gpus", "auto" if role == "gpu" else "none",
@@ -432,10 +494,11 @@ def _host_path(name: str, path: str, kind: str) -> Manifest:
     return {"name": name, "hostPath": {"path": path, "type": kind}}
 
 
-def agent_container(pool: ActionPool, role: str, image: str) -> Manifest:
+def agent_container(pool: ActionPool, role: str, image: str, uid: str) -> Manifest:
     state = state_dir(pool, role)
     env: list[Manifest] = [
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
     extra: Manifest = {}
     if role == "gpu":
@@ -448,17 +511,18 @@ def agent_container(pool: ActionPool, role: str, image: str) -> Manifest:
     return {
         "name": "agent",
         "image": image,
-        "command": agent_command(pool, role),
+        "command": agent_command(pool, role, image, uid),
         "env": env,
         **extra,
-        # Privileged, and only the agent container, because on cgroup v2 it is the one
-        # way to get the host cgroup namespace: Kubernetes has no field for it, and
-        # containerd and CRI-O give every unprivileged container a private one, where the
-        # /proc/<pid>/cgroup paths of the environment containers no longer name their
-        # directories under /sys/fs/cgroup (see agent_daemon_set). Capabilities alone
-        # cannot change a namespace. The Docker socket makes the agent root-equivalent on
-        # its node in any case; what stays confined is what is not needed: no API token,
-        # no host network, a read-only root, three host paths.
+        # Privileged, and only the agent container: on cgroup v2 it is the one way to get
+        # the host cgroup namespace (Kubernetes has no field for it, and containerd and
+        # CRI-O give every unprivileged container a private one, where the
+        # /proc/<pid>/cgroup paths of the sandboxes no longer name their directories under
+        # /sys/fs/cgroup); and the agent reaches each sandbox's exec server through
+        # /proc/<pid>/root, which takes ptrace rights over processes of other users.
+        # Capabilities alone cannot change a namespace. What stays confined is what is not
+        # needed: an API token that may only manage pods of its namespace, no host
+        # network, a read-only root, two host paths (docs/install.md).
         "securityContext": {
             "privileged": True,
             "runAsUser": 0,  # cgroupfs files and the Docker socket belong to root
@@ -467,10 +531,7 @@ def agent_container(pool: ActionPool, role: str, image: str) -> Manifest:
         "volumeMounts": [
             {"name": "tokens", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "cgroup", "mountPath": CGROUP_ROOT},
-            {"name": "docker-socket", "mountPath": DOCKER_SOCKET},
-            # Same path inside and out: the agent hands paths under it (the exec server,
-            # its compile cache, each container's socket directory) to Docker, which
-            # resolves them on the host.
+            # The trajectories' metadata, kept across agent restarts with their pods.
             {"name": "state", "mountPath": state},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
@@ -480,9 +541,11 @@ def agent_container(pool: ActionPool, role: str, image: str) -> Manifest:
 def agent_daemon_set(pool: ActionPool, role: str, image: str, uid: str) -> Manifest:
     """The node agents of one section (``cpu`` or ``gpu``) of the pool.
 
-    The agent writes the environment containers' cgroups (cpuset, CPU quota), reads the
-    host's ``/proc`` (host PID namespace) to find them and to kill timed-out commands,
-    drives the Docker Engine through its socket, and keeps state in a host directory.
+    The agent creates the sandbox pods of its node through the API server (its own
+    ServiceAccount, allowed pods in the pool's namespace only), finds their exec servers in
+    the host's ``/proc`` (host PID namespace), writes their cgroups (cpuset, CPU quota) and
+    keeps the trajectories' metadata in a host directory. It needs no container runtime
+    socket: the kubelet runs the sandboxes on whatever CRI runtime the node has.
     """
     section = pool.spec.cpu if role == "cpu" else pool.spec.gpu
     if section is None:
@@ -499,10 +562,10 @@ def agent_daemon_set(pool: ActionPool, role: str, image: str, uid: str) -> Manif
                 "metadata": {"labels": {**labels(pool, "node-agent"), **match}},
                 "spec": {
                     "serviceAccountName": child_name(pool, "agent"),
-                    "automountServiceAccountToken": False,  # the agent needs no API access
+                    "automountServiceAccountToken": True,  # it manages its sandbox pods
                     "hostPID": True,
                     "nodeSelector": dict(sorted(section.node_selector.items())),
-                    "containers": [agent_container(pool, role, image)],
+                    "containers": [agent_container(pool, role, image, uid)],
                     "volumes": [
                         {
                             "name": "tokens",
@@ -514,7 +577,6 @@ def agent_daemon_set(pool: ActionPool, role: str, image: str, uid: str) -> Manif
                             },
                         },
                         _host_path("cgroup", CGROUP_ROOT, "Directory"),
-                        _host_path("docker-socket", DOCKER_SOCKET, "Socket"),
                         _host_path("state", state_dir(pool, role), "DirectoryOrCreate"),
                         _scratch_volume(),
                     ],
@@ -561,10 +623,16 @@ def build_pool(
         scheduler_deployment(pool, image, uid),
         scheduler_service(pool, uid),
     ]
+    roles = [r for r, section in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)) if section]
+    if roles:
+        objects += [
+            agent_role(pool, uid),
+            agent_role_binding(pool, uid),
+            sandbox_network_policy(pool, uid),
+        ]
     objects += [
         agent_daemon_set(pool, role, gpu_image or image if role == "gpu" else image, uid)
-        for role, section in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu))
-        if section is not None
+        for role in roles
     ]
     return objects
 

@@ -407,7 +407,7 @@ class AgentHello(_Strict):
 
     node: Annotated[str, Field(min_length=1)]
     inventory: NodeInventory
-    runtime: Literal["docker", "process", "noop"]
+    runtime: Literal["docker", "pod", "process", "noop"]
     action_cores: Annotated[list[int], Field(description="cores it runs actions on")]
     idle_cores: list[int]
     fast_path: str = ""  # why the fast path is unavailable ('' when it is)

@@ -94,6 +94,19 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--state-dir", default="/var/lib/tangram/bench", help="exec: agent state (socket dirs)"
     )
+    k = p.add_argument_group(
+        "exec on Kubernetes (--runtime pod: run on a node, as root, in the host PID namespace)"
+    )
+    k.add_argument(
+        "--runtime",
+        choices=("docker", "pod"),
+        default="docker",
+        help="exec: Docker containers (both paths) or sandbox pods of this node",
+    )
+    k.add_argument("--namespace", default="default", help="exec --runtime pod: pods' namespace")
+    k.add_argument("--node", help="exec --runtime pod: this node's name (default: hostname)")
+    k.add_argument("--execd-image", help="exec --runtime pod: an image holding the exec server")
+    k.add_argument("--kubeconfig", help="exec --runtime pod: default in-cluster, else $KUBECONFIG")
     p.add_argument(
         "--size-mb", type=whole_number(32), default=None, help="gpu, gpu-pool: model size"
     )

@@ -64,9 +64,24 @@ def register(sub: Any) -> None:
     a.add_argument("--node", help="node name (default: the hostname)")
     a.add_argument(
         "--runtime",
-        choices=("auto", "docker", "process", "noop"),
+        choices=("auto", "docker", "pod", "process", "noop"),
         default="auto",
-        help="noop runs nothing (benchmarks of the service only)",
+        help="pod: sandboxes as pods on this Kubernetes node (the operator's choice); docker: "
+        "containers of a Docker Engine; process: no isolation; noop runs nothing (benchmarks "
+        "of the service only); auto: docker if an engine answers, else process",
+    )
+    k = a.add_argument_group("the pod runtime (--runtime pod)")
+    k.add_argument("--namespace", help="namespace of the sandbox pods (the pool's)")
+    k.add_argument("--execd-image", help="an image holding the exec server (the agent's own)")
+    k.add_argument(
+        "--execd-path",
+        default="/usr/local/libexec/tangram/tangram-execd",
+        help="the exec server's path in --execd-image",
+    )
+    k.add_argument("--pool-name", default="", help="the ActionPool owning the sandboxes")
+    k.add_argument("--pool-uid", default="", help="its metadata.uid (for ownerReferences)")
+    k.add_argument(
+        "--kubeconfig", help="outside a pod: the kubeconfig to act with (default: in-cluster)"
     )
     a.add_argument("--state-dir", default=_STATE)
     a.add_argument("--idle-cores", type=int, default=1, help="size of the idle core set")

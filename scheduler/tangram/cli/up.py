@@ -181,6 +181,21 @@ def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
         gpus = GpuOptions.parse(args.gpus, args.gpu_memory_mib)
     except ExecError as e:
         raise InputError(str(e)) from None
+    pods = None
+    if args.runtime == "pod":
+        from tangram.node_agent.agent import PodOptions
+
+        for flag in ("namespace", "execd_image"):
+            if not getattr(args, flag, None):
+                raise InputError(f"--runtime pod needs --{flag.replace('_', '-')}")
+        pods = PodOptions(
+            namespace=args.namespace,
+            execd_image=args.execd_image,
+            execd_path=args.execd_path,
+            pool=args.pool_name,
+            pool_uid=args.pool_uid,
+            kubeconfig=args.kubeconfig,
+        )
     try:
         return NodeAgent.create(
             Path(args.state_dir),
@@ -189,6 +204,7 @@ def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
             idle_cores=idle,
             cores_for_actions=cores,
             gpus=gpus,
+            pods=pods,
         )
     except (ExecError, OSError) as e:
         raise InputError(f"--runtime {args.runtime} --gpus {args.gpus}: {e}") from None

@@ -1,0 +1,73 @@
+"""The pod runtime's Kubernetes adapter (the only node-agent module importing
+``kubernetes``): create, read, list, label and delete the pods of one namespace."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tangram.node_agent.execution import ExecError
+from tangram.node_agent.pod_runtime import PodApi
+
+__all__ = ["kube_pod_api"]
+
+
+def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
+    """The Kubernetes API as the runtime uses it: ``kubeconfig`` if given, else in-cluster
+    credentials (the agent's ServiceAccount), else ``KUBECONFIG``."""
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    api_client: Any
+    try:
+        if kubeconfig:
+            raise config.ConfigException("a kubeconfig was given")
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        api_client = client.ApiClient()
+    except config.ConfigException:
+        api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    core = client.CoreV1Api(api_client)
+
+    def to_dict(obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = api_client.sanitize_for_serialization(obj)
+        return out
+
+    def fail(e: ApiException, what: str) -> ExecError:
+        return ExecError(f"{what}: the API server answered {e.status} {e.reason}")
+
+    class Api:
+        def create(self, manifest: dict[str, Any]) -> None:
+            try:
+                core.create_namespaced_pod(namespace, manifest)  # type: ignore[arg-type]
+            except ApiException as e:
+                raise fail(e, f"creating pod {namespace}/{manifest['metadata']['name']}") from None
+
+        def get(self, name: str) -> dict[str, Any] | None:
+            try:
+                return to_dict(core.read_namespaced_pod(name, namespace))
+            except ApiException as e:
+                if e.status == 404:
+                    return None
+                raise fail(e, f"reading pod {namespace}/{name}") from None
+
+        def list(self, selector: str) -> list[dict[str, Any]]:
+            try:
+                pods = core.list_namespaced_pod(namespace, label_selector=selector)
+            except ApiException as e:
+                raise fail(e, f"listing pods {selector}") from None
+            return [to_dict(p) for p in pods.items]
+
+        def label(self, name: str, labels: Mapping[str, str]) -> None:
+            try:
+                core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": dict(labels)}})
+            except ApiException as e:
+                raise fail(e, f"labelling pod {namespace}/{name}") from None
+
+        def delete(self, name: str) -> None:
+            try:
+                core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+            except ApiException as e:
+                if e.status != 404:
+                    raise fail(e, f"deleting pod {namespace}/{name}") from None
+
+    return Api()
