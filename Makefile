@@ -1,4 +1,4 @@
-# ARL-Tangram — the commands DESIGN.md §5 promises.
+# ARL-Tangram — the commands docs/architecture.md promises.
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin

@@ -1,4 +1,4 @@
-"""A real Docker Engine for the tests (DESIGN.md §6), and a locally built test image.
+"""A real Docker Engine for the tests (docs/architecture.md), and a locally built test image.
 
 Uses a running engine when there is one; otherwise, as root with Debian's docker.io
 installed, starts ``dockerd --bridge=none --iptables=false`` (no private-range bridge)

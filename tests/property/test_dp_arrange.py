@@ -1,4 +1,4 @@
-"""DPArrange (seed 000 Appendix B; DESIGN.md §5 contract) against brute force.
+"""DPArrange (seed 000 Appendix B; docs/architecture.md) against brute force.
 
 The DP adds durations in candidate order, exactly as ``sum`` over a combination
 does, and float addition is monotone, so the DP optimum must equal the brute-force

@@ -1,4 +1,5 @@
-"""The ``tangram`` command line: contracts of DESIGN.md §5 and errors that name the input."""
+"""The ``tangram`` command line: its contracts (docs/architecture.md) and errors that name
+the input."""
 
 from __future__ import annotations
 

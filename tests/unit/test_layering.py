@@ -1,4 +1,5 @@
-"""The import layering of DESIGN.md §4, checked with import-linter's contracts in pyproject.toml."""
+"""The import layering of docs/architecture.md, checked with import-linter's contracts in
+pyproject.toml."""
 
 from __future__ import annotations
 

@@ -481,6 +481,8 @@ class NodeAgent:
             task.cancel()
         if isinstance(self.runtime, Sandboxed):
             await asyncio.to_thread(self.runtime.shutdown_warm)
+        elif isinstance(self.runtime, ProcessRuntime):
+            self.runtime.release()
 
 
 def outcome(r: ExecResult) -> ExecOutcome:

@@ -99,6 +99,13 @@ class ProcessRuntime:
         shutil.rmtree(self.workdir(trajectory), ignore_errors=True)
         self._open.discard(trajectory)
 
+    def release(self) -> None:
+        """At exit: remove this agent's cgroup when no trajectory is left in it (one that
+        is stays, with its group, for the next agent to adopt)."""
+        if not self._open:
+            with contextlib.suppress(OSError):
+                self.cgroups.remove(self.prefix)
+
     def adopt(self) -> list[str]:
         """Take back the trajectories a previous agent left (a restart): their directories
         and cgroups stay; whatever still ran in them is killed, since nobody waits for it."""

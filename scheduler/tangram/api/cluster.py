@@ -1,4 +1,5 @@
-"""The cluster file of ``tangram bench`` (DESIGN.md §5): nodes, reward services and API quotas."""
+"""The cluster file of ``tangram bench`` (docs/architecture.md): nodes, reward services and
+API quotas."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The trace format (DESIGN.md §5): JSON Lines, one trajectory a line, ``"version": 1``.
+"""The trace format (docs/architecture.md): JSON Lines, one trajectory a line, ``"version": 1``.
 
 ``think_s`` is the LLM generation time before the action is submitted; replay is
 closed-loop, so a step starts when the previous action completes.

@@ -27,7 +27,8 @@ def register(sub: Any) -> None:
         help="replay a trace under several policies, or run a benchmark",
         description=(
             "Without a sub-command: replay --trace on --cluster under each --policy and print "
-            "the figures of DESIGN.md §5. `tangram bench scheduler` measures round latency; "
+            "the figures of docs/architecture.md (Contracts). `tangram bench scheduler` "
+            "measures round latency; "
             "`tangram bench paper` runs the paper-scale sweeps recorded in docs/benchmarks.md; "
             "`tangram bench exec` measures per-action overhead of the fast and portable "
             "allocate-on-execution paths and open latency (needs a Docker Engine); "
@@ -275,7 +276,9 @@ def _table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # Off a terminal (a pipe, a CI log) rich would cut tables at 80 columns, where
+    # policy names such as fixed-dop-4 and fixed-dop-16 become the same "fixed-d…".
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     if "actions_per_s" in report or "vs_static" in report:
         return  # bench service and gpu-pool printed their lines already
     if "restore_fraction" in report:
@@ -287,7 +290,7 @@ def _table(report: dict[str, Any]) -> None:
                 t.add_row(k, str(v))
         console.print(t)
         return
-    if "portable" in report:
+    if "fast" in report:  # bench exec: Docker (fast and portable) or pods (fast)
         from tangram.cli.bench_exec import print_tables
 
         print_tables(report, console)

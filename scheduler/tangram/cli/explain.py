@@ -74,8 +74,18 @@ class State(_Strict):
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("explain", help="show the scheduler's decision for a state, step by step")
-    p.add_argument("state", help="STATE.json (see `tangram explain --help`)")
+    p = sub.add_parser(
+        "explain",
+        help="show the scheduler's decision for a state, step by step",
+        description="Show what the scheduler decides for STATE.json, and why.",
+        epilog='STATE.json: {"cluster": {...a cluster file...}, "config": {"depth": 2}, '
+        '"now": 100.0, "trajectories": [{"id", "memory_gb", "node"}], '
+        '"running": [{"id", "trajectory", "action", "units", "started_s"}], '
+        '"queue": [{"id", "trajectory", "action", "submitted_s"}]} (queue in '
+        "submission order; actions as in trace files). Example: examples/explain/waiting.json; "
+        "fields: docs/scheduler.md.",
+    )
+    p.add_argument("state", help="STATE.json: the cluster, running actions and the queue")
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
     p.set_defaults(run=run)
 

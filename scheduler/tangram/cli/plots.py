@@ -1,4 +1,4 @@
-"""PNG plots of the figures people compare (DESIGN.md §7)."""
+"""PNG plots of the figures people compare (docs/architecture.md)."""
 
 from __future__ import annotations
 

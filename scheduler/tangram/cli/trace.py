@@ -15,7 +15,7 @@ def register(sub: Any) -> None:
     tsub = p.add_subparsers(dest="trace_command", required=True, metavar="SUBCOMMAND")
     g = tsub.add_parser(
         "generate",
-        help="write a JSON Lines trace (DESIGN.md §5) for one of the paper's workloads",
+        help="write a JSON Lines trace (docs/architecture.md) for one of the paper's workloads",
         description="Parameters and their sources: docs/trace-generator.md.",
     )
     g.add_argument("--scenario", required=True, choices=SCENARIOS)

@@ -44,8 +44,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or directory")
     p.add_argument("--pool", help="the ActionPool to serve when the files declare several")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this host)"
+    )
+    p.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
     p.add_argument(
         "--runtime",
         choices=("auto", "docker", "process", "noop"),
@@ -136,7 +138,7 @@ def run_up(args: argparse.Namespace) -> int:
             f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
             f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
             f"  token file: {args.token_file}\n"
-            f"  try: python examples/rollout.py --url {r.url}\n"
+            f"  try: .venv/bin/python examples/rollout.py --url {r.url}\n"
             f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
         )
 

@@ -1,4 +1,4 @@
-"""Closed-loop replay of a trace (DESIGN.md §5): think, submit, wait for the result, repeat.
+"""Closed-loop replay of a trace (docs/architecture.md): think, submit, wait for the result, repeat.
 
 The engine owns trajectories and time; *backends* own resources. Each action kind
 is routed to one backend — the real ``Scheduler`` for ARL-Tangram policies, or a

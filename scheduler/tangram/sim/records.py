@@ -1,4 +1,4 @@
-"""What a replay measures, and the summary figures of the bench contract (DESIGN.md §5)."""
+"""What a replay measures, and the summary figures of the bench contract (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``tangram bench scheduler``: latency of one scheduling round (DESIGN.md §5 contract).
+"""``tangram bench scheduler``: latency of one scheduling round (docs/architecture.md).
 
 A case is (cores, queued, candidates, elastic). One node with ``cores`` cores;
 running actions hold all but ``candidates`` cores, so exactly ``candidates``

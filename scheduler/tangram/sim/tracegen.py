@@ -1,4 +1,4 @@
-"""Synthetic traces for the paper's four scenarios (DESIGN.md §5; docs/trace-generator.md).
+"""Synthetic traces for the paper's four scenarios (docs/architecture.md; docs/trace-generator.md).
 
 Every parameter below is a named default with a one-line source: [T] ARL-Tangram, [H] Heddle,
 [P] ProRL Agent, [E] EARL (section or table), DERIVED (arithmetic on cited numbers) or

@@ -102,7 +102,7 @@ class BasicTable:
 
 
 def dp_arrange(durations: Sequence[Durations], capacity: int) -> tuple[float, list[int]]:
-    """Optimal allocation of at most ``capacity`` interchangeable units (DESIGN.md §5 contract).
+    """Optimal allocation of at most ``capacity`` interchangeable units (docs/architecture.md).
 
     ``durations[i]`` maps each allowed unit count of candidate ``i`` to its duration.
     Returns ``(total_duration, [units_i, ...])``; raises ``ValueError`` when the
