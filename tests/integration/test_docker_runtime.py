@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,3 +266,24 @@ def test_an_agent_adopts_only_its_own_containers(
         CORES[:1], client=docker_client, execd=execd, state_dir=tmp_path / "another-agent"
     )
     assert t not in stranger.adopt()
+
+
+def test_a_listener_planted_over_the_exec_socket_is_refused(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """The socket's directory is the container's to write: a command can move a server of
+    its own over the socket's name. Its answers must never be taken for the sandbox's."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    assert run(runtime, t, ["true"], CORES[-1:]).path == "fast"
+    env = runtime.envs[t]
+    assert env.run_dir is not None
+    real = env.run_dir / "exec.sock"
+    fake = env.run_dir / "planted.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as planted:
+        planted.bind(str(fake))
+        planted.listen(1)
+        os.replace(fake, real)
+        with pytest.raises(ExecError, match="not by the environment's exec server"):
+            run(runtime, t, ["echo", "forged"], CORES[-1:])
+    assert group_limits(runtime, t) == (CORES[:1], 0.1)  # the refusal left the idle set
