@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -80,21 +79,6 @@ def real_node(
         yield node
     finally:
         node.stop()
-
-
-@pytest.fixture(scope="session")
-def docker_client() -> Iterator[Any]:
-    """A client of the Docker Engine the images are made with (started if none runs)."""
-    sys.path.insert(0, str(E2E_DIR.parent))
-    from tests.integration.docker_engine import engine
-
-    gen = engine()
-    client = next(gen)
-    if client is None:
-        pytest.skip("no Docker Engine, and none can be started here (needs root and docker.io)")
-    yield client
-    for _ in gen:  # stops a dockerd this fixture started
-        pass
 
 
 @pytest.fixture(scope="module")

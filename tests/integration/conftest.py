@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tangram.node_agent.exec_server import Built, build
 
-from .docker_engine import busybox_image, engine
+from .docker_engine import busybox_image
 from .docker_engine import coding_image as import_coding_image
-
-
-@pytest.fixture(scope="session")
-def docker_client() -> Iterator[Any]:
-    gen = engine()
-    client = next(gen)
-    if client is None:
-        pytest.skip("no Docker Engine, and none can be started here (needs root and docker.io)")
-    yield client
-    for _ in gen:  # stops a dockerd the fixture started
-        pass
 
 
 @pytest.fixture(scope="session")

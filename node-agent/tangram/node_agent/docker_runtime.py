@@ -63,7 +63,7 @@ from tangram.node_agent.execution import (
     render,
     supervise,
 )
-from tangram.node_agent.fast_path import Command, FastPath, Reachable, cgroup_of
+from tangram.node_agent.fast_path import Command, FastPath, Reachable, WithSessions, cgroup_of
 
 __all__ = ["DockerRuntime", "Opened", "import_busybox"]
 
@@ -79,7 +79,7 @@ class Env:
     reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
 
 
-class DockerRuntime:
+class DockerRuntime(WithSessions):
     def __init__(
         self,
         idle_cores: Sequence[int],
@@ -353,38 +353,15 @@ class DockerRuntime:
         res = await self._exec_portable(held, cmd)
         return replace(res, fallback=why)
 
-    async def session(
-        self,
-        trajectory: str,
-        kind: str,
-        code: str,
-        cores: Sequence[int],
-        *,
-        name: str = "main",
-        timeout_s: float | None = None,
-        env: Mapping[str, str] | None = None,
-        output_cap: int = 1 << 20,
-    ) -> ExecResult:
-        """Run ``code`` in the trajectory's persistent ``kind`` session (bash or python),
-        started on first use, on exactly ``cores`` for the duration of the action."""
+    def reachable(self, trajectory: str, argv: Sequence[str], cores: Sequence[int]) -> Reachable:
         held = self.envs.get(trajectory)
-        check_request(held is not None, trajectory, [code] if code else [], cores)
+        check_request(held is not None, trajectory, argv, cores)
         assert held is not None
         why = self._fast_unavailable(held)
         if why:
-            raise ExecError(f"{kind} session: sessions need the exec server: {why}")
+            raise ExecError(f"sessions need the exec server: {why}")
         assert held.reach is not None
-        return await self.fast.session(
-            held.reach,
-            trajectory,
-            kind,
-            code,
-            cores,
-            name=name,
-            timeout_s=timeout_s,
-            environ=env,
-            output_cap=output_cap,
-        )
+        return held.reach
 
     def _fast_unavailable(self, env: Env) -> str:
         """Why the fast path cannot serve this container ('' when it can)."""

@@ -28,7 +28,7 @@ from tangram.node_agent.execution import (
 )
 from tangram.node_agent.sessions import BashSession, PythonSession, Session
 
-__all__ = ["Command", "FastPath", "Reachable", "cgroup_of"]
+__all__ = ["Command", "FastPath", "Reachable", "WithSessions", "cgroup_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,3 +186,34 @@ class FastPath:
         """The trajectory's environment is going: its sessions end with it."""
         for key in [k for k in self.sessions if k[0] == trajectory]:
             self.sessions.pop(key).alive = False
+
+
+class WithSessions:
+    """``session`` for the runtimes whose environments are reached through an exec server
+    (Docker, pods): each says how to reach a trajectory's environment, or why it cannot."""
+
+    fast: FastPath
+
+    def reachable(self, trajectory: str, argv: Sequence[str], cores: Sequence[int]) -> Reachable:
+        """The trajectory's environment, after the checks every runtime makes."""
+        raise NotImplementedError
+
+    async def session(
+        self,
+        trajectory: str,
+        kind: str,
+        code: str,
+        cores: Sequence[int],
+        *,
+        name: str = "main",
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        output_cap: int = 1 << 20,
+    ) -> ExecResult:
+        """Run ``code`` in the trajectory's persistent ``kind`` session (bash or python),
+        started on first use, on exactly ``cores`` for the duration of the action."""
+        reach = self.reachable(trajectory, [code] if code else [], cores)
+        return await self.fast.session(
+            reach, trajectory, kind, code, cores, name=name, timeout_s=timeout_s,
+            environ=env, output_cap=output_cap,
+        )  # fmt: skip

@@ -36,7 +36,7 @@ from tangram.node_agent.execution import (
     check_request,
     render,
 )
-from tangram.node_agent.fast_path import Command, FastPath, Reachable, cgroup_of
+from tangram.node_agent.fast_path import Command, FastPath, Reachable, WithSessions, cgroup_of
 from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
 
 __all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime"]
@@ -67,7 +67,7 @@ class Pod:
     reach: Reachable
 
 
-class PodRuntime:
+class PodRuntime(WithSessions):
     def __init__(
         self,
         idle_cores: Sequence[int],
@@ -349,32 +349,16 @@ class PodRuntime:
         fast; a pod has no portable path, which would need the container runtime's API)."""
         if path not in ("auto", "fast"):
             raise ExecError(f"path: {path!r}: the pod runtime has only the fast path")
+        reach = self.reachable(trajectory, argv, cores)
+        full_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
+        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap)
+        return await self.fast.exec(reach, cmd)
+
+    def reachable(self, trajectory: str, argv: Sequence[str], cores: Sequence[int]) -> Reachable:
         held = self.envs.get(trajectory)
         check_request(held is not None, trajectory, argv, cores)
         assert held is not None
-        full_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
-        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap)
-        return await self.fast.exec(held.reach, cmd)
-
-    async def session(
-        self,
-        trajectory: str,
-        kind: str,
-        code: str,
-        cores: Sequence[int],
-        *,
-        name: str = "main",
-        timeout_s: float | None = None,
-        env: Mapping[str, str] | None = None,
-        output_cap: int = 1 << 20,
-    ) -> ExecResult:
-        held = self.envs.get(trajectory)
-        check_request(held is not None, trajectory, [code] if code else [], cores)
-        assert held is not None
-        return await self.fast.session(
-            held.reach, trajectory, kind, code, cores, name=name, timeout_s=timeout_s,
-            environ=env, output_cap=output_cap,
-        )  # fmt: skip
+        return held.reach
 
 
 # Waiting reasons after which the sandbox container will not start by itself.

@@ -219,17 +219,17 @@ def _scheduler_subject(pool: ActionPool) -> Manifest:
     }
 
 
-def scheduler_role_binding(pool: ActionPool, uid: str) -> Manifest:
+def role_binding(pool: ActionPool, suffix: str, component: str, uid: str) -> Manifest:
+    """Binds Role ``tangram-<pool>-<suffix>`` to the ServiceAccount of the same name."""
+    name = child_name(pool, suffix)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": metadata(pool, child_name(pool, "scheduler"), "scheduler", uid),
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Role",
-            "name": child_name(pool, "scheduler"),
-        },
-        "subjects": [_scheduler_subject(pool)],
+        "metadata": metadata(pool, name, component, uid),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [
+            {"kind": "ServiceAccount", "name": name, "namespace": pool.metadata.namespace}
+        ],
     }
 
 
@@ -279,26 +279,6 @@ def agent_role(pool: ActionPool, uid: str) -> Manifest:
                 "apiGroups": [""],
                 "resources": ["pods"],
                 "verbs": ["create", "delete", "get", "list", "patch", "watch"],
-            }
-        ],
-    }
-
-
-def agent_role_binding(pool: ActionPool, uid: str) -> Manifest:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": metadata(pool, child_name(pool, "agent"), "node-agent", uid),
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Role",
-            "name": child_name(pool, "agent"),
-        },
-        "subjects": [
-            {
-                "kind": "ServiceAccount",
-                "name": child_name(pool, "agent"),
-                "namespace": pool.metadata.namespace,
             }
         ],
     }
@@ -617,7 +597,7 @@ def build_pool(
         service_account(pool, "scheduler", "scheduler", uid),
         service_account(pool, "node-agent", "agent", uid),
         scheduler_role(pool, uid),
-        scheduler_role_binding(pool, uid),
+        role_binding(pool, "scheduler", "scheduler", uid),
         tokenreview_cluster_role(pool),
         tokenreview_cluster_role_binding(pool),
         scheduler_deployment(pool, image, uid),
@@ -627,7 +607,7 @@ def build_pool(
     if roles:
         objects += [
             agent_role(pool, uid),
-            agent_role_binding(pool, uid),
+            role_binding(pool, "agent", "node-agent", uid),
             sandbox_network_policy(pool, uid),
         ]
     objects += [
