@@ -137,51 +137,6 @@ class FastPath:
         code = None if timed_out else chan.exit_code
         return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
 
-    async def session(
-        self,
-        env: Reachable,
-        trajectory: str,
-        kind: str,
-        code: str,
-        cores: Sequence[int],
-        *,
-        name: str = "main",
-        timeout_s: float | None = None,
-        environ: Mapping[str, str] | None = None,
-        output_cap: int = 1 << 20,
-    ) -> ExecResult:
-        """Run ``code`` in the trajectory's persistent ``kind`` session (bash or python),
-        started on first use, on exactly ``cores`` for the duration of the action."""
-        if kind not in ("bash", "python"):
-            raise ExecError(f"kind: {kind!r} is not a session kind (bash, python)")
-        dop_env = {**(environ or {}), "TANGRAM_DOP": str(len(cores))}
-        t0 = time.perf_counter()
-        self.group_enter(env, cores)
-        try:
-            key = (trajectory, kind, name)
-            sess = self.sessions.get(key)
-            if sess is None or not sess.alive:
-                start = BashSession.start if kind == "bash" else PythonSession.start
-                sess = await start(env.socket, env.workdir, dop_env, server_pid=env.pid)
-                self.sessions[key] = sess
-            t1 = time.perf_counter()
-            # {dop} is filled in bash commands, as in argv; Python reads TANGRAM_DOP.
-            text = render([code], len(cores))[0] if kind == "bash" else code
-            reply = await sess.run(text, timeout_s=timeout_s, output_cap=output_cap, env=dop_env)
-            t2 = time.perf_counter()
-        finally:
-            self.group_leave(env, cores)
-        t3 = time.perf_counter()
-        output = Output(
-            reply.stdout.encode(),
-            reply.stdout_truncated,
-            reply.stderr.encode(),
-            reply.stderr_truncated,
-        )
-        return ExecResult.of(
-            reply.exit_code, output, reply.timed_out, cores, (t0, t1, t2, t3), path=kind
-        )
-
     def end_sessions(self, trajectory: str) -> None:
         """The trajectory's environment is going: its sessions end with it."""
         for key in [k for k in self.sessions if k[0] == trajectory]:
@@ -213,7 +168,33 @@ class WithSessions:
         """Run ``code`` in the trajectory's persistent ``kind`` session (bash or python),
         started on first use, on exactly ``cores`` for the duration of the action."""
         reach = self.reachable(trajectory, [code] if code else [], cores)
-        return await self.fast.session(
-            reach, trajectory, kind, code, cores, name=name, timeout_s=timeout_s,
-            environ=env, output_cap=output_cap,
-        )  # fmt: skip
+        if kind not in ("bash", "python"):
+            raise ExecError(f"kind: {kind!r} is not a session kind (bash, python)")
+        fast = self.fast
+        dop_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
+        t0 = time.perf_counter()
+        fast.group_enter(reach, cores)
+        try:
+            key = (trajectory, kind, name)
+            sess = fast.sessions.get(key)
+            if sess is None or not sess.alive:
+                start = BashSession.start if kind == "bash" else PythonSession.start
+                sess = await start(reach.socket, reach.workdir, dop_env, server_pid=reach.pid)
+                fast.sessions[key] = sess
+            t1 = time.perf_counter()
+            # {dop} is filled in bash commands, as in argv; Python reads TANGRAM_DOP.
+            text = render([code], len(cores))[0] if kind == "bash" else code
+            reply = await sess.run(text, timeout_s=timeout_s, output_cap=output_cap, env=dop_env)
+            t2 = time.perf_counter()
+        finally:
+            fast.group_leave(reach, cores)
+        t3 = time.perf_counter()
+        output = Output(
+            reply.stdout.encode(),
+            reply.stdout_truncated,
+            reply.stderr.encode(),
+            reply.stderr_truncated,
+        )
+        return ExecResult.of(
+            reply.exit_code, output, reply.timed_out, cores, (t0, t1, t2, t3), path=kind
+        )
