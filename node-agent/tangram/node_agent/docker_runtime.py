@@ -31,7 +31,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -60,10 +60,9 @@ from tangram.node_agent.execution import (
     Output,
     cap,
     check_request,
-    render,
     supervise,
 )
-from tangram.node_agent.fast_path import Command, FastPath, Reachable, WithSessions, cgroup_of
+from tangram.node_agent.fast_path import Command, ExecServerRuntime, FastPath, Reachable, cgroup_of
 
 __all__ = ["DockerRuntime", "Opened", "import_busybox"]
 
@@ -79,7 +78,7 @@ class Env:
     reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
 
 
-class DockerRuntime(WithSessions):
+class DockerRuntime(ExecServerRuntime):
     def __init__(
         self,
         idle_cores: Sequence[int],
@@ -323,27 +322,11 @@ class DockerRuntime(WithSessions):
             shutil.rmtree(env.run_dir, ignore_errors=True)
 
     # ---- execution ---------------------------------------------------------------
-    async def exec(
-        self,
-        trajectory: str,
-        argv: Sequence[str],
-        cores: Sequence[int],
-        *,
-        timeout_s: float | None = None,
-        env: Mapping[str, str] | None = None,
-        output_cap: int = 1 << 20,
-        path: str = "auto",
-    ) -> ExecResult:
-        """Run ``argv`` in the trajectory's container on exactly ``cores``.
-
-        ``path``: ``auto`` (fast when possible), ``fast`` (fail if impossible) or
-        ``portable``.
-        """
+    async def run(self, trajectory: str, cmd: Command, path: str) -> ExecResult:
+        """``path``: ``auto`` (fast when possible), ``fast`` (fail if impossible) or
+        ``portable`` (Docker's update and exec APIs)."""
         held = self.envs.get(trajectory)
-        check_request(held is not None, trajectory, argv, cores)
-        assert held is not None  # for the type checker: check_request raised otherwise
-        full_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
-        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap)
+        assert held is not None  # checked by exec
         why = "" if path == "portable" else self._fast_unavailable(held)
         if path == "fast" and why:
             raise ExecError(f"path: the fast path is not possible here: {why}")

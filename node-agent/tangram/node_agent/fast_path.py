@@ -23,12 +23,13 @@ from tangram.node_agent.execution import (
     ExecError,
     ExecResult,
     Output,
+    check_request,
     render,
     supervise,
 )
 from tangram.node_agent.sessions import BashSession, PythonSession, Session
 
-__all__ = ["Command", "FastPath", "Reachable", "WithSessions", "cgroup_of"]
+__all__ = ["Command", "ExecServerRuntime", "FastPath", "Reachable", "cgroup_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,15 +144,38 @@ class FastPath:
             self.sessions.pop(key).alive = False
 
 
-class WithSessions:
-    """``session`` for the runtimes whose environments are reached through an exec server
-    (Docker, pods): each says how to reach a trajectory's environment, or why it cannot."""
+class ExecServerRuntime:
+    """``exec`` and ``session`` for the runtimes whose environments are reached through an
+    exec server (Docker, pods): each says how to reach a trajectory's environment, or why
+    it cannot, and how it runs a command."""
 
     fast: FastPath
+    envs: Mapping[str, object]  # the open trajectories' environments
 
     def reachable(self, trajectory: str, argv: Sequence[str], cores: Sequence[int]) -> Reachable:
         """The trajectory's environment, after the checks every runtime makes."""
         raise NotImplementedError
+
+    async def run(self, trajectory: str, cmd: Command, path: str) -> ExecResult:
+        """Run a checked command in an open trajectory's environment by ``path``."""
+        raise NotImplementedError
+
+    async def exec(
+        self,
+        trajectory: str,
+        argv: Sequence[str],
+        cores: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        output_cap: int = 1 << 20,
+        path: str = "auto",
+    ) -> ExecResult:
+        """Run ``argv`` in the trajectory's environment on exactly ``cores``."""
+        check_request(trajectory in self.envs, trajectory, argv, cores)
+        full_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
+        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap)
+        return await self.run(trajectory, cmd, path)
 
     async def session(
         self,

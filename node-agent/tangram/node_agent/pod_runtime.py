@@ -34,9 +34,8 @@ from tangram.node_agent.execution import (
     ExecResult,
     Opened,
     check_request,
-    render,
 )
-from tangram.node_agent.fast_path import Command, FastPath, Reachable, WithSessions, cgroup_of
+from tangram.node_agent.fast_path import Command, ExecServerRuntime, FastPath, Reachable, cgroup_of
 from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
 
 __all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime"]
@@ -67,7 +66,7 @@ class Pod:
     reach: Reachable
 
 
-class PodRuntime(WithSessions):
+class PodRuntime(ExecServerRuntime):
     def __init__(
         self,
         idle_cores: Sequence[int],
@@ -334,25 +333,12 @@ class PodRuntime(WithSessions):
             self.api.delete(name)
 
     # ---- execution ---------------------------------------------------------------
-    async def exec(
-        self,
-        trajectory: str,
-        argv: Sequence[str],
-        cores: Sequence[int],
-        *,
-        timeout_s: float | None = None,
-        env: Mapping[str, str] | None = None,
-        output_cap: int = 1 << 20,
-        path: str = "auto",
-    ) -> ExecResult:
-        """Run ``argv`` in the trajectory's pod on exactly ``cores`` (``path``: auto or
-        fast; a pod has no portable path, which would need the container runtime's API)."""
+    async def run(self, trajectory: str, cmd: Command, path: str) -> ExecResult:
+        """A pod has only the fast path (a portable one would need the container runtime's
+        API, which the agent does without)."""
         if path not in ("auto", "fast"):
             raise ExecError(f"path: {path!r}: the pod runtime has only the fast path")
-        reach = self.reachable(trajectory, argv, cores)
-        full_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
-        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap)
-        return await self.fast.exec(reach, cmd)
+        return await self.fast.exec(self.envs[trajectory].reach, cmd)
 
     def reachable(self, trajectory: str, argv: Sequence[str], cores: Sequence[int]) -> Reachable:
         held = self.envs.get(trajectory)
