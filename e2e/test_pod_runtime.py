@@ -19,6 +19,7 @@ from harness.pods import wait_for
 
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.exec_server import build
+from tangram.node_agent.execution import ExecError
 from tangram.node_agent.kube_pods import kube_pod_api
 from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH, PodRuntime
 
@@ -136,3 +137,15 @@ def test_a_command_cannot_answer_for_the_exec_server(
                 _run(rt, "t-3", ["echo", "forged"], [CORES[-1]])
     finally:
         rt.close("t-3")
+
+
+def test_a_runtime_class_the_cluster_lacks_fails_the_open_naming_it(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p", runtime_class_name="gvisor")
+    with pytest.raises(ExecError, match="gvisor") as e:
+        rt.open("t-4", spec)
+    assert "creating pod" in str(e.value)
+    assert "t-4" not in rt.envs and not _pods(control_plane)  # nothing half-made is left

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +34,13 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
         return out
 
     def fail(e: ApiException, what: str) -> ExecError:
-        return ExecError(f"{what}: the API server answered {e.status} {e.reason}")
+        """The API server's own message (it names the field or object at fault)."""
+        try:
+            message = json.loads(e.body or "{}").get("message") or ""
+        except (ValueError, AttributeError):
+            message = ""
+        said = f": {message}" if message else ""
+        return ExecError(f"{what}: the API server answered {e.status} {e.reason}{said}")
 
     class Api:
         def create(self, manifest: dict[str, Any]) -> None:
