@@ -61,7 +61,11 @@ die() { log "ERROR: $*"; exit 1; }
 
 # One build at a time per cache (pytest-xdist workers, two CI jobs).
 exec 9>"$CACHE/.lock"
-flock 9
+if ! flock -n 9; then
+  log "waiting for another build-tools.sh run to release $CACHE/.lock (a cold build takes ~11 min)"
+  flock 9
+  log "lock released; checking what is built"
+fi
 
 command -v go >/dev/null || die "go is not on PATH"
 export GOTOOLCHAIN=local CGO_ENABLED=0

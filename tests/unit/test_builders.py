@@ -214,6 +214,8 @@ def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
     for name, host in host_paths.items():  # bind-mounted into containers: same path
         assert mounts[name] == host["path"]
     assert container["securityContext"]["privileged"] is True  # host cgroupns: see builders
+    # The pool's cores (60 for actions + 2 idle) are requested by the agent, once.
+    assert container["resources"] == {"requests": {"cpu": "62"}}
 
 
 def test_api_only_pool_has_no_agents(deepsearch: list[dict[str, Any]]) -> None:

@@ -481,6 +481,11 @@ def agent_container(pool: ActionPool, role: str, image: str, uid: str) -> Manife
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
     extra: Manifest = {}
+    cpu = pool.spec.cpu if role == "cpu" else None
+    if cpu is not None and cpu.cores_per_node is not None:
+        # The pool's cores are accounted here, once: sandbox pods request none, and get
+        # their action's cores from the agent only while the action runs.
+        extra["resources"] = {"requests": {"cpu": str(cpu.cores_per_node + cpu.idle_cores)}}
     if role == "gpu":
         gpus = pool.spec.gpu.gpus_per_node if pool.spec.gpu is not None else None
         if gpus is not None:  # the device plugin hands exactly these to the agent
