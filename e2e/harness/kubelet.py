@@ -165,6 +165,10 @@ class RealNode:
         kubelet = next((c for c in components if c.name == "kubelet"), None)
         if kubelet is not None:
             kubelet.stop()
+            # Gone from the cluster too: nothing is scheduled onto a node that no longer
+            # runs, and the pod garbage collector removes the pods still bound to it.
+            with contextlib.suppress(ControlPlaneError, subprocess.TimeoutExpired):
+                self.cp.kubectl("delete", "node", self.name, "--wait=false", check=False)
         if any(c.name == "containerd" and c.alive() for c in components):
             self._kill_containers()
         for c in reversed(components):
