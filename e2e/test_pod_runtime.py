@@ -101,11 +101,17 @@ def test_sandboxes_are_pods_with_cores_only_while_an_action_runs(
     assert res.path == "fast"
     assert rt.cgroups.cpus(rt.envs["t-1"].reach.cgroup) == str(CORES[0])
 
+    # Another agent on the node (another pool, a GPU agent) neither adopts nor deletes them.
+    stranger = PodRuntime([CORES[0]], api=kube_pod_api(NS, str(cp.admin_kubeconfig)),
+                          node=real_node.name, namespace=NS, execd_image=execd_image,
+                          agent="another-pool")  # fmt: skip
+    assert stranger.adopt() == [] and len(_pods(cp)) == 2
     # A restarted agent takes its pods back, files and all; nothing was deleted.
     again = _runtime(cp, real_node, execd_image)
     assert again.adopt() == ["t-1", "t-2"]
+    assert again.cgroups.cpus(again.envs["t-1"].reach.cgroup) == str(CORES[0])
     assert _run(again, "t-1", ["cat", "/work/f"], [core]).stdout == "kept\n"
-    assert len(_pods(cp)) == 2
+    assert len(_pods(cp)) == 2  # the warm one was claimed by t-1
 
     again.close("t-1")
     again.close("t-2")

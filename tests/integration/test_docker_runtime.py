@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import uuid
@@ -287,3 +288,19 @@ def test_a_listener_planted_over_the_exec_socket_is_refused(
         with pytest.raises(ExecError, match="not by the environment's exec server"):
             run(runtime, t, ["echo", "forged"], CORES[-1:])
     assert group_limits(runtime, t) == (CORES[:1], 0.1)  # the refusal left the idle set
+
+
+def test_an_exec_server_whose_pid_went_to_another_process_is_not_trusted(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """Pids are reused: the agent checks that the exec server is the process it found
+    (its start time), not merely a process with its pid."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    assert run(runtime, t, ["true"], CORES[-1:]).exit_code == 0
+    env = runtime.envs[t]
+    assert env.reach is not None
+    env.reach = dataclasses.replace(env.reach, started=env.reach.started + 1)
+    with pytest.raises(ExecError, match="has ended"):
+        run(runtime, t, ["echo", "hi"], CORES[-1:])
+    assert group_limits(runtime, t) == (CORES[:1], 0.1)

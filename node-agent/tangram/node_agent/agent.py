@@ -203,6 +203,7 @@ class NodeAgent:
                 execd_image=pods.execd_image,
                 execd_path=pods.execd_path,
                 owner=pods.owner(),
+                agent=owner_id(state_dir),  # as Docker's: this agent's state directory
             )
             agent = cls(pod_rt, inventory, actions, idle, node=name, fast_path="the pod runtime")
             pod_rt.adopt()  # the sandbox pods of this pool on this node, with their files

@@ -62,7 +62,14 @@ from tangram.node_agent.execution import (
     check_request,
     supervise,
 )
-from tangram.node_agent.fast_path import Command, ExecServerRuntime, FastPath, Reachable, cgroup_of
+from tangram.node_agent.fast_path import (
+    Command,
+    ExecServerRuntime,
+    FastPath,
+    Reachable,
+    cgroup_of,
+    start_time,
+)
 
 __all__ = ["DockerRuntime", "Opened", "import_busybox"]
 
@@ -358,7 +365,10 @@ class DockerRuntime(ExecServerRuntime):
             except ExecError as e:
                 return str(e)
             socket = env.run_dir / SOCKET_NAME
-            env.reach = Reachable(str(env.container.id), socket, pid, group, env.workdir)
+            env.reach = Reachable(
+                str(env.container.id), socket, pid, group, env.workdir,
+                start_time(pid, self.proc_root), self.proc_root,
+            )  # fmt: skip
         return ""
 
     async def _exec_portable(self, held: Env, cmd: Command) -> ExecResult:

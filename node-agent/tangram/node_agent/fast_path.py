@@ -41,6 +41,26 @@ class Reachable:
     pid: int  # the exec server, as this agent's /proc sees it
     cgroup: str  # its group, relative to the cgroup root
     workdir: str
+    started: int = 0  # the exec server's start time (/proc/<pid>/stat): pids are reused
+    proc_root: Path = Path("/proc")
+
+    def check_alive(self) -> None:
+        """The exec server is still the process this environment was found with: a dead
+        server's pid may have gone to another process, even another sandbox's server,
+        which the listener check alone would then let through."""
+        if self.started and start_time(self.pid, self.proc_root) != self.started:
+            raise ExecError(
+                f"the environment's exec server (pid {self.pid}) has ended: the environment is gone"
+            )
+
+
+def start_time(pid: int, proc_root: Path = Path("/proc")) -> int:
+    """When process ``pid`` started (clock ticks since boot); 0 when there is none."""
+    try:
+        stat = (proc_root / str(pid) / "stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, after "pid (comm) "
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,27 +133,30 @@ class FastPath:
 
     async def exec(self, env: Reachable, cmd: Command) -> ExecResult:
         t0 = time.perf_counter()
+        env.check_alive()
         self.group_enter(env, cmd.cores)
+        left = False
+
+        async def idle() -> None:
+            nonlocal left
+            if not left:  # once, whichever way the action ends
+                left = True
+                self.group_leave(env, cmd.cores)
+
         try:
             chan = await Channel.start(
                 env.socket, cmd.argv, cwd=env.workdir, env=cmd.env, server_pid=env.pid
             )
-        except BaseException:
-            self.group_leave(env, cmd.cores)
-            raise
-        t1 = time.perf_counter()
-
-        async def idle() -> None:
-            self.group_leave(env, cmd.cores)
-
-        try:
-            output, timed_out = await supervise(
-                chan.collect(cmd.output_cap), cmd.timeout_s, chan.kill, idle
-            )
+            t1 = time.perf_counter()
+            try:
+                output, timed_out = await supervise(
+                    chan.collect(cmd.output_cap), cmd.timeout_s, chan.kill, idle
+                )
+            finally:
+                chan.close()
+            t2 = time.perf_counter()
         finally:
-            chan.close()
-        t2 = time.perf_counter()
-        self.group_leave(env, cmd.cores)
+            await idle()  # also when the server failed the command: no cores stay held
         t3 = time.perf_counter()
         code = None if timed_out else chan.exit_code
         return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
@@ -194,6 +217,7 @@ class ExecServerRuntime:
         reach = self.reachable(trajectory, [code] if code else [], cores)
         if kind not in ("bash", "python"):
             raise ExecError(f"kind: {kind!r} is not a session kind (bash, python)")
+        reach.check_alive()
         fast = self.fast
         dop_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
         t0 = time.perf_counter()

@@ -33,8 +33,11 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
         out: dict[str, Any] = api_client.sanitize_for_serialization(obj)
         return out
 
-    def fail(e: ApiException, what: str) -> ExecError:
-        """The API server's own message (it names the field or object at fault)."""
+    def fail(e: Exception, what: str) -> ExecError:
+        """The API server's own message (it names the field or object at fault); any
+        other failure (no connection, a timeout) says so."""
+        if not isinstance(e, ApiException):
+            return ExecError(f"{what}: the API server is not reachable: {e}")
         try:
             message = json.loads(e.body or "{}").get("message") or ""
         except (ValueError, AttributeError):
@@ -46,35 +49,35 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
         def create(self, manifest: dict[str, Any]) -> None:
             try:
                 core.create_namespaced_pod(namespace, manifest)  # type: ignore[arg-type]
-            except ApiException as e:
+            except Exception as e:
                 raise fail(e, f"creating pod {namespace}/{manifest['metadata']['name']}") from None
 
         def get(self, name: str) -> dict[str, Any] | None:
             try:
                 return to_dict(core.read_namespaced_pod(name, namespace))
-            except ApiException as e:
-                if e.status == 404:
+            except Exception as e:
+                if isinstance(e, ApiException) and e.status == 404:
                     return None
                 raise fail(e, f"reading pod {namespace}/{name}") from None
 
         def list(self, selector: str) -> list[dict[str, Any]]:
             try:
                 pods = core.list_namespaced_pod(namespace, label_selector=selector)
-            except ApiException as e:
+            except Exception as e:
                 raise fail(e, f"listing pods {selector}") from None
             return [to_dict(p) for p in pods.items]
 
         def label(self, name: str, labels: Mapping[str, str]) -> None:
             try:
                 core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": dict(labels)}})
-            except ApiException as e:
+            except Exception as e:
                 raise fail(e, f"labelling pod {namespace}/{name}") from None
 
         def delete(self, name: str) -> None:
             try:
                 core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
-            except ApiException as e:
-                if e.status != 404:
+            except Exception as e:
+                if not (isinstance(e, ApiException) and e.status == 404):
                     raise fail(e, f"deleting pod {namespace}/{name}") from None
 
     return Api()

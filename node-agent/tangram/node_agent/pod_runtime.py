@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import logging
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -35,13 +37,30 @@ from tangram.node_agent.execution import (
     Opened,
     check_request,
 )
-from tangram.node_agent.fast_path import Command, ExecServerRuntime, FastPath, Reachable, cgroup_of
+from tangram.node_agent.fast_path import (
+    Command,
+    ExecServerRuntime,
+    FastPath,
+    Reachable,
+    cgroup_of,
+    start_time,
+)
 from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
 
-__all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime"]
+__all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime", "agent_label"]
+
+log = logging.getLogger("tangram.agent")
 
 DEFAULT_EXECD_PATH = "/usr/local/libexec/tangram/tangram-execd"  # in the agent's image
 STATE = f"{LABEL}/state"  # warm | open
+AGENT = f"{LABEL}/agent"  # which agent's sandbox (agent_label of PodRuntime.agent)
+
+
+def agent_label(agent: str) -> str:
+    """A label value naming an agent: label values hold 63 characters, names may not."""
+    return agent if len(agent) <= 63 else hashlib.sha256(agent.encode()).hexdigest()[:32]
+
+
 TRAJECTORY = f"{LABEL}/trajectory"
 
 
@@ -77,6 +96,7 @@ class PodRuntime(ExecServerRuntime):
         execd_image: str,
         execd_path: str = DEFAULT_EXECD_PATH,
         owner: Mapping[str, Any] | None = None,
+        agent: str = "",
         cgroup_root: Path = Path("/sys/fs/cgroup"),
         proc_root: Path = Path("/proc"),
         start_timeout_s: float = 120.0,
@@ -89,6 +109,10 @@ class PodRuntime(ExecServerRuntime):
         self.execd_image = execd_image
         self.execd_path = execd_path
         self.owner = dict(owner) if owner else None
+        # Names this agent's sandboxes apart from other agents' on the same node (other
+        # pools, a pool's CPU and GPU agents): adoption and deletion touch only these.
+        self.agent = agent or f"{namespace}.{node}"
+        self._undeleted: set[str] = set()  # pods whose deletion failed: tried again
         self.idle_cores = tuple(idle_cores)
         self.cgroups: Cgroups = detect(cgroup_root)
         self.cgroup_root = cgroup_root
@@ -156,7 +180,7 @@ class PodRuntime(ExecServerRuntime):
         that ended or never started are deleted (their environment is gone, and the caller
         reports their trajectories lost).
         """
-        selector = f"{LABEL}/sandbox=true,{LABEL}/node={self.node}"
+        selector = f"{LABEL}/sandbox=true,{AGENT}={agent_label(self.agent)}"
         for obj in self.api.list(selector):
             meta = obj["metadata"]
             name, labels = meta["name"], meta.get("labels") or {}
@@ -165,6 +189,8 @@ class PodRuntime(ExecServerRuntime):
             except ExecError:
                 self._delete(name)
                 continue
+            # A previous agent may have died mid-action: back to the idle set.
+            self.cgroups.limit(reach.cgroup, self.idle_cores, IDLE_QUOTA_CORES)
             pod = Pod(name, labels.get(f"{LABEL}/template", ""), labels.get(f"{LABEL}/env", ""),
                       reach)  # fmt: skip
             trajectory = labels.get(TRAJECTORY)
@@ -178,7 +204,8 @@ class PodRuntime(ExecServerRuntime):
 
     def _create(self, template: EnvSpec, state: Mapping[str, str]) -> Pod:
         user, has_workdir = self._facts.get(self._facts_key(template), (None, True))
-        name = f"tangram-{template.pool}-{secrets.token_hex(5)}"[:63]
+        # The random part is never cut: a long pool name is (pod names hold 63 here).
+        name = f"tangram-{template.pool[:40].rstrip('-.')}-{secrets.token_hex(5)}"
         manifest = sandbox_pod(
             template,
             name=name,
@@ -186,7 +213,7 @@ class PodRuntime(ExecServerRuntime):
             node=self.node,
             execd_image=self.execd_image,
             execd_path=self.execd_path,
-            extra_labels=state,
+            extra_labels={**state, AGENT: agent_label(self.agent)},
             owner=self.owner,
             user=user,
             own_workdir=not has_workdir,
@@ -305,7 +332,8 @@ class PodRuntime(ExecServerRuntime):
                 raise ExecError(f"pod {obj['metadata']['name']}: the exec server did not start")
             time.sleep(0.002)
         workdir = obj["spec"]["containers"][0].get("workingDir") or "/"
-        return Reachable(container_id, socket, pid, group, workdir)
+        started = start_time(pid, self.proc_root)
+        return Reachable(container_id, socket, pid, group, workdir, started, self.proc_root)
 
     def _init_pid(self, container_id: str) -> int:
         """The container's PID 1 among the host's processes (needs the host PID
@@ -321,7 +349,9 @@ class PodRuntime(ExecServerRuntime):
             except OSError:
                 continue
             for line in status.splitlines():
-                if line.startswith("NSpid:") and line.split()[-1] == "1":
+                # The host's pid, then 1 in the container's own namespace: exactly two.
+                fields = line.split()
+                if fields[0] == "NSpid:" and len(fields) == 3 and fields[2] == "1":
                     return int(entry.name)
         raise ExecError(
             f"container {container_id[:12]}: its processes are not visible here (the agent "
@@ -329,8 +359,16 @@ class PodRuntime(ExecServerRuntime):
         )
 
     def _delete(self, name: str) -> None:
-        with contextlib.suppress(ExecError):
-            self.api.delete(name)
+        """Delete a pod; one whose deletion fails (the API server unreachable) is kept and
+        tried again with the next deletion, so no closed sandbox lives on to be adopted."""
+        for pod in sorted(self._undeleted | {name}):
+            try:
+                self.api.delete(pod)
+            except ExecError as e:
+                self._undeleted.add(pod)
+                log.warning("sandbox pod %s/%s: %s (will retry)", self.namespace, pod, e)
+            else:
+                self._undeleted.discard(pod)
 
     # ---- execution ---------------------------------------------------------------
     async def run(self, trajectory: str, cmd: Command, path: str) -> ExecResult:

@@ -37,7 +37,7 @@ def labels(template: EnvSpec, node: str) -> dict[str, str]:
         f"{LABEL}/pool": template.pool,
         f"{LABEL}/env": template.name,
         f"{LABEL}/template": digest(template),
-        f"{LABEL}/node": node,
+        f"{LABEL}/node": node if len(node) <= 63 else node[:63].rstrip("-._"),
         # The pool's NetworkPolicy denies every sandbox labelled so all traffic.
         f"{LABEL}/network": "none" if template.network == "none" else "allowed",
     }
