@@ -459,8 +459,8 @@ class TrajectoryEnvSpec(_Spec):
         str | None,
         Field(
             pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
-            description="RuntimeClass of the sandbox pods on Kubernetes (gVisor, Kata); "
-            "unset = the node's default runtime",
+            description="RuntimeClass of the sandbox pods on Kubernetes (runc-based "
+            "runtimes; gVisor and Kata are not supported yet); unset = the node's default",
         ),
     ] = None
     warm_pool: Annotated[

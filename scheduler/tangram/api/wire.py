@@ -431,7 +431,7 @@ class EnvSpec(_Strict):
     read_only_root: bool = False
     user: str | None = None  # None: the image's non-root user when it has one
     pids_limit: int = 512
-    runtime_class_name: str | None = None  # the pod runtime's RuntimeClass (gVisor, Kata)
+    runtime_class_name: str | None = None  # the sandbox pods' RuntimeClass (runc-based)
     pool: str = "default"
     warm: int = 0  # ready containers kept for this environment
 
