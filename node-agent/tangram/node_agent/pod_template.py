@@ -2,9 +2,10 @@
 
 The pod runs on any CRI runtime (containerd, CRI-O) with runc-like runtimes, whose
 container processes the agent reaches through the host's /proc (``runtimeClassName`` is
-passed through; gVisor and Kata sandboxes are not host processes and do not work yet). Its init container copies the exec server out of the node agent's
-image into a volume; the sandbox container runs it as PID 1 (the image's own entrypoint
-is not used, as with Docker). Hardening is that of the Docker runtime: every capability
+passed through; gVisor and Kata sandboxes are not host processes and do not work yet).
+Its init container copies the exec server out of the node agent's image into a volume;
+the sandbox container runs it as PID 1 (the image's own entrypoint is not used, as with
+Docker). Hardening is that of the Docker runtime: every capability
 dropped, no privilege escalation, RuntimeDefault seccomp, no service-account token, no
 service links, memory requested and limited to the environment's, the root file system
 read-only where the environment allows.
