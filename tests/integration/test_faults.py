@@ -28,6 +28,7 @@ metadata: {name: faults}
 spec:
   cpu: {idleCores: 1}
   admission: {maxQueued: 3}
+  scheduler: {agentGraceSeconds: 120}
 ---
 apiVersion: tangram.dev/v1alpha1
 kind: TrajectoryEnv
@@ -58,8 +59,8 @@ def _wait(predicate: object, what: str, timeout: float = 30) -> None:
 
 
 class Cluster:
-    def __init__(self, tmp: Path) -> None:
-        (tmp / "pool.yaml").write_text(POOL)
+    def __init__(self, tmp: Path, grace_s: int = 120) -> None:
+        (tmp / "pool.yaml").write_text(POOL.replace("Seconds: 120", f"Seconds: {grace_s}"))
         self.tmp, self.port = tmp, free_port()
         self.env = {**os.environ, "TANGRAM_TOKEN_FILE": str(tmp / "tokens")}
         self.url = f"http://127.0.0.1:{self.port}"
@@ -107,22 +108,25 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+def cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.skip("the process runtime writes cgroups: needs root")
     monkeypatch.setenv("TANGRAM_TOKEN_FILE", str(tmp_path / "tokens"))  # the clients' too
-    c = Cluster(tmp_path)
+    c = Cluster(tmp_path, getattr(request, "param", 120))
     yield c
     c.stop()
 
 
-def test_an_agent_killed_mid_action_ends_it_retryably_and_loses_its_trajectories(
+def test_an_agent_killed_mid_action_ends_it_retryably_and_its_trajectory_waits_for_it(
     cluster: Cluster,
 ) -> None:
     victim = cluster.agent("state-a")
     started = cluster.tmp / "started"
     with Client(cluster.url, retries=0) as client:
         t = client.open("shell")
+        assert client.exec(t.id, ["sh", "-c", "echo kept > f"]).exit_code == 0
         box: list[ActionResult] = []
         argv = ["sh", "-c", f"touch {started}; sleep 60"]
         runner = threading.Thread(target=lambda: box.append(client.exec(t.id, argv)))
@@ -133,9 +137,40 @@ def test_an_agent_killed_mid_action_ends_it_retryably_and_loses_its_trajectories
         (r,) = box
         assert r.status is ActionStatus.ERROR
         assert r.error is not None and r.error.code == "node_lost" and r.error.retryable
+        # The trajectory waits for its agent: actions meanwhile are answered 503 (retry).
+        assert client.get(t.id).state.value == "away"
+        with pytest.raises(TangramError) as e:
+            client.exec(t.id, ["true"])
+        assert e.value.status == 503 and "reconnecting" in str(e.value)
+        # The agent comes back with its state: the trajectory goes on with its files.
+        cluster.agent("state-a")
+        _wait(lambda: client.get(t.id).state.value == "open", "the trajectory was not taken back")
+        assert client.exec(t.id, ["cat", "f"]).stdout == "kept\n"
+    # A client that retries rides the window out without seeing it.
+    with Client(cluster.url, retries=8) as client:
+        cluster.agents[-1].kill()
+        _wait(lambda: client.get(t.id).state.value == "away", "the agent's leave went unseen")
+        threading.Timer(1.0, cluster.agent, args=("state-a",)).start()
+        assert client.exec(t.id, ["cat", "f"]).stdout == "kept\n"
+        client.close(t.id)
+
+
+@pytest.mark.parametrize("cluster", [1], indirect=True)  # agentGraceSeconds: 1
+def test_trajectories_of_an_agent_that_stays_away_past_the_grace_are_lost(
+    cluster: Cluster,
+) -> None:
+    victim = cluster.agent("state-a")
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell")
+        victim.kill()
+        _wait(lambda: client.get(t.id).state.value == "lost", "the trajectory was not lost")
+        with pytest.raises(TangramError) as e:
+            client.exec(t.id, ["true"])
+        assert e.value.status == 409 and "lost" in str(e.value)
+        # The agent's return does not revive it: its environment is closed as stale.
+        cluster.agent("state-a")
         assert client.get(t.id).state.value == "lost"
-        # A new agent joins; new trajectories go to it.
-        cluster.agent("state-b")
+        _wait(lambda: not any((cluster.tmp / "state-a").rglob(t.id)), "the stale env stayed")
         with client.trajectory("shell") as fresh:
             assert fresh.exec(["true"]).status is ActionStatus.OK
 

@@ -11,7 +11,7 @@ import yaml
 
 from tangram.api.resources import ActionPool, Document, Resources, parse_documents
 from tangram.cli.manifests import load_documents
-from tangram.operator.builders import build_pool, parse_tokens, token_secret
+from tangram.operator.builders import Loopback, build_pool, parse_tokens, token_secret
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "manifests" / "examples"
@@ -216,6 +216,34 @@ def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
     assert container["securityContext"]["privileged"] is True  # host cgroupns: see builders
     # The pool's cores (60 for actions + 2 idle) are requested by the agent, once.
     assert container["resources"] == {"requests": {"cpu": "62"}}
+
+
+def test_a_loopback_test_cluster_runs_the_pool_on_the_nodes_127_0_0_1() -> None:
+    resources = _resources("coding")
+    pool = next(iter(resources.pools.values()))
+    objects = _pool_objects(pool, loopback=Loopback.parse("127.0.0.1:6443"))
+    api = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+           {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}]  # fmt: skip
+    scheduler = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    agent = _one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    for pod in (scheduler, agent):
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        env = pod["containers"][0]["env"]
+        assert all(v in env for v in api), env
+    command = scheduler["containers"][0]["command"]
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    command = agent["containers"][0]["command"]
+    assert command[command.index("--scheduler") + 1] == "ws://127.0.0.1:8080/v1/agents"
+    # Without it, nothing of the kind.
+    plain = _pool_objects(pool)
+    assert "hostNetwork" not in _one(plain, "DaemonSet")["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1:443", "localhost:6443", "127.0.0.1", "::1:x", ""])
+def test_a_loopback_api_server_must_be_a_loopback_host_and_port(address: str) -> None:
+    with pytest.raises(ValueError, match="loopback HOST:PORT"):
+        Loopback.parse(address)
+    assert Loopback.parse("[::1]:6443") == Loopback("::1", 6443)
 
 
 def test_api_only_pool_has_no_agents(deepsearch: list[dict[str, Any]]) -> None:

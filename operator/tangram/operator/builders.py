@@ -34,7 +34,9 @@ files on SIGHUP), so open trajectories and queued actions survive an edit.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -63,6 +65,52 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 NONROOT_UID = 65532  # the distroless "nonroot" user; any non-zero uid works
 MIN_TOKEN_CHARS = 16  # what TokenStore accepts
 POOL_NAMESPACE_LABEL = "tangram.dev/pool-namespace"
+
+
+@dataclass(frozen=True)
+class Loopback:
+    """Single-node test clusters whose pod network reaches nothing (the project's e2e on a
+    bare kubelet): the pool's scheduler and node agents run on the node's network, the
+    scheduler bound to 127.0.0.1, and they reach the API server at ``api_host:api_port``
+    instead of through the ``kubernetes`` Service (whose ClusterIP nothing routes there).
+    Never for a shared cluster: host-network pods share the node's ports, so every pool
+    needs its own ``spec.scheduler.port``."""
+
+    api_host: str
+    api_port: int
+
+    @classmethod
+    def parse(cls, address: str) -> Loopback:
+        """``HOST:PORT`` (``[::1]:PORT`` for IPv6) of an API server on the loopback."""
+        host, sep, port = address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            loopback = bool(sep) and ipaddress.ip_address(host).is_loopback
+            number = int(port)
+        except ValueError:
+            loopback, number = False, 0
+        if not loopback or not 0 < number < 65536:
+            raise ValueError(
+                f"{address!r}: give the API server as a loopback HOST:PORT, e.g. 127.0.0.1:6443"
+            )
+        return cls(host, number)
+
+    def env(self) -> list[Manifest]:
+        # The client libraries' in-cluster configuration reads these; a variable the pod
+        # spec sets wins over the kubelet's own for the Service.
+        return [
+            {"name": "KUBERNETES_SERVICE_HOST", "value": self.api_host},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.api_port)},
+        ]
+
+
+LOOPBACK_HOST = "127.0.0.1"
+
+
+def _host_network(loopback: Loopback | None) -> Manifest:
+    if loopback is None:
+        return {}
+    return {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
 
 
 # --- names and metadata -----------------------------------------------------------------------
@@ -307,10 +355,12 @@ def sandbox_network_policy(pool: ActionPool, uid: str) -> Manifest:
 # --- the scheduler ----------------------------------------------------------------------------
 
 
-def scheduler_url(pool: ActionPool) -> str:
-    """Where node agents connect: the scheduler Service's cluster DNS name."""
+def scheduler_url(pool: ActionPool, loopback: Loopback | None = None) -> str:
+    """Where node agents connect: the scheduler Service's cluster DNS name (on a loopback
+    test cluster, the scheduler's port on the node)."""
     ns, port = pool.metadata.namespace, pool.spec.scheduler.port
-    return f"ws://{child_name(pool, 'scheduler')}.{ns}.svc:{port}/v1/agents"
+    host = LOOPBACK_HOST if loopback else f"{child_name(pool, 'scheduler')}.{ns}.svc"
+    return f"ws://{host}:{port}/v1/agents"
 
 
 def _restricted_security_context() -> Manifest:
@@ -328,7 +378,7 @@ def _scratch_volume() -> Manifest:
     return {"name": "tmp", "emptyDir": {}}
 
 
-def scheduler_container(pool: ActionPool, image: str) -> Manifest:
+def scheduler_container(pool: ActionPool, image: str, loopback: Loopback | None) -> Manifest:
     port = pool.spec.scheduler.port
     # Probes go through the named port, so a port change in the spec needs no probe edit.
     return {
@@ -342,13 +392,14 @@ def scheduler_container(pool: ActionPool, image: str) -> Manifest:
             "--token-file",
             TOKEN_FILE,
             "--host",
-            "0.0.0.0",
+            LOOPBACK_HOST if loopback else "0.0.0.0",
             "--port",
             str(port),
             "--kubernetes",  # TokenReview for clients, secretRefs from the API server
             "--log-json",
         ],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        **({"env": loopback.env()} if loopback else {}),
         "resources": {k: dict(v) for k, v in sorted(pool.spec.scheduler.resources.items())},
         "readinessProbe": {
             "httpGet": {"path": "/readyz", "port": "http"},
@@ -369,7 +420,9 @@ def scheduler_container(pool: ActionPool, image: str) -> Manifest:
     }
 
 
-def scheduler_deployment(pool: ActionPool, image: str, uid: str) -> Manifest:
+def scheduler_deployment(
+    pool: ActionPool, image: str, uid: str, loopback: Loopback | None = None
+) -> Manifest:
     name = child_name(pool, "scheduler")
     return {
         "apiVersion": "apps/v1",
@@ -387,6 +440,7 @@ def scheduler_deployment(pool: ActionPool, image: str, uid: str) -> Manifest:
                 "spec": {
                     "serviceAccountName": name,
                     "automountServiceAccountToken": True,  # TokenReview, Secrets, its CRs
+                    **_host_network(loopback),
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": NONROOT_UID,
@@ -394,7 +448,7 @@ def scheduler_deployment(pool: ActionPool, image: str, uid: str) -> Manifest:
                         "fsGroup": NONROOT_UID,  # lets the non-root user read the tokens
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
-                    "containers": [scheduler_container(pool, image)],
+                    "containers": [scheduler_container(pool, image, loopback)],
                     "volumes": [
                         {
                             # Projected, not subPath: kubelet refreshes it in place.
@@ -449,12 +503,14 @@ def state_dir(pool: ActionPool, role: str) -> str:
     return base if role == "cpu" else f"{base}-{role}"
 
 
-def agent_command(pool: ActionPool, role: str, image: str, uid: str) -> list[str]:
+def agent_command(
+    pool: ActionPool, role: str, image: str, uid: str, loopback: Loopback | None = None
+) -> list[str]:
     cpu = pool.spec.cpu if role == "cpu" else None
     idle = cpu.idle_cores if cpu is not None else 1
     command = [
-        "tangram", "agent", "--scheduler", scheduler_url(pool), "--token-file", TOKEN_FILE,
-        "--node", "$(NODE_NAME)", "--state-dir", state_dir(pool, role),
+        "tangram", "agent", "--scheduler", scheduler_url(pool, loopback),
+        "--token-file", TOKEN_FILE, "--node", "$(NODE_NAME)", "--state-dir", state_dir(pool, role),
         "--idle-cores", str(idle), "--log-json",
         # Sandboxes are pods the kubelet runs on the node's CRI runtime; never "auto",
         # which would fall back to commands in the agent's own (privileged) container.
@@ -474,11 +530,14 @@ def _host_path(name: str, path: str, kind: str) -> Manifest:
     return {"name": name, "hostPath": {"path": path, "type": kind}}
 
 
-def agent_container(pool: ActionPool, role: str, image: str, uid: str) -> Manifest:
+def agent_container(
+    pool: ActionPool, role: str, image: str, uid: str, loopback: Loopback | None = None
+) -> Manifest:
     state = state_dir(pool, role)
     env: list[Manifest] = [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        *(loopback.env() if loopback else []),
     ]
     extra: Manifest = {}
     cpu = pool.spec.cpu if role == "cpu" else None
@@ -496,7 +555,7 @@ def agent_container(pool: ActionPool, role: str, image: str, uid: str) -> Manife
     return {
         "name": "agent",
         "image": image,
-        "command": agent_command(pool, role, image, uid),
+        "command": agent_command(pool, role, image, uid, loopback),
         "env": env,
         **extra,
         # Privileged, and only the agent container: on cgroup v2 it is the one way to get
@@ -507,7 +566,8 @@ def agent_container(pool: ActionPool, role: str, image: str, uid: str) -> Manife
         # /proc/<pid>/root, which takes ptrace rights over processes of other users.
         # Capabilities alone cannot change a namespace. What stays confined is what is not
         # needed: an API token that may only manage pods of its namespace, no host
-        # network, a read-only root, two host paths (docs/install.md).
+        # network (but on a loopback test cluster), a read-only root, two host paths
+        # (docs/install.md).
         "securityContext": {
             "privileged": True,
             "runAsUser": 0,  # cgroupfs files and the Docker socket belong to root
@@ -523,7 +583,9 @@ def agent_container(pool: ActionPool, role: str, image: str, uid: str) -> Manife
     }
 
 
-def agent_daemon_set(pool: ActionPool, role: str, image: str, uid: str) -> Manifest:
+def agent_daemon_set(
+    pool: ActionPool, role: str, image: str, uid: str, loopback: Loopback | None = None
+) -> Manifest:
     """The node agents of one section (``cpu`` or ``gpu``) of the pool.
 
     The agent creates the sandbox pods of its node through the API server (its own
@@ -549,8 +611,9 @@ def agent_daemon_set(pool: ActionPool, role: str, image: str, uid: str) -> Manif
                     "serviceAccountName": child_name(pool, "agent"),
                     "automountServiceAccountToken": True,  # it manages its sandbox pods
                     "hostPID": True,
+                    **_host_network(loopback),
                     "nodeSelector": dict(sorted(section.node_selector.items())),
-                    "containers": [agent_container(pool, role, image, uid)],
+                    "containers": [agent_container(pool, role, image, uid, loopback)],
                     "volumes": [
                         {
                             "name": "tokens",
@@ -584,6 +647,7 @@ def build_pool(
     agent_token: str,
     operator_token: str,
     gpu_image: str | None = None,
+    loopback: Loopback | None = None,
 ) -> list[Manifest]:
     """Every object the pool needs, in an order that can be applied first to last.
 
@@ -595,6 +659,7 @@ def build_pool(
     scheduler (≥ 16 characters each); the operator creates them once and passes the live
     Secret's values on later reconciles.
     ``envs``/``services``: the pool's members, already checked to reference it.
+    ``loopback``: a single-node test cluster's host network (:class:`Loopback`).
     """
     objects = [
         config_map(pool, envs, services, uid),
@@ -605,7 +670,7 @@ def build_pool(
         role_binding(pool, "scheduler", "scheduler", uid),
         tokenreview_cluster_role(pool),
         tokenreview_cluster_role_binding(pool),
-        scheduler_deployment(pool, image, uid),
+        scheduler_deployment(pool, image, uid, loopback),
         scheduler_service(pool, uid),
     ]
     roles = [r for r, section in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)) if section]
@@ -616,10 +681,10 @@ def build_pool(
             sandbox_network_policy(pool, uid),
         ]
     objects += [
-        agent_daemon_set(pool, role, gpu_image or image if role == "gpu" else image, uid)
+        agent_daemon_set(pool, role, gpu_image or image if role == "gpu" else image, uid, loopback)
         for role in roles
     ]
     return objects
 
 
-__all__ = ["Manifest", "build_pool", "parse_tokens", "scheduler_url"]
+__all__ = ["LOOPBACK_HOST", "Loopback", "Manifest", "build_pool", "parse_tokens", "scheduler_url"]

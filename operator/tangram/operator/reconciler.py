@@ -40,6 +40,7 @@ from tangram.operator.builders import (
     AGENT_TENANT,
     OPERATOR_TENANT,
     SCHEDULER_TOKENS_KEY,
+    Loopback,
     Manifest,
     build_pool,
     child_name,
@@ -93,6 +94,7 @@ class Reconciler:
         *,
         image: str,
         gpu_image: str | None = None,
+        loopback: Loopback | None = None,
         endpoints: Endpoints | None = None,
         link: SchedulerLink | None = None,
         clock: Callable[[], dt.datetime] = _utcnow,
@@ -100,7 +102,8 @@ class Reconciler:
         self.cluster = cluster
         self.image = image
         self.gpu_image = gpu_image  # GPU agents' image (with PyTorch); None: ``image``
-        self.endpoints = endpoints or Endpoints()
+        self.loopback = loopback  # a single-node test cluster's host network
+        self.endpoints = endpoints or Endpoints(loopback=loopback is not None)
         self.link = link or SchedulerLink()
         self.clock = clock
         # pool uid -> (scheduler epoch, digest of the documents it was last given): a
@@ -132,6 +135,7 @@ class Reconciler:
                 pool,
                 image=self.image,
                 gpu_image=self.gpu_image,
+                loopback=self.loopback,
                 envs=[m for m in members if isinstance(m, TrajectoryEnv)],
                 services=[m for m in members if isinstance(m, RewardService)],
                 uid=body["metadata"]["uid"],

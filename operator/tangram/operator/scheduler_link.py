@@ -19,7 +19,7 @@ import yaml
 
 from tangram.api.resources import ActionPool
 from tangram.api.wire import PoolFigures
-from tangram.operator.builders import child_name
+from tangram.operator.builders import LOOPBACK_HOST, child_name
 
 TIMEOUT_S = 5.0
 
@@ -31,12 +31,14 @@ class SchedulerError(RuntimeError):
 class Endpoints:
     """The base URL of each pool's scheduler."""
 
-    def __init__(self, overrides: Path | None = None) -> None:
+    def __init__(self, overrides: Path | None = None, *, loopback: bool = False) -> None:
         self.overrides = overrides
+        self.loopback = loopback  # schedulers on the node's 127.0.0.1 (builders.Loopback)
 
     def cluster_url(self, pool: ActionPool) -> str:
         ns, port = pool.metadata.namespace, pool.spec.scheduler.port
-        return f"http://{child_name(pool, 'scheduler')}.{ns}.svc:{port}"
+        host = LOOPBACK_HOST if self.loopback else f"{child_name(pool, 'scheduler')}.{ns}.svc"
+        return f"http://{host}:{port}"
 
     def url(self, pool: ActionPool) -> str:
         if self.overrides is not None:

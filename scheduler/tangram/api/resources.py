@@ -312,6 +312,16 @@ class SchedulerDeployment(_Spec):
             "admitted) before the pool and its environments are removed",
         ),
     ] = 600
+    agent_grace_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=86_400,
+            description="how long the trajectories of a node whose agent went away (a pod "
+            "restart, a crash) wait for it to come back with their environments before they "
+            "are lost; meanwhile their actions are answered 503",
+        ),
+    ] = 120
 
     @field_validator("resources")
     @classmethod

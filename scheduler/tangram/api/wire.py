@@ -58,7 +58,11 @@ class OpenTrajectory(_Strict):
 
 class TrajectoryState(StrEnum):
     OPEN = "open"
-    LOST = "lost"  # its node left the pool; its environment is gone
+    # Its node's agent went away; the environment may still live (a sandbox pod outlives
+    # its agent). Actions answer 503 (retry) until the agent is back, or LOST after the
+    # pool's grace period.
+    AWAY = "away"
+    LOST = "lost"  # its node left the pool for good; its environment is gone
     CLOSING = "closing"  # its actions are being cancelled and its environment removed
     CLOSED = "closed"
 

@@ -43,7 +43,17 @@ def register(sub: Any) -> None:
         help="YAML file of 'namespace/pool: http://host:port' for schedulers outside the "
         "cluster network (re-read on every use)",
     )
-    p.add_argument("--liveness-port", type=int, help="serve GET /healthz on this port (0.0.0.0)")
+    p.add_argument("--liveness-port", type=int, help="serve GET /healthz on this port")
+    p.add_argument(
+        "--liveness-host", default="0.0.0.0", help="the address of the liveness endpoint"
+    )
+    p.add_argument(
+        "--loopback-api-server",
+        metavar="HOST:PORT",
+        help="single-node test clusters whose pod network reaches nothing: run the pools' "
+        "schedulers and node agents on the node's network, bound to 127.0.0.1, reaching the "
+        "API server at this loopback address (never on a shared cluster)",
+    )
     add_log_flags(p)
     p.set_defaults(run=run_operator)
 
@@ -52,11 +62,16 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     from tangram.operator import handlers
+    from tangram.operator.builders import Loopback
     from tangram.operator.kube import Cluster, api_client
     from tangram.operator.reconciler import Reconciler
     from tangram.operator.scheduler_link import Endpoints
 
     setup_logging(args)
+    try:
+        loopback = Loopback.parse(args.loopback_api_server) if args.loopback_api_server else None
+    except ValueError as e:
+        raise InputError(f"--loopback-api-server {e}") from None
     try:
         api = api_client(args.kubeconfig)
     except Exception as e:  # the client raises several kinds for a missing or bad config
@@ -67,10 +82,12 @@ def run_operator(args: argparse.Namespace) -> int:
             cluster,
             image=args.image,
             gpu_image=args.gpu_agent_image,
-            endpoints=Endpoints(args.scheduler_endpoints),
+            loopback=loopback,
+            endpoints=Endpoints(args.scheduler_endpoints, loopback=loopback is not None),
         )
     )
-    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    host = f"[{args.liveness_host}]" if ":" in args.liveness_host else args.liveness_host
+    liveness = f"http://{host}:{args.liveness_port}/healthz" if args.liveness_port else None
     asyncio.run(
         kopf.operator(
             clusterwide=args.namespace is None,

@@ -78,6 +78,9 @@ class PoolConfig:
     max_queued: int = 100_000  # admission control: beyond this, 429
     max_request_bytes: int = 1 << 20  # a larger request body (or stream message): 413
     heartbeat_timeout_s: float = 5.0  # an agent silent this long is drained
+    # How long the trajectories of a node whose agent went away wait for it to come back
+    # (an agent pod restart, a crash) before they are lost.
+    agent_grace_s: float = 120.0
     # Who may submit when clients present ServiceAccount tokens (in a cluster): the pool's
     # namespace, spec.access.namespaces ('*': all) and spec.access.serviceAccounts (ns/name).
     namespace: str = "default"

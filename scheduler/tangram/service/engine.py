@@ -289,10 +289,21 @@ class Engine:
         scheduler opened (a restart). False when its environment should go."""
         rec = self.trajectories.get(meta.id)
         if rec is not None:
-            if rec.state is TrajectoryState.OPEN and rec.node in (None, node):
+            if rec.node not in (None, node):
+                return False
+            if rec.state is TrajectoryState.AWAY:  # its agent is back within the grace
+                try:
+                    self.core.open_trajectory(meta.id, self.env_of(rec).spec.memory_gb)
+                    self.core.place_trajectory(meta.id, node)
+                except SchedulingError as e:
+                    log.warning("cannot take back trajectory %s on %s: %s", meta.id, node, e)
+                    rec.state = TrajectoryState.LOST
+                    return False
+                rec.state = TrajectoryState.OPEN
+            if rec.state is TrajectoryState.OPEN:
                 rec.node = node
                 return True
-            return False  # drained as lost while its agent was away
+            return False  # lost (the grace ended) or closed while its agent was away
         env = self.config.envs.get(meta.env)
         if env is None or not meta.tenant:
             return False
@@ -384,17 +395,41 @@ class Engine:
                 if rec.task is not None:
                     rec.task.cancel()
                 self._finish(rec, ActionStatus.ERROR, error=lost)
-        for tid in drained.trajectories:
-            if tid in self.trajectories:
-                self.trajectories[tid].state = TrajectoryState.LOST
+        away = [
+            t for t in drained.trajectories
+            if t in self.trajectories and self.trajectories[t].state is TrajectoryState.OPEN
+        ]  # fmt: skip
+        for tid in away:
+            self.trajectories[tid].state = TrajectoryState.AWAY
+        if away:
+            self._background(self._lose_after_grace(link.node, away))
         log.log(
             logging.WARNING if self.accepting else logging.INFO,  # expected at shutdown
-            "node %s left: %d actions ended, %d trajectories lost",
+            "node %s left: %d actions ended, %d trajectories wait %.0f s for its agent",
             link.node,
             len(drained.running) + len(drained.dropped),
-            len(drained.trajectories),
+            len(away),
+            self.config.agent_grace_s,
         )
         self._wake.set()
+
+    async def _lose_after_grace(self, node: str, tids: Sequence[str]) -> None:
+        """The trajectories of an agent that did not come back in time are lost (their
+        environments, if they still live, are closed when it does come back)."""
+        await asyncio.sleep(self.config.agent_grace_s)
+        lost = [
+            t for t in tids
+            if t in self.trajectories and self.trajectories[t].state is TrajectoryState.AWAY
+        ]  # fmt: skip
+        for tid in lost:
+            self.trajectories[tid].state = TrajectoryState.LOST
+        if lost:
+            log.warning(
+                "node %s: its agent did not come back in %.0f s: %d trajectories lost",
+                node,
+                self.config.agent_grace_s,
+                len(lost),
+            )
 
     # ---- trajectories --------------------------------------------------------------
     def trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
@@ -566,9 +601,7 @@ class Engine:
         if again is not None:
             return again
         self._admitting()
-        traj = self.trajectory(tenant, tid)
-        if traj.state is not TrajectoryState.OPEN:
-            raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}")
+        traj = self._usable(tenant, tid)
         env = self.env_of(traj)
         argv, spec = self._exec_spec(env, req)
         rec = self._record(tenant, tid, "exec", req, argv, target=f"exec on {tid}")
@@ -579,6 +612,19 @@ class Engine:
         traj.actions += 1
         self._admit(rec, req.queue_timeout_s, req.idempotency_key)
         return rec
+
+    def _usable(self, tenant: str, tid: str) -> TrajectoryRecord:
+        """An open trajectory of ``tenant``; 503 (retry) while its agent is away."""
+        traj = self.trajectory(tenant, tid)
+        if traj.state is TrajectoryState.AWAY:
+            raise EngineError(
+                "unavailable",
+                "trajectory",
+                f"{tid}: the agent of node {traj.node} is reconnecting; retry",
+            )
+        if traj.state is not TrajectoryState.OPEN:
+            raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}")
+        return traj
 
     def _exec_spec(self, env: EnvConfig, req: ExecRequest) -> tuple[list[str] | None, ActionSpec]:
         cpu, t1, eff, argv = req.cpu, req.t1_s, req.efficiency, req.argv

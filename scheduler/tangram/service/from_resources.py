@@ -111,6 +111,7 @@ def pool_config(
         idle_cores=spec.cpu.idle_cores if spec.cpu else 1,
         cores_per_node=spec.cpu.cores_per_node if spec.cpu else None,
         max_queued=spec.admission.max_queued,
+        agent_grace_s=float(spec.scheduler.agent_grace_seconds),
         max_request_bytes=spec.admission.max_request_bytes,
         namespace=pool.metadata.namespace,
         access_namespaces=tuple(spec.access.namespaces),
