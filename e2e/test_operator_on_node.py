@@ -1,0 +1,287 @@
+"""The operator on a real kubelet + containerd: everything runs as pods, nothing as a
+local process.
+
+``helm install`` (loopback values: this single node's pod network reaches nothing, so the
+operator, the pool's scheduler and its node agent run on the node's network, bound to
+127.0.0.1) → ``kubectl apply`` of the coding example → the agent DaemonSet's pod Running,
+with no Docker socket → a client opens a trajectory; ``pytest -n {dop}`` runs in its
+sandbox pod, on exactly the cores of each action (read inside the pod) → the agent pod is
+deleted, the DaemonSet makes a new one, and the trajectory goes on with its files → the
+pool is deleted: no pod, cgroup or exec server is left.
+
+The images are the project's own (``images/build.sh``, nothing pulled), imported into the
+node's containerd. The tests share state and run in file order, like one user's session.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness.controlplane import ControlPlane
+from harness.kubelet import RealNode
+from harness.pods import free_port, kubectl_json, wait_for
+
+from tangram.client import Client
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "arl-tangram"
+CODING = ROOT / "manifests" / "examples" / "coding" / "pool.yaml"
+RELEASE, SYSTEM = "arl-tangram", "tangram-system"
+NS = "rl-node"  # the example's namespace is rl; another module may have used that name
+SWE_IMAGE = "ghcr.io/example/swe-env:latest"  # what the example names; imported, not pulled
+STATE_DIR = Path("/var/lib/tangram/coding")  # the agent's hostPath (builders.state_dir)
+VERSION = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+IMAGE = f"arl-tangram/operator:{VERSION.group(1) if VERSION else '0.1.0'}"
+# The sandbox test suite: each test writes the cores it may run on, as the kernel says.
+SUITE = """
+import os, pathlib
+
+def _cores(name):
+    status = pathlib.Path("/proc/self/status").read_text()
+    line = next(l for l in status.splitlines() if l.startswith("Cpus_allowed_list:"))
+    pathlib.Path(name).write_text(line.split()[1])
+
+def test_one():
+    _cores("seen-1")
+
+def test_two():
+    _cores("seen-2")
+"""
+
+
+@dataclass
+class Session:
+    cp: ControlPlane
+    node: RealNode
+    bin: Path
+    port: int = 0  # the pool's scheduler, on the node's 127.0.0.1
+    seen: dict[str, Any] = field(default_factory=dict)  # what later tests check against
+
+    def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return self.cp.kubectl(*args, **kw)
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> Any:
+        return kubectl_json(self.cp.kubectl)(kind, name, namespace)
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        out = self.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json")
+        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        return items
+
+    def helm(self, *args: str) -> None:
+        argv = [str(self.bin / "helm"), f"--kubeconfig={self.cp.admin_kubeconfig}", *args]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, f"helm {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def token(self, account: str) -> str:
+        if not self.kubectl("get", "sa", account, "-n", NS, "--ignore-not-found").stdout:
+            self.kubectl("create", "serviceaccount", account, "-n", NS)
+        return self.kubectl("create", "token", account, "-n", NS).stdout.strip()
+
+    def logs(self) -> str:
+        """The pods' logs of the namespaces in play, for a failure's message."""
+        parts = []
+        for ns in (SYSTEM, NS):
+            for pod in self.pods(ns, "app.kubernetes.io/name"):
+                name = pod["metadata"]["name"]
+                out = self.kubectl("logs", name, "-n", ns, "--all-containers", "--tail=30",
+                                   check=False)  # fmt: skip
+                parts.append(f"--- {ns}/{name}\n{out.stdout}{out.stderr}")
+        return "\n".join(parts) + f"\n--- node\n{self.node.log_tail()}"
+
+    def wait(self, what: str, check: Any, timeout: float = 120) -> Any:
+        try:
+            return wait_for(what, check, timeout)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}\n{self.logs()}") from None
+
+
+def _build_image(work: Path) -> str:
+    """The project's image (operator, scheduler and node agent in one), as a user makes it."""
+    log = work / "images.log"
+    with log.open("w") as out:
+        argv = ["bash", str(ROOT / "images" / "build.sh"), "operator"]
+        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=1800, check=False)
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        pytest.fail(f"images/build.sh operator failed ({done.returncode}):\n{tail}")
+    return IMAGE
+
+
+@pytest.fixture(scope="module")
+def session(
+    control_plane: ControlPlane,
+    real_node: RealNode,
+    e2e_bin_dir: Path,
+    docker_client: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Session]:
+    from tests.integration.docker_engine import coding_image
+
+    work = tmp_path_factory.mktemp("on-node")
+    image = _build_image(work)
+    # The kubelet spells short names out in full (docker.io/...): import them so.
+    real_node.import_image(docker_client, image, f"docker.io/{image}")
+    swe = coding_image(docker_client)
+    if swe is None:
+        pytest.fail("the coding test image cannot be built (needs root and debootstrap)")
+    real_node.import_image(docker_client, swe, SWE_IMAGE)
+    # Fake nodes of earlier modules would take the operator's and scheduler's pods.
+    control_plane.kubectl("delete", "nodes", "-l", "type=kwok", "--ignore-not-found")
+    fresh_state = not STATE_DIR.exists()
+    s = Session(control_plane, real_node, e2e_bin_dir)
+    try:
+        yield s
+    finally:
+        s.helm("uninstall", RELEASE, "-n", SYSTEM, "--ignore-not-found", "--wait")
+        if fresh_state:  # the agent's hostPath, made by the kubelet for this test
+            shutil.rmtree(STATE_DIR, ignore_errors=True)
+
+
+# ---- the session ---------------------------------------------------------------------
+
+
+def test_helm_install_runs_the_operator_as_a_pod_on_the_node(session: Session) -> None:
+    s = session
+    s.helm("install", RELEASE, str(CHART), "-n", SYSTEM, "--create-namespace",
+           "--set", "loopback.enabled=true",
+           "--set", f"loopback.apiServer=127.0.0.1:{s.cp.ports.apiserver}",
+           "--set", f"loopback.livenessPort={free_port()}",
+           # The node has 2 cores and the pool's agent requests both (below).
+           "--set-string", "resources.requests.cpu=0",
+           "--set", "crds.keep=false", "--wait", "--timeout", "180s")  # fmt: skip
+    (pod,) = s.pods(SYSTEM, "app.kubernetes.io/component=operator")
+    assert pod["spec"]["nodeName"] == s.node.name
+    assert pod["status"]["phase"] == "Running"
+    assert pod["spec"]["hostNetwork"] is True
+
+
+def test_the_coding_pool_runs_its_scheduler_and_agent_as_pods(session: Session) -> None:
+    s = session
+    s.port = free_port()
+    s.kubectl("create", "namespace", NS)
+    example = CODING.read_text().replace("namespace: rl\n", f"namespace: {NS}\n")
+    s.kubectl(
+        "apply", "-f", "-", stdin=example.replace("rl/rollout-worker", f"{NS}/rollout-worker")
+    )
+    # Sized for this 2-core node: one core for actions, one idle; the scheduler requests
+    # no core; its port is a free one of the node.
+    pool = {
+        "spec": {
+            "cpu": {"coresPerNode": 1, "idleCores": 1},
+            "scheduler": {"port": s.port, "resources": {"requests": {"cpu": None}}},
+        }
+    }
+    s.kubectl("patch", "ap", "coding", "-n", NS, "--type=merge", "-p", json.dumps(pool))
+    # The test image has python3, pytest and pytest-xdist, but no git for the setup.
+    env = {"spec": {"warmPool": 1, "memoryGiB": 1, "workdir": "/work",
+                    "setup": [["python3", "-c", "import pytest, xdist"]]}}  # fmt: skip
+    s.kubectl("patch", "tenv", "swe", "-n", NS, "--type=merge", "-p", json.dumps(env))
+
+    def ready() -> bool:
+        conditions = (s.get("ap", "coding", NS).get("status") or {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    s.wait("the pool to be Ready", ready, 240)
+    (agent,) = s.pods(NS, "app.kubernetes.io/component=node-agent")
+    assert agent["status"]["phase"] == "Running" and agent["spec"]["nodeName"] == s.node.name
+    # No Docker socket: sandboxes are pods of the node's own CRI runtime.
+    volumes = json.dumps(agent["spec"]["volumes"])
+    assert "docker" not in volumes and "sock" not in volumes
+    command = agent["spec"]["containers"][0]["command"]
+    assert command[command.index("--runtime") + 1] == "pod"
+    s.seen["agent"] = agent["metadata"]["uid"]
+    # The warm sandbox pod is ready before anyone asks.
+    s.wait("a warm sandbox pod", lambda: s.pods(NS, "tangram.dev/sandbox=true"), 120)
+    assert httpx.get(f"{s.url}/healthz").status_code == 200
+
+
+def test_pytest_runs_in_a_sandbox_pod_on_the_cores_of_each_action(session: Session) -> None:
+    s = session
+    with Client(s.url, s.token("rollout-worker")) as client:
+        t = client.open("swe")
+        s.seen["trajectory"] = t.id
+        write = client.exec(t.id, ["sh", "-c", f"cat > test_cores.py <<'EOF'\n{SUITE}EOF"])
+        assert write.status.value == "ok", write
+        run = client.exec(t.id, profile="pytest")
+        assert run.status.value == "ok" and "2 passed" in run.stdout, run
+        assert run.allocation is not None and run.allocation.node == s.node.name
+        cores = ",".join(str(c) for c in run.allocation.cores)
+        seen = client.exec(t.id, ["sh", "-c", "cat seen-1; echo; cat seen-2"])
+        # Both xdist workers ran on the action's cores, which the agent wrote for it alone.
+        assert seen.stdout.split() == [cores, cores], (seen.stdout, run.allocation)
+        s.seen["cores"] = cores
+        # A shell action gets its own allocation, seen from inside the pod while it runs.
+        shell = client.exec(t.id, ["sh", "-c", "grep Cpus_allowed_list /proc/self/status"])
+        assert shell.allocation is not None
+        assert shell.stdout.split()[1] == ",".join(str(c) for c in shell.allocation.cores)
+    (pod,) = s.pods(NS, f"tangram.dev/trajectory={t.id}")
+    assert pod["spec"]["nodeName"] == s.node.name
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "ActionPool"
+    s.seen["sandbox"] = pod["metadata"]["uid"]
+    s.seen["container"] = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+
+
+def test_an_agent_pod_restart_keeps_the_trajectory_and_its_files(session: Session) -> None:
+    s = session
+    tid = s.seen["trajectory"]
+    s.kubectl("delete", "pod", "-n", NS, "-l", "app.kubernetes.io/component=node-agent",
+              "--wait=true", timeout=120)  # fmt: skip
+
+    def replaced() -> bool:
+        pods = s.pods(NS, "app.kubernetes.io/component=node-agent")
+        return any(p["metadata"]["uid"] != s.seen["agent"]
+                   and p["status"].get("phase") == "Running" for p in pods)  # fmt: skip
+
+    s.wait("the DaemonSet's new agent pod", replaced, 120)
+    # The client retries the 503s answered while the new agent connects.
+    with Client(s.url, s.token("rollout-worker"), retries=30) as client:
+        again = client.exec(tid, ["cat", "seen-1"])
+        assert again.status.value == "ok", again
+        assert again.stdout == s.seen["cores"]  # the file written before the restart
+        assert client.get(tid).state.value == "open"
+        (pod,) = s.pods(NS, f"tangram.dev/trajectory={tid}")
+        assert pod["metadata"]["uid"] == s.seen["sandbox"]  # the same pod, never remade
+        client.close(tid)
+
+
+def test_deleting_the_pool_leaves_no_pod_cgroup_or_exec_server(session: Session) -> None:
+    s = session
+    s.kubectl("delete", "ap", "coding", "-n", NS, "--wait=false")
+    s.wait("the pool to go", lambda: not s.kubectl("get", "ap", "-n", NS, "-o", "name").stdout)
+
+    def no_pods() -> bool:
+        return not s.kubectl("get", "pods", "-n", NS, "-o", "name").stdout.strip()
+
+    s.wait("every pod of the pool to go", no_pods)
+    for controller in ("cpuset", "cpu", "memory"):
+        assert s.node.cgroup_dir(controller, s.seen["sandbox"], s.seen["container"]) is None
+    assert _processes_of(s.seen["container"]) == []
+
+
+def _processes_of(container_id: str) -> list[str]:
+    """PIDs of the host's processes in the container's cgroups."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if container_id in (entry / "cgroup").read_text():
+                    found.append(entry.name)
+            except OSError:
+                continue
+    return found
