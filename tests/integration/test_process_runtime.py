@@ -223,8 +223,9 @@ def test_an_action_keeps_its_cores_when_a_concurrent_one_ends(runtime: ProcessRu
 def test_an_agent_without_cgroup_access_says_so_at_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tangram.node_agent import agent as agent_module
+    from tangram.node_agent import cgroups
+    from tangram.node_agent.agent import NodeAgent
 
-    monkeypatch.setattr(agent_module, "detect", lambda: CgroupV1(tmp_path / "no-cgroups"))
+    monkeypatch.setattr(cgroups, "detect", lambda: CgroupV1(tmp_path / "no-cgroups"))
     with pytest.raises(ExecError, match="write access to the cgroup hierarchy"):
-        agent_module.NodeAgent.create(tmp_path / "state", runtime="process")
+        NodeAgent.create(tmp_path / "state", runtime="process")

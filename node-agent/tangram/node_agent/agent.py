@@ -9,15 +9,13 @@ link to the scheduler (``link.py``) only moves these messages.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import (
@@ -30,16 +28,13 @@ from tangram.api.wire import (
     TrajectoryMeta,
     json_bytes,
 )
-from tangram.node_agent.cgroups import CgroupError, detect
-from tangram.node_agent.docker_runtime import DockerRuntime, owner_id
-from tangram.node_agent.exec_server import build
+from tangram.node_agent.docker_runtime import owner_id
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
 from tangram.node_agent.inventory import read_inventory
-from tangram.node_agent.noop_runtime import NoopRuntime
-from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH, PodRuntime
-from tangram.node_agent.process_runtime import ProcessRuntime
+from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH
+from tangram.node_agent.runtimes import Runtime, Setting, create, registration
 
 log = logging.getLogger("tangram.agent")
 MAX_REMEMBERED = 50_000  # results kept per agent for retried keys ...
@@ -79,19 +74,10 @@ class PodOptions:
                 "uid": self.pool_uid, "controller": False, "blockOwnerDeletion": False}  # fmt: skip
 
 
-# Runtimes whose environments are reached through their exec servers (open, warm, sessions).
-Sandboxed = DockerRuntime | PodRuntime
-
-
-@dataclass(slots=True)
-class _ProcessEnv:
-    env: dict[str, str] = field(default_factory=dict)
-
-
 class NodeAgent:
     def __init__(
         self,
-        runtime: DockerRuntime | PodRuntime | ProcessRuntime | NoopRuntime,
+        runtime: Runtime,
         inventory: NodeInventory,
         action_cores: list[int],
         idle_cores: list[int],
@@ -106,19 +92,10 @@ class NodeAgent:
         self.action_cores = action_cores
         self.idle_cores = idle_cores
         self.node = node
-        self.fast_path = fast_path
-        self.kind: Literal["docker", "pod", "process", "noop"] = (
-            "docker"
-            if isinstance(runtime, DockerRuntime)
-            else "pod"
-            if isinstance(runtime, PodRuntime)
-            else "noop"
-            if isinstance(runtime, NoopRuntime)
-            else "process"
-        )
+        self.fast_path = fast_path or runtime.fast_path
+        self.kind = runtime.kind
         self.meta_dir: Path | None = None  # where trajectory metadata outlives the agent
         self.meta: dict[str, TrajectoryMeta] = {}
-        self._process_envs: dict[str, _ProcessEnv] = {}
         self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
         # At-most-once execution per key: finished replies, and keyed runs in flight with
         # (trajectory, cores, start). Keyed runs outlive the link that asked for them.
@@ -131,7 +108,6 @@ class NodeAgent:
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
         self._unsent: list[AgentReply] = []  # their results, until a link takes them
         self._sink: Callable[[AgentReply], None] | None = None
-        self._background: set[asyncio.Future[None]] = set()
 
     @classmethod
     def create(
@@ -178,62 +154,15 @@ class NodeAgent:
         inventory: NodeInventory,
         pods: PodOptions | None = None,
     ) -> NodeAgent:
-        if runtime == "noop":
-            virtual = list(range(cores_for_actions or 1024))
-            return cls(
-                NoopRuntime(),
-                inventory,
-                virtual,
-                [0],
-                node=node or inventory.hostname,
-                fast_path="the noop runtime",
-            )
-        actions, idle = split_cores(sorted(os.sched_getaffinity(0)), idle_cores, cores_for_actions)
         name = node or inventory.hostname
-        if runtime == "pod":
-            if pods is None:
-                raise ExecError("--runtime pod needs --namespace and --execd-image")
-            from tangram.node_agent.kube_pods import kube_pod_api
-
-            pod_rt = PodRuntime(
-                idle,
-                api=kube_pod_api(pods.namespace, pods.kubeconfig),
-                node=name,
-                namespace=pods.namespace,
-                execd_image=pods.execd_image,
-                execd_path=pods.execd_path,
-                owner=pods.owner(),
-                agent=owner_id(state_dir),  # as Docker's: this agent's state directory
-            )
-            agent = cls(pod_rt, inventory, actions, idle, node=name, fast_path="the pod runtime")
-            pod_rt.adopt()  # the sandbox pods of this pool on this node, with their files
-            agent.load_meta(state_dir / "meta")
-            return agent
-        if runtime in ("auto", "docker"):
-            built = build(cache_dir or state_dir / "cache")
-            try:
-                rt = DockerRuntime(idle, state_dir=state_dir / "docker", execd=built)
-            except ExecError:
-                if runtime == "docker":
-                    raise
-            else:
-                agent = cls(rt, inventory, actions, idle, node=name, fast_path=built.reason)
-                rt.adopt()  # what a previous agent left; hello() reports what is held
-                agent.load_meta(state_dir / "meta")
-                return agent
-        cgroups = detect()
-        prefix = f"tangram-{owner_id(state_dir)}"  # apart from other agents' groups
-        try:  # fail at start, naming the cause, rather than at the first trajectory
-            cgroups.create(prefix)
-        except (OSError, CgroupError) as e:
-            raise ExecError(
-                f"the process runtime needs write access to the cgroup hierarchy "
-                f"({cgroups.__class__.__name__} at /sys/fs/cgroup): {e}; run as root, or with "
-                "a Docker Engine reachable"
-            ) from None
-        prt = ProcessRuntime(state_dir / "trajectories", cgroups, idle, group_prefix=prefix)
-        agent = cls(prt, inventory, actions, idle, node=name, fast_path="the process runtime")
-        prt.adopt()
+        if runtime != "auto" and registration(runtime).virtual_cores:
+            actions, idle = list(range(cores_for_actions or 1024)), [0]
+        else:
+            host = sorted(os.sched_getaffinity(0))
+            actions, idle = split_cores(host, idle_cores, cores_for_actions)
+        setting = Setting(state_dir, name, idle, cache_dir, owner_id(state_dir), {"pods": pods})
+        agent = cls(create(runtime, setting), inventory, actions, idle, node=name)
+        agent.runtime.adopt()  # what a previous agent left; hello() reports what is held
         agent.load_meta(state_dir / "meta")
         return agent
 
@@ -258,8 +187,7 @@ class NodeAgent:
         )
 
     def _held(self) -> list[str]:
-        rt = self.runtime
-        return sorted(rt.envs) if isinstance(rt, Sandboxed) else rt.held()
+        return self.runtime.held()
 
     def attach(self, sink: Callable[[AgentReply], None]) -> None:
         """A link is up: results of runs whose requester went away go to ``sink``."""
@@ -380,37 +308,12 @@ class NodeAgent:
             return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}")
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
-        rt = self.runtime
-        if isinstance(rt, Sandboxed):
-            opened = await asyncio.to_thread(rt.open, trajectory, spec)
-            if spec.warm:
-                refill = asyncio.ensure_future(self.warm(spec))  # off the request path
-                self._background.add(refill)
-                refill.add_done_callback(self._background.discard)
-            return opened.seconds, opened.warm
-        if isinstance(rt, NoopRuntime):
-            rt.open(trajectory)
-            return 0.0, False
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        rt.open(trajectory)
-        self._process_envs[trajectory] = _ProcessEnv(dict(spec.env))
-        for argv in spec.setup:
-            res = await rt.exec(trajectory, argv, self.idle_cores, env=spec.env)
-            if res.exit_code != 0:
-                rt.close(trajectory)
-                raise ExecError(
-                    f"setup {argv} failed with exit code {res.exit_code}: {res.stderr[-500:]}"
-                )
-        return loop.time() - t0, False
+        return await self.runtime.open(trajectory, spec)
 
     async def warm(self, spec: EnvSpec) -> None:
-        if isinstance(self.runtime, Sandboxed):
-            with contextlib.suppress(ExecError):
-                await asyncio.to_thread(self.runtime.warm, spec)
+        await self.runtime.warm(spec)
 
     def close(self, trajectory: str) -> None:
-        self._process_envs.pop(trajectory, None)
         self.runtime.close(trajectory)
         self.meta.pop(trajectory, None)
         if self.meta_dir is not None:
@@ -440,12 +343,9 @@ class NodeAgent:
 
     async def exec(self, req: AgentRequest) -> ExecResult:
         assert req.trajectory is not None
-        rt = self.runtime
         if req.op == "session":
-            if not isinstance(rt, Sandboxed):
-                raise ExecError("session: persistent sessions need the Docker or pod runtime")
             assert req.session is not None and req.code is not None
-            return await rt.session(
+            return await self.runtime.session(
                 req.trajectory,
                 req.session.kind,
                 req.code,
@@ -456,34 +356,21 @@ class NodeAgent:
                 output_cap=req.output_cap,
             )
         assert req.argv is not None
-        if isinstance(rt, Sandboxed):
-            return await rt.exec(
-                req.trajectory,
-                req.argv,
-                req.cores,
-                timeout_s=req.timeout_s,
-                env=req.environ,
-                output_cap=req.output_cap,
-            )
-        base = self._process_envs.get(req.trajectory, _ProcessEnv()).env
-        return await rt.exec(
+        return await self.runtime.exec(
             req.trajectory,
             req.argv,
             req.cores,
             timeout_s=req.timeout_s,
-            env={**base, **req.environ},
+            env=req.environ,
             output_cap=req.output_cap,
         )
 
     async def shutdown(self) -> None:
-        """Cancel what runs (on the loop: tasks are not thread-safe), then remove the warm
-        containers (off the loop: Docker calls block)."""
+        """Cancel what runs (on the loop: tasks are not thread-safe), then let the runtime
+        release what is no trajectory's (warm environments)."""
         for task in self._tasks.values():
             task.cancel()
-        if isinstance(self.runtime, Sandboxed):
-            await asyncio.to_thread(self.runtime.shutdown_warm)
-        elif isinstance(self.runtime, ProcessRuntime):
-            self.runtime.release()
+        await self.runtime.shutdown()
 
 
 def outcome(r: ExecResult) -> ExecOutcome:

@@ -6,18 +6,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from tangram.node_agent.execution import ExecResult, Output, check_request
+from tangram.api.wire import EnvSpec
+from tangram.node_agent.execution import ExecError, ExecResult, Output, check_request
 
 _NOTHING = Output(b"", False, b"", False)
 
 
 class NoopRuntime:
+    kind = "noop"
+    fast_path = "the noop runtime"
+
     def __init__(self) -> None:
         self._open: set[str] = set()
 
-    def open(self, trajectory: str) -> None:
+    def adopt(self) -> list[str]:
+        return []  # nothing outlives the agent
+
+    async def open(self, trajectory: str, spec: EnvSpec | None = None) -> tuple[float, bool]:
         self._open.add(trajectory)
+        return 0.0, False
+
+    async def warm(self, spec: EnvSpec) -> None:
+        return None
 
     def held(self) -> list[str]:
         return sorted(self._open)
@@ -38,3 +50,10 @@ class NoopRuntime:
         check_request(trajectory in self._open, trajectory, argv, cores)
         t = time.perf_counter()
         return ExecResult.of(0, _NOTHING, False, cores, (t, t, t, t), path="noop")
+
+    async def session(self, trajectory: str, kind: str, code: str, cores: Sequence[int],
+                      **kw: Any) -> ExecResult:  # fmt: skip
+        raise ExecError("session: the noop runtime runs nothing")
+
+    async def shutdown(self) -> None:
+        return None

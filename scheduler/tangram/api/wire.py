@@ -411,7 +411,9 @@ class AgentHello(_Strict):
 
     node: Annotated[str, Field(min_length=1)]
     inventory: NodeInventory
-    runtime: Literal["docker", "pod", "process", "noop"]
+    runtime: Annotated[
+        str, Field(min_length=1, description="where its environments live (its --runtime)")
+    ]
     action_cores: Annotated[list[int], Field(description="cores it runs actions on")]
     idle_cores: list[int]
     fast_path: str = ""  # why the fast path is unavailable ('' when it is)

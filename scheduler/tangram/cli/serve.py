@@ -27,6 +27,8 @@ from tangram.cli.up import (
     stop_on_signals,
 )
 from tangram.client.common import DEFAULT_TOKEN_FILE
+from tangram.node_agent.runtimes import help_text as runtime_help
+from tangram.node_agent.runtimes import names as runtime_names
 from tangram.service.auth import AGENT_TENANT
 from tangram.service.embedded import Running
 
@@ -64,11 +66,9 @@ def register(sub: Any) -> None:
     a.add_argument("--node", help="node name (default: the hostname)")
     a.add_argument(
         "--runtime",
-        choices=("auto", "docker", "pod", "process", "noop"),
+        choices=("auto", *runtime_names()),
         default="auto",
-        help="pod: sandboxes as pods on this Kubernetes node (the operator's choice); docker: "
-        "containers of a Docker Engine; process: no isolation; noop runs nothing (benchmarks "
-        "of the service only); auto: docker if an engine answers, else process",
+        help=f"{runtime_help()}; auto: docker if an engine answers, else process",
     )
     k = a.add_argument_group("the pod runtime (--runtime pod)")
     k.add_argument("--namespace", help="namespace of the sandbox pods (the pool's)")

@@ -22,6 +22,8 @@ from tangram.cli.files import InputError
 from tangram.cli.manifests import load_documents, load_text
 from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
+from tangram.node_agent.runtimes import help_text as runtime_help
+from tangram.node_agent.runtimes import names as runtime_names
 from tangram.service.auth import TokenError, TokenStore
 from tangram.service.config import PoolConfig
 from tangram.service.embedded import Running, run
@@ -50,9 +52,9 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
     p.add_argument(
         "--runtime",
-        choices=("auto", "docker", "process", "noop"),
+        choices=("auto", *(n for n in runtime_names() if n != "pod")),
         default="auto",
-        help="noop runs nothing (benchmarks of the service only)",
+        help=f"{runtime_help()}; auto: docker if an engine answers, else process",
     )
     p.add_argument("--cores", type=int, help="cores for actions (noop: virtual cores)")
     add_gpu_flags(p)
@@ -218,8 +220,9 @@ def _local_images(agent: Any, images: list[str]) -> None:
         return
     from tangram.node_agent.docker_runtime import import_busybox
 
+    client = agent.runtime.inner.client  # runtimes.Sandboxes around the DockerRuntime
     for image in images:
-        if image.startswith(LOCAL_BUSYBOX) and import_busybox(agent.runtime.client, image) is None:
+        if image.startswith(LOCAL_BUSYBOX) and import_busybox(client, image) is None:
             print(f"tangram: warning: {image}: busybox-static is not installed", file=sys.stderr)
 
 

@@ -1,0 +1,343 @@
+"""Where environments live, behind one interface: the :class:`Runtime` protocol and the
+name → factory registry the agent, ``tangram agent --runtime`` and ``tangram up --runtime``
+read.
+
+A new runtime is one module with its class plus one :func:`register` call below; nothing
+else in the agent, the wire models or the command line names runtimes. The agent asks a
+runtime only what this protocol says: it never branches on which one it holds.
+
+Registered: ``docker`` (containers of a Docker Engine: embedded mode, hosts that have one),
+``pod`` (sandboxes as pods on this Kubernetes node: the operator's choice), ``process``
+(commands in a directory and a cgroup of the host: no isolation) and ``noop`` (runs
+nothing, on virtual cores: benchmarks of the service). ``auto`` is not a runtime but a
+choice: docker where an engine answers, else process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tangram.api.wire import EnvSpec
+from tangram.node_agent.execution import ExecError, ExecResult
+
+log = logging.getLogger("tangram.agent")
+
+
+class Runtime(Protocol):
+    """The environments of one agent."""
+
+    kind: str  # its registered name, which the agent's hello reports
+    fast_path: str  # why actions cannot take the fast path ('' when they can)
+
+    def adopt(self) -> list[str]:
+        """Take back what a previous agent with the same state left; the trajectories."""
+        ...
+
+    def held(self) -> list[str]:
+        """The trajectories whose environments it holds."""
+        ...
+
+    async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
+        """Make (or claim) the trajectory's environment: (seconds, whether warm)."""
+        ...
+
+    async def warm(self, spec: EnvSpec) -> None:
+        """Top up the environments kept ready for ``spec`` (nothing where none are)."""
+        ...
+
+    def close(self, trajectory: str) -> None: ...
+
+    async def exec(
+        self,
+        trajectory: str,
+        argv: Sequence[str],
+        cores: Sequence[int],
+        *,
+        timeout_s: float | None,
+        env: Mapping[str, str],
+        output_cap: int,
+    ) -> ExecResult:
+        """Run ``argv`` in the environment on ``cores`` (allocate on execution)."""
+        ...
+
+    async def session(
+        self,
+        trajectory: str,
+        kind: str,
+        code: str,
+        cores: Sequence[int],
+        *,
+        name: str,
+        timeout_s: float | None,
+        env: Mapping[str, str],
+        output_cap: int,
+    ) -> ExecResult:
+        """Run ``code`` in the trajectory's persistent ``kind`` session."""
+        ...
+
+    async def shutdown(self) -> None:
+        """The agent stops: release what is not a trajectory's (warm environments)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """What a factory is given: the agent's state, its node and its idle cores."""
+
+    state_dir: Path
+    node: str
+    idle: list[int]
+    cache_dir: Path | None = None
+    owner_id: str = ""  # names this agent's environments apart from other agents'
+    options: Mapping[str, Any] = field(default_factory=dict)  # runtime-specific (pods=...)
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    make: Callable[[Setting], Runtime]
+    help: str
+    virtual_cores: bool = False  # runs nothing: actions get virtual cores, not the host's
+
+
+_REGISTRY: dict[str, Registration] = {}
+AUTO = ("docker", "process")  # what ``auto`` tries, in order
+
+
+def register(name: str, make: Callable[[Setting], Runtime], help: str, **kw: Any) -> None:
+    _REGISTRY[name] = Registration(make, help, **kw)
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def registration(name: str) -> Registration:
+    found = _REGISTRY.get(name)
+    if found is None:
+        raise ExecError(f"runtime {name!r}: unknown (known: auto, {', '.join(_REGISTRY)})")
+    return found
+
+
+def create(name: str, setting: Setting) -> Runtime:
+    """The runtime ``name`` (or ``auto``), ready for :meth:`Runtime.adopt`."""
+    if name != "auto":
+        return registration(name).make(setting)
+    refused = []
+    for candidate in AUTO:
+        try:
+            return registration(candidate).make(setting)
+        except ExecError as e:
+            refused.append(f"{candidate}: {e}")
+            if candidate != AUTO[-1]:
+                log.warning("runtime auto: %s unavailable (%s); trying %s", candidate, e, AUTO[-1])
+    raise ExecError("; ".join(refused))
+
+
+def help_text() -> str:
+    return "; ".join(f"{n}: {r.help}" for n, r in _REGISTRY.items())
+
+
+# --- the adapters -----------------------------------------------------------------------
+
+
+class Sandboxes:
+    """A runtime whose environments run an exec server (Docker containers, pods): their
+    calls block, so they go to a thread; a claimed warm environment is refilled off the
+    request path."""
+
+    def __init__(self, kind: str, inner: Any, fast_path: str = "") -> None:
+        self.kind, self.inner, self.fast_path = kind, inner, fast_path
+        self._background: set[asyncio.Future[None]] = set()
+
+    def adopt(self) -> list[str]:
+        adopted: list[str] = self.inner.adopt()
+        return adopted
+
+    def held(self) -> list[str]:
+        return sorted(self.inner.envs)
+
+    async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
+        opened = await asyncio.to_thread(self.inner.open, trajectory, spec)
+        if spec.warm:
+            refill = asyncio.ensure_future(self.warm(spec))
+            self._background.add(refill)
+            refill.add_done_callback(self._background.discard)
+        return float(opened.seconds), bool(opened.warm)
+
+    async def warm(self, spec: EnvSpec) -> None:
+        with contextlib.suppress(ExecError):  # a failed top-up fails the next open instead
+            await asyncio.to_thread(self.inner.warm, spec)
+
+    def close(self, trajectory: str) -> None:
+        self.inner.close(trajectory)
+
+    async def exec(
+        self,
+        trajectory: str,
+        argv: Sequence[str],
+        cores: Sequence[int],
+        *,
+        timeout_s: float | None,
+        env: Mapping[str, str],
+        output_cap: int,
+    ) -> ExecResult:
+        result: ExecResult = await self.inner.exec(
+            trajectory, argv, cores, timeout_s=timeout_s, env=env, output_cap=output_cap
+        )
+        return result
+
+    async def session(
+        self,
+        trajectory: str,
+        kind: str,
+        code: str,
+        cores: Sequence[int],
+        *,
+        name: str,
+        timeout_s: float | None,
+        env: Mapping[str, str],
+        output_cap: int,
+    ) -> ExecResult:
+        result: ExecResult = await self.inner.session(
+            trajectory, kind, code, cores, name=name, timeout_s=timeout_s, env=env,
+            output_cap=output_cap,
+        )  # fmt: skip
+        return result
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.inner.shutdown_warm)
+
+
+class Processes:
+    """The process runtime: a directory and a cgroup per trajectory, no isolation. The
+    environment's variables and setup commands are applied here (there is no image)."""
+
+    kind = "process"
+    fast_path = "the process runtime"
+
+    def __init__(self, inner: Any, idle: list[int]) -> None:
+        self.inner, self.idle = inner, idle
+        self._env: dict[str, dict[str, str]] = {}
+
+    def adopt(self) -> list[str]:
+        adopted: list[str] = self.inner.adopt()
+        return adopted
+
+    def held(self) -> list[str]:
+        held: list[str] = self.inner.held()
+        return held
+
+    async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        self.inner.open(trajectory)
+        self._env[trajectory] = dict(spec.env)
+        for argv in spec.setup:
+            res = await self.inner.exec(trajectory, argv, self.idle, env=spec.env)
+            if res.exit_code != 0:
+                self.close(trajectory)
+                raise ExecError(
+                    f"setup {argv} failed with exit code {res.exit_code}: {res.stderr[-500:]}"
+                )
+        return loop.time() - t0, False
+
+    async def warm(self, spec: EnvSpec) -> None:
+        return None  # a directory needs no warming
+
+    def close(self, trajectory: str) -> None:
+        self._env.pop(trajectory, None)
+        self.inner.close(trajectory)
+
+    async def exec(
+        self,
+        trajectory: str,
+        argv: Sequence[str],
+        cores: Sequence[int],
+        *,
+        timeout_s: float | None,
+        env: Mapping[str, str],
+        output_cap: int,
+    ) -> ExecResult:
+        result: ExecResult = await self.inner.exec(
+            trajectory, argv, cores, timeout_s=timeout_s,
+            env={**self._env.get(trajectory, {}), **env}, output_cap=output_cap,
+        )  # fmt: skip
+        return result
+
+    async def session(self, trajectory: str, kind: str, code: str, cores: Sequence[int],
+                      **kw: Any) -> ExecResult:  # fmt: skip
+        raise ExecError("session: persistent sessions need the Docker or pod runtime")
+
+    async def shutdown(self) -> None:
+        self.inner.release()
+
+
+# --- the factories (imports inside: choosing a runtime loads only that one) ----------------
+
+
+def _docker(s: Setting) -> Runtime:
+    from tangram.node_agent.docker_runtime import DockerRuntime
+    from tangram.node_agent.exec_server import build
+
+    built = build(s.cache_dir or s.state_dir / "cache")
+    inner = DockerRuntime(s.idle, state_dir=s.state_dir / "docker", execd=built)
+    return Sandboxes("docker", inner, built.reason)
+
+
+def _pod(s: Setting) -> Runtime:
+    from tangram.node_agent.kube_pods import kube_pod_api
+    from tangram.node_agent.pod_runtime import PodRuntime
+
+    pods = s.options.get("pods")
+    if pods is None:
+        raise ExecError("--runtime pod needs --namespace and --execd-image")
+    inner = PodRuntime(
+        s.idle,
+        api=kube_pod_api(pods.namespace, pods.kubeconfig),
+        node=s.node,
+        namespace=pods.namespace,
+        execd_image=pods.execd_image,
+        execd_path=pods.execd_path,
+        owner=pods.owner(),
+        agent=s.owner_id,  # as Docker's: this agent's state directory
+    )
+    return Sandboxes("pod", inner, "")
+
+
+def _process(s: Setting) -> Runtime:
+    from tangram.node_agent.cgroups import CgroupError, detect
+    from tangram.node_agent.process_runtime import ProcessRuntime
+
+    cgroups = detect()
+    prefix = f"tangram-{s.owner_id}"  # apart from other agents' groups
+    try:  # fail at start, naming the cause, rather than at the first trajectory
+        cgroups.create(prefix)
+    except (OSError, CgroupError) as e:
+        raise ExecError(
+            f"the process runtime needs write access to the cgroup hierarchy "
+            f"({cgroups.__class__.__name__} at /sys/fs/cgroup): {e}; run as root, or with "
+            "a Docker Engine reachable"
+        ) from None
+    inner = ProcessRuntime(s.state_dir / "trajectories", cgroups, s.idle, group_prefix=prefix)
+    return Processes(inner, s.idle)
+
+
+def _noop(s: Setting) -> Runtime:
+    from tangram.node_agent.noop_runtime import NoopRuntime
+
+    return NoopRuntime()
+
+
+register("docker", _docker, "containers of a Docker Engine")
+register("pod", _pod, "sandboxes as pods on this Kubernetes node (the operator's choice)")
+register("process", _process, "commands in a directory and cgroup of the host: no isolation")
+register("noop", _noop, "runs nothing (benchmarks of the service only)", virtual_cores=True)
+
+
+__all__ = ["AUTO", "Processes", "Runtime", "Sandboxes", "Setting", "create", "names", "register"]

@@ -1,0 +1,138 @@
+"""The runtime registry: a runtime is one class and one ``register`` call; the agent, its
+hello and the command line take it up without naming it anywhere else."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tangram.api.wire import AgentRequest, EnvSpec
+from tangram.node_agent import runtimes
+from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.execution import ExecError, ExecResult, Output
+
+
+class Recorder:
+    """A runtime of the test's own: it remembers what the agent asked of it."""
+
+    kind = "recorder"
+    fast_path = ""
+
+    def __init__(self, setting: runtimes.Setting) -> None:
+        self.setting = setting
+        self.calls: list[tuple[Any, ...]] = []
+        self.envs: set[str] = {"left-by-a-previous-agent"}
+
+    def adopt(self) -> list[str]:
+        self.calls.append(("adopt",))
+        return sorted(self.envs)
+
+    def held(self) -> list[str]:
+        return sorted(self.envs)
+
+    async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
+        self.envs.add(trajectory)
+        self.calls.append(("open", trajectory, spec.name))
+        return 0.5, True
+
+    async def warm(self, spec: EnvSpec) -> None:
+        self.calls.append(("warm", spec.name))
+
+    def close(self, trajectory: str) -> None:
+        self.envs.discard(trajectory)
+
+    async def exec(self, trajectory: str, argv: Sequence[str], cores: Sequence[int], *,
+                   timeout_s: float | None, env: Mapping[str, str],
+                   output_cap: int) -> ExecResult:  # fmt: skip
+        self.calls.append(("exec", trajectory, list(argv), list(cores), dict(env)))
+        out = Output(b"recorded\n", False, b"", False)
+        return ExecResult.of(0, out, False, cores, (0.0, 0.0, 0.0, 0.0), path="recorder")
+
+    async def session(self, trajectory: str, kind: str, code: str, cores: Sequence[int],
+                      **kw: Any) -> ExecResult:  # fmt: skip
+        raise ExecError("no sessions here")
+
+    async def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> list[Recorder]:
+    made: list[Recorder] = []
+
+    def make(setting: runtimes.Setting) -> Recorder:
+        made.append(Recorder(setting))
+        return made[-1]
+
+    monkeypatch.setitem(runtimes._REGISTRY, "recorder", runtimes.Registration(make, "a test"))
+    return made
+
+
+def test_a_registered_runtime_serves_the_agent_without_naming_it_anywhere_else(
+    recorder: list[Recorder], tmp_path: Path
+) -> None:
+    agent = NodeAgent.create(tmp_path / "state", runtime="recorder", node="n1")
+    (rt,) = recorder
+    assert rt.setting.node == "n1" and rt.setting.state_dir == tmp_path / "state"
+    assert rt.setting.idle == agent.idle_cores
+    hello = agent.hello()
+    assert hello.runtime == "recorder"
+    assert [t.id for t in hello.trajectories] == ["left-by-a-previous-agent"]
+    spec = EnvSpec(name="box", image="unused", memory_gb=0.1)
+
+    async def scenario() -> list[Any]:
+        opened = await agent.handle(AgentRequest(op="open", rid=1, trajectory="t1", env=spec))
+        ran = await agent.handle(
+            AgentRequest(
+                op="exec", rid=2, trajectory="t1", argv=["true"], cores=[3], environ={"A": "1"}
+            )
+        )
+        session = await agent.handle(
+            AgentRequest(
+                op="session", rid=3, trajectory="t1", code="x", cores=[3], session={"kind": "bash"}
+            )
+        )
+        await agent.shutdown()
+        return [opened, ran, session]
+
+    opened, ran, session = asyncio.run(scenario())
+    assert opened.ok and opened.opened_s == 0.5 and opened.warm is True
+    assert ran.ok and ran.result is not None and ran.result.stdout == "recorded\n"
+    assert not session.ok and session.error == "no sessions here"
+    assert rt.calls == [("adopt",), ("open", "t1", "box"),
+                        ("exec", "t1", ["true"], [3], {"A": "1"}), ("shutdown",)]  # fmt: skip
+
+
+def test_an_unknown_runtime_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(ExecError, match=r"'gvisor': unknown \(known: auto, docker, pod"):
+        NodeAgent.create(tmp_path / "state", runtime="gvisor")
+
+
+def test_auto_says_why_it_passed_over_a_runtime(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    def broken(setting: runtimes.Setting) -> Recorder:
+        raise ExecError("no Docker Engine answers")
+
+    chosen: list[str] = []
+
+    def fallback(setting: runtimes.Setting) -> Recorder:
+        chosen.append("fallback")
+        return Recorder(setting)
+
+    monkeypatch.setattr(runtimes, "AUTO", ("broken", "fallback"))
+    monkeypatch.setitem(runtimes._REGISTRY, "broken", runtimes.Registration(broken, ""))
+    monkeypatch.setitem(runtimes._REGISTRY, "fallback", runtimes.Registration(fallback, ""))
+    setting = runtimes.Setting(tmp_path, "n1", [0])
+    with caplog.at_level(logging.WARNING, "tangram.agent"):
+        assert isinstance(runtimes.create("auto", setting), Recorder)
+    assert chosen == ["fallback"]
+    assert "broken unavailable (no Docker Engine answers); trying fallback" in caplog.text
+    monkeypatch.setitem(runtimes._REGISTRY, "fallback", runtimes.Registration(broken, ""))
+    with pytest.raises(ExecError, match="broken: no Docker Engine answers; fallback: no"):
+        runtimes.create("auto", setting)
