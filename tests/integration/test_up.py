@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tangram.node_agent.docker_runtime import owner_id
+from tangram.node_agent.execution import owner_id
 from tangram.service.embedded import free_port
 
 pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker")]

@@ -28,8 +28,7 @@ from tangram.api.wire import (
     TrajectoryMeta,
     json_bytes,
 )
-from tangram.node_agent.docker_runtime import owner_id
-from tangram.node_agent.execution import ExecError, ExecResult
+from tangram.node_agent.execution import ExecError, ExecResult, owner_id
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
 from tangram.node_agent.inventory import read_inventory
@@ -83,7 +82,6 @@ class NodeAgent:
         idle_cores: list[int],
         *,
         node: str,
-        fast_path: str = "",
         gpu: GpuRole | None = None,
     ) -> None:
         self.runtime = runtime
@@ -92,8 +90,6 @@ class NodeAgent:
         self.action_cores = action_cores
         self.idle_cores = idle_cores
         self.node = node
-        self.fast_path = fast_path or runtime.fast_path
-        self.kind = runtime.kind
         self.meta_dir: Path | None = None  # where trajectory metadata outlives the agent
         self.meta: dict[str, TrajectoryMeta] = {}
         self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
@@ -165,6 +161,14 @@ class NodeAgent:
         agent.runtime.adopt()  # what a previous agent left; hello() reports what is held
         agent.load_meta(state_dir / "meta")
         return agent
+
+    @property
+    def kind(self) -> str:
+        return self.runtime.kind
+
+    @property
+    def fast_path(self) -> str:
+        return self.runtime.fast_path
 
     def hello(self) -> AgentHello:
         now = time.monotonic()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import io
 import os
 import secrets
@@ -60,6 +59,7 @@ from tangram.node_agent.execution import (
     Output,
     cap,
     check_request,
+    owner_id,
     supervise,
 )
 from tangram.node_agent.fast_path import (
@@ -427,11 +427,6 @@ class DockerRuntime(ExecServerRuntime):
             for victim in tree(self.proc_root, pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, signal.SIGKILL)
-
-
-def owner_id(state_dir: Path) -> str:
-    """Names the agent that owns a container (or cgroup): its state directory's digest."""
-    return hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
 
 
 def tree(proc_root: Path, root: int) -> list[int]:

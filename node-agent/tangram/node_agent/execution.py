@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 IDLE_QUOTA_CORES = 0.1  # what a trajectory may use between actions (shells, stray jobs)
 
@@ -160,3 +162,9 @@ async def supervise(
             await task
         await on_cancel()
         raise
+
+
+def owner_id(state_dir: Path) -> str:
+    """Names the agent that owns an environment (container, pod or cgroup): its state
+    directory's digest."""
+    return hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]

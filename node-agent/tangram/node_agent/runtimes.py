@@ -177,37 +177,17 @@ class Sandboxes:
     def close(self, trajectory: str) -> None:
         self.inner.close(trajectory)
 
+    # Commands and sessions are the exec server's, through the inner runtime as they are.
     async def exec(
-        self,
-        trajectory: str,
-        argv: Sequence[str],
-        cores: Sequence[int],
-        *,
-        timeout_s: float | None,
-        env: Mapping[str, str],
-        output_cap: int,
+        self, trajectory: str, argv: Sequence[str], cores: Sequence[int], **kw: Any
     ) -> ExecResult:
-        result: ExecResult = await self.inner.exec(
-            trajectory, argv, cores, timeout_s=timeout_s, env=env, output_cap=output_cap
-        )
+        result: ExecResult = await self.inner.exec(trajectory, argv, cores, **kw)
         return result
 
     async def session(
-        self,
-        trajectory: str,
-        kind: str,
-        code: str,
-        cores: Sequence[int],
-        *,
-        name: str,
-        timeout_s: float | None,
-        env: Mapping[str, str],
-        output_cap: int,
+        self, trajectory: str, kind: str, code: str, cores: Sequence[int], **kw: Any
     ) -> ExecResult:
-        result: ExecResult = await self.inner.session(
-            trajectory, kind, code, cores, name=name, timeout_s=timeout_s, env=env,
-            output_cap=output_cap,
-        )  # fmt: skip
+        result: ExecResult = await self.inner.session(trajectory, kind, code, cores, **kw)
         return result
 
     async def shutdown(self) -> None:
@@ -260,14 +240,13 @@ class Processes:
         argv: Sequence[str],
         cores: Sequence[int],
         *,
-        timeout_s: float | None,
         env: Mapping[str, str],
-        output_cap: int,
+        **kw: Any,
     ) -> ExecResult:
+        base = self._env.get(trajectory, {})
         result: ExecResult = await self.inner.exec(
-            trajectory, argv, cores, timeout_s=timeout_s,
-            env={**self._env.get(trajectory, {}), **env}, output_cap=output_cap,
-        )  # fmt: skip
+            trajectory, argv, cores, env={**base, **env}, **kw
+        )
         return result
 
     async def session(self, trajectory: str, kind: str, code: str, cores: Sequence[int],

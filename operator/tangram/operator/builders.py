@@ -355,12 +355,17 @@ def sandbox_network_policy(pool: ActionPool, uid: str) -> Manifest:
 # --- the scheduler ----------------------------------------------------------------------------
 
 
-def scheduler_url(pool: ActionPool, loopback: Loopback | None = None) -> str:
-    """Where node agents connect: the scheduler Service's cluster DNS name (on a loopback
+def scheduler_address(pool: ActionPool, loopback: bool = False) -> str:
+    """``host:port`` of the pool's scheduler: its Service's cluster DNS name (on a loopback
     test cluster, the scheduler's port on the node)."""
     ns, port = pool.metadata.namespace, pool.spec.scheduler.port
     host = LOOPBACK_HOST if loopback else f"{child_name(pool, 'scheduler')}.{ns}.svc"
-    return f"ws://{host}:{port}/v1/agents"
+    return f"{host}:{port}"
+
+
+def scheduler_url(pool: ActionPool, loopback: Loopback | None = None) -> str:
+    """Where node agents connect."""
+    return f"ws://{scheduler_address(pool, loopback is not None)}/v1/agents"
 
 
 def _restricted_security_context() -> Manifest:
@@ -687,4 +692,12 @@ def build_pool(
     return objects
 
 
-__all__ = ["LOOPBACK_HOST", "Loopback", "Manifest", "build_pool", "parse_tokens", "scheduler_url"]
+__all__ = [
+    "LOOPBACK_HOST",
+    "Loopback",
+    "Manifest",
+    "build_pool",
+    "parse_tokens",
+    "scheduler_address",
+    "scheduler_url",
+]

@@ -19,7 +19,7 @@ import yaml
 
 from tangram.api.resources import ActionPool
 from tangram.api.wire import PoolFigures
-from tangram.operator.builders import LOOPBACK_HOST, child_name
+from tangram.operator.builders import scheduler_address
 
 TIMEOUT_S = 5.0
 
@@ -36,9 +36,7 @@ class Endpoints:
         self.loopback = loopback  # schedulers on the node's 127.0.0.1 (builders.Loopback)
 
     def cluster_url(self, pool: ActionPool) -> str:
-        ns, port = pool.metadata.namespace, pool.spec.scheduler.port
-        host = LOOPBACK_HOST if self.loopback else f"{child_name(pool, 'scheduler')}.{ns}.svc"
-        return f"http://{host}:{port}"
+        return f"http://{scheduler_address(pool, self.loopback)}"
 
     def url(self, pool: ActionPool) -> str:
         if self.overrides is not None:

@@ -292,30 +292,28 @@ class Engine:
             if rec.node not in (None, node):
                 return False
             if rec.state is TrajectoryState.AWAY:  # its agent is back within the grace
-                try:
-                    self.core.open_trajectory(meta.id, self.env_of(rec).spec.memory_gb)
-                    self.core.place_trajectory(meta.id, node)
-                except SchedulingError as e:
-                    log.warning("cannot take back trajectory %s on %s: %s", meta.id, node, e)
-                    rec.state = TrajectoryState.LOST
-                    return False
-                rec.state = TrajectoryState.OPEN
+                placed = self._place_again(meta.id, self.env_of(rec), node)
+                rec.state = TrajectoryState.OPEN if placed else TrajectoryState.LOST
             if rec.state is TrajectoryState.OPEN:
                 rec.node = node
                 return True
             return False  # lost (the grace ended) or closed while its agent was away
         env = self.config.envs.get(meta.env)
-        if env is None or not meta.tenant:
-            return False
-        try:
-            self.core.open_trajectory(meta.id, env.spec.memory_gb)
-            self.core.place_trajectory(meta.id, node)
-        except SchedulingError as e:
-            log.warning("cannot take back trajectory %s on %s: %s", meta.id, node, e)
+        if env is None or not meta.tenant or not self._place_again(meta.id, env, node):
             return False
         self.trajectories[meta.id] = TrajectoryRecord(
             meta.id, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env
         )
+        return True
+
+    def _place_again(self, tid: str, env: EnvConfig, node: str) -> bool:
+        """Reserve a live environment's memory again on the node that holds it."""
+        try:
+            self.core.open_trajectory(tid, env.spec.memory_gb)
+            self.core.place_trajectory(tid, node)
+        except SchedulingError as e:
+            log.warning("cannot take back trajectory %s on %s: %s", tid, node, e)
+            return False
         return True
 
     def _adopt_running(self, run: RunningAction, node: str) -> bool:
