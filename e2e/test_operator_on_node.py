@@ -6,8 +6,10 @@ operator, the pool's scheduler and its node agent run on the node's network, bou
 127.0.0.1) → ``kubectl apply`` of the coding example → the agent DaemonSet's pod Running,
 with no Docker socket → a client opens a trajectory; ``pytest -n {dop}`` runs in its
 sandbox pod, on exactly the cores of each action (read inside the pod) → the agent pod is
-deleted, the DaemonSet makes a new one, and the trajectory goes on with its files → the
-pool is deleted: no pod, cgroup or exec server is left.
+deleted, the DaemonSet makes a new one, and the trajectory goes on with its files → a
+TrajectoryEnv whose image is nowhere and a sandbox killed behind the agent's back end
+their trajectories with the kubelet's reason, on the pool's SandboxesHealthy condition and
+as Events → the pool is deleted: no pod, cgroup or exec server is left.
 
 The images are the project's own (``images/build.sh``, nothing pulled), imported into the
 node's containerd. The tests share state and run in file order, like one user's session.
@@ -16,8 +18,10 @@ node's containerd. The tests share state and run in file order, like one user's 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,7 +34,7 @@ from harness.controlplane import ControlPlane
 from harness.kubelet import RealNode
 from harness.pods import free_port, kubectl_json, wait_for
 
-from tangram.client import Client
+from tangram.client import Client, TangramError
 
 pytestmark = pytest.mark.e2e
 
@@ -258,6 +262,59 @@ def test_an_agent_pod_restart_keeps_the_trajectory_and_its_files(session: Sessio
         (pod,) = s.pods(NS, f"tangram.dev/trajectory={tid}")
         assert pod["metadata"]["uid"] == s.seen["sandbox"]  # the same pod, never remade
         client.close(tid)
+
+
+def test_sandbox_failures_end_their_trajectories_and_show_on_the_pool(session: Session) -> None:
+    s = session
+    ghost = {"apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+             "metadata": {"name": "ghost", "namespace": NS},
+             "spec": {"poolRef": "coding", "image": "tangram.invalid/ghost:1",
+                      "memoryGiB": 0.5}}  # fmt: skip
+    s.kubectl("apply", "-f", "-", stdin=json.dumps(ghost))
+    with Client(s.url, s.token("rollout-worker")) as client:
+
+        def refused() -> TangramError | None:
+            try:
+                client.open("ghost")
+            except TangramError as e:
+                return e if e.status == 502 else None  # 400 until the operator pushes it
+            raise AssertionError("a sandbox with an image that is nowhere opened")
+
+        error = s.wait("the ghost environment refused", refused, 180)
+        assert "(ImageUnavailable)" in str(error) and "tangram.invalid/ghost:1" in str(error)
+        assert not s.pods(NS, "tangram.dev/env=ghost")  # its pod is not left behind
+
+        t = client.open("swe")
+        (pod,) = s.pods(NS, f"tangram.dev/trajectory={t.id}")
+        container = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+        for pid in _processes_of(container):  # as the kernel's OOM killer would
+            os.kill(int(pid), signal.SIGKILL)
+        s.wait("the trajectory lost", lambda: client.get(t.id).state.value == "lost", 60)
+        with pytest.raises(TangramError) as lost:
+            client.exec(t.id, ["true"])
+        assert lost.value.status == 409 and "(SandboxExited)" in str(lost.value)
+        assert "exit code 137" in str(lost.value)
+        s.wait("its pod removed", lambda: not s.pods(NS, f"tangram.dev/trajectory={t.id}"), 60)
+        client.close(t.id)
+
+    def unhealthy() -> dict[str, Any] | None:
+        conditions = (s.get("ap", "coding", NS).get("status") or {}).get("conditions", [])
+        cond = next((c for c in conditions if c["type"] == "SandboxesHealthy"), None)
+        said = cond["message"] if cond else ""
+        both = "ImageUnavailable (TrajectoryEnv ghost" in said and "SandboxExited" in said
+        return cond if cond and cond["status"] == "False" and both else None
+
+    cond = s.wait("SandboxesHealthy False naming both causes", unhealthy, 120)
+    assert cond["reason"] == "SandboxExited"  # the latest
+
+    def event() -> bool:
+        out = s.kubectl("get", "events", "-n", NS, "-o", "json",
+                        "--field-selector", "involvedObject.kind=ActionPool").stdout  # fmt: skip
+        said = [(e["type"], e["reason"], e["message"]) for e in json.loads(out)["items"]]
+        return ("Warning", cond["reason"], cond["message"]) in said
+
+    s.wait("a Warning Event with the condition's cause", event, 60)
+    s.kubectl("delete", "tenv", "ghost", "-n", NS)
 
 
 def test_deleting_the_pool_leaves_no_pod_cgroup_or_exec_server(session: Session) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tangram.api.wire import EnvSpec
 from tangram.node_agent.exec_server import build
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.kube_pods import kube_pod_api
+from tangram.node_agent.kubelet_state import cpu_manager_policy
 from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH, PodRuntime
 
 pytestmark = pytest.mark.e2e
@@ -153,5 +155,54 @@ def test_a_runtime_class_the_cluster_lacks_fails_the_open_naming_it(
     spec = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p", runtime_class_name="gvisor")
     with pytest.raises(ExecError, match="gvisor") as e:
         rt.open("t-4", spec)
-    assert "creating pod" in str(e.value)
+    assert "creating pod" in str(e.value) and e.value.reason == "RuntimeClassNotFound"
     assert "t-4" not in rt.envs and not _pods(control_plane)  # nothing half-made is left
+
+
+def test_a_runtime_class_whose_handler_the_node_lacks_fails_at_once_naming_it(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    """The RuntimeClass exists, but this node's containerd has no such handler: the pod
+    never gets a sandbox; the kubelet says why in an Event, which the runtime reads
+    rather than waiting out its start timeout."""
+    image, execd_image = images
+    rc = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+          "metadata": {"name": "tangram-absent"}, "handler": "tangram-absent"}  # fmt: skip
+    control_plane.kubectl("apply", "-f", "-", stdin=json.dumps(rc))
+    rt = _runtime(control_plane, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p",
+                   runtime_class_name="tangram-absent")  # fmt: skip
+    try:
+        with pytest.raises(ExecError) as e:
+            rt.open("t-5", spec)
+        assert e.value.reason == "RuntimeClassUnavailable" and not e.value.retryable, e.value
+        assert "tangram-absent" in str(e.value)
+        wait_for("the pod to go", lambda: not _pods(control_plane), 60)
+    finally:
+        control_plane.kubectl("delete", "runtimeclass", "tangram-absent", "--ignore-not-found")
+
+
+def test_a_sandbox_killed_behind_the_agents_back_is_reported_gone_with_why(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p")
+    rt.open("t-6", spec)
+    rt.open("t-7", spec)
+    assert rt.gone() == []
+    os.kill(rt.envs["t-6"].reach.pid, signal.SIGKILL)  # the sandbox's PID 1
+    ended = wait_for("the kill seen", rt.gone, 30)
+    assert [(g.trajectory, g.reason) for g in ended] == [("t-6", "SandboxExited")]
+    assert "exit code 137" in ended[0].message
+    assert set(rt.envs) == {"t-7"}
+    control_plane.kubectl("delete", "pod", "-n", NS, "-l", "tangram.dev/trajectory=t-7",
+                          "--wait=false")  # fmt: skip
+    ended = wait_for("the deletion seen", rt.gone, 30)
+    assert [(g.trajectory, g.reason) for g in ended] == [("t-7", "SandboxDeleted")]
+    wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
+
+
+def test_the_agent_reads_the_real_kubelets_cpu_manager_policy(real_node: RealNode) -> None:
+    """Through the kubelet's own process, under its own --root-dir: this node's is none."""
+    assert cpu_manager_policy() == "none"

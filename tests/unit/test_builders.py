@@ -307,7 +307,8 @@ def test_agents_may_manage_pods_of_their_namespace_only(coding: list[dict[str, A
             "apiGroups": [""],
             "resources": ["pods"],
             "verbs": ["create", "delete", "get", "list", "patch", "watch"],
-        }
+        },
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
     ]
     binding = _one(coding, "RoleBinding", "tangram-coding-agent")
     assert binding["subjects"] == [

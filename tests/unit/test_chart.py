@@ -38,7 +38,7 @@ NEEDED: dict[tuple[str, str], set[str]] = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     **{("", r): RW for r in ("configmaps", "secrets", "serviceaccounts", "services")},
     ("", "namespaces"): {"get", "list", "watch"},
-    ("", "events"): {"create", "patch"},
+    ("", "events"): {"create", "patch", "list"},  # list: granted on to the node agents
     ("events.k8s.io", "events"): {"create", "patch"},
     ("apps", "deployments"): RW,
     ("apps", "daemonsets"): RW,

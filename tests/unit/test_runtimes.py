@@ -14,7 +14,7 @@ import pytest
 from tangram.api.wire import AgentRequest, EnvSpec
 from tangram.node_agent import runtimes
 from tangram.node_agent.agent import NodeAgent
-from tangram.node_agent.execution import ExecError, ExecResult, Output
+from tangram.node_agent.execution import ExecError, ExecResult, Gone, Output, Problem
 
 
 class Recorder:
@@ -27,6 +27,9 @@ class Recorder:
         self.setting = setting
         self.calls: list[tuple[Any, ...]] = []
         self.envs: set[str] = {"left-by-a-previous-agent"}
+        self.problem: Problem | None = None
+        self.ended: list[Gone] = []  # what the next gone() reports
+        self.refuse: ExecError | None = None  # what the next open raises
 
     def adopt(self) -> list[str]:
         self.calls.append(("adopt",))
@@ -36,6 +39,8 @@ class Recorder:
         return sorted(self.envs)
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
+        if self.refuse is not None:
+            raise self.refuse
         self.envs.add(trajectory)
         self.calls.append(("open", trajectory, spec.name))
         return 0.5, True
@@ -45,6 +50,11 @@ class Recorder:
 
     def close(self, trajectory: str) -> None:
         self.envs.discard(trajectory)
+
+    async def gone(self) -> list[Gone]:
+        ended, self.ended = self.ended, []
+        self.envs -= {g.trajectory for g in ended}
+        return ended
 
     async def exec(self, trajectory: str, argv: Sequence[str], cores: Sequence[int], *,
                    timeout_s: float | None, env: Mapping[str, str],
@@ -136,3 +146,44 @@ def test_auto_says_why_it_passed_over_a_runtime(
     monkeypatch.setitem(runtimes._REGISTRY, "fallback", runtimes.Registration(broken, ""))
     with pytest.raises(ExecError, match="broken: no Docker Engine answers; fallback: no"):
         runtimes.create("auto", setting)
+
+
+def test_a_sandbox_failure_reaches_the_scheduler_with_its_cause(
+    recorder: list[Recorder], tmp_path: Path
+) -> None:
+    agent = NodeAgent.create(tmp_path / "state", runtime="recorder", node="n1")
+    (rt,) = recorder
+    spec = EnvSpec(name="box", image="nowhere/missing:1", memory_gb=0.1)
+    rt.refuse = ExecError("image nowhere/missing:1: not on the node", reason="ImageUnavailable")
+    refused = asyncio.run(agent.handle(AgentRequest(op="open", rid=1, trajectory="t1", env=spec)))
+    assert not refused.ok and refused.reason == "ImageUnavailable" and not refused.retryable
+    assert refused.error == "image nowhere/missing:1: not on the node"
+    rt.refuse = ExecError("not running after 120 s", reason="SandboxStartTimeout", retryable=True)
+    late = asyncio.run(agent.handle(AgentRequest(op="open", rid=2, trajectory="t1", env=spec)))
+    assert late.reason == "SandboxStartTimeout" and late.retryable
+
+
+def test_an_environment_that_ended_is_reported_lost_unasked_even_between_links(
+    recorder: list[Recorder], tmp_path: Path
+) -> None:
+    agent = NodeAgent.create(tmp_path / "state", runtime="recorder", node="n1")
+    (rt,) = recorder
+    rt.ended = [Gone("left-by-a-previous-agent", "SandboxEvicted", "pod rl/x was evicted")]
+    assert asyncio.run(agent.report_gone()) == 1  # no link: kept for the next one
+    sent: list[Any] = []
+    agent.attach(sent.append)
+    (notice,) = sent
+    assert notice.rid == 0 and not notice.ok and notice.lost == "left-by-a-previous-agent"
+    assert notice.reason == "SandboxEvicted" and notice.error == "pod rl/x was evicted"
+    assert agent.hello().trajectories == []
+    assert asyncio.run(agent.report_gone()) == 0
+
+
+def test_a_node_that_cannot_run_actions_says_why_in_its_hello(
+    recorder: list[Recorder], tmp_path: Path
+) -> None:
+    agent = NodeAgent.create(tmp_path / "state", runtime="recorder", node="n1")
+    assert agent.hello().problem is None
+    recorder[0].problem = Problem("CPUManagerStatic", "node n1: the CPU manager is static")
+    problem = agent.hello().problem
+    assert problem is not None and problem.reason == "CPUManagerStatic"

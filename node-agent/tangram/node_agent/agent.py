@@ -24,6 +24,7 @@ from tangram.api.wire import (
     AgentRequest,
     EnvSpec,
     ExecOutcome,
+    Problem,
     RunningAction,
     TrajectoryMeta,
     json_bytes,
@@ -158,6 +159,8 @@ class NodeAgent:
             actions, idle = split_cores(host, idle_cores, cores_for_actions)
         setting = Setting(state_dir, name, idle, cache_dir, owner_id(state_dir), {"pods": pods})
         agent = cls(create(runtime, setting), inventory, actions, idle, node=name)
+        if agent.runtime.problem is not None:  # the scheduler refuses it, and says so
+            log.error("this node cannot run actions: %s", agent.runtime.problem.message)
         agent.runtime.adopt()  # what a previous agent left; hello() reports what is held
         agent.load_meta(state_dir / "meta")
         return agent
@@ -188,6 +191,11 @@ class NodeAgent:
                 if k in self._orphaned
             ],
             gpu=self.gpu.info if self.gpu is not None else None,
+            problem=(
+                Problem(reason=p.reason, message=p.message)
+                if (p := self.runtime.problem) is not None
+                else None
+            ),
         )
 
     def _held(self) -> list[str]:
@@ -306,7 +314,8 @@ class NodeAgent:
             result = await self.exec(req)
             return AgentReply(rid=req.rid, ok=True, result=outcome(result))
         except ExecError as e:
-            return AgentReply(rid=req.rid, ok=False, error=str(e))
+            return AgentReply(rid=req.rid, ok=False, error=str(e), reason=e.reason or None,
+                              retryable=e.retryable)  # fmt: skip
         except Exception as e:  # a request must always be answered: say what failed, stay up
             log.exception("%s %s failed", req.op, req.trajectory)
             return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}")
@@ -319,9 +328,24 @@ class NodeAgent:
 
     def close(self, trajectory: str) -> None:
         self.runtime.close(trajectory)
+        self._forget(trajectory)
+
+    def _forget(self, trajectory: str) -> None:
         self.meta.pop(trajectory, None)
         if self.meta_dir is not None:
             (self.meta_dir / f"{trajectory}.json").unlink(missing_ok=True)
+
+    async def report_gone(self) -> int:
+        """Tell the scheduler, unasked, of environments that ended by themselves (killed,
+        evicted, deleted): their trajectories are lost, for the reason given. A notice
+        that finds no link waits for the next one, like an orphaned result."""
+        ended = await self.runtime.gone()
+        for g in ended:
+            log.warning("trajectory %s: its environment ended: %s", g.trajectory, g.message)
+            self._forget(g.trajectory)
+            self._deliver(AgentReply(rid=0, ok=False, lost=g.trajectory, reason=g.reason,
+                                     error=g.message))  # fmt: skip
+        return len(ended)
 
     def _remember(self, meta: TrajectoryMeta) -> None:
         self.meta[meta.id] = meta

@@ -55,6 +55,7 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
+    Gone,
     Opened,
     Output,
     cap,
@@ -232,7 +233,10 @@ class DockerRuntime(ExecServerRuntime):
         except (APIError, DockerException) as e:
             if run_dir:
                 shutil.rmtree(run_dir, ignore_errors=True)
-            raise ExecError(f"image {template.image}: cannot create the environment: {e}") from None
+            raise ExecError(
+                f"image {template.image}: cannot create the environment: {e}",
+                reason="SandboxStartFailed",
+            ) from None
         env = Env(container, digest(template), template.workdir, run_dir)
         try:
             if user and not has_workdir and not template.read_only_root:
@@ -244,8 +248,57 @@ class DockerRuntime(ExecServerRuntime):
             self._remove(env)
             if isinstance(e, ExecError):
                 raise
-            raise ExecError(f"image {template.image}: cannot start the environment: {e}") from None
+            raise ExecError(
+                f"image {template.image}: cannot start the environment: {e}",
+                reason="SandboxStartFailed",
+            ) from None
         return env
+
+    def gone(self) -> list[Gone]:
+        """Open containers that ended by themselves (killed, OOM-killed, removed), each
+        with why, dropped and removed; ended warm ones are just removed. One listing of
+        this agent's containers (no inspection unless one ended)."""
+        try:
+            listed = self.client.containers.list(
+                all=True, sparse=True, filters={"label": f"{LABEL}/owner={self.owner}"}
+            )
+        except DockerException:
+            return []  # the engine is unreachable: nothing can be told about any of them
+        states = {c.id: c.attrs.get("State") for c in listed}
+        ended: list[Gone] = []
+        for trajectory, env in list(self.envs.items()):
+            state = states.get(env.container.id)
+            if state not in ("exited", "dead", None):
+                continue
+            del self.envs[trajectory]
+            self.fast.end_sessions(trajectory)
+            ended.append(Gone(trajectory, *self._ending(env, state)))
+            self._remove(env)
+        for envs in self.warm_pool.values():
+            for env in [e for e in envs if states.get(e.container.id) in ("exited", "dead", None)]:
+                envs.remove(env)
+                self._remove(env)
+        return ended
+
+    @staticmethod
+    def _ending(env: Env, state: str | None) -> tuple[str, str]:
+        name = env.container.name
+        if state is None:
+            return "SandboxDeleted", f"container {name} was removed"
+        try:
+            env.container.reload()
+            info = env.container.attrs.get("State") or {}
+        except (APIError, NotFound):
+            return "SandboxDeleted", f"container {name} was removed"
+        if info.get("OOMKilled"):
+            return "SandboxOOMKilled", (
+                f"container {name}: the sandbox ran out of memory (OOMKilled): raise the "
+                "TrajectoryEnv's memoryGB"
+            )
+        said = f" ({info['Error']})" if info.get("Error") else ""
+        return "SandboxExited", (
+            f"container {name}: the sandbox ended with exit code {info.get('ExitCode')}{said}"
+        )
 
     def _setup(self, env: Env, template: EnvSpec) -> None:
         if not template.setup:
@@ -257,7 +310,8 @@ class DockerRuntime(ExecServerRuntime):
             if code != 0:
                 raise ExecError(
                     f"setup {list(argv)} failed with exit code {code}: "
-                    f"{out.decode(errors='replace')[-500:]}"
+                    f"{out.decode(errors='replace')[-500:]}",
+                    reason="SetupFailed",
                 )
         env.container.update(cpu_period=PERIOD_US, cpu_quota=int(IDLE_QUOTA_CORES * PERIOD_US))
 
@@ -291,7 +345,9 @@ class DockerRuntime(ExecServerRuntime):
         try:
             image = self.client.images.get(template.image)
         except ImageNotFound:
-            raise ExecError(f"image {template.image}: not found on this node") from None
+            raise ExecError(
+                f"image {template.image}: not found on this node", reason="ImageUnavailable"
+            ) from None
         key = f"{image.id}|{template.user}|{template.workdir}"
         if key not in self._facts:
             passwd, has_workdir = self._probe(image.id, template.workdir)

@@ -13,7 +13,56 @@ IDLE_QUOTA_CORES = 0.1  # what a trajectory may use between actions (shells, str
 
 
 class ExecError(RuntimeError):
-    """A runtime request that cannot be carried out; the message says why."""
+    """A runtime request that cannot be carried out; the message says why.
+
+    A sandbox that cannot start or run also says ``reason``, its cause in one CamelCase
+    word (one of ``REASONS``: the pool's status and Events show it), and whether the same
+    request may succeed if tried again (``retryable``: a timeout, an eviction; not a
+    missing image).
+    """
+
+    def __init__(self, message: str, *, reason: str = "", retryable: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retryable = retryable
+
+
+# Why a sandbox failed, as the agent reports it and the pool's SandboxesHealthy condition
+# and Events name it (docs/node-agent.md explains each and what to do).
+REASONS = frozenset(
+    {
+        "ImageUnavailable",  # not on the node and not pullable
+        "RuntimeClassNotFound",  # the TrajectoryEnv's runtimeClassName names no RuntimeClass
+        "RuntimeClassUnavailable",  # the node's container runtime lacks its handler
+        "SandboxStartFailed",  # the container could not be created or started
+        "SandboxStartTimeout",  # not running within the start timeout
+        "SetupFailed",  # a setup command of the TrajectoryEnv failed
+        "CgroupsUnwritable",  # the agent cannot write the sandbox's cgroup
+        "SandboxEvicted",  # the kubelet evicted it (node pressure)
+        "SandboxOOMKilled",  # its processes ran out of the env's memory
+        "SandboxExited",  # its exec server ended
+        "SandboxDeleted",  # someone deleted it
+        "CPUManagerStatic",  # the node's kubelet rewrites container cpusets itself
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Why a node cannot run actions (its agent says so in its hello)."""
+
+    reason: str  # one of REASONS
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """An environment that ended by itself (killed, evicted, deleted): its trajectory is
+    lost, for ``reason`` (one of ``REASONS``)."""
+
+    trajectory: str
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,11 +44,14 @@ class Reachable:
     started: int = 0  # the exec server's start time (/proc/<pid>/stat): pids are reused
     proc_root: Path = Path("/proc")
 
-    def check_alive(self) -> None:
+    def alive(self) -> bool:
         """The exec server is still the process this environment was found with: a dead
         server's pid may have gone to another process, even another sandbox's server,
         which the listener check alone would then let through."""
-        if self.started and start_time(self.pid, self.proc_root) != self.started:
+        return not self.started or start_time(self.pid, self.proc_root) == self.started
+
+    def check_alive(self) -> None:
+        if not self.alive():
             raise ExecError(
                 f"the environment's exec server (pid {self.pid}) has ended: the environment is gone"
             )
@@ -123,7 +126,9 @@ class FastPath:
         try:
             self.cgroups.limit(env.cgroup, cores, quota_cores)
         except CgroupError as e:
-            raise ExecError(str(e)) from None
+            # A group that went with its environment is the environment's end, reported
+            # as such (``gone``); a live one the agent cannot write is the node's problem.
+            raise ExecError(str(e), reason="CgroupsUnwritable" if env.alive() else "") from None
 
     def group_enter(self, env: Reachable, cores: Sequence[int]) -> None:
         self._limit(env, *self.enter(env.key, cores))

@@ -35,15 +35,21 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
 
     def fail(e: Exception, what: str) -> ExecError:
         """The API server's own message (it names the field or object at fault); any
-        other failure (no connection, a timeout) says so."""
+        other failure (no connection, a timeout) says so, as one worth retrying."""
         if not isinstance(e, ApiException):
-            return ExecError(f"{what}: the API server is not reachable: {e}")
+            return ExecError(f"{what}: the API server is not reachable: {e}", retryable=True)
         try:
             message = json.loads(e.body or "{}").get("message") or ""
         except (ValueError, AttributeError):
             message = ""
         said = f": {message}" if message else ""
-        return ExecError(f"{what}: the API server answered {e.status} {e.reason}{said}")
+        # The RuntimeClass admission plugin refuses a pod naming no RuntimeClass.
+        missing = e.status == 403 and "RuntimeClass" in message and "not found" in message
+        return ExecError(
+            f"{what}: the API server answered {e.status} {e.reason}{said}",
+            reason="RuntimeClassNotFound" if missing else "",
+            retryable=e.status in (429, 500, 503, 504),
+        )
 
     class Api:
         def create(self, manifest: dict[str, Any]) -> None:
@@ -59,6 +65,15 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
                 if isinstance(e, ApiException) and e.status == 404:
                     return None
                 raise fail(e, f"reading pod {namespace}/{name}") from None
+
+        def events(self, name: str) -> list[dict[str, Any]]:
+            try:
+                found = core.list_namespaced_event(
+                    namespace, field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}"
+                )
+            except Exception:
+                return []  # events only add detail to an error: never fail for them
+            return [to_dict(e) for e in found.items]
 
         def list(self, selector: str) -> list[dict[str, Any]]:
             try:

@@ -23,6 +23,7 @@ from tangram.node_agent.agent import NodeAgent
 
 log = logging.getLogger("tangram.agent")
 HEARTBEAT_S = 1.0
+GONE_CHECK_S = 2.0  # how often environments that ended by themselves are looked for
 
 
 async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> None:
@@ -92,6 +93,14 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
             post('{"heartbeat":true}')
             await asyncio.sleep(HEARTBEAT_S)
 
+    async def watch_environments() -> None:
+        while True:
+            await asyncio.sleep(GONE_CHECK_S)
+            try:
+                await agent.report_gone()
+            except Exception:  # a failed look (the API server down) is tried again
+                log.exception("looking for ended environments failed")
+
     def orphan(reply: AgentReply) -> None:  # a run that finished after its link dropped
         text = reply.model_dump_json()
         orphans.append((text, reply))
@@ -108,6 +117,7 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
         asyncio.create_task(read_forever()),
         asyncio.create_task(write_forever()),
         asyncio.create_task(heartbeat()),
+        asyncio.create_task(watch_environments()),
     ]
     stopping = asyncio.create_task(stop.wait())
     agent.attach(orphan)

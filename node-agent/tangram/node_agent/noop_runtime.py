@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.execution import ExecError, ExecResult, Output, check_request
+from tangram.node_agent.execution import (
+    ExecError,
+    ExecResult,
+    Gone,
+    Output,
+    Problem,
+    check_request,
+)
 
 _NOTHING = Output(b"", False, b"", False)
 
@@ -17,6 +24,7 @@ _NOTHING = Output(b"", False, b"", False)
 class NoopRuntime:
     kind = "noop"
     fast_path = "the noop runtime"
+    problem: Problem | None = None
 
     def __init__(self) -> None:
         self._open: set[str] = set()
@@ -36,6 +44,9 @@ class NoopRuntime:
 
     def close(self, trajectory: str) -> None:
         self._open.discard(trajectory)
+
+    async def gone(self) -> list[Gone]:
+        return []
 
     async def exec(
         self,

@@ -27,14 +27,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.cgroups import Cgroups, detect
+from tangram.node_agent.cgroups import CgroupError, Cgroups, detect
 from tangram.node_agent.env_template import User, check_trajectory_id, digest, pick_user
 from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
+    Gone,
     Opened,
+    Problem,
     check_request,
 )
 from tangram.node_agent.fast_path import (
@@ -45,6 +47,7 @@ from tangram.node_agent.fast_path import (
     cgroup_of,
     start_time,
 )
+from tangram.node_agent.kubelet_state import cpu_manager_policy
 from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
 
 __all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime", "agent_label"]
@@ -70,6 +73,7 @@ class PodApi(Protocol):
 
     def create(self, manifest: dict[str, Any]) -> None: ...
     def get(self, name: str) -> dict[str, Any] | None: ...
+    def events(self, name: str) -> list[dict[str, Any]]: ...
     def list(self, selector: str) -> list[dict[str, Any]]: ...
     def label(self, name: str, labels: Mapping[str, str]) -> None: ...
     def delete(self, name: str) -> None: ...
@@ -122,6 +126,16 @@ class PodRuntime(ExecServerRuntime):
         self.warm_pool: dict[str, list[Pod]] = {}  # by template digest
         self.fast = FastPath(self.cgroups, self.idle_cores)
         self._facts: dict[str, tuple[User | None, bool]] = {}  # by image|user|workdir
+        self._dying: dict[str, float] = {}  # pod -> when its exec server was found ended
+        self.problem: Problem | None = None  # why this node cannot run actions
+        if cpu_manager_policy(proc_root) == "static":
+            self.problem = Problem(
+                "CPUManagerStatic",
+                f"node {node}: the kubelet's CPU manager policy is static, which resets "
+                "container cpusets every reconcile period and would undo each action's "
+                "cores; run the pool on nodes whose kubelet has cpuManagerPolicy: none "
+                "(spec.cpu.nodeSelector)",
+            )
 
     # ---- lifecycle ---------------------------------------------------------------
     def open(self, trajectory: str, template: EnvSpec) -> Opened:
@@ -202,6 +216,44 @@ class PodRuntime(ExecServerRuntime):
                 self._delete(name)
         return sorted(self.envs)
 
+    def gone(self, settle_s: float = 5.0) -> list[Gone]:
+        """Open sandboxes that ended by themselves (evicted, killed, deleted), each with
+        the kubelet's reason, dropped and deleted; ended warm ones are just deleted.
+
+        The check is local (is each exec server still the process it was?); only an ended
+        one costs a read of its pod. A pod whose status does not show the end yet (the
+        kubelet writes it a moment later) is looked at again, for up to ``settle_s``.
+        """
+        ended: list[Gone] = []
+        for trajectory, pod in list(self.envs.items()):
+            if pod.reach.alive():
+                continue
+            why = self._ending(pod.name, settle_s)
+            if why is None:
+                continue
+            del self.envs[trajectory]
+            self.fast.end_sessions(trajectory)
+            self._delete(pod.name)
+            ended.append(Gone(trajectory, *why))
+        for pods in self.warm_pool.values():
+            for pod in [p for p in pods if not p.reach.alive()]:
+                pods.remove(pod)
+                self._delete(pod.name)
+        return ended
+
+    def _ending(self, name: str, settle_s: float) -> tuple[str, str] | None:
+        """(reason, message) of an ended sandbox; None while its pod does not say yet."""
+        try:
+            obj = self.api.get(name)
+        except ExecError:
+            obj = {}  # the API server is unreachable: say what we know
+        first = self._dying.setdefault(name, time.monotonic())
+        why = ending(obj, f"{self.namespace}/{name}")
+        if why is None and time.monotonic() - first < settle_s:
+            return None
+        self._dying.pop(name, None)
+        return why or ("SandboxExited", f"pod {self.namespace}/{name}: its processes ended")
+
     def _create(self, template: EnvSpec, state: Mapping[str, str]) -> Pod:
         user, has_workdir = self._facts.get(self._facts_key(template), (None, True))
         # The random part is never cut: a long pool name is (pod names hold 63 here).
@@ -218,7 +270,7 @@ class PodRuntime(ExecServerRuntime):
             user=user,
             own_workdir=not has_workdir,
         )
-        self.api.create(manifest)
+        self.api.create(manifest)  # refused: the API server's reason (RuntimeClass, quota)
         try:
             reach = self._reach(self._running(name), wait_s=10.0)
             if self._learn_facts(template, reach):  # first pod of this image: redo it
@@ -262,16 +314,26 @@ class PodRuntime(ExecServerRuntime):
         idle cores without the idle quota (bounded work at open time)."""
         self._pids_limit(reach.cgroup, template.pids_limit)
         if template.setup:
-            self.cgroups.limit(reach.cgroup, self.idle_cores, None)
+            self._limit(reach, None)
             for argv in template.setup:
                 cmd = Command(list(argv), self.idle_cores, 600.0, dict(template.env), 1 << 16)
                 res = asyncio.run(self.fast.exec(reach, cmd))
                 if res.exit_code != 0:
                     raise ExecError(
                         f"setup {list(argv)} failed with exit code {res.exit_code}: "
-                        f"{res.stderr[-500:]}"
+                        f"{res.stderr[-500:]}",
+                        reason="SetupFailed",
                     )
-        self.cgroups.limit(reach.cgroup, self.idle_cores, IDLE_QUOTA_CORES)
+        self._limit(reach, IDLE_QUOTA_CORES)
+
+    def _limit(self, reach: Reachable, quota_cores: float | None) -> None:
+        try:
+            self.cgroups.limit(reach.cgroup, self.idle_cores, quota_cores)
+        except CgroupError as e:
+            raise ExecError(
+                f"{e} (the agent needs the host's cgroup tree mounted writable)",
+                reason="CgroupsUnwritable",
+            ) from None
 
     def _pids_limit(self, group: str, limit: int) -> None:
         # Kubernetes has no per-pod pids field (only the node-wide podPidsLimit).
@@ -284,30 +346,37 @@ class PodRuntime(ExecServerRuntime):
             path.write_text(str(limit))
 
     def _running(self, name: str) -> dict[str, Any]:
-        """The pod once its sandbox container runs; a clear error if it never will."""
-        deadline = time.monotonic() + self.start_timeout_s
+        """The pod once its sandbox container runs; a clear error, with the kubelet's
+        reason, as soon as it is plain that it never will."""
+        start = time.monotonic()
+        deadline = start + self.start_timeout_s
+        events_at = start + 2.0  # a pod still not running by now: read its Events too
         delay = 0.02
+        where = f"pod {self.namespace}/{name}"
         while True:
             obj = self.api.get(name)
             if obj is None:
-                raise ExecError(f"pod {self.namespace}/{name}: deleted while starting")
+                raise ExecError(f"{where}: deleted while starting", reason="SandboxDeleted",
+                                retryable=True)  # fmt: skip
             status = obj.get("status") or {}
-            phase = status.get("phase")
-            if phase in ("Failed", "Succeeded"):
-                raise ExecError(f"pod {self.namespace}/{name}: {phase}: {_why(status)}")
             for c in status.get("containerStatuses") or []:
                 if c.get("name") == SANDBOX and "running" in (c.get("state") or {}):
                     return obj
-            waiting = _waiting(status)
-            if waiting in _NEVER_STARTS:
-                raise ExecError(
-                    f"pod {self.namespace}/{name}: {waiting}: {_why(status)} (image "
-                    f"{_image(obj)}: images must be on the node or pullable)"
-                )
+            failed = not_starting(obj, where)
+            if failed is not None:
+                raise failed
+            warning = ""
+            if time.monotonic() > events_at:
+                events_at = time.monotonic() + 2.0
+                warning, failed = _sandbox_event(self.api.events(name), where)
+                if failed is not None:
+                    raise failed
             if time.monotonic() > deadline:
                 raise ExecError(
-                    f"pod {self.namespace}/{name}: not running after "
-                    f"{self.start_timeout_s:.0f} s: {_why(status) or phase}"
+                    f"{where}: not running after {self.start_timeout_s:.0f} s: "
+                    f"{warning or _why(status) or status.get('phase')}",
+                    reason="SandboxStartTimeout",
+                    retryable=True,
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)
@@ -386,10 +455,82 @@ class PodRuntime(ExecServerRuntime):
 
 
 # Waiting reasons after which the sandbox container will not start by itself.
-_NEVER_STARTS = frozenset(
-    {"ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
-     "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
-)  # fmt: skip
+_IMAGE_WAITS = frozenset(
+    {"ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "InvalidImageName"}
+)
+_START_WAITS = frozenset({"CreateContainerConfigError", "CreateContainerError",
+                          "RunContainerError"})  # fmt: skip
+# How container runtimes say a RuntimeClass's handler is missing (containerd, CRI-O).
+_NO_HANDLER = ("no runtime for", "runtime handler")
+
+
+def not_starting(obj: Mapping[str, Any], where: str) -> ExecError | None:
+    """The error of a sandbox pod that will not run by itself (None: it may yet)."""
+    status = obj.get("status") or {}
+    phase = status.get("phase")
+    if phase in ("Failed", "Succeeded"):
+        evicted = status.get("reason") == "Evicted"
+        return ExecError(f"{where}: {phase}: {_why(status)}",
+                         reason="SandboxEvicted" if evicted else "SandboxStartFailed",
+                         retryable=evicted)  # fmt: skip
+    waiting = _waiting(status)
+    if waiting in _IMAGE_WAITS:
+        return ExecError(
+            f"{where}: {waiting}: {_why(status)} (image {_image(obj)}: images must be on "
+            "the node or pullable)",
+            reason="ImageUnavailable",
+        )
+    if waiting in _START_WAITS:
+        return ExecError(f"{where}: {waiting}: {_why(status)}", reason="SandboxStartFailed")
+    return None
+
+
+def ending(obj: Mapping[str, Any] | None, where: str) -> tuple[str, str] | None:
+    """(reason, message) of a sandbox pod whose processes ended, from what the kubelet
+    wrote; None while its status still shows the sandbox running (not written yet)."""
+    if obj is None:
+        return "SandboxDeleted", f"pod {where} was deleted"
+    status = obj.get("status") or {}
+    if status.get("reason") == "Evicted":
+        return "SandboxEvicted", f"pod {where} was evicted: {status.get('message', '')}"
+    if (obj.get("metadata") or {}).get("deletionTimestamp"):
+        return "SandboxDeleted", f"pod {where} was deleted"
+    for c in status.get("containerStatuses") or []:
+        if c.get("name") != SANDBOX:
+            continue
+        end = (c.get("state") or {}).get("terminated")
+        if end is None:
+            return None
+        if end.get("reason") == "OOMKilled":
+            return "SandboxOOMKilled", (
+                f"pod {where}: the sandbox ran out of memory (OOMKilled): raise the "
+                "TrajectoryEnv's memoryGB"
+            )
+        said = " ".join(str(end.get(k) or "") for k in ("reason", "message")).strip()
+        return "SandboxExited", (
+            f"pod {where}: the sandbox ended with exit code {end.get('exitCode')}"
+            + (f" ({said})" if said else "")
+        )
+    return None
+
+
+def _sandbox_event(events: Sequence[Mapping[str, Any]], where: str) -> tuple[str, ExecError | None]:
+    """The newest Warning Event of a starting pod, and its error when it says the pod
+    cannot start here (its RuntimeClass's handler is missing on this node)."""
+    warnings = [e for e in events if e.get("type") == "Warning"]
+    if not warnings:
+        return "", None
+    last = max(warnings, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+    said = f"{last.get('reason', '')}: {last.get('message', '')}"
+    for e in warnings:
+        message = str(e.get("message") or "")
+        if e.get("reason") == "FailedCreatePodSandBox" and any(h in message for h in _NO_HANDLER):
+            return said, ExecError(
+                f"{where}: {message} (the TrajectoryEnv's runtimeClassName needs a handler "
+                "configured in this node's container runtime)",
+                reason="RuntimeClassUnavailable",
+            )
+    return said, None
 
 
 def _waiting(status: Mapping[str, Any]) -> str:

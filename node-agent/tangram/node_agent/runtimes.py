@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.execution import ExecError, ExecResult
+from tangram.node_agent.execution import ExecError, ExecResult, Gone, Problem
 
 log = logging.getLogger("tangram.agent")
 
@@ -34,6 +34,7 @@ class Runtime(Protocol):
 
     kind: str  # its registered name, which the agent's hello reports
     fast_path: str  # why actions cannot take the fast path ('' when they can)
+    problem: Problem | None  # why this node cannot run actions at all (None: it can)
 
     def adopt(self) -> list[str]:
         """Take back what a previous agent with the same state left; the trajectories."""
@@ -52,6 +53,11 @@ class Runtime(Protocol):
         ...
 
     def close(self, trajectory: str) -> None: ...
+
+    async def gone(self) -> list[Gone]:
+        """The environments that ended by themselves since the last call (killed,
+        evicted, deleted), no longer held, each with why."""
+        ...
 
     async def exec(
         self,
@@ -153,7 +159,11 @@ class Sandboxes:
 
     def __init__(self, kind: str, inner: Any, fast_path: str = "") -> None:
         self.kind, self.inner, self.fast_path = kind, inner, fast_path
+        self.problem: Problem | None = getattr(inner, "problem", None)
         self._background: set[asyncio.Future[None]] = set()
+        # One top-up at a time: concurrent ones (a refill after each of several opens)
+        # would each see the pool short and together overfill it.
+        self._warming = asyncio.Lock()
 
     def adopt(self) -> list[str]:
         adopted: list[str] = self.inner.adopt()
@@ -171,11 +181,16 @@ class Sandboxes:
         return float(opened.seconds), bool(opened.warm)
 
     async def warm(self, spec: EnvSpec) -> None:
-        with contextlib.suppress(ExecError):  # a failed top-up fails the next open instead
-            await asyncio.to_thread(self.inner.warm, spec)
+        async with self._warming:
+            with contextlib.suppress(ExecError):  # a failed top-up fails the next open
+                await asyncio.to_thread(self.inner.warm, spec)
 
     def close(self, trajectory: str) -> None:
         self.inner.close(trajectory)
+
+    async def gone(self) -> list[Gone]:
+        ended: list[Gone] = await asyncio.to_thread(self.inner.gone)
+        return ended
 
     # Commands and sessions are the exec server's, through the inner runtime as they are.
     async def exec(
@@ -200,6 +215,7 @@ class Processes:
 
     kind = "process"
     fast_path = "the process runtime"
+    problem: Problem | None = None
 
     def __init__(self, inner: Any, idle: list[int]) -> None:
         self.inner, self.idle = inner, idle
@@ -233,6 +249,9 @@ class Processes:
     def close(self, trajectory: str) -> None:
         self._env.pop(trajectory, None)
         self.inner.close(trajectory)
+
+    async def gone(self) -> list[Gone]:
+        return []  # a directory does not end by itself
 
     async def exec(
         self,

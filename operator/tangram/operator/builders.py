@@ -317,7 +317,8 @@ def tokenreview_cluster_role_binding(pool: ActionPool) -> Manifest:
 
 def agent_role(pool: ActionPool, uid: str) -> Manifest:
     """The node agents may manage pods in the pool's namespace, nothing else: the sandbox
-    pods they create, claim (relabel), list after a restart and delete."""
+    pods they create, claim (relabel), list after a restart and delete; and read the
+    Events of a sandbox pod that does not start (they name the kubelet's reason)."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
@@ -327,7 +328,8 @@ def agent_role(pool: ActionPool, uid: str) -> Manifest:
                 "apiGroups": [""],
                 "resources": ["pods"],
                 "verbs": ["create", "delete", "get", "list", "patch", "watch"],
-            }
+            },
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
         ],
     }
 

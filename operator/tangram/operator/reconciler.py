@@ -34,7 +34,14 @@ from tangram.api.resources import (
     resolve_pool_ref,
     yaml_path,
 )
-from tangram.api.status import READY, MemberStatus, PoolStatus, parse_conditions, ready
+from tangram.api.status import (
+    READY,
+    Condition,
+    MemberStatus,
+    PoolStatus,
+    parse_conditions,
+    ready,
+)
 from tangram.api.wire import PoolFigures
 from tangram.operator.builders import (
     AGENT_TENANT,
@@ -49,6 +56,7 @@ from tangram.operator.builders import (
 from tangram.operator.kube import Cluster
 from tangram.operator.scheduler_link import Endpoints, SchedulerError, SchedulerLink
 from tangram.operator.status import (
+    SANDBOXES_HEALTHY,
     PoolObservation,
     invalid_member_status,
     member_status,
@@ -360,20 +368,31 @@ class Reconciler:
         status: PoolStatus | MemberStatus,
         previous: list[Any],
     ) -> None:
-        """Patch the status when it changed; a Warning Event when Ready turns False or
-        its reason changes (not on every pass)."""
+        """Patch the status when it changed, and post an Event for each condition that
+        changed (not on every pass): Ready when its status or reason changes;
+        SandboxesHealthy also when its message does, which counts each new failure."""
         new = status.model_dump(by_alias=True, mode="json")
         if (body.get("status") or {}) == new:
             return
         meta = body["metadata"]
         self.cluster.patch_status(body["kind"], meta["namespace"], meta["name"], new)
-        old, cond = ready(previous), ready(status.conditions)
-        if cond is None or (
-            old is not None and (old.status, old.reason) == (cond.status, cond.reason)
-        ):
-            return
-        type_ = "Normal" if cond.status == "True" else "Warning"
-        self.cluster.event(body, type_, cond.reason, cond.message, self.clock())
+        before = {c.type: c for c in previous}
+        for cond in status.conditions:
+            news = _NEWS.get(cond.type)
+            old = before.get(cond.type)
+            if news is None or (old is not None and news(old) == news(cond)):
+                continue
+            if old is None and cond.type != READY and cond.status == "True":
+                continue  # a first "all is well" is no news
+            type_ = "Normal" if cond.status == "True" else "Warning"
+            self.cluster.event(body, type_, cond.reason, cond.message, self.clock())
+
+
+# Conditions that post Events, by what of them is news when it changes.
+_NEWS: dict[str, Callable[[Condition], tuple[str, ...]]] = {
+    READY: lambda c: (c.status, c.reason),
+    SANDBOXES_HEALTHY: lambda c: (c.status, c.reason, c.message),
+}
 
 
 def _documents(objects: list[Manifest]) -> str:

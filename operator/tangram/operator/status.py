@@ -38,6 +38,9 @@ class PoolObservation:
     drain_left_s: float = 0.0
 
 
+SANDBOXES_HEALTHY = "SandboxesHealthy"
+SHOWN_PROBLEMS = 3  # causes a condition's message names
+
 # The scheduler's figures (PoolFigures) that a pool's status shows under the same names.
 LIVE_FIGURES = frozenset(PoolFigures.model_fields) & frozenset(PoolStatus.model_fields)
 
@@ -54,6 +57,10 @@ def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> Poo
         generation=seen.generation,
         now=now,
     )
+    if seen.figures is not None:  # unknown without them: the previous one stands
+        status, reason, message = _sandboxes_healthy(seen.figures)
+        conditions = condition(conditions, type=SANDBOXES_HEALTHY, status=status, reason=reason,
+                               message=message, generation=seen.generation, now=now)  # fmt: skip
     live = seen.figures.model_dump(include=set(LIVE_FIGURES)) if seen.figures is not None else {}
     return PoolStatus(
         observed_generation=seen.generation,
@@ -61,6 +68,18 @@ def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> Poo
         endpoint=seen.endpoint,
         **live,
     )
+
+
+def _sandboxes_healthy(f: PoolFigures) -> tuple[ConditionStatus, str, str]:
+    """False while sandboxes or nodes failed within the scheduler's window, with the
+    latest cause as the reason and the latest few as the message."""
+    if not f.problems:
+        return "True", "NoRecentFailures", "no sandbox or node failed recently"
+    shown = "; ".join(
+        f"{p.reason} ({p.subject}, {p.count}×): {p.message}" for p in f.problems[:SHOWN_PROBLEMS]
+    )
+    more = len(f.problems) - SHOWN_PROBLEMS
+    return "False", f.problems[0].reason, shown + (f"; and {more} more" if more > 0 else "")
 
 
 def _pool_ready(pool: ActionPool | None, seen: PoolObservation) -> tuple[ConditionStatus, str, str]:
@@ -133,6 +152,7 @@ def _member(
 
 
 __all__ = [
+    "SANDBOXES_HEALTHY",
     "PoolObservation",
     "invalid_member_status",
     "member_status",

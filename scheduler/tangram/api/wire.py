@@ -62,7 +62,7 @@ class TrajectoryState(StrEnum):
     # its agent). Actions answer 503 (retry) until the agent is back, or LOST after the
     # pool's grace period.
     AWAY = "away"
-    LOST = "lost"  # its node left the pool for good; its environment is gone
+    LOST = "lost"  # its environment is gone: it ended by itself, or its node left for good
     CLOSING = "closing"  # its actions are being cancelled and its environment removed
     CLOSED = "closed"
 
@@ -280,8 +280,31 @@ class BatchResponse(_Strict):
     results: list[ActionResult]
 
 
+class Problem(_Strict):
+    """Why sandboxes failed, or why a node cannot run actions."""
+
+    reason: Annotated[
+        str, Field(description="the cause in one CamelCase word (docs/node-agent.md)")
+    ]
+    message: str
+
+
+class ProblemFigure(_Strict):
+    """Failures of one cause about one TrajectoryEnv or node, over the recent window."""
+
+    reason: str
+    subject: str = Field(description="what failed: TrajectoryEnv <name>, or node <name>")
+    count: int = Field(ge=1)
+    message: str = Field(description="the latest one's message")
+    last_s: float = Field(ge=0, description="seconds since the latest one")
+
+
 class PoolFigures(_Strict):
     """A scheduler's live figures (``GET /v1/admin/status``, for the operator's CR status)."""
+
+    # The operator and the schedulers it runs are upgraded apart: a figure a newer
+    # scheduler adds is ignored by an older operator, not a failed status pass.
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     pool: str
     epoch: str = Field(description="changes when the scheduler restarts")
@@ -297,6 +320,10 @@ class PoolFigures(_Strict):
     trajectories: int = Field(ge=0, description="trajectories open or opening")
     apis: dict[str, int] = Field(description="quota name -> calls in flight")
     environments: int = Field(ge=0, description="TrajectoryEnvs served")
+    problems: list[ProblemFigure] = Field(
+        default_factory=list,
+        description="sandbox and node failures of the recent window, latest first",
+    )
 
 
 class ErrorDetail(_Strict):
@@ -409,6 +436,9 @@ class ServiceOutcome(_Strict):
 class AgentHello(_Strict):
     """First message of an agent: who it is and what it holds."""
 
+    # Upgraded apart from the scheduler (see AgentReply): a newer agent's field is ignored.
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
     node: Annotated[str, Field(min_length=1)]
     inventory: NodeInventory
     runtime: Annotated[
@@ -422,6 +452,7 @@ class AgentHello(_Strict):
     )
     running: list[RunningAction] = Field(default_factory=list)
     gpu: GpuWorkerInfo | None = None  # a GPU worker for RewardService calls
+    problem: Problem | None = None  # why this node cannot run actions (None: it can)
 
 
 class EnvSpec(_Strict):
@@ -530,6 +561,9 @@ class AgentReply(_Strict):
     ok: bool
     error: str | None = None
     retryable: bool = False
+    reason: str | None = None  # a sandbox failure's cause in one CamelCase word
+    # rid 0: this trajectory's environment ended by itself (``reason``, ``error`` say why)
+    lost: str | None = None
     result: ExecOutcome | None = None
     opened_s: float | None = None
     warm: bool | None = None

@@ -37,6 +37,11 @@ class AgentGoneError(RuntimeError):
     """The agent's connection ended while a request was outstanding."""
 
 
+class NodeRefusedError(RuntimeError):
+    """A node that cannot run actions, by its agent's own account (its hello's problem):
+    the pool does not take it; the cause shows on the pool's status."""
+
+
 class AgentLink:
     """One agent's connection. Requests are queued and written by one writer task, a
     frame per loop tick when the agent reads packed frames (``packed``, ``Outbox``)."""
@@ -113,8 +118,10 @@ class AgentLink:
                     fut = self._pending.get(reply.rid)
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
-                    elif reply.rid == 0 and reply.key:
-                        self.on_orphan(reply)  # a run that outlived the link that asked for it
+                    elif reply.rid == 0 and (reply.key or reply.lost):
+                        # A run that outlived the link that asked for it, or an
+                        # environment that ended by itself.
+                        self.on_orphan(reply)
         finally:
             self.fail_pending()
 
@@ -153,6 +160,12 @@ class AgentHub:
         self.links[hello.node] = link
         try:
             await self._on_join(link)
+        except NodeRefusedError as e:
+            log.warning("node %s refused: %s", hello.node, e)
+            del self.links[hello.node]
+            link.fail_pending()
+            await socket.close(code=1008, reason="the node cannot run actions: see its agent's log")
+            return
         except Exception:  # a node the pool cannot take: refuse it rather than keep a dead link
             log.exception("node %s could not join", hello.node)
             del self.links[hello.node]

@@ -9,7 +9,8 @@ from typing import Any
 from tangram.api.wire import ActionResult, json_bytes
 from tangram.service.engine import ActionRecord, EngineError
 
-STATUS = {"invalid": 400, "not_found": 404, "conflict": 409, "overloaded": 429, "unavailable": 503}
+STATUS = {"invalid": 400, "not_found": 404, "conflict": 409, "overloaded": 429,
+          "unavailable": 503, "failed": 502}  # fmt: skip
 RETRY_STATUS = (429, 503)  # answered with Retry-After: RETRY_AFTER_S
 RETRY_AFTER_S = 1
 

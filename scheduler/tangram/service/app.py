@@ -3,7 +3,8 @@
 Errors are ``{"error": {"code", "message", "details"}}``: 400 for bad input (with the
 offending fields), 401 without a valid token, 404 for what does not exist (or belongs to
 another tenant), 409 for conflicts, 413 for oversized bodies, 429 with Retry-After when
-admission control sheds load, 503 while no node can take the work.
+admission control sheds load, 502 when a trajectory's environment cannot start as
+configured (its image is not on the node), 503 while no node can take the work.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from tangram.service.stream import ActionStream
 log = logging.getLogger("tangram.service")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 429, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503)
 }
 
 

@@ -56,16 +56,19 @@ from tangram.api.wire import (
 )
 from tangram.scheduler.core.dp import CHUNK_SIZES
 from tangram.scheduler.core.scheduler import Assignment, Scheduler, SchedulingError
-from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
+from tangram.service.agents import AgentGoneError, AgentHub, AgentLink, NodeRefusedError
 from tangram.service.config import ApiEndpoint, EnvConfig, PoolConfig, ServiceConfig
 from tangram.service.keys import KeyMemory, Remembered
 from tangram.service.metrics import Metrics
+from tangram.service.problems import ProblemLog
 
 log = logging.getLogger("tangram.service")
 
 KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
 
-ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable"]
+# "failed": the work was tried and cannot succeed as configured (a sandbox whose image is
+# not on the node); retrying the same request will not help.
+ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable", "failed"]
 
 
 class EngineError(Exception):
@@ -90,6 +93,7 @@ class TrajectoryRecord:
     open_s: float | None = None
     warm: bool | None = None
     running: set[str] = field(default_factory=set)
+    ended: str = ""  # why it is lost, when its environment ended by itself
 
     def info(self) -> TrajectoryInfo:
         return TrajectoryInfo.model_validate(self, from_attributes=True)
@@ -132,6 +136,7 @@ class Engine:
         self.loads: dict[str, dict[str, ServiceLoad]] = {}  # node -> service -> load
         self.leases: dict[str, str] = {}  # lease id -> action id
         self.by_agent_key: dict[str, ActionRecord] = {}  # adopted actions, by agent key
+        self.problems = ProblemLog()  # sandbox and node failures, for the pool's status
         self._spawned: set[asyncio.Future[Any]] = set()
         self._http: aiohttp.ClientSession | None = None  # outbound calls of proxied APIs
         self._specs: dict[tuple[Any, ...], ActionSpec] = {}  # validated action shapes
@@ -205,6 +210,7 @@ class Engine:
             ),
             apis={name: q.in_use for name, q in sorted(self.core.quotas.items())},
             environments=len(self.config.envs),
+            problems=self.problems.recent(self.clock()),
         )
 
     # ---- configuration ---------------------------------------------------------------
@@ -260,6 +266,11 @@ class Engine:
     # ---- nodes -------------------------------------------------------------------
     async def _join(self, link: AgentLink) -> None:
         hello = link.hello
+        if hello.problem is not None:
+            self.problems.note(
+                hello.problem.reason, f"node {hello.node}", hello.problem.message, self.clock()
+            )
+            raise NodeRefusedError(hello.problem.message)
         cores = sorted(hello.action_cores)
         self.core.add_node(hello.node, cores=len(cores), memory_gb=hello.inventory.memory_gb)
         self.node_cores[hello.node] = cores
@@ -351,7 +362,11 @@ class Engine:
         return True
 
     def _orphan(self, reply: AgentReply) -> None:
-        """The result of an adopted action, sent by its agent when it finished."""
+        """The result of an adopted action, sent by its agent when it finished; or an
+        environment that ended by itself."""
+        if reply.lost is not None:
+            self._environment_lost(reply.lost, reply.reason or "SandboxExited", reply.error or "")
+            return
         rec = self.by_agent_key.pop(reply.key or "", None)
         if rec is None or rec.id not in self.actions:
             return
@@ -370,6 +385,28 @@ class Engine:
             error = _err("exec_failed", reply.error or "the agent refused the action")
         exec_s = out.exec_s if out is not None else 0.0
         self._finish(rec, status, error=error, exec_s=exec_s, reply=reply)
+        self._wake.set()
+
+    def _environment_lost(self, tid: str, reason: str, message: str) -> None:
+        """A trajectory's environment ended by itself (evicted, killed, deleted): the
+        trajectory is lost; its queued actions end with why, its running ones when their
+        agent answers (their cores come back now: nothing runs in a sandbox that ended)."""
+        rec = self.trajectories.get(tid)
+        if rec is None or rec.state not in (TrajectoryState.OPEN, TrajectoryState.AWAY):
+            return
+        now = self.clock()
+        self.problems.note(reason, f"TrajectoryEnv {rec.env}", message, now)
+        rec.state, rec.ended = TrajectoryState.LOST, f"{message} ({reason})"
+        for aid in [a for a, r in self.core.running.items() if r.action.trajectory == tid]:
+            self.core.complete(aid, now, ok=False)
+        dropped = (
+            self.core.close_trajectory(tid, finished=False) if tid in self.core.trajectories else []
+        )
+        error = _err("environment_lost", f"trajectory {tid} is lost: {rec.ended}")
+        for aid in dropped:
+            if aid in self.actions:
+                self._finish(self.actions[aid], ActionStatus.ERROR, error=error)
+        log.warning("trajectory %s lost: %s", tid, rec.ended)
         self._wake.set()
 
     def _background(self, work: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> None:
@@ -476,7 +513,14 @@ class Engine:
             raise
         if not reply.ok:
             self._forget(rec)
-            raise EngineError("unavailable", "env", f"opening on {node} failed: {reply.error}")
+            why = f" ({reply.reason})" if reply.reason else ""
+            if reply.reason:
+                self.problems.note(reply.reason, f"TrajectoryEnv {req.env}",
+                                   f"node {node}: {reply.error}", self.clock())  # fmt: skip
+            # A cause that retrying cannot fix (no image) is "failed"; anything else
+            # (a timeout, an eviction, no cause given) may work on the next try.
+            kind: ErrorKind = "failed" if reply.reason and not reply.retryable else "unavailable"
+            raise EngineError(kind, "env", f"opening on {node} failed{why}: {reply.error}")
         rec.open_s, rec.warm = reply.opened_s, reply.warm
         log.info(
             "trajectory opened",
@@ -621,7 +665,8 @@ class Engine:
                 f"{tid}: the agent of node {traj.node} is reconnecting; retry",
             )
         if traj.state is not TrajectoryState.OPEN:
-            raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}")
+            why = f": {traj.ended}" if traj.ended else ""
+            raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}{why}")
         return traj
 
     def _exec_spec(self, env: EnvConfig, req: ExecRequest) -> tuple[list[str] | None, ActionSpec]:
@@ -1156,6 +1201,8 @@ class Engine:
                 error = _err(
                     "exec_failed", reply.error or "the agent refused the action", reply.retryable
                 )
+                if reply.reason:  # the node's fault (its cgroups), not the command's
+                    self.problems.note(reply.reason, f"node {asg.node}", reply.error or "", t0)
         except asyncio.CancelledError:
             status = ActionStatus.CANCELLED
         except EngineError as e:

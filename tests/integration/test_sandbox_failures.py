@@ -1,0 +1,110 @@
+"""Sandbox failures through the service, on a real Docker Engine: an environment whose
+image is not on the node is refused with 502 naming the cause; a sandbox killed behind
+the agent's back loses its trajectory with the reason, unasked; a node whose agent says
+it cannot run actions is refused; and each cause shows in the figures the operator turns
+into the pool's SandboxesHealthy condition and Events."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+import httpx
+import pytest
+import websockets
+
+from tangram.api.inventory import NodeInventory
+from tangram.api.wire import AgentHello, EnvSpec, Problem, TrajectoryState
+from tangram.client import Client, TangramError
+from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.env_template import TRAJECTORY_PREFIX
+from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
+from tangram.service.config import EnvConfig, PoolConfig
+
+from .service_harness import service, until
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.xdist_group("docker")]
+USER, OPERATOR, AGENT = "u" * 24, "o" * 24, "g" * 24
+
+
+def _config(busybox: str) -> PoolConfig:
+    def env(name: str, image: str) -> EnvConfig:
+        return EnvConfig(spec=EnvSpec(name=name, image=image, memory_gb=0.1, workdir="/tmp"))
+
+    return PoolConfig(
+        envs={"box": env("box", busybox), "ghost": env("ghost", "tangram-test/not-here:1")}
+    )
+
+
+def _problems(url: str) -> dict[tuple[str, str], dict[str, Any]]:
+    figures = httpx.get(f"{url}/v1/admin/status", headers={"Authorization": f"Bearer {OPERATOR}"})
+    figures.raise_for_status()
+    return {(p["reason"], p["subject"]): p for p in figures.json()["problems"]}
+
+
+def test_failed_and_ended_sandboxes_are_answered_and_counted_by_cause(
+    docker_client: Any, busybox: str, tmp_path: Path
+) -> None:
+    agent = NodeAgent.create(tmp_path / "agent", runtime="docker", idle_cores=1)
+    tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT, AGENT: AGENT_TENANT})
+    with (
+        service(_config(busybox), agent, tmp_path, tokens=tokens) as (running, _),
+        Client(running.url, USER) as client,
+    ):
+        assert _problems(running.url) == {}
+        with pytest.raises(TangramError) as refused:
+            client.open("ghost")
+        assert refused.value.status == 502, refused.value  # not retried: it cannot succeed
+        assert "(ImageUnavailable)" in str(refused.value)
+        assert "tangram-test/not-here:1: not found on this node" in str(refused.value)
+
+        opened = client.open("box")
+        assert client.exec(opened.id, ["echo", "alive"]).stdout == "alive\n"
+        docker_client.containers.get(TRAJECTORY_PREFIX + opened.id).kill()
+        until(lambda: client.get(opened.id).state is TrajectoryState.LOST, "the loss reported")
+        with pytest.raises(TangramError) as lost:
+            client.exec(opened.id, ["true"])
+        assert lost.value.status == 409
+        assert "ended with exit code 137" in str(lost.value) and "(SandboxExited)" in str(
+            lost.value
+        )
+        with pytest.raises(docker.errors.NotFound):  # removed by the agent
+            docker_client.containers.get(TRAJECTORY_PREFIX + opened.id)
+
+        problems = _problems(running.url)
+        assert set(problems) == {
+            ("ImageUnavailable", "TrajectoryEnv ghost"),
+            ("SandboxExited", "TrajectoryEnv box"),
+        }
+        assert problems[("ImageUnavailable", "TrajectoryEnv ghost")]["count"] == 1
+        client.close(opened.id)  # a lost trajectory still closes cleanly
+
+
+def test_a_node_that_says_it_cannot_run_actions_is_refused_and_counted(
+    tmp_path: Path,
+) -> None:
+    """The scheduler's side, with a hello as an agent on a static-CPU-manager node sends."""
+    tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT, AGENT: AGENT_TENANT})
+    inventory = NodeInventory(node_id="n9", hostname="n9", numa=[[0]], memory_gb=1.0,
+                              cgroup_version=2)  # fmt: skip
+    hello = AgentHello(
+        node="n9", inventory=inventory, runtime="pod", action_cores=[0], idle_cores=[0],
+        problem=Problem(reason="CPUManagerStatic", message="node n9: the CPU manager is static"),
+    )  # fmt: skip
+
+    async def join(url: str) -> int | None:
+        ws_url = url.replace("http", "ws") + "/v1/agents"
+        headers = {"Authorization": f"Bearer {AGENT}"}
+        async with websockets.connect(ws_url, additional_headers=headers) as ws:
+            await ws.send(hello.model_dump_json())
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 10)
+            return closed.value.rcvd.code if closed.value.rcvd else None
+
+    with service(PoolConfig(), None, tmp_path, tokens=tokens) as (running, _):
+        assert asyncio.run(join(running.url)) == 1008
+        assert "n9" not in running.engine.hub.links
+        problems = _problems(running.url)
+        assert problems[("CPUManagerStatic", "node n9")]["message"].endswith("is static")
