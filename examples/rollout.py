@@ -19,7 +19,13 @@ import sys
 import time
 from collections import defaultdict
 
-from tangram.client import ActionResult, ActionStatus, AsyncClient, TangramError
+from tangram.client import (
+    ActionResult,
+    ActionStatus,
+    AsyncClient,
+    ServiceUnreachableError,
+    TangramError,
+)
 
 
 async def trajectory(
@@ -83,7 +89,7 @@ async def main() -> int:
             await asyncio.gather(
                 *(trajectory(client, i, args, out) for i in range(args.trajectories))
             )
-    except TangramError as e:
+    except (TangramError, ServiceUnreachableError) as e:
         print(f"rollout: {e}", file=sys.stderr)
         return 1
     report(out, time.perf_counter() - t0)

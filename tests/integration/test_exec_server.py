@@ -325,3 +325,22 @@ def test_a_prebuilt_server_is_copied_onto_the_cache_path(
     assert build(cache).path != first.path  # an upgraded image: a new copy
     prebuilt.chmod(0o644)
     assert build(cache).path is None
+
+
+def test_install_copies_the_server_whole_or_not_at_all(execd: Built, tmp_path: Path) -> None:
+    """How a sandbox pod's init container delivers it: a read-only executable copy; a
+    destination it cannot write fails, naming it, and leaves no partial file."""
+    assert execd.path is not None
+    dest = tmp_path / "bin" / "execd"
+    dest.parent.mkdir()
+    done = subprocess.run([str(execd.path), "--install", str(dest)], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert dest.read_bytes() == execd.path.read_bytes()
+    assert dest.stat().st_mode & 0o777 == 0o555
+    assert list(dest.parent.iterdir()) == [dest]  # no .tmp left behind
+    missing = tmp_path / "absent" / "execd"
+    failed = subprocess.run([str(execd.path), "--install", str(missing)], capture_output=True,
+                            text=True, check=False)  # fmt: skip
+    assert failed.returncode == 1
+    assert f"install {missing}: No such file or directory" in failed.stderr

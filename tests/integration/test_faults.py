@@ -1,8 +1,11 @@
 """Faults, with the scheduler and the node agent as separate processes (`tangram serve`,
-`tangram agent`): an agent killed mid-action, and a flood beyond admission control."""
+`tangram agent`) or as one (`tangram up`): an agent, a scheduler or the embedded mode
+killed mid-action and restarted, same-key retries answered without running anything
+twice, and a flood beyond admission control."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -155,6 +158,98 @@ def test_an_agent_killed_mid_action_ends_it_retryably_and_its_trajectory_waits_f
         client.close(t.id)
 
 
+def test_a_keyed_action_cut_off_by_an_agent_crash_is_reported_unknown_never_run_twice(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    victim = cluster.agent("state-a")
+    marker = tmp_path / "runs"
+    slow = ["sh", "-c", f"echo start >> {marker}; sleep 2; echo end >> {marker}"]
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell")
+        ended = client.exec(t.id, ["echo", "done before"], idempotency_key="before")
+        box: list[ActionResult] = []
+        runner = threading.Thread(
+            target=lambda: box.append(client.exec(t.id, slow, idempotency_key="cut"))
+        )
+        runner.start()
+        _wait(marker.exists, "the action did not start")
+        victim.kill()
+        runner.join(30)
+        (r,) = box
+        assert r.error is not None and r.error.code == "node_lost" and r.error.retryable
+    cluster.agent("state-a")
+    with Client(cluster.url, retries=10) as client:  # rides out the agent's return
+        again = client.exec(t.id, slow, idempotency_key="cut")  # the retry it invited
+        assert again.status is ActionStatus.ERROR and again.error is not None
+        assert again.error.code == "outcome_unknown" and not again.error.retryable
+        assert marker.read_text().count("start") == 1  # not run a second time
+        replay = client.exec(t.id, ["echo", "done before"], idempotency_key="before")
+        assert replay.stdout == ended.stdout == "done before\n"
+        assert client.exec(t.id, ["true"], idempotency_key="after").status is ActionStatus.OK
+        client.close(t.id)
+
+
+def test_the_embedded_mode_killed_mid_action_never_runs_the_action_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill -9 of ``tangram up`` while a keyed action runs, restart with the same state
+    directory, retry with the same key: answered as unknown, not run again."""
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    (tmp_path / "pool.yaml").write_text(POOL)
+    port = free_port()
+    env = {**os.environ, "TANGRAM_TOKEN_FILE": str(tmp_path / "tokens")}
+    monkeypatch.setenv("TANGRAM_TOKEN_FILE", str(tmp_path / "tokens"))
+    url = f"http://127.0.0.1:{port}"
+    argv = ["up", "-f", str(tmp_path / "pool.yaml"), "--port", str(port), "--runtime",
+            "process", "--state-dir", str(tmp_path / "state")]  # fmt: skip
+
+    def up() -> subprocess.Popen[str]:
+        proc = _tangram(*argv, env=env)
+        _wait(lambda: _status(url + "/readyz") == 200, "tangram up did not start")
+        return proc
+
+    marker = tmp_path / "runs"
+    slow = ["sh", "-c", f"echo start >> {marker}; sleep 2; echo end >> {marker}"]
+    first = up()
+    try:
+        with Client(url, retries=0) as client:
+            tid = client.open("shell").id
+            runner = threading.Thread(
+                target=lambda: _swallow(lambda: client.exec(tid, slow, idempotency_key="k"))
+            )
+            runner.start()
+            _wait(marker.exists, "the action did not start")
+            first.kill()
+            first.wait(10)
+            runner.join(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    second = up()
+    try:
+        with Client(url, retries=5) as client:
+            again = client.exec(tid, slow, idempotency_key="k")
+            assert again.error is not None and again.error.code == "outcome_unknown", again
+            assert marker.read_text().count("start") == 1
+            assert client.exec(tid, ["true"]).status is ActionStatus.OK
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(30)
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _swallow(call: object) -> None:
+    with contextlib.suppress(Exception):  # what the client saw as its service went away
+        call()  # type: ignore[operator]
+
+
 @pytest.mark.parametrize("cluster", [1], indirect=True)  # agentGraceSeconds: 1
 def test_trajectories_of_an_agent_that_stays_away_past_the_grace_are_lost(
     cluster: Cluster,
@@ -251,6 +346,30 @@ def _crash_mid_action(
     cluster.start_scheduler()
     _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
     return seen[0]
+
+
+def test_after_a_scheduler_restart_live_trajectories_answer_retry_until_their_agent_is_back(
+    cluster: Cluster,
+) -> None:
+    agent = cluster.agent("state-a")
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell")
+        assert client.exec(t.id, ["sh", "-c", "echo kept > f"]).exit_code == 0
+    agent.send_signal(signal.SIGSTOP)  # it cannot reconnect until it is let go
+    try:
+        cluster.scheduler.kill()
+        cluster.scheduler.wait(10)
+        cluster.start_scheduler()
+        with Client(cluster.url, retries=0) as client:
+            for ask in (lambda: client.get(t.id), lambda: client.exec(t.id, ["true"])):
+                with pytest.raises(TangramError) as e:
+                    ask()
+                assert e.value.status == 503 and "reconnecting" in str(e.value), e.value
+    finally:
+        threading.Timer(1.0, agent.send_signal, args=(signal.SIGCONT,)).start()
+    with Client(cluster.url, retries=10) as client:  # retries ride out the window
+        assert client.exec(t.id, ["cat", "f"]).stdout == "kept\n"
+        client.close(t.id)
 
 
 def test_a_reload_applies_new_definitions_without_dropping_queued_actions(

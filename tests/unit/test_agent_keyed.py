@@ -70,3 +70,53 @@ def test_an_unasked_result_a_link_could_not_send_goes_to_the_next_link(tmp_path:
         return got
 
     assert asyncio.run(go()) == [orphan]
+
+
+def test_keyed_runs_outlive_the_agent_in_its_journal_and_none_runs_twice(tmp_path: Path) -> None:
+    """A restarted agent (the same state directory) replays what a key answered, and
+    refuses as unknown a key whose run it was cut off in, instead of running it again."""
+    first = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+
+    async def exec_(agent: NodeAgent, rid: int, key: str) -> AgentReply:
+        req = AgentRequest(op="exec", rid=rid, trajectory="t", argv=["true"], cores=[0], key=key)
+        return await agent.handle(req)
+
+    async def first_life() -> None:
+        await first.runtime.open("t", None)  # type: ignore[arg-type]
+        assert (await exec_(first, 1, "ended")).ok
+        first.journal.started("cut")  # type: ignore[union-attr]  # as a run the crash cut off
+
+    asyncio.run(first_life())
+    again = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+
+    async def second_life() -> tuple[AgentReply, AgentReply, AgentReply]:
+        await again.runtime.open("t", None)  # type: ignore[arg-type]
+        return (
+            await exec_(again, 2, "ended"),
+            await exec_(again, 3, "cut"),
+            await exec_(again, 4, "new"),
+        )
+
+    replayed, unknown, new = asyncio.run(second_life())
+    assert replayed.ok and replayed.replayed and replayed.result is not None
+    assert not unknown.ok and unknown.unknown and "not run again" in (unknown.error or "")
+    assert new.ok and not new.replayed
+    # A third life still knows all three; the journal was rewritten, not only appended.
+    third = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+    assert set(third._results) == {"ended", "new"} and third._cut_off == {"cut"}
+    lines = (tmp_path / "keys.journal").read_bytes().splitlines()
+    assert len(lines) == 3
+
+
+def test_a_journal_line_cut_by_a_crash_is_skipped(tmp_path: Path) -> None:
+    from tangram.node_agent.key_journal import KeyJournal
+
+    journal = KeyJournal(tmp_path / "keys.journal")
+    journal.started("a")
+    journal.done("a", b'{"rid":0,"ok":true}')
+    journal.started("b")
+    journal.close()
+    with (tmp_path / "keys.journal").open("ab") as f:
+        f.write(b'{"d":"b","r":{"rid":0,"o')  # the process died mid-write
+    done, started = KeyJournal(tmp_path / "keys.journal").load()
+    assert done == {"a": b'{"rid":0,"ok":true}'} and started == {"b"}

@@ -256,3 +256,43 @@ def test_the_act_plot_is_drawn_next_to_the_trace_by_default(
         str(tmp_path / "no" / "such" / "dir.png"),
     )
     assert code == 2 and "--plot: cannot write" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["up", "-f", "x", "--cores", "-2"], "argument --cores: -2 is less than 1"),
+        (["up", "-f", "x", "--port", "70000"], "argument --port: 70000 is not a TCP port"),
+        (["up", "-f", "x", "--grace", "nan"], "argument --grace: nan is not a number"),
+        (["serve", "-f", "x", "--port", "0"], "argument --port: 0 is less than 1"),
+        (["agent", "--scheduler", "ws://x", "--idle-cores", "0"], "--idle-cores: 0 is less"),
+        (["agent", "--scheduler", "ws://x", "--cores", "two"], "--cores: 'two' is not an integer"),
+    ],
+)
+def test_bad_numbers_on_the_command_line_are_usage_errors_naming_the_flag(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(capsys, *argv)
+    assert code == 2
+    assert said in err and "Traceback" not in err
+
+
+def test_without_a_service_the_client_and_the_example_say_so_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    from tangram.client import Client, ServiceUnreachableError
+    from tangram.service.embedded import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with (
+        Client(url, "t" * 24, retries=1, backoff_s=0.01) as client,
+        pytest.raises(ServiceUnreachableError, match=f"cannot reach .* at {url}"),
+    ):
+        client.open("sandbox")
+    example = Path(__file__).resolve().parents[2] / "examples" / "rollout.py"
+    done = subprocess.run([sys.executable, str(example), "--url", url, "-n", "1"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"rollout: cannot reach the ARL-Tangram service at {url}")
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -187,3 +188,28 @@ def test_a_node_that_cannot_run_actions_says_why_in_its_hello(
     recorder[0].problem = Problem("CPUManagerStatic", "node n1: the CPU manager is static")
     problem = agent.hello().problem
     assert problem is not None and problem.reason == "CPUManagerStatic"
+
+
+def test_top_ups_of_one_runtime_run_one_at_a_time() -> None:
+    """Refills after several opens in a row would each see the pool short and together
+    overfill it: they wait for each other."""
+
+    class Inner:
+        active = peak = 0
+
+        def warm(self, spec: EnvSpec) -> int:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            time.sleep(0.05)
+            self.active -= 1
+            return 0
+
+    inner = Inner()
+    sandboxes = runtimes.Sandboxes("inner", inner)
+    spec = EnvSpec(name="box", image="unused", warm=1)
+
+    async def refills() -> None:
+        await asyncio.gather(*(sandboxes.warm(spec) for _ in range(4)))
+
+    asyncio.run(refills())
+    assert inner.peak == 1

@@ -33,6 +33,7 @@ from tangram.node_agent.execution import ExecError, ExecResult, owner_id
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
 from tangram.node_agent.inventory import read_inventory
+from tangram.node_agent.key_journal import KeyJournal
 from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH
 from tangram.node_agent.runtimes import Runtime, Setting, create, registration
 
@@ -105,6 +106,8 @@ class NodeAgent:
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
         self._unsent: list[AgentReply] = []  # their results, until a link takes them
         self._sink: Callable[[AgentReply], None] | None = None
+        self.journal: KeyJournal | None = None  # keyed runs on disk (with a state dir)
+        self._cut_off: set[str] = set()  # keys a previous agent started and never ended
 
     @classmethod
     def create(
@@ -163,6 +166,7 @@ class NodeAgent:
             log.error("this node cannot run actions: %s", agent.runtime.problem.message)
         agent.runtime.adopt()  # what a previous agent left; hello() reports what is held
         agent.load_meta(state_dir / "meta")
+        agent.use_journal(KeyJournal(state_dir / "keys.journal"))
         return agent
 
     @property
@@ -241,8 +245,19 @@ class NodeAgent:
         if done is not None:
             replayed = AgentReply.model_validate_json(done)
             return replayed.model_copy(update={"rid": req.rid, "replayed": True})
+        if key in self._cut_off:
+            return AgentReply(
+                rid=req.rid,
+                ok=False,
+                key=key,
+                unknown=True,
+                error="its outcome is unknown: it was running when the node agent stopped, "
+                "and it may have run to its end; it is not run again",
+            )
         task = self._keyed.get(key)
         if task is None:
+            if self.journal is not None:  # on disk before it starts: never run twice
+                self.journal.started(key)
             task = asyncio.ensure_future(self._run(req))
             self._keyed[key] = task
             self._keyed_info[key] = (req.trajectory or "", list(req.cores), time.monotonic())
@@ -274,6 +289,10 @@ class NodeAgent:
             self._result_bytes -= len(old)
         self._keyed.pop(key, None)
         self._keyed_info.pop(key, None)
+        if self.journal is not None:
+            self.journal.done(key, kept)
+            if self.journal.due(self._result_bytes):
+                self.journal.rewrite(self._results, set(self._keyed) | self._cut_off)
         if key in self._orphaned:
             self._orphaned.discard(key)
             self._deliver(reply)
@@ -354,6 +373,17 @@ class NodeAgent:
             tmp = self.meta_dir / f".{meta.id}.json"
             tmp.write_text(meta.model_dump_json(), encoding="utf-8")
             tmp.replace(self.meta_dir / f"{meta.id}.json")  # atomic: never half a file
+
+    def use_journal(self, journal: KeyJournal) -> None:
+        """Keep keyed runs in ``journal``, first taking up what a previous agent left in
+        it: the replies of its runs, and the keys it started but never ended."""
+        done, self._cut_off = journal.load()
+        while len(done) > MAX_REMEMBERED:
+            done.popitem(last=False)
+        self._results = done
+        self._result_bytes = sum(len(r) for r in done.values())
+        journal.rewrite(done, self._cut_off)
+        self.journal = journal
 
     def load_meta(self, meta_dir: Path) -> None:
         """Metadata of the environments this agent holds, as a previous agent wrote it."""

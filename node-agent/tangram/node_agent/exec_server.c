@@ -353,21 +353,31 @@ static int install(const char *dest) {
         return 2;
     }
     int in = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+    if (in < 0) {
+        fprintf(stderr, "tangram-execd: install %s: /proc/self/exe: %s\n", dest, strerror(errno));
+        return 1;
+    }
     int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0555);
-    if (in < 0 || out < 0) {
+    if (out < 0) {
         fprintf(stderr, "tangram-execd: install %s: %s\n", dest, strerror(errno));
+        close(in);
         return 1;
     }
     char buf[65536];
     ssize_t n;
     while ((n = read(in, buf, sizeof buf)) > 0)
         if (write_all(out, buf, (size_t)n) < 0) break;
-    if (n != 0 || fchmod(out, 0555) < 0 || close(out) < 0 || rename(tmp, dest) < 0) {
-        fprintf(stderr, "tangram-execd: install %s: %s\n", dest, strerror(errno));
+    int failed = n != 0 || fchmod(out, 0555) < 0;
+    int saved = errno;
+    /* Closed on every path (a failed write may only show at close), then renamed into
+       place only when whole: DEST is never half a binary. */
+    if (close(out) < 0 && !failed) failed = 1, saved = errno;
+    close(in);
+    if (failed || rename(tmp, dest) < 0) {
+        fprintf(stderr, "tangram-execd: install %s: %s\n", dest, strerror(failed ? saved : errno));
         unlink(tmp);
         return 1;
     }
-    close(in);
     return 0;
 }
 

@@ -569,6 +569,9 @@ class AgentReply(_Strict):
     warm: bool | None = None
     key: str | None = None
     replayed: bool = False  # the result of an earlier run with the same key
+    # a keyed run that an earlier agent started and never ended: it may have run, and it
+    # is not run again
+    unknown: bool = False
     loaded: dict[str, ServiceLoad] = Field(default_factory=dict)  # services: per service
     # services: the worker's instances in GPU memory after the sync, least recently used
     # first; the scheduler's residency view of the node starts from them

@@ -17,11 +17,14 @@ from tangram.cli.progress import note
 from tangram.cli.up import (
     add_gpu_flags,
     add_log_flags,
+    at_least,
     load_pool,
     load_tokens,
     make_agent,
+    port,
     reload_on_hangup,
     run_loop,
+    seconds,
     serve_until_signalled,
     setup_logging,
     stop_on_signals,
@@ -41,10 +44,10 @@ def register(sub: Any) -> None:
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or directory")
     p.add_argument("--pool", help="the ActionPool to serve when the files declare several")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=port, default=8080)
     p.add_argument("--token-file", default=_TOKENS, help="TOKEN TENANT lines (created if missing)")
     p.add_argument(
-        "--grace", type=float, default=10.0, help="seconds in-flight actions get at exit"
+        "--grace", type=seconds, default=10.0, help="seconds in-flight actions get at exit"
     )
     p.add_argument(
         "--kubernetes",
@@ -84,9 +87,11 @@ def register(sub: Any) -> None:
         "--kubeconfig", help="outside a pod: the kubeconfig to act with (default: in-cluster)"
     )
     a.add_argument("--state-dir", default=_STATE)
-    a.add_argument("--idle-cores", type=int, default=1, help="size of the idle core set")
+    a.add_argument("--idle-cores", type=at_least(1), default=1, help="size of the idle core set")
     a.add_argument(
-        "--cores", type=int, help="cores for actions (default: all but the idle set; noop: virtual)"
+        "--cores",
+        type=at_least(1),
+        help="cores for actions (default: all but the idle set; noop: virtual)",
     )
     add_gpu_flags(a)
     add_log_flags(a)

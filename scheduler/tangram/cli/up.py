@@ -37,6 +37,39 @@ from tangram.service.from_resources import (
 LOCAL_BUSYBOX = "tangram-local/busybox:"  # images under this name are made, not pulled
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``low`` (a bad one is a usage error
+    naming the flag, not a traceback later)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        return value
+
+    return parse
+
+
+def port(text: str) -> int:
+    value = at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
+    return value
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "up",
@@ -49,14 +82,14 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this host)"
     )
-    p.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
+    p.add_argument("--port", type=port, default=8080, help="port to serve on (default 8080)")
     p.add_argument(
         "--runtime",
         choices=("auto", *(n for n in runtime_names() if n != "pod")),
         default="auto",
         help=f"{runtime_help()}; auto: docker if an engine answers, else process",
     )
-    p.add_argument("--cores", type=int, help="cores for actions (noop: virtual cores)")
+    p.add_argument("--cores", type=at_least(1), help="cores for actions (noop: virtual cores)")
     add_gpu_flags(p)
     p.add_argument(
         "--state-dir",
@@ -69,7 +102,7 @@ def register(sub: Any) -> None:
         help="TOKEN TENANT lines; created with a client and an agent token if missing",
     )
     p.add_argument(
-        "--grace", type=float, default=10.0, help="seconds in-flight actions get at exit"
+        "--grace", type=seconds, default=10.0, help="seconds in-flight actions get at exit"
     )
     add_log_flags(p)
     p.set_defaults(run=run_up)
@@ -170,7 +203,7 @@ def add_gpu_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gpu-memory-mib",
-        type=int,
+        type=at_least(1),
         help="memory per device for service instances (default: the GPU's total less a "
         "reserve; cpu:N: 1024)",
     )

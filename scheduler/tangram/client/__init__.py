@@ -9,12 +9,13 @@
 
 ``Client`` is the same API without ``await``. Every submission carries an idempotency
 key, so the client's retries (connection errors, 429 and 503 with Retry-After) never run
-an action twice.
+an action twice. Errors: ``TangramError`` for the service's answers (status, code,
+field), ``ServiceUnreachableError`` when no answer came after every retry.
 """
 
 from tangram.api.wire import ActionResult, ActionStatus, TrajectoryInfo
 from tangram.client.aio import AsyncClient, AsyncTrajectory
-from tangram.client.common import TangramError
+from tangram.client.common import ServiceUnreachableError, TangramError
 from tangram.client.sync import Client, Trajectory
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "AsyncClient",
     "AsyncTrajectory",
     "Client",
+    "ServiceUnreachableError",
     "TangramError",
     "Trajectory",
     "TrajectoryInfo",

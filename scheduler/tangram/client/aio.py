@@ -15,6 +15,7 @@ from tangram.client.common import (
     RETRY_STATUS,
     Call,
     Reply,
+    ServiceUnreachableError,
     TangramError,
     backoff,
     check,
@@ -91,9 +92,9 @@ class AsyncClient:
                     reply = Reply(response.status, await response.read(), response.headers)
                 if reply.status not in RETRY_STATUS or attempt == self.retries:
                     return check(reply)
-            except aiohttp.ClientConnectionError:
+            except aiohttp.ClientConnectionError as e:
                 if attempt == self.retries:
-                    raise
+                    raise ServiceUnreachableError(self.url, e) from e
             await asyncio.sleep(retry_after(reply, attempt, self.backoff_s))
         raise AssertionError("unreachable")
 
@@ -150,9 +151,9 @@ class AsyncClient:
                     return answer.result
                 if answer.status not in RETRY_STATUS or attempt == self.retries:
                     raise stream_error(answer)
-            except aiohttp.ClientConnectionError:  # the stream dropped: again, same key
+            except aiohttp.ClientConnectionError as e:  # the stream dropped: again, same key
                 if attempt == self.retries:
-                    raise
+                    raise ServiceUnreachableError(self.url, e) from e
             given = answer.retry_after if answer is not None else None
             await asyncio.sleep(backoff(given, attempt, self.backoff_s))
         raise AssertionError("unreachable")

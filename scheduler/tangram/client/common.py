@@ -34,6 +34,18 @@ class TangramError(Exception):
         return self.status in RETRY_STATUS
 
 
+class ServiceUnreachableError(ConnectionError):
+    """No answer from the service at all, after every retry: nothing listens at its URL,
+    or the connection keeps dropping. The message says where, in one line."""
+
+    def __init__(self, url: str, cause: Exception) -> None:
+        super().__init__(
+            f"cannot reach the ARL-Tangram service at {url}: {cause} (is it running? "
+            "`make run` or `tangram up` starts one; TANGRAM_URL or url= names another)"
+        )
+        self.url = url
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """An HTTP answer, whatever library carried it."""

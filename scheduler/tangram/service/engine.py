@@ -65,6 +65,9 @@ from tangram.service.problems import ProblemLog
 log = logging.getLogger("tangram.service")
 
 KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
+# After a (re)start, the trajectories live in the agents, which reconnect within their 5 s
+# backoff cap: until they are back, an unknown trajectory may be one of theirs.
+RECONNECT_WINDOW_S = 15.0
 
 # "failed": the work was tried and cannot succeed as configured (a sandbox whose image is
 # not on the node); retrying the same request will not help.
@@ -137,6 +140,9 @@ class Engine:
         self.leases: dict[str, str] = {}  # lease id -> action id
         self.by_agent_key: dict[str, ActionRecord] = {}  # adopted actions, by agent key
         self.problems = ProblemLog()  # sandbox and node failures, for the pool's status
+        # Until then an unknown trajectory answers 503 (retry), not 404; ended early by
+        # whoever knows every agent is back (the embedded mode's single local agent).
+        self.reconnect_until = clock() + RECONNECT_WINDOW_S
         self._spawned: set[asyncio.Future[Any]] = set()
         self._http: aiohttp.ClientSession | None = None  # outbound calls of proxied APIs
         self._specs: dict[tuple[Any, ...], ActionSpec] = {}  # validated action shapes
@@ -429,6 +435,11 @@ class Engine:
             if rec is not None:
                 if rec.task is not None:
                     rec.task.cancel()
+                key = getattr(rec.request, "idempotency_key", None)
+                if key is not None and rec.kind == "exec":
+                    # Its outcome is its agent's to tell: a retry of the key goes to the
+                    # agent (a replay, a first run, or "unknown"), not to a kept node_lost.
+                    self.idempotent.forget(rec.tenant, key, rec)
                 self._finish(rec, ActionStatus.ERROR, error=lost)
         away = [
             t for t in drained.trajectories
@@ -469,6 +480,13 @@ class Engine:
     # ---- trajectories --------------------------------------------------------------
     def trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
         rec = self.trajectories.get(tid)
+        if rec is None and self.clock() < self.reconnect_until:
+            raise EngineError(
+                "unavailable",
+                "trajectory",
+                f"{tid} is not known yet: this scheduler has just started and node agents "
+                "are still reconnecting; retry",
+            )
         if rec is None or rec.tenant != tenant:  # another tenant's trajectory does not exist
             raise EngineError("not_found", "trajectory", f"{tid} does not exist")
         return rec
@@ -1197,6 +1215,8 @@ class Engine:
             reply = await self._ask(asg.node, **msg)
             if reply.ok and reply.result is not None:
                 status = ActionStatus.TIMEOUT if reply.result.timed_out else ActionStatus.OK
+            elif reply.unknown:
+                error = _err("outcome_unknown", reply.error or "its outcome is unknown")
             else:
                 error = _err(
                     "exec_failed", reply.error or "the agent refused the action", reply.retryable

@@ -1,0 +1,90 @@
+"""Keyed runs, written down before they start: an agent that restarts (kill -9, a new
+pod, ``tangram up`` again) knows which keys ran, what each answered, and which were cut
+off mid-run. A retry of a key is then answered from here, or refused as unknown, and
+never runs the command a second time.
+
+An append-only file in the agent's state directory: ``{"s": key}`` before a run starts,
+``{"d": key, "r": reply}`` when it ends (the reply as the agent sends it). Appends go to
+the page cache, which outlives the process: a crash of the agent loses nothing; a crash
+of the node loses at most the last writes, with the sandboxes. The file is rewritten
+from what is kept once it holds more than twice that, so it stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["KeyJournal"]
+
+
+class KeyJournal:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = -1
+        self._written = 0  # bytes since the last rewrite
+
+    def load(self) -> tuple[OrderedDict[str, bytes], set[str]]:
+        """(replies of the runs that ended, oldest first; keys of runs that started and
+        never ended: cut off by the agent's end, their outcome unknown)."""
+        done: OrderedDict[str, bytes] = OrderedDict()
+        started: set[str] = set()
+        try:
+            lines = self.path.read_bytes().splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the crash: nothing after it was written either
+            if "s" in entry:
+                started.add(entry["s"])
+            elif "d" in entry:
+                started.discard(entry["d"])
+                done[entry["d"]] = json.dumps(entry["r"], separators=(",", ":")).encode()
+                done.move_to_end(entry["d"])
+        return done, started
+
+    def started(self, key: str) -> None:
+        self._append(b'{"s":' + _quoted(key) + b"}\n")
+
+    def done(self, key: str, reply: bytes) -> None:
+        self._append(b'{"d":' + _quoted(key) + b',"r":' + reply + b"}\n")
+
+    def rewrite(self, done: Mapping[str, bytes], started: set[str]) -> None:
+        """Replace the file by what is kept (atomically: a crash leaves the old or the new)."""
+        tmp = self.path.with_suffix(".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("wb") as out:
+            for key in started:
+                out.write(b'{"s":' + _quoted(key) + b"}\n")
+            for key, reply in done.items():
+                out.write(b'{"d":' + _quoted(key) + b',"r":' + reply + b"}\n")
+        self.close()
+        tmp.replace(self.path)
+        self._written = 0
+
+    def due(self, kept_bytes: int) -> bool:
+        """Whether the file has grown past twice what is kept: time to rewrite it."""
+        return self._written > 2 * max(kept_bytes, 1 << 20)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _append(self, line: bytes) -> None:
+        if self._fd < 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                               0o600)  # fmt: skip
+        os.write(self._fd, line)  # one write: a line is whole or, cut by a crash, skipped
+        self._written += len(line)
+
+
+def _quoted(key: str) -> bytes:
+    return json.dumps(key).encode()
