@@ -227,3 +227,32 @@ def test_without_the_schedulers_figures_the_last_sandbox_condition_stands() -> N
                            scheduler_available=True, unreachable="refused")  # fmt: skip
     kept = next(c for c in pool_status(None, seen, NOW).conditions if c.type == SANDBOXES_HEALTHY)
     assert kept == cond
+
+
+# ---- cgroups the agent cannot write -------------------------------------------------------
+def test_an_unwritable_cgroup_of_a_live_sandbox_is_the_nodes_problem(tmp_path: Path) -> None:
+    """A sandbox whose cgroup write fails while its exec server lives: CgroupsUnwritable
+    (the agent's mounts); once the sandbox is gone, the same failure names no cause (its
+    end is reported as such)."""
+    import os
+
+    from tangram.node_agent.cgroups import CgroupError
+    from tangram.node_agent.execution import ExecError
+    from tangram.node_agent.fast_path import FastPath, Reachable, start_time
+
+    class ReadOnly:
+        version = 2
+
+        def limit(self, group: str, cores: Any, quota_cores: Any) -> None:
+            raise CgroupError(f"writing '3' to /sys/fs/cgroup/{group}/cpuset.cpus: Read-only")
+
+    fast = FastPath(ReadOnly(), [0])  # type: ignore[arg-type]
+    me = os.getpid()
+    live = Reachable("k", tmp_path / "s", me, "kubepods/pod1/c1", "/", start_time(me))
+    with pytest.raises(ExecError) as e:
+        fast.group_enter(live, [3])
+    assert e.value.reason == "CgroupsUnwritable" and "Read-only" in str(e.value)
+    ended = Reachable("k", tmp_path / "s", me, "kubepods/pod1/c1", "/", start_time(me) + 1)
+    with pytest.raises(ExecError) as e:
+        fast.group_enter(ended, [3])
+    assert e.value.reason == ""
