@@ -6,7 +6,8 @@ operator, the pool's scheduler and its node agent run on the node's network, bou
 127.0.0.1) → ``kubectl apply`` of the coding example → the agent DaemonSet's pod Running,
 with no Docker socket → a client opens a trajectory; ``pytest -n {dop}`` runs in its
 sandbox pod, on exactly the cores of each action (read inside the pod) → the agent pod is
-deleted, the DaemonSet makes a new one, and the trajectory goes on with its files → a
+deleted, the DaemonSet makes a new one, and the trajectory goes on with its files; so
+does it after the scheduler pod is deleted → a
 TrajectoryEnv whose image is nowhere and a sandbox killed behind the agent's back end
 their trajectories with the kubelet's reason, on the pool's SandboxesHealthy condition and
 as Events → the pool is deleted: no pod, cgroup or exec server is left.
@@ -261,6 +262,28 @@ def test_an_agent_pod_restart_keeps_the_trajectory_and_its_files(session: Sessio
         assert client.get(tid).state.value == "open"
         (pod,) = s.pods(NS, f"tangram.dev/trajectory={tid}")
         assert pod["metadata"]["uid"] == s.seen["sandbox"]  # the same pod, never remade
+
+
+def test_a_scheduler_pod_restart_keeps_the_trajectory_and_its_files(session: Session) -> None:
+    s = session
+    tid = s.seen["trajectory"]
+    (old,) = s.pods(NS, "app.kubernetes.io/component=scheduler")
+    s.kubectl("delete", "pod", "-n", NS, old["metadata"]["name"], "--wait=true", timeout=120)
+
+    def replaced() -> bool:
+        pods = s.pods(NS, "app.kubernetes.io/component=scheduler")
+        return any(p["metadata"]["uid"] != old["metadata"]["uid"]
+                   and p["status"].get("phase") == "Running" for p in pods)  # fmt: skip
+
+    s.wait("the Deployment's new scheduler pod", replaced, 120)
+    # Connection errors while it starts, then 503s while the agent reconnects: retried.
+    with Client(s.url, s.token("rollout-worker"), retries=30) as client:
+        again = client.exec(tid, ["cat", "seen-1"])
+        assert again.status.value == "ok", again
+        assert again.stdout == s.seen["cores"]  # the file, from before both restarts
+        assert client.get(tid).state.value == "open"
+        (pod,) = s.pods(NS, f"tangram.dev/trajectory={tid}")
+        assert pod["metadata"]["uid"] == s.seen["sandbox"]
         client.close(tid)
 
 
