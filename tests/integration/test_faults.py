@@ -77,10 +77,7 @@ class Cluster:
         _wait(lambda: self._get("/healthz") == 200, "the scheduler did not start")
 
     def _get(self, path: str) -> int:
-        try:
-            return httpx.get(self.url + path).status_code
-        except httpx.HTTPError:
-            return 0
+        return _status(self.url + path)
 
     def agent(self, state: str) -> subprocess.Popen[str]:
         proc = _tangram(

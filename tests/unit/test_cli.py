@@ -261,11 +261,14 @@ def test_the_act_plot_is_drawn_next_to_the_trace_by_default(
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["up", "-f", "x", "--cores", "-2"], "argument --cores: -2 is less than 1"),
+        (["up", "-f", "x", "--cores", "-2"], "argument --cores: must be at least 1, got -2"),
         (["up", "-f", "x", "--port", "70000"], "argument --port: 70000 is not a TCP port"),
         (["up", "-f", "x", "--grace", "nan"], "argument --grace: nan is not a number"),
-        (["serve", "-f", "x", "--port", "0"], "argument --port: 0 is less than 1"),
-        (["agent", "--scheduler", "ws://x", "--idle-cores", "0"], "--idle-cores: 0 is less"),
+        (["serve", "-f", "x", "--port", "0"], "argument --port: must be at least 1, got 0"),
+        (
+            ["agent", "--scheduler", "ws://x", "--idle-cores", "0"],
+            "--idle-cores: must be at least 1, got 0",
+        ),
         (["agent", "--scheduler", "ws://x", "--cores", "two"], "--cores: 'two' is not an integer"),
     ],
 )

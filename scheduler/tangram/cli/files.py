@@ -34,6 +34,25 @@ def whole_number(least: int) -> Callable[[str], int]:
     return parse
 
 
+def port(text: str) -> int:
+    """An argparse type: a TCP port."""
+    value = whole_number(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
+    return value
+
+
 def _fields(e: ValidationError) -> str:
     parts = []
     for err in e.errors()[:5]:

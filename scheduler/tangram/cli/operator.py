@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from tangram.cli.files import InputError
+from tangram.cli.files import InputError, port
 from tangram.cli.up import add_log_flags, setup_logging
 
 
@@ -43,7 +43,7 @@ def register(sub: Any) -> None:
         help="YAML file of 'namespace/pool: http://host:port' for schedulers outside the "
         "cluster network (re-read on every use)",
     )
-    p.add_argument("--liveness-port", type=int, help="serve GET /healthz on this port")
+    p.add_argument("--liveness-port", type=port, help="serve GET /healthz on this port")
     p.add_argument(
         "--liveness-host", default="0.0.0.0", help="the address of the liveness endpoint"
     )

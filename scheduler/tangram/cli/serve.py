@@ -12,19 +12,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tangram.cli.files import InputError
+from tangram.cli.files import InputError, port, seconds, whole_number
 from tangram.cli.progress import note
 from tangram.cli.up import (
     add_gpu_flags,
     add_log_flags,
-    at_least,
     load_pool,
     load_tokens,
     make_agent,
-    port,
     reload_on_hangup,
     run_loop,
-    seconds,
     serve_until_signalled,
     setup_logging,
     stop_on_signals,
@@ -87,10 +84,12 @@ def register(sub: Any) -> None:
         "--kubeconfig", help="outside a pod: the kubeconfig to act with (default: in-cluster)"
     )
     a.add_argument("--state-dir", default=_STATE)
-    a.add_argument("--idle-cores", type=at_least(1), default=1, help="size of the idle core set")
+    a.add_argument(
+        "--idle-cores", type=whole_number(1), default=1, help="size of the idle core set"
+    )
     a.add_argument(
         "--cores",
-        type=at_least(1),
+        type=whole_number(1),
         help="cores for actions (default: all but the idle set; noop: virtual)",
     )
     add_gpu_flags(a)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tangram.api.resources import ActionPool, Resources
-from tangram.cli.files import InputError
+from tangram.cli.files import InputError, port, seconds, whole_number
 from tangram.cli.manifests import load_documents, load_text
 from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
@@ -35,39 +35,6 @@ from tangram.service.from_resources import (
 )
 
 LOCAL_BUSYBOX = "tangram-local/busybox:"  # images under this name are made, not pulled
-
-
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``low`` (a bad one is a usage error
-    naming the flag, not a traceback later)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
-        return value
-
-    return parse
-
-
-def port(text: str) -> int:
-    value = at_least(1)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
-    return value
-
-
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:  # also NaN
-        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
-    return value
 
 
 def register(sub: Any) -> None:
@@ -89,7 +56,7 @@ def register(sub: Any) -> None:
         default="auto",
         help=f"{runtime_help()}; auto: docker if an engine answers, else process",
     )
-    p.add_argument("--cores", type=at_least(1), help="cores for actions (noop: virtual cores)")
+    p.add_argument("--cores", type=whole_number(1), help="cores for actions (noop: virtual cores)")
     add_gpu_flags(p)
     p.add_argument(
         "--state-dir",
@@ -203,7 +170,7 @@ def add_gpu_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gpu-memory-mib",
-        type=at_least(1),
+        type=whole_number(1),
         help="memory per device for service instances (default: the GPU's total less a "
         "reserve; cpu:N: 1024)",
     )
