@@ -101,11 +101,18 @@ def test_keyed_runs_outlive_the_agent_in_its_journal_and_none_runs_twice(tmp_pat
     assert replayed.ok and replayed.replayed and replayed.result is not None
     assert not unknown.ok and unknown.unknown and "not run again" in (unknown.error or "")
     assert new.ok and not new.replayed
-    # A third life still knows all three; the journal was rewritten, not only appended.
+    # A third life still answers all three the same; the journal was rewritten at each
+    # start (one line a key), not only appended to.
     third = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
-    assert set(third._results) == {"ended", "new"} and third._cut_off == {"cut"}
-    lines = (tmp_path / "keys.journal").read_bytes().splitlines()
-    assert len(lines) == 3
+
+    async def third_life() -> list[AgentReply]:
+        await third.runtime.open("t", None)  # type: ignore[arg-type]
+        return [await exec_(third, 5 + i, k) for i, k in enumerate(("ended", "cut", "new"))]
+
+    ended3, cut3, new3 = asyncio.run(third_life())
+    assert ended3.ok and ended3.replayed and new3.ok and new3.replayed
+    assert cut3.unknown and not cut3.ok
+    assert len((tmp_path / "keys.journal").read_bytes().splitlines()) == 3
 
 
 def test_a_journal_line_cut_by_a_crash_is_skipped(tmp_path: Path) -> None:
@@ -120,3 +127,30 @@ def test_a_journal_line_cut_by_a_crash_is_skipped(tmp_path: Path) -> None:
         f.write(b'{"d":"b","r":{"rid":0,"o')  # the process died mid-write
     done, started = KeyJournal(tmp_path / "keys.journal").load()
     assert done == {"a": b'{"rid":0,"ok":true}'} and started == {"b"}
+
+
+def test_a_keyed_run_cut_off_by_a_graceful_stop_is_unknown_to_the_next_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop cancels what runs; that is not a cancellation the client asked for, so it
+    is not kept as "cancelled": the next agent answers the key as unknown."""
+    first = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+
+    async def never(req: AgentRequest) -> AgentReply:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(first, "_run", never)
+
+    async def stop_mid_run() -> None:
+        req = AgentRequest(op="exec", rid=1, trajectory="t", argv=["true"], cores=[0], key="k")
+        requester = asyncio.create_task(first.handle(req))
+        await asyncio.sleep(0)
+        await first.shutdown()
+        await asyncio.gather(requester, return_exceptions=True)
+
+    asyncio.run(stop_mid_run())
+    again = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+    req = AgentRequest(op="exec", rid=2, trajectory="t", argv=["true"], cores=[0], key="k")
+    reply = asyncio.run(again.handle(req))
+    assert reply.unknown and not reply.ok and reply.error != "cancelled"

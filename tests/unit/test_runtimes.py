@@ -149,7 +149,7 @@ def test_auto_says_why_it_passed_over_a_runtime(
         runtimes.create("auto", setting)
 
 
-def test_a_sandbox_failure_reaches_the_scheduler_with_its_cause(
+def test_a_sandbox_failure_reaches_the_agents_reply_with_its_cause(
     recorder: list[Recorder], tmp_path: Path
 ) -> None:
     agent = NodeAgent.create(tmp_path / "state", runtime="recorder", node="n1")

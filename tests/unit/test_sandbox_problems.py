@@ -256,3 +256,33 @@ def test_an_unwritable_cgroup_of_a_live_sandbox_is_the_nodes_problem(tmp_path: P
     with pytest.raises(ExecError) as e:
         fast.group_enter(ended, [3])
     assert e.value.reason == ""
+
+
+def test_cores_of_an_action_whose_cgroup_write_failed_are_not_kept_for_the_next(
+    tmp_path: Path,
+) -> None:
+    import os
+
+    from tangram.node_agent.cgroups import CgroupError
+    from tangram.node_agent.execution import ExecError
+    from tangram.node_agent.fast_path import FastPath, Reachable, start_time
+
+    class FailsOnce:
+        version = 2
+        written: list[list[int]] = []  # noqa: RUF012
+        failed = False
+
+        def limit(self, group: str, cores: Any, quota_cores: Any) -> None:
+            if not self.failed:
+                self.failed = True
+                raise CgroupError("writing cpuset.cpus: Device or resource busy")
+            self.written.append(list(cores))
+
+    cgroups = FailsOnce()
+    fast = FastPath(cgroups, [0])  # type: ignore[arg-type]
+    me = os.getpid()
+    env = Reachable("k", tmp_path / "s", me, "g", "/", start_time(me))
+    with pytest.raises(ExecError):
+        fast.group_enter(env, [3])
+    fast.group_enter(env, [5])
+    assert cgroups.written == [[5]]  # not [3, 5]: the failed action holds nothing

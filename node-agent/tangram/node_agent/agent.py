@@ -40,6 +40,10 @@ from tangram.node_agent.runtimes import Runtime, Setting, create, registration
 log = logging.getLogger("tangram.agent")
 MAX_REMEMBERED = 50_000  # results kept per agent for retried keys ...
 MAX_REMEMBERED_BYTES = 256 << 20  # ... and the bytes they may hold
+CUT_OFF = (
+    "its outcome is unknown: it was running when the node agent stopped, and it may have "
+    "run to its end; it is not run again"
+)
 
 
 def split_cores(
@@ -107,7 +111,6 @@ class NodeAgent:
         self._unsent: list[AgentReply] = []  # their results, until a link takes them
         self._sink: Callable[[AgentReply], None] | None = None
         self.journal: KeyJournal | None = None  # keyed runs on disk (with a state dir)
-        self._cut_off: set[str] = set()  # keys a previous agent started and never ended
 
     @classmethod
     def create(
@@ -245,19 +248,14 @@ class NodeAgent:
         if done is not None:
             replayed = AgentReply.model_validate_json(done)
             return replayed.model_copy(update={"rid": req.rid, "replayed": True})
-        if key in self._cut_off:
-            return AgentReply(
-                rid=req.rid,
-                ok=False,
-                key=key,
-                unknown=True,
-                error="its outcome is unknown: it was running when the node agent stopped, "
-                "and it may have run to its end; it is not run again",
-            )
         task = self._keyed.get(key)
         if task is None:
             if self.journal is not None:  # on disk before it starts: never run twice
-                self.journal.started(key)
+                try:
+                    self.journal.started(key)
+                except OSError as e:  # not recorded, so not run: a retry may run it
+                    return AgentReply(rid=req.rid, ok=False, key=key, retryable=True,
+                                      error=f"the agent cannot record the key: {e}")  # fmt: skip
             task = asyncio.ensure_future(self._run(req))
             self._keyed[key] = task
             self._keyed_info[key] = (req.trajectory or "", list(req.cores), time.monotonic())
@@ -282,20 +280,28 @@ class NodeAgent:
             reply = AgentReply(rid=0, ok=False, error="cancelled", key=key)
         else:
             reply = task.result().model_copy(update={"rid": 0, "key": key})
-        kept = self._results[key] = json_bytes(reply)
-        self._result_bytes += len(kept)
-        while len(self._results) > MAX_REMEMBERED or self._result_bytes > MAX_REMEMBERED_BYTES:
-            _, old = self._results.popitem(last=False)
-            self._result_bytes -= len(old)
+        kept = self._keep(key, json_bytes(reply))
         self._keyed.pop(key, None)
         self._keyed_info.pop(key, None)
         if self.journal is not None:
-            self.journal.done(key, kept)
-            if self.journal.due(self._result_bytes):
-                self.journal.rewrite(self._results, set(self._keyed) | self._cut_off)
+            try:
+                self.journal.done(key, kept)
+                if self.journal.due(self._result_bytes):
+                    self.journal.rewrite(self._results, set(self._keyed))
+            except OSError as e:  # the reply still goes out; a restart would say unknown
+                log.error("the key journal %s: %s", self.journal.path, e)
         if key in self._orphaned:
             self._orphaned.discard(key)
             self._deliver(reply)
+
+    def _keep(self, key: str, reply: bytes) -> bytes:
+        """Remember a key's reply for its retries, within the bounds (oldest go first)."""
+        self._results[key] = reply
+        self._result_bytes += len(reply)
+        while len(self._results) > MAX_REMEMBERED or self._result_bytes > MAX_REMEMBERED_BYTES:
+            _, old = self._results.popitem(last=False)
+            self._result_bytes -= len(old)
+        return reply
 
     def _deliver(self, reply: AgentReply) -> None:
         if self._sink is not None:
@@ -376,13 +382,15 @@ class NodeAgent:
 
     def use_journal(self, journal: KeyJournal) -> None:
         """Keep keyed runs in ``journal``, first taking up what a previous agent left in
-        it: the replies of its runs, and the keys it started but never ended."""
-        done, self._cut_off = journal.load()
-        while len(done) > MAX_REMEMBERED:
-            done.popitem(last=False)
-        self._results = done
-        self._result_bytes = sum(len(r) for r in done.values())
-        journal.rewrite(done, self._cut_off)
+        it: the replies of its runs, and for each key it started but never ended, an
+        "unknown" reply (the run may have gone to its end: it is not run again)."""
+        done, cut_off = journal.load()
+        for key, reply in done.items():
+            self._keep(key, reply)
+        for key in cut_off:
+            self._keep(key, json_bytes(AgentReply(rid=0, ok=False, key=key, unknown=True,
+                                                  error=CUT_OFF)))  # fmt: skip
+        journal.rewrite(self._results, set())
         self.journal = journal
 
     def load_meta(self, meta_dir: Path) -> None:
@@ -425,7 +433,12 @@ class NodeAgent:
 
     async def shutdown(self) -> None:
         """Cancel what runs (on the loop: tasks are not thread-safe), then let the runtime
-        release what is no trajectory's (warm environments)."""
+        release what is no trajectory's (warm environments). The journal is closed first:
+        keyed runs cut off by the stop stay "started" in it, so the next agent answers
+        them as unknown, not as cancelled on request."""
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
         for task in self._tasks.values():
             task.cancel()
         await self.runtime.shutdown()

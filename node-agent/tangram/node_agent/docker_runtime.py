@@ -266,24 +266,28 @@ class DockerRuntime(ExecServerRuntime):
             return []  # the engine is unreachable: nothing can be told about any of them
         states = {c.id: c.attrs.get("State") for c in listed}
         ended: list[Gone] = []
+        # Snapshots (opens, closes and top-ups run in other threads), and an environment
+        # is taken out only if it is still the one looked at.
         for trajectory, env in list(self.envs.items()):
-            state = states.get(env.container.id)
-            if state not in ("exited", "dead", None):
+            state = states.get(env.container.id, "gone")
+            if state not in ("exited", "dead", "gone") or self.envs.get(trajectory) is not env:
                 continue
-            del self.envs[trajectory]
+            self.envs.pop(trajectory, None)
             self.fast.end_sessions(trajectory)
             ended.append(Gone(trajectory, *self._ending(env, state)))
             self._remove(env)
-        for envs in self.warm_pool.values():
-            for env in [e for e in envs if states.get(e.container.id) in ("exited", "dead", None)]:
-                envs.remove(env)
-                self._remove(env)
+        for envs in list(self.warm_pool.values()):
+            for env in list(envs):
+                if states.get(env.container.id, "gone") in ("exited", "dead", "gone"):
+                    with contextlib.suppress(ValueError):  # claimed meanwhile
+                        envs.remove(env)
+                        self._remove(env)
         return ended
 
     @staticmethod
-    def _ending(env: Env, state: str | None) -> tuple[str, str]:
+    def _ending(env: Env, state: str) -> tuple[str, str]:
         name = env.container.name
-        if state is None:
+        if state == "gone":
             return "SandboxDeleted", f"container {name} was removed"
         try:
             env.container.reload()

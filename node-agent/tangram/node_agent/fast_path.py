@@ -131,7 +131,11 @@ class FastPath:
             raise ExecError(str(e), reason="CgroupsUnwritable" if env.alive() else "") from None
 
     def group_enter(self, env: Reachable, cores: Sequence[int]) -> None:
-        self._limit(env, *self.enter(env.key, cores))
+        try:
+            self._limit(env, *self.enter(env.key, cores))
+        except ExecError:  # not entered: its cores must not stay in the group's union
+            self.allot.leave(env.key, cores, float(len(cores)))
+            raise
 
     def group_leave(self, env: Reachable, cores: Sequence[int]) -> None:
         self._limit(env, *self.leave(env.key, cores))

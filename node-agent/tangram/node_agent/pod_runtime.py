@@ -149,7 +149,10 @@ class PodRuntime(ExecServerRuntime):
             pod = ready.pop()
             try:
                 self.api.label(pod.name, {STATE: "open", TRAJECTORY: trajectory})
-            except ExecError:
+            except ExecError as e:
+                if e.retryable:  # the API server, not the pod: keep it for the next open
+                    ready.append(pod)
+                    raise
                 self._delete(pod.name)  # gone or broken while it waited: try the next
                 continue
             self.envs[trajectory] = pod
@@ -203,8 +206,12 @@ class PodRuntime(ExecServerRuntime):
             except ExecError:
                 self._delete(name)
                 continue
-            # A previous agent may have died mid-action: back to the idle set.
-            self.cgroups.limit(reach.cgroup, self.idle_cores, IDLE_QUOTA_CORES)
+            try:  # a previous agent may have died mid-action: back to the idle set
+                self._limit(reach, IDLE_QUOTA_CORES)
+            except ExecError as e:
+                log.warning("sandbox pod %s/%s not taken back: %s", self.namespace, name, e)
+                self._delete(name)
+                continue
             pod = Pod(name, labels.get(f"{LABEL}/template", ""), labels.get(f"{LABEL}/env", ""),
                       reach)  # fmt: skip
             trajectory = labels.get(TRAJECTORY)
@@ -224,21 +231,24 @@ class PodRuntime(ExecServerRuntime):
         one costs a read of its pod. A pod whose status does not show the end yet (the
         kubelet writes it a moment later) is looked at again, for up to ``settle_s``.
         """
+        # Opens, closes and top-ups run in other threads: work on snapshots, and take a
+        # pod out only if it is still the one looked at.
         ended: list[Gone] = []
         for trajectory, pod in list(self.envs.items()):
             if pod.reach.alive():
                 continue
             why = self._ending(pod.name, settle_s)
-            if why is None:
+            if why is None or self.envs.get(trajectory) is not pod:
                 continue
-            del self.envs[trajectory]
+            self.envs.pop(trajectory, None)
             self.fast.end_sessions(trajectory)
             self._delete(pod.name)
             ended.append(Gone(trajectory, *why))
-        for pods in self.warm_pool.values():
-            for pod in [p for p in pods if not p.reach.alive()]:
-                pods.remove(pod)
-                self._delete(pod.name)
+        for pods in list(self.warm_pool.values()):
+            for pod in [p for p in list(pods) if not p.reach.alive()]:
+                with contextlib.suppress(ValueError):  # claimed meanwhile: its open fails
+                    pods.remove(pod)
+                    self._delete(pod.name)
         return ended
 
     def _ending(self, name: str, settle_s: float) -> tuple[str, str] | None:
@@ -313,8 +323,7 @@ class PodRuntime(ExecServerRuntime):
         """Idle limits and the pids limit; then the environment's setup commands, on the
         idle cores without the idle quota (bounded work at open time)."""
         self._pids_limit(reach.cgroup, template.pids_limit)
-        if template.setup:
-            self._limit(reach, None)
+        if template.setup:  # each on the idle cores, without the idle quota (group_enter)
             for argv in template.setup:
                 cmd = Command(list(argv), self.idle_cores, 600.0, dict(template.env), 1 << 16)
                 res = asyncio.run(self.fast.exec(reach, cmd))
@@ -430,6 +439,7 @@ class PodRuntime(ExecServerRuntime):
     def _delete(self, name: str) -> None:
         """Delete a pod; one whose deletion fails (the API server unreachable) is kept and
         tried again with the next deletion, so no closed sandbox lives on to be adopted."""
+        self._dying.pop(name, None)
         for pod in sorted(self._undeleted | {name}):
             try:
                 self.api.delete(pod)
