@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -121,3 +123,87 @@ def test_the_pools_admission_bounds_reach_the_scheduler(tmp_path: Path) -> None:
     (tmp_path / "pool.yaml").write_text(text)
     _, config = load_pool([str(tmp_path / "pool.yaml")], "deepsearch")
     assert (config.max_queued, config.max_request_bytes) == (50000, 4096)
+
+
+# ---- agents that leave and come back --------------------------------------------------
+def _agent(trajectories: tuple[str, ...] | list[str] = (), problem: str | None = None) -> Any:
+    """What the engine reads of an agent's link: its node and hello."""
+    from tangram.api.inventory import NodeInventory
+    from tangram.api.wire import AgentHello, Problem, TrajectoryMeta
+
+    inventory = NodeInventory(node_id="n1", hostname="n1", numa=[[0, 1]], memory_gb=8.0,
+                              cgroup_version=2)  # fmt: skip
+    metas = [TrajectoryMeta(id=t, tenant="u", env="e", labels={}, opened_at=0.0)
+             for t in trajectories]  # fmt: skip
+    hello = AgentHello(
+        node="n1", inventory=inventory, runtime="noop", action_cores=[0], idle_cores=[1],
+        trajectories=metas,
+        problem=Problem(reason="CPUManagerStatic", message=problem) if problem else None,
+    )  # fmt: skip
+    return SimpleNamespace(hello=hello, node="n1")
+
+
+def _engine_with_t1(grace_s: float = 120.0) -> Engine:
+    from tangram.api.wire import EnvSpec
+    from tangram.service.config import EnvConfig
+    from tangram.service.engine import TrajectoryRecord
+
+    env = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))
+    engine = Engine(PoolConfig(envs={"e": env}, agent_grace_s=grace_s))
+    engine.all_agents_joined()
+    asyncio.run(engine._join(_agent()))
+    engine.core.open_trajectory("t1", 0.1)
+    engine.core.place_trajectory("t1", "n1")
+    engine.trajectories["t1"] = TrajectoryRecord("t1", "u", "e", "n1", {}, 0.0, env)
+    return engine
+
+
+def test_a_trajectory_closed_while_its_agent_is_away_is_not_revived_by_its_return() -> None:
+    engine = _engine_with_t1()
+
+    async def go() -> None:
+        await engine._leave(_agent())
+        assert engine.trajectories["t1"].state.value == "away"
+        await engine.close_trajectory("u", "t1")
+        await engine._join(_agent(["t1"]))  # the agent hands it back: it is told to close
+
+    closes: list[str] = []
+
+    async def ask(node: str, **req: Any) -> Any:
+        closes.append(f"{req['op']} {req.get('trajectory')}")
+
+    engine._ask = ask  # type: ignore[method-assign, assignment]
+    asyncio.run(go())
+    assert "t1" not in engine.trajectories and "t1" not in engine.core.trajectories
+    assert closes == ["close t1"]
+
+
+def test_the_grace_of_an_earlier_absence_does_not_end_a_later_one() -> None:
+    engine = _engine_with_t1(grace_s=0.0)
+
+    async def go() -> str:
+        await engine._leave(_agent())
+        first = engine.trajectories["t1"].away_since
+        await engine._join(_agent(["t1"]))
+        await engine._leave(_agent())  # away again: its own grace
+        engine.trajectories["t1"].away_since = first + 1.0  # as time passed in between
+        await engine._lose_after_grace("n1", ["t1"], first)  # the first absence's timer
+        return engine.trajectories["t1"].state.value
+
+    engine._background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
+    assert asyncio.run(go()) == "away"
+
+
+def test_a_refused_node_reconnecting_is_one_failure_not_one_a_reconnect() -> None:
+    from tangram.service.agents import NodeRefusedError
+
+    engine = Engine(PoolConfig())
+
+    async def join(message: str) -> None:
+        with pytest.raises(NodeRefusedError):
+            await engine._join(_agent(problem=message))
+
+    for message in ("static", "static", "static", "static again"):
+        asyncio.run(join(message))
+    (seen,) = engine.figures().problems
+    assert (seen.reason, seen.subject, seen.count) == ("CPUManagerStatic", "node n1", 2)

@@ -18,7 +18,14 @@ import logging
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from tangram.api.wire import AGENT_SUBPROTOCOL, AgentReply, AgentRequest, pack, unpack
+from tangram.api.wire import (
+    AGENT_BACKOFF_MAX_S,
+    AGENT_SUBPROTOCOL,
+    AgentReply,
+    AgentRequest,
+    pack,
+    unpack,
+)
 from tangram.node_agent.agent import NodeAgent
 
 log = logging.getLogger("tangram.agent")
@@ -55,7 +62,7 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
         if not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, AGENT_BACKOFF_MAX_S)
 
 
 async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyncio.Event) -> None:

@@ -484,6 +484,9 @@ def json_bytes(model: BaseModel) -> bytes:
 # at the handshake and packs only when the other has said it reads packed frames, so an
 # agent and a scheduler of different releases still talk, one message a frame.
 AGENT_SUBPROTOCOL = "tangram.lines.v1"
+# An agent whose link drops tries again after 0.1 s, doubling up to this: a scheduler
+# that has just started knows its agents are all back within a few times this.
+AGENT_BACKOFF_MAX_S = 5.0
 
 
 FRAME_BYTES = 1 << 20  # a packed frame stops growing here, far below either side's limit

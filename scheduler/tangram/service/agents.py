@@ -160,17 +160,16 @@ class AgentHub:
         self.links[hello.node] = link
         try:
             await self._on_join(link)
-        except NodeRefusedError as e:
-            log.warning("node %s refused: %s", hello.node, e)
+        except Exception as e:  # a node the pool cannot take: refuse it, keep no dead link
+            if isinstance(e, NodeRefusedError):  # by its own account: its log says why
+                log.warning("node %s refused: %s", hello.node, e)
+                code, reason = 1008, "the node cannot run actions: see its agent's log"
+            else:
+                log.exception("node %s could not join", hello.node)
+                code, reason = 1011, "could not join the pool"
             del self.links[hello.node]
             link.fail_pending()
-            await socket.close(code=1008, reason="the node cannot run actions: see its agent's log")
-            return
-        except Exception:  # a node the pool cannot take: refuse it rather than keep a dead link
-            log.exception("node %s could not join", hello.node)
-            del self.links[hello.node]
-            link.fail_pending()
-            await socket.close(code=1011, reason="could not join the pool")
+            await socket.close(code=code, reason=reason)
             return
         try:
             await link.receive_forever()

@@ -108,7 +108,7 @@ async def run(
             if agent_task.done():
                 agent_task.result()
             await asyncio.sleep(0.01)
-        engine.reconnect_until = 0.0  # its only agent is back: nothing else will come
+        engine.all_agents_joined()  # its only agent: nothing else will come
     quiet_gc()
     if on_ready is not None:
         on_ready(Running(url, engine))

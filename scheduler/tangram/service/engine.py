@@ -29,6 +29,7 @@ from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec, ServiceSpec
 from tangram.api.demand import ChoicesDemand, TableEfficiency, allowed_units
 from tangram.api.wire import (
+    AGENT_BACKOFF_MAX_S,
     ActionResult,
     ActionStatus,
     AgentReply,
@@ -65,9 +66,9 @@ from tangram.service.problems import ProblemLog
 log = logging.getLogger("tangram.service")
 
 KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
-# After a (re)start, the trajectories live in the agents, which reconnect within their 5 s
+# After a (re)start, the trajectories live in the agents, which reconnect within their
 # backoff cap: until they are back, an unknown trajectory may be one of theirs.
-RECONNECT_WINDOW_S = 15.0
+RECONNECT_WINDOW_S = 3 * AGENT_BACKOFF_MAX_S
 
 # "failed": the work was tried and cannot succeed as configured (a sandbox whose image is
 # not on the node); retrying the same request will not help.
@@ -96,7 +97,8 @@ class TrajectoryRecord:
     open_s: float | None = None
     warm: bool | None = None
     running: set[str] = field(default_factory=set)
-    ended: str = ""  # why it is lost, when its environment ended by itself
+    ended: str = ""  # why it is lost
+    away_since: float = 0.0  # engine clock when its agent last left (AWAY)
 
     def info(self) -> TrajectoryInfo:
         return TrajectoryInfo.model_validate(self, from_attributes=True)
@@ -140,6 +142,10 @@ class Engine:
         self.leases: dict[str, str] = {}  # lease id -> action id
         self.by_agent_key: dict[str, ActionRecord] = {}  # adopted actions, by agent key
         self.problems = ProblemLog()  # sandbox and node failures, for the pool's status
+        self.refused: dict[str, str] = {}  # node -> why its agent was refused (standing)
+        # Trajectories closed while their agent was away: their environments may still
+        # live, and the agent hands them back on its return; they are closed, not revived.
+        self.closed_away: dict[str, set[str]] = {}  # node -> trajectory ids
         # Until then an unknown trajectory answers 503 (retry), not 404; ended early by
         # whoever knows every agent is back (the embedded mode's single local agent).
         self.reconnect_until = clock() + RECONNECT_WINDOW_S
@@ -273,16 +279,21 @@ class Engine:
     async def _join(self, link: AgentLink) -> None:
         hello = link.hello
         if hello.problem is not None:
-            self.problems.note(
-                hello.problem.reason, f"node {hello.node}", hello.problem.message, self.clock()
-            )
-            raise NodeRefusedError(hello.problem.message)
+            p, subject = hello.problem, f"node {hello.node}"
+            if self.refused.get(hello.node) == p.message:  # the same cause, reconnecting
+                self.problems.touch(p.reason, subject, self.clock())
+            else:
+                self.problems.note(p.reason, subject, p.message, self.clock())
+            self.refused[hello.node] = p.message
+            raise NodeRefusedError(p.message)
+        self.refused.pop(hello.node, None)
         cores = sorted(hello.action_cores)
         self.core.add_node(hello.node, cores=len(cores), memory_gb=hello.inventory.memory_gb)
         self.node_cores[hello.node] = cores
         if hello.gpu is not None:
             self._join_gpus(hello.node, hello.gpu)
         stale = [m.id for m in hello.trajectories if not self._take_back(m, hello.node)]
+        self.closed_away.pop(hello.node, None)  # what it did not hand back is gone
         adopted = sum(self._adopt_running(r, hello.node) for r in hello.running)
         for tid in stale:  # environments nobody can use any more: lost before, or unknown
             self._background(self._ask(hello.node, op="close", trajectory=tid))
@@ -304,13 +315,19 @@ class Engine:
     def _take_back(self, meta: TrajectoryMeta, node: str) -> bool:
         """A trajectory an agent holds: this scheduler's (a reconnect), or one a previous
         scheduler opened (a restart). False when its environment should go."""
+        closed = self.closed_away.get(node, set())
+        if meta.id in closed:
+            closed.discard(meta.id)
+            return False
         rec = self.trajectories.get(meta.id)
         if rec is not None:
             if rec.node not in (None, node):
                 return False
             if rec.state is TrajectoryState.AWAY:  # its agent is back within the grace
-                placed = self._place_again(meta.id, self.env_of(rec), node)
-                rec.state = TrajectoryState.OPEN if placed else TrajectoryState.LOST
+                if self._place_again(meta.id, self.env_of(rec), node):
+                    rec.state = TrajectoryState.OPEN
+                else:
+                    self._lose(rec, f"its memory is no longer free on {node}")
             if rec.state is TrajectoryState.OPEN:
                 rec.node = node
                 return True
@@ -400,20 +417,17 @@ class Engine:
         rec = self.trajectories.get(tid)
         if rec is None or rec.state not in (TrajectoryState.OPEN, TrajectoryState.AWAY):
             return
-        now = self.clock()
-        self.problems.note(reason, f"TrajectoryEnv {rec.env}", message, now)
-        rec.state, rec.ended = TrajectoryState.LOST, f"{message} ({reason})"
-        for aid in [a for a, r in self.core.running.items() if r.action.trajectory == tid]:
-            self.core.complete(aid, now, ok=False)
-        dropped = (
-            self.core.close_trajectory(tid, finished=False) if tid in self.core.trajectories else []
-        )
+        self.problems.note(reason, f"TrajectoryEnv {rec.env}", message, self.clock())
+        self._lose(rec, f"{message} ({reason})")
         error = _err("environment_lost", f"trajectory {tid} is lost: {rec.ended}")
-        for aid in dropped:
-            if aid in self.actions:
-                self._finish(self.actions[aid], ActionStatus.ERROR, error=error)
-        log.warning("trajectory %s lost: %s", tid, rec.ended)
+        self._release(rec, ActionStatus.ERROR, error, finished=False)
         self._wake.set()
+
+    def _lose(self, rec: TrajectoryRecord, why: str) -> None:
+        """The trajectory's environment is gone (or is closed on sight): every action
+        answers 409 with ``why`` from now on."""
+        rec.state, rec.ended = TrajectoryState.LOST, why
+        log.warning("trajectory %s lost: %s", rec.id, why)
 
     def _background(self, work: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> None:
         task = asyncio.ensure_future(work)
@@ -445,10 +459,12 @@ class Engine:
             t for t in drained.trajectories
             if t in self.trajectories and self.trajectories[t].state is TrajectoryState.OPEN
         ]  # fmt: skip
+        now = self.clock()
         for tid in away:
             self.trajectories[tid].state = TrajectoryState.AWAY
+            self.trajectories[tid].away_since = now
         if away:
-            self._background(self._lose_after_grace(link.node, away))
+            self._background(self._lose_after_grace(link.node, away, now))
         log.log(
             logging.WARNING if self.accepting else logging.INFO,  # expected at shutdown
             "node %s left: %d actions ended, %d trajectories wait %.0f s for its agent",
@@ -459,16 +475,19 @@ class Engine:
         )
         self._wake.set()
 
-    async def _lose_after_grace(self, node: str, tids: Sequence[str]) -> None:
+    async def _lose_after_grace(self, node: str, tids: Sequence[str], since: float) -> None:
         """The trajectories of an agent that did not come back in time are lost (their
-        environments, if they still live, are closed when it does come back)."""
+        environments, if they still live, are closed when it does come back). Only the
+        absence that began at ``since``: one that came back and left again has its own."""
         await asyncio.sleep(self.config.agent_grace_s)
         lost = [
-            t for t in tids
-            if t in self.trajectories and self.trajectories[t].state is TrajectoryState.AWAY
+            rec for t in tids
+            if (rec := self.trajectories.get(t)) is not None
+            and rec.state is TrajectoryState.AWAY and rec.away_since == since
         ]  # fmt: skip
-        for tid in lost:
-            self.trajectories[tid].state = TrajectoryState.LOST
+        for rec in lost:
+            self._lose(rec, f"the agent of node {node} did not come back in "
+                            f"{self.config.agent_grace_s:.0f} s")  # fmt: skip
         if lost:
             log.warning(
                 "node %s: its agent did not come back in %.0f s: %d trajectories lost",
@@ -478,9 +497,14 @@ class Engine:
             )
 
     # ---- trajectories --------------------------------------------------------------
+    def all_agents_joined(self) -> None:
+        """Whoever knows every agent is back (the embedded mode, with its one) ends the
+        window in which an unknown trajectory may still be an agent's."""
+        self.reconnect_until = 0.0
+
     def trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
         rec = self.trajectories.get(tid)
-        if rec is None and self.clock() < self.reconnect_until:
+        if rec is None and self.config.envs and self.clock() < self.reconnect_until:
             raise EngineError(
                 "unavailable",
                 "trajectory",
@@ -572,23 +596,39 @@ class Engine:
         if had_environment and rec.node in self.hub.links:
             with contextlib.suppress(EngineError):
                 await self._ask(rec.node, op="close", trajectory=tid)
+        elif rec.node is not None and rec.node not in self.hub.links:
+            # Its agent is away: when it comes back it is told to close it, not asked
+            # to hand it back.
+            self.closed_away.setdefault(rec.node, set()).add(tid)
         self._forget(rec)
         rec.state = TrajectoryState.CLOSED
         log.info("trajectory closed", extra={"trajectory": tid, "actions": rec.actions})
         return rec
 
     def _forget(self, rec: TrajectoryRecord) -> None:
-        """Drop a trajectory from the engine and the core; anything of it still running
-        (an adopted action) is forgotten in the core too, so its memory never leaks."""
+        """Drop a trajectory from the engine and the core."""
+        self._release(rec, ActionStatus.CANCELLED, finished=rec.actions > 0)
+        self.trajectories.pop(rec.id, None)
+
+    def _release(
+        self,
+        rec: TrajectoryRecord,
+        status: ActionStatus,
+        error: ErrorInfo | None = None,
+        *,
+        finished: bool,
+    ) -> None:
+        """Give the trajectory's units back to the core: anything of it still running
+        (an adopted action, one whose environment ended) is completed there, so its
+        cores and memory never leak; its queued actions end with ``status``."""
         for aid in [a for a, r in self.core.running.items() if r.action.trajectory == rec.id]:
             with contextlib.suppress(SchedulingError):
                 self.core.complete(aid, self.clock(), ok=False)
         if rec.id in self.core.trajectories:
-            for aid in self.core.close_trajectory(rec.id, finished=rec.actions > 0):
+            for aid in self.core.close_trajectory(rec.id, finished=finished):
                 stale = self.actions.get(aid)
                 if stale is not None:
-                    self._finish(stale, ActionStatus.CANCELLED)
-        self.trajectories.pop(rec.id, None)
+                    self._finish(stale, status, error=error)
 
     # ---- actions -------------------------------------------------------------------
     def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:

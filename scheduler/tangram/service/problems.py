@@ -43,6 +43,13 @@ class ProblemLog:
         seen.count += 1
         seen.message, seen.last = message, now
 
+    def touch(self, reason: str, subject: str, now: float) -> None:
+        """The cause still stands (a refused node reconnecting): kept in the window,
+        without counting a new failure."""
+        seen = self._seen.get((reason, subject))
+        if seen is not None:
+            seen.last = now
+
     def recent(self, now: float) -> list[ProblemFigure]:
         """The causes seen within the window, latest first."""
         self._forget_old(now)
