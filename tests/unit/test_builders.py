@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tangram.api.resources import ActionPool, Document, Resources, parse_documents
+from tangram.api.documents import Document, Resources, parse_documents
+from tangram.api.resources import ActionPool
 from tangram.cli.manifests import load_documents
 from tangram.operator.builders import Loopback, build_pool, parse_tokens, token_secret
 

@@ -10,6 +10,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from tangram.api.demand import AmdahlEfficiency, ChoicesDemand, RangeDemand
+from tangram.api.documents import Document, ResourceError, Resources, parse_documents
 from tangram.api.resources import (
     API_VERSION,
     GROUP,
@@ -19,14 +20,10 @@ from tangram.api.resources import (
     ActionPool,
     ActionPoolSpec,
     CpuPool,
-    Document,
     Resource,
-    ResourceError,
-    Resources,
     RewardService,
     SecretRef,
     TrajectoryEnv,
-    parse_documents,
 )
 from tangram.cli.manifests import load_documents
 

@@ -26,13 +26,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tangram.api.documents import yaml_path
 from tangram.api.resources import (
     ActionPool,
     ObjectKey,
     RewardService,
     TrajectoryEnv,
     resolve_pool_ref,
-    yaml_path,
 )
 from tangram.api.status import (
     READY,

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from tangram.api.resources import Document, ResourceError, Resources, parse_documents
+from tangram.api.documents import Document, ResourceError, Resources, parse_documents
 
 SUFFIXES = (".yaml", ".yml")
 

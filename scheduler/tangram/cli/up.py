@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tangram.api.resources import ActionPool, Resources
+from tangram.api.documents import Resources
+from tangram.api.resources import ActionPool
 from tangram.cli.files import InputError, port, seconds, whole_number
 from tangram.cli.manifests import load_documents, load_text
 from tangram.cli.progress import note

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tangram.api.cluster import ApiSpec
-from tangram.api.resources import ActionPool, Resources, RewardService, SecretRef, TrajectoryEnv
+from tangram.api.documents import Resources
+from tangram.api.resources import ActionPool, RewardService, SecretRef, TrajectoryEnv
 from tangram.api.wire import EnvSpec, ServiceDef
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.service.config import (
