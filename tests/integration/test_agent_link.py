@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import websockets
 
-from tangram.api.wire import AgentRequest, EnvSpec, unpack
+from tangram.api.wire import EnvSpec, parse_agent_request, unpack
 from tangram.client import ActionStatus, Client
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
@@ -56,7 +56,7 @@ def test_a_current_agent_gets_the_execs_of_one_round_in_one_frame(tmp_path: Path
         frames = Frames(link.socket)
         link.socket = frames
         _batch_of_execs(c)
-        ops = [[AgentRequest.model_validate_json(m).op for m in f] for f in frames.frames]
+        ops = [[parse_agent_request(m).op for m in f] for f in frames.frames]
         assert [f for f in ops if "exec" in f] == [["exec"] * N]
 
 
@@ -70,7 +70,7 @@ async def _old_agent(agent: NodeAgent, url: str, token: str, stop: threading.Eve
         await ws.send(agent.hello().model_dump_json())
 
         async def answer(text: str) -> None:
-            reply = await agent.handle(AgentRequest.model_validate_json(text))
+            reply = await agent.handle(parse_agent_request(text))
             await ws.send(reply.model_dump_json())
 
         tasks = set()

@@ -167,7 +167,7 @@ def test_a_timed_out_call_keeps_its_gpu_until_it_ends(tmp_path: Path) -> None:
                     bool(box)
                     or (
                         any(r.kind == "service" for r in engine.actions.values())
-                        and not engine._wake.is_set()
+                        and not engine.state.wake.is_set()
                     )
                 ),
                 "the second call was never scheduled",

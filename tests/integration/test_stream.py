@@ -244,7 +244,7 @@ def test_an_action_cancelled_in_the_tick_it_starts_still_ends(
     must still end (cancelled), on either transport, and give its core back."""
     run, token = running
     engine = run.engine
-    start = engine._start
+    start = engine.rounds.start
 
     def start_then_cancel(asg: Any, now: float) -> None:
         start(asg, now)
@@ -255,13 +255,13 @@ def test_an_action_cancelled_in_the_tick_it_starts_still_ends(
             tid = (await c.open("noop")).id
             return tid, (await asyncio.wait_for(c.exec(tid, ["true"]), 30)).status
 
-    engine._start = start_then_cancel  # type: ignore[method-assign]
+    engine.rounds.start = start_then_cancel  # type: ignore[method-assign]
     try:
         for stream in (True, False):
             tid, status = asyncio.run(once(stream))
             assert status is ActionStatus.CANCELLED
     finally:
-        engine._start = start  # type: ignore[method-assign]
+        engine.rounds.start = start  # type: ignore[method-assign]
     with Client(run.url, token) as c:
         assert c.exec(tid, ["true"]).status is ActionStatus.OK
     assert not engine.trajectories[tid].running and not engine.core.running

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tangram.api.wire import AGENT_SUBPROTOCOL, AgentReply, AgentRequest
+from tangram.api.wire import AGENT_SUBPROTOCOL, AgentExec, AgentReply, AgentRequest
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.link import _session
 
@@ -28,7 +28,7 @@ def test_a_requester_cancelled_as_its_keyed_run_ends_still_gets_it_reported(
             return AgentReply(rid=req.rid, ok=True)
 
         monkeypatch.setattr(agent, "_run", run)
-        req = AgentRequest(op="exec", rid=7, trajectory="t", argv=["true"], key="k")
+        req = AgentExec(rid=7, trajectory="t", argv=["true"], key="k")
         requester = asyncio.create_task(agent._once(req, "k"))
         await asyncio.sleep(0)  # the run started and waits at the gate
         gate.set_result(None)  # the run ends in the next step ...
@@ -78,7 +78,7 @@ def test_keyed_runs_outlive_the_agent_in_its_journal_and_none_runs_twice(tmp_pat
     first = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
 
     async def exec_(agent: NodeAgent, rid: int, key: str) -> AgentReply:
-        req = AgentRequest(op="exec", rid=rid, trajectory="t", argv=["true"], cores=[0], key=key)
+        req = AgentExec(rid=rid, trajectory="t", argv=["true"], cores=[0], key=key)
         return await agent.handle(req)
 
     async def first_life() -> None:
@@ -143,7 +143,7 @@ def test_a_keyed_run_cut_off_by_a_graceful_stop_is_unknown_to_the_next_agent(
     monkeypatch.setattr(first, "_run", never)
 
     async def stop_mid_run() -> None:
-        req = AgentRequest(op="exec", rid=1, trajectory="t", argv=["true"], cores=[0], key="k")
+        req = AgentExec(rid=1, trajectory="t", argv=["true"], cores=[0], key="k")
         requester = asyncio.create_task(first.handle(req))
         await asyncio.sleep(0)
         await first.shutdown()
@@ -151,6 +151,6 @@ def test_a_keyed_run_cut_off_by_a_graceful_stop_is_unknown_to_the_next_agent(
 
     asyncio.run(stop_mid_run())
     again = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
-    req = AgentRequest(op="exec", rid=2, trajectory="t", argv=["true"], cores=[0], key="k")
+    req = AgentExec(rid=2, trajectory="t", argv=["true"], cores=[0], key="k")
     reply = asyncio.run(again.handle(req))
     assert reply.unknown and not reply.ok and reply.error != "cancelled"

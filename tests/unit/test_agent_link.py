@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from tangram.api.inventory import NodeInventory
-from tangram.api.wire import AgentHello, AgentReply, AgentRequest, pack, unpack
+from tangram.api.wire import AgentExec, AgentHello, AgentReply, pack, parse_agent_request, unpack
 from tangram.client.outbox import Outbox
 from tangram.service.agents import AgentGoneError, AgentLink
 
@@ -44,20 +44,19 @@ def _hello() -> AgentHello:
     )
 
 
-def _exec(link: AgentLink) -> AgentRequest:
-    return AgentRequest(op="exec", rid=link.next_rid(), trajectory="t", argv=["true"])
+def _exec() -> AgentExec:
+    return AgentExec(trajectory="t", argv=["true"])  # its rid is the link's to give
 
 
 async def _requests_of_one_tick(packed: bool) -> tuple[list[str], list[AgentReply]]:
     socket = Socket()
     link = AgentLink(_hello(), socket, packed=packed)
     reader = asyncio.create_task(link.receive_forever())
-    reqs = [_exec(link) for _ in range(3)]
-    waiting = [asyncio.create_task(link.request(r)) for r in reqs]
+    waiting = [asyncio.create_task(link.request(_exec())) for _ in range(3)]
     while sum(len(unpack(f)) for f in socket.sent) < 3:
         await asyncio.sleep(0)
     frames = list(socket.sent)
-    replies = [AgentReply(rid=r.rid, ok=True).model_dump_json() for r in reversed(reqs)]
+    replies = [AgentReply(rid=rid, ok=True).model_dump_json() for rid in (3, 2, 1)]
     (frame,) = pack(replies)  # all three answers in one frame
     await socket.inbox.put(frame)
     answered = await asyncio.wait_for(asyncio.gather(*waiting), 5)
@@ -68,13 +67,13 @@ async def _requests_of_one_tick(packed: bool) -> tuple[list[str], list[AgentRepl
 def test_requests_of_one_tick_leave_in_one_frame_when_the_agent_reads_packed_frames() -> None:
     frames, answered = asyncio.run(_requests_of_one_tick(packed=True))
     assert len(frames) == 1
-    assert [AgentRequest.model_validate_json(m).rid for m in unpack(frames[0])] == [1, 2, 3]
+    assert [parse_agent_request(m).rid for m in unpack(frames[0])] == [1, 2, 3]
     assert [a.rid for a in answered] == [1, 2, 3]  # each request got its own reply
 
 
 def test_an_agent_that_does_not_read_packed_frames_gets_one_message_a_frame() -> None:
     frames, answered = asyncio.run(_requests_of_one_tick(packed=False))
-    assert [AgentRequest.model_validate_json(f).rid for f in frames] == [1, 2, 3]
+    assert [parse_agent_request(f).rid for f in frames] == [1, 2, 3]
     assert [a.rid for a in answered] == [1, 2, 3]
 
 
@@ -83,12 +82,12 @@ def test_a_send_that_fails_fails_the_waiting_requests_and_closes_the_link() -> N
         socket = Socket(fail=True)
         link = AgentLink(_hello(), socket, packed=True)
         with pytest.raises(AgentGoneError):
-            await asyncio.wait_for(link.request(_exec(link)), 5)
+            await asyncio.wait_for(link.request(_exec()), 5)
         assert link.closed
         await asyncio.sleep(0)
         assert socket.closed_with == 1011  # its reader ends too, and the node is drained
         with pytest.raises(AgentGoneError):  # nothing more is queued on a dead link
-            await link.request(_exec(link))
+            await link.request(_exec())
 
     asyncio.run(go())
 
@@ -98,13 +97,12 @@ def test_heartbeats_in_a_packed_frame_are_skipped() -> None:
         socket = Socket()
         link = AgentLink(_hello(), socket, packed=True)
         reader = asyncio.create_task(link.receive_forever())
-        req = _exec(link)
-        waiting = asyncio.create_task(link.request(req))
+        waiting = asyncio.create_task(link.request(_exec()))
         await asyncio.sleep(0)
-        reply = AgentReply(rid=req.rid, ok=True).model_dump_json()
+        reply = AgentReply(rid=1, ok=True).model_dump_json()  # the link's first rid
         (frame,) = pack(['{"heartbeat":true}', reply, '{"heartbeat":true}'])
         await socket.inbox.put(frame)
-        assert (await asyncio.wait_for(waiting, 5)).rid == req.rid
+        assert (await asyncio.wait_for(waiting, 5)).rid == 1
         reader.cancel()
 
     asyncio.run(go())

@@ -21,6 +21,7 @@ from tangram.api.wire import (
 from tangram.cli.up import load_pool
 from tangram.service.config import PoolConfig, ServiceConfig
 from tangram.service.engine import Engine, EngineError
+from tangram.service.gpu_calls import elastic_call_spec
 
 
 def test_idempotency_keys_are_bounded_and_in_flight_ones_kept() -> None:
@@ -36,7 +37,7 @@ def test_idempotency_keys_are_bounded_and_in_flight_ones_kept() -> None:
                 e.release("t", result.lease)
             assert len(e.idempotent) == 3
             assert e.idempotent.keys() == [("t", "k7"), ("t", "k8"), ("t", "k9")]
-            assert e.leases == {}
+            assert e.state.leases == {}
             with pytest.raises(EngineError, match="idempotency_key"):
                 e.submit_exec("t", "x", ExecRequest(argv=["true"], idempotency_key="k9"))
         finally:
@@ -61,9 +62,9 @@ def test_an_efficiency_table_is_not_cached_but_still_accepted() -> None:
             t1_s=1.0,
             efficiency=TableEfficiency(table={1: 1.0, 2: 0.9}),
         )
-        argv, spec = e._exec_spec(env, req)
+        argv, spec = e.admission._exec_spec(env, req)
         assert argv == ["true"] and spec.efficiency is not None
-        assert e._specs == {}
+        assert e.admission._specs == {}
 
     asyncio.run(scenario())
 
@@ -88,7 +89,7 @@ def test_a_call_is_estimated_from_the_profiles_of_its_input_size() -> None:
     assert cfg.durations(None) == {1: 3.5, 2: 1.9}  # unknown size: the slowest, to be safe
     assert cfg.durations(90_000) == {1: 3.5, 2: 1.9}  # beyond every range: the nearest
     for size, want in ((100, {1: 1.2, 2: 0.7}), (5000, {1: 3.5, 2: 1.9})):
-        spec = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], input_size=size))
+        spec = elastic_call_spec(cfg, ServiceCallRequest(inputs=[0], input_size=size))
         assert spec.gpu == ChoicesDemand(choices=[1, 2])  # DoP 4 has no profile: not offered
         assert spec.t1_s is not None
         assert {k: duration(spec.t1_s, spec.efficiency, k) for k in want} == pytest.approx(want)
@@ -96,14 +97,14 @@ def test_a_call_is_estimated_from_the_profiles_of_its_input_size() -> None:
 
 def test_a_call_narrows_its_dop_within_the_services_choices() -> None:
     cfg = _teacher()
-    narrowed = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=2, input_size=1))
+    narrowed = elastic_call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=2, input_size=1))
     assert narrowed.gpu == ChoicesDemand(choices=[2])
     # One DoP left: its profiled duration is the estimate, not k times it.
     assert duration(narrowed.t1_s or 0, narrowed.efficiency, 2) == pytest.approx(0.7)
-    unprofiled = Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=4, t1_s=3.0))
+    unprofiled = elastic_call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=4, t1_s=3.0))
     assert unprofiled.gpu == ChoicesDemand(choices=[4]) and unprofiled.t1_s == 3.0
     with pytest.raises(EngineError, match=r"no DoP in \[8\].*dopChoices \[1, 2, 4\]") as e:
-        Engine._call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=8))
+        elastic_call_spec(cfg, ServiceCallRequest(inputs=[0], gpu=8))
     assert e.value.field == "gpu"
 
 
@@ -146,12 +147,12 @@ def _agent(trajectories: tuple[str, ...] | list[str] = (), problem: str | None =
 def _engine_with_t1(grace_s: float = 120.0) -> Engine:
     from tangram.api.wire import EnvSpec
     from tangram.service.config import EnvConfig
-    from tangram.service.engine import TrajectoryRecord
+    from tangram.service.records import TrajectoryRecord
 
     env = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))
     engine = Engine(PoolConfig(envs={"e": env}, agent_grace_s=grace_s))
     engine.all_agents_joined()
-    asyncio.run(engine._join(_agent()))
+    asyncio.run(engine.membership.join(_agent()))
     engine.core.open_trajectory("t1", 0.1)
     engine.core.place_trajectory("t1", "n1")
     engine.trajectories["t1"] = TrajectoryRecord("t1", "u", "e", "n1", {}, 0.0, env)
@@ -162,17 +163,17 @@ def test_a_trajectory_closed_while_its_agent_is_away_is_not_revived_by_its_retur
     engine = _engine_with_t1()
 
     async def go() -> None:
-        await engine._leave(_agent())
+        await engine.membership.leave(_agent())
         assert engine.trajectories["t1"].state.value == "away"
         await engine.close_trajectory("u", "t1")
-        await engine._join(_agent(["t1"]))  # the agent hands it back: it is told to close
+        await engine.membership.join(_agent(["t1"]))  # the agent hands it back: it is told to close
 
     closes: list[str] = []
 
-    async def ask(node: str, **req: Any) -> Any:
-        closes.append(f"{req['op']} {req.get('trajectory')}")
+    async def ask(node: str, req: Any) -> Any:
+        closes.append(f"{req.op} {getattr(req, 'trajectory', None)}")
 
-    engine._ask = ask  # type: ignore[method-assign, assignment]
+    engine.state.ask = ask  # type: ignore[method-assign, assignment]
     asyncio.run(go())
     assert "t1" not in engine.trajectories and "t1" not in engine.core.trajectories
     assert closes == ["close t1"]
@@ -182,15 +183,15 @@ def test_the_grace_of_an_earlier_absence_does_not_end_a_later_one() -> None:
     engine = _engine_with_t1(grace_s=0.0)
 
     async def go() -> str:
-        await engine._leave(_agent())
+        await engine.membership.leave(_agent())
         first = engine.trajectories["t1"].away_since
-        await engine._join(_agent(["t1"]))
-        await engine._leave(_agent())  # away again: its own grace
+        await engine.membership.join(_agent(["t1"]))
+        await engine.membership.leave(_agent())  # away again: its own grace
         engine.trajectories["t1"].away_since = first + 1.0  # as time passed in between
-        await engine._lose_after_grace("n1", ["t1"], first)  # the first absence's timer
+        await engine.membership.lose_after_grace("n1", ["t1"], first)  # the first absence's timer
         return engine.trajectories["t1"].state.value
 
-    engine._background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
+    engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
     assert asyncio.run(go()) == "away"
 
 
@@ -201,7 +202,7 @@ def test_a_refused_node_reconnecting_is_one_failure_not_one_a_reconnect() -> Non
 
     async def join(message: str) -> None:
         with pytest.raises(NodeRefusedError):
-            await engine._join(_agent(problem=message))
+            await engine.membership.join(_agent(problem=message))
 
     for message in ("static", "static", "static", "static again"):
         asyncio.run(join(message))

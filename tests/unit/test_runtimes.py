@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tangram.api.wire import AgentRequest, EnvSpec
+from tangram.api.wire import AgentExec, AgentOpen, AgentSession, EnvSpec, Session
 from tangram.node_agent import runtimes
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.execution import ExecError, ExecResult, Gone, Output, Problem
@@ -97,16 +97,12 @@ def test_a_registered_runtime_serves_the_agent_without_naming_it_anywhere_else(
     spec = EnvSpec(name="box", image="unused", memory_gb=0.1)
 
     async def scenario() -> list[Any]:
-        opened = await agent.handle(AgentRequest(op="open", rid=1, trajectory="t1", env=spec))
+        opened = await agent.handle(AgentOpen(rid=1, trajectory="t1", env=spec))
         ran = await agent.handle(
-            AgentRequest(
-                op="exec", rid=2, trajectory="t1", argv=["true"], cores=[3], environ={"A": "1"}
-            )
+            AgentExec(rid=2, trajectory="t1", argv=["true"], cores=[3], environ={"A": "1"})
         )
         session = await agent.handle(
-            AgentRequest(
-                op="session", rid=3, trajectory="t1", code="x", cores=[3], session={"kind": "bash"}
-            )
+            AgentSession(rid=3, trajectory="t1", code="x", cores=[3], session=Session(kind="bash"))
         )
         await agent.shutdown()
         return [opened, ran, session]
@@ -156,11 +152,11 @@ def test_a_sandbox_failure_reaches_the_agents_reply_with_its_cause(
     (rt,) = recorder
     spec = EnvSpec(name="box", image="nowhere/missing:1", memory_gb=0.1)
     rt.refuse = ExecError("image nowhere/missing:1: not on the node", reason="ImageUnavailable")
-    refused = asyncio.run(agent.handle(AgentRequest(op="open", rid=1, trajectory="t1", env=spec)))
+    refused = asyncio.run(agent.handle(AgentOpen(rid=1, trajectory="t1", env=spec)))
     assert not refused.ok and refused.reason == "ImageUnavailable" and not refused.retryable
     assert refused.error == "image nowhere/missing:1: not on the node"
     rt.refuse = ExecError("not running after 120 s", reason="SandboxStartTimeout", retryable=True)
-    late = asyncio.run(agent.handle(AgentRequest(op="open", rid=2, trajectory="t1", env=spec)))
+    late = asyncio.run(agent.handle(AgentOpen(rid=2, trajectory="t1", env=spec)))
     assert late.reason == "SandboxStartTimeout" and late.retryable
 
 

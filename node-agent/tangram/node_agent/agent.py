@@ -2,8 +2,9 @@
 
 ``NodeAgent.create`` picks the Docker runtime when a Docker Engine is reachable and the
 process runtime otherwise, re-adopts what a previous agent left, and answers
-``AgentRequest``s (open, close, exec, session, warm, cancel) with ``AgentReply``s. The
-link to the scheduler (``link.py``) only moves these messages.
+``AgentRequest``s (open, close, exec, session, warm, cancel; services and call on a GPU
+node) with ``AgentReply``s. The link to the scheduler (``link.py``) only moves these
+messages.
 """
 
 from __future__ import annotations
@@ -19,9 +20,17 @@ from pathlib import Path
 
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import (
+    AgentCall,
+    AgentCancel,
+    AgentClose,
+    AgentExec,
     AgentHello,
+    AgentOpen,
     AgentReply,
     AgentRequest,
+    AgentServices,
+    AgentSession,
+    AgentWarm,
     EnvSpec,
     ExecOutcome,
     Problem,
@@ -224,12 +233,12 @@ class NodeAgent:
 
     async def handle(self, req: AgentRequest) -> AgentReply:
         """Answer one request; errors become a reply, never an exception."""
-        if req.op == "cancel":  # by the rid that started it, or by key (an adopted run)
+        if isinstance(req, AgentCancel):
             task = self._keyed.get(req.key) if req.key else self._tasks.get(req.target or -1)
             if task is not None:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
-        if req.key is not None and req.op in ("exec", "session"):
+        if isinstance(req, AgentExec | AgentSession) and req.key is not None:
             return await self._once(req, req.key)
         task = asyncio.ensure_future(self._run(req))
         self._tasks[req.rid] = task
@@ -240,7 +249,7 @@ class NodeAgent:
         finally:
             self._tasks.pop(req.rid, None)
 
-    async def _once(self, req: AgentRequest, key: str) -> AgentReply:
+    async def _once(self, req: AgentExec | AgentSession, key: str) -> AgentReply:
         """Run a keyed action at most once: a repeat gets the first run's reply, or waits
         for the run in flight. The run goes on if the requester's link drops; its result
         is then sent, unasked, on the next link (rid 0, with its key)."""
@@ -258,7 +267,7 @@ class NodeAgent:
                                       error=f"the agent cannot record the key: {e}")  # fmt: skip
             task = asyncio.ensure_future(self._run(req))
             self._keyed[key] = task
-            self._keyed_info[key] = (req.trajectory or "", list(req.cores), time.monotonic())
+            self._keyed_info[key] = (req.trajectory, list(req.cores), time.monotonic())
             task.add_done_callback(lambda t: self._keyed_done(key, t))
         self._tasks[req.rid] = task  # an explicit cancel request cancels the run itself
         try:
@@ -311,39 +320,42 @@ class NodeAgent:
 
     async def _run(self, req: AgentRequest) -> AgentReply:
         try:
-            if req.op == "open":
-                assert req.trajectory and req.env
-                seconds, warm = await self.open(req.trajectory, req.env)
-                if req.meta is not None:
-                    self._remember(req.meta)
-                return AgentReply(rid=req.rid, ok=True, opened_s=seconds, warm=warm)
-            if req.op == "close":
-                assert req.trajectory
-                await asyncio.to_thread(self.close, req.trajectory)
-                return AgentReply(rid=req.rid, ok=True)
-            if req.op == "warm":
-                assert req.env
-                await self.warm(req.env)
-                return AgentReply(rid=req.rid, ok=True)
-            if req.op in ("services", "call"):
-                if self.gpu is None:
-                    raise ExecError(f"{self.node} has no GPU role (the agent runs without --gpus)")
-                if req.op == "services":
-                    loaded = await self.gpu.sync(req.services or [])
-                    resident = await asyncio.to_thread(self.gpu.resident)  # takes a lock
+            match req:
+                case AgentOpen():
+                    seconds, warm = await self.open(req.trajectory, req.env)
+                    if req.meta is not None:
+                        self._remember(req.meta)
+                    return AgentReply(rid=req.rid, ok=True, opened_s=seconds, warm=warm)
+                case AgentClose():
+                    await asyncio.to_thread(self.close, req.trajectory)
+                    return AgentReply(rid=req.rid, ok=True)
+                case AgentWarm():
+                    await self.warm(req.env)
+                    return AgentReply(rid=req.rid, ok=True)
+                case AgentServices():
+                    gpu = self._gpu()
+                    loaded = await gpu.sync(req.services)
+                    resident = await asyncio.to_thread(gpu.resident)  # takes a lock
                     return AgentReply(rid=req.rid, ok=True, loaded=loaded, resident=resident)
-                assert req.service is not None
-                out = await self.gpu.call(req.service, req.gpus, req.inputs or [])
-                return AgentReply(rid=req.rid, ok=True, call=out)
-            assert req.trajectory
-            result = await self.exec(req)
-            return AgentReply(rid=req.rid, ok=True, result=outcome(result))
+                case AgentCall():
+                    out = await self._gpu().call(req.service, req.gpus, req.inputs)
+                    return AgentReply(rid=req.rid, ok=True, call=out)
+                case AgentExec() | AgentSession():
+                    result = await self.exec(req)
+                    return AgentReply(rid=req.rid, ok=True, result=outcome(result))
+                case AgentCancel():  # answered by handle(): never run
+                    return AgentReply(rid=req.rid, ok=True)
         except ExecError as e:
             return AgentReply(rid=req.rid, ok=False, error=str(e), reason=e.reason or None,
                               retryable=e.retryable)  # fmt: skip
         except Exception as e:  # a request must always be answered: say what failed, stay up
-            log.exception("%s %s failed", req.op, req.trajectory)
+            log.exception("%s %s failed", req.op, getattr(req, "trajectory", ""))
             return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}")
+
+    def _gpu(self) -> GpuRole:
+        if self.gpu is None:
+            raise ExecError(f"{self.node} has no GPU role (the agent runs without --gpus)")
+        return self.gpu
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
         return await self.runtime.open(trajectory, spec)
@@ -407,10 +419,8 @@ class NodeAgent:
             else:
                 path.unlink(missing_ok=True)  # its environment is gone
 
-    async def exec(self, req: AgentRequest) -> ExecResult:
-        assert req.trajectory is not None
-        if req.op == "session":
-            assert req.session is not None and req.code is not None
+    async def exec(self, req: AgentExec | AgentSession) -> ExecResult:
+        if isinstance(req, AgentSession):
             return await self.runtime.session(
                 req.trajectory,
                 req.session.kind,
@@ -421,7 +431,6 @@ class NodeAgent:
                 env=req.environ,
                 output_cap=req.output_cap,
             )
-        assert req.argv is not None
         return await self.runtime.exec(
             req.trajectory,
             req.argv,

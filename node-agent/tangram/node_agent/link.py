@@ -24,6 +24,7 @@ from tangram.api.wire import (
     AgentReply,
     AgentRequest,
     pack,
+    parse_agent_request,
     unpack,
 )
 from tangram.node_agent.agent import NodeAgent
@@ -116,7 +117,7 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
     async def read_forever() -> None:
         while True:
             for text in unpack(await ws.recv(decode=True)):
-                task = asyncio.create_task(answer(AgentRequest.model_validate_json(text)))
+                task = asyncio.create_task(answer(parse_agent_request(text)))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
 

@@ -11,7 +11,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, AnyStr, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from tangram.api.action import MAX_T1_S
 from tangram.api.demand import Demand, Efficiency
@@ -520,25 +520,86 @@ def unpack(frame: str) -> list[str]:
     return frame.split("\n")
 
 
-class AgentRequest(_Strict):
-    op: Literal["open", "close", "exec", "session", "cancel", "warm", "services", "call"]
-    rid: int  # request id; the reply carries it
-    trajectory: str | None = None
-    env: EnvSpec | None = None
-    argv: list[str] | None = None
-    code: str | None = None
-    session: Session | None = None
+class _AgentOp(BaseModel):
+    # Agents (a DaemonSet) and the scheduler (a Deployment) are upgraded apart, and older
+    # schedulers sent every field of every op: fields another op (or a newer scheduler)
+    # sends are ignored, not a refused request.
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+    rid: int = 0  # request id, set by the link that sends it; the reply carries it
+
+
+class _Command(_AgentOp):
+    """What an exec and a session step share: where, on which cores, within what."""
+
+    trajectory: str
     cores: list[int] = Field(default_factory=list)
     timeout_s: float | None = None
     environ: dict[str, str] = Field(default_factory=dict)
     output_cap: int = 1 << 20
-    target: int | None = None  # cancel: the rid of the request to cancel
-    key: str | None = None  # exec: runs at most once per key; a repeat gets the first result
-    meta: TrajectoryMeta | None = None  # open: kept by the agent for a restarted scheduler
-    services: list[ServiceDef] | None = None  # services: the full set the worker should hold
-    service: str | None = None  # call: which one, on ``gpus`` (device indexes)
-    gpus: list[int] = Field(default_factory=list)
-    inputs: list[Any] | None = None
+    key: str | None = None  # runs at most once per key; a repeat gets the first result
+
+
+class AgentOpen(_AgentOp):
+    op: Literal["open"] = "open"
+    trajectory: str
+    env: EnvSpec
+    meta: TrajectoryMeta | None = None  # kept by the agent for a restarted scheduler
+
+
+class AgentClose(_AgentOp):
+    op: Literal["close"] = "close"
+    trajectory: str
+
+
+class AgentExec(_Command):
+    op: Literal["exec"] = "exec"
+    argv: list[str]
+
+
+class AgentSession(_Command):
+    op: Literal["session"] = "session"
+    session: Session
+    code: str
+
+
+class AgentCancel(_AgentOp):
+    """By the rid of the request that started it, or by key (an adopted run)."""
+
+    op: Literal["cancel"] = "cancel"
+    target: int | None = None
+    key: str | None = None
+
+
+class AgentWarm(_AgentOp):
+    op: Literal["warm"] = "warm"
+    env: EnvSpec
+
+
+class AgentServices(_AgentOp):
+    """The full set of services the node's GPU worker should hold."""
+
+    op: Literal["services"] = "services"
+    services: list[ServiceDef] = Field(default_factory=list)
+
+
+class AgentCall(_AgentOp):
+    op: Literal["call"] = "call"
+    service: str
+    gpus: list[int] = Field(default_factory=list)  # device indexes
+    inputs: list[Any] = Field(default_factory=list)
+
+
+AgentRequest = Annotated[
+    AgentOpen | AgentClose | AgentExec | AgentSession | AgentCancel | AgentWarm
+    | AgentServices | AgentCall,
+    Field(discriminator="op"),
+]  # fmt: skip
+_AGENT_REQUEST: TypeAdapter[AgentRequest] = TypeAdapter(AgentRequest)
+
+
+def parse_agent_request(text: str | bytes) -> AgentRequest:
+    return _AGENT_REQUEST.validate_json(text)
 
 
 class ExecOutcome(_Strict):

@@ -146,7 +146,8 @@ async def _until_loaded(running: Running, services: list[str], timeout_s: float 
     """Until the agent has read every service's weights into host memory (at start)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        states = {s: load for loads in running.engine.loads.values() for s, load in loads.items()}
+        loaded = running.engine.gpu.loads.values()
+        states = {s: load for loads in loaded for s, load in loads.items()}
         failed = {s: load.error for s, load in states.items() if not load.ok}
         if failed:
             raise InputError(f"bench gpu-pool: services failed to load: {failed}")

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from starlette.websockets import WebSocketDisconnect
 
-from tangram.api.wire import AgentHello, AgentReply, AgentRequest, unpack
+from tangram.api.wire import AgentCancel, AgentHello, AgentReply, AgentRequest, unpack
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.service")
@@ -70,6 +70,8 @@ class AgentLink:
         return self._rid
 
     async def request(self, req: AgentRequest) -> AgentReply:
+        """Send ``req`` under this link's next request id and wait for its reply."""
+        req = req.model_copy(update={"rid": self.next_rid()})
         fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
         self._post(req.model_dump_json())
         self._pending[req.rid] = fut
@@ -81,15 +83,15 @@ class AgentLink:
             # Wait (bounded) for the agent to report the command gone: its cores must not
             # be handed out while it still runs.
             with contextlib.suppress(Exception):
-                await self.send(AgentRequest(op="cancel", rid=self.next_rid(), target=req.rid))
+                await self.send(AgentCancel(rid=self.next_rid(), target=req.rid))
                 await asyncio.wait_for(asyncio.shield(fut), CANCEL_WAIT_S)
             raise
         finally:
             self._pending.pop(req.rid, None)
 
-    async def send(self, req: AgentRequest) -> None:
+    async def send(self, req: AgentCancel) -> None:
         """Fire and forget (cancel requests)."""
-        self._post(req.model_dump_json(exclude_defaults=True))
+        self._post(req.model_dump_json())
 
     def _post(self, text: str) -> None:
         if self.closed:
@@ -136,18 +138,22 @@ class AgentLink:
 class AgentHub:
     """Live links by node; tells the engine when nodes come and go."""
 
-    def __init__(
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self.links: dict[str, AgentLink] = {}
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._on_join: Callable[[AgentLink], Awaitable[None]] = _nothing
+        self._on_leave: Callable[[AgentLink], Awaitable[None]] = _nothing
+        self._on_orphan: Callable[[AgentReply], None] = lambda reply: None
+
+    def attach(
         self,
         on_join: Callable[[AgentLink], Awaitable[None]],
         on_leave: Callable[[AgentLink], Awaitable[None]],
-        heartbeat_timeout_s: float,
-        on_orphan: Callable[[AgentReply], None] = lambda reply: None,
+        on_orphan: Callable[[AgentReply], None],
     ) -> None:
-        self.links: dict[str, AgentLink] = {}
-        self._on_orphan = on_orphan
-        self._on_join = on_join
-        self._on_leave = on_leave
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        """Who hears of nodes joining (it may refuse one by raising) and leaving, and of
+        replies no request awaits (runs that outlived their link, lost environments)."""
+        self._on_join, self._on_leave, self._on_orphan = on_join, on_leave, on_orphan
 
     async def serve(self, socket: Socket, *, packed: bool = False) -> None:
         """Run one agent's connection from its hello to its end; ``packed``: the agent
@@ -197,3 +203,7 @@ class AgentHub:
             del self.links[link.node]
         link.fail_pending()
         await self._on_leave(link)
+
+
+async def _nothing(link: AgentLink) -> None:
+    return None

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tangram.api.wire import ActionResult, json_bytes
-from tangram.service.engine import ActionRecord, EngineError
+from tangram.service.records import ActionRecord, EngineError
 
 STATUS = {"invalid": 400, "not_found": 404, "conflict": 409, "overloaded": 429,
           "unavailable": 503, "failed": 502}  # fmt: skip

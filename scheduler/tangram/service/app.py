@@ -53,7 +53,8 @@ from tangram.service.answers import (
     payload,
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
-from tangram.service.engine import ActionRecord, Engine, EngineError, check_id
+from tangram.service.engine import Engine
+from tangram.service.records import ActionRecord, EngineError, check_id
 from tangram.service.reviews import NotAdmittedError, ReviewError, TokenReviewer
 from tangram.service.stream import ActionStream
 

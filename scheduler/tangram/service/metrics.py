@@ -1,23 +1,21 @@
 """Prometheus metrics of one scheduler (its own registry, so engines never share series).
 
 Histograms are observed as actions end; gauges (queue depth, units in use and capacity
-per resource and node, quota use, agent health) are read from the engine at scrape time.
+per resource and node, quota use, agent health) come from a snapshot of the engine's
+figures taken at scrape time (:class:`LiveFigures`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tangram.api.wire import ActionResult
-
-if TYPE_CHECKING:
-    from tangram.service.engine import Engine
 
 # From 100 µs (the fast path's share) to 20 minutes (a long test suite).
 _BUCKETS = (
@@ -49,7 +47,10 @@ _PHASES = ("act", "queued", "overhead", "exec")
 
 
 class Metrics:
-    def __init__(self, engine: Engine) -> None:
+    """The sink the engine reports ended actions to, and the gauges it is scraped for
+    (``snapshot``, called at scrape time)."""
+
+    def __init__(self, pool: str, snapshot: Callable[[], LiveFigures]) -> None:
         self.registry = CollectorRegistry()
         labels = ("pool", "kind")
         self.actions = Counter(
@@ -111,8 +112,8 @@ class Metrics:
             ("pool",),
             registry=self.registry,
         )
-        self.registry.register(_Live(engine))
-        self.pool = engine.config.name
+        self.pool = pool
+        self.registry.register(_Live(lambda: self.pool, snapshot))
         self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     def ended(self, result: ActionResult) -> None:
@@ -147,18 +148,39 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _Live(Collector):
-    """Gauges read from the engine when Prometheus scrapes."""
+@dataclass(frozen=True, slots=True)
+class Units:
+    resource: str  # "cpu", "memory_gb", "gpu", "api:<quota>"
+    node: str  # "" for a quota
+    capacity: float | None  # None: unbounded (a quota with a rate but no concurrency)
+    in_use: float
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+
+@dataclass(frozen=True, slots=True)
+class LiveFigures:
+    """What the gauges show, as the engine sees it at scrape time."""
+
+    queue_depth: int
+    units: Sequence[Units]
+    agents_seen_s: Mapping[str, float]  # node -> seconds since its agent was last heard
+    trajectories: Mapping[str, int]  # state -> how many
+    resident: Mapping[tuple[str, str], int]  # (service, node) -> instances in GPU memory
+    gpu_memory_gb: Mapping[tuple[str, int], float]  # (node, device index) -> GB resident
+
+
+class _Live(Collector):
+    """Gauges from a snapshot taken when Prometheus scrapes."""
+
+    def __init__(self, pool: Callable[[], str], snapshot: Callable[[], LiveFigures]) -> None:
+        self.pool = pool
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        e, pool = self.engine, self.engine.config.name
+        live, pool = self.snapshot(), self.pool()
         depth = GaugeMetricFamily(
             "tangram_queue_depth", "Actions waiting for units", labels=["pool"]
         )
-        depth.add_metric([pool], e.core.queued)
+        depth.add_metric([pool], live.queue_depth)
         yield depth
         cap = GaugeMetricFamily(
             "tangram_units_capacity", "Units a resource has", labels=["pool", "resource", "node"]
@@ -168,68 +190,44 @@ class _Live(Collector):
             "Units held by running actions",
             labels=["pool", "resource", "node"],
         )
-        for name, node in e.core.cpu.nodes.items():
-            cap.add_metric([pool, "cpu", name], node.cores)
-            used.add_metric([pool, "cpu", name], node.cores - node.free_cores)
-            cap.add_metric([pool, "memory_gb", name], node.memory_gb)
-            used.add_metric([pool, "memory_gb", name], node.memory_used_gb)
-        for name, gpu in e.core.gpu.nodes.items():
-            cap.add_metric([pool, "gpu", name], gpu.gpus)
-            used.add_metric([pool, "gpu", name], gpu.gpus - gpu.free_gpus)
-        for name, q in e.core.quotas.items():
-            if q.concurrency is not None:
-                cap.add_metric([pool, f"api:{name}", ""], q.concurrency)
-            used.add_metric([pool, f"api:{name}", ""], q.in_use)
+        for u in live.units:
+            if u.capacity is not None:
+                cap.add_metric([pool, u.resource, u.node], u.capacity)
+            used.add_metric([pool, u.resource, u.node], u.in_use)
         yield cap
         yield used
-        yield from _gpu_residency(e, pool)
+        instances = GaugeMetricFamily(
+            "tangram_service_resident_instances",
+            "RewardService instances resident in GPU memory (a DoP-k instance spans k GPUs)",
+            labels=["pool", "service", "node"],
+        )
+        for (service, node), n in sorted(live.resident.items()):
+            instances.add_metric([pool, service, node], n)
+        yield instances
+        memory = GaugeMetricFamily(
+            "tangram_gpu_memory_resident_gb",
+            "GPU memory held by resident service instances, per GPU",
+            labels=["pool", "node", "gpu"],  # gpu: the device index on its node
+        )
+        for (node, device), gb in live.gpu_memory_gb.items():
+            memory.add_metric([pool, node, str(device)], gb)
+        yield memory
         agents = GaugeMetricFamily(
             "tangram_agents_connected", "Node agents connected", labels=["pool"]
         )
-        agents.add_metric([pool], len(e.hub.links))
+        agents.add_metric([pool], len(live.agents_seen_s))
         yield agents
         age = GaugeMetricFamily(
             "tangram_agent_heartbeat_age_seconds",
             "Since an agent was last heard",
             labels=["pool", "node"],
         )
-        now = time.monotonic()
-        for name, link in e.hub.links.items():
-            age.add_metric([pool, name], now - link.last_seen)
+        for name, seconds in live.agents_seen_s.items():
+            age.add_metric([pool, name], seconds)
         yield age
         traj = GaugeMetricFamily(
             "tangram_trajectories", "Trajectories by state", labels=["pool", "state"]
         )
-        counts: dict[str, int] = {}
-        for rec in e.trajectories.values():
-            counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
-        for state, n in sorted(counts.items()):
+        for state, n in sorted(live.trajectories.items()):
             traj.add_metric([pool, state], n)
         yield traj
-
-
-def _gpu_residency(e: Engine, pool: str) -> Iterator[GaugeMetricFamily]:
-    """What the scheduler counts as resident in GPU memory: instances per service and
-    node, and the GB they hold on each GPU."""
-    instances = GaugeMetricFamily(
-        "tangram_service_resident_instances",
-        "RewardService instances resident in GPU memory (a DoP-k instance spans k GPUs)",
-        labels=["pool", "service", "node"],
-    )
-    counts: dict[tuple[str, str], int] = {}
-    for inst in e.core.gpu.resident:
-        key = (inst.service, inst.chunk.node)
-        counts[key] = counts.get(key, 0) + 1
-    for (service, node), n in sorted(counts.items()):
-        instances.add_metric([pool, service, node], n)
-    yield instances
-    memory = GaugeMetricFamily(
-        "tangram_gpu_memory_resident_gb",
-        "GPU memory held by resident service instances, per GPU",
-        labels=["pool", "node", "gpu"],  # gpu: the device index on its node
-    )
-    for name, gpus in e.core.gpu.nodes.items():
-        devices = e.node_gpus.get(name, [])
-        for g, gb in enumerate(gpus.used_gb):
-            memory.add_metric([pool, name, str(devices[g] if g < len(devices) else g)], gb)
-    yield memory

@@ -33,7 +33,8 @@ from tangram.api.wire import StreamExec
 from tangram.client.outbox import Outbox
 from tangram.service.answers import RETRY_AFTER_S, RETRY_STATUS, engine_error, error_body, payload
 from tangram.service.answers import invalid as invalid_body
-from tangram.service.engine import ActionRecord, Engine, EngineError
+from tangram.service.engine import Engine
+from tangram.service.records import ActionRecord, EngineError
 
 log = logging.getLogger("tangram.service")
 # Answers not yet sent beyond which the stream reads nothing more until they are: a client

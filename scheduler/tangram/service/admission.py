@@ -1,0 +1,223 @@
+"""Admission: every action enters the queue here, whatever carried it (an HTTP request, a
+batch, a message on the action stream).
+
+Each kind checks its own request and builds its core action; one path then admits it
+(:meth:`Admission._enter`): a retried idempotency key gets the action it already names,
+the queue's bound and the scheduler's state are checked, and the action is queued with
+its key remembered and its queue timeout set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from tangram.api.action import ActionSpec
+from tangram.api.wire import (
+    ActionResult,
+    ApiCallRequest,
+    ApiLeaseRequest,
+    BatchItem,
+    ExecRequest,
+    ServiceCallRequest,
+)
+from tangram.scheduler.core.scheduler import SchedulingError
+from tangram.service.api_calls import ApiCalls
+from tangram.service.config import EnvConfig
+from tangram.service.gpu_calls import GpuCalls
+from tangram.service.keys import Remembered
+from tangram.service.outcomes import Outcomes
+from tangram.service.records import ActionKind, ActionRecord, EngineError, Request
+from tangram.service.state import PoolState
+
+MAX_SHAPES = 10_000  # validated exec shapes kept
+
+
+class Admission:
+    def __init__(self, state: PoolState, outcomes: Outcomes, gpu: GpuCalls, api: ApiCalls) -> None:
+        self.s = state
+        self.outcomes = outcomes
+        self.gpu = gpu
+        self.api = api
+        self._specs: dict[tuple[Any, ...], ActionSpec] = {}  # validated exec shapes
+
+    def submit_exec(self, tenant: str, tid: str, req: ExecRequest) -> ActionRecord:
+        """Queue an exec action; ``await record.done`` for its result."""
+        target = f"exec on {tid}"
+        again = self._repeat(tenant, req.idempotency_key, target)
+        if again is not None:
+            return again
+        self.s.admitting()
+        traj = self.s.usable(tenant, tid)
+        argv, spec = self._exec_spec(self.s.env_of(traj), req)
+        rec = self._enter(tenant, req, spec, tid=tid, holder=tid, kind="exec", argv=argv,
+                          target=target)  # fmt: skip
+        traj.actions += 1
+        return rec
+
+    def lease_api(
+        self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest
+    ) -> ActionRecord:
+        """Queue a lease of ``req.units`` of an API quota (the result carries the lease
+        id), or a call the service makes for the caller once the quota admits it."""
+        target = f"{'lease' if isinstance(req, ApiLeaseRequest) else 'call'} of {api}"
+        again = self._repeat(tenant, req.idempotency_key, target)
+        if again is not None:
+            return again
+        self.s.admitting()
+        spec = self.api.spec(api, req)
+        return self._detached(tenant, req, spec, group="leases", kind="api", target=target)
+
+    def submit_service(self, tenant: str, service: str, req: ServiceCallRequest) -> ActionRecord:
+        """Queue one call of a RewardService; ``await record.done`` for its result."""
+        target = f"call of service {service}"
+        again = self._repeat(tenant, req.idempotency_key, target)
+        if again is not None:
+            return again
+        self.s.admitting()
+        spec = self.gpu.call_spec(service, req)
+        return self._detached(tenant, req, spec, group="services", kind="service", target=target)
+
+    def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:
+        """Admit every item or none: an item refused withdraws the ones this call admitted
+        before it (their keys too, so a retry runs them)."""
+        self.s.admitting(extra=len(items))
+        admitted: list[ActionRecord] = []
+        fresh: list[ActionRecord] = []  # created here, not earlier actions found by key
+        try:
+            for item in items:
+                before = len(self.s.actions)
+                if item.exec is not None:
+                    assert item.trajectory is not None
+                    rec = self.submit_exec(tenant, item.trajectory, item.exec)
+                elif item.score is not None:
+                    assert item.service is not None
+                    rec = self.submit_service(tenant, item.service, item.score)
+                else:
+                    assert item.api is not None
+                    req = item.lease if item.lease is not None else item.call
+                    assert req is not None
+                    rec = self.lease_api(tenant, item.api, req)
+                admitted.append(rec)
+                if len(self.s.actions) > before:
+                    fresh.append(rec)
+        except EngineError:
+            for rec in fresh:
+                if rec.key is not None:  # first: a cancelled action's key would keep its answer
+                    self.s.idempotent.forget(tenant, rec.key, rec)
+                self.outcomes.cancel(tenant, rec.id)
+            raise
+        return admitted
+
+    def _detached(
+        self,
+        tenant: str,
+        req: ApiLeaseRequest | ApiCallRequest | ServiceCallRequest,
+        spec: ActionSpec,
+        *,
+        group: str,
+        kind: ActionKind,
+        target: str,
+    ) -> ActionRecord:
+        """An action that belongs to no trajectory (API leases and calls, service calls):
+        the core counts it under the tenant's holder, ``~group/tenant``."""
+        holder = f"~{group}/{tenant}"  # "~" is never in a trajectory id
+        if holder not in self.s.core.trajectories:
+            self.s.core.open_trajectory(holder)
+        return self._enter(tenant, req, spec, tid=None, holder=holder, kind=kind, argv=None,
+                           target=target)  # fmt: skip
+
+    def _enter(
+        self,
+        tenant: str,
+        req: Request,
+        spec: ActionSpec,
+        *,
+        tid: str | None,
+        holder: str,
+        kind: ActionKind,
+        argv: list[str] | None,
+        target: str,
+    ) -> ActionRecord:
+        """The one way into the queue: ``spec`` under the core's trajectory ``holder``
+        (the action's own, or its tenant's holder of detached actions)."""
+        s = self.s
+        rec = s.record(tenant, tid, kind, req, argv, target=target)
+        try:
+            s.core.submit(rec.id, holder, spec, rec.submitted)
+        except SchedulingError as e:
+            raise EngineError("invalid", e.field, e.message) from None
+        s.actions[rec.id] = rec
+        if req.idempotency_key is not None:
+            s.idempotent.remember(tenant, req.idempotency_key, rec)
+        if req.queue_timeout_s is not None:
+            rec.expiry = asyncio.get_running_loop().call_later(
+                req.queue_timeout_s, self.outcomes.queue_timeout, rec
+            )
+        s.wake.set()
+        return rec
+
+    def _repeat(self, tenant: str, key: str | None, target: str) -> ActionRecord | None:
+        """The action an idempotency key already names; a key reused for another
+        operation or target is a conflict, not a replay."""
+        if key is None:
+            return None
+        again = self.s.idempotent.get(tenant, key)
+        if again is not None and again.target != target:
+            raise EngineError(
+                "conflict", "idempotency_key", f"{key!r} was used for {again.target}, not {target}"
+            )
+        if isinstance(again, Remembered):
+            return self._replay(tenant, again)
+        return again
+
+    def _replay(self, tenant: str, kept: Remembered) -> ActionRecord:
+        """A stand-in for an ended keyed action: its answer, ready."""
+        result = ActionResult.model_validate_json(kept.result)
+        fut: asyncio.Future[ActionResult] = asyncio.get_running_loop().create_future()
+        fut.set_result(result)
+        return ActionRecord(
+            kept.id,
+            tenant,
+            result.trajectory,
+            result.kind,
+            None,
+            None,
+            kept.target,
+            self.s.clock(),
+            fut,
+            answer=kept.result,
+        )
+
+    def _exec_spec(self, env: EnvConfig, req: ExecRequest) -> tuple[list[str] | None, ActionSpec]:
+        cpu, t1, eff, argv = req.cpu, req.t1_s, req.efficiency, req.argv
+        kind = req.type
+        if req.profile is not None:
+            prof = env.profiles.get(req.profile)
+            if prof is None:
+                known = ", ".join(sorted(env.profiles)) or "none"
+                raise EngineError(
+                    "invalid",
+                    "profile",
+                    f"{env.spec.name} has no profile {req.profile!r} (known: {known})",
+                )
+            argv = [*prof.command, *req.args]
+            cpu = cpu if cpu is not None else prof.cpu
+            t1 = t1 if t1 is not None else prof.t1_s
+            eff = eff if eff is not None else prof.efficiency
+            kind = kind or f"exec:{env.spec.name}/{req.profile}"
+        cores = cpu if cpu is not None else env.cpu
+        shape: tuple[Any, ...] = (cores, t1, eff, kind)
+        try:
+            spec = self._specs.get(shape)
+        except TypeError:  # an unhashable part (an efficiency table): no caching
+            shape, spec = (), None
+        if spec is None:  # a handful of shapes recur: validate each once
+            try:
+                spec = ActionSpec(kind="exec", cpu=cores, t1_s=t1, efficiency=eff, type=kind)
+            except ValueError as e:
+                raise EngineError("invalid", "cpu", str(e)) from None
+            if shape and len(self._specs) < MAX_SHAPES:
+                self._specs[shape] = spec
+        return argv, spec

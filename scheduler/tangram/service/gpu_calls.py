@@ -1,0 +1,270 @@
+"""RewardService calls: the GPU manager's side of the engine.
+
+A GPU node's worker joins with its devices; it is told which services to hold (it loads
+each once into host memory); each call runs on the chunk of GPUs the round gave it, and
+the worker's residency reports keep the core's view of what is in GPU memory true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+
+from tangram.api.action import ActionSpec
+from tangram.api.cluster import ServiceSpec
+from tangram.api.demand import ChoicesDemand, TableEfficiency, allowed_units
+from tangram.api.wire import (
+    ActionStatus,
+    AgentCall,
+    AgentReply,
+    AgentServices,
+    GpuWorkerInfo,
+    ResidentInstance,
+    ServiceCallRequest,
+    ServiceLoad,
+    json_bytes,
+)
+from tangram.scheduler.core.dp import CHUNK_SIZES
+from tangram.scheduler.core.scheduler import Assignment, SchedulingError
+from tangram.service.config import ServiceConfig
+from tangram.service.outcomes import Outcomes
+from tangram.service.records import ActionRecord, EngineError, err
+from tangram.service.state import PoolState
+
+log = logging.getLogger("tangram.service")
+
+
+class GpuCalls:
+    def __init__(self, state: PoolState, outcomes: Outcomes) -> None:
+        self.s = state
+        self.outcomes = outcomes
+        self.h2d_gbps: dict[str, float] = {}  # measured by each GPU node's agent
+        self.loads: dict[str, dict[str, ServiceLoad]] = {}  # node -> service -> load
+
+    # ---- nodes and their services --------------------------------------------------
+    def join(self, node: str, gpu: GpuWorkerInfo) -> None:
+        """A node's GPU worker joins: its devices (as many as the pool's gpusPerNode allows,
+        a power of two for buddy chunks) become a GPU node of the core, and it is told
+        which services to load."""
+        s = self.s
+        limit = min(len(gpu.devices), s.config.gpus_per_node or 8)
+        count = max(k for k in CHUNK_SIZES if k <= limit)
+        if count < len(gpu.devices):
+            log.warning(
+                "node %s: %d GPUs, buddy chunks use the first %d", node, len(gpu.devices), count
+            )
+        memory_gb = min(gpu.memory_bytes[:count]) / 2**30
+        try:
+            s.core.add_gpu_node(node, count, memory_gb)
+        except SchedulingError as e:
+            log.warning("the GPUs of %s cannot join: %s", node, e)
+            return
+        s.node_gpus[node] = list(gpu.devices[:count])
+        self.h2d_gbps[node] = gpu.h2d_gbps
+        log.info(
+            "node %s: %d %s GPUs join, %.1f GiB each for services, host-to-device %.1f GB/s",
+            node,
+            count,
+            gpu.backend,
+            memory_gb,
+            gpu.h2d_gbps,
+        )
+        s.background(self.sync_services(node))
+
+    def leave(self, node: str) -> None:
+        self.s.node_gpus.pop(node, None)
+        self.h2d_gbps.pop(node, None)
+        self.loads.pop(node, None)
+
+    def services_changed(self) -> None:
+        """The pool's RewardServices changed: the core's view, and every worker's set."""
+        self.s.core.set_services(self.service_specs())
+        for node in self.s.node_gpus:
+            self.s.background(self.sync_services(node))
+
+    async def sync_services(self, node: str) -> None:
+        """Have ``node``'s worker hold exactly the pool's services (it loads each once into
+        host memory); their measured sizes feed the restore estimates."""
+        s = self.s
+        defs = [c.spec for c in s.config.services.values()]
+        try:
+            reply = await s.ask(node, AgentServices(services=defs))
+        except EngineError as e:
+            log.warning("services not synced to %s: %s", node, e.message)
+            return
+        if not reply.ok:
+            log.warning("services not synced to %s: %s", node, reply.error)
+            return
+        if node in s.node_gpus:
+            self._sync_resident(node, reply.resident)
+            self.loads[node] = dict(reply.loaded)
+            for name, load in sorted(reply.loaded.items()):
+                if not load.ok:
+                    log.warning("RewardService %s cannot load on %s: %s", name, node, load.error)
+            s.core.set_services(self.service_specs())
+            s.core.set_unloadable(node, (n for n, load in reply.loaded.items() if not load.ok))
+            s.wake.set()
+
+    def service_specs(self) -> list[ServiceSpec]:
+        return [self._service_spec(c) for c in self.s.config.services.values()]
+
+    def _service_spec(self, cfg: ServiceConfig) -> ServiceSpec:
+        """The core's view of a service. Its restore cost is the declared one, or the
+        model's bytes over the slowest measured host-to-device bandwidth."""
+        restore = cfg.restore_s
+        if restore is None:
+            restore = max(
+                (
+                    loads[cfg.spec.name].bytes / (self.h2d_gbps[node] * 1e9)
+                    for node, loads in self.loads.items()
+                    if cfg.spec.name in loads and node in self.h2d_gbps
+                ),
+                default=0.0,
+            )
+        return ServiceSpec(
+            name=cfg.spec.name,
+            gpu_memory_gb=cfg.spec.gpu_memory_gb,
+            dop_choices=list(cfg.dop_choices),
+            restore_s=restore,
+            replicated=cfg.spec.replicated,
+            # What the workers load: any change to it makes them reload the service.
+            revision=hashlib.sha256(json_bytes(cfg.spec)).hexdigest()[:16],
+        )
+
+    def _sync_resident(self, node: str, resident: list[ResidentInstance]) -> None:
+        """The core's residency view of ``node`` from its worker's report: the device
+        indexes become the node's GPU positions; instances off the pool's GPUs are left out."""
+        position = {d: i for i, d in enumerate(self.s.node_gpus[node])}
+        found: list[tuple[str, int, int]] = []
+        for r in resident:
+            at = sorted(position.get(d, -1) for d in r.devices)
+            if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
+                found.append((r.service, at[0], len(at)))
+        self.s.core.sync_resident(node, found)
+
+    # ---- calls ---------------------------------------------------------------------
+    def call_spec(self, service: str, req: ServiceCallRequest) -> ActionSpec:
+        """A call of ``service`` as the elastic algorithm sees it, once a worker can take
+        it: the DoPs it may get, and from the profiles measured for its input size a
+        duration for each (as t1 and an efficiency table that reproduce them exactly)."""
+        s = self.s
+        cfg = s.config.services.get(service)
+        if cfg is None:
+            known = ", ".join(sorted(s.config.services)) or "none"
+            raise EngineError(
+                "not_found", "service", f"unknown RewardService {service!r} (known: {known})"
+            )
+        if not s.node_gpus:
+            raise EngineError("unavailable", "service", "no GPU node agent is connected")
+        states = {n: loads[service] for n, loads in self.loads.items() if service in loads}
+        if not any(st.ok for st in states.values()):
+            why = "; ".join(f"{n}: {st.error}" for n, st in sorted(states.items()))
+            raise EngineError(
+                "unavailable",
+                "service",
+                f"{service} is loaded on no GPU node{': ' if why else ''}{why}",
+            )
+        return elastic_call_spec(cfg, req)
+
+    async def call(self, rec: ActionRecord, asg: Assignment) -> None:
+        s = self.s
+        assert asg.node is not None and asg.chunk is not None
+        assert isinstance(rec.request, ServiceCallRequest)
+        req = rec.request
+        gpus = self.outcomes.devices(asg)
+        service = s.core.running[rec.id].action.service or ""
+        t0 = s.clock()
+        status, reply, error = ActionStatus.ERROR, None, None
+        # The call's thread cannot be stopped once it runs: its chunk stays held until the
+        # agent answers, even when the caller stops waiting (timeout, cancel).
+        ask = asyncio.ensure_future(
+            s.ask(asg.node, AgentCall(service=service, gpus=gpus, inputs=req.inputs))
+        )
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(ask), req.timeout_s)
+            if reply.ok and reply.call is not None:
+                status = ActionStatus.OK
+            else:
+                error = err("service_failed", reply.error or "the agent refused the call")
+        except asyncio.CancelledError:
+            status = ActionStatus.CANCELLED
+        except TimeoutError:
+            status = ActionStatus.TIMEOUT
+        except EngineError as e:
+            error = err("node_lost", e.message, retryable=True)
+        now = s.clock()
+        call = reply.call if reply is not None else None
+        exec_s = call.exec_s if call is not None else 0.0
+        restore_s = call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
+        if ask.done():
+            self._complete(rec.id, ok=status is ActionStatus.OK, restore_s=restore_s)
+        else:
+            s.background(ask)
+
+            def late(done: asyncio.Future[AgentReply]) -> None:
+                """The call ended after its caller stopped waiting: not learned from, but
+                if it ran, its instance is resident."""
+                ran = not done.cancelled() and done.exception() is None and done.result().ok
+                self._complete(rec.id, ok=False, resident=ran or None)
+
+            ask.add_done_callback(late)
+        self.outcomes.end(
+            rec,
+            status,
+            complete=False,  # done above, with what the call measured, or when it ends
+            error=error,
+            exec_s=exec_s,
+            restore_s=restore_s,
+            overhead_s=max(0.0, (now - t0) - exec_s - restore_s),
+            output=call.outputs if call is not None else None,
+            service=call.stats if call is not None else None,
+        )
+
+    def _complete(
+        self, aid: str, *, ok: bool, restore_s: float | None = None, resident: bool | None = None
+    ) -> None:
+        s = self.s
+        if aid in s.core.running:
+            s.core.complete(aid, s.clock(), ok=ok, restore_s=restore_s, resident=resident)
+            s.wake.set()
+
+
+def elastic_call_spec(cfg: ServiceConfig, req: ServiceCallRequest) -> ActionSpec:
+    """A call of the service ``cfg`` as the elastic algorithm sees it (see ``call_spec``)."""
+    name = cfg.spec.name
+    allowed = set(cfg.dop_choices)
+    if req.gpu is not None:
+        allowed &= set(allowed_units(req.gpu))
+        if not allowed:
+            raise EngineError(
+                "invalid",
+                "gpu",
+                f"no DoP in {list(allowed_units(req.gpu))} is one of {name}'s dopChoices "
+                f"{list(cfg.dop_choices)}",
+            )
+    durations = {k: d for k, d in cfg.durations(req.input_size).items() if k in allowed}
+    kind = f"service:{name}"
+    if not durations:  # unprofiled: the request's t1, else learned online
+        return ActionSpec(
+            kind="service",
+            service=name,
+            gpu=ChoicesDemand(choices=sorted(allowed)),
+            t1_s=req.t1_s,
+            type=kind,
+        )
+    if len(durations) == 1:  # one DoP: not elastic, and its duration is the estimate
+        ((k, d),) = durations.items()
+        return ActionSpec(
+            kind="service", service=name, gpu=ChoicesDemand(choices=[k]), t1_s=d, type=kind
+        )
+    t1 = min(k * d for k, d in durations.items())
+    table = {k: min(1.0, t1 / (k * d)) for k, d in durations.items()}
+    return ActionSpec(
+        kind="service",
+        service=name,
+        gpu=ChoicesDemand(choices=sorted(durations)),
+        t1_s=t1,
+        efficiency=TableEfficiency(table=table),
+        type=kind,
+    )

@@ -1,0 +1,241 @@
+"""Node membership: agents joining and leaving, and what they hand back.
+
+A joining agent brings its cores, GPUs and the environments it holds: this scheduler's
+(a reconnect) or a previous scheduler's (a restart); they are taken back with their files,
+and actions still running on it are adopted. A leaving agent's running actions end; its
+trajectories wait out the pool's grace for it before they are lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from tangram.api.action import ActionSpec
+from tangram.api.wire import (
+    ActionStatus,
+    AgentClose,
+    AgentReply,
+    AgentWarm,
+    ExecRequest,
+    RunningAction,
+    TrajectoryMeta,
+    TrajectoryState,
+)
+from tangram.scheduler.core.scheduler import SchedulingError
+from tangram.service.agents import AgentLink, NodeRefusedError
+from tangram.service.config import EnvConfig
+from tangram.service.gpu_calls import GpuCalls
+from tangram.service.outcomes import Outcomes
+from tangram.service.records import KEY_SEP, TrajectoryRecord, err
+from tangram.service.state import PoolState
+from tangram.service.trajectories import Trajectories
+
+log = logging.getLogger("tangram.service")
+
+
+class Membership:
+    def __init__(
+        self, state: PoolState, outcomes: Outcomes, trajectories: Trajectories, gpu: GpuCalls
+    ) -> None:
+        self.s = state
+        self.outcomes = outcomes
+        self.trajectories = trajectories
+        self.gpu = gpu
+        self.refused: dict[str, str] = {}  # node -> why its agent was refused (standing)
+        self.adopted: dict[str, str] = {}  # agent key -> the id of the action adopted for it
+
+    async def join(self, link: AgentLink) -> None:
+        s, hello = self.s, link.hello
+        if hello.problem is not None:
+            p, subject = hello.problem, f"node {hello.node}"
+            if self.refused.get(hello.node) == p.message:  # the same cause, reconnecting
+                s.problems.touch(p.reason, subject, s.clock())
+            else:
+                s.problems.note(p.reason, subject, p.message, s.clock())
+            self.refused[hello.node] = p.message
+            raise NodeRefusedError(p.message)
+        self.refused.pop(hello.node, None)
+        cores = sorted(hello.action_cores)
+        s.core.add_node(hello.node, cores=len(cores), memory_gb=hello.inventory.memory_gb)
+        s.node_cores[hello.node] = cores
+        if hello.gpu is not None:
+            self.gpu.join(hello.node, hello.gpu)
+        stale = [m.id for m in hello.trajectories if not self._take_back(m, hello.node)]
+        self.trajectories.closed_away.pop(hello.node, None)  # not handed back: gone
+        adopted = sum(self._adopt_running(r, hello.node) for r in hello.running)
+        for tid in stale:  # environments nobody can use any more: lost before, or unknown
+            s.background(s.ask(hello.node, AgentClose(trajectory=tid)))
+        for env in s.config.envs.values():
+            if env.spec.warm:
+                s.background(s.ask(hello.node, AgentWarm(env=env.spec)))
+        log.info(
+            "node %s joined: %d action cores, %s runtime, %d trajectories and %d running "
+            "actions taken back, %d stale environments closed",
+            hello.node,
+            len(cores),
+            hello.runtime,
+            len(hello.trajectories) - len(stale),
+            adopted,
+            len(stale),
+        )
+        s.wake.set()
+
+    def _take_back(self, meta: TrajectoryMeta, node: str) -> bool:
+        """A trajectory an agent holds: this scheduler's (a reconnect), or one a previous
+        scheduler opened (a restart). False when its environment should go."""
+        s = self.s
+        closed = self.trajectories.closed_away.get(node, set())
+        if meta.id in closed:
+            closed.discard(meta.id)
+            return False
+        rec = s.trajectories.get(meta.id)
+        if rec is not None:
+            if rec.node not in (None, node):
+                return False
+            if rec.state is TrajectoryState.AWAY:  # its agent is back within the grace
+                if self._place_again(meta.id, s.env_of(rec), node):
+                    rec.state = TrajectoryState.OPEN
+                else:
+                    self.trajectories.lose(rec, f"its memory is no longer free on {node}")
+            if rec.state is TrajectoryState.OPEN:
+                rec.node = node
+                return True
+            return False  # lost (the grace ended) or closed while its agent was away
+        env = s.config.envs.get(meta.env)
+        if env is None or not meta.tenant or not self._place_again(meta.id, env, node):
+            return False
+        s.trajectories[meta.id] = TrajectoryRecord(
+            meta.id, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env
+        )
+        return True
+
+    def _place_again(self, tid: str, env: EnvConfig, node: str) -> bool:
+        """Reserve a live environment's memory again on the node that holds it."""
+        try:
+            self.s.core.open_trajectory(tid, env.spec.memory_gb)
+            self.s.core.place_trajectory(tid, node)
+        except SchedulingError as e:
+            log.warning("cannot take back trajectory %s on %s: %s", tid, node, e)
+            return False
+        return True
+
+    def _adopt_running(self, run: RunningAction, node: str) -> bool:
+        """An action still running on a node whose scheduler restarted: its cores stay
+        held; a retry of its key waits for it; its result arrives unasked (``orphan``)."""
+        s = self.s
+        tenant, _, key = run.key.partition(KEY_SEP)
+        traj = s.trajectories.get(run.trajectory)
+        if traj is None or traj.tenant != tenant or (tenant, key) in s.idempotent:
+            return False
+        index = {c: i for i, c in enumerate(s.node_cores[node])}
+        req = ExecRequest(argv=["(adopted)"], idempotency_key=key)
+        target = f"exec on {run.trajectory}"
+        rec = s.record(tenant, run.trajectory, "exec", req, None, target=target)
+        rec.submitted = rec.submitted - run.running_s
+        try:
+            asg = s.core.adopt(
+                rec.id,
+                run.trajectory,
+                ActionSpec(kind="exec", cpu=len(run.cores)),
+                units=len(run.cores),
+                started_at=s.clock() - run.running_s,
+                node=node,
+                cores=[index[c] for c in run.cores if c in index],
+            )
+        except SchedulingError as e:
+            log.warning("cannot adopt running action %s on %s: %s", run.key, node, e)
+            return False
+        rec.started, rec.assignment = asg.started_at, asg
+        s.actions[rec.id] = rec
+        s.idempotent.remember(tenant, key, rec)
+        rec.agent_key = run.key
+        self.adopted[run.key] = rec.id
+        traj.running.add(rec.id)
+        return True
+
+    def orphan(self, reply: AgentReply) -> None:
+        """The result of an adopted action, sent by its agent when it finished; or an
+        environment that ended by itself."""
+        if reply.lost is not None:
+            self.trajectories.environment_lost(
+                reply.lost, reply.reason or "SandboxExited", reply.error or ""
+            )
+            return
+        rec = self.s.actions.get(self.adopted.pop(reply.key or "", ""))
+        if rec is None:
+            return
+        out = reply.result
+        status = ActionStatus.ERROR
+        error = None
+        if reply.ok and out is not None:
+            status = ActionStatus.TIMEOUT if out.timed_out else ActionStatus.OK
+        elif reply.error == "cancelled":
+            status = ActionStatus.CANCELLED
+        else:
+            error = err("exec_failed", reply.error or "the agent refused the action")
+        exec_s = out.exec_s if out is not None else 0.0
+        self.outcomes.end(rec, status, ok=reply.ok, error=error, exec_s=exec_s, reply=reply)
+
+    async def leave(self, link: AgentLink) -> None:
+        s = self.s
+        if link.node not in s.node_cores:
+            return
+        drained = s.core.drain_node(link.node)
+        del s.node_cores[link.node]
+        self.gpu.leave(link.node)
+        lost = err("node_lost", f"node {link.node} left the pool", retryable=True)
+        for aid in (*drained.running, *drained.dropped):
+            rec = s.actions.get(aid)
+            if rec is not None:
+                if rec.task is not None:
+                    rec.task.cancel()
+                if rec.key is not None and rec.kind == "exec":
+                    # Its outcome is its agent's to tell: a retry of the key goes to the
+                    # agent (a replay, a first run, or "unknown"), not to a kept node_lost.
+                    s.idempotent.forget(rec.tenant, rec.key, rec)
+                self.outcomes.finish(rec, ActionStatus.ERROR, error=lost)
+        away = [
+            t for t in drained.trajectories
+            if t in s.trajectories and s.trajectories[t].state is TrajectoryState.OPEN
+        ]  # fmt: skip
+        now = s.clock()
+        for tid in away:
+            s.trajectories[tid].state = TrajectoryState.AWAY
+            s.trajectories[tid].away_since = now
+        if away:
+            s.background(self.lose_after_grace(link.node, away, now))
+        log.log(
+            logging.WARNING if s.accepting else logging.INFO,  # expected at shutdown
+            "node %s left: %d actions ended, %d trajectories wait %.0f s for its agent",
+            link.node,
+            len(drained.running) + len(drained.dropped),
+            len(away),
+            s.config.agent_grace_s,
+        )
+        s.wake.set()
+
+    async def lose_after_grace(self, node: str, tids: Sequence[str], since: float) -> None:
+        """The trajectories of an agent that did not come back in time are lost (their
+        environments, if they still live, are closed when it does come back). Only the
+        absence that began at ``since``: one that came back and left again has its own."""
+        s = self.s
+        grace = s.config.agent_grace_s
+        await asyncio.sleep(grace)
+        lost = [
+            rec for t in tids
+            if (rec := s.trajectories.get(t)) is not None
+            and rec.state is TrajectoryState.AWAY and rec.away_since == since
+        ]  # fmt: skip
+        for rec in lost:
+            self.trajectories.lose(
+                rec, f"the agent of node {node} did not come back in {grace:.0f} s"
+            )
+        if lost:
+            log.warning(
+                "node %s: its agent did not come back in %.0f s: %d trajectories lost",
+                node,
+                grace,
+                len(lost),
+            )

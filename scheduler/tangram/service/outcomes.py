@@ -1,0 +1,198 @@
+"""How an action ends: its units go back, its result goes to its waiter, once.
+
+Every ending (an agent's reply, a call's answer, a cancel, a lease's release, a lost node,
+a failed start) goes through :meth:`Outcomes.end` or, for actions the core does not run,
+:meth:`Outcomes.finish`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from tangram.api.wire import (
+    ActionResult,
+    ActionStatus,
+    AgentCancel,
+    AgentReply,
+    Allocation,
+    ErrorInfo,
+    ServiceStats,
+    Timings,
+    json_bytes,
+)
+from tangram.scheduler.core.scheduler import Assignment, SchedulingError
+from tangram.service.records import ActionRecord, EngineError, err
+from tangram.service.state import PoolState
+
+log = logging.getLogger("tangram.service")
+
+
+class Outcomes:
+    def __init__(self, state: PoolState) -> None:
+        self.s = state
+
+    def end(
+        self,
+        rec: ActionRecord,
+        status: ActionStatus,
+        *,
+        ok: bool | None = None,
+        complete: bool = True,
+        **details: Any,
+    ) -> None:
+        """End a started action: the core gets its units back (``ok``, default: it ran to
+        its end; ``complete=False`` when they stay held for now), it leaves its
+        trajectory's running set, its result goes out, and a round is due."""
+        s = self.s
+        if complete and rec.id in s.core.running:
+            s.core.complete(rec.id, s.clock(), ok=status is ActionStatus.OK if ok is None else ok)
+        if rec.trajectory in s.trajectories:
+            s.trajectories[rec.trajectory].running.discard(rec.id)
+        self.finish(rec, status, **details)
+        s.wake.set()
+
+    def cancel(self, tenant: str, aid: str) -> bool:
+        """Cancel a queued or running action; False if it already ended."""
+        s = self.s
+        rec = s.actions.get(aid)
+        if rec is None or rec.tenant != tenant:
+            return False
+        rec.cancelled = True
+        if rec.started is None:
+            s.core.cancel(aid)
+            self.finish(rec, ActionStatus.CANCELLED)
+            return True
+        if rec.task is not None:
+            rec.task.cancel()  # the task ends it as cancelled
+        elif rec.kind == "api":
+            self.end_lease(rec)
+        else:  # adopted after a restart: only its agent holds it; its result follows
+            node = rec.assignment.node if rec.assignment else None
+            if rec.agent_key is not None and node is not None:
+                s.background(s.ask(node, AgentCancel(key=rec.agent_key)))
+        return True
+
+    def release(self, tenant: str, lease: str) -> ActionResult:
+        """End a held API lease early."""
+        aid = self.s.leases.get(lease)
+        rec = self.s.actions.get(aid) if aid else None
+        if rec is None or rec.tenant != tenant:
+            raise EngineError("not_found", "lease", f"{lease} is not held")
+        return self.end_lease(rec)
+
+    def end_lease(self, rec: ActionRecord) -> ActionResult:
+        """A lease ends (released, or its hold limit passed): its units go back."""
+        assert rec.assignment is not None and rec.started is not None
+        s = self.s
+        if rec.expiry is not None:
+            rec.expiry.cancel()
+        now = s.clock()
+        with contextlib.suppress(SchedulingError):
+            s.core.complete(rec.id, now)
+        if rec.lease is not None:
+            s.leases.pop(rec.lease, None)
+        s.actions.pop(rec.id, None)
+        s.wake.set()
+        result = self.result(rec, ActionStatus.OK, exec_s=now - rec.started)
+        self.ended(rec, result)
+        return result
+
+    def queue_timeout(self, rec: ActionRecord) -> None:
+        if rec.started is None and rec.id in self.s.actions:
+            self.s.core.cancel(rec.id)
+            self.finish(
+                rec,
+                ActionStatus.REJECTED,
+                error=err("queue_timeout", "not started within queue_timeout_s", True),
+            )
+
+    def finish(self, rec: ActionRecord, status: ActionStatus, **details: Any) -> None:
+        """Give an action's result (``details`` as for ``result``) to its waiter."""
+        if rec.expiry is not None:
+            rec.expiry.cancel()
+        self.s.actions.pop(rec.id, None)
+        if not rec.done.done():
+            result = self.result(rec, status, **details)
+            rec.done.set_result(result)
+            self.ended(rec, result)
+
+    def ended(self, rec: ActionRecord, result: ActionResult) -> None:
+        """Count it, keep the answer for its key's retries, log it."""
+        s = self.s
+        s.metrics.ended(result)
+        if s.idempotent.in_flight(rec.id):  # what its submitter got (a lease: the grant)
+            rec.answer = json_bytes(rec.done.result())
+            s.idempotent.ended(rec, rec.target, rec.answer)
+        if log.isEnabledFor(logging.INFO):  # its fields cost ~1% of the CPU at 2,000/s
+            log.info(
+                "action ended",
+                extra={
+                    "action": result.id,
+                    "trajectory": result.trajectory,
+                    "kind": result.kind,
+                    "status": result.status.value,
+                    "act_s": round(result.timings.act_s, 6),
+                },
+            )
+
+    def devices(self, asg: Assignment) -> list[int]:
+        """The device indexes of an assignment's GPU chunk (none for other actions)."""
+        devices = self.s.node_gpus.get(asg.node or "", [])
+        return [devices[g] for g in asg.chunk.gpus if g < len(devices)] if asg.chunk else []
+
+    def result(
+        self,
+        rec: ActionRecord,
+        status: ActionStatus,
+        *,
+        error: ErrorInfo | None = None,
+        exec_s: float = 0.0,
+        overhead_s: float = 0.0,
+        restore_s: float = 0.0,
+        reply: AgentReply | None = None,
+        lease: str | None = None,
+        output: Any = None,
+        service: ServiceStats | None = None,
+    ) -> ActionResult:
+        now = self.s.clock()
+        queued = (rec.started if rec.started is not None else now) - rec.submitted
+        asg = rec.assignment
+        out = reply.result if reply is not None else None
+        # Validated construction on purpose: model_construct inspects default factories'
+        # signatures on every call and costs more (py-spy, docs/benchmarks.md).
+        alloc = Allocation()
+        if asg is not None:
+            node_cores = self.s.node_cores.get(asg.node or "", [])
+            alloc = Allocation(
+                node=asg.node,
+                cores=[node_cores[i] for i in asg.cores if i < len(node_cores)],
+                gpus=self.devices(asg),
+                dop=asg.units if asg.cores or asg.chunk else 0,
+                path=out.path if out is not None else None,
+                fallback=(out.fallback or None) if out is not None else None,
+            )
+        return ActionResult(
+            id=rec.id,
+            trajectory=rec.trajectory,
+            kind=rec.kind,
+            status=status,
+            exit_code=out.exit_code if out is not None else None,
+            stdout=out.stdout if out is not None else "",
+            stderr=out.stderr if out is not None else "",
+            stdout_truncated=out.stdout_truncated if out is not None else False,
+            stderr_truncated=out.stderr_truncated if out is not None else False,
+            lease=lease,
+            output=output,
+            service=service,
+            error=error,
+            allocation=alloc,
+            timings=Timings(
+                queued_s=queued,
+                overhead_s=overhead_s,
+                restore_s=restore_s,
+                exec_s=exec_s,
+                act_s=queued + overhead_s + restore_s + exec_s,
+            ),
+        )

@@ -1,0 +1,102 @@
+"""What the engine keeps of each trajectory and action, and how it says no.
+
+Errors carry the field they are about (``EngineError.field``) and an HTTP-ish kind, so
+the handlers only translate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tangram.api.wire import (
+    AGENT_BACKOFF_MAX_S,
+    ActionResult,
+    ApiCallRequest,
+    ApiLeaseRequest,
+    ErrorInfo,
+    ExecRequest,
+    ServiceCallRequest,
+    TrajectoryInfo,
+    TrajectoryState,
+    valid_id,
+)
+from tangram.scheduler.core.scheduler import Assignment
+from tangram.service.config import EnvConfig
+
+KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
+# After a (re)start, the trajectories live in the agents, which reconnect within their
+# backoff cap: until they are back, an unknown trajectory may be one of theirs.
+RECONNECT_WINDOW_S = 3 * AGENT_BACKOFF_MAX_S
+
+# "failed": the work was tried and cannot succeed as configured (a sandbox whose image is
+# not on the node); retrying the same request will not help.
+ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable", "failed"]
+ActionKind = Literal["exec", "service", "api"]
+Request = ExecRequest | ApiLeaseRequest | ApiCallRequest | ServiceCallRequest
+
+
+class EngineError(Exception):
+    def __init__(self, kind: ErrorKind, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.kind = kind
+        self.field = field
+        self.message = message
+
+
+@dataclass(slots=True)
+class TrajectoryRecord:
+    id: str
+    tenant: str
+    env: str
+    node: str | None
+    labels: dict[str, str]
+    opened_at: float  # unix seconds
+    env_config: EnvConfig
+    state: TrajectoryState = TrajectoryState.OPEN
+    actions: int = 0
+    open_s: float | None = None
+    warm: bool | None = None
+    running: set[str] = field(default_factory=set)
+    ended: str = ""  # why it is lost
+    away_since: float = 0.0  # engine clock when its agent last left (AWAY)
+
+    def info(self) -> TrajectoryInfo:
+        return TrajectoryInfo.model_validate(self, from_attributes=True)
+
+
+@dataclass(slots=True)
+class ActionRecord:
+    id: str
+    tenant: str
+    trajectory: str | None
+    kind: ActionKind
+    # None only on the stand-in answering a retry of a key whose action already ended
+    request: Request | None
+    argv: list[str] | None
+    target: str  # what its idempotency key is for: "exec on t-1", "lease of search"
+    submitted: float  # engine clock
+    done: asyncio.Future[ActionResult]
+    started: float | None = None
+    assignment: Assignment | None = None
+    task: asyncio.Task[None] | None = None
+    expiry: asyncio.TimerHandle | None = None  # queue timeout, or a lease's hold limit
+    cancelled: bool = False
+    lease: str | None = None  # an API lease's id while held
+    agent_key: str | None = None  # adopted after a restart: the key its agent runs it under
+    answer: bytes | None = None  # ``done``'s result as JSON, once kept for its key's retries
+
+    @property
+    def key(self) -> str | None:
+        """The idempotency key it was submitted with."""
+        return self.request.idempotency_key if self.request is not None else None
+
+
+def err(code: str, message: str, retryable: bool = False) -> ErrorInfo:
+    return ErrorInfo(code=code, message=message, retryable=retryable)
+
+
+def check_id(text: str, field: str) -> None:
+    if not valid_id(text):
+        raise EngineError("invalid", field, f"{text!r} must be letters, digits, _ . - (≤ 128)")

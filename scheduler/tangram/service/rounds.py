@@ -1,0 +1,161 @@
+"""The scheduling loop: a round of the core whenever something arrived, ended, or a rate
+window is due; each assignment started and dispatched to where it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from tangram.api.wire import ActionStatus, AgentExec, AgentSession, ExecRequest
+from tangram.scheduler.core.scheduler import Assignment, SchedulingError
+from tangram.service.api_calls import ApiCalls
+from tangram.service.gpu_calls import GpuCalls
+from tangram.service.outcomes import Outcomes
+from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
+from tangram.service.state import PoolState
+
+log = logging.getLogger("tangram.service")
+
+
+class Rounds:
+    def __init__(self, state: PoolState, outcomes: Outcomes, gpu: GpuCalls, api: ApiCalls) -> None:
+        self.s = state
+        self.outcomes = outcomes
+        self.gpu = gpu
+        self.api = api
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def run(self) -> None:
+        s = self.s
+        while True:
+            await s.wake.wait()
+            s.wake.clear()
+            now = s.clock()
+            try:
+                rnd = s.core.schedule(now)
+            except Exception:  # a bug must not stop the service: shed what triggered it
+                log.exception("scheduling round failed; rejecting the newest queued action")
+                self._reject_newest()
+                await asyncio.sleep(0.01)
+                s.wake.set()
+                continue
+            for asg in rnd.assignments:
+                try:
+                    self.start(asg, now)
+                except Exception:  # one bad start must not end the loop
+                    log.exception("starting %s failed", asg.action_id)
+                    self._abandon(asg.action_id)
+            if rnd.wake_at is not None:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = asyncio.get_running_loop().call_later(
+                    max(0.0, rnd.wake_at - now), s.wake.set
+                )
+
+    def start(self, asg: Assignment, now: float) -> None:
+        """An assignment of the round: its action starts where the round put it."""
+        rec = self.s.actions[asg.action_id]
+        rec.started, rec.assignment = now, asg
+        if rec.kind == "api":
+            call = self.api.start(rec)
+            if call is not None:
+                rec.task = self._run(rec, call)
+            return
+        if rec.expiry is not None:
+            rec.expiry.cancel()
+        if rec.kind == "service":
+            rec.task = self._run(rec, self.gpu.call(rec, asg))
+            return
+        if rec.trajectory is not None:
+            self.s.trajectories[rec.trajectory].running.add(rec.id)
+        rec.task = self._run(rec, self._dispatch(rec, asg))
+
+    def _abandon(self, aid: str) -> None:
+        with contextlib.suppress(SchedulingError):
+            self.s.core.complete(aid, self.s.clock(), ok=False)
+        rec = self.s.actions.get(aid)
+        if rec is not None:
+            self.outcomes.finish(
+                rec, ActionStatus.ERROR, error=err("start_failed", "could not start")
+            )
+
+    def _reject_newest(self) -> None:
+        """A round raised: the newest queued action is the likeliest cause. Rejecting one
+        per failed round isolates a poisonous request instead of stalling everyone."""
+        for rec in reversed(list(self.s.actions.values())):
+            if rec.started is None:
+                self.s.core.cancel(rec.id)
+                self.outcomes.finish(
+                    rec,
+                    ActionStatus.REJECTED,
+                    error=err("scheduling_failed", "the scheduler could not place this action"),
+                )
+                return
+
+    def _run(self, rec: ActionRecord, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """The task that runs a started action. It ends the action itself; if it ends
+        without doing so — cancelled before its first step, so its body never ran and
+        nothing was sent anywhere, or a bug — the action still ends and its units come
+        back, or its waiter would wait forever."""
+        task = asyncio.create_task(work)
+        task.add_done_callback(lambda _: self._settle(rec, task))
+        return task
+
+    def _settle(self, rec: ActionRecord, task: asyncio.Task[None]) -> None:
+        if rec.done.done():
+            return
+        if task.cancelled():
+            self.outcomes.end(rec, ActionStatus.CANCELLED, ok=False)
+            return
+        log.error("action %s failed in the scheduler", rec.id, exc_info=task.exception())
+        error = err("internal", "the scheduler failed")
+        self.outcomes.end(rec, ActionStatus.ERROR, ok=False, error=error)
+
+    async def _dispatch(self, rec: ActionRecord, asg: Assignment) -> None:
+        """An exec action to its trajectory's agent, on the cores the round gave it."""
+        s = self.s
+        assert asg.node is not None and isinstance(rec.request, ExecRequest)
+        assert rec.trajectory is not None
+        req = rec.request
+        cores = [s.node_cores[asg.node][i] for i in asg.cores]
+        env = s.env_of(s.trajectories[rec.trajectory])
+        timeout = req.timeout_s
+        if timeout is None and req.profile is not None:
+            timeout = env.profiles[req.profile].timeout_s
+        key = f"{rec.tenant}{KEY_SEP}{req.idempotency_key}" if req.idempotency_key else None
+        op: AgentExec | AgentSession
+        if req.session is not None:
+            assert req.code is not None
+            op = AgentSession(session=req.session, code=req.code, trajectory=rec.trajectory,
+                              cores=cores, timeout_s=timeout, environ=dict(req.env),
+                              output_cap=req.output_cap, key=key)  # fmt: skip
+        else:
+            assert rec.argv is not None
+            op = AgentExec(argv=rec.argv, trajectory=rec.trajectory, cores=cores,
+                           timeout_s=timeout, environ=dict(req.env), output_cap=req.output_cap,
+                           key=key)  # fmt: skip
+        t0 = s.clock()
+        status, reply, error = ActionStatus.ERROR, None, None
+        try:
+            reply = await s.ask(asg.node, op)
+            if reply.ok and reply.result is not None:
+                status = ActionStatus.TIMEOUT if reply.result.timed_out else ActionStatus.OK
+            elif reply.unknown:
+                error = err("outcome_unknown", reply.error or "its outcome is unknown")
+            else:
+                error = err(
+                    "exec_failed", reply.error or "the agent refused the action", reply.retryable
+                )
+                if reply.reason:  # the node's fault (its cgroups), not the command's
+                    s.problems.note(reply.reason, f"node {asg.node}", reply.error or "", t0)
+        except asyncio.CancelledError:
+            status = ActionStatus.CANCELLED
+        except EngineError as e:
+            error = err("node_lost", e.message, retryable=True)
+        out = reply.result if reply is not None else None
+        exec_s = out.exec_s if out is not None else 0.0
+        overhead = max(0.0, (s.clock() - t0) - exec_s)
+        self.outcomes.end(rec, status, error=error, exec_s=exec_s, overhead_s=overhead, reply=reply)

@@ -1,0 +1,145 @@
+"""The mutable state every part of the engine shares, and the few services they all use.
+
+One event loop runs the whole engine, so no locks are needed. The parts (admission, the
+rounds, node membership, GPU calls, API quotas) each keep what is theirs alone and read
+and change this for the rest; they are handed it, and it is handed the collaborators it
+does not build: the agent hub, the metrics sink, the clocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from tangram.api.wire import ActionResult, AgentReply, AgentRequest, TrajectoryState
+from tangram.scheduler.core.scheduler import Scheduler
+from tangram.service.agents import AgentGoneError, AgentHub
+from tangram.service.config import EnvConfig, PoolConfig
+from tangram.service.keys import KeyMemory
+from tangram.service.metrics import Metrics
+from tangram.service.problems import ProblemLog
+from tangram.service.records import (
+    RECONNECT_WINDOW_S,
+    ActionKind,
+    ActionRecord,
+    EngineError,
+    Request,
+    TrajectoryRecord,
+)
+
+log = logging.getLogger("tangram.service")
+
+
+class PoolState:
+    def __init__(
+        self,
+        config: PoolConfig,
+        core: Scheduler,
+        hub: AgentHub,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.hub = hub
+        self.metrics = metrics
+        self.clock = clock  # monotonic seconds: queueing, timings, windows
+        self.wall = wall  # unix seconds: what users read (a trajectory's opening)
+        self.trajectories: dict[str, TrajectoryRecord] = {}
+        self.actions: dict[str, ActionRecord] = {}
+        self.idempotent: KeyMemory[ActionRecord] = KeyMemory()
+        self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
+        self.node_gpus: dict[str, list[int]] = {}  # the pool's GPU index -> device index
+        self.problems = ProblemLog()  # sandbox and node failures, for the pool's status
+        self.leases: dict[str, str] = {}  # an API lease's id -> its action's id
+        self.accepting = True
+        self.draining = False  # the pool is being deleted: no new trajectories
+        # Until then an unknown trajectory answers 503 (retry), not 404; ended early by
+        # whoever knows every agent is back (the embedded mode's single local agent).
+        self.reconnect_until = clock() + RECONNECT_WINDOW_S
+        self.wake = asyncio.Event()  # a round is due: something arrived, ended or changed
+        self.epoch = secrets.token_hex(3)  # this scheduler's run: action ids are unique by it
+        self._ids = itertools.count(1)
+        self._spawned: set[asyncio.Future[Any]] = set()
+
+    def trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
+        """``tenant``'s trajectory ``tid``: 404 for an unknown one or another tenant's; 503
+        (retry) for an unknown one while agents may still be reconnecting."""
+        rec = self.trajectories.get(tid)
+        if rec is None and self.config.envs and self.clock() < self.reconnect_until:
+            raise EngineError(
+                "unavailable",
+                "trajectory",
+                f"{tid} is not known yet: this scheduler has just started and node agents "
+                "are still reconnecting; retry",
+            )
+        if rec is None or rec.tenant != tenant:  # another tenant's trajectory does not exist
+            raise EngineError("not_found", "trajectory", f"{tid} does not exist")
+        return rec
+
+    def usable(self, tenant: str, tid: str) -> TrajectoryRecord:
+        """An open trajectory of ``tenant``; 503 (retry) while its agent is away."""
+        traj = self.trajectory(tenant, tid)
+        if traj.state is TrajectoryState.AWAY:
+            raise EngineError(
+                "unavailable",
+                "trajectory",
+                f"{tid}: the agent of node {traj.node} is reconnecting; retry",
+            )
+        if traj.state is not TrajectoryState.OPEN:
+            why = f": {traj.ended}" if traj.ended else ""
+            raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}{why}")
+        return traj
+
+    def admitting(self, extra: int = 1) -> None:
+        """Refuse new work while stopping, or when ``extra`` more would overfill the queue."""
+        if not self.accepting:
+            raise EngineError("unavailable", "service", "the scheduler is shutting down")
+        if self.core.queued + extra > self.config.max_queued:
+            self.metrics.rejected.labels(self.config.name).inc()
+            raise EngineError("overloaded", "queue", f"{self.core.queued} actions are queued")
+
+    def record(
+        self,
+        tenant: str,
+        tid: str | None,
+        kind: ActionKind,
+        req: Request,
+        argv: list[str] | None,
+        *,
+        target: str,
+    ) -> ActionRecord:
+        """A new action's record, with its id and the future its waiter awaits."""
+        aid = f"a-{self.epoch}-{next(self._ids)}"  # unique across restarts by the epoch
+        fut: asyncio.Future[ActionResult] = asyncio.get_running_loop().create_future()
+        return ActionRecord(aid, tenant, tid, kind, req, argv, target, self.clock(), fut)
+
+    def env_of(self, traj: TrajectoryRecord) -> EnvConfig:
+        """The trajectory's environment as configured now, or as it was opened if its
+        definition has since been removed."""
+        return self.config.envs.get(traj.env) or traj.env_config
+
+    def background(self, work: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> None:
+        """Run ``work`` unawaited, kept referenced until it ends."""
+        task = asyncio.ensure_future(work)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never unretrieved
+
+    async def ask(self, node: str | None, req: AgentRequest) -> AgentReply:
+        """``req`` to the agent of ``node``; EngineError ("unavailable") when it has none
+        or its link ends before it answers."""
+        link = self.hub.links.get(node or "")
+        if link is None:
+            raise EngineError("unavailable", "node", f"node {node} has no agent connected")
+        try:
+            return await link.request(req)
+        except (AgentGoneError, RuntimeError, OSError) as e:  # incl. a socket closing under us
+            raise EngineError("unavailable", "node", f"node {node}: {e}") from None

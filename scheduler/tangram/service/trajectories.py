@@ -1,0 +1,171 @@
+"""Trajectories from opening to closing: a node with the memory, the environment its agent
+opens there, and what ends with it (its queued actions, its units in the core)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+
+from tangram.api.wire import (
+    ActionStatus,
+    AgentClose,
+    AgentOpen,
+    ErrorInfo,
+    OpenTrajectory,
+    TrajectoryMeta,
+    TrajectoryState,
+)
+from tangram.scheduler.core.scheduler import SchedulingError
+from tangram.service.outcomes import Outcomes
+from tangram.service.records import EngineError, ErrorKind, TrajectoryRecord, err
+from tangram.service.state import PoolState
+
+log = logging.getLogger("tangram.service")
+
+
+class Trajectories:
+    def __init__(self, state: PoolState, outcomes: Outcomes) -> None:
+        self.s = state
+        self.outcomes = outcomes
+        # Trajectories closed while their agent was away: their environments may still
+        # live, and the agent hands them back on its return; they are closed, not revived.
+        self.closed_away: dict[str, set[str]] = {}  # node -> trajectory ids
+
+    async def open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
+        s = self.s
+        s.admitting()
+        if s.draining:
+            raise EngineError(
+                "unavailable", "service", "the pool is being deleted: no new trajectories"
+            )
+        env = s.config.envs.get(req.env)
+        if env is None:
+            known = ", ".join(sorted(s.config.envs)) or "none"
+            raise EngineError(
+                "invalid", "env", f"unknown TrajectoryEnv {req.env!r} (known: {known})"
+            )
+        tid = req.id or f"t-{secrets.token_hex(6)}"
+        if tid in s.trajectories:
+            raise EngineError("conflict", "id", f"trajectory {tid} already exists")
+        try:
+            s.core.open_trajectory(tid, env.spec.memory_gb, req.expected_steps)
+        except SchedulingError as e:
+            raise EngineError("invalid", e.field, e.message) from None
+        node = s.core.cpu.choose_node(env.spec.memory_gb, 0, {})
+        if node is None:
+            s.core.close_trajectory(tid, finished=False)
+            raise EngineError(
+                "overloaded" if s.hub.links else "unavailable",
+                "env",
+                f"no node has {env.spec.memory_gb} GiB free for a new trajectory",
+            )
+        s.core.place_trajectory(tid, node)
+        rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env)
+        s.trajectories[tid] = rec
+        meta = TrajectoryMeta(
+            id=tid, tenant=tenant, env=req.env, labels=dict(req.labels), opened_at=rec.opened_at
+        )
+        try:
+            reply = await s.ask(node, AgentOpen(trajectory=tid, env=env.spec, meta=meta))
+        except BaseException:
+            self.forget(rec)
+            raise
+        if not reply.ok:
+            self.forget(rec)
+            why = f" ({reply.reason})" if reply.reason else ""
+            if reply.reason:
+                s.problems.note(reply.reason, f"TrajectoryEnv {req.env}",
+                                f"node {node}: {reply.error}", s.clock())  # fmt: skip
+            # A cause that retrying cannot fix (no image) is "failed"; anything else
+            # (a timeout, an eviction, no cause given) may work on the next try.
+            kind: ErrorKind = "failed" if reply.reason and not reply.retryable else "unavailable"
+            raise EngineError(kind, "env", f"opening on {node} failed{why}: {reply.error}")
+        rec.open_s, rec.warm = reply.opened_s, reply.warm
+        log.info(
+            "trajectory opened",
+            extra={
+                "trajectory": tid,
+                "tenant": tenant,
+                "env": req.env,
+                "node": node,
+                "open_s": reply.opened_s,
+                "warm": reply.warm,
+            },
+        )
+        return rec
+
+    def cancel_actions(self, tenant: str, tid: str) -> int:
+        """Cancel every queued and running action of a trajectory, which stays open."""
+        self.s.trajectory(tenant, tid)  # 404 for a stranger's
+        mine = [a for a, r in self.s.actions.items() if r.trajectory == tid and r.tenant == tenant]
+        return sum(self.outcomes.cancel(tenant, aid) for aid in mine)
+
+    async def close(self, tenant: str, tid: str) -> TrajectoryRecord:
+        s = self.s
+        rec = s.trajectory(tenant, tid)
+        if rec.state in (TrajectoryState.CLOSED, TrajectoryState.CLOSING):
+            return rec
+        had_environment = rec.state is TrajectoryState.OPEN
+        rec.state = TrajectoryState.CLOSING  # before any await: no new action gets in now
+        for aid in [a for a, r in s.actions.items() if r.trajectory == tid]:
+            self.outcomes.cancel(tenant, aid)
+        running = [s.actions[a].task for a in rec.running if a in s.actions]
+        await asyncio.gather(*(t for t in running if t is not None), return_exceptions=True)
+        if had_environment and rec.node in s.hub.links:
+            with contextlib.suppress(EngineError):
+                await s.ask(rec.node, AgentClose(trajectory=tid))
+        elif rec.node is not None and rec.node not in s.hub.links:
+            # Its agent is away: when it comes back it is told to close it, not asked
+            # to hand it back.
+            self.closed_away.setdefault(rec.node, set()).add(tid)
+        self.forget(rec)
+        rec.state = TrajectoryState.CLOSED
+        log.info("trajectory closed", extra={"trajectory": tid, "actions": rec.actions})
+        return rec
+
+    def forget(self, rec: TrajectoryRecord) -> None:
+        """Drop a trajectory from the engine and the core."""
+        self.release(rec, ActionStatus.CANCELLED, finished=rec.actions > 0)
+        self.s.trajectories.pop(rec.id, None)
+
+    def release(
+        self,
+        rec: TrajectoryRecord,
+        status: ActionStatus,
+        error: ErrorInfo | None = None,
+        *,
+        finished: bool,
+    ) -> None:
+        """Give the trajectory's units back to the core: anything of it still running
+        (an adopted action, one whose environment ended) is completed there, so its
+        cores and memory never leak; its queued actions end with ``status``."""
+        core = self.s.core
+        for aid in [a for a, r in core.running.items() if r.action.trajectory == rec.id]:
+            with contextlib.suppress(SchedulingError):
+                core.complete(aid, self.s.clock(), ok=False)
+        if rec.id in core.trajectories:
+            for aid in core.close_trajectory(rec.id, finished=finished):
+                stale = self.s.actions.get(aid)
+                if stale is not None:
+                    self.outcomes.finish(stale, status, error=error)
+
+    def lose(self, rec: TrajectoryRecord, why: str) -> None:
+        """The trajectory's environment is gone (or is closed on sight): every action
+        answers 409 with ``why`` from now on."""
+        rec.state, rec.ended = TrajectoryState.LOST, why
+        log.warning("trajectory %s lost: %s", rec.id, why)
+
+    def environment_lost(self, tid: str, reason: str, message: str) -> None:
+        """A trajectory's environment ended by itself (evicted, killed, deleted): the
+        trajectory is lost; its queued actions end with why, its running ones when their
+        agent answers (their cores come back now: nothing runs in a sandbox that ended)."""
+        rec = self.s.trajectories.get(tid)
+        if rec is None or rec.state not in (TrajectoryState.OPEN, TrajectoryState.AWAY):
+            return
+        self.s.problems.note(reason, f"TrajectoryEnv {rec.env}", message, self.s.clock())
+        self.lose(rec, f"{message} ({reason})")
+        error = err("environment_lost", f"trajectory {tid} is lost: {rec.ended}")
+        self.release(rec, ActionStatus.ERROR, error, finished=False)
+        self.s.wake.set()
