@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tangram.api.reasons import SANDBOX_FAILURES
+
 IDLE_QUOTA_CORES = 0.1  # what a trajectory may use between actions (shells, stray jobs)
 
 
@@ -29,22 +31,7 @@ class ExecError(RuntimeError):
 
 # Why a sandbox failed, as the agent reports it and the pool's SandboxesHealthy condition
 # and Events name it (docs/node-agent.md explains each and what to do).
-REASONS = frozenset(
-    {
-        "ImageUnavailable",  # not on the node and not pullable
-        "RuntimeClassNotFound",  # the TrajectoryEnv's runtimeClassName names no RuntimeClass
-        "RuntimeClassUnavailable",  # the node's container runtime lacks its handler
-        "SandboxStartFailed",  # the container could not be created or started
-        "SandboxStartTimeout",  # not running within the start timeout
-        "SetupFailed",  # a setup command of the TrajectoryEnv failed
-        "CgroupsUnwritable",  # the agent cannot write the sandbox's cgroup
-        "SandboxEvicted",  # the kubelet evicted it (node pressure)
-        "SandboxOOMKilled",  # its processes ran out of the env's memory
-        "SandboxExited",  # its exec server ended
-        "SandboxDeleted",  # someone deleted it
-        "CPUManagerStatic",  # the node's kubelet rewrites container cpusets itself
-    }
-)
+REASONS = SANDBOX_FAILURES
 
 
 @dataclass(frozen=True, slots=True)

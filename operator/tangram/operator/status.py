@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tangram.api.reasons import Reason
 from tangram.api.resources import ActionPool, RewardService, TrajectoryEnv, reference_problem
 from tangram.api.status import (
     READY,
@@ -58,9 +59,9 @@ def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> Poo
         now=now,
     )
     if seen.figures is not None:  # unknown without them: the previous one stands
-        status, reason, message = _sandboxes_healthy(seen.figures)
-        conditions = condition(conditions, type=SANDBOXES_HEALTHY, status=status, reason=reason,
-                               message=message, generation=seen.generation, now=now)  # fmt: skip
+        healthy, cause, why = _sandboxes_healthy(seen.figures)
+        conditions = condition(conditions, type=SANDBOXES_HEALTHY, status=healthy, reason=cause,
+                               message=why, generation=seen.generation, now=now)  # fmt: skip
     live = seen.figures.model_dump(include=set(LIVE_FIGURES)) if seen.figures is not None else {}
     return PoolStatus(
         observed_generation=seen.generation,
@@ -74,7 +75,7 @@ def _sandboxes_healthy(f: PoolFigures) -> tuple[ConditionStatus, str, str]:
     """False while sandboxes or nodes failed within the scheduler's window, with the
     latest cause as the reason and the latest few as the message."""
     if not f.problems:
-        return "True", "NoRecentFailures", "no sandbox or node failed recently"
+        return "True", Reason.NO_RECENT_FAILURES, "no sandbox or node failed recently"
     shown = "; ".join(
         f"{p.reason} ({p.subject}, {p.count}×): {p.message}" for p in f.problems[:SHOWN_PROBLEMS]
     )
@@ -82,34 +83,38 @@ def _sandboxes_healthy(f: PoolFigures) -> tuple[ConditionStatus, str, str]:
     return "False", f.problems[0].reason, shown + (f"; and {more} more" if more > 0 else "")
 
 
-def _pool_ready(pool: ActionPool | None, seen: PoolObservation) -> tuple[ConditionStatus, str, str]:
+def _pool_ready(
+    pool: ActionPool | None, seen: PoolObservation
+) -> tuple[ConditionStatus, Reason, str]:
     if pool is None or seen.invalid is not None:
-        return "False", "InvalidSpec", seen.invalid or "the spec does not validate"
+        return "False", Reason.INVALID_SPEC, seen.invalid or "the spec does not validate"
     f = seen.figures
     if seen.deleting:
         open_ = f.trajectories if f is not None else 0
         return (
             "False",
-            "Draining",
+            Reason.DRAINING,
             f"being deleted: {open_} trajectories still open, removed in at most "
             f"{max(0, round(seen.drain_left_s))} s",
         )
     deployment = child_name(pool, "scheduler")
     if not seen.scheduler_available:
-        return "False", "SchedulerUnavailable", f"Deployment {deployment} has no available pod"
+        why = f"Deployment {deployment} has no available pod"
+        return "False", Reason.SCHEDULER_UNAVAILABLE, why
     if f is None:
-        return "False", "SchedulerUnreachable", seen.unreachable or f"{seen.endpoint} not answering"
+        why = seen.unreachable or f"{seen.endpoint} not answering"
+        return "False", Reason.SCHEDULER_UNREACHABLE, why
     sections = [r for r, s in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)) if s is not None]
     if sections and f.nodes == 0:
         agents = ", ".join(child_name(pool, f"{r}-agent") for r in sections)
         return (
             "False",
-            "NoNodes",
+            Reason.NO_NODES,
             f"no node agent connected (DaemonSets {agents}: check their nodeSelector)",
         )
     return (
         "True",
-        "Ready",
+        Reason.READY,
         f"{f.nodes} nodes, {f.cores} cores, {f.gpus} GPUs, {len(f.apis)} API quotas",
     )
 
@@ -126,7 +131,7 @@ def member_status(
     problem = reference_problem(member, pool)
     if problem is None:
         return _member(generation, f"{ns}/{name}", previous, now,
-                       ("True", "Accepted", f"served by ActionPool {ns}/{name}"))  # fmt: skip
+                       ("True", Reason.ACCEPTED, f"served by ActionPool {ns}/{name}"))  # fmt: skip
     return _member(generation, f"{ns}/{name}", previous, now, ("False", *problem))
 
 
@@ -134,7 +139,7 @@ def invalid_member_status(
     generation: int, pool_ref: str, previous: Sequence[Condition], message: str, now: str
 ) -> MemberStatus:
     """A member whose spec does not validate (what CEL cannot check, pydantic does)."""
-    return _member(generation, pool_ref, previous, now, ("False", "InvalidSpec", message))
+    return _member(generation, pool_ref, previous, now, ("False", Reason.INVALID_SPEC, message))
 
 
 def _member(

@@ -35,6 +35,7 @@ from pydantic.alias_generators import to_camel
 
 from tangram.api.action import _API_NAME
 from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units
+from tangram.api.reasons import Reason
 
 GROUP = "tangram.dev"
 VERSION = "v1alpha1"
@@ -711,28 +712,28 @@ def resolve_pool_ref(ref: str, namespace: str) -> ObjectKey:
 
 def reference_problem(
     obj: TrajectoryEnv | RewardService, pool: ActionPool | None
-) -> tuple[str, str] | None:
+) -> tuple[Reason, str] | None:
     """Why ``obj`` cannot use the pool its ``spec.poolRef`` names (``pool``, None when there
-    is none), as (a CamelCase reason, a message); None when it can."""
+    is none), as (a reason, a message); None when it can."""
     pool_ns, pool_name = obj.pool_key()
     if pool is None:
-        return "PoolNotFound", f"no ActionPool {pool_ns}/{pool_name}"
+        return Reason.POOL_NOT_FOUND, f"no ActionPool {pool_ns}/{pool_name}"
     ns = obj.metadata.namespace
     if not pool.spec.access.admits(pool_ns, ns):
         return (
-            "NamespaceNotAdmitted",
+            Reason.NAMESPACE_NOT_ADMITTED,
             f"ActionPool {pool_ns}/{pool_name} does not admit namespace {ns} "
             "(spec.access.namespaces)",
         )
     if isinstance(obj, TrajectoryEnv) and pool.spec.cpu is None:
-        return "NoCpuSection", f"ActionPool {pool_name} has no cpu section"
+        return Reason.NO_CPU_SECTION, f"ActionPool {pool_name} has no cpu section"
     if isinstance(obj, RewardService):
         gpu = pool.spec.gpu
         if gpu is None:
-            return "NoGpuSection", f"ActionPool {pool_name} has no gpu section"
+            return Reason.NO_GPU_SECTION, f"ActionPool {pool_name} has no gpu section"
         if gpu.gpus_per_node is not None and min(obj.spec.dop_choices) > gpu.gpus_per_node:
             return (
-                "DopDoesNotFit",
+                Reason.DOP_DOES_NOT_FIT,
                 f"dopChoices {obj.spec.dop_choices} do not fit in gpusPerNode "
                 f"{gpu.gpus_per_node} of ActionPool {pool_name}",
             )

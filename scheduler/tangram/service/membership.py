@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 
 from tangram.api.action import ActionSpec
+from tangram.api.reasons import Reason
 from tangram.api.wire import (
     ActionStatus,
     AgentClose,
@@ -160,7 +161,7 @@ class Membership:
         environment that ended by itself."""
         if reply.lost is not None:
             self.trajectories.environment_lost(
-                reply.lost, reply.reason or "SandboxExited", reply.error or ""
+                reply.lost, reply.reason or Reason.SANDBOX_EXITED, reply.error or ""
             )
             return
         rec = self.s.actions.get(self.adopted.pop(reply.key or "", ""))

@@ -1,0 +1,62 @@
+"""The CamelCase reasons of conditions and Events, in one place.
+
+The operator writes them on the custom resources' conditions and Events; the node agents
+name sandbox failures with them, the scheduler counts those per cause, and the operator
+shows the latest as the pool's SandboxesHealthy reason. docs/operator.md and
+docs/node-agent.md explain each and what to do. On the wire a reason stays a plain string:
+an agent newer than its scheduler may send one this list does not have yet.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    # An ActionPool's Ready condition.
+    READY = "Ready"
+    INVALID_SPEC = "InvalidSpec"  # also a member's: what CEL cannot check, pydantic does
+    DRAINING = "Draining"
+    SCHEDULER_UNAVAILABLE = "SchedulerUnavailable"
+    SCHEDULER_UNREACHABLE = "SchedulerUnreachable"
+    NO_NODES = "NoNodes"
+    # A TrajectoryEnv's or RewardService's Ready condition.
+    ACCEPTED = "Accepted"
+    POOL_NOT_FOUND = "PoolNotFound"
+    NAMESPACE_NOT_ADMITTED = "NamespaceNotAdmitted"
+    NO_CPU_SECTION = "NoCpuSection"
+    NO_GPU_SECTION = "NoGpuSection"
+    DOP_DOES_NOT_FIT = "DopDoesNotFit"
+    # An ActionPool's SandboxesHealthy condition: quiet, or the latest failure's cause.
+    NO_RECENT_FAILURES = "NoRecentFailures"
+    IMAGE_UNAVAILABLE = "ImageUnavailable"  # not on the node and not pullable
+    RUNTIME_CLASS_NOT_FOUND = "RuntimeClassNotFound"  # runtimeClassName names none
+    RUNTIME_CLASS_UNAVAILABLE = "RuntimeClassUnavailable"  # the node lacks its handler
+    SANDBOX_START_FAILED = "SandboxStartFailed"  # could not be created or started
+    SANDBOX_START_TIMEOUT = "SandboxStartTimeout"  # not running within the start timeout
+    SETUP_FAILED = "SetupFailed"  # a setup command of the TrajectoryEnv failed
+    CGROUPS_UNWRITABLE = "CgroupsUnwritable"  # the agent cannot write the sandbox's cgroup
+    SANDBOX_EVICTED = "SandboxEvicted"  # the kubelet evicted it (node pressure)
+    SANDBOX_OOM_KILLED = "SandboxOOMKilled"  # its processes ran out of the env's memory
+    SANDBOX_EXITED = "SandboxExited"  # its exec server ended
+    SANDBOX_DELETED = "SandboxDeleted"  # someone deleted it
+    CPU_MANAGER_STATIC = "CPUManagerStatic"  # the kubelet rewrites container cpusets itself
+
+
+# The causes a node agent names a failed sandbox (or refused node) with.
+SANDBOX_FAILURES = frozenset(
+    {
+        Reason.IMAGE_UNAVAILABLE,
+        Reason.RUNTIME_CLASS_NOT_FOUND,
+        Reason.RUNTIME_CLASS_UNAVAILABLE,
+        Reason.SANDBOX_START_FAILED,
+        Reason.SANDBOX_START_TIMEOUT,
+        Reason.SETUP_FAILED,
+        Reason.CGROUPS_UNWRITABLE,
+        Reason.SANDBOX_EVICTED,
+        Reason.SANDBOX_OOM_KILLED,
+        Reason.SANDBOX_EXITED,
+        Reason.SANDBOX_DELETED,
+        Reason.CPU_MANAGER_STATIC,
+    }
+)
