@@ -208,3 +208,58 @@ def test_a_refused_node_reconnecting_is_one_failure_not_one_a_reconnect() -> Non
         asyncio.run(join(message))
     (seen,) = engine.figures().problems
     assert (seen.reason, seen.subject, seen.count) == ("CPUManagerStatic", "node n1", 2)
+
+
+# ---- per-tenant limits ---------------------------------------------------------------
+def test_a_tenants_max_queued_refuses_its_next_action_and_no_one_elses() -> None:
+    from tangram.service.config import TenantLimits
+
+    config = PoolConfig(
+        apis=(ApiSpec(name="search", concurrency=1),),
+        tenants={"flood": TenantLimits(max_queued=2)},
+    )
+
+    async def scenario() -> None:
+        e = Engine(config)  # not started: nothing leaves the queue
+        for _ in range(2):
+            e.lease_api("flood", "search", ApiLeaseRequest())
+        with pytest.raises(EngineError, match=r"flood has 2 actions waiting.*maxQueued") as err:
+            e.lease_api("flood", "search", ApiLeaseRequest())
+        assert (err.value.kind, err.value.field) == ("overloaded", "queue")
+        e.lease_api("other", "search", ApiLeaseRequest())  # another tenant is not limited
+        (first,) = [a for a, r in e.actions.items() if r.tenant == "flood"][:1]
+        assert e.cancel("flood", first)  # one fewer waiting: room for one more
+        e.lease_api("flood", "search", ApiLeaseRequest())
+        assert e.state.waiting == {"flood": 2, "other": 1}
+        await e.stop(grace_s=0)
+        assert not e.state.waiting  # every one ended unstarted
+
+    asyncio.run(scenario())
+
+
+def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> None:
+    from tangram.api.wire import AgentReply, EnvSpec, OpenTrajectory
+    from tangram.service.config import ANY_TENANT, EnvConfig, TenantLimits
+
+    env = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))
+    config = PoolConfig(envs={"e": env}, tenants={ANY_TENANT: TenantLimits(max_trajectories=2)})
+    engine = Engine(config)
+    engine.all_agents_joined()
+
+    async def ask(node: str, req: Any) -> AgentReply:
+        return AgentReply(rid=1, ok=True, opened_s=0.0)
+
+    engine.state.ask = ask  # type: ignore[method-assign, assignment]
+    engine.hub.links["n1"] = SimpleNamespace()  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        await engine.membership.join(_agent())
+        first = await engine.open_trajectory("u", OpenTrajectory(env="e"))
+        await engine.open_trajectory("u", OpenTrajectory(env="e"))
+        with pytest.raises(EngineError, match=r"u has 2 trajectories open.*maxTrajectories"):
+            await engine.open_trajectory("u", OpenTrajectory(env="e"))
+        await engine.open_trajectory("v", OpenTrajectory(env="e"))  # each tenant its own
+        await engine.close_trajectory("u", first.id)
+        await engine.open_trajectory("u", OpenTrajectory(env="e"))
+
+    asyncio.run(scenario())

@@ -289,6 +289,16 @@ def test_names_of_the_api_group() -> None:
             "spec.access.serviceAccounts",
             "namespace/name",
         ),
+        (
+            pool(cpu={}, access={"tenants": [{"name": "a"}, {"name": "a", "weight": 2}]}),
+            "spec.access.tenants",
+            "listed more than once: ['a']",
+        ),
+        (
+            pool(cpu={}, access={"tenants": [{"name": "a", "maxShare": 1.5}]}),
+            "spec.access.tenants[0].maxShare",
+            "less than or equal to 1",
+        ),
         (pool(name="My_Pool"), "metadata.name", "pattern"),
         (env(poolRef="a/b/c"), "spec.poolRef", "pattern"),
         (env(memoryGiB=0), "spec.memoryGiB", "greater than 0"),
@@ -601,3 +611,22 @@ def test_references_of_hand_built_resources() -> None:
     assert Resources(envs={e.key: e}).check_references() == [
         "TrajectoryEnv default/e: spec.poolRef: no ActionPool default/missing"
     ]
+
+
+def test_tenant_policies_reach_the_schedulers_config() -> None:
+    from tangram.service.config import NO_LIMITS, TenantLimits
+    from tangram.service.from_resources import pool_config
+
+    tenants = [
+        {"name": "system:serviceaccount:team-a:rollout", "weight": 3, "maxShare": 0.5},
+        {"name": "*", "maxTrajectories": 64, "maxQueued": 1000},
+    ]
+    res = parse(pool(cpu={}, access={"tenants": tenants}))
+    config = pool_config(res, res.pools[("default", "p")])
+    assert config.limits("system:serviceaccount:team-a:rollout") == TenantLimits(
+        weight=3.0, max_share=0.5
+    )
+    assert config.limits("anyone") == TenantLimits(max_trajectories=64, max_queued=1000)
+    assert parse(pool(cpu={})).pools[("default", "p")].spec.access.tenants == []
+    plain = parse(pool(cpu={}))
+    assert pool_config(plain, plain.pools[("default", "p")]).limits("x") is NO_LIMITS

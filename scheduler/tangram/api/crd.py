@@ -108,6 +108,10 @@ LIST_TYPES: dict[tuple[str, str], Schema] = {
         "x-kubernetes-list-type": "map",
         "x-kubernetes-list-map-keys": ["name"],
     },
+    ("Access", "tenants"): {
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+    },
     # One condition per type, as kubectl wait --for=condition=Ready expects.
     ("PoolStatus", "conditions"): {
         "x-kubernetes-list-type": "map",

@@ -237,6 +237,49 @@ class Scheduling(_Spec):
     ] = True
 
 
+class TenantPolicy(_Spec):
+    """What one tenant may hold of the pool, and its share when tenants compete."""
+
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=253,
+            description="the tenant as the scheduler names it: a token file's tenant, or "
+            "system:serviceaccount:NAMESPACE:NAME for a ServiceAccount; '*' is every tenant "
+            "not listed",
+        ),
+    ]
+    weight: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1000,
+            description="its share under contention: between tenants with actions waiting, "
+            "the next to start is the one furthest below its weighted share of the work "
+            "started (fair queuing); first come first served within one tenant",
+        ),
+    ] = 1.0
+    max_trajectories: Annotated[
+        int | None,
+        Field(ge=1, description="trajectories it may have open at once; unset = no limit"),
+    ] = None
+    max_queued: Annotated[
+        int | None,
+        Field(ge=1, description="actions it may have waiting at once; unset = no limit"),
+    ] = None
+    max_share: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1,
+            description="the fraction of the pool's cores, GPUs and of each API quota's "
+            "concurrency its running actions may hold at once (1 = all of it when nobody "
+            "else waits); a smaller share keeps units free for other tenants",
+        ),
+    ] = 1.0
+
+
 class Access(_Spec):
     """Who may submit actions to the pool and reference it from their resources."""
 
@@ -248,6 +291,22 @@ class Access(_Spec):
         list[str],
         Field(description="service accounts admitted, as namespace/name"),
     ] = []
+    tenants: Annotated[
+        list[TenantPolicy],
+        Field(
+            description="per-tenant limits and shares; tenants not listed (and no '*') "
+            "have no limits and weight 1"
+        ),
+    ] = []
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenants(cls, v: list[TenantPolicy]) -> list[TenantPolicy]:
+        seen = Counter(t.name for t in v)
+        twice = sorted(n for n, k in seen.items() if k > 1)
+        if twice:
+            raise ValueError(f"tenants listed more than once: {twice}")
+        return v
 
     @field_validator("namespaces")
     @classmethod
@@ -766,6 +825,7 @@ __all__ = [
     "SecretRef",
     "Security",
     "ServiceProfile",
+    "TenantPolicy",
     "TrajectoryEnv",
     "TrajectoryEnvSpec",
     "namespace_admitted",

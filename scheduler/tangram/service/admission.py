@@ -48,7 +48,7 @@ class Admission:
         again = self._repeat(tenant, req.idempotency_key, target)
         if again is not None:
             return again
-        self.s.admitting()
+        self.s.admitting(tenant)
         traj = self.s.usable(tenant, tid)
         argv, spec = self._exec_spec(self.s.env_of(traj), req)
         rec = self._enter(tenant, req, spec, tid=tid, holder=tid, kind="exec", argv=argv,
@@ -65,7 +65,7 @@ class Admission:
         again = self._repeat(tenant, req.idempotency_key, target)
         if again is not None:
             return again
-        self.s.admitting()
+        self.s.admitting(tenant)
         spec = self.api.spec(api, req)
         return self._detached(tenant, req, spec, group="leases", kind="api", target=target)
 
@@ -75,14 +75,14 @@ class Admission:
         again = self._repeat(tenant, req.idempotency_key, target)
         if again is not None:
             return again
-        self.s.admitting()
+        self.s.admitting(tenant)
         spec = self.gpu.call_spec(service, req)
         return self._detached(tenant, req, spec, group="services", kind="service", target=target)
 
     def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:
         """Admit every item or none: an item refused withdraws the ones this call admitted
         before it (their keys too, so a retry runs them)."""
-        self.s.admitting(extra=len(items))
+        self.s.admitting(tenant, extra=len(items))
         admitted: list[ActionRecord] = []
         fresh: list[ActionRecord] = []  # created here, not earlier actions found by key
         try:
@@ -149,6 +149,7 @@ class Admission:
         except SchedulingError as e:
             raise EngineError("invalid", e.field, e.message) from None
         s.actions[rec.id] = rec
+        s.waiting[tenant] += 1
         if req.idempotency_key is not None:
             s.idempotent.remember(tenant, req.idempotency_key, rec)
         if req.queue_timeout_s is not None:

@@ -56,6 +56,20 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """What one tenant may hold (``spec.access.tenants``); its share is the core's."""
+
+    max_trajectories: int | None = None
+    max_queued: int | None = None
+    weight: float = 1.0
+    max_share: float = 1.0
+
+
+NO_LIMITS = TenantLimits()
+ANY_TENANT = "*"  # the entry for tenants not listed
+
+
+@dataclass(frozen=True, slots=True)
 class ApiEndpoint:
     """Where the service sends proxied calls of a quota, and the credential it adds."""
 
@@ -86,3 +100,7 @@ class PoolConfig:
     namespace: str = "default"
     access_namespaces: tuple[str, ...] = ()
     access_service_accounts: tuple[str, ...] = ()
+    tenants: dict[str, TenantLimits] = field(default_factory=dict)  # by tenant, or ANY_TENANT
+
+    def limits(self, tenant: str) -> TenantLimits:
+        return self.tenants.get(tenant) or self.tenants.get(ANY_TENANT) or NO_LIMITS

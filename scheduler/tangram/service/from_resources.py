@@ -15,6 +15,7 @@ from tangram.service.config import (
     EnvConfig,
     PoolConfig,
     ServiceConfig,
+    TenantLimits,
 )
 
 
@@ -117,6 +118,10 @@ def pool_config(
         namespace=pool.metadata.namespace,
         access_namespaces=tuple(spec.access.namespaces),
         access_service_accounts=tuple(spec.access.service_accounts),
+        tenants={
+            t.name: TenantLimits(t.max_trajectories, t.max_queued, t.weight, t.max_share)
+            for t in spec.access.tenants
+        },
     )
 
 

@@ -35,7 +35,7 @@ class Trajectories:
 
     async def open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
         s = self.s
-        s.admitting()
+        s.admitting(tenant)
         if s.draining:
             raise EngineError(
                 "unavailable", "service", "the pool is being deleted: no new trajectories"
@@ -45,6 +45,14 @@ class Trajectories:
             known = ", ".join(sorted(s.config.envs)) or "none"
             raise EngineError(
                 "invalid", "env", f"unknown TrajectoryEnv {req.env!r} (known: {known})"
+            )
+        limit = s.config.limits(tenant).max_trajectories
+        if limit is not None and sum(t.tenant == tenant for t in s.trajectories.values()) >= limit:
+            raise EngineError(
+                "overloaded",
+                "trajectory",
+                f"tenant {tenant} has {limit} trajectories open, its limit "
+                "(spec.access.tenants[].maxTrajectories); close one first",
             )
         tid = req.id or f"t-{secrets.token_hex(6)}"
         if tid in s.trajectories:
