@@ -10,7 +10,7 @@ its key remembered and its queue timeout set.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tangram.api.action import ActionSpec
@@ -44,40 +44,44 @@ class Admission:
 
     def submit_exec(self, tenant: str, tid: str, req: ExecRequest) -> ActionRecord:
         """Queue an exec action; ``await record.done`` for its result."""
-        target = f"exec on {tid}"
-        again = self._repeat(tenant, req.idempotency_key, target)
-        if again is not None:
-            return again
-        self.s.admitting(tenant)
-        traj = self.s.usable(tenant, tid)
-        argv, spec = self._exec_spec(self.s.env_of(traj), req)
-        rec = self._enter(tenant, req, spec, tid=tid, holder=tid, kind="exec", argv=argv,
-                          target=target)  # fmt: skip
-        traj.actions += 1
-        return rec
+
+        def new(target: str) -> ActionRecord:
+            traj = self.s.usable(tenant, tid)
+            argv, spec = self._exec_spec(self.s.env_of(traj), req)
+            rec = self._enter(tenant, req, spec, tid=tid, holder=tid, kind="exec", argv=argv,
+                              target=target)  # fmt: skip
+            traj.actions += 1
+            return rec
+
+        return self._admit(tenant, req, f"exec on {tid}", new)
 
     def lease_api(
         self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest
     ) -> ActionRecord:
         """Queue a lease of ``req.units`` of an API quota (the result carries the lease
         id), or a call the service makes for the caller once the quota admits it."""
-        target = f"{'lease' if isinstance(req, ApiLeaseRequest) else 'call'} of {api}"
-        again = self._repeat(tenant, req.idempotency_key, target)
-        if again is not None:
-            return again
-        self.s.admitting(tenant)
-        spec = self.api.spec(api, req)
-        return self._detached(tenant, req, spec, group="leases", kind="api", target=target)
+        what = f"{'lease' if isinstance(req, ApiLeaseRequest) else 'call'} of {api}"
+        return self._admit(tenant, req, what, lambda target: self._detached(
+            tenant, req, self.api.spec(api, req), group="leases", kind="api", target=target
+        ))  # fmt: skip
 
     def submit_service(self, tenant: str, service: str, req: ServiceCallRequest) -> ActionRecord:
         """Queue one call of a RewardService; ``await record.done`` for its result."""
-        target = f"call of service {service}"
+        return self._admit(tenant, req, f"call of service {service}", lambda target: self._detached(
+            tenant, req, self.gpu.call_spec(service, req), group="services", kind="service",
+            target=target,
+        ))  # fmt: skip
+
+    def _admit(
+        self, tenant: str, req: Request, target: str, new: Callable[[str], ActionRecord]
+    ) -> ActionRecord:
+        """The action ``req``'s idempotency key already names, or a new one (``new``) once
+        the scheduler takes work and the queue has room."""
         again = self._repeat(tenant, req.idempotency_key, target)
         if again is not None:
             return again
         self.s.admitting(tenant)
-        spec = self.gpu.call_spec(service, req)
-        return self._detached(tenant, req, spec, group="services", kind="service", target=target)
+        return new(target)
 
     def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:
         """Admit every item or none: an item refused withdraws the ones this call admitted
