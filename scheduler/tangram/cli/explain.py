@@ -124,7 +124,7 @@ def as_dict(result: Round) -> dict[str, Any]:
         ],
         "groups": [
             {
-                "resource": g.resource,
+                "resource": str(g.resource),
                 "candidates": list(g.candidates),
                 "elastic": g.elastic,
                 "kept": g.kept,

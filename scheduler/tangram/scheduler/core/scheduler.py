@@ -40,10 +40,9 @@ from tangram.scheduler.core.objective import Pending
 from tangram.scheduler.core.ordering import FifoQueue, LengthModel, OrderedQueue
 from tangram.scheduler.core.profiles import Profile, ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
+from tangram.scheduler.core.resource import GPU, PLACE, Resource
 
 Ordering = Literal["fcfs", "trajectory-priority"]
-GPU = "gpu"
-PLACE = "place"
 
 
 class SchedulingError(ValueError):
@@ -109,7 +108,7 @@ class Action:
     probe: bool = False
     # Cache of _choices: (book version of the type, units, durations, pending view).
     cache: tuple[int, tuple[int, ...], dict[int, float], Pending] | None = None
-    needs: tuple[str, ...] | None = None  # cached once the resources it needs are settled
+    needs: tuple[Resource, ...] | None = None  # cached once the resources it needs are settled
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +131,7 @@ class Assignment:
 class GroupDecision:
     """How one key resource's candidates were arranged (for ``tangram explain``)."""
 
-    resource: str
+    resource: Resource
     candidates: tuple[str, ...]
     elastic: bool
     kept: int
@@ -161,7 +160,7 @@ class _Running:
     assignment: Assignment
     action: Action
     expected_end: float
-    resource: str
+    resource: Resource
 
 
 @dataclass(slots=True)
@@ -174,7 +173,7 @@ class _Provisional:
 @dataclass(slots=True)
 class _Candidate:
     action: Action
-    resource: str
+    resource: Resource
     node: str | None
     durations: dict[int, float]
 
@@ -204,7 +203,7 @@ class Scheduler:
         self._seq = 0
         # Queued demand per resource, so a round stops walking once every resource anyone
         # waits for is blocked (a round then costs O(candidates), not O(queue)).
-        self._waiting: dict[str, int] = {}
+        self._waiting: dict[Resource, int] = {}
 
     # ---- trajectories -------------------------------------------------------------
     def open_trajectory(
@@ -453,7 +452,6 @@ class Scheduler:
         key_units = a.cpu or a.gpu or (1,)
         if units not in key_units:
             raise SchedulingError("units", f"{units} is not an allowed count {list(key_units)}")
-        resource = GPU if a.gpu else f"api:{a.quotas[0][0]}" if a.quotas and not a.cpu else ""
         # Check every capacity before changing any state: a refused adopt leaves no trace.
         for q, n in a.quotas:
             if self.quotas[q].free(started_at) < n:
@@ -489,11 +487,9 @@ class Scheduler:
                 raise SchedulingError("cores", f"cores {busy} of node {placed} are not free")
             if trajectory not in self.cpu.placement:
                 self._place(trajectory, placed)
-            resource = f"cpu:{placed}"
         durations = self._choices(a)[1]
-        cand = _Candidate(
-            a, resource, placed if a.cpu else None, {units: durations.get(units, 0.0)}
-        )
+        node = placed if a.cpu else None
+        cand = _Candidate(a, self._needs(a, node)[0], node, {units: durations.get(units, 0.0)})
         self._enqueue(a, (float(a.seq),), None)
         asg = self._start(cand, units, started_at, exact=cores)
         if asg is None:
@@ -510,7 +506,7 @@ class Scheduler:
     # ---- the round ---------------------------------------------------------------
     def schedule(self, now: float) -> Round:
         cands, rest, blocked = self._candidates(now)
-        groups: dict[str, list[_Candidate]] = {}
+        groups: dict[Resource, list[_Candidate]] = {}
         for c in cands:
             groups.setdefault(c.resource, []).append(c)
         decisions: list[GroupDecision] = []
@@ -527,10 +523,11 @@ class Scheduler:
                     )
         started = (self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen)
         assignments = [a for a in started if a is not None]
+        waiting = self._waiting
         wake = [
             t
             for name, q in self.quotas.items()
-            if self._waiting.get(f"api:{name}", 0) > 0 and (t := q.next_expiry_s(now)) is not None
+            if waiting.get(Resource.api(name), 0) > 0 and (t := q.next_expiry_s(now)) is not None
         ]
         return Round(
             tuple(assignments),
@@ -667,7 +664,8 @@ class Scheduler:
         if traj.queued_exec:
             w = self._waiting
             w[PLACE] -= traj.queued_exec
-            w[f"cpu:{node}"] = w.get(f"cpu:{node}", 0) + traj.queued_exec
+            cores = Resource.cpu(node)
+            w[cores] = w.get(cores, 0) + traj.queued_exec
 
     def _choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float], Pending]:
         """Allowed key units this round, their expected durations (no restore), as Pending too.
@@ -716,20 +714,20 @@ class Scheduler:
 
     def _candidates(
         self, now: float
-    ) -> tuple[list[_Candidate], dict[str, list[Pending]], list[tuple[str, str]]]:
+    ) -> tuple[list[_Candidate], dict[Resource, list[Pending]], list[tuple[str, str]]]:
         prov = _Provisional(
             {n: node.free_cores for n, node in self.cpu.nodes.items()},
             self.gpu.chunk_counts(),
             {q: quota.free(now) for q, quota in self.quotas.items()},
         )
         waited_on = {r for r, n in self._waiting.items() if n > 0}
-        blocked: set[str] = set()
+        blocked: set[Resource] = set()
         cands: list[_Candidate] = []
-        rest: dict[str, list[Pending]] = {}
+        rest: dict[Resource, list[Pending]] = {}
         waits: list[tuple[str, str]] = []
         horizon = self.config.horizon
         limit = self.config.max_candidates
-        elastic_resources: set[str] = set()  # whose remaining queue the estimate needs
+        elastic_resources: set[Resource] = set()  # whose remaining queue the estimate needs
         order = self.queue.order(now)
         for aid in order:
             a = self.actions[aid]
@@ -743,7 +741,9 @@ class Scheduler:
                     if node is not None and a.trajectory not in self.cpu.placement:
                         self._place(a.trajectory, node)
                     resource = (
-                        f"cpu:{node}" if a.cpu else (GPU if a.gpu else f"api:{a.quotas[0][0]}")
+                        Resource.cpu(node)
+                        if node is not None
+                        else (GPU if a.gpu else Resource.api(a.quotas[0][0]))
                     )
                     cands.append(_Candidate(a, resource, node, durations))
                     if len(durations) > 1:
@@ -754,7 +754,7 @@ class Scheduler:
                 # It reserves everything it needs, not just what it is short of: an action
                 # that needs two quotas must not be overtaken forever on either one.
                 blocked.update(self._reserves(a, needs, fit))
-                waits.append((aid, ",".join(sorted(fit))))
+                waits.append((aid, ",".join(sorted(str(r) for r in fit))))
             else:
                 blocked.update(self._reserves(a, needs, set()))
             key = needs[0]
@@ -771,8 +771,8 @@ class Scheduler:
     def _collect_rest(
         self,
         order: Iterator[str],
-        resources: set[str],
-        rest: dict[str, list[Pending]],
+        resources: set[Resource],
+        rest: dict[Resource, list[Pending]],
         horizon: int | None,
     ) -> None:
         open_lists = {r: rest.setdefault(r, []) for r in resources}
@@ -794,22 +794,24 @@ class Scheduler:
                 if not open_lists:
                     return
 
-    def _needs(self, a: Action, node: str | None) -> tuple[str, ...]:
+    def _needs(self, a: Action, node: str | None) -> tuple[Resource, ...]:
         """Resources an action competes on; the first is its key resource."""
         if a.needs is not None:
             return a.needs
-        needs: list[str] = []
+        needs: list[Resource] = []
         if a.cpu:
-            needs.append(f"cpu:{node}" if node is not None else PLACE)
+            needs.append(Resource.cpu(node) if node is not None else PLACE)
         if a.gpu:
             needs.append(GPU)
-        needs.extend(f"api:{q}" for q, _ in a.quotas)
+        needs.extend(Resource.api(q) for q, _ in a.quotas)
         out = tuple(needs)
         if not a.cpu or node is not None:  # an unplaced exec action's needs change on placement
             a.needs = out
         return out
 
-    def _reserves(self, a: Action, needs: tuple[str, ...], short: set[str]) -> set[str]:
+    def _reserves(
+        self, a: Action, needs: tuple[Resource, ...], short: set[Resource]
+    ) -> set[Resource]:
         """What a waiting action reserves for the rest of the round.
 
         Normally everything it needs. A trajectory's first action (not yet placed) reserves
@@ -818,17 +820,17 @@ class Scheduler:
         finish could never release the memory it waits for (hold-and-wait deadlock).
         """
         if a.cpu and a.trajectory not in self.cpu.placement:
-            return {PLACE} | {r for r in short if r.startswith("cpu:")}
+            return {PLACE} | {r for r in short if r.kind == "cpu"}
         return set(needs) | short
 
     def _fit(
-        self, a: Action, k: int, node: str | None, prov: _Provisional, blocked: set[str]
-    ) -> str | set[str]:
+        self, a: Action, k: int, node: str | None, prov: _Provisional, blocked: set[Resource]
+    ) -> str | set[Resource]:
         """Provisionally take minimum units: the node (or "") if it fits, else what blocks it."""
-        short: set[str] = set()
+        short: set[Resource] = set()
         for q, n in a.quotas:
             if prov.quota_free[q] < n:
-                short.add(f"api:{q}")
+                short.add(Resource.api(q))
         chunks = prov.chunks
         if a.gpu:
             nxt = take_chunk(chunks, k)
@@ -840,13 +842,15 @@ class Scheduler:
             if node is None:
                 mem = self.trajectories[a.trajectory].memory_gb
                 # A node whose cores an earlier action waits for is not offered to newcomers.
-                free = {n: (0 if f"cpu:{n}" in blocked else c) for n, c in prov.cpu_free.items()}
+                free = {
+                    n: (0 if Resource.cpu(n) in blocked else c) for n, c in prov.cpu_free.items()
+                }
                 node = self.cpu.choose_node(mem, k, free)
                 if node is None:
                     short.add(PLACE)
-                    short.update(f"cpu:{n}" for n in self.cpu.memory_fits_somewhere(mem))
+                    short.update(Resource.cpu(n) for n in self.cpu.memory_fits_somewhere(mem))
             elif prov.cpu_free[node] < k:
-                short.add(f"cpu:{node}")
+                short.add(Resource.cpu(node))
         if short:
             return short
         for q, n in a.quotas:
@@ -859,7 +863,7 @@ class Scheduler:
         return ""
 
     def _arrange(
-        self, resource: str, group: list[_Candidate], rest: list[Pending], now: float
+        self, resource: Resource, group: list[_Candidate], rest: list[Pending], now: float
     ) -> tuple[list[int], GroupDecision]:
         ids = tuple(c.action.id for c in group)
         durations = [self._with_restore(c) for c in group]
@@ -882,8 +886,7 @@ class Scheduler:
                 doubling=doubling,
             )
         else:
-            node = resource.removeprefix("cpu:")
-            capacity = self.cpu.nodes[node].free_cores
+            capacity = self.cpu.nodes[resource.name].free_cores
             arrangement = greedy_evict(
                 durations,
                 rest,
