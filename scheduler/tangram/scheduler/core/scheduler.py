@@ -54,7 +54,7 @@ class SchedulingError(ValueError):
         self.message = message
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     ordering: Ordering = "fcfs"
     depth: int = 2
@@ -80,7 +80,7 @@ class SchedulerConfig:
             raise SchedulingError("ordering", f"unknown policy {self.ordering!r}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Trajectory:
     id: str
     memory_gb: float
@@ -91,7 +91,7 @@ class Trajectory:
     queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Action:
     id: str
     trajectory: str
@@ -111,7 +111,7 @@ class Action:
     needs: tuple[Resource, ...] | None = None  # cached once the resources it needs are settled
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Assignment:
     action_id: str
     trajectory: str
@@ -127,7 +127,7 @@ class Assignment:
     queued_s: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GroupDecision:
     """How one key resource's candidates were arranged (for ``tangram explain``)."""
 
@@ -138,7 +138,7 @@ class GroupDecision:
     steps: tuple[EvictionStep, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Round:
     assignments: tuple[Assignment, ...]
     wake_at: float | None  # earliest time a rate window frees a blocked action
@@ -146,7 +146,7 @@ class Round:
     blocked: tuple[tuple[str, str], ...] = ()  # (action id, resource it waits for)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Drained:
     """What a node took with it when it left (its agent stopped answering)."""
 
@@ -215,7 +215,7 @@ class Scheduler:
             raise SchedulingError("memory_gb", "must be >= 0")
         if self.cpu.nodes and all(memory_gb > n.memory_gb for n in self.cpu.nodes.values()):
             raise SchedulingError("memory_gb", f"{memory_gb} GB exceeds every node's memory")
-        self.trajectories[tid] = Trajectory(tid, memory_gb, hint_steps)
+        self.trajectories[tid] = Trajectory(id=tid, memory_gb=memory_gb, hint_steps=hint_steps)
 
     def close_trajectory(self, tid: str, finished: bool = True) -> list[str]:
         """Close a trajectory; its queued actions are dropped and returned.
@@ -321,7 +321,7 @@ class Scheduler:
         self.cpu.nodes.pop(name, None)
         self.gpu.remove_node(name)
         self._nodes_changed()
-        return Drained(running, placed, tuple(dropped))
+        return Drained(running=running, trajectories=placed, dropped=tuple(dropped))
 
     def _nodes_changed(self) -> None:
         """Capacity changed: every cached choice and waiting count is stale."""
@@ -530,10 +530,10 @@ class Scheduler:
             if waiting.get(Resource.api(name), 0) > 0 and (t := q.next_expiry_s(now)) is not None
         ]
         return Round(
-            tuple(assignments),
-            min(wake, default=None),
-            tuple(decisions),
-            tuple(blocked),
+            assignments=tuple(assignments),
+            wake_at=min(wake, default=None),
+            groups=tuple(decisions),
+            blocked=tuple(blocked),
         )
 
     # ---- internals ---------------------------------------------------------------
@@ -591,18 +591,18 @@ class Scheduler:
         elastic_capable = len(units) > 1
         self._seq += 1
         action = Action(
-            action_id,
-            trajectory,
-            spec.kind,
-            spec.action_type(),
-            self._seq,
-            now,
-            cpu,
-            gpu,
-            spec.service,
-            tuple(sorted(quotas.items(), key=lambda kv: (kv[0] != spec.api, kv[0]))),
-            profile,
-            elastic_capable,
+            id=action_id,
+            trajectory=trajectory,
+            kind=spec.kind,
+            type=spec.action_type(),
+            seq=self._seq,
+            submitted_at=now,
+            cpu=cpu,
+            gpu=gpu,
+            service=spec.service,
+            quotas=tuple(sorted(quotas.items(), key=lambda kv: (kv[0] != spec.api, kv[0]))),
+            profile=profile,
+            elastic_capable=elastic_capable,
         )
         if (
             elastic_capable
@@ -869,7 +869,9 @@ class Scheduler:
         durations = [self._with_restore(c) for c in group]
         if all(len(d) == 1 for d in durations):
             units = [next(iter(d)) for d in durations]
-            return units, GroupDecision(resource, ids, False, len(group), ())
+            return units, GroupDecision(
+                resource=resource, candidates=ids, elastic=False, kept=len(group), steps=()
+            )
         running = [
             (max(0.0, r.expected_end - now), _size(r.assignment))
             for r in self.running.values()
@@ -896,7 +898,11 @@ class Scheduler:
                 doubling=doubling,
             )
         return list(arrangement.units), GroupDecision(
-            resource, ids, True, arrangement.kept, arrangement.steps
+            resource=resource,
+            candidates=ids,
+            elastic=True,
+            kept=arrangement.kept,
+            steps=arrangement.steps,
         )
 
     def _with_restore(self, c: _Candidate) -> Mapping[int, float]:
@@ -944,18 +950,18 @@ class Scheduler:
         for q, n in a.quotas:
             self.quotas[q].acquire(now, n)
         asg = Assignment(
-            a.id,
-            a.trajectory,
-            c.node or (chunk.node if chunk else None),
-            cores,
-            chunk,
-            restore,
-            evicted,
-            a.quotas,
-            k,
-            expected,
-            now,
-            now - a.submitted_at,
+            action_id=a.id,
+            trajectory=a.trajectory,
+            node=c.node or (chunk.node if chunk else None),
+            cores=cores,
+            chunk=chunk,
+            restore=restore,
+            evicted=evicted,
+            quotas=a.quotas,
+            units=k,
+            expected_s=expected,
+            started_at=now,
+            queued_s=now - a.submitted_at,
         )
         self.running[a.id] = _Running(asg, a, now + expected, c.resource)
         return asg
