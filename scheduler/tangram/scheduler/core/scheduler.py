@@ -32,7 +32,7 @@ from typing import Literal
 from tangram.api.action import ActionKind, ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
 from tangram.api.demand import allowed_units
-from tangram.scheduler.core.cpu_pool import CpuPool
+from tangram.scheduler.core.cpu_pool import CpuPool, PlannedPlacements
 from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
 from tangram.scheduler.core.elastic import EvictionStep, greedy_evict
 from tangram.scheduler.core.gpu_pool import Chunk, GpuPool
@@ -144,6 +144,27 @@ class Round:
     wake_at: float | None  # earliest time a rate window frees a blocked action
     groups: tuple[GroupDecision, ...] = ()
     blocked: tuple[tuple[str, str], ...] = ()  # (action id, resource it waits for)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Start:
+    """A queued action a round starts: on which resource and node, with how many units."""
+
+    action_id: str
+    resource: Resource  # its key resource
+    node: str | None  # the node of its cores (exec actions)
+    units: int  # of the key resource
+    expected_s: float  # expected duration at ``units``, before any restore
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A round's decisions before any is applied (``Scheduler.plan``)."""
+
+    placements: tuple[tuple[str, str], ...]  # (trajectory, node), in the order decided
+    starts: tuple[Start, ...]  # in queue order
+    groups: tuple[GroupDecision, ...]
+    blocked: tuple[tuple[str, str], ...]  # (action id, resource it waits for)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -487,11 +508,16 @@ class Scheduler:
                 raise SchedulingError("cores", f"cores {busy} of node {placed} are not free")
             if trajectory not in self.cpu.placement:
                 self._place(trajectory, placed)
-        durations = self._choices(a)[1]
         node = placed if a.cpu else None
-        cand = _Candidate(a, self._needs(a, node)[0], node, {units: durations.get(units, 0.0)})
+        start = Start(
+            action_id=action_id,
+            resource=self._needs(a, node)[0],
+            node=node,
+            units=units,
+            expected_s=self._choices(a, node)[1].get(units, 0.0),
+        )
         self._enqueue(a, (float(a.seq),), None)
-        asg = self._start(cand, units, started_at, exact=cores)
+        asg = self._start(a, start, started_at, exact=cores)
         if asg is None:
             self._dequeue(action_id)
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
@@ -505,23 +531,11 @@ class Scheduler:
 
     # ---- the round ---------------------------------------------------------------
     def schedule(self, now: float) -> Round:
-        cands, rest, blocked = self._candidates(now)
-        groups: dict[Resource, list[_Candidate]] = {}
-        for c in cands:
-            groups.setdefault(c.resource, []).append(c)
-        decisions: list[GroupDecision] = []
-        chosen: dict[str, int] = {}
-        for resource, group in groups.items():
-            units, decision = self._arrange(resource, group, rest.get(resource, []), now)
-            decisions.append(decision)
-            for c, k in zip(group, units, strict=False):
-                chosen[c.action.id] = k
-            if decision.kept < len(group):
-                for c in group[decision.kept :]:
-                    blocked.append(
-                        (c.action.id, f"{resource} (evicted: waiting beats starting now)")
-                    )
-        started = (self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen)
+        """One round: plan it, then commit the plan (place, allocate, start)."""
+        plan = self.plan(now)
+        for tid, node in plan.placements:
+            self._place(tid, node)
+        started = (self._start(self.actions[s.action_id], s, now) for s in plan.starts)
         assignments = [a for a in started if a is not None]
         waiting = self._waiting
         wake = [
@@ -532,6 +546,42 @@ class Scheduler:
         return Round(
             assignments=tuple(assignments),
             wake_at=min(wake, default=None),
+            groups=plan.groups,
+            blocked=plan.blocked,
+        )
+
+    def plan(self, now: float) -> Plan:
+        """The round's decisions at ``now``: which trajectories go where, which actions start
+        with how many units, and why the others wait. Nothing in the pools or the queue
+        changes (planning twice gives the same plan); ``schedule`` commits it."""
+        view = PlannedPlacements(self.cpu)
+        cands, rest, blocked = self._candidates(now, view)
+        groups: dict[Resource, list[_Candidate]] = {}
+        for c in cands:
+            groups.setdefault(c.resource, []).append(c)
+        decisions: list[GroupDecision] = []
+        chosen: dict[str, int] = {}
+        for resource, group in groups.items():
+            units, decision = self._arrange(resource, group, rest.get(resource, []), now)
+            decisions.append(decision)
+            for c, k in zip(group, units, strict=False):
+                chosen[c.action.id] = k
+            for c in group[decision.kept :]:
+                blocked.append((c.action.id, f"{resource} (evicted: waiting beats starting now)"))
+        starts = tuple(
+            Start(
+                action_id=c.action.id,
+                resource=c.resource,
+                node=c.node,
+                units=n,
+                expected_s=c.durations.get(n, 0.0),
+            )
+            for c in cands
+            if (n := chosen.get(c.action.id)) is not None
+        )
+        return Plan(
+            placements=tuple(view.planned.items()),
+            starts=starts,
             groups=tuple(decisions),
             blocked=tuple(blocked),
         )
@@ -632,7 +682,9 @@ class Scheduler:
         return now + max(self.config.min_age_s, self.config.ageing_factor * self._expected(a))
 
     def _expected(self, a: Action) -> float:
-        units, durations, _ = self._choices(a)
+        units, durations, _ = self._choices(
+            a, self.cpu.placement.get(a.trajectory) if a.cpu else None
+        )
         return durations[units[0]]
 
     def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
@@ -667,29 +719,33 @@ class Scheduler:
             cores = Resource.cpu(node)
             w[cores] = w.get(cores, 0) + traj.queued_exec
 
-    def _choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float], Pending]:
+    def _choices(
+        self, a: Action, node: str | None
+    ) -> tuple[tuple[int, ...], dict[int, float], Pending]:
         """Allowed key units this round, their expected durations (no restore), as Pending too.
 
+        ``node``: the node of an exec action's trajectory, placed or planned this round.
         Cached per action until the profile book changes its mind about the action's type.
         """
         static = a.profile is not None and a.profile.efficiency is not None
         stamp = -1 if static else self.book.version(a.type)
         if a.cpu and a.trajectory not in self.cpu.placement:
-            stamp = -2  # unplaced: its node, hence its core cap, is still open
+            stamp = -2  # not placed yet: its node, hence its core cap, is still open
         cache = a.cache
         if cache is not None and cache[0] == stamp and stamp != -2:
             return cache[1], cache[2], cache[3]
-        units, durations = self._compute_choices(a)
+        units, durations = self._compute_choices(a, node)
         pending = Pending(units, tuple(durations[k] for k in units))
         a.cache = (stamp, units, durations, pending)
         return units, durations, pending
 
-    def _compute_choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float]]:
+    def _compute_choices(
+        self, a: Action, node: str | None
+    ) -> tuple[tuple[int, ...], dict[int, float]]:
         units = a.cpu or a.gpu or (1,)
         if a.cpu:
             # Never more cores than the trajectory's node has (unplaced: the largest node), so
             # fixed DoP and probe sizes stay runnable.
-            node = self.cpu.placement.get(a.trajectory)
             cap = self.cpu.nodes[node].cores if node is not None else self._biggest_node
             units = tuple(k for k in units if k <= cap) or units[:1]
         profile = a.profile
@@ -713,7 +769,7 @@ class Scheduler:
         return units, dict.fromkeys(units, base)
 
     def _candidates(
-        self, now: float
+        self, now: float, view: PlannedPlacements
     ) -> tuple[list[_Candidate], dict[Resource, list[Pending]], list[tuple[str, str]]]:
         prov = _Provisional(
             {n: node.free_cores for n, node in self.cpu.nodes.items()},
@@ -731,15 +787,15 @@ class Scheduler:
         order = self.queue.order(now)
         for aid in order:
             a = self.actions[aid]
-            units, durations, pending = self._choices(a)
-            node = self.cpu.placement.get(a.trajectory) if a.cpu else None
+            node = view.node_of(a.trajectory) if a.cpu else None
+            units, durations, pending = self._choices(a, node)
             needs = self._needs(a, node)
             if blocked.isdisjoint(needs):
-                fit = self._fit(a, units[0], node, prov, blocked)
+                fit = self._fit(a, units[0], node, prov, blocked, view=view)
                 if isinstance(fit, str):
+                    if a.cpu and node is None:
+                        view.place(a.trajectory, fit, self.trajectories[a.trajectory].memory_gb)
                     node = fit if a.cpu else None
-                    if node is not None and a.trajectory not in self.cpu.placement:
-                        self._place(a.trajectory, node)
                     resource = (
                         Resource.cpu(node)
                         if node is not None
@@ -753,10 +809,10 @@ class Scheduler:
                     continue
                 # It reserves everything it needs, not just what it is short of: an action
                 # that needs two quotas must not be overtaken forever on either one.
-                blocked.update(self._reserves(a, needs, fit))
+                blocked.update(self._reserves(a, needs, fit, view))
                 waits.append((aid, ",".join(sorted(str(r) for r in fit))))
             else:
-                blocked.update(self._reserves(a, needs, set()))
+                blocked.update(self._reserves(a, needs, set(), view))
             key = needs[0]
             if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
                 rest.setdefault(key, []).append(pending)
@@ -765,7 +821,7 @@ class Scheduler:
         # Everything anyone waits for is blocked: no more candidates. Only the estimate's
         # view of the remaining queue on elastic resources is still needed.
         if elastic_resources:
-            self._collect_rest(order, elastic_resources, rest, horizon)
+            self._collect_rest(order, elastic_resources, rest, horizon, view)
         return cands, rest, waits
 
     def _collect_rest(
@@ -774,13 +830,14 @@ class Scheduler:
         resources: set[Resource],
         rest: dict[Resource, list[Pending]],
         horizon: int | None,
+        view: PlannedPlacements,
     ) -> None:
         open_lists = {r: rest.setdefault(r, []) for r in resources}
-        actions, placement = self.actions, self.cpu.placement
+        actions, node_of = self.actions, view.node_of
         version = self.book.version
         for aid in order:
             a = actions[aid]
-            needs = a.needs or self._needs(a, placement.get(a.trajectory) if a.cpu else None)
+            needs = a.needs or self._needs(a, node_of(a.trajectory) if a.cpu else None)
             target = open_lists.get(needs[0])
             if target is None:
                 continue
@@ -788,7 +845,7 @@ class Scheduler:
             if cache is not None and (cache[0] == -1 or cache[0] == version(a.type)):
                 target.append(cache[3])
             else:
-                target.append(self._choices(a)[2])
+                target.append(self._choices(a, node_of(a.trajectory) if a.cpu else None)[2])
             if horizon is not None and len(target) >= horizon:
                 del open_lists[needs[0]]
                 if not open_lists:
@@ -805,12 +862,16 @@ class Scheduler:
             needs.append(GPU)
         needs.extend(Resource.api(q) for q, _ in a.quotas)
         out = tuple(needs)
-        if not a.cpu or node is not None:  # an unplaced exec action's needs change on placement
+        if not a.cpu or a.trajectory in self.cpu.placement:  # else they change on placement
             a.needs = out
         return out
 
     def _reserves(
-        self, a: Action, needs: tuple[Resource, ...], short: set[Resource]
+        self,
+        a: Action,
+        needs: tuple[Resource, ...],
+        short: set[Resource],
+        view: PlannedPlacements,
     ) -> set[Resource]:
         """What a waiting action reserves for the rest of the round.
 
@@ -819,12 +880,19 @@ class Scheduler:
         life, so if it also reserved a quota, a placed trajectory needing that quota to
         finish could never release the memory it waits for (hold-and-wait deadlock).
         """
-        if a.cpu and a.trajectory not in self.cpu.placement:
+        if a.cpu and view.node_of(a.trajectory) is None:
             return {PLACE} | {r for r in short if r.kind == "cpu"}
         return set(needs) | short
 
     def _fit(
-        self, a: Action, k: int, node: str | None, prov: _Provisional, blocked: set[Resource]
+        self,
+        a: Action,
+        k: int,
+        node: str | None,
+        prov: _Provisional,
+        blocked: set[Resource],
+        *,
+        view: PlannedPlacements,
     ) -> str | set[Resource]:
         """Provisionally take minimum units: the node (or "") if it fits, else what blocks it."""
         short: set[Resource] = set()
@@ -845,10 +913,11 @@ class Scheduler:
                 free = {
                     n: (0 if Resource.cpu(n) in blocked else c) for n, c in prov.cpu_free.items()
                 }
-                node = self.cpu.choose_node(mem, k, free)
+                node = self.cpu.choose_node(mem, k, free, view.used_gb)
                 if node is None:
                     short.add(PLACE)
-                    short.update(Resource.cpu(n) for n in self.cpu.memory_fits_somewhere(mem))
+                    fits = self.cpu.memory_fits_somewhere(mem, view.used_gb)
+                    short.update(Resource.cpu(n) for n in fits)
             elif prov.cpu_free[node] < k:
                 short.add(Resource.cpu(node))
         if short:
@@ -916,11 +985,11 @@ class Scheduler:
         }
 
     def _start(
-        self, c: _Candidate, k: int, now: float, exact: Sequence[int] | None = None
+        self, a: Action, s: Start, now: float, exact: Sequence[int] | None = None
     ) -> Assignment | None:
         """Allocate and start; None (the action stays queued) if its GPU chunk went to an
         earlier candidate of this round (chunk counts cannot see per-node GPU memory)."""
-        a = c.action
+        k = s.units
         grant = None
         if a.gpu:
             assert a.service is not None
@@ -933,11 +1002,11 @@ class Scheduler:
         chunk = None
         restore = False
         evicted: tuple[str, ...] = ()
-        expected = c.durations.get(k, 0.0)
+        expected = s.expected_s
         if a.cpu:
-            assert c.node is not None
+            assert s.node is not None
             cores = (
-                self.cpu.take(c.node, k) if exact is None else self.cpu.take_exact(c.node, exact)
+                self.cpu.take(s.node, k) if exact is None else self.cpu.take_exact(s.node, exact)
             )
         if grant is not None:
             assert a.service is not None
@@ -952,7 +1021,7 @@ class Scheduler:
         asg = Assignment(
             action_id=a.id,
             trajectory=a.trajectory,
-            node=c.node or (chunk.node if chunk else None),
+            node=s.node or (chunk.node if chunk else None),
             cores=cores,
             chunk=chunk,
             restore=restore,
@@ -963,7 +1032,7 @@ class Scheduler:
             started_at=now,
             queued_s=now - a.submitted_at,
         )
-        self.running[a.id] = _Running(asg, a, now + expected, c.resource)
+        self.running[a.id] = _Running(asg, a, now + expected, s.resource)
         return asg
 
 
