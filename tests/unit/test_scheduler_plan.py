@@ -48,7 +48,7 @@ def state(s: Scheduler) -> dict[str, Any]:
         "queue": list(s.queue.order(2.0)),
         "actions": sorted(s.actions),
         "running": sorted(s.running),
-        "waiting": dict(s._waiting),
+        "waiting": dict(s.waiting),
     }
 
 
