@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Ordering = Literal["fcfs", "trajectory-priority"]
+from tangram.api.orderings import DEFAULT_ORDERING, ORDERINGS
+
+Ordering = str  # a name of tangram.api.orderings.ORDERINGS
 
 
 class SchedulingError(ValueError):
@@ -19,7 +21,7 @@ class SchedulingError(ValueError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
-    ordering: Ordering = "fcfs"
+    ordering: Ordering = DEFAULT_ORDERING
     depth: int = 2
     explore: Literal["paper", "doubling"] = "paper"  # head counts the estimate tries
     max_candidates: int | None = None  # per round; None = the whole fitting prefix
@@ -39,5 +41,5 @@ class SchedulerConfig:
             raise SchedulingError("fixed_dop", "must be at least 1")
         if self.explore not in ("paper", "doubling"):
             raise SchedulingError("explore", f"unknown rule {self.explore!r}")
-        if self.ordering not in ("fcfs", "trajectory-priority"):
+        if self.ordering not in ORDERINGS:
             raise SchedulingError("ordering", f"unknown policy {self.ordering!r}")

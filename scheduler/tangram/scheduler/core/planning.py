@@ -34,7 +34,7 @@ from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
 from tangram.scheduler.core.elastic import greedy_evict
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.objective import Pending
-from tangram.scheduler.core.ordering import FifoQueue, OrderedQueue
+from tangram.scheduler.core.ordering import ActionQueue
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
 from tangram.scheduler.core.sizing import Sizing
@@ -61,7 +61,7 @@ class RoundInputs(Protocol):
     @property
     def actions(self) -> Mapping[str, Action]: ...
     @property
-    def queue(self) -> FifoQueue | OrderedQueue: ...
+    def queue(self) -> ActionQueue: ...
     @property
     def running(self) -> Mapping[str, Running]: ...
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
@@ -28,7 +29,7 @@ from tangram.scheduler.core.decisions import (
     Start,
 )
 from tangram.scheduler.core.gpu_pool import GpuPool
-from tangram.scheduler.core.ordering import FifoQueue, LengthModel, OrderedQueue
+from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
 from tangram.scheduler.core.planning import plan_round
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
@@ -68,9 +69,7 @@ class Scheduler:
         self.lengths = LengthModel()
         self.trajectories: dict[str, Trajectory] = {}
         self.actions: dict[str, Action] = {}
-        self.queue: FifoQueue | OrderedQueue = (
-            FifoQueue() if self.config.ordering == "fcfs" else OrderedQueue()
-        )
+        self.queue: ActionQueue = POLICIES[self.config.ordering].new_queue()
         self.running: dict[str, Running] = {}
         self._seq = 0
         # Queued demand per resource, so a round stops walking once every resource anyone
@@ -227,7 +226,7 @@ class Scheduler:
         if config.ordering != self.config.ordering and len(self.queue):
             raise SchedulingError("ordering", "can only change while no action is queued")
         if config.ordering != self.config.ordering:
-            self.queue = FifoQueue() if config.ordering == "fcfs" else OrderedQueue()
+            self.queue = POLICIES[config.ordering].new_queue()
         self.config = config
         self.sizing = replace(self.sizing, config=config)
         for a in self.actions.values():
@@ -243,7 +242,9 @@ class Scheduler:
         if action_id in self.actions or action_id in self.running:
             raise SchedulingError("id", f"action {action_id} already exists")
         action = self._resolve(action_id, trajectory, spec, now)
-        self._enqueue(action, self._order_key(action, traj), self._deadline(action, now))
+        policy, expected = POLICIES[self.config.ordering], partial(self._expected, action)
+        key = policy.key(action.seq, traj, self.lengths, expected)
+        self._enqueue(action, key, policy.deadline(now, expected, self.config))
         return action
 
     def cancel(self, action_id: str) -> bool:
@@ -429,22 +430,6 @@ class Scheduler:
         )
         self._seq += 1  # only once it is accepted
         return a
-
-    def _order_key(self, a: Action, traj: Trajectory) -> tuple[float, ...]:
-        if self.config.ordering == "fcfs":
-            return (float(a.seq),)
-        remaining = (
-            float(max(0, traj.hint_steps - (traj.steps_done - traj.hint_at)))
-            if traj.hint_steps is not None
-            else self.lengths.expected_remaining(traj.steps_done)
-        )
-        per_step = traj.busy_s / traj.steps_done if traj.steps_done else self._expected(a)
-        return (-(remaining * per_step + self._expected(a)), float(a.seq))
-
-    def _deadline(self, a: Action, now: float) -> float | None:
-        if self.config.ordering == "fcfs":
-            return None
-        return now + max(self.config.min_age_s, self.config.ageing_factor * self._expected(a))
 
     def _expected(self, a: Action) -> float:
         return self.sizing.expected(a, self.cpu.placement.get(a.trajectory) if a.cpu else None)
