@@ -384,8 +384,18 @@ class Scheduler:
 
     # ---- the round ---------------------------------------------------------------
     def schedule(self, now: float) -> Round:
-        """One round: plan it, then commit the plan (place, allocate, start)."""
-        plan = self.plan(now)
+        """One round: plan it, then commit the plan."""
+        return self._commit(self.plan(now), now)
+
+    def plan(self, now: float) -> Plan:
+        """The round's decisions at ``now``: which trajectories go where, which actions start
+        with how many units, and why the others wait. Nothing in the pools or the queue
+        changes (planning twice gives the same plan); ``schedule`` commits it."""
+        return plan_round(self, now)
+
+    def _commit(self, plan: Plan, now: float) -> Round:
+        """Apply a plan made at ``now`` with nothing changed since: place its trajectories,
+        then allocate exact units and start its actions in queue order."""
         for tid, node in plan.placements:
             self._place(tid, node)
         started = (self._start(self.actions[s.action_id], s, now) for s in plan.starts)
@@ -402,12 +412,6 @@ class Scheduler:
             groups=plan.groups,
             blocked=plan.blocked,
         )
-
-    def plan(self, now: float) -> Plan:
-        """The round's decisions at ``now``: which trajectories go where, which actions start
-        with how many units, and why the others wait. Nothing in the pools or the queue
-        changes (planning twice gives the same plan); ``schedule`` commits it."""
-        return plan_round(self, now)
 
     # ---- internals ---------------------------------------------------------------
     def _traj(self, tid: str) -> Trajectory:
