@@ -35,6 +35,7 @@ from pydantic.alias_generators import to_camel
 
 from tangram.api.action import _API_NAME
 from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units
+from tangram.api.orderings import OrderingName
 from tangram.api.reasons import Reason
 
 GROUP = "tangram.dev"
@@ -221,7 +222,7 @@ class Scheduling(_Spec):
     """How the pool's scheduler orders and sizes actions."""
 
     ordering: Annotated[
-        Literal["fcfs", "trajectory-priority"],
+        OrderingName,
         Field(description="queue order: first come first served, or by trajectory priority"),
     ] = "fcfs"
     depth: Annotated[

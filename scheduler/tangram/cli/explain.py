@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec
+from tangram.api.orderings import DEFAULT_ORDERING, OrderingName
 from tangram.cli.files import InputError, read_json
 from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig, SchedulingError
 
@@ -53,7 +54,7 @@ class QueuedState(_Strict):
 class ConfigState(_Strict):
     """``SchedulerConfig``'s fields; see docs/scheduler.md."""
 
-    ordering: Literal["fcfs", "trajectory-priority"] = "fcfs"
+    ordering: OrderingName = DEFAULT_ORDERING
     depth: Annotated[int, Field(ge=1)] = 2
     explore: Literal["paper", "doubling"] = "paper"
     max_candidates: Annotated[int | None, Field(ge=1)] = None
@@ -124,7 +125,7 @@ def as_dict(result: Round) -> dict[str, Any]:
         ],
         "groups": [
             {
-                "resource": g.resource,
+                "resource": str(g.resource),
                 "candidates": list(g.candidates),
                 "elastic": g.elastic,
                 "kept": g.kept,

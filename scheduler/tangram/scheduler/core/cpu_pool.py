@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 
 @dataclass(slots=True)
@@ -29,6 +30,9 @@ class CpuNode:
     @property
     def free_memory_gb(self) -> float:
         return self.memory_gb - self.memory_used_gb
+
+
+_NONE: Mapping[str, float] = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -52,27 +56,40 @@ class CpuPool:
         numa = [list(range(i * per, (i + 1) * per)) for i in range(numa_nodes)]
         self.nodes[name] = CpuNode(name, numa, cores, memory_gb)
 
-    def choose_node(self, memory_gb: float, min_cores: int, free: Mapping[str, int]) -> str | None:
+    def choose_node(
+        self,
+        memory_gb: float,
+        min_cores: int,
+        free: Mapping[str, int],
+        used_gb: Mapping[str, float] = _NONE,
+    ) -> str | None:
         """A node for a new trajectory: enough free cores now and memory for its whole life.
 
-        ``free`` overrides the free-core counts (the round's provisional view). Among
-        fitting nodes the one with the largest free memory fraction wins (memory load
-        balancing); ties go to the name for determinism.
+        ``free`` overrides the free-core counts and ``used_gb`` the memory in use (the
+        round's provisional view). Among fitting nodes the one with the largest free memory
+        fraction wins (memory load balancing); ties go to the name for determinism.
         """
         best: tuple[float, str] | None = None
         for node in self.nodes.values():
             if free.get(node.name, node.free_cores) < min_cores:
                 continue
-            if node.free_memory_gb + 1e-9 < memory_gb:
+            free_gb = node.memory_gb - used_gb.get(node.name, node.memory_used_gb)
+            if free_gb + 1e-9 < memory_gb:
                 continue
-            frac = node.free_memory_gb / node.memory_gb if node.memory_gb else 0.0
+            frac = free_gb / node.memory_gb if node.memory_gb else 0.0
             key = (-frac, node.name)
             if best is None or key < (best[0], best[1]):
                 best = key
         return None if best is None else best[1]
 
-    def memory_fits_somewhere(self, memory_gb: float) -> list[str]:
-        return [n.name for n in self.nodes.values() if n.free_memory_gb + 1e-9 >= memory_gb]
+    def memory_fits_somewhere(
+        self, memory_gb: float, used_gb: Mapping[str, float] = _NONE
+    ) -> list[str]:
+        return [
+            n.name
+            for n in self.nodes.values()
+            if n.memory_gb - used_gb.get(n.name, n.memory_used_gb) + 1e-9 >= memory_gb
+        ]
 
     def place(self, trajectory: str, node: str, memory_gb: float) -> None:
         if trajectory in self.placement:
@@ -129,3 +146,25 @@ class CpuPool:
             if i < len(bucket) and bucket[i] == c:
                 raise ValueError(f"node {node}: core {c} returned twice")
             bucket.insert(i, c)
+
+
+@dataclass(slots=True)
+class PlannedPlacements:
+    """A round's placements before it commits them: the pool's own plus those it plans.
+
+    Planning reads placement and memory through this view and changes nothing in the pool;
+    the commit then places ``planned`` in order, so memory adds up exactly as planned.
+    """
+
+    pool: CpuPool
+    planned: dict[str, str] = field(default_factory=dict)  # trajectory -> node, in order
+    used_gb: dict[str, float] = field(default_factory=dict)  # node -> memory used with them
+
+    def node_of(self, trajectory: str) -> str | None:
+        node = self.pool.placement.get(trajectory)
+        return node if node is not None else self.planned.get(trajectory)
+
+    def place(self, trajectory: str, node: str, memory_gb: float) -> None:
+        before = self.used_gb.get(node, self.pool.nodes[node].memory_used_gb)
+        self.used_gb[node] = before + memory_gb
+        self.planned[trajectory] = node

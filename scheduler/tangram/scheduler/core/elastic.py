@@ -14,7 +14,7 @@ from tangram.scheduler.core.dp import BasicTable, ChunkState, ChunkTable, Durati
 from tangram.scheduler.core.objective import Pending, estimate, unit_slots
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EvictionStep:
     """One evaluated prefix, kept for ``tangram explain``."""
 
@@ -28,7 +28,7 @@ class EvictionStep:
         return self.exact + self.approx
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Arrangement:
     kept: int  # the first `kept` candidates run now
     units: tuple[int, ...]
@@ -81,11 +81,12 @@ def greedy_evict(
         slots = unit_slots(free - used, releases)
         waiting = [_pending(d) for d in candidates[p:]]
         waiting.extend(rest)
-        return EvictionStep(p, tuple(units), exact, estimate(slots, waiting, depth, doubling))
+        approx = estimate(slots, waiting, depth, doubling)
+        return EvictionStep(kept=p, units=tuple(units), exact=exact, approx=approx)
 
     n = len(candidates)
     if n == 0:
-        return Arrangement(0, (), ())
+        return Arrangement(kept=0, units=(), steps=())
     best = evaluate(n)
     steps = [best]
     p = n
@@ -101,4 +102,4 @@ def greedy_evict(
         if step.objective >= best.objective - 1e-9 * max(1.0, abs(best.objective)):
             break
         best, p = step, p - 1
-    return Arrangement(best.kept, best.units, tuple(steps))
+    return Arrangement(kept=best.kept, units=best.units, steps=tuple(steps))

@@ -1,182 +1,54 @@
-"""The scheduler: unified action queue, elastic rounds, resource bookkeeping.
+"""The scheduler: one action queue, elastic rounds, resource bookkeeping.
 
-``Scheduler`` is synchronous and deterministic: every method takes the time as
-an argument and returns plain data. The service (HTTP), the node agent and the
-simulator all drive this one object.
-
-A round (``schedule``) follows Algorithm 1 of seed 000:
-
-1. Candidates: walk the queue in policy order and take every action that fits
-   at its minimum units, respecting topology (free cores of the trajectory's
-   node, buddy GPU chunks, quota windows). An action that does not fit — or
-   that waits behind one that did not — blocks every resource it needs for the
-   rest of the round, so nothing behind it on those resources overtakes it (FCFS
-   per resource, hence no starvation: by induction on queue position, the first
-   waiting action of a resource holds its reservation until running actions
-   release enough), while actions on unrelated resources — another node, an API
-   quota — still proceed. The price is head-of-line blocking for actions that
-   need several quotas; docs/simulator.md measures it.
-2. Split candidates by key resource (the cores of one node, the GPU pool).
-3. Groups with no elastic candidate run at minimum units; the others go through
-   greedy eviction (``elastic.greedy_evict``) with the ACT approximation.
-4. Allocate exact cores (NUMA-aware), GPU chunks (buddy, residency-aware) and
-   quota units, and return the assignments.
+``Scheduler`` is synchronous and deterministic: every method takes the time as an argument
+and returns plain data. The service (HTTP), the node agent and the simulator all drive this
+one object. A round (``schedule``) plans (``planning``: which actions start, where, with how
+many units, and why the others wait), then commits the plan: it places the trajectories,
+allocates exact cores (NUMA-aware), GPU chunks (buddy, residency-aware) and quota units, and
+returns the assignments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from functools import partial
 
-from tangram.api.action import ActionKind, ActionSpec
+from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
-from tangram.api.demand import allowed_units
+from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
+from tangram.scheduler.core.admission import resolve
+from tangram.scheduler.core.config import Ordering, SchedulerConfig, SchedulingError
 from tangram.scheduler.core.cpu_pool import CpuPool
-from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
-from tangram.scheduler.core.elastic import EvictionStep, greedy_evict
-from tangram.scheduler.core.gpu_pool import Chunk, GpuPool
-from tangram.scheduler.core.objective import Pending
-from tangram.scheduler.core.ordering import FifoQueue, LengthModel, OrderedQueue
-from tangram.scheduler.core.profiles import Profile, ProfileBook
+from tangram.scheduler.core.decisions import (
+    Assignment,
+    Drained,
+    GroupDecision,
+    Plan,
+    Round,
+    Start,
+)
+from tangram.scheduler.core.gpu_pool import GpuPool
+from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
+from tangram.scheduler.core.planning import plan_round
+from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
+from tangram.scheduler.core.resource import PLACE, Resource
+from tangram.scheduler.core.sizing import Sizing
 
-Ordering = Literal["fcfs", "trajectory-priority"]
-GPU = "gpu"
-PLACE = "place"
-
-
-class SchedulingError(ValueError):
-    """A request the scheduler cannot accept; ``field`` names the offending input."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    ordering: Ordering = "fcfs"
-    depth: int = 2
-    explore: Literal["paper", "doubling"] = "paper"  # head counts the estimate tries
-    max_candidates: int | None = None  # per round; None = the whole fitting prefix
-    elastic: bool = True
-    fixed_dop: int | None = None  # baseline: elastic actions always get this many units
-    ageing_factor: float = 4.0  # trajectory-priority: overdue after this x expected duration
-    min_age_s: float = 1.0
-    horizon: int | None = None  # queued actions per resource the estimate looks at
-    learn: bool = True
-
-    def __post_init__(self) -> None:
-        if self.depth < 1:
-            raise SchedulingError("depth", "must be at least 1")
-        if self.max_candidates is not None and self.max_candidates < 1:
-            raise SchedulingError("max_candidates", "must be at least 1")
-        if self.fixed_dop is not None and self.fixed_dop < 1:
-            raise SchedulingError("fixed_dop", "must be at least 1")
-        if self.explore not in ("paper", "doubling"):
-            raise SchedulingError("explore", f"unknown rule {self.explore!r}")
-        if self.ordering not in ("fcfs", "trajectory-priority"):
-            raise SchedulingError("ordering", f"unknown policy {self.ordering!r}")
-
-
-@dataclass(slots=True)
-class Trajectory:
-    id: str
-    memory_gb: float
-    hint_steps: int | None = None  # remaining steps the client announced ...
-    hint_at: int = 0  # ... when it had taken this many
-    steps_done: int = 0
-    busy_s: float = 0.0
-    queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
-
-
-@dataclass(slots=True)
-class Action:
-    id: str
-    trajectory: str
-    kind: ActionKind
-    type: str
-    seq: int
-    submitted_at: float
-    cpu: tuple[int, ...]
-    gpu: tuple[int, ...]
-    service: str | None
-    quotas: tuple[tuple[str, int], ...]
-    profile: Profile | None
-    elastic_capable: bool
-    probe: bool = False
-    # Cache of _choices: (book version of the type, units, durations, pending view).
-    cache: tuple[int, tuple[int, ...], dict[int, float], Pending] | None = None
-    needs: tuple[str, ...] | None = None  # cached once the resources it needs are settled
-
-
-@dataclass(frozen=True, slots=True)
-class Assignment:
-    action_id: str
-    trajectory: str
-    node: str | None
-    cores: tuple[int, ...] = ()
-    chunk: Chunk | None = None
-    restore: bool = False  # the service instance must be restored into the chunk
-    evicted: tuple[str, ...] = ()  # "service@node:start+size" instances evicted for it
-    quotas: tuple[tuple[str, int], ...] = ()
-    units: int = 1  # units of the key resource (DoP)
-    expected_s: float = 0.0
-    started_at: float = 0.0
-    queued_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class GroupDecision:
-    """How one key resource's candidates were arranged (for ``tangram explain``)."""
-
-    resource: str
-    candidates: tuple[str, ...]
-    elastic: bool
-    kept: int
-    steps: tuple[EvictionStep, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Round:
-    assignments: tuple[Assignment, ...]
-    wake_at: float | None  # earliest time a rate window frees a blocked action
-    groups: tuple[GroupDecision, ...] = ()
-    blocked: tuple[tuple[str, str], ...] = ()  # (action id, resource it waits for)
-
-
-@dataclass(frozen=True, slots=True)
-class Drained:
-    """What a node took with it when it left (its agent stopped answering)."""
-
-    running: tuple[str, ...]  # actions that were running there: they end in error
-    trajectories: tuple[str, ...]  # trajectories placed there: their environments are lost
-    dropped: tuple[str, ...]  # queued actions of those trajectories
-
-
-@dataclass(slots=True)
-class _Running:
-    assignment: Assignment
-    action: Action
-    expected_end: float
-    resource: str
-
-
-@dataclass(slots=True)
-class _Provisional:
-    cpu_free: dict[str, int]
-    chunks: ChunkState
-    quota_free: dict[str, int]
-
-
-@dataclass(slots=True)
-class _Candidate:
-    action: Action
-    resource: str
-    node: str | None
-    durations: dict[int, float]
+# Re-exported: callers import these from here.
+__all__ = [
+    "Action",
+    "Assignment",
+    "Drained",
+    "GroupDecision",
+    "Ordering",
+    "Plan",
+    "Round",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulingError",
+]
 
 
 class Scheduler:
@@ -189,22 +61,20 @@ class Scheduler:
             (s.name for s in cluster.services if s.replicated),
         )
         self.services = {s.name: s for s in cluster.services}
-        self._biggest_node = max((n.cores for n in self.cpu.nodes.values()), default=0)
         self.quotas = {
             a.name: Quota(a.name, a.concurrency, *(a.window() or (None, 1.0))) for a in cluster.apis
         }
         self.book = ProfileBook()
+        self.sizing = Sizing(self.cpu, self.book, self.config, _biggest(self.cpu))
         self.lengths = LengthModel()
         self.trajectories: dict[str, Trajectory] = {}
         self.actions: dict[str, Action] = {}
-        self.queue: FifoQueue | OrderedQueue = (
-            FifoQueue() if self.config.ordering == "fcfs" else OrderedQueue()
-        )
-        self.running: dict[str, _Running] = {}
+        self.queue: ActionQueue = POLICIES[self.config.ordering].new_queue()
+        self.running: dict[str, Running] = {}
         self._seq = 0
         # Queued demand per resource, so a round stops walking once every resource anyone
         # waits for is blocked (a round then costs O(candidates), not O(queue)).
-        self._waiting: dict[str, int] = {}
+        self.waiting: dict[Resource, int] = {}
 
     # ---- trajectories -------------------------------------------------------------
     def open_trajectory(
@@ -216,7 +86,7 @@ class Scheduler:
             raise SchedulingError("memory_gb", "must be >= 0")
         if self.cpu.nodes and all(memory_gb > n.memory_gb for n in self.cpu.nodes.values()):
             raise SchedulingError("memory_gb", f"{memory_gb} GB exceeds every node's memory")
-        self.trajectories[tid] = Trajectory(tid, memory_gb, hint_steps)
+        self.trajectories[tid] = Trajectory(id=tid, memory_gb=memory_gb, hint_steps=hint_steps)
 
     def close_trajectory(self, tid: str, finished: bool = True) -> list[str]:
         """Close a trajectory; its queued actions are dropped and returned.
@@ -322,12 +192,12 @@ class Scheduler:
         self.cpu.nodes.pop(name, None)
         self.gpu.remove_node(name)
         self._nodes_changed()
-        return Drained(running, placed, tuple(dropped))
+        return Drained(running=running, trajectories=placed, dropped=tuple(dropped))
 
     def _nodes_changed(self) -> None:
         """Capacity changed: every cached choice and waiting count is stale."""
-        self._biggest_node = max((n.cores for n in self.cpu.nodes.values()), default=0)
-        self._waiting = {}
+        self.sizing = replace(self.sizing, biggest_node=_biggest(self.cpu))
+        self.waiting = {}
         for a in self.actions.values():
             a.cache, a.needs = None, None
             self._count(a, +1)
@@ -356,8 +226,9 @@ class Scheduler:
         if config.ordering != self.config.ordering and len(self.queue):
             raise SchedulingError("ordering", "can only change while no action is queued")
         if config.ordering != self.config.ordering:
-            self.queue = FifoQueue() if config.ordering == "fcfs" else OrderedQueue()
+            self.queue = POLICIES[config.ordering].new_queue()
         self.config = config
+        self.sizing = replace(self.sizing, config=config)
         for a in self.actions.values():
             a.cache = None
 
@@ -371,7 +242,9 @@ class Scheduler:
         if action_id in self.actions or action_id in self.running:
             raise SchedulingError("id", f"action {action_id} already exists")
         action = self._resolve(action_id, trajectory, spec, now)
-        self._enqueue(action, self._order_key(action, traj), self._deadline(action, now))
+        policy, expected = POLICIES[self.config.ordering], partial(self._expected, action)
+        key = policy.key(action.seq, traj, self.lengths, expected)
+        self._enqueue(action, key, policy.deadline(now, expected, self.config))
         return action
 
     def cancel(self, action_id: str) -> bool:
@@ -453,7 +326,6 @@ class Scheduler:
         key_units = a.cpu or a.gpu or (1,)
         if units not in key_units:
             raise SchedulingError("units", f"{units} is not an allowed count {list(key_units)}")
-        resource = GPU if a.gpu else f"api:{a.quotas[0][0]}" if a.quotas and not a.cpu else ""
         # Check every capacity before changing any state: a refused adopt leaves no trace.
         for q, n in a.quotas:
             if self.quotas[q].free(started_at) < n:
@@ -489,13 +361,16 @@ class Scheduler:
                 raise SchedulingError("cores", f"cores {busy} of node {placed} are not free")
             if trajectory not in self.cpu.placement:
                 self._place(trajectory, placed)
-            resource = f"cpu:{placed}"
-        durations = self._choices(a)[1]
-        cand = _Candidate(
-            a, resource, placed if a.cpu else None, {units: durations.get(units, 0.0)}
+        node = placed if a.cpu else None
+        start = Start(
+            action_id=action_id,
+            resource=needs(a, node, self.cpu.placement)[0],
+            node=node,
+            units=units,
+            expected_s=self.sizing.choices(a, node)[1].get(units, 0.0),
         )
         self._enqueue(a, (float(a.seq),), None)
-        asg = self._start(cand, units, started_at, exact=cores)
+        asg = self._start(a, start, started_at, exact=cores)
         if asg is None:
             self._dequeue(action_id)
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
@@ -509,34 +384,33 @@ class Scheduler:
 
     # ---- the round ---------------------------------------------------------------
     def schedule(self, now: float) -> Round:
-        cands, rest, blocked = self._candidates(now)
-        groups: dict[str, list[_Candidate]] = {}
-        for c in cands:
-            groups.setdefault(c.resource, []).append(c)
-        decisions: list[GroupDecision] = []
-        chosen: dict[str, int] = {}
-        for resource, group in groups.items():
-            units, decision = self._arrange(resource, group, rest.get(resource, []), now)
-            decisions.append(decision)
-            for c, k in zip(group, units, strict=False):
-                chosen[c.action.id] = k
-            if decision.kept < len(group):
-                for c in group[decision.kept :]:
-                    blocked.append(
-                        (c.action.id, f"{resource} (evicted: waiting beats starting now)")
-                    )
-        started = (self._start(c, chosen[c.action.id], now) for c in cands if c.action.id in chosen)
+        """One round: plan it, then commit the plan."""
+        return self._commit(self.plan(now), now)
+
+    def plan(self, now: float) -> Plan:
+        """The round's decisions at ``now``: which trajectories go where, which actions start
+        with how many units, and why the others wait. Nothing in the pools or the queue
+        changes (planning twice gives the same plan); ``schedule`` commits it."""
+        return plan_round(self, now)
+
+    def _commit(self, plan: Plan, now: float) -> Round:
+        """Apply a plan made at ``now`` with nothing changed since: place its trajectories,
+        then allocate exact units and start its actions in queue order."""
+        for tid, node in plan.placements:
+            self._place(tid, node)
+        started = (self._start(self.actions[s.action_id], s, now) for s in plan.starts)
         assignments = [a for a in started if a is not None]
+        waiting = self.waiting
         wake = [
             t
             for name, q in self.quotas.items()
-            if self._waiting.get(f"api:{name}", 0) > 0 and (t := q.next_expiry_s(now)) is not None
+            if waiting.get(Resource.api(name), 0) > 0 and (t := q.next_expiry_s(now)) is not None
         ]
         return Round(
-            tuple(assignments),
-            min(wake, default=None),
-            tuple(decisions),
-            tuple(blocked),
+            assignments=tuple(assignments),
+            wake_at=min(wake, default=None),
+            groups=plan.groups,
+            blocked=plan.blocked,
         )
 
     # ---- internals ---------------------------------------------------------------
@@ -547,96 +421,22 @@ class Scheduler:
             raise SchedulingError("trajectory", f"{tid} is not open") from None
 
     def _resolve(self, action_id: str, trajectory: str, spec: ActionSpec, now: float) -> Action:
-        cpu: tuple[int, ...] = ()
-        gpu: tuple[int, ...] = ()
-        profile = Profile(spec.t1_s, spec.efficiency) if spec.t1_s is not None else None
-        quotas = dict(spec.quotas)
-        for q in quotas:
-            if q not in self.quotas:
-                raise SchedulingError("quotas", f"unknown API quota {q!r}")
-        if spec.kind is ActionKind.EXEC:
-            if not self.cpu.nodes:
-                raise SchedulingError("kind", "this pool has no CPU nodes for exec actions")
-            cpu = allowed_units(spec.cpu) if spec.cpu is not None else (1,)
-            placed = self.cpu.placement.get(trajectory)
-            cap = self.cpu.nodes[placed].cores if placed is not None else self._biggest_node
-            if cpu[0] > cap:
-                where = (
-                    f"node {placed}, where {trajectory} lives," if placed else "the largest node"
-                )
-                raise SchedulingError(
-                    "cpu", f"minimum {cpu[0]} cores exceeds {where} ({cap} cores)"
-                )
-        elif spec.kind is ActionKind.SERVICE:
-            assert spec.service is not None
-            svc = self.services.get(spec.service)
-            if svc is None:
-                raise SchedulingError("service", f"unknown RewardService {spec.service!r}")
-            wanted = allowed_units(spec.gpu) if spec.gpu is not None else tuple(svc.dop_choices)
-            gpu = tuple(k for k in wanted if k in svc.dop_choices and self.gpu.fits(svc.name, k))
-            if not gpu:
-                raise SchedulingError(
-                    "gpu", f"no DoP in {list(wanted)} fits service {svc.name} on this pool's GPUs"
-                )
-            if profile is not None and profile.efficiency is None and svc.efficiency is not None:
-                profile = Profile(profile.t1_s, svc.efficiency)
-        else:
-            assert spec.api is not None
-            if spec.api not in self.quotas:
-                raise SchedulingError("api", f"unknown API quota {spec.api!r}")
-            quotas[spec.api] = quotas.get(spec.api, 0) + 1
-        for q, n in quotas.items():
-            quota = self.quotas[q]
-            limit = min(x for x in (quota.concurrency, quota.per_period, 1 << 30) if x is not None)
-            if n > limit:
-                raise SchedulingError("quotas", f"{n} units of {q} exceed its limit of {limit}")
-        units = cpu or gpu
-        elastic_capable = len(units) > 1
-        self._seq += 1
-        action = Action(
-            action_id,
-            trajectory,
-            spec.kind,
-            spec.action_type(),
-            self._seq,
-            now,
-            cpu,
-            gpu,
-            spec.service,
-            tuple(sorted(quotas.items(), key=lambda kv: (kv[0] != spec.api, kv[0]))),
-            profile,
-            elastic_capable,
+        a = resolve(
+            spec,
+            action_id=action_id,
+            trajectory=trajectory,
+            seq=self._seq + 1,
+            now=now,
+            sizing=self.sizing,
+            gpu=self.gpu,
+            services=self.services,
+            quotas=self.quotas,
         )
-        if (
-            elastic_capable
-            and self.config.learn
-            and self.config.elastic
-            and self.config.fixed_dop is None
-            and (profile is None or profile.efficiency is None)
-            and self.book.learned(action.type) is None
-        ):
-            action.probe = self.book.should_probe(action.type)
-        return action
-
-    def _order_key(self, a: Action, traj: Trajectory) -> tuple[float, ...]:
-        if self.config.ordering == "fcfs":
-            return (float(a.seq),)
-        remaining = (
-            float(max(0, traj.hint_steps - (traj.steps_done - traj.hint_at)))
-            if traj.hint_steps is not None
-            else self.lengths.expected_remaining(traj.steps_done)
-        )
-        per_step = traj.busy_s / traj.steps_done if traj.steps_done else self._expected(a)
-        return (-(remaining * per_step + self._expected(a)), float(a.seq))
-
-    def _deadline(self, a: Action, now: float) -> float | None:
-        if self.config.ordering == "fcfs":
-            return None
-        return now + max(self.config.min_age_s, self.config.ageing_factor * self._expected(a))
+        self._seq += 1  # only once it is accepted
+        return a
 
     def _expected(self, a: Action) -> float:
-        units, durations, _ = self._choices(a)
-        return durations[units[0]]
+        return self.sizing.expected(a, self.cpu.placement.get(a.trajectory) if a.cpu else None)
 
     def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
         traj = self.trajectories[a.trajectory]
@@ -656,8 +456,8 @@ class Scheduler:
         return a
 
     def _count(self, a: Action, delta: int) -> None:
-        w = self._waiting
-        for r in self._needs(a, self.cpu.placement.get(a.trajectory) if a.cpu else None):
+        w, placement = self.waiting, self.cpu.placement
+        for r in needs(a, placement.get(a.trajectory) if a.cpu else None, placement):
             w[r] = w.get(r, 0) + delta
 
     def _place(self, tid: str, node: str) -> None:
@@ -665,253 +465,17 @@ class Scheduler:
         traj = self.trajectories[tid]
         self.cpu.place(tid, node, traj.memory_gb)
         if traj.queued_exec:
-            w = self._waiting
+            w = self.waiting
             w[PLACE] -= traj.queued_exec
-            w[f"cpu:{node}"] = w.get(f"cpu:{node}", 0) + traj.queued_exec
-
-    def _choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float], Pending]:
-        """Allowed key units this round, their expected durations (no restore), as Pending too.
-
-        Cached per action until the profile book changes its mind about the action's type.
-        """
-        static = a.profile is not None and a.profile.efficiency is not None
-        stamp = -1 if static else self.book.version(a.type)
-        if a.cpu and a.trajectory not in self.cpu.placement:
-            stamp = -2  # unplaced: its node, hence its core cap, is still open
-        cache = a.cache
-        if cache is not None and cache[0] == stamp and stamp != -2:
-            return cache[1], cache[2], cache[3]
-        units, durations = self._compute_choices(a)
-        pending = Pending(units, tuple(durations[k] for k in units))
-        a.cache = (stamp, units, durations, pending)
-        return units, durations, pending
-
-    def _compute_choices(self, a: Action) -> tuple[tuple[int, ...], dict[int, float]]:
-        units = a.cpu or a.gpu or (1,)
-        if a.cpu:
-            # Never more cores than the trajectory's node has (unplaced: the largest node), so
-            # fixed DoP and probe sizes stay runnable.
-            node = self.cpu.placement.get(a.trajectory)
-            cap = self.cpu.nodes[node].cores if node is not None else self._biggest_node
-            units = tuple(k for k in units if k <= cap) or units[:1]
-        profile = a.profile
-        learned = None
-        if profile is None or profile.efficiency is None:
-            learned = self.book.learned(a.type) if a.elastic_capable else None
-        elastic_profile = (
-            profile if profile is not None and profile.efficiency is not None else learned
-        )
-        cfg = self.config
-        if len(units) > 1:
-            if cfg.fixed_dop is not None:
-                fitting = [k for k in units if k <= cfg.fixed_dop]
-                units = (fitting[-1] if fitting else units[0],)
-            elif not cfg.elastic or elastic_profile is None:
-                probe = [k for k in units if k >= 2 * units[0]]
-                units = (probe[0],) if a.probe and probe else (units[0],)
-        if elastic_profile is not None:
-            return units, {k: elastic_profile.duration(k) for k in units}
-        base = profile.t1_s if profile is not None else self.book.mean_duration(a.type)
-        return units, dict.fromkeys(units, base)
-
-    def _candidates(
-        self, now: float
-    ) -> tuple[list[_Candidate], dict[str, list[Pending]], list[tuple[str, str]]]:
-        prov = _Provisional(
-            {n: node.free_cores for n, node in self.cpu.nodes.items()},
-            self.gpu.chunk_counts(),
-            {q: quota.free(now) for q, quota in self.quotas.items()},
-        )
-        waited_on = {r for r, n in self._waiting.items() if n > 0}
-        blocked: set[str] = set()
-        cands: list[_Candidate] = []
-        rest: dict[str, list[Pending]] = {}
-        waits: list[tuple[str, str]] = []
-        horizon = self.config.horizon
-        limit = self.config.max_candidates
-        elastic_resources: set[str] = set()  # whose remaining queue the estimate needs
-        order = self.queue.order(now)
-        for aid in order:
-            a = self.actions[aid]
-            units, durations, pending = self._choices(a)
-            node = self.cpu.placement.get(a.trajectory) if a.cpu else None
-            needs = self._needs(a, node)
-            if blocked.isdisjoint(needs):
-                fit = self._fit(a, units[0], node, prov, blocked)
-                if isinstance(fit, str):
-                    node = fit if a.cpu else None
-                    if node is not None and a.trajectory not in self.cpu.placement:
-                        self._place(a.trajectory, node)
-                    resource = (
-                        f"cpu:{node}" if a.cpu else (GPU if a.gpu else f"api:{a.quotas[0][0]}")
-                    )
-                    cands.append(_Candidate(a, resource, node, durations))
-                    if len(durations) > 1:
-                        elastic_resources.add(resource)
-                    if limit is not None and len(cands) >= limit:
-                        blocked |= waited_on
-                    continue
-                # It reserves everything it needs, not just what it is short of: an action
-                # that needs two quotas must not be overtaken forever on either one.
-                blocked.update(self._reserves(a, needs, fit))
-                waits.append((aid, ",".join(sorted(fit))))
-            else:
-                blocked.update(self._reserves(a, needs, set()))
-            key = needs[0]
-            if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
-                rest.setdefault(key, []).append(pending)
-            if blocked >= waited_on:
-                break
-        # Everything anyone waits for is blocked: no more candidates. Only the estimate's
-        # view of the remaining queue on elastic resources is still needed.
-        if elastic_resources:
-            self._collect_rest(order, elastic_resources, rest, horizon)
-        return cands, rest, waits
-
-    def _collect_rest(
-        self,
-        order: Iterator[str],
-        resources: set[str],
-        rest: dict[str, list[Pending]],
-        horizon: int | None,
-    ) -> None:
-        open_lists = {r: rest.setdefault(r, []) for r in resources}
-        actions, placement = self.actions, self.cpu.placement
-        version = self.book.version
-        for aid in order:
-            a = actions[aid]
-            needs = a.needs or self._needs(a, placement.get(a.trajectory) if a.cpu else None)
-            target = open_lists.get(needs[0])
-            if target is None:
-                continue
-            cache = a.cache  # inlined cache hit of _choices: this loop sees the whole queue
-            if cache is not None and (cache[0] == -1 or cache[0] == version(a.type)):
-                target.append(cache[3])
-            else:
-                target.append(self._choices(a)[2])
-            if horizon is not None and len(target) >= horizon:
-                del open_lists[needs[0]]
-                if not open_lists:
-                    return
-
-    def _needs(self, a: Action, node: str | None) -> tuple[str, ...]:
-        """Resources an action competes on; the first is its key resource."""
-        if a.needs is not None:
-            return a.needs
-        needs: list[str] = []
-        if a.cpu:
-            needs.append(f"cpu:{node}" if node is not None else PLACE)
-        if a.gpu:
-            needs.append(GPU)
-        needs.extend(f"api:{q}" for q, _ in a.quotas)
-        out = tuple(needs)
-        if not a.cpu or node is not None:  # an unplaced exec action's needs change on placement
-            a.needs = out
-        return out
-
-    def _reserves(self, a: Action, needs: tuple[str, ...], short: set[str]) -> set[str]:
-        """What a waiting action reserves for the rest of the round.
-
-        Normally everything it needs. A trajectory's first action (not yet placed) reserves
-        only placement and the cores it is short of: memory is held for a trajectory's whole
-        life, so if it also reserved a quota, a placed trajectory needing that quota to
-        finish could never release the memory it waits for (hold-and-wait deadlock).
-        """
-        if a.cpu and a.trajectory not in self.cpu.placement:
-            return {PLACE} | {r for r in short if r.startswith("cpu:")}
-        return set(needs) | short
-
-    def _fit(
-        self, a: Action, k: int, node: str | None, prov: _Provisional, blocked: set[str]
-    ) -> str | set[str]:
-        """Provisionally take minimum units: the node (or "") if it fits, else what blocks it."""
-        short: set[str] = set()
-        for q, n in a.quotas:
-            if prov.quota_free[q] < n:
-                short.add(f"api:{q}")
-        chunks = prov.chunks
-        if a.gpu:
-            nxt = take_chunk(chunks, k)
-            if nxt is None or (a.service is not None and not self.gpu.can_host(a.service, k)):
-                short.add(GPU)
-            else:
-                chunks = nxt
-        if a.cpu:
-            if node is None:
-                mem = self.trajectories[a.trajectory].memory_gb
-                # A node whose cores an earlier action waits for is not offered to newcomers.
-                free = {n: (0 if f"cpu:{n}" in blocked else c) for n, c in prov.cpu_free.items()}
-                node = self.cpu.choose_node(mem, k, free)
-                if node is None:
-                    short.add(PLACE)
-                    short.update(f"cpu:{n}" for n in self.cpu.memory_fits_somewhere(mem))
-            elif prov.cpu_free[node] < k:
-                short.add(f"cpu:{node}")
-        if short:
-            return short
-        for q, n in a.quotas:
-            prov.quota_free[q] -= n
-        prov.chunks = chunks
-        if a.cpu:
-            assert node is not None
-            prov.cpu_free[node] -= k
-            return node
-        return ""
-
-    def _arrange(
-        self, resource: str, group: list[_Candidate], rest: list[Pending], now: float
-    ) -> tuple[list[int], GroupDecision]:
-        ids = tuple(c.action.id for c in group)
-        durations = [self._with_restore(c) for c in group]
-        if all(len(d) == 1 for d in durations):
-            units = [next(iter(d)) for d in durations]
-            return units, GroupDecision(resource, ids, False, len(group), ())
-        running = [
-            (max(0.0, r.expected_end - now), _size(r.assignment))
-            for r in self.running.values()
-            if r.resource == resource
-        ]
-        doubling = self.config.explore == "doubling"
-        if resource == GPU:
-            arrangement = greedy_evict(
-                durations,
-                rest,
-                running,
-                self.config.depth,
-                chunks=self.gpu.chunk_counts(),
-                doubling=doubling,
-            )
-        else:
-            node = resource.removeprefix("cpu:")
-            capacity = self.cpu.nodes[node].free_cores
-            arrangement = greedy_evict(
-                durations,
-                rest,
-                running,
-                self.config.depth,
-                capacity=capacity,
-                doubling=doubling,
-            )
-        return list(arrangement.units), GroupDecision(
-            resource, ids, True, arrangement.kept, arrangement.steps
-        )
-
-    def _with_restore(self, c: _Candidate) -> Mapping[int, float]:
-        a = c.action
-        if not a.gpu or a.service is None:
-            return c.durations
-        svc = self.services[a.service]
-        return {
-            k: d + (0.0 if self.gpu.is_warm(a.service, k) else svc.restore_cost(chunk_level(k)))
-            for k, d in c.durations.items()
-        }
+            cores = Resource.cpu(node)
+            w[cores] = w.get(cores, 0) + traj.queued_exec
 
     def _start(
-        self, c: _Candidate, k: int, now: float, exact: Sequence[int] | None = None
+        self, a: Action, s: Start, now: float, exact: Sequence[int] | None = None
     ) -> Assignment | None:
         """Allocate and start; None (the action stays queued) if its GPU chunk went to an
         earlier candidate of this round (chunk counts cannot see per-node GPU memory)."""
-        a = c.action
+        k = s.units
         grant = None
         if a.gpu:
             assert a.service is not None
@@ -924,11 +488,11 @@ class Scheduler:
         chunk = None
         restore = False
         evicted: tuple[str, ...] = ()
-        expected = c.durations.get(k, 0.0)
+        expected = s.expected_s
         if a.cpu:
-            assert c.node is not None
+            assert s.node is not None
             cores = (
-                self.cpu.take(c.node, k) if exact is None else self.cpu.take_exact(c.node, exact)
+                self.cpu.take(s.node, k) if exact is None else self.cpu.take_exact(s.node, exact)
             )
         if grant is not None:
             assert a.service is not None
@@ -941,24 +505,22 @@ class Scheduler:
         for q, n in a.quotas:
             self.quotas[q].acquire(now, n)
         asg = Assignment(
-            a.id,
-            a.trajectory,
-            c.node or (chunk.node if chunk else None),
-            cores,
-            chunk,
-            restore,
-            evicted,
-            a.quotas,
-            k,
-            expected,
-            now,
-            now - a.submitted_at,
+            action_id=a.id,
+            trajectory=a.trajectory,
+            node=s.node or (chunk.node if chunk else None),
+            cores=cores,
+            chunk=chunk,
+            restore=restore,
+            evicted=evicted,
+            quotas=a.quotas,
+            units=k,
+            expected_s=expected,
+            started_at=now,
+            queued_s=now - a.submitted_at,
         )
-        self.running[a.id] = _Running(asg, a, now + expected, c.resource)
+        self.running[a.id] = Running(asg, a, now + expected, s.resource)
         return asg
 
 
-def _size(asg: Assignment) -> int:
-    if asg.chunk is not None:
-        return asg.chunk.size
-    return len(asg.cores) or asg.units
+def _biggest(cpu: CpuPool) -> int:
+    return max((n.cores for n in cpu.nodes.values()), default=0)

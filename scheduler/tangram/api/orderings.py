@@ -1,0 +1,45 @@
+"""The queue orderings a pool may use: one table, by name.
+
+The scheduler's configuration, the ActionPool CRD (``spec.scheduling.ordering``, whose enum
+is generated from it) and ``tangram explain`` all read it. Each name's implementation is in
+``tangram.scheduler.core.ordering`` (a test checks that every name has one). It lives here,
+in the wire models, because the CRD models may not import the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated
+
+from pydantic import PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
+
+ORDERINGS: Mapping[str, str] = MappingProxyType(
+    {
+        "fcfs": "first come first served: submission order",
+        "trajectory-priority": "trajectories with the most work left first, with an ageing bound",
+    }
+)
+DEFAULT_ORDERING = "fcfs"
+
+
+def expected_orderings() -> str:
+    """The names as pydantic lists a Literal's: ``'a', 'b' or 'c'``."""
+    names = [repr(n) for n in ORDERINGS]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _check(value: object) -> str:
+    if isinstance(value, str) and value in ORDERINGS:
+        return value
+    # The error a Literal of the names would give, so messages stay as they were.
+    raise PydanticCustomError(
+        "literal_error", "Input should be {expected}", {"expected": expected_orderings()}
+    )
+
+
+# A model field holding an ordering's name; its JSON schema (hence the CRD) lists the names.
+OrderingName = Annotated[
+    str, PlainValidator(_check), WithJsonSchema({"enum": list(ORDERINGS), "type": "string"})
+]

@@ -1,0 +1,73 @@
+"""The scheduler's bookkeeping of trajectories and actions, queued and running, and what
+each action competes on."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+
+from tangram.api.action import ActionKind
+from tangram.scheduler.core.decisions import Assignment
+from tangram.scheduler.core.objective import Pending
+from tangram.scheduler.core.profiles import Profile
+from tangram.scheduler.core.resource import GPU, PLACE, Resource
+
+
+@dataclass(slots=True, kw_only=True)
+class Trajectory:
+    id: str
+    memory_gb: float
+    hint_steps: int | None = None  # remaining steps the client announced ...
+    hint_at: int = 0  # ... when it had taken this many
+    steps_done: int = 0
+    busy_s: float = 0.0
+    queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
+
+
+@dataclass(slots=True, kw_only=True)
+class Action:
+    id: str
+    trajectory: str
+    kind: ActionKind
+    type: str
+    seq: int
+    submitted_at: float
+    cpu: tuple[int, ...]
+    gpu: tuple[int, ...]
+    service: str | None
+    quotas: tuple[tuple[str, int], ...]
+    profile: Profile | None
+    elastic_capable: bool
+    probe: bool = False
+    # Cache of Sizing.choices: (book version of the type, units, durations, pending view).
+    cache: tuple[int, tuple[int, ...], dict[int, float], Pending] | None = None
+    needs: tuple[Resource, ...] | None = None  # cached once the resources it needs are settled
+
+
+@dataclass(slots=True)
+class Running:
+    assignment: Assignment
+    action: Action
+    expected_end: float
+    resource: Resource  # its key resource
+
+
+def needs(a: Action, node: str | None, placed: Container[str]) -> tuple[Resource, ...]:
+    """Resources an action competes on; the first is its key resource.
+
+    ``node``: its trajectory's node, placed or planned; ``placed``: the trajectories placed
+    for good. An exec action's needs are cached only once its trajectory is placed: until
+    then they change with placement.
+    """
+    if a.needs is not None:
+        return a.needs
+    out: list[Resource] = []
+    if a.cpu:
+        out.append(Resource.cpu(node) if node is not None else PLACE)
+    if a.gpu:
+        out.append(GPU)
+    out.extend(Resource.api(q) for q, _ in a.quotas)
+    result = tuple(out)
+    if not a.cpu or a.trajectory in placed:
+        a.needs = result
+    return result

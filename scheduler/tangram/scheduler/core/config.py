@@ -1,0 +1,45 @@
+"""The scheduler's settings and the error it raises for requests it cannot accept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tangram.api.orderings import DEFAULT_ORDERING, ORDERINGS
+
+Ordering = str  # a name of tangram.api.orderings.ORDERINGS
+
+
+class SchedulingError(ValueError):
+    """A request the scheduler cannot accept; ``field`` names the offending input."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    ordering: Ordering = DEFAULT_ORDERING
+    depth: int = 2
+    explore: Literal["paper", "doubling"] = "paper"  # head counts the estimate tries
+    max_candidates: int | None = None  # per round; None = the whole fitting prefix
+    elastic: bool = True
+    fixed_dop: int | None = None  # baseline: elastic actions always get this many units
+    ageing_factor: float = 4.0  # trajectory-priority: overdue after this x expected duration
+    min_age_s: float = 1.0
+    horizon: int | None = None  # queued actions per resource the estimate looks at
+    learn: bool = True
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise SchedulingError("depth", "must be at least 1")
+        if self.max_candidates is not None and self.max_candidates < 1:
+            raise SchedulingError("max_candidates", "must be at least 1")
+        if self.fixed_dop is not None and self.fixed_dop < 1:
+            raise SchedulingError("fixed_dop", "must be at least 1")
+        if self.explore not in ("paper", "doubling"):
+            raise SchedulingError("explore", f"unknown rule {self.explore!r}")
+        if self.ordering not in ORDERINGS:
+            raise SchedulingError("ordering", f"unknown policy {self.ordering!r}")

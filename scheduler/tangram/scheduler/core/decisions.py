@@ -1,0 +1,78 @@
+"""What the scheduler decides, as plain records: a round's plan, the assignments it started,
+how each key resource's candidates were arranged (for ``tangram explain``), and what a
+drained node took with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tangram.scheduler.core.elastic import EvictionStep
+from tangram.scheduler.core.gpu_pool import Chunk
+from tangram.scheduler.core.resource import Resource
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment:
+    action_id: str
+    trajectory: str
+    node: str | None
+    cores: tuple[int, ...] = ()
+    chunk: Chunk | None = None
+    restore: bool = False  # the service instance must be restored into the chunk
+    evicted: tuple[str, ...] = ()  # "service@node:start+size" instances evicted for it
+    quotas: tuple[tuple[str, int], ...] = ()
+    units: int = 1  # units of the key resource (DoP)
+    expected_s: float = 0.0
+    started_at: float = 0.0
+    queued_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupDecision:
+    """How one key resource's candidates were arranged (for ``tangram explain``)."""
+
+    resource: Resource
+    candidates: tuple[str, ...]
+    elastic: bool
+    kept: int
+    steps: tuple[EvictionStep, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Start:
+    """A queued action a round starts: on which resource and node, with how many units."""
+
+    action_id: str
+    resource: Resource  # its key resource
+    node: str | None  # the node of its cores (exec actions)
+    units: int  # of the key resource
+    expected_s: float  # expected duration at ``units``, before any restore
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A round's decisions before any is applied (``Scheduler.plan``)."""
+
+    placements: tuple[tuple[str, str], ...]  # (trajectory, node), in the order decided
+    starts: tuple[Start, ...]  # in queue order
+    groups: tuple[GroupDecision, ...]
+    blocked: tuple[tuple[str, str], ...]  # (action id, resource it waits for)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Round:
+    """A committed round: the actions it started."""
+
+    assignments: tuple[Assignment, ...]
+    wake_at: float | None  # earliest time a rate window frees a blocked action
+    groups: tuple[GroupDecision, ...] = ()
+    blocked: tuple[tuple[str, str], ...] = ()  # (action id, resource it waits for)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Drained:
+    """What a node took with it when it left (its agent stopped answering)."""
+
+    running: tuple[str, ...]  # actions that were running there: they end in error
+    trajectories: tuple[str, ...]  # trajectories placed there: their environments are lost
+    dropped: tuple[str, ...]  # queued actions of those trajectories

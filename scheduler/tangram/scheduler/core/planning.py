@@ -1,0 +1,318 @@
+"""A round's planning: Algorithm 1 of seed 000, as decisions that change nothing.
+
+1. Candidates: walk the queue in policy order and take every action that fits at its
+   minimum units, respecting topology (free cores of the trajectory's node, buddy GPU
+   chunks, quota windows). A trajectory's first action places it (on a node with cores for
+   it and memory for the whole trajectory); the placement is planned, not made. An action
+   that does not fit — or that waits behind one that did not — blocks every resource it
+   needs for the rest of the round, so nothing behind it on those resources overtakes it
+   (FCFS per resource, hence no starvation: by induction on queue position, the first
+   waiting action of a resource holds its reservation until running actions release
+   enough), while actions on unrelated resources — another node, an API quota — still
+   proceed. The price is head-of-line blocking for actions that need several quotas;
+   docs/simulator.md measures it.
+2. Split candidates by key resource (the cores of one node, the GPU pool, one quota).
+3. Groups with no elastic candidate run at minimum units; the others go through greedy
+   eviction (``elastic.greedy_evict``) with the ACT approximation.
+
+The result is a ``Plan``; ``Scheduler.schedule`` commits it (places trajectories, then
+allocates exact cores, GPU chunks and quota units, and starts the actions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from tangram.api.cluster import ServiceSpec
+from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
+from tangram.scheduler.core.config import SchedulerConfig
+from tangram.scheduler.core.cpu_pool import CpuPool, PlannedPlacements
+from tangram.scheduler.core.decisions import Assignment, GroupDecision, Plan, Start
+from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
+from tangram.scheduler.core.elastic import greedy_evict
+from tangram.scheduler.core.gpu_pool import GpuPool
+from tangram.scheduler.core.objective import Pending
+from tangram.scheduler.core.ordering import ActionQueue
+from tangram.scheduler.core.quota_pool import Quota
+from tangram.scheduler.core.resource import GPU, PLACE, Resource
+from tangram.scheduler.core.sizing import Sizing
+
+
+class RoundInputs(Protocol):
+    """What a round reads of the scheduler. Planning changes none of it; it only fills the
+    per-action caches of sizes and needs."""
+
+    @property
+    def config(self) -> SchedulerConfig: ...
+    @property
+    def sizing(self) -> Sizing: ...
+    @property
+    def cpu(self) -> CpuPool: ...
+    @property
+    def gpu(self) -> GpuPool: ...
+    @property
+    def quotas(self) -> Mapping[str, Quota]: ...
+    @property
+    def services(self) -> Mapping[str, ServiceSpec]: ...
+    @property
+    def trajectories(self) -> Mapping[str, Trajectory]: ...
+    @property
+    def actions(self) -> Mapping[str, Action]: ...
+    @property
+    def queue(self) -> ActionQueue: ...
+    @property
+    def running(self) -> Mapping[str, Running]: ...
+    @property
+    def waiting(self) -> Mapping[Resource, int]: ...  # queued actions needing each resource
+
+
+def plan_round(s: RoundInputs, now: float) -> Plan:
+    """The decisions of one round at ``now``."""
+    return _Planner(s, now).plan()
+
+
+@dataclass(slots=True)
+class _Provisional:
+    """Free units as the round's candidates take their minimum, one after the other."""
+
+    cpu_free: dict[str, int]
+    chunks: ChunkState
+    quota_free: dict[str, int]
+
+
+@dataclass(slots=True)
+class _Candidate:
+    action: Action
+    resource: Resource  # its key resource
+    node: str | None
+    durations: dict[int, float]
+
+
+class _Planner:
+    def __init__(self, s: RoundInputs, now: float) -> None:
+        self.s = s
+        self.now = now
+        self.view = PlannedPlacements(s.cpu)
+        self.prov = _Provisional(
+            {n: node.free_cores for n, node in s.cpu.nodes.items()},
+            s.gpu.chunk_counts(),
+            {q: quota.free(now) for q, quota in s.quotas.items()},
+        )
+        self.blocked: set[Resource] = set()  # reserved for the rest of the round
+
+    def plan(self) -> Plan:
+        cands, rest, blocked = self._candidates()
+        groups: dict[Resource, list[_Candidate]] = {}
+        for c in cands:
+            groups.setdefault(c.resource, []).append(c)
+        decisions: list[GroupDecision] = []
+        chosen: dict[str, int] = {}
+        for resource, group in groups.items():
+            units, decision = self._arrange(resource, group, rest.get(resource, []))
+            decisions.append(decision)
+            for c, k in zip(group, units, strict=False):
+                chosen[c.action.id] = k
+            for c in group[decision.kept :]:
+                blocked.append((c.action.id, f"{resource} (evicted: waiting beats starting now)"))
+        starts = tuple(
+            Start(
+                action_id=c.action.id,
+                resource=c.resource,
+                node=c.node,
+                units=n,
+                expected_s=c.durations.get(n, 0.0),
+            )
+            for c in cands
+            if (n := chosen.get(c.action.id)) is not None
+        )
+        return Plan(
+            placements=tuple(self.view.planned.items()),
+            starts=starts,
+            groups=tuple(decisions),
+            blocked=tuple(blocked),
+        )
+
+    def _node_of(self, a: Action) -> str | None:
+        return self.view.node_of(a.trajectory) if a.cpu else None
+
+    def _candidates(
+        self,
+    ) -> tuple[list[_Candidate], dict[Resource, list[Pending]], list[tuple[str, str]]]:
+        s, view, blocked = self.s, self.view, self.blocked
+        waited_on = {r for r, n in s.waiting.items() if n > 0}
+        cands: list[_Candidate] = []
+        rest: dict[Resource, list[Pending]] = {}
+        waits: list[tuple[str, str]] = []
+        horizon = s.config.horizon
+        limit = s.config.max_candidates
+        elastic_resources: set[Resource] = set()  # whose remaining queue the estimate needs
+        order = s.queue.order(self.now)
+        for aid in order:
+            a = s.actions[aid]
+            node = self._node_of(a)
+            units, durations, pending = s.sizing.choices(a, node)
+            wants = needs(a, node, s.cpu.placement)
+            if blocked.isdisjoint(wants):
+                fit = self._fit(a, units[0], node)
+                if isinstance(fit, str):
+                    if a.cpu and node is None:
+                        view.place(a.trajectory, fit, s.trajectories[a.trajectory].memory_gb)
+                    node = fit if a.cpu else None
+                    resource = (
+                        Resource.cpu(node)
+                        if node is not None
+                        else (GPU if a.gpu else Resource.api(a.quotas[0][0]))
+                    )
+                    cands.append(_Candidate(a, resource, node, durations))
+                    if len(durations) > 1:
+                        elastic_resources.add(resource)
+                    if limit is not None and len(cands) >= limit:
+                        blocked |= waited_on
+                    continue
+                # It reserves everything it needs, not just what it is short of: an action
+                # that needs two quotas must not be overtaken forever on either one.
+                blocked.update(self._reserves(a, wants, fit))
+                waits.append((aid, ",".join(sorted(str(r) for r in fit))))
+            else:
+                blocked.update(self._reserves(a, wants, set()))
+            key = wants[0]
+            if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
+                rest.setdefault(key, []).append(pending)
+            if blocked >= waited_on:
+                break
+        # Everything anyone waits for is blocked: no more candidates. Only the estimate's
+        # view of the remaining queue on elastic resources is still needed.
+        if elastic_resources:
+            self._collect_rest(order, elastic_resources, rest)
+        return cands, rest, waits
+
+    def _collect_rest(
+        self, order: Iterator[str], resources: set[Resource], rest: dict[Resource, list[Pending]]
+    ) -> None:
+        s = self.s
+        horizon = s.config.horizon
+        open_lists = {r: rest.setdefault(r, []) for r in resources}
+        actions, placement, node_of = s.actions, s.cpu.placement, self._node_of
+        version = s.sizing.book.version
+        for aid in order:
+            a = actions[aid]
+            wants = a.needs or needs(a, node_of(a), placement)
+            target = open_lists.get(wants[0])
+            if target is None:
+                continue
+            cache = a.cache  # inlined cache hit of Sizing.choices: this loop sees the whole queue
+            if cache is not None and (cache[0] == -1 or cache[0] == version(a.type)):
+                target.append(cache[3])
+            else:
+                target.append(s.sizing.choices(a, node_of(a))[2])
+            if horizon is not None and len(target) >= horizon:
+                del open_lists[wants[0]]
+                if not open_lists:
+                    return
+
+    def _reserves(
+        self, a: Action, wants: tuple[Resource, ...], short: set[Resource]
+    ) -> set[Resource]:
+        """What a waiting action reserves for the rest of the round.
+
+        Normally everything it needs. A trajectory's first action (not yet placed) reserves
+        only placement and the cores it is short of: memory is held for a trajectory's whole
+        life, so if it also reserved a quota, a placed trajectory needing that quota to
+        finish could never release the memory it waits for (hold-and-wait deadlock).
+        """
+        if a.cpu and self.view.node_of(a.trajectory) is None:
+            return {PLACE} | {r for r in short if r.kind == "cpu"}
+        return set(wants) | short
+
+    def _fit(self, a: Action, k: int, node: str | None) -> str | set[Resource]:
+        """Provisionally take minimum units: the node (or "") if it fits, else what blocks it."""
+        s, prov = self.s, self.prov
+        short: set[Resource] = set()
+        for q, n in a.quotas:
+            if prov.quota_free[q] < n:
+                short.add(Resource.api(q))
+        chunks = prov.chunks
+        if a.gpu:
+            nxt = take_chunk(chunks, k)
+            if nxt is None or (a.service is not None and not s.gpu.can_host(a.service, k)):
+                short.add(GPU)
+            else:
+                chunks = nxt
+        if a.cpu:
+            if node is None:
+                mem = s.trajectories[a.trajectory].memory_gb
+                used = self.view.used_gb
+                # A node whose cores an earlier action waits for is not offered to newcomers.
+                free = {
+                    n: (0 if Resource.cpu(n) in self.blocked else c)
+                    for n, c in prov.cpu_free.items()
+                }
+                node = s.cpu.choose_node(mem, k, free, used)
+                if node is None:
+                    short.add(PLACE)
+                    short.update(Resource.cpu(n) for n in s.cpu.memory_fits_somewhere(mem, used))
+            elif prov.cpu_free[node] < k:
+                short.add(Resource.cpu(node))
+        if short:
+            return short
+        for q, n in a.quotas:
+            prov.quota_free[q] -= n
+        prov.chunks = chunks
+        if a.cpu:
+            assert node is not None
+            prov.cpu_free[node] -= k
+            return node
+        return ""
+
+    def _arrange(
+        self, resource: Resource, group: list[_Candidate], rest: list[Pending]
+    ) -> tuple[list[int], GroupDecision]:
+        s = self.s
+        ids = tuple(c.action.id for c in group)
+        durations = [self._with_restore(c) for c in group]
+        if all(len(d) == 1 for d in durations):
+            units = [next(iter(d)) for d in durations]
+            return units, GroupDecision(
+                resource=resource, candidates=ids, elastic=False, kept=len(group), steps=()
+            )
+        running = [
+            (max(0.0, r.expected_end - self.now), _size(r.assignment))
+            for r in s.running.values()
+            if r.resource == resource
+        ]
+        depth, doubling = s.config.depth, s.config.explore == "doubling"
+        if resource == GPU:
+            arrangement = greedy_evict(
+                durations, rest, running, depth, chunks=s.gpu.chunk_counts(), doubling=doubling
+            )
+        else:
+            capacity = s.cpu.nodes[resource.name].free_cores
+            arrangement = greedy_evict(
+                durations, rest, running, depth, capacity=capacity, doubling=doubling
+            )
+        return list(arrangement.units), GroupDecision(
+            resource=resource,
+            candidates=ids,
+            elastic=True,
+            kept=arrangement.kept,
+            steps=arrangement.steps,
+        )
+
+    def _with_restore(self, c: _Candidate) -> Mapping[int, float]:
+        """Durations with the restore a cold instance needs first (the DP sees both)."""
+        a, s = c.action, self.s
+        if not a.gpu or a.service is None:
+            return c.durations
+        svc = s.services[a.service]
+        return {
+            k: d + (0.0 if s.gpu.is_warm(a.service, k) else svc.restore_cost(chunk_level(k)))
+            for k, d in c.durations.items()
+        }
+
+
+def _size(asg: Assignment) -> int:
+    if asg.chunk is not None:
+        return asg.chunk.size
+    return len(asg.cores) or asg.units

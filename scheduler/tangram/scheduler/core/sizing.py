@@ -1,0 +1,76 @@
+"""How many units of its key resource a queued action may get this round, and how long it
+is expected to take with each: from its demand, its profile (given or learned) and the
+configuration (fixed DoP, elasticity off, probes of unlearned types)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tangram.scheduler.core.actions import Action
+from tangram.scheduler.core.config import SchedulerConfig
+from tangram.scheduler.core.cpu_pool import CpuPool
+from tangram.scheduler.core.objective import Pending
+from tangram.scheduler.core.profiles import ProfileBook
+
+Choices = tuple[tuple[int, ...], dict[int, float], Pending]
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """Sizes under one configuration and set of nodes: the scheduler makes a new one when
+    either changes (cached sizes are dropped then too)."""
+
+    cpu: CpuPool
+    book: ProfileBook
+    config: SchedulerConfig
+    biggest_node: int  # cores of the largest node: the cap of an action not yet on a node
+
+    def choices(self, a: Action, node: str | None) -> Choices:
+        """Allowed key units, their expected durations (no restore), as Pending too.
+
+        ``node``: the node of an exec action's trajectory, placed or planned this round.
+        Cached per action until the profile book changes its mind about the action's type.
+        """
+        static = a.profile is not None and a.profile.efficiency is not None
+        stamp = -1 if static else self.book.version(a.type)
+        if a.cpu and a.trajectory not in self.cpu.placement:
+            stamp = -2  # not placed yet: its node, hence its core cap, is still open
+        cache = a.cache
+        if cache is not None and cache[0] == stamp and stamp != -2:
+            return cache[1], cache[2], cache[3]
+        units, durations = self._compute(a, node)
+        pending = Pending(units, tuple(durations[k] for k in units))
+        a.cache = (stamp, units, durations, pending)
+        return units, durations, pending
+
+    def expected(self, a: Action, node: str | None) -> float:
+        """Expected duration at the minimum units."""
+        units, durations, _ = self.choices(a, node)
+        return durations[units[0]]
+
+    def _compute(self, a: Action, node: str | None) -> tuple[tuple[int, ...], dict[int, float]]:
+        units = a.cpu or a.gpu or (1,)
+        if a.cpu:
+            # Never more cores than the trajectory's node has (unplaced: the largest node), so
+            # fixed DoP and probe sizes stay runnable.
+            cap = self.cpu.nodes[node].cores if node is not None else self.biggest_node
+            units = tuple(k for k in units if k <= cap) or units[:1]
+        profile = a.profile
+        learned = None
+        if profile is None or profile.efficiency is None:
+            learned = self.book.learned(a.type) if a.elastic_capable else None
+        elastic_profile = (
+            profile if profile is not None and profile.efficiency is not None else learned
+        )
+        cfg = self.config
+        if len(units) > 1:
+            if cfg.fixed_dop is not None:
+                fitting = [k for k in units if k <= cfg.fixed_dop]
+                units = (fitting[-1] if fitting else units[0],)
+            elif not cfg.elastic or elastic_profile is None:
+                probe = [k for k in units if k >= 2 * units[0]]
+                units = (probe[0],) if a.probe and probe else (units[0],)
+        if elastic_profile is not None:
+            return units, {k: elastic_profile.duration(k) for k in units}
+        base = profile.t1_s if profile is not None else self.book.mean_duration(a.type)
+        return units, dict.fromkeys(units, base)
