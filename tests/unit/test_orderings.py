@@ -13,6 +13,7 @@ from tangram.api.orderings import DEFAULT_ORDERING, ORDERINGS, expected_ordering
 from tangram.api.resources import Scheduling
 from tangram.cli.explain import ConfigState
 from tangram.scheduler import Scheduler, SchedulerConfig, SchedulingError
+from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.ordering import POLICIES
 
 from .helpers import cluster
@@ -38,7 +39,10 @@ def test_every_name_has_an_implementation_and_nothing_else_does() -> None:
 @pytest.mark.parametrize("name", list(ORDERINGS))
 def test_each_name_is_accepted_everywhere(name: str) -> None:
     s = Scheduler(cluster(nodes=[{"name": "n", "cpus": 1}]), SchedulerConfig(ordering=name))
-    assert type(s.queue) is type(POLICIES[name].new_queue())
+    policy_queue = type(POLICIES[name].new_queue())
+    assert isinstance(s.queue, FairQueue) and type(s.queue.inner()) is policy_queue
+    alone = SchedulerConfig(ordering=name, tenant_fairness=False)
+    assert type(Scheduler(cluster(nodes=[{"name": "n", "cpus": 1}]), alone).queue) is policy_queue
     assert Scheduling(ordering=name).ordering == name
     assert ConfigState(ordering=name).ordering == name
 

@@ -35,13 +35,15 @@ def register(sub: Any) -> None:
             "`tangram bench gpu` compares restore bandwidth with the host-to-device copy "
             "bandwidth (needs the gpu extra; on the CPU without CUDA); `tangram bench "
             "gpu-pool` compares RewardServices pooled on shared devices with one static "
-            "device per service for the same calls (needs the gpu extra)."
+            "device per service for the same calls (needs the gpu extra); `tangram bench "
+            "tenants` measures one tenant's queueing beside another's flood under each "
+            "tenant policy."
         ),
     )
     p.add_argument(
         "what",
         nargs="?",
-        choices=("scheduler", "paper", "exec", "service", "gpu", "gpu-pool"),
+        choices=("scheduler", "paper", "exec", "service", "gpu", "gpu-pool", "tenants"),
         help="a named benchmark",
     )
     p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
@@ -135,6 +137,9 @@ def register(sub: Any) -> None:
         "--compute-ms", type=float, default=150.0, help="median modeled compute per call"
     )
     g.add_argument("--active", type=float, default=0.5, help="chance a service is in a round's mix")
+    from tangram.cli.bench_tenants import add_arguments as tenants_arguments
+
+    tenants_arguments(p.add_argument_group("tenants"))
     p.set_defaults(run=run)
 
 
@@ -147,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
         from tangram.cli.bench_service import run_service_bench
 
         _emit(run_service_bench(args), args)
+        return 0
+    if args.what == "tenants":
+        from tangram.cli.bench_tenants import run_tenants_bench
+
+        _emit(run_tenants_bench(args), args)
         return 0
     if args.what == "gpu":
         try:
@@ -259,7 +269,7 @@ def replay_all(
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
     text = json.dumps(report, indent=None if args.json else 2)
-    if args.out and args.what in ("scheduler", "exec", "service", "gpu", "gpu-pool"):
+    if args.out and args.what in ("scheduler", "exec", "service", "gpu", "gpu-pool", "tenants"):
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -294,6 +304,17 @@ def _table(report: dict[str, Any]) -> None:
         from tangram.cli.bench_exec import print_tables
 
         print_tables(report, console)
+        return
+    if "scenarios" in report:  # bench tenants
+        t = Table(title="the steady tenant's queueing beside a flooding tenant")
+        for col in ("scenario", "p50 (ms)", "p99 (ms)", "max (ms)", "p99 vs alone"):
+            t.add_column(col, justify="left" if col == "scenario" else "right")
+        for name, f in report["scenarios"].items():
+            ratio = f["p99_vs_alone"]
+            t.add_row(name, f"{f['queued_p50_s'] * 1e3:.1f}", f"{f['queued_p99_s'] * 1e3:.1f}",
+                      f"{f['queued_max_s'] * 1e3:.1f}",
+                      f"{ratio:.2f}×" if ratio is not None else "-")  # fmt: skip
+        console.print(t)
         return
     if "cases" in report:
         t = Table(title="scheduling round latency")

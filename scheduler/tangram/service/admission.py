@@ -128,7 +128,7 @@ class Admission:
         the core counts it under the tenant's holder, ``~group/tenant``."""
         holder = f"~{group}/{tenant}"  # "~" is never in a trajectory id
         if holder not in self.s.core.trajectories:
-            self.s.core.open_trajectory(holder)
+            self.s.core.open_trajectory(holder, tenant=tenant)
         return self._enter(tenant, req, spec, tid=None, holder=holder, kind=kind, argv=None,
                            target=target)  # fmt: skip
 

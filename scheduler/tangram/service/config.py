@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from tangram.api.cluster import ApiSpec
 from tangram.api.demand import Demand, Efficiency, RangeDemand
 from tangram.api.wire import EnvSpec, ServiceDef
+from tangram.scheduler.core.fair import TenantShare
 from tangram.scheduler.core.scheduler import SchedulerConfig
 
 
@@ -104,3 +105,13 @@ class PoolConfig:
 
     def limits(self, tenant: str) -> TenantLimits:
         return self.tenants.get(tenant) or self.tenants.get(ANY_TENANT) or NO_LIMITS
+
+    def shares(self) -> tuple[dict[str, TenantShare], TenantShare]:
+        """The core's view of the tenants: each named one's share, and everyone else's."""
+        named = {
+            t: TenantShare(weight=lim.weight, max_share=lim.max_share)
+            for t, lim in self.tenants.items()
+            if t != ANY_TENANT
+        }
+        rest = self.limits(ANY_TENANT)
+        return named, TenantShare(weight=rest.weight, max_share=rest.max_share)

@@ -70,6 +70,7 @@ class Engine:
         """``hub``: where agents connect (one is made from the config without it);
         ``http``: the session proxied API calls use (one is made on first use)."""
         core = Scheduler(ClusterSpec(apis=list(config.apis)), config.scheduling)
+        core.set_tenants(*config.shares())
         self.hub = hub or AgentHub(config.heartbeat_timeout_s)
         self.metrics = Metrics(config.name, self.live)
         self.state = s = PoolState(config, core, self.hub, self.metrics, clock=clock)
@@ -262,6 +263,9 @@ class Engine:
                 scheduling = replace(scheduling, ordering=old.scheduling.ordering)
                 s.core.set_config(scheduling)
                 changes.append(f"scheduling, except {e}")
+        if old.tenants != config.tenants:
+            s.core.set_tenants(*config.shares())
+            changes.append("tenants " + (", ".join(sorted(config.tenants)) or "none"))
         s.config = replace(config, scheduling=scheduling)
         if old.services != config.services:
             self.gpu.services_changed()

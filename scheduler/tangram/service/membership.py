@@ -96,7 +96,7 @@ class Membership:
             if rec.node not in (None, node):
                 return False
             if rec.state is TrajectoryState.AWAY:  # its agent is back within the grace
-                if self._place_again(meta.id, s.env_of(rec), node):
+                if self._place_again(meta.id, s.env_of(rec), node, rec.tenant):
                     rec.state = TrajectoryState.OPEN
                 else:
                     self.trajectories.lose(rec, f"its memory is no longer free on {node}")
@@ -105,17 +105,19 @@ class Membership:
                 return True
             return False  # lost (the grace ended) or closed while its agent was away
         env = s.config.envs.get(meta.env)
-        if env is None or not meta.tenant or not self._place_again(meta.id, env, node):
+        if env is None or not meta.tenant:
+            return False
+        if not self._place_again(meta.id, env, node, meta.tenant):
             return False
         s.trajectories[meta.id] = TrajectoryRecord(
             meta.id, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env
         )
         return True
 
-    def _place_again(self, tid: str, env: EnvConfig, node: str) -> bool:
+    def _place_again(self, tid: str, env: EnvConfig, node: str, tenant: str) -> bool:
         """Reserve a live environment's memory again on the node that holds it."""
         try:
-            self.s.core.open_trajectory(tid, env.spec.memory_gb)
+            self.s.core.open_trajectory(tid, env.spec.memory_gb, tenant=tenant)
             self.s.core.place_trajectory(tid, node)
         except SchedulingError as e:
             log.warning("cannot take back trajectory %s on %s: %s", tid, node, e)

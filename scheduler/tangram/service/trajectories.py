@@ -58,7 +58,7 @@ class Trajectories:
         if tid in s.trajectories:
             raise EngineError("conflict", "id", f"trajectory {tid} already exists")
         try:
-            s.core.open_trajectory(tid, env.spec.memory_gb, req.expected_steps)
+            s.core.open_trajectory(tid, env.spec.memory_gb, req.expected_steps, tenant=tenant)
         except SchedulingError as e:
             raise EngineError("invalid", e.field, e.message) from None
         node = s.core.cpu.choose_node(env.spec.memory_gb, 0, {})

@@ -22,6 +22,7 @@ class Trajectory:
     steps_done: int = 0
     busy_s: float = 0.0
     queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
+    tenant: str = ""  # whose: queued fairly between tenants, and held to its share
 
 
 @dataclass(slots=True, kw_only=True)

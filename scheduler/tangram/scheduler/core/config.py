@@ -31,6 +31,7 @@ class SchedulerConfig:
     min_age_s: float = 1.0
     horizon: int | None = None  # queued actions per resource the estimate looks at
     learn: bool = True
+    tenant_fairness: bool = True  # fair queuing between tenants; False: one order for all
 
     def __post_init__(self) -> None:
         if self.depth < 1:

@@ -37,6 +37,18 @@ class PolicyQueue(Protocol):
     def order(self, now: float) -> Iterator[str]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """How a tenant shares the pool: its weight in fair queuing, and the fraction of each
+    resource's units its running actions may hold at once."""
+
+    weight: float = 1.0
+    max_share: float = 1.0
+
+
+EQUAL = TenantShare()
+
+
 @dataclass(slots=True)
 class _Entry:
     tenant: str
@@ -53,7 +65,7 @@ class FairQueue:
         weights: Mapping[str, float] | None = None,
         default_weight: float = 1.0,
     ) -> None:
-        self._inner = inner
+        self.inner = inner  # a new queue in the pool's order, for one tenant
         self.weights = dict(weights or {})
         self.default_weight = default_weight
         self._queues: dict[str, PolicyQueue] = {}
@@ -82,7 +94,7 @@ class FairQueue:
     ) -> None:
         queue = self._queues.get(tenant)
         if queue is None:
-            queue = self._queues[tenant] = self._inner()
+            queue = self._queues[tenant] = self.inner()
         queue.push(action_id, key, seq, deadline)
         self._entries[action_id] = _Entry(tenant, max(cost, MIN_COST), seq)
 
@@ -109,6 +121,9 @@ class FairQueue:
         return heapq.merge(*(self._tagged(t, q, starts[t], now) for t, q in self._queues.items()))
 
     def order(self, now: float) -> Iterator[str]:
+        if len(self._queues) == 1:  # one tenant waiting: its own order (the tags agree)
+            (queue,) = self._queues.values()
+            return queue.order(now)
         return (aid for _, _, aid in self.tags(now))
 
     def _tagged(

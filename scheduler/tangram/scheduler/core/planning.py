@@ -32,11 +32,13 @@ from tangram.scheduler.core.cpu_pool import CpuPool, PlannedPlacements
 from tangram.scheduler.core.decisions import Assignment, GroupDecision, Plan, Start
 from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
 from tangram.scheduler.core.elastic import greedy_evict
+from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.objective import Pending
 from tangram.scheduler.core.ordering import ActionQueue
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
+from tangram.scheduler.core.shares import RoundCaps
 from tangram.scheduler.core.sizing import Sizing
 
 
@@ -61,11 +63,12 @@ class RoundInputs(Protocol):
     @property
     def actions(self) -> Mapping[str, Action]: ...
     @property
-    def queue(self) -> ActionQueue: ...
+    def queue(self) -> ActionQueue | FairQueue: ...
     @property
     def running(self) -> Mapping[str, Running]: ...
     @property
     def waiting(self) -> Mapping[Resource, int]: ...  # queued actions needing each resource
+    def round_caps(self) -> RoundCaps | None: ...  # capped tenants' room; None: none capped
 
 
 def plan_round(s: RoundInputs, now: float) -> Plan:
@@ -101,6 +104,7 @@ class _Planner:
             {q: quota.free(now) for q, quota in s.quotas.items()},
         )
         self.blocked: set[Resource] = set()  # reserved for the rest of the round
+        self.caps = s.round_caps()
 
     def plan(self) -> Plan:
         cands, rest, blocked = self._candidates()
@@ -149,11 +153,23 @@ class _Planner:
         limit = s.config.max_candidates
         elastic_resources: set[Resource] = set()  # whose remaining queue the estimate needs
         order = s.queue.order(self.now)
+        caps = self.caps
         for aid in order:
             a = s.actions[aid]
             node = self._node_of(a)
             units, durations, pending = s.sizing.choices(a, node)
             wants = needs(a, node, s.cpu.placement)
+            tenant = ""
+            if caps is not None:
+                tenant = s.trajectories[a.trajectory].tenant
+                room = caps.room(a, tenant)
+                if room is not None and room < units[0]:
+                    # At its tenant's share: it waits without holding others back.
+                    waits.append((aid, f"tenant {tenant} at its maxShare"))
+                    continue
+                if room is not None and room < max(units):
+                    units = tuple(k for k in units if k <= room)
+                    durations = {k: d for k, d in durations.items() if k <= room}
             if blocked.isdisjoint(wants):
                 fit = self._fit(a, units[0], node)
                 if isinstance(fit, str):
@@ -166,6 +182,8 @@ class _Planner:
                         else (GPU if a.gpu else Resource.api(a.quotas[0][0]))
                     )
                     cands.append(_Candidate(a, resource, node, durations))
+                    if caps is not None:
+                        caps.take(a, tenant, max(durations))
                     if len(durations) > 1:
                         elastic_resources.add(resource)
                     if limit is not None and len(cands) >= limit:

@@ -10,7 +10,7 @@ returns the assignments.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -28,12 +28,14 @@ from tangram.scheduler.core.decisions import (
     Round,
     Start,
 )
+from tangram.scheduler.core.fair import EQUAL, FairQueue, TenantShare
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
 from tangram.scheduler.core.planning import plan_round
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
-from tangram.scheduler.core.resource import PLACE, Resource
+from tangram.scheduler.core.resource import GPU, PLACE, Resource
+from tangram.scheduler.core.shares import POOL_CORES, Holdings, RoundCaps, units_held
 from tangram.scheduler.core.sizing import Sizing
 
 # Re-exported: callers import these from here.
@@ -69,7 +71,10 @@ class Scheduler:
         self.lengths = LengthModel()
         self.trajectories: dict[str, Trajectory] = {}
         self.actions: dict[str, Action] = {}
-        self.queue: ActionQueue = POLICIES[self.config.ordering].new_queue()
+        self.shares: dict[str, TenantShare] = {}  # by tenant; others get default_share
+        self.default_share = EQUAL
+        self.holdings = Holdings()  # what each tenant's running actions hold
+        self.queue: ActionQueue | FairQueue = self._new_queue(self.config)
         self.running: dict[str, Running] = {}
         self._seq = 0
         # Queued demand per resource, so a round stops walking once every resource anyone
@@ -78,7 +83,7 @@ class Scheduler:
 
     # ---- trajectories -------------------------------------------------------------
     def open_trajectory(
-        self, tid: str, memory_gb: float = 0.0, hint_steps: int | None = None
+        self, tid: str, memory_gb: float = 0.0, hint_steps: int | None = None, *, tenant: str = ""
     ) -> None:
         if tid in self.trajectories:
             raise SchedulingError("trajectory", f"{tid} is already open")
@@ -86,7 +91,9 @@ class Scheduler:
             raise SchedulingError("memory_gb", "must be >= 0")
         if self.cpu.nodes and all(memory_gb > n.memory_gb for n in self.cpu.nodes.values()):
             raise SchedulingError("memory_gb", f"{memory_gb} GB exceeds every node's memory")
-        self.trajectories[tid] = Trajectory(id=tid, memory_gb=memory_gb, hint_steps=hint_steps)
+        self.trajectories[tid] = Trajectory(
+            id=tid, memory_gb=memory_gb, hint_steps=hint_steps, tenant=tenant
+        )
 
     def close_trajectory(self, tid: str, finished: bool = True) -> list[str]:
         """Close a trajectory; its queued actions are dropped and returned.
@@ -184,7 +191,9 @@ class Scheduler:
             if r.assignment.node == name or r.action.trajectory in lost
         )
         for aid in running:
-            for q, n in self.running.pop(aid).assignment.quotas:
+            run = self.running.pop(aid)
+            self._hold(run, -1)
+            for q, n in run.assignment.quotas:
                 self.quotas[q].release(n)
         dropped: list[str] = []
         for tid in placed:
@@ -222,15 +231,53 @@ class Scheduler:
             del self.quotas[name]
 
     def set_config(self, config: SchedulerConfig) -> None:
-        """New scheduling settings; the queue ordering can only change with an empty queue."""
-        if config.ordering != self.config.ordering and len(self.queue):
-            raise SchedulingError("ordering", "can only change while no action is queued")
-        if config.ordering != self.config.ordering:
-            self.queue = POLICIES[config.ordering].new_queue()
+        """New scheduling settings; the queue ordering (and whether tenants are queued
+        fairly) can only change with an empty queue."""
+        reorder = (config.ordering, config.tenant_fairness) != (
+            self.config.ordering,
+            self.config.tenant_fairness,
+        )
+        if reorder and len(self.queue):
+            field = "ordering" if config.ordering != self.config.ordering else "tenant_fairness"
+            raise SchedulingError(field, "can only change while no action is queued")
+        if reorder:
+            self.queue = self._new_queue(config)
         self.config = config
         self.sizing = replace(self.sizing, config=config)
         for a in self.actions.values():
             a.cache = None
+
+    def set_tenants(self, shares: Mapping[str, TenantShare], default: TenantShare = EQUAL) -> None:
+        """Each tenant's weight and cap; tenants not named get ``default``. Queued actions
+        keep their places; the new weights count from the next start on."""
+        self.shares, self.default_share = dict(shares), default
+        if isinstance(self.queue, FairQueue):
+            self.queue.weights = {t: s.weight for t, s in self.shares.items()}
+            self.queue.default_weight = default.weight
+
+    def share_of(self, tenant: str) -> TenantShare:
+        return self.shares.get(tenant, self.default_share)
+
+    def round_caps(self) -> RoundCaps | None:
+        """The room capped tenants have in a round; None when no tenant is capped."""
+        if self.default_share.max_share >= 1.0 and all(
+            s.max_share >= 1.0 for s in self.shares.values()
+        ):
+            return None
+        return RoundCaps(self.share_of, self.holdings, self._capacity)
+
+    def _capacity(self, r: Resource) -> int | None:
+        if r == POOL_CORES:
+            return sum(n.cores for n in self.cpu.nodes.values())
+        if r == GPU:
+            return sum(n.gpus for n in self.gpu.nodes.values())
+        quota = self.quotas.get(r.name)
+        return quota.concurrency if quota is not None else None
+
+    def _hold(self, run: Running, sign: int) -> None:
+        traj = self.trajectories.get(run.action.trajectory)
+        if traj is not None and traj.tenant:
+            self.holdings.add(traj.tenant, units_held(run.action, run.assignment.units), sign)
 
     def set_hint(self, tid: str, remaining_steps: int | None) -> None:
         traj = self._traj(tid)
@@ -273,6 +320,7 @@ class Scheduler:
         run = self.running.pop(action_id, None)
         if run is None:
             raise SchedulingError("id", f"action {action_id} is not running")
+        self._hold(run, -1)
         a, asg = run.action, run.assignment
         if asg.cores:
             assert asg.node is not None
@@ -438,17 +486,33 @@ class Scheduler:
     def _expected(self, a: Action) -> float:
         return self.sizing.expected(a, self.cpu.placement.get(a.trajectory) if a.cpu else None)
 
+    def _new_queue(self, config: SchedulerConfig) -> ActionQueue | FairQueue:
+        policy = POLICIES[config.ordering]
+        if not config.tenant_fairness:
+            return policy.new_queue()
+        weights = {t: s.weight for t, s in self.shares.items()}
+        return FairQueue(policy.new_queue, weights, self.default_share.weight)
+
     def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
         traj = self.trajectories[a.trajectory]
         self.actions[a.id] = a
         if a.cpu:
             traj.queued_exec += 1
         self._count(a, +1)
-        self.queue.push(a.id, key, a.seq, deadline)
+        if isinstance(self.queue, FairQueue):
+            # Its length in fair queuing: the work it is expected to be (unknown: one unit).
+            cost = self._expected(a) or 1.0
+            self.queue.push(a.id, key, a.seq, deadline, tenant=traj.tenant, cost=cost)
+        else:
+            self.queue.push(a.id, key, a.seq, deadline)
 
-    def _dequeue(self, action_id: str) -> Action:
-        """Take an action off the queue (cancelled, dropped or starting)."""
-        self.queue.remove(action_id)
+    def _dequeue(self, action_id: str, *, started: bool = False) -> Action:
+        """Take an action off the queue (cancelled, dropped or, ``started``, starting:
+        then its tenant is charged for it in fair queuing)."""
+        if started and isinstance(self.queue, FairQueue):
+            self.queue.started(action_id)
+        else:
+            self.queue.remove(action_id)
         a = self.actions.pop(action_id)
         self._count(a, -1)
         if a.cpu:
@@ -483,7 +547,7 @@ class Scheduler:
                 grant = self.gpu.allocate(a.service, k)
             except ValueError:
                 return None
-        self._dequeue(a.id)
+        self._dequeue(a.id, started=True)
         cores: tuple[int, ...] = ()
         chunk = None
         restore = False
@@ -518,7 +582,8 @@ class Scheduler:
             started_at=now,
             queued_s=now - a.submitted_at,
         )
-        self.running[a.id] = Running(asg, a, now + expected, s.resource)
+        run = self.running[a.id] = Running(asg, a, now + expected, s.resource)
+        self._hold(run, +1)
         return asg
 
 

@@ -1,0 +1,131 @@
+"""``tangram bench tenants``: one tenant floods the pool, another submits steadily.
+
+The real service in embedded mode with a process-runtime agent: every action is a real
+``sleep`` on the pool's cores. The steady tenant runs one trajectory, an action at a time
+with a short think between; the flooding tenant submits its whole backlog at once. The
+figure is the steady tenant's queueing time (admission to start), alone and beside the
+flood under each policy:
+
+* ``fcfs``: one first-come-first-served order across tenants (``tenantFairness: false``);
+* ``fair``: fair queuing between tenants, equal weights (the default);
+* ``fair+share``: the same, with the flooding tenant held to half the cores
+  (``spec.access.tenants[].maxShare: 0.5``), so a core is free for the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import statistics
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tangram.api.wire import EnvSpec
+from tangram.cli.progress import note
+from tangram.client.aio import AsyncClient
+from tangram.node_agent.agent import NodeAgent
+from tangram.scheduler.core.scheduler import SchedulerConfig
+from tangram.service.auth import AGENT_TENANT, TokenStore
+from tangram.service.config import EnvConfig, PoolConfig, TenantLimits
+from tangram.service.embedded import Running, free_port, run
+
+STEADY, FLOOD = "steady", "flood"
+SCENARIOS = ("alone", "fcfs", "fair", "fair+share")
+
+
+def _config(scenario: str) -> PoolConfig:
+    env = EnvConfig(spec=EnvSpec(name="shell", image="unused-by-the-process-runtime",
+                                 memory_gb=0.01))  # fmt: skip
+    config = PoolConfig(name="tenants", envs={"shell": env}, idle_cores=1)
+    if scenario == "fcfs":
+        config = replace(config, scheduling=SchedulerConfig(tenant_fairness=False))
+    if scenario == "fair+share":
+        config = replace(config, tenants={FLOOD: TenantLimits(max_share=0.5)})
+    return config
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def _scenario(scenario: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    tokens = {secrets.token_urlsafe(24): t for t in (STEADY, FLOOD, AGENT_TENANT)}
+    store = TokenStore(tokens)
+    token = {t: k for k, t in tokens.items()}
+    agent = NodeAgent.create(work / "agent", runtime="process", cores_for_actions=args.cores)
+    stop = asyncio.Event()
+    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(
+        run(_config(scenario), store, agent, stop, port=free_port(), on_ready=ready.set_result)
+    )
+    running = await ready
+    sleep = ["sleep", str(args.action_s)]
+    try:
+        async with (
+            AsyncClient(running.url, token[STEADY]) as steady,
+            AsyncClient(running.url, token[FLOOD]) as flood,
+        ):
+            floods: list[asyncio.Task[Any]] = []
+            if scenario != "alone":
+                tids = [(await flood.open("shell")).id for _ in range(args.flood_trajectories)]
+                per = args.flood_actions // len(tids)
+                floods = [
+                    asyncio.create_task(flood.exec(tid, sleep)) for tid in tids for _ in range(per)
+                ]
+                await asyncio.sleep(args.action_s)  # the backlog is in before the first step
+            tid = (await steady.open("shell")).id
+            queued: list[float] = []
+            for _ in range(args.steps):
+                result = await steady.exec(tid, sleep)
+                queued.append(result.timings.queued_s)
+                await asyncio.sleep(args.think_s)
+            for t in floods:
+                t.cancel()
+            await asyncio.gather(*floods, return_exceptions=True)
+    finally:
+        stop.set()
+        await server
+    return {
+        "queued_p50_s": statistics.median(queued),
+        "queued_p99_s": _percentile(queued, 0.99),
+        "queued_max_s": max(queued),
+        "steps": len(queued),
+    }
+
+
+def run_tenants_bench(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "workload": {
+            "cores": args.cores,
+            "action_s": args.action_s,
+            "steady_steps": args.steps,
+            "think_s": args.think_s,
+            "flood_actions": args.flood_actions,
+            "flood_trajectories": args.flood_trajectories,
+        },
+        "scenarios": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="tangram-bench-tenants-") as tmp:
+        for scenario in SCENARIOS:
+            note(f"bench tenants: {scenario}")
+            figures = asyncio.run(_scenario(scenario, args, Path(tmp) / scenario))
+            out["scenarios"][scenario] = figures
+    alone = out["scenarios"]["alone"]["queued_p99_s"]
+    for figures in out["scenarios"].values():
+        figures["p99_vs_alone"] = figures["queued_p99_s"] / alone if alone > 0 else None
+    return out
+
+
+def add_arguments(p: Any) -> None:
+    """The options of `tangram bench tenants` (on the bench parser, as a group)."""
+    p.add_argument("--cores", type=int, default=2, help="the pool's action cores (default 2)")
+    p.add_argument("--action-s", type=float, default=0.05, help="each action's sleep (0.05)")
+    p.add_argument("--steps", type=int, default=60, help="the steady tenant's actions (60)")
+    p.add_argument("--think-s", type=float, default=0.02, help="its think time (0.02)")
+    p.add_argument("--flood-actions", type=int, default=400, help="the flood's backlog (400)")
+    p.add_argument("--flood-trajectories", type=int, default=8,
+                   help="trajectories the backlog is spread over (8)")  # fmt: skip

@@ -1,0 +1,96 @@
+"""Tenants' shares of the pool: what each tenant's running actions hold, and how much more
+a capped tenant (``max_share`` below 1) may take in a round.
+
+A share is counted pool-wide per kind of unit: all the pool's cores (whatever node they
+are on), all its GPUs, each API quota's concurrency. A capped tenant may hold at most
+``max_share`` of each (at least one unit, so that a small pool does not shut it out).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+
+from tangram.scheduler.core.actions import Action
+from tangram.scheduler.core.fair import TenantShare
+from tangram.scheduler.core.resource import GPU, Resource
+
+POOL_CORES = Resource("cpu")  # every core of the pool (a node's cores are Resource.cpu(node))
+
+
+def units_held(a: Action, units: int) -> list[tuple[Resource, int]]:
+    """What an action started with ``units`` (cores or GPUs) holds, pool-wide."""
+    out: list[tuple[Resource, int]] = []
+    if a.cpu:
+        out.append((POOL_CORES, units))
+    if a.gpu:
+        out.append((GPU, units))
+    out.extend((Resource.api(q), n) for q, n in a.quotas)
+    return out
+
+
+class Holdings:
+    """Units held by each tenant's running actions."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[Resource, int]] = {}
+
+    def add(self, tenant: str, held: Iterable[tuple[Resource, int]], sign: int = 1) -> None:
+        mine = self._held.setdefault(tenant, {})
+        for r, n in held:
+            mine[r] = mine.get(r, 0) + sign * n
+            if not mine[r]:
+                del mine[r]
+        if not mine:
+            del self._held[tenant]
+
+    def of(self, tenant: str) -> Mapping[Resource, int]:
+        return self._held.get(tenant, {})
+
+
+class RoundCaps:
+    """The room capped tenants have left in one round, as candidates are taken."""
+
+    def __init__(
+        self,
+        share: Callable[[str], TenantShare],
+        holdings: Holdings,
+        capacity: Callable[[Resource], int | None],
+    ) -> None:
+        self._share = share
+        self._holdings = holdings
+        self._capacity = capacity
+        self._planned: dict[tuple[str, Resource], int] = {}
+
+    def room(self, a: Action, tenant: str) -> int | None:
+        """The most cores or GPUs ``a`` may take now (0: it may not start this round); None
+        when its tenant is not capped. Its quota units either fit its tenant's share or
+        make the room 0."""
+        share = self._share(tenant).max_share
+        if share >= 1.0:
+            return None
+        room: int | None = None
+        for r, n in units_held(a, 1):
+            left = self._left(tenant, r, share)
+            if left is None:
+                continue
+            if r.kind == "api":
+                if left < n:
+                    return 0
+            else:
+                room = left if room is None else min(room, left)
+        return room if room is not None else max(a.cpu or a.gpu or (1,))
+
+    def take(self, a: Action, tenant: str, units: int) -> None:
+        if self._share(tenant).max_share >= 1.0:
+            return
+        for r, n in units_held(a, units):
+            self._planned[(tenant, r)] = self._planned.get((tenant, r), 0) + n
+
+    def _left(self, tenant: str, r: Resource, share: float) -> int | None:
+        capacity = self._capacity(r)
+        if capacity is None:
+            return None
+        cap = max(1, math.floor(share * capacity + 1e-9))
+        held = self._holdings.of(tenant).get(r, 0) + self._planned.get((tenant, r), 0)
+        return max(0, cap - held)
