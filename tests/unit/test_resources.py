@@ -628,5 +628,8 @@ def test_tenant_policies_reach_the_schedulers_config() -> None:
     )
     assert config.limits("anyone") == TenantLimits(max_trajectories=64, max_queued=1000)
     assert parse(pool(cpu={})).pools[("default", "p")].spec.access.tenants == []
+    assert config.scheduling.tenant_fairness
+    off = parse(pool(cpu={}, scheduling={"tenantFairness": False}))
+    assert not pool_config(off, off.pools[("default", "p")]).scheduling.tenant_fairness
     plain = parse(pool(cpu={}))
     assert pool_config(plain, plain.pools[("default", "p")]).limits("x") is NO_LIMITS

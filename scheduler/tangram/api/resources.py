@@ -236,6 +236,13 @@ class Scheduling(_Spec):
     elastic: Annotated[
         bool, Field(description="give elastic actions more units than their minimum")
     ] = True
+    tenant_fairness: Annotated[
+        bool,
+        Field(
+            description="queue tenants fairly by their spec.access.tenants weights (each "
+            "tenant's own actions in the ordering above); false: one order across tenants"
+        ),
+    ] = True
 
 
 class TenantPolicy(_Spec):

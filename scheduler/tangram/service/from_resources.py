@@ -101,6 +101,7 @@ def pool_config(
         depth=spec.scheduling.depth,
         max_candidates=spec.scheduling.max_candidates,
         elastic=spec.scheduling.elastic,
+        tenant_fairness=spec.scheduling.tenant_fairness,
     )
     return PoolConfig(
         name=pool.metadata.name,
