@@ -1,10 +1,11 @@
 """``tangram bench tenants``: one tenant floods the pool, another submits steadily.
 
-The real service in embedded mode with a process-runtime agent: every action is a real
-``sleep`` on the pool's cores. The steady tenant runs one trajectory, an action at a time
-with a short think between; the flooding tenant submits its whole backlog at once. The
-figure is the steady tenant's queueing time (admission to start), alone and beside the
-flood under each policy:
+The real scheduler service, with a process-runtime node agent in a process of its own (as
+in a cluster: its process starts would otherwise stall the scheduler's event loop): every
+action is a real ``sleep`` on the pool's cores. The steady tenant runs one trajectory, an
+action at a time with a short think between; the flooding tenant submits its whole
+backlog at once. The figure is the steady tenant's queueing time (admission to start),
+alone and beside the flood under each policy:
 
 * ``fcfs``: one first-come-first-served order across tenants (``tenantFairness: false``);
 * ``fair``: fair queuing between tenants, equal weights (the default);
@@ -16,17 +17,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tangram.api.wire import EnvSpec
+from tangram.cli.files import InputError
 from tangram.cli.progress import note
 from tangram.client.aio import AsyncClient
-from tangram.node_agent.agent import NodeAgent
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig, TenantLimits
@@ -54,17 +59,31 @@ def _percentile(values: list[float], q: float) -> float:
 
 async def _scenario(scenario: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     tokens = {secrets.token_urlsafe(24): t for t in (STEADY, FLOOD, AGENT_TENANT)}
-    store = TokenStore(tokens)
     token = {t: k for k, t in tokens.items()}
-    agent = NodeAgent.create(work / "agent", runtime="process", cores_for_actions=args.cores)
+    work.mkdir(parents=True)
+    (work / "tokens").write_text("".join(f"{k} {t}\n" for k, t in tokens.items()))
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    port = free_port()
+    store = TokenStore(tokens)
     server = asyncio.create_task(
-        run(_config(scenario), store, agent, stop, port=free_port(), on_ready=ready.set_result)
+        run(_config(scenario), store, None, stop, port=port, on_ready=ready.set_result)
     )
     running = await ready
+    running.engine.all_agents_joined()  # a fresh pool: no trajectory to wait for
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "tangram.cli.main", "agent", "--scheduler",
+         f"ws://127.0.0.1:{port}/v1/agents", "--runtime", "process", "--cores",
+         str(args.cores), "--node", "bench", "--state-dir", str(work / "agent")],
+        env={**os.environ, "TANGRAM_TOKEN_FILE": str(work / "tokens")},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     sleep = ["sleep", str(args.action_s)]
     try:
+        while "bench" not in running.engine.hub.links:
+            if agent.poll() is not None:
+                raise InputError(f"bench tenants: the node agent exited ({agent.returncode})")
+            await asyncio.sleep(0.05)
         async with (
             AsyncClient(running.url, token[STEADY]) as steady,
             AsyncClient(running.url, token[FLOOD]) as flood,
@@ -89,6 +108,11 @@ async def _scenario(scenario: str, args: argparse.Namespace, work: Path) -> dict
     finally:
         stop.set()
         await server
+        agent.send_signal(signal.SIGINT)
+        try:
+            agent.wait(60)
+        except subprocess.TimeoutExpired:
+            agent.kill()
     return {
         "queued_p50_s": statistics.median(queued),
         "queued_p99_s": _percentile(queued, 0.99),

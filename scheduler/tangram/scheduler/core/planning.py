@@ -156,18 +156,22 @@ class _Planner:
         caps = self.caps
         for aid in order:
             a = s.actions[aid]
-            node = self._node_of(a)
-            units, durations, pending = s.sizing.choices(a, node)
-            wants = needs(a, node, s.cpu.placement)
-            tenant = ""
+            tenant, room = "", None
             if caps is not None:
                 tenant = s.trajectories[a.trajectory].tenant
                 room = caps.room(a, tenant)
-                if room is not None and room < units[0]:
+                if room is not None and room < min(a.cpu or a.gpu or (1,)):
                     # At its tenant's share: it waits without holding others back.
                     waits.append((aid, f"tenant {tenant} at its maxShare"))
                     continue
-                if room is not None and room < max(units):
+            node = self._node_of(a)
+            units, durations, pending = s.sizing.choices(a, node)
+            wants = needs(a, node, s.cpu.placement)
+            if room is not None:
+                if room < units[0]:
+                    waits.append((aid, f"tenant {tenant} at its maxShare"))
+                    continue
+                if room < max(units):
                     units = tuple(k for k in units if k <= room)
                     durations = {k: d for k, d in durations.items() if k <= room}
             if blocked.isdisjoint(wants):

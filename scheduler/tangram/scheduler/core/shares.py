@@ -61,11 +61,21 @@ class RoundCaps:
         self._holdings = holdings
         self._capacity = capacity
         self._planned: dict[tuple[str, Resource], int] = {}
+        # A flooding tenant's queue is walked every round: one answer per tenant and kind
+        # of action until the tenant takes more.
+        self._rooms: dict[tuple[str, bool, bool, tuple[tuple[str, int], ...]], int | None] = {}
 
     def room(self, a: Action, tenant: str) -> int | None:
         """The most cores or GPUs ``a`` may take now (0: it may not start this round); None
         when its tenant is not capped. Its quota units either fit its tenant's share or
         make the room 0."""
+        key = (tenant, bool(a.cpu), bool(a.gpu), a.quotas)
+        if key not in self._rooms:
+            self._rooms[key] = self._room(a, tenant)
+        room = self._rooms[key]
+        return room if room != -1 else max(a.cpu or a.gpu or (1,))
+
+    def _room(self, a: Action, tenant: str) -> int | None:
         share = self._share(tenant).max_share
         if share >= 1.0:
             return None
@@ -79,11 +89,12 @@ class RoundCaps:
                     return 0
             else:
                 room = left if room is None else min(room, left)
-        return room if room is not None else max(a.cpu or a.gpu or (1,))
+        return room if room is not None else -1  # quotas fit; cores or GPUs uncapped
 
     def take(self, a: Action, tenant: str, units: int) -> None:
         if self._share(tenant).max_share >= 1.0:
             return
+        self._rooms = {k: v for k, v in self._rooms.items() if k[0] != tenant}
         for r, n in units_held(a, units):
             self._planned[(tenant, r)] = self._planned.get((tenant, r), 0) + n
 
