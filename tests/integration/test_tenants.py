@@ -1,0 +1,75 @@
+"""Tenants through the real service: per-tenant limits answered over HTTP, and one
+tenant's action started ahead of another's backlog. A real agent (the noop runtime: the
+queue is what is measured here, not the commands) and the real client."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tangram.api.cluster import ApiSpec
+from tangram.api.wire import EnvSpec
+from tangram.client import Client, TangramError
+from tangram.node_agent.agent import NodeAgent
+from tangram.service.auth import AGENT_TENANT, TokenStore
+from tangram.service.config import EnvConfig, PoolConfig, TenantLimits
+
+from .service_harness import service, until
+
+pytestmark = [pytest.mark.xdist_group("service")]
+
+CONFIG = PoolConfig(
+    envs={"box": EnvConfig(spec=EnvSpec(name="box", image="unused", memory_gb=0.01))},
+    apis=(ApiSpec(name="search", concurrency=1),),
+    tenants={"team-a": TenantLimits(max_trajectories=1, max_queued=2)},
+)
+
+
+def _tokens() -> tuple[TokenStore, dict[str, str]]:
+    tokens = {secrets.token_urlsafe(24): t for t in ("team-a", "team-b", AGENT_TENANT)}
+    return TokenStore(tokens), {t: k for k, t in tokens.items()}
+
+
+def test_a_tenants_limits_answer_429_naming_the_field_and_spare_the_others(
+    tmp_path: Path,
+) -> None:
+    store, token = _tokens()
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=4)
+    with (
+        service(CONFIG, agent, tmp_path, tokens=store) as (running, _),
+        Client(running.url, token["team-a"], retries=0) as a,
+        Client(running.url, token["team-b"], retries=0) as b,
+    ):
+        a.open("box")
+        with pytest.raises(TangramError) as refused:
+            a.open("box")
+        assert refused.value.status == 429 and "maxTrajectories" in str(refused.value)
+        b.open("box")
+        b.open("box")  # team-b has no limit
+
+        # The quota's one unit is held by a lease: two more of team-a's wait behind it.
+        held = a.lease("search", hold_s=60)
+        assert held.lease is not None
+        waiters = [threading.Thread(target=_lease_quietly, args=(running.url, token["team-a"]),
+                                    daemon=True) for _ in range(2)]  # fmt: skip
+        for w in waiters:
+            w.start()
+        until(lambda: running.engine.state.waiting.get("team-a") == 2, "two leases waiting")
+        with pytest.raises(TangramError) as full:
+            a.lease("search")
+        assert full.value.status == 429 and "maxQueued" in str(full.value)
+        assert "team-b" not in running.engine.state.waiting
+        for w in waiters:  # refused after their queue timeout
+            w.join(30)
+
+
+def _lease_quietly(url: str, token: str) -> None:
+    """A lease that waits at most 5 s in the queue (then it is refused), so that nothing
+    is left waiting when the service stops."""
+    headers = {"authorization": f"Bearer {token}"}
+    body = {"queue_timeout_s": 5}
+    httpx.post(f"{url}/v1/apis/search/lease", json=body, headers=headers, timeout=30)
