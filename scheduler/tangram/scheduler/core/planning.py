@@ -149,22 +149,23 @@ class _Planner:
         limit = s.config.max_candidates
         elastic_resources: set[Resource] = set()  # whose remaining queue the estimate needs
         order = s.queue.order(self.now)
+        actions, placement, planned = s.actions, s.cpu.placement, view.planned
         for aid in order:
-            a = s.actions[aid]
-            node = self._node_of(a)
+            a = actions[aid]
+            # The trajectory's node, placed or planned (view.node_of, inlined: hot loop).
+            node = placement.get(a.trajectory) if a.cpu else None
+            if node is None and a.cpu:
+                node = planned.get(a.trajectory)
             units, durations, pending = s.sizing.choices(a, node)
-            wants = needs(a, node, s.cpu.placement)
+            wants = needs(a, node, placement)
             if blocked.isdisjoint(wants):
                 fit = self._fit(a, units[0], node)
                 if isinstance(fit, str):
-                    if a.cpu and node is None:
+                    if a.cpu and node is None:  # its trajectory's first action places it
                         view.place(a.trajectory, fit, s.trajectories[a.trajectory].memory_gb)
-                    node = fit if a.cpu else None
-                    resource = (
-                        Resource.cpu(node)
-                        if node is not None
-                        else (GPU if a.gpu else Resource.api(a.quotas[0][0]))
-                    )
+                        node, resource = fit, Resource.cpu(fit)
+                    else:
+                        resource = wants[0]  # its key resource
                     cands.append(_Candidate(a, resource, node, durations))
                     if len(durations) > 1:
                         elastic_resources.add(resource)
