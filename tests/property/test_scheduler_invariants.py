@@ -37,6 +37,7 @@ from tangram.api import (
     allowed_units,
 )
 from tangram.scheduler import Assignment, Round, Scheduler, SchedulerConfig, SchedulingError
+from tangram.scheduler.core.decisions import Plan
 from tangram.scheduler.core.dp import chunk_level
 from tangram.scheduler.core.elastic import greedy_evict
 from tangram.scheduler.core.objective import Pending
@@ -408,7 +409,10 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
     placed_before = dict(sched.cpu.placement)
     queued_before = [a for a in sim.order if a in sim.queued]
     learned = {a: sched.book.learned(sim.spec[a].action_type()) is not None for a in queued_before}
+    plan = sched.plan(now)
+    assert dict(sched.cpu.placement) == placed_before, "planning placed a trajectory"
     rnd = sched.schedule(now)
+    check_committed(plan, rnd)
     if rnd.wake_at is not None:
         assert rnd.wake_at > now, "a wake-up time that is not in the future"
     ids = [a.action_id for a in rnd.assignments]
@@ -520,6 +524,18 @@ def key_of(sim: Sim, asg: Assignment) -> str:
     if spec.kind is ActionKind.EXEC:
         return f"cpu:{asg.node}"
     return GPU if spec.kind is ActionKind.SERVICE else f"api:{min(dict(asg.quotas))}"
+
+
+def check_committed(plan: Plan, rnd: Round) -> None:
+    """A round commits what planning it beforehand decided (planning changed nothing): the
+    same groups and waits, and the planned starts in order, less any whose GPU chunk an
+    earlier start of the round took."""
+    assert (rnd.groups, rnd.blocked) == (plan.groups, plan.blocked)
+    planned = iter((st.action_id, st.units) for st in plan.starts)
+    started = [(a.action_id, a.units) for a in rnd.assignments]
+    assert all(s in planned for s in started), f"{started} is not a subsequence of the plan"
+    sure = {(st.action_id, st.units) for st in plan.starts if str(st.resource) != GPU}
+    assert sure <= set(started), "a planned start on cores or a quota did not happen"
 
 
 def check_fcfs(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from tangram.scheduler import Scheduler
@@ -27,7 +25,7 @@ def test_a_value_equal_by_kind_and_name() -> None:
     assert hash(Resource.cpu("n0")) == hash(Resource("cpu", "n0"))
     assert Resource.cpu("q") != Resource.api("q")  # same name, other kind
     assert {Resource.cpu("n0"), Resource.cpu("n0"), GPU} == {GPU, Resource.cpu("n0")}
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         Resource.cpu("n0").name = "n1"  # type: ignore[misc]
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tangram.scheduler import Scheduler
+import pytest
+
+from tangram.scheduler import Assignment, Scheduler
+from tangram.scheduler.core.decisions import GroupDecision, Start
 from tangram.scheduler.core.resource import Resource
 
 from .helpers import api_call, cluster, elastic, exec_action, service_call
@@ -79,3 +82,13 @@ def test_schedule_commits_exactly_the_plan() -> None:
     for st in plan.starts:
         assert s.running[st.action_id].resource == st.resource
     assert {st.resource for st in plan.starts} >= {Resource.api("search")}
+
+
+def test_decision_records_take_keywords_only() -> None:
+    for positional in (
+        lambda: Assignment("a1", "t1", "n0"),  # type: ignore[call-arg]
+        lambda: GroupDecision(Resource.cpu("n0"), ("a1",), False, 1, ()),  # type: ignore[call-arg]
+        lambda: Start("a1", Resource.cpu("n0"), "n0", 1, 2.0),  # type: ignore[call-arg]
+    ):
+        with pytest.raises(TypeError):
+            positional()

@@ -38,7 +38,9 @@ class GroupDecision:
     steps: tuple[EvictionStep, ...]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+# Not frozen: a round makes one per action it starts, and a frozen dataclass takes several
+# times as long to build (each field goes through object.__setattr__).
+@dataclass(slots=True, kw_only=True)
 class Start:
     """A queued action a round starts: on which resource and node, with how many units."""
 

@@ -154,8 +154,9 @@ class _Planner:
         elastic_resources: set[Resource] = set()  # whose remaining queue the estimate needs
         order = s.queue.order(self.now)
         caps = self.caps
+        actions, placement, planned = s.actions, s.cpu.placement, view.planned
         for aid in order:
-            a = s.actions[aid]
+            a = actions[aid]
             tenant, room = "", None
             if caps is not None:
                 tenant = s.trajectories[a.trajectory].tenant
@@ -164,9 +165,12 @@ class _Planner:
                     # At its tenant's share: it waits without holding others back.
                     waits.append((aid, f"tenant {tenant} at its maxShare"))
                     continue
-            node = self._node_of(a)
+            # The trajectory's node, placed or planned (view.node_of, inlined: hot loop).
+            node = placement.get(a.trajectory) if a.cpu else None
+            if node is None and a.cpu:
+                node = planned.get(a.trajectory)
             units, durations, pending = s.sizing.choices(a, node)
-            wants = needs(a, node, s.cpu.placement)
+            wants = needs(a, node, placement)
             if room is not None:
                 if room < units[0]:
                     waits.append((aid, f"tenant {tenant} at its maxShare"))
@@ -177,14 +181,11 @@ class _Planner:
             if blocked.isdisjoint(wants):
                 fit = self._fit(a, units[0], node)
                 if isinstance(fit, str):
-                    if a.cpu and node is None:
+                    if a.cpu and node is None:  # its trajectory's first action places it
                         view.place(a.trajectory, fit, s.trajectories[a.trajectory].memory_gb)
-                    node = fit if a.cpu else None
-                    resource = (
-                        Resource.cpu(node)
-                        if node is not None
-                        else (GPU if a.gpu else Resource.api(a.quotas[0][0]))
-                    )
+                        node, resource = fit, Resource.cpu(fit)
+                    else:
+                        resource = wants[0]  # its key resource
                     cands.append(_Candidate(a, resource, node, durations))
                     if caps is not None:
                         caps.take(a, tenant, max(durations))

@@ -1,31 +1,23 @@
 """What actions compete for in a round: the cores of a node, the GPU pool, an API quota, or a
 place for a trajectory not yet on a node.
 
-A ``Resource`` is a value (hashable, compared by kind and name); ``str`` gives the text that
+A ``Resource`` is an immutable value, equal by kind and name; ``str`` gives the text that
 ``tangram explain`` and the reasons of waiting actions show (``cpu:n0``, ``gpu``,
-``api:search``, ``place``).
+``api:search``, ``place``). It is a NamedTuple rather than a frozen dataclass because a
+round hashes and compares resources once per queued action: a tuple does both in C, a
+dataclass in Python (rounds took up to twice as long).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 ResourceKind = Literal["cpu", "gpu", "api", "place"]
 
 
-@dataclass(frozen=True, slots=True)
-class Resource:
+class Resource(NamedTuple):
     kind: ResourceKind
     name: str = ""  # the node (cpu) or the quota (api); empty for the pool-wide kinds
-    # Rounds look resources up in sets and dicts once per queued action: hash once.
-    _hash: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.kind, self.name)))
-
-    def __hash__(self) -> int:
-        return self._hash
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.name}" if self.name else self.kind
