@@ -30,7 +30,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,13 +39,12 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.cgroups import PERIOD_US, Cgroups, detect, format_cpulist
+from tangram.node_agent.cgroups import PERIOD_US, format_cpulist
 from tangram.node_agent.env_template import (
     LABEL,
     TRAJECTORY_PREFIX,
     WARM_PREFIX,
     User,
-    check_trajectory_id,
     digest,
     pick_user,
     spec,
@@ -55,7 +54,6 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
-    Gone,
     Opened,
     Output,
     cap,
@@ -65,12 +63,11 @@ from tangram.node_agent.execution import (
 )
 from tangram.node_agent.fast_path import (
     Command,
-    ExecServerRuntime,
-    FastPath,
     Reachable,
     cgroup_of,
     start_time,
 )
+from tangram.node_agent.warm_pool import SandboxRuntime
 
 __all__ = ["DockerRuntime", "Opened", "import_busybox"]
 
@@ -86,7 +83,7 @@ class Env:
     reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
 
 
-class DockerRuntime(ExecServerRuntime):
+class DockerRuntime(SandboxRuntime[Env]):
     def __init__(
         self,
         idle_cores: Sequence[int],
@@ -97,78 +94,33 @@ class DockerRuntime(ExecServerRuntime):
         cgroup_root: Path = Path("/sys/fs/cgroup"),
         proc_root: Path = Path("/proc"),
     ) -> None:
-        if not idle_cores:
-            raise ExecError("idle_cores: at least one core must hold idle trajectories")
+        super().__init__(idle_cores, cgroup_root, proc_root)
         try:
             self.client = client or docker.from_env()
             self.client.ping()
         except DockerException as e:
             raise ExecError(f"docker: the engine is not reachable: {e}") from None
-        self.idle_cores = tuple(idle_cores)
         self.state_dir = state_dir
         # Several agents may share a Docker Engine (pools, tests): each adopts only its own.
         self.owner = owner_id(state_dir)
         self.execd = execd.path if execd else None
         self.no_fast = execd.reason if execd else "no exec server was configured"
-        self.cgroups: Cgroups = detect(cgroup_root)
-        self.proc_root = proc_root
-        self.envs: dict[str, Env] = {}  # by trajectory
-        self.warm_pool: dict[str, list[Env]] = {}  # by template digest
-        self._facts: dict[str, tuple[User | None, bool]] = {}  # by image, user, workdir
-        self.fast = FastPath(self.cgroups, self.idle_cores)
 
-    # ---- lifecycle ---------------------------------------------------------------
-    def open(self, trajectory: str, template: EnvSpec) -> Opened:
-        """Give the trajectory an environment: a warm container if one is ready."""
-        check_trajectory_id(trajectory)
-        if trajectory in self.envs:
-            raise ExecError(f"trajectory: {trajectory} is already open")
-        t0 = time.perf_counter()
-        ready = self.warm_pool.get(digest(template), [])
-        while ready:
-            env = ready.pop()
-            try:
-                env.container.rename(TRAJECTORY_PREFIX + trajectory)
-            except (APIError, NotFound):
-                self._remove(env)  # gone or broken while it waited: try the next one
-                continue
-            self.envs[trajectory] = env
-            return Opened(str(env.container.id), True, time.perf_counter() - t0)
-        env = self._create(template, TRAJECTORY_PREFIX + trajectory)
-        self.envs[trajectory] = env
-        return Opened(str(env.container.id), False, time.perf_counter() - t0)
+    # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
+    def _make(self, template: EnvSpec, trajectory: str | None) -> Env:
+        name = TRAJECTORY_PREFIX + trajectory if trajectory else WARM_PREFIX + secrets.token_hex(6)
+        return self._create(template, name)
 
-    def warm(self, template: EnvSpec) -> int:
-        """Top the template's warm pool up to ``template.warm``; returns how many were made.
+    def _claim(self, env: Env, trajectory: str) -> bool:
+        # Docker cannot relabel a container: the name is the ownership record.
+        try:
+            env.container.rename(TRAJECTORY_PREFIX + trajectory)
+        except (APIError, NotFound):
+            return False
+        return True
 
-        Warm containers of other versions of the same environment are removed.
-        """
-        current = digest(template)
-        for other, envs in list(self.warm_pool.items()):
-            if other != current and envs and self._env_name(envs[0]) == template.name:
-                for env in self.warm_pool.pop(other):
-                    self._remove(env)
-        ready = self.warm_pool.setdefault(current, [])
-        made = 0
-        while len(ready) < template.warm:
-            ready.append(self._create(template, WARM_PREFIX + secrets.token_hex(6)))
-            made += 1
-        while len(ready) > template.warm:
-            self._remove(ready.pop())
-        return made
-
-    def close(self, trajectory: str) -> None:
-        """Remove the container and everything it wrote."""
-        self.fast.end_sessions(trajectory)  # removing the container ends their processes
-        env = self.envs.pop(trajectory, None)
-        if env is not None:
-            self._remove(env)
-
-    def shutdown_warm(self) -> None:
-        for envs in self.warm_pool.values():
-            for env in envs:
-                self._remove(env)
-        self.warm_pool.clear()
+    def _key(self, env: Env) -> str:
+        return str(env.container.id)
 
     def adopt(self) -> list[str]:
         """Find the containers this agent owns (after a restart) and take them back.
@@ -245,7 +197,7 @@ class DockerRuntime(ExecServerRuntime):
             self._await_exec_server(env)
             self._setup(env, template)
         except (APIError, DockerException, ExecError) as e:
-            self._remove(env)
+            self._discard(env)
             if isinstance(e, ExecError):
                 raise
             raise ExecError(
@@ -254,41 +206,19 @@ class DockerRuntime(ExecServerRuntime):
             ) from None
         return env
 
-    def gone(self) -> list[Gone]:
-        """Open containers that ended by themselves (killed, OOM-killed, removed), each
-        with why, dropped and removed; ended warm ones are just removed. One listing of
-        this agent's containers (no inspection unless one ended)."""
+    def _survey(self) -> Callable[[Env], bool] | None:
+        """One listing of this agent's containers (no inspection unless one ended)."""
         try:
             listed = self.client.containers.list(
                 all=True, sparse=True, filters={"label": f"{LABEL}/owner={self.owner}"}
             )
         except DockerException:
-            return []  # the engine is unreachable: nothing can be told about any of them
+            return None  # the engine is unreachable: nothing can be told about any of them
         states = {c.id: c.attrs.get("State") for c in listed}
-        ended: list[Gone] = []
-        # Snapshots (opens, closes and top-ups run in other threads), and an environment
-        # is taken out only if it is still the one looked at.
-        for trajectory, env in list(self.envs.items()):
-            state = states.get(env.container.id, "gone")
-            if state not in ("exited", "dead", "gone") or self.envs.get(trajectory) is not env:
-                continue
-            self.envs.pop(trajectory, None)
-            self.fast.end_sessions(trajectory)
-            ended.append(Gone(trajectory, *self._ending(env, state)))
-            self._remove(env)
-        for envs in list(self.warm_pool.values()):
-            for env in list(envs):
-                if states.get(env.container.id, "gone") in ("exited", "dead", "gone"):
-                    with contextlib.suppress(ValueError):  # claimed meanwhile
-                        envs.remove(env)
-                        self._remove(env)
-        return ended
+        return lambda env: states.get(env.container.id, "gone") in ("exited", "dead", "gone")
 
-    @staticmethod
-    def _ending(env: Env, state: str) -> tuple[str, str]:
+    def _ending(self, env: Env) -> tuple[str, str]:
         name = env.container.name
-        if state == "gone":
-            return "SandboxDeleted", f"container {name} was removed"
         try:
             env.container.reload()
             info = env.container.attrs.get("State") or {}
@@ -378,11 +308,10 @@ class DockerRuntime(ExecServerRuntime):
         finally:
             probe.remove(force=True)
 
-    @staticmethod
-    def _env_name(env: Env) -> str:
+    def _env_name(self, env: Env) -> str:
         return str(env.container.labels.get(f"{LABEL}/env", ""))
 
-    def _remove(self, env: Env) -> None:
+    def _discard(self, env: Env) -> None:
         with contextlib.suppress(NotFound, APIError):
             env.container.remove(force=True, v=True)
         if env.run_dir is not None:

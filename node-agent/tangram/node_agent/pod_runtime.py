@@ -21,34 +21,26 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.cgroups import CgroupError, Cgroups, detect
-from tangram.node_agent.env_template import User, check_trajectory_id, digest, pick_user
+from tangram.node_agent.cgroups import CgroupError
+from tangram.node_agent.env_template import digest, pick_user
 from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
-    Gone,
-    Opened,
     Problem,
     check_request,
 )
-from tangram.node_agent.fast_path import (
-    Command,
-    ExecServerRuntime,
-    FastPath,
-    Reachable,
-    cgroup_of,
-    start_time,
-)
+from tangram.node_agent.fast_path import Command, Reachable, cgroup_of, start_time
 from tangram.node_agent.kubelet_state import cpu_manager_policy
 from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
+from tangram.node_agent.warm_pool import SandboxRuntime
 
 __all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime", "agent_label"]
 
@@ -89,7 +81,7 @@ class Pod:
     reach: Reachable
 
 
-class PodRuntime(ExecServerRuntime):
+class PodRuntime(SandboxRuntime[Pod]):
     def __init__(
         self,
         idle_cores: Sequence[int],
@@ -105,8 +97,7 @@ class PodRuntime(ExecServerRuntime):
         proc_root: Path = Path("/proc"),
         start_timeout_s: float = 120.0,
     ) -> None:
-        if not idle_cores:
-            raise ExecError("idle_cores: at least one core must hold idle trajectories")
+        super().__init__(idle_cores, cgroup_root, proc_root)
         self.api = api
         self.node = node
         self.namespace = namespace
@@ -117,15 +108,8 @@ class PodRuntime(ExecServerRuntime):
         # pools, a pool's CPU and GPU agents): adoption and deletion touch only these.
         self.agent = agent or f"{namespace}.{node}"
         self._undeleted: set[str] = set()  # pods whose deletion failed: tried again
-        self.idle_cores = tuple(idle_cores)
-        self.cgroups: Cgroups = detect(cgroup_root)
-        self.cgroup_root = cgroup_root
-        self.proc_root = proc_root
         self.start_timeout_s = start_timeout_s
-        self.envs: dict[str, Pod] = {}  # by trajectory
-        self.warm_pool: dict[str, list[Pod]] = {}  # by template digest
-        self.fast = FastPath(self.cgroups, self.idle_cores)
-        self._facts: dict[str, tuple[User | None, bool]] = {}  # by image|user|workdir
+        self.settle_s = 5.0  # how long an ended pod's status may lag behind (gone)
         self._dying: dict[str, float] = {}  # pod -> when its exec server was found ended
         self.problem: Problem | None = None  # why this node cannot run actions
         if cpu_manager_policy(proc_root) == "static":
@@ -137,58 +121,28 @@ class PodRuntime(ExecServerRuntime):
                 "(spec.cpu.nodeSelector)",
             )
 
-    # ---- lifecycle ---------------------------------------------------------------
-    def open(self, trajectory: str, template: EnvSpec) -> Opened:
-        """Give the trajectory a sandbox pod: a warm one if one is ready."""
-        check_trajectory_id(trajectory)
-        if trajectory in self.envs:
-            raise ExecError(f"trajectory: {trajectory} is already open")
-        t0 = time.perf_counter()
-        ready = self.warm_pool.get(digest(template), [])
-        while ready:
-            pod = ready.pop()
-            try:
-                self.api.label(pod.name, {STATE: "open", TRAJECTORY: trajectory})
-            except ExecError as e:
-                if e.retryable:  # the API server, not the pod: keep it for the next open
-                    ready.append(pod)
-                    raise
-                self._delete(pod.name)  # gone or broken while it waited: try the next
-                continue
-            self.envs[trajectory] = pod
-            return Opened(pod.reach.key, True, time.perf_counter() - t0)
-        pod = self._create(template, {STATE: "open", TRAJECTORY: trajectory})
-        self.envs[trajectory] = pod
-        return Opened(pod.reach.key, False, time.perf_counter() - t0)
+    # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
+    def _make(self, template: EnvSpec, trajectory: str | None) -> Pod:
+        state = {STATE: "open", TRAJECTORY: trajectory} if trajectory else {STATE: "warm"}
+        return self._create(template, state)
 
-    def warm(self, template: EnvSpec) -> int:
-        """Top the template's warm pool up to ``template.warm``; older versions go."""
-        current = digest(template)
-        for other, pods in list(self.warm_pool.items()):
-            if other != current and pods and pods[0].env_name == template.name:
-                for pod in self.warm_pool.pop(other):
-                    self._delete(pod.name)
-        ready = self.warm_pool.setdefault(current, [])
-        made = 0
-        while len(ready) < template.warm:
-            ready.append(self._create(template, {STATE: "warm"}))
-            made += 1
-        while len(ready) > template.warm:
-            self._delete(ready.pop().name)
-        return made
+    def _claim(self, pod: Pod, trajectory: str) -> bool:
+        try:
+            self.api.label(pod.name, {STATE: "open", TRAJECTORY: trajectory})
+        except ExecError as e:
+            if e.retryable:  # the API server, not the pod: keep it for the next open
+                raise
+            return False
+        return True
 
-    def close(self, trajectory: str) -> None:
-        """Delete the trajectory's pod and everything it wrote."""
-        self.fast.end_sessions(trajectory)
-        pod = self.envs.pop(trajectory, None)
-        if pod is not None:
-            self._delete(pod.name)
+    def _discard(self, pod: Pod) -> None:
+        self._delete(pod.name)
 
-    def shutdown_warm(self) -> None:
-        for pods in self.warm_pool.values():
-            for pod in pods:
-                self._delete(pod.name)
-        self.warm_pool.clear()
+    def _key(self, pod: Pod) -> str:
+        return pod.reach.key
+
+    def _env_name(self, pod: Pod) -> str:
+        return pod.env_name
 
     def adopt(self) -> list[str]:
         """Take back the sandbox pods of this pool on this node (after a restart).
@@ -223,43 +177,23 @@ class PodRuntime(ExecServerRuntime):
                 self._delete(name)
         return sorted(self.envs)
 
-    def gone(self, settle_s: float = 5.0) -> list[Gone]:
-        """Open sandboxes that ended by themselves (evicted, killed, deleted), each with
-        the kubelet's reason, dropped and deleted; ended warm ones are just deleted.
+    def _survey(self) -> Callable[[Pod], bool]:
+        """The check is local (is each exec server still the process it was?); only an
+        ended one costs a read of its pod (``_ending``)."""
+        return lambda pod: not pod.reach.alive()
 
-        The check is local (is each exec server still the process it was?); only an ended
-        one costs a read of its pod. A pod whose status does not show the end yet (the
-        kubelet writes it a moment later) is looked at again, for up to ``settle_s``.
-        """
-        # Opens, closes and top-ups run in other threads: work on snapshots, and take a
-        # pod out only if it is still the one looked at.
-        ended: list[Gone] = []
-        for trajectory, pod in list(self.envs.items()):
-            if pod.reach.alive():
-                continue
-            why = self._ending(pod.name, settle_s)
-            if why is None or self.envs.get(trajectory) is not pod:
-                continue
-            self.envs.pop(trajectory, None)
-            self.fast.end_sessions(trajectory)
-            self._delete(pod.name)
-            ended.append(Gone(trajectory, *why))
-        for pods in list(self.warm_pool.values()):
-            for pod in [p for p in list(pods) if not p.reach.alive()]:
-                with contextlib.suppress(ValueError):  # claimed meanwhile: its open fails
-                    pods.remove(pod)
-                    self._delete(pod.name)
-        return ended
-
-    def _ending(self, name: str, settle_s: float) -> tuple[str, str] | None:
-        """(reason, message) of an ended sandbox; None while its pod does not say yet."""
+    def _ending(self, pod: Pod) -> tuple[str, str] | None:
+        """(reason, message) of an ended sandbox, from the kubelet's reason. A pod whose
+        status does not show the end yet (the kubelet writes it a moment later) is looked
+        at again, for up to ``settle_s``; None till then."""
+        name = pod.name
         try:
             obj = self.api.get(name)
         except ExecError:
             obj = {}  # the API server is unreachable: say what we know
         first = self._dying.setdefault(name, time.monotonic())
         why = ending(obj, f"{self.namespace}/{name}")
-        if why is None and time.monotonic() - first < settle_s:
+        if why is None and time.monotonic() - first < self.settle_s:
             return None
         self._dying.pop(name, None)
         return why or ("SandboxExited", f"pod {self.namespace}/{name}: its processes ended")
