@@ -7,6 +7,7 @@ cleanly otherwise.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 from collections.abc import Coroutine, Iterator
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tangram.node_agent import runtimes
 from tangram.node_agent.cgroups import CgroupV1, CgroupV2, detect, format_cpulist
 from tangram.node_agent.inventory import parse_cpulist
 from tangram.node_agent.process_runtime import ExecError, ProcessRuntime
@@ -229,3 +231,19 @@ def test_an_agent_without_cgroup_access_says_so_at_start(
     monkeypatch.setattr(cgroups, "detect", lambda: CgroupV1(tmp_path / "no-cgroups"))
     with pytest.raises(ExecError, match="write access to the cgroup hierarchy"):
         NodeAgent.create(tmp_path / "state", runtime="process")
+
+
+def test_named_by_name_it_runs_and_warns_loudly_that_it_isolates_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    setting = runtimes.Setting(tmp_path, "n1", CORES[:1], owner_id=f"test-{uuid.uuid4().hex[:8]}")
+    with caplog.at_level(logging.WARNING, "tangram.agent"):
+        rt = runtimes.create("process", setting)
+    try:
+        assert rt.kind == "process"
+        (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+        said = warning.getMessage()
+        assert said.startswith("runtime process: NO ISOLATION. Commands run directly on this host")
+        assert f"as uid {os.geteuid()}" in said and "token files" in said
+    finally:
+        run(rt.shutdown())
