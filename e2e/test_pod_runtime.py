@@ -147,6 +147,39 @@ def test_a_command_cannot_answer_for_the_exec_server(
         rt.close("t-3")
 
 
+def _sleepers(container_id: str) -> list[str]:
+    """The host's processes of the container (by its cgroup) that run ``sleep``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and container_id in (entry / "cgroup").read_text():
+                args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                if "sleep" in args:
+                    found.append(args)
+        except OSError:
+            continue  # ended while looked at
+    return found
+
+
+def test_no_process_outlives_its_action_in_a_sandbox_pod(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    """A command that exits at once, leaving a setsid'd and a double-forked sleeper: the
+    action's end ends them (the exec server is their subreaper)."""
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p")
+    rt.open("t-8", spec)
+    try:
+        script = "setsid sleep 1000 & (sleep 1001 &) ; echo started"
+        res = _run(rt, "t-8", ["sh", "-c", script], [CORES[-1]])
+        assert (res.exit_code, res.timed_out, res.stdout) == (0, False, "started\n")
+        assert _sleepers(rt.envs["t-8"].reach.key) == []
+    finally:
+        rt.close("t-8")
+    wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
+
+
 def test_a_runtime_class_the_cluster_lacks_fails_the_open_naming_it(
     control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
 ) -> None:

@@ -145,6 +145,35 @@ def test_the_fast_path_also_kills_what_a_command_orphaned(
     assert only_pid1_left(runtime, t)
 
 
+def sleepers(runtime: DockerRuntime, t: str) -> list[str]:
+    """The container's processes that run ``sleep``, as ps shows them."""
+    top = runtime.envs[t].container.top(ps_args="-eo pid,args")
+    return [p[1] for p in top["Processes"] if "sleep" in p[1]]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sh", "-c", "setsid sleep 1000 & echo started"],  # its own session
+        ["sh", "-c", "(sleep 1001 &) ; echo started"],  # double-forked: an orphan at once
+        ["sh", "-c", "(setsid sh -c '(sleep 1002 &)' &) ; echo started"],  # both
+    ],
+    ids=["setsid", "double-fork", "setsid-double-fork"],
+)
+def test_no_process_outlives_its_action(
+    runtime: DockerRuntime, busybox: str, argv: list[str]
+) -> None:
+    """The command exits at once, leaving a sleeper that escaped its process group; the
+    action's end is its end too (the exec server is its subreaper)."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    res = run(runtime, t, argv, CORES[:1], timeout_s=60, path="fast")
+    assert (res.exit_code, res.timed_out, res.stdout) == (0, False, "started\n")
+    assert sleepers(runtime, t) == []
+    # The next action starts on a clean slate and runs as usual.
+    assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_cancellation_stops_the_command(runtime: DockerRuntime, busybox: str, path: str) -> None:
     t = tid()
