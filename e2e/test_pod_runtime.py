@@ -19,6 +19,7 @@ from harness.kubelet import RealNode
 from harness.pods import wait_for
 
 from tangram.api.wire import EnvSpec
+from tangram.node_agent.env_template import DEFAULT_USER
 from tangram.node_agent.exec_server import build
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.kube_pods import kube_pod_api
@@ -177,6 +178,32 @@ def test_no_process_outlives_its_action_in_a_sandbox_pod(
         assert _sleepers(rt.envs["t-8"].reach.key) == []
     finally:
         rt.close("t-8")
+    wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
+
+
+def test_sandbox_pods_run_unprivileged_unless_root_is_asked_for(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    """busybox has no USER and no /etc/passwd, and its /work is root's: the pod runs as
+    the fixed unprivileged user, which owns /work; root only when the env names it."""
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    plain = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p")
+    as_root = EnvSpec(name="root-box", image=image, memory_gb=0.25, pool="p", user="0")
+    rt.open("t-9", plain)
+    rt.open("t-10", as_root)
+    try:
+        res = _run(rt, "t-9", ["sh", "-c", "id -u; id -g; touch /work/mine && echo wrote"],
+                   [CORES[-1]])  # fmt: skip
+        assert res.stdout.split() == [str(DEFAULT_USER.uid), str(DEFAULT_USER.gid), "wrote"]
+        pods = {p["metadata"]["labels"]["tangram.dev/trajectory"]: p for p in _pods(control_plane)}
+        context = pods["t-9"]["spec"]["containers"][0]["securityContext"]
+        assert (context["runAsUser"], context["runAsGroup"]) == (DEFAULT_USER.uid,
+                                                                 DEFAULT_USER.gid)  # fmt: skip
+        assert _run(rt, "t-10", ["id", "-u"], [CORES[-1]]).stdout == "0\n"
+    finally:
+        rt.close("t-9")
+        rt.close("t-10")
     wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import DockerRuntime
+from tangram.node_agent.env_template import DEFAULT_USER
 from tangram.node_agent.exec_server import Built
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.fast_path import cgroup_of
@@ -264,6 +265,38 @@ def test_a_non_root_user_owns_its_workdir(runtime: DockerRuntime, busybox: str) 
     runtime.open(t, template(busybox, user="1000:1000", workdir="/home/agent/work"))
     res = run(runtime, t, ["sh", "-c", "id -u; pwd; touch mine && echo ok"], CORES[:1])
     assert res.stdout.split() == ["1000", "/home/agent/work", "ok"]
+
+
+def test_sandboxes_run_unprivileged_unless_root_is_asked_for(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """busybox has no USER and no /etc/passwd; its /work is root's (0755)."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    res = run(runtime, t, ["sh", "-c", "id -u; id -g; touch /work/mine && echo wrote"], CORES[:1])
+    assert res.stdout.split() == [str(DEFAULT_USER.uid), str(DEFAULT_USER.gid), "wrote"]
+    assert run(runtime, t, ["touch", "/bin/x"], CORES[:1]).exit_code != 0  # the image's
+    root = tid()
+    runtime.open(root, template(busybox, user="0"))
+    assert run(runtime, root, ["id", "-u"], CORES[:1]).stdout == "0\n"
+
+
+def test_the_images_own_user_is_the_default(
+    runtime: DockerRuntime, docker_client: Any, busybox: str
+) -> None:
+    base = docker_client.containers.create(busybox, ["true"], network_mode="none")
+    try:
+        image = base.commit("tangram-test/busybox-user", "1", changes=["USER 4321:4321"])
+    finally:
+        base.remove(force=True)
+    try:
+        t = tid()
+        runtime.open(t, template("tangram-test/busybox-user:1"))
+        res = run(runtime, t, ["sh", "-c", "id -u; touch /work/mine && echo wrote"], CORES[:1])
+        assert res.stdout.split() == ["4321", "wrote"]
+        runtime.close(t)
+    finally:
+        docker_client.images.remove(image.id, force=True)
 
 
 def test_read_only_root_with_a_writable_workdir(runtime: DockerRuntime, busybox: str) -> None:

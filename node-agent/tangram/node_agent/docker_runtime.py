@@ -30,7 +30,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from tangram.node_agent.env_template import (
     TRAJECTORY_PREFIX,
     WARM_PREFIX,
     User,
+    Workdir,
     digest,
     pick_user,
     spec,
@@ -159,7 +160,7 @@ class DockerRuntime(SandboxRuntime[Env]):
         return sorted(self.envs)
 
     def _create(self, template: EnvSpec, name: str) -> Env:
-        user, has_workdir = self._image_facts(template)
+        user, workdir = self._image_facts(template)
         run_dir: Path | None = None
         labels: dict[str, str] = {f"{LABEL}/owner": self.owner}
         if self.execd is not None:
@@ -191,8 +192,8 @@ class DockerRuntime(SandboxRuntime[Env]):
             ) from None
         env = Env(container, digest(template), template.workdir, run_dir)
         try:
-            if user and not has_workdir and not template.read_only_root:
-                self._own_workdir(container, template.workdir, user)
+            if user and not template.read_only_root and not (workdir and workdir.writable_by(user)):
+                self._own_workdir(container, template.workdir, user, workdir)
             container.start()
             self._await_exec_server(env)
             self._setup(env, template)
@@ -264,18 +265,21 @@ class DockerRuntime(SandboxRuntime[Env]):
             time.sleep(0.002)
 
     @staticmethod
-    def _own_workdir(container: Any, workdir: str, user: User) -> None:
-        """Make the workdir the environment user's (Docker would make a missing one
-        root's, and a container without capabilities cannot chown it)."""
+    def _own_workdir(container: Any, path: str, user: User, workdir: Workdir | None) -> None:
+        """Make the workdir the environment user's: Docker would make a missing one root's,
+        and the image's own may be another user's; a container without capabilities cannot
+        chown it. Only the directory itself: what the image put in it stays as it is. Its
+        permission bits are kept."""
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
-            info = tarfile.TarInfo(workdir.strip("/"))  # missing parents are made root's
-            info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, 0o755, user.uid, user.gid
+            info = tarfile.TarInfo(path.strip("/"))  # missing parents are made root's
+            info.type, info.uid, info.gid = tarfile.DIRTYPE, user.uid, user.gid
+            info.mode = workdir.mode if workdir else 0o755
             tar.addfile(info)
         container.put_archive("/", buf.getvalue())
 
-    def _image_facts(self, template: EnvSpec) -> tuple[User | None, bool]:
-        """The user commands run as, and whether the image itself has the workdir."""
+    def _image_facts(self, template: EnvSpec) -> tuple[User | None, Workdir | None]:
+        """The user commands run as, and the image's own workdir (None: it has none)."""
         try:
             image = self.client.images.get(template.image)
         except ImageNotFound:
@@ -284,27 +288,30 @@ class DockerRuntime(SandboxRuntime[Env]):
             ) from None
         key = f"{image.id}|{template.user}|{template.workdir}"
         if key not in self._facts:
-            passwd, has_workdir = self._probe(image.id, template.workdir)
-            requested = template.user or image.attrs.get("Config", {}).get("User") or None
-            self._facts[key] = (pick_user(passwd, requested), has_workdir)
+            passwd, workdir = self._probe(image.id, template.workdir)
+            configured = image.attrs.get("Config", {}).get("User") or None
+            self._facts[key] = (pick_user(passwd, template.user, configured), workdir)
         return self._facts[key]
 
-    def _probe(self, image_id: str, workdir: str) -> tuple[str, bool]:
-        """Read the image's /etc/passwd and look for the workdir (never started)."""
+    def _probe(self, image_id: str, workdir: str) -> tuple[str, Workdir | None]:
+        """Read the image's /etc/passwd and its workdir's owner (never started)."""
         probe = self.client.containers.create(image_id, entrypoint=["/"], network_mode="none")
         try:
             try:
-                probe.get_archive(workdir)
-                has_workdir = True
+                stream, _ = probe.get_archive(workdir)
+                found = _first_member(stream)  # the directory itself: no more is read
+                owned = None
+                if found is not None and found.isdir():  # a link: replaced by a directory
+                    owned = Workdir(found.uid, found.gid, found.mode & 0o7777)
             except NotFound:
-                has_workdir = False
+                owned = None
             try:
                 stream, _ = probe.get_archive("/etc/passwd")
             except NotFound:
-                return "", has_workdir
+                return "", owned
             with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
                 member = tar.extractfile("passwd")
-                return (member.read().decode(errors="replace") if member else ""), has_workdir
+                return (member.read().decode(errors="replace") if member else ""), owned
         finally:
             probe.remove(force=True)
 
@@ -416,6 +423,31 @@ class DockerRuntime(SandboxRuntime[Env]):
             for victim in tree(self.proc_root, pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, signal.SIGKILL)
+
+
+class _Chunks(io.RawIOBase):
+    """A file over an iterator of byte chunks (Docker's archive stream), read lazily."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks, self._left = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        while not self._left:
+            self._left = next(self._chunks, b"")
+            if not self._left:
+                return 0
+        n = min(len(buf), len(self._left))
+        buf[:n], self._left = self._left[:n], self._left[n:]
+        return n
+
+
+def _first_member(chunks: Iterator[bytes]) -> tarfile.TarInfo | None:
+    """The first entry of a tar stream, reading no further (a workdir may be large)."""
+    with tarfile.open(fileobj=io.BufferedReader(_Chunks(chunks)), mode="r|") as tar:
+        return tar.next()
 
 
 def tree(proc_root: Path, root: int) -> list[int]:

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
+import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +31,7 @@ from typing import Any, Protocol
 
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.cgroups import CgroupError
-from tangram.node_agent.env_template import digest, pick_user
+from tangram.node_agent.env_template import User, Workdir, digest, pick_user
 from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
@@ -199,7 +202,8 @@ class PodRuntime(SandboxRuntime[Pod]):
         return why or ("SandboxExited", f"pod {self.namespace}/{name}: its processes ended")
 
     def _create(self, template: EnvSpec, state: Mapping[str, str]) -> Pod:
-        user, has_workdir = self._facts.get(self._facts_key(template), (None, True))
+        user, workdir = self._facts.get(self._facts_key(template), (None, None))
+        learnt = self._facts_key(template) in self._facts
         # The random part is never cut: a long pool name is (pod names hold 63 here).
         name = f"tangram-{template.pool[:40].rstrip('-.')}-{secrets.token_hex(5)}"
         manifest = sandbox_pod(
@@ -212,7 +216,7 @@ class PodRuntime(SandboxRuntime[Pod]):
             extra_labels={**state, AGENT: agent_label(self.agent)},
             owner=self.owner,
             user=user,
-            own_workdir=not has_workdir,
+            own_workdir=learnt and workdir is None,
         )
         self.api.create(manifest)  # refused: the API server's reason (RuntimeClass, quota)
         try:
@@ -231,8 +235,9 @@ class PodRuntime(SandboxRuntime[Pod]):
         return f"{template.image}|{template.user}|{template.workdir}"
 
     def _learn_facts(self, template: EnvSpec, reach: Reachable) -> bool:
-        """Read the image's users and workdir from the first pod of an image; True when
-        that pod was made without them (it runs as the wrong user, or lacks the workdir)."""
+        """Read the image's users and workdir from the first pod of an image (made without
+        runAsUser: it runs as the image's USER); True when that pod is not as the next
+        ones will be (it runs as another user, or lacks the workdir)."""
         key = self._facts_key(template)
         if key in self._facts:
             return False
@@ -241,21 +246,31 @@ class PodRuntime(SandboxRuntime[Pod]):
             passwd = (root / "etc/passwd").read_text(errors="replace")
         except OSError:
             passwd = ""
-        user = pick_user(passwd, template.user)
-        has_workdir = (root / template.workdir.lstrip("/")).is_dir()
-        self._facts[key] = (user, has_workdir)
-        running_as = self._uid(reach.pid)
-        return (user.uid if user else 0) != running_as or not has_workdir
+        running_as = self._ids(reach.pid)
+        configured = f"{running_as[0]}:{running_as[1]}" if running_as[0] else None
+        user = pick_user(passwd, template.user, configured)
+        workdir = _workdir(root, template.workdir)
+        self._facts[key] = (user, workdir)
+        wanted = (user.uid, user.gid) if user else (0, 0)
+        return wanted != running_as or workdir is None
 
-    def _uid(self, pid: int) -> int:
+    def _ids(self, pid: int) -> tuple[int, int]:
+        """The (uid, gid) process ``pid`` runs as."""
+        ids = {}
         for line in (self.proc_root / str(pid) / "status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-        raise ExecError(f"pid {pid}: no Uid in its status")
+            if line.startswith(("Uid:", "Gid:")):
+                ids[line[:3]] = int(line.split()[1])
+        if len(ids) != 2:
+            raise ExecError(f"pid {pid}: no Uid or Gid in its status")
+        return ids["Uid"], ids["Gid"]
 
     def _prepare(self, reach: Reachable, template: EnvSpec) -> None:
-        """Idle limits and the pids limit; then the environment's setup commands, on the
-        idle cores without the idle quota (bounded work at open time)."""
+        """The workdir the sandbox's user's, idle limits and the pids limit; then the
+        environment's setup commands, on the idle cores without the idle quota (bounded
+        work at open time)."""
+        user, workdir = self._facts.get(self._facts_key(template), (None, None))
+        if user and workdir and not workdir.writable_by(user) and not template.read_only_root:
+            self._own_workdir(reach, template.workdir, user)
         self._pids_limit(reach.cgroup, template.pids_limit)
         if template.setup:  # each on the idle cores, without the idle quota (group_enter)
             for argv in template.setup:
@@ -268,6 +283,22 @@ class PodRuntime(SandboxRuntime[Pod]):
                         reason="SetupFailed",
                     )
         self._limit(reach, IDLE_QUOTA_CORES)
+
+    def _own_workdir(self, reach: Reachable, path: str, user: User) -> None:
+        """Make the image's workdir (the directory only: what the image put in it stays as
+        it is) the sandbox user's, from the host: the sandbox has no capability to."""
+        try:
+            fd = _open_dir_in(self.proc_root / str(reach.pid) / "root", path)
+            try:
+                os.fchown(fd, user.uid, user.gid)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise ExecError(
+                f"workdir {path}: cannot make it the sandbox user's ({user.spec}): {e.strerror} "
+                "(set the TrajectoryEnv's security.user to a user who may write it)",
+                reason="SandboxStartFailed",
+            ) from None
 
     def _limit(self, reach: Reachable, quota_cores: float | None) -> None:
         try:
@@ -396,6 +427,40 @@ class PodRuntime(SandboxRuntime[Pod]):
         check_request(held is not None, trajectory, argv, cores)
         assert held is not None
         return held.reach
+
+
+def _open_dir_in(root: Path, path: str) -> int:
+    """A descriptor of directory ``path`` inside a container's root (``/proc/<pid>/root``),
+    each component opened without following a link: from here, an absolute link of the
+    image would resolve on the host."""
+    parts = Path(path).parts[1:]
+    if ".." in parts:
+        raise OSError(errno.EINVAL, "'..' in the path")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            step = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           dir_fd=fd)  # fmt: skip
+            os.close(fd)
+            fd = step
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _workdir(root: Path, path: str) -> Workdir | None:
+    """The image's workdir as the container sees it; None when it has none (or it is a
+    link, which a volume then covers)."""
+    try:
+        fd = _open_dir_in(root, path)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return Workdir(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode))
 
 
 # Waiting reasons after which the sandbox container will not start by itself.

@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.cgroups import Cgroups, detect
-from tangram.node_agent.env_template import User, check_trajectory_id, digest
+from tangram.node_agent.env_template import User, Workdir, check_trajectory_id, digest
 from tangram.node_agent.execution import ExecError, Gone, Opened
 from tangram.node_agent.fast_path import ExecServerRuntime, FastPath
 
@@ -44,8 +44,9 @@ class SandboxRuntime(ExecServerRuntime, Generic[E]):
         self.envs = {}
         self.warm_pool: dict[str, list[E]] = {}  # by template digest
         self.fast = FastPath(self.cgroups, self.idle_cores)
-        # What the first sandbox of an image taught: its user, whether it has the workdir.
-        self._facts: dict[str, tuple[User | None, bool]] = {}
+        # What an image taught: the sandboxes' user, and the image's own workdir (None:
+        # it has none).
+        self._facts: dict[str, tuple[User | None, Workdir | None]] = {}
 
     # ---- the hooks ---------------------------------------------------------------
     def _make(self, template: EnvSpec, trajectory: str | None) -> E:

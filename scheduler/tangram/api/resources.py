@@ -382,7 +382,9 @@ class Security(_Spec):
     user: Annotated[
         str | None,
         Field(
-            min_length=1, description="user (name or uid[:gid]) commands run as; unset = image's"
+            min_length=1,
+            description="user (name or uid[:gid]) commands run as; unset = the image's USER, else "
+            'its first regular user, else 65532 (never root: name "0" for root)',
         ),
     ] = None
     pids_limit: Annotated[
