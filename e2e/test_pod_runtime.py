@@ -207,6 +207,27 @@ def test_sandbox_pods_run_unprivileged_unless_root_is_asked_for(
     wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
 
 
+def test_a_sandbox_pod_that_writes_past_its_disk_limit_is_reported_gone_with_why(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    """diskGiB is the pod's ephemeral-storage limit: the real kubelet evicts the pod once
+    its writable layer is over it, and the agent's watch names the cause."""
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p", disk_gb=0.03)  # 31 MiB
+    rt.open("t-11", spec)
+    (pod,) = _pods(control_plane)
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["ephemeral-storage"] == "31Mi"
+    res = _run(rt, "t-11", ["sh", "-c", "head -c 67108864 /dev/zero > /work/big"], [CORES[-1]])
+    assert res.exit_code == 0, res
+    ended = wait_for("the eviction seen", rt.gone, 120)
+    assert [(g.trajectory, g.reason) for g in ended] == [("t-11", "DiskLimitExceeded")]
+    assert "31Mi" in ended[0].message and "diskGiB" in ended[0].message  # the kubelet's words
+    assert "t-11" not in rt.envs
+    wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
+
+
 def test_a_runtime_class_the_cluster_lacks_fails_the_open_naming_it(
     control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
 ) -> None:

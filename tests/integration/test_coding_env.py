@@ -172,7 +172,16 @@ def test_a_sessions_background_processes_live_until_the_session_ends(
 
     async def scenario() -> list[list[str]]:  # one loop: a session is bound to its loop
         seen = []
-        started = await session("setsid sleep 1003 & sleep 1004 & echo started")
+        # Started, and waited for until each has become its sleep (a fork runs before its
+        # exec: the action's end must not be what races it).
+        await session(
+            'seen() { for f in /proc/[0-9]*/cmdline; do [ "$(tr "\\0" " " < $f 2>/dev/null)" '
+            '= "sleep $1 " ] && return 0; done; return 1; }'
+        )
+        started = await session(
+            "setsid sleep 1003 & sleep 1004 & until seen 1003 && seen 1004; do :; done; "
+            "echo started"
+        )
         assert started.endswith("started")  # after the job numbers an interactive bash prints
         seen.append(sleepers())
         # A plain action's end kills what that action left, not what the session runs.

@@ -299,6 +299,27 @@ def test_the_images_own_user_is_the_default(
         docker_client.images.remove(image.id, force=True)
 
 
+def test_writing_past_the_disk_limit_ends_the_environment_with_the_reason(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """This engine's overlay2 sits on ext4 (no storage_opt size): the agent measures the
+    writable layer itself, here at every look."""
+    runtime.disk_check_s = 0
+    t, other = tid(), tid()
+    runtime.open(t, template(busybox, disk_gb=0.05))  # 51 MiB
+    runtime.open(other, template(busybox))  # no limit
+    write = "head -c {} /dev/zero > /work/{}"
+    assert run(runtime, t, ["sh", "-c", write.format(20 << 20, "a")], CORES[:1]).exit_code == 0
+    assert run(runtime, other, ["sh", "-c", write.format(80 << 20, "a")], CORES[:1]).exit_code == 0
+    assert runtime.gone() == []  # 20 MiB: under; the other has no limit
+    assert run(runtime, t, ["sh", "-c", write.format(40 << 20, "b")], CORES[:1]).exit_code == 0
+    ended = runtime.gone()
+    assert [(g.trajectory, g.reason) for g in ended] == [(t, "DiskLimitExceeded")]
+    assert "holds 60 MiB, over the TrajectoryEnv's diskGiB (0.05 GiB)" in ended[0].message
+    assert set(runtime.envs) == {other}
+    assert runtime.storage_opt is False  # found out, and said once in the log
+
+
 def test_read_only_root_with_a_writable_workdir(runtime: DockerRuntime, busybox: str) -> None:
     t = tid()
     runtime.open(t, template(busybox, read_only_root=True))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 import os
 import secrets
 import shutil
@@ -72,6 +73,9 @@ from tangram.node_agent.warm_pool import SandboxRuntime
 
 __all__ = ["DockerRuntime", "Opened", "import_busybox"]
 
+log = logging.getLogger("tangram.agent")
+DISK = f"{LABEL}/disk"  # bytes of writable layer, on containers whose limit the agent keeps
+
 
 @dataclass(slots=True)
 class Env:
@@ -106,6 +110,10 @@ class DockerRuntime(SandboxRuntime[Env]):
         self.owner = owner_id(state_dir)
         self.execd = execd.path if execd else None
         self.no_fast = execd.reason if execd else "no exec server was configured"
+        self.storage_opt = True  # until the engine says its storage driver has none
+        self.disk_check_s = 10.0  # how often the agent measures limited writable layers
+        self._disk_checked = float("-inf")
+        self._over: dict[str, str] = {}  # containers found over their disk limit: why
 
     # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
     def _make(self, template: EnvSpec, trajectory: str | None) -> Env:
@@ -182,7 +190,7 @@ class DockerRuntime(SandboxRuntime[Env]):
             run_dir=str(run_dir) if run_dir else None,
         )
         try:
-            container = self.client.containers.create(template.image, **kwargs)
+            container = self._create_sized(template, kwargs)
         except (APIError, DockerException) as e:
             if run_dir:
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -207,19 +215,73 @@ class DockerRuntime(SandboxRuntime[Env]):
             ) from None
         return env
 
+    def _create_sized(self, template: EnvSpec, kwargs: dict[str, Any]) -> Any:
+        """Create the container; with a disk limit, the engine's own (``storage_opt``)
+        where its storage driver has one (overlay2 needs xfs with pquota), else the
+        agent's: the container is labelled, and ``gone`` measures its writable layer."""
+        if template.disk_gb is None:
+            return self.client.containers.create(template.image, **kwargs)
+        limit = str(int(template.disk_gb * 1024**3))
+        if self.storage_opt:
+            try:
+                return self.client.containers.create(
+                    template.image, **kwargs, storage_opt={"size": limit}
+                )
+            except APIError as e:
+                try:  # the same without the option: then the option was what failed
+                    container = self.client.containers.create(template.image, **kwargs)
+                except APIError:
+                    raise e from None
+                container.remove(force=True)
+                self.storage_opt = False
+                log.warning(
+                    "docker: the storage driver cannot limit a container's disk (%s); the "
+                    "agent measures each limited container's writable layer instead",
+                    e.explanation or e,
+                )
+        kwargs["labels"] = {**kwargs["labels"], DISK: limit}
+        return self.client.containers.create(template.image, **kwargs)
+
     def _survey(self) -> Callable[[Env], bool] | None:
-        """One listing of this agent's containers (no inspection unless one ended)."""
+        """One listing of this agent's containers (no inspection unless one ended), and
+        every ``disk_check_s`` the writable layers of those the agent limits."""
         try:
             listed = self.client.containers.list(
                 all=True, sparse=True, filters={"label": f"{LABEL}/owner={self.owner}"}
             )
+            over = self._over_disk()
         except DockerException:
             return None  # the engine is unreachable: nothing can be told about any of them
         states = {c.id: c.attrs.get("State") for c in listed}
-        return lambda env: states.get(env.container.id, "gone") in ("exited", "dead", "gone")
+        self._over.update(over)
+        ended = ("exited", "dead", "gone")
+        return lambda env: states.get(env.container.id, "gone") in ended or env.container.id in over
+
+    def _over_disk(self) -> dict[str, str]:
+        """The containers whose writable layer holds more than their limit, each with
+        what it holds (Docker's SizeRw); empty until ``disk_check_s`` has passed."""
+        now = time.monotonic()
+        if now - self._disk_checked < self.disk_check_s:
+            return {}
+        self._disk_checked = now
+        sized = self.client.api.containers(
+            all=True, size=True, filters={"label": [f"{LABEL}/owner={self.owner}", DISK]}
+        )
+        over: dict[str, str] = {}
+        for c in sized:
+            used, limit = int(c.get("SizeRw") or 0), int(c["Labels"][DISK])
+            if used > limit:
+                over[c["Id"]] = (
+                    f"its writable layer holds {used / 2**20:.0f} MiB, over the TrajectoryEnv's "
+                    f"diskGiB ({limit / 2**30:g} GiB)"
+                )
+        return over
 
     def _ending(self, env: Env) -> tuple[str, str]:
         name = env.container.name
+        said = self._over.pop(env.container.id, None)
+        if said is not None:
+            return "DiskLimitExceeded", f"container {name}: {said}"
         try:
             env.container.reload()
             info = env.container.attrs.get("State") or {}
@@ -319,6 +381,7 @@ class DockerRuntime(SandboxRuntime[Env]):
         return str(env.container.labels.get(f"{LABEL}/env", ""))
 
     def _discard(self, env: Env) -> None:
+        self._over.pop(env.container.id, None)
         with contextlib.suppress(NotFound, APIError):
             env.container.remove(force=True, v=True)
         if env.run_dir is not None:

@@ -32,6 +32,8 @@ def digest(template: EnvSpec) -> str:
     """Identifies what a container was built from (everything but the warm pool size):
     warm containers of an older version of the environment are never handed out."""
     body = template.model_dump(exclude={"warm"})
+    if body.get("disk_gb") is None:  # added later: digests of envs without one stay as they were
+        body.pop("disk_gb", None)
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -39,6 +39,7 @@ REASONS = frozenset(
         "SetupFailed",  # a setup command of the TrajectoryEnv failed
         "CgroupsUnwritable",  # the agent cannot write the sandbox's cgroup
         "SandboxEvicted",  # the kubelet evicted it (node pressure)
+        "DiskLimitExceeded",  # it wrote more than the env's diskGiB
         "SandboxOOMKilled",  # its processes ran out of the env's memory
         "SandboxExited",  # its exec server ended
         "SandboxDeleted",  # someone deleted it

@@ -187,16 +187,24 @@ class PodRuntime(SandboxRuntime[Pod]):
 
     def _ending(self, pod: Pod) -> tuple[str, str] | None:
         """(reason, message) of an ended sandbox, from the kubelet's reason. A pod whose
-        status does not show the end yet (the kubelet writes it a moment later) is looked
-        at again, for up to ``settle_s``; None till then."""
+        status does not show the end yet, or shows only its container's exit (the
+        kubelet writes an eviction a moment later), is looked at again, for up to
+        ``settle_s``; None till then."""
         name = pod.name
         try:
             obj = self.api.get(name)
         except ExecError:
             obj = {}  # the API server is unreachable: say what we know
         first = self._dying.setdefault(name, time.monotonic())
-        why = ending(obj, f"{self.namespace}/{name}")
-        if why is None and time.monotonic() - first < self.settle_s:
+        where = f"{self.namespace}/{name}"
+        why = ending(obj, where)
+        if why is None or why[0] == "SandboxExited":
+            # An eviction may show only as the container's exit (a sandbox that ends at
+            # SIGTERM even makes the pod Succeeded, with no reason): the kubelet's Event
+            # says it was one.
+            with contextlib.suppress(ExecError):  # the API server is unreachable: say what we know
+                why = evicted_by_event(self.api.events(name), where) or why
+        if (why is None or why[0] == "SandboxExited") and time.monotonic() - first < self.settle_s:
             return None
         self._dying.pop(name, None)
         return why or ("SandboxExited", f"pod {self.namespace}/{name}: its processes ended")
@@ -463,6 +471,11 @@ def _workdir(root: Path, path: str) -> Workdir | None:
     return Workdir(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode))
 
 
+# What the kubelet's eviction messages say when a pod went over its ephemeral-storage
+# limit ("Pod ephemeral local storage usage exceeds the total limit of containers …",
+# "Container sandbox exceeded its local ephemeral storage limit …").
+_DISK_EVICTION = ("ephemeral local storage", "local ephemeral storage")
+
 # Waiting reasons after which the sandbox container will not start by itself.
 _IMAGE_WAITS = frozenset(
     {"ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "InvalidImageName"}
@@ -501,7 +514,7 @@ def ending(obj: Mapping[str, Any] | None, where: str) -> tuple[str, str] | None:
         return "SandboxDeleted", f"pod {where} was deleted"
     status = obj.get("status") or {}
     if status.get("reason") == "Evicted":
-        return "SandboxEvicted", f"pod {where} was evicted: {status.get('message', '')}"
+        return _evicted(str(status.get("message") or ""), where)
     if (obj.get("metadata") or {}).get("deletionTimestamp"):
         return "SandboxDeleted", f"pod {where} was deleted"
     for c in status.get("containerStatuses") or []:
@@ -520,6 +533,23 @@ def ending(obj: Mapping[str, Any] | None, where: str) -> tuple[str, str] | None:
             f"pod {where}: the sandbox ended with exit code {end.get('exitCode')}"
             + (f" ({said})" if said else "")
         )
+    return None
+
+
+def _evicted(said: str, where: str) -> tuple[str, str]:
+    if any(marker in said for marker in _DISK_EVICTION):
+        return "DiskLimitExceeded", (
+            f"pod {where} was evicted for its disk use: {said.strip()} (the TrajectoryEnv's "
+            "diskGiB)"
+        )
+    return "SandboxEvicted", f"pod {where} was evicted: {said}"
+
+
+def evicted_by_event(events: Sequence[Mapping[str, Any]], where: str) -> tuple[str, str] | None:
+    """(reason, message) when the pod's Events say the kubelet evicted it."""
+    for e in events:
+        if e.get("reason") == "Evicted":
+            return _evicted(str(e.get("message") or ""), where)
     return None
 
 

@@ -448,6 +448,15 @@ class TrajectoryEnvSpec(_Spec):
         float,
         Field(alias="memoryGiB", gt=0, description="memory reserved per trajectory, GiB"),
     ] = 1.0
+    disk_gib: Annotated[
+        float | None,
+        Field(
+            alias="diskGiB",
+            gt=0,
+            description="writable disk per trajectory, GiB (files it writes outside volumes; "
+            "going over ends the trajectory: DiskLimitExceeded); unset = no limit",
+        ),
+    ] = None
     cpu: Annotated[
         Demand, Field(description="default cores per action: n, {min, max} or {choices}")
     ] = RangeDemand(min=1, max=1)
