@@ -187,18 +187,9 @@ class ProcessRuntime:
             time.sleep(0.002)
 
     def _kill_group(self, group: str) -> None:
-        """SIGKILL every process in the cgroup, including ones that left the process group."""
-        for _ in range(50):
-            try:
-                pids = self.cgroups.pids(group)
-            except FileNotFoundError:
-                return
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.01)
+        """SIGKILL every process in the cgroup, including ones that left the process group,
+        and wait till they have left it."""
+        self._await_exit(group, self._kill_leftovers(group))
 
     async def exec(
         self,

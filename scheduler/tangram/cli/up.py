@@ -3,8 +3,8 @@
 Reads the same ActionPool / TrajectoryEnv / RewardService documents ``kubectl apply``
 takes, serves the pool on 127.0.0.1, and runs one node agent for this machine: the Docker
 runtime (without a Docker Engine, ``--runtime process`` runs commands on this host with no
-isolation, only when asked for by name). Ctrl-C stops
-admitting, lets in-flight actions finish (``--grace``), and removes every environment.
+isolation, only when asked for by name). Ctrl-C stops admitting, lets in-flight actions
+finish (``--grace``), and removes every environment.
 """
 
 from __future__ import annotations
