@@ -28,8 +28,11 @@ TYPED := scheduler/tangram node-agent/tangram operator/tangram tests e2e
 typecheck: setup
 	$(BIN)/mypy $(TYPED)
 
+# auto is Docker; RUNTIME=process runs commands on this host, unisolated (README).
+RUNTIME ?= auto
+
 run: setup ## the embedded default: scheduler + local node agent serving manifests/examples/local
-	$(BIN)/tangram up -f manifests/examples/local
+	$(BIN)/tangram up -f manifests/examples/local --runtime $(RUNTIME)
 
 test: setup lint typecheck ## lint, type-check and run the whole test suite
 	$(BIN)/pytest -n 2 --dist loadgroup -q

@@ -19,6 +19,7 @@ from harness.kubelet import RealNode
 from harness.pods import wait_for
 
 from tangram.api.wire import EnvSpec
+from tangram.node_agent.env_template import DEFAULT_USER
 from tangram.node_agent.exec_server import build
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.kube_pods import kube_pod_api
@@ -145,6 +146,86 @@ def test_a_command_cannot_answer_for_the_exec_server(
                 _run(rt, "t-3", ["echo", "forged"], [CORES[-1]])
     finally:
         rt.close("t-3")
+
+
+def _sleepers(container_id: str) -> list[str]:
+    """The host's processes of the container (by its cgroup) that run ``sleep``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and container_id in (entry / "cgroup").read_text():
+                args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                if "sleep" in args:
+                    found.append(args)
+        except OSError:
+            continue  # ended while looked at
+    return found
+
+
+def test_no_process_outlives_its_action_in_a_sandbox_pod(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    """A command that exits at once, leaving a setsid'd and a double-forked sleeper: the
+    action's end ends them (the exec server is their subreaper)."""
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p")
+    rt.open("t-8", spec)
+    try:
+        script = "setsid sleep 1000 & (sleep 1001 &) ; echo started"
+        res = _run(rt, "t-8", ["sh", "-c", script], [CORES[-1]])
+        assert (res.exit_code, res.timed_out, res.stdout) == (0, False, "started\n")
+        assert _sleepers(rt.envs["t-8"].reach.key) == []
+    finally:
+        rt.close("t-8")
+    wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
+
+
+def test_sandbox_pods_run_unprivileged_unless_root_is_asked_for(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    """busybox has no USER and no /etc/passwd, and its /work is root's: the pod runs as
+    the fixed unprivileged user, which owns /work; root only when the env names it."""
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    plain = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p")
+    as_root = EnvSpec(name="root-box", image=image, memory_gb=0.25, pool="p", user="0")
+    rt.open("t-9", plain)
+    rt.open("t-10", as_root)
+    try:
+        res = _run(rt, "t-9", ["sh", "-c", "id -u; id -g; touch /work/mine && echo wrote"],
+                   [CORES[-1]])  # fmt: skip
+        assert res.stdout.split() == [str(DEFAULT_USER.uid), str(DEFAULT_USER.gid), "wrote"]
+        pods = {p["metadata"]["labels"]["tangram.dev/trajectory"]: p for p in _pods(control_plane)}
+        context = pods["t-9"]["spec"]["containers"][0]["securityContext"]
+        assert (context["runAsUser"], context["runAsGroup"]) == (DEFAULT_USER.uid,
+                                                                 DEFAULT_USER.gid)  # fmt: skip
+        assert _run(rt, "t-10", ["id", "-u"], [CORES[-1]]).stdout == "0\n"
+    finally:
+        rt.close("t-9")
+        rt.close("t-10")
+    wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
+
+
+def test_a_sandbox_pod_that_writes_past_its_disk_limit_is_reported_gone_with_why(
+    control_plane: ControlPlane, real_node: RealNode, images: tuple[str, str], namespace: str
+) -> None:
+    """diskGiB is the pod's ephemeral-storage limit: the real kubelet evicts the pod once
+    its writable layer is over it, and the agent's watch names the cause."""
+    image, execd_image = images
+    rt = _runtime(control_plane, real_node, execd_image)
+    spec = EnvSpec(name="box", image=image, memory_gb=0.25, pool="p", disk_gb=0.03)  # 31 MiB
+    rt.open("t-11", spec)
+    (pod,) = _pods(control_plane)
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["ephemeral-storage"] == "31Mi"
+    res = _run(rt, "t-11", ["sh", "-c", "head -c 67108864 /dev/zero > /work/big"], [CORES[-1]])
+    assert res.exit_code == 0, res
+    ended = wait_for("the eviction seen", rt.gone, 120)
+    assert [(g.trajectory, g.reason) for g in ended] == [("t-11", "DiskLimitExceeded")]
+    assert "31Mi" in ended[0].message and "diskGiB" in ended[0].message  # the kubelet's words
+    assert "t-11" not in rt.envs
+    wait_for("every sandbox pod to go", lambda: not _pods(control_plane), 60)
 
 
 def test_a_runtime_class_the_cluster_lacks_fails_the_open_naming_it(

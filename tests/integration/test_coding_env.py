@@ -153,6 +153,52 @@ def test_bash_and_python_sessions_persist_and_hold_cores_only_during_actions(
         assert sorted(os.sched_getaffinity(pid)) == CORES[:1]
 
 
+def test_a_sessions_background_processes_live_until_the_session_ends(
+    env: tuple[DockerRuntime, str],
+) -> None:
+    """Sessions are the exception to "no process outlives its action": what a session
+    starts in the background lives across its actions, and ends with the session."""
+    runtime, t = env
+    cores = CORES[-1:]
+
+    def sleepers() -> list[str]:
+        top = runtime.envs[t].container.top(ps_args="-eo pid,args")
+        return sorted(p[1] for p in top["Processes"] if p[1].startswith("sleep 10"))
+
+    async def session(code: str) -> str:
+        res = await runtime.session(t, "bash", code, cores, name="bg", timeout_s=60)
+        assert res.exit_code == 0, res.stdout
+        return res.stdout.strip()
+
+    async def scenario() -> list[list[str]]:  # one loop: a session is bound to its loop
+        seen = []
+        # Started, and waited for until each has become its sleep (a fork runs before its
+        # exec: the action's end must not be what races it).
+        await session(
+            'seen() { for f in /proc/[0-9]*/cmdline; do [ "$(tr "\\0" " " < $f 2>/dev/null)" '
+            '= "sleep $1 " ] && return 0; done; return 1; }'
+        )
+        started = await session(
+            "setsid sleep 1003 & sleep 1004 & until seen 1003 && seen 1004; do :; done; "
+            "echo started"
+        )
+        assert started.endswith("started")  # after the job numbers an interactive bash prints
+        seen.append(sleepers())
+        # A plain action's end kills what that action left, not what the session runs.
+        plain = await runtime.exec(t, ["sh", "-c", "setsid sleep 1005 &"], cores)
+        assert plain.exit_code == 0
+        seen.append(sleepers())
+        # Its job, still there (bash may first report the setsid wrapper's end as Done).
+        assert (await session("kill -0 $! && echo alive")).endswith("alive")
+        await session("exit 0")
+        seen.append(sleepers())
+        return seen
+
+    during, after_plain, after_exit = asyncio.run(scenario())
+    assert during == after_plain == ["sleep 1003", "sleep 1004"]
+    assert after_exit == []
+
+
 def _session_pids(runtime: DockerRuntime, t: str) -> list[int]:
     top = runtime.envs[t].container.top(ps_args="-eo pid,args")
     return [int(p[0]) for p in top["Processes"] if "bash --norc" in p[1] or "python3 -u -c" in p[1]]

@@ -15,6 +15,7 @@ import pytest
 
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import DockerRuntime
+from tangram.node_agent.env_template import DEFAULT_USER
 from tangram.node_agent.exec_server import Built
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.fast_path import cgroup_of
@@ -145,6 +146,35 @@ def test_the_fast_path_also_kills_what_a_command_orphaned(
     assert only_pid1_left(runtime, t)
 
 
+def sleepers(runtime: DockerRuntime, t: str) -> list[str]:
+    """The container's processes that run ``sleep``, as ps shows them."""
+    top = runtime.envs[t].container.top(ps_args="-eo pid,args")
+    return [p[1] for p in top["Processes"] if "sleep" in p[1]]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sh", "-c", "setsid sleep 1000 & echo started"],  # its own session
+        ["sh", "-c", "(sleep 1001 &) ; echo started"],  # double-forked: an orphan at once
+        ["sh", "-c", "(setsid sh -c '(sleep 1002 &)' &) ; echo started"],  # both
+    ],
+    ids=["setsid", "double-fork", "setsid-double-fork"],
+)
+def test_no_process_outlives_its_action(
+    runtime: DockerRuntime, busybox: str, argv: list[str]
+) -> None:
+    """The command exits at once, leaving a sleeper that escaped its process group; the
+    action's end is its end too (the exec server is its subreaper)."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    res = run(runtime, t, argv, CORES[:1], timeout_s=60, path="fast")
+    assert (res.exit_code, res.timed_out, res.stdout) == (0, False, "started\n")
+    assert sleepers(runtime, t) == []
+    # The next action starts on a clean slate and runs as usual.
+    assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_cancellation_stops_the_command(runtime: DockerRuntime, busybox: str, path: str) -> None:
     t = tid()
@@ -235,6 +265,59 @@ def test_a_non_root_user_owns_its_workdir(runtime: DockerRuntime, busybox: str) 
     runtime.open(t, template(busybox, user="1000:1000", workdir="/home/agent/work"))
     res = run(runtime, t, ["sh", "-c", "id -u; pwd; touch mine && echo ok"], CORES[:1])
     assert res.stdout.split() == ["1000", "/home/agent/work", "ok"]
+
+
+def test_sandboxes_run_unprivileged_unless_root_is_asked_for(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """busybox has no USER and no /etc/passwd; its /work is root's (0755)."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    res = run(runtime, t, ["sh", "-c", "id -u; id -g; touch /work/mine && echo wrote"], CORES[:1])
+    assert res.stdout.split() == [str(DEFAULT_USER.uid), str(DEFAULT_USER.gid), "wrote"]
+    assert run(runtime, t, ["touch", "/bin/x"], CORES[:1]).exit_code != 0  # the image's
+    root = tid()
+    runtime.open(root, template(busybox, user="0"))
+    assert run(runtime, root, ["id", "-u"], CORES[:1]).stdout == "0\n"
+
+
+def test_the_images_own_user_is_the_default(
+    runtime: DockerRuntime, docker_client: Any, busybox: str
+) -> None:
+    base = docker_client.containers.create(busybox, ["true"], network_mode="none")
+    try:
+        image = base.commit("tangram-test/busybox-user", "1", changes=["USER 4321:4321"])
+    finally:
+        base.remove(force=True)
+    try:
+        t = tid()
+        runtime.open(t, template("tangram-test/busybox-user:1"))
+        res = run(runtime, t, ["sh", "-c", "id -u; touch /work/mine && echo wrote"], CORES[:1])
+        assert res.stdout.split() == ["4321", "wrote"]
+        runtime.close(t)
+    finally:
+        docker_client.images.remove(image.id, force=True)
+
+
+def test_writing_past_the_disk_limit_ends_the_environment_with_the_reason(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """This engine's overlay2 sits on ext4 (no storage_opt size): the agent measures the
+    writable layer itself, here at every look."""
+    runtime.disk_check_s = 0
+    t, other = tid(), tid()
+    runtime.open(t, template(busybox, disk_gb=0.05))  # 51 MiB
+    runtime.open(other, template(busybox))  # no limit
+    write = "head -c {} /dev/zero > /work/{}"
+    assert run(runtime, t, ["sh", "-c", write.format(20 << 20, "a")], CORES[:1]).exit_code == 0
+    assert run(runtime, other, ["sh", "-c", write.format(80 << 20, "a")], CORES[:1]).exit_code == 0
+    assert runtime.gone() == []  # 20 MiB: under; the other has no limit
+    assert run(runtime, t, ["sh", "-c", write.format(40 << 20, "b")], CORES[:1]).exit_code == 0
+    ended = runtime.gone()
+    assert [(g.trajectory, g.reason) for g in ended] == [(t, "DiskLimitExceeded")]
+    assert "holds 60 MiB, over the TrajectoryEnv's diskGiB (0.05 GiB)" in ended[0].message
+    assert set(runtime.envs) == {other}
+    assert runtime.storage_opt is False  # found out, and said once in the log
 
 
 def test_read_only_root_with_a_writable_workdir(runtime: DockerRuntime, busybox: str) -> None:

@@ -7,7 +7,9 @@ cleanly otherwise.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import subprocess
 import uuid
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tangram.node_agent import runtimes
 from tangram.node_agent.cgroups import CgroupV1, CgroupV2, detect, format_cpulist
 from tangram.node_agent.inventory import parse_cpulist
 from tangram.node_agent.process_runtime import ExecError, ProcessRuntime
@@ -92,6 +95,54 @@ def test_a_runaway_command_and_its_children_die_at_the_timeout(runtime: ProcessR
     res = run(runtime.exec("t1", ["sh", "-c", script], CORES[:1], timeout_s=0.5))
     assert res.timed_out and res.exit_code is None
     assert runtime.cgroups.pids(runtime._group("t1")) == []
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["setsid sleep 1000 & echo started", "(sleep 1001 &) ; echo started"],
+    ids=["setsid", "double-fork"],
+)
+def test_no_process_outlives_its_action(runtime: ProcessRuntime, script: str) -> None:
+    """The command exits at once, leaving a sleeper outside its process group; the
+    trajectory's cgroup still holds it, and the action's end ends it."""
+    runtime.open("t1")
+    res = run(runtime.exec("t1", ["sh", "-c", script], CORES[:1], timeout_s=60))
+    assert (res.exit_code, res.timed_out, res.stdout) == (0, False, "started\n")
+    assert runtime.cgroups.pids(runtime._group("t1")) == []
+
+
+def test_what_an_action_leaves_ends_with_the_last_concurrent_action(
+    runtime: ProcessRuntime,
+) -> None:
+    """Concurrent actions of a trajectory share its cgroup, so a leftover of one cannot be
+    told from the other's processes: it ends when the last of them does."""
+    runtime.open("t1")
+    group = runtime._group("t1")
+
+    async def scenario() -> list[int]:
+        # The long action waits for its go file, so it surely runs while the short one ends.
+        long = asyncio.create_task(runtime.exec(
+            "t1", ["sh", "-c", "while [ ! -e go ]; do sleep 0.01; done"], CORES[:1],
+            timeout_s=60))  # fmt: skip
+        # (Its sleeper lets go of the action's pipes, or the action would last as long.)
+        short = await runtime.exec(
+            "t1", ["sh", "-c", "setsid sleep 1002 >/dev/null 2>&1 &"], CORES[:1], timeout_s=60
+        )
+        assert short.exit_code == 0
+        during = [p for p in runtime.cgroups.pids(group) if "1002" in _cmdline(p)]
+        (runtime.workdir("t1") / "go").touch()
+        assert (await long).exit_code == 0
+        return during
+
+    assert len(run(scenario())) == 1  # the short action's sleeper, alive meanwhile
+    assert runtime.cgroups.pids(group) == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def test_cancelling_the_task_kills_the_command(runtime: ProcessRuntime) -> None:
@@ -186,14 +237,18 @@ def test_a_restarted_agent_adopts_its_trajectories_and_stops_their_leftovers(
 ) -> None:
     runtime.open("t1")
     run(runtime.exec("t1", ["sh", "-c", "echo kept > notes.txt"], CORES[:1]))
-    # A command left running, as a crashed agent would leave it.
-    run(runtime.exec("t1", ["sh", "-c", "setsid sleep 600 > /dev/null 2>&1 &"], CORES[:1]))
-    assert runtime.cgroups.pids(runtime._group("t1"))
+    # A command left running in the trajectory's cgroup, as a crashed agent would leave it
+    # (an agent that lives kills what an action leaves when it ends).
+    leftover = subprocess.Popen(["sleep", "600"])
+    for procs in runtime.cgroups.join_files(runtime._group("t1")):
+        Path(procs).write_text(str(leftover.pid))
+    assert runtime.cgroups.pids(runtime._group("t1")) == [leftover.pid]
     restarted = ProcessRuntime(
         runtime.base_dir, runtime.cgroups, idle_cores=CORES[:1], group_prefix=runtime.prefix
     )
     assert restarted.adopt() == ["t1"]
     assert restarted.cgroups.pids(restarted._group("t1")) == []
+    assert leftover.wait() == -9
     res = run(restarted.exec("t1", ["cat", "notes.txt"], CORES[:1]))
     assert res.stdout == "kept\n"
     runtime._open.discard("t1")  # the restarted runtime owns it now
@@ -229,3 +284,19 @@ def test_an_agent_without_cgroup_access_says_so_at_start(
     monkeypatch.setattr(cgroups, "detect", lambda: CgroupV1(tmp_path / "no-cgroups"))
     with pytest.raises(ExecError, match="write access to the cgroup hierarchy"):
         NodeAgent.create(tmp_path / "state", runtime="process")
+
+
+def test_named_by_name_it_runs_and_warns_loudly_that_it_isolates_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    setting = runtimes.Setting(tmp_path, "n1", CORES[:1], owner_id=f"test-{uuid.uuid4().hex[:8]}")
+    with caplog.at_level(logging.WARNING, "tangram.agent"):
+        rt = runtimes.create("process", setting)
+    try:
+        assert rt.kind == "process"
+        (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+        said = warning.getMessage()
+        assert said.startswith("runtime process: NO ISOLATION. Commands run directly on this host")
+        assert f"as uid {os.geteuid()}" in said and "token files" in said
+    finally:
+        run(rt.shutdown())

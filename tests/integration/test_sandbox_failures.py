@@ -20,6 +20,7 @@ from tangram.api.wire import AgentHello, EnvSpec, Problem, TrajectoryState
 from tangram.client import Client, TangramError
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.env_template import TRAJECTORY_PREFIX
+from tangram.node_agent.runtimes import Sandboxes
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
 
@@ -80,6 +81,36 @@ def test_failed_and_ended_sandboxes_are_answered_and_counted_by_cause(
         }
         assert problems[("ImageUnavailable", "TrajectoryEnv ghost")]["count"] == 1
         client.close(opened.id)  # a lost trajectory still closes cleanly
+
+
+def test_a_trajectory_that_writes_past_its_disk_limit_is_lost_with_the_reason(
+    docker_client: Any, busybox: str, tmp_path: Path
+) -> None:
+    """diskGiB through the service: the agent's watch finds the writable layer over the
+    limit, ends the environment and says why, unasked; the cause is counted for the pool's
+    SandboxesHealthy condition."""
+    agent = NodeAgent.create(tmp_path / "agent", runtime="docker", idle_cores=1)
+    assert isinstance(agent.runtime, Sandboxes)
+    agent.runtime.inner.disk_check_s = 0  # measure at every look (every 2 s), not every 10
+    spec = EnvSpec(name="disk", image=busybox, memory_gb=0.1, disk_gb=0.02)  # 20 MiB
+    tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT, AGENT: AGENT_TENANT})
+    with (
+        service(
+            PoolConfig(envs={"disk": EnvConfig(spec=spec)}), agent, tmp_path, tokens=tokens
+        ) as (running, _),  # fmt: skip
+        Client(running.url, USER) as client,
+    ):
+        opened = client.open("disk")
+        wrote = client.exec(opened.id, ["sh", "-c", "head -c 41943040 /dev/zero > big"])
+        assert wrote.exit_code == 0
+        until(lambda: client.get(opened.id).state is TrajectoryState.LOST, "the loss reported")
+        with pytest.raises(TangramError) as lost:
+            client.exec(opened.id, ["true"])
+        assert lost.value.status == 409 and "(DiskLimitExceeded)" in str(lost.value)
+        assert "over the TrajectoryEnv's diskGiB" in str(lost.value)
+        problems = _problems(running.url)
+        assert set(problems) == {("DiskLimitExceeded", "TrajectoryEnv disk")}
+        client.close(opened.id)
 
 
 def test_a_node_that_says_it_cannot_run_actions_is_refused_and_counted(

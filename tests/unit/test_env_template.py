@@ -9,7 +9,9 @@ import pytest
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import tree
 from tangram.node_agent.env_template import (
+    DEFAULT_USER,
     User,
+    Workdir,
     check_trajectory_id,
     digest,
     pick_user,
@@ -31,12 +33,44 @@ def test_the_images_first_regular_user_is_chosen_unless_one_is_asked_for() -> No
     assert pick_user(PASSWD, "dev:50") == User(1001, 50)
     assert pick_user(PASSWD, "1234") == User(1234, 1234)
     assert pick_user(PASSWD, "1001") == User(1001, 1001)
-    assert pick_user(PASSWD, "root") is None
-    assert pick_user(PASSWD, "0") is None
-    assert pick_user("root:x:0:0::/root:/bin/sh\n", None) is None  # only root: stays root
-    assert pick_user("", None) is None
     with pytest.raises(ExecError, match="user: 'ghost'"):
         pick_user(PASSWD, "ghost")
+
+
+def test_root_only_when_the_environment_names_it() -> None:
+    assert pick_user(PASSWD, "root") is None
+    assert pick_user(PASSWD, "0") is None
+    assert pick_user(PASSWD, "0:0") is None
+    # Neither the environment nor the image names a user, and the image has no regular
+    # one: a fixed unprivileged uid, never root.
+    assert pick_user("root:x:0:0::/root:/bin/sh\n", None) == DEFAULT_USER
+    assert pick_user("", None) == DEFAULT_USER
+    assert DEFAULT_USER.uid != 0 and DEFAULT_USER.gid != 0
+    # An image whose USER is root is no request for root either.
+    assert pick_user(PASSWD, None, image="root") == User(1000, 1000)
+    assert pick_user("", None, image="0") == DEFAULT_USER
+
+
+def test_the_images_own_user_comes_before_its_first_regular_user() -> None:
+    assert pick_user(PASSWD, None, image="dev") == User(1001, 1001)
+    assert pick_user(PASSWD, None, image="4321") == User(4321, 4321)
+    assert pick_user(PASSWD, None, image="4321:77") == User(4321, 77)
+    assert pick_user(PASSWD, "agent", image="dev") == User(1000, 1000)  # the env's first
+    assert pick_user(PASSWD, "0", image="dev") is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "writable"),
+    [(0o755, False), (0o775, True), (0o777, True), (0o1777, True), (0o700, False)],
+)
+def test_a_workdir_is_writable_by_its_owner_group_or_anyone_as_its_bits_say(
+    mode: int, writable: bool
+) -> None:
+    owned_by_root = Workdir(0, 50, mode)
+    assert owned_by_root.writable_by(User(1000, 50)) is writable  # through the group
+    assert owned_by_root.writable_by(None)  # root
+    assert Workdir(1000, 1000, mode).writable_by(User(1000, 1000)) is bool(mode & 0o200)
+    assert Workdir(0, 0, mode).writable_by(User(1000, 1000)) is bool(mode & 0o002)
 
 
 def test_the_spec_is_hardened_and_wires_the_exec_server() -> None:
@@ -73,6 +107,18 @@ def test_the_template_digest_ignores_the_warm_pool_size_only() -> None:
     assert digest(a) == digest(EnvSpec(name="e", image="i", warm=5))
     assert digest(a) != digest(EnvSpec(name="e", image="i", env={"X": "1"}))
     assert digest(a) != digest(EnvSpec(name="e", image="i", setup=[["make"]]))
+    assert digest(a) != digest(EnvSpec(name="e", image="i", disk_gb=2))
+
+
+def test_the_digest_of_an_env_without_a_disk_limit_is_the_one_before_the_field() -> None:
+    """Sandboxes made by an agent from before diskGiB are still this version's: adopted
+    and handed out, not retired."""
+    import hashlib
+    import json
+
+    tpl = EnvSpec(name="e", image="i")
+    before = json.dumps(tpl.model_dump(exclude={"warm", "disk_gb"}), sort_keys=True)
+    assert digest(tpl) == hashlib.sha256(before.encode()).hexdigest()[:16]
 
 
 @pytest.mark.parametrize("bad", ["", "-x", "a/b", "a b", "x" * 129, "é"])

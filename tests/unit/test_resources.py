@@ -175,7 +175,7 @@ def test_defaults() -> None:
     g = res.pools[("default", "g")].spec.gpu
     assert g is not None and g.gpus_per_node is None
     e = res.envs[("default", "e")].spec
-    assert e.memory_gib == 1.0
+    assert e.memory_gib == 1.0 and e.disk_gib is None
     assert e.cpu == RangeDemand(min=1, max=1)
     assert (e.workdir, e.network, e.env, e.setup, e.actions) == ("/work", "none", {}, [], [])
     assert (e.security.read_only_root, e.security.user, e.security.pids_limit) == (
@@ -302,6 +302,8 @@ def test_names_of_the_api_group() -> None:
         (pool(name="My_Pool"), "metadata.name", "pattern"),
         (env(poolRef="a/b/c"), "spec.poolRef", "pattern"),
         (env(memoryGiB=0), "spec.memoryGiB", "greater than 0"),
+        (env(diskGiB=0), "spec.diskGiB", "greater than 0"),
+        (env(diskGiB="2Gi"), "spec.diskGiB", "valid number"),
         (env(cpu=0), "spec.cpu", "at least one core"),
         (env(cpu={"min": 3, "max": 1}), "spec.cpu", "min (3) is greater than max (1)"),
         (env(workdir="work"), "spec.workdir", "pattern"),

@@ -4,7 +4,6 @@ hello and the command line take it up without naming it anywhere else."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -120,29 +119,31 @@ def test_an_unknown_runtime_is_refused_naming_the_known_ones(tmp_path: Path) -> 
         NodeAgent.create(tmp_path / "state", runtime="gvisor")
 
 
-def test_auto_says_why_it_passed_over_a_runtime(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+def test_auto_is_docker_and_without_an_engine_fails_naming_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def broken(setting: runtimes.Setting) -> Recorder:
-        raise ExecError("no Docker Engine answers")
-
-    chosen: list[str] = []
-
-    def fallback(setting: runtimes.Setting) -> Recorder:
-        chosen.append("fallback")
-        return Recorder(setting)
-
-    monkeypatch.setattr(runtimes, "AUTO", ("broken", "fallback"))
-    monkeypatch.setitem(runtimes._REGISTRY, "broken", runtimes.Registration(broken, ""))
-    monkeypatch.setitem(runtimes._REGISTRY, "fallback", runtimes.Registration(fallback, ""))
+    """No silent fallback to the process runtime (issue #18): a real Docker client aimed
+    at a socket nobody listens on, and one line saying what to do."""
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
     setting = runtimes.Setting(tmp_path, "n1", [0])
-    with caplog.at_level(logging.WARNING, "tangram.agent"):
-        assert isinstance(runtimes.create("auto", setting), Recorder)
-    assert chosen == ["fallback"]
-    assert "broken unavailable (no Docker Engine answers); trying fallback" in caplog.text
-    monkeypatch.setitem(runtimes._REGISTRY, "fallback", runtimes.Registration(broken, ""))
-    with pytest.raises(ExecError, match="broken: no Docker Engine answers; fallback: no"):
+    with pytest.raises(ExecError) as refused:
         runtimes.create("auto", setting)
+    said = str(refused.value)
+    assert said.startswith("runtime auto means docker, and docker: the engine is not reachable")
+    assert "start a Docker Engine" in said and "--runtime process" in said
+    assert "no isolation" in said
+
+    from tangram.cli.main import main
+
+    root = Path(__file__).resolve().parents[2]
+    code = main(["up", "-f", str(root / "manifests/examples/local"), "--state-dir",
+                 str(tmp_path / "state"), "--token-file", str(tmp_path / "tokens")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert [line for line in err.splitlines() if line.startswith("tangram: error:")] == [
+        f"tangram: error: --runtime auto --gpus auto: {said}"
+    ]
+    assert not (tmp_path / "state" / "trajectories").exists()  # no process runtime made
 
 
 def test_a_sandbox_failure_reaches_the_agents_reply_with_its_cause(

@@ -13,7 +13,12 @@ import pytest
 
 from tangram.api.wire import PoolFigures, ProblemFigure
 from tangram.node_agent.kubelet_state import cpu_manager_policy
-from tangram.node_agent.pod_runtime import _sandbox_event, ending, not_starting
+from tangram.node_agent.pod_runtime import (
+    _sandbox_event,
+    ending,
+    evicted_by_event,
+    not_starting,
+)
 from tangram.operator.status import SANDBOXES_HEALTHY, PoolObservation, pool_status
 from tangram.service.problems import ProblemLog
 
@@ -97,6 +102,24 @@ def test_why_a_sandbox_ended_is_read_from_its_pod() -> None:
     evicted = _pod("Failed", reason="Evicted", message="low on memory",
                    state={"terminated": {"exitCode": 137}})  # fmt: skip
     assert ending(evicted, WHERE) == ("SandboxEvicted", f"pod {WHERE} was evicted: low on memory")
+    for said in (  # the kubelet's words (pkg/kubelet/eviction/helpers.go)
+        "Pod ephemeral local storage usage exceeds the total limit of containers 64Mi. ",
+        'Container sandbox exceeded its local ephemeral storage limit "64Mi". ',
+    ):
+        full = _pod("Failed", reason="Evicted", message=said,
+                    state={"terminated": {"exitCode": 137}})  # fmt: skip
+        reason, message = ending(full, WHERE) or ("", "")
+        assert reason == "DiskLimitExceeded" and said.strip() in message and "diskGiB" in message
+    # A sandbox that ends at SIGTERM leaves a Succeeded pod with no reason: the kubelet's
+    # Event tells the eviction.
+    events = [{"type": "Normal", "reason": "Pulled"},
+              {"type": "Warning", "reason": "Evicted",
+               "message": "Pod ephemeral local storage usage exceeds the total limit of "
+                          "containers 31Mi. "}]  # fmt: skip
+    assert (evicted_by_event(events, WHERE) or ("",))[0] == "DiskLimitExceeded"
+    assert evicted_by_event(events[:1], WHERE) is None
+    memory = [{"reason": "Evicted", "message": "The node was low on resource: memory. "}]
+    assert (evicted_by_event(memory, WHERE) or ("",))[0] == "SandboxEvicted"
     oom = _pod("Failed", state={"terminated": {"exitCode": 137, "reason": "OOMKilled"}})
     reason, message = ending(oom, WHERE) or ("", "")
     assert reason == "SandboxOOMKilled" and "memoryGB" in message

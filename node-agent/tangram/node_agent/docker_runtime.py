@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 import os
 import secrets
 import shutil
@@ -30,7 +31,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,13 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.cgroups import PERIOD_US, Cgroups, detect, format_cpulist
+from tangram.node_agent.cgroups import PERIOD_US, format_cpulist
 from tangram.node_agent.env_template import (
     LABEL,
     TRAJECTORY_PREFIX,
     WARM_PREFIX,
     User,
-    check_trajectory_id,
+    Workdir,
     digest,
     pick_user,
     spec,
@@ -55,7 +56,6 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
-    Gone,
     Opened,
     Output,
     cap,
@@ -65,14 +65,16 @@ from tangram.node_agent.execution import (
 )
 from tangram.node_agent.fast_path import (
     Command,
-    ExecServerRuntime,
-    FastPath,
     Reachable,
     cgroup_of,
     start_time,
 )
+from tangram.node_agent.warm_pool import SandboxRuntime
 
 __all__ = ["DockerRuntime", "Opened", "import_busybox"]
+
+log = logging.getLogger("tangram.agent")
+DISK = f"{LABEL}/disk"  # bytes of writable layer, on containers whose limit the agent keeps
 
 
 @dataclass(slots=True)
@@ -86,7 +88,7 @@ class Env:
     reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
 
 
-class DockerRuntime(ExecServerRuntime):
+class DockerRuntime(SandboxRuntime[Env]):
     def __init__(
         self,
         idle_cores: Sequence[int],
@@ -97,78 +99,37 @@ class DockerRuntime(ExecServerRuntime):
         cgroup_root: Path = Path("/sys/fs/cgroup"),
         proc_root: Path = Path("/proc"),
     ) -> None:
-        if not idle_cores:
-            raise ExecError("idle_cores: at least one core must hold idle trajectories")
+        super().__init__(idle_cores, cgroup_root, proc_root)
         try:
             self.client = client or docker.from_env()
             self.client.ping()
         except DockerException as e:
             raise ExecError(f"docker: the engine is not reachable: {e}") from None
-        self.idle_cores = tuple(idle_cores)
         self.state_dir = state_dir
         # Several agents may share a Docker Engine (pools, tests): each adopts only its own.
         self.owner = owner_id(state_dir)
         self.execd = execd.path if execd else None
         self.no_fast = execd.reason if execd else "no exec server was configured"
-        self.cgroups: Cgroups = detect(cgroup_root)
-        self.proc_root = proc_root
-        self.envs: dict[str, Env] = {}  # by trajectory
-        self.warm_pool: dict[str, list[Env]] = {}  # by template digest
-        self._facts: dict[str, tuple[User | None, bool]] = {}  # by image, user, workdir
-        self.fast = FastPath(self.cgroups, self.idle_cores)
+        self.storage_opt = True  # until the engine says its storage driver has none
+        self.disk_check_s = 10.0  # how often the agent measures limited writable layers
+        self._disk_checked = float("-inf")
+        self._over: dict[str, str] = {}  # containers found over their disk limit: why
 
-    # ---- lifecycle ---------------------------------------------------------------
-    def open(self, trajectory: str, template: EnvSpec) -> Opened:
-        """Give the trajectory an environment: a warm container if one is ready."""
-        check_trajectory_id(trajectory)
-        if trajectory in self.envs:
-            raise ExecError(f"trajectory: {trajectory} is already open")
-        t0 = time.perf_counter()
-        ready = self.warm_pool.get(digest(template), [])
-        while ready:
-            env = ready.pop()
-            try:
-                env.container.rename(TRAJECTORY_PREFIX + trajectory)
-            except (APIError, NotFound):
-                self._remove(env)  # gone or broken while it waited: try the next one
-                continue
-            self.envs[trajectory] = env
-            return Opened(str(env.container.id), True, time.perf_counter() - t0)
-        env = self._create(template, TRAJECTORY_PREFIX + trajectory)
-        self.envs[trajectory] = env
-        return Opened(str(env.container.id), False, time.perf_counter() - t0)
+    # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
+    def _make(self, template: EnvSpec, trajectory: str | None) -> Env:
+        name = TRAJECTORY_PREFIX + trajectory if trajectory else WARM_PREFIX + secrets.token_hex(6)
+        return self._create(template, name)
 
-    def warm(self, template: EnvSpec) -> int:
-        """Top the template's warm pool up to ``template.warm``; returns how many were made.
+    def _claim(self, env: Env, trajectory: str) -> bool:
+        # Docker cannot relabel a container: the name is the ownership record.
+        try:
+            env.container.rename(TRAJECTORY_PREFIX + trajectory)
+        except (APIError, NotFound):
+            return False
+        return True
 
-        Warm containers of other versions of the same environment are removed.
-        """
-        current = digest(template)
-        for other, envs in list(self.warm_pool.items()):
-            if other != current and envs and self._env_name(envs[0]) == template.name:
-                for env in self.warm_pool.pop(other):
-                    self._remove(env)
-        ready = self.warm_pool.setdefault(current, [])
-        made = 0
-        while len(ready) < template.warm:
-            ready.append(self._create(template, WARM_PREFIX + secrets.token_hex(6)))
-            made += 1
-        while len(ready) > template.warm:
-            self._remove(ready.pop())
-        return made
-
-    def close(self, trajectory: str) -> None:
-        """Remove the container and everything it wrote."""
-        self.fast.end_sessions(trajectory)  # removing the container ends their processes
-        env = self.envs.pop(trajectory, None)
-        if env is not None:
-            self._remove(env)
-
-    def shutdown_warm(self) -> None:
-        for envs in self.warm_pool.values():
-            for env in envs:
-                self._remove(env)
-        self.warm_pool.clear()
+    def _key(self, env: Env) -> str:
+        return str(env.container.id)
 
     def adopt(self) -> list[str]:
         """Find the containers this agent owns (after a restart) and take them back.
@@ -207,7 +168,7 @@ class DockerRuntime(ExecServerRuntime):
         return sorted(self.envs)
 
     def _create(self, template: EnvSpec, name: str) -> Env:
-        user, has_workdir = self._image_facts(template)
+        user, workdir = self._image_facts(template)
         run_dir: Path | None = None
         labels: dict[str, str] = {f"{LABEL}/owner": self.owner}
         if self.execd is not None:
@@ -229,7 +190,7 @@ class DockerRuntime(ExecServerRuntime):
             run_dir=str(run_dir) if run_dir else None,
         )
         try:
-            container = self.client.containers.create(template.image, **kwargs)
+            container = self._create_sized(template, kwargs)
         except (APIError, DockerException) as e:
             if run_dir:
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -239,13 +200,13 @@ class DockerRuntime(ExecServerRuntime):
             ) from None
         env = Env(container, digest(template), template.workdir, run_dir)
         try:
-            if user and not has_workdir and not template.read_only_root:
-                self._own_workdir(container, template.workdir, user)
+            if user and not template.read_only_root and not (workdir and workdir.writable_by(user)):
+                self._own_workdir(container, template.workdir, user, workdir)
             container.start()
             self._await_exec_server(env)
             self._setup(env, template)
         except (APIError, DockerException, ExecError) as e:
-            self._remove(env)
+            self._discard(env)
             if isinstance(e, ExecError):
                 raise
             raise ExecError(
@@ -254,41 +215,73 @@ class DockerRuntime(ExecServerRuntime):
             ) from None
         return env
 
-    def gone(self) -> list[Gone]:
-        """Open containers that ended by themselves (killed, OOM-killed, removed), each
-        with why, dropped and removed; ended warm ones are just removed. One listing of
-        this agent's containers (no inspection unless one ended)."""
+    def _create_sized(self, template: EnvSpec, kwargs: dict[str, Any]) -> Any:
+        """Create the container; with a disk limit, the engine's own (``storage_opt``)
+        where its storage driver has one (overlay2 needs xfs with pquota), else the
+        agent's: the container is labelled, and ``gone`` measures its writable layer."""
+        if template.disk_gb is None:
+            return self.client.containers.create(template.image, **kwargs)
+        limit = str(int(template.disk_gb * 1024**3))
+        if self.storage_opt:
+            try:
+                return self.client.containers.create(
+                    template.image, **kwargs, storage_opt={"size": limit}
+                )
+            except APIError as e:
+                try:  # the same without the option: then the option was what failed
+                    container = self.client.containers.create(template.image, **kwargs)
+                except APIError:
+                    raise e from None
+                container.remove(force=True)
+                self.storage_opt = False
+                log.warning(
+                    "docker: the storage driver cannot limit a container's disk (%s); the "
+                    "agent measures each limited container's writable layer instead",
+                    e.explanation or e,
+                )
+        kwargs["labels"] = {**kwargs["labels"], DISK: limit}
+        return self.client.containers.create(template.image, **kwargs)
+
+    def _survey(self) -> Callable[[Env], bool] | None:
+        """One listing of this agent's containers (no inspection unless one ended), and
+        every ``disk_check_s`` the writable layers of those the agent limits."""
         try:
             listed = self.client.containers.list(
                 all=True, sparse=True, filters={"label": f"{LABEL}/owner={self.owner}"}
             )
+            over = self._over_disk()
         except DockerException:
-            return []  # the engine is unreachable: nothing can be told about any of them
+            return None  # the engine is unreachable: nothing can be told about any of them
         states = {c.id: c.attrs.get("State") for c in listed}
-        ended: list[Gone] = []
-        # Snapshots (opens, closes and top-ups run in other threads), and an environment
-        # is taken out only if it is still the one looked at.
-        for trajectory, env in list(self.envs.items()):
-            state = states.get(env.container.id, "gone")
-            if state not in ("exited", "dead", "gone") or self.envs.get(trajectory) is not env:
-                continue
-            self.envs.pop(trajectory, None)
-            self.fast.end_sessions(trajectory)
-            ended.append(Gone(trajectory, *self._ending(env, state)))
-            self._remove(env)
-        for envs in list(self.warm_pool.values()):
-            for env in list(envs):
-                if states.get(env.container.id, "gone") in ("exited", "dead", "gone"):
-                    with contextlib.suppress(ValueError):  # claimed meanwhile
-                        envs.remove(env)
-                        self._remove(env)
-        return ended
+        self._over.update(over)
+        ended = ("exited", "dead", "gone")
+        return lambda env: states.get(env.container.id, "gone") in ended or env.container.id in over
 
-    @staticmethod
-    def _ending(env: Env, state: str) -> tuple[str, str]:
+    def _over_disk(self) -> dict[str, str]:
+        """The containers whose writable layer holds more than their limit, each with
+        what it holds (Docker's SizeRw); empty until ``disk_check_s`` has passed."""
+        now = time.monotonic()
+        if now - self._disk_checked < self.disk_check_s:
+            return {}
+        self._disk_checked = now
+        sized = self.client.api.containers(
+            all=True, size=True, filters={"label": [f"{LABEL}/owner={self.owner}", DISK]}
+        )
+        over: dict[str, str] = {}
+        for c in sized:
+            used, limit = int(c.get("SizeRw") or 0), int(c["Labels"][DISK])
+            if used > limit:
+                over[c["Id"]] = (
+                    f"its writable layer holds {used / 2**20:.0f} MiB, over the TrajectoryEnv's "
+                    f"diskGiB ({limit / 2**30:g} GiB)"
+                )
+        return over
+
+    def _ending(self, env: Env) -> tuple[str, str]:
         name = env.container.name
-        if state == "gone":
-            return "SandboxDeleted", f"container {name} was removed"
+        said = self._over.pop(env.container.id, None)
+        if said is not None:
+            return "DiskLimitExceeded", f"container {name}: {said}"
         try:
             env.container.reload()
             info = env.container.attrs.get("State") or {}
@@ -334,18 +327,21 @@ class DockerRuntime(ExecServerRuntime):
             time.sleep(0.002)
 
     @staticmethod
-    def _own_workdir(container: Any, workdir: str, user: User) -> None:
-        """Make the workdir the environment user's (Docker would make a missing one
-        root's, and a container without capabilities cannot chown it)."""
+    def _own_workdir(container: Any, path: str, user: User, workdir: Workdir | None) -> None:
+        """Make the workdir the environment user's: Docker would make a missing one root's,
+        and the image's own may be another user's; a container without capabilities cannot
+        chown it. Only the directory itself: what the image put in it stays as it is. Its
+        permission bits are kept."""
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
-            info = tarfile.TarInfo(workdir.strip("/"))  # missing parents are made root's
-            info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, 0o755, user.uid, user.gid
+            info = tarfile.TarInfo(path.strip("/"))  # missing parents are made root's
+            info.type, info.uid, info.gid = tarfile.DIRTYPE, user.uid, user.gid
+            info.mode = workdir.mode if workdir else 0o755
             tar.addfile(info)
         container.put_archive("/", buf.getvalue())
 
-    def _image_facts(self, template: EnvSpec) -> tuple[User | None, bool]:
-        """The user commands run as, and whether the image itself has the workdir."""
+    def _image_facts(self, template: EnvSpec) -> tuple[User | None, Workdir | None]:
+        """The user commands run as, and the image's own workdir (None: it has none)."""
         try:
             image = self.client.images.get(template.image)
         except ImageNotFound:
@@ -354,35 +350,38 @@ class DockerRuntime(ExecServerRuntime):
             ) from None
         key = f"{image.id}|{template.user}|{template.workdir}"
         if key not in self._facts:
-            passwd, has_workdir = self._probe(image.id, template.workdir)
-            requested = template.user or image.attrs.get("Config", {}).get("User") or None
-            self._facts[key] = (pick_user(passwd, requested), has_workdir)
+            passwd, workdir = self._probe(image.id, template.workdir)
+            configured = image.attrs.get("Config", {}).get("User") or None
+            self._facts[key] = (pick_user(passwd, template.user, configured), workdir)
         return self._facts[key]
 
-    def _probe(self, image_id: str, workdir: str) -> tuple[str, bool]:
-        """Read the image's /etc/passwd and look for the workdir (never started)."""
+    def _probe(self, image_id: str, workdir: str) -> tuple[str, Workdir | None]:
+        """Read the image's /etc/passwd and its workdir's owner (never started)."""
         probe = self.client.containers.create(image_id, entrypoint=["/"], network_mode="none")
         try:
             try:
-                probe.get_archive(workdir)
-                has_workdir = True
+                stream, _ = probe.get_archive(workdir)
+                found = _first_member(stream)  # the directory itself: no more is read
+                owned = None
+                if found is not None and found.isdir():  # a link: replaced by a directory
+                    owned = Workdir(found.uid, found.gid, found.mode & 0o7777)
             except NotFound:
-                has_workdir = False
+                owned = None
             try:
                 stream, _ = probe.get_archive("/etc/passwd")
             except NotFound:
-                return "", has_workdir
+                return "", owned
             with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
                 member = tar.extractfile("passwd")
-                return (member.read().decode(errors="replace") if member else ""), has_workdir
+                return (member.read().decode(errors="replace") if member else ""), owned
         finally:
             probe.remove(force=True)
 
-    @staticmethod
-    def _env_name(env: Env) -> str:
+    def _env_name(self, env: Env) -> str:
         return str(env.container.labels.get(f"{LABEL}/env", ""))
 
-    def _remove(self, env: Env) -> None:
+    def _discard(self, env: Env) -> None:
+        self._over.pop(env.container.id, None)
         with contextlib.suppress(NotFound, APIError):
             env.container.remove(force=True, v=True)
         if env.run_dir is not None:
@@ -487,6 +486,31 @@ class DockerRuntime(ExecServerRuntime):
             for victim in tree(self.proc_root, pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, signal.SIGKILL)
+
+
+class _Chunks(io.RawIOBase):
+    """A file over an iterator of byte chunks (Docker's archive stream), read lazily."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks, self._left = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        while not self._left:
+            self._left = next(self._chunks, b"")
+            if not self._left:
+                return 0
+        n = min(len(buf), len(self._left))
+        buf[:n], self._left = self._left[:n], self._left[n:]
+        return n
+
+
+def _first_member(chunks: Iterator[bytes]) -> tarfile.TarInfo | None:
+    """The first entry of a tar stream, reading no further (a workdir may be large)."""
+    with tarfile.open(fileobj=io.BufferedReader(_Chunks(chunks)), mode="r|") as tar:
+        return tar.next()
 
 
 def tree(proc_root: Path, root: int) -> list[int]:

@@ -32,6 +32,8 @@ def digest(template: EnvSpec) -> str:
     """Identifies what a container was built from (everything but the warm pool size):
     warm containers of an older version of the environment are never handed out."""
     body = template.model_dump(exclude={"warm"})
+    if body.get("disk_gb") is None:  # added later: digests of envs without one stay as they were
+        body.pop("disk_gb", None)
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -53,29 +55,64 @@ def check_trajectory_id(trajectory: str) -> None:
         )
 
 
-def pick_user(passwd: str, requested: str | None) -> User | None:
-    """The user commands run as: ``requested`` (a name, ``uid`` or ``uid:gid``) or else
-    the image's first regular user (uid 1000-59999); None means root."""
+# The sandbox's user when neither the environment nor the image names one, and the image
+# has no regular user: unprivileged, and in no image's /etc/passwd that we know of (as
+# distroless's "nonroot"). Root is never a default: an environment asks for it by name.
+DEFAULT_USER = User(65532, 65532)
+
+
+@dataclass(frozen=True, slots=True)
+class Workdir:
+    """The image's own working directory: its owner and permission bits."""
+
+    uid: int
+    gid: int
+    mode: int
+
+    def writable_by(self, user: User | None) -> bool:
+        if user is None:  # root
+            return True
+        if user.uid == self.uid:
+            return bool(self.mode & 0o200)
+        if user.gid == self.gid:
+            return bool(self.mode & 0o020)
+        return bool(self.mode & 0o002)
+
+
+def pick_user(passwd: str, requested: str | None, image: str | None = None) -> User | None:
+    """The user commands run as; None means root, and only when ``requested`` (the
+    environment's ``security.user``: a name, ``uid`` or ``uid:gid``) names root.
+
+    Else: ``requested``; else the image's own USER (``image``), unless that is root; else
+    the image's first regular user (uid 1000-59999 in its ``/etc/passwd``); else
+    :data:`DEFAULT_USER`."""
     entries: dict[str, User] = {}
     for line in passwd.splitlines():
         parts = line.split(":")
         if len(parts) >= 4 and parts[2].isdigit() and parts[3].isdigit():
             entries[parts[0]] = User(int(parts[2]), int(parts[3]))
     if requested:
-        name, _, group = requested.partition(":")
-        if name.isdigit():
-            uid = int(name)
-            by_uid = {u.uid: u for u in entries.values()}
-            gid = int(group) if group.isdigit() else by_uid.get(uid, User(uid, uid)).gid
-            return None if uid == 0 else User(uid, gid)
-        if name not in entries:
-            raise ExecError(f"user: {name!r} is not in the image's /etc/passwd")
-        user = entries[name]
-        if group.isdigit():
-            user = User(user.uid, int(group))
-        return None if user.uid == 0 else user
+        return _named(entries, requested)
+    chosen = _named(entries, image) if image else None
+    if chosen is not None:
+        return chosen
     regular = sorted((u for u in entries.values() if 1000 <= u.uid < 60000), key=lambda u: u.uid)
-    return regular[0] if regular else None
+    return regular[0] if regular else DEFAULT_USER
+
+
+def _named(entries: Mapping[str, User], name_or_id: str) -> User | None:
+    name, _, group = name_or_id.partition(":")
+    if name.isdigit():
+        uid = int(name)
+        by_uid = {u.uid: u for u in entries.values()}
+        gid = int(group) if group.isdigit() else by_uid.get(uid, User(uid, uid)).gid
+        return None if uid == 0 else User(uid, gid)
+    if name not in entries:
+        raise ExecError(f"user: {name!r} is not in the image's /etc/passwd")
+    user = entries[name]
+    if group.isdigit():
+        user = User(user.uid, int(group))
+    return None if user.uid == 0 else user
 
 
 def spec(

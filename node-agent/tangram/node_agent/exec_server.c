@@ -17,7 +17,9 @@
  *   server -> agent: 'S' started (pid), '1' stdout, '2' stderr, 'X' exit status
  *                    (decimal; negative = killed by that signal), 'Z' error message.
  * If the agent disconnects before the command ends, the command's tree is killed: a
- * command nobody waits for holds cores nobody accounts for.
+ * command nobody waits for holds cores nobody accounts for. When the command ends, so
+ * does every process it left behind (the handler is their subreaper): nothing outlives
+ * its action, and a session's processes live as long as the session's own process.
  *
  * The agent checks that the socket it reaches is this process's (SO_PEERCRED: the pid
  * that called listen()), so a command that plants its own server over the socket's name
@@ -134,11 +136,13 @@ static void reap(void) {
 
 /* Descendants orphaned by the command are re-parented to this handler (a subreaper), so
  * killing "the tree" means: the command's process group, then every child we still have,
- * until none is left. */
+ * until none is left (each round reaches one more generation of a chain; a process that
+ * will not die, stuck in the kernel, ends the rounds). No process can leave this tree:
+ * setsid and double forks only re-parent to us. */
 static void kill_tree(pid_t group, int sig) {
     if (group > 0) kill(-group, sig);
     if (sig != SIGKILL) return; /* an interrupt is for the command, delivered once */
-    for (int round = 0; round < 100; round++) {
+    for (int round = 0; round < 1000; round++) {
         char path[64];
         snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
         FILE *f = fopen(path, "r");
@@ -340,6 +344,12 @@ static void handle(int sock) {
     }
     while (!cmd_exited && waitpid(c.pid, &cmd_status, 0) < 0 && errno == EINTR) {
     }
+    /* No process outlives its action: what the command left running (in the background,
+     * setsid, double-forked: all our descendants) is killed before the action's end is
+     * told, so nothing of it runs on the idle cores or into the next action. A session is
+     * one long action: its background jobs live until its shell or driver ends. The
+     * command itself is reaped, so its pid (a process group id no more) is not used. */
+    kill_tree(0, SIGKILL);
     int st = cmd_status;
     char code[32];
     snprintf(code, sizeof code, "%d", WIFSIGNALED(st) ? -WTERMSIG(st) : WEXITSTATUS(st));

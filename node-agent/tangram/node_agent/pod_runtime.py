@@ -17,38 +17,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
+import os
 import secrets
+import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent.cgroups import CgroupError, Cgroups, detect
-from tangram.node_agent.env_template import User, check_trajectory_id, digest, pick_user
+from tangram.node_agent.cgroups import CgroupError
+from tangram.node_agent.env_template import User, Workdir, digest, pick_user
 from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
-    Gone,
-    Opened,
     Problem,
     check_request,
 )
-from tangram.node_agent.fast_path import (
-    Command,
-    ExecServerRuntime,
-    FastPath,
-    Reachable,
-    cgroup_of,
-    start_time,
-)
+from tangram.node_agent.fast_path import Command, Reachable, cgroup_of, start_time
 from tangram.node_agent.kubelet_state import cpu_manager_policy
 from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
+from tangram.node_agent.warm_pool import SandboxRuntime
 
 __all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime", "agent_label"]
 
@@ -89,7 +84,7 @@ class Pod:
     reach: Reachable
 
 
-class PodRuntime(ExecServerRuntime):
+class PodRuntime(SandboxRuntime[Pod]):
     def __init__(
         self,
         idle_cores: Sequence[int],
@@ -105,8 +100,7 @@ class PodRuntime(ExecServerRuntime):
         proc_root: Path = Path("/proc"),
         start_timeout_s: float = 120.0,
     ) -> None:
-        if not idle_cores:
-            raise ExecError("idle_cores: at least one core must hold idle trajectories")
+        super().__init__(idle_cores, cgroup_root, proc_root)
         self.api = api
         self.node = node
         self.namespace = namespace
@@ -117,15 +111,8 @@ class PodRuntime(ExecServerRuntime):
         # pools, a pool's CPU and GPU agents): adoption and deletion touch only these.
         self.agent = agent or f"{namespace}.{node}"
         self._undeleted: set[str] = set()  # pods whose deletion failed: tried again
-        self.idle_cores = tuple(idle_cores)
-        self.cgroups: Cgroups = detect(cgroup_root)
-        self.cgroup_root = cgroup_root
-        self.proc_root = proc_root
         self.start_timeout_s = start_timeout_s
-        self.envs: dict[str, Pod] = {}  # by trajectory
-        self.warm_pool: dict[str, list[Pod]] = {}  # by template digest
-        self.fast = FastPath(self.cgroups, self.idle_cores)
-        self._facts: dict[str, tuple[User | None, bool]] = {}  # by image|user|workdir
+        self.settle_s = 5.0  # how long an ended pod's status may lag behind (gone)
         self._dying: dict[str, float] = {}  # pod -> when its exec server was found ended
         self.problem: Problem | None = None  # why this node cannot run actions
         if cpu_manager_policy(proc_root) == "static":
@@ -137,58 +124,28 @@ class PodRuntime(ExecServerRuntime):
                 "(spec.cpu.nodeSelector)",
             )
 
-    # ---- lifecycle ---------------------------------------------------------------
-    def open(self, trajectory: str, template: EnvSpec) -> Opened:
-        """Give the trajectory a sandbox pod: a warm one if one is ready."""
-        check_trajectory_id(trajectory)
-        if trajectory in self.envs:
-            raise ExecError(f"trajectory: {trajectory} is already open")
-        t0 = time.perf_counter()
-        ready = self.warm_pool.get(digest(template), [])
-        while ready:
-            pod = ready.pop()
-            try:
-                self.api.label(pod.name, {STATE: "open", TRAJECTORY: trajectory})
-            except ExecError as e:
-                if e.retryable:  # the API server, not the pod: keep it for the next open
-                    ready.append(pod)
-                    raise
-                self._delete(pod.name)  # gone or broken while it waited: try the next
-                continue
-            self.envs[trajectory] = pod
-            return Opened(pod.reach.key, True, time.perf_counter() - t0)
-        pod = self._create(template, {STATE: "open", TRAJECTORY: trajectory})
-        self.envs[trajectory] = pod
-        return Opened(pod.reach.key, False, time.perf_counter() - t0)
+    # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
+    def _make(self, template: EnvSpec, trajectory: str | None) -> Pod:
+        state = {STATE: "open", TRAJECTORY: trajectory} if trajectory else {STATE: "warm"}
+        return self._create(template, state)
 
-    def warm(self, template: EnvSpec) -> int:
-        """Top the template's warm pool up to ``template.warm``; older versions go."""
-        current = digest(template)
-        for other, pods in list(self.warm_pool.items()):
-            if other != current and pods and pods[0].env_name == template.name:
-                for pod in self.warm_pool.pop(other):
-                    self._delete(pod.name)
-        ready = self.warm_pool.setdefault(current, [])
-        made = 0
-        while len(ready) < template.warm:
-            ready.append(self._create(template, {STATE: "warm"}))
-            made += 1
-        while len(ready) > template.warm:
-            self._delete(ready.pop().name)
-        return made
+    def _claim(self, pod: Pod, trajectory: str) -> bool:
+        try:
+            self.api.label(pod.name, {STATE: "open", TRAJECTORY: trajectory})
+        except ExecError as e:
+            if e.retryable:  # the API server, not the pod: keep it for the next open
+                raise
+            return False
+        return True
 
-    def close(self, trajectory: str) -> None:
-        """Delete the trajectory's pod and everything it wrote."""
-        self.fast.end_sessions(trajectory)
-        pod = self.envs.pop(trajectory, None)
-        if pod is not None:
-            self._delete(pod.name)
+    def _discard(self, pod: Pod) -> None:
+        self._delete(pod.name)
 
-    def shutdown_warm(self) -> None:
-        for pods in self.warm_pool.values():
-            for pod in pods:
-                self._delete(pod.name)
-        self.warm_pool.clear()
+    def _key(self, pod: Pod) -> str:
+        return pod.reach.key
+
+    def _env_name(self, pod: Pod) -> str:
+        return pod.env_name
 
     def adopt(self) -> list[str]:
         """Take back the sandbox pods of this pool on this node (after a restart).
@@ -223,49 +180,38 @@ class PodRuntime(ExecServerRuntime):
                 self._delete(name)
         return sorted(self.envs)
 
-    def gone(self, settle_s: float = 5.0) -> list[Gone]:
-        """Open sandboxes that ended by themselves (evicted, killed, deleted), each with
-        the kubelet's reason, dropped and deleted; ended warm ones are just deleted.
+    def _survey(self) -> Callable[[Pod], bool]:
+        """The check is local (is each exec server still the process it was?); only an
+        ended one costs a read of its pod (``_ending``)."""
+        return lambda pod: not pod.reach.alive()
 
-        The check is local (is each exec server still the process it was?); only an ended
-        one costs a read of its pod. A pod whose status does not show the end yet (the
-        kubelet writes it a moment later) is looked at again, for up to ``settle_s``.
-        """
-        # Opens, closes and top-ups run in other threads: work on snapshots, and take a
-        # pod out only if it is still the one looked at.
-        ended: list[Gone] = []
-        for trajectory, pod in list(self.envs.items()):
-            if pod.reach.alive():
-                continue
-            why = self._ending(pod.name, settle_s)
-            if why is None or self.envs.get(trajectory) is not pod:
-                continue
-            self.envs.pop(trajectory, None)
-            self.fast.end_sessions(trajectory)
-            self._delete(pod.name)
-            ended.append(Gone(trajectory, *why))
-        for pods in list(self.warm_pool.values()):
-            for pod in [p for p in list(pods) if not p.reach.alive()]:
-                with contextlib.suppress(ValueError):  # claimed meanwhile: its open fails
-                    pods.remove(pod)
-                    self._delete(pod.name)
-        return ended
-
-    def _ending(self, name: str, settle_s: float) -> tuple[str, str] | None:
-        """(reason, message) of an ended sandbox; None while its pod does not say yet."""
+    def _ending(self, pod: Pod) -> tuple[str, str] | None:
+        """(reason, message) of an ended sandbox, from the kubelet's reason. A pod whose
+        status does not show the end yet, or shows only its container's exit (the
+        kubelet writes an eviction a moment later), is looked at again, for up to
+        ``settle_s``; None till then."""
+        name = pod.name
         try:
             obj = self.api.get(name)
         except ExecError:
             obj = {}  # the API server is unreachable: say what we know
         first = self._dying.setdefault(name, time.monotonic())
-        why = ending(obj, f"{self.namespace}/{name}")
-        if why is None and time.monotonic() - first < settle_s:
+        where = f"{self.namespace}/{name}"
+        why = ending(obj, where)
+        if why is None or why[0] == "SandboxExited":
+            # An eviction may show only as the container's exit (a sandbox that ends at
+            # SIGTERM even makes the pod Succeeded, with no reason): the kubelet's Event
+            # says it was one.
+            with contextlib.suppress(ExecError):  # the API server is unreachable: say what we know
+                why = evicted_by_event(self.api.events(name), where) or why
+        if (why is None or why[0] == "SandboxExited") and time.monotonic() - first < self.settle_s:
             return None
         self._dying.pop(name, None)
         return why or ("SandboxExited", f"pod {self.namespace}/{name}: its processes ended")
 
     def _create(self, template: EnvSpec, state: Mapping[str, str]) -> Pod:
-        user, has_workdir = self._facts.get(self._facts_key(template), (None, True))
+        user, workdir = self._facts.get(self._facts_key(template), (None, None))
+        learnt = self._facts_key(template) in self._facts
         # The random part is never cut: a long pool name is (pod names hold 63 here).
         name = f"tangram-{template.pool[:40].rstrip('-.')}-{secrets.token_hex(5)}"
         manifest = sandbox_pod(
@@ -278,7 +224,7 @@ class PodRuntime(ExecServerRuntime):
             extra_labels={**state, AGENT: agent_label(self.agent)},
             owner=self.owner,
             user=user,
-            own_workdir=not has_workdir,
+            own_workdir=learnt and workdir is None,
         )
         self.api.create(manifest)  # refused: the API server's reason (RuntimeClass, quota)
         try:
@@ -297,8 +243,9 @@ class PodRuntime(ExecServerRuntime):
         return f"{template.image}|{template.user}|{template.workdir}"
 
     def _learn_facts(self, template: EnvSpec, reach: Reachable) -> bool:
-        """Read the image's users and workdir from the first pod of an image; True when
-        that pod was made without them (it runs as the wrong user, or lacks the workdir)."""
+        """Read the image's users and workdir from the first pod of an image (made without
+        runAsUser: it runs as the image's USER); True when that pod is not as the next
+        ones will be (it runs as another user, or lacks the workdir)."""
         key = self._facts_key(template)
         if key in self._facts:
             return False
@@ -307,21 +254,31 @@ class PodRuntime(ExecServerRuntime):
             passwd = (root / "etc/passwd").read_text(errors="replace")
         except OSError:
             passwd = ""
-        user = pick_user(passwd, template.user)
-        has_workdir = (root / template.workdir.lstrip("/")).is_dir()
-        self._facts[key] = (user, has_workdir)
-        running_as = self._uid(reach.pid)
-        return (user.uid if user else 0) != running_as or not has_workdir
+        running_as = self._ids(reach.pid)
+        configured = f"{running_as[0]}:{running_as[1]}" if running_as[0] else None
+        user = pick_user(passwd, template.user, configured)
+        workdir = _workdir(root, template.workdir)
+        self._facts[key] = (user, workdir)
+        wanted = (user.uid, user.gid) if user else (0, 0)
+        return wanted != running_as or workdir is None
 
-    def _uid(self, pid: int) -> int:
+    def _ids(self, pid: int) -> tuple[int, int]:
+        """The (uid, gid) process ``pid`` runs as."""
+        ids = {}
         for line in (self.proc_root / str(pid) / "status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-        raise ExecError(f"pid {pid}: no Uid in its status")
+            if line.startswith(("Uid:", "Gid:")):
+                ids[line[:3]] = int(line.split()[1])
+        if len(ids) != 2:
+            raise ExecError(f"pid {pid}: no Uid or Gid in its status")
+        return ids["Uid"], ids["Gid"]
 
     def _prepare(self, reach: Reachable, template: EnvSpec) -> None:
-        """Idle limits and the pids limit; then the environment's setup commands, on the
-        idle cores without the idle quota (bounded work at open time)."""
+        """The workdir the sandbox's user's, idle limits and the pids limit; then the
+        environment's setup commands, on the idle cores without the idle quota (bounded
+        work at open time)."""
+        user, workdir = self._facts.get(self._facts_key(template), (None, None))
+        if user and workdir and not workdir.writable_by(user) and not template.read_only_root:
+            self._own_workdir(reach, template.workdir, user)
         self._pids_limit(reach.cgroup, template.pids_limit)
         if template.setup:  # each on the idle cores, without the idle quota (group_enter)
             for argv in template.setup:
@@ -334,6 +291,22 @@ class PodRuntime(ExecServerRuntime):
                         reason="SetupFailed",
                     )
         self._limit(reach, IDLE_QUOTA_CORES)
+
+    def _own_workdir(self, reach: Reachable, path: str, user: User) -> None:
+        """Make the image's workdir (the directory only: what the image put in it stays as
+        it is) the sandbox user's, from the host: the sandbox has no capability to."""
+        try:
+            fd = _open_dir_in(self.proc_root / str(reach.pid) / "root", path)
+            try:
+                os.fchown(fd, user.uid, user.gid)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise ExecError(
+                f"workdir {path}: cannot make it the sandbox user's ({user.spec}): {e.strerror} "
+                "(set the TrajectoryEnv's security.user to a user who may write it)",
+                reason="SandboxStartFailed",
+            ) from None
 
     def _limit(self, reach: Reachable, quota_cores: float | None) -> None:
         try:
@@ -464,6 +437,45 @@ class PodRuntime(ExecServerRuntime):
         return held.reach
 
 
+def _open_dir_in(root: Path, path: str) -> int:
+    """A descriptor of directory ``path`` inside a container's root (``/proc/<pid>/root``),
+    each component opened without following a link: from here, an absolute link of the
+    image would resolve on the host."""
+    parts = Path(path).parts[1:]
+    if ".." in parts:
+        raise OSError(errno.EINVAL, "'..' in the path")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            step = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           dir_fd=fd)  # fmt: skip
+            os.close(fd)
+            fd = step
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _workdir(root: Path, path: str) -> Workdir | None:
+    """The image's workdir as the container sees it; None when it has none (or it is a
+    link, which a volume then covers)."""
+    try:
+        fd = _open_dir_in(root, path)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return Workdir(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode))
+
+
+# What the kubelet's eviction messages say when a pod went over its ephemeral-storage
+# limit ("Pod ephemeral local storage usage exceeds the total limit of containers …",
+# "Container sandbox exceeded its local ephemeral storage limit …").
+_DISK_EVICTION = ("ephemeral local storage", "local ephemeral storage")
+
 # Waiting reasons after which the sandbox container will not start by itself.
 _IMAGE_WAITS = frozenset(
     {"ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "InvalidImageName"}
@@ -502,7 +514,7 @@ def ending(obj: Mapping[str, Any] | None, where: str) -> tuple[str, str] | None:
         return "SandboxDeleted", f"pod {where} was deleted"
     status = obj.get("status") or {}
     if status.get("reason") == "Evicted":
-        return "SandboxEvicted", f"pod {where} was evicted: {status.get('message', '')}"
+        return _evicted(str(status.get("message") or ""), where)
     if (obj.get("metadata") or {}).get("deletionTimestamp"):
         return "SandboxDeleted", f"pod {where} was deleted"
     for c in status.get("containerStatuses") or []:
@@ -521,6 +533,23 @@ def ending(obj: Mapping[str, Any] | None, where: str) -> tuple[str, str] | None:
             f"pod {where}: the sandbox ended with exit code {end.get('exitCode')}"
             + (f" ({said})" if said else "")
         )
+    return None
+
+
+def _evicted(said: str, where: str) -> tuple[str, str]:
+    if any(marker in said for marker in _DISK_EVICTION):
+        return "DiskLimitExceeded", (
+            f"pod {where} was evicted for its disk use: {said.strip()} (the TrajectoryEnv's "
+            "diskGiB)"
+        )
+    return "SandboxEvicted", f"pod {where} was evicted: {said}"
+
+
+def evicted_by_event(events: Sequence[Mapping[str, Any]], where: str) -> tuple[str, str] | None:
+    """(reason, message) when the pod's Events say the kubelet evicted it."""
+    for e in events:
+        if e.get("reason") == "Evicted":
+            return _evicted(str(e.get("message") or ""), where)
     return None
 
 

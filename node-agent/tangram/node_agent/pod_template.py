@@ -95,6 +95,12 @@ def sandbox_pod(
         "securityContext": {**restricted, "readOnlyRootFilesystem": template.read_only_root},
         "volumeMounts": mounts,
     }
+    if template.disk_gb is not None:
+        # The kubelet evicts a pod over it: its writable layer, logs and emptyDirs (the
+        # workdir, when the image lacks it) count.
+        disk = f"{round(template.disk_gb * 1024)}Mi"
+        sandbox["resources"]["requests"]["ephemeral-storage"] = disk
+        sandbox["resources"]["limits"]["ephemeral-storage"] = disk
     if user is not None:
         sandbox["securityContext"].update(runAsUser=user.uid, runAsGroup=user.gid)
     spec: dict[str, Any] = {

@@ -48,6 +48,28 @@ async def _drain(stream: asyncio.StreamReader | None, limit: int) -> tuple[bytes
     return bytes(kept), cut
 
 
+async def _exited(proc: asyncio.subprocess.Process) -> None:
+    """Until the process has exited. Not ``proc.wait()``: before Python 3.12 that also
+    waits for its pipes to close, which a leftover holding them postpones."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        return  # exited and reaped already
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:  # an exited process's pidfd stays readable
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
 class ProcessRuntime:
     def __init__(
         self,
@@ -65,6 +87,7 @@ class ProcessRuntime:
         self.prefix = group_prefix
         self._open: set[str] = set()
         self.allot = Allotments()
+        self._running: dict[str, int] = {}  # commands running, by trajectory
 
     def _group(self, trajectory: str) -> str:
         return f"{self.prefix}/{trajectory}"
@@ -122,19 +145,51 @@ class ProcessRuntime:
             self._open.add(name)
         return sorted(self._open)
 
-    def _kill_group(self, group: str) -> None:
-        """SIGKILL every process in the cgroup, including ones that left the process group."""
-        for _ in range(50):
+    async def _when_done(self, trajectory: str, proc: asyncio.subprocess.Process) -> set[int]:
+        """Once the command has exited: if it was the trajectory's last one running, kill
+        what is left in its cgroup (on the event loop, so that no command of the
+        trajectory starts in between); the processes killed."""
+        try:
+            await _exited(proc)
+        finally:  # also when the action is cancelled
+            self._running[trajectory] -= 1
+            last = not self._running[trajectory]
+            if last:
+                del self._running[trajectory]
+        return self._kill_leftovers(self._group(trajectory)) if last else set()
+
+    def _kill_leftovers(self, group: str) -> set[int]:
+        """SIGKILL every process in the cgroup; the ones killed. It does not wait for them
+        to leave the group: a killed process runs no more code, and one forked before its
+        parent died is in the group too, so rounds go on until no new process is found."""
+        killed: set[int] = set()
+        for _ in range(1000):
             try:
-                pids = self.cgroups.pids(group)
+                found = set(self.cgroups.pids(group)) - killed
             except FileNotFoundError:
-                return
-            if not pids:
-                return
-            for pid in pids:
+                break
+            if not found:
+                break
+            for pid in found:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.01)
+            killed |= found
+        return killed
+
+    def _await_exit(self, group: str, killed: set[int]) -> None:
+        """Until the killed processes have left the group (they exit within moments)."""
+        for _ in range(500):
+            try:
+                if not killed & set(self.cgroups.pids(group)):
+                    return
+            except FileNotFoundError:
+                return
+            time.sleep(0.002)
+
+    def _kill_group(self, group: str) -> None:
+        """SIGKILL every process in the cgroup, including ones that left the process group,
+        and wait till they have left it."""
+        self._await_exit(group, self._kill_leftovers(group))
 
     async def exec(
         self,
@@ -166,6 +221,14 @@ class ProcessRuntime:
             preexec_fn=partial(join, self.cgroups.join_files(group)),
         )
 
+        # No process outlives its action: what the command leaves running (setsid,
+        # double-forked) stays in the trajectory's cgroup, and is killed as soon as no
+        # command of the trajectory runs any more (while one does, the leftovers cannot be
+        # told from its processes). That also ends an action whose leftover holds its
+        # output pipes open.
+        self._running[trajectory] = self._running.get(trajectory, 0) + 1
+        watch = asyncio.ensure_future(self._when_done(trajectory, proc))
+
         async def collect() -> Output:
             (out, out_cut), (err, err_cut) = await asyncio.gather(
                 _drain(proc.stdout, output_cap), _drain(proc.stderr, output_cap)
@@ -181,10 +244,14 @@ class ProcessRuntime:
 
         async def idle() -> None:
             await proc.wait()
+            await watch
             release()
 
         output, timed_out = await supervise(collect(), timeout_s, kill, idle)
         code = await proc.wait()
+        killed = await watch
+        if killed:  # the result says the action ended: so have they (not on the loop)
+            await asyncio.to_thread(self._await_exit, group, killed)
         t2 = time.perf_counter()
         release()
         t3 = time.perf_counter()

@@ -10,7 +10,8 @@ Registered: ``docker`` (containers of a Docker Engine: embedded mode, hosts that
 ``pod`` (sandboxes as pods on this Kubernetes node: the operator's choice), ``process``
 (commands in a directory and a cgroup of the host: no isolation) and ``noop`` (runs
 nothing, on virtual cores: benchmarks of the service). ``auto`` is not a runtime but a
-choice: docker where an engine answers, else process.
+name for docker: where no engine answers it fails, saying how to fix that. The process
+runtime, which isolates nothing, runs only when asked for by name, and says so loudly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,7 +114,9 @@ class Registration:
 
 
 _REGISTRY: dict[str, Registration] = {}
-AUTO = ("docker", "process")  # what ``auto`` tries, in order
+# What ``auto`` means. Never the process runtime: a fallback to running commands on the
+# host, unisolated, must not happen because a Docker Engine happened to be down.
+AUTO = "docker"
 
 
 def register(name: str, make: Callable[[Setting], Runtime], help: str, **kw: Any) -> None:
@@ -134,15 +138,14 @@ def create(name: str, setting: Setting) -> Runtime:
     """The runtime ``name`` (or ``auto``), ready for :meth:`Runtime.adopt`."""
     if name != "auto":
         return registration(name).make(setting)
-    refused = []
-    for candidate in AUTO:
-        try:
-            return registration(candidate).make(setting)
-        except ExecError as e:
-            refused.append(f"{candidate}: {e}")
-            if candidate != AUTO[-1]:
-                log.warning("runtime auto: %s unavailable (%s); trying %s", candidate, e, AUTO[-1])
-    raise ExecError("; ".join(refused))
+    try:
+        return registration(AUTO).make(setting)
+    except ExecError as e:
+        raise ExecError(
+            f"runtime auto means {AUTO}, and {e}; start a Docker Engine (dockerd, or "
+            "systemctl start docker), or name --runtime process to run commands on this "
+            "host as this user, with no isolation"
+        ) from None
 
 
 def help_text() -> str:
@@ -319,10 +322,17 @@ def _process(s: Setting) -> Runtime:
     except (OSError, CgroupError) as e:
         raise ExecError(
             f"the process runtime needs write access to the cgroup hierarchy "
-            f"({cgroups.__class__.__name__} at /sys/fs/cgroup): {e}; run as root, or with "
-            "a Docker Engine reachable"
+            f"({cgroups.__class__.__name__} at /sys/fs/cgroup): {e}; run as root, or use "
+            "--runtime docker"
         ) from None
     inner = ProcessRuntime(s.state_dir / "trajectories", cgroups, s.idle, group_prefix=prefix)
+    log.warning(
+        "runtime process: NO ISOLATION. Commands run directly on this host as uid %d, with "
+        "its file system (this agent's state and token files included), network, users and "
+        "processes; only their cores are limited. Use it for trusted commands only; "
+        "--runtime docker (or pod) runs them in sandboxes",
+        os.geteuid(),
+    )
     return Processes(inner, s.idle)
 
 

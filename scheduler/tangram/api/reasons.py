@@ -37,6 +37,7 @@ class Reason(StrEnum):
     SETUP_FAILED = "SetupFailed"  # a setup command of the TrajectoryEnv failed
     CGROUPS_UNWRITABLE = "CgroupsUnwritable"  # the agent cannot write the sandbox's cgroup
     SANDBOX_EVICTED = "SandboxEvicted"  # the kubelet evicted it (node pressure)
+    DISK_LIMIT_EXCEEDED = "DiskLimitExceeded"  # it wrote more than the env's diskGiB
     SANDBOX_OOM_KILLED = "SandboxOOMKilled"  # its processes ran out of the env's memory
     SANDBOX_EXITED = "SandboxExited"  # its exec server ended
     SANDBOX_DELETED = "SandboxDeleted"  # someone deleted it
@@ -54,6 +55,7 @@ SANDBOX_FAILURES = frozenset(
         Reason.SETUP_FAILED,
         Reason.CGROUPS_UNWRITABLE,
         Reason.SANDBOX_EVICTED,
+        Reason.DISK_LIMIT_EXCEEDED,
         Reason.SANDBOX_OOM_KILLED,
         Reason.SANDBOX_EXITED,
         Reason.SANDBOX_DELETED,

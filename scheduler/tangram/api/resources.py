@@ -450,7 +450,9 @@ class Security(_Spec):
     user: Annotated[
         str | None,
         Field(
-            min_length=1, description="user (name or uid[:gid]) commands run as; unset = image's"
+            min_length=1,
+            description="user (name or uid[:gid]) commands run as; unset = the image's USER, else "
+            'its first regular user, else 65532 (never root: name "0" for root)',
         ),
     ] = None
     pids_limit: Annotated[
@@ -514,6 +516,15 @@ class TrajectoryEnvSpec(_Spec):
         float,
         Field(alias="memoryGiB", gt=0, description="memory reserved per trajectory, GiB"),
     ] = 1.0
+    disk_gib: Annotated[
+        float | None,
+        Field(
+            alias="diskGiB",
+            gt=0,
+            description="writable disk per trajectory, GiB (files it writes outside volumes; "
+            "going over ends the trajectory: DiskLimitExceeded); unset = no limit",
+        ),
+    ] = None
     cpu: Annotated[
         Demand, Field(description="default cores per action: n, {min, max} or {choices}")
     ] = RangeDemand(min=1, max=1)

@@ -461,6 +461,7 @@ class EnvSpec(_Strict):
     name: str
     image: str
     memory_gb: float = 1.0
+    disk_gb: float | None = None  # writable disk limit, GiB (None: none)
     workdir: str = "/work"
     env: dict[str, str] = Field(default_factory=dict)
     setup: list[list[str]] = Field(default_factory=list)  # argv lists run once at open

@@ -68,7 +68,7 @@ def register(sub: Any) -> None:
         "--runtime",
         choices=("auto", *runtime_names()),
         default="auto",
-        help=f"{runtime_help()}; auto: docker if an engine answers, else process",
+        help=f"{runtime_help()}; auto: docker (never process: name it to run unisolated)",
     )
     k = a.add_argument_group("the pod runtime (--runtime pod)")
     k.add_argument("--namespace", help="namespace of the sandbox pods (the pool's)")

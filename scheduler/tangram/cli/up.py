@@ -2,8 +2,9 @@
 
 Reads the same ActionPool / TrajectoryEnv / RewardService documents ``kubectl apply``
 takes, serves the pool on 127.0.0.1, and runs one node agent for this machine: the Docker
-runtime when a Docker Engine is reachable, else the process runtime. Ctrl-C stops
-admitting, lets in-flight actions finish (``--grace``), and removes every environment.
+runtime (without a Docker Engine, ``--runtime process`` runs commands on this host with no
+isolation, only when asked for by name). Ctrl-C stops admitting, lets in-flight actions
+finish (``--grace``), and removes every environment.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def register(sub: Any) -> None:
         "--runtime",
         choices=("auto", *(n for n in runtime_names() if n != "pod")),
         default="auto",
-        help=f"{runtime_help()}; auto: docker if an engine answers, else process",
+        help=f"{runtime_help()}; auto: docker (never process: name it to run unisolated)",
     )
     p.add_argument("--cores", type=whole_number(1), help="cores for actions (noop: virtual cores)")
     add_gpu_flags(p)
@@ -134,6 +135,8 @@ def run_up(args: argparse.Namespace) -> int:
         runtime = agent.kind
         if agent.kind == "docker" and agent.fast_path:
             runtime += f" (portable path only: {agent.fast_path})"
+        if agent.kind == "process":
+            runtime = "[bold red]process[/] (no isolation: commands run on this host)"
         note(
             f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
             f"  node {agent.node}: action cores {agent.action_cores}, idle {agent.idle_cores}, "

@@ -143,6 +143,7 @@ def env_config(env: TrajectoryEnv, pool: str) -> EnvConfig:
             name=env.metadata.name,
             image=s.image,
             memory_gb=s.memory_gib,
+            disk_gb=s.disk_gib,
             workdir=s.workdir,
             env=dict(s.env),
             setup=[list(a) for a in s.setup],
