@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import sys
@@ -137,10 +138,25 @@ def register(sub: Any) -> None:
         "--compute-ms", type=float, default=150.0, help="median modeled compute per call"
     )
     g.add_argument("--active", type=float, default=0.5, help="chance a service is in a round's mix")
-    from tangram.cli.bench_tenants import add_arguments as tenants_arguments
-
-    tenants_arguments(p.add_argument_group("tenants"))
+    t = p.add_argument_group("tenants")
+    t.add_argument("--cores", type=whole_number(1), default=2, help="tenants: action cores")
+    t.add_argument("--action-s", type=float, default=0.05, help="tenants: each action's sleep")
+    t.add_argument("--steps", type=whole_number(1), default=60, help="tenants: steady actions")
+    t.add_argument("--think-s", type=float, default=0.02, help="tenants: steady think time")
+    t.add_argument("--flood-actions", type=whole_number(1), default=400,
+                   help="tenants: the flood's backlog")  # fmt: skip
+    t.add_argument("--flood-trajectories", type=whole_number(1), default=8,
+                   help="tenants: trajectories the backlog is spread over")  # fmt: skip
     p.set_defaults(run=run)
+
+
+# Imported when asked for: each pulls in what only it needs (the client, Docker, PyTorch).
+_REPORTS = {
+    "service": ("tangram.cli.bench_service", "run_service_bench"),
+    "tenants": ("tangram.cli.bench_tenants", "run_tenants_bench"),
+    "gpu-pool": ("tangram.cli.bench_gpu_pool", "run_gpu_pool_bench"),
+    "exec": ("tangram.cli.bench_exec", "run_exec_bench"),
+}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,15 +164,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_round_bench(progress=not args.json)
         _emit(report, args)
         return 0
-    if args.what == "service":
-        from tangram.cli.bench_service import run_service_bench
-
-        _emit(run_service_bench(args), args)
-        return 0
-    if args.what == "tenants":
-        from tangram.cli.bench_tenants import run_tenants_bench
-
-        _emit(run_tenants_bench(args), args)
+    if args.what in _REPORTS:  # these take the parsed options and return one report
+        module, function = _REPORTS[args.what]
+        _emit(getattr(importlib.import_module(module), function)(args), args)
         return 0
     if args.what == "gpu":
         try:
@@ -164,16 +174,6 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise InputError(f"bench gpu needs PyTorch (pip install '.[gpu]'): {e}") from None
         _emit(run_gpu_bench(args.size_mb or 1024, repeats=5), args)
-        return 0
-    if args.what == "gpu-pool":
-        from tangram.cli.bench_gpu_pool import run_gpu_pool_bench
-
-        _emit(run_gpu_pool_bench(args), args)
-        return 0
-    if args.what == "exec":
-        from tangram.cli.bench_exec import run_exec_bench
-
-        _emit(run_exec_bench(args), args)
         return 0
     if args.what == "paper":
         from tangram.cli.paper import run_paper

@@ -142,14 +142,3 @@ def run_tenants_bench(args: argparse.Namespace) -> dict[str, Any]:
     for figures in out["scenarios"].values():
         figures["p99_vs_alone"] = figures["queued_p99_s"] / alone if alone > 0 else None
     return out
-
-
-def add_arguments(p: Any) -> None:
-    """The options of `tangram bench tenants` (on the bench parser, as a group)."""
-    p.add_argument("--cores", type=int, default=2, help="the pool's action cores (default 2)")
-    p.add_argument("--action-s", type=float, default=0.05, help="each action's sleep (0.05)")
-    p.add_argument("--steps", type=int, default=60, help="the steady tenant's actions (60)")
-    p.add_argument("--think-s", type=float, default=0.02, help="its think time (0.02)")
-    p.add_argument("--flood-actions", type=int, default=400, help="the flood's backlog (400)")
-    p.add_argument("--flood-trajectories", type=int, default=8,
-                   help="trajectories the backlog is spread over (8)")  # fmt: skip
