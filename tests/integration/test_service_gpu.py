@@ -166,7 +166,7 @@ def test_a_timed_out_call_keeps_its_gpu_until_it_ends(tmp_path: Path) -> None:
                 lambda: (
                     bool(box)
                     or (
-                        any(r.kind == "service" for r in engine.actions.values())
+                        any(r.kind == "service" for r in engine.state.actions.values())
                         and not engine.state.wake.is_set()
                     )
                 ),

@@ -69,7 +69,7 @@ def test_execs_share_one_stream_and_get_what_http_gives(running: tuple[Running, 
                 await client.close(t)
 
     asyncio.run(go())
-    assert len(run.engine.actions) == 0  # nothing left behind
+    assert len(run.engine.state.actions) == 0  # nothing left behind
 
 
 def test_errors_are_the_http_routes_errors(running: tuple[Running, str]) -> None:

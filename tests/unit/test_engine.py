@@ -27,7 +27,7 @@ from tangram.service.gpu_calls import elastic_call_spec
 def test_idempotency_keys_are_bounded_and_in_flight_ones_kept() -> None:
     async def scenario() -> None:
         e = Engine(PoolConfig(apis=(ApiSpec(name="search", concurrency=1),)))
-        e.idempotent.max_keys = 3
+        e.state.idempotent.max_keys = 3
         await e.start()
         try:
             for i in range(10):
@@ -35,8 +35,8 @@ def test_idempotency_keys_are_bounded_and_in_flight_ones_kept() -> None:
                 result = await rec.done
                 assert result.status is ActionStatus.OK and result.lease
                 e.release("t", result.lease)
-            assert len(e.idempotent) == 3
-            assert e.idempotent.keys() == [("t", "k7"), ("t", "k8"), ("t", "k9")]
+            assert len(e.state.idempotent) == 3
+            assert e.state.idempotent.keys() == [("t", "k7"), ("t", "k8"), ("t", "k9")]
             assert e.state.leases == {}
             with pytest.raises(EngineError, match="idempotency_key"):
                 e.submit_exec("t", "x", ExecRequest(argv=["true"], idempotency_key="k9"))
@@ -227,7 +227,7 @@ def test_a_tenants_max_queued_refuses_its_next_action_and_no_one_elses() -> None
             e.lease_api("flood", "search", ApiLeaseRequest())
         assert (err.value.kind, err.value.field) == ("overloaded", "queue")
         e.lease_api("other", "search", ApiLeaseRequest())  # another tenant is not limited
-        (first,) = [a for a, r in e.actions.items() if r.tenant == "flood"][:1]
+        (first,) = [a for a, r in e.state.actions.items() if r.tenant == "flood"][:1]
         assert e.cancel("flood", first)  # one fewer waiting: room for one more
         e.lease_api("flood", "search", ApiLeaseRequest())
         assert e.state.waiting == {"flood": 2, "other": 1}

@@ -314,7 +314,7 @@ def create_app(
     @app.delete("/v1/actions/{action}", responses=_ERRORS)
     async def cancel_action(action: str, who: TenantId) -> dict[str, bool]:
         if action.startswith("key:"):
-            rec = engine.idempotent.get(who, action[4:])
+            rec = engine.state.idempotent.get(who, action[4:])
             action = rec.id if rec is not None else ""
         return {"cancelled": engine.cancel(who, action)}
 
@@ -365,8 +365,8 @@ def create_app(
         """Refuse new trajectories (the ActionPool is being deleted); open ones go on until
         their owners close them or the operator's drain timeout passes."""
         operator(request)
-        if not engine.draining:
-            engine.draining = True
+        if not engine.state.draining:
+            engine.state.draining = True
             log.info("draining: no new trajectories")
         return _json(engine.figures())
 
@@ -382,7 +382,8 @@ def create_app(
     async def readyz() -> PlainTextResponse:
         if engine.ready:
             return PlainTextResponse("ready")
-        return PlainTextResponse("no agent connected" if engine.accepting else "stopping", 503)
+        why = "no agent connected" if engine.state.accepting else "stopping"
+        return PlainTextResponse(why, 503)
 
     @app.websocket("/v1/agents")
     async def agents(ws: WebSocket) -> None:

@@ -115,7 +115,7 @@ async def run(
     try:
         await stop.wait()
     finally:
-        engine.accepting = False
+        engine.state.accepting = False
         for rec in list(engine.trajectories.values()) if close_on_exit else []:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(engine.close_trajectory(rec.tenant, rec.id), grace_s)

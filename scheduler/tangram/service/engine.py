@@ -43,11 +43,9 @@ from tangram.service.agents import AgentHub
 from tangram.service.api_calls import ApiCalls
 from tangram.service.config import PoolConfig
 from tangram.service.gpu_calls import GpuCalls
-from tangram.service.keys import KeyMemory
 from tangram.service.membership import Membership
 from tangram.service.metrics import LiveFigures, Metrics, Units
 from tangram.service.outcomes import Outcomes
-from tangram.service.problems import ProblemLog
 from tangram.service.records import ActionRecord, EngineError, TrajectoryRecord, err
 from tangram.service.rounds import Rounds
 from tangram.service.state import PoolState
@@ -100,34 +98,6 @@ class Engine:
     @property
     def trajectories(self) -> dict[str, TrajectoryRecord]:
         return self.state.trajectories
-
-    @property
-    def actions(self) -> dict[str, ActionRecord]:
-        return self.state.actions
-
-    @property
-    def idempotent(self) -> KeyMemory[ActionRecord]:
-        return self.state.idempotent
-
-    @property
-    def problems(self) -> ProblemLog:
-        return self.state.problems
-
-    @property
-    def accepting(self) -> bool:
-        return self.state.accepting
-
-    @accepting.setter
-    def accepting(self, value: bool) -> None:
-        self.state.accepting = value
-
-    @property
-    def draining(self) -> bool:
-        return self.state.draining
-
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        self.state.draining = value
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
