@@ -12,8 +12,20 @@ from tangram.scheduler.core.ordering import FifoQueue
 costs = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
 
 
-def _queue(weights: dict[str, float] | None = None) -> FairQueue:
-    return FairQueue(FifoQueue, weights)
+class _Queue(FairQueue):
+    """A fair queue whose actions' work is given with them."""
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        self.costs: dict[str, float] = {}
+        super().__init__(FifoQueue, weights, work=self.costs.__getitem__)
+
+    def add(self, aid: str, seq: int, tenant: str, cost: float) -> None:
+        self.costs[aid] = cost
+        self.push(aid, (), seq, None, tenant=tenant)
+
+
+def _queue(weights: dict[str, float] | None = None) -> _Queue:
+    return _Queue(weights)
 
 
 def _serve(q: FairQueue, n: int) -> list[str]:
@@ -30,7 +42,7 @@ def _serve(q: FairQueue, n: int) -> list[str]:
 def test_a_tenant_alone_is_served_in_the_pools_order(work: list[float]) -> None:
     q = _queue()
     for i, c in enumerate(work):
-        q.push(f"a{i}", (), i, None, tenant="t", cost=c)
+        q.add(f"a{i}", i, "t", c)
     assert list(q.order(0.0)) == [f"a{i}" for i in range(len(work))]
     assert _serve(q, len(work)) == [f"a{i}" for i in range(len(work))]
 
@@ -44,7 +56,7 @@ def test_each_tenant_keeps_its_own_order_and_nothing_is_lost(
 ) -> None:
     q = _queue({"A": 1.0, "B": 2.0, "C": 0.5})
     for i, (t, c) in enumerate(pushes):
-        q.push(f"{t}{i}", (), i, None, tenant=t, cost=c)
+        q.add(f"{t}{i}", i, t, c)
     served = _serve(q, min(starts, len(pushes)))
     left = list(q.order(0.0))
     assert sorted(served + left) == sorted(f"{t}{i}" for i, (t, _) in enumerate(pushes))
@@ -67,8 +79,8 @@ def test_backlogged_tenants_share_by_weight_within_the_sfq_bound(
     by at most one largest action of each over its weight."""
     q = _queue({"A": 1.0, "B": w_b})
     for i, (ca, cb) in enumerate(zip(costs_a, costs_b, strict=True)):
-        q.push(f"A{i}", (), 2 * i, None, tenant="A", cost=ca)
-        q.push(f"B{i}", (), 2 * i + 1, None, tenant="B", cost=cb)
+        q.add(f"A{i}", 2 * i, "A", ca)
+        q.add(f"B{i}", 2 * i + 1, "B", cb)
     got = {"A": 0.0, "B": 0.0}
     cost = {f"A{i}": c for i, c in enumerate(costs_a)} | {f"B{i}": c for i, c in enumerate(costs_b)}
     for aid in _serve(q, n):
@@ -81,28 +93,28 @@ def test_backlogged_tenants_share_by_weight_within_the_sfq_bound(
 def test_a_flooding_tenant_does_not_make_a_newcomer_wait_behind_its_backlog() -> None:
     q = _queue()
     for i in range(100):
-        q.push(f"flood{i}", (), i, None, tenant="flooder", cost=1.0)
+        q.add(f"flood{i}", i, "flooder", 1.0)
     _serve(q, 10)  # it has been served for a while
-    q.push("mine", (), 100, None, tenant="newcomer", cost=1.0)
+    q.add("mine", 100, "newcomer", 1.0)
     assert next(q.order(0.0)) == "mine"  # no banked credit for the flooder's backlog
 
 
 def test_an_idle_tenant_does_not_bank_credit() -> None:
     q = _queue()
     for i in range(20):
-        q.push(f"a{i}", (), i, None, tenant="A", cost=1.0)
+        q.add(f"a{i}", i, "A", 1.0)
     _serve(q, 20)  # A alone for a long time: B was idle, and earns nothing by it
     for i in range(4):
-        q.push(f"a{20 + i}", (), 20 + i, None, tenant="A", cost=1.0)
-        q.push(f"b{i}", (), 30 + i, None, tenant="B", cost=1.0)
+        q.add(f"a{20 + i}", 20 + i, "A", 1.0)
+        q.add(f"b{i}", 30 + i, "B", 1.0)
     assert [a[0] for a in _serve(q, 8)] == ["b", "a", "b", "a", "b", "a", "b", "a"]
 
 
 def test_removing_an_action_unserved_charges_nobody() -> None:
     q = _queue()
-    q.push("a0", (), 0, None, tenant="A", cost=5.0)
-    q.push("b0", (), 1, None, tenant="B", cost=1.0)
+    q.add("a0", 0, "A", 5.0)
+    q.add("b0", 1, "B", 1.0)
     q.remove("a0")  # cancelled
-    q.push("a1", (), 2, None, tenant="A", cost=1.0)
+    q.add("a1", 2, "A", 1.0)
     assert list(q.order(0.0)) == ["b0", "a1"]  # equal tags: submission order decides
     assert "a0" not in q and len(q) == 2

@@ -49,13 +49,6 @@ class TenantShare:
 EQUAL = TenantShare()
 
 
-@dataclass(slots=True)
-class _Entry:
-    tenant: str
-    cost: float
-    seq: int
-
-
 class FairQueue:
     """Queued action ids, interleaved fairly between tenants (see the module's text)."""
 
@@ -64,12 +57,16 @@ class FairQueue:
         inner: Callable[[], PolicyQueue],
         weights: Mapping[str, float] | None = None,
         default_weight: float = 1.0,
+        work: Callable[[str], float] = lambda action_id: 1.0,
     ) -> None:
+        """``work``: an action's expected work, its length in the tags; asked only while
+        tenants compete."""
         self.inner = inner  # a new queue in the pool's order, for one tenant
         self.weights = dict(weights or {})
         self.default_weight = default_weight
+        self.work = work
         self._queues: dict[str, PolicyQueue] = {}
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, tuple[str, int]] = {}  # action id -> (tenant, seq)
         self._used: dict[str, float] = {}  # F_t: virtual time each tenant has used
         self.virtual = 0.0  # V: the start tag of the latest action started
 
@@ -90,29 +87,36 @@ class FairQueue:
         deadline: float | None,
         *,
         tenant: str = "",
-        cost: float = 1.0,
     ) -> None:
         queue = self._queues.get(tenant)
         if queue is None:
             queue = self._queues[tenant] = self.inner()
         queue.push(action_id, key, seq, deadline)
-        self._entries[action_id] = _Entry(tenant, max(cost, MIN_COST), seq)
+        self._entries[action_id] = (tenant, seq)
 
     def remove(self, action_id: str) -> None:
         """Out of the queue without being served (cancelled, timed out); see ``started``."""
-        entry = self._entries.pop(action_id)
-        queue = self._queues[entry.tenant]
+        tenant, _ = self._entries.pop(action_id)
+        queue = self._queues[tenant]
         queue.remove(action_id)
         if not len(queue):
-            del self._queues[entry.tenant]
+            del self._queues[tenant]
 
     def started(self, action_id: str) -> None:
-        """Out of the queue because it starts: its tenant is charged its cost."""
-        entry = self._entries[action_id]
-        start = max(self.virtual, self._used.get(entry.tenant, 0.0))
-        self._used[entry.tenant] = start + entry.cost / self.weight(entry.tenant)
+        """Out of the queue because it starts: its tenant is charged its cost. A tenant
+        alone in the queue is charged the least step instead of its work (which is then
+        never worked out): tags only order tenants waiting together, so all that matters
+        is that a tenant arriving now goes ahead of its next action."""
+        tenant, _ = self._entries[action_id]
+        start = max(self.virtual, self._used.get(tenant, 0.0))
+        alone = len(self._queues) == 1
+        step = MIN_COST if alone else self._cost(action_id) / self.weight(tenant)
+        self._used[tenant] = start + step
         self.virtual = start
         self.remove(action_id)
+
+    def _cost(self, action_id: str) -> float:
+        return max(self.work(action_id), MIN_COST)
 
     def tags(self, now: float) -> Iterator[tuple[float, int, str]]:
         """(virtual start tag, seq, action id) of every queued action, smallest first,
@@ -131,6 +135,5 @@ class FairQueue:
     ) -> Iterator[tuple[float, int, str]]:
         weight = self.weight(tenant)
         for aid in queue.order(now):
-            entry = self._entries[aid]
-            yield tag, entry.seq, aid
-            tag += entry.cost / weight
+            yield tag, self._entries[aid][1], aid
+            tag += self._cost(aid) / weight

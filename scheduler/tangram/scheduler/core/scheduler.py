@@ -491,7 +491,12 @@ class Scheduler:
         if not config.tenant_fairness:
             return policy.new_queue()
         weights = {t: s.weight for t, s in self.shares.items()}
-        return FairQueue(policy.new_queue, weights, self.default_share.weight)
+        return FairQueue(policy.new_queue, weights, self.default_share.weight, self._work)
+
+    def _work(self, action_id: str) -> float:
+        """A queued action's length in fair queuing: the work it is expected to be
+        (unknown: one unit)."""
+        return self._expected(self.actions[action_id]) or 1.0
 
     def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
         traj = self.trajectories[a.trajectory]
@@ -500,9 +505,7 @@ class Scheduler:
             traj.queued_exec += 1
         self._count(a, +1)
         if isinstance(self.queue, FairQueue):
-            # Its length in fair queuing: the work it is expected to be (unknown: one unit).
-            cost = self._expected(a) or 1.0
-            self.queue.push(a.id, key, a.seq, deadline, tenant=traj.tenant, cost=cost)
+            self.queue.push(a.id, key, a.seq, deadline, tenant=traj.tenant)
         else:
             self.queue.push(a.id, key, a.seq, deadline)
 
