@@ -138,7 +138,7 @@ def test_bad_input_is_a_400_naming_the_field(client: Client) -> None:
         assert e.value.status == 400 and e.value.field and "cpu" in e.value.field
     with pytest.raises(TangramError) as e:
         client.open("no-such-env")
-    assert e.value.status == 400 and e.value.field == "env"
+    assert e.value.status == 404 and e.value.field == "env"  # no such TrajectoryEnv
     with pytest.raises(TangramError) as e:
         client.exec("nope", ["true"])
     assert e.value.status == 404

@@ -43,7 +43,14 @@ class RangeDemand(_Strict):
 class ChoicesDemand(_Strict):
     """One of a discrete set of unit counts, e.g. GPU DoP ``[1, 2, 4, 8]``."""
 
-    choices: Annotated[list[int], Field(min_length=1, description="allowed unit counts")]
+    choices: Annotated[
+        list[int],
+        Field(
+            min_length=1,
+            description="allowed unit counts",
+            json_schema_extra={"uniqueItems": True},
+        ),
+    ]
 
     @field_validator("choices")
     @classmethod
@@ -96,7 +103,20 @@ class AmdahlEfficiency(_Strict):
 class TableEfficiency(_Strict):
     """Measured efficiency per unit count; counts between entries are interpolated linearly."""
 
-    table: Annotated[dict[int, float], Field(min_length=1)]
+    table: Annotated[
+        dict[int, float],
+        Field(
+            min_length=1,
+            json_schema_extra={
+                "propertyNames": {"pattern": "^[1-9][0-9]*$"},
+                "additionalProperties": {
+                    "type": "number",
+                    "exclusiveMinimum": 0,
+                    "maximum": 1,
+                },
+            },
+        ),
+    ]
 
     @field_validator("table")
     @classmethod

@@ -20,6 +20,7 @@ from tangram.api.inventory import NodeInventory
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 _ID = re.compile(ID_PATTERN)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 MAX_OUTPUT = 16 << 20
 
 
@@ -106,7 +107,11 @@ class ExecRequest(_Strict):
     queue_timeout_s: Annotated[
         float | None, Field(gt=0, description="give up (rejected) if not started by then")
     ] = None
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variables of the command",
+        json_schema_extra={"propertyNames": {"pattern": _ENV_NAME.pattern}},
+    )
     output_cap: Annotated[int, Field(ge=0, le=MAX_OUTPUT)] = 1 << 20
     idempotency_key: IdempotencyKey | None = None
 
@@ -147,7 +152,14 @@ class ApiCallRequest(_Strict):
     path: Annotated[str, Field(pattern=r"^/[^\s]*$", max_length=2048)] = "/"
     query: dict[str, str] = Field(default_factory=dict)
     body: Any = None  # sent as JSON when given
-    headers: dict[str, str] = Field(default_factory=dict)
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="HTTP headers: token names, values without line breaks or NUL",
+        json_schema_extra={
+            "propertyNames": {"pattern": _HEADER_NAME.pattern},
+            "additionalProperties": {"type": "string", "pattern": "^[^\\r\\n\\x00]*$"},
+        },
+    )
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
     queue_timeout_s: Annotated[float | None, Field(gt=0)] = None
     idempotency_key: IdempotencyKey | None = None
@@ -158,8 +170,9 @@ class ApiCallRequest(_Strict):
         if bad:
             raise ValueError(f"headers: {bad[0]} is set by the service")
         for name, value in self.headers.items():
-            if any(c in name + value for c in "\r\n\0") or not name.strip():
-                raise ValueError(f"headers: {name!r} has control characters or no name")
+            if not _HEADER_NAME.match(name) or any(c in value for c in "\r\n\0"):
+                raise ValueError(f"headers: {name!r} is not a header name, or its value has "
+                                 "line breaks or NUL")  # fmt: skip
         return self
 
 

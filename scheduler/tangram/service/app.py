@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI, Header, Request, WebSocket, WebSocketDisco
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -54,7 +55,7 @@ from tangram.service.answers import (
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.engine import Engine
-from tangram.service.records import ActionRecord, EngineError, check_id
+from tangram.service.records import ActionRecord, EngineError
 from tangram.service.reviews import NotAdmittedError, ReviewError, TokenReviewer
 from tangram.service.stream import ActionStream
 
@@ -252,12 +253,14 @@ def create_app(
         return JSONResponse(invalid(exc.errors(), skip=1), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # The framework's own answers (unknown route, wrong method, unreadable body) in
         # the same error shape as ours.
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid")
         details = [{"field": "body", "message": str(exc.detail)}] if exc.status_code == 400 else []
         headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:  # every method of the path, not just its first route's
+            headers = {**(headers or {}), "Allow": ", ".join(_methods(app, request.scope))}
         return _error(exc.status_code, code, str(exc.detail), details, headers)
 
     @app.exception_handler(EngineError)
@@ -320,17 +323,14 @@ def create_app(
 
     @app.post("/v1/apis/{api}/lease", response_model=ActionResult, responses=_ERRORS)
     async def lease(api: str, req: ApiLeaseRequest, who: TenantId) -> Response:
-        check_id(api, "api")
         return await _answer(engine.lease_api(who, api, req))
 
     @app.post("/v1/apis/{api}/call", response_model=ActionResult, responses=_ERRORS)
     async def call_api(api: str, req: ApiCallRequest, who: TenantId) -> Response:
-        check_id(api, "api")
         return await _answer(engine.lease_api(who, api, req))
 
     @app.post("/v1/services/{service}/call", response_model=ActionResult, responses=_ERRORS)
     async def call_service(service: str, req: ServiceCallRequest, who: TenantId) -> Response:
-        check_id(service, "service")
         return await _answer(engine.submit_service(who, service, req))
 
     @app.delete("/v1/leases/{lease}", responses=_ERRORS)
@@ -575,3 +575,13 @@ def _token(header: str | None) -> str | None:
 def _bearer(tokens: TokenStore, header: str | None) -> str | None:
     token = _token(header)
     return tokens.tenant(token) if token is not None else None
+
+
+def _methods(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods the routes matching ``scope``'s path take, for a 405's Allow header
+    (each method of a path is its own route)."""
+    found: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and route.path_regex.match(scope["path"]):
+            found.update(route.methods or ())
+    return sorted(found)

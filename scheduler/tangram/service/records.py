@@ -20,7 +20,6 @@ from tangram.api.wire import (
     ServiceCallRequest,
     TrajectoryInfo,
     TrajectoryState,
-    valid_id,
 )
 from tangram.scheduler.core.scheduler import Assignment
 from tangram.service.config import EnvConfig
@@ -95,8 +94,3 @@ class ActionRecord:
 
 def err(code: str, message: str, retryable: bool = False) -> ErrorInfo:
     return ErrorInfo(code=code, message=message, retryable=retryable)
-
-
-def check_id(text: str, field: str) -> None:
-    if not valid_id(text):
-        raise EngineError("invalid", field, f"{text!r} must be letters, digits, _ . - (≤ 128)")

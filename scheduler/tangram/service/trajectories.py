@@ -44,7 +44,7 @@ class Trajectories:
         if env is None:
             known = ", ".join(sorted(s.config.envs)) or "none"
             raise EngineError(
-                "invalid", "env", f"unknown TrajectoryEnv {req.env!r} (known: {known})"
+                "not_found", "env", f"unknown TrajectoryEnv {req.env!r} (known: {known})"
             )
         limit = s.config.limits(tenant).max_trajectories
         if limit is not None and sum(t.tenant == tenant for t in s.trajectories.values()) >= limit:
