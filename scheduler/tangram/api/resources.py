@@ -17,8 +17,6 @@ which hands the parsed documents to :func:`tangram.api.documents.parse_documents
 from __future__ import annotations
 
 import re
-from collections import Counter
-from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal, Self, TypeAlias
 
 from pydantic import (
@@ -33,10 +31,22 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from tangram.api.access import Access, TenantPolicy, namespace_admitted
 from tangram.api.action import _API_NAME
 from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units
 from tangram.api.orderings import OrderingName
 from tangram.api.reasons import Reason
+from tangram.api.spec_base import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    ENTRYPOINT,
+    ENV_NAME,
+    POOL_REF,
+    QUANTITY,
+    SECRET_KEY,
+    Spec,
+    unique,
+)
 
 GROUP = "tangram.dev"
 VERSION = "v1alpha1"
@@ -49,39 +59,11 @@ PLURALS = {
     "RewardService": "rewardservices",
 }
 
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-POOL_REF = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
-SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
-ENTRYPOINT = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
-QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-
 GpuCount = Literal[1, 2, 4, 8]
 ObjectKey: TypeAlias = tuple[str, str]
 """(namespace, name) of an object."""
 
-_DNS_LABEL = re.compile(DNS_LABEL)
 _HTTP_URL: TypeAdapter[HttpUrl] = TypeAdapter(HttpUrl)
-
-
-class _Spec(BaseModel):
-    """A part of a spec: camelCase keys, unknown keys rejected, finite numbers only."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,  # Python code may use snake_case (populate_by_name)
-        validate_by_alias=True,
-        extra="forbid",
-        frozen=True,
-        allow_inf_nan=False,
-    )
-
-
-def _unique(label: str, names: Iterable[str]) -> None:
-    dup = sorted(n for n, count in Counter(names).items() if count > 1)
-    if dup:
-        raise ValueError(f"duplicate {label} {dup}")
 
 
 # --- metadata --------------------------------------------------------------------------------
@@ -123,7 +105,7 @@ class ObjectMeta(BaseModel):
 # --- ActionPool ------------------------------------------------------------------------------
 
 
-class CpuPool(_Spec):
+class CpuPool(Spec):
     """The CPU cores pooled for exec actions."""
 
     node_selector: Annotated[
@@ -146,7 +128,7 @@ class CpuPool(_Spec):
     ] = 1
 
 
-class GpuPool(_Spec):
+class GpuPool(Spec):
     """The GPUs pooled for RewardService calls, allocated in power-of-two chunks."""
 
     node_selector: Annotated[
@@ -158,7 +140,7 @@ class GpuPool(_Spec):
     ] = None
 
 
-class SecretRef(_Spec):
+class SecretRef(Spec):
     """A key of a Secret in the pool's namespace."""
 
     name: Annotated[
@@ -169,7 +151,7 @@ class SecretRef(_Spec):
     ]
 
 
-class ApiQuota(_Spec):
+class ApiQuota(Spec):
     """A named API quota: at most ``concurrency`` calls in flight, ``rate`` starts per period."""
 
     name: Annotated[
@@ -218,7 +200,7 @@ class ApiQuota(_Spec):
         return self
 
 
-class Scheduling(_Spec):
+class Scheduling(Spec):
     """How the pool's scheduler orders and sizes actions."""
 
     ordering: Annotated[
@@ -245,111 +227,10 @@ class Scheduling(_Spec):
     ] = True
 
 
-class TenantPolicy(_Spec):
-    """What one tenant may hold of the pool, and its share when tenants compete."""
-
-    name: Annotated[
-        str,
-        Field(
-            min_length=1,
-            max_length=253,
-            description="the tenant as the scheduler names it: a token file's tenant, or "
-            "system:serviceaccount:NAMESPACE:NAME for a ServiceAccount; '*' is every tenant "
-            "not listed",
-        ),
-    ]
-    weight: Annotated[
-        float,
-        Field(
-            gt=0,
-            le=1000,
-            description="its share under contention: between tenants with actions waiting, "
-            "the next to start is the one furthest below its weighted share of the work "
-            "started (fair queuing); first come first served within one tenant",
-        ),
-    ] = 1.0
-    max_trajectories: Annotated[
-        int | None,
-        Field(ge=1, description="trajectories it may have open at once; unset = no limit"),
-    ] = None
-    max_queued: Annotated[
-        int | None,
-        Field(ge=1, description="actions it may have waiting at once; unset = no limit"),
-    ] = None
-    max_share: Annotated[
-        float,
-        Field(
-            gt=0,
-            le=1,
-            description="the fraction of the pool's cores, GPUs and of each API quota's "
-            "concurrency its running actions may hold at once (1 = all of it when nobody "
-            "else waits); a smaller share keeps units free for other tenants",
-        ),
-    ] = 1.0
-
-
-class Access(_Spec):
-    """Who may submit actions to the pool and reference it from their resources."""
-
-    namespaces: Annotated[
-        list[str],
-        Field(description="namespaces admitted besides the pool's own; '*' admits every one"),
-    ] = []
-    service_accounts: Annotated[
-        list[str],
-        Field(description="service accounts admitted, as namespace/name"),
-    ] = []
-    tenants: Annotated[
-        list[TenantPolicy],
-        Field(
-            description="per-tenant limits and shares; tenants not listed (and no '*') "
-            "have no limits and weight 1"
-        ),
-    ] = []
-
-    @field_validator("tenants")
-    @classmethod
-    def _tenants(cls, v: list[TenantPolicy]) -> list[TenantPolicy]:
-        seen = Counter(t.name for t in v)
-        twice = sorted(n for n, k in seen.items() if k > 1)
-        if twice:
-            raise ValueError(f"tenants listed more than once: {twice}")
-        return v
-
-    @field_validator("namespaces")
-    @classmethod
-    def _namespaces(cls, v: list[str]) -> list[str]:
-        bad = [n for n in v if n != "*" and not (_DNS_LABEL.match(n) and len(n) <= 63)]
-        if bad:
-            raise ValueError(f"not namespace names: {bad}")
-        return v
-
-    @field_validator("service_accounts")
-    @classmethod
-    def _service_accounts(cls, v: list[str]) -> list[str]:
-        bad = []
-        for sa in v:
-            ns, slash, name = sa.partition("/")
-            if not slash or not _DNS_LABEL.match(ns) or not re.match(DNS_SUBDOMAIN, name):
-                bad.append(sa)
-        if bad:
-            raise ValueError(f"service accounts must be namespace/name: {bad}")
-        return v
-
-    def admits(self, own_namespace: str, namespace: str) -> bool:
-        """Whether objects of ``namespace`` may use a pool living in ``own_namespace``."""
-        return namespace_admitted(own_namespace, namespace, self.namespaces)
-
-
-def namespace_admitted(own: str, namespace: str, admitted: Sequence[str]) -> bool:
-    """A pool living in ``own`` admits ``namespace``: its own, or listed (``*``: any)."""
-    return namespace == own or "*" in admitted or namespace in admitted
-
-
 Quantity = int | float | str
 
 
-class SchedulerDeployment(_Spec):
+class SchedulerDeployment(Spec):
     """The scheduler pod of the pool."""
 
     replicas: Annotated[
@@ -401,7 +282,7 @@ class SchedulerDeployment(_Spec):
         return v
 
 
-class Admission(_Spec):
+class Admission(Spec):
     """Bounds on what the scheduler accepts before it answers 429 or 413."""
 
     max_queued: Annotated[
@@ -412,7 +293,7 @@ class Admission(_Spec):
     ] = 1048576
 
 
-class ActionPoolSpec(_Spec):
+class ActionPoolSpec(Spec):
     """Resources pooled at the level of single actions, and the scheduler that owns them."""
 
     cpu: Annotated[CpuPool | None, Field(description="CPU cores for exec actions")] = None
@@ -428,7 +309,7 @@ class ActionPoolSpec(_Spec):
     @field_validator("apis")
     @classmethod
     def _unique_apis(cls, v: list[ApiQuota]) -> list[ApiQuota]:
-        _unique("API names", (a.name for a in v))
+        unique("API names", (a.name for a in v))
         return v
 
     @model_validator(mode="after")
@@ -441,7 +322,7 @@ class ActionPoolSpec(_Spec):
 # --- TrajectoryEnv ---------------------------------------------------------------------------
 
 
-class Security(_Spec):
+class Security(Spec):
     """Hardening of the environment containers."""
 
     read_only_root: Annotated[
@@ -460,7 +341,7 @@ class Security(_Spec):
     ] = 512
 
 
-class ActionProfile(_Spec):
+class ActionProfile(Spec):
     """A named kind of exec action: its argv template, core demand and speed-up profile."""
 
     name: Annotated[
@@ -504,7 +385,7 @@ PoolRef = Annotated[
 ]
 
 
-class TrajectoryEnvSpec(_Spec):
+class TrajectoryEnvSpec(Spec):
     """The environment container that each trajectory owns for its lifetime."""
 
     pool_ref: PoolRef
@@ -584,7 +465,7 @@ class TrajectoryEnvSpec(_Spec):
     @field_validator("actions")
     @classmethod
     def _unique_actions(cls, v: list[ActionProfile]) -> list[ActionProfile]:
-        _unique("action profile names", (a.name for a in v))
+        unique("action profile names", (a.name for a in v))
         for i, profile in enumerate(v):
             if profile.cpu is not None and min(allowed_units(profile.cpu)) < 1:
                 raise ValueError(f"actions[{i}].cpu: an action needs at least one core")
@@ -609,7 +490,7 @@ class TrajectoryEnvSpec(_Spec):
 # --- RewardService ---------------------------------------------------------------------------
 
 
-class InputSizeRange(_Spec):
+class InputSizeRange(Spec):
     """Request sizes a profile was measured on, inclusive."""
 
     min: Annotated[int, Field(ge=0, description="smallest input size")]
@@ -622,7 +503,7 @@ class InputSizeRange(_Spec):
         return self
 
 
-class ServiceProfile(_Spec):
+class ServiceProfile(Spec):
     """Measured duration of one call at one DoP, optionally for a range of input sizes."""
 
     dop: Annotated[GpuCount, Field(description="GPUs of the instance")]
@@ -633,7 +514,7 @@ class ServiceProfile(_Spec):
     ] = None
 
 
-class RewardServiceSpec(_Spec):
+class RewardServiceSpec(Spec):
     """A reward or teacher model served from the pool's GPUs, restored on demand."""
 
     pool_ref: PoolRef

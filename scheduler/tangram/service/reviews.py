@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from tangram.api.resources import namespace_admitted
+from tangram.api.access import namespace_admitted
 from tangram.service.config import PoolConfig
 
 SA_PREFIX = "system:serviceaccount:"
