@@ -83,9 +83,9 @@ def test_a_capped_tenants_elastic_action_gets_at_most_its_share() -> None:
     s.submit("e", "t", elastic(1, 8, 40.0, 0.99), 0.0)
     (asg,) = s.schedule(1.0).assignments
     assert asg.units == 2
-    assert s.holdings.of("anyone") != {}
+    assert s.holdings().of("anyone") != {}
     s.complete("e", 2.0)
-    assert s.holdings.of("anyone") == {}  # what it held is given back
+    assert s.holdings().of("anyone") == {}  # what it held is given back
 
 
 def test_a_capped_tenants_quota_units_count_against_its_share() -> None:

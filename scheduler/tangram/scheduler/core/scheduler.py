@@ -73,7 +73,6 @@ class Scheduler:
         self.actions: dict[str, Action] = {}
         self.shares: dict[str, TenantShare] = {}  # by tenant; others get default_share
         self.default_share = EQUAL
-        self.holdings = Holdings()  # what each tenant's running actions hold
         self.queue: ActionQueue | FairQueue = self._new_queue(self.config)
         self.running: dict[str, Running] = {}
         self._seq = 0
@@ -192,7 +191,6 @@ class Scheduler:
         )
         for aid in running:
             run = self.running.pop(aid)
-            self._hold(run, -1)
             for q, n in run.assignment.quotas:
                 self.quotas[q].release(n)
         dropped: list[str] = []
@@ -264,7 +262,17 @@ class Scheduler:
             s.max_share >= 1.0 for s in self.shares.values()
         ):
             return None
-        return RoundCaps(self.share_of, self.holdings, self._capacity)
+        return RoundCaps(self.share_of, self.holdings(), self._capacity)
+
+    def holdings(self) -> Holdings:
+        """What each tenant's running actions hold, counted when a round needs it (only
+        while some tenant is capped), so that starts and completions pay nothing for it."""
+        held = Holdings()
+        for run in self.running.values():
+            traj = self.trajectories.get(run.action.trajectory)
+            if traj is not None and traj.tenant:
+                held.add(traj.tenant, units_held(run.action, run.assignment.units))
+        return held
 
     def _capacity(self, r: Resource) -> int | None:
         if r == POOL_CORES:
@@ -273,11 +281,6 @@ class Scheduler:
             return sum(n.gpus for n in self.gpu.nodes.values())
         quota = self.quotas.get(r.name)
         return quota.concurrency if quota is not None else None
-
-    def _hold(self, run: Running, sign: int) -> None:
-        traj = self.trajectories.get(run.action.trajectory)
-        if traj is not None and traj.tenant:
-            self.holdings.add(traj.tenant, units_held(run.action, run.assignment.units), sign)
 
     def set_hint(self, tid: str, remaining_steps: int | None) -> None:
         traj = self._traj(tid)
@@ -320,7 +323,6 @@ class Scheduler:
         run = self.running.pop(action_id, None)
         if run is None:
             raise SchedulingError("id", f"action {action_id} is not running")
-        self._hold(run, -1)
         a, asg = run.action, run.assignment
         if asg.cores:
             assert asg.node is not None
@@ -585,8 +587,7 @@ class Scheduler:
             started_at=now,
             queued_s=now - a.submitted_at,
         )
-        run = self.running[a.id] = Running(asg, a, now + expected, s.resource)
-        self._hold(run, +1)
+        self.running[a.id] = Running(asg, a, now + expected, s.resource)
         return asg
 
 
