@@ -58,11 +58,11 @@ def test_a_tenants_limits_answer_429_naming_the_field_and_spare_the_others(
                                     daemon=True) for _ in range(2)]  # fmt: skip
         for w in waiters:
             w.start()
-        until(lambda: running.engine.state.waiting.get("team-a") == 2, "two leases waiting")
+        until(lambda: running.engine.core.queued_by_tenant.get("team-a") == 2, "two leases waiting")
         with pytest.raises(TangramError) as full:
             a.lease("search")
         assert full.value.status == 429 and "maxQueued" in str(full.value)
-        assert "team-b" not in running.engine.state.waiting
+        assert "team-b" not in running.engine.core.queued_by_tenant
         for w in waiters:  # refused after their queue timeout
             w.join(30)
 

@@ -20,8 +20,9 @@ from tangram.api.wire import (
 )
 from tangram.cli.up import load_pool
 from tangram.service.config import PoolConfig, ServiceConfig
-from tangram.service.engine import Engine, EngineError
+from tangram.service.engine import Engine
 from tangram.service.gpu_calls import elastic_call_spec
+from tangram.service.records import EngineError
 
 
 def test_idempotency_keys_are_bounded_and_in_flight_ones_kept() -> None:
@@ -227,12 +228,12 @@ def test_a_tenants_max_queued_refuses_its_next_action_and_no_one_elses() -> None
             e.lease_api("flood", "search", ApiLeaseRequest())
         assert (err.value.kind, err.value.field) == ("overloaded", "queue")
         e.lease_api("other", "search", ApiLeaseRequest())  # another tenant is not limited
-        (first,) = [a for a, r in e.state.actions.items() if r.tenant == "flood"][:1]
+        first = next(a for a, r in e.state.actions.items() if r.tenant == "flood")
         assert e.cancel("flood", first)  # one fewer waiting: room for one more
         e.lease_api("flood", "search", ApiLeaseRequest())
-        assert e.state.waiting == {"flood": 2, "other": 1}
+        assert e.core.queued_by_tenant == {"flood": 2, "other": 1}
         await e.stop(grace_s=0)
-        assert not e.state.waiting  # every one ended unstarted
+        assert not e.core.queued_by_tenant  # every one ended unstarted
 
     asyncio.run(scenario())
 

@@ -153,7 +153,6 @@ class Admission:
         except SchedulingError as e:
             raise EngineError("invalid", e.field, e.message) from None
         s.actions[rec.id] = rec
-        s.waiting[tenant] += 1
         if req.idempotency_key is not None:
             s.idempotent.remember(tenant, req.idempotency_key, rec)
         if req.queue_timeout_s is not None:

@@ -46,14 +46,14 @@ from tangram.service.gpu_calls import GpuCalls
 from tangram.service.membership import Membership
 from tangram.service.metrics import LiveFigures, Metrics, Units
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import ActionRecord, EngineError, TrajectoryRecord, err
+from tangram.service.records import ActionRecord, TrajectoryRecord, err
 from tangram.service.rounds import Rounds
 from tangram.service.state import PoolState
 from tangram.service.trajectories import Trajectories
 
 log = logging.getLogger("tangram.service")
 
-__all__ = ["ActionRecord", "Engine", "EngineError", "TrajectoryRecord"]
+__all__ = ["Engine"]
 
 
 class Engine:

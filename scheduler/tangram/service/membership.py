@@ -29,7 +29,7 @@ from tangram.service.agents import AgentLink, NodeRefusedError
 from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import KEY_SEP, TrajectoryRecord, err
+from tangram.service.records import KEY_SEP, ActionRecord, TrajectoryRecord, err
 from tangram.service.state import PoolState
 from tangram.service.trajectories import Trajectories
 
@@ -45,7 +45,6 @@ class Membership:
         self.trajectories = trajectories
         self.gpu = gpu
         self.refused: dict[str, str] = {}  # node -> why its agent was refused (standing)
-        self.adopted: dict[str, str] = {}  # agent key -> the id of the action adopted for it
 
     async def join(self, link: AgentLink) -> None:
         s, hello = self.s, link.hello
@@ -154,7 +153,6 @@ class Membership:
         s.actions[rec.id] = rec
         s.idempotent.remember(tenant, key, rec)
         rec.agent_key = run.key
-        self.adopted[run.key] = rec.id
         traj.running.add(rec.id)
         return True
 
@@ -166,8 +164,9 @@ class Membership:
                 reply.lost, reply.reason or Reason.SANDBOX_EXITED, reply.error or ""
             )
             return
-        rec = self.s.actions.get(self.adopted.pop(reply.key or "", ""))
-        if rec is None:
+        tenant, _, key = (reply.key or "").partition(KEY_SEP)
+        rec = self.s.idempotent.get(tenant, key)  # an adopted action is kept by its key
+        if not isinstance(rec, ActionRecord) or rec.agent_key != reply.key:
             return
         out = reply.result
         status = ActionStatus.ERROR

@@ -112,8 +112,6 @@ class Outcomes:
         """Give an action's result (``details`` as for ``result``) to its waiter."""
         if rec.expiry is not None:
             rec.expiry.cancel()
-        if rec.started is None:
-            self.s.not_waiting(rec)
         self.s.actions.pop(rec.id, None)
         if not rec.done.done():
             result = self.result(rec, status, **details)

@@ -59,7 +59,6 @@ class Rounds:
         """An assignment of the round: its action starts where the round put it."""
         rec = self.s.actions[asg.action_id]
         rec.started, rec.assignment = now, asg
-        self.s.not_waiting(rec)
         if rec.kind == "api":
             call = self.api.start(rec)
             if call is not None:

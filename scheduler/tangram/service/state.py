@@ -13,7 +13,6 @@ import itertools
 import logging
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -60,7 +59,6 @@ class PoolState:
         self.node_gpus: dict[str, list[int]] = {}  # the pool's GPU index -> device index
         self.problems = ProblemLog()  # sandbox and node failures, for the pool's status
         self.leases: dict[str, str] = {}  # an API lease's id -> its action's id
-        self.waiting: Counter[str] = Counter()  # tenant -> its admitted actions not started
         self.accepting = True
         self.draining = False  # the pool is being deleted: no new trajectories
         # Until then an unknown trajectory answers 503 (retry), not 404; ended early by
@@ -109,21 +107,15 @@ class PoolState:
             self.metrics.rejected.labels(self.config.name).inc()
             raise EngineError("overloaded", "queue", f"{self.core.queued} actions are queued")
         limit = self.config.limits(tenant).max_queued
-        if limit is not None and self.waiting[tenant] + extra > limit:
+        waiting = self.core.queued_by_tenant.get(tenant, 0)
+        if limit is not None and waiting + extra > limit:
             self.metrics.rejected.labels(self.config.name).inc()
             raise EngineError(
                 "overloaded",
                 "queue",
-                f"tenant {tenant} has {self.waiting[tenant]} actions waiting, its limit is "
+                f"tenant {tenant} has {waiting} actions waiting, its limit is "
                 f"{limit} (spec.access.tenants[].maxQueued)",
             )
-
-    def not_waiting(self, rec: ActionRecord) -> None:
-        """An admitted action starts or ends unstarted: it no longer counts as waiting."""
-        if rec.id in self.actions and self.waiting[rec.tenant] > 0:
-            self.waiting[rec.tenant] -= 1
-            if not self.waiting[rec.tenant]:
-                del self.waiting[rec.tenant]
 
     def record(
         self,

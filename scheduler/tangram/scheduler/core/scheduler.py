@@ -75,6 +75,7 @@ class Scheduler:
         self.default_share = EQUAL
         self.queue: ActionQueue | FairQueue = self._new_queue(self.config)
         self.running: dict[str, Running] = {}
+        self.queued_by_tenant: dict[str, int] = {}  # the queue's actions, by tenant
         self._seq = 0
         # Queued demand per resource, so a round stops walking once every resource anyone
         # waits for is blocked (a round then costs O(candidates), not O(queue)).
@@ -270,7 +271,7 @@ class Scheduler:
         held = Holdings()
         for run in self.running.values():
             traj = self.trajectories.get(run.action.trajectory)
-            if traj is not None and traj.tenant:
+            if traj is not None:  # "" too: the default share caps it like any other
                 held.add(traj.tenant, units_held(run.action, run.assignment.units))
         return held
 
@@ -505,6 +506,8 @@ class Scheduler:
         self.actions[a.id] = a
         if a.cpu:
             traj.queued_exec += 1
+        by_tenant = self.queued_by_tenant
+        by_tenant[traj.tenant] = by_tenant.get(traj.tenant, 0) + 1
         self._count(a, +1)
         if isinstance(self.queue, FairQueue):
             self.queue.push(a.id, key, a.seq, deadline, tenant=traj.tenant)
@@ -520,8 +523,14 @@ class Scheduler:
             self.queue.remove(action_id)
         a = self.actions.pop(action_id)
         self._count(a, -1)
+        traj = self.trajectories[a.trajectory]
         if a.cpu:
-            self.trajectories[a.trajectory].queued_exec -= 1
+            traj.queued_exec -= 1
+        left = self.queued_by_tenant[traj.tenant] - 1
+        if left:
+            self.queued_by_tenant[traj.tenant] = left
+        else:
+            del self.queued_by_tenant[traj.tenant]
         return a
 
     def _count(self, a: Action, delta: int) -> None:
