@@ -117,4 +117,5 @@ def test_removing_an_action_unserved_charges_nobody() -> None:
     q.remove("a0")  # cancelled
     q.add("a1", 2, "A", 1.0)
     assert list(q.order(0.0)) == ["b0", "a1"]  # equal tags: submission order decides
+    assert {aid: tag for tag, _, aid in q.tags(0.0)} == {"b0": 0.0, "a1": 0.0}
     assert "a0" not in q and len(q) == 2

@@ -72,8 +72,7 @@ class RoundCaps:
         key = (tenant, bool(a.cpu), bool(a.gpu), a.quotas)
         if key not in self._rooms:
             self._rooms[key] = self._room(a, tenant)
-        room = self._rooms[key]
-        return room if room != -1 else max(a.cpu or a.gpu or (1,))
+        return self._rooms[key]
 
     def _room(self, a: Action, tenant: str) -> int | None:
         share = self._share(tenant).max_share
@@ -89,7 +88,7 @@ class RoundCaps:
                     return 0
             else:
                 room = left if room is None else min(room, left)
-        return room if room is not None else -1  # quotas fit; cores or GPUs uncapped
+        return room  # None: its quota units fit, and no cores or GPUs of it are capped
 
     def take(self, a: Action, tenant: str, units: int) -> None:
         if self._share(tenant).max_share >= 1.0:
