@@ -261,8 +261,8 @@ def test_trajectories_of_an_agent_that_stays_away_past_the_grace_are_lost(
         assert e.value.status == 409 and "lost" in str(e.value)
         # The agent's return does not revive it: its environment is closed as stale.
         cluster.agent("state-a")
-        assert client.get(t.id).state.value == "lost"
         _wait(lambda: not any((cluster.tmp / "state-a").rglob(t.id)), "the stale env stayed")
+        assert client.get(t.id).state.value == "lost"  # after its agent is back
         with client.trajectory("shell") as fresh:
             assert fresh.exec(["true"]).status is ActionStatus.OK
 

@@ -343,8 +343,8 @@ class NodeAgent:
                 case AgentExec() | AgentSession():
                     result = await self.exec(req)
                     return AgentReply(rid=req.rid, ok=True, result=outcome(result))
-                case AgentCancel():  # answered by handle(): never run
-                    return AgentReply(rid=req.rid, ok=True)
+                case _:  # a cancel is answered by handle(), never run
+                    raise ExecError(f"{req.op}: not a request to run")
         except ExecError as e:
             return AgentReply(rid=req.rid, ok=False, error=str(e), reason=e.reason or None,
                               retryable=e.retryable)  # fmt: skip

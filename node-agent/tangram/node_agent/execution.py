@@ -9,8 +9,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tangram.api.reasons import SANDBOX_FAILURES
-
 IDLE_QUOTA_CORES = 0.1  # what a trajectory may use between actions (shells, stray jobs)
 
 
@@ -18,9 +16,9 @@ class ExecError(RuntimeError):
     """A runtime request that cannot be carried out; the message says why.
 
     A sandbox that cannot start or run also says ``reason``, its cause in one CamelCase
-    word (one of ``REASONS``: the pool's status and Events show it), and whether the same
-    request may succeed if tried again (``retryable``: a timeout, an eviction; not a
-    missing image).
+    word (one of ``tangram.api.reasons.SANDBOX_FAILURES``: the pool's status and Events
+    show it), and whether the same request may succeed if tried again (``retryable``: a
+    timeout, an eviction; not a missing image).
     """
 
     def __init__(self, message: str, *, reason: str = "", retryable: bool = False) -> None:
@@ -29,23 +27,18 @@ class ExecError(RuntimeError):
         self.retryable = retryable
 
 
-# Why a sandbox failed, as the agent reports it and the pool's SandboxesHealthy condition
-# and Events name it (docs/node-agent.md explains each and what to do).
-REASONS = SANDBOX_FAILURES
-
-
 @dataclass(frozen=True, slots=True)
 class Problem:
     """Why a node cannot run actions (its agent says so in its hello)."""
 
-    reason: str  # one of REASONS
+    reason: str  # one of tangram.api.reasons.SANDBOX_FAILURES
     message: str
 
 
 @dataclass(frozen=True, slots=True)
 class Gone:
     """An environment that ended by itself (killed, evicted, deleted): its trajectory is
-    lost, for ``reason`` (one of ``REASONS``)."""
+    lost, for ``reason`` (one of ``SANDBOX_FAILURES``)."""
 
     trajectory: str
     reason: str

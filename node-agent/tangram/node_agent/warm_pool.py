@@ -136,6 +136,8 @@ class SandboxRuntime(ExecServerRuntime, Generic[E]):
     def gone(self) -> list[Gone]:
         """Open sandboxes that ended by themselves (killed, evicted, removed), each with
         why, dropped and discarded; ended warm ones are just discarded."""
+        if not self.envs and not any(self.warm_pool.values()):
+            return []  # nothing to look for: no listing, no /proc read
         ended_now = self._survey()
         if ended_now is None:
             return []
