@@ -47,3 +47,34 @@ def test_the_schema_and_the_answers_agree(tmp_path: Path) -> None:
     assert schemas["TableEfficiency"]["properties"]["table"]["propertyNames"] == {
         "pattern": "^[1-9][0-9]*$"
     }
+
+
+def test_a_batch_item_is_one_kind_in_the_schema_as_in_the_service(tmp_path: Path) -> None:
+    """The document states which fields each kind of batch item gives (a ``oneOf``), so a
+    fuzzer's schema-valid item is one the service reads, and a mix of kinds is invalid in
+    both."""
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=2)
+    with service(CONFIG, agent, tmp_path) as (running, token):
+        auth = {"authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=running.url, headers=auth) as http:
+            item = http.get("/openapi.json").json()["components"]["schemas"]["BatchItem"]
+            kinds = [tuple(branch["required"]) for branch in item["oneOf"]]
+            assert kinds == [("trajectory", "exec"), ("api", "lease"), ("api", "call"),
+                             ("service", "score")]  # fmt: skip
+            for branch in item["oneOf"]:
+                others = [f for f, s in branch["properties"].items() if s == {"type": "null"}]
+                assert sorted(others + branch["required"]) == sorted(item["properties"])
+            bodies = {
+                ("trajectory", "exec"): {"argv": ["true"]},
+                ("api", "lease"): {},
+                ("api", "call"): {"path": "/"},
+                ("service", "score"): {"inputs": [1]},
+            }
+            for (name, kind), body in bodies.items():
+                one = {name: "nothing-by-this-name", kind: body, "lease" if kind != "lease"
+                       else "call": None}  # fmt: skip
+                answer = http.post("/v1/batch", json={"actions": [one]})
+                assert answer.status_code == 404, (kind, answer.text)  # read, then not found
+            mixed = {"trajectory": "t", "exec": {"argv": ["true"]}, "api": "a", "lease": {}}
+            answer = http.post("/v1/batch", json={"actions": [mixed]})
+            assert answer.status_code == 400 and "exactly one" in answer.text

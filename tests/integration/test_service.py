@@ -259,6 +259,19 @@ def test_a_tenant_sees_and_touches_only_its_own_trajectories(tmp_path: Path) -> 
             assert e.value.status == 404  # another tenant's trajectory does not exist
         assert b.cancel("key:anything") is False
         assert a.exec(mine.id, ["true"]).status is ActionStatus.OK
+        # Ids are per tenant: bob's trajectory of the same id is his own environment, and
+        # opening it tells him nothing of alice's.
+        his = b.open("shell", id=mine.id)
+        assert his.id == mine.id
+        with pytest.raises(TangramError) as e:
+            b.open("shell", id=mine.id)
+        assert e.value.status == 409  # his own id again
+        a.exec(mine.id, ["sh", "-c", "echo alice > mark"])
+        seen = b.exec(his.id, ["sh", "-c", "cat mark || echo none"])
+        assert seen.trajectory == mine.id and seen.stdout.strip() == "none"
+        b.close(his.id)
+        assert a.exec(mine.id, ["cat", "mark"]).stdout.strip() == "alice"
+        assert a.get(mine.id).state.value == "open"
         a.close(mine.id)
 
 

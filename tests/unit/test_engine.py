@@ -156,7 +156,7 @@ def _engine_with_t1(grace_s: float = 120.0) -> Engine:
     asyncio.run(engine.membership.join(_agent()))
     engine.core.open_trajectory("t1", 0.1)
     engine.core.place_trajectory("t1", "n1")
-    engine.trajectories["t1"] = TrajectoryRecord("t1", "u", "e", "n1", {}, 0.0, env)
+    engine.state.add_trajectory(TrajectoryRecord("t1", "u", "e", "n1", {}, 0.0, env))
     return engine
 
 
@@ -178,6 +178,26 @@ def test_a_trajectory_closed_while_its_agent_is_away_is_not_revived_by_its_retur
     asyncio.run(go())
     assert "t1" not in engine.trajectories and "t1" not in engine.core.trajectories
     assert closes == ["close t1"]
+
+
+def test_a_restarted_scheduler_takes_back_a_trajectory_under_its_tenants_id() -> None:
+    """Ids are per tenant: a trajectory opened while another tenant held its id runs under
+    another key, and the agent's metadata carries both, so a restart keeps them apart."""
+    from tangram.api.wire import AgentHello, EnvSpec, TrajectoryMeta
+    from tangram.service.config import EnvConfig
+
+    env = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))
+    engine = Engine(PoolConfig(envs={"e": env}))
+    engine.all_agents_joined()
+    agent = _agent(["x"])  # alice's "x", opened first: its key is its id
+    bobs = TrajectoryMeta(id="x.0a1b2c3d", name="x", tenant="bob", env="e")
+    hello: AgentHello = agent.hello
+    hello.trajectories.append(bobs)
+    asyncio.run(engine.membership.join(agent))
+    assert engine.trajectory("u", "x").key == "x"
+    assert engine.trajectory("bob", "x").key == "x.0a1b2c3d"
+    assert engine.trajectory("bob", "x").info().id == "x"
+    assert set(engine.core.trajectories) >= {"x", "x.0a1b2c3d"}
 
 
 def test_the_grace_of_an_earlier_absence_does_not_end_a_later_one() -> None:

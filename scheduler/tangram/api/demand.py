@@ -28,7 +28,8 @@ class _Strict(BaseModel):
 
 
 class RangeDemand(_Strict):
-    """Any whole number of units from ``min`` to ``max`` inclusive."""
+    """Any whole number of units from ``min`` to ``max`` inclusive; ``min`` ≤ ``max``, a rule
+    between two fields that JSON Schema cannot state (the service answers 400 naming it)."""
 
     min: Annotated[int, Field(ge=0, le=MAX_UNITS, description="fewest units it can run with")]
     max: Annotated[int, Field(ge=0, le=MAX_UNITS, description="most units it can use")]

@@ -253,9 +253,33 @@ class ActionResult(_Strict):
     timings: Timings = Field(default_factory=Timings)
 
 
+# A batch item's kinds: the fields each one gives (the first names what it acts on).
+_BATCH_KINDS = (("trajectory", "exec"), ("api", "lease"), ("api", "call"), ("service", "score"))
+_BATCH_FIELDS = ("trajectory", "exec", "api", "lease", "call", "service", "score")
+
+
+def _batch_kinds(schema: dict[str, Any]) -> None:
+    """State in the OpenAPI document what ``_one_action`` checks: exactly one kind, each
+    with its own fields given and every other field absent or null."""
+    schema["oneOf"] = [
+        {
+            "required": list(kind),
+            "properties": {
+                f: ({"type": "string"} if f == kind[0] else {"type": "object"})
+                if f in kind
+                else {"type": "null"}
+                for f in _BATCH_FIELDS
+            },
+        }
+        for kind in _BATCH_KINDS
+    ]
+
+
 class BatchItem(_Strict):
     """One action of a batch: ``exec`` on a ``trajectory``, a ``lease`` or ``call`` of an
     ``api`` quota, or a ``score`` call of a RewardService named by ``service``."""
+
+    model_config = ConfigDict(json_schema_extra=_batch_kinds)
 
     trajectory: Id | None = None
     exec: ExecRequest | None = None
@@ -382,11 +406,12 @@ class StreamAnswer(_Strict):
 class TrajectoryMeta(_Strict):
     """What the agent keeps of a trajectory so a restarted scheduler can take it back."""
 
-    id: str
+    id: str  # the pool-wide key the agent knows it by
     tenant: str
     env: str
     labels: dict[str, str] = Field(default_factory=dict)
     opened_at: float = 0.0
+    name: str | None = None  # its tenant's id for it; None: the key (older releases)
 
 
 class RunningAction(_Strict):

@@ -108,9 +108,13 @@ class Membership:
             return False
         if not self._place_again(meta.id, env, node, meta.tenant):
             return False
-        s.trajectories[meta.id] = TrajectoryRecord(
-            meta.id, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env
-        )
+        name = meta.name or meta.id
+        if (meta.tenant, name) in s.named:  # cannot be: ids are unique per tenant
+            s.core.close_trajectory(meta.id, finished=False)
+            return False
+        s.add_trajectory(TrajectoryRecord(
+            name, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env, key=meta.id
+        ))  # fmt: skip
         return True
 
     def _place_again(self, tid: str, env: EnvConfig, node: str, tenant: str) -> bool:
@@ -133,8 +137,9 @@ class Membership:
             return False
         index = {c: i for i, c in enumerate(s.node_cores[node])}
         req = ExecRequest(argv=["(adopted)"], idempotency_key=key)
-        target = f"exec on {run.trajectory}"
+        target = f"exec on {traj.id}"  # as its tenant named it when submitting
         rec = s.record(tenant, run.trajectory, "exec", req, None, target=target)
+        rec.trajectory_id = traj.id if traj.id != traj.key else None
         rec.submitted = rec.submitted - run.running_s
         try:
             asg = s.core.adopt(

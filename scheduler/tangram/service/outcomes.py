@@ -130,7 +130,7 @@ class Outcomes:
                 "action ended",
                 extra={
                     "action": result.id,
-                    "trajectory": result.trajectory,
+                    "trajectory": rec.trajectory,
                     "kind": result.kind,
                     "status": result.status.value,
                     "act_s": round(result.timings.act_s, 6),
@@ -175,7 +175,7 @@ class Outcomes:
             )
         return ActionResult(
             id=rec.id,
-            trajectory=rec.trajectory,
+            trajectory=rec.shown_trajectory,
             kind=rec.kind,
             status=status,
             exit_code=out.exit_code if out is not None else None,

@@ -46,7 +46,7 @@ class EngineError(Exception):
 
 @dataclass(slots=True)
 class TrajectoryRecord:
-    id: str
+    id: str  # the tenant's name for it: ids are per tenant
     tenant: str
     env: str
     node: str | None
@@ -60,6 +60,12 @@ class TrajectoryRecord:
     running: set[str] = field(default_factory=set)
     ended: str = ""  # why it is lost
     away_since: float = 0.0  # engine clock when its agent last left (AWAY)
+    # What the core and the agent know it by, unique in the pool: its id, unless another
+    # tenant held that id when it opened.
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.id
 
     def info(self) -> TrajectoryInfo:
         return TrajectoryInfo.model_validate(self, from_attributes=True)
@@ -69,7 +75,7 @@ class TrajectoryRecord:
 class ActionRecord:
     id: str
     tenant: str
-    trajectory: str | None
+    trajectory: str | None  # its trajectory's key (TrajectoryRecord.key)
     kind: ActionKind
     # None only on the stand-in answering a retry of a key whose action already ended
     request: Request | None
@@ -85,6 +91,12 @@ class ActionRecord:
     lease: str | None = None  # an API lease's id while held
     agent_key: str | None = None  # adopted after a restart: the key its agent runs it under
     answer: bytes | None = None  # ``done``'s result as JSON, once kept for its key's retries
+    trajectory_id: str | None = None  # the tenant's id of its trajectory, when not the key
+
+    @property
+    def shown_trajectory(self) -> str | None:
+        """Its trajectory as its tenant names it."""
+        return self.trajectory_id or self.trajectory
 
     @property
     def key(self) -> str | None:

@@ -52,7 +52,8 @@ class PoolState:
         self.metrics = metrics
         self.clock = clock  # monotonic seconds: queueing, timings, windows
         self.wall = wall  # unix seconds: what users read (a trajectory's opening)
-        self.trajectories: dict[str, TrajectoryRecord] = {}
+        self.trajectories: dict[str, TrajectoryRecord] = {}  # by key
+        self.named: dict[tuple[str, str], TrajectoryRecord] = {}  # by (tenant, id)
         self.actions: dict[str, ActionRecord] = {}
         self.idempotent: KeyMemory[ActionRecord] = KeyMemory()
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
@@ -72,7 +73,7 @@ class PoolState:
     def trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
         """``tenant``'s trajectory ``tid``: 404 for an unknown one or another tenant's; 503
         (retry) for an unknown one while agents may still be reconnecting."""
-        rec = self.trajectories.get(tid)
+        rec = self.named.get((tenant, tid))
         if rec is None and self.config.envs and self.clock() < self.reconnect_until:
             raise EngineError(
                 "unavailable",
@@ -80,9 +81,26 @@ class PoolState:
                 f"{tid} is not known yet: this scheduler has just started and node agents "
                 "are still reconnecting; retry",
             )
-        if rec is None or rec.tenant != tenant:  # another tenant's trajectory does not exist
+        if rec is None:  # another tenant's trajectory of that id is not this tenant's
             raise EngineError("not_found", "trajectory", f"{tid} does not exist")
         return rec
+
+    def add_trajectory(self, rec: TrajectoryRecord) -> None:
+        self.trajectories[rec.key] = rec
+        self.named[(rec.tenant, rec.id)] = rec
+
+    def drop_trajectory(self, rec: TrajectoryRecord) -> None:
+        self.trajectories.pop(rec.key, None)
+        if self.named.get((rec.tenant, rec.id)) is rec:
+            self.named.pop((rec.tenant, rec.id))
+
+    def free_key(self, tid: str) -> str:
+        """A pool-wide key for a new trajectory the tenant calls ``tid``: ``tid`` itself
+        unless another tenant's trajectory has it."""
+        key = tid
+        while key in self.trajectories or key in self.core.trajectories:
+            key = f"{tid[:119]}.{secrets.token_hex(4)}"  # still an id: ≤ 128, [A-Za-z0-9_.-]
+        return key
 
     def usable(self, tenant: str, tid: str) -> TrajectoryRecord:
         """An open trajectory of ``tenant``; 503 (retry) while its agent is away."""

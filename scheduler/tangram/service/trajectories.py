@@ -55,28 +55,30 @@ class Trajectories:
                 "(spec.access.tenants[].maxTrajectories); close one first",
             )
         tid = req.id or f"t-{secrets.token_hex(6)}"
-        if tid in s.trajectories:
+        if (tenant, tid) in s.named:
             raise EngineError("conflict", "id", f"trajectory {tid} already exists")
+        key = s.free_key(tid)
         try:
-            s.core.open_trajectory(tid, env.spec.memory_gb, req.expected_steps, tenant=tenant)
+            s.core.open_trajectory(key, env.spec.memory_gb, req.expected_steps, tenant=tenant)
         except SchedulingError as e:
             raise EngineError("invalid", e.field, e.message) from None
         node = s.core.cpu.choose_node(env.spec.memory_gb, 0, {})
         if node is None:
-            s.core.close_trajectory(tid, finished=False)
+            s.core.close_trajectory(key, finished=False)
             raise EngineError(
                 "overloaded" if s.hub.links else "unavailable",
                 "env",
                 f"no node has {env.spec.memory_gb} GiB free for a new trajectory",
             )
-        s.core.place_trajectory(tid, node)
-        rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env)
-        s.trajectories[tid] = rec
+        s.core.place_trajectory(key, node)
+        rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
+        s.add_trajectory(rec)
         meta = TrajectoryMeta(
-            id=tid, tenant=tenant, env=req.env, labels=dict(req.labels), opened_at=rec.opened_at
-        )
+            id=key, name=tid, tenant=tenant, env=req.env, labels=dict(req.labels),
+            opened_at=rec.opened_at,
+        )  # fmt: skip
         try:
-            reply = await s.ask(node, AgentOpen(trajectory=tid, env=env.spec, meta=meta))
+            reply = await s.ask(node, AgentOpen(trajectory=key, env=env.spec, meta=meta))
         except BaseException:
             self.forget(rec)
             raise
@@ -94,7 +96,7 @@ class Trajectories:
         log.info(
             "trajectory opened",
             extra={
-                "trajectory": tid,
+                "trajectory": key,
                 "tenant": tenant,
                 "env": req.env,
                 "node": node,
@@ -106,8 +108,8 @@ class Trajectories:
 
     def cancel_actions(self, tenant: str, tid: str) -> int:
         """Cancel every queued and running action of a trajectory, which stays open."""
-        self.s.trajectory(tenant, tid)  # 404 for a stranger's
-        mine = [a for a, r in self.s.actions.items() if r.trajectory == tid and r.tenant == tenant]
+        key = self.s.trajectory(tenant, tid).key  # 404 for a stranger's
+        mine = [a for a, r in self.s.actions.items() if r.trajectory == key]
         return sum(self.outcomes.cancel(tenant, aid) for aid in mine)
 
     async def close(self, tenant: str, tid: str) -> TrajectoryRecord:
@@ -117,26 +119,26 @@ class Trajectories:
             return rec
         had_environment = rec.state is TrajectoryState.OPEN
         rec.state = TrajectoryState.CLOSING  # before any await: no new action gets in now
-        for aid in [a for a, r in s.actions.items() if r.trajectory == tid]:
+        for aid in [a for a, r in s.actions.items() if r.trajectory == rec.key]:
             self.outcomes.cancel(tenant, aid)
         running = [s.actions[a].task for a in rec.running if a in s.actions]
         await asyncio.gather(*(t for t in running if t is not None), return_exceptions=True)
         if had_environment and rec.node in s.hub.links:
             with contextlib.suppress(EngineError):
-                await s.ask(rec.node, AgentClose(trajectory=tid))
+                await s.ask(rec.node, AgentClose(trajectory=rec.key))
         elif rec.node is not None and rec.node not in s.hub.links:
             # Its agent is away: when it comes back it is told to close it, not asked
             # to hand it back.
-            self.closed_away.setdefault(rec.node, set()).add(tid)
+            self.closed_away.setdefault(rec.node, set()).add(rec.key)
         self.forget(rec)
         rec.state = TrajectoryState.CLOSED
-        log.info("trajectory closed", extra={"trajectory": tid, "actions": rec.actions})
+        log.info("trajectory closed", extra={"trajectory": rec.key, "actions": rec.actions})
         return rec
 
     def forget(self, rec: TrajectoryRecord) -> None:
         """Drop a trajectory from the engine and the core."""
         self.release(rec, ActionStatus.CANCELLED, finished=rec.actions > 0)
-        self.s.trajectories.pop(rec.id, None)
+        self.s.drop_trajectory(rec)
 
     def release(
         self,
@@ -150,11 +152,11 @@ class Trajectories:
         (an adopted action, one whose environment ended) is completed there, so its
         cores and memory never leak; its queued actions end with ``status``."""
         core = self.s.core
-        for aid in [a for a, r in core.running.items() if r.action.trajectory == rec.id]:
+        for aid in [a for a, r in core.running.items() if r.action.trajectory == rec.key]:
             with contextlib.suppress(SchedulingError):
                 core.complete(aid, self.s.clock(), ok=False)
-        if rec.id in core.trajectories:
-            for aid in core.close_trajectory(rec.id, finished=finished):
+        if rec.key in core.trajectories:
+            for aid in core.close_trajectory(rec.key, finished=finished):
                 stale = self.s.actions.get(aid)
                 if stale is not None:
                     self.outcomes.finish(stale, status, error=error)
@@ -163,7 +165,7 @@ class Trajectories:
         """The trajectory's environment is gone (or is closed on sight): every action
         answers 409 with ``why`` from now on."""
         rec.state, rec.ended = TrajectoryState.LOST, why
-        log.warning("trajectory %s lost: %s", rec.id, why)
+        log.warning("trajectory %s lost: %s", rec.key, why)
 
     def environment_lost(self, tid: str, reason: str, message: str) -> None:
         """A trajectory's environment ended by itself (evicted, killed, deleted): the
@@ -174,6 +176,6 @@ class Trajectories:
             return
         self.s.problems.note(reason, f"TrajectoryEnv {rec.env}", message, self.s.clock())
         self.lose(rec, f"{message} ({reason})")
-        error = err("environment_lost", f"trajectory {tid} is lost: {rec.ended}")
+        error = err("environment_lost", f"trajectory {rec.id} is lost: {rec.ended}")
         self.release(rec, ActionStatus.ERROR, error, finished=False)
         self.s.wake.set()
