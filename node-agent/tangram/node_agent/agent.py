@@ -140,32 +140,6 @@ class NodeAgent:
         whether it serves RewardService calls, and on which devices."""
         options = gpus or GpuOptions()
         inventory = read_inventory(gpus=nvml_gpus if options.mode in ("auto", "cuda") else None)
-        agent = cls._create(
-            state_dir,
-            node=node,
-            runtime=runtime,
-            idle_cores=idle_cores,
-            cores_for_actions=cores_for_actions,
-            cache_dir=cache_dir,
-            inventory=inventory,
-            pods=pods,
-        )
-        agent.gpu = GpuRole.start(options, nvml_gpus=len(inventory.gpus))
-        return agent
-
-    @classmethod
-    def _create(
-        cls,
-        state_dir: Path,
-        *,
-        node: str | None,
-        runtime: str,
-        idle_cores: int,
-        cores_for_actions: int | None,
-        cache_dir: Path | None,
-        inventory: NodeInventory,
-        pods: PodOptions | None = None,
-    ) -> NodeAgent:
         name = node or inventory.hostname
         if runtime != "auto" and registration(runtime).virtual_cores:
             actions, idle = list(range(cores_for_actions or 1024)), [0]
@@ -179,6 +153,7 @@ class NodeAgent:
         agent.runtime.adopt()  # what a previous agent left; hello() reports what is held
         agent.load_meta(state_dir / "meta")
         agent.use_journal(KeyJournal(state_dir / "keys.journal"))
+        agent.gpu = GpuRole.start(options, nvml_gpus=len(inventory.gpus))
         return agent
 
     @property

@@ -54,7 +54,20 @@ class Cgroups(Protocol):
     def remove(self, group: str) -> None: ...
 
 
-class CgroupV1:
+class _Reads:
+    """What both versions read of a group: its cores and its processes."""
+
+    cpuset: Path  # the hierarchy holding the groups' cpuset.cpus and cgroup.procs
+
+    def cpus(self, group: str) -> str:
+        return (self.cpuset / group / "cpuset.cpus").read_text(encoding="utf-8").strip()
+
+    def pids(self, group: str) -> list[int]:
+        text = (self.cpuset / group / "cgroup.procs").read_text(encoding="utf-8")
+        return [int(p) for p in text.split()]
+
+
+class CgroupV1(_Reads):
     """Separate ``cpuset`` and ``cpu`` hierarchies (also hybrid systems)."""
 
     version: Literal[1, 2] = 1
@@ -84,13 +97,6 @@ class CgroupV1:
     def join_files(self, group: str) -> list[str]:
         return [str(self.cpuset / group / "cgroup.procs"), str(self.cpu / group / "cgroup.procs")]
 
-    def cpus(self, group: str) -> str:
-        return (self.cpuset / group / "cpuset.cpus").read_text(encoding="utf-8").strip()
-
-    def pids(self, group: str) -> list[int]:
-        text = (self.cpuset / group / "cgroup.procs").read_text(encoding="utf-8")
-        return [int(p) for p in text.split()]
-
     def remove(self, group: str) -> None:
         for hierarchy in (self.cpu, self.cpuset):
             path = hierarchy / group
@@ -98,13 +104,13 @@ class CgroupV1:
                 path.rmdir()
 
 
-class CgroupV2:
+class CgroupV2(_Reads):
     """The unified hierarchy: ``cpuset.cpus`` and ``cpu.max`` in one directory."""
 
     version: Literal[1, 2] = 2
 
     def __init__(self, root: Path = Path("/sys/fs/cgroup")) -> None:
-        self.root = root
+        self.root = self.cpuset = root
 
     def create(self, group: str) -> None:
         parts = Path(group).parts
@@ -125,13 +131,6 @@ class CgroupV2:
 
     def join_files(self, group: str) -> list[str]:
         return [str(self.root / group / "cgroup.procs")]
-
-    def cpus(self, group: str) -> str:
-        return (self.root / group / "cpuset.cpus").read_text(encoding="utf-8").strip()
-
-    def pids(self, group: str) -> list[int]:
-        text = (self.root / group / "cgroup.procs").read_text(encoding="utf-8")
-        return [int(p) for p in text.split()]
 
     def remove(self, group: str) -> None:
         path = self.root / group

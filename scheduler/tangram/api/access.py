@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 from pydantic import Field, field_validator
 
 from tangram.api.spec_base import DNS_LABEL_RE, DNS_SUBDOMAIN, Spec
+
+
+def _all(names: list[str], good: Callable[[str], bool], refusal: str) -> list[str]:
+    """``names`` when every one is ``good``; else the error lists the others."""
+    bad = [n for n in names if not good(n)]
+    if bad:
+        raise ValueError(f"{refusal}: {bad}")
+    return names
+
+
+def _is_namespace(name: str) -> bool:
+    return name == "*" or (DNS_LABEL_RE.match(name) is not None and len(name) <= 63)
+
+
+def _is_service_account(name: str) -> bool:
+    ns, slash, sa = name.partition("/")
+    return bool(slash and DNS_LABEL_RE.match(ns) and re.match(DNS_SUBDOMAIN, sa))
 
 
 class TenantPolicy(Spec):
@@ -86,22 +103,12 @@ class Access(Spec):
     @field_validator("namespaces")
     @classmethod
     def _namespaces(cls, v: list[str]) -> list[str]:
-        bad = [n for n in v if n != "*" and not (DNS_LABEL_RE.match(n) and len(n) <= 63)]
-        if bad:
-            raise ValueError(f"not namespace names: {bad}")
-        return v
+        return _all(v, _is_namespace, "not namespace names")
 
     @field_validator("service_accounts")
     @classmethod
     def _service_accounts(cls, v: list[str]) -> list[str]:
-        bad = []
-        for sa in v:
-            ns, slash, name = sa.partition("/")
-            if not slash or not DNS_LABEL_RE.match(ns) or not re.match(DNS_SUBDOMAIN, name):
-                bad.append(sa)
-        if bad:
-            raise ValueError(f"service accounts must be namespace/name: {bad}")
-        return v
+        return _all(v, _is_service_account, "service accounts must be namespace/name")
 
     def admits(self, own_namespace: str, namespace: str) -> bool:
         """Whether objects of ``namespace`` may use a pool living in ``own_namespace``."""

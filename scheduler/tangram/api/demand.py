@@ -8,7 +8,7 @@ t1 into duration(m) = t1 / (E(m) * m).
 from __future__ import annotations
 
 import itertools
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Protocol, Self, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -27,6 +27,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class _Bounds(Protocol):
+    @property
+    def min(self) -> int: ...
+    @property
+    def max(self) -> int: ...
+
+
+_B = TypeVar("_B", bound=_Bounds)
+
+
+def ordered(bounds: _B) -> _B:
+    """A range's check: ``min`` ≤ ``max``."""
+    if bounds.min > bounds.max:
+        raise ValueError(f"min ({bounds.min}) is greater than max ({bounds.max})")
+    return bounds
+
+
 class RangeDemand(_Strict):
     """Any whole number of units from ``min`` to ``max`` inclusive; ``min`` ≤ ``max``, a rule
     between two fields that JSON Schema cannot state (the service answers 400 naming it)."""
@@ -36,9 +53,7 @@ class RangeDemand(_Strict):
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
-        return self
+        return ordered(self)
 
 
 class ChoicesDemand(_Strict):

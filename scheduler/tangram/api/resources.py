@@ -33,7 +33,7 @@ from pydantic.alias_generators import to_camel
 
 from tangram.api.access import Access, TenantPolicy, namespace_admitted
 from tangram.api.action import _API_NAME
-from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units
+from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units, ordered
 from tangram.api.orderings import OrderingName
 from tangram.api.reasons import Reason
 from tangram.api.spec_base import (
@@ -498,9 +498,7 @@ class InputSizeRange(Spec):
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
-        return self
+        return ordered(self)
 
 
 class ServiceProfile(Spec):

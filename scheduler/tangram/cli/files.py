@@ -1,4 +1,5 @@
-"""Reading the user's files, with errors that name the file, the line and the field."""
+"""Reading what the user gives — command lines and files — with errors that name the flag,
+or the file, the line and the field."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from tangram.api.trace import TraceError, TrajectoryTrace, load_trace
 
 class InputError(Exception):
     """Bad user input; the message is printed as is, without a traceback."""
+
+
+def documented_command(sub: Any, name: str, summary: str, doc: str | None) -> Any:
+    """A sub-command listed with ``summary``, whose ``--help`` shows its module's docstring
+    ``doc`` as written."""
+    return sub.add_parser(
+        name, help=summary, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def whole_number(least: int) -> Callable[[str], int]:

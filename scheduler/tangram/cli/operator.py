@@ -12,17 +12,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from tangram.cli.files import InputError, port
+from tangram.cli.files import InputError, documented_command, port
 from tangram.cli.up import add_log_flags, setup_logging
+
+SUMMARY = "run the Kubernetes operator (ActionPool, TrajectoryEnv, RewardService)"
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "operator",
-        help="run the Kubernetes operator (ActionPool, TrajectoryEnv, RewardService)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = documented_command(sub, "operator", SUMMARY, __doc__)
     p.add_argument(
         "--image", required=True, help="image of the schedulers and node agents it creates"
     )

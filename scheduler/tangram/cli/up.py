@@ -20,7 +20,7 @@ from typing import Any
 
 from tangram.api.documents import Resources
 from tangram.api.resources import ActionPool
-from tangram.cli.files import InputError, port, seconds, whole_number
+from tangram.cli.files import InputError, documented_command, port, seconds, whole_number
 from tangram.cli.manifests import load_documents, load_text
 from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
@@ -37,15 +37,11 @@ from tangram.service.from_resources import (
 )
 
 LOCAL_BUSYBOX = "tangram-local/busybox:"  # images under this name are made, not pulled
+SUMMARY = "run the scheduler and a local node agent (embedded mode)"
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "up",
-        help="run the scheduler and a local node agent (embedded mode)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = documented_command(sub, "up", SUMMARY, __doc__)
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or directory")
     p.add_argument("--pool", help="the ActionPool to serve when the files declare several")
     p.add_argument(
