@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from tangram.api.wire import AgentExec, AgentOpen, AgentSession, EnvSpec, Session
+from tangram.api.wire import AgentExec, AgentOpen, AgentSession, EnvSpec, Problem, Session
 from tangram.node_agent import runtimes
 from tangram.node_agent.agent import NodeAgent
-from tangram.node_agent.execution import ExecError, ExecResult, Gone, Output, Problem
+from tangram.node_agent.execution import ExecError, ExecResult, Gone, Output
 
 
 class Recorder:
@@ -182,7 +182,7 @@ def test_a_node_that_cannot_run_actions_says_why_in_its_hello(
 ) -> None:
     agent = NodeAgent.create(tmp_path / "state", runtime="recorder", node="n1")
     assert agent.hello().problem is None
-    recorder[0].problem = Problem("CPUManagerStatic", "node n1: the CPU manager is static")
+    recorder[0].problem = Problem(reason="CPUManagerStatic", message="node n1: CPU manager static")
     problem = agent.hello().problem
     assert problem is not None and problem.reason == "CPUManagerStatic"
 

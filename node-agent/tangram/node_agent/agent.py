@@ -33,7 +33,6 @@ from tangram.api.wire import (
     AgentWarm,
     EnvSpec,
     ExecOutcome,
-    Problem,
     RunningAction,
     TrajectoryMeta,
     json_bytes,
@@ -182,11 +181,7 @@ class NodeAgent:
                 if k in self._orphaned
             ],
             gpu=self.gpu.info if self.gpu is not None else None,
-            problem=(
-                Problem(reason=p.reason, message=p.message)
-                if (p := self.runtime.problem) is not None
-                else None
-            ),
+            problem=self.runtime.problem,
         )
 
     def _held(self) -> list[str]:

@@ -28,14 +28,6 @@ class ExecError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class Problem:
-    """Why a node cannot run actions (its agent says so in its hello)."""
-
-    reason: str  # one of tangram.api.reasons.SANDBOX_FAILURES
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
 class Gone:
     """An environment that ended by itself (killed, evicted, deleted): its trajectory is
     lost, for ``reason`` (one of ``SANDBOX_FAILURES``)."""

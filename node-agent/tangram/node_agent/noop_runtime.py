@@ -8,13 +8,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tangram.api.wire import EnvSpec
+from tangram.api.wire import EnvSpec, Problem
 from tangram.node_agent.execution import (
     ExecError,
     ExecResult,
     Gone,
     Output,
-    Problem,
     check_request,
 )
 

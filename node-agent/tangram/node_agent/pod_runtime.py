@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tangram.api.wire import EnvSpec
+from tangram.api.wire import EnvSpec, Problem
 from tangram.node_agent.cgroups import CgroupError
 from tangram.node_agent.env_template import User, Workdir, digest, pick_user
 from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
@@ -37,7 +37,6 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
-    Problem,
     check_request,
 )
 from tangram.node_agent.fast_path import Command, Reachable, cgroup_of, start_time
@@ -117,8 +116,8 @@ class PodRuntime(SandboxRuntime[Pod]):
         self.problem: Problem | None = None  # why this node cannot run actions
         if cpu_manager_policy(proc_root) == "static":
             self.problem = Problem(
-                "CPUManagerStatic",
-                f"node {node}: the kubelet's CPU manager policy is static, which resets "
+                reason="CPUManagerStatic",
+                message=f"node {node}: the kubelet's CPU manager policy is static, which resets "
                 "container cpusets every reconcile period and would undo each action's "
                 "cores; run the pool on nodes whose kubelet has cpuManagerPolicy: none "
                 "(spec.cpu.nodeSelector)",

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from tangram.api.wire import EnvSpec
-from tangram.node_agent.execution import ExecError, ExecResult, Gone, Problem
+from tangram.api.wire import EnvSpec, Problem
+from tangram.node_agent.execution import ExecError, ExecResult, Gone
 
 log = logging.getLogger("tangram.agent")
 
