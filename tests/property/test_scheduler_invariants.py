@@ -550,17 +550,33 @@ def check_fcfs(
       were accounted for before B's.
     * A did not fit (or was behind one that did not): A needs its key resource (the cores
       of its trajectory's node, or a placement if it has none), the GPUs for a service,
-      its quotas, plus whatever the round says it was short of. B uses the cores of its
-      node (and a placement if it had none), its chunk and its quotas. These must not meet.
+      plus whatever the round says it was short of. B uses the cores of its node (and a
+      placement if it had none), its chunk and its quotas. These must not meet.
+    * ``quota_waiting="hold"``: A needs its quotas too.
+      ``"pass"``: a quota A needs but was not short of stays open to B. If A was short of
+      something (the first to wait on it), it keeps its units of that quota: B may take
+      only the others, so after the round the quota still has free every unit that the
+      waiting actions before B keep of it.
     """
+    passing = sim.sched.config.quota_waiting == "pass"
     started = {a.action_id: a for a in rnd.assignments}
     held_back = {a for g in rnd.groups for a in g.candidates[g.kept :]}
     short: dict[str, set[str]] = {}
     for aid, what in rnd.blocked:
         if aid not in held_back:
             short[aid] = set(what.split(","))
+    held: dict[str, int] = {}  # quota -> units that the waiting actions so far hold of it
     for i, a in enumerate(queued_before):
-        if a in started or a in held_back:
+        asg = started.get(a)
+        if asg is not None:
+            for q in dict(asg.quotas):
+                free = sim.sched.quotas[q].free(sim.now)
+                assert free >= held.get(q, 0), (
+                    f"t={sim.now}: {a} took units of {q} that waiting actions before it "
+                    f"hold ({held[q]} held, {free} left)"
+                )
+            continue
+        if a in held_back:
             continue
         spec = sim.spec[a]
         needs = set(short.get(a, set()))
@@ -574,15 +590,17 @@ def check_fcfs(
                 needs.add(f"cpu:{node}")
             elif spec.kind is ActionKind.SERVICE:
                 needs.add(GPU)
-            else:
-                needs.add(f"api:{spec.api}")
-            needs.update(f"api:{q}" for q in spec.quotas)
+            for q, n in sim.sched.actions[a].quotas:
+                if not passing:
+                    needs.add(f"api:{q}")
+                elif a in short and f"api:{q}" not in needs:
+                    held[q] = held.get(q, 0) + n
         for b in queued_before[i + 1 :]:
-            asg = started.get(b)
-            if asg is None:
+            later = started.get(b)
+            if later is None:
                 continue
-            uses = {key_of(sim, asg)} | {f"api:{q}" for q in dict(asg.quotas)}
-            if asg.cores and sim.traj_of[b] not in placed_before:
+            uses = {key_of(sim, later)} | {f"api:{q}" for q in dict(later.quotas)}
+            if later.cores and sim.traj_of[b] not in placed_before:
                 uses.add(PLACE)
             clash = needs & uses
             if not clash:
@@ -645,6 +663,13 @@ def test_trajectory_priority_is_starvation_free(w: Workload, ageing: float) -> N
 @given(workloads(), st.sampled_from([None, 1, 2]))
 def test_other_estimate_options_keep_the_invariants(w: Workload, horizon: int | None) -> None:
     simulate(w, SchedulerConfig(depth=1, explore="doubling", horizon=horizon), fcfs_check=True)
+
+
+@given(workloads())
+def test_calls_passing_a_quota_waiter_keep_the_invariants(w: Workload) -> None:
+    """``quota_waiting="pass"``: no overtaking on what a waiter lacks or keeps, and
+    liveness (every workload completes: nothing starves)."""
+    simulate(w, SchedulerConfig(quota_waiting="pass"), fcfs_check=True)
 
 
 @settings(max_examples=100, deadline=None)

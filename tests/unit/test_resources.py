@@ -635,3 +635,15 @@ def test_tenant_policies_reach_the_schedulers_config() -> None:
     assert not pool_config(off, off.pools[("default", "p")]).scheduling.tenant_fairness
     plain = parse(pool(cpu={}))
     assert pool_config(plain, plain.pools[("default", "p")]).limits("x") is NO_LIMITS
+
+
+def test_quota_waiting_is_hold_unless_the_pool_says_pass() -> None:
+    from tangram.service.from_resources import pool_config
+
+    plain = parse(pool(cpu={}))
+    assert pool_config(plain, plain.pools[("default", "p")]).scheduling.quota_waiting == "hold"
+    passing = parse(pool(cpu={}, scheduling={"quotaWaiting": "pass"}))
+    config = pool_config(passing, passing.pools[("default", "p")])
+    assert config.scheduling.quota_waiting == "pass"
+    with pytest.raises(ResourceError, match="quotaWaiting"):
+        parse(pool(cpu={}, scheduling={"quotaWaiting": "skip"}))

@@ -225,6 +225,15 @@ class Scheduling(Spec):
             "tenant's own actions in the ordering above); false: one order across tenants"
         ),
     ] = True
+    quota_waiting: Annotated[
+        Literal["hold", "pass"],
+        Field(
+            description="an action waiting for one API quota — hold: it holds every quota "
+            "it needs, so nothing behind it starts on them (first come first served per "
+            "quota: the shorter tail); pass: calls that need only a quota with room pass "
+            "it, and the first one waiting keeps just its own units (the lower mean)"
+        ),
+    ] = "hold"
 
 
 Quantity = int | float | str

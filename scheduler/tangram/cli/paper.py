@@ -155,7 +155,7 @@ def run_paper(out: Path, *, quick: bool = False, seed: int = 0) -> dict[str, Any
             "deepsearch",
             256 if quick else 2048,
             scenario_cluster("deepsearch", quota_scale=scale),
-            ("elastic", "unmanaged"),
+            ("elastic", "elastic-pass", "unmanaged"),
             seed,
         )
         for scale in ((1.0,) if quick else (0.25, 0.5, 1.0))

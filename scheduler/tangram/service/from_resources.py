@@ -102,6 +102,7 @@ def pool_config(
         max_candidates=spec.scheduling.max_candidates,
         elastic=spec.scheduling.elastic,
         tenant_fairness=spec.scheduling.tenant_fairness,
+        quota_waiting=spec.scheduling.quota_waiting,
     )
     return PoolConfig(
         name=pool.metadata.name,

@@ -4,6 +4,8 @@
 ``elastic``          ARL-Tangram: every action through the scheduler, FCFS, depth 2
 ``elastic-priority`` the same with ``trajectory-priority`` ordering
 ``elastic-doubling`` the same with the estimate exploring doubling unit counts
+``elastic-pass``     the same with ``quota_waiting="pass"``: calls on a quota with room
+                     pass one that waits for another quota
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
 ``k8s-static``       exec actions in a pod per trajectory (0.5 CPU request, 4 limit),
                      single-process commands; ``k8s-static-dop-N`` runs N processes
@@ -42,7 +44,7 @@ from tangram.sim.records import SimResult
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
 _K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
 _STATIC = re.compile(r"^static-gpu(?:-batch-([1-9][0-9]*))?$")
-NAMED = ("elastic", "elastic-priority", "elastic-doubling", "unmanaged")
+NAMED = ("elastic", "elastic-priority", "elastic-doubling", "elastic-pass", "unmanaged")
 
 
 def check_policy(name: str) -> str:
@@ -71,6 +73,8 @@ def build(
         base = replace(base, ordering="trajectory-priority")
     if policy == "elastic-doubling":
         base = replace(base, explore="doubling")
+    if policy == "elastic-pass":
+        base = replace(base, quota_waiting="pass")
     if m := _FIXED.match(policy):
         base = replace(base, fixed_dop=int(m.group(1)))
     loop = EventLoop()

@@ -32,8 +32,14 @@ class SchedulerConfig:
     horizon: int | None = None  # queued actions per resource the estimate looks at
     learn: bool = True
     tenant_fairness: bool = True  # fair queuing between tenants; False: one order for all
+    # An action waiting for one quota: "hold" closes every quota it needs (per-quota first
+    # come first served, the paper's rule); "pass" lets calls that need only a quota with
+    # room pass it, the first waiter keeping just its own units of it.
+    quota_waiting: Literal["hold", "pass"] = "hold"
 
     def __post_init__(self) -> None:
+        if self.quota_waiting not in ("hold", "pass"):
+            raise SchedulingError("quota_waiting", f"unknown rule {self.quota_waiting!r}")
         if self.depth < 1:
             raise SchedulingError("depth", "must be at least 1")
         if self.max_candidates is not None and self.max_candidates < 1:

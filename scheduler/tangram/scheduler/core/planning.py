@@ -9,8 +9,10 @@
    (FCFS per resource, hence no starvation: by induction on queue position, the first
    waiting action of a resource holds its reservation until running actions release
    enough), while actions on unrelated resources — another node, an API quota — still
-   proceed. The price is head-of-line blocking for actions that need several quotas;
-   docs/simulator.md measures it.
+   proceed. That blocks calls on a quota with room behind an action that waits for
+   another; ``quota_waiting="pass"`` keeps such a quota open instead: the first action
+   waiting on what it lacks keeps its units of it, and actions behind it take the rest
+   (docs/benchmarks.md, DeepSearch, measures both).
 2. Split candidates by key resource (the cores of one node, the GPU pool, one quota).
 3. Groups with no elastic candidate run at minimum units; the others go through greedy
    eviction (``elastic.greedy_evict``) with the ACT approximation.
@@ -238,16 +240,36 @@ class _Planner:
     def _reserves(
         self, a: Action, wants: tuple[Resource, ...], short: set[Resource]
     ) -> set[Resource]:
-        """What a waiting action reserves for the rest of the round.
+        """What a waiting action closes for the rest of the round.
 
-        Normally everything it needs. A trajectory's first action (not yet placed) reserves
-        only placement and the cores it is short of: memory is held for a trajectory's whole
-        life, so if it also reserved a quota, a placed trajectory needing that quota to
-        finish could never release the memory it waits for (hold-and-wait deadlock).
+        Everything it needs; under ``quota_waiting="pass"``, not a quota it is not short of
+        and that nobody before it closed: of that, an action short of something keeps its
+        own units (taken off the provisional free count), so calls behind it use only the
+        rest; one waiting behind another keeps none.
+
+        A trajectory's first action (not yet placed) reserves only placement and the cores
+        it is short of: memory is held for a trajectory's whole life, so if it also reserved
+        a quota, a placed trajectory needing that quota to finish could never release the
+        memory it waits for (hold-and-wait deadlock).
         """
         if a.cpu and self.view.node_of(a.trajectory) is None:
             return {PLACE} | {r for r in short if r.kind == "cpu"}
-        return set(wants) | short
+        held = set(wants) | short
+        # "pass": a quota nobody closed and it is not short of stays open, so calls behind
+        # it that need only that quota pass (no head-of-line blocking). Only the first
+        # action waiting on what it lacks keeps its units of it (the next to start when
+        # that frees); one behind another waiter keeps none until it is first. By induction
+        # on the order on what they lack, each first one starts when that frees.
+        if not a.quotas or self.s.config.quota_waiting == "hold":
+            return held
+        free = self.prov.quota_free
+        for q, n in a.quotas:
+            r = Resource.api(q)
+            if r not in short and r not in self.blocked:
+                held.discard(r)
+                if short:
+                    free[q] -= n
+        return held
 
     def _fit(self, a: Action, k: int, node: str | None) -> str | set[Resource]:
         """Provisionally take minimum units: the node (or "") if it fits, else what blocks it."""
