@@ -148,8 +148,9 @@ def create(name: str, setting: Setting) -> Runtime:
         ) from None
 
 
-def help_text() -> str:
-    return "; ".join(f"{n}: {r.help}" for n, r in _REGISTRY.items())
+def help_text(leave_out: Sequence[str] = ()) -> str:
+    """The registered runtimes, each with what it is, but those in ``leave_out``."""
+    return "; ".join(f"{n}: {r.help}" for n, r in _REGISTRY.items() if n not in leave_out)
 
 
 # --- the adapters -----------------------------------------------------------------------

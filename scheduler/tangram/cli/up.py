@@ -52,7 +52,8 @@ def register(sub: Any) -> None:
         "--runtime",
         choices=("auto", *(n for n in runtime_names() if n != "pod")),
         default="auto",
-        help=f"{runtime_help()}; auto: docker (never process: name it to run unisolated)",
+        help=f"{runtime_help(leave_out=['pod'])}; auto: docker (never process: name it "
+        "to run unisolated)",
     )
     p.add_argument("--cores", type=whole_number(1), help="cores for actions (noop: virtual cores)")
     add_gpu_flags(p)
