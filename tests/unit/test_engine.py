@@ -284,3 +284,11 @@ def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> 
         await engine.open_trajectory("u", OpenTrajectory(env="e"))
 
     asyncio.run(scenario())
+
+
+def test_a_key_still_to_be_closed_on_an_agents_return_is_not_given_again() -> None:
+    engine = _engine_with_t1()
+    assert engine.state.free_key("t2", lambda k: False) == "t2"
+    assert engine.state.free_key("t1", lambda k: False) != "t1"  # t1 is open
+    again = engine.state.free_key("t2", lambda k: k == "t2")  # closed while away
+    assert again.startswith("t2.") and len(again) == len("t2.") + 8

@@ -94,11 +94,12 @@ class PoolState:
         if self.named.get((rec.tenant, rec.id)) is rec:
             self.named.pop((rec.tenant, rec.id))
 
-    def free_key(self, tid: str) -> str:
+    def free_key(self, tid: str, taken: Callable[[str], bool]) -> str:
         """A pool-wide key for a new trajectory the tenant calls ``tid``: ``tid`` itself
-        unless another tenant's trajectory has it."""
+        unless another tenant's trajectory has it, or ``taken`` says it is not free (an
+        environment closed while its agent was away, still to be removed)."""
         key = tid
-        while key in self.trajectories or key in self.core.trajectories:
+        while key in self.trajectories or key in self.core.trajectories or taken(key):
             key = f"{tid[:119]}.{secrets.token_hex(4)}"  # still an id: ≤ 128, [A-Za-z0-9_.-]
         return key
 

@@ -57,7 +57,7 @@ class Trajectories:
         tid = req.id or f"t-{secrets.token_hex(6)}"
         if (tenant, tid) in s.named:
             raise EngineError("conflict", "id", f"trajectory {tid} already exists")
-        key = s.free_key(tid)
+        key = s.free_key(tid, lambda k: any(k in keys for keys in self.closed_away.values()))
         try:
             s.core.open_trajectory(key, env.spec.memory_gb, req.expected_steps, tenant=tenant)
         except SchedulingError as e:
