@@ -153,3 +153,16 @@ def test_a_reply_field_from_a_newer_agent_is_ignored_not_a_broken_link() -> None
     newer = '{"rid": 3, "ok": true, "resident": [], "from_a_later_release": {"x": 1}}'
     reply = AgentReply.model_validate_json(newer)
     assert reply.rid == 3 and reply.ok and not hasattr(reply, "from_a_later_release")
+
+
+def test_trajectory_metadata_talks_to_releases_before_and_after_it() -> None:
+    """Releases before ``name`` refuse unknown fields of a trajectory's metadata: it is
+    sent only when set (another tenant held the id). A later release's field is ignored."""
+    from tangram.api.wire import TrajectoryMeta
+
+    plain = TrajectoryMeta(id="t-1", tenant="alice", env="shell")
+    assert "name" not in plain.model_dump_json()
+    keyed = TrajectoryMeta(id="t-1.0a1b2c3d", tenant="bob", env="shell", name="t-1")
+    assert TrajectoryMeta.model_validate_json(keyed.model_dump_json()) == keyed
+    later = '{"id": "t-1", "tenant": "alice", "env": "shell", "from_a_later_release": 1}'
+    assert TrajectoryMeta.model_validate_json(later) == plain

@@ -11,7 +11,15 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, AnyStr, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    model_serializer,
+    model_validator,
+)
 
 from tangram.api.action import MAX_T1_S
 from tangram.api.demand import Demand, Efficiency
@@ -406,12 +414,24 @@ class StreamAnswer(_Strict):
 class TrajectoryMeta(_Strict):
     """What the agent keeps of a trajectory so a restarted scheduler can take it back."""
 
+    # Inside AgentOpen and AgentHello, between agents and schedulers upgraded apart: a
+    # field a newer release adds is ignored, and ``name`` is sent only when it is set.
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
     id: str  # the pool-wide key the agent knows it by
     tenant: str
     env: str
     labels: dict[str, str] = Field(default_factory=dict)
     opened_at: float = 0.0
-    name: str | None = None  # its tenant's id for it; None: the key (older releases)
+    name: str | None = None  # its tenant's id for it, when that is not the key
+
+    @model_serializer(mode="wrap")
+    def _name_when_set(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Releases before ``name`` refuse unknown fields here: leave it out unless needed.
+        data: dict[str, Any] = dump(self)
+        if data.get("name") is None:
+            data.pop("name", None)
+        return data
 
 
 class RunningAction(_Strict):

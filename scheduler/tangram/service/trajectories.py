@@ -74,8 +74,8 @@ class Trajectories:
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
         s.add_trajectory(rec)
         meta = TrajectoryMeta(
-            id=key, name=tid, tenant=tenant, env=req.env, labels=dict(req.labels),
-            opened_at=rec.opened_at,
+            id=key, name=tid if tid != key else None, tenant=tenant, env=req.env,
+            labels=dict(req.labels), opened_at=rec.opened_at,
         )  # fmt: skip
         try:
             reply = await s.ask(node, AgentOpen(trajectory=key, env=env.spec, meta=meta))
