@@ -288,7 +288,19 @@ def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> 
 
 def test_a_key_still_to_be_closed_on_an_agents_return_is_not_given_again() -> None:
     engine = _engine_with_t1()
-    assert engine.state.free_key("t2", lambda k: False) == "t2"
-    assert engine.state.free_key("t1", lambda k: False) != "t1"  # t1 is open
-    again = engine.state.free_key("t2", lambda k: k == "t2")  # closed while away
-    assert again.startswith("t2.") and len(again) == len("t2.") + 8
+    free_key = engine.lifecycle.free_key
+    assert free_key("t2") == "t2"
+    assert free_key("t1") != "t1"  # t1 is open
+
+    async def ask(node: str, req: Any) -> Any:
+        raise AssertionError(f"nothing is asked of an absent agent: {req}")
+
+    async def close_while_away() -> None:
+        await engine.membership.leave(_agent())
+        await engine.close_trajectory("u", "t1")
+
+    engine.state.ask = ask  # type: ignore[method-assign, assignment]
+    asyncio.run(close_while_away())
+    assert "t1" not in engine.trajectories  # closed, but its environment is still to go
+    again = free_key("t1")
+    assert again.startswith("t1.") and len(again) == len("t1.") + 8

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated
+from typing import Annotated, Literal, get_args
 
 from pydantic import PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
@@ -22,6 +22,10 @@ ORDERINGS: Mapping[str, str] = MappingProxyType(
     }
 )
 DEFAULT_ORDERING = "fcfs"
+
+# How an action waiting for one API quota treats the others it needs (docs/scheduler.md).
+QuotaWaiting = Literal["hold", "pass"]
+QUOTA_WAITING: tuple[str, ...] = get_args(QuotaWaiting)
 
 
 def expected_orderings() -> str:

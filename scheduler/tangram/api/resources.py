@@ -34,7 +34,7 @@ from pydantic.alias_generators import to_camel
 from tangram.api.access import Access, TenantPolicy, namespace_admitted
 from tangram.api.action import _API_NAME
 from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units, ordered
-from tangram.api.orderings import OrderingName
+from tangram.api.orderings import DEFAULT_ORDERING, OrderingName, QuotaWaiting
 from tangram.api.reasons import Reason
 from tangram.api.spec_base import (
     DNS_LABEL,
@@ -206,7 +206,7 @@ class Scheduling(Spec):
     ordering: Annotated[
         OrderingName,
         Field(description="queue order: first come first served, or by trajectory priority"),
-    ] = "fcfs"
+    ] = DEFAULT_ORDERING
     depth: Annotated[
         int,
         Field(ge=1, le=4, description="look-ahead of the completion-time approximation"),
@@ -226,7 +226,7 @@ class Scheduling(Spec):
         ),
     ] = True
     quota_waiting: Annotated[
-        Literal["hold", "pass"],
+        QuotaWaiting,
         Field(
             description="an action waiting for one API quota — hold: it holds every quota "
             "it needs, so nothing behind it starts on them (first come first served per "

@@ -24,10 +24,10 @@ from pydantic import (
 from tangram.api.action import MAX_T1_S
 from tangram.api.demand import Demand, Efficiency
 from tangram.api.inventory import NodeInventory
+from tangram.api.spec_base import ENV_NAME
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
-_ID = re.compile(ID_PATTERN)
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(ENV_NAME)
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 MAX_OUTPUT = 16 << 20
 
@@ -263,7 +263,7 @@ class ActionResult(_Strict):
 
 # A batch item's kinds: the fields each one gives (the first names what it acts on).
 _BATCH_KINDS = (("trajectory", "exec"), ("api", "lease"), ("api", "call"), ("service", "score"))
-_BATCH_FIELDS = ("trajectory", "exec", "api", "lease", "call", "service", "score")
+_ACTIONS = tuple(action for _, action in _BATCH_KINDS)
 
 
 def _batch_kinds(schema: dict[str, Any]) -> None:
@@ -276,7 +276,7 @@ def _batch_kinds(schema: dict[str, Any]) -> None:
                 f: ({"type": "string"} if f == kind[0] else {"type": "object"})
                 if f in kind
                 else {"type": "null"}
-                for f in _BATCH_FIELDS
+                for f in schema["properties"]
             },
         }
         for kind in _BATCH_KINDS
@@ -299,7 +299,7 @@ class BatchItem(_Strict):
 
     @model_validator(mode="after")
     def _one_action(self) -> Self:
-        given = [n for n in ("exec", "lease", "call", "score") if getattr(self, n) is not None]
+        given = [n for n in _ACTIONS if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of exec, lease, call or score")
         if self.exec is not None and self.trajectory is None:
@@ -700,7 +700,3 @@ class AgentReply(_Strict):
     # first; the scheduler's residency view of the node starts from them
     resident: list[ResidentInstance] = Field(default_factory=list)
     call: ServiceOutcome | None = None
-
-
-def valid_id(text: str) -> bool:
-    return bool(_ID.match(text))

@@ -269,7 +269,7 @@ def replay_all(
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
     text = json.dumps(report, indent=None if args.json else 2)
-    if args.out and args.what in ("scheduler", "exec", "service", "gpu", "gpu-pool", "tenants"):
+    if args.out and args.what is not None:  # a named benchmark's report (a replay's: stdout)
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

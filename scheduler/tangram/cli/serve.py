@@ -17,6 +17,7 @@ from tangram.cli.progress import note
 from tangram.cli.up import (
     add_gpu_flags,
     add_log_flags,
+    add_runtime_flag,
     load_pool,
     load_tokens,
     make_agent,
@@ -27,8 +28,6 @@ from tangram.cli.up import (
     stop_on_signals,
 )
 from tangram.client.common import DEFAULT_TOKEN_FILE
-from tangram.node_agent.runtimes import help_text as runtime_help
-from tangram.node_agent.runtimes import names as runtime_names
 from tangram.service.auth import AGENT_TENANT
 from tangram.service.embedded import Running
 
@@ -64,12 +63,7 @@ def register(sub: Any) -> None:
     a.add_argument("--scheduler", required=True, help="ws://HOST:PORT/v1/agents")
     a.add_argument("--token-file", default=_TOKENS, help="holds a system:agent token")
     a.add_argument("--node", help="node name (default: the hostname)")
-    a.add_argument(
-        "--runtime",
-        choices=("auto", *runtime_names()),
-        default="auto",
-        help=f"{runtime_help()}; auto: docker (never process: name it to run unisolated)",
-    )
+    add_runtime_flag(a)
     k = a.add_argument_group("the pod runtime (--runtime pod)")
     k.add_argument("--namespace", help="namespace of the sandbox pods (the pool's)")
     k.add_argument("--execd-image", help="an image holding the exec server (the agent's own)")

@@ -14,7 +14,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +48,7 @@ def register(sub: Any) -> None:
         "--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this host)"
     )
     p.add_argument("--port", type=port, default=8080, help="port to serve on (default 8080)")
-    p.add_argument(
-        "--runtime",
-        choices=("auto", *(n for n in runtime_names() if n != "pod")),
-        default="auto",
-        help=f"{runtime_help(leave_out=['pod'])}; auto: docker (never process: name it "
-        "to run unisolated)",
-    )
+    add_runtime_flag(p, leave_out=("pod",))  # the operator's: `tangram agent` takes it
     p.add_argument("--cores", type=whole_number(1), help="cores for actions (noop: virtual cores)")
     add_gpu_flags(p)
     p.add_argument(
@@ -78,6 +72,16 @@ def setup_logging(args: argparse.Namespace) -> None:
     from tangram.service.logs import setup
 
     setup(args.verbose, args.log_json)
+
+
+def add_runtime_flag(p: argparse.ArgumentParser, leave_out: Sequence[str] = ()) -> None:
+    """``--runtime``: the registered runtimes but ``leave_out``, each explained, or auto."""
+    p.add_argument(
+        "--runtime",
+        choices=("auto", *(n for n in runtime_names() if n not in leave_out)),
+        default="auto",
+        help=f"{runtime_help(leave_out)}; auto: docker (never process: name it to run unisolated)",
+    )
 
 
 def add_log_flags(p: argparse.ArgumentParser) -> None:

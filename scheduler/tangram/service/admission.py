@@ -50,8 +50,6 @@ class Admission:
             argv, spec = self._exec_spec(self.s.env_of(traj), req)
             rec = self._enter(tenant, req, spec, tid=traj.key, holder=traj.key, kind="exec",
                               argv=argv, target=target)  # fmt: skip
-            if traj.key != tid:
-                rec.trajectory_id = tid
             traj.actions += 1
             return rec
 

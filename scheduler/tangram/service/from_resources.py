@@ -96,14 +96,7 @@ def pool_config(
                     f"ActionPool {pool.metadata.name}: apis[{q.name}].secretRef: {e}"
                 ) from None
         endpoints[q.name] = ApiEndpoint(q.endpoint, credential)
-    scheduling = SchedulerConfig(
-        ordering=spec.scheduling.ordering,
-        depth=spec.scheduling.depth,
-        max_candidates=spec.scheduling.max_candidates,
-        elastic=spec.scheduling.elastic,
-        tenant_fairness=spec.scheduling.tenant_fairness,
-        quota_waiting=spec.scheduling.quota_waiting,
-    )
+    scheduling = SchedulerConfig(**spec.scheduling.model_dump())  # the same field names
     return PoolConfig(
         name=pool.metadata.name,
         envs=envs,

@@ -104,13 +104,11 @@ class Membership:
                 return True
             return False  # lost (the grace ended) or closed while its agent was away
         env = s.config.envs.get(meta.env)
-        if env is None or not meta.tenant:
+        name = meta.name or meta.id
+        # Taken when its tenant opened the id again while this agent was away too long.
+        if env is None or not meta.tenant or (meta.tenant, name) in s.named:
             return False
         if not self._place_again(meta.id, env, node, meta.tenant):
-            return False
-        name = meta.name or meta.id
-        if (meta.tenant, name) in s.named:  # cannot be: ids are unique per tenant
-            s.core.close_trajectory(meta.id, finished=False)
             return False
         s.add_trajectory(TrajectoryRecord(
             name, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env, key=meta.id
@@ -139,7 +137,6 @@ class Membership:
         req = ExecRequest(argv=["(adopted)"], idempotency_key=key)
         target = f"exec on {traj.id}"  # as its tenant named it when submitting
         rec = s.record(tenant, run.trajectory, "exec", req, None, target=target)
-        rec.trajectory_id = traj.id if traj.id != traj.key else None
         rec.submitted = rec.submitted - run.running_s
         try:
             asg = s.core.adopt(

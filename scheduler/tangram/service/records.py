@@ -19,6 +19,7 @@ from tangram.api.wire import (
     ExecRequest,
     ServiceCallRequest,
     TrajectoryInfo,
+    TrajectoryMeta,
     TrajectoryState,
 )
 from tangram.scheduler.core.scheduler import Assignment
@@ -70,6 +71,14 @@ class TrajectoryRecord:
     def info(self) -> TrajectoryInfo:
         return TrajectoryInfo.model_validate(self, from_attributes=True)
 
+    def meta(self) -> TrajectoryMeta:
+        """What its agent keeps of it: the key it is known by, and the tenant's id when
+        that differs."""
+        return TrajectoryMeta(
+            id=self.key, name=self.id if self.id != self.key else None, tenant=self.tenant,
+            env=self.env, labels=dict(self.labels), opened_at=self.opened_at,
+        )  # fmt: skip
+
 
 @dataclass(slots=True)
 class ActionRecord:
@@ -91,7 +100,7 @@ class ActionRecord:
     lease: str | None = None  # an API lease's id while held
     agent_key: str | None = None  # adopted after a restart: the key its agent runs it under
     answer: bytes | None = None  # ``done``'s result as JSON, once kept for its key's retries
-    trajectory_id: str | None = None  # the tenant's id of its trajectory, when not the key
+    trajectory_id: str | None = None  # the tenant's id of its trajectory
 
     @property
     def shown_trajectory(self) -> str | None:

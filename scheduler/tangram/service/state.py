@@ -94,15 +94,6 @@ class PoolState:
         if self.named.get((rec.tenant, rec.id)) is rec:
             self.named.pop((rec.tenant, rec.id))
 
-    def free_key(self, tid: str, taken: Callable[[str], bool]) -> str:
-        """A pool-wide key for a new trajectory the tenant calls ``tid``: ``tid`` itself
-        unless another tenant's trajectory has it, or ``taken`` says it is not free (an
-        environment closed while its agent was away, still to be removed)."""
-        key = tid
-        while key in self.trajectories or key in self.core.trajectories or taken(key):
-            key = f"{tid[:119]}.{secrets.token_hex(4)}"  # still an id: ≤ 128, [A-Za-z0-9_.-]
-        return key
-
     def usable(self, tenant: str, tid: str) -> TrajectoryRecord:
         """An open trajectory of ``tenant``; 503 (retry) while its agent is away."""
         traj = self.trajectory(tenant, tid)
@@ -146,10 +137,14 @@ class PoolState:
         *,
         target: str,
     ) -> ActionRecord:
-        """A new action's record, with its id and the future its waiter awaits."""
+        """A new action's record, with its id and the future its waiter awaits; ``tid``:
+        its trajectory's key."""
         aid = f"a-{self.epoch}-{next(self._ids)}"  # unique across restarts by the epoch
         fut: asyncio.Future[ActionResult] = asyncio.get_running_loop().create_future()
-        return ActionRecord(aid, tenant, tid, kind, req, argv, target, self.clock(), fut)
+        rec = ActionRecord(aid, tenant, tid, kind, req, argv, target, self.clock(), fut)
+        if tid is not None and (traj := self.trajectories.get(tid)) is not None:
+            rec.trajectory_id = traj.id
+        return rec
 
     def env_of(self, traj: TrajectoryRecord) -> EnvConfig:
         """The trajectory's environment as configured now, or as it was opened if its

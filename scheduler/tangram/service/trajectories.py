@@ -14,7 +14,6 @@ from tangram.api.wire import (
     AgentOpen,
     ErrorInfo,
     OpenTrajectory,
-    TrajectoryMeta,
     TrajectoryState,
 )
 from tangram.scheduler.core.scheduler import SchedulingError
@@ -57,7 +56,7 @@ class Trajectories:
         tid = req.id or f"t-{secrets.token_hex(6)}"
         if (tenant, tid) in s.named:
             raise EngineError("conflict", "id", f"trajectory {tid} already exists")
-        key = s.free_key(tid, lambda k: any(k in keys for keys in self.closed_away.values()))
+        key = self.free_key(tid)
         try:
             s.core.open_trajectory(key, env.spec.memory_gb, req.expected_steps, tenant=tenant)
         except SchedulingError as e:
@@ -73,12 +72,8 @@ class Trajectories:
         s.core.place_trajectory(key, node)
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
         s.add_trajectory(rec)
-        meta = TrajectoryMeta(
-            id=key, name=tid if tid != key else None, tenant=tenant, env=req.env,
-            labels=dict(req.labels), opened_at=rec.opened_at,
-        )  # fmt: skip
         try:
-            reply = await s.ask(node, AgentOpen(trajectory=key, env=env.spec, meta=meta))
+            reply = await s.ask(node, AgentOpen(trajectory=key, env=env.spec, meta=rec.meta()))
         except BaseException:
             self.forget(rec)
             raise
@@ -105,6 +100,19 @@ class Trajectories:
             },
         )
         return rec
+
+    def free_key(self, tid: str) -> str:
+        """A pool-wide key for a new trajectory its tenant calls ``tid``: ``tid`` itself
+        unless another tenant's trajectory has it, or an environment of that key, closed
+        while its agent was away, is still to be removed on the agent's return."""
+        s, key = self.s, tid
+        while (
+            key in s.trajectories
+            or key in s.core.trajectories
+            or any(key in keys for keys in self.closed_away.values())
+        ):
+            key = f"{tid[:119]}.{secrets.token_hex(4)}"  # still an id: ≤ 128, [A-Za-z0-9_.-]
+        return key
 
     def cancel_actions(self, tenant: str, tid: str) -> int:
         """Cancel every queued and running action of a trajectory, which stays open."""

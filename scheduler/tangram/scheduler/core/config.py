@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tangram.api.orderings import DEFAULT_ORDERING, ORDERINGS
+from tangram.api.orderings import DEFAULT_ORDERING, ORDERINGS, QUOTA_WAITING, QuotaWaiting
 
 Ordering = str  # a name of tangram.api.orderings.ORDERINGS
 
@@ -35,10 +35,10 @@ class SchedulerConfig:
     # An action waiting for one quota: "hold" closes every quota it needs (per-quota first
     # come first served, the paper's rule); "pass" lets calls that need only a quota with
     # room pass it, the first waiter keeping just its own units of it.
-    quota_waiting: Literal["hold", "pass"] = "hold"
+    quota_waiting: QuotaWaiting = "hold"
 
     def __post_init__(self) -> None:
-        if self.quota_waiting not in ("hold", "pass"):
+        if self.quota_waiting not in QUOTA_WAITING:
             raise SchedulingError("quota_waiting", f"unknown rule {self.quota_waiting!r}")
         if self.depth < 1:
             raise SchedulingError("depth", "must be at least 1")
