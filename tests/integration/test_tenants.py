@@ -54,8 +54,8 @@ def test_a_tenants_limits_answer_429_naming_the_field_and_spare_the_others(
         # The quota's one unit is held by a lease: two more of team-a's wait behind it.
         held = a.lease("search", hold_s=60)
         assert held.lease is not None
-        waiters = [threading.Thread(target=_lease_quietly, args=(running.url, token["team-a"]),
-                                    daemon=True) for _ in range(2)]  # fmt: skip
+        waiters = [threading.Thread(target=_lease_keyed, args=(running.url, token["team-a"], k),
+                                    daemon=True) for k in ("w-0", "w-1")]  # fmt: skip
         for w in waiters:
             w.start()
         until(lambda: running.engine.core.queued_by_tenant.get("team-a") == 2, "two leases waiting")
@@ -63,13 +63,14 @@ def test_a_tenants_limits_answer_429_naming_the_field_and_spare_the_others(
             a.lease("search")
         assert full.value.status == 429 and "maxQueued" in str(full.value)
         assert "team-b" not in running.engine.core.queued_by_tenant
-        for w in waiters:  # refused after their queue timeout
+        for w, key in zip(waiters, ("w-0", "w-1"), strict=True):  # nothing left waiting
+            assert a.cancel(f"key:{key}")
             w.join(30)
+            assert not w.is_alive()
 
 
-def _lease_quietly(url: str, token: str) -> None:
-    """A lease that waits at most 5 s in the queue (then it is refused), so that nothing
-    is left waiting when the service stops."""
+def _lease_keyed(url: str, token: str, key: str) -> None:
+    """A lease that waits in the queue until it is granted or cancelled by its key."""
     headers = {"authorization": f"Bearer {token}"}
-    body = {"queue_timeout_s": 5}
+    body = {"idempotency_key": key}
     httpx.post(f"{url}/v1/apis/search/lease", json=body, headers=headers, timeout=30)

@@ -80,9 +80,12 @@ async def _scenario(scenario: str, args: argparse.Namespace, work: Path) -> dict
     )  # fmt: skip
     sleep = ["sleep", str(args.action_s)]
     try:
+        deadline = asyncio.get_running_loop().time() + 60
         while "bench" not in running.engine.hub.links:
             if agent.poll() is not None:
                 raise InputError(f"bench tenants: the node agent exited ({agent.returncode})")
+            if asyncio.get_running_loop().time() > deadline:
+                raise InputError("bench tenants: the node agent did not connect in 60 s")
             await asyncio.sleep(0.05)
         async with (
             AsyncClient(running.url, token[STEADY]) as steady,
