@@ -37,11 +37,11 @@ from tangram.api import (
     allowed_units,
 )
 from tangram.scheduler import Assignment, Round, Scheduler, SchedulerConfig, SchedulingError
+from tangram.scheduler.core.config import Ordering
 from tangram.scheduler.core.decisions import Plan
 from tangram.scheduler.core.dp import chunk_level
 from tangram.scheduler.core.elastic import greedy_evict
 from tangram.scheduler.core.objective import Pending
-from tangram.scheduler.core.scheduler import Ordering
 
 GPU = "gpu"
 PLACE = "place"

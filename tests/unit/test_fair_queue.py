@@ -17,7 +17,8 @@ class _Queue(FairQueue):
 
     def __init__(self, weights: dict[str, float] | None = None) -> None:
         self.costs: dict[str, float] = {}
-        super().__init__(FifoQueue, weights, work=self.costs.__getitem__)
+        weights = weights or {}
+        super().__init__(FifoQueue, lambda t: weights.get(t, 1.0), work=self.costs.__getitem__)
 
     def add(self, aid: str, seq: int, tenant: str, cost: float) -> None:
         self.costs[aid] = cost
@@ -44,6 +45,8 @@ def test_a_tenant_alone_is_served_in_the_pools_order(work: list[float]) -> None:
     for i, c in enumerate(work):
         q.add(f"a{i}", i, "t", c)
     assert list(q.order(0.0)) == [f"a{i}" for i in range(len(work))]
+    # order() takes a shortcut for one tenant; the tags it skips agree with it.
+    assert [aid for *_, aid in q.tags(0.0)] == [f"a{i}" for i in range(len(work))]
     assert _serve(q, len(work)) == [f"a{i}" for i in range(len(work))]
 
 

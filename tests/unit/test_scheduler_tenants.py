@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram.scheduler import Scheduler, SchedulerConfig
-from tangram.scheduler.core.fair import TenantShare
+from tangram.scheduler.core.shares import TenantShare
 
 from .helpers import api_call, cluster, elastic, exec_action
 
@@ -86,6 +86,9 @@ def test_a_capped_tenants_elastic_action_gets_at_most_its_share() -> None:
     assert s.holdings().of("anyone") != {}
     s.complete("e", 2.0)
     assert s.holdings().of("anyone") == {}  # what it held is given back
+    s.submit("e2", "t", elastic(1, 8, 40.0, 0.99), 3.0)
+    (again,) = s.schedule(3.0).assignments
+    assert again.units == 2  # its whole share again, not what was left beside the first
 
 
 def test_a_capped_tenants_quota_units_count_against_its_share() -> None:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from tangram.api.cluster import ApiSpec
 from tangram.api.demand import Demand, Efficiency, RangeDemand
 from tangram.api.wire import EnvSpec, ServiceDef
-from tangram.scheduler.core.fair import TenantShare
 from tangram.scheduler.core.scheduler import SchedulerConfig
+from tangram.scheduler.core.shares import TenantShare
 
 
 @dataclass(frozen=True, slots=True)

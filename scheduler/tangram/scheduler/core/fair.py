@@ -18,8 +18,7 @@ expected work as its length.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 MIN_COST = 1e-6  # an action of unknown or zero work still moves its tenant's tag
@@ -37,33 +36,20 @@ class PolicyQueue(Protocol):
     def order(self, now: float) -> Iterator[str]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class TenantShare:
-    """How a tenant shares the pool: its weight in fair queuing, and the fraction of each
-    resource's units its running actions may hold at once."""
-
-    weight: float = 1.0
-    max_share: float = 1.0
-
-
-EQUAL = TenantShare()
-
-
 class FairQueue:
     """Queued action ids, interleaved fairly between tenants (see the module's text)."""
 
     def __init__(
         self,
         inner: Callable[[], PolicyQueue],
-        weights: Mapping[str, float] | None = None,
-        default_weight: float = 1.0,
+        weight: Callable[[str], float] = lambda tenant: 1.0,
         work: Callable[[str], float] = lambda action_id: 1.0,
     ) -> None:
-        """``work``: an action's expected work, its length in the tags; asked only while
-        tenants compete."""
+        """``weight``: a tenant's weight, read at each start (so a change counts from the
+        next one on); ``work``: an action's expected work, its length in the tags; both
+        asked only while tenants compete."""
         self.inner = inner  # a new queue in the pool's order, for one tenant
-        self.weights = dict(weights or {})
-        self.default_weight = default_weight
+        self._weight = weight
         self.work = work
         self._queues: dict[str, PolicyQueue] = {}
         self._entries: dict[str, tuple[str, int]] = {}  # action id -> (tenant, seq)
@@ -77,7 +63,7 @@ class FairQueue:
         return action_id in self._entries
 
     def weight(self, tenant: str) -> float:
-        return self.weights.get(tenant, self.default_weight)
+        return self._weight(tenant)
 
     def push(
         self,

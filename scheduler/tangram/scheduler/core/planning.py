@@ -163,10 +163,6 @@ class _Planner:
             if caps is not None:
                 tenant = s.trajectories[a.trajectory].tenant
                 room = caps.room(a, tenant)
-                if room is not None and room < min(a.cpu or a.gpu or (1,)):
-                    # At its tenant's share: it waits without holding others back.
-                    waits.append((aid, f"tenant {tenant} at its maxShare"))
-                    continue
             # The trajectory's node, placed or planned (view.node_of, inlined: hot loop).
             node = placement.get(a.trajectory) if a.cpu else None
             if node is None and a.cpu:
@@ -174,7 +170,7 @@ class _Planner:
             units, durations, pending = s.sizing.choices(a, node)
             wants = needs(a, node, placement)
             if room is not None:
-                if room < units[0]:
+                if room < units[0]:  # at its tenant's share: it waits, holding nothing back
                     waits.append((aid, f"tenant {tenant} at its maxShare"))
                     continue
                 if room < max(units):
@@ -198,10 +194,10 @@ class _Planner:
                     continue
                 # It reserves everything it needs, not just what it is short of: an action
                 # that needs two quotas must not be overtaken forever on either one.
-                blocked.update(self._reserves(a, wants, fit))
+                blocked.update(self._reserves(a, node, wants, fit))
                 waits.append((aid, ",".join(sorted(str(r) for r in fit))))
             else:
-                blocked.update(self._reserves(a, wants, set()))
+                blocked.update(self._reserves(a, node, wants, set()))
             key = wants[0]
             if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
                 rest.setdefault(key, []).append(pending)
@@ -238,7 +234,7 @@ class _Planner:
                     return
 
     def _reserves(
-        self, a: Action, wants: tuple[Resource, ...], short: set[Resource]
+        self, a: Action, node: str | None, wants: tuple[Resource, ...], short: set[Resource]
     ) -> set[Resource]:
         """What a waiting action closes for the rest of the round.
 
@@ -252,7 +248,7 @@ class _Planner:
         a quota, a placed trajectory needing that quota to finish could never release the
         memory it waits for (hold-and-wait deadlock).
         """
-        if a.cpu and self.view.node_of(a.trajectory) is None:
+        if a.cpu and node is None:  # not placed, nor planned this round
             return {PLACE} | {r for r in short if r.kind == "cpu"}
         held = set(wants) | short
         # "pass": a quota nobody closed and it is not short of stays open, so calls behind

@@ -18,24 +18,30 @@ from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
 from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
 from tangram.scheduler.core.admission import resolve
-from tangram.scheduler.core.config import Ordering, SchedulerConfig, SchedulingError
+from tangram.scheduler.core.config import SchedulerConfig, SchedulingError
 from tangram.scheduler.core.cpu_pool import CpuPool
 from tangram.scheduler.core.decisions import (
     Assignment,
     Drained,
-    GroupDecision,
     Plan,
     Round,
     Start,
 )
-from tangram.scheduler.core.fair import EQUAL, FairQueue, TenantShare
+from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
 from tangram.scheduler.core.planning import plan_round
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
-from tangram.scheduler.core.shares import POOL_CORES, Holdings, RoundCaps, units_held
+from tangram.scheduler.core.shares import (
+    EQUAL,
+    POOL_CORES,
+    Holdings,
+    RoundCaps,
+    TenantShare,
+    units_held,
+)
 from tangram.scheduler.core.sizing import Sizing
 
 # Re-exported: callers import these from here.
@@ -43,8 +49,6 @@ __all__ = [
     "Action",
     "Assignment",
     "Drained",
-    "GroupDecision",
-    "Ordering",
     "Plan",
     "Round",
     "Scheduler",
@@ -250,9 +254,6 @@ class Scheduler:
         """Each tenant's weight and cap; tenants not named get ``default``. Queued actions
         keep their places; the new weights count from the next start on."""
         self.shares, self.default_share = dict(shares), default
-        if isinstance(self.queue, FairQueue):
-            self.queue.weights = {t: s.weight for t, s in self.shares.items()}
-            self.queue.default_weight = default.weight
 
     def share_of(self, tenant: str) -> TenantShare:
         return self.shares.get(tenant, self.default_share)
@@ -263,7 +264,7 @@ class Scheduler:
             s.max_share >= 1.0 for s in self.shares.values()
         ):
             return None
-        return RoundCaps(self.share_of, self.holdings(), self._capacity)
+        return RoundCaps(self.share_of, self.holdings(), self._capacity())
 
     def holdings(self) -> Holdings:
         """What each tenant's running actions hold, counted when a round needs it (only
@@ -275,13 +276,16 @@ class Scheduler:
                 held.add(traj.tenant, units_held(run.action, run.assignment.units))
         return held
 
-    def _capacity(self, r: Resource) -> int | None:
-        if r == POOL_CORES:
-            return sum(n.cores for n in self.cpu.nodes.values())
-        if r == GPU:
-            return sum(n.gpus for n in self.gpu.nodes.values())
-        quota = self.quotas.get(r.name)
-        return quota.concurrency if quota is not None else None
+    def _capacity(self) -> dict[Resource, int]:
+        """The pool's units of each kind a tenant's share caps (for one round)."""
+        capacity = {
+            POOL_CORES: sum(n.cores for n in self.cpu.nodes.values()),
+            GPU: sum(n.gpus for n in self.gpu.nodes.values()),
+        }
+        for name, quota in self.quotas.items():
+            if quota.concurrency is not None:
+                capacity[Resource.api(name)] = quota.concurrency
+        return capacity
 
     def set_hint(self, tid: str, remaining_steps: int | None) -> None:
         traj = self._traj(tid)
@@ -425,9 +429,7 @@ class Scheduler:
         if asg is None:
             self._dequeue(action_id)
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
-        run = self.running[action_id]
-        run.expected_end = started_at + asg.expected_s
-        return asg
+        return asg  # running until started_at + its expected time, as _start keeps
 
     @property
     def queued(self) -> int:
@@ -493,8 +495,7 @@ class Scheduler:
         policy = POLICIES[config.ordering]
         if not config.tenant_fairness:
             return policy.new_queue()
-        weights = {t: s.weight for t, s in self.shares.items()}
-        return FairQueue(policy.new_queue, weights, self.default_share.weight, self._work)
+        return FairQueue(policy.new_queue, lambda t: self.share_of(t).weight, self._work)
 
     def _work(self, action_id: str) -> float:
         """A queued action's length in fair queuing: the work it is expected to be

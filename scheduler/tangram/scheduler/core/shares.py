@@ -10,12 +10,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from tangram.scheduler.core.actions import Action
-from tangram.scheduler.core.fair import TenantShare
 from tangram.scheduler.core.resource import GPU, Resource
 
 POOL_CORES = Resource("cpu")  # every core of the pool (a node's cores are Resource.cpu(node))
+
+
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """How a tenant shares the pool: its weight in fair queuing, and the fraction of each
+    resource's units its running actions may hold at once."""
+
+    weight: float = 1.0
+    max_share: float = 1.0
+
+
+EQUAL = TenantShare()
 
 
 def units_held(a: Action, units: int) -> list[tuple[Resource, int]]:
@@ -35,14 +47,10 @@ class Holdings:
     def __init__(self) -> None:
         self._held: dict[str, dict[Resource, int]] = {}
 
-    def add(self, tenant: str, held: Iterable[tuple[Resource, int]], sign: int = 1) -> None:
+    def add(self, tenant: str, held: Iterable[tuple[Resource, int]]) -> None:
         mine = self._held.setdefault(tenant, {})
         for r, n in held:
-            mine[r] = mine.get(r, 0) + sign * n
-            if not mine[r]:
-                del mine[r]
-        if not mine:
-            del self._held[tenant]
+            mine[r] = mine.get(r, 0) + n
 
     def of(self, tenant: str) -> Mapping[Resource, int]:
         return self._held.get(tenant, {})
@@ -55,24 +63,28 @@ class RoundCaps:
         self,
         share: Callable[[str], TenantShare],
         holdings: Holdings,
-        capacity: Callable[[Resource], int | None],
+        capacity: Mapping[Resource, int],
     ) -> None:
+        """``capacity``: the pool's units of each capped kind (POOL_CORES, GPU, a quota's
+        concurrency); a kind not in it is not capped."""
         self._share = share
         self._holdings = holdings
         self._capacity = capacity
         self._planned: dict[tuple[str, Resource], int] = {}
         # A flooding tenant's queue is walked every round: one answer per tenant and kind
         # of action until the tenant takes more.
-        self._rooms: dict[tuple[str, bool, bool, tuple[tuple[str, int], ...]], int | None] = {}
+        self._rooms: dict[str, dict[tuple[bool, bool, tuple[tuple[str, int], ...]], int | None]]
+        self._rooms = {}
 
     def room(self, a: Action, tenant: str) -> int | None:
         """The most cores or GPUs ``a`` may take now (0: it may not start this round); None
         when its tenant is not capped. Its quota units either fit its tenant's share or
         make the room 0."""
-        key = (tenant, bool(a.cpu), bool(a.gpu), a.quotas)
-        if key not in self._rooms:
-            self._rooms[key] = self._room(a, tenant)
-        return self._rooms[key]
+        rooms = self._rooms.setdefault(tenant, {})
+        key = (bool(a.cpu), bool(a.gpu), a.quotas)
+        if key not in rooms:
+            rooms[key] = self._room(a, tenant)
+        return rooms[key]
 
     def _room(self, a: Action, tenant: str) -> int | None:
         share = self._share(tenant).max_share
@@ -93,12 +105,12 @@ class RoundCaps:
     def take(self, a: Action, tenant: str, units: int) -> None:
         if self._share(tenant).max_share >= 1.0:
             return
-        self._rooms = {k: v for k, v in self._rooms.items() if k[0] != tenant}
+        self._rooms.pop(tenant, None)
         for r, n in units_held(a, units):
             self._planned[(tenant, r)] = self._planned.get((tenant, r), 0) + n
 
     def _left(self, tenant: str, r: Resource, share: float) -> int | None:
-        capacity = self._capacity(r)
+        capacity = self._capacity.get(r)
         if capacity is None:
             return None
         cap = max(1, math.floor(share * capacity + 1e-9))
