@@ -75,6 +75,7 @@ __all__ = ["DockerRuntime", "Opened", "import_busybox"]
 
 log = logging.getLogger("tangram.agent")
 DISK = f"{LABEL}/disk"  # bytes of writable layer, on containers whose limit the agent keeps
+_ENDED = ("exited", "dead", "gone")  # container states of an ended sandbox ("gone": removed)
 
 
 @dataclass(slots=True)
@@ -113,7 +114,6 @@ class DockerRuntime(SandboxRuntime[Env]):
         self.storage_opt = True  # until the engine says its storage driver has none
         self.disk_check_s = 10.0  # how often the agent measures limited writable layers
         self._disk_checked = float("-inf")
-        self._over: dict[str, str] = {}  # containers found over their disk limit: why
 
     # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
     def _make(self, template: EnvSpec, trajectory: str | None) -> Env:
@@ -242,9 +242,10 @@ class DockerRuntime(SandboxRuntime[Env]):
         kwargs["labels"] = {**kwargs["labels"], DISK: limit}
         return self.client.containers.create(template.image, **kwargs)
 
-    def _survey(self) -> Callable[[Env], bool] | None:
+    def _survey(self) -> Callable[[Env], str | None] | None:
         """One listing of this agent's containers (no inspection unless one ended), and
-        every ``disk_check_s`` the writable layers of those the agent limits."""
+        every ``disk_check_s`` the writable layers of those the agent limits. What it saw
+        of an ended one: its state (exited, dead, gone), or why it is over its limit."""
         try:
             listed = self.client.containers.list(
                 all=True, sparse=True, filters={"label": f"{LABEL}/owner={self.owner}"}
@@ -253,9 +254,12 @@ class DockerRuntime(SandboxRuntime[Env]):
         except DockerException:
             return None  # the engine is unreachable: nothing can be told about any of them
         states = {c.id: c.attrs.get("State") for c in listed}
-        self._over.update(over)
-        ended = ("exited", "dead", "gone")
-        return lambda env: states.get(env.container.id, "gone") in ended or env.container.id in over
+
+        def seen(env: Env) -> str | None:
+            state = states.get(env.container.id, "gone")
+            return over.get(env.container.id) or (state if state in _ENDED else None)
+
+        return seen
 
     def _over_disk(self) -> dict[str, str]:
         """The containers whose writable layer holds more than their limit, each with
@@ -277,11 +281,12 @@ class DockerRuntime(SandboxRuntime[Env]):
                 )
         return over
 
-    def _ending(self, env: Env) -> tuple[str, str]:
+    def _ending(self, env: Env, seen: str) -> tuple[str, str]:
         name = env.container.name
-        said = self._over.pop(env.container.id, None)
-        if said is not None:
-            return "DiskLimitExceeded", f"container {name}: {said}"
+        if seen == "gone":
+            return "SandboxDeleted", f"container {name} was removed"
+        if seen not in _ENDED:  # over its disk limit: what it holds
+            return "DiskLimitExceeded", f"container {name}: {seen}"
         try:
             env.container.reload()
             info = env.container.attrs.get("State") or {}
@@ -381,7 +386,6 @@ class DockerRuntime(SandboxRuntime[Env]):
         return str(env.container.labels.get(f"{LABEL}/env", ""))
 
     def _discard(self, env: Env) -> None:
-        self._over.pop(env.container.id, None)
         with contextlib.suppress(NotFound, APIError):
             env.container.remove(force=True, v=True)
         if env.run_dir is not None:

@@ -179,12 +179,12 @@ class PodRuntime(SandboxRuntime[Pod]):
                 self._delete(name)
         return sorted(self.envs)
 
-    def _survey(self) -> Callable[[Pod], bool]:
+    def _survey(self) -> Callable[[Pod], str | None]:
         """The check is local (is each exec server still the process it was?); only an
         ended one costs a read of its pod (``_ending``)."""
-        return lambda pod: not pod.reach.alive()
+        return lambda pod: None if pod.reach.alive() else "exec server ended"
 
-    def _ending(self, pod: Pod) -> tuple[str, str] | None:
+    def _ending(self, pod: Pod, seen: str) -> tuple[str, str] | None:
         """(reason, message) of an ended sandbox, from the kubelet's reason. A pod whose
         status does not show the end yet, or shows only its container's exit (the
         kubelet writes an eviction a moment later), is looked at again, for up to
@@ -200,17 +200,17 @@ class PodRuntime(SandboxRuntime[Pod]):
         if why is None or why[0] == "SandboxExited":
             # An eviction may show only as the container's exit (a sandbox that ends at
             # SIGTERM even makes the pod Succeeded, with no reason): the kubelet's Event
-            # says it was one.
-            with contextlib.suppress(ExecError):  # the API server is unreachable: say what we know
-                why = evicted_by_event(self.api.events(name), where) or why
-        if (why is None or why[0] == "SandboxExited") and time.monotonic() - first < self.settle_s:
-            return None
+            # says it was one (no Events when the API server is unreachable).
+            why = evicted_by_event(self.api.events(name), where) or why
+            unsettled = time.monotonic() - first < self.settle_s  # its status may still lag
+            if (why is None or why[0] == "SandboxExited") and unsettled:
+                return None
         self._dying.pop(name, None)
         return why or ("SandboxExited", f"pod {self.namespace}/{name}: its processes ended")
 
     def _create(self, template: EnvSpec, state: Mapping[str, str]) -> Pod:
-        user, workdir = self._facts.get(self._facts_key(template), (None, None))
-        learnt = self._facts_key(template) in self._facts
+        facts = self._facts.get(self._facts_key(template))  # None: its image not seen yet
+        user, workdir = facts or (None, None)
         # The random part is never cut: a long pool name is (pod names hold 63 here).
         name = f"tangram-{template.pool[:40].rstrip('-.')}-{secrets.token_hex(5)}"
         manifest = sandbox_pod(
@@ -223,7 +223,7 @@ class PodRuntime(SandboxRuntime[Pod]):
             extra_labels={**state, AGENT: agent_label(self.agent)},
             owner=self.owner,
             user=user,
-            own_workdir=learnt and workdir is None,
+            own_workdir=facts is not None and workdir is None,
         )
         self.api.create(manifest)  # refused: the API server's reason (RuntimeClass, quota)
         try:

@@ -70,13 +70,15 @@ class SandboxRuntime(ExecServerRuntime, Generic[E]):
         """The environment (TrajectoryEnv) the sandbox was made for."""
         raise NotImplementedError
 
-    def _survey(self) -> Callable[[E], bool] | None:
-        """Which sandboxes have ended, as one look at all of them (None: nothing can be
+    def _survey(self) -> Callable[[E], str | None] | None:
+        """One look at all the sandboxes: for each, what the look saw of its end (handed
+        to ``_ending``), or None while it lives (None for the whole look: nothing can be
         told now, e.g. the engine does not answer)."""
         raise NotImplementedError
 
-    def _ending(self, env: E) -> tuple[str, str] | None:
-        """(reason, message) of an ended sandbox; None while that is not known yet."""
+    def _ending(self, env: E, seen: str) -> tuple[str, str] | None:
+        """(reason, message) of an ended sandbox, from what the look saw (``seen``) and
+        more where it needs; None while that is not known yet."""
         raise NotImplementedError
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -143,9 +145,10 @@ class SandboxRuntime(ExecServerRuntime, Generic[E]):
             return []
         ended: list[Gone] = []
         for trajectory, env in list(self.envs.items()):
-            if not ended_now(env):
+            seen = ended_now(env)
+            if seen is None:
                 continue
-            why = self._ending(env)
+            why = self._ending(env, seen)
             if why is None or self.envs.get(trajectory) is not env:
                 continue
             self.envs.pop(trajectory, None)
@@ -153,7 +156,7 @@ class SandboxRuntime(ExecServerRuntime, Generic[E]):
             self._discard(env)
             ended.append(Gone(trajectory, *why))
         for envs in list(self.warm_pool.values()):
-            for env in [e for e in list(envs) if ended_now(e)]:
+            for env in [e for e in list(envs) if ended_now(e) is not None]:
                 with contextlib.suppress(ValueError):  # claimed meanwhile: its open fails
                     envs.remove(env)
                     self._discard(env)
