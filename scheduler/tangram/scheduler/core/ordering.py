@@ -166,8 +166,9 @@ class TrajectoryPriority:
             if traj.hint_steps is not None
             else lengths.expected_remaining(traj.steps_done)
         )
-        per_step = traj.busy_s / traj.steps_done if traj.steps_done else expected()
-        return (-(remaining * per_step + expected()), float(seq))
+        this = expected()
+        per_step = traj.busy_s / traj.steps_done if traj.steps_done else this
+        return (-(remaining * per_step + this), float(seq))
 
     def deadline(
         self, now: float, expected: Callable[[], float], config: SchedulerConfig
