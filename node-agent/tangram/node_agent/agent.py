@@ -20,11 +20,14 @@ from pathlib import Path
 
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import (
+    FILES_FEATURE,
     AgentCall,
     AgentCancel,
     AgentClose,
     AgentExec,
+    AgentFiles,
     AgentHello,
+    AgentInput,
     AgentOpen,
     AgentReply,
     AgentRequest,
@@ -33,10 +36,12 @@ from tangram.api.wire import (
     AgentWarm,
     EnvSpec,
     ExecOutcome,
+    FilesOutcome,
     RunningAction,
     TrajectoryMeta,
     json_bytes,
 )
+from tangram.node_agent.env_files import FileError
 from tangram.node_agent.execution import ExecError, ExecResult, owner_id
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
@@ -44,6 +49,7 @@ from tangram.node_agent.inventory import read_inventory
 from tangram.node_agent.key_journal import KeyJournal
 from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH
 from tangram.node_agent.runtimes import Runtime, Setting, create, registration
+from tangram.node_agent.streams import Stream
 
 log = logging.getLogger("tangram.agent")
 MAX_REMEMBERED = 50_000  # results kept per agent for retried keys ...
@@ -52,6 +58,10 @@ CUT_OFF = (
     "its outcome is unknown: it was running when the node agent stopped, and it may have "
     "run to its end; it is not run again"
 )
+
+
+def _nowhere(reply: AgentReply) -> None:
+    return None  # no link: a streamed request's chunk has nobody to go to
 
 
 def split_cores(
@@ -118,6 +128,8 @@ class NodeAgent:
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
         self._unsent: list[AgentReply] = []  # their results, until a link takes them
         self._sink: Callable[[AgentReply], None] | None = None
+        self._post: Callable[[AgentReply], None] = _nowhere  # chunks of streamed requests
+        self._streams: dict[int, Stream] = {}  # by rid
         self.journal: KeyJournal | None = None  # keyed runs on disk (with a state dir)
 
     @classmethod
@@ -182,20 +194,37 @@ class NodeAgent:
             ],
             gpu=self.gpu.info if self.gpu is not None else None,
             problem=self.runtime.problem,
+            features=[FILES_FEATURE],
         )
 
     def _held(self) -> list[str]:
         return self.runtime.held()
 
-    def attach(self, sink: Callable[[AgentReply], None]) -> None:
-        """A link is up: results of runs whose requester went away go to ``sink``."""
-        self._sink = sink
+    def attach(
+        self, sink: Callable[[AgentReply], None], post: Callable[[AgentReply], None] = _nowhere
+    ) -> None:
+        """A link is up: results of runs whose requester went away go to ``sink``, the
+        chunks of streamed requests to ``post``."""
+        self._sink, self._post = sink, post
         for reply in self._unsent:
             sink(reply)
         self._unsent.clear()
 
     def detach(self) -> None:
-        self._sink = None
+        self._sink, self._post = None, _nowhere
+
+    def received(self, req: AgentRequest) -> None:
+        """A request as the link reads it, before its task starts: a streamed one's
+        stream is ready for the input that may follow it in the same frame."""
+        if isinstance(req, AgentFiles) and req.rid not in self._streams:
+            self._streams[req.rid] = Stream(req.rid, self._post)  # ends with its link
+
+    def input(self, msg: AgentInput) -> None:
+        """Data or credit for a streamed request (in the order the link read them); one
+        whose request has ended is dropped."""
+        stream = self._streams.get(msg.target)
+        if stream is not None:
+            stream.take(msg)
 
     def keep_unsent(self, reply: AgentReply) -> None:
         """A result the link took but could not send: the next link gets it."""
@@ -210,6 +239,7 @@ class NodeAgent:
             return AgentReply(rid=req.rid, ok=True)
         if isinstance(req, AgentExec | AgentSession) and req.key is not None:
             return await self._once(req, req.key)
+        self.received(req)
         task = asyncio.ensure_future(self._run(req))
         self._tasks[req.rid] = task
         try:
@@ -218,6 +248,7 @@ class NodeAgent:
             return AgentReply(rid=req.rid, ok=False, error="cancelled")
         finally:
             self._tasks.pop(req.rid, None)
+            self._streams.pop(req.rid, None)
 
     async def _once(self, req: AgentExec | AgentSession, key: str) -> AgentReply:
         """Run a keyed action at most once: a repeat gets the first run's reply, or waits
@@ -313,11 +344,15 @@ class NodeAgent:
                 case AgentExec() | AgentSession():
                     result = await self.exec(req)
                     return AgentReply(rid=req.rid, ok=True, result=outcome(result))
-                case _:  # a cancel is answered by handle(), never run
+                case AgentFiles():
+                    files = await self.files(req, self._streams[req.rid])
+                    return AgentReply(rid=req.rid, ok=True, files=files)
+                case _:  # a cancel is answered by handle(), an input by input(): never run
                     raise ExecError(f"{req.op}: not a request to run")
         except ExecError as e:
             return AgentReply(rid=req.rid, ok=False, error=str(e), reason=e.reason or None,
-                              retryable=e.retryable)  # fmt: skip
+                              retryable=e.retryable,
+                              errno=e.errno if isinstance(e, FileError) else None)  # fmt: skip
         except Exception as e:  # a request must always be answered: say what failed, stay up
             log.exception("%s %s failed", req.op, getattr(req, "trajectory", ""))
             return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}")
@@ -409,6 +444,32 @@ class NodeAgent:
             env=req.environ,
             output_cap=req.output_cap,
         )
+
+    async def files(self, req: AgentFiles, stream: Stream) -> FilesOutcome:
+        """A file operation in the trajectory's environment; a read's entry goes ahead of
+        its data, a write's data comes in on ``stream``."""
+        files = self.runtime.files(req.trajectory)
+        match req.action:
+            case "read":
+                entry, data = await files.read(req.path)
+                stream.head(FilesOutcome(entry=entry))
+                async for chunk in data:
+                    await stream.send(chunk)
+                return FilesOutcome(entry=entry)
+            case "write":
+                written = await files.write(req.path, stream.received(), req.mode)
+                return FilesOutcome(written=written)
+            case "list":
+                return FilesOutcome(entries=await files.list(req.path))
+            case "stat":
+                return FilesOutcome(entry=await files.stat(req.path))
+            case "mkdir":
+                return FilesOutcome(created=await files.mkdir(req.path))
+            case "remove":
+                await files.remove(req.path)
+            case "rename":
+                await files.rename(req.path, req.to or "")
+        return FilesOutcome()
 
     async def shutdown(self) -> None:
         """Cancel what runs (on the loop: tasks are not thread-safe), then let the runtime

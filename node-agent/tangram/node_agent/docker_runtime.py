@@ -59,7 +59,6 @@ from tangram.node_agent.execution import (
     Opened,
     Output,
     cap,
-    check_request,
     owner_id,
     supervise,
 )
@@ -406,13 +405,13 @@ class DockerRuntime(SandboxRuntime[Env]):
         res = await self._exec_portable(held, cmd)
         return replace(res, fallback=why)
 
-    def reachable(self, trajectory: str, argv: Sequence[str], cores: Sequence[int]) -> Reachable:
+    def reachable(self, trajectory: str, need: str) -> Reachable:
         held = self.envs.get(trajectory)
-        check_request(held is not None, trajectory, argv, cores)
-        assert held is not None
+        if held is None:
+            raise ExecError(f"trajectory: {trajectory} is not open")
         why = self._fast_unavailable(held)
         if why:
-            raise ExecError(f"sessions need the exec server: {why}")
+            raise ExecError(f"{need} need the exec server: {why}")
         assert held.reach is not None
         return held.reach
 

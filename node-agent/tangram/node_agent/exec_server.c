@@ -123,6 +123,8 @@ static int split(char *data, uint32_t len, char **out, int max) {
     return i >= len ? n : -1;
 }
 
+#include "exec_files.c"
+
 /* The command this handler runs, and its wait status once reaped. */
 static pid_t cmd_pid;
 static int cmd_exited, cmd_status;
@@ -276,9 +278,13 @@ static void handle(int sock) {
     sigprocmask(SIG_BLOCK, &mask, NULL);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
 
-    char type, *data;
+    char type = 0, *data = NULL;
     uint32_t len;
-    if (recv_frame(sock, &type, &data, &len) < 0 || type != 'R') {
+    if (recv_frame(sock, &type, &data, &len) == 0 && type == 'F') {
+        handle_files(sock, data, len);
+        return;
+    }
+    if (type != 'R') {
         send_text(sock, 'Z', "protocol: the first frame must be a request");
         return;
     }
@@ -393,9 +399,25 @@ static int install(const char *dest) {
 
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--install") == 0) return install(argv[2]);
+    if (argc == 3 && strcmp(argv[1], "--files") == 0) {
+        /* One file operation on the connected socket at fd 0, beneath ROOT. */
+        if (files_at(argv[2], 1) < 0) {
+            fprintf(stderr, "tangram-execd: %s: %s\n", argv[2], strerror(errno));
+            return 1;
+        }
+        char type, *data;
+        uint32_t len;
+        if (recv_frame(0, &type, &data, &len) < 0 || type != 'F') return 2;
+        handle_files(0, data, len);
+        return 0;
+    }
     if (argc != 2) {
-        fprintf(stderr, "usage: %s SOCKET | --install DEST\n", argv[0]);
+        fprintf(stderr, "usage: %s SOCKET | --install DEST | --files ROOT\n", argv[0]);
         return 2;
+    }
+    if (files_at("/", 0) < 0) {
+        fprintf(stderr, "tangram-execd: /: %s\n", strerror(errno));
+        return 1;
     }
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* no ptrace, no pidfd_getfd by commands */
     /* Bind under a temporary name, listen, then rename into place: the final name appears

@@ -29,6 +29,7 @@ from typing import Literal
 from tangram.node_agent.execution import ExecError, Output, cap
 
 SOURCE = Path(__file__).with_name("exec_server.c")
+SOURCES = (SOURCE, SOURCE.with_name("exec_files.c"))  # exec_server.c includes the other
 IN_CONTAINER_BIN = "/.tangram/execd"
 IN_CONTAINER_RUN = "/.tangram/run"
 SOCKET_NAME = "exec.sock"
@@ -67,7 +68,7 @@ def build(cache_dir: Path) -> Built:
         if not target.exists():
             _install(cache_dir, target, copy_to)
         return Built(target, "")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
     target = cache_dir / f"tangram-execd-{digest}"
     if target.exists():
         return Built(target, "")
@@ -188,15 +189,32 @@ class Channel:
         server_pid: int | None = None,
     ) -> Channel:
         payload = _request(mode, argv, cwd, env or {})
-        sock = _connect(sock_path, server_pid)
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
-        chan = cls(reader, writer)
+        chan = await cls.connect(sock_path, server_pid)
         await chan._send(b"R", payload)
         kind, data = await chan.frame()
         if kind != b"S":
             chan.close()
             raise ExecError(f"exec server: {data.decode(errors='replace')}")
         return chan
+
+    @classmethod
+    async def connect(cls, sock_path: Path, server_pid: int | None = None) -> Channel:
+        """A connection to the exec server, checked to be its own (see ``_connect``)."""
+        reader, writer = await asyncio.open_unix_connection(sock=_connect(sock_path, server_pid))
+        return cls(reader, writer)
+
+    @classmethod
+    async def over(cls, sock: socket.socket) -> Channel:
+        """A channel on a connected socket (a one-shot ``tangram-execd --files``)."""
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        return cls(reader, writer)
+
+    async def ask_files(self, op: str, path: str, arg: str = "") -> None:
+        """Send a file operation's request (``exec_files.c``)."""
+        if "\0" in path or "\0" in arg:
+            raise ExecError("path: cannot contain NUL bytes")
+        await self._send(b"F", b"".join(f.encode() + b"\0" for f in (op, path, arg)))
 
     async def _send(self, kind: bytes, data: bytes) -> None:
         try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tangram.node_agent.cgroups import CgroupError, Cgroups
+from tangram.node_agent.env_files import EnvFiles
 from tangram.node_agent.exec_server import Channel
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
@@ -184,9 +185,20 @@ class ExecServerRuntime:
     fast: FastPath
     envs: Mapping[str, object]  # the open trajectories' environments
 
-    def reachable(self, trajectory: str, argv: Sequence[str], cores: Sequence[int]) -> Reachable:
-        """The trajectory's environment, after the checks every runtime makes."""
+    def reachable(self, trajectory: str, need: str) -> Reachable:
+        """The open trajectory's environment, reached through its exec server; or why
+        not, for what ``need`` names (sessions, the files API)."""
         raise NotImplementedError
+
+    def files(self, trajectory: str) -> EnvFiles:
+        """The environment's files, through its exec server (no core: nothing is run)."""
+        reach = self.reachable(trajectory, "files")
+
+        async def connect() -> Channel:
+            reach.check_alive()
+            return await Channel.connect(reach.socket, reach.pid)
+
+        return EnvFiles(connect, reach.workdir)
 
     async def run(self, trajectory: str, cmd: Command, path: str) -> ExecResult:
         """Run a checked command in an open trajectory's environment by ``path``."""
@@ -223,7 +235,8 @@ class ExecServerRuntime:
     ) -> ExecResult:
         """Run ``code`` in the trajectory's persistent ``kind`` session (bash or python),
         started on first use, on exactly ``cores`` for the duration of the action."""
-        reach = self.reachable(trajectory, [code] if code else [], cores)
+        check_request(trajectory in self.envs, trajectory, [code] if code else [], cores)
+        reach = self.reachable(trajectory, "sessions")
         if kind not in ("bash", "python"):
             raise ExecError(f"kind: {kind!r} is not a session kind (bash, python)")
         reach.check_alive()

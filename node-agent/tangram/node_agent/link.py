@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from tangram.api.wire import (
     AGENT_BACKOFF_MAX_S,
     AGENT_SUBPROTOCOL,
+    AgentInput,
     AgentReply,
     AgentRequest,
     pack,
@@ -117,7 +118,12 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
     async def read_forever() -> None:
         while True:
             for text in unpack(await ws.recv(decode=True)):
-                task = asyncio.create_task(answer(parse_agent_request(text)))
+                req = parse_agent_request(text)
+                if isinstance(req, AgentInput):  # in order, now: a stream's data
+                    agent.input(req)
+                    continue
+                agent.received(req)
+                task = asyncio.create_task(answer(req))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
 
@@ -128,7 +134,7 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
         asyncio.create_task(watch_environments()),
     ]
     stopping = asyncio.create_task(stop.wait())
-    agent.attach(orphan)
+    agent.attach(orphan, lambda reply: post(reply.model_dump_json()))
     try:
         done, _ = await asyncio.wait({*parts, stopping}, return_when=asyncio.FIRST_COMPLETED)
         for part in parts:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tangram.api.wire import EnvSpec, Problem
+from tangram.node_agent.env_files import EnvFiles
 from tangram.node_agent.execution import (
     ExecError,
     ExecResult,
@@ -57,6 +58,9 @@ class NoopRuntime:
     async def session(self, trajectory: str, kind: str, code: str, cores: Sequence[int],
                       **kw: Any) -> ExecResult:  # fmt: skip
         raise ExecError("session: the noop runtime runs nothing")
+
+    def files(self, trajectory: str) -> EnvFiles:
+        raise ExecError("files: the noop runtime holds no files")
 
     async def shutdown(self) -> None:
         return None

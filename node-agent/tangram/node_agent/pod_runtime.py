@@ -37,7 +37,6 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
-    check_request,
 )
 from tangram.node_agent.fast_path import Command, Reachable, cgroup_of, start_time
 from tangram.node_agent.kubelet_state import cpu_manager_policy
@@ -429,10 +428,10 @@ class PodRuntime(SandboxRuntime[Pod]):
             raise ExecError(f"path: {path!r}: the pod runtime has only the fast path")
         return await self.fast.exec(self.envs[trajectory].reach, cmd)
 
-    def reachable(self, trajectory: str, argv: Sequence[str], cores: Sequence[int]) -> Reachable:
+    def reachable(self, trajectory: str, need: str) -> Reachable:
         held = self.envs.get(trajectory)
-        check_request(held is not None, trajectory, argv, cores)
-        assert held is not None
+        if held is None:
+            raise ExecError(f"trajectory: {trajectory} is not open")
         return held.reach
 
 

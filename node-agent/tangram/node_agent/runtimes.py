@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tangram.api.wire import EnvSpec, Problem
+from tangram.node_agent.env_files import EnvFiles, one_shot
+from tangram.node_agent.exec_server import Built
 from tangram.node_agent.execution import ExecError, ExecResult, Gone
 
 log = logging.getLogger("tangram.agent")
@@ -87,6 +89,10 @@ class Runtime(Protocol):
         output_cap: int,
     ) -> ExecResult:
         """Run ``code`` in the trajectory's persistent ``kind`` session."""
+        ...
+
+    def files(self, trajectory: str) -> EnvFiles:
+        """The trajectory's files, through its environment's exec server."""
         ...
 
     async def shutdown(self) -> None:
@@ -209,6 +215,10 @@ class Sandboxes:
         result: ExecResult = await self.inner.session(trajectory, kind, code, cores, **kw)
         return result
 
+    def files(self, trajectory: str) -> EnvFiles:
+        found: EnvFiles = self.inner.files(trajectory)
+        return found
+
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.inner.shutdown_warm)
 
@@ -221,9 +231,12 @@ class Processes:
     fast_path = "the process runtime"
     problem: Problem | None = None
 
-    def __init__(self, inner: Any, idle: list[int]) -> None:
+    def __init__(self, inner: Any, idle: list[int], execd: Built | None = None) -> None:
+        """``execd``: the exec server binary its files API runs, one-shot, confined to a
+        trajectory's directory (None: built on first use)."""
         self.inner, self.idle = inner, idle
         self._env: dict[str, dict[str, str]] = {}
+        self._execd = execd
 
     def adopt(self) -> list[str]:
         adopted: list[str] = self.inner.adopt()
@@ -276,6 +289,13 @@ class Processes:
                       **kw: Any) -> ExecResult:  # fmt: skip
         raise ExecError("session: persistent sessions need the Docker or pod runtime")
 
+    def files(self, trajectory: str) -> EnvFiles:
+        if trajectory not in self._env and trajectory not in self.inner.held():
+            raise ExecError(f"trajectory: {trajectory} is not open")
+        if self._execd is None or self._execd.path is None:
+            raise ExecError(f"files: {self._execd.reason if self._execd else 'no exec server'}")
+        return EnvFiles(one_shot(self._execd.path, self.inner.workdir(trajectory)), "/")
+
     async def shutdown(self) -> None:
         self.inner.release()
 
@@ -326,6 +346,8 @@ def _process(s: Setting) -> Runtime:
             f"({cgroups.__class__.__name__} at /sys/fs/cgroup): {e}; run as root, or use "
             "--runtime docker"
         ) from None
+    from tangram.node_agent.exec_server import build
+
     inner = ProcessRuntime(s.state_dir / "trajectories", cgroups, s.idle, group_prefix=prefix)
     log.warning(
         "runtime process: NO ISOLATION. Commands run directly on this host as uid %d, with "
@@ -334,7 +356,10 @@ def _process(s: Setting) -> Runtime:
         "--runtime docker (or pod) runs them in sandboxes",
         os.geteuid(),
     )
-    return Processes(inner, s.idle)
+    built = build(s.cache_dir or s.state_dir / "cache")  # the files API's server
+    if built.path is None:
+        log.warning("the files API is unavailable here: %s", built.reason)
+    return Processes(inner, s.idle, built)
 
 
 def _noop(s: Setting) -> Runtime:

@@ -300,6 +300,9 @@ class Admission(Spec):
     max_request_bytes: Annotated[
         int, Field(ge=1024, description="largest request body accepted, bytes")
     ] = 1048576
+    max_file_bytes: Annotated[
+        int, Field(ge=1024, description="largest file upload accepted (files API), bytes")
+    ] = 1073741824
 
 
 class ActionPoolSpec(Spec):

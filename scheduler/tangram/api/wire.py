@@ -410,6 +410,49 @@ class StreamAnswer(_Strict):
     retry_after: float | None = None  # 429 and 503: seconds before trying again
 
 
+# ---- files of a trajectory's environment (``/v1/trajectories/{trajectory}/files``) ----
+FileType = Literal["file", "dir", "symlink", "other"]
+MAX_PATH = 4096
+
+
+class FileEntry(_Strict):
+    """A file, directory or symlink in a trajectory's environment (symlinks not followed)."""
+
+    name: str
+    path: str = Field(description="absolute, inside the environment")
+    type: FileType
+    size: int = Field(ge=0)
+    mode: int = Field(ge=0, le=0o7777, description="permission bits (e.g. 420 = 0o644)")
+    mtime: float = Field(description="last modified, unix seconds")
+    uid: int = Field(ge=0)
+    gid: int = Field(ge=0)
+    target: str | None = Field(default=None, description="a symlink's target, as written")
+
+
+class FileList(_Strict):
+    path: str
+    entries: list[FileEntry]
+
+
+class FileWritten(_Strict):
+    path: str
+    size: int = Field(ge=0, description="bytes written")
+
+
+class MakeDir(_Strict):
+    path: Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
+
+
+class MadeDir(_Strict):
+    path: str
+    created: bool = Field(description="false: it was a directory already")
+
+
+class RenameFile(_Strict):
+    path: Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
+    to: Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
+
+
 # ---- the node-agent protocol (JSON messages over one WebSocket per agent) -------------
 class TrajectoryMeta(_Strict):
     """What the agent keeps of a trajectory so a restarted scheduler can take it back."""
@@ -511,6 +554,9 @@ class AgentHello(_Strict):
     running: list[RunningAction] = Field(default_factory=list)
     gpu: GpuWorkerInfo | None = None  # a GPU worker for RewardService calls
     problem: Problem | None = None  # why this node cannot run actions (None: it can)
+    features: list[str] = Field(
+        default_factory=list, description="what it serves beyond actions (files)"
+    )
 
 
 class EnvSpec(_Strict):
@@ -649,9 +695,36 @@ class AgentCall(_AgentOp):
     inputs: list[Any] = Field(default_factory=list)
 
 
+FileOp = Literal["read", "write", "list", "stat", "mkdir", "remove", "rename"]
+
+
+class AgentFiles(_AgentOp):
+    """A file operation in a trajectory's environment, by its exec server: no core. A
+    read answers in chunks (replies with ``more``), a write takes its data in
+    ``AgentInput`` messages; both within ``STREAM_WINDOW`` chunks unacknowledged."""
+
+    op: Literal["files"] = "files"
+    trajectory: str
+    action: FileOp
+    path: str  # absolute inside the environment, or relative to its workdir
+    to: str | None = None  # rename
+    mode: int = 0o644  # write
+
+
+class AgentInput(_AgentOp):
+    """Data for a running request (a write's bytes), and how many of the request's chunks
+    the scheduler has taken (``credit``): sent without a reply, in order."""
+
+    op: Literal["input"] = "input"
+    target: int  # the rid of the request
+    data: str = ""  # base64
+    eof: bool = False
+    credit: int = 0
+
+
 AgentRequest = Annotated[
     AgentOpen | AgentClose | AgentExec | AgentSession | AgentCancel | AgentWarm
-    | AgentServices | AgentCall,
+    | AgentServices | AgentCall | AgentFiles | AgentInput,
     Field(discriminator="op"),
 ]  # fmt: skip
 _AGENT_REQUEST: TypeAdapter[AgentRequest] = TypeAdapter(AgentRequest)
@@ -673,6 +746,22 @@ class ExecOutcome(_Strict):
     teardown_s: float
     path: str
     fallback: str = ""
+
+
+class FilesOutcome(_Strict):
+    """What a file operation answers besides data."""
+
+    entry: FileEntry | None = None  # stat, and read (the file read)
+    entries: list[FileEntry] = Field(default_factory=list)  # list
+    written: int | None = None  # write: bytes
+    created: bool | None = None  # mkdir
+
+
+# The chunks a streamed request may have unacknowledged, each way (``credit`` counts
+# chunks): a slow reader holds its own request, never the link every request shares.
+STREAM_WINDOW = 16
+STREAM_CHUNK = 256 << 10  # bytes a chunk carries at most (before base64)
+FILES_FEATURE = "files"  # an agent that serves AgentFiles says so in its hello
 
 
 class AgentReply(_Strict):
@@ -700,3 +789,10 @@ class AgentReply(_Strict):
     # first; the scheduler's residency view of the node starts from them
     resident: list[ResidentInstance] = Field(default_factory=list)
     call: ServiceOutcome | None = None
+    # A streamed request's chunk: ``more`` until its last reply. ``data`` (base64) is a
+    # piece of its output, ``credit`` how many chunks of its input the agent has taken.
+    more: bool = False
+    data: str | None = None
+    credit: int = 0
+    errno: int | None = None  # a file operation's failure, as the environment's errno
+    files: FilesOutcome | None = None

@@ -28,6 +28,7 @@ from tangram.client.common import (
     stream_error,
     trajectory_info,
 )
+from tangram.client.files import AsyncFiles
 from tangram.client.stream import ExecStream, NoStreamError
 
 STREAM_RETRY_S = 30.0  # after a refused stream handshake, HTTP alone for this long
@@ -87,7 +88,12 @@ class AsyncClient:
             reply: Reply | None = None
             try:
                 async with session.request(
-                    call.method, call.path, json=call.body, headers=call.headers
+                    call.method,
+                    call.path,
+                    json=call.body,
+                    data=call.content,
+                    params=call.params,
+                    headers=call.headers,
                 ) as response:
                     reply = Reply(response.status, await response.read(), response.headers)
                 if reply.status not in RETRY_STATUS or attempt == self.retries:
@@ -271,6 +277,11 @@ class AsyncTrajectory:
 
     async def exec(self, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
         return await self.client.exec(self.id, argv, **kw)
+
+    @property
+    def files(self) -> AsyncFiles:
+        """The environment's files: ``await t.files.write("/work/a.py", "print(1)")``."""
+        return AsyncFiles(self.client, self.id)
 
     async def bash(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
         """Run ``code`` in the trajectory's persistent bash session."""

@@ -59,8 +59,10 @@ class Reply:
 class Call:
     method: str
     path: str
-    body: dict[str, Any] | None = None
+    body: dict[str, Any] | None = None  # sent as JSON
     headers: Mapping[str, str] | None = None
+    params: Mapping[str, str] | None = None  # the query
+    content: bytes | None = None  # sent as it is (a file's bytes), instead of a JSON body
 
 
 def settings(url: str | None, token: str | None) -> tuple[str, str | None]:

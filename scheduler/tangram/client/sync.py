@@ -11,8 +11,9 @@ from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from tangram.api.wire import ActionResult, TrajectoryInfo
+from tangram.api.wire import ActionResult, FileEntry, FileWritten, TrajectoryInfo
 from tangram.client.aio import AsyncClient, AsyncTrajectory
+from tangram.client.files import AsyncFiles
 
 T = TypeVar("T")
 
@@ -118,3 +119,42 @@ class Trajectory:
 
     def python(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
         return self.client._run(self._async.python(code, name, **kw))
+
+    @property
+    def files(self) -> Files:
+        """The environment's files: ``t.files.write("/work/a.py", "print(1)")``."""
+        return Files(self.client, self._async.files)
+
+
+class Files:
+    """``AsyncFiles`` driven on its client's loop thread."""
+
+    def __init__(self, client: Client, files: AsyncFiles) -> None:
+        self._run, self._async = client._run, files
+
+    def read(self, path: str) -> bytes:
+        return self._run(self._async.read(path))
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return self._run(self._async.read_text(path, encoding))
+
+    def write(self, path: str, data: bytes | str, *, mode: int = 0o644) -> FileWritten:
+        return self._run(self._async.write(path, data, mode=mode))
+
+    def list(self, path: str = ".") -> list[FileEntry]:
+        return self._run(self._async.list(path))
+
+    def stat(self, path: str) -> FileEntry:
+        return self._run(self._async.stat(path))
+
+    def exists(self, path: str) -> bool:
+        return self._run(self._async.exists(path))
+
+    def make_dir(self, path: str) -> bool:
+        return self._run(self._async.make_dir(path))
+
+    def remove(self, path: str) -> None:
+        self._run(self._async.remove(path))
+
+    def rename(self, path: str, to: str) -> None:
+        self._run(self._async.rename(path, to))

@@ -9,15 +9,26 @@ talking for the pool's heartbeat timeout is closed and its node drained.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from starlette.websockets import WebSocketDisconnect
 
-from tangram.api.wire import AgentCancel, AgentHello, AgentReply, AgentRequest, unpack
+from tangram.api.wire import (
+    STREAM_CHUNK,
+    STREAM_WINDOW,
+    AgentCancel,
+    AgentFiles,
+    AgentHello,
+    AgentInput,
+    AgentReply,
+    AgentRequest,
+    unpack,
+)
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.service")
@@ -62,6 +73,7 @@ class AgentLink:
         self.last_seen = time.monotonic()
         self._rid = 0
         self._pending: dict[int, asyncio.Future[AgentReply]] = {}
+        self._streams: dict[int, LinkStream] = {}
         self._outbox: Outbox[str] = Outbox(self._send, self._send_failed, packed=packed)
         self.closed = False
 
@@ -89,8 +101,22 @@ class AgentLink:
         finally:
             self._pending.pop(req.rid, None)
 
-    async def send(self, req: AgentCancel) -> None:
-        """Fire and forget (cancel requests)."""
+    def stream(self, req: AgentFiles) -> LinkStream:
+        """Send ``req``, a streamed request: its chunks and its reply come through the
+        ``LinkStream``, which must be closed."""
+        req = req.model_copy(update={"rid": self.next_rid()})
+        fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
+        self._post(req.model_dump_json())
+        self._pending[req.rid] = fut
+        stream = self._streams[req.rid] = LinkStream(self, req.rid, fut)
+        return stream
+
+    def _forget(self, rid: int) -> None:
+        self._pending.pop(rid, None)
+        self._streams.pop(rid, None)
+
+    async def send(self, req: AgentCancel | AgentInput) -> None:
+        """Fire and forget (cancel requests, a stream's input)."""
         self._post(req.model_dump_json())
 
     def _post(self, text: str) -> None:
@@ -117,9 +143,16 @@ class AgentLink:
                     if text.startswith(HEARTBEAT):
                         continue
                     reply = AgentReply.model_validate_json(text)
+                    stream = self._streams.get(reply.rid)
+                    if reply.more:  # a streamed request's chunk (or credit)
+                        if stream is not None:
+                            stream.arrived(reply)
+                        continue
                     fut = self._pending.get(reply.rid)
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
+                        if stream is not None:
+                            stream.ended()
                     elif reply.rid == 0 and (reply.key or reply.lost):
                         # A run that outlived the link that asked for it, or an
                         # environment that ended by itself.
@@ -133,6 +166,70 @@ class AgentLink:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(AgentGoneError(f"node {self.node}: the agent disconnected"))
+        for stream in self._streams.values():
+            stream.ended()
+
+
+class LinkStream:
+    """A streamed request on an agent link: the chunks it sends (each acknowledged once
+    taken, so more may come) and the input it takes, within ``STREAM_WINDOW`` chunks
+    unacknowledged each way; then its reply."""
+
+    def __init__(self, link: AgentLink, rid: int, reply: asyncio.Future[AgentReply]) -> None:
+        self.link, self.rid, self._reply = link, rid, reply
+        self._chunks: asyncio.Queue[AgentReply | None] = asyncio.Queue()
+        self._window = asyncio.Semaphore(STREAM_WINDOW)  # input chunks not yet taken
+        self._ended = False
+
+    def arrived(self, chunk: AgentReply) -> None:
+        for _ in range(chunk.credit):
+            self._window.release()
+        if chunk.data is not None or chunk.files is not None:
+            self._chunks.put_nowait(chunk)
+
+    def ended(self) -> None:
+        """The reply came (or the link went): wake whoever waits on this stream."""
+        self._ended = True
+        self._chunks.put_nowait(None)
+        self._window.release()
+
+    async def reply(self) -> AgentReply:
+        return await self._reply
+
+    async def next(self) -> AgentReply | None:
+        """The next chunk with a head or data (its data acknowledged); None at the end."""
+        chunk = await self._chunks.get()
+        if chunk is None:
+            self._chunks.put_nowait(None)  # stays ended for the next caller
+        elif chunk.data is not None:
+            await self.link.send(AgentInput(target=self.rid, credit=1))
+        return chunk
+
+    async def data(self) -> AsyncIterator[bytes]:
+        while (chunk := await self.next()) is not None:
+            if chunk.data is not None:
+                yield base64.b64decode(chunk.data)
+
+    async def send(self, data: bytes) -> bool:
+        """Input, in chunks within the window; False once the request has ended (it
+        failed: its reply says why)."""
+        for start in range(0, len(data), STREAM_CHUNK):
+            await self._window.acquire()
+            if self._ended:
+                return False
+            piece = base64.b64encode(data[start : start + STREAM_CHUNK]).decode()
+            await self.link.send(AgentInput(target=self.rid, data=piece))
+        return not self._ended
+
+    async def end_input(self) -> None:
+        await self.link.send(AgentInput(target=self.rid, eof=True))
+
+    async def close(self) -> None:
+        """Done with it: a request still running is cancelled (its reader went away)."""
+        self.link._forget(self.rid)
+        if not self._reply.done() and not self.link.closed:
+            with contextlib.suppress(Exception):
+                await self.link.send(AgentCancel(rid=self.link.next_rid(), target=self.rid))
 
 
 class AgentHub:

@@ -10,7 +10,7 @@ from tangram.api.wire import ActionResult, json_bytes
 from tangram.service.records import ActionRecord, EngineError
 
 STATUS = {"invalid": 400, "not_found": 404, "conflict": 409, "overloaded": 429,
-          "unavailable": 503, "failed": 502}  # fmt: skip
+          "unavailable": 503, "failed": 502, "forbidden": 403, "too_large": 413}  # fmt: skip
 RETRY_STATUS = (429, 503)  # answered with Retry-After: RETRY_AFTER_S
 RETRY_AFTER_S = 1
 

@@ -1,10 +1,11 @@
 """The HTTP API (``/v1``) and the agents' WebSocket endpoint: handlers only translate.
 
 Errors are ``{"error": {"code", "message", "details"}}``: 400 for bad input (with the
-offending fields), 401 without a valid token, 404 for what does not exist (or belongs to
-another tenant), 409 for conflicts, 413 for oversized bodies, 429 with Retry-After when
-admission control sheds load, 502 when a trajectory's environment cannot start as
-configured (its image is not on the node), 503 while no node can take the work.
+offending fields), 401 without a valid token, 403 for a file path that would leave its
+environment, 404 for what does not exist (or belongs to another tenant), 409 for
+conflicts, 413 for oversized bodies, 429 with Retry-After when admission control sheds
+load, 502 when a trajectory's environment cannot start as configured (its image is not on
+the node), 503 while no node can take the work.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from tangram.service.answers import (
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.engine import Engine
+from tangram.service.file_routes import add_file_routes, is_upload
 from tangram.service.records import ActionRecord, EngineError
 from tangram.service.reviews import NotAdmittedError, ReviewError, TokenReviewer
 from tangram.service.stream import ActionStream
@@ -91,17 +93,18 @@ def _engine_error(exc: EngineError) -> JSONResponse:
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit()`` bytes (the pool's
-    ``admission.maxRequestBytes``, as reloaded) with 413 before reading them whole."""
+    """Refuse request bodies over ``limit(scope)`` bytes (the pool's
+    ``admission.maxRequestBytes``, or ``maxFileBytes`` for a file upload, as reloaded)
+    with 413 before reading them whole."""
 
-    def __init__(self, app: ASGIApp, limit: Callable[[], int]) -> None:
+    def __init__(self, app: ASGIApp, limit: Callable[[Scope], int]) -> None:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit()
+        limit = self.limit(scope)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _error(413, "too_large", f"request body over {limit} bytes")(scope, receive, send)
@@ -242,7 +245,12 @@ def create_app(
         description="Submit actions of agentic RL rollouts; the scheduler pools the resources.",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, limit=lambda: engine.config.max_request_bytes)
+
+    def limit(scope: Scope) -> int:
+        config = engine.config
+        return config.max_file_bytes if is_upload(scope) else config.max_request_bytes
+
+    app.add_middleware(BodyLimit, limit=limit)
     app.state.tokens = tokens
     app.state.reviewer = reviewer
     app.state.engine = engine
@@ -332,6 +340,8 @@ def create_app(
     @app.post("/v1/services/{service}/call", response_model=ActionResult, responses=_ERRORS)
     async def call_service(service: str, req: ServiceCallRequest, who: TenantId) -> Response:
         return await _answer(engine.submit_service(who, service, req))
+
+    add_file_routes(app, engine, TenantId, _ERRORS)
 
     @app.delete("/v1/leases/{lease}", responses=_ERRORS)
     async def release(lease: str, who: TenantId) -> ActionResult:

@@ -92,6 +92,7 @@ class PoolConfig:
     cores_per_node: int | None = None  # per node: cores for actions (None: all but idle)
     max_queued: int = 100_000  # admission control: beyond this, 429
     max_request_bytes: int = 1 << 20  # a larger request body (or stream message): 413
+    max_file_bytes: int = 1 << 30  # a larger file upload: 413
     heartbeat_timeout_s: float = 5.0  # an agent silent this long is drained
     # How long the trajectories of a node whose agent went away wait for it to come back
     # (an agent pod restart, a crash) before they are lost.

@@ -42,6 +42,7 @@ from tangram.service.admission import Admission
 from tangram.service.agents import AgentHub
 from tangram.service.api_calls import ApiCalls
 from tangram.service.config import PoolConfig
+from tangram.service.files import Files
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.membership import Membership
 from tangram.service.metrics import LiveFigures, Metrics, Units
@@ -78,6 +79,7 @@ class Engine:
         self.lifecycle = Trajectories(s, self.outcomes)
         self.admission = Admission(s, self.outcomes, self.gpu, self.api)
         self.membership = Membership(s, self.outcomes, self.lifecycle, self.gpu)
+        self.files = Files(s)  # no queue, no round: straight to the trajectory's agent
         self.rounds = Rounds(s, self.outcomes, self.gpu, self.api)
         self.hub.attach(self.membership.join, self.membership.leave, self.membership.orphan)
         # The pool's definitions anew (set by the CLI): from pushed documents, or with None

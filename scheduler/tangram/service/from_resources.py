@@ -110,6 +110,7 @@ def pool_config(
         max_queued=spec.admission.max_queued,
         agent_grace_s=float(spec.scheduler.agent_grace_seconds),
         max_request_bytes=spec.admission.max_request_bytes,
+        max_file_bytes=spec.admission.max_file_bytes,
         namespace=pool.metadata.namespace,
         access_namespaces=tuple(spec.access.namespaces),
         access_service_accounts=tuple(spec.access.service_accounts),

@@ -32,7 +32,10 @@ RECONNECT_WINDOW_S = 3 * AGENT_BACKOFF_MAX_S
 
 # "failed": the work was tried and cannot succeed as configured (a sandbox whose image is
 # not on the node); retrying the same request will not help.
-ErrorKind = Literal["invalid", "not_found", "conflict", "overloaded", "unavailable", "failed"]
+ErrorKind = Literal[
+    "invalid", "not_found", "conflict", "overloaded", "unavailable", "failed", "forbidden",
+    "too_large",
+]  # fmt: skip
 ActionKind = Literal["exec", "service", "api"]
 Request = ExecRequest | ApiLeaseRequest | ApiCallRequest | ServiceCallRequest
 

@@ -1,0 +1,209 @@
+"""A trajectory's files, through its environment's exec server (``exec_files.c``).
+
+The server does each operation as the environment's own user, inside its namespaces, so
+nothing here touches the environment's files from the host: this side only builds the
+request, streams the data and reads the answer. Docker and pod environments are reached
+on their exec server's socket; the process runtime starts a one-shot server on a socket
+pair (``tangram-execd --files DIR``), confined to the trajectory's directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import errno
+import posixpath
+import socket
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from tangram.api.wire import MAX_PATH, FileEntry, FileType
+from tangram.node_agent.exec_server import Channel
+from tangram.node_agent.execution import ExecError
+
+_TYPES: dict[bytes, FileType] = {b"f": "file", b"d": "dir", b"l": "symlink", b"o": "other"}
+
+
+class FileError(ExecError):
+    """A file operation the environment refused; ``errno`` is its error number."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.errno = code
+
+
+def inside(workdir: str, path: str) -> str:
+    """``path`` as an absolute path inside the environment (relative ones start at
+    ``workdir``); a ``..`` component is refused, never resolved (the server refuses it
+    too)."""
+    if not path or "\0" in path or len(path) > MAX_PATH:
+        raise FileError(errno.EINVAL, f"path: {path!r} is empty, too long or holds NUL")
+    if ".." in path.split("/"):
+        raise FileError(errno.EPERM, f"path: {path!r} has a '..' component; give it without")
+    full = posixpath.join(workdir or "/", path)
+    return posixpath.normpath(full).replace("//", "/")  # normpath keeps a leading "//"
+
+
+Connect = Callable[[], Awaitable[Channel]]
+
+
+class EnvFiles:
+    """The files of one environment: ``connect`` reaches its exec server, relative paths
+    start at ``workdir``."""
+
+    def __init__(self, connect: Connect, workdir: str) -> None:
+        self._connect, self.workdir = connect, workdir
+
+    async def _ask(self, op: str, path: str, arg: str = "") -> Channel:
+        chan = await self._connect()
+        try:
+            await chan.ask_files(op, path, arg)
+        except BaseException:
+            chan.close()
+            raise
+        return chan
+
+    async def stat(self, path: str) -> FileEntry:
+        full = inside(self.workdir, path)
+        entries = await self._entries("stat", full, posixpath.dirname(full))
+        return entries[0]
+
+    async def list(self, path: str) -> list[FileEntry]:
+        full = inside(self.workdir, path)
+        return await self._entries("list", full, full)
+
+    async def _entries(self, op: str, path: str, parent: str) -> builtins.list[FileEntry]:
+        chan = await self._ask(op, path)
+        try:
+            found: builtins.list[FileEntry] = []
+            while True:
+                kind, data = await _answer(chan)
+                if kind == b"1":
+                    found.append(entry(data, parent))
+                else:
+                    return found
+        finally:
+            chan.close()
+
+    async def read(self, path: str) -> tuple[FileEntry, AsyncIterator[bytes]]:
+        """The file's entry, and its bytes as the server sends them. The iterator must be
+        run to its end or closed (``aclose``): it holds the connection."""
+        full = inside(self.workdir, path)
+        chan = await self._ask("read", full)
+        try:
+            _, head = await _answer(chan)
+            found = entry(head, posixpath.dirname(full))
+        except BaseException:
+            chan.close()
+            raise
+
+        async def data() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    kind, chunk = await _answer(chan)
+                    if kind != b"1":
+                        return
+                    yield chunk
+            finally:
+                chan.close()
+
+        return found, data()
+
+    async def write(self, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
+        """Write the file whole from ``chunks``: it appears at ``path`` only once all of
+        it is written (a reader sees the old file or the new one), with ``mode``."""
+        full = inside(self.workdir, path)
+        chan = await self._ask("write", full, f"{mode & 0o7777:o}")
+        try:
+            await _answer(chan)  # the temporary file is open: the path is good
+            async for chunk in chunks:
+                await chan.write(chunk)
+            await chan.close_stdin()
+            _, written = await _answer(chan)
+            return int(written)
+        finally:
+            chan.close()  # before the end: the server removes what it wrote
+
+    async def mkdir(self, path: str) -> bool:
+        """Make the directory and its parents; False if it was a directory already."""
+        return await self._done("mkdir", inside(self.workdir, path)) == b"1"
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, a symlink or a whole directory tree (symlinks not followed)."""
+        await self._done("remove", inside(self.workdir, path))
+
+    async def rename(self, path: str, to: str) -> None:
+        await self._done("rename", inside(self.workdir, path), inside(self.workdir, to))
+
+    async def _done(self, op: str, path: str, arg: str = "") -> bytes:
+        chan = await self._ask(op, path, arg)
+        try:
+            return (await _answer(chan))[1]
+        finally:
+            chan.close()
+
+
+async def _answer(chan: Channel) -> tuple[bytes, bytes]:
+    """The next frame, with a refusal raised as a ``FileError``."""
+    kind, data = await chan.frame()
+    if kind == b"Z":
+        raise _refusal(data.decode(errors="replace"))
+    if kind == b"":
+        raise ExecError("exec server: the connection ended before the answer")
+    return kind, data
+
+
+def _refusal(text: str) -> FileError:
+    code, _, message = text.partition(" ")
+    if not code.isdigit():  # an exec server older than the files API
+        return FileError(
+            errno.ENOSYS,
+            f"this environment's exec server predates the files API ({text}); close and "
+            "reopen the trajectory to get one that serves it",
+        )
+    return FileError(int(code), message)
+
+
+def entry(data: bytes, parent: str) -> FileEntry:
+    """An entry as the server sends it: type, mode, size, mtime (ns), uid, gid, name,
+    symlink target, each NUL-terminated."""
+    kind, mode, size, mtime, uid, gid, raw, target = data.split(b"\0")[:8]
+    name = raw.decode(errors="replace")
+    return FileEntry(
+        name=name,
+        path=posixpath.join(parent, name) if name != "/" else "/",
+        type=_TYPES.get(kind, "other"),
+        size=int(size),
+        mode=int(mode, 8),
+        mtime=int(mtime) / 1e9,
+        uid=int(uid),
+        gid=int(gid),
+        target=target.decode(errors="replace") if kind == b"l" else None,
+    )
+
+
+_servers: set[asyncio.Future[int]] = set()  # one-shot servers, until they are reaped
+
+
+def one_shot(binary: Path, root: Path) -> Connect:
+    """Connections to a fresh ``tangram-execd --files root`` each (the process runtime,
+    whose trajectories have no exec server of their own)."""
+
+    async def connect() -> Channel:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                str(binary), "--files", str(root), stdin=theirs.fileno(),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+        except OSError as e:
+            ours.close()
+            raise ExecError(f"the files server {binary}: {e.strerror}") from None
+        finally:
+            theirs.close()
+        reaped = asyncio.ensure_future(proc.wait())  # it ends with the connection
+        _servers.add(reaped)
+        reaped.add_done_callback(_servers.discard)
+        return await Channel.over(ours)
+
+    return connect

@@ -1,0 +1,312 @@
+/*
+ * The exec server's file operations: the files API of a trajectory, done by the
+ * environment's own exec server (included by exec_server.c, one static binary).
+ *
+ * They run in the forked handler, so with the container's namespaces, user and mounts:
+ * a file can be written exactly where the environment's commands could write it, and is
+ * owned by the environment's user. No `docker cp`, no API-server round trip, no core.
+ *
+ * Request: an 'F' frame (NUL-terminated strings: op, path, argument), where path is
+ * absolute inside the environment's root. Every path is resolved by openat2(2) from the
+ * root's descriptor: in a container (the listening server) with RESOLVE_IN_ROOT, so a
+ * symlink resolves as the environment sees it and never above its root; in a directory
+ * of the host (`--files ROOT`, the process runtime) with RESOLVE_BENEATH, so a symlink
+ * that leads out of the directory is refused (EXDEV). /proc magic links are refused in
+ * both (RESOLVE_NO_MAGICLINKS), and a ".." component is refused before any lookup.
+ *
+ *   read PATH          'S' entry of the opened file, '1' data..., 'X' "0"
+ *   write PATH MODE    'S' once a temporary file beside PATH is open; then the agent
+ *                      sends 'I' data... and 'E'; the file is renamed over PATH (atomic:
+ *                      readers see the old file or the whole new one), 'X' bytes written.
+ *                      If the agent goes before 'E', the temporary file is removed.
+ *   list PATH          '1' an entry per directory member, 'X' "0"
+ *   stat PATH          '1' the entry of PATH itself (a symlink is not followed)
+ *   mkdir PATH         with its parents; 'X' "1" made, "0" it was a directory already
+ *   remove PATH        a file, a symlink or a whole tree (never following symlinks)
+ *   rename PATH TO     'X' "0"
+ * An entry is 8 NUL-terminated strings: type (f d l o), mode (octal), size, mtime (ns),
+ * uid, gid, name, symlink target. A failure is a 'Z' frame: "<errno> <message>".
+ */
+#include <linux/openat2.h>
+#include <sys/syscall.h>
+
+#define MAX_DEPTH 256 /* directory levels a remove descends */
+
+static int files_root = -1;
+static unsigned long long files_resolve;
+
+static int fail(int sock, int err, const char *what, const char *path) {
+    char msg[4200];
+    snprintf(msg, sizeof msg, "%d %s %s: %s", err, what, path, strerror(err));
+    send_text(sock, 'Z', msg);
+    return -1;
+}
+
+/* The root-relative form of an absolute path, or NULL (errno EPERM) if it has "..". */
+static const char *relative(const char *path) {
+    for (const char *p = path; *p;) {
+        while (*p == '/') p++;
+        const char *end = strchr(p, '/');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n == 2 && p[0] == '.' && p[1] == '.') {
+            errno = EPERM;
+            return NULL;
+        }
+        p += n;
+    }
+    while (*path == '/') path++;
+    return *path ? path : ".";
+}
+
+static int open_in(const char *path, int flags, mode_t mode) {
+    const char *rel = relative(path);
+    if (rel == NULL) return -1;
+    struct open_how how = {.flags = (unsigned long long)(flags | O_CLOEXEC),
+                           .mode = flags & O_CREAT ? mode : 0,
+                           .resolve = files_resolve};
+    return (int)syscall(SYS_openat2, files_root, rel, &how, sizeof how);
+}
+
+/* Splits PATH into its parent directory (opened) and its last component. */
+static int open_parent(const char *path, char *dir, size_t dirlen, const char **base) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--; /* "a/b/" names b */
+    if (n >= dirlen) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(dir, path, n);
+    dir[n] = '\0';
+    char *slash = strrchr(dir, '/');
+    *base = slash ? slash + 1 : dir;
+    if (**base == '\0' || strcmp(*base, ".") == 0 || strcmp(*base, "..") == 0) {
+        errno = EBUSY; /* the root itself, or not a name: nothing to replace or remove */
+        return -1;
+    }
+    static char parent[4096];
+    size_t plen = slash ? (size_t)(slash - dir) : 0;
+    memcpy(parent, dir, plen);
+    parent[plen] = '\0';
+    return open_in(plen ? parent : "/", O_RDONLY | O_DIRECTORY, 0);
+}
+
+static int send_entry(int sock, int dirfd, const char *name, const struct stat *st) {
+    char target[4096] = "";
+    char type = S_ISREG(st->st_mode) ? 'f' : S_ISDIR(st->st_mode) ? 'd' : S_ISLNK(st->st_mode) ? 'l' : 'o';
+    if (type == 'l') {
+        ssize_t n = readlinkat(dirfd, name, target, sizeof target - 1);
+        target[n > 0 ? n : 0] = '\0';
+    }
+    char head[160];
+    int len = snprintf(head, sizeof head, "%c%c%o%c%lld%c%lld%c%u%c%u%c", type, 0,
+                       (unsigned)(st->st_mode & 07777), 0, (long long)st->st_size, 0,
+                       (long long)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec, 0,
+                       (unsigned)st->st_uid, 0, (unsigned)st->st_gid, 0);
+    size_t nlen = strlen(name) + 1, tlen = strlen(target) + 1;
+    char *buf = malloc((size_t)len + nlen + tlen);
+    if (buf == NULL) return -1;
+    memcpy(buf, head, (size_t)len);
+    memcpy(buf + len, name, nlen);
+    memcpy(buf + len + nlen, target, tlen);
+    int rc = send_frame(sock, '1', buf, (uint32_t)((size_t)len + nlen + tlen));
+    free(buf);
+    return rc;
+}
+
+static int op_read(int sock, const char *path) {
+    int fd = open_in(path, O_RDONLY | O_NOCTTY | O_NONBLOCK, 0);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0) return fail(sock, errno, "read", path);
+    if (!S_ISREG(st.st_mode)) /* a FIFO or a device could block or never end */
+        return fail(sock, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, "read", path);
+    const char *slash = strrchr(path, '/');
+    if (send_entry(sock, fd, slash ? slash + 1 : path, &st) < 0) return -1;
+    /* The size the entry said, no more: a file that grows meanwhile is read as it was
+     * (a reader may count on the size it was told); one that shrinks ends short. */
+    static char buf[256 << 10];
+    off_t left = st.st_size;
+    ssize_t n;
+    while (left > 0 && (n = read(fd, buf, left < (off_t)sizeof buf ? (size_t)left : sizeof buf)) != 0) {
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return fail(sock, errno, "read", path);
+        }
+        if (send_frame(sock, '1', buf, (uint32_t)n) < 0) return -1;
+        left -= n;
+    }
+    return send_text(sock, 'X', "0");
+}
+
+static int op_write(int sock, const char *path, const char *mode_text) {
+    char dir[4096];
+    const char *base;
+    mode_t mode = (mode_t)(strtoul(mode_text, NULL, 8) & 07777);
+    int dfd = open_parent(path, dir, sizeof dir, &base);
+    if (dfd < 0) return fail(sock, errno, "write", path);
+    char tmp[600];
+    if (snprintf(tmp, sizeof tmp, ".%.200s.tangram-%d", base, (int)getpid()) >= (int)sizeof tmp)
+        return fail(sock, ENAMETOOLONG, "write", path);
+    int fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) return fail(sock, errno, "write", path);
+    send_text(sock, 'S', "ready");
+    long long total = 0;
+    int err = 0;
+    for (;;) {
+        char type, *data;
+        uint32_t len;
+        if (recv_frame(sock, &type, &data, &len) < 0) { /* the agent went: nothing lands */
+            unlinkat(dfd, tmp, 0);
+            return -1;
+        }
+        if (type == 'I' && !err && write_all(fd, data, len) < 0) err = errno;
+        total += len;
+        free(data);
+        if (type == 'E') break;
+    }
+    if (!err && fchmod(fd, mode) < 0) err = errno;
+    if (close(fd) < 0 && !err) err = errno; /* a full disk may show only here */
+    if (!err && renameat(dfd, tmp, dfd, base) < 0) err = errno;
+    if (err) {
+        unlinkat(dfd, tmp, 0);
+        return fail(sock, err, "write", path);
+    }
+    char text[32];
+    snprintf(text, sizeof text, "%lld", total);
+    return send_text(sock, 'X', text);
+}
+
+static int op_list(int sock, const char *path) {
+    int fd = open_in(path, O_RDONLY | O_DIRECTORY, 0);
+    DIR *d = fd < 0 ? NULL : fdopendir(fd);
+    if (d == NULL) return fail(sock, errno, "list", path);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        struct stat st;
+        if (fstatat(fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0) continue; /* just removed */
+        if (send_entry(sock, fd, e->d_name, &st) < 0) return -1;
+    }
+    closedir(d);
+    return send_text(sock, 'X', "0");
+}
+
+static int op_stat(int sock, const char *path) {
+    char dir[4096];
+    const char *base;
+    struct stat st;
+    int dfd = open_parent(path, dir, sizeof dir, &base);
+    if (dfd < 0 && errno == EBUSY) { /* the root */
+        dfd = open_in("/", O_RDONLY | O_DIRECTORY, 0);
+        base = ".";
+    }
+    if (dfd < 0 || fstatat(dfd, base, &st, AT_SYMLINK_NOFOLLOW) < 0)
+        return fail(sock, errno, "stat", path);
+    if (send_entry(sock, dfd, strcmp(base, ".") ? base : "/", &st) < 0) return -1;
+    return send_text(sock, 'X', "0");
+}
+
+static int op_mkdir(int sock, const char *path) {
+    if (relative(path) == NULL) return fail(sock, errno, "mkdir", path);
+    char prefix[4096];
+    size_t n = strlen(path);
+    if (n >= sizeof prefix) return fail(sock, ENAMETOOLONG, "mkdir", path);
+    int made = 0;
+    /* Each component in turn: resolve its parent from the root, make it there. */
+    for (size_t i = 1; i <= n; i++) {
+        if (i < n && path[i] != '/') continue;
+        memcpy(prefix, path, i);
+        prefix[i] = '\0';
+        const char *base;
+        char dir[4096];
+        int dfd = open_parent(prefix, dir, sizeof dir, &base);
+        if (dfd < 0) {
+            if (errno == EBUSY) continue; /* "/" or an empty component */
+            return fail(sock, errno, "mkdir", path);
+        }
+        int rc = mkdirat(dfd, base, 0755);
+        int err = errno;
+        close(dfd);
+        if (rc == 0) {
+            made = 1;
+        } else if (err != EEXIST) {
+            return fail(sock, err, "mkdir", path);
+        }
+        int fd = open_in(prefix, O_RDONLY | O_DIRECTORY, 0);
+        if (fd < 0) return fail(sock, errno, "mkdir", path); /* ENOTDIR: a file is in the way */
+        close(fd);
+    }
+    return send_text(sock, 'X', made ? "1" : "0");
+}
+
+/* Removes NAME in DIRFD, descending into directories without following symlinks. */
+static int remove_tree(int dirfd, const char *name, int depth) {
+    if (unlinkat(dirfd, name, 0) == 0) return 0;
+    if (errno != EISDIR && errno != EPERM) return -1;
+    if (depth >= MAX_DEPTH) {
+        errno = ELOOP;
+        return -1;
+    }
+    int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    DIR *d = fd < 0 ? NULL : fdopendir(fd);
+    if (d == NULL) return -1;
+    struct dirent *e;
+    int rc = 0;
+    while (rc == 0 && (e = readdir(d)) != NULL)
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+            rc = remove_tree(fd, e->d_name, depth + 1);
+    int err = errno;
+    closedir(d);
+    if (rc < 0) {
+        errno = err;
+        return -1;
+    }
+    return unlinkat(dirfd, name, AT_REMOVEDIR);
+}
+
+static int op_remove(int sock, const char *path) {
+    char dir[4096];
+    const char *base;
+    int dfd = open_parent(path, dir, sizeof dir, &base);
+    if (dfd < 0 || remove_tree(dfd, base, 0) < 0) return fail(sock, errno, "remove", path);
+    return send_text(sock, 'X', "0");
+}
+
+static int op_rename(int sock, const char *path, const char *to) {
+    char dir[4096], todir[4096];
+    const char *base, *tobase;
+    int dfd = open_parent(path, dir, sizeof dir, &base);
+    if (dfd < 0) return fail(sock, errno, "rename", path);
+    int tfd = open_parent(to, todir, sizeof todir, &tobase);
+    if (tfd < 0 || renameat(dfd, base, tfd, tobase) < 0) return fail(sock, errno, "rename", to);
+    return send_text(sock, 'X', "0");
+}
+
+static void handle_files(int sock, char *data, uint32_t len) {
+    signal(SIGPIPE, SIG_IGN); /* an agent that goes mid-answer is a failed send, not a kill */
+    char *f[3] = {NULL, NULL, NULL};
+    int n = split(data, len, f, 3);
+    if (n < 2) {
+        send_text(sock, 'Z', "22 request: a file operation needs an op and a path");
+        return;
+    }
+    const char *op = f[0], *path = f[1], *arg = n > 2 ? f[2] : "";
+    if (path[0] != '/') {
+        fail(sock, EINVAL, op, path);
+        return;
+    }
+    if (strcmp(op, "read") == 0) op_read(sock, path);
+    else if (strcmp(op, "write") == 0) op_write(sock, path, arg[0] ? arg : "644");
+    else if (strcmp(op, "list") == 0) op_list(sock, path);
+    else if (strcmp(op, "stat") == 0) op_stat(sock, path);
+    else if (strcmp(op, "mkdir") == 0) op_mkdir(sock, path);
+    else if (strcmp(op, "remove") == 0) op_remove(sock, path);
+    else if (strcmp(op, "rename") == 0 && arg[0] == '/') op_rename(sock, path, arg);
+    else fail(sock, EINVAL, "request: no such file operation:", op);
+}
+
+/* Where file operations resolve: the container's root, or ROOT of --files. */
+static int files_at(const char *root, int beneath) {
+    files_root = open(root, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    files_resolve = RESOLVE_NO_MAGICLINKS | (beneath ? RESOLVE_BENEATH : RESOLVE_IN_ROOT);
+    return files_root;
+}

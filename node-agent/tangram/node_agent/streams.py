@@ -1,0 +1,49 @@
+"""A streamed request's two directions on the scheduler link, with flow control.
+
+Most requests are answered by one reply. A streamed one (a file read or write) also
+sends its output as chunk replies (``more``) and takes its input from ``AgentInput``
+messages, each direction within ``STREAM_WINDOW`` chunks that the other side has not
+acknowledged (``credit``): a slow reader stalls its own request, never the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator, Callable
+
+from tangram.api.wire import STREAM_CHUNK, STREAM_WINDOW, AgentInput, AgentReply, FilesOutcome
+
+
+class Stream:
+    def __init__(self, rid: int, post: Callable[[AgentReply], None]) -> None:
+        self.rid = rid
+        self._post = post
+        self._window = asyncio.Semaphore(STREAM_WINDOW)  # output chunks not yet taken
+        self._input: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def head(self, files: FilesOutcome) -> None:
+        """What the scheduler needs before the data (a read's file entry)."""
+        self._post(AgentReply(rid=self.rid, ok=True, more=True, files=files))
+
+    async def send(self, data: bytes) -> None:
+        """Output, in chunks, each once the window has room for it."""
+        for start in range(0, len(data), STREAM_CHUNK):
+            await self._window.acquire()
+            piece = base64.b64encode(data[start : start + STREAM_CHUNK]).decode()
+            self._post(AgentReply(rid=self.rid, ok=True, more=True, data=piece))
+
+    async def received(self) -> AsyncIterator[bytes]:
+        """Input until its end; each chunk taken is acknowledged, so more may come."""
+        while (data := await self._input.get()) is not None:
+            yield data
+            self._post(AgentReply(rid=self.rid, ok=True, more=True, credit=1))
+
+    def take(self, msg: AgentInput) -> None:
+        """An ``AgentInput`` for this request, as the link read it."""
+        if msg.data:
+            self._input.put_nowait(base64.b64decode(msg.data))
+        if msg.eof:
+            self._input.put_nowait(None)
+        for _ in range(msg.credit):
+            self._window.release()

@@ -1,0 +1,99 @@
+"""The HTTP routes of the files API (``/v1/trajectories/{trajectory}/files``): handlers
+only translate to ``Engine.files``.
+
+No ``from __future__ import annotations`` here: the routes are made inside a function,
+and FastAPI reads their annotations (the tenant dependency among them) as objects.
+"""
+
+import re
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Scope
+
+from tangram.api.wire import (
+    MAX_PATH,
+    FileEntry,
+    FileList,
+    FileWritten,
+    MadeDir,
+    MakeDir,
+    RenameFile,
+)
+from tangram.service.engine import Engine
+
+FILES = "/v1/trajectories/{trajectory}/files"
+_UPLOAD = re.compile(r"/v1/trajectories/[^/]+/files")
+_BINARY = {
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+}
+
+Path = Annotated[
+    str,
+    Query(
+        min_length=1,
+        max_length=MAX_PATH,
+        description="absolute inside the environment, or relative to its workdir; no '..'",
+    ),
+]
+
+
+def is_upload(scope: Scope) -> bool:
+    """A file upload, whose body may be as large as ``admission.maxFileBytes``."""
+    return scope["method"] == "PUT" and _UPLOAD.fullmatch(scope["path"]) is not None
+
+
+def add_file_routes(
+    app: FastAPI, engine: Engine, tenant: Any, errors: dict[int | str, Any]
+) -> None:
+    """``tenant``: the dependency that names the caller's tenant (``TenantId``)."""
+
+    @app.get(FILES, responses={**errors, 200: _BINARY}, response_class=StreamingResponse)
+    async def read_file(trajectory: str, path: Path, who: tenant) -> StreamingResponse:
+        """The file's bytes, streamed as the environment's exec server reads them."""
+        got = await engine.files.read(who, trajectory, path)
+        headers = {"Content-Length": str(got.entry.size), "X-Tangram-Mode": f"{got.entry.mode:o}"}
+        return StreamingResponse(got.data, media_type="application/octet-stream", headers=headers)
+
+    @app.put(FILES, responses=errors, openapi_extra={"requestBody": {"required": True, **_BINARY}})
+    async def write_file(
+        trajectory: str,
+        path: Path,
+        request: Request,
+        who: tenant,
+        mode: Annotated[str, Query(pattern=r"^0?[0-7]{3}$", description="octal")] = "644",
+    ) -> FileWritten:
+        """Write the request body to the file, atomically: readers see the old file or
+        the whole new one; the parent directory must exist."""
+        size = await engine.files.write(who, trajectory, path, request.stream(), int(mode, 8))
+        return FileWritten(path=path, size=size)
+
+    @app.delete(FILES, responses=errors)
+    async def remove_file(trajectory: str, path: Path, who: tenant) -> dict[str, str]:
+        """Remove a file, a symlink (not what it points to) or a directory tree."""
+        await engine.files.ask(who, trajectory, "remove", path)
+        return {"removed": path}
+
+    @app.get(FILES + "/list", responses=errors)
+    async def list_files(trajectory: str, who: tenant, path: Path = ".") -> FileList:
+        """The members of a directory (symlinks not followed)."""
+        found = await engine.files.ask(who, trajectory, "list", path)
+        return FileList(path=path, entries=found.entries)
+
+    @app.get(FILES + "/stat", responses=errors)
+    async def stat_file(trajectory: str, path: Path, who: tenant) -> FileEntry:
+        found = await engine.files.ask(who, trajectory, "stat", path)
+        assert found.entry is not None  # a stat that succeeds has one
+        return found.entry
+
+    @app.post(FILES + "/mkdir", responses=errors)
+    async def make_dir(trajectory: str, req: MakeDir, who: tenant) -> MadeDir:
+        """Make a directory and its missing parents."""
+        found = await engine.files.ask(who, trajectory, "mkdir", req.path)
+        return MadeDir(path=req.path, created=bool(found.created))
+
+    @app.post(FILES + "/rename", responses=errors)
+    async def rename_file(trajectory: str, req: RenameFile, who: tenant) -> RenameFile:
+        await engine.files.ask(who, trajectory, "rename", req.path, to=req.to)
+        return req

@@ -1,0 +1,170 @@
+"""The files API of a trajectory: each operation goes straight to the agent that holds
+its environment, which has the environment's exec server do it. Nothing is queued and no
+core is taken: a file operation runs no command.
+
+Paths are absolute inside the environment, or relative to its workdir; a ``..``
+component is refused here, before any agent sees it, and a path that leaves the
+environment through a symlink is refused by the exec server (403).
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+
+from tangram.api.wire import (
+    FILES_FEATURE,
+    MAX_PATH,
+    AgentFiles,
+    AgentReply,
+    FileEntry,
+    FileOp,
+    FilesOutcome,
+)
+from tangram.service.agents import AgentGoneError, AgentLink, LinkStream
+from tangram.service.records import EngineError, ErrorKind
+from tangram.service.state import PoolState
+
+# What each refusal of the environment's is, to the caller.
+_KINDS: dict[int, ErrorKind] = {
+    errno.ENOENT: "not_found",
+    errno.EACCES: "forbidden",
+    errno.EPERM: "forbidden",
+    errno.EROFS: "forbidden",
+    errno.EXDEV: "forbidden",  # RESOLVE_BENEATH: a symlink out of the directory
+    errno.ELOOP: "forbidden",  # a /proc magic link, or a symlink loop
+    errno.EEXIST: "conflict",
+    errno.ENOTEMPTY: "conflict",
+    errno.EBUSY: "conflict",
+    errno.ENOTDIR: "invalid",
+    errno.EISDIR: "invalid",
+    errno.EINVAL: "invalid",
+    errno.ENAMETOOLONG: "invalid",
+    errno.ENOSPC: "too_large",
+    errno.EDQUOT: "too_large",
+    errno.EFBIG: "too_large",
+}
+_WHY = {
+    errno.EXDEV: "it leads out of the environment through a symlink",
+    errno.ELOOP: "it goes through a /proc magic link or a symlink loop",
+    errno.ENOSPC: "the environment's disk is full or at its limit",
+    errno.EDQUOT: "the environment's disk is at its limit",
+}
+
+
+def check_path(path: str, field: str = "path") -> str:
+    """A path the agents are asked about: not empty, no NUL, no ``..`` component."""
+    if not path or len(path) > MAX_PATH or "\0" in path:
+        raise EngineError(
+            "invalid", field, f"{path[:200]!r}: give 1 to {MAX_PATH} characters, no NUL"
+        )
+    if ".." in path.split("/"):
+        raise EngineError(
+            "forbidden",
+            field,
+            f"{path}: a '..' component is refused (paths stay in the environment)",
+        )
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class Download:
+    """A file being read: its entry, then its bytes (iterate them to the end, or close)."""
+
+    entry: FileEntry
+    data: AsyncIterator[bytes]
+
+
+class Files:
+    def __init__(self, state: PoolState) -> None:
+        self.state = state
+
+    def _request(
+        self, tenant: str, tid: str, action: FileOp, path: str, **kw: object
+    ) -> tuple[AgentLink, AgentFiles]:
+        check_path(path)
+        traj = self.state.usable(tenant, tid)
+        link = self.state.hub.links.get(traj.node or "")
+        if link is None:
+            raise EngineError("unavailable", "trajectory", f"{tid}: node {traj.node} has no agent")
+        if FILES_FEATURE not in link.hello.features:
+            raise EngineError(
+                "failed",
+                "trajectory",
+                f"{tid}: the agent of node {traj.node} predates the files API; upgrade the "
+                "node agents",
+            )
+        req = AgentFiles(trajectory=traj.key, action=action, path=path, **kw)
+        return link, req
+
+    async def ask(
+        self, tenant: str, tid: str, action: FileOp, path: str, **kw: object
+    ) -> FilesOutcome:
+        """list, stat, mkdir, remove, rename: one request, one reply."""
+        if action == "rename":
+            check_path(str(kw.get("to") or ""), "to")
+        link, req = self._request(tenant, tid, action, path, **kw)
+        try:
+            reply = await link.request(req)
+        except AgentGoneError as e:
+            raise EngineError("unavailable", "trajectory", f"{tid}: {e}") from None
+        return _outcome(reply, path)
+
+    async def read(self, tenant: str, tid: str, path: str) -> Download:
+        link, req = self._request(tenant, tid, "read", path)
+        stream = link.stream(req)
+        try:
+            head = await stream.next()
+            if head is None or head.files is None or head.files.entry is None:
+                _outcome(await _reply(stream, tid), path)  # raises why it ended
+                raise EngineError("failed", "path", f"{path}: the agent sent no entry")
+        except BaseException:
+            await stream.close()
+            raise
+
+        async def data() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream.data():
+                    yield chunk
+                _outcome(await _reply(stream, tid), path)  # a read that failed midway raises
+            finally:
+                await stream.close()
+
+        return Download(head.files.entry, data())
+
+    async def write(
+        self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes], mode: int
+    ) -> int:
+        """Write the file from ``body``; it replaces ``path`` only once whole."""
+        link, req = self._request(tenant, tid, "write", path, mode=mode)
+        stream = link.stream(req)
+        try:
+            async for chunk in body:
+                if not await stream.send(chunk):
+                    break  # refused: the reply says why
+            else:
+                await stream.end_input()
+            done = _outcome(await _reply(stream, tid), path)
+        finally:
+            await stream.close()  # a body that broke off cancels the write: nothing lands
+        return done.written or 0
+
+
+async def _reply(stream: LinkStream, tid: str) -> AgentReply:
+    try:
+        return await stream.reply()
+    except AgentGoneError as e:
+        raise EngineError("unavailable", "trajectory", f"{tid}: {e}") from None
+
+
+def _outcome(reply: AgentReply, path: str) -> FilesOutcome:
+    if reply.ok and reply.files is not None:
+        return reply.files
+    message = reply.error or "the agent did not say"
+    if reply.errno is None:  # not the environment's refusal: the trajectory or its agent
+        raise EngineError("unavailable" if reply.retryable else "failed", "trajectory", message)
+    why = _WHY.get(reply.errno)
+    raise EngineError(
+        _KINDS.get(reply.errno, "failed"), "path", f"{path}: {why}" if why else message
+    )
