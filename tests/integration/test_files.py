@@ -5,6 +5,7 @@ container and in the process runtime's directory."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import random
@@ -19,7 +20,7 @@ from tangram.api.wire import EnvSpec
 from tangram.client import Client, TangramError
 from tangram.client.sync import Trajectory
 from tangram.node_agent.agent import NodeAgent
-from tangram.node_agent.env_files import EnvFiles, one_shot
+from tangram.node_agent.env_files import EnvFiles, FileError, one_shot
 from tangram.node_agent.exec_server import Built
 from tangram.service.config import EnvConfig, PoolConfig
 
@@ -193,3 +194,33 @@ def test_a_write_cut_off_midway_leaves_neither_the_file_nor_a_temporary(
     asyncio.run(scenario())
     assert sorted(os.listdir(root)) == ["f"]
     assert (root / "f").read_bytes() == b"old"
+
+
+def test_remove_takes_symlinks_away_never_what_they_point_to(execd: Built, tmp_path: Path) -> None:
+    assert execd.path is not None
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep")
+    root = tmp_path / "env"
+    (root / "tree" / "deep").mkdir(parents=True)
+    (root / "tree" / "deep" / "f").write_text("x")
+    (root / "tree" / "out").symlink_to(outside)  # a link inside the tree to outside it
+    (root / "link").symlink_to(outside)
+    files = EnvFiles(one_shot(execd.path, root), "/")
+
+    async def scenario() -> None:
+        await files.remove("/tree")
+        await files.remove("/link")
+
+    asyncio.run(scenario())
+    assert os.listdir(root) == []
+    assert (outside / "precious").read_text() == "keep"
+
+
+def test_a_fifo_is_refused_not_read_forever(execd: Built, tmp_path: Path) -> None:
+    assert execd.path is not None
+    os.mkfifo(tmp_path / "pipe")
+    files = EnvFiles(one_shot(execd.path, tmp_path), "/")
+    with pytest.raises(FileError) as refused:
+        asyncio.run(files.read("/pipe"))
+    assert refused.value.errno == errno.EINVAL

@@ -5,12 +5,26 @@ replies answers each request; a failed send fails what waits instead of hanging 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 
 import pytest
 
 from tangram.api.inventory import NodeInventory
-from tangram.api.wire import AgentExec, AgentHello, AgentReply, pack, parse_agent_request, unpack
+from tangram.api.wire import (
+    STREAM_CHUNK,
+    STREAM_WINDOW,
+    AgentExec,
+    AgentFiles,
+    AgentHello,
+    AgentInput,
+    AgentReply,
+    pack,
+    parse_agent_request,
+    unpack,
+)
 from tangram.client.outbox import Outbox
+from tangram.node_agent.streams import Stream
 from tangram.service.agents import AgentGoneError, AgentLink
 
 
@@ -166,3 +180,99 @@ def test_trajectory_metadata_talks_to_releases_before_and_after_it() -> None:
     assert TrajectoryMeta.model_validate_json(keyed.model_dump_json()) == keyed
     later = '{"id": "t-1", "tenant": "alice", "env": "shell", "from_a_later_release": 1}'
     assert TrajectoryMeta.model_validate_json(later) == plain
+
+
+# ---- streamed requests (a file's bytes): credit windows each way ---------------------
+
+
+def _inputs(socket: Socket) -> list[dict[str, object]]:
+    sent = [json.loads(m) for f in socket.sent for m in unpack(f)]
+    return [m for m in sent if m.get("op") == "input"]
+
+
+def test_a_streams_input_stops_at_its_window_until_the_agent_gives_credit() -> None:
+    async def scenario() -> None:
+        socket = Socket()
+        link = AgentLink(_hello(), socket, packed=True)
+        reader = asyncio.create_task(link.receive_forever())
+        stream = link.stream(AgentFiles(trajectory="t", action="write", path="/f"))
+        chunk = bytes(STREAM_CHUNK)
+        sender = asyncio.create_task(stream.send(chunk * (STREAM_WINDOW + 4)))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len([m for m in _inputs(socket) if m["data"]]) == STREAM_WINDOW
+        assert not sender.done()
+        credit = AgentReply(rid=stream.rid, ok=True, more=True, credit=4)
+        socket.inbox.put_nowait(credit.model_dump_json())
+        assert await sender is True
+        assert len([m for m in _inputs(socket) if m["data"]]) == STREAM_WINDOW + 4
+        # The agent refuses: its reply wakes a sender waiting on the window, which stops.
+        blocked = asyncio.create_task(stream.send(chunk * (STREAM_WINDOW + 1)))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        refusal = AgentReply(rid=stream.rid, ok=False, error="no space", errno=28)
+        socket.inbox.put_nowait(refusal.model_dump_json())
+        assert await blocked is False
+        assert (await stream.reply()).errno == 28
+        await stream.close()
+        reader.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_streams_chunks_are_acknowledged_as_they_are_taken() -> None:
+    async def scenario() -> None:
+        socket = Socket()
+        link = AgentLink(_hello(), socket, packed=True)
+        reader = asyncio.create_task(link.receive_forever())
+        stream = link.stream(AgentFiles(trajectory="t", action="read", path="/f"))
+        for piece in (b"ab", b"cd"):
+            data = base64.b64encode(piece).decode()
+            chunk = AgentReply(rid=stream.rid, ok=True, more=True, data=data)
+            socket.inbox.put_nowait(chunk.model_dump_json())
+        socket.inbox.put_nowait(AgentReply(rid=stream.rid, ok=True).model_dump_json())
+        got = [piece async for piece in stream.data()]
+        assert got == [b"ab", b"cd"]
+        for _ in range(10):  # the writer's turn
+            await asyncio.sleep(0)
+        assert [m["credit"] for m in _inputs(socket)] == [1, 1]
+        assert (await stream.reply()).ok
+        await stream.close()  # answered: nothing to cancel
+        assert not [m for f in socket.sent for m in unpack(f) if '"cancel"' in m]
+        reader.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_closed_before_its_reply_cancels_the_request() -> None:
+    async def scenario() -> None:
+        socket = Socket()
+        link = AgentLink(_hello(), socket, packed=True)
+        stream = link.stream(AgentFiles(trajectory="t", action="read", path="/f"))
+        await stream.close()  # the HTTP client went away mid-download
+        await asyncio.sleep(0)
+        sent = [parse_agent_request(m) for f in socket.sent for m in unpack(f)]
+        assert any(getattr(m, "target", None) == stream.rid and m.op == "cancel" for m in sent)
+
+    asyncio.run(scenario())
+
+
+def test_the_agents_side_sends_within_its_window_and_takes_input_in_order() -> None:
+    async def scenario() -> None:
+        posted: list[AgentReply] = []
+        stream = Stream(7, posted.append)
+        sender = asyncio.create_task(stream.send(bytes(STREAM_CHUNK * (STREAM_WINDOW + 2))))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len(posted) == STREAM_WINDOW and not sender.done()
+        stream.take(AgentInput(target=7, credit=2))
+        await sender
+        assert len(posted) == STREAM_WINDOW + 2
+        for piece in (b"one", b"two"):
+            stream.take(AgentInput(target=7, data=base64.b64encode(piece).decode()))
+        stream.take(AgentInput(target=7, eof=True))
+        posted.clear()
+        assert [piece async for piece in stream.received()] == [b"one", b"two"]
+        assert [p.credit for p in posted] == [1, 1]  # each chunk taken is acknowledged
+
+    asyncio.run(scenario())

@@ -11,9 +11,18 @@ from typing import Any
 
 import pytest
 
-from tangram.api.wire import AgentExec, AgentOpen, AgentSession, EnvSpec, Problem, Session
+from tangram.api.wire import (
+    AgentExec,
+    AgentFiles,
+    AgentOpen,
+    AgentSession,
+    EnvSpec,
+    Problem,
+    Session,
+)
 from tangram.node_agent import runtimes
 from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.env_files import EnvFiles
 from tangram.node_agent.execution import ExecError, ExecResult, Gone, Output
 
 
@@ -66,6 +75,10 @@ class Recorder:
     async def session(self, trajectory: str, kind: str, code: str, cores: Sequence[int],
                       **kw: Any) -> ExecResult:  # fmt: skip
         raise ExecError("no sessions here")
+
+    def files(self, trajectory: str) -> EnvFiles:
+        self.calls.append(("files", trajectory))
+        raise ExecError("no files here")
 
     async def shutdown(self) -> None:
         self.calls.append(("shutdown",))
@@ -210,3 +223,14 @@ def test_top_ups_of_one_runtime_run_one_at_a_time() -> None:
 
     asyncio.run(refills())
     assert inner.peak == 1
+
+
+def test_a_file_request_goes_to_the_runtime_and_its_refusal_is_the_reply(
+    recorder: list[Recorder], tmp_path: Path
+) -> None:
+    agent = NodeAgent.create(tmp_path, runtime="recorder")
+    assert "files" in agent.hello().features
+    req = AgentFiles(rid=3, trajectory="t1", action="stat", path="/x")
+    reply = asyncio.run(agent.handle(req))
+    assert (reply.rid, reply.ok, reply.error, reply.errno) == (3, False, "no files here", None)
+    assert recorder[0].calls[-1] == ("files", "t1")

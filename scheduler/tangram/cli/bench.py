@@ -38,13 +38,14 @@ def register(sub: Any) -> None:
             "gpu-pool` compares RewardServices pooled on shared devices with one static "
             "device per service for the same calls (needs the gpu extra); `tangram bench "
             "tenants` measures one tenant's queueing beside another's flood under each "
-            "tenant policy."
+            "tenant policy; `tangram bench files` compares the files API's upload and "
+            "download throughput with docker cp (needs a Docker Engine)."
         ),
     )
     p.add_argument(
         "what",
         nargs="?",
-        choices=("scheduler", "paper", "exec", "service", "gpu", "gpu-pool", "tenants"),
+        choices=("scheduler", "paper", "exec", "service", "gpu", "gpu-pool", "tenants", "files"),
         help="a named benchmark",
     )
     p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
@@ -65,7 +66,11 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--opens", type=whole_number(1), default=30, help="exec: timed opens of each kind"
     )
-    p.add_argument("--image", help="exec: environment image (default: one made from busybox)")
+    p.add_argument(
+        "--image", help="exec, files: environment image (default: one made from busybox)"
+    )
+    p.add_argument("--sizes", help="files: comma-separated file sizes, MB (default 1,10,50,200)")
+    p.add_argument("--repeats", type=whole_number(1), default=5, help="files: runs per size")
     p.add_argument(
         "--trajectories",
         type=whole_number(1),
@@ -156,6 +161,7 @@ _REPORTS = {
     "tenants": ("tangram.cli.bench_tenants", "run_tenants_bench"),
     "gpu-pool": ("tangram.cli.bench_gpu_pool", "run_gpu_pool_bench"),
     "exec": ("tangram.cli.bench_exec", "run_exec_bench"),
+    "files": ("tangram.cli.bench_files", "run_files_bench"),
 }
 
 
@@ -304,6 +310,17 @@ def _table(report: dict[str, Any]) -> None:
         from tangram.cli.bench_exec import print_tables
 
         print_tables(report, console)
+        return
+    if "sizes" in report:  # bench files
+        t = Table(title="files API against docker cp (median MB/s)")
+        for col in ("MB", "upload", "docker cp in", "ratio", "download", "docker cp out", "ratio"):
+            t.add_column(col, justify="right")
+        keys = ("upload_mb_s", "docker_cp_in_mb_s", "upload_vs_docker_cp", "download_mb_s",
+                "docker_cp_out_mb_s", "download_vs_docker_cp")  # fmt: skip
+        for r in report["sizes"]:
+            cells = [f"{r[k]:.2f}×" if k.endswith("cp") else f"{r[k]:.0f}" for k in keys]
+            t.add_row(str(r["size_mb"]), *cells)
+        console.print(t)
         return
     if "scenarios" in report:  # bench tenants
         t = Table(title="the steady tenant's queueing beside a flooding tenant")

@@ -17,25 +17,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import secrets
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tangram.api.wire import EnvSpec
-from tangram.cli.files import InputError
+from tangram.cli.bench_agent import bench_pool
 from tangram.cli.progress import note
 from tangram.client.aio import AsyncClient
 from tangram.scheduler.core.scheduler import SchedulerConfig
-from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig, TenantLimits
-from tangram.service.embedded import Running, free_port, run
 
 STEADY, FLOOD = "steady", "flood"
 SCENARIOS = ("alone", "fcfs", "fair", "fair+share")
@@ -58,64 +51,31 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _scenario(scenario: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    tokens = {secrets.token_urlsafe(24): t for t in (STEADY, FLOOD, AGENT_TENANT)}
-    token = {t: k for k, t in tokens.items()}
-    work.mkdir(parents=True)
-    (work / "tokens").write_text("".join(f"{k} {t}\n" for k, t in tokens.items()))
-    stop = asyncio.Event()
-    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
-    port = free_port()
-    store = TokenStore(tokens)
-    server = asyncio.create_task(
-        run(_config(scenario), store, None, stop, port=port, on_ready=ready.set_result)
-    )
-    running = await ready
-    running.engine.all_agents_joined()  # a fresh pool: no trajectory to wait for
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "tangram.cli.main", "agent", "--scheduler",
-         f"ws://127.0.0.1:{port}/v1/agents", "--runtime", "process", "--cores",
-         str(args.cores), "--node", "bench", "--state-dir", str(work / "agent")],
-        env={**os.environ, "TANGRAM_TOKEN_FILE": str(work / "tokens")},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     sleep = ["sleep", str(args.action_s)]
-    try:
-        deadline = asyncio.get_running_loop().time() + 60
-        while "bench" not in running.engine.hub.links:
-            if agent.poll() is not None:
-                raise InputError(f"bench tenants: the node agent exited ({agent.returncode})")
-            if asyncio.get_running_loop().time() > deadline:
-                raise InputError("bench tenants: the node agent did not connect in 60 s")
-            await asyncio.sleep(0.05)
-        async with (
-            AsyncClient(running.url, token[STEADY]) as steady,
-            AsyncClient(running.url, token[FLOOD]) as flood,
-        ):
-            floods: list[asyncio.Task[Any]] = []
-            if scenario != "alone":
-                tids = [(await flood.open("shell")).id for _ in range(args.flood_trajectories)]
-                per = args.flood_actions // len(tids)
-                floods = [
-                    asyncio.create_task(flood.exec(tid, sleep)) for tid in tids for _ in range(per)
-                ]
-                await asyncio.sleep(args.action_s)  # the backlog is in before the first step
-            tid = (await steady.open("shell")).id
-            queued: list[float] = []
-            for _ in range(args.steps):
-                result = await steady.exec(tid, sleep)
-                queued.append(result.timings.queued_s)
-                await asyncio.sleep(args.think_s)
-            for t in floods:
-                t.cancel()
-            await asyncio.gather(*floods, return_exceptions=True)
-    finally:
-        stop.set()
-        await server
-        agent.send_signal(signal.SIGINT)
-        try:
-            agent.wait(60)
-        except subprocess.TimeoutExpired:
-            agent.kill()
+    pool = bench_pool(_config(scenario), work, (STEADY, FLOOD), runtime="process",
+                      cores=args.cores, what="tenants")  # fmt: skip
+    async with (
+        pool as (running, token),
+        AsyncClient(running.url, token[STEADY]) as steady,
+        AsyncClient(running.url, token[FLOOD]) as flood,
+    ):
+        floods: list[asyncio.Task[Any]] = []
+        if scenario != "alone":
+            tids = [(await flood.open("shell")).id for _ in range(args.flood_trajectories)]
+            per = args.flood_actions // len(tids)
+            floods = [
+                asyncio.create_task(flood.exec(tid, sleep)) for tid in tids for _ in range(per)
+            ]
+            await asyncio.sleep(args.action_s)  # the backlog is in before the first step
+        tid = (await steady.open("shell")).id
+        queued: list[float] = []
+        for _ in range(args.steps):
+            result = await steady.exec(tid, sleep)
+            queued.append(result.timings.queued_s)
+            await asyncio.sleep(args.think_s)
+        for t in floods:
+            t.cancel()
+        await asyncio.gather(*floods, return_exceptions=True)
     return {
         "queued_p50_s": statistics.median(queued),
         "queued_p99_s": _percentile(queued, 0.99),

@@ -1,0 +1,109 @@
+"""``tangram bench files``: the files API's throughput against ``docker cp``.
+
+The real service on 127.0.0.1 with a Docker node agent in a process of its own (as in a
+cluster); one trajectory of a busybox environment. For each size, a file of random bytes
+is uploaded and downloaded through the client (HTTP → scheduler → agent link → the
+container's exec server), and the same bytes copied in and out of the same container with
+``docker cp``, alternately, so both see the same machine at the same time. The figure is
+the median MB/s of each, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tangram.api.wire import EnvSpec
+from tangram.cli.bench_agent import bench_pool
+from tangram.cli.files import InputError
+from tangram.cli.progress import bar
+from tangram.client.aio import AsyncClient
+from tangram.client.files import AsyncFiles
+from tangram.node_agent.env_template import TRAJECTORY_PREFIX
+from tangram.service.config import EnvConfig, PoolConfig
+
+SIZES_MB = (1, 10, 50, 200)
+USER = "bench"
+
+
+def _docker_cp(src: str, dst: str) -> float:
+    t0 = time.perf_counter()
+    done = subprocess.run(["docker", "cp", "-q", src, dst], capture_output=True, check=False)
+    if done.returncode != 0:
+        raise InputError(f"bench files: docker cp {src} {dst}: {done.stderr.decode()[-300:]}")
+    return time.perf_counter() - t0
+
+
+async def _measure(args: argparse.Namespace, work: Path, image: str) -> dict[str, Any]:
+    spec = EnvSpec(name="box", image=image, memory_gb=0.5, workdir="/work")
+    config = PoolConfig(name="files", envs={"box": EnvConfig(spec=spec)}, max_file_bytes=1 << 40)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(SIZES_MB)
+    rows: list[dict[str, Any]] = []
+    pool = bench_pool(config, work, (USER,), runtime="docker", what="files")
+    async with pool as (running, token), AsyncClient(running.url, token[USER]) as client:
+        tid = (await client.open("box")).id
+        files = AsyncFiles(client, tid)
+        container = TRAJECTORY_PREFIX + tid
+        with bar("bench files", len(sizes) * args.repeats) as update:
+            for size_mb in sizes:
+                data = os.urandom(size_mb << 20)
+                local = work / f"{size_mb}.bin"
+                local.write_bytes(data)
+                up, down, cp_in, cp_out = [], [], [], []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    await files.write("f.bin", data)
+                    up.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    back = await files.read("f.bin")
+                    down.append(time.perf_counter() - t0)
+                    if back != data:
+                        raise InputError("bench files: the download differs from the upload")
+                    cp_in.append(_docker_cp(str(local), f"{container}:/work/cp.bin"))
+                    out = work / "out.bin"
+                    cp_out.append(_docker_cp(f"{container}:/work/cp.bin", str(out)))
+                    out.unlink()
+                    update(len(rows) * args.repeats + len(up), len(sizes) * args.repeats)
+                local.unlink()
+                mb = float(size_mb)
+
+                def rate(times: list[float], mb: float = mb) -> float:
+                    return mb / statistics.median(times)
+
+                rows.append(
+                    {
+                        "size_mb": size_mb,
+                        "upload_mb_s": rate(up),
+                        "download_mb_s": rate(down),
+                        "docker_cp_in_mb_s": rate(cp_in),
+                        "docker_cp_out_mb_s": rate(cp_out),
+                        "upload_vs_docker_cp": rate(up) / rate(cp_in),
+                        "download_vs_docker_cp": rate(down) / rate(cp_out),
+                        "repeats": args.repeats,
+                    }
+                )
+        await client.close(tid)
+    return {"sizes": rows, "transport": "HTTP on 127.0.0.1, agent in its own process"}
+
+
+def run_files_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tangram.cli.bench_exec import BENCH_IMAGE
+    from tangram.node_agent.docker_runtime import import_busybox
+
+    if shutil.which("docker") is None:
+        raise InputError("bench files needs the docker command (docker cp is the baseline)")
+    import docker
+
+    image = args.image or import_busybox(docker.from_env(), BENCH_IMAGE)
+    if image is None:
+        raise InputError("--image: none given, and busybox-static is not installed to make one")
+    with tempfile.TemporaryDirectory(prefix="tangram-bench-files-") as tmp:
+        return asyncio.run(_measure(args, Path(tmp), image))

@@ -1,0 +1,28 @@
+"""The agent's side of the files API, without an environment: paths, and the refusals it
+reads from the exec server."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from tangram.node_agent.env_files import FileError, _refusal, inside
+
+
+def test_an_exec_server_older_than_the_files_api_is_named_with_what_to_do() -> None:
+    """Its answer to a files frame is the protocol error of a release without one."""
+    old = _refusal("protocol: the first frame must be a request")
+    assert old.errno == errno.ENOSYS and "reopen the trajectory" in str(old)
+    refused = _refusal("13 write /etc/x: Permission denied")
+    assert (refused.errno, str(refused)) == (13, "write /etc/x: Permission denied")
+
+
+def test_a_path_with_dotdot_is_refused_and_relative_ones_start_at_the_workdir() -> None:
+    assert inside("/work", "a/b") == "/work/a/b"
+    assert inside("/work", "/etc/x") == "/etc/x"
+    assert inside("/work", "./a//b/") == "/work/a/b"
+    assert inside("/", "//x") == "/x"
+    for bad in ("../x", "a/../../b", "", "a\0b"):
+        with pytest.raises(FileError):
+            inside("/work", bad)
