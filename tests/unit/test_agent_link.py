@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -259,8 +260,9 @@ def test_a_stream_closed_before_its_reply_cancels_the_request() -> None:
 
 def test_the_agents_side_sends_within_its_window_and_takes_input_in_order() -> None:
     async def scenario() -> None:
-        posted: list[AgentReply] = []
-        stream = Stream(7, posted.append)
+        sent: list[str] = []
+        stream = Stream(7, sent.append)
+        posted = _Replies(sent)
         sender = asyncio.create_task(stream.send(bytes(STREAM_CHUNK * (STREAM_WINDOW + 2))))
         for _ in range(50):
             await asyncio.sleep(0)
@@ -271,8 +273,21 @@ def test_the_agents_side_sends_within_its_window_and_takes_input_in_order() -> N
         for piece in (b"one", b"two"):
             stream.take(AgentInput(target=7, data=base64.b64encode(piece).decode()))
         stream.take(AgentInput(target=7, eof=True))
-        posted.clear()
+        sent.clear()
         assert [piece async for piece in stream.received()] == [b"one", b"two"]
         assert [p.credit for p in posted] == [1, 1]  # each chunk taken is acknowledged
 
     asyncio.run(scenario())
+
+
+class _Replies:
+    """The messages a stream posted, read back as replies."""
+
+    def __init__(self, sent: list[str]) -> None:
+        self.sent = sent
+
+    def __len__(self) -> int:
+        return len(self.sent)
+
+    def __iter__(self) -> Iterator[AgentReply]:
+        return (AgentReply.model_validate_json(m) for m in self.sent)

@@ -60,7 +60,7 @@ CUT_OFF = (
 )
 
 
-def _nowhere(reply: AgentReply) -> None:
+def _nowhere(message: str) -> None:
     return None  # no link: a streamed request's chunk has nobody to go to
 
 
@@ -128,7 +128,7 @@ class NodeAgent:
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
         self._unsent: list[AgentReply] = []  # their results, until a link takes them
         self._sink: Callable[[AgentReply], None] | None = None
-        self._post: Callable[[AgentReply], None] = _nowhere  # chunks of streamed requests
+        self._post: Callable[[str], None] = _nowhere  # chunks of streamed requests (JSON)
         self._streams: dict[int, Stream] = {}  # by rid
         self.journal: KeyJournal | None = None  # keyed runs on disk (with a state dir)
 
@@ -201,7 +201,7 @@ class NodeAgent:
         return self.runtime.held()
 
     def attach(
-        self, sink: Callable[[AgentReply], None], post: Callable[[AgentReply], None] = _nowhere
+        self, sink: Callable[[AgentReply], None], post: Callable[[str], None] = _nowhere
     ) -> None:
         """A link is up: results of runs whose requester went away go to ``sink``, the
         chunks of streamed requests to ``post``."""

@@ -134,7 +134,7 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
         asyncio.create_task(watch_environments()),
     ]
     stopping = asyncio.create_task(stop.wait())
-    agent.attach(orphan, lambda reply: post(reply.model_dump_json()))
+    agent.attach(orphan, post)
     try:
         done, _ = await asyncio.wait({*parts, stopping}, return_when=asyncio.FIRST_COMPLETED)
         for part in parts:

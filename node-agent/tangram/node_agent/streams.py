@@ -12,11 +12,20 @@ import asyncio
 import base64
 from collections.abc import AsyncIterator, Callable
 
-from tangram.api.wire import STREAM_CHUNK, STREAM_WINDOW, AgentInput, AgentReply, FilesOutcome
+from tangram.api.wire import (
+    STREAM_CHUNK,
+    STREAM_WINDOW,
+    AgentInput,
+    AgentReply,
+    FilesOutcome,
+    chunk_json,
+)
 
 
 class Stream:
-    def __init__(self, rid: int, post: Callable[[AgentReply], None]) -> None:
+    """``post`` sends a message (JSON) on the link."""
+
+    def __init__(self, rid: int, post: Callable[[str], None]) -> None:
         self.rid = rid
         self._post = post
         self._window = asyncio.Semaphore(STREAM_WINDOW)  # output chunks not yet taken
@@ -24,20 +33,19 @@ class Stream:
 
     def head(self, files: FilesOutcome) -> None:
         """What the scheduler needs before the data (a read's file entry)."""
-        self._post(AgentReply(rid=self.rid, ok=True, more=True, files=files))
+        self._post(AgentReply(rid=self.rid, ok=True, more=True, files=files).model_dump_json())
 
     async def send(self, data: bytes) -> None:
         """Output, in chunks, each once the window has room for it."""
         for start in range(0, len(data), STREAM_CHUNK):
             await self._window.acquire()
-            piece = base64.b64encode(data[start : start + STREAM_CHUNK]).decode()
-            self._post(AgentReply(rid=self.rid, ok=True, more=True, data=piece))
+            self._post(chunk_json(self.rid, data[start : start + STREAM_CHUNK]))
 
     async def received(self) -> AsyncIterator[bytes]:
         """Input until its end; each chunk taken is acknowledged, so more may come."""
         while (data := await self._input.get()) is not None:
             yield data
-            self._post(AgentReply(rid=self.rid, ok=True, more=True, credit=1))
+            self._post(AgentReply(rid=self.rid, ok=True, more=True, credit=1).model_dump_json())
 
     def take(self, msg: AgentInput) -> None:
         """An ``AgentInput`` for this request, as the link read it."""

@@ -7,6 +7,7 @@ status, outputs, the allocation it ran with and where its time went.
 
 from __future__ import annotations
 
+import base64
 import re
 from enum import StrEnum
 from typing import Annotated, Any, AnyStr, Literal, Self
@@ -759,9 +760,21 @@ class FilesOutcome(_Strict):
 
 # The chunks a streamed request may have unacknowledged, each way (``credit`` counts
 # chunks): a slow reader holds its own request, never the link every request shares.
-STREAM_WINDOW = 16
-STREAM_CHUNK = 256 << 10  # bytes a chunk carries at most (before base64)
+STREAM_WINDOW = 8
+STREAM_CHUNK = 1 << 20  # bytes a chunk carries at most (before base64)
 FILES_FEATURE = "files"  # an agent that serves AgentFiles says so in its hello
+
+
+# A chunk's JSON written directly: base64 needs no escaping, and a serializer's pass over
+# a megabyte of it cost as much as encoding it.
+def input_json(target: int, data: bytes) -> str:
+    """The ``AgentInput`` that carries ``data`` for request ``target``."""
+    return f'{{"op":"input","target":{target},"data":"{base64.b64encode(data).decode()}"}}'
+
+
+def chunk_json(rid: int, data: bytes) -> str:
+    """The chunk reply (``AgentReply`` with ``more``) that carries ``data`` of ``rid``."""
+    return f'{{"rid":{rid},"ok":true,"more":true,"data":"{base64.b64encode(data).decode()}"}}'
 
 
 class AgentReply(_Strict):

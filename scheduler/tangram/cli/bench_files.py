@@ -106,4 +106,4 @@ def run_files_bench(args: argparse.Namespace) -> dict[str, Any]:
     if image is None:
         raise InputError("--image: none given, and busybox-static is not installed to make one")
     with tempfile.TemporaryDirectory(prefix="tangram-bench-files-") as tmp:
-        return asyncio.run(_measure(args, Path(tmp), image))
+        return asyncio.run(_measure(args, Path(tmp) / "pool", image))

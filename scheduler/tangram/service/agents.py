@@ -27,6 +27,7 @@ from tangram.api.wire import (
     AgentInput,
     AgentReply,
     AgentRequest,
+    input_json,
     unpack,
 )
 from tangram.client.outbox import Outbox
@@ -217,8 +218,7 @@ class LinkStream:
             await self._window.acquire()
             if self._ended:
                 return False
-            piece = base64.b64encode(data[start : start + STREAM_CHUNK]).decode()
-            await self.link.send(AgentInput(target=self.rid, data=piece))
+            self.link._post(input_json(self.rid, data[start : start + STREAM_CHUNK]))
         return not self._ended
 
     async def end_input(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from tangram.api.wire import (
     FILES_FEATURE,
     MAX_PATH,
+    STREAM_CHUNK,
     AgentFiles,
     AgentReply,
     FileEntry,
@@ -140,7 +141,7 @@ class Files:
         link, req = self._request(tenant, tid, "write", path, mode=mode)
         stream = link.stream(req)
         try:
-            async for chunk in body:
+            async for chunk in _whole_chunks(body):
                 if not await stream.send(chunk):
                     break  # refused: the reply says why
             else:
@@ -149,6 +150,19 @@ class Files:
         finally:
             await stream.close()  # a body that broke off cancels the write: nothing lands
         return done.written or 0
+
+
+async def _whole_chunks(body: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """``body`` in pieces of ``STREAM_CHUNK`` (the last one shorter): an HTTP body comes
+    in pieces of a few KiB, and each message on the link costs as much as its bytes."""
+    pending = bytearray()
+    async for piece in body:
+        pending += piece
+        if len(pending) >= STREAM_CHUNK:
+            yield bytes(pending)
+            pending.clear()
+    if pending:
+        yield bytes(pending)
 
 
 async def _reply(stream: LinkStream, tid: str) -> AgentReply:
