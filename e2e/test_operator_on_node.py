@@ -221,10 +221,16 @@ def test_pytest_runs_in_a_sandbox_pod_on_the_cores_of_each_action(session: Sessi
     with Client(s.url, s.token("rollout-worker")) as client:
         t = client.open("swe")
         s.seen["trajectory"] = t.id
-        write = client.exec(t.id, ["sh", "-c", f"cat > test_cores.py <<'EOF'\n{SUITE}EOF"])
-        assert write.status.value == "ok", write
-        run = client.exec(t.id, profile="pytest")
+        # The suite goes in, and its report comes out, through the files API: the sandbox
+        # pod's exec server writes and reads them as the sandbox's user.
+        files = client.files(t.id)
+        assert files.write("test_cores.py", SUITE).size == len(SUITE.encode())
+        run = client.exec(t.id, profile="pytest", args=["--junitxml=report.xml"])
         assert run.status.value == "ok" and "2 passed" in run.stdout, run
+        assert b'tests="2"' in files.read("/work/report.xml")
+        (entry,) = [e for e in files.list(".") if e.name == "test_cores.py"]
+        owner = client.exec(t.id, ["id", "-u"]).stdout.strip()
+        assert (entry.type, str(entry.uid)) == ("file", owner)
         assert run.allocation is not None and run.allocation.node == s.node.name
         cores = ",".join(str(c) for c in run.allocation.cores)
         seen = client.exec(t.id, ["sh", "-c", "cat seen-1; echo; cat seen-2"])

@@ -18,6 +18,7 @@ import yaml
 from tangram.api.crd import crd
 from tangram.api.resources import KINDS, PLURALS
 from tangram.cli.manifests import load_documents
+from tangram.node_agent.exec_server import SOURCES
 from tangram.operator.builders import NONROOT_UID, build_pool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -444,6 +445,8 @@ def test_dockerfile_targets() -> None:
     # TANGRAM_EXECD points, in the stage every target starts from.
     execd = " ".join(stages["execd"])
     assert "gcc -static -O2 -o /tangram-execd /src/exec_server.c" in execd
+    for source in SOURCES:  # what exec_server.c includes is copied beside it
+        assert f"node-agent/tangram/node_agent/{source.name}" in execd
     runtime = " ".join(stages["runtime"])
     m = re.search(r"TANGRAM_EXECD=(\S+)", runtime)
     assert m is not None

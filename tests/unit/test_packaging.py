@@ -8,6 +8,8 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+from tangram.node_agent.exec_server import SOURCES
+
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ("scheduler", "operator", "node-agent")
 
@@ -52,3 +54,11 @@ def test_namespace_root_has_no_init() -> None:
     # `tangram` spans several folders; an __init__.py in one would hide the others.
     for top in SOURCE_ROOTS:
         assert not (ROOT / top / "tangram" / "__init__.py").exists()
+
+
+def test_the_exec_servers_sources_ship_in_the_wheel() -> None:
+    """The agent compiles the exec server from its sources where it runs: a source left
+    out of the package data is a build that fails only after installing."""
+    setuptools = _pyproject()["tool"]["setuptools"]  # type: ignore[index]
+    shipped = set(setuptools["package-data"]["tangram.node_agent"])
+    assert {source.name for source in SOURCES} <= shipped

@@ -126,6 +126,10 @@ class AsyncClient:
         """``async with client.trajectory(env) as t``: opened on entry, closed on exit."""
         return AsyncTrajectory(self, env, kw)
 
+    def files(self, trajectory: str) -> AsyncFiles:
+        """The files of a trajectory's environment (``t.files`` of an open ``t``)."""
+        return AsyncFiles(self, trajectory)
+
     # ---- actions -----------------------------------------------------------------------
     async def exec(
         self, trajectory: str, argv: Sequence[str] | None = None, **kw: Any
@@ -281,7 +285,7 @@ class AsyncTrajectory:
     @property
     def files(self) -> AsyncFiles:
         """The environment's files: ``await t.files.write("/work/a.py", "print(1)")``."""
-        return AsyncFiles(self.client, self.id)
+        return self.client.files(self.id)
 
     async def bash(self, code: str, name: str = "main", **kw: Any) -> ActionResult:
         """Run ``code`` in the trajectory's persistent bash session."""

@@ -61,6 +61,10 @@ class Client:
         """``with client.trajectory(env) as t``: opened on entry, closed on exit."""
         return Trajectory(self, env, kw)
 
+    def files(self, trajectory: str) -> Files:
+        """The files of a trajectory's environment (``t.files`` of an open ``t``)."""
+        return Files(self, self._async.files(trajectory))
+
     def exec(self, trajectory: str, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
         return self._run(self._async.exec(trajectory, argv, **kw))
 
@@ -123,7 +127,7 @@ class Trajectory:
     @property
     def files(self) -> Files:
         """The environment's files: ``t.files.write("/work/a.py", "print(1)")``."""
-        return Files(self.client, self._async.files)
+        return self.client.files(self.id)
 
 
 class Files:
