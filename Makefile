@@ -66,6 +66,7 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench service --sweep 2,1,0.7,0.5,0.48,0.45,0.4,0.33,0.25,0.2,0.16,0.13,0.1 --json --out docs/bench/service.json
 	$(BIN)/tangram bench service --transport http --sweep 2,1,0.7,0.5,0.48,0.45,0.4,0.33,0.28,0.25,0.2 --json --out docs/bench/service_http.json
 	$(BIN)/tangram bench tenants --json --out docs/bench/tenants.json
+	$(BIN)/tangram bench files --json --out docs/bench/files.json  # needs a Docker Engine
 	@if $(BIN)/python -c 'import torch' 2>/dev/null; then \
 		$(BIN)/tangram bench gpu --json --out docs/bench/gpu.json && \
 		$(BIN)/tangram bench gpu-pool --json --out docs/bench/gpu_pool.json; \
