@@ -334,3 +334,18 @@ def test_an_exec_too_large_for_a_frame_goes_over_http(running: tuple[Running, st
             assert (await client.exec(tid, ["true"])).status is ActionStatus.OK
 
     asyncio.run(go())
+
+
+def test_input_and_signals_name_what_they_cannot_reach(running: tuple[Running, str]) -> None:
+    """A signal or input for an id with no streamed exec is a 404 naming the id; input for
+    one not sent interactive, or an unknown signal, a 400; the stream goes on."""
+    run, token = running
+    with Client(run.url, token) as sync:
+        tid = sync.open("noop").id
+    plain = json.dumps({"id": 1, "trajectory": tid, "exec": {"argv": ["true"]}}).encode()
+    nobody = json.dumps({"id": 7, "signal": "SIGINT"}).encode()
+    hangup = json.dumps({"id": 8, "signal": "SIGHUP"}).encode()
+    answers = asyncio.run(_raw(run.url, token, [plain, nobody, hangup]))
+    assert [(a["id"], a["status"]) for a in answers] == [(1, 200), (7, 404), (8, 400)]
+    assert "7 is no streamed exec" in answers[1]["error"]["message"]
+    assert answers[2]["error"]["details"][0]["field"] == "signal"

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +42,7 @@ from tangram.api.wire import (
     json_bytes,
 )
 from tangram.node_agent.env_files import FileError
-from tangram.node_agent.execution import ExecError, ExecResult, owner_id
+from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, given, owner_id
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
 from tangram.node_agent.inventory import read_inventory
@@ -216,7 +216,10 @@ class NodeAgent:
     def received(self, req: AgentRequest) -> None:
         """A request as the link reads it, before its task starts: a streamed one's
         stream is ready for the input that may follow it in the same frame."""
-        if isinstance(req, AgentFiles) and req.rid not in self._streams:
+        streamed = isinstance(req, AgentFiles) or (
+            isinstance(req, AgentExec) and (req.stream or req.interactive)
+        )
+        if streamed and req.rid not in self._streams:
             self._streams[req.rid] = Stream(req.rid, self._post)  # ends with its link
 
     def input(self, msg: AgentInput) -> None:
@@ -342,7 +345,7 @@ class NodeAgent:
                     out = await self._gpu().call(req.service, req.gpus, req.inputs)
                     return AgentReply(rid=req.rid, ok=True, call=out)
                 case AgentExec() | AgentSession():
-                    result = await self.exec(req)
+                    result = await self.exec(req, self._streams.get(req.rid))
                     return AgentReply(rid=req.rid, ok=True, result=outcome(result))
                 case AgentFiles():
                     files = await self.files(req, self._streams[req.rid])
@@ -424,7 +427,7 @@ class NodeAgent:
             else:
                 path.unlink(missing_ok=True)  # its environment is gone
 
-    async def exec(self, req: AgentExec | AgentSession) -> ExecResult:
+    async def exec(self, req: AgentExec | AgentSession, stream: Stream | None = None) -> ExecResult:
         if isinstance(req, AgentSession):
             return await self.runtime.session(
                 req.trajectory,
@@ -443,6 +446,7 @@ class NodeAgent:
             timeout_s=req.timeout_s,
             env=req.environ,
             output_cap=req.output_cap,
+            **({"io": io} if (io := exec_io(req, stream)) is not None else {}),
         )
 
     async def files(self, req: AgentFiles, stream: Stream) -> FilesOutcome:
@@ -482,6 +486,32 @@ class NodeAgent:
         for task in self._tasks.values():
             task.cancel()
         await self.runtime.shutdown()
+
+
+def exec_io(req: AgentExec, stream: Stream | None) -> ExecIO | None:
+    """What streams while the command runs: None for a plain exec (the common case, which
+    every runtime takes as it always has)."""
+    if req.stdin is None and not req.pty and stream is None:
+        return None
+    stdin = given((req.stdin or "").encode()) if req.stdin is not None else None
+    if stream is not None and req.interactive:
+        stdin = _then(stdin, stream.received())
+    return ExecIO(
+        output=stream.output if stream is not None and req.stream else None,
+        stdin=stdin,
+        signals=stream.signals if stream is not None else None,
+        pty=req.pty,
+    )
+
+
+async def _then(
+    first: AsyncIterator[bytes] | None, rest: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    if first is not None:
+        async for data in first:
+            yield data
+    async for data in rest:
+        yield data
 
 
 def outcome(r: ExecResult) -> ExecOutcome:

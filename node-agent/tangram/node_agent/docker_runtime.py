@@ -399,6 +399,11 @@ class DockerRuntime(SandboxRuntime[Env]):
         why = "" if path == "portable" else self._fast_unavailable(held)
         if path == "fast" and why:
             raise ExecError(f"path: the fast path is not possible here: {why}")
+        if cmd.io is not None and (why or path == "portable"):
+            raise ExecError(
+                "stdin, pty and streamed output need the exec server: "
+                f"{why or 'the portable path was asked for'}"
+            )
         if path != "portable" and not why:
             assert held.reach is not None  # resolved by _fast_unavailable
             return await self.fast.exec(held.reach, cmd)

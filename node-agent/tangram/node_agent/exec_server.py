@@ -21,7 +21,7 @@ import stat
 import struct
 import subprocess
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -247,12 +247,17 @@ class Channel:
         with contextlib.suppress(ExecError):
             await self._send(b"K", str(int(sig)).encode())
 
-    async def collect(self, limit: int) -> Output:
-        """Read stdout and stderr (each capped at ``limit`` bytes) until the command ends."""
+    async def collect(
+        self, limit: int, on_output: Callable[[int, bytes], Awaitable[None]] | None = None
+    ) -> Output:
+        """Read stdout and stderr (each capped at ``limit`` bytes) until the command ends;
+        ``on_output`` also gets each piece as it comes (streaming exec)."""
         out, err = bytearray(), bytearray()
         out_cut = err_cut = False
         while True:
             kind, data = await self.frame()
+            if kind in (b"1", b"2") and on_output is not None:
+                await on_output(1 if kind == b"1" else 2, data)
             if kind == b"1":
                 out_cut |= cap(out, data, limit)
             elif kind == b"2":

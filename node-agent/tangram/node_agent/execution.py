@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +183,44 @@ async def supervise(
             await task
         await on_cancel()
         raise
+
+
+@dataclass(frozen=True, slots=True)
+class ExecIO:
+    """What streams while a command runs (streaming exec): its output as it is produced,
+    its standard input, signals for its process group, and whether it has a terminal."""
+
+    output: Callable[[int, bytes], Awaitable[None]] | None = None  # (1 or 2, bytes)
+    stdin: AsyncIterator[bytes] | None = None  # until its end, then stdin is closed
+    signals: asyncio.Queue[int] | None = None
+    pty: bool = False
+
+
+async def feed(
+    io: ExecIO,
+    write: Callable[[bytes], Awaitable[None]],
+    close_stdin: Callable[[], Awaitable[None]],
+    send_signal: Callable[[int], Awaitable[None]],
+) -> None:
+    """Give a running command its stdin and its signals, until cancelled (it ended)."""
+
+    async def stdin() -> None:
+        if io.stdin is not None:
+            async for data in io.stdin:
+                await write(data)
+            await close_stdin()
+
+    async def signals() -> None:
+        while io.signals is not None:
+            await send_signal(await io.signals.get())
+
+    await asyncio.gather(stdin(), signals())
+
+
+async def given(data: bytes) -> AsyncIterator[bytes]:
+    """Standard input given whole (``stdin`` of a request)."""
+    if data:
+        yield data
 
 
 def owner_id(state_dir: Path) -> str:

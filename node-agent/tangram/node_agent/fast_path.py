@@ -10,6 +10,7 @@ plants a server over the socket's name cannot answer for the environment.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,9 +23,11 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     Allotments,
     ExecError,
+    ExecIO,
     ExecResult,
     Output,
     check_request,
+    feed,
     render,
     supervise,
 )
@@ -76,6 +79,7 @@ class Command:
     timeout_s: float | None
     env: dict[str, str]
     output_cap: int
+    io: ExecIO | None = None  # stdin, streamed output, signals, a terminal
 
 
 def cgroup_of(pid: int, cgroups: Cgroups, proc_root: Path = Path("/proc")) -> str:
@@ -153,16 +157,21 @@ class FastPath:
                 left = True
                 self.group_leave(env, cmd.cores)
 
+        io = cmd.io or ExecIO()
         try:
             chan = await Channel.start(
-                env.socket, cmd.argv, cwd=env.workdir, env=cmd.env, server_pid=env.pid
-            )
+                env.socket, cmd.argv, cwd=env.workdir, env=cmd.env, server_pid=env.pid,
+                mode="pty" if io.pty else "pipe",
+            )  # fmt: skip
             t1 = time.perf_counter()
+            feeding = asyncio.ensure_future(feed(io, chan.write, chan.close_stdin, chan.kill))
             try:
                 output, timed_out = await supervise(
-                    chan.collect(cmd.output_cap), cmd.timeout_s, chan.kill, idle
+                    chan.collect(cmd.output_cap, io.output), cmd.timeout_s, chan.kill, idle
                 )
             finally:
+                feeding.cancel()
+                await asyncio.gather(feeding, return_exceptions=True)
                 chan.close()
             t2 = time.perf_counter()
         finally:
@@ -214,11 +223,12 @@ class ExecServerRuntime:
         env: Mapping[str, str] | None = None,
         output_cap: int = 1 << 20,
         path: str = "auto",
+        io: ExecIO | None = None,
     ) -> ExecResult:
         """Run ``argv`` in the trajectory's environment on exactly ``cores``."""
         check_request(trajectory in self.envs, trajectory, argv, cores)
         full_env = {**(env or {}), "TANGRAM_DOP": str(len(cores))}
-        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap)
+        cmd = Command(render(argv, len(cores)), cores, timeout_s, full_env, output_cap, io)
         return await self.run(trajectory, cmd, path)
 
     async def session(

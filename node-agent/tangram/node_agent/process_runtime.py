@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -27,10 +27,12 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     Allotments,
     ExecError,
+    ExecIO,
     ExecResult,
     Output,
     cap,
     check_request,
+    feed,
     render,
     supervise,
 )
@@ -38,12 +40,20 @@ from tangram.node_agent.execution import (
 __all__ = ["ExecError", "ExecResult", "ProcessRuntime"]
 
 
-async def _drain(stream: asyncio.StreamReader | None, limit: int) -> tuple[bytes, bool]:
-    """Read a stream to the end, keeping the first ``limit`` bytes."""
+async def _drain(
+    stream: asyncio.StreamReader | None,
+    limit: int,
+    fd: int,
+    on_output: Callable[[int, bytes], Awaitable[None]] | None,
+) -> tuple[bytes, bool]:
+    """Read a stream to the end, keeping the first ``limit`` bytes; ``on_output`` gets
+    each piece as it comes (streaming exec)."""
     kept = bytearray()
     cut = False
     if stream is not None:
         while chunk := await stream.read(65536):
+            if on_output is not None:
+                await on_output(fd, chunk)
             cut |= cap(kept, chunk, limit)
     return bytes(kept), cut
 
@@ -201,9 +211,14 @@ class ProcessRuntime:
         env: Mapping[str, str] | None = None,
         output_cap: int = 1 << 20,
         quota_cores: float | None = None,
+        io: ExecIO | None = None,
     ) -> ExecResult:
-        """Run ``argv`` on exactly ``cores``; cancelling the awaiting task kills it."""
+        """Run ``argv`` on exactly ``cores``; cancelling the awaiting task kills it. ``io``:
+        its stdin, streamed output and signals (no terminal here)."""
         check_request(trajectory in self._open, trajectory, argv, cores)
+        io = io or ExecIO()
+        if io.pty:
+            raise ExecError("pty: the process runtime has no terminals (docker or pod have)")
         group = self._group(trajectory)
         t0 = time.perf_counter()
         quota = float(quota_cores if quota_cores is not None else len(cores))
@@ -214,7 +229,7 @@ class ProcessRuntime:
             *render(argv, len(cores)),
             cwd=self.workdir(trajectory),
             env=full_env,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE if io.stdin else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # its own process group, killed as a whole
@@ -231,9 +246,24 @@ class ProcessRuntime:
 
         async def collect() -> Output:
             (out, out_cut), (err, err_cut) = await asyncio.gather(
-                _drain(proc.stdout, output_cap), _drain(proc.stderr, output_cap)
+                _drain(proc.stdout, output_cap, 1, io.output),
+                _drain(proc.stderr, output_cap, 2, io.output),
             )
             return Output(out, out_cut, err, err_cut)
+
+        async def write(data: bytes) -> None:
+            assert proc.stdin is not None
+            with contextlib.suppress(ConnectionError):  # it stopped reading: it may end
+                proc.stdin.write(data)
+                await proc.stdin.drain()
+
+        async def close_stdin() -> None:
+            if proc.stdin is not None:
+                proc.stdin.close()
+
+        async def send_signal(sig: int) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
 
         async def kill() -> None:
             await asyncio.to_thread(self._kill, proc, group)  # it polls: not on the loop
@@ -247,7 +277,12 @@ class ProcessRuntime:
             await watch
             release()
 
-        output, timed_out = await supervise(collect(), timeout_s, kill, idle)
+        feeding = asyncio.ensure_future(feed(io, write, close_stdin, send_signal))
+        try:
+            output, timed_out = await supervise(collect(), timeout_s, kill, idle)
+        finally:
+            feeding.cancel()
+            await asyncio.gather(feeding, return_exceptions=True)
         code = await proc.wait()
         killed = await watch
         if killed:  # the result says the action ended: so have they (not on the loop)

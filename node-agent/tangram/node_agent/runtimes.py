@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from tangram.api.wire import EnvSpec, Problem
 from tangram.node_agent.env_files import EnvFiles, one_shot
 from tangram.node_agent.exec_server import Built
-from tangram.node_agent.execution import ExecError, ExecResult, Gone
+from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone
 
 log = logging.getLogger("tangram.agent")
 
@@ -72,8 +72,10 @@ class Runtime(Protocol):
         timeout_s: float | None,
         env: Mapping[str, str],
         output_cap: int,
+        io: ExecIO | None = None,
     ) -> ExecResult:
-        """Run ``argv`` in the environment on ``cores`` (allocate on execution)."""
+        """Run ``argv`` in the environment on ``cores`` (allocate on execution); ``io``:
+        its stdin, streamed output, signals and terminal, when it has any."""
         ...
 
     async def session(

@@ -1,9 +1,10 @@
 """A streamed request's two directions on the scheduler link, with flow control.
 
-Most requests are answered by one reply. A streamed one (a file read or write) also
-sends its output as chunk replies (``more``) and takes its input from ``AgentInput``
-messages, each direction within ``STREAM_WINDOW`` chunks that the other side has not
-acknowledged (``credit``): a slow reader stalls its own request, never the link.
+Most requests are answered by one reply. A streamed one (a file read or write, a
+streamed exec) also sends its output as chunk replies (``more``) and takes its input
+from ``AgentInput`` messages, each direction within ``STREAM_WINDOW`` chunks that the
+other side has not acknowledged (``credit``): a slow reader stalls its own request,
+never the link. A streamed exec's signals come in ``AgentInput`` too.
 """
 
 from __future__ import annotations
@@ -30,16 +31,22 @@ class Stream:
         self._post = post
         self._window = asyncio.Semaphore(STREAM_WINDOW)  # output chunks not yet taken
         self._input: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.signals: asyncio.Queue[int] = asyncio.Queue()  # for a streamed exec's command
 
     def head(self, files: FilesOutcome) -> None:
         """What the scheduler needs before the data (a read's file entry)."""
         self._post(AgentReply(rid=self.rid, ok=True, more=True, files=files).model_dump_json())
 
-    async def send(self, data: bytes) -> None:
-        """Output, in chunks, each once the window has room for it."""
+    async def send(self, data: bytes, fd: int = 1) -> None:
+        """Output (of ``fd``: 1 stdout, 2 stderr), in chunks, each once the window has room
+        for it."""
         for start in range(0, len(data), STREAM_CHUNK):
             await self._window.acquire()
-            self._post(chunk_json(self.rid, data[start : start + STREAM_CHUNK]))
+            self._post(chunk_json(self.rid, data[start : start + STREAM_CHUNK], fd))
+
+    async def output(self, fd: int, data: bytes) -> None:
+        """A streamed exec's output as its runtime reads it (``ExecIO.output``)."""
+        await self.send(data, fd)
 
     async def received(self) -> AsyncIterator[bytes]:
         """Input until its end; each chunk taken is acknowledged, so more may come."""
@@ -55,3 +62,5 @@ class Stream:
             self._input.put_nowait(None)
         for _ in range(msg.credit):
             self._window.release()
+        if msg.signal is not None:
+            self.signals.put_nowait(msg.signal)

@@ -122,6 +122,14 @@ class ExecRequest(_Strict):
         json_schema_extra={"propertyNames": {"pattern": _ENV_NAME.pattern}},
     )
     output_cap: Annotated[int, Field(ge=0, le=MAX_OUTPUT)] = 1 << 20
+    stdin: Annotated[
+        str | None, Field(max_length=MAX_OUTPUT, description="its standard input, then closed")
+    ] = None
+    pty: bool = Field(
+        default=False,
+        description="under a pseudo-terminal, as an interactive tool expects (stdout and "
+        "stderr are then one stream, returned as stdout)",
+    )
     idempotency_key: IdempotencyKey | None = None
 
     @model_validator(mode="after")
@@ -141,6 +149,10 @@ class ExecRequest(_Strict):
             raise ValueError("code: a session action needs code, and only it takes code")
         if self.args and self.profile is None:
             raise ValueError("args: only a profile action takes args")
+        if self.session is not None and (self.stdin is not None or self.pty):
+            raise ValueError("session: a session step takes neither stdin nor pty")
+        if self.stdin is not None and "\0" in self.stdin:
+            raise ValueError("stdin: cannot contain NUL bytes (send them over the stream)")
         return self
 
 
@@ -392,13 +404,47 @@ class ErrorBody(_Strict):
 STREAM_PATH = "/v1/stream"
 
 
+StreamId = Annotated[int, Field(ge=0, le=1 << 53)]
+SIGNALS = {"SIGINT": 2, "SIGTERM": 15, "SIGKILL": 9}  # what a caller may send a command
+
+
 class StreamExec(_Strict):
     """What ``POST /v1/trajectories/{trajectory}/exec`` takes, with an id of the caller's
     choosing that the answer carries."""
 
-    id: Annotated[int, Field(ge=0, le=1 << 53)]
+    id: StreamId
     trajectory: str
     exec: ExecRequest
+    stream: bool = Field(
+        default=False, description="its output in StreamOutput messages as it is produced"
+    )
+    interactive: bool = Field(
+        default=False, description="its stdin stays open for StreamInput messages until eof"
+    )
+
+
+class StreamInput(_Strict):
+    """More standard input for a running interactive exec (by the id it was sent with)."""
+
+    id: StreamId
+    stdin: Annotated[str, Field(max_length=MAX_OUTPUT)] = ""
+    eof: bool = False  # then its stdin is closed
+
+
+class StreamSignal(_Strict):
+    """A signal for a streamed exec's command (its process group); queued ones get it
+    when they start."""
+
+    id: StreamId
+    signal: Literal["SIGINT", "SIGTERM", "SIGKILL"]
+
+
+class StreamOutput(_Strict):
+    """Output of a streamed exec as it is produced, before its answer."""
+
+    id: int
+    stdout: str | None = None
+    stderr: str | None = None
 
 
 class StreamAnswer(_Strict):
@@ -661,6 +707,12 @@ class AgentClose(_AgentOp):
 class AgentExec(_Command):
     op: Literal["exec"] = "exec"
     argv: list[str]
+    stdin: str | None = None  # given, then closed (unless ``interactive``)
+    pty: bool = False
+    # Streamed (a request with chunks): its output as chunk replies while it runs, and its
+    # stdin open for AgentInput data until eof (``interactive``); signals either way.
+    stream: bool = False
+    interactive: bool = False
 
 
 class AgentSession(_Command):
@@ -721,6 +773,7 @@ class AgentInput(_AgentOp):
     data: str = ""  # base64
     eof: bool = False
     credit: int = 0
+    signal: int | None = None  # for a streamed exec's command
 
 
 AgentRequest = Annotated[
@@ -772,9 +825,10 @@ def input_json(target: int, data: bytes) -> str:
     return f'{{"op":"input","target":{target},"data":"{base64.b64encode(data).decode()}"}}'
 
 
-def chunk_json(rid: int, data: bytes) -> str:
+def chunk_json(rid: int, data: bytes, fd: int = 1) -> str:
     """The chunk reply (``AgentReply`` with ``more``) that carries ``data`` of ``rid``."""
-    return f'{{"rid":{rid},"ok":true,"more":true,"data":"{base64.b64encode(data).decode()}"}}'
+    encoded = base64.b64encode(data).decode()
+    return f'{{"rid":{rid},"ok":true,"more":true,"fd":{fd},"data":"{encoded}"}}'
 
 
 class AgentReply(_Strict):
@@ -806,6 +860,7 @@ class AgentReply(_Strict):
     # piece of its output, ``credit`` how many chunks of its input the agent has taken.
     more: bool = False
     data: str | None = None
+    fd: int = 1  # whose output ``data`` is: 1 stdout, 2 stderr
     credit: int = 0
     errno: int | None = None  # a file operation's failure, as the environment's errno
     files: FilesOutcome | None = None

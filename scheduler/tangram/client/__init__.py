@@ -6,6 +6,10 @@
         async with client.trajectory("sandbox") as t:  # opens, and closes at the end
             r = await t.exec(["pytest", "-n", "{dop}", "-q"], elastic=(1, 8), amdahl=0.9)
             print(r.status, r.exit_code, r.allocation.dop, r.timings.act_s)
+            await t.files.write("patch.diff", patch)   # the environment's files
+            live = await t.exec_live(["pytest", "-v"])  # output as it is produced
+            async for fd, text in live.output():
+                print(text, end="")
 
 ``Client`` is the same API without ``await``. Every submission carries an idempotency
 key, so the client's retries (connection errors, 429 and 503 with Retry-After) never run
@@ -16,6 +20,7 @@ field), ``ServiceUnreachableError`` when no answer came after every retry.
 from tangram.api.wire import ActionResult, ActionStatus, TrajectoryInfo
 from tangram.client.aio import AsyncClient, AsyncTrajectory
 from tangram.client.common import ServiceUnreachableError, TangramError
+from tangram.client.stream import LiveAction
 from tangram.client.sync import Client, Trajectory
 
 __all__ = [
@@ -24,6 +29,7 @@ __all__ = [
     "AsyncClient",
     "AsyncTrajectory",
     "Client",
+    "LiveAction",
     "ServiceUnreachableError",
     "TangramError",
     "Trajectory",

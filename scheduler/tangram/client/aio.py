@@ -29,7 +29,7 @@ from tangram.client.common import (
     trajectory_info,
 )
 from tangram.client.files import AsyncFiles
-from tangram.client.stream import ExecStream, NoStreamError
+from tangram.client.stream import ExecStream, LiveAction, NoStreamError
 
 STREAM_RETRY_S = 30.0  # after a refused stream handshake, HTTP alone for this long
 
@@ -141,6 +141,27 @@ class AsyncClient:
             if streamed is not None:
                 return streamed
         return result(await self._call(Call("POST", f"/v1/trajectories/{trajectory}/exec", body)))
+
+    async def exec_live(
+        self,
+        trajectory: str,
+        argv: Sequence[str] | None = None,
+        *,
+        interactive: bool = False,
+        **kw: Any,
+    ) -> LiveAction:
+        """Run a command with its output streamed as it is produced
+        (``async for fd, text in action.output()``), its stdin open when ``interactive``
+        (``action.write``, ``action.close_stdin``), signals (``action.signal("SIGINT")``),
+        and ``await action.result()`` at its end. ``pty=True`` gives it a terminal. It
+        needs the action stream, and is not retried: a dropped stream fails it."""
+        body = exec_body(argv, **kw)
+        stream = await self._open_stream() if self.stream else None
+        if stream is None:
+            raise TangramError(
+                0, "no_stream", "a live exec needs the action stream (/v1/stream)", []
+            )
+        return stream.live(trajectory, body, stream=True, interactive=interactive)
 
     async def _stream_exec(self, trajectory: str, body: dict[str, Any]) -> ActionResult | None:
         """The exec's result over the stream; None when the service refuses the stream
@@ -281,6 +302,12 @@ class AsyncTrajectory:
 
     async def exec(self, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
         return await self.client.exec(self.id, argv, **kw)
+
+    async def exec_live(
+        self, argv: Sequence[str] | None = None, *, interactive: bool = False, **kw: Any
+    ) -> LiveAction:
+        """A command with its output streamed as it is produced (``AsyncClient.exec_live``)."""
+        return await self.client.exec_live(self.id, argv, interactive=interactive, **kw)
 
     @property
     def files(self) -> AsyncFiles:

@@ -94,6 +94,8 @@ def exec_body(
     queue_timeout_s: float | None = None,
     env: Mapping[str, str] | None = None,
     output_cap: int | None = None,
+    stdin: str | None = None,
+    pty: bool = False,
     idempotency_key: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"idempotency_key": idempotency_key or uuid.uuid4().hex}
@@ -120,11 +122,14 @@ def exec_body(
         ("timeout_s", timeout_s),
         ("queue_timeout_s", queue_timeout_s),
         ("output_cap", output_cap),
+        ("stdin", stdin),
     ):
         if value is not None:
             body[name] = value
     if env:
         body["env"] = dict(env)
+    if pty:
+        body["pty"] = True
     return body
 
 

@@ -12,17 +12,60 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 
-from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, StreamAnswer
+from tangram.api.wire import (
+    AGENT_SUBPROTOCOL,
+    STREAM_PATH,
+    ActionResult,
+    StreamAnswer,
+    StreamOutput,
+)
+from tangram.client.common import stream_error
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
 # A larger exec goes over HTTP: the service reads frames of up to 64 MiB, and a message
 # over that would end the stream, not get a 413.
 MAX_MESSAGE_BYTES = 32 << 20
+_OUTPUT = re.compile(rb'\{"id":\d+,"(stdout|stderr)"')  # how the service writes output
+
+
+class LiveAction:
+    """A streamed exec on the action stream: its output as it is produced, its stdin
+    (``interactive``), signals for its command, then its result. Its cores are held only
+    while it runs, as for any exec."""
+
+    def __init__(self, stream: ExecStream, mid: int, answer: asyncio.Future[StreamAnswer]) -> None:
+        self._stream, self.id, self._answer = stream, mid, answer
+        self._output: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+
+    async def output(self) -> AsyncIterator[tuple[str, str]]:
+        """``("stdout" or "stderr", text)`` as the command writes it, until it ends."""
+        while (piece := await self._output.get()) is not None:
+            yield piece
+        self._output.put_nowait(None)  # ended for a second reader too
+
+    async def write(self, text: str) -> None:
+        """More of its standard input (it was started ``interactive``)."""
+        self._stream._post({"id": self.id, "stdin": text})
+
+    async def close_stdin(self) -> None:
+        self._stream._post({"id": self.id, "eof": True})
+
+    async def signal(self, name: str = "SIGINT") -> None:
+        """SIGINT, SIGTERM or SIGKILL for its command's process group."""
+        self._stream._post({"id": self.id, "signal": name})
+
+    async def result(self) -> ActionResult:
+        answer = await asyncio.shield(self._answer)
+        if answer.status == 200 and answer.result is not None:
+            return answer.result
+        raise stream_error(answer)
 
 
 class StreamClosedError(aiohttp.ClientConnectionError):
@@ -42,6 +85,7 @@ class ExecStream:
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self._ws = ws
         self._pending: dict[int, asyncio.Future[StreamAnswer]] = {}
+        self._live: dict[int, LiveAction] = {}
         self._ids = 0
         self._outbox: Outbox[bytes] = Outbox(ws.send_bytes, self._send_failed, packed=True)
         self.closed = False
@@ -82,13 +126,55 @@ class ExecStream:
         finally:
             self._pending.pop(mid, None)
 
+    def live(
+        self, trajectory: str, body: dict[str, Any], *, stream: bool, interactive: bool
+    ) -> LiveAction:
+        """Submit one exec whose output comes as it is produced (``stream``) and whose
+        stdin stays open (``interactive``); a signal can reach it either way."""
+        if self.closed:
+            raise StreamClosedError("the action stream is closed")
+        self._ids += 1
+        mid = self._ids
+        msg = {"id": mid, "trajectory": trajectory, "exec": body, "stream": stream,
+               "interactive": interactive}  # fmt: skip
+        line = json.dumps(msg, separators=(",", ":")).encode()
+        if len(line) > MAX_MESSAGE_BYTES:
+            raise NoStreamError(413)
+        fut: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
+        self._pending[mid] = fut
+        action = self._live[mid] = LiveAction(self, mid, fut)
+        fut.add_done_callback(lambda _: self._live_ended(mid))
+        self._outbox.post(line)
+        return action
+
+    def _live_ended(self, mid: int) -> None:
+        self._pending.pop(mid, None)
+        action = self._live.pop(mid, None)
+        if action is not None:
+            action._output.put_nowait(None)
+
+    def _post(self, msg: dict[str, Any]) -> None:
+        if self.closed:
+            raise StreamClosedError("the action stream is closed")
+        self._outbox.post(json.dumps(msg, separators=(",", ":")).encode())
+
     async def aclose(self) -> None:
         self._outbox.close()
         await self._ws.close()
         await asyncio.gather(self._reader, return_exceptions=True)
 
     def _route(self, line: bytes) -> None:
-        """One answer to its waiter; one this client cannot read fails only its own."""
+        """One answer to its waiter; one this client cannot read fails only its own.
+        Output of a streamed exec goes to its ``LiveAction``."""
+        if (out := _OUTPUT.match(line)) is not None:
+            with contextlib.suppress(ValueError):
+                got = StreamOutput.model_validate_json(line)
+                action = self._live.get(got.id)
+                if action is not None:
+                    action._output.put_nowait(
+                        (out.group(1).decode(), got.stdout or got.stderr or "")
+                    )
+                return
         try:
             answer = StreamAnswer.model_validate_json(line)
         except ValueError as e:

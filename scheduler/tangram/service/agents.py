@@ -22,6 +22,7 @@ from tangram.api.wire import (
     STREAM_CHUNK,
     STREAM_WINDOW,
     AgentCancel,
+    AgentExec,
     AgentFiles,
     AgentHello,
     AgentInput,
@@ -102,7 +103,7 @@ class AgentLink:
         finally:
             self._pending.pop(req.rid, None)
 
-    def stream(self, req: AgentFiles) -> LinkStream:
+    def stream(self, req: AgentFiles | AgentExec) -> LinkStream:
         """Send ``req``, a streamed request: its chunks and its reply come through the
         ``LinkStream``, which must be closed."""
         req = req.model_copy(update={"rid": self.next_rid()})
@@ -223,6 +224,15 @@ class LinkStream:
 
     async def end_input(self) -> None:
         await self.link.send(AgentInput(target=self.rid, eof=True))
+
+    async def cancel(self, wait_s: float) -> None:
+        """Cancel the request and wait (bounded) for its reply: the agent's word that what
+        it ran is gone."""
+        if self._reply.done() or self.link.closed:
+            return
+        with contextlib.suppress(Exception):
+            await self.link.send(AgentCancel(rid=self.link.next_rid(), target=self.rid))
+            await asyncio.wait_for(asyncio.shield(self._reply), wait_s)
 
     async def close(self) -> None:
         """Done with it: a request still running is cancelled (its reader went away)."""

@@ -24,6 +24,7 @@ from tangram.api.wire import (
 )
 from tangram.scheduler.core.scheduler import Assignment
 from tangram.service.config import EnvConfig
+from tangram.service.live import LiveExec
 
 KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
 # After a (re)start, the trajectories live in the agents, which reconnect within their
@@ -104,6 +105,7 @@ class ActionRecord:
     agent_key: str | None = None  # adopted after a restart: the key its agent runs it under
     answer: bytes | None = None  # ``done``'s result as JSON, once kept for its key's retries
     trajectory_id: str | None = None  # the tenant's id of its trajectory
+    live: LiveExec | None = None  # a streamed exec: its output out, its input in, as it runs
 
     @property
     def shown_trajectory(self) -> str | None:

@@ -9,10 +9,12 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from tangram.api.wire import ActionStatus, AgentExec, AgentSession, ExecRequest
+from tangram.api.wire import ActionStatus, AgentExec, AgentReply, AgentSession, ExecRequest
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
+from tangram.service.agents import CANCEL_WAIT_S, AgentGoneError
 from tangram.service.api_calls import ApiCalls
 from tangram.service.gpu_calls import GpuCalls
+from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
 from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
 from tangram.service.state import PoolState
@@ -134,13 +136,19 @@ class Rounds:
                               output_cap=req.output_cap, key=key)  # fmt: skip
         else:
             assert rec.argv is not None
+            live = rec.live
             op = AgentExec(argv=rec.argv, trajectory=rec.trajectory, cores=cores,
                            timeout_s=timeout, environ=dict(req.env), output_cap=req.output_cap,
-                           key=key)  # fmt: skip
+                           key=key, stdin=req.stdin, pty=req.pty,
+                           stream=live is not None and live.output is not None,
+                           interactive=live is not None and live.interactive)  # fmt: skip
         t0 = s.clock()
         status, reply, error = ActionStatus.ERROR, None, None
         try:
-            reply = await s.ask(asg.node, op)
+            if rec.live is not None and isinstance(op, AgentExec):
+                reply = await self._streamed(asg.node, op, rec.live)
+            else:
+                reply = await s.ask(asg.node, op)
             if reply.ok and reply.result is not None:
                 status = ActionStatus.TIMEOUT if reply.result.timed_out else ActionStatus.OK
             elif reply.unknown:
@@ -159,3 +167,28 @@ class Rounds:
         exec_s = out.exec_s if out is not None else 0.0
         overhead = max(0.0, (s.clock() - t0) - exec_s)
         self.outcomes.end(rec, status, error=error, exec_s=exec_s, overhead_s=overhead, reply=reply)
+
+    async def _streamed(self, node: str, op: AgentExec, live: LiveExec) -> AgentReply:
+        """``op`` as a streamed request: its output to the caller as it comes, the
+        caller's input and signals to it. Cancelled, it waits (bounded) for the agent to
+        report the command gone, as a plain request does: its cores are not free before."""
+        link = self.s.hub.links.get(node)
+        if link is None:
+            raise EngineError("unavailable", "node", f"node {node} has no agent connected")
+        try:
+            stream = link.stream(op)
+        except AgentGoneError as e:
+            raise EngineError("unavailable", "node", f"node {node}: {e}") from None
+        live.attach(stream)
+        try:
+            while (chunk := await stream.next()) is not None:
+                live.arrived(chunk)
+            return await stream.reply()
+        except AgentGoneError as e:
+            raise EngineError("unavailable", "node", f"node {node}: {e}") from None
+        except asyncio.CancelledError:
+            await stream.cancel(CANCEL_WAIT_S)
+            raise
+        finally:
+            live.detach()
+            await stream.close()

@@ -27,13 +27,14 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
-from tangram.api.wire import StreamExec
+from tangram.api.wire import SIGNALS, StreamExec, StreamInput, StreamSignal
 from tangram.client.outbox import Outbox
 from tangram.service.answers import RETRY_AFTER_S, RETRY_STATUS, engine_error, error_body, payload
 from tangram.service.answers import invalid as invalid_body
 from tangram.service.engine import Engine
+from tangram.service.live import LiveExec
 from tangram.service.records import ActionRecord, EngineError
 
 log = logging.getLogger("tangram.service")
@@ -41,6 +42,7 @@ log = logging.getLogger("tangram.service")
 # that submits and never reads holds its own stream, not the scheduler's memory.
 BACKLOG_BYTES = 64 << 20
 _ID = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,16})\s*[,}]')  # of a message we cannot parse
+_CONTROL: TypeAdapter[StreamInput | StreamSignal] = TypeAdapter(StreamInput | StreamSignal)
 
 
 class Socket(Protocol):
@@ -69,6 +71,7 @@ class ActionStream:
         self._refusal = refusal
         self._outbox: Outbox[bytes] = Outbox(socket.send_bytes, self._send_failed, packed=True)
         self.in_flight = 0  # admitted actions not answered yet
+        self._live: dict[int, LiveExec] = {}  # streamed execs running or queued, by id
         self.closed = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -113,6 +116,9 @@ class ActionStream:
             body = error_body("too_large", f"message over {limit} bytes")
             self._answer(_line_id(line), 413, body)
             return
+        if b'"exec"' not in line:  # input or a signal for a streamed exec
+            self._control(line)
+            return
         try:
             msg = StreamExec.model_validate_json(line)
         except ValidationError as e:
@@ -137,9 +143,45 @@ class ActionStream:
             return
         self.in_flight += 1
         self._idle.clear()
+        if msg.stream or msg.interactive:
+            mid = msg.id
+            out = (lambda fd, text: self._output(mid, fd, text)) if msg.stream else None
+            rec.live = self._live[mid] = LiveExec(out, interactive=msg.interactive)
         rec.done.add_done_callback(lambda _: self._ended(msg.id, rec))
 
+    def _control(self, line: bytes) -> None:
+        """Input or a signal for a streamed exec of this stream, by its id."""
+        try:
+            msg = _CONTROL.validate_json(line)
+        except ValidationError as e:
+            errors = [
+                {**err, "loc": ("message", *err["loc"][1:])} for err in e.errors(include_url=False)
+            ]
+            self._answer(_line_id(line), 400, invalid_body(errors, skip=1))
+            return
+        live = self._live.get(msg.id)
+        if live is None:
+            body = error_body("not_found", f"id: {msg.id} is no streamed exec running here")
+            self._answer(msg.id, 404, body)
+            return
+        if isinstance(msg, StreamSignal):
+            live.signal(SIGNALS[msg.signal])
+            return
+        if not live.interactive:
+            body = error_body("invalid", f"id: exec {msg.id} was not sent interactive")
+            self._answer(msg.id, 400, body)
+            return
+        if msg.stdin:
+            live.write(msg.stdin.encode())
+        if msg.eof:
+            live.close_stdin()
+
+    def _output(self, mid: int, fd: str, text: str) -> None:
+        if not self.closed:
+            self._outbox.post(json.dumps({"id": mid, fd: text}, separators=(",", ":")).encode())
+
     def _ended(self, mid: int, rec: ActionRecord) -> None:
+        self._live.pop(mid, None)
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
