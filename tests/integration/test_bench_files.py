@@ -26,4 +26,6 @@ def test_bench_files_measures_both_ways_against_docker_cp(
     for figure in ("upload", "download", "docker_cp_in", "docker_cp_out"):
         assert row[f"{figure}_mb_s"] > 0
     assert row["upload_vs_docker_cp"] == row["upload_mb_s"] / row["docker_cp_in_mb_s"]
+    assert report["live"]["runs"] == 4
+    assert report["live"]["first_byte_p50_ms"] > 0 and report["live"]["echo_p50_ms"] > 0
     assert docker_client.containers.list(all=True, filters={"name": "tangram-t-"}) == []

@@ -321,6 +321,12 @@ def _table(report: dict[str, Any]) -> None:
             cells = [f"{r[k]:.2f}×" if k.endswith("cp") else f"{r[k]:.0f}" for k in keys]
             t.add_row(str(r["size_mb"]), *cells)
         console.print(t)
+        live = report["live"]
+        console.print(
+            f"streamed output, first byte: p50 {live['first_byte_p50_ms']:.1f} ms, p99 "
+            f"{live['first_byte_p99_ms']:.1f} ms (not streamed: {live['not_streamed_p50_ms']:.0f} "
+            f"ms; a plain echo: {live['echo_p50_ms']:.1f} ms)"
+        )
         return
     if "scenarios" in report:  # bench tenants
         t = Table(title="the steady tenant's queueing beside a flooding tenant")

@@ -1,4 +1,5 @@
-"""``tangram bench files``: the files API's throughput against ``docker cp``.
+"""``tangram bench files``: the files API's throughput against ``docker cp``, and the time
+to the first byte of a streamed exec's output.
 
 The real service on 127.0.0.1 with a Docker node agent in a process of its own (as in a
 cluster); one trajectory of a busybox environment. For each size, a file of random bytes
@@ -90,8 +91,45 @@ async def _measure(args: argparse.Namespace, work: Path, image: str) -> dict[str
                         "repeats": args.repeats,
                     }
                 )
+        live = await _first_bytes(client, tid, args.repeats * 4)
         await client.close(tid)
-    return {"sizes": rows, "transport": "HTTP on 127.0.0.1, agent in its own process"}
+    return {
+        "sizes": rows,
+        "live": live,
+        "transport": "HTTP on 127.0.0.1, agent in its own process",
+    }
+
+
+async def _first_bytes(client: AsyncClient, tid: str, runs: int) -> dict[str, Any]:
+    """Time to the first byte of a streamed exec's output (``echo first; sleep 1``),
+    against the whole answer of the same exec not streamed, which comes after the sleep,
+    and of a plain ``echo`` (what the first byte cannot beat: one exec's round trip)."""
+    argv = ["sh", "-c", "echo first; sleep 1"]
+    first, whole, echo = [], [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        action = await client.exec_live(tid, argv)
+        async for _ in action.output():
+            first.append(time.perf_counter() - t0)
+            break
+        await action.result()
+        t0 = time.perf_counter()
+        await client.exec(tid, argv)
+        whole.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await client.exec(tid, ["echo", "first"])
+        echo.append(time.perf_counter() - t0)
+
+    def ms(times: list[float], q: float) -> float:
+        return 1e3 * sorted(times)[min(len(times) - 1, round(q * (len(times) - 1)))]
+
+    return {
+        "runs": runs,
+        "first_byte_p50_ms": ms(first, 0.5),
+        "first_byte_p99_ms": ms(first, 0.99),
+        "not_streamed_p50_ms": ms(whole, 0.5),
+        "echo_p50_ms": ms(echo, 0.5),
+    }
 
 
 def run_files_bench(args: argparse.Namespace) -> dict[str, Any]:
