@@ -18,6 +18,7 @@ node's containerd. The tests share state and run in file order, like one user's 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -35,7 +36,7 @@ from harness.controlplane import ControlPlane
 from harness.kubelet import RealNode
 from harness.pods import free_port, kubectl_json, wait_for
 
-from tangram.client import Client, TangramError
+from tangram.client import AsyncClient, Client, TangramError
 
 pytestmark = pytest.mark.e2e
 
@@ -231,6 +232,8 @@ def test_pytest_runs_in_a_sandbox_pod_on_the_cores_of_each_action(session: Sessi
         (entry,) = [e for e in files.list(".") if e.name == "test_cores.py"]
         owner = client.exec(t.id, ["id", "-u"]).stdout.strip()
         assert (entry.type, str(entry.uid)) == ("file", owner)
+        # A live exec in the sandbox pod: its first line before it ends, then SIGINT.
+        assert asyncio.run(_interrupted(s.url, s.token("rollout-worker"), t.id)) == 130
         assert run.allocation is not None and run.allocation.node == s.node.name
         cores = ",".join(str(c) for c in run.allocation.cores)
         seen = client.exec(t.id, ["sh", "-c", "cat seen-1; echo; cat seen-2"])
@@ -246,6 +249,17 @@ def test_pytest_runs_in_a_sandbox_pod_on_the_cores_of_each_action(session: Sessi
     assert pod["metadata"]["ownerReferences"][0]["kind"] == "ActionPool"
     s.seen["sandbox"] = pod["metadata"]["uid"]
     s.seen["container"] = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+
+
+async def _interrupted(url: str, token: str, tid: str) -> int | None:
+    """A streamed exec's first output, then SIGINT: its exit code."""
+    async with AsyncClient(url, token) as client:
+        live = await client.exec_live(tid, ["sh", "-c", "echo first; sleep 600"])
+        async for _, text in live.output():
+            assert text == "first\n"
+            break
+        await live.signal("SIGINT")
+        return (await live.result()).exit_code
 
 
 def test_an_agent_pod_restart_keeps_the_trajectory_and_its_files(session: Session) -> None:

@@ -23,7 +23,7 @@ from tangram.api.wire import (
 from tangram.node_agent import runtimes
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.env_files import EnvFiles
-from tangram.node_agent.execution import ExecError, ExecResult, Gone, Output
+from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone, Output
 
 
 class Recorder:
@@ -67,7 +67,7 @@ class Recorder:
 
     async def exec(self, trajectory: str, argv: Sequence[str], cores: Sequence[int], *,
                    timeout_s: float | None, env: Mapping[str, str],
-                   output_cap: int) -> ExecResult:  # fmt: skip
+                   output_cap: int, io: ExecIO | None = None) -> ExecResult:  # fmt: skip
         self.calls.append(("exec", trajectory, list(argv), list(cores), dict(env)))
         out = Output(b"recorded\n", False, b"", False)
         return ExecResult.of(0, out, False, cores, (0.0, 0.0, 0.0, 0.0), path="recorder")
