@@ -57,14 +57,14 @@ def on(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[Scenario], N
     return lambda scenario: _run(request, tmp_path, image, scenario)
 
 
-async def _until(action: LiveAction, text: str) -> str:
-    """Output until ``text`` has appeared (the command still running)."""
+async def _until(action: LiveAction, *texts: str) -> str:
+    """Output until each of ``texts`` has appeared (the command still running)."""
     seen = ""
     async for _, piece in action.output():
         seen += piece
-        if text in seen:
+        if all(text in seen for text in texts):
             return seen
-    raise AssertionError(f"the command ended without writing {text!r}: {seen!r}")
+    raise AssertionError(f"the command ended without writing {texts!r}: {seen!r}")
 
 
 def test_stdin_given_with_the_request(on: Callable[[Scenario], None]) -> None:
@@ -81,7 +81,7 @@ def test_output_streams_before_the_end_and_sigint_stops_it_and_frees_its_cores(
     async def scenario(t: AsyncTrajectory) -> None:
         argv = ["sh", "-c", "echo first; echo to-err >&2; sleep 60; echo never"]
         action = await t.exec_live(argv, cores=len(CORES))
-        seen = await _until(action, "first")
+        seen = await _until(action, "first", "to-err")  # (both written: no race with the signal)
         assert "never" not in seen  # shown while the command still runs
         await action.signal("SIGINT")
         result = await action.result()
@@ -112,9 +112,11 @@ def test_a_signal_sent_while_it_queues_reaches_it_when_it_starts(
     on: Callable[[Scenario], None],
 ) -> None:
     async def scenario(t: AsyncTrajectory) -> None:
-        holder = asyncio.ensure_future(t.exec(["sleep", "1"], cores=len(CORES)))
-        await asyncio.sleep(0.3)  # it holds every core: the next one waits in the queue
-        action = await t.exec_live(["sleep", "60"])
+        hold = ["sh", "-c", "touch held; sleep 2"]
+        holder = asyncio.ensure_future(t.exec(hold, cores=len(CORES)))
+        while not await t.files.exists("held"):  # it holds every core from here on
+            await asyncio.sleep(0.05)
+        action = await t.exec_live(["sleep", "60"])  # so this one waits in the queue
         await action.signal("SIGTERM")
         result = await action.result()
         assert result.exit_code == 128 + 15, result

@@ -547,6 +547,11 @@ def tree(proc_root: Path, root: int) -> list[int]:
     return sorted(out)
 
 
+def local_busybox(tag: str) -> str | None:
+    """``import_busybox`` into this host's Docker Engine (for the benchmarks)."""
+    return import_busybox(docker.from_env(), tag)
+
+
 def import_busybox(client: Any, tag: str, busybox: Path = Path("/bin/busybox")) -> str | None:
     """A minimal image (busybox-static and its applet links), imported once under ``tag``.
 

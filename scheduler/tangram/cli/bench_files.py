@@ -134,13 +134,11 @@ async def _first_bytes(client: AsyncClient, tid: str, runs: int) -> dict[str, An
 
 def run_files_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tangram.cli.bench_exec import BENCH_IMAGE
-    from tangram.node_agent.docker_runtime import import_busybox
+    from tangram.node_agent.docker_runtime import local_busybox
 
     if shutil.which("docker") is None:
         raise InputError("bench files needs the docker command (docker cp is the baseline)")
-    import docker
-
-    image = args.image or import_busybox(docker.from_env(), BENCH_IMAGE)
+    image = args.image or local_busybox(BENCH_IMAGE)
     if image is None:
         raise InputError("--image: none given, and busybox-static is not installed to make one")
     with tempfile.TemporaryDirectory(prefix="tangram-bench-files-") as tmp:
