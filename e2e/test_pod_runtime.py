@@ -103,6 +103,20 @@ def test_sandboxes_are_pods_with_cores_only_while_an_action_runs(
     assert res.stdout.split() == ["Cpus_allowed_list:", str(core), "1"]
     assert res.path == "fast"
     assert rt.cgroups.cpus(rt.envs["t-1"].reach.cgroup) == str(CORES[0])
+    # The files API: the pod's exec server writes as the sandbox's user, where it works.
+    files = rt.files("t-1")
+
+    async def one_file() -> tuple[bytes, int]:
+        async def body() -> Any:
+            yield b"through the exec server\n"
+
+        await files.write("g", body())
+        _, data = await files.read("/work/g")
+        return b"".join([chunk async for chunk in data]), (await files.stat("g")).uid
+
+    got, owner = asyncio.run(one_file())
+    assert got == b"through the exec server\n"
+    assert str(owner) == _run(rt, "t-1", ["id", "-u"], [core]).stdout.strip()
 
     # Another agent on the node (another pool, a GPU agent) neither adopts nor deletes them.
     stranger = PodRuntime([CORES[0]], api=kube_pod_api(NS, str(cp.admin_kubeconfig)),
