@@ -227,7 +227,10 @@ class PodRuntime(SandboxRuntime[Pod]):
         self.api.create(manifest)  # refused: the API server's reason (RuntimeClass, quota)
         try:
             reach = self._reach(self._running(name), wait_s=10.0)
-            if self._learn_facts(template, reach):  # first pod of this image: redo it
+            # Made before its image's facts were known (the first pod of the image, or one
+            # made while another thread learnt them): redo it unless it is as the next
+            # ones will be.
+            if facts is None and self._learn_facts(template, reach):
                 self._delete(name)
                 return self._create(template, state)
             self._prepare(reach, template)
@@ -241,22 +244,21 @@ class PodRuntime(SandboxRuntime[Pod]):
         return f"{template.image}|{template.user}|{template.workdir}"
 
     def _learn_facts(self, template: EnvSpec, reach: Reachable) -> bool:
-        """Read the image's users and workdir from the first pod of an image (made without
-        runAsUser: it runs as the image's USER); True when that pod is not as the next
-        ones will be (it runs as another user, or lacks the workdir)."""
+        """Read the image's users and workdir from a pod made without them (no runAsUser:
+        it runs as the image's USER), unless they are known by now; True when that pod is
+        not as the next ones will be (it runs as another user, or lacks the workdir)."""
         key = self._facts_key(template)
-        if key in self._facts:
-            return False
-        root = self.proc_root / str(reach.pid) / "root"
-        try:
-            passwd = (root / "etc/passwd").read_text(errors="replace")
-        except OSError:
-            passwd = ""
         running_as = self._ids(reach.pid)
-        configured = f"{running_as[0]}:{running_as[1]}" if running_as[0] else None
-        user = pick_user(passwd, template.user, configured)
-        workdir = _workdir(root, template.workdir)
-        self._facts[key] = (user, workdir)
+        if key not in self._facts:  # (another open or warm-up may have learnt them since)
+            root = self.proc_root / str(reach.pid) / "root"
+            try:
+                passwd = (root / "etc/passwd").read_text(errors="replace")
+            except OSError:
+                passwd = ""
+            configured = f"{running_as[0]}:{running_as[1]}" if running_as[0] else None
+            user = pick_user(passwd, template.user, configured)
+            self._facts[key] = (user, _workdir(root, template.workdir))
+        user, workdir = self._facts[key]
         wanted = (user.uid, user.gid) if user else (0, 0)
         return wanted != running_as or workdir is None
 
