@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
+from tangram.cli.bench_files import POOL
 from tangram.cli.main import main
+from tangram.node_agent.env_template import LABEL
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.xdist_group("docker")]
 
@@ -28,4 +30,5 @@ def test_bench_files_measures_both_ways_against_docker_cp(
     assert row["upload_vs_docker_cp"] == row["upload_mb_s"] / row["docker_cp_in_mb_s"]
     assert report["live"]["runs"] == 4
     assert report["live"]["first_byte_p50_ms"] > 0 and report["live"]["echo_p50_ms"] > 0
-    assert docker_client.containers.list(all=True, filters={"name": "tangram-t-"}) == []
+    mine = {"label": f"{LABEL}/pool={POOL}"}  # (other tests' containers may be about)
+    assert docker_client.containers.list(all=True, filters=mine) == []

@@ -33,6 +33,7 @@ from tangram.service.config import EnvConfig, PoolConfig
 
 SIZES_MB = (1, 10, 50, 200)
 USER = "bench"
+POOL = "bench-files"  # its containers are labelled with it
 
 
 def _docker_cp(src: str, dst: str) -> float:
@@ -44,7 +45,7 @@ def _docker_cp(src: str, dst: str) -> float:
 
 
 async def _measure(args: argparse.Namespace, work: Path, image: str) -> dict[str, Any]:
-    spec = EnvSpec(name="box", image=image, memory_gb=0.5, workdir="/work")
+    spec = EnvSpec(name="box", image=image, memory_gb=0.5, workdir="/work", pool=POOL)
     config = PoolConfig(name="files", envs={"box": EnvConfig(spec=spec)}, max_file_bytes=1 << 40)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(SIZES_MB)
     rows: list[dict[str, Any]] = []
