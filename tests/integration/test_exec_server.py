@@ -344,3 +344,31 @@ def test_install_copies_the_server_whole_or_not_at_all(execd: Built, tmp_path: P
                             text=True, check=False)  # fmt: skip
     assert failed.returncode == 1
     assert f"install {missing}: No such file or directory" in failed.stderr
+
+
+def test_a_first_frame_over_the_limit_is_refused_not_a_crash(server: Path) -> None:
+    """A request frame the server cannot read (over 1 MiB) gets a refusal; the handler
+    used to go on with the frame it had not read."""
+    import socket as sockets
+    import struct
+
+    conn = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    conn.connect(str(server))
+    conn.sendall(struct.pack(">cI", b"R", 2 << 20))
+    conn.settimeout(30)
+    head = conn.recv(5)
+    conn.close()
+    assert head[:1] == b"Z"
+
+
+def test_eof_reaches_a_command_under_a_terminal(server: Path) -> None:
+    async def scenario() -> tuple[bytes, int | None]:
+        chan = await Channel.start(server, ["cat"], mode="pty")
+        await chan.write(b"typed\n")
+        await chan.close_stdin()  # ^D at the start of a line, as a person types it
+        out = await asyncio.wait_for(chan.collect(1 << 20), 30)  # (a hang guard)
+        chan.close()
+        return out.stdout, chan.exit_code
+
+    stdout, code = asyncio.run(scenario())
+    assert code == 0 and stdout == b"typed\n"

@@ -224,3 +224,28 @@ def test_a_fifo_is_refused_not_read_forever(execd: Built, tmp_path: Path) -> Non
     with pytest.raises(FileError) as refused:
         asyncio.run(files.read("/pipe"))
     assert refused.value.errno == errno.EINVAL
+
+
+def test_dotdot_is_refused_by_the_server_itself_for_every_path(
+    execd: Built, tmp_path: Path
+) -> None:
+    """The exec server refuses a '..' component before any lookup (the agent does too,
+    but the server is the boundary), in a rename's target as well."""
+    assert execd.path is not None
+    (tmp_path / "a").mkdir()
+    connect = one_shot(execd.path, tmp_path)
+
+    async def ask(op: str, path: str, arg: str = "") -> bytes:
+        chan = await connect()
+        try:
+            await chan.ask_files(op, path, arg)
+            kind, data = await chan.frame()
+            return kind + b" " + data
+        finally:
+            chan.close()
+
+    async def scenario() -> list[bytes]:
+        return [await ask("stat", "/a/.."), await ask("rename", "/a", "/a/../b")]
+
+    for answer in asyncio.run(scenario()):
+        assert answer.startswith(b"Z %d " % errno.EPERM), answer

@@ -263,7 +263,7 @@ def test_the_agents_side_sends_within_its_window_and_takes_input_in_order() -> N
         sent: list[str] = []
         stream = Stream(7, sent.append)
         posted = _Replies(sent)
-        sender = asyncio.create_task(stream.send(bytes(STREAM_CHUNK * (STREAM_WINDOW + 2))))
+        sender = asyncio.create_task(stream.send(1, bytes(STREAM_CHUNK * (STREAM_WINDOW + 2))))
         for _ in range(50):
             await asyncio.sleep(0)
         assert len(posted) == STREAM_WINDOW and not sender.done()
@@ -291,3 +291,22 @@ class _Replies:
 
     def __iter__(self) -> Iterator[AgentReply]:
         return (AgentReply.model_validate_json(m) for m in self.sent)
+
+
+def test_a_closed_stream_drops_what_waits_for_the_window() -> None:
+    """A cancelled command's output must not wait for credit that will never come: the
+    collection would never end, and the kill never reach it."""
+
+    async def scenario() -> None:
+        sent: list[str] = []
+        stream = Stream(7, sent.append)
+        sender = asyncio.create_task(stream.send(1, bytes(STREAM_CHUNK * (STREAM_WINDOW + 3))))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len(sent) == STREAM_WINDOW and not sender.done()
+        stream.close()
+        await sender
+        assert len(sent) == STREAM_WINDOW  # nothing more went out
+        assert [piece async for piece in stream.received()] == []  # input ends too
+
+    asyncio.run(scenario())

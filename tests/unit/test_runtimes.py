@@ -234,3 +234,15 @@ def test_a_file_request_goes_to_the_runtime_and_its_refusal_is_the_reply(
     reply = asyncio.run(agent.handle(req))
     assert (reply.rid, reply.ok, reply.error, reply.errno) == (3, False, "no files here", None)
     assert recorder[0].calls[-1] == ("files", "t1")
+
+
+def test_a_streamed_request_leaves_no_stream_behind_keyed_or_not(
+    recorder: list[Recorder], tmp_path: Path
+) -> None:
+    agent = NodeAgent.create(tmp_path, runtime="recorder")
+    asyncio.run(agent.open("t1", EnvSpec(name="e", image="i")))
+    for rid, key in ((1, None), (2, "k")):
+        req = AgentExec(rid=rid, trajectory="t1", argv=["true"], cores=[0], stream=True, key=key)
+        agent.received(req)  # as the link does, before the request's task starts
+        assert asyncio.run(agent.handle(req)).ok
+    assert agent._streams == {}

@@ -10,6 +10,7 @@ messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -41,7 +42,6 @@ from tangram.api.wire import (
     TrajectoryMeta,
     json_bytes,
 )
-from tangram.node_agent.env_files import FileError
 from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, given, owner_id
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
@@ -212,6 +212,8 @@ class NodeAgent:
 
     def detach(self) -> None:
         self._sink, self._post = None, _nowhere
+        for stream in self._streams.values():  # their output has nowhere to go now
+            stream.close()
 
     def received(self, req: AgentRequest) -> None:
         """A request as the link reads it, before its task starts: a streamed one's
@@ -237,21 +239,26 @@ class NodeAgent:
         """Answer one request; errors become a reply, never an exception."""
         if isinstance(req, AgentCancel):
             task = self._keyed.get(req.key) if req.key else self._tasks.get(req.target or -1)
+            if (stream := self._streams.get(req.target or -1)) is not None:
+                stream.close()  # what waits to send its output would hold the kill back
             if task is not None:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
-        if isinstance(req, AgentExec | AgentSession) and req.key is not None:
-            return await self._once(req, req.key)
-        self.received(req)
-        task = asyncio.ensure_future(self._run(req))
-        self._tasks[req.rid] = task
+        self.received(req)  # (the link has, unless a caller hands the request in directly)
         try:
-            return await task
-        except asyncio.CancelledError:
-            return AgentReply(rid=req.rid, ok=False, error="cancelled")
+            if isinstance(req, AgentExec | AgentSession) and req.key is not None:
+                return await self._once(req, req.key)
+            task = asyncio.ensure_future(self._run(req))
+            self._tasks[req.rid] = task
+            try:
+                return await task
+            except asyncio.CancelledError:
+                return AgentReply(rid=req.rid, ok=False, error="cancelled")
+            finally:
+                self._tasks.pop(req.rid, None)
         finally:
-            self._tasks.pop(req.rid, None)
-            self._streams.pop(req.rid, None)
+            if (stream := self._streams.pop(req.rid, None)) is not None:
+                stream.close()
 
     async def _once(self, req: AgentExec | AgentSession, key: str) -> AgentReply:
         """Run a keyed action at most once: a repeat gets the first run's reply, or waits
@@ -354,8 +361,7 @@ class NodeAgent:
                     raise ExecError(f"{req.op}: not a request to run")
         except ExecError as e:
             return AgentReply(rid=req.rid, ok=False, error=str(e), reason=e.reason or None,
-                              retryable=e.retryable,
-                              errno=e.errno if isinstance(e, FileError) else None)  # fmt: skip
+                              retryable=e.retryable, errno=e.errno)  # fmt: skip
         except Exception as e:  # a request must always be answered: say what failed, stay up
             log.exception("%s %s failed", req.op, getattr(req, "trajectory", ""))
             return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}")
@@ -446,7 +452,7 @@ class NodeAgent:
             timeout_s=req.timeout_s,
             env=req.environ,
             output_cap=req.output_cap,
-            **({"io": io} if (io := exec_io(req, stream)) is not None else {}),
+            io=exec_io(req, stream),
         )
 
     async def files(self, req: AgentFiles, stream: Stream) -> FilesOutcome:
@@ -457,9 +463,9 @@ class NodeAgent:
             case "read":
                 entry, data = await files.read(req.path)
                 stream.head(FilesOutcome(entry=entry))
-                async for chunk in data:
-                    await stream.send(chunk)
-                return FilesOutcome(entry=entry)
+                async with contextlib.aclosing(data):  # (it holds the exec server's channel)
+                    async for chunk in data:
+                        await stream.send(1, chunk)
             case "write":
                 written = await files.write(req.path, stream.received(), req.mode)
                 return FilesOutcome(written=written)
@@ -497,7 +503,7 @@ def exec_io(req: AgentExec, stream: Stream | None) -> ExecIO | None:
     if stream is not None and req.interactive:
         stdin = _then(stdin, stream.received())
     return ExecIO(
-        output=stream.output if stream is not None and req.stream else None,
+        output=stream.send if stream is not None and req.stream else None,
         stdin=stdin,
         signals=stream.signals if stream is not None else None,
         pty=req.pty,

@@ -410,10 +410,7 @@ class DockerRuntime(SandboxRuntime[Env]):
         res = await self._exec_portable(held, cmd)
         return replace(res, fallback=why)
 
-    def reachable(self, trajectory: str, need: str) -> Reachable:
-        held = self.envs.get(trajectory)
-        if held is None:
-            raise ExecError(f"trajectory: {trajectory} is not open")
+    def _reached(self, held: Env, need: str) -> Reachable:
         why = self._fast_unavailable(held)
         if why:
             raise ExecError(f"{need} need the exec server: {why}")

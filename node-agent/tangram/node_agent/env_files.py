@@ -14,7 +14,7 @@ import builtins
 import errno
 import posixpath
 import socket
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from pathlib import Path
 
 from tangram.api.wire import MAX_PATH, FileEntry, FileType
@@ -28,8 +28,7 @@ class FileError(ExecError):
     """A file operation the environment refused; ``errno`` is its error number."""
 
     def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.errno = code
+        super().__init__(message, errno=code)
 
 
 def inside(workdir: str, path: str) -> str:
@@ -85,7 +84,7 @@ class EnvFiles:
         finally:
             chan.close()
 
-    async def read(self, path: str) -> tuple[FileEntry, AsyncIterator[bytes]]:
+    async def read(self, path: str) -> tuple[FileEntry, AsyncGenerator[bytes, None]]:
         """The file's entry, and its bytes as the server sends them. The iterator must be
         run to its end or closed (``aclose``): it holds the connection."""
         full = inside(self.workdir, path)
@@ -97,7 +96,7 @@ class EnvFiles:
             chan.close()
             raise
 
-        async def data() -> AsyncIterator[bytes]:
+        async def data() -> AsyncGenerator[bytes, None]:
             try:
                 while True:
                     kind, chunk = await _answer(chan)

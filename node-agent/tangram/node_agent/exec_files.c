@@ -58,13 +58,14 @@ static const char *relative(const char *path) {
     return *path ? path : ".";
 }
 
-static int open_in(const char *path, int flags, mode_t mode) {
+static int open_in(const char *path, int flags) {
     const char *rel = relative(path);
     if (rel == NULL) return -1;
     struct open_how how = {.flags = (unsigned long long)(flags | O_CLOEXEC),
-                           .mode = flags & O_CREAT ? mode : 0,
                            .resolve = files_resolve};
-    return (int)syscall(SYS_openat2, files_root, rel, &how, sizeof how);
+    int fd = (int)syscall(SYS_openat2, files_root, rel, &how, sizeof how);
+    if (fd < 0 && errno == ENOSYS) errno = EOPNOTSUPP; /* a kernel before 5.6 */
+    return fd;
 }
 
 /* Splits PATH into its parent directory (opened) and its last component. */
@@ -87,7 +88,7 @@ static int open_parent(const char *path, char *dir, size_t dirlen, const char **
     size_t plen = slash ? (size_t)(slash - dir) : 0;
     memcpy(parent, dir, plen);
     parent[plen] = '\0';
-    return open_in(plen ? parent : "/", O_RDONLY | O_DIRECTORY, 0);
+    return open_in(plen ? parent : "/", O_RDONLY | O_DIRECTORY);
 }
 
 static int send_entry(int sock, int dirfd, const char *name, const struct stat *st) {
@@ -114,7 +115,7 @@ static int send_entry(int sock, int dirfd, const char *name, const struct stat *
 }
 
 static int op_read(int sock, const char *path) {
-    int fd = open_in(path, O_RDONLY | O_NOCTTY | O_NONBLOCK, 0);
+    int fd = open_in(path, O_RDONLY | O_NOCTTY | O_NONBLOCK);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) < 0) return fail(sock, errno, "read", path);
     if (!S_ISREG(st.st_mode)) /* a FIFO or a device could block or never end */
@@ -123,7 +124,7 @@ static int op_read(int sock, const char *path) {
     if (send_entry(sock, fd, slash ? slash + 1 : path, &st) < 0) return -1;
     /* The size the entry said, no more: a file that grows meanwhile is read as it was
      * (a reader may count on the size it was told); one that shrinks ends short. */
-    static char buf[256 << 10];
+    static char buf[1 << 20]; /* a chunk of the agent link (STREAM_CHUNK) */
     off_t left = st.st_size;
     ssize_t n;
     while (left > 0 && (n = read(fd, buf, left < (off_t)sizeof buf ? (size_t)left : sizeof buf)) != 0) {
@@ -176,7 +177,7 @@ static int op_write(int sock, const char *path, const char *mode_text) {
 }
 
 static int op_list(int sock, const char *path) {
-    int fd = open_in(path, O_RDONLY | O_DIRECTORY, 0);
+    int fd = open_in(path, O_RDONLY | O_DIRECTORY);
     DIR *d = fd < 0 ? NULL : fdopendir(fd);
     if (d == NULL) return fail(sock, errno, "list", path);
     struct dirent *e;
@@ -196,7 +197,7 @@ static int op_stat(int sock, const char *path) {
     struct stat st;
     int dfd = open_parent(path, dir, sizeof dir, &base);
     if (dfd < 0 && errno == EBUSY) { /* the root */
-        dfd = open_in("/", O_RDONLY | O_DIRECTORY, 0);
+        dfd = open_in("/", O_RDONLY | O_DIRECTORY);
         base = ".";
     }
     if (dfd < 0 || fstatat(dfd, base, &st, AT_SYMLINK_NOFOLLOW) < 0)
@@ -206,7 +207,6 @@ static int op_stat(int sock, const char *path) {
 }
 
 static int op_mkdir(int sock, const char *path) {
-    if (relative(path) == NULL) return fail(sock, errno, "mkdir", path);
     char prefix[4096];
     size_t n = strlen(path);
     if (n >= sizeof prefix) return fail(sock, ENAMETOOLONG, "mkdir", path);
@@ -231,7 +231,7 @@ static int op_mkdir(int sock, const char *path) {
         } else if (err != EEXIST) {
             return fail(sock, err, "mkdir", path);
         }
-        int fd = open_in(prefix, O_RDONLY | O_DIRECTORY, 0);
+        int fd = open_in(prefix, O_RDONLY | O_DIRECTORY);
         if (fd < 0) return fail(sock, errno, "mkdir", path); /* ENOTDIR: a file is in the way */
         close(fd);
     }
@@ -241,14 +241,18 @@ static int op_mkdir(int sock, const char *path) {
 /* Removes NAME in DIRFD, descending into directories without following symlinks. */
 static int remove_tree(int dirfd, const char *name, int depth) {
     if (unlinkat(dirfd, name, 0) == 0) return 0;
-    if (errno != EISDIR && errno != EPERM) return -1;
+    int first = errno;
+    if (first != EISDIR && first != EPERM) return -1;
     if (depth >= MAX_DEPTH) {
         errno = ELOOP;
         return -1;
     }
     int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     DIR *d = fd < 0 ? NULL : fdopendir(fd);
-    if (d == NULL) return -1;
+    if (d == NULL) { /* not a directory after all: why the unlink failed is the answer */
+        if (errno == ENOTDIR || errno == ELOOP) errno = first;
+        return -1;
+    }
     struct dirent *e;
     int rc = 0;
     while (rc == 0 && (e = readdir(d)) != NULL)
@@ -277,7 +281,9 @@ static int op_rename(int sock, const char *path, const char *to) {
     int dfd = open_parent(path, dir, sizeof dir, &base);
     if (dfd < 0) return fail(sock, errno, "rename", path);
     int tfd = open_parent(to, todir, sizeof todir, &tobase);
-    if (tfd < 0 || renameat(dfd, base, tfd, tobase) < 0) return fail(sock, errno, "rename", to);
+    if (tfd < 0) return fail(sock, errno, "rename to", to);
+    if (renameat(dfd, base, tfd, tobase) < 0) /* ENOENT: the source; the rest: either */
+        return fail(sock, errno, "rename", errno == ENOENT ? path : to);
     return send_text(sock, 'X', "0");
 }
 
@@ -290,9 +296,17 @@ static void handle_files(int sock, char *data, uint32_t len) {
         return;
     }
     const char *op = f[0], *path = f[1], *arg = n > 2 ? f[2] : "";
-    if (path[0] != '/') {
-        fail(sock, EINVAL, op, path);
-        return;
+    int renaming = strcmp(op, "rename") == 0;
+    /* Absolute, and no ".." anywhere: refused before any lookup, the target too. */
+    for (const char *p = path; p != NULL; p = renaming && p == path ? arg : NULL) {
+        if (p[0] != '/') {
+            fail(sock, EINVAL, op, p);
+            return;
+        }
+        if (relative(p) == NULL) {
+            fail(sock, errno, op, p);
+            return;
+        }
     }
     if (strcmp(op, "read") == 0) op_read(sock, path);
     else if (strcmp(op, "write") == 0) op_write(sock, path, arg[0] ? arg : "644");
@@ -300,7 +314,7 @@ static void handle_files(int sock, char *data, uint32_t len) {
     else if (strcmp(op, "stat") == 0) op_stat(sock, path);
     else if (strcmp(op, "mkdir") == 0) op_mkdir(sock, path);
     else if (strcmp(op, "remove") == 0) op_remove(sock, path);
-    else if (strcmp(op, "rename") == 0 && arg[0] == '/') op_rename(sock, path, arg);
+    else if (renaming) op_rename(sock, path, arg);
     else fail(sock, EINVAL, "request: no such file operation:", op);
 }
 

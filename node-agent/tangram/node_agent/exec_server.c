@@ -280,11 +280,12 @@ static void handle(int sock) {
 
     char type = 0, *data = NULL;
     uint32_t len;
-    if (recv_frame(sock, &type, &data, &len) == 0 && type == 'F') {
+    int got = recv_frame(sock, &type, &data, &len); /* on failure data is not ours */
+    if (got == 0 && type == 'F') {
         handle_files(sock, data, len);
         return;
     }
-    if (type != 'R') {
+    if (got < 0 || type != 'R') {
         send_text(sock, 'Z', "protocol: the first frame must be a request");
         return;
     }
@@ -341,6 +342,12 @@ static void handle(int sock) {
             } else if (type == 'E' && c.in >= 0 && !c.pty) {
                 close(c.in);
                 c.in = -1;
+            } else if (type == 'E' && c.pty) {
+                /* A terminal has no end of input to close: its EOF is the VEOF character
+                 * (^D) at the start of a line, as a person would type it. */
+                struct termios t;
+                char eof = tcgetattr(c.in, &t) == 0 ? (char)t.c_cc[VEOF] : 4;
+                write_all(c.in, &eof, 1);
             } else if (type == 'K') {
                 int sig = atoi(data);
                 kill_tree(c.pid, sig > 0 ? sig : SIGKILL);
@@ -402,7 +409,7 @@ int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--files") == 0) {
         /* One file operation on the connected socket at fd 0, beneath ROOT. */
         if (files_at(argv[2], 1) < 0) {
-            fprintf(stderr, "tangram-execd: %s: %s\n", argv[2], strerror(errno));
+            fail(0, errno, "files: the environment's directory", argv[2]);
             return 1;
         }
         char type, *data;

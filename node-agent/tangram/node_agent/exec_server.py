@@ -200,8 +200,7 @@ class Channel:
     @classmethod
     async def connect(cls, sock_path: Path, server_pid: int | None = None) -> Channel:
         """A connection to the exec server, checked to be its own (see ``_connect``)."""
-        reader, writer = await asyncio.open_unix_connection(sock=_connect(sock_path, server_pid))
-        return cls(reader, writer)
+        return await cls.over(_connect(sock_path, server_pid))
 
     @classmethod
     async def over(cls, sock: socket.socket) -> Channel:

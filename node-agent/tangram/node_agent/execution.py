@@ -21,10 +21,13 @@ class ExecError(RuntimeError):
     timeout, an eviction; not a missing image).
     """
 
-    def __init__(self, message: str, *, reason: str = "", retryable: bool = False) -> None:
+    def __init__(
+        self, message: str, *, reason: str = "", retryable: bool = False, errno: int | None = None
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.retryable = retryable
+        self.errno = errno  # a file operation the environment refused: its error number
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,15 +209,21 @@ async def feed(
 
     async def stdin() -> None:
         if io.stdin is not None:
-            async for data in io.stdin:
-                await write(data)
-            await close_stdin()
+            with contextlib.suppress(ExecError):  # it ended, and stopped taking input
+                async for data in io.stdin:
+                    await write(data)
+                await close_stdin()
 
     async def signals() -> None:
         while io.signals is not None:
             await send_signal(await io.signals.get())
 
-    await asyncio.gather(stdin(), signals())
+    parts = [asyncio.ensure_future(stdin()), asyncio.ensure_future(signals())]
+    try:
+        await asyncio.gather(*parts)
+    finally:  # both end with the command, whichever ended first
+        for part in parts:
+            part.cancel()
 
 
 async def given(data: bytes) -> AsyncIterator[bytes]:

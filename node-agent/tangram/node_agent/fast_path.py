@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tangram.node_agent.cgroups import CgroupError, Cgroups
 from tangram.node_agent.env_files import EnvFiles
@@ -157,21 +158,27 @@ class FastPath:
                 left = True
                 self.group_leave(env, cmd.cores)
 
-        io = cmd.io or ExecIO()
+        io = cmd.io
         try:
             chan = await Channel.start(
                 env.socket, cmd.argv, cwd=env.workdir, env=cmd.env, server_pid=env.pid,
-                mode="pty" if io.pty else "pipe",
+                mode="pty" if io is not None and io.pty else "pipe",
             )  # fmt: skip
             t1 = time.perf_counter()
-            feeding = asyncio.ensure_future(feed(io, chan.write, chan.close_stdin, chan.kill))
+            feeding = None  # a plain exec (the common case) has nothing to feed
+            if io is not None:
+                feeding = asyncio.ensure_future(feed(io, chan.write, chan.close_stdin, chan.kill))
             try:
                 output, timed_out = await supervise(
-                    chan.collect(cmd.output_cap, io.output), cmd.timeout_s, chan.kill, idle
+                    chan.collect(cmd.output_cap, io.output if io else None),
+                    cmd.timeout_s,
+                    chan.kill,
+                    idle,
                 )
             finally:
-                feeding.cancel()
-                await asyncio.gather(feeding, return_exceptions=True)
+                if feeding is not None:
+                    feeding.cancel()
+                    await asyncio.gather(feeding, return_exceptions=True)
                 chan.close()
             t2 = time.perf_counter()
         finally:
@@ -197,6 +204,13 @@ class ExecServerRuntime:
     def reachable(self, trajectory: str, need: str) -> Reachable:
         """The open trajectory's environment, reached through its exec server; or why
         not, for what ``need`` names (sessions, the files API)."""
+        held = self.envs.get(trajectory)
+        if held is None:
+            raise ExecError(f"trajectory: {trajectory} is not open")
+        return self._reached(held, need)
+
+    def _reached(self, held: Any, need: str) -> Reachable:
+        """How an open environment's exec server is reached, or why it is not."""
         raise NotImplementedError
 
     def files(self, trajectory: str) -> EnvFiles:

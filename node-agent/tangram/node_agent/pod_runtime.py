@@ -430,10 +430,7 @@ class PodRuntime(SandboxRuntime[Pod]):
             raise ExecError(f"path: {path!r}: the pod runtime has only the fast path")
         return await self.fast.exec(self.envs[trajectory].reach, cmd)
 
-    def reachable(self, trajectory: str, need: str) -> Reachable:
-        held = self.envs.get(trajectory)
-        if held is None:
-            raise ExecError(f"trajectory: {trajectory} is not open")
+    def _reached(self, held: Pod, need: str) -> Reachable:
         return held.reach
 
 

@@ -216,8 +216,7 @@ class ProcessRuntime:
         """Run ``argv`` on exactly ``cores``; cancelling the awaiting task kills it. ``io``:
         its stdin, streamed output and signals (no terminal here)."""
         check_request(trajectory in self._open, trajectory, argv, cores)
-        io = io or ExecIO()
-        if io.pty:
+        if io is not None and io.pty:
             raise ExecError("pty: the process runtime has no terminals (docker or pod have)")
         group = self._group(trajectory)
         t0 = time.perf_counter()
@@ -229,7 +228,7 @@ class ProcessRuntime:
             *render(argv, len(cores)),
             cwd=self.workdir(trajectory),
             env=full_env,
-            stdin=asyncio.subprocess.PIPE if io.stdin else asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE if io and io.stdin else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # its own process group, killed as a whole
@@ -246,8 +245,8 @@ class ProcessRuntime:
 
         async def collect() -> Output:
             (out, out_cut), (err, err_cut) = await asyncio.gather(
-                _drain(proc.stdout, output_cap, 1, io.output),
-                _drain(proc.stderr, output_cap, 2, io.output),
+                _drain(proc.stdout, output_cap, 1, io.output if io else None),
+                _drain(proc.stderr, output_cap, 2, io.output if io else None),
             )
             return Output(out, out_cut, err, err_cut)
 
@@ -277,12 +276,15 @@ class ProcessRuntime:
             await watch
             release()
 
-        feeding = asyncio.ensure_future(feed(io, write, close_stdin, send_signal))
+        feeding = None  # a plain exec (the common case) has nothing to feed
+        if io is not None:
+            feeding = asyncio.ensure_future(feed(io, write, close_stdin, send_signal))
         try:
             output, timed_out = await supervise(collect(), timeout_s, kill, idle)
         finally:
-            feeding.cancel()
-            await asyncio.gather(feeding, return_exceptions=True)
+            if feeding is not None:
+                feeding.cancel()
+                await asyncio.gather(feeding, return_exceptions=True)
         code = await proc.wait()
         killed = await watch
         if killed:  # the result says the action ended: so have they (not on the loop)

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from tangram.api.wire import EnvSpec, Problem
 from tangram.node_agent.env_files import EnvFiles, one_shot
-from tangram.node_agent.exec_server import Built
+from tangram.node_agent.exec_server import Built, build
 from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone
 
 log = logging.getLogger("tangram.agent")
@@ -233,12 +233,13 @@ class Processes:
     fast_path = "the process runtime"
     problem: Problem | None = None
 
-    def __init__(self, inner: Any, idle: list[int], execd: Built | None = None) -> None:
-        """``execd``: the exec server binary its files API runs, one-shot, confined to a
-        trajectory's directory (None: built on first use)."""
+    def __init__(self, inner: Any, idle: list[int], cache_dir: Path) -> None:
+        """``cache_dir``: where the exec server its files API runs is built, on first use
+        (one-shot, confined to a trajectory's directory)."""
         self.inner, self.idle = inner, idle
         self._env: dict[str, dict[str, str]] = {}
-        self._execd = execd
+        self._cache_dir = cache_dir
+        self._execd: Built | None = None
 
     def adopt(self) -> list[str]:
         adopted: list[str] = self.inner.adopt()
@@ -292,10 +293,12 @@ class Processes:
         raise ExecError("session: persistent sessions need the Docker or pod runtime")
 
     def files(self, trajectory: str) -> EnvFiles:
-        if trajectory not in self._env and trajectory not in self.inner.held():
+        if trajectory not in self.inner.held():
             raise ExecError(f"trajectory: {trajectory} is not open")
-        if self._execd is None or self._execd.path is None:
-            raise ExecError(f"files: {self._execd.reason if self._execd else 'no exec server'}")
+        if self._execd is None:  # built once, when the files API is first used
+            self._execd = build(self._cache_dir)
+        if self._execd.path is None:
+            raise ExecError(f"files: {self._execd.reason}")
         return EnvFiles(one_shot(self._execd.path, self.inner.workdir(trajectory)), "/")
 
     async def shutdown(self) -> None:
@@ -307,7 +310,6 @@ class Processes:
 
 def _docker(s: Setting) -> Runtime:
     from tangram.node_agent.docker_runtime import DockerRuntime
-    from tangram.node_agent.exec_server import build
 
     built = build(s.cache_dir or s.state_dir / "cache")
     inner = DockerRuntime(s.idle, state_dir=s.state_dir / "docker", execd=built)
@@ -348,8 +350,6 @@ def _process(s: Setting) -> Runtime:
             f"({cgroups.__class__.__name__} at /sys/fs/cgroup): {e}; run as root, or use "
             "--runtime docker"
         ) from None
-    from tangram.node_agent.exec_server import build
-
     inner = ProcessRuntime(s.state_dir / "trajectories", cgroups, s.idle, group_prefix=prefix)
     log.warning(
         "runtime process: NO ISOLATION. Commands run directly on this host as uid %d, with "
@@ -358,10 +358,7 @@ def _process(s: Setting) -> Runtime:
         "--runtime docker (or pod) runs them in sandboxes",
         os.geteuid(),
     )
-    built = build(s.cache_dir or s.state_dir / "cache")  # the files API's server
-    if built.path is None:
-        log.warning("the files API is unavailable here: %s", built.reason)
-    return Processes(inner, s.idle, built)
+    return Processes(inner, s.idle, s.cache_dir or s.state_dir / "cache")
 
 
 def _noop(s: Setting) -> Runtime:

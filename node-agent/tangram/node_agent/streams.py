@@ -32,21 +32,29 @@ class Stream:
         self._window = asyncio.Semaphore(STREAM_WINDOW)  # output chunks not yet taken
         self._input: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.signals: asyncio.Queue[int] = asyncio.Queue()  # for a streamed exec's command
+        self.closed = False
+
+    def close(self) -> None:
+        """Nobody takes its output any more (the request was cancelled, or its link went):
+        what would wait for credit is dropped, so a cancelled command's tree can be
+        killed and its collection end rather than wait for a window that never opens."""
+        self.closed = True
+        self._window.release()
+        self._input.put_nowait(None)
 
     def head(self, files: FilesOutcome) -> None:
         """What the scheduler needs before the data (a read's file entry)."""
         self._post(AgentReply(rid=self.rid, ok=True, more=True, files=files).model_dump_json())
 
-    async def send(self, data: bytes, fd: int = 1) -> None:
-        """Output (of ``fd``: 1 stdout, 2 stderr), in chunks, each once the window has room
-        for it."""
+    async def send(self, fd: int, data: bytes) -> None:
+        """Output of ``fd`` (1 stdout, 2 stderr; a file's bytes are 1), in chunks, each
+        once the window has room for it; dropped once the stream is closed."""
         for start in range(0, len(data), STREAM_CHUNK):
             await self._window.acquire()
+            if self.closed:
+                self._window.release()  # the next waiter drops its chunk too
+                return
             self._post(chunk_json(self.rid, data[start : start + STREAM_CHUNK], fd))
-
-    async def output(self, fd: int, data: bytes) -> None:
-        """A streamed exec's output as its runtime reads it (``ExecIO.output``)."""
-        await self.send(data, fd)
 
     async def received(self) -> AsyncIterator[bytes]:
         """Input until its end; each chunk taken is acknowledged, so more may come."""
