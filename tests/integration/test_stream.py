@@ -345,7 +345,18 @@ def test_input_and_signals_name_what_they_cannot_reach(running: tuple[Running, s
     plain = json.dumps({"id": 1, "trajectory": tid, "exec": {"argv": ["true"]}}).encode()
     nobody = json.dumps({"id": 7, "signal": "SIGINT"}).encode()
     hangup = json.dumps({"id": 8, "signal": "SIGHUP"}).encode()
-    answers = asyncio.run(_raw(run.url, token, [plain, nobody, hangup]))
-    assert [(a["id"], a["status"]) for a in answers] == [(1, 200), (7, 404), (8, 400)]
+    says_exec = json.dumps({"id": 9, "stdin": "exec"}).encode()  # input, whatever it holds
+    session = {"session": {"kind": "bash"}, "code": "true"}
+    streamed_session = json.dumps(
+        {"id": 10, "trajectory": tid, "exec": session, "stream": True}
+    ).encode()
+    lines = [plain, nobody, hangup, says_exec, streamed_session]
+    answers = asyncio.run(_raw(run.url, token, lines))
+    assert [(a["id"], a["status"]) for a in answers] == [
+        (1, 200), (7, 404), (8, 400), (9, 404), (10, 400)
+    ]  # fmt: skip
     assert "7 is no streamed exec" in answers[1]["error"]["message"]
     assert answers[2]["error"]["details"][0]["field"] == "signal"
+    # Refused input is not an exec's answer: a client routes it apart.
+    assert [a.get("about") for a in answers] == [None, "input", "input", "input", None]
+    assert "session step is not streamed" in answers[4]["error"]["message"]

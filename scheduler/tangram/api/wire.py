@@ -422,6 +422,12 @@ class StreamExec(_Strict):
         default=False, description="its stdin stays open for StreamInput messages until eof"
     )
 
+    @model_validator(mode="after")
+    def _not_a_session(self) -> Self:
+        if (self.stream or self.interactive) and self.exec.session is not None:
+            raise ValueError("stream: a session step is not streamed (run a command instead)")
+        return self
+
 
 class StreamInput(_Strict):
     """More standard input for a running interactive exec (by the id it was sent with)."""
@@ -455,6 +461,8 @@ class StreamAnswer(_Strict):
     result: ActionResult | None = None  # status 200
     error: ErrorBody.Inner | None = None  # otherwise
     retry_after: float | None = None  # 429 and 503: seconds before trying again
+    # "input": the refusal of a StreamInput or StreamSignal, not the answer to the exec
+    about: Literal["input"] | None = None
 
 
 # ---- files of a trajectory's environment (``/v1/trajectories/{trajectory}/files``) ----
@@ -823,6 +831,11 @@ FILES_FEATURE = "files"  # an agent that serves AgentFiles says so in its hello
 def input_json(target: int, data: bytes) -> str:
     """The ``AgentInput`` that carries ``data`` for request ``target``."""
     return f'{{"op":"input","target":{target},"data":"{base64.b64encode(data).decode()}"}}'
+
+
+def credit_json(target: int) -> str:
+    """The ``AgentInput`` that acknowledges one chunk of request ``target``."""
+    return f'{{"op":"input","target":{target},"credit":1}}'
 
 
 def chunk_json(rid: int, data: bytes, fd: int = 1) -> str:

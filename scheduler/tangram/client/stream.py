@@ -25,7 +25,7 @@ from tangram.api.wire import (
     StreamAnswer,
     StreamOutput,
 )
-from tangram.client.common import stream_error
+from tangram.client.common import TangramError, stream_error
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
@@ -40,9 +40,18 @@ class LiveAction:
     (``interactive``), signals for its command, then its result. Its cores are held only
     while it runs, as for any exec."""
 
-    def __init__(self, stream: ExecStream, mid: int, answer: asyncio.Future[StreamAnswer]) -> None:
+    def __init__(
+        self,
+        stream: ExecStream,
+        mid: int,
+        answer: asyncio.Future[StreamAnswer],
+        *,
+        interactive: bool,
+    ) -> None:
         self._stream, self.id, self._answer = stream, mid, answer
+        self.interactive = interactive
         self._output: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+        self.refused: list[TangramError] = []  # input or signals the service refused
 
     async def output(self) -> AsyncIterator[tuple[str, str]]:
         """``("stdout" or "stderr", text)`` as the command writes it, until it ends."""
@@ -52,6 +61,8 @@ class LiveAction:
 
     async def write(self, text: str) -> None:
         """More of its standard input (it was started ``interactive``)."""
+        if not self.interactive:
+            raise TangramError(0, "invalid", "write: the exec was not started interactive", [])
         self._stream._post({"id": self.id, "stdin": text})
 
     async def close_stdin(self) -> None:
@@ -142,7 +153,7 @@ class ExecStream:
             raise NoStreamError(413)
         fut: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
         self._pending[mid] = fut
-        action = self._live[mid] = LiveAction(self, mid, fut)
+        action = self._live[mid] = LiveAction(self, mid, fut, interactive=interactive)
         fut.add_done_callback(lambda _: self._live_ended(mid))
         self._outbox.post(line)
         return action
@@ -184,6 +195,12 @@ class ExecStream:
                     fut.set_exception(e)
                     return
             log.error("action stream: an answer this client cannot read: %.200r", line)
+            return
+        if answer.about == "input":  # input or a signal refused: the exec goes on
+            action = self._live.get(answer.id or -1)
+            if action is not None:
+                action.refused.append(stream_error(answer))
+            log.warning("action stream: input refused: %s", answer.error)
             return
         fut = self._pending.get(answer.id) if answer.id is not None else None
         if fut is not None and not fut.done():

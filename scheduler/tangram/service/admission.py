@@ -27,6 +27,7 @@ from tangram.service.api_calls import ApiCalls
 from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.keys import Remembered
+from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
 from tangram.service.records import ActionKind, ActionRecord, EngineError, Request
 from tangram.service.state import PoolState
@@ -42,14 +43,18 @@ class Admission:
         self.api = api
         self._specs: dict[tuple[Any, ...], ActionSpec] = {}  # validated exec shapes
 
-    def submit_exec(self, tenant: str, tid: str, req: ExecRequest) -> ActionRecord:
-        """Queue an exec action; ``await record.done`` for its result."""
+    def submit_exec(
+        self, tenant: str, tid: str, req: ExecRequest, live: LiveExec | None = None
+    ) -> ActionRecord:
+        """Queue an exec action; ``await record.done`` for its result. ``live``: its
+        streamed side, taken by a new action only (a repeat keeps the first's)."""
 
         def new(target: str) -> ActionRecord:
             traj = self.s.usable(tenant, tid)
             argv, spec = self._exec_spec(self.s.env_of(traj), req)
             rec = self._enter(tenant, req, spec, tid=traj.key, holder=traj.key, kind="exec",
                               argv=argv, target=target)  # fmt: skip
+            rec.live = live
             traj.actions += 1
             return rec
 

@@ -28,6 +28,7 @@ from tangram.api.wire import (
     AgentInput,
     AgentReply,
     AgentRequest,
+    credit_json,
     input_json,
     unpack,
 )
@@ -85,40 +86,48 @@ class AgentLink:
 
     async def request(self, req: AgentRequest) -> AgentReply:
         """Send ``req`` under this link's next request id and wait for its reply."""
-        req = req.model_copy(update={"rid": self.next_rid()})
-        fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
-        self._post(req.model_dump_json())
-        self._pending[req.rid] = fut
+        rid, fut = self._start(req)
         try:
             # Shielded: cancelling this request must not cancel ``fut``, which the wait
             # below still needs.
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # Wait (bounded) for the agent to report the command gone: its cores must not
-            # be handed out while it still runs.
-            with contextlib.suppress(Exception):
-                await self.send(AgentCancel(rid=self.next_rid(), target=req.rid))
-                await asyncio.wait_for(asyncio.shield(fut), CANCEL_WAIT_S)
+            await self.cancel(rid, fut, CANCEL_WAIT_S)
             raise
         finally:
-            self._pending.pop(req.rid, None)
+            self._pending.pop(rid, None)
 
-    def stream(self, req: AgentFiles | AgentExec) -> LinkStream:
-        """Send ``req``, a streamed request: its chunks and its reply come through the
-        ``LinkStream``, which must be closed."""
+    def _start(self, req: AgentRequest) -> tuple[int, asyncio.Future[AgentReply]]:
+        """Send ``req`` under the next request id: the id, and the future of its reply."""
         req = req.model_copy(update={"rid": self.next_rid()})
         fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
         self._post(req.model_dump_json())
         self._pending[req.rid] = fut
-        stream = self._streams[req.rid] = LinkStream(self, req.rid, fut)
+        return req.rid, fut
+
+    async def cancel(self, rid: int, reply: asyncio.Future[AgentReply], wait_s: float) -> None:
+        """Cancel request ``rid`` and wait (bounded) for its reply, the agent's word that
+        what it ran is gone: its cores must not be handed out while it still runs."""
+        if reply.done() or self.closed:
+            return
+        with contextlib.suppress(Exception):
+            self.send(AgentCancel(rid=self.next_rid(), target=rid))
+            await asyncio.wait_for(asyncio.shield(reply), wait_s)
+
+    def stream(self, req: AgentFiles | AgentExec) -> LinkStream:
+        """Send ``req``, a streamed request: its chunks and its reply come through the
+        ``LinkStream``, which must be closed."""
+        rid, fut = self._start(req)
+        stream = self._streams[rid] = LinkStream(self, rid, fut)
         return stream
 
     def _forget(self, rid: int) -> None:
         self._pending.pop(rid, None)
         self._streams.pop(rid, None)
 
-    async def send(self, req: AgentCancel | AgentInput) -> None:
-        """Fire and forget (cancel requests, a stream's input)."""
+    def send(self, req: AgentCancel | AgentInput) -> None:
+        """Fire and forget (cancel requests, a stream's input): queued in order, sent by
+        the writer."""
         self._post(req.model_dump_json())
 
     def _post(self, text: str) -> None:
@@ -203,8 +212,8 @@ class LinkStream:
         chunk = await self._chunks.get()
         if chunk is None:
             self._chunks.put_nowait(None)  # stays ended for the next caller
-        elif chunk.data is not None:
-            await self.link.send(AgentInput(target=self.rid, credit=1))
+        elif chunk.data is not None and not self.link.closed:
+            self.link._post(credit_json(self.rid))  # (once a chunk: no model's serializer)
         return chunk
 
     async def data(self) -> AsyncIterator[bytes]:
@@ -222,24 +231,21 @@ class LinkStream:
             self.link._post(input_json(self.rid, data[start : start + STREAM_CHUNK]))
         return not self._ended
 
-    async def end_input(self) -> None:
-        await self.link.send(AgentInput(target=self.rid, eof=True))
+    def end_input(self) -> None:
+        self.link.send(AgentInput(target=self.rid, eof=True))
+
+    def signal(self, number: int) -> None:
+        """A signal for a streamed exec's command."""
+        self.link.send(AgentInput(target=self.rid, signal=number))
 
     async def cancel(self, wait_s: float) -> None:
-        """Cancel the request and wait (bounded) for its reply: the agent's word that what
-        it ran is gone."""
-        if self._reply.done() or self.link.closed:
-            return
-        with contextlib.suppress(Exception):
-            await self.link.send(AgentCancel(rid=self.link.next_rid(), target=self.rid))
-            await asyncio.wait_for(asyncio.shield(self._reply), wait_s)
+        """Cancel the request and wait (bounded) for the agent to say it is gone."""
+        await self.link.cancel(self.rid, self._reply, wait_s)
 
     async def close(self) -> None:
         """Done with it: a request still running is cancelled (its reader went away)."""
         self.link._forget(self.rid)
-        if not self._reply.done() and not self.link.closed:
-            with contextlib.suppress(Exception):
-                await self.link.send(AgentCancel(rid=self.link.next_rid(), target=self.rid))
+        await self.link.cancel(self.rid, self._reply, 0)
 
 
 class AgentHub:

@@ -44,6 +44,7 @@ from tangram.service.api_calls import ApiCalls
 from tangram.service.config import PoolConfig
 from tangram.service.files import Files
 from tangram.service.gpu_calls import GpuCalls
+from tangram.service.live import LiveExec
 from tangram.service.membership import Membership
 from tangram.service.metrics import LiveFigures, Metrics, Units
 from tangram.service.outcomes import Outcomes
@@ -259,8 +260,10 @@ class Engine:
     def cancel_trajectory(self, tenant: str, tid: str) -> int:
         return self.lifecycle.cancel_actions(tenant, tid)
 
-    def submit_exec(self, tenant: str, tid: str, req: ExecRequest) -> ActionRecord:
-        return self.admission.submit_exec(tenant, tid, req)
+    def submit_exec(
+        self, tenant: str, tid: str, req: ExecRequest, live: LiveExec | None = None
+    ) -> ActionRecord:
+        return self.admission.submit_exec(tenant, tid, req, live)
 
     def submit_service(self, tenant: str, service: str, req: ServiceCallRequest) -> ActionRecord:
         return self.admission.submit_service(tenant, service, req)

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.types import Scope
 
 from tangram.api.wire import (
@@ -54,7 +55,10 @@ def add_file_routes(
         """The file's bytes, streamed as the environment's exec server reads them."""
         got = await engine.files.read(who, trajectory, path)
         headers = {"Content-Length": str(got.entry.size), "X-Tangram-Mode": f"{got.entry.mode:o}"}
-        return StreamingResponse(got.data, media_type="application/octet-stream", headers=headers)
+        return StreamingResponse(
+            got.data, media_type="application/octet-stream", headers=headers,
+            background=BackgroundTask(got.close),  # (the body may never start)
+        )  # fmt: skip
 
     @app.put(FILES, responses=errors, openapi_extra={"requestBody": {"required": True, **_BINARY}})
     async def write_file(

@@ -10,12 +10,11 @@ environment through a symlink is refused by the exec server (403).
 from __future__ import annotations
 
 import errno
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from tangram.api.wire import (
     FILES_FEATURE,
-    MAX_PATH,
     STREAM_CHUNK,
     AgentFiles,
     AgentReply,
@@ -23,9 +22,9 @@ from tangram.api.wire import (
     FileOp,
     FilesOutcome,
 )
-from tangram.service.agents import AgentGoneError, AgentLink, LinkStream
+from tangram.service.agents import AgentLink
 from tangram.service.records import EngineError, ErrorKind
-from tangram.service.state import PoolState
+from tangram.service.state import PoolState, agent_gone
 
 # What each refusal of the environment's is, to the caller.
 _KINDS: dict[int, ErrorKind] = {
@@ -55,11 +54,10 @@ _WHY = {
 
 
 def check_path(path: str, field: str = "path") -> str:
-    """A path the agents are asked about: not empty, no NUL, no ``..`` component."""
-    if not path or len(path) > MAX_PATH or "\0" in path:
-        raise EngineError(
-            "invalid", field, f"{path[:200]!r}: give 1 to {MAX_PATH} characters, no NUL"
-        )
+    """A path the agents are asked about (its length the route's models check): no NUL,
+    no ``..`` component."""
+    if "\0" in path:
+        raise EngineError("invalid", field, f"{path[:200]!r}: a path cannot hold NUL")
     if ".." in path.split("/"):
         raise EngineError(
             "forbidden",
@@ -71,10 +69,13 @@ def check_path(path: str, field: str = "path") -> str:
 
 @dataclass(frozen=True, slots=True)
 class Download:
-    """A file being read: its entry, then its bytes (iterate them to the end, or close)."""
+    """A file being read: its entry, then its bytes, which end the read when taken or
+    closed; ``close`` ends it too, whether or not they were started (the client may go
+    before they start)."""
 
     entry: FileEntry
-    data: AsyncIterator[bytes]
+    data: AsyncGenerator[bytes, None]
+    close: Callable[[], Awaitable[None]]
 
 
 class Files:
@@ -86,9 +87,7 @@ class Files:
     ) -> tuple[AgentLink, AgentFiles]:
         check_path(path)
         traj = self.state.usable(tenant, tid)
-        link = self.state.hub.links.get(traj.node or "")
-        if link is None:
-            raise EngineError("unavailable", "trajectory", f"{tid}: node {traj.node} has no agent")
+        link = self.state.link(traj.node)
         if FILES_FEATURE not in link.hello.features:
             raise EngineError(
                 "failed",
@@ -106,49 +105,50 @@ class Files:
         if action == "rename":
             check_path(str(kw.get("to") or ""), "to")
         link, req = self._request(tenant, tid, action, path, **kw)
-        try:
+        with agent_gone(link.node):
             reply = await link.request(req)
-        except AgentGoneError as e:
-            raise EngineError("unavailable", "trajectory", f"{tid}: {e}") from None
         return _outcome(reply, path)
 
     async def read(self, tenant: str, tid: str, path: str) -> Download:
         link, req = self._request(tenant, tid, "read", path)
-        stream = link.stream(req)
-        try:
-            head = await stream.next()
-            if head is None or head.files is None or head.files.entry is None:
-                _outcome(await _reply(stream, tid), path)  # raises why it ended
-                raise EngineError("failed", "path", f"{path}: the agent sent no entry")
-        except BaseException:
-            await stream.close()
-            raise
-
-        async def data() -> AsyncIterator[bytes]:
+        with agent_gone(link.node):
+            stream = link.stream(req)
             try:
-                async for chunk in stream.data():
-                    yield chunk
-                _outcome(await _reply(stream, tid), path)  # a read that failed midway raises
+                head = await stream.next()
+                if head is None or head.files is None or head.files.entry is None:
+                    _outcome(await stream.reply(), path)  # raises why it ended
+                    raise EngineError("failed", "path", f"{path}: the agent sent no entry")
+            except BaseException:
+                await stream.close()
+                raise
+
+        async def data() -> AsyncGenerator[bytes, None]:
+            try:
+                with agent_gone(link.node):
+                    async for chunk in stream.data():
+                        yield chunk
+                    _outcome(await stream.reply(), path)  # a read that failed midway raises
             finally:
                 await stream.close()
 
-        return Download(head.files.entry, data())
+        return Download(head.files.entry, data(), stream.close)
 
     async def write(
         self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes], mode: int
     ) -> int:
         """Write the file from ``body``; it replaces ``path`` only once whole."""
         link, req = self._request(tenant, tid, "write", path, mode=mode)
-        stream = link.stream(req)
-        try:
-            async for chunk in _whole_chunks(body):
-                if not await stream.send(chunk):
-                    break  # refused: the reply says why
-            else:
-                await stream.end_input()
-            done = _outcome(await _reply(stream, tid), path)
-        finally:
-            await stream.close()  # a body that broke off cancels the write: nothing lands
+        with agent_gone(link.node):
+            stream = link.stream(req)
+            try:
+                async for chunk in _whole_chunks(body):
+                    if not await stream.send(chunk):
+                        break  # refused: the reply says why
+                else:
+                    stream.end_input()
+                done = _outcome(await stream.reply(), path)
+            finally:
+                await stream.close()  # a body that broke off cancels the write: nothing lands
         return done.written or 0
 
 
@@ -158,18 +158,11 @@ async def _whole_chunks(body: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     pending = bytearray()
     async for piece in body:
         pending += piece
-        if len(pending) >= STREAM_CHUNK:
-            yield bytes(pending)
-            pending.clear()
+        while len(pending) >= STREAM_CHUNK:
+            yield bytes(pending[:STREAM_CHUNK])
+            del pending[:STREAM_CHUNK]
     if pending:
         yield bytes(pending)
-
-
-async def _reply(stream: LinkStream, tid: str) -> AgentReply:
-    try:
-        return await stream.reply()
-    except AgentGoneError as e:
-        raise EngineError("unavailable", "trajectory", f"{tid}: {e}") from None
 
 
 def _outcome(reply: AgentReply, path: str) -> FilesOutcome:

@@ -2,8 +2,11 @@
 it, and its caller's input and signals to the agent once it runs.
 
 The caller may send input or a signal while the action still waits in the queue: they
-are kept, in order, and go to the agent when the action is dispatched. Cores are taken
-only when it runs, as for any exec; the input waits without holding any.
+are kept, in order, and go to the agent when the action is dispatched (input within
+``MAX_QUEUED_INPUT`` bytes). Once it runs, a signal goes at once, ahead of input its
+command has not taken yet. Cores are taken only when it runs, as for any exec; what
+waits holds none. Its output is taken from the agent only as fast as the caller reads
+it (``room``), so a caller that stops reading stalls its own command, nothing else.
 """
 
 from __future__ import annotations
@@ -12,74 +15,95 @@ import asyncio
 import base64
 import codecs
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from tangram.api.wire import AgentInput, AgentReply
-from tangram.service.agents import LinkStream
+from tangram.api.wire import AgentReply
+from tangram.service.agents import AgentGoneError, LinkStream
+from tangram.service.records import EngineError
 
 Output = Callable[[str, str], None]  # ("stdout" or "stderr", text)
-_EOF = object()
+MAX_QUEUED_INPUT = 16 << 20  # input bytes held for a command that has not taken them
+
+
+async def _always() -> None:
+    return None
 
 
 @dataclass(slots=True)
 class LiveExec:
     output: Output | None  # None: input and signals only (not streamed out)
     interactive: bool = False  # its stdin stays open for input until eof
+    room: Callable[[], Awaitable[None]] = _always  # until its caller can take more output
+    # In order: input (bytes), its end (None), signals sent before it ran (int).
+    _queue: asyncio.Queue[bytes | int | None] = field(default_factory=asyncio.Queue)
+    _queued_bytes: int = 0
     _stream: LinkStream | None = None
-    _inputs: asyncio.Queue[bytes | object] = field(default_factory=asyncio.Queue)
-    _signals: list[int] = field(default_factory=list)  # before it runs
     _pump: asyncio.Task[None] | None = None
     _decoders: dict[int, codecs.IncrementalDecoder] = field(default_factory=dict)
 
     def write(self, data: bytes) -> None:
-        self._inputs.put_nowait(data)
+        if self._queued_bytes + len(data) > MAX_QUEUED_INPUT:
+            raise EngineError(
+                "too_large", "stdin", f"over {MAX_QUEUED_INPUT} bytes wait for the command"
+            )
+        self._queued_bytes += len(data)
+        self._queue.put_nowait(data)
 
     def close_stdin(self) -> None:
-        self._inputs.put_nowait(_EOF)
+        self._queue.put_nowait(None)
 
     def signal(self, number: int) -> None:
         """For the command's process group: now if it runs, else as it starts."""
         if self._stream is None:
-            self._signals.append(number)
-        else:
-            self._send_signal(self._stream, number)
-
-    def _send_signal(self, stream: LinkStream, number: int) -> None:
-        with contextlib.suppress(Exception):  # the link went: the action ends with it
-            stream.link._post(AgentInput(target=stream.rid, signal=number).model_dump_json())
+            self._queue.put_nowait(number)
+            return
+        with contextlib.suppress(AgentGoneError):  # the link went: the action ends with it
+            self._stream.signal(number)
 
     def attach(self, stream: LinkStream) -> None:
-        """The action runs: what waited goes to the agent, then what comes."""
+        """The action runs: what waited goes to the agent, in order, then what comes."""
         self._stream = stream
-        for number in self._signals:
-            self._send_signal(stream, number)
-        self._signals.clear()
-        if self.interactive:
-            self._pump = asyncio.ensure_future(self._forward(stream))
+        self._pump = asyncio.create_task(self._forward(stream))
 
     async def _forward(self, stream: LinkStream) -> None:
-        while True:
-            data = await self._inputs.get()
-            if data is _EOF:
-                await stream.end_input()
-                return
-            assert isinstance(data, bytes)
-            if not await stream.send(data):
-                return  # it ended
+        with contextlib.suppress(AgentGoneError):  # the link went: the action ends with it
+            while True:
+                item = await self._queue.get()
+                if item is None:
+                    stream.end_input()
+                elif isinstance(item, int):
+                    stream.signal(item)
+                else:
+                    sent = await stream.send(item)
+                    self._queued_bytes -= len(item)
+                    if not sent:
+                        return  # it ended
+
+    async def take(self, stream: LinkStream) -> AgentReply | None:
+        """Its next chunk, once its caller has room for it (then acknowledged, so the
+        agent may send more); None at its end."""
+        await self.room()
+        return await stream.next()
 
     def arrived(self, chunk: AgentReply) -> None:
         """A chunk of its output, decoded as UTF-8 across chunk boundaries."""
-        if self.output is None or chunk.data is None:
-            return
-        decoder = self._decoders.get(chunk.fd)
+        if self.output is not None and chunk.data is not None:
+            self._emit(chunk.fd, base64.b64decode(chunk.data), final=False)
+
+    def _emit(self, fd: int, data: bytes, *, final: bool) -> None:
+        assert self.output is not None
+        decoder = self._decoders.get(fd)
         if decoder is None:
-            decoder = self._decoders[chunk.fd] = codecs.getincrementaldecoder("utf-8")("replace")
-        text = decoder.decode(base64.b64decode(chunk.data))
+            decoder = self._decoders[fd] = codecs.getincrementaldecoder("utf-8")("replace")
+        text = decoder.decode(data, final)
         if text:
-            self.output("stderr" if chunk.fd == 2 else "stdout", text)
+            self.output("stderr" if fd == 2 else "stdout", text)
 
     def detach(self) -> None:
+        """It ended: what an output ended in the middle of a character is said too."""
         if self._pump is not None:
             self._pump.cancel()
         self._stream = None
+        for fd in list(self._decoders):
+            self._emit(fd, b"", final=True)

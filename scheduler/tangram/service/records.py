@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tangram.api.wire import (
     AGENT_BACKOFF_MAX_S,
@@ -24,7 +24,9 @@ from tangram.api.wire import (
 )
 from tangram.scheduler.core.scheduler import Assignment
 from tangram.service.config import EnvConfig
-from tangram.service.live import LiveExec
+
+if TYPE_CHECKING:  # (live.py raises this module's errors)
+    from tangram.service.live import LiveExec
 
 KEY_SEP = "\x1f"  # joins tenant and idempotency key into the agent's key
 # After a (re)start, the trajectories live in the agents, which reconnect within their

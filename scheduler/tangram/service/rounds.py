@@ -11,13 +11,13 @@ from typing import Any
 
 from tangram.api.wire import ActionStatus, AgentExec, AgentReply, AgentSession, ExecRequest
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
-from tangram.service.agents import CANCEL_WAIT_S, AgentGoneError
+from tangram.service.agents import CANCEL_WAIT_S
 from tangram.service.api_calls import ApiCalls
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
 from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
-from tangram.service.state import PoolState
+from tangram.service.state import PoolState, agent_gone
 
 log = logging.getLogger("tangram.service")
 
@@ -172,23 +172,16 @@ class Rounds:
         """``op`` as a streamed request: its output to the caller as it comes, the
         caller's input and signals to it. Cancelled, it waits (bounded) for the agent to
         report the command gone, as a plain request does: its cores are not free before."""
-        link = self.s.hub.links.get(node)
-        if link is None:
-            raise EngineError("unavailable", "node", f"node {node} has no agent connected")
-        try:
-            stream = link.stream(op)
-        except AgentGoneError as e:
-            raise EngineError("unavailable", "node", f"node {node}: {e}") from None
-        live.attach(stream)
-        try:
-            while (chunk := await stream.next()) is not None:
-                live.arrived(chunk)
-            return await stream.reply()
-        except AgentGoneError as e:
-            raise EngineError("unavailable", "node", f"node {node}: {e}") from None
-        except asyncio.CancelledError:
-            await stream.cancel(CANCEL_WAIT_S)
-            raise
-        finally:
-            live.detach()
-            await stream.close()
+        with agent_gone(node):
+            stream = self.s.link(node).stream(op)
+            live.attach(stream)
+            try:
+                while (chunk := await live.take(stream)) is not None:
+                    live.arrived(chunk)
+                return await stream.reply()
+            except asyncio.CancelledError:
+                await stream.cancel(CANCEL_WAIT_S)
+                raise
+            finally:
+                live.detach()
+                await stream.close()

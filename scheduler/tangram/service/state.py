@@ -9,16 +9,17 @@ does not build: the agent hub, the metrics sink, the clocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from tangram.api.wire import ActionResult, AgentReply, AgentRequest, TrajectoryState
 from tangram.scheduler.core.scheduler import Scheduler
-from tangram.service.agents import AgentGoneError, AgentHub
+from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.keys import KeyMemory
 from tangram.service.metrics import Metrics
@@ -158,13 +159,25 @@ class PoolState:
         task.add_done_callback(self._spawned.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never unretrieved
 
+    def link(self, node: str | None) -> AgentLink:
+        """The link to ``node``'s agent; EngineError ("unavailable") when it has none, or
+        its link is ending."""
+        link = self.hub.links.get(node or "")
+        if link is None or link.closed:
+            raise EngineError("unavailable", "node", f"node {node} has no agent connected")
+        return link
+
     async def ask(self, node: str | None, req: AgentRequest) -> AgentReply:
         """``req`` to the agent of ``node``; EngineError ("unavailable") when it has none
         or its link ends before it answers."""
-        link = self.hub.links.get(node or "")
-        if link is None:
-            raise EngineError("unavailable", "node", f"node {node} has no agent connected")
-        try:
-            return await link.request(req)
-        except (AgentGoneError, RuntimeError, OSError) as e:  # incl. a socket closing under us
-            raise EngineError("unavailable", "node", f"node {node}: {e}") from None
+        with agent_gone(node):
+            return await self.link(node).request(req)
+
+
+@contextlib.contextmanager
+def agent_gone(node: str | None) -> Iterator[None]:
+    """A link that ends under what talks to it, as the engine says it: "unavailable"."""
+    try:
+        yield
+    except (AgentGoneError, RuntimeError, OSError) as e:  # incl. a socket closing under us
+        raise EngineError("unavailable", "node", f"node {node}: {e}") from None

@@ -42,6 +42,7 @@ log = logging.getLogger("tangram.service")
 # that submits and never reads holds its own stream, not the scheduler's memory.
 BACKLOG_BYTES = 64 << 20
 _ID = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,16})\s*[,}]')  # of a message we cannot parse
+_EXEC = re.compile(rb'"exec"\s*:')  # an exec message (not input or a signal)
 _CONTROL: TypeAdapter[StreamInput | StreamSignal] = TypeAdapter(StreamInput | StreamSignal)
 
 
@@ -99,6 +100,9 @@ class ActionStream:
             self.closed = True
             self._idle.set()
             self._outbox.close()
+            for live in self._live.values():  # nobody can end their input any more
+                if live.interactive:
+                    live.close_stdin()
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (bounded) until every admitted action is answered and the answers are
@@ -116,7 +120,7 @@ class ActionStream:
             body = error_body("too_large", f"message over {limit} bytes")
             self._answer(_line_id(line), 413, body)
             return
-        if b'"exec"' not in line:  # input or a signal for a streamed exec
+        if _EXEC.search(line) is None:  # input or a signal for a streamed exec
             self._control(line)
             return
         try:
@@ -132,8 +136,13 @@ class ActionStream:
             ]
             self._answer(_line_id(line), 400, invalid_body(errors, skip=1))
             return
+        live = None
+        if msg.stream or msg.interactive:
+            mid = msg.id
+            out = (lambda fd, text: self._output(mid, fd, text)) if msg.stream else None
+            live = LiveExec(out, interactive=msg.interactive, room=self._room)
         try:
-            rec = self.engine.submit_exec(self.tenant, msg.trajectory, msg.exec)
+            rec = self.engine.submit_exec(self.tenant, msg.trajectory, msg.exec, live)
         except EngineError as e:
             self._answer(msg.id, *engine_error(e))
             return
@@ -143,10 +152,8 @@ class ActionStream:
             return
         self.in_flight += 1
         self._idle.clear()
-        if msg.stream or msg.interactive:
-            mid = msg.id
-            out = (lambda fd, text: self._output(mid, fd, text)) if msg.stream else None
-            rec.live = self._live[mid] = LiveExec(out, interactive=msg.interactive)
+        if live is not None and rec.live is live:  # (a repeat's key keeps the first's)
+            self._live[msg.id] = live
         rec.done.add_done_callback(lambda _: self._ended(msg.id, rec))
 
     def _control(self, line: bytes) -> None:
@@ -157,24 +164,33 @@ class ActionStream:
             errors = [
                 {**err, "loc": ("message", *err["loc"][1:])} for err in e.errors(include_url=False)
             ]
-            self._answer(_line_id(line), 400, invalid_body(errors, skip=1))
+            self._answer(_line_id(line), 400, invalid_body(errors, skip=1), about="input")
             return
         live = self._live.get(msg.id)
         if live is None:
             body = error_body("not_found", f"id: {msg.id} is no streamed exec running here")
-            self._answer(msg.id, 404, body)
+            self._answer(msg.id, 404, body, about="input")
             return
         if isinstance(msg, StreamSignal):
             live.signal(SIGNALS[msg.signal])
             return
         if not live.interactive:
             body = error_body("invalid", f"id: exec {msg.id} was not sent interactive")
-            self._answer(msg.id, 400, body)
+            self._answer(msg.id, 400, body, about="input")
             return
-        if msg.stdin:
-            live.write(msg.stdin.encode())
+        try:
+            if msg.stdin:
+                live.write(msg.stdin.encode())
+        except EngineError as e:
+            self._answer(msg.id, *engine_error(e), about="input")
+            return
         if msg.eof:
             live.close_stdin()
+
+    async def _room(self) -> None:
+        """Until this client's answers waiting to be sent are under the bound again."""
+        if self._outbox.backlog > BACKLOG_BYTES:
+            await self._outbox.flushed()
 
     def _output(self, mid: int, fd: str, text: str) -> None:
         if not self.closed:
@@ -194,8 +210,13 @@ class ActionStream:
         answer = payload(rec, rec.done.result())
         self._outbox.post(b'{"id":%d,"status":200,"result":%b}' % (mid, answer))
 
-    def _answer(self, mid: int | None, status: int, body: dict[str, Any]) -> None:
+    def _answer(
+        self, mid: int | None, status: int, body: dict[str, Any], about: str | None = None
+    ) -> None:
+        """``about``: "input" for a refused input or signal (not the exec's answer)."""
         msg: dict[str, Any] = {"id": mid, "status": status, **body}
+        if about is not None:
+            msg["about"] = about
         if status in RETRY_STATUS:
             msg["retry_after"] = RETRY_AFTER_S
         self._outbox.post(json.dumps(msg, separators=(",", ":")).encode())
