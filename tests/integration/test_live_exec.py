@@ -13,36 +13,22 @@ from typing import Any
 
 import pytest
 
-from tangram.api.wire import EnvSpec
 from tangram.client import AsyncClient, AsyncTrajectory, LiveAction
-from tangram.node_agent.agent import NodeAgent
-from tangram.service.config import EnvConfig, PoolConfig
 
-from .service_harness import service
+from .service_harness import RUNTIMES, box_pool
 
 CORES = sorted(os.sched_getaffinity(0))
-_DOCKER = [pytest.mark.docker, pytest.mark.slow, pytest.mark.xdist_group("docker")]
-RUNTIMES = [
-    pytest.param("process", marks=pytest.mark.xdist_group("service")),
-    pytest.param("docker", marks=_DOCKER),
-]
 Scenario = Callable[[AsyncTrajectory], Any]
 
 
-def _run(request: pytest.FixtureRequest, tmp_path: Path, image: str, scenario: Scenario) -> None:
-    """``scenario`` on a trajectory of an environment of ``image`` (the runtime of the
-    parameter), with the async client on its action stream."""
-    kind: str = request.param if hasattr(request, "param") else "docker"
-    if os.geteuid() != 0:
-        pytest.skip("the agents write cgroups: needs root")
-    spec = EnvSpec(name="box", image=image, memory_gb=0.3, workdir="/work")
-    agent = NodeAgent.create(
-        tmp_path / "agent", runtime=kind, idle_cores=1, cores_for_actions=len(CORES)
-    )
-    with service(PoolConfig(envs={"box": EnvConfig(spec=spec)}), agent, tmp_path) as (r, token):
+def _run(request: pytest.FixtureRequest, kind: str, tmp: Path, scenario: Scenario,
+         image: str | None = None) -> None:  # fmt: skip
+    """``scenario`` on a trajectory of the ``box`` environment on ``kind``, with the async
+    client on its action stream."""
+    with box_pool(request, kind, tmp, image=image) as (running, token):
 
         async def go() -> None:
-            async with AsyncClient(r.url, token) as client, client.trajectory("box") as t:
+            async with AsyncClient(running.url, token) as c, c.trajectory("box") as t:
                 await scenario(t)
 
         asyncio.run(go())
@@ -50,11 +36,7 @@ def _run(request: pytest.FixtureRequest, tmp_path: Path, image: str, scenario: S
 
 @pytest.fixture(params=RUNTIMES)
 def on(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[Scenario], None]:
-    image = "unused-by-the-process-runtime"
-    if request.param == "docker":
-        request.getfixturevalue("docker_client")
-        image = request.getfixturevalue("busybox")
-    return lambda scenario: _run(request, tmp_path, image, scenario)
+    return lambda scenario: _run(request, request.param, tmp_path, scenario)
 
 
 async def _until(action: LiveAction, *texts: str) -> str:
@@ -112,12 +94,16 @@ def test_a_signal_sent_while_it_queues_reaches_it_when_it_starts(
     on: Callable[[Scenario], None],
 ) -> None:
     async def scenario(t: AsyncTrajectory) -> None:
-        hold = ["sh", "-c", "touch held; sleep 2"]
-        holder = asyncio.ensure_future(t.exec(hold, cores=len(CORES)))
+        hold = ["sh", "-c", "touch held; sleep 60"]
+        holder = asyncio.ensure_future(t.exec(hold, cores=len(CORES), idempotency_key="hold"))
         while not await t.files.exists("held"):  # it holds every core from here on
             await asyncio.sleep(0.05)
         action = await t.exec_live(["sleep", "60"])  # so this one waits in the queue
         await action.signal("SIGTERM")
+        await asyncio.sleep(0.5)
+        # Still queued behind the holder: the signal waits with it, not lost, not early.
+        assert not holder.done() and not action._answer.done()
+        await t.client.cancel("key:hold")  # the cores free: it starts, and gets it
         result = await action.result()
         assert result.exit_code == 128 + 15, result
         await holder
@@ -126,15 +112,18 @@ def test_a_signal_sent_while_it_queues_reaches_it_when_it_starts(
 
 
 def test_a_pty_is_a_terminal_or_refused_where_there_is_none(
-    on: Callable[[Scenario], None],
+    on: Callable[[Scenario], None], request: pytest.FixtureRequest
 ) -> None:
+    has_terminals = request.node.callspec.params["on"] == "docker"
+
     async def scenario(t: AsyncTrajectory) -> None:
         argv = ["sh", "-c", "test -t 0 && test -t 1 && echo terminal"]
         r = await t.exec(argv, pty=True)
-        if r.status.value == "error":  # the process runtime has none, and says so
-            assert r.error is not None and "pty" in r.error.message, r
-            return
-        assert (r.exit_code, r.stdout) == (0, "terminal\n")
+        if has_terminals:
+            assert (r.exit_code, r.stdout) == (0, "terminal\n"), r
+        else:  # the process runtime has none, and says so
+            assert r.status.value == "error" and r.error is not None, r
+            assert "pty" in r.error.message
 
     on(scenario)
 
@@ -170,4 +159,25 @@ def test_pytest_v_shows_its_first_result_before_it_ends_and_sigint_stops_it(
         assert result.exit_code == 2, result  # pytest: interrupted
         assert "KeyboardInterrupt" in result.stdout
 
-    _run(request, tmp_path, coding_image, scenario)
+    _run(request, "docker", tmp_path, scenario, coding_image)
+
+
+def test_a_dropped_stream_ends_its_interactive_commands_input(
+    on: Callable[[Scenario], None],
+) -> None:
+    """Nobody can end its stdin once the caller's stream is gone: it is ended for it, so
+    the command finishes (and frees its cores); a retry under its key gets the result."""
+
+    async def scenario(t: AsyncTrajectory) -> None:
+        other = AsyncClient(t.client.url, t.client._headers["Authorization"][7:])
+        async with other:
+            action = await other.exec_live(t.id, ["cat"], interactive=True, idempotency_key="cat")
+            await action.write("kept\n")
+            await _until(action, "kept")
+        # the stream dropped with the client: a retry under the key waits for the end
+        again = await asyncio.wait_for(
+            t.client.exec(t.id, ["cat"], idempotency_key="cat"), 60
+        )  # (a hang guard)
+        assert (again.exit_code, again.stdout) == (0, "kept\n")
+
+    on(scenario)

@@ -665,7 +665,8 @@ def test_other_estimate_options_keep_the_invariants(w: Workload, horizon: int | 
     simulate(w, SchedulerConfig(depth=1, explore="doubling", horizon=horizon), fcfs_check=True)
 
 
-@given(workloads())
+@SIM
+@given(workloads(api=True))
 def test_calls_passing_a_quota_waiter_keep_the_invariants(w: Workload) -> None:
     """``quota_waiting="pass"``: no overtaking on what a waiter lacks or keeps, and
     liveness (every workload completes: nothing starves)."""

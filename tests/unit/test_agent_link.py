@@ -20,13 +20,14 @@ from tangram.api.wire import (
     AgentHello,
     AgentInput,
     AgentReply,
+    FileOp,
     pack,
     parse_agent_request,
     unpack,
 )
 from tangram.client.outbox import Outbox
 from tangram.node_agent.streams import Stream
-from tangram.service.agents import AgentGoneError, AgentLink
+from tangram.service.agents import AgentGoneError, AgentLink, LinkStream
 
 
 class Socket:
@@ -191,26 +192,36 @@ def _inputs(socket: Socket) -> list[dict[str, object]]:
     return [m for m in sent if m.get("op") == "input"]
 
 
+def _streaming(action: FileOp) -> tuple[Socket, LinkStream, asyncio.Task[None]]:
+    """A link reading what the test queues, and one streamed request on it."""
+    socket = Socket()
+    link = AgentLink(_hello(), socket, packed=True)
+    reader = asyncio.create_task(link.receive_forever())
+    return socket, link.stream(AgentFiles(trajectory="t", action=action, path="/f")), reader
+
+
+def _data_inputs(socket: Socket) -> int:
+    return len([m for m in _inputs(socket) if m["data"]])
+
+
 def test_a_streams_input_stops_at_its_window_until_the_agent_gives_credit() -> None:
     async def scenario() -> None:
-        socket = Socket()
-        link = AgentLink(_hello(), socket, packed=True)
-        reader = asyncio.create_task(link.receive_forever())
-        stream = link.stream(AgentFiles(trajectory="t", action="write", path="/f"))
+        socket, stream, reader = _streaming("write")
         chunk = bytes(STREAM_CHUNK)
         sender = asyncio.create_task(stream.send(chunk * (STREAM_WINDOW + 4)))
         for _ in range(50):
             await asyncio.sleep(0)
-        assert len([m for m in _inputs(socket) if m["data"]]) == STREAM_WINDOW
+        assert _data_inputs(socket) == STREAM_WINDOW
         assert not sender.done()
         credit = AgentReply(rid=stream.rid, ok=True, more=True, credit=4)
         socket.inbox.put_nowait(credit.model_dump_json())
         assert await sender is True
-        assert len([m for m in _inputs(socket) if m["data"]]) == STREAM_WINDOW + 4
+        assert _data_inputs(socket) == STREAM_WINDOW + 4
         # The agent refuses: its reply wakes a sender waiting on the window, which stops.
         blocked = asyncio.create_task(stream.send(chunk * (STREAM_WINDOW + 1)))
         for _ in range(50):
             await asyncio.sleep(0)
+        assert not blocked.done() and _data_inputs(socket) == STREAM_WINDOW + 4  # waiting
         refusal = AgentReply(rid=stream.rid, ok=False, error="no space", errno=28)
         socket.inbox.put_nowait(refusal.model_dump_json())
         assert await blocked is False
@@ -223,10 +234,7 @@ def test_a_streams_input_stops_at_its_window_until_the_agent_gives_credit() -> N
 
 def test_a_streams_chunks_are_acknowledged_as_they_are_taken() -> None:
     async def scenario() -> None:
-        socket = Socket()
-        link = AgentLink(_hello(), socket, packed=True)
-        reader = asyncio.create_task(link.receive_forever())
-        stream = link.stream(AgentFiles(trajectory="t", action="read", path="/f"))
+        socket, stream, reader = _streaming("read")
         for piece in (b"ab", b"cd"):
             data = base64.b64encode(piece).decode()
             chunk = AgentReply(rid=stream.rid, ok=True, more=True, data=data)
@@ -247,13 +255,12 @@ def test_a_streams_chunks_are_acknowledged_as_they_are_taken() -> None:
 
 def test_a_stream_closed_before_its_reply_cancels_the_request() -> None:
     async def scenario() -> None:
-        socket = Socket()
-        link = AgentLink(_hello(), socket, packed=True)
-        stream = link.stream(AgentFiles(trajectory="t", action="read", path="/f"))
+        socket, stream, reader = _streaming("read")
         await stream.close()  # the HTTP client went away mid-download
         await asyncio.sleep(0)
         sent = [parse_agent_request(m) for f in socket.sent for m in unpack(f)]
         assert any(getattr(m, "target", None) == stream.rid and m.op == "cancel" for m in sent)
+        reader.cancel()
 
     asyncio.run(scenario())
 

@@ -163,6 +163,10 @@ class _Planner:
             if caps is not None:
                 tenant = s.trajectories[a.trajectory].tenant
                 room = caps.room(a, tenant)
+                if room is not None and room < min(a.cpu or a.gpu or (1,)):
+                    # At its tenant's share whatever its size: it waits (before sizing it).
+                    waits.append((aid, f"tenant {tenant} at its maxShare"))
+                    continue
             # The trajectory's node, placed or planned (view.node_of, inlined: hot loop).
             node = placement.get(a.trajectory) if a.cpu else None
             if node is None and a.cpu:
@@ -170,7 +174,7 @@ class _Planner:
             units, durations, pending = s.sizing.choices(a, node)
             wants = needs(a, node, placement)
             if room is not None:
-                if room < units[0]:  # at its tenant's share: it waits, holding nothing back
+                if room < units[0]:  # its smallest size (after sizing) is over the share
                     waits.append((aid, f"tenant {tenant} at its maxShare"))
                     continue
                 if room < max(units):

@@ -80,7 +80,9 @@ class RoundCaps:
         """The most cores or GPUs ``a`` may take now (0: it may not start this round); None
         when its tenant is not capped. Its quota units either fit its tenant's share or
         make the room 0."""
-        rooms = self._rooms.setdefault(tenant, {})
+        rooms = self._rooms.get(tenant)
+        if rooms is None:  # (no dict made per call: this is asked of every candidate)
+            rooms = self._rooms[tenant] = {}
         key = (bool(a.cpu), bool(a.gpu), a.quotas)
         if key not in rooms:
             rooms[key] = self._room(a, tenant)
