@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from tangram.api.wire import ActionResult, ActionStatus, ServiceDef
+from tangram.cli.bench_agent import serving
 from tangram.cli.files import InputError
 from tangram.cli.progress import note
 from tangram.cli.up import run_loop
@@ -54,7 +55,7 @@ from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.gpu_service import GpuOptions
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import PoolConfig, ServiceConfig
-from tangram.service.embedded import Running, free_port, run
+from tangram.service.embedded import Running
 
 LAYER_MB = 32  # one layer of the bench model (tangram.node_agent.gpu_bench.WIDTH² fp16)
 HEADROOM = 1.25  # a service's gpuMemoryGiB over its weights: activations, workspace
@@ -121,23 +122,9 @@ async def _serve(
         else GpuOptions(f"cpu:{setup.devices}", per_device_mib),
     )
     config = PoolConfig(name=setup.name, services={s.spec.name: s for s in setup.services})
-    stop = asyncio.Event()
-    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(
-        run(config, tokens, agent, stop, port=free_port(), on_ready=ready.set_result)
+    running = await stack.enter_async_context(
+        serving(config, tokens, agent, what=f"gpu-pool ({setup.name})")
     )
-
-    async def shutdown() -> None:
-        stop.set()
-        await task
-
-    stack.push_async_callback(shutdown)
-    first: set[asyncio.Future[Any]] = {task, ready}
-    done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()  # why it could not start
-        raise InputError(f"bench gpu-pool: {setup.name} stopped at start")
-    running = ready.result()
     await _until_loaded(running, [s.spec.name for s in setup.services])
     return running, user
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tangram.api.wire import EnvSpec
-from tangram.cli.bench_agent import bench_pool
+from tangram.cli.bench_agent import bench_pool, nearest_rank
 from tangram.cli.progress import note
 from tangram.client.aio import AsyncClient
 from tangram.scheduler.core.scheduler import SchedulerConfig
@@ -43,11 +43,6 @@ def _config(scenario: str) -> PoolConfig:
     if scenario == "fair+share":
         config = replace(config, tenants={FLOOD: TenantLimits(max_share=0.5)})
     return config
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def _scenario(scenario: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -78,7 +73,7 @@ async def _scenario(scenario: str, args: argparse.Namespace, work: Path) -> dict
         await asyncio.gather(*floods, return_exceptions=True)
     return {
         "queued_p50_s": statistics.median(queued),
-        "queued_p99_s": _percentile(queued, 0.99),
+        "queued_p99_s": nearest_rank(queued, 0.99),
         "queued_max_s": max(queued),
         "steps": len(queued),
     }
