@@ -55,6 +55,8 @@ from tangram.service.answers import (
     payload,
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
+from tangram.service.e2b import add_e2b_routes
+from tangram.service.e2b.errors import E2BError, is_e2b
 from tangram.service.engine import Engine
 from tangram.service.file_routes import add_file_routes, is_upload
 from tangram.service.records import ActionRecord, EngineError
@@ -237,6 +239,7 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         yield
+        await sandboxes.stop()
         await engine.stop()
 
     app = _Service(
@@ -342,6 +345,26 @@ def create_app(
         return await _answer(engine.submit_service(who, service, req))
 
     add_file_routes(app, engine, TenantId, _ERRORS)
+
+    async def e2b_admit(token: str | None) -> str:
+        """An E2B API key (or envd access token): a tenant token of this service."""
+        try:
+            who = await _who(tokens, reviewer, engine, f"Bearer {token}" if token else None)
+        except NotAdmittedError as e:
+            raise E2BError(403, str(e)) from None
+        except (ReviewError, OSError) as e:
+            raise E2BError(503, f"cannot check the API key: {e}") from None
+        if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
+            raise E2BError(401, "a valid API key is required: a tenant token of this service "
+                           "(E2B_API_KEY)")  # fmt: skip
+        return who
+
+    sandboxes = add_e2b_routes(app, engine, e2b_admit)
+
+    @app.get("/e2b/openapi.json", include_in_schema=False)
+    async def e2b_openapi() -> JSONResponse:
+        """The E2B-compatible endpoint's routes (its Connect RPCs are in docs/service.md)."""
+        return JSONResponse(_e2b_schema(app))
 
     @app.delete("/v1/leases/{lease}", responses=_ERRORS)
     async def release(lease: str, who: TenantId) -> ActionResult:
@@ -519,8 +542,9 @@ def _schema(app: FastAPI, models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(
-        title=app.title, version=app.version, description=app.description, routes=app.routes
-    )
+        title=app.title, version=app.version, description=app.description,
+        routes=[r for r in app.routes if not is_e2b(r)],
+    )  # fmt: skip
     _, defs = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
     )
@@ -539,6 +563,24 @@ def _schema(app: FastAPI, models: Sequence[type[BaseModel]]) -> dict[str, Any]:
                 op.pop("parameters", None)
             op["security"] = [{"bearer": []}]
     app.openapi_schema = doc
+    return doc
+
+
+def _e2b_schema(app: FastAPI) -> dict[str, Any]:
+    doc = get_openapi(
+        title="ARL-Tangram's E2B-compatible endpoint", version="v1",
+        description="E2B's control-plane API and envd's HTTP routes, served for trajectories.",
+        routes=[r for r in app.routes if is_e2b(r)],
+    )  # fmt: skip
+    doc.setdefault("components", {})["securitySchemes"] = {
+        "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-KEY"},
+        "accessToken": {"type": "apiKey", "in": "header", "name": "X-Access-Token"},
+    }
+    for path, item in doc.get("paths", {}).items():
+        for op in item.values():
+            op.get("responses", {}).pop("422", None)  # bad input is a 400 here too
+            envd = path in ("/files", "/health")
+            op["security"] = [{"accessToken": []}] if envd else [{"apiKey": []}]
     return doc
 
 

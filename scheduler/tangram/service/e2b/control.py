@@ -1,0 +1,188 @@
+"""E2B's control-plane API (``api.e2b.app`` in E2B's cloud): create, find, list, extend
+and kill sandboxes. The API key is a tenant token of this service.
+
+No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
+"""
+
+import datetime as dt
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute, invalid
+from tangram.service.e2b.sandboxes import (
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    Sandbox,
+    Sandboxes,
+)
+
+ENVD_VERSION = "0.5.7"  # the envd whose API is served: octet-stream uploads, stdin control
+Admit = Callable[[str | None], Awaitable[str]]  # a token to its tenant, or E2BError
+
+Timeout = Annotated[int, Field(ge=1, le=MAX_TIMEOUT_S, description="seconds from now")]
+
+
+class _Body(BaseModel):
+    # E2B's clients send more than is served (autoPause, network, mcp...): not refused.
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class NewSandbox(_Body):
+    template_id: str = Field(alias="templateID", min_length=1,
+                             description="the TrajectoryEnv to open")  # fmt: skip
+    timeout: Timeout = DEFAULT_TIMEOUT_S
+    metadata: dict[str, str] = Field(default_factory=dict)
+    env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
+
+
+class SetTimeout(_Body):
+    timeout: Timeout
+
+
+class ConnectSandbox(_Body):
+    timeout: Timeout = DEFAULT_TIMEOUT_S
+
+
+class SandboxOut(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(alias="clientID")
+    envd_version: str = Field(alias="envdVersion")
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    domain: str | None = None
+
+
+class SandboxDetail(SandboxOut):
+    alias: str | None = None
+    started_at: str = Field(alias="startedAt")
+    end_at: str = Field(alias="endAt")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int = Field(alias="diskSizeMB")
+    state: str
+    metadata: dict[str, str]
+
+
+def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
+    router = APIRouter(route_class=E2BRoute, tags=["e2b"], responses=ERRORS)
+
+    async def caller(
+        x_api_key: Annotated[str | None, Header()] = None,
+    ) -> str:
+        return await admit(x_api_key)
+
+    tenant = Annotated[str, Depends(caller)]
+
+    async def body(model: type[_Body], request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return model.model_validate_json(raw or b"{}")
+        except ValidationError as e:
+            errors = [{**x, "loc": ("body", *x["loc"])} for x in e.errors(include_url=False)]
+            raise E2BError(400, invalid(errors)) from None
+
+    def sandbox(box: Sandbox, key: str) -> SandboxOut:
+        return SandboxOut(
+            template_id=box.trajectory.env, sandbox_id=box.id,
+            client_id=box.trajectory.node or "", envd_version=ENVD_VERSION, envd_access_token=key,
+        )  # fmt: skip
+
+    def detail(box: Sandbox) -> SandboxDetail:
+        rec = box.trajectory
+        spec = rec.env_config.spec
+        end = box.end_at if box.end_at is not None else rec.opened_at + MAX_TIMEOUT_S * 365
+        return SandboxDetail(
+            template_id=rec.env, sandbox_id=box.id, client_id=rec.node or "",
+            envd_version=ENVD_VERSION, started_at=iso(rec.opened_at), end_at=iso(end),
+            cpu_count=_cores(rec.env_config.cpu), memory_mb=round(spec.memory_gb * 1024),
+            disk_size_mb=round((spec.disk_gb or 0) * 1024), state="running",
+            metadata=box.metadata,
+        )  # fmt: skip
+
+    for path in ("/sandboxes", "/v2/sandboxes"):
+
+        @router.post(path, status_code=201, openapi_extra=_json_body(NewSandbox))
+        async def create(request: Request, who: tenant) -> SandboxOut:
+            """Open a trajectory of the TrajectoryEnv ``templateID`` as a sandbox; it is
+            killed ``timeout`` seconds from now unless extended."""
+            req: NewSandbox = await body(NewSandbox, request)
+            box = await sandboxes.create(who, req.template_id, req.timeout, req.metadata,
+                                         req.env_vars)  # fmt: skip
+            return sandbox(box, request.headers.get("x-api-key", ""))
+
+        @router.get(path)
+        async def list_sandboxes(who: tenant) -> list[SandboxDetail]:
+            """The caller's sandboxes made through this endpoint, all running."""
+            return [detail(box) for box in sandboxes.mine(who)]
+
+    @router.get("/sandboxes/{sandbox_id}")
+    async def get_sandbox(sandbox_id: str, who: tenant) -> SandboxDetail:
+        return detail(sandboxes.find(who, sandbox_id))
+
+    @router.delete("/sandboxes/{sandbox_id}", status_code=204)
+    async def kill(sandbox_id: str, who: tenant) -> Response:
+        """Close the sandbox's trajectory: its commands are cancelled, its environment
+        removed."""
+        await sandboxes.kill(who, sandbox_id)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204,
+                 openapi_extra=_json_body(SetTimeout))  # fmt: skip
+    async def set_timeout(sandbox_id: str, request: Request, who: tenant) -> Response:
+        """Kill the sandbox ``timeout`` seconds from now (shorter or longer than before)."""
+        box = sandboxes.find(who, sandbox_id)
+        req: SetTimeout = await body(SetTimeout, request)
+        sandboxes.set_timeout(box, req.timeout)
+        return Response(status_code=204)
+
+    for path in ("/sandboxes/{sandbox_id}/connect", "/v2/sandboxes/{sandbox_id}/connect"):
+
+        @router.post(path, openapi_extra=_json_body(ConnectSandbox))
+        async def connect(sandbox_id: str, request: Request, who: tenant) -> SandboxOut:
+            """A running sandbox, its timeout extended to ``timeout`` from now if that is
+            later."""
+            box = sandboxes.find(who, sandbox_id)
+            req: ConnectSandbox = await body(ConnectSandbox, request)
+            sandboxes.set_timeout(box, req.timeout, extend_only=True)
+            return sandbox(box, request.headers.get("x-api-key", ""))
+
+    unserved = {
+        "pause": "paused", "resume": "resumed", "fork": "forked", "snapshots": "snapshotted",
+        "refreshes": "refreshed",
+    }  # fmt: skip
+    for what, done in unserved.items():
+        router.post(f"/sandboxes/{{sandbox_id}}/{what}", responses={501: {"model": None}},
+                    name=f"not_{done}")(_not_served(done, tenant))  # fmt: skip
+
+    return router
+
+
+def _not_served(done: str, tenant: Any) -> Callable[..., Awaitable[Response]]:
+    async def not_served(sandbox_id: str, who: tenant) -> Response:
+        raise E2BError(501, f"sandboxes cannot be {done} by ARL-Tangram's E2B endpoint "
+                       f"(sandbox {sandbox_id} is unchanged)")  # fmt: skip
+
+    return not_served
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(by_alias=True)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def iso(unix_s: float) -> str:
+    return dt.datetime.fromtimestamp(unix_s, dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _cores(demand: Any) -> int:
+    """The most cores one action of the env may get by default."""
+    for name in ("max", "value"):
+        if isinstance(getattr(demand, name, None), int):
+            return int(getattr(demand, name))
+    choices = getattr(demand, "choices", None)
+    return max(choices) if choices else 1

@@ -1,0 +1,318 @@
+"""envd, E2B's in-sandbox daemon, as the scheduler serves it for every sandbox at once: the
+sandbox is named by the ``E2b-Sandbox-Id`` header (as E2B's own proxy routes it), the
+caller by ``X-Access-Token`` (the tenant token the sandbox was created with).
+
+Served: ``/health``, ``/files`` (download, upload as octet-stream or multipart, gzip), the
+Filesystem service's Stat, ListDir, MakeDir, Remove and Move, and the Process service's
+Start, Connect, SendInput, CloseStdin, SendSignal and List. Files go through the files
+API (the environment's exec server; no core); commands are exec actions.
+
+No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
+"""
+
+import stat as stat_bits
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.datastructures import UploadFile
+
+from tangram.api.wire import MAX_PATH, STREAM_CHUNK, FileEntry
+from tangram.service.e2b import process
+from tangram.service.e2b.connect import (
+    CODE_STATUS,
+    STREAM_TYPE,
+    ConnectError,
+    end_of_stream,
+    first_message,
+    message,
+    timeout_s,
+)
+from tangram.service.e2b.control import Admit, iso
+from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
+from tangram.service.e2b.sandboxes import Sandbox, Sandboxes
+from tangram.service.engine import Engine
+from tangram.service.records import EngineError
+
+_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
+_BITS = {"file": stat_bits.S_IFREG, "dir": stat_bits.S_IFDIR, "symlink": stat_bits.S_IFLNK}
+_STATUS_CODE = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied",
+                404: "not_found", 413: "resource_exhausted", 429: "resource_exhausted",
+                502: "unavailable", 503: "unavailable"}  # fmt: skip
+MAX_LIST = 100_000  # entries a ListDir answers at most
+MAX_UPLOAD_FILES = 1000  # files in one multipart upload
+
+Path = Annotated[str, Query(min_length=1, max_length=MAX_PATH)]
+Username = Annotated[str | None, Query(description="ignored: commands and files are the "
+                                       "TrajectoryEnv's user's")]  # fmt: skip
+
+Call = Callable[[str, Sandbox, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter:
+    router = APIRouter(route_class=E2BRoute, tags=["e2b envd"], responses=ERRORS)
+    files = engine.files
+
+    async def caller(request: Request) -> tuple[str, Sandbox]:
+        who = await admit(request.headers.get("x-access-token"))
+        sid = request.headers.get("e2b-sandbox-id")
+        if not sid:
+            raise E2BError(400, "E2b-Sandbox-Id: the header naming the sandbox is required "
+                           "(set E2B_SANDBOX_URL to this service)")  # fmt: skip
+        try:
+            return who, sandboxes.find(who, sid)
+        except EngineError as e:
+            if e.kind != "not_found":
+                raise
+            raise E2BError(502, f"sandbox {sid} was not found") from None
+
+    @router.get("/health", status_code=204, responses={502: {"description": "not running"}})
+    async def health(request: Request) -> Response:
+        await caller(request)
+        return Response(status_code=204)
+
+    @router.get("/files", response_class=StreamingResponse,
+                responses={200: {"content": {"application/octet-stream": {}}}})  # fmt: skip
+    async def download(path: Path, request: Request, username: Username = None) -> Response:
+        who, box = await caller(request)
+        got = await files.read(who, box.id, path)
+        return StreamingResponse(
+            got.data, media_type="application/octet-stream",
+            headers={"Content-Length": str(got.entry.size)}, background=BackgroundTask(got.close),
+        )  # fmt: skip
+
+    @router.post("/files", openapi_extra=_UPLOAD_DOC)
+    async def upload(
+        request: Request, path: Annotated[str | None, Query(max_length=MAX_PATH)] = None,
+        username: Username = None,
+    ) -> list[dict[str, str]]:  # fmt: skip
+        """Write files: the body as one file at ``path`` (``application/octet-stream``,
+        ``Content-Encoding: gzip`` allowed), or the ``file`` parts of a multipart body
+        (each at ``path`` if there is one part, else at its filename). Missing parent
+        directories are made."""
+        who, box = await caller(request)
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        written = []
+        if kind == "multipart/form-data":
+            form = await request.form(max_files=MAX_UPLOAD_FILES)
+            parts = [p for p in form.getlist("file") if isinstance(p, UploadFile)]
+            if not parts:
+                raise E2BError(400, "file: the multipart body has no file part")
+            for part in parts:
+                target = path if path and len(parts) == 1 else part.filename
+                if not target:
+                    raise E2BError(400, "path: a part without a filename needs ?path=")
+                written.append(await _write(who, box, target, _part(part)))
+        else:
+            if not path:
+                raise E2BError(400, "path: required for an octet-stream upload")
+            body: AsyncIterator[bytes] = request.stream()
+            if request.headers.get("content-encoding", "").lower() == "gzip":
+                body = _gunzip(body)
+            written.append(await _write(who, box, path, body))
+        return written
+
+    async def _write(
+        who: str, box: Sandbox, path: str, body: AsyncIterator[bytes]
+    ) -> dict[str, str]:
+        parent = path.rstrip("/").rpartition("/")[0]
+        if parent not in ("", "."):
+            await files.ask(who, box.id, "mkdir", parent)  # E2B's writes make their parents
+        await files.write(who, box.id, path, body, 0o644)
+        entry = (await files.ask(who, box.id, "stat", path)).entry
+        assert entry is not None
+        return {"name": entry.name, "type": "file", "path": entry.path}
+
+    async def unary(request: Request, call: Call) -> Response:
+        """A unary Connect call: JSON in, JSON out, errors as Connect's."""
+        try:
+            who, box = await _connect_caller(request)
+            msg = message(await request.body())
+            return JSONResponse(await call(who, box, msg))
+        except ConnectError as e:
+            return JSONResponse(e.body(), CODE_STATUS[e.code])
+
+    async def _connect_caller(request: Request) -> tuple[str, Sandbox]:
+        try:
+            return await caller(request)
+        except E2BError as e:
+            raise ConnectError(_STATUS_CODE.get(e.status, "unknown"), e.message) from None
+        except EngineError as e:
+            raise process.from_engine(e) from None
+
+    async def stat(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"entry": await _entry(who, box, _path(msg, "path"))}
+
+    async def _entry(who: str, box: Sandbox, path: str) -> dict[str, Any]:
+        found = await _ask(who, box, "stat", path)
+        assert found.entry is not None
+        return entry_info(found.entry)
+
+    async def list_dir(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        depth = msg.get("depth") or 1
+        if not isinstance(depth, int) or depth < 1:
+            raise ConnectError("invalid_argument", "depth: a positive integer is required")
+        found: list[dict[str, Any]] = []
+        level = [_path(msg, "path")]
+        for _ in range(depth):
+            below = []
+            for directory in level:
+                for e in (await _ask(who, box, "list", directory)).entries:
+                    found.append(entry_info(e))
+                    if e.type == "dir":
+                        below.append(e.path)
+                    if len(found) > MAX_LIST:
+                        too_many = f"over {MAX_LIST} entries: list with less depth"
+                        raise ConnectError("resource_exhausted", too_many)
+            level = below
+        return {"entries": found}
+
+    async def make_dir(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        path = _path(msg, "path")
+        if not (await _ask(who, box, "mkdir", path)).created:
+            raise ConnectError("already_exists", f"{path}: already exists")
+        return {"entry": await _entry(who, box, path)}
+
+    async def remove(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        await _ask(who, box, "remove", _path(msg, "path"))
+        return {}
+
+    async def move(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        to = _path(msg, "destination")
+        await _ask(who, box, "rename", _path(msg, "source"), to=to)
+        return {"entry": await _entry(who, box, to)}
+
+    async def _ask(who: str, box: Sandbox, op: Any, path: str, **kw: Any) -> Any:
+        try:
+            return await files.ask(who, box.id, op, path, **kw)
+        except EngineError as e:
+            raise process.from_engine(e) from None
+
+    filesystem: dict[str, Call] = {
+        "Stat": stat, "ListDir": list_dir, "MakeDir": make_dir, "Remove": remove, "Move": move,
+    }  # fmt: skip
+
+    @router.post("/filesystem.Filesystem/{method}", include_in_schema=False)
+    async def filesystem_call(method: str, request: Request) -> Response:
+        call = filesystem.get(method)
+        if call is None:
+            return _unimplemented(f"filesystem.Filesystem/{method}")
+        return await unary(request, call)
+
+    async def send_input(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        process.send_input(process.select(box, msg), msg)
+        return {}
+
+    async def close_stdin(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        process.close_stdin(process.select(box, msg))
+        return {}
+
+    async def send_signal(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        process.send_signal(process.select(box, msg), msg)
+        return {}
+
+    async def list_processes(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        return process.listed(box)
+
+    processes: dict[str, Call] = {
+        "SendInput": send_input, "CloseStdin": close_stdin, "SendSignal": send_signal,
+        "List": list_processes,
+    }  # fmt: skip
+
+    @router.post("/process.Process/{method}", include_in_schema=False)
+    async def process_call(method: str, request: Request) -> Response:
+        if method in ("Start", "Connect"):
+            return await streamed(method, request)
+        call = processes.get(method)
+        if call is None:
+            return _unimplemented(f"process.Process/{method}")
+        return await unary(request, call)
+
+    async def streamed(method: str, request: Request) -> Response:
+        """A server-streaming call: enveloped events; an error, even before the first
+        event, ends the stream (Connect's streams always answer 200)."""
+        try:
+            _, box = await _connect_caller(request)
+            msg = first_message(await request.body())
+            keepalive = _keepalive(request.headers.get("keepalive-ping-interval"))
+            if method == "Start":
+                deadline = timeout_s(request.headers.get("connect-timeout-ms"))
+                proc = process.start(engine, box, msg, deadline)
+            else:
+                proc = process.select(box, msg)
+        except (ConnectError, ValueError) as e:
+            error = e if isinstance(e, ConnectError) else ConnectError("invalid_argument", str(e))
+            return Response(end_of_stream(error), media_type=STREAM_TYPE)
+        return StreamingResponse(process.events(proc, keepalive, started=True),
+                                 media_type=STREAM_TYPE)  # fmt: skip
+
+    return router
+
+
+def entry_info(e: FileEntry) -> dict[str, Any]:
+    """A file entry as envd's ``EntryInfo`` in proto JSON (int64 as a string)."""
+    info: dict[str, Any] = {
+        "name": e.name, "type": _TYPES.get(e.type, "FILE_TYPE_UNSPECIFIED"), "path": e.path,
+        "size": str(e.size), "mode": e.mode,
+        "permissions": stat_bits.filemode(_BITS.get(e.type, 0) | e.mode),
+        "owner": str(e.uid), "group": str(e.gid), "modifiedTime": iso(e.mtime),
+        "isSymlink": e.type == "symlink",
+    }  # fmt: skip
+    if e.target is not None:
+        info["symlinkTarget"] = e.target
+    return info
+
+
+def _path(msg: dict[str, Any], field: str) -> str:
+    path = msg.get(field)
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH:
+        raise ConnectError("invalid_argument", f"{field}: a path is required")
+    return path
+
+
+def _keepalive(header: str | None) -> float | None:
+    """``Keepalive-Ping-Interval`` (seconds): how quiet a stream may be before a
+    keepalive event, so that the caller's idle timeout does not end it."""
+    if header is None or not header.strip().isdigit():
+        return None
+    return max(1, int(header.strip()))
+
+
+def _unimplemented(what: str) -> Response:
+    error = ConnectError("unimplemented", f"{what} is not served by ARL-Tangram's E2B endpoint")
+    return JSONResponse(error.body(), CODE_STATUS[error.code])
+
+
+async def _part(part: UploadFile) -> AsyncIterator[bytes]:
+    while chunk := await part.read(STREAM_CHUNK):
+        yield chunk
+
+
+async def _gunzip(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    async for chunk in body:
+        try:
+            yield inflate.decompress(chunk)
+        except zlib.error as e:
+            raise E2BError(400, f"body: not gzip ({e})") from None
+    yield inflate.flush()
+
+
+_UPLOAD_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            },
+        },
+    }
+}

@@ -1,0 +1,166 @@
+"""envd's Process service over the scheduler: ``Start`` submits a streamed exec action
+(scheduled as any other: its cores are held only while it runs), whose output goes out as
+envd's events; ``SendInput``, ``CloseStdin`` and ``SendSignal`` reach it through its live
+side, queued in order if it has not started yet.
+
+A pid here is the sandbox's own number for the command, not a process id inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from tangram.api.wire import ActionResult, ExecRequest
+from tangram.service.e2b.connect import KIND_CODE, ConnectError, end_of_stream, envelope
+from tangram.service.e2b.sandboxes import Proc, Sandbox
+from tangram.service.engine import Engine
+from tangram.service.live import LiveExec
+from tangram.service.records import EngineError
+
+SIGNALS = {"SIGNAL_SIGTERM": signal.SIGTERM, "SIGNAL_SIGKILL": signal.SIGKILL, 15: 15, 9: 9}
+# A command asked to run in another directory: the exec runs in the environment's
+# workdir, so a shell moves first ($0 is the directory, "$@" the command).
+_CD = 'cd -- "$0" && exec "$@"'
+
+
+def start(engine: Engine, box: Sandbox, msg: dict[str, Any], timeout_s: float | None) -> Proc:
+    """Submit the command of a ``StartRequest``."""
+    config = msg.get("process")
+    if not isinstance(config, dict) or not isinstance(config.get("cmd"), str):
+        raise ConnectError("invalid_argument", "process.cmd: a command is required")
+    args, envs, cwd = config.get("args") or [], config.get("envs") or {}, config.get("cwd")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ConnectError("invalid_argument", "process.args: a list of strings is required")
+    if not isinstance(envs, dict):
+        raise ConnectError("invalid_argument", "process.envs: a map of strings is required")
+    argv = [config["cmd"], *args]
+    if cwd:
+        argv = ["/bin/sh", "-c", _CD, str(cwd), *argv]
+    pty = msg.get("pty") is not None
+    stdin = bool(msg.get("stdin")) or pty  # a terminal takes what is typed
+    try:
+        req = ExecRequest(
+            argv=argv, env={**box.env_vars, **envs}, timeout_s=timeout_s, pty=pty, output_cap=0
+        )
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "process"
+        raise ConnectError("invalid_argument", f"{where}: {first['msg']}") from None
+    proc = Proc(box.new_pid(), msg.get("tag"), {**config, "args": args, "envs": envs}, stdin, pty)
+    proc.live = LiveExec(proc.output, interactive=stdin, room=proc.room)
+    try:
+        proc.rec = engine.submit_exec(box.tenant, box.id, req, proc.live)
+    except EngineError as e:
+        raise from_engine(e) from None
+    box.procs[proc.pid] = proc
+    proc.rec.done.add_done_callback(lambda _: box.procs.pop(proc.pid, None))
+    return proc
+
+
+async def events(proc: Proc, keepalive_s: float | None, *, started: bool) -> AsyncIterator[bytes]:
+    """The command's events as a server stream: its start (when ``started``), its output
+    as it comes, a keepalive when it is quiet for ``keepalive_s``, its end."""
+    queue = proc.attach()
+    done: asyncio.Future[ActionResult] = asyncio.ensure_future(asyncio.shield(proc.rec.done))
+    try:
+        if started:
+            yield envelope({"event": {"start": {"pid": proc.pid}}})
+        while True:
+            get: asyncio.Future[Any] = asyncio.ensure_future(queue.get())
+            ready, _ = await asyncio.wait({get, done}, timeout=keepalive_s,
+                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if get in ready:
+                yield _data(*get.result())
+                proc.taken()
+                continue
+            get.cancel()
+            if done in ready:
+                while not queue.empty():  # what came before it ended
+                    yield _data(*queue.get_nowait())
+                yield envelope({"event": {"end": _end(done.result())}})
+                yield end_of_stream()
+                return
+            yield envelope({"event": {"keepalive": {}}})
+    finally:
+        done.cancel()
+        proc.detach(queue)  # a reader that went leaves the command running, as envd does
+
+
+def select(box: Sandbox, msg: dict[str, Any]) -> Proc:
+    """The command a ``ProcessSelector`` names, by pid or by tag."""
+    selector = msg.get("process") or {}
+    if not isinstance(selector, dict):
+        raise ConnectError("invalid_argument", "process: a selector (pid or tag) is required")
+    pid, tag = selector.get("pid"), selector.get("tag")
+    for proc in box.procs.values():
+        if (pid is not None and proc.pid == pid) or (tag is not None and proc.tag == tag):
+            return proc
+    raise ConnectError("not_found", f"process {pid if pid is not None else tag!r} not found")
+
+
+def send_input(proc: Proc, msg: dict[str, Any]) -> None:
+    given = msg.get("input") or {}
+    data = given.get("pty") if proc.pty else given.get("stdin")
+    if data is None:
+        data = given.get("stdin") or given.get("pty") or ""
+    if not proc.stdin:
+        raise ConnectError(
+            "failed_precondition", f"process {proc.pid} was started without stdin (stdin=True)"
+        )
+    try:
+        proc.live.write(base64.b64decode(data, validate=True))
+    except (ValueError, TypeError):
+        raise ConnectError("invalid_argument", "input: not base64") from None
+    except EngineError as e:
+        raise from_engine(e) from None
+
+
+def close_stdin(proc: Proc) -> None:
+    if proc.stdin:
+        proc.live.close_stdin()
+
+
+def send_signal(proc: Proc, msg: dict[str, Any]) -> None:
+    number = SIGNALS.get(msg.get("signal"))  # type: ignore[call-overload,unused-ignore]
+    if number is None:
+        raise ConnectError("invalid_argument", f"signal: {msg.get('signal')!r} is not one of "
+                           "SIGNAL_SIGTERM, SIGNAL_SIGKILL")  # fmt: skip
+    proc.live.signal(int(number))
+
+
+def listed(box: Sandbox) -> dict[str, Any]:
+    return {
+        "processes": [
+            {"config": p.config, "pid": p.pid, **({"tag": p.tag} if p.tag else {})}
+            for p in box.procs.values()
+        ]
+    }
+
+
+def from_engine(e: EngineError) -> ConnectError:
+    return ConnectError(KIND_CODE.get(e.kind, "internal"), str(e))
+
+
+def _data(kind: str, text: str) -> bytes:
+    return envelope({"event": {"data": {kind: base64.b64encode(text.encode()).decode()}}})
+
+
+def _end(result: ActionResult) -> dict[str, Any]:
+    """envd's end event for the action's result."""
+    end: dict[str, Any] = {}
+    if result.exit_code is not None:
+        end.update(exitCode=result.exit_code, exited=True,
+                   status=f"exit status {result.exit_code}")  # fmt: skip
+    else:
+        end.update(exitCode=-1, exited=False, status=str(result.status))
+    if result.error is not None:
+        end["error"] = result.error.message
+    elif result.exit_code is None:
+        end["error"] = f"the command ended {result.status}"
+    return end

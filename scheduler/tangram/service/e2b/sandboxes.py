@@ -1,0 +1,182 @@
+"""E2B sandboxes: trajectories with the lifetime E2B gives a sandbox (killed when its
+timeout passes, unless extended) and their commands, known by pid.
+
+A sandbox made here carries its timeout as a trajectory label, which its node agent keeps:
+after a scheduler restart the trajectory comes back from its agent, and the sandbox gets a
+fresh timeout of that length when the reaper first sees it (its remaining time is not
+kept). Any other open trajectory of the tenant may be used as a sandbox too; it has no
+timeout, as it had none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tangram.api.wire import OpenTrajectory, TrajectoryState
+from tangram.service.engine import Engine
+from tangram.service.live import LiveExec
+from tangram.service.records import ActionRecord, EngineError, TrajectoryRecord
+
+log = logging.getLogger("tangram.service.e2b")
+
+TIMEOUT_LABEL = "e2b.tangram.dev/timeout-s"
+DEFAULT_TIMEOUT_S = 300  # E2B's default
+MAX_TIMEOUT_S = 24 * 3600
+REAP_EVERY_S = 1.0
+OUTPUT_BACKLOG = 256  # output chunks held for a reader before its command waits
+
+
+@dataclass(eq=False)
+class Proc:
+    """A command started through envd's Process service."""
+
+    pid: int
+    tag: str | None
+    config: dict[str, object]  # as asked: cmd, args, envs, cwd
+    stdin: bool
+    pty: bool
+    rec: ActionRecord = field(init=False)  # once submitted
+    live: LiveExec = field(init=False)
+    # Its output on the way to the stream reading it; None while no stream does (E2B's
+    # disconnect leaves the command running: its output is then dropped, not held).
+    events: asyncio.Queue[tuple[str, str]] | None = None
+    _room: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def output(self, kind: str, text: str) -> None:
+        if self.events is not None:
+            self.events.put_nowait(("pty" if self.pty else kind, text))
+            if self.events.qsize() >= OUTPUT_BACKLOG:
+                self._room.clear()
+
+    async def room(self) -> None:
+        """Until its reader has taken enough of its output (its command waits meanwhile)."""
+        while self.events is not None and self.events.qsize() >= OUTPUT_BACKLOG:
+            self._room.clear()
+            await self._room.wait()
+
+    def taken(self) -> None:
+        if self.events is None or self.events.qsize() < OUTPUT_BACKLOG:
+            self._room.set()
+
+    def attach(self) -> asyncio.Queue[tuple[str, str]]:
+        """A new reader: it gets the output from now on (one reader at a time)."""
+        self.events = asyncio.Queue()
+        self._room.set()
+        return self.events
+
+    def detach(self, events: asyncio.Queue[tuple[str, str]]) -> None:
+        if self.events is events:
+            self.events = None
+            self._room.set()
+
+
+@dataclass(eq=False)
+class Sandbox:
+    tenant: str
+    id: str
+    trajectory: TrajectoryRecord
+    end_at: float | None  # unix seconds; None: no timeout
+    env_vars: dict[str, str] = field(default_factory=dict)  # for every command it runs
+    procs: dict[int, Proc] = field(default_factory=dict)
+    next_pid: int = 1
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return {k: v for k, v in self.trajectory.labels.items() if k != TIMEOUT_LABEL}
+
+    def new_pid(self) -> int:
+        pid, self.next_pid = self.next_pid, self.next_pid + 1
+        return pid
+
+
+class Sandboxes:
+    def __init__(self, engine: Engine, clock: Callable[[], float] = time.time) -> None:
+        self.engine = engine
+        self.clock = clock
+        self._known: dict[tuple[str, str], Sandbox] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def create(
+        self, tenant: str, template: str, timeout_s: int, metadata: dict[str, str],
+        env_vars: dict[str, str],
+    ) -> Sandbox:  # fmt: skip
+        labels = {**metadata, TIMEOUT_LABEL: str(timeout_s)}
+        rec = await self.engine.open_trajectory(tenant, OpenTrajectory(env=template, labels=labels))
+        box = Sandbox(tenant, rec.id, rec, self.clock() + timeout_s, dict(env_vars))
+        self._known[(tenant, rec.id)] = box
+        self._start_reaper()
+        return box
+
+    def find(self, tenant: str, sid: str) -> Sandbox:
+        """``tenant``'s sandbox ``sid``: any of its trajectories that is open."""
+        rec = self.engine.trajectory(tenant, sid)  # 404 for an unknown or a stranger's
+        box = self._known.get((tenant, sid))
+        if box is not None and box.trajectory is not rec:
+            box = None  # the id was closed and opened again since
+        if rec.state not in (TrajectoryState.OPEN, TrajectoryState.AWAY):
+            self._known.pop((tenant, sid), None)
+            raise EngineError("not_found", "sandbox", f"sandbox {sid} was not found ({rec.state})")
+        if box is None:
+            box = self._known[(tenant, sid)] = Sandbox(tenant, sid, rec, self._adopted_end(rec))
+            self._start_reaper()
+        return box
+
+    def mine(self, tenant: str) -> list[Sandbox]:
+        """The tenant's sandboxes made through E2B, still open."""
+        found = []
+        for rec in list(self.engine.state.trajectories.values()):
+            if rec.tenant == tenant and TIMEOUT_LABEL in rec.labels:
+                with contextlib.suppress(EngineError):
+                    found.append(self.find(tenant, rec.id))
+        return found
+
+    async def kill(self, tenant: str, sid: str) -> None:
+        self.find(tenant, sid)
+        self._known.pop((tenant, sid), None)
+        await self.engine.close_trajectory(tenant, sid)
+
+    def set_timeout(self, box: Sandbox, timeout_s: int, *, extend_only: bool = False) -> None:
+        end = self.clock() + timeout_s
+        if not extend_only or box.end_at is None or end > box.end_at:
+            box.end_at = end
+
+    def _adopted_end(self, rec: TrajectoryRecord) -> float | None:
+        label = rec.labels.get(TIMEOUT_LABEL, "")
+        return self.clock() + int(label) if label.isdigit() else None
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_EVERY_S)
+            await self.reap_once()
+
+    async def reap_once(self) -> None:
+        """Kill the sandboxes whose timeout has passed; take on the ones made before a
+        restart (their label says so)."""
+        for rec in list(self.engine.state.trajectories.values()):
+            if TIMEOUT_LABEL in rec.labels and (rec.tenant, rec.id) not in self._known:
+                with contextlib.suppress(EngineError):
+                    self.find(rec.tenant, rec.id)
+        now = self.clock()
+        for (tenant, sid), box in list(self._known.items()):
+            if box.end_at is not None and box.end_at <= now:
+                log.info("sandbox %s reached its timeout: killed", sid)
+                with contextlib.suppress(EngineError):
+                    await self.kill(tenant, sid)
+                self._known.pop((tenant, sid), None)
+            elif box.trajectory.state not in (TrajectoryState.OPEN, TrajectoryState.AWAY):
+                self._known.pop((tenant, sid), None)
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper

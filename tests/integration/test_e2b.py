@@ -1,0 +1,208 @@
+"""E2B's own SDK (the ``e2b`` package from PyPI, unchanged) against the service's
+E2B-compatible endpoint on 127.0.0.1: sandboxes are trajectories, commands exec actions
+run by a real agent, files go through the environment's exec server. Pointed at the
+service only by E2B's environment variables, as a user would."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import AsyncSandbox, CommandExitException, Sandbox
+from e2b.exceptions import (
+    AuthenticationException,
+    NotFoundException,
+    SandboxException,
+)
+
+from .service_harness import RUNTIMES, box_pool, until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=RUNTIMES)
+def e2b(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, str, str]]:
+    """The service serving the env ``box`` (with bash), E2B's SDK pointed at it: the
+    runtime, the service's URL and the tenant token."""
+    kind: str = request.param
+    image = request.getfixturevalue("coding_image") if kind == "docker" else None
+    with box_pool(request, kind, tmp_path, image=image) as (running, token):
+        monkeypatch.setenv("E2B_API_URL", running.url)
+        monkeypatch.setenv("E2B_SANDBOX_URL", running.url)
+        monkeypatch.setenv("E2B_API_KEY", token)
+        yield kind, running.url, token
+
+
+@pytest.fixture
+def sandbox(e2b: tuple[str, str, str]) -> Iterator[Sandbox]:
+    sb = Sandbox.create("box")
+    try:
+        yield sb
+    finally:
+        sb.kill()
+
+
+def test_a_command_runs_with_its_output_exit_code_env_and_cwd(sandbox: Sandbox) -> None:
+    done = sandbox.commands.run("echo out; echo err >&2; echo $GREETING", envs={"GREETING": "hi"})
+    assert (done.stdout, done.stderr, done.exit_code) == ("out\nhi\n", "err\n", 0)
+    sandbox.files.make_dir("sub/dir")
+    assert sandbox.commands.run("pwd", cwd="sub/dir").stdout.strip().endswith("/sub/dir")
+    with pytest.raises(CommandExitException) as failed:
+        sandbox.commands.run("echo no >&2; exit 3")
+    assert failed.value.exit_code == 3 and failed.value.stderr == "no\n"
+
+
+def test_sandbox_env_vars_reach_every_command(e2b: tuple[str, str, str]) -> None:
+    sb = Sandbox.create("box", envs={"FROM_SANDBOX": "yes"})
+    try:
+        assert sb.commands.run("echo $FROM_SANDBOX").stdout == "yes\n"
+    finally:
+        sb.kill()
+
+
+def test_output_streams_before_the_command_ends(sandbox: Sandbox) -> None:
+    lines: list[tuple[float, str]] = []
+    handle = sandbox.commands.run("echo first; sleep 3; echo second", background=True)
+    result = handle.wait(on_stdout=lambda line: lines.append((time.monotonic(), line)))
+    assert [text for _, text in lines] == ["first\n", "second\n"]
+    assert lines[1][0] - lines[0][0] > 1.5  # the first came while the command slept
+    assert result.exit_code == 0
+
+
+def test_stdin_is_sent_and_closed(sandbox: Sandbox) -> None:
+    handle = sandbox.commands.run("cat; echo end", background=True, stdin=True)
+    sandbox.commands.send_stdin(handle.pid, "typed\n")
+    sandbox.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "typed\nend\n"
+
+
+def test_kill_stops_a_running_command_and_frees_its_cores(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    handle = sandbox.commands.run("echo started; sleep 60", background=True)
+    listed = sandbox.commands.list()
+    assert [p.pid for p in listed] == [handle.pid] and listed[0].args[-1].endswith("sleep 60")
+    seen = []
+    waiter = threading.Thread(target=lambda: _wait_quietly(handle, seen))
+    waiter.start()
+    until(lambda: seen == ["started\n"], "the command's first line")
+    assert sandbox.commands.kill(handle.pid)
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert sandbox.commands.list() == []
+    assert not sandbox.commands.kill(handle.pid)  # gone: E2B's "not found" is False
+    # Its cores came back: the next command runs at once.
+    assert sandbox.commands.run("echo again").stdout == "again\n"
+
+
+def _wait_quietly(handle: object, seen: list[str]) -> None:
+    with pytest.raises(CommandExitException) as killed:
+        handle.wait(on_stdout=seen.append)  # type: ignore[attr-defined]
+    seen.append(f"exit {killed.value.exit_code}")
+
+
+def test_files_round_trip_and_are_the_commands_files(sandbox: Sandbox) -> None:
+    data = os.urandom(3 << 20)
+    info = sandbox.files.write("deep/er/blob.bin", data)  # parents are made, as in E2B
+    assert info.name == "blob.bin" and info.path.endswith("/deep/er/blob.bin")
+    assert bytes(sandbox.files.read("deep/er/blob.bin", format="bytes")) == data
+    assert sandbox.commands.run("wc -c < deep/er/blob.bin").stdout.strip() == str(len(data))
+    many = sandbox.files.write_files(
+        [{"path": "m/a.txt", "data": "A"}, {"path": "m/b.txt", "data": b"B"}]
+    )
+    assert sorted(w.name for w in many) == ["a.txt", "b.txt"]
+    assert sandbox.files.read("m/b.txt") == "B"
+    entries = {e.name: e for e in sandbox.files.list("m")}
+    assert set(entries) == {"a.txt", "b.txt"} and entries["a.txt"].size == 1
+    assert {e.name for e in sandbox.files.list("deep", depth=2)} == {"er", "blob.bin"}
+    assert sandbox.files.exists("m/a.txt") and not sandbox.files.exists("m/none")
+    assert sandbox.files.get_info("m").type.value == "dir"
+    moved = sandbox.files.rename("m/a.txt", "m/c.txt")
+    assert moved.name == "c.txt" and sandbox.files.read("m/c.txt") == "A"
+    assert sandbox.files.make_dir("newdir") and not sandbox.files.make_dir("newdir")
+    sandbox.files.remove("m")
+    assert not sandbox.files.exists("m")
+    with pytest.raises(NotFoundException):
+        sandbox.files.read("m/c.txt")
+
+
+def test_a_path_out_of_the_sandbox_is_refused_naming_it(sandbox: Sandbox) -> None:
+    with pytest.raises(SandboxException, match=r"\.\./\.\./etc/passwd"):
+        sandbox.files.read("../../etc/passwd")
+    with pytest.raises(SandboxException, match="'..'"):
+        sandbox.files.list("a/../..")
+
+
+def test_timeout_kills_the_sandbox_and_can_be_extended(
+    e2b: tuple[str, str, str],
+) -> None:
+    _, url, token = e2b
+    sb = Sandbox.create("box", timeout=600)
+    assert sb.is_running()
+    sb.set_timeout(2)
+    until(lambda: not sb.is_running(), "the sandbox's end at its timeout", timeout_s=20)
+    trajectory = f"{url}/v1/trajectories/{sb.sandbox_id}"
+    bearer = {"Authorization": f"Bearer {token}"}
+    until(lambda: httpx.get(trajectory, headers=bearer).status_code == 404,
+          "its trajectory closed with it")  # fmt: skip
+    longer = Sandbox.create("box", timeout=2)
+    again = Sandbox.connect(longer.sandbox_id, timeout=600)  # extends it
+    time.sleep(3.5)
+    assert again.commands.run("echo alive").stdout == "alive\n"
+    again.kill()
+    assert not again.is_running()
+
+
+def test_list_info_and_kill(e2b: tuple[str, str, str]) -> None:
+    sb = Sandbox.create("box", metadata={"run": "r1"})
+    info = sb.get_info()
+    assert (info.template_id, info.metadata) == ("box", {"run": "r1"})
+    listed = Sandbox.list().next_items()
+    assert [s.sandbox_id for s in listed] == [sb.sandbox_id]
+    assert Sandbox.kill(sb.sandbox_id)
+    assert not Sandbox.kill(sb.sandbox_id)  # already gone: False, as in E2B
+    assert Sandbox.list().next_items() == []
+
+
+def test_refusals_name_what_is_wrong(e2b: tuple[str, str, str]) -> None:
+    _, url, token = e2b
+    with pytest.raises(SandboxException, match="unknown TrajectoryEnv .nope. .known: box"):
+        Sandbox.create("nope")
+    with pytest.raises(AuthenticationException):
+        Sandbox.create("box", api_key="not-a-token-of-this-service")
+    with pytest.raises(SandboxException, match="400: timeout: .* 86400"):
+        Sandbox.create("box", timeout=10**9)
+    sb = Sandbox.create("box")
+    try:
+        with pytest.raises(SandboxException, match="501: sandboxes cannot be paused"):
+            sb.pause()
+        # envd's routes need the tenant's token: another's sandbox does not exist.
+        r = httpx.get(f"{url}/health", headers={"E2b-Sandbox-Id": sb.sandbox_id})
+        assert r.status_code == 401 and "API key" in r.json()["message"]
+        r = httpx.get(f"{url}/health", headers={"E2b-Sandbox-Id": sb.sandbox_id,
+                                               "X-Access-Token": token})  # fmt: skip
+        assert r.status_code == 204
+    finally:
+        sb.kill()
+
+
+def test_the_async_sdk(e2b: tuple[str, str, str]) -> None:
+    async def go() -> None:
+        sb = await AsyncSandbox.create("box")
+        try:
+            done = await sb.commands.run("echo async")
+            assert done.stdout == "async\n"
+            await sb.files.write("a.txt", "from async")
+            assert await sb.files.read("a.txt") == "from async"
+        finally:
+            await sb.kill()
+
+    asyncio.run(go())
