@@ -379,3 +379,57 @@ def test_bad_input_is_never_a_server_error(case: Case[Any], target: Target) -> N
         if lease:  # give the quota units back now, not after the generated hold_s
             with httpx.Client(base_url=target.url, headers=_bearer(target.token)) as c:
                 c.delete(f"/v1/leases/{lease}")
+
+
+# ---- the E2B-compatible endpoint's routes -------------------------------------------
+def e2b_error_shape(ctx: CheckContext, response: Response, case: Case[Any]) -> bool | None:
+    """Every 4xx of an E2B route is E2B's ``{"code": <status>, "message"}``, which its SDK
+    reads. (A method no route of the path takes is refused by the service as a whole, in
+    its own shape, with the Allow header.)"""
+    if 400 <= response.status_code < 500 and response.status_code != 405:
+        body = response.json()
+        assert body == {"code": response.status_code, "message": body.get("message")}, body
+        assert isinstance(body["message"], str) and body["message"]
+    return None
+
+
+@pytest.fixture
+def e2b_schema(target: Target, request: pytest.FixtureRequest) -> BaseSchema:
+    if not hasattr(request.node, "_nodeid"):  # as for api_schema
+        setattr(request.node, "_nodeid", request.node.nodeid)  # noqa: B010
+    schema = schemathesis.openapi.from_url(f"{target.url}/e2b/openapi.json", timeout=30)
+    schema.config.update(
+        headers={"X-API-KEY": target.token, "X-Access-Token": target.token,
+                 "E2b-Sandbox-Id": TRAJECTORY},  # any open trajectory serves as a sandbox
+        request_timeout=REQUEST_TIMEOUT_S,
+    )  # fmt: skip
+
+    @schema.hook("flatmap_path_parameters")
+    def existing_sandbox(ctx: HookContext, params: dict[str, Any] | None) -> st.SearchStrategy[Any]:
+        if not isinstance(params, dict) or "sandbox_id" not in params:
+            return st.just(params)
+        if ctx.operation and ctx.operation.method.upper() == "DELETE":
+            return st.just(params)  # (killing it would leave nothing to steer at)
+        return st.sampled_from([params, {**params, "sandbox_id": TRAJECTORY}])
+
+    @schema.hook("flatmap_body")
+    def existing_template(ctx: HookContext, body: Any) -> st.SearchStrategy[Any]:
+        if isinstance(body, dict) and isinstance(body.get("templateID"), str):
+            return st.sampled_from([body, {**body, "templateID": "shell"}])
+        return st.just(body)
+
+    return schema
+
+
+e2b_fuzzed = schemathesis.pytest.from_fixture("e2b_schema")
+
+
+@e2b_fuzzed.parametrize()
+@settings(
+    max_examples=30, deadline=None, derandomize=not os.environ.get("TANGRAM_FUZZ_EXPLORE"),
+    suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)  # fmt: skip
+@pytest.mark.filterwarnings("ignore:Do not use the `random` module inside strategies")
+def test_bad_input_to_the_e2b_routes_is_never_a_server_error(case: Case[Any]) -> None:
+    response = case.call()
+    case.validate_response(response, checks=[not_a_server_error, e2b_error_shape])

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.api.wire import (
@@ -56,7 +57,7 @@ from tangram.service.answers import (
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.e2b import add_e2b_routes
-from tangram.service.e2b.errors import E2BError, is_e2b
+from tangram.service.e2b.errors import E2BError
 from tangram.service.engine import Engine
 from tangram.service.file_routes import add_file_routes, is_upload
 from tangram.service.records import ActionRecord, EngineError
@@ -359,12 +360,12 @@ def create_app(
                            "(E2B_API_KEY)")  # fmt: skip
         return who
 
-    sandboxes = add_e2b_routes(app, engine, e2b_admit)
+    sandboxes, e2b_routes = add_e2b_routes(app, engine, e2b_admit)
 
     @app.get("/e2b/openapi.json", include_in_schema=False)
     async def e2b_openapi() -> JSONResponse:
         """The E2B-compatible endpoint's routes (its Connect RPCs are in docs/service.md)."""
-        return JSONResponse(_e2b_schema(app))
+        return JSONResponse(_e2b_schema(e2b_routes))
 
     @app.delete("/v1/leases/{lease}", responses=_ERRORS)
     async def release(lease: str, who: TenantId) -> ActionResult:
@@ -542,9 +543,8 @@ def _schema(app: FastAPI, models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(
-        title=app.title, version=app.version, description=app.description,
-        routes=[r for r in app.routes if not is_e2b(r)],
-    )  # fmt: skip
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
     _, defs = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
     )
@@ -566,11 +566,11 @@ def _schema(app: FastAPI, models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     return doc
 
 
-def _e2b_schema(app: FastAPI) -> dict[str, Any]:
+def _e2b_schema(routes: Sequence[BaseRoute]) -> dict[str, Any]:
     doc = get_openapi(
         title="ARL-Tangram's E2B-compatible endpoint", version="v1",
         description="E2B's control-plane API and envd's HTTP routes, served for trajectories.",
-        routes=[r for r in app.routes if is_e2b(r)],
+        routes=routes,
     )  # fmt: skip
     doc.setdefault("components", {})["securitySchemes"] = {
         "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-KEY"},

@@ -156,8 +156,8 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
         "refreshes": "refreshed",
     }  # fmt: skip
     for what, done in unserved.items():
-        router.post(f"/sandboxes/{{sandbox_id}}/{what}", responses={501: {"model": None}},
-                    name=f"not_{done}")(_not_served(done, tenant))  # fmt: skip
+        router.post(f"/sandboxes/{{sandbox_id}}/{what}", name=f"not_{done}",
+                    include_in_schema=False)(_not_served(done, tenant))  # fmt: skip
 
     return router
 

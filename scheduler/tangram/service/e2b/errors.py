@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
 from tangram.service.answers import RETRY_AFTER_S, RETRY_STATUS, STATUS
 from tangram.service.records import EngineError
@@ -55,6 +56,8 @@ class E2BRoute(APIRoute):
                 return from_engine(e)
             except E2BError as e:
                 return answer(e.status, e.message)
+            except HTTPException as e:  # the framework's (an unreadable multipart body)
+                return answer(e.status_code, str(e.detail))
 
         return handle
 
@@ -65,10 +68,6 @@ def invalid(errors: Any) -> str:
         return "invalid request"
     loc = [str(p) for p in first.get("loc", ())[1:]] or [str(p) for p in first.get("loc", ())]
     return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}"
-
-
-def is_e2b(route: object) -> bool:
-    return isinstance(route, E2BRoute)
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {

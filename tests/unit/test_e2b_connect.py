@@ -1,0 +1,87 @@
+"""The Connect framing and envd's message shapes the E2B endpoint answers with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tangram.api.wire import ActionResult, ActionStatus, ErrorInfo, FileEntry
+from tangram.service.e2b.connect import (
+    END_STREAM,
+    ConnectError,
+    end_of_stream,
+    envelope,
+    first_message,
+    timeout_s,
+)
+from tangram.service.e2b.envd import entry_info
+from tangram.service.e2b.process import _end
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.text(), json_values))
+def test_an_envelope_is_read_back_as_the_message(message: dict[str, object]) -> None:
+    framed = envelope(message)
+    assert framed[0] == 0 and int.from_bytes(framed[1:5], "big") == len(framed) - 5
+    assert first_message(framed) == message
+
+
+def test_the_end_of_a_stream_carries_its_error() -> None:
+    ok, failed = end_of_stream(), end_of_stream(ConnectError("not_found", "process 3"))
+    assert ok[0] == END_STREAM and json.loads(ok[5:]) == {}
+    assert json.loads(failed[5:]) == {"error": {"code": "not_found", "message": "process 3"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"", "no enveloped message"),
+        (b"\x00\x00\x00\x00\x09{}", "cut short"),
+        (b"\x01\x00\x00\x00\x02{}", "compressed"),
+        (b"\x00\x00\x00\x00\x02[]", "not a JSON object"),
+        (b"\x00\x00\x00\x00\x02{x", "not JSON"),
+    ],
+)
+def test_a_bad_request_message_is_refused_saying_why(body: bytes, why: str) -> None:
+    with pytest.raises(ConnectError, match=why):
+        first_message(body)
+
+
+def test_the_callers_deadline() -> None:
+    assert timeout_s(None) is None and timeout_s("0") is None
+    assert timeout_s("60000") == 60.0
+    with pytest.raises(ConnectError, match="Connect-Timeout-Ms"):
+        timeout_s("-5")
+
+
+def test_the_end_event_says_how_the_command_ended() -> None:
+    exited = ActionResult(id="a", kind="exec", status=ActionStatus.OK, exit_code=3)
+    assert _end(exited) == {"exitCode": 3, "exited": True, "status": "exit status 3"}
+    timed_out = ActionResult(
+        id="a", kind="exec", status=ActionStatus.TIMEOUT,
+        error=ErrorInfo(code="timeout", message="killed at its 2 s timeout"),
+    )  # fmt: skip
+    assert _end(timed_out) == {
+        "exitCode": -1, "exited": False, "status": "timeout", "error": "killed at its 2 s timeout"
+    }  # fmt: skip
+
+
+def test_an_entry_is_envds_entry_info() -> None:
+    link = FileEntry(name="l", path="/work/l", type="symlink", size=4, mode=0o777,
+                     mtime=0.5, uid=1000, gid=1000, target="/etc")  # fmt: skip
+    assert entry_info(link) == {
+        "name": "l", "type": "FILE_TYPE_SYMLINK", "path": "/work/l", "size": "4", "mode": 0o777,
+        "permissions": "lrwxrwxrwx", "owner": "1000", "group": "1000",
+        "modifiedTime": "1970-01-01T00:00:00.500000Z", "isSymlink": True, "symlinkTarget": "/etc",
+    }  # fmt: skip
+    directory = FileEntry(name="d", path="/work/d", type="dir", size=0, mode=0o755,
+                          mtime=0, uid=0, gid=0)  # fmt: skip
+    assert entry_info(directory)["permissions"] == "drwxr-xr-x"
