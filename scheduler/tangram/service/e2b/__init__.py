@@ -15,9 +15,7 @@ from tangram.service.e2b.sandboxes import Sandboxes
 from tangram.service.engine import Engine
 
 
-def add_e2b_routes(
-    app: FastAPI, engine: Engine, admit: Admit
-) -> tuple[Sandboxes, list[BaseRoute]]:
+def add_e2b_routes(app: FastAPI, engine: Engine, admit: Admit) -> tuple[Sandboxes, list[BaseRoute]]:
     """Serve E2B's API and envd at the service's root, out of the service's own OpenAPI
     document: the routes are returned for a document of their own. The caller stops the
     returned sandboxes' reaper when the service stops."""
