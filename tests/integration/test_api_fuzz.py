@@ -265,13 +265,17 @@ def error_body_shape(ctx: CheckContext, response: Response, case: Case[Any]) -> 
     return None
 
 
-@pytest.fixture
-def api_schema(target: Target, request: pytest.FixtureRequest) -> BaseSchema:
+def _schema_at(url: str, request: pytest.FixtureRequest) -> BaseSchema:
     # schemathesis 4.32's lazy schemas read and rename the test item through ``_nodeid``,
     # which pytest 9.2 no longer has: give the item the attribute back.
     if not hasattr(request.node, "_nodeid"):
         setattr(request.node, "_nodeid", request.node.nodeid)  # noqa: B010
-    schema = schemathesis.openapi.from_url(f"{target.url}/openapi.json", timeout=30)
+    return schemathesis.openapi.from_url(url, timeout=30)
+
+
+@pytest.fixture
+def api_schema(target: Target, request: pytest.FixtureRequest) -> BaseSchema:
+    schema = _schema_at(f"{target.url}/openapi.json", request)
     schema.config.update(headers=_bearer(target.token), request_timeout=REQUEST_TIMEOUT_S)
 
     @schema.hook("flatmap_path_parameters")
@@ -395,9 +399,7 @@ def e2b_error_shape(ctx: CheckContext, response: Response, case: Case[Any]) -> b
 
 @pytest.fixture
 def e2b_schema(target: Target, request: pytest.FixtureRequest) -> BaseSchema:
-    if not hasattr(request.node, "_nodeid"):  # as for api_schema
-        setattr(request.node, "_nodeid", request.node.nodeid)  # noqa: B010
-    schema = schemathesis.openapi.from_url(f"{target.url}/e2b/openapi.json", timeout=30)
+    schema = _schema_at(f"{target.url}/e2b/openapi.json", request)
     schema.config.update(
         headers={"X-API-KEY": target.token, "X-Access-Token": target.token,
                  "E2b-Sandbox-Id": TRAJECTORY},  # any open trajectory serves as a sandbox

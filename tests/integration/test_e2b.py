@@ -69,12 +69,15 @@ def test_sandbox_env_vars_reach_every_command(e2b: tuple[str, str, str]) -> None
 
 
 def test_output_streams_before_the_command_ends(sandbox: Sandbox) -> None:
-    lines: list[tuple[float, str]] = []
-    handle = sandbox.commands.run("echo first; sleep 3; echo second", background=True)
-    result = handle.wait(on_stdout=lambda line: lines.append((time.monotonic(), line)))
-    assert [text for _, text in lines] == ["first\n", "second\n"]
-    assert lines[1][0] - lines[0][0] > 1.5  # the first came while the command slept
-    assert result.exit_code == 0
+    # The command cannot end before it is sent a line: its first line must arrive first.
+    handle = sandbox.commands.run("echo first; read x; echo second", background=True, stdin=True)
+    lines: list[str] = []
+    waiter = threading.Thread(target=lambda: handle.wait(on_stdout=lines.append))
+    waiter.start()
+    until(lambda: lines == ["first\n"], "the first line, while the command waits")
+    sandbox.commands.send_stdin(handle.pid, "go\n")
+    waiter.join(30)
+    assert lines == ["first\n", "second\n"]
 
 
 def test_stdin_is_sent_and_closed(sandbox: Sandbox) -> None:
@@ -159,6 +162,20 @@ def test_timeout_kills_the_sandbox_and_can_be_extended(
     assert again.commands.run("echo alive").stdout == "alive\n"
     again.kill()
     assert not again.is_running()
+
+
+def test_a_sandbox_the_service_did_not_make_is_reaped_by_its_label(
+    e2b: tuple[str, str, str],
+) -> None:
+    """As after a scheduler restart: a trajectory labelled with an E2B timeout that this
+    service never created as a sandbox is killed when that timeout passes, unasked."""
+    _, url, token = e2b
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
+        opened = http.post("/v1/trajectories", json={
+            "env": "box", "labels": {"e2b.tangram.dev/timeout-s": "1"}})  # fmt: skip
+        assert opened.status_code == 201, opened.text
+        trajectory = f"/v1/trajectories/{opened.json()['id']}"
+        until(lambda: http.get(trajectory).status_code == 404, "its end at its timeout")
 
 
 def test_list_info_and_kill(e2b: tuple[str, str, str]) -> None:

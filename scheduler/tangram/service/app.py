@@ -57,6 +57,7 @@ from tangram.service.answers import (
 )
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.e2b import add_e2b_routes
+from tangram.service.e2b.envd import is_upload as is_e2b_upload
 from tangram.service.e2b.errors import E2BError
 from tangram.service.engine import Engine
 from tangram.service.file_routes import add_file_routes, is_upload
@@ -239,6 +240,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        sandboxes.start()
         yield
         await sandboxes.stop()
         await engine.stop()
@@ -252,7 +254,8 @@ def create_app(
 
     def limit(scope: Scope) -> int:
         config = engine.config
-        return config.max_file_bytes if is_upload(scope) else config.max_request_bytes
+        upload = is_upload(scope) or is_e2b_upload(scope)
+        return config.max_file_bytes if upload else config.max_request_bytes
 
     app.add_middleware(BodyLimit, limit=limit)
     app.state.tokens = tokens
@@ -350,15 +353,12 @@ def create_app(
     async def e2b_admit(token: str | None) -> str:
         """An E2B API key (or envd access token): a tenant token of this service."""
         try:
-            who = await _who(tokens, reviewer, engine, f"Bearer {token}" if token else None)
+            return await _client(tokens, reviewer, engine, f"Bearer {token}" if token else None)
         except NotAdmittedError as e:
             raise E2BError(403, str(e)) from None
-        except (ReviewError, OSError) as e:
-            raise E2BError(503, f"cannot check the API key: {e}") from None
-        if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
+        except _UnauthorizedError:
             raise E2BError(401, "a valid API key is required: a tenant token of this service "
-                           "(E2B_API_KEY)")  # fmt: skip
-        return who
+                           "(E2B_API_KEY)") from None  # fmt: skip
 
     sandboxes, e2b_routes = add_e2b_routes(app, engine, e2b_admit)
 
@@ -437,14 +437,13 @@ def create_app(
         async def admit() -> str | tuple[int, dict[str, Any]]:
             """As for a request: the token's tenant, or the status and body refusing it."""
             try:
-                who = await _who(tokens, reviewer, engine, auth)
+                return await _client(tokens, reviewer, engine, auth)
             except NotAdmittedError as e:
                 return 403, error_body("forbidden", str(e))
-            except (ReviewError, OSError) as e:
-                return engine_error(_unchecked(e))
-            if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
+            except EngineError as e:
+                return engine_error(e)
+            except _UnauthorizedError:
                 return UNAUTHORIZED
-            return who
 
         tenant = await admit()
         if not isinstance(tenant, str):
@@ -588,8 +587,17 @@ async def _tenant(request: Request, authorization: Annotated[str | None, Header(
     # async: a sync dependency would cost a thread-pool hop on every request
     """The caller's tenant from its bearer token; agents' tokens do not submit."""
     state = request.app.state
+    return await _client(state.tokens, state.reviewer, state.engine, authorization)
+
+
+async def _client(
+    tokens: TokenStore, reviewer: TokenReviewer | None, engine: Engine, authorization: str | None
+) -> str:
+    """The tenant of a client's token. Raises _UnauthorizedError for no valid token or an
+    agent's or the operator's (they do not submit), NotAdmittedError for a ServiceAccount
+    the pool's access list does not admit, EngineError when the token cannot be checked."""
     try:
-        who = await _who(state.tokens, state.reviewer, state.engine, authorization)
+        who = await _who(tokens, reviewer, engine, authorization)
     except (ReviewError, OSError) as e:
         raise _unchecked(e) from None
     if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):

@@ -42,8 +42,6 @@ Path = Annotated[
 
 def is_upload(scope: Scope) -> bool:
     """A file upload, whose body may be as large as ``admission.maxFileBytes``."""
-    if scope["method"] == "POST" and scope["path"] == "/files":  # E2B's envd upload
-        return True
     return scope["method"] == "PUT" and _UPLOAD.fullmatch(scope["path"]) is not None
 
 

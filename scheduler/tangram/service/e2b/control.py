@@ -8,10 +8,11 @@ import datetime as dt
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi import APIRouter, Depends, Header, Response
+from pydantic import BaseModel, ConfigDict, Field
 
-from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute, invalid
+from tangram.api.demand import allowed_units
+from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
@@ -77,14 +78,7 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
         return await admit(x_api_key)
 
     tenant = Annotated[str, Depends(caller)]
-
-    async def body(model: type[_Body], request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return model.model_validate_json(raw or b"{}")
-        except ValidationError as e:
-            errors = [{**x, "loc": ("body", *x["loc"])} for x in e.errors(include_url=False)]
-            raise E2BError(400, invalid(errors)) from None
+    api_key = Annotated[str, Header(alias="X-API-KEY")]  # (checked by ``caller``)
 
     def sandbox(box: Sandbox, key: str) -> SandboxOut:
         return SandboxOut(
@@ -99,21 +93,20 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
         return SandboxDetail(
             template_id=rec.env, sandbox_id=box.id, client_id=rec.node or "",
             envd_version=ENVD_VERSION, started_at=iso(rec.opened_at), end_at=iso(end),
-            cpu_count=_cores(rec.env_config.cpu), memory_mb=round(spec.memory_gb * 1024),
+            cpu_count=allowed_units(rec.env_config.cpu)[-1], memory_mb=round(spec.memory_gb * 1024),
             disk_size_mb=round((spec.disk_gb or 0) * 1024), state="running",
             metadata=box.metadata,
         )  # fmt: skip
 
     for path in ("/sandboxes", "/v2/sandboxes"):
 
-        @router.post(path, status_code=201, openapi_extra=_json_body(NewSandbox))
-        async def create(request: Request, who: tenant) -> SandboxOut:
+        @router.post(path, status_code=201)
+        async def create(req: NewSandbox, who: tenant, key: api_key) -> SandboxOut:
             """Open a trajectory of the TrajectoryEnv ``templateID`` as a sandbox; it is
             killed ``timeout`` seconds from now unless extended."""
-            req: NewSandbox = await body(NewSandbox, request)
             box = await sandboxes.create(who, req.template_id, req.timeout, req.metadata,
                                          req.env_vars)  # fmt: skip
-            return sandbox(box, request.headers.get("x-api-key", ""))
+            return sandbox(box, key)
 
         @router.get(path)
         async def list_sandboxes(who: tenant) -> list[SandboxDetail]:
@@ -131,25 +124,23 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
         await sandboxes.kill(who, sandbox_id)
         return Response(status_code=204)
 
-    @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204,
-                 openapi_extra=_json_body(SetTimeout))  # fmt: skip
-    async def set_timeout(sandbox_id: str, request: Request, who: tenant) -> Response:
+    @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+    async def set_timeout(sandbox_id: str, req: SetTimeout, who: tenant) -> Response:
         """Kill the sandbox ``timeout`` seconds from now (shorter or longer than before)."""
-        box = sandboxes.find(who, sandbox_id)
-        req: SetTimeout = await body(SetTimeout, request)
-        sandboxes.set_timeout(box, req.timeout)
+        sandboxes.set_timeout(sandboxes.find(who, sandbox_id), req.timeout)
         return Response(status_code=204)
 
     for path in ("/sandboxes/{sandbox_id}/connect", "/v2/sandboxes/{sandbox_id}/connect"):
 
-        @router.post(path, openapi_extra=_json_body(ConnectSandbox))
-        async def connect(sandbox_id: str, request: Request, who: tenant) -> SandboxOut:
+        @router.post(path)
+        async def connect(
+            sandbox_id: str, req: ConnectSandbox, who: tenant, key: api_key
+        ) -> SandboxOut:
             """A running sandbox, its timeout extended to ``timeout`` from now if that is
             later."""
             box = sandboxes.find(who, sandbox_id)
-            req: ConnectSandbox = await body(ConnectSandbox, request)
             sandboxes.set_timeout(box, req.timeout, extend_only=True)
-            return sandbox(box, request.headers.get("x-api-key", ""))
+            return sandbox(box, key)
 
     unserved = {
         "pause": "paused", "resume": "resumed", "fork": "forked", "snapshots": "snapshotted",
@@ -170,19 +161,5 @@ def _not_served(done: str, tenant: Any) -> Callable[..., Awaitable[Response]]:
     return not_served
 
 
-def _json_body(model: type[BaseModel]) -> dict[str, Any]:
-    schema = model.model_json_schema(by_alias=True)
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
 def iso(unix_s: float) -> str:
     return dt.datetime.fromtimestamp(unix_s, dt.UTC).isoformat().replace("+00:00", "Z")
-
-
-def _cores(demand: Any) -> int:
-    """The most cores one action of the env may get by default."""
-    for name in ("max", "value"):
-        if isinstance(getattr(demand, name, None), int):
-            return int(getattr(demand, name))
-    choices = getattr(demand, "choices", None)
-    return max(choices) if choices else 1

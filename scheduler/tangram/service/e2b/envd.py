@@ -19,6 +19,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.datastructures import UploadFile
+from starlette.types import Scope
 
 from tangram.api.wire import MAX_PATH, STREAM_CHUNK, FileEntry
 from tangram.service.e2b import process
@@ -48,6 +49,12 @@ MAX_UPLOAD_FILES = 1000  # files in one multipart upload
 Path = Annotated[str, Query(min_length=1, max_length=MAX_PATH)]
 Username = Annotated[str | None, Query(description="ignored: commands and files are the "
                                        "TrajectoryEnv's user's")]  # fmt: skip
+
+
+def is_upload(scope: Scope) -> bool:
+    """envd's file upload, whose body may be as large as ``admission.maxFileBytes``."""
+    return bool(scope["method"] == "POST" and scope["path"] == "/files")
+
 
 Call = Callable[[str, Sandbox, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -246,8 +253,7 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         except (ConnectError, ValueError) as e:
             error = e if isinstance(e, ConnectError) else ConnectError("invalid_argument", str(e))
             return Response(end_of_stream(error), media_type=STREAM_TYPE)
-        return StreamingResponse(process.events(proc, keepalive, started=True),
-                                 media_type=STREAM_TYPE)  # fmt: skip
+        return StreamingResponse(process.events(proc, keepalive), media_type=STREAM_TYPE)
 
     return router
 

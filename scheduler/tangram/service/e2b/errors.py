@@ -16,7 +16,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-from tangram.service.answers import RETRY_AFTER_S, RETRY_STATUS, STATUS
+from tangram.service.answers import RETRY_AFTER_S, RETRY_STATUS, STATUS, invalid
 from tangram.service.records import EngineError
 
 
@@ -50,8 +50,8 @@ class E2BRoute(APIRoute):
         async def handle(request: Request) -> Response:
             try:
                 return await handler(request)
-            except RequestValidationError as e:
-                return answer(400, invalid(e.errors()))
+            except RequestValidationError as e:  # (its locations start at query, body...)
+                return answer(400, invalid(e.errors(), skip=1)["error"]["message"])
             except EngineError as e:
                 return from_engine(e)
             except E2BError as e:
@@ -60,14 +60,6 @@ class E2BRoute(APIRoute):
                 return answer(e.status_code, str(e.detail))
 
         return handle
-
-
-def invalid(errors: Any) -> str:
-    first = next(iter(errors), None)
-    if not isinstance(first, dict):
-        return "invalid request"
-    loc = [str(p) for p in first.get("loc", ())[1:]] or [str(p) for p in first.get("loc", ())]
-    return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}"
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {

@@ -23,7 +23,9 @@ from tangram.service.engine import Engine
 from tangram.service.live import LiveExec
 from tangram.service.records import EngineError
 
-SIGNALS = {"SIGNAL_SIGTERM": signal.SIGTERM, "SIGNAL_SIGKILL": signal.SIGKILL, 15: 15, 9: 9}
+# envd's signals, by name or (proto JSON allows both) by number.
+SIGNALS: dict[object, int] = {"SIGNAL_SIGTERM": signal.SIGTERM, "SIGNAL_SIGKILL": signal.SIGKILL,
+                              15: signal.SIGTERM, 9: signal.SIGKILL}  # fmt: skip
 # A command asked to run in another directory: the exec runs in the environment's
 # workdir, so a shell moves first ($0 is the directory, "$@" the command).
 _CD = 'cd -- "$0" && exec "$@"'
@@ -63,14 +65,13 @@ def start(engine: Engine, box: Sandbox, msg: dict[str, Any], timeout_s: float | 
     return proc
 
 
-async def events(proc: Proc, keepalive_s: float | None, *, started: bool) -> AsyncIterator[bytes]:
-    """The command's events as a server stream: its start (when ``started``), its output
-    as it comes, a keepalive when it is quiet for ``keepalive_s``, its end."""
+async def events(proc: Proc, keepalive_s: float | None) -> AsyncIterator[bytes]:
+    """The command's events as a server stream: its start, its output as it comes, a
+    keepalive when it is quiet for ``keepalive_s``, its end."""
     queue = proc.attach()
     done: asyncio.Future[ActionResult] = asyncio.ensure_future(asyncio.shield(proc.rec.done))
     try:
-        if started:
-            yield envelope({"event": {"start": {"pid": proc.pid}}})
+        yield envelope({"event": {"start": {"pid": proc.pid}}})
         while True:
             get: asyncio.Future[Any] = asyncio.ensure_future(queue.get())
             ready, _ = await asyncio.wait({get, done}, timeout=keepalive_s,
@@ -106,9 +107,7 @@ def select(box: Sandbox, msg: dict[str, Any]) -> Proc:
 
 def send_input(proc: Proc, msg: dict[str, Any]) -> None:
     given = msg.get("input") or {}
-    data = given.get("pty") if proc.pty else given.get("stdin")
-    if data is None:
-        data = given.get("stdin") or given.get("pty") or ""
+    data = given.get("stdin") or given.get("pty") or ""  # (a oneof: one of them at most)
     if not proc.stdin:
         raise ConnectError(
             "failed_precondition", f"process {proc.pid} was started without stdin (stdin=True)"
@@ -127,11 +126,11 @@ def close_stdin(proc: Proc) -> None:
 
 
 def send_signal(proc: Proc, msg: dict[str, Any]) -> None:
-    number = SIGNALS.get(msg.get("signal"))  # type: ignore[call-overload,unused-ignore]
+    number = SIGNALS.get(msg.get("signal"))
     if number is None:
         raise ConnectError("invalid_argument", f"signal: {msg.get('signal')!r} is not one of "
                            "SIGNAL_SIGTERM, SIGNAL_SIGKILL")  # fmt: skip
-    proc.live.signal(int(number))
+    proc.live.signal(number)
 
 
 def listed(box: Sandbox) -> dict[str, Any]:

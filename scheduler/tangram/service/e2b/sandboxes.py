@@ -50,8 +50,6 @@ class Proc:
     def output(self, kind: str, text: str) -> None:
         if self.events is not None:
             self.events.put_nowait(("pty" if self.pty else kind, text))
-            if self.events.qsize() >= OUTPUT_BACKLOG:
-                self._room.clear()
 
     async def room(self) -> None:
         """Until its reader has taken enough of its output (its command waits meanwhile)."""
@@ -109,7 +107,6 @@ class Sandboxes:
         rec = await self.engine.open_trajectory(tenant, OpenTrajectory(env=template, labels=labels))
         box = Sandbox(tenant, rec.id, rec, self.clock() + timeout_s, dict(env_vars))
         self._known[(tenant, rec.id)] = box
-        self._start_reaper()
         return box
 
     def find(self, tenant: str, sid: str) -> Sandbox:
@@ -123,7 +120,6 @@ class Sandboxes:
             raise EngineError("not_found", "sandbox", f"sandbox {sid} was not found ({rec.state})")
         if box is None:
             box = self._known[(tenant, sid)] = Sandbox(tenant, sid, rec, self._adopted_end(rec))
-            self._start_reaper()
         return box
 
     def mine(self, tenant: str) -> list[Sandbox]:
@@ -149,9 +145,10 @@ class Sandboxes:
         label = rec.labels.get(TIMEOUT_LABEL, "")
         return self.clock() + int(label) if label.isdigit() else None
 
-    def _start_reaper(self) -> None:
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.create_task(self._reap())
+    def start(self) -> None:
+        """Run the reaper, from the service's start: sandboxes of a scheduler that
+        restarted are reaped whether or not anyone asks about them."""
+        self._reaper = asyncio.create_task(self._reap())
 
     async def _reap(self) -> None:
         while True:
