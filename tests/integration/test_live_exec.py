@@ -18,6 +18,7 @@ from tangram.client import AsyncClient, AsyncTrajectory, LiveAction
 from .service_harness import RUNTIMES, box_pool
 
 CORES = sorted(os.sched_getaffinity(0))
+HANG_GUARD_S = 120  # a scenario that has not ended by then hangs: a failure, not a wait
 Scenario = Callable[[AsyncTrajectory], Any]
 
 
@@ -29,7 +30,7 @@ def _run(request: pytest.FixtureRequest, kind: str, tmp: Path, scenario: Scenari
 
         async def go() -> None:
             async with AsyncClient(running.url, token) as c, c.trajectory("box") as t:
-                await scenario(t)
+                await asyncio.wait_for(scenario(t), HANG_GUARD_S)
 
         asyncio.run(go())
 
@@ -97,6 +98,7 @@ def test_a_signal_sent_while_it_queues_reaches_it_when_it_starts(
         hold = ["sh", "-c", "touch held; sleep 60"]
         holder = asyncio.ensure_future(t.exec(hold, cores=len(CORES), idempotency_key="hold"))
         while not await t.files.exists("held"):  # it holds every core from here on
+            assert not holder.done(), holder.result()
             await asyncio.sleep(0.05)
         action = await t.exec_live(["sleep", "60"])  # so this one waits in the queue
         await action.signal("SIGTERM")
@@ -175,9 +177,7 @@ def test_a_dropped_stream_ends_its_interactive_commands_input(
             await action.write("kept\n")
             await _until(action, "kept")
         # the stream dropped with the client: a retry under the key waits for the end
-        again = await asyncio.wait_for(
-            t.client.exec(t.id, ["cat"], idempotency_key="cat"), 60
-        )  # (a hang guard)
+        again = await t.client.exec(t.id, ["cat"], idempotency_key="cat")
         assert (again.exit_code, again.stdout) == (0, "kept\n")
 
     on(scenario)

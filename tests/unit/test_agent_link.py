@@ -256,10 +256,12 @@ def test_a_streams_chunks_are_acknowledged_as_they_are_taken() -> None:
 def test_a_stream_closed_before_its_reply_cancels_the_request() -> None:
     async def scenario() -> None:
         socket, stream, reader = _streaming("read")
-        await stream.close()  # the HTTP client went away mid-download
+        await stream.close(0.01)  # the HTTP client went away mid-download (no reply comes)
+        await stream.close()  # as a caller's cleanup does after a cancel: nothing more
         await asyncio.sleep(0)
         sent = [parse_agent_request(m) for f in socket.sent for m in unpack(f)]
-        assert any(getattr(m, "target", None) == stream.rid and m.op == "cancel" for m in sent)
+        cancels = [m for m in sent if getattr(m, "target", None) == stream.rid and m.op == "cancel"]
+        assert len(cancels) == 1  # a second cancel would cut short the agent's kill
         reader.cancel()
 
     asyncio.run(scenario())

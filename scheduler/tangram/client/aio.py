@@ -161,7 +161,7 @@ class AsyncClient:
             raise TangramError(
                 0, "no_stream", "a live exec needs the action stream (/v1/stream)", []
             )
-        return stream.live(trajectory, body, stream=True, interactive=interactive)
+        return stream.live(trajectory, body, interactive=interactive)
 
     async def _stream_exec(self, trajectory: str, body: dict[str, Any]) -> ActionResult | None:
         """The exec's result over the stream; None when the service refuses the stream

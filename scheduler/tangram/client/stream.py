@@ -121,42 +121,34 @@ class ExecStream:
 
     async def exec(self, trajectory: str, body: dict[str, Any]) -> StreamAnswer:
         """Submit one exec (``body`` as ``POST .../exec`` takes it); its answer."""
-        if self.closed:
-            raise StreamClosedError("the action stream is closed")
-        self._ids += 1
-        mid = self._ids
-        msg = {"id": mid, "trajectory": trajectory, "exec": body}
-        line = json.dumps(msg, separators=(",", ":")).encode()
-        if len(line) > MAX_MESSAGE_BYTES:
-            raise NoStreamError(413)
-        fut: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
-        self._pending[mid] = fut
-        self._outbox.post(line)
+        mid, fut = self._submit({"trajectory": trajectory, "exec": body})
         try:
             return await fut
         finally:
             self._pending.pop(mid, None)
 
-    def live(
-        self, trajectory: str, body: dict[str, Any], *, stream: bool, interactive: bool
-    ) -> LiveAction:
-        """Submit one exec whose output comes as it is produced (``stream``) and whose
-        stdin stays open (``interactive``); a signal can reach it either way."""
+    def live(self, trajectory: str, body: dict[str, Any], *, interactive: bool) -> LiveAction:
+        """Submit one exec whose output comes as it is produced and whose stdin stays open
+        if ``interactive``; a signal can reach it either way."""
+        mid, fut = self._submit({"trajectory": trajectory, "exec": body, "stream": True,
+                                 "interactive": interactive})  # fmt: skip
+        action = self._live[mid] = LiveAction(self, mid, fut, interactive=interactive)
+        fut.add_done_callback(lambda _: self._live_ended(mid))
+        return action
+
+    def _submit(self, msg: dict[str, Any]) -> tuple[int, asyncio.Future[StreamAnswer]]:
+        """Send a message under a new id; the future its answer resolves."""
         if self.closed:
             raise StreamClosedError("the action stream is closed")
         self._ids += 1
         mid = self._ids
-        msg = {"id": mid, "trajectory": trajectory, "exec": body, "stream": stream,
-               "interactive": interactive}  # fmt: skip
-        line = json.dumps(msg, separators=(",", ":")).encode()
+        line = json.dumps({"id": mid, **msg}, separators=(",", ":")).encode()
         if len(line) > MAX_MESSAGE_BYTES:
             raise NoStreamError(413)
         fut: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
         self._pending[mid] = fut
-        action = self._live[mid] = LiveAction(self, mid, fut, interactive=interactive)
-        fut.add_done_callback(lambda _: self._live_ended(mid))
-        self._outbox.post(line)
-        return action
+        self._outbox.post(line)  # (sent by the writer: the caller registers before any reply)
+        return mid, fut
 
     def _live_ended(self, mid: int) -> None:
         self._pending.pop(mid, None)

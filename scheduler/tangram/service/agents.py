@@ -191,6 +191,7 @@ class LinkStream:
         self._chunks: asyncio.Queue[AgentReply | None] = asyncio.Queue()
         self._window = asyncio.Semaphore(STREAM_WINDOW)  # input chunks not yet taken
         self._ended = False
+        self._closed = False
 
     def arrived(self, chunk: AgentReply) -> None:
         for _ in range(chunk.credit):
@@ -238,14 +239,16 @@ class LinkStream:
         """A signal for a streamed exec's command."""
         self.link.send(AgentInput(target=self.rid, signal=number))
 
-    async def cancel(self, wait_s: float) -> None:
-        """Cancel the request and wait (bounded) for the agent to say it is gone."""
-        await self.link.cancel(self.rid, self._reply, wait_s)
-
-    async def close(self) -> None:
-        """Done with it: a request still running is cancelled (its reader went away)."""
-        self.link._forget(self.rid)
-        await self.link.cancel(self.rid, self._reply, 0)
+    async def close(self, wait_s: float = 0.0) -> None:
+        """Done with it: a request still running is cancelled, once, and waited for up to
+        ``wait_s`` (the agent's word that what it ran is gone); later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.link.cancel(self.rid, self._reply, wait_s)
+        finally:
+            self.link._forget(self.rid)
 
 
 class AgentHub:

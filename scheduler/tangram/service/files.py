@@ -105,9 +105,7 @@ class Files:
         if action == "rename":
             check_path(str(kw.get("to") or ""), "to")
         link, req = self._request(tenant, tid, action, path, **kw)
-        with agent_gone(link.node):
-            reply = await link.request(req)
-        return _outcome(reply, path)
+        return _outcome(await self.state.ask(link.node, req), path)
 
     async def read(self, tenant: str, tid: str, path: str) -> Download:
         link, req = self._request(tenant, tid, "read", path)

@@ -180,7 +180,7 @@ class Rounds:
                     live.arrived(chunk)
                 return await stream.reply()
             except asyncio.CancelledError:
-                await stream.cancel(CANCEL_WAIT_S)
+                await stream.close(CANCEL_WAIT_S)  # (the close below then does nothing)
                 raise
             finally:
                 live.detach()
