@@ -4,6 +4,7 @@ hello and the command line take it up without naming it anywhere else."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from tangram.api.wire import (
 )
 from tangram.node_agent import runtimes
 from tangram.node_agent.agent import NodeAgent
-from tangram.node_agent.env_files import EnvFiles
+from tangram.node_agent.env_files import EnvFiles, FileError
 from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone, Output
 
 
@@ -78,7 +79,7 @@ class Recorder:
 
     def files(self, trajectory: str) -> EnvFiles:
         self.calls.append(("files", trajectory))
-        raise ExecError("no files here")
+        raise FileError(errno.ENOENT, "no files here")
 
     async def shutdown(self) -> None:
         self.calls.append(("shutdown",))
@@ -232,7 +233,9 @@ def test_a_file_request_goes_to_the_runtime_and_its_refusal_is_the_reply(
     assert "files" in agent.hello().features
     req = AgentFiles(rid=3, trajectory="t1", action="stat", path="/x")
     reply = asyncio.run(agent.handle(req))
-    assert (reply.rid, reply.ok, reply.error, reply.errno) == (3, False, "no files here", None)
+    # The environment's refusal keeps its errno (the service maps it: ENOENT is a 404).
+    assert (reply.rid, reply.ok, reply.error) == (3, False, "no files here")
+    assert reply.errno == errno.ENOENT
     assert recorder[0].calls[-1] == ("files", "t1")
 
 

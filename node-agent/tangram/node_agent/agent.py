@@ -499,7 +499,7 @@ def exec_io(req: AgentExec, stream: Stream | None) -> ExecIO | None:
     every runtime takes as it always has)."""
     if req.stdin is None and not req.pty and stream is None:
         return None
-    stdin = given((req.stdin or "").encode()) if req.stdin is not None else None
+    stdin = given(req.stdin.encode()) if req.stdin is not None else None
     if stream is not None and req.interactive:
         stdin = _then(stdin, stream.received())
     return ExecIO(

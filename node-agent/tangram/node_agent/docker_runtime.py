@@ -545,7 +545,8 @@ def tree(proc_root: Path, root: int) -> list[int]:
 
 
 def local_busybox(tag: str) -> str | None:
-    """``import_busybox`` into this host's Docker Engine (for the benchmarks)."""
+    """``import_busybox`` into this host's Docker Engine (for the benchmarks: only this
+    module imports the docker SDK, tests/unit/test_layering.py)."""
     return import_busybox(docker.from_env(), tag)
 
 

@@ -205,7 +205,6 @@ class Channel:
     @classmethod
     async def over(cls, sock: socket.socket) -> Channel:
         """A channel on a connected socket (a one-shot ``tangram-execd --files``)."""
-        sock.setblocking(False)
         reader, writer = await asyncio.open_unix_connection(sock=sock)
         return cls(reader, writer)
 

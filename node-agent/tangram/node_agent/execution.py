@@ -199,14 +199,32 @@ class ExecIO:
     pty: bool = False
 
 
-async def feed(
+@contextlib.asynccontextmanager
+async def feeding(
+    io: ExecIO | None,
+    write: Callable[[bytes], Awaitable[None]],
+    close_stdin: Callable[[], Awaitable[None]],
+    send_signal: Callable[[int], Awaitable[None]],
+) -> AsyncIterator[None]:
+    """While the block runs (the command), give it its stdin and its signals; nothing for
+    a plain exec (``io`` None, the common case)."""
+    if io is None:
+        yield
+        return
+    task = asyncio.ensure_future(_feed(io, write, close_stdin, send_signal))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _feed(
     io: ExecIO,
     write: Callable[[bytes], Awaitable[None]],
     close_stdin: Callable[[], Awaitable[None]],
     send_signal: Callable[[int], Awaitable[None]],
 ) -> None:
-    """Give a running command its stdin and its signals, until cancelled (it ended)."""
-
     async def stdin() -> None:
         if io.stdin is not None:
             with contextlib.suppress(ExecError):  # it ended, and stopped taking input

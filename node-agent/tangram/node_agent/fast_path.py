@@ -10,7 +10,6 @@ plants a server over the socket's name cannot answer for the environment.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from tangram.node_agent.execution import (
     ExecResult,
     Output,
     check_request,
-    feed,
+    feeding,
     render,
     supervise,
 )
@@ -165,20 +164,15 @@ class FastPath:
                 mode="pty" if io is not None and io.pty else "pipe",
             )  # fmt: skip
             t1 = time.perf_counter()
-            feeding = None  # a plain exec (the common case) has nothing to feed
-            if io is not None:
-                feeding = asyncio.ensure_future(feed(io, chan.write, chan.close_stdin, chan.kill))
             try:
-                output, timed_out = await supervise(
-                    chan.collect(cmd.output_cap, io.output if io else None),
-                    cmd.timeout_s,
-                    chan.kill,
-                    idle,
-                )
+                async with feeding(io, chan.write, chan.close_stdin, chan.kill):
+                    output, timed_out = await supervise(
+                        chan.collect(cmd.output_cap, io.output if io else None),
+                        cmd.timeout_s,
+                        chan.kill,
+                        idle,
+                    )
             finally:
-                if feeding is not None:
-                    feeding.cancel()
-                    await asyncio.gather(feeding, return_exceptions=True)
                 chan.close()
             t2 = time.perf_counter()
         finally:
@@ -260,7 +254,7 @@ class ExecServerRuntime:
         """Run ``code`` in the trajectory's persistent ``kind`` session (bash or python),
         started on first use, on exactly ``cores`` for the duration of the action."""
         check_request(trajectory in self.envs, trajectory, [code] if code else [], cores)
-        reach = self.reachable(trajectory, "sessions")
+        reach = self._reached(self.envs[trajectory], "sessions")
         if kind not in ("bash", "python"):
             raise ExecError(f"kind: {kind!r} is not a session kind (bash, python)")
         reach.check_alive()

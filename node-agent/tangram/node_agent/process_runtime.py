@@ -32,7 +32,7 @@ from tangram.node_agent.execution import (
     Output,
     cap,
     check_request,
-    feed,
+    feeding,
     render,
     supervise,
 )
@@ -276,15 +276,8 @@ class ProcessRuntime:
             await watch
             release()
 
-        feeding = None  # a plain exec (the common case) has nothing to feed
-        if io is not None:
-            feeding = asyncio.ensure_future(feed(io, write, close_stdin, send_signal))
-        try:
+        async with feeding(io, write, close_stdin, send_signal):
             output, timed_out = await supervise(collect(), timeout_s, kill, idle)
-        finally:
-            if feeding is not None:
-                feeding.cancel()
-                await asyncio.gather(feeding, return_exceptions=True)
         code = await proc.wait()
         killed = await watch
         if killed:  # the result says the action ended: so have they (not on the loop)
