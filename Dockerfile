@@ -21,7 +21,8 @@ ARG BUILDER=arl-tangram/builder:bookworm
 # --- execd: the exec server, compiled as tangram.node_agent.exec_server.build does --------
 # (static, so that it runs as PID 1 of any environment image of this architecture)
 FROM ${BUILDER} AS execd
-COPY node-agent/tangram/node_agent/exec_server.c node-agent/tangram/node_agent/exec_files.c /src/
+COPY node-agent/tangram/node_agent/exec_server.c node-agent/tangram/node_agent/exec_files.c \
+     node-agent/tangram/node_agent/exec_tar.c /src/
 RUN gcc -static -O2 -o /tangram-execd /src/exec_server.c \
     && test -x /tangram-execd && ! ldd /tangram-execd >/dev/null 2>&1
 

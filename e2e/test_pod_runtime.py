@@ -6,9 +6,11 @@ with their files, and nothing left after close."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,28 @@ def test_sandboxes_are_pods_with_cores_only_while_an_action_runs(
     got, owner = asyncio.run(one_file())
     assert got == b"through the exec server\n"
     assert str(owner) == _run(rt, "t-1", ["id", "-u"], [core]).stdout.strip()
+
+    async def a_tree() -> tuple[tuple[int, int], list[str]]:
+        """A directory in as one tar and back out as one."""
+        packed = io.BytesIO()
+        with tarfile.open(fileobj=packed, mode="w") as tar:
+            for name, content in (("src/a.py", b"a\n"), ("src/b/c.txt", b"c\n")):
+                info = tarfile.TarInfo(name)
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
+
+        async def body() -> Any:
+            yield packed.getvalue()
+
+        counts = await files.untar("tree", body())
+        _, data = await files.tar("/work/tree")
+        back = b"".join([chunk async for chunk in data])
+        with tarfile.open(fileobj=io.BytesIO(back)) as tar:
+            return counts, sorted(tar.getnames())
+
+    counts, names = asyncio.run(a_tree())
+    assert counts == (2, 4)  # two files, four bytes; their directories made on the way
+    assert names == ["src", "src/a.py", "src/b", "src/b/c.txt"]
 
     # Another agent on the node (another pool, a GPU agent) neither adopts nor deletes them.
     stranger = PodRuntime([CORES[0]], api=kube_pod_api(NS, str(cp.admin_kubeconfig)),

@@ -21,8 +21,11 @@ admits throughout, so no 503 is expected and none is excused.
 
 from __future__ import annotations
 
+import gzip
+import io
 import os
 import re
+import tarfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,6 +74,28 @@ CONFIG = PoolConfig(
     },
     apis=(ApiSpec(name="search", concurrency=4),),
 )
+
+
+def _tar(name: str, kind: bytes, data: bytes = b"", link: str = "") -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.type, info.size, info.linkname = kind, len(data), link
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+# Bodies for the tar routes: random bytes, and real tars (a file, and members that try to
+# leave the directory), so that fuzzing reaches extraction too, not only its refusal.
+_TARS = [
+    _tar("fuzz.txt", tarfile.REGTYPE, b"fuzz"),
+    _tar("../up", tarfile.REGTYPE, b"x"),
+    _tar("out", tarfile.SYMTYPE, link="/etc"),
+    _tar("dev", tarfile.CHRTYPE),
+]
+_TAR_BODIES = st.one_of(st.binary(max_size=2048), st.sampled_from(_TARS))
+schemathesis.openapi.media_type("application/x-tar", _TAR_BODIES)
+schemathesis.openapi.media_type("application/gzip", _TAR_BODIES.map(gzip.compress))
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,10 @@ def test_bench_files_measures_both_ways_against_docker_cp(
     for figure in ("upload", "download", "docker_cp_in", "docker_cp_out"):
         assert row[f"{figure}_mb_s"] > 0
     assert row["upload_vs_docker_cp"] > 0 and row["download_vs_docker_cp"] > 0
+    tree = report["tree"]
+    assert tree["files"] == 500 and tree["repeats"] == 1
+    for figure in ("upload_vs_docker_cp", "upload_vs_one_write_per_file", "download_vs_docker_cp"):
+        assert tree[figure] > 0
     assert report["live"]["runs"] == 4
     assert report["live"]["first_byte_p50_ms"] > 0 and report["live"]["echo_p50_ms"] > 0
     mine = {"label": f"{LABEL}/pool={POOL}"}  # (other tests' containers may be about)

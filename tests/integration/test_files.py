@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gzip
 import hashlib
+import io
 import os
 import random
+import tarfile
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -231,3 +234,180 @@ def test_dotdot_is_refused_by_the_server_itself_for_every_path(
 
     for answer in asyncio.run(scenario()):
         assert answer.startswith(b"Z %d " % errno.EPERM), answer
+
+
+# --- a directory as one tar stream -----------------------------------------------------
+
+
+def _tree(root: Path) -> int:
+    """A source tree with what a repository holds: nested directories, an executable, an
+    empty file, a file of several link chunks, a name longer than ustar's 100 bytes, a
+    non-ASCII name, a relative symlink and a hard link; its bytes of file content."""
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "pkg" / "mod.py").write_text("print('mod')\n")
+    (root / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "empty").write_bytes(b"")
+    (root / "pkg" / "sub" / "big.bin").write_bytes(random.Random(3).randbytes(3 << 20))
+    deep = root / ("d" * 90) / ("n" * 80 + ".txt")
+    deep.parent.mkdir()
+    deep.write_text("long\n")
+    (root / "données.txt").write_text("é\n")
+    (root / "latest").symlink_to("pkg/mod.py")
+    os.link(root / "pkg" / "mod.py", root / "hard.py")
+    files = [p.stat() for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+    return sum({f.st_ino: f.st_size for f in files}.values())  # a hard link's bytes once
+
+
+def _snapshot(root: Path) -> dict[str, tuple[str, int, bytes]]:
+    """Each member under ``root``: its kind, permission bits and content (a symlink's
+    target)."""
+    seen: dict[str, tuple[str, int, bytes]] = {}
+    for path in sorted(root.rglob("*")):
+        rel, mode = str(path.relative_to(root)), path.lstat().st_mode & 0o777
+        if path.is_symlink():
+            seen[rel] = ("symlink", 0, os.readlink(path).encode())
+        elif path.is_dir():
+            seen[rel] = ("dir", mode, b"")
+        else:
+            seen[rel] = ("file", mode, path.read_bytes())
+    return seen
+
+
+def test_a_directory_round_trips_as_one_tar(box: tuple[str, Trajectory], tmp_path: Path) -> None:
+    kind, t = box
+    src = tmp_path / "src"
+    size = _tree(src)
+    done = t.files.upload_dir(src, "repo/checkout")  # gzipped; made with its parent
+    assert (done.members, done.size) == (len(_snapshot(src)), size)
+    assert t.exec(["sh", "-c", "./repo/checkout/run.sh"]).stdout == "run\n"
+    linked = t.exec(["cat", "repo/checkout/latest", "repo/checkout/hard.py"]).stdout
+    assert linked == "print('mod')\n" * 2
+    back = t.files.download_dir("repo/checkout", tmp_path / "back")
+    assert _snapshot(back) == _snapshot(src)
+    # A plain tar merges into what is there; the tar of a subdirectory names its members
+    # relative to it.
+    extra = io.BytesIO()
+    with tarfile.open(fileobj=extra, mode="w") as tar:
+        member = tarfile.TarInfo("pkg/new.py")
+        member.size = 4
+        tar.addfile(member, io.BytesIO(b"new\n"))
+    assert t.files.write_tar(f"{_workdir(kind)}/repo/checkout", extra.getvalue()).members == 1
+    with tarfile.open(fileobj=io.BytesIO(t.files.read_tar("repo/checkout/pkg"))) as tar:
+        assert sorted(tar.getnames()) == ["mod.py", "new.py", "sub", "sub/big.bin"]
+    assert t.files.read_text("repo/checkout/run.sh").startswith("#!/bin/sh")
+
+
+def _tar(*members: tuple[str, bytes, bytes | str]) -> bytes:
+    """A tar of (name, type, content or link target) members."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, kind, data in members:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            content = data if isinstance(data, bytes) else b""
+            if isinstance(data, str):
+                info.linkname = data
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+    return out.getvalue()
+
+
+def test_tar_members_that_would_leave_the_directory_are_refused_naming_them(
+    box: tuple[str, Trajectory],
+) -> None:
+    _, t = box
+    t.files.make_dir("dst")
+    t.exec(["ln", "-s", "..", "dst/up"])  # already there: a way out of the destination
+    refused = {
+        "a/../../evil": _tar(("a/../../evil", tarfile.REGTYPE, b"x")),
+        "esc": _tar(("esc", tarfile.SYMTYPE, "/etc")),
+        "d/climb": _tar(("d/climb", tarfile.SYMTYPE, "../../x")),
+        "up/evil": _tar(("up/evil", tarfile.REGTYPE, b"x")),
+        "hard": _tar(("hard", tarfile.LNKTYPE, "up/dst")),
+    }
+    for name, data in refused.items():
+        refusal = _refusal(lambda data=data: t.files.write_tar("dst", data))
+        assert (refusal.status, refusal.field) == (403, "path"), refusal
+        assert f"member {name}:" in str(refusal)
+    assert not t.files.exists("evil") and not t.files.exists("dst/esc")
+    device = _refusal(lambda: t.files.write_tar("dst", _tar(("tty", tarfile.CHRTYPE, b""))))
+    assert device.status == 400 and "devices" in str(device)
+    # The members before a refused one are in, whole; a symlink that stays inside is kept.
+    kept = _tar(("ok.txt", tarfile.REGTYPE, b"ok"), ("d/in", tarfile.SYMTYPE, "../ok.txt"))
+    assert t.files.write_tar("dst", kept).members == 2
+    assert t.files.read_text("dst/d/in") == "ok"
+
+
+def test_a_body_that_is_no_tar_and_a_tar_of_no_directory_are_refused(
+    box: tuple[str, Trajectory],
+) -> None:
+    _, t = box
+    for body, why in (
+        (b"", "empty"),
+        (b"this is not a tar" * 64, "checksum"),
+        (_tar(("t", tarfile.REGTYPE, bytes(5000)))[:2048], "ends inside"),
+        (gzip.compress(_tar(("t", tarfile.REGTYPE, b"t")))[:-12], "gzip"),
+    ):
+        refusal = _refusal(lambda body=body: t.files.write_tar("dst", body))
+        assert refusal.status == 400 and why in str(refusal), refusal
+    too_large = _refusal(lambda: t.files.write_tar("dst", bytes(LIMIT + 1)))
+    assert too_large.status == 413
+    t.files.write("file", b"x")
+    assert _refusal(lambda: t.files.read_tar("file")).status == 400  # not a directory
+    assert _refusal(lambda: t.files.read_tar("nowhere")).status == 404
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_exec_server_reads_every_common_tar_format(
+    execd: Built, tmp_path: Path, fmt: int
+) -> None:
+    """ustar (its name prefix), GNU (long names in 'L' members) and pax (path records):
+    what tarfile, GNU tar and bsdtar write. Modes as the tar says, but set-id bits
+    dropped, and a read-only directory made read-only only once its members are in."""
+    assert execd.path is not None
+    src, root = tmp_path / "src", tmp_path / "env"
+    root.mkdir()
+    _tree(src)
+    if fmt == tarfile.USTAR_FORMAT:  # ustar holds no non-ASCII name
+        (src / "données.txt").unlink()
+    (src / "ro").mkdir()
+    (src / "ro" / "f").write_text("in a read-only directory")
+    (src / "ro").chmod(0o555)
+    (src / "setuid").write_text("x")
+    (src / "setuid").chmod(0o4755)
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+        tar.add(src, arcname=".")
+    data = out.getvalue()
+    files = EnvFiles(one_shot(execd.path, root), "/")
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), 6000):  # members cut across pieces
+            yield data[start : start + 6000]
+
+    asyncio.run(files.untar("/dst", pieces()))
+    assert _snapshot(root / "dst") == _snapshot(src)  # "ro" is read-only, "ro/f" in it
+    assert (root / "dst" / "setuid").stat().st_mode & 0o7777 == 0o755
+
+
+def test_a_directory_tar_keeps_symlinks_and_leaves_out_what_has_no_content(
+    execd: Built, tmp_path: Path
+) -> None:
+    """Symlinks are members, never followed (one leading out of the environment is
+    carried as it is written); a FIFO is left out, not read forever."""
+    assert execd.path is not None
+    (tmp_path / "env" / "d").mkdir(parents=True)
+    (tmp_path / "env" / "d" / "out").symlink_to("/etc")
+    os.mkfifo(tmp_path / "env" / "d" / "pipe")
+    (tmp_path / "env" / "d" / "f").write_bytes(b"")
+    files = EnvFiles(one_shot(execd.path, tmp_path / "env"), "/")
+
+    async def scenario() -> bytes:
+        entry, data = await files.tar("/d")
+        assert (entry.name, entry.type) == ("d", "dir")
+        return b"".join([piece async for piece in data])
+
+    with tarfile.open(fileobj=io.BytesIO(asyncio.run(scenario()))) as tar:
+        found = {m.name: (m.type, m.linkname, m.size) for m in tar.getmembers()}
+    assert found == {"f": (tarfile.REGTYPE, "", 0), "out": (tarfile.SYMTYPE, "/etc", 0)}

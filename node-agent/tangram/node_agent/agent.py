@@ -22,6 +22,7 @@ from pathlib import Path
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import (
     FILES_FEATURE,
+    TAR_FEATURE,
     AgentCall,
     AgentCancel,
     AgentClose,
@@ -194,7 +195,7 @@ class NodeAgent:
             ],
             gpu=self.gpu.info if self.gpu is not None else None,
             problem=self.runtime.problem,
-            features=[FILES_FEATURE],
+            features=[FILES_FEATURE, TAR_FEATURE],
         )
 
     def _held(self) -> list[str]:
@@ -460,8 +461,8 @@ class NodeAgent:
         its data, a write's data comes in on ``stream``."""
         files = self.runtime.files(req.trajectory)
         match req.action:
-            case "read":
-                entry, data = await files.read(req.path)
+            case "read" | "tar":
+                entry, data = await (files.read if req.action == "read" else files.tar)(req.path)
                 stream.head(FilesOutcome(entry=entry))
                 async with contextlib.aclosing(data):  # (it holds the exec server's channel)
                     async for chunk in data:
@@ -469,6 +470,9 @@ class NodeAgent:
             case "write":
                 written = await files.write(req.path, stream.received(), req.mode)
                 return FilesOutcome(written=written)
+            case "untar":
+                members, size = await files.untar(req.path, stream.received())
+                return FilesOutcome(written=size, members=members)
             case "list":
                 return FilesOutcome(entries=await files.list(req.path))
             case "stat":

@@ -17,7 +17,8 @@ import socket
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from pathlib import Path
 
-from tangram.api.wire import MAX_PATH, FileEntry, FileType
+from tangram.api.wire import MAX_PATH, STREAM_CHUNK, FileEntry, FileType
+from tangram.node_agent import env_tar
 from tangram.node_agent.exec_server import Channel
 from tangram.node_agent.execution import ExecError
 
@@ -84,17 +85,21 @@ class EnvFiles:
         finally:
             chan.close()
 
-    async def read(self, path: str) -> tuple[FileEntry, AsyncGenerator[bytes, None]]:
-        """The file's entry, and its bytes as the server sends them. The iterator must be
-        run to its end or closed (``aclose``): it holds the connection."""
+    async def _opened(self, op: str, path: str) -> tuple[Channel, FileEntry]:
+        """A read or a tar begun: its channel, and the entry the server sends first."""
         full = inside(self.workdir, path)
-        chan = await self._ask("read", full)
+        chan = await self._ask(op, full)
         try:
             _, head = await _answer(chan)
-            found = entry(head, posixpath.dirname(full))
+            return chan, entry(head, posixpath.dirname(full))
         except BaseException:
             chan.close()
             raise
+
+    async def read(self, path: str) -> tuple[FileEntry, AsyncGenerator[bytes, None]]:
+        """The file's entry, and its bytes as the server sends them. The iterator must be
+        run to its end or closed (``aclose``): it holds the connection."""
+        chan, found = await self._opened("read", path)
 
         async def data() -> AsyncGenerator[bytes, None]:
             try:
@@ -108,20 +113,58 @@ class EnvFiles:
 
         return found, data()
 
+    async def tar(self, path: str) -> tuple[FileEntry, AsyncGenerator[bytes, None]]:
+        """The directory's entry, and the directory as a tar: its members named by their
+        paths relative to it, symlinks as symlinks, in pieces of up to about
+        ``STREAM_CHUNK``. The iterator must be run to its end or closed."""
+        chan, found = await self._opened("tar", path)
+
+        async def data() -> AsyncGenerator[bytes, None]:
+            out, pad = bytearray(), b""  # many small members make one piece
+            try:
+                while True:
+                    kind, piece = await _answer(chan)
+                    if kind == b"1":
+                        out += piece
+                    elif kind == b"S":
+                        head, size = env_tar.header(piece)
+                        out += pad + head
+                        pad = env_tar.padding(size)
+                    else:
+                        yield bytes(out + pad + env_tar.END)
+                        return
+                    if len(out) >= STREAM_CHUNK:
+                        yield bytes(out)
+                        out.clear()
+            finally:
+                chan.close()
+
+        return found, data()
+
     async def write(self, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
         """Write the file whole from ``chunks``: it appears at ``path`` only once all of
         it is written (a reader sees the old file or the new one), with ``mode``."""
-        full = inside(self.workdir, path)
-        chan = await self._ask("write", full, f"{mode & 0o7777:o}")
+        return int(await self._send("write", path, chunks, f"{mode & 0o7777:o}"))
+
+    async def untar(self, path: str, chunks: AsyncIterable[bytes]) -> tuple[int, int]:
+        """Extract the tar (or gzipped tar) of ``chunks`` into the directory ``path``,
+        made if missing; the members extracted and their bytes. Nothing lands outside
+        ``path``; each file lands whole; a tar refused midway keeps what came before."""
+        counts = await self._send("untar", path, env_tar.gunzipped(chunks))
+        members, size = counts.split()
+        return int(members), int(size)
+
+    async def _send(self, op: str, path: str, chunks: AsyncIterable[bytes], arg: str = "") -> bytes:
+        """Send ``chunks`` as the input of a write or an untar; what the server answers."""
+        chan = await self._ask(op, inside(self.workdir, path), arg)
         try:
-            await _answer(chan)  # the temporary file is open: the path is good
+            await _answer(chan)  # ready: the path is good
             async for chunk in chunks:
                 await chan.write(chunk)
             await chan.close_stdin()
-            _, written = await _answer(chan)
-            return int(written)
+            return (await _answer(chan))[1]
         finally:
-            chan.close()  # before the end: the server removes what it wrote
+            chan.close()  # before the end: the server removes what it was writing
 
     async def mkdir(self, path: str) -> bool:
         """Make the directory and its parents; False if it was a directory already."""
@@ -154,6 +197,12 @@ async def _answer(chan: Channel) -> tuple[bytes, bytes]:
 
 def _refusal(text: str) -> FileError:
     code, _, message = text.partition(" ")
+    if "no such file operation" in message:  # older than the operation
+        return FileError(
+            errno.ENOSYS,
+            f"this environment's exec server predates this file operation ({message}); "
+            "close and reopen the trajectory to get one that serves it",
+        )
     if not code.isdigit():  # an exec server older than the files API
         return FileError(
             errno.ENOSYS,

@@ -24,6 +24,7 @@
  *   mkdir PATH         with its parents; 'X' "1" made, "0" it was a directory already
  *   remove PATH        a file, a symlink or a whole tree (never following symlinks)
  *   rename PATH TO     'X' "0"
+ *   tar PATH, untar PATH: a directory as one tar stream (exec_tar.c)
  * An entry is 8 NUL-terminated strings: type (f d l o), mode (octal), size, mtime (ns),
  * uid, gid, name, symlink target. A failure is a 'Z' frame: "<errno> <message>".
  */
@@ -58,14 +59,56 @@ static const char *relative(const char *path) {
     return *path ? path : ".";
 }
 
-static int open_in(const char *path, int flags) {
-    const char *rel = relative(path);
-    if (rel == NULL) return -1;
-    struct open_how how = {.flags = (unsigned long long)(flags | O_CLOEXEC),
-                           .resolve = files_resolve};
-    int fd = (int)syscall(SYS_openat2, files_root, rel, &how, sizeof how);
+/* REL (no "..") opened from the directory AT, resolved as RESOLVE says. */
+static int open_at(int at, unsigned long long resolve, const char *rel, int flags) {
+    struct open_how how = {.flags = (unsigned long long)(flags | O_CLOEXEC), .resolve = resolve};
+    int fd = (int)syscall(SYS_openat2, at, rel, &how, sizeof how);
     if (fd < 0 && errno == ENOSYS) errno = EOPNOTSUPP; /* a kernel before 5.6 */
     return fd;
+}
+
+static int open_in(const char *path, int flags) {
+    const char *rel = relative(path);
+    return rel == NULL ? -1 : open_at(files_root, files_resolve, rel, flags);
+}
+
+/* Makes the directory REL (no "..") and its missing parents, each resolved from AT as
+ * RESOLVE says; *made tells whether any was made. A file in the way is ENOTDIR. */
+static int make_dirs(int at, unsigned long long resolve, const char *rel, int *made) {
+    char prefix[4096];
+    size_t n = strlen(rel);
+    if (n >= sizeof prefix) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(prefix, rel, n + 1);
+    int fd = open_at(at, resolve, prefix, O_RDONLY | O_DIRECTORY);
+    if (fd >= 0 || errno != ENOENT) { /* the common case: it is there already */
+        if (fd >= 0) close(fd);
+        return fd < 0 ? -1 : 0;
+    }
+    /* From the top: each component is made in its parent, opened afresh from AT. */
+    for (size_t i = 1; i <= n; i++) {
+        if (i < n && rel[i] != '/') continue;
+        prefix[i] = '\0';
+        char *slash = strrchr(prefix, '/');
+        const char *base = slash ? slash + 1 : prefix;
+        if (*base != '\0' && strcmp(base, ".") != 0) {
+            if (slash) *slash = '\0';
+            int pfd = open_at(at, resolve, slash ? prefix : ".", O_RDONLY | O_DIRECTORY);
+            if (slash) *slash = '/';
+            if (pfd < 0) return -1;
+            int rc = mkdirat(pfd, base, 0755), err = errno;
+            close(pfd);
+            if (rc == 0) *made = 1;
+            else if (err != EEXIST) return errno = err, -1;
+        }
+        prefix[i] = rel[i];
+    }
+    fd = open_at(at, resolve, rel, O_RDONLY | O_DIRECTORY); /* ENOTDIR: a file in the way */
+    if (fd < 0) return -1;
+    close(fd);
+    return 0;
 }
 
 /* Splits PATH into its parent directory (opened) and its last component. */
@@ -91,7 +134,9 @@ static int open_parent(const char *path, char *dir, size_t dirlen, const char **
     return open_in(plen ? parent : "/", O_RDONLY | O_DIRECTORY);
 }
 
-static int send_entry(int sock, int dirfd, const char *name, const struct stat *st) {
+/* An entry in a frame of type KIND: NAME in DIRFD, sent as SHOWN. */
+static int send_entry_as(int sock, char kind, int dirfd, const char *name, const char *shown,
+                         const struct stat *st) {
     char target[4096] = "";
     char type = S_ISREG(st->st_mode) ? 'f' : S_ISDIR(st->st_mode) ? 'd' : S_ISLNK(st->st_mode) ? 'l' : 'o';
     if (type == 'l') {
@@ -103,15 +148,19 @@ static int send_entry(int sock, int dirfd, const char *name, const struct stat *
                        (unsigned)(st->st_mode & 07777), 0, (long long)st->st_size, 0,
                        (long long)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec, 0,
                        (unsigned)st->st_uid, 0, (unsigned)st->st_gid, 0);
-    size_t nlen = strlen(name) + 1, tlen = strlen(target) + 1;
+    size_t nlen = strlen(shown) + 1, tlen = strlen(target) + 1;
     char *buf = malloc((size_t)len + nlen + tlen);
     if (buf == NULL) return -1;
     memcpy(buf, head, (size_t)len);
-    memcpy(buf + len, name, nlen);
+    memcpy(buf + len, shown, nlen);
     memcpy(buf + len + nlen, target, tlen);
-    int rc = send_frame(sock, '1', buf, (uint32_t)((size_t)len + nlen + tlen));
+    int rc = send_frame(sock, kind, buf, (uint32_t)((size_t)len + nlen + tlen));
     free(buf);
     return rc;
+}
+
+static int send_entry(int sock, int dirfd, const char *name, const struct stat *st) {
+    return send_entry_as(sock, '1', dirfd, name, name, st);
 }
 
 static int op_read(int sock, const char *path) {
@@ -207,34 +256,10 @@ static int op_stat(int sock, const char *path) {
 }
 
 static int op_mkdir(int sock, const char *path) {
-    char prefix[4096];
-    size_t n = strlen(path);
-    if (n >= sizeof prefix) return fail(sock, ENAMETOOLONG, "mkdir", path);
     int made = 0;
-    /* Each component in turn: resolve its parent from the root, make it there. */
-    for (size_t i = 1; i <= n; i++) {
-        if (i < n && path[i] != '/') continue;
-        memcpy(prefix, path, i);
-        prefix[i] = '\0';
-        const char *base;
-        char dir[4096];
-        int dfd = open_parent(prefix, dir, sizeof dir, &base);
-        if (dfd < 0) {
-            if (errno == EBUSY) continue; /* "/" or an empty component */
-            return fail(sock, errno, "mkdir", path);
-        }
-        int rc = mkdirat(dfd, base, 0755);
-        int err = errno;
-        close(dfd);
-        if (rc == 0) {
-            made = 1;
-        } else if (err != EEXIST) {
-            return fail(sock, err, "mkdir", path);
-        }
-        int fd = open_in(prefix, O_RDONLY | O_DIRECTORY);
-        if (fd < 0) return fail(sock, errno, "mkdir", path); /* ENOTDIR: a file is in the way */
-        close(fd);
-    }
+    const char *rel = relative(path);
+    if (rel == NULL || make_dirs(files_root, files_resolve, rel, &made) < 0)
+        return fail(sock, errno, "mkdir", path);
     return send_text(sock, 'X', made ? "1" : "0");
 }
 
@@ -287,6 +312,8 @@ static int op_rename(int sock, const char *path, const char *to) {
     return send_text(sock, 'X', "0");
 }
 
+#include "exec_tar.c"
+
 static void handle_files(int sock, char *data, uint32_t len) {
     signal(SIGPIPE, SIG_IGN); /* an agent that goes mid-answer is a failed send, not a kill */
     char *f[3] = {NULL, NULL, NULL};
@@ -315,6 +342,8 @@ static void handle_files(int sock, char *data, uint32_t len) {
     else if (strcmp(op, "mkdir") == 0) op_mkdir(sock, path);
     else if (strcmp(op, "remove") == 0) op_remove(sock, path);
     else if (renaming) op_rename(sock, path, arg);
+    else if (strcmp(op, "tar") == 0) op_tar(sock, path);
+    else if (strcmp(op, "untar") == 0) op_untar(sock, path);
     else fail(sock, EINVAL, "request: no such file operation:", op);
 }
 

@@ -29,7 +29,8 @@ from typing import Literal
 from tangram.node_agent.execution import ExecError, Output, cap
 
 SOURCE = Path(__file__).with_name("exec_server.c")
-SOURCES = (SOURCE, SOURCE.with_name("exec_files.c"))  # exec_server.c includes the other
+# exec_server.c includes the others
+SOURCES = tuple(SOURCE.with_name(n) for n in ("exec_server.c", "exec_files.c", "exec_tar.c"))
 IN_CONTAINER_BIN = "/.tangram/execd"
 IN_CONTAINER_RUN = "/.tangram/run"
 SOCKET_NAME = "exec.sock"

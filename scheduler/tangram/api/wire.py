@@ -494,6 +494,14 @@ class FileWritten(_Strict):
     size: int = Field(ge=0, description="bytes written")
 
 
+class Unpacked(_Strict):
+    """A tar extracted into a directory."""
+
+    path: str = Field(description="the directory it was extracted into")
+    members: int = Field(ge=0, description="files, directories and links extracted")
+    size: int = Field(ge=0, description="bytes of file content written")
+
+
 class MakeDir(_Strict):
     path: Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
 
@@ -756,13 +764,14 @@ class AgentCall(_AgentOp):
     inputs: list[Any] = Field(default_factory=list)
 
 
-FileOp = Literal["read", "write", "list", "stat", "mkdir", "remove", "rename"]
+FileOp = Literal["read", "write", "list", "stat", "mkdir", "remove", "rename", "tar", "untar"]
 
 
 class AgentFiles(_AgentOp):
     """A file operation in a trajectory's environment, by its exec server: no core. A
-    read answers in chunks (replies with ``more``), a write takes its data in
-    ``AgentInput`` messages; both within ``STREAM_WINDOW`` chunks unacknowledged."""
+    read or a tar answers in chunks (replies with ``more``), a write or an untar takes
+    its data in ``AgentInput`` messages; both within ``STREAM_WINDOW`` chunks
+    unacknowledged."""
 
     op: Literal["files"] = "files"
     trajectory: str
@@ -815,7 +824,8 @@ class FilesOutcome(_Strict):
 
     entry: FileEntry | None = None  # stat, and read (the file read)
     entries: list[FileEntry] = Field(default_factory=list)  # list
-    written: int | None = None  # write: bytes
+    written: int | None = None  # write, untar: bytes of file content
+    members: int | None = None  # untar: files, directories and links extracted
     created: bool | None = None  # mkdir
 
 
@@ -824,6 +834,7 @@ class FilesOutcome(_Strict):
 STREAM_WINDOW = 8
 STREAM_CHUNK = 1 << 20  # bytes a chunk carries at most (before base64)
 FILES_FEATURE = "files"  # an agent that serves AgentFiles says so in its hello
+TAR_FEATURE = "files-tar"  # and one that serves its tar and untar actions
 
 
 # A chunk's JSON written directly: base64 needs no escaping, and a serializer's pass over

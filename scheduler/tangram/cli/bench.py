@@ -321,6 +321,15 @@ def _table(report: dict[str, Any]) -> None:
             cells = [f"{r[k]:.2f}×" if k.endswith("cp") else f"{r[k]:.0f}" for k in keys]
             t.add_row(str(r["size_mb"]), *cells)
         console.print(t)
+        tree = report["tree"]
+        console.print(
+            f"a directory of {tree['files']} files ({tree['mb']:.1f} MB), median s: "
+            f"upload_dir {tree['upload_dir_s']:.3f} (docker cp {tree['docker_cp_in_s']:.3f}, "
+            f"{tree['upload_vs_docker_cp']:.2f}×; one write per file "
+            f"{tree['one_write_per_file_s']:.2f}, {tree['upload_vs_one_write_per_file']:.1f}×), "
+            f"download_dir {tree['download_dir_s']:.3f} (docker cp "
+            f"{tree['docker_cp_out_s']:.3f}, {tree['download_vs_docker_cp']:.2f}×)"
+        )
         live = report["live"]
         console.print(
             f"streamed output, first byte: p50 {live['first_byte_p50_ms']:.1f} ms, max "

@@ -9,6 +9,10 @@ container's exec server), and the same bytes copied in and out of the same conta
 both see the same machine at the same time. The figure is the median MB/s of each, and
 their ratio; ``docker cp`` of an empty file says how much of its time is its fixed cost
 (the CLI's start and the Docker API's round trips), which a 1 MB copy is mostly.
+
+A directory of many small files (a repository's shape) goes in and out as one tar
+(``upload_dir``/``download_dir``), against ``docker cp`` of the directory (a tar too) and
+against writing its files one request each.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tangram.node_agent.env_template import TRAJECTORY_PREFIX
 from tangram.service.config import EnvConfig, PoolConfig
 
 SIZES_MB = (1, 10, 50, 200)
+TREE = (20, 25, 4096)  # directories, files in each, bytes a file: 500 files, 2 MB
 USER = "bench"
 POOL = "bench-files"  # its containers are labelled with it
 
@@ -60,6 +65,7 @@ async def _measure(args: argparse.Namespace, work: Path, image: str) -> dict[str
             for size_mb in sizes:
                 rows.append(await _one_size(files, container, size_mb, args.repeats, work))
                 update(len(rows) * args.repeats, len(sizes) * args.repeats)
+        tree = await _one_tree(files, container, args.repeats, work)
         empty = work / "empty"
         empty.touch()
         fixed = [_docker_cp(str(empty), f"{container}:/work/empty") for _ in range(args.repeats)]
@@ -67,6 +73,7 @@ async def _measure(args: argparse.Namespace, work: Path, image: str) -> dict[str
         await client.close(tid)
     return {
         "sizes": rows,
+        "tree": tree,
         "docker_cp_empty_file_s": statistics.median(fixed),  # the CLI and API round trips
         "live": live,
         "transport": "HTTP on 127.0.0.1, agent in its own process",
@@ -117,6 +124,58 @@ async def _one_size(
         "docker_cp_out_mb_s": rate(cp_out),
         "upload_vs_docker_cp": rate(up) / rate(cp_in),
         "download_vs_docker_cp": rate(down) / rate(cp_out),
+        "repeats": repeats,
+    }
+
+
+async def _one_tree(files: AsyncFiles, container: str, repeats: int, work: Path) -> dict[str, Any]:
+    """The ``TREE`` directory in and out: as one tar through the files API, with
+    ``docker cp``, and (in only) as one write per file; median seconds of each."""
+    dirs, per_dir, size = TREE
+    src = work / "tree"
+    for d in range(dirs):
+        (src / f"pkg{d}").mkdir(parents=True)
+        for f in range(per_dir):
+            (src / f"pkg{d}" / f"mod{f}.py").write_bytes(os.urandom(size))
+    names = sorted(str(p.relative_to(src)) for p in src.rglob("*.py"))
+    up, down, cp_in, cp_out, one_by_one = [], [], [], [], []
+    for i in range(repeats):
+        if i % 2:  # each goes first every other time
+            cp_in.append(_docker_cp(str(src), f"{container}:/work/cp-tree"))
+            cp_out.append(_docker_cp(f"{container}:/work/cp-tree", str(work / "cp-back")))
+        t0 = time.perf_counter()
+        await files.upload_dir(src, f"tree{i}", compress=False)  # as docker cp: no gzip
+        up.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await files.download_dir(f"tree{i}", work / f"back{i}")
+        down.append(time.perf_counter() - t0)
+        if not i % 2:
+            cp_in.append(_docker_cp(str(src), f"{container}:/work/cp-tree"))
+            cp_out.append(_docker_cp(f"{container}:/work/cp-tree", str(work / "cp-back")))
+        t0 = time.perf_counter()
+        for d in range(dirs):
+            await files.make_dir(f"files{i}/pkg{d}")
+        for name in names:
+            await files.write(f"files{i}/{name}", (src / name).read_bytes())
+        one_by_one.append(time.perf_counter() - t0)
+        back = work / f"back{i}"
+        if sorted(str(p.relative_to(back)) for p in back.rglob("*.py")) != names:
+            raise InputError("bench files: the downloaded tree differs from the uploaded one")
+        shutil.rmtree(back)
+        shutil.rmtree(work / "cp-back")
+    shutil.rmtree(src)
+    med = statistics.median
+    return {
+        "files": len(names),
+        "mb": len(names) * size / (1 << 20),
+        "upload_dir_s": med(up),
+        "docker_cp_in_s": med(cp_in),
+        "one_write_per_file_s": med(one_by_one),
+        "download_dir_s": med(down),
+        "docker_cp_out_s": med(cp_out),
+        "upload_vs_docker_cp": med(cp_in) / med(up),
+        "upload_vs_one_write_per_file": med(one_by_one) / med(up),
+        "download_vs_docker_cp": med(cp_out) / med(down),
         "repeats": repeats,
     }
 

@@ -6,12 +6,14 @@ One implementation of the protocol (``AsyncClient``), so the two clients cannot 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from tangram.api.wire import ActionResult, FileEntry, FileWritten, TrajectoryInfo
+from tangram.api.wire import ActionResult, FileEntry, FileWritten, TrajectoryInfo, Unpacked
 from tangram.client.aio import AsyncClient, AsyncTrajectory
 from tangram.client.files import AsyncFiles
 
@@ -162,3 +164,17 @@ class Files:
 
     def rename(self, path: str, to: str) -> None:
         self._run(self._async.rename(path, to))
+
+    def write_tar(self, path: str, data: bytes) -> Unpacked:
+        return self._run(self._async.write_tar(path, data))
+
+    def read_tar(self, path: str) -> bytes:
+        return self._run(self._async.read_tar(path))
+
+    def upload_dir(
+        self, local: str | os.PathLike[str], path: str, *, compress: bool = True
+    ) -> Unpacked:
+        return self._run(self._async.upload_dir(local, path, compress=compress))
+
+    def download_dir(self, path: str, local: str | os.PathLike[str]) -> Path:
+        return self._run(self._async.download_dir(path, local))

@@ -21,13 +21,20 @@ from tangram.api.wire import (
     MadeDir,
     MakeDir,
     RenameFile,
+    Unpacked,
 )
 from tangram.service.engine import Engine
 
 FILES = "/v1/trajectories/{trajectory}/files"
-_UPLOAD = re.compile(r"/v1/trajectories/[^/]+/files")
+_UPLOAD = re.compile(r"/v1/trajectories/[^/]+/files(/tar)?")
 _BINARY = {
     "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+}
+_TAR = {
+    "content": {
+        kind: {"schema": {"type": "string", "format": "binary"}}
+        for kind in ("application/x-tar", "application/gzip")
+    }
 }
 
 Path = Annotated[
@@ -72,6 +79,32 @@ def add_file_routes(
         the whole new one; the parent directory must exist."""
         size = await engine.files.write(who, trajectory, path, request.stream(), int(mode, 8))
         return FileWritten(path=path, size=size)
+
+    @app.get(FILES + "/tar", responses={**errors, 200: _TAR}, response_class=StreamingResponse)
+    async def read_tar(trajectory: str, path: Path, who: tenant) -> StreamingResponse:
+        """The directory as a tar, streamed as the exec server walks it: members named
+        relative to it, symlinks kept as symlinks (never followed), FIFOs and devices
+        left out. A failure midway (a file the environment's user cannot read) cuts
+        the body short, so the tar is incomplete, never silently partial."""
+        got = await engine.files.tar(who, trajectory, path)
+        name = got.entry.name.replace('"', "") if got.entry.name != "/" else "root"
+        return StreamingResponse(
+            got.data, media_type="application/x-tar", background=BackgroundTask(got.close),
+            headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
+        )  # fmt: skip
+
+    @app.put(
+        FILES + "/tar", responses=errors, openapi_extra={"requestBody": {"required": True, **_TAR}}
+    )
+    async def write_tar(trajectory: str, path: Path, request: Request, who: tenant) -> Unpacked:
+        """Extract the request body, a tar or a gzipped tar, into the directory ``path``
+        (made with its parents if missing), merging with what is there. Nothing lands
+        outside it: a '..' member, a symlink out of it and a member through such a
+        symlink are refused (403, naming the member), as are devices and FIFOs (400).
+        Each file lands whole; a tar refused midway keeps the members before the one
+        named."""
+        done = await engine.files.untar(who, trajectory, path, request.stream())
+        return Unpacked(path=path, members=done.members or 0, size=done.written or 0)
 
     @app.delete(FILES, responses=errors)
     async def remove_file(trajectory: str, path: Path, who: tenant) -> dict[str, str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from tangram.api.wire import (
     FILES_FEATURE,
     STREAM_CHUNK,
+    TAR_FEATURE,
     AgentFiles,
     AgentReply,
     FileEntry,
@@ -95,6 +96,13 @@ class Files:
                 f"{tid}: the agent of node {traj.node} predates the files API; upgrade the "
                 "node agents",
             )
+        if action in ("tar", "untar") and TAR_FEATURE not in link.hello.features:
+            raise EngineError(
+                "failed",
+                "trajectory",
+                f"{tid}: the agent of node {traj.node} predates directories as tar streams; "
+                "upgrade the node agents",
+            )
         req = AgentFiles(trajectory=traj.key, action=action, path=path, **kw)
         return link, req
 
@@ -108,7 +116,15 @@ class Files:
         return _outcome(await self.state.ask(link.node, req), path)
 
     async def read(self, tenant: str, tid: str, path: str) -> Download:
-        link, req = self._request(tenant, tid, "read", path)
+        """A file's entry, then its bytes."""
+        return await self._download(tenant, tid, path, "read")
+
+    async def tar(self, tenant: str, tid: str, path: str) -> Download:
+        """A directory's entry, then the directory as a tar."""
+        return await self._download(tenant, tid, path, "tar")
+
+    async def _download(self, tenant: str, tid: str, path: str, action: FileOp) -> Download:
+        link, req = self._request(tenant, tid, action, path)
         with agent_gone(link.node):
             stream = link.stream(req)
             try:
@@ -135,7 +151,20 @@ class Files:
         self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes], mode: int
     ) -> int:
         """Write the file from ``body``; it replaces ``path`` only once whole."""
-        link, req = self._request(tenant, tid, "write", path, mode=mode)
+        done = await self._upload(tenant, tid, path, body, "write", mode=mode)
+        return done.written or 0
+
+    async def untar(
+        self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes]
+    ) -> FilesOutcome:
+        """Extract the tar (or gzipped tar) of ``body`` into the directory ``path``."""
+        return await self._upload(tenant, tid, path, body, "untar")
+
+    async def _upload(
+        self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes], action: FileOp,
+        **kw: object,
+    ) -> FilesOutcome:  # fmt: skip
+        link, req = self._request(tenant, tid, action, path, **kw)
         with agent_gone(link.node):
             stream = link.stream(req)
             try:
@@ -144,10 +173,10 @@ class Files:
                         break  # refused: the reply says why
                 else:
                     stream.end_input()
-                done = _outcome(await stream.reply(), path)
+                done = _outcome(await stream.reply(), path, told=action == "untar")
             finally:
                 await stream.close()  # a body that broke off cancels the write: nothing lands
-        return done.written or 0
+        return done
 
 
 async def _whole_chunks(body: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
@@ -163,13 +192,15 @@ async def _whole_chunks(body: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         yield bytes(pending)
 
 
-def _outcome(reply: AgentReply, path: str) -> FilesOutcome:
+def _outcome(reply: AgentReply, path: str, told: bool = False) -> FilesOutcome:
+    """The outcome of a reply, or why it failed; ``told``: the environment's message says
+    it all already (an untar's names the member it refused)."""
     if reply.ok and reply.files is not None:
         return reply.files
     message = reply.error or "the agent did not say"
     if reply.errno is None:  # not the environment's refusal: the trajectory or its agent
         raise EngineError("unavailable" if reply.retryable else "failed", "trajectory", message)
-    why = _WHY.get(reply.errno)
+    why = None if told else _WHY.get(reply.errno)
     raise EngineError(
         _KINDS.get(reply.errno, "failed"), "path", f"{path}: {why}" if why else message
     )
