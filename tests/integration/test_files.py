@@ -12,6 +12,7 @@ import io
 import os
 import random
 import tarfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -411,3 +412,40 @@ def test_a_directory_tar_keeps_symlinks_and_leaves_out_what_has_no_content(
     with tarfile.open(fileobj=io.BytesIO(asyncio.run(scenario()))) as tar:
         found = {m.name: (m.type, m.linkname, m.size) for m in tar.getmembers()}
     assert found == {"f": (tarfile.REGTYPE, "", 0), "out": (tarfile.SYMTYPE, "/etc", 0)}
+
+
+def test_a_symlink_through_dotdot_resolves_while_the_system_renames(
+    execd: Built, tmp_path: Path
+) -> None:
+    """openat2 refuses a '..' with EAGAIN when any rename on the system races it (it
+    cannot vouch the '..' stayed inside); the server tries again, so a busy machine does
+    not fail reads through such symlinks."""
+    assert execd.path is not None
+    root = tmp_path / "env"
+    (root / "d").mkdir(parents=True)
+    (root / "ok.txt").write_text("ok")
+    (root / "d" / "in").symlink_to("../ok.txt")
+    files = EnvFiles(one_shot(execd.path, root), "/")
+    stop = threading.Event()
+
+    def rename_all_the_time() -> None:
+        a, b = tmp_path / "a", tmp_path / "b"
+        a.touch()
+        while not stop.is_set():
+            a.rename(b)
+            b.rename(a)
+
+    async def reads() -> list[bytes]:
+        got = []
+        for _ in range(200):
+            _, data = await files.read("/d/in")
+            got.append(b"".join([piece async for piece in data]))
+        return got
+
+    renamer = threading.Thread(target=rename_all_the_time)
+    renamer.start()
+    try:
+        assert asyncio.run(reads()) == [b"ok"] * 200
+    finally:
+        stop.set()
+        renamer.join()

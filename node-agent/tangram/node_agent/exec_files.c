@@ -62,7 +62,11 @@ static const char *relative(const char *path) {
 /* REL (no "..") opened from the directory AT, resolved as RESOLVE says. */
 static int open_at(int at, unsigned long long resolve, const char *rel, int flags) {
     struct open_how how = {.flags = (unsigned long long)(flags | O_CLOEXEC), .resolve = resolve};
-    int fd = (int)syscall(SYS_openat2, at, rel, &how, sizeof how);
+    int fd, tries = 0;
+    /* EAGAIN: a ".." (in a symlink's target) resolved while something anywhere renamed or
+     * mounted, so the kernel could not vouch it stayed inside; trying again is the cure. */
+    do fd = (int)syscall(SYS_openat2, at, rel, &how, sizeof how);
+    while (fd < 0 && errno == EAGAIN && ++tries < 1000);
     if (fd < 0 && errno == ENOSYS) errno = EOPNOTSUPP; /* a kernel before 5.6 */
     return fd;
 }
