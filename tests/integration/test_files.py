@@ -449,3 +449,45 @@ def test_a_symlink_through_dotdot_resolves_while_the_system_renames(
     finally:
         stop.set()
         renamer.join()
+
+
+def _pax(records: bytes, then: bytes) -> bytes:
+    """A tar whose first member is a pax header of ``records`` as they are, then ``then``."""
+    head = tarfile.TarInfo("././@PaxHeader")
+    head.type, head.size = tarfile.XHDTYPE, len(records)
+    block = head.tobuf(tarfile.USTAR_FORMAT)
+    return block + records + bytes(-len(records) % 512) + then
+
+
+def test_crafted_tars_are_refused_and_leave_nothing_astray(execd: Built, tmp_path: Path) -> None:
+    """What a review found: a symlink climbing out through another symlink, a hard link
+    to itself, a malformed pax record and a size past any real one."""
+    assert execd.path is not None
+    (tmp_path / "env").mkdir()
+    files = EnvFiles(one_shot(execd.path, tmp_path / "env"), "/")
+    huge = b"%d size=%d\n" % (len(b" size=18446744073709551615\n") + 2, 2**64 - 1)
+    cases = {
+        "l": _tar(("s", tarfile.SYMTYPE, "."), ("l", tarfile.SYMTYPE, "s/..")),
+        "s/in": _tar(("s", tarfile.SYMTYPE, "."), ("s/in", tarfile.SYMTYPE, "../x")),
+        "pax": _pax(b"\n" * 10 + b"3 " + b"a" * 20, _tar()),
+        "size": _pax(huge, _tar(("dd", tarfile.DIRTYPE, b""))),
+    }
+
+    async def untar(data: bytes) -> int | str:
+        async def body() -> AsyncIterator[bytes]:
+            yield data
+
+        try:
+            return (await files.untar("/dst", body()))[0]
+        except FileError as e:
+            return f"{e.errno} {e}"
+
+    for name, data in cases.items():
+        answer = str(asyncio.run(untar(data)))
+        if name in ("pax", "size"):
+            assert answer.startswith(f"{errno.EINVAL} "), answer
+        else:
+            assert answer.startswith(f"{errno.EXDEV} ") and f"member {name}:" in answer, answer
+    itself = _tar(("a", tarfile.REGTYPE, b"hi"), ("a", tarfile.LNKTYPE, "a"))
+    assert asyncio.run(untar(itself)) == 2
+    assert sorted(os.listdir(tmp_path / "env" / "dst")) == ["a", "s"]  # no temporary left

@@ -14,8 +14,9 @@
  *
  * Extraction stays beneath PATH whatever the tar says: each member is resolved from
  * PATH's descriptor with RESOLVE_BENEATH, so a ".." member name (refused up front), an
- * absolute symlink or one climbing above PATH, and a member written through such a
- * symlink are all refused, never followed. Each file lands whole (a temporary beside
+ * absolute symlink or one climbing above PATH (judged by its directory's real depth,
+ * with ".." allowed only ahead of names), and a member written through a symlink out
+ * are all refused, never followed. Each file lands whole (a temporary beside
  * it, then a rename), directory modes are set once their members are in, set-id bits
  * are dropped and devices and FIFOs refused. A tar that fails midway keeps the members
  * before the failure: the answer names the member that failed.
@@ -27,6 +28,7 @@
 #define TAR_BLOCK 512
 #define TAR_META_MAX (1u << 20) /* a pax header's bytes at most */
 #define BENEATH (RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+#define MAX_MEMBER (1ULL << 62) /* bytes a member may say it holds: no sum overflows */
 
 /* ---- tar: the walk ------------------------------------------------------------------- */
 
@@ -38,6 +40,7 @@ static int skip_dots(const struct dirent *e) {
 static int tar_file(int sock, int dirfd, const char *name, const char *rel) {
     int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
     struct stat st;
+    if (fd < 0 && errno == ENOENT) return 0; /* removed since the listing: left out */
     if (fd < 0 || fstat(fd, &st) < 0) return fail(sock, errno, "tar", rel);
     if (send_entry_as(sock, 'S', dirfd, name, rel, &st) < 0) return -1;
     static char buf[1 << 20]; /* a chunk of the agent link (STREAM_CHUNK) */
@@ -230,9 +233,12 @@ static int pax(char *data, size_t len) {
     size_t at = 0;
     while (at < len) {
         char *end;
+        if (data[at] < '0' || data[at] > '9') return -1; /* (strtoul would skip spaces) */
         unsigned long n = strtoul(data + at, &end, 10);
-        if (n == 0 || *end != ' ' || n > len - at || data[at + n - 1] != '\n') return -1;
-        char *key = end + 1, *eq = memchr(key, '=', (size_t)(data + at + n - 1 - key));
+        if (n == 0 || n > len - at || data[at + n - 1] != '\n') return -1;
+        char *last = data + at + n - 1; /* the record's newline */
+        if (end >= last || *end != ' ') return -1;
+        char *key = end + 1, *eq = memchr(key, '=', (size_t)(last - key));
         if (eq == NULL) return -1;
         *eq = '\0';
         char *value = eq + 1;
@@ -246,7 +252,7 @@ static int pax(char *data, size_t len) {
             *(is_path ? &next.has_name : &next.has_link) = 1;
         } else if (strcmp(key, "size") == 0) {
             next.size = strtoull(value, &end, 10);
-            if (end != value + vlen) return -1;
+            if (end != value + vlen || vlen == 0 || next.size > MAX_MEMBER) return -1;
             next.has_size = 1;
         } /* the rest (times, owners, charset) is not applied: the environment's user owns it all */
         at += n;
@@ -279,8 +285,8 @@ static int header(struct member *m, const char **why) {
         if (zero) return 1;
         if (!checksum_ok(h)) return *why = "not a tar: a header's checksum is wrong", -1;
         unsigned long long size, mode;
-        if (number(h + 124, 12, &size) < 0 || number(h + 100, 8, &mode) < 0)
-            return *why = "not a tar: a header's size or mode is not a number", -1;
+        if (number(h + 124, 12, &size) < 0 || number(h + 100, 8, &mode) < 0 || size > MAX_MEMBER)
+            return *why = "not a tar: a header's size or mode is not a number in range", -1;
         char type = (char)h[156];
         if (type == 'x' || type == 'g' || type == 'L' || type == 'K') {
             char *data = in_meta(size);
@@ -338,18 +344,39 @@ static int clean(const char *name, char *out) {
     return 0;
 }
 
-/* Whether a symlink to TARGET at NAME (both beneath the destination) stays beneath it. */
-static int stays_beneath(const char *name, const char *target) {
-    if (target[0] == '/' || target[0] == '\0') return 0;
-    int depth = 0;
-    for (const char *p = name; (p = strchr(p, '/')) != NULL; p++) depth++; /* NAME's directory */
+/* How many levels DIRFD lies beneath ROOT (it does: it was opened beneath it), or -1. */
+static int depth_below(int root, int dirfd) {
+    struct stat top, at;
+    if (fstat(root, &top) < 0) return -1;
+    int fd = dup(dirfd), depth = 0;
+    while (fd >= 0 && fstat(fd, &at) == 0 && depth <= MAX_DEPTH) {
+        if (at.st_dev == top.st_dev && at.st_ino == top.st_ino) {
+            close(fd);
+            return depth;
+        }
+        int up = openat(fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        close(fd);
+        fd = up;
+        depth++;
+    }
+    if (fd >= 0) close(fd);
+    return -1;
+}
+
+/* Whether a symlink to TARGET, in a directory DEPTH levels beneath the destination,
+ * stays beneath it. Judged on the text: relative, its ".." components all leading (a
+ * ".." after a name could climb out of a symlink that name is) and no more of them than
+ * DEPTH. (Symlinks the destination held before are not re-examined.) */
+static int stays_beneath(int depth, const char *target) {
+    if (target[0] == '/' || target[0] == '\0' || depth < 0) return 0;
+    int named = 0;
     for (const char *p = target; *p;) {
         const char *end = strchr(p, '/');
         size_t n = end ? (size_t)(end - p) : strlen(p);
         if (n == 2 && p[0] == '.' && p[1] == '.') {
-            if (--depth < 0) return 0;
+            if (named || --depth < 0) return 0;
         } else if (n > 0 && !(n == 1 && p[0] == '.')) {
-            depth++;
+            named = 1;
         }
         p += n;
         while (*p == '/') p++;
@@ -388,12 +415,11 @@ static int land(int dirfd, const char *base, int (*create)(int, const char *, vo
         unlinkat(dirfd, tmp, 0);
         return errno = err, -1;
     }
-    if (renameat(dirfd, tmp, dirfd, base) < 0) {
-        int err = errno;
-        unlinkat(dirfd, tmp, 0);
-        return errno = err, -1;
-    }
-    return 0;
+    int rc = renameat(dirfd, tmp, dirfd, base), err = errno;
+    /* Gone if the rename moved it; still there if it failed, or if BASE was the same
+     * inode already (a hard link to itself), when rename(2) does nothing. */
+    unlinkat(dirfd, tmp, 0);
+    return rc < 0 ? (errno = err, -1) : 0;
 }
 
 struct file_data { const struct member *m; int short_read; };
@@ -465,9 +491,11 @@ static int extract(struct untar *u, struct member *m, const char **why) {
         break;
     }
     case '2':
-        if (!stays_beneath(name, m->link))
-            return *why = "it is a symlink that leads out of the destination", errno = EXDEV, -1;
         if ((dirfd = parent_of(u, name, &base)) < 0) return -1;
+        if (!stays_beneath(depth_below(u->root, dirfd), m->link)) {
+            close(dirfd);
+            return *why = "it is a symlink that leads out of the destination", errno = EXDEV, -1;
+        }
         rc = land(dirfd, base, symlink_member, m->link);
         break;
     case '1': {
