@@ -77,7 +77,8 @@ static int open_in(const char *path, int flags) {
 }
 
 /* Makes the directory REL (no "..") and its missing parents, each resolved from AT as
- * RESOLVE says; *made tells whether any was made. A file in the way is ENOTDIR. */
+ * RESOLVE says, and opens it; *made tells whether any was made. A file in the way is
+ * ENOTDIR. */
 static int make_dirs(int at, unsigned long long resolve, const char *rel, int *made) {
     char prefix[4096];
     size_t n = strlen(rel);
@@ -87,10 +88,7 @@ static int make_dirs(int at, unsigned long long resolve, const char *rel, int *m
     }
     memcpy(prefix, rel, n + 1);
     int fd = open_at(at, resolve, prefix, O_RDONLY | O_DIRECTORY);
-    if (fd >= 0 || errno != ENOENT) { /* the common case: it is there already */
-        if (fd >= 0) close(fd);
-        return fd < 0 ? -1 : 0;
-    }
+    if (fd >= 0 || errno != ENOENT) return fd; /* the common case: it is there already */
     /* From the top: each component is made in its parent, opened afresh from AT. */
     for (size_t i = 1; i <= n; i++) {
         if (i < n && rel[i] != '/') continue;
@@ -109,10 +107,7 @@ static int make_dirs(int at, unsigned long long resolve, const char *rel, int *m
         }
         prefix[i] = rel[i];
     }
-    fd = open_at(at, resolve, rel, O_RDONLY | O_DIRECTORY); /* ENOTDIR: a file in the way */
-    if (fd < 0) return -1;
-    close(fd);
-    return 0;
+    return open_at(at, resolve, rel, O_RDONLY | O_DIRECTORY); /* ENOTDIR: a file in the way */
 }
 
 /* Splits PATH into its parent directory (opened) and its last component. */
@@ -260,10 +255,11 @@ static int op_stat(int sock, const char *path) {
 }
 
 static int op_mkdir(int sock, const char *path) {
-    int made = 0;
+    int made = 0, fd = -1;
     const char *rel = relative(path);
-    if (rel == NULL || make_dirs(files_root, files_resolve, rel, &made) < 0)
+    if (rel == NULL || (fd = make_dirs(files_root, files_resolve, rel, &made)) < 0)
         return fail(sock, errno, "mkdir", path);
+    close(fd);
     return send_text(sock, 'X', made ? "1" : "0");
 }
 

@@ -397,9 +397,7 @@ static int parent_of(struct untar *u, char *name, const char **base) {
     *base = slash ? slash + 1 : name;
     if (slash == NULL) return open_at(u->root, BENEATH, ".", O_RDONLY | O_DIRECTORY);
     *slash = '\0';
-    int made = 0;
-    int fd = make_dirs(u->root, BENEATH, name, &made) < 0
-                 ? -1 : open_at(u->root, BENEATH, name, O_RDONLY | O_DIRECTORY);
+    int made = 0, fd = make_dirs(u->root, BENEATH, name, &made);
     *slash = '/';
     return fd;
 }
@@ -465,8 +463,9 @@ static int extract(struct untar *u, struct member *m, const char **why) {
         return *why = "it names the destination directory itself", errno = EINVAL, -1;
     }
     if (is_dir) {
-        int made = 0;
-        if (make_dirs(u->root, BENEATH, name, &made) < 0) return -1;
+        int made = 0, fd = make_dirs(u->root, BENEATH, name, &made);
+        if (fd < 0) return -1;
+        close(fd);
         if (u->ndirs == u->cap) { /* its mode is set at the end: it may be read-only */
             u->cap = u->cap ? u->cap * 2 : 64;
             struct dirmode *more = realloc(u->dirs, u->cap * sizeof *more);
@@ -541,9 +540,7 @@ static void set_dir_modes(struct untar *u) {
 static int op_untar(int sock, const char *path) {
     int made = 0;
     const char *rel = relative(path);
-    if (rel == NULL || make_dirs(files_root, files_resolve, rel, &made) < 0)
-        return fail(sock, errno, "untar", path);
-    struct untar u = {.root = open_in(path, O_RDONLY | O_DIRECTORY)};
+    struct untar u = {.root = rel ? make_dirs(files_root, files_resolve, rel, &made) : -1};
     if (u.root < 0) return fail(sock, errno, "untar", path);
     send_text(sock, 'S', "ready");
     in.sock = sock;
