@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ async def _one_size(
     local.write_bytes(data)
     up, down, cp_in, cp_out = [], [], [], []
 
-    async def api() -> None:
+    async def api(_: int) -> None:
         t0 = time.perf_counter()
         await files.write("f.bin", data)
         up.append(time.perf_counter() - t0)
@@ -99,18 +100,14 @@ async def _one_size(
         down.append(time.perf_counter() - t0)
         if out.read_bytes() != data:
             raise InputError("bench files: the download differs from the upload")
+        out.unlink()
 
-    def cp() -> None:
+    def cp(_: int) -> None:
         cp_in.append(_docker_cp(str(local), f"{container}:/work/cp.bin"))
         cp_out.append(_docker_cp(f"{container}:/work/cp.bin", str(out)))
-
-    for i in range(repeats):  # each goes first every other time
-        if i % 2:
-            cp()
-        await api()
-        if not i % 2:
-            cp()
         out.unlink()
+
+    await _alternately(repeats, api, cp)
     local.unlink()
 
     def rate(times: list[float]) -> float:
@@ -139,30 +136,33 @@ async def _one_tree(files: AsyncFiles, container: str, repeats: int, work: Path)
             (src / f"pkg{d}" / f"mod{f}.py").write_bytes(os.urandom(size))
     names = sorted(str(p.relative_to(src)) for p in src.rglob("*.py"))
     up, down, cp_in, cp_out, one_by_one = [], [], [], [], []
-    for i in range(repeats):
-        if i % 2:  # each goes first every other time
-            cp_in.append(_docker_cp(str(src), f"{container}:/work/cp-tree"))
-            cp_out.append(_docker_cp(f"{container}:/work/cp-tree", str(work / "cp-back")))
+
+    async def api(i: int) -> None:
         t0 = time.perf_counter()
         await files.upload_dir(src, f"tree{i}", compress=False)  # as docker cp: no gzip
         up.append(time.perf_counter() - t0)
+        back = work / f"back{i}"
         t0 = time.perf_counter()
-        await files.download_dir(f"tree{i}", work / f"back{i}")
+        await files.download_dir(f"tree{i}", back)
         down.append(time.perf_counter() - t0)
-        if not i % 2:
-            cp_in.append(_docker_cp(str(src), f"{container}:/work/cp-tree"))
-            cp_out.append(_docker_cp(f"{container}:/work/cp-tree", str(work / "cp-back")))
+        if sorted(str(p.relative_to(back)) for p in back.rglob("*.py")) != names:
+            raise InputError("bench files: the downloaded tree differs from the uploaded one")
+        shutil.rmtree(back)
         t0 = time.perf_counter()
         for d in range(dirs):
             await files.make_dir(f"files{i}/pkg{d}")
         for name in names:
             await files.write(f"files{i}/{name}", (src / name).read_bytes())
         one_by_one.append(time.perf_counter() - t0)
-        back = work / f"back{i}"
-        if sorted(str(p.relative_to(back)) for p in back.rglob("*.py")) != names:
-            raise InputError("bench files: the downloaded tree differs from the uploaded one")
+
+    def cp(i: int) -> None:
+        # A fresh path each time: docker cp into an existing directory nests the copy in it.
+        cp_in.append(_docker_cp(str(src), f"{container}:/work/cp-tree{i}"))
+        back = work / f"cp-back{i}"
+        cp_out.append(_docker_cp(f"{container}:/work/cp-tree{i}", str(back)))
         shutil.rmtree(back)
-        shutil.rmtree(work / "cp-back")
+
+    await _alternately(repeats, api, cp)
     shutil.rmtree(src)
     med = statistics.median
     return {
@@ -178,6 +178,19 @@ async def _one_tree(files: AsyncFiles, container: str, repeats: int, work: Path)
         "download_vs_docker_cp": med(cp_out) / med(down),
         "repeats": repeats,
     }
+
+
+async def _alternately(
+    repeats: int, ours: Callable[[int], Awaitable[None]], theirs: Callable[[int], None]
+) -> None:
+    """Run both ``repeats`` times, each going first every other time, so that both see the
+    machine in the same state."""
+    for i in range(repeats):
+        if i % 2:
+            theirs(i)
+        await ours(i)
+        if not i % 2:
+            theirs(i)
 
 
 async def _first_bytes(client: AsyncClient, tid: str, runs: int) -> dict[str, Any]:
