@@ -24,6 +24,7 @@ from tangram.api.wire import (
     Unpacked,
 )
 from tangram.service.engine import Engine
+from tangram.service.files import Download
 
 FILES = "/v1/trajectories/{trajectory}/files"
 _UPLOAD = re.compile(r"/v1/trajectories/[^/]+/files(/tar)?")
@@ -47,6 +48,14 @@ Path = Annotated[
 ]
 
 
+def download_response(got: Download, headers: dict[str, str], media_type: str) -> StreamingResponse:
+    """A download as the response's body, its agent request closed even if the body never
+    starts (the client may go first)."""
+    return StreamingResponse(
+        got.data, media_type=media_type, headers=headers, background=BackgroundTask(got.close)
+    )
+
+
 def is_upload(scope: Scope) -> bool:
     """A file upload, whose body may be as large as ``admission.maxFileBytes``."""
     return scope["method"] == "PUT" and _UPLOAD.fullmatch(scope["path"]) is not None
@@ -62,10 +71,7 @@ def add_file_routes(
         """The file's bytes, streamed as the environment's exec server reads them."""
         got = await engine.files.read(who, trajectory, path)
         headers = {"Content-Length": str(got.entry.size), "X-Tangram-Mode": f"{got.entry.mode:o}"}
-        return StreamingResponse(
-            got.data, media_type="application/octet-stream", headers=headers,
-            background=BackgroundTask(got.close),  # (the body may never start)
-        )  # fmt: skip
+        return download_response(got, headers, "application/octet-stream")
 
     @app.put(FILES, responses=errors, openapi_extra={"requestBody": {"required": True, **_BINARY}})
     async def write_file(
@@ -88,10 +94,8 @@ def add_file_routes(
         the body short, so the tar is incomplete, never silently partial."""
         got = await engine.files.tar(who, trajectory, path)
         name = got.entry.name.replace('"', "") if got.entry.name != "/" else "root"
-        return StreamingResponse(
-            got.data, media_type="application/x-tar", background=BackgroundTask(got.close),
-            headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
-        )  # fmt: skip
+        headers = {"Content-Disposition": f'attachment; filename="{name}.tar"'}
+        return download_response(got, headers, "application/x-tar")
 
     @app.put(
         FILES + "/tar", responses=errors, openapi_extra={"requestBody": {"required": True, **_TAR}}

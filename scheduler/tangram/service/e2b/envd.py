@@ -17,7 +17,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
 from starlette.datastructures import UploadFile
 from starlette.types import Scope
 
@@ -36,6 +35,7 @@ from tangram.service.e2b.control import Admit, iso
 from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.sandboxes import Sandbox, Sandboxes
 from tangram.service.engine import Engine
+from tangram.service.file_routes import download_response
 from tangram.service.records import EngineError
 
 _TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
@@ -86,10 +86,8 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
     async def download(path: Path, request: Request, username: Username = None) -> Response:
         who, box = await caller(request)
         got = await files.read(who, box.id, path)
-        return StreamingResponse(
-            got.data, media_type="application/octet-stream",
-            headers={"Content-Length": str(got.entry.size)}, background=BackgroundTask(got.close),
-        )  # fmt: skip
+        headers = {"Content-Length": str(got.entry.size)}
+        return download_response(got, headers, "application/octet-stream")
 
     @router.post("/files", openapi_extra=_UPLOAD_DOC)
     async def upload(
