@@ -91,6 +91,23 @@ def test_interactive_stdin_is_answered_as_it_goes(on: Callable[[Scenario], None]
     on(scenario)
 
 
+def test_refused_input_is_kept_on_the_action_and_the_command_goes_on(
+    on: Callable[[Scenario], None],
+) -> None:
+    async def scenario(t: AsyncTrajectory) -> None:
+        action = await t.exec_live(["sh", "-c", "echo up; sleep 60"])  # not interactive
+        await _until(action, "up")
+        await action.close_stdin()  # it has no stdin to close: the service refuses
+        while not action.refused:
+            await asyncio.sleep(0.05)
+        (refusal,) = action.refused
+        assert refusal.status == 400 and "not sent interactive" in str(refusal), refusal
+        await action.signal("SIGINT")  # still running, still the action's
+        assert (await action.result()).exit_code == 128 + 2
+
+    on(scenario)
+
+
 def test_a_signal_sent_while_it_queues_reaches_it_when_it_starts(
     on: Callable[[Scenario], None],
 ) -> None:
