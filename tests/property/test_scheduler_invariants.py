@@ -36,6 +36,7 @@ from tangram.api import (
     ServiceSpec,
     allowed_units,
 )
+from tangram.api.orderings import CorePrice
 from tangram.scheduler import Assignment, Round, Scheduler, SchedulerConfig, SchedulingError
 from tangram.scheduler.core.config import Ordering
 from tangram.scheduler.core.decisions import Plan
@@ -660,9 +661,12 @@ def test_trajectory_priority_is_starvation_free(w: Workload, ageing: float) -> N
 
 
 @settings(max_examples=100, deadline=None)
-@given(workloads(), st.sampled_from([None, 1, 2]))
-def test_other_estimate_options_keep_the_invariants(w: Workload, horizon: int | None) -> None:
-    simulate(w, SchedulerConfig(depth=1, explore="doubling", horizon=horizon), fcfs_check=True)
+@given(workloads(), st.sampled_from([None, 1, 2]), st.sampled_from(["load", "none"]))
+def test_other_estimate_options_keep_the_invariants(
+    w: Workload, horizon: int | None, price: CorePrice
+) -> None:
+    config = SchedulerConfig(depth=1, explore="doubling", horizon=horizon, core_price=price)
+    simulate(w, config, fcfs_check=True)
 
 
 @SIM

@@ -167,6 +167,34 @@ def test_round_bench_reports_every_case() -> None:
         assert 0 < case["p50_ms"] <= case["p99_ms"]
 
 
+def test_coding_seeds_replays_every_batch_and_seed_and_reports_the_spread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "seeds.json"
+    code, table, _ = _run(
+        capsys, "bench", "coding-seeds", "--batches", "8,16", "--seeds", "3,4", "--jobs", "2",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert list(report["batches"]) == ["8", "16"]
+    for row in report["batches"].values():
+        assert list(row["seeds"]) == ["3", "4"]
+        ratios = []
+        for v in row["seeds"].values():
+            act = v["avg_act_s"]
+            best = min(act["fixed-dop-4"], act["fixed-dop-16"])
+            assert v["elastic_vs_best_fixed"] == pytest.approx(act["elastic"] / best, abs=1e-4)
+            ratios.append(v["elastic_vs_best_fixed"])
+        spread = row["elastic_vs_best_fixed"]
+        assert (spread["min"], spread["max"]) == (min(ratios), max(ratios))
+    # The printed table is the one written next to the report (docs/benchmarks.md cites it).
+    assert table == out.with_suffix(".md").read_text()
+    assert "| 16 | spread |" in table
+    code, _, err = _run(capsys, "bench", "coding-seeds", "--seeds", "a,b")
+    assert code == 2 and "--seeds" in err
+
+
 def test_the_readme_explain_example_shows_an_eviction(capsys: pytest.CaptureFixture[str]) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "explain" / "waiting.json"
     code, out, _ = _run(capsys, "explain", str(example), "--json")

@@ -27,6 +27,10 @@ DEFAULT_ORDERING = "fcfs"
 QuotaWaiting = Literal["hold", "pass"]
 QUOTA_WAITING: tuple[str, ...] = get_args(QuotaWaiting)
 
+# How far an elastic action may grow on a loaded node (docs/scheduler.md, "The core price").
+CorePrice = Literal["none", "load"]
+CORE_PRICES: tuple[str, ...] = get_args(CorePrice)
+
 
 def expected_orderings() -> str:
     """The names as pydantic lists a Literal's: ``'a', 'b' or 'c'``."""

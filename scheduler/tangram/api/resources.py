@@ -34,7 +34,7 @@ from pydantic.alias_generators import to_camel
 from tangram.api.access import Access, TenantPolicy, namespace_admitted
 from tangram.api.action import _API_NAME
 from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units, ordered
-from tangram.api.orderings import DEFAULT_ORDERING, OrderingName, QuotaWaiting
+from tangram.api.orderings import DEFAULT_ORDERING, CorePrice, OrderingName, QuotaWaiting
 from tangram.api.reasons import Reason
 from tangram.api.spec_base import (
     DNS_LABEL,
@@ -234,6 +234,16 @@ class Scheduling(Spec):
             "it, and the first one waiting keeps just its own units (the lower mean)"
         ),
     ] = "hold"
+    core_price: Annotated[
+        CorePrice,
+        Field(
+            description="how far an elastic action may grow on a loaded node — load: sizes "
+            "whose gain per extra core-second is below the node's core price (its queued "
+            "and running actions per core, times its utilisation) are dropped before the "
+            "completion-time approximation chooses; none: the approximation alone (the "
+            "paper's rule, which lets long actions take the cores the next short ones need)"
+        ),
+    ] = "load"
 
 
 Quantity = int | float | str

@@ -31,6 +31,8 @@ def register(sub: Any) -> None:
             "the figures of docs/architecture.md (Contracts). `tangram bench scheduler` "
             "measures round latency; "
             "`tangram bench paper` runs the paper-scale sweeps recorded in docs/benchmarks.md; "
+            "`tangram bench coding-seeds` replays the coding scenario over batches and several "
+            "trace seeds, elastic against fixed DoP, and reports the spread; "
             "`tangram bench exec` measures per-action overhead of the fast and portable "
             "allocate-on-execution paths and open latency (needs a Docker Engine); "
             "`tangram bench gpu` compares restore bandwidth with the host-to-device copy "
@@ -45,7 +47,17 @@ def register(sub: Any) -> None:
     p.add_argument(
         "what",
         nargs="?",
-        choices=("scheduler", "paper", "exec", "service", "gpu", "gpu-pool", "tenants", "files"),
+        choices=(
+            "scheduler",
+            "paper",
+            "coding-seeds",
+            "exec",
+            "service",
+            "gpu",
+            "gpu-pool",
+            "tenants",
+            "files",
+        ),
         help="a named benchmark",
     )
     p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
@@ -60,6 +72,11 @@ def register(sub: Any) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not draw the ACT plot")
     p.add_argument("--out", help="output file (scheduler) or directory (paper)")
     p.add_argument("--quick", action="store_true", help="paper: smaller sweeps for a smoke run")
+    p.add_argument("--batches", help="coding-seeds: comma-separated batch sizes")
+    p.add_argument("--seeds", help="coding-seeds: comma-separated trace seeds (default 0,1,2)")
+    p.add_argument(
+        "--jobs", type=whole_number(1), default=None, help="coding-seeds: parallel replays"
+    )
     p.add_argument(
         "--actions", type=whole_number(1), default=500, help="exec: timed actions per path"
     )
@@ -159,6 +176,7 @@ def register(sub: Any) -> None:
 _REPORTS = {
     "service": ("tangram.cli.bench_service", "run_service_bench"),
     "tenants": ("tangram.cli.bench_tenants", "run_tenants_bench"),
+    "coding-seeds": ("tangram.cli.bench_seeds", "run_seeds_bench"),
     "gpu-pool": ("tangram.cli.bench_gpu_pool", "run_gpu_pool_bench"),
     "exec": ("tangram.cli.bench_exec", "run_exec_bench"),
     "files": ("tangram.cli.bench_files", "run_files_bench"),
@@ -297,6 +315,11 @@ def _table(report: dict[str, Any]) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=200)
     if "actions_per_s" in report or "vs_static" in report:
         return  # bench service and gpu-pool printed their lines already
+    if "batches" in report:  # bench coding-seeds: its Markdown table, as recorded in docs
+        from tangram.cli.bench_seeds import render
+
+        print(render(report), end="")
+        return
     if "restore_fraction" in report:
         t = Table(title=f"restore bandwidth on {report['device']}")
         t.add_column("figure")

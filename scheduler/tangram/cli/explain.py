@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec
-from tangram.api.orderings import DEFAULT_ORDERING, OrderingName
+from tangram.api.orderings import DEFAULT_ORDERING, CorePrice, OrderingName, QuotaWaiting
 from tangram.cli.files import InputError, read_json
 from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig, SchedulingError
 
@@ -63,6 +63,8 @@ class ConfigState(_Strict):
     ageing_factor: Annotated[float, Field(gt=0)] = 4.0
     min_age_s: Annotated[float, Field(ge=0)] = 1.0
     horizon: Annotated[int | None, Field(ge=1)] = None
+    quota_waiting: QuotaWaiting = "hold"
+    core_price: CorePrice = "load"
 
 
 class State(_Strict):

@@ -20,7 +20,14 @@ from tangram.cli.plots import lines
 from tangram.cli.progress import note
 from tangram.sim.tracegen import generate, scenario_cluster
 
-CODING_POLICIES = ("elastic", "elastic-doubling", "k8s-static", "fixed-dop-4", "fixed-dop-16")
+CODING_POLICIES = (
+    "elastic",
+    "elastic-paper",
+    "elastic-doubling",
+    "k8s-static",
+    "fixed-dop-4",
+    "fixed-dop-16",
+)
 
 
 def _with_gpus(cluster: ClusterSpec, gpus: int) -> ClusterSpec:

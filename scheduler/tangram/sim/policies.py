@@ -6,6 +6,10 @@
 ``elastic-doubling`` the same with the estimate exploring doubling unit counts
 ``elastic-pass``     the same with ``quota_waiting="pass"``: calls on a quota with room
                      pass one that waits for another quota
+``elastic-paper``    the same with ``core_price="none"``: sizes from the paper's ACT
+                     estimate alone
+``elastic-priced``   the same with ``core_price="load"``: sizes whose gain per core-second
+                     is below the node's core price are dropped first
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
 ``k8s-static``       exec actions in a pod per trajectory (0.5 CPU request, 4 limit),
                      single-process commands; ``k8s-static-dop-N`` runs N processes
@@ -44,7 +48,15 @@ from tangram.sim.records import SimResult
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
 _K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
 _STATIC = re.compile(r"^static-gpu(?:-batch-([1-9][0-9]*))?$")
-NAMED = ("elastic", "elastic-priority", "elastic-doubling", "elastic-pass", "unmanaged")
+NAMED = (
+    "elastic",
+    "elastic-priority",
+    "elastic-doubling",
+    "elastic-pass",
+    "elastic-paper",
+    "elastic-priced",
+    "unmanaged",
+)
 
 
 def check_policy(name: str) -> str:
@@ -75,6 +87,8 @@ def build(
         base = replace(base, explore="doubling")
     if policy == "elastic-pass":
         base = replace(base, quota_waiting="pass")
+    if policy in ("elastic-paper", "elastic-priced"):
+        base = replace(base, core_price="none" if policy == "elastic-paper" else "load")
     if m := _FIXED.match(policy):
         base = replace(base, fixed_dop=int(m.group(1)))
     loop = EventLoop()

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tangram.api.orderings import DEFAULT_ORDERING, ORDERINGS, QUOTA_WAITING, QuotaWaiting
+from tangram.api.orderings import (
+    CORE_PRICES,
+    DEFAULT_ORDERING,
+    ORDERINGS,
+    QUOTA_WAITING,
+    CorePrice,
+    QuotaWaiting,
+)
 
 Ordering = str  # a name of tangram.api.orderings.ORDERINGS
 
@@ -36,10 +43,16 @@ class SchedulerConfig:
     # come first served, the paper's rule); "pass" lets calls that need only a quota with
     # room pass it, the first waiter keeping just its own units of it.
     quota_waiting: QuotaWaiting = "hold"
+    # How far an elastic action may grow on a loaded node (core.pricing): "none" sizes by
+    # the paper's ACT estimate alone; "load" first drops the sizes whose gain per extra
+    # core-second is below the node's core price (its actions, queued or running, per core).
+    core_price: CorePrice = "load"
 
     def __post_init__(self) -> None:
         if self.quota_waiting not in QUOTA_WAITING:
             raise SchedulingError("quota_waiting", f"unknown rule {self.quota_waiting!r}")
+        if self.core_price not in CORE_PRICES:
+            raise SchedulingError("core_price", f"unknown rule {self.core_price!r}")
         if self.depth < 1:
             raise SchedulingError("depth", "must be at least 1")
         if self.max_candidates is not None and self.max_candidates < 1:

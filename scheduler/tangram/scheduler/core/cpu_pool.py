@@ -22,6 +22,7 @@ class CpuNode:
     cores: int
     memory_gb: float
     memory_used_gb: float = 0.0
+    holders: int = 0  # actions holding cores here (the core price counts them)
 
     @property
     def free_cores(self) -> int:
@@ -122,6 +123,7 @@ class CpuPool:
                 break
             taken.extend(cpu.numa[i][:want])
             del cpu.numa[i][:want]
+        cpu.holders += 1
         return tuple(sorted(taken))
 
     def take_exact(self, node: str, cores: Iterable[int]) -> tuple[int, ...]:
@@ -135,6 +137,7 @@ class CpuPool:
                 raise ValueError(f"node {node}: core {c} is not free")
         for c in wanted:
             cpu.numa[c // per].remove(c)
+        cpu.holders += 1
         return tuple(wanted)
 
     def give_back(self, node: str, cores: Iterable[int]) -> None:
@@ -146,6 +149,7 @@ class CpuPool:
             if i < len(bucket) and bucket[i] == c:
                 raise ValueError(f"node {node}: core {c} returned twice")
             bucket.insert(i, c)
+        cpu.holders -= 1
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.objective import Pending
 from tangram.scheduler.core.ordering import ActionQueue
+from tangram.scheduler.core.pricing import core_price, priced_sizes
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
 from tangram.scheduler.core.shares import RoundCaps
@@ -107,6 +108,7 @@ class _Planner:
         )
         self.blocked: set[Resource] = set()  # reserved for the rest of the round
         self.caps = s.round_caps()
+        self.prices: dict[str, float] = {}  # core price per node, computed when first needed
 
     def plan(self) -> Plan:
         cands, rest, blocked = self._candidates()
@@ -156,6 +158,7 @@ class _Planner:
         elastic_resources: set[Resource] = set()  # whose remaining queue the estimate needs
         order = s.queue.order(self.now)
         caps = self.caps
+        price = self.prices if s.config.core_price != "none" else None
         actions, placement, planned = s.actions, s.cpu.placement, view.planned
         for aid in order:
             a = actions[aid]
@@ -188,6 +191,8 @@ class _Planner:
                         node, resource = fit, Resource.cpu(fit)
                     else:
                         resource = wants[0]  # its key resource
+                    if price is not None and node is not None and len(units) > 1:
+                        units, durations = self._priced(units, durations, node)
                     cands.append(_Candidate(a, resource, node, durations))
                     if caps is not None:
                         caps.take(a, tenant, max(durations))
@@ -212,6 +217,22 @@ class _Planner:
         if elastic_resources:
             self._collect_rest(order, elastic_resources, rest)
         return cands, rest, waits
+
+    def _priced(
+        self, units: tuple[int, ...], durations: dict[int, float], node: str
+    ) -> tuple[tuple[int, ...], dict[int, float]]:
+        """The sizes worth their cores on ``node`` at its load (``core.pricing``)."""
+        price = self.prices.get(node)
+        if price is None:
+            n = self.s.cpu.nodes[node]
+            waiting = self.s.waiting.get(Resource.cpu(node), 0)
+            price = core_price(waiting, n.holders, n.cores - n.free_cores, n.cores)
+            self.prices[node] = price
+        kept = priced_sizes(units, durations, price)
+        if kept == len(units):
+            return units, durations
+        units = units[:kept]
+        return units, {k: durations[k] for k in units}
 
     def _collect_rest(
         self, order: Iterator[str], resources: set[Resource], rest: dict[Resource, list[Pending]]

@@ -1,0 +1,61 @@
+"""The price of a core: how far an elastic action's size may grow on a loaded node.
+
+The paper's ACT approximation (Algorithm 2) sees only the actions already queued. In a
+closed loop a node's other trajectories are thinking, and their next commands arrive
+within seconds; cores handed to a long elastic action now are missing then. The price
+makes that cost explicit.
+
+Going from k to k' cores saves the action ``d_k - d_k'`` seconds of completion time and
+holds ``k'·d_k' - k·d_k`` more core-seconds. A core-second withheld from a node's ``C``
+cores delays each of the ``L`` actions in the node's system by ``1/C`` second, if somebody
+wanted it; the chance of that is taken as the node's utilisation ``ρ`` (the share of its
+cores held now). So it costs the others about
+
+    μ = ρ · L / C     (ACT-seconds per core-second), L = queued + running actions
+
+The queued ones wait behind every core-second withheld now. The running ones stand for the
+arrivals to come: in a closed loop each is followed by its trajectory's next action one
+think time later, and a long elastic action's run spans many such cycles. Every term is
+known exactly each round; there is no constant to fit. An idle node prices cores at
+nearly nothing and the paper's rule decides alone; a busy one stops big actions near the
+knee of their speed-up curve.
+
+A size is kept while each step up to it gains at least μ per core-second it adds. For an
+Amdahl action with parallel fraction p that is ``k(k+1) ≤ p / ((1 - p)·μ)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from itertools import pairwise
+
+
+def core_price(queued: int, running: int, held: int, cores: int) -> float:
+    """μ of a node: ACT-seconds the others lose per core-second an action holds there.
+
+    ``queued``/``running``: the node's actions waiting for its cores and holding some;
+    ``held``: its cores held now, of ``cores``.
+    """
+    if cores <= 0:
+        return 0.0
+    return (held / cores) * (queued + running) / cores
+
+
+def priced_sizes(units: tuple[int, ...], durations: Mapping[int, float], price: float) -> int:
+    """How many of ``units`` (ascending) are worth their cores at ``price``: at least one.
+
+    Stops at the first step whose gain in the action's own time is below ``price`` times
+    the core-seconds it adds (gains per core fall with size for any sub-linear speed-up,
+    so no later step pays either).
+    """
+    if price <= 0.0:
+        return len(units)
+    kept = 1
+    for lo, hi in pairwise(units):
+        d_lo, d_hi = durations[lo], durations[hi]
+        gain = d_lo - d_hi
+        cost = hi * d_hi - lo * d_lo
+        if cost > 0.0 and gain < price * cost:
+            break
+        kept += 1
+    return kept
