@@ -21,6 +21,7 @@ def test_quick_paper_bench_writes_figures(
     for row in coding.values():
         assert set(row) == {
             "elastic",
+            "elastic-paper",
             "elastic-doubling",
             "k8s-static",
             "fixed-dop-4",

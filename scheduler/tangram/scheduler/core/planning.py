@@ -12,7 +12,8 @@
    proceed. That blocks calls on a quota with room behind an action that waits for
    another; ``quota_waiting="pass"`` keeps such a quota open instead: the first action
    waiting on what it lacks keeps its units of it, and actions behind it take the rest
-   (docs/benchmarks.md, DeepSearch, measures both).
+   (docs/benchmarks.md, DeepSearch, measures both). An elastic exec candidate keeps only
+   the sizes worth their cores at its node's load (``core.pricing``; ``core_price``).
 2. Split candidates by key resource (the cores of one node, the GPU pool, one quota).
 3. Groups with no elastic candidate run at minimum units; the others go through greedy
    eviction (``elastic.greedy_evict``) with the ACT approximation.
@@ -158,7 +159,7 @@ class _Planner:
         elastic_resources: set[Resource] = set()  # whose remaining queue the estimate needs
         order = s.queue.order(self.now)
         caps = self.caps
-        price = self.prices if s.config.core_price != "none" else None
+        pricing = s.config.core_price != "none"
         actions, placement, planned = s.actions, s.cpu.placement, view.planned
         for aid in order:
             a = actions[aid]
@@ -191,7 +192,7 @@ class _Planner:
                         node, resource = fit, Resource.cpu(fit)
                     else:
                         resource = wants[0]  # its key resource
-                    if price is not None and node is not None and len(units) > 1:
+                    if pricing and node is not None and len(units) > 1:  # units are cores
                         units, durations = self._priced(units, durations, node)
                     cands.append(_Candidate(a, resource, node, durations))
                     if caps is not None:
