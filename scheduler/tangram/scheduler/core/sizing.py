@@ -39,7 +39,7 @@ class Sizing:
         if cache is not None and cache[0] == stamp and stamp != -2:
             return cache[1], cache[2], cache[3]
         units, durations = self._compute(a, node)
-        pending = Pending(units, tuple(durations[k] for k in units))
+        pending = Pending(units, tuple(map(durations.__getitem__, units)))
         a.cache = (stamp, units, durations, pending)
         return units, durations, pending
 
@@ -54,7 +54,8 @@ class Sizing:
             # Never more cores than the trajectory's node has (unplaced: the largest node), so
             # fixed DoP and probe sizes stay runnable.
             cap = self.cpu.nodes[node].cores if node is not None else self.biggest_node
-            units = tuple(k for k in units if k <= cap) or units[:1]
+            if units[-1] > cap:
+                units = tuple(k for k in units if k <= cap) or units[:1]
         profile = a.profile
         learned = None
         if profile is None or profile.efficiency is None:
@@ -71,6 +72,6 @@ class Sizing:
                 probe = [k for k in units if k >= 2 * units[0]]
                 units = (probe[0],) if a.probe and probe else (units[0],)
         if elastic_profile is not None:
-            return units, {k: elastic_profile.duration(k) for k in units}
+            return units, elastic_profile.durations(units)
         base = profile.t1_s if profile is not None else self.book.mean_duration(a.type)
         return units, dict.fromkeys(units, base)
