@@ -82,11 +82,16 @@ def _busy_node(config: SchedulerConfig) -> Scheduler:
 
 def test_a_busy_node_caps_a_long_elastic_action_near_its_knee() -> None:
     s = _busy_node(SchedulerConfig())
+    (group,) = s.plan(0.0).groups  # what tangram explain shows
+    assert group.core_price == pytest.approx((48 / 64) * 49 / 64)
+    assert group.capped == (("suite", 4, 16),)
     (asg,) = s.schedule(0.0).assignments
     # μ = (48/64)·(1 + 48)/64 ≈ 0.574 and p/((1-p)μ) ≈ 15.7: the step k -> k+1 pays
     # while k(k+1) <= 15.7, so up to 3 -> 4 (12) and not 4 -> 5 (20).
     assert asg.units == 4
     paper = _busy_node(SchedulerConfig(core_price="none"))
+    (group,) = paper.plan(0.0).groups
+    assert (group.core_price, group.capped) == (None, ())
     (asg,) = paper.schedule(0.0).assignments
     assert asg.units == 16  # the paper's rule: all 16 free cores, nothing else is queued
 
@@ -110,3 +115,33 @@ def test_an_unknown_core_price_is_refused_naming_the_field() -> None:
         Scheduling.model_validate({"corePrice": "cheap"})
     assert Scheduling.model_validate({"corePrice": "none"}).core_price == "none"
     assert Scheduling().core_price == SchedulerConfig().core_price == "load"
+
+
+def test_explain_shows_the_price_and_what_it_capped(capsys: pytest.CaptureFixture[str]) -> None:
+    from tangram.cli.explain import State, _print, as_dict, decide
+
+    state = State.model_validate(
+        {
+            "cluster": {"nodes": [{"name": "n1", "cpus": 8, "memory_gb": 64}]},
+            "trajectories": [{"id": f"t{i}", "node": "n1"} for i in range(8)],
+            "running": [
+                {"id": f"r{i}", "trajectory": f"t{i}", "units": 1, "started_s": 0.0,
+                 "action": {"kind": "exec", "cpu": 1, "t1_s": 30.0}}
+                for i in range(6)
+            ],
+            "queue": [
+                {"id": "suite", "trajectory": "t7", "submitted_s": 0.0,
+                 "action": {"kind": "exec", "cpu": {"min": 1, "max": 8}, "t1_s": 300,
+                            "efficiency": {"amdahl": 0.8}}},
+            ],
+        }
+    )  # fmt: skip
+    report = as_dict(decide(state)[1])
+    (group,) = report["groups"]
+    # ρ = 6/8, L = 1 queued + 6 running: μ = 0.75·7/8 and 0.8/(0.2μ) ≈ 6.1; the steps
+    # 1 -> 2 (k(k+1) = 2) and 2 -> 3 (6) pay, 3 -> 4 (12) does not.
+    assert group["core_price"] == pytest.approx(0.75 * 7 / 8)
+    assert group["capped"] == [{"action": "suite", "up_to": 3, "of": 8}]
+    _print(report)
+    out = capsys.readouterr().out
+    assert "core price 0.656" in out and "suite: up to 3 of 8 cores" in out

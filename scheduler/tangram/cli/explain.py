@@ -131,6 +131,10 @@ def as_dict(result: Round) -> dict[str, Any]:
                 "candidates": list(g.candidates),
                 "elastic": g.elastic,
                 "kept": g.kept,
+                "core_price": g.core_price,
+                "capped": [
+                    {"action": aid, "up_to": kept, "of": allowed} for aid, kept, allowed in g.capped
+                ],
                 "eviction_steps": [
                     {
                         "kept": st.kept,
@@ -180,6 +184,16 @@ def _print(report: dict[str, Any]) -> None:
             f"{g['kept']} start now"
         )
         c.print(f"  candidates in queue order: {', '.join(g['candidates'])}")
+        if g["core_price"] is not None:
+            c.print(
+                f"  core price {g['core_price']:.3f} ACT-s per core-second (utilisation x "
+                "queued and running actions per core)"
+            )
+        for cap in g["capped"]:
+            c.print(
+                f"  {cap['action']}: up to {cap['up_to']} of {cap['of']} cores (each further "
+                "core gains less than its price)"
+            )
         for st in g["eviction_steps"]:
             c.print(
                 f"  keep {st['kept']:>3}: units {st['units']}  exact {st['exact_s']:.2f} s + "

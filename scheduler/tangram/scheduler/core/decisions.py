@@ -36,6 +36,10 @@ class GroupDecision:
     elastic: bool
     kept: int
     steps: tuple[EvictionStep, ...]
+    # The node's core price this round (core.pricing), when it was used, and each
+    # candidate it capped: (action id, largest size kept, largest size allowed).
+    core_price: float | None = None
+    capped: tuple[tuple[str, int, int], ...] = ()
 
 
 # Not frozen: a round makes one per action it starts, and a frozen dataclass takes several

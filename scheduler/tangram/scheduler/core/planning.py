@@ -95,6 +95,7 @@ class _Candidate:
     resource: Resource  # its key resource
     node: str | None
     durations: dict[int, float]
+    capped_from: int | None = None  # its largest allowed size, when the core price cut it
 
 
 class _Planner:
@@ -192,9 +193,12 @@ class _Planner:
                         node, resource = fit, Resource.cpu(fit)
                     else:
                         resource = wants[0]  # its key resource
+                    capped_from = None
                     if pricing and node is not None and len(units) > 1:  # units are cores
+                        allowed = units[-1]
                         units, durations = self._priced(units, durations, node)
-                    cands.append(_Candidate(a, resource, node, durations))
+                        capped_from = allowed if units[-1] < allowed else None
+                    cands.append(_Candidate(a, resource, node, durations, capped_from))
                     if caps is not None:
                         caps.take(a, tenant, max(durations))
                     if len(durations) > 1:
@@ -339,10 +343,22 @@ class _Planner:
         s = self.s
         ids = tuple(c.action.id for c in group)
         durations = [self._with_restore(c) for c in group]
+        price = self.prices.get(resource.name) if resource.kind == "cpu" else None
+        capped = tuple(
+            (c.action.id, max(c.durations), c.capped_from)
+            for c in group
+            if c.capped_from is not None
+        )
         if all(len(d) == 1 for d in durations):
             units = [next(iter(d)) for d in durations]
             return units, GroupDecision(
-                resource=resource, candidates=ids, elastic=False, kept=len(group), steps=()
+                resource=resource,
+                candidates=ids,
+                elastic=False,
+                kept=len(group),
+                steps=(),
+                core_price=price,
+                capped=capped,
             )
         running = [
             (max(0.0, r.expected_end - self.now), _size(r.assignment))
@@ -365,6 +381,8 @@ class _Planner:
             elastic=True,
             kept=arrangement.kept,
             steps=arrangement.steps,
+            core_price=price,
+            capped=capped,
         )
 
     def _with_restore(self, c: _Candidate) -> Mapping[int, float]:
