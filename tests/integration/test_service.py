@@ -158,6 +158,9 @@ def test_metrics_and_health(client: Client) -> None:
         in text
     )
     assert 'tangram_agents_connected{pool="default"} 1.0' in text
+    # Nothing queued or running now: an idle node prices its cores at nothing.
+    node = os.uname().nodename
+    assert f'tangram_core_price{{node="{node}",pool="default"}} 0.0' in text
     assert httpx.get(f"{url}/healthz").text == "ok"
     assert httpx.get(f"{url}/readyz").status_code == 200
 

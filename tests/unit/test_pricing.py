@@ -145,3 +145,9 @@ def test_explain_shows_the_price_and_what_it_capped(capsys: pytest.CaptureFixtur
     _print(report)
     out = capsys.readouterr().out
     assert "core price 0.656" in out and "suite: up to 3 of 8 cores" in out
+
+
+def test_the_scheduler_reports_each_nodes_price_for_the_metrics() -> None:
+    s = _busy_node(SchedulerConfig())
+    assert s.core_prices() == {"n1": pytest.approx((48 / 64) * (48 + 1) / 64)}
+    assert _busy_node(SchedulerConfig(core_price="none")).core_prices() == {}

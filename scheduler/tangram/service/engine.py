@@ -198,6 +198,7 @@ class Engine:
             trajectories=states,
             resident=resident,
             gpu_memory_gb=memory,
+            core_prices=core.core_prices(),
         )
 
     # ---- configuration -----------------------------------------------------------------

@@ -8,7 +8,7 @@ figures taken at scrape time (:class:`LiveFigures`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -166,6 +166,7 @@ class LiveFigures:
     trajectories: Mapping[str, int]  # state -> how many
     resident: Mapping[tuple[str, str], int]  # (service, node) -> instances in GPU memory
     gpu_memory_gb: Mapping[tuple[str, int], float]  # (node, device index) -> GB resident
+    core_prices: Mapping[str, float] = field(default_factory=dict)  # node -> core price now
 
 
 class _Live(Collector):
@@ -212,6 +213,15 @@ class _Live(Collector):
         for (node, device), gb in live.gpu_memory_gb.items():
             memory.add_metric([pool, node, str(device)], gb)
         yield memory
+        price = GaugeMetricFamily(
+            "tangram_core_price",
+            "A node's core price: ACT-seconds of the others one held core-second costs "
+            "(utilisation x queued and running actions per core; docs/scheduler.md)",
+            labels=["pool", "node"],
+        )
+        for node, mu in sorted(live.core_prices.items()):
+            price.add_metric([pool, node], mu)
+        yield price
         agents = GaugeMetricFamily(
             "tangram_agents_connected", "Node agents connected", labels=["pool"]
         )

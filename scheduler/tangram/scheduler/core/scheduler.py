@@ -31,6 +31,7 @@ from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
 from tangram.scheduler.core.planning import plan_round
+from tangram.scheduler.core.pricing import core_price
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
@@ -434,6 +435,18 @@ class Scheduler:
     @property
     def queued(self) -> int:
         return len(self.queue)
+
+    def core_prices(self) -> dict[str, float]:
+        """Each CPU node's core price now (``core.pricing``); empty when prices are off."""
+        if self.config.core_price == "none":
+            return {}
+        waiting = self.waiting
+        return {
+            name: core_price(
+                waiting.get(Resource.cpu(name), 0), n.holders, n.cores - n.free_cores, n.cores
+            )
+            for name, n in self.cpu.nodes.items()
+        }
 
     # ---- the round ---------------------------------------------------------------
     def schedule(self, now: float) -> Round:
