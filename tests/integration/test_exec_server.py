@@ -67,6 +67,29 @@ def test_argv_env_and_cwd_reach_the_command(server: Path, tmp_path: Path) -> Non
     assert out == f"x y|{tmp_path}|a b;c\n".encode() and err == b"oops\n" and code == 4
 
 
+def test_a_command_starts_with_every_signal_at_its_default(execd: Built, tmp_path: Path) -> None:
+    """A server started in the background (SIGINT and SIGQUIT ignored) or by Python
+    (SIGPIPE ignored) must not hand that on: its commands could not be interrupted."""
+    assert execd.path is not None
+    sock = Path(tempfile.mkdtemp(prefix="execd-", dir="/tmp")) / "exec.sock"
+    # As `server &` in a script: the shell ignores SIGINT and SIGQUIT (and here SIGHUP and
+    # SIGPIPE), and exec keeps what is ignored.
+    trap = 'trap "" INT QUIT HUP PIPE; exec "$0" "$1"'
+    proc = subprocess.Popen(["sh", "-c", trap, str(execd.path), str(sock)], start_new_session=True)
+    try:
+        while not sock.exists():
+            assert proc.poll() is None
+            time.sleep(0.01)
+        with open(f"/proc/{proc.pid}/status") as f:
+            assert "SigIgn:\t0000000000001007" in f.read()  # the server did inherit them
+        out, _, code = asyncio.run(collect(sock, ["grep", "^SigIgn", "/proc/self/status"]))
+        assert (code, out) == (0, b"SigIgn:\t0000000000000000\n")
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(sock.parent, ignore_errors=True)
+
+
 def test_stdin_is_streamed_and_closed(server: Path) -> None:
     async def scenario() -> bytes:
         chan = await Channel.start(server, ["tr", "a-z", "A-Z"])

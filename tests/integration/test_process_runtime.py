@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Coroutine, Iterator
@@ -58,6 +59,19 @@ def runtime(tmp_path: Path) -> Iterator[ProcessRuntime]:
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+def test_a_command_starts_with_every_signal_at_its_default(runtime: ProcessRuntime) -> None:
+    """An agent started in the background (`tangram up ... &`: SIGINT and SIGQUIT ignored)
+    must not hand that on, or its commands could not be interrupted."""
+    runtime.open("t1")
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGQUIT)}
+    try:
+        res = run(runtime.exec("t1", ["grep", "^SigIgn", "/proc/self/status"], CORES[-1:]))
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert (res.exit_code, res.stdout) == (0, "SigIgn:\t0000000000000000\n")
 
 
 def test_the_command_runs_on_exactly_its_cores_and_they_are_reclaimed(

@@ -217,6 +217,11 @@ static int spawn(char **fields, int nfields, struct child *c, char *msg, size_t 
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
+        /* Ignored signals survive exec: a server started in the background (SIGINT and
+         * SIGQUIT ignored) or by Python (SIGPIPE) would pass them on, and the command
+         * could then not be interrupted. It starts with every default. */
+        for (int sig = 1; sig < NSIG; sig++)
+            if (sig != SIGKILL && sig != SIGSTOP) signal(sig, SIG_DFL);
         setsid(); /* its own process group and session: killed as a whole */
         int fail = 0;
         if (c->pty) {

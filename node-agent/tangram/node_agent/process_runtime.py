@@ -232,7 +232,7 @@ class ProcessRuntime:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # its own process group, killed as a whole
-            preexec_fn=partial(join, self.cgroups.join_files(group)),
+            preexec_fn=partial(_enter, self.cgroups.join_files(group)),
         )
 
         # No process outlives its action: what the command leaves running (setsid,
@@ -293,3 +293,14 @@ class ProcessRuntime:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         self._kill_group(group)
+
+
+def _enter(files: Sequence[str]) -> None:
+    """In the command's process before exec: join its group and start every signal at its
+    default. Ignored signals survive exec, and an agent started in the background has
+    SIGINT and SIGQUIT ignored: its commands could then not be interrupted."""
+    join(files)
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            with contextlib.suppress(OSError, ValueError):  # the C library's own
+                signal.signal(sig, signal.SIG_DFL)
