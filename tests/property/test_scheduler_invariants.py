@@ -475,6 +475,8 @@ def check_capacity(sim: Sim) -> None:
         assert all(0 <= c < node.cpus for c in held)
         free = [c for s in sched.cpu.nodes[node.name].numa for c in s]
         assert sorted(held + free) == list(range(node.cpus)), f"cores of {node.name} lost or shared"
+        holders = sum(1 for a in running if a.node == node.name and a.cores)
+        assert sched.cpu.nodes[node.name].holders == holders, "the core price's count drifted"
         reserved = sum(
             sim.traj(t).memory_gb for t, n in sched.cpu.placement.items() if n == node.name
         )

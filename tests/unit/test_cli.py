@@ -172,7 +172,7 @@ def test_coding_seeds_replays_every_batch_and_seed_and_reports_the_spread(
 ) -> None:
     out = tmp_path / "seeds.json"
     code, table, _ = _run(
-        capsys, "bench", "coding-seeds", "--batches", "8,16", "--seeds", "3,4", "--jobs", "2",
+        capsys, "bench", "coding-seeds", "--batches", "8,16,8", "--seeds", "3,4", "--jobs", "2",
         "--out", str(out),
     )  # fmt: skip
     assert code == 0
@@ -193,6 +193,8 @@ def test_coding_seeds_replays_every_batch_and_seed_and_reports_the_spread(
     assert "| 16 | spread |" in table
     code, _, err = _run(capsys, "bench", "coding-seeds", "--seeds", "a,b")
     assert code == 2 and "--seeds" in err
+    code, _, err = _run(capsys, "bench", "coding-seeds", "--out", str(tmp_path / "t.md"))
+    assert code == 2 and "--out" in err and "JSON" in err
 
 
 def test_the_readme_explain_example_shows_an_eviction(capsys: pytest.CaptureFixture[str]) -> None:

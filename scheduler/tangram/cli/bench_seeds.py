@@ -50,10 +50,12 @@ def _numbers(text: str | None, default: tuple[int, ...], name: str) -> tuple[int
         raise InputError(
             f"--{name}: give at least one, each {'>= 1' if name == 'batches' else '>= 0'}"
         )
-    return values
+    return tuple(dict.fromkeys(values))  # a repeat would be replayed, and counted, twice
 
 
 def run_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.out and Path(args.out).suffix == ".md":
+        raise InputError("--out: the JSON report's path; its table is written beside it as .md")
     batches = _numbers(args.batches, BATCHES, "batches")
     seeds = _numbers(args.seeds, SEEDS, "seeds")
     jobs = [(b, s, p) for b in batches for s in seeds for p in POLICIES]

@@ -45,8 +45,9 @@ def priced_sizes(units: tuple[int, ...], durations: Mapping[int, float], price: 
     """How many of ``units`` (ascending) are worth their cores at ``price``: at least one.
 
     Stops at the first step whose gain in the action's own time is below ``price`` times
-    the core-seconds it adds (gains per core fall with size for any sub-linear speed-up,
-    so no later step pays either).
+    the core-seconds it adds. For a concave speed-up (Amdahl's) no later step pays either;
+    for a measured table that is not concave a later step might, but a size is only worth
+    having if every step up to it pays.
     """
     if price <= 0.0:
         return len(units)
