@@ -79,8 +79,12 @@ def run_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
         "batches": {str(b): _batch(rows[b], seeds) for b in batches},
     }
     if args.out:
-        Path(args.out).with_suffix(".md").parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).with_suffix(".md").write_text(render(report), encoding="utf-8")
+        table = Path(args.out).with_suffix(".md")
+        try:
+            table.parent.mkdir(parents=True, exist_ok=True)
+            table.write_text(render(report), encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"--out: cannot write {table}: {e.strerror}") from None
     return report
 
 
