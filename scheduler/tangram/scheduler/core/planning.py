@@ -24,6 +24,7 @@ allocates exact cores, GPU chunks and quota units, and starts the actions).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,7 +40,7 @@ from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.objective import Pending
 from tangram.scheduler.core.ordering import ActionQueue
-from tangram.scheduler.core.pricing import core_price, priced_sizes
+from tangram.scheduler.core.pricing import node_price, priced_sizes
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
 from tangram.scheduler.core.shares import RoundCaps
@@ -182,9 +183,8 @@ class _Planner:
                 if room < units[0]:  # its smallest size (after sizing) is over the share
                     waits.append((aid, f"tenant {tenant} at its maxShare"))
                     continue
-                if room < max(units):
-                    units = tuple(k for k in units if k <= room)
-                    durations = {k: d for k, d in durations.items() if k <= room}
+                if room < units[-1]:
+                    units, durations = _first(units, durations, bisect_right(units, room))
             if blocked.isdisjoint(wants):
                 fit = self._fit(a, units[0], node)
                 if isinstance(fit, str):
@@ -229,15 +229,9 @@ class _Planner:
         """The sizes worth their cores on ``node`` at its load (``core.pricing``)."""
         price = self.prices.get(node)
         if price is None:
-            n = self.s.cpu.nodes[node]
-            waiting = self.s.waiting.get(Resource.cpu(node), 0)
-            price = core_price(waiting, n.holders, n.cores - n.free_cores, n.cores)
-            self.prices[node] = price
-        kept = priced_sizes(units, durations, price)
-        if kept == len(units):
-            return units, durations
-        units = units[:kept]
-        return units, {k: durations[k] for k in units}
+            queued = self.s.waiting.get(Resource.cpu(node), 0)
+            price = self.prices[node] = node_price(self.s.cpu.nodes[node], queued)
+        return _first(units, durations, priced_sizes(units, durations, price))
 
     def _collect_rest(
         self, order: Iterator[str], resources: set[Resource], rest: dict[Resource, list[Pending]]
@@ -395,6 +389,16 @@ class _Planner:
             k: d + (0.0 if s.gpu.is_warm(a.service, k) else svc.restore_cost(chunk_level(k)))
             for k, d in c.durations.items()
         }
+
+
+def _first(
+    units: tuple[int, ...], durations: dict[int, float], n: int
+) -> tuple[tuple[int, ...], dict[int, float]]:
+    """The ``n`` smallest of an action's sizes (ascending ``units``) and their durations."""
+    if n >= len(units):
+        return units, durations
+    units = units[:n]
+    return units, {k: durations[k] for k in units}
 
 
 def _size(asg: Assignment) -> int:

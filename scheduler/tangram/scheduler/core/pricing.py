@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from itertools import pairwise
 
+from tangram.scheduler.core.cpu_pool import CpuNode
+
 
 def core_price(queued: int, running: int, held: int, cores: int) -> float:
     """μ of a node: ACT-seconds the others lose per core-second an action holds there.
@@ -39,6 +41,11 @@ def core_price(queued: int, running: int, held: int, cores: int) -> float:
     if cores <= 0:
         return 0.0
     return (held / cores) * (queued + running) / cores
+
+
+def node_price(node: CpuNode, queued: int) -> float:
+    """``core_price`` of a node with ``queued`` actions waiting for its cores."""
+    return core_price(queued, node.holders, node.cores - node.free_cores, node.cores)
 
 
 def priced_sizes(units: tuple[int, ...], durations: Mapping[int, float], price: float) -> int:

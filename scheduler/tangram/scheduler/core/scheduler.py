@@ -31,7 +31,7 @@ from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
 from tangram.scheduler.core.planning import plan_round
-from tangram.scheduler.core.pricing import core_price
+from tangram.scheduler.core.pricing import node_price
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
@@ -442,9 +442,7 @@ class Scheduler:
             return {}
         waiting = self.waiting
         return {
-            name: core_price(
-                waiting.get(Resource.cpu(name), 0), n.holders, n.cores - n.free_cores, n.cores
-            )
+            name: node_price(n, waiting.get(Resource.cpu(name), 0))
             for name, n in self.cpu.nodes.items()
         }
 
