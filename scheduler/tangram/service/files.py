@@ -89,19 +89,17 @@ class Files:
         check_path(path)
         traj = self.state.usable(tenant, tid)
         link = self.state.link(traj.node)
-        if FILES_FEATURE not in link.hello.features:
+        # An agent with tar streams has the files API too (it came first).
+        need, what = (
+            (TAR_FEATURE, "directories as tar streams")
+            if action in ("tar", "untar")
+            else (FILES_FEATURE, "the files API")
+        )
+        if need not in link.hello.features:
             raise EngineError(
                 "failed",
                 "trajectory",
-                f"{tid}: the agent of node {traj.node} predates the files API; upgrade the "
-                "node agents",
-            )
-        if action in ("tar", "untar") and TAR_FEATURE not in link.hello.features:
-            raise EngineError(
-                "failed",
-                "trajectory",
-                f"{tid}: the agent of node {traj.node} predates directories as tar streams; "
-                "upgrade the node agents",
+                f"{tid}: the agent of node {traj.node} predates {what}; upgrade the node agents",
             )
         req = AgentFiles(trajectory=traj.key, action=action, path=path, **kw)
         return link, req

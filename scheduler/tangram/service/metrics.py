@@ -8,7 +8,7 @@ figures taken at scrape time (:class:`LiveFigures`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -166,7 +166,7 @@ class LiveFigures:
     trajectories: Mapping[str, int]  # state -> how many
     resident: Mapping[tuple[str, str], int]  # (service, node) -> instances in GPU memory
     gpu_memory_gb: Mapping[tuple[str, int], float]  # (node, device index) -> GB resident
-    core_prices: Mapping[str, float] = field(default_factory=dict)  # node -> core price now
+    core_prices: Mapping[str, float]  # node -> its core price now
 
 
 class _Live(Collector):
