@@ -162,6 +162,30 @@ static int send_entry(int sock, int dirfd, const char *name, const struct stat *
     return send_entry_as(sock, '1', dirfd, name, name, st);
 }
 
+/* The first ``size`` bytes of ``fd`` as '1' frames. A file that grows meanwhile is sent as
+ * it was (a reader may count on the size it was told); one that shrinks ends short, or,
+ * with ``pad``, is filled with zeros to the size (a tar member must have the size its
+ * header said). -1 once a read failed (said as ``what`` ``shown``) or a send did. */
+static int send_contents(int sock, int fd, off_t size, int pad, const char *what,
+                         const char *shown) {
+    static char buf[1 << 20]; /* a chunk of the agent link (STREAM_CHUNK) */
+    off_t left = size;
+    while (left > 0) {
+        size_t want = left < (off_t)sizeof buf ? (size_t)left : sizeof buf;
+        ssize_t n = read(fd, buf, want);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return fail(sock, errno, what, shown);
+        if (n == 0) {
+            if (!pad) break;
+            memset(buf, 0, want);
+            n = (ssize_t)want;
+        }
+        if (send_frame(sock, '1', buf, (uint32_t)n) < 0) return -1;
+        left -= n;
+    }
+    return 0;
+}
+
 static int op_read(int sock, const char *path) {
     int fd = open_in(path, O_RDONLY | O_NOCTTY | O_NONBLOCK);
     struct stat st;
@@ -170,19 +194,7 @@ static int op_read(int sock, const char *path) {
         return fail(sock, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, "read", path);
     const char *slash = strrchr(path, '/');
     if (send_entry(sock, fd, slash ? slash + 1 : path, &st) < 0) return -1;
-    /* The size the entry said, no more: a file that grows meanwhile is read as it was
-     * (a reader may count on the size it was told); one that shrinks ends short. */
-    static char buf[1 << 20]; /* a chunk of the agent link (STREAM_CHUNK) */
-    off_t left = st.st_size;
-    ssize_t n;
-    while (left > 0 && (n = read(fd, buf, left < (off_t)sizeof buf ? (size_t)left : sizeof buf)) != 0) {
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return fail(sock, errno, "read", path);
-        }
-        if (send_frame(sock, '1', buf, (uint32_t)n) < 0) return -1;
-        left -= n;
-    }
+    if (send_contents(sock, fd, st.st_size, 0, "read", path) < 0) return -1;
     return send_text(sock, 'X', "0");
 }
 

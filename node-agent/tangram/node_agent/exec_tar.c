@@ -42,27 +42,11 @@ static int tar_file(int sock, int dirfd, const char *name, const char *rel) {
     struct stat st;
     if (fd < 0 && errno == ENOENT) return 0; /* removed since the listing: left out */
     if (fd < 0 || fstat(fd, &st) < 0) return fail(sock, errno, "tar", rel);
-    if (send_entry_as(sock, 'S', dirfd, name, rel, &st) < 0) return -1;
-    static char buf[1 << 20]; /* a chunk of the agent link (STREAM_CHUNK) */
-    off_t left = st.st_size;
-    while (left > 0) {
-        size_t want = left < (off_t)sizeof buf ? (size_t)left : sizeof buf;
-        ssize_t n = read(fd, buf, want);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) {
-            int err = errno;
-            close(fd);
-            return fail(sock, err, "tar", rel);
-        }
-        if (n == 0) { /* it shrank since the entry: the tar still needs the size it said */
-            memset(buf, 0, want);
-            n = (ssize_t)want;
-        }
-        if (send_frame(sock, '1', buf, (uint32_t)n) < 0) return -1;
-        left -= n;
-    }
+    int rc = send_entry_as(sock, 'S', dirfd, name, rel, &st) < 0
+                 ? -1
+                 : send_contents(sock, fd, st.st_size, 1, "tar", rel);
     close(fd);
-    return 0;
+    return rc;
 }
 
 /* The members of the directory DIRFD, whose path relative to the tar's root is REL. */
