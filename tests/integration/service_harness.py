@@ -7,7 +7,9 @@ The service runs on its own event-loop thread (exactly as ``tangram up`` runs it
 from __future__ import annotations
 
 import asyncio
+import io
 import os
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -117,3 +119,18 @@ def box_pool(
     agent = NodeAgent.create(tmp / "agent", runtime=kind, idle_cores=1, cores_for_actions=cores)
     with service(PoolConfig(envs={"box": EnvConfig(spec=spec)}, **config), agent, tmp) as s:
         yield s
+
+
+def tar_of(*members: tuple[str, bytes, bytes | str]) -> bytes:
+    """A tar of (name, type, content or link target) members."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, kind, data in members:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            content = data if isinstance(data, bytes) else b""
+            if isinstance(data, str):
+                info.linkname = data
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+    return out.getvalue()

@@ -22,7 +22,6 @@ admits throughout, so no 503 is expected and none is excused.
 from __future__ import annotations
 
 import gzip
-import io
 import os
 import re
 import tarfile
@@ -47,7 +46,7 @@ from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import ActionProfile, EnvConfig, PoolConfig
 
-from .service_harness import service
+from .service_harness import service, tar_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service")]
 CORES = sorted(os.sched_getaffinity(0))
@@ -76,22 +75,13 @@ CONFIG = PoolConfig(
 )
 
 
-def _tar(name: str, kind: bytes, data: bytes = b"", link: str = "") -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        info = tarfile.TarInfo(name)
-        info.type, info.size, info.linkname = kind, len(data), link
-        tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
-
-
 # Bodies for the tar routes: random bytes, and real tars (a file, and members that try to
 # leave the directory), so that fuzzing reaches extraction too, not only its refusal.
 _TARS = [
-    _tar("fuzz.txt", tarfile.REGTYPE, b"fuzz"),
-    _tar("../up", tarfile.REGTYPE, b"x"),
-    _tar("out", tarfile.SYMTYPE, link="/etc"),
-    _tar("dev", tarfile.CHRTYPE),
+    tar_of(("fuzz.txt", tarfile.REGTYPE, b"fuzz")),
+    tar_of(("../up", tarfile.REGTYPE, b"x")),
+    tar_of(("out", tarfile.SYMTYPE, "/etc")),
+    tar_of(("dev", tarfile.CHRTYPE, b"")),
 ]
 _TAR_BODIES = st.one_of(st.binary(max_size=2048), st.sampled_from(_TARS))
 schemathesis.openapi.media_type("application/x-tar", _TAR_BODIES)

@@ -14,7 +14,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,20 +25,30 @@ from tangram.node_agent.execution import ExecError
 from tangram.node_agent.sessions import BashSession, PythonSession, ansi_c_quote
 
 
-@pytest.fixture
-def server(execd: Built) -> Iterator[Path]:
+@contextmanager
+def serving(execd: Built, launcher: Sequence[str] = ()) -> Iterator[tuple[Path, int]]:
+    """The exec server on a socket of its own, started through ``launcher`` (a command
+    that execs its arguments): the socket and the server's pid."""
     assert execd.path is not None
     run_dir = Path(tempfile.mkdtemp(prefix="execd-", dir="/tmp"))  # short: a socket path
     sock = run_dir / "exec.sock"
-    proc = subprocess.Popen([str(execd.path), str(sock)], start_new_session=True)
-    deadline = time.monotonic() + 10
-    while not sock.exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
-    yield sock
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(10)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    proc = subprocess.Popen([*launcher, str(execd.path), str(sock)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        yield sock, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def server(execd: Built) -> Iterator[Path]:
+    with serving(execd) as (sock, _):
+        yield sock
 
 
 def alive(pid: int) -> bool:
@@ -75,27 +86,17 @@ def _ignored(status: str) -> set[signal.Signals]:
     return {signal.Signals(n) for n in range(1, 32) if bits >> (n - 1) & 1}
 
 
-def test_a_command_starts_with_every_signal_at_its_default(execd: Built, tmp_path: Path) -> None:
+def test_a_command_starts_with_every_signal_at_its_default(execd: Built) -> None:
     """A server started in the background (SIGINT and SIGQUIT ignored) or by Python
     (SIGPIPE ignored) must not hand that on: its commands could not be interrupted."""
-    assert execd.path is not None
-    sock = Path(tempfile.mkdtemp(prefix="execd-", dir="/tmp")) / "exec.sock"
     # As `server &` in a script: the shell ignores SIGINT and SIGQUIT (and here SIGHUP and
     # SIGPIPE), and exec keeps what is ignored.
-    trap = 'trap "" INT QUIT HUP PIPE; exec "$0" "$1"'
-    proc = subprocess.Popen(["sh", "-c", trap, str(execd.path), str(sock)], start_new_session=True)
-    try:
-        while not sock.exists():
-            assert proc.poll() is None
-            time.sleep(0.01)
-        server_ignores = _ignored(Path(f"/proc/{proc.pid}/status").read_text())
+    trap = ["sh", "-c", 'trap "" INT QUIT HUP PIPE; exec "$0" "$1"']
+    with serving(execd, trap) as (sock, pid):
+        server_ignores = _ignored(Path(f"/proc/{pid}/status").read_text())
         assert {signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGPIPE} <= server_ignores
         out, _, code = asyncio.run(collect(sock, ["grep", "^SigIgn", "/proc/self/status"]))
         assert code == 0 and _ignored(out.decode()) == set()
-    finally:
-        proc.kill()
-        proc.wait(10)
-        shutil.rmtree(sock.parent, ignore_errors=True)
 
 
 def test_stdin_is_streamed_and_closed(server: Path) -> None:

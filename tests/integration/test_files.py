@@ -26,7 +26,7 @@ from tangram.node_agent import env_files
 from tangram.node_agent.env_files import EnvFiles, FileError, one_shot
 from tangram.node_agent.exec_server import Built
 
-from .service_harness import RUNTIMES, box_pool, until
+from .service_harness import RUNTIMES, box_pool, tar_of, until
 
 CORES = sorted(os.sched_getaffinity(0))
 LIMIT = 64 << 20  # the pool's admission.maxFileBytes here
@@ -299,21 +299,6 @@ def test_a_directory_round_trips_as_one_tar(box: tuple[str, Trajectory], tmp_pat
     assert t.files.read_text("repo/checkout/run.sh").startswith("#!/bin/sh")
 
 
-def _tar(*members: tuple[str, bytes, bytes | str]) -> bytes:
-    """A tar of (name, type, content or link target) members."""
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        for name, kind, data in members:
-            info = tarfile.TarInfo(name)
-            info.type = kind
-            content = data if isinstance(data, bytes) else b""
-            if isinstance(data, str):
-                info.linkname = data
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
-    return out.getvalue()
-
-
 def test_tar_members_that_would_leave_the_directory_are_refused_naming_them(
     box: tuple[str, Trajectory],
 ) -> None:
@@ -321,21 +306,21 @@ def test_tar_members_that_would_leave_the_directory_are_refused_naming_them(
     t.files.make_dir("dst")
     t.exec(["ln", "-s", "..", "dst/up"])  # already there: a way out of the destination
     refused = {
-        "a/../../evil": _tar(("a/../../evil", tarfile.REGTYPE, b"x")),
-        "esc": _tar(("esc", tarfile.SYMTYPE, "/etc")),
-        "d/climb": _tar(("d/climb", tarfile.SYMTYPE, "../../x")),
-        "up/evil": _tar(("up/evil", tarfile.REGTYPE, b"x")),
-        "hard": _tar(("hard", tarfile.LNKTYPE, "up/dst")),
+        "a/../../evil": tar_of(("a/../../evil", tarfile.REGTYPE, b"x")),
+        "esc": tar_of(("esc", tarfile.SYMTYPE, "/etc")),
+        "d/climb": tar_of(("d/climb", tarfile.SYMTYPE, "../../x")),
+        "up/evil": tar_of(("up/evil", tarfile.REGTYPE, b"x")),
+        "hard": tar_of(("hard", tarfile.LNKTYPE, "up/dst")),
     }
     for name, data in refused.items():
         refusal = _refusal(lambda data=data: t.files.write_tar("dst", data))
         assert (refusal.status, refusal.field) == (403, "path"), refusal
         assert f"member {name}:" in str(refusal)
     assert not t.files.exists("evil") and not t.files.exists("dst/esc")
-    device = _refusal(lambda: t.files.write_tar("dst", _tar(("tty", tarfile.CHRTYPE, b""))))
+    device = _refusal(lambda: t.files.write_tar("dst", tar_of(("tty", tarfile.CHRTYPE, b""))))
     assert device.status == 400 and "devices" in str(device)
     # The members before a refused one are in, whole; a symlink that stays inside is kept.
-    kept = _tar(("ok.txt", tarfile.REGTYPE, b"ok"), ("d/in", tarfile.SYMTYPE, "../ok.txt"))
+    kept = tar_of(("ok.txt", tarfile.REGTYPE, b"ok"), ("d/in", tarfile.SYMTYPE, "../ok.txt"))
     assert t.files.write_tar("dst", kept).members == 2
     assert t.files.read_text("dst/d/in") == "ok"
 
@@ -347,8 +332,8 @@ def test_a_body_that_is_no_tar_and_a_tar_of_no_directory_are_refused(
     for body, why in (
         (b"", "empty"),
         (b"this is not a tar" * 64, "checksum"),
-        (_tar(("t", tarfile.REGTYPE, bytes(5000)))[:2048], "ends inside"),
-        (gzip.compress(_tar(("t", tarfile.REGTYPE, b"t")))[:-12], "gzip"),
+        (tar_of(("t", tarfile.REGTYPE, bytes(5000)))[:2048], "ends inside"),
+        (gzip.compress(tar_of(("t", tarfile.REGTYPE, b"t")))[:-12], "gzip"),
     ):
         refusal = _refusal(lambda body=body: t.files.write_tar("dst", body))
         assert refusal.status == 400 and why in str(refusal), refusal
@@ -467,10 +452,10 @@ def test_crafted_tars_are_refused_and_leave_nothing_astray(execd: Built, tmp_pat
     files = EnvFiles(one_shot(execd.path, tmp_path / "env"), "/")
     huge = b"%d size=%d\n" % (len(b" size=18446744073709551615\n") + 2, 2**64 - 1)
     cases = {
-        "l": _tar(("s", tarfile.SYMTYPE, "."), ("l", tarfile.SYMTYPE, "s/..")),
-        "s/in": _tar(("s", tarfile.SYMTYPE, "."), ("s/in", tarfile.SYMTYPE, "../x")),
-        "pax": _pax(b"\n" * 10 + b"3 " + b"a" * 20, _tar()),
-        "size": _pax(huge, _tar(("dd", tarfile.DIRTYPE, b""))),
+        "l": tar_of(("s", tarfile.SYMTYPE, "."), ("l", tarfile.SYMTYPE, "s/..")),
+        "s/in": tar_of(("s", tarfile.SYMTYPE, "."), ("s/in", tarfile.SYMTYPE, "../x")),
+        "pax": _pax(b"\n" * 10 + b"3 " + b"a" * 20, tar_of()),
+        "size": _pax(huge, tar_of(("dd", tarfile.DIRTYPE, b""))),
     }
 
     async def untar(data: bytes) -> int | str:
@@ -488,6 +473,6 @@ def test_crafted_tars_are_refused_and_leave_nothing_astray(execd: Built, tmp_pat
             assert answer.startswith(f"{errno.EINVAL} "), answer
         else:
             assert answer.startswith(f"{errno.EXDEV} ") and f"member {name}:" in answer, answer
-    itself = _tar(("a", tarfile.REGTYPE, b"hi"), ("a", tarfile.LNKTYPE, "a"))
+    itself = tar_of(("a", tarfile.REGTYPE, b"hi"), ("a", tarfile.LNKTYPE, "a"))
     assert asyncio.run(untar(itself)) == 2
     assert sorted(os.listdir(tmp_path / "env" / "dst")) == ["a", "s"]  # no temporary left
