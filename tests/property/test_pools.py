@@ -26,7 +26,7 @@ EPS = 1e-6
 class GpuModel:
     """What the test knows independently of the pool: who holds what, the LRU order."""
 
-    busy: dict[Instance, None] = field(default_factory=dict)
+    busy: dict[Instance, int] = field(default_factory=dict)  # running instance -> its calls
     lru: list[Instance] = field(default_factory=list)  # least recently used first
 
 
@@ -70,8 +70,10 @@ def check_gpu_invariants(pool: GpuPool, model: GpuModel) -> None:
             )
             assert node.used_gb[g] == pytest.approx(expected, abs=EPS)
             assert node.used_gb[g] <= node.memory_gb + EPS
-    assert set(pool.busy) == set(model.busy)
-    assert pool.busy <= set(pool.resident), "a busy instance is not resident"
+    assert pool.busy == model.busy
+    assert set(pool.busy) <= set(pool.resident), "a busy instance is not resident"
+    for inst, calls in pool.busy.items():
+        assert 1 <= calls <= pool.max_calls.get(inst.service, 1), f"{inst}: {calls} calls"
     assert list(pool.resident) == model.lru
     counts = [0, 0, 0, 0]
     for name in pool.nodes:
@@ -85,7 +87,7 @@ def snapshot(pool: GpuPool) -> tuple[object, ...]:
         {n: {s: set(v) for s, v in node.free.items()} for n, node in pool.nodes.items()},
         {n: list(node.used_gb) for n, node in pool.nodes.items()},
         list(pool.resident),
-        set(pool.busy),
+        dict(pool.busy),
     )
 
 
@@ -198,7 +200,43 @@ def check_allocation(
         for v in victims:
             model.lru.remove(v)
     model.lru.append(inst)
-    model.busy[inst] = None
+    model.busy[inst] = 1
+
+
+def check_join(pool: GpuPool, model: GpuModel, service: str, k: int) -> None:
+    """A call joins the running DoP-k instance of ``service`` with the fewest calls (the
+    first started among those), or, with none that has room, is refused unchanged."""
+    size, room = chunk_level(k), pool.max_calls.get(service, 1)
+    open_ = [
+        i
+        for i, n in model.busy.items()
+        if i.service == service and i.chunk.size == size and n < room
+    ]
+    before = snapshot(pool)
+    if not open_:
+        event("join: no room")
+        assert pool.joinable(service, k) is None
+        for full in [i for i in model.busy if i.service == service and i.chunk.size == size]:
+            with pytest.raises(ValueError):
+                pool.allocate(service, k, join=full.chunk)
+        assert snapshot(pool) == before, "a refused join changed the pool"
+        return
+    fewest = min(model.busy[i] for i in open_)
+    inst = next(i for i in open_ if model.busy[i] == fewest)
+    assert pool.joinable(service, k) == inst
+    grant = pool.allocate(service, k, join=inst.chunk)
+    event(f"join: sharing {min(fewest, 2)}")
+    assert (grant.chunk, grant.resident, grant.evicted, grant.sharing) == (
+        inst.chunk,
+        True,
+        (),
+        fewest,
+    )
+    # No chunk and no memory changes hands; the instance is the most recently used.
+    assert {n: list(node.used_gb) for n, node in pool.nodes.items()} == before[1]
+    model.busy[inst] += 1
+    model.lru.remove(inst)
+    model.lru.append(inst)
 
 
 gpu_pools = st.tuples(
@@ -220,27 +258,42 @@ def test_gpu_pool_random_allocate_release(
 ) -> None:
     nodes, footprints = shape
     services = {f"s{i}": f * 40.0 for i, f in enumerate(footprints)}
-    pool = GpuPool.build(((f"g{i}", n, mem) for i, (n, mem) in enumerate(nodes)), services)
+    max_calls = {s: data.draw(st.sampled_from([1, 2, 3]), label=f"{s} max calls") for s in services}
+    pool = GpuPool.build(
+        ((f"g{i}", n, mem) for i, (n, mem) in enumerate(nodes)), services, max_calls=max_calls
+    )
     model = GpuModel()
     check_gpu_invariants(pool, model)
     for _ in range(data.draw(st.integers(1, 40), label="ops")):
-        op = data.draw(st.sampled_from(["alloc"] * 4 + ["release"] * 3 + ["evict_all"]))
-        if op == "alloc":
+        op = data.draw(
+            st.sampled_from(["alloc"] * 4 + ["join"] * 2 + ["release"] * 3 + ["evict_all"])
+        )
+        if op in ("alloc", "join"):
             service = data.draw(st.sampled_from(sorted(services)), label="service")
             k = data.draw(st.sampled_from([1, 1, 2, 2, 3, 4, 5, 8]), label="k")
-            check_allocation(pool, model, service, k, snapshot(pool))
+            if op == "alloc":
+                check_allocation(pool, model, service, k, snapshot(pool))
+            else:
+                check_join(pool, model, service, k)
         elif op == "release" and model.busy:
             inst = data.draw(st.sampled_from(list(model.busy)), label="release")
+            free_before = pool.chunk_counts()
             pool.release(inst.service, inst.chunk)
-            del model.busy[inst]
+            model.busy[inst] -= 1
+            if model.busy[inst]:  # the chunk stays with the instance's other calls
+                assert pool.chunk_counts() == free_before
+            else:
+                del model.busy[inst]
         elif op == "evict_all":
             service = data.draw(st.sampled_from(sorted(services)), label="evict")
             pool.evict_all(service)
             model.lru = [i for i in model.lru if i.service != service or i in model.busy]
         check_gpu_invariants(pool, model)
     # Releasing everything merges each node back into one chunk.
-    for inst in list(model.busy):
-        pool.release(inst.service, inst.chunk)
+    for inst, calls in list(model.busy.items()):
+        for _ in range(calls):
+            pool.release(inst.service, inst.chunk)
+            model.busy[inst] -= 1
         del model.busy[inst]
         check_gpu_invariants(pool, model)
     for name, node in pool.nodes.items():

@@ -42,6 +42,7 @@ from tangram.scheduler.core.config import Ordering
 from tangram.scheduler.core.decisions import Plan
 from tangram.scheduler.core.dp import chunk_level
 from tangram.scheduler.core.elastic import greedy_evict
+from tangram.scheduler.core.gpu_pool import Chunk, Instance
 from tangram.scheduler.core.objective import Pending
 
 GPU = "gpu"
@@ -121,6 +122,8 @@ def clusters(draw: st.DrawFn, api: bool | None = None) -> ClusterSpec:
                     dop_choices=dops,
                     restore_s=draw(st.sampled_from([0.0, 0.5, 4.0])),
                     efficiency=draw(efficiencies()),
+                    max_calls=draw(st.sampled_from([1, 1, 2, 4])),
+                    batch_slowdown=draw(st.sampled_from([0.0, 0.1, 0.5])),
                 )
             )
     apis: list[ApiSpec] = []
@@ -360,6 +363,10 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
             sim.queued.add(aid)
 
         rnd = run_round(sim, fcfs_check)
+        while rnd.again:  # it opened an instance queued calls may join: a round now
+            event("a round opened an instance for queued calls")
+            assert any(a.chunk is not None and not a.sharing for a in rnd.assignments)
+            rnd = run_round(sim, fcfs_check)
 
         nxt = [end for _, end in sim.running.values()]
         nxt += [sim.events[0][0]] if sim.events else []
@@ -482,14 +489,20 @@ def check_capacity(sim: Sim) -> None:
         )
         assert reserved <= node.memory_gb + 1e-9, f"{node.name} memory over-committed"
     gpus: dict[str, set[int]] = {}
-    for a in running:
-        if a.chunk is None:
-            continue
-        spec_node = next(n for n in sim.cluster.nodes if n.name == a.chunk.node)
-        assert a.chunk.start % a.chunk.size == 0 and a.chunk.start + a.chunk.size <= spec_node.gpus
-        taken = gpus.setdefault(a.chunk.node, set())
-        assert taken.isdisjoint(a.chunk.gpus), f"GPU of {a.chunk} held twice"
-        taken.update(a.chunk.gpus)
+    # Calls on one chunk share one instance: of one service, at most its max_calls.
+    on_chunk: dict[Chunk, list[str]] = {}
+    for aid, (a, _) in sim.running.items():
+        if a.chunk is not None:
+            on_chunk.setdefault(a.chunk, []).append(sim.spec[aid].service or "")
+    for chunk, services in on_chunk.items():
+        spec_node = next(n for n in sim.cluster.nodes if n.name == chunk.node)
+        assert chunk.start % chunk.size == 0 and chunk.start + chunk.size <= spec_node.gpus
+        taken = gpus.setdefault(chunk.node, set())
+        assert taken.isdisjoint(chunk.gpus), f"GPU of {chunk} held by two instances"
+        taken.update(chunk.gpus)
+        (service,) = set(services)
+        assert len(services) <= sched.gpu.max_calls[service], f"{chunk}: {services}"
+        assert sched.gpu.busy[Instance(service, chunk)] == len(services)
     for gnode in sched.gpu.nodes.values():
         assert all(u <= gnode.memory_gb + 1e-6 for u in gnode.used_gb), "GPU memory over capacity"
     for api in sim.cluster.apis:
@@ -519,7 +532,11 @@ def check_groups(sim: Sim, rnd: Round, queued_before: list[str]) -> None:
             assert [pos[a] for a in cands] == sorted(pos[a] for a in cands)
         if not g.elastic:
             assert g.kept == len(cands)
-    assert started <= seen
+    # The rest joined running instances: they need no arranging.
+    joined = [a for a in rnd.assignments if a.action_id not in seen]
+    assert all(a.sharing > 0 for a in joined)
+    if joined:
+        event("a call joined a running instance")
 
 
 def key_of(sim: Sim, asg: Assignment) -> str:
@@ -563,6 +580,21 @@ def check_fcfs(
     """
     passing = sim.sched.config.quota_waiting == "pass"
     started = {a.action_id: a for a in rnd.assignments}
+
+    # A call that joined a running instance took no chunk: it may pass one waiting for
+    # GPUs only if it ends before the instance's last call did, so the chunk frees as
+    # it would have without it.
+    def last_end(joiner: Assignment) -> float:
+        """When the other calls on its chunk are expected to end, the last of them."""
+        return max(
+            (
+                asg.started_at + asg.expected_s
+                for aid, (asg, _) in sim.running.items()
+                if asg.chunk == joiner.chunk and aid != joiner.action_id
+            ),
+            default=-math.inf,
+        )
+
     held_back = {a for g in rnd.groups for a in g.candidates[g.kept :]}
     short: dict[str, set[str]] = {}
     for aid, what in rnd.blocked:
@@ -605,6 +637,10 @@ def check_fcfs(
             uses = {key_of(sim, later)} | {f"api:{q}" for q in dict(later.quotas)}
             if later.cores and sim.traj_of[b] not in placed_before:
                 uses.add(PLACE)
+            if later.sharing and later.started_at + later.expected_s <= last_end(later) + 1e-9:
+                uses.discard(GPU)
+                if GPU in needs:
+                    event("a joiner passed a call waiting for GPUs")
             clash = needs & uses
             if not clash:
                 continue

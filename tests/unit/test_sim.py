@@ -137,19 +137,41 @@ def test_policy_names_are_checked() -> None:
             check_policy(bad)
 
 
-def test_static_instances_batch_concurrent_calls_with_a_slowdown() -> None:
-    cluster = ClusterSpec.model_validate(
-        {
-            "nodes": [{"name": "g", "gpus": 4}],
-            "services": [{"name": "rm", "gpu_memory_gb": 10, "dop_choices": [4]}],
-        }
-    )
+BATCHING = ClusterSpec.model_validate(
+    {
+        "nodes": [{"name": "g", "gpus": 4}],
+        "services": [
+            {
+                "name": "rm",
+                "gpu_memory_gb": 10,
+                "dop_choices": [4],
+                "max_calls": 8,
+                "batch_slowdown": 0.1,
+            }
+        ],
+    }
+)
+
+
+@pytest.mark.parametrize("policy", ["static-gpu", "elastic"])
+def test_instances_batch_concurrent_calls_with_a_slowdown(policy: str) -> None:
     step = [{"think_s": 0.0, "action": {"kind": "service", "service": "rm", "t1_s": 10.0}}]
     trace = [traj(f"t{i}", step) for i in range(3)]
-    r = simulate(trace, cluster, "static-gpu", overheads=NO_OVERHEAD)
-    # One TP-4 instance; all three calls run at once, admitted with 0, 1 and 2 in flight.
+    r = simulate(trace, BATCHING, policy, overheads=NO_OVERHEAD)
+    # One TP-4 instance; all three calls run at once, admitted with 0, 1 and 2 in flight:
+    # a static deployment, and a pooled instance the two later calls join.
     assert sorted(rec.started for rec in r.records) == [0.0, 0.0, 0.0]
     assert sorted(rec.act_s for rec in r.records) == pytest.approx([10.0, 11.0, 12.0])
+    if policy == "elastic":  # the chunk is held once, from the first start to the last end
+        assert r.unit_seconds_by["service"] == pytest.approx(4 * 12.0)
+
+
+def test_unbatched_pool_runs_one_call_per_instance() -> None:
+    step = [{"think_s": 0.0, "action": {"kind": "service", "service": "rm", "t1_s": 10.0}}]
+    trace = [traj(f"t{i}", step) for i in range(3)]
+    r = simulate(trace, BATCHING, "elastic-unbatched", overheads=NO_OVERHEAD)
+    assert sorted(rec.started for rec in r.records) == [0.0, 10.0, 20.0]
+    assert r.unit_seconds_by["service"] == pytest.approx(4 * 30.0)
 
 
 def test_unmanaged_calls_over_concurrency_wait_at_the_provider_then_time_out() -> None:

@@ -66,6 +66,26 @@ class ServiceSpec(_Strict):
             "(tensor parallelism, as in seed 000)"
         ),
     ] = False
+    max_calls: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="calls one resident instance serves at once, as an inference server "
+            "batches them (1: a call has its chunk to itself, as in seed 000)",
+        ),
+    ] = 1
+    batch_slowdown: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="a call that joins an instance running n calls takes "
+            "(1 + batchSlowdown·n) times as long",
+        ),
+    ] = 0.0
+
+    def slowdown(self, sharing: int) -> float:
+        """How much longer a call takes on an instance already running ``sharing`` calls."""
+        return 1.0 + self.batch_slowdown * sharing
 
     def restore_cost(self, gpus: int) -> float:
         """Seconds to restore a DoP-``gpus`` instance: the k GPUs copy in parallel, a shard

@@ -17,8 +17,9 @@ from tangram.api.action import ActionKind, ActionSpec
 from tangram.api.cluster import ClusterSpec
 from tangram.api.demand import AmdahlEfficiency, Efficiency, allowed_units, duration
 from tangram.api.trace import TrajectoryTrace
+from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.quota_pool import Quota
-from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig
 from tangram.sim.engine import Done
 from tangram.sim.events import EventLoop
 from tangram.sim.records import ActionRecord
@@ -80,6 +81,7 @@ class SchedulerBackend:
         self._dirty = False
         self._wake: set[float] = set()
         self.unit_seconds: dict[str, float] = {}
+        self._chunks: dict[Chunk, tuple[float, float]] = {}  # chunk -> its busy period
         self.rounds = 0
         loop.on_instant_end(self._round)
 
@@ -109,8 +111,14 @@ class SchedulerBackend:
             return
         self._dirty = False
         self._wake.discard(now)
-        self.rounds += 1
-        result = self.sched.schedule(now)
+        again = True
+        while again:  # another round at once when calls may join an instance it opened
+            self.rounds += 1
+            result = self.sched.schedule(now)
+            again = result.again
+            self._start(result, now)
+
+    def _start(self, result: Round, now: float) -> None:
         for asg in result.assignments:
             record, spec, done = self._pending.pop(asg.action_id)
             overhead = {
@@ -120,15 +128,38 @@ class SchedulerBackend:
             }[spec.kind]
             if asg.restore and spec.service is not None and asg.chunk is not None:
                 overhead += self.services[spec.service].restore_cost(asg.chunk.size)
-            took = overhead + true_duration(spec, asg.units)
+            took = true_duration(spec, asg.units)
+            if asg.sharing and spec.service is not None:  # it joined a running instance
+                took *= self.services[spec.service].slowdown(asg.sharing)
+            took += overhead
             record.started, record.units, record.overhead_s = now, asg.units, overhead
-            held = asg.chunk.size if asg.chunk is not None else asg.units
             kind = spec.kind.value
-            self.unit_seconds[kind] = self.unit_seconds.get(kind, 0.0) + held * took
+            if asg.chunk is not None:
+                # A chunk is held from its first call's start to its last call's end,
+                # whoever joined it meanwhile: GPU-seconds count chunks, not calls.
+                self._hold_chunk(asg.chunk, now, now + took)
+            else:
+                self.unit_seconds[kind] = self.unit_seconds.get(kind, 0.0) + asg.units * took
             self.loop.at(now + took, partial(self._end, asg.action_id, record, done))
         if result.wake_at is not None and result.wake_at not in self._wake:
             self._wake.add(result.wake_at)
             self.loop.at(result.wake_at, lambda: None)
+
+    def _hold_chunk(self, chunk: Chunk, start: float, end: float) -> None:
+        """Count ``chunk`` as held over [start, end], merged with the busy period a call
+        joined (a period is counted once it is over)."""
+        held = self._chunks.get(chunk)
+        if held is not None and held[1] > start:
+            self._chunks[chunk] = (held[0], max(held[1], end))
+            return
+        if held is not None:
+            self._count_chunk(chunk, *held)
+        self._chunks[chunk] = (start, end)
+
+    def _count_chunk(self, chunk: Chunk, start: float, end: float) -> None:
+        self.unit_seconds["service"] = self.unit_seconds.get("service", 0.0) + chunk.size * (
+            end - start
+        )
 
     def _end(self, aid: str, record: ActionRecord, done: Done) -> None:
         now = self.loop.now
@@ -138,6 +169,9 @@ class SchedulerBackend:
         done(record)
 
     def finish(self, now: float) -> tuple[dict[str, float], list[str]]:
+        for chunk, held in self._chunks.items():
+            self._count_chunk(chunk, *held)
+        self._chunks.clear()
         return self.unit_seconds, [f"scheduler rounds: {self.rounds}"]
 
 
@@ -326,11 +360,11 @@ class StaticGpuBackend(_NoTrajectoryState):
     The cluster's GPUs are split evenly among the services; each service gets
     instances of the largest allowed DoP that fits its share (9 services on 40 GPUs:
     one TP-4 instance each; 1 service: five TP-8 replicas), unless ``dop`` is given.
-    An instance batches like an inference server (SGLang in the paper): up to
-    ``max_batch`` calls in flight, each slowed by ``1 + batch_slowdown·(k-1)`` where k is
-    the number in flight when it is admitted (fixed at admission: a simplification of
-    continuous batching). Further calls queue FIFO per service. The pooled side runs one
-    call per GPU chunk, as ARL-Tangram's GPU manager does, so batching favours the baseline.
+    An instance batches like an inference server (SGLang in the paper): up to the
+    service's ``max_calls`` calls in flight (``max_batch`` overrides it), each slowed by
+    ``ServiceSpec.slowdown(n)`` where n is the number already in flight when it is admitted
+    (fixed at admission: a simplification of continuous batching). Further calls queue
+    FIFO per service. Pooled instances batch by the same rule (``GpuPool.joinable``).
     """
 
     def __init__(
@@ -340,12 +374,12 @@ class StaticGpuBackend(_NoTrajectoryState):
         overheads: Overheads,
         dop: int | None = None,
         *,
-        max_batch: int = 8,
-        batch_slowdown: float = 0.1,
+        max_batch: int | None = None,
     ) -> None:
         self.loop = loop
         self.overheads = overheads
-        self.max_batch, self.batch_slowdown = max_batch, batch_slowdown
+        self.specs = {s.name: s for s in cluster.services}
+        self.max_batch = {s.name: max_batch or s.max_calls for s in cluster.services}
         total = sum(n.gpus for n in cluster.nodes)
         services = cluster.services
         if not services:
@@ -375,10 +409,10 @@ class StaticGpuBackend(_NoTrajectoryState):
         queue = self.queues[service]
         while queue:
             inst = min(self.instances[service], key=lambda i: i.in_flight)
-            if inst.in_flight >= self.max_batch:
+            if inst.in_flight >= self.max_batch[service]:
                 return
             record, spec, done = queue.popleft()
-            slowdown = 1.0 + self.batch_slowdown * inst.in_flight
+            slowdown = self.specs[service].slowdown(inst.in_flight)
             inst.in_flight += 1
             now = self.loop.now
             took = self.overheads.service_s + true_duration(spec, inst.dop) * slowdown

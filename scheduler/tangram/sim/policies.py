@@ -10,11 +10,14 @@
                      estimate alone
 ``elastic-priced``   the same with ``core_price="load"``: sizes whose gain per core-second
                      is below the node's core price are dropped first
+``elastic-unbatched`` the same with every service's ``max_calls`` at 1: a call has its
+                     instance to itself (the paper's GPU manager)
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
 ``k8s-static``       exec actions in a pod per trajectory (0.5 CPU request, 4 limit),
                      single-process commands; ``k8s-static-dop-N`` runs N processes
 ``static-gpu``       service calls on dedicated always-resident GPUs per service,
-                     batching up to 8 calls an instance; ``static-gpu-batch-N``: N
+                     batching up to the service's ``max_calls`` calls an instance;
+                     ``static-gpu-batch-N``: N
 ``unmanaged``        API calls straight to the provider, retried on errors
 ==================== ==============================================================
 
@@ -55,6 +58,7 @@ NAMED = (
     "elastic-pass",
     "elastic-paper",
     "elastic-priced",
+    "elastic-unbatched",
     "unmanaged",
 )
 
@@ -92,13 +96,18 @@ def build(
     if m := _FIXED.match(policy):
         base = replace(base, fixed_dop=int(m.group(1)))
     loop = EventLoop()
-    pooled = SchedulerBackend(loop, cluster, base, oh, rng)
+    pooled_cluster = cluster
+    if policy == "elastic-unbatched":  # the paper's GPU manager: one call per instance
+        pooled_cluster = cluster.model_copy(
+            update={"services": [s.model_copy(update={"max_calls": 1}) for s in cluster.services]}
+        )
+    pooled = SchedulerBackend(loop, pooled_cluster, base, oh, rng)
     routes: dict[ActionKind, Backend] = dict.fromkeys(ActionKind, pooled)
     if m := _K8S.match(policy):
         dop = int(m.group(1) or 1)
         routes[ActionKind.EXEC] = K8sStaticBackend(loop, cluster, oh, rng, dop=dop)
     elif m := _STATIC.match(policy):
-        batch = int(m.group(1) or 8)
+        batch = int(m.group(1)) if m.group(1) else None  # None: each service's maxCalls
         routes[ActionKind.SERVICE] = StaticGpuBackend(loop, cluster, oh, max_batch=batch)
     elif policy == "unmanaged":
         routes[ActionKind.API] = UnmanagedApiBackend(loop, cluster, oh)

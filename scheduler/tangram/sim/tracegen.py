@@ -84,6 +84,11 @@ JUDGE_REF_DOP = 8  # [T] §6.1 baseline judge "degree of TP as 8"
 
 RESTORE_FIXED_S = 1.0  # ASSUMPTION: per-restore set-up cost; [T] §5.3 gives no number
 RESTORE_GBPS = 25.0  # ASSUMPTION: pinned host-to-device PCIe Gen5, per GPU
+# An instance serves up to 8 calls at once, each slowed 10 % per call already in flight:
+# the inference server's batching (SGLang in [T] §6.1), the same for the static baseline
+# and the pooled instances. ASSUMPTION: [T] gives neither figure.
+SERVER_BATCH = 8
+SERVER_BATCH_SLOWDOWN = 0.1
 
 SEARCH_API = "search"
 PDF_API = "pdf_parse"
@@ -313,6 +318,8 @@ def _teacher_service(rank: int) -> ServiceSpec:
         restore_s=restore_seconds(TEACHER_GPU_MEMORY_GB),
         restore_fixed_s=RESTORE_FIXED_S,
         efficiency=service_efficiency(1),  # default for calls that carry no profile
+        max_calls=SERVER_BATCH,
+        batch_slowdown=SERVER_BATCH_SLOWDOWN,
     )
 
 
@@ -324,6 +331,8 @@ def _judge_service() -> ServiceSpec:
         restore_s=restore_seconds(JUDGE_GPU_MEMORY_GB),
         restore_fixed_s=RESTORE_FIXED_S,
         efficiency=service_efficiency(1),
+        max_calls=SERVER_BATCH,
+        batch_slowdown=SERVER_BATCH_SLOWDOWN,
     )
 
 

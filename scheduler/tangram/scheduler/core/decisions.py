@@ -20,6 +20,7 @@ class Assignment:
     chunk: Chunk | None = None
     restore: bool = False  # the service instance must be restored into the chunk
     evicted: tuple[str, ...] = ()  # "service@node:start+size" instances evicted for it
+    sharing: int = 0  # calls already running on the instance it joined (0: it has it alone)
     quotas: tuple[tuple[str, int], ...] = ()
     units: int = 1  # units of the key resource (DoP)
     expected_s: float = 0.0
@@ -53,6 +54,7 @@ class Start:
     node: str | None  # the node of its cores (exec actions)
     units: int  # of the key resource
     expected_s: float  # expected duration at ``units``, before any restore
+    join: Chunk | None = None  # the chunk of the running instance a service call joins
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +75,8 @@ class Round:
     wake_at: float | None  # earliest time a rate window frees a blocked action
     groups: tuple[GroupDecision, ...] = ()
     blocked: tuple[tuple[str, str], ...] = ()  # (action id, resource it waits for)
+    # It opened a service instance that queued calls could join: run another round now.
+    again: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

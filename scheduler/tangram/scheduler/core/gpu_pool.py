@@ -1,17 +1,21 @@
 """GPU manager bookkeeping (seed 000 §5.3, "Pool in GPU Manager").
 
 GPUs of a node form buddy chunks ``(start, size)`` with ``size`` in 1/2/4/8 and
-``start`` a multiple of ``size``. At most one action runs on a GPU. A service at
-DoP k is a distinct instance occupying one chunk of size k; instances stay
-resident after their call and are evicted least-recently-used when another
-restore needs the memory. Among free chunks of the smallest fitting level, one
-that already holds the requested instance is preferred.
+``start`` a multiple of ``size``. A service at DoP k is a distinct instance occupying
+one chunk of size k; instances stay resident after their call and are evicted
+least-recently-used when another restore needs the memory. Among free chunks of the
+smallest fitting level, one that already holds the requested instance is preferred.
+
+A chunk runs one instance at a time. That instance may serve up to its service's
+``max_calls`` calls at once (our addition, as an inference server batches): a call
+*joins* a running instance instead of taking a chunk of its own, and the chunk is free
+again when the instance's last call ends.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tangram.scheduler.core.dp import CHUNK_SIZES, ChunkState, chunk_level
@@ -39,6 +43,7 @@ class GpuGrant:
     chunk: Chunk
     resident: bool  # the instance was already in GPU memory: no restore
     evicted: tuple[Instance, ...]
+    sharing: int = 0  # calls already running on the instance when this one joined it
 
 
 @dataclass(slots=True)
@@ -68,7 +73,9 @@ class GpuPool:
     replicated: set[str] = field(default_factory=set)
     # Resident instances, least recently used first, with the GB each holds per GPU.
     resident: OrderedDict[Instance, float] = field(default_factory=OrderedDict)
-    busy: set[Instance] = field(default_factory=set)
+    busy: dict[Instance, int] = field(default_factory=dict)  # running instance -> its calls
+    max_calls: dict[str, int] = field(default_factory=dict)  # service -> calls an instance
+    # serves at once (absent: 1)
     # Busy instances whose service was redefined while they ran: dropped when they end.
     stale: set[Instance] = field(default_factory=set)
     revision: dict[str, str] = field(default_factory=dict)  # service -> what workers load
@@ -81,9 +88,12 @@ class GpuPool:
         nodes: Iterable[tuple[str, int, float]],
         services: dict[str, float],
         replicated: Iterable[str] = (),
+        max_calls: Mapping[str, int] | None = None,
     ) -> GpuPool:
         """From ``(name, gpus, memory_gb_per_gpu)`` and service -> GPU memory footprint."""
-        pool = cls(memory_gb=dict(services), replicated=set(replicated))
+        pool = cls(
+            memory_gb=dict(services), replicated=set(replicated), max_calls=dict(max_calls or {})
+        )
         for name, gpus, mem in nodes:
             if gpus > 0:
                 pool.add_node(name, gpus, mem)
@@ -101,15 +111,21 @@ class GpuPool:
         self.unloadable.pop(name, None)
         for inst in [i for i in self.resident if i.chunk.node == name]:
             del self.resident[inst]
-        self.busy = {i for i in self.busy if i.chunk.node != name}
+        self.busy = {i: n for i, n in self.busy.items() if i.chunk.node != name}
         self.stale = {i for i in self.stale if i.chunk.node != name}
 
     def set_service(
-        self, service: str, memory_gb: float, replicated: bool, revision: str = ""
+        self,
+        service: str,
+        memory_gb: float,
+        replicated: bool,
+        revision: str = "",
+        max_calls: int = 1,
     ) -> None:
         """Define or redefine a service. A change of footprint, layout or revision makes
         its instances stale, as the workers reload it: idle ones go now, busy ones when
-        their calls end."""
+        their calls end. A new ``max_calls`` only changes who may join from now on."""
+        self.max_calls[service] = max_calls
         if (
             self.memory_gb.get(service) == memory_gb
             and (service in self.replicated) == replicated
@@ -125,6 +141,7 @@ class GpuPool:
         self.forget(service)
         self.memory_gb.pop(service, None)
         self.revision.pop(service, None)
+        self.max_calls.pop(service, None)
         self.replicated.discard(service)
 
     def per_gpu(self, service: str, size: int) -> float:
@@ -164,8 +181,39 @@ class GpuPool:
         chunk = self._choose(service, chunk_level(k))
         return chunk is not None and Instance(service, chunk) in self.resident
 
-    def allocate(self, service: str, k: int) -> GpuGrant:
-        """Take a chunk for a DoP-k call of ``service``; restore bookkeeping and LRU eviction."""
+    def joinable(
+        self, service: str, k: int, calls: Mapping[Instance, int] | None = None
+    ) -> Instance | None:
+        """A running DoP-k instance of ``service`` with room for one more call: the first
+        started of those with the fewest calls, or None. ``calls``: the calls on each
+        running instance, if not those running now (a round's plan)."""
+        size, room = chunk_level(k), self.max_calls.get(service, 1)
+        if room <= 1:
+            return None
+        calls = self.busy if calls is None else calls
+        best: Instance | None = None
+        for inst, n in calls.items():
+            if (
+                inst.service == service
+                and inst.chunk.size == size
+                and n < room
+                and inst not in self.stale
+                and (best is None or n < calls[best])
+            ):
+                best = inst
+        return best
+
+    def allocate(self, service: str, k: int, *, join: Chunk | None = None) -> GpuGrant:
+        """Take a chunk for a DoP-k call of ``service``; restore bookkeeping and LRU eviction.
+        ``join``: run it instead on the running instance of ``service`` on that chunk."""
+        if join is not None:
+            inst = Instance(service, join)
+            sharing = self.busy.get(inst, 0)
+            if not 0 < sharing < self.max_calls.get(service, 1) or inst in self.stale:
+                raise ValueError(f"{service} on {join} is not running with room for a call")
+            self.busy[inst] = sharing + 1
+            self.resident.move_to_end(inst)
+            return GpuGrant(join, True, (), sharing)
         size = chunk_level(k)
         target = self._choose(service, size)
         if target is None:
@@ -200,14 +248,19 @@ class GpuPool:
                 self._evict(victim)
                 evicted.append(victim)
             self._charge(inst, per_gpu)
-        self.busy.add(inst)
+        self.busy[inst] = 1
         return GpuGrant(target, hit, tuple(evicted))
 
     def release(self, service: str, chunk: Chunk, *, resident: bool = True) -> None:
         """A call on ``chunk`` ended; ``resident=False``: its instance is not in GPU memory
-        after all (a restore that failed)."""
+        after all (a restore that failed). The chunk is free once its last call ended."""
         inst = Instance(service, chunk)
-        self.busy.discard(inst)
+        calls = self.busy.pop(inst, 0) - 1
+        if calls > 0:
+            self.busy[inst] = calls
+            if not resident:  # the restore failed under every call that joined it
+                self.stale.add(inst)
+            return
         node = self.nodes.get(chunk.node)
         if node is not None:  # else the node left while the call ran
             self._release_chunk(node, chunk)

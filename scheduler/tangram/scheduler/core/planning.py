@@ -25,7 +25,7 @@ allocates exact cores, GPU chunks and quota units, and starts the actions).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,7 +37,7 @@ from tangram.scheduler.core.decisions import Assignment, GroupDecision, Plan, St
 from tangram.scheduler.core.dp import ChunkState, chunk_level, take_chunk
 from tangram.scheduler.core.elastic import greedy_evict
 from tangram.scheduler.core.fair import FairQueue
-from tangram.scheduler.core.gpu_pool import GpuPool
+from tangram.scheduler.core.gpu_pool import Chunk, GpuPool, Instance
 from tangram.scheduler.core.objective import Pending
 from tangram.scheduler.core.ordering import ActionQueue
 from tangram.scheduler.core.pricing import node_price, priced_sizes
@@ -73,6 +73,8 @@ class RoundInputs(Protocol):
     def running(self) -> Mapping[str, Running]: ...
     @property
     def waiting(self) -> Mapping[Resource, int]: ...  # queued actions needing each resource
+    @property
+    def queued_calls(self) -> Mapping[str, int]: ...  # queued calls of each service
     def round_caps(self) -> RoundCaps | None: ...  # capped tenants' room; None: none capped
 
 
@@ -97,6 +99,7 @@ class _Candidate:
     node: str | None
     durations: dict[int, float]
     capped_from: int | None = None  # its largest allowed size, when the core price cut it
+    join: Chunk | None = None  # a service call joins the instance there: not arranged
 
 
 class _Planner:
@@ -112,14 +115,20 @@ class _Planner:
         self.blocked: set[Resource] = set()  # reserved for the rest of the round
         self.caps = s.round_caps()
         self.prices: dict[str, float] = {}  # core price per node, computed when first needed
+        # Calls on each running service instance, as this round's joiners add theirs.
+        self.calls: dict[Instance, int] = dict(s.gpu.busy)
+        self.chunk_ends: dict[Chunk, float] | None = None  # computed when first needed
 
     def plan(self) -> Plan:
         cands, rest, blocked = self._candidates()
         groups: dict[Resource, list[_Candidate]] = {}
-        for c in cands:
-            groups.setdefault(c.resource, []).append(c)
-        decisions: list[GroupDecision] = []
         chosen: dict[str, int] = {}
+        for c in cands:
+            if c.join is not None:  # its instance and DoP are set: nothing to arrange
+                chosen[c.action.id] = next(iter(c.durations))
+            else:
+                groups.setdefault(c.resource, []).append(c)
+        decisions: list[GroupDecision] = []
         for resource, group in groups.items():
             units, decision = self._arrange(resource, group, rest.get(resource, []))
             decisions.append(decision)
@@ -134,6 +143,7 @@ class _Planner:
                 node=c.node,
                 units=n,
                 expected_s=c.durations.get(n, 0.0),
+                join=c.join,
             )
             for c in cands
             if (n := chosen.get(c.action.id)) is not None
@@ -162,6 +172,10 @@ class _Planner:
         order = s.queue.order(self.now)
         caps = self.caps
         pricing = s.config.core_price != "none"
+        # Queued calls of services with a running instance that has room: the walk goes on
+        # past blocked resources until it has seen them all (they may join without a chunk).
+        joining = self._joining()
+        join_left = sum(s.queued_calls.get(svc, 0) for svc in joining)
         actions, placement, planned = s.actions, s.cpu.placement, view.planned
         for aid in order:
             a = actions[aid]
@@ -185,6 +199,15 @@ class _Planner:
                     continue
                 if room < units[-1]:
                     units, durations = _first(units, durations, bisect_right(units, room))
+            if join_left and a.service in joining:
+                join_left -= 1
+                joined = self._join(a, units, durations, wants)
+                if joined is not None:
+                    k, chunk = joined
+                    cands.append(_Candidate(a, GPU, None, {k: durations[k]}, join=chunk))
+                    if caps is not None:
+                        caps.take(a, tenant, k)
+                    continue
             if blocked.isdisjoint(wants):
                 fit = self._fit(a, units[0], node)
                 if isinstance(fit, str):
@@ -205,6 +228,7 @@ class _Planner:
                         elastic_resources.add(resource)
                     if limit is not None and len(cands) >= limit:
                         blocked |= waited_on
+                        join_left = 0
                     continue
                 # It reserves everything it needs, not just what it is short of: an action
                 # that needs two quotas must not be overtaken forever on either one.
@@ -215,13 +239,87 @@ class _Planner:
             key = wants[0]
             if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
                 rest.setdefault(key, []).append(pending)
-            if blocked >= waited_on:
+            if blocked >= waited_on and join_left <= 0:
                 break
         # Everything anyone waits for is blocked: no more candidates. Only the estimate's
         # view of the remaining queue on elastic resources is still needed.
         if elastic_resources:
             self._collect_rest(order, elastic_resources, rest)
         return cands, rest, waits
+
+    def _joining(self) -> set[str]:
+        """Services with a running instance that can take one more call."""
+        gpu = self.s.gpu
+        return {
+            i.service
+            for i, n in self.calls.items()
+            if n < gpu.max_calls.get(i.service, 1) and i not in gpu.stale
+        }
+
+    def _join(
+        self,
+        a: Action,
+        units: tuple[int, ...],
+        durations: Mapping[int, float],
+        wants: tuple[Resource, ...],
+    ) -> tuple[int, Chunk] | None:
+        """The DoP at which service call ``a`` joins a running instance, and its chunk.
+
+        It joins when that is at least as fast for it as a chunk of its own: with a free
+        chunk, the fastest size there, restore included; with none, any room is better than
+        waiting. The calls already on an instance slow a joiner (``ServiceSpec.slowdown``).
+        Its quotas, and anything else it needs besides GPUs, must be open.
+
+        While an earlier call waits for a chunk (the GPUs are closed), a joiner must end
+        before the instance's last call does: then the chunk frees when it would have
+        without it, so joining never delays a waiting call and cannot starve it.
+        """
+        s, prov, calls = self.s, self.prov, self.calls
+        assert a.service is not None
+        if any(r != GPU and r in self.blocked for r in wants):
+            return None
+        if any(prov.quota_free[q] < n for q, n in a.quotas):
+            return None
+        svc = s.services[a.service]
+        closed = GPU in self.blocked
+        best: tuple[float, int, Instance] | None = None
+        for k in units:
+            inst = s.gpu.joinable(a.service, k, calls)
+            if inst is not None:
+                d = durations[k] * svc.slowdown(calls[inst])
+                if closed and self.now + d > self._ends()[inst.chunk] + 1e-9:
+                    continue
+                if best is None or d < best[0]:
+                    best = (d, k, inst)
+        if best is None:
+            return None
+        if not closed:
+            alone = min(
+                (
+                    durations[k]
+                    + (0.0 if s.gpu.is_warm(a.service, k) else svc.restore_cost(chunk_level(k)))
+                    for k in units
+                    if take_chunk(prov.chunks, k) is not None and s.gpu.can_host(a.service, k)
+                ),
+                default=None,
+            )
+            if alone is not None and alone < best[0]:
+                return None
+        for q, n in a.quotas:
+            prov.quota_free[q] -= n
+        calls[best[2]] += 1
+        return best[1], best[2].chunk
+
+    def _ends(self) -> dict[Chunk, float]:
+        """When each running chunk's last call is expected to end."""
+        if self.chunk_ends is None:
+            ends: dict[Chunk, float] = {}
+            for r in self.s.running.values():
+                chunk = r.assignment.chunk
+                if chunk is not None:
+                    ends[chunk] = max(ends.get(chunk, r.expected_end), r.expected_end)
+            self.chunk_ends = ends
+        return self.chunk_ends
 
     def _priced(
         self, units: tuple[int, ...], durations: dict[int, float], node: str
@@ -354,11 +452,7 @@ class _Planner:
                 core_price=price,
                 capped=capped,
             )
-        running = [
-            (max(0.0, r.expected_end - self.now), _size(r.assignment))
-            for r in s.running.values()
-            if r.resource == resource
-        ]
+        running = _running(s.running.values(), resource, self.now)
         depth, doubling = s.config.depth, s.config.explore == "doubling"
         if resource == GPU:
             arrangement = greedy_evict(
@@ -399,6 +493,20 @@ def _first(
         return units, durations
     units = units[:n]
     return units, {k: durations[k] for k in units}
+
+
+def _running(runs: Iterable[Running], resource: Resource, now: float) -> list[tuple[float, int]]:
+    """(seconds left, units) of what runs on ``resource``; a GPU chunk shared by several
+    calls is one entry, free when its last call ends."""
+    ends: dict[Chunk | str, tuple[float, int]] = {}
+    for r in runs:
+        if r.resource == resource:
+            left = max(0.0, r.expected_end - now)
+            key = r.assignment.chunk or r.assignment.action_id
+            held = ends.get(key)
+            if held is None or held[0] < left:
+                ends[key] = (left, _size(r.assignment))
+    return list(ends.values())
 
 
 def _size(asg: Assignment) -> int:

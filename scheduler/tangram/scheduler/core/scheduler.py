@@ -66,6 +66,7 @@ class Scheduler:
             ((n.name, n.gpus, n.gpu_memory_gb) for n in cluster.nodes),
             {s.name: s.gpu_memory_gb for s in cluster.services},
             (s.name for s in cluster.services if s.replicated),
+            {s.name: s.max_calls for s in cluster.services},
         )
         self.services = {s.name: s for s in cluster.services}
         self.quotas = {
@@ -85,6 +86,7 @@ class Scheduler:
         # Queued demand per resource, so a round stops walking once every resource anyone
         # waits for is blocked (a round then costs O(candidates), not O(queue)).
         self.waiting: dict[Resource, int] = {}
+        self.queued_calls: dict[str, int] = {}  # queued calls of each service (joins)
 
     # ---- trajectories -------------------------------------------------------------
     def open_trajectory(
@@ -167,7 +169,9 @@ class Scheduler:
             self.gpu.remove_service(name)
         for spec in wanted.values():
             self.services[spec.name] = spec
-            self.gpu.set_service(spec.name, spec.gpu_memory_gb, spec.replicated, spec.revision)
+            self.gpu.set_service(
+                spec.name, spec.gpu_memory_gb, spec.replicated, spec.revision, spec.max_calls
+            )
 
     def sync_resident(self, node: str, instances: Iterable[tuple[str, int, int]]) -> None:
         """What ``node``'s worker holds in GPU memory: ``(service, first GPU, GPUs)``, least
@@ -448,8 +452,23 @@ class Scheduler:
 
     # ---- the round ---------------------------------------------------------------
     def schedule(self, now: float) -> Round:
-        """One round: plan it, then commit the plan."""
+        """One round: plan it, then commit the plan. ``Round.again``: run another now."""
         return self._commit(self.plan(now), now)
+
+    def _joiners_wait(self, started: Sequence[Assignment]) -> bool:
+        """Whether ``started`` opened an instance that queued calls of its service could
+        join: a plan joins only running instances, so they may start in a round now rather
+        than wait for the next event."""
+        for asg in started:
+            if asg.chunk is not None and not asg.sharing:
+                service = self.running[asg.action_id].action.service
+                if (
+                    service is not None
+                    and self.gpu.max_calls.get(service, 1) > 1
+                    and self.queued_calls.get(service, 0) > 0
+                ):
+                    return True
+        return False
 
     def plan(self, now: float) -> Plan:
         """The round's decisions at ``now``: which trajectories go where, which actions start
@@ -475,6 +494,7 @@ class Scheduler:
             wake_at=min(wake, default=None),
             groups=plan.groups,
             blocked=plan.blocked,
+            again=self._joiners_wait(assignments),
         )
 
     # ---- internals ---------------------------------------------------------------
@@ -521,6 +541,8 @@ class Scheduler:
         by_tenant = self.queued_by_tenant
         by_tenant[traj.tenant] = by_tenant.get(traj.tenant, 0) + 1
         self._count(a, +1)
+        if a.service is not None:
+            self.queued_calls[a.service] = self.queued_calls.get(a.service, 0) + 1
         if isinstance(self.queue, FairQueue):
             self.queue.push(a.id, key, a.seq, deadline, tenant=traj.tenant)
         else:
@@ -535,6 +557,12 @@ class Scheduler:
             self.queue.remove(action_id)
         a = self.actions.pop(action_id)
         self._count(a, -1)
+        if a.service is not None:
+            calls = self.queued_calls[a.service] - 1
+            if calls:
+                self.queued_calls[a.service] = calls
+            else:
+                del self.queued_calls[a.service]
         traj = self.trajectories[a.trajectory]
         if a.cpu:
             traj.queued_exec -= 1
@@ -570,7 +598,7 @@ class Scheduler:
         if a.gpu:
             assert a.service is not None
             try:
-                grant = self.gpu.allocate(a.service, k)
+                grant = self.gpu.allocate(a.service, k, join=s.join)
             except ValueError:
                 return None
         self._dequeue(a.id, started=True)
@@ -592,6 +620,8 @@ class Scheduler:
             )
             if restore:
                 expected += self.services[a.service].restore_cost(chunk.size)
+            if grant.sharing:
+                expected *= self.services[a.service].slowdown(grant.sharing)
         for q, n in a.quotas:
             self.quotas[q].acquire(now, n)
         asg = Assignment(
@@ -602,6 +632,7 @@ class Scheduler:
             chunk=chunk,
             restore=restore,
             evicted=evicted,
+            sharing=grant.sharing if grant is not None else 0,
             quotas=a.quotas,
             units=k,
             expected_s=expected,

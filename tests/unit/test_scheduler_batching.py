@@ -1,0 +1,154 @@
+"""Service calls sharing a running instance (``ServiceSpec.max_calls``), as an inference
+server batches them: who joins, when a chunk of its own is better, and what a waiting call
+is owed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tangram.api.cluster import ServiceSpec
+from tangram.scheduler import Scheduler
+from tangram.scheduler.core.gpu_pool import Chunk
+
+from .helpers import cluster, service_call
+
+
+def batching(gpus: int = 1, restore_s: float = 2.0, **svc: Any) -> Scheduler:
+    """``gpus`` GPUs, service ``a``: one GPU per call, up to 3 calls an instance, each
+    call in flight slowing a joiner by 10 %; trajectory ``t`` open."""
+    spec = {
+        "name": "a",
+        "gpu_memory_gb": 10,
+        "dop_choices": [1],
+        "restore_s": restore_s,
+        "max_calls": 3,
+        "batch_slowdown": 0.1,
+        **svc,
+    }
+    s = Scheduler(
+        cluster(nodes=[{"name": "g", "gpus": gpus, "gpu_memory_gb": 80}], services=[spec])
+    )
+    s.open_trajectory("t")
+    return s
+
+
+def test_calls_join_a_running_instance_up_to_max_calls_and_the_rest_wait() -> None:
+    s = batching()
+    for i in range(5):
+        s.submit(f"x{i}", "t", service_call("a", t1=1.0), 0.0)
+    first = s.schedule(0.0)
+    # The first restores the instance; the round says to run another at once, where the
+    # next two join it (a plan joins only instances that run).
+    assert [a.action_id for a in first.assignments] == ["x0"] and first.again
+    r = s.schedule(0.0)
+    assert not r.again
+    got = {a.action_id: (a.chunk, a.sharing, a.restore) for a in first.assignments + r.assignments}
+    gpu0 = Chunk("g", 0, 1)
+    assert got == {"x0": (gpu0, 0, True), "x1": (gpu0, 1, False), "x2": (gpu0, 2, False)}
+    expected = {a.action_id: a.expected_s for a in first.assignments + r.assignments}
+    assert expected == pytest.approx({"x0": 3.0, "x1": 1.1, "x2": 1.2})
+    assert "x3" in dict(r.blocked) and s.queued == 2
+    # One call ends: one waiting call takes its place, with two calls already in flight.
+    s.complete("x1", 1.1)
+    (joined,) = s.schedule(1.1).assignments
+    assert (joined.action_id, joined.chunk, joined.sharing) == ("x3", gpu0, 2)
+    # The chunk is held until the instance's last call ends.
+    for aid in ("x0", "x2"):
+        s.complete(aid, 3.0)
+    assert s.gpu.chunk_counts() == (0, 0, 0, 0)
+    s.complete("x3", 3.0)
+    assert s.gpu.chunk_counts() == (1, 0, 0, 0) and not s.gpu.busy
+
+
+def test_a_call_takes_a_warm_chunk_of_its_own_but_joins_rather_than_restore() -> None:
+    cold = batching(gpus=2, restore_s=2.0)
+    cold.submit("x0", "t", service_call("a"), 0.0)
+    cold.schedule(0.0)
+    cold.submit("x1", "t", service_call("a"), 0.5)
+    (asg,) = cold.schedule(0.5).assignments
+    # GPU 1 is free but cold: 1 s + a 2 s restore there, against 1.1 s on GPU 0.
+    assert (asg.chunk, asg.sharing, asg.restore) == (Chunk("g", 0, 1), 1, False)
+
+    warm = batching(gpus=2, restore_s=0.0)
+    warm.submit("x0", "t", service_call("a"), 0.0)
+    warm.schedule(0.0)
+    warm.submit("x1", "t", service_call("a"), 0.5)
+    (asg,) = warm.schedule(0.5).assignments
+    # Nothing to restore: 1 s alone on GPU 1 beats 1.1 s shared.
+    assert (asg.chunk, asg.sharing) == (Chunk("g", 1, 1), 0)
+
+
+def test_one_call_per_instance_without_max_calls() -> None:
+    s = batching(max_calls=1)
+    for i in range(2):
+        s.submit(f"x{i}", "t", service_call("a"), 0.0)
+    (asg,) = s.schedule(0.0).assignments
+    assert asg.action_id == "x0" and asg.sharing == 0
+
+
+def test_a_joiner_never_delays_a_call_waiting_for_the_chunk() -> None:
+    """``b`` waits for the only GPU, which ``a``'s instance holds until 10 s; later calls
+    of ``a`` may join only if they end by then, so ``b`` starts at 10 s whatever comes."""
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
+            services=[
+                {"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": 8},
+                {"name": "b", "gpu_memory_gb": 10, "dop_choices": [1]},
+            ],
+        )
+    )
+    s.open_trajectory("t")
+    s.submit("a0", "t", service_call("a", t1=10.0), 0.0)
+    s.schedule(0.0)
+    s.submit("b0", "t", service_call("b", t1=1.0), 1.0)
+    s.submit("long", "t", service_call("a", t1=10.0), 1.0)  # would end at 11 s
+    s.submit("short", "t", service_call("a", t1=2.0), 1.0)  # ends at 3 s
+    r = s.schedule(1.0)
+    assert [a.action_id for a in r.assignments] == ["short"]
+    assert "b0" in dict(r.blocked) and set(s.running) == {"a0", "short"}
+    s.complete("short", 3.0)
+    s.complete("a0", 10.0)
+    (b,) = s.schedule(10.0).assignments
+    assert b.action_id == "b0"
+
+
+def test_a_redefined_instance_takes_no_joiners() -> None:
+    s = batching()
+    s.submit("x0", "t", service_call("a"), 0.0)
+    s.schedule(0.0)
+    s.set_services(
+        [
+            ServiceSpec(
+                name="a",
+                gpu_memory_gb=10,
+                dop_choices=[1],
+                restore_s=2,
+                revision="v2",
+                max_calls=3,
+                batch_slowdown=0.1,
+            )
+        ]
+    )
+    s.submit("x1", "t", service_call("a"), 0.5)
+    assert s.schedule(0.5).assignments == ()  # waits: the running instance is the old one
+    s.complete("x0", 3.0)
+    (fresh,) = s.schedule(3.0).assignments
+    assert fresh.restore and fresh.sharing == 0
+
+
+def test_a_failed_restore_leaves_nothing_resident_after_its_joiners_end() -> None:
+    s = batching()
+    s.submit("x0", "t", service_call("a"), 0.0)
+    s.submit("x1", "t", service_call("a"), 0.0)
+    assert s.schedule(0.0).again
+    (joined,) = s.schedule(0.0).assignments
+    assert joined.sharing == 1
+    s.complete("x0", 1.0, ok=False)  # the restore failed: the joiner fails with it
+    s.submit("x2", "t", service_call("a"), 1.0)
+    assert s.schedule(1.0).assignments == ()  # no joining a broken instance
+    s.complete("x1", 1.0, ok=False)
+    (again,) = s.schedule(1.0).assignments
+    assert again.restore
