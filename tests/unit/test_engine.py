@@ -114,6 +114,8 @@ def test_reward_services_of_the_pool_become_its_service_configs() -> None:
     assert sorted(config.services) == ["code-teacher", "judge", "math-teacher"]
     judge, math = config.services["judge"], config.services["math-teacher"]
     assert judge.spec.replicated and judge.spec.max_batch == 16 and judge.restore_s == 2.5
+    assert (judge.max_calls, judge.batch_slowdown) == (8, 0.1)
+    assert (math.max_calls, math.batch_slowdown) == (1, 0.0)  # unset: a call has it alone
     assert math.dop_choices == (1, 2) and math.durations(5000) == {1: 3.5, 2: 1.9}
     assert not config.services["code-teacher"].spec.replicated  # parallelism: shard
     assert config.gpus_per_node == 8

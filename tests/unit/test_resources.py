@@ -658,3 +658,17 @@ def test_the_core_price_is_load_unless_the_pool_says_none() -> None:
     assert pool_config(paper, paper.pools[("default", "p")]).scheduling.core_price == "none"
     with pytest.raises(ResourceError, match="corePrice"):
         parse(pool(cpu={}, scheduling={"corePrice": "cheap"}))
+
+
+def test_batching_reaches_the_service_config_and_bad_values_name_the_field() -> None:
+    from tangram.service.from_resources import service_config
+
+    res = parse(pool(), service(batching={"maxCalls": 4, "slowdown": 0.25}))
+    cfg = service_config(res.services[("default", "s")])
+    assert (cfg.max_calls, cfg.batch_slowdown) == (4, 0.25)
+    alone = service_config(parse(pool(), service()).services[("default", "s")])
+    assert (alone.max_calls, alone.batch_slowdown) == (1, 0.0)
+    with pytest.raises(ResourceError, match=r"spec\.batching\.maxCalls"):
+        parse(pool(), service(batching={"maxCalls": 0}))
+    with pytest.raises(ResourceError, match=r"spec\.batching\.slowdown"):
+        parse(pool(), service(batching={"slowdown": -1}))

@@ -4,6 +4,8 @@ is owed."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,3 +154,41 @@ def test_a_failed_restore_leaves_nothing_resident_after_its_joiners_end() -> Non
     s.complete("x1", 1.0, ok=False)
     (again,) = s.schedule(1.0).assignments
     assert again.restore
+
+
+def test_explain_shows_calls_joining_an_instance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tangram.cli.main import main
+
+    call = {"kind": "service", "service": "a", "t1_s": 1.0}
+    state = {
+        "cluster": {
+            "nodes": [{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
+            "services": [
+                {
+                    "name": "a",
+                    "gpu_memory_gb": 10,
+                    "dop_choices": [1],
+                    "max_calls": 2,
+                    "batch_slowdown": 0.5,
+                }
+            ],
+        },
+        "now": 0.0,
+        "trajectories": [{"id": "t"}],
+        "queue": [
+            {"id": f"x{i}", "trajectory": "t", "action": call, "submitted_s": 0.0} for i in range(3)
+        ],
+    }
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    assert main(["explain", str(path), "--json"]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    started = {a["action"]: a["sharing"] for a in decision["assignments"]}
+    assert started == {"x0": 0, "x1": 1}
+    assert [w["action"] for w in decision["waiting"]] == ["x2"]
+    assert main(["explain", str(path)]) == 0
+    assert "x1: 1 units on g GPUs ['g', 0, 1] (joins an instance running 1 calls)" in (
+        capsys.readouterr().out
+    )

@@ -534,6 +534,29 @@ class ServiceProfile(Spec):
     ] = None
 
 
+class CallBatching(Spec):
+    """Calls one resident instance serves at once, as an inference server batches them."""
+
+    max_calls: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1024,
+            description="calls an instance runs at once; a call joins a running instance "
+            "with room instead of taking GPUs of its own when that is faster for it",
+        ),
+    ] = 1
+    slowdown: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=100,
+            description="a call that joins an instance running n calls takes "
+            "(1 + slowdown x n) times as long as alone",
+        ),
+    ] = 0.0
+
+
 class RewardServiceSpec(Spec):
     """A reward or teacher model served from the pool's GPUs, restored on demand."""
 
@@ -569,6 +592,13 @@ class RewardServiceSpec(Spec):
             description="inputs scored in one forward pass; a call with more is split",
         ),
     ] = 16
+    batching: Annotated[
+        CallBatching | None,
+        Field(
+            description="concurrent calls sharing a resident instance; unset = a call has "
+            "its instance to itself"
+        ),
+    ] = None
     parallelism: Annotated[
         Literal["replicate", "shard"],
         Field(
@@ -732,6 +762,7 @@ __all__ = [
     "ActionProfile",
     "Admission",
     "ApiQuota",
+    "CallBatching",
     "CpuPool",
     "GpuPool",
     "InputSizeRange",

@@ -104,7 +104,17 @@ def decide(state: State) -> tuple[Scheduler, Round]:
         sched.adopt(r.id, r.trajectory, r.action, units=r.units, started_at=r.started_s)
     for q in state.queue:
         sched.submit(q.id, q.trajectory, q.action, q.submitted_s)
-    return sched, sched.schedule(state.now)
+    result = sched.schedule(state.now)
+    while result.again:  # queued calls join an instance it opened, in a round at once
+        more = sched.schedule(state.now)
+        result = Round(
+            assignments=result.assignments + more.assignments,
+            wake_at=more.wake_at,
+            groups=result.groups + more.groups,
+            blocked=more.blocked,
+            again=more.again,
+        )
+    return sched, result
 
 
 def as_dict(result: Round) -> dict[str, Any]:
@@ -118,6 +128,7 @@ def as_dict(result: Round) -> dict[str, Any]:
                 "cores": list(a.cores),
                 "gpus": None if a.chunk is None else [a.chunk.node, a.chunk.start, a.chunk.size],
                 "restore": a.restore,
+                "sharing": a.sharing,
                 "evicted": list(a.evicted),
                 "quotas": dict(a.quotas),
                 "expected_s": a.expected_s,
@@ -205,6 +216,8 @@ def _print(report: dict[str, Any]) -> None:
     for a in report["assignments"]:
         where = f"cores {a['cores']}" if a["cores"] else (f"GPUs {a['gpus']}" if a["gpus"] else "")
         extra = " (restore)" if a["restore"] else ""
+        if a["sharing"]:
+            extra += f" (joins an instance running {a['sharing']} calls)"
         c.print(
             f"  {a['action']}: {a['units']} units on {a['node']} {where}{extra}, "
             f"expected {a['expected_s']:.2f} s"

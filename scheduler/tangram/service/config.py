@@ -39,6 +39,8 @@ class ServiceConfig:
     # Measured call durations: (dop, seconds, (min, max) input size or None for any size).
     profiles: tuple[tuple[int, float, tuple[int, int] | None], ...] = ()
     restore_s: float | None = None  # declared; None: model bytes over measured bandwidth
+    max_calls: int = 1  # calls a resident instance serves at once
+    batch_slowdown: float = 0.0  # a call joining n running calls takes (1 + this·n)× as long
 
     def durations(self, input_size: int | None) -> dict[int, float]:
         """Expected call duration per profiled DoP for a call of ``input_size``: the

@@ -176,4 +176,6 @@ def service_config(svc: RewardService) -> ServiceConfig:
             for p in s.profiles
         ),
         restore_s=s.restore_seconds,
+        max_calls=s.batching.max_calls if s.batching is not None else 1,
+        batch_slowdown=s.batching.slowdown if s.batching is not None else 0.0,
     )

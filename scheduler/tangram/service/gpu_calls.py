@@ -128,6 +128,8 @@ class GpuCalls:
             dop_choices=list(cfg.dop_choices),
             restore_s=restore,
             replicated=cfg.spec.replicated,
+            max_calls=cfg.max_calls,
+            batch_slowdown=cfg.batch_slowdown,
             # What the workers load: any change to it makes them reload the service.
             revision=hashlib.sha256(json_bytes(cfg.spec)).hexdigest()[:16],
         )
