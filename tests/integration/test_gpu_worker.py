@@ -275,3 +275,50 @@ def test_bench_gpu_prints_the_design_shape() -> None:
     report = json.loads(done.stdout)
     assert {"device", "h2d_gbps", "restore_gbps", "restore_fraction"} <= set(report)
     assert report["bytes"] == 32 * 2**20 and report["restore_gbps"] > 0
+
+
+def test_calls_of_one_instance_run_together_and_another_instance_waits(tmp_path: Path) -> None:
+    """Calls on a resident instance share it (the scheduler's batching); a call of another
+    service on the same GPU waits until the last of them has ended."""
+    w = _worker(devices=1)
+    for name in ("a", "b"):
+        w.load(_spec(tmp_path, name))
+    w.call("a", [0], INPUTS[:1])  # resident
+    score, gate, started = w.services["a"].score, threading.Event(), threading.Event()
+    passes: list[int] = []
+
+    def gated(module: Any, batch: list[object]) -> list[object]:
+        if not passes:
+            started.set()
+            gate.wait(30)
+        passes.append(len(batch))
+        return score(module, batch)
+
+    w.services["a"].score = gated
+    done: dict[str, Any] = {}
+
+    def call(label: str, service: str, inputs: list[Any]) -> None:
+        done[label] = w.call(service, [0], inputs)
+
+    threads = {
+        "first": threading.Thread(target=call, args=("first", "a", INPUTS[:2]), daemon=True),
+        "joiner": threading.Thread(target=call, args=("joiner", "a", INPUTS[2:5]), daemon=True),
+        "other": threading.Thread(target=call, args=("other", "b", INPUTS[:1]), daemon=True),
+    }
+    try:
+        threads["first"].start()
+        assert started.wait(30)
+        threads["joiner"].start()
+        until(lambda: len(w._passes[("a", (0,))][0]._queue) == 1, "the joiner never queued")
+        threads["other"].start()
+        threads["other"].join(0.3)
+        assert threads["other"].is_alive() and w._running == {0: ("a", (0,))}
+    finally:
+        gate.set()
+        for t in threads.values():
+            t.join(30)
+    assert passes == [2, 3]  # the joiner's inputs went in one pass of their own
+    alone, _ = w.call("a", [0], INPUTS[:5])
+    assert done["first"][0] + done["joiner"][0] == pytest.approx(alone, rel=1e-5)
+    assert done["joiner"][1].hit and done["joiner"][1].restore_s == 0
+    assert done["other"][1].evicted == [] and not w._running

@@ -61,16 +61,23 @@ USER, OPERATOR, AGENT = "u" * 24, "o" * 24, "g" * 24
 
 @contextmanager
 def _serving(
-    tmp: Path, services: list[ServiceConfig], devices: int = 1, mib: int = 10, gpus: str = "cpu"
+    tmp: Path,
+    services: list[ServiceConfig],
+    devices: int = 1,
+    mib: int = 10,
+    gpus: str = "cpu",
+    agents: list[NodeAgent] | None = None,
 ) -> Iterator[tuple[Running, Client]]:
     """``gpus``: ``cpu`` (``devices`` CPU-backed devices), or a ``--gpus`` value for CUDA
-    (``auto``: every device; ``cuda:0``: that one)."""
+    (``auto``: every device; ``cuda:0``: that one). ``agents``: the agent is added to it."""
     agent = NodeAgent.create(
         tmp / "agent",
         runtime="noop",  # no exec actions here: no cgroups, so no root needed
         cores_for_actions=1,
         gpus=GpuOptions.parse(f"cpu:{devices}" if gpus == "cpu" else gpus, mib),
     )
+    if agents is not None:
+        agents.append(agent)
     config = PoolConfig(services={s.spec.name: s for s in services})
     tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT, AGENT: AGENT_TENANT})
     with (
@@ -181,6 +188,52 @@ def test_a_timed_out_call_keeps_its_gpu_until_it_ends(tmp_path: Path) -> None:
         assert second_started >= first_ended  # never both on device 0
     finally:
         tiny_reward.SLOW_GATE.set()
+
+
+def test_concurrent_calls_share_a_resident_instance_and_its_forward_passes(
+    tmp_path: Path,
+) -> None:
+    """With ``batching.maxCalls``, calls that arrive while one runs join its instance: the
+    scheduler puts them on its GPU, and the worker scores their inputs together in the
+    next forward pass, while the first call's pass still holds the device."""
+    slow = _service(tmp_path, "judge", 4, max_calls=4, batch_slowdown=0.1)
+    slow = replace(slow, spec=slow.spec.model_copy(update={"entrypoint": SLOW_ENTRY}))
+    tiny_reward.SLOW_GATE.clear()
+    tiny_reward.SLOW_SPANS.clear()
+    agents: list[NodeAgent] = []
+    try:
+        with _serving(tmp_path, [slow], agents=agents) as (running, client):
+            (agent,) = agents
+            assert agent.gpu is not None
+            worker = agent.gpu.backend
+            results: list[ActionResult] = []
+
+            async def burst() -> None:
+                async with AsyncClient(running.url, USER) as c:
+                    calls = [c.score("judge", INPUTS[i : i + 1]) for i in range(4)]
+                    results.extend(await asyncio.gather(*calls))
+
+            caller = threading.Thread(target=lambda: asyncio.run(burst()), daemon=True)
+            caller.start()
+
+            def queued() -> int:
+                passes = getattr(worker, "_passes", {}).get(("judge", (0,)))
+                return len(passes[0]._queue) if passes else 0
+
+            # The first call's pass waits at the gate; the three others queue behind it.
+            until(lambda: queued() == 3, "the other calls never joined the instance")
+            tiny_reward.SLOW_GATE.set()
+            caller.join(30)
+            metrics = httpx_get(client, "/metrics")
+    finally:
+        tiny_reward.SLOW_GATE.set()
+    assert len(results) == 4 and all(r.status is ActionStatus.OK for r in results), results
+    assert all(r.allocation.gpus == [0] for r in results)
+    expected = _expected(0)
+    assert sorted(r.output[0] for r in results) == pytest.approx(sorted(expected[:4]), rel=1e-5)
+    assert len(tiny_reward.SLOW_SPANS) == 2  # one pass for the first, one for the three
+    joined = 'tangram_service_calls_joined_total{pool="default",service="judge"} 3.0'
+    assert joined in metrics
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,10 @@ is a file written by ``torch.save(state_dict)``.
   host copy (``non_blocking``), ``load_state_dict(assign=True)`` (no second allocation).
   A DoP-k instance splits each batch over its k replicas.
 - **Evict**: drop the device copies; nothing is written back (the host copy is the master).
+- **Batch**: calls the scheduler runs on one resident instance at once (a RewardService's
+  ``batching.maxCalls``) share its forward passes
+  (:class:`~tangram.node_agent.gpu_batching.SharedPasses`); a call never shares GPUs with
+  a call of another instance.
 - Which instance to evict, and when a service can never fit, is decided by the pure
   :class:`~tangram.node_agent.gpu_residency.Residency`.
 
@@ -40,8 +44,10 @@ from typing import Any, TypeVar
 import torch
 
 from tangram.api.wire import ServiceDef
+from tangram.node_agent.gpu_batching import SharedPasses
 from tangram.node_agent.gpu_residency import (
     InstanceKey,
+    Plan,
     Residency,
     instance_key,
     name,
@@ -150,7 +156,8 @@ def resolve(entrypoint: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
 
 class GpuWorker:
     """Serves calls on the devices it owns; thread-safe (calls on disjoint chunks run at
-    once, the scheduler never gives one device to two calls)."""
+    once, as do calls on one resident instance; the scheduler never gives one device to
+    two instances)."""
 
     def __init__(
         self,
@@ -172,7 +179,10 @@ class GpuWorker:
         self.instances: dict[InstanceKey, list[torch.nn.Module]] = {}
         self.loads = 0  # reads of weights from storage: one per service, ever
         self.hits = self.restores = self.evictions = 0
-        self._running: set[int] = set()  # devices with a call on them
+        self._running: dict[int, InstanceKey] = {}  # device -> the instance running there
+        self._calls: dict[InstanceKey, int] = {}  # instance -> its calls, restoring or running
+        self._passes: dict[InstanceKey, list[SharedPasses]] = {}  # per replica, once resident
+        self._built: dict[InstanceKey, _Service] = {}  # the service an instance was built of
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpu-replica")
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # notified when calls leave devices
@@ -279,27 +289,33 @@ class GpuWorker:
         key: InstanceKey = instance_key(service_name, chunk)
         chunk = key[1]
         with self._lock:
-            # The scheduler gives a device to one call at a time, but a call from before
-            # its link dropped (the agent reconnected, or the scheduler restarted) may still
-            # run: this one waits for it, rather than share the GPU or fail.
-            self._freed.wait_for(lambda: not self._running.intersection(chunk))
+            # A call shares its GPUs only with calls of its own instance once it is resident
+            # (the scheduler's batching). Anything else there (a restore, or a call from
+            # before the link dropped, when the agent reconnected or the scheduler restarted)
+            # it waits for, rather than share the GPUs or fail.
+            self._freed.wait_for(lambda: self._may_run(key))
             service = self.services.get(service_name)  # as it is now, after any wait
             if service is None:
                 raise ServiceError(
                     f"unknown service {service_name!r} (loaded: {sorted(self.services)})"
                 )
-            plan = self.residency.plan(key, service.bytes_per_device)
+            if self._calls.get(key):  # it joins the calls running on the instance
+                plan = Plan(hit=True)
+            else:
+                plan = self.residency.plan(key, service.bytes_per_device)
             stats = CallStats(hit=plan.hit)
             t0 = self.clock()
             for victim in plan.evict:
                 self._evict(victim)
                 stats.evicted.append(name(victim))
             stats.evict_s = self.clock() - t0
-            self._running.update(chunk)  # ours alone from here: no other call plans on them
+            # Ours from here (with any calls that join): no other instance plans on them.
+            self._calls[key] = self._calls.get(key, 0) + 1
+            self._running.update(dict.fromkeys(chunk, key))
             if plan.hit:
                 self.hits += 1
                 self.residency.acquire(key)
-                replicas = self.instances[key]
+                replicas, passes = self.instances[key], self._passes[key]
         acquired = plan.hit
         try:
             if not plan.hit:  # outside the lock: calls on other chunks go on meanwhile
@@ -308,24 +324,45 @@ class GpuWorker:
                 self._synchronize(chunk)
                 stats.restore_s = self.clock() - t0
                 stats.restored_bytes = service.nbytes * len(chunk)
+                passes = [SharedPasses(service.spec.max_batch) for _ in chunk]
                 with self._lock:
-                    self.instances[key] = replicas
+                    self.instances[key], self._passes[key] = replicas, passes
+                    self._built[key] = service
                     self.residency.admit(key, service.bytes_per_device)
                     self.residency.acquire(key)
                     acquired = True
                     self.restores += 1
+                    self._freed.notify_all()  # calls waiting to join it may now
             t0 = self.clock()
-            outputs = self._run(service, replicas, chunk, inputs)
+            outputs = self._run(service, replicas, passes, chunk, inputs)
             stats.exec_s = self.clock() - t0
         finally:
             with self._lock:
                 if acquired:
                     self.residency.release(key)
-                    if self.services.get(service_name) is not service:
-                        self._evict(key)  # its service was edited or removed meanwhile
-                self._running.difference_update(chunk)
+                last = self._calls[key] == 1
+                if acquired and last and self.services.get(service_name) is not service:
+                    self._evict(key)  # its service was edited or removed meanwhile
+                if last:
+                    del self._calls[key]
+                    for d in chunk:
+                        del self._running[d]
+                else:
+                    self._calls[key] -= 1
                 self._freed.notify_all()
         return outputs, stats
+
+    def _may_run(self, key: InstanceKey) -> bool:
+        """Whether a call of ``key`` may start now (called holding the lock): its GPUs are
+        free, or they run ``key`` itself, resident and built of the service as it is now."""
+        there = {self._running.get(d) for d in key[1]}
+        if there == {None}:
+            return True
+        return (
+            there == {key}
+            and key in self._passes
+            and self._built.get(key) is self.services.get(key[0])
+        )
 
     def _parallel(self, jobs: list[Callable[[], T]]) -> list[T]:
         """Run one job per device at once (a DoP-k call drives its k GPUs together)."""
@@ -360,6 +397,8 @@ class GpuWorker:
     def _evict(self, key: InstanceKey) -> None:
         self.residency.evict(key)
         self.instances.pop(key, None)  # the device tensors go with their last reference
+        self._passes.pop(key, None)
+        self._built.pop(key, None)
         self.evictions += 1
         # The freed blocks stay in PyTorch's cache, where the restore that made room for
         # itself takes them; only evict_all hands memory back (empty_cache waits for the
@@ -374,29 +413,31 @@ class GpuWorker:
         self,
         service: _Service,
         replicas: list[torch.nn.Module],
+        passes: list[SharedPasses],
         chunk: Sequence[int],
         inputs: list[Any],
     ) -> list[Any]:
         score = service.score
         k = len(replicas)
         share = -(-len(inputs) // k) if inputs else 0  # ceil: the batch over the replicas
-        step = service.spec.max_batch  # forward passes of at most maxBatch inputs
 
         def replica_run(r: int) -> list[Any]:
             part = inputs[r * share : (r + 1) * share]
-            out: list[Any] = []
-            # Per thread: the inference mode and the current device are thread-local.
-            with torch.inference_mode(), self._current(chunk[r]):
-                for i in range(0, len(part), step):
-                    batch = part[i : i + step]
+
+            def forward(batch: list[Any]) -> list[Any]:
+                # Per thread: the inference mode and the current device are thread-local,
+                # and the pass may run in the thread of another call on this replica.
+                with torch.inference_mode(), self._current(chunk[r]):
                     got = score(replicas[r], batch)
-                    if len(got) != len(batch):
-                        raise ServiceError(
-                            f"{service.spec.name}: score returned {len(got)} outputs for "
-                            f"{len(batch)} inputs"
-                        )
-                    out.extend(got)
-            return out
+                if len(got) != len(batch):
+                    raise ServiceError(
+                        f"{service.spec.name}: score returned {len(got)} outputs for "
+                        f"{len(batch)} inputs"
+                    )
+                return got
+
+            # Forward passes of at most maxBatch inputs, shared with concurrent calls.
+            return passes[r].run(part, forward)
 
         parts = self._parallel([partial(replica_run, r) for r in range(k)])
         self._synchronize(chunk)

@@ -176,6 +176,8 @@ class GpuCalls:
         req = rec.request
         gpus = self.outcomes.devices(asg)
         service = s.core.running[rec.id].action.service or ""
+        if asg.sharing:
+            s.metrics.joined_calls.labels(s.metrics.pool, service).inc()
         t0 = s.clock()
         status, reply, error = ActionStatus.ERROR, None, None
         # The call's thread cannot be stopped once it runs: its chunk stays held until the

@@ -81,6 +81,12 @@ class Metrics:
             ("pool", "service", "resident"),
             registry=self.registry,
         )
+        self.joined_calls = Counter(
+            "tangram_service_calls_joined",
+            "RewardService calls started on an instance already running calls (batched)",
+            ("pool", "service"),
+            registry=self.registry,
+        )
         self.restored_bytes = Counter(
             "tangram_service_restored_bytes",
             "Bytes of models restored into GPU memory",
