@@ -66,6 +66,7 @@ def _serving(
     devices: int = 1,
     mib: int = 10,
     gpus: str = "cpu",
+    *,
     agents: list[NodeAgent] | None = None,
 ) -> Iterator[tuple[Running, Client]]:
     """``gpus``: ``cpu`` (``devices`` CPU-backed devices), or a ``--gpus`` value for CUDA
