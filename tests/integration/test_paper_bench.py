@@ -29,7 +29,12 @@ def test_quick_paper_bench_writes_figures(
         }
         # Pooling beats a pod per trajectory (single-process commands) on this workload.
         assert row["elastic"]["avg_act_s"] < row["k8s-static"]["avg_act_s"]
-    assert set(report["mopd"]) == {"elastic", "static-gpu", "static-gpu-batch-1"}
+    assert set(report["mopd"]) == {
+        "elastic",
+        "elastic-unbatched",
+        "static-gpu",
+        "static-gpu-batch-1",
+    }
     savings = report["gpu_savings"]
     assert savings["metric"] == "avg_act_service_s"
     assert set(savings["pooled"]) == {"4", "8", "40"}
