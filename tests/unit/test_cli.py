@@ -197,6 +197,30 @@ def test_coding_seeds_replays_every_batch_and_seed_and_reports_the_spread(
     assert code == 2 and "--out" in err and "JSON" in err
 
 
+def test_bench_gpu_seeds_reports_each_seed_and_the_fewest_gpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "gpu.json"
+    code, table, _ = _run(
+        capsys, "bench", "gpu-seeds", "--batches", "16", "--seeds", "0,1",
+        "--mixed-batch", "16", "--jobs", "2", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    for v in report["mopd"]["16"].values():
+        act, gpu = v["service_act_s"], v["gpu_s"]
+        assert set(act) == {"elastic", "elastic-unbatched", "static-gpu"}
+        assert v["act_vs_static"] == pytest.approx(act["elastic"] / act["static-gpu"], abs=1e-4)
+        assert v["gpu_s_vs_static"] == pytest.approx(gpu["elastic"] / gpu["static-gpu"], abs=1e-3)
+    assert report["mixed"]["batch"] == 16 and list(report["mixed"]["seeds"]) == ["0", "1"]
+    for v in report["mixed"]["seeds"].values():
+        fewest = v["fewest_gpus_matching_static"]
+        matching = [int(g) for g, s in v["pooled_s"].items() if s <= v["static_40_s"]]
+        assert fewest == (min(matching) if matching else None)
+    assert table == out.with_suffix(".md").read_text()
+    assert report["command"].endswith("--mixed-batch 16 --out " + str(out))
+
+
 def test_the_readme_explain_example_shows_an_eviction(capsys: pytest.CaptureFixture[str]) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "explain" / "waiting.json"
     code, out, _ = _run(capsys, "explain", str(example), "--json")

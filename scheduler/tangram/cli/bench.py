@@ -33,6 +33,8 @@ def register(sub: Any) -> None:
             "`tangram bench paper` runs the paper-scale sweeps recorded in docs/benchmarks.md; "
             "`tangram bench coding-seeds` replays the coding scenario over batches and several "
             "trace seeds, elastic against fixed DoP, and reports the spread; "
+            "`tangram bench gpu-seeds` does the same for pooled GPUs against static "
+            "deployments (MOPD, and the GPUs the 10-service mix needs); "
             "`tangram bench exec` measures per-action overhead of the fast and portable "
             "allocate-on-execution paths and open latency (needs a Docker Engine); "
             "`tangram bench gpu` compares restore bandwidth with the host-to-device copy "
@@ -51,6 +53,7 @@ def register(sub: Any) -> None:
             "scheduler",
             "paper",
             "coding-seeds",
+            "gpu-seeds",
             "exec",
             "service",
             "gpu",
@@ -72,10 +75,21 @@ def register(sub: Any) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not draw the ACT plot")
     p.add_argument("--out", help="output file (scheduler) or directory (paper)")
     p.add_argument("--quick", action="store_true", help="paper: smaller sweeps for a smoke run")
-    p.add_argument("--batches", help="coding-seeds: comma-separated batch sizes")
-    p.add_argument("--seeds", help="coding-seeds: comma-separated trace seeds (default 0,1,2)")
+    p.add_argument("--batches", help="coding-seeds, gpu-seeds: comma-separated batch sizes")
     p.add_argument(
-        "--jobs", type=whole_number(1), default=None, help="coding-seeds: parallel replays"
+        "--seeds", help="coding-seeds, gpu-seeds: comma-separated trace seeds (default 0,1,2)"
+    )
+    p.add_argument(
+        "--mixed-batch",
+        type=whole_number(1),
+        default=1024,
+        help="gpu-seeds: batch of the 10-service mix",
+    )
+    p.add_argument(
+        "--jobs",
+        type=whole_number(1),
+        default=None,
+        help="coding-seeds, gpu-seeds: parallel replays",
     )
     p.add_argument(
         "--actions", type=whole_number(1), default=500, help="exec: timed actions per path"
@@ -177,6 +191,7 @@ _REPORTS = {
     "service": ("tangram.cli.bench_service", "run_service_bench"),
     "tenants": ("tangram.cli.bench_tenants", "run_tenants_bench"),
     "coding-seeds": ("tangram.cli.bench_seeds", "run_seeds_bench"),
+    "gpu-seeds": ("tangram.cli.bench_gpu_seeds", "run_gpu_seeds_bench"),
     "gpu-pool": ("tangram.cli.bench_gpu_pool", "run_gpu_pool_bench"),
     "exec": ("tangram.cli.bench_exec", "run_exec_bench"),
     "files": ("tangram.cli.bench_files", "run_files_bench"),
@@ -319,6 +334,11 @@ def _table(report: dict[str, Any]) -> None:
         from tangram.cli.bench_seeds import render
 
         print(render(report), end="")
+        return
+    if "mixed" in report:  # bench gpu-seeds: likewise
+        from tangram.cli.bench_gpu_seeds import render as render_gpu
+
+        print(render_gpu(report), end="")
         return
     if "restore_fraction" in report:
         t = Table(title=f"restore bandwidth on {report['device']}")

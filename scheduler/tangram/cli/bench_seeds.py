@@ -39,7 +39,7 @@ def _replay(batch: int, seed: int, policy: str) -> dict[str, float]:
     return {k: float(summary[k]) for k in KEPT}
 
 
-def _numbers(text: str | None, default: tuple[int, ...], name: str) -> tuple[int, ...]:
+def numbers(text: str | None, default: tuple[int, ...], name: str) -> tuple[int, ...]:
     if not text:
         return default
     try:
@@ -56,8 +56,8 @@ def _numbers(text: str | None, default: tuple[int, ...], name: str) -> tuple[int
 def run_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.out and Path(args.out).suffix == ".md":
         raise InputError("--out: the JSON report's path; its table is written beside it as .md")
-    batches = _numbers(args.batches, BATCHES, "batches")
-    seeds = _numbers(args.seeds, SEEDS, "seeds")
+    batches = numbers(args.batches, BATCHES, "batches")
+    seeds = numbers(args.seeds, SEEDS, "seeds")
     jobs = [(b, s, p) for b in batches for s in seeds for p in POLICIES]
     workers = args.jobs or os.cpu_count() or 1
     started = time.perf_counter()

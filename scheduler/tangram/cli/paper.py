@@ -30,7 +30,7 @@ CODING_POLICIES = (
 )
 
 
-def _with_gpus(cluster: ClusterSpec, gpus: int) -> ClusterSpec:
+def with_gpus(cluster: ClusterSpec, gpus: int) -> ClusterSpec:
     """Replace the GPU nodes by ``gpus`` GPUs: 8-GPU nodes plus one smaller power-of-two node."""
     base = next(n for n in cluster.nodes if n.gpus)
     nodes = [n for n in cluster.nodes if not n.gpus]
@@ -111,7 +111,7 @@ def gpu_savings(out: Path, batch: int, gpu_counts: Sequence[int], seed: int) -> 
     static = replay_all(trace, full, ["static-gpu"], seed=seed)["static-gpu"].summary()
     pooled: dict[int, dict[str, float]] = {}
     for g in gpu_counts:
-        pooled[g] = replay_all(trace, _with_gpus(full, g), ["elastic"], seed=seed)[
+        pooled[g] = replay_all(trace, with_gpus(full, g), ["elastic"], seed=seed)[
             "elastic"
         ].summary()
         note(

@@ -1,0 +1,169 @@
+"""``tangram bench gpu-seeds``: pooled GPUs against static deployments over trace seeds.
+
+Two questions, each over several generated traces so that one lucky seed proves nothing:
+
+- MOPD (9 teachers, 40 GPUs): the pooled calls' average ACT and GPU-seconds against
+  static TP-4 deployments, both batching up to ``max_calls`` calls an instance, and the
+  pooled side without batching (``elastic-unbatched``).
+- MOPD + DeepSearch (10 services): the fewest pooled GPUs whose average service-call ACT
+  is no worse than static deployments on all 40.
+
+Replays are independent and deterministic; they run in parallel processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from tangram.cli.bench_seeds import numbers
+from tangram.cli.files import InputError
+from tangram.cli.paper import with_gpus
+from tangram.cli.progress import note
+from tangram.sim.policies import simulate
+from tangram.sim.tracegen import generate, scenario_cluster
+
+MOPD_POLICIES = ("elastic", "elastic-unbatched", "static-gpu")
+BATCHES = (1024, 2048)
+SEEDS = (0, 1, 2)
+MIXED_GPUS = (2, 3, 4, 5, 6, 8)
+STATIC_GPUS = 40
+METRIC = "avg_act_service_s"
+
+Job = tuple[str, int, int, str, int | None]  # scenario, batch, seed, policy, pooled GPUs
+
+
+def _replay(job: Job) -> dict[str, float]:
+    scenario, batch, seed, policy, gpus = job
+    cluster = scenario_cluster(scenario)
+    if gpus is not None:
+        cluster = with_gpus(cluster, gpus)
+    summary = simulate(generate(scenario, batch, seed), cluster, policy, seed=seed).summary()
+    return {METRIC: float(summary[METRIC]), "gpu_s": float(summary["unit_seconds_service"])}
+
+
+def run_gpu_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.out and Path(args.out).suffix == ".md":
+        raise InputError("--out: the JSON report's path; its table is written beside it as .md")
+    batches = numbers(args.batches, BATCHES, "batches")
+    seeds = numbers(args.seeds, SEEDS, "seeds")
+    jobs: list[Job] = [
+        ("mopd", b, s, p, None) for b in batches for s in seeds for p in MOPD_POLICIES
+    ]
+    mixed_batch = args.mixed_batch
+    jobs += [("mixed", mixed_batch, s, "static-gpu", None) for s in seeds]
+    jobs += [("mixed", mixed_batch, s, "elastic", g) for s in seeds for g in MIXED_GPUS]
+    started = time.perf_counter()
+    got: dict[Job, dict[str, float]] = {}
+    with ProcessPoolExecutor(args.jobs or os.cpu_count() or 1) as pool:
+        futures = {pool.submit(_replay, job): job for job in jobs}
+        for done, future in enumerate(as_completed(futures), 1):
+            job = futures[future]
+            got[job] = future.result()
+            where = f" on {job[4]} GPUs" if job[4] is not None else ""
+            note(
+                f"[{done}/{len(jobs)}] {job[0]} batch {job[1]} seed {job[2]} {job[3]}{where}: "
+                f"service ACT {got[job][METRIC]:.3f} s"
+            )
+    mopd = {
+        str(b): {
+            str(s): _mopd_row({p: got[("mopd", b, s, p, None)] for p in MOPD_POLICIES})
+            for s in seeds
+        }
+        for b in batches
+    }
+    mixed = {str(s): _mixed_row(mixed_batch, s, got) for s in seeds}
+    report: dict[str, Any] = {
+        "command": _command(args),
+        "machine": f"{platform.machine()} {platform.node()}, {os.cpu_count()} CPUs",
+        "python": platform.python_version(),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "mopd": mopd,
+        "mixed": {"batch": mixed_batch, "seeds": mixed},
+    }
+    if args.out:
+        table = Path(args.out).with_suffix(".md")
+        try:
+            table.parent.mkdir(parents=True, exist_ok=True)
+            table.write_text(render(report), encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"--out: cannot write {table}: {e.strerror}") from None
+    return report
+
+
+def _mopd_row(row: dict[str, dict[str, float]]) -> dict[str, Any]:
+    static = row["static-gpu"]
+    return {
+        "service_act_s": {p: round(r[METRIC], 4) for p, r in row.items()},
+        "gpu_s": {p: round(r["gpu_s"], 1) for p, r in row.items()},
+        "act_vs_static": round(row["elastic"][METRIC] / static[METRIC], 4),
+        "gpu_s_vs_static": round(row["elastic"]["gpu_s"] / static["gpu_s"], 4),
+    }
+
+
+def _mixed_row(batch: int, seed: int, got: dict[Job, dict[str, float]]) -> dict[str, Any]:
+    static = got[("mixed", batch, seed, "static-gpu", None)][METRIC]
+    pooled = {g: got[("mixed", batch, seed, "elastic", g)][METRIC] for g in MIXED_GPUS}
+    enough = [g for g in MIXED_GPUS if pooled[g] <= static]
+    return {
+        "static_40_s": round(static, 3),
+        "pooled_s": {str(g): round(v, 3) for g, v in pooled.items()},
+        "fewest_gpus_matching_static": enough[0] if enough else None,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as Markdown tables, as recorded in docs/benchmarks.md."""
+    lines = [
+        f"`{report['command']}` on {report['machine']}, Python {report['python']}, "
+        f"{report['wall_s']:.0f} s.",
+        "",
+        "MOPD, 40 GPUs: avg service-call ACT (s) and GPU-seconds; ratios = elastic / static-gpu "
+        "(targets: ACT ≤ 1, GPU-seconds ≤ 0.5).",
+        "",
+        "| batch | seed | elastic | elastic-unbatched | static-gpu | ACT ratio | "
+        "elastic GPU-s | static GPU-s | GPU-s ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for batch, by_seed in report["mopd"].items():
+        for seed, v in by_seed.items():
+            act, gpu = v["service_act_s"], v["gpu_s"]
+            lines.append(
+                f"| {batch} | {seed} | {act['elastic']:.3f} | {act['elastic-unbatched']:.2f} | "
+                f"{act['static-gpu']:.3f} | **{v['act_vs_static']:.3f}** | "
+                f"{gpu['elastic']:.0f} | {gpu['static-gpu']:.0f} | **{v['gpu_s_vs_static']:.3f}** |"
+            )
+    m = report["mixed"]
+    gpus = list(next(iter(m["seeds"].values()))["pooled_s"])
+    lines += [
+        "",
+        f"MOPD + DeepSearch (10 services), batch {m['batch']}: avg service-call ACT (s) of "
+        f"static-gpu on {STATIC_GPUS} GPUs and pooled on fewer; the fewest matching static "
+        "(target ≤ 30 % of 40, i.e. ≤ 12).",
+        "",
+        "| seed | static on 40 | " + " | ".join(f"pooled on {g}" for g in gpus) + " | fewest |",
+        "|---|---|" + "---|" * len(gpus) + "---|",
+    ]
+    for seed, v in m["seeds"].items():
+        fewest = v["fewest_gpus_matching_static"]
+        cells = " | ".join(f"{v['pooled_s'][g]:.2f}" for g in gpus)
+        share = f"**{fewest}** ({fewest / STATIC_GPUS:.1%})" if fewest else "none"
+        lines.append(f"| {seed} | {v['static_40_s']:.2f} | {cells} | {share} |")
+    return "\n".join(lines) + "\n"
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["tangram bench gpu-seeds"]
+    for flag in ("batches", "seeds"):
+        if getattr(args, flag):
+            parts.append(f"--{flag} {getattr(args, flag)}")
+    if args.mixed_batch != 1024:
+        parts.append(f"--mixed-batch {args.mixed_batch}")
+    if args.out:
+        parts.append(f"--out {args.out}")
+    return " ".join(parts)
