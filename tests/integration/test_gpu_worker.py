@@ -322,3 +322,38 @@ def test_calls_of_one_instance_run_together_and_another_instance_waits(tmp_path:
     assert done["first"][0] + done["joiner"][0] == pytest.approx(alone, rel=1e-5)
     assert done["joiner"][1].hit and done["joiner"][1].restore_s == 0
     assert done["other"][1].evicted == [] and not w._running
+
+
+def test_a_call_that_joins_during_the_restore_waits_for_it(tmp_path: Path) -> None:
+    """The scheduler lets a call join an instance whose first call is still restoring it:
+    the worker runs it once the instance is resident, without a second restore."""
+    w = _worker(devices=2)
+    w.load(_spec(tmp_path, "a"))
+    restore, gate, restoring = w._restore, threading.Event(), threading.Event()
+
+    def gated(service: Any, index: int) -> Any:
+        restoring.set()
+        gate.wait(30)
+        return restore(service, index)
+
+    w._restore = gated  # type: ignore[method-assign]
+    done: dict[str, Any] = {}
+
+    def call(label: str, inputs: list[Any]) -> None:
+        done[label] = w.call("a", [0, 1], inputs)
+
+    first = threading.Thread(target=call, args=("first", INPUTS[:2]), daemon=True)
+    joiner = threading.Thread(target=call, args=("joiner", INPUTS[2:]), daemon=True)
+    try:
+        first.start()
+        assert restoring.wait(30)
+        joiner.start()
+        joiner.join(0.3)
+        assert joiner.is_alive() and "joiner" not in done  # waiting: nothing to run on yet
+    finally:
+        gate.set()
+        first.join(30)
+        joiner.join(30)
+    assert w.restores == 1 and done["joiner"][1].hit and done["joiner"][1].restore_s == 0
+    alone, _ = w.call("a", [0, 1], INPUTS)
+    assert done["first"][0] + done["joiner"][0] == pytest.approx(alone, rel=1e-5)

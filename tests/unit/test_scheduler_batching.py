@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tangram.api.action import ActionSpec
 from tangram.api.cluster import ServiceSpec
 from tangram.scheduler import Scheduler
 from tangram.scheduler.core.gpu_pool import Chunk
@@ -50,7 +51,8 @@ def test_calls_join_a_running_instance_up_to_max_calls_and_the_rest_wait() -> No
     gpu0 = Chunk("g", 0, 1)
     assert got == {"x0": (gpu0, 0, True), "x1": (gpu0, 1, False), "x2": (gpu0, 2, False)}
     expected = {a.action_id: a.expected_s for a in first.assignments + r.assignments}
-    assert expected == pytest.approx({"x0": 3.0, "x1": 1.1, "x2": 1.2})
+    # The joiners wait for the 2 s restore, then run slowed by the calls before them.
+    assert expected == pytest.approx({"x0": 3.0, "x1": 2.0 + 1.1, "x2": 2.0 + 1.2})
     assert "x3" in dict(r.blocked) and s.queued == 2
     # One call ends: one waiting call takes its place, with two calls already in flight.
     s.complete("x1", 1.1)
@@ -70,8 +72,10 @@ def test_a_call_takes_a_warm_chunk_of_its_own_but_joins_rather_than_restore() ->
     cold.schedule(0.0)
     cold.submit("x1", "t", service_call("a"), 0.5)
     (asg,) = cold.schedule(0.5).assignments
-    # GPU 1 is free but cold: 1 s + a 2 s restore there, against 1.1 s on GPU 0.
+    # GPU 1 is free but cold: 1 s + a 2 s restore there, against the 1.5 s left of the
+    # restore on GPU 0 and 1.1 s there.
     assert (asg.chunk, asg.sharing, asg.restore) == (Chunk("g", 0, 1), 1, False)
+    assert asg.expected_s == pytest.approx(1.5 + 1.1)
 
     warm = batching(gpus=2, restore_s=0.0)
     warm.submit("x0", "t", service_call("a"), 0.0)
@@ -192,3 +196,18 @@ def test_explain_shows_calls_joining_an_instance(
     assert "x1: 1 units on g GPUs ['g', 0, 1] (joins an instance running 1 calls)" in (
         capsys.readouterr().out
     )
+
+
+def test_a_joined_call_is_not_learned_from() -> None:
+    """Its time holds the batch's slowdown and the wait for the restore, not the call."""
+    s = batching(restore_s=0.0)
+    unprofiled = {"kind": "service", "service": "a"}
+    for i in range(2):
+        s.submit(f"x{i}", "t", ActionSpec.model_validate(unprofiled), 0.0)
+    s.schedule(0.0)
+    (joined,) = s.schedule(0.0).assignments
+    kind = s.running["x0"].action.type
+    s.complete("x1", 3.0)  # slowed by the batch: not what a call of a takes alone
+    assert s.book.learned(kind) is None and joined.sharing == 1
+    s.complete("x0", 4.0)
+    assert s.book.mean_duration(kind) == pytest.approx(4.0)

@@ -36,7 +36,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -183,7 +183,12 @@ class GpuWorker:
         self._calls: dict[InstanceKey, int] = {}  # instance -> its calls, restoring or running
         self._passes: dict[InstanceKey, list[SharedPasses]] = {}  # per replica, once resident
         self._built: dict[InstanceKey, _Service] = {}  # the service an instance was built of
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpu-replica")
+        # Threads for a call's other replicas (its own thread drives the first). Joined
+        # calls wait in their replicas' shared passes, so there is room for several calls
+        # per device; restores have threads of their own, never queued behind those.
+        devices = max(1, len(capacity))
+        self._pool = ThreadPoolExecutor(max_workers=8 * devices, thread_name_prefix="gpu-replica")
+        self._restorer = ThreadPoolExecutor(max_workers=devices, thread_name_prefix="gpu-restore")
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # notified when calls leave devices
 
@@ -320,7 +325,9 @@ class GpuWorker:
         try:
             if not plan.hit:  # outside the lock: calls on other chunks go on meanwhile
                 t0 = self.clock()
-                replicas = self._parallel([partial(self._restore, service, d) for d in chunk])
+                replicas = self._parallel(
+                    [partial(self._restore, service, d) for d in chunk], self._restorer
+                )
                 self._synchronize(chunk)
                 stats.restore_s = self.clock() - t0
                 stats.restored_bytes = service.nbytes * len(chunk)
@@ -364,11 +371,20 @@ class GpuWorker:
             and self._built.get(key) is self.services.get(key[0])
         )
 
-    def _parallel(self, jobs: list[Callable[[], T]]) -> list[T]:
-        """Run one job per device at once (a DoP-k call drives its k GPUs together)."""
+    def _parallel(
+        self, jobs: list[Callable[[], T]], pool: ThreadPoolExecutor | None = None
+    ) -> list[T]:
+        """Run one job per device at once (a DoP-k call drives its k GPUs together): the
+        first in this thread, the others in ``pool``. Returns once every job has ended,
+        raising the first error: a replica still on its GPU must not outlive the call."""
         if len(jobs) == 1:
             return [jobs[0]()]
-        return list(self._pool.map(lambda job: job(), jobs))
+        others = [(pool or self._pool).submit(job) for job in jobs[1:]]
+        try:
+            first = jobs[0]()
+        finally:
+            wait(others)
+        return [first, *(f.result() for f in others)]
 
     def loaded_bytes(self, service: str) -> int:
         return self.services[service].nbytes

@@ -82,6 +82,7 @@ class SchedulerBackend:
         self._wake: set[float] = set()
         self.unit_seconds: dict[str, float] = {}
         self._chunks: dict[Chunk, tuple[float, float]] = {}  # chunk -> its busy period
+        self._ready: dict[Chunk, float] = {}  # chunk -> when its last restore ends
         self.rounds = 0
         loop.on_instant_end(self._round)
 
@@ -129,8 +130,13 @@ class SchedulerBackend:
             if asg.restore and spec.service is not None and asg.chunk is not None:
                 overhead += self.services[spec.service].restore_cost(asg.chunk.size)
             took = true_duration(spec, asg.units)
-            if asg.sharing and spec.service is not None:  # it joined a running instance
+            if asg.sharing and spec.service is not None and asg.chunk is not None:
+                # It joined a running instance: slowed by the calls on it, and after the
+                # instance's restore if that is still under way.
                 took *= self.services[spec.service].slowdown(asg.sharing)
+                took += max(0.0, self._ready.get(asg.chunk, now) - now)
+            elif asg.restore and asg.chunk is not None:
+                self._ready[asg.chunk] = now + overhead
             took += overhead
             record.started, record.units, record.overhead_s = now, asg.units, overhead
             kind = spec.kind.value

@@ -117,7 +117,7 @@ class _Planner:
         self.prices: dict[str, float] = {}  # core price per node, computed when first needed
         # Calls on each running service instance, as this round's joiners add theirs.
         self.calls: dict[Instance, int] = dict(s.gpu.busy)
-        self.chunk_ends: dict[Chunk, float] | None = None  # computed when first needed
+        self.chunk_times: dict[Chunk, tuple[float, float]] | None = None  # when first needed
 
     def plan(self) -> Plan:
         cands, rest, blocked = self._candidates()
@@ -179,6 +179,8 @@ class _Planner:
         actions, placement, planned = s.actions, s.cpu.placement, view.planned
         for aid in order:
             a = actions[aid]
+            may_join = join_left > 0 and a.service in joining
+            join_left -= may_join  # seen, whether it joins, waits or is capped
             tenant, room = "", None
             if caps is not None:
                 tenant = s.trajectories[a.trajectory].tenant
@@ -199,8 +201,7 @@ class _Planner:
                     continue
                 if room < units[-1]:
                     units, durations = _first(units, durations, bisect_right(units, room))
-            if join_left and a.service in joining:
-                join_left -= 1
+            if may_join:
                 joined = self._join(a, units, durations, wants)
                 if joined is not None:
                     k, chunk = joined
@@ -267,7 +268,8 @@ class _Planner:
 
         It joins when that is at least as fast for it as a chunk of its own: with a free
         chunk, the fastest size there, restore included; with none, any room is better than
-        waiting. The calls already on an instance slow a joiner (``ServiceSpec.slowdown``).
+        waiting. The calls already on an instance slow a joiner (``ServiceSpec.slowdown``),
+        and one that joins an instance still being restored waits for the restore first.
         Its quotas, and anything else it needs besides GPUs, must be open.
 
         While an earlier call waits for a chunk (the GPUs are closed), a joiner must end
@@ -286,8 +288,9 @@ class _Planner:
         for k in units:
             inst = s.gpu.joinable(a.service, k, calls)
             if inst is not None:
-                d = durations[k] * svc.slowdown(calls[inst])
-                if closed and self.now + d > self._ends()[inst.chunk] + 1e-9:
+                ready, end = self._times()[inst.chunk]
+                d = max(0.0, ready - self.now) + durations[k] * svc.slowdown(calls[inst])
+                if closed and self.now + d > end + 1e-9:
                     continue
                 if best is None or d < best[0]:
                     best = (d, k, inst)
@@ -310,16 +313,11 @@ class _Planner:
         calls[best[2]] += 1
         return best[1], best[2].chunk
 
-    def _ends(self) -> dict[Chunk, float]:
-        """When each running chunk's last call is expected to end."""
-        if self.chunk_ends is None:
-            ends: dict[Chunk, float] = {}
-            for r in self.s.running.values():
-                chunk = r.assignment.chunk
-                if chunk is not None:
-                    ends[chunk] = max(ends.get(chunk, r.expected_end), r.expected_end)
-            self.chunk_ends = ends
-        return self.chunk_ends
+    def _times(self) -> dict[Chunk, tuple[float, float]]:
+        """When each running chunk's instance is ready, and its last call is expected to end."""
+        if self.chunk_times is None:
+            self.chunk_times = chunk_times(self.s.running.values(), self.s.services)
+        return self.chunk_times
 
     def _priced(
         self, units: tuple[int, ...], durations: dict[int, float], node: str
@@ -493,6 +491,25 @@ def _first(
         return units, durations
     units = units[:n]
     return units, {k: durations[k] for k in units}
+
+
+def chunk_times(
+    runs: Iterable[Running], services: Mapping[str, ServiceSpec]
+) -> dict[Chunk, tuple[float, float]]:
+    """For each chunk with calls running: when its instance is in GPU memory (the call that
+    restores it started it: its start plus the restore), and when its last call is expected
+    to end."""
+    times: dict[Chunk, tuple[float, float]] = {}
+    for r in runs:
+        asg = r.assignment
+        if asg.chunk is None:
+            continue
+        ready, end = times.get(asg.chunk, (asg.started_at, r.expected_end))
+        svc = services.get(r.action.service or "")
+        if asg.restore and svc is not None:
+            ready = max(ready, asg.started_at + svc.restore_cost(asg.chunk.size))
+        times[asg.chunk] = (ready, max(end, r.expected_end))
+    return times
 
 
 def _running(runs: Iterable[Running], resource: Resource, now: float) -> list[tuple[float, int]]:

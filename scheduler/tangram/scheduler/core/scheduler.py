@@ -30,7 +30,7 @@ from tangram.scheduler.core.decisions import (
 from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
-from tangram.scheduler.core.planning import plan_round
+from tangram.scheduler.core.planning import chunk_times, plan_round
 from tangram.scheduler.core.pricing import node_price
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
@@ -349,7 +349,10 @@ class Scheduler:
             took = max(0.0, now - asg.started_at)
             traj.steps_done += 1
             traj.busy_s += took
-            if self.config.learn and (a.profile is None or a.profile.efficiency is None):
+            # Not from a call that joined an instance: its time holds the batch's slowdown
+            # and any wait for the instance's restore, not what the call takes alone.
+            alone = not asg.sharing
+            if alone and self.config.learn and (a.profile is None or a.profile.efficiency is None):
                 if asg.chunk is not None and a.service is not None:
                     # Learn the call, not the restore: the DP adds restores itself.
                     if restore_s is None:
@@ -620,8 +623,10 @@ class Scheduler:
             )
             if restore:
                 expected += self.services[a.service].restore_cost(chunk.size)
-            if grant.sharing:
-                expected *= self.services[a.service].slowdown(grant.sharing)
+            if grant.sharing:  # after the restore of the instance it joined, if still under way
+                ready, _ = chunk_times(self.running.values(), self.services)[grant.chunk]
+                slowed = expected * self.services[a.service].slowdown(grant.sharing)
+                expected = max(0.0, ready - now) + slowed
         for q, n in a.quotas:
             self.quotas[q].acquire(now, n)
         asg = Assignment(
