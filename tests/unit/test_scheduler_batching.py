@@ -14,6 +14,7 @@ from tangram.api.action import ActionSpec
 from tangram.api.cluster import ServiceSpec
 from tangram.scheduler import Scheduler
 from tangram.scheduler.core.gpu_pool import Chunk
+from tangram.scheduler.core.resource import GPU
 
 from .helpers import cluster, service_call
 
@@ -211,3 +212,18 @@ def test_a_joined_call_is_not_learned_from() -> None:
     assert s.book.learned(kind) is None and joined.sharing == 1
     s.complete("x0", 4.0)
     assert s.book.mean_duration(kind) == pytest.approx(4.0)
+
+
+def test_a_joined_call_counts_no_gpus_against_its_tenants_share() -> None:
+    from tangram.scheduler.core.shares import TenantShare
+
+    s = batching(gpus=4)
+    s.set_tenants({}, TenantShare(max_share=0.5))  # two of the four GPUs
+    s.submit("x0", "t", service_call("a"), 0.0)
+    s.schedule(0.0)
+    s.submit("x1", "t", service_call("a"), 0.5)
+    s.submit("x2", "t", service_call("a"), 0.5)
+    r = s.schedule(0.5)  # joining beats restoring on a cold GPU
+    assert [(a.action_id, a.sharing) for a in r.assignments] == [("x1", 1), ("x2", 2)]
+    # Three calls run on one GPU: the tenant holds one of its two.
+    assert s.holdings().of("").get(GPU, 0) == 1

@@ -206,8 +206,8 @@ class _Planner:
                 if joined is not None:
                     k, chunk = joined
                     cands.append(_Candidate(a, GPU, None, {k: durations[k]}, join=chunk))
-                    if caps is not None:
-                        caps.take(a, tenant, k)
+                    if caps is not None:  # its quotas; no GPUs of its own
+                        caps.take(a, tenant, 0)
                     continue
             if blocked.isdisjoint(wants):
                 fit = self._fit(a, units[0], node)

@@ -278,7 +278,9 @@ class Scheduler:
         for run in self.running.values():
             traj = self.trajectories.get(run.action.trajectory)
             if traj is not None:  # "" too: the default share caps it like any other
-                held.add(traj.tenant, units_held(run.action, run.assignment.units))
+                # A call that joined an instance holds no GPUs of its own.
+                units = 0 if run.assignment.sharing else run.assignment.units
+                held.add(traj.tenant, units_held(run.action, units))
         return held
 
     def _capacity(self) -> dict[Resource, int]:
