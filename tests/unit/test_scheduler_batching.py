@@ -161,6 +161,20 @@ def test_a_failed_restore_leaves_nothing_resident_after_its_joiners_end() -> Non
     assert again.restore
 
 
+def test_a_joiner_that_succeeds_after_a_failed_restore_leaves_the_instance_resident() -> None:
+    """Its worker restored the instance again for it (it waited for the failed one)."""
+    s = batching()
+    s.submit("x0", "t", service_call("a"), 0.0)
+    s.submit("x1", "t", service_call("a"), 0.0)
+    s.schedule(0.0)
+    s.schedule(0.0)
+    s.complete("x0", 1.0, ok=False)
+    s.complete("x1", 4.0)
+    s.submit("x2", "t", service_call("a"), 4.0)
+    (warm,) = s.schedule(4.0).assignments
+    assert not warm.restore and warm.sharing == 0
+
+
 def test_explain_shows_calls_joining_an_instance(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

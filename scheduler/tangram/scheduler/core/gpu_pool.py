@@ -78,6 +78,9 @@ class GpuPool:
     # serves at once (absent: 1)
     # Busy instances whose service was redefined while they ran: dropped when they end.
     stale: set[Instance] = field(default_factory=set)
+    # Running instances whose restore may have failed (a call on them failed): no more
+    # joiners; whether they stay resident is what their last call says.
+    doubtful: set[Instance] = field(default_factory=set)
     revision: dict[str, str] = field(default_factory=dict)  # service -> what workers load
     # Services a node cannot host (its worker could not load them): never placed there.
     unloadable: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -113,6 +116,7 @@ class GpuPool:
             del self.resident[inst]
         self.busy = {i: n for i, n in self.busy.items() if i.chunk.node != name}
         self.stale = {i for i in self.stale if i.chunk.node != name}
+        self.doubtful = {i for i in self.doubtful if i.chunk.node != name}
 
     def set_service(
         self,
@@ -198,6 +202,7 @@ class GpuPool:
                 and inst.chunk.size == size
                 and n < room
                 and inst not in self.stale
+                and inst not in self.doubtful
                 and (best is None or n < calls[best])
             ):
                 best = inst
@@ -209,7 +214,8 @@ class GpuPool:
         if join is not None:
             inst = Instance(service, join)
             sharing = self.busy.get(inst, 0)
-            if not 0 < sharing < self.max_calls.get(service, 1) or inst in self.stale:
+            full = not 0 < sharing < self.max_calls.get(service, 1)
+            if full or inst in self.stale or inst in self.doubtful:
                 raise ValueError(f"{service} on {join} is not running with room for a call")
             self.busy[inst] = sharing + 1
             self.resident.move_to_end(inst)
@@ -252,15 +258,18 @@ class GpuPool:
         return GpuGrant(target, hit, tuple(evicted))
 
     def release(self, service: str, chunk: Chunk, *, resident: bool = True) -> None:
-        """A call on ``chunk`` ended; ``resident=False``: its instance is not in GPU memory
-        after all (a restore that failed). The chunk is free once its last call ended."""
+        """A call on ``chunk`` ended; ``resident=False``: its instance may not be in GPU
+        memory after all (a restore that failed). The chunk is free once its last call
+        ended, and the instance stays resident if that call says so (a joiner waiting for a
+        failed restore has its worker restore it again)."""
         inst = Instance(service, chunk)
         calls = self.busy.pop(inst, 0) - 1
         if calls > 0:
             self.busy[inst] = calls
-            if not resident:  # the restore failed under every call that joined it
-                self.stale.add(inst)
+            if not resident:
+                self.doubtful.add(inst)
             return
+        self.doubtful.discard(inst)
         node = self.nodes.get(chunk.node)
         if node is not None:  # else the node left while the call ran
             self._release_chunk(node, chunk)

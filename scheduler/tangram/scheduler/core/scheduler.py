@@ -330,7 +330,8 @@ class Scheduler:
         ``restore_s``: what a service call spent restoring (and evicting), as measured;
         learning leaves it out. ``resident``: whether its instance is in GPU memory now, as
         its worker said (a call that timed out may still have restored it); when unknown,
-        a failed call that had to restore leaves it out: the restore may be what failed.
+        a failed call that had to restore, or that joined an instance, leaves it out: the
+        restore may be what failed.
         """
         run = self.running.pop(action_id, None)
         if run is None:
@@ -341,8 +342,8 @@ class Scheduler:
             self.cpu.give_back(asg.node, asg.cores)
         if asg.chunk is not None:
             assert a.service is not None
-            if resident is None:
-                resident = ok or not asg.restore
+            if resident is None:  # a failed call that restored, or joined a restore, may
+                resident = ok or not (asg.restore or asg.sharing)  # have left nothing
             self.gpu.release(a.service, asg.chunk, resident=resident)
         for q, n in asg.quotas:
             self.quotas[q].release(n)
