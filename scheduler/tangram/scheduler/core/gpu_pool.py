@@ -263,12 +263,13 @@ class GpuPool:
         ended, and the instance stays resident if that call says so (a joiner waiting for a
         failed restore has its worker restore it again)."""
         inst = Instance(service, chunk)
-        calls = self.busy.pop(inst, 0) - 1
+        calls = self.busy.get(inst, 0) - 1
         if calls > 0:
-            self.busy[inst] = calls
+            self.busy[inst] = calls  # in place: joinable's ties go to the first started
             if not resident:
                 self.doubtful.add(inst)
             return
+        self.busy.pop(inst, None)
         self.doubtful.discard(inst)
         node = self.nodes.get(chunk.node)
         if node is not None:  # else the node left while the call ran
