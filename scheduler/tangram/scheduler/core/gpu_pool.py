@@ -191,8 +191,8 @@ class GpuPool:
         """A running DoP-k instance of ``service`` with room for one more call: the first
         started of those with the fewest calls, or None. ``calls``: the calls on each
         running instance, if not those running now (a round's plan)."""
-        size, room = chunk_level(k), self.max_calls.get(service, 1)
-        if room <= 1:
+        size = chunk_level(k)
+        if self.max_calls.get(service, 1) <= 1:
             return None
         calls = self.busy if calls is None else calls
         best: Instance | None = None
@@ -200,13 +200,19 @@ class GpuPool:
             if (
                 inst.service == service
                 and inst.chunk.size == size
-                and n < room
-                and inst not in self.stale
-                and inst not in self.doubtful
+                and self.has_room(inst, n)
                 and (best is None or n < calls[best])
             ):
                 best = inst
         return best
+
+    def has_room(self, inst: Instance, calls: int) -> bool:
+        """Whether running ``inst``, with ``calls`` calls on it, may take one more."""
+        return (
+            0 < calls < self.max_calls.get(inst.service, 1)
+            and inst not in self.stale
+            and inst not in self.doubtful
+        )
 
     def allocate(self, service: str, k: int, *, join: Chunk | None = None) -> GpuGrant:
         """Take a chunk for a DoP-k call of ``service``; restore bookkeeping and LRU eviction.
@@ -214,8 +220,7 @@ class GpuPool:
         if join is not None:
             inst = Instance(service, join)
             sharing = self.busy.get(inst, 0)
-            full = not 0 < sharing < self.max_calls.get(service, 1)
-            if full or inst in self.stale or inst in self.doubtful:
+            if not self.has_room(inst, sharing):
                 raise ValueError(f"{service} on {join} is not running with room for a call")
             self.busy[inst] = sharing + 1
             self.resident.move_to_end(inst)
