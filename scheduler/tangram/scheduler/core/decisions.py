@@ -53,7 +53,9 @@ class Start:
     resource: Resource  # its key resource
     node: str | None  # the node of its cores (exec actions)
     units: int  # of the key resource
-    expected_s: float  # expected duration at ``units``, before any restore
+    # Expected duration at ``units``, before any restore; a joiner's holds its slowdown
+    # and its wait for the instance's restore.
+    expected_s: float
     join: Chunk | None = None  # the chunk of the running instance a service call joins
 
 

@@ -204,8 +204,8 @@ class _Planner:
             if may_join:
                 joined = self._join(a, units, durations, wants)
                 if joined is not None:
-                    k, chunk = joined
-                    cands.append(_Candidate(a, GPU, None, {k: durations[k]}, join=chunk))
+                    k, chunk, expected = joined
+                    cands.append(_Candidate(a, GPU, None, {k: expected}, join=chunk))
                     if caps is not None:  # its quotas; no GPUs of its own
                         caps.take(a, tenant, 0)
                     continue
@@ -250,12 +250,8 @@ class _Planner:
 
     def _joining(self) -> set[str]:
         """Services with a running instance that can take one more call."""
-        gpu = self.s.gpu
-        return {
-            i.service
-            for i, n in self.calls.items()
-            if n < gpu.max_calls.get(i.service, 1) and i not in gpu.stale
-        }
+        has_room = self.s.gpu.has_room
+        return {i.service for i, n in self.calls.items() if has_room(i, n)}
 
     def _join(
         self,
@@ -263,8 +259,9 @@ class _Planner:
         units: tuple[int, ...],
         durations: Mapping[int, float],
         wants: tuple[Resource, ...],
-    ) -> tuple[int, Chunk] | None:
-        """The DoP at which service call ``a`` joins a running instance, and its chunk.
+    ) -> tuple[int, Chunk, float] | None:
+        """The DoP at which service call ``a`` joins a running instance, its chunk, and its
+        expected duration there.
 
         It joins when that is at least as fast for it as a chunk of its own: with a free
         chunk, the fastest size there, restore included; with none, any room is better than
@@ -299,8 +296,7 @@ class _Planner:
         if not closed:
             alone = min(
                 (
-                    durations[k]
-                    + (0.0 if s.gpu.is_warm(a.service, k) else svc.restore_cost(chunk_level(k)))
+                    durations[k] + self._restore_s(svc, k)
                     for k in units
                     if take_chunk(prov.chunks, k) is not None and s.gpu.can_host(a.service, k)
                 ),
@@ -311,12 +307,12 @@ class _Planner:
         for q, n in a.quotas:
             prov.quota_free[q] -= n
         calls[best[2]] += 1
-        return best[1], best[2].chunk
+        return best[1], best[2].chunk, best[0]
 
     def _times(self) -> dict[Chunk, tuple[float, float]]:
         """When each running chunk's instance is ready, and its last call is expected to end."""
         if self.chunk_times is None:
-            self.chunk_times = chunk_times(self.s.running.values(), self.s.services)
+            self.chunk_times = _chunk_times(self.s.running.values(), self.s.services)
         return self.chunk_times
 
     def _priced(
@@ -473,14 +469,15 @@ class _Planner:
 
     def _with_restore(self, c: _Candidate) -> Mapping[int, float]:
         """Durations with the restore a cold instance needs first (the DP sees both)."""
-        a, s = c.action, self.s
+        a = c.action
         if not a.gpu or a.service is None:
             return c.durations
-        svc = s.services[a.service]
-        return {
-            k: d + (0.0 if s.gpu.is_warm(a.service, k) else svc.restore_cost(chunk_level(k)))
-            for k, d in c.durations.items()
-        }
+        svc = self.s.services[a.service]
+        return {k: d + self._restore_s(svc, k) for k, d in c.durations.items()}
+
+    def _restore_s(self, svc: ServiceSpec, k: int) -> float:
+        """The restore a DoP-k call of ``svc`` needs first where the allocator would put it."""
+        return 0.0 if self.s.gpu.is_warm(svc.name, k) else svc.restore_cost(chunk_level(k))
 
 
 def _first(
@@ -493,7 +490,7 @@ def _first(
     return units, {k: durations[k] for k in units}
 
 
-def chunk_times(
+def _chunk_times(
     runs: Iterable[Running], services: Mapping[str, ServiceSpec]
 ) -> dict[Chunk, tuple[float, float]]:
     """For each chunk with calls running: when its instance is in GPU memory (the call that

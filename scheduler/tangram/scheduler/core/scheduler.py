@@ -30,7 +30,7 @@ from tangram.scheduler.core.decisions import (
 from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
-from tangram.scheduler.core.planning import chunk_times, plan_round
+from tangram.scheduler.core.planning import plan_round
 from tangram.scheduler.core.pricing import node_price
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
@@ -626,10 +626,6 @@ class Scheduler:
             )
             if restore:
                 expected += self.services[a.service].restore_cost(chunk.size)
-            if grant.sharing:  # after the restore of the instance it joined, if still under way
-                ready, _ = chunk_times(self.running.values(), self.services)[grant.chunk]
-                slowed = expected * self.services[a.service].slowdown(grant.sharing)
-                expected = max(0.0, ready - now) + slowed
         for q, n in a.quotas:
             self.quotas[q].acquire(now, n)
         asg = Assignment(
