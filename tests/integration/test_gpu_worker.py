@@ -252,7 +252,7 @@ def test_restore_and_evict_on_a_real_gpu(tmp_path: Path) -> None:
     w.load(_spec(tmp_path, "a", 0))
     w.load(_spec(tmp_path, "b", 1))
     on_gpu, stats = w.call("a", [0], INPUTS)
-    assert not stats.hit and next(iter(w.instances[("a", (0,))][0].parameters())).is_cuda
+    assert not stats.hit and next(iter(w.instances[("a", (0,))].replicas[0].parameters())).is_cuda
     w.evict_all()
     assert ("a", (0,)) not in w.instances
     again, _ = w.call("a", [0], INPUTS)
@@ -309,7 +309,9 @@ def test_calls_of_one_instance_run_together_and_another_instance_waits(tmp_path:
         threads["first"].start()
         assert started.wait(30)
         threads["joiner"].start()
-        until(lambda: len(w._passes[("a", (0,))][0]._queue) == 1, "the joiner never queued")
+        until(
+            lambda: len(w.instances[("a", (0,))].passes[0]._queue) == 1, "the joiner never queued"
+        )
         threads["other"].start()
         threads["other"].join(0.3)
         assert threads["other"].is_alive() and w._running == {0: ("a", (0,))}

@@ -218,8 +218,8 @@ def test_concurrent_calls_share_a_resident_instance_and_its_forward_passes(
             caller.start()
 
             def queued() -> int:
-                passes = getattr(worker, "_passes", {}).get(("judge", (0,)))
-                return len(passes[0]._queue) if passes else 0
+                resident = getattr(worker, "instances", {}).get(("judge", (0,)))
+                return len(resident.passes[0]._queue) if resident else 0
 
             # The first call's pass waits at the gate; the three others queue behind it.
             until(lambda: queued() == 3, "the other calls never joined the instance")

@@ -95,6 +95,16 @@ class _Service:
         return bytes_per_device(self.spec)
 
 
+@dataclass
+class _Resident:
+    """An instance in GPU memory: a replica per device, their shared forward passes, and
+    the service as it was when the instance was built."""
+
+    replicas: list[torch.nn.Module]
+    passes: list[SharedPasses]
+    service: _Service
+
+
 def bytes_per_device(spec: ServiceDef) -> int:
     return int(spec.gpu_memory_gb * GIB)
 
@@ -176,13 +186,11 @@ class GpuWorker:
         self.residency = Residency(dict(capacity))
         self.clock = clock
         self.services: dict[str, _Service] = {}
-        self.instances: dict[InstanceKey, list[torch.nn.Module]] = {}
+        self.instances: dict[InstanceKey, _Resident] = {}
         self.loads = 0  # reads of weights from storage: one per service, ever
         self.hits = self.restores = self.evictions = 0
         self._running: dict[int, InstanceKey] = {}  # device -> the instance running there
         self._calls: dict[InstanceKey, int] = {}  # instance -> its calls, restoring or running
-        self._passes: dict[InstanceKey, list[SharedPasses]] = {}  # per replica, once resident
-        self._built: dict[InstanceKey, _Service] = {}  # the service an instance was built of
         # Threads for a call's other replicas (its own thread drives the first). Joined
         # calls wait in their replicas' shared passes, so there is room for several calls
         # per device; restores have threads of their own, never queued behind those.
@@ -320,7 +328,7 @@ class GpuWorker:
             if plan.hit:
                 self.hits += 1
                 self.residency.acquire(key)
-                replicas, passes = self.instances[key], self._passes[key]
+                resident = self.instances[key]
         acquired = plan.hit
         try:
             if not plan.hit:  # outside the lock: calls on other chunks go on meanwhile
@@ -332,16 +340,16 @@ class GpuWorker:
                 stats.restore_s = self.clock() - t0
                 stats.restored_bytes = service.nbytes * len(chunk)
                 passes = [SharedPasses(service.spec.max_batch) for _ in chunk]
+                resident = _Resident(replicas, passes, service)
                 with self._lock:
-                    self.instances[key], self._passes[key] = replicas, passes
-                    self._built[key] = service
+                    self.instances[key] = resident
                     self.residency.admit(key, service.bytes_per_device)
                     self.residency.acquire(key)
                     acquired = True
                     self.restores += 1
                     self._freed.notify_all()  # calls waiting to join it may now
             t0 = self.clock()
-            outputs = self._run(service, replicas, passes, chunk, inputs)
+            outputs = self._run(resident, chunk, inputs)
             stats.exec_s = self.clock() - t0
         finally:
             with self._lock:
@@ -365,10 +373,11 @@ class GpuWorker:
         there = {self._running.get(d) for d in key[1]}
         if there == {None}:
             return True
+        resident = self.instances.get(key)
         return (
             there == {key}
-            and key in self._passes
-            and self._built.get(key) is self.services.get(key[0])
+            and resident is not None
+            and resident.service is self.services.get(key[0])
         )
 
     def _parallel(
@@ -413,8 +422,6 @@ class GpuWorker:
     def _evict(self, key: InstanceKey) -> None:
         self.residency.evict(key)
         self.instances.pop(key, None)  # the device tensors go with their last reference
-        self._passes.pop(key, None)
-        self._built.pop(key, None)
         self.evictions += 1
         # The freed blocks stay in PyTorch's cache, where the restore that made room for
         # itself takes them; only evict_all hands memory back (empty_cache waits for the
@@ -425,14 +432,8 @@ class GpuWorker:
             for i in chunk:
                 torch.cuda.synchronize(self.device(i))
 
-    def _run(
-        self,
-        service: _Service,
-        replicas: list[torch.nn.Module],
-        passes: list[SharedPasses],
-        chunk: Sequence[int],
-        inputs: list[Any],
-    ) -> list[Any]:
+    def _run(self, resident: _Resident, chunk: Sequence[int], inputs: list[Any]) -> list[Any]:
+        service, replicas, passes = resident.service, resident.replicas, resident.passes
         score = service.score
         k = len(replicas)
         share = -(-len(inputs) // k) if inputs else 0  # ceil: the batch over the replicas
