@@ -14,17 +14,11 @@ Replays are independent and deterministic; they run in parallel processes.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from pathlib import Path
 from typing import Any
 
-from tangram.cli.bench_seeds import numbers
-from tangram.cli.files import InputError
 from tangram.cli.paper import with_gpus
-from tangram.cli.progress import note
+from tangram.cli.seed_runs import check_out, header, numbers, run_jobs, write_table
 from tangram.sim.policies import simulate
 from tangram.sim.tracegen import generate, scenario_cluster
 
@@ -48,8 +42,7 @@ def _replay(job: Job) -> dict[str, float]:
 
 
 def run_gpu_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
-    if args.out and Path(args.out).suffix == ".md":
-        raise InputError("--out: the JSON report's path; its table is written beside it as .md")
+    check_out(args)
     batches = numbers(args.batches, BATCHES, "batches")
     seeds = numbers(args.seeds, SEEDS, "seeds")
     jobs: list[Job] = [
@@ -59,17 +52,7 @@ def run_gpu_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
     jobs += [("mixed", mixed_batch, s, "static-gpu", None) for s in seeds]
     jobs += [("mixed", mixed_batch, s, "elastic", g) for s in seeds for g in MIXED_GPUS]
     started = time.perf_counter()
-    got: dict[Job, dict[str, float]] = {}
-    with ProcessPoolExecutor(args.jobs or os.cpu_count() or 1) as pool:
-        futures = {pool.submit(_replay, job): job for job in jobs}
-        for done, future in enumerate(as_completed(futures), 1):
-            job = futures[future]
-            got[job] = future.result()
-            where = f" on {job[4]} GPUs" if job[4] is not None else ""
-            note(
-                f"[{done}/{len(jobs)}] {job[0]} batch {job[1]} seed {job[2]} {job[3]}{where}: "
-                f"service ACT {got[job][METRIC]:.3f} s"
-            )
+    got = run_jobs(_replay, jobs, args.jobs, _progress)
     mopd = {
         str(b): {
             str(s): _mopd_row({p: got[("mopd", b, s, p, None)] for p in MOPD_POLICIES})
@@ -79,21 +62,17 @@ def run_gpu_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     mixed = {str(s): _mixed_row(mixed_batch, s, got) for s in seeds}
     report: dict[str, Any] = {
-        "command": _command(args),
-        "machine": f"{platform.machine()} {platform.node()}, {os.cpu_count()} CPUs",
-        "python": platform.python_version(),
-        "wall_s": round(time.perf_counter() - started, 1),
+        **header(args, "gpu-seeds", started, mixed_batch=(mixed_batch, 1024)),
         "mopd": mopd,
         "mixed": {"batch": mixed_batch, "seeds": mixed},
     }
-    if args.out:
-        table = Path(args.out).with_suffix(".md")
-        try:
-            table.parent.mkdir(parents=True, exist_ok=True)
-            table.write_text(render(report), encoding="utf-8")
-        except OSError as e:
-            raise InputError(f"--out: cannot write {table}: {e.strerror}") from None
+    write_table(args, render(report))
     return report
+
+
+def _progress(job: Job, got: dict[str, float]) -> str:
+    where = f" on {job[4]} GPUs" if job[4] is not None else ""
+    return f"{job[0]} batch {job[1]} seed {job[2]} {job[3]}{where}: service ACT {got[METRIC]:.3f} s"
 
 
 def _mopd_row(row: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -155,15 +134,3 @@ def render(report: dict[str, Any]) -> str:
         share = f"**{fewest}** ({fewest / STATIC_GPUS:.1%})" if fewest else "none"
         lines.append(f"| {seed} | {v['static_40_s']:.2f} | {cells} | {share} |")
     return "\n".join(lines) + "\n"
-
-
-def _command(args: argparse.Namespace) -> str:
-    parts = ["tangram bench gpu-seeds"]
-    for flag in ("batches", "seeds"):
-        if getattr(args, flag):
-            parts.append(f"--{flag} {getattr(args, flag)}")
-    if args.mixed_batch != 1024:
-        parts.append(f"--mixed-batch {args.mixed_batch}")
-    if args.out:
-        parts.append(f"--out {args.out}")
-    return " ".join(parts)

@@ -9,16 +9,11 @@ seeds. Replays are independent and deterministic; they run in parallel processes
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from pathlib import Path
 from typing import Any
 
-from tangram.cli.files import InputError
-from tangram.cli.progress import note
+from tangram.cli.seed_runs import check_out, header, numbers, run_jobs, write_table
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.policies import simulate
 from tangram.sim.tracegen import generate, scenario_cluster
@@ -30,7 +25,8 @@ BASELINES = ("fixed-dop-4", "fixed-dop-16")  # the target: elastic <= 0.95x the 
 KEPT = ("avg_act_s", "p99_act_s", "avg_traj_act_s")
 
 
-def _replay(batch: int, seed: int, policy: str) -> dict[str, float]:
+def _replay(job: tuple[int, int, str]) -> dict[str, float]:
+    batch, seed, policy = job
     trace = generate("coding", batch, seed)
     result = simulate(
         trace, scenario_cluster("coding"), policy, seed=seed, config=SchedulerConfig()
@@ -39,52 +35,27 @@ def _replay(batch: int, seed: int, policy: str) -> dict[str, float]:
     return {k: float(summary[k]) for k in KEPT}
 
 
-def numbers(text: str | None, default: tuple[int, ...], name: str) -> tuple[int, ...]:
-    if not text:
-        return default
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise InputError(f"--{name}: comma-separated whole numbers, got {text!r}") from None
-    if not values or min(values) < (1 if name == "batches" else 0):
-        raise InputError(
-            f"--{name}: give at least one, each {'>= 1' if name == 'batches' else '>= 0'}"
-        )
-    return tuple(dict.fromkeys(values))  # a repeat would be replayed, and counted, twice
-
-
 def run_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
-    if args.out and Path(args.out).suffix == ".md":
-        raise InputError("--out: the JSON report's path; its table is written beside it as .md")
+    check_out(args)
     batches = numbers(args.batches, BATCHES, "batches")
     seeds = numbers(args.seeds, SEEDS, "seeds")
     jobs = [(b, s, p) for b in batches for s in seeds for p in POLICIES]
-    workers = args.jobs or os.cpu_count() or 1
     started = time.perf_counter()
+    got = run_jobs(
+        _replay,
+        jobs,
+        args.jobs,
+        lambda job, r: f"batch {job[0]} seed {job[1]} {job[2]}: avg ACT {r['avg_act_s']:.3f} s",
+    )
     rows: dict[int, dict[int, dict[str, dict[str, float]]]] = {}
-    with ProcessPoolExecutor(workers) as pool:
-        futures = {pool.submit(_replay, *job): job for job in jobs}
-        for done, future in enumerate(as_completed(futures), 1):
-            b, s, p = futures[future]
-            rows.setdefault(b, {}).setdefault(s, {})[p] = figures = future.result()
-            note(
-                f"[{done}/{len(jobs)}] batch {b} seed {s} {p}: avg ACT {figures['avg_act_s']:.3f} s"
-            )
+    for (b, s, p), figures in got.items():
+        rows.setdefault(b, {}).setdefault(s, {})[p] = figures
     report: dict[str, Any] = {
-        "command": _command(args),
-        "machine": f"{platform.machine()} {platform.node()}, {os.cpu_count()} CPUs",
-        "python": platform.python_version(),
-        "wall_s": round(time.perf_counter() - started, 1),
+        **header(args, "coding-seeds", started),
         "policies": list(POLICIES),
         "batches": {str(b): _batch(rows[b], seeds) for b in batches},
     }
-    if args.out:
-        table = Path(args.out).with_suffix(".md")
-        try:
-            table.parent.mkdir(parents=True, exist_ok=True)
-            table.write_text(render(report), encoding="utf-8")
-        except OSError as e:
-            raise InputError(f"--out: cannot write {table}: {e.strerror}") from None
+    write_table(args, render(report))
     return report
 
 
@@ -141,13 +112,3 @@ def render(report: dict[str, Any]) -> str:
             f"(median {spread['median']:.3f}) | |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _command(args: argparse.Namespace) -> str:
-    parts = ["tangram bench coding-seeds"]
-    for flag in ("batches", "seeds"):
-        if getattr(args, flag):
-            parts.append(f"--{flag} {getattr(args, flag)}")
-    if args.out:
-        parts.append(f"--out {args.out}")
-    return " ".join(parts)
