@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -31,6 +32,14 @@ def _in_threads(passes: SharedPasses, calls: list[list[Any]], forward: Any) -> l
     return results
 
 
+def _queued(passes: SharedPasses, n: int, timeout_s: float = 30.0) -> None:
+    """Wait until ``n`` calls queue behind the running pass (failing, not hanging, if not)."""
+    deadline = time.monotonic() + timeout_s
+    while len(passes._queue) < n:
+        assert time.monotonic() < deadline, f"{len(passes._queue)} of {n} calls queued"
+        time.sleep(0.01)
+
+
 def test_calls_that_arrive_during_a_pass_share_the_next_one() -> None:
     passes = SharedPasses(max_batch=4)
     gate, started = threading.Event(), threading.Event()
@@ -54,8 +63,7 @@ def test_calls_that_arrive_during_a_pass_share_the_next_one() -> None:
     ]
     for w in waiting:
         w.start()
-    while len(passes._queue) < 2:  # both queued behind the running pass
-        threading.Event().wait(0.01)
+    _queued(passes, 2)  # both behind the running pass
     gate.set()
     for w in [t, *waiting]:
         w.join(30)
@@ -110,8 +118,7 @@ def test_only_the_call_whose_inputs_fail_gets_the_error() -> None:
     ]
     for c in callers:
         c.start()
-    while len(passes._queue) < 2:
-        threading.Event().wait(0.01)
+    _queued(passes, 2)
     gate.set()
     for c in [holder, *callers]:
         c.join(30)
