@@ -689,11 +689,19 @@ def test_non_elastic_baseline(w: Workload) -> None:
 
 
 @SIM
-@given(workloads(), st.sampled_from([0.5, 4.0]))
-def test_trajectory_priority_is_starvation_free(w: Workload, ageing: float) -> None:
+@given(
+    workloads(),
+    st.sampled_from(["trajectory-priority", "shortest-remaining"]),
+    st.sampled_from([0.5, 4.0]),
+    st.sampled_from([0.0, 2.0]),
+)
+def test_trajectory_orderings_are_starvation_free(
+    w: Workload, ordering: Ordering, ageing: float, ageing_wait: float
+) -> None:
+    """Each action has an ageing deadline; with it, every queued action starts."""
     simulate(
         w,
-        SchedulerConfig(ordering="trajectory-priority", ageing_factor=ageing),
+        SchedulerConfig(ordering=ordering, ageing_factor=ageing, ageing_wait=ageing_wait),
         fcfs_check=False,
     )
 
@@ -940,7 +948,7 @@ def test_minimum_larger_than_the_trajectorys_node_is_rejected_or_harmless() -> N
     assert "u1" in started(rnd), f"u1 waits forever behind t1: {rnd.blocked}, wake {rnd.wake_at}"
 
 
-@pytest.mark.parametrize("ordering", ["fcfs", "trajectory-priority"])
+@pytest.mark.parametrize("ordering", ["fcfs", "trajectory-priority", "shortest-remaining"])
 def test_waiting_for_memory_does_not_deadlock_a_quota(ordering: Ordering) -> None:
     cluster = ClusterSpec(
         nodes=[NodeSpec(name="n", cpus=4, memory_gb=8.0)], apis=[ApiSpec(name=API, concurrency=1)]

@@ -53,7 +53,9 @@ def test_an_unknown_name_is_refused_everywhere() -> None:
     for model in (Scheduling, ConfigState):
         with pytest.raises(ValidationError) as e:
             model(ordering="lifo")
-        assert e.value.errors()[0]["msg"] == "Input should be 'fcfs' or 'trajectory-priority'"
+        assert e.value.errors()[0]["msg"] == (
+            "Input should be 'fcfs', 'trajectory-priority' or 'shortest-remaining'"
+        )
         assert e.value.errors()[0]["msg"] == f"Input should be {expected_orderings()}"
 
 

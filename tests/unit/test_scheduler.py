@@ -232,6 +232,9 @@ def test_unknown_targets_and_impossible_demands_are_rejected_with_the_field() ->
         s.submit("e", "missing", exec_action(1), 0.0)
     with pytest.raises(SchedulingError, match="depth"):
         SchedulerConfig(depth=0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(SchedulingError, match="ageing_wait"):
+            SchedulerConfig(ageing_wait=bad)
 
 
 def test_fixed_dop_and_non_elastic_configs_restrict_units() -> None:
@@ -289,6 +292,56 @@ def test_trajectory_priority_orders_longer_trajectories_first_and_ages() -> None
     s.submit("l2", "long", exec_action(1, 10.0), 15.0)
     s.complete("l", 25.0)
     assert [a.action_id for a in s.schedule(25.0).assignments] == ["s"]
+
+
+def test_shortest_remaining_orders_shorter_trajectories_first() -> None:
+    s = one_node(1, numa=1, ordering="shortest-remaining", min_age_s=1e9)
+    s.open_trajectory("short", hint_steps=1)
+    s.open_trajectory("long", hint_steps=50)
+    s.open_trajectory("blocker")
+    s.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
+    s.submit("l", "long", exec_action(1, 10.0), 0.0)
+    s.submit("s", "short", exec_action(1, 10.0), 0.5)
+    s.complete("hold", 1.0)
+    assert [a.action_id for a in s.schedule(1.0).assignments] == ["s"]
+
+
+def test_shortest_remaining_ages_by_the_recent_wait() -> None:
+    """Overdue after ageing_factor x its duration or ageing_wait x the recent mean wait,
+    whichever is later: the bound grows when every action waits long."""
+    s = one_node(1, numa=1, ordering="shortest-remaining", ageing_factor=1.0, min_age_s=0.0)
+    assert s.recent_wait_s == 0.0
+    s.open_trajectory("short", hint_steps=100)  # renewed below: always less left than "long"
+    s.open_trajectory("long", hint_steps=1000)
+    s.open_trajectory("blocker")
+    s.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
+    # One start after a 500 s wait: recent wait 5 s (weight 0.01), bound max(10, 2 x 5) s.
+    s.submit("w", "short", exec_action(1, 10.0), 0.0)
+    s.complete("hold", 500.0)
+    assert [a.action_id for a in s.schedule(500.0).assignments] == ["w"]
+    assert s.recent_wait_s == pytest.approx(5.0)
+    s.submit("l", "long", exec_action(1, 10.0), 500.0)  # deadline 510 (its 10 s duration)
+    s.submit("s1", "short", exec_action(1, 10.0), 505.0)
+    s.complete("w", 511.0)
+    # "l" is overdue at 511 and goes before the shorter trajectory's newer action.
+    assert [a.action_id for a in s.schedule(511.0).assignments] == ["l"]
+    s.complete("l", 512.0)
+    assert [a.action_id for a in s.schedule(512.0).assignments] == ["s1"]
+    s.complete("s1", 513.0)
+    # A wait-relative bound: with ageing_wait 100, recent wait x 100 is far later.
+    t = one_node(1, numa=1, ordering="shortest-remaining", ageing_factor=1.0, min_age_s=0.0,
+                 ageing_wait=100.0)  # fmt: skip
+    t.open_trajectory("short", hint_steps=100)
+    t.open_trajectory("long", hint_steps=1000)
+    t.open_trajectory("blocker")
+    t.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
+    t.submit("w", "short", exec_action(1, 10.0), 0.0)
+    t.complete("hold", 500.0)
+    t.schedule(500.0)
+    t.submit("l", "long", exec_action(1, 10.0), 500.0)  # deadline 500 + 100 x 5 = 1000
+    t.submit("s1", "short", exec_action(1, 10.0), 505.0)
+    t.complete("w", 511.0)
+    assert [a.action_id for a in t.schedule(511.0).assignments] == ["s1"]
 
 
 def test_cancel_and_close_drop_queued_actions() -> None:

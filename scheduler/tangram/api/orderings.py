@@ -19,6 +19,8 @@ ORDERINGS: Mapping[str, str] = MappingProxyType(
     {
         "fcfs": "first come first served: submission order",
         "trajectory-priority": "trajectories with the most work left first, with an ageing bound",
+        "shortest-remaining": "trajectories with the least work left first, with an ageing bound"
+        " that grows with the recent wait",
     }
 )
 DEFAULT_ORDERING = "fcfs"

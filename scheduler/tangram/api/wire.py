@@ -62,7 +62,12 @@ class OpenTrajectory(_Strict):
     id: Annotated[Id | None, Field(description="chosen by the server when absent")] = None
     labels: dict[str, str] = Field(default_factory=dict)
     expected_steps: Annotated[
-        int | None, Field(ge=1, description="remaining actions, for trajectory-priority ordering")
+        int | None,
+        Field(
+            ge=1,
+            description="remaining actions, for the trajectory-priority and "
+            "shortest-remaining orderings",
+        ),
     ] = None
 
 

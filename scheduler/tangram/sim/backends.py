@@ -71,9 +71,14 @@ class SchedulerBackend:
         config: SchedulerConfig,
         overheads: Overheads,
         rng: np.random.Generator,
+        *,
+        steps_hint: tuple[float, np.random.Generator] | None = None,
     ) -> None:
         self.loop = loop
         self.sched = Scheduler(cluster, config)
+        # (sigma, rng): each trajectory's client sends its remaining actions at open, as
+        # the true count times lognormal(0, sigma); None: no client sends a hint.
+        self.steps_hint = steps_hint
         self.overheads = overheads
         self.rng = rng
         self.services = {s.name: s for s in cluster.services}
@@ -87,7 +92,11 @@ class SchedulerBackend:
         loop.on_instant_end(self._round)
 
     def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
-        self.sched.open_trajectory(traj.id, traj.memory_gb)
+        hint = None
+        if self.steps_hint is not None:
+            sigma, rng = self.steps_hint
+            hint = max(1, round(len(traj.steps) * float(rng.lognormal(0.0, sigma))))
+        self.sched.open_trajectory(traj.id, traj.memory_gb, hint)
         ready()
 
     def close(self, traj: TrajectoryTrace, now: float) -> None:

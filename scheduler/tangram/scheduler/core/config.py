@@ -36,6 +36,8 @@ class SchedulerConfig:
     fixed_dop: int | None = None  # baseline: elastic actions always get this many units
     ageing_factor: float = 4.0  # trajectory-priority: overdue after this x expected duration
     min_age_s: float = 1.0
+    # shortest-remaining: also not overdue before this x the recent mean queueing time
+    ageing_wait: float = 2.0
     horizon: int | None = None  # queued actions per resource the estimate looks at
     learn: bool = True
     tenant_fairness: bool = True  # fair queuing between tenants; False: one order for all
@@ -53,6 +55,8 @@ class SchedulerConfig:
             raise SchedulingError("quota_waiting", f"unknown rule {self.quota_waiting!r}")
         if self.core_price not in CORE_PRICES:
             raise SchedulingError("core_price", f"unknown rule {self.core_price!r}")
+        if not self.ageing_wait >= 0:  # also refuses NaN
+            raise SchedulingError("ageing_wait", "must be at least 0")
         if self.depth < 1:
             raise SchedulingError("depth", "must be at least 1")
         if self.max_candidates is not None and self.max_candidates < 1:

@@ -57,6 +57,9 @@ __all__ = [
     "SchedulingError",
 ]
 
+# Weight of each start in ``recent_wait_s`` (an exponential mean over about the last 100).
+_WAIT_WEIGHT = 0.01
+
 
 class Scheduler:
     def __init__(self, cluster: ClusterSpec, config: SchedulerConfig | None = None) -> None:
@@ -75,6 +78,8 @@ class Scheduler:
         self.book = ProfileBook()
         self.sizing = Sizing(self.cpu, self.book, self.config, _biggest(self.cpu))
         self.lengths = LengthModel()
+        # Mean queueing time of recently started actions (shortest-remaining's ageing).
+        self.recent_wait_s = 0.0
         self.trajectories: dict[str, Trajectory] = {}
         self.actions: dict[str, Action] = {}
         self.shares: dict[str, TenantShare] = {}  # by tenant; others get default_share
@@ -306,7 +311,8 @@ class Scheduler:
         action = self._resolve(action_id, trajectory, spec, now)
         policy, expected = POLICIES[self.config.ordering], partial(self._expected, action)
         key = policy.key(action.seq, traj, self.lengths, expected)
-        self._enqueue(action, key, policy.deadline(now, expected, self.config))
+        deadline = policy.deadline(now, expected, self.config, self.recent_wait_s)
+        self._enqueue(action, key, deadline)
         return action
 
     def cancel(self, action_id: str) -> bool:
@@ -608,6 +614,7 @@ class Scheduler:
             except ValueError:
                 return None
         self._dequeue(a.id, started=True)
+        self.recent_wait_s += _WAIT_WEIGHT * (now - a.submitted_at - self.recent_wait_s)
         cores: tuple[int, ...] = ()
         chunk = None
         restore = False
