@@ -232,7 +232,7 @@ def test_unknown_targets_and_impossible_demands_are_rejected_with_the_field() ->
         s.submit("e", "missing", exec_action(1), 0.0)
     with pytest.raises(SchedulingError, match="depth"):
         SchedulerConfig(depth=0)
-    for bad in (-1.0, float("nan")):
+    for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(SchedulingError, match="ageing_wait"):
             SchedulerConfig(ageing_wait=bad)
 
@@ -306,42 +306,61 @@ def test_shortest_remaining_orders_shorter_trajectories_first() -> None:
     assert [a.action_id for a in s.schedule(1.0).assignments] == ["s"]
 
 
-def test_shortest_remaining_ages_by_the_recent_wait() -> None:
-    """Overdue after ageing_factor x its duration or ageing_wait x the recent mean wait,
-    whichever is later: the bound grows when every action waits long."""
-    s = one_node(1, numa=1, ordering="shortest-remaining", ageing_factor=1.0, min_age_s=0.0)
-    assert s.recent_wait_s == 0.0
-    s.open_trajectory("short", hint_steps=100)  # renewed below: always less left than "long"
+def _waiting_pair(ageing_wait: float = 2.0) -> Scheduler:
+    """One core; "w" (of "short") waited 500 s for it and started at 500; "l" (of "long")
+    was submitted at 500 and "s1" (of "short", less left) at 505, both waiting."""
+    s = one_node(
+        1,
+        numa=1,
+        ordering="shortest-remaining",
+        ageing_factor=1.0,
+        min_age_s=0.0,
+        ageing_wait=ageing_wait,
+    )
+    s.open_trajectory("short", hint_steps=100)
     s.open_trajectory("long", hint_steps=1000)
     s.open_trajectory("blocker")
     s.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
-    # One start after a 500 s wait: recent wait 5 s (weight 0.01), bound max(10, 2 x 5) s.
+    assert s.recent_wait_s == 0.0  # an adopted action never waited in this queue
     s.submit("w", "short", exec_action(1, 10.0), 0.0)
     s.complete("hold", 500.0)
     assert [a.action_id for a in s.schedule(500.0).assignments] == ["w"]
-    assert s.recent_wait_s == pytest.approx(5.0)
-    s.submit("l", "long", exec_action(1, 10.0), 500.0)  # deadline 510 (its 10 s duration)
+    assert s.recent_wait_s == 500.0  # the plain mean until 100 starts
+    s.submit("l", "long", exec_action(1, 10.0), 500.0)
     s.submit("s1", "short", exec_action(1, 10.0), 505.0)
     s.complete("w", 511.0)
-    # "l" is overdue at 511 and goes before the shorter trajectory's newer action.
+    return s
+
+
+def test_shortest_remaining_ages_by_the_duration_bound() -> None:
+    s = _waiting_pair(ageing_wait=0.0)  # overdue after 1 x its 10 s: "l" at 510
     assert [a.action_id for a in s.schedule(511.0).assignments] == ["l"]
-    s.complete("l", 512.0)
-    assert [a.action_id for a in s.schedule(512.0).assignments] == ["s1"]
-    s.complete("s1", 513.0)
-    # A wait-relative bound: with ageing_wait 100, recent wait x 100 is far later.
-    t = one_node(1, numa=1, ordering="shortest-remaining", ageing_factor=1.0, min_age_s=0.0,
-                 ageing_wait=100.0)  # fmt: skip
-    t.open_trajectory("short", hint_steps=100)
-    t.open_trajectory("long", hint_steps=1000)
-    t.open_trajectory("blocker")
-    t.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
-    t.submit("w", "short", exec_action(1, 10.0), 0.0)
-    t.complete("hold", 500.0)
-    t.schedule(500.0)
-    t.submit("l", "long", exec_action(1, 10.0), 500.0)  # deadline 500 + 100 x 5 = 1000
-    t.submit("s1", "short", exec_action(1, 10.0), 505.0)
-    t.complete("w", 511.0)
-    assert [a.action_id for a in t.schedule(511.0).assignments] == ["s1"]
+
+
+def test_shortest_remaining_ages_by_the_recent_wait() -> None:
+    """Overdue after ageing_factor x its duration or ageing_wait x the recent mean wait,
+    whichever is later: when everyone waits long, the bound grows with it."""
+    s = _waiting_pair()  # "l" overdue at 500 + 2 x 500 = 1500
+    assert [a.action_id for a in s.schedule(511.0).assignments] == ["s1"]
+    s.submit("s2", "short", exec_action(1, 10.0), 1400.0)
+    s.complete("s1", 1501.0)
+    assert [a.action_id for a in s.schedule(1501.0).assignments] == ["l"]
+
+
+def test_an_outlived_hint_falls_back_to_the_survival_estimate() -> None:
+    s = one_node(1, numa=1, ordering="shortest-remaining", min_age_s=1e9)
+    s.open_trajectory("under", hint_steps=1)
+    s.open_trajectory("other", hint_steps=3)
+    s.submit("u0", "under", exec_action(1, 1.0), 0.0)
+    (asg,) = s.schedule(0.0).assignments
+    s.complete(asg.action_id, 1.0)
+    s.open_trajectory("blocker")
+    s.adopt("hold", "blocker", exec_action(1, 1.0), units=1, started_at=1.0)
+    s.submit("u1", "under", exec_action(1, 1.0), 1.0)  # one step more than it said
+    s.submit("o0", "other", exec_action(1, 1.0), 1.5)
+    s.complete("hold", 2.0)
+    # Not "0 left, so first": with no finished trajectory yet, 8 steps are assumed.
+    assert [a.action_id for a in s.schedule(2.0).assignments] == ["o0"]
 
 
 def test_cancel_and_close_drop_queued_actions() -> None:

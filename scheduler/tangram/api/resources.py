@@ -205,7 +205,10 @@ class Scheduling(Spec):
 
     ordering: Annotated[
         OrderingName,
-        Field(description="queue order: first come first served, or by trajectory priority"),
+        Field(
+            description="queue order: first come first served, or by the work trajectories "
+            "have left (most first: trajectory-priority; least first: shortest-remaining)"
+        ),
     ] = DEFAULT_ORDERING
     depth: Annotated[
         int,

@@ -62,7 +62,7 @@ class ConfigState(_Strict):
     fixed_dop: Annotated[int | None, Field(ge=1)] = None
     ageing_factor: Annotated[float, Field(gt=0)] = 4.0
     min_age_s: Annotated[float, Field(ge=0)] = 1.0
-    ageing_wait: Annotated[float, Field(ge=0)] = 2.0
+    ageing_wait: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
     horizon: Annotated[int | None, Field(ge=1)] = None
     quota_waiting: QuotaWaiting = "hold"
     core_price: CorePrice = "load"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,8 +56,8 @@ class SchedulerConfig:
             raise SchedulingError("quota_waiting", f"unknown rule {self.quota_waiting!r}")
         if self.core_price not in CORE_PRICES:
             raise SchedulingError("core_price", f"unknown rule {self.core_price!r}")
-        if not self.ageing_wait >= 0:  # also refuses NaN
-            raise SchedulingError("ageing_wait", "must be at least 0")
+        if not 0 <= self.ageing_wait < math.inf:  # NaN or inf would make nothing overdue
+            raise SchedulingError("ageing_wait", "must be a finite number >= 0")
         if self.depth < 1:
             raise SchedulingError("depth", "must be at least 1")
         if self.max_candidates is not None and self.max_candidates < 1:

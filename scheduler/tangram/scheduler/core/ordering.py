@@ -19,8 +19,7 @@
   trajectories with little left sooner is what lowers it (docs/benchmarks.md).
   Its ageing bound also scales with the load: an action is overdue after
   ``ageing_wait`` times the recent mean queueing time of started actions (or the
-  bound above, whichever is later), so the long trajectories it defers wait a
-  bounded multiple of what everyone waits.
+  bound above, whichever is later), a deadline fixed when it is submitted.
 """
 
 from __future__ import annotations
@@ -170,12 +169,13 @@ class Fcfs:
 
 def predicted_work(traj: Trajectory, lengths: LengthModel, expected: Callable[[], float]) -> float:
     """Seconds of actions a trajectory is predicted to have left, this one included: its
-    client's remaining-steps hint (else the survival estimate) times its mean step so far."""
-    remaining = (
-        float(max(0, traj.hint_steps - (traj.steps_done - traj.hint_at)))
-        if traj.hint_steps is not None
-        else lengths.expected_remaining(traj.steps_done)
+    client's remaining-steps hint (else the survival estimate) times its mean step so far.
+    A hint the trajectory has outlived (it took more steps than said) no longer says
+    anything: the survival estimate takes over rather than calling it done."""
+    hinted = (
+        traj.hint_steps - (traj.steps_done - traj.hint_at) if traj.hint_steps is not None else 0
     )
+    remaining = float(hinted) if hinted > 0 else lengths.expected_remaining(traj.steps_done)
     this = expected()
     per_step = traj.busy_s / traj.steps_done if traj.steps_done else this
     return remaining * per_step + this

@@ -57,7 +57,8 @@ __all__ = [
     "SchedulingError",
 ]
 
-# Weight of each start in ``recent_wait_s`` (an exponential mean over about the last 100).
+# Weight of each start in ``recent_wait_s``: the plain mean of the first 100 starts, then
+# an exponential mean over about the last 100.
 _WAIT_WEIGHT = 0.01
 
 
@@ -78,8 +79,10 @@ class Scheduler:
         self.book = ProfileBook()
         self.sizing = Sizing(self.cpu, self.book, self.config, _biggest(self.cpu))
         self.lengths = LengthModel()
-        # Mean queueing time of recently started actions (shortest-remaining's ageing).
+        # Mean queueing time of recently started actions (shortest-remaining's ageing),
+        # over the starts of rounds (``_commit``); an adopted action never queued here.
         self.recent_wait_s = 0.0
+        self._waits_seen = 0
         self.trajectories: dict[str, Trajectory] = {}
         self.actions: dict[str, Action] = {}
         self.shares: dict[str, TenantShare] = {}  # by tenant; others get default_share
@@ -495,6 +498,11 @@ class Scheduler:
             self._place(tid, node)
         started = (self._start(self.actions[s.action_id], s, now) for s in plan.starts)
         assignments = [a for a in started if a is not None]
+        for asg in assignments:
+            self._waits_seen += 1
+            weight = max(_WAIT_WEIGHT, 1.0 / self._waits_seen)
+            queued_s = max(0.0, now - self.running[asg.action_id].action.submitted_at)
+            self.recent_wait_s += weight * (queued_s - self.recent_wait_s)
         waiting = self.waiting
         wake = [
             t
@@ -614,7 +622,6 @@ class Scheduler:
             except ValueError:
                 return None
         self._dequeue(a.id, started=True)
-        self.recent_wait_s += _WAIT_WEIGHT * (now - a.submitted_at - self.recent_wait_s)
         cores: tuple[int, ...] = ()
         chunk = None
         restore = False
