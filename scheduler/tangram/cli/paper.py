@@ -158,12 +158,17 @@ def run_paper(out: Path, *, quick: bool = False, seed: int = 0) -> dict[str, Any
     )
     # The papers give no quota figures: sweep them (research note §1.3). elastic-pass only
     # at scale 1.0: its rounds walk past every quota waiter, so its replay is ~10x slower.
+    # elastic-shortest-hinted (the clients' hints) at 1.0 too, where the target is set.
     report["deepsearch"] = {
         str(scale): _run(
             "deepsearch",
             256 if quick else 2048,
             scenario_cluster("deepsearch", quota_scale=scale),
-            ("elastic", "unmanaged", *(("elastic-pass",) if scale == 1.0 else ())),
+            (
+                "elastic",
+                "unmanaged",
+                *(("elastic-pass", "elastic-shortest-hinted") if scale == 1.0 else ()),
+            ),
             seed,
         )
         for scale in ((1.0,) if quick else (0.25, 0.5, 1.0))
