@@ -288,6 +288,31 @@ def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> 
     asyncio.run(scenario())
 
 
+def test_a_clients_expected_steps_reach_the_scheduler_as_its_hint() -> None:
+    """The trajectory orderings read it (docs/scheduler.md, Ordering policies)."""
+    from tangram.api.wire import AgentReply, EnvSpec, OpenTrajectory
+    from tangram.service.config import EnvConfig
+
+    config = PoolConfig(envs={"e": EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))})
+    engine = Engine(config)
+    engine.all_agents_joined()
+
+    async def ask(node: str, req: Any) -> AgentReply:
+        return AgentReply(rid=1, ok=True, opened_s=0.0)
+
+    engine.state.ask = ask  # type: ignore[method-assign, assignment]
+    engine.hub.links["n1"] = SimpleNamespace()  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        await engine.membership.join(_agent())
+        hinted = await engine.open_trajectory("u", OpenTrajectory(env="e", expected_steps=12))
+        plain = await engine.open_trajectory("u", OpenTrajectory(env="e"))
+        assert engine.core.trajectories[hinted.key].hint_steps == 12
+        assert engine.core.trajectories[plain.key].hint_steps is None
+
+    asyncio.run(scenario())
+
+
 def test_a_key_still_to_be_closed_on_an_agents_return_is_not_given_again() -> None:
     engine = _engine_with_t1()
     free_key = engine.lifecycle.free_key
