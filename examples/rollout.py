@@ -32,7 +32,9 @@ async def trajectory(
     client: AsyncClient, i: int, args: argparse.Namespace, out: dict[str, list[ActionResult]]
 ) -> None:
     rng = random.Random(i)
-    async with client.trajectory(args.env, labels={"rollout": "example", "index": str(i)}) as t:
+    labels = {"rollout": "example", "index": str(i)}
+    # expected_steps: what the trajectory orderings of a pool read (docs/scheduler.md).
+    async with client.trajectory(args.env, labels=labels, expected_steps=args.steps) as t:
         for step in range(args.steps):
             await asyncio.sleep(rng.expovariate(1 / args.think) if args.think > 0 else 0)
             if step == args.steps - 1:  # the last step runs the (elastic) test suite
@@ -54,18 +56,18 @@ async def trajectory(
 def report(out: dict[str, list[ActionResult]], wall: float) -> None:
     total = sum(len(v) for v in out.values())
     print(f"{total} actions in {wall:.1f} s ({total / wall:.1f} actions/s)")
-    print(
-        f"{'kind':8} {'n':>5} {'ACT p50':>9} {'ACT p99':>9} {'queued':>9} {'overhead':>9} {'exec':>9}  (ms, means but p50/p99)"
-    )
+    heads = ("ACT p50", "ACT p99", "queued", "overhead", "exec")
+    head = " ".join(f"{h:>9}" for h in heads)
+    print(f"{'kind':8} {'n':>5} {head}  (ms, means but p50/p99)")
     for kind, rs in sorted(out.items()):
         act = sorted(r.timings.act_s * 1e3 for r in rs)
         p99 = act[min(len(act) - 1, int(0.99 * len(act)))]
-        mean = lambda f: statistics.fmean(f(r) * 1e3 for r in rs)  # noqa: E731
-        print(
-            f"{kind:8} {len(rs):5d} {statistics.median(act):9.2f} {p99:9.2f} "
-            f"{mean(lambda r: r.timings.queued_s):9.2f} {mean(lambda r: r.timings.overhead_s):9.2f} "
-            f"{mean(lambda r: r.timings.exec_s):9.2f}"
-        )
+        means = [
+            statistics.fmean(getattr(r.timings, f) * 1e3 for r in rs)
+            for f in ("queued_s", "overhead_s", "exec_s")
+        ]
+        cells = [statistics.median(act), p99, *means]
+        print(f"{kind:8} {len(rs):5d} " + " ".join(f"{c:9.2f}" for c in cells))
     dops = [r.allocation.dop for r in out.get("tests", [])]
     if dops:
         print(f"tests ran with DoP {dict(sorted((d, dops.count(d)) for d in set(dops)))}")
