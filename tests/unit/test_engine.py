@@ -260,13 +260,14 @@ def test_a_tenants_max_queued_refuses_its_next_action_and_no_one_elses() -> None
     asyncio.run(scenario())
 
 
-def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> None:
-    from tangram.api.wire import AgentReply, EnvSpec, OpenTrajectory
-    from tangram.service.config import ANY_TENANT, EnvConfig, TenantLimits
+def _opening_engine(**pool: Any) -> Engine:
+    """An engine of a pool with env "e" (and ``pool``'s other settings) whose agent on "n1",
+    once a scenario joins it, opens every environment it is asked to."""
+    from tangram.api.wire import AgentReply, EnvSpec
+    from tangram.service.config import EnvConfig
 
     env = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))
-    config = PoolConfig(envs={"e": env}, tenants={ANY_TENANT: TenantLimits(max_trajectories=2)})
-    engine = Engine(config)
+    engine = Engine(PoolConfig(envs={"e": env}, **pool))
     engine.all_agents_joined()
 
     async def ask(node: str, req: Any) -> AgentReply:
@@ -274,6 +275,14 @@ def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> 
 
     engine.state.ask = ask  # type: ignore[method-assign, assignment]
     engine.hub.links["n1"] = SimpleNamespace()  # type: ignore[assignment]
+    return engine
+
+
+def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> None:
+    from tangram.api.wire import OpenTrajectory
+    from tangram.service.config import ANY_TENANT, TenantLimits
+
+    engine = _opening_engine(tenants={ANY_TENANT: TenantLimits(max_trajectories=2)})
 
     async def scenario() -> None:
         await engine.membership.join(_agent())
@@ -290,18 +299,9 @@ def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> 
 
 def test_a_clients_expected_steps_reach_the_scheduler_as_its_hint() -> None:
     """The trajectory orderings read it (docs/scheduler.md, Ordering policies)."""
-    from tangram.api.wire import AgentReply, EnvSpec, OpenTrajectory
-    from tangram.service.config import EnvConfig
+    from tangram.api.wire import OpenTrajectory
 
-    config = PoolConfig(envs={"e": EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))})
-    engine = Engine(config)
-    engine.all_agents_joined()
-
-    async def ask(node: str, req: Any) -> AgentReply:
-        return AgentReply(rid=1, ok=True, opened_s=0.0)
-
-    engine.state.ask = ask  # type: ignore[method-assign, assignment]
-    engine.hub.links["n1"] = SimpleNamespace()  # type: ignore[assignment]
+    engine = _opening_engine()
 
     async def scenario() -> None:
         await engine.membership.join(_agent())

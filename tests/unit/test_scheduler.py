@@ -278,12 +278,18 @@ def test_unprofiled_elastic_type_is_probed_then_scheduled_elastically() -> None:
     assert max(seen[-4:]) > 2  # once trusted, the elastic algorithm takes over
 
 
+def _hold_the_core(s: Scheduler, at: float = 0.0, t1: float = 10.0) -> None:
+    """An adopted action "hold" takes the node's one core from ``at``: what is submitted
+    meanwhile queues, in the ordering's order, until the test completes "hold"."""
+    s.open_trajectory("blocker")
+    s.adopt("hold", "blocker", exec_action(1, t1), units=1, started_at=at)
+
+
 def test_trajectory_priority_orders_longer_trajectories_first_and_ages() -> None:
     s = one_node(1, numa=1, ordering="trajectory-priority", ageing_factor=2.0, min_age_s=0.0)
     s.open_trajectory("short", hint_steps=1)
     s.open_trajectory("long", hint_steps=50)
-    s.open_trajectory("blocker")
-    s.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
+    _hold_the_core(s)
     s.submit("s", "short", exec_action(1, 10.0), 0.0)
     s.submit("l", "long", exec_action(1, 10.0), 0.5)
     s.complete("hold", 1.0)
@@ -298,8 +304,7 @@ def test_shortest_remaining_orders_shorter_trajectories_first() -> None:
     s = one_node(1, numa=1, ordering="shortest-remaining", min_age_s=1e9)
     s.open_trajectory("short", hint_steps=1)
     s.open_trajectory("long", hint_steps=50)
-    s.open_trajectory("blocker")
-    s.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
+    _hold_the_core(s)
     s.submit("l", "long", exec_action(1, 10.0), 0.0)
     s.submit("s", "short", exec_action(1, 10.0), 0.5)
     s.complete("hold", 1.0)
@@ -319,8 +324,7 @@ def _waiting_pair(ageing_wait: float = 2.0) -> Scheduler:
     )
     s.open_trajectory("short", hint_steps=100)
     s.open_trajectory("long", hint_steps=1000)
-    s.open_trajectory("blocker")
-    s.adopt("hold", "blocker", exec_action(1, 10.0), units=1, started_at=0.0)
+    _hold_the_core(s)
     assert s.recent_wait_s == 0.0  # an adopted action never waited in this queue
     s.submit("w", "short", exec_action(1, 10.0), 0.0)
     s.complete("hold", 500.0)
@@ -354,8 +358,7 @@ def test_an_outlived_hint_falls_back_to_the_survival_estimate() -> None:
     s.submit("u0", "under", exec_action(1, 1.0), 0.0)
     (asg,) = s.schedule(0.0).assignments
     s.complete(asg.action_id, 1.0)
-    s.open_trajectory("blocker")
-    s.adopt("hold", "blocker", exec_action(1, 1.0), units=1, started_at=1.0)
+    _hold_the_core(s, at=1.0, t1=1.0)
     s.submit("u1", "under", exec_action(1, 1.0), 1.0)  # one step more than it said
     s.submit("o0", "other", exec_action(1, 1.0), 1.5)
     s.complete("hold", 2.0)
@@ -389,8 +392,7 @@ def test_a_remaining_steps_hint_counts_down() -> None:
         s.submit(f"h{i}", "hinted", exec_action(1, 1.0), float(i))
         (asg,) = s.schedule(float(i)).assignments
         s.complete(asg.action_id, float(i) + 1)
-    s.open_trajectory("blocker")
-    s.adopt("hold", "blocker", exec_action(1, 1.0), units=1, started_at=4.0)
+    _hold_the_core(s, at=4.0, t1=1.0)
     s.submit("h4", "hinted", exec_action(1, 1.0), 4.0)
     s.submit("o0", "other", exec_action(1, 1.0), 4.5)
     s.complete("hold", 5.0)

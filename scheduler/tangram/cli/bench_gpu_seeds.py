@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from tangram.cli.paper import with_gpus
-from tangram.cli.seed_runs import check_out, header, numbers, run_jobs, write_table
+from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs, write_table
 from tangram.sim.policies import simulate
 from tangram.sim.tracegen import generate, scenario_cluster
 
@@ -99,8 +99,7 @@ def _mixed_row(batch: int, seed: int, got: dict[Job, dict[str, float]]) -> dict[
 def render(report: dict[str, Any]) -> str:
     """The report as Markdown tables, as recorded in docs/benchmarks.md."""
     lines = [
-        f"`{report['command']}` on {report['machine']}, Python {report['python']}, "
-        f"{report['wall_s']:.0f} s.",
+        header_line(report),
         "",
         "MOPD, 40 GPUs: avg service-call ACT (s) and GPU-seconds; ratios = elastic / static-gpu "
         "(targets: ACT ≤ 1, GPU-seconds ≤ 0.5).",

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any
 
-from tangram.cli.seed_runs import check_out, header, numbers, run_jobs, write_table
+from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs, write_table
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.policies import simulate
 from tangram.sim.tracegen import generate, scenario_cluster
@@ -88,8 +88,7 @@ def _batch(
 def render(report: dict[str, Any]) -> str:
     """The report as a Markdown table: one row per batch, each seed's ratio and the spread."""
     lines = [
-        f"`{report['command']}` on {report['machine']}, Python {report['python']}, "
-        f"{report['wall_s']:.0f} s.",
+        header_line(report),
         "",
         "avg ACT per action, s: elastic (priced) / elastic-paper / better of fixed-dop-4 and "
         "fixed-dop-16; ratio = elastic / that better fixed DoP (target ≤ 0.95); "

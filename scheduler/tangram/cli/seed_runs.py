@@ -89,3 +89,11 @@ def write_table(args: argparse.Namespace, text: str) -> None:
         table.write_text(text, encoding="utf-8")
     except OSError as e:
         raise InputError(f"--out: cannot write {table}: {e.strerror}") from None
+
+
+def header_line(report: dict[str, Any]) -> str:
+    """The first line of a report's table: its command, machine, Python and wall time."""
+    return (
+        f"`{report['command']}` on {report['machine']}, Python {report['python']}, "
+        f"{report['wall_s']:.0f} s."
+    )

@@ -218,9 +218,8 @@ class ShortestRemaining(TrajectoryPriority):
         config: SchedulerConfig,
         recent_wait_s: float,
     ) -> float | None:
-        by_duration = super().deadline(now, expected, config, recent_wait_s)
-        assert by_duration is not None
-        return max(by_duration, now + config.ageing_wait * recent_wait_s)
+        by_duration = config.ageing_factor * expected()
+        return now + max(config.min_age_s, by_duration, config.ageing_wait * recent_wait_s)
 
 
 # The implementation of each name of tangram.api.orderings.ORDERINGS, which validation, the
