@@ -51,7 +51,13 @@ def _check(durations: Sequence[Durations]) -> None:
 
 
 class BasicTable:
-    """DP over interchangeable units: ``best(p)`` is the optimum for the first ``p`` candidates."""
+    """DP over interchangeable units: ``best(p)`` is the optimum for the first ``p`` candidates.
+
+    Each row is stored with ``pad`` infinities in front, so that "the previous row at state
+    j - k" is one gather at a fixed index matrix per set of allowed counts (shared by the
+    candidates that allow the same counts): a row costs four numpy calls, which at these
+    sizes is what a row costs at all.
+    """
 
     def __init__(self, durations: Sequence[Durations], capacity: int) -> None:
         if capacity < 0:
@@ -61,33 +67,38 @@ class BasicTable:
         self.n = len(durations)
         inf = np.inf
         width = capacity + 1
-        cols = np.arange(width)
-        row: npt.NDArray[np.float64] = np.full(width, inf)
-        row[0] = 0.0
+        self._cols = cols = np.arange(width)
+        fitting_of = [tuple(k for k in sorted(d) if k <= capacity) for d in durations]
+        self._pad = pad = max((f[-1] for f in fitting_of if f), default=0)
+        row: npt.NDArray[np.float64] = np.full(pad + width, inf)
+        row[pad] = 0.0
         self._rows: list[npt.NDArray[np.float64]] = [row]
-        self._choice: list[npt.NDArray[np.int64]] = []
-        for d in durations:
-            fitting = [k for k in sorted(d) if k <= capacity]
+        # Per candidate: its allowed counts (as an array) and the argmin per state, or None
+        # when no count fits (the row is all infinite).
+        self._picks: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.intp]] | None] = []
+        gathers: dict[tuple[int, ...], tuple[npt.NDArray[np.int64], npt.NDArray[np.intp]]] = {}
+        for d, fitting in zip(durations, fitting_of, strict=True):
+            nxt = np.full(pad + width, inf)
             if not fitting:
-                self._rows.append(np.full(width, inf))
-                self._choice.append(np.zeros(width, dtype=np.int64))
+                row = nxt
+                self._rows.append(row)
+                self._picks.append(None)
                 continue
-            ks = np.array(fitting, dtype=np.int64)
-            ts = np.array([d[k] for k in fitting])
-            # vals[j, i] = previous row at state j - ks[i] (inf below zero) + ts[i]: one
-            # gather from the row padded with kmax infs (2-3x faster than a window view,
-            # whose per-call checks dominate at these sizes).
-            kmax = fitting[-1]
-            padded = np.concatenate((np.full(kmax, inf), self._rows[-1]))
-            vals = padded[(cols + kmax)[:, None] - ks] + ts  # (width, K)
+            shared = gathers.get(fitting)
+            if shared is None:
+                ks = np.array(fitting, dtype=np.int64)
+                shared = gathers[fitting] = (ks, (cols + pad)[:, None] - ks)  # (width, K)
+            ks, index = shared
+            vals = row[index] + np.array([d[k] for k in fitting])
             pick = np.argmin(vals, axis=1)  # ties -> fewest units (choices are ascending)
-            row = vals[cols, pick]
+            nxt[pad:] = vals[cols, pick]
+            row = nxt
             self._rows.append(row)
-            self._choice.append(np.where(np.isfinite(row), ks[pick], 0))
+            self._picks.append((ks, pick))
 
     def best(self, p: int) -> tuple[float, list[int]]:
         """Optimal (total duration, units per candidate) for the first ``p`` candidates."""
-        row = self._rows[p]
+        row = self._rows[p][self._pad :]
         j = int(np.argmin(row))
         total = float(row[j])
         if not np.isfinite(total):
@@ -97,7 +108,10 @@ class BasicTable:
             )
         units = [0] * p
         for i in range(p, 0, -1):
-            k = int(self._choice[i - 1][j])
+            picked = self._picks[i - 1]
+            assert picked is not None  # a finite total passes only through feasible rows
+            ks, pick = picked
+            k = int(ks[pick[j]])
             units[i - 1] = k
             j -= k
         return total, units

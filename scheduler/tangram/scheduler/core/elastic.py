@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tangram.scheduler.core.dp import BasicTable, ChunkState, ChunkTable, Durations, chunk_level
-from tangram.scheduler.core.objective import Pending, estimate, unit_slots
+from tangram.scheduler.core.objective import Pending, Tail, estimate_split, unit_slots
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,20 +73,27 @@ def greedy_evict(
         def size(k: int) -> int:
             return k
 
+    n = len(candidates)
+    if n == 0:
+        return Arrangement(kept=0, units=(), steps=())
+    # What waits behind prefix p is candidates[p:] then the rest: flattened once, so each
+    # evaluation only slices (the rest can be the node's whole queue).
+    waiting = [_pending(d) for d in candidates]
+    waiting.extend(rest)
+    flat = Tail.of(waiting)
+
     def evaluate(p: int) -> EvictionStep:
         exact, units = table.best(p)
         used = sum(size(k) for k in units)
         releases = list(running)
         releases.extend((candidates[i][k], size(k)) for i, k in enumerate(units))
         slots = unit_slots(free - used, releases)
-        waiting = [_pending(d) for d in candidates[p:]]
-        waiting.extend(rest)
-        approx = estimate(slots, waiting, depth, doubling)
+        approx = 0.0
+        if p < len(waiting):
+            behind = Tail(flat.units[p + 1 :], flat.durations[p + 1 :], flat.single)
+            approx = estimate_split(slots, waiting[p], behind, depth, doubling)
         return EvictionStep(kept=p, units=tuple(units), exact=exact, approx=approx)
 
-    n = len(candidates)
-    if n == 0:
-        return Arrangement(kept=0, units=(), steps=())
     best = evaluate(n)
     steps = [best]
     p = n

@@ -71,14 +71,37 @@ def head_choices(n: int, depth: int, doubling: bool) -> list[int]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """The queue behind the head as the estimate walks it: each action's minimum units and
+    its duration there, as flat lists (the walk is the hot loop of an elastic round)."""
+
+    units: list[int]
+    durations: list[float]
+    single: bool  # every action needs one unit: the walk skips the unit test
+
+    @classmethod
+    def of(cls, items: Sequence[Pending]) -> Tail:
+        units = [p.units[0] for p in items]
+        return cls(units, [p.durations[0] for p in items], max(units, default=1) == 1)
+
+
 def estimate(
     slots: Sequence[float], rest: Sequence[Pending], depth: int, doubling: bool = False
 ) -> float:
     """Approximate sum of completion times of ``rest`` started in order on ``slots``."""
     if not rest:
         return 0.0
-    head, tail = rest[0], rest[1:]
+    return estimate_split(slots, rest[0], Tail.of(rest[1:]), depth, doubling)
+
+
+def estimate_split(
+    slots: Sequence[float], head: Pending, tail: Tail, depth: int, doubling: bool = False
+) -> float:
+    """``estimate`` of ``[head, *tail]``, with the tail already flattened."""
     best = float("inf")
+    if not slots:  # no unit will ever be free: nothing waiting can run
+        return best
     for i in head_choices(len(head.units), depth, doubling):
         heap = list(slots)
         total = _run(heap, head.units[i], head.durations[i])
@@ -87,16 +110,21 @@ def estimate(
     return best
 
 
-def _run_all(heap: list[float], items: Sequence[Pending]) -> float:
-    """``_run`` over many items; the one-unit case is inlined (it is the hot loop)."""
+def _run_all(heap: list[float], tail: Tail) -> float:
+    """``_run`` over the tail; the one-unit case is inlined (it is the hot loop)."""
     total = 0.0
     replace = heapq.heapreplace
-    for p in items:
-        u = p.units[0]
+    if tail.single:
+        for d in tail.durations:
+            end = heap[0] + d
+            replace(heap, end)
+            total += end
+        return total
+    for u, d in zip(tail.units, tail.durations, strict=True):
         if u == 1:
-            end = heap[0] + p.durations[0]
+            end = heap[0] + d
             replace(heap, end)
             total += end
         else:
-            total += _run(heap, u, p.durations[0])
+            total += _run(heap, u, d)
     return total
