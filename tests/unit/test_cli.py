@@ -353,3 +353,36 @@ def test_without_a_service_the_client_and_the_example_say_so_in_one_line() -> No
     assert done.returncode == 1
     assert done.stderr.startswith(f"rollout: cannot reach the ARL-Tangram service at {url}")
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_explain_replays_shortest_remainings_ageing_by_the_recent_wait(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One core; "long" (50 steps left) waited since 0, "short" (1 step left) since 9. With no
+    # recent wait "long" is overdue at 10 (deadline 0 + 4 x its 1 s) and goes first; after
+    # a scheduler saw 10 s waits, its deadline is 0 + 2 x 10 s: least work first again.
+    one = {"kind": "exec", "cpu": 1, "t1_s": 1.0}
+    state = {
+        "cluster": {"nodes": [{"name": "n0", "cpus": 1, "memory_gb": 64}]},
+        "config": {"ordering": "shortest-remaining"},
+        "now": 10.0,
+        "trajectories": [
+            {"id": "long", "node": "n0", "hint_steps": 50},
+            {"id": "short", "node": "n0", "hint_steps": 1},
+        ],
+        "queue": [
+            {"id": "l", "trajectory": "long", "submitted_s": 0.0, "action": one},
+            {"id": "s", "trajectory": "short", "submitted_s": 9.0, "action": one},
+        ],
+    }
+    path = tmp_path / "state.json"
+    started = []
+    for recent in (0.0, 10.0):
+        path.write_text(json.dumps({**state, "recent_wait_s": recent}))
+        code, out, _ = _run(capsys, "explain", str(path), "--json")
+        assert code == 0
+        started.append([a["action"] for a in json.loads(out)["assignments"]])
+    assert started == [["l"], ["s"]]
+    path.write_text(json.dumps({**state, "recent_wait_s": -1}))
+    code, _, err = _run(capsys, "explain", str(path))
+    assert code == 2 and "recent_wait_s" in err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -437,3 +439,15 @@ def test_a_profiles_sizes_at_once_are_its_durations_one_by_one(
     assert profile.durations(tuple(units)) == {m: profile.duration(m) for m in units}
     table = Profile(t1, TableEfficiency(table={1: 1.0, 8: 0.5}))
     assert table.durations(tuple(units)) == {m: table.duration(m) for m in units}
+
+
+def test_an_assumed_recent_wait_moves_as_a_learned_one() -> None:
+    s = one_node(1, numa=1, ordering="shortest-remaining")
+    s.assume_recent_wait(100.0)
+    s.open_trajectory("t")
+    s.submit("a", "t", exec_action(1, 1.0), 0.0)
+    assert [a.action_id for a in s.schedule(0.0).assignments] == ["a"]
+    assert s.recent_wait_s == pytest.approx(99.0)  # one start of 0 s moves it by 1 %
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(SchedulingError, match="recent_wait_s"):
+            s.assume_recent_wait(bad)

@@ -3,6 +3,7 @@
 STATE.json::
 
     {"cluster": {...cluster file...}, "config": {"depth": 2, ...}, "now": 100.0,
+     "recent_wait_s": 0.0,
      "trajectories": [{"id": "t1", "memory_gb": 4, "node": "n0"}],
      "running": [{"id": "r1", "trajectory": "t1", "action": {...}, "units": 4, "started_s": 90}],
      "queue": [{"id": "a1", "trajectory": "t2", "action": {...}, "submitted_s": 99}]}
@@ -72,6 +73,8 @@ class State(_Strict):
     cluster: ClusterSpec
     config: ConfigState = Field(default_factory=ConfigState)
     now: float = 0.0
+    # The scheduler's recent mean queueing time: shortest-remaining's ageing reads it.
+    recent_wait_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     trajectories: list[TrajectoryState] = Field(default_factory=list)
     running: list[RunningState] = Field(default_factory=list)
     queue: list[QueuedState] = Field(default_factory=list)
@@ -83,7 +86,8 @@ def register(sub: Any) -> None:
         help="show the scheduler's decision for a state, step by step",
         description="Show what the scheduler decides for STATE.json, and why.",
         epilog='STATE.json: {"cluster": {...a cluster file...}, "config": {"depth": 2}, '
-        '"now": 100.0, "trajectories": [{"id", "memory_gb", "node"}], '
+        '"now": 100.0, "recent_wait_s": 0, "trajectories": [{"id", "memory_gb", "node", '
+        '"hint_steps"}], '
         '"running": [{"id", "trajectory", "action", "units", "started_s"}], '
         '"queue": [{"id", "trajectory", "action", "submitted_s"}]} (queue in '
         "submission order; actions as in trace files). Example: examples/explain/waiting.json; "
@@ -97,6 +101,7 @@ def register(sub: Any) -> None:
 def decide(state: State) -> tuple[Scheduler, Round]:
     cfg = state.config
     sched = Scheduler(state.cluster, SchedulerConfig(**cfg.model_dump()))
+    sched.assume_recent_wait(state.recent_wait_s)
     for t in state.trajectories:
         sched.open_trajectory(t.id, t.memory_gb, t.hint_steps)
         if t.node is not None:

@@ -10,6 +10,7 @@ returns the assignments.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -126,6 +127,14 @@ class Scheduler:
             self.lengths.finished(traj.steps_done)
         del self.trajectories[tid]
         return dropped
+
+    def assume_recent_wait(self, wait_s: float) -> None:
+        """Start from a learned recent mean queueing time (``tangram explain`` replays a
+        round of a scheduler that had one); later starts move it as after 100 seen."""
+        if not (math.isfinite(wait_s) and wait_s >= 0):
+            raise SchedulingError("recent_wait_s", f"{wait_s} must be finite and >= 0")
+        self.recent_wait_s = wait_s
+        self._waits_seen = max(self._waits_seen, round(1 / _WAIT_WEIGHT))
 
     def place_trajectory(self, tid: str, node: str) -> None:
         """Pin a trajectory to a node (its environment already lives there)."""
