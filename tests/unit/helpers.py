@@ -5,6 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from tangram.api import ActionSpec, ClusterSpec
+from tangram.scheduler import Scheduler
+
+
+def started(s: Scheduler, now: float) -> list[str]:
+    """The actions a round at ``now`` starts, in the order it starts them."""
+    return [a.action_id for a in s.schedule(now).assignments]
 
 
 def cluster(**kw: Any) -> ClusterSpec:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -13,7 +14,7 @@ from tangram.api.demand import AmdahlEfficiency, TableEfficiency
 from tangram.scheduler import Assignment, Scheduler, SchedulerConfig, SchedulingError, dp_arrange
 from tangram.scheduler.core.profiles import Profile, ProfileBook
 
-from .helpers import api_call, cluster, elastic, exec_action, service_call
+from .helpers import api_call, cluster, elastic, exec_action, service_call, started
 
 
 def one_node(cpus: int = 8, numa: int = 2, memory: float = 64.0, **kw: object) -> Scheduler:
@@ -117,7 +118,7 @@ def test_fcfs_head_blocks_its_node_but_not_other_resources() -> None:
     r = s.schedule(0.0)
     assert [a.action_id for a in r.assignments] == ["q"]
     s.complete("big", 1.0)
-    assert [a.action_id for a in s.schedule(1.0).assignments] == ["wide"]
+    assert started(s, 1.0) == ["wide"]
 
 
 def test_rate_quota_sets_a_wake_up_time() -> None:
@@ -133,7 +134,7 @@ def test_rate_quota_sets_a_wake_up_time() -> None:
     for a in r.assignments:
         s.complete(a.action_id, 0.01)
     assert s.schedule(0.5).assignments == ()
-    assert [a.action_id for a in s.schedule(1.0).assignments] == ["q2"]
+    assert started(s, 1.0) == ["q2"]
 
 
 def test_gpu_calls_reuse_resident_instances_and_evict_lru() -> None:
@@ -287,30 +288,33 @@ def _hold_the_core(s: Scheduler, at: float = 0.0, t1: float = 10.0) -> None:
     s.adopt("hold", "blocker", exec_action(1, t1), units=1, started_at=at)
 
 
-def test_trajectory_priority_orders_longer_trajectories_first_and_ages() -> None:
-    s = one_node(1, numa=1, ordering="trajectory-priority", ageing_factor=2.0, min_age_s=0.0)
+def _short_and_long(ordering: str, first: str, **config: Any) -> Scheduler:
+    """One core, held until 1 s; "s" (of "short", 1 step left) and "l" (of "long", 50)
+    queue behind it, ``first`` submitted at 0 and the other at 0.5 (so that the order seen
+    is the ordering's, not submission's)."""
+    s = one_node(1, numa=1, ordering=ordering, **config)
     s.open_trajectory("short", hint_steps=1)
     s.open_trajectory("long", hint_steps=50)
     _hold_the_core(s)
-    s.submit("s", "short", exec_action(1, 10.0), 0.0)
-    s.submit("l", "long", exec_action(1, 10.0), 0.5)
+    second = "l" if first == "s" else "s"
+    for aid, at in ((first, 0.0), (second, 0.5)):
+        s.submit(aid, "short" if aid == "s" else "long", exec_action(1, 10.0), at)
     s.complete("hold", 1.0)
-    assert [a.action_id for a in s.schedule(1.0).assignments] == ["l"]
+    return s
+
+
+def test_trajectory_priority_orders_longer_trajectories_first_and_ages() -> None:
+    s = _short_and_long("trajectory-priority", "s", ageing_factor=2.0, min_age_s=0.0)
+    assert started(s, 1.0) == ["l"]
     # Ageing: after waiting ageing_factor x its expected duration, "s" goes before newer work.
     s.submit("l2", "long", exec_action(1, 10.0), 15.0)
     s.complete("l", 25.0)
-    assert [a.action_id for a in s.schedule(25.0).assignments] == ["s"]
+    assert started(s, 25.0) == ["s"]
 
 
 def test_shortest_remaining_orders_shorter_trajectories_first() -> None:
-    s = one_node(1, numa=1, ordering="shortest-remaining", min_age_s=1e9)
-    s.open_trajectory("short", hint_steps=1)
-    s.open_trajectory("long", hint_steps=50)
-    _hold_the_core(s)
-    s.submit("l", "long", exec_action(1, 10.0), 0.0)
-    s.submit("s", "short", exec_action(1, 10.0), 0.5)
-    s.complete("hold", 1.0)
-    assert [a.action_id for a in s.schedule(1.0).assignments] == ["s"]
+    s = _short_and_long("shortest-remaining", "l", min_age_s=1e9)
+    assert started(s, 1.0) == ["s"]
 
 
 def _waiting_pair(ageing_wait: float = 2.0) -> Scheduler:
@@ -330,7 +334,7 @@ def _waiting_pair(ageing_wait: float = 2.0) -> Scheduler:
     assert s.recent_wait_s == 0.0  # an adopted action never waited in this queue
     s.submit("w", "short", exec_action(1, 10.0), 0.0)
     s.complete("hold", 500.0)
-    assert [a.action_id for a in s.schedule(500.0).assignments] == ["w"]
+    assert started(s, 500.0) == ["w"]
     assert s.recent_wait_s == 500.0  # the plain mean until 100 starts
     s.submit("l", "long", exec_action(1, 10.0), 500.0)
     s.submit("s1", "short", exec_action(1, 10.0), 505.0)
@@ -340,17 +344,17 @@ def _waiting_pair(ageing_wait: float = 2.0) -> Scheduler:
 
 def test_shortest_remaining_ages_by_the_duration_bound() -> None:
     s = _waiting_pair(ageing_wait=0.0)  # overdue after 1 x its 10 s: "l" at 510
-    assert [a.action_id for a in s.schedule(511.0).assignments] == ["l"]
+    assert started(s, 511.0) == ["l"]
 
 
 def test_shortest_remaining_ages_by_the_recent_wait() -> None:
     """Overdue after ageing_factor x its duration or ageing_wait x the recent mean wait,
     whichever is later: when everyone waits long, the bound grows with it."""
     s = _waiting_pair()  # "l" overdue at 500 + 2 x 500 = 1500
-    assert [a.action_id for a in s.schedule(511.0).assignments] == ["s1"]
+    assert started(s, 511.0) == ["s1"]
     s.submit("s2", "short", exec_action(1, 10.0), 1400.0)
     s.complete("s1", 1501.0)
-    assert [a.action_id for a in s.schedule(1501.0).assignments] == ["l"]
+    assert started(s, 1501.0) == ["l"]
 
 
 def test_an_outlived_hint_falls_back_to_the_survival_estimate() -> None:
@@ -365,7 +369,7 @@ def test_an_outlived_hint_falls_back_to_the_survival_estimate() -> None:
     s.submit("o0", "other", exec_action(1, 1.0), 1.5)
     s.complete("hold", 2.0)
     # Not "0 left, so first": with no finished trajectory yet, 8 steps are assumed.
-    assert [a.action_id for a in s.schedule(2.0).assignments] == ["o0"]
+    assert started(s, 2.0) == ["o0"]
 
 
 def test_cancel_and_close_drop_queued_actions() -> None:
@@ -398,7 +402,7 @@ def test_a_remaining_steps_hint_counts_down() -> None:
     s.submit("h4", "hinted", exec_action(1, 1.0), 4.0)
     s.submit("o0", "other", exec_action(1, 1.0), 4.5)
     s.complete("hold", 5.0)
-    assert [a.action_id for a in s.schedule(5.0).assignments] == ["o0"]
+    assert started(s, 5.0) == ["o0"]
 
 
 def test_adopt_refuses_more_than_the_node_has_and_changes_nothing() -> None:
@@ -446,7 +450,7 @@ def test_an_assumed_recent_wait_moves_as_a_learned_one() -> None:
     s.assume_recent_wait(100.0)
     s.open_trajectory("t")
     s.submit("a", "t", exec_action(1, 1.0), 0.0)
-    assert [a.action_id for a in s.schedule(0.0).assignments] == ["a"]
+    assert started(s, 0.0) == ["a"]
     assert s.recent_wait_s == pytest.approx(99.0)  # one start of 0 s moves it by 1 %
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(SchedulingError, match="recent_wait_s"):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tangram.scheduler import Scheduler, SchedulerConfig
 from tangram.scheduler.core.shares import TenantShare
 
-from .helpers import api_call, cluster, elastic, exec_action
+from .helpers import api_call, cluster, elastic, exec_action, started
 
 
 def _pool(cpus: int = 2, **config: object) -> Scheduler:
@@ -32,7 +32,7 @@ def _flood_then_one(s: Scheduler) -> list[str]:
     _open(s, "f", "flood")
     for i in range(20):
         s.submit(f"f{i}", "f", exec_action(1, 1.0), float(i))
-    first = [a.action_id for a in s.schedule(20.0).assignments]
+    first = started(s, 20.0)
     _open(s, "s", "steady")
     s.submit("s0", "s", exec_action(1, 1.0), 20.5)
     return first
@@ -42,7 +42,7 @@ def test_a_newcomer_goes_next_instead_of_after_the_whole_flood() -> None:
     s = _pool()
     assert _flood_then_one(s) == ["f0", "f1"]
     s.complete("f0", 21.0)
-    assert [a.action_id for a in s.schedule(21.0).assignments] == ["s0"]
+    assert started(s, 21.0) == ["s0"]
 
 
 def test_tenants_arriving_together_alternate() -> None:
@@ -63,7 +63,7 @@ def test_without_tenant_fairness_the_newcomer_waits_behind_the_flood() -> None:
     s = _pool(tenant_fairness=False)
     _flood_then_one(s)
     s.complete("f0", 21.0)
-    assert [a.action_id for a in s.schedule(21.0).assignments] == ["f2"]
+    assert started(s, 21.0) == ["f2"]
 
 
 def test_a_capped_tenant_leaves_its_share_free_and_blocks_nobody() -> None:
@@ -71,9 +71,9 @@ def test_a_capped_tenant_leaves_its_share_free_and_blocks_nobody() -> None:
     s.set_tenants({"flood": TenantShare(max_share=0.5)})
     assert _flood_then_one(s) == ["f0"]  # one core of two, though nobody else waits yet
     assert dict(s.plan(20.0).blocked)["f1"] == "tenant flood at its maxShare"
-    assert [a.action_id for a in s.schedule(21.0).assignments] == ["s0"]  # at once
+    assert started(s, 21.0) == ["s0"]  # at once
     s.complete("f0", 22.0)
-    assert [a.action_id for a in s.schedule(22.0).assignments] == ["f1"]
+    assert started(s, 22.0) == ["f1"]
 
 
 def test_a_capped_tenants_elastic_action_gets_at_most_its_share() -> None:

@@ -43,8 +43,8 @@ def _replay(job: Job) -> dict[str, float]:
 
 def run_gpu_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
     check_out(args)
-    batches = numbers(args.batches, BATCHES, "batches")
-    seeds = numbers(args.seeds, SEEDS, "seeds")
+    batches = numbers(args.batches, BATCHES, "batches", least=1)
+    seeds = numbers(args.seeds, SEEDS, "seeds", least=0)
     jobs: list[Job] = [
         ("mopd", b, s, p, None) for b in batches for s in seeds for p in MOPD_POLICIES
     ]

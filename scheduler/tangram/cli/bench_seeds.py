@@ -37,8 +37,8 @@ def _replay(job: tuple[int, int, str]) -> dict[str, float]:
 
 def run_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
     check_out(args)
-    batches = numbers(args.batches, BATCHES, "batches")
-    seeds = numbers(args.seeds, SEEDS, "seeds")
+    batches = numbers(args.batches, BATCHES, "batches", least=1)
+    seeds = numbers(args.seeds, SEEDS, "seeds", least=0)
     jobs = [(b, s, p) for b in batches for s in seeds for p in POLICIES]
     started = time.perf_counter()
     got = run_jobs(

@@ -20,18 +20,17 @@ J = TypeVar("J", bound=Hashable)
 R = TypeVar("R")
 
 
-def numbers(text: str | None, default: tuple[int, ...], name: str) -> tuple[int, ...]:
-    """``--batches`` / ``--seeds``: comma-separated whole numbers, repeats dropped."""
+def numbers(text: str | None, default: tuple[int, ...], name: str, least: int) -> tuple[int, ...]:
+    """``--batches`` / ``--seeds``: comma-separated whole numbers >= ``least``, repeats
+    dropped."""
     if not text:
         return default
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise InputError(f"--{name}: comma-separated whole numbers, got {text!r}") from None
-    if not values or min(values) < (1 if name == "batches" else 0):
-        raise InputError(
-            f"--{name}: give at least one, each {'>= 1' if name == 'batches' else '>= 0'}"
-        )
+    if not values or min(values) < least:
+        raise InputError(f"--{name}: give at least one, each >= {least}")
     return tuple(dict.fromkeys(values))  # a repeat would be replayed, and counted, twice
 
 

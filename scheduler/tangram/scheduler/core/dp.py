@@ -67,7 +67,7 @@ class BasicTable:
         self.n = len(durations)
         inf = np.inf
         width = capacity + 1
-        self._cols = cols = np.arange(width)
+        cols = np.arange(width)
         fitting_of = [tuple(k for k in sorted(d) if k <= capacity) for d in durations]
         self._pad = pad = max((f[-1] for f in fitting_of if f), default=0)
         row: npt.NDArray[np.float64] = np.full(pad + width, inf)

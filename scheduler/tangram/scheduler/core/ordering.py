@@ -199,7 +199,12 @@ class TrajectoryPriority:
         config: SchedulerConfig,
         recent_wait_s: float,
     ) -> float | None:
-        return now + max(config.min_age_s, config.ageing_factor * expected())
+        by_duration = config.ageing_factor * expected()
+        return now + max(config.min_age_s, by_duration, self.wait_bound(config, recent_wait_s))
+
+    def wait_bound(self, config: SchedulerConfig, recent_wait_s: float) -> float:
+        """The least wait before overdue that the load sets: none here."""
+        return 0.0
 
 
 class ShortestRemaining(TrajectoryPriority):
@@ -211,15 +216,8 @@ class ShortestRemaining(TrajectoryPriority):
     ) -> tuple[float, ...]:
         return (predicted_work(traj, lengths, expected), float(seq))
 
-    def deadline(
-        self,
-        now: float,
-        expected: Callable[[], float],
-        config: SchedulerConfig,
-        recent_wait_s: float,
-    ) -> float | None:
-        by_duration = config.ageing_factor * expected()
-        return now + max(config.min_age_s, by_duration, config.ageing_wait * recent_wait_s)
+    def wait_bound(self, config: SchedulerConfig, recent_wait_s: float) -> float:
+        return config.ageing_wait * recent_wait_s
 
 
 # The implementation of each name of tangram.api.orderings.ORDERINGS, which validation, the
