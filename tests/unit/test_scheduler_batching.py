@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tangram.api.action import ActionSpec
-from tangram.api.cluster import ServiceSpec
+from tangram.api.cluster import ApiSpec, ServiceSpec
 from tangram.scheduler import Scheduler
 from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.resource import GPU
@@ -241,3 +241,40 @@ def test_a_joined_call_counts_no_gpus_against_its_tenants_share() -> None:
     assert [(a.action_id, a.sharing) for a in r.assignments] == [("x1", 1), ("x2", 2)]
     # Three calls run on one GPU: the tenant holds one of its two.
     assert s.holdings().of("").get(GPU, 0) == 1
+
+
+def test_a_tenant_at_its_share_of_gpus_still_joins_a_running_instance() -> None:
+    from tangram.scheduler.core.shares import TenantShare
+
+    s = batching(gpus=4)
+    s.set_tenants({}, TenantShare(max_share=0.25))  # one of the four GPUs
+    s.submit("x0", "t", service_call("a"), 0.0)
+    s.schedule(0.0)
+    assert s.holdings().of("").get(GPU, 0) == 1  # at its share
+    s.submit("x1", "t", service_call("a"), 0.5)
+    (joined,) = s.schedule(0.5).assignments  # it takes no GPU of its own
+    assert (joined.action_id, joined.sharing) == ("x1", 1)
+    assert s.holdings().of("").get(GPU, 0) == 1
+    # Once the instance has no room (3 calls), the next waits for the tenant's GPU.
+    s.submit("x2", "t", service_call("a"), 0.6)
+    s.submit("x3", "t", service_call("a"), 0.6)
+    r = s.schedule(0.6)
+    assert [a.action_id for a in r.assignments] == ["x2"]
+    assert dict(r.blocked)["x3"] == "tenant  at its maxShare"
+
+
+def test_a_tenant_at_its_share_of_a_quota_joins_nothing() -> None:
+    from tangram.scheduler.core.shares import TenantShare
+
+    s = batching(gpus=4)
+    s.set_quotas([ApiSpec(name="judge", concurrency=4)])
+    s.set_tenants({}, TenantShare(max_share=0.25))  # one GPU, one unit of the quota
+    call = ActionSpec.model_validate(
+        {"kind": "service", "service": "a", "t1_s": 1.0, "quotas": {"judge": 1}}
+    )
+    s.submit("x0", "t", call, 0.0)
+    s.schedule(0.0)
+    s.submit("x1", "t", call, 0.5)
+    r = s.schedule(0.5)  # the instance has room, but the tenant's quota unit is taken
+    assert not r.assignments
+    assert dict(r.blocked)["x1"] == "tenant  at its maxShare"

@@ -181,34 +181,40 @@ class _Planner:
             a = actions[aid]
             may_join = join_left > 0 and a.service in joining
             join_left -= may_join  # seen, whether it joins, waits or is capped
-            tenant, room = "", None
+            tenant, room, at_share = "", None, False
             if caps is not None:
                 tenant = s.trajectories[a.trajectory].tenant
                 room = caps.room(a, tenant)
                 if room is not None and room < min(a.cpu or a.gpu or (1,)):
-                    # At its tenant's share whatever its size: it waits (before sizing it).
-                    waits.append((aid, f"tenant {tenant} at its maxShare"))
-                    continue
+                    # At its tenant's share whatever its size: it waits (before sizing it),
+                    # unless it can join a running instance, which takes no GPUs of its own.
+                    at_share = may_join and caps.quotas_fit(a, tenant)
+                    if not at_share:
+                        waits.append((aid, f"tenant {tenant} at its maxShare"))
+                        continue
             # The trajectory's node, placed or planned (view.node_of, inlined: hot loop).
             node = placement.get(a.trajectory) if a.cpu else None
             if node is None and a.cpu:
                 node = planned.get(a.trajectory)
             units, durations, pending = s.sizing.choices(a, node)
             wants = needs(a, node, placement)
-            if room is not None:
+            if room is not None and not at_share:
                 if room < units[0]:  # its smallest size (after sizing) is over the share
                     waits.append((aid, f"tenant {tenant} at its maxShare"))
                     continue
                 if room < units[-1]:
                     units, durations = _first(units, durations, bisect_right(units, room))
             if may_join:
-                joined = self._join(a, units, durations, wants)
+                joined = self._join(a, units, durations, wants, alone=not at_share)
                 if joined is not None:
                     k, chunk, expected = joined
                     cands.append(_Candidate(a, GPU, None, {k: expected}, join=chunk))
                     if caps is not None:  # its quotas; no GPUs of its own
                         caps.take(a, tenant, 0)
                     continue
+            if at_share:  # no instance to join: it waits for its tenant's GPUs to free
+                waits.append((aid, f"tenant {tenant} at its maxShare"))
+                continue
             if blocked.isdisjoint(wants):
                 fit = self._fit(a, units[0], node)
                 if isinstance(fit, str):
@@ -259,14 +265,17 @@ class _Planner:
         units: tuple[int, ...],
         durations: Mapping[int, float],
         wants: tuple[Resource, ...],
+        *,
+        alone: bool = True,
     ) -> tuple[int, Chunk, float] | None:
         """The DoP at which service call ``a`` joins a running instance, its chunk, and its
         expected duration there.
 
         It joins when that is at least as fast for it as a chunk of its own: with a free
-        chunk, the fastest size there, restore included; with none, any room is better than
-        waiting. The calls already on an instance slow a joiner (``ServiceSpec.slowdown``),
-        and one that joins an instance still being restored waits for the restore first.
+        chunk, the fastest size there, restore included; with none (or, ``alone`` false,
+        when its tenant is at its share of GPUs), any room is better than waiting. The
+        calls already on an instance slow a joiner (``ServiceSpec.slowdown``), and one
+        that joins an instance still being restored waits for the restore first.
         Its quotas, and anything else it needs besides GPUs, must be open.
 
         While an earlier call waits for a chunk (the GPUs are closed), a joiner must end
@@ -293,8 +302,8 @@ class _Planner:
                     best = (d, k, inst)
         if best is None:
             return None
-        if not closed:
-            alone = min(
+        if alone and not closed:
+            own = min(
                 (
                     durations[k] + self._restore_s(svc, k)
                     for k in units
@@ -302,7 +311,7 @@ class _Planner:
                 ),
                 default=None,
             )
-            if alone is not None and alone < best[0]:
+            if own is not None and own < best[0]:
                 return None
         for q, n in a.quotas:
             prov.quota_free[q] -= n

@@ -104,6 +104,18 @@ class RoundCaps:
                 room = left if room is None else min(room, left)
         return room  # None: its quota units fit, and no cores or GPUs of it are capped
 
+    def quotas_fit(self, a: Action, tenant: str) -> bool:
+        """Whether ``a``'s quota units fit its tenant's share (what a call that joins a
+        running instance takes: no cores or GPUs of its own)."""
+        share = self._share(tenant).max_share
+        if share >= 1.0:
+            return True
+        for q, n in a.quotas:
+            left = self._left(tenant, Resource.api(q), share)
+            if left is not None and left < n:
+                return False
+        return True
+
     def take(self, a: Action, tenant: str, units: int) -> None:
         if self._share(tenant).max_share >= 1.0:
             return
