@@ -221,6 +221,46 @@ def workloads(draw: st.DrawFn, extra_quotas: bool = True, api: bool | None = Non
     return Workload(cluster, tuple(trajs))
 
 
+@st.composite
+def gpu_workloads(draw: st.DrawFn) -> Workload:
+    """Calls of a batching service and of a wide one on a few GPUs: wide calls that fit
+    are often better off waiting for more GPUs, while calls of the batching service join
+    its running instances (what ``workloads`` draws only rarely together)."""
+    gpus = draw(st.sampled_from([2, 4]))
+    batching = ServiceSpec(
+        name="rm0",
+        gpu_memory_gb=0.2 * GPU_MEMORY,
+        dop_choices=[1],
+        restore_s=draw(st.sampled_from([0.0, 0.5])),
+        max_calls=draw(st.sampled_from([2, 4, 8])),
+        batch_slowdown=draw(st.sampled_from([0.0, 0.1])),
+    )
+    wide = ServiceSpec(
+        name="rm1",
+        gpu_memory_gb=0.2 * GPU_MEMORY,
+        dop_choices=[d for d in (1, 2, 4) if d <= gpus],
+        restore_s=draw(st.sampled_from([0.0, 0.5])),
+        efficiency=AmdahlEfficiency(amdahl=draw(st.sampled_from([0.9, 1.0]))),
+    )
+    cluster = ClusterSpec(
+        nodes=[NodeSpec(name="n0", cpus=4, memory_gb=8.0, gpus=gpus, gpu_memory_gb=GPU_MEMORY)],
+        services=[batching, wide],
+    )
+    trajs = []
+    for t in range(draw(st.integers(2, 8))):
+        steps = []
+        for _ in range(draw(st.integers(1, 4))):
+            svc = draw(st.sampled_from(["rm0", "rm0", "rm1"]))
+            # Short wide calls: often waited longer than they run when a GPU frees.
+            t1 = draw(st.floats(0.5, 30.0) if svc == "rm0" else st.floats(0.5, 4.0))
+            spec = ActionSpec(kind=ActionKind.SERVICE, service=svc, t1_s=t1)
+            think = draw(st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
+            steps.append(Step(think, spec, draw(st.sampled_from([1.0, 0.5, 1.5]))))
+        arrival = draw(st.one_of(st.just(0.0), st.floats(0.0, 5.0)))
+        trajs.append(Traj(f"t{t}", arrival, 0.0, tuple(steps)))
+    return Workload(cluster, tuple(trajs))
+
+
 # ---- what an action may get -----------------------------------------------------------
 
 
@@ -596,6 +636,21 @@ def check_fcfs(
         )
 
     held_back = {a for g in rnd.groups for a in g.candidates[g.kept :]}
+
+    # Held back from the GPUs (waiting beats starting now) for as long as it would run at
+    # its smallest size: owed what a call waiting for GPUs is, so a joiner behind it must
+    # not keep its chunk longer either. (One held back more briefly may be passed.)
+    def overdue(a: str) -> bool:
+        action = sim.sched.actions[a]
+        return sim.now - action.submitted_at >= sim.sched.sizing.expected(action, None)
+
+    held_from_gpus = {
+        a
+        for g in rnd.groups
+        if str(g.resource) == GPU
+        for a in g.candidates[g.kept :]
+        if overdue(a)
+    }
     short: dict[str, set[str]] = {}
     for aid, what in rnd.blocked:
         if aid not in held_back:
@@ -612,6 +667,15 @@ def check_fcfs(
                 )
             continue
         if a in held_back:
+            for b in queued_before[i + 1 :] if a in held_from_gpus else ():
+                later = started.get(b)
+                if later is not None and later.sharing:
+                    end = later.started_at + later.expected_s
+                    assert end <= last_end(later) + 1e-9, (
+                        f"t={sim.now}: {b} joined {later.chunk} until {end:.3f}, past its "
+                        f"instance's last call, while {a}, held back, waits for GPUs"
+                    )
+                    event("a joiner passed a call held back from the GPUs")
             continue
         spec = sim.spec[a]
         needs = set(short.get(a, set()))
@@ -704,6 +768,15 @@ def test_trajectory_orderings_are_starvation_free(
         SchedulerConfig(ordering=ordering, ageing_factor=ageing, ageing_wait=ageing_wait),
         fcfs_check=False,
     )
+
+
+@SIM
+@given(gpu_workloads())
+def test_joiners_never_delay_a_call_held_back_for_more_gpus(w: Workload) -> None:
+    """A call that fits but has waited for a bigger chunk as long as it would run on the
+    smallest is owed what a call that did not fit is: no joiner behind it keeps a chunk
+    past its instance's last call."""
+    simulate(w, SchedulerConfig(), fcfs_check=True)
 
 
 @settings(max_examples=100, deadline=None)

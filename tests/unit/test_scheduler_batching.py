@@ -278,3 +278,57 @@ def test_a_tenant_at_its_share_of_a_quota_joins_nothing() -> None:
     r = s.schedule(0.5)  # the instance has room, but the tenant's quota unit is taken
     assert not r.assignments
     assert dict(r.blocked)["x1"] == "tenant  at its maxShare"
+
+
+def held_back(b_at: float) -> Scheduler:
+    """Two GPUs: ``a0`` (an instance of ``a``, taking joiners) on one until 6 s, ``c0`` on
+    the other until 5 s; ``b0``, a call of ``b`` taking 4 s on one GPU and 2 s on two,
+    queued at ``b_at``."""
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "g", "gpus": 2, "gpu_memory_gb": 80}],
+            services=[
+                {"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": 8},
+                {"name": "b", "gpu_memory_gb": 10, "dop_choices": [1, 2], "restore_s": 0.0},
+                {"name": "c", "gpu_memory_gb": 10, "dop_choices": [1]},
+            ],
+        )
+    )
+    s.open_trajectory("t")
+    s.submit("a0", "t", service_call("a", t1=6.0), 0.0)
+    s.submit("c0", "t", service_call("c", t1=5.0), 0.0)
+    wide = {"kind": "service", "service": "b", "t1_s": 4.0, "efficiency": {"amdahl": 1.0}}
+    assert {a.action_id for a in s.schedule(0.0).assignments} == {"a0", "c0"}
+    s.submit("b0", "t", ActionSpec.model_validate(wide), b_at)
+    assert not s.schedule(b_at).assignments
+    return s
+
+
+def test_a_call_held_back_long_is_not_delayed_by_a_joiner_behind_it() -> None:
+    """At 5 s ``b0`` fits on the freed GPU but is better off waiting for both at 6 s (ends
+    at 8 s rather than 9 s). It has waited 5 s, more than its 4 s on one GPU, so a later
+    call of ``a`` that would keep ``a``'s GPU past 6 s waits; one that ends by then joins."""
+    s = held_back(0.0)
+    s.complete("c0", 5.0)
+    s.submit("long", "t", service_call("a", t1=20.0), 5.0)  # would end at 25 s
+    s.submit("short", "t", service_call("a", t1=0.5), 5.0)  # ends at 5.5 s
+    r = s.schedule(5.0)
+    (group,) = r.groups
+    assert group.kept == 0  # b0 waits for two GPUs
+    assert [a.action_id for a in r.assignments] == ["short"]
+    assert dict(r.blocked)["long"] == "gpu (held for an earlier call)"
+    s.complete("short", 5.5)
+    s.complete("a0", 6.0)
+    started = [a.action_id for a in s.schedule(6.0).assignments]
+    assert started[0] == "b0"  # at 6 s, not when "long" would have ended (25 s)
+
+
+def test_a_call_held_back_briefly_may_be_passed_by_joiners() -> None:
+    """Held back after a short wait (3 s, under its 4 s on one GPU), ``b0`` is decided
+    again next round: joiners pass it."""
+    s = held_back(2.0)
+    s.complete("c0", 5.0)
+    s.submit("long", "t", service_call("a", t1=20.0), 5.0)
+    r = s.schedule(5.0)
+    (group,) = r.groups
+    assert group.kept == 0 and [a.action_id for a in r.assignments] == ["long"]
