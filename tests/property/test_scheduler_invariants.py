@@ -637,12 +637,15 @@ def check_fcfs(
 
     held_back = {a for g in rnd.groups for a in g.candidates[g.kept :]}
 
-    # Held back from the GPUs (waiting beats starting now) for as long as it would run at
-    # its smallest size: owed what a call waiting for GPUs is, so a joiner behind it must
-    # not keep its chunk longer either. (One held back more briefly may be passed.)
+    # Held back from the GPUs (waiting beats starting now) past its ageing bound: owed what
+    # a call waiting for GPUs is, so a joiner behind it must not keep its chunk longer
+    # either. (One held back more briefly may be passed.)
+    cfg = sim.sched.config
+
     def overdue(a: str) -> bool:
         action = sim.sched.actions[a]
-        return sim.now - action.submitted_at >= sim.sched.sizing.expected(action, None)
+        bound = cfg.ageing_factor * sim.sched.sizing.expected(action, None)
+        return sim.now - action.submitted_at >= max(cfg.min_age_s, bound)
 
     held_from_gpus = {
         a
@@ -773,9 +776,9 @@ def test_trajectory_orderings_are_starvation_free(
 @SIM
 @given(gpu_workloads())
 def test_joiners_never_delay_a_call_held_back_for_more_gpus(w: Workload) -> None:
-    """A call that fits but has waited for a bigger chunk as long as it would run on the
-    smallest is owed what a call that did not fit is: no joiner behind it keeps a chunk
-    past its instance's last call."""
+    """A call that fits but has waited for a bigger chunk past its ageing bound is owed
+    what a call that did not fit is: no joiner behind it keeps a chunk past its
+    instance's last call."""
     simulate(w, SchedulerConfig(), fcfs_check=True)
 
 

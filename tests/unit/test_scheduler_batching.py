@@ -282,8 +282,9 @@ def test_a_tenant_at_its_share_of_a_quota_joins_nothing() -> None:
 
 def held_back(b_at: float) -> Scheduler:
     """Two GPUs: ``a0`` (an instance of ``a``, taking joiners) on one until 6 s, ``c0`` on
-    the other until 5 s; ``b0``, a call of ``b`` taking 4 s on one GPU and 2 s on two,
-    queued at ``b_at``."""
+    the other until 5.7 s; ``b0``, a call of ``b`` taking 1 s on one GPU and 0.5 s on two,
+    queued at ``b_at``. At 5.7 s ``b0`` fits on the freed GPU but is better off waiting
+    for both at 6 s (it ends at 6.5 s rather than 6.7 s)."""
     s = Scheduler(
         cluster(
             nodes=[{"name": "g", "gpus": 2, "gpu_memory_gb": 80}],
@@ -296,39 +297,37 @@ def held_back(b_at: float) -> Scheduler:
     )
     s.open_trajectory("t")
     s.submit("a0", "t", service_call("a", t1=6.0), 0.0)
-    s.submit("c0", "t", service_call("c", t1=5.0), 0.0)
-    wide = {"kind": "service", "service": "b", "t1_s": 4.0, "efficiency": {"amdahl": 1.0}}
+    s.submit("c0", "t", service_call("c", t1=5.7), 0.0)
     assert {a.action_id for a in s.schedule(0.0).assignments} == {"a0", "c0"}
+    wide = {"kind": "service", "service": "b", "t1_s": 1.0, "efficiency": {"amdahl": 1.0}}
     s.submit("b0", "t", ActionSpec.model_validate(wide), b_at)
     assert not s.schedule(b_at).assignments
+    s.complete("c0", 5.7)
     return s
 
 
 def test_a_call_held_back_long_is_not_delayed_by_a_joiner_behind_it() -> None:
-    """At 5 s ``b0`` fits on the freed GPU but is better off waiting for both at 6 s (ends
-    at 8 s rather than 9 s). It has waited 5 s, more than its 4 s on one GPU, so a later
+    """``b0`` has waited 5.7 s, over its ageing bound (4 x its 1 s on one GPU), so a later
     call of ``a`` that would keep ``a``'s GPU past 6 s waits; one that ends by then joins."""
     s = held_back(0.0)
-    s.complete("c0", 5.0)
-    s.submit("long", "t", service_call("a", t1=20.0), 5.0)  # would end at 25 s
-    s.submit("short", "t", service_call("a", t1=0.5), 5.0)  # ends at 5.5 s
-    r = s.schedule(5.0)
+    s.submit("long", "t", service_call("a", t1=20.0), 5.7)  # would end at 25.7 s
+    s.submit("short", "t", service_call("a", t1=0.2), 5.7)  # ends at 5.9 s
+    r = s.schedule(5.7)
     (group,) = r.groups
     assert group.kept == 0  # b0 waits for two GPUs
     assert [a.action_id for a in r.assignments] == ["short"]
     assert dict(r.blocked)["long"] == "gpu (held for an earlier call)"
-    s.complete("short", 5.5)
+    s.complete("short", 5.9)
     s.complete("a0", 6.0)
     started = [a.action_id for a in s.schedule(6.0).assignments]
-    assert started[0] == "b0"  # at 6 s, not when "long" would have ended (25 s)
+    assert started[0] == "b0"  # at 6 s, not when "long" would have ended (25.7 s)
 
 
 def test_a_call_held_back_briefly_may_be_passed_by_joiners() -> None:
-    """Held back after a short wait (3 s, under its 4 s on one GPU), ``b0`` is decided
-    again next round: joiners pass it."""
+    """Held back after a short wait (3.7 s, under its 4 s bound), ``b0`` is decided again
+    next round: joiners pass it."""
     s = held_back(2.0)
-    s.complete("c0", 5.0)
-    s.submit("long", "t", service_call("a", t1=20.0), 5.0)
-    r = s.schedule(5.0)
+    s.submit("long", "t", service_call("a", t1=20.0), 5.7)
+    r = s.schedule(5.7)
     (group,) = r.groups
     assert group.kept == 0 and [a.action_id for a in r.assignments] == ["long"]

@@ -169,14 +169,20 @@ class _Planner:
 
         A call held back (it fits, but waiting for a bigger chunk beats starting now) is
         decided again each round, and joiners behind it may pass it: under a steady stream
-        of joiners the chunk it waits for would never free. Once it has waited as long as
-        it would run at its smallest size, it is owed what a call that does not fit is:
-        joiners behind it that would end after their instance's last call wait too, so its
-        wait is bounded. (Owing it that from the start cost 3 % of the mean MOPD call ACT
-        over nine seeds, docs/benchmarks.md.)"""
-        now = self.now
+        of joiners the chunk it waits for would never free. Once it is overdue (the
+        orderings' ageing bound: ``ageing_factor`` x its duration at its smallest size, and
+        at least ``min_age_s``), it is owed what a call that does not fit is: joiners behind
+        it that would end after their instance's last call wait too, so its wait is bounded.
+        (Owing it that from the start cost 3 % of the mean MOPD call ACT over nine seeds,
+        docs/benchmarks.md.)"""
+        now, cfg = self.now, self.s.config
         overdue = next(
-            (c for c in held if now - c.action.submitted_at >= c.durations[min(c.durations)]),
+            (
+                c
+                for c in held
+                if now - c.action.submitted_at
+                >= max(cfg.min_age_s, cfg.ageing_factor * c.durations[min(c.durations)])
+            ),
             None,
         )
         if overdue is None:
