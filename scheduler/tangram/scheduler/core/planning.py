@@ -187,6 +187,8 @@ class _Planner:
         )
         if overdue is None:
             return
+        # What a taken-back join reserved this round (its quota units, its place on the
+        # instance) stays reserved until the next round: conservative, and rare.
         behind = False
         for c in cands:
             behind = behind or c is overdue
