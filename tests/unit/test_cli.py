@@ -160,11 +160,28 @@ def test_explain_rejects_a_bad_state(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_round_bench_reports_every_case() -> None:
-    report = run_round_bench([(16, 32, 4, False), (16, 32, 4, True)], rounds=5, progress=False)
+    report = run_round_bench(
+        [(16, 32, 4, False), (16, 32, 4, True)], rounds=5, progress=False, gc_settings="default"
+    )
     assert [c["elastic"] for c in report["cases"]] == [False, True]
+    assert report["gc"] == "default"
     for case in report["cases"]:
         assert set(case) >= {"cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms"}
         assert 0 < case["p50_ms"] <= case["p99_ms"]
+
+
+def test_round_bench_times_rounds_under_the_services_collector_settings() -> None:
+    import gc
+
+    threshold = gc.get_threshold()
+    try:
+        report = run_round_bench([(16, 32, 4, False)], rounds=3, progress=False)
+        assert report["gc"] == "service"
+        assert gc.get_threshold() == (10_000, 20, 100)  # what the service sets (quiet_gc)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 def test_coding_seeds_replays_every_batch_and_seed_and_reports_the_spread(
