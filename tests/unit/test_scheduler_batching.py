@@ -13,6 +13,7 @@ import pytest
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ServiceSpec
 from tangram.scheduler import Scheduler
+from tangram.scheduler.core.config import SchedulingError
 from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.resource import GPU
 
@@ -211,6 +212,75 @@ def test_explain_shows_calls_joining_an_instance(
     assert "x1: 1 units on g GPUs ['g', 0, 1] (joins an instance running 1 calls)" in (
         capsys.readouterr().out
     )
+
+
+def test_explain_takes_running_calls_that_share_an_instance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two calls already share the only GPU's instance (room for three): the queued call
+    joins them as the third; the fourth waits."""
+    from tangram.cli.main import main
+
+    call = {"kind": "service", "service": "a", "t1_s": 1.0}
+    running = [
+        {"id": "r0", "trajectory": "t", "action": call, "units": 1, "started_s": 0.0},
+        {
+            "id": "r1",
+            "trajectory": "t",
+            "action": call,
+            "units": 1,
+            "started_s": 0.5,
+            "joins": "r0",
+        },
+    ]
+    state = {
+        "cluster": {
+            "nodes": [{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
+            "services": [{"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": 3}],
+        },
+        "now": 1.0,
+        "trajectories": [{"id": "t"}],
+        "running": running,
+        "queue": [
+            {"id": f"x{i}", "trajectory": "t", "action": call, "submitted_s": 1.0} for i in range(2)
+        ],
+    }
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    assert main(["explain", str(path), "--json"]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert {a["action"]: a["sharing"] for a in decision["assignments"]} == {"x0": 2}
+    assert [w["action"] for w in decision["waiting"]] == ["x1"]
+
+
+def test_adopting_a_call_into_an_instance_names_what_is_wrong() -> None:
+    s = batching(gpus=2)  # max_calls 3
+    s.adopt("r0", "t", service_call("a"), units=1, started_at=0.0)
+    s.adopt("r1", "t", service_call("a"), units=1, started_at=0.0, joins="r0")
+    assert s.running["r1"].assignment.sharing == 1
+    assert s.running["r1"].assignment.chunk == s.running["r0"].assignment.chunk
+    # Slowed by the call already there (10 % per call), as a joiner is.
+    assert s.running["r1"].assignment.expected_s == pytest.approx(1.1)
+    with pytest.raises(SchedulingError, match="joins: nope is not a running call of a"):
+        s.adopt("r2", "t", service_call("a"), units=1, started_at=0.0, joins="nope")
+    s.adopt("r2", "t", service_call("a"), units=1, started_at=0.0, joins="r1")
+    with pytest.raises(SchedulingError, match="joins: the instance of r0 has no room"):
+        s.adopt("r3", "t", service_call("a"), units=1, started_at=0.0, joins="r0")
+    assert set(s.running) == {"r0", "r1", "r2"} and s.queued == 0  # refusals leave no trace
+
+
+def test_only_a_service_call_joins_an_instance() -> None:
+    spec = {"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": 3}
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "n", "cpus": 2, "memory_gb": 8, "gpus": 1, "gpu_memory_gb": 80}],
+            services=[spec],
+        )
+    )
+    s.open_trajectory("t")
+    s.adopt("r0", "t", service_call("a"), units=1, started_at=0.0)
+    with pytest.raises(SchedulingError, match="joins: e0 is not a service call"):
+        s.adopt("e0", "t", ActionSpec(kind="exec", cpu=1), units=1, started_at=0.0, joins="r0")
 
 
 def test_a_joined_call_is_not_learned_from() -> None:

@@ -43,6 +43,8 @@ class RunningState(_Strict):
     action: ActionSpec
     units: Annotated[int, Field(ge=1)]
     started_s: float
+    # A service call sharing the instance of this running call (listed before it).
+    joins: str | None = None
 
 
 class QueuedState(_Strict):
@@ -88,7 +90,7 @@ def register(sub: Any) -> None:
         epilog='STATE.json: {"cluster": {...a cluster file...}, "config": {"depth": 2}, '
         '"now": 100.0, "recent_wait_s": 0, "trajectories": [{"id", "memory_gb", "node", '
         '"hint_steps"}], '
-        '"running": [{"id", "trajectory", "action", "units", "started_s"}], '
+        '"running": [{"id", "trajectory", "action", "units", "started_s", "joins"}], '
         '"queue": [{"id", "trajectory", "action", "submitted_s"}]} (queue in '
         "submission order; actions as in trace files). Example: examples/explain/waiting.json; "
         "fields: docs/scheduler.md.",
@@ -107,7 +109,9 @@ def decide(state: State) -> tuple[Scheduler, Round]:
         if t.node is not None:
             sched.place_trajectory(t.id, t.node)
     for r in state.running:
-        sched.adopt(r.id, r.trajectory, r.action, units=r.units, started_at=r.started_s)
+        sched.adopt(
+            r.id, r.trajectory, r.action, units=r.units, started_at=r.started_s, joins=r.joins
+        )
     for q in state.queue:
         sched.submit(q.id, q.trajectory, q.action, q.submitted_s)
     result = sched.schedule(state.now)

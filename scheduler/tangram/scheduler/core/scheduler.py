@@ -28,8 +28,9 @@ from tangram.scheduler.core.decisions import (
     Round,
     Start,
 )
+from tangram.scheduler.core.dp import chunk_level
 from tangram.scheduler.core.fair import FairQueue
-from tangram.scheduler.core.gpu_pool import GpuPool
+from tangram.scheduler.core.gpu_pool import Chunk, GpuPool, Instance
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
 from tangram.scheduler.core.planning import plan_round
 from tangram.scheduler.core.pricing import node_price
@@ -394,12 +395,14 @@ class Scheduler:
         started_at: float,
         node: str | None = None,
         cores: Sequence[int] | None = None,
+        joins: str | None = None,
     ) -> Assignment:
         """Register an action that is already running (a restarted scheduler, ``explain``).
 
         Exec actions land on ``node`` (or the trajectory's node, or one chosen as for a
         new trajectory) with ``cores`` when given (the ones it runs on), else ``units``
-        NUMA-chosen cores; service actions take a chunk.
+        NUMA-chosen cores; service actions take a chunk, or with ``joins`` (the id of a
+        running call of the same service) share that call's instance.
         """
         if cores is not None and len(set(cores)) != units:
             raise SchedulingError("cores", f"{len(set(cores))} distinct cores for {units} units")
@@ -414,7 +417,9 @@ class Scheduler:
         for q, n in a.quotas:
             if self.quotas[q].free(started_at) < n:
                 raise SchedulingError("quotas", f"{q} has no room for {n} more unit(s)")
-        if a.gpu and a.service is not None and not self.gpu.can_host(a.service, units):
+        chunk = None if joins is None else self._joinable(a, units, joins)
+        hosted = chunk is not None or a.service is None or self.gpu.can_host(a.service, units)
+        if a.gpu and not hosted:
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
         placed: str | None = None
         if a.cpu:
@@ -451,7 +456,8 @@ class Scheduler:
             resource=needs(a, node, self.cpu.placement)[0],
             node=node,
             units=units,
-            expected_s=self.sizing.choices(a, node)[1].get(units, 0.0),
+            expected_s=self._adopted_expected(a, node, units, chunk),
+            join=chunk,
         )
         self._enqueue(a, (float(a.seq),), None)
         asg = self._start(a, start, started_at, exact=cores)
@@ -459,6 +465,35 @@ class Scheduler:
             self._dequeue(action_id)
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
         return asg  # running until started_at + its expected time, as _start keeps
+
+    def _adopted_expected(
+        self, a: Action, node: str | None, units: int, joins: Chunk | None
+    ) -> float:
+        """An adopted action's expected duration; one sharing an instance is slowed by the
+        calls already on it, as a joiner is."""
+        expected = self.sizing.choices(a, node)[1].get(units, 0.0)
+        if joins is None or a.service is None:
+            return expected
+        calls = self.gpu.busy.get(Instance(a.service, joins), 0)
+        return expected * self.services[a.service].slowdown(calls)
+
+    def _joinable(self, a: Action, units: int, joins: str) -> Chunk:
+        """The chunk of running call ``joins``, whose instance ``a`` (adopted at ``units``)
+        shares; a SchedulingError on ``joins`` or ``units`` if it cannot."""
+        if a.service is None:
+            raise SchedulingError("joins", f"{a.id} is not a service call: it joins nothing")
+        run = self.running.get(joins)
+        chunk = None if run is None else run.assignment.chunk
+        if run is None or chunk is None or run.action.service != a.service:
+            raise SchedulingError("joins", f"{joins} is not a running call of {a.service}")
+        if chunk.size != chunk_level(units):
+            raise SchedulingError(
+                "units", f"{units} GPUs, but the instance of {joins} runs on {chunk.size}"
+            )
+        instance = Instance(a.service, chunk)
+        if not self.gpu.has_room(instance, self.gpu.busy.get(instance, 0)):
+            raise SchedulingError("joins", f"the instance of {joins} has no room for a call")
+        return chunk
 
     @property
     def queued(self) -> int:
