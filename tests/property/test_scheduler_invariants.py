@@ -640,12 +640,10 @@ def check_fcfs(
     # Held back from the GPUs (waiting beats starting now) past its ageing bound: owed what
     # a call waiting for GPUs is, so a joiner behind it must not keep its chunk longer
     # either. (One held back more briefly may be passed.)
-    cfg = sim.sched.config
-
     def overdue(a: str) -> bool:
         action = sim.sched.actions[a]
-        bound = cfg.ageing_factor * sim.sched.sizing.expected(action, None)
-        return sim.now - action.submitted_at >= max(cfg.min_age_s, bound)
+        bound = sim.sched.config.overdue_after(sim.sched.sizing.expected(action, None))
+        return sim.now - action.submitted_at >= bound
 
     held_from_gpus = {
         a

@@ -176,39 +176,42 @@ def test_a_joiner_that_succeeds_after_a_failed_restore_leaves_the_instance_resid
     assert not warm.restore and warm.sharing == 0
 
 
+def _explain(tmp_path: Path, capsys: pytest.CaptureFixture[str], state: dict[str, Any]) -> Any:
+    """``tangram explain --json`` of ``state`` (one GPU, service ``a`` and trajectory ``t``
+    added): the decision."""
+    from tangram.cli.main import main
+
+    a = {"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], **state.pop("service")}
+    state["cluster"] = {"nodes": [{"name": "g", "gpus": 1, "gpu_memory_gb": 80}], "services": [a]}
+    state["trajectories"] = [{"id": "t"}]
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    assert main(["explain", str(path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+CALL = {"kind": "service", "service": "a", "t1_s": 1.0}
+
+
+def _queued(n: int, at: float) -> list[dict[str, Any]]:
+    return [{"id": f"x{i}", "trajectory": "t", "action": CALL, "submitted_s": at} for i in range(n)]
+
+
 def test_explain_shows_calls_joining_an_instance(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from tangram.cli.main import main
 
-    call = {"kind": "service", "service": "a", "t1_s": 1.0}
     state = {
-        "cluster": {
-            "nodes": [{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
-            "services": [
-                {
-                    "name": "a",
-                    "gpu_memory_gb": 10,
-                    "dop_choices": [1],
-                    "max_calls": 2,
-                    "batch_slowdown": 0.5,
-                }
-            ],
-        },
+        "service": {"max_calls": 2, "batch_slowdown": 0.5},
         "now": 0.0,
-        "trajectories": [{"id": "t"}],
-        "queue": [
-            {"id": f"x{i}", "trajectory": "t", "action": call, "submitted_s": 0.0} for i in range(3)
-        ],
+        "queue": _queued(3, 0.0),
     }
-    path = tmp_path / "state.json"
-    path.write_text(json.dumps(state))
-    assert main(["explain", str(path), "--json"]) == 0
-    decision = json.loads(capsys.readouterr().out)
+    decision = _explain(tmp_path, capsys, state)
     started = {a["action"]: a["sharing"] for a in decision["assignments"]}
     assert started == {"x0": 0, "x1": 1}
     assert [w["action"] for w in decision["waiting"]] == ["x2"]
-    assert main(["explain", str(path)]) == 0
+    assert main(["explain", str(tmp_path / "state.json")]) == 0
     assert "x1: 1 units on g GPUs ['g', 0, 1] (joins an instance running 1 calls)" in (
         capsys.readouterr().out
     )
@@ -219,36 +222,13 @@ def test_explain_takes_running_calls_that_share_an_instance(
 ) -> None:
     """Two calls already share the only GPU's instance (room for three): the queued call
     joins them as the third; the fourth waits."""
-    from tangram.cli.main import main
-
-    call = {"kind": "service", "service": "a", "t1_s": 1.0}
+    run = {"trajectory": "t", "action": CALL, "units": 1}
     running = [
-        {"id": "r0", "trajectory": "t", "action": call, "units": 1, "started_s": 0.0},
-        {
-            "id": "r1",
-            "trajectory": "t",
-            "action": call,
-            "units": 1,
-            "started_s": 0.5,
-            "joins": "r0",
-        },
+        {"id": "r0", **run, "started_s": 0.0},
+        {"id": "r1", **run, "started_s": 0.5, "joins": "r0"},
     ]
-    state = {
-        "cluster": {
-            "nodes": [{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
-            "services": [{"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": 3}],
-        },
-        "now": 1.0,
-        "trajectories": [{"id": "t"}],
-        "running": running,
-        "queue": [
-            {"id": f"x{i}", "trajectory": "t", "action": call, "submitted_s": 1.0} for i in range(2)
-        ],
-    }
-    path = tmp_path / "state.json"
-    path.write_text(json.dumps(state))
-    assert main(["explain", str(path), "--json"]) == 0
-    decision = json.loads(capsys.readouterr().out)
+    state = {"service": {"max_calls": 3}, "now": 1.0, "running": running, "queue": _queued(2, 1.0)}
+    decision = _explain(tmp_path, capsys, state)
     assert {a["action"]: a["sharing"] for a in decision["assignments"]} == {"x0": 2}
     assert [w["action"] for w in decision["waiting"]] == ["x1"]
 

@@ -51,6 +51,11 @@ class SchedulerConfig:
     # core-second is below the node's core price (its actions, queued or running, per core).
     core_price: CorePrice = "load"
 
+    def overdue_after(self, expected_s: float) -> float:
+        """The ageing bound: how long an action expected to take ``expected_s`` may wait
+        before it is overdue (``ageing_factor`` x that, and at least ``min_age_s``)."""
+        return max(self.min_age_s, self.ageing_factor * expected_s)
+
     def __post_init__(self) -> None:
         if self.quota_waiting not in QUOTA_WAITING:
             raise SchedulingError("quota_waiting", f"unknown rule {self.quota_waiting!r}")

@@ -79,22 +79,20 @@ class BasicTable:
         gathers: dict[tuple[int, ...], tuple[npt.NDArray[np.int64], npt.NDArray[np.intp]]] = {}
         for d, fitting in zip(durations, fitting_of, strict=True):
             nxt = np.full(pad + width, inf)
-            if not fitting:
-                row = nxt
-                self._rows.append(row)
-                self._picks.append(None)
-                continue
-            shared = gathers.get(fitting)
-            if shared is None:
-                ks = np.array(fitting, dtype=np.int64)
-                shared = gathers[fitting] = (ks, (cols + pad)[:, None] - ks)  # (width, K)
-            ks, index = shared
-            vals = row[index] + np.array([d[k] for k in fitting])
-            pick = np.argmin(vals, axis=1)  # ties -> fewest units (choices are ascending)
-            nxt[pad:] = vals[cols, pick]
+            picked = None
+            if fitting:
+                shared = gathers.get(fitting)
+                if shared is None:
+                    ks = np.array(fitting, dtype=np.int64)
+                    shared = gathers[fitting] = (ks, (cols + pad)[:, None] - ks)  # (width, K)
+                ks, index = shared
+                vals = row[index] + np.array([d[k] for k in fitting])
+                pick = np.argmin(vals, axis=1)  # ties -> fewest units (choices are ascending)
+                nxt[pad:] = vals[cols, pick]
+                picked = (ks, pick)
             row = nxt
             self._rows.append(row)
-            self._picks.append((ks, pick))
+            self._picks.append(picked)
 
     def best(self, p: int) -> tuple[float, list[int]]:
         """Optimal (total duration, units per candidate) for the first ``p`` candidates."""

@@ -199,8 +199,8 @@ class TrajectoryPriority:
         config: SchedulerConfig,
         recent_wait_s: float,
     ) -> float | None:
-        by_duration = config.ageing_factor * expected()
-        return now + max(config.min_age_s, by_duration, self.wait_bound(config, recent_wait_s))
+        by_duration = config.overdue_after(expected())
+        return now + max(by_duration, self.wait_bound(config, recent_wait_s))
 
     def wait_bound(self, config: SchedulerConfig, recent_wait_s: float) -> float:
         """The least wait before overdue that the load sets: none here."""

@@ -170,18 +170,17 @@ class _Planner:
         A call held back (it fits, but waiting for a bigger chunk beats starting now) is
         decided again each round, and joiners behind it may pass it: under a steady stream
         of joiners the chunk it waits for would never free. Once it is overdue (the
-        orderings' ageing bound: ``ageing_factor`` x its duration at its smallest size, and
-        at least ``min_age_s``), it is owed what a call that does not fit is: joiners behind
+        orderings' ageing bound, ``SchedulerConfig.overdue_after`` of its duration at its
+        smallest size), it is owed what a call that does not fit is: joiners behind
         it that would end after their instance's last call wait too, so its wait is bounded.
         (Owing it that from the start cost 3 % of the mean MOPD call ACT over nine seeds,
         docs/benchmarks.md.)"""
-        now, cfg = self.now, self.s.config
+        now, overdue_after = self.now, self.s.config.overdue_after
         overdue = next(
             (
                 c
                 for c in held
-                if now - c.action.submitted_at
-                >= max(cfg.min_age_s, cfg.ageing_factor * c.durations[min(c.durations)])
+                if now - c.action.submitted_at >= overdue_after(c.durations[min(c.durations)])
             ),
             None,
         )
@@ -334,7 +333,7 @@ class _Planner:
             return None
         svc = s.services[a.service]
         closed = GPU in self.blocked
-        best: tuple[float, int, Instance] | None = None
+        best: tuple[float, int, Instance, float] | None = None
         for k in units:
             inst = s.gpu.joinable(a.service, k, calls)
             if inst is not None:
@@ -343,7 +342,7 @@ class _Planner:
                 if closed and self.now + d > end + 1e-9:
                     continue
                 if best is None or d < best[0]:
-                    best = (d, k, inst)
+                    best = (d, k, inst, end)
         if best is None:
             return None
         if alone and not closed:
@@ -359,9 +358,9 @@ class _Planner:
                 return None
         for q, n in a.quotas:
             prov.quota_free[q] -= n
-        calls[best[2]] += 1
-        extends = self.now + best[0] > self._times()[best[2].chunk][1] + 1e-9
-        return best[1], best[2].chunk, best[0], extends
+        d, k, inst, end = best
+        calls[inst] += 1
+        return k, inst.chunk, d, self.now + d > end + 1e-9
 
     def _times(self) -> dict[Chunk, tuple[float, float]]:
         """When each running chunk's instance is ready, and its last call is expected to end."""

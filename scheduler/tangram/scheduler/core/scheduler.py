@@ -545,8 +545,7 @@ class Scheduler:
         for asg in assignments:
             self._waits_seen += 1
             weight = max(_WAIT_WEIGHT, 1.0 / self._waits_seen)
-            queued_s = max(0.0, now - self.running[asg.action_id].action.submitted_at)
-            self.recent_wait_s += weight * (queued_s - self.recent_wait_s)
+            self.recent_wait_s += weight * (max(0.0, asg.queued_s) - self.recent_wait_s)
         waiting = self.waiting
         wake = [
             t

@@ -92,15 +92,12 @@ class RoundCaps:
         share = self._share(tenant).max_share
         if share >= 1.0:
             return None
+        if not self._quotas_fit(a, tenant, share):
+            return 0
         room: int | None = None
-        for r, n in units_held(a, 1):
-            left = self._left(tenant, r, share)
-            if left is None:
-                continue
-            if r.kind == "api":
-                if left < n:
-                    return 0
-            else:
+        for r, _ in units_held(a, 1):
+            left = None if r.kind == "api" else self._left(tenant, r, share)
+            if left is not None:
                 room = left if room is None else min(room, left)
         return room  # None: its quota units fit, and no cores or GPUs of it are capped
 
@@ -108,8 +105,9 @@ class RoundCaps:
         """Whether ``a``'s quota units fit its tenant's share (what a call that joins a
         running instance takes: no cores or GPUs of its own)."""
         share = self._share(tenant).max_share
-        if share >= 1.0:
-            return True
+        return share >= 1.0 or self._quotas_fit(a, tenant, share)
+
+    def _quotas_fit(self, a: Action, tenant: str, share: float) -> bool:
         for q, n in a.quotas:
             left = self._left(tenant, Resource.api(q), share)
             if left is not None and left < n:
