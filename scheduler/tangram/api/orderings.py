@@ -30,7 +30,7 @@ QuotaWaiting = Literal["hold", "pass"]
 QUOTA_WAITING: tuple[str, ...] = get_args(QuotaWaiting)
 
 # How far an elastic action may grow on a loaded node (docs/scheduler.md, "The core price").
-CorePrice = Literal["none", "load"]
+CorePrice = Literal["none", "load", "arrivals"]
 CORE_PRICES: tuple[str, ...] = get_args(CorePrice)
 
 

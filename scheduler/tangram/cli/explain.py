@@ -3,12 +3,13 @@
 STATE.json::
 
     {"cluster": {...cluster file...}, "config": {"depth": 2, ...}, "now": 100.0,
-     "recent_wait_s": 0.0,
+     "recent_wait_s": 0.0, "think_s": 0.0,
      "trajectories": [{"id": "t1", "memory_gb": 4, "node": "n0"}],
      "running": [{"id": "r1", "trajectory": "t1", "action": {...}, "units": 4, "started_s": 90}],
      "queue": [{"id": "a1", "trajectory": "t2", "action": {...}, "submitted_s": 99}]}
 
-``queue`` is in submission order; ``action`` objects are trace actions.
+``queue`` is in submission order; ``action`` objects are trace actions. A placed
+trajectory with nothing running or queued is thinking (the core price counts it).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class State(_Strict):
     now: float = 0.0
     # The scheduler's recent mean queueing time: shortest-remaining's ageing reads it.
     recent_wait_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # Its learned mean think time: the core price's return term reads it (0: none yet).
+    think_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     trajectories: list[TrajectoryState] = Field(default_factory=list)
     running: list[RunningState] = Field(default_factory=list)
     queue: list[QueuedState] = Field(default_factory=list)
@@ -88,8 +91,8 @@ def register(sub: Any) -> None:
         help="show the scheduler's decision for a state, step by step",
         description="Show what the scheduler decides for STATE.json, and why.",
         epilog='STATE.json: {"cluster": {...a cluster file...}, "config": {"depth": 2}, '
-        '"now": 100.0, "recent_wait_s": 0, "trajectories": [{"id", "memory_gb", "node", '
-        '"hint_steps"}], '
+        '"now": 100.0, "recent_wait_s": 0, "think_s": 0, '
+        '"trajectories": [{"id", "memory_gb", "node", "hint_steps"}], '
         '"running": [{"id", "trajectory", "action", "units", "started_s", "joins"}], '
         '"queue": [{"id", "trajectory", "action", "submitted_s"}]} (queue in '
         "submission order; actions as in trace files). Example: examples/explain/waiting.json; "
@@ -104,6 +107,7 @@ def decide(state: State) -> tuple[Scheduler, Round]:
     cfg = state.config
     sched = Scheduler(state.cluster, SchedulerConfig(**cfg.model_dump()))
     sched.assume_recent_wait(state.recent_wait_s)
+    sched.assume_think_time(state.think_s)
     for t in state.trajectories:
         sched.open_trajectory(t.id, t.memory_gb, t.hint_steps)
         if t.node is not None:
@@ -208,7 +212,8 @@ def _print(report: dict[str, Any]) -> None:
         if g["core_price"] is not None:
             c.print(
                 f"  core price {g['core_price']:.3f} ACT-s per core-second (utilisation x "
-                "queued and running actions per core)"
+                "queued and running actions, and thinking trajectories back before the "
+                "queue drains, per core)"
             )
         for cap in g["capped"]:
             c.print(

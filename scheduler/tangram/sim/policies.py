@@ -13,6 +13,8 @@
                      estimate alone
 ``elastic-priced``   the same with ``core_price="load"``: sizes whose gain per core-second
                      is below the node's core price are dropped first
+``elastic-arrivals`` the same with ``core_price="arrivals"``: the price also counts the
+                     thinking trajectories back before the node's queue drains
 ``elastic-unbatched`` the same with every service's ``max_calls`` at 1: a call has its
                      instance to itself (the paper's GPU manager)
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
@@ -38,6 +40,7 @@ import numpy as np
 
 from tangram.api.action import ActionKind
 from tangram.api.cluster import ClusterSpec
+from tangram.api.orderings import CorePrice
 from tangram.api.trace import TrajectoryTrace
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.backends import (
@@ -51,6 +54,12 @@ from tangram.sim.engine import Backend, Replay
 from tangram.sim.events import EventLoop
 from tangram.sim.records import SimResult
 
+# Elastic policies that differ only in the core price rule (docs/scheduler.md).
+_CORE_PRICE: dict[str, CorePrice] = {
+    "elastic-paper": "none",
+    "elastic-priced": "load",
+    "elastic-arrivals": "arrivals",
+}
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
 _K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
 _STATIC = re.compile(r"^static-gpu(?:-batch-([1-9][0-9]*))?$")
@@ -66,6 +75,7 @@ NAMED = (
     "elastic-shortest-hinted",
     "elastic-paper",
     "elastic-priced",
+    "elastic-arrivals",
     "elastic-unbatched",
     "unmanaged",
 )
@@ -104,8 +114,8 @@ def build(
         base = replace(base, ordering="shortest-remaining")
         if policy == "elastic-shortest-hinted":  # its own stream: the others' draws stay put
             hint = (HINT_SIGMA, np.random.default_rng([seed, 1]))
-    if policy in ("elastic-paper", "elastic-priced"):
-        base = replace(base, core_price="none" if policy == "elastic-paper" else "load")
+    if policy in _CORE_PRICE:
+        base = replace(base, core_price=_CORE_PRICE[policy])
     if m := _FIXED.match(policy):
         base = replace(base, fixed_dop=int(m.group(1)))
     loop = EventLoop()

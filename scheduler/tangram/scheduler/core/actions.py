@@ -23,6 +23,9 @@ class Trajectory:
     busy_s: float = 0.0
     queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
     tenant: str = ""  # whose: queued fairly between tenants, and held to its share
+    in_flight: int = 0  # its actions queued or running: none, and it is thinking
+    idle_since: float | None = None  # when its last action ended (its think time starts)
+    queued_work: float = 0.0  # core-seconds of its queued exec actions (their ``work``)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -40,6 +43,7 @@ class Action:
     profile: Profile | None
     elastic_capable: bool
     probe: bool = False
+    work: float = 0.0  # core-seconds at its smallest size, as expected when it was queued
     # Cache of Sizing.choices: (book version of the type, units, durations, pending view).
     cache: tuple[int, tuple[int, ...], dict[int, float], Pending] | None = None
     needs: tuple[Resource, ...] | None = None  # cached once the resources it needs are settled

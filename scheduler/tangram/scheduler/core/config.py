@@ -48,7 +48,8 @@ class SchedulerConfig:
     quota_waiting: QuotaWaiting = "hold"
     # How far an elastic action may grow on a loaded node (core.pricing): "none" sizes by
     # the paper's ACT estimate alone; "load" first drops the sizes whose gain per extra
-    # core-second is below the node's core price (its actions, queued or running, per core).
+    # core-second is below the node's core price (its actions, queued or running, per core);
+    # "arrivals" adds the thinking trajectories back before its queue drains to the price.
     core_price: CorePrice = "load"
 
     def overdue_after(self, expected_s: float) -> float:

@@ -43,6 +43,7 @@ from tangram.scheduler.core.ordering import ActionQueue
 from tangram.scheduler.core.pricing import node_price, priced_sizes
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
+from tangram.scheduler.core.returns import Returns
 from tangram.scheduler.core.shares import RoundCaps
 from tangram.scheduler.core.sizing import Sizing
 
@@ -75,12 +76,31 @@ class RoundInputs(Protocol):
     def waiting(self) -> Mapping[Resource, int]: ...  # queued actions needing each resource
     @property
     def queued_calls(self) -> Mapping[str, int]: ...  # queued calls of each service
+    @property
+    def queued_work(self) -> Mapping[Resource, float]: ...  # their core-seconds, by resource
+    @property
+    def returns(self) -> Returns: ...  # thinking trajectories per node, mean think time
     def round_caps(self) -> RoundCaps | None: ...  # capped tenants' room; None: none capped
 
 
 def plan_round(s: RoundInputs, now: float) -> Plan:
     """The decisions of one round at ``now``."""
     return _Planner(s, now).plan()
+
+
+def price_of(s: RoundInputs, node: str) -> float:
+    """``node``'s core price now under the configured rule (``core.pricing``)."""
+    cores = Resource.cpu(node)
+    queued = s.waiting.get(cores, 0)
+    if s.config.core_price != "arrivals":
+        return node_price(s.cpu.nodes[node], queued)
+    return node_price(
+        s.cpu.nodes[node],
+        queued,
+        queued_work=s.queued_work.get(cores, 0.0),
+        thinking=s.returns.thinking.get(node, 0),
+        think_s=s.returns.think_s,
+    )
 
 
 @dataclass(slots=True)
@@ -374,8 +394,7 @@ class _Planner:
         """The sizes worth their cores on ``node`` at its load (``core.pricing``)."""
         price = self.prices.get(node)
         if price is None:
-            queued = self.s.waiting.get(Resource.cpu(node), 0)
-            price = self.prices[node] = node_price(self.s.cpu.nodes[node], queued)
+            price = self.prices[node] = price_of(self.s, node)
         return _first(units, durations, priced_sizes(units, durations, price))
 
     def _collect_rest(

@@ -20,12 +20,26 @@ known exactly each round; there is no constant to fit. An idle node prices cores
 nearly nothing and the paper's rule decides alone; a busy one stops big actions near the
 knee of their speed-up curve.
 
+The return term (rule ``arrivals``, the default) adds the trajectories that are thinking
+now. A withheld core-second delays the node's backlog, and so everyone who joins it before
+it drains: the queued work at its smallest sizes takes ``D = W/C`` seconds, and a thinking
+trajectory is back within that time with probability ``1 - exp(-D/θ)`` for a think time
+of learned mean θ (``core.returns``). With ``T`` of them thinking,
+
+    μ = ρ · (L + T·(1 - exp(-D/θ))) / C
+
+It matters at saturation, in the lulls when a node's queue fits its free cores: the paper's
+rule (and the ``load`` term alone) would then hand a long run most of them just before the
+thinking trajectories come back. With no queue (D = 0), or no think time learned yet, the
+term is zero.
+
 A size is kept while each step up to it gains at least μ per core-second it adds. For an
 Amdahl action with parallel fraction p that is ``k(k+1) ≤ p / ((1 - p)·μ)``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from itertools import pairwise
 
@@ -43,9 +57,33 @@ def core_price(queued: int, running: int, held: int, cores: int) -> float:
     return (held / cores) * (queued + running) / cores
 
 
-def node_price(node: CpuNode, queued: int) -> float:
-    """``core_price`` of a node with ``queued`` actions waiting for its cores."""
-    return core_price(queued, node.holders, node.cores - node.free_cores, node.cores)
+def return_price(thinking: int, backlog_s: float, think_s: float, held: int, cores: int) -> float:
+    """The return term: ACT-seconds per withheld core-second of the ``thinking``
+    trajectories that come back (mean think time ``think_s``) before the node's backlog
+    drains in ``backlog_s``; zero while no think time is known."""
+    if cores <= 0 or thinking <= 0 or backlog_s <= 0.0 or think_s <= 0.0:
+        return 0.0
+    back = -math.expm1(-backlog_s / think_s)  # 1 - exp(-D/θ), exact for small D/θ
+    return (held / cores) * thinking * back / cores
+
+
+def node_price(
+    node: CpuNode,
+    queued: int,
+    *,
+    queued_work: float = 0.0,
+    thinking: int = 0,
+    think_s: float = 0.0,
+) -> float:
+    """μ of a node with ``queued`` actions waiting for its cores, and with the return term
+    when given: ``queued_work`` core-seconds queued there (at their smallest sizes),
+    ``thinking`` trajectories placed there thinking, for ``think_s`` on average."""
+    held = node.cores - node.free_cores
+    price = core_price(queued, node.holders, held, node.cores)
+    if thinking:
+        backlog_s = queued_work / node.cores
+        price += return_price(thinking, backlog_s, think_s, held, node.cores)
+    return price
 
 
 def priced_sizes(units: tuple[int, ...], durations: Mapping[int, float], price: float) -> int:

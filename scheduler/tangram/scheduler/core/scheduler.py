@@ -32,11 +32,11 @@ from tangram.scheduler.core.dp import chunk_level
 from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import Chunk, GpuPool, Instance
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
-from tangram.scheduler.core.planning import plan_round
-from tangram.scheduler.core.pricing import node_price
+from tangram.scheduler.core.planning import plan_round, price_of
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
+from tangram.scheduler.core.returns import Returns, RunningMean
 from tangram.scheduler.core.shares import (
     EQUAL,
     POOL_CORES,
@@ -59,10 +59,6 @@ __all__ = [
     "SchedulingError",
 ]
 
-# Weight of each start in ``recent_wait_s``: the plain mean of the first 100 starts, then
-# an exponential mean over about the last 100.
-_WAIT_WEIGHT = 0.01
-
 
 class Scheduler:
     def __init__(self, cluster: ClusterSpec, config: SchedulerConfig | None = None) -> None:
@@ -83,8 +79,8 @@ class Scheduler:
         self.lengths = LengthModel()
         # Mean queueing time of recently started actions (shortest-remaining's ageing),
         # over the starts of rounds (``_commit``); an adopted action never queued here.
-        self.recent_wait_s = 0.0
-        self._waits_seen = 0
+        self.recent_wait = RunningMean()
+        self.returns = Returns()  # thinking trajectories per node, learned think time
         self.trajectories: dict[str, Trajectory] = {}
         self.actions: dict[str, Action] = {}
         self.shares: dict[str, TenantShare] = {}  # by tenant; others get default_share
@@ -96,6 +92,7 @@ class Scheduler:
         # Queued demand per resource, so a round stops walking once every resource anyone
         # waits for is blocked (a round then costs O(candidates), not O(queue)).
         self.waiting: dict[Resource, int] = {}
+        self.queued_work: dict[Resource, float] = {}  # their core-seconds (the core price)
         self.queued_calls: dict[str, int] = {}  # queued calls of each service (joins)
 
     # ---- trajectories -------------------------------------------------------------
@@ -123,6 +120,8 @@ class Scheduler:
         dropped = [a.id for a in self.actions.values() if a.trajectory == tid]
         for aid in dropped:
             self._dequeue(aid)
+        if traj.in_flight == 0:  # (a drained node's running actions were forgotten)
+            self.returns.stops_thinking(self.cpu.placement.get(tid))
         self.cpu.unplace(tid)
         if finished:
             self.lengths.finished(traj.steps_done)
@@ -134,8 +133,22 @@ class Scheduler:
         round of a scheduler that had one); later starts move it as after 100 seen."""
         if not (math.isfinite(wait_s) and wait_s >= 0):
             raise SchedulingError("recent_wait_s", f"{wait_s} must be finite and >= 0")
-        self.recent_wait_s = wait_s
-        self._waits_seen = max(self._waits_seen, round(1 / _WAIT_WEIGHT))
+        self.recent_wait.assume(wait_s)
+
+    def assume_think_time(self, think_s: float) -> None:
+        """Start from a learned mean think time (``tangram explain``), as ``assume_recent_wait``."""
+        if not (math.isfinite(think_s) and think_s >= 0):
+            raise SchedulingError("think_s", f"{think_s} must be finite and >= 0")
+        self.returns.think.assume(think_s)
+
+    @property
+    def recent_wait_s(self) -> float:
+        return self.recent_wait.mean
+
+    @property
+    def think_s(self) -> float:
+        """Mean think time learned: from an action's end to its trajectory's next submit."""
+        return self.returns.think_s
 
     def place_trajectory(self, tid: str, node: str) -> None:
         """Pin a trajectory to a node (its environment already lives there)."""
@@ -226,13 +239,14 @@ class Scheduler:
             dropped.extend(self.close_trajectory(tid, finished=False))
         self.cpu.nodes.pop(name, None)
         self.gpu.remove_node(name)
+        self.returns.node_removed(name)
         self._nodes_changed()
         return Drained(running=running, trajectories=placed, dropped=tuple(dropped))
 
     def _nodes_changed(self) -> None:
         """Capacity changed: every cached choice and waiting count is stale."""
         self.sizing = replace(self.sizing, biggest_node=_biggest(self.cpu))
-        self.waiting = {}
+        self.waiting, self.queued_work = {}, {}
         for a in self.actions.values():
             a.cache, a.needs = None, None
             self._count(a, +1)
@@ -322,6 +336,8 @@ class Scheduler:
         if action_id in self.actions or action_id in self.running:
             raise SchedulingError("id", f"action {action_id} already exists")
         action = self._resolve(action_id, trajectory, spec, now)
+        if traj.in_flight == 0 and traj.idle_since is not None:
+            self.returns.think.observe(max(0.0, now - traj.idle_since))
         policy, expected = POLICIES[self.config.ordering], partial(self._expected, action)
         key = policy.key(action.seq, traj, self.lengths, expected)
         deadline = policy.deadline(now, expected, self.config, self.recent_wait_s)
@@ -367,6 +383,8 @@ class Scheduler:
         for q, n in asg.quotas:
             self.quotas[q].release(n)
         traj = self.trajectories.get(a.trajectory)
+        if traj is not None and self._settle(traj):
+            traj.idle_since = now  # its think time starts
         if traj is not None and ok:
             took = max(0.0, now - asg.started_at)
             traj.steps_done += 1
@@ -503,11 +521,7 @@ class Scheduler:
         """Each CPU node's core price now (``core.pricing``); empty when prices are off."""
         if self.config.core_price == "none":
             return {}
-        waiting = self.waiting
-        return {
-            name: node_price(n, waiting.get(Resource.cpu(name), 0))
-            for name, n in self.cpu.nodes.items()
-        }
+        return {name: price_of(self, name) for name in self.cpu.nodes}
 
     # ---- the round ---------------------------------------------------------------
     def schedule(self, now: float) -> Round:
@@ -543,9 +557,7 @@ class Scheduler:
         started = (self._start(self.actions[s.action_id], s, now) for s in plan.starts)
         assignments = [a for a in started if a is not None]
         for asg in assignments:
-            self._waits_seen += 1
-            weight = max(_WAIT_WEIGHT, 1.0 / self._waits_seen)
-            self.recent_wait_s += weight * (max(0.0, asg.queued_s) - self.recent_wait_s)
+            self.recent_wait.observe(max(0.0, asg.queued_s))
         waiting = self.waiting
         wake = [
             t
@@ -599,8 +611,14 @@ class Scheduler:
     def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
         traj = self.trajectories[a.trajectory]
         self.actions[a.id] = a
+        if traj.in_flight == 0:
+            self.returns.stops_thinking(self.cpu.placement.get(a.trajectory))
+        traj.in_flight += 1
         if a.cpu:
+            units, durations, _ = self.sizing.choices(a, self.cpu.placement.get(a.trajectory))
+            a.work = units[0] * durations[units[0]]
             traj.queued_exec += 1
+            traj.queued_work += a.work
         by_tenant = self.queued_by_tenant
         by_tenant[traj.tenant] = by_tenant.get(traj.tenant, 0) + 1
         self._count(a, +1)
@@ -629,6 +647,9 @@ class Scheduler:
         traj = self.trajectories[a.trajectory]
         if a.cpu:
             traj.queued_exec -= 1
+            traj.queued_work = traj.queued_work - a.work if traj.queued_exec else 0.0
+        if not started and self._settle(traj):
+            traj.idle_since = None  # cancelled: the gap to its next action is no think time
         left = self.queued_by_tenant[traj.tenant] - 1
         if left:
             self.queued_by_tenant[traj.tenant] = left
@@ -638,18 +659,40 @@ class Scheduler:
 
     def _count(self, a: Action, delta: int) -> None:
         w, placement = self.waiting, self.cpu.placement
-        for r in needs(a, placement.get(a.trajectory) if a.cpu else None, placement):
+        wants = needs(a, placement.get(a.trajectory) if a.cpu else None, placement)
+        for r in wants:
             w[r] = w.get(r, 0) + delta
+        if a.work:
+            self._add_work(wants[0], delta * a.work)
+
+    def _add_work(self, r: Resource, work: float) -> None:
+        left = self.queued_work.get(r, 0.0) + work
+        if self.waiting.get(r, 0) > 0:
+            self.queued_work[r] = left
+        else:  # nothing queued there: drop the sum's rounding residue with the entry
+            self.queued_work.pop(r, None)
+
+    def _settle(self, traj: Trajectory) -> bool:
+        """One of ``traj``'s actions left the queue or ended; True if it is thinking now."""
+        traj.in_flight -= 1
+        if traj.in_flight:
+            return False
+        self.returns.starts_thinking(self.cpu.placement.get(traj.id))
+        return True
 
     def _place(self, tid: str, node: str) -> None:
         """Place a trajectory; its queued exec actions now wait on that node's cores."""
         traj = self.trajectories[tid]
         self.cpu.place(tid, node, traj.memory_gb)
+        if traj.in_flight == 0:
+            self.returns.starts_thinking(node)
         if traj.queued_exec:
             w = self.waiting
             w[PLACE] -= traj.queued_exec
             cores = Resource.cpu(node)
             w[cores] = w.get(cores, 0) + traj.queued_exec
+            self._add_work(PLACE, -traj.queued_work)
+            self._add_work(cores, traj.queued_work)
 
     def _start(
         self, a: Action, s: Start, now: float, exact: Sequence[int] | None = None

@@ -1,0 +1,59 @@
+"""Who will be back soon: each node's thinking trajectories and how long they think.
+
+A trajectory is *thinking* while it has no action queued or running: its model is
+generating the next step, and its next action comes back to the same node. The gap
+between an action's end and its trajectory's next submission is its think time; the
+scheduler learns their mean here (the core price's return term, ``core.pricing``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Weight of each sample: the plain mean of the first 100, then an exponential mean over
+# about the last 100 (a learned quantity follows the workload as it shifts).
+MEAN_WEIGHT = 0.01
+
+
+@dataclass(slots=True)
+class RunningMean:
+    """The plain mean of the first ``1/MEAN_WEIGHT`` samples, then an exponential one."""
+
+    mean: float = 0.0
+    seen: int = 0
+
+    def observe(self, x: float) -> None:
+        self.seen += 1
+        self.mean += max(MEAN_WEIGHT, 1.0 / self.seen) * (x - self.mean)
+
+    def assume(self, mean: float) -> None:
+        """Start from ``mean`` as if learned: later samples move it as after 100 seen."""
+        self.mean = mean
+        self.seen = max(self.seen, round(1 / MEAN_WEIGHT))
+
+
+@dataclass(slots=True)
+class Returns:
+    """Thinking trajectories per node, and their learned mean think time."""
+
+    thinking: dict[str, int] = field(default_factory=dict)  # node -> trajectories
+    think: RunningMean = field(default_factory=RunningMean)
+
+    @property
+    def think_s(self) -> float:
+        return self.think.mean
+
+    def starts_thinking(self, node: str | None) -> None:
+        if node is not None:
+            self.thinking[node] = self.thinking.get(node, 0) + 1
+
+    def stops_thinking(self, node: str | None) -> None:
+        if node is not None:
+            left = self.thinking[node] - 1
+            if left:
+                self.thinking[node] = left
+            else:
+                del self.thinking[node]
+
+    def node_removed(self, node: str) -> None:
+        self.thinking.pop(node, None)

@@ -1,0 +1,229 @@
+"""The core price's return term: thinking trajectories per node, the learned think time,
+each node's queued work, and the price they make (core_price="arrivals")."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram.scheduler import Scheduler, SchedulerConfig, SchedulingError
+from tangram.scheduler.core.pricing import return_price
+from tangram.scheduler.core.resource import PLACE, Resource
+from tangram.scheduler.core.returns import RunningMean
+
+from .helpers import cluster, elastic, exec_action
+
+ARRIVALS = SchedulerConfig(core_price="arrivals")
+
+
+def _nodes(*names: str, cpus: int = 8) -> Scheduler:
+    nodes = [{"name": n, "cpus": cpus, "numa_nodes": 1, "memory_gb": 64} for n in names]
+    return Scheduler(cluster(nodes=nodes), ARRIVALS)
+
+
+def test_the_return_term_is_nothing_without_thinking_a_queue_or_a_think_time() -> None:
+    assert return_price(0, 5.0, 10.0, 8, 8) == 0.0
+    assert return_price(4, 0.0, 10.0, 8, 8) == 0.0
+    assert return_price(4, 5.0, 0.0, 8, 8) == 0.0  # nothing learned yet: the load rule
+    assert return_price(4, 5.0, 10.0, 8, 0) == 0.0
+    # ρ = 6/8, four thinking, each back before the queue drains in 5 s with 1 - e^(-1/2).
+    want = (6 / 8) * 4 * (1 - math.exp(-0.5)) / 8
+    assert return_price(4, 5.0, 10.0, 6, 8) == pytest.approx(want)
+    # A backlog many think times long: every thinking trajectory is back before it drains.
+    assert return_price(4, 1e6, 10.0, 8, 8) == pytest.approx(4 / 8)
+
+
+def test_a_running_mean_is_the_plain_mean_then_exponential() -> None:
+    m = RunningMean()
+    for x in (10.0, 20.0, 30.0):
+        m.observe(x)
+    assert m.mean == pytest.approx(20.0)
+    m.assume(50.0)  # as if learned over 100 samples: one more moves it by 1 %
+    m.observe(150.0)
+    assert m.mean == pytest.approx(51.0)
+
+
+def test_a_trajectory_thinks_from_its_actions_end_to_its_next_submission() -> None:
+    s = _nodes("n1")
+    s.open_trajectory("t")
+    s.place_trajectory("t", "n1")
+    assert s.returns.thinking == {"n1": 1}  # placed, nothing queued: thinking
+    s.submit("a", "t", exec_action(1, 2.0), 0.0)
+    assert s.returns.thinking == {}
+    s.schedule(0.0)
+    assert s.returns.thinking == {}  # running
+    s.complete("a", 2.0)
+    assert s.returns.thinking == {"n1": 1}
+    assert s.think_s == 0.0  # no gap seen yet
+    s.submit("b", "t", exec_action(1, 2.0), 9.0)
+    assert s.think_s == pytest.approx(7.0)  # 2.0 -> 9.0
+    s.cancel("b")  # back to thinking, but the time until its next action is no think time
+    assert s.returns.thinking == {"n1": 1}
+    s.submit("c", "t", exec_action(1, 2.0), 100.0)
+    assert s.think_s == pytest.approx(7.0)
+    s.cancel("c")
+    s.close_trajectory("t")
+    assert s.returns.thinking == {}
+
+
+def test_an_unplaced_trajectory_is_counted_on_the_node_its_first_action_places_it() -> None:
+    s = _nodes("n1")
+    s.open_trajectory("t")
+    s.submit("a", "t", exec_action(2, 3.0), 0.0)
+    assert s.queued_work == {PLACE: pytest.approx(6.0)}  # 2 cores x 3 s, node still open
+    s.schedule(0.0)
+    assert s.queued_work == {}  # started: nothing queued anywhere
+    s.complete("a", 3.0)
+    assert s.returns.thinking == {"n1": 1}
+
+
+def test_a_drained_node_takes_its_thinking_trajectories_with_it() -> None:
+    s = _nodes("n1", "n2")
+    for t, n in (("t1", "n1"), ("t2", "n2")):
+        s.open_trajectory(t)
+        s.place_trajectory(t, n)
+    s.submit("a", "t1", exec_action(1, 2.0), 0.0)
+    s.schedule(0.0)
+    s.drain_node("n1")
+    assert s.returns.thinking == {"n2": 1}
+
+
+def test_a_refused_think_time_names_the_field() -> None:
+    s = _nodes("n1")
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(SchedulingError) as e:
+            s.assume_think_time(bad)
+        assert e.value.field == "think_s"
+
+
+def _crowded(config: SchedulerConfig, thinking: int) -> Scheduler:
+    """64 cores: 48 held by one-core commands, a long suite queued, ``thinking`` idle."""
+    s = Scheduler(
+        cluster(nodes=[{"name": "n1", "cpus": 64, "numa_nodes": 1, "memory_gb": 1024}]), config
+    )
+    for i in range(48):
+        s.open_trajectory(f"r{i}")
+        s.place_trajectory(f"r{i}", "n1")
+        s.adopt(f"run{i}", f"r{i}", exec_action(1, 30.0), units=1, started_at=0.0)
+    for i in range(thinking):
+        s.open_trajectory(f"idle{i}")
+        s.place_trajectory(f"idle{i}", "n1")
+    s.open_trajectory("t")
+    s.place_trajectory("t", "n1")
+    s.submit("suite", "t", elastic(1, 16, 600.0, 0.9), 0.0)
+    s.assume_think_time(10.0)
+    return s
+
+
+def test_thinking_trajectories_raise_the_price_and_cap_a_long_action_sooner() -> None:
+    load = (48 / 64) * 49 / 64  # utilisation x (1 queued + 48 running) per core
+    # The queue: the suite at 1 core for 600 s, i.e. 600/64 s of backlog on 64 cores.
+    back = 1 - math.exp(-(600 / 64) / 10.0)
+    s = _crowded(ARRIVALS, thinking=32)
+    (group,) = s.plan(0.0).groups
+    assert group.core_price == pytest.approx(load + (48 / 64) * 32 * back / 64)
+    assert s.core_prices() == {"n1": pytest.approx(group.core_price)}
+    # μ ≈ 0.574 + 0.233 = 0.807 and p/((1-p)μ) ≈ 11.2: 2 -> 3 (6) pays, 3 -> 4 (12) not.
+    assert group.capped == (("suite", 3, 16),)
+    # The load rule ignores them (it caps at 4, as without anyone thinking).
+    (group,) = _crowded(SchedulerConfig(), thinking=32).plan(0.0).groups
+    assert group.core_price == pytest.approx(load)
+    assert group.capped == (("suite", 4, 16),)
+    # Nobody thinking: the two rules agree.
+    (group,) = _crowded(ARRIVALS, thinking=0).plan(0.0).groups
+    assert group.core_price == pytest.approx(load)
+
+
+def test_explain_replays_the_learned_think_time() -> None:
+    from tangram.cli.explain import State, as_dict, decide
+
+    state = {
+        "cluster": {"nodes": [{"name": "n1", "cpus": 8, "memory_gb": 64}]},
+        "config": {"core_price": "arrivals"},
+        "trajectories": [{"id": f"t{i}", "node": "n1"} for i in range(8)],
+        "running": [
+            {"id": f"r{i}", "trajectory": f"t{i}", "units": 1, "started_s": 0.0,
+             "action": {"kind": "exec", "cpu": 1, "t1_s": 30.0}}
+            for i in range(6)
+        ],
+        "queue": [
+            {"id": "suite", "trajectory": "t7", "submitted_s": 0.0,
+             "action": {"kind": "exec", "cpu": {"min": 1, "max": 8}, "t1_s": 300,
+                        "efficiency": {"amdahl": 0.8}}},
+        ],
+    }  # fmt: skip
+    load = 0.75 * 7 / 8
+    (group,) = as_dict(decide(State.model_validate(state))[1])["groups"]
+    assert group["core_price"] == pytest.approx(load)  # no think time: the load term alone
+    learned = State.model_validate({**state, "think_s": 20.0})
+    (group,) = as_dict(decide(learned)[1])["groups"]
+    # t6 thinks; the suite's 300 core-seconds drain in 37.5 s on 8 cores.
+    extra = 0.75 * 1 * (1 - math.exp(-37.5 / 20.0)) / 8
+    assert group["core_price"] == pytest.approx(load + extra)
+
+
+# ---- the bookkeeping against a recount, under any order of events -------------------
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["open", "submit", "schedule", "complete", "cancel", "close"]),
+        st.integers(0, 2),
+        st.integers(1, 4),
+    ),
+    max_size=60,
+)
+
+
+def _running(s: Scheduler, tid: str) -> list[str]:
+    return sorted(aid for aid, r in s.running.items() if r.action.trajectory == tid)
+
+
+def _recount(s: Scheduler) -> tuple[dict[str, int], dict[Resource, float]]:
+    """Thinking trajectories per node and queued work per resource, from scratch."""
+    busy = {r.action.trajectory for r in s.running.values()}
+    busy |= {a.trajectory for a in s.actions.values()}
+    thinking: dict[str, int] = {}
+    for tid in s.trajectories:
+        node = s.cpu.placement.get(tid)
+        if node is not None and tid not in busy:
+            thinking[node] = thinking.get(node, 0) + 1
+    work: dict[Resource, float] = {}
+    for a in s.actions.values():
+        node = s.cpu.placement.get(a.trajectory)
+        r = Resource.cpu(node) if node is not None else PLACE
+        work[r] = work.get(r, 0.0) + a.work
+    return thinking, work
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_thinking_and_queued_work_match_a_recount(ops: list[tuple[str, int, int]]) -> None:
+    s = _nodes("n1", "n2", cpus=4)
+    now, seq = 0.0, 0
+    for op, t, k in ops:
+        now += 1.0
+        tid = f"t{t}"
+        if op == "open" and tid not in s.trajectories:
+            s.open_trajectory(tid)
+        elif op == "submit" and tid in s.trajectories:
+            seq += 1
+            s.submit(f"a{seq}", tid, elastic(1, k, 3.0 * k) if k > 1 else exec_action(1, 2.0), now)
+        elif op == "schedule":
+            s.schedule(now)
+        elif op == "complete" and (mine := _running(s, tid)):
+            s.complete(mine[0], now)
+        elif op == "cancel":
+            mine = sorted(aid for aid, a in s.actions.items() if a.trajectory == tid)
+            if mine:
+                s.cancel(mine[0])
+        elif op == "close" and tid in s.trajectories and not _running(s, tid):
+            s.close_trajectory(tid)
+        thinking, work = _recount(s)
+        assert s.returns.thinking == thinking
+        assert s.queued_work.keys() == {r for r, w in work.items() if w > 0}
+        for r, w in work.items():
+            assert s.queued_work.get(r, 0.0) == pytest.approx(w)
+        assert s.think_s >= 0.0
