@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tangram.api import ActionSpec, ClusterSpec
-from tangram.scheduler import Scheduler
+from tangram.scheduler import Scheduler, SchedulerConfig
 
 
 def started(s: Scheduler, now: float) -> list[str]:
@@ -43,3 +43,41 @@ def service_call(name: str, t1: float = 1.0, gpu: Any = None) -> ActionSpec:
 
 def api_call(name: str, t1: float = 1.0) -> ActionSpec:
     return ActionSpec.model_validate({"kind": "api", "api": name, "t1_s": t1})
+
+
+def busy_node(config: SchedulerConfig, thinking: int = 0) -> Scheduler:
+    """64 cores: 48 held by one-core commands of 48 trajectories, a long elastic test suite
+    (1-16 cores, 600 s alone, p 0.9) queued, and ``thinking`` placed trajectories idle."""
+    s = Scheduler(
+        cluster(nodes=[{"name": "n1", "cpus": 64, "numa_nodes": 1, "memory_gb": 1024}]), config
+    )
+    for i in range(48):
+        s.open_trajectory(f"r{i}")
+        s.place_trajectory(f"r{i}", "n1")
+        s.adopt(f"run{i}", f"r{i}", exec_action(1, 30.0), units=1, started_at=0.0)
+    for i in range(thinking):
+        s.open_trajectory(f"idle{i}")
+        s.place_trajectory(f"idle{i}", "n1")
+    s.open_trajectory("t")
+    s.place_trajectory("t", "n1")
+    s.submit("suite", "t", elastic(1, 16, 600.0, 0.9), 0.0)
+    return s
+
+
+def suite_state() -> dict[str, Any]:
+    """An explain state: 8 cores, 6 held by one-core commands, an elastic suite (1-8 cores,
+    300 s alone, p 0.8) queued for t7, and t6 thinking."""
+    return {
+        "cluster": {"nodes": [{"name": "n1", "cpus": 8, "memory_gb": 64}]},
+        "trajectories": [{"id": f"t{i}", "node": "n1"} for i in range(8)],
+        "running": [
+            {"id": f"r{i}", "trajectory": f"t{i}", "units": 1, "started_s": 0.0,
+             "action": {"kind": "exec", "cpu": 1, "t1_s": 30.0}}
+            for i in range(6)
+        ],
+        "queue": [
+            {"id": "suite", "trajectory": "t7", "submitted_s": 0.0,
+             "action": {"kind": "exec", "cpu": {"min": 1, "max": 8}, "t1_s": 300,
+                        "efficiency": {"amdahl": 0.8}}},
+        ],
+    }  # fmt: skip

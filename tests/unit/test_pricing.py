@@ -7,10 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tangram.api.resources import Scheduling
-from tangram.scheduler import Scheduler, SchedulerConfig, SchedulingError
+from tangram.scheduler import SchedulerConfig, SchedulingError
 from tangram.scheduler.core.pricing import core_price, priced_sizes
 
-from .helpers import cluster, elastic, exec_action
+from .helpers import busy_node, suite_state
 
 
 def amdahl(t1: float, p: float, sizes: range) -> dict[int, float]:
@@ -65,23 +65,8 @@ def test_a_step_that_adds_no_core_seconds_is_always_kept() -> None:
     assert priced_sizes((1, 2, 4), {1: 10.0, 2: 4.0, 4: 3.9}, 100.0) == 2
 
 
-def _busy_node(config: SchedulerConfig) -> Scheduler:
-    """64 cores: 48 held by 48 one-core commands, 16 more queued behind a long test suite."""
-    s = Scheduler(
-        cluster(nodes=[{"name": "n1", "cpus": 64, "numa_nodes": 1, "memory_gb": 1024}]), config
-    )
-    for i in range(48):
-        s.open_trajectory(f"r{i}")
-        s.place_trajectory(f"r{i}", "n1")
-        s.adopt(f"run{i}", f"r{i}", exec_action(1, 30.0), units=1, started_at=0.0)
-    s.open_trajectory("t")
-    s.place_trajectory("t", "n1")
-    s.submit("suite", "t", elastic(1, 16, 600.0, 0.9), 0.0)
-    return s
-
-
 def test_a_busy_node_caps_a_long_elastic_action_near_its_knee() -> None:
-    s = _busy_node(SchedulerConfig())
+    s = busy_node(SchedulerConfig())
     (group,) = s.plan(0.0).groups  # what tangram explain shows
     assert group.core_price == pytest.approx((48 / 64) * 49 / 64)
     assert group.capped == (("suite", 4, 16),)
@@ -89,7 +74,7 @@ def test_a_busy_node_caps_a_long_elastic_action_near_its_knee() -> None:
     # μ = (48/64)·(1 + 48)/64 ≈ 0.574 and p/((1-p)μ) ≈ 15.7: the step k -> k+1 pays
     # while k(k+1) <= 15.7, so up to 3 -> 4 (12) and not 4 -> 5 (20).
     assert asg.units == 4
-    paper = _busy_node(SchedulerConfig(core_price="none"))
+    paper = busy_node(SchedulerConfig(core_price="none"))
     (group,) = paper.plan(0.0).groups
     assert (group.core_price, group.capped) == (None, ())
     (asg,) = paper.schedule(0.0).assignments
@@ -97,7 +82,7 @@ def test_a_busy_node_caps_a_long_elastic_action_near_its_knee() -> None:
 
 
 def test_the_node_counts_the_actions_holding_its_cores() -> None:
-    s = _busy_node(SchedulerConfig())
+    s = busy_node(SchedulerConfig())
     node = s.cpu.nodes["n1"]
     assert node.holders == 48
     s.schedule(0.0)
@@ -120,22 +105,7 @@ def test_an_unknown_core_price_is_refused_naming_the_field() -> None:
 def test_explain_shows_the_price_and_what_it_capped(capsys: pytest.CaptureFixture[str]) -> None:
     from tangram.cli.explain import State, _print, as_dict, decide
 
-    state = State.model_validate(
-        {
-            "cluster": {"nodes": [{"name": "n1", "cpus": 8, "memory_gb": 64}]},
-            "trajectories": [{"id": f"t{i}", "node": "n1"} for i in range(8)],
-            "running": [
-                {"id": f"r{i}", "trajectory": f"t{i}", "units": 1, "started_s": 0.0,
-                 "action": {"kind": "exec", "cpu": 1, "t1_s": 30.0}}
-                for i in range(6)
-            ],
-            "queue": [
-                {"id": "suite", "trajectory": "t7", "submitted_s": 0.0,
-                 "action": {"kind": "exec", "cpu": {"min": 1, "max": 8}, "t1_s": 300,
-                            "efficiency": {"amdahl": 0.8}}},
-            ],
-        }
-    )  # fmt: skip
+    state = State.model_validate(suite_state())
     report = as_dict(decide(state)[1])
     (group,) = report["groups"]
     # ρ = 6/8, L = 1 queued + 6 running: μ = 0.75·7/8 and 0.8/(0.2μ) ≈ 6.1; the steps
@@ -148,6 +118,6 @@ def test_explain_shows_the_price_and_what_it_capped(capsys: pytest.CaptureFixtur
 
 
 def test_the_scheduler_reports_each_nodes_price_for_the_metrics() -> None:
-    s = _busy_node(SchedulerConfig())
+    s = busy_node(SchedulerConfig())
     assert s.core_prices() == {"n1": pytest.approx((48 / 64) * (48 + 1) / 64)}
-    assert _busy_node(SchedulerConfig(core_price="none")).core_prices() == {}
+    assert busy_node(SchedulerConfig(core_price="none")).core_prices() == {}

@@ -14,7 +14,7 @@ from tangram.scheduler.core.pricing import return_price
 from tangram.scheduler.core.resource import PLACE, Resource
 from tangram.scheduler.core.returns import RunningMean
 
-from .helpers import cluster, elastic, exec_action
+from .helpers import busy_node, cluster, elastic, exec_action, suite_state
 
 ARRIVALS = SchedulerConfig(core_price="arrivals")
 
@@ -100,20 +100,8 @@ def test_a_refused_think_time_names_the_field() -> None:
 
 
 def _crowded(config: SchedulerConfig, thinking: int) -> Scheduler:
-    """64 cores: 48 held by one-core commands, a long suite queued, ``thinking`` idle."""
-    s = Scheduler(
-        cluster(nodes=[{"name": "n1", "cpus": 64, "numa_nodes": 1, "memory_gb": 1024}]), config
-    )
-    for i in range(48):
-        s.open_trajectory(f"r{i}")
-        s.place_trajectory(f"r{i}", "n1")
-        s.adopt(f"run{i}", f"r{i}", exec_action(1, 30.0), units=1, started_at=0.0)
-    for i in range(thinking):
-        s.open_trajectory(f"idle{i}")
-        s.place_trajectory(f"idle{i}", "n1")
-    s.open_trajectory("t")
-    s.place_trajectory("t", "n1")
-    s.submit("suite", "t", elastic(1, 16, 600.0, 0.9), 0.0)
+    """``busy_node`` with ``thinking`` trajectories idle there, who think 10 s on average."""
+    s = busy_node(config, thinking)
     s.assume_think_time(10.0)
     return s
 
@@ -140,21 +128,7 @@ def test_thinking_trajectories_raise_the_price_and_cap_a_long_action_sooner() ->
 def test_explain_replays_the_learned_think_time() -> None:
     from tangram.cli.explain import State, as_dict, decide
 
-    state = {
-        "cluster": {"nodes": [{"name": "n1", "cpus": 8, "memory_gb": 64}]},
-        "config": {"core_price": "arrivals"},
-        "trajectories": [{"id": f"t{i}", "node": "n1"} for i in range(8)],
-        "running": [
-            {"id": f"r{i}", "trajectory": f"t{i}", "units": 1, "started_s": 0.0,
-             "action": {"kind": "exec", "cpu": 1, "t1_s": 30.0}}
-            for i in range(6)
-        ],
-        "queue": [
-            {"id": "suite", "trajectory": "t7", "submitted_s": 0.0,
-             "action": {"kind": "exec", "cpu": {"min": 1, "max": 8}, "t1_s": 300,
-                        "efficiency": {"amdahl": 0.8}}},
-        ],
-    }  # fmt: skip
+    state = {**suite_state(), "config": {"core_price": "arrivals"}}
     load = 0.75 * 7 / 8
     (group,) = as_dict(decide(State.model_validate(state))[1])["groups"]
     assert group["core_price"] == pytest.approx(load)  # no think time: the load term alone
@@ -226,4 +200,3 @@ def test_thinking_and_queued_work_match_a_recount(ops: list[tuple[str, int, int]
         assert s.queued_work.keys() == {r for r, w in work.items() if w > 0}
         for r, w in work.items():
             assert s.queued_work.get(r, 0.0) == pytest.approx(w)
-        assert s.think_s >= 0.0

@@ -212,8 +212,8 @@ def _print(report: dict[str, Any]) -> None:
         if g["core_price"] is not None:
             c.print(
                 f"  core price {g['core_price']:.3f} ACT-s per core-second (utilisation x "
-                "queued and running actions, and thinking trajectories back before the "
-                "queue drains, per core)"
+                "queued and running actions per core; under corePrice arrivals also the "
+                "thinking trajectories back before the queue drains)"
             )
         for cap in g["capped"]:
             c.print(

@@ -91,15 +91,14 @@ def plan_round(s: RoundInputs, now: float) -> Plan:
 def price_of(s: RoundInputs, node: str) -> float:
     """``node``'s core price now under the configured rule (``core.pricing``)."""
     cores = Resource.cpu(node)
-    queued = s.waiting.get(cores, 0)
-    if s.config.core_price != "arrivals":
-        return node_price(s.cpu.nodes[node], queued)
+    returns = s.returns
     return node_price(
         s.cpu.nodes[node],
-        queued,
+        s.waiting.get(cores, 0),
         queued_work=s.queued_work.get(cores, 0.0),
-        thinking=s.returns.thinking.get(node, 0),
-        think_s=s.returns.think_s,
+        # The return term only under its rule: nobody thinking leaves it out.
+        thinking=returns.thinking.get(node, 0) if s.config.core_price == "arrivals" else 0,
+        think_s=returns.think.mean,
     )
 
 

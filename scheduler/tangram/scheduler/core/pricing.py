@@ -20,7 +20,7 @@ known exactly each round; there is no constant to fit. An idle node prices cores
 nearly nothing and the paper's rule decides alone; a busy one stops big actions near the
 knee of their speed-up curve.
 
-The return term (rule ``arrivals``, the default) adds the trajectories that are thinking
+The return term (rule ``arrivals``, opt-in) adds the trajectories that are thinking
 now. A withheld core-second delays the node's backlog, and so everyone who joins it before
 it drains: the queued work at its smallest sizes takes ``D = W/C`` seconds, and a thinking
 trajectory is back within that time with probability ``1 - exp(-D/θ)`` for a think time

@@ -39,10 +39,6 @@ class Returns:
     thinking: dict[str, int] = field(default_factory=dict)  # node -> trajectories
     think: RunningMean = field(default_factory=RunningMean)
 
-    @property
-    def think_s(self) -> float:
-        return self.think.mean
-
     def starts_thinking(self, node: str | None) -> None:
         if node is not None:
             self.thinking[node] = self.thinking.get(node, 0) + 1
@@ -54,6 +50,3 @@ class Returns:
                 self.thinking[node] = left
             else:
                 del self.thinking[node]
-
-    def node_removed(self, node: str) -> None:
-        self.thinking.pop(node, None)

@@ -120,7 +120,8 @@ class Scheduler:
         dropped = [a.id for a in self.actions.values() if a.trajectory == tid]
         for aid in dropped:
             self._dequeue(aid)
-        if traj.in_flight == 0:  # (a drained node's running actions were forgotten)
+        # Thinking unless actions of it still count (running ones a drained node forgot).
+        if traj.in_flight == 0:
             self.returns.stops_thinking(self.cpu.placement.get(tid))
         self.cpu.unplace(tid)
         if finished:
@@ -148,7 +149,7 @@ class Scheduler:
     @property
     def think_s(self) -> float:
         """Mean think time learned: from an action's end to its trajectory's next submit."""
-        return self.returns.think_s
+        return self.returns.think.mean
 
     def place_trajectory(self, tid: str, node: str) -> None:
         """Pin a trajectory to a node (its environment already lives there)."""
@@ -239,7 +240,6 @@ class Scheduler:
             dropped.extend(self.close_trajectory(tid, finished=False))
         self.cpu.nodes.pop(name, None)
         self.gpu.remove_node(name)
-        self.returns.node_removed(name)
         self._nodes_changed()
         return Drained(running=running, trajectories=placed, dropped=tuple(dropped))
 
@@ -615,8 +615,8 @@ class Scheduler:
             self.returns.stops_thinking(self.cpu.placement.get(a.trajectory))
         traj.in_flight += 1
         if a.cpu:
-            units, durations, _ = self.sizing.choices(a, self.cpu.placement.get(a.trajectory))
-            a.work = units[0] * durations[units[0]]
+            k, d = self.sizing.smallest(a, self.cpu.placement.get(a.trajectory))
+            a.work = k * d
             traj.queued_exec += 1
             traj.queued_work += a.work
         by_tenant = self.queued_by_tenant

@@ -43,10 +43,14 @@ class Sizing:
         a.cache = (stamp, units, durations, pending)
         return units, durations, pending
 
+    def smallest(self, a: Action, node: str | None) -> tuple[int, float]:
+        """The minimum units and the expected duration with them."""
+        units, durations, _ = self.choices(a, node)
+        return units[0], durations[units[0]]
+
     def expected(self, a: Action, node: str | None) -> float:
         """Expected duration at the minimum units."""
-        units, durations, _ = self.choices(a, node)
-        return durations[units[0]]
+        return self.smallest(a, node)[1]
 
     def _compute(self, a: Action, node: str | None) -> tuple[tuple[int, ...], dict[int, float]]:
         units = a.cpu or a.gpu or (1,)
