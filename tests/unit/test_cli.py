@@ -202,8 +202,8 @@ def test_coding_seeds_replays_every_batch_and_seed_and_reports_the_spread(
             act = v["avg_act_s"]
             best = min(act["fixed-dop-4"], act["fixed-dop-16"])
             assert v["elastic_vs_best_fixed"] == pytest.approx(act["elastic"] / best, abs=1e-4)
-            arrivals = act["elastic-arrivals"] / best  # the opt-in rule, in the same run
-            assert v["arrivals_vs_best_fixed"] == pytest.approx(arrivals, abs=1e-4)
+            load = act["elastic-load"] / best  # the rule without the return term, same run
+            assert v["load_vs_best_fixed"] == pytest.approx(load, abs=1e-4)
             ratios.append(v["elastic_vs_best_fixed"])
         spread = row["elastic_vs_best_fixed"]
         assert (spread["min"], spread["max"]) == (min(ratios), max(ratios))

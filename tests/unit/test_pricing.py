@@ -99,7 +99,7 @@ def test_an_unknown_core_price_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="corePrice"):
         Scheduling.model_validate({"corePrice": "cheap"})
     assert Scheduling.model_validate({"corePrice": "none"}).core_price == "none"
-    assert Scheduling().core_price == SchedulerConfig().core_price == "load"
+    assert Scheduling().core_price == SchedulerConfig().core_price == "arrivals"
 
 
 def test_explain_shows_the_price_and_what_it_capped(capsys: pytest.CaptureFixture[str]) -> None:

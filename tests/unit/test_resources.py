@@ -649,12 +649,12 @@ def test_quota_waiting_is_hold_unless_the_pool_says_pass() -> None:
         parse(pool(cpu={}, scheduling={"quotaWaiting": "skip"}))
 
 
-def test_the_core_price_is_load_unless_the_pool_says_otherwise() -> None:
+def test_the_core_price_is_arrivals_unless_the_pool_says_otherwise() -> None:
     from tangram.service.from_resources import pool_config
 
     plain = parse(pool(cpu={}))
-    assert pool_config(plain, plain.pools[("default", "p")]).scheduling.core_price == "load"
-    for rule in ("arrivals", "none"):
+    assert pool_config(plain, plain.pools[("default", "p")]).scheduling.core_price == "arrivals"
+    for rule in ("load", "none"):
         chosen = parse(pool(cpu={}, scheduling={"corePrice": rule}))
         assert pool_config(chosen, chosen.pools[("default", "p")]).scheduling.core_price == rule
     with pytest.raises(ResourceError, match="corePrice"):

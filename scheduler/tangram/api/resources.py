@@ -243,13 +243,14 @@ class Scheduling(Spec):
             description="how far an elastic action may grow on a loaded node — load: sizes "
             "whose gain per extra core-second is below the node's core price (its queued "
             "and running actions per core, times its utilisation) are dropped before the "
-            "completion-time approximation chooses; arrivals: the price also counts the "
-            "thinking trajectories expected back before the node's queue drains (learned "
-            "think time; better on saturated nodes, worse at moderate load); none: the "
+            "completion-time approximation chooses; arrivals (the default): the price also "
+            "counts the thinking trajectories expected back before the node's queue drains "
+            "(learned think time), weighted by the node's offered load (the share of its "
+            "cores its trajectories would hold at their smallest sizes); none: the "
             "approximation alone (the paper's rule, which lets long actions take the cores "
             "the next short ones need)"
         ),
-    ] = "load"
+    ] = "arrivals"
 
 
 Quantity = int | float | str

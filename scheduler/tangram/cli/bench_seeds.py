@@ -18,10 +18,10 @@ from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.policies import simulate
 from tangram.sim.tracegen import generate, scenario_cluster
 
-# elastic: the default core price (load); elastic-arrivals: with the return term
+# elastic: the default core price (arrivals); elastic-load: without the return term
 POLICIES = (
     "elastic",
-    "elastic-arrivals",
+    "elastic-load",
     "elastic-paper",
     "fixed-dop-4",
     "fixed-dop-16",
@@ -81,7 +81,7 @@ def _batch(
             "avg_act_s": {p: round(row[p]["avg_act_s"], 4) for p in POLICIES},
             "elastic_vs_best_fixed": ratios[-1],
             "elastic_vs_paper_rule": round(elastic / row["elastic-paper"]["avg_act_s"], 4),
-            "arrivals_vs_best_fixed": round(row["elastic-arrivals"]["avg_act_s"] / best, 4),
+            "load_vs_best_fixed": round(row["elastic-load"]["avg_act_s"] / best, 4),
             "k8s_static_over_elastic": round(row["k8s-static"]["avg_act_s"] / elastic, 3),
         }
     return {
@@ -99,23 +99,23 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         header_line(report),
         "",
-        "avg ACT per action, s: elastic (core price `load`, the default) / elastic-arrivals "
-        "(core price `arrivals`) / elastic-paper / fixed-dop-4 / fixed-dop-16; ratio = "
-        "elastic / the better fixed DoP (target ≤ 0.95), and elastic-arrivals / it; "
+        "avg ACT per action, s: elastic (core price `arrivals`, the default) / elastic-load "
+        "(core price `load`) / elastic-paper / fixed-dop-4 / fixed-dop-16; ratio = "
+        "elastic / the better fixed DoP (target ≤ 0.95), and elastic-load / it; "
         "k8s = k8s-static / elastic.",
         "",
-        "| batch | seed | elastic | elastic-arrivals | elastic-paper | fixed-dop-4 | "
-        "fixed-dop-16 | ratio | arrivals ratio | k8s |",
+        "| batch | seed | elastic | elastic-load | elastic-paper | fixed-dop-4 | "
+        "fixed-dop-16 | ratio | load ratio | k8s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for batch, row in report["batches"].items():
         for seed, v in row["seeds"].items():
             act = v["avg_act_s"]
             lines.append(
-                f"| {batch} | {seed} | {act['elastic']:.3f} | {act['elastic-arrivals']:.3f} | "
+                f"| {batch} | {seed} | {act['elastic']:.3f} | {act['elastic-load']:.3f} | "
                 f"{act['elastic-paper']:.3f} | "
                 f"{act['fixed-dop-4']:.3f} | {act['fixed-dop-16']:.3f} | "
-                f"**{v['elastic_vs_best_fixed']:.3f}** | {v['arrivals_vs_best_fixed']:.3f} | "
+                f"**{v['elastic_vs_best_fixed']:.3f}** | {v['load_vs_best_fixed']:.3f} | "
                 f"{v['k8s_static_over_elastic']:.2f}× |"
             )
         spread = row["elastic_vs_best_fixed"]

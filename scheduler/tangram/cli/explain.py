@@ -69,7 +69,7 @@ class ConfigState(_Strict):
     ageing_wait: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
     horizon: Annotated[int | None, Field(ge=1)] = None
     quota_waiting: QuotaWaiting = "hold"
-    core_price: CorePrice = "load"
+    core_price: CorePrice = "arrivals"
 
 
 class State(_Strict):
@@ -80,6 +80,10 @@ class State(_Strict):
     recent_wait_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     # Its learned mean think time: the core price's return term reads it (0: none yet).
     think_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # Its learned mean exec action at the smallest size, core-seconds and seconds: with
+    # think_s they give a node's offered load (0: learned from this state's queue).
+    exec_core_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    exec_run_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     trajectories: list[TrajectoryState] = Field(default_factory=list)
     running: list[RunningState] = Field(default_factory=list)
     queue: list[QueuedState] = Field(default_factory=list)
@@ -91,7 +95,7 @@ def register(sub: Any) -> None:
         help="show the scheduler's decision for a state, step by step",
         description="Show what the scheduler decides for STATE.json, and why.",
         epilog='STATE.json: {"cluster": {...a cluster file...}, "config": {"depth": 2}, '
-        '"now": 100.0, "recent_wait_s": 0, "think_s": 0, '
+        '"now": 100.0, "recent_wait_s": 0, "think_s": 0, "exec_core_s": 0, "exec_run_s": 0, '
         '"trajectories": [{"id", "memory_gb", "node", "hint_steps"}], '
         '"running": [{"id", "trajectory", "action", "units", "started_s", "joins"}], '
         '"queue": [{"id", "trajectory", "action", "submitted_s"}]} (queue in '
@@ -108,6 +112,8 @@ def decide(state: State) -> tuple[Scheduler, Round]:
     sched = Scheduler(state.cluster, SchedulerConfig(**cfg.model_dump()))
     sched.assume_recent_wait(state.recent_wait_s)
     sched.assume_think_time(state.think_s)
+    if state.exec_core_s or state.exec_run_s:
+        sched.assume_exec_action(state.exec_core_s, state.exec_run_s)
     for t in state.trajectories:
         sched.open_trajectory(t.id, t.memory_gb, t.hint_steps)
         if t.node is not None:

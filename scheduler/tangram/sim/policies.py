@@ -11,10 +11,8 @@
                      remaining actions at open, off by a lognormal factor (``HINT_SIGMA``)
 ``elastic-paper``    the same with ``core_price="none"``: sizes from the paper's ACT
                      estimate alone
-``elastic-priced``   the same with ``core_price="load"``: sizes whose gain per core-second
-                     is below the node's core price are dropped first
-``elastic-arrivals`` the same with ``core_price="arrivals"``: the price also counts the
-                     thinking trajectories back before the node's queue drains
+``elastic-load``     the same with ``core_price="load"``: the price counts the node's
+                     queued and running actions only, not its thinking trajectories
 ``elastic-unbatched`` the same with every service's ``max_calls`` at 1: a call has its
                      instance to itself (the paper's GPU manager)
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
@@ -57,8 +55,7 @@ from tangram.sim.records import SimResult
 # Elastic policies that differ only in the core price rule (docs/scheduler.md).
 _CORE_PRICE: dict[str, CorePrice] = {
     "elastic-paper": "none",
-    "elastic-priced": "load",
-    "elastic-arrivals": "arrivals",
+    "elastic-load": "load",
 }
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
 _K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
@@ -74,8 +71,7 @@ NAMED = (
     "elastic-shortest",
     "elastic-shortest-hinted",
     "elastic-paper",
-    "elastic-priced",
-    "elastic-arrivals",
+    "elastic-load",
     "elastic-unbatched",
     "unmanaged",
 )

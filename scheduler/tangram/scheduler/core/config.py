@@ -49,8 +49,9 @@ class SchedulerConfig:
     # How far an elastic action may grow on a loaded node (core.pricing): "none" sizes by
     # the paper's ACT estimate alone; "load" first drops the sizes whose gain per extra
     # core-second is below the node's core price (its actions, queued or running, per core);
-    # "arrivals" adds the thinking trajectories back before its queue drains to the price.
-    core_price: CorePrice = "load"
+    # "arrivals" (the default) adds the thinking trajectories back before its queue drains,
+    # as far as the node's offered load says their actions will find the cores wanted.
+    core_price: CorePrice = "arrivals"
 
     def overdue_after(self, expected_s: float) -> float:
         """The ageing bound: how long an action expected to take ``expected_s`` may wait

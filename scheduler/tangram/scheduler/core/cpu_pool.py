@@ -23,6 +23,7 @@ class CpuNode:
     memory_gb: float
     memory_used_gb: float = 0.0
     holders: int = 0  # actions holding cores here (the core price counts them)
+    trajectories: int = 0  # placed here (the core price's offered load counts them)
 
     @property
     def free_cores(self) -> int:
@@ -97,14 +98,18 @@ class CpuPool:
             raise ValueError(
                 f"trajectory {trajectory} is already placed on {self.placement[trajectory]}"
             )
-        self.nodes[node].memory_used_gb += memory_gb
+        cpu = self.nodes[node]
+        cpu.memory_used_gb += memory_gb
+        cpu.trajectories += 1
         self.placement[trajectory] = node
         self.reserved_gb[trajectory] = memory_gb
 
     def unplace(self, trajectory: str) -> None:
         node = self.placement.pop(trajectory, None)
         if node is not None:
-            self.nodes[node].memory_used_gb -= self.reserved_gb.pop(trajectory)
+            cpu = self.nodes[node]
+            cpu.memory_used_gb -= self.reserved_gb.pop(trajectory)
+            cpu.trajectories -= 1
 
     def take(self, node: str, n: int) -> tuple[int, ...]:
         """Take ``n`` free cores of ``node``: one NUMA node (best fit) if possible, else fewest."""

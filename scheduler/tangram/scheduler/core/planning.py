@@ -90,15 +90,16 @@ def plan_round(s: RoundInputs, now: float) -> Plan:
 
 def price_of(s: RoundInputs, node: str) -> float:
     """``node``'s core price now under the configured rule (``core.pricing``)."""
-    cores = Resource.cpu(node)
+    cores, cpu = Resource.cpu(node), s.cpu.nodes[node]
     returns = s.returns
     return node_price(
-        s.cpu.nodes[node],
+        cpu,
         s.waiting.get(cores, 0),
         queued_work=s.queued_work.get(cores, 0.0),
         # The return term only under its rule: nobody thinking leaves it out.
         thinking=returns.thinking.get(node, 0) if s.config.core_price == "arrivals" else 0,
         think_s=returns.think.mean,
+        offered=returns.offered_load(cpu.trajectories, cpu.cores),
     )
 
 

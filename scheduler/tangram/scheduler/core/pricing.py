@@ -20,18 +20,24 @@ known exactly each round; there is no constant to fit. An idle node prices cores
 nearly nothing and the paper's rule decides alone; a busy one stops big actions near the
 knee of their speed-up curve.
 
-The return term (rule ``arrivals``, opt-in) adds the trajectories that are thinking
-now. A withheld core-second delays the node's backlog, and so everyone who joins it before
-it drains: the queued work at its smallest sizes takes ``D = W/C`` seconds, and a thinking
+The return term (rule ``arrivals``) adds the trajectories that are thinking now. A
+withheld core-second delays the node's backlog, and so everyone who joins it before it
+drains: the queued work at its smallest sizes takes ``D = W/C`` seconds, and a thinking
 trajectory is back within that time with probability ``1 - exp(-D/θ)`` for a think time
-of learned mean θ (``core.returns``). With ``T`` of them thinking,
+of learned mean θ (``core.returns``). Whether its action then finds the cores wanted is
+taken as the node's offered load ``ρ_o``, as for the others it is the utilisation now: the
+share of the cores its ``N`` placed trajectories would hold at their smallest sizes, each
+asking for the mean work ``w`` once per think time and run ``r``, ``ρ_o = N·w/((θ+r)·C)``.
+With ``T`` of them thinking,
 
-    μ = ρ · (L + T·(1 - exp(-D/θ))) / C
+    μ = ρ · (L + min(1, ρ_o) · T·(1 - exp(-D/θ))) / C
 
 It matters at saturation, in the lulls when a node's queue fits its free cores: the paper's
 rule (and the ``load`` term alone) would then hand a long run most of them just before the
-thinking trajectories come back. With no queue (D = 0), or no think time learned yet, the
-term is zero.
+thinking trajectories come back. At moderate load the round's own candidates make a short
+backlog all the time, but the trajectories that come back find free cores; ``ρ_o`` is
+what tells the two apart. With no queue (D = 0), or no think time learned yet, the term
+is zero.
 
 A size is kept while each step up to it gains at least μ per core-second it adds. For an
 Amdahl action with parallel fraction p that is ``k(k+1) ≤ p / ((1 - p)·μ)``.
@@ -57,14 +63,17 @@ def core_price(queued: int, running: int, held: int, cores: int) -> float:
     return (held / cores) * (queued + running) / cores
 
 
-def return_price(thinking: int, backlog_s: float, think_s: float, held: int, cores: int) -> float:
+def return_price(
+    thinking: int, backlog_s: float, think_s: float, held: int, cores: int, *, offered: float
+) -> float:
     """The return term: ACT-seconds per withheld core-second of the ``thinking``
     trajectories that come back (mean think time ``think_s``) before the node's backlog
-    drains in ``backlog_s``; zero while no think time is known."""
-    if cores <= 0 or thinking <= 0 or backlog_s <= 0.0 or think_s <= 0.0:
+    drains in ``backlog_s``, to find its cores wanted at the node's ``offered`` load;
+    zero while no think time is known."""
+    if cores <= 0 or thinking <= 0 or backlog_s <= 0.0 or think_s <= 0.0 or offered <= 0.0:
         return 0.0
     back = -math.expm1(-backlog_s / think_s)  # 1 - exp(-D/θ), exact for small D/θ
-    return (held / cores) * thinking * back / cores
+    return (held / cores) * min(1.0, offered) * thinking * back / cores
 
 
 def node_price(
@@ -74,15 +83,17 @@ def node_price(
     queued_work: float = 0.0,
     thinking: int = 0,
     think_s: float = 0.0,
+    offered: float = 0.0,
 ) -> float:
     """μ of a node with ``queued`` actions waiting for its cores, and with the return term
     when given: ``queued_work`` core-seconds queued there (at their smallest sizes),
-    ``thinking`` trajectories placed there thinking, for ``think_s`` on average."""
+    ``thinking`` trajectories placed there thinking, for ``think_s`` on average, at the
+    node's ``offered`` load."""
     held = node.cores - node.free_cores
     price = core_price(queued, node.holders, held, node.cores)
     if thinking:
         backlog_s = queued_work / node.cores
-        price += return_price(thinking, backlog_s, think_s, held, node.cores)
+        price += return_price(thinking, backlog_s, think_s, held, node.cores, offered=offered)
     return price
 
 

@@ -1,9 +1,12 @@
-"""Who will be back soon: each node's thinking trajectories and how long they think.
+"""Who will be back soon: each node's thinking trajectories, how long they think, and
+how much they ask for when they come back.
 
 A trajectory is *thinking* while it has no action queued or running: its model is
 generating the next step, and its next action comes back to the same node. The gap
 between an action's end and its trajectory's next submission is its think time; the
-scheduler learns their mean here (the core price's return term, ``core.pricing``).
+scheduler learns their mean here, and the mean exec action at its smallest size (its
+core-seconds and its seconds). Together they give a node's offered load (the core price's
+return term, ``core.pricing``).
 """
 
 from __future__ import annotations
@@ -34,10 +37,27 @@ class RunningMean:
 
 @dataclass(slots=True)
 class Returns:
-    """Thinking trajectories per node, and their learned mean think time."""
+    """Thinking trajectories per node, their learned mean think time, and the mean exec
+    action they ask for."""
 
     thinking: dict[str, int] = field(default_factory=dict)  # node -> trajectories
     think: RunningMean = field(default_factory=RunningMean)
+    work: RunningMean = field(default_factory=RunningMean)  # core-seconds, smallest size
+    run: RunningMean = field(default_factory=RunningMean)  # seconds at that size
+
+    def asks(self, cores: int, run_s: float) -> None:
+        """An exec action was queued: ``cores`` for ``run_s`` seconds at its smallest size."""
+        self.work.observe(cores * run_s)
+        self.run.observe(run_s)
+
+    def offered_load(self, trajectories: int, cores: int) -> float:
+        """The share of ``cores`` that ``trajectories`` would hold at their actions'
+        smallest sizes: each asks for the mean work once per cycle of a think time and a
+        run. Zero until a think time and an action are known."""
+        cycle = self.think.mean + self.run.mean
+        if cores <= 0 or self.think.mean <= 0.0 or cycle <= 0.0:
+            return 0.0
+        return trajectories * self.work.mean / (cycle * cores)
 
     def starts_thinking(self, node: str | None) -> None:
         if node is not None:

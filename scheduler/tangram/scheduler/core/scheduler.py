@@ -142,6 +142,15 @@ class Scheduler:
             raise SchedulingError("think_s", f"{think_s} must be finite and >= 0")
         self.returns.think.assume(think_s)
 
+    def assume_exec_action(self, core_s: float, run_s: float) -> None:
+        """Start from a learned mean exec action at its smallest size: ``core_s``
+        core-seconds over ``run_s`` seconds (``tangram explain``; the offered load)."""
+        for name, value in (("exec_core_s", core_s), ("exec_run_s", run_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise SchedulingError(name, f"{value} must be finite and >= 0")
+        self.returns.work.assume(core_s)
+        self.returns.run.assume(run_s)
+
     @property
     def recent_wait_s(self) -> float:
         return self.recent_wait.mean
@@ -617,6 +626,7 @@ class Scheduler:
         if a.cpu:
             k, d = self.sizing.smallest(a, self.cpu.placement.get(a.trajectory))
             a.work = k * d
+            self.returns.asks(k, d)
             traj.queued_exec += 1
             traj.queued_work += a.work
         by_tenant = self.queued_by_tenant
