@@ -73,13 +73,13 @@ def test_a_trajectory_thinks_from_its_actions_end_to_its_next_submission() -> No
     assert s.returns.thinking == {}  # running
     s.complete("a", 2.0)
     assert s.returns.thinking == {"n1": 1}
-    assert s.think_s == 0.0  # no gap seen yet
+    assert s.returns.think.mean == 0.0  # no gap seen yet
     s.submit("b", "t", exec_action(1, 2.0), 9.0)
-    assert s.think_s == pytest.approx(7.0)  # 2.0 -> 9.0
+    assert s.returns.think.mean == pytest.approx(7.0)  # 2.0 -> 9.0
     s.cancel("b")  # back to thinking, but the time until its next action is no think time
     assert s.returns.thinking == {"n1": 1}
     s.submit("c", "t", exec_action(1, 2.0), 100.0)
-    assert s.think_s == pytest.approx(7.0)
+    assert s.returns.think.mean == pytest.approx(7.0)
     s.cancel("c")
     s.close_trajectory("t")
     assert s.returns.thinking == {}

@@ -3,7 +3,7 @@
 STATE.json::
 
     {"cluster": {...cluster file...}, "config": {"depth": 2, ...}, "now": 100.0,
-     "recent_wait_s": 0.0, "think_s": 0.0,
+     "recent_wait_s": 0.0, "think_s": 0.0, "exec_core_s": 0.0, "exec_run_s": 0.0,
      "trajectories": [{"id": "t1", "memory_gb": 4, "node": "n0"}],
      "running": [{"id": "r1", "trajectory": "t1", "action": {...}, "units": 4, "started_s": 90}],
      "queue": [{"id": "a1", "trajectory": "t2", "action": {...}, "submitted_s": 99}]}
@@ -219,7 +219,7 @@ def _print(report: dict[str, Any]) -> None:
             c.print(
                 f"  core price {g['core_price']:.3f} ACT-s per core-second (utilisation x "
                 "queued and running actions per core; under corePrice arrivals also the "
-                "thinking trajectories back before the queue drains)"
+                "thinking trajectories back before the queue drains, by the offered load)"
             )
         for cap in g["capped"]:
             c.print(

@@ -53,11 +53,10 @@ class Returns:
     def offered_load(self, trajectories: int, cores: int) -> float:
         """The share of ``cores`` that ``trajectories`` would hold at their actions'
         smallest sizes: each asks for the mean work once per cycle of a think time and a
-        run. Zero until a think time and an action are known."""
-        cycle = self.think.mean + self.run.mean
-        if cores <= 0 or self.think.mean <= 0.0 or cycle <= 0.0:
+        run. Zero until a think time is known."""
+        if cores <= 0 or self.think.mean <= 0.0:
             return 0.0
-        return trajectories * self.work.mean / (cycle * cores)
+        return trajectories * self.work.mean / ((self.think.mean + self.run.mean) * cores)
 
     def starts_thinking(self, node: str | None) -> None:
         if node is not None:

@@ -132,33 +132,22 @@ class Scheduler:
     def assume_recent_wait(self, wait_s: float) -> None:
         """Start from a learned recent mean queueing time (``tangram explain`` replays a
         round of a scheduler that had one); later starts move it as after 100 seen."""
-        if not (math.isfinite(wait_s) and wait_s >= 0):
-            raise SchedulingError("recent_wait_s", f"{wait_s} must be finite and >= 0")
-        self.recent_wait.assume(wait_s)
+        self.recent_wait.assume(_learned("recent_wait_s", wait_s))
 
     def assume_think_time(self, think_s: float) -> None:
         """Start from a learned mean think time (``tangram explain``), as ``assume_recent_wait``."""
-        if not (math.isfinite(think_s) and think_s >= 0):
-            raise SchedulingError("think_s", f"{think_s} must be finite and >= 0")
-        self.returns.think.assume(think_s)
+        self.returns.think.assume(_learned("think_s", think_s))
 
     def assume_exec_action(self, core_s: float, run_s: float) -> None:
         """Start from a learned mean exec action at its smallest size: ``core_s``
         core-seconds over ``run_s`` seconds (``tangram explain``; the offered load)."""
-        for name, value in (("exec_core_s", core_s), ("exec_run_s", run_s)):
-            if not (math.isfinite(value) and value >= 0):
-                raise SchedulingError(name, f"{value} must be finite and >= 0")
+        core_s, run_s = _learned("exec_core_s", core_s), _learned("exec_run_s", run_s)
         self.returns.work.assume(core_s)
         self.returns.run.assume(run_s)
 
     @property
     def recent_wait_s(self) -> float:
         return self.recent_wait.mean
-
-    @property
-    def think_s(self) -> float:
-        """Mean think time learned: from an action's end to its trajectory's next submit."""
-        return self.returns.think.mean
 
     def place_trajectory(self, tid: str, node: str) -> None:
         """Pin a trajectory to a node (its environment already lives there)."""
@@ -620,11 +609,12 @@ class Scheduler:
     def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
         traj = self.trajectories[a.trajectory]
         self.actions[a.id] = a
+        node = self.cpu.placement.get(a.trajectory)
         if traj.in_flight == 0:
-            self.returns.stops_thinking(self.cpu.placement.get(a.trajectory))
+            self.returns.stops_thinking(node)
         traj.in_flight += 1
         if a.cpu:
-            k, d = self.sizing.smallest(a, self.cpu.placement.get(a.trajectory))
+            k, d = self.sizing.smallest(a, node)
             a.work = k * d
             self.returns.asks(k, d)
             traj.queued_exec += 1
@@ -755,6 +745,14 @@ class Scheduler:
         )
         self.running[a.id] = Running(asg, a, now + expected, s.resource)
         return asg
+
+
+def _learned(name: str, value: float) -> float:
+    """``value`` given for a learned mean (``Scheduler.assume_*``): finite and >= 0, or a
+    SchedulingError naming ``name``."""
+    if not (math.isfinite(value) and value >= 0):
+        raise SchedulingError(name, f"{value} must be finite and >= 0")
+    return value
 
 
 def _biggest(cpu: CpuPool) -> int:
