@@ -158,11 +158,22 @@ def test_metrics_and_health(client: Client) -> None:
         in text
     )
     assert 'tangram_agents_connected{pool="default"} 1.0' in text
-    # Nothing queued or running now: an idle node prices its cores at nothing.
+    # Nothing queued or running then: an idle node prices its cores at nothing. The
+    # trajectory was still open and thinking, so the price's inputs were there.
     node = os.uname().nodename
-    assert f'tangram_core_price{{node="{node}",pool="default"}} 0.0' in text
+    on_node = f'{{node="{node}",pool="default"}}'
+    assert f"tangram_core_price{on_node} 0.0" in text
+    assert f"tangram_core_price_return{on_node} 0.0" in text
+    assert f"tangram_thinking_trajectories{on_node} 1.0" in text
+    assert _gauge(text, f"tangram_offered_load{on_node}") > 0.0
+    assert _gauge(text, 'tangram_think_seconds{pool="default"}') > 0.0
     assert httpx.get(f"{url}/healthz").text == "ok"
     assert httpx.get(f"{url}/readyz").status_code == 200
+
+
+def _gauge(text: str, series: str) -> float:
+    (line,) = (ln for ln in text.splitlines() if ln.startswith(series + " "))
+    return float(line.split()[-1])
 
 
 class _Provider(BaseHTTPRequestHandler):

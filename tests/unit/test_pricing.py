@@ -112,12 +112,30 @@ def test_explain_shows_the_price_and_what_it_capped(capsys: pytest.CaptureFixtur
     # 1 -> 2 (k(k+1) = 2) and 2 -> 3 (6) pay, 3 -> 4 (12) does not.
     assert group["core_price"] == pytest.approx(0.75 * 7 / 8)
     assert group["capped"] == [{"action": "suite", "up_to": 3, "of": 8}]
+    # Its terms: all load. t6 is thinking, but no think time is learned, so nobody is
+    # counted back before the suite's 300 core-seconds drain from 8 cores.
+    assert group["core_price_terms"] == {
+        "load": pytest.approx(0.75 * 7 / 8),
+        "utilisation": 0.75,
+        "actions": 7,
+        "returns": 0.0,
+        "thinking": 1,
+        "backlog_s": 37.5,
+        "think_s": 0.0,
+        "back": 0.0,
+        "offered": 0.0,
+    }
     _print(report)
     out = capsys.readouterr().out
     assert "core price 0.656" in out and "suite: up to 3 of 8 cores" in out
+    assert "load 0.656: utilisation 0.75 x 7 actions queued or running" in out
+    assert "return 0: 1 thinking there, but no think time learned yet" in out
 
 
 def test_the_scheduler_reports_each_nodes_price_for_the_metrics() -> None:
     s = busy_node(SchedulerConfig())
-    assert s.core_prices() == {"n1": pytest.approx((48 / 64) * (48 + 1) / 64)}
+    (price,) = s.core_prices().values()
+    assert list(s.core_prices()) == ["n1"]
+    assert price.total == price.load == pytest.approx((48 / 64) * (48 + 1) / 64)
+    assert (price.utilisation, price.actions, price.returns) == (0.75, 49, 0.0)
     assert busy_node(SchedulerConfig(core_price="none")).core_prices() == {}

@@ -150,7 +150,15 @@ def test_thinking_trajectories_raise_the_price_and_cap_a_long_action_sooner() ->
     assert s.returns.offered_load(81, 64) > 1.0
     (group,) = s.plan(0.0).groups
     assert group.core_price == pytest.approx(load + (48 / 64) * 32 * back / 64)
-    assert s.core_prices() == {"n1": pytest.approx(group.core_price)}
+    assert group.price is not None and group.price == s.core_prices()["n1"]
+    # The terms the metrics and explain show: the load, and the 32 thinking ones, of whom
+    # 1 - exp(-D/θ) are back before the backlog drains, all of it counted (ρ_o > 1).
+    assert group.price.load == pytest.approx(load)
+    assert group.price.thinking == 32
+    assert group.price.backlog_s == pytest.approx(600 / 64)
+    assert group.price.back == pytest.approx(back)
+    assert group.price.offered == pytest.approx(s.returns.offered_load(81, 64))
+    assert group.price.returns == pytest.approx((48 / 64) * 32 * back / 64)
     # μ ≈ 0.574 + 0.233 = 0.807 and p/((1-p)μ) ≈ 11.2: 2 -> 3 (6) pays, 3 -> 4 (12) not.
     assert group.capped == (("suite", 3, 16),)
     # The load rule ignores them (it caps at 4, as without anyone thinking).
@@ -172,11 +180,14 @@ def test_at_a_low_offered_load_the_returns_count_for_little() -> None:
     offered = 81 * 1.6 / (11.6 * 64)
     (group,) = s.plan(0.0).groups
     assert group.core_price == pytest.approx(load + offered * (48 / 64) * 32 * back / 64)
+    assert group.price is not None and group.price.offered == pytest.approx(offered)
     assert group.capped == (("suite", 4, 16),)  # as under the load rule
 
 
-def test_explain_replays_the_learned_think_time_and_exec_action() -> None:
-    from tangram.cli.explain import State, as_dict, decide
+def test_explain_replays_the_learned_think_time_and_exec_action(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tangram.cli.explain import State, _print, as_dict, decide
 
     state = {**suite_state(), "config": {"core_price": "arrivals"}}
     load = 0.75 * 7 / 8
@@ -190,6 +201,13 @@ def test_explain_replays_the_learned_think_time_and_exec_action() -> None:
     # trajectories ask for 480/7 core-seconds every 20 + 480/7 s, of 8 cores.
     mean = 480 / 7
     assert group["core_price"] == pytest.approx(load + extra * mean / (20 + mean))
+    assert group["core_price_terms"]["think_s"] == 20.0
+    assert group["core_price_terms"]["back"] == pytest.approx(1 - math.exp(-37.5 / 20.0))
+    assert group["core_price_terms"]["offered"] == pytest.approx(mean / (20 + mean))
+    _print(as_dict(decide(learned)[1]))
+    out = capsys.readouterr().out
+    assert "+ return 0.061: 1 thinking (mean think time 20.0 s)," in out
+    assert "85% back before the 37.5 s backlog drains, x offered load 0.77" in out
     given = State.model_validate({**learned.model_dump(), "exec_core_s": 5, "exec_run_s": 5})
     (group,) = as_dict(decide(given)[1])["groups"]
     # As given (the running and queued ones move it by 1 % each, as after 100 seen).

@@ -24,6 +24,7 @@ from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec
 from tangram.api.orderings import DEFAULT_ORDERING, CorePrice, OrderingName, QuotaWaiting
 from tangram.cli.files import InputError, read_json
+from tangram.scheduler.core.pricing import NodePrice
 from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig, SchedulingError
 
 
@@ -163,6 +164,7 @@ def as_dict(result: Round) -> dict[str, Any]:
                 "elastic": g.elastic,
                 "kept": g.kept,
                 "core_price": g.core_price,
+                "core_price_terms": None if g.price is None else _terms(g.price),
                 "capped": [
                     {"action": aid, "up_to": kept, "of": allowed} for aid, kept, allowed in g.capped
                 ],
@@ -181,6 +183,20 @@ def as_dict(result: Round) -> dict[str, Any]:
         ],
         "waiting": [{"action": a, "because": why} for a, why in result.blocked],
         "wake_at": result.wake_at,
+    }
+
+
+def _terms(p: NodePrice) -> dict[str, float]:
+    return {
+        "load": p.load,
+        "utilisation": p.utilisation,
+        "actions": p.actions,
+        "returns": p.returns,
+        "thinking": p.thinking,
+        "backlog_s": p.backlog_s,
+        "think_s": p.think_s,
+        "back": p.back,
+        "offered": p.offered,
     }
 
 
@@ -216,11 +232,27 @@ def _print(report: dict[str, Any]) -> None:
         )
         c.print(f"  candidates in queue order: {', '.join(g['candidates'])}")
         if g["core_price"] is not None:
+            c.print(f"  core price {g['core_price']:.3f} ACT-s per core-second:")
+            t = g["core_price_terms"]
             c.print(
-                f"  core price {g['core_price']:.3f} ACT-s per core-second (utilisation x "
-                "queued and running actions per core; under corePrice arrivals also the "
-                "thinking trajectories back before the queue drains, by the offered load)"
+                f"    load {t['load']:.3f}: utilisation {t['utilisation']:.2f} x "
+                f"{t['actions']} actions queued or running, per core"
             )
+            if t["thinking"] and not t["think_s"]:
+                c.print(
+                    f"    + return 0: {t['thinking']} thinking there, but no think time learned yet"
+                )
+            elif t["thinking"]:
+                c.print(
+                    f"    + return {t['returns']:.3f}: {t['thinking']} thinking "
+                    f"(mean think time {t['think_s']:.1f} s),"
+                )
+                c.print(
+                    f"      {t['back']:.0%} back before the {t['backlog_s']:.1f} s backlog "
+                    f"drains, x offered load {t['offered']:.2f} (at most 1)"
+                )
+            else:
+                c.print("    + return 0: no trajectory thinking there (or corePrice is load)")
         for cap in g["capped"]:
             c.print(
                 f"  {cap['action']}: up to {cap['up_to']} of {cap['of']} cores (each further "

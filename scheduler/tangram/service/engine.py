@@ -199,6 +199,7 @@ class Engine:
             resident=resident,
             gpu_memory_gb=memory,
             core_prices=core.core_prices(),
+            think_s=core.returns.think.mean,
         )
 
     # ---- configuration -----------------------------------------------------------------

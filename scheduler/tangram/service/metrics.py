@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tangram.api.wire import ActionResult
+from tangram.scheduler.core.pricing import NodePrice
 
 # From 100 µs (the fast path's share) to 20 minutes (a long test suite).
 _BUCKETS = (
@@ -172,7 +173,8 @@ class LiveFigures:
     trajectories: Mapping[str, int]  # state -> how many
     resident: Mapping[tuple[str, str], int]  # (service, node) -> instances in GPU memory
     gpu_memory_gb: Mapping[tuple[str, int], float]  # (node, device index) -> GB resident
-    core_prices: Mapping[str, float]  # node -> its core price now
+    core_prices: Mapping[str, NodePrice]  # node -> its core price now, with its terms
+    think_s: float = 0.0  # the learned mean think time (0: none yet)
 
 
 class _Live(Collector):
@@ -219,15 +221,7 @@ class _Live(Collector):
         for (node, device), gb in live.gpu_memory_gb.items():
             memory.add_metric([pool, node, str(device)], gb)
         yield memory
-        price = GaugeMetricFamily(
-            "tangram_core_price",
-            "A node's core price: ACT-seconds of the others one held core-second costs "
-            "(utilisation x queued and running actions per core; docs/scheduler.md)",
-            labels=["pool", "node"],
-        )
-        for node, mu in sorted(live.core_prices.items()):
-            price.add_metric([pool, node], mu)
-        yield price
+        yield from _prices(pool, live)
         agents = GaugeMetricFamily(
             "tangram_agents_connected", "Node agents connected", labels=["pool"]
         )
@@ -247,3 +241,44 @@ class _Live(Collector):
         for state, n in sorted(live.trajectories.items()):
             traj.add_metric([pool, state], n)
         yield traj
+
+
+def _prices(pool: str, live: LiveFigures) -> Iterator[GaugeMetricFamily]:
+    """The core price per node and what it is made of (docs/scheduler.md, "The core price")."""
+    labels = ["pool", "node"]
+    price = GaugeMetricFamily(
+        "tangram_core_price",
+        "A node's core price: ACT-seconds of the others one held core-second costs "
+        "(the load term plus the return term)",
+        labels=labels,
+    )
+    returns = GaugeMetricFamily(
+        "tangram_core_price_return",
+        "The core price's return term: the thinking trajectories back before the node's "
+        "queue drains, weighted by its offered load (corePrice arrivals)",
+        labels=labels,
+    )
+    offered = GaugeMetricFamily(
+        "tangram_offered_load",
+        "The share of a node's cores its placed trajectories would hold at their actions' "
+        "smallest sizes (0 until a think time is learned)",
+        labels=labels,
+    )
+    thinking = GaugeMetricFamily(
+        "tangram_thinking_trajectories",
+        "Trajectories placed on a node with nothing queued or running (corePrice arrivals)",
+        labels=labels,
+    )
+    for node, p in sorted(live.core_prices.items()):
+        price.add_metric([pool, node], p.total)
+        returns.add_metric([pool, node], p.returns)
+        offered.add_metric([pool, node], p.offered)
+        thinking.add_metric([pool, node], p.thinking)
+    think = GaugeMetricFamily(
+        "tangram_think_seconds",
+        "The learned mean think time: from an action's end to its trajectory's next "
+        "submission (0: none yet)",
+        labels=["pool"],
+    )
+    think.add_metric([pool], live.think_s)
+    yield from (price, returns, offered, thinking, think)

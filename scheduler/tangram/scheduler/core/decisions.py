@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tangram.scheduler.core.elastic import EvictionStep
 from tangram.scheduler.core.gpu_pool import Chunk
+from tangram.scheduler.core.pricing import NodePrice
 from tangram.scheduler.core.resource import Resource
 
 
@@ -37,10 +38,14 @@ class GroupDecision:
     elastic: bool
     kept: int
     steps: tuple[EvictionStep, ...]
-    # The node's core price this round (core.pricing), when it was used, and each
-    # candidate it capped: (action id, largest size kept, largest size allowed).
-    core_price: float | None = None
+    # The node's core price this round and its terms (core.pricing), when it was used,
+    # and each candidate it capped: (action id, largest size kept, largest size allowed).
+    price: NodePrice | None = None
     capped: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def core_price(self) -> float | None:
+        return None if self.price is None else self.price.total
 
 
 # Not frozen: a round makes one per action it starts, and a frozen dataclass takes several

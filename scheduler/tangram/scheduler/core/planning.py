@@ -40,7 +40,7 @@ from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import Chunk, GpuPool, Instance
 from tangram.scheduler.core.objective import Pending
 from tangram.scheduler.core.ordering import ActionQueue
-from tangram.scheduler.core.pricing import node_price, priced_sizes
+from tangram.scheduler.core.pricing import NodePrice, node_price, priced_sizes
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
 from tangram.scheduler.core.returns import Returns
@@ -88,8 +88,8 @@ def plan_round(s: RoundInputs, now: float) -> Plan:
     return _Planner(s, now).plan()
 
 
-def price_of(s: RoundInputs, node: str) -> float:
-    """``node``'s core price now under the configured rule (``core.pricing``)."""
+def price_of(s: RoundInputs, node: str) -> NodePrice:
+    """``node``'s core price now under the configured rule, with its terms (``core.pricing``)."""
     cores, cpu = Resource.cpu(node), s.cpu.nodes[node]
     returns = s.returns
     return node_price(
@@ -135,7 +135,7 @@ class _Planner:
         )
         self.blocked: set[Resource] = set()  # reserved for the rest of the round
         self.caps = s.round_caps()
-        self.prices: dict[str, float] = {}  # core price per node, computed when first needed
+        self.prices: dict[str, NodePrice] = {}  # per node, computed when first needed
         # Calls on each running service instance, as this round's joiners add theirs.
         self.calls: dict[Instance, int] = dict(s.gpu.busy)
         self.chunk_times: dict[Chunk, tuple[float, float]] | None = None  # when first needed
@@ -395,7 +395,7 @@ class _Planner:
         price = self.prices.get(node)
         if price is None:
             price = self.prices[node] = price_of(self.s, node)
-        return _first(units, durations, priced_sizes(units, durations, price))
+        return _first(units, durations, priced_sizes(units, durations, price.total))
 
     def _collect_rest(
         self, order: Iterator[str], resources: set[Resource], rest: dict[Resource, list[Pending]]
@@ -515,7 +515,7 @@ class _Planner:
                 elastic=False,
                 kept=len(group),
                 steps=(),
-                core_price=price,
+                price=price,
                 capped=capped,
             )
         running = _running(s.running.values(), resource, self.now)
@@ -535,7 +535,7 @@ class _Planner:
             elastic=True,
             kept=arrangement.kept,
             steps=arrangement.steps,
-            core_price=price,
+            price=price,
             capped=capped,
         )
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from itertools import pairwise
 
 from tangram.scheduler.core.cpu_pool import CpuNode
@@ -76,6 +77,26 @@ def return_price(
     return (held / cores) * min(1.0, offered) * thinking * back / cores
 
 
+@dataclass(frozen=True, slots=True)
+class NodePrice:
+    """A node's core price and what it is made of, for ``tangram explain`` and the
+    metrics: ``total`` = ``load`` + ``returns``."""
+
+    utilisation: float  # ρ: the share of its cores held now
+    actions: int  # L: its actions queued for cores and running
+    load: float  # ρ·L/C
+    thinking: int = 0  # T: its trajectories thinking (0 when the return term is off)
+    backlog_s: float = 0.0  # D: its queued work at the smallest sizes, over its cores
+    think_s: float = 0.0  # θ: the learned mean think time (0: none yet)
+    back: float = 0.0  # 1 - exp(-D/θ): the chance a thinking one is back before D
+    offered: float = 0.0  # ρ_o: its offered load
+    returns: float = 0.0  # the return term
+
+    @property
+    def total(self) -> float:
+        return self.load + self.returns
+
+
 def node_price(
     node: CpuNode,
     queued: int,
@@ -84,17 +105,23 @@ def node_price(
     thinking: int = 0,
     think_s: float = 0.0,
     offered: float = 0.0,
-) -> float:
+) -> NodePrice:
     """μ of a node with ``queued`` actions waiting for its cores, and with the return term
     when given: ``queued_work`` core-seconds queued there (at their smallest sizes),
     ``thinking`` trajectories placed there thinking, for ``think_s`` on average, at the
     node's ``offered`` load."""
-    held = node.cores - node.free_cores
-    price = core_price(queued, node.holders, held, node.cores)
-    if thinking:
-        backlog_s = queued_work / node.cores
-        price += return_price(thinking, backlog_s, think_s, held, node.cores, offered=offered)
-    return price
+    held, cores = node.cores - node.free_cores, node.cores
+    load = core_price(queued, node.holders, held, cores)
+    utilisation = held / cores if cores > 0 else 0.0
+    actions = queued + node.holders
+    if not thinking:
+        return NodePrice(utilisation, actions, load, offered=offered)
+    backlog_s = queued_work / cores if cores > 0 else 0.0
+    back = -math.expm1(-backlog_s / think_s) if backlog_s > 0.0 and think_s > 0.0 else 0.0
+    returns = return_price(thinking, backlog_s, think_s, held, cores, offered=offered)
+    return NodePrice(
+        utilisation, actions, load, thinking, backlog_s, think_s, back, offered, returns
+    )
 
 
 def priced_sizes(units: tuple[int, ...], durations: Mapping[int, float], price: float) -> int:

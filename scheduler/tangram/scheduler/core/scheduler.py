@@ -33,6 +33,7 @@ from tangram.scheduler.core.fair import FairQueue
 from tangram.scheduler.core.gpu_pool import Chunk, GpuPool, Instance
 from tangram.scheduler.core.ordering import POLICIES, ActionQueue, LengthModel
 from tangram.scheduler.core.planning import plan_round, price_of
+from tangram.scheduler.core.pricing import NodePrice
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.resource import GPU, PLACE, Resource
@@ -515,8 +516,9 @@ class Scheduler:
     def queued(self) -> int:
         return len(self.queue)
 
-    def core_prices(self) -> dict[str, float]:
-        """Each CPU node's core price now (``core.pricing``); empty when prices are off."""
+    def core_prices(self) -> dict[str, NodePrice]:
+        """Each CPU node's core price now, with its terms (``core.pricing``); empty when
+        prices are off."""
         if self.config.core_price == "none":
             return {}
         return {name: price_of(self, name) for name in self.cpu.nodes}
