@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,7 +25,6 @@ from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec
 from tangram.api.orderings import DEFAULT_ORDERING, CorePrice, OrderingName, QuotaWaiting
 from tangram.cli.files import InputError, read_json
-from tangram.scheduler.core.pricing import NodePrice
 from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig, SchedulingError
 
 
@@ -164,7 +164,7 @@ def as_dict(result: Round) -> dict[str, Any]:
                 "elastic": g.elastic,
                 "kept": g.kept,
                 "core_price": g.core_price,
-                "core_price_terms": None if g.price is None else _terms(g.price),
+                "core_price_terms": None if g.price is None else asdict(g.price),
                 "capped": [
                     {"action": aid, "up_to": kept, "of": allowed} for aid, kept, allowed in g.capped
                 ],
@@ -183,20 +183,6 @@ def as_dict(result: Round) -> dict[str, Any]:
         ],
         "waiting": [{"action": a, "because": why} for a, why in result.blocked],
         "wake_at": result.wake_at,
-    }
-
-
-def _terms(p: NodePrice) -> dict[str, float]:
-    return {
-        "load": p.load,
-        "utilisation": p.utilisation,
-        "actions": p.actions,
-        "returns": p.returns,
-        "thinking": p.thinking,
-        "backlog_s": p.backlog_s,
-        "think_s": p.think_s,
-        "back": p.back,
-        "offered": p.offered,
     }
 
 

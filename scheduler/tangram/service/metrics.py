@@ -174,7 +174,7 @@ class LiveFigures:
     resident: Mapping[tuple[str, str], int]  # (service, node) -> instances in GPU memory
     gpu_memory_gb: Mapping[tuple[str, int], float]  # (node, device index) -> GB resident
     core_prices: Mapping[str, NodePrice]  # node -> its core price now, with its terms
-    think_s: float = 0.0  # the learned mean think time (0: none yet)
+    think_s: float  # the learned mean think time (0: none yet)
 
 
 class _Live(Collector):

@@ -71,10 +71,19 @@ def return_price(
     trajectories that come back (mean think time ``think_s``) before the node's backlog
     drains in ``backlog_s``, to find its cores wanted at the node's ``offered`` load;
     zero while no think time is known."""
-    if cores <= 0 or thinking <= 0 or backlog_s <= 0.0 or think_s <= 0.0 or offered <= 0.0:
+    if cores <= 0 or thinking <= 0 or offered <= 0.0:
         return 0.0
-    back = -math.expm1(-backlog_s / think_s)  # 1 - exp(-D/θ), exact for small D/θ
+    back = returning(backlog_s, think_s)
     return (held / cores) * min(1.0, offered) * thinking * back / cores
+
+
+def returning(backlog_s: float, think_s: float) -> float:
+    """The chance a thinking trajectory is back before a backlog of ``backlog_s`` drains,
+    for a mean think time ``think_s``: ``1 - exp(-D/θ)``; zero with no backlog or no
+    think time learned."""
+    if backlog_s <= 0.0 or think_s <= 0.0:
+        return 0.0
+    return -math.expm1(-backlog_s / think_s)  # exact for small D/θ
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +126,7 @@ def node_price(
     if not thinking:
         return NodePrice(utilisation, actions, load, offered=offered)
     backlog_s = queued_work / cores if cores > 0 else 0.0
-    back = -math.expm1(-backlog_s / think_s) if backlog_s > 0.0 and think_s > 0.0 else 0.0
+    back = returning(backlog_s, think_s)
     returns = return_price(thinking, backlog_s, think_s, held, cores, offered=offered)
     return NodePrice(
         utilisation, actions, load, thinking, backlog_s, think_s, back, offered, returns
