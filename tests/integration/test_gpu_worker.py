@@ -359,3 +359,85 @@ def test_a_call_that_joins_during_the_restore_waits_for_it(tmp_path: Path) -> No
     assert w.restores == 1 and done["joiner"][1].hit and done["joiner"][1].restore_s == 0
     alone, _ = w.call("a", [0, 1], INPUTS)
     assert done["first"][0] + done["joiner"][0] == pytest.approx(alone, rel=1e-5)
+
+
+def test_a_restore_ahead_makes_the_next_call_a_hit(tmp_path: Path) -> None:
+    w = _worker(devices=2)
+    w.load(_spec(tmp_path, "a"))
+    stats = w.restore_ahead("a", [0, 1])
+    assert not stats.hit and stats.restored_bytes > 0 and stats.restore_s > 0
+    assert w.resident_instances() == [("a", [0, 1])] and not w._running
+    out, call = w.call("a", [0, 1], INPUTS)
+    assert call.hit and call.restore_s == 0 and w.restores == 1
+    assert w.restore_ahead("a", [0, 1]).hit  # resident already: nothing to do
+    w.evict_all()
+    again, _ = w.call("a", [0, 1], INPUTS)
+    assert again == out  # the same weights as a call's own restore
+
+
+def test_a_restore_ahead_evicts_only_idle_instances(tmp_path: Path) -> None:
+    w = _worker(devices=1, mb=5)
+    for name in ("a", "b"):
+        w.load(_spec(tmp_path, name))
+    w.call("a", [0], INPUTS)
+    w.residency.acquire(("a", (0,)))  # as if a call on a were still running
+    with pytest.raises(BusyError):
+        w.restore_ahead("b", [0])
+    w.residency.release(("a", (0,)))
+    stats = w.restore_ahead("b", [0])
+    assert stats.evicted == ["a@0"] and w.resident_instances() == [("b", [0])]
+    with pytest.raises(ServiceError, match="unknown service"):
+        w.restore_ahead("nope", [0])
+
+
+def test_calls_of_other_instances_run_during_a_restore_ahead_and_its_own_wait(
+    tmp_path: Path,
+) -> None:
+    """A restore ahead does not hold its devices: a call of another instance there runs
+    meanwhile; a call of the instance itself waits for the copy, then is a hit."""
+    w = _worker(devices=1)
+    for name in ("a", "b"):
+        w.load(_spec(tmp_path, name))
+    restore, gate, restoring = w._restore, threading.Event(), threading.Event()
+
+    def gated(service: Any, index: int) -> Any:
+        if service.spec.name == "b":
+            restoring.set()
+            gate.wait(30)
+        return restore(service, index)
+
+    w._restore = gated  # type: ignore[method-assign]
+    done: dict[str, Any] = {}
+
+    def run(label: str, work: Any) -> None:
+        done[label] = work()
+
+    ahead = threading.Thread(target=run, args=("ahead", lambda: w.restore_ahead("b", [0])))
+    own = threading.Thread(target=run, args=("own", lambda: w.call("b", [0], INPUTS)))
+    try:
+        ahead.start()
+        assert restoring.wait(30)
+        other, stats = w.call("a", [0], INPUTS)  # runs now, beside the copy of b
+        assert len(other) == len(INPUTS) and stats.evicted == []
+        own.start()
+        own.join(0.3)
+        assert own.is_alive() and "own" not in done  # it waits for b's copy
+    finally:
+        gate.set()
+        ahead.join(30)
+        own.join(30)
+    assert not done["ahead"].hit and done["own"][1].hit and w.restores == 2
+    assert sorted(w.resident_instances()) == [("a", [0]), ("b", [0])]
+
+
+def test_a_failed_restore_ahead_leaves_nothing_resident(tmp_path: Path) -> None:
+    w = _worker(devices=1)
+    w.load(_spec(tmp_path, "a"))
+
+    def broken(service: Any, index: int) -> Any:
+        raise RuntimeError("copy failed")
+
+    w._restore = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="copy failed"):
+        w.restore_ahead("a", [0])
+    assert w.resident_instances() == [] and w.residency.used(0) == 0 and not w._ahead

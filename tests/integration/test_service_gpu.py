@@ -144,6 +144,42 @@ def test_the_scheduler_and_the_worker_evict_the_least_recently_used(tmp_path: Pa
         assert "tangram_units_capacity{node=" in metrics and 'resource="gpu"' in metrics
 
 
+def test_a_call_restores_its_service_ahead_on_a_free_gpu(tmp_path: Path) -> None:
+    """The round that starts a call restores its service ahead on the other, free GPU
+    (the core's restore ahead, the agent's worker copying it without holding the GPU):
+    then two calls at once both find it resident, one on each GPU."""
+    slow = _service(tmp_path, "slow", 4, seed=3)
+    slow = replace(slow, spec=slow.spec.model_copy(update={"entrypoint": SLOW_ENTRY}))
+    tiny_reward.SLOW_GATE.set()
+    with _serving(tmp_path, [slow], devices=2) as (running, client):
+        first = client.score("slow", INPUTS)
+        assert first.status is ActionStatus.OK and first.service is not None
+        assert not first.service.resident
+        core = running.engine.core
+        until(lambda: len(core.gpu.resident) == 2 and not core.gpu.ahead, "the restore ahead")
+        metrics = httpx_get(client, "/metrics")
+        ahead = "tangram_service_restores_ahead_total"
+        labels = '{pool="default",result="restored",service="slow"}'
+        assert f"{ahead}{labels} 1.0" in metrics
+        tiny_reward.SLOW_GATE.clear()  # calls now hold their GPUs until the gate opens
+        box: list[ActionResult] = []
+        calls = [
+            threading.Thread(target=lambda: box.append(client.score("slow", INPUTS)))
+            for _ in range(2)
+        ]
+        try:
+            for t in calls:
+                t.start()
+            until(lambda: len(core.gpu.busy) == 2, "both calls on a GPU")
+        finally:
+            tiny_reward.SLOW_GATE.set()
+            for t in calls:
+                t.join(30)
+        assert sorted(g for r in box for g in r.allocation.gpus) == [0, 1]
+        assert all(r.service is not None and r.service.resident for r in box)
+        assert all(r.output == first.output for r in box)
+
+
 def test_a_call_may_span_a_chunk_of_gpus(tmp_path: Path) -> None:
     teacher = _service(
         tmp_path, "teacher", 4, seed=1, dops=(1, 2), profiles=((1, 2.0, None), (2, 1.1, None))

@@ -718,3 +718,74 @@ def test_fractional_rates_are_never_exceeded() -> None:
     assert ApiSpec(name="a", rate_per_s=1.5, period_s=1.0).window() == (1, 1 / 1.5)
     assert ApiSpec(name="a", rate_per_s=100, period_s=1.0).window() == (100, 1.0)
     assert ApiSpec(name="a", concurrency=3).window() is None
+
+
+def _ahead(pool: GpuPool, service: str) -> Instance:
+    """Restore ``service`` ahead for a DoP-1 call at 0 s (2 s): the instance, which must be."""
+    got = pool.restore_ahead(service, 1, now=0.0, restore_s=2.0)
+    assert got is not None
+    return got[0]
+
+
+def test_a_restore_ahead_takes_only_free_memory() -> None:
+    pool = GpuPool.build([("g", 1, 80.0)], {"a": 40.0, "b": 60.0, "c": 30.0})
+    pool.release("a", pool.allocate("a", 1).chunk)  # a idle, resident: 40 of 80 GB
+    assert pool.restore_ahead("b", 1, now=0.0, restore_s=2.0) is None  # would evict a
+    assert pool.restore_ahead("c", 1, now=0.0, restore_s=2.0) == (
+        Instance("c", Chunk("g", 0, 1)),
+        2.0,
+    )
+    inst = Instance("c", Chunk("g", 0, 1))
+    assert pool.nodes["g"].used_gb == [70.0] and list(pool.resident)[-1] == inst
+    assert pool.restore_ahead("c", 1, now=0.0, restore_s=2.0) is None  # resident already
+
+
+def test_restores_ahead_on_the_same_gpus_queue_for_their_host_links() -> None:
+    pool = GpuPool.build([("g", 2, 80.0)], {"a": 10.0, "b": 10.0, "c": 10.0})
+    assert pool.restore_ahead("a", 2, now=1.0, restore_s=2.0) == (
+        Instance("a", Chunk("g", 0, 2)),
+        3.0,
+    )
+    # b's chunk shares GPU 0 with a's: it starts when a's copy ends.
+    assert pool.restore_ahead("b", 1, now=1.5, restore_s=1.0) == (
+        Instance("b", Chunk("g", 0, 1)),
+        4.0,
+    )
+
+
+def test_an_instance_restored_ahead_is_never_evicted_until_done() -> None:
+    pool = GpuPool.build([("g", 1, 80.0)], {"a": 40.0, "big": 50.0})
+    inst = _ahead(pool, "a")
+    # big would need a evicted, which is still being copied: no chunk for big yet, and
+    # nothing changes (no over-committed GPU).
+    assert not pool.can_host("big", 1)
+    with pytest.raises(ValueError):
+        pool.allocate("big", 1)
+    pool.evict_all("a")
+    assert inst in pool.resident and pool.nodes["g"].used_gb == [40.0]
+    pool.ahead_done(inst)
+    grant = pool.allocate("big", 1)
+    assert grant.evicted == (inst,) and pool.nodes["g"].used_gb == [50.0]
+
+
+def test_a_call_on_an_instance_restored_ahead_keeps_it() -> None:
+    pool = GpuPool.build([("g", 1, 80.0)], {"a": 40.0}, max_calls={"a": 2})
+    inst = _ahead(pool, "a")
+    grant = pool.allocate("a", 1)  # lands on it: a hit, waiting for the rest of the copy
+    assert grant.resident and grant.chunk == inst.chunk
+    pool.release("a", inst.chunk)  # it ended first (its restore ahead decides)
+    assert inst in pool.resident and inst in pool.ahead
+    pool.ahead_done(inst)
+    assert inst in pool.resident and not pool.ahead and pool.chunk_counts() == (1, 0, 0, 0)
+
+
+def test_a_restore_ahead_that_failed_or_went_stale_is_dropped() -> None:
+    pool = GpuPool.build([("g", 2, 80.0)], {"a": 40.0})
+    failed = _ahead(pool, "a")
+    pool.ahead_done(failed, resident=False)
+    assert failed not in pool.resident and pool.nodes["g"].used_gb == [0.0, 0.0]
+    stale = _ahead(pool, "a")
+    pool.set_service("a", 40.0, replicated=False, revision="v2")  # redefined meanwhile
+    assert stale in pool.resident  # its memory is still being written
+    pool.ahead_done(stale)
+    assert not pool.resident and pool.nodes["g"].used_gb == [0.0, 0.0] and not pool.stale

@@ -338,6 +338,7 @@ class Sim:
     closed: set[str] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)
     cancelled: set[str] = field(default_factory=set)
+    ahead: dict[Instance, float] = field(default_factory=dict)  # restores ahead -> their end
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -370,6 +371,12 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
         sim.next_step[t.id] = 0
     cap = 6 * w.actions + 10
     while True:
+        # Restores ahead due now end (the worker says so, as the service's engine hears).
+        for inst, ready in sorted(sim.ahead.items(), key=lambda kv: (kv[1], str(kv[0]))):
+            if ready <= sim.now:
+                sched.ahead_done(inst.service, inst.chunk)
+                del sim.ahead[inst]
+                assert inst not in sched.gpu.ahead
         # Completions due now, in end order; they may submit next steps (think_s 0: now).
         for aid, (asg, end) in sorted(sim.running.items(), key=lambda kv: (kv[1][1], kv[0])):
             if end > sim.now:
@@ -408,7 +415,7 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
             assert any(a.chunk is not None and not a.sharing for a in rnd.assignments)
             rnd = run_round(sim, fcfs_check)
 
-        nxt = [end for _, end in sim.running.values()]
+        nxt = [end for _, end in sim.running.values()] + list(sim.ahead.values())
         nxt += [sim.events[0][0]] if sim.events else []
         nxt += [rnd.wake_at] if rnd.wake_at is not None else []
         if not nxt:
@@ -457,6 +464,7 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
     placed_before = dict(sched.cpu.placement)
     queued_before = [a for a in sim.order if a in sim.queued]
     learned = {a: sched.book.learned(sim.spec[a].action_type()) is not None for a in queued_before}
+    resident_before = set(sched.gpu.resident)
     plan = sched.plan(now)
     assert dict(sched.cpu.placement) == placed_before, "planning placed a trajectory"
     rnd = sched.schedule(now)
@@ -476,6 +484,24 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
         sim.running[aid] = (asg, now + asg.expected_s * factor)
         for _ in range(dict(asg.quotas).get(API, 0)):
             sim.quota_starts.append(now)
+    for ahead in rnd.ahead:
+        inst = Instance(ahead.service, ahead.chunk)
+        assert inst not in resident_before, f"{inst} restored ahead, but it was resident"
+        assert sched.gpu.ahead[inst] == ahead.ready_at >= now
+        assert ahead.expected_s == pytest.approx(ahead.ready_at - now)
+        demand = sched.queued_calls.get(ahead.service, 0) + sum(
+            1
+            for a, _ in sim.running.values()
+            if a.chunk and sim.spec[a.action_id].service == ahead.service
+        )
+        assert demand > 0, f"{ahead.service} restored ahead with no call queued or running"
+        sim.ahead[inst] = ahead.ready_at
+        event("a round restored an instance ahead")
+    # A restore ahead evicts nothing: whatever was resident and not evicted by a call is.
+    evicted = {e for a in rnd.assignments for e in a.evicted}
+    for inst in resident_before:
+        name = f"{inst.service}@{inst.chunk.node}:{inst.chunk.start}+{inst.chunk.size}"
+        assert inst in sched.gpu.resident or name in evicted, f"{name} vanished"
     check_capacity(sim)
     check_groups(sim, rnd, queued_before)
     if fcfs_check:

@@ -146,7 +146,8 @@ def test_gpu_calls_reuse_resident_instances_and_evict_lru() -> None:
                 {"name": "b", "gpu_memory_gb": 60, "dop_choices": [1], "restore_s": 2},
                 {"name": "c", "gpu_memory_gb": 60, "dop_choices": [1], "restore_s": 2},
             ],
-        )
+        ),
+        SchedulerConfig(restore_ahead=False),  # the allocator's own LRU, alone
     )
     s.open_trajectory("t")
     now = 0.0

@@ -13,16 +13,17 @@ import pytest
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ServiceSpec
 from tangram.scheduler import Scheduler
-from tangram.scheduler.core.config import SchedulingError
-from tangram.scheduler.core.gpu_pool import Chunk
+from tangram.scheduler.core.config import SchedulerConfig, SchedulingError
+from tangram.scheduler.core.gpu_pool import Chunk, Instance
 from tangram.scheduler.core.resource import GPU
 
 from .helpers import cluster, service_call, started
 
 
-def batching(gpus: int = 1, restore_s: float = 2.0, **svc: Any) -> Scheduler:
+def batching(gpus: int = 1, restore_s: float = 2.0, ahead: bool = False, **svc: Any) -> Scheduler:
     """``gpus`` GPUs, service ``a``: one GPU per call, up to 3 calls an instance, each
-    call in flight slowing a joiner by 10 %; trajectory ``t`` open."""
+    call in flight slowing a joiner by 10 %; trajectory ``t`` open. Restores ahead only
+    with ``ahead``: these tests are about who joins whom."""
     spec = {
         "name": "a",
         "gpu_memory_gb": 10,
@@ -33,7 +34,8 @@ def batching(gpus: int = 1, restore_s: float = 2.0, **svc: Any) -> Scheduler:
         **svc,
     }
     s = Scheduler(
-        cluster(nodes=[{"name": "g", "gpus": gpus, "gpu_memory_gb": 80}], services=[spec])
+        cluster(nodes=[{"name": "g", "gpus": gpus, "gpu_memory_gb": 80}], services=[spec]),
+        SchedulerConfig(restore_ahead=ahead),
     )
     s.open_trajectory("t")
     return s
@@ -86,6 +88,50 @@ def test_a_call_takes_a_warm_chunk_of_its_own_but_joins_rather_than_restore() ->
     (asg,) = warm.schedule(0.5).assignments
     # Nothing to restore: 1 s alone on GPU 1 beats 1.1 s shared.
     assert (asg.chunk, asg.sharing) == (Chunk("g", 1, 1), 0)
+
+
+def test_a_call_lands_on_an_instance_restored_ahead_and_waits_for_the_rest() -> None:
+    s = batching(gpus=2, restore_s=2.0, ahead=True)
+    s.submit("x0", "t", service_call("a"), 0.0)
+    r = s.schedule(0.0)
+    # x0 restores a on GPU 0; the round restores a ahead on GPU 1, which is free and has
+    # the memory free, for the next call (done at 2 s).
+    (ahead,) = r.ahead
+    assert (ahead.service, ahead.chunk, ahead.ready_at) == ("a", Chunk("g", 1, 1), 2.0)
+    assert s.gpu.is_warm("a", 1)  # the DP no longer adds a whole restore for GPU 1
+    s.submit("x1", "t", service_call("a"), 0.5)
+    (asg,) = s.schedule(0.5).assignments
+    # 1.5 s left of the restore ahead + 1 s alone on GPU 1 beats joining x0 on GPU 0
+    # (1.5 s left of its restore + 1.1 s shared); no restore of its own.
+    assert (asg.chunk, asg.sharing, asg.restore) == (Chunk("g", 1, 1), 0, False)
+    assert asg.ready_in_s == pytest.approx(1.5)
+    assert asg.expected_s == pytest.approx(1.5 + 1.0)
+    # Its restore ahead ends while it waits: the instance stays, and stays after the call.
+    s.ahead_done("a", Chunk("g", 1, 1))
+    s.complete("x1", 2.5)
+    assert Instance("a", Chunk("g", 1, 1)) in s.gpu.resident and not s.gpu.ahead
+
+
+def test_no_restore_ahead_without_calls_or_with_the_instance_warm() -> None:
+    s = batching(gpus=2, restore_s=2.0, ahead=True)
+    assert s.schedule(0.0).ahead == ()  # nothing queued or running: nothing is wanted
+    s.submit("x0", "t", service_call("a"), 0.0)
+    (first,) = s.schedule(0.0).ahead
+    s.ahead_done("a", first.chunk)
+    s.submit("x1", "t", service_call("a"), 0.1)
+    # x1 takes the instance restored ahead (it beats joining); with both GPUs running a,
+    # no free chunk is left to restore into.
+    r = s.schedule(0.1)
+    assert [a.chunk for a in r.assignments] == [first.chunk] and r.ahead == ()
+
+
+def test_a_failed_restore_ahead_frees_its_memory() -> None:
+    s = batching(gpus=2, restore_s=2.0, ahead=True)
+    s.submit("x0", "t", service_call("a"), 0.0)
+    (ahead,) = s.schedule(0.0).ahead
+    s.ahead_done("a", ahead.chunk, ok=False)
+    assert Instance("a", ahead.chunk) not in s.gpu.resident
+    assert s.gpu.nodes["g"].used_gb == [10.0, 0.0]
 
 
 def test_one_call_per_instance_without_max_calls() -> None:

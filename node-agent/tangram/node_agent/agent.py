@@ -349,6 +349,9 @@ class NodeAgent:
                     loaded = await gpu.sync(req.services)
                     resident = await asyncio.to_thread(gpu.resident)  # takes a lock
                     return AgentReply(rid=req.rid, ok=True, loaded=loaded, resident=resident)
+                case AgentCall(ahead=True):
+                    out = await self._gpu().restore_ahead(req.service, req.gpus)
+                    return AgentReply(rid=req.rid, ok=True, call=out)
                 case AgentCall():
                     out = await self._gpu().call(req.service, req.gpus, req.inputs)
                     return AgentReply(rid=req.rid, ok=True, call=out)

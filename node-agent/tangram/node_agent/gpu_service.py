@@ -71,6 +71,11 @@ class ServiceBackend(Protocol):
         """Make the service resident on ``chunk`` (evicting as needed) and run ``inputs``."""
         ...
 
+    def restore_ahead(self, service: str, chunk: Sequence[int]) -> CallStatsLike:
+        """Make the service resident on ``chunk`` before its call, without holding the
+        devices (calls of other instances may run there meanwhile)."""
+        ...
+
     def resident_instances(self) -> list[tuple[str, list[int]]]:
         """(service, devices) of the instances in GPU memory, least recently used first."""
         ...
@@ -205,7 +210,7 @@ class GpuRole:
             ResidentInstance(service=s, devices=d) for s, d in self.backend.resident_instances()
         ]
 
-    async def call(self, service: str, gpus: Sequence[int], inputs: list[Any]) -> ServiceOutcome:
+    def _check(self, service: str, gpus: Sequence[int]) -> None:
         unknown = [g for g in gpus if g not in self.info.devices]
         if unknown or not gpus:
             raise ExecError(f"gpus {list(gpus)}: not this worker's devices {self.info.devices}")
@@ -213,6 +218,26 @@ class GpuRole:
         if state is None or not state.ok:
             why = state.error if state is not None else "not defined on this node"
             raise ExecError(f"service {service}: {why}")
+
+    async def restore_ahead(self, service: str, gpus: Sequence[int]) -> ServiceOutcome:
+        """The scheduler's restore ahead of a call: no inputs, no outputs, the stats of the
+        restore. Its thread, like a call's, is waited for even when cancelled."""
+        self._check(service, gpus)
+        work = asyncio.ensure_future(
+            asyncio.to_thread(self.backend.restore_ahead, service, list(gpus))
+        )
+        try:
+            stats = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await work
+            raise
+        except Exception as e:
+            raise ExecError(f"service {service}: {e}") from None
+        return ServiceOutcome(outputs=[], stats=_stats(service, stats), exec_s=0.0)
+
+    async def call(self, service: str, gpus: Sequence[int], inputs: list[Any]) -> ServiceOutcome:
+        self._check(service, gpus)
 
         def run() -> tuple[list[Any], CallStatsLike, int]:
             outputs, stats = self.backend.call(service, list(gpus), inputs)
@@ -234,18 +259,18 @@ class GpuRole:
                 f"service {service}: outputs of {size} bytes exceed {MAX_OUTPUT_BYTES}; "
                 "split the call or return less per input"
             )
-        return ServiceOutcome(
-            outputs=outputs,
-            stats=ServiceStats(
-                service=service,
-                resident=stats.hit,
-                restore_s=stats.restore_s,
-                evict_s=stats.evict_s,
-                restored_bytes=stats.restored_bytes,
-                evicted=list(stats.evicted),
-            ),
-            exec_s=stats.exec_s,
-        )
+        return ServiceOutcome(outputs=outputs, stats=_stats(service, stats), exec_s=stats.exec_s)
+
+
+def _stats(service: str, stats: CallStatsLike) -> ServiceStats:
+    return ServiceStats(
+        service=service,
+        resident=stats.hit,
+        restore_s=stats.restore_s,
+        evict_s=stats.evict_s,
+        restored_bytes=stats.restored_bytes,
+        evicted=list(stats.evicted),
+    )
 
 
 __all__ = ["GpuOptions", "GpuRole", "ServiceBackend"]

@@ -191,6 +191,7 @@ class GpuWorker:
         self.hits = self.restores = self.evictions = 0
         self._running: dict[int, InstanceKey] = {}  # device -> the instance running there
         self._calls: dict[InstanceKey, int] = {}  # instance -> its calls, restoring or running
+        self._ahead: set[InstanceKey] = set()  # instances being restored ahead of their calls
         # Threads for a call's other replicas (its own thread drives the first). Joined
         # calls wait in their replicas' shared passes, so there is room for several calls
         # per device; restores have threads of their own, never queued behind those.
@@ -367,9 +368,63 @@ class GpuWorker:
                 self._freed.notify_all()
         return outputs, stats
 
+    def restore_ahead(self, service_name: str, chunk: Sequence[int]) -> CallStats:
+        """Make the instance of ``service_name`` on ``chunk`` resident before its call comes
+        (the scheduler restores ahead into memory it saw free). Unlike a call it neither
+        waits for the devices nor holds them: calls of other instances run there meanwhile.
+        A call of this instance waits for it, as for any restore. It evicts only idle
+        instances, as a call's restore does; raises ``BusyError`` if running calls hold the
+        memory. ``hit``: it was resident (or being restored) already."""
+        key: InstanceKey = instance_key(service_name, chunk)
+        chunk = key[1]
+        with self._lock:
+            service = self.services.get(service_name)
+            if service is None:
+                raise ServiceError(
+                    f"unknown service {service_name!r} (loaded: {sorted(self.services)})"
+                )
+            if key in self.residency.resident or self._calls.get(key):
+                return CallStats(hit=True)
+            plan = self.residency.plan(key, service.bytes_per_device)
+            stats = CallStats(hit=False)
+            t0 = self.clock()
+            for victim in plan.evict:
+                self._evict(victim)
+                stats.evicted.append(name(victim))
+            stats.evict_s = self.clock() - t0
+            # Its memory is taken now and pinned while copied: nothing else plans on it.
+            self.residency.admit(key, service.bytes_per_device)
+            self.residency.acquire(key)
+            self._ahead.add(key)
+        done = False
+        try:
+            t0 = self.clock()
+            replicas = self._parallel(
+                [partial(self._restore, service, d) for d in chunk], self._restorer
+            )
+            self._synchronize(chunk)
+            stats.restore_s = self.clock() - t0
+            stats.restored_bytes = service.nbytes * len(chunk)
+            passes = [SharedPasses(service.spec.max_batch) for _ in chunk]
+            with self._lock:
+                self.instances[key] = _Resident(replicas, passes, service)
+                self.restores += 1
+                done = True
+        finally:
+            with self._lock:
+                self._ahead.discard(key)
+                self.residency.release(key)
+                if not done or self.services.get(service_name) is not service:
+                    self._evict(key)  # failed, or its service was edited or removed meanwhile
+                self._freed.notify_all()  # its calls may run now
+        return stats
+
     def _may_run(self, key: InstanceKey) -> bool:
         """Whether a call of ``key`` may start now (called holding the lock): its GPUs are
-        free, or they run ``key`` itself, resident and built of the service as it is now."""
+        free, or they run ``key`` itself, resident and built of the service as it is now;
+        and ``key`` is not being restored ahead (the call waits for that restore)."""
+        if key in self._ahead:
+            return False
         there = {self._running.get(d) for d in key[1]}
         if there == {None}:
             return True

@@ -767,6 +767,9 @@ class AgentCall(_AgentOp):
     service: str
     gpus: list[int] = Field(default_factory=list)  # device indexes
     inputs: list[Any] = Field(default_factory=list)
+    # Only make the instance resident, ahead of its calls, without holding the devices (an
+    # older agent, which ignores this, runs it as a call without inputs: a restore too).
+    ahead: bool = False
 
 
 FileOp = Literal["read", "write", "list", "stat", "mkdir", "remove", "rename", "tar", "untar"]

@@ -25,6 +25,7 @@ from tangram.api.wire import (
     ServiceLoad,
     json_bytes,
 )
+from tangram.scheduler.core.decisions import Ahead
 from tangram.scheduler.core.dp import CHUNK_SIZES
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
 from tangram.service.config import ServiceConfig
@@ -224,6 +225,33 @@ class GpuCalls:
             output=call.outputs if call is not None else None,
             service=call.stats if call is not None else None,
         )
+
+    async def restore_ahead(self, ahead: Ahead) -> None:
+        """A round's restore ahead: the node's worker makes the instance resident while the
+        chunk stays free for calls; the core hears when it ended, and whether it worked."""
+        s = self.s
+        node, chunk = ahead.chunk.node, ahead.chunk
+        devices = s.node_gpus.get(node, [])
+        gpus = [devices[g] for g in chunk.gpus if g < len(devices)]
+        stats = None
+        try:
+            reply = await s.ask(node, AgentCall(service=ahead.service, gpus=gpus, ahead=True))
+            if reply.ok and reply.call is not None:
+                stats = reply.call.stats
+            else:
+                log.warning(
+                    "restoring %s ahead on %s GPUs %s failed: %s",
+                    ahead.service,
+                    node,
+                    gpus,
+                    reply.error,
+                )
+        except EngineError as e:
+            log.warning("restoring %s ahead on %s: %s", ahead.service, node, e.message)
+        finally:
+            s.core.ahead_done(ahead.service, chunk, ok=stats is not None)
+            s.metrics.restored_ahead(ahead.service, stats)
+            s.wake.set()
 
     def _complete(
         self, aid: str, *, ok: bool, restore_s: float | None = None, resident: bool | None = None

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tangram.api.wire import ActionResult
+from tangram.api.wire import ActionResult, ServiceStats
 from tangram.scheduler.core.pricing import NodePrice
 
 # From 100 µs (the fast path's share) to 20 minutes (a long test suite).
@@ -94,6 +94,13 @@ class Metrics:
             ("pool", "service"),
             registry=self.registry,
         )
+        self.restores_ahead = Counter(
+            "tangram_service_restores_ahead",
+            "Model instances restored ahead of their calls into free GPU memory, by result "
+            "(restored, resident: it was already, failed)",
+            ("pool", "service", "result"),
+            registry=self.registry,
+        )
         self.evictions = Counter(
             "tangram_service_evictions",
             "Model instances evicted from GPU memory for another call",
@@ -150,6 +157,17 @@ class Metrics:
                 self.service_phases["evict"].labels(self.pool, svc).observe(stats.evict_s)
             if not stats.resident:
                 self.service_phases["restore"].labels(self.pool, svc).observe(stats.restore_s)
+
+    def restored_ahead(self, service: str, stats: ServiceStats | None) -> None:
+        """A restore ahead ended: ``stats`` from its worker, or None if it failed."""
+        result = "failed" if stats is None else "resident" if stats.resident else "restored"
+        self.restores_ahead.labels(self.pool, service, result).inc()
+        if stats is not None:
+            self.restored_bytes.labels(self.pool, service).inc(stats.restored_bytes)
+            if stats.evicted:
+                self.evictions.labels(self.pool, service).inc(len(stats.evicted))
+            if not stats.resident:
+                self.service_phases["restore"].labels(self.pool, service).observe(stats.restore_s)
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

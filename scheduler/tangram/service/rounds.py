@@ -50,6 +50,8 @@ class Rounds:
                 except Exception:  # one bad start must not end the loop
                     log.exception("starting %s failed", asg.action_id)
                     self._abandon(asg.action_id)
+            for ahead in rnd.ahead:
+                s.background(self.gpu.restore_ahead(ahead))
             if rnd.again:  # calls may join an instance it opened
                 s.wake.set()
             if rnd.wake_at is not None:

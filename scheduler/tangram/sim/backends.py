@@ -17,6 +17,7 @@ from tangram.api.action import ActionKind, ActionSpec
 from tangram.api.cluster import ClusterSpec
 from tangram.api.demand import AmdahlEfficiency, Efficiency, allowed_units, duration
 from tangram.api.trace import TrajectoryTrace
+from tangram.scheduler.core.decisions import Ahead
 from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig
@@ -89,6 +90,7 @@ class SchedulerBackend:
         self._chunks: dict[Chunk, tuple[float, float]] = {}  # chunk -> its busy period
         self._ready: dict[Chunk, float] = {}  # chunk -> when its last restore ends
         self.rounds = 0
+        self.restores_ahead = 0
         loop.on_instant_end(self._round)
 
     def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
@@ -144,7 +146,9 @@ class SchedulerBackend:
                 # instance's restore if that is still under way.
                 took *= self.services[spec.service].slowdown(asg.sharing)
                 took += max(0.0, self._ready.get(asg.chunk, now) - now)
-            elif asg.restore and asg.chunk is not None:
+            elif asg.chunk is not None and (asg.restore or asg.ready_in_s):
+                # It restores the instance, or waits for the rest of its restore ahead.
+                overhead += asg.ready_in_s
                 self._ready[asg.chunk] = now + overhead
             took += overhead
             record.started, record.units, record.overhead_s = now, asg.units, overhead
@@ -156,6 +160,11 @@ class SchedulerBackend:
             else:
                 self.unit_seconds[kind] = self.unit_seconds.get(kind, 0.0) + asg.units * took
             self.loop.at(now + took, partial(self._end, asg.action_id, record, done))
+        for ahead in result.ahead:
+            # The restore holds the chunk's GPUs (their host links) for GPU-seconds, not
+            # for calls: others may run there meanwhile.
+            self._hold_chunk(ahead.chunk, now, ahead.ready_at)
+            self.loop.at(ahead.ready_at, partial(self._ahead_done, ahead))
         if result.wake_at is not None and result.wake_at not in self._wake:
             self._wake.add(result.wake_at)
             self.loop.at(result.wake_at, lambda: None)
@@ -176,6 +185,11 @@ class SchedulerBackend:
             end - start
         )
 
+    def _ahead_done(self, ahead: Ahead) -> None:
+        self.sched.ahead_done(ahead.service, ahead.chunk)
+        self.restores_ahead += 1
+        self._dirty = True
+
     def _end(self, aid: str, record: ActionRecord, done: Done) -> None:
         now = self.loop.now
         self.sched.complete(aid, now)
@@ -187,7 +201,10 @@ class SchedulerBackend:
         for chunk, held in self._chunks.items():
             self._count_chunk(chunk, *held)
         self._chunks.clear()
-        return self.unit_seconds, [f"scheduler rounds: {self.rounds}"]
+        return self.unit_seconds, [
+            f"scheduler rounds: {self.rounds}",
+            f"instances restored ahead: {self.restores_ahead}",
+        ]
 
 
 # --------------------------------------------------------------------------- k8s-static

@@ -15,6 +15,7 @@
                      queued and running actions only, not its thinking trajectories
 ``elastic-unbatched`` the same with every service's ``max_calls`` at 1: a call has its
                      instance to itself (the paper's GPU manager)
+``elastic-no-ahead`` the same without restoring instances ahead of their calls
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
 ``k8s-static``       exec actions in a pod per trajectory (0.5 CPU request, 4 limit),
                      single-process commands; ``k8s-static-dop-N`` runs N processes
@@ -73,6 +74,7 @@ NAMED = (
     "elastic-paper",
     "elastic-load",
     "elastic-unbatched",
+    "elastic-no-ahead",
     "unmanaged",
 )
 
@@ -110,6 +112,8 @@ def build(
         base = replace(base, ordering="shortest-remaining")
         if policy == "elastic-shortest-hinted":  # its own stream: the others' draws stay put
             hint = (HINT_SIGMA, np.random.default_rng([seed, 1]))
+    if policy == "elastic-no-ahead":
+        base = replace(base, restore_ahead=False)
     if policy in _CORE_PRICE:
         base = replace(base, core_price=_CORE_PRICE[policy])
     if m := _FIXED.match(policy):

@@ -52,6 +52,10 @@ class SchedulerConfig:
     # "arrivals" (the default) adds the thinking trajectories back before its queue drains,
     # as far as the node's offered load says their actions will find the cores wanted.
     core_price: CorePrice = "arrivals"
+    # Restore instances ahead of their calls into free GPU memory (core.gpu_pool): for each
+    # service with calls queued or running, one at its largest DoP where its next call
+    # would land, while that chunk is free.
+    restore_ahead: bool = True
 
     def overdue_after(self, expected_s: float) -> float:
         """The ageing bound: how long an action expected to take ``expected_s`` may wait

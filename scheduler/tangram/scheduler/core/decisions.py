@@ -22,6 +22,8 @@ class Assignment:
     restore: bool = False  # the service instance must be restored into the chunk
     evicted: tuple[str, ...] = ()  # "service@node:start+size" instances evicted for it
     sharing: int = 0  # calls already running on the instance it joined (0: it has it alone)
+    # The instance it landed on was still being restored ahead: it waits this long first.
+    ready_in_s: float = 0.0
     quotas: tuple[tuple[str, int], ...] = ()
     units: int = 1  # units of the key resource (DoP)
     expected_s: float = 0.0
@@ -75,6 +77,17 @@ class Plan:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Ahead:
+    """An instance a round restores ahead, into free GPU memory, for its service's next
+    call (``Scheduler.ahead_done`` when the restore ended)."""
+
+    service: str
+    chunk: Chunk
+    expected_s: float  # the restore, after those ahead of it on the same GPUs
+    ready_at: float  # when it is expected to be in GPU memory
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Round:
     """A committed round: the actions it started."""
 
@@ -84,6 +97,7 @@ class Round:
     blocked: tuple[tuple[str, str], ...] = ()  # (action id, resource it waits for)
     # It opened a service instance that queued calls could join: run another round now.
     again: bool = False
+    ahead: tuple[Ahead, ...] = ()  # instances it started restoring ahead
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

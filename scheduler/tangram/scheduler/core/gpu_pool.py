@@ -10,6 +10,12 @@ A chunk runs one instance at a time. That instance may serve up to its service's
 ``max_calls`` calls at once (our addition, as an inference server batches): a call
 *joins* a running instance instead of taking a chunk of its own, and the chunk is free
 again when the instance's last call ends.
+
+Instances may also be *restored ahead* (our addition): into GPU memory that is free,
+evicting nothing, on the chunk the allocator would give the service's next call, while
+that chunk is free for any call. Until its restore ends such an instance is pinned like a
+running one; a call that lands on it waits for the rest of the restore instead of a whole
+one.
 """
 
 from __future__ import annotations
@@ -84,6 +90,9 @@ class GpuPool:
     revision: dict[str, str] = field(default_factory=dict)  # service -> what workers load
     # Services a node cannot host (its worker could not load them): never placed there.
     unloadable: dict[str, frozenset[str]] = field(default_factory=dict)
+    # Instances being restored ahead -> when their restore is expected to end. Resident
+    # (their memory is charged) and never evicted until it ended (``ahead_done``).
+    ahead: dict[Instance, float] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -117,6 +126,7 @@ class GpuPool:
         self.busy = {i: n for i, n in self.busy.items() if i.chunk.node != name}
         self.stale = {i for i in self.stale if i.chunk.node != name}
         self.doubtful = {i for i in self.doubtful if i.chunk.node != name}
+        self.ahead = {i: t for i, t in self.ahead.items() if i.chunk.node != name}
 
     def set_service(
         self,
@@ -178,12 +188,24 @@ class GpuPool:
         return (c[0], c[1], c[2], c[3])
 
     def is_warm(self, service: str, k: int) -> bool:
-        """Whether a DoP-k call would land, now, on a chunk that already holds the instance.
+        """Whether a DoP-k call would land, now, on a chunk that already holds the instance
+        (or is restoring it ahead).
 
         Asks the allocator's own choice, so the DP's restore estimate and the placement agree.
         """
+        return self.warm_at(service, k) is not None
+
+    def warm_at(self, service: str, k: int) -> float | None:
+        """When the instance a DoP-k call would land on now is in GPU memory: 0.0 if it is,
+        the expected end of its restore ahead if that is under way, None if the call would
+        restore it."""
         chunk = self._choose(service, chunk_level(k))
-        return chunk is not None and Instance(service, chunk) in self.resident
+        if chunk is None:
+            return None
+        inst = Instance(service, chunk)
+        if inst not in self.resident:
+            return None
+        return self.ahead.get(inst, 0.0)
 
     def joinable(
         self, service: str, k: int, calls: Mapping[Instance, int] | None = None
@@ -252,7 +274,7 @@ class GpuPool:
                 }
                 if not short:
                     break
-                if victim.chunk.node != node.name or victim in self.busy:
+                if victim.chunk.node != node.name or victim in self.busy or victim in self.ahead:
                     continue
                 if short.isdisjoint(victim.chunk.gpus):
                     continue
@@ -277,14 +299,71 @@ class GpuPool:
         self.busy.pop(inst, None)
         self.doubtful.discard(inst)
         node = self.nodes.get(chunk.node)
+        if inst in self.ahead:  # its restore ahead has not ended: that decides (ahead_done)
+            if node is not None:
+                self._release_chunk(node, chunk)
+            return
         if node is not None:  # else the node left while the call ran
             self._release_chunk(node, chunk)
             if inst in self.resident and (not resident or inst in self.stale):
                 self._evict(inst)  # not restored after all, or redefined while it ran
         self.stale.discard(inst)
 
+    def restore_ahead(
+        self, service: str, k: int, now: float, restore_s: float
+    ) -> tuple[Instance, float] | None:
+        """Restore ``service`` ahead for its next DoP-``k`` call, if that is free to do: the
+        allocator's choice for such a call now is a free chunk that does not hold the
+        instance, and whose GPUs have room for it without evicting anything. Returns the
+        instance, now resident and pinned until its restore ends (``ahead_done``), and when
+        that is expected: ``restore_s`` after the restores ahead already under way on any
+        of its GPUs (they share the host links). None if there is nothing to do."""
+        if service not in self.memory_gb:
+            return None
+        size = chunk_level(k)
+        chunk = self._choose(service, size)
+        if chunk is None:
+            return None
+        inst = Instance(service, chunk)
+        if inst in self.resident:
+            return None  # warm already: the call will not restore
+        node = self.nodes[chunk.node]
+        per_gpu = self.per_gpu(service, size)
+        if any(node.used_gb[g] + per_gpu > node.memory_gb + 1e-9 for g in chunk.gpus):
+            return None  # it would evict: what is resident may be wanted more
+        start = max(
+            (
+                t
+                for i, t in self.ahead.items()
+                if i.chunk.node == chunk.node and not set(i.chunk.gpus).isdisjoint(chunk.gpus)
+            ),
+            default=now,
+        )
+        ready = max(now, start) + restore_s
+        self._charge(inst, per_gpu)
+        self.ahead[inst] = ready
+        return inst, ready
+
+    def ahead_done(self, inst: Instance, *, resident: bool = True) -> None:
+        """A restore ahead ended; ``resident=False``: it failed, and the memory is free
+        again. One redefined while it was restored is dropped, as its worker drops it. If a
+        call has landed on it meanwhile, that call's end decides instead (``release``)."""
+        if self.ahead.pop(inst, None) is None:
+            return
+        if inst in self.busy:
+            if not resident:
+                self.doubtful.add(inst)
+            return
+        if inst in self.resident and (not resident or inst in self.stale):
+            self._evict(inst)
+        self.stale.discard(inst)
+
     def evict_all(self, service: str) -> None:
-        for inst in [i for i in self.resident if i.service == service and i not in self.busy]:
+        for inst in [
+            i
+            for i in self.resident
+            if i.service == service and i not in self.busy and i not in self.ahead
+        ]:
             self._evict(inst)
 
     def sync_node(self, node: str, instances: Iterable[tuple[str, int, int]]) -> None:
@@ -296,7 +375,9 @@ class GpuPool:
         n = self.nodes.get(node)
         if n is None:
             return
-        running = {g for i in self.busy if i.chunk.node == node for g in i.chunk.gpus}
+        running = {
+            g for i in [*self.busy, *self.ahead] if i.chunk.node == node for g in i.chunk.gpus
+        }
         reported: dict[Instance, None] = {}  # in the reported order
         for service, start, size in instances:
             buddy = size in CHUNK_SIZES and start % size == 0 and start + size <= n.gpus
@@ -323,7 +404,7 @@ class GpuPool:
         """``service``'s instances are no longer what the workers hold: idle ones go now,
         busy ones when their calls end, as the workers do."""
         self.evict_all(service)
-        self.stale.update(i for i in self.busy if i.service == service)
+        self.stale.update(i for i in [*self.busy, *self.ahead] if i.service == service)
 
     def _charge(self, inst: Instance, per_gpu: float) -> None:
         """``inst`` is resident now, holding ``per_gpu`` GB on each of its GPUs."""
@@ -359,6 +440,8 @@ class GpuPool:
                     for sub in range(start, start + level, size):
                         chunk = Chunk(node.name, sub, size)
                         hit = Instance(service, chunk) in self.resident
+                        if not hit and self._pinned_short(node, chunk, need):
+                            continue
                         excess = sum(
                             max(0.0, node.used_gb[g] + need - node.memory_gb) for g in chunk.gpus
                         )
@@ -382,6 +465,23 @@ class GpuPool:
             if best is not None:
                 return best[1]
         return None
+
+    def _pinned_short(self, node: GpuNode, chunk: Chunk, need: float) -> bool:
+        """Whether instances being restored ahead on ``chunk``'s GPUs (which no restore
+        may evict) leave too little memory on one of them for ``need`` GB."""
+        if not self.ahead:
+            return False
+        for g in chunk.gpus:
+            pinned = sum(
+                gb
+                for inst in self.ahead
+                if inst.chunk.node == node.name
+                and g in inst.chunk.gpus
+                and (gb := self.resident.get(inst)) is not None
+            )
+            if pinned and pinned + need > node.memory_gb + 1e-9:
+                return True
+        return False
 
     def _carve(self, node: GpuNode, target: Chunk) -> None:
         """Split the free chunk containing ``target`` down to it, freeing the other buddies."""

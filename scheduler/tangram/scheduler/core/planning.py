@@ -548,8 +548,12 @@ class _Planner:
         return {k: d + self._restore_s(svc, k) for k, d in c.durations.items()}
 
     def _restore_s(self, svc: ServiceSpec, k: int) -> float:
-        """The restore a DoP-k call of ``svc`` needs first where the allocator would put it."""
-        return 0.0 if self.s.gpu.is_warm(svc.name, k) else svc.restore_cost(chunk_level(k))
+        """The restore a DoP-k call of ``svc`` needs first where the allocator would put it
+        (what is left of it, if it is being restored ahead there)."""
+        ready = self.s.gpu.warm_at(svc.name, k)
+        if ready is None:
+            return svc.restore_cost(chunk_level(k))
+        return max(0.0, ready - self.now)
 
 
 def _first(
@@ -577,6 +581,7 @@ def _chunk_times(
         svc = services.get(r.action.service or "")
         if asg.restore and svc is not None:
             ready = max(ready, asg.started_at + svc.restore_cost(asg.chunk.size))
+        ready = max(ready, asg.started_at + asg.ready_in_s)
         times[asg.chunk] = (ready, max(end, r.expected_end))
     return times
 

@@ -22,6 +22,7 @@ from tangram.scheduler.core.admission import resolve
 from tangram.scheduler.core.config import SchedulerConfig, SchedulingError
 from tangram.scheduler.core.cpu_pool import CpuPool
 from tangram.scheduler.core.decisions import (
+    Ahead,
     Assignment,
     Drained,
     Plan,
@@ -570,7 +571,43 @@ class Scheduler:
             groups=plan.groups,
             blocked=plan.blocked,
             again=self._joiners_wait(assignments),
+            ahead=self._restore_ahead(now) if self.config.restore_ahead else (),
         )
+
+    def _restore_ahead(self, now: float) -> tuple[Ahead, ...]:
+        """Instances to restore ahead now: for each service with calls queued or running,
+        most calls first, one at the largest DoP it allows (the fastest call, and the
+        fewest GB per GPU when sharded) where its next call would land, if that chunk is
+        free and has the memory free (``GpuPool.restore_ahead``)."""
+        if not self.gpu.nodes:
+            return ()
+        demand = dict(self.queued_calls)
+        for r in self.running.values():
+            if r.action.service is not None:
+                demand[r.action.service] = demand.get(r.action.service, 0) + 1
+        out: list[Ahead] = []
+        for service in sorted(demand, key=lambda s: (-demand[s], s)):
+            svc = self.services.get(service)
+            if svc is None:
+                continue
+            fixed = self.config.fixed_dop
+            sizes = [k for k in svc.dop_choices if fixed is None or k <= fixed]
+            k = max((k for k in sizes if self.gpu.fits(service, k)), default=None)
+            if k is None:
+                continue
+            cost = svc.restore_cost(chunk_level(k))
+            got = self.gpu.restore_ahead(service, k, now, cost)
+            if got is not None:
+                inst, ready = got
+                out.append(
+                    Ahead(service=service, chunk=inst.chunk, expected_s=ready - now, ready_at=ready)
+                )
+        return tuple(out)
+
+    def ahead_done(self, service: str, chunk: Chunk, *, ok: bool = True) -> None:
+        """A restore ahead of ``service`` on ``chunk`` ended; ``ok`` false: it failed (or
+        its worker could not say), and the instance is not counted in GPU memory."""
+        self.gpu.ahead_done(Instance(service, chunk), resident=ok)
 
     # ---- internals ---------------------------------------------------------------
     def _traj(self, tid: str) -> Trajectory:
@@ -720,9 +757,13 @@ class Scheduler:
             cores = (
                 self.cpu.take(s.node, k) if exact is None else self.cpu.take_exact(s.node, exact)
             )
+        ready_in = 0.0
         if grant is not None:
             assert a.service is not None
             chunk, restore = grant.chunk, not grant.resident
+            if not grant.sharing:  # a joiner's wait for the instance is in its estimate
+                ready_in = max(0.0, self.gpu.ahead.get(Instance(a.service, chunk), now) - now)
+                expected += ready_in
             evicted = tuple(
                 f"{i.service}@{i.chunk.node}:{i.chunk.start}+{i.chunk.size}" for i in grant.evicted
             )
@@ -739,6 +780,7 @@ class Scheduler:
             restore=restore,
             evicted=evicted,
             sharing=grant.sharing if grant is not None else 0,
+            ready_in_s=ready_in,
             quotas=a.quotas,
             units=k,
             expected_s=expected,
