@@ -172,17 +172,23 @@ def test_refusals_name_the_problem(tmp_path: Path) -> None:
         w.load(_def("sharded", big.weights, 1, replicated=False))
 
 
-def test_a_running_instance_is_never_evicted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("restore", ["call", "ahead"])
+def test_a_running_instance_is_never_evicted(tmp_path: Path, restore: str) -> None:
+    """Neither a call's restore nor a restore ahead evicts an instance whose call runs."""
     w = _worker(devices=1, mb=5)
     for name in ("a", "b"):
         w.load(_spec(tmp_path, name))
+
+    def restore_b() -> Any:
+        return w.call("b", [0], INPUTS)[1] if restore == "call" else w.restore_ahead("b", [0])
+
     w.call("a", [0], INPUTS)
     w.residency.acquire(("a", (0,)))  # as if a call on a were still running
     with pytest.raises(BusyError):
-        w.call("b", [0], INPUTS)
+        restore_b()
     w.residency.release(("a", (0,)))
-    _, stats = w.call("b", [0], INPUTS)
-    assert stats.evicted == ["a@0"]
+    assert restore_b().evicted == ["a@0"]
+    assert w.resident_instances() == [("b", [0])]
 
 
 def test_batches_are_split_over_replicas_and_capped(tmp_path: Path) -> None:
@@ -375,19 +381,11 @@ def test_a_restore_ahead_makes_the_next_call_a_hit(tmp_path: Path) -> None:
     assert again == out  # the same weights as a call's own restore
 
 
-def test_a_restore_ahead_evicts_only_idle_instances(tmp_path: Path) -> None:
-    w = _worker(devices=1, mb=5)
-    for name in ("a", "b"):
-        w.load(_spec(tmp_path, name))
-    w.call("a", [0], INPUTS)
-    w.residency.acquire(("a", (0,)))  # as if a call on a were still running
-    with pytest.raises(BusyError):
-        w.restore_ahead("b", [0])
-    w.residency.release(("a", (0,)))
-    stats = w.restore_ahead("b", [0])
-    assert stats.evicted == ["a@0"] and w.resident_instances() == [("b", [0])]
+def test_a_restore_ahead_of_an_unknown_service_is_refused(tmp_path: Path) -> None:
+    w = _worker(devices=1)
     with pytest.raises(ServiceError, match="unknown service"):
         w.restore_ahead("nope", [0])
+    assert w.resident_instances() == [] and not w._ahead
 
 
 def test_calls_of_other_instances_run_during_a_restore_ahead_and_its_own_wait(

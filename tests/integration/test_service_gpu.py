@@ -407,7 +407,7 @@ def test_a_restarted_scheduler_learns_what_the_worker_holds(tmp_path: Path) -> N
         (instance,) = pool.resident
         assert instance.service == "judge" and instance.chunk.gpus == range(1)
         # The restarted scheduler counts on it (no restore in its estimate): so does the worker.
-        assert pool.is_warm("judge", 1)
+        assert pool.warm_at("judge", 1) == 0.0
         with Client(running.url, USER) as client:
             assert client.score("judge", INPUTS).service.resident  # type: ignore[union-attr]
 

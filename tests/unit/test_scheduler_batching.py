@@ -98,7 +98,7 @@ def test_a_call_lands_on_an_instance_restored_ahead_and_waits_for_the_rest() -> 
     # the memory free, for the next call (done at 2 s).
     (ahead,) = r.ahead
     assert (ahead.service, ahead.chunk, ahead.ready_at) == ("a", Chunk("g", 1, 1), 2.0)
-    assert s.gpu.is_warm("a", 1)  # the DP no longer adds a whole restore for GPU 1
+    assert s.gpu.warm_at("a", 1) == 2.0  # the DP adds what is left, not a whole restore
     s.submit("x1", "t", service_call("a"), 0.5)
     (asg,) = s.schedule(0.5).assignments
     # 1.5 s left of the restore ahead + 1 s alone on GPU 1 beats joining x0 on GPU 0

@@ -20,9 +20,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from tangram.api.wire import (
     GpuWorkerInfo,
@@ -35,6 +36,7 @@ from tangram.api.wire import (
 from tangram.node_agent.execution import ExecError
 
 log = logging.getLogger("tangram.agent.gpu")
+T = TypeVar("T")
 MIB = 2**20
 # Kept free on each GPU for the CUDA context, the caching allocator's slack and kernels'
 # workspaces: a restore the residency plan admits must never run out of memory.
@@ -223,17 +225,7 @@ class GpuRole:
         """The scheduler's restore ahead of a call: no inputs, no outputs, the stats of the
         restore. Its thread, like a call's, is waited for even when cancelled."""
         self._check(service, gpus)
-        work = asyncio.ensure_future(
-            asyncio.to_thread(self.backend.restore_ahead, service, list(gpus))
-        )
-        try:
-            stats = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await work
-            raise
-        except Exception as e:
-            raise ExecError(f"service {service}: {e}") from None
+        stats = await _in_thread(service, partial(self.backend.restore_ahead, service, list(gpus)))
         return ServiceOutcome(outputs=[], stats=_stats(service, stats), exec_s=0.0)
 
     async def call(self, service: str, gpus: Sequence[int], inputs: list[Any]) -> ServiceOutcome:
@@ -244,22 +236,27 @@ class GpuRole:
             # Measured here, in the thread: up to 8 MiB of JSON would stall the agent's loop.
             return outputs, stats, len(json.dumps(outputs, default=str))
 
-        work = asyncio.ensure_future(asyncio.to_thread(run))
-        try:
-            outputs, stats, size = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            # The thread cannot be stopped: answer once it is done with the GPUs.
-            with contextlib.suppress(Exception):
-                await work
-            raise
-        except Exception as e:
-            raise ExecError(f"service {service}: {e}") from None
+        outputs, stats, size = await _in_thread(service, run)
         if size > MAX_OUTPUT_BYTES:  # the reply must fit a WebSocket message of the link
             raise ExecError(
                 f"service {service}: outputs of {size} bytes exceed {MAX_OUTPUT_BYTES}; "
                 "split the call or return less per input"
             )
         return ServiceOutcome(outputs=outputs, stats=_stats(service, stats), exec_s=stats.exec_s)
+
+
+async def _in_thread(service: str, work: Callable[[], T]) -> T:
+    """``work`` on the GPUs, in a thread; its errors as the agent reports them. The thread
+    cannot be stopped: a cancelled caller is answered once it is done with the GPUs."""
+    running = asyncio.ensure_future(asyncio.to_thread(work))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await running
+        raise
+    except Exception as e:
+        raise ExecError(f"service {service}: {e}") from None
 
 
 def _stats(service: str, stats: CallStatsLike) -> ServiceStats:

@@ -308,21 +308,13 @@ class GpuWorker:
             # before the link dropped, when the agent reconnected or the scheduler restarted)
             # it waits for, rather than share the GPUs or fail.
             self._freed.wait_for(lambda: self._may_run(key))
-            service = self.services.get(service_name)  # as it is now, after any wait
-            if service is None:
-                raise ServiceError(
-                    f"unknown service {service_name!r} (loaded: {sorted(self.services)})"
-                )
+            service = self._service(service_name)  # as it is now, after any wait
             if self._calls.get(key):  # it joins the calls running on the instance
                 plan = Plan(hit=True)
             else:
                 plan = self.residency.plan(key, service.bytes_per_device)
             stats = CallStats(hit=plan.hit)
-            t0 = self.clock()
-            for victim in plan.evict:
-                self._evict(victim)
-                stats.evicted.append(name(victim))
-            stats.evict_s = self.clock() - t0
+            self._carry_out(plan, stats)
             # Ours from here (with any calls that join): no other instance plans on them.
             self._calls[key] = self._calls.get(key, 0) + 1
             self._running.update(dict.fromkeys(chunk, key))
@@ -333,15 +325,7 @@ class GpuWorker:
         acquired = plan.hit
         try:
             if not plan.hit:  # outside the lock: calls on other chunks go on meanwhile
-                t0 = self.clock()
-                replicas = self._parallel(
-                    [partial(self._restore, service, d) for d in chunk], self._restorer
-                )
-                self._synchronize(chunk)
-                stats.restore_s = self.clock() - t0
-                stats.restored_bytes = service.nbytes * len(chunk)
-                passes = [SharedPasses(service.spec.max_batch) for _ in chunk]
-                resident = _Resident(replicas, passes, service)
+                resident = self._copy(service, chunk, stats)
                 with self._lock:
                     self.instances[key] = resident
                     self.residency.admit(key, service.bytes_per_device)
@@ -378,36 +362,21 @@ class GpuWorker:
         key: InstanceKey = instance_key(service_name, chunk)
         chunk = key[1]
         with self._lock:
-            service = self.services.get(service_name)
-            if service is None:
-                raise ServiceError(
-                    f"unknown service {service_name!r} (loaded: {sorted(self.services)})"
-                )
+            service = self._service(service_name)
             if key in self.residency.resident or self._calls.get(key):
                 return CallStats(hit=True)
             plan = self.residency.plan(key, service.bytes_per_device)
             stats = CallStats(hit=False)
-            t0 = self.clock()
-            for victim in plan.evict:
-                self._evict(victim)
-                stats.evicted.append(name(victim))
-            stats.evict_s = self.clock() - t0
+            self._carry_out(plan, stats)
             # Its memory is taken now and pinned while copied: nothing else plans on it.
             self.residency.admit(key, service.bytes_per_device)
             self.residency.acquire(key)
             self._ahead.add(key)
         done = False
         try:
-            t0 = self.clock()
-            replicas = self._parallel(
-                [partial(self._restore, service, d) for d in chunk], self._restorer
-            )
-            self._synchronize(chunk)
-            stats.restore_s = self.clock() - t0
-            stats.restored_bytes = service.nbytes * len(chunk)
-            passes = [SharedPasses(service.spec.max_batch) for _ in chunk]
+            resident = self._copy(service, chunk, stats)
             with self._lock:
-                self.instances[key] = _Resident(replicas, passes, service)
+                self.instances[key] = resident
                 self.restores += 1
                 done = True
         finally:
@@ -418,6 +387,36 @@ class GpuWorker:
                     self._evict(key)  # failed, or its service was edited or removed meanwhile
                 self._freed.notify_all()  # its calls may run now
         return stats
+
+    def _service(self, service_name: str) -> _Service:
+        """The loaded service of that name (called holding the lock)."""
+        service = self.services.get(service_name)
+        if service is None:
+            raise ServiceError(
+                f"unknown service {service_name!r} (loaded: {sorted(self.services)})"
+            )
+        return service
+
+    def _carry_out(self, plan: Plan, stats: CallStats) -> None:
+        """Evict what ``plan`` says (called holding the lock), into ``stats``."""
+        t0 = self.clock()
+        for victim in plan.evict:
+            self._evict(victim)
+            stats.evicted.append(name(victim))
+        stats.evict_s = self.clock() - t0
+
+    def _copy(self, service: _Service, chunk: Sequence[int], stats: CallStats) -> _Resident:
+        """Restore ``service`` onto ``chunk``'s devices, one replica each at once, into
+        ``stats`` (outside the lock: calls on other chunks go on meanwhile)."""
+        t0 = self.clock()
+        replicas = self._parallel(
+            [partial(self._restore, service, d) for d in chunk], self._restorer
+        )
+        self._synchronize(chunk)
+        stats.restore_s = self.clock() - t0
+        stats.restored_bytes = service.nbytes * len(chunk)
+        passes = [SharedPasses(service.spec.max_batch) for _ in chunk]
+        return _Resident(replicas, passes, service)
 
     def _may_run(self, key: InstanceKey) -> bool:
         """Whether a call of ``key`` may start now (called holding the lock): its GPUs are

@@ -231,8 +231,7 @@ class GpuCalls:
         chunk stays free for calls; the core hears when it ended, and whether it worked."""
         s = self.s
         node, chunk = ahead.chunk.node, ahead.chunk
-        devices = s.node_gpus.get(node, [])
-        gpus = [devices[g] for g in chunk.gpus if g < len(devices)]
+        gpus = s.devices(chunk)
         stats = None
         try:
             reply = await s.ask(node, AgentCall(service=ahead.service, gpus=gpus, ahead=True))

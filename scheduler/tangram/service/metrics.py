@@ -149,25 +149,25 @@ class Metrics:
         stats = result.service
         if stats is not None:  # service calls only: off the exec hot path
             self.phases["restore"].labels(self.pool, result.kind).observe(result.timings.restore_s)
-            svc = stats.service
-            self.service_calls.labels(self.pool, svc, str(stats.resident).lower()).inc()
-            self.restored_bytes.labels(self.pool, svc).inc(stats.restored_bytes)
-            if stats.evicted:
-                self.evictions.labels(self.pool, svc).inc(len(stats.evicted))
-                self.service_phases["evict"].labels(self.pool, svc).observe(stats.evict_s)
-            if not stats.resident:
-                self.service_phases["restore"].labels(self.pool, svc).observe(stats.restore_s)
+            self.service_calls.labels(self.pool, stats.service, str(stats.resident).lower()).inc()
+            self._residency(stats)
 
     def restored_ahead(self, service: str, stats: ServiceStats | None) -> None:
         """A restore ahead ended: ``stats`` from its worker, or None if it failed."""
         result = "failed" if stats is None else "resident" if stats.resident else "restored"
         self.restores_ahead.labels(self.pool, service, result).inc()
         if stats is not None:
-            self.restored_bytes.labels(self.pool, service).inc(stats.restored_bytes)
-            if stats.evicted:
-                self.evictions.labels(self.pool, service).inc(len(stats.evicted))
-            if not stats.resident:
-                self.service_phases["restore"].labels(self.pool, service).observe(stats.restore_s)
+            self._residency(stats)
+
+    def _residency(self, stats: ServiceStats) -> None:
+        """What making a model resident cost, for a call or a restore ahead."""
+        svc = stats.service
+        self.restored_bytes.labels(self.pool, svc).inc(stats.restored_bytes)
+        if stats.evicted:
+            self.evictions.labels(self.pool, svc).inc(len(stats.evicted))
+            self.service_phases["evict"].labels(self.pool, svc).observe(stats.evict_s)
+        if not stats.resident:
+            self.service_phases["restore"].labels(self.pool, svc).observe(stats.restore_s)
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

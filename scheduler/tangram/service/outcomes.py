@@ -139,8 +139,7 @@ class Outcomes:
 
     def devices(self, asg: Assignment) -> list[int]:
         """The device indexes of an assignment's GPU chunk (none for other actions)."""
-        devices = self.s.node_gpus.get(asg.node or "", [])
-        return [devices[g] for g in asg.chunk.gpus if g < len(devices)] if asg.chunk else []
+        return self.s.devices(asg.chunk) if asg.chunk else []
 
     def result(
         self,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from tangram.api.wire import ActionResult, AgentReply, AgentRequest, TrajectoryState
+from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.scheduler import Scheduler
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import EnvConfig, PoolConfig
@@ -166,6 +167,11 @@ class PoolState:
         if link is None or link.closed:
             raise EngineError("unavailable", "node", f"node {node} has no agent connected")
         return link
+
+    def devices(self, chunk: Chunk) -> list[int]:
+        """The device indexes of a GPU chunk on its node's worker."""
+        devices = self.node_gpus.get(chunk.node, [])
+        return [devices[g] for g in chunk.gpus if g < len(devices)]
 
     async def ask(self, node: str | None, req: AgentRequest) -> AgentReply:
         """``req`` to the agent of ``node``; EngineError ("unavailable") when it has none

@@ -187,14 +187,6 @@ class GpuPool:
                 c[i] += len(node.free[size])
         return (c[0], c[1], c[2], c[3])
 
-    def is_warm(self, service: str, k: int) -> bool:
-        """Whether a DoP-k call would land, now, on a chunk that already holds the instance
-        (or is restoring it ahead).
-
-        Asks the allocator's own choice, so the DP's restore estimate and the placement agree.
-        """
-        return self.warm_at(service, k) is not None
-
     def warm_at(self, service: str, k: int) -> float | None:
         """When the instance a DoP-k call would land on now is in GPU memory: 0.0 if it is,
         the expected end of its restore ahead if that is under way, None if the call would
@@ -431,6 +423,7 @@ class GpuPool:
         """
         need = self.per_gpu(service, size)
         recency = {inst: i for i, inst in enumerate(self.resident)}  # 0 = least recently used
+        pinned = self._pinned()
         for level in (s for s in CHUNK_SIZES if s >= size):
             best: tuple[tuple[int, float, int, str, int], Chunk] | None = None
             for node in self.nodes.values():
@@ -440,7 +433,10 @@ class GpuPool:
                     for sub in range(start, start + level, size):
                         chunk = Chunk(node.name, sub, size)
                         hit = Instance(service, chunk) in self.resident
-                        if not hit and self._pinned_short(node, chunk, need):
+                        if not hit and any(  # restores ahead leave too little room
+                            pinned.get((node.name, g), 0.0) + need > node.memory_gb + 1e-9
+                            for g in chunk.gpus
+                        ):
                             continue
                         excess = sum(
                             max(0.0, node.used_gb[g] + need - node.memory_gb) for g in chunk.gpus
@@ -466,22 +462,15 @@ class GpuPool:
                 return best[1]
         return None
 
-    def _pinned_short(self, node: GpuNode, chunk: Chunk, need: float) -> bool:
-        """Whether instances being restored ahead on ``chunk``'s GPUs (which no restore
-        may evict) leave too little memory on one of them for ``need`` GB."""
-        if not self.ahead:
-            return False
-        for g in chunk.gpus:
-            pinned = sum(
-                gb
-                for inst in self.ahead
-                if inst.chunk.node == node.name
-                and g in inst.chunk.gpus
-                and (gb := self.resident.get(inst)) is not None
-            )
-            if pinned and pinned + need > node.memory_gb + 1e-9:
-                return True
-        return False
+    def _pinned(self) -> dict[tuple[str, int], float]:
+        """GB per (node, GPU) of the instances being restored ahead, which no restore may
+        evict."""
+        pinned: dict[tuple[str, int], float] = {}
+        for inst in self.ahead:
+            gb = self.resident.get(inst, 0.0)
+            for g in inst.chunk.gpus:
+                pinned[inst.chunk.node, g] = pinned.get((inst.chunk.node, g), 0.0) + gb
+        return pinned
 
     def _carve(self, node: GpuNode, target: Chunk) -> None:
         """Split the free chunk containing ``target`` down to it, freeing the other buddies."""

@@ -582,15 +582,14 @@ class Scheduler:
         if not self.gpu.nodes:
             return ()
         demand = dict(self.queued_calls)
-        for r in self.running.values():
-            if r.action.service is not None:
-                demand[r.action.service] = demand.get(r.action.service, 0) + 1
+        for inst, calls in self.gpu.busy.items():  # the running calls, by their instances
+            demand[inst.service] = demand.get(inst.service, 0) + calls
         out: list[Ahead] = []
+        fixed = self.config.fixed_dop
         for service in sorted(demand, key=lambda s: (-demand[s], s)):
             svc = self.services.get(service)
             if svc is None:
                 continue
-            fixed = self.config.fixed_dop
             sizes = [k for k in svc.dop_choices if fixed is None or k <= fixed]
             k = max((k for k in sizes if self.gpu.fits(service, k)), default=None)
             if k is None:
