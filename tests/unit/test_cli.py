@@ -161,13 +161,20 @@ def test_explain_rejects_a_bad_state(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_round_bench_reports_every_case() -> None:
     report = run_round_bench(
-        [(16, 32, 4, False), (16, 32, 4, True)], rounds=5, progress=False, gc_settings="default"
+        [(16, 32, 4, False), (16, 32, 4, True)],
+        rounds=5,
+        progress=False,
+        gc_settings="default",
+        gpu_cases=[(8, 32), (16, 64)],
     )
     assert [c["elastic"] for c in report["cases"]] == [False, True]
+    assert [(c["gpus"], c["queued"]) for c in report["gpu_cases"]] == [(8, 32), (16, 64)]
     assert report["gc"] == "default"
     for case in report["cases"]:
         assert set(case) >= {"cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms"}
+    for case in report["cases"] + report["gpu_cases"]:
         assert 0 < case["p50_ms"] <= case["p99_ms"]
+        assert case["rounds"] == 5
 
 
 def test_round_bench_times_rounds_under_the_services_collector_settings() -> None:
@@ -175,7 +182,7 @@ def test_round_bench_times_rounds_under_the_services_collector_settings() -> Non
 
     threshold = gc.get_threshold()
     try:
-        report = run_round_bench([(16, 32, 4, False)], rounds=3, progress=False)
+        report = run_round_bench([(16, 32, 4, False)], rounds=3, progress=False, gpu_cases=[])
         assert report["gc"] == "service"
         assert gc.get_threshold() == (10_000, 20, 100)  # what the service sets (quiet_gc)
         assert gc.get_freeze_count() > 0

@@ -18,7 +18,14 @@ from tangram.cli.progress import bar, note
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.policies import check_policy, simulate
 from tangram.sim.records import SimResult
-from tangram.sim.roundbench import DEFAULT_CASES, Case, measure
+from tangram.sim.roundbench import (
+    DEFAULT_CASES,
+    DEFAULT_GPU_CASES,
+    Case,
+    GpuCase,
+    measure,
+    measure_gpu,
+)
 from tangram.sim.validate import check_trace
 
 
@@ -277,39 +284,51 @@ def run_round_bench(
     rounds: int = 200,
     progress: bool = True,
     gc_settings: str = "service",
+    gpu_cases: Iterable[tuple[int, int]] = DEFAULT_GPU_CASES,
 ) -> dict[str, Any]:
-    """Round latency per case: p50/p99 over ``rounds`` timed rounds.
+    """Round latency per case: p50/p99 over ``rounds`` timed rounds. ``cases``: exec
+    actions on one node's cores; ``gpu_cases``: (GPUs, queued) service calls pooled on
+    GPUs (``roundbench.measure_gpu``).
 
     ``gc_settings="service"`` sets the collector as the scheduler service does once it has
     started (``quiet_gc``), so the rounds are timed as they run there; "default" leaves
     Python's, whose full collections of the queue's objects set the p99 of large cases.
     """
-    cases = list(cases)
+    cases, gpu_cases = list(cases), list(gpu_cases)
     if gc_settings == "service":
         from tangram.service.embedded import quiet_gc
 
         quiet_gc()
     report: list[dict[str, Any]] = []
-    with bar("scheduler rounds", len(cases), enabled=progress) as update:
+    gpu_report: list[dict[str, Any]] = []
+    total = len(cases) + len(gpu_cases)
+    with bar("scheduler rounds", total, enabled=progress) as update:
         for i, (cores, queued, cands, elastic) in enumerate(cases):
-            times = np.array(measure(Case(cores, queued, cands, elastic), rounds)) * 1e3
+            times = measure(Case(cores, queued, cands, elastic), rounds)
             report.append(
-                {
-                    "cores": cores,
-                    "queued": queued,
-                    "candidates": cands,
-                    "elastic": elastic,
-                    "p50_ms": float(np.percentile(times, 50)),
-                    "p99_ms": float(np.percentile(times, 99)),
-                    "rounds": rounds,
-                }
+                {"cores": cores, "queued": queued, "candidates": cands, "elastic": elastic}
+                | _latency(times)
             )
-            update(i + 1, len(cases))
+            update(i + 1, total)
+        for i, (gpus, queued) in enumerate(gpu_cases, start=len(cases)):
+            times = measure_gpu(GpuCase(gpus, queued), rounds)
+            gpu_report.append({"gpus": gpus, "queued": queued} | _latency(times))
+            update(i + 1, total)
     return {
         "cases": report,
+        "gpu_cases": gpu_report,
         "depth": 2,
         "gc": gc_settings,
         "python": platform.python_version(),
+    }
+
+
+def _latency(seconds: list[float]) -> dict[str, Any]:
+    ms = np.array(seconds) * 1e3
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "rounds": len(seconds),
     }
 
 

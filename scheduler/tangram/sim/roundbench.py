@@ -7,6 +7,13 @@ already placed on the node (so the estimate sees the whole queue). Elastic cases
 use actions with a 1-32 core range and a profile; non-elastic ones a single core.
 After each timed round the started actions complete and equal ones are queued
 again, so every round sees the same shape.
+
+A GPU case is (GPUs, queued): the 10-service mix's services (nine teachers and the
+judge, batching up to 8 calls per instance) on ``GPUs / 8`` nodes, ``queued`` calls
+waiting, Zipf over the services. Calls run for ``GPU_CALL_ROUNDS`` rounds, so the pool
+stays full of resident, busy instances that new calls may join, and every restore ahead
+ends in the round after it started: a round plans batching, DoP and restores ahead as the
+service's rounds do under load.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tangram.api.action import MAX_T1_S, ActionSpec
+from tangram.api.action import MAX_T1_S, ActionKind, ActionSpec
 from tangram.api.cluster import ClusterSpec, NodeSpec
 from tangram.api.demand import AmdahlEfficiency, RangeDemand
 from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from tangram.sim.tracegen import GPUS_PER_NODE, scenario_cluster, service_efficiency
 
 DEFAULT_CASES: tuple[tuple[int, int, int, bool], ...] = tuple(
     (cores, queued, cands, elastic)
@@ -80,5 +88,73 @@ def measure(case: Case, rounds: int, depth: int = 2, seed: int = 0) -> list[floa
             s.complete(asg.action_id, now)
             s.submit(f"a{serial}", asg.trajectory, _spec(case.elastic, rng), now)
             serial += 1
+        now += 1.0
+    return out
+
+
+DEFAULT_GPU_CASES: tuple[tuple[int, int], ...] = tuple(
+    (gpus, queued) for gpus in (40, 160) for queued in (256, 2048)
+)
+GPU_CALL_ROUNDS = 3  # a call holds its instance for this many rounds (1 s apart)
+GPU_WARMUP_ROUNDS = 20  # untimed: the pool fills, instances become resident
+
+
+@dataclass(frozen=True, slots=True)
+class GpuCase:
+    gpus: int
+    queued: int
+
+
+def _call(services: list[str], weights: np.ndarray, rng: np.random.Generator) -> ActionSpec:
+    service = services[int(rng.choice(len(services), p=weights))]
+    eff = service_efficiency(int(rng.integers(1, 40)))
+    t_at_4 = float(rng.lognormal(np.log(1.0), 0.5))  # seconds at DoP 4
+    return ActionSpec(
+        kind=ActionKind.SERVICE,
+        type=f"bench.{service}",
+        service=service,
+        t1_s=t_at_4 * 4 * eff.efficiency(4),
+        efficiency=eff,
+    )
+
+
+def measure_gpu(case: GpuCase, rounds: int, depth: int = 2, seed: int = 0) -> list[float]:
+    """Wall-clock seconds of ``rounds`` scheduling rounds of one GPU case."""
+    if case.gpus % GPUS_PER_NODE:
+        raise ValueError(f"gpus: must be a multiple of {GPUS_PER_NODE}, got {case.gpus}")
+    rng = np.random.default_rng(seed)
+    cluster = scenario_cluster("mixed", cpu_nodes=0, gpu_nodes=case.gpus // GPUS_PER_NODE)
+    services = [svc.name for svc in cluster.services]
+    zipf = 1.0 / np.arange(1, len(services) + 1)
+    weights = zipf / zipf.sum()
+    s = Scheduler(cluster, SchedulerConfig(depth=depth, learn=False))
+    serial = 0
+
+    def queue_one(now: float) -> None:
+        nonlocal serial
+        tid = f"t{serial}"
+        s.open_trajectory(tid)
+        s.submit(f"a{serial}", tid, _call(services, weights, rng), now)
+        serial += 1
+
+    for _ in range(case.queued):
+        queue_one(0.0)
+    started: list[list[str]] = []  # the call ids each round started, oldest first
+    out: list[float] = []
+    now = 1.0
+    for i in range(GPU_WARMUP_ROUNDS + rounds):
+        t0 = time.perf_counter()
+        result = s.schedule(now)
+        took = time.perf_counter() - t0
+        if i >= GPU_WARMUP_ROUNDS:
+            out.append(took)
+        for ahead in result.ahead:
+            s.ahead_done(ahead.service, ahead.chunk)
+        started.append([asg.action_id for asg in result.assignments])
+        if len(started) > GPU_CALL_ROUNDS:
+            for action_id in started.pop(0):
+                tid = s.complete(action_id, now).trajectory
+                s.close_trajectory(tid)
+                queue_one(now)
         now += 1.0
     return out

@@ -178,7 +178,7 @@ class GpuPool:
 
     def can_host(self, service: str, k: int) -> bool:
         """Whether a free chunk on a node with large enough GPUs can take a DoP-k call now."""
-        return self._choose(service, chunk_level(k)) is not None
+        return self.landing(service, k)[0]
 
     def chunk_counts(self) -> ChunkState:
         c = [0, 0, 0, 0]
@@ -191,26 +191,34 @@ class GpuPool:
         """When the instance a DoP-k call would land on now is in GPU memory: 0.0 if it is,
         the expected end of its restore ahead if that is under way, None if the call would
         restore it."""
+        return self.landing(service, k)[1]
+
+    def landing(self, service: str, k: int) -> tuple[bool, float | None]:
+        """``can_host`` and ``warm_at`` of a DoP-k call of ``service``, from one choice."""
         chunk = self._choose(service, chunk_level(k))
         if chunk is None:
-            return None
+            return False, None
         inst = Instance(service, chunk)
-        if inst not in self.resident:
-            return None
-        return self.ahead.get(inst, 0.0)
+        return True, (self.ahead.get(inst, 0.0) if inst in self.resident else None)
 
     def joinable(
-        self, service: str, k: int, calls: Mapping[Instance, int] | None = None
+        self,
+        service: str,
+        k: int,
+        calls: Mapping[Instance, int] | None = None,
+        among: Iterable[Instance] | None = None,
     ) -> Instance | None:
         """A running DoP-k instance of ``service`` with room for one more call: the first
         started of those with the fewest calls, or None. ``calls``: the calls on each
-        running instance, if not those running now (a round's plan)."""
+        running instance, if not those running now (a round's plan); ``among``: the
+        instances to look at, in start order, if not all of them."""
         size = chunk_level(k)
         if self.max_calls.get(service, 1) <= 1:
             return None
         calls = self.busy if calls is None else calls
         best: Instance | None = None
-        for inst, n in calls.items():
+        for inst in calls if among is None else among:
+            n = calls[inst]
             if (
                 inst.service == service
                 and inst.chunk.size == size
@@ -224,8 +232,8 @@ class GpuPool:
         """Whether running ``inst``, with ``calls`` calls on it, may take one more."""
         return (
             0 < calls < self.max_calls.get(inst.service, 1)
-            and inst not in self.stale
-            and inst not in self.doubtful
+            and not (self.stale and inst in self.stale)  # (most often empty: no hashing)
+            and not (self.doubtful and inst in self.doubtful)
         )
 
     def allocate(self, service: str, k: int, *, join: Chunk | None = None) -> GpuGrant:
@@ -422,7 +430,7 @@ class GpuPool:
         level is tried.
         """
         need = self.per_gpu(service, size)
-        recency = {inst: i for i, inst in enumerate(self.resident)}  # 0 = least recently used
+        newest_on: dict[tuple[str, int], int] | None = None  # when an eviction asks for it
         pinned = self._pinned()
         for level in (s for s in CHUNK_SIZES if s >= size):
             best: tuple[tuple[int, float, int, str, int], Chunk] | None = None
@@ -442,25 +450,26 @@ class GpuPool:
                             max(0.0, node.used_gb[g] + need - node.memory_gb) for g in chunk.gpus
                         )
                         # Among equal evictions, disturb the least recently used instances (LRU).
-                        newest = (
-                            max(
-                                (
-                                    r
-                                    for inst, r in recency.items()
-                                    if inst.chunk.node == node.name
-                                    and not set(inst.chunk.gpus).isdisjoint(chunk.gpus)
-                                ),
-                                default=-1,
-                            )
-                            if excess > 0
-                            else -1
-                        )
+                        newest = -1
+                        if excess > 0:
+                            if newest_on is None:
+                                newest_on = self._newest_on()
+                            newest = max(newest_on.get((node.name, g), -1) for g in chunk.gpus)
                         key = (0 if hit else 1, excess, newest, node.name, sub)
                         if best is None or key < best[0]:
                             best = (key, chunk)
             if best is not None:
                 return best[1]
         return None
+
+    def _newest_on(self) -> dict[tuple[str, int], int]:
+        """Per (node, GPU): the recency of the most recently used instance resident there
+        (0 = the least recently used instance of all)."""
+        newest: dict[tuple[str, int], int] = {}
+        for rank, inst in enumerate(self.resident):  # least recently used first
+            for g in inst.chunk.gpus:
+                newest[inst.chunk.node, g] = rank
+        return newest
 
     def _pinned(self) -> dict[tuple[str, int], float]:
         """GB per (node, GPU) of the instances being restored ahead, which no restore may

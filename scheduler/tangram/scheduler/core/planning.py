@@ -139,6 +139,14 @@ class _Planner:
         # Calls on each running service instance, as this round's joiners add theirs.
         self.calls: dict[Instance, int] = dict(s.gpu.busy)
         self.chunk_times: dict[Chunk, tuple[float, float]] | None = None  # when first needed
+        # The running instances of each (service, chunk size), in start order, and where
+        # the allocator would put a call: fixed while a round is planned (the pool does
+        # not change), looked up per queued call. Built when first needed.
+        self.instances: dict[tuple[str, int], list[Instance]] | None = None
+        self.landing: dict[tuple[str, int], tuple[bool, float | None]] = {}
+        # The instance a call of (service, chunk size) would join: changes only when a
+        # call joins one of them, so most of the queue reads it rather than scanning.
+        self.joinable: dict[tuple[str, int], Instance | None] = {}
 
     def plan(self) -> Plan:
         cands, rest, blocked = self._candidates()
@@ -235,12 +243,16 @@ class _Planner:
         # Queued calls of services with a running instance that has room: the walk goes on
         # past blocked resources until it has seen them all (they may join without a chunk).
         joining = self._joining()
-        join_left = sum(s.queued_calls.get(svc, 0) for svc in joining)
+        unseen = {svc: s.queued_calls.get(svc, 0) for svc in joining}
+        join_left = sum(unseen.values())
         actions, placement, planned = s.actions, s.cpu.placement, view.planned
         for aid in order:
             a = actions[aid]
-            may_join = join_left > 0 and a.service in joining
-            join_left -= may_join  # seen, whether it joins, waits or is capped
+            joins = a.service if join_left > 0 and a.service in joining else None
+            may_join = joins is not None
+            if joins is not None:  # seen, whether it joins, waits or is capped
+                join_left -= 1
+                unseen[joins] -= 1
             tenant, room, at_share = "", None, False
             if caps is not None:
                 tenant = s.trajectories[a.trajectory].tenant
@@ -264,7 +276,7 @@ class _Planner:
                     continue
                 if room < units[-1]:
                     units, durations = _first(units, durations, bisect_right(units, room))
-            if may_join:
+            if joins is not None:
                 joined = self._join(a, units, durations, wants, alone=not at_share)
                 if joined is not None:
                     k, chunk, expected, extends = joined
@@ -273,6 +285,11 @@ class _Planner:
                     )
                     if caps is not None:  # its quotas; no GPUs of its own
                         caps.take(a, tenant, 0)
+                    if not self._has_room(joins):
+                        # Its instances are full: its calls behind cannot join this round,
+                        # and the walk need not go on for them.
+                        joining.discard(joins)
+                        join_left -= unseen.pop(joins)
                     continue
             if at_share:  # no instance to join: it waits for its tenant's GPUs to free
                 waits.append((aid, f"tenant {tenant} at its maxShare"))
@@ -321,6 +338,45 @@ class _Planner:
         has_room = self.s.gpu.has_room
         return {i.service for i, n in self.calls.items() if has_room(i, n)}
 
+    def _has_room(self, service: str) -> bool:
+        """Whether a running instance of ``service`` can still take a call this round."""
+        has_room, calls = self.s.gpu.has_room, self.calls
+        return any(
+            has_room(i, calls[i])
+            for (svc, _), insts in self._instances().items()
+            if svc == service
+            for i in insts
+        )
+
+    def _instances(self) -> dict[tuple[str, int], list[Instance]]:
+        """The running instances of each (service, chunk size), in start order."""
+        if self.instances is None:
+            self.instances = {}
+            for inst in self.calls:  # a round joins running instances only: keys are fixed
+                self.instances.setdefault((inst.service, inst.chunk.size), []).append(inst)
+        return self.instances
+
+    def _joinable(self, service: str, k: int) -> Instance | None:
+        """The running instance a DoP-k call of ``service`` would join now, or None."""
+        key = (service, chunk_level(k))
+        try:
+            return self.joinable[key]
+        except KeyError:
+            got = self.joinable[key] = self.s.gpu.joinable(
+                service, k, self.calls, self._instances().get(key, ())
+            )
+            return got
+
+    def _lands(self, service: str, k: int) -> tuple[bool, float | None]:
+        """Whether a free chunk can host a DoP-k call of ``service`` now, and when the
+        instance there is in GPU memory (``GpuPool.warm_at``): one allocator choice per
+        (service, DoP) and round, however many queued calls ask."""
+        key = (service, k)
+        got = self.landing.get(key)
+        if got is None:
+            got = self.landing[key] = self.s.gpu.landing(service, k)
+        return got
+
     def _join(
         self,
         a: Action,
@@ -355,7 +411,7 @@ class _Planner:
         closed = GPU in self.blocked
         best: tuple[float, int, Instance, float] | None = None
         for k in units:
-            inst = s.gpu.joinable(a.service, k, calls)
+            inst = self._joinable(a.service, k)
             if inst is not None:
                 ready, end = self._times()[inst.chunk]
                 d = max(0.0, ready - self.now) + durations[k] * svc.slowdown(calls[inst])
@@ -370,7 +426,7 @@ class _Planner:
                 (
                     durations[k] + self._restore_s(svc, k)
                     for k in units
-                    if take_chunk(prov.chunks, k) is not None and s.gpu.can_host(a.service, k)
+                    if take_chunk(prov.chunks, k) is not None and self._lands(a.service, k)[0]
                 ),
                 default=None,
             )
@@ -380,6 +436,7 @@ class _Planner:
             prov.quota_free[q] -= n
         d, k, inst, end = best
         calls[inst] += 1
+        del self.joinable[(inst.service, inst.chunk.size)]  # fewer places left there
         return k, inst.chunk, d, self.now + d > end + 1e-9
 
     def _times(self) -> dict[Chunk, tuple[float, float]]:
@@ -465,7 +522,7 @@ class _Planner:
         chunks = prov.chunks
         if a.gpu:
             nxt = take_chunk(chunks, k)
-            if nxt is None or (a.service is not None and not s.gpu.can_host(a.service, k)):
+            if nxt is None or (a.service is not None and not self._lands(a.service, k)[0]):
                 short.add(GPU)
             else:
                 chunks = nxt
@@ -550,7 +607,7 @@ class _Planner:
     def _restore_s(self, svc: ServiceSpec, k: int) -> float:
         """The restore a DoP-k call of ``svc`` needs first where the allocator would put it
         (what is left of it, if it is being restored ahead there)."""
-        ready = self.s.gpu.warm_at(svc.name, k)
+        ready = self._lands(svc.name, k)[1]
         if ready is None:
             return svc.restore_cost(chunk_level(k))
         return max(0.0, ready - self.now)

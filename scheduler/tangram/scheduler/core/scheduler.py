@@ -117,9 +117,11 @@ class Scheduler:
         Running actions must end (``complete``) first.
         """
         traj = self._traj(tid)
-        if any(r.action.trajectory == tid for r in self.running.values()):
-            raise SchedulingError("trajectory", f"{tid} still has running actions")
-        dropped = [a.id for a in self.actions.values() if a.trajectory == tid]
+        dropped: list[str] = []
+        if traj.in_flight:  # none queued or running (most closes): no need to look
+            if any(r.action.trajectory == tid for r in self.running.values()):
+                raise SchedulingError("trajectory", f"{tid} still has running actions")
+            dropped = [a.id for a in self.actions.values() if a.trajectory == tid]
         for aid in dropped:
             self._dequeue(aid)
         # Thinking unless actions of it still count (running ones a drained node forgot).

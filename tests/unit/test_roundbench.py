@@ -1,0 +1,32 @@
+"""The round-latency benchmark's GPU cases (``tangram bench scheduler``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tangram.scheduler.core.scheduler import Scheduler
+from tangram.sim.roundbench import GpuCase, measure_gpu
+
+
+def test_gpu_case_times_every_round_on_a_pool_that_calls_join(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rounds: list[tuple[int, int]] = []  # (calls started, of which joined a running instance)
+    schedule = Scheduler.schedule
+
+    def counted(self: Scheduler, now: float):  # type: ignore[no-untyped-def]
+        result = schedule(self, now)
+        rounds.append((len(result.assignments), sum(a.sharing for a in result.assignments)))
+        return result
+
+    monkeypatch.setattr(Scheduler, "schedule", counted)
+    times = measure_gpu(GpuCase(gpus=16, queued=128), rounds=10)
+    assert len(times) == 10 and all(t > 0 for t in times)
+    timed = rounds[-10:]  # after the untimed warm-up
+    assert sum(started for started, _ in timed) > 0  # calls end and new ones start
+    assert sum(joined for _, joined in timed) > 0  # on resident instances, as under load
+
+
+def test_gpu_case_wants_whole_nodes() -> None:
+    with pytest.raises(ValueError, match="gpus"):
+        measure_gpu(GpuCase(gpus=12, queued=16), rounds=1)
