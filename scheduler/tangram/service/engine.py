@@ -200,6 +200,7 @@ class Engine:
             gpu_memory_gb=memory,
             core_prices=core.core_prices(),
             think_s=core.returns.think.mean,
+            thinking={n: core.returns.thinking.get(n, 0) for n in core.cpu.nodes},
         )
 
     # ---- configuration -----------------------------------------------------------------

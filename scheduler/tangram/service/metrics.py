@@ -193,6 +193,7 @@ class LiveFigures:
     gpu_memory_gb: Mapping[tuple[str, int], float]  # (node, device index) -> GB resident
     core_prices: Mapping[str, NodePrice]  # node -> its core price now, with its terms
     think_s: float  # the learned mean think time (0: none yet)
+    thinking: Mapping[str, int]  # CPU node -> its placed trajectories with nothing in flight
 
 
 class _Live(Collector):
@@ -284,14 +285,16 @@ def _prices(pool: str, live: LiveFigures) -> Iterator[GaugeMetricFamily]:
     )
     thinking = GaugeMetricFamily(
         "tangram_thinking_trajectories",
-        "Trajectories placed on a node with nothing queued or running (corePrice arrivals)",
+        "Trajectories placed on a node with nothing queued or running (whatever the "
+        "corePrice rule: only arrivals prices them)",
         labels=labels,
     )
     for node, p in sorted(live.core_prices.items()):
         price.add_metric([pool, node], p.total)
         returns.add_metric([pool, node], p.returns)
         offered.add_metric([pool, node], p.offered)
-        thinking.add_metric([pool, node], p.thinking)
+    for node, n in sorted(live.thinking.items()):
+        thinking.add_metric([pool, node], n)
     think = GaugeMetricFamily(
         "tangram_think_seconds",
         "The learned mean think time: from an action's end to its trajectory's next "
