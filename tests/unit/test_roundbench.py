@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tangram.scheduler.core.decisions import Round
 from tangram.scheduler.core.scheduler import Scheduler
 from tangram.sim.roundbench import GpuCase, measure_gpu
 
@@ -14,7 +15,7 @@ def test_gpu_case_times_every_round_on_a_pool_that_calls_join(
     rounds: list[tuple[int, int]] = []  # (calls started, of which joined a running instance)
     schedule = Scheduler.schedule
 
-    def counted(self: Scheduler, now: float):  # type: ignore[no-untyped-def]
+    def counted(self: Scheduler, now: float) -> Round:
         result = schedule(self, now)
         rounds.append((len(result.assignments), sum(a.sharing for a in result.assignments)))
         return result

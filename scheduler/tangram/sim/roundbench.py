@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tangram.api.action import MAX_T1_S, ActionKind, ActionSpec
+from tangram.api.action import MAX_T1_S, ActionSpec
 from tangram.api.cluster import ClusterSpec, NodeSpec
 from tangram.api.demand import AmdahlEfficiency, RangeDemand
 from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
-from tangram.sim.tracegen import GPUS_PER_NODE, scenario_cluster, service_efficiency
+from tangram.sim.tracegen import GPUS_PER_NODE, scenario_cluster, service_call, zipf_weights
 
 DEFAULT_CASES: tuple[tuple[int, int, int, bool], ...] = tuple(
     (cores, queued, cands, elastic)
@@ -107,15 +107,9 @@ class GpuCase:
 
 def _call(services: list[str], weights: np.ndarray, rng: np.random.Generator) -> ActionSpec:
     service = services[int(rng.choice(len(services), p=weights))]
-    eff = service_efficiency(int(rng.integers(1, 40)))
+    steps = int(rng.integers(1, 40))  # of its trajectory: short and long contexts
     t_at_4 = float(rng.lognormal(np.log(1.0), 0.5))  # seconds at DoP 4
-    return ActionSpec(
-        kind=ActionKind.SERVICE,
-        type=f"bench.{service}",
-        service=service,
-        t1_s=t_at_4 * 4 * eff.efficiency(4),
-        efficiency=eff,
-    )
+    return service_call(service, f"bench.{service}", t_at_4, 4, steps)
 
 
 def measure_gpu(case: GpuCase, rounds: int, depth: int = 2, seed: int = 0) -> list[float]:
@@ -125,8 +119,7 @@ def measure_gpu(case: GpuCase, rounds: int, depth: int = 2, seed: int = 0) -> li
     rng = np.random.default_rng(seed)
     cluster = scenario_cluster("mixed", cpu_nodes=0, gpu_nodes=case.gpus // GPUS_PER_NODE)
     services = [svc.name for svc in cluster.services]
-    zipf = 1.0 / np.arange(1, len(services) + 1)
-    weights = zipf / zipf.sum()
+    weights = zipf_weights(len(services))
     s = Scheduler(cluster, SchedulerConfig(depth=depth, learn=False))
     serial = 0
 

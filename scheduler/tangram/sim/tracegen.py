@@ -283,6 +283,13 @@ def restore_seconds(gpu_memory_gb: float) -> float:
     return round(gpu_memory_gb / RESTORE_GBPS, 3)
 
 
+def zipf_weights(n: int, s: float = 1.0) -> np.ndarray:
+    """The chance of each of ``n`` ranks under Zipf's law of exponent ``s`` (rank 1 first)."""
+    zipf = 1.0 / np.arange(1, n + 1) ** s
+    weights: np.ndarray = zipf / zipf.sum()
+    return weights
+
+
 def teacher_name(rank: int) -> str:
     """Teachers are ranked by popularity: ``teacher-1`` gets the most calls (Zipf)."""
     return f"teacher-{rank}"
@@ -414,8 +421,9 @@ def _search(search_s: float, pdf_s: float | None) -> ActionSpec:
     )
 
 
-def _service(name: str, type_: str, t_ref_s: float, ref_dop: int, steps: int) -> ActionSpec:
-    """A service call measured as ``t_ref_s`` at DoP ``ref_dop``; t1 = t(m)·m·E(m) ([T] Eq. 1)."""
+def service_call(name: str, type_: str, t_ref_s: float, ref_dop: int, steps: int) -> ActionSpec:
+    """A call of service ``name`` measured as ``t_ref_s`` at DoP ``ref_dop``, over a
+    trajectory of ``steps`` turns (``service_efficiency``); t1 = t(m)·m·E(m) ([T] Eq. 1)."""
     eff = service_efficiency(steps)
     t1 = t_ref_s * ref_dop * eff.efficiency(ref_dop)
     return ActionSpec(
@@ -483,7 +491,9 @@ def _deepsearch_batch(
     out: list[TrajectoryTrace] = []
     for i in range(n):
         steps = _search_steps(rng, p, p.api_steps.draw_count(rng))
-        judge = _service(JUDGE, "search.judge", p.judge_s.draw(rng), JUDGE_REF_DOP, len(steps) + 1)
+        judge = service_call(
+            JUDGE, "search.judge", p.judge_s.draw(rng), JUDGE_REF_DOP, len(steps) + 1
+        )
         steps.append(Step(think_s=_think(p.think_s.draw(rng)), action=judge))
         out.append(_trajectory(f"deepsearch-{i}", "deepsearch", steps, arrival_s=arrival_s))
     return out
@@ -501,8 +511,7 @@ class _MopdPrompt:
 def _mopd_prompt(rng: Rng, p: MopdParams) -> _MopdPrompt:
     weights = np.asarray(p.type_weights, dtype=float)
     kind = MOPD_KINDS[int(rng.choice(len(MOPD_KINDS), p=weights / weights.sum()))]
-    zipf = 1.0 / np.arange(1, p.teachers + 1) ** p.zipf_s
-    teacher = teacher_name(int(rng.choice(p.teachers, p=zipf / zipf.sum())) + 1)
+    teacher = teacher_name(int(rng.choice(p.teachers, p=zipf_weights(p.teachers, p.zipf_s))) + 1)
     memory = round(p.coding.memory_gb.draw(rng), 2) if kind == "coding" else 0.0
     return _MopdPrompt(kind, teacher, memory)
 
@@ -526,7 +535,7 @@ def _mopd_batch(rng: Rng, p: MopdParams, n: int) -> list[TrajectoryTrace]:
         total = len(steps) + 1
         # Log-probs are one forward pass over the trajectory, so cost grows with its length.
         t_ref = p.teacher_s.draw(rng) * total / p.median_steps
-        teacher = _service(prompt.teacher, "mopd.teacher", t_ref, TEACHER_REF_DOP, total)
+        teacher = service_call(prompt.teacher, "mopd.teacher", t_ref, TEACHER_REF_DOP, total)
         think = p.search.think_s if prompt.kind == "search" else p.coding.think_s
         steps.append(Step(think_s=_think(think.draw(rng)), action=teacher))
         out.append(_trajectory(f"mopd-{i}", "mopd", steps, memory_gb=prompt.memory_gb))

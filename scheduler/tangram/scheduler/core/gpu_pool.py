@@ -299,14 +299,12 @@ class GpuPool:
         self.busy.pop(inst, None)
         self.doubtful.discard(inst)
         node = self.nodes.get(chunk.node)
-        if inst in self.ahead:  # its restore ahead has not ended: that decides (ahead_done)
-            if node is not None:
-                self._release_chunk(node, chunk)
-            return
         if node is not None:  # else the node left while the call ran
             self._release_chunk(node, chunk)
-            if inst in self.resident and (not resident or inst in self.stale):
-                self._evict(inst)  # not restored after all, or redefined while it ran
+        if inst in self.ahead:  # its restore ahead has not ended: that decides (ahead_done)
+            return
+        if node is not None and inst in self.resident and (not resident or inst in self.stale):
+            self._evict(inst)  # not restored after all, or redefined while it ran
         self.stale.discard(inst)
 
     def restore_ahead(

@@ -249,7 +249,6 @@ class _Planner:
         for aid in order:
             a = actions[aid]
             joins = a.service if join_left > 0 and a.service in joining else None
-            may_join = joins is not None
             if joins is not None:  # seen, whether it joins, waits or is capped
                 join_left -= 1
                 unseen[joins] -= 1
@@ -260,7 +259,7 @@ class _Planner:
                 if room is not None and room < min(a.cpu or a.gpu or (1,)):
                     # At its tenant's share whatever its size: it waits (before sizing it),
                     # unless it can join a running instance, which takes no GPUs of its own.
-                    at_share = may_join and caps.quotas_fit(a, tenant)
+                    at_share = joins is not None and caps.quotas_fit(a, tenant)
                     if not at_share:
                         waits.append((aid, f"tenant {tenant} at its maxShare"))
                         continue
