@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 
 from tangram.api import ClusterSpec, TrajectoryTrace
+from tangram.api.action import ActionKind
 from tangram.api.demand import AmdahlEfficiency
-from tangram.sim.backends import Overheads, _water_fill, speedup
-from tangram.sim.policies import check_policy, simulate
+from tangram.sim.backends import Overheads, SchedulerBackend, _water_fill, speedup
+from tangram.sim.policies import HINT_SIGMA, build, check_policy, simulate
 from tangram.sim.tracegen import generate, scenario_cluster
 
 NO_OVERHEAD = Overheads(exec_s=0.0, profile_noise=0.0)
@@ -130,11 +131,31 @@ def test_replay_is_deterministic_for_a_seed() -> None:
 
 
 def test_policy_names_are_checked() -> None:
-    for good in ("elastic", "fixed-dop-16", "k8s-static", "k8s-static-dop-4", "static-gpu"):
-        assert check_policy(good) == good
-    for bad in ("fixed-dop-0", "k8s", "elastic2"):
+    good = ("elastic", "fixed-dop-16", "k8s-static", "k8s-static-dop-4", "static-gpu")
+    for name in (*good, "elastic-shortest-hinted-0", "elastic-shortest-hinted-1.25"):
+        assert check_policy(name) == name
+    for bad in ("fixed-dop-0", "k8s", "elastic2", "elastic-shortest-hinted-", "-hinted-.5"):
         with pytest.raises(ValueError, match="unknown"):
             check_policy(bad)
+
+
+def _hints(policy: str, trace: list[TrajectoryTrace]) -> list[int | None]:
+    """The remaining-steps hint each trajectory of ``trace`` opens with under ``policy``."""
+    backend = build(policy, cpu_cluster()).routes[ActionKind.EXEC]
+    assert isinstance(backend, SchedulerBackend)
+    for t in trace:
+        backend.open(t, 0.0, lambda: None)
+    return [backend.sched.trajectories[t.id].hint_steps for t in trace]
+
+
+def test_hinted_policies_take_the_hints_sigma_from_the_name() -> None:
+    step = {"think_s": 1.0, "action": {"kind": "exec", "t1_s": 1.0}}
+    trace = [traj(f"t{i}", [step] * (i + 1)) for i in range(30)]
+    assert _hints("elastic-shortest-hinted-0", trace) == [i + 1 for i in range(30)]  # exact
+    default = _hints("elastic-shortest-hinted", trace)
+    assert default == _hints(f"elastic-shortest-hinted-{HINT_SIGMA}", trace)
+    assert default != [i + 1 for i in range(30)]
+    assert _hints("elastic-shortest", trace) == [None] * 30
 
 
 BATCHING = ClusterSpec.model_validate(

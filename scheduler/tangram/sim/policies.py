@@ -8,7 +8,8 @@
                      pass one that waits for another quota
 ``elastic-shortest`` the same with ``shortest-remaining`` ordering (least predicted work
                      left first); ``elastic-shortest-hinted``: and each client sends its
-                     remaining actions at open, off by a lognormal factor (``HINT_SIGMA``)
+                     remaining actions at open, off by a lognormal factor (``HINT_SIGMA``);
+                     ``elastic-shortest-hinted-S``: of sigma S (0: exact hints)
 ``elastic-paper``    the same with ``core_price="none"``: sizes from the paper's ACT
                      estimate alone
 ``elastic-load``     the same with ``core_price="load"``: the price counts the node's
@@ -61,6 +62,7 @@ _CORE_PRICE: dict[str, CorePrice] = {
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
 _K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
 _STATIC = re.compile(r"^static-gpu(?:-batch-([1-9][0-9]*))?$")
+_HINTED = re.compile(r"^elastic-shortest-hinted(?:-([0-9]+(?:\.[0-9]+)?))?$")
 # How far off a client's remaining-steps hint is (lognormal sigma): the true count times a
 # factor within [0.55, 1.8] for two trajectories in three. ASSUMPTION: no paper gives one.
 HINT_SIGMA = 0.6
@@ -70,7 +72,7 @@ NAMED = (
     "elastic-doubling",
     "elastic-pass",
     "elastic-shortest",
-    "elastic-shortest-hinted",
+    "elastic-shortest-hinted",  # and elastic-shortest-hinted-S
     "elastic-paper",
     "elastic-load",
     "elastic-unbatched",
@@ -81,10 +83,11 @@ NAMED = (
 
 def check_policy(name: str) -> str:
     """Validate a policy name; the error names the allowed forms."""
-    if name in NAMED or _FIXED.match(name) or _K8S.match(name) or _STATIC.match(name):
+    if any(p.match(name) for p in (_FIXED, _K8S, _STATIC, _HINTED)) or name in NAMED:
         return name
     raise ValueError(
-        f"policy {name!r} is unknown; use one of {', '.join(NAMED)}, fixed-dop-N, "
+        f"policy {name!r} is unknown; use one of {', '.join(NAMED)}, "
+        "elastic-shortest-hinted-S (S: the hints' lognormal sigma), fixed-dop-N, "
         "k8s-static, k8s-static-dop-N, static-gpu or static-gpu-batch-N"
     )
 
@@ -110,8 +113,9 @@ def build(
     hint = None
     if policy.startswith("elastic-shortest"):
         base = replace(base, ordering="shortest-remaining")
-        if policy == "elastic-shortest-hinted":  # its own stream: the others' draws stay put
-            hint = (HINT_SIGMA, np.random.default_rng([seed, 1]))
+        if m := _HINTED.match(policy):  # its own stream: the others' draws stay put
+            sigma = float(m.group(1)) if m.group(1) else HINT_SIGMA
+            hint = (sigma, np.random.default_rng([seed, 1]))
     if policy == "elastic-no-ahead":
         base = replace(base, restore_ahead=False)
     if policy in _CORE_PRICE:
