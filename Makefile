@@ -63,6 +63,7 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench paper --out docs/bench
 	$(BIN)/tangram bench coding-seeds --out docs/bench/coding-seeds.json
 	$(BIN)/tangram bench gpu-seeds --out docs/bench/gpu-seeds.json
+	$(BIN)/tangram bench search-seeds --out docs/bench/search-seeds.json
 	$(BIN)/tangram bench exec --json --out docs/bench/exec.json  # needs a Docker Engine
 	$(BIN)/python e2e/bench_pods.py  # the pod runtime on a real kubelet: root, containerd
 	$(BIN)/tangram bench service --sweep 2,1,0.7,0.5,0.48,0.45,0.4,0.33,0.25,0.2,0.16,0.13,0.1 --json --out docs/bench/service.json

@@ -247,6 +247,40 @@ def test_bench_gpu_seeds_reports_each_seed_and_the_fewest_gpus(
     assert report["command"].endswith("--mixed-batch 16 --out " + str(out))
 
 
+def test_bench_search_seeds_counts_the_points_each_policy_meets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "search.json"
+    code, table, _ = _run(
+        capsys, "bench", "search-seeds", "--batches", "24", "--seeds", "0,1", "--jobs", "2",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["hint_sigmas"]["elastic-shortest-hinted-0"] == 0.0
+    batch = report["deepsearch"]["24"]
+    assert list(batch["seeds"]) == ["0", "1"]
+    for policy, s in batch["policies"].items():
+        met = 0
+        for row in batch["seeds"].values():
+            avg, p99 = row["avg_act_s"], row["p99_act_s"]
+            meets = (
+                row["failed"][policy] == 0
+                and avg[policy] <= avg["unmanaged"]
+                and p99[policy] < p99["unmanaged"]
+            )
+            assert row["meets"][policy] == meets
+            met += meets
+        assert (s["met"], s["of"]) == (met, 2)
+        ratios = [
+            r["avg_act_s"][policy] / r["avg_act_s"]["unmanaged"] for r in batch["seeds"].values()
+        ]
+        assert s["mean_vs_unmanaged"]["min"] == pytest.approx(min(ratios), abs=1e-3)
+        assert s["mean_vs_unmanaged"]["max"] == pytest.approx(max(ratios), abs=1e-3)
+    assert table == out.with_suffix(".md").read_text()
+    assert "| 24 | hinted, σ 0.6 |" in table
+
+
 def test_the_readme_explain_example_shows_an_eviction(capsys: pytest.CaptureFixture[str]) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "explain" / "waiting.json"
     code, out, _ = _run(capsys, "explain", str(example), "--json")

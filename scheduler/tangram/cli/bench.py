@@ -42,6 +42,8 @@ def register(sub: Any) -> None:
             "trace seeds, elastic against fixed DoP, and reports the spread; "
             "`tangram bench gpu-seeds` does the same for pooled GPUs against static "
             "deployments (MOPD, and the GPUs the 10-service mix needs); "
+            "`tangram bench search-seeds` for DeepSearch's managed quotas against unmanaged "
+            "calls, with remaining-steps hints of several qualities; "
             "`tangram bench exec` measures per-action overhead of the fast and portable "
             "allocate-on-execution paths and open latency (needs a Docker Engine); "
             "`tangram bench gpu` compares restore bandwidth with the host-to-device copy "
@@ -61,6 +63,7 @@ def register(sub: Any) -> None:
             "paper",
             "coding-seeds",
             "gpu-seeds",
+            "search-seeds",
             "exec",
             "service",
             "gpu",
@@ -90,9 +93,10 @@ def register(sub: Any) -> None:
         "(start-up objects frozen, young collections every 10,000 allocations), or Python's "
         "default",
     )
-    p.add_argument("--batches", help="coding-seeds, gpu-seeds: comma-separated batch sizes")
+    p.add_argument("--batches", help="*-seeds: comma-separated batch sizes")
     p.add_argument(
-        "--seeds", help="coding-seeds, gpu-seeds: comma-separated trace seeds (default 0,1,2)"
+        "--seeds",
+        help="*-seeds: comma-separated trace seeds (default 0,1,2; search-seeds 0 to 8)",
     )
     p.add_argument(
         "--mixed-batch",
@@ -104,7 +108,7 @@ def register(sub: Any) -> None:
         "--jobs",
         type=whole_number(1),
         default=None,
-        help="coding-seeds, gpu-seeds: parallel replays",
+        help="*-seeds: parallel replays",
     )
     p.add_argument(
         "--actions", type=whole_number(1), default=500, help="exec: timed actions per path"
@@ -207,6 +211,7 @@ _REPORTS = {
     "tenants": ("tangram.cli.bench_tenants", "run_tenants_bench"),
     "coding-seeds": ("tangram.cli.bench_seeds", "run_seeds_bench"),
     "gpu-seeds": ("tangram.cli.bench_gpu_seeds", "run_gpu_seeds_bench"),
+    "search-seeds": ("tangram.cli.bench_search_seeds", "run_search_seeds_bench"),
     "gpu-pool": ("tangram.cli.bench_gpu_pool", "run_gpu_pool_bench"),
     "exec": ("tangram.cli.bench_exec", "run_exec_bench"),
     "files": ("tangram.cli.bench_files", "run_files_bench"),
@@ -381,6 +386,11 @@ def _table(report: dict[str, Any]) -> None:
         from tangram.cli.bench_gpu_seeds import render as render_gpu
 
         print(render_gpu(report), end="")
+        return
+    if "deepsearch" in report:  # bench search-seeds: likewise
+        from tangram.cli.bench_search_seeds import render as render_search
+
+        print(render_search(report), end="")
         return
     if "restore_fraction" in report:
         t = Table(title=f"restore bandwidth on {report['device']}")
