@@ -331,3 +331,14 @@ def test_a_key_still_to_be_closed_on_an_agents_return_is_not_given_again() -> No
     assert "t1" not in engine.trajectories  # closed, but its environment is still to go
     again = free_key("t1")
     assert again.startswith("t1.") and len(again) == len("t1.") + 8
+
+
+def test_a_pool_is_ready_without_agents_only_when_nothing_needs_a_node() -> None:
+    """API quotas need no node; RewardService calls, like environments, need an agent (a
+    pool of services alone used to say ready before its GPU agent was back)."""
+    judge = ServiceConfig(
+        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    )
+    apis_only = Engine(PoolConfig(apis=(ApiSpec(name="search", concurrency=1),)))
+    services = Engine(PoolConfig(services={"judge": judge}))
+    assert apis_only.ready and not services.ready

@@ -133,8 +133,9 @@ class Engine:
     @property
     def ready(self) -> bool:
         """Admitting, and able to run something: an agent is connected, or the pool has no
-        environments at all (API quotas only: nothing needs a node)."""
-        return self.state.accepting and (bool(self.hub.links) or not self.config.envs)
+        environments and no RewardServices (API quotas only: nothing needs a node)."""
+        needs_node = bool(self.config.envs or self.config.services)
+        return self.state.accepting and (bool(self.hub.links) or not needs_node)
 
     def all_agents_joined(self) -> None:
         """Whoever knows every agent is back (the embedded mode, with its one) ends the
