@@ -1,7 +1,7 @@
 """Faults, with the scheduler and the node agent as separate processes (`tangram serve`,
 `tangram agent`) or as one (`tangram up`): an agent, a scheduler or the embedded mode
-killed mid-action and restarted, same-key retries answered without running anything
-twice, and a flood beyond admission control."""
+killed mid-action or mid-service-call and restarted, same-key retries answered without
+running anything twice, and a flood beyond admission control."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tangram.client import ActionResult, ActionStatus, Client, TangramError
 from tangram.service.embedded import free_port
+from tests import GPU_EXTRA
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +64,8 @@ def _wait(predicate: object, what: str, timeout: float = 30) -> None:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, grace_s: int = 120) -> None:
-        (tmp / "pool.yaml").write_text(POOL.replace("Seconds: 120", f"Seconds: {grace_s}"))
+    def __init__(self, tmp: Path, grace_s: int = 120, pool: str = POOL) -> None:
+        (tmp / "pool.yaml").write_text(pool.replace("Seconds: 120", f"Seconds: {grace_s}"))
         self.tmp, self.port = tmp, free_port()
         self.env = {**os.environ, "TANGRAM_TOKEN_FILE": str(tmp / "tokens")}
         self.url = f"http://127.0.0.1:{self.port}"
@@ -79,17 +81,18 @@ class Cluster:
     def _get(self, path: str) -> int:
         return _status(self.url + path)
 
-    def agent(self, state: str) -> subprocess.Popen[str]:
+    def agent(self, state: str, *flags: str, runtime: str = "process") -> subprocess.Popen[str]:
         proc = _tangram(
             "agent",
             "--scheduler",
             f"ws://127.0.0.1:{self.port}/v1/agents",
             "--runtime",
-            "process",
+            runtime,
             "--node",
             "n1",
             "--state-dir",
             str(self.tmp / state),
+            *flags,
             env=self.env,
         )
         self.agents.append(proc)
@@ -421,3 +424,134 @@ def test_an_action_adopted_after_a_restart_can_be_cancelled(
         assert marker.read_text() == "run\n"  # killed, never finished, never rerun
         assert client.exec(t.id, ["true"]).status is ActionStatus.OK  # its cores came back
         client.close(t.id)
+
+
+GPU_POOL = """
+apiVersion: tangram.dev/v1alpha1
+kind: ActionPool
+metadata: {name: faults}
+spec:
+  gpu: {}
+  scheduler: {agentGraceSeconds: 120}
+---
+apiVersion: tangram.dev/v1alpha1
+kind: RewardService
+metadata: {name: judge}
+spec:
+  poolRef: faults
+  entrypoint: tests.fixtures.tiny_reward:build_gated
+  weights: WEIGHTS
+  gpuMemoryGiB: 0.01
+  dopChoices: [1]
+"""
+
+
+@pytest.fixture
+def gpu_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """A scheduler and an agent whose GPU worker serves ``judge`` on one CPU-backed device
+    (no exec runtime: no root needed). The model holds its GPU until the test lets it go."""
+    pytest.importorskip("torch", reason=GPU_EXTRA)
+    from tests.fixtures.tiny_reward import weights
+
+    weights(str(tmp_path / "judge.pt"))
+    monkeypatch.setenv("TANGRAM_TOKEN_FILE", str(tmp_path / "tokens"))
+    c = Cluster(tmp_path, pool=GPU_POOL.replace("WEIGHTS", str(tmp_path / "judge.pt")))
+    c.agent("state-g", "--gpus", "cpu:1", runtime="noop")
+    yield c
+    c.stop()
+
+
+def _gated(tmp: Path, n: int = 2) -> tuple[list[dict[str, object]], Path, Path]:
+    """Inputs of a gated call (see ``gated_score``), its log and its gate."""
+    log, gate = tmp / "runs", tmp / "gate"
+    inputs: list[dict[str, object]] = [
+        {"x": [float(i + j) / 10 for j in range(16)], "log": str(log), "gate": str(gate)}
+        for i in range(n)
+    ]
+    return inputs, log, gate
+
+
+def _gpus_in_use(cluster: Cluster) -> float:
+    text = httpx.get(cluster.url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tangram_units_in_use" and sample.labels["resource"] == "gpu":
+                return sample.value
+    return 0.0
+
+
+def _crash_mid_call(cluster: Cluster, inputs: list[dict[str, object]], log: Path) -> object:
+    """Submit a call of judge under key ``k`` (it writes ``log`` as it starts), SIGKILL
+    the scheduler while the worker runs it, start a new one and wait for the agent to be
+    back. Returns what the client got (an exception: its scheduler went away)."""
+    with Client(cluster.url, retries=10) as client:  # the worker loads judge meanwhile
+        assert client.score("judge", [{**inputs[0], "gate": str(log.parent)}]).status.value == "ok"
+    log.unlink()  # (that call's run, through an open gate: the directory exists)
+    seen: list[object] = []
+
+    def submit() -> None:
+        with Client(cluster.url, retries=0) as client:
+            try:
+                seen.append(client.score("judge", inputs, idempotency_key="k"))
+            except Exception as e:  # the caller looks at what it was
+                seen.append(e)
+
+    runner = threading.Thread(target=submit)
+    runner.start()
+    _wait(log.exists, "the call did not start")
+    cluster.scheduler.kill()  # a crash mid-call: the agent and its worker go on
+    cluster.scheduler.wait(10)
+    runner.join(30)
+    cluster.start_scheduler()
+    _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
+    return seen[0]
+
+
+def test_a_restarted_scheduler_adopts_a_running_service_call_and_its_retry_gets_it(
+    gpu_cluster: Cluster, tmp_path: Path
+) -> None:
+    inputs, log, gate = _gated(tmp_path)
+    seen = _crash_mid_call(gpu_cluster, inputs, log)
+    assert isinstance(seen, Exception)  # the client saw the scheduler go
+    # The new scheduler holds the call's GPU for it, so nothing else is placed there.
+    assert _gpus_in_use(gpu_cluster) == 1.0
+    box: list[ActionResult] = []
+    with Client(gpu_cluster.url, retries=5) as client:
+        retry = threading.Thread(
+            target=lambda: box.append(client.score("judge", inputs, idempotency_key="k"))
+        )
+        retry.start()
+        time.sleep(0.5)  # (the retry is waiting for the adopted call, or about to)
+        gate.touch()
+        retry.join(30)
+        (r,) = box
+        assert r.status is ActionStatus.OK, r.error
+        assert r.output == _scores(inputs) and r.allocation.gpus == [0]
+        assert log.read_text() == "run\n"  # it ran once, for both submissions
+        assert _gpus_in_use(gpu_cluster) == 0.0  # its GPU came back
+        assert client.score("judge", inputs).status is ActionStatus.OK
+
+
+def test_a_service_call_adopted_after_a_restart_can_be_cancelled(
+    gpu_cluster: Cluster, tmp_path: Path
+) -> None:
+    inputs, log, gate = _gated(tmp_path)
+    _crash_mid_call(gpu_cluster, inputs, log)
+    with Client(gpu_cluster.url, retries=5) as client:
+        assert client.cancel("key:k")  # the new scheduler knows the key: it adopted the call
+        gate.touch()  # the worker's thread cannot be stopped: the call ends when it returns
+        r = client.score("judge", inputs, idempotency_key="k")  # the same call: now ended
+        assert r.status is ActionStatus.CANCELLED
+        assert log.read_text() == "run\n"  # never run again
+        assert client.score("judge", inputs).status is ActionStatus.OK  # its GPU came back
+
+
+def _scores(inputs: list[dict[str, object]]) -> list[float]:
+    import torch
+
+    from tests.fixtures.tiny_reward import TinyReward
+
+    torch.manual_seed(0)
+    model = TinyReward()
+    with torch.inference_mode():
+        return [float(v) for v in model(torch.tensor([i["x"] for i in inputs]))]

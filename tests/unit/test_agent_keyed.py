@@ -10,8 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from tangram.api.wire import AGENT_SUBPROTOCOL, AgentExec, AgentReply, AgentRequest
+from tangram.api.wire import (
+    AGENT_SUBPROTOCOL,
+    AgentCall,
+    AgentExec,
+    AgentReply,
+    AgentRequest,
+    RunningCall,
+    ServiceOutcome,
+    ServiceStats,
+)
 from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.key_journal import KeyJournal
 from tangram.node_agent.link import _session
 
 
@@ -116,8 +126,6 @@ def test_keyed_runs_outlive_the_agent_in_its_journal_and_none_runs_twice(tmp_pat
 
 
 def test_a_journal_line_cut_by_a_crash_is_skipped(tmp_path: Path) -> None:
-    from tangram.node_agent.key_journal import KeyJournal
-
     journal = KeyJournal(tmp_path / "keys.journal")
     journal.started("a")
     journal.done("a", b'{"rid":0,"ok":true}')
@@ -154,3 +162,59 @@ def test_a_keyed_run_cut_off_by_a_graceful_stop_is_unknown_to_the_next_agent(
     req = AgentExec(rid=2, trajectory="t", argv=["true"], cores=[0], key="k")
     reply = asyncio.run(again.handle(req))
     assert reply.unknown and not reply.ok and reply.error != "cancelled"
+
+
+def test_a_keyed_call_outlives_its_link_shows_in_the_next_hello_and_runs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service call whose link dropped goes on; the next link's hello names it (key,
+    service, GPUs) for the scheduler to adopt; a retry of its key waits for that run, and
+    its reply also goes out unasked. Unlike an exec it is not journaled before it starts:
+    a call cut off by the agent's end is run again, not refused as unknown."""
+    agent = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+    runs: list[int] = []
+    outcome = ServiceOutcome(outputs=[0.5], stats=ServiceStats(service="judge", resident=True),
+                             exec_s=0.2)  # fmt: skip
+
+    async def go() -> tuple[AgentReply, list[AgentReply], AgentReply]:
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def run(req: AgentRequest) -> AgentReply:
+            runs.append(req.rid)
+            await gate
+            return AgentReply(rid=req.rid, ok=True, call=outcome)
+
+        monkeypatch.setattr(agent, "_run", run)
+        call = AgentCall(rid=3, service="judge", gpus=[2, 3], inputs=[[1.0]], key="u\x1fk")
+        requester = asyncio.create_task(agent.handle(call))
+        await asyncio.sleep(0)
+        requester.cancel()  # its link dropped
+        with pytest.raises(asyncio.CancelledError):
+            await requester
+        hello = agent.hello()
+        assert hello.running == [] and len(hello.calls) == 1
+        (running,) = hello.calls
+        assert running.model_dump(exclude={"running_s"}) == RunningCall(
+            key="u\x1fk", service="judge", gpus=[2, 3], running_s=0.0
+        ).model_dump(exclude={"running_s"})
+        assert running.running_s >= 0.0
+        _, started = KeyJournal(tmp_path / "keys.journal").load()
+        assert started == set()  # not written down before it started
+        unasked: list[AgentReply] = []
+        agent.attach(unasked.append)  # the next link
+        retry = asyncio.create_task(agent.handle(call.model_copy(update={"rid": 4})))
+        await asyncio.sleep(0)
+        gate.set_result(None)
+        answered = await retry
+        await asyncio.sleep(0)
+        assert agent.hello().calls == []
+        again = await agent.handle(call.model_copy(update={"rid": 5}))
+        return answered, unasked, again
+
+    answered, unasked, again = asyncio.run(go())
+    assert runs == [3]  # one run for the three requests
+    assert answered.rid == 4 and answered.call == outcome and not answered.replayed
+    assert [(r.rid, r.key, r.call) for r in unasked] == [(0, "u\x1fk", outcome)]
+    assert again.replayed and again.call == outcome
+    done, _ = KeyJournal(tmp_path / "keys.journal").load()
+    assert "u\x1fk" in done  # its reply is kept: a restarted agent replays it

@@ -295,7 +295,37 @@ def test_adopting_a_call_into_an_instance_names_what_is_wrong() -> None:
     assert set(s.running) == {"r0", "r1", "r2"} and s.queued == 0  # refusals leave no trace
 
 
-def test_only_a_service_call_joins_an_instance() -> None:
+def test_a_call_is_adopted_on_the_chunk_it_runs_on() -> None:
+    """A restarted scheduler adopts a call where its worker runs it, not where a new
+    call would go: the chunk is taken, its instance resident, the rest stays free."""
+    spec = {"name": "a", "gpu_memory_gb": 10, "dop_choices": [1, 2]}
+    s = Scheduler(cluster(nodes=[{"name": "g", "gpus": 8, "gpu_memory_gb": 80}], services=[spec]))
+    s.open_trajectory("t")
+    asg = s.adopt("r0", "t", service_call("a"), units=2, started_at=0.0, node="g", gpu_start=6)
+    assert asg.chunk == Chunk("g", 6, 2) and asg.node == "g"
+    assert Instance("a", Chunk("g", 6, 2)) in s.gpu.resident
+    assert s.gpu.chunk_counts() == (0, 1, 1, 0)  # 6-7 taken: 0-3 and 4-5 stay free
+    for start, units, why in [
+        (6, 2, "gpu_start: GPUs \\[6, 7\\] of g are not free"),
+        (7, 1, "gpu_start: GPUs \\[7\\] of g are not free"),  # within the taken chunk
+        (3, 2, "gpu_start: no chunk of 2 GPUs starts at GPU 3 of g"),  # not aligned
+        (8, 1, "gpu_start: no chunk of 1 GPUs starts at GPU 8 of g"),  # past its GPUs
+    ]:
+        with pytest.raises(SchedulingError, match=why):
+            s.adopt("x", "t", service_call("a"), units=units, started_at=0.0, node="g",
+                    gpu_start=start)  # fmt: skip
+    with pytest.raises(SchedulingError, match="node: 'h' is not a GPU node"):
+        s.adopt("x", "t", service_call("a"), units=1, started_at=0.0, node="h", gpu_start=0)
+    with pytest.raises(SchedulingError, match="gpu_start: a call joins an instance or takes"):
+        s.adopt("x", "t", service_call("a"), units=2, started_at=0.0, node="g", gpu_start=4,
+                joins="r0")  # fmt: skip
+    assert set(s.running) == {"r0"} and s.gpu.chunk_counts() == (0, 1, 1, 0)  # no trace
+    s.adopt("r1", "t", service_call("a"), units=1, started_at=0.0, node="g", gpu_start=5)
+    assert s.running["r1"].assignment.chunk == Chunk("g", 5, 1)
+    assert s.gpu.chunk_counts() == (1, 0, 1, 0)  # the buddy of GPU 5 stays free
+
+
+def test_only_a_service_call_joins_an_instance_or_takes_a_chunk() -> None:
     spec = {"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": 3}
     s = Scheduler(
         cluster(
@@ -307,6 +337,9 @@ def test_only_a_service_call_joins_an_instance() -> None:
     s.adopt("r0", "t", service_call("a"), units=1, started_at=0.0)
     with pytest.raises(SchedulingError, match="joins: e0 is not a service call"):
         s.adopt("e0", "t", ActionSpec(kind="exec", cpu=1), units=1, started_at=0.0, joins="r0")
+    with pytest.raises(SchedulingError, match="gpu_start: e0 is not a service call"):
+        s.adopt("e0", "t", ActionSpec(kind="exec", cpu=1), units=1, started_at=0.0, node="n",
+                gpu_start=0)  # fmt: skip
 
 
 def test_a_joined_call_is_not_learned_from() -> None:

@@ -40,6 +40,7 @@ from tangram.api.wire import (
     ExecOutcome,
     FilesOutcome,
     RunningAction,
+    RunningCall,
     TrajectoryMeta,
     json_bytes,
 )
@@ -63,6 +64,32 @@ CUT_OFF = (
 
 def _nowhere(message: str) -> None:
     return None  # no link: a streamed request's chunk has nobody to go to
+
+
+Keyed = AgentExec | AgentSession | AgentCall
+
+
+@dataclass(frozen=True, slots=True)
+class _KeyedRun:
+    """A keyed run in flight, as a later link's hello reports it if its link dropped."""
+
+    request: Keyed
+    started: float  # monotonic
+
+    def running(self, key: str, now: float) -> RunningAction | RunningCall:
+        req, running_s = self.request, now - self.started
+        if isinstance(req, AgentCall):
+            return RunningCall(key=key, service=req.service, gpus=list(req.gpus),
+                               running_s=running_s)  # fmt: skip
+        return RunningAction(key=key, trajectory=req.trajectory, cores=list(req.cores),
+                             running_s=running_s)  # fmt: skip
+
+    @property
+    def journaled(self) -> bool:
+        """Whether it is written down before it starts. A service call is not: cut off by
+        the agent's end it is run again when retried (an inference changes nothing a
+        second run could repeat), rather than answered as unknown."""
+        return not isinstance(self.request, AgentCall)
 
 
 def split_cores(
@@ -118,14 +145,14 @@ class NodeAgent:
         self.meta_dir: Path | None = None  # where trajectory metadata outlives the agent
         self.meta: dict[str, TrajectoryMeta] = {}
         self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
-        # At-most-once execution per key: finished replies, and keyed runs in flight with
-        # (trajectory, cores, start). Keyed runs outlive the link that asked for them.
+        # At-most-once execution per key: finished replies, and keyed runs in flight.
+        # Keyed runs outlive the link that asked for them.
         # Replies are kept as JSON: bytes are invisible to the cyclic GC, whereas 50,000
         # live reply models made its full collections 150 ms pauses under load.
         self._results: OrderedDict[str, bytes] = OrderedDict()
         self._result_bytes = 0
         self._keyed: dict[str, asyncio.Task[AgentReply]] = {}
-        self._keyed_info: dict[str, tuple[str, list[int], float]] = {}
+        self._keyed_info: dict[str, _KeyedRun] = {}
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
         self._unsent: list[AgentReply] = []  # their results, until a link takes them
         self._sink: Callable[[AgentReply], None] | None = None
@@ -178,6 +205,7 @@ class NodeAgent:
 
     def hello(self) -> AgentHello:
         now = time.monotonic()
+        cut = [run.running(k, now) for k, run in self._keyed_info.items() if k in self._orphaned]
         return AgentHello(
             node=self.node,
             inventory=self.inventory,
@@ -188,11 +216,8 @@ class NodeAgent:
             trajectories=[
                 self.meta.get(t) or TrajectoryMeta(id=t, tenant="", env="") for t in self._held()
             ],
-            running=[
-                RunningAction(key=k, trajectory=t, cores=c, running_s=now - t0)
-                for k, (t, c, t0) in self._keyed_info.items()
-                if k in self._orphaned
-            ],
+            running=[r for r in cut if isinstance(r, RunningAction)],
+            calls=[r for r in cut if isinstance(r, RunningCall)],
             gpu=self.gpu.info if self.gpu is not None else None,
             problem=self.runtime.problem,
             features=[FILES_FEATURE, TAR_FEATURE],
@@ -247,7 +272,7 @@ class NodeAgent:
             return AgentReply(rid=req.rid, ok=True)
         self.received(req)  # (the link has, unless a caller hands the request in directly)
         try:
-            if isinstance(req, AgentExec | AgentSession) and req.key is not None:
+            if isinstance(req, Keyed) and req.key is not None:
                 return await self._once(req, req.key)
             task = asyncio.ensure_future(self._run(req))
             self._tasks[req.rid] = task
@@ -261,17 +286,18 @@ class NodeAgent:
             if (stream := self._streams.pop(req.rid, None)) is not None:
                 stream.close()
 
-    async def _once(self, req: AgentExec | AgentSession, key: str) -> AgentReply:
-        """Run a keyed action at most once: a repeat gets the first run's reply, or waits
-        for the run in flight. The run goes on if the requester's link drops; its result
-        is then sent, unasked, on the next link (rid 0, with its key)."""
+    async def _once(self, req: Keyed, key: str) -> AgentReply:
+        """Run a keyed action or service call at most once: a repeat gets the first run's
+        reply, or waits for the run in flight. The run goes on if the requester's link
+        drops; its result is then sent, unasked, on the next link (rid 0, with its key)."""
         done = self._results.get(key)
         if done is not None:
             replayed = AgentReply.model_validate_json(done)
             return replayed.model_copy(update={"rid": req.rid, "replayed": True})
         task = self._keyed.get(key)
         if task is None:
-            if self.journal is not None:  # on disk before it starts: never run twice
+            run = _KeyedRun(req, time.monotonic())
+            if self.journal is not None and run.journaled:  # on disk first: never run twice
                 try:
                     self.journal.started(key)
                 except OSError as e:  # not recorded, so not run: a retry may run it
@@ -279,7 +305,7 @@ class NodeAgent:
                                       error=f"the agent cannot record the key: {e}")  # fmt: skip
             task = asyncio.ensure_future(self._run(req))
             self._keyed[key] = task
-            self._keyed_info[key] = (req.trajectory, list(req.cores), time.monotonic())
+            self._keyed_info[key] = run
             task.add_done_callback(lambda t: self._keyed_done(key, t))
         self._tasks[req.rid] = task  # an explicit cancel request cancels the run itself
         try:
@@ -305,10 +331,11 @@ class NodeAgent:
         self._keyed.pop(key, None)
         self._keyed_info.pop(key, None)
         if self.journal is not None:
-            try:
+            try:  # (a call's reply too: a retry after the agent's restart is answered)
                 self.journal.done(key, kept)
                 if self.journal.due(self._result_bytes):
-                    self.journal.rewrite(self._results, set(self._keyed))
+                    started = {k for k, run in self._keyed_info.items() if run.journaled}
+                    self.journal.rewrite(self._results, started)
             except OSError as e:  # the reply still goes out; a restart would say unknown
                 log.error("the key journal %s: %s", self.journal.path, e)
         if key in self._orphaned:

@@ -554,6 +554,15 @@ class RunningAction(_Strict):
     running_s: float
 
 
+class RunningCall(_Strict):
+    """A keyed RewardService call still running on an agent whose scheduler went away."""
+
+    key: str  # tenant-scoped idempotency key ("tenant" + US + key)
+    service: str
+    gpus: list[int]  # device indexes of its chunk
+    running_s: float
+
+
 class GpuWorkerInfo(_Strict):
     """The GPUs an agent's worker serves RewardService calls on."""
 
@@ -620,6 +629,9 @@ class AgentHello(_Strict):
         default_factory=list, description="environments it holds (re-adopted included)"
     )
     running: list[RunningAction] = Field(default_factory=list)
+    calls: list[RunningCall] = Field(
+        default_factory=list, description="keyed service calls its GPU worker still runs"
+    )
     gpu: GpuWorkerInfo | None = None  # a GPU worker for RewardService calls
     problem: Problem | None = None  # why this node cannot run actions (None: it can)
     features: list[str] = Field(
@@ -770,6 +782,9 @@ class AgentCall(_AgentOp):
     # Only make the instance resident, ahead of its calls, without holding the devices (an
     # older agent, which ignores this, runs it as a call without inputs: a restore too).
     ahead: bool = False
+    # A call's tenant-scoped idempotency key: the agent runs it at most once while it keeps
+    # the key's reply, and a call whose link dropped goes on and is reported unasked.
+    key: str | None = None
 
 
 FileOp = Literal["read", "write", "list", "stat", "mkdir", "remove", "rename", "tar", "untar"]

@@ -262,13 +262,16 @@ class AsyncClient:
         gpu: int | dict[str, Any] | None = None,
         timeout_s: float | None = None,
         queue_timeout_s: float | None = None,
+        idempotency_key: str | None = None,
     ) -> ActionResult:
         """One call of a RewardService: ``inputs`` scored together on the GPUs the
         scheduler gives the call; ``result.output`` holds one output per input.
         ``input_size`` (e.g. tokens) picks the RewardService's profile for that size;
         ``gpu`` narrows the DoP (``2`` or ``{"choices": [1, 2]}``). Retried safely: the
-        request carries an idempotency key."""
-        req: dict[str, Any] = {"inputs": list(inputs), "idempotency_key": uuid.uuid4().hex}
+        request carries an idempotency key (a fresh one unless given), and a call running
+        when the scheduler restarts answers its retries once it ends."""
+        key = idempotency_key or uuid.uuid4().hex
+        req: dict[str, Any] = {"inputs": list(inputs), "idempotency_key": key}
         optional = {
             "input_size": input_size,
             "gpu": gpu,

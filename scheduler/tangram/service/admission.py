@@ -25,7 +25,7 @@ from tangram.api.wire import (
 from tangram.scheduler.core.scheduler import SchedulingError
 from tangram.service.api_calls import ApiCalls
 from tangram.service.config import EnvConfig
-from tangram.service.gpu_calls import GpuCalls
+from tangram.service.gpu_calls import GROUP, GpuCalls, call_target
 from tangram.service.keys import Remembered
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
@@ -72,8 +72,8 @@ class Admission:
 
     def submit_service(self, tenant: str, service: str, req: ServiceCallRequest) -> ActionRecord:
         """Queue one call of a RewardService; ``await record.done`` for its result."""
-        return self._admit(tenant, req, f"call of service {service}", lambda target: self._detached(
-            tenant, req, self.gpu.call_spec(service, req), group="services", kind="service",
+        return self._admit(tenant, req, call_target(service), lambda target: self._detached(
+            tenant, req, self.gpu.call_spec(service, req), group=GROUP, kind="service",
             target=target,
         ))  # fmt: skip
 
@@ -131,9 +131,7 @@ class Admission:
     ) -> ActionRecord:
         """An action that belongs to no trajectory (API leases and calls, service calls):
         the core counts it under the tenant's holder, ``~group/tenant``."""
-        holder = f"~{group}/{tenant}"  # "~" is never in a trajectory id
-        if holder not in self.s.core.trajectories:
-            self.s.core.open_trajectory(holder, tenant=tenant)
+        holder = self.s.holder(tenant, group)
         return self._enter(tenant, req, spec, tid=None, holder=holder, kind=kind, argv=None,
                            target=target)  # fmt: skip
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Sequence
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ServiceSpec
@@ -19,21 +20,30 @@ from tangram.api.wire import (
     AgentCall,
     AgentReply,
     AgentServices,
+    ErrorInfo,
     GpuWorkerInfo,
     ResidentInstance,
+    RunningCall,
     ServiceCallRequest,
     ServiceLoad,
+    ServiceOutcome,
     json_bytes,
 )
 from tangram.scheduler.core.decisions import Ahead
-from tangram.scheduler.core.dp import CHUNK_SIZES
+from tangram.scheduler.core.dp import CHUNK_SIZES, chunk_level
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
 from tangram.service.config import ServiceConfig
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import ActionRecord, EngineError, err
+from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
 from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
+GROUP = "services"  # the core's holder of a tenant's service calls is "~services/<tenant>"
+
+
+def call_target(service: str) -> str:
+    """What a service call's idempotency key names (a retry must name the same)."""
+    return f"call of service {service}"
 
 
 class GpuCalls:
@@ -181,11 +191,13 @@ class GpuCalls:
             s.metrics.joined_calls.labels(s.metrics.pool, service).inc()
         t0 = s.clock()
         status, reply, error = ActionStatus.ERROR, None, None
+        # Keyed, the agent runs it at most once and goes on with it if the link drops; a
+        # scheduler that starts meanwhile adopts it (``adopt``).
+        key = f"{rec.tenant}{KEY_SEP}{req.idempotency_key}" if req.idempotency_key else None
+        op = AgentCall(service=service, gpus=gpus, inputs=req.inputs, key=key)
         # The call's thread cannot be stopped once it runs: its chunk stays held until the
         # agent answers, even when the caller stops waiting (timeout, cancel).
-        ask = asyncio.ensure_future(
-            s.ask(asg.node, AgentCall(service=service, gpus=gpus, inputs=req.inputs))
-        )
+        ask = asyncio.ensure_future(s.ask(asg.node, op))
         try:
             reply = await asyncio.wait_for(asyncio.shield(ask), req.timeout_s)
             if reply.ok and reply.call is not None:
@@ -200,10 +212,8 @@ class GpuCalls:
             error = err("node_lost", e.message, retryable=True)
         now = s.clock()
         call = reply.call if reply is not None else None
-        exec_s = call.exec_s if call is not None else 0.0
-        restore_s = call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
         if ask.done():
-            self._complete(rec.id, ok=status is ActionStatus.OK, restore_s=restore_s)
+            self._complete(rec.id, ok=status is ActionStatus.OK, restore_s=_restore_s(call))
         else:
             s.background(ask)
 
@@ -214,17 +224,96 @@ class GpuCalls:
                 self._complete(rec.id, ok=False, resident=ran or None)
 
             ask.add_done_callback(late)
+        self._end(rec, status, call, error, now - t0)
+
+    def _end(
+        self,
+        rec: ActionRecord,
+        status: ActionStatus,
+        call: ServiceOutcome | None,
+        error: ErrorInfo | None,
+        spent_s: float,
+    ) -> None:
+        """Give a call's result to its waiter; ``spent_s``: from its start to its reply."""
+        exec_s = call.exec_s if call is not None else 0.0
+        restore_s = _restore_s(call)
         self.outcomes.end(
             rec,
             status,
-            complete=False,  # done above, with what the call measured, or when it ends
+            complete=False,  # the core hears of it apart, with what the call measured
             error=error,
             exec_s=exec_s,
             restore_s=restore_s,
-            overhead_s=max(0.0, (now - t0) - exec_s - restore_s),
+            overhead_s=max(0.0, spent_s - exec_s - restore_s),
             output=call.outputs if call is not None else None,
             service=call.stats if call is not None else None,
         )
+
+    # ---- calls from before a restart -----------------------------------------------
+    def adopt(self, node: str, calls: Sequence[RunningCall]) -> int:
+        """Keyed calls that ``node``'s worker still runs for a previous scheduler (or for
+        this one, before the node's link dropped): each keeps its chunk (calls of one
+        instance share it, as batched calls do), a retry of its key waits for it, and its
+        reply comes unasked (``ended_unasked``). Returns how many were adopted."""
+        position = {d: i for i, d in enumerate(self.s.node_gpus.get(node, []))}
+        first: dict[tuple[str, int], str] = {}  # (service, first GPU) -> its adopted call
+        adopted = 0
+        for run in sorted(calls, key=lambda r: -r.running_s):  # the oldest started first
+            at = sorted(position.get(d, -1) for d in run.gpus)
+            if not at or at[0] < 0 or at != list(range(at[0], at[0] + len(at))):
+                log.warning("cannot adopt call %s on %s: GPUs %s are not a chunk of the pool",
+                            run.key, node, run.gpus)  # fmt: skip
+                continue
+            joins = first.get((run.service, at[0]))
+            aid = self._adopt_call(run, node, at[0], joins)
+            if aid:
+                first.setdefault((run.service, at[0]), aid)
+                adopted += 1
+        return adopted
+
+    def _adopt_call(self, run: RunningCall, node: str, start: int, joins: str | None) -> str:
+        """One call of ``adopt``: its record's id, or "" when it is not adopted."""
+        s = self.s
+        tenant, _, key = run.key.partition(KEY_SEP)
+        cfg = s.config.services.get(run.service)
+        if cfg is None or not tenant or not key or (tenant, key) in s.idempotent:
+            return ""  # its service is gone (nothing waits for it), or its key is known
+        # Its DoP: the largest of the service's that occupies a chunk of that size.
+        units = max((k for k in cfg.dop_choices if chunk_level(k) == len(run.gpus)), default=0)
+        req = ServiceCallRequest(inputs=["(adopted)"], idempotency_key=key)
+        rec = s.record(tenant, None, "service", req, None, target=call_target(run.service))
+        rec.submitted -= run.running_s
+        try:
+            asg = s.core.adopt(
+                rec.id,
+                s.holder(tenant, GROUP),
+                elastic_call_spec(cfg, req),
+                units=units,
+                started_at=s.clock() - run.running_s,
+                node=node,
+                gpu_start=None if joins else start,
+                joins=joins,
+            )
+        except SchedulingError as e:
+            log.warning("cannot adopt call %s on %s: %s", run.key, node, e)
+            return ""
+        rec.started, rec.assignment = asg.started_at, asg
+        s.actions[rec.id] = rec
+        s.idempotent.remember(tenant, key, rec)
+        rec.agent_key = run.key
+        return rec.id
+
+    def ended_unasked(self, rec: ActionRecord, reply: AgentReply) -> None:
+        """The reply of an adopted call, sent by its agent when the call ended."""
+        call = reply.call if reply.ok else None
+        status, error = ActionStatus.OK, None
+        if call is None:
+            status = ActionStatus.CANCELLED if reply.error == "cancelled" else ActionStatus.ERROR
+            if status is ActionStatus.ERROR:
+                error = err("service_failed", reply.error or "the agent refused the call")
+        self._complete(rec.id, ok=call is not None, restore_s=_restore_s(call))
+        now = self.s.clock()
+        self._end(rec, status, call, error, now - (rec.started if rec.started else now))
 
     async def restore_ahead(self, ahead: Ahead) -> None:
         """A round's restore ahead: the node's worker makes the instance resident while the
@@ -259,6 +348,11 @@ class GpuCalls:
         if aid in s.core.running:
             s.core.complete(aid, s.clock(), ok=ok, restore_s=restore_s, resident=resident)
             s.wake.set()
+
+
+def _restore_s(call: ServiceOutcome | None) -> float:
+    """What making the call's instance resident cost it (evictions included)."""
+    return call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
 
 
 def elastic_call_spec(cfg: ServiceConfig, req: ServiceCallRequest) -> ActionSpec:

@@ -2,8 +2,9 @@
 
 A joining agent brings its cores, GPUs and the environments it holds: this scheduler's
 (a reconnect) or a previous scheduler's (a restart); they are taken back with their files,
-and actions still running on it are adopted. A leaving agent's running actions end; its
-trajectories wait out the pool's grace for it before they are lost.
+and actions and keyed service calls still running on it are adopted. A leaving agent's
+running actions end; its trajectories wait out the pool's grace for it before they are
+lost.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Membership:
         stale = [m.id for m in hello.trajectories if not self._take_back(m, hello.node)]
         self.trajectories.closed_away.pop(hello.node, None)  # not handed back: gone
         adopted = sum(self._adopt_running(r, hello.node) for r in hello.running)
+        adopted += self.gpu.adopt(hello.node, hello.calls)
         for tid in stale:  # environments nobody can use any more: lost before, or unknown
             s.background(s.ask(hello.node, AgentClose(trajectory=tid)))
         for env in s.config.envs.values():
@@ -159,8 +161,8 @@ class Membership:
         return True
 
     def orphan(self, reply: AgentReply) -> None:
-        """The result of an adopted action, sent by its agent when it finished; or an
-        environment that ended by itself."""
+        """The result of an adopted action or call, sent by its agent when it finished; or
+        an environment that ended by itself."""
         if reply.lost is not None:
             self.trajectories.environment_lost(
                 reply.lost, reply.reason or Reason.SANDBOX_EXITED, reply.error or ""
@@ -169,6 +171,9 @@ class Membership:
         tenant, _, key = (reply.key or "").partition(KEY_SEP)
         rec = self.s.idempotent.get(tenant, key)  # an adopted action is kept by its key
         if not isinstance(rec, ActionRecord) or rec.agent_key != reply.key:
+            return
+        if rec.kind == "service":
+            self.gpu.ended_unasked(rec, reply)
             return
         out = reply.result
         status = ActionStatus.ERROR
@@ -195,9 +200,10 @@ class Membership:
             if rec is not None:
                 if rec.task is not None:
                     rec.task.cancel()
-                if rec.key is not None and rec.kind == "exec":
+                if rec.key is not None and rec.kind in ("exec", "service"):
                     # Its outcome is its agent's to tell: a retry of the key goes to the
-                    # agent (a replay, a first run, or "unknown"), not to a kept node_lost.
+                    # agent (a replay, a first run, or "unknown"), not to a kept node_lost;
+                    # a run the agent still holds is adopted when it is back.
                     s.idempotent.forget(rec.tenant, rec.key, rec)
                 self.outcomes.finish(rec, ActionStatus.ERROR, error=lost)
         away = [

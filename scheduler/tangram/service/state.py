@@ -148,6 +148,14 @@ class PoolState:
             rec.trajectory_id = traj.id
         return rec
 
+    def holder(self, tenant: str, group: str) -> str:
+        """The core's trajectory that counts the tenant's actions of ``group`` that belong
+        to no trajectory (API leases and calls, service calls), opened on first use."""
+        holder = f"~{group}/{tenant}"  # "~" is never in a trajectory id
+        if holder not in self.core.trajectories:
+            self.core.open_trajectory(holder, tenant=tenant)
+        return holder
+
     def env_of(self, traj: TrajectoryRecord) -> EnvConfig:
         """The trajectory's environment as configured now, or as it was opened if its
         definition has since been removed."""

@@ -236,9 +236,12 @@ class GpuPool:
             and not (self.doubtful and inst in self.doubtful)
         )
 
-    def allocate(self, service: str, k: int, *, join: Chunk | None = None) -> GpuGrant:
+    def allocate(
+        self, service: str, k: int, *, join: Chunk | None = None, at: Chunk | None = None
+    ) -> GpuGrant:
         """Take a chunk for a DoP-k call of ``service``; restore bookkeeping and LRU eviction.
-        ``join``: run it instead on the running instance of ``service`` on that chunk."""
+        ``join``: run it instead on the running instance of ``service`` on that chunk;
+        ``at``: take that free chunk (a call already running there, adopted)."""
         if join is not None:
             inst = Instance(service, join)
             sharing = self.busy.get(inst, 0)
@@ -248,11 +251,11 @@ class GpuPool:
             self.resident.move_to_end(inst)
             return GpuGrant(join, True, (), sharing)
         size = chunk_level(k)
-        target = self._choose(service, size)
+        target = self._choose(service, size) if at is None else at
         if target is None:
             raise ValueError(f"no free GPU chunk of size {size} for service {service}")
         node = self.nodes[target.node]
-        self._carve(node, target)
+        self._carve(node, target)  # (a ValueError if ``at`` is not free)
         inst = Instance(service, target)
         evicted: list[Instance] = []
         hit = inst in self.resident
@@ -478,6 +481,16 @@ class GpuPool:
             for g in inst.chunk.gpus:
                 pinned[inst.chunk.node, g] = pinned.get((inst.chunk.node, g), 0.0) + gb
         return pinned
+
+    def is_free(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` (an aligned one of its node) lies within a free chunk."""
+        node = self.nodes.get(chunk.node)
+        level = chunk.size
+        while node is not None and level <= node.gpus:
+            if chunk.start - chunk.start % level in node.free[level]:
+                return True
+            level *= 2
+        return False
 
     def _carve(self, node: GpuNode, target: Chunk) -> None:
         """Split the free chunk containing ``target`` down to it, freeing the other buddies."""

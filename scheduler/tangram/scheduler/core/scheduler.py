@@ -416,13 +416,15 @@ class Scheduler:
         node: str | None = None,
         cores: Sequence[int] | None = None,
         joins: str | None = None,
+        gpu_start: int | None = None,
     ) -> Assignment:
         """Register an action that is already running (a restarted scheduler, ``explain``).
 
         Exec actions land on ``node`` (or the trajectory's node, or one chosen as for a
         new trajectory) with ``cores`` when given (the ones it runs on), else ``units``
-        NUMA-chosen cores; service actions take a chunk, or with ``joins`` (the id of a
-        running call of the same service) share that call's instance.
+        NUMA-chosen cores; service actions take a chunk: with ``gpu_start``, the one of
+        ``node`` that starts at that GPU (the one it runs on); with ``joins`` (the id of a
+        running call of the same service), that call's instance, shared.
         """
         if cores is not None and len(set(cores)) != units:
             raise SchedulingError("cores", f"{len(set(cores))} distinct cores for {units} units")
@@ -437,8 +439,16 @@ class Scheduler:
         for q, n in a.quotas:
             if self.quotas[q].free(started_at) < n:
                 raise SchedulingError("quotas", f"{q} has no room for {n} more unit(s)")
+        if joins is not None and gpu_start is not None:
+            raise SchedulingError("gpu_start", "a call joins an instance or takes a chunk")
         chunk = None if joins is None else self._joinable(a, units, joins)
-        hosted = chunk is not None or a.service is None or self.gpu.can_host(a.service, units)
+        at = None if gpu_start is None else self._adoptable(a, units, node, gpu_start)
+        hosted = (
+            chunk is not None
+            or at is not None
+            or a.service is None
+            or self.gpu.can_host(a.service, units)
+        )
         if a.gpu and not hosted:
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
         placed: str | None = None
@@ -480,7 +490,7 @@ class Scheduler:
             join=chunk,
         )
         self._enqueue(a, (float(a.seq),), None)
-        asg = self._start(a, start, started_at, exact=cores)
+        asg = self._start(a, start, started_at, exact=cores, at=at)
         if asg is None:
             self._dequeue(action_id)
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
@@ -496,6 +506,25 @@ class Scheduler:
             return expected
         calls = self.gpu.busy.get(Instance(a.service, joins), 0)
         return expected * self.services[a.service].slowdown(calls)
+
+    def _adoptable(self, a: Action, units: int, node: str | None, start: int) -> Chunk:
+        """The chunk of ``node`` at GPU ``start`` that ``a``, a call running there at
+        ``units`` GPUs, is adopted on; a SchedulingError naming the bad argument if it
+        cannot be."""
+        if a.service is None:
+            raise SchedulingError("gpu_start", f"{a.id} is not a service call: it has no GPUs")
+        gpu_node = self.gpu.nodes.get(node or "")
+        if gpu_node is None:
+            raise SchedulingError("node", f"{node!r} is not a GPU node")
+        size = chunk_level(units)
+        if start % size or not 0 <= start <= gpu_node.gpus - size:
+            raise SchedulingError(
+                "gpu_start", f"no chunk of {size} GPUs starts at GPU {start} of {node}"
+            )
+        chunk = Chunk(gpu_node.name, start, size)
+        if not self.gpu.is_free(chunk):
+            raise SchedulingError("gpu_start", f"GPUs {list(chunk.gpus)} of {node} are not free")
+        return chunk
 
     def _joinable(self, a: Action, units: int, joins: str) -> Chunk:
         """The chunk of running call ``joins``, whose instance ``a`` (adopted at ``units``)
@@ -735,16 +764,22 @@ class Scheduler:
             self._add_work(cores, traj.queued_work)
 
     def _start(
-        self, a: Action, s: Start, now: float, exact: Sequence[int] | None = None
+        self,
+        a: Action,
+        s: Start,
+        now: float,
+        exact: Sequence[int] | None = None,
+        at: Chunk | None = None,
     ) -> Assignment | None:
         """Allocate and start; None (the action stays queued) if its GPU chunk went to an
-        earlier candidate of this round (chunk counts cannot see per-node GPU memory)."""
+        earlier candidate of this round (chunk counts cannot see per-node GPU memory).
+        ``exact``: these very cores, ``at``: this very chunk (an adopted action)."""
         k = s.units
         grant = None
         if a.gpu:
             assert a.service is not None
             try:
-                grant = self.gpu.allocate(a.service, k, join=s.join)
+                grant = self.gpu.allocate(a.service, k, join=s.join, at=at)
             except ValueError:
                 return None
         self._dequeue(a.id, started=True)
