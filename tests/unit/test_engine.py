@@ -13,12 +13,18 @@ from tangram.api.cluster import ApiSpec
 from tangram.api.demand import ChoicesDemand, duration
 from tangram.api.wire import (
     ActionStatus,
+    AgentReply,
     ApiLeaseRequest,
     ExecRequest,
+    GpuWorkerInfo,
+    RunningCall,
     ServiceCallRequest,
     ServiceDef,
+    ServiceOutcome,
+    ServiceStats,
 )
 from tangram.cli.up import load_pool
+from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.service.config import PoolConfig, ServiceConfig
 from tangram.service.engine import Engine
 from tangram.service.gpu_calls import elastic_call_spec
@@ -342,3 +348,46 @@ def test_a_pool_is_ready_without_agents_only_when_nothing_needs_a_node() -> None
     apis_only = Engine(PoolConfig(apis=(ApiSpec(name="search", concurrency=1),)))
     services = Engine(PoolConfig(services={"judge": judge}))
     assert apis_only.ready and not services.ready
+
+
+def test_calls_a_worker_still_runs_are_adopted_where_they_run_and_answer_their_keys() -> None:
+    """A GPU node's hello after a restart: calls batched on one instance are adopted into
+    it (the oldest takes the chunk, the next joins it) as far as the service's maxCalls
+    allows; a call of a service the pool no longer has is not. A retry of an adopted key
+    waits for its call, whose reply, sent unasked, answers it."""
+    judge = ServiceConfig(
+        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1),
+        max_calls=2,
+    )
+    info = GpuWorkerInfo(backend="cpu", devices=[4, 5], memory_bytes=[2**31] * 2, h2d_gbps=1)
+    started = [("b", "judge", 1.0), ("a", "judge", 2.0), ("c", "judge", 0.5), ("d", "gone", 3.0)]
+    runs = [
+        RunningCall(key=f"u\x1f{k}", service=service, gpus=[5], running_s=s)
+        for k, service, s in started
+    ]
+    outcome = ServiceOutcome(outputs=[0.25], stats=ServiceStats(service="judge", resident=True),
+                             exec_s=1.5)  # fmt: skip
+
+    async def scenario() -> None:
+        e = Engine(PoolConfig(services={"judge": judge}))
+        await e.start()
+        try:
+            e.gpu.join("g", info)
+            assert e.gpu.adopt("g", runs) == 2  # c: the instance is full; d: no such service
+            recs = {r.key: r for r in e.state.actions.values()}
+            assert set(recs) == {"a", "b"}
+            a, b = (e.core.running[recs[k].id].assignment for k in "ab")
+            assert a.chunk == b.chunk == Chunk("g", 1, 1)  # device 5 is the node's GPU 1
+            assert (a.sharing, b.sharing) == (0, 1)  # a started first: b joined it
+            retry = e.submit_service(
+                "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="a")
+            )
+            assert retry is recs["a"]  # the adopted call, not a new one
+            e.membership.orphan(AgentReply(rid=0, ok=True, key="u\x1fa", call=outcome))
+            result = await retry.done
+            assert result.status is ActionStatus.OK and result.output == [0.25]
+            assert recs["a"].id not in e.core.running and recs["b"].id in e.core.running
+        finally:
+            await e.stop(grace_s=0)
+
+    asyncio.run(scenario())
