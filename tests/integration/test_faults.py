@@ -449,7 +449,8 @@ spec:
 @pytest.fixture
 def gpu_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
     """A scheduler and an agent whose GPU worker serves ``judge`` on one CPU-backed device
-    (no exec runtime: no root needed). The model holds its GPU until the test lets it go."""
+    (no exec runtime: no root needed). The model holds its GPU until the test lets it go.
+    Its tests are marked ``torch``: `make test-gpu` (CI's second step) runs them."""
     pytest.importorskip("torch", reason=GPU_EXTRA)
     from tests.fixtures.tiny_reward import weights
 
@@ -507,6 +508,7 @@ def _crash_mid_call(cluster: Cluster, inputs: list[dict[str, object]], log: Path
     return seen[0]
 
 
+@pytest.mark.torch
 def test_a_restarted_scheduler_adopts_a_running_service_call_and_its_retry_gets_it(
     gpu_cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -532,6 +534,7 @@ def test_a_restarted_scheduler_adopts_a_running_service_call_and_its_retry_gets_
         assert client.score("judge", inputs).status is ActionStatus.OK
 
 
+@pytest.mark.torch
 def test_a_service_call_adopted_after_a_restart_can_be_cancelled(
     gpu_cluster: Cluster, tmp_path: Path
 ) -> None:
