@@ -13,13 +13,17 @@ from tangram.api.cluster import ApiSpec
 from tangram.api.demand import ChoicesDemand, duration
 from tangram.api.wire import (
     ActionStatus,
+    AgentCall,
     AgentReply,
+    AgentRequest,
     ApiLeaseRequest,
+    ExecOutcome,
     ExecRequest,
     GpuWorkerInfo,
     RunningCall,
     ServiceCallRequest,
     ServiceDef,
+    ServiceLoad,
     ServiceOutcome,
     ServiceStats,
 )
@@ -391,3 +395,80 @@ def test_calls_a_worker_still_runs_are_adopted_where_they_run_and_answer_their_k
             await e.stop(grace_s=0)
 
     asyncio.run(scenario())
+
+
+def test_a_call_answered_by_a_replay_teaches_no_duration_and_no_residency(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent answered a call with its key's earlier reply (a retry after the call's
+    node left): the call ran nothing now, so the core neither learns its time nor counts
+    on the instance it was to restore."""
+    judge = ServiceConfig(
+        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    )
+    info = GpuWorkerInfo(backend="cpu", devices=[0], memory_bytes=[2**31], h2d_gbps=1)
+    stats = ServiceStats(service="judge", resident=False, restore_s=0.5)
+    replayed: list[bool] = []
+
+    async def ask(node: str | None, req: AgentRequest) -> AgentReply:
+        """The GPU node's agent: it holds judge, and answers each call as told."""
+        if not isinstance(req, AgentCall):
+            loaded = {"judge": ServiceLoad(ok=True, bytes=1 << 20)}
+            return AgentReply(rid=req.rid, ok=True, loaded=loaded)
+        outcome = ServiceOutcome(outputs=[0.25], stats=stats, exec_s=2.0)
+        return AgentReply(rid=req.rid, ok=True, call=outcome, replayed=replayed.pop(0))
+
+    async def scenario() -> tuple[list[int], bool]:
+        e = Engine(PoolConfig(services={"judge": judge}))
+        monkeypatch.setattr(e.state, "ask", ask)
+        await e.start()
+        try:
+            e.gpu.join("g", info)
+            while not e.gpu.loads:  # its services synced (in the background)
+                await asyncio.sleep(0)
+            observed: list[int] = []  # the book's samples of the call's type, after each
+            resident_after_replay = True
+            for again in (True, False):
+                replayed.append(again)
+                req = ServiceCallRequest(inputs=[1], idempotency_key=f"k{again}")
+                rec = e.submit_service("u", "judge", req)
+                assert (await rec.done).status is ActionStatus.OK
+                observed.append(e.core.book.version("service:judge"))
+                if again:
+                    resident_after_replay = bool(e.core.gpu.resident)
+            return observed, resident_after_replay
+        finally:
+            await e.stop(grace_s=0)
+
+    observed, resident = asyncio.run(scenario())
+    assert observed[0] == 0 and not resident
+    assert observed[1] == 1  # the same call, really run, is learned from
+
+
+def test_an_exec_answered_by_a_replay_teaches_no_duration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a command: a replayed reply says nothing of how long it takes."""
+    engine = _engine_with_t1()
+    replayed = [True, False]
+
+    async def ask(node: str | None, req: AgentRequest) -> AgentReply:
+        out = ExecOutcome(exit_code=0, stdout="", stderr="", stdout_truncated=False,
+                          stderr_truncated=False, timed_out=False, setup_s=0.0, exec_s=0.1,
+                          teardown_s=0.0, path="portable")  # fmt: skip
+        return AgentReply(rid=req.rid, ok=True, result=out, replayed=replayed.pop(0))
+
+    monkeypatch.setattr(engine.state, "ask", ask)
+
+    async def scenario() -> list[int]:
+        await engine.start()
+        observed: list[int] = []  # the book's samples of the command's type, after each
+        try:
+            for key in ("k1", "k2"):
+                req = ExecRequest(argv=["true"], idempotency_key=key, type="probe")
+                rec = engine.submit_exec("u", "t1", req)
+                assert (await rec.done).status is ActionStatus.OK
+                observed.append(engine.core.book.version("probe"))
+        finally:
+            await engine.stop(grace_s=0)
+        return observed
+
+    assert asyncio.run(scenario()) == [0, 1]

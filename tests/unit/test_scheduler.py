@@ -219,6 +219,21 @@ def test_a_service_call_is_learned_without_its_measured_restore() -> None:
     assert asg.restore and s.book.mean_duration(kind) == pytest.approx(2.5)
 
 
+def test_a_replayed_reply_is_not_learned_from() -> None:
+    """Its agent answered with an earlier run's reply: the time it took says nothing of
+    what the action takes (it would teach a duration near 0)."""
+    s = _one_gpu_one_service()
+    s.submit("x", "t", service_call("a"), 0.0)
+    s.schedule(0.0)
+    kind = s.running["x"].action.type
+    s.complete("x", 0.01, restore_s=0.0, learn=False)
+    assert s.book.learned(kind) is None and s.book.mean_duration(kind) == s.book.default_s
+    s.submit("y", "t", service_call("a"), 1.0)
+    s.schedule(1.0)
+    s.complete("y", 4.0, restore_s=0.0)
+    assert s.book.mean_duration(kind) == pytest.approx(3.0)
+
+
 def test_unknown_targets_and_impossible_demands_are_rejected_with_the_field() -> None:
     s = one_node(4)
     s.open_trajectory("t")

@@ -213,7 +213,16 @@ class GpuCalls:
         now = s.clock()
         call = reply.call if reply is not None else None
         if ask.done():
-            self._complete(rec.id, ok=status is ActionStatus.OK, restore_s=_restore_s(call))
+            # A replayed reply (its key's earlier run) ran nothing now: its time is not the
+            # call's, and an instance it was to restore was not restored.
+            replayed = reply is not None and reply.replayed
+            self._complete(
+                rec.id,
+                ok=status is ActionStatus.OK,
+                restore_s=_restore_s(call),
+                resident=False if replayed and asg.restore else None,
+                learn=not replayed,
+            )
         else:
             s.background(ask)
 
@@ -342,11 +351,19 @@ class GpuCalls:
             s.wake.set()
 
     def _complete(
-        self, aid: str, *, ok: bool, restore_s: float | None = None, resident: bool | None = None
+        self,
+        aid: str,
+        *,
+        ok: bool,
+        restore_s: float | None = None,
+        resident: bool | None = None,
+        learn: bool = True,
     ) -> None:
         s = self.s
         if aid in s.core.running:
-            s.core.complete(aid, s.clock(), ok=ok, restore_s=restore_s, resident=resident)
+            s.core.complete(
+                aid, s.clock(), ok=ok, restore_s=restore_s, resident=resident, learn=learn
+            )
             s.wake.set()
 
 

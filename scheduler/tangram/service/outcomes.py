@@ -40,14 +40,17 @@ class Outcomes:
         *,
         ok: bool | None = None,
         complete: bool = True,
+        learn: bool = True,
         **details: Any,
     ) -> None:
         """End a started action: the core gets its units back (``ok``, default: it ran to
-        its end; ``complete=False`` when they stay held for now), it leaves its
-        trajectory's running set, its result goes out, and a round is due."""
+        its end; ``complete=False`` when they stay held for now; ``learn`` as for the
+        core's ``complete``), it leaves its trajectory's running set, its result goes out,
+        and a round is due."""
         s = self.s
         if complete and rec.id in s.core.running:
-            s.core.complete(rec.id, s.clock(), ok=status is ActionStatus.OK if ok is None else ok)
+            ok = status is ActionStatus.OK if ok is None else ok
+            s.core.complete(rec.id, s.clock(), ok=ok, learn=learn)
         if rec.trajectory in s.trajectories:
             s.trajectories[rec.trajectory].running.discard(rec.id)
         self.finish(rec, status, **details)

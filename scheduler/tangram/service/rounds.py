@@ -170,7 +170,8 @@ class Rounds:
         out = reply.result if reply is not None else None
         exec_s = out.exec_s if out is not None else 0.0
         overhead = max(0.0, (s.clock() - t0) - exec_s)
-        self.outcomes.end(rec, status, error=error, exec_s=exec_s, overhead_s=overhead, reply=reply)
+        self.outcomes.end(rec, status, error=error, exec_s=exec_s, overhead_s=overhead, reply=reply,
+                          learn=reply is None or not reply.replayed)  # fmt: skip
 
     async def _streamed(self, node: str, op: AgentExec, live: LiveExec) -> AgentReply:
         """``op`` as a streamed request: its output to the caller as it comes, the

@@ -361,6 +361,7 @@ class Scheduler:
         ok: bool = True,
         restore_s: float | None = None,
         resident: bool | None = None,
+        learn: bool = True,
     ) -> Assignment:
         """A running action ended: release its units; learn from it when it succeeded.
 
@@ -368,7 +369,8 @@ class Scheduler:
         learning leaves it out. ``resident``: whether its instance is in GPU memory now, as
         its worker said (a call that timed out may still have restored it); when unknown,
         a failed call that had to restore, or that joined an instance, leaves it out: the
-        restore may be what failed.
+        restore may be what failed. ``learn=False``: its time is not what it takes (its
+        agent answered with the reply of an earlier run of its key).
         """
         run = self.running.pop(action_id, None)
         if run is None:
@@ -393,7 +395,7 @@ class Scheduler:
             traj.busy_s += took
             # Not from a call that joined an instance: its time holds the batch's slowdown
             # and any wait for the instance's restore, not what the call takes alone.
-            alone = not asg.sharing
+            alone = learn and not asg.sharing
             if alone and self.config.learn and (a.profile is None or a.profile.efficiency is None):
                 if asg.chunk is not None and a.service is not None:
                     # Learn the call, not the restore: the DP adds restores itself.
