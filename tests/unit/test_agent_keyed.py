@@ -168,9 +168,9 @@ def test_a_keyed_call_outlives_its_link_shows_in_the_next_hello_and_runs_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A service call whose link dropped goes on; the next link's hello names it (key,
-    service, GPUs) for the scheduler to adopt; a retry of its key waits for that run, and
-    its reply also goes out unasked. Unlike an exec it is not journaled before it starts:
-    a call cut off by the agent's end is run again, not refused as unknown."""
+    service, GPUs) for the scheduler to adopt; a retry of its key waits for that run (its
+    reply is a replay: the run was another request's), and the reply also goes out
+    unasked. Unlike an exec's, its key and reply are not journaled (next test)."""
     agent = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
     runs: list[int] = []
     outcome = ServiceOutcome(outputs=[0.5], stats=ServiceStats(service="judge", resident=True),
@@ -213,8 +213,44 @@ def test_a_keyed_call_outlives_its_link_shows_in_the_next_hello_and_runs_once(
 
     answered, unasked, again = asyncio.run(go())
     assert runs == [3]  # one run for the three requests
-    assert answered.rid == 4 and answered.call == outcome and not answered.replayed
+    assert answered.rid == 4 and answered.call == outcome and answered.replayed
     assert [(r.rid, r.key, r.call) for r in unasked] == [(0, "u\x1fk", outcome)]
     assert again.replayed and again.call == outcome
     done, _ = KeyJournal(tmp_path / "keys.journal").load()
-    assert "u\x1fk" in done  # its reply is kept: a restarted agent replays it
+    assert done == {}  # in memory only
+
+
+def test_a_keyed_call_cut_off_by_the_agents_end_runs_again_when_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exec cut off so is answered as unknown (it may have changed something); a
+    service call has nothing a second run could repeat, so the next agent runs it."""
+    first = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+
+    async def never(req: AgentRequest) -> AgentReply:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(first, "_run", never)
+    call = AgentCall(rid=1, service="judge", gpus=[0], inputs=[[1.0]], key="u\x1fk")
+
+    async def stop_mid_call() -> None:
+        requester = asyncio.create_task(first.handle(call))
+        await asyncio.sleep(0)
+        await first.shutdown()
+        await asyncio.gather(requester, return_exceptions=True)
+
+    asyncio.run(stop_mid_call())
+    again = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+    outcome = ServiceOutcome(outputs=[0.5], stats=ServiceStats(service="judge", resident=False),
+                             exec_s=0.2)  # fmt: skip
+    ran: list[int] = []
+
+    async def run(req: AgentRequest) -> AgentReply:
+        ran.append(req.rid)
+        return AgentReply(rid=req.rid, ok=True, call=outcome)
+
+    monkeypatch.setattr(again, "_run", run)
+    reply = asyncio.run(again.handle(call.model_copy(update={"rid": 2})))
+    assert ran == [2] and reply.ok and reply.call == outcome
+    assert not reply.unknown and not reply.replayed

@@ -472,3 +472,49 @@ def test_an_exec_answered_by_a_replay_teaches_no_duration(monkeypatch: pytest.Mo
         return observed
 
     assert asyncio.run(scenario()) == [0, 1]
+
+
+def test_adoption_holds_the_gpus_of_a_call_whose_key_is_answered_and_keeps_late_answers() -> None:
+    """A call still running whose key already has an action here (its answer, kept when
+    it timed out) holds its GPUs until it ends but answers nobody; a call that ended while
+    no one held it (its node was away) leaves its outputs as its key's answer."""
+    judge = ServiceConfig(
+        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1),
+        dop_choices=(1, 4),
+    )
+    info = GpuWorkerInfo(backend="cpu", devices=[0, 1, 2, 3], memory_bytes=[2**31] * 4,
+                         h2d_gbps=1)  # fmt: skip
+    outcome = ServiceOutcome(outputs=[0.75], stats=ServiceStats(service="judge", resident=True),
+                             exec_s=1.0)  # fmt: skip
+
+    async def scenario() -> None:
+        e = Engine(PoolConfig(services={"judge": judge}))
+        await e.start()
+        try:
+            e.gpu.join("g", info)
+            answered = e.state.record("u", None, "service", ServiceCallRequest(inputs=[1]),
+                                      None, target="call of service judge")  # fmt: skip
+            e.state.idempotent.remember("u", "old", answered)  # (its answer: ended below)
+            e.outcomes.finish(answered, ActionStatus.TIMEOUT)
+            held = RunningCall(key="u\x1fold", service="judge", gpus=[0, 1, 2, 3], running_s=9)
+            assert e.gpu.adopt("g", [held]) == 1
+            (rec,) = e.state.actions.values()
+            assert e.core.running[rec.id].assignment.units == 4
+            assert e.core.gpu.chunk_counts() == (0, 0, 0, 0)  # its 4 GPUs are held
+            e.membership.orphan(AgentReply(rid=0, ok=True, key="u\x1fold", call=outcome))
+            assert e.core.gpu.chunk_counts() == (0, 0, 1, 0) and not e.state.actions
+            kept = e.submit_service(
+                "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="old")
+            )
+            assert (await kept.done).status is ActionStatus.TIMEOUT  # the key's answer stays
+            e.membership.orphan(AgentReply(rid=0, ok=True, key="u\x1flate", call=outcome))
+            late = e.submit_service(
+                "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="late")
+            )
+            result = await late.done  # answered at once: nothing queued, nothing run
+            assert result.status is ActionStatus.OK and result.output == [0.75]
+            assert e.core.queued == 0 and not e.core.running
+        finally:
+            await e.stop(grace_s=0)
+
+    asyncio.run(scenario())

@@ -86,9 +86,10 @@ class _KeyedRun:
 
     @property
     def journaled(self) -> bool:
-        """Whether it is written down before it starts. A service call is not: cut off by
-        the agent's end it is run again when retried (an inference changes nothing a
-        second run could repeat), rather than answered as unknown."""
+        """Whether it is written down, before it starts and when it ends. A service call
+        is not: cut off by the agent's end it is run again when retried (an inference
+        changes nothing a second run could repeat), rather than answered as unknown; and
+        its outputs, often large and many, stay in memory only."""
         return not isinstance(self.request, AgentCall)
 
 
@@ -151,6 +152,7 @@ class NodeAgent:
         # live reply models made its full collections 150 ms pauses under load.
         self._results: OrderedDict[str, bytes] = OrderedDict()
         self._result_bytes = 0
+        self._unjournaled: set[str] = set()  # keys in _results the journal does not hold
         self._keyed: dict[str, asyncio.Task[AgentReply]] = {}
         self._keyed_info: dict[str, _KeyedRun] = {}
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
@@ -295,6 +297,7 @@ class NodeAgent:
             replayed = AgentReply.model_validate_json(done)
             return replayed.model_copy(update={"rid": req.rid, "replayed": True})
         task = self._keyed.get(key)
+        joined = task is not None  # an earlier request's run: its reply is a replay here
         if task is None:
             run = _KeyedRun(req, time.monotonic())
             if self.journal is not None and run.journaled:  # on disk first: never run twice
@@ -320,7 +323,8 @@ class NodeAgent:
             raise
         finally:
             self._tasks.pop(req.rid, None)
-        return reply.model_copy(update={"rid": req.rid, "key": key})
+        again = joined or reply.replayed
+        return reply.model_copy(update={"rid": req.rid, "key": key, "replayed": again})
 
     def _keyed_done(self, key: str, task: asyncio.Task[AgentReply]) -> None:
         if task.cancelled():
@@ -329,13 +333,17 @@ class NodeAgent:
             reply = task.result().model_copy(update={"rid": 0, "key": key})
         kept = self._keep(key, json_bytes(reply))
         self._keyed.pop(key, None)
-        self._keyed_info.pop(key, None)
-        if self.journal is not None:
-            try:  # (a call's reply too: a retry after the agent's restart is answered)
+        run = self._keyed_info.pop(key, None)
+        if run is not None and not run.journaled:
+            self._unjournaled.add(key)
+        elif self.journal is not None:
+            try:
                 self.journal.done(key, kept)
                 if self.journal.due(self._result_bytes):
-                    started = {k for k, run in self._keyed_info.items() if run.journaled}
-                    self.journal.rewrite(self._results, started)
+                    self.journal.rewrite(
+                        {k: v for k, v in self._results.items() if k not in self._unjournaled},
+                        {k for k, r in self._keyed_info.items() if r.journaled},
+                    )
             except OSError as e:  # the reply still goes out; a restart would say unknown
                 log.error("the key journal %s: %s", self.journal.path, e)
         if key in self._orphaned:
@@ -347,8 +355,9 @@ class NodeAgent:
         self._results[key] = reply
         self._result_bytes += len(reply)
         while len(self._results) > MAX_REMEMBERED or self._result_bytes > MAX_REMEMBERED_BYTES:
-            _, old = self._results.popitem(last=False)
+            gone, old = self._results.popitem(last=False)
             self._result_bytes -= len(old)
+            self._unjournaled.discard(gone)
         return reply
 
     def _deliver(self, reply: AgentReply) -> None:

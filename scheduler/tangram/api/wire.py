@@ -548,6 +548,9 @@ class TrajectoryMeta(_Strict):
 class RunningAction(_Strict):
     """An action still running on an agent whose scheduler went away."""
 
+    # Part of the hello: a field a newer agent adds is ignored, as the hello's own are.
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
     key: str  # tenant-scoped idempotency key ("tenant" + US + key)
     trajectory: str
     cores: list[int]
@@ -556,6 +559,8 @@ class RunningAction(_Strict):
 
 class RunningCall(_Strict):
     """A keyed RewardService call still running on an agent whose scheduler went away."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     key: str  # tenant-scoped idempotency key ("tenant" + US + key)
     service: str

@@ -30,7 +30,7 @@ from tangram.api.wire import (
     json_bytes,
 )
 from tangram.scheduler.core.decisions import Ahead
-from tangram.scheduler.core.dp import CHUNK_SIZES, chunk_level
+from tangram.scheduler.core.dp import CHUNK_SIZES
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
 from tangram.service.config import ServiceConfig
 from tangram.service.outcomes import Outcomes
@@ -52,6 +52,7 @@ class GpuCalls:
         self.outcomes = outcomes
         self.h2d_gbps: dict[str, float] = {}  # measured by each GPU node's agent
         self.loads: dict[str, dict[str, ServiceLoad]] = {}  # node -> service -> load
+        self.adopted: dict[str, ActionRecord] = {}  # agent key -> the adopted call
 
     # ---- nodes and their services --------------------------------------------------
     def join(self, node: str, gpu: GpuWorkerInfo) -> None:
@@ -87,6 +88,10 @@ class GpuCalls:
         self.s.node_gpus.pop(node, None)
         self.h2d_gbps.pop(node, None)
         self.loads.pop(node, None)
+        # Its adopted calls end with the node (node_lost); back, it lists those still running.
+        self.adopted = {
+            k: r for k, r in self.adopted.items() if r.assignment and r.assignment.node != node
+        }
 
     def services_changed(self) -> None:
         """The pool's RewardServices changed: the core's view, and every worker's set."""
@@ -263,7 +268,9 @@ class GpuCalls:
         """Keyed calls that ``node``'s worker still runs for a previous scheduler (or for
         this one, before the node's link dropped): each keeps its chunk (calls of one
         instance share it, as batched calls do), a retry of its key waits for it, and its
-        reply comes unasked (``ended_unasked``). Returns how many were adopted."""
+        reply comes unasked (``ended_unasked``). A call whose key already has an action
+        here (its answer, or a retry) still holds its GPUs until it ends, but answers
+        nobody. Returns how many were adopted."""
         position = {d: i for i, d in enumerate(self.s.node_gpus.get(node, []))}
         first: dict[tuple[str, int], str] = {}  # (service, first GPU) -> its adopted call
         adopted = 0
@@ -285,10 +292,8 @@ class GpuCalls:
         s = self.s
         tenant, _, key = run.key.partition(KEY_SEP)
         cfg = s.config.services.get(run.service)
-        if cfg is None or not tenant or not key or (tenant, key) in s.idempotent:
-            return ""  # its service is gone (nothing waits for it), or its key is known
-        # Its DoP: the largest of the service's that occupies a chunk of that size.
-        units = max((k for k in cfg.dop_choices if chunk_level(k) == len(run.gpus)), default=0)
+        if cfg is None or not tenant or not key:
+            return ""  # its service is gone: no call can be placed on it, nothing waits
         req = ServiceCallRequest(inputs=["(adopted)"], idempotency_key=key)
         rec = s.record(tenant, None, "service", req, None, target=call_target(run.service))
         rec.submitted -= run.running_s
@@ -297,7 +302,7 @@ class GpuCalls:
                 rec.id,
                 s.holder(tenant, GROUP),
                 elastic_call_spec(cfg, req),
-                units=units,
+                units=len(run.gpus),  # DoPs are powers of two: a call's fills its chunk
                 started_at=s.clock() - run.running_s,
                 node=node,
                 gpu_start=None if joins else start,
@@ -308,12 +313,23 @@ class GpuCalls:
             return ""
         rec.started, rec.assignment = asg.started_at, asg
         s.actions[rec.id] = rec
-        s.idempotent.remember(tenant, key, rec)
+        if (tenant, key) not in s.idempotent:
+            s.idempotent.remember(tenant, key, rec)
         rec.agent_key = run.key
+        self.adopted[run.key] = rec
         return rec.id
 
-    def ended_unasked(self, rec: ActionRecord, reply: AgentReply) -> None:
-        """The reply of an adopted call, sent by its agent when the call ended."""
+    def ended_unasked(self, reply: AgentReply) -> bool:
+        """A call's reply that its agent sent unasked (rid 0, with its key): it ends the
+        call adopted under that key. One whose call nobody holds (it ended while its node
+        was away) becomes the key's answer, for the retry to come, unless the key has one.
+        False when the reply is no service call's."""
+        rec = self.adopted.pop(reply.key or "", None)
+        if rec is None:
+            if reply.call is None:
+                return False  # an exec's, or a failed call's that nobody holds
+            self._answer(reply, reply.call)
+            return True
         call = reply.call if reply.ok else None
         status, error = ActionStatus.OK, None
         if call is None:
@@ -323,6 +339,18 @@ class GpuCalls:
         self._complete(rec.id, ok=call is not None, restore_s=_restore_s(call))
         now = self.s.clock()
         self._end(rec, status, call, error, now - (rec.started if rec.started else now))
+        return True
+
+    def _answer(self, reply: AgentReply, call: ServiceOutcome) -> None:
+        """Keep the outputs of a call that ended unheld as its key's answer."""
+        s = self.s
+        tenant, _, key = (reply.key or "").partition(KEY_SEP)
+        if not tenant or not key or (tenant, key) in s.idempotent:
+            return
+        req = ServiceCallRequest(inputs=["(ended)"], idempotency_key=key)
+        rec = s.record(tenant, None, "service", req, None, target=call_target(call.stats.service))
+        s.idempotent.remember(tenant, key, rec)
+        self._end(rec, ActionStatus.OK, call, None, 0.0)
 
     async def restore_ahead(self, ahead: Ahead) -> None:
         """A round's restore ahead: the node's worker makes the instance resident while the

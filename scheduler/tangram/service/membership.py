@@ -168,12 +168,11 @@ class Membership:
                 reply.lost, reply.reason or Reason.SANDBOX_EXITED, reply.error or ""
             )
             return
+        if self.gpu.ended_unasked(reply):
+            return
         tenant, _, key = (reply.key or "").partition(KEY_SEP)
         rec = self.s.idempotent.get(tenant, key)  # an adopted action is kept by its key
         if not isinstance(rec, ActionRecord) or rec.agent_key != reply.key:
-            return
-        if rec.kind == "service":
-            self.gpu.ended_unasked(rec, reply)
             return
         out = reply.result
         status = ActionStatus.ERROR
