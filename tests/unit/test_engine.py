@@ -14,6 +14,7 @@ from tangram.api.demand import ChoicesDemand, duration
 from tangram.api.wire import (
     ActionStatus,
     AgentCall,
+    AgentCancel,
     AgentReply,
     AgentRequest,
     ApiLeaseRequest,
@@ -517,4 +518,88 @@ def test_adoption_holds_the_gpus_of_a_call_whose_key_is_answered_and_keeps_late_
         finally:
             await e.stop(grace_s=0)
 
+    asyncio.run(scenario())
+
+
+def _gpu_agent(calls: list[RunningCall]) -> Any:
+    """A GPU node's link as the engine reads it: node g, 2 devices, these calls running."""
+    from tangram.api.inventory import NodeInventory
+    from tangram.api.wire import AgentHello
+
+    inventory = NodeInventory(node_id="g", hostname="g", numa=[[0, 1]], memory_gb=8.0,
+                              cgroup_version=2)  # fmt: skip
+    info = GpuWorkerInfo(backend="cpu", devices=[0, 1], memory_bytes=[2**31] * 2, h2d_gbps=1)
+    hello = AgentHello(node="g", inventory=inventory, runtime="noop", action_cores=[0],
+                       idle_cores=[1], gpu=info, calls=calls)  # fmt: skip
+    return SimpleNamespace(hello=hello, node="g")
+
+
+def test_a_cancel_lost_with_its_link_is_sent_again_when_the_call_is_adopted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An adopted call is cancelled; its node's link drops before the agent answers, and
+    the agent, back, still runs it: adopted again, it is cancelled again (its waiter saw
+    node_lost; a retry of its key then gets the cancelled reply)."""
+    judge = ServiceConfig(
+        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    )
+    running = RunningCall(key="u\x1fk", service="judge", gpus=[1], running_s=5.0)
+    cancels: list[str | None] = []
+
+    async def ask(node: str | None, req: AgentRequest) -> AgentReply:
+        if isinstance(req, AgentCancel):
+            cancels.append(req.key)
+        return AgentReply(rid=req.rid, ok=True)
+
+    async def scenario() -> None:
+        e = Engine(PoolConfig(services={"judge": judge}))
+        monkeypatch.setattr(e.state, "ask", ask)
+        await e.membership.join(_gpu_agent([running]))
+        (rec,) = e.state.actions.values()
+        assert e.cancel("u", rec.id)
+        await asyncio.sleep(0)
+        assert cancels == ["u\x1fk"]
+        await e.membership.leave(_gpu_agent([]))  # before its reply: the cancel is lost
+        assert (await rec.done).error.code == "node_lost"  # type: ignore[union-attr]
+        await e.membership.join(_gpu_agent([running]))  # it still runs there
+        await asyncio.sleep(0)
+        assert cancels == ["u\x1fk", "u\x1fk"]
+        (again,) = e.state.actions.values()
+        assert again.cancelled and again.agent_key == "u\x1fk"
+        e.membership.orphan(AgentReply(rid=0, ok=False, key="u\x1fk", error="cancelled"))
+        assert (await again.done).status is ActionStatus.CANCELLED
+        assert not e.core.running and "u\x1fk" not in e.state.cancelled_keys
+
+    asyncio.run(scenario())
+
+
+def test_an_exec_still_running_under_an_answered_key_holds_its_cores_until_it_ends() -> None:
+    """Its key's answer (it was cancelled while its link was down) stays; the run, which
+    its agent went on with, holds its cores until its reply comes."""
+    from tangram.api.wire import RunningAction
+
+    engine = _engine_with_t1()
+    s = engine.state
+
+    async def scenario() -> None:
+        answered = s.record("u", "t1", "exec", ExecRequest(argv=["true"]), None,
+                            target="exec on t1")  # fmt: skip
+        s.idempotent.remember("u", "k", answered)
+        engine.outcomes.finish(answered, ActionStatus.CANCELLED)
+        await engine.membership.leave(_agent())
+        agent = _agent(["t1"])
+        agent.hello.running.append(
+            RunningAction(key="u\x1fk", trajectory="t1", cores=[0], running_s=2.0)
+        )
+        await engine.membership.join(agent)
+        assert engine.core.cpu.nodes["n1"].free_cores == 0  # its core is held
+        out = ExecOutcome(exit_code=0, stdout="", stderr="", stdout_truncated=False,
+                          stderr_truncated=False, timed_out=False, setup_s=0.0, exec_s=2.0,
+                          teardown_s=0.0, path="portable")  # fmt: skip
+        engine.membership.orphan(AgentReply(rid=0, ok=True, key="u\x1fk", result=out))
+        assert engine.core.cpu.nodes["n1"].free_cores == 1 and not s.actions
+        kept = s.idempotent.get("u", "k")
+        assert kept is not None and b'"cancelled"' in kept.result  # type: ignore[union-attr]
+
+    engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
     asyncio.run(scenario())

@@ -52,7 +52,6 @@ class GpuCalls:
         self.outcomes = outcomes
         self.h2d_gbps: dict[str, float] = {}  # measured by each GPU node's agent
         self.loads: dict[str, dict[str, ServiceLoad]] = {}  # node -> service -> load
-        self.adopted: dict[str, ActionRecord] = {}  # agent key -> the adopted call
 
     # ---- nodes and their services --------------------------------------------------
     def join(self, node: str, gpu: GpuWorkerInfo) -> None:
@@ -88,10 +87,6 @@ class GpuCalls:
         self.s.node_gpus.pop(node, None)
         self.h2d_gbps.pop(node, None)
         self.loads.pop(node, None)
-        # Its adopted calls end with the node (node_lost); back, it lists those still running.
-        self.adopted = {
-            k: r for k, r in self.adopted.items() if r.assignment and r.assignment.node != node
-        }
 
     def services_changed(self) -> None:
         """The pool's RewardServices changed: the core's view, and every worker's set."""
@@ -270,7 +265,7 @@ class GpuCalls:
         instance share it, as batched calls do), a retry of its key waits for it, and its
         reply comes unasked (``ended_unasked``). A call whose key already has an action
         here (its answer, or a retry) still holds its GPUs until it ends, but answers
-        nobody. Returns how many were adopted."""
+        nobody (``Membership.adopted``). Returns how many were adopted."""
         position = {d: i for i, d in enumerate(self.s.node_gpus.get(node, []))}
         first: dict[tuple[str, int], str] = {}  # (service, first GPU) -> its adopted call
         adopted = 0
@@ -312,24 +307,11 @@ class GpuCalls:
             log.warning("cannot adopt call %s on %s: %s", run.key, node, e)
             return ""
         rec.started, rec.assignment = asg.started_at, asg
-        s.actions[rec.id] = rec
-        if (tenant, key) not in s.idempotent:
-            s.idempotent.remember(tenant, key, rec)
-        rec.agent_key = run.key
-        self.adopted[run.key] = rec
+        s.adopted_as(rec, run.key)
         return rec.id
 
-    def ended_unasked(self, reply: AgentReply) -> bool:
-        """A call's reply that its agent sent unasked (rid 0, with its key): it ends the
-        call adopted under that key. One whose call nobody holds (it ended while its node
-        was away) becomes the key's answer, for the retry to come, unless the key has one.
-        False when the reply is no service call's."""
-        rec = self.adopted.pop(reply.key or "", None)
-        if rec is None:
-            if reply.call is None:
-                return False  # an exec's, or a failed call's that nobody holds
-            self._answer(reply, reply.call)
-            return True
+    def ended_unasked(self, rec: ActionRecord, reply: AgentReply) -> None:
+        """The reply of an adopted call, sent by its agent when the call ended."""
         call = reply.call if reply.ok else None
         status, error = ActionStatus.OK, None
         if call is None:
@@ -339,10 +321,10 @@ class GpuCalls:
         self._complete(rec.id, ok=call is not None, restore_s=_restore_s(call))
         now = self.s.clock()
         self._end(rec, status, call, error, now - (rec.started if rec.started else now))
-        return True
 
-    def _answer(self, reply: AgentReply, call: ServiceOutcome) -> None:
-        """Keep the outputs of a call that ended unheld as its key's answer."""
+    def answer(self, reply: AgentReply, call: ServiceOutcome) -> None:
+        """Keep the outputs of a call that ended while nobody held it (its node was away)
+        as its key's answer, for the retry to come, unless the key has one."""
         s = self.s
         tenant, _, key = (reply.key or "").partition(KEY_SEP)
         if not tenant or not key or (tenant, key) in s.idempotent:

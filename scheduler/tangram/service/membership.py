@@ -30,7 +30,7 @@ from tangram.service.agents import AgentLink, NodeRefusedError
 from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import KEY_SEP, ActionRecord, TrajectoryRecord, err
+from tangram.service.records import KEY_SEP, TrajectoryRecord, err
 from tangram.service.state import PoolState
 from tangram.service.trajectories import Trajectories
 
@@ -133,7 +133,7 @@ class Membership:
         s = self.s
         tenant, _, key = run.key.partition(KEY_SEP)
         traj = s.trajectories.get(run.trajectory)
-        if traj is None or traj.tenant != tenant or (tenant, key) in s.idempotent:
+        if traj is None or traj.tenant != tenant:
             return False
         index = {c: i for i, c in enumerate(s.node_cores[node])}
         req = ExecRequest(argv=["(adopted)"], idempotency_key=key)
@@ -154,9 +154,7 @@ class Membership:
             log.warning("cannot adopt running action %s on %s: %s", run.key, node, e)
             return False
         rec.started, rec.assignment = asg.started_at, asg
-        s.actions[rec.id] = rec
-        s.idempotent.remember(tenant, key, rec)
-        rec.agent_key = run.key
+        s.adopted_as(rec, run.key)
         traj.running.add(rec.id)
         return True
 
@@ -168,11 +166,14 @@ class Membership:
                 reply.lost, reply.reason or Reason.SANDBOX_EXITED, reply.error or ""
             )
             return
-        if self.gpu.ended_unasked(reply):
+        rec = self.s.adopted.pop(reply.key or "", None)
+        if rec is None:  # nobody holds its run: it ended while its node was away
+            if reply.call is not None:
+                self.gpu.answer(reply, reply.call)
             return
-        tenant, _, key = (reply.key or "").partition(KEY_SEP)
-        rec = self.s.idempotent.get(tenant, key)  # an adopted action is kept by its key
-        if not isinstance(rec, ActionRecord) or rec.agent_key != reply.key:
+        self.s.cancelled_keys.pop(rec.agent_key or "", None)  # (its run has ended)
+        if rec.kind == "service":
+            self.gpu.ended_unasked(rec, reply)
             return
         out = reply.result
         status = ActionStatus.ERROR
@@ -192,6 +193,9 @@ class Membership:
             return
         drained = s.core.drain_node(link.node)
         del s.node_cores[link.node]
+        # Its adopted runs end here (node_lost); back, its hello lists those still running.
+        s.adopted = {k: r for k, r in s.adopted.items() if r.assignment is None
+                     or r.assignment.node != link.node}  # fmt: skip
         self.gpu.leave(link.node)
         lost = err("node_lost", f"node {link.node} left the pool", retryable=True)
         for aid in (*drained.running, *drained.dropped):

@@ -23,7 +23,7 @@ from tangram.api.wire import (
     json_bytes,
 )
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
-from tangram.service.records import ActionRecord, EngineError, err
+from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
 from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
@@ -67,6 +67,8 @@ class Outcomes:
             s.core.cancel(aid)
             self.finish(rec, ActionStatus.CANCELLED)
             return True
+        if rec.key is not None:  # its agent goes on if the cancel is lost with its link
+            s.note_cancelled(rec.agent_key or f"{rec.tenant}{KEY_SEP}{rec.key}")
         if rec.task is not None:
             rec.task.cancel()  # the task ends it as cancelled
         elif rec.kind == "api":

@@ -14,10 +14,17 @@ import itertools
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-from tangram.api.wire import ActionResult, AgentReply, AgentRequest, TrajectoryState
+from tangram.api.wire import (
+    ActionResult,
+    AgentCancel,
+    AgentReply,
+    AgentRequest,
+    TrajectoryState,
+)
 from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.scheduler import Scheduler
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
@@ -26,6 +33,7 @@ from tangram.service.keys import KeyMemory
 from tangram.service.metrics import Metrics
 from tangram.service.problems import ProblemLog
 from tangram.service.records import (
+    KEY_SEP,
     RECONNECT_WINDOW_S,
     ActionKind,
     ActionRecord,
@@ -35,6 +43,7 @@ from tangram.service.records import (
 )
 
 log = logging.getLogger("tangram.service")
+MAX_CANCELLED_KEYS = 10_000  # cancels remembered for runs their agents may still hold
 
 
 class PoolState:
@@ -58,6 +67,12 @@ class PoolState:
         self.named: dict[tuple[str, str], TrajectoryRecord] = {}  # by (tenant, id)
         self.actions: dict[str, ActionRecord] = {}
         self.idempotent: KeyMemory[ActionRecord] = KeyMemory()
+        # Runs an agent still held when it (re)joined, by their agent key (tenant + US +
+        # key): their unasked replies end them. And the agent keys of runs cancelled while
+        # running, most recent last: a run its agent goes on with (the cancel was lost with
+        # its link) is cancelled again when it is adopted.
+        self.adopted: dict[str, ActionRecord] = {}
+        self.cancelled_keys: OrderedDict[str, None] = OrderedDict()
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
         self.node_gpus: dict[str, list[int]] = {}  # the pool's GPU index -> device index
         self.problems = ProblemLog()  # sandbox and node failures, for the pool's status
@@ -147,6 +162,28 @@ class PoolState:
         if tid is not None and (traj := self.trajectories.get(tid)) is not None:
             rec.trajectory_id = traj.id
         return rec
+
+    def adopted_as(self, rec: ActionRecord, agent_key: str) -> None:
+        """``rec``, started, is the run its agent holds under ``agent_key``. Its key answers
+        with it, unless the key already names an action here: then it holds its units and
+        answers nobody. A run cancelled before (the cancel lost with its link) is
+        cancelled again."""
+        tenant, _, key = agent_key.partition(KEY_SEP)
+        self.actions[rec.id] = rec
+        if (tenant, key) not in self.idempotent:
+            self.idempotent.remember(tenant, key, rec)
+        rec.agent_key = agent_key
+        self.adopted[agent_key] = rec
+        if agent_key in self.cancelled_keys:
+            rec.cancelled = True
+            node = rec.assignment.node if rec.assignment is not None else None
+            self.background(self.ask(node, AgentCancel(key=agent_key)))
+
+    def note_cancelled(self, agent_key: str) -> None:
+        self.cancelled_keys[agent_key] = None
+        self.cancelled_keys.move_to_end(agent_key)
+        while len(self.cancelled_keys) > MAX_CANCELLED_KEYS:
+            self.cancelled_keys.popitem(last=False)
 
     def holder(self, tenant: str, group: str) -> str:
         """The core's trajectory that counts the tenant's actions of ``group`` that belong
