@@ -388,7 +388,7 @@ def test_calls_a_worker_still_runs_are_adopted_where_they_run_and_answer_their_k
                 "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="a")
             )
             assert retry is recs["a"]  # the adopted call, not a new one
-            e.membership.orphan(AgentReply(rid=0, ok=True, key="u\x1fa", call=outcome))
+            e.membership.orphan("g", AgentReply(rid=0, ok=True, key="u\x1fa", call=outcome))
             result = await retry.done
             assert result.status is ActionStatus.OK and result.output == [0.25]
             assert recs["a"].id not in e.core.running and recs["b"].id in e.core.running
@@ -502,13 +502,13 @@ def test_adoption_holds_the_gpus_of_a_call_whose_key_is_answered_and_keeps_late_
             (rec,) = e.state.actions.values()
             assert e.core.running[rec.id].assignment.units == 4
             assert e.core.gpu.chunk_counts() == (0, 0, 0, 0)  # its 4 GPUs are held
-            e.membership.orphan(AgentReply(rid=0, ok=True, key="u\x1fold", call=outcome))
+            e.membership.orphan("g", AgentReply(rid=0, ok=True, key="u\x1fold", call=outcome))
             assert e.core.gpu.chunk_counts() == (0, 0, 1, 0) and not e.state.actions
             kept = e.submit_service(
                 "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="old")
             )
             assert (await kept.done).status is ActionStatus.TIMEOUT  # the key's answer stays
-            e.membership.orphan(AgentReply(rid=0, ok=True, key="u\x1flate", call=outcome))
+            e.membership.orphan("g", AgentReply(rid=0, ok=True, key="u\x1flate", call=outcome))
             late = e.submit_service(
                 "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="late")
             )
@@ -521,17 +521,17 @@ def test_adoption_holds_the_gpus_of_a_call_whose_key_is_answered_and_keeps_late_
     asyncio.run(scenario())
 
 
-def _gpu_agent(calls: list[RunningCall]) -> Any:
-    """A GPU node's link as the engine reads it: node g, 2 devices, these calls running."""
+def _gpu_agent(calls: list[RunningCall], node: str = "g") -> Any:
+    """A GPU node's link as the engine reads it: 2 devices, these calls running."""
     from tangram.api.inventory import NodeInventory
     from tangram.api.wire import AgentHello
 
-    inventory = NodeInventory(node_id="g", hostname="g", numa=[[0, 1]], memory_gb=8.0,
+    inventory = NodeInventory(node_id=node, hostname=node, numa=[[0, 1]], memory_gb=8.0,
                               cgroup_version=2)  # fmt: skip
     info = GpuWorkerInfo(backend="cpu", devices=[0, 1], memory_bytes=[2**31] * 2, h2d_gbps=1)
-    hello = AgentHello(node="g", inventory=inventory, runtime="noop", action_cores=[0],
+    hello = AgentHello(node=node, inventory=inventory, runtime="noop", action_cores=[0],
                        idle_cores=[1], gpu=info, calls=calls)  # fmt: skip
-    return SimpleNamespace(hello=hello, node="g")
+    return SimpleNamespace(hello=hello, node=node)
 
 
 def test_a_cancel_lost_with_its_link_is_sent_again_when_the_call_is_adopted_again(
@@ -566,7 +566,7 @@ def test_a_cancel_lost_with_its_link_is_sent_again_when_the_call_is_adopted_agai
         assert cancels == ["u\x1fk", "u\x1fk"]
         (again,) = e.state.actions.values()
         assert again.cancelled and again.agent_key == "u\x1fk"
-        e.membership.orphan(AgentReply(rid=0, ok=False, key="u\x1fk", error="cancelled"))
+        e.membership.orphan("g", AgentReply(rid=0, ok=False, key="u\x1fk", error="cancelled"))
         assert (await again.done).status is ActionStatus.CANCELLED
         assert not e.core.running and "u\x1fk" not in e.state.cancelled_keys
 
@@ -596,10 +596,64 @@ def test_an_exec_still_running_under_an_answered_key_holds_its_cores_until_it_en
         out = ExecOutcome(exit_code=0, stdout="", stderr="", stdout_truncated=False,
                           stderr_truncated=False, timed_out=False, setup_s=0.0, exec_s=2.0,
                           teardown_s=0.0, path="portable")  # fmt: skip
-        engine.membership.orphan(AgentReply(rid=0, ok=True, key="u\x1fk", result=out))
+        engine.membership.orphan("n1", AgentReply(rid=0, ok=True, key="u\x1fk", result=out))
         assert engine.core.cpu.nodes["n1"].free_cores == 1 and not s.actions
         kept = s.idempotent.get("u", "k")
         assert kept is not None and b'"cancelled"' in kept.result  # type: ignore[union-attr]
 
     engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
+    asyncio.run(scenario())
+
+
+def test_one_key_running_on_two_nodes_is_ended_by_each_nodes_own_reply() -> None:
+    """A retry ran a call again on another node while the first ran on (its node was
+    away); both nodes hand theirs back: each reply ends its own node's run, and the key
+    answers with the first adopted."""
+    judge = ServiceConfig(
+        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    )
+    outcome = ServiceOutcome(outputs=[0.5], stats=ServiceStats(service="judge", resident=True),
+                             exec_s=1.0)  # fmt: skip
+
+    async def scenario() -> None:
+        e = Engine(PoolConfig(services={"judge": judge}))
+        e.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
+        run = RunningCall(key="u\x1fk", service="judge", gpus=[0], running_s=3.0)
+        await e.membership.join(_gpu_agent([run], "g1"))
+        await e.membership.join(_gpu_agent([run.model_copy(update={"running_s": 1.0})], "g2"))
+        by_node = {r.assignment.node: r for r in e.state.actions.values()}  # type: ignore[union-attr]
+        assert set(by_node) == {"g1", "g2"}
+        e.membership.orphan("g2", AgentReply(rid=0, ok=True, key="u\x1fk", call=outcome))
+        assert by_node["g2"].done.done() and not by_node["g1"].done.done()
+        assert [r.assignment.node for r in e.core.running.values()] == ["g1"]
+        e.membership.orphan("g1", AgentReply(rid=0, ok=True, key="u\x1fk", call=outcome))
+        assert (await asyncio.wait_for(by_node["g1"].done, 1)).output == [0.5]
+        assert not e.state.actions and not e.core.running and not e.state.adopted
+
+    asyncio.run(scenario())
+
+
+def test_an_adopted_run_whose_trajectory_ended_still_ends_when_its_node_leaves() -> None:
+    """Its cores came back with its trajectory, but its record waited for the reply; the
+    node leaving ends it (node_lost) and frees its key for a retry, instead of keeping both
+    forever."""
+    from tangram.api.wire import RunningAction
+
+    engine = _engine_with_t1()
+    engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
+
+    async def scenario() -> None:
+        await engine.membership.leave(_agent())
+        agent = _agent(["t1"])
+        agent.hello.running.append(
+            RunningAction(key="u\x1fk", trajectory="t1", cores=[0], running_s=2.0)
+        )
+        await engine.membership.join(agent)
+        (rec,) = engine.state.actions.values()
+        engine.lifecycle.environment_lost("t1", "SandboxExited", "its container exited")
+        await engine.membership.leave(_agent())
+        result = await asyncio.wait_for(rec.done, 1)
+        assert result.error is not None and result.error.code == "node_lost"
+        assert ("u", "k") not in engine.state.idempotent and not engine.state.adopted
+
     asyncio.run(scenario())

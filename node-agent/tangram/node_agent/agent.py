@@ -153,6 +153,7 @@ class NodeAgent:
         self._results: OrderedDict[str, bytes] = OrderedDict()
         self._result_bytes = 0
         self._unjournaled: set[str] = set()  # keys in _results the journal does not hold
+        self._unjournaled_bytes = 0
         self._keyed: dict[str, asyncio.Task[AgentReply]] = {}
         self._keyed_info: dict[str, _KeyedRun] = {}
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
@@ -336,10 +337,11 @@ class NodeAgent:
         run = self._keyed_info.pop(key, None)
         if run is not None and not run.journaled:
             self._unjournaled.add(key)
+            self._unjournaled_bytes += len(kept)
         elif self.journal is not None:
             try:
                 self.journal.done(key, kept)
-                if self.journal.due(self._result_bytes):
+                if self.journal.due(self._result_bytes - self._unjournaled_bytes):
                     self.journal.rewrite(
                         {k: v for k, v in self._results.items() if k not in self._unjournaled},
                         {k for k, r in self._keyed_info.items() if r.journaled},
@@ -357,7 +359,9 @@ class NodeAgent:
         while len(self._results) > MAX_REMEMBERED or self._result_bytes > MAX_REMEMBERED_BYTES:
             gone, old = self._results.popitem(last=False)
             self._result_bytes -= len(old)
-            self._unjournaled.discard(gone)
+            if gone in self._unjournaled:
+                self._unjournaled.remove(gone)
+                self._unjournaled_bytes -= len(old)
         return reply
 
     def _deliver(self, reply: AgentReply) -> None:

@@ -64,7 +64,7 @@ class AgentLink:
         self,
         hello: AgentHello,
         socket: Socket,
-        on_orphan: Callable[[AgentReply], None] = lambda reply: None,
+        on_orphan: Callable[[str, AgentReply], None] = lambda node, reply: None,
         *,
         packed: bool = False,
     ) -> None:
@@ -167,7 +167,7 @@ class AgentLink:
                     elif reply.rid == 0 and (reply.key or reply.lost):
                         # A run that outlived the link that asked for it, or an
                         # environment that ended by itself.
-                        self.on_orphan(reply)
+                        self.on_orphan(self.node, reply)
         finally:
             self.fail_pending()
 
@@ -259,13 +259,13 @@ class AgentHub:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._on_join: Callable[[AgentLink], Awaitable[None]] = _nothing
         self._on_leave: Callable[[AgentLink], Awaitable[None]] = _nothing
-        self._on_orphan: Callable[[AgentReply], None] = lambda reply: None
+        self._on_orphan: Callable[[str, AgentReply], None] = lambda node, reply: None
 
     def attach(
         self,
         on_join: Callable[[AgentLink], Awaitable[None]],
         on_leave: Callable[[AgentLink], Awaitable[None]],
-        on_orphan: Callable[[AgentReply], None],
+        on_orphan: Callable[[str, AgentReply], None],
     ) -> None:
         """Who hears of nodes joining (it may refuse one by raising) and leaving, and of
         replies no request awaits (runs that outlived their link, lost environments)."""

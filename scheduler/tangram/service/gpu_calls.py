@@ -212,6 +212,8 @@ class GpuCalls:
             error = err("node_lost", e.message, retryable=True)
         now = s.clock()
         call = reply.call if reply is not None else None
+        if key is not None and reply is not None:
+            s.cancelled_keys.pop(key, None)  # its run ended: a cancel of it is moot
         if ask.done():
             # A replayed reply (its key's earlier run) ran nothing now: its time is not the
             # call's, and an instance it was to restore was not restored.
@@ -229,7 +231,10 @@ class GpuCalls:
             def late(done: asyncio.Future[AgentReply]) -> None:
                 """The call ended after its caller stopped waiting: not learned from, but
                 if it ran, its instance is resident."""
-                ran = not done.cancelled() and done.exception() is None and done.result().ok
+                answer = None if done.cancelled() or done.exception() else done.result()
+                if key is not None and answer is not None:
+                    s.cancelled_keys.pop(key, None)
+                ran = answer is not None and answer.ok and not answer.replayed
                 self._complete(rec.id, ok=False, resident=ran or None)
 
             ask.add_done_callback(late)
@@ -265,7 +270,7 @@ class GpuCalls:
         instance share it, as batched calls do), a retry of its key waits for it, and its
         reply comes unasked (``ended_unasked``). A call whose key already has an action
         here (its answer, or a retry) still holds its GPUs until it ends, but answers
-        nobody (``Membership.adopted``). Returns how many were adopted."""
+        nobody (``PoolState.adopted_as``). Returns how many were adopted."""
         position = {d: i for i, d in enumerate(self.s.node_gpus.get(node, []))}
         first: dict[tuple[str, int], str] = {}  # (service, first GPU) -> its adopted call
         adopted = 0

@@ -158,7 +158,7 @@ class Membership:
         traj.running.add(rec.id)
         return True
 
-    def orphan(self, reply: AgentReply) -> None:
+    def orphan(self, node: str, reply: AgentReply) -> None:
         """The result of an adopted action or call, sent by its agent when it finished; or
         an environment that ended by itself."""
         if reply.lost is not None:
@@ -166,12 +166,12 @@ class Membership:
                 reply.lost, reply.reason or Reason.SANDBOX_EXITED, reply.error or ""
             )
             return
-        rec = self.s.adopted.pop(reply.key or "", None)
+        self.s.cancelled_keys.pop(reply.key or "", None)  # (its run has ended)
+        rec = self.s.adopted.pop((node, reply.key or ""), None)
         if rec is None:  # nobody holds its run: it ended while its node was away
             if reply.call is not None:
                 self.gpu.answer(reply, reply.call)
             return
-        self.s.cancelled_keys.pop(rec.agent_key or "", None)  # (its run has ended)
         if rec.kind == "service":
             self.gpu.ended_unasked(rec, reply)
             return
@@ -193,9 +193,6 @@ class Membership:
             return
         drained = s.core.drain_node(link.node)
         del s.node_cores[link.node]
-        # Its adopted runs end here (node_lost); back, its hello lists those still running.
-        s.adopted = {k: r for k, r in s.adopted.items() if r.assignment is None
-                     or r.assignment.node != link.node}  # fmt: skip
         self.gpu.leave(link.node)
         lost = err("node_lost", f"node {link.node} left the pool", retryable=True)
         for aid in (*drained.running, *drained.dropped):
@@ -207,6 +204,14 @@ class Membership:
                     # Its outcome is its agent's to tell: a retry of the key goes to the
                     # agent (a replay, a first run, or "unknown"), not to a kept node_lost;
                     # a run the agent still holds is adopted when it is back.
+                    s.idempotent.forget(rec.tenant, rec.key, rec)
+                self.outcomes.finish(rec, ActionStatus.ERROR, error=lost)
+        # Its adopted runs end here too, those whose units already came back included (their
+        # trajectory ended first); back, its hello lists those still running.
+        for held in [k for k in s.adopted if k[0] == link.node]:
+            rec = s.adopted.pop(held)
+            if not rec.done.done():
+                if rec.key is not None:
                     s.idempotent.forget(rec.tenant, rec.key, rec)
                 self.outcomes.finish(rec, ActionStatus.ERROR, error=lost)
         away = [

@@ -167,6 +167,8 @@ class Rounds:
             status = ActionStatus.CANCELLED
         except EngineError as e:
             error = err("node_lost", e.message, retryable=True)
+        if key is not None and reply is not None:
+            s.cancelled_keys.pop(key, None)  # its run ended: a cancel of it is moot
         out = reply.result if reply is not None else None
         exec_s = out.exec_s if out is not None else 0.0
         overhead = max(0.0, (s.clock() - t0) - exec_s)

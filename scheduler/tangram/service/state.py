@@ -67,11 +67,11 @@ class PoolState:
         self.named: dict[tuple[str, str], TrajectoryRecord] = {}  # by (tenant, id)
         self.actions: dict[str, ActionRecord] = {}
         self.idempotent: KeyMemory[ActionRecord] = KeyMemory()
-        # Runs an agent still held when it (re)joined, by their agent key (tenant + US +
-        # key): their unasked replies end them. And the agent keys of runs cancelled while
-        # running, most recent last: a run its agent goes on with (the cancel was lost with
-        # its link) is cancelled again when it is adopted.
-        self.adopted: dict[str, ActionRecord] = {}
+        # Runs an agent still held when it (re)joined, by (node, agent key): their unasked
+        # replies end them (two nodes may run one key: a retry ran it again elsewhere). And
+        # the agent keys of runs cancelled while running, most recent last: a run its agent
+        # goes on with (the cancel was lost with its link) is cancelled again if adopted.
+        self.adopted: dict[tuple[str, str], ActionRecord] = {}
         self.cancelled_keys: OrderedDict[str, None] = OrderedDict()
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
         self.node_gpus: dict[str, list[int]] = {}  # the pool's GPU index -> device index
@@ -173,10 +173,10 @@ class PoolState:
         if (tenant, key) not in self.idempotent:
             self.idempotent.remember(tenant, key, rec)
         rec.agent_key = agent_key
-        self.adopted[agent_key] = rec
+        node = rec.assignment.node if rec.assignment is not None else None
+        self.adopted[(node or "", agent_key)] = rec
         if agent_key in self.cancelled_keys:
             rec.cancelled = True
-            node = rec.assignment.node if rec.assignment is not None else None
             self.background(self.ask(node, AgentCancel(key=agent_key)))
 
     def note_cancelled(self, agent_key: str) -> None:
