@@ -569,6 +569,8 @@ def test_a_cancel_lost_with_its_link_is_sent_again_when_the_call_is_adopted_agai
         e.membership.orphan("g", AgentReply(rid=0, ok=False, key="u\x1fk", error="cancelled"))
         assert (await again.done).status is ActionStatus.CANCELLED
         assert not e.core.running and "u\x1fk" not in e.state.cancelled_keys
+        retry = e.submit_service("u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="k"))
+        assert (await retry.done).status is ActionStatus.CANCELLED
 
     asyncio.run(scenario())
 
