@@ -254,3 +254,41 @@ def test_a_keyed_call_cut_off_by_the_agents_end_runs_again_when_retried(
     reply = asyncio.run(again.handle(call.model_copy(update={"rid": 2})))
     assert ran == [2] and reply.ok and reply.call == outcome
     assert not reply.unknown and not reply.replayed
+
+
+def test_a_key_reused_for_something_else_is_refused_not_answered_with_anothers_reply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler refuses that while it remembers the key; the agent, which may remember
+    it longer (the scheduler restarted, or its bound dropped the key), refuses it too."""
+    agent = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+
+    async def go() -> list[AgentReply]:
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def run(req: AgentRequest) -> AgentReply:
+            await gate
+            return AgentReply(rid=req.rid, ok=True)
+
+        monkeypatch.setattr(agent, "_run", run)
+        first = asyncio.create_task(agent.handle(exec_t1))
+        await asyncio.sleep(0)
+        in_flight = await agent.handle(AgentCall(rid=5, service="judge", key="u\x1fk"))
+        assert not in_flight.ok and "used for exec on t1" in (in_flight.error or "")
+        gate.set_result(None)
+        assert (await first).ok
+        return [
+            await agent.handle(exec_t1.model_copy(update={"rid": 2})),
+            await agent.handle(exec_t1.model_copy(update={"rid": 3, "trajectory": "t2"})),
+            await agent.handle(AgentCall(rid=4, service="judge", gpus=[0], key="u\x1fk")),
+        ]
+
+    exec_t1 = AgentExec(rid=1, trajectory="t1", argv=["true"], cores=[0], key="u\x1fk")
+    again, other_trajectory, a_call = asyncio.run(go())
+    assert again.ok and again.replayed
+    assert not other_trajectory.ok and other_trajectory.error == (
+        "its idempotency key was used for exec on t1, not exec on t2"
+    )
+    assert not a_call.ok and "used for exec on t1, not a call of service judge" in (
+        a_call.error or ""
+    )

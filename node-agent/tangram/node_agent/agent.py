@@ -85,12 +85,23 @@ class _KeyedRun:
                              running_s=running_s)  # fmt: skip
 
     @property
+    def what(self) -> str:
+        return _what(self.request)
+
+    @property
     def journaled(self) -> bool:
         """Whether it is written down, before it starts and when it ends. A service call
         is not: cut off by the agent's end it is run again when retried (an inference
         changes nothing a second run could repeat), rather than answered as unknown; and
         its outputs, often large and many, stay in memory only."""
         return not isinstance(self.request, AgentCall)
+
+
+def _what(req: Keyed) -> str:
+    """What a key runs, to tell a retry from another request reusing the key."""
+    if isinstance(req, AgentCall):
+        return f"a call of service {req.service}"
+    return f"{req.op} on {req.trajectory}"
 
 
 def split_cores(
@@ -154,6 +165,7 @@ class NodeAgent:
         self._result_bytes = 0
         self._unjournaled: set[str] = set()  # keys in _results the journal does not hold
         self._unjournaled_bytes = 0
+        self._ran: dict[str, str] = {}  # what the keys in _results ran (journaled: unknown)
         self._keyed: dict[str, asyncio.Task[AgentReply]] = {}
         self._keyed_info: dict[str, _KeyedRun] = {}
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
@@ -293,11 +305,17 @@ class NodeAgent:
         """Run a keyed action or service call at most once: a repeat gets the first run's
         reply, or waits for the run in flight. The run goes on if the requester's link
         drops; its result is then sent, unasked, on the next link (rid 0, with its key)."""
+        # The scheduler refuses a key reused for something else while it remembers the key;
+        # past that (its bound, its restart) the agent must not answer with another's reply.
+        task = self._keyed.get(key)
+        ran = self._ran.get(key) if task is None else self._keyed_info[key].what
+        if ran is not None and ran != _what(req):
+            why = f"its idempotency key was used for {ran}, not {_what(req)}"
+            return AgentReply(rid=req.rid, ok=False, key=key, error=why)
         done = self._results.get(key)
         if done is not None:
             replayed = AgentReply.model_validate_json(done)
             return replayed.model_copy(update={"rid": req.rid, "replayed": True})
-        task = self._keyed.get(key)
         joined = task is not None  # an earlier request's run: its reply is a replay here
         if task is None:
             run = _KeyedRun(req, time.monotonic())
@@ -335,6 +353,8 @@ class NodeAgent:
         kept = self._keep(key, json_bytes(reply))
         self._keyed.pop(key, None)
         run = self._keyed_info.pop(key, None)
+        if run is not None:
+            self._ran[key] = run.what
         if run is not None and not run.journaled:
             self._unjournaled.add(key)
             self._unjournaled_bytes += len(kept)
@@ -359,6 +379,7 @@ class NodeAgent:
         while len(self._results) > MAX_REMEMBERED or self._result_bytes > MAX_REMEMBERED_BYTES:
             gone, old = self._results.popitem(last=False)
             self._result_bytes -= len(old)
+            self._ran.pop(gone, None)
             if gone in self._unjournaled:
                 self._unjournaled.remove(gone)
                 self._unjournaled_bytes -= len(old)
