@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -325,22 +325,28 @@ def test_a_restarted_scheduler_takes_back_trajectories_and_running_actions(
 def _crash_mid_action(
     cluster: Cluster, trajectory: str, argv: list[str], key: str, started: Path
 ) -> object:
-    """Submit ``argv`` (it creates ``started``), SIGKILL the scheduler once it runs,
-    start a new scheduler and wait for the agent to be back. Returns what the client got
-    (an exception: its scheduler went away)."""
+    """Submit ``argv`` (it creates ``started``) and crash the scheduler while it runs
+    (``_crash_while``)."""
+    return _crash_while(cluster, lambda c: c.exec(trajectory, argv, idempotency_key=key), started)
+
+
+def _crash_while(cluster: Cluster, submit: Callable[[Client], object], started: Path) -> object:
+    """``submit`` with a client that does not retry, SIGKILL the scheduler once ``started``
+    exists (the run began on the agent), start a new scheduler and wait for the agent to
+    be back. Returns what the client got (an exception: its scheduler went away)."""
     seen: list[object] = []
 
-    def submit() -> None:
+    def run() -> None:
         with Client(cluster.url, retries=0) as client:
             try:
-                seen.append(client.exec(trajectory, argv, idempotency_key=key))
+                seen.append(submit(client))
             except Exception as e:  # the caller looks at what it was
                 seen.append(e)
 
-    runner = threading.Thread(target=submit)
+    runner = threading.Thread(target=run)
     runner.start()
-    _wait(started.exists, "the action did not start")
-    cluster.scheduler.kill()  # a crash mid-action: no graceful anything
+    _wait(started.exists, "the run did not start")
+    cluster.scheduler.kill()  # a crash mid-run: no graceful anything; the agent goes on
     cluster.scheduler.wait(10)
     runner.join(30)
     cluster.start_scheduler()
@@ -482,30 +488,12 @@ def _gpus_in_use(cluster: Cluster) -> float:
 
 
 def _crash_mid_call(cluster: Cluster, inputs: list[dict[str, object]], log: Path) -> object:
-    """Submit a call of judge under key ``k`` (it writes ``log`` as it starts), SIGKILL
-    the scheduler while the worker runs it, start a new one and wait for the agent to be
-    back. Returns what the client got (an exception: its scheduler went away)."""
+    """Submit a call of judge under key ``k`` (it writes ``log`` as it starts) and crash
+    the scheduler while the worker runs it (``_crash_while``)."""
     with Client(cluster.url, retries=10) as client:  # the worker loads judge meanwhile
         assert client.score("judge", [{**inputs[0], "gate": str(log.parent)}]).status.value == "ok"
     log.unlink()  # (that call's run, through an open gate: the directory exists)
-    seen: list[object] = []
-
-    def submit() -> None:
-        with Client(cluster.url, retries=0) as client:
-            try:
-                seen.append(client.score("judge", inputs, idempotency_key="k"))
-            except Exception as e:  # the caller looks at what it was
-                seen.append(e)
-
-    runner = threading.Thread(target=submit)
-    runner.start()
-    _wait(log.exists, "the call did not start")
-    cluster.scheduler.kill()  # a crash mid-call: the agent and its worker go on
-    cluster.scheduler.wait(10)
-    runner.join(30)
-    cluster.start_scheduler()
-    _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
-    return seen[0]
+    return _crash_while(cluster, lambda c: c.score("judge", inputs, idempotency_key="k"), log)
 
 
 @pytest.mark.torch

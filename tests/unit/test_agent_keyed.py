@@ -6,6 +6,7 @@ yet), and a result a link took but could not send (it used to be lost)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,19 +26,47 @@ from tangram.node_agent.key_journal import KeyJournal
 from tangram.node_agent.link import _session
 
 
+def _ok(req: AgentRequest) -> AgentReply:
+    return AgentReply(rid=req.rid, ok=True)
+
+
+def _gate(
+    agent: NodeAgent,
+    monkeypatch: pytest.MonkeyPatch,
+    answer: Callable[[AgentRequest], AgentReply] = _ok,
+) -> asyncio.Future[None]:
+    """Have ``agent`` run each request by waiting for the returned gate, then answering
+    with ``answer`` (one call per run). Call it on the running loop."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def run(req: AgentRequest) -> AgentReply:
+        await gate
+        return answer(req)
+
+    monkeypatch.setattr(agent, "_run", run)
+    return gate
+
+
+def _stop_mid_run(agent: NodeAgent, monkeypatch: pytest.MonkeyPatch, req: AgentRequest) -> None:
+    """Start ``req`` on ``agent`` and stop the agent (gracefully) while it runs."""
+
+    async def go() -> None:
+        _gate(agent, monkeypatch)  # never opened
+        requester = asyncio.create_task(agent.handle(req))
+        await asyncio.sleep(0)
+        await agent.shutdown()
+        await asyncio.gather(requester, return_exceptions=True)
+
+    asyncio.run(go())
+
+
 def test_a_requester_cancelled_as_its_keyed_run_ends_still_gets_it_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
 
     async def go() -> list[AgentReply]:
-        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def run(req: AgentRequest) -> AgentReply:
-            await gate
-            return AgentReply(rid=req.rid, ok=True)
-
-        monkeypatch.setattr(agent, "_run", run)
+        gate = _gate(agent, monkeypatch)
         req = AgentExec(rid=7, trajectory="t", argv=["true"], key="k")
         requester = asyncio.create_task(agent._once(req, "k"))
         await asyncio.sleep(0)  # the run started and waits at the gate
@@ -143,21 +172,7 @@ def test_a_keyed_run_cut_off_by_a_graceful_stop_is_unknown_to_the_next_agent(
     """A stop cancels what runs; that is not a cancellation the client asked for, so it
     is not kept as "cancelled": the next agent answers the key as unknown."""
     first = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
-
-    async def never(req: AgentRequest) -> AgentReply:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    monkeypatch.setattr(first, "_run", never)
-
-    async def stop_mid_run() -> None:
-        req = AgentExec(rid=1, trajectory="t", argv=["true"], cores=[0], key="k")
-        requester = asyncio.create_task(first.handle(req))
-        await asyncio.sleep(0)
-        await first.shutdown()
-        await asyncio.gather(requester, return_exceptions=True)
-
-    asyncio.run(stop_mid_run())
+    _stop_mid_run(first, monkeypatch, AgentExec(rid=1, trajectory="t", argv=["true"], key="k"))
     again = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
     req = AgentExec(rid=2, trajectory="t", argv=["true"], cores=[0], key="k")
     reply = asyncio.run(again.handle(req))
@@ -176,15 +191,12 @@ def test_a_keyed_call_outlives_its_link_shows_in_the_next_hello_and_runs_once(
     outcome = ServiceOutcome(outputs=[0.5], stats=ServiceStats(service="judge", resident=True),
                              exec_s=0.2)  # fmt: skip
 
+    def answer(req: AgentRequest) -> AgentReply:
+        runs.append(req.rid)
+        return AgentReply(rid=req.rid, ok=True, call=outcome)
+
     async def go() -> tuple[AgentReply, list[AgentReply], AgentReply]:
-        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def run(req: AgentRequest) -> AgentReply:
-            runs.append(req.rid)
-            await gate
-            return AgentReply(rid=req.rid, ok=True, call=outcome)
-
-        monkeypatch.setattr(agent, "_run", run)
+        gate = _gate(agent, monkeypatch, answer)
         call = AgentCall(rid=3, service="judge", gpus=[2, 3], inputs=[[1.0]], key="u\x1fk")
         requester = asyncio.create_task(agent.handle(call))
         await asyncio.sleep(0)
@@ -225,22 +237,10 @@ def test_a_keyed_call_cut_off_by_the_agents_end_runs_again_when_retried(
 ) -> None:
     """An exec cut off so is answered as unknown (it may have changed something); a
     service call has nothing a second run could repeat, so the next agent runs it."""
-    first = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
-
-    async def never(req: AgentRequest) -> AgentReply:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    monkeypatch.setattr(first, "_run", never)
     call = AgentCall(rid=1, service="judge", gpus=[0], inputs=[[1.0]], key="u\x1fk")
-
-    async def stop_mid_call() -> None:
-        requester = asyncio.create_task(first.handle(call))
-        await asyncio.sleep(0)
-        await first.shutdown()
-        await asyncio.gather(requester, return_exceptions=True)
-
-    asyncio.run(stop_mid_call())
+    _stop_mid_run(
+        NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1), monkeypatch, call
+    )
     again = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
     outcome = ServiceOutcome(outputs=[0.5], stats=ServiceStats(service="judge", resident=False),
                              exec_s=0.2)  # fmt: skip
@@ -264,13 +264,7 @@ def test_a_key_reused_for_something_else_is_refused_not_answered_with_anothers_r
     agent = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
 
     async def go() -> list[AgentReply]:
-        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def run(req: AgentRequest) -> AgentReply:
-            await gate
-            return AgentReply(rid=req.rid, ok=True)
-
-        monkeypatch.setattr(agent, "_run", run)
+        gate = _gate(agent, monkeypatch)
         first = asyncio.create_task(agent.handle(exec_t1))
         await asyncio.sleep(0)
         in_flight = await agent.handle(AgentCall(rid=5, service="judge", key="u\x1fk"))

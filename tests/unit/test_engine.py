@@ -94,6 +94,24 @@ def _teacher() -> ServiceConfig:
     )
 
 
+def _judge_pool(**kw: Any) -> PoolConfig:
+    """A pool of one RewardService, ``judge`` (``kw``: the rest of its ServiceConfig)."""
+    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    return PoolConfig(services={"judge": ServiceConfig(spec=spec, **kw)})
+
+
+def _devices(*devices: int) -> GpuWorkerInfo:
+    """A GPU worker on these (CPU-backed) device indexes, 2 GiB each."""
+    return GpuWorkerInfo(backend="cpu", devices=list(devices),
+                         memory_bytes=[2**31] * len(devices), h2d_gbps=1)  # fmt: skip
+
+
+def _scored(*outputs: float, exec_s: float = 1.0, **stats: Any) -> ServiceOutcome:
+    """A judge call's outcome: ``outputs``, the instance resident unless ``stats`` say."""
+    found = ServiceStats(**{"service": "judge", "resident": True, **stats})
+    return ServiceOutcome(outputs=list(outputs), exec_s=exec_s, stats=found)
+
+
 def test_a_call_is_estimated_from_the_profiles_of_its_input_size() -> None:
     cfg = _teacher()
     assert cfg.durations(100) == {1: 1.2, 2: 0.7}
@@ -347,11 +365,8 @@ def test_a_key_still_to_be_closed_on_an_agents_return_is_not_given_again() -> No
 def test_a_pool_is_ready_without_agents_only_when_nothing_needs_a_node() -> None:
     """API quotas need no node; RewardService calls, like environments, need an agent (a
     pool of services alone used to say ready before its GPU agent was back)."""
-    judge = ServiceConfig(
-        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-    )
     apis_only = Engine(PoolConfig(apis=(ApiSpec(name="search", concurrency=1),)))
-    services = Engine(PoolConfig(services={"judge": judge}))
+    services = Engine(_judge_pool())
     assert apis_only.ready and not services.ready
 
 
@@ -360,24 +375,18 @@ def test_calls_a_worker_still_runs_are_adopted_where_they_run_and_answer_their_k
     it (the oldest takes the chunk, the next joins it) as far as the service's maxCalls
     allows; a call of a service the pool no longer has is not. A retry of an adopted key
     waits for its call, whose reply, sent unasked, answers it."""
-    judge = ServiceConfig(
-        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1),
-        max_calls=2,
-    )
-    info = GpuWorkerInfo(backend="cpu", devices=[4, 5], memory_bytes=[2**31] * 2, h2d_gbps=1)
     started = [("b", "judge", 1.0), ("a", "judge", 2.0), ("c", "judge", 0.5), ("d", "gone", 3.0)]
     runs = [
         RunningCall(key=f"u\x1f{k}", service=service, gpus=[5], running_s=s)
         for k, service, s in started
     ]
-    outcome = ServiceOutcome(outputs=[0.25], stats=ServiceStats(service="judge", resident=True),
-                             exec_s=1.5)  # fmt: skip
+    outcome = _scored(0.25, exec_s=1.5)
 
     async def scenario() -> None:
-        e = Engine(PoolConfig(services={"judge": judge}))
+        e = Engine(_judge_pool(max_calls=2))
         await e.start()
         try:
-            e.gpu.join("g", info)
+            e.gpu.join("g", _devices(4, 5))
             assert e.gpu.adopt("g", runs) == 2  # c: the instance is full; d: no such service
             recs = {r.key: r for r in e.state.actions.values()}
             assert set(recs) == {"a", "b"}
@@ -404,11 +413,6 @@ def test_a_call_answered_by_a_replay_teaches_no_duration_and_no_residency(
     """The agent answered a call with its key's earlier reply (a retry after the call's
     node left): the call ran nothing now, so the core neither learns its time nor counts
     on the instance it was to restore."""
-    judge = ServiceConfig(
-        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-    )
-    info = GpuWorkerInfo(backend="cpu", devices=[0], memory_bytes=[2**31], h2d_gbps=1)
-    stats = ServiceStats(service="judge", resident=False, restore_s=0.5)
     replayed: list[bool] = []
 
     async def ask(node: str | None, req: AgentRequest) -> AgentReply:
@@ -416,15 +420,15 @@ def test_a_call_answered_by_a_replay_teaches_no_duration_and_no_residency(
         if not isinstance(req, AgentCall):
             loaded = {"judge": ServiceLoad(ok=True, bytes=1 << 20)}
             return AgentReply(rid=req.rid, ok=True, loaded=loaded)
-        outcome = ServiceOutcome(outputs=[0.25], stats=stats, exec_s=2.0)
+        outcome = _scored(0.25, exec_s=2.0, resident=False, restore_s=0.5)
         return AgentReply(rid=req.rid, ok=True, call=outcome, replayed=replayed.pop(0))
 
     async def scenario() -> tuple[list[int], bool]:
-        e = Engine(PoolConfig(services={"judge": judge}))
+        e = Engine(_judge_pool())
         monkeypatch.setattr(e.state, "ask", ask)
         await e.start()
         try:
-            e.gpu.join("g", info)
+            e.gpu.join("g", _devices(0))
             while not e.gpu.loads:  # its services synced (in the background)
                 await asyncio.sleep(0)
             observed: list[int] = []  # the book's samples of the call's type, after each
@@ -479,20 +483,13 @@ def test_adoption_holds_the_gpus_of_a_call_whose_key_is_answered_and_keeps_late_
     """A call still running whose key already has an action here (its answer, kept when
     it timed out) holds its GPUs until it ends but answers nobody; a call that ended while
     no one held it (its node was away) leaves its outputs as its key's answer."""
-    judge = ServiceConfig(
-        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1),
-        dop_choices=(1, 4),
-    )
-    info = GpuWorkerInfo(backend="cpu", devices=[0, 1, 2, 3], memory_bytes=[2**31] * 4,
-                         h2d_gbps=1)  # fmt: skip
-    outcome = ServiceOutcome(outputs=[0.75], stats=ServiceStats(service="judge", resident=True),
-                             exec_s=1.0)  # fmt: skip
+    outcome = _scored(0.75)
 
     async def scenario() -> None:
-        e = Engine(PoolConfig(services={"judge": judge}))
+        e = Engine(_judge_pool(dop_choices=(1, 4)))
         await e.start()
         try:
-            e.gpu.join("g", info)
+            e.gpu.join("g", _devices(0, 1, 2, 3))
             answered = e.state.record("u", None, "service", ServiceCallRequest(inputs=[1]),
                                       None, target="call of service judge")  # fmt: skip
             e.state.idempotent.remember("u", "old", answered)  # (its answer: ended below)
@@ -528,9 +525,8 @@ def _gpu_agent(calls: list[RunningCall], node: str = "g") -> Any:
 
     inventory = NodeInventory(node_id=node, hostname=node, numa=[[0, 1]], memory_gb=8.0,
                               cgroup_version=2)  # fmt: skip
-    info = GpuWorkerInfo(backend="cpu", devices=[0, 1], memory_bytes=[2**31] * 2, h2d_gbps=1)
     hello = AgentHello(node=node, inventory=inventory, runtime="noop", action_cores=[0],
-                       idle_cores=[1], gpu=info, calls=calls)  # fmt: skip
+                       idle_cores=[1], gpu=_devices(0, 1), calls=calls)  # fmt: skip
     return SimpleNamespace(hello=hello, node=node)
 
 
@@ -540,9 +536,6 @@ def test_a_cancel_lost_with_its_link_is_sent_again_when_the_call_is_adopted_agai
     """An adopted call is cancelled; its node's link drops before the agent answers, and
     the agent, back, still runs it: adopted again, it is cancelled again (its waiter saw
     node_lost; a retry of its key then gets the cancelled reply)."""
-    judge = ServiceConfig(
-        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-    )
     running = RunningCall(key="u\x1fk", service="judge", gpus=[1], running_s=5.0)
     cancels: list[str | None] = []
 
@@ -552,7 +545,7 @@ def test_a_cancel_lost_with_its_link_is_sent_again_when_the_call_is_adopted_agai
         return AgentReply(rid=req.rid, ok=True)
 
     async def scenario() -> None:
-        e = Engine(PoolConfig(services={"judge": judge}))
+        e = Engine(_judge_pool())
         monkeypatch.setattr(e.state, "ask", ask)
         await e.membership.join(_gpu_agent([running]))
         (rec,) = e.state.actions.values()
@@ -611,14 +604,10 @@ def test_one_key_running_on_two_nodes_is_ended_by_each_nodes_own_reply() -> None
     """A retry ran a call again on another node while the first ran on (its node was
     away); both nodes hand theirs back: each reply ends its own node's run, and the key
     answers with the first adopted."""
-    judge = ServiceConfig(
-        spec=ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-    )
-    outcome = ServiceOutcome(outputs=[0.5], stats=ServiceStats(service="judge", resident=True),
-                             exec_s=1.0)  # fmt: skip
+    outcome = _scored(0.5)
 
     async def scenario() -> None:
-        e = Engine(PoolConfig(services={"judge": judge}))
+        e = Engine(_judge_pool())
         e.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
         run = RunningCall(key="u\x1fk", service="judge", gpus=[0], running_s=3.0)
         await e.membership.join(_gpu_agent([run], "g1"))

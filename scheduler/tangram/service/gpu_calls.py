@@ -148,13 +148,21 @@ class GpuCalls:
     def _sync_resident(self, node: str, resident: list[ResidentInstance]) -> None:
         """The core's residency view of ``node`` from its worker's report: the device
         indexes become the node's GPU positions; instances off the pool's GPUs are left out."""
-        position = {d: i for i, d in enumerate(self.s.node_gpus[node])}
         found: list[tuple[str, int, int]] = []
         for r in resident:
-            at = sorted(position.get(d, -1) for d in r.devices)
-            if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
-                found.append((r.service, at[0], len(at)))
+            start = self._first_gpu(node, r.devices)
+            if start is not None:
+                found.append((r.service, start, len(r.devices)))
         self.s.core.sync_resident(node, found)
+
+    def _first_gpu(self, node: str, devices: Sequence[int]) -> int | None:
+        """The pool's position on ``node`` of the first of ``devices`` (a worker's device
+        indexes), or None unless they are consecutive positions of the pool's GPUs."""
+        position = {d: i for i, d in enumerate(self.s.node_gpus.get(node, []))}
+        at = sorted(position.get(d, -1) for d in devices)
+        if at and at[0] >= 0 and at == list(range(at[0], at[0] + len(at))):
+            return at[0]
+        return None
 
     # ---- calls ---------------------------------------------------------------------
     def call_spec(self, service: str, req: ServiceCallRequest) -> ActionSpec:
@@ -193,7 +201,7 @@ class GpuCalls:
         status, reply, error = ActionStatus.ERROR, None, None
         # Keyed, the agent runs it at most once and goes on with it if the link drops; a
         # scheduler that starts meanwhile adopts it (``adopt``).
-        key = f"{rec.tenant}{KEY_SEP}{req.idempotency_key}" if req.idempotency_key else None
+        key = rec.agent_key
         op = AgentCall(service=service, gpus=gpus, inputs=req.inputs, key=key)
         # The call's thread cannot be stopped once it runs: its chunk stays held until the
         # agent answers, even when the caller stops waiting (timeout, cancel).
@@ -271,19 +279,17 @@ class GpuCalls:
         reply comes unasked (``ended_unasked``). A call whose key already has an action
         here (its answer, or a retry) still holds its GPUs until it ends, but answers
         nobody (``PoolState.adopted_as``). Returns how many were adopted."""
-        position = {d: i for i, d in enumerate(self.s.node_gpus.get(node, []))}
         first: dict[tuple[str, int], str] = {}  # (service, first GPU) -> its adopted call
         adopted = 0
         for run in sorted(calls, key=lambda r: -r.running_s):  # the oldest started first
-            at = sorted(position.get(d, -1) for d in run.gpus)
-            if not at or at[0] < 0 or at != list(range(at[0], at[0] + len(at))):
+            start = self._first_gpu(node, run.gpus)
+            if start is None:
                 log.warning("cannot adopt call %s on %s: GPUs %s are not a chunk of the pool",
                             run.key, node, run.gpus)  # fmt: skip
                 continue
-            joins = first.get((run.service, at[0]))
-            aid = self._adopt_call(run, node, at[0], joins)
+            aid = self._adopt_call(run, node, start, first.get((run.service, start)))
             if aid:
-                first.setdefault((run.service, at[0]), aid)
+                first.setdefault((run.service, start), aid)
                 adopted += 1
         return adopted
 
@@ -311,8 +317,7 @@ class GpuCalls:
         except SchedulingError as e:
             log.warning("cannot adopt call %s on %s: %s", run.key, node, e)
             return ""
-        rec.started, rec.assignment = asg.started_at, asg
-        s.adopted_as(rec, run.key)
+        s.adopted_as(rec, asg)
         return rec.id
 
     def ended_unasked(self, rec: ActionRecord, reply: AgentReply) -> None:

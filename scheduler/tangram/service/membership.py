@@ -153,8 +153,7 @@ class Membership:
         except SchedulingError as e:
             log.warning("cannot adopt running action %s on %s: %s", run.key, node, e)
             return False
-        rec.started, rec.assignment = asg.started_at, asg
-        s.adopted_as(rec, run.key)
+        s.adopted_as(rec, asg)
         traj.running.add(rec.id)
         return True
 

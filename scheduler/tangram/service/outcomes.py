@@ -23,7 +23,7 @@ from tangram.api.wire import (
     json_bytes,
 )
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
-from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
+from tangram.service.records import ActionRecord, EngineError, err
 from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
@@ -67,16 +67,17 @@ class Outcomes:
             s.core.cancel(aid)
             self.finish(rec, ActionStatus.CANCELLED)
             return True
-        if rec.key is not None:  # its agent goes on if the cancel is lost with its link
-            s.note_cancelled(rec.agent_key or f"{rec.tenant}{KEY_SEP}{rec.key}")
+        agent_key = rec.agent_key
+        if agent_key is not None and rec.kind != "api":  # its agent goes on if the cancel
+            s.note_cancelled(agent_key)  # is lost with its link
         if rec.task is not None:
             rec.task.cancel()  # the task ends it as cancelled
         elif rec.kind == "api":
             self.end_lease(rec)
         else:  # adopted after a restart: only its agent holds it; its result follows
             node = rec.assignment.node if rec.assignment else None
-            if rec.agent_key is not None and node is not None:
-                s.background(s.ask(node, AgentCancel(key=rec.agent_key)))
+            if agent_key is not None and node is not None:
+                s.background(s.ask(node, AgentCancel(key=agent_key)))
         return True
 
     def release(self, tenant: str, lease: str) -> ActionResult:

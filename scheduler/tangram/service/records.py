@@ -104,7 +104,6 @@ class ActionRecord:
     expiry: asyncio.TimerHandle | None = None  # queue timeout, or a lease's hold limit
     cancelled: bool = False
     lease: str | None = None  # an API lease's id while held
-    agent_key: str | None = None  # adopted after a restart: the key its agent runs it under
     answer: bytes | None = None  # ``done``'s result as JSON, once kept for its key's retries
     trajectory_id: str | None = None  # the tenant's id of its trajectory
     live: LiveExec | None = None  # a streamed exec: its output out, its input in, as it runs
@@ -118,6 +117,12 @@ class ActionRecord:
     def key(self) -> str | None:
         """The idempotency key it was submitted with."""
         return self.request.idempotency_key if self.request is not None else None
+
+    @property
+    def agent_key(self) -> str | None:
+        """The key its agent runs it under: its key, scoped by its tenant."""
+        key = self.key
+        return None if key is None else f"{self.tenant}{KEY_SEP}{key}"
 
 
 def err(code: str, message: str, retryable: bool = False) -> ErrorInfo:

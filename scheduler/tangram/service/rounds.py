@@ -16,7 +16,7 @@ from tangram.service.api_calls import ApiCalls
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
+from tangram.service.records import ActionRecord, EngineError, err
 from tangram.service.state import PoolState, agent_gone
 
 log = logging.getLogger("tangram.service")
@@ -131,7 +131,7 @@ class Rounds:
         timeout = req.timeout_s
         if timeout is None and req.profile is not None:
             timeout = env.profiles[req.profile].timeout_s
-        key = f"{rec.tenant}{KEY_SEP}{req.idempotency_key}" if req.idempotency_key else None
+        key = rec.agent_key
         op: AgentExec | AgentSession
         if req.session is not None:
             assert req.code is not None

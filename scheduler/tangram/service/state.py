@@ -26,14 +26,13 @@ from tangram.api.wire import (
     TrajectoryState,
 )
 from tangram.scheduler.core.gpu_pool import Chunk
-from tangram.scheduler.core.scheduler import Scheduler
+from tangram.scheduler.core.scheduler import Assignment, Scheduler
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.keys import KeyMemory
 from tangram.service.metrics import Metrics
 from tangram.service.problems import ProblemLog
 from tangram.service.records import (
-    KEY_SEP,
     RECONNECT_WINDOW_S,
     ActionKind,
     ActionRecord,
@@ -163,17 +162,17 @@ class PoolState:
             rec.trajectory_id = traj.id
         return rec
 
-    def adopted_as(self, rec: ActionRecord, agent_key: str) -> None:
-        """``rec``, started, is the run its agent holds under ``agent_key``. Its key answers
-        with it, unless the key already names an action here: then it holds its units and
-        answers nobody. A run cancelled before (the cancel lost with its link) is
-        cancelled again."""
-        tenant, _, key = agent_key.partition(KEY_SEP)
+    def adopted_as(self, rec: ActionRecord, asg: Assignment) -> None:
+        """``rec`` is a run its agent holds under its key, adopted by the core as ``asg``.
+        Its key answers with it, unless the key already names an action here: then it
+        holds its units and answers nobody. A run cancelled before (the cancel lost with
+        its link) is cancelled again."""
+        assert rec.key is not None and rec.agent_key is not None
+        rec.started, rec.assignment = asg.started_at, asg
         self.actions[rec.id] = rec
-        if (tenant, key) not in self.idempotent:
-            self.idempotent.remember(tenant, key, rec)
-        rec.agent_key = agent_key
-        node = rec.assignment.node if rec.assignment is not None else None
+        if (rec.tenant, rec.key) not in self.idempotent:
+            self.idempotent.remember(rec.tenant, rec.key, rec)
+        agent_key, node = rec.agent_key, asg.node
         self.adopted[(node or "", agent_key)] = rec
         if agent_key in self.cancelled_keys:
             rec.cancelled = True

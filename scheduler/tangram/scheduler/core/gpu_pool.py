@@ -485,23 +485,14 @@ class GpuPool:
     def is_free(self, chunk: Chunk) -> bool:
         """Whether ``chunk`` (an aligned one of its node) lies within a free chunk."""
         node = self.nodes.get(chunk.node)
-        level = chunk.size
-        while node is not None and level <= node.gpus:
-            if chunk.start - chunk.start % level in node.free[level]:
-                return True
-            level *= 2
-        return False
+        return node is not None and _free_level(node, chunk) is not None
 
     def _carve(self, node: GpuNode, target: Chunk) -> None:
         """Split the free chunk containing ``target`` down to it, freeing the other buddies."""
-        level = target.size
-        while True:
-            start = target.start - target.start % level
-            if start in node.free[level]:
-                break
-            level *= 2
-            if level > node.gpus:
-                raise ValueError(f"chunk {target} is not free")
+        level = _free_level(node, target)
+        if level is None:
+            raise ValueError(f"chunk {target} is not free")
+        start = target.start - target.start % level
         node.free[level].remove(start)
         while level > target.size:
             level //= 2
@@ -522,3 +513,13 @@ class GpuPool:
         if start in node.free[size]:
             raise ValueError(f"chunk ({node.name}, {start}, {size}) freed twice")
         node.free[size].add(start)
+
+
+def _free_level(node: GpuNode, chunk: Chunk) -> int | None:
+    """The size of the free chunk of ``node`` that contains ``chunk``, or None."""
+    level = chunk.size
+    while level <= node.gpus:
+        if chunk.start - chunk.start % level in node.free[level]:
+            return level
+        level *= 2
+    return None
