@@ -240,6 +240,39 @@ def test_a_key_reused_for_another_operation_is_a_conflict(client: Client) -> Non
         assert e.value.status == 409 and e.value.field == "idempotency_key"
 
 
+def test_a_key_reused_with_another_command_is_a_conflict_in_flight_and_after(
+    client: Client, tmp_path: Path
+) -> None:
+    gate = tmp_path / "gate"
+    first = ["sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done; echo first"]
+    with client.trajectory("shell") as t:
+        got: list[ActionResult] = []
+        running = threading.Thread(target=lambda: got.append(t.exec(first, idempotency_key="k")))
+        running.start()
+        opening = threading.Timer(10, gate.touch)  # a request that joined the run must end
+        opening.start()
+        while client.get(t.id).actions == 0:  # admitted: its key names it from now on
+            time.sleep(0.01)
+        with pytest.raises(TangramError) as e:
+            t.exec(["echo", "second"], idempotency_key="k")
+        assert e.value.status == 409 and e.value.field == "idempotency_key"
+        assert "with another request (argv differs)" in str(e.value)
+        opening.cancel()
+        gate.touch()
+        running.join()
+        assert got[0].stdout == "first\n"
+        for other in (["echo", "second"], first + ["extra"]):
+            with pytest.raises(TangramError) as e:
+                t.exec(other, idempotency_key="k")
+            assert e.value.status == 409 and "with another request" in str(e.value)
+        with pytest.raises(TangramError) as e:  # the same command with other settings
+            t.exec(first, idempotency_key="k", timeout_s=5)
+        assert e.value.status == 409
+        again = t.exec(first, idempotency_key="k")  # a true retry gets the first answer
+        assert again.id == got[0].id and again.stdout == "first\n"
+        assert client.get(t.id).actions == 1
+
+
 def test_a_lease_of_n_units_holds_exactly_n(tmp_path: Path) -> None:
     config = PoolConfig(apis=(ApiSpec(name="search", concurrency=4),))
     with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:

@@ -286,3 +286,35 @@ def test_a_key_reused_for_something_else_is_refused_not_answered_with_anothers_r
     assert not a_call.ok and "used for exec on t1, not a call of service judge" in (
         a_call.error or ""
     )
+
+
+def test_a_key_reused_for_another_command_on_its_trajectory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same target is not enough: a retry must ask for the same command (argv, input,
+    environment, limits). Where it was placed may differ: a retry can land on other cores."""
+    agent = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=2)
+    first = AgentExec(rid=1, trajectory="t1", argv=["pytest", "-q"], cores=[0], key="u\x1fk")
+
+    async def go() -> list[AgentReply]:
+        gate = _gate(agent, monkeypatch)
+        running = asyncio.create_task(agent.handle(first))
+        await asyncio.sleep(0)
+        other = first.model_copy(update={"rid": 2, "argv": ["rm", "x"]})
+        in_flight = asyncio.create_task(agent.handle(other))
+        await asyncio.wait({in_flight}, timeout=5)  # refused at once; joined, it would wait
+        gate.set_result(None)
+        assert (await running).ok
+        return [
+            await in_flight,
+            await agent.handle(first.model_copy(update={"rid": 3, "stdin": "y\n"})),
+            await agent.handle(first.model_copy(update={"rid": 4, "environ": {"A": "1"}})),
+            await agent.handle(first.model_copy(update={"rid": 5, "cores": [1], "stream": True})),
+        ]
+
+    in_flight, other_stdin, other_env, moved = asyncio.run(go())
+    for refused in (in_flight, other_stdin, other_env):
+        assert not refused.ok and refused.error == (
+            "its idempotency key was used for exec on t1 with another request"
+        )
+    assert moved.ok and moved.replayed and moved.rid == 5

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tangram.service.keys import KeyMemory, Remembered
+from tangram.api.wire import ExecRequest
+from tangram.service.keys import KeyMemory, Remembered, request_digest
 
 
 @dataclass
@@ -20,7 +21,7 @@ def test_an_ended_action_leaves_only_its_answer_untracked_by_the_gc() -> None:
     m.ended(rec, "exec on x", b'{"id":"a-1"}')
     kept = m.get("t", "k")
     assert kept == Remembered("a-1", "exec on x", b'{"id":"a-1"}') and not m.in_flight("a-1")
-    assert m.bytes == len(b'a-1\x00exec on x\x00{"id":"a-1"}')  # all it keeps
+    assert m.bytes == len(b'a-1\x00exec on x\x00\x00{"id":"a-1"}')  # all it keeps (no digest)
     (joined, stored), *_ = m._entries.items()
     # no container the GC tracks: a str key and a bytes value, walked by no collection
     assert isinstance(joined, str) and isinstance(stored, bytes)
@@ -41,12 +42,12 @@ def test_the_oldest_ended_keys_go_first_and_in_flight_ones_stay() -> None:
 
 
 def test_the_byte_bound_counts_what_ended_actions_keep() -> None:
-    m: KeyMemory[Rec] = KeyMemory(max_bytes=22)
+    m: KeyMemory[Rec] = KeyMemory(max_bytes=24)
     for i in range(3):
         rec = Rec(f"a-{i}")
         m.remember("t", f"k{i}", rec)
-        m.ended(rec, "x", b"12345")  # kept as b"a-i\x00x\x0012345": 11 bytes
-    assert m.keys() == [("t", "k1"), ("t", "k2")] and m.bytes == 22
+        m.ended(rec, "x", b"12345")  # kept as b"a-i\x00x\x00\x0012345": 12 bytes
+    assert m.keys() == [("t", "k1"), ("t", "k2")] and m.bytes == 24
 
 
 def test_forget_and_a_late_end_touch_only_their_own_record() -> None:
@@ -70,3 +71,21 @@ def test_a_key_holding_the_separator_stays_apart_from_its_tenant() -> None:
     assert m.keys() == [("t", "k\x00with\x00nul")] and ("t", "k\x00with\x00nul") in m
     assert m.get("t", "k\x00with\x00nul") == Remembered("a-1", "exec on t-1", b'{"s":"a\\u0000b"}')
     assert m.get("t", "k") is None
+
+
+def test_an_ended_key_keeps_its_requests_digest() -> None:
+    m: KeyMemory[Rec] = KeyMemory()
+    rec = Rec("a-1")
+    m.remember("t", "k", rec)
+    m.ended(rec, "exec on t-1", b"{}", "0123456789abcdef")
+    assert m.get("t", "k") == Remembered("a-1", "exec on t-1", b"{}", "0123456789abcdef")
+
+
+def test_a_request_digest_ignores_the_key_and_sees_every_other_field() -> None:
+    run = ExecRequest(argv=["pytest", "-q"], idempotency_key="k1")
+    assert request_digest(run) == request_digest(run.model_copy(update={"idempotency_key": "k2"}))
+    assert request_digest(run) == request_digest(ExecRequest.model_validate_json(
+        '{"argv": ["pytest", "-q"], "pty": false, "idempotency_key": "k1"}'
+    ))  # fmt: skip
+    for other in ({"argv": ["pytest"]}, {"stdin": "y"}, {"env": {"A": "1"}}, {"timeout_s": 5}):
+        assert request_digest(run) != request_digest(run.model_copy(update=other)), other

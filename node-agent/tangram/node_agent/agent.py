@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -85,8 +86,8 @@ class _KeyedRun:
                              running_s=running_s)  # fmt: skip
 
     @property
-    def what(self) -> str:
-        return _what(self.request)
+    def asked(self) -> str:
+        return _asked(self.request)
 
     @property
     def journaled(self) -> bool:
@@ -102,6 +103,29 @@ def _what(req: Keyed) -> str:
     if isinstance(req, AgentCall):
         return f"a call of service {req.service}"
     return f"{req.op} on {req.trajectory}"
+
+
+# What may differ between a request and its retry: the link's id, where the scheduler
+# placed it, the key itself, and how its output travels.
+_PLACEMENT = frozenset({"rid", "cores", "gpus", "key", "stream", "interactive", "ahead"})
+
+
+def _asked(req: Keyed) -> str:
+    """What a key runs and a digest of the rest of its request (its command, input,
+    environment, limits), NUL-joined: a retry must match both. A plain ``str``, so that
+    the many the agent keeps are no work for the cyclic GC."""
+    body = req.model_dump_json(exclude=_PLACEMENT).encode()
+    return f"{_what(req)}\0{hashlib.blake2b(body, digest_size=8).hexdigest()}"
+
+
+def _conflict(ran: str, asked: str) -> str | None:
+    """Why a request may not reuse a key that ``ran`` (an ``_asked``), if it may not."""
+    if ran == asked:
+        return None
+    was, now = ran.partition("\0")[0], asked.partition("\0")[0]
+    if was != now:
+        return f"its idempotency key was used for {was}, not {now}"
+    return f"its idempotency key was used for {was} with another request"
 
 
 def split_cores(
@@ -165,7 +189,7 @@ class NodeAgent:
         self._result_bytes = 0
         self._unjournaled: set[str] = set()  # keys in _results the journal does not hold
         self._unjournaled_bytes = 0
-        self._ran: dict[str, str] = {}  # what the keys in _results ran (journaled: unknown)
+        self._ran: dict[str, str] = {}  # _asked of the keys in _results (journaled: unknown)
         self._keyed: dict[str, asyncio.Task[AgentReply]] = {}
         self._keyed_info: dict[str, _KeyedRun] = {}
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
@@ -308,9 +332,8 @@ class NodeAgent:
         # The scheduler refuses a key reused for something else while it remembers the key;
         # past that (its bound, its restart) the agent must not answer with another's reply.
         task = self._keyed.get(key)
-        ran = self._ran.get(key) if task is None else self._keyed_info[key].what
-        if ran is not None and ran != _what(req):
-            why = f"its idempotency key was used for {ran}, not {_what(req)}"
+        ran = self._ran.get(key) if task is None else self._keyed_info[key].asked
+        if ran is not None and (why := _conflict(ran, _asked(req))) is not None:
             return AgentReply(rid=req.rid, ok=False, key=key, error=why)
         done = self._results.get(key)
         if done is not None:
@@ -354,7 +377,7 @@ class NodeAgent:
         self._keyed.pop(key, None)
         run = self._keyed_info.pop(key, None)
         if run is not None:
-            self._ran[key] = run.what
+            self._ran[key] = run.asked
         if run is not None and not run.journaled:
             self._unjournaled.add(key)
             self._unjournaled_bytes += len(kept)

@@ -26,7 +26,7 @@ from tangram.scheduler.core.scheduler import SchedulingError
 from tangram.service.api_calls import ApiCalls
 from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GROUP, GpuCalls, call_target
-from tangram.service.keys import Remembered
+from tangram.service.keys import Remembered, request_digest
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
 from tangram.service.records import ActionKind, ActionRecord, EngineError, Request
@@ -82,11 +82,15 @@ class Admission:
     ) -> ActionRecord:
         """The action ``req``'s idempotency key already names, or a new one (``new``) once
         the scheduler takes work and the queue has room."""
-        again = self._repeat(tenant, req.idempotency_key, target)
+        key = req.idempotency_key
+        digest = None if key is None else request_digest(req)
+        again = self._repeat(tenant, key, target, req, digest)
         if again is not None:
             return again
         self.s.admitting(tenant)
-        return new(target)
+        rec = new(target)
+        rec.digest = digest
+        return rec
 
     def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:
         """Admit every item or none: an item refused withdraws the ones this call admitted
@@ -165,15 +169,27 @@ class Admission:
         s.wake.set()
         return rec
 
-    def _repeat(self, tenant: str, key: str | None, target: str) -> ActionRecord | None:
+    def _repeat(
+        self, tenant: str, key: str | None, target: str, req: Request, digest: str | None
+    ) -> ActionRecord | None:
         """The action an idempotency key already names; a key reused for another
-        operation or target is a conflict, not a replay."""
+        operation, target or request is a conflict, not a replay."""
         if key is None:
             return None
         again = self.s.idempotent.get(tenant, key)
-        if again is not None and again.target != target:
+        if again is None:
+            return None
+        if again.target != target:
             raise EngineError(
                 "conflict", "idempotency_key", f"{key!r} was used for {again.target}, not {target}"
+            )
+        if again.digest is not None and again.digest != digest:
+            first = again.request if isinstance(again, ActionRecord) else None
+            raise EngineError(
+                "conflict",
+                "idempotency_key",
+                f"{key!r} was used for {target} with another request{_differing(first, req)};"
+                " a retry must send the same request, and another request a new key",
             )
         if isinstance(again, Remembered):
             return self._replay(tenant, again)
@@ -195,6 +211,7 @@ class Admission:
             self.s.clock(),
             fut,
             answer=kept.result,
+            digest=kept.digest,
         )
 
     def _exec_spec(self, env: EnvConfig, req: ExecRequest) -> tuple[list[str] | None, ActionSpec]:
@@ -228,3 +245,16 @@ class Admission:
             if shape and len(self._specs) < MAX_SHAPES:
                 self._specs[shape] = spec
         return argv, spec
+
+
+def _differing(first: Request | None, again: Request) -> str:
+    """' (argv, env differ)': the fields where a request differs from its key's first,
+    where that one is still at hand (an action in flight); else nothing."""
+    if first is None or type(first) is not type(again):
+        return ""
+    a, b = (
+        first.model_dump(exclude={"idempotency_key"}),
+        again.model_dump(exclude={"idempotency_key"}),
+    )
+    names = [name for name in a if a[name] != b.get(name)]
+    return f" ({', '.join(names)} {'differs' if len(names) == 1 else 'differ'})" if names else ""

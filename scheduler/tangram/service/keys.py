@@ -2,22 +2,33 @@
 
 A key maps to its action while the action runs (a retry waits for the same result) and to
 one ``bytes`` object once it ended (handed out as :class:`Remembered`): the action's id,
-the key's target and the answer, NUL-separated. Keys are ``str`` too. Neither is a
-container, so the cyclic garbage collector never tracks them. Kept as live records instead
-(request, result, future: ~20 objects each), the last hundred thousand actions made every
-young-generation collection a 12–18 ms pause, once a second at 2,000 actions/s; kept as
+the key's target, the request's digest and the answer, NUL-separated. Keys are ``str``
+too. Neither is a container, so the cyclic garbage collector never tracks them. Kept as
+live records instead (request, result, future: ~20 objects each), the last hundred
+thousand actions made every young-generation collection a 12–18 ms pause, once a second at 2,000 actions/s; kept as
 tuples, the 2,000 a second it made were most of what filled the young generation
 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Generic, NamedTuple, Protocol, TypeVar
+
+from pydantic import BaseModel
 
 MAX_KEYS = 100_000  # idempotency keys remembered per scheduler ...
 MAX_KEY_BYTES = 256 << 20  # ... and the bytes their results may hold
 _SEP = "\x00"  # neither a tenant, an action id nor a target holds it; JSON escapes it
+
+
+def request_digest(request: BaseModel) -> str:
+    """What a retry must send again, as a short digest: the whole request but its key. A
+    key reused with another body (another command on the same trajectory, say) is a
+    client's bug; answered with the first body's result it would go unseen."""
+    body = request.model_dump_json(exclude={"idempotency_key"}).encode()
+    return hashlib.blake2b(body, digest_size=8).hexdigest()
 
 
 class Remembered(NamedTuple):
@@ -26,6 +37,7 @@ class Remembered(NamedTuple):
     id: str
     target: str  # what the key was used for: "exec on t-1", "lease of search"
     result: bytes  # what its submitter got, as JSON
+    digest: str | None = None  # its request's (request_digest); None: not known
 
 
 class _Record(Protocol):
@@ -64,8 +76,8 @@ class KeyMemory(Generic[R]):
         entry = self._entries.get(tenant + _SEP + key)
         if not isinstance(entry, bytes):
             return entry
-        aid, target, answer = entry.split(b"\x00", 2)
-        return Remembered(aid.decode(), target.decode(), answer)
+        aid, target, digest, answer = entry.split(b"\x00", 3)
+        return Remembered(aid.decode(), target.decode(), answer, digest.decode() or None)
 
     def remember(self, tenant: str, key: str, record: R) -> None:
         joined = tenant + _SEP + key
@@ -80,12 +92,13 @@ class KeyMemory(Generic[R]):
             del self._entries[joined]
             self._in_flight.pop(record.id, None)
 
-    def ended(self, record: R, target: str, answer: bytes) -> None:
-        """``record`` ended and its submitter got ``answer``: keep only that for a retry."""
+    def ended(self, record: R, target: str, answer: bytes, digest: str | None = None) -> None:
+        """``record`` ended and its submitter got ``answer``: keep only that for a retry
+        (and what was asked: ``target``, and the request's ``digest`` where known)."""
         joined = self._in_flight.pop(record.id, None)
         if joined is None or self._entries.get(joined) is not record:
             return
-        kept = f"{record.id}{_SEP}{target}{_SEP}".encode() + answer
+        kept = f"{record.id}{_SEP}{target}{_SEP}{digest or ''}{_SEP}".encode() + answer
         self._entries[joined] = kept  # keeps its place
         self.bytes += len(kept)
         self._trim()
@@ -102,4 +115,4 @@ class KeyMemory(Generic[R]):
             self.bytes -= len(entry)
 
 
-__all__ = ["MAX_KEYS", "MAX_KEY_BYTES", "KeyMemory", "Remembered"]
+__all__ = ["MAX_KEYS", "MAX_KEY_BYTES", "KeyMemory", "Remembered", "request_digest"]

@@ -130,7 +130,7 @@ class Outcomes:
         s.metrics.ended(result)
         if s.idempotent.in_flight(rec.id):  # what its submitter got (a lease: the grant)
             rec.answer = json_bytes(rec.done.result())
-            s.idempotent.ended(rec, rec.target, rec.answer)
+            s.idempotent.ended(rec, rec.target, rec.answer, rec.digest)
         if log.isEnabledFor(logging.INFO):  # its fields cost ~1% of the CPU at 2,000/s
             log.info(
                 "action ended",

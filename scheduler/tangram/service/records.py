@@ -107,6 +107,9 @@ class ActionRecord:
     answer: bytes | None = None  # ``done``'s result as JSON, once kept for its key's retries
     trajectory_id: str | None = None  # the tenant's id of its trajectory
     live: LiveExec | None = None  # a streamed exec: its output out, its input in, as it runs
+    # A keyed request's digest (keys.request_digest), which a retry must match; None for
+    # the stand-ins of runs adopted or answered while nobody asked (their request unknown)
+    digest: str | None = None
 
     @property
     def shown_trajectory(self) -> str | None:
