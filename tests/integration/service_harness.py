@@ -37,6 +37,7 @@ def service(
     tokens: TokenStore | None = None,
     reviewer: TokenReviewer | None = None,
     close_on_exit: bool = True,
+    learned: Path | None = None,
 ) -> Iterator[tuple[Running, str]]:
     """Yield the running service and a client token (of tenant ``local``, if any)."""
     tokens = tokens or TokenStore.create(tmp / "tokens")
@@ -64,6 +65,7 @@ def service(
                     on_ready=on_ready,
                     reviewer=reviewer,
                     close_on_exit=close_on_exit,
+                    learned=learned,
                 )
             except BaseException as e:  # surfaced to the test below
                 failure.append(e)

@@ -261,7 +261,7 @@ def test_a_key_reused_with_another_command_is_a_conflict_in_flight_and_after(
         gate.touch()
         running.join()
         assert got[0].stdout == "first\n"
-        for other in (["echo", "second"], first + ["extra"]):
+        for other in (["echo", "second"], [*first, "extra"]):
             with pytest.raises(TangramError) as e:
                 t.exec(other, idempotency_key="k")
             assert e.value.status == 409 and "with another request" in str(e.value)

@@ -118,8 +118,12 @@ def test_scheduler_deployment_service_and_probes(coding: list[dict[str, Any]]) -
     assert container["image"] == IMAGE
     assert container["command"] == [
         "tangram", "serve", "-f", "/etc/tangram/pool.yaml", "--token-file", "/etc/tangram/tokens",
-        "--host", "0.0.0.0", "--port", "8080", "--kubernetes", "--log-json",
+        "--host", "0.0.0.0", "--port", "8080", "--kubernetes",
+        "--learned-file", "/var/lib/tangram/learned/learned.json", "--log-json",
     ]  # fmt: skip
+    # What it learned outlives a restart of its container, on a volume of the pod's own.
+    assert {"name": "learned", "mountPath": "/var/lib/tangram/learned"} in container["volumeMounts"]
+    assert {"name": "learned", "emptyDir": {}} in pod["volumes"]
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}

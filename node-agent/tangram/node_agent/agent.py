@@ -107,7 +107,7 @@ def _what(req: Keyed) -> str:
 
 # What may differ between a request and its retry: the link's id, where the scheduler
 # placed it, the key itself, and how its output travels.
-_PLACEMENT = frozenset({"rid", "cores", "gpus", "key", "stream", "interactive", "ahead"})
+_PLACEMENT = {"rid", "cores", "gpus", "key", "stream", "interactive", "ahead"}
 
 
 def _asked(req: Keyed) -> str:

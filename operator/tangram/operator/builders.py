@@ -56,6 +56,8 @@ Manifest = dict[str, Any]
 CONFIG_DIR = "/etc/tangram"
 POOL_FILE = f"{CONFIG_DIR}/pool.yaml"
 TOKEN_FILE = f"{CONFIG_DIR}/tokens"
+LEARNED_DIR = "/var/lib/tangram/learned"  # an emptyDir: the scheduler's learned state
+LEARNED_FILE = f"{LEARNED_DIR}/learned.json"
 SCHEDULER_TOKENS_KEY = "tokens"  # keys of the tokens Secret
 AGENT_TOKENS_KEY = "agent"
 AGENT_TENANT = "system:agent"  # tangram.service.auth.AGENT_TENANT; the operator sits apart
@@ -403,6 +405,8 @@ def scheduler_container(pool: ActionPool, image: str, loopback: Loopback | None)
             "--port",
             str(port),
             "--kubernetes",  # TokenReview for clients, secretRefs from the API server
+            "--learned-file",
+            LEARNED_FILE,
             "--log-json",
         ],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
@@ -423,6 +427,7 @@ def scheduler_container(pool: ActionPool, image: str, loopback: Loopback | None)
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "learned", "mountPath": LEARNED_DIR},
         ],
     }
 
@@ -476,6 +481,9 @@ def scheduler_deployment(
                             },
                         },
                         _scratch_volume(),
+                        # What the scheduler learned outlives its container's restarts
+                        # (a crash, the liveness probe); a new pod learns anew.
+                        {"name": "learned", "emptyDir": {}},
                     ],
                 },
             },

@@ -16,8 +16,10 @@ from tangram.cli.files import InputError, port, seconds, whole_number
 from tangram.cli.progress import note
 from tangram.cli.up import (
     add_gpu_flags,
+    add_learned_flag,
     add_log_flags,
     add_runtime_flag,
+    learned_file,
     load_pool,
     load_tokens,
     make_agent,
@@ -56,6 +58,7 @@ def register(sub: Any) -> None:
         help="with --kubernetes outside a pod: the kubeconfig to act with (default: "
         "in-cluster ServiceAccount, else $KUBECONFIG)",
     )
+    add_learned_flag(p, "$TANGRAM_STATE_DIR or ~/.local/state/tangram, learned/POOL.json")
     add_log_flags(p)
     p.set_defaults(run=run_serve)
 
@@ -111,7 +114,9 @@ def run_serve(args: argparse.Namespace) -> int:
         note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.url}/v1/agents")
 
     # Environments outlive a scheduler restart: the next scheduler takes them back.
-    serve_until_signalled(args, config, tokens, None, ready, close_on_exit=False, reviewer=reviewer)
+    learned = learned_file(args, pool.metadata.name, _STATE)
+    serve_until_signalled(args, config, tokens, None, ready, close_on_exit=False,
+                          reviewer=reviewer, learned=learned)  # fmt: skip
     return 0
 
 

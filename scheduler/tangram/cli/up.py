@@ -61,6 +61,7 @@ def register(sub: Any) -> None:
         default=os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE)),
         help="TOKEN TENANT lines; created with a client and an agent token if missing",
     )
+    add_learned_flag(p, "STATE_DIR/learned/POOL.json")
     p.add_argument(
         "--grace", type=seconds, default=10.0, help="seconds in-flight actions get at exit"
     )
@@ -149,7 +150,8 @@ def run_up(args: argparse.Namespace) -> int:
             f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
         )
 
-    serve_until_signalled(args, config, tokens, agent, ready, close_on_exit=True)
+    learned = learned_file(args, pool.metadata.name, args.state_dir)
+    serve_until_signalled(args, config, tokens, agent, ready, close_on_exit=True, learned=learned)
     note("stopped; every environment was removed")
     return 0
 
@@ -279,6 +281,21 @@ def stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+def add_learned_flag(p: Any, default: str) -> None:
+    p.add_argument(
+        "--learned-file",
+        help="where the scheduler keeps what it learned (action profiles, think and queueing "
+        f"times, trajectory lengths) across restarts (default: {default}); '' keeps nothing",
+    )
+
+
+def learned_file(args: argparse.Namespace, pool: str, state_dir: str) -> Path | None:
+    """``--learned-file``, or its default under ``state_dir``; None for ''."""
+    if args.learned_file is None:
+        return Path(state_dir) / "learned" / f"{pool}.json"
+    return Path(args.learned_file) if args.learned_file else None
+
+
 def serve_until_signalled(
     args: argparse.Namespace,
     config: PoolConfig,
@@ -288,6 +305,7 @@ def serve_until_signalled(
     *,
     close_on_exit: bool,
     reviewer: Any = None,
+    learned: Path | None = None,
 ) -> None:
     """Serve the pool on ``--host``/``--port`` until SIGINT or SIGTERM."""
     stop = asyncio.Event()
@@ -305,6 +323,7 @@ def serve_until_signalled(
             grace_s=args.grace,
             close_on_exit=close_on_exit,
             reviewer=reviewer,
+            learned=learned,
         )
 
     try:

@@ -97,6 +97,7 @@ def exec_body(
     stdin: str | None = None,
     pty: bool = False,
     idempotency_key: str | None = None,
+    action_type: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"idempotency_key": idempotency_key or uuid.uuid4().hex}
     if argv is not None:
@@ -123,6 +124,7 @@ def exec_body(
         ("queue_timeout_s", queue_timeout_s),
         ("output_cap", output_cap),
         ("stdin", stdin),
+        ("type", action_type),
     ):
         if value is not None:
             body[name] = value

@@ -44,6 +44,7 @@ from tangram.service.api_calls import ApiCalls
 from tangram.service.config import PoolConfig
 from tangram.service.files import Files
 from tangram.service.gpu_calls import GpuCalls
+from tangram.service.learned_file import SAVE_EVERY_S, LearnedFile
 from tangram.service.live import LiveExec
 from tangram.service.membership import Membership
 from tangram.service.metrics import LiveFigures, Metrics, Units
@@ -87,6 +88,8 @@ class Engine:
         # from the files; POST /v1/admin/reload calls it (in a thread: it may do I/O).
         self.reloader: Callable[[str | None], PoolConfig] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._learned: tuple[LearnedFile, float] | None = None  # where, how often saved
+        self._save_error: str | None = None  # the last save's, until one succeeds
         core.set_services(self.gpu.service_specs())
 
     # ---- the shared state, as the handlers read it -------------------------------------
@@ -103,11 +106,51 @@ class Engine:
         return self.state.trajectories
 
     # ---- lifecycle ---------------------------------------------------------------------
+    def keep_learned(self, store: LearnedFile, every_s: float = SAVE_EVERY_S) -> bool:
+        """Resume from what an earlier scheduler learned and saved in ``store``, and save
+        there every ``every_s`` from ``start`` on, and at ``stop``. True if it resumed."""
+        self._learned = (store, every_s)
+        state = store.load()
+        if state is not None:
+            self.core.resume(state)
+            log.info(
+                "resumed what an earlier scheduler learned",
+                extra={
+                    "file": str(store.path),
+                    "action_types": len(state.profiles),
+                    "lengths": len(state.lengths),
+                },
+            )
+        return state is not None
+
+    async def save_learned(self) -> None:
+        """Save what the core learned (a failure is logged: the next save tries again)."""
+        if self._learned is None:
+            return
+        store = self._learned[0]
+        state = self.core.learned()  # here: the core is the loop's alone
+        try:
+            await asyncio.to_thread(store.save, state)
+        except OSError as e:
+            if str(e) != self._save_error:  # said once, not every SAVE_EVERY_S
+                log.error("cannot save the learned state to %s: %s", store.path, e)
+            self._save_error = str(e)
+        else:
+            self._save_error = None
+
+    async def _save_learned_every(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            await self.save_learned()
+
     async def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self.rounds.run(), name="rounds"),
             asyncio.create_task(self.hub.watch(), name="heartbeats"),
         ]
+        if self._learned is not None:
+            saving = self._save_learned_every(self._learned[1])
+            self._tasks.append(asyncio.create_task(saving, name="learned"))
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop admitting; give running actions ``grace_s`` to finish, cancel the rest."""
@@ -128,6 +171,7 @@ class Engine:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.save_learned()  # with what the last runs taught
         await self.api.close()
 
     @property

@@ -5,9 +5,9 @@ one ``bytes`` object once it ended (handed out as :class:`Remembered`): the acti
 the key's target, the request's digest and the answer, NUL-separated. Keys are ``str``
 too. Neither is a container, so the cyclic garbage collector never tracks them. Kept as
 live records instead (request, result, future: ~20 objects each), the last hundred
-thousand actions made every young-generation collection a 12–18 ms pause, once a second at 2,000 actions/s; kept as
-tuples, the 2,000 a second it made were most of what filled the young generation
-(docs/benchmarks.md).
+thousand actions made every young-generation collection a 12–18 ms pause, once a second
+at 2,000 actions/s; kept as tuples, the 2,000 a second it made were most of what filled
+the young generation (docs/benchmarks.md).
 """
 
 from __future__ import annotations

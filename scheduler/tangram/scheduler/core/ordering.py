@@ -44,6 +44,17 @@ class LengthModel:
     def finished(self, steps: int) -> None:
         bisect.insort(self.lengths, steps)
 
+    def export(self, limit: int) -> list[int]:
+        """At most ``limit`` lengths: all of them, or as many evenly spaced quantiles
+        (what ``expected_remaining`` reads is the distribution, not the count)."""
+        n = len(self.lengths)
+        if n <= limit:
+            return list(self.lengths)
+        return [self.lengths[(2 * i + 1) * n // (2 * limit)] for i in range(limit)]
+
+    def restore(self, lengths: list[int]) -> None:
+        self.lengths = sorted(lengths)
+
     def expected_remaining(self, taken: int) -> float:
         i = bisect.bisect_left(self.lengths, taken + 1)
         longer = self.lengths[i:]

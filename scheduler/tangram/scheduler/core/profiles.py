@@ -22,9 +22,11 @@ observed duration of the type, falling back to ``default_s``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tangram.api.demand import AmdahlEfficiency, Efficiency, duration
+from tangram.api.learned import LearnedFit
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,28 @@ class ProfileBook:
         if se > self.max_p_stderr:
             return None
         return Profile(t1, AmdahlEfficiency(amdahl=min(1.0, max(0.0, p))))
+
+    def export(self) -> dict[str, LearnedFit]:
+        """What the book learned, by type, as a restarted scheduler takes it back."""
+        return {
+            t: LearnedFit(
+                n=f.n,
+                sx=f.sx,
+                sy=f.sy,
+                sxx=f.sxx,
+                sxy=f.sxy,
+                syy=f.syy,
+                counts=sorted(f.counts),
+                submitted=f.submitted,
+            )
+            for t, f in self._fits.items()
+        }
+
+    def restore(self, fits: Mapping[str, LearnedFit]) -> None:
+        """Take back what ``export`` gave, as if those runs had been seen here."""
+        for t, f in fits.items():
+            self._fits[t] = _Fit(f.n, f.sx, f.sy, f.sxx, f.sxy, f.syy, set(f.counts), f.submitted)
+            self._versions[t] = self._versions.get(t, 0) + 1
 
     def should_probe(self, action_type: str) -> bool:
         """Count a submission of an untrusted elastic type; True on every ``probe_every``-th."""

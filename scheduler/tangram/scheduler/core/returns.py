@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tangram.api.learned import LearnedMean
+
 # Weight of each sample: the plain mean of the first 100, then an exponential mean over
 # about the last 100 (a learned quantity follows the workload as it shifts).
 MEAN_WEIGHT = 0.01
@@ -33,6 +35,12 @@ class RunningMean:
         """Start from ``mean`` as if learned: later samples move it as after 100 seen."""
         self.mean = mean
         self.seen = max(self.seen, round(1 / MEAN_WEIGHT))
+
+    def export(self) -> LearnedMean:
+        return LearnedMean(mean=self.mean, seen=self.seen)
+
+    def restore(self, learned: LearnedMean) -> None:
+        self.mean, self.seen = learned.mean, learned.seen
 
 
 @dataclass(slots=True)

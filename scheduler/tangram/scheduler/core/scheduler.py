@@ -17,6 +17,7 @@ from functools import partial
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
+from tangram.api.learned import MAX_LENGTHS, LearnedState
 from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
 from tangram.scheduler.core.admission import resolve
 from tangram.scheduler.core.config import SchedulerConfig, SchedulingError
@@ -152,6 +153,29 @@ class Scheduler:
     @property
     def recent_wait_s(self) -> float:
         return self.recent_wait.mean
+
+    def learned(self) -> LearnedState:
+        """What this scheduler learned from the runs it saw, for the next one to resume."""
+        r = self.returns
+        return LearnedState(
+            profiles=self.book.export(),
+            lengths=self.lengths.export(MAX_LENGTHS),
+            recent_wait_s=self.recent_wait.export(),
+            think_s=r.think.export(),
+            exec_core_s=r.work.export(),
+            exec_run_s=r.run.export(),
+        )
+
+    def resume(self, learned: LearnedState) -> None:
+        """Start from what an earlier scheduler learned (``learned``), as if it had seen
+        those runs here; what this one saw of the same types is replaced."""
+        self.book.restore(learned.profiles)
+        self.lengths.restore(learned.lengths)
+        self.recent_wait.restore(learned.recent_wait_s)
+        r = self.returns
+        r.think.restore(learned.think_s)
+        r.work.restore(learned.exec_core_s)
+        r.run.restore(learned.exec_run_s)
 
     def place_trajectory(self, tid: str, node: str) -> None:
         """Pin a trajectory to a node (its environment already lives there)."""

@@ -1,0 +1,61 @@
+"""What a scheduler has learned from the actions it ran, as it outlives a restart.
+
+The elastic policy sizes an action by its type's learned profile (seed 000 §4.1: t1 and
+E(m), fitted online), the core price by the learned think time and mean exec action, and
+the ``shortest-remaining`` ordering by the lengths of finished trajectories and the recent
+queueing time. All of it is learned from completed runs; a scheduler that restarts with
+nothing sizes every untrusted type at its minimum until it has seen enough runs again. The
+scheduler saves this document now and then and reads it back when it starts
+(docs/scheduler.md, "What a restart keeps").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LENGTHS = 4096  # finished trajectory lengths kept: quantiles of the rest beyond that
+
+Sum = Annotated[float, Field(allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class LearnedFit(_Strict):
+    """The running sums of one action type's least-squares fit of duration against 1/m
+    (``core.profiles``), and how many of its submissions were counted for probing."""
+
+    n: Count
+    sx: Sum
+    sy: Sum
+    sxx: Sum
+    sxy: Sum
+    syy: Sum
+    counts: list[Annotated[int, Field(ge=1)]] = Field(description="unit counts it ran with")
+    submitted: Count = 0
+
+
+class LearnedMean(_Strict):
+    """A running mean (``core.returns.RunningMean``): its value and how many samples."""
+
+    mean: Annotated[float, Field(ge=0)] = 0.0
+    seen: Count = 0
+
+
+class LearnedState(_Strict):
+    version: Literal[1] = 1
+    profiles: dict[str, LearnedFit] = Field(default_factory=dict, description="by action type")
+    lengths: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_LENGTHS)] = Field(
+        default_factory=list, description="steps of finished trajectories, sorted"
+    )
+    recent_wait_s: LearnedMean = LearnedMean()
+    think_s: LearnedMean = LearnedMean()
+    exec_core_s: LearnedMean = LearnedMean()
+    exec_run_s: LearnedMean = LearnedMean()
+
+
+__all__ = ["MAX_LENGTHS", "LearnedFit", "LearnedMean", "LearnedState"]

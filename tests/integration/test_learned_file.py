@@ -1,0 +1,108 @@
+"""What the scheduler learned survives its restart: saved to a file while it runs and when
+it stops, read back by the next one; a file that cannot be read is moved aside."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from tangram.api.learned import LearnedState
+from tangram.cli.up import learned_file
+from tangram.client import ActionStatus, Client
+from tangram.node_agent.agent import NodeAgent
+from tangram.service.auth import TokenStore
+from tangram.service.config import PoolConfig
+from tangram.service.engine import Engine
+from tangram.service.learned_file import LearnedFile
+
+from .service_harness import service
+from .test_service import CONFIG
+
+pytestmark = [pytest.mark.xdist_group("service")]
+
+
+def _agent(state: Path) -> NodeAgent:
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    return NodeAgent.create(state, runtime="process", idle_cores=1)
+
+
+def test_a_restarted_scheduler_resumes_what_the_last_one_learned(tmp_path: Path) -> None:
+    saved, tokens = tmp_path / "learned" / "pool.json", TokenStore.create(tmp_path / "tokens")
+    with (
+        service(CONFIG, _agent(tmp_path / "a"), tmp_path, tokens=tokens, learned=saved) as (
+            running,
+            token,
+        ),
+        Client(running.url, token) as c,
+        c.trajectory("shell") as t,
+    ):
+        for _ in range(3):
+            assert t.exec(["true"], action_type="probe").status is ActionStatus.OK
+    learned = LearnedState.model_validate_json(saved.read_bytes())  # saved at its stop
+    assert learned.profiles["probe"].n == 3 and learned.profiles["probe"].counts == [1]
+    assert learned.lengths == [3]  # the trajectory closed after three steps
+    assert learned.think_s.seen == 2 and learned.exec_run_s.seen == 3
+    with service(CONFIG, _agent(tmp_path / "b"), tmp_path, tokens=tokens, learned=saved) as (
+        again,
+        _,
+    ):
+        assert again.engine.core.learned() == learned
+
+
+def test_it_saves_while_it_runs_so_a_killed_scheduler_loses_little(tmp_path: Path) -> None:
+    store = LearnedFile(tmp_path / "learned.json")
+
+    async def go() -> LearnedState:
+        engine = Engine(PoolConfig())
+        assert not engine.keep_learned(store, every_s=0.01)  # nothing saved yet
+        await engine.start()
+        engine.core.book.observe("probe", 2, 3.0)
+        while not store.path.exists() or "probe" not in store.path.read_text():
+            await asyncio.sleep(0.01)
+        on_disk = store.load()
+        assert on_disk is not None
+        for t in engine._tasks:  # killed: no stop, no last save
+            t.cancel()
+        return on_disk
+
+    on_disk = asyncio.run(go())
+    assert on_disk.profiles["probe"].n == 1 and on_disk.profiles["probe"].counts == [2]
+    assert [p.name for p in tmp_path.iterdir()] == ["learned.json"]  # no temporary left
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("{not json", "(document): Invalid JSON"),
+        (json.dumps({"version": 9}), "version: Input should be 1"),
+        (json.dumps({"lengths": [1, -2]}), "lengths.1: Input should be greater than or equal"),
+    ],
+)
+def test_a_file_that_cannot_be_read_is_moved_aside_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, text: str, why: str
+) -> None:
+    path = tmp_path / "learned.json"
+    path.write_text(text)
+    caplog.set_level(logging.ERROR, "tangram.service")
+    engine = Engine(PoolConfig())
+    assert not engine.keep_learned(LearnedFile(path))
+    assert not path.exists() and (tmp_path / "learned.json.bad").read_text() == text
+    assert str(path) in caplog.text and why in caplog.text
+    asyncio.run(engine.save_learned())  # the next save starts a new file beside it
+    assert LearnedState.model_validate_json(path.read_bytes()) == LearnedState()
+
+
+def test_the_flag_defaults_to_the_state_dir_and_an_empty_one_keeps_nothing() -> None:
+    def given(value: str | None) -> Path | None:
+        return learned_file(argparse.Namespace(learned_file=value), "pool-a", "/var/state")
+
+    assert given(None) == Path("/var/state/learned/pool-a.json")
+    assert given("/x/l.json") == Path("/x/l.json")
+    assert given("") is None

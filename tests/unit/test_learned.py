@@ -1,0 +1,99 @@
+"""What a scheduler learned outlives it: exported as a document, resumed by the next one."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tangram.api.learned import LearnedState
+from tangram.scheduler import Scheduler, SchedulerConfig
+from tangram.scheduler.core.ordering import LengthModel
+
+from .helpers import cluster, exec_action
+
+SUITE = exec_action({"min": 1, "max": 16}, type_="suite")
+BAD_FIT = {"n": 1, "sx": 1, "sy": 1, "sxx": 1, "sxy": 1, "syy": 1}
+
+
+def _node() -> Scheduler:
+    nodes = [{"name": "n1", "cpus": 32, "numa_nodes": 1, "memory_gb": 64}]
+    return Scheduler(cluster(nodes=nodes), SchedulerConfig())
+
+
+def _first_size(s: Scheduler, tid: str = "next") -> int:
+    """The cores the next "suite" run gets on an idle node."""
+    s.open_trajectory(tid)
+    s.submit(f"{tid}-a", tid, SUITE, 0.0)
+    (asg,) = s.schedule(0.0).assignments
+    return asg.units
+
+
+def _taught() -> Scheduler:
+    """A scheduler that ran 24 trajectories of one step each: the suite's profile trusted
+    (as in test_scheduler's probing test), their lengths and think times seen."""
+    s = _node()
+    now = 0.0
+    for i in range(24):
+        tid = f"t{i}"
+        s.open_trajectory(tid)
+        s.submit(f"a{i}", tid, SUITE, now)
+        (asg,) = s.schedule(now).assignments
+        now += 60.0 * (0.1 + 0.9 / asg.units)
+        s.complete(asg.action_id, now)
+        s.close_trajectory(tid)
+    s.returns.think.observe(4.0)
+    return s
+
+
+def test_a_resumed_scheduler_sizes_as_the_one_that_learned() -> None:
+    taught = _taught()
+    assert taught.book.learned("suite") is not None
+    saved = taught.learned().model_dump_json()
+    resumed = _node()
+    resumed.resume(LearnedState.model_validate_json(saved))
+    assert resumed.book.learned("suite") == taught.book.learned("suite")
+    assert resumed.book.mean_duration("suite") == taught.book.mean_duration("suite")
+    assert resumed.lengths.lengths == taught.lengths.lengths == [1] * 24
+    assert resumed.recent_wait_s == taught.recent_wait_s
+    assert resumed.returns.think == taught.returns.think
+    assert (resumed.returns.work, resumed.returns.run) == (taught.returns.work, taught.returns.run)
+    assert resumed.learned() == taught.learned()
+    # What resuming is for: elastic sizes at once, where a fresh scheduler probes first.
+    assert _first_size(resumed) == _first_size(taught) > 2
+    assert _first_size(_node()) == 1
+
+
+def test_resuming_replaces_what_was_learned_of_the_same_types_only() -> None:
+    taught = _taught()
+    s = _node()
+    s.book.observe("other", 1, 5.0)
+    s.book.observe("suite", 1, 1000.0)
+    version = s.book.version("suite")
+    s.resume(taught.learned())
+    assert s.book.mean_duration("other") == 5.0
+    assert s.book.mean_duration("suite") == taught.book.mean_duration("suite")
+    assert s.book.version("suite") > version  # sizes cached for the old profile are stale
+
+
+def test_many_lengths_are_kept_as_evenly_spaced_quantiles() -> None:
+    m = LengthModel(lengths=list(range(10_000)))
+    assert m.export(4) == [1250, 3750, 6250, 8750]
+    assert m.export(10_000) == m.lengths and m.export(20_000) == m.lengths
+    m.restore([9, 3, 5])
+    assert m.lengths == [3, 5, 9] and m.expected_remaining(4) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "where"),
+    [
+        ("version", 2, "version"),
+        ("lengths", [3, -1], "lengths.1"),
+        ("profiles", {"suite": {**BAD_FIT, "counts": [0]}}, "profiles.suite.counts.0"),
+        ("think_s", {"mean": -1.0, "seen": 3}, "think_s.mean"),
+        ("extra", 1, "extra"),
+    ],
+)
+def test_a_bad_document_names_the_field(field: str, value: object, where: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        LearnedState.model_validate({field: value})
+    assert ".".join(str(p) for p in e.value.errors()[0]["loc"]) == where
