@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from tangram.api.demand import AmdahlEfficiency, Efficiency, duration
 from tangram.api.learned import LearnedFit
@@ -142,23 +142,14 @@ class ProfileBook:
     def export(self) -> dict[str, LearnedFit]:
         """What the book learned, by type, as a restarted scheduler takes it back."""
         return {
-            t: LearnedFit(
-                n=f.n,
-                sx=f.sx,
-                sy=f.sy,
-                sxx=f.sxx,
-                sxy=f.sxy,
-                syy=f.syy,
-                counts=sorted(f.counts),
-                submitted=f.submitted,
-            )
+            t: LearnedFit.model_validate({**asdict(f), "counts": sorted(f.counts)})
             for t, f in self._fits.items()
         }
 
     def restore(self, fits: Mapping[str, LearnedFit]) -> None:
         """Take back what ``export`` gave, as if those runs had been seen here."""
         for t, f in fits.items():
-            self._fits[t] = _Fit(f.n, f.sx, f.sy, f.sxx, f.sxy, f.syy, set(f.counts), f.submitted)
+            self._fits[t] = _Fit(**{**f.model_dump(), "counts": set(f.counts)})
             self._versions[t] = self._versions.get(t, 0) + 1
 
     def should_probe(self, action_type: str) -> bool:
