@@ -68,6 +68,9 @@ def test_it_saves_while_it_runs_so_a_killed_scheduler_loses_little(tmp_path: Pat
             await asyncio.sleep(0.01)
         on_disk = store.load()
         assert on_disk is not None
+        written = store.path.stat().st_ino  # each save is a new file renamed over the last
+        await asyncio.sleep(0.2)  # twenty rounds of saving, with nothing new learned
+        assert store.path.stat().st_ino == written
         for t in engine._tasks:  # killed: no stop, no last save
             t.cancel()
         return on_disk

@@ -24,6 +24,7 @@ from dataclasses import replace
 import aiohttp
 
 from tangram.api.cluster import ClusterSpec
+from tangram.api.learned import LearnedState
 from tangram.api.wire import (
     ActionResult,
     ActionStatus,
@@ -90,6 +91,7 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._learned: tuple[LearnedFile, float] | None = None  # where, how often saved
         self._save_error: str | None = None  # the last save's, until one succeeds
+        self._saved: LearnedState | None = None  # what the file holds (loaded or saved)
         core.set_services(self.gpu.service_specs())
 
     # ---- the shared state, as the handlers read it -------------------------------------
@@ -110,7 +112,7 @@ class Engine:
         """Resume from what an earlier scheduler learned and saved in ``store``, and save
         there every ``every_s`` from ``start`` on, and at ``stop``. True if it resumed."""
         self._learned = (store, every_s)
-        state = store.load()
+        state = self._saved = store.load()
         if state is not None:
             self.core.resume(state)
             log.info(
@@ -129,6 +131,8 @@ class Engine:
             return
         store = self._learned[0]
         state = self.core.learned()  # here: the core is the loop's alone
+        if state == self._saved:  # an idle scheduler writes nothing
+            return
         try:
             await asyncio.to_thread(store.save, state)
         except OSError as e:
@@ -136,7 +140,7 @@ class Engine:
                 log.error("cannot save the learned state to %s: %s", store.path, e)
             self._save_error = str(e)
         else:
-            self._save_error = None
+            self._saved, self._save_error = state, None
 
     async def _save_learned_every(self, every_s: float) -> None:
         while True:
