@@ -6,8 +6,9 @@ operator, the pool's scheduler and its node agent run on the node's network, bou
 127.0.0.1) → ``kubectl apply`` of the coding example → the agent DaemonSet's pod Running,
 with no Docker socket → a client opens a trajectory; ``pytest -n {dop}`` runs in its
 sandbox pod, on exactly the cores of each action (read inside the pod) → the agent pod is
-deleted, the DaemonSet makes a new one, and the trajectory goes on with its files; so
-does it after the scheduler pod is deleted → a
+deleted, the DaemonSet makes a new one, and the trajectory goes on with its files; the
+scheduler's container is killed and resumes what it learned; the trajectory goes on after
+the scheduler pod is deleted too → a
 TrajectoryEnv whose image is nowhere and a sandbox killed behind the agent's back end
 their trajectories with the kubelet's reason, on the pool's SandboxesHealthy condition and
 as Events → the pool is deleted: no pod, cgroup or exec server is left.
@@ -282,6 +283,41 @@ def test_an_agent_pod_restart_keeps_the_trajectory_and_its_files(session: Sessio
         assert client.get(tid).state.value == "open"
         (pod,) = s.pods(NS, f"tangram.dev/trajectory={tid}")
         assert pod["metadata"]["uid"] == s.seen["sandbox"]  # the same pod, never remade
+
+
+def test_a_killed_scheduler_resumes_what_it_learned(session: Session) -> None:
+    """Killed as the OOM killer would, the scheduler's container restarts in the same pod,
+    whose emptyDir kept the learned state that the scheduler saves every 30 s."""
+    s = session
+    (pod,) = s.pods(NS, "app.kubernetes.io/component=scheduler")
+    status = pod["status"]["containerStatuses"][0]
+    saved = (s.node.kubelet_root / "pods" / pod["metadata"]["uid"] / "volumes"
+             / "kubernetes.io~empty-dir" / "learned" / "learned.json")  # fmt: skip
+
+    def learned() -> dict[str, Any] | None:
+        try:
+            state: dict[str, Any] = json.loads(saved.read_text())
+        except (OSError, ValueError):  # not saved yet, or caught mid-rename
+            return None
+        return state if state["profiles"] and state["think_s"]["seen"] else None
+
+    before = s.wait("the learned state saved", learned, 90)
+    for pid in _processes_of(status["containerID"].split("://")[1]):
+        os.kill(int(pid), signal.SIGKILL)
+
+    def restarted() -> bool:
+        (now,) = s.pods(NS, "app.kubernetes.io/component=scheduler")
+        (c,) = now["status"]["containerStatuses"]
+        return bool(c["restartCount"] > status["restartCount"] and c.get("ready"))
+
+    s.wait("the scheduler's container restarted and ready", restarted, 120)
+    logs = " ".join(s.kubectl("logs", "-n", NS, pod["metadata"]["name"]).stdout.split())
+    assert f"resumed (action types: {len(before['profiles'])}," in logs, logs[-2000:]
+    after = learned()
+    assert after is not None and after["profiles"].keys() >= before["profiles"].keys()
+    with Client(s.url, s.token("rollout-worker"), retries=30) as client:
+        again = client.exec(s.seen["trajectory"], ["cat", "seen-1"])
+        assert again.status.value == "ok" and again.stdout == s.seen["cores"], again
 
 
 def test_a_scheduler_pod_restart_keeps_the_trajectory_and_its_files(session: Session) -> None:

@@ -54,6 +54,9 @@ def test_a_restarted_scheduler_resumes_what_the_last_one_learned(tmp_path: Path)
         _,
     ):
         assert again.engine.core.learned() == learned
+        assert again.engine.learned_note() == (
+            f"learned state: {saved}, resumed (action types: 1, trajectory lengths: 1)"
+        )
 
 
 def test_it_saves_while_it_runs_so_a_killed_scheduler_loses_little(tmp_path: Path) -> None:

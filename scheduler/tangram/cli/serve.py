@@ -112,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     def ready(r: Running) -> None:
         reload_on_hangup(args.file, args.pool, r.engine, secrets)
         note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.url}/v1/agents")
+        note(r.engine.learned_note())
 
     # Environments outlive a scheduler restart: the next scheduler takes them back.
     learned = learned_file(args, pool.metadata.name, _STATE)

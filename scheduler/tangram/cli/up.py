@@ -146,6 +146,7 @@ def run_up(args: argparse.Namespace) -> int:
             f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
             f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
             f"  token file: {args.token_file}\n"
+            f"  {r.engine.learned_note()}\n"
             f"  try: .venv/bin/python examples/rollout.py --url {r.url}\n"
             f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
         )

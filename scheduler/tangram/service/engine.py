@@ -92,6 +92,7 @@ class Engine:
         self._learned: tuple[LearnedFile, float] | None = None  # where, how often saved
         self._save_error: str | None = None  # the last save's, until one succeeds
         self._saved: LearnedState | None = None  # what the file holds (loaded or saved)
+        self.resumed: LearnedState | None = None  # what an earlier scheduler had learned
         core.set_services(self.gpu.service_specs())
 
     # ---- the shared state, as the handlers read it -------------------------------------
@@ -112,18 +113,22 @@ class Engine:
         """Resume from what an earlier scheduler learned and saved in ``store``, and save
         there every ``every_s`` from ``start`` on, and at ``stop``. True if it resumed."""
         self._learned = (store, every_s)
-        state = self._saved = store.load()
+        state = self.resumed = self._saved = store.load()
         if state is not None:
             self.core.resume(state)
-            log.info(
-                "resumed what an earlier scheduler learned",
-                extra={
-                    "file": str(store.path),
-                    "action_types": len(state.profiles),
-                    "lengths": len(state.lengths),
-                },
-            )
         return state is not None
+
+    def learned_note(self) -> str:
+        """What a start says of the learned state: where it is kept, and what it resumed."""
+        if self._learned is None:
+            return "learned state: not kept"
+        path, state = self._learned[0].path, self.resumed
+        if state is None:
+            return f"learned state: {path} (nothing to resume)"
+        return (
+            f"learned state: {path}, resumed (action types: {len(state.profiles)}, "
+            f"trajectory lengths: {len(state.lengths)})"
+        )
 
     async def save_learned(self) -> None:
         """Save what the core learned (a failure is logged: the next save tries again)."""
