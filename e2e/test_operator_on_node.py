@@ -7,8 +7,9 @@ operator, the pool's scheduler and its node agent run on the node's network, bou
 with no Docker socket → a client opens a trajectory; ``pytest -n {dop}`` runs in its
 sandbox pod, on exactly the cores of each action (read inside the pod) → the agent pod is
 deleted, the DaemonSet makes a new one, and the trajectory goes on with its files; the
-scheduler's container is killed and resumes what it learned; the trajectory goes on after
-the scheduler pod is deleted too → a
+scheduler's container is killed and resumes what it learned from the pool's ConfigMap; the
+trajectory goes on after the scheduler pod is deleted too, and the new pod resumes what
+the last one learned → a
 TrajectoryEnv whose image is nowhere and a sandbox killed behind the agent's back end
 their trajectories with the kubelet's reason, on the pool's SandboxesHealthy condition and
 as Events → the pool is deleted: no pod, cgroup or exec server is left.
@@ -286,22 +287,12 @@ def test_an_agent_pod_restart_keeps_the_trajectory_and_its_files(session: Sessio
 
 
 def test_a_killed_scheduler_resumes_what_it_learned(session: Session) -> None:
-    """Killed as the OOM killer would, the scheduler's container restarts in the same pod,
-    whose emptyDir kept the learned state that the scheduler saves every 30 s."""
+    """Killed as the OOM killer would, the scheduler's container restarts and reads back
+    what it saved (every 30 s) in the pool's learned-state ConfigMap."""
     s = session
     (pod,) = s.pods(NS, "app.kubernetes.io/component=scheduler")
     status = pod["status"]["containerStatuses"][0]
-    saved = (s.node.kubelet_root / "pods" / pod["metadata"]["uid"] / "volumes"
-             / "kubernetes.io~empty-dir" / "learned" / "learned.json")  # fmt: skip
-
-    def learned() -> dict[str, Any] | None:
-        try:
-            state: dict[str, Any] = json.loads(saved.read_text())
-        except (OSError, ValueError):  # not saved yet, or caught mid-rename
-            return None
-        return state if state["profiles"] and state["think_s"]["seen"] else None
-
-    before = s.wait("the learned state saved", learned, 90)
+    before = s.wait("the learned state saved", lambda: _learned(s), 90)
     for pid in _processes_of(status["containerID"].split("://")[1]):
         os.kill(int(pid), signal.SIGKILL)
 
@@ -313,11 +304,18 @@ def test_a_killed_scheduler_resumes_what_it_learned(session: Session) -> None:
     s.wait("the scheduler's container restarted and ready", restarted, 120)
     logs = " ".join(s.kubectl("logs", "-n", NS, pod["metadata"]["name"]).stdout.split())
     assert f"resumed (action types: {len(before['profiles'])}," in logs, logs[-2000:]
-    after = learned()
-    assert after is not None and after["profiles"].keys() >= before["profiles"].keys()
     with Client(s.url, s.token("rollout-worker"), retries=30) as client:
         again = client.exec(s.seen["trajectory"], ["cat", "seen-1"])
         assert again.status.value == "ok" and again.stdout == s.seen["cores"], again
+
+
+def _learned(s: Session) -> dict[str, Any] | None:
+    """The scheduler's saved state, once it holds a profile and a think time."""
+    data = s.get("configmap", "tangram-coding-learned", NS).get("data") or {}
+    if "learned.json" not in data:
+        return None
+    state: dict[str, Any] = json.loads(data["learned.json"])
+    return state if state["profiles"] and state["think_s"]["seen"] else None
 
 
 def test_a_scheduler_pod_restart_keeps_the_trajectory_and_its_files(session: Session) -> None:
@@ -341,6 +339,11 @@ def test_a_scheduler_pod_restart_keeps_the_trajectory_and_its_files(session: Ses
         (pod,) = s.pods(NS, f"tangram.dev/trajectory={tid}")
         assert pod["metadata"]["uid"] == s.seen["sandbox"]
         client.close(tid)
+    # A new pod, and what the last one learned (saved as it stopped) resumed all the same.
+    (new,) = s.pods(NS, "app.kubernetes.io/component=scheduler")
+    logs = " ".join(s.kubectl("logs", "-n", NS, new["metadata"]["name"]).stdout.split())
+    learned = f"learned state: ConfigMap {NS}/tangram-coding-learned, resumed (action types:"
+    assert learned in logs, logs[-2000:]
 
 
 def test_sandbox_failures_end_their_trajectories_and_show_on_the_pool(session: Session) -> None:

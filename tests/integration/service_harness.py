@@ -24,6 +24,7 @@ from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.embedded import Running, free_port, run
+from tangram.service.learned_file import LearnedStore
 from tangram.service.reviews import TokenReviewer
 
 
@@ -37,7 +38,7 @@ def service(
     tokens: TokenStore | None = None,
     reviewer: TokenReviewer | None = None,
     close_on_exit: bool = True,
-    learned: Path | None = None,
+    learned: LearnedStore | None = None,
 ) -> Iterator[tuple[Running, str]]:
     """Yield the running service and a client token (of tenant ``local``, if any)."""
     tokens = tokens or TokenStore.create(tmp / "tokens")

@@ -19,7 +19,7 @@ from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import TokenStore
 from tangram.service.config import PoolConfig
 from tangram.service.engine import Engine
-from tangram.service.learned_file import LearnedFile
+from tangram.service.learned_file import LearnedFile, read_state
 
 from .service_harness import service
 from .test_service import CONFIG
@@ -36,7 +36,9 @@ def _agent(state: Path) -> NodeAgent:
 def test_a_restarted_scheduler_resumes_what_the_last_one_learned(tmp_path: Path) -> None:
     saved, tokens = tmp_path / "learned" / "pool.json", TokenStore.create(tmp_path / "tokens")
     with (
-        service(CONFIG, _agent(tmp_path / "a"), tmp_path, tokens=tokens, learned=saved) as (
+        service(
+            CONFIG, _agent(tmp_path / "a"), tmp_path, tokens=tokens, learned=LearnedFile(saved)
+        ) as (
             running,
             token,
         ),
@@ -49,7 +51,9 @@ def test_a_restarted_scheduler_resumes_what_the_last_one_learned(tmp_path: Path)
     assert learned.profiles["probe"].n == 3 and learned.profiles["probe"].counts == [1]
     assert learned.lengths == [3]  # the trajectory closed after three steps
     assert learned.think_s.seen == 2 and learned.exec_run_s.seen == 3
-    with service(CONFIG, _agent(tmp_path / "b"), tmp_path, tokens=tokens, learned=saved) as (
+    with service(
+        CONFIG, _agent(tmp_path / "b"), tmp_path, tokens=tokens, learned=LearnedFile(saved)
+    ) as (
         again,
         _,
     ):
@@ -69,7 +73,7 @@ def test_it_saves_while_it_runs_so_a_killed_scheduler_loses_little(tmp_path: Pat
         engine.core.book.observe("probe", 2, 3.0)
         while not store.path.exists() or "probe" not in store.path.read_text():
             await asyncio.sleep(0.01)
-        on_disk = store.load()
+        on_disk = read_state(store)
         assert on_disk is not None
         written = store.path.stat().st_ino  # each save is a new file renamed over the last
         await asyncio.sleep(0.2)  # twenty rounds of saving, with nothing new learned
@@ -107,7 +111,8 @@ def test_a_file_that_cannot_be_read_is_moved_aside_and_named(
 
 def test_the_flag_defaults_to_the_state_dir_and_an_empty_one_keeps_nothing() -> None:
     def given(value: str | None) -> Path | None:
-        return learned_file(argparse.Namespace(learned_file=value), "pool-a", "/var/state")
+        store = learned_file(argparse.Namespace(learned_file=value), "pool-a", "/var/state")
+        return None if store is None else store.path
 
     assert given(None) == Path("/var/state/learned/pool-a.json")
     assert given("/x/l.json") == Path("/x/l.json")

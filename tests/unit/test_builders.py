@@ -119,11 +119,17 @@ def test_scheduler_deployment_service_and_probes(coding: list[dict[str, Any]]) -
     assert container["command"] == [
         "tangram", "serve", "-f", "/etc/tangram/pool.yaml", "--token-file", "/etc/tangram/tokens",
         "--host", "0.0.0.0", "--port", "8080", "--kubernetes",
-        "--learned-file", "/var/lib/tangram/learned/learned.json", "--log-json",
+        "--learned-configmap", "rl/tangram-coding-learned", "--log-json",
     ]  # fmt: skip
-    # What it learned outlives a restart of its container, on a volume of the pod's own.
-    assert {"name": "learned", "mountPath": "/var/lib/tangram/learned"} in container["volumeMounts"]
-    assert {"name": "learned", "emptyDir": {}} in pod["volumes"]
+    # What it learned outlives its pods: a ConfigMap of the pool's, which the operator
+    # applies without data (the scheduler's key is never reset), and the Role names alone.
+    learned = _one(coding, "ConfigMap", "tangram-coding-learned")
+    assert "data" not in learned
+    assert learned["metadata"]["ownerReferences"][0]["kind"] == "ActionPool"
+    role = _one(coding, "Role", "tangram-coding-scheduler")
+    rule = {"apiGroups": [""], "resources": ["configmaps"],
+            "resourceNames": ["tangram-coding-learned"], "verbs": ["get", "patch"]}  # fmt: skip
+    assert rule in role["rules"]
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}

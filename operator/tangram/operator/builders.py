@@ -56,8 +56,6 @@ Manifest = dict[str, Any]
 CONFIG_DIR = "/etc/tangram"
 POOL_FILE = f"{CONFIG_DIR}/pool.yaml"
 TOKEN_FILE = f"{CONFIG_DIR}/tokens"
-LEARNED_DIR = "/var/lib/tangram/learned"  # an emptyDir: the scheduler's learned state
-LEARNED_FILE = f"{LEARNED_DIR}/learned.json"
 SCHEDULER_TOKENS_KEY = "tokens"  # keys of the tokens Secret
 AGENT_TOKENS_KEY = "agent"
 AGENT_TENANT = "system:agent"  # tangram.service.auth.AGENT_TENANT; the operator sits apart
@@ -197,6 +195,17 @@ def config_map(
     }
 
 
+def learned_config_map(pool: ActionPool, uid: str) -> Manifest:
+    """Where the scheduler keeps what it learned (its key ``learned.json``, written by the
+    scheduler alone: applied without data, the operator never owns or resets it). Owned
+    by the pool: it outlives the scheduler's pods, and goes with the pool."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(pool, child_name(pool, "learned"), "scheduler", uid),
+    }
+
+
 def token_secret(pool: ActionPool, agent_token: str, operator_token: str, uid: str) -> Manifest:
     for name, token in (("agent_token", agent_token), ("operator_token", operator_token)):
         if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
@@ -248,6 +257,13 @@ def scheduler_role(pool: ActionPool, uid: str) -> Manifest:
             "verbs": ["get", "list", "watch"],
         }
     ]
+    # Its learned state: this one ConfigMap, read and patched (never created: the
+    # operator makes it, so no rule grants every ConfigMap of the namespace).
+    learned = child_name(pool, "learned")
+    rules.append(
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [learned],
+         "verbs": ["get", "patch"]}
+    )  # fmt: skip
     names = secret_names(pool)
     if names:  # a rule without resourceNames would grant every Secret of the namespace
         rules.append(
@@ -405,8 +421,8 @@ def scheduler_container(pool: ActionPool, image: str, loopback: Loopback | None)
             "--port",
             str(port),
             "--kubernetes",  # TokenReview for clients, secretRefs from the API server
-            "--learned-file",
-            LEARNED_FILE,
+            "--learned-configmap",
+            f"{pool.metadata.namespace}/{child_name(pool, 'learned')}",
             "--log-json",
         ],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
@@ -427,7 +443,6 @@ def scheduler_container(pool: ActionPool, image: str, loopback: Loopback | None)
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "learned", "mountPath": LEARNED_DIR},
         ],
     }
 
@@ -481,9 +496,6 @@ def scheduler_deployment(
                             },
                         },
                         _scratch_volume(),
-                        # What the scheduler learned outlives its container's restarts
-                        # (a crash, the liveness probe); a new pod learns anew.
-                        {"name": "learned", "emptyDir": {}},
                     ],
                 },
             },
@@ -678,6 +690,7 @@ def build_pool(
     """
     objects = [
         config_map(pool, envs, services, uid),
+        learned_config_map(pool, uid),
         token_secret(pool, agent_token, operator_token, uid),
         service_account(pool, "scheduler", "scheduler", uid),
         service_account(pool, "node-agent", "agent", uid),

@@ -396,7 +396,7 @@ _NEWS: dict[str, Callable[[Condition], tuple[str, ...]]] = {
 
 
 def _documents(objects: list[Manifest]) -> str:
-    config = next(o for o in objects if o["kind"] == "ConfigMap")
+    config = next(o for o in objects if o["kind"] == "ConfigMap" and "data" in o)
     text: str = config["data"]["pool.yaml"]
     return text
 

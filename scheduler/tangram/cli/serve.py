@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+from tangram.api.spec_base import DNS_LABEL_RE, DNS_SUBDOMAIN
 from tangram.cli.files import InputError, port, seconds, whole_number
 from tangram.cli.progress import note
 from tangram.cli.up import (
@@ -32,6 +34,7 @@ from tangram.cli.up import (
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.service.auth import AGENT_TENANT
 from tangram.service.embedded import Running
+from tangram.service.learned_file import LearnedStore
 
 _STATE = os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram"))
 _TOKENS = os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE))
@@ -59,6 +62,12 @@ def register(sub: Any) -> None:
         "in-cluster ServiceAccount, else $KUBECONFIG)",
     )
     add_learned_flag(p, "$TANGRAM_STATE_DIR or ~/.local/state/tangram, learned/POOL.json")
+    p.add_argument(
+        "--learned-configmap",
+        metavar="NAMESPACE/NAME",
+        help="with --kubernetes: keep it in this ConfigMap instead (the operator makes one "
+        "for each pool, which outlives the scheduler's pod)",
+    )
     add_log_flags(p)
     p.set_defaults(run=run_serve)
 
@@ -97,17 +106,24 @@ def register(sub: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     setup_logging(args)
     secrets, reviewer = None, None
+    learned_map = _learned_configmap(args)
     if args.kubernetes:
-        from tangram.service.kube import KubeApi, KubeError, api_client
+        from tangram.service.kube import KubeApi, KubeError, LearnedConfigMap, api_client
         from tangram.service.reviews import TokenReviewer
 
         try:
-            kube = KubeApi(api_client(args.kubeconfig))
+            api = api_client(args.kubeconfig)
         except KubeError as e:
             raise InputError(f"--kubernetes: {e}") from None
+        kube = KubeApi(api)
         secrets, reviewer = kube.secret, TokenReviewer(kube.review)
     pool, config = load_pool(args.file, args.pool, secrets)
     tokens = load_tokens(Path(args.token_file))
+    learned: LearnedStore | None
+    if learned_map is not None:
+        learned = LearnedConfigMap(api, *learned_map)
+    else:
+        learned = learned_file(args, pool.metadata.name, _STATE)
 
     def ready(r: Running) -> None:
         reload_on_hangup(args.file, args.pool, r.engine, secrets)
@@ -115,10 +131,24 @@ def run_serve(args: argparse.Namespace) -> int:
         note(r.engine.learned_note())
 
     # Environments outlive a scheduler restart: the next scheduler takes them back.
-    learned = learned_file(args, pool.metadata.name, _STATE)
     serve_until_signalled(args, config, tokens, None, ready, close_on_exit=False,
                           reviewer=reviewer, learned=learned)  # fmt: skip
     return 0
+
+
+def _learned_configmap(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``--learned-configmap NAMESPACE/NAME`` as (namespace, name), checked."""
+    given = args.learned_configmap
+    if given is None:
+        return None
+    namespace, _, name = given.partition("/")
+    if not (DNS_LABEL_RE.match(namespace) and re.match(DNS_SUBDOMAIN, name)):
+        raise InputError(f"--learned-configmap: {given!r} is not NAMESPACE/NAME")
+    if not args.kubernetes:
+        raise InputError("--learned-configmap needs --kubernetes")
+    if args.learned_file is not None:
+        raise InputError("give --learned-file or --learned-configmap, not both")
+    return namespace, name
 
 
 def run_agent(args: argparse.Namespace) -> int:

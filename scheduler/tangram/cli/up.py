@@ -35,6 +35,7 @@ from tangram.service.from_resources import (
     choose_pool,
     pool_config,
 )
+from tangram.service.learned_file import LearnedFile, LearnedStore
 
 LOCAL_BUSYBOX = "tangram-local/busybox:"  # images under this name are made, not pulled
 SUMMARY = "run the scheduler and a local node agent (embedded mode)"
@@ -290,11 +291,11 @@ def add_learned_flag(p: Any, default: str) -> None:
     )
 
 
-def learned_file(args: argparse.Namespace, pool: str, state_dir: str) -> Path | None:
+def learned_file(args: argparse.Namespace, pool: str, state_dir: str) -> LearnedFile | None:
     """``--learned-file``, or its default under ``state_dir``; None for ''."""
     if args.learned_file is None:
-        return Path(state_dir) / "learned" / f"{pool}.json"
-    return Path(args.learned_file) if args.learned_file else None
+        return LearnedFile(Path(state_dir) / "learned" / f"{pool}.json")
+    return LearnedFile(Path(args.learned_file)) if args.learned_file else None
 
 
 def serve_until_signalled(
@@ -306,7 +307,7 @@ def serve_until_signalled(
     *,
     close_on_exit: bool,
     reviewer: Any = None,
-    learned: Path | None = None,
+    learned: LearnedStore | None = None,
 ) -> None:
     """Serve the pool on ``--host``/``--port`` until SIGINT or SIGTERM."""
     stop = asyncio.Event()

@@ -13,7 +13,6 @@ import logging
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import uvicorn
 
@@ -23,7 +22,7 @@ from tangram.service.app import create_app
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import PoolConfig
 from tangram.service.engine import Engine
-from tangram.service.learned_file import LearnedFile
+from tangram.service.learned_file import LearnedStore
 from tangram.service.reviews import TokenReviewer
 
 log = logging.getLogger("tangram.service")
@@ -71,16 +70,16 @@ async def run(
     grace_s: float = 10.0,
     close_on_exit: bool = True,
     reviewer: TokenReviewer | None = None,
-    learned: Path | None = None,
+    learned: LearnedStore | None = None,
 ) -> None:
     """Serve until ``stop`` is set; then stop admitting, let in-flight actions finish
     within ``grace_s``, stop the agent. With ``close_on_exit`` (embedded mode) every
     environment is removed; without it (a scheduler alone) they stay on their nodes for
-    the next scheduler to take back. ``learned``: the file that keeps what the scheduler
+    the next scheduler to take back. ``learned``: where the scheduler keeps what it
     learned across restarts (read now, saved while it runs and when it stops)."""
     engine = Engine(config)
     if learned is not None:
-        engine.keep_learned(LearnedFile(learned))
+        engine.keep_learned(learned)
     app = create_app(engine, tokens, reviewer=reviewer)
     server = _Server(
         uvicorn.Config(

@@ -45,7 +45,7 @@ from tangram.service.api_calls import ApiCalls
 from tangram.service.config import PoolConfig
 from tangram.service.files import Files
 from tangram.service.gpu_calls import GpuCalls
-from tangram.service.learned_file import SAVE_EVERY_S, LearnedFile
+from tangram.service.learned_file import SAVE_EVERY_S, LearnedStore, read_state, write_state
 from tangram.service.live import LiveExec
 from tangram.service.membership import Membership
 from tangram.service.metrics import LiveFigures, Metrics, Units
@@ -89,7 +89,7 @@ class Engine:
         # from the files; POST /v1/admin/reload calls it (in a thread: it may do I/O).
         self.reloader: Callable[[str | None], PoolConfig] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._learned: tuple[LearnedFile, float] | None = None  # where, how often saved
+        self._learned: tuple[LearnedStore, float] | None = None  # where, how often saved
         self._save_error: str | None = None  # the last save's, until one succeeds
         self._saved: LearnedState | None = None  # what the file holds (loaded or saved)
         self.resumed: LearnedState | None = None  # what an earlier scheduler had learned
@@ -109,11 +109,11 @@ class Engine:
         return self.state.trajectories
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def keep_learned(self, store: LearnedFile, every_s: float = SAVE_EVERY_S) -> bool:
+    def keep_learned(self, store: LearnedStore, every_s: float = SAVE_EVERY_S) -> bool:
         """Resume from what an earlier scheduler learned and saved in ``store``, and save
         there every ``every_s`` from ``start`` on, and at ``stop``. True if it resumed."""
         self._learned = (store, every_s)
-        state = self.resumed = self._saved = store.load()
+        state = self.resumed = self._saved = read_state(store)
         if state is not None:
             self.core.resume(state)
         return state is not None
@@ -122,7 +122,7 @@ class Engine:
         """What a start says of the learned state: where it is kept, and what it resumed."""
         if self._learned is None:
             return "learned state: not kept"
-        path, state = self._learned[0].path, self.resumed
+        path, state = self._learned[0].where, self.resumed
         if state is None:
             return f"learned state: {path} (nothing to resume)"
         return (
@@ -139,10 +139,10 @@ class Engine:
         if state == self._saved:  # an idle scheduler writes nothing
             return
         try:
-            await asyncio.to_thread(store.save, state)
+            await asyncio.to_thread(write_state, store, state)
         except OSError as e:
             if str(e) != self._save_error:  # said once, not every SAVE_EVERY_S
-                log.error("cannot save the learned state to %s: %s", store.path, e)
+                log.error("cannot save the learned state to %s: %s", store.where, e)
             self._save_error = str(e)
         else:
             self._saved, self._save_error = state, None

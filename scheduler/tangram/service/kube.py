@@ -1,9 +1,11 @@
-"""The scheduler's Kubernetes API adapter: TokenReviews and the Secrets of ``secretRef``.
+"""The scheduler's Kubernetes API adapter: TokenReviews, the Secrets of ``secretRef``, and
+the ConfigMap that keeps what the scheduler learned.
 
 The only module of the service that imports the ``kubernetes`` client. In a pod it uses the
 mounted ServiceAccount (in-cluster config); elsewhere ``$KUBECONFIG`` or ``~/.kube/config``
 (how e2e tests run the scheduler as a local process with its pod's identity). What it may
-do is what the operator's Role grants: create TokenReviews, get the named Secrets.
+do is what the operator's Role grants: create TokenReviews, get the named Secrets, get and
+patch the pool's learned-state ConfigMap.
 """
 
 from __future__ import annotations
@@ -84,4 +86,52 @@ class KubeApi:
             raise LookupError(f"Secret {namespace}/{ref.name}: {ref.key} is not UTF-8") from None
 
 
-__all__ = ["KubeApi", "KubeError", "api_client"]
+LEARNED_KEY = "learned.json"
+
+
+class LearnedConfigMap:
+    """The scheduler's learned state (``service.learned_file``) as one key of a ConfigMap
+    the operator makes for the pool, owned by it: it outlives the scheduler's pod (an
+    upgrade, an eviction) and goes with the pool. The Role names this ConfigMap alone."""
+
+    def __init__(self, api: Any, namespace: str, name: str) -> None:
+        self._core = client.CoreV1Api(api)
+        self.namespace, self.name = namespace, name
+
+    @property
+    def where(self) -> str:
+        return f"ConfigMap {self.namespace}/{self.name}"
+
+    def read(self) -> bytes | None:
+        obj = self._call(self._core.read_namespaced_config_map, self.name, self.namespace)
+        text = (obj.data or {}).get(LEARNED_KEY)
+        return None if text is None else str(text).encode()
+
+    def write(self, document: bytes) -> None:
+        self._patch({LEARNED_KEY: document.decode()})
+
+    def set_aside(self, document: bytes) -> str:
+        self._patch({LEARNED_KEY: None, f"{LEARNED_KEY}.bad": document.decode()})
+        return f"its key {LEARNED_KEY}.bad"
+
+    def _patch(self, data: dict[str, str | None]) -> None:
+        self._call(self._core.patch_namespaced_config_map, self.name, self.namespace,
+                   {"data": data})  # fmt: skip
+
+    def _call(self, method: Any, *args: Any) -> Any:
+        """``method(*args)``; OSError naming the ConfigMap and what went wrong."""
+        try:
+            return method(*args)
+        except ApiException as e:
+            if e.status == 404:
+                why = "not found (the operator makes it with the pool)"
+            elif e.status == 403:
+                why = "forbidden (the scheduler's Role must name this ConfigMap)"
+            else:
+                why = f"{e.status} {e.reason}"
+            raise OSError(f"{self.where}: {why}") from None
+        except urllib3.exceptions.HTTPError as e:
+            raise OSError(f"{self.where}: API server unreachable ({e})") from None
+
+
+__all__ = ["LEARNED_KEY", "KubeApi", "KubeError", "LearnedConfigMap", "api_client"]

@@ -1,10 +1,12 @@
-"""The scheduler's learned state on disk (``tangram.api.learned``): read back when it
-starts, written every ``SAVE_EVERY_S`` while it runs and once more when it stops.
+"""Where the scheduler keeps what it learned (``tangram.api.learned``): read back when it
+starts, written every ``SAVE_EVERY_S`` while it runs (when something new was learned)
+and once more when it stops.
 
-A write goes to a temporary file that replaces the old one, so a scheduler killed mid-write
-leaves the last whole document. A document that cannot be read (not JSON, a field out of
-range, from a newer version) is moved aside as ``NAME.bad`` and the scheduler starts
-from nothing: the log names the file and the field, and the next save does not overwrite
+A store holds one document: a file (embedded mode, ``tangram serve --learned-file``), or
+a key of a ConfigMap that the operator makes for the pool (``service.kube``), which
+outlives the scheduler's pod. A document that cannot be read (not JSON, a field out of
+range, from a newer version) is set aside (``NAME.bad``) and the scheduler starts from
+nothing: the log names the store and the field, and the next save does not overwrite
 what someone may want to look at.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Protocol
 
 from pydantic import ValidationError
 
@@ -23,51 +26,92 @@ SAVE_EVERY_S = 30.0  # what a killed scheduler loses at most
 log = logging.getLogger("tangram.service")
 
 
+class LearnedStore(Protocol):
+    """Raw I/O of one document; OSError when the store cannot be reached."""
+
+    @property
+    def where(self) -> str: ...
+
+    def read(self) -> bytes | None:
+        """The document, or None when none was saved yet."""
+        ...
+
+    def write(self, document: bytes) -> None: ...
+
+    def set_aside(self, document: bytes) -> str:
+        """Keep ``document`` apart from where the next one goes; say where it went."""
+        ...
+
+
 class LearnedFile:
+    """A file, replaced whole by each write (a temporary file renamed over it), so a
+    scheduler killed mid-write leaves the last whole document."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def load(self) -> LearnedState | None:
-        """The state saved here, or None: none saved yet, or one that cannot be read
-        (then moved aside, and why is logged)."""
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def read(self) -> bytes | None:
         try:
-            text = self.path.read_bytes()
+            return self.path.read_bytes()
         except FileNotFoundError:
             return None
-        except OSError as e:
-            log.error("cannot read the learned state %s: %s; starting without it", self.path, e)
-            return None
-        try:
-            return LearnedState.model_validate_json(text)
-        except ValidationError as e:
-            first = e.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(document)"
-            why = f"{where}: {first['msg']}"
-        bad = self.path.with_name(self.path.name + ".bad")
-        try:
-            os.replace(self.path, bad)
-        except OSError as e:
-            why += f" (and it could not be moved aside: {e})"
-        log.error(
-            "the learned state %s is not valid, %s; moved to %s, starting without it",
-            self.path,
-            why,
-            bad,
-        )
-        return None
 
-    def save(self, state: LearnedState) -> None:
-        """Write ``state`` in place of the last, whole or not at all."""
+    def write(self, document: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(state.model_dump_json().encode())
+                f.write(document)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
 
+    def set_aside(self, document: bytes) -> str:
+        bad = self.path.with_name(self.path.name + ".bad")
+        os.replace(self.path, bad)
+        return str(bad)
 
-__all__ = ["SAVE_EVERY_S", "LearnedFile"]
+
+def read_state(store: LearnedStore) -> LearnedState | None:
+    """The state ``store`` holds, or None: none saved yet, or one that cannot be read
+    (then set aside, and why is logged)."""
+    try:
+        document = store.read()
+    except OSError as e:
+        log.error("cannot read the learned state %s: %s; starting without it", store.where, e)
+        return None
+    if document is None:
+        return None
+    try:
+        return LearnedState.model_validate_json(document)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        why = f"{'.'.join(str(p) for p in first['loc']) or '(document)'}: {first['msg']}"
+    try:
+        aside = f"moved to {store.set_aside(document)}"
+    except OSError as e:
+        aside = f"not moved aside ({e})"
+    log.error(
+        "the learned state %s is not valid, %s; %s, starting without it", store.where, why, aside
+    )
+    return None
+
+
+def write_state(store: LearnedStore, state: LearnedState) -> None:
+    """Write ``state`` in place of the last, whole or not at all (OSError if not)."""
+    store.write(state.model_dump_json().encode())
+
+
+__all__ = [
+    "SAVE_EVERY_S",
+    "LearnedFile",
+    "LearnedStore",
+    "read_state",
+    "write_state",
+]
