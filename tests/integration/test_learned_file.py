@@ -8,11 +8,14 @@ import asyncio
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from tangram.api.learned import LearnedState
+from tangram.cli.files import InputError
+from tangram.cli.serve import _learned_configmap
 from tangram.cli.up import learned_file
 from tangram.client import ActionStatus, Client
 from tangram.node_agent.agent import NodeAgent
@@ -117,3 +120,20 @@ def test_the_flag_defaults_to_the_state_dir_and_an_empty_one_keeps_nothing() -> 
     assert given(None) == Path("/var/state/learned/pool-a.json")
     assert given("/x/l.json") == Path("/x/l.json")
     assert given("") is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        ({"learned_configmap": "no-slash"}, "'no-slash' is not NAMESPACE/NAME"),
+        ({"learned_configmap": "Bad_NS/x"}, "is not NAMESPACE/NAME"),
+        ({"learned_configmap": "rl/x"}, "--learned-configmap needs --kubernetes"),
+        ({"learned_configmap": "rl/x", "kubernetes": True, "learned_file": "/f"}, "not both"),
+    ],
+)
+def test_the_configmap_flag_names_what_is_wrong(flags: dict[str, object], why: str) -> None:
+    args = argparse.Namespace(**{"kubernetes": False, "learned_file": None, **flags})
+    with pytest.raises(InputError, match=re.escape(why)):
+        _learned_configmap(args)
+    ok = argparse.Namespace(kubernetes=True, learned_file=None, learned_configmap="rl/p-learned")
+    assert _learned_configmap(ok) == ("rl", "p-learned")
