@@ -137,3 +137,33 @@ def test_the_configmap_flag_names_what_is_wrong(flags: dict[str, object], why: s
         _learned_configmap(args)
     ok = argparse.Namespace(kubernetes=True, learned_file=None, learned_configmap="rl/p-learned")
     assert _learned_configmap(ok) == ("rl", "p-learned")
+
+
+def test_a_store_that_cannot_be_read_is_not_saved_over_until_it_can(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store unreachable at start (an API server away, say) may hold a good state: the
+    scheduler saves nothing over it, reads it again at each save, and resumes it then."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the store's folder should be")
+    store = LearnedFile(blocker / "learned.json")
+    kept = LearnedState(lengths=[4, 9])
+    caplog.set_level(logging.ERROR, "tangram.service")
+
+    async def go() -> Engine:
+        engine = Engine(PoolConfig())
+        assert not engine.keep_learned(store)
+        assert "(cannot be read: " in engine.learned_note()
+        engine.core.book.observe("probe", 1, 2.0)
+        await engine.save_learned()  # still unreadable: nothing written
+        blocker.unlink()
+        LearnedFile(store.path).write(kept.model_dump_json().encode())
+        assert store.path.read_bytes() == kept.model_dump_json().encode()
+        await engine.save_learned()  # read at last: resumed, then saved with what it learned
+        return engine
+
+    engine = asyncio.run(go())
+    assert "saving nothing over it until it can be read" in caplog.text
+    assert engine.resumed == kept and engine.core.lengths.lengths == [4, 9]
+    saved = read_state(store)
+    assert saved is not None and saved.lengths == [4, 9] and saved.profiles["probe"].n == 1

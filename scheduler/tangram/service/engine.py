@@ -93,6 +93,7 @@ class Engine:
         self._save_error: str | None = None  # the last save's, until one succeeds
         self._saved: LearnedState | None = None  # what the file holds (loaded or saved)
         self.resumed: LearnedState | None = None  # what an earlier scheduler had learned
+        self._unread: str | None = None  # why the store could not be read, until it can
         core.set_services(self.gpu.service_specs())
 
     # ---- the shared state, as the handlers read it -------------------------------------
@@ -113,16 +114,30 @@ class Engine:
         """Resume from what an earlier scheduler learned and saved in ``store``, and save
         there every ``every_s`` from ``start`` on, and at ``stop``. True if it resumed."""
         self._learned = (store, every_s)
-        state = self.resumed = self._saved = read_state(store)
+        try:
+            self._resume(read_state(store))
+        except OSError as e:
+            self._unread = str(e)
+            log.error(
+                "cannot read the learned state %s: %s; starting without it, and saving "
+                "nothing over it until it can be read",
+                store.where,
+                e,
+            )
+        return self.resumed is not None
+
+    def _resume(self, state: LearnedState | None) -> None:
+        self._unread, self.resumed, self._saved = None, state, state
         if state is not None:
             self.core.resume(state)
-        return state is not None
 
     def learned_note(self) -> str:
         """What a start says of the learned state: where it is kept, and what it resumed."""
         if self._learned is None:
             return "learned state: not kept"
         path, state = self._learned[0].where, self.resumed
+        if self._unread is not None:
+            return f"learned state: {path} (cannot be read: {self._unread})"
         if state is None:
             return f"learned state: {path} (nothing to resume)"
         return (
@@ -135,10 +150,13 @@ class Engine:
         if self._learned is None:
             return
         store = self._learned[0]
-        state = self.core.learned()  # here: the core is the loop's alone
-        if state == self._saved:  # an idle scheduler writes nothing
-            return
         try:
+            if self._unread is not None:  # what it holds comes first: try again to read it
+                self._resume(await asyncio.to_thread(read_state, store))
+                log.warning("read the learned state %s at last: resumed it", store.where)
+            state = self.core.learned()  # here: the core is the loop's alone
+            if state == self._saved:  # an idle scheduler writes nothing
+                return
             await asyncio.to_thread(write_state, store, state)
         except OSError as e:
             if str(e) != self._save_error:  # said once, not every SAVE_EVERY_S

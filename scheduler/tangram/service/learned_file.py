@@ -79,13 +79,10 @@ class LearnedFile:
 
 
 def read_state(store: LearnedStore) -> LearnedState | None:
-    """The state ``store`` holds, or None: none saved yet, or one that cannot be read
-    (then set aside, and why is logged)."""
-    try:
-        document = store.read()
-    except OSError as e:
-        log.error("cannot read the learned state %s: %s; starting without it", store.where, e)
-        return None
+    """The state ``store`` holds, or None: none saved yet, or one that is not valid (then
+    set aside, and why is logged). OSError when the store cannot be read at all: then
+    nothing may be saved over what it may hold."""
+    document = store.read()
     if document is None:
         return None
     try:
