@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from tangram.api.learned import LearnedState
 from tangram.scheduler import Scheduler, SchedulerConfig
 from tangram.scheduler.core.ordering import LengthModel
+from tangram.scheduler.core.profiles import ProfileBook
 
 from .helpers import cluster, exec_action
 
@@ -97,3 +98,16 @@ def test_a_bad_document_names_the_field(field: str, value: object, where: str) -
     with pytest.raises(ValidationError) as e:
         LearnedState.model_validate({field: value})
     assert ".".join(str(p) for p in e.value.errors()[0]["loc"]) == where
+
+
+def test_the_document_keeps_the_most_observed_types_of_sane_names() -> None:
+    book = ProfileBook()
+    for i in range(5):
+        for _ in range(i + 1):
+            book.observe(f"type-{i}", 1, 1.0)
+    book.observe("x" * 300, 1, 1.0)  # a client's invented name: not kept
+    book.should_probe("never-ran")  # counted for probing, no run seen: nothing to keep
+    assert list(book.export(3, 256)) == ["type-4", "type-3", "type-2"]
+    assert len(book.export(100, 256)) == 5
+    with pytest.raises(ValidationError):  # and a document must not hold more
+        LearnedState.model_validate({"profiles": {"x" * 300: BAD_FIT | {"counts": [1]}}})

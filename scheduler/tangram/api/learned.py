@@ -16,6 +16,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LENGTHS = 4096  # finished trajectory lengths kept: quantiles of the rest beyond that
+# Action types kept: the most observed, with names of a sane length. A document stays well
+# under a ConfigMap's 1 MiB however many types clients invent.
+MAX_PROFILES = 1024
+MAX_TYPE_CHARS = 256
 
 Sum = Annotated[float, Field(allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0)]
@@ -48,7 +52,10 @@ class LearnedMean(_Strict):
 
 class LearnedState(_Strict):
     version: Literal[1] = 1
-    profiles: dict[str, LearnedFit] = Field(default_factory=dict, description="by action type")
+    profiles: Annotated[
+        dict[Annotated[str, Field(max_length=MAX_TYPE_CHARS)], LearnedFit],
+        Field(max_length=MAX_PROFILES, description="by action type"),
+    ] = Field(default_factory=dict)
     lengths: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_LENGTHS)] = Field(
         default_factory=list, description="steps of finished trajectories, sorted"
     )
@@ -58,4 +65,11 @@ class LearnedState(_Strict):
     exec_run_s: LearnedMean = LearnedMean()
 
 
-__all__ = ["MAX_LENGTHS", "LearnedFit", "LearnedMean", "LearnedState"]
+__all__ = [
+    "MAX_LENGTHS",
+    "MAX_PROFILES",
+    "MAX_TYPE_CHARS",
+    "LearnedFit",
+    "LearnedMean",
+    "LearnedState",
+]

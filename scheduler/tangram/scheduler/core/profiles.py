@@ -139,11 +139,14 @@ class ProfileBook:
             return None
         return Profile(t1, AmdahlEfficiency(amdahl=min(1.0, max(0.0, p))))
 
-    def export(self) -> dict[str, LearnedFit]:
-        """What the book learned, by type, as a restarted scheduler takes it back."""
+    def export(self, most: int, longest_name: int) -> dict[str, LearnedFit]:
+        """What the book learned, by type, as a restarted scheduler takes it back: the
+        ``most`` types with the most runs seen, of names up to ``longest_name``."""
+        fits = [(t, f) for t, f in self._fits.items() if f.n and len(t) <= longest_name]
+        fits.sort(key=lambda tf: -tf[1].n)  # stable: ties keep the order first seen
         return {
             t: LearnedFit.model_validate({**asdict(f), "counts": sorted(f.counts)})
-            for t, f in self._fits.items()
+            for t, f in fits[:most]
         }
 
     def restore(self, fits: Mapping[str, LearnedFit]) -> None:

@@ -17,7 +17,7 @@ from functools import partial
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
-from tangram.api.learned import MAX_LENGTHS, LearnedState
+from tangram.api.learned import MAX_LENGTHS, MAX_PROFILES, MAX_TYPE_CHARS, LearnedState
 from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
 from tangram.scheduler.core.admission import resolve
 from tangram.scheduler.core.config import SchedulerConfig, SchedulingError
@@ -158,7 +158,7 @@ class Scheduler:
         """What this scheduler learned from the runs it saw, for the next one to resume."""
         r = self.returns
         return LearnedState(
-            profiles=self.book.export(),
+            profiles=self.book.export(MAX_PROFILES, MAX_TYPE_CHARS),
             lengths=self.lengths.export(MAX_LENGTHS),
             recent_wait_s=self.recent_wait.export(),
             think_s=r.think.export(),
