@@ -34,4 +34,6 @@ def bar(label: str, total: int, enabled: bool = True) -> Iterator[Callable[[int,
 
 
 def note(message: str) -> None:
-    _err.print(message)
+    # Not wrapped at the console's width: in a log (80 columns when not a terminal) a URL
+    # or a path broken over two lines could no longer be found or copied.
+    _err.print(message, soft_wrap=True)
