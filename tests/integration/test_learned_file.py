@@ -74,12 +74,14 @@ def test_it_saves_while_it_runs_so_a_killed_scheduler_loses_little(tmp_path: Pat
         assert not engine.keep_learned(store, every_s=0.01)  # nothing saved yet
         await engine.start()
         engine.core.book.observe("probe", 2, 3.0)
-        while not store.path.exists() or "probe" not in store.path.read_text():
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(30):  # the periodic save, not a stop, writes it
+            while not store.path.exists() or "probe" not in store.path.read_text():
+                await asyncio.sleep(0.01)
         on_disk = read_state(store)
         assert on_disk is not None
         written = store.path.stat().st_ino  # each save is a new file renamed over the last
-        await asyncio.sleep(0.2)  # twenty rounds of saving, with nothing new learned
+        for _ in range(3):  # saves with nothing new learned write nothing
+            await engine.save_learned()
         assert store.path.stat().st_ino == written
         for t in engine._tasks:  # killed: no stop, no last save
             t.cancel()

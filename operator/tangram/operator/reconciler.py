@@ -396,8 +396,8 @@ _NEWS: dict[str, Callable[[Condition], tuple[str, ...]]] = {
 
 
 def _documents(objects: list[Manifest]) -> str:
-    config = next(o for o in objects if o["kind"] == "ConfigMap" and "data" in o)
-    text: str = config["data"]["pool.yaml"]
+    # The pool's config ConfigMap, by what it holds (the learned-state one holds no data).
+    text: str = next(o["data"]["pool.yaml"] for o in objects if "pool.yaml" in o.get("data", {}))
     return text
 
 

@@ -135,13 +135,13 @@ class Engine:
         """What a start says of the learned state: where it is kept, and what it resumed."""
         if self._learned is None:
             return "learned state: not kept"
-        path, state = self._learned[0].where, self.resumed
+        where, state = self._learned[0].where, self.resumed
         if self._unread is not None:
-            return f"learned state: {path} (cannot be read: {self._unread})"
+            return f"learned state: {where} (cannot be read: {self._unread})"
         if state is None:
-            return f"learned state: {path} (nothing to resume)"
+            return f"learned state: {where} (nothing to resume)"
         return (
-            f"learned state: {path}, resumed (action types: {len(state.profiles)}, "
+            f"learned state: {where}, resumed (action types: {len(state.profiles)}, "
             f"trajectory lengths: {len(state.lengths)})"
         )
 
@@ -153,7 +153,8 @@ class Engine:
         try:
             if self._unread is not None:  # what it holds comes first: try again to read it
                 self._resume(await asyncio.to_thread(read_state, store))
-                log.warning("read the learned state %s at last: resumed it", store.where)
+                log.warning("the learned state %s can be read now: %s", store.where,
+                            "resumed it" if self.resumed else "nothing to resume")  # fmt: skip
             state = self.core.learned()  # here: the core is the loop's alone
             if state == self._saved:  # an idle scheduler writes nothing
                 return
