@@ -44,6 +44,7 @@ from tangram.scheduler.core.dp import chunk_level
 from tangram.scheduler.core.elastic import greedy_evict
 from tangram.scheduler.core.gpu_pool import Chunk, Instance
 from tangram.scheduler.core.objective import Pending
+from tangram.scheduler.core.planning import plan_round
 
 GPU = "gpu"
 PLACE = "place"
@@ -467,6 +468,7 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
     resident_before = set(sched.gpu.resident)
     plan = sched.plan(now)
     assert dict(sched.cpu.placement) == placed_before, "planning placed a trajectory"
+    check_stops_early_on_nothing(plan, plan_round(sched, now, whole_queue=True))
     rnd = sched.schedule(now)
     check_committed(plan, rnd)
     if rnd.wake_at is not None:
@@ -622,6 +624,13 @@ def check_committed(plan: Plan, rnd: Round) -> None:
     assert all(s in planned for s in started), f"{started} is not a subsequence of the plan"
     sure = {(st.action_id, st.units) for st in plan.starts if str(st.resource) != GPU}
     assert sure <= set(started), "a planned start on cores or a quota did not happen"
+
+
+def check_stops_early_on_nothing(plan: Plan, whole: Plan) -> None:
+    """A round that stops walking the queue once none of the rest can start decides what
+    walking all of it decides (the actions it did not walk wait behind others: no reason
+    of theirs is named either way)."""
+    assert plan == whole
 
 
 def check_fcfs(

@@ -167,13 +167,18 @@ def test_round_bench_reports_every_case() -> None:
         progress=False,
         gc_settings="default",
         gpu_cases=[(8, 32), (16, 64)],
+        quota_cases=[(32, "hold"), (32, "pass")],
     )
     assert [c["elastic"] for c in report["cases"]] == [False, True]
     assert [(c["gpus"], c["queued"]) for c in report["gpu_cases"]] == [(8, 32), (16, 64)]
+    assert [(c["queued"], c["quota_waiting"]) for c in report["quota_cases"]] == [
+        (32, "hold"),
+        (32, "pass"),
+    ]
     assert report["gc"] == "default"
     for case in report["cases"]:
         assert set(case) >= {"cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms"}
-    for case in report["cases"] + report["gpu_cases"]:
+    for case in report["cases"] + report["gpu_cases"] + report["quota_cases"]:
         assert 0 < case["p50_ms"] <= case["p99_ms"]
         assert case["rounds"] == 5
 
@@ -183,7 +188,9 @@ def test_round_bench_times_rounds_under_the_services_collector_settings() -> Non
 
     threshold = gc.get_threshold()
     try:
-        report = run_round_bench([(16, 32, 4, False)], rounds=3, progress=False, gpu_cases=[])
+        report = run_round_bench(
+            [(16, 32, 4, False)], rounds=3, progress=False, gpu_cases=[], quota_cases=[]
+        )
         assert report["gc"] == "service"
         assert gc.get_threshold() == (10_000, 20, 100)  # what the service sets (quiet_gc)
         assert gc.get_freeze_count() > 0

@@ -8,6 +8,7 @@ from typing import Literal
 
 from tangram.api.action import ActionSpec
 from tangram.scheduler import Scheduler, SchedulerConfig
+from tangram.scheduler.core.actions import Action
 
 from .helpers import api_call, cluster, started
 
@@ -69,3 +70,39 @@ def test_a_call_short_of_every_quota_it_needs_holds_them_all_in_order() -> None:
     assert started(s, 2.0) == []  # search is free, but "both" still waits for pdf
     s.complete("parse", now=3.0)
     assert started(s, 3.0) == ["both"]
+
+
+class _CountedReads(dict[str, Action]):
+    """The scheduler's actions, counting the reads of a round's walk."""
+
+    reads = 0
+
+    def __getitem__(self, key: str) -> Action:
+        self.reads += 1
+        return super().__getitem__(key)
+
+
+def test_passing_rounds_stop_reading_the_queue_where_only_waiters_are_left() -> None:
+    """Under "pass" nothing closes the quota the waiters keep open, so the rule that stops
+    once everything waited on is closed never applies; a round still stops at the waiters
+    that cannot start, and walks past them only to calls that can."""
+    s = _pool(search=8, pdf=1)
+    s.open_trajectory("t1")
+    s.submit("parse", "t1", api_call("pdf"), now=0.0)
+    assert started(s, 0.0) == ["parse"]
+    for i in range(200):
+        s.submit(f"both-{i}", "t1", _both(), now=1.0)
+    s.submit("search-late", "t1", api_call("search"), now=1.0)
+    assert started(s, 1.0) == ["search-late"]  # behind all 200 waiters, it passes them
+    s.actions = counted = _CountedReads(s.actions)
+    s.submit("search-next", "t1", api_call("search"), now=2.0)
+    assert started(s, 2.0) == ["search-next"]
+    assert counted.reads > 200  # it walked past the waiters to the call that can pass
+    counted.reads = 0
+    s.complete("search-next", now=3.0)
+    assert started(s, 3.0) == []
+    # The first waiter, and one behind it to see that all the rest wait for pdf as well
+    # (the whole walk read 201).
+    assert counted.reads <= 3
+    s.complete("parse", now=4.0)
+    assert started(s, 4.0) == ["both-0"]  # FCFS on pdf holds

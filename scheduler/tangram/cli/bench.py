@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tangram.api.orderings import QuotaWaiting
 from tangram.cli.files import InputError, load_cluster, load_trace_file, whole_number
 from tangram.cli.progress import bar, note
 from tangram.scheduler.core.scheduler import SchedulerConfig
@@ -21,10 +22,13 @@ from tangram.sim.records import SimResult
 from tangram.sim.roundbench import (
     DEFAULT_CASES,
     DEFAULT_GPU_CASES,
+    DEFAULT_QUOTA_CASES,
     Case,
     GpuCase,
+    QuotaCase,
     measure,
     measure_gpu,
+    measure_quota,
 )
 from tangram.sim.validate import check_trace
 
@@ -286,27 +290,31 @@ def run(args: argparse.Namespace) -> int:
 
 def run_round_bench(
     cases: Iterable[tuple[int, int, int, bool]] = DEFAULT_CASES,
+    *,
     rounds: int = 200,
     progress: bool = True,
     gc_settings: str = "service",
     gpu_cases: Iterable[tuple[int, int]] = DEFAULT_GPU_CASES,
+    quota_cases: Iterable[tuple[int, QuotaWaiting]] = DEFAULT_QUOTA_CASES,
 ) -> dict[str, Any]:
     """Round latency per case: p50/p99 over ``rounds`` timed rounds. ``cases``: exec
     actions on one node's cores; ``gpu_cases``: (GPUs, queued) service calls pooled on
-    GPUs (``roundbench.measure_gpu``).
+    GPUs (``roundbench.measure_gpu``); ``quota_cases``: (queued, rule) calls waiting for
+    an API quota under each ``quota_waiting`` rule (``roundbench.measure_quota``).
 
     ``gc_settings="service"`` sets the collector as the scheduler service does once it has
     started (``quiet_gc``), so the rounds are timed as they run there; "default" leaves
     Python's, whose full collections of the queue's objects set the p99 of large cases.
     """
-    cases, gpu_cases = list(cases), list(gpu_cases)
+    cases, gpu_cases, quota_cases = list(cases), list(gpu_cases), list(quota_cases)
     if gc_settings == "service":
         from tangram.service.embedded import quiet_gc
 
         quiet_gc()
     report: list[dict[str, Any]] = []
     gpu_report: list[dict[str, Any]] = []
-    total = len(cases) + len(gpu_cases)
+    quota_report: list[dict[str, Any]] = []
+    total = len(cases) + len(gpu_cases) + len(quota_cases)
     with bar("scheduler rounds", total, enabled=progress) as update:
         for i, (cores, queued, cands, elastic) in enumerate(cases):
             times = measure(Case(cores, queued, cands, elastic), rounds)
@@ -319,9 +327,14 @@ def run_round_bench(
             times = measure_gpu(GpuCase(gpus, queued), rounds)
             gpu_report.append({"gpus": gpus, "queued": queued} | _latency(times))
             update(i + 1, total)
+        for i, (queued, rule) in enumerate(quota_cases, start=len(cases) + len(gpu_cases)):
+            times = measure_quota(QuotaCase(queued, rule), rounds)
+            quota_report.append({"queued": queued, "quota_waiting": rule} | _latency(times))
+            update(i + 1, total)
     return {
         "cases": report,
         "gpu_cases": gpu_report,
+        "quota_cases": quota_report,
         "depth": 2,
         "gc": gc_settings,
         "python": platform.python_version(),
@@ -445,17 +458,25 @@ def _table(report: dict[str, Any]) -> None:
         console.print(t)
         return
     if "cases" in report:
-        t = Table(title="scheduling round latency")
-        for col in ("cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms"):
-            t.add_column(col, justify="right")
-        for c in report["cases"]:
-            t.add_row(
-                *(
-                    f"{c[k]:.3f}" if isinstance(c[k], float) else str(c[k])
-                    for k in ("cores", "queued", "candidates", "elastic", "p50_ms", "p99_ms")
+        tables: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+            ("scheduling round latency", "cases", ("cores", "queued", "candidates", "elastic")),
+            ("... with pooled GPU services", "gpu_cases", ("gpus", "queued")),
+            ("... with calls waiting for an API quota", "quota_cases", ("queued", "quota_waiting")),
+        )
+        for title, key, cols in tables:
+            if not report.get(key):
+                continue
+            t = Table(title=title)
+            for col in (*cols, "p50_ms", "p99_ms"):
+                t.add_column(col, justify="right")
+            for c in report[key]:
+                t.add_row(
+                    *(
+                        f"{c[k]:.3f}" if isinstance(c[k], float) else str(c[k])
+                        for k in (*cols, "p50_ms", "p99_ms")
+                    )
                 )
-            )
-        console.print(t)
+            console.print(t)
         return
     t = Table(title=f"{report['trajectories']} trajectories, {report['actions']} actions")
     cols = ("avg_act_s", "p99_act_s", "avg_traj_act_s", "makespan_s", "unit_seconds")

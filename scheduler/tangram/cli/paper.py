@@ -157,7 +157,7 @@ def run_paper(out: Path, *, quick: bool = False, seed: int = 0) -> dict[str, Any
         out, 256 if quick else 1280, (3, 5) if quick else (3, 4, 5), seed
     )
     # The papers give no quota figures: sweep them (research note §1.3). elastic-pass only
-    # at scale 1.0: its rounds walk past every quota waiter, so its replay is ~10x slower.
+    # at scale 1.0, where the target is set (its replay takes about 2x elastic's).
     # elastic-shortest-hinted (the clients' hints) at 1.0 too, where the target is set.
     report["deepsearch"] = {
         str(scale): _run(

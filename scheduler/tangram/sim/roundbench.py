@@ -8,6 +8,13 @@ use actions with a 1-32 core range and a profile; non-elastic ones a single core
 After each timed round the started actions complete and equal ones are queued
 again, so every round sees the same shape.
 
+A quota case is (queued, rule): DeepSearch's two quotas (``search`` 128 at once,
+``pdf_parse`` 16), every ``pdf_parse`` unit held by a running call, ``queued`` calls
+waiting for one (each needs both quotas, as a fetch-and-parse step does), and
+``QUOTA_BURST`` search calls submitted before each round that start in it and end before
+the next. Under ``quota_waiting`` "pass" the new search calls are behind every waiter and
+start in the round; under "hold" the first waiter holds them back.
+
 A GPU case is (GPUs, queued): the 10-service mix's services (nine teachers and the
 judge, batching up to 8 calls per instance) on ``GPUs / 8`` nodes, ``queued`` calls
 waiting, Zipf over the services. Calls run for ``GPU_CALL_ROUNDS`` rounds, so the pool
@@ -24,10 +31,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from tangram.api.action import MAX_T1_S, ActionSpec
-from tangram.api.cluster import ClusterSpec, NodeSpec
+from tangram.api.cluster import ApiSpec, ClusterSpec, NodeSpec
 from tangram.api.demand import AmdahlEfficiency, RangeDemand
+from tangram.api.orderings import QuotaWaiting
 from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
-from tangram.sim.tracegen import GPUS_PER_NODE, scenario_cluster, service_call, zipf_weights
+from tangram.sim.tracegen import (
+    GPUS_PER_NODE,
+    PDF_API,
+    PDF_CONCURRENCY,
+    SEARCH_API,
+    SEARCH_CONCURRENCY,
+    scenario_cluster,
+    service_call,
+    zipf_weights,
+)
 
 DEFAULT_CASES: tuple[tuple[int, int, int, bool], ...] = tuple(
     (cores, queued, cands, elastic)
@@ -88,6 +105,52 @@ def measure(case: Case, rounds: int, depth: int = 2, seed: int = 0) -> list[floa
             s.complete(asg.action_id, now)
             s.submit(f"a{serial}", asg.trajectory, _spec(case.elastic, rng), now)
             serial += 1
+        now += 1.0
+    return out
+
+
+DEFAULT_QUOTA_CASES: tuple[tuple[int, QuotaWaiting], ...] = tuple(
+    (queued, rule) for rule in ("hold", "pass") for queued in (2048, 10_000)
+)
+QUOTA_BURST = 16  # search calls submitted before each round
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaCase:
+    queued: int
+    rule: QuotaWaiting
+
+
+def measure_quota(case: QuotaCase, rounds: int, depth: int = 2) -> list[float]:
+    """Wall-clock seconds of ``rounds`` scheduling rounds of one quota case."""
+    apis = [
+        ApiSpec(name=SEARCH_API, concurrency=SEARCH_CONCURRENCY),
+        ApiSpec(name=PDF_API, concurrency=PDF_CONCURRENCY),
+    ]
+    cluster = ClusterSpec(nodes=[NodeSpec(name="n0", cpus=1, memory_gb=1.0)], apis=apis)
+    s = Scheduler(cluster, SchedulerConfig(depth=depth, learn=False, quota_waiting=case.rule))
+    search = ActionSpec(kind="api", type="bench.search", api=SEARCH_API, t1_s=1.0)
+    both = ActionSpec(kind="api", type="bench.pdf", api=SEARCH_API, quotas={PDF_API: 1}, t1_s=4.0)
+    forever = both.model_copy(update={"t1_s": MAX_T1_S})
+    for i in range(PDF_CONCURRENCY):  # running calls that hold every pdf_parse unit
+        s.open_trajectory(f"p{i}")
+        s.adopt(f"parsing{i}", f"p{i}", forever, units=1, started_at=0.0)
+    for i in range(case.queued):
+        s.open_trajectory(f"w{i}")
+        s.submit(f"w{i}", f"w{i}", both, 0.0)
+    for i in range(QUOTA_BURST):
+        s.open_trajectory(f"s{i}")
+    out: list[float] = []
+    now, serial = 1.0, 0
+    for _ in range(rounds):
+        for i in range(QUOTA_BURST):
+            s.submit(f"s{serial}", f"s{i}", search, now)
+            serial += 1
+        t0 = time.perf_counter()
+        result = s.schedule(now)
+        out.append(time.perf_counter() - t0)
+        for asg in result.assignments:
+            s.complete(asg.action_id, now + 0.5)
         now += 1.0
     return out
 

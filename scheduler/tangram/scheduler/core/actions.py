@@ -47,6 +47,8 @@ class Action:
     # Cache of Sizing.choices: (book version of the type, units, durations, pending view).
     cache: tuple[int, tuple[int, ...], dict[int, float], Pending] | None = None
     needs: tuple[Resource, ...] | None = None  # cached once the resources it needs are settled
+    # What it needs wherever it runs: the GPUs and its quotas (a round counts them down).
+    pool_wide: tuple[Resource, ...] = ()
 
 
 @dataclass(slots=True)

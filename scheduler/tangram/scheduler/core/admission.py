@@ -14,6 +14,7 @@ from tangram.scheduler.core.config import SchedulingError
 from tangram.scheduler.core.gpu_pool import GpuPool
 from tangram.scheduler.core.profiles import Profile
 from tangram.scheduler.core.quota_pool import Quota
+from tangram.scheduler.core.resource import GPU, Resource
 from tangram.scheduler.core.sizing import Sizing
 
 
@@ -76,6 +77,7 @@ def resolve(
             raise SchedulingError("quotas", f"{n} units of {q} exceed its limit of {limit}")
     units = cpu or gpus
     elastic_capable = len(units) > 1
+    ordered = tuple(sorted(held.items(), key=lambda kv: (kv[0] != spec.api, kv[0])))
     action = Action(
         id=action_id,
         trajectory=trajectory,
@@ -86,9 +88,10 @@ def resolve(
         cpu=cpu,
         gpu=gpus,
         service=spec.service,
-        quotas=tuple(sorted(held.items(), key=lambda kv: (kv[0] != spec.api, kv[0]))),
+        quotas=ordered,
         profile=profile,
         elastic_capable=elastic_capable,
+        pool_wide=((GPU,) if gpus else ()) + tuple(Resource.api(q) for q, _ in ordered),
     )
     if (
         elastic_capable

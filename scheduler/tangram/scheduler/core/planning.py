@@ -12,8 +12,11 @@
    proceed. That blocks calls on a quota with room behind an action that waits for
    another; ``quota_waiting="pass"`` keeps such a quota open instead: the first action
    waiting on what it lacks keeps its units of it, and actions behind it take the rest
-   (docs/benchmarks.md, DeepSearch, measures both). An elastic exec candidate keeps only
-   the sizes worth their cores at its node's load (``core.pricing``; ``core_price``).
+   (docs/benchmarks.md, DeepSearch, measures both). The walk stops once every resource
+   anyone waits for is closed, or, under "pass", once each action left needs a closed
+   quota (or the GPUs), by per-resource counts of queued demand. An elastic exec
+   candidate keeps only the sizes worth their cores at its node's load (``core.pricing``;
+   ``core_price``).
 2. Split candidates by key resource (the cores of one node, the GPU pool, one quota).
 3. Groups with no elastic candidate run at minimum units; the others go through greedy
    eviction (``elastic.greedy_evict``) with the ACT approximation.
@@ -83,9 +86,12 @@ class RoundInputs(Protocol):
     def round_caps(self) -> RoundCaps | None: ...  # capped tenants' room; None: none capped
 
 
-def plan_round(s: RoundInputs, now: float) -> Plan:
-    """The decisions of one round at ``now``."""
-    return _Planner(s, now).plan()
+def plan_round(s: RoundInputs, now: float, *, whole_queue: bool = False) -> Plan:
+    """The decisions of one round at ``now``. ``whole_queue``: take none of the shortcuts
+    of a round under ``quota_waiting="pass"`` (stopping once none of the rest of the queue
+    can start, skipping calls on a closed quota): the same plan, slower; the property
+    tests compare the two."""
+    return _Planner(s, now, whole_queue=whole_queue).plan()
 
 
 def price_of(s: RoundInputs, node: str) -> NodePrice:
@@ -123,10 +129,33 @@ class _Candidate:
     extends: bool = False  # a joiner expected to end after the instance's last call
 
 
+# Resources whose name does not depend on where a trajectory is placed: the walk's needs
+# and the scheduler's ``waiting`` counts agree on them, so the counts say what is left.
+_POOL_WIDE = frozenset(("api", "gpu"))
+
+
+def _rest_closed(
+    left: int, needing: Mapping[Resource, int], among: Iterable[Resource], blocked: set[Resource]
+) -> bool:
+    """Whether each of the ``left`` queued actions not yet walked needs a resource of
+    ``among`` that the round has closed (``blocked``), by the count of those needing it:
+    then none of them can start, and the walk may stop. Only quotas and the GPUs are
+    counted (``needing``); under ``quota_waiting="pass"`` the quota a waiter keeps open
+    is never closed, so the rule that stops once everything waited on is closed would walk
+    every waiter behind the last call that can pass (DeepSearch's pdf_parse queue)."""
+    if not left:
+        return True
+    for r in among:  # noqa: SIM110 (no generator per action on the walk's hot path)
+        if needing.get(r) == left and r in blocked:
+            return True
+    return False
+
+
 class _Planner:
-    def __init__(self, s: RoundInputs, now: float) -> None:
+    def __init__(self, s: RoundInputs, now: float, *, whole_queue: bool = False) -> None:
         self.s = s
         self.now = now
+        self.whole_queue = whole_queue
         self.view = PlannedPlacements(s.cpu)
         self.prov = _Provisional(
             {n: node.free_cores for n, node in s.cpu.nodes.items()},
@@ -246,8 +275,34 @@ class _Planner:
         unseen = {svc: s.queued_calls.get(svc, 0) for svc in joining}
         join_left = sum(unseen.values())
         actions, placement, planned = s.actions, s.cpu.placement, view.planned
+        # Under "pass" the rule below that stops once everything waited on is closed never
+        # applies: the quota a waiter keeps open for calls behind it is never closed. The
+        # walk then counts what is left (queued actions not yet walked, and how many of
+        # them need each quota or the GPUs) to stop once none of it can start, and skips
+        # calls on a closed quota. The reference walk (whole_queue) does neither.
+        stopping = s.config.quota_waiting == "pass" and not self.whole_queue
+        left = len(s.queue)
+        needing = (
+            {r: n for r, n in s.waiting.items() if r.kind in _POOL_WIDE and n > 0}
+            if stopping
+            else {}
+        )
+        skipping = stopping and caps is None  # a capped tenant's room is counted per action
         for aid in order:
             a = actions[aid]
+            if stopping:
+                left -= 1
+                pool = a.pool_wide
+                for r in pool:
+                    needing[r] -= 1
+                if skipping and not a.cpu and not a.gpu and not blocked.isdisjoint(pool):
+                    # A call on a closed quota: it cannot start, and it keeps nothing of
+                    # the quotas still open (one waiting behind another), so it is neither
+                    # sized nor reserved for. Whether all the rest are such calls too, its
+                    # own quotas tell (if all need another closed one, the next walked does).
+                    if join_left <= 0 and _rest_closed(left, needing, pool, blocked):
+                        break
+                    continue
             joins = a.service if join_left > 0 and a.service in joining else None
             if joins is not None:  # seen, whether it joins, waits or is capped
                 join_left -= 1
@@ -324,7 +379,9 @@ class _Planner:
             key = wants[0]
             if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
                 rest.setdefault(key, []).append(pending)
-            if blocked >= waited_on and join_left <= 0:
+            if join_left <= 0 and (
+                blocked >= waited_on or (stopping and _rest_closed(left, needing, needing, blocked))
+            ):
                 break
         # Everything anyone waits for is blocked: no more candidates. Only the estimate's
         # view of the remaining queue on elastic resources is still needed.
