@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_LENGTHS = 4096  # finished trajectory lengths kept: quantiles of the rest beyond that
+MAX_LENGTHS = 4096  # finished trajectory lengths kept: the most recent (the model's window)
 # Action types kept: the most observed, with names of a sane length. A document stays well
 # under a ConfigMap's 1 MiB however many types clients invent.
 MAX_PROFILES = 1024

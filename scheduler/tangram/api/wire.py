@@ -25,6 +25,7 @@ from pydantic import (
 from tangram.api.action import MAX_T1_S
 from tangram.api.demand import Demand, Efficiency
 from tangram.api.inventory import NodeInventory
+from tangram.api.learned import MAX_TYPE_CHARS
 from tangram.api.spec_base import ENV_NAME
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
@@ -114,7 +115,13 @@ class ExecRequest(_Strict):
         float | None, Field(gt=0, le=MAX_T1_S, description="duration on one core, if known")
     ] = None
     efficiency: Efficiency | None = None
-    type: Annotated[str | None, Field(description="action type for learned profiles")] = None
+    type: Annotated[
+        str | None,
+        Field(
+            max_length=MAX_TYPE_CHARS,
+            description="action type for learned profiles (the scheduler keeps the most run)",
+        ),
+    ] = None
     timeout_s: Annotated[
         float | None, Field(gt=0, description="execution time limit; queueing does not count")
     ] = None

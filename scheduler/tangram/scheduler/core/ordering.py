@@ -25,43 +25,71 @@
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import accumulate
 from types import MappingProxyType
 from typing import Protocol
 
+from tangram.api.learned import MAX_LENGTHS
 from tangram.scheduler.core.actions import Trajectory
 from tangram.scheduler.core.config import SchedulerConfig
 
 
 @dataclass(slots=True)
 class LengthModel:
-    """Finished trajectory lengths, for E[remaining steps | steps taken so far]."""
+    """The lengths of the most recently finished trajectories, for E[remaining steps |
+    steps taken so far].
+
+    At most ``window`` of them, not every length ever: RL training shifts trajectory
+    lengths as the policy learns, and a long run finishes millions of trajectories, which
+    would make the model grow and each estimate (one per submission) slow. An estimate
+    reads prefix sums of the sorted lengths, rebuilt once after each change: O(log n).
+    """
 
     lengths: list[int] = field(default_factory=list)  # sorted
     default_steps: float = 8.0
+    window: int = MAX_LENGTHS
+    _arrived: deque[int] = field(default_factory=deque)  # oldest first, to drop it
+    _sums: list[int] | None = None  # prefix sums of ``lengths``; None after a change
+
+    def __post_init__(self) -> None:
+        self.lengths.sort()
+        self._arrived = deque(self.lengths)  # their order is not known: as sorted
 
     def finished(self, steps: int) -> None:
         bisect.insort(self.lengths, steps)
+        self._arrived.append(steps)
+        while len(self._arrived) > self.window:
+            del self.lengths[bisect.bisect_left(self.lengths, self._arrived.popleft())]
+        self._sums = None
 
     def export(self, limit: int) -> list[int]:
-        """At most ``limit`` lengths: all of them, or as many evenly spaced quantiles
-        (what ``expected_remaining`` reads is the distribution, not the count)."""
+        """At most ``limit`` lengths: all of them, oldest first, or as many evenly spaced
+        quantiles (what ``expected_remaining`` reads is the distribution, not the count)."""
         n = len(self.lengths)
         if n <= limit:
-            return list(self.lengths)
+            return list(self._arrived)
         return [self.lengths[(2 * i + 1) * n // (2 * limit)] for i in range(limit)]
 
     def restore(self, lengths: list[int]) -> None:
+        """Start from ``export``'s lengths, the newest last."""
         self.lengths = sorted(lengths)
+        self._arrived = deque(lengths)
+        self._sums = None
 
     def expected_remaining(self, taken: int) -> float:
-        i = bisect.bisect_left(self.lengths, taken + 1)
-        longer = self.lengths[i:]
-        if not longer:
+        lengths = self.lengths
+        i = bisect.bisect_left(lengths, taken + 1)
+        n = len(lengths)
+        if i == n:
             # Nothing this long has finished yet: guess it is as far from the end as from the start.
-            return max(1.0, float(taken)) if self.lengths else self.default_steps
-        return sum(longer) / len(longer) - taken
+            return max(1.0, float(taken)) if lengths else self.default_steps
+        sums = self._sums
+        if sums is None:
+            sums = self._sums = [0, *accumulate(lengths)]
+        return (sums[n] - sums[i]) / (n - i) - taken
 
 
 class FifoQueue:

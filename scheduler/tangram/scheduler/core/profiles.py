@@ -17,6 +17,11 @@ minimum, so that the fit sees a second unit count at all.
 
 Non-elastic durations (used only to estimate when units free up) are the mean
 observed duration of the type, falling back to ``default_s``.
+
+Types are strings the clients choose, so the book keeps at most ``max_types`` of them:
+past twice that, it forgets all but the ``max_types`` with the most runs (then the most
+submissions), amortized O(log n) per new type, so a client inventing a type per action
+cannot grow the scheduler without bound. A forgotten type starts over as an unseen one.
 """
 
 from __future__ import annotations
@@ -110,17 +115,43 @@ class ProfileBook:
     max_p_stderr: float = 0.1
     probe_every: int = 4
     default_s: float = 1.0
+    max_types: int = 4096
     _fits: dict[str, _Fit] = field(default_factory=dict)
+    # Each change of a type takes the next tick of one clock: a type forgotten and seen
+    # again never gets a version it had, which a cached size might still carry.
     _versions: dict[str, int] = field(default_factory=dict)
+    _clock: int = 0
+
+    def __len__(self) -> int:
+        return len(self._fits)
 
     def observe(self, action_type: str, units: int, duration_s: float) -> None:
         if units >= 1 and duration_s >= 0 and math.isfinite(duration_s):
-            self._fits.setdefault(action_type, _Fit()).add(units, duration_s)
-            self._versions[action_type] = self._versions.get(action_type, 0) + 1
+            self._fit(action_type).add(units, duration_s)
+            self._changed(action_type)
 
     def version(self, action_type: str) -> int:
-        """Changes whenever what the book says about ``action_type`` may have changed."""
+        """Changes whenever what the book says about ``action_type`` may have changed
+        (0: it knows nothing of it)."""
         return self._versions.get(action_type, 0)
+
+    def _fit(self, action_type: str) -> _Fit:
+        fit = self._fits.get(action_type)
+        if fit is None:
+            if len(self._fits) >= 2 * self.max_types:
+                self._forget()
+            fit = self._fits[action_type] = _Fit()
+        return fit
+
+    def _changed(self, action_type: str) -> None:
+        self._clock += 1
+        self._versions[action_type] = self._clock
+
+    def _forget(self) -> None:
+        """Keep the ``max_types`` types with the most runs, then the most submissions."""
+        ranked = sorted(self._fits.items(), key=lambda tf: (-tf[1].n, -tf[1].submitted))
+        self._fits = dict(ranked[: self.max_types])
+        self._versions = {t: v for t, v in self._versions.items() if t in self._fits}
 
     def mean_duration(self, action_type: str) -> float:
         fit = self._fits.get(action_type)
@@ -152,11 +183,12 @@ class ProfileBook:
     def restore(self, fits: Mapping[str, LearnedFit]) -> None:
         """Take back what ``export`` gave, as if those runs had been seen here."""
         for t, f in fits.items():
+            self._fit(t)  # room for it, as for any new type
             self._fits[t] = _Fit(**{**f.model_dump(), "counts": set(f.counts)})
-            self._versions[t] = self._versions.get(t, 0) + 1
+            self._changed(t)
 
     def should_probe(self, action_type: str) -> bool:
         """Count a submission of an untrusted elastic type; True on every ``probe_every``-th."""
-        fit = self._fits.setdefault(action_type, _Fit())
+        fit = self._fit(action_type)
         fit.submitted += 1
         return fit.submitted % self.probe_every == 0
