@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tangram.api.action import ActionSpec
+from tangram.api.field_errors import described
 
 
 class Step(BaseModel):
@@ -51,9 +52,7 @@ def load_trace(lines: list[str]) -> list[TrajectoryTrace]:
         try:
             traj = TrajectoryTrace.model_validate_json(raw)
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"]) or "(line)"
-            raise TraceError(no, f"{loc}: {err['msg']}") from None
+            raise TraceError(no, described(e, "(line)")) from None
         if traj.id in seen:
             raise TraceError(no, f"id: duplicate trajectory id {traj.id!r}")
         seen.add(traj.id)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec
+from tangram.api.field_errors import described
 from tangram.api.orderings import DEFAULT_ORDERING, CorePrice, OrderingName, QuotaWaiting
 from tangram.cli.files import InputError, read_json
 from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig, SchedulingError
@@ -191,9 +192,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         state = State.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise InputError(f"{args.state}: {loc}: {err['msg']}") from None
+        raise InputError(f"{args.state}: {described(e)}") from None
     try:
         _, result = decide(state)
     except SchedulingError as e:

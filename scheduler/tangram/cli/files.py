@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from tangram.api.cluster import ClusterSpec
+from tangram.api.field_errors import described
 from tangram.api.trace import TraceError, TrajectoryTrace, load_trace
 
 
@@ -62,15 +63,6 @@ def seconds(text: str) -> float:
     return value
 
 
-def _fields(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        parts.append(f"{loc}: {err['msg']}")
-    more = len(e.errors()) - 5
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
-
-
 def _read(path: str | Path, parse: Callable[[TextIO], Any], kind: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
@@ -96,7 +88,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     try:
         cluster = ClusterSpec.model_validate(data)
     except ValidationError as e:
-        raise InputError(f"{path}: {_fields(e)}") from None
+        raise InputError(f"{path}: {described(e, '(top level)', most=5)}") from None
     if not cluster.nodes:
         raise InputError(f"{path}: nodes: a replay needs at least one node")
     return cluster

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tangram.api.field_errors import field_path
 from tangram.api.wire import ActionResult, json_bytes
 from tangram.service.records import ActionRecord, EngineError
 
@@ -33,8 +34,7 @@ def invalid(errors: Sequence[Any], skip: int) -> dict[str, Any]:
     """The 400 body for pydantic's ``errors``, fields named from the body's root (the
     first ``skip`` parts of each location say where the body was)."""
     details = [
-        {"field": ".".join(str(p) for p in e["loc"][skip:] or e["loc"]), "message": e["msg"]}
-        for e in errors
+        {"field": field_path(e["loc"][skip:] or e["loc"]), "message": e["msg"]} for e in errors
     ]
     first = details[0] if details else {"field": "body", "message": "invalid"}
     return error_body("invalid", f"{first['field']}: {first['message']}", details)

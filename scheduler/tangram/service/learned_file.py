@@ -19,6 +19,7 @@ from typing import Protocol
 
 from pydantic import ValidationError
 
+from tangram.api.field_errors import described
 from tangram.api.learned import LearnedState
 
 SAVE_EVERY_S = 30.0  # what a killed scheduler loses at most
@@ -88,8 +89,7 @@ def read_state(store: LearnedStore) -> LearnedState | None:
     try:
         return LearnedState.model_validate_json(document)
     except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        why = f"{'.'.join(str(p) for p in first['loc']) or '(document)'}: {first['msg']}"
+        why = described(e, "(document)")
     try:
         aside = f"moved to {store.set_aside(document)}"
     except OSError as e:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tangram.api.field_errors import described
 from tangram.api.wire import ActionResult, ExecRequest
 from tangram.service.e2b.connect import KIND_CODE, ConnectError, end_of_stream, envelope
 from tangram.service.e2b.sandboxes import Proc, Sandbox
@@ -51,9 +52,7 @@ def start(engine: Engine, box: Sandbox, msg: dict[str, Any], timeout_s: float | 
             argv=argv, env={**box.env_vars, **envs}, timeout_s=timeout_s, pty=pty, output_cap=0
         )
     except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or "process"
-        raise ConnectError("invalid_argument", f"{where}: {first['msg']}") from None
+        raise ConnectError("invalid_argument", described(e, "process")) from None
     proc = Proc(box.new_pid(), msg.get("tag"), {**config, "args": args, "envs": envs}, stdin, pty)
     proc.live = LiveExec(proc.output, interactive=stdin, room=proc.room)
     try:
