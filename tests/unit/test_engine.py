@@ -648,3 +648,28 @@ def test_an_adopted_run_whose_trajectory_ended_still_ends_when_its_node_leaves()
         assert ("u", "k") not in engine.state.idempotent and not engine.state.adopted
 
     asyncio.run(scenario())
+
+
+def test_an_adopted_run_ended_by_its_node_leaving_leaves_its_trajectorys_running_set() -> None:
+    """Every way an action ends takes it out of its trajectory's running set, a node
+    leaving included (its adopted runs end there without going back to the core)."""
+    from tangram.api.wire import RunningAction
+
+    engine = _engine_with_t1()
+    engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
+
+    async def scenario() -> None:
+        await engine.membership.leave(_agent())
+        agent = _agent(["t1"])
+        agent.hello.running.append(
+            RunningAction(key="u\x1fk", trajectory="t1", cores=[0], running_s=2.0)
+        )
+        await engine.membership.join(agent)
+        (rec,) = engine.state.actions.values()
+        traj = engine.state.trajectories[rec.trajectory]
+        assert traj.running == {rec.id}
+        await engine.membership.leave(_agent())
+        assert (await asyncio.wait_for(rec.done, 1)).error.code == "node_lost"  # type: ignore[union-attr]
+        assert traj.running == set()
+
+    asyncio.run(scenario())

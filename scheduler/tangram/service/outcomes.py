@@ -51,8 +51,6 @@ class Outcomes:
         if complete and rec.id in s.core.running:
             ok = status is ActionStatus.OK if ok is None else ok
             s.core.complete(rec.id, s.clock(), ok=ok, learn=learn)
-        if rec.trajectory in s.trajectories:
-            s.trajectories[rec.trajectory].running.discard(rec.id)
         self.finish(rec, status, **details)
         s.wake.set()
 
@@ -115,10 +113,14 @@ class Outcomes:
             )
 
     def finish(self, rec: ActionRecord, status: ActionStatus, **details: Any) -> None:
-        """Give an action's result (``details`` as for ``result``) to its waiter."""
+        """Give an action's result (``details`` as for ``result``) to its waiter; it leaves
+        the actions and its trajectory's running set, however it ended."""
         if rec.expiry is not None:
             rec.expiry.cancel()
         self.s.actions.pop(rec.id, None)
+        traj = self.s.trajectories.get(rec.trajectory)
+        if traj is not None:
+            traj.running.discard(rec.id)
         if not rec.done.done():
             result = self.result(rec, status, **details)
             rec.done.set_result(result)
