@@ -156,6 +156,13 @@ def session(
     try:
         yield s
     finally:
+        # A test that failed midway leaves its pool: delete it while the operator still
+        # runs to finish it, as the last test does. Uninstalling the operator under a live
+        # pool left helm waiting out its 300 s, and the failure's report behind that.
+        s.kubectl(
+            "delete", "ap", "--all", "-A", "--ignore-not-found", "--timeout=180s",
+            check=False, timeout=200,
+        )  # fmt: skip
         s.helm("uninstall", RELEASE, "-n", SYSTEM, "--ignore-not-found", "--wait")
         if fresh_state:  # the agent's hostPath, made by the kubelet for this test
             shutil.rmtree(STATE_DIR, ignore_errors=True)
