@@ -666,6 +666,7 @@ def test_an_adopted_run_ended_by_its_node_leaving_leaves_its_trajectorys_running
         )
         await engine.membership.join(agent)
         (rec,) = engine.state.actions.values()
+        assert rec.trajectory is not None
         traj = engine.state.trajectories[rec.trajectory]
         assert traj.running == {rec.id}
         await engine.membership.leave(_agent())

@@ -118,8 +118,7 @@ class Outcomes:
         if rec.expiry is not None:
             rec.expiry.cancel()
         self.s.actions.pop(rec.id, None)
-        traj = self.s.trajectories.get(rec.trajectory)
-        if traj is not None:
+        if rec.trajectory is not None and (traj := self.s.trajectories.get(rec.trajectory)):
             traj.running.discard(rec.id)
         if not rec.done.done():
             result = self.result(rec, status, **details)
