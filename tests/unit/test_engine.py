@@ -33,7 +33,7 @@ from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.service.config import PoolConfig, ServiceConfig
 from tangram.service.engine import Engine
 from tangram.service.gpu_calls import elastic_call_spec
-from tangram.service.records import EngineError
+from tangram.service.records import ActionRecord, EngineError
 
 
 def test_idempotency_keys_are_bounded_and_in_flight_ones_kept() -> None:
@@ -624,23 +624,30 @@ def test_one_key_running_on_two_nodes_is_ended_by_each_nodes_own_reply() -> None
     asyncio.run(scenario())
 
 
+async def _adopted_after_a_restart(engine: Engine) -> ActionRecord:
+    """Its agent away and back (as after a scheduler restart), with a keyed run on t1's
+    core that this scheduler adopts: the run's record."""
+    from tangram.api.wire import RunningAction
+
+    await engine.membership.leave(_agent())
+    agent = _agent(["t1"])
+    agent.hello.running.append(
+        RunningAction(key="u\x1fk", trajectory="t1", cores=[0], running_s=2.0)
+    )
+    await engine.membership.join(agent)
+    (rec,) = engine.state.actions.values()
+    return rec
+
+
 def test_an_adopted_run_whose_trajectory_ended_still_ends_when_its_node_leaves() -> None:
     """Its cores came back with its trajectory, but its record waited for the reply; the
     node leaving ends it (node_lost) and frees its key for a retry, instead of keeping both
     forever."""
-    from tangram.api.wire import RunningAction
-
     engine = _engine_with_t1()
     engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
 
     async def scenario() -> None:
-        await engine.membership.leave(_agent())
-        agent = _agent(["t1"])
-        agent.hello.running.append(
-            RunningAction(key="u\x1fk", trajectory="t1", cores=[0], running_s=2.0)
-        )
-        await engine.membership.join(agent)
-        (rec,) = engine.state.actions.values()
+        rec = await _adopted_after_a_restart(engine)
         engine.lifecycle.environment_lost("t1", "SandboxExited", "its container exited")
         await engine.membership.leave(_agent())
         result = await asyncio.wait_for(rec.done, 1)
@@ -653,24 +660,17 @@ def test_an_adopted_run_whose_trajectory_ended_still_ends_when_its_node_leaves()
 def test_an_adopted_run_ended_by_its_node_leaving_leaves_its_trajectorys_running_set() -> None:
     """Every way an action ends takes it out of its trajectory's running set, a node
     leaving included (its adopted runs end there without going back to the core)."""
-    from tangram.api.wire import RunningAction
-
     engine = _engine_with_t1()
     engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
 
     async def scenario() -> None:
-        await engine.membership.leave(_agent())
-        agent = _agent(["t1"])
-        agent.hello.running.append(
-            RunningAction(key="u\x1fk", trajectory="t1", cores=[0], running_s=2.0)
-        )
-        await engine.membership.join(agent)
-        (rec,) = engine.state.actions.values()
+        rec = await _adopted_after_a_restart(engine)
         assert rec.trajectory is not None
         traj = engine.state.trajectories[rec.trajectory]
         assert traj.running == {rec.id}
         await engine.membership.leave(_agent())
-        assert (await asyncio.wait_for(rec.done, 1)).error.code == "node_lost"  # type: ignore[union-attr]
+        result = await asyncio.wait_for(rec.done, 1)
+        assert result.error is not None and result.error.code == "node_lost"
         assert traj.running == set()
 
     asyncio.run(scenario())
