@@ -293,8 +293,8 @@ class _Planner:
             if stopping:
                 left -= 1
                 pool = a.pool_wide
-                for r in pool:
-                    needing[r] -= 1
+                for r in pool:  # (.get: a count missing from waiting only walks on, never stops)
+                    needing[r] = needing.get(r, 0) - 1
                 if skipping and not a.cpu and not a.gpu and not blocked.isdisjoint(pool):
                     # A call on a closed quota: it cannot start, and it keeps nothing of
                     # the quotas still open (one waiting behind another), so it is neither
