@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from typing import Literal
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tangram.api.action import ActionSpec
 from tangram.scheduler import Scheduler, SchedulerConfig
 from tangram.scheduler.core.actions import Action
+from tangram.scheduler.core.planning import plan_round
+from tangram.scheduler.core.shares import TenantShare
 
-from .helpers import api_call, cluster, started
+from .helpers import api_call, cluster, exec_action, started
 
 
 def _both() -> ActionSpec:
@@ -106,3 +111,62 @@ def test_passing_rounds_stop_reading_the_queue_where_only_waiters_are_left() -> 
     assert counted.reads <= 3
     s.complete("parse", now=4.0)
     assert started(s, 4.0) == ["both-0"]  # FCFS on pdf holds
+
+
+def test_a_passing_round_with_a_capped_tenant_names_every_reason_as_a_whole_walk() -> None:
+    """With tenants capped the walk does not stop early: an action at its tenant's share
+    is named as such (tangram explain, the round's waits), as a walk of the whole queue
+    names it (found in review: the early stop dropped that reason)."""
+    s = _pool(search=2, pdf=1)
+    s.set_config(SchedulerConfig(quota_waiting="pass", tenant_fairness=False))
+    s.set_tenants({"t": TenantShare(max_share=0.5)})
+    for tid, tenant in [("u1", "u"), ("t1", "t"), ("u2", "u"), ("t2", "t"), ("u3", "u")]:
+        s.open_trajectory(tid, tenant=tenant)
+    s.submit("r1", "u1", api_call("search"), 0.0)
+    s.submit("r2", "t1", api_call("search"), 0.0)
+    assert started(s, 0.0) == ["r1", "r2"]  # search is full, and t at its share of it
+    s.submit("z", "u3", exec_action(1), 0.1)
+    s.submit("x", "u2", api_call("search"), 0.1)
+    s.submit("y", "t2", api_call("search"), 0.1)
+    plan = plan_round(s, 0.2)
+    assert plan == plan_round(s, 0.2, whole_queue=True)
+    assert ("y", "tenant t at its maxShare") in plan.blocked
+
+
+_CALLS = {
+    "search": lambda: api_call("search"),
+    "pdf": lambda: api_call("pdf"),
+    "both": _both,
+    "exec": lambda: exec_action(1),
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 2),
+    st.booleans(),
+    st.lists(
+        st.tuples(st.sampled_from(sorted(_CALLS)), st.sampled_from(["u", "t"]), st.booleans()),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_passing_rounds_plan_what_a_whole_walk_plans(
+    search: int, pdf: int, capped: bool, events: list[tuple[str, str, bool]]
+) -> None:
+    """Calls on one quota, the other or both (and exec actions), of two tenants, one of
+    them capped or not: every round under "pass" plans exactly what a walk of the whole
+    queue plans, early stop and skipped waiters included."""
+    s = _pool(search=search, pdf=pdf)
+    if capped:
+        s.set_tenants({"t": TenantShare(max_share=0.5)})
+    now = 0.0
+    for i, (kind, tenant, complete_one) in enumerate(events):
+        s.open_trajectory(f"j{i}", tenant=tenant)
+        s.submit(f"a{i}", f"j{i}", _CALLS[kind](), now)
+        now += 0.1
+        assert plan_round(s, now) == plan_round(s, now, whole_queue=True)
+        s.schedule(now)
+        if complete_one and s.running:
+            s.complete(min(s.running), now)

@@ -280,14 +280,15 @@ class _Planner:
         # walk then counts what is left (queued actions not yet walked, and how many of
         # them need each quota or the GPUs) to stop once none of it can start, and skips
         # calls on a closed quota. The reference walk (whole_queue) does neither.
-        stopping = s.config.quota_waiting == "pass" and not self.whole_queue
+        # Not with capped tenants: an action at its tenant's share is named as such
+        # before anything else is asked of it, and the rest of the walk would be skipped.
+        stopping = s.config.quota_waiting == "pass" and not self.whole_queue and caps is None
         left = len(s.queue)
         needing = (
             {r: n for r, n in s.waiting.items() if r.kind in _POOL_WIDE and n > 0}
             if stopping
             else {}
         )
-        skipping = stopping and caps is None  # a capped tenant's room is counted per action
         for aid in order:
             a = actions[aid]
             if stopping:
@@ -295,7 +296,7 @@ class _Planner:
                 pool = a.pool_wide
                 for r in pool:  # (.get: a count missing from waiting only walks on, never stops)
                     needing[r] = needing.get(r, 0) - 1
-                if skipping and not a.cpu and not a.gpu and not blocked.isdisjoint(pool):
+                if not a.cpu and not a.gpu and not blocked.isdisjoint(pool):
                     # A call on a closed quota: it cannot start, and it keeps nothing of
                     # the quotas still open (one waiting behind another), so it is neither
                     # sized nor reserved for. Whether all the rest are such calls too, its
