@@ -133,11 +133,11 @@ def test_a_passing_round_with_a_capped_tenant_names_every_reason_as_a_whole_walk
     assert ("y", "tenant t at its maxShare") in plan.blocked
 
 
-_CALLS = {
-    "search": lambda: api_call("search"),
-    "pdf": lambda: api_call("pdf"),
-    "both": _both,
-    "exec": lambda: exec_action(1),
+_CALLS: dict[str, ActionSpec] = {
+    "search": api_call("search"),
+    "pdf": api_call("pdf"),
+    "both": _both(),
+    "exec": exec_action(1),
 }
 
 
@@ -164,7 +164,7 @@ def test_passing_rounds_plan_what_a_whole_walk_plans(
     now = 0.0
     for i, (kind, tenant, complete_one) in enumerate(events):
         s.open_trajectory(f"j{i}", tenant=tenant)
-        s.submit(f"a{i}", f"j{i}", _CALLS[kind](), now)
+        s.submit(f"a{i}", f"j{i}", _CALLS[kind], now)
         now += 0.1
         assert plan_round(s, now) == plan_round(s, now, whole_queue=True)
         s.schedule(now)
