@@ -10,7 +10,7 @@ from tangram.api.action import ActionKind
 from tangram.scheduler.core.decisions import Assignment
 from tangram.scheduler.core.objective import Pending
 from tangram.scheduler.core.profiles import Profile
-from tangram.scheduler.core.resource import GPU, PLACE, Resource
+from tangram.scheduler.core.resource import PLACE, Resource
 
 
 @dataclass(slots=True, kw_only=True)
@@ -47,7 +47,8 @@ class Action:
     # Cache of Sizing.choices: (book version of the type, units, durations, pending view).
     cache: tuple[int, tuple[int, ...], dict[int, float], Pending] | None = None
     needs: tuple[Resource, ...] | None = None  # cached once the resources it needs are settled
-    # What it needs wherever it runs: the GPUs and its quotas (a round counts them down).
+    # What it needs wherever it runs: the GPUs, then its quotas (``needs`` puts its node's
+    # cores first; a round counts these down).
     pool_wide: tuple[Resource, ...] = ()
 
 
@@ -68,13 +69,10 @@ def needs(a: Action, node: str | None, placed: Container[str]) -> tuple[Resource
     """
     if a.needs is not None:
         return a.needs
-    out: list[Resource] = []
-    if a.cpu:
-        out.append(Resource.cpu(node) if node is not None else PLACE)
-    if a.gpu:
-        out.append(GPU)
-    out.extend(Resource.api(q) for q, _ in a.quotas)
-    result = tuple(out)
-    if not a.cpu or a.trajectory in placed:
+    if not a.cpu:
+        a.needs = a.pool_wide
+        return a.pool_wide
+    result = (Resource.cpu(node) if node is not None else PLACE, *a.pool_wide)
+    if a.trajectory in placed:
         a.needs = result
     return result
