@@ -586,8 +586,14 @@ def check_capacity(sim: Sim) -> None:
 
 
 def check_groups(sim: Sim, rnd: Round, queued_before: list[str]) -> None:
-    """Each key resource's group runs a prefix of its candidates (eviction drops the tail)."""
+    """Each key resource's group runs a prefix of its candidates (eviction drops the tail),
+    but for calls the GPU allocator could not land: those stay queued and say why."""
     started = {a.action_id for a in rnd.assignments}
+    refused = set(rnd.refused)
+    assert started.isdisjoint(refused)
+    for aid in refused:
+        assert sim.spec[aid].kind is ActionKind.SERVICE and aid in sim.sched.actions
+        assert any(a == aid and why.startswith("gpu") for a, why in rnd.blocked)
     seen: set[str] = set()
     pos = {a: i for i, a in enumerate(queued_before)}
     for g in rnd.groups:
@@ -595,7 +601,8 @@ def check_groups(sim: Sim, rnd: Round, queued_before: list[str]) -> None:
         assert seen.isdisjoint(cands)
         seen.update(cands)
         assert 0 <= g.kept <= len(cands)
-        assert set(cands[: g.kept]) <= started and started.isdisjoint(cands[g.kept :])
+        assert set(cands[: g.kept]) <= started | refused
+        assert started.isdisjoint(cands[g.kept :]) and refused.isdisjoint(cands[g.kept :])
         if sim.sched.config.ordering == "fcfs":
             assert [pos[a] for a in cands] == sorted(pos[a] for a in cands)
         if not g.elastic:
@@ -618,10 +625,13 @@ def check_committed(plan: Plan, rnd: Round) -> None:
     """A round commits what planning it beforehand decided (planning changed nothing): the
     same groups and waits, and the planned starts in order, less any whose GPU chunk an
     earlier start of the round took."""
-    assert (rnd.groups, rnd.blocked) == (plan.groups, plan.blocked)
+    assert rnd.groups == plan.groups
+    assert rnd.blocked[: len(plan.blocked)] == plan.blocked  # then the calls refused
+    assert [a for a, _ in rnd.blocked[len(plan.blocked) :]] == list(rnd.refused)
     planned = iter((st.action_id, st.units) for st in plan.starts)
     started = [(a.action_id, a.units) for a in rnd.assignments]
     assert all(s in planned for s in started), f"{started} is not a subsequence of the plan"
+    assert {a for a, _ in started} | set(rnd.refused) == {st.action_id for st in plan.starts}
     sure = {(st.action_id, st.units) for st in plan.starts if str(st.resource) != GPU}
     assert sure <= set(started), "a planned start on cores or a quota did not happen"
 

@@ -98,6 +98,10 @@ class Round:
     # It opened a service instance that queued calls could join: run another round now.
     again: bool = False
     ahead: tuple[Ahead, ...] = ()  # instances it started restoring ahead
+    # Planned, but no free chunk could host its service when its turn came (the plan
+    # counts free chunks; which service fits on which is the allocator's): still queued,
+    # and in ``blocked`` with why.
+    refused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

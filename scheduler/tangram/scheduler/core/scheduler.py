@@ -62,6 +62,9 @@ __all__ = [
     "SchedulingError",
 ]
 
+# Why a planned call did not start (Round.refused).
+_NO_LANDING = f"{GPU} (no free chunk can host its service after this round's earlier starts)"
+
 
 class Scheduler:
     def __init__(self, cluster: ClusterSpec, config: SchedulerConfig | None = None) -> None:
@@ -612,8 +615,14 @@ class Scheduler:
         then allocate exact units and start its actions in queue order."""
         for tid, node in plan.placements:
             self._place(tid, node)
-        started = (self._start(self.actions[s.action_id], s, now) for s in plan.starts)
-        assignments = [a for a in started if a is not None]
+        assignments: list[Assignment] = []
+        refused: list[str] = []
+        for s in plan.starts:
+            asg = self._start(self.actions[s.action_id], s, now)
+            if asg is None:
+                refused.append(s.action_id)
+            else:
+                assignments.append(asg)
         for asg in assignments:
             self.recent_wait.observe(max(0.0, asg.queued_s))
         waiting = self.waiting
@@ -626,7 +635,8 @@ class Scheduler:
             assignments=tuple(assignments),
             wake_at=min(wake, default=None),
             groups=plan.groups,
-            blocked=plan.blocked,
+            blocked=plan.blocked + tuple((aid, _NO_LANDING) for aid in refused),
+            refused=tuple(refused),
             again=self._joiners_wait(assignments),
             ahead=self._restore_ahead(now) if self.config.restore_ahead else (),
         )
