@@ -33,6 +33,7 @@ pytestmark = pytest.mark.e2e
 NS = "sandboxes"
 EXECD_IMAGE = "docker.io/tangram-test/execd:1"
 CORES = sorted(os.sched_getaffinity(0))
+WARM = "t-1." + "w" * 123 + "-"  # the longest id the API takes, and no label value
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +84,15 @@ def test_sandboxes_are_pods_with_cores_only_while_an_action_runs(
     spec = EnvSpec(name="box", image=image, memory_gb=0.25, workdir="/work", warm=1, pool="p")
 
     assert rt.warm(spec) == 1
-    warm = rt.open("t-1", spec)
+    # The warm pod is claimed by an id no label can hold (128 characters, ending in "-").
+    warm = rt.open(WARM, spec)
     assert warm.warm
     cold = rt.open("t-2", spec)
     assert not cold.warm
-    pods = {p["metadata"]["labels"].get("tangram.dev/trajectory"): p for p in _pods(cp)}
-    assert set(pods) == {"t-1", "t-2"}
-    pod = pods["t-1"]
+    pods = {p["metadata"]["annotations"]["tangram.dev/trajectory"]: p for p in _pods(cp)}
+    assert set(pods) == {WARM, "t-2"}
+    assert pods["t-2"]["metadata"]["labels"]["tangram.dev/trajectory"] == "t-2"
+    pod = pods[WARM]
     assert pod["spec"]["nodeName"] == real_node.name
     assert pod["spec"]["automountServiceAccountToken"] is False
     sandbox = pod["spec"]["containers"][0]
@@ -99,14 +102,14 @@ def test_sandboxes_are_pods_with_cores_only_while_an_action_runs(
 
     # The action's cores inside the pod while it runs; the idle core afterwards.
     core = CORES[-1]
-    res = _run(rt, "t-1", ["sh", "-c", "grep Cpus_allowed_list /proc/self/status; "
+    res = _run(rt, WARM, ["sh", "-c", "grep Cpus_allowed_list /proc/self/status; "
                            "echo kept > /work/f; echo $TANGRAM_DOP"], [core])  # fmt: skip
     assert res.exit_code == 0, res
     assert res.stdout.split() == ["Cpus_allowed_list:", str(core), "1"]
     assert res.path == "fast"
-    assert rt.cgroups.cpus(rt.envs["t-1"].reach.cgroup) == str(CORES[0])
+    assert rt.cgroups.cpus(rt.envs[WARM].reach.cgroup) == str(CORES[0])
     # The files API: the pod's exec server writes as the sandbox's user, where it works.
-    files = rt.files("t-1")
+    files = rt.files(WARM)
 
     async def one_file() -> tuple[bytes, int]:
         async def body() -> Any:
@@ -118,7 +121,7 @@ def test_sandboxes_are_pods_with_cores_only_while_an_action_runs(
 
     got, owner = asyncio.run(one_file())
     assert got == b"through the exec server\n"
-    assert str(owner) == _run(rt, "t-1", ["id", "-u"], [core]).stdout.strip()
+    assert str(owner) == _run(rt, WARM, ["id", "-u"], [core]).stdout.strip()
 
     async def a_tree() -> tuple[tuple[int, int], list[str]]:
         """A directory in as one tar and back out as one."""
@@ -149,12 +152,12 @@ def test_sandboxes_are_pods_with_cores_only_while_an_action_runs(
     assert stranger.adopt() == [] and len(_pods(cp)) == 2
     # A restarted agent takes its pods back, files and all; nothing was deleted.
     again = _runtime(cp, real_node, execd_image)
-    assert again.adopt() == ["t-1", "t-2"]
-    assert again.cgroups.cpus(again.envs["t-1"].reach.cgroup) == str(CORES[0])
-    assert _run(again, "t-1", ["cat", "/work/f"], [core]).stdout == "kept\n"
+    assert again.adopt() == [WARM, "t-2"]
+    assert again.cgroups.cpus(again.envs[WARM].reach.cgroup) == str(CORES[0])
+    assert _run(again, WARM, ["cat", "/work/f"], [core]).stdout == "kept\n"
     assert len(_pods(cp)) == 2  # the warm one was claimed by t-1
 
-    again.close("t-1")
+    again.close(WARM)
     again.close("t-2")
     again.shutdown_warm()
     wait_for("every sandbox pod to go", lambda: not _pods(cp), 60)

@@ -82,9 +82,12 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
                 raise fail(e, f"listing pods {selector}") from None
             return [to_dict(p) for p in pods.items]
 
-        def label(self, name: str, labels: Mapping[str, str]) -> None:
+        def label(
+            self, name: str, labels: Mapping[str, str], annotations: Mapping[str, str]
+        ) -> None:
+            meta = {"labels": dict(labels), "annotations": dict(annotations)}
             try:
-                core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": dict(labels)}})
+                core.patch_namespaced_pod(name, namespace, {"metadata": meta})
             except Exception as e:
                 raise fail(e, f"labelling pod {namespace}/{name}") from None
 

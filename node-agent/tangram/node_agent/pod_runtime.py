@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hashlib
 import logging
 import os
 import secrets
@@ -40,7 +39,7 @@ from tangram.node_agent.execution import (
 )
 from tangram.node_agent.fast_path import Command, Reachable, cgroup_of, start_time
 from tangram.node_agent.kubelet_state import cpu_manager_policy
-from tangram.node_agent.pod_template import LABEL, SANDBOX, sandbox_pod
+from tangram.node_agent.pod_template import LABEL, SANDBOX, label_value, sandbox_pod
 from tangram.node_agent.warm_pool import SandboxRuntime
 
 __all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime", "agent_label"]
@@ -54,10 +53,17 @@ AGENT = f"{LABEL}/agent"  # which agent's sandbox (agent_label of PodRuntime.age
 
 def agent_label(agent: str) -> str:
     """A label value naming an agent: label values hold 63 characters, names may not."""
-    return agent if len(agent) <= 63 else hashlib.sha256(agent.encode()).hexdigest()[:32]
+    return label_value(agent)
 
 
+# An open pod's trajectory: its id in full as an annotation, and as a label (for
+# ``kubectl get -l``) when the id is a label value, else a digest of it.
 TRAJECTORY = f"{LABEL}/trajectory"
+
+
+def _opened(trajectory: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The labels and annotations of a pod open for ``trajectory``."""
+    return {STATE: "open", TRAJECTORY: label_value(trajectory)}, {TRAJECTORY: trajectory}
 
 
 class PodApi(Protocol):
@@ -68,7 +74,9 @@ class PodApi(Protocol):
     def get(self, name: str) -> dict[str, Any] | None: ...
     def events(self, name: str) -> list[dict[str, Any]]: ...
     def list(self, selector: str) -> list[dict[str, Any]]: ...
-    def label(self, name: str, labels: Mapping[str, str]) -> None: ...
+    def label(
+        self, name: str, labels: Mapping[str, str], annotations: Mapping[str, str]
+    ) -> None: ...
     def delete(self, name: str) -> None: ...
 
 
@@ -124,12 +132,12 @@ class PodRuntime(SandboxRuntime[Pod]):
 
     # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
     def _make(self, template: EnvSpec, trajectory: str | None) -> Pod:
-        state = {STATE: "open", TRAJECTORY: trajectory} if trajectory else {STATE: "warm"}
-        return self._create(template, state)
+        state, notes = _opened(trajectory) if trajectory else ({STATE: "warm"}, {})
+        return self._create(template, state, notes)
 
     def _claim(self, pod: Pod, trajectory: str) -> bool:
         try:
-            self.api.label(pod.name, {STATE: "open", TRAJECTORY: trajectory})
+            self.api.label(pod.name, *_opened(trajectory))
         except ExecError as e:
             if e.retryable:  # the API server, not the pod: keep it for the next open
                 raise
@@ -169,7 +177,9 @@ class PodRuntime(SandboxRuntime[Pod]):
                 continue
             pod = Pod(name, labels.get(f"{LABEL}/template", ""), labels.get(f"{LABEL}/env", ""),
                       reach)  # fmt: skip
-            trajectory = labels.get(TRAJECTORY)
+            # (a pod opened by an agent from before the annotation has the id as its label)
+            notes = meta.get("annotations") or {}
+            trajectory = notes.get(TRAJECTORY) or labels.get(TRAJECTORY)
             if labels.get(STATE) == "open" and trajectory:
                 self.envs[trajectory] = pod
             elif labels.get(STATE) == "warm":
@@ -207,7 +217,7 @@ class PodRuntime(SandboxRuntime[Pod]):
         self._dying.pop(name, None)
         return why or ("SandboxExited", f"pod {self.namespace}/{name}: its processes ended")
 
-    def _create(self, template: EnvSpec, state: Mapping[str, str]) -> Pod:
+    def _create(self, template: EnvSpec, state: Mapping[str, str], notes: Mapping[str, str]) -> Pod:
         facts = self._facts.get(self._facts_key(template))  # None: its image not seen yet
         user, workdir = facts or (None, None)
         # The random part is never cut: a long pool name is (pod names hold 63 here).
@@ -220,6 +230,7 @@ class PodRuntime(SandboxRuntime[Pod]):
             execd_image=self.execd_image,
             execd_path=self.execd_path,
             extra_labels={**state, AGENT: agent_label(self.agent)},
+            annotations=notes,
             owner=self.owner,
             user=user,
             own_workdir=facts is not None and workdir is None,
@@ -232,7 +243,7 @@ class PodRuntime(SandboxRuntime[Pod]):
             # ones will be.
             if facts is None and self._learn_facts(template, reach):
                 self._delete(name)
-                return self._create(template, state)
+                return self._create(template, state, notes)
             self._prepare(reach, template)
         except BaseException:
             self._delete(name)

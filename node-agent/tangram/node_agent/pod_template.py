@@ -17,6 +17,8 @@ while the action runs (idle, the container has the idle cores at a small quota).
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +31,16 @@ EXECD_DIR = "/.tangram/bin"
 EXECD = f"{EXECD_DIR}/execd"
 LABEL = "tangram.dev"
 MANAGED_BY = "tangram-node-agent"
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value: itself when Kubernetes takes it (at most 63 characters,
+    alphanumeric at both ends), else a digest of it. Whoever needs the text back reads it
+    from an annotation (trajectory ids hold 128 characters and may end in ``-``)."""
+    if _LABEL_VALUE.match(text):
+        return text
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def labels(template: EnvSpec, node: str) -> dict[str, str]:
@@ -39,7 +51,7 @@ def labels(template: EnvSpec, node: str) -> dict[str, str]:
         f"{LABEL}/pool": template.pool,
         f"{LABEL}/env": template.name,
         f"{LABEL}/template": digest(template),
-        f"{LABEL}/node": node if len(node) <= 63 else node[:63].rstrip("-._"),
+        f"{LABEL}/node": label_value(node),
         # The pool's NetworkPolicy denies every sandbox labelled so all traffic.
         f"{LABEL}/network": "none" if template.network == "none" else "allowed",
     }
@@ -54,6 +66,7 @@ def sandbox_pod(
     execd_image: str,
     execd_path: str,
     extra_labels: Mapping[str, str],
+    annotations: Mapping[str, str] | None = None,
     owner: Mapping[str, Any] | None = None,
     user: User | None = None,
     own_workdir: bool = False,
@@ -131,6 +144,8 @@ def sandbox_pod(
         "namespace": namespace,
         "labels": {**labels(template, node), **extra_labels},
     }
+    if annotations:
+        metadata["annotations"] = dict(annotations)
     if owner:  # the ActionPool: deleting the pool deletes its sandboxes
         metadata["ownerReferences"] = [dict(owner)]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
