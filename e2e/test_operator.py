@@ -12,9 +12,11 @@ Engine. The tests share state and run in file order, like one user's session.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -156,8 +158,8 @@ def _start_operator(s: Stack) -> int:
     return port
 
 
-def _start_scheduler(s: Stack, pool: str, namespace: str) -> str:
-    """The pool's scheduler from its Deployment; its URL."""
+def _start_scheduler(s: Stack, pool: str, namespace: str, port: int | None = None) -> str:
+    """The pool's scheduler from its Deployment (``port``: where it ran before); its URL."""
     name = f"tangram-{pool}-scheduler"
     deployment = wait_for(
         f"Deployment {name}", lambda: s.get("deployment", name, namespace), timeout=60
@@ -165,7 +167,7 @@ def _start_scheduler(s: Stack, pool: str, namespace: str) -> str:
     template = deployment["spec"]["template"]
     work = s.work / pool
     pod = local_pod(template, namespace, kubectl_json(s.kubectl), work, node="system-0")
-    port = free_port()
+    port = port or free_port()
     argv = replace_flag(replace_flag(pod.argv, "--host", "127.0.0.1"), "--port", str(port))
     kubeconfig = s.cp.service_account_kubeconfig(
         namespace, template["spec"]["serviceAccountName"], work / "scheduler.kubeconfig"
@@ -240,6 +242,17 @@ INVALID = [
         "metadata: {name: judge, namespace: default}\n"
         "spec: {poolRef: p, entrypoint: 'm:f', weights: /w, gpuMemoryGiB: 10, dopChoices: [3]}\n",
         'spec.dopChoices[0]: Unsupported value: 3: supported values: "1", "2", "4", "8"',
+    ),
+    (  # a pool's name goes into its Service's, a DNS label (CEL on metadata.name)
+        "apiVersion: tangram.dev/v1alpha1\nkind: ActionPool\n"
+        f"metadata: {{name: {'p' * 46}, namespace: default}}\n"
+        "spec: {apis: [{name: search, concurrency: 1}]}\n",
+        "metadata.name: at most 45 characters",
+    ),
+    (
+        "apiVersion: tangram.dev/v1alpha1\nkind: TrajectoryEnv\n"
+        "metadata: {name: dotted.name, namespace: default}\nspec: {poolRef: p, image: x}\n",
+        "metadata.name: lower-case letters, digits and '-'",
     ),
     (  # a quota needs a limit (CEL)
         "apiVersion: tangram.dev/v1alpha1\nkind: ActionPool\n"
@@ -388,6 +401,81 @@ def test_editing_an_env_takes_effect_without_a_restart(stack: Stack) -> None:
     assert scheduler.alive() and scheduler.pid == pid
 
 
+class _EchoApi(http.server.BaseHTTPRequestHandler):
+    """A web API on 127.0.0.1 that answers with the credential it was sent."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"authorization": self.headers.get("Authorization")}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def _secret(stack: Stack, name: str, value: str) -> None:
+    literal = f"--from-literal=key={value}"
+    manifest = stack.kubectl("create", "secret", "generic", name, "-n", "rl", literal,
+                             "--dry-run=client", "-o", "yaml")  # fmt: skip
+    _apply(stack, manifest.stdout)
+
+
+def test_a_refused_spec_and_a_rotated_secret_show_on_the_pool_and_reach_its_scheduler(
+    stack: Stack,
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    echo = f"http://127.0.0.1:{server.server_address[1]}"
+    quota = {"name": "echo", "concurrency": 2, "endpoint": echo,
+             "secretRef": {"name": "echo-key", "key": "key"}}  # fmt: skip
+    pool = {"apiVersion": "tangram.dev/v1alpha1", "kind": "ActionPool",
+            "metadata": {"name": "echo", "namespace": "rl"}, "spec": {"apis": [quota]}}  # fmt: skip
+    try:
+        _secret(stack, "echo-key", "first")
+        _apply(stack, yaml.safe_dump(pool))
+        url = _start_scheduler(stack, "echo", "rl")
+        stack.wait_ready("ap", "echo", "rl")
+        worker = _token(stack, "rl", "rollout-worker")
+        with Client(url, worker) as client:
+
+            def seen() -> str:
+                result = client.call("echo", "/")
+                assert result.status.value == "ok", result
+                return str(result.output["body"]["authorization"])
+
+            assert seen() == "Bearer first"
+            # A rotated key reaches the running scheduler (the operator watches the Secret
+            # through its resourceVersion and pushes the pool again).
+            _secret(stack, "echo-key", "second")
+            wait_for("the rotated key", lambda: seen() == "Bearer second", timeout=60, every=1)
+
+            # A quota naming a Secret that does not exist: the scheduler refuses the new
+            # definitions and keeps serving the old ones; the pool says so.
+            missing = {**quota, "name": "echo-two", "secretRef": {"name": "absent", "key": "key"}}
+            patch = {"spec": {"apis": [quota, missing]}}
+            stack.kubectl(
+                "patch", "ap", "echo", "-n", "rl", "--type=merge", "-p", json.dumps(patch)
+            )
+            cond = stack.wait_ready("ap", "echo", "rl", "ConfigRefused", timeout=60)
+            assert cond["status"] == "False"
+            assert "apis[echo-two].secretRef" in cond["message"] and "absent" in cond["message"]
+            assert seen() == "Bearer second"
+            events = stack.kubectl("get", "events", "-n", "rl", "--field-selector",
+                                   "involvedObject.name=echo", "-o", "json").stdout  # fmt: skip
+            assert any(e["reason"] == "ConfigRefused" for e in json.loads(events)["items"])
+            # Once the Secret exists the same definitions are taken.
+            _secret(stack, "absent", "third")
+            stack.wait_ready("ap", "echo", "rl", timeout=60)
+            assert sorted(stack.get("ap", "echo", "rl")["status"]["apis"]) == ["echo", "echo-two"]
+    finally:
+        stack.kubectl("delete", "ap", "echo", "-n", "rl", "--wait=true", timeout=120, check=False)
+        stack.stop("echo-scheduler")
+        server.shutdown()
+
+
 def test_deleting_a_pool_drains_then_removes_everything(stack: Stack) -> None:
     url = _coding_url(stack)
     worker = _token(stack, "rl", "rollout-worker")
@@ -399,7 +487,22 @@ def test_deleting_a_pool_drains_then_removes_everything(stack: Stack) -> None:
         with pytest.raises(TangramError) as e:
             client.trajectory("swe").__enter__()
         assert e.value.status == 503
-        assert t.exec(["echo", "finishing"]).stdout == "finishing\n"
+        # The scheduler restarts mid-drain (its pod rescheduled): the pool waits for it,
+        # and the trajectory its agent holds goes on once it is back.
+        stack.stop("coding-scheduler")
+
+        def waiting() -> bool:
+            cond = stack.ready("ap", "coding", "rl") or {}
+            return "waiting for its scheduler" in cond.get("message", "")
+
+        wait_for("the drain to wait for the scheduler", waiting, 60)
+        assert stack.exists("ap", "coding", "rl")
+        _start_scheduler(stack, "coding", "rl", port=httpx.URL(url).port)
+        finishing = partial(t.exec, ["echo", "finishing"])
+        assert (
+            wait_for("the trajectory back", lambda: finishing().stdout, 60, every=1)
+            == "finishing\n"
+        )
         t.__exit__(None, None, None)
     wait_for("the pool to go", lambda: not stack.exists("ap", "coding", "rl"), 60)
     # Its environment stays, and now says that it names no pool.
@@ -412,8 +515,8 @@ def test_deleting_a_pool_drains_then_removes_everything(stack: Stack) -> None:
         ("serviceaccount", "tangram-coding-scheduler"),
     ):
         wait_for(f"{kind} {name} to be collected", partial(_gone, stack, kind, name), 60)
-    assert not stack.exists("clusterrole", "tangram-rl-coding-tokenreview")
-    assert not stack.exists("clusterrolebinding", "tangram-rl-coding-tokenreview")
+    assert not stack.exists("clusterrole", "tangram-rl.coding-tokenreview")
+    assert not stack.exists("clusterrolebinding", "tangram-rl.coding-tokenreview")
     stack.stop("coding-cpu-agent")
     stack.stop("coding-scheduler")
 
@@ -438,4 +541,4 @@ def test_helm_upgrade_and_uninstall_leave_nothing_behind(stack: Stack) -> None:
     crds = stack.kubectl("get", "crd", "-o", "name").stdout
     assert "tangram.dev" not in crds
     with pytest.raises(KubectlError):
-        stack.kubectl("get", "clusterrole", "tangram-rl-deepsearch-tokenreview")
+        stack.kubectl("get", "clusterrole", "tangram-rl.deepsearch-tokenreview")

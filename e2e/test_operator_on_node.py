@@ -48,7 +48,7 @@ CODING = ROOT / "manifests" / "examples" / "coding" / "pool.yaml"
 RELEASE, SYSTEM = "arl-tangram", "tangram-system"
 NS = "rl-node"  # the example's namespace is rl; another module may have used that name
 SWE_IMAGE = "ghcr.io/example/swe-env:latest"  # what the example names; imported, not pulled
-STATE_DIR = Path("/var/lib/tangram/coding")  # the agent's hostPath (builders.state_dir)
+STATE_DIR = Path(f"/var/lib/tangram/{NS}/coding")  # the agent's hostPath (builders.state_dir)
 VERSION = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
 IMAGE = f"arl-tangram/operator:{VERSION.group(1) if VERSION else '0.1.0'}"
 # The sandbox test suite: each test writes the cores it may run on, as the kernel says.

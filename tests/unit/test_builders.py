@@ -71,7 +71,7 @@ def test_every_child_is_labelled_named_and_owned(example: str, pool: str) -> Non
     for obj in objects:
         meta = obj["metadata"]
         assert meta["name"].startswith(f"tangram-{pool}-") or meta["name"].startswith(
-            f"tangram-{namespace}-{pool}-"
+            f"tangram-{namespace}.{pool}-"
         )
         assert meta["labels"]["app.kubernetes.io/name"] == "arl-tangram"
         assert meta["labels"]["app.kubernetes.io/instance"] == pool
@@ -204,7 +204,7 @@ def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
         "tangram", "agent",
         "--scheduler", "ws://tangram-coding-scheduler.rl.svc:8080/v1/agents",
         "--token-file", "/etc/tangram/tokens",
-        "--node", "$(NODE_NAME)", "--state-dir", "/var/lib/tangram/coding",
+        "--node", "$(NODE_NAME)", "--state-dir", "/var/lib/tangram/rl/coding",
         "--idle-cores", "2", "--log-json",
         "--runtime", "pod", "--namespace", "$(POD_NAMESPACE)",
         "--execd-image", IMAGE, "--pool-name", "coding", "--pool-uid", UID,
@@ -220,7 +220,7 @@ def test_cpu_agent_daemon_set(coding: list[dict[str, Any]]) -> None:
     host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
     assert host_paths == {
         "cgroup": {"path": "/sys/fs/cgroup", "type": "Directory"},
-        "state": {"path": "/var/lib/tangram/coding", "type": "DirectoryOrCreate"},
+        "state": {"path": "/var/lib/tangram/rl/coding", "type": "DirectoryOrCreate"},
     }
     for name, host in host_paths.items():  # bind-mounted into containers: same path
         assert mounts[name] == host["path"]
@@ -357,3 +357,48 @@ def test_short_agent_token_is_refused() -> None:
     pool = _resources("coding").pools[("rl", "coding")]
     with pytest.raises(ValueError, match="agent_token"):
         _pool_objects(pool, agent_token="short")
+
+
+def _named(namespace: str, name: str) -> ActionPool:
+    return ActionPool.model_validate({
+        "apiVersion": "tangram.dev/v1alpha1", "kind": "ActionPool",
+        "metadata": {"name": name, "namespace": namespace}, "spec": {"cpu": {}},
+    })  # fmt: skip
+
+
+def _host_state(objects: list[dict[str, Any]]) -> str:
+    volumes = _one(objects, "DaemonSet")["spec"]["template"]["spec"]["volumes"]
+    path: str = next(
+        v["hostPath"]["path"] for v in volumes if "hostPath" in v and v["name"] == "state"
+    )
+    return path
+
+
+def test_pools_in_two_namespaces_share_no_cluster_object_and_no_host_directory() -> None:
+    # "a-b"/"c" and "a"/"b-c" would both be tangram-a-b-c if joined by "-"; "coding" in two
+    # namespaces on one node would share its agents' key journal.
+    pairs = [
+        (_named("a-b", "c"), _named("a", "b-c")),
+        (_named("team-a", "x"), _named("team-b", "x")),
+    ]
+    for one, other in pairs:
+        mine, theirs = _pool_objects(one), _pool_objects(other)
+        cluster_names = [
+            {o["metadata"]["name"] for o in objs if o["kind"] not in NAMESPACED}
+            for objs in (mine, theirs)
+        ]
+        assert cluster_names[0] and not cluster_names[0] & cluster_names[1]
+        assert _host_state(mine) != _host_state(theirs)
+
+
+def test_the_longest_pool_name_still_makes_a_valid_service_name() -> None:
+    from tangram.api.resources import POOL_NAME_MAX
+    from tangram.api.spec_base import DNS_LABEL_RE
+
+    objects = _pool_objects(_named("rl", "p" * POOL_NAME_MAX))
+    for obj in objects:
+        if obj["kind"] == "Service":
+            name = obj["metadata"]["name"]
+            assert len(name) <= 63 and DNS_LABEL_RE.match(name), name
+    with pytest.raises(ValueError, match="at most 45"):
+        _named("rl", "p" * (POOL_NAME_MAX + 1))

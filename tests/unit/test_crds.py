@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tangram.api.crd import LIST_TYPES, RULES, CrdError, crd, crds, openapi_schema, structural
+from tangram.api.crd import (
+    LIST_TYPES,
+    NAME_RULES,
+    RULES,
+    CrdError,
+    crd,
+    crds,
+    openapi_schema,
+    structural,
+)
 from tangram.api.resources import KINDS, PLURALS, SHORT_NAMES
 from tangram.api.status import STATUS_MODELS
 from tangram.cli.crds import (
@@ -392,7 +401,7 @@ def test_every_rule_and_list_type_names_a_real_field() -> None:
     found = sum(
         "x-kubernetes-validations" in node for kind in KINDS for _, node in _nodes(_schema(kind))
     )
-    assert found == len(RULES)
+    assert found == len(RULES) + len(NAME_RULES)  # and each kind's own, on its name
 
 
 def test_unique_lists_are_list_types() -> None:
@@ -497,4 +506,5 @@ def test_the_validator_catches_what_the_api_server_would() -> None:
 
 def test_schema_of_a_model_matches_crd() -> None:
     for kind, cls in KINDS.items():
-        assert openapi_schema(cls, STATUS_MODELS[kind]) == _schema(kind)
+        schema = openapi_schema(cls, STATUS_MODELS[kind])
+        assert {**schema, "x-kubernetes-validations": NAME_RULES[kind]} == _schema(kind)

@@ -64,6 +64,11 @@ def test_unparseable_conditions_are_dropped() -> None:
         (dict(scheduler_available=True, figures=_figures(nodes=0)), "NoNodes"),
         (dict(scheduler_available=True, figures=_figures()), "Ready"),
         (dict(deleting=True, figures=_figures(), drain_left_s=42.4), "Draining"),
+        (dict(deleting=True, unreachable="no route", drain_left_s=42.4), "Draining"),
+        (
+            dict(scheduler_available=True, figures=_figures(), refused="apis[x]: no Secret"),
+            "ConfigRefused",
+        ),
     ],
 )
 def test_pool_ready_reasons(seen: dict[str, object], reason: str) -> None:
@@ -76,8 +81,13 @@ def test_pool_ready_reasons(seen: dict[str, object], reason: str) -> None:
     assert status.observed_generation == 3 and cond.observed_generation == 3
     if reason == "SchedulerUnreachable":
         assert cond.message == "refused"
-    if reason == "Draining":
+    if reason == "Draining" and obs.figures is not None:
         assert "9 trajectories still open" in cond.message and "42 s" in cond.message
+    if reason == "Draining" and obs.figures is None:  # restarting: it is waited for
+        assert "waiting for its scheduler (no route)" in cond.message and "42 s" in cond.message
+    if reason == "ConfigRefused":
+        assert cond.message.endswith("runs the ones before: apis[x]: no Secret")
+        assert status.nodes == 2  # the figures of what it runs
 
 
 def test_pool_status_copies_the_scheduler_figures() -> None:

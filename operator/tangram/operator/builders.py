@@ -18,7 +18,7 @@ garbage-collects them; the two cluster-scoped ones excepted, below):
   environments with ``network: none``), when the pool has agents.
 - Role/RoleBinding ``tangram-<pool>-scheduler`` (read the three kinds, get only the Secrets
   of ``spec.apis[*].secretRef``), ClusterRole/ClusterRoleBinding
-  ``tangram-<ns>-<pool>-tokenreview`` (create TokenReviews, to authenticate clients by
+  ``tangram-<ns>.<pool>-tokenreview`` (create TokenReviews, to authenticate clients by
   their ServiceAccount tokens). These two are cluster-scoped and so carry no
   ownerReference (see :func:`cluster_metadata`).
 - Deployment and Service ``tangram-<pool>-scheduler``.
@@ -300,8 +300,10 @@ def role_binding(pool: ActionPool, suffix: str, component: str, uid: str) -> Man
 
 
 def tokenreview_name(pool: ActionPool) -> str:
-    # Cluster-scoped: pools of the same name in two namespaces must not collide.
-    return f"tangram-{pool.metadata.namespace}-{pool.metadata.name}-tokenreview"
+    # Cluster-scoped: pools of the same name in two namespaces must not collide, nor may
+    # namespace "a-b" with pool "c" and namespace "a" with pool "b-c". Neither name holds
+    # a ".", so it tells them apart.
+    return f"tangram-{pool.metadata.namespace}.{pool.metadata.name}-tokenreview"
 
 
 def tokenreview_cluster_role(pool: ActionPool) -> Manifest:
@@ -525,8 +527,9 @@ def scheduler_service(pool: ActionPool, uid: str) -> Manifest:
 
 
 def state_dir(pool: ActionPool, role: str) -> str:
-    # Per pool: two pools' agents on one node keep their environments apart.
-    base = f"{STATE_ROOT}/{pool.metadata.name}"
+    # Per pool: two pools' agents on one node keep their environments and key journals
+    # apart, pools of one name in two namespaces too.
+    base = f"{STATE_ROOT}/{pool.metadata.namespace}/{pool.metadata.name}"
     return base if role == "cpu" else f"{base}-{role}"
 
 

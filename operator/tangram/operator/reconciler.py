@@ -54,7 +54,12 @@ from tangram.operator.builders import (
     parse_tokens,
 )
 from tangram.operator.kube import Cluster
-from tangram.operator.scheduler_link import Endpoints, SchedulerError, SchedulerLink
+from tangram.operator.scheduler_link import (
+    Endpoints,
+    SchedulerError,
+    SchedulerLink,
+    SchedulerRefusedError,
+)
 from tangram.operator.status import (
     SANDBOXES_HEALTHY,
     PoolObservation,
@@ -71,6 +76,10 @@ MEMBER_KINDS: dict[str, type[TrajectoryEnv] | type[RewardService]] = {
     "RewardService": RewardService,
 }
 DRAIN_POLL_S = 5.0
+# The periodic refresh only reads the scheduler's figures and pushes what changed; this
+# often it applies the pool's children again too, so that one deleted or edited by hand
+# (a DaemonSet, the Service) comes back without waiting for a change of the spec.
+FULL_PASS_S = 300.0
 
 
 class RetryError(Exception):
@@ -120,6 +129,9 @@ class Reconciler:
         # pool uid -> (documents, operator token) of its last full pass: what the periodic
         # refresh pushes, without reading the ConfigMap and the Secret back every 10 s.
         self._built: dict[str, tuple[str, str]] = {}
+        self._full_at: dict[str, dt.datetime] = {}  # pool uid -> its last full pass
+        # pool uid -> why its scheduler refused the documents last pushed (said once).
+        self._refused: dict[str, str] = {}
         # One pass at a time per pool (kopf runs handlers of different objects in threads).
         self._locks: dict[ObjectKey, threading.RLock] = {}
         self._locks_guard = threading.Lock()
@@ -153,10 +165,9 @@ class Reconciler:
             for manifest in objects:
                 self.cluster.apply(manifest)
             self._remove_dropped_agents(pool)
-            built = self._built[body["metadata"]["uid"]] = (
-                _documents(objects),
-                tokens[OPERATOR_TENANT],
-            )
+            uid = body["metadata"]["uid"]
+            built = self._built[uid] = (_documents(objects), tokens[OPERATOR_TENANT])
+            self._full_at[uid] = self.clock()
             self._refresh(pool, body, *built)
             return True
 
@@ -168,8 +179,14 @@ class Reconciler:
             if live is None:
                 return
             body, pool = live
-            built = self._built.get(body["metadata"]["uid"])
-            if built is None:  # no full pass in this process yet: do it whole
+            uid = body["metadata"]["uid"]
+            built, full_at = self._built.get(uid), self._full_at.get(uid)
+            # No full pass in this process yet, or none for a while: do it whole.
+            if (
+                built is None
+                or full_at is None
+                or ((self.clock() - full_at).total_seconds() >= FULL_PASS_S)
+            ):
                 self.reconcile_pool(namespace, name)  # the lock is reentrant
                 return
             self._refresh(pool, body, *built)
@@ -239,10 +256,10 @@ class Reconciler:
     def _refresh(self, pool: ActionPool, body: dict[str, Any], documents: str, token: str) -> None:
         meta = body["metadata"]
         base = self.endpoints.url(pool)
-        figures, unreachable = None, None
+        figures, unreachable, refused = None, None, None
         try:
             figures = self.link.figures(base, token)
-            self._push(meta["uid"], figures, base, token, documents)
+            refused = self._push(pool, meta["uid"], figures, documents, base=base, token=token)
         except SchedulerError as e:
             unreachable = str(e)
         previous = parse_conditions((body.get("status") or {}).get("conditions"))
@@ -253,16 +270,55 @@ class Reconciler:
             scheduler_available=self._scheduler_available(pool),
             figures=figures,
             unreachable=unreachable,
+            refused=refused,
         )
         self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
 
-    def _push(self, uid: str, figures: PoolFigures, base: str, token: str, documents: str) -> None:
-        given = (figures.epoch, hashlib.sha256(documents.encode()).hexdigest())
+    def _push(
+        self,
+        pool: ActionPool,
+        uid: str,
+        figures: PoolFigures,
+        documents: str,
+        *,
+        base: str,
+        token: str,
+    ) -> str | None:
+        """Push the documents unless this scheduler run has them; why it refused them
+        (it keeps running the ones before), or None. Refused ones are pushed again on
+        each pass: what was wrong may be outside the spec (a Secret not created yet)."""
+        digest = hashlib.sha256(documents.encode())
+        # The scheduler reads its API credentials when it loads the documents, which only
+        # name their Secrets: a changed Secret is a change to push.
+        for version in self._credential_versions(pool):
+            digest.update(f"\0{version}".encode())
+        given = (figures.epoch, digest.hexdigest())
         if self._pushed.get(uid) == given:
-            return
-        changes = self.link.reload(base, token, documents)
+            return None
+        try:
+            changes = self.link.reload(base, token, documents)
+        except SchedulerRefusedError as e:
+            if self._refused.get(uid) != str(e):
+                log.warning("pool %s/%s: the scheduler refused its config: %s",
+                            pool.metadata.namespace, pool.metadata.name, e)  # fmt: skip
+            self._refused[uid] = str(e)
+            return str(e)
         self._pushed[uid] = given
+        self._refused.pop(uid, None)
         log.info("pushed config to %s: %s", base, "; ".join(changes) or "no changes")
+        return None
+
+    def _credential_versions(self, pool: ActionPool) -> list[str]:
+        """The resourceVersion of each Secret the pool's API quotas name ("-": none)."""
+        versions = []
+        for quota in pool.spec.apis:
+            if quota.secret_ref is None:
+                continue
+            secret = self.cluster.get("v1", "Secret", pool.metadata.namespace,
+                                      quota.secret_ref.name)  # fmt: skip
+            meta = (secret or {}).get("metadata") or {}
+            versions.append(f"{quota.secret_ref.name}={meta.get('resourceVersion', '-')}")
+        return versions
 
     def _scheduler_available(self, pool: ActionPool) -> bool:
         deployment = self.cluster.get(
@@ -286,8 +342,8 @@ class Reconciler:
             deleted = self.cluster.delete_cluster_children(namespace, name)
             self._member_statuses((namespace, name), None)  # they now name no pool
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
-            self._pushed.pop(meta.get("uid", ""), None)
-            self._built.pop(meta.get("uid", ""), None)
+            for memo in (self._pushed, self._built, self._full_at, self._refused):
+                memo.pop(meta.get("uid", ""), None)
         with self._locks_guard:
             self._locks.pop((namespace, name), None)
 
@@ -298,25 +354,36 @@ class Reconciler:
         since = body["metadata"].get("deletionTimestamp") or rfc3339(self.clock())
         started = dt.datetime.fromisoformat(since.replace("Z", "+00:00"))
         left = pool.spec.scheduler.drain_seconds - (self.clock() - started).total_seconds()
+        figures, unreachable = None, None
         try:
             figures = self.link.drain(self.endpoints.url(pool), token)
         except SchedulerError as e:
-            log.info("pool %s: no scheduler to drain (%s)", pool.metadata.name, e)
-            return
-        if figures.trajectories == 0 or left <= 0:
+            # A scheduler restarting (its pod rescheduled, a timeout) comes back with the
+            # trajectories its agents hold: wait for it within the drain time if it last
+            # said some were open. One that never ran, or had none, has nothing to drain.
+            unreachable = str(e)
+            if not int((body.get("status") or {}).get("trajectories") or 0):
+                log.info("pool %s: no scheduler to drain (%s)", pool.metadata.name, e)
+                return
+        if left <= 0 or (figures is not None and figures.trajectories == 0):
+            if figures is None:
+                log.warning("pool %s: its scheduler did not answer within drainSeconds (%s); "
+                            "removing it", pool.metadata.name, unreachable)  # fmt: skip
             return
         previous = parse_conditions((body.get("status") or {}).get("conditions"))
         seen = PoolObservation(
             generation=body["metadata"].get("generation", 0),
             previous=previous,
             endpoint=self.endpoints.cluster_url(pool),
-            scheduler_available=True,
+            scheduler_available=figures is not None,
             figures=figures,
+            unreachable=unreachable,
             deleting=True,
             drain_left_s=left,
         )
         self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
-        raise RetryError(f"{figures.trajectories} trajectories open; {left:.0f} s left")
+        what = f"{figures.trajectories} trajectories open" if figures else unreachable
+        raise RetryError(f"{what}; {left:.0f} s left")
 
     # ---- members ---------------------------------------------------------------------
     def reconcile_member(self, kind: str, namespace: str, name: str) -> None:

@@ -28,6 +28,11 @@ class SchedulerError(RuntimeError):
     """No answer, a refusal, or an answer that is not a scheduler's."""
 
 
+class SchedulerRefusedError(SchedulerError):
+    """The scheduler answered and said no (HTTP 400: the pushed definitions are wrong);
+    the message is its own."""
+
+
 class Endpoints:
     """The base URL of each pool's scheduler."""
 
@@ -64,8 +69,10 @@ class SchedulerLink:
                 data: bytes = resp.read()
                 return data
         except urllib.error.HTTPError as e:
-            detail = e.read().decode("utf-8", "replace")[:500]
-            raise SchedulerError(f"{method} {url}: HTTP {e.code} {detail}") from None
+            detail = e.read().decode("utf-8", "replace")[:2000]
+            if e.code == 400:
+                raise SchedulerRefusedError(_message(detail)) from None
+            raise SchedulerError(f"{method} {url}: HTTP {e.code} {detail[:500]}") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise SchedulerError(f"{method} {url}: {reason}") from None
@@ -88,4 +95,13 @@ class SchedulerLink:
         return PoolFigures.model_validate_json(data)
 
 
-__all__ = ["Endpoints", "SchedulerError", "SchedulerLink"]
+def _message(detail: str) -> str:
+    """The message of a scheduler's error body (``{"error": {"message": ...}}``)."""
+    try:
+        message = json.loads(detail)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return detail[:500]
+    return str(message)
+
+
+__all__ = ["Endpoints", "SchedulerError", "SchedulerLink", "SchedulerRefusedError"]

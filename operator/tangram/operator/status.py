@@ -35,6 +35,7 @@ class PoolObservation:
     scheduler_available: bool = False  # the Deployment has an available replica
     figures: PoolFigures | None = None  # the scheduler's own, None when unreachable
     unreachable: str | None = None  # why the figures are missing
+    refused: str | None = None  # why the scheduler refused the spec pushed to it
     deleting: bool = False
     drain_left_s: float = 0.0
 
@@ -90,12 +91,18 @@ def _pool_ready(
         return "False", Reason.INVALID_SPEC, seen.invalid or "the spec does not validate"
     f = seen.figures
     if seen.deleting:
-        open_ = f.trajectories if f is not None else 0
+        left = f"removed in at most {max(0, round(seen.drain_left_s))} s"
+        if f is None:  # restarting, say: it comes back with what its agents hold
+            why = seen.unreachable or f"{seen.endpoint} not answering"
+            return (
+                "False",
+                Reason.DRAINING,
+                f"being deleted: waiting for its scheduler ({why}); {left}",
+            )
         return (
             "False",
             Reason.DRAINING,
-            f"being deleted: {open_} trajectories still open, removed in at most "
-            f"{max(0, round(seen.drain_left_s))} s",
+            f"being deleted: {f.trajectories} trajectories still open, {left}",
         )
     deployment = child_name(pool, "scheduler")
     if not seen.scheduler_available:
@@ -104,6 +111,13 @@ def _pool_ready(
     if f is None:
         why = seen.unreachable or f"{seen.endpoint} not answering"
         return "False", Reason.SCHEDULER_UNREACHABLE, why
+    if seen.refused is not None:
+        return (
+            "False",
+            Reason.CONFIG_REFUSED,
+            "the scheduler refused the current definitions (the pool's or a member's) and "
+            f"runs the ones before: {seen.refused}",
+        )
     sections = [r for r, s in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)) if s is not None]
     if sections and f.nodes == 0:
         agents = ", ".join(child_name(pool, f"{r}-agent") for r in sections)

@@ -32,7 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tangram.api.resources import GROUP, KINDS, PLURALS, SHORT_NAMES, VERSION
+from tangram.api.resources import GROUP, KINDS, PLURALS, POOL_NAME_MAX, SHORT_NAMES, VERSION
+from tangram.api.spec_base import DNS_LABEL
 from tangram.api.status import STATUS_MODELS
 
 CRD_API_VERSION = "apiextensions.k8s.io/v1"
@@ -95,6 +96,37 @@ RULES: dict[tuple[str, str | None], list[dict[str, str]]] = {
     ],
     ("RewardServiceSpec", "poolRef"): [
         {"rule": "self == oldSelf", "message": "poolRef is immutable"},
+    ],
+}
+
+# Rules on the object itself, by kind: its name as the models take it (CEL sees
+# metadata.name; the API server alone would take a DNS subdomain of 253 characters).
+_DNS_LABEL_NAME = {
+    "rule": f"self.metadata.name.matches('{DNS_LABEL}')",
+    "message": "metadata.name: lower-case letters, digits and '-' (a DNS label)",
+}
+NAME_RULES: dict[str, list[dict[str, str]]] = {
+    "ActionPool": [
+        _DNS_LABEL_NAME,
+        {
+            "rule": f"size(self.metadata.name) <= {POOL_NAME_MAX}",
+            "message": f"metadata.name: at most {POOL_NAME_MAX} characters for a pool (its "
+            "scheduler's Service, tangram-<name>-scheduler, is a DNS label of at most 63)",
+        },
+    ],
+    "TrajectoryEnv": [
+        _DNS_LABEL_NAME,
+        {
+            "rule": "size(self.metadata.name) <= 63",
+            "message": "metadata.name: at most 63 characters",
+        },
+    ],
+    "RewardService": [
+        _DNS_LABEL_NAME,
+        {
+            "rule": "size(self.metadata.name) <= 63",
+            "message": "metadata.name: at most 63 characters",
+        },
     ],
 }
 
@@ -188,13 +220,19 @@ def crd(kind: str) -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "schema": {"openAPIV3Schema": openapi_schema(KINDS[kind], STATUS_MODELS[kind])},
+                    "schema": {"openAPIV3Schema": _object_schema(kind)},
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS[kind]),
                 }
             ],
         },
     }
+
+
+def _object_schema(kind: str) -> Schema:
+    schema = openapi_schema(KINDS[kind], STATUS_MODELS[kind])
+    schema["x-kubernetes-validations"] = copy.deepcopy(NAME_RULES[kind])
+    return schema
 
 
 def crds() -> dict[str, dict[str, Any]]:

@@ -19,6 +19,7 @@ class Reason(StrEnum):
     DRAINING = "Draining"
     SCHEDULER_UNAVAILABLE = "SchedulerUnavailable"
     SCHEDULER_UNREACHABLE = "SchedulerUnreachable"
+    CONFIG_REFUSED = "ConfigRefused"  # the running scheduler refused the pushed spec
     NO_NODES = "NoNodes"
     # A TrajectoryEnv's or RewardService's Ready condition.
     ACCEPTED = "Accepted"

@@ -69,6 +69,11 @@ _HTTP_URL: TypeAdapter[HttpUrl] = TypeAdapter(HttpUrl)
 # --- metadata --------------------------------------------------------------------------------
 
 
+# The operator names a pool's children tangram-<pool>-<role>; the longest that must be a
+# DNS label (63 characters) is the scheduler's Service, tangram-<pool>-scheduler.
+POOL_NAME_MAX = 63 - len("tangram-") - len("-scheduler")
+
+
 class ObjectMeta(BaseModel):
     """The part of Kubernetes object metadata that Tangram reads; other keys are ignored."""
 
@@ -697,6 +702,17 @@ class ActionPool(_Object):
     kind: Annotated[Literal["ActionPool"], Field(description="ActionPool")]
     spec: Annotated[ActionPoolSpec, Field(description="desired state")]
 
+    @field_validator("metadata")
+    @classmethod
+    def _name_fits_its_children(cls, meta: ObjectMeta) -> ObjectMeta:
+        if len(meta.name) > POOL_NAME_MAX:
+            raise ValueError(
+                f"name: {meta.name!r} has {len(meta.name)} characters; a pool's has at most "
+                f"{POOL_NAME_MAX} (its scheduler's Service, tangram-<name>-scheduler, is a "
+                "DNS label of at most 63)"
+            )
+        return meta
+
 
 class TrajectoryEnv(_PoolMember):
     """The per-trajectory environment container and its named exec actions."""
@@ -761,6 +777,7 @@ __all__ = [
     "GROUP",
     "KINDS",
     "PLURALS",
+    "POOL_NAME_MAX",
     "SHORT_NAMES",
     "VERSION",
     "Access",

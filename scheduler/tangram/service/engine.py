@@ -303,6 +303,14 @@ class Engine:
         if old.apis != config.apis:
             s.core.set_quotas(config.apis)
             changes.append("API quotas " + ", ".join(a.name for a in config.apis))
+        # Named only: an endpoint holds its credential (a rotated Secret is such a change).
+        moved = sorted(
+            name
+            for name in set(old.endpoints) | set(config.endpoints)
+            if old.endpoints.get(name) != config.endpoints.get(name)
+        )
+        if moved:
+            changes.append("API endpoints or credentials of " + ", ".join(moved))
         scheduling = config.scheduling
         if scheduling != old.scheduling:
             try:
