@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -674,3 +675,24 @@ def test_an_adopted_run_ended_by_its_node_leaving_leaves_its_trajectorys_running
         assert traj.running == set()
 
     asyncio.run(scenario())
+
+
+def test_a_background_task_that_fails_is_said_unless_its_agent_went(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tangram.service.records import EngineError
+    from tangram.service.state import _said
+
+    loop = asyncio.new_event_loop()
+    try:
+        failed, gone = loop.create_future(), loop.create_future()
+        failed.set_exception(ValueError("the warm-up could not start"))
+        gone.set_exception(EngineError("unavailable", "node", "node n1 has no agent connected"))
+        with caplog.at_level(logging.WARNING, logger="tangram.service"):
+            _said(failed)
+            _said(gone)
+    finally:
+        loop.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "background work failed: ValueError: the warm-up could not start"
+    ]

@@ -202,7 +202,7 @@ class PoolState:
         task = asyncio.ensure_future(work)
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never unretrieved
+        task.add_done_callback(_said)
 
     def link(self, node: str | None) -> AgentLink:
         """The link to ``node``'s agent; EngineError ("unavailable") when it has none, or
@@ -231,3 +231,15 @@ def agent_gone(node: str | None) -> Iterator[None]:
         yield
     except (AgentGoneError, RuntimeError, OSError) as e:  # incl. a socket closing under us
         raise EngineError("unavailable", "node", f"node {node}: {e}") from None
+
+
+def _said(task: asyncio.Future[Any]) -> None:
+    """Retrieve a background task's failure, and say it: an agent gone meanwhile is
+    expected (whoever waits on it hears of it), anything else is worth a warning."""
+    if task.cancelled() or task.exception() is None:
+        return
+    e = task.exception()
+    if isinstance(e, EngineError):
+        log.debug("background work ended: %s", e)
+    else:
+        log.warning("background work failed: %s: %s", type(e).__name__, e)
