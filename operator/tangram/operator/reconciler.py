@@ -259,7 +259,10 @@ class Reconciler:
         figures, unreachable, refused = None, None, None
         try:
             figures = self.link.figures(base, token)
-            refused = self._push(pool, meta["uid"], figures, documents, base=base, token=token)
+            taken, refused = self._push(pool, meta["uid"], figures, documents, base=base,
+                                        token=token)  # fmt: skip
+            if taken:  # the figures of what it runs now (new quotas, say)
+                figures = self.link.figures(base, token)
         except SchedulerError as e:
             unreachable = str(e)
         previous = parse_conditions((body.get("status") or {}).get("conditions"))
@@ -283,10 +286,11 @@ class Reconciler:
         *,
         base: str,
         token: str,
-    ) -> str | None:
-        """Push the documents unless this scheduler run has them; why it refused them
-        (it keeps running the ones before), or None. Refused ones are pushed again on
-        each pass: what was wrong may be outside the spec (a Secret not created yet)."""
+    ) -> tuple[bool, str | None]:
+        """Push the documents unless this scheduler run has them: whether it took them
+        now, and why it refused them (it keeps running the ones before). Refused ones are
+        pushed again on each pass: what was wrong may be outside the spec (a Secret not
+        created yet)."""
         digest = hashlib.sha256(documents.encode())
         # The scheduler reads its API credentials when it loads the documents, which only
         # name their Secrets: a changed Secret is a change to push.
@@ -294,7 +298,7 @@ class Reconciler:
             digest.update(f"\0{version}".encode())
         given = (figures.epoch, digest.hexdigest())
         if self._pushed.get(uid) == given:
-            return None
+            return False, None
         try:
             changes = self.link.reload(base, token, documents)
         except SchedulerRefusedError as e:
@@ -302,11 +306,11 @@ class Reconciler:
                 log.warning("pool %s/%s: the scheduler refused its config: %s",
                             pool.metadata.namespace, pool.metadata.name, e)  # fmt: skip
             self._refused[uid] = str(e)
-            return str(e)
+            return False, str(e)
         self._pushed[uid] = given
         self._refused.pop(uid, None)
         log.info("pushed config to %s: %s", base, "; ".join(changes) or "no changes")
-        return None
+        return True, None
 
     def _credential_versions(self, pool: ActionPool) -> list[str]:
         """The resourceVersion of each Secret the pool's API quotas name ("-": none)."""
