@@ -221,6 +221,8 @@ def test_a_body_over_1_mib_is_413(http: httpx.Client, chunked: bool) -> None:
         (EXEC, {"argv": ["ls"], "output_cap": -1}, "output_cap"),
         ("/v1/apis/search/lease", {"units": "two"}, "units"),
         ("/v1/batch", {"actions": [{"trajectory": TRAJECTORY, "exec": []}]}, "actions.0.exec"),
+        # (a fixed core count has nothing for an efficiency to choose between)
+        (EXEC, {"argv": ["ls"], "efficiency": {"amdahl": 0.9}}, "efficiency"),
     ],
 )
 def test_a_wrong_typed_field_is_400_naming_it(

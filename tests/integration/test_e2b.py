@@ -180,6 +180,28 @@ def test_a_sandbox_the_service_did_not_make_is_reaped_by_its_label(
         until(lambda: http.get(trajectory).status_code == 404, "its end at its timeout")
 
 
+def test_labels_that_are_no_timeout_stop_no_reaping(e2b: tuple[str, str, str]) -> None:
+    """Anyone may label a trajectory through /v1: a superscript digit, a 400-digit or a
+    years-long timeout neither ends the reaper nor breaks the listing (a 1 s sandbox made
+    after them is still killed on time)."""
+    _, url, token = e2b
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
+        odd_ones = []
+        for odd in ("\u00b2", "9" * 400, "999999999999"):
+            opened = http.post("/v1/trajectories", json={
+                "env": "box", "labels": {"e2b.tangram.dev/timeout-s": odd}})  # fmt: skip
+            assert opened.status_code == 201, opened.text
+            odd_ones.append(opened.json()["id"])
+        victim = Sandbox.create("box", timeout=1)
+        until(lambda: not victim.is_running(), "the 1 s sandbox killed at its timeout")
+        listed = http.get("/v2/sandboxes", headers={"X-API-KEY": token})
+        assert listed.status_code == 200, listed.text
+        ends = [box["endAt"] for box in listed.json()]
+        assert len(ends) == 3  # the labelled ones, each ending within the 24 h bound
+        for tid in odd_ones:
+            assert http.delete(f"/v1/trajectories/{tid}").status_code == 200
+
+
 def test_list_info_and_kill(e2b: tuple[str, str, str]) -> None:
     sb = Sandbox.create("box", metadata={"run": "r1"})
     info = sb.get_info()
@@ -206,9 +228,21 @@ def test_refusals_name_what_is_wrong(e2b: tuple[str, str, str]) -> None:
         # envd's routes need the tenant's token (the API key), not only the sandbox's id.
         r = httpx.get(f"{url}/health", headers={"E2b-Sandbox-Id": sb.sandbox_id})
         assert r.status_code == 401 and "API key" in r.json()["message"]
-        r = httpx.get(f"{url}/health", headers={"E2b-Sandbox-Id": sb.sandbox_id,
-                                               "X-Access-Token": token})  # fmt: skip
+        envd = {"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": token}
+        r = httpx.get(f"{url}/health", headers=envd)
         assert r.status_code == 204
+        # Connect messages of the wrong shape are invalid_argument naming the field.
+        cat = sb.commands.run("cat", background=True, stdin=True)
+        wrong: list[tuple[str, dict[str, object], str]] = [
+            ("SendSignal", {"signal": ["SIGNAL_SIGTERM"]}, "signal"),
+            ("SendInput", {"input": "aGk="}, "input"),
+        ]
+        for method, body, field in wrong:
+            r = httpx.post(f"{url}/process.Process/{method}", headers=envd,
+                           json={"process": {"pid": cat.pid}, **body})  # fmt: skip
+            assert r.status_code == 400, r.text
+            assert r.json()["code"] == "invalid_argument" and r.json()["message"].startswith(field)
+        cat.kill()
     finally:
         sb.kill()
 

@@ -13,7 +13,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from tangram.api.action import ActionSpec
+from tangram.api.field_errors import field_path
 from tangram.api.wire import (
     ActionResult,
     ApiCallRequest,
@@ -240,11 +243,24 @@ class Admission:
         if spec is None:  # a handful of shapes recur: validate each once
             try:
                 spec = ActionSpec(kind="exec", cpu=cores, t1_s=t1, efficiency=eff, type=kind)
-            except ValueError as e:
-                raise EngineError("invalid", "cpu", str(e)) from None
+            except ValidationError as e:
+                raise EngineError("invalid", *_named(e)) from None
             if shape and len(self._specs) < MAX_SHAPES:
                 self._specs[shape] = spec
         return argv, spec
+
+
+def _named(e: ValidationError) -> tuple[str, str]:
+    """(field, message) of an action's first problem: its location, else the field its
+    model's check names first ("efficiency: given, but ..."), else ``cpu``."""
+    err = e.errors(include_url=False)[0]
+    message = str(err["msg"]).removeprefix("Value error, ")
+    if err["loc"]:
+        return field_path(err["loc"]), message
+    field, sep, rest = message.partition(": ")
+    if sep and field.isidentifier():
+        return field, rest
+    return "cpu", message
 
 
 def _differing(first: Request | None, again: Request) -> str:

@@ -106,6 +106,8 @@ def select(box: Sandbox, msg: dict[str, Any]) -> Proc:
 
 def send_input(proc: Proc, msg: dict[str, Any]) -> None:
     given = msg.get("input") or {}
+    if not isinstance(given, dict):
+        raise ConnectError("invalid_argument", "input: an object with stdin or pty")
     data = given.get("stdin") or given.get("pty") or ""  # (a oneof: one of them at most)
     if not proc.stdin:
         raise ConnectError(
@@ -125,7 +127,8 @@ def close_stdin(proc: Proc) -> None:
 
 
 def send_signal(proc: Proc, msg: dict[str, Any]) -> None:
-    number = SIGNALS.get(msg.get("signal"))
+    named = msg.get("signal")
+    number = SIGNALS.get(named) if isinstance(named, str | int) else None
     if number is None:
         raise ConnectError("invalid_argument", f"signal: {msg.get('signal')!r} is not one of "
                            "SIGNAL_SIGTERM, SIGNAL_SIGKILL")  # fmt: skip

@@ -142,8 +142,12 @@ class Sandboxes:
             box.end_at = end
 
     def _adopted_end(self, rec: TrajectoryRecord) -> float | None:
+        """When a sandbox made before a restart ends. Anyone may set the label through
+        /v1: a value that is not a timeout this API could have given is kept in bounds."""
         label = rec.labels.get(TIMEOUT_LABEL, "")
-        return self.clock() + int(label) if label.isdigit() else None
+        if not (label.isascii() and label.isdecimal()):
+            return None
+        return self.clock() + min(int(label[:12]), MAX_TIMEOUT_S)
 
     def start(self) -> None:
         """Run the reaper, from the service's start: sandboxes of a scheduler that
@@ -153,7 +157,10 @@ class Sandboxes:
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(REAP_EVERY_S)
-            await self.reap_once()
+            try:
+                await self.reap_once()
+            except Exception:  # one bad record must not end the reaping of every sandbox
+                log.exception("reaping sandboxes failed; trying again in %s s", REAP_EVERY_S)
 
     async def reap_once(self) -> None:
         """Kill the sandboxes whose timeout has passed; take on the ones made before a
