@@ -112,6 +112,75 @@ def test_stdin_is_streamed_and_closed(server: Path) -> None:
     assert asyncio.run(scenario()) == b"HELLO WORLD"
 
 
+# More stdin than any pipe holds: the server must keep relaying and listening meanwhile.
+BIG_STDIN = os.urandom(4 << 20)
+HANG_GUARD_S = 60  # a hang fails the test instead of the run; no timing is asserted
+
+
+def test_stdin_larger_than_a_pipe_streams_through_a_command_that_echoes_it(
+    server: Path,
+) -> None:
+    """cat writes back while stdin is still arriving: the server relays its output as it
+    feeds it (blocking on either would deadlock both)."""
+
+    async def scenario() -> bytes:
+        chan = await Channel.start(server, ["cat"])
+
+        async def feed() -> None:
+            await chan.write(BIG_STDIN)
+            await chan.close_stdin()
+
+        feeding = asyncio.create_task(feed())
+        out = await asyncio.wait_for(chan.collect(len(BIG_STDIN) * 2), HANG_GUARD_S)
+        await feeding
+        chan.close()
+        return out.stdout
+
+    assert asyncio.run(scenario()) == BIG_STDIN
+
+
+def test_a_command_that_never_reads_its_stdin_is_still_killed_when_asked(
+    server: Path,
+) -> None:
+    """A timeout or a cancel is a kill frame behind the stdin the command has not read:
+    the server takes both, so the kill is heard and the command ends."""
+
+    async def scenario() -> int | None:
+        chan = await Channel.start(server, ["sleep", "600"])
+        await asyncio.wait_for(chan.write(BIG_STDIN), HANG_GUARD_S)
+        await asyncio.wait_for(chan.kill(), HANG_GUARD_S)
+        await asyncio.wait_for(chan.collect(1 << 20), HANG_GUARD_S)
+        chan.close()
+        return chan.exit_code
+
+    assert asyncio.run(scenario()) == -signal.SIGKILL
+
+
+def test_a_command_that_exits_before_reading_all_its_stdin_reports_its_exit(
+    server: Path, tmp_path: Path
+) -> None:
+    """The stdin left over meets a closed pipe (EPIPE, not a SIGPIPE that would end the
+    server's handler): the exit code is told and what the command left running is
+    killed, as for any action."""
+    pidfile = tmp_path / "helper.pid"
+    script = f"head -c 10 >/dev/null; sleep 600 & echo $! > {pidfile}; exit 3"
+
+    async def scenario() -> int | None:
+        chan = await Channel.start(server, ["sh", "-c", script])
+        feeding = asyncio.create_task(chan.write(BIG_STDIN))
+        await asyncio.wait_for(chan.collect(1 << 20), HANG_GUARD_S)
+        feeding.cancel()
+        chan.close()
+        return chan.exit_code
+
+    assert asyncio.run(scenario()) == 3
+    helper = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(helper)
+
+
 def test_a_missing_program_exits_127_with_the_reason(server: Path) -> None:
     _, err, code = asyncio.run(collect(server, ["/no/such/tool"]))
     assert code == 127 and b"No such file or directory" in err

@@ -11,7 +11,9 @@
  * One forked handler per connection. Frames both ways: type (1 byte), length (4 bytes,
  * big endian), payload.
  *   agent -> server: 'R' request (NUL-terminated strings: mode "pipe"|"pty", cwd, argc,
- *                    argv..., envc, "K=V"...), 'I' stdin bytes, 'E' stdin EOF,
+ *                    argv..., envc, "K=V"...), 'I' stdin bytes (held, up to 64 MiB, until
+ *                    the command reads them; past that, or once it closed its stdin, the
+ *                    rest is dropped), 'E' stdin EOF (after what is held),
  *                    'K' signal number (decimal): signal the command's process group;
  *                    SIGKILL also kills every descendant it left behind.
  *   server -> agent: 'S' started (pid), '1' stdout, '2' stderr, 'X' exit status
@@ -268,6 +270,62 @@ static int spawn(char **fields, int nfields, struct child *c, char *msg, size_t 
     return 0;
 }
 
+/* Stdin the agent sent that the command has not read yet. It is written from the poll
+ * loop as the command reads it, never blocking: a command that does not read its stdin
+ * must not stop the handler from relaying output or hearing the agent's kill. */
+#define MAX_FEED (64u << 20)
+struct feed {
+    char *buf;
+    size_t len, off;
+    int eof;     /* close the command's stdin once what is held is written */
+    int dropped; /* over MAX_FEED unread, or the command closed its stdin: no more */
+};
+
+static void feed_add(struct feed *f, const char *data, size_t len) {
+    if (f->dropped || len == 0) return;
+    if (f->len - f->off + len > MAX_FEED) {
+        f->dropped = 1;
+        return;
+    }
+    if (f->off > 0) { /* keep only what is still to write */
+        memmove(f->buf, f->buf + f->off, f->len - f->off);
+        f->len -= f->off, f->off = 0;
+    }
+    char *grown = realloc(f->buf, f->len + len);
+    if (grown == NULL) {
+        f->dropped = 1;
+        return;
+    }
+    memcpy(grown + f->len, data, len);
+    f->buf = grown, f->len += len;
+}
+
+static void feed_close(struct feed *f, struct child *c) {
+    free(f->buf);
+    f->buf = NULL, f->len = f->off = 0;
+    if (!c->pty && c->in >= 0) close(c->in);
+    if (!c->pty) c->in = -1;
+}
+
+/* Writes what the command can take now; closes its stdin when asked and all is written,
+ * or when it will take no more (EPIPE: it closed its end or exited). */
+static void feed_write(struct feed *f, struct child *c) {
+    while (f->off < f->len) {
+        ssize_t n = write(c->in, f->buf + f->off, f->len - f->off);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) return;
+        if (n < 0) {
+            f->dropped = 1;
+            feed_close(f, c);
+            return;
+        }
+        f->off += (size_t)n;
+    }
+    free(f->buf);
+    f->buf = NULL, f->len = f->off = 0;
+    if (f->eof) feed_close(f, c);
+}
+
 static int relay(int from, int sock, char type) {
     char buf[65536];
     ssize_t n = read(from, buf, sizeof buf);
@@ -278,6 +336,10 @@ static int relay(int from, int sock, char type) {
 
 static void handle(int sock) {
     prctl(PR_SET_CHILD_SUBREAPER, 1);
+    /* A write to an agent that went away, or to a command that closed its stdin, is an
+     * EPIPE to handle, not a signal that ends the handler before it kills what the
+     * command left and says how it ended. (The command starts with every default.) */
+    signal(SIGPIPE, SIG_IGN);
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
@@ -310,15 +372,19 @@ static void handle(int sock) {
     if (rc == 1) send_frame(sock, c.pty ? '1' : '2', msg, (uint32_t)strlen(msg));
 
     cmd_pid = c.pid;
+    if (c.in >= 0) fcntl(c.in, F_SETFL, fcntl(c.in, F_GETFL) | O_NONBLOCK);
+    struct feed feed = {0};
     int out_open = 1, err_open = c.err >= 0, sock_open = 1;
     while (!cmd_exited || out_open || err_open) {
-        struct pollfd p[4] = {{sfd, POLLIN, 0},
+        int feeding = c.in >= 0 && feed.off < feed.len;
+        struct pollfd p[5] = {{sfd, POLLIN, 0},
                               {out_open ? c.out : -1, POLLIN, 0},
                               {err_open ? c.err : -1, POLLIN, 0},
-                              {sock_open ? sock : -1, POLLIN, 0}};
+                              {sock_open ? sock : -1, POLLIN, 0},
+                              {feeding ? c.in : -1, POLLOUT, 0}};
         /* Once the command has exited, take what its pipes already hold and stop: a
          * background process that inherited them must not hold the action open. */
-        int ready = poll(p, 4, cmd_exited ? 0 : -1);
+        int ready = poll(p, 5, cmd_exited ? 0 : -1);
         if (ready < 0 && errno != EINTR) break;
         if (cmd_exited && ready == 0) break;
         if (p[0].revents & POLLIN) {
@@ -344,23 +410,27 @@ static void handle(int sock) {
                 continue;
             }
             if (type == 'I' && c.in >= 0) {
-                write_all(c.in, data, len);
+                feed_add(&feed, data, len);
+                feed_write(&feed, &c);
             } else if (type == 'E' && c.in >= 0 && !c.pty) {
-                close(c.in);
-                c.in = -1;
+                feed.eof = 1;
+                feed_write(&feed, &c);
             } else if (type == 'E' && c.pty) {
                 /* A terminal has no end of input to close: its EOF is the VEOF character
                  * (^D) at the start of a line, as a person would type it. */
                 struct termios t;
                 char eof = tcgetattr(c.in, &t) == 0 ? (char)t.c_cc[VEOF] : 4;
-                write_all(c.in, &eof, 1);
+                feed_add(&feed, &eof, 1);
+                feed_write(&feed, &c);
             } else if (type == 'K') {
                 int sig = atoi(data);
                 kill_tree(c.pid, sig > 0 ? sig : SIGKILL);
             }
             free(data);
         }
+        if (p[4].revents & (POLLOUT | POLLERR | POLLHUP)) feed_write(&feed, &c);
     }
+    free(feed.buf);
     while (!cmd_exited && waitpid(c.pid, &cmd_status, 0) < 0 && errno == EINTR) {
     }
     /* No process outlives its action: what the command left running (in the background,
