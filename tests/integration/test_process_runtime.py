@@ -154,6 +154,39 @@ def test_what_an_action_leaves_ends_with_the_last_concurrent_action(
     assert runtime.cgroups.pids(group) == []
 
 
+def test_a_timeout_kills_its_action_and_not_a_concurrent_one(runtime: ProcessRuntime) -> None:
+    runtime.open("t1")
+
+    async def scenario() -> tuple[object, object]:
+        # The healthy action runs, surely, from before the other's timeout to after it.
+        script = "touch running; while [ ! -e go ]; do sleep 0.01; done; echo finished"
+        healthy = asyncio.create_task(
+            runtime.exec("t1", ["sh", "-c", script], CORES[:1], timeout_s=60)
+        )
+        while not (runtime.workdir("t1") / "running").exists():
+            await asyncio.sleep(0.01)
+        stuck = await runtime.exec("t1", ["sleep", "60"], CORES[:1], timeout_s=0.2)
+        (runtime.workdir("t1") / "go").touch()
+        return stuck, await healthy
+
+    stuck, healthy = run(scenario())
+    assert stuck.timed_out  # type: ignore[attr-defined]
+    assert (healthy.exit_code, healthy.stdout) == (0, "finished\n")  # type: ignore[attr-defined]
+
+
+def test_a_program_that_cannot_start_exits_127_and_gives_its_cores_back(
+    runtime: ProcessRuntime,
+) -> None:
+    runtime.open("t1")
+    group = runtime._group("t1")
+    idle = runtime.cgroups.cpus(group)
+    result = run(runtime.exec("t1", ["/no/such/tool"], CORES[-1:], timeout_s=5))
+    assert result.exit_code == 127 and "No such file or directory" in result.stderr
+    assert runtime.cgroups.cpus(group) == idle  # back on the idle set, as after any action
+    assert run(runtime.exec("t1", ["true"], CORES[:1], timeout_s=5)).exit_code == 0
+    assert runtime.cgroups.cpus(group) == idle
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

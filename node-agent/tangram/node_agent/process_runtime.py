@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
@@ -224,16 +225,31 @@ class ProcessRuntime:
         self.cgroups.limit(group, *self.allot.enter(trajectory, cores, quota))
         t1 = time.perf_counter()
         full_env = {**os.environ, **(env or {}), "TANGRAM_DOP": str(len(cores))}
-        proc = await asyncio.create_subprocess_exec(
-            *render(argv, len(cores)),
-            cwd=self.workdir(trajectory),
-            env=full_env,
-            stdin=asyncio.subprocess.PIPE if io and io.stdin else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own process group, killed as a whole
-            preexec_fn=partial(_enter, self.cgroups.join_files(group)),
-        )
+
+        def release() -> None:  # the others running here keep theirs (see Allotments)
+            rest = self.allot.leave(trajectory, cores, quota)
+            self.cgroups.limit(group, *(rest or (self.idle_cores, IDLE_QUOTA_CORES)))
+
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *render(argv, len(cores)),
+                cwd=self.workdir(trajectory),
+                env=full_env,
+                stdin=asyncio.subprocess.PIPE if io and io.stdin else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # its own process group, killed as a whole
+                preexec_fn=partial(_enter, self.cgroups.join_files(group)),
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            # Not started (no such program, not executable, the cgroup not joined): its
+            # cores go back, and it ends as the exec server reports such a command.
+            release()
+            why = f"tangram: {argv[0]}: {e.strerror if isinstance(e, OSError) else e}\n"
+            t2 = time.perf_counter()
+            return ExecResult.of(
+                127, Output(b"", False, why.encode(), False), False, cores, (t0, t1, t2, t2)
+            )
 
         # No process outlives its action: what the command leaves running (setsid,
         # double-forked) stays in the trajectory's cgroup, and is killed as soon as no
@@ -265,11 +281,10 @@ class ProcessRuntime:
                 os.killpg(proc.pid, sig)
 
         async def kill() -> None:
-            await asyncio.to_thread(self._kill, proc, group)  # it polls: not on the loop
-
-        def release() -> None:  # the others running here keep theirs (see Allotments)
-            rest = self.allot.leave(trajectory, cores, quota)
-            self.cgroups.limit(group, *(rest or (self.idle_cores, IDLE_QUOTA_CORES)))
+            # Its own process group; the trajectory's whole cgroup only when no other
+            # command of the trajectory runs (else those would be killed too).
+            alone = self._running.get(trajectory, 0) <= 1
+            await asyncio.to_thread(self._kill, proc, group if alone else None)  # it polls
 
         async def idle() -> None:
             await proc.wait()
@@ -289,10 +304,11 @@ class ProcessRuntime:
             None if timed_out else code, output, timed_out, cores, (t0, t1, t2, t3)
         )
 
-    def _kill(self, proc: asyncio.subprocess.Process, group: str) -> None:
+    def _kill(self, proc: asyncio.subprocess.Process, group: str | None) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        self._kill_group(group)
+        if group is not None:
+            self._kill_group(group)
 
 
 def _enter(files: Sequence[str]) -> None:
