@@ -364,6 +364,33 @@ def test_output_caps_hold_in_sessions(server: Path, tmp_path: Path) -> None:
     assert asyncio.run(scenario()) == (100, True, 100, True)
 
 
+def test_a_bash_session_keeps_what_its_cap_shows_not_the_whole_output(
+    server: Path, tmp_path: Path
+) -> None:
+    """16 MiB printed under a cap of 1 KiB: what the session holds stays about the cap
+    (plus a frame), the reply is cut and flagged, and the exit status after it is read."""
+
+    async def scenario() -> tuple[int, bool, int | None, int]:
+        bash = await BashSession.start(server, str(tmp_path), {})
+        held = 0
+        frame = bash.chan.frame
+
+        async def watched() -> tuple[bytes, bytes]:
+            nonlocal held
+            held = max(held, len(bash._buffer))
+            return await frame()
+
+        bash.chan.frame = watched  # type: ignore[method-assign]
+        r = await bash.run("head -c 16777216 /dev/zero | tr '\\0' x; (exit 7)",
+                           timeout_s=300, output_cap=1024)  # fmt: skip
+        await bash.kill()
+        return len(r.stdout), r.stdout_truncated, r.exit_code, held
+
+    shown, truncated, code, held = asyncio.run(scenario())
+    assert (shown, truncated, code) == (1024, True, 7)
+    assert held <= 1024 + 4096 + 256 + (1 << 20)  # the cap, its slack, the tail, a frame
+
+
 def test_the_server_reaps_everything(server: Path) -> None:
     for _ in range(20):
         asyncio.run(collect(server, ["sh", "-c", "sleep 0.01 & true"]))

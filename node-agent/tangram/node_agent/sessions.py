@@ -33,6 +33,8 @@ from tangram.node_agent.execution import ExecError
 INTERRUPT_GRACE_S = 2.0  # how long an interrupted session may take to answer
 LINE_BYTES = 2000  # per line sent to bash's terminal; its line buffer holds 4095
 _MARKER = re.compile(rb"\x1etangram-[0-9a-f]{16}:\d+\x1e\n")
+_MARKER_TAIL = 256  # longer than any marker line: where one that is still coming can start
+_SUPERSEDED_SLACK = 4096  # room for the markers of interrupted commands, cut from a reply
 
 _PY_DRIVER = r"""
 import ast, contextlib, io, json, os, sys, tempfile, traceback
@@ -232,24 +234,35 @@ class BashSession(Session):
         await self.chan.write(b"\x03" + self._new_marker().encode())
 
     async def _reply(self, cap: int) -> Reply:
+        # What the reply can show (superseded markers are cut from it) is kept, and a tail
+        # that may hold the start of the marker; the middle of a long output is dropped as
+        # it comes, and only the new bytes are searched: a command that prints gigabytes
+        # costs the agent neither their memory nor a scan of all of them per frame.
+        head, cut, scan, marker = cap + _SUPERSEDED_SLACK, False, 0, ""
         while True:
-            pattern = re.compile(re.escape(self._marker.encode()) + rb":(\d+)\x1e\n")
-            found = pattern.search(bytes(self._buffer))  # a match must not see the buffer shrink
-            if found:
-                out = _MARKER.sub(b"", bytes(self._buffer[: found.start()]))  # superseded ones
-                del self._buffer[: found.end()]
+            if marker != self._marker:  # a new one, asked for by an interrupt meanwhile
+                marker, scan = self._marker, 0
+                pattern = re.compile(re.escape(marker.encode()) + rb":(\d+)\x1e\n")
+            found = pattern.search(self._buffer, scan)
+            if found:  # (read before the buffer shrinks: a match reads it lazily)
+                code, start, end = int(found.group(1)), found.start(), found.end()
+                out = _MARKER.sub(b"", bytes(self._buffer[:start]))  # superseded ones
+                del self._buffer[:end]
                 text = out[:cap].decode(errors="replace")
-                return Reply(int(found.group(1)), text, "", len(out) > cap, False, False)
+                return Reply(code, text, "", cut or len(out) > cap, False, False)
+            if len(self._buffer) > head + _MARKER_TAIL:
+                del self._buffer[head : len(self._buffer) - _MARKER_TAIL]
+                cut = True
+            scan = max(0, len(self._buffer) - _MARKER_TAIL)
             kind, data = await self.chan.frame()
             if kind == b"1":
                 self._buffer += data
             elif kind in (b"X", b""):  # the shell exited (``exit`` in the command)
                 self.alive = False
                 out = bytes(self._buffer)
-                code = self.chan.exit_code
-                return Reply(
-                    code, out[:cap].decode(errors="replace"), "", len(out) > cap, False, False
-                )
+                truncated = cut or len(out) > cap
+                text = out[:cap].decode(errors="replace")
+                return Reply(self.chan.exit_code, text, "", truncated, False, False)
 
 
 class PythonSession(Session):
