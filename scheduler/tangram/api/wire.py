@@ -70,6 +70,10 @@ class OpenTrajectory(_Strict):
             "shortest-remaining orderings",
         ),
     ] = None
+    idempotency_key: Annotated[
+        IdempotencyKey | None,
+        Field(description="a retry with the same key answers with the trajectory it opened"),
+    ] = None
 
 
 class TrajectoryState(StrEnum):

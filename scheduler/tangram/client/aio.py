@@ -21,6 +21,7 @@ from tangram.client.common import (
     check,
     data,
     exec_body,
+    keyed,
     open_body,
     result,
     retry_after,
@@ -213,7 +214,7 @@ class AsyncClient:
         ``{"trajectory": t, "exec": exec_body(["make"])}``, ``{"api": "search",
         "lease": {"units": 1}}`` or ``{"service": "judge", "score": {"inputs": [...]}}``;
         results in the same order."""
-        body = {"actions": list(items)}
+        body = {"actions": [keyed(item) for item in items]}
         reply = await self._call(Call("POST", "/v1/batch", body))
         return BatchResponse.model_validate_json(reply.body).results
 
@@ -227,7 +228,8 @@ class AsyncClient:
         return int(data(reply)["cancelled"])
 
     async def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
-        body = {"units": units, "hold_s": hold_s}
+        # Keyed like every submission: a retry after a lost answer takes no second lease.
+        body = {"units": units, "hold_s": hold_s, "idempotency_key": uuid.uuid4().hex}
         return result(await self._call(Call("POST", f"/v1/apis/{api}/lease", body)))
 
     async def call(

@@ -184,10 +184,25 @@ def data(reply: Reply) -> Any:
     return json.loads(reply.body)
 
 
+BATCH_KINDS = ("exec", "lease", "call", "score")
+
+
+def keyed(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A batch item whose action carries an idempotency key (a fresh one unless given), so
+    the batch's retry after a lost answer admits nothing twice."""
+    out = dict(item)
+    for kind in BATCH_KINDS:
+        body = out.get(kind)
+        if isinstance(body, Mapping) and "idempotency_key" not in body:
+            out[kind] = {**body, "idempotency_key": uuid.uuid4().hex}
+    return out
+
+
 def open_body(
     env: str, id: str | None, labels: Mapping[str, str] | None, expected_steps: int | None
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {"env": env}
+    # A retry after an answer lost on the way opens nothing more: it gets that trajectory.
+    body: dict[str, Any] = {"env": env, "idempotency_key": uuid.uuid4().hex}
     if id is not None:
         body["id"] = id
     if labels:

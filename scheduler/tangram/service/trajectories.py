@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections import OrderedDict
 
 from tangram.api.wire import (
     ActionStatus,
@@ -23,6 +24,9 @@ from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
 
+# Opens remembered by idempotency key: a retry comes within seconds of its first try.
+MAX_OPEN_KEYS = 4096
+
 
 class Trajectories:
     def __init__(self, state: PoolState, outcomes: Outcomes) -> None:
@@ -31,8 +35,60 @@ class Trajectories:
         # Trajectories closed while their agent was away: their environments may still
         # live, and the agent hands them back on its return; they are closed, not revived.
         self.closed_away: dict[str, set[str]] = {}  # node -> trajectory ids
+        # (tenant, idempotency key) -> the open it started (its request, and its record
+        # once opened), newest last: a retry whose first answer was lost gets that one.
+        self._opens: OrderedDict[
+            tuple[str, str], tuple[OpenTrajectory, asyncio.Future[TrajectoryRecord]]
+        ] = OrderedDict()
 
     async def open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
+        if req.idempotency_key is None:
+            return await self._open(tenant, req)
+        tenant_key = (tenant, req.idempotency_key)
+        known = self._opens.get(tenant_key)
+        if known is not None:
+            return await self._again(tenant, req, *known)
+        opening: asyncio.Future[TrajectoryRecord] = asyncio.get_running_loop().create_future()
+        self._opens[tenant_key] = (req, opening)
+        while len(self._opens) > MAX_OPEN_KEYS:
+            self._opens.popitem(last=False)
+        try:
+            rec = await self._open(tenant, req)
+        except BaseException as e:
+            # Refused or failed: nothing was opened, so a retry tries again.
+            if self._opens.get(tenant_key, (None, None))[1] is opening:
+                del self._opens[tenant_key]
+            opening.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+            opening.exception()  # (retrieved: no retry may be waiting)
+            raise
+        opening.set_result(rec)
+        return rec
+
+    async def _again(
+        self,
+        tenant: str,
+        req: OpenTrajectory,
+        first: OpenTrajectory,
+        opening: asyncio.Future[TrajectoryRecord],
+    ) -> TrajectoryRecord:
+        """A retry of an open: what the first try opened, once it has."""
+        if req != first:
+            raise EngineError(
+                "conflict",
+                "idempotency_key",
+                f"{req.idempotency_key} was used for another open (env {first.env}, "
+                f"id {first.id or 'chosen by the server'})",
+            )
+        rec = await asyncio.shield(opening)
+        if self.s.named.get((tenant, rec.id)) is not rec:
+            raise EngineError(
+                "conflict",
+                "idempotency_key",
+                f"{req.idempotency_key} opened trajectory {rec.id}, which has since ended",
+            )
+        return rec
+
+    async def _open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
         s = self.s
         s.admitting(tenant)
         if s.draining:

@@ -1,0 +1,172 @@
+"""A request that reached the scheduler but whose answer was lost on the way back (a load
+balancer's idle cut, a reset): the client retries it, and the retry must take nothing
+twice. Real service, real agent (process runtime), the real client, and a TCP proxy on
+127.0.0.1 that cuts the connection of the first answer to the path under test."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tangram.api.cluster import ApiSpec
+from tangram.api.wire import EnvSpec
+from tangram.client import Client
+from tangram.node_agent.agent import NodeAgent
+from tangram.service.config import EnvConfig, PoolConfig
+
+from .service_harness import service
+
+pytestmark = [pytest.mark.xdist_group("service")]
+
+CORES = sorted(os.sched_getaffinity(0))
+CONFIG = PoolConfig(
+    envs={"shell": EnvConfig(spec=EnvSpec(name="shell", image="unused", memory_gb=0.1))},
+    apis=(ApiSpec(name="search", concurrency=4),),
+)
+
+
+class LossyProxy:
+    """Forwards 127.0.0.1:port to the service; the first request whose first line holds
+    ``cut`` is forwarded, but its answer is dropped and the client's connection reset."""
+
+    def __init__(self, upstream: str, cut: bytes) -> None:
+        self.host, _, port = upstream.removeprefix("http://").partition(":")
+        self.up_port, self.cut, self.cuts = int(port), cut, 0
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def _serve(self, ready: threading.Event) -> None:
+        async def main() -> None:
+            self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = self.server.sockets[0].getsockname()[1]
+            ready.set()
+            with contextlib.suppress(asyncio.CancelledError):  # closed by the test
+                await self.server.serve_forever()
+
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(main())
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection(self.host, self.up_port)
+        first = await cr.read(65536)
+        lose = self.cuts == 0 and self.cut in first.split(b"\r\n", 1)[0]
+        uw.write(first)
+        await uw.drain()
+        if lose:
+            self.cuts += 1
+            await ur.read(65536)  # the service answered: that answer is lost
+            cw.transport.abort()
+            uw.close()
+            return
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pipe(cr, uw), pipe(ur, cw))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[tuple[str, str, object]]:
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    agent = NodeAgent.create(
+        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
+    )
+    with service(CONFIG, agent, tmp_path) as (run, token):
+        yield run.url, token, run.engine
+
+
+def _through(url: str, token: str, cut: bytes) -> tuple[LossyProxy, Client]:
+    proxy = LossyProxy(url, cut)
+    return proxy, Client(proxy.url, token, stream=False, backoff_s=0.05)
+
+
+def test_a_lease_whose_answer_was_lost_is_taken_once(running: tuple[str, str, object]) -> None:
+    url, token, engine = running
+    proxy, client = _through(url, token, b"/v1/apis/search/lease")
+    try:
+        got = client.lease("search", units=1, hold_s=300)
+        assert proxy.cuts == 1 and got.lease
+        assert engine.core.quotas["search"].in_use == 1  # type: ignore[attr-defined]
+        client.release(got.lease)
+    finally:
+        client.shutdown()
+        proxy.close()
+
+
+def test_a_batch_whose_answer_was_lost_admits_each_action_once(
+    running: tuple[str, str, object],
+) -> None:
+    url, token, engine = running
+    proxy, client = _through(url, token, b"POST /v1/batch")
+    try:
+        items = [{"api": "search", "lease": {"units": 1, "hold_s": 300}} for _ in range(2)]
+        results = client.batch(items)
+        assert proxy.cuts == 1 and all(r.lease for r in results)
+        assert engine.core.quotas["search"].in_use == 2  # type: ignore[attr-defined]
+        for r in results:
+            client.release(r.lease or "")
+    finally:
+        client.shutdown()
+        proxy.close()
+
+
+def test_an_open_whose_answer_was_lost_opens_one_trajectory(
+    running: tuple[str, str, object],
+) -> None:
+    url, token, engine = running
+    for given in (None, "mine"):
+        proxy, client = _through(url, token, b"POST /v1/trajectories ")
+        try:
+            info = client.open("shell", id=given)
+            assert proxy.cuts == 1 and info.id == (given or info.id)
+            opened = [t.id for t in engine.trajectories.values()]  # type: ignore[attr-defined]
+            assert opened == [info.id]
+            assert client.close(info.id).state.value == "closed"
+        finally:
+            client.shutdown()
+            proxy.close()
+
+
+def test_an_idempotency_key_of_another_open_is_a_conflict(
+    running: tuple[str, str, object],
+) -> None:
+    url, token, _ = running
+    auth = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=url, headers=auth) as http:
+        first = http.post("/v1/trajectories", json={"env": "shell", "idempotency_key": "k1"})
+        again = http.post("/v1/trajectories", json={"env": "shell", "idempotency_key": "k1"})
+        assert first.status_code == again.status_code == 201
+        assert first.json()["id"] == again.json()["id"]
+        reused = {"env": "shell", "id": "other", "idempotency_key": "k1"}
+        other = http.post("/v1/trajectories", json=reused)
+        assert other.status_code == 409, other.text
+        assert other.json()["error"]["details"][0]["field"] == "idempotency_key"
+        assert http.delete(f"/v1/trajectories/{first.json()['id']}").status_code == 200
+        # Once closed, the key names a trajectory that has ended: not opened again.
+        late = http.post("/v1/trajectories", json={"env": "shell", "idempotency_key": "k1"})
+        assert late.status_code == 409 and "has since ended" in late.text
