@@ -3,6 +3,7 @@ processes in real cgroups (the process runtime), the real client."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -21,6 +22,7 @@ from tangram.cli.up import pool_reloader
 from tangram.client import ActionResult, ActionStatus, Client, TangramError
 from tangram.client.common import Call, exec_body
 from tangram.node_agent.agent import NodeAgent
+from tangram.service.api_calls import MAX_RESPONSE_BYTES
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
 
@@ -182,11 +184,14 @@ class _Provider(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         ok = self.headers.get("Authorization") == f"Bearer {SECRET}"
         body = json.dumps({"path": self.path, "auth_ok": ok}).encode()
+        if self.path.startswith("/dump"):  # more than a proxied answer may hold
+            body = b"x" * (MAX_RESPONSE_BYTES + 1)
         self.send_response(200 if ok else 401)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        with contextlib.suppress(ConnectionError):  # (the dump is not read to its end)
+            self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -223,6 +228,10 @@ def test_proxied_api_calls_use_the_credential_and_never_return_it(
             with pytest.raises(TangramError) as e:
                 c._run(c._async._call(_raw_call("search", {"headers": {"Authorization": "x"}})))
             assert e.value.status == 400
+            # An answer over the bound is an error naming it, not the scheduler's memory.
+            big = c.call("search", "/dump")
+            assert big.status is ActionStatus.ERROR and big.error is not None
+            assert "over 16 MiB" in big.error.message and big.output is None
     finally:
         provider.shutdown()
     assert SECRET not in caplog.text

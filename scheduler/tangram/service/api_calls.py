@@ -25,6 +25,27 @@ from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
 
+# A proxied call's answer is held whole (decoded, kept for its idempotency key, sent
+# back): one larger than this is an error, not the scheduler's memory.
+MAX_RESPONSE_BYTES = 16 << 20
+
+
+class _TooLargeError(Exception):
+    """The endpoint's answer is over MAX_RESPONSE_BYTES."""
+
+
+async def _body(resp: aiohttp.ClientResponse, api: str) -> bytes:
+    """The answer's body, read no further than the bound."""
+    raw = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        raw += chunk
+        if len(raw) > MAX_RESPONSE_BYTES:
+            raise _TooLargeError(
+                f"{api}: the response is over {MAX_RESPONSE_BYTES >> 20} MiB; ask for less "
+                "(a page, a range)"
+            )
+    return bytes(raw)
+
 
 class ApiCalls:
     def __init__(
@@ -94,7 +115,7 @@ class ApiCalls:
                 timeout=aiohttp.ClientTimeout(total=req.timeout_s),
                 allow_redirects=False,  # a redirect would carry the credential elsewhere
             ) as resp:
-                raw = await resp.read()
+                raw = await _body(resp, api)
                 try:
                     body: Any = json.loads(raw) if raw else None
                 except ValueError:
@@ -107,6 +128,8 @@ class ApiCalls:
             status = ActionStatus.TIMEOUT
         except (aiohttp.ClientError, EngineError) as e:
             error = err("api_failed", _scrub(str(e), endpoint), retryable=True)
+        except _TooLargeError as e:  # the same request would get the same answer
+            error = err("api_failed", str(e))
         except Exception as e:  # anything else must still end the call and free its unit
             error = err("api_failed", _scrub(f"{type(e).__name__}: {e}", endpoint))
         self.outcomes.end(rec, status, error=error, exec_s=s.clock() - t0, output=output)
