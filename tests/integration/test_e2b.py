@@ -242,7 +242,10 @@ def test_refusals_name_what_is_wrong(e2b: tuple[str, str, str]) -> None:
                            json={"process": {"pid": cat.pid}, **body})  # fmt: skip
             assert r.status_code == 400, r.text
             assert r.json()["code"] == "invalid_argument" and r.json()["message"].startswith(field)
-        cat.kill()
+        # Ended by its input, not killed: a kill while bash -l still reads the host's
+        # profile (the process runtime) can leave that profile's locks behind (pyenv's).
+        sb.commands.close_stdin(cat.pid)
+        assert cat.wait().exit_code == 0
     finally:
         sb.kill()
 
