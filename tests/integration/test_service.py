@@ -26,7 +26,7 @@ from tangram.service.api_calls import MAX_RESPONSE_BYTES
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
 
-from .service_harness import service
+from .service_harness import service, until
 
 pytestmark = [pytest.mark.xdist_group("service")]
 CORES = sorted(os.sched_getaffinity(0))
@@ -460,3 +460,36 @@ def test_the_operator_pushes_documents_reads_figures_and_drains(tmp_path: Path) 
             assert refused.value.status == 503 and "being deleted" in str(refused.value)
             assert t.exec(["echo", "still served"]).stdout == "still served\n"
         assert httpx.get(status, headers=op).json()["trajectories"] == 0
+
+
+def test_a_close_that_comes_while_the_environment_opens_closes_what_it_makes(
+    tmp_path: Path,
+) -> None:
+    """DELETE while the agent still runs the env's setup: the close waits for the open, so
+    the environment it makes is closed too (not left on the node, unaccounted), and the
+    open answers 409 instead of a trajectory that is already closed."""
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    slow = EnvSpec(name="slow", image="unused", memory_gb=0.1, setup=[["sleep", "1"]])
+    agent = NodeAgent.create(
+        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
+    )
+    with service(PoolConfig(envs={"slow": EnvConfig(spec=slow)}), agent, tmp_path) as (r, token):
+        auth = {"Authorization": f"Bearer {token}"}
+        opened: list[httpx.Response] = []
+
+        def open_it() -> None:
+            with httpx.Client(base_url=r.url, headers=auth, timeout=60) as http:
+                opened.append(http.post("/v1/trajectories", json={"env": "slow", "id": "t1"}))
+
+        opener = threading.Thread(target=open_it)
+        opener.start()
+        with httpx.Client(base_url=r.url, headers=auth, timeout=60) as http:
+            until(lambda: http.get("/v1/trajectories/t1").status_code == 200, "the open")
+            closed = http.delete("/v1/trajectories/t1")
+        opener.join(60)
+        assert closed.status_code == 200 and closed.json()["state"] == "closed"
+        assert opened[0].status_code == 409, opened[0].text
+        assert "closed while it opened" in opened[0].text
+        assert agent.runtime.held() == []  # nothing of it left on the node
+        assert r.engine.core.trajectories == {}

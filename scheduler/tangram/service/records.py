@@ -70,6 +70,9 @@ class TrajectoryRecord:
     # What the core and the agent know it by, unique in the pool: its id, unless another
     # tenant held that id when it opened.
     key: str = ""
+    # While its agent makes its environment: done with whether it did. A close that comes
+    # meanwhile waits for it, so that what the agent makes is closed too.
+    opening: asyncio.Future[bool] | None = None
 
     def __post_init__(self) -> None:
         self.key = self.key or self.id

@@ -127,12 +127,19 @@ class Trajectories:
             )
         s.core.place_trajectory(key, node)
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
+        made = rec.opening = asyncio.get_running_loop().create_future()
         s.add_trajectory(rec)
         try:
             reply = await s.ask(node, AgentOpen(trajectory=key, env=env.spec, meta=rec.meta()))
         except BaseException:
-            self.forget(rec)
+            made.set_result(False)  # (the agent may have made it: its return hands it back)
+            if rec.state is TrajectoryState.OPEN:  # else the close forgets it
+                self.forget(rec)
             raise
+        made.set_result(reply.ok)
+        rec.opening = None
+        if rec.state is not TrajectoryState.OPEN:  # closed meanwhile: the close ends it
+            raise EngineError("conflict", "trajectory", f"{tid} was closed while it opened")
         if not reply.ok:
             self.forget(rec)
             why = f" ({reply.reason})" if reply.reason else ""
@@ -187,6 +194,8 @@ class Trajectories:
             self.outcomes.cancel(tenant, aid)
         running = [s.actions[a].task for a in rec.running if a in s.actions]
         await asyncio.gather(*(t for t in running if t is not None), return_exceptions=True)
+        if rec.opening is not None:  # its agent is still making it: close what it makes
+            had_environment = await asyncio.shield(rec.opening)
         if had_environment and rec.node in s.hub.links:
             with contextlib.suppress(EngineError):
                 await s.ask(rec.node, AgentClose(trajectory=rec.key))
