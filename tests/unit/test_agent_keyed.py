@@ -154,6 +154,27 @@ def test_keyed_runs_outlive_the_agent_in_its_journal_and_none_runs_twice(tmp_pat
     assert len((tmp_path / "keys.journal").read_bytes().splitlines()) == 3
 
 
+def test_a_restarted_agent_still_refuses_a_key_reused_for_another_request(
+    tmp_path: Path,
+) -> None:
+    """Once the scheduler has forgotten a key (its bound, its restart), the agent is the
+    last to know what it ran: a restarted one must not answer another request with it."""
+
+    async def exec_(agent: NodeAgent, rid: int, trajectory: str, argv: list[str]) -> AgentReply:
+        await agent.runtime.open(trajectory, None)  # type: ignore[arg-type]
+        req = AgentExec(rid=rid, trajectory=trajectory, argv=argv, cores=[0], key="k")
+        return await agent.handle(req)
+
+    first = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+    assert asyncio.run(exec_(first, 1, "t", ["true"])).ok
+    again = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+    same = asyncio.run(exec_(again, 2, "t", ["true"]))
+    other = asyncio.run(exec_(again, 3, "t2", ["rm", "-rf", "x"]))
+    assert same.ok and same.replayed
+    assert not other.ok and not other.replayed
+    assert "its idempotency key was used for exec on t, not exec on t2" in (other.error or "")
+
+
 def test_a_journal_line_cut_by_a_crash_is_skipped(tmp_path: Path) -> None:
     journal = KeyJournal(tmp_path / "keys.journal")
     journal.started("a")

@@ -344,7 +344,7 @@ class NodeAgent:
             run = _KeyedRun(req, time.monotonic())
             if self.journal is not None and run.journaled:  # on disk first: never run twice
                 try:
-                    self.journal.started(key)
+                    self.journal.started(key, run.asked)
                 except OSError as e:  # not recorded, so not run: a retry may run it
                     return AgentReply(rid=req.rid, ok=False, key=key, retryable=True,
                                       error=f"the agent cannot record the key: {e}")  # fmt: skip
@@ -383,11 +383,13 @@ class NodeAgent:
             self._unjournaled_bytes += len(kept)
         elif self.journal is not None:
             try:
-                self.journal.done(key, kept)
+                self.journal.done(key, kept, self._ran.get(key, ""))
                 if self.journal.due(self._result_bytes - self._unjournaled_bytes):
+                    running = {k: r.asked for k, r in self._keyed_info.items() if r.journaled}
                     self.journal.rewrite(
                         {k: v for k, v in self._results.items() if k not in self._unjournaled},
-                        {k for k, r in self._keyed_info.items() if r.journaled},
+                        set(running),
+                        {**self._ran, **running},
                     )
             except OSError as e:  # the reply still goes out; a restart would say unknown
                 log.error("the key journal %s: %s", self.journal.path, e)
@@ -504,7 +506,9 @@ class NodeAgent:
         for key in cut_off:
             self._keep(key, json_bytes(AgentReply(rid=0, ok=False, key=key, unknown=True,
                                                   error=CUT_OFF)))  # fmt: skip
-        journal.rewrite(self._results, set())
+        # What each key ran: a reuse of it for another request is still refused.
+        self._ran.update((k, a) for k, a in journal.asked.items() if k in self._results)
+        journal.rewrite(self._results, set(), self._ran)
         self.journal = journal
 
     def load_meta(self, meta_dir: Path) -> None:

@@ -3,8 +3,10 @@ pod, ``tangram up`` again) knows which keys ran, what each answered, and which w
 off mid-run. A retry of a key is then answered from here, or refused as unknown, and
 never runs the command a second time.
 
-An append-only file in the agent's state directory: ``{"s": key}`` before a run starts,
-``{"d": key, "r": reply}`` when it ends (the reply as the agent sends it). Appends go to
+An append-only file in the agent's state directory: ``{"s": key, "a": asked}`` before a
+run starts, ``{"d": key, "a": asked, "r": reply}`` when it ends (the reply as the agent
+sends it; ``asked``, what the key ran, so that a restarted agent still refuses the key
+for another request instead of answering with this one's reply). Appends go to
 the page cache, which outlives the process: a crash of the agent loses nothing; a crash
 of the node loses at most the last writes, with the sandboxes. The file is rewritten
 from what is kept once it holds more than twice that, so it stays bounded.
@@ -26,6 +28,7 @@ class KeyJournal:
         self.path = path
         self._fd = -1
         self._written = 0  # bytes since the last rewrite
+        self.asked: dict[str, str] = {}  # what each key loaded ran (lines that say so)
 
     def load(self) -> tuple[OrderedDict[str, bytes], set[str]]:
         """(replies of the runs that ended, oldest first; keys of runs that started and
@@ -41,6 +44,9 @@ class KeyJournal:
                 entry = json.loads(line)
             except ValueError:
                 continue  # a line cut by the crash: nothing after it was written either
+            key = entry.get("s", entry.get("d"))
+            if isinstance(entry.get("a"), str) and isinstance(key, str):
+                self.asked[key] = entry["a"]
             if "s" in entry:
                 started.add(entry["s"])
             elif "d" in entry:
@@ -49,21 +55,26 @@ class KeyJournal:
                 done.move_to_end(entry["d"])
         return done, started
 
-    def started(self, key: str) -> None:
-        self._append(b'{"s":' + _quoted(key) + b"}\n")
+    def started(self, key: str, asked: str = "") -> None:
+        self._append(b'{"s":' + _quoted(key) + _asked(asked) + b"}\n")
 
-    def done(self, key: str, reply: bytes) -> None:
-        self._append(b'{"d":' + _quoted(key) + b',"r":' + reply + b"}\n")
+    def done(self, key: str, reply: bytes, asked: str = "") -> None:
+        self._append(b'{"d":' + _quoted(key) + _asked(asked) + b',"r":' + reply + b"}\n")
 
-    def rewrite(self, done: Mapping[str, bytes], started: set[str]) -> None:
-        """Replace the file by what is kept (atomically: a crash leaves the old or the new)."""
+    def rewrite(
+        self, done: Mapping[str, bytes], started: set[str], asked: Mapping[str, str] | None = None
+    ) -> None:
+        """Replace the file by what is kept (atomically: a crash leaves the old or the new);
+        ``asked``: what each key ran."""
+        asked = asked or {}
         tmp = self.path.with_suffix(".tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as out:
             for key in started:
-                out.write(b'{"s":' + _quoted(key) + b"}\n")
+                out.write(b'{"s":' + _quoted(key) + _asked(asked.get(key, "")) + b"}\n")
             for key, reply in done.items():
-                out.write(b'{"d":' + _quoted(key) + b',"r":' + reply + b"}\n")
+                line = b'{"d":' + _quoted(key) + _asked(asked.get(key, "")) + b',"r":' + reply
+                out.write(line + b"}\n")
         self.close()
         tmp.replace(self.path)
         self._written = 0
@@ -88,3 +99,7 @@ class KeyJournal:
 
 def _quoted(key: str) -> bytes:
     return json.dumps(key).encode()
+
+
+def _asked(asked: str) -> bytes:
+    return b',"a":' + _quoted(asked) if asked else b""
