@@ -32,6 +32,8 @@ from tangram.client.common import (
 from tangram.client.files import AsyncFiles
 from tangram.client.stream import ExecStream, LiveAction, NoStreamError
 
+# 0.1 s doubling to 10 s: about 23 s of retries, what a scheduler pod's restart takes.
+RETRIES = 8
 STREAM_RETRY_S = 30.0  # after a refused stream handshake, HTTP alone for this long
 
 
@@ -41,7 +43,7 @@ class AsyncClient:
         url: str | None = None,
         token: str | None = None,
         *,
-        retries: int = 5,
+        retries: int = RETRIES,
         backoff_s: float = 0.1,
         timeout_s: float | None = None,
         stream: bool = True,

@@ -157,10 +157,13 @@ def retry_after(reply: Reply | None, attempt: int, base: float) -> float:
 
 
 def backoff(given: float | None, attempt: int, base: float) -> float:
-    """The service's ``given`` wait (capped), else exponential backoff from ``base``."""
+    """Exponential backoff from ``base`` (at most 10 s a wait), never sooner than the
+    service's ``given`` wait (at most 30 s): a 503 saying "1 s" while agents reconnect
+    after a scheduler's restart (up to 15 s) is still ridden out by the default retries."""
+    exponential = min(base * 2.0**attempt, 10.0)
     if given is not None and given >= 0:
-        return min(given, 30.0)
-    return min(base * 2.0**attempt, 10.0)
+        return min(max(given, exponential), 30.0)
+    return exponential
 
 
 def stream_error(answer: StreamAnswer) -> TangramError:
