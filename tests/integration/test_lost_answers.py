@@ -100,39 +100,38 @@ def running(tmp_path: Path) -> Iterator[tuple[str, str, object]]:
         yield run.url, token, run.engine
 
 
-def _through(url: str, token: str, cut: bytes) -> tuple[LossyProxy, Client]:
+@contextlib.contextmanager
+def _through(url: str, token: str, cut: bytes) -> Iterator[tuple[LossyProxy, Client]]:
+    """A client of the service behind a proxy that loses the first answer to ``cut``."""
     proxy = LossyProxy(url, cut)
-    return proxy, Client(proxy.url, token, stream=False, backoff_s=0.05)
+    client = Client(proxy.url, token, stream=False, backoff_s=0.05)
+    try:
+        yield proxy, client
+    finally:
+        client.shutdown()
+        proxy.close()
 
 
 def test_a_lease_whose_answer_was_lost_is_taken_once(running: tuple[str, str, object]) -> None:
     url, token, engine = running
-    proxy, client = _through(url, token, b"/v1/apis/search/lease")
-    try:
+    with _through(url, token, b"/v1/apis/search/lease") as (proxy, client):
         got = client.lease("search", units=1, hold_s=300)
         assert proxy.cuts == 1 and got.lease
         assert engine.core.quotas["search"].in_use == 1  # type: ignore[attr-defined]
         client.release(got.lease)
-    finally:
-        client.shutdown()
-        proxy.close()
 
 
 def test_a_batch_whose_answer_was_lost_admits_each_action_once(
     running: tuple[str, str, object],
 ) -> None:
     url, token, engine = running
-    proxy, client = _through(url, token, b"POST /v1/batch")
-    try:
+    with _through(url, token, b"POST /v1/batch") as (proxy, client):
         items = [{"api": "search", "lease": {"units": 1, "hold_s": 300}} for _ in range(2)]
         results = client.batch(items)
         assert proxy.cuts == 1 and all(r.lease for r in results)
         assert engine.core.quotas["search"].in_use == 2  # type: ignore[attr-defined]
         for r in results:
             client.release(r.lease or "")
-    finally:
-        client.shutdown()
-        proxy.close()
 
 
 def test_an_open_whose_answer_was_lost_opens_one_trajectory(
@@ -140,16 +139,12 @@ def test_an_open_whose_answer_was_lost_opens_one_trajectory(
 ) -> None:
     url, token, engine = running
     for given in (None, "mine"):
-        proxy, client = _through(url, token, b"POST /v1/trajectories ")
-        try:
+        with _through(url, token, b"POST /v1/trajectories ") as (proxy, client):
             info = client.open("shell", id=given)
             assert proxy.cuts == 1 and info.id == (given or info.id)
             opened = [t.id for t in engine.trajectories.values()]  # type: ignore[attr-defined]
             assert opened == [info.id]
             assert client.close(info.id).state.value == "closed"
-        finally:
-            client.shutdown()
-            proxy.close()
 
 
 def test_an_idempotency_key_of_another_open_is_a_conflict(
