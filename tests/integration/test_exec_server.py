@@ -156,6 +156,56 @@ def test_a_command_that_never_reads_its_stdin_is_still_killed_when_asked(
     assert asyncio.run(scenario()) == -signal.SIGKILL
 
 
+def test_stdin_past_what_the_server_holds_waits_for_the_command_and_is_all_delivered(
+    server: Path,
+) -> None:
+    """80 MiB to a command that reads only after a while: the server holds 16 MiB, then
+    takes no more frames until the command reads (the agent's writes wait), and every
+    byte arrives."""
+    data = b"y" * (80 << 20)
+
+    async def scenario() -> bytes:
+        chan = await Channel.start(server, ["sh", "-c", "sleep 1; wc -c"])
+
+        async def feed() -> None:
+            await chan.write(data)
+            await chan.close_stdin()
+
+        feeding = asyncio.create_task(feed())
+        out = await asyncio.wait_for(chan.collect(1 << 10), HANG_GUARD_S)
+        await feeding
+        chan.close()
+        return out.stdout
+
+    assert asyncio.run(scenario()).strip() == str(len(data)).encode()
+
+
+def test_a_kill_behind_stdin_the_server_will_not_take_hangs_up_and_ends_the_command(
+    server: Path, tmp_path: Path
+) -> None:
+    """Past what the server holds its socket is not read, so the kill frame cannot get
+    through: the agent hangs up, and the server kills the command for that."""
+    pidfile = tmp_path / "cmd.pid"
+
+    async def scenario() -> None:
+        chan = await Channel.start(server, ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 600"])
+        feeding = asyncio.create_task(chan.write(b"z" * (40 << 20)))
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1)  # the server holds its 16 MiB, the socket's buffers are full
+        await asyncio.wait_for(chan.kill(), HANG_GUARD_S)
+        await asyncio.wait_for(chan.collect(1 << 10), HANG_GUARD_S)
+        feeding.cancel()
+        chan.close()
+
+    asyncio.run(scenario())
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(pid)
+
+
 def test_a_command_that_exits_before_reading_all_its_stdin_reports_its_exit(
     server: Path, tmp_path: Path
 ) -> None:

@@ -11,9 +11,10 @@
  * One forked handler per connection. Frames both ways: type (1 byte), length (4 bytes,
  * big endian), payload.
  *   agent -> server: 'R' request (NUL-terminated strings: mode "pipe"|"pty", cwd, argc,
- *                    argv..., envc, "K=V"...), 'I' stdin bytes (held, up to 64 MiB, until
- *                    the command reads them; past that, or once it closed its stdin, the
- *                    rest is dropped), 'E' stdin EOF (after what is held),
+ *                    argv..., envc, "K=V"...), 'I' stdin bytes (held until the command
+ *                    reads them; past 16 MiB held, no frame is read till it does; once
+ *                    it closed its stdin, the rest is dropped), 'E' stdin EOF (after what
+ *                    is held),
  *                    'K' signal number (decimal): signal the command's process group;
  *                    SIGKILL also kills every descendant it left behind.
  *   server -> agent: 'S' started (pid), '1' stdout, '2' stderr, 'X' exit status
@@ -272,21 +273,19 @@ static int spawn(char **fields, int nfields, struct child *c, char *msg, size_t 
 
 /* Stdin the agent sent that the command has not read yet. It is written from the poll
  * loop as the command reads it, never blocking: a command that does not read its stdin
- * must not stop the handler from relaying output or hearing the agent's kill. */
-#define MAX_FEED (64u << 20)
+ * must not stop the handler from relaying output or hearing the agent's kill. Past
+ * MAX_FEED held, the agent's socket is not read until the command takes some (TCP-like
+ * backpressure; only its hang-up is watched, which kills the command). */
+#define MAX_FEED (16u << 20)
 struct feed {
     char *buf;
     size_t len, off;
     int eof;     /* close the command's stdin once what is held is written */
-    int dropped; /* over MAX_FEED unread, or the command closed its stdin: no more */
+    int dropped; /* the command closed its stdin (or memory ran out): no more */
 };
 
 static void feed_add(struct feed *f, const char *data, size_t len) {
     if (f->dropped || len == 0) return;
-    if (f->len - f->off + len > MAX_FEED) {
-        f->dropped = 1;
-        return;
-    }
     if (f->off > 0) { /* keep only what is still to write */
         memmove(f->buf, f->buf + f->off, f->len - f->off);
         f->len -= f->off, f->off = 0;
@@ -377,10 +376,11 @@ static void handle(int sock) {
     int out_open = 1, err_open = c.err >= 0, sock_open = 1;
     while (!cmd_exited || out_open || err_open) {
         int feeding = c.in >= 0 && feed.off < feed.len;
+        short from_agent = feeding && feed.len - feed.off >= MAX_FEED ? 0 : POLLIN;
         struct pollfd p[5] = {{sfd, POLLIN, 0},
                               {out_open ? c.out : -1, POLLIN, 0},
                               {err_open ? c.err : -1, POLLIN, 0},
-                              {sock_open ? sock : -1, POLLIN, 0},
+                              {sock_open ? sock : -1, from_agent, 0},
                               {feeding ? c.in : -1, POLLOUT, 0}};
         /* Once the command has exited, take what its pipes already hold and stop: a
          * background process that inherited them must not hold the action open. */

@@ -36,6 +36,7 @@ IN_CONTAINER_RUN = "/.tangram/run"
 SOCKET_NAME = "exec.sock"
 _HEAD = struct.Struct(">cI")
 FRAME_BYTES = 512 << 10  # stdin frames; exec_server.c refuses frames over 1 MiB
+KILL_SEND_S = 5.0  # a kill frame the server does not take by then: hang up instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,9 +243,14 @@ class Channel:
         await self._send(b"E", b"")
 
     async def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the command's process group and every descendant it left behind."""
+        """Signal the command's process group and every descendant it left behind. A
+        server that takes no frame now (it holds 16 MiB of stdin its command does not
+        read) is hung up on instead, which kills the command as surely."""
         with contextlib.suppress(ExecError):
-            await self._send(b"K", str(int(sig)).encode())
+            try:
+                await asyncio.wait_for(self._send(b"K", str(int(sig)).encode()), KILL_SEND_S)
+            except TimeoutError:
+                self._writer.transport.abort()
 
     async def collect(
         self, limit: int, on_output: Callable[[int, bytes], Awaitable[None]] | None = None
