@@ -696,3 +696,40 @@ def test_a_background_task_that_fails_is_said_unless_its_agent_went(
     assert [r.getMessage() for r in caplog.records] == [
         "background work failed: ValueError: the warm-up could not start"
     ]
+
+
+def test_an_open_cut_off_by_its_agent_leaving_leaves_nothing_and_may_be_retried() -> None:
+    """The hub fails the open's request and marks the node's trajectories away in one
+    step: the open finds its record AWAY, not OPEN, and must still forget it (else it
+    would stay, holding memory, and the retry of that id would be a conflict)."""
+    from tangram.api.wire import AgentOpen, EnvSpec, OpenTrajectory
+    from tangram.service.config import EnvConfig
+    from tangram.service.records import EngineError
+
+    env = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))
+    engine = Engine(PoolConfig(envs={"e": env}, agent_grace_s=120))
+    engine.all_agents_joined()
+
+    async def go() -> tuple[str, bool, bool]:
+        await engine.membership.join(_agent())
+        pending: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
+
+        async def ask(node: str, req: AgentRequest) -> AgentReply:
+            if isinstance(req, AgentOpen) and not pending.done():  # (the first try's)
+                return await pending
+            return AgentReply(rid=0, ok=True, opened_s=0.0)
+
+        engine.state.ask = ask  # type: ignore[method-assign]
+        req = OpenTrajectory(env="e", id="mine", idempotency_key="k1")
+        opener = asyncio.ensure_future(engine.open_trajectory("u", req))
+        await asyncio.sleep(0)
+        pending.set_exception(EngineError("unavailable", "node", "node n1: the agent left"))
+        await engine.membership.leave(_agent())  # (what the hub does in the same step)
+        with pytest.raises(EngineError) as first:
+            await opener
+        gone = "mine" not in engine.trajectories and "mine" not in engine.core.trajectories
+        await engine.membership.join(_agent())  # back, without it
+        again = await engine.open_trajectory("u", req)  # the client's retry
+        return first.value.kind, gone, again.id == "mine"
+
+    assert asyncio.run(go()) == ("unavailable", True, True)

@@ -26,6 +26,7 @@ log = logging.getLogger("tangram.service")
 
 # Opens remembered by idempotency key: a retry comes within seconds of its first try.
 MAX_OPEN_KEYS = 4096
+_ENDING = (TrajectoryState.CLOSING, TrajectoryState.CLOSED)
 
 
 class Trajectories:
@@ -133,12 +134,12 @@ class Trajectories:
             reply = await s.ask(node, AgentOpen(trajectory=key, env=env.spec, meta=rec.meta()))
         except BaseException:
             made.set_result(False)  # (the agent may have made it: its return hands it back)
-            if rec.state is TrajectoryState.OPEN:  # else the close forgets it
-                self.forget(rec)
+            if rec.state not in _ENDING:  # (its agent gone meanwhile: AWAY) a close forgets
+                self.forget(rec)  # it itself
             raise
         made.set_result(reply.ok)
         rec.opening = None
-        if rec.state is not TrajectoryState.OPEN:  # closed meanwhile: the close ends it
+        if rec.state in _ENDING:  # closed meanwhile: the close ends it
             raise EngineError("conflict", "trajectory", f"{tid} was closed while it opened")
         if not reply.ok:
             self.forget(rec)
