@@ -714,7 +714,7 @@ def test_an_open_cut_off_by_its_agent_leaving_leaves_nothing_and_may_be_retried(
         await engine.membership.join(_agent())
         pending: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
 
-        async def ask(node: str, req: AgentRequest) -> AgentReply:
+        async def ask(node: str | None, req: AgentRequest) -> AgentReply:
             if isinstance(req, AgentOpen) and not pending.done():  # (the first try's)
                 return await pending
             return AgentReply(rid=0, ok=True, opened_s=0.0)
