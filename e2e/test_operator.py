@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,6 +31,7 @@ from harness.controlplane import ControlPlane, KubectlError
 from harness.pods import Process, free_port, kubectl_json, local_pod, replace_flag, wait_for
 
 from tangram.client import Client, TangramError
+from tangram.operator.reconciler import DRAIN_POLL_S
 
 pytestmark = pytest.mark.e2e
 
@@ -496,7 +498,8 @@ def test_deleting_a_pool_drains_then_removes_everything(stack: Stack) -> None:
             return "waiting for its scheduler" in cond.get("message", "")
 
         wait_for("the drain to wait for the scheduler", waiting, 60)
-        assert stack.exists("ap", "coding", "rl")
+        time.sleep(3 * DRAIN_POLL_S)  # more passes of the finalizer: each one waits again
+        assert stack.exists("ap", "coding", "rl") and waiting()
         _start_scheduler(stack, "coding", "rl", port=httpx.URL(url).port)
         finishing = partial(t.exec, ["echo", "finishing"])
         assert (

@@ -13,6 +13,7 @@ from tangram.cli.manifests import load_documents
 from tangram.operator.status import (
     PoolObservation,
     invalid_member_status,
+    last_figures,
     member_status,
     pool_status,
 )
@@ -88,6 +89,20 @@ def test_pool_ready_reasons(seen: dict[str, object], reason: str) -> None:
     if reason == "ConfigRefused":
         assert cond.message.endswith("runs the ones before: apis[x]: no Secret")
         assert status.nodes == 2  # the figures of what it runs
+
+
+def test_without_the_schedulers_figures_the_last_ones_stand() -> None:
+    """A scheduler restarting mid-drain: its status must keep saying trajectories are
+    open, or the drain's next pass (which reads it) would end at once."""
+    pool, _ = _coding()
+    shown = PoolObservation(generation=1, previous=[], endpoint="http://e",
+                            scheduler_available=True, figures=_figures())  # fmt: skip
+    stored = pool_status(pool, shown, T0).model_dump(by_alias=True, mode="json")
+    away = PoolObservation(generation=1, previous=[], endpoint="http://e", deleting=True,
+                           unreachable="refused", last=last_figures(stored))  # fmt: skip
+    status = pool_status(pool, away, T1)
+    assert (status.trajectories, status.nodes, status.queue_depth) == (9, 2, 3)
+    assert last_figures({"conditions": "garbage"}) == {}
 
 
 def test_pool_status_copies_the_scheduler_figures() -> None:

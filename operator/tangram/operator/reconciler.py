@@ -64,6 +64,7 @@ from tangram.operator.status import (
     SANDBOXES_HEALTHY,
     PoolObservation,
     invalid_member_status,
+    last_figures,
     member_status,
     pool_status,
 )
@@ -273,6 +274,7 @@ class Reconciler:
             scheduler_available=self._scheduler_available(pool),
             figures=figures,
             unreachable=unreachable,
+            last=last_figures(body.get("status")),
             refused=refused,
         )
         self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
@@ -382,6 +384,7 @@ class Reconciler:
             scheduler_available=figures is not None,
             figures=figures,
             unreachable=unreachable,
+            last=last_figures(body.get("status")),
             deleting=True,
             drain_left_s=left,
         )

@@ -7,8 +7,9 @@ an argument, so the same observations always give the same status.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from tangram.api.reasons import Reason
 from tangram.api.resources import ActionPool, RewardService, TrajectoryEnv, reference_problem
@@ -38,6 +39,9 @@ class PoolObservation:
     refused: str | None = None  # why the scheduler refused the spec pushed to it
     deleting: bool = False
     drain_left_s: float = 0.0
+    # The figures the status last showed (``last_figures``): they stand while the scheduler
+    # does not answer (a drain waits on the trajectories they count; zeros would end it).
+    last: Mapping[str, Any] = field(default_factory=dict)
 
 
 SANDBOXES_HEALTHY = "SandboxesHealthy"
@@ -63,13 +67,27 @@ def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> Poo
         healthy, cause, why = _sandboxes_healthy(seen.figures)
         conditions = condition(conditions, type=SANDBOXES_HEALTHY, status=healthy, reason=cause,
                                message=why, generation=seen.generation, now=now)  # fmt: skip
-    live = seen.figures.model_dump(include=set(LIVE_FIGURES)) if seen.figures is not None else {}
+    live = (
+        seen.figures.model_dump(include=set(LIVE_FIGURES))
+        if seen.figures is not None
+        else seen.last
+    )
     return PoolStatus(
         observed_generation=seen.generation,
         conditions=conditions,
         endpoint=seen.endpoint,
         **live,
     )
+
+
+def last_figures(status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The scheduler's figures a pool's status (as stored) shows; none if it cannot be
+    read."""
+    try:
+        shown = PoolStatus.model_validate(status or {})
+    except ValueError:
+        return {}
+    return shown.model_dump(include=set(LIVE_FIGURES))
 
 
 def _sandboxes_healthy(f: PoolFigures) -> tuple[ConditionStatus, str, str]:
@@ -174,6 +192,7 @@ __all__ = [
     "SANDBOXES_HEALTHY",
     "PoolObservation",
     "invalid_member_status",
+    "last_figures",
     "member_status",
     "pool_status",
 ]
