@@ -174,6 +174,58 @@ def test_a_timeout_kills_its_action_and_not_a_concurrent_one(runtime: ProcessRun
     assert (healthy.exit_code, healthy.stdout) == (0, "finished\n")  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(
+    "stuck",
+    [  # (the leftover lives until the other action is let go, after this one ends)
+        "setsid sh -c 'while [ ! -e go ]; do sleep 0.01; done' & exit 0",  # exited
+        "setsid sh -c 'while [ ! -e go ]; do sleep 0.01; done' & sleep 30",  # running too
+    ],
+)
+def test_a_timeout_beside_a_concurrent_action_ends_without_waiting_for_or_killing_it(
+    runtime: ProcessRuntime, stuck: str
+) -> None:
+    """Its leftovers (another session) cannot be told from the concurrent action's
+    processes: they live until the trajectory's last command ends, and the timed-out
+    action ends without waiting for the pipes they hold."""
+    runtime.open("t1")
+    work = runtime.workdir("t1")
+
+    async def scenario() -> tuple[object, bool, object]:
+        script = "touch running; while [ ! -e go ]; do sleep 0.01; done; echo finished"
+        healthy = asyncio.create_task(
+            runtime.exec("t1", ["sh", "-c", script], CORES[:1], timeout_s=60)
+        )
+        while not (work / "running").exists():
+            await asyncio.sleep(0.01)
+        ended = await asyncio.wait_for(  # (a guard: waiting for the pipes never ends here)
+            runtime.exec("t1", ["sh", "-c", stuck], CORES[:1], timeout_s=0.5), 30
+        )
+        before_the_other = not healthy.done()  # it ended while the other still ran
+        (work / "go").touch()
+        return ended, before_the_other, await healthy
+
+    ended, before_the_other, healthy = run(scenario())
+    assert ended.timed_out and before_the_other  # type: ignore[attr-defined]
+    assert (healthy.exit_code, healthy.stdout) == (0, "finished\n")  # type: ignore[attr-defined]
+    assert runtime.cgroups.pids(runtime._group("t1")) == []  # the leftovers ended with it
+
+
+def test_an_action_cancelled_as_it_starts_gives_its_cores_back(runtime: ProcessRuntime) -> None:
+    runtime.open("t1")
+    group = runtime._group("t1")
+    idle = runtime.cgroups.cpus(group)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(runtime.exec("t1", ["sleep", "30"], CORES[-1:], timeout_s=60))
+        await asyncio.sleep(0)  # it has taken its cores and is spawning the command
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(scenario())
+    assert runtime.cgroups.cpus(group) == idle
+
+
 def test_a_program_that_cannot_start_exits_127_and_gives_its_cores_back(
     runtime: ProcessRuntime,
 ) -> None:

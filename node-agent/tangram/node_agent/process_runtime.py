@@ -46,17 +46,45 @@ async def _drain(
     limit: int,
     fd: int,
     on_output: Callable[[int, bytes], Awaitable[None]] | None,
+    stop: asyncio.Event,
 ) -> tuple[bytes, bool]:
-    """Read a stream to the end, keeping the first ``limit`` bytes; ``on_output`` gets
-    each piece as it comes (streaming exec)."""
+    """Read a stream to its end, or until ``stop`` is set, keeping the first ``limit``
+    bytes; ``on_output`` gets each piece as it comes (streaming exec)."""
     kept = bytearray()
     cut = False
-    if stream is not None:
-        while chunk := await stream.read(65536):
+    if stream is None:
+        return bytes(kept), cut
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        while True:
+            reading = asyncio.ensure_future(stream.read(65536))
+            await asyncio.wait({reading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not reading.done():
+                reading.cancel()
+                break
+            chunk = reading.result()
+            if not chunk:
+                break
             if on_output is not None:
                 await on_output(fd, chunk)
             cut |= cap(kept, chunk, limit)
+    finally:
+        stopped.cancel()
     return bytes(kept), cut
+
+
+# After a kill beside other commands: how long its output may still come before the
+# action ends without the rest (a leftover of it may hold its pipes open).
+LEFTOVER_GRACE_S = 1.0
+
+
+async def _returncode(proc: asyncio.subprocess.Process) -> int:
+    """The exit status of a process that has exited, as soon as asyncio's child watcher
+    has reaped it, whatever holds its pipes."""
+    await _exited(proc)
+    while proc.returncode is None:
+        await asyncio.sleep(0.005)
+    return proc.returncode
 
 
 async def _exited(proc: asyncio.subprocess.Process) -> None:
@@ -250,6 +278,9 @@ class ProcessRuntime:
             return ExecResult.of(
                 127, Output(b"", False, why.encode(), False), False, cores, (t0, t1, t2, t2)
             )
+        except BaseException:  # cancelled while it spawned (asyncio kills that child)
+            release()
+            raise
 
         # No process outlives its action: what the command leaves running (setsid,
         # double-forked) stays in the trajectory's cgroup, and is killed as soon as no
@@ -259,10 +290,14 @@ class ProcessRuntime:
         self._running[trajectory] = self._running.get(trajectory, 0) + 1
         watch = asyncio.ensure_future(self._when_done(trajectory, proc))
 
+        # Set when the action is killed beside others of its trajectory: what it left
+        # running may hold its pipes open till they end, so its output is not awaited.
+        abandon = asyncio.Event()
+
         async def collect() -> Output:
             (out, out_cut), (err, err_cut) = await asyncio.gather(
-                _drain(proc.stdout, output_cap, 1, io.output if io else None),
-                _drain(proc.stderr, output_cap, 2, io.output if io else None),
+                _drain(proc.stdout, output_cap, 1, io.output if io else None, abandon),
+                _drain(proc.stderr, output_cap, 2, io.output if io else None, abandon),
             )
             return Output(out, out_cut, err, err_cut)
 
@@ -282,9 +317,14 @@ class ProcessRuntime:
 
         async def kill() -> None:
             # Its own process group; the trajectory's whole cgroup only when no other
-            # command of the trajectory runs (else those would be killed too).
-            alone = self._running.get(trajectory, 0) <= 1
-            await asyncio.to_thread(self._kill, proc, group if alone else None)  # it polls
+            # command of the trajectory runs (else those would be killed too). Its own
+            # command, if still running, is one of those counted.
+            others = self._running.get(trajectory, 0) - (proc.returncode is None)
+            await asyncio.to_thread(self._kill, proc, None if others > 0 else group)
+            if others > 0:  # its leftovers end with the trajectory's last command
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_exited(proc), LEFTOVER_GRACE_S)
+                abandon.set()
 
         async def idle() -> None:
             await proc.wait()
@@ -293,7 +333,8 @@ class ProcessRuntime:
 
         async with feeding(io, write, close_stdin, send_signal):
             output, timed_out = await supervise(collect(), timeout_s, kill, idle)
-        code = await proc.wait()
+        # (proc.wait() would also wait for pipes that a leftover of it still holds)
+        code = await _returncode(proc) if abandon.is_set() else await proc.wait()
         killed = await watch
         if killed:  # the result says the action ended: so have they (not on the loop)
             await asyncio.to_thread(self._await_exit, group, killed)
