@@ -55,6 +55,12 @@ class LossyProxy:
 
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(main())
+        # The connections still piped end here, on their loop, before it closes.
+        left = asyncio.all_tasks(self.loop)
+        for task in left:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        self.loop.close()
 
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         ur, uw = await asyncio.open_connection(self.host, self.up_port)
@@ -86,7 +92,8 @@ class LossyProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.server.close)  # serve_forever ends: main does
+        self.thread.join(10)
 
 
 @pytest.fixture
