@@ -51,6 +51,14 @@ def server(execd: Built) -> Iterator[Path]:
         yield sock
 
 
+def gone(pid: int, within_s: float) -> bool:
+    """Whether ``pid`` has ended, or ends within ``within_s`` (polled)."""
+    deadline = time.monotonic() + within_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not alive(pid)
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -200,10 +208,7 @@ def test_a_kill_behind_stdin_the_server_will_not_take_hangs_up_and_ends_the_comm
 
     asyncio.run(scenario())
     pid = int(pidfile.read_text())
-    deadline = time.monotonic() + 10
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not alive(pid)
+    assert gone(pid, within_s=10)
 
 
 def test_a_command_that_exits_before_reading_all_its_stdin_reports_its_exit(
@@ -225,10 +230,7 @@ def test_a_command_that_exits_before_reading_all_its_stdin_reports_its_exit(
 
     assert asyncio.run(scenario()) == 3
     helper = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while alive(helper) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not alive(helper)
+    assert gone(helper, within_s=5)
 
 
 def test_a_missing_program_exits_127_with_the_reason(server: Path) -> None:
@@ -262,10 +264,7 @@ def test_kill_reaches_orphaned_descendants(server: Path, tmp_path: Path) -> None
 
     assert asyncio.run(scenario()) == -signal.SIGKILL
     orphan = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while alive(orphan) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not alive(orphan)
+    assert gone(orphan, within_s=5)
 
 
 def test_a_disconnected_agent_leaves_nothing_running(server: Path, tmp_path: Path) -> None:
@@ -279,10 +278,7 @@ def test_a_disconnected_agent_leaves_nothing_running(server: Path, tmp_path: Pat
 
     asyncio.run(scenario())
     pid = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not alive(pid)
+    assert gone(pid, within_s=5)
 
 
 def test_bad_requests_are_refused_before_anything_runs(server: Path) -> None:
