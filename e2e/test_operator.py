@@ -12,11 +12,9 @@ Engine. The tests share state and run in file order, like one user's session.
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ import pytest
 import yaml
 from harness.controlplane import ControlPlane, KubectlError
 from harness.pods import Process, free_port, kubectl_json, local_pod, replace_flag, wait_for
+from tests.integration.http_stub import JsonHandler, http_serving
 
 from tangram.client import Client, TangramError
 from tangram.operator.reconciler import DRAIN_POLL_S
@@ -403,21 +402,6 @@ def test_editing_an_env_takes_effect_without_a_restart(stack: Stack) -> None:
     assert scheduler.alive() and scheduler.pid == pid
 
 
-class _EchoApi(http.server.BaseHTTPRequestHandler):
-    """A web API on 127.0.0.1 that answers with the credential it was sent."""
-
-    def do_GET(self) -> None:
-        body = json.dumps({"authorization": self.headers.get("Authorization")}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: Any) -> None:
-        pass
-
-
 def _secret(stack: Stack, name: str, value: str) -> None:
     literal = f"--from-literal=key={value}"
     manifest = stack.kubectl("create", "secret", "generic", name, "-n", "rl", literal,
@@ -425,57 +409,71 @@ def _secret(stack: Stack, name: str, value: str) -> None:
     _apply(stack, manifest.stdout)
 
 
+class _EchoApi(JsonHandler):
+    """A web API on 127.0.0.1 that answers with the credential it was sent."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server names it)
+        self.answer(200, {"authorization": self.headers.get("Authorization")})
+
+
 def test_a_refused_spec_and_a_rotated_secret_show_on_the_pool_and_reach_its_scheduler(
     stack: Stack,
 ) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoApi)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    echo = f"http://127.0.0.1:{server.server_address[1]}"
-    quota = {"name": "echo", "concurrency": 2, "endpoint": echo,
-             "secretRef": {"name": "echo-key", "key": "key"}}  # fmt: skip
-    pool = {"apiVersion": "tangram.dev/v1alpha1", "kind": "ActionPool",
-            "metadata": {"name": "echo", "namespace": "rl"}, "spec": {"apis": [quota]}}  # fmt: skip
-    try:
-        _secret(stack, "echo-key", "first")
-        _apply(stack, yaml.safe_dump(pool))
-        url = _start_scheduler(stack, "echo", "rl")
-        stack.wait_ready("ap", "echo", "rl")
-        worker = _token(stack, "rl", "rollout-worker")
-        with Client(url, worker) as client:
+    with http_serving(_EchoApi) as echo:
+        quota = {"name": "echo", "concurrency": 2, "endpoint": echo,
+                 "secretRef": {"name": "echo-key", "key": "key"}}  # fmt: skip
+        pool = {"apiVersion": "tangram.dev/v1alpha1", "kind": "ActionPool",
+                "metadata": {"name": "echo", "namespace": "rl"},
+                "spec": {"apis": [quota]}}  # fmt: skip
+        try:
+            _secret(stack, "echo-key", "first")
+            _apply(stack, yaml.safe_dump(pool))
+            url = _start_scheduler(stack, "echo", "rl")
+            stack.wait_ready("ap", "echo", "rl")
+            worker = _token(stack, "rl", "rollout-worker")
+            with Client(url, worker) as client:
 
-            def seen() -> str:
-                result = client.call("echo", "/")
-                assert result.status.value == "ok", result
-                return str(result.output["body"]["authorization"])
+                def seen() -> str:
+                    result = client.call("echo", "/")
+                    assert result.status.value == "ok", result
+                    return str(result.output["body"]["authorization"])
 
-            assert seen() == "Bearer first"
-            # A rotated key reaches the running scheduler (the operator watches the Secret
-            # through its resourceVersion and pushes the pool again).
-            _secret(stack, "echo-key", "second")
-            wait_for("the rotated key", lambda: seen() == "Bearer second", timeout=60, every=1)
+                assert seen() == "Bearer first"
+                # A rotated key reaches the running scheduler (the operator watches the Secret
+                # through its resourceVersion and pushes the pool again).
+                _secret(stack, "echo-key", "second")
+                wait_for("the rotated key", lambda: seen() == "Bearer second", timeout=60, every=1)
 
-            # A quota naming a Secret that does not exist: the scheduler refuses the new
-            # definitions and keeps serving the old ones; the pool says so.
-            missing = {**quota, "name": "echo-two", "secretRef": {"name": "absent", "key": "key"}}
-            patch = {"spec": {"apis": [quota, missing]}}
+                # A quota naming a Secret that does not exist: the scheduler refuses the new
+                # definitions and keeps serving the old ones; the pool says so.
+                missing = {
+                    **quota,
+                    "name": "echo-two",
+                    "secretRef": {"name": "absent", "key": "key"},
+                }
+                patch = {"spec": {"apis": [quota, missing]}}
+                stack.kubectl(
+                    "patch", "ap", "echo", "-n", "rl", "--type=merge", "-p", json.dumps(patch)
+                )
+                cond = stack.wait_ready("ap", "echo", "rl", "ConfigRefused", timeout=60)
+                assert cond["status"] == "False"
+                assert "apis[echo-two].secretRef" in cond["message"] and "absent" in cond["message"]
+                assert seen() == "Bearer second"
+                events = stack.kubectl("get", "events", "-n", "rl", "--field-selector",
+                                       "involvedObject.name=echo", "-o", "json").stdout  # fmt: skip
+                assert any(e["reason"] == "ConfigRefused" for e in json.loads(events)["items"])
+                # Once the Secret exists the same definitions are taken.
+                _secret(stack, "absent", "third")
+                stack.wait_ready("ap", "echo", "rl", timeout=60)
+                assert sorted(stack.get("ap", "echo", "rl")["status"]["apis"]) == [
+                    "echo",
+                    "echo-two",
+                ]
+        finally:
             stack.kubectl(
-                "patch", "ap", "echo", "-n", "rl", "--type=merge", "-p", json.dumps(patch)
+                "delete", "ap", "echo", "-n", "rl", "--wait=true", timeout=120, check=False
             )
-            cond = stack.wait_ready("ap", "echo", "rl", "ConfigRefused", timeout=60)
-            assert cond["status"] == "False"
-            assert "apis[echo-two].secretRef" in cond["message"] and "absent" in cond["message"]
-            assert seen() == "Bearer second"
-            events = stack.kubectl("get", "events", "-n", "rl", "--field-selector",
-                                   "involvedObject.name=echo", "-o", "json").stdout  # fmt: skip
-            assert any(e["reason"] == "ConfigRefused" for e in json.loads(events)["items"])
-            # Once the Secret exists the same definitions are taken.
-            _secret(stack, "absent", "third")
-            stack.wait_ready("ap", "echo", "rl", timeout=60)
-            assert sorted(stack.get("ap", "echo", "rl")["status"]["apis"]) == ["echo", "echo-two"]
-    finally:
-        stack.kubectl("delete", "ap", "echo", "-n", "rl", "--wait=true", timeout=120, check=False)
-        stack.stop("echo-scheduler")
-        server.shutdown()
+            stack.stop("echo-scheduler")
 
 
 def test_deleting_a_pool_drains_then_removes_everything(stack: Stack) -> None:

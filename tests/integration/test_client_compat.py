@@ -6,10 +6,8 @@ unkeyed from then on instead of failing every open. The old scheduler is a stand
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
 import pytest
@@ -17,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tangram.client import Client
 from tangram.service.answers import invalid
+
+from .http_stub import JsonHandler, http_serving
 
 
 class _OldOpen(BaseModel):
@@ -29,43 +29,28 @@ class _OldOpen(BaseModel):
     expected_steps: int | None = None
 
 
-class _OldScheduler(BaseHTTPRequestHandler):
+class _OldScheduler(JsonHandler):
     opened: ClassVar[list[dict[str, Any]]] = []
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802 (http.server names it)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         try:
             _OldOpen.model_validate(body)
         except ValidationError as e:  # as its request validation answered
             errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
-            self._answer(400, invalid(errors, skip=1))
+            self.answer(400, invalid(errors, skip=1))
             return
         self.opened.append(body)
         info = {"id": "t-1", "env": body["env"], "node": "n1", "state": "open",
                 "opened_at": time.time()}  # fmt: skip
-        self._answer(201, info)
-
-    def _answer(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.answer(201, info)
 
 
 @pytest.fixture
 def old_scheduler() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _OldScheduler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     _OldScheduler.opened = []
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
+    with http_serving(_OldScheduler) as url:
+        yield url
 
 
 def test_opens_on_a_scheduler_that_takes_no_key_go_unkeyed(old_scheduler: str) -> None:

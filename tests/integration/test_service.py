@@ -3,13 +3,10 @@ processes in real cgroups (the process runtime), the real client."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -26,6 +23,7 @@ from tangram.service.api_calls import MAX_RESPONSE_BYTES
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
 
+from .http_stub import JsonHandler, http_serving
 from .service_harness import service, until
 
 pytestmark = [pytest.mark.xdist_group("service")]
@@ -178,23 +176,15 @@ def _gauge(text: str, series: str) -> float:
     return float(line.split()[-1])
 
 
-class _Provider(BaseHTTPRequestHandler):
+class _Provider(JsonHandler):
     """An API provider on 127.0.0.1 that wants a bearer credential."""
 
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # noqa: N802 (http.server names it)
         ok = self.headers.get("Authorization") == f"Bearer {SECRET}"
-        body = json.dumps({"path": self.path, "auth_ok": ok}).encode()
+        body: object = {"path": self.path, "auth_ok": ok}
         if self.path.startswith("/dump"):  # more than a proxied answer may hold
             body = b"x" * (MAX_RESPONSE_BYTES + 1)
-        self.send_response(200 if ok else 401)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        with contextlib.suppress(ConnectionError):  # (the dump is not read to its end)
-            self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.answer(200 if ok else 401, body)
 
 
 SECRET = "s3cret-credential-value"
@@ -203,15 +193,12 @@ SECRET = "s3cret-credential-value"
 def test_proxied_api_calls_use_the_credential_and_never_return_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    provider = ThreadingHTTPServer(("127.0.0.1", 0), _Provider)
-    threading.Thread(target=provider.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{provider.server_address[1]}"
-    config = PoolConfig(
-        apis=(ApiSpec(name="search", concurrency=1), ApiSpec(name="plain", concurrency=1)),
-        endpoints={"search": ApiEndpoint(url, SECRET)},
-    )
     caplog.set_level("DEBUG")
-    try:
+    with http_serving(_Provider) as url:
+        config = PoolConfig(
+            apis=(ApiSpec(name="search", concurrency=1), ApiSpec(name="plain", concurrency=1)),
+            endpoints={"search": ApiEndpoint(url, SECRET)},
+        )
         with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
             # A pool of API quotas only needs no node to be ready.
             assert httpx.get(f"{running.url}/readyz").status_code == 200
@@ -232,8 +219,6 @@ def test_proxied_api_calls_use_the_credential_and_never_return_it(
             big = c.call("search", "/dump")
             assert big.status is ActionStatus.ERROR and big.error is not None
             assert "over 16 MiB" in big.error.message and big.output is None
-    finally:
-        provider.shutdown()
     assert SECRET not in caplog.text
 
 
