@@ -24,6 +24,8 @@ from tangram.node_agent.exec_server import Built, Channel
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.sessions import BashSession, PythonSession, ansi_c_quote
 
+from .service_harness import until
+
 
 @contextmanager
 def serving(execd: Built, launcher: Sequence[str] = ()) -> Iterator[tuple[Path, int]]:
@@ -49,14 +51,6 @@ def serving(execd: Built, launcher: Sequence[str] = ()) -> Iterator[tuple[Path, 
 def server(execd: Built) -> Iterator[Path]:
     with serving(execd) as (sock, _):
         yield sock
-
-
-def gone(pid: int, within_s: float) -> bool:
-    """Whether ``pid`` has ended, or ends within ``within_s`` (polled)."""
-    deadline = time.monotonic() + within_s
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return not alive(pid)
 
 
 def alive(pid: int) -> bool:
@@ -208,7 +202,7 @@ def test_a_kill_behind_stdin_the_server_will_not_take_hangs_up_and_ends_the_comm
 
     asyncio.run(scenario())
     pid = int(pidfile.read_text())
-    assert gone(pid, within_s=10)
+    until(lambda: not alive(pid), "the command to end", 10)
 
 
 def test_a_command_that_exits_before_reading_all_its_stdin_reports_its_exit(
@@ -230,7 +224,7 @@ def test_a_command_that_exits_before_reading_all_its_stdin_reports_its_exit(
 
     assert asyncio.run(scenario()) == 3
     helper = int(pidfile.read_text())
-    assert gone(helper, within_s=5)
+    until(lambda: not alive(helper), "the helper it left to be killed", 5)
 
 
 def test_a_missing_program_exits_127_with_the_reason(server: Path) -> None:
@@ -264,7 +258,7 @@ def test_kill_reaches_orphaned_descendants(server: Path, tmp_path: Path) -> None
 
     assert asyncio.run(scenario()) == -signal.SIGKILL
     orphan = int(pidfile.read_text())
-    assert gone(orphan, within_s=5)
+    until(lambda: not alive(orphan), "the orphan to be killed", 5)
 
 
 def test_a_disconnected_agent_leaves_nothing_running(server: Path, tmp_path: Path) -> None:
@@ -278,7 +272,7 @@ def test_a_disconnected_agent_leaves_nothing_running(server: Path, tmp_path: Pat
 
     asyncio.run(scenario())
     pid = int(pidfile.read_text())
-    assert gone(pid, within_s=5)
+    until(lambda: not alive(pid), "the command to end", 5)
 
 
 def test_bad_requests_are_refused_before_anything_runs(server: Path) -> None:
