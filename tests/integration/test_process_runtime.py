@@ -210,6 +210,37 @@ def test_a_timeout_beside_a_concurrent_action_ends_without_waiting_for_or_killin
     assert runtime.cgroups.pids(runtime._group("t1")) == []  # the leftovers ended with it
 
 
+def test_a_cancel_beside_a_concurrent_action_ends_without_waiting_for_its_leftover(
+    runtime: ProcessRuntime,
+) -> None:
+    """As the timeout above, by a cancel: the cancelled action ends while the other runs,
+    though what it left holds its pipes."""
+    runtime.open("t1")
+    work = runtime.workdir("t1")
+    leftover = "setsid sh -c 'while [ ! -e go ]; do sleep 0.01; done' &"
+
+    async def scenario() -> tuple[bool, object]:
+        script = "touch running; while [ ! -e go ]; do sleep 0.01; done; echo finished"
+        healthy = asyncio.create_task(
+            runtime.exec("t1", ["sh", "-c", script], CORES[:1], timeout_s=60)
+        )
+        stuck = asyncio.create_task(runtime.exec(
+            "t1", ["sh", "-c", f"{leftover} touch stuck; sleep 30"], CORES[:1], timeout_s=60
+        ))  # fmt: skip
+        while not (work / "running").exists() or not (work / "stuck").exists():
+            await asyncio.sleep(0.01)
+        stuck.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(stuck, 30)  # (a guard: waiting for the pipes never ends)
+        before_the_other = not healthy.done()
+        (work / "go").touch()
+        return before_the_other, await healthy
+
+    before_the_other, healthy = run(scenario())
+    assert before_the_other
+    assert (healthy.exit_code, healthy.stdout) == (0, "finished\n")  # type: ignore[attr-defined]
+
+
 def test_an_action_cancelled_as_it_starts_gives_its_cores_back(runtime: ProcessRuntime) -> None:
     runtime.open("t1")
     group = runtime._group("t1")

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -41,36 +42,28 @@ from tangram.node_agent.execution import (
 __all__ = ["ExecError", "ExecResult", "ProcessRuntime"]
 
 
+@dataclass(slots=True)
+class _Kept:
+    """What a stream gave so far, kept where a cancelled read leaves it."""
+
+    data: bytearray = field(default_factory=bytearray)
+    cut: bool = False
+
+
 async def _drain(
     stream: asyncio.StreamReader | None,
     limit: int,
     fd: int,
     on_output: Callable[[int, bytes], Awaitable[None]] | None,
-    stop: asyncio.Event,
-) -> tuple[bytes, bool]:
-    """Read a stream to its end, or until ``stop`` is set, keeping the first ``limit``
-    bytes; ``on_output`` gets each piece as it comes (streaming exec)."""
-    kept = bytearray()
-    cut = False
-    if stream is None:
-        return bytes(kept), cut
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        while True:
-            reading = asyncio.ensure_future(stream.read(65536))
-            await asyncio.wait({reading, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            if not reading.done():
-                reading.cancel()
-                break
-            chunk = reading.result()
-            if not chunk:
-                break
+    kept: _Kept,
+) -> None:
+    """Read a stream to its end into ``kept`` (its first ``limit`` bytes); ``on_output``
+    gets each piece as it comes (streaming exec)."""
+    if stream is not None:
+        while chunk := await stream.read(65536):
             if on_output is not None:
                 await on_output(fd, chunk)
-            cut |= cap(kept, chunk, limit)
-    finally:
-        stopped.cancel()
-    return bytes(kept), cut
+            kept.cut |= cap(kept.data, chunk, limit)
 
 
 # After a kill beside other commands: how long its output may still come before the
@@ -290,16 +283,26 @@ class ProcessRuntime:
         self._running[trajectory] = self._running.get(trajectory, 0) + 1
         watch = asyncio.ensure_future(self._when_done(trajectory, proc))
 
-        # Set when the action is killed beside others of its trajectory: what it left
+        # Stopped when the action is killed beside others of its trajectory: what it left
         # running may hold its pipes open till they end, so its output is not awaited.
-        abandon = asyncio.Event()
+        out, err = _Kept(), _Kept()
+        reading = asyncio.gather(
+            _drain(proc.stdout, output_cap, 1, io.output if io else None, out),
+            _drain(proc.stderr, output_cap, 2, io.output if io else None, err),
+        )
+        abandoned = False
 
         async def collect() -> Output:
-            (out, out_cut), (err, err_cut) = await asyncio.gather(
-                _drain(proc.stdout, output_cap, 1, io.output if io else None, abandon),
-                _drain(proc.stderr, output_cap, 2, io.output if io else None, abandon),
-            )
-            return Output(out, out_cut, err, err_cut)
+            try:
+                await reading
+            except asyncio.CancelledError:
+                if not abandoned:  # (the action's own cancel)
+                    raise
+            return Output(bytes(out.data), out.cut, bytes(err.data), err.cut)
+
+        async def ended() -> int:
+            # (proc.wait() would also wait for pipes that a leftover of it still holds)
+            return await _returncode(proc) if abandoned else await proc.wait()
 
         async def write(data: bytes) -> None:
             assert proc.stdin is not None
@@ -324,17 +327,18 @@ class ProcessRuntime:
             if others > 0:  # its leftovers end with the trajectory's last command
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(_exited(proc), LEFTOVER_GRACE_S)
-                abandon.set()
+                nonlocal abandoned
+                abandoned = True
+                reading.cancel()
 
         async def idle() -> None:
-            await proc.wait()
+            await ended()
             await watch
             release()
 
         async with feeding(io, write, close_stdin, send_signal):
             output, timed_out = await supervise(collect(), timeout_s, kill, idle)
-        # (proc.wait() would also wait for pipes that a leftover of it still holds)
-        code = await _returncode(proc) if abandon.is_set() else await proc.wait()
+        code = await ended()
         killed = await watch
         if killed:  # the result says the action ended: so have they (not on the loop)
             await asyncio.to_thread(self._await_exit, group, killed)
