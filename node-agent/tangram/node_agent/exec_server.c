@@ -299,11 +299,17 @@ static void feed_add(struct feed *f, const char *data, size_t len) {
     f->buf = grown, f->len += len;
 }
 
-static void feed_close(struct feed *f, struct child *c) {
+static void feed_clear(struct feed *f) {
     free(f->buf);
     f->buf = NULL, f->len = f->off = 0;
-    if (!c->pty && c->in >= 0) close(c->in);
-    if (!c->pty) c->in = -1;
+}
+
+static void feed_close(struct feed *f, struct child *c) {
+    feed_clear(f);
+    if (!c->pty && c->in >= 0) { /* a terminal's master is its output too: kept */
+        close(c->in);
+        c->in = -1;
+    }
 }
 
 /* Writes what the command can take now; closes its stdin when asked and all is written,
@@ -320,8 +326,7 @@ static void feed_write(struct feed *f, struct child *c) {
         }
         f->off += (size_t)n;
     }
-    free(f->buf);
-    f->buf = NULL, f->len = f->off = 0;
+    feed_clear(f);
     if (f->eof) feed_close(f, c);
 }
 

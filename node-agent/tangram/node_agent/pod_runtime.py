@@ -42,18 +42,13 @@ from tangram.node_agent.kubelet_state import cpu_manager_policy
 from tangram.node_agent.pod_template import LABEL, SANDBOX, label_value, sandbox_pod
 from tangram.node_agent.warm_pool import SandboxRuntime
 
-__all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime", "agent_label"]
+__all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime"]
 
 log = logging.getLogger("tangram.agent")
 
 DEFAULT_EXECD_PATH = "/usr/local/libexec/tangram/tangram-execd"  # in the agent's image
 STATE = f"{LABEL}/state"  # warm | open
-AGENT = f"{LABEL}/agent"  # which agent's sandbox (agent_label of PodRuntime.agent)
-
-
-def agent_label(agent: str) -> str:
-    """A label value naming an agent: label values hold 63 characters, names may not."""
-    return label_value(agent)
+AGENT = f"{LABEL}/agent"  # which agent's sandbox (label_value of PodRuntime.agent)
 
 
 # An open pod's trajectory: its id in full as an annotation, and as a label (for
@@ -160,7 +155,7 @@ class PodRuntime(SandboxRuntime[Pod]):
         that ended or never started are deleted (their environment is gone, and the caller
         reports their trajectories lost).
         """
-        selector = f"{LABEL}/sandbox=true,{AGENT}={agent_label(self.agent)}"
+        selector = f"{LABEL}/sandbox=true,{AGENT}={label_value(self.agent)}"
         for obj in self.api.list(selector):
             meta = obj["metadata"]
             name, labels = meta["name"], meta.get("labels") or {}
@@ -229,7 +224,7 @@ class PodRuntime(SandboxRuntime[Pod]):
             node=self.node,
             execd_image=self.execd_image,
             execd_path=self.execd_path,
-            extra_labels={**state, AGENT: agent_label(self.agent)},
+            extra_labels={**state, AGENT: label_value(self.agent)},
             annotations=notes,
             owner=self.owner,
             user=user,

@@ -360,6 +360,7 @@ class Reconciler:
         since = body["metadata"].get("deletionTimestamp") or rfc3339(self.clock())
         started = dt.datetime.fromisoformat(since.replace("Z", "+00:00"))
         left = pool.spec.scheduler.drain_seconds - (self.clock() - started).total_seconds()
+        last = last_figures(body.get("status"))
         figures, unreachable = None, None
         try:
             figures = self.link.drain(self.endpoints.url(pool), token)
@@ -368,7 +369,7 @@ class Reconciler:
             # trajectories its agents hold: wait for it within the drain time if it last
             # said some were open. One that never ran, or had none, has nothing to drain.
             unreachable = str(e)
-            if not int((body.get("status") or {}).get("trajectories") or 0):
+            if not last.get("trajectories"):
                 log.info("pool %s: no scheduler to drain (%s)", pool.metadata.name, e)
                 return
         if left <= 0 or (figures is not None and figures.trajectories == 0):
@@ -384,7 +385,7 @@ class Reconciler:
             scheduler_available=figures is not None,
             figures=figures,
             unreachable=unreachable,
-            last=last_figures(body.get("status")),
+            last=last,
             deleting=True,
             drain_left_s=left,
         )

@@ -108,14 +108,14 @@ def _pool_ready(
     if pool is None or seen.invalid is not None:
         return "False", Reason.INVALID_SPEC, seen.invalid or "the spec does not validate"
     f = seen.figures
+    silent = seen.unreachable or f"{seen.endpoint} not answering"  # when f is None
     if seen.deleting:
         left = f"removed in at most {max(0, round(seen.drain_left_s))} s"
         if f is None:  # restarting, say: it comes back with what its agents hold
-            why = seen.unreachable or f"{seen.endpoint} not answering"
             return (
                 "False",
                 Reason.DRAINING,
-                f"being deleted: waiting for its scheduler ({why}); {left}",
+                f"being deleted: waiting for its scheduler ({silent}); {left}",
             )
         return (
             "False",
@@ -127,8 +127,7 @@ def _pool_ready(
         why = f"Deployment {deployment} has no available pod"
         return "False", Reason.SCHEDULER_UNAVAILABLE, why
     if f is None:
-        why = seen.unreachable or f"{seen.endpoint} not answering"
-        return "False", Reason.SCHEDULER_UNREACHABLE, why
+        return "False", Reason.SCHEDULER_UNREACHABLE, silent
     if seen.refused is not None:
         return (
             "False",

@@ -105,6 +105,10 @@ _DNS_LABEL_NAME = {
     "rule": f"self.metadata.name.matches('{DNS_LABEL}')",
     "message": "metadata.name: lower-case letters, digits and '-' (a DNS label)",
 }
+_MEMBER_NAME = [
+    _DNS_LABEL_NAME,
+    {"rule": "size(self.metadata.name) <= 63", "message": "metadata.name: at most 63 characters"},
+]
 NAME_RULES: dict[str, list[dict[str, str]]] = {
     "ActionPool": [
         _DNS_LABEL_NAME,
@@ -114,20 +118,8 @@ NAME_RULES: dict[str, list[dict[str, str]]] = {
             "scheduler's Service, tangram-<name>-scheduler, is a DNS label of at most 63)",
         },
     ],
-    "TrajectoryEnv": [
-        _DNS_LABEL_NAME,
-        {
-            "rule": "size(self.metadata.name) <= 63",
-            "message": "metadata.name: at most 63 characters",
-        },
-    ],
-    "RewardService": [
-        _DNS_LABEL_NAME,
-        {
-            "rule": "size(self.metadata.name) <= 63",
-            "message": "metadata.name: at most 63 characters",
-        },
-    ],
+    "TrajectoryEnv": _MEMBER_NAME,
+    "RewardService": _MEMBER_NAME,
 }
 
 # Lists whose items the models keep unique: by name (map) or by value (set).

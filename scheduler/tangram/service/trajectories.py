@@ -59,8 +59,11 @@ class Trajectories:
             # Refused or failed: nothing was opened, so a retry tries again.
             if self._opens.get(tenant_key, (None, None))[1] is opening:
                 del self._opens[tenant_key]
-            opening.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
-            opening.exception()  # (retrieved: no retry may be waiting)
+            if isinstance(e, Exception):
+                opening.set_exception(e)
+                opening.exception()  # (retrieved: no retry may be waiting)
+            else:  # cancelled
+                opening.cancel()
             raise
         opening.set_result(rec)
         return rec
