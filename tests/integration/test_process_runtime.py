@@ -257,6 +257,29 @@ def test_an_action_cancelled_as_it_starts_gives_its_cores_back(runtime: ProcessR
     assert runtime.cgroups.cpus(group) == idle
 
 
+def test_an_action_cancelled_as_it_starts_ends_though_what_it_left_holds_its_pipes(
+    runtime: ProcessRuntime,
+) -> None:
+    """asyncio's own cancel of a spawn waits till the child's pipes close, which here is
+    when the background sleep ends: the cancelled action must end now, and kill it."""
+    runtime.open("t1")
+    group = runtime._group("t1")
+    idle = runtime.cgroups.cpus(group)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(
+            runtime.exec("t1", ["sh", "-c", "sleep 60 & sleep 60"], CORES[-1:], timeout_s=90)
+        )
+        await asyncio.sleep(0)  # forked; asyncio connects its pipes
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)  # (a guard: the sleeps would hold it 60 s)
+
+    run(scenario())
+    assert runtime.cgroups.cpus(group) == idle
+    assert runtime.cgroups.pids(group) == []  # the sleeps too: no command of it runs
+
+
 def test_a_program_that_cannot_start_exits_127_and_gives_its_cores_back(
     runtime: ProcessRuntime,
 ) -> None:

@@ -247,6 +247,9 @@ def one_shot(binary: Path, root: Path) -> Connect:
         except OSError as e:
             ours.close()
             raise ExecError(f"the files server {binary}: {e.strerror}") from None
+        except BaseException:  # cancelled as it started (asyncio kills that server)
+            ours.close()
+            raise
         finally:
             theirs.close()
         reaped = asyncio.ensure_future(proc.wait())  # it ends with the connection

@@ -168,14 +168,19 @@ async def supervise(
     timeout_s: float | None,
     kill: Callable[[], Awaitable[None]],
     on_cancel: Callable[[], Awaitable[None]],
+    *,
+    cancelled: bool = False,
 ) -> tuple[Output, bool]:
     """Await a command's output; at the deadline kill it, on cancellation kill and re-raise.
 
     Returns the output (what it wrote before being killed, if it was) and whether the
-    deadline passed.
+    deadline passed. ``cancelled``: the caller was cancelled while the command started,
+    and it is killed at once.
     """
     task = asyncio.ensure_future(collect)
     try:
+        if cancelled:
+            raise asyncio.CancelledError
         return await asyncio.wait_for(asyncio.shield(task), timeout_s), False
     except TimeoutError:
         await kill()

@@ -19,10 +19,11 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from tangram.node_agent.cgroups import Cgroups, join
 from tangram.node_agent.execution import (
@@ -251,16 +252,19 @@ class ProcessRuntime:
             rest = self.allot.leave(trajectory, cores, quota)
             self.cgroups.limit(group, *(rest or (self.idle_cores, IDLE_QUOTA_CORES)))
 
+        stdin = asyncio.subprocess.PIPE if io and io.stdin else asyncio.subprocess.DEVNULL
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *render(argv, len(cores)),
-                cwd=self.workdir(trajectory),
-                env=full_env,
-                stdin=asyncio.subprocess.PIPE if io and io.stdin else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,  # its own process group, killed as a whole
-                preexec_fn=partial(_enter, self.cgroups.join_files(group)),
+            proc, cancelled = await _spawned(
+                asyncio.create_subprocess_exec(
+                    *render(argv, len(cores)),
+                    cwd=self.workdir(trajectory),
+                    env=full_env,
+                    stdin=stdin,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True,  # its own process group, killed as a whole
+                    preexec_fn=partial(_enter, self.cgroups.join_files(group)),
+                )
             )
         except (OSError, subprocess.SubprocessError) as e:
             # Not started (no such program, not executable, the cgroup not joined): its
@@ -271,7 +275,7 @@ class ProcessRuntime:
             return ExecResult.of(
                 127, Output(b"", False, why.encode(), False), False, cores, (t0, t1, t2, t2)
             )
-        except BaseException:  # cancelled while it spawned (asyncio kills that child)
+        except BaseException:  # cancelled while it failed to start
             release()
             raise
 
@@ -337,7 +341,9 @@ class ProcessRuntime:
             release()
 
         async with feeding(io, write, close_stdin, send_signal):
-            output, timed_out = await supervise(collect(), timeout_s, kill, idle)
+            output, timed_out = await supervise(
+                collect(), timeout_s, kill, idle, cancelled=cancelled
+            )
         code = await ended()
         killed = await watch
         if killed:  # the result says the action ended: so have they (not on the loop)
@@ -354,6 +360,25 @@ class ProcessRuntime:
             os.killpg(proc.pid, signal.SIGKILL)
         if group is not None:
             self._kill_group(group)
+
+
+async def _spawned(
+    spawn: Coroutine[Any, Any, asyncio.subprocess.Process],
+) -> tuple[asyncio.subprocess.Process, bool]:
+    """The started process, and whether the caller was cancelled while it started. The
+    spawn itself is never cancelled: asyncio would then wait till the child's pipes close,
+    which a process the child left running holds as long as that lives. The caller kills
+    what started as it kills any cancelled action."""
+    task = asyncio.ensure_future(spawn)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled and task.exception() is not None:  # (raises if it was cancelled itself)
+        raise asyncio.CancelledError
+    return task.result(), cancelled
 
 
 def _enter(files: Sequence[str]) -> None:
