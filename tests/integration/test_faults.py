@@ -153,8 +153,10 @@ def test_an_agent_killed_mid_action_ends_it_retryably_and_its_trajectory_waits_f
     with Client(cluster.url, retries=8) as client:
         cluster.agents[-1].kill()
         _wait(lambda: client.get(t.id).state.value == "away", "the agent's leave went unseen")
-        threading.Timer(1.0, cluster.agent, args=("state-a",)).start()
+        back = threading.Timer(1.0, cluster.agent, args=("state-a",))
+        back.start()
         assert client.exec(t.id, ["cat", "f"]).stdout == "kept\n"
+        back.join()  # (its wait for the agent's registration ends before the cluster stops)
         client.close(t.id)
 
 
