@@ -346,6 +346,21 @@ def test_an_invalid_member_gets_a_condition_and_an_event(stack: Stack) -> None:
     _apply(stack, stranger.replace("poolRef: nowhere", "poolRef: rl/coding"))
     cond = stack.wait_ready("tenv", "stranger", "outsider", "NamespaceNotAdmitted")
     assert "spec.access.namespaces" in cond["message"]
+    # A pool whose spec only the operator can refuse: it and its members say so.
+    broken = (
+        "apiVersion: tangram.dev/v1alpha1\nkind: ActionPool\n"
+        "metadata: {name: broken, namespace: rl}\n"
+        "spec: {cpu: {}, scheduler: {resources: {requests: {cpu: lots}}}}\n"
+    )
+    _apply(stack, broken)
+    _apply(stack, orphan.replace("orphan", "stray").replace("nowhere", "broken"))
+    cond = stack.wait_ready("ap", "broken", "rl", "InvalidSpec")
+    assert "requests.cpu: 'lots' is not a quantity" in cond["message"]
+    cond = stack.wait_ready("tenv", "stray", "rl", "PoolInvalid")
+    assert cond["message"].startswith("ActionPool rl/broken is invalid: ")
+    assert "'lots' is not a quantity" in cond["message"]
+    stack.kubectl("delete", "tenv", "stray", "-n", "rl")
+    stack.kubectl("delete", "ap", "broken", "-n", "rl")
     for name, ns in (("upside-down", "rl"), ("orphan", "rl"), ("stranger", "outsider")):
         stack.kubectl("delete", "tenv", name, "-n", ns)
 

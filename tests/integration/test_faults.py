@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tangram.client import ActionResult, ActionStatus, Client, TangramError
+from tangram.client.common import settings
 from tangram.service.embedded import free_port
 from tests import GPU_EXTRA
 
@@ -356,6 +357,37 @@ def _crash_while(cluster: Cluster, submit: Callable[[Client], object], started: 
     return seen[0]
 
 
+def test_an_open_retried_after_a_scheduler_restart_gets_the_trajectory_it_opened(
+    cluster: Cluster,
+) -> None:
+    """The open's answer was lost with its scheduler: the retry under the same key gets
+    the trajectory the agent handed back, not a second one."""
+    cluster.agent("state-a")
+    body = {"env": "shell", "labels": {"job": "j1"}, "idempotency_key": "open-1"}
+    with _http(cluster) as http:
+        first = http.post("/v1/trajectories", json=body)
+        assert first.status_code == 201, first.text
+    cluster.scheduler.kill()
+    cluster.scheduler.wait(10)
+    cluster.start_scheduler()
+    _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
+    tid = first.json()["id"]
+    with _http(cluster) as http:
+        again = http.post("/v1/trajectories", json=body)
+        assert again.status_code == 201 and again.json()["id"] == tid, again.text
+        other = http.post("/v1/trajectories", json={**body, "labels": {}})
+        assert other.status_code == 409, other.text
+        assert other.json()["error"]["details"][0]["field"] == "idempotency_key"
+        assert tid in other.text  # it names the trajectory the key opened
+        assert _metric(cluster, "tangram_trajectories", state="open") == 1
+        assert http.delete(f"/v1/trajectories/{tid}").status_code == 200
+
+
+def _http(cluster: Cluster) -> httpx.Client:
+    _, token = settings(cluster.url, None)  # (a restarted scheduler writes new tokens)
+    return httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"})
+
+
 def test_after_a_scheduler_restart_live_trajectories_answer_retry_until_their_agent_is_back(
     cluster: Cluster,
 ) -> None:
@@ -481,10 +513,14 @@ def _gated(tmp: Path, n: int = 2) -> tuple[list[dict[str, object]], Path, Path]:
 
 
 def _gpus_in_use(cluster: Cluster) -> float:
+    return _metric(cluster, "tangram_units_in_use", resource="gpu")
+
+
+def _metric(cluster: Cluster, name: str, **labels: str) -> float:
     text = httpx.get(cluster.url + "/metrics").text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "tangram_units_in_use" and sample.labels["resource"] == "gpu":
+            if sample.name == name and labels.items() <= sample.labels.items():
                 return sample.value
     return 0.0
 

@@ -184,6 +184,28 @@ def test_trajectory_metadata_talks_to_releases_before_and_after_it() -> None:
     assert TrajectoryMeta.model_validate_json(later) == plain
 
 
+def test_an_opens_key_goes_only_to_agents_that_keep_it() -> None:
+    """The key of the open that made a trajectory goes into its metadata for agents that
+    say they keep it; releases before ``name`` would refuse the open over the field."""
+    from tangram.api.wire import EnvSpec, OpenTrajectory, TrajectoryMeta
+    from tangram.service.config import EnvConfig
+    from tangram.service.records import TrajectoryRecord
+
+    req = OpenTrajectory(env="shell", labels={"a": "1", "b": "2"}, idempotency_key="k1")
+    rec = TrajectoryRecord(
+        "t-1", "alice", "shell", "n1", {}, 0.0, EnvConfig(spec=EnvSpec(name="shell", image="i"))
+    )
+    rec.open_key = ("k1", req.digest())
+    assert "open_" not in rec.meta().model_dump_json()  # an agent that did not say so
+    kept = rec.meta(open_key=True)
+    assert (kept.open_key, kept.open_digest) == ("k1", req.digest())
+    assert TrajectoryMeta.model_validate_json(kept.model_dump_json()) == kept
+    # The digest is the request less its key, whatever the order of its labels.
+    same = OpenTrajectory(env="shell", labels={"b": "2", "a": "1"}, idempotency_key="k2")
+    assert same.digest() == req.digest()
+    assert OpenTrajectory(env="shell", idempotency_key="k1").digest() != req.digest()
+
+
 # ---- streamed requests (a file's bytes): credit windows each way ---------------------
 
 

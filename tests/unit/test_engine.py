@@ -304,7 +304,7 @@ def _opening_engine(**pool: Any) -> Engine:
         return AgentReply(rid=1, ok=True, opened_s=0.0)
 
     engine.state.ask = ask  # type: ignore[method-assign, assignment]
-    engine.hub.links["n1"] = SimpleNamespace()  # type: ignore[assignment]
+    engine.hub.links["n1"] = _agent()
     return engine
 
 
@@ -325,6 +325,32 @@ def test_a_tenants_max_trajectories_refuses_its_next_open_until_one_closes() -> 
         await engine.open_trajectory("u", OpenTrajectory(env="e"))
 
     asyncio.run(scenario())
+
+
+def test_an_opens_key_reaches_the_agent_only_when_it_keeps_it() -> None:
+    """A restarted scheduler learns an open's key from the agent that holds the trajectory;
+    agents of releases before that are not sent the field (they would refuse it)."""
+    from tangram.api.wire import OPEN_KEYS_FEATURE, AgentOpen, AgentReply, OpenTrajectory
+
+    engine = _opening_engine()
+    metas: list[Any] = []
+
+    async def ask(node: str, req: Any) -> AgentReply:
+        if isinstance(req, AgentOpen):
+            metas.append(req.meta)
+        return AgentReply(rid=1, ok=True, opened_s=0.0)
+
+    engine.state.ask = ask  # type: ignore[method-assign, assignment]
+
+    async def scenario() -> None:
+        await engine.membership.join(_agent())
+        await engine.open_trajectory("u", OpenTrajectory(env="e", idempotency_key="k1"))
+        engine.hub.links["n1"].hello.features.append(OPEN_KEYS_FEATURE)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", idempotency_key="k2"))
+
+    asyncio.run(scenario())
+    assert [m.open_key for m in metas] == [None, "k2"]
+    assert metas[1].open_digest == OpenTrajectory(env="e").digest()
 
 
 def test_a_clients_expected_steps_reach_the_scheduler_as_its_hint() -> None:

@@ -133,6 +133,10 @@ def test_member_status_names_the_pool_or_why_not() -> None:
     missing = ready(member_status(env, None, ok.conditions, T1).conditions)
     assert missing is not None and missing.reason == "PoolNotFound"
     assert missing.last_transition_time == T1
+    invalid = member_status(env, None, [], T0, "spec.apis: API names repeat: search")
+    cond = ready(invalid.conditions)
+    assert cond is not None and cond.status == "False" and cond.reason == "PoolInvalid"
+    assert cond.message == "ActionPool rl/coding is invalid: spec.apis: API names repeat: search"
     no_cpu = pool.model_copy(update={"spec": pool.spec.model_copy(update={"cpu": None})})
     cond = ready(member_status(env, no_cpu, [], T0).conditions)
     assert cond is not None and cond.reason == "NoCpuSection"

@@ -230,7 +230,7 @@ def test_a_file_request_goes_to_the_runtime_and_its_refusal_is_the_reply(
     recorder: list[Recorder], tmp_path: Path
 ) -> None:
     agent = NodeAgent.create(tmp_path, runtime="recorder")
-    assert "files" in agent.hello().features
+    assert {"files", "open-keys"} <= set(agent.hello().features)
     req = AgentFiles(rid=3, trajectory="t1", action="stat", path="/x")
     reply = asyncio.run(agent.handle(req))
     # The environment's refusal keeps its errno (the service maps it: ENOENT is a 404).

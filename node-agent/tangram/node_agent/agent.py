@@ -23,6 +23,7 @@ from pathlib import Path
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import (
     FILES_FEATURE,
+    OPEN_KEYS_FEATURE,
     TAR_FEATURE,
     AgentCall,
     AgentCancel,
@@ -259,7 +260,7 @@ class NodeAgent:
             calls=[r for r in cut if isinstance(r, RunningCall)],
             gpu=self.gpu.info if self.gpu is not None else None,
             problem=self.runtime.problem,
-            features=[FILES_FEATURE, TAR_FEATURE],
+            features=[FILES_FEATURE, TAR_FEATURE, OPEN_KEYS_FEATURE],
         )
 
     def _held(self) -> list[str]:

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import secrets
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -133,23 +134,33 @@ class Reconciler:
         self._full_at: dict[str, dt.datetime] = {}  # pool uid -> its last full pass
         # pool uid -> why its scheduler refused the documents last pushed (said once).
         self._refused: dict[str, str] = {}
-        # One pass at a time per pool (kopf runs handlers of different objects in threads).
-        self._locks: dict[ObjectKey, threading.RLock] = {}
+        # One pass at a time per pool (kopf runs handlers of different objects in threads);
+        # a lock lives while a pass holds it, so poolRefs to no pool leave nothing behind.
+        self._locks: weakref.WeakValueDictionary[ObjectKey, threading.RLock] = (
+            weakref.WeakValueDictionary()
+        )
         self._locks_guard = threading.Lock()
 
     def _lock(self, key: ObjectKey) -> threading.RLock:
         with self._locks_guard:
-            return self._locks.setdefault(key, threading.RLock())
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.RLock()
+            return lock
 
     # ---- pools -----------------------------------------------------------------------
     def reconcile_pool(self, namespace: str, name: str) -> bool:
         """Children, config push, member statuses and pool status of one pool; False when
-        there is no pool to serve (gone, being deleted, or invalid: its status says why)."""
+        there is no pool to answer for its members (gone or being deleted). An invalid
+        pool's status says why, and its members' status that it is invalid."""
         with self._lock((namespace, name)):
             live = self._live_pool(namespace, name)
             if live is None:
                 return False
             body, pool = live
+            if isinstance(pool, str):
+                self._member_statuses((namespace, name), None, pool_invalid=pool)
+                return True
             members = self._member_statuses(pool.key, pool)
             tokens = self._tokens(pool)
             objects = build_pool(
@@ -180,6 +191,8 @@ class Reconciler:
             if live is None:
                 return
             body, pool = live
+            if isinstance(pool, str):  # invalid: its status says why
+                return
             uid = body["metadata"]["uid"]
             built, full_at = self._built.get(uid), self._full_at.get(uid)
             # No full pass in this process yet, or none for a while: do it whole.
@@ -194,17 +207,17 @@ class Reconciler:
 
     def _live_pool(
         self, namespace: str, name: str, body: dict[str, Any] | None = None
-    ) -> tuple[dict[str, Any], ActionPool] | None:
-        """The pool's object and model, unless it is gone, being deleted, or invalid."""
+    ) -> tuple[dict[str, Any], ActionPool | str] | None:
+        """The pool's object and model (or why it is invalid, which its status now says),
+        unless it is gone or being deleted."""
         if body is None:
             body = self.cluster.get_custom("ActionPool", namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
-        pool = self._parse_pool(body)
-        return None if pool is None else (body, pool)
+        return body, self._parse_pool(body)
 
-    def _parse_pool(self, body: dict[str, Any]) -> ActionPool | None:
-        """The pool model, or None after reporting why its spec is invalid."""
+    def _parse_pool(self, body: dict[str, Any]) -> ActionPool | str:
+        """The pool model, or why its spec is invalid after writing that into its status."""
         try:
             return ActionPool.model_validate(body)
         except ValidationError as e:
@@ -219,18 +232,20 @@ class Reconciler:
             )
             status = pool_status(None, seen, rfc3339(self.clock()))
             self._write_status(body, status, previous)
-            return None
+            return message
 
-    def _member_statuses(self, key: ObjectKey, pool: ActionPool | None) -> list[Member]:
+    def _member_statuses(
+        self, key: ObjectKey, pool: ActionPool | None, pool_invalid: str | None = None
+    ) -> list[Member]:
         """Write the status of every member naming the pool ``key`` (``pool`` None: there
-        is none); the members it can serve (the others' status says why they are left out
-        of its config)."""
+        is none, or it is invalid for ``pool_invalid``); the members it can serve (the
+        others' status says why they are left out of its config)."""
         usable: list[Member] = []
         for kind in MEMBER_KINDS:
             for body in self.cluster.list_custom(kind):
                 if self._member_pool_key(body) != key:
                     continue
-                member = self._member_status(kind, body, pool)
+                member = self._member_status(kind, body, pool, pool_invalid)
                 if member is not None:
                     usable.append(member)
         return usable
@@ -350,8 +365,6 @@ class Reconciler:
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
             for memo in (self._pushed, self._built, self._full_at, self._refused):
                 memo.pop(meta.get("uid", ""), None)
-        with self._locks_guard:
-            self._locks.pop((namespace, name), None)
 
     def _drain(self, pool: ActionPool, body: dict[str, Any]) -> None:
         token = self._live_tokens(pool).get(OPERATOR_TENANT)
@@ -416,7 +429,11 @@ class Reconciler:
         return resolve_pool_ref(ref, namespace) if isinstance(ref, str) and ref else None
 
     def _member_status(
-        self, kind: str, body: dict[str, Any], pool: ActionPool | None
+        self,
+        kind: str,
+        body: dict[str, Any],
+        pool: ActionPool | None,
+        pool_invalid: str | None = None,
     ) -> Member | None:
         """Write the member's status; the member when its pool can serve it."""
         meta = body["metadata"]
@@ -431,7 +448,7 @@ class Reconciler:
                 meta.get("generation", 0), ref, previous, validation_message(e, body), now
             )
         else:
-            status = member_status(member, pool, previous, now)
+            status = member_status(member, pool, previous, now, pool_invalid)
         self._write_status(body, status, previous)
         cond = ready(status.conditions)
         return member if cond is not None and cond.status == "True" else None

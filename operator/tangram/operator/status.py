@@ -155,11 +155,15 @@ def member_status(
     pool: ActionPool | None,
     previous: Sequence[Condition],
     now: str,
+    pool_invalid: str | None = None,
 ) -> MemberStatus:
-    """Ready when the pool it names exists and can serve it."""
+    """Ready when the pool it names exists and can serve it. ``pool_invalid``: why the
+    pool's spec does not validate (``pool`` is then None)."""
     generation = member.metadata.generation or 0
     ns, name = member.pool_key()
     problem = reference_problem(member, pool)
+    if pool is None and pool_invalid is not None:
+        problem = Reason.POOL_INVALID, f"ActionPool {ns}/{name} is invalid: {pool_invalid}"
     if problem is None:
         return _member(generation, f"{ns}/{name}", previous, now,
                        ("True", Reason.ACCEPTED, f"served by ActionPool {ns}/{name}"))  # fmt: skip

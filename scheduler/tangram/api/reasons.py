@@ -24,6 +24,7 @@ class Reason(StrEnum):
     # A TrajectoryEnv's or RewardService's Ready condition.
     ACCEPTED = "Accepted"
     POOL_NOT_FOUND = "PoolNotFound"
+    POOL_INVALID = "PoolInvalid"  # the pool exists, but its spec does not validate
     NAMESPACE_NOT_ADMITTED = "NamespaceNotAdmitted"
     NO_CPU_SECTION = "NoCpuSection"
     NO_GPU_SECTION = "NoGpuSection"

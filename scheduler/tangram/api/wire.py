@@ -8,6 +8,8 @@ status, outputs, the allocation it ran with and where its time went.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import re
 from enum import StrEnum
 from typing import Annotated, Any, AnyStr, Literal, Self
@@ -74,6 +76,13 @@ class OpenTrajectory(_Strict):
         IdempotencyKey | None,
         Field(description="a retry with the same key answers with the trajectory it opened"),
     ] = None
+
+    def digest(self) -> str:
+        """What a retry under the same key must repeat: the request less its key, fields
+        left at their defaults out (a release that adds one reads the same)."""
+        fields = self.model_dump(mode="json", exclude={"idempotency_key"}, exclude_defaults=True)
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class TrajectoryState(StrEnum):
@@ -546,13 +555,19 @@ class TrajectoryMeta(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     opened_at: float = 0.0
     name: str | None = None  # its tenant's id for it, when that is not the key
+    # The idempotency key of the open that made it, and that request's digest
+    # (OpenTrajectory.digest): a restarted scheduler answers the open's retry with it.
+    # Given only to agents that say they keep it (OPEN_KEYS_FEATURE).
+    open_key: str | None = None
+    open_digest: str | None = None
 
     @model_serializer(mode="wrap")
-    def _name_when_set(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Releases before ``name`` refuse unknown fields here: leave it out unless needed.
+    def _optional_when_set(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Releases before ``name`` refuse unknown fields here: leave these out unless set.
         data: dict[str, Any] = dump(self)
-        if data.get("name") is None:
-            data.pop("name", None)
+        for optional in ("name", "open_key", "open_digest"):
+            if data.get(optional) is None:
+                data.pop(optional, None)
         return data
 
 
@@ -874,6 +889,7 @@ STREAM_WINDOW = 8
 STREAM_CHUNK = 1 << 20  # bytes a chunk carries at most (before base64)
 FILES_FEATURE = "files"  # an agent that serves AgentFiles says so in its hello
 TAR_FEATURE = "files-tar"  # and one that serves its tar and untar actions
+OPEN_KEYS_FEATURE = "open-keys"  # one that keeps TrajectoryMeta.open_key for its scheduler
 
 
 # A chunk's JSON written directly: base64 needs no escaping, and a serializer's pass over

@@ -112,9 +112,13 @@ class Membership:
             return False
         if not self._place_again(meta.id, env, node, meta.tenant):
             return False
-        s.add_trajectory(TrajectoryRecord(
+        rec = TrajectoryRecord(
             name, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env, key=meta.id
-        ))  # fmt: skip
+        )  # fmt: skip
+        if meta.open_key is not None and meta.open_digest is not None:
+            rec.open_key = (meta.open_key, meta.open_digest)
+        s.add_trajectory(rec)
+        self.trajectories.taken_back(rec)
         return True
 
     def _place_again(self, tid: str, env: EnvConfig, node: str, tenant: str) -> bool:

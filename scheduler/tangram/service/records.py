@@ -73,6 +73,9 @@ class TrajectoryRecord:
     # While its agent makes its environment: done with whether it did. A close that comes
     # meanwhile waits for it, so that what the agent makes is closed too.
     opening: asyncio.Future[bool] | None = None
+    # The open's idempotency key and its request's digest (OpenTrajectory.digest), kept by
+    # the agent too: a restarted scheduler answers the open's retry with this record.
+    open_key: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.key = self.key or self.id
@@ -80,12 +83,14 @@ class TrajectoryRecord:
     def info(self) -> TrajectoryInfo:
         return TrajectoryInfo.model_validate(self, from_attributes=True)
 
-    def meta(self) -> TrajectoryMeta:
-        """What its agent keeps of it: the key it is known by, and the tenant's id when
-        that differs."""
+    def meta(self, open_key: bool = False) -> TrajectoryMeta:
+        """What its agent keeps of it: the key it is known by, the tenant's id when that
+        differs, and with ``open_key`` (an agent that keeps it) the open's key."""
+        key, digest = self.open_key if open_key and self.open_key else (None, None)
         return TrajectoryMeta(
             id=self.key, name=self.id if self.id != self.key else None, tenant=self.tenant,
             env=self.env, labels=dict(self.labels), opened_at=self.opened_at,
+            open_key=key, open_digest=digest,
         )  # fmt: skip
 
 

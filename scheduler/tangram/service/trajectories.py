@@ -10,6 +10,7 @@ import secrets
 from collections import OrderedDict
 
 from tangram.api.wire import (
+    OPEN_KEYS_FEATURE,
     ActionStatus,
     AgentClose,
     AgentOpen,
@@ -36,11 +37,12 @@ class Trajectories:
         # Trajectories closed while their agent was away: their environments may still
         # live, and the agent hands them back on its return; they are closed, not revived.
         self.closed_away: dict[str, set[str]] = {}  # node -> trajectory ids
-        # (tenant, idempotency key) -> the open it started (its request, and its record
-        # once opened), newest last: a retry whose first answer was lost gets that one.
-        self._opens: OrderedDict[
-            tuple[str, str], tuple[OpenTrajectory, asyncio.Future[TrajectoryRecord]]
-        ] = OrderedDict()
+        # (tenant, idempotency key) -> the open it started (its request's digest, and its
+        # record once opened), newest last: a retry whose first answer was lost gets that
+        # one. Agents keep the key with the trajectory, for a scheduler restarted meanwhile.
+        self._opens: OrderedDict[tuple[str, str], tuple[str, asyncio.Future[TrajectoryRecord]]] = (
+            OrderedDict()
+        )
 
     async def open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
         if req.idempotency_key is None:
@@ -50,9 +52,7 @@ class Trajectories:
         if known is not None:
             return await self._again(tenant, req, *known)
         opening: asyncio.Future[TrajectoryRecord] = asyncio.get_running_loop().create_future()
-        self._opens[tenant_key] = (req, opening)
-        while len(self._opens) > MAX_OPEN_KEYS:
-            self._opens.popitem(last=False)
+        self._remember(tenant_key, req.digest(), opening)
         try:
             rec = await self._open(tenant, req)
         except BaseException as e:
@@ -68,20 +68,36 @@ class Trajectories:
         opening.set_result(rec)
         return rec
 
+    def _remember(
+        self, tenant_key: tuple[str, str], digest: str, opening: asyncio.Future[TrajectoryRecord]
+    ) -> None:
+        self._opens[tenant_key] = (digest, opening)
+        while len(self._opens) > MAX_OPEN_KEYS:
+            self._opens.popitem(last=False)
+
+    def taken_back(self, rec: TrajectoryRecord) -> None:
+        """A trajectory an agent handed back after a restart: its open's retry gets it."""
+        if rec.open_key is None or (rec.tenant, rec.open_key[0]) in self._opens:
+            return
+        opened: asyncio.Future[TrajectoryRecord] = asyncio.get_running_loop().create_future()
+        opened.set_result(rec)
+        self._remember((rec.tenant, rec.open_key[0]), rec.open_key[1], opened)
+
     async def _again(
         self,
         tenant: str,
         req: OpenTrajectory,
-        first: OpenTrajectory,
+        digest: str,
         opening: asyncio.Future[TrajectoryRecord],
     ) -> TrajectoryRecord:
         """A retry of an open: what the first try opened, once it has."""
-        if req != first:
+        if req.digest() != digest:
+            first = f" (trajectory {opening.result().id})" if opening.done() else ""
             raise EngineError(
                 "conflict",
                 "idempotency_key",
-                f"{req.idempotency_key} was used for another open (env {first.env}, "
-                f"id {first.id or 'chosen by the server'})",
+                f"{req.idempotency_key} was used for another open{first}: a retry repeats "
+                "its request",
             )
         rec = await asyncio.shield(opening)
         if self.s.named.get((tenant, rec.id)) is not rec:
@@ -131,10 +147,16 @@ class Trajectories:
             )
         s.core.place_trajectory(key, node)
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
+        if req.idempotency_key is not None:
+            rec.open_key = (req.idempotency_key, req.digest())
         made = rec.opening = asyncio.get_running_loop().create_future()
         s.add_trajectory(rec)
+        link = s.hub.links.get(node)  # (none: the ask below fails as it should)
+        keeps_key = link is not None and OPEN_KEYS_FEATURE in link.hello.features
         try:
-            reply = await s.ask(node, AgentOpen(trajectory=key, env=env.spec, meta=rec.meta()))
+            reply = await s.ask(
+                node, AgentOpen(trajectory=key, env=env.spec, meta=rec.meta(keeps_key))
+            )
         except BaseException:
             made.set_result(False)  # (the agent may have made it: its return hands it back)
             if rec.state not in _ENDING:  # (its agent gone meanwhile: AWAY) a close forgets
