@@ -367,6 +367,51 @@ def test_a_call_that_joins_during_the_restore_waits_for_it(tmp_path: Path) -> No
     assert done["first"][0] + done["joiner"][0] == pytest.approx(alone, rel=1e-5)
 
 
+def test_a_restore_ahead_while_a_call_restores_finds_that_memory_taken(tmp_path: Path) -> None:
+    """A call's restore takes its memory when it plans, as a restore ahead does: a restore
+    ahead meanwhile cannot plan on it (two 6 MB instances on a 10 MB GPU)."""
+    w = _worker(devices=1)
+    for name in ("a", "b"):
+        w.load(_spec(tmp_path, name, mb=6))
+    restore, gate, restoring = w._restore, threading.Event(), threading.Event()
+
+    def gated(service: Any, index: int) -> Any:
+        restoring.set()
+        gate.wait(30)
+        return restore(service, index)
+
+    w._restore = gated  # type: ignore[method-assign]
+    done: dict[str, Any] = {}
+    call = threading.Thread(target=lambda: done.update(a=w.call("a", [0], INPUTS)), daemon=True)
+    try:
+        call.start()
+        assert restoring.wait(30)
+        with pytest.raises(BusyError, match="held by running calls"):
+            w.restore_ahead("b", [0])
+    finally:
+        gate.set()
+        call.join(30)
+    assert len(done["a"][0]) == len(INPUTS) and w.resident_instances() == [("a", [0])]
+    assert w.residency.used(0) <= w.residency.capacity[0]
+
+
+def test_a_calls_failed_restore_leaves_nothing_resident(tmp_path: Path) -> None:
+    w = _worker(devices=1)
+    w.load(_spec(tmp_path, "a"))
+    restore = w._restore
+
+    def broken(service: Any, index: int) -> Any:
+        raise RuntimeError("copy failed")
+
+    w._restore = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="copy failed"):
+        w.call("a", [0], INPUTS)
+    assert w.resident_instances() == [] and not w._running and not w._calls
+    w._restore = restore  # type: ignore[method-assign]
+    out, stats = w.call("a", [0], INPUTS)
+    assert len(out) == len(INPUTS) and not stats.hit
+
+
 def test_a_restore_ahead_makes_the_next_call_a_hit(tmp_path: Path) -> None:
     w = _worker(devices=2)
     w.load(_spec(tmp_path, "a"))

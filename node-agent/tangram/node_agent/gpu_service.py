@@ -252,8 +252,11 @@ async def _in_thread(service: str, work: Callable[[], T]) -> T:
     try:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await running
+        while not running.done():  # (a second cancel, a repeated AgentCancel, waits too)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait((running,))
+        if not running.cancelled():
+            running.exception()  # (its error, if any, is no one's now)
         raise
     except Exception as e:
         raise ExecError(f"service {service}: {e}") from None

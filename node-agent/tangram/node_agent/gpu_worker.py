@@ -318,19 +318,19 @@ class GpuWorker:
             # Ours from here (with any calls that join): no other instance plans on them.
             self._calls[key] = self._calls.get(key, 0) + 1
             self._running.update(dict.fromkeys(chunk, key))
-            if plan.hit:
+            if not plan.hit:
+                # Its memory is taken now and pinned while copied, as a restore ahead's:
+                # nothing else (a restore ahead among them) plans on it meanwhile.
+                self.residency.admit(key, service.bytes_per_device)
+            else:
                 self.hits += 1
-                self.residency.acquire(key)
                 resident = self.instances[key]
-        acquired = plan.hit
+            self.residency.acquire(key)
         try:
             if not plan.hit:  # outside the lock: calls on other chunks go on meanwhile
                 resident = self._copy(service, chunk, stats)
                 with self._lock:
                     self.instances[key] = resident
-                    self.residency.admit(key, service.bytes_per_device)
-                    self.residency.acquire(key)
-                    acquired = True
                     self.restores += 1
                     self._freed.notify_all()  # calls waiting to join it may now
             t0 = self.clock()
@@ -338,11 +338,12 @@ class GpuWorker:
             stats.exec_s = self.clock() - t0
         finally:
             with self._lock:
-                if acquired:
-                    self.residency.release(key)
+                self.residency.release(key)
                 last = self._calls[key] == 1
-                if acquired and last and self.services.get(service_name) is not service:
-                    self._evict(key)  # its service was edited or removed meanwhile
+                if last and (
+                    key not in self.instances or self.services.get(service_name) is not service
+                ):
+                    self._evict(key)  # its restore failed; or its service was edited or removed
                 if last:
                     del self._calls[key]
                     for d in chunk:
