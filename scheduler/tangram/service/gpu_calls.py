@@ -218,6 +218,7 @@ class GpuCalls:
             status = ActionStatus.TIMEOUT
         except EngineError as e:
             error = err("node_lost", e.message, retryable=True)
+            self.outcomes.cut_off(rec)
         now = s.clock()
         call = reply.call if reply is not None else None
         if key is not None and reply is not None:

@@ -17,7 +17,6 @@ from tangram.api.action import ActionSpec
 from tangram.api.reasons import Reason
 from tangram.api.wire import (
     ActionStatus,
-    AgentClose,
     AgentReply,
     AgentWarm,
     ExecRequest,
@@ -64,11 +63,16 @@ class Membership:
         if hello.gpu is not None:
             self.gpu.join(hello.node, hello.gpu)
         stale = [m.id for m in hello.trajectories if not self._take_back(m, hello.node)]
-        self.trajectories.closed_away.pop(hello.node, None)  # not handed back: gone
+        # What it did not hand back is gone; what it did and nobody answers for is to close
+        # until it says it closed it (its link may drop first: its next hello lists it).
+        if stale:
+            self.trajectories.to_close[hello.node] = set(stale)
+        else:
+            self.trajectories.to_close.pop(hello.node, None)
         adopted = sum(self._adopt_running(r, hello.node) for r in hello.running)
         adopted += self.gpu.adopt(hello.node, hello.calls)
         for tid in stale:  # environments nobody can use any more: lost before, or unknown
-            s.background(s.ask(hello.node, AgentClose(trajectory=tid)))
+            s.background(self.trajectories.close_on(hello.node, tid))
         for env in s.config.envs.values():
             if env.spec.warm:
                 s.background(s.ask(hello.node, AgentWarm(env=env.spec)))
@@ -88,9 +92,7 @@ class Membership:
         """A trajectory an agent holds: this scheduler's (a reconnect), or one a previous
         scheduler opened (a restart). False when its environment should go."""
         s = self.s
-        closed = self.trajectories.closed_away.get(node, set())
-        if meta.id in closed:
-            closed.discard(meta.id)
+        if meta.id in self.trajectories.to_close.get(node, ()):
             return False
         rec = s.trajectories.get(meta.id)
         if rec is not None:
@@ -203,11 +205,8 @@ class Membership:
             if rec is not None:
                 if rec.task is not None:
                     rec.task.cancel()
-                if rec.key is not None and rec.kind in ("exec", "service"):
-                    # Its outcome is its agent's to tell: a retry of the key goes to the
-                    # agent (a replay, a first run, or "unknown"), not to a kept node_lost;
-                    # a run the agent still holds is adopted when it is back.
-                    s.idempotent.forget(rec.tenant, rec.key, rec)
+                if rec.kind in ("exec", "service"):
+                    self.outcomes.cut_off(rec)
                 self.outcomes.finish(rec, ActionStatus.ERROR, error=lost)
         # Its adopted runs end here too, those whose units already came back included (their
         # trajectory ended first); back, its hello lists those still running.

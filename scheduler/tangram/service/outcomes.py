@@ -125,6 +125,13 @@ class Outcomes:
             rec.done.set_result(result)
             self.ended(rec, result)
 
+    def cut_off(self, rec: ActionRecord) -> None:
+        """A keyed exec or service call whose link to its agent failed: its outcome is the
+        agent's to tell, so a retry of its key goes to the agent (a replay, a first run, or
+        "unknown"; a run it still holds is adopted on its return), not to a kept node_lost."""
+        if rec.key is not None:
+            self.s.idempotent.forget(rec.tenant, rec.key, rec)
+
     def ended(self, rec: ActionRecord, result: ActionResult) -> None:
         """Count it, keep the answer for its key's retries, log it."""
         s = self.s

@@ -167,6 +167,7 @@ class Rounds:
             status = ActionStatus.CANCELLED
         except EngineError as e:
             error = err("node_lost", e.message, retryable=True)
+            self.outcomes.cut_off(rec)
         if key is not None and reply is not None:
             s.cancelled_keys.pop(key, None)  # its run ended: a cancel of it is moot
         out = reply.result if reply is not None else None

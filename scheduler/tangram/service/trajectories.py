@@ -34,9 +34,15 @@ class Trajectories:
     def __init__(self, state: PoolState, outcomes: Outcomes) -> None:
         self.s = state
         self.outcomes = outcomes
-        # Trajectories closed while their agent was away: their environments may still
-        # live, and the agent hands them back on its return; they are closed, not revived.
-        self.closed_away: dict[str, set[str]] = {}  # node -> trajectory ids
+        # node -> keys of environments its agent may still hold that nothing here answers
+        # for: closed while their agent was away or with the close cut off, opens whose
+        # answer was lost, stale ones it handed back. Handed back, they are closed, not
+        # revived; each is kept until an AgentClose of it answers ok, or a hello of its
+        # agent does not list it (gone).
+        self.to_close: dict[str, set[str]] = {}
+        # (tenant, id) -> trajectories closed lately: a retried close whose first answer
+        # was lost gets the closed one, not a 404.
+        self._closed: OrderedDict[tuple[str, str], TrajectoryRecord] = OrderedDict()
         # (tenant, idempotency key) -> the open it started (its request's digest, and its
         # record once opened), newest last: a retry whose first answer was lost gets that
         # one. Agents keep the key with the trajectory, for a scheduler restarted meanwhile.
@@ -122,7 +128,7 @@ class Trajectories:
                 "not_found", "env", f"unknown TrajectoryEnv {req.env!r} (known: {known})"
             )
         limit = s.config.limits(tenant).max_trajectories
-        if limit is not None and sum(t.tenant == tenant for t in s.trajectories.values()) >= limit:
+        if limit is not None and self._held(tenant) >= limit:
             raise EngineError(
                 "overloaded",
                 "trajectory",
@@ -158,7 +164,8 @@ class Trajectories:
                 node, AgentOpen(trajectory=key, env=env.spec, meta=rec.meta(keeps_key))
             )
         except BaseException:
-            made.set_result(False)  # (the agent may have made it: its return hands it back)
+            made.set_result(False)
+            self.close_later(node, key)  # the agent may have made it: closed on its return
             if rec.state not in _ENDING:  # (its agent gone meanwhile: AWAY) a close forgets
                 self.forget(rec)  # it itself
             raise
@@ -198,7 +205,7 @@ class Trajectories:
         while (
             key in s.trajectories
             or key in s.core.trajectories
-            or any(key in keys for keys in self.closed_away.values())
+            or any(key in keys for keys in self.to_close.values())
         ):
             key = f"{tid[:119]}.{secrets.token_hex(4)}"  # still an id: ≤ 128, [A-Za-z0-9_.-]
         return key
@@ -211,7 +218,13 @@ class Trajectories:
 
     async def close(self, tenant: str, tid: str) -> TrajectoryRecord:
         s = self.s
-        rec = s.trajectory(tenant, tid)
+        try:
+            rec = s.trajectory(tenant, tid)
+        except EngineError as e:
+            recent = self._closed.get((tenant, tid))
+            if e.kind != "not_found" or recent is None:
+                raise
+            return recent  # a retry of a close whose answer was lost
         if rec.state in (TrajectoryState.CLOSED, TrajectoryState.CLOSING):
             return rec
         had_environment = rec.state is TrajectoryState.OPEN
@@ -223,16 +236,47 @@ class Trajectories:
         if rec.opening is not None:  # its agent is still making it: close what it makes
             had_environment = await asyncio.shield(rec.opening)
         if had_environment and rec.node in s.hub.links:
-            with contextlib.suppress(EngineError):
-                await s.ask(rec.node, AgentClose(trajectory=rec.key))
+            if not await self.close_on(rec.node, rec.key):
+                self.close_later(rec.node, rec.key)  # cut off or refused: told again on return
         elif rec.node is not None and rec.node not in s.hub.links:
             # Its agent is away: when it comes back it is told to close it, not asked
             # to hand it back.
-            self.closed_away.setdefault(rec.node, set()).add(rec.key)
+            self.close_later(rec.node, rec.key)
         self.forget(rec)
         rec.state = TrajectoryState.CLOSED
+        self._closed[(tenant, tid)] = rec
+        while len(self._closed) > MAX_OPEN_KEYS:
+            self._closed.popitem(last=False)
         log.info("trajectory closed", extra={"trajectory": rec.key, "actions": rec.actions})
         return rec
+
+    def _held(self, tenant: str) -> int:
+        """The tenant's trajectories that count against its maxTrajectories: a lost one
+        holds no environment, and answers only to be closed."""
+        return sum(
+            t.tenant == tenant and t.state is not TrajectoryState.LOST
+            for t in self.s.trajectories.values()
+        )
+
+    def close_later(self, node: str, key: str) -> None:
+        """``key``'s environment on ``node`` goes when its agent can be told (its hello)."""
+        self.to_close.setdefault(node, set()).add(key)
+
+    async def close_on(self, node: str, key: str) -> bool:
+        """Ask ``node``'s agent to close ``key``'s environment; whether it said it did (it
+        is then no longer one to close)."""
+        try:
+            reply = await self.s.ask(node, AgentClose(trajectory=key))
+        except EngineError:
+            return False  # its link went
+        if not reply.ok:
+            log.warning("node %s did not close trajectory %s: %s", node, key, reply.error)
+            return False
+        keys = self.to_close.get(node, set())
+        keys.discard(key)
+        if not keys:
+            self.to_close.pop(node, None)
+        return True
 
     def forget(self, rec: TrajectoryRecord) -> None:
         """Drop a trajectory from the engine and the core."""
