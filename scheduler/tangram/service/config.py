@@ -28,6 +28,7 @@ class EnvConfig:
     spec: EnvSpec  # what the agent builds the environment from
     cpu: Demand = field(default_factory=lambda: RangeDemand(min=1, max=1))  # per action default
     profiles: dict[str, ActionProfile] = field(default_factory=dict)
+    idle_timeout_s: float | None = None  # a trajectory idle this long is closed (None: never)
 
 
 @dataclass(frozen=True, slots=True)

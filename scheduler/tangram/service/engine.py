@@ -175,6 +175,7 @@ class Engine:
         self._tasks = [
             asyncio.create_task(self.rounds.run(), name="rounds"),
             asyncio.create_task(self.hub.watch(), name="heartbeats"),
+            asyncio.create_task(self.lifecycle.close_idle_forever(), name="idle trajectories"),
         ]
         if self._learned is not None:
             saving = self._save_learned_every(self._learned[1])

@@ -152,6 +152,7 @@ def env_config(env: TrajectoryEnv, pool: str) -> EnvConfig:
         ),
         cpu=s.cpu,
         profiles=profiles,
+        idle_timeout_s=s.idle_timeout_seconds,
     )
 
 

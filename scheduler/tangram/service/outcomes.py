@@ -120,6 +120,7 @@ class Outcomes:
         self.s.actions.pop(rec.id, None)
         if rec.trajectory is not None and (traj := self.s.trajectories.get(rec.trajectory)):
             traj.running.discard(rec.id)
+            traj.active_at = self.s.clock()
         if not rec.done.done():
             result = self.result(rec, status, **details)
             rec.done.set_result(result)

@@ -67,6 +67,9 @@ class TrajectoryRecord:
     running: set[str] = field(default_factory=set)
     ended: str = ""  # why it is lost
     away_since: float = 0.0  # engine clock when its agent last left (AWAY)
+    # Engine clock when it was last in use: opened or taken back, an action or a files
+    # request asked, an action ended (its env's idle timeout counts from there).
+    active_at: float = 0.0
     # What the core and the agent know it by, unique in the pool: its id, unless another
     # tenant held that id when it opened.
     key: str = ""

@@ -43,6 +43,7 @@ from tangram.service.records import (
 
 log = logging.getLogger("tangram.service")
 MAX_CANCELLED_KEYS = 10_000  # cancels remembered for runs their agents may still hold
+MAX_CLOSED = 4096  # closed trajectories remembered: a retried close comes within seconds
 
 
 class PoolState:
@@ -64,6 +65,9 @@ class PoolState:
         self.wall = wall  # unix seconds: what users read (a trajectory's opening)
         self.trajectories: dict[str, TrajectoryRecord] = {}  # by key
         self.named: dict[tuple[str, str], TrajectoryRecord] = {}  # by (tenant, id)
+        # Closed lately, by (tenant, id), newest last: a retried close whose answer was
+        # lost gets the closed one, and a late request learns why it is gone.
+        self.closed: OrderedDict[tuple[str, str], TrajectoryRecord] = OrderedDict()
         self.actions: dict[str, ActionRecord] = {}
         self.idempotent: KeyMemory[ActionRecord] = KeyMemory()
         # Runs an agent still held when it (re)joined, by (node, agent key): their unasked
@@ -98,12 +102,20 @@ class PoolState:
                 "are still reconnecting; retry",
             )
         if rec is None:  # another tenant's trajectory of that id is not this tenant's
-            raise EngineError("not_found", "trajectory", f"{tid} does not exist")
+            recent = self.closed.get((tenant, tid))
+            why = f" (closed: {recent.ended})" if recent is not None and recent.ended else ""
+            raise EngineError("not_found", "trajectory", f"{tid} does not exist{why}")
         return rec
 
     def add_trajectory(self, rec: TrajectoryRecord) -> None:
         self.trajectories[rec.key] = rec
         self.named[(rec.tenant, rec.id)] = rec
+        rec.active_at = self.clock()
+
+    def was_closed(self, rec: TrajectoryRecord) -> None:
+        self.closed[(rec.tenant, rec.id)] = rec
+        while len(self.closed) > MAX_CLOSED:
+            self.closed.popitem(last=False)
 
     def drop_trajectory(self, rec: TrajectoryRecord) -> None:
         self.trajectories.pop(rec.key, None)
@@ -122,6 +134,7 @@ class PoolState:
         if traj.state is not TrajectoryState.OPEN:
             why = f": {traj.ended}" if traj.ended else ""
             raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}{why}")
+        traj.active_at = self.clock()
         return traj
 
     def admitting(self, tenant: str, extra: int = 1) -> None:

@@ -27,6 +27,7 @@ log = logging.getLogger("tangram.service")
 
 # Opens remembered by idempotency key: a retry comes within seconds of its first try.
 MAX_OPEN_KEYS = 4096
+IDLE_CHECK_S = 5.0  # how often idle trajectories are looked for (idleTimeoutSeconds)
 _ENDING = (TrajectoryState.CLOSING, TrajectoryState.CLOSED)
 
 
@@ -40,9 +41,6 @@ class Trajectories:
         # revived; each is kept until an AgentClose of it answers ok, or a hello of its
         # agent does not list it (gone).
         self.to_close: dict[str, set[str]] = {}
-        # (tenant, id) -> trajectories closed lately: a retried close whose first answer
-        # was lost gets the closed one, not a 404.
-        self._closed: OrderedDict[tuple[str, str], TrajectoryRecord] = OrderedDict()
         # (tenant, idempotency key) -> the open it started (its request's digest, and its
         # record once opened), newest last: a retry whose first answer was lost gets that
         # one. Agents keep the key with the trajectory, for a scheduler restarted meanwhile.
@@ -221,7 +219,7 @@ class Trajectories:
         try:
             rec = s.trajectory(tenant, tid)
         except EngineError as e:
-            recent = self._closed.get((tenant, tid))
+            recent = s.closed.get((tenant, tid))
             if e.kind != "not_found" or recent is None:
                 raise
             return recent  # a retry of a close whose answer was lost
@@ -244,11 +242,38 @@ class Trajectories:
             self.close_later(rec.node, rec.key)
         self.forget(rec)
         rec.state = TrajectoryState.CLOSED
-        self._closed[(tenant, tid)] = rec
-        while len(self._closed) > MAX_OPEN_KEYS:
-            self._closed.popitem(last=False)
+        s.was_closed(rec)
         log.info("trajectory closed", extra={"trajectory": rec.key, "actions": rec.actions})
         return rec
+
+    def idle(self, now: float) -> list[TrajectoryRecord]:
+        """Open trajectories whose env's ``idleTimeoutSeconds`` passed since they were
+        last in use, with nothing queued or running."""
+        s = self.s
+        if not any(e.idle_timeout_s for e in s.config.envs.values()):
+            return []
+        busy = {a.trajectory for a in s.actions.values()}
+        return [
+            t
+            for t in s.trajectories.values()
+            if t.state is TrajectoryState.OPEN
+            and t.opening is None
+            and t.key not in busy
+            and (limit := s.env_of(t).idle_timeout_s) is not None
+            and now - t.active_at >= limit
+        ]
+
+    async def close_idle_forever(self, every_s: float = IDLE_CHECK_S) -> None:
+        """Close idle trajectories (``idle``): a rollout worker that died never closes
+        its own, and its environment would hold the node's memory for good."""
+        while True:
+            await asyncio.sleep(every_s)
+            now = self.s.clock()
+            for rec in self.idle(now):
+                limit = self.s.env_of(rec).idle_timeout_s
+                rec.ended = f"idle for {limit:g} s (TrajectoryEnv {rec.env} idleTimeoutSeconds)"
+                log.info("trajectory %s closed: %s", rec.key, rec.ended)
+                self.s.background(self.close(rec.tenant, rec.id))
 
     def _held(self, tenant: str) -> int:
         """The tenant's trajectories that count against its maxTrajectories: a lost one

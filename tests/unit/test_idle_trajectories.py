@@ -1,0 +1,109 @@
+"""A TrajectoryEnv's idleTimeoutSeconds: a trajectory nothing used for that long is closed
+(a rollout worker that died never closes its own), and one in use never is."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tangram.api.resources import TrajectoryEnv
+from tangram.api.wire import (
+    AgentReply,
+    EnvSpec,
+    ExecOutcome,
+    ExecRequest,
+    OpenTrajectory,
+)
+from tangram.service.config import EnvConfig
+from tangram.service.engine import Engine
+from tangram.service.from_resources import env_config
+from tangram.service.records import EngineError
+from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, run
+
+IDLE = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=1.0), idle_timeout_s=60.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _idle(engine: Engine, clock: Clock) -> list[str]:
+    return [t.id for t in engine.lifecycle.idle(clock())]
+
+
+def test_a_trajectory_idle_past_its_envs_timeout_is_closed_and_says_why() -> None:
+    clock = Clock()
+
+    async def scenario(engine: Engine) -> None:
+        agent = Agent(hello())
+        await connect(engine, agent)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        clock.now += 59.9
+        assert _idle(engine, clock) == []
+        clock.now += 0.1
+        assert _idle(engine, clock) == ["t1"]
+        closing = asyncio.ensure_future(engine.lifecycle.close_idle_forever(every_s=0.001))
+        while ("u", "t1") in engine.state.named:
+            await asyncio.sleep(0.001)
+        closing.cancel()
+        assert [m["trajectory"] for m in agent.ops("close")] == ["t1"]
+        with pytest.raises(EngineError, match=r"closed: idle for 60 s .* idleTimeoutSeconds"):
+            engine.trajectory("u", "t1")
+
+    run(scenario, env=IDLE, clock=clock)
+
+
+def test_a_trajectory_in_use_is_not_idle() -> None:
+    """A running action keeps it open however long it runs; its end, and any request of
+    the trajectory (an action, a files request), start the idle time again."""
+    clock = Clock()
+
+    async def scenario(engine: Engine) -> None:
+        agent = Agent(hello(), lambda m: None if m["op"] == "exec" else answer_all(m))
+        await connect(engine, agent)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        running = engine.submit_exec("u", "t1", ExecRequest(argv=["make", "test"]))
+        while not agent.ops("exec"):
+            await asyncio.sleep(0)
+        clock.now += 600
+        assert _idle(engine, clock) == []  # its action runs
+        result = ExecOutcome(exit_code=0, stdout="", stderr="", timed_out=False,
+                             stdout_truncated=False, stderr_truncated=False, setup_s=0.0,
+                             exec_s=600.0, teardown_s=0.0, path="fast")  # fmt: skip
+        agent.push(AgentReply(rid=agent.ops("exec")[0]["rid"], ok=True, result=result))
+        await running.done
+        clock.now += 59
+        assert _idle(engine, clock) == []  # counted from the action's end
+        engine.state.usable("u", "t1")  # a files request, say
+        clock.now += 59
+        assert _idle(engine, clock) == []
+        clock.now += 1
+        assert _idle(engine, clock) == ["t1"]
+
+    run(scenario, env=IDLE, clock=clock)
+
+
+def test_an_env_without_a_timeout_keeps_its_trajectories() -> None:
+    clock = Clock()
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        clock.now += 1e6
+        assert _idle(engine, clock) == []
+
+    run(scenario, clock=clock)
+
+
+def test_the_timeout_comes_from_the_trajectory_env() -> None:
+    spec = {"poolRef": "p", "image": "i", "idleTimeoutSeconds": 600}
+    env = TrajectoryEnv.model_validate({
+        "apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+        "metadata": {"name": "e"}, "spec": spec,
+    })  # fmt: skip
+    assert env_config(env, "p").idle_timeout_s == 600
