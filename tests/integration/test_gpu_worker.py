@@ -332,19 +332,29 @@ def test_calls_of_one_instance_run_together_and_another_instance_waits(tmp_path:
     assert done["other"][1].evicted == [] and not w._running
 
 
+def _gate_restores(
+    w: GpuWorker, only: str | None = None
+) -> tuple[threading.Event, threading.Event]:
+    """Hold the worker's restores (of service ``only``, or every one) until the first
+    event is set; the second is set once one is held."""
+    restore, gate, restoring = w._restore, threading.Event(), threading.Event()
+
+    def gated(service: Any, index: int) -> Any:
+        if only is None or service.spec.name == only:
+            restoring.set()
+            gate.wait(30)
+        return restore(service, index)
+
+    w._restore = gated  # type: ignore[method-assign]
+    return gate, restoring
+
+
 def test_a_call_that_joins_during_the_restore_waits_for_it(tmp_path: Path) -> None:
     """The scheduler lets a call join an instance whose first call is still restoring it:
     the worker runs it once the instance is resident, without a second restore."""
     w = _worker(devices=2)
     w.load(_spec(tmp_path, "a"))
-    restore, gate, restoring = w._restore, threading.Event(), threading.Event()
-
-    def gated(service: Any, index: int) -> Any:
-        restoring.set()
-        gate.wait(30)
-        return restore(service, index)
-
-    w._restore = gated  # type: ignore[method-assign]
+    gate, restoring = _gate_restores(w)
     done: dict[str, Any] = {}
 
     def call(label: str, inputs: list[Any]) -> None:
@@ -373,14 +383,7 @@ def test_a_restore_ahead_while_a_call_restores_finds_that_memory_taken(tmp_path:
     w = _worker(devices=1)
     for name in ("a", "b"):
         w.load(_spec(tmp_path, name, mb=6))
-    restore, gate, restoring = w._restore, threading.Event(), threading.Event()
-
-    def gated(service: Any, index: int) -> Any:
-        restoring.set()
-        gate.wait(30)
-        return restore(service, index)
-
-    w._restore = gated  # type: ignore[method-assign]
+    gate, restoring = _gate_restores(w)
     done: dict[str, Any] = {}
     call = threading.Thread(target=lambda: done.update(a=w.call("a", [0], INPUTS)), daemon=True)
     try:
@@ -441,15 +444,7 @@ def test_calls_of_other_instances_run_during_a_restore_ahead_and_its_own_wait(
     w = _worker(devices=1)
     for name in ("a", "b"):
         w.load(_spec(tmp_path, name))
-    restore, gate, restoring = w._restore, threading.Event(), threading.Event()
-
-    def gated(service: Any, index: int) -> Any:
-        if service.spec.name == "b":
-            restoring.set()
-            gate.wait(30)
-        return restore(service, index)
-
-    w._restore = gated  # type: ignore[method-assign]
+    gate, restoring = _gate_restores(w, only="b")
     done: dict[str, Any] = {}
 
     def run(label: str, work: Any) -> None:
