@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tangram.cli import seed_runs
 from tangram.cli.bench import run_round_bench
 from tangram.cli.main import main
 
@@ -457,3 +458,58 @@ def test_explain_replays_shortest_remainings_ageing_by_the_recent_wait(
     path.write_text(json.dumps({**state, "recent_wait_s": -1}))
     code, _, err = _run(capsys, "explain", str(path))
     assert code == 2 and "recent_wait_s" in err
+
+
+def _small_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, Path]:
+    trace, cluster = tmp_path / "t.jsonl", tmp_path / "c.yaml"
+    code, _, _ = _run(
+        capsys, "trace", "generate", "--scenario", "coding", "--trajectories", "2",
+        "-o", str(trace), "--cluster-out", str(cluster),
+    )  # fmt: skip
+    assert code == 0
+    return trace, cluster
+
+
+def test_bench_checks_its_output_paths_before_replaying(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace, cluster = _small_replay(tmp_path, capsys)
+
+    def no_replay(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("replayed before the output paths were checked")
+
+    monkeypatch.setattr("tangram.cli.bench.replay_all", no_replay)
+    monkeypatch.setattr("tangram.cli.bench_seeds.run_jobs", no_replay)
+    argv = ["bench", "--trace", str(trace), "--cluster", str(cluster)]
+    code, _, err = _run(capsys, *argv, "--plot", str(tmp_path / "act.txt"))
+    assert code == 2 and "tangram: error: --plot:" in err and ".png" in err
+    (tmp_path / "r.md").mkdir()  # where the table of --out r.json would go
+    code, _, err = _run(capsys, "bench", "coding-seeds", "--out", str(tmp_path / "r.json"))
+    assert code == 2 and f"--out: cannot write {tmp_path / 'r.md'}" in err
+    code, _, err = _run(capsys, "bench", "coding-seeds", "--out", str(trace / "r.json"))
+    assert code == 2 and "--out: cannot write" in err and "Not a directory" in err
+
+
+def test_a_plot_or_table_failing_at_the_end_warns_and_keeps_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace, cluster = _small_replay(tmp_path, capsys)
+
+    def disk_full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tangram.cli.plots.act_cdf", disk_full)
+    code, out, err = _run(capsys, "bench", "--trace", str(trace), "--cluster", str(cluster),
+                          "--policy", "elastic", "--json")  # fmt: skip
+    assert code == 0 and "warning: --plot" in err and "No space left" in err
+    report = json.loads(out)
+    assert "plot" not in report and report["policies"]["elastic"]["actions"] > 0
+    # The table's path is fine when checked, then cannot be written at the end.
+    monkeypatch.setattr(seed_runs, "check_writable", lambda *a, **k: None, raising=False)
+    out_json = tmp_path / "seeds.json"
+    out_json.with_suffix(".md").mkdir()
+    code, table, err = _run(capsys, "bench", "coding-seeds", "--batches", "8", "--seeds", "0",
+                            "--jobs", "1", "--out", str(out_json))  # fmt: skip
+    assert code == 0 and "warning: --out: cannot write" in err
+    assert json.loads(out_json.read_text())["batches"]["8"]["seeds"]["0"]
+    assert "| 8 | 0 |" in table

@@ -9,7 +9,15 @@ import pytest
 from tangram.api import ClusterSpec, TrajectoryTrace
 from tangram.api.action import ActionKind
 from tangram.api.demand import AmdahlEfficiency
-from tangram.sim.backends import Overheads, SchedulerBackend, _water_fill, speedup
+from tangram.scheduler.core.gpu_pool import Chunk
+from tangram.sim.backends import (
+    Overheads,
+    SchedulerBackend,
+    StaticGpuBackend,
+    _water_fill,
+    speedup,
+)
+from tangram.sim.events import EventLoop
 from tangram.sim.policies import HINT_SIGMA, build, check_policy, simulate
 from tangram.sim.tracegen import generate, scenario_cluster
 
@@ -209,3 +217,131 @@ def test_unmanaged_calls_over_concurrency_wait_at_the_provider_then_time_out() -
     assert not by[0].ok and by[0].attempts == 4
     assert by[0].ended == pytest.approx(5 + 1 + 5 + 2 + 5 + 4 + 5)
     assert by[1].ok and by[1].act_s == pytest.approx(100.0)
+
+
+def _api_call(quotas: dict[str, int]) -> list[dict[str, Any]]:
+    action = {"kind": "api", "api": "search", "quotas": quotas, "t1_s": 10.0}
+    return [{"think_s": 0.0, "action": action}]
+
+
+@pytest.mark.parametrize("policy", ["unmanaged", "elastic"])
+def test_api_calls_hold_the_quota_units_they_ask_under_every_policy(policy: str) -> None:
+    cluster = ClusterSpec.model_validate(
+        {"nodes": [{"name": "n"}], "apis": [{"name": "search", "concurrency": 4}]}
+    )
+    # api: search plus quotas {search: 3} holds 4 units, as the scheduler counts them: the
+    # second call waits for the first, at the provider as at the scheduler.
+    trace = [traj(f"t{i}", _api_call({"search": 3})) for i in range(2)]
+    r = simulate(trace, cluster, policy, overheads=NO_OVERHEAD)
+    assert sorted(rec.ended for rec in r.records) == pytest.approx([10.0, 20.0])
+    assert all(rec.ok for rec in r.records)
+    # 5 units can never start: refused up front, naming the step, whatever the policy.
+    with pytest.raises(ValueError, match=r"trajectory t0, step 0: quotas: 5 units of search"):
+        simulate([traj("t0", _api_call({"search": 4}))], cluster, policy)
+
+
+def _gpu_cluster(nodes: list[dict[str, Any]], service: dict[str, Any]) -> ClusterSpec:
+    return ClusterSpec.model_validate(
+        {"nodes": nodes, "services": [{"name": "rm", "gpu_memory_gb": 40, **service}]}
+    )
+
+
+def _service_call(**demand: Any) -> list[dict[str, Any]]:
+    return [{"action": {"kind": "service", "service": "rm", "t1_s": 8.0, **demand}}]
+
+
+def test_static_gpu_places_each_instance_on_one_node_where_its_memory_fits() -> None:
+    two_nodes = [{"name": "g0", "gpus": 4}, {"name": "g1", "gpus": 4}]
+    with pytest.raises(ValueError, match=r"service rm: .*DoP 8 needs 8 GPUs on one node"):
+        StaticGpuBackend(EventLoop(), _gpu_cluster(two_nodes, {"dop_choices": [8]}), NO_OVERHEAD)
+    big = _gpu_cluster([{"name": "g0", "gpus": 2}], {"gpu_memory_gb": 200, "dop_choices": [1]})
+    with pytest.raises(ValueError, match=r"service rm: .*200 GB per GPU.*gpu_memory_gb"):
+        StaticGpuBackend(EventLoop(), big, NO_OVERHEAD)
+    # Four TP-2 services on two 4-GPU nodes: two on each, none across nodes.
+    four = ClusterSpec.model_validate(
+        {
+            "nodes": two_nodes,
+            "services": [
+                {"name": s, "gpu_memory_gb": 40, "dop_choices": [1, 2, 4]} for s in "abcd"
+            ],
+        }
+    )
+    static = StaticGpuBackend(EventLoop(), four, NO_OVERHEAD)
+    placed = [i.node for insts in static.instances.values() for i in insts]
+    assert all(i.dop == 2 for insts in static.instances.values() for i in insts)
+    assert sorted(placed) == ["g0", "g0", "g1", "g1"]
+
+
+@pytest.mark.parametrize("policy", ["static-gpu", "elastic"])
+def test_a_service_call_no_node_can_hold_is_refused_naming_its_step(policy: str) -> None:
+    # TP 8 over two 4-GPU nodes, or all 400 GB on one 80 GB GPU: neither exists.
+    nodes = [{"name": "g0", "gpus": 4}, {"name": "g1", "gpus": 4}]
+    span = _gpu_cluster(nodes, {"gpu_memory_gb": 400, "dop_choices": [1, 8]})
+    with pytest.raises(ValueError, match=r"trajectory t, step 0: gpu: no DoP in \[1, 8\]"):
+        simulate([traj("t", _service_call())], span, policy)
+    small = _gpu_cluster([{"name": "g0", "gpus": 2}], {"dop_choices": [1, 2]})
+    with pytest.raises(ValueError, match=r"trajectory t, step 0: gpu: \[4\] has none"):
+        simulate([traj("t", _service_call(gpu=4))], small, policy)
+
+
+def test_static_gpu_refuses_a_call_whose_gpu_demand_excludes_its_instances_dop() -> None:
+    cluster = _gpu_cluster([{"name": "g0", "gpus": 2}], {"dop_choices": [1, 2]})
+    # The static deployment runs TP 2; a call that asks for exactly 1 GPU cannot run there.
+    with pytest.raises(ValueError, match=r"trajectory t, step 0: gpu: \[1\] excludes DoP 2"):
+        simulate([traj("t", _service_call(gpu=1))], cluster, "static-gpu")
+    assert simulate([traj("t", _service_call(gpu=2))], cluster, "static-gpu").records[0].units == 2
+
+
+def test_gpu_seconds_count_a_gpu_once_under_overlapping_chunks() -> None:
+    backend = build("elastic", _gpu_cluster([{"name": "g0", "gpus": 2}], {})).routes[
+        ActionKind.SERVICE
+    ]
+    assert isinstance(backend, SchedulerBackend)
+    # A restore ahead on GPU 0 and a DoP-2 call on GPUs 0-1 that starts during it: GPU 0
+    # is held 0-12, GPU 1 5-12.
+    backend._hold_chunk(Chunk("g0", 0, 1), 0.0, 10.0)
+    backend._hold_chunk(Chunk("g0", 0, 2), 5.0, 12.0)
+    backend._hold_chunk(Chunk("g0", 1, 1), 20.0, 21.0)  # after a gap: a period of its own
+    held, _ = backend.finish(21.0)
+    assert held["service"] == pytest.approx(12.0 + 7.0 + 1.0)
+
+
+def test_a_replay_never_holds_more_gpu_seconds_than_its_gpus_times_makespan() -> None:
+    cluster = ClusterSpec.model_validate(
+        {
+            "nodes": [{"name": "g0", "gpus": 2}],
+            "services": [
+                {"name": "A", "gpu_memory_gb": 10, "dop_choices": [1], "restore_s": 10},
+                {"name": "B", "gpu_memory_gb": 10, "dop_choices": [2]},
+                {"name": "C", "gpu_memory_gb": 10, "dop_choices": [1]},
+            ],
+        }
+    )
+
+    def call(service: str, t1: float) -> list[dict[str, Any]]:
+        return [{"action": {"kind": "service", "service": service, "t1_s": t1}}]
+
+    # B's instance is restored ahead on GPUs 0-1 while A's 10 s restore still runs on one.
+    trace = [traj("c", call("C", 3)), traj("a", call("A", 1)), traj("b", call("B", 2), arrival=4)]
+    r = simulate(trace, cluster, "elastic", overheads=NO_OVERHEAD)
+    assert "instances restored ahead: 1" in r.notes
+    assert r.unit_seconds_by["service"] <= 2 * r.makespan_s + 1e-9
+
+
+def test_k8s_static_without_room_for_a_pod_names_the_clusters_cpus() -> None:
+    step = [{"action": {"kind": "api", "api": "search", "t1_s": 1.0}}]
+    gpu_only = ClusterSpec.model_validate(
+        {"nodes": [{"name": "g0", "gpus": 1}], "apis": [{"name": "search", "concurrency": 2}]}
+    )
+    # No exec actions, but k8s-static still starts a pod for the trajectory.
+    with pytest.raises(ValueError, match=r"trajectory t: k8s-static .*no cpus"):
+        simulate([traj("t", step)], gpu_only, "k8s-static")
+    assert simulate([traj("t", step)], gpu_only, "elastic").records[0].ok
+    small = ClusterSpec.model_validate(
+        {
+            "nodes": [{"name": "n", "cpus": 4, "memory_gb": 8}],
+            "apis": [{"name": "search", "concurrency": 2}],
+        }
+    )
+    with pytest.raises(ValueError, match=r"trajectory t: memory_gb 16"):
+        simulate([traj("t", step, memory=16)], small, "k8s-static-dop-2")

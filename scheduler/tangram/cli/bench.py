@@ -14,10 +14,17 @@ from typing import Any
 import numpy as np
 
 from tangram.api.orderings import QuotaWaiting
-from tangram.cli.files import InputError, load_cluster, load_trace_file, whole_number
+from tangram.cli.files import (
+    InputError,
+    check_writable,
+    load_cluster,
+    load_trace_file,
+    whole_number,
+)
 from tangram.cli.progress import bar, note
+from tangram.cli.seed_runs import write_table
 from tangram.scheduler.core.scheduler import SchedulerConfig
-from tangram.sim.policies import check_policy, simulate
+from tangram.sim.policies import build, check_policy, simulate
 from tangram.sim.records import SimResult
 from tangram.sim.roundbench import (
     DEFAULT_CASES,
@@ -223,6 +230,8 @@ _REPORTS = {
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out and args.what not in (None, "paper"):  # checked now, written at the end
+        check_writable(args.out, "--out")
     if args.what == "scheduler":
         report = run_round_bench(progress=not args.json, gc_settings=args.gc)
         _emit(report, args)
@@ -259,9 +268,24 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace_file(args.trace)
     cluster = load_cluster(args.cluster)
     try:
-        check_trace(trace, cluster)
+        check_trace(trace, cluster, policies)
     except ValueError as e:
         raise InputError(f"{args.trace} on {args.cluster}: {e}") from None
+    for p in policies:  # a baseline's deployment that cannot exist, before any replay
+        try:
+            build(p, cluster)
+        except ValueError as e:
+            raise InputError(f"policy {p}: {e}") from None
+    plot = None
+    if not args.no_plot:  # checked before the replays, drawn after them
+        from tangram.cli.plots import check_plot
+
+        plot = args.plot or str(Path(args.trace).with_suffix(".act.png"))
+        try:
+            check_plot(plot)
+        except ValueError as e:
+            raise InputError(f"--plot: {e}") from None
+        check_writable(plot, "--plot", parents=False)
     results = replay_all(trace, cluster, policies, seed=args.seed, depth=args.depth)
     report = {
         "trace": args.trace,
@@ -275,15 +299,15 @@ def run(args: argparse.Namespace) -> int:
         report["avg_act_ratio_vs_elastic"] = {
             p: r.summary()["avg_act_s"] / base if base else None for p, r in results.items()
         }
-    if not args.no_plot:
+    if plot is not None:
         from tangram.cli.plots import act_cdf
 
-        plot = args.plot or str(Path(args.trace).with_suffix(".act.png"))
         try:
             act_cdf(results, plot, title=Path(args.trace).name)
-        except OSError as e:
-            raise InputError(f"--plot: cannot write {plot}: {e.strerror}") from None
-        report["plot"] = plot
+            report["plot"] = plot
+        except (OSError, ValueError) as e:  # the replays' figures stand without it
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            note(f"tangram: warning: --plot: cannot write {plot}: {why}")
     _emit(report, args)
     return 0
 
@@ -367,18 +391,42 @@ def replay_all(
 
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
-    text = json.dumps(report, indent=None if args.json else 2)
+    """Print the report, then write it to ``--out`` and its table beside it: a write that
+    fails however --out was checked before leaves the printed report."""
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _table(report)
+    sys.stdout.flush()
     if args.out and args.what is not None:  # a named benchmark's report (a replay's: stdout)
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         except OSError as e:
-            raise InputError(f"--out: cannot write {args.out}: {e.strerror}") from None
+            raise InputError(
+                f"--out: cannot write {args.out}: {e.strerror} (the report is printed above)"
+            ) from None
         note(f"wrote {args.out}")
-    if args.json:
-        print(text)
-    else:
-        _table(report)
+        table = _markdown(report)
+        if table is not None:
+            write_table(args, table)
+
+
+def _markdown(report: dict[str, Any]) -> str | None:
+    """A ``*-seeds`` report's Markdown tables, as recorded in docs/benchmarks.md."""
+    if "batches" in report:  # bench coding-seeds
+        from tangram.cli.bench_seeds import render
+
+        return render(report)
+    if "mixed" in report:  # bench gpu-seeds
+        from tangram.cli.bench_gpu_seeds import render as render_gpu
+
+        return render_gpu(report)
+    if "deepsearch" in report:  # bench search-seeds
+        from tangram.cli.bench_search_seeds import render as render_search
+
+        return render_search(report)
+    return None
 
 
 def _table(report: dict[str, Any]) -> None:
@@ -390,20 +438,9 @@ def _table(report: dict[str, Any]) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=200)
     if "actions_per_s" in report or "vs_static" in report:
         return  # bench service and gpu-pool printed their lines already
-    if "batches" in report:  # bench coding-seeds: its Markdown table, as recorded in docs
-        from tangram.cli.bench_seeds import render
-
-        print(render(report), end="")
-        return
-    if "mixed" in report:  # bench gpu-seeds: likewise
-        from tangram.cli.bench_gpu_seeds import render as render_gpu
-
-        print(render_gpu(report), end="")
-        return
-    if "deepsearch" in report:  # bench search-seeds: likewise
-        from tangram.cli.bench_search_seeds import render as render_search
-
-        print(render_search(report), end="")
+    markdown = _markdown(report)
+    if markdown is not None:  # the *-seeds benchmarks: their tables, as recorded in docs
+        print(markdown, end="")
         return
     if "restore_fraction" in report:
         t = Table(title=f"restore bandwidth on {report['device']}")

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from tangram.cli.paper import with_gpus
-from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs, write_table
+from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs
 from tangram.sim.policies import simulate
 from tangram.sim.tracegen import generate, scenario_cluster
 
@@ -66,7 +66,6 @@ def run_gpu_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
         "mopd": mopd,
         "mixed": {"batch": mixed_batch, "seeds": mixed},
     }
-    write_table(args, render(report))
     return report
 
 

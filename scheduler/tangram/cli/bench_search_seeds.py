@@ -16,7 +16,7 @@ import argparse
 import time
 from typing import Any
 
-from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs, write_table
+from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs
 from tangram.sim.policies import HINT_SIGMA, simulate
 from tangram.sim.tracegen import generate, scenario_cluster
 
@@ -54,7 +54,6 @@ def run_search_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
             for b in batches
         },
     }
-    write_table(args, render(report))
     return report
 
 

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any
 
-from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs, write_table
+from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.policies import simulate
 from tangram.sim.tracegen import generate, scenario_cluster
@@ -63,7 +63,6 @@ def run_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
         "policies": list(POLICIES),
         "batches": {str(b): _batch(rows[b], seeds) for b in batches},
     }
-    write_table(args, render(report))
     return report
 
 

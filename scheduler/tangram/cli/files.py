@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -61,6 +62,28 @@ def seconds(text: str) -> float:
     if not value >= 0:  # also NaN
         raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
     return value
+
+
+def check_writable(path: str | Path, flag: str, *, parents: bool = True) -> None:
+    """Raise ``InputError`` now, before a long run, if ``path`` could not be written at its
+    end: a folder, under a file, or not writable. ``parents``: the writer creates missing
+    folders (otherwise its folder must exist). Writes nothing."""
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag}: cannot write {p}: Is a directory")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise InputError(f"{flag}: cannot write {p}: Permission denied")
+        return
+    folder = p.parent
+    if not parents and not folder.exists():
+        raise InputError(f"{flag}: cannot write {p}: No such file or directory")
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"{flag}: cannot write {p}: Not a directory ({folder} is a file)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{flag}: cannot write {p}: Permission denied")
 
 
 def _read(path: str | Path, parse: Callable[[TextIO], Any], kind: str) -> Any:

@@ -10,8 +10,20 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from tangram.sim.records import SimResult
+
+
+def check_plot(path: str | Path) -> None:
+    """Raise ``ValueError`` unless ``path`` ends in an image format matplotlib writes."""
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise ValueError(
+            f"{path}: the file name must end in an image format matplotlib writes: "
+            + ", ".join(f".{f}" for f in sorted(formats))
+        )
 
 
 def act_cdf(results: Mapping[str, SimResult], path: str | Path, title: str = "") -> None:

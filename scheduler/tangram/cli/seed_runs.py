@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tangram.cli.files import InputError
+from tangram.cli.files import InputError, check_writable
 from tangram.cli.progress import note
 
 J = TypeVar("J", bound=Hashable)
@@ -35,9 +35,14 @@ def numbers(text: str | None, default: tuple[int, ...], name: str, least: int) -
 
 
 def check_out(args: argparse.Namespace) -> None:
-    """``--out`` names the JSON report; its table goes beside it."""
-    if args.out and Path(args.out).suffix == ".md":
+    """``--out`` names the JSON report; its table goes beside it. Both are checked before
+    any replay, so that a bad path does not throw the replays away."""
+    if not args.out:
+        return
+    if Path(args.out).suffix == ".md":
         raise InputError("--out: the JSON report's path; its table is written beside it as .md")
+    check_writable(args.out, "--out")
+    check_writable(Path(args.out).with_suffix(".md"), "--out")
 
 
 def run_jobs(
@@ -79,7 +84,8 @@ def header(
 
 
 def write_table(args: argparse.Namespace, text: str) -> None:
-    """The report's Markdown beside its JSON (``--out``), when there is one."""
+    """The report's Markdown beside its JSON (``--out``), when there is one. Written after
+    the report: failing here only warns, the report stands (it was printed, and written)."""
     if not args.out:
         return
     table = Path(args.out).with_suffix(".md")
@@ -87,7 +93,7 @@ def write_table(args: argparse.Namespace, text: str) -> None:
         table.parent.mkdir(parents=True, exist_ok=True)
         table.write_text(text, encoding="utf-8")
     except OSError as e:
-        raise InputError(f"--out: cannot write {table}: {e.strerror}") from None
+        note(f"tangram: warning: --out: cannot write {table}: {e.strerror} ({args.out} was)")
 
 
 def header_line(report: dict[str, Any]) -> str:

@@ -14,9 +14,10 @@ from functools import partial
 import numpy as np
 
 from tangram.api.action import ActionKind, ActionSpec
-from tangram.api.cluster import ClusterSpec
+from tangram.api.cluster import ClusterSpec, NodeSpec, ServiceSpec
 from tangram.api.demand import AmdahlEfficiency, Efficiency, allowed_units, duration
 from tangram.api.trace import TrajectoryTrace
+from tangram.scheduler.core.admission import quota_units
 from tangram.scheduler.core.decisions import Ahead
 from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.quota_pool import Quota
@@ -87,7 +88,9 @@ class SchedulerBackend:
         self._dirty = False
         self._wake: set[float] = set()
         self.unit_seconds: dict[str, float] = {}
-        self._chunks: dict[Chunk, tuple[float, float]] = {}  # chunk -> its busy period
+        # (node, GPU) -> the period it is held in, still open to extension: chunks of
+        # different sizes may overlap on a GPU (a restore ahead, a call beside it).
+        self._held: dict[tuple[str, int], tuple[float, float]] = {}
         self._ready: dict[Chunk, float] = {}  # chunk -> when its last restore ends
         self.rounds = 0
         self.restores_ahead = 0
@@ -154,8 +157,8 @@ class SchedulerBackend:
             record.started, record.units, record.overhead_s = now, asg.units, overhead
             kind = spec.kind.value
             if asg.chunk is not None:
-                # A chunk is held from its first call's start to its last call's end,
-                # whoever joined it meanwhile: GPU-seconds count chunks, not calls.
+                # A chunk's GPUs are held from its first call's start to its last call's
+                # end, whoever joined it meanwhile: GPU-seconds count GPUs, not calls.
                 self._hold_chunk(asg.chunk, now, now + took)
             else:
                 self.unit_seconds[kind] = self.unit_seconds.get(kind, 0.0) + asg.units * took
@@ -170,20 +173,21 @@ class SchedulerBackend:
             self.loop.at(result.wake_at, lambda: None)
 
     def _hold_chunk(self, chunk: Chunk, start: float, end: float) -> None:
-        """Count ``chunk`` as held over [start, end], merged with the busy period a call
-        joined (a period is counted once it is over)."""
-        held = self._chunks.get(chunk)
-        if held is not None and held[1] > start:
-            self._chunks[chunk] = (held[0], max(held[1], end))
-            return
-        if held is not None:
-            self._count_chunk(chunk, *held)
-        self._chunks[chunk] = (start, end)
+        """Count each GPU of ``chunk`` as held over [start, end]: the union over whatever
+        holds it, so a GPU-second is counted once. ``start`` never decreases (it is now),
+        so a period that ``start`` is past is closed for good and counted."""
+        for gpu in chunk.gpus:
+            key = (chunk.node, gpu)
+            held = self._held.get(key)
+            if held is not None and held[1] >= start:
+                self._held[key] = (held[0], max(held[1], end))
+                continue
+            if held is not None:
+                self._count(*held)
+            self._held[key] = (start, end)
 
-    def _count_chunk(self, chunk: Chunk, start: float, end: float) -> None:
-        self.unit_seconds["service"] = self.unit_seconds.get("service", 0.0) + chunk.size * (
-            end - start
-        )
+    def _count(self, start: float, end: float) -> None:
+        self.unit_seconds["service"] = self.unit_seconds.get("service", 0.0) + (end - start)
 
     def _ahead_done(self, ahead: Ahead) -> None:
         self.sched.ahead_done(ahead.service, ahead.chunk)
@@ -198,9 +202,9 @@ class SchedulerBackend:
         done(record)
 
     def finish(self, now: float) -> tuple[dict[str, float], list[str]]:
-        for chunk, held in self._chunks.items():
-            self._count_chunk(chunk, *held)
-        self._chunks.clear()
+        for held in self._held.values():
+            self._count(*held)
+        self._held.clear()
         return self.unit_seconds, [
             f"scheduler rounds: {self.rounds}",
             f"instances restored ahead: {self.restores_ahead}",
@@ -383,6 +387,7 @@ class _NoTrajectoryState:
 class _Instance:
     service: str
     dop: int
+    node: str
     in_flight: int = 0
 
 
@@ -390,8 +395,10 @@ class StaticGpuBackend(_NoTrajectoryState):
     """Each reward service on dedicated GPUs, always resident (seed 000 §6.1 MOPD baseline).
 
     The cluster's GPUs are split evenly among the services; each service gets
-    instances of the largest allowed DoP that fits its share (9 services on 40 GPUs:
-    one TP-4 instance each; 1 service: five TP-8 replicas), unless ``dop`` is given.
+    instances of the largest allowed DoP that fits its share and one node, GPUs and
+    memory (9 services on 40 GPUs: one TP-4 instance each; 1 service: five TP-8
+    replicas), unless ``dop`` is given. Each instance lies on one node; a replica that
+    no node has room for is left out, a service that gets none is an error.
     An instance batches like an inference server (SGLang in the paper): up to the
     service's ``max_calls`` calls in flight (``max_batch`` overrides it), each slowed by
     ``ServiceSpec.slowdown(n)`` where n is the number already in flight when it is admitted
@@ -412,28 +419,48 @@ class StaticGpuBackend(_NoTrajectoryState):
         self.overheads = overheads
         self.specs = {s.name: s for s in cluster.services}
         self.max_batch = {s.name: max_batch or s.max_calls for s in cluster.services}
-        total = sum(n.gpus for n in cluster.nodes)
+        nodes = [n for n in cluster.nodes if n.gpus]
         services = cluster.services
         if not services:
             raise ValueError("static-gpu: the cluster defines no services")
-        share = total // len(services)
-        self.instances: dict[str, list[_Instance]] = {}
-        self.queues: dict[str, deque[tuple[ActionRecord, ActionSpec, Done]]] = {}
+        share = sum(n.gpus for n in nodes) // len(services)
+        plans = [(svc, _static_dop(svc, nodes, dop or share, share)) for svc in services]
+        # Each service's first instance, then the replicas, the largest first on each
+        # pass, on the node that fits it most tightly (exact for powers of two).
+        passes = [[(svc, k) for svc, k in plans], []]
+        for svc, k in plans:
+            passes[1] += [(svc, k)] * (max(1, share // k) - 1)
+        free = {n.name: n.gpus for n in nodes}
+        self.instances: dict[str, list[_Instance]] = {s.name: [] for s in services}
+        self.queues: dict[str, deque[tuple[ActionRecord, ActionSpec, Done]]] = {
+            s.name: deque() for s in services
+        }
         self.gpus = 0
-        for svc in services:
-            choices = [k for k in svc.dop_choices if k <= (dop or share)]
-            if not choices:
-                raise ValueError(
-                    f"static-gpu: service {svc.name} gets {share} GPUs, below its DoP choices"
-                )
-            k = choices[-1]
-            count = max(1, share // k)
-            self.instances[svc.name] = [_Instance(svc.name, k) for _ in range(count)]
-            self.queues[svc.name] = deque()
-            self.gpus += k * count
+        for first, batch in enumerate(passes):
+            for svc, k in sorted(batch, key=lambda p: -p[1]):
+                room = [n for n in nodes if free[n.name] >= k and _fits(svc, k, n)]
+                if not room:
+                    if first == 0:
+                        raise ValueError(
+                            f"static-gpu: service {svc.name}: no node has {k} GPUs left for "
+                            f"its DoP-{k} instance (the nodes' gpus are split among "
+                            f"{len(services)} services)"
+                        )
+                    continue
+                node = min(room, key=lambda n: (free[n.name], n.name))
+                free[node.name] -= k
+                self.instances[svc.name].append(_Instance(svc.name, k, node.name))
+                self.gpus += k
 
     def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
         assert spec.service is not None
+        k = self.instances[spec.service][0].dop
+        if spec.gpu is not None and k not in allowed_units(spec.gpu):
+            raise ValueError(
+                f"trajectory {record.trajectory}, step {record.step}: gpu: "
+                f"{list(allowed_units(spec.gpu))} excludes DoP {k}, that of service "
+                f"{spec.service}'s static instances"
+            )
         self.queues[spec.service].append((record, spec, done))
         self._dispatch(spec.service)
 
@@ -470,6 +497,34 @@ class StaticGpuBackend(_NoTrajectoryState):
         ]
 
 
+def _fits(svc: ServiceSpec, k: int, node: NodeSpec) -> bool:
+    """Whether a DoP-``k`` instance of ``svc`` fits ``node``'s GPUs and their memory."""
+    per_gpu = svc.gpu_memory_gb if svc.replicated else svc.gpu_memory_gb / k
+    return node.gpus >= k and node.gpu_memory_gb + 1e-9 >= per_gpu
+
+
+def _static_dop(svc: ServiceSpec, nodes: list[NodeSpec], cap: int, share: int) -> int:
+    """The largest of ``svc``'s DoP choices up to ``cap`` that one node can hold."""
+    choices = [k for k in svc.dop_choices if k <= cap]
+    if not choices:
+        raise ValueError(
+            f"static-gpu: service {svc.name} gets {share} GPUs, below its dop_choices "
+            f"{svc.dop_choices}"
+        )
+    for k in reversed(choices):
+        if any(_fits(svc, k, n) for n in nodes):
+            return k
+    most = max((n.gpus for n in nodes), default=0)
+    why = [
+        f"DoP {k} needs {k} GPUs on one node (the most any has: {most})"
+        if k > most
+        else f"DoP {k} needs {svc.gpu_memory_gb / (1 if svc.replicated else k):g} GB per GPU, "
+        "over its nodes' gpu_memory_gb"
+        for k in choices
+    ]
+    raise ValueError(f"static-gpu: service {svc.name}: no DoP fits one node: {'; '.join(why)}")
+
+
 # --------------------------------------------------------------------------- unmanaged API
 @dataclass(slots=True)
 class _Provider:
@@ -479,12 +534,12 @@ class _Provider:
     timeout_s: float
     waiting: deque[Callable[[], None]] = field(default_factory=deque)
 
-    def rate_ok(self, now: float) -> bool:
-        return self.limits.window_room(now) > 0
+    def rate_ok(self, now: float, n: int) -> bool:
+        return self.limits.window_room(now) >= n
 
-    def full(self) -> bool:
+    def full(self, n: int) -> bool:
         q = self.limits
-        return q.concurrency is not None and q.in_use >= q.concurrency
+        return q.concurrency is not None and q.in_use + n > q.concurrency
 
 
 class UnmanagedApiBackend(_NoTrajectoryState):
@@ -522,22 +577,34 @@ class UnmanagedApiBackend(_NoTrajectoryState):
         record.started = self.loop.now
         self._attempt(record, spec, done, 0)
 
-    def _attempt(self, record: ActionRecord, spec: ActionSpec, done: Done, attempt: int) -> None:
+    def _attempt(
+        self,
+        record: ActionRecord,
+        spec: ActionSpec,
+        done: Done,
+        attempt: int,
+        queued: tuple[_Provider, float] | None = None,
+    ) -> None:
         now = self.loop.now
         record.attempts = attempt + 1
-        names = ([spec.api] if spec.api else []) + list(spec.quotas)
-        providers = [self.providers[n] for n in names]
-        if not all(p.rate_ok(now) for p in providers):
+        # The units the scheduler's quotas would hold for it, per provider.
+        held = [(self.providers[q], n) for q, n in quota_units(spec).items()]
+        if not all(p.rate_ok(now, n) for p, n in held):
             self.loop.at(now + self.reject_s, lambda: self._failed(record, spec, done, attempt))
             return
-        full = [p for p in providers if p.full()]
+        full = [p for p, n in held if p.full(n)]
         if full:
             provider = full[0]
             state = {"served": False}
+            # Woken by this provider without room for all its units, it waits again until
+            # the same deadline (another provider's queue has its own).
+            deadline = now + provider.timeout_s
+            if queued is not None and queued[0] is provider:
+                deadline = queued[1]
 
             def serve() -> None:
                 state["served"] = True
-                self._attempt(record, spec, done, attempt)
+                self._attempt(record, spec, done, attempt, (provider, deadline))
 
             def timeout() -> None:
                 if not state["served"]:
@@ -545,18 +612,19 @@ class UnmanagedApiBackend(_NoTrajectoryState):
                     self._failed(record, spec, done, attempt)
 
             provider.waiting.append(serve)
-            self.loop.at(now + provider.timeout_s, timeout)
+            self.loop.at(deadline, timeout)
             return
-        for p in providers:
-            p.limits.acquire(now, 1)
+        for p, n in held:
+            p.limits.acquire(now, n)
         took = self.overheads.api_s + true_duration(spec, 1)
         self.unit_seconds["api"] = self.unit_seconds.get("api", 0.0) + took
 
         def end() -> None:
-            for p in providers:
-                p.limits.release(1)
-                if p.waiting:
-                    p.waiting.popleft()()
+            for p, n in held:
+                p.limits.release(n)
+                for _ in range(n):  # n units free: up to n waiters may fit now
+                    if p.waiting:
+                        p.waiting.popleft()()
             record.ended = self.loop.now
             record.units = 1
             done(record)

@@ -53,6 +53,7 @@ from tangram.sim.backends import (
 from tangram.sim.engine import Backend, Replay
 from tangram.sim.events import EventLoop
 from tangram.sim.records import SimResult
+from tangram.sim.validate import check_trace
 
 # Elastic policies that differ only in the core price rule (docs/scheduler.md).
 _CORE_PRICE: dict[str, CorePrice] = {
@@ -151,7 +152,9 @@ def simulate(
     overheads: Overheads | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
-    """Replay ``trace`` on ``cluster`` under ``policy``; deterministic for a seed."""
+    """Replay ``trace`` on ``cluster`` under ``policy``; deterministic for a seed. A trace
+    the cluster cannot serve raises ``ValueError`` naming the step (``check_trace``)."""
+    check_trace(trace, cluster, (policy,))
     return build(policy, cluster, seed=seed, config=config, overheads=overheads).run(
         trace, progress
     )

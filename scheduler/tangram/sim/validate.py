@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from tangram.api.action import ActionKind
-from tangram.api.cluster import ClusterSpec
+from tangram.api.action import ActionKind, ActionSpec
+from tangram.api.cluster import ClusterSpec, ServiceSpec
 from tangram.api.demand import allowed_units
 from tangram.api.trace import TrajectoryTrace
+from tangram.scheduler.core.admission import quota_limit, quota_units
+from tangram.scheduler.core.dp import chunk_level
+from tangram.scheduler.core.quota_pool import Quota
 
 
-def check_trace(trace: Sequence[TrajectoryTrace], cluster: ClusterSpec) -> None:
-    """Raise ``ValueError`` naming the trajectory, step and field that the cluster cannot serve."""
-    services = {s.name for s in cluster.services}
-    apis = {a.name for a in cluster.apis}
+def check_trace(
+    trace: Sequence[TrajectoryTrace], cluster: ClusterSpec, policies: Iterable[str] = ()
+) -> None:
+    """Raise ``ValueError`` naming the trajectory, step and field that the cluster cannot
+    serve, under any policy or one of ``policies``."""
+    services = {s.name: s for s in cluster.services}
+    quotas = {
+        a.name: Quota(a.name, a.concurrency, *(a.window() or (None, 1.0))) for a in cluster.apis
+    }
     cpu_nodes = [n for n in cluster.nodes if n.cpus]
     biggest = max((n.cpus for n in cpu_nodes), default=0)
     most_memory = max((n.memory_gb for n in cpu_nodes), default=0.0)
+    # k8s-static opens a pod for every trajectory, whatever its actions.
+    pods = [p for p in policies if p.startswith("k8s-static")]
+    gpu_checked: set[tuple[str, tuple[int, ...]]] = set()
     for t in trace:
-        if any(s.action.kind is ActionKind.EXEC for s in t.steps):
+        if pods or any(s.action.kind is ActionKind.EXEC for s in t.steps):
+            why = f"{pods[0]} runs each trajectory in a pod" if pods else "exec actions"
             if not cpu_nodes:
-                raise ValueError(f"trajectory {t.id}: exec actions, but the cluster has no cpus")
+                raise ValueError(f"trajectory {t.id}: {why}, but the cluster has no cpus")
             if t.memory_gb > most_memory:
                 raise ValueError(
                     f"trajectory {t.id}: memory_gb {t.memory_gb} exceeds every node's memory"
@@ -31,7 +43,49 @@ def check_trace(trace: Sequence[TrajectoryTrace], cluster: ClusterSpec) -> None:
             if a.service is not None and a.service not in services:
                 raise ValueError(f"{where}: service {a.service!r} is not in the cluster")
             for q in ([a.api] if a.api else []) + list(a.quotas):
-                if q not in apis:
+                if q not in quotas:
                     raise ValueError(f"{where}: API quota {q!r} is not in the cluster")
+            for q, n in quota_units(a).items():  # more than a quota ever has: never starts
+                if n > (limit := quota_limit(quotas[q])):
+                    raise ValueError(
+                        f"{where}: quotas: {n} units of {q} exceed its limit of {limit}"
+                    )
             if a.cpu is not None and min(allowed_units(a.cpu)) > biggest:
                 raise ValueError(f"{where}: cpu minimum exceeds the largest node ({biggest})")
+            if a.service is not None:
+                svc = services[a.service]
+                wanted = _gpu_units(a, svc)
+                if (svc.name, wanted) not in gpu_checked:
+                    _check_gpu(svc, wanted, cluster, where)
+                    gpu_checked.add((svc.name, wanted))
+
+
+def _gpu_units(a: ActionSpec, svc: ServiceSpec) -> tuple[int, ...]:
+    return allowed_units(a.gpu) if a.gpu is not None else tuple(svc.dop_choices)
+
+
+def _check_gpu(svc: ServiceSpec, wanted: tuple[int, ...], cluster: ClusterSpec, where: str) -> None:
+    """As the scheduler's admission decides (``GpuPool.fits``): some DoP the call allows is
+    one of the service's choices and an instance at it fits one node's GPUs."""
+    choices = [k for k in wanted if k in svc.dop_choices]
+    if not choices:
+        raise ValueError(
+            f"{where}: gpu: {list(wanted)} has none of service {svc.name}'s dop_choices "
+            f"{svc.dop_choices}"
+        )
+    why = []
+    for k in choices:
+        size = chunk_level(k)
+        per_gpu = svc.gpu_memory_gb if svc.replicated else svc.gpu_memory_gb / size
+        big = [n for n in cluster.nodes if n.gpus >= size]
+        if any(n.gpu_memory_gb + 1e-9 >= per_gpu for n in big):
+            return
+        if big:
+            most = max(n.gpu_memory_gb for n in big)
+            why.append(f"DoP {k} needs {per_gpu:g} GB per GPU (gpu_memory_gb at most {most:g})")
+        else:
+            most_gpus = max((n.gpus for n in cluster.nodes), default=0)
+            why.append(f"DoP {k} needs {size} GPUs on one node (gpus at most {most_gpus})")
+    raise ValueError(
+        f"{where}: gpu: no DoP in {choices} fits service {svc.name} on one node: " + "; ".join(why)
+    )

@@ -18,6 +18,18 @@ from tangram.scheduler.core.resource import GPU, Resource
 from tangram.scheduler.core.sizing import Sizing
 
 
+def quota_units(spec: ActionSpec) -> dict[str, int]:
+    """Units of each API quota ``spec`` holds while it runs, its ``api`` first: one of its
+    ``api`` (on top of any ``quotas`` of that name), and its ``quotas``."""
+    held = {spec.api: spec.quotas.get(spec.api, 0) + 1} if spec.api is not None else {}
+    return held | {q: n for q, n in spec.quotas.items() if q != spec.api}
+
+
+def quota_limit(quota: Quota) -> int:
+    """The most units of ``quota`` one action may ever hold at once."""
+    return min(x for x in (quota.concurrency, quota.per_period, 1 << 30) if x is not None)
+
+
 def resolve(
     spec: ActionSpec,
     *,
@@ -39,8 +51,7 @@ def resolve(
     cpu: tuple[int, ...] = ()
     gpus: tuple[int, ...] = ()
     profile = Profile(spec.t1_s, spec.efficiency) if spec.t1_s is not None else None
-    held = dict(spec.quotas)
-    for q in held:
+    for q in spec.quotas:
         if q not in quotas:
             raise SchedulingError("quotas", f"unknown API quota {q!r}")
     if spec.kind is ActionKind.EXEC:
@@ -69,10 +80,9 @@ def resolve(
         assert spec.api is not None
         if spec.api not in quotas:
             raise SchedulingError("api", f"unknown API quota {spec.api!r}")
-        held[spec.api] = held.get(spec.api, 0) + 1
+    held = quota_units(spec)
     for q, n in held.items():
-        quota = quotas[q]
-        limit = min(x for x in (quota.concurrency, quota.per_period, 1 << 30) if x is not None)
+        limit = quota_limit(quotas[q])
         if n > limit:
             raise SchedulingError("quotas", f"{n} units of {q} exceed its limit of {limit}")
     units = cpu or gpus
