@@ -6,6 +6,7 @@ service only by E2B's environment variables, as a user would."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ from e2b.exceptions import (
 from .service_harness import RUNTIMES, box_pool, until
 
 pytestmark = pytest.mark.slow
+LIMIT = 8 << 20  # the pool's admission.maxFileBytes here
 
 
 @pytest.fixture(params=RUNTIMES)
@@ -34,7 +36,7 @@ def e2b(
     runtime, the service's URL and the tenant token."""
     kind: str = request.param
     image = request.getfixturevalue("coding_image") if kind == "docker" else None
-    with box_pool(request, kind, tmp_path, image=image) as (running, token):
+    with box_pool(request, kind, tmp_path, image=image, max_file_bytes=LIMIT) as (running, token):
         monkeypatch.setenv("E2B_API_URL", running.url)
         monkeypatch.setenv("E2B_SANDBOX_URL", running.url)
         monkeypatch.setenv("E2B_API_KEY", token)
@@ -137,6 +139,60 @@ def test_files_round_trip_and_are_the_commands_files(sandbox: Sandbox) -> None:
         sandbox.files.read("m/c.txt")
 
 
+def test_list_dir_ends_with_the_tree_whatever_depth_is_asked(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    _, url, token = e2b
+    sandbox.files.make_dir("tree/a/b")
+    sandbox.files.make_dir("empty")
+
+    envd = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token}
+
+    def list_dir(path: str, depth: int) -> httpx.Response:
+        body = {"path": path, "depth": depth}
+        return httpx.post(f"{url}/filesystem.Filesystem/ListDir", json=body, headers=envd,
+                          timeout=30)  # fmt: skip
+
+    deepest = 2**32 - 1  # envd's proto allows it: the walk ends where the tree does
+    assert list_dir("empty", deepest).json() == {"entries": []}
+    walked = list_dir("tree", deepest).json()["entries"]
+    assert sorted(e["name"] for e in walked) == ["a", "b"]
+    refused = list_dir("tree", deepest + 1)
+    assert refused.status_code == 400 and refused.json()["message"].startswith("depth: ")
+
+
+def test_gzip_uploads_are_whole_gzip_held_to_the_file_limit_once_inflated(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    _, url, token = e2b
+    sandbox.files.write("kept.txt", "kept")
+
+    def upload(path: str, body: bytes) -> httpx.Response:
+        return httpx.post(f"{url}/files", params={"path": path}, content=body, timeout=30,
+                          headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token,
+                                   "Content-Type": "application/octet-stream",
+                                   "Content-Encoding": "gzip"})  # fmt: skip
+
+    # Members one after another are one file, as gzip.decompress and gunzip read them.
+    assert upload("two.txt", gzip.compress(b"first\n") + gzip.compress(b"second\n")).is_success
+    assert sandbox.files.read("two.txt") == "first\nsecond\n"
+    # A few KiB that inflate past the limit are refused as a plain body that size is.
+    bomb = gzip.compress(bytes(LIMIT + 1))
+    assert len(bomb) < LIMIT // 100
+    too_large = upload("kept.txt", bomb)
+    assert too_large.status_code == 413 and too_large.json()["message"].startswith("body: ")
+    whole = gzip.compress(b"0123456789abcdef" * 4096)
+    for body, why in (
+        (whole[: len(whole) // 2], "cut short"),
+        (gzip.compress(b"ok") + b"GARBAGE", "not valid gzip"),
+        (b"", "empty"),
+    ):
+        refused = upload("kept.txt", body)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["message"].startswith("body: ") and why in refused.text
+    assert sandbox.files.read("kept.txt") == "kept"  # none of them replaced it
+
+
 def test_a_path_out_of_the_sandbox_is_refused_naming_it(sandbox: Sandbox) -> None:
     with pytest.raises(SandboxException, match=r"\.\./\.\./etc/passwd"):
         sandbox.files.read("../../etc/passwd")
@@ -221,6 +277,9 @@ def test_refusals_name_what_is_wrong(e2b: tuple[str, str, str]) -> None:
         Sandbox.create("box", api_key="not-a-token-of-this-service")
     with pytest.raises(SandboxException, match=r"400: timeout: .* 86400"):
         Sandbox.create("box", timeout=10**9)
+    # Refused at create, not by every command after it.
+    with pytest.raises(SandboxException, match=r"400: envVars: 'MY-VAR' is not a variable name"):
+        Sandbox.create("box", envs={"MY-VAR": "x"})
     sb = Sandbox.create("box")
     try:
         with pytest.raises(SandboxException, match="501: sandboxes cannot be paused"):

@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import httpx
 import pytest
 
 from tangram.client import Client, TangramError
@@ -297,6 +299,32 @@ def test_a_directory_round_trips_as_one_tar(box: tuple[str, Trajectory], tmp_pat
     with tarfile.open(fileobj=io.BytesIO(t.files.read_tar("repo/checkout/pkg"))) as tar:
         assert sorted(tar.getnames()) == ["mod.py", "new.py", "sub", "sub/big.bin"]
     assert t.files.read_text("repo/checkout/run.sh").startswith("#!/bin/sh")
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+def test_a_directory_of_any_name_downloads_as_a_tar_leaving_no_stream_open(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    with (
+        box_pool(request, kind, tmp_path) as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        tars = f"{running.url}/v1/trajectories/{t.id}/files/tar"
+        names = {"数据": "__", "a\nb": "a_b", 'say "hi"\\': "say _hi__"}  # and the fallback
+        for name, plain in names.items():
+            t.files.make_dir(name)
+            t.files.write(f"{name}/x.txt", b"x")
+            got = httpx.get(tars, params={"path": name}, timeout=30,
+                            headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+            assert got.status_code == 200, got.text
+            with tarfile.open(fileobj=io.BytesIO(got.content)) as tar:
+                assert tar.getnames() == ["x.txt"]
+            assert got.headers["content-disposition"] == (
+                f"attachment; filename=\"{plain}.tar\"; filename*=UTF-8''{quote(name, safe='')}.tar"
+            )
+        links = running.engine.state.hub.links.values()
+        until(lambda: not any(link._streams for link in links), "the agent streams closed")
 
 
 def test_tar_members_that_would_leave_the_directory_are_refused_naming_them(

@@ -17,7 +17,7 @@ from tangram.service.e2b.connect import (
     first_message,
     timeout_s,
 )
-from tangram.service.e2b.envd import entry_info
+from tangram.service.e2b.envd import _keepalive, entry_info
 from tangram.service.e2b.process import _end
 
 json_values = st.recursive(
@@ -58,8 +58,15 @@ def test_a_bad_request_message_is_refused_saying_why(body: bytes, why: str) -> N
 def test_the_callers_deadline() -> None:
     assert timeout_s(None) is None and timeout_s("0") is None
     assert timeout_s("60000") == 60.0
-    with pytest.raises(ConnectError, match="Connect-Timeout-Ms"):
-        timeout_s("-5")
+    for bad in ("-5", "\u00b2", "\u0661\u0662"):  # superscript two and Arabic-Indic digits:
+        with pytest.raises(ConnectError, match="Connect-Timeout-Ms"):  # str.isdigit() says yes
+            timeout_s(bad)
+
+
+def test_a_keepalive_interval_that_is_no_number_of_seconds_is_ignored() -> None:
+    assert _keepalive("30") == 30 and _keepalive(" 0 ") == 1
+    for ignored in (None, "", "soon", "-5", "\u00b2", "\u0661", "9" * 5000):
+        assert _keepalive(ignored) is None
 
 
 def test_the_end_event_says_how_the_command_ended() -> None:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import errno
 import tarfile
-import zlib
 from collections.abc import AsyncIterable, AsyncIterator
 
-from tangram.api.wire import STREAM_CHUNK
+from tangram.api.gunzip import GzipError, inflated
 from tangram.node_agent.execution import ExecError
 
 BLOCK = tarfile.BLOCKSIZE
@@ -59,22 +58,14 @@ async def gunzipped(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         async for chunk in source:
             yield chunk
         return
-    inflate, fed = zlib.decompressobj(wbits=31), False  # fed: the member has begun
-    pending = first
     try:
-        while True:
-            fed = fed or bool(pending)
-            out = inflate.decompress(pending, STREAM_CHUNK)
-            if out:
-                yield out
-            pending = inflate.unconsumed_tail
-            if inflate.eof:  # gzip members may follow one another (as `cat a.gz b.gz`)
-                pending, inflate, fed = inflate.unused_data, zlib.decompressobj(wbits=31), False
-            elif len(out) == STREAM_CHUNK:
-                continue  # more output may wait inside, with no input left
-            if not pending and not (pending := await anext(source, b"")):
-                break
-    except zlib.error as e:
-        raise ExecError(f"the body is not valid gzip: {e}", errno=errno.EINVAL) from None
-    if fed:
-        raise ExecError("the body's gzip data is cut short", errno=errno.EINVAL)
+        async for out in inflated(_after(first, source)):
+            yield out
+    except GzipError as e:
+        raise ExecError(f"the body: {e}", errno=errno.EINVAL) from None
+
+
+async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk

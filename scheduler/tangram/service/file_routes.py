@@ -6,7 +6,9 @@ and FastAPI reads their annotations (the tenant dependency among them) as object
 """
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
@@ -48,12 +50,27 @@ Path = Annotated[
 ]
 
 
-def download_response(got: Download, headers: dict[str, str], media_type: str) -> StreamingResponse:
-    """A download as the response's body, its agent request closed even if the body never
-    starts (the client may go first)."""
-    return StreamingResponse(
-        got.data, media_type=media_type, headers=headers, background=BackgroundTask(got.close)
-    )
+async def download_response(
+    got: Download, headers: Callable[[FileEntry], dict[str, str]], media_type: str
+) -> StreamingResponse:
+    """A download as the response's body, with ``headers(entry)``: its agent request is
+    closed if the response cannot be made, and even if the body never starts (the client
+    may go first)."""
+    try:
+        return StreamingResponse(got.data, media_type=media_type, headers=headers(got.entry),
+                                 background=BackgroundTask(got.close))  # fmt: skip
+    except BaseException:
+        await got.close()
+        raise
+
+
+def attachment(name: str) -> str:
+    """``Content-Disposition`` for a download named ``name``: RFC 6266's ``filename`` in
+    printable ASCII (others become ``_``) for old clients, and ``filename*`` (RFC 5987)
+    with the name whole, in UTF-8 (what is not valid UTF-8 becomes "?")."""
+    plain = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in name)
+    whole = quote(name.encode("utf-8", "replace"), safe="")
+    return f"attachment; filename=\"{plain}\"; filename*=UTF-8''{whole}"
 
 
 def is_upload(scope: Scope) -> bool:
@@ -70,8 +87,7 @@ def add_file_routes(
     async def read_file(trajectory: str, path: Path, who: tenant) -> StreamingResponse:
         """The file's bytes, streamed as the environment's exec server reads them."""
         got = await engine.files.read(who, trajectory, path)
-        headers = {"Content-Length": str(got.entry.size), "X-Tangram-Mode": f"{got.entry.mode:o}"}
-        return download_response(got, headers, "application/octet-stream")
+        return await download_response(got, _file_headers, "application/octet-stream")
 
     @app.put(FILES, responses=errors, openapi_extra={"requestBody": {"required": True, **_BINARY}})
     async def write_file(
@@ -93,9 +109,7 @@ def add_file_routes(
         left out. A failure midway (a file the environment's user cannot read) cuts
         the body short, so the tar is incomplete, never silently partial."""
         got = await engine.files.tar(who, trajectory, path)
-        name = got.entry.name.replace('"', "") if got.entry.name != "/" else "root"
-        headers = {"Content-Disposition": f'attachment; filename="{name}.tar"'}
-        return download_response(got, headers, "application/x-tar")
+        return await download_response(got, _tar_headers, "application/x-tar")
 
     @app.put(
         FILES + "/tar", responses=errors, openapi_extra={"requestBody": {"required": True, **_TAR}}
@@ -138,3 +152,12 @@ def add_file_routes(
     async def rename_file(trajectory: str, req: RenameFile, who: tenant) -> RenameFile:
         await engine.files.ask(who, trajectory, "rename", req.path, to=req.to)
         return req
+
+
+def _file_headers(entry: FileEntry) -> dict[str, str]:
+    return {"Content-Length": str(entry.size), "X-Tangram-Mode": f"{entry.mode:o}"}
+
+
+def _tar_headers(entry: FileEntry) -> dict[str, str]:
+    name = entry.name if entry.name != "/" else "root"
+    return {"Content-Disposition": attachment(f"{name}.tar")}

@@ -93,6 +93,6 @@ def timeout_s(header: str | None) -> float | None:
     """``Connect-Timeout-Ms``: the caller's deadline for the whole call, in seconds."""
     if header is None:
         return None
-    if not header.isdigit() or len(header) > 10:
+    if not (header.isascii() and header.isdigit()) or len(header) > 10:  # ("²".isdigit())
         raise ConnectError("invalid_argument", f"Connect-Timeout-Ms: {header!r} is not a number")
     return int(header) / 1000 or None

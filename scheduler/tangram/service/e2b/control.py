@@ -5,13 +5,16 @@ No ``from __future__ import annotations``: FastAPI reads the routes' annotations
 """
 
 import datetime as dt
+import re
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from tangram.api.demand import allowed_units
+from tangram.api.spec_base import ENV_NAME
 from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
@@ -23,6 +26,7 @@ from tangram.service.e2b.sandboxes import (
 ENVD_VERSION = "0.5.7"  # the envd whose API is served: octet-stream uploads, stdin control
 Admit = Callable[[str | None], Awaitable[str]]  # a token to its tenant, or E2BError
 
+_ENV_NAME = re.compile(ENV_NAME)
 Timeout = Annotated[int, Field(ge=1, le=MAX_TIMEOUT_S, description="seconds from now")]
 
 
@@ -37,6 +41,17 @@ class NewSandbox(_Body):
     timeout: Timeout = DEFAULT_TIMEOUT_S
     metadata: dict[str, str] = Field(default_factory=dict)
     env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
+
+    @field_validator("env_vars")
+    @classmethod
+    def _variables(cls, env: dict[str, str]) -> dict[str, str]:
+        """Refused here, or every command of the sandbox would be refused for them."""
+        for name, value in env.items():
+            if not _ENV_NAME.fullmatch(name):
+                raise _invalid(f"{name!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
+            if "\0" in value:
+                raise _invalid(f"{name}: values cannot contain NUL bytes")
+        return env
 
 
 class SetTimeout(_Body):
@@ -159,6 +174,11 @@ def _not_served(done: str, tenant: Any) -> Callable[..., Awaitable[Response]]:
                        f"(sandbox {sandbox_id} is unchanged)")  # fmt: skip
 
     return not_served
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    """A validator's refusal, its message as it is (a ValueError's gets "Value error, ")."""
+    return PydanticCustomError("invalid", message)
 
 
 def iso(unix_s: float) -> str:

@@ -11,7 +11,6 @@ No ``from __future__ import annotations``: FastAPI reads the routes' annotations
 """
 
 import stat as stat_bits
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 from starlette.types import Scope
 
+from tangram.api.gunzip import GzipError, inflated
 from tangram.api.wire import MAX_PATH, STREAM_CHUNK, FileEntry
 from tangram.service.e2b import process
 from tangram.service.e2b.connect import (
@@ -44,6 +44,8 @@ _STATUS_CODE = {400: "invalid_argument", 401: "unauthenticated", 403: "permissio
                 404: "not_found", 413: "resource_exhausted", 429: "resource_exhausted",
                 502: "unavailable", 503: "unavailable"}  # fmt: skip
 MAX_LIST = 100_000  # entries a ListDir answers at most
+MAX_UINT32 = (1 << 32) - 1  # the largest depth envd's proto can carry
+MAX_DEPTH = MAX_PATH // 2  # levels a ListDir walks at most ("a/" each)
 MAX_UPLOAD_FILES = 1000  # files in one multipart upload
 
 Path = Annotated[str, Query(min_length=1, max_length=MAX_PATH)]
@@ -86,8 +88,7 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
     async def download(path: Path, request: Request, username: Username = None) -> Response:
         who, box = await caller(request)
         got = await files.read(who, box.id, path)
-        headers = {"Content-Length": str(got.entry.size)}
-        return download_response(got, headers, "application/octet-stream")
+        return await download_response(got, _sized, "application/octet-stream")
 
     @router.post("/files", openapi_extra=_UPLOAD_DOC)
     async def upload(
@@ -116,7 +117,7 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
                 raise E2BError(400, "path: required for an octet-stream upload")
             body: AsyncIterator[bytes] = request.stream()
             if request.headers.get("content-encoding", "").lower() == "gzip":
-                body = _gunzip(body)
+                body = _gunzip(body, engine.config.max_file_bytes)
             written.append(await _write(who, box, path, body))
         return written
 
@@ -157,12 +158,9 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         return entry_info(found.entry)
 
     async def list_dir(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
-        depth = msg.get("depth") or 1
-        if not isinstance(depth, int) or depth < 1:
-            raise ConnectError("invalid_argument", "depth: a positive integer is required")
         found: list[dict[str, Any]] = []
         level = [_path(msg, "path")]
-        for _ in range(depth):
+        for _ in range(_depth(msg)):
             below = []
             for directory in level:
                 for e in (await _ask(who, box, "list", directory)).entries:
@@ -172,6 +170,8 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
                     if len(found) > MAX_LIST:
                         too_many = f"over {MAX_LIST} entries: list with less depth"
                         raise ConnectError("resource_exhausted", too_many)
+            if not below:
+                break  # the tree ends here, whatever depth was asked
             level = below
         return {"entries": found}
 
@@ -270,6 +270,10 @@ def entry_info(e: FileEntry) -> dict[str, Any]:
     return info
 
 
+def _sized(entry: FileEntry) -> dict[str, str]:
+    return {"Content-Length": str(entry.size)}
+
+
 def _path(msg: dict[str, Any], field: str) -> str:
     path = msg.get(field)
     if not isinstance(path, str) or not path or len(path) > MAX_PATH:
@@ -277,12 +281,24 @@ def _path(msg: dict[str, Any], field: str) -> str:
     return path
 
 
+def _depth(msg: dict[str, Any]) -> int:
+    """ListDir's ``depth`` (0 or absent: 1), a uint32 as in envd's proto, walked no
+    deeper than ``MAX_DEPTH``: no deeper directory has a path of ``MAX_PATH`` characters."""
+    depth = msg.get("depth") or 1
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_UINT32:
+        raise ConnectError("invalid_argument", f"depth: {depth!r} is not an integer from 0 to "
+                           f"{MAX_UINT32}")  # fmt: skip
+    return min(depth, MAX_DEPTH)
+
+
 def _keepalive(header: str | None) -> float | None:
     """``Keepalive-Ping-Interval`` (seconds): how quiet a stream may be before a
-    keepalive event, so that the caller's idle timeout does not end it."""
-    if header is None or not header.strip().isdigit():
+    keepalive event, so that the caller's idle timeout does not end it. A value that is
+    no number of seconds is ignored (no keepalive), as it asks nothing of the call."""
+    value = (header or "").strip()
+    if not (value.isascii() and value.isdigit()) or len(value) > 9:  # (9 digits: 31 years)
         return None
-    return max(1, int(header.strip()))
+    return max(1, int(value))
 
 
 def _unimplemented(what: str) -> Response:
@@ -295,14 +311,19 @@ async def _part(part: UploadFile) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _gunzip(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    async for chunk in body:
-        try:
-            yield inflate.decompress(chunk)
-        except zlib.error as e:
-            raise E2BError(400, f"body: not gzip ({e})") from None
-    yield inflate.flush()
+async def _gunzip(body: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
+    """The body inflated a bounded piece at a time; the file it makes is held to
+    ``admission.maxFileBytes`` as a plain body is (413), not just its compressed bytes."""
+    size = 0
+    try:
+        async for piece in inflated(body):
+            size += len(piece)
+            if size > limit:
+                raise E2BError(413, f"body: over {limit} bytes once inflated "
+                               "(admission.maxFileBytes)")  # fmt: skip
+            yield piece
+    except GzipError as e:
+        raise E2BError(400, f"body: {e}") from None
 
 
 _UPLOAD_DOC = {

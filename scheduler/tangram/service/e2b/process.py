@@ -69,10 +69,11 @@ async def events(proc: Proc, keepalive_s: float | None) -> AsyncIterator[bytes]:
     keepalive when it is quiet for ``keepalive_s``, its end."""
     queue = proc.attach()
     done: asyncio.Future[ActionResult] = asyncio.ensure_future(asyncio.shield(proc.rec.done))
+    get: asyncio.Future[Any] | None = None
     try:
         yield envelope({"event": {"start": {"pid": proc.pid}}})
         while True:
-            get: asyncio.Future[Any] = asyncio.ensure_future(queue.get())
+            get = asyncio.ensure_future(queue.get())
             ready, _ = await asyncio.wait({get, done}, timeout=keepalive_s,
                                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if get in ready:
@@ -88,6 +89,8 @@ async def events(proc: Proc, keepalive_s: float | None) -> AsyncIterator[bytes]:
                 return
             yield envelope({"event": {"keepalive": {}}})
     finally:
+        if get is not None:
+            get.cancel()  # a reader that went mid-wait leaves no task waiting on its queue
         done.cancel()
         proc.detach(queue)  # a reader that went leaves the command running, as envd does
 

@@ -5,7 +5,8 @@ A sandbox made here carries its timeout as a trajectory label, which its node ag
 after a scheduler restart the trajectory comes back from its agent, and the sandbox gets a
 fresh timeout of that length when the reaper first sees it (its remaining time is not
 kept). Any other open trajectory of the tenant may be used as a sandbox too; it has no
-timeout, as it had none.
+timeout, as it had none. A sandbox whose environment ended by itself (its trajectory lost)
+serves nothing, but can be killed, and is closed when its timeout passes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ DEFAULT_TIMEOUT_S = 300  # E2B's default
 MAX_TIMEOUT_S = 24 * 3600
 REAP_EVERY_S = 1.0
 OUTPUT_BACKLOG = 256  # output chunks held for a reader before its command waits
+_ENDED = (TrajectoryState.CLOSING, TrajectoryState.CLOSED)
 
 
 @dataclass(eq=False)
@@ -109,15 +111,20 @@ class Sandboxes:
         self._known[(tenant, rec.id)] = box
         return box
 
-    def find(self, tenant: str, sid: str) -> Sandbox:
-        """``tenant``'s sandbox ``sid``: any of its trajectories that is open."""
+    def find(self, tenant: str, sid: str, *, lost: bool = False) -> Sandbox:
+        """``tenant``'s sandbox ``sid``: any of its trajectories that is open; ``lost``:
+        or lost (its environment gone), which can still be killed."""
         rec = self.engine.trajectory(tenant, sid)  # 404 for an unknown or a stranger's
         box = self._known.get((tenant, sid))
         if box is not None and box.trajectory is not rec:
             box = None  # the id was closed and opened again since
-        if rec.state not in (TrajectoryState.OPEN, TrajectoryState.AWAY):
+        if rec.state in _ENDED:
             self._known.pop((tenant, sid), None)
-            raise EngineError("not_found", "sandbox", f"sandbox {sid} was not found ({rec.state})")
+        if rec.state in _ENDED or (rec.state is TrajectoryState.LOST and not lost):
+            # (a lost one stays known: the reaper still closes it at its timeout)
+            why = f": {rec.ended}" if rec.ended else ""
+            raise EngineError("not_found", "sandbox", f"sandbox {sid} was not found "
+                              f"({rec.state}{why})")  # fmt: skip
         if box is None:
             box = self._known[(tenant, sid)] = Sandbox(tenant, sid, rec, self._adopted_end(rec))
         return box
@@ -132,13 +139,16 @@ class Sandboxes:
         return found
 
     async def kill(self, tenant: str, sid: str) -> None:
-        self.find(tenant, sid)
+        """Close the sandbox's trajectory, a lost one too: it holds a record until closed."""
+        self.find(tenant, sid, lost=True)
         self._known.pop((tenant, sid), None)
         await self.engine.close_trajectory(tenant, sid)
 
     def set_timeout(self, box: Sandbox, timeout_s: int, *, extend_only: bool = False) -> None:
+        """``extend_only`` (a connect): only ever later, and a sandbox with no timeout (a
+        /v1 trajectory) keeps none."""
         end = self.clock() + timeout_s
-        if not extend_only or box.end_at is None or end > box.end_at:
+        if not extend_only or (box.end_at is not None and end > box.end_at):
             box.end_at = end
 
     def _adopted_end(self, rec: TrajectoryRecord) -> float | None:
@@ -163,21 +173,37 @@ class Sandboxes:
                 log.exception("reaping sandboxes failed; trying again in %s s", REAP_EVERY_S)
 
     async def reap_once(self) -> None:
-        """Kill the sandboxes whose timeout has passed; take on the ones made before a
-        restart (their label says so)."""
+        """Kill the sandboxes whose timeout has passed, lost ones too; take on the ones
+        made before a restart (their label says so)."""
         for rec in list(self.engine.state.trajectories.values()):
             if TIMEOUT_LABEL in rec.labels and (rec.tenant, rec.id) not in self._known:
                 with contextlib.suppress(EngineError):
-                    self.find(rec.tenant, rec.id)
+                    self.find(rec.tenant, rec.id, lost=True)
         now = self.clock()
-        for (tenant, sid), box in list(self._known.items()):
-            if box.end_at is not None and box.end_at <= now:
-                log.info("sandbox %s reached its timeout: killed", sid)
-                with contextlib.suppress(EngineError):
-                    await self.kill(tenant, sid)
-                self._known.pop((tenant, sid), None)
-            elif box.trajectory.state not in (TrajectoryState.OPEN, TrajectoryState.AWAY):
-                self._known.pop((tenant, sid), None)
+        due = []
+        for key, box in list(self._known.items()):
+            if box.trajectory.state in _ENDED:
+                self._known.pop(key, None)
+            elif box.end_at is not None and box.end_at <= now:
+                due.append(box)
+        # All at once: one slow close (a container slow to go, an agent slow to answer)
+        # holds up no other sandbox's.
+        ended = await asyncio.gather(*(self._expire(box) for box in due), return_exceptions=True)
+        for box, failed in zip(due, ended, strict=True):
+            if isinstance(failed, EngineError):
+                log.warning("killing sandbox %s at its timeout failed: %s", box.id, failed)
+            elif isinstance(failed, Exception):
+                log.error("killing sandbox %s at its timeout failed", box.id, exc_info=failed)
+
+    async def _expire(self, box: Sandbox) -> None:
+        log.info("sandbox %s reached its timeout: killed", box.id)
+        try:
+            await self.kill(box.tenant, box.id)
+        except EngineError as e:
+            if e.kind != "not_found":  # (gone meanwhile: nothing to do)
+                raise
+        finally:
+            self._known.pop((box.tenant, box.id), None)
 
     async def stop(self) -> None:
         if self._reaper is not None:

@@ -1,0 +1,108 @@
+"""E2B sandboxes over the real engine and a fake agent: their timeouts, the reaper, lost
+ones, and the streams that read their commands."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from tangram.api.wire import AgentReply, OpenTrajectory, TrajectoryState
+from tangram.service.e2b import process
+from tangram.service.e2b.sandboxes import Proc, Sandbox, Sandboxes
+from tangram.service.engine import Engine
+from tangram.service.records import EngineError
+from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, run
+
+
+def _state(box: Sandbox) -> TrajectoryState:
+    return box.trajectory.state  # (read afresh: mypy would keep what it last narrowed)
+
+
+def test_a_lost_sandbox_can_be_killed_and_is_reaped_at_its_timeout() -> None:
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))
+        now = [1000.0]
+        boxes = Sandboxes(engine, clock=lambda: now[0])
+        killed, reaped = [await boxes.create("u", "e", 60, {}, {}) for _ in range(2)]
+        for box in (killed, reaped):
+            engine.lifecycle.environment_lost(box.trajectory.key, "SandboxExited", "killed")
+        with pytest.raises(EngineError, match=r"\(lost: killed \(SandboxExited\)\)"):
+            boxes.find("u", killed.id)  # no command or file reaches it
+        assert boxes.mine("u") == []
+        await boxes.kill("u", killed.id)
+        assert _state(killed) is TrajectoryState.CLOSED
+        await boxes.reap_once()
+        assert _state(reaped) is TrajectoryState.LOST  # not before its timeout
+        now[0] += 60
+        await boxes.reap_once()
+        assert _state(reaped) is TrajectoryState.CLOSED
+
+    run(scenario)
+
+
+def test_one_slow_close_holds_up_no_other_sandboxs_reaping() -> None:
+    slow: list[str] = []  # the trajectory whose close its agent does not answer yet
+    agent = Agent(hello(), lambda m: None if m.get("trajectory") in slow else answer_all(m))
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, agent)
+        now = [1000.0]
+        boxes = Sandboxes(engine, clock=lambda: now[0])
+        first, second = [await boxes.create("u", "e", 1, {}, {}) for _ in range(2)]
+        slow.append(first.trajectory.key)
+        now[0] += 2  # both past their timeout
+        reaping = asyncio.ensure_future(boxes.reap_once())
+        while _state(second) is not TrajectoryState.CLOSED:  # (run's guard: 30 s)
+            await asyncio.sleep(0.01)
+        assert _state(first) is TrajectoryState.CLOSING
+        (close,) = [m for m in agent.ops("close") if m["trajectory"] == slow[0]]
+        agent.push(AgentReply(rid=close["rid"], ok=True))
+        await reaping
+        assert _state(first) is TrajectoryState.CLOSED
+
+    run(scenario)
+
+
+def test_connect_gives_a_trajectory_without_a_timeout_none() -> None:
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))
+        boxes = Sandboxes(engine)
+        made = await boxes.create("u", "e", 60, {}, {})
+        v1 = await engine.open_trajectory("u", OpenTrajectory(env="e"))
+        plain = boxes.find("u", v1.id)  # a /v1 trajectory: no timeout
+        assert plain.end_at is None
+        for box in (plain, made):
+            boxes.set_timeout(box, 5, extend_only=True)  # E2B's connect
+        assert plain.end_at is None  # kept none: not killed 5 s from now
+        assert made.end_at is not None and made.end_at > boxes.clock() + 5  # not shortened
+
+    run(scenario)
+
+
+def test_a_reader_that_goes_mid_wait_leaves_no_wait_on_the_output_queue() -> None:
+    """As Starlette ends a stream whose client went: its task is cancelled while the
+    events wait for output. Nothing of that reader may take output after it."""
+
+    async def scenario() -> None:
+        proc = Proc(1, None, {}, stdin=False, pty=False)
+        proc.rec = cast(Any, SimpleNamespace(done=asyncio.get_running_loop().create_future()))
+        events = process.events(proc, None)
+        assert b'"start"' in await anext(events)
+        queue = proc.events
+        assert queue is not None
+        reader = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0)  # now waiting for output
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        assert proc.events is None  # detached
+        queue.put_nowait(("stdout", "late"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert queue.qsize() == 1  # no forgotten wait of the gone reader took it
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
