@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from tangram.api.demand import AmdahlEfficiency, ChoicesDemand, RangeDemand
 from tangram.api.documents import Document, ResourceError, Resources, parse_documents
@@ -308,6 +308,7 @@ def test_names_of_the_api_group() -> None:
         (env(cpu={"min": 3, "max": 1}), "spec.cpu", "min (3) is greater than max (1)"),
         (env(workdir="work"), "spec.workdir", "pattern"),
         (env(env={"1BAD": "x", "GOOD": "y"}), "spec.env", "not environment variable names"),
+        (env(env={"TRAILING\n": "x"}), "spec.env", "not environment variable names"),
         (env(setup=[["true"], []]), "spec.setup[1]", "at least 1 item"),
         (env(security={"pidsLimit": 8}), "spec.security.pidsLimit", "greater than or equal"),
         (env(warmPool=-1), "spec.warmPool", "greater than or equal to 0"),
@@ -673,3 +674,12 @@ def test_batching_reaches_the_service_config_and_bad_values_name_the_field() -> 
         parse(pool(), service(batching={"maxCalls": 0}))
     with pytest.raises(ResourceError, match=r"spec\.batching\.slowdown"):
         parse(pool(), service(batching={"slowdown": -1}))
+
+
+def test_an_actions_env_names_are_whole_variable_names() -> None:
+    from tangram.api.wire import ExecRequest
+
+    assert ExecRequest(argv=["env"], env={"GOOD_1": "x"}).env == {"GOOD_1": "x"}
+    for bad in ("1BAD", "MY-VAR", "TRAILING\n"):
+        with pytest.raises(ValidationError, match="is not a variable name"):
+            ExecRequest(argv=["env"], env={bad: "x"})

@@ -476,7 +476,7 @@ class TrajectoryEnvSpec(Spec):
     @field_validator("env")
     @classmethod
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in v if not re.match(ENV_NAME, k)]
+        bad = [k for k in v if not re.fullmatch(ENV_NAME, k)]
         if bad:
             raise ValueError(f"not environment variable names: {bad}")
         return v

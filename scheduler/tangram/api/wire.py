@@ -163,7 +163,7 @@ class ExecRequest(_Strict):
             if any("\0" in a for a in texts):
                 raise ValueError(f"{name}: arguments cannot contain NUL bytes")
         for k, v in self.env.items():
-            if not _ENV_NAME.match(k):
+            if not _ENV_NAME.fullmatch(k):
                 raise ValueError(f"env: {k!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
             if "\0" in v:
                 raise ValueError(f"env.{k}: values cannot contain NUL bytes")
