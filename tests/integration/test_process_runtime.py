@@ -12,16 +12,17 @@ import os
 import signal
 import subprocess
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from tangram.api.wire import EnvSpec
 from tangram.node_agent import runtimes
 from tangram.node_agent.cgroups import CgroupV1, CgroupV2, detect, format_cpulist
 from tangram.node_agent.inventory import parse_cpulist
-from tangram.node_agent.process_runtime import ExecError, ProcessRuntime
+from tangram.node_agent.process_runtime import ExecError, ProcessRuntime, _alive
 
 CORES = sorted(os.sched_getaffinity(0))
 T = TypeVar("T")
@@ -453,5 +454,40 @@ def test_named_by_name_it_runs_and_warns_loudly_that_it_isolates_nothing(
         said = warning.getMessage()
         assert said.startswith("runtime process: NO ISOLATION. Commands run directly on this host")
         assert f"as uid {os.geteuid()}" in said and "token files" in said
+    finally:
+        run(rt.shutdown())
+
+
+def test_closing_a_trajectory_kills_its_files_servers_before_removing_its_directory(
+    tmp_path: Path,
+) -> None:
+    """A files server writing into the trajectory (an upload under way) is killed by its
+    close: left running, it would write on into a directory being removed."""
+    setting = runtimes.Setting(tmp_path, "n1", CORES[:1], owner_id=f"test-{uuid.uuid4().hex[:8]}")
+    rt = runtimes.create("process", setting)
+    inner: ProcessRuntime = rt.inner  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        await rt.open("t1", EnvSpec(name="e", image="unused"))
+        work = inner.workdir("t1")
+        more = asyncio.Event()
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b"x" * 65536
+            await more.wait()  # the rest of the upload, once the test says so
+            yield b"y"
+
+        upload = asyncio.ensure_future(rt.files("t1").write("big", body()))
+        while not inner.files_servers.get("t1"):
+            await asyncio.sleep(0.01)
+        (server,) = inner.files_servers["t1"]
+        await asyncio.to_thread(rt.close, "t1")  # as the agent closes it
+        assert not _alive(server) and not work.exists()
+        more.set()
+        with pytest.raises((ExecError, ConnectionError)):
+            await upload
+
+    try:
+        run(scenario())
     finally:
         run(rt.shutdown())

@@ -233,9 +233,10 @@ def entry(data: bytes, parent: str) -> FileEntry:
 _servers: set[asyncio.Future[int]] = set()  # one-shot servers, until they are reaped
 
 
-def one_shot(binary: Path, root: Path) -> Connect:
+def one_shot(binary: Path, root: Path, running: set[int] | None = None) -> Connect:
     """Connections to a fresh ``tangram-execd --files root`` each (the process runtime,
-    whose trajectories have no exec server of their own)."""
+    whose trajectories have no exec server of their own); ``running``: where the pids of
+    those still running are kept (closing the trajectory kills them)."""
 
     async def connect() -> Channel:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -255,6 +256,9 @@ def one_shot(binary: Path, root: Path) -> Connect:
         reaped = asyncio.ensure_future(proc.wait())  # it ends with the connection
         _servers.add(reaped)
         reaped.add_done_callback(_servers.discard)
+        if running is not None:
+            running.add(proc.pid)
+            reaped.add_done_callback(lambda _: running.discard(proc.pid))
         return await Channel.over(ours)
 
     return connect

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -41,6 +42,8 @@ from tangram.node_agent.execution import (
 )
 
 __all__ = ["ExecError", "ExecResult", "ProcessRuntime"]
+
+log = logging.getLogger("tangram.agent")
 
 
 @dataclass(slots=True)
@@ -70,6 +73,7 @@ async def _drain(
 # After a kill beside other commands: how long its output may still come before the
 # action ends without the rest (a leftover of it may hold its pipes open).
 LEFTOVER_GRACE_S = 1.0
+KILL_WAIT_S = 5.0  # how long a close waits for a killed files server to be gone
 
 
 async def _returncode(proc: asyncio.subprocess.Process) -> int:
@@ -119,6 +123,9 @@ class ProcessRuntime:
         self.idle_cores = tuple(idle_cores)
         self.prefix = group_prefix
         self._open: set[str] = set()
+        # trajectory -> pids of its files servers (env_files.one_shot): not in its cgroup,
+        # where the end of an action would kill them as its leftovers.
+        self.files_servers: dict[str, set[int]] = {}
         self.allot = Allotments()
         self._running: dict[str, int] = {}  # commands running, by trajectory
 
@@ -147,12 +154,17 @@ class ProcessRuntime:
         return work
 
     def close(self, trajectory: str) -> None:
-        """Kill whatever still runs in the trajectory, remove its cgroup and directory."""
+        """Kill whatever still runs in the trajectory (its files servers too), remove its
+        cgroup and directory."""
         group = self._group(trajectory)
         self._kill_group(group)
+        _kill_all(self.files_servers.pop(trajectory, set()))  # (writing into its directory)
         with contextlib.suppress(FileNotFoundError):
             self.cgroups.remove(group)
-        shutil.rmtree(self.workdir(trajectory), ignore_errors=True)
+        work = self.workdir(trajectory)
+        shutil.rmtree(work, ignore_errors=True)
+        if work.exists():  # a restarted agent would take it back as a trajectory
+            log.warning("trajectory %s: its directory %s was not all removed", trajectory, work)
         self._open.discard(trajectory)
 
     def release(self) -> None:
@@ -360,6 +372,24 @@ class ProcessRuntime:
             os.killpg(proc.pid, signal.SIGKILL)
         if group is not None:
             self._kill_group(group)
+
+
+def _kill_all(pids: set[int]) -> None:
+    """SIGKILL ``pids`` and wait (bounded) till each is dead: a zombie, or reaped."""
+    for pid in list(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    while any(_alive(pid) for pid in list(pids)) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"  # the state, after "(comm) "
 
 
 async def _spawned(

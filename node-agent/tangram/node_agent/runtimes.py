@@ -299,7 +299,10 @@ class Processes:
             self._execd = build(self._cache_dir)
         if self._execd.path is None:
             raise ExecError(f"files: {self._execd.reason}")
-        return EnvFiles(one_shot(self._execd.path, self.inner.workdir(trajectory)), "/")
+        root, running = self.inner.workdir(trajectory), self.inner.files_servers
+        return EnvFiles(
+            one_shot(self._execd.path, root, running.setdefault(trajectory, set())), "/"
+        )
 
     async def shutdown(self) -> None:
         self.inner.release()
