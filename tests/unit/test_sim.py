@@ -219,6 +219,18 @@ def test_unmanaged_calls_over_concurrency_wait_at_the_provider_then_time_out() -
     assert by[1].ok and by[1].act_s == pytest.approx(100.0)
 
 
+def test_the_makespan_ends_with_the_last_trajectory_not_a_timeout_never_needed() -> None:
+    cluster = ClusterSpec.model_validate(
+        {"nodes": [{"name": "n"}], "apis": [{"name": "search", "concurrency": 1}]}
+    )
+    call = [{"think_s": 0.0, "action": {"kind": "api", "api": "search", "t1_s": 10.0}}]
+    r = simulate([traj(f"t{i}", call) for i in range(2)], cluster, "unmanaged",
+                 overheads=NO_OVERHEAD)  # fmt: skip
+    # The second call waits 10 s at the provider; its 600 s timeout is never needed.
+    assert sorted(rec.ended for rec in r.records) == pytest.approx([10.0, 20.0])
+    assert r.makespan_s == pytest.approx(20.0)
+
+
 def _api_call(quotas: dict[str, int]) -> list[dict[str, Any]]:
     action = {"kind": "api", "api": "search", "quotas": quotas, "t1_s": 10.0}
     return [{"think_s": 0.0, "action": action}]

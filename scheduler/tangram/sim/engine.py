@@ -52,6 +52,7 @@ class Replay:
         self.backends: list[Backend] = list({id(b): b for b in routes.values()}.values())
         self.result = SimResult(policy)
         self._open = 0
+        self._ended_at = 0.0  # when the last trajectory ended
 
     def run(
         self, trace: Sequence[TrajectoryTrace], progress: Callable[[int, int], None] | None = None
@@ -70,9 +71,11 @@ class Replay:
         self.loop.run(tick)
         if self._open:
             raise RuntimeError(f"{self._open} trajectories never finished: the replay deadlocked")
-        self.result.makespan_s = self.loop.now
+        # The last trajectory's end: events may outlive it (a timeout never needed, a
+        # timer of a rate window) and must not stretch the batch or what it held.
+        end = self.result.makespan_s = self._ended_at
         for b in self.backends:
-            units, notes = b.finish(self.loop.now)
+            units, notes = b.finish(end)
             for kind, held in units.items():
                 by = self.result.unit_seconds_by
                 by[kind] = by.get(kind, 0.0) + held
@@ -126,3 +129,4 @@ class Replay:
         for b in self.backends:
             b.close(state.trace, self.loop.now)
         self._open -= 1
+        self._ended_at = self.loop.now
