@@ -139,3 +139,24 @@ def test_a_retried_close_gets_the_closed_trajectory() -> None:
         assert again is first and again.state is TrajectoryState.CLOSED
 
     run(scenario)
+
+
+def test_an_open_retried_before_its_agent_is_back_leaves_one_trajectory() -> None:
+    """A restarted scheduler: the open's retry comes while the agent holding what the
+    first try opened is not back yet, and opens another elsewhere. The client has that
+    one; the first, handed back later, is closed rather than kept as a second."""
+
+    async def scenario(engine: Engine) -> None:
+        first = TrajectoryMeta(id="t-first", tenant="u", env="e", open_key="K",
+                               open_digest=OpenTrajectory(env="e").digest())  # fmt: skip
+        await connect(engine, Agent(hello(node="n2")))
+        retry = await engine.open_trajectory("u", OpenTrajectory(env="e", idempotency_key="K"))
+        assert retry.node == "n2"
+        back = Agent(hello(trajectories=[first], node="n1"))
+        await connect(engine, back)
+        assert [m["trajectory"] for m in back.ops("close")] == ["t-first"]
+        assert [t.id for t in engine.state.trajectories.values()] == [retry.id]
+        again = await engine.open_trajectory("u", OpenTrajectory(env="e", idempotency_key="K"))
+        assert again is retry
+
+    run(scenario, reconnecting=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -17,9 +18,10 @@ from tangram.api.wire import (
 )
 from tangram.service.config import EnvConfig
 from tangram.service.engine import Engine
+from tangram.service.files import Files
 from tangram.service.from_resources import env_config
 from tangram.service.records import EngineError
-from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, run
+from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run
 
 IDLE = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=1.0), idle_timeout_s=60.0)
 
@@ -107,3 +109,49 @@ def test_the_timeout_comes_from_the_trajectory_env() -> None:
         "metadata": {"name": "e"}, "spec": spec,
     })  # fmt: skip
     assert env_config(env, "p").idle_timeout_s == 600
+
+
+def test_the_idle_time_starts_again_when_its_agent_is_back() -> None:
+    """Away longer than the timeout, its worker retrying all along (503): back, it is
+    not closed at the next check."""
+    clock = Clock()
+
+    async def scenario(engine: Engine) -> None:
+        first = Agent(hello())
+        await connect(engine, first)
+        meta = (await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))).meta()
+        first.drop()
+        await left(engine)
+        clock.now += 50
+        with pytest.raises(EngineError, match="reconnecting"):
+            engine.state.usable("u", "t1")  # a retry while it is away
+        clock.now += 40
+        await connect(engine, Agent(hello(trajectories=[meta])))
+        assert engine.trajectory("u", "t1").state.value == "open"
+        assert _idle(engine, clock) == []
+        clock.now += 60
+        assert _idle(engine, clock) == ["t1"]
+
+    run(scenario, env=IDLE, clock=clock)
+
+
+def test_a_files_transfer_under_way_keeps_it_from_idling() -> None:
+    clock = Clock()
+
+    async def scenario(engine: Engine) -> None:
+        agent = Agent(hello(), lambda m: None if m["op"] == "files" else answer_all(m))
+        await connect(engine, agent)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        reading = asyncio.ensure_future(Files(engine.state).read("u", "t1", "big.bin"))
+        while not agent.ops("files"):
+            await asyncio.sleep(0)
+        clock.now += 600  # a slow download
+        assert _idle(engine, clock) == []
+        reading.cancel()  # it ends (the client went)
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+        assert _idle(engine, clock) == []  # counted from its end
+        clock.now += 60
+        assert _idle(engine, clock) == ["t1"]
+
+    run(scenario, env=IDLE, clock=clock)

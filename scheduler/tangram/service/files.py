@@ -24,7 +24,7 @@ from tangram.api.wire import (
     FilesOutcome,
 )
 from tangram.service.agents import AgentLink
-from tangram.service.records import EngineError, ErrorKind
+from tangram.service.records import EngineError, ErrorKind, TrajectoryRecord
 from tangram.service.state import PoolState, agent_gone
 
 # What each refusal of the environment's is, to the caller.
@@ -85,7 +85,7 @@ class Files:
 
     def _request(
         self, tenant: str, tid: str, action: FileOp, path: str, **kw: object
-    ) -> tuple[AgentLink, AgentFiles]:
+    ) -> tuple[AgentLink, AgentFiles, TrajectoryRecord]:
         check_path(path)
         traj = self.state.usable(tenant, tid)
         link = self.state.link(traj.node)
@@ -102,7 +102,22 @@ class Files:
                 f"{tid}: the agent of node {traj.node} predates {what}; upgrade the node agents",
             )
         req = AgentFiles(trajectory=traj.key, action=action, path=path, **kw)
-        return link, req
+        return link, req, traj
+
+    def _in_use(self, traj: TrajectoryRecord) -> Callable[[], None]:
+        """``traj`` has a files request under way, and is not idle, until the call this
+        returns (which may come more than once)."""
+        traj.transfers += 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                traj.transfers -= 1
+                traj.active_at = self.state.clock()
+
+        return end
 
     async def ask(
         self, tenant: str, tid: str, action: FileOp, path: str, **kw: object
@@ -110,8 +125,12 @@ class Files:
         """list, stat, mkdir, remove, rename: one request, one reply."""
         if action == "rename":
             check_path(str(kw.get("to") or ""), "to")
-        link, req = self._request(tenant, tid, action, path, **kw)
-        return _outcome(await self.state.ask(link.node, req), path)
+        link, req, traj = self._request(tenant, tid, action, path, **kw)
+        end = self._in_use(traj)
+        try:
+            return _outcome(await self.state.ask(link.node, req), path)
+        finally:
+            end()
 
     async def read(self, tenant: str, tid: str, path: str) -> Download:
         """A file's entry, then its bytes."""
@@ -122,7 +141,13 @@ class Files:
         return await self._download(tenant, tid, path, "tar")
 
     async def _download(self, tenant: str, tid: str, path: str, action: FileOp) -> Download:
-        link, req = self._request(tenant, tid, action, path)
+        link, req, traj = self._request(tenant, tid, action, path)
+        end = self._in_use(traj)
+
+        async def close() -> None:
+            end()
+            await stream.close()
+
         with agent_gone(link.node):
             stream = link.stream(req)
             try:
@@ -131,7 +156,7 @@ class Files:
                     _outcome(await stream.reply(), path)  # raises why it ended
                     raise EngineError("failed", "path", f"{path}: the agent sent no entry")
             except BaseException:
-                await stream.close()
+                await close()
                 raise
 
         async def data() -> AsyncGenerator[bytes, None]:
@@ -141,9 +166,9 @@ class Files:
                         yield chunk
                     _outcome(await stream.reply(), path)  # a read that failed midway raises
             finally:
-                await stream.close()
+                await close()
 
-        return Download(head.files.entry, data(), stream.close)
+        return Download(head.files.entry, data(), close)
 
     async def write(
         self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes], mode: int
@@ -162,18 +187,22 @@ class Files:
         self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes], action: FileOp,
         **kw: object,
     ) -> FilesOutcome:  # fmt: skip
-        link, req = self._request(tenant, tid, action, path, **kw)
-        with agent_gone(link.node):
-            stream = link.stream(req)
-            try:
-                async for chunk in _whole_chunks(body):
-                    if not await stream.send(chunk):
-                        break  # refused: the reply says why
-                else:
-                    stream.end_input()
-                done = _outcome(await stream.reply(), path, told=action == "untar")
-            finally:
-                await stream.close()  # a body that broke off cancels the write: nothing lands
+        link, req, traj = self._request(tenant, tid, action, path, **kw)
+        end = self._in_use(traj)
+        try:
+            with agent_gone(link.node):
+                stream = link.stream(req)
+                try:
+                    async for chunk in _whole_chunks(body):
+                        if not await stream.send(chunk):
+                            break  # refused: the reply says why
+                    else:
+                        stream.end_input()
+                    done = _outcome(await stream.reply(), path, told=action == "untar")
+                finally:
+                    await stream.close()  # a body that broke off cancels the write
+        finally:
+            end()
         return done
 
 

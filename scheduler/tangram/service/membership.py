@@ -101,6 +101,7 @@ class Membership:
             if rec.state is TrajectoryState.AWAY:  # its agent is back within the grace
                 if self._place_again(meta.id, s.env_of(rec), node, rec.tenant):
                     rec.state = TrajectoryState.OPEN
+                    rec.active_at = s.clock()  # its idle time starts again from its return
                 else:
                     self.trajectories.lose(rec, f"its memory is no longer free on {node}")
             if rec.state is TrajectoryState.OPEN:
@@ -109,8 +110,11 @@ class Membership:
             return False  # lost (the grace ended) or closed while its agent was away
         env = s.config.envs.get(meta.env)
         name = meta.name or meta.id
-        # Taken when its tenant opened the id again while this agent was away too long.
+        # Taken when its tenant opened the id again while this agent was away too long; or
+        # the open's retry opened another before this agent was back.
         if env is None or not meta.tenant or (meta.tenant, name) in s.named:
+            return False
+        if self.trajectories.opened_again(meta):
             return False
         if not self._place_again(meta.id, env, node, meta.tenant):
             return False

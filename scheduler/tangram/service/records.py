@@ -70,6 +70,7 @@ class TrajectoryRecord:
     # Engine clock when it was last in use: opened or taken back, an action or a files
     # request asked, an action ended (its env's idle timeout counts from there).
     active_at: float = 0.0
+    transfers: int = 0  # files requests under way (it is not idle meanwhile)
     # What the core and the agent know it by, unique in the pool: its id, unless another
     # tenant held that id when it opened.
     key: str = ""

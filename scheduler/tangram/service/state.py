@@ -94,7 +94,7 @@ class PoolState:
         """``tenant``'s trajectory ``tid``: 404 for an unknown one or another tenant's; 503
         (retry) for an unknown one while agents may still be reconnecting."""
         rec = self.named.get((tenant, tid))
-        if rec is None and self.config.envs and self.clock() < self.reconnect_until:
+        if rec is None and self.reconnecting():
             raise EngineError(
                 "unavailable",
                 "trajectory",
@@ -106,6 +106,11 @@ class PoolState:
             why = f" (closed: {recent.ended})" if recent is not None and recent.ended else ""
             raise EngineError("not_found", "trajectory", f"{tid} does not exist{why}")
         return rec
+
+    def reconnecting(self) -> bool:
+        """Whether agents may still be coming back with environments this scheduler does
+        not know yet (it has just started)."""
+        return bool(self.config.envs) and self.clock() < self.reconnect_until
 
     def add_trajectory(self, rec: TrajectoryRecord) -> None:
         self.trajectories[rec.key] = rec
@@ -126,6 +131,7 @@ class PoolState:
         """An open trajectory of ``tenant``; 503 (retry) while its agent is away."""
         traj = self.trajectory(tenant, tid)
         if traj.state is TrajectoryState.AWAY:
+            traj.active_at = self.clock()  # asked for: in use, its agent away or not
             raise EngineError(
                 "unavailable",
                 "trajectory",

@@ -16,6 +16,7 @@ from tangram.api.wire import (
     AgentOpen,
     ErrorInfo,
     OpenTrajectory,
+    TrajectoryMeta,
     TrajectoryState,
 )
 from tangram.scheduler.core.scheduler import SchedulingError
@@ -49,12 +50,13 @@ class Trajectories:
         )
 
     async def open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
-        if req.idempotency_key is None:
-            return await self._open(tenant, req)
-        tenant_key = (tenant, req.idempotency_key)
-        known = self._opens.get(tenant_key)
+        key = req.idempotency_key
+        known = self._opens.get((tenant, key)) if key is not None else None
         if known is not None:
             return await self._again(tenant, req, *known)
+        if key is None:
+            return await self._open(tenant, req)
+        tenant_key = (tenant, key)
         opening: asyncio.Future[TrajectoryRecord] = asyncio.get_running_loop().create_future()
         self._remember(tenant_key, req.digest(), opening)
         try:
@@ -79,9 +81,15 @@ class Trajectories:
         while len(self._opens) > MAX_OPEN_KEYS:
             self._opens.popitem(last=False)
 
+    def opened_again(self, meta: TrajectoryMeta) -> bool:
+        """Whether a retry of the open that made ``meta``'s trajectory has opened another
+        since (its agent came back after the retry): the client has that one, and never
+        learnt of this one."""
+        return meta.open_key is not None and (meta.tenant, meta.open_key) in self._opens
+
     def taken_back(self, rec: TrajectoryRecord) -> None:
         """A trajectory an agent handed back after a restart: its open's retry gets it."""
-        if rec.open_key is None or (rec.tenant, rec.open_key[0]) in self._opens:
+        if rec.open_key is None:
             return
         opened: asyncio.Future[TrajectoryRecord] = asyncio.get_running_loop().create_future()
         opened.set_result(rec)
@@ -259,6 +267,7 @@ class Trajectories:
             if t.state is TrajectoryState.OPEN
             and t.opening is None
             and t.key not in busy
+            and not t.transfers
             and (limit := s.env_of(t).idle_timeout_s) is not None
             and now - t.active_at >= limit
         ]
