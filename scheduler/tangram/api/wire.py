@@ -32,6 +32,19 @@ from tangram.api.spec_base import ENV_NAME
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 _ENV_NAME = re.compile(ENV_NAME)
+
+
+def env_problem(env: dict[str, str]) -> str | None:
+    """What is wrong with environment variables ``env`` (a command's), naming the
+    variable; None when nothing is."""
+    for k, v in env.items():
+        if not _ENV_NAME.fullmatch(k):
+            return f"{k!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)"
+        if "\0" in v:
+            return f"{k!r}: values cannot contain NUL bytes"
+    return None
+
+
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 MAX_OUTPUT = 16 << 20
 
@@ -162,11 +175,8 @@ class ExecRequest(_Strict):
         for name, texts in (("argv", self.argv or []), ("args", self.args)):
             if any("\0" in a for a in texts):
                 raise ValueError(f"{name}: arguments cannot contain NUL bytes")
-        for k, v in self.env.items():
-            if not _ENV_NAME.fullmatch(k):
-                raise ValueError(f"env: {k!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
-            if "\0" in v:
-                raise ValueError(f"env.{k}: values cannot contain NUL bytes")
+        if (problem := env_problem(self.env)) is not None:
+            raise ValueError(f"env: {problem}")
         given = [n for n in ("argv", "profile", "session") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of argv, profile or session")

@@ -19,7 +19,7 @@ from tangram.api.demand import AmdahlEfficiency, Efficiency, allowed_units, dura
 from tangram.api.trace import TrajectoryTrace
 from tangram.scheduler.core.admission import quota_units
 from tangram.scheduler.core.decisions import Ahead
-from tangram.scheduler.core.gpu_pool import Chunk
+from tangram.scheduler.core.gpu_pool import Chunk, gb_per_gpu, holds
 from tangram.scheduler.core.quota_pool import Quota
 from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig
 from tangram.sim.engine import Done
@@ -499,8 +499,8 @@ class StaticGpuBackend(_NoTrajectoryState):
 
 def _fits(svc: ServiceSpec, k: int, node: NodeSpec) -> bool:
     """Whether a DoP-``k`` instance of ``svc`` fits ``node``'s GPUs and their memory."""
-    per_gpu = svc.gpu_memory_gb if svc.replicated else svc.gpu_memory_gb / k
-    return node.gpus >= k and node.gpu_memory_gb + 1e-9 >= per_gpu
+    per_gpu = gb_per_gpu(svc.gpu_memory_gb, svc.replicated, k)
+    return holds(node.gpus, node.gpu_memory_gb, k, per_gpu)
 
 
 def _static_dop(svc: ServiceSpec, nodes: list[NodeSpec], cap: int, share: int) -> int:

@@ -10,6 +10,7 @@ from tangram.api.demand import allowed_units
 from tangram.api.trace import TrajectoryTrace
 from tangram.scheduler.core.admission import quota_limit, quota_units
 from tangram.scheduler.core.dp import chunk_level
+from tangram.scheduler.core.gpu_pool import gb_per_gpu, holds
 from tangram.scheduler.core.quota_pool import Quota
 
 
@@ -76,10 +77,10 @@ def _check_gpu(svc: ServiceSpec, wanted: tuple[int, ...], cluster: ClusterSpec, 
     why = []
     for k in choices:
         size = chunk_level(k)
-        per_gpu = svc.gpu_memory_gb if svc.replicated else svc.gpu_memory_gb / size
-        big = [n for n in cluster.nodes if n.gpus >= size]
-        if any(n.gpu_memory_gb + 1e-9 >= per_gpu for n in big):
+        per_gpu = gb_per_gpu(svc.gpu_memory_gb, svc.replicated, size)
+        if any(holds(n.gpus, n.gpu_memory_gb, size, per_gpu) for n in cluster.nodes):
             return
+        big = [n for n in cluster.nodes if n.gpus >= size]
         if big:
             most = max(n.gpu_memory_gb for n in big)
             why.append(f"DoP {k} needs {per_gpu:g} GB per GPU (gpu_memory_gb at most {most:g})")

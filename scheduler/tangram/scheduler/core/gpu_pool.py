@@ -160,15 +160,14 @@ class GpuPool:
 
     def per_gpu(self, service: str, size: int) -> float:
         """GB a chunk-``size`` instance of ``service`` holds on each of its GPUs."""
-        total = self.memory_gb[service]
-        return total if service in self.replicated else total / size
+        return gb_per_gpu(self.memory_gb[service], service in self.replicated, size)
 
     def fits(self, service: str, k: int) -> bool:
         """Whether a DoP-k instance of ``service`` can ever fit in GPU memory."""
         size = chunk_level(k)
         per_gpu = self.per_gpu(service, size)
         return any(
-            n.gpus >= size and n.memory_gb + 1e-9 >= per_gpu and self.hosts(n.name, service)
+            holds(n.gpus, n.memory_gb, size, per_gpu) and self.hosts(n.name, service)
             for n in self.nodes.values()
         )
 
@@ -513,6 +512,18 @@ class GpuPool:
         if start in node.free[size]:
             raise ValueError(f"chunk ({node.name}, {start}, {size}) freed twice")
         node.free[size].add(start)
+
+
+def gb_per_gpu(total_gb: float, replicated: bool, size: int) -> float:
+    """GB an instance of ``total_gb`` holds on each GPU of a chunk of ``size``: all of it
+    when each GPU holds a replica, else its share."""
+    return total_gb if replicated else total_gb / size
+
+
+def holds(gpus: int, memory_gb: float, size: int, per_gpu: float) -> bool:
+    """Whether a node of ``gpus`` GPUs of ``memory_gb`` each can ever hold a chunk-``size``
+    instance taking ``per_gpu`` GB on each."""
+    return gpus >= size and memory_gb + 1e-9 >= per_gpu
 
 
 def _free_level(node: GpuNode, chunk: Chunk) -> int | None:

@@ -5,7 +5,6 @@ No ``from __future__ import annotations``: FastAPI reads the routes' annotations
 """
 
 import datetime as dt
-import re
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -14,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from tangram.api.demand import allowed_units
-from tangram.api.spec_base import ENV_NAME
+from tangram.api.wire import env_problem
 from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
@@ -26,7 +25,6 @@ from tangram.service.e2b.sandboxes import (
 ENVD_VERSION = "0.5.7"  # the envd whose API is served: octet-stream uploads, stdin control
 Admit = Callable[[str | None], Awaitable[str]]  # a token to its tenant, or E2BError
 
-_ENV_NAME = re.compile(ENV_NAME)
 Timeout = Annotated[int, Field(ge=1, le=MAX_TIMEOUT_S, description="seconds from now")]
 
 
@@ -46,11 +44,8 @@ class NewSandbox(_Body):
     @classmethod
     def _variables(cls, env: dict[str, str]) -> dict[str, str]:
         """Refused here, or every command of the sandbox would be refused for them."""
-        for name, value in env.items():
-            if not _ENV_NAME.fullmatch(name):
-                raise _invalid(f"{name!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
-            if "\0" in value:
-                raise _invalid(f"{name}: values cannot contain NUL bytes")
+        if (problem := env_problem(env)) is not None:
+            raise _invalid(problem)  # (the error names envVars)
         return env
 
 
