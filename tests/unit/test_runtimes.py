@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ from tangram.api.wire import (
 from tangram.node_agent import runtimes
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.env_files import EnvFiles, FileError
-from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone, Output
+from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone, Opened, Output
 
 
 class Recorder:
@@ -224,6 +225,43 @@ def test_top_ups_of_one_runtime_run_one_at_a_time() -> None:
 
     asyncio.run(refills())
     assert inner.peak == 1
+
+
+def test_an_open_cut_off_while_its_sandbox_starts_closes_the_sandbox_once_made() -> None:
+    """The link dropped while a pod started: its thread goes on, and what it makes is
+    nobody's (the next hello, sent meanwhile, did not list it), so it is closed."""
+    made, go = threading.Event(), threading.Event()
+
+    class Inner:
+        def __init__(self) -> None:
+            self.envs: dict[str, str] = {}
+            self.closed: list[str] = []
+
+        def open(self, trajectory: str, spec: EnvSpec) -> Opened:
+            go.wait(30)
+            self.envs[trajectory] = f"pod-for-{trajectory}"
+            made.set()
+            return Opened("pod", False, 0.1)
+
+        def close(self, trajectory: str) -> None:
+            self.closed.append(self.envs.pop(trajectory))
+
+    inner = Inner()
+    sandboxes = runtimes.Sandboxes("inner", inner)
+
+    async def scenario() -> None:
+        opening = asyncio.ensure_future(sandboxes.open("t1", EnvSpec(name="box", image="i")))
+        await asyncio.sleep(0)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        assert sandboxes.held() == []  # what a hello now would list
+        go.set()
+        while not inner.closed:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))  # (a guard against a hang)
+    assert made.is_set() and inner.closed == ["pod-for-t1"] and sandboxes.held() == []
 
 
 def test_a_file_request_goes_to_the_runtime_and_its_refusal_is_the_reply(

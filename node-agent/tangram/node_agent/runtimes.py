@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -185,7 +186,14 @@ class Sandboxes:
         return sorted(self.inner.envs)
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
-        opened = await asyncio.to_thread(self.inner.open, trajectory, spec)
+        making = asyncio.ensure_future(asyncio.to_thread(self.inner.open, trajectory, spec))
+        try:
+            opened = await asyncio.shield(making)
+        except asyncio.CancelledError:
+            # Its thread goes on; what it makes is nobody's (the scheduler forgets an open
+            # cut off, and a hello sent meanwhile did not list it): closed once made.
+            making.add_done_callback(partial(self._abandoned, trajectory))
+            raise
         if spec.warm:
             refill = asyncio.ensure_future(self.warm(spec))
             self._background.add(refill)
@@ -196,6 +204,13 @@ class Sandboxes:
         async with self._warming:
             with contextlib.suppress(ExecError):  # a failed top-up fails the next open
                 await asyncio.to_thread(self.inner.warm, spec)
+
+    def _abandoned(self, trajectory: str, making: asyncio.Future[Any]) -> None:
+        if making.cancelled() or making.exception() is not None:
+            return  # nothing was made (a failed open removes what it began)
+        closing = asyncio.ensure_future(asyncio.to_thread(self.inner.close, trajectory))
+        self._background.add(closing)
+        closing.add_done_callback(self._background.discard)
 
     def close(self, trajectory: str) -> None:
         self.inner.close(trajectory)
