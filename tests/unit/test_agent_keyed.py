@@ -6,6 +6,8 @@ yet), and a result a link took but could not send (it used to be lost)."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -185,6 +187,33 @@ def test_a_journal_line_cut_by_a_crash_is_skipped(tmp_path: Path) -> None:
         f.write(b'{"d":"b","r":{"rid":0,"o')  # the process died mid-write
     done, started = KeyJournal(tmp_path / "keys.journal").load()
     assert done == {"a": b'{"rid":0,"ok":true}'} and started == {"b"}
+
+
+def test_a_line_the_disk_took_only_part_of_leaves_the_next_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up mid-line: the append fails (the key is not run), and once there
+    is room the next line starts on its own instead of gluing onto the torn one."""
+    journal = KeyJournal(tmp_path / "keys.journal")
+    journal.started("a")
+    write = os.write
+
+    def full_after_half(fd: int, data: bytes) -> int:
+        monkeypatch.setattr(os, "write", no_space)
+        return write(fd, bytes(data[: len(data) // 2]))
+
+    def no_space(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_after_half)
+    with pytest.raises(OSError, match="No space"):
+        journal.started("b")
+    monkeypatch.setattr(os, "write", write)  # room again
+    journal.done("a", b'{"rid":0,"ok":true}')
+    journal.started("c")
+    journal.close()
+    done, started = KeyJournal(tmp_path / "keys.journal").load()
+    assert done == {"a": b'{"rid":0,"ok":true}'} and started == {"c"}
 
 
 def test_a_keyed_run_cut_off_by_a_graceful_stop_is_unknown_to_the_next_agent(

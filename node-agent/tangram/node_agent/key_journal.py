@@ -28,6 +28,7 @@ class KeyJournal:
         self.path = path
         self._fd = -1
         self._written = 0  # bytes since the last rewrite
+        self._torn = False  # the last append landed in part: the file ends mid-line
         self.asked: dict[str, str] = {}  # what each key loaded ran (lines that say so)
 
     def load(self) -> tuple[OrderedDict[str, bytes], set[str]]:
@@ -78,6 +79,7 @@ class KeyJournal:
         self.close()
         tmp.replace(self.path)
         self._written = 0
+        self._torn = False  # a new file
 
     def due(self, kept_bytes: int) -> bool:
         """Whether the file has grown past twice what is kept: time to rewrite it."""
@@ -93,7 +95,16 @@ class KeyJournal:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                                0o600)  # fmt: skip
-        os.write(self._fd, line)  # one write: a line is whole or, cut by a crash, skipped
+        if self._torn:  # what was left of the last line: this one starts on a line of its own
+            line = b"\n" + line
+        rest = memoryview(line)
+        try:
+            while rest:  # a write may take part of it (the disk filling up)
+                rest = rest[os.write(self._fd, rest) :]
+        except OSError:
+            self._torn |= len(rest) < len(line)  # part of it landed: a line cut short
+            raise
+        self._torn = False
         self._written += len(line)
 
 
