@@ -478,3 +478,25 @@ def test_a_close_that_comes_while_the_environment_opens_closes_what_it_makes(
         assert "closed while it opened" in opened[0].text
         assert agent.runtime.held() == []  # nothing of it left on the node
         assert r.engine.core.trajectories == {}
+
+
+def test_stopping_the_service_gives_actions_in_flight_their_grace(tmp_path: Path) -> None:
+    """Ctrl-C of `tangram up`: an action already running finishes within the grace and
+    its caller gets its answer, before the trajectories are closed."""
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    agent = NodeAgent.create(
+        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
+    )
+    got: list[ActionResult] = []
+    started = tmp_path / "started"
+    with service(CONFIG, agent, tmp_path, grace_s=30) as (running, token):
+        client = Client(running.url, token, retries=0)
+        t = client.open("shell")
+        argv = ["sh", "-c", f"touch {started}; sleep 1; echo finished"]
+        runner = threading.Thread(target=lambda: got.append(client.exec(t.id, argv)))
+        runner.start()
+        until(started.exists, "the action did not start")
+    runner.join(30)  # the service has stopped (the context's end)
+    client.shutdown()
+    assert [(r.status, r.stdout) for r in got] == [(ActionStatus.OK, "finished\n")]

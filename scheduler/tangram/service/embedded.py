@@ -120,7 +120,9 @@ async def run(
     try:
         await stop.wait()
     finally:
-        engine.state.accepting = False
+        # In-flight actions get their grace before their trajectories close (a close
+        # cancels what still runs in it).
+        await engine.wind_down(grace_s)
         for rec in list(engine.trajectories.values()) if close_on_exit else []:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(engine.close_trajectory(rec.tenant, rec.id), grace_s)

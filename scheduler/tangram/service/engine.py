@@ -183,6 +183,16 @@ class Engine:
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop admitting; give running actions ``grace_s`` to finish, cancel the rest."""
+        await self.wind_down(grace_s)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.save_learned()  # with what the last runs taught
+        await self.api.close()
+
+    async def wind_down(self, grace_s: float) -> None:
+        """Stop admitting; end queued actions (retryable); give running ones ``grace_s``
+        to finish, and cancel those still running then."""
         s = self.state
         s.accepting = False
         for rec in list(s.actions.values()):
@@ -197,11 +207,6 @@ class Engine:
                 t.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.gather(*late, return_exceptions=True)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.save_learned()  # with what the last runs taught
-        await self.api.close()
 
     @property
     def ready(self) -> bool:
