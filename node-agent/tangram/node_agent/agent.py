@@ -46,6 +46,7 @@ from tangram.api.wire import (
     TrajectoryMeta,
     json_bytes,
 )
+from tangram.node_agent import state_lock
 from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, given, owner_id
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
@@ -180,6 +181,7 @@ class NodeAgent:
         self.idle_cores = idle_cores
         self.node = node
         self.meta_dir: Path | None = None  # where trajectory metadata outlives the agent
+        self._state_lock: int | None = None  # its state directory's lock (state_lock.hold)
         self.meta: dict[str, TrajectoryMeta] = {}
         self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
         # At-most-once execution per key: finished replies, and keyed runs in flight.
@@ -212,11 +214,41 @@ class NodeAgent:
         cache_dir: Path | None = None,
         gpus: GpuOptions | None = None,
         pods: PodOptions | None = None,
+        exclusive: bool = False,
     ) -> NodeAgent:
         """An agent for this machine; ``runtime``: auto, docker, pod (sandboxes as pods on
         this Kubernetes node: ``pods`` says where), process, or noop (runs nothing, on
         ``cores_for_actions`` virtual cores: for benchmarks of the service); ``gpus``:
-        whether it serves RewardService calls, and on which devices."""
+        whether it serves RewardService calls, and on which devices; ``exclusive``: the
+        state directory is this process's alone while it runs (ExecError if another agent
+        has it: the CLI's agents; a test may stand in for a restart in one process)."""
+        lock = state_lock.hold(state_dir) if exclusive else None
+        try:
+            agent = cls._create(
+                state_dir, node=node, runtime=runtime, idle_cores=idle_cores,
+                cores_for_actions=cores_for_actions, cache_dir=cache_dir, gpus=gpus, pods=pods,
+            )  # fmt: skip
+        except BaseException:
+            if lock is not None:
+                state_lock.release(lock)
+            raise
+        agent._state_lock = lock
+        return agent
+
+    @classmethod
+    def _create(
+        cls,
+        state_dir: Path,
+        *,
+        node: str | None,
+        runtime: str,
+        idle_cores: int,
+        cores_for_actions: int | None,
+        cache_dir: Path | None,
+        gpus: GpuOptions | None,
+        pods: PodOptions | None,
+    ) -> NodeAgent:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # outputs and tenants
         options = gpus or GpuOptions()
         inventory = read_inventory(gpus=nvml_gpus if options.mode in ("auto", "cuda") else None)
         name = node or inventory.hostname
@@ -494,7 +526,9 @@ class NodeAgent:
         if self.meta_dir is not None:
             self.meta_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.meta_dir / f".{meta.id}.json"
-            tmp.write_text(meta.model_dump_json(), encoding="utf-8")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as out:  # (its tenant's name: this agent's alone to read)
+                out.write(meta.model_dump_json().encode())
             tmp.replace(self.meta_dir / f"{meta.id}.json")  # atomic: never half a file
 
     def use_journal(self, journal: KeyJournal) -> None:
@@ -588,6 +622,9 @@ class NodeAgent:
         for task in self._tasks.values():
             task.cancel()
         await self.runtime.shutdown()
+        if self._state_lock is not None:
+            state_lock.release(self._state_lock)
+            self._state_lock = None
 
 
 def exec_io(req: AgentExec, stream: Stream | None) -> ExecIO | None:

@@ -70,7 +70,8 @@ class KeyJournal:
         asked = asked or {}
         tmp = self.path.with_suffix(".tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with tmp.open("wb") as out:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as out:  # (replies hold commands' output: this agent's alone)
             for key in started:
                 out.write(b'{"s":' + _quoted(key) + _asked(asked.get(key, "")) + b"}\n")
             for key, reply in done.items():

@@ -1,0 +1,47 @@
+"""An agent's state directory: one agent at a time (the CLI's agents), and what it keeps
+there (commands' output, tenants) is its own to read."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tangram.api.wire import AgentExec, AgentOpen, EnvSpec, TrajectoryMeta
+from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.execution import ExecError
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_second_agent_on_a_state_directory_in_use_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = NodeAgent.create(state, runtime="noop", cores_for_actions=1, exclusive=True)
+    with pytest.raises(ExecError, match=rf"--state-dir {state} is in use by another agent "
+                       rf"\(pid {os.getpid()}\)"):  # fmt: skip
+        NodeAgent.create(state, runtime="noop", cores_for_actions=1, exclusive=True)
+    asyncio.run(first.shutdown())
+    again = NodeAgent.create(state, runtime="noop", cores_for_actions=1, exclusive=True)
+    asyncio.run(again.shutdown())
+
+
+def test_what_an_agent_keeps_is_readable_by_it_alone(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    agent = NodeAgent.create(state, runtime="noop", cores_for_actions=1)
+    meta = TrajectoryMeta(id="t1", tenant="alice", env="e")
+    spec = EnvSpec(name="e", image="i")
+
+    async def scenario() -> None:
+        await agent.handle(AgentOpen(rid=1, trajectory="t1", env=spec, meta=meta))
+        await agent.handle(AgentExec(rid=2, trajectory="t1", argv=["true"], cores=[0], key="k"))
+        await agent.shutdown()
+
+    asyncio.run(scenario())
+    assert _mode(state) == 0o700 and _mode(state / "meta" / "t1.json") == 0o600
+    NodeAgent.create(state, runtime="noop", cores_for_actions=1)  # rewrites its journal
+    assert _mode(state / "keys.journal") == 0o600
