@@ -10,7 +10,14 @@ from typing import Any
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.pod_runtime import PodApi
 
-__all__ = ["kube_pod_api"]
+__all__ = ["LIST_TIMEOUT_S", "REQUEST_TIMEOUT", "kube_pod_api"]
+
+# Every call's (connect, read) timeout: an API server that stops answering fails the call
+# (retryable) instead of holding an agent thread forever. The read allows for admission
+# webhooks (30 s at most each).
+REQUEST_TIMEOUT = (5.0, 40.0)
+# Lists also ask the API server to end the call by then (server-side timeoutSeconds).
+LIST_TIMEOUT_S = 30
 
 
 def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
@@ -48,19 +55,21 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
         return ExecError(
             f"{what}: the API server answered {e.status} {e.reason}{said}",
             reason="RuntimeClassNotFound" if missing else "",
-            retryable=e.status in (429, 500, 503, 504),
+            retryable=e.status in (429, 500, 502, 503, 504),
         )
 
     class Api:
         def create(self, manifest: dict[str, Any]) -> None:
             try:
-                core.create_namespaced_pod(namespace, manifest)  # type: ignore[arg-type]
+                core.create_namespaced_pod(namespace, manifest, _request_timeout=REQUEST_TIMEOUT)  # type: ignore[arg-type]
             except Exception as e:
                 raise fail(e, f"creating pod {namespace}/{manifest['metadata']['name']}") from None
 
         def get(self, name: str) -> dict[str, Any] | None:
             try:
-                return to_dict(core.read_namespaced_pod(name, namespace))
+                return to_dict(
+                    core.read_namespaced_pod(name, namespace, _request_timeout=REQUEST_TIMEOUT)
+                )
             except Exception as e:
                 if isinstance(e, ApiException) and e.status == 404:
                     return None
@@ -69,7 +78,10 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
         def events(self, name: str) -> list[dict[str, Any]]:
             try:
                 found = core.list_namespaced_event(
-                    namespace, field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}"
+                    namespace,
+                    field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}",
+                    timeout_seconds=LIST_TIMEOUT_S,
+                    _request_timeout=REQUEST_TIMEOUT,
                 )
             except Exception:
                 return []  # events only add detail to an error: never fail for them
@@ -77,7 +89,12 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
 
         def list(self, selector: str) -> list[dict[str, Any]]:
             try:
-                pods = core.list_namespaced_pod(namespace, label_selector=selector)
+                pods = core.list_namespaced_pod(
+                    namespace,
+                    label_selector=selector,
+                    timeout_seconds=LIST_TIMEOUT_S,
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
             except Exception as e:
                 raise fail(e, f"listing pods {selector}") from None
             return [to_dict(p) for p in pods.items]
@@ -87,13 +104,17 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
         ) -> None:
             meta = {"labels": dict(labels), "annotations": dict(annotations)}
             try:
-                core.patch_namespaced_pod(name, namespace, {"metadata": meta})
+                core.patch_namespaced_pod(
+                    name, namespace, {"metadata": meta}, _request_timeout=REQUEST_TIMEOUT
+                )
             except Exception as e:
                 raise fail(e, f"labelling pod {namespace}/{name}") from None
 
         def delete(self, name: str) -> None:
             try:
-                core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+                core.delete_namespaced_pod(
+                    name, namespace, grace_period_seconds=0, _request_timeout=REQUEST_TIMEOUT
+                )
             except Exception as e:
                 if not (isinstance(e, ApiException) and e.status == 404):
                     raise fail(e, f"deleting pod {namespace}/{name}") from None

@@ -10,7 +10,9 @@ process's socket. It needs no Docker socket and no container runtime API.
 A warm pod is claimed by relabelling it (one API call); a cold open creates a pod and
 waits for it. Pods outlive the agent: a restarted agent lists the pods of its pool on its
 node and takes them back with their files; nothing deletes them but a close, the pool's
-deletion (ownerReference) or an agent that finds them dead.
+deletion (ownerReference) or an agent that finds them dead. A pod is labelled warm or
+open only once it is set up: one still ``preparing`` when its agent died is deleted by the
+next, which cannot know how far its setup got.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,7 +50,10 @@ __all__ = ["DEFAULT_EXECD_PATH", "PodApi", "PodRuntime"]
 log = logging.getLogger("tangram.agent")
 
 DEFAULT_EXECD_PATH = "/usr/local/libexec/tangram/tangram-execd"  # in the agent's image
-STATE = f"{LABEL}/state"  # warm | open
+STATE = f"{LABEL}/state"  # preparing | warm | open
+# Made, but its workdir, pids limit or setup commands not done yet: neither claimable nor
+# any trajectory's (agents from before this state create pods warm or open at once).
+PREPARING = "preparing"
 AGENT = f"{LABEL}/agent"  # which agent's sandbox (label_value of PodRuntime.agent)
 
 
@@ -56,9 +62,34 @@ AGENT = f"{LABEL}/agent"  # which agent's sandbox (label_value of PodRuntime.age
 TRAJECTORY = f"{LABEL}/trajectory"
 
 
+# When the pod was last opened (ISO 8601, UTC): of two pods open for one trajectory after
+# a lost answer, the one opened last is the one whose open succeeded.
+OPENED_AT = f"{LABEL}/opened-at"
+
+
 def _opened(trajectory: str) -> tuple[dict[str, str], dict[str, str]]:
     """The labels and annotations of a pod open for ``trajectory``."""
     return {STATE: "open", TRAJECTORY: label_value(trajectory)}, {TRAJECTORY: trajectory}
+
+
+def _opening(trajectory: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``_opened`` with the time of this open."""
+    labels, notes = _opened(trajectory)
+    return labels, {**notes, OPENED_AT: datetime.now(UTC).isoformat(timespec="microseconds")}
+
+
+def _open_since(obj: Mapping[str, Any]) -> tuple[datetime, str]:
+    """When a pod was opened (its creation for pods of agents that did not say), then its
+    name: what orders the open pods of one trajectory."""
+    meta = obj.get("metadata") or {}
+    said = (meta.get("annotations") or {}).get(OPENED_AT) or meta.get("creationTimestamp")
+    try:
+        when = datetime.fromisoformat(str(said))
+    except ValueError:
+        when = datetime.min
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when, str(meta.get("name", ""))
 
 
 class PodApi(Protocol):
@@ -127,12 +158,11 @@ class PodRuntime(SandboxRuntime[Pod]):
 
     # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
     def _make(self, template: EnvSpec, trajectory: str | None) -> Pod:
-        state, notes = _opened(trajectory) if trajectory else ({STATE: "warm"}, {})
-        return self._create(template, state, notes)
+        return self._create(template, trajectory)
 
     def _claim(self, pod: Pod, trajectory: str) -> bool:
         try:
-            self.api.label(pod.name, *_opened(trajectory))
+            self.api.label(pod.name, *_opening(trajectory))
         except ExecError as e:
             if e.retryable:  # the API server, not the pod: keep it for the next open
                 raise
@@ -153,10 +183,35 @@ class PodRuntime(SandboxRuntime[Pod]):
 
         Running pods whose exec server answers are taken as they are, open or warm; pods
         that ended or never started are deleted (their environment is gone, and the caller
-        reports their trajectories lost).
+        reports their trajectories lost), and so are pods still preparing (how far their
+        setup got is unknown; their open never answered) and all but the last opened of
+        a trajectory's pods (the others' opens failed: a lost answer, then a retry).
         """
         selector = f"{LABEL}/sandbox=true,{AGENT}={label_value(self.agent)}"
+        warm: list[dict[str, Any]] = []
+        opened: dict[str, list[dict[str, Any]]] = {}
         for obj in self.api.list(selector):
+            meta = obj["metadata"]
+            labels = meta.get("labels") or {}
+            # (a pod opened by an agent from before the annotation has the id as its label)
+            notes = meta.get("annotations") or {}
+            trajectory = notes.get(TRAJECTORY) or labels.get(TRAJECTORY)
+            if labels.get(STATE) == "open" and trajectory:
+                opened.setdefault(trajectory, []).append(obj)
+            elif labels.get(STATE) == "warm":
+                warm.append(obj)
+            else:  # preparing (or a state this agent does not know)
+                self._delete(meta["name"])
+        taken: list[tuple[str | None, dict[str, Any]]] = [(None, obj) for obj in warm]
+        for trajectory, objs in opened.items():
+            *stale, last = sorted(objs, key=_open_since)
+            for obj in stale:
+                log.warning("sandbox pod %s/%s: trajectory %s is open in %s, opened later",
+                            self.namespace, obj["metadata"]["name"], trajectory,
+                            last["metadata"]["name"])  # fmt: skip
+                self._delete(obj["metadata"]["name"])
+            taken.append((trajectory, last))
+        for trajectory, obj in taken:
             meta = obj["metadata"]
             name, labels = meta["name"], meta.get("labels") or {}
             try:
@@ -172,15 +227,10 @@ class PodRuntime(SandboxRuntime[Pod]):
                 continue
             pod = Pod(name, labels.get(f"{LABEL}/template", ""), labels.get(f"{LABEL}/env", ""),
                       reach)  # fmt: skip
-            # (a pod opened by an agent from before the annotation has the id as its label)
-            notes = meta.get("annotations") or {}
-            trajectory = notes.get(TRAJECTORY) or labels.get(TRAJECTORY)
-            if labels.get(STATE) == "open" and trajectory:
+            if trajectory:
                 self.envs[trajectory] = pod
-            elif labels.get(STATE) == "warm":
-                self.warm_pool.setdefault(pod.template, []).append(pod)
             else:
-                self._delete(name)
+                self.warm_pool.setdefault(pod.template, []).append(pod)
         return sorted(self.envs)
 
     def _survey(self) -> Callable[[Pod], str | None]:
@@ -212,7 +262,7 @@ class PodRuntime(SandboxRuntime[Pod]):
         self._dying.pop(name, None)
         return why or ("SandboxExited", f"pod {self.namespace}/{name}: its processes ended")
 
-    def _create(self, template: EnvSpec, state: Mapping[str, str], notes: Mapping[str, str]) -> Pod:
+    def _create(self, template: EnvSpec, trajectory: str | None) -> Pod:
         facts = self._facts.get(self._facts_key(template))  # None: its image not seen yet
         user, workdir = facts or (None, None)
         # The random part is never cut: a long pool name is (pod names hold 63 here).
@@ -224,13 +274,19 @@ class PodRuntime(SandboxRuntime[Pod]):
             node=self.node,
             execd_image=self.execd_image,
             execd_path=self.execd_path,
-            extra_labels={**state, AGENT: label_value(self.agent)},
-            annotations=notes,
+            # Warm or open only once prepared: an agent that dies before leaves it preparing.
+            extra_labels={STATE: PREPARING, AGENT: label_value(self.agent)},
+            annotations={TRAJECTORY: trajectory} if trajectory else None,
             owner=self.owner,
             user=user,
             own_workdir=facts is not None and workdir is None,
         )
-        self.api.create(manifest)  # refused: the API server's reason (RuntimeClass, quota)
+        try:
+            self.api.create(manifest)  # refused: the API server's reason (RuntimeClass, quota)
+        except ExecError as e:
+            if e.retryable:  # a lost answer (a timeout, a 5xx) may hide a stored pod
+                self._delete(name)
+            raise
         try:
             reach = self._reach(self._running(name), wait_s=10.0)
             # Made before its image's facts were known (the first pod of the image, or one
@@ -238,8 +294,9 @@ class PodRuntime(SandboxRuntime[Pod]):
             # ones will be.
             if facts is None and self._learn_facts(template, reach):
                 self._delete(name)
-                return self._create(template, state, notes)
+                return self._create(template, trajectory)
             self._prepare(reach, template)
+            self.api.label(name, *(_opening(trajectory) if trajectory else ({STATE: "warm"}, {})))
         except BaseException:
             self._delete(name)
             raise
@@ -342,7 +399,16 @@ class PodRuntime(SandboxRuntime[Pod]):
         delay = 0.02
         where = f"pod {self.namespace}/{name}"
         while True:
-            obj = self.api.get(name)
+            try:
+                obj = self.api.get(name)
+            except ExecError as e:
+                # A busy or restarting API server (429, 5xx, a timeout) says nothing of the
+                # pod: ask again till the deadline.
+                if not e.retryable or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.25)
+                continue
             if obj is None:
                 raise ExecError(f"{where}: deleted while starting", reason="SandboxDeleted",
                                 retryable=True)  # fmt: skip

@@ -1,0 +1,241 @@
+"""The pod runtime against a fake Kubernetes API (no cluster): a pod is warm or open only
+once it is set up, an API error leaves no pod behind nor fails a pod that starts, and a
+restarted agent keeps one pod per trajectory."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tangram.api.wire import EnvSpec
+from tangram.node_agent.env_template import digest
+from tangram.node_agent.execution import ExecError
+from tangram.node_agent.fast_path import Reachable
+from tangram.node_agent.pod_runtime import AGENT, OPENED_AT, STATE, TRAJECTORY, PodRuntime
+from tangram.node_agent.pod_template import LABEL, SANDBOX, label_value
+
+SPEC = EnvSpec(name="swe", image="swe:1", pool="p", setup=[["pip", "install", "x"]])
+
+
+def _busy(what: str) -> ExecError:
+    return ExecError(f"{what}: the API server answered 429 Too Many Requests", retryable=True)
+
+
+class FakeApi:
+    """Pods by name, running as soon as they are created; what fails is set per test."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.lose_create_answer = False  # stored, then a 504 (or a read timeout)
+        self.get_errors: list[ExecError] = []  # raised by the next reads, in turn
+
+    def create(self, manifest: dict[str, Any]) -> None:
+        pod = copy.deepcopy(manifest)
+        name = pod["metadata"]["name"]
+        pod["status"] = {"phase": "Running", "containerStatuses": [
+            {"name": SANDBOX, "state": {"running": {}}, "containerID": f"containerd://{name}"}
+        ]}  # fmt: skip
+        self.pods[name] = pod
+        if self.lose_create_answer:
+            raise ExecError(f"creating pod {name}: the API server answered 504", retryable=True)
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        if self.get_errors:
+            raise self.get_errors.pop(0)
+        return copy.deepcopy(self.pods.get(name))
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return []
+
+    def list(self, selector: str) -> list[dict[str, Any]]:
+        want = dict(kv.split("=") for kv in selector.split(","))
+        return [copy.deepcopy(p) for p in self.pods.values()
+                if all(p["metadata"]["labels"].get(k) == v for k, v in want.items())]  # fmt: skip
+
+    def label(self, name: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> None:
+        if name not in self.pods:
+            raise ExecError(f"labelling pod {name}: the API server answered 404 Not Found")
+        meta = self.pods[name]["metadata"]
+        meta["labels"].update(labels)
+        meta.setdefault("annotations", {}).update(annotations)
+
+    def delete(self, name: str) -> None:
+        self.pods.pop(name, None)  # (404 is no error)
+
+    def state(self, name: str) -> str:
+        return str(self.pods[name]["metadata"]["labels"][STATE])
+
+
+class Runtime(PodRuntime):
+    """Pods reached and limited without /proc or cgroups; ``prepare`` stands for setup."""
+
+    def __init__(self, api: FakeApi, tmp: Path) -> None:
+        (tmp / "proc").mkdir(exist_ok=True)
+        (tmp / "cg").mkdir(exist_ok=True)
+        super().__init__([0], api=api, node="n1", namespace="ns", execd_image="x", agent="a",
+                         cgroup_root=tmp / "cg", proc_root=tmp / "proc")  # fmt: skip
+        self.tmp = tmp
+        self.prepare: Callable[[], None] = lambda: None
+
+    def _reach(self, obj: dict[str, Any], *, wait_s: float) -> Reachable:
+        return Reachable(obj["metadata"]["name"], self.tmp / "s", 1, "g", "/")
+
+    def _limit(self, reach: Reachable, quota_cores: float | None) -> None:
+        pass
+
+    def _learn_facts(self, template: EnvSpec, reach: Reachable) -> bool:
+        return False
+
+    def _prepare(self, reach: Reachable, template: EnvSpec) -> None:
+        self.prepare()
+
+
+def _runtime(api: FakeApi, tmp: Path) -> Runtime:
+    return Runtime(api, tmp)
+
+
+class KilledError(Exception):
+    """The agent dies here (kill -9, OOM, an upgrade): its handlers never run."""
+
+
+@pytest.mark.parametrize("trajectory", [None, "t-1"])
+def test_a_pod_is_warm_or_open_only_once_prepared_and_a_successor_deletes_it_before(
+    tmp_path: Path, trajectory: str | None
+) -> None:
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    successor = _runtime(api, tmp_path)
+    seen: dict[str, Any] = {}
+
+    def killed_while_preparing() -> None:
+        (name,) = api.pods
+        seen["state"] = api.state(name)
+        seen["adopted"] = successor.adopt()
+        raise KilledError
+
+    rt.prepare = killed_while_preparing
+    with pytest.raises(KilledError):
+        if trajectory:
+            rt.open(trajectory, SPEC)
+        else:
+            rt.warm(SPEC.model_copy(update={"warm": 1}))
+    assert seen["state"] == "preparing"
+    # Its setup may never have run: neither a warm pod nor the trajectory's, and deleted.
+    assert seen["adopted"] == [] and not any(successor.warm_pool.values())
+    assert api.pods == {}
+
+
+def test_a_prepared_pod_is_labelled_warm_then_open(tmp_path: Path) -> None:
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    assert rt.warm(SPEC.model_copy(update={"warm": 1})) == 1
+    (name,) = api.pods
+    assert api.state(name) == "warm"
+    assert rt.open("t-1", SPEC.model_copy(update={"warm": 1})).warm
+    assert api.state(name) == "open"
+    rt.open("t-2", SPEC)
+    (cold,) = set(api.pods) - {name}
+    assert api.state(cold) == "open"
+    assert api.pods[cold]["metadata"]["annotations"][TRAJECTORY] == "t-2"
+
+
+def test_pods_of_an_agent_from_before_the_preparing_state_are_taken_back(tmp_path: Path) -> None:
+    api = FakeApi()
+    api.pods["w"] = _pod("w", "warm")
+    api.pods["o"] = _pod("o", "open", "t-1", annotate=False)  # the id only as its label
+    rt = _runtime(api, tmp_path)
+    assert rt.adopt() == ["t-1"]
+    assert [p.name for p in rt.warm_pool[digest(SPEC)]] == ["w"]
+    assert set(api.pods) == {"w", "o"}
+
+
+def test_a_create_whose_answer_was_lost_leaves_no_pod(tmp_path: Path) -> None:
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    api.lose_create_answer = True
+    with pytest.raises(ExecError) as failed:
+        rt.open("t-1", SPEC)
+    assert failed.value.retryable
+    assert api.pods == {}  # stored, but deleted by name
+    api.lose_create_answer = False
+    rt.open("t-1", SPEC)  # the retry
+    assert list(api.pods) == [rt.envs["t-1"].name]
+
+
+def _pod(name: str, state: str, trajectory: str | None = None, *, created: str = "",
+         opened: str = "", annotate: bool = True) -> dict[str, Any]:  # fmt: skip
+    labels = {f"{LABEL}/sandbox": "true", AGENT: label_value("a"), STATE: state,
+              f"{LABEL}/template": digest(SPEC), f"{LABEL}/env": SPEC.name}  # fmt: skip
+    notes = {}
+    if trajectory:
+        labels[TRAJECTORY] = label_value(trajectory)
+        if annotate:
+            notes[TRAJECTORY] = trajectory
+    if opened:
+        notes[OPENED_AT] = opened
+    meta = {"name": name, "labels": labels, "annotations": notes,
+            "creationTimestamp": created or "2025-01-01T00:00:00Z"}  # fmt: skip
+    return {"metadata": meta, "spec": {"containers": [{"name": SANDBOX}]}, "status": {}}
+
+
+def test_a_restarted_agent_keeps_the_last_opened_pod_of_a_trajectory(tmp_path: Path) -> None:
+    api = FakeApi()
+    # A warm pod made first but claimed last (its claim's answer was lost, the open
+    # retried elsewhere before another open took it back): the claim's time decides.
+    api.pods["claimed"] = _pod("claimed", "open", "t-1", created="2025-01-01T00:00:00Z",
+                               opened="2025-01-01T00:10:00.000002+00:00")  # fmt: skip
+    api.pods["made"] = _pod("made", "open", "t-1", created="2025-01-01T00:05:00Z",
+                            opened="2025-01-01T00:10:00.000001+00:00")  # fmt: skip
+    # An older agent's pods say only when they were made: the last made is kept.
+    api.pods["old-1"] = _pod("old-1", "open", "t-2", created="2025-01-01T00:01:00Z")
+    api.pods["old-2"] = _pod("old-2", "open", "t-2", created="2025-01-01T00:02:00Z")
+    api.pods["old-0"] = _pod("old-0", "open", "t-2", created="2025-01-01T00:00:30Z")
+    rt = _runtime(api, tmp_path)
+    assert rt.adopt() == ["t-1", "t-2"]
+    assert {t: p.name for t, p in rt.envs.items()} == {"t-1": "claimed", "t-2": "old-2"}
+    assert set(api.pods) == {"claimed", "old-2"}  # the others deleted, none left unheld
+
+
+def test_opens_record_when_they_happened_so_the_latest_wins(tmp_path: Path) -> None:
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    rt.open("t-1", SPEC)
+    first = rt.envs["t-1"].name
+    rt.envs.clear()  # as if its answer was lost and the open ran again
+    rt.open("t-1", SPEC)
+    second = rt.envs["t-1"].name
+    again = _runtime(api, tmp_path)
+    assert again.adopt() == ["t-1"]
+    assert again.envs["t-1"].name == second and set(api.pods) == {second}
+    assert first != second
+
+
+def test_a_busy_api_server_while_a_pod_starts_is_asked_again(tmp_path: Path) -> None:
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    api.get_errors = [_busy("reading pod"), ExecError("reading pod: 503", retryable=True)]
+    rt.open("t-1", SPEC)
+    assert list(api.pods) == [rt.envs["t-1"].name]
+
+
+def test_a_refusal_while_a_pod_starts_still_fails_the_open_at_once(tmp_path: Path) -> None:
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    api.get_errors = [ExecError("reading pod: the API server answered 403 Forbidden")]
+    with pytest.raises(ExecError, match="403"):
+        rt.open("t-1", SPEC)
+    assert api.pods == {}
+
+
+def test_a_busy_api_server_past_the_start_deadline_fails_the_open(tmp_path: Path) -> None:
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    rt.start_timeout_s = 0.0  # past the deadline at the first answer
+    api.get_errors = [_busy("reading pod")] * 3
+    with pytest.raises(ExecError, match="429") as failed:
+        rt.open("t-1", SPEC)
+    assert failed.value.retryable and api.pods == {}
