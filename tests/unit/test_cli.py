@@ -4,6 +4,7 @@ the input."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from tangram.cli import seed_runs
 from tangram.cli.bench import run_round_bench
 from tangram.cli.main import main
+from tangram.service.embedded import free_port
 
 STATE = {
     "cluster": {"nodes": [{"name": "n0", "cpus": 8, "memory_gb": 64}]},
@@ -43,9 +45,14 @@ STATE = {
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # main returns its status: this one escaped (uvicorn's, say)
+        escaped = e.code
+    else:
+        out, err = capsys.readouterr()
+        return code, out, err
+    pytest.fail(f"tangram {argv[0]}: SystemExit({escaped}) escaped main, with its traceback")
 
 
 def test_trace_generate_then_bench_prints_the_contract(
@@ -513,3 +520,127 @@ def test_a_plot_or_table_failing_at_the_end_warns_and_keeps_the_results(
     assert code == 0 and "warning: --out: cannot write" in err
     assert json.loads(out_json.read_text())["batches"]["8"]["seeds"]["0"]
     assert "| 8 | 0 |" in table
+
+
+LOCAL_POOL = str(Path(__file__).resolve().parents[2] / "manifests" / "examples" / "local")
+
+
+def _up(tmp_path: Path, port: int) -> list[str]:
+    state, tokens = str(tmp_path / "state"), str(tmp_path / "tokens")
+    return ["up", "-f", LOCAL_POOL, "--port", str(port), "--runtime", "noop",
+            "--state-dir", state, "--token-file", tokens]  # fmt: skip
+
+
+def _spy_on_agent_shutdowns(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The nodes of the agents shut down (what removes their cgroups and containers)."""
+    from tangram.node_agent.agent import NodeAgent
+
+    stopped: list[str] = []
+    shutdown = NodeAgent.shutdown
+
+    async def spy(agent: NodeAgent) -> None:
+        stopped.append(agent.node)
+        await shutdown(agent)
+
+    monkeypatch.setattr(NodeAgent, "shutdown", spy)
+    return stopped
+
+
+def test_a_port_in_use_is_one_line_naming_it_before_anything_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_agent(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("an agent was built for a port that cannot be served")
+
+    monkeypatch.setattr("tangram.cli.up.make_agent", no_agent)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv in (
+            _up(tmp_path, port),
+            ["serve", "-f", LOCAL_POOL, "--port", str(port),
+             "--token-file", str(tmp_path / "tokens")],
+        ):  # fmt: skip
+            code, _, err = _run(capsys, *argv)
+            assert (code, err) == (2, f"tangram: error: --port {port}: address already in use\n")
+    assert not (tmp_path / "tokens").exists()
+
+
+def test_a_failed_start_after_the_agent_is_built_shuts_the_agent_down(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stopped = _spy_on_agent_shutdowns(monkeypatch)
+    # The port taken between the early check and the server's own bind: uvicorn's exit.
+    monkeypatch.setattr("tangram.cli.up.check_listen", lambda host, port: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = _run(capsys, *_up(tmp_path, port))
+    assert code == 2
+    assert (
+        err.splitlines()[-1] == f"tangram: error: --port {port}: the server could not listen there"
+    )
+    assert len(stopped) == 1
+    # Serving, then failing before the embedded run's own shutdown is reached.
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("broken reload handler")
+
+    monkeypatch.setattr("tangram.cli.up.reload_on_hangup", broken)
+    with pytest.raises(RuntimeError, match="broken reload handler"):
+        main(_up(tmp_path, free_port()))
+    assert len(stopped) == 2
+
+
+def test_up_refuses_a_token_file_without_an_agent_token_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stopped = _spy_on_agent_shutdowns(monkeypatch)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("abcdefghijklmnopqrstuvwx alice\n")
+    code, _, err = _run(capsys, *_up(tmp_path, free_port()))
+    assert code == 2
+    said = f"--token-file {tokens}: no system:agent line (the local agent's token)"
+    assert err == f"tangram: error: {said}\n"
+    assert stopped == [] and not (tmp_path / "state").exists()  # no agent was built
+
+
+def test_the_agent_only_reads_its_token_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stopped = _spy_on_agent_shutdowns(monkeypatch)
+
+    async def link_fails(*args: Any) -> None:
+        raise RuntimeError("the scheduler link failed")
+
+    monkeypatch.setattr("tangram.node_agent.link.serve", link_fails)
+    missing = tmp_path / "tokenz"  # a typo: made here, its token would be refused for ever
+    argv = ["agent", "--scheduler", "ws://127.0.0.1:9/v1/agents", "--runtime", "noop",
+            "--state-dir", str(tmp_path / "state"), "--token-file", str(missing)]  # fmt: skip
+    code, _, err = _run(capsys, *argv)
+    assert (code, err) == (2, f"tangram: error: --token-file {missing}: no such file\n")
+    assert not missing.exists() and stopped == []
+    # A link that fails leaves no agent running either.
+    missing.write_text("abcdefghijklmnopqrstuvwx system:agent\n")
+    with pytest.raises(RuntimeError, match="link failed"):
+        main(argv)
+    assert len(stopped) == 1
+
+
+def test_the_client_takes_no_system_tenants_token_from_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tangram.client.common import settings
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(
+        "# tokens\n" + "o" * 22 + " system:operator\n" + "a" * 22 + " system:agent\n"
+        + "c" * 22 + " local\n"
+    )  # fmt: skip
+    monkeypatch.delenv("TANGRAM_TOKEN", raising=False)
+    monkeypatch.setenv("TANGRAM_TOKEN_FILE", str(tokens))
+    assert settings("http://x", None) == ("http://x", "c" * 22)
+    tokens.write_text("o" * 22 + " system:operator\n")
+    assert settings("http://x", None) == ("http://x", None)

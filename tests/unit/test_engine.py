@@ -759,3 +759,23 @@ def test_an_open_cut_off_by_its_agent_leaving_leaves_nothing_and_may_be_retried(
         return first.value.kind, gone, again.id == "mine"
 
     assert asyncio.run(go()) == ("unavailable", True, True)
+
+
+def test_a_reload_reports_what_only_a_restart_applies_and_keeps_the_running_values() -> None:
+    """The agents' core sets are sized when they start and the name keys the learned
+    state: a reload that changes them says so, not "no changes", and the config keeps
+    what actually runs."""
+
+    async def scenario() -> None:
+        e = Engine(PoolConfig(name="a", idle_cores=1))
+        changes = e.reconfigure(PoolConfig(name="b", idle_cores=2, cores_per_node=4))
+        assert changes == [
+            "needs a restart, kept as running: idleCores 1 -> 2, coresPerNode all -> 4, "
+            "pool name a -> b"
+        ]
+        running = e.state.config
+        assert (running.name, running.idle_cores, running.cores_per_node) == ("a", 1, None)
+        assert e.metrics.pool == "a"
+        assert e.reconfigure(PoolConfig(name="a", idle_cores=1)) == []
+
+    asyncio.run(scenario())

@@ -21,6 +21,7 @@ from tangram.cli.up import (
     add_learned_flag,
     add_log_flags,
     add_runtime_flag,
+    check_listen,
     learned_file,
     load_pool,
     load_tokens,
@@ -29,6 +30,7 @@ from tangram.cli.up import (
     run_loop,
     serve_until_signalled,
     setup_logging,
+    shut_down,
     stop_on_signals,
 )
 from tangram.client.common import DEFAULT_TOKEN_FILE
@@ -73,7 +75,9 @@ def register(sub: Any) -> None:
 
     a = sub.add_parser("agent", help="run a node agent that serves a scheduler")
     a.add_argument("--scheduler", required=True, help="ws://HOST:PORT/v1/agents")
-    a.add_argument("--token-file", default=_TOKENS, help="holds a system:agent token")
+    a.add_argument(
+        "--token-file", default=_TOKENS, help="holds a system:agent token (read, never made)"
+    )
     a.add_argument("--node", help="node name (default: the hostname)")
     add_runtime_flag(a)
     k = a.add_argument_group("the pod runtime (--runtime pod)")
@@ -118,6 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kube = KubeApi(api)
         secrets, reviewer = kube.secret, TokenReviewer(kube.review)
     pool, config = load_pool(args.file, args.pool, secrets)
+    check_listen(args.host, args.port)
     tokens = load_tokens(Path(args.token_file))
     learned: LearnedStore | None
     if learned_map is not None:
@@ -155,7 +160,8 @@ def run_agent(args: argparse.Namespace) -> int:
     from tangram.node_agent.link import serve as serve_link
 
     setup_logging(args)
-    token = load_tokens(Path(args.token_file)).token_for(AGENT_TENANT)
+    # Only read: a token made here is one no scheduler knows (403, retried for ever).
+    token = load_tokens(Path(args.token_file), create=False).token_for(AGENT_TENANT)
     if token is None:
         raise InputError(f"--token-file {args.token_file}: no {AGENT_TENANT} token")
     agent = make_agent(args, args.idle_cores, args.cores)
@@ -167,5 +173,11 @@ def run_agent(args: argparse.Namespace) -> int:
         await serve_link(agent, args.scheduler, token, stop)
         await agent.shutdown()
 
-    run_loop(main())
+    served = False
+    try:
+        run_loop(main())
+        served = True
+    finally:
+        if not served:
+            shut_down(agent)
     return 0

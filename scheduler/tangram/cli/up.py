@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +28,7 @@ from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.node_agent.runtimes import help_text as runtime_help
 from tangram.node_agent.runtimes import names as runtime_names
-from tangram.service.auth import TokenError, TokenStore
+from tangram.service.auth import AGENT_TENANT, TokenError, TokenStore
 from tangram.service.config import PoolConfig
 from tangram.service.embedded import Running, run
 from tangram.service.from_resources import (
@@ -129,39 +131,87 @@ def _pool_of(
 def run_up(args: argparse.Namespace) -> int:
     setup_logging(args)
     pool, config = load_pool(args.file, args.pool)
+    check_listen(args.host, args.port)
     tokens = load_tokens(Path(args.token_file))
-    agent = make_agent(args, config.idle_cores, args.cores or config.cores_per_node)
-    _local_images(agent, [e.spec.image for e in config.envs.values()])
-
-    def ready(r: Running) -> None:
-        reload_on_hangup(args.file, args.pool, r.engine)
-        runtime = agent.kind
-        if agent.kind == "docker" and agent.fast_path:
-            runtime += f" (portable path only: {agent.fast_path})"
-        if agent.kind == "process":
-            runtime = "[bold red]process[/] (no isolation: commands run on this host)"
-        note(
-            f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
-            f"  node {agent.node}: action cores {agent.action_cores}, idle {agent.idle_cores}, "
-            f"{runtime} runtime\n"
-            f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
-            f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
-            f"  token file: {args.token_file}\n"
-            f"  {r.engine.learned_note()}\n"
-            f"  try: .venv/bin/python examples/rollout.py --url {r.url}\n"
-            f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
+    if tokens.token_for(AGENT_TENANT) is None:  # found by the embedded run only once serving
+        raise InputError(
+            f"--token-file {args.token_file}: no {AGENT_TENANT} line (the local agent's token)"
         )
+    agent = make_agent(args, config.idle_cores, args.cores or config.cores_per_node)
+    served = False
+    try:
+        _local_images(agent, [e.spec.image for e in config.envs.values()])
 
-    learned = learned_file(args, pool.metadata.name, args.state_dir)
-    serve_until_signalled(args, config, tokens, agent, ready, close_on_exit=True, learned=learned)
+        def ready(r: Running) -> None:
+            reload_on_hangup(args.file, args.pool, r.engine)
+            runtime = agent.kind
+            if agent.kind == "docker" and agent.fast_path:
+                runtime += f" (portable path only: {agent.fast_path})"
+            if agent.kind == "process":
+                runtime = "[bold red]process[/] (no isolation: commands run on this host)"
+            note(
+                f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
+                f"  node {agent.node}: action cores {agent.action_cores}, "
+                f"idle {agent.idle_cores}, {runtime} runtime\n"
+                f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
+                f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
+                f"  token file: {args.token_file}\n"
+                f"  {r.engine.learned_note()}\n"
+                f"  try: .venv/bin/python examples/rollout.py --url {r.url}\n"
+                f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
+            )
+
+        learned = learned_file(args, pool.metadata.name, args.state_dir)
+        serve_until_signalled(
+            args, config, tokens, agent, ready, close_on_exit=True, learned=learned
+        )
+        served = True
+    finally:
+        if not served:
+            shut_down(agent)
     note("stopped; every environment was removed")
     return 0
 
 
-def load_tokens(path: Path) -> TokenStore:
+def shut_down(agent: Any) -> None:
+    """After a failed start: the embedded run stops the agent only once it has served, so
+    its cgroups, containers and state lock would outlive the process. (Twice is harmless.)"""
+    try:
+        run_loop(agent.shutdown())
+    except Exception as e:  # the failure that brought us here is the one to report
+        print(f"tangram: warning: stopping the local agent: {e}", file=sys.stderr)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind where the server will listen, before anything is built: found by uvicorn, a
+    taken port is a SystemExit and a traceback, after the agent took its cores. Released
+    again (the embedded run binds its own), so a port taken in between still fails late:
+    :func:`serve_until_signalled` names it then."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise InputError(f"--host {host}: {e.strerror}") from None
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                why = (e.strerror or str(e)).lower()
+                if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise InputError(f"--port {port}: {why}") from None
+                raise InputError(f"--host {host}: {why}") from None
+
+
+def load_tokens(path: Path, *, create: bool = True) -> TokenStore:
+    """The token file; made (a client and an agent token) when missing and ``create``."""
     try:
         if path.exists():
             return TokenStore.load(path)
+        if not create:
+            raise InputError(f"--token-file {path}: no such file")
         store = TokenStore.create(path)
         note(f"created {path} (a client and an agent token)")
         return store
@@ -332,6 +382,8 @@ def serve_until_signalled(
         run_loop(main())
     except OSError as e:
         raise InputError(f"--port {args.port}: {e.strerror}") from None
+    except SystemExit:  # uvicorn's "could not start" (its reason logged): a port taken late
+        raise InputError(f"--port {args.port}: the server could not listen there") from None
 
 
 def run_loop(coro: Any) -> Any:

@@ -16,6 +16,7 @@ from tangram.api.wire import ActionResult, StreamAnswer, TrajectoryInfo
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_TOKEN_FILE = Path.home() / ".config" / "tangram" / "tokens"
 RETRY_STATUS = (429, 503)
+SYSTEM = "system:"  # the tenants of the service's own parts (auth.py), not of clients
 
 
 class TangramError(Exception):
@@ -67,14 +68,17 @@ class Call:
 
 def settings(url: str | None, token: str | None) -> tuple[str, str | None]:
     """URL and token from the arguments, else TANGRAM_URL / TANGRAM_TOKEN, else the token
-    file that embedded mode writes (its first non-agent token)."""
+    file that embedded mode writes (its first token of a tenant not ``system:*``)."""
     url = url or os.environ.get("TANGRAM_URL") or DEFAULT_URL
     token = token or os.environ.get("TANGRAM_TOKEN")
     if token is None:
         path = Path(os.environ.get("TANGRAM_TOKEN_FILE", DEFAULT_TOKEN_FILE))
         if path.exists():
             lines = token_lines(path.read_text(encoding="utf-8"))
-            token = next((f[0] for _, f in lines if len(f) == 2 and f[1] != "system:agent"), None)
+            # system:* tenants (the agents', the operator's) cannot submit work
+            token = next(
+                (f[0] for _, f in lines if len(f) == 2 and not f[1].startswith(SYSTEM)), None
+            )
     return url.rstrip("/"), token
 
 

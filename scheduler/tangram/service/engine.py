@@ -329,11 +329,29 @@ class Engine:
         if old.tenants != config.tenants:
             s.core.set_tenants(*config.shares())
             changes.append("tenants " + (", ".join(sorted(config.tenants)) or "none"))
-        s.config = replace(config, scheduling=scheduling)
+        # Agents size their core sets when they start, and the name keys the learned state
+        # and the metrics: reported, and the running values kept so the config says what is.
+        unapplied = [
+            f"{what} {before} -> {after}"
+            for what, before, after in (
+                ("idleCores", old.idle_cores, config.idle_cores),
+                ("coresPerNode", old.cores_per_node or "all", config.cores_per_node or "all"),
+                ("pool name", old.name, config.name),
+            )
+            if before != after
+        ]
+        if unapplied:
+            changes.append("needs a restart, kept as running: " + ", ".join(unapplied))
+        s.config = replace(
+            config,
+            scheduling=scheduling,
+            name=old.name,
+            idle_cores=old.idle_cores,
+            cores_per_node=old.cores_per_node,
+        )
         if old.services != config.services:
             self.gpu.services_changed()
         self.hub.heartbeat_timeout_s = config.heartbeat_timeout_s
-        self.metrics.pool = config.name
         s.wake.set()
         return changes
 
