@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import websockets
 
-from tangram.api.wire import EnvSpec, parse_agent_request, unpack
+from tangram.api.wire import AgentHello, EnvSpec, parse_agent_request, unpack
 from tangram.client import ActionStatus, Client
+from tangram.node_agent import link
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
@@ -113,3 +114,88 @@ def test_an_agent_of_an_earlier_release_gets_one_message_a_frame(tmp_path: Path)
         stop.set()
         thread.join(10)
     assert not failure, failure
+
+
+async def _black_hole_after(
+    cut: asyncio.Event, up_port: int, ends: list[asyncio.StreamWriter]
+) -> asyncio.Server:
+    """A TCP proxy to ``up_port`` whose first connection goes silent once ``cut`` is
+    set: nothing more passes either way, and nothing closes (a host that died, a
+    partition). Later connections pass. ``ends``: every socket it holds."""
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        silenced = not ends
+        ur, uw = await asyncio.open_connection("127.0.0.1", up_port)
+        ends.extend((cw, uw))
+
+        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while data := await r.read(65536):
+                if silenced and cut.is_set():
+                    await asyncio.Event().wait()  # swallowed; the connection stays open
+                w.write(data)
+                await w.drain()
+
+        await asyncio.gather(pump(cr, uw), pump(ur, cw), return_exceptions=True)
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_an_agent_reconnects_to_a_scheduler_gone_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeats go only to the scheduler: the agent learns that the scheduler is
+    there from the answers to its pings, and reconnects when they stop coming."""
+    monkeypatch.setattr(link, "PING_INTERVAL_S", 0.05)
+    monkeypatch.setattr(link, "PING_TIMEOUT_S", 0.5)
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=1)
+
+    async def scenario() -> None:
+        hellos: asyncio.Queue[AgentHello] = asyncio.Queue()
+
+        async def scheduler(ws: Any) -> None:
+            await hellos.put(AgentHello.model_validate_json(await ws.recv()))
+            async for _ in ws:  # heartbeats
+                pass
+
+        cut, ends = asyncio.Event(), list[asyncio.StreamWriter]()
+        async with websockets.serve(scheduler, "127.0.0.1", 0) as upstream:
+            up_port = upstream.sockets[0].getsockname()[1]
+            proxy = await _black_hole_after(cut, up_port, ends)
+            port = proxy.sockets[0].getsockname()[1]
+            stop = asyncio.Event()
+            url = f"ws://127.0.0.1:{port}/v1/agents"
+            serving = asyncio.create_task(link.serve(agent, url, "token", stop))
+            try:
+                assert (await asyncio.wait_for(hellos.get(), 30)).node == agent.node
+                cut.set()
+                assert (await asyncio.wait_for(hellos.get(), 30)).node == agent.node
+            finally:
+                stop.set()
+                serving.cancel()
+                await asyncio.gather(serving, return_exceptions=True)
+                proxy.close()
+                for end in ends:  # the server's close would wait on the swallowed one
+                    end.transport.abort()
+
+    asyncio.run(scenario())
+
+
+def test_the_scheduler_answers_the_agents_pings(tmp_path: Path) -> None:
+    """The agent's liveness check of the scheduler is a WebSocket ping: the scheduler's
+    server answers it at the protocol level (as any release's, whatever uvicorn's
+    WebSocket implementation)."""
+    tokens = TokenStore.create(tmp_path / "tokens")
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=1)
+    agent_token = tokens.token_for(AGENT_TENANT)
+    assert agent_token is not None
+
+    async def ping(url: str) -> float:
+        async with websockets.connect(
+            url, additional_headers={"Authorization": f"Bearer {agent_token}"}
+        ) as ws:
+            await ws.send(agent.hello().model_dump_json())
+            return await asyncio.wait_for(await ws.ping(), 30)
+
+    with service(CONFIG, None, tmp_path, tokens=tokens) as (running, _):
+        url = running.url.replace("http://", "ws://") + "/v1/agents"
+        assert asyncio.run(ping(url)) >= 0

@@ -6,16 +6,19 @@ import asyncio
 import dataclasses
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
+from docker.errors import APIError
 
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import DockerRuntime
-from tangram.node_agent.env_template import DEFAULT_USER
+from tangram.node_agent.env_template import DEFAULT_USER, LABEL
 from tangram.node_agent.exec_server import Built
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.fast_path import cgroup_of
@@ -381,3 +384,147 @@ def test_an_exec_server_whose_pid_went_to_another_process_is_not_trusted(
     with pytest.raises(ExecError, match="has ended"):
         run(runtime, t, ["echo", "hi"], CORES[-1:])
     assert group_limits(runtime, t) == (CORES[:1], 0.1)
+
+
+class _Over:
+    """An engine client object as it is, but for the attributes given (a failure the real
+    engine cannot be made to produce on demand)."""
+
+    def __init__(self, real: Any, **replaced: Any) -> None:
+        self._real = real
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def containers_of(rt: DockerRuntime, docker_client: Any) -> list[str]:
+    found = docker_client.containers.list(all=True, filters={"label": f"{LABEL}/owner={rt.owner}"})
+    return sorted(c.name for c in found)
+
+
+@pytest.mark.parametrize("how", ["refused", "cancelled"])
+def test_a_portable_exec_that_never_starts_gives_its_cores_back(
+    runtime: DockerRuntime,
+    docker_client: Any,
+    busybox: str,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    """Docker refuses the exec (a restarting container), or the action is cancelled while
+    it is being created: the container's cgroup and the cores' allotment go back."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    asked, release = threading.Event(), threading.Event()
+
+    def exec_create(*args: Any, **kwargs: Any) -> Any:
+        asked.set()
+        if how == "cancelled":
+            release.wait(30)
+        raise APIError("409 Client Error: Conflict (container is restarting)")
+
+    api = _Over(docker_client.api, exec_create=exec_create)
+    monkeypatch.setattr(runtime, "client", _Over(docker_client, api=api))
+
+    async def scenario() -> None:
+        task = asyncio.create_task(runtime.exec(t, ["true"], CORES[-1:], path="portable"))
+        try:
+            if how == "cancelled":
+                await asyncio.wait_for(asyncio.to_thread(asked.wait, 30), 30)
+                task.cancel()
+            with pytest.raises(asyncio.CancelledError if how == "cancelled" else APIError):
+                await asyncio.wait_for(task, 30)
+        finally:
+            release.set()
+
+    asyncio.run(scenario())
+    assert group_limits(runtime, t) == (CORES[:1], 0.1)
+    monkeypatch.undo()
+    # The next action has its own cores, not the union with the ones that never ran.
+    argv = ["grep", "Cpus_allowed_list", "/proc/self/status"]
+    res = run(runtime, t, argv, CORES[:1], path="portable")
+    assert parse_cpulist(res.stdout.split(":")[1]) == CORES[:1]
+
+
+@pytest.mark.parametrize("where", ["create", "start"])
+def test_a_container_whose_answer_is_lost_is_removed(
+    runtime: DockerRuntime,
+    docker_client: Any,
+    busybox: str,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """The engine made (or started) the container but its answer timed out (requests'
+    ReadTimeout is no DockerException): nothing of it may stay, its name least of all."""
+
+    def create(image: str, **kwargs: Any) -> Any:
+        made = docker_client.containers.create(image, **kwargs)
+        if not str(kwargs.get("name", "")).startswith("tangram-"):
+            return made  # the probe of the image's user and workdir
+        lost = requests.exceptions.ReadTimeout("Read timed out. (read timeout=60)")
+        if where == "create":
+            raise lost
+        real_start = made.start
+
+        def start(*args: Any, **kw: Any) -> None:
+            real_start(*args, **kw)
+            raise lost
+
+        made.start = start
+        return made
+
+    containers = _Over(docker_client.containers, create=create)
+    monkeypatch.setattr(runtime, "client", _Over(docker_client, containers=containers))
+    t = tid()
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        runtime.open(t, template(busybox))
+    assert containers_of(runtime, docker_client) == []
+    assert not any(runtime.state_dir.joinpath("run").iterdir())  # nor its socket dir
+    monkeypatch.undo()
+    runtime.open(t, template(busybox))  # the trajectory's name is free
+    assert run(runtime, t, ["true"], CORES[:1]).exit_code == 0
+
+
+class _Killed(BaseException):
+    """The agent is killed (kill -9, OOM, an upgrade) at this point."""
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "open"])
+def test_only_a_container_whose_setup_ran_is_adopted(
+    runtime: DockerRuntime,
+    busybox: str,
+    execd: Built,
+    monkeypatch: pytest.MonkeyPatch,
+    warm: bool,
+) -> None:
+    """A successor agent starting while its predecessor was still setting a container up
+    must not take that half-built container for a ready one: it removes it."""
+    tpl = template(busybox, warm=1 if warm else 0, setup=[["sh", "-c", "echo ok > setup.txt"]])
+    docker_client = runtime.client
+    seen: dict[str, Any] = {}
+
+    def successor() -> DockerRuntime:
+        return DockerRuntime(
+            CORES[:1], client=docker_client, execd=execd, state_dir=runtime.state_dir
+        )
+
+    def setup_then_killed(env: Any, template: EnvSpec) -> None:
+        after = successor()
+        seen["open"] = after.adopt()
+        seen["warm"] = sum(len(v) for v in after.warm_pool.values())
+        seen["left"] = containers_of(runtime, docker_client)
+        raise _Killed
+
+    monkeypatch.setattr(runtime, "_setup", setup_then_killed)
+    t = tid()
+    with pytest.raises(_Killed):
+        runtime.warm(tpl) if warm else runtime.open(t, tpl)
+    assert seen == {"open": [], "warm": 0, "left": []}
+    monkeypatch.undo()
+    # Once set up it is ready, and adopted as such.
+    runtime.warm(tpl) if warm else runtime.open(t, tpl)
+    after = successor()
+    assert after.adopt() == ([] if warm else [t])
+    assert sum(len(v) for v in after.warm_pool.values()) == (1 if warm else 0)
+    if not warm:
+        assert run(after, t, ["cat", "setup.txt"], CORES[:1]).stdout == "ok\n"

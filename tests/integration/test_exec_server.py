@@ -11,6 +11,7 @@ import asyncio
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 import time
@@ -273,6 +274,44 @@ def test_a_disconnected_agent_leaves_nothing_running(server: Path, tmp_path: Pat
     asyncio.run(scenario())
     pid = int(pidfile.read_text())
     until(lambda: not alive(pid), "the command to end", 5)
+
+
+def test_a_start_cancelled_before_its_answer_hangs_up() -> None:
+    """Cancelled after its request went out, a start must end the connection: the server
+    may start the command all the same and kills it only on hang-up (above). A stand-in
+    server holds the started frame back, the cancel's window."""
+    run_dir = Path(tempfile.mkdtemp(prefix="execd-", dir="/tmp"))
+    head = struct.Struct(">cI")
+
+    async def scenario() -> None:
+        asked, hung_up = asyncio.Event(), asyncio.Event()
+
+        async def stand_in(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            _, n = head.unpack(await r.readexactly(head.size))
+            await r.readexactly(n)
+            asked.set()
+            await r.read()  # until the agent hangs up
+            hung_up.set()
+            w.close()
+
+        server = await asyncio.start_unix_server(stand_in, path=str(run_dir / "exec.sock"))
+        start = asyncio.create_task(Channel.start(run_dir / "exec.sock", ["sleep", "600"]))
+        try:
+            await asyncio.wait_for(asked.wait(), HANG_GUARD_S)
+            start.cancel()
+            with pytest.raises(asyncio.CancelledError) as cancelled:
+                await start
+            # The error is kept (as a caller's handler may keep it), and with it the
+            # channel: only closing it, not the collector, may end the connection.
+            await asyncio.wait_for(hung_up.wait(), HANG_GUARD_S)
+            del cancelled
+        finally:
+            server.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_bad_requests_are_refused_before_anything_runs(server: Path) -> None:

@@ -15,7 +15,9 @@ the idle set again. Two paths:
 Opening takes a ready container from the template's warm pool when there is one (a
 rename), else creates one. Docker labels are immutable, so a container's trajectory is
 its name (``tangram-t-<trajectory>``); labels name the pool, the environment, the
-template version and the socket directory.
+template version and the socket directory. The name is also the ready marker: a
+container is made under ``tangram-m-<random>`` and renamed only once its setup ran, so
+``adopt`` discards what an agent killed meanwhile half built.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from tangram.api.wire import EnvSpec
 from tangram.node_agent.cgroups import PERIOD_US, format_cpulist
 from tangram.node_agent.env_template import (
     LABEL,
+    MAKING_PREFIX,
     TRAJECTORY_PREFIX,
     WARM_PREFIX,
     User,
@@ -117,12 +120,12 @@ class DockerRuntime(SandboxRuntime[Env]):
     # ---- lifecycle: the warm pool's hooks (warm_pool.SandboxRuntime) --------------
     def _make(self, template: EnvSpec, trajectory: str | None) -> Env:
         name = TRAJECTORY_PREFIX + trajectory if trajectory else WARM_PREFIX + secrets.token_hex(6)
-        return self._create(template, name)
+        return self._create(template, name, trajectory)
 
     def _claim(self, env: Env, trajectory: str) -> bool:
         # Docker cannot relabel a container: the name is the ownership record.
         try:
-            env.container.rename(TRAJECTORY_PREFIX + trajectory)
+            _rename(env.container, TRAJECTORY_PREFIX + trajectory)
         except (APIError, NotFound):
             return False
         return True
@@ -145,6 +148,11 @@ class DockerRuntime(SandboxRuntime[Env]):
         for c in found:
             if c.status in ("removing", "dead"):
                 continue
+            run = c.labels.get(f"{LABEL}/run")
+            run_dir = self.state_dir / "run" / run if run else None
+            if c.name.startswith(MAKING_PREFIX):  # its agent ended before its setup did
+                self._discard(Env(c, "", "/", run_dir))
+                continue
             try:
                 if c.status == "paused":
                     c.unpause()
@@ -152,13 +160,12 @@ class DockerRuntime(SandboxRuntime[Env]):
                     c.start()
             except (APIError, NotFound):
                 continue
-            run = c.labels.get(f"{LABEL}/run")
             entry = (c.attrs.get("Config", {}).get("Entrypoint") or [""])[0]
             env = Env(
                 c,
                 c.labels[f"{LABEL}/template"],
                 c.attrs.get("Config", {}).get("WorkingDir") or "/",
-                self.state_dir / "run" / run if run and entry == IN_CONTAINER_BIN else None,
+                run_dir if entry == IN_CONTAINER_BIN else None,
             )
             if c.name.startswith(TRAJECTORY_PREFIX):
                 self.envs[c.name.removeprefix(TRAJECTORY_PREFIX)] = env
@@ -166,8 +173,12 @@ class DockerRuntime(SandboxRuntime[Env]):
                 self.warm_pool.setdefault(env.template, []).append(env)
         return sorted(self.envs)
 
-    def _create(self, template: EnvSpec, name: str) -> Env:
+    def _create(self, template: EnvSpec, ready_name: str, trajectory: str | None) -> Env:
+        """Create, start and set up a container, under a name that ``adopt`` discards
+        until the end, when it is renamed ``ready_name``: an agent killed meanwhile leaves
+        nothing a successor would take for ready."""
         user, workdir = self._image_facts(template)
+        name = MAKING_PREFIX + secrets.token_hex(6)
         run_dir: Path | None = None
         labels: dict[str, str] = {f"{LABEL}/owner": self.owner}
         if self.execd is not None:
@@ -177,8 +188,8 @@ class DockerRuntime(SandboxRuntime[Env]):
             run_dir.chmod(0o1777)  # the container's user creates the socket; sticky: no one
             # else on the host can remove or replace it once there
             labels[f"{LABEL}/run"] = token
-        if name.startswith(TRAJECTORY_PREFIX):
-            labels[f"{LABEL}/trajectory"] = name.removeprefix(TRAJECTORY_PREFIX)
+        if trajectory:
+            labels[f"{LABEL}/trajectory"] = trajectory
         kwargs = spec(
             template,
             name=name,
@@ -190,9 +201,12 @@ class DockerRuntime(SandboxRuntime[Env]):
         )
         try:
             container = self._create_sized(template, kwargs)
-        except (APIError, DockerException) as e:
+        except BaseException as e:
             if run_dir:
                 shutil.rmtree(run_dir, ignore_errors=True)
+            if not isinstance(e, DockerException):  # no answer (a timeout): it may exist
+                self._remove_named(name)
+                raise
             raise ExecError(
                 f"image {template.image}: cannot create the environment: {e}",
                 reason="SandboxStartFailed",
@@ -204,15 +218,25 @@ class DockerRuntime(SandboxRuntime[Env]):
             container.start()
             self._await_exec_server(env)
             self._setup(env, template)
-        except (APIError, DockerException, ExecError) as e:
+            _rename(container, ready_name)  # the ready marker: adopt takes it from now on
+        except BaseException as e:
+            # Any failure (a requests timeout, a cancel too): a container left behind
+            # would keep its resources, and a trajectory's name, taken.
             self._discard(env)
-            if isinstance(e, ExecError):
+            if not isinstance(e, (APIError, DockerException)):
                 raise
             raise ExecError(
                 f"image {template.image}: cannot start the environment: {e}",
                 reason="SandboxStartFailed",
             ) from None
         return env
+
+    def _remove_named(self, name: str) -> None:
+        """Remove this agent's container ``name`` if the engine made it after all."""
+        with contextlib.suppress(Exception):  # best effort: adopt discards it otherwise
+            container = self.client.containers.get(name)
+            if container.labels.get(f"{LABEL}/owner") == self.owner:
+                container.remove(force=True, v=True)
 
     def _create_sized(self, template: EnvSpec, kwargs: dict[str, Any]) -> Any:
         """Create the container; with a disk limit, the engine's own (``storage_opt``)
@@ -439,28 +463,49 @@ class DockerRuntime(SandboxRuntime[Env]):
         container = held.container
         t0 = time.perf_counter()
         key = str(container.id)
-        await asyncio.to_thread(self._update, container, *self.fast.enter(key, cmd.cores))
-        t1 = time.perf_counter()
-        api = self.client.api
-        exec_id = (
-            await asyncio.to_thread(
-                api.exec_create, container.id, cmd.argv, environment=cmd.env, workdir=held.workdir
-            )
-        )["Id"]
-
-        async def kill() -> None:
-            await asyncio.to_thread(self._kill_exec, api, exec_id)
+        entered = self.fast.enter(key, cmd.cores)
+        left = False
 
         async def idle() -> None:
-            await asyncio.to_thread(self._update, container, *self.fast.leave(key, cmd.cores))
+            nonlocal left
+            if not left:  # once, whichever way the action ends (as FastPath.exec)
+                left = True
+                await asyncio.to_thread(self._update, container, *self.fast.leave(key, cmd.cores))
 
-        collect = asyncio.to_thread(self._collect, api, exec_id, cmd.output_cap)
-        output, timed_out = await supervise(collect, cmd.timeout_s, kill, idle)
-        t2 = time.perf_counter()
-        code = None
-        if not timed_out:
-            code = (await asyncio.to_thread(api.exec_inspect, exec_id))["ExitCode"]
-        await idle()
+        api = self.client.api
+        try:
+            # Shielded: on a cancel the leave's update must not race this one's thread.
+            entering = asyncio.ensure_future(asyncio.to_thread(self._update, container, *entered))
+            try:
+                await asyncio.shield(entering)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await entering
+                raise
+            t1 = time.perf_counter()
+            exec_id = (
+                await asyncio.to_thread(
+                    api.exec_create,
+                    container.id,
+                    cmd.argv,
+                    environment=cmd.env,
+                    workdir=held.workdir,
+                )
+            )["Id"]
+
+            async def kill() -> None:
+                await asyncio.to_thread(self._kill_exec, api, exec_id)
+
+            collect = asyncio.to_thread(self._collect, api, exec_id, cmd.output_cap)
+            output, timed_out = await supervise(collect, cmd.timeout_s, kill, idle)
+            t2 = time.perf_counter()
+            code = None
+            if not timed_out:
+                code = (await asyncio.to_thread(api.exec_inspect, exec_id))["ExitCode"]
+        finally:
+            # Also when the exec could not be created (a restarting container) or the
+            # action was cancelled before it ran: its cores must not stay in the cgroup.
+            await idle()
         t3 = time.perf_counter()
         stamps = (t0, t1, t2, t3)
         return ExecResult.of(code, output, timed_out, cmd.cores, stamps, path="portable")
@@ -491,6 +536,11 @@ class DockerRuntime(SandboxRuntime[Env]):
             for victim in tree(self.proc_root, pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, signal.SIGKILL)
+
+
+def _rename(container: Any, name: str) -> None:
+    container.rename(name)
+    container.attrs["Name"] = "/" + name  # what ``container.name`` says, without a reload
 
 
 class _Chunks(io.RawIOBase):

@@ -25,6 +25,7 @@ from tangram.node_agent.execution import IDLE_QUOTA_CORES, ExecError
 LABEL = "dev.tangram"  # label prefix that marks and identifies our containers
 TRAJECTORY_PREFIX = "tangram-t-"  # container name of an open trajectory's environment
 WARM_PREFIX = "tangram-w-"  # container name of a ready, unassigned environment
+MAKING_PREFIX = "tangram-m-"  # container name until its setup is done (never adopted)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 

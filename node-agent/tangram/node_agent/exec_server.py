@@ -192,8 +192,14 @@ class Channel:
     ) -> Channel:
         payload = _request(mode, argv, cwd, env or {})
         chan = await cls.connect(sock_path, server_pid)
-        await chan._send(b"R", payload)
-        kind, data = await chan.frame()
+        try:
+            await chan._send(b"R", payload)
+            kind, data = await chan.frame()
+        except BaseException:
+            # A cancel after the request: the server may start the command anyway, and
+            # kills it only when its connection ends.
+            chan.close()
+            raise
         if kind != b"S":
             chan.close()
             raise ExecError(f"exec server: {data.decode(errors='replace')}")

@@ -1,7 +1,9 @@
 """The agent's side of the link to the scheduler: one WebSocket, reconnected when lost.
 
 Register with a hello, answer each request on its own task (replies carry the request's
-``rid``), send a heartbeat every second. One writer sends what a loop tick queued, in one
+``rid``), send a heartbeat every second, and ping: the heartbeats tell the scheduler that
+the agent lives, the pongs tell the agent that the scheduler does (a silent one is
+reconnected to). One writer sends what a loop tick queued, in one
 frame when the scheduler took the packing subprotocol (``AGENT_SUBPROTOCOL``). When the
 connection drops, every request in flight is cancelled — a command nobody waits for holds
 cores nobody accounts for — and the agent reconnects with backoff; its environments stay,
@@ -32,6 +34,14 @@ from tangram.node_agent.agent import NodeAgent
 
 log = logging.getLogger("tangram.agent")
 HEARTBEAT_S = 1.0
+# A scheduler whose host died or that a partition cut off sends nothing, not even a close:
+# without an answer to a ping in PING_TIMEOUT_S the agent drops the link and reconnects.
+# Every WebSocket server answers pings (uvicorn's too, whatever its release).
+# A busy scheduler answers late, and a reconnect cancels everything the agent runs: the
+# deadline is three times the scheduler's default heartbeat_timeout_s the other way.
+PING_INTERVAL_S = 2.0
+PING_TIMEOUT_S = 15.0
+CLOSE_TIMEOUT_S = 2.0  # the closing handshake, which a silent scheduler never answers
 GONE_CHECK_S = 2.0  # how often environments that ended by themselves are looked for
 
 
@@ -44,7 +54,8 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
                 url,
                 additional_headers={"Authorization": f"Bearer {token}"},
                 max_size=64 << 20,
-                ping_interval=None,  # our heartbeats do it, at the pool's pace
+                ping_interval=None,  # ``keepalive`` pings: its deadline covers the send too
+                close_timeout=CLOSE_TIMEOUT_S,
                 compression=None,  # small JSON messages: deflate costs more than it saves
                 open_timeout=10,
                 subprotocols=[websockets.Subprotocol(AGENT_SUBPROTOCOL)],
@@ -102,6 +113,20 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
             post('{"heartbeat":true}')
             await asyncio.sleep(HEARTBEAT_S)
 
+    async def keepalive() -> None:
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            try:
+                # The deadline covers sending the ping as well: with a full send buffer
+                # (a partition while a big reply went out) the send itself never ends.
+                async with asyncio.timeout(PING_TIMEOUT_S):
+                    await (await ws.ping())
+            except TimeoutError:
+                ws.transport.abort()  # a close would wait on the silent peer (or its buffer)
+                raise ConnectionError(
+                    f"the scheduler answered no ping in {PING_TIMEOUT_S:g}s"
+                ) from None
+
     async def watch_environments() -> None:
         while True:
             await asyncio.sleep(GONE_CHECK_S)
@@ -128,6 +153,7 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
                 task.add_done_callback(tasks.discard)
 
     parts = [
+        asyncio.create_task(keepalive()),  # first: its error says why the reader's ended
         asyncio.create_task(read_forever()),
         asyncio.create_task(write_forever()),
         asyncio.create_task(heartbeat()),
