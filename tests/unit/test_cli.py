@@ -4,6 +4,7 @@ the input."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -644,3 +645,22 @@ def test_the_client_takes_no_system_tenants_token_from_the_file(
     assert settings("http://x", None) == ("http://x", "c" * 22)
     tokens.write_text("o" * 22 + " system:operator\n")
     assert settings("http://x", None) == ("http://x", None)
+
+
+def test_up_refuses_a_state_directory_another_agent_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second `tangram up` on the default state directory (only --port differs) would
+    take the first one's environments for leftovers and remove them at exit."""
+    from tangram.node_agent import state_lock
+
+    held = state_lock.hold(tmp_path / "state")  # the first one's agent
+    try:
+        code, _, err = _run(capsys, *_up(tmp_path, free_port()))
+    finally:
+        state_lock.release(held)
+    assert code == 2
+    assert err.endswith(
+        f"tangram: error: --state-dir {tmp_path / 'state'} is in use by another agent "
+        f"(pid {os.getpid()}); give each agent its own state directory\n"
+    )

@@ -14,9 +14,13 @@ from tangram.node_agent.execution import ExecError
 LOCK_FILE = "agent.lock"
 
 
+class InUseError(ExecError):
+    """Another process's agent holds the state directory."""
+
+
 def hold(state_dir: Path) -> int:
     """Take ``state_dir`` for this process until it exits (or ``release``); the lock's
-    descriptor. ExecError naming the holder when another process has it."""
+    descriptor. InUseError naming the holder when another process has it."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -24,7 +28,7 @@ def hold(state_dir: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise ExecError(
+        raise InUseError(
             f"--state-dir {state_dir} is in use by another agent (pid {holder}); give each "
             "agent its own state directory"
         ) from None

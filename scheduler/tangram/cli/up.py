@@ -239,6 +239,7 @@ def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
     from tangram.node_agent.agent import NodeAgent
     from tangram.node_agent.execution import ExecError
     from tangram.node_agent.gpu_service import GpuOptions
+    from tangram.node_agent.state_lock import InUseError
 
     try:
         gpus = GpuOptions.parse(args.gpus, args.gpu_memory_mib)
@@ -268,7 +269,10 @@ def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
             cores_for_actions=cores,
             gpus=gpus,
             pods=pods,
+            exclusive=True,  # a second agent there would remove this one's environments
         )
+    except InUseError as e:
+        raise InputError(str(e)) from None
     except (ExecError, OSError) as e:
         raise InputError(f"--runtime {args.runtime} --gpus {args.gpus}: {e}") from None
 
