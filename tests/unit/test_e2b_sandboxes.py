@@ -39,6 +39,7 @@ def test_a_lost_sandbox_can_be_killed_and_is_reaped_at_its_timeout() -> None:
         assert _state(reaped) is TrajectoryState.LOST  # not before its timeout
         now[0] += 60
         await boxes.reap_once()
+        await asyncio.gather(*boxes.expiring)  # (each killed on its own task)
         assert _state(reaped) is TrajectoryState.CLOSED
 
     run(scenario)
@@ -55,13 +56,19 @@ def test_one_slow_close_holds_up_no_other_sandboxs_reaping() -> None:
         first, second = [await boxes.create("u", "e", 1, {}, {}) for _ in range(2)]
         slow.append(first.trajectory.key)
         now[0] += 2  # both past their timeout
-        reaping = asyncio.ensure_future(boxes.reap_once())
+        await boxes.reap_once()
         while _state(second) is not TrajectoryState.CLOSED:  # (run's guard: 30 s)
             await asyncio.sleep(0.01)
         assert _state(first) is TrajectoryState.CLOSING
+        third = await boxes.create("u", "e", 1, {}, {})
+        now[0] += 2
+        await boxes.reap_once()  # the next round is not held up by the unanswered close
+        while _state(third) is not TrajectoryState.CLOSED:
+            await asyncio.sleep(0.01)
         (close,) = [m for m in agent.ops("close") if m["trajectory"] == slow[0]]
         agent.push(AgentReply(rid=close["rid"], ok=True))
-        await reaping
+        while boxes.expiring:
+            await asyncio.sleep(0.01)
         assert _state(first) is TrajectoryState.CLOSED
 
     run(scenario)

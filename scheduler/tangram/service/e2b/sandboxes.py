@@ -100,6 +100,9 @@ class Sandboxes:
         self.clock = clock
         self._known: dict[tuple[str, str], Sandbox] = {}
         self._reaper: asyncio.Task[None] | None = None
+        # Sandboxes being killed at their timeout: each on its own task, so a close its
+        # agent never answers holds up neither another's nor the next rounds.
+        self.expiring: set[asyncio.Task[None]] = set()
 
     async def create(
         self, tenant: str, template: str, timeout_s: int, metadata: dict[str, str],
@@ -186,14 +189,11 @@ class Sandboxes:
                 self._known.pop(key, None)
             elif box.end_at is not None and box.end_at <= now:
                 due.append(box)
-        # All at once: one slow close (a container slow to go, an agent slow to answer)
-        # holds up no other sandbox's.
-        ended = await asyncio.gather(*(self._expire(box) for box in due), return_exceptions=True)
-        for box, failed in zip(due, ended, strict=True):
-            if isinstance(failed, EngineError):
-                log.warning("killing sandbox %s at its timeout failed: %s", box.id, failed)
-            elif isinstance(failed, Exception):
-                log.error("killing sandbox %s at its timeout failed", box.id, exc_info=failed)
+        for box in due:
+            self._known.pop((box.tenant, box.id), None)  # (not due again while it goes)
+            task = asyncio.create_task(self._expire(box))
+            self.expiring.add(task)
+            task.add_done_callback(self.expiring.discard)
 
     async def _expire(self, box: Sandbox) -> None:
         log.info("sandbox %s reached its timeout: killed", box.id)
@@ -201,12 +201,13 @@ class Sandboxes:
             await self.kill(box.tenant, box.id)
         except EngineError as e:
             if e.kind != "not_found":  # (gone meanwhile: nothing to do)
-                raise
-        finally:
-            self._known.pop((box.tenant, box.id), None)
+                log.warning("killing sandbox %s at its timeout failed: %s", box.id, e)
+        except Exception:
+            log.exception("killing sandbox %s at its timeout failed", box.id)
 
     async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in [self._reaper, *self.expiring]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
