@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 
 import websockets
@@ -135,6 +136,19 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
             except Exception:  # a failed look (the API server down) is tried again
                 log.exception("looking for ended environments failed")
 
+    def unreadable(text: str, e: ValueError) -> None:
+        """A request this agent cannot read is refused (its requester gets why), not the
+        end of the link: every request in flight would be cancelled with it."""
+        try:
+            rid = json.loads(text).get("rid")
+        except (ValueError, AttributeError):
+            rid = None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log.warning("a request from the scheduler this agent cannot read: %s", why)
+        if isinstance(rid, int) and not isinstance(rid, bool) and rid > 0:
+            error = f"the agent cannot read the request (its release may predate it): {why}"
+            post(AgentReply(rid=rid, ok=False, error=error).model_dump_json())
+
     def orphan(reply: AgentReply) -> None:  # a run that finished after its link dropped
         text = reply.model_dump_json()
         orphans.append((text, reply))
@@ -143,7 +157,11 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
     async def read_forever() -> None:
         while True:
             for text in unpack(await ws.recv(decode=True)):
-                req = parse_agent_request(text)
+                try:
+                    req = parse_agent_request(text)
+                except ValueError as e:  # (a newer scheduler's request, say)
+                    unreadable(text, e)
+                    continue
                 if isinstance(req, AgentInput):  # in order, now: a stream's data
                     agent.input(req)
                     continue
