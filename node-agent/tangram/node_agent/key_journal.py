@@ -57,10 +57,10 @@ class KeyJournal:
         return done, started
 
     def started(self, key: str, asked: str = "") -> None:
-        self._append(b'{"s":' + _quoted(key) + _asked(asked) + b"}\n")
+        self._append(_line(key, asked))
 
     def done(self, key: str, reply: bytes, asked: str = "") -> None:
-        self._append(b'{"d":' + _quoted(key) + _asked(asked) + b',"r":' + reply + b"}\n")
+        self._append(_line(key, asked, reply))
 
     def rewrite(
         self, done: Mapping[str, bytes], started: set[str], asked: Mapping[str, str] | None = None
@@ -73,10 +73,9 @@ class KeyJournal:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with open(fd, "wb") as out:  # (replies hold commands' output: this agent's alone)
             for key in started:
-                out.write(b'{"s":' + _quoted(key) + _asked(asked.get(key, "")) + b"}\n")
+                out.write(_line(key, asked.get(key, "")))
             for key, reply in done.items():
-                line = b'{"d":' + _quoted(key) + _asked(asked.get(key, "")) + b',"r":' + reply
-                out.write(line + b"}\n")
+                out.write(_line(key, asked.get(key, ""), reply))
         self.close()
         tmp.replace(self.path)
         self._written = 0
@@ -107,6 +106,13 @@ class KeyJournal:
             raise
         self._torn = False
         self._written += len(line)
+
+
+def _line(key: str, asked: str, reply: bytes | None = None) -> bytes:
+    """A journal line: ``key`` started, or (with its ``reply``) done; ``asked``: what it
+    ran."""
+    kind, end = (b'{"s":', b"}\n") if reply is None else (b'{"d":', b',"r":' + reply + b"}\n")
+    return kind + _quoted(key) + _asked(asked) + end
 
 
 def _quoted(key: str) -> bytes:

@@ -173,11 +173,9 @@ def run_agent(args: argparse.Namespace) -> int:
         await serve_link(agent, args.scheduler, token, stop)
         await agent.shutdown()
 
-    served = False
     try:
         run_loop(main())
-        served = True
-    finally:
-        if not served:
-            shut_down(agent)
+    except BaseException:  # a failed link: main's own shutdown did not run
+        shut_down(agent)
+        raise
     return 0

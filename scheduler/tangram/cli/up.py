@@ -138,37 +138,35 @@ def run_up(args: argparse.Namespace) -> int:
             f"--token-file {args.token_file}: no {AGENT_TENANT} line (the local agent's token)"
         )
     agent = make_agent(args, config.idle_cores, args.cores or config.cores_per_node)
-    served = False
+
+    def ready(r: Running) -> None:
+        reload_on_hangup(args.file, args.pool, r.engine)
+        runtime = agent.kind
+        if agent.kind == "docker" and agent.fast_path:
+            runtime += f" (portable path only: {agent.fast_path})"
+        if agent.kind == "process":
+            runtime = "[bold red]process[/] (no isolation: commands run on this host)"
+        note(
+            f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
+            f"  node {agent.node}: action cores {agent.action_cores}, "
+            f"idle {agent.idle_cores}, {runtime} runtime\n"
+            f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
+            f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
+            f"  token file: {args.token_file}\n"
+            f"  {r.engine.learned_note()}\n"
+            f"  try: .venv/bin/python examples/rollout.py --url {r.url}\n"
+            f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
+        )
+
     try:
         _local_images(agent, [e.spec.image for e in config.envs.values()])
-
-        def ready(r: Running) -> None:
-            reload_on_hangup(args.file, args.pool, r.engine)
-            runtime = agent.kind
-            if agent.kind == "docker" and agent.fast_path:
-                runtime += f" (portable path only: {agent.fast_path})"
-            if agent.kind == "process":
-                runtime = "[bold red]process[/] (no isolation: commands run on this host)"
-            note(
-                f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
-                f"  node {agent.node}: action cores {agent.action_cores}, "
-                f"idle {agent.idle_cores}, {runtime} runtime\n"
-                f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
-                f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
-                f"  token file: {args.token_file}\n"
-                f"  {r.engine.learned_note()}\n"
-                f"  try: .venv/bin/python examples/rollout.py --url {r.url}\n"
-                f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
-            )
-
         learned = learned_file(args, pool.metadata.name, args.state_dir)
         serve_until_signalled(
             args, config, tokens, agent, ready, close_on_exit=True, learned=learned
         )
-        served = True
-    finally:
-        if not served:
-            shut_down(agent)
+    except BaseException:  # a failed start: its serving would have stopped the agent
+        shut_down(agent)
+        raise
     note("stopped; every environment was removed")
     return 0
 

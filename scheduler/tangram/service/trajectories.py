@@ -56,11 +56,11 @@ class Trajectories:
             return await self._again(tenant, req, *known)
         if key is None:
             return await self._open(tenant, req)
-        tenant_key = (tenant, key)
+        tenant_key, digest = (tenant, key), req.digest()
         opening: asyncio.Future[TrajectoryRecord] = asyncio.get_running_loop().create_future()
-        self._remember(tenant_key, req.digest(), opening)
+        self._remember(tenant_key, digest, opening)
         try:
-            rec = await self._open(tenant, req)
+            rec = await self._open(tenant, req, (key, digest))
         except BaseException as e:
             # Refused or failed: nothing was opened, so a retry tries again.
             if self._opens.get(tenant_key, (None, None))[1] is opening:
@@ -120,7 +120,10 @@ class Trajectories:
             )
         return rec
 
-    async def _open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
+    async def _open(
+        self, tenant: str, req: OpenTrajectory, open_key: tuple[str, str] | None = None
+    ) -> TrajectoryRecord:
+        """Open it; ``open_key``: its idempotency key and its request's digest."""
         s = self.s
         s.admitting(tenant)
         if s.draining:
@@ -159,8 +162,7 @@ class Trajectories:
             )
         s.core.place_trajectory(key, node)
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
-        if req.idempotency_key is not None:
-            rec.open_key = (req.idempotency_key, req.digest())
+        rec.open_key = open_key
         made = rec.opening = asyncio.get_running_loop().create_future()
         s.add_trajectory(rec)
         link = s.hub.links.get(node)  # (none: the ask below fails as it should)
