@@ -70,6 +70,7 @@ from tangram.node_agent.fast_path import (
     Reachable,
     cgroup_of,
     start_time,
+    stat_fields,
 )
 from tangram.node_agent.warm_pool import SandboxRuntime
 
@@ -575,11 +576,9 @@ def tree(proc_root: Path, root: int) -> list[int]:
     for entry in proc_root.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+        fields = stat_fields(int(entry.name), proc_root)
+        if fields is None:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
         parent[int(entry.name)], group[int(entry.name)] = int(fields[1]), int(fields[2])
     out = {root}
     grew = True

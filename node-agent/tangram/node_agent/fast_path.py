@@ -61,13 +61,20 @@ class Reachable:
             )
 
 
-def start_time(pid: int, proc_root: Path = Path("/proc")) -> int:
-    """When process ``pid`` started (clock ticks since boot); 0 when there is none."""
+def stat_fields(pid: int, proc_root: Path = Path("/proc")) -> list[str] | None:
+    """Process ``pid``'s ``stat`` after "pid (comm) " (state first: field 3 is [0]);
+    None when there is no such process."""
     try:
         stat = (proc_root / str(pid) / "stat").read_text()
     except OSError:
-        return 0
-    return int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, after "pid (comm) "
+        return None
+    return stat[stat.rindex(")") + 2 :].split()  # (comm may hold spaces and parentheses)
+
+
+def start_time(pid: int, proc_root: Path = Path("/proc")) -> int:
+    """When process ``pid`` started (clock ticks since boot); 0 when there is none."""
+    fields = stat_fields(pid, proc_root)
+    return int(fields[19]) if fields else 0  # field 22
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from tangram.node_agent.execution import (
     render,
     supervise,
 )
+from tangram.node_agent.fast_path import stat_fields
 
 __all__ = ["ExecError", "ExecResult", "ProcessRuntime"]
 
@@ -385,11 +386,8 @@ def _kill_all(pids: set[int]) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"  # the state, after "(comm) "
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] not in "ZX"  # (its state: zombie, dead)
 
 
 async def _spawned(
