@@ -18,6 +18,7 @@ import pytest
 from e2b import AsyncSandbox, CommandExitException, FileType, Sandbox
 from e2b.exceptions import (
     AuthenticationException,
+    InvalidArgumentException,
     NotFoundException,
     SandboxException,
 )
@@ -296,6 +297,9 @@ def test_refusals_name_what_is_wrong(e2b: tuple[str, str, str]) -> None:
             ("SendSignal", {"signal": ["SIGNAL_SIGTERM"]}, "signal"),
             ("SendInput", {"input": "aGk="}, "input"),
         ]
+        # A command's own variables are named as the request names them.
+        with pytest.raises(InvalidArgumentException, match=r"process\.envs: 'MY-VAR' is not"):
+            sb.commands.run("true", envs={"MY-VAR": "x"})
         for method, body, field in wrong:
             r = httpx.post(f"{url}/process.Process/{method}", headers=envd,
                            json={"process": {"pid": cat.pid}, **body})  # fmt: skip

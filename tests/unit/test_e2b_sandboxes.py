@@ -8,10 +8,12 @@ import contextlib
 from types import SimpleNamespace
 from typing import Any, cast
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
 from tangram.api.wire import AgentReply, OpenTrajectory, TrajectoryState
-from tangram.service.e2b import process
+from tangram.service.e2b import add_e2b_routes, process
 from tangram.service.e2b.sandboxes import Proc, Sandbox, Sandboxes
 from tangram.service.engine import Engine
 from tangram.service.records import EngineError
@@ -113,3 +115,27 @@ def test_a_reader_that_goes_mid_wait_leaves_no_wait_on_the_output_queue() -> Non
         assert queue.qsize() == 1  # no forgotten wait of the gone reader took it
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_envd_says_why_a_sandbox_is_gone() -> None:
+    """E2B's SDK shows envd's 502 message: it names what happened to the sandbox."""
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))
+
+        async def admit(token: str | None) -> str:
+            return "u"
+
+        app = FastAPI()
+        boxes, _ = add_e2b_routes(app, engine, admit)
+        lost, closed = [await boxes.create("u", "e", 60, {}, {}) for _ in range(2)]
+        engine.lifecycle.environment_lost(lost.trajectory.key, "SandboxExited", "killed")
+        await engine.close_trajectory("u", closed.id)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            for box, why in ((lost, "lost: killed (SandboxExited)"), (closed, "does not exist")):
+                r = await http.get("/health", headers={"E2b-Sandbox-Id": box.id})
+                assert r.status_code == 502
+                assert box.id in r.json()["message"] and why in r.json()["message"]
+
+    run(scenario)

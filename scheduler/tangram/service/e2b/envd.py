@@ -76,7 +76,9 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         except EngineError as e:
             if e.kind != "not_found":
                 raise
-            raise E2BError(502, f"sandbox {sid} was not found") from None
+            # (saying why: a lost one's environment went, a closed one's reason)
+            why = e.message if e.field == "sandbox" else f"sandbox {e.message}"
+            raise E2BError(502, why) from None
 
     @router.get("/health", status_code=204, responses={502: {"description": "not running"}})
     async def health(request: Request) -> Response:

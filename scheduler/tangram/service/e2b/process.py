@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tangram.api.field_errors import described
-from tangram.api.wire import ActionResult, ExecRequest
+from tangram.api.wire import ActionResult, ExecRequest, env_problem
 from tangram.service.e2b.connect import KIND_CODE, ConnectError, end_of_stream, envelope
 from tangram.service.e2b.sandboxes import Proc, Sandbox
 from tangram.service.engine import Engine
@@ -40,8 +40,10 @@ def start(engine: Engine, box: Sandbox, msg: dict[str, Any], timeout_s: float | 
     args, envs, cwd = config.get("args") or [], config.get("envs") or {}, config.get("cwd")
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise ConnectError("invalid_argument", "process.args: a list of strings is required")
-    if not isinstance(envs, dict):
+    if not isinstance(envs, dict) or not all(isinstance(v, str) for v in envs.values()):
         raise ConnectError("invalid_argument", "process.envs: a map of strings is required")
+    if (problem := env_problem(envs)) is not None:
+        raise ConnectError("invalid_argument", f"process.envs: {problem}")
     argv = [config["cmd"], *args]
     if cwd:
         argv = ["/bin/sh", "-c", _CD, str(cwd), *argv]
