@@ -153,6 +153,27 @@ def test_bash_and_python_sessions_persist_and_hold_cores_only_during_actions(
         assert sorted(os.sched_getaffinity(pid)) == CORES[:1]
 
 
+def test_concurrent_first_uses_of_a_session_start_one_shell(
+    env: tuple[DockerRuntime, str],
+) -> None:
+    """Two actions that both find the session not started yet: one shell is started and
+    both run in it (one after the other), so what either leaves is there for the next."""
+    runtime, t = env
+
+    async def shell_pid(code: str) -> str:
+        res = await runtime.session(t, "bash", code, CORES[-1:], name="twin", timeout_s=60)
+        assert res.exit_code == 0, res.stdout
+        return res.stdout.strip()
+
+    async def scenario() -> list[str]:
+        first = await asyncio.gather(shell_pid("MARK=set; echo $$"), shell_pid("echo $$"))
+        return [*first, await shell_pid('echo "$$ $MARK"')]
+
+    a, b, after = asyncio.run(scenario())
+    assert a == b
+    assert after == f"{a} set"
+
+
 def test_a_sessions_background_processes_live_until_the_session_ends(
     env: tuple[DockerRuntime, str],
 ) -> None:

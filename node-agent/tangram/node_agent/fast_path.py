@@ -10,7 +10,9 @@ plants a server over the socket's name cannot answer for the environment.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +127,24 @@ class FastPath:
         self.idle_cores = tuple(idle_cores)
         self.allot = Allotments()
         self.sessions: dict[tuple[str, str, str], Session] = {}  # (trajectory, kind, name)
+        # One start per session: concurrent first uses would each start a shell, and
+        # all but the last would run (and keep state) where no later action looks.
+        self._starting: weakref.WeakValueDictionary[tuple[str, str, str], asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
+
+    async def session_for(
+        self, key: tuple[str, str, str], reach: Reachable, env: Mapping[str, str]
+    ) -> Session:
+        """The live session ``key`` (trajectory, kind, name), started on first use."""
+        lock = self._starting.setdefault(key, asyncio.Lock())
+        async with lock:
+            sess = self.sessions.get(key)
+            if sess is None or not sess.alive:
+                start = BashSession.start if key[1] == "bash" else PythonSession.start
+                sess = await start(reach.socket, reach.workdir, env, server_pid=reach.pid)
+                self.sessions[key] = sess
+            return sess
 
     # Concurrent actions of one environment share its cgroup (see ``Allotments``).
     def enter(self, key: str, cores: Sequence[int]) -> tuple[list[int], float]:
@@ -270,12 +290,7 @@ class ExecServerRuntime:
         t0 = time.perf_counter()
         fast.group_enter(reach, cores)
         try:
-            key = (trajectory, kind, name)
-            sess = fast.sessions.get(key)
-            if sess is None or not sess.alive:
-                start = BashSession.start if kind == "bash" else PythonSession.start
-                sess = await start(reach.socket, reach.workdir, dop_env, server_pid=reach.pid)
-                fast.sessions[key] = sess
+            sess = await fast.session_for((trajectory, kind, name), reach, dop_env)
             t1 = time.perf_counter()
             # {dop} is filled in bash commands, as in argv; Python reads TANGRAM_DOP.
             text = render([code], len(cores))[0] if kind == "bash" else code
