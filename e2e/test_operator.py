@@ -477,6 +477,16 @@ def test_a_refused_spec_and_a_rotated_secret_show_on_the_pool_and_reach_its_sche
                 events = stack.kubectl("get", "events", "-n", "rl", "--field-selector",
                                        "involvedObject.name=echo", "-o", "json").stdout  # fmt: skip
                 assert any(e["reason"] == "ConfigRefused" for e in json.loads(events)["items"])
+                # Its scheduler restarts (its pod rescheduled) and reads the refused
+                # definitions from the ConfigMap: it starts, serves the quota it can, and
+                # refuses the other's calls, saying why, until the Secret exists.
+                stack.stop("echo-scheduler")
+                _start_scheduler(stack, "echo", "rl", port=httpx.URL(url).port)
+                assert seen() == "Bearer second"
+                with Client(url, worker, retries=0) as once, pytest.raises(TangramError) as e:
+                    once.call("echo-two", "/")
+                assert e.value.status == 503 and "apis[echo-two].secretRef" in str(e.value)
+                stack.wait_ready("ap", "echo", "rl", "ConfigRefused", timeout=60)
                 # Once the Secret exists the same definitions are taken.
                 _secret(stack, "absent", "third")
                 stack.wait_ready("ap", "echo", "rl", timeout=60)

@@ -196,8 +196,16 @@ def test_proxied_api_calls_use_the_credential_and_never_return_it(
     caplog.set_level("DEBUG")
     with http_serving(_Provider) as url:
         config = PoolConfig(
-            apis=(ApiSpec(name="search", concurrency=1), ApiSpec(name="plain", concurrency=1)),
-            endpoints={"search": ApiEndpoint(url, SECRET)},
+            apis=(
+                ApiSpec(name="search", concurrency=1),
+                ApiSpec(name="plain", concurrency=1),
+                ApiSpec(name="later", concurrency=1),
+            ),
+            endpoints={
+                "search": ApiEndpoint(url, SECRET),
+                # As `tangram serve --kubernetes` starts when a secretRef names no Secret yet.
+                "later": ApiEndpoint(url, unresolved="apis[later].secretRef: no Secret k"),
+            },
         )
         with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
             # A pool of API quotas only needs no node to be ready.
@@ -212,6 +220,12 @@ def test_proxied_api_calls_use_the_credential_and_never_return_it(
             with pytest.raises(TangramError) as e:
                 c.call("plain", "/")
             assert e.value.status == 400 and e.value.field == "api"
+            with Client(running.url, token, retries=0) as once, pytest.raises(TangramError) as e:
+                once.call("later", "/")  # refused, saying why; not sent without its key
+            assert e.value.status == 503 and "apis[later].secretRef: no Secret k" in str(e.value)
+            leased = c.lease("later")  # leasing needs no credential
+            assert leased.status is ActionStatus.OK and leased.lease is not None
+            c.release(leased.lease)
             with pytest.raises(TangramError) as e:
                 c._run(c._async._call(_raw_call("search", {"headers": {"Authorization": "x"}})))
             assert e.value.status == 400

@@ -683,3 +683,27 @@ def test_an_actions_env_names_are_whole_variable_names() -> None:
     for bad in ("1BAD", "MY-VAR", "TRAILING\n"):
         with pytest.raises(ValidationError, match="is not a variable name"):
             ExecRequest(argv=["env"], env={bad: "x"})
+
+
+def test_a_secret_ref_that_cannot_be_resolved_refuses_the_pool_or_only_its_calls() -> None:
+    """A reload refuses the whole pool; `tangram serve --kubernetes` starts with the quota's
+    calls refused, since the operator's ConfigMap may name a Secret not made yet."""
+    from tangram.service.from_resources import PoolChoiceError, pool_config
+
+    ref = {"name": "key", "key": "token"}
+    res = parse(pool(apis=[{"name": "q", "concurrency": 1, "endpoint": "http://127.0.0.1:9",
+                             "secretRef": ref}]))  # fmt: skip
+    p = res.pools[("default", "p")]
+
+    def missing(namespace: str, r: object) -> str:
+        raise LookupError("no Secret key in namespace default")
+
+    with pytest.raises(PoolChoiceError, match=r"apis\[q\]\.secretRef: no Secret key"):
+        pool_config(res, p, missing)
+    endpoint = pool_config(res, p, missing, unresolved_ok=True).endpoints["q"]
+    assert endpoint.credential is None
+    assert endpoint.unresolved == (
+        "ActionPool p: apis[q].secretRef: no Secret key in namespace default"
+    )
+    found = pool_config(res, p, lambda ns, r: "k", unresolved_ok=True)
+    assert found.endpoints["q"].unresolved is None

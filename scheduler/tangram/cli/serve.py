@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import re
 from pathlib import Path
@@ -37,6 +38,8 @@ from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.service.auth import AGENT_TENANT
 from tangram.service.embedded import Running
 from tangram.service.learned_file import LearnedStore
+
+log = logging.getLogger("tangram.service")
 
 _STATE = os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram"))
 _TOKENS = os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE))
@@ -121,7 +124,13 @@ def run_serve(args: argparse.Namespace) -> int:
             raise InputError(f"--kubernetes: {e}") from None
         kube = KubeApi(api)
         secrets, reviewer = kube.secret, TokenReviewer(kube.review)
-    pool, config = load_pool(args.file, args.pool, secrets)
+    # In a cluster the documents come from the operator's ConfigMap, which may name a
+    # Secret not made yet: this scheduler starts, refusing only that quota's calls (the
+    # operator's pushes are refused, and the pool says why, until the Secret exists).
+    pool, config = load_pool(args.file, args.pool, secrets, unresolved_ok=args.kubernetes)
+    for endpoint in config.endpoints.values():
+        if endpoint.unresolved is not None:
+            log.warning("%s: its calls are refused until it can be read", endpoint.unresolved)
     check_listen(args.host, args.port)
     tokens = load_tokens(Path(args.token_file))
     learned: LearnedStore | None

@@ -94,14 +94,19 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
 
 
 def load_pool(
-    files: list[str], name: str | None, secrets: SecretLookup | None = None
+    files: list[str],
+    name: str | None,
+    secrets: SecretLookup | None = None,
+    *,
+    unresolved_ok: bool = False,
 ) -> tuple[ActionPool, PoolConfig]:
-    """The pool to serve from CR documents; every problem named, or InputError."""
+    """The pool to serve from CR documents; every problem named, or InputError.
+    ``unresolved_ok``: see :func:`pool_config`."""
     try:
         resources = load_documents(files)
     except ValueError as e:
         raise InputError(str(e)) from None
-    return _pool_of(resources, name, secrets)
+    return _pool_of(resources, name, secrets, unresolved_ok)
 
 
 def load_pool_text(
@@ -116,14 +121,17 @@ def load_pool_text(
 
 
 def _pool_of(
-    resources: Resources, name: str | None, secrets: SecretLookup | None
+    resources: Resources,
+    name: str | None,
+    secrets: SecretLookup | None,
+    unresolved_ok: bool = False,
 ) -> tuple[ActionPool, PoolConfig]:
     problems = resources.check_references()
     if problems:
         raise InputError("; ".join(problems))
     try:
         pool = choose_pool(resources, name)
-        return pool, pool_config(resources, pool, secrets)
+        return pool, pool_config(resources, pool, secrets, unresolved_ok=unresolved_ok)
     except PoolChoiceError as e:
         raise InputError(str(e)) from None
 

@@ -65,10 +65,13 @@ class ApiCalls:
         if api not in configured or api not in self.s.core.quotas:
             known = ", ".join(sorted(configured)) or "none"
             raise EngineError("not_found", "api", f"unknown API quota {api!r} (known: {known})")
-        if isinstance(req, ApiCallRequest) and api not in config.endpoints:
-            raise EngineError(
-                "invalid", "api", f"quota {api!r} has no endpoint: lease it and call it yourself"
-            )
+        if isinstance(req, ApiCallRequest):
+            endpoint = config.endpoints.get(api)
+            if endpoint is None:
+                why = f"quota {api!r} has no endpoint: lease it and call it yourself"
+                raise EngineError("invalid", "api", why)
+            if endpoint.unresolved is not None:
+                raise EngineError("unavailable", "api", _unresolved(api, endpoint.unresolved))
         units = req.units if isinstance(req, ApiLeaseRequest) else 1
         # ``quotas`` are units beyond the one an api action holds anyway.
         return ActionSpec(kind="api", api=api, quotas={api: units - 1} if units > 1 else {})
@@ -142,6 +145,10 @@ class ApiCalls:
     async def close(self) -> None:
         if self._own_http and self._http is not None:
             await self._http.close()
+
+
+def _unresolved(api: str, why: str) -> str:
+    return f"quota {api!r} cannot be called until its credential can be read: {why}"
 
 
 def _scrub(text: str, endpoint: ApiEndpoint | None) -> str:

@@ -80,6 +80,9 @@ class ApiEndpoint:
     url: str
     credential: str | None = field(default=None, repr=False)  # never printed
     header: str = "Authorization"  # sent as "Bearer <credential>"
+    # Why its credential could not be read when the scheduler started (a Secret not made
+    # yet): its calls are refused, saying so, until a reload resolves it.
+    unresolved: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,10 +58,16 @@ def secret_from_documents(resources: Resources) -> SecretLookup:
 
 
 def pool_config(
-    resources: Resources, pool: ActionPool, secrets: SecretLookup | None = None
+    resources: Resources,
+    pool: ActionPool,
+    secrets: SecretLookup | None = None,
+    *,
+    unresolved_ok: bool = False,
 ) -> PoolConfig:
     """``secrets``: where secretRefs resolve (default: Secret documents among ``resources``;
-    in a cluster, the API server)."""
+    in a cluster, the API server). ``unresolved_ok``: a secretRef that cannot be resolved
+    leaves its quota's calls refused (:attr:`ApiEndpoint.unresolved`) instead of refusing
+    the whole pool."""
     lookup = secrets or secret_from_documents(resources)
     spec = pool.spec
     envs = {
@@ -87,15 +93,15 @@ def pool_config(
     for q in spec.apis:
         if q.endpoint is None:
             continue
-        credential = None
+        credential, unresolved = None, None
         if q.secret_ref is not None:
             try:
                 credential = lookup(pool.metadata.namespace, q.secret_ref)
             except LookupError as e:
-                raise PoolChoiceError(
-                    f"ActionPool {pool.metadata.name}: apis[{q.name}].secretRef: {e}"
-                ) from None
-        endpoints[q.name] = ApiEndpoint(q.endpoint, credential)
+                unresolved = f"ActionPool {pool.metadata.name}: apis[{q.name}].secretRef: {e}"
+                if not unresolved_ok:
+                    raise PoolChoiceError(unresolved) from None
+        endpoints[q.name] = ApiEndpoint(q.endpoint, credential, unresolved=unresolved)
     scheduling = SchedulerConfig(**spec.scheduling.model_dump())  # the same field names
     return PoolConfig(
         name=pool.metadata.name,
