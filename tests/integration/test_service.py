@@ -93,6 +93,24 @@ def test_idempotent_retries_run_once(client: Client, tmp_path: Path) -> None:
         assert first.id == again.id and first.stdout == again.stdout == "1\n"
 
 
+def test_output_whose_encoding_is_over_the_links_frame_ends_only_its_own_action(
+    client: Client,
+) -> None:
+    """11 MiB of NUL bytes is 66 MiB of JSON (each one \\u0000): sent whole, that reply
+    ended the agent's link and every action of the node with it, the same on each retry.
+    It is cut to what the link carries, and says so."""
+    with client.trajectory("shell") as t, client.trajectory("shell") as other:
+        beside: list[ActionResult] = []
+        slow = threading.Thread(target=lambda: beside.append(other.exec(["sleep", "2"])))
+        slow.start()
+        r = t.exec(["head", "-c", str(11 << 20), "/dev/zero"], output_cap=16 << 20)
+        slow.join(30)
+        assert r.status is ActionStatus.OK and r.exit_code == 0, r.error
+        assert r.stdout_truncated and 0 < len(r.stdout) < 11 << 20 and set(r.stdout) == {"\0"}
+        assert beside[0].status is ActionStatus.OK, beside[0].error
+        assert t.exec(["true"]).status is ActionStatus.OK  # the node is still there
+
+
 def test_cancel_a_running_action_by_its_key(client: Client) -> None:
     with client.trajectory("shell") as t:
         box: list[object] = []

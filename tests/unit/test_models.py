@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -165,3 +167,21 @@ def test_only_an_exec_item_names_a_trajectory() -> None:
 
     with pytest.raises(ValidationError, match="only an exec item names a trajectory"):
         BatchItem.model_validate({"trajectory": "t", "service": "j", "score": {"inputs": [1]}})
+
+
+def test_answers_from_a_later_scheduler_are_read_ignoring_fields_added_since() -> None:
+    """A client of this release keeps working against a scheduler that adds a field to
+    what it answers; what it sends is still refused with a misspelt field."""
+    from tangram.api.wire import ActionResult, ExecRequest, StreamAnswer
+
+    later = {"id": "a-1", "kind": "exec", "status": "ok", "started_at": 1.0,
+             "allocation": {"cores": [0], "numa": 0}, "timings": {"exec_s": 1, "net_s": 0},
+             "error": {"code": "x", "message": "y", "hint": "z"}}  # fmt: skip
+    result = ActionResult.model_validate(later)
+    assert result.allocation.cores == [0] and result.timings.exec_s == 1
+    answer = StreamAnswer.model_validate_json(
+        json.dumps({"id": 1, "status": 200, "result": later, "trace": "t"})
+    )
+    assert answer.result == result
+    with pytest.raises(ValidationError, match="argvv"):
+        ExecRequest.model_validate({"argv": ["true"], "argvv": ["x"]})

@@ -44,6 +44,7 @@ from tangram.api.wire import (
     RunningAction,
     RunningCall,
     TrajectoryMeta,
+    fit_output,
     json_bytes,
 )
 from tangram.node_agent import state_lock
@@ -654,4 +655,13 @@ async def _then(
 
 
 def outcome(r: ExecResult) -> ExecOutcome:
-    return ExecOutcome.model_validate(r, from_attributes=True)  # the same fields on the wire
+    """The result as sent, each stream cut to what its encoding lets the link carry."""
+    stdout, out_cut = fit_output(r.stdout)
+    stderr, err_cut = fit_output(r.stderr)
+    sent = ExecOutcome.model_validate(r, from_attributes=True)  # the same fields on the wire
+    if not (out_cut or err_cut):
+        return sent
+    return sent.model_copy(update={
+        "stdout": stdout, "stdout_truncated": r.stdout_truncated or out_cut,
+        "stderr": stderr, "stderr_truncated": r.stderr_truncated or err_cut,
+    })  # fmt: skip

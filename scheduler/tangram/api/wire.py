@@ -49,8 +49,37 @@ _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RF
 MAX_OUTPUT = 16 << 20
 
 
+def fit_output(text: str, budget: int = MAX_OUTPUT) -> tuple[str, bool]:
+    """The head of ``text`` whose JSON encoding takes at most ``budget`` bytes, and whether
+    it was cut. A control byte takes 6 (``\\u0000``): 16 MiB of them would make a reply of
+    96 MiB per stream, over every link's frame limit (64 MiB), and a frame over it ends
+    the link and every action on it, on each retry again."""
+    if 6 * len(text) + 2 <= budget:  # (no character takes more than 6)
+        return text, False
+    size = _encoded_size(text)
+    if size <= budget:
+        return text, False
+    keep = len(text)
+    while size > budget:  # shrinks by at least 1 % a turn: a few turns
+        keep = min(keep - 1, int(keep * budget / size * 0.99))
+        size = _encoded_size(text[:keep])
+    return text[:keep], True
+
+
+def _encoded_size(text: str) -> int:
+    return len(json.dumps(text, ensure_ascii=False).encode())
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class _Answer(BaseModel):
+    """What the scheduler answers. Clients (and operators) of earlier releases read it
+    too: a field a later scheduler adds is ignored, not a failed call. Requests stay
+    strict: a misspelt field is an error naming it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 Id = Annotated[str, Field(pattern=ID_PATTERN, description="letters, digits, _ . -; ≤ 128")]
@@ -109,7 +138,7 @@ class TrajectoryState(StrEnum):
     CLOSED = "closed"
 
 
-class TrajectoryInfo(_Strict):
+class TrajectoryInfo(_Answer):
     id: str
     env: str
     node: str | None
@@ -257,7 +286,7 @@ class ServiceCallRequest(_Strict):
     idempotency_key: IdempotencyKey | None = None
 
 
-class ServiceStats(_Strict):
+class ServiceStats(_Answer):
     """What a service call found on its GPUs and what making the model resident cost."""
 
     service: str
@@ -268,7 +297,7 @@ class ServiceStats(_Strict):
     evicted: list[str] = Field(default_factory=list, description="instances evicted for it")
 
 
-class Allocation(_Strict):
+class Allocation(_Answer):
     node: str | None = None
     cores: list[int] = Field(default_factory=list)
     gpus: list[int] = Field(default_factory=list)
@@ -277,7 +306,7 @@ class Allocation(_Strict):
     fallback: str | None = None  # why the fast path was not taken
 
 
-class Timings(_Strict):
+class Timings(_Answer):
     queued_s: float = 0.0  # submitted until its units were allocated
     overhead_s: float = 0.0  # the system's share: dispatch, cgroup writes, start, return
     restore_s: float = 0.0  # service calls: evicting and restoring the model on its GPUs
@@ -285,13 +314,13 @@ class Timings(_Strict):
     act_s: float = 0.0  # action completion time: queued + overhead + restore + exec
 
 
-class ErrorInfo(_Strict):
+class ErrorInfo(_Answer):
     code: str
     message: str
     retryable: bool = False
 
 
-class ActionResult(_Strict):
+class ActionResult(_Answer):
     id: str
     trajectory: str | None = None
     kind: Literal["exec", "service", "api"]
@@ -369,7 +398,7 @@ class BatchRequest(_Strict):
     actions: Annotated[list[BatchItem], Field(min_length=1, max_length=1000)]
 
 
-class BatchResponse(_Strict):
+class BatchResponse(_Answer):
     results: list[ActionResult]
 
 
@@ -382,7 +411,7 @@ class Problem(_Strict):
     message: str
 
 
-class ProblemFigure(_Strict):
+class ProblemFigure(_Answer):
     """Failures of one cause about one TrajectoryEnv or node, over the recent window."""
 
     reason: str
@@ -392,12 +421,9 @@ class ProblemFigure(_Strict):
     last_s: float = Field(ge=0, description="seconds since the latest one")
 
 
-class PoolFigures(_Strict):
-    """A scheduler's live figures (``GET /v1/admin/status``, for the operator's CR status)."""
-
-    # The operator and the schedulers it runs are upgraded apart: a figure a newer
-    # scheduler adds is ignored by an older operator, not a failed status pass.
-    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+class PoolFigures(_Answer):
+    """A scheduler's live figures (``GET /v1/admin/status``, for the operator's CR status;
+    the operator and the schedulers it runs are upgraded apart)."""
 
     pool: str
     epoch: str = Field(description="changes when the scheduler restarts")
@@ -419,13 +445,13 @@ class PoolFigures(_Strict):
     )
 
 
-class ErrorDetail(_Strict):
+class ErrorDetail(_Answer):
     field: str
     message: str
 
 
-class ErrorBody(_Strict):
-    class Inner(_Strict):
+class ErrorBody(_Answer):
+    class Inner(_Answer):
         code: str
         message: str
         details: list[ErrorDetail] = Field(default_factory=list)
@@ -480,7 +506,7 @@ class StreamSignal(_Strict):
     signal: Literal["SIGINT", "SIGTERM", "SIGKILL"]
 
 
-class StreamOutput(_Strict):
+class StreamOutput(_Answer):
     """Output of a streamed exec as it is produced, before its answer."""
 
     id: int
@@ -488,7 +514,7 @@ class StreamOutput(_Strict):
     stderr: str | None = None
 
 
-class StreamAnswer(_Strict):
+class StreamAnswer(_Answer):
     """The answer to one ``StreamExec``: what the HTTP route would have answered."""
 
     id: int | None  # None: a message too broken to read its id from
@@ -505,7 +531,7 @@ FileType = Literal["file", "dir", "symlink", "other"]
 MAX_PATH = 4096
 
 
-class FileEntry(_Strict):
+class FileEntry(_Answer):
     """A file, directory or symlink in a trajectory's environment (symlinks not followed)."""
 
     name: str
@@ -519,17 +545,17 @@ class FileEntry(_Strict):
     target: str | None = Field(default=None, description="a symlink's target, as written")
 
 
-class FileList(_Strict):
+class FileList(_Answer):
     path: str
     entries: list[FileEntry]
 
 
-class FileWritten(_Strict):
+class FileWritten(_Answer):
     path: str
     size: int = Field(ge=0, description="bytes written")
 
 
-class Unpacked(_Strict):
+class Unpacked(_Answer):
     """A tar extracted into a directory."""
 
     path: str = Field(description="the directory it was extracted into")
@@ -541,7 +567,7 @@ class MakeDir(_Strict):
     path: Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
 
 
-class MadeDir(_Strict):
+class MadeDir(_Answer):
     path: str
     created: bool = Field(description="false: it was a directory already")
 
