@@ -431,6 +431,35 @@ class _EchoApi(JsonHandler):
         self.answer(200, {"authorization": self.headers.get("Authorization")})
 
 
+def test_a_deleted_env_leaves_its_running_scheduler(stack: Stack) -> None:
+    """A member has no finalizer: its deletion is seen as the watch's DELETED event, and
+    the pool's scheduler stops serving it then, not at the next full pass (300 s)."""
+    url = _coding_url(stack)
+    worker = _token(stack, "rl", "rollout-worker")
+    swe = stack.get("tenv", "swe", "rl")
+    extra = {"apiVersion": swe["apiVersion"], "kind": "TrajectoryEnv",
+             "metadata": {"name": "extra", "namespace": "rl"}, "spec": swe["spec"]}  # fmt: skip
+    with Client(url, worker, retries=0) as client:
+
+        def served() -> bool:
+            try:
+                with client.trajectory("extra"):
+                    return True
+            except TangramError as e:
+                assert e.status == 404, e
+                return False
+
+        try:
+            _apply(stack, yaml.safe_dump(extra))
+            stack.wait_ready("tenv", "extra", "rl")
+            wait_for("the new env to be served", served, timeout=60, every=1)
+        finally:
+            stack.kubectl("delete", "tenv", "extra", "-n", "rl", check=False)
+        wait_for("the deleted env to go", lambda: not served(), timeout=60, every=1)
+        with client.trajectory("swe") as t:  # the others are still served
+            assert t.exec(["true"]).status.value == "ok"
+
+
 def test_a_refused_spec_and_a_rotated_secret_show_on_the_pool_and_reach_its_scheduler(
     stack: Stack,
 ) -> None:
@@ -506,6 +535,20 @@ def test_deleting_a_pool_drains_then_removes_everything(stack: Stack) -> None:
     worker = _token(stack, "rl", "rollout-worker")
     with Client(url, worker, retries=0) as client:  # a 503 is the answer, not a retry
         t = client.trajectory("swe").__enter__()
+
+        # An edit the operator refuses leaves the scheduler running the spec before, and
+        # the status what it showed of it; nor does it skip the drain below.
+        def shown() -> dict[str, Any]:
+            status: dict[str, Any] = stack.get("ap", "coding", "rl")["status"]
+            return status
+
+        wait_for("the trajectory in the status", lambda: shown().get("trajectories") == 1, 60)
+        endpoint = shown()["endpoint"]
+        bad = {"spec": {"scheduler": {"resources": {"requests": {"cpu": "lots"}}}}}
+        stack.kubectl("patch", "ap", "coding", "-n", "rl", "--type=merge", "-p", json.dumps(bad))
+        stack.wait_ready("ap", "coding", "rl", "InvalidSpec")
+        assert shown()["endpoint"] == endpoint and shown()["trajectories"] == 1
+        assert t.exec(["true"]).status.value == "ok"
         stack.kubectl("delete", "ap", "coding", "-n", "rl", "--wait=false")
         cond = stack.wait_ready("ap", "coding", "rl", "Draining")
         assert "1 trajectories still open" in cond["message"]

@@ -283,6 +283,29 @@ def test_names_of_the_api_group() -> None:
             "spec.scheduler.resources",
             "not a quantity",
         ),
+        (
+            pool(
+                cpu={},
+                scheduler={"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}},
+            ),
+            "spec.scheduler.resources",
+            "requests.cpu: '2' is more than limits.cpu ('1500m')",
+        ),
+        (
+            pool(cpu={}, scheduler={"resources": {"limits": {"gpu": "1"}}}),
+            "spec.scheduler.resources",
+            "limits.gpu: 'gpu' is not a resource",
+        ),
+        (
+            pool(cpu={"nodeSelector": {"pool": "rl workers"}}),
+            "spec.cpu.nodeSelector",
+            "pool: 'rl workers': at most 63",
+        ),
+        (
+            pool(gpu={"nodeSelector": {"Example.com/gpu": "a100"}}),
+            "spec.gpu.nodeSelector",
+            "the part before '/' must be a DNS subdomain",
+        ),
         (pool(cpu={}, access={"namespaces": ["Team A"]}), "spec.access.namespaces", "Team A"),
         (
             pool(cpu={}, access={"serviceAccounts": ["worker"]}),
@@ -707,3 +730,13 @@ def test_a_secret_ref_that_cannot_be_resolved_refuses_the_pool_or_only_its_calls
     )
     found = pool_config(res, p, lambda ns, r: "k", unresolved_ok=True)
     assert found.endpoints["q"].unresolved is None
+
+
+def test_what_the_api_server_takes_in_a_childs_resources_and_node_selector_is_taken() -> None:
+    requests = {"cpu": "500m", "memory": "1Gi", "example.com/fpga": 1}
+    limits = {"cpu": 1, "memory": "1073741824", "hugepages-2Mi": "2Mi", "example.com/fpga": "1"}
+    res = parse(pool(
+        cpu={"nodeSelector": {"kubernetes.io/os": "linux", "node-role.kubernetes.io/rl": ""}},
+        scheduler={"resources": {"requests": requests, "limits": limits}},
+    ))  # fmt: skip
+    assert res.pools[("default", "p")].spec.cpu is not None

@@ -38,6 +38,22 @@ def _retrying(call: Any, *args: Any) -> None:
         raise kopf.TemporaryError(str(e), delay=e.delay_s) from None
 
 
+class _NotDoneYet(logging.Filter):
+    """kopf logs a handler's temporary error (our :class:`RetryError`: a drain waiting for
+    open trajectories) as an error on every retry, and kopf releases from before its
+    ``posting.loggers`` setting (2026) post such records as Events: 120 for a 10-minute
+    drain. It is progress, which the pool's status shows: logged at INFO, never posted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and " failed temporarily: " in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.k8s_skip = True  # kopf's mark for a record not to post
+        return True
+
+
+_NOT_DONE_YET = _NotDoneYet()
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     prefix = "kopf.tangram.dev"
@@ -47,6 +63,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.WARNING  # our own Events say what matters
+    logging.getLogger("kopf.objects").addFilter(_NOT_DONE_YET)  # (a set: added once)
     settings.peering.standalone = True  # one replica (the chart's Deployment is Recreate)
 
 
@@ -98,9 +115,13 @@ def _member(kind: str) -> None:
     def changed(namespace: str | None, name: str, **_: Any) -> None:
         _retrying(_r().reconcile_member, kind, namespace or "", name)
 
-    @kopf.on.delete(*resource, optional=True, id="deleted")  # optional: no finalizer
-    def deleted(body: kopf.Body, **_: Any) -> None:
-        _retrying(_r().member_deleted, dict(body))
+    # A member has no finalizer, so its deletion reaches kopf only as the watch's DELETED
+    # event, for which kopf runs no on.delete handler: watched here instead. A pass that
+    # fails is logged, and the pool's next full pass takes the member out.
+    @kopf.on.event(*resource, id="gone")
+    def gone(type: str, body: kopf.Body, **_: Any) -> None:  # (kopf names it ``type``)
+        if type == "DELETED":
+            _r().member_deleted(dict(body))
 
 
 _member("TrajectoryEnv")

@@ -132,6 +132,8 @@ class Reconciler:
         # refresh pushes, without reading the ConfigMap and the Secret back every 10 s.
         self._built: dict[str, tuple[str, str]] = {}
         self._full_at: dict[str, dt.datetime] = {}  # pool uid -> its last full pass
+        self._valid: dict[str, ActionPool] = {}  # pool uid -> its last valid spec (to drain)
+        self._written: dict[str, dict[str, Any]] = {}  # pool uid -> the status it last wrote
         # pool uid -> why its scheduler refused the documents last pushed (said once).
         self._refused: dict[str, str] = {}
         # One pass at a time per pool (kopf runs handlers of different objects in threads);
@@ -161,6 +163,7 @@ class Reconciler:
             if isinstance(pool, str):
                 self._member_statuses((namespace, name), None, pool_invalid=pool)
                 return True
+            self._valid[body["metadata"]["uid"]] = pool
             members = self._member_statuses(pool.key, pool)
             tokens = self._tokens(pool)
             objects = build_pool(
@@ -187,6 +190,10 @@ class Reconciler:
         """The periodic pass: status from the scheduler, and a push if it missed one.
         ``body``: the pool as the caller just read it (kopf's timer)."""
         with self._lock((namespace, name)):
+            if body is not None:
+                written = self._written.get(body["metadata"].get("uid", ""))
+                if written is not None and body.get("status") != written:
+                    body = None  # read before a pass wrote its status (the lock): read anew
             live = self._live_pool(namespace, name, body)
             if live is None:
                 return
@@ -223,11 +230,15 @@ class Reconciler:
         except ValidationError as e:
             message = validation_message(e, body)
             meta = body["metadata"]
-            previous = parse_conditions((body.get("status") or {}).get("conditions"))
+            shown = body.get("status") or {}
+            previous = parse_conditions(shown.get("conditions"))
             seen = PoolObservation(
                 generation=meta.get("generation", 0),
                 previous=previous,
-                endpoint="",
+                # A spec edited invalid leaves its scheduler running the one before: what
+                # the status showed of it stays until the spec is fixed.
+                endpoint=str(shown.get("endpoint") or ""),
+                last=last_figures(shown),
                 invalid=message,
             )
             status = pool_status(None, seen, rfc3339(self.clock()))
@@ -354,17 +365,39 @@ class Reconciler:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         with self._lock((namespace, name)):
-            try:
-                pool = ActionPool.model_validate(body)
-            except ValidationError:
-                pool = None  # an invalid pool never had a scheduler to drain
+            pool = self._drainable(body)
             if pool is not None:
                 self._drain(pool, body)
             deleted = self.cluster.delete_cluster_children(namespace, name)
             self._member_statuses((namespace, name), None)  # they now name no pool
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
-            for memo in (self._pushed, self._built, self._full_at, self._refused):
+            memos = (self._pushed, self._built, self._full_at, self._refused, self._valid,
+                     self._written)  # fmt: skip
+            for memo in memos:
                 memo.pop(meta.get("uid", ""), None)
+
+    def _drainable(self, body: dict[str, Any]) -> ActionPool | None:
+        """The pool whose scheduler to drain. A spec edited invalid leaves its scheduler
+        running (the edit was refused): then the last valid spec this operator saw, or,
+        after an operator restart, the body with only its scheduler's port and drain time
+        (defaults where those are what is invalid)."""
+        try:
+            return ActionPool.model_validate(body)
+        except ValidationError:
+            pass
+        last = self._valid.get(body["metadata"].get("uid", ""))
+        if last is not None:
+            return last
+        raw = (body.get("spec") or {}).get("scheduler") or {}
+        kept = {k: raw[k] for k in ("port", "drainSeconds") if isinstance(raw, dict) and k in raw}
+        for scheduler in (kept, {}):
+            try:
+                return ActionPool.model_validate(
+                    {**body, "spec": {"cpu": {}, "scheduler": scheduler}}
+                )
+            except ValidationError:
+                continue
+        return None  # its name itself is invalid: the API server made no children of it
 
     def _drain(self, pool: ActionPool, body: dict[str, Any]) -> None:
         token = self._live_tokens(pool).get(OPERATOR_TENANT)
@@ -468,6 +501,8 @@ class Reconciler:
             return
         meta = body["metadata"]
         self.cluster.patch_status(body["kind"], meta["namespace"], meta["name"], new)
+        if body["kind"] == "ActionPool":  # (what the timer's refresh compares against)
+            self._written[meta.get("uid", "")] = new
         before = {c.type: c for c in previous}
         for cond in status.conditions:
             news = _NEWS.get(cond.type)

@@ -20,6 +20,7 @@ import re
 from typing import Annotated, Any, Literal, Self, TypeAlias
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -45,6 +46,9 @@ from tangram.api.spec_base import (
     QUANTITY,
     SECRET_KEY,
     Spec,
+    label_value_problem,
+    qualified_name_problem,
+    quantity_value,
     unique,
 )
 
@@ -110,11 +114,32 @@ class ObjectMeta(BaseModel):
 # --- ActionPool ------------------------------------------------------------------------------
 
 
+def _resource_name_problem(name: str) -> str | None:
+    """Why the API server would refuse ``name`` as a container's resource; None if not."""
+    if name in ("cpu", "memory", "ephemeral-storage") or name.startswith("hugepages-"):
+        return None
+    if "/" not in name:
+        return (f"{name!r} is not a resource: cpu, memory, ephemeral-storage, hugepages-<size> "
+                "or a qualified name (example.com/gpu)")  # fmt: skip
+    return qualified_name_problem(name)
+
+
+def _node_selector(v: dict[str, str]) -> dict[str, str]:
+    for key, value in v.items():
+        problem = qualified_name_problem(key) or label_value_problem(value)
+        if problem is not None:
+            raise ValueError(f"{key}: {problem}")
+    return v
+
+
+NodeSelector = Annotated[dict[str, str], AfterValidator(_node_selector)]
+
+
 class CpuPool(Spec):
     """The CPU cores pooled for exec actions."""
 
     node_selector: Annotated[
-        dict[str, str], Field(description="labels of the nodes whose cores join the pool")
+        NodeSelector, Field(description="labels of the nodes whose cores join the pool")
     ] = {}
     cores_per_node: Annotated[
         int | None,
@@ -137,7 +162,7 @@ class GpuPool(Spec):
     """The GPUs pooled for RewardService calls, allocated in power-of-two chunks."""
 
     node_selector: Annotated[
-        dict[str, str], Field(description="labels of the nodes whose GPUs join the pool")
+        NodeSelector, Field(description="labels of the nodes whose GPUs join the pool")
     ] = {}
     gpus_per_node: Annotated[
         GpuCount | None,
@@ -310,6 +335,15 @@ class SchedulerDeployment(Spec):
                 ok = amount >= 0 if not isinstance(amount, str) else QUANTITY.match(amount)
                 if isinstance(amount, bool) or not ok:
                     raise ValueError(f"{section}.{resource}: {amount!r} is not a quantity")
+                if (problem := _resource_name_problem(resource)) is not None:
+                    raise ValueError(f"{section}.{resource}: {problem}")
+        requests, limits = v.get("requests", {}), v.get("limits", {})
+        for resource in requests.keys() & limits.keys():
+            if quantity_value(requests[resource]) > quantity_value(limits[resource]):
+                raise ValueError(
+                    f"requests.{resource}: {requests[resource]!r} is more than "
+                    f"limits.{resource} ({limits[resource]!r})"
+                )
         return v
 
 

@@ -1,0 +1,193 @@
+"""The reconciler's passes over a stand-in cluster (objects in a dict, as the API server
+would hold them) and a stand-in scheduler link: what it writes, pushes and drains."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from tangram.api.wire import PoolFigures
+from tangram.operator.reconciler import Reconciler, RetryError
+from tangram.operator.scheduler_link import SchedulerError
+
+NOW = dt.datetime(2026, 11, 28, 12, 0, tzinfo=dt.UTC)
+Key = tuple[str, str, str]  # kind, namespace, name
+
+
+class Cluster:
+    """What the reconciler calls of ``tangram.operator.kube.Cluster``, on a dict."""
+
+    def __init__(self) -> None:
+        self.objects: dict[Key, dict[str, Any]] = {}
+        self.status_patches: list[Key] = []
+        self.events: list[tuple[str, str]] = []  # (reason, message)
+
+    def add(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        meta.setdefault("uid", f"uid-{meta['name']}")
+        meta.setdefault("generation", 1)
+        self.objects[obj["kind"], meta["namespace"], meta["name"]] = obj
+        return obj
+
+    def get_custom(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((kind, namespace, name)))
+
+    def list_custom(self, kind: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == kind]
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        if (obj := self.objects.get((kind, namespace, name))) is not None:
+            obj["status"] = copy.deepcopy(status)
+            self.status_patches.append((kind, namespace, name))
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        meta = manifest["metadata"]
+        key = (manifest["kind"], meta.get("namespace", ""), meta["name"])
+        status = (self.objects.get(key) or {}).get("status")
+        self.objects[key] = {**copy.deepcopy(manifest), **({"status": status} if status else {})}
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((kind, namespace, name)))
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        return self.objects.pop((kind, namespace or "", name), None) is not None
+
+    def delete_cluster_children(self, namespace: str, pool: str) -> list[str]:
+        return []
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        secret = self.objects.get(("Secret", namespace, name))
+        return None if secret is None else dict(secret.get("stringData") or {})
+
+    def event(self, obj: dict[str, Any], type_: str, reason: str, message: str, now: Any) -> None:
+        self.events.append((reason, message))
+
+
+class Link:
+    """A scheduler that answers with ``trajectories`` open, or not at all (``down``)."""
+
+    def __init__(self) -> None:
+        self.trajectories = 0
+        self.down = False
+        self.drained: list[str] = []
+
+    def _figures(self) -> PoolFigures:
+        if self.down:
+            raise SchedulerError("connection refused")
+        return PoolFigures(pool="coding", epoch="e1", accepting=True, draining=False, nodes=1,
+                           cores=8, cores_in_use=0, gpus=0, gpus_in_use=0, queue_depth=0,
+                           running=0, trajectories=self.trajectories, apis={},
+                           environments=1)  # fmt: skip
+
+    def figures(self, base: str, token: str) -> PoolFigures:
+        return self._figures()
+
+    def reload(self, base: str, token: str, documents: str) -> list[str]:
+        self._figures()
+        return []
+
+    def drain(self, base: str, token: str) -> PoolFigures:
+        self.drained.append(base)
+        return self._figures()
+
+
+def _pool(**scheduler: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "tangram.dev/v1alpha1",
+        "kind": "ActionPool",
+        "metadata": {"name": "coding", "namespace": "rl"},
+        "spec": {"cpu": {}, "scheduler": {"drainSeconds": 600, **scheduler}},
+    }
+
+
+@pytest.fixture
+def world() -> tuple[Cluster, Link, Reconciler]:
+    cluster, link = Cluster(), Link()
+    return cluster, link, _reconciler(cluster, link)
+
+
+def _reconciler(cluster: Cluster, link: Link) -> Reconciler:
+    return Reconciler(cluster, image="tangram:test", link=link, clock=lambda: NOW)  # type: ignore[arg-type]
+
+
+def _running(cluster: Cluster, link: Link, r: Reconciler, open_: int) -> dict[str, Any]:
+    """A valid pool whose scheduler runs with ``open_`` trajectories, as its status says."""
+    cluster.add(_pool())
+    r.reconcile_pool("rl", "coding")
+    cluster.objects["Deployment", "rl", "tangram-coding-scheduler"]["status"] = {
+        "availableReplicas": 1
+    }
+    link.trajectories = open_
+    r.reconcile_pool("rl", "coding")
+    status: dict[str, Any] = cluster.objects["ActionPool", "rl", "coding"]["status"]
+    assert status["trajectories"] == open_ and _ready(status)["reason"] == "Ready"
+    return status
+
+
+def _ready(status: dict[str, Any]) -> dict[str, Any]:
+    ready: list[dict[str, Any]] = [c for c in status["conditions"] if c["type"] == "Ready"]
+    assert len(ready) == 1
+    return ready[0]
+
+
+def _edit_invalid(cluster: Cluster) -> None:
+    body = cluster.objects["ActionPool", "rl", "coding"]
+    body["spec"]["scheduler"]["resources"] = {"requests": {"cpu": "lots"}}
+    body["metadata"]["generation"] += 1
+
+
+def test_an_edit_made_invalid_keeps_what_the_status_showed_of_the_running_scheduler(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    cluster, link, r = world
+    before = _running(cluster, link, r, open_=7)
+    _edit_invalid(cluster)
+    r.reconcile_pool("rl", "coding")
+    status = cluster.objects["ActionPool", "rl", "coding"]["status"]
+    assert _ready(status)["reason"] == "InvalidSpec"
+    assert "requests.cpu: 'lots' is not a quantity" in _ready(status)["message"]
+    assert status["endpoint"] == before["endpoint"] != ""
+    assert (status["trajectories"], status["cores"]) == (7, 8)
+
+
+@pytest.mark.parametrize("operator_restarted", [False, True])
+def test_a_pool_edited_invalid_is_drained_before_it_goes(
+    world: tuple[Cluster, Link, Reconciler], operator_restarted: bool
+) -> None:
+    """Its scheduler still runs the spec before the edit: its open trajectories may
+    finish (within drainSeconds) before the pool's children are collected."""
+    cluster, link, r = world
+    _running(cluster, link, r, open_=7)
+    _edit_invalid(cluster)
+    r.reconcile_pool("rl", "coding")
+    if operator_restarted:  # nothing of the valid spec left in memory: the body alone
+        r = _reconciler(cluster, link)
+    body = cluster.get_custom("ActionPool", "rl", "coding")
+    assert body is not None
+    body["metadata"]["deletionTimestamp"] = "2026-11-28T11:59:00Z"
+    with pytest.raises(RetryError, match="7 trajectories open; 540 s left"):
+        r.drain_pool(body)
+    assert link.drained == ["http://tangram-coding-scheduler.rl.svc:8080"]
+    link.trajectories = 0
+    r.drain_pool(body)  # done: the finalizer goes
+
+
+def test_a_refresh_whose_body_a_pass_made_stale_reads_the_pool_again(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    """kopf's timer hands over the body it read before it waited for the pool's lock; a
+    pass that wrote the status meanwhile makes that body stale."""
+    cluster, link, r = world
+    _running(cluster, link, r, open_=0)
+    stale = cluster.get_custom("ActionPool", "rl", "coding")
+    assert stale is not None
+    link.down = True
+    r.reconcile_pool("rl", "coding")  # the pass the timer waited for: now unreachable
+    cluster.status_patches.clear()
+    cluster.events.clear()
+    r.refresh_pool("rl", "coding", stale)
+    assert cluster.status_patches == []  # nothing new to write, and no Event again
+    assert cluster.events == []
