@@ -63,7 +63,11 @@ def test_unparseable_conditions_are_dropped() -> None:
         (dict(scheduler_available=False), "SchedulerUnavailable"),
         (dict(scheduler_available=True, unreachable="refused"), "SchedulerUnreachable"),
         (dict(scheduler_available=True, figures=_figures(nodes=0)), "NoNodes"),
+        # As a cluster shows it: /readyz fails while no agent is connected, so the pod is
+        # not available; the Service publishes it anyway and the figures come back.
+        (dict(scheduler_available=False, figures=_figures(nodes=0)), "NoNodes"),
         (dict(scheduler_available=True, figures=_figures()), "Ready"),
+        (dict(scheduler_available=False, figures=_figures()), "Ready"),  # answering: it runs
         (dict(deleting=True, figures=_figures(), drain_left_s=42.4), "Draining"),
         (dict(deleting=True, unreachable="no route", drain_left_s=42.4), "Draining"),
         (
@@ -82,6 +86,9 @@ def test_pool_ready_reasons(seen: dict[str, object], reason: str) -> None:
     assert status.observed_generation == 3 and cond.observed_generation == 3
     if reason == "SchedulerUnreachable":
         assert cond.message == "refused"
+    if reason == "NoNodes":
+        agents = "DaemonSets tangram-coding-cpu-agent"
+        assert cond.message == f"no node agent connected ({agents}: check their nodeSelector)"
     if reason == "Draining" and obs.figures is not None:
         assert "9 trajectories still open" in cond.message and "42 s" in cond.message
     if reason == "Draining" and obs.figures is None:  # restarting: it is waited for

@@ -54,6 +54,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end }}
 
+{{/*
+Refuses extra labels from values (podLabels, serviceMonitor.labels) that name a label the
+chart sets on the same object: the key would be rendered twice, and a changed selector
+label would leave the operator's Deployment selecting no pod. Renders nothing. Call with
+(dict "root" $ "labels" MAP "from" "VALUE NAME").
+*/}}
+{{- define "arl-tangram.checkExtraLabels" -}}
+{{- $own := merge (fromYaml (include "arl-tangram.labels" .root)) (fromYaml (include "arl-tangram.operatorSelectorLabels" .root)) }}
+{{- range $key := keys .labels | sortAlpha }}
+{{- if hasKey $own $key }}
+{{- fail (printf "%s: %q is a label the chart sets itself (to %q; the operator's Deployment selects its pod by app.kubernetes.io/name, app.kubernetes.io/instance and app.kubernetes.io/component): leave it out" $.from $key (get $own $key)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "arl-tangram.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "arl-tangram.fullname" .) .Values.serviceAccount.name }}

@@ -26,6 +26,7 @@ from tangram.operator.builders import POOL_NAMESPACE_LABEL, Manifest
 log = logging.getLogger("tangram.operator")
 
 FIELD_MANAGER = "tangram-operator"
+JSON_PATCH = "application/json-patch+json"
 
 
 def api_client(kubeconfig: str | None = None) -> Any:
@@ -78,10 +79,19 @@ class Cluster:
         return items
 
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
-        """Replace ``status`` (a merge patch: lists such as conditions are replaced whole)."""
+        """Replace ``status`` whole. A JSON patch, not a merge patch: a merge patch keeps
+        every map key it does not name (a quota dropped from ``status.apis`` would stay,
+        and the reconciler, seeing the status differ, would patch it again every pass)."""
         try:
             self._custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURALS[kind], name, {"status": status}
+                GROUP,
+                VERSION,
+                namespace,
+                PLURALS[kind],
+                name,
+                # "add" sets /status whether or not it exists ("replace" needs it to)
+                [{"op": "add", "path": "/status", "value": status}],
+                _content_type=JSON_PATCH,
             )
         except ApiException as e:
             if e.status != 404:  # deleted meanwhile: nothing to report on

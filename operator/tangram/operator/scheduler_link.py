@@ -79,20 +79,34 @@ class SchedulerLink:
 
     def figures(self, base: str, token: str) -> PoolFigures:
         data = self._call("GET", f"{base}/v1/admin/status", token)
-        try:
-            return PoolFigures.model_validate_json(data)
-        except ValueError as e:
-            raise SchedulerError(f"{base}: not a scheduler's status: {e}") from None
+        return _figures(f"{base}: not a scheduler's status", data)
 
     def reload(self, base: str, token: str, documents: str) -> list[str]:
         """Push the pool's documents; the changes the scheduler made."""
         data = self._call("POST", f"{base}/v1/admin/reload", token, documents.encode("utf-8"))
-        changes = json.loads(data).get("changes", [])
+        try:
+            answer: object = json.loads(data)
+        except ValueError:
+            answer = None
+        changes = answer.get("changes", []) if isinstance(answer, dict) else None
+        if not isinstance(changes, list):
+            # A SchedulerError, which the reconciler handles, not one its pass dies of.
+            raise SchedulerError(f"{base}: not a scheduler's reload answer: {data[:200]!r}")
         return [str(c) for c in changes]
 
     def drain(self, base: str, token: str) -> PoolFigures:
         data = self._call("POST", f"{base}/v1/admin/drain", token, b"")
+        # As a SchedulerError a wrong answer counts as none, which the finalizer waits on
+        # for at most drainSeconds; anything else would fail it on every retry, forever.
+        return _figures(f"{base}: not a scheduler's drain answer", data)
+
+
+def _figures(otherwise: str, data: bytes) -> PoolFigures:
+    """The figures a scheduler answered with; SchedulerError(``otherwise``...) if none."""
+    try:
         return PoolFigures.model_validate_json(data)
+    except ValueError as e:  # pydantic's ValidationError is one
+        raise SchedulerError(f"{otherwise}: {e}") from None
 
 
 def _message(detail: str) -> str:

@@ -122,12 +122,14 @@ def _pool_ready(
             Reason.DRAINING,
             f"being deleted: {f.trajectories} trajectories still open, {left}",
         )
-    deployment = child_name(pool, "scheduler")
-    if not seen.scheduler_available:
-        why = f"Deployment {deployment} has no available pod"
-        return "False", Reason.SCHEDULER_UNAVAILABLE, why
     if f is None:
+        if not seen.scheduler_available:
+            why = f"Deployment {child_name(pool, 'scheduler')} has no available pod"
+            return "False", Reason.SCHEDULER_UNAVAILABLE, why
         return "False", Reason.SCHEDULER_UNREACHABLE, silent
+    # The scheduler answered, so it runs, whatever its Deployment says: its pod is not
+    # ready (not available) exactly while it serves environments and no agent is connected,
+    # which is the case NoNodes names with its hint.
     if seen.refused is not None:
         return (
             "False",
