@@ -359,8 +359,20 @@ def test_an_invalid_member_gets_a_condition_and_an_event(stack: Stack) -> None:
     cond = stack.wait_ready("tenv", "stray", "rl", "PoolInvalid")
     assert cond["message"].startswith("ActionPool rl/broken is invalid: ")
     assert "'lots' is not a quantity" in cond["message"]
+    # One only the API server refuses, in a child: an extended resource's request below
+    # its limit (they cannot be overcommitted).
+    fpga = {"requests": {"example.com/fpga": "1"}, "limits": {"example.com/fpga": "2"}}
+    overcommitted = {"apiVersion": "tangram.dev/v1alpha1", "kind": "ActionPool",
+                     "metadata": {"name": "overcommitted", "namespace": "rl"},
+                     "spec": {"cpu": {}, "scheduler": {"resources": fpga}}}  # fmt: skip
+    _apply(stack, yaml.safe_dump(overcommitted))
+    cond = stack.wait_ready("ap", "overcommitted", "rl", "InvalidSpec")
+    assert cond["message"].startswith(
+        "the API server refused the spec's Deployment tangram-overcommitted-scheduler: "
+    ), cond
     stack.kubectl("delete", "tenv", "stray", "-n", "rl")
     stack.kubectl("delete", "ap", "broken", "-n", "rl")
+    stack.kubectl("delete", "ap", "overcommitted", "-n", "rl")
     for name, ns in (("upside-down", "rl"), ("orphan", "rl"), ("stranger", "outsider")):
         stack.kubectl("delete", "tenv", name, "-n", ns)
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tangram.api.wire import PoolFigures
+from tangram.operator.kube import RefusedError
 from tangram.operator.reconciler import Reconciler, RetryError
 from tangram.operator.scheduler_link import SchedulerError
 
@@ -24,6 +25,7 @@ class Cluster:
         self.objects: dict[Key, dict[str, Any]] = {}
         self.status_patches: list[Key] = []
         self.events: list[tuple[str, str]] = []  # (reason, message)
+        self.refuse: str | None = None  # a Deployment whose container asks this is refused
 
     def add(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -45,6 +47,10 @@ class Cluster:
 
     def apply(self, manifest: dict[str, Any]) -> None:
         meta = manifest["metadata"]
+        if manifest["kind"] == "Deployment" and self.refuse is not None:
+            (container,) = manifest["spec"]["template"]["spec"]["containers"]
+            if self.refuse in str(container.get("resources")):
+                raise RefusedError(f"Deployment {meta['name']}: {self.refuse} is refused")
         key = (manifest["kind"], meta.get("namespace", ""), meta["name"])
         status = (self.objects.get(key) or {}).get("status")
         self.objects[key] = {**copy.deepcopy(manifest), **({"status": status} if status else {})}
@@ -191,3 +197,46 @@ def test_a_refresh_whose_body_a_pass_made_stale_reads_the_pool_again(
     r.refresh_pool("rl", "coding", stale)
     assert cluster.status_patches == []  # nothing new to write, and no Event again
     assert cluster.events == []
+
+
+def test_a_spec_whose_child_the_api_server_refuses_is_invalid_and_not_ready(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    """pydantic lets through what only the API server knows to refuse (a child's field):
+    the pool says so at that generation, its scheduler runs on with the spec before, and
+    the status keeps its figures, not a Ready computed from the refused spec."""
+    cluster, link, r = world
+    _running(cluster, link, r, open_=3)
+    cluster.refuse = "example.com/fpga"
+    body = cluster.objects["ActionPool", "rl", "coding"]
+    body["spec"]["scheduler"]["resources"] = {"limits": {"example.com/fpga": "1"}}
+    body["metadata"]["generation"] = 2
+    r.reconcile_pool("rl", "coding")
+    r.refresh_pool("rl", "coding", cluster.get_custom("ActionPool", "rl", "coding"))
+    status = cluster.objects["ActionPool", "rl", "coding"]["status"]
+    assert (_ready(status)["reason"], status["observedGeneration"]) == ("InvalidSpec", 2)
+    assert _ready(status)["message"] == (
+        "the API server refused the spec's Deployment tangram-coding-scheduler: "
+        "example.com/fpga is refused"
+    )
+    assert status["trajectories"] == 3
+    cluster.refuse = None  # (the cluster now takes it: a device plugin came)
+    body["metadata"]["generation"] = 3
+    r.reconcile_pool("rl", "coding")
+    assert _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])["reason"] == "Ready"
+
+
+def test_a_new_pool_whose_child_is_refused_says_so_and_its_refreshes_write_nothing(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    cluster, _, r = world
+    cluster.refuse = "example.com/fpga"
+    pool = _pool(resources={"limits": {"example.com/fpga": "1"}})
+    cluster.add(pool)
+    r.reconcile_pool("rl", "coding")
+    status = cluster.objects["ActionPool", "rl", "coding"]["status"]
+    assert _ready(status)["reason"] == "InvalidSpec" and status["endpoint"] == ""
+    cluster.status_patches.clear()
+    for _ in range(3):
+        r.refresh_pool("rl", "coding", cluster.get_custom("ActionPool", "rl", "coding"))
+    assert cluster.status_patches == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
+import json
 import logging
 import os
 from typing import Any, cast
@@ -27,6 +28,10 @@ log = logging.getLogger("tangram.operator")
 
 FIELD_MANAGER = "tangram-operator"
 JSON_PATCH = "application/json-patch+json"
+
+
+class RefusedError(ValueError):
+    """The API server refused a child as invalid (422), saying which of its fields."""
 
 
 def api_client(kubeconfig: str | None = None) -> Any:
@@ -102,14 +107,20 @@ class Cluster:
         return self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
 
     def apply(self, manifest: Manifest) -> None:
+        """Server-side apply; :class:`RefusedError` when the object is invalid."""
         meta = manifest["metadata"]
-        self._resource(manifest).server_side_apply(
-            body=manifest,
-            name=meta["name"],
-            namespace=meta.get("namespace"),
-            field_manager=FIELD_MANAGER,
-            force_conflicts=True,  # the operator owns its children's fields
-        )
+        try:
+            self._resource(manifest).server_side_apply(
+                body=manifest,
+                name=meta["name"],
+                namespace=meta.get("namespace"),
+                field_manager=FIELD_MANAGER,
+                force_conflicts=True,  # the operator owns its children's fields
+            )
+        except ApiException as e:
+            if e.status != 422:
+                raise
+            raise RefusedError(f"{manifest['kind']} {meta['name']}: {_message(e)}") from None
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         res = self.dynamic.resources.get(api_version=api_version, kind=kind)
@@ -187,4 +198,13 @@ class Cluster:
             log.warning("event not posted: %s %s", e.status, e.reason)
 
 
-__all__ = ["FIELD_MANAGER", "Cluster", "api_client"]
+__all__ = ["FIELD_MANAGER", "Cluster", "RefusedError", "api_client"]
+
+
+def _message(e: ApiException) -> str:
+    """The API server's own message of a refusal (its Status object's), else the body."""
+    try:
+        found = json.loads(e.body or "").get("message")
+    except (ValueError, AttributeError):
+        found = None
+    return str(found or e.body or e.reason)[:1000]

@@ -54,7 +54,7 @@ from tangram.operator.builders import (
     child_name,
     parse_tokens,
 )
-from tangram.operator.kube import Cluster
+from tangram.operator.kube import Cluster, RefusedError
 from tangram.operator.scheduler_link import (
     Endpoints,
     SchedulerError,
@@ -133,6 +133,8 @@ class Reconciler:
         self._built: dict[str, tuple[str, str]] = {}
         self._full_at: dict[str, dt.datetime] = {}  # pool uid -> its last full pass
         self._valid: dict[str, ActionPool] = {}  # pool uid -> its last valid spec (to drain)
+        # pool uid -> (generation, why) of a spec whose children the API server refused
+        self._rejected: dict[str, tuple[int, str]] = {}
         self._written: dict[str, dict[str, Any]] = {}  # pool uid -> the status it last wrote
         # pool uid -> why its scheduler refused the documents last pushed (said once).
         self._refused: dict[str, str] = {}
@@ -163,7 +165,6 @@ class Reconciler:
             if isinstance(pool, str):
                 self._member_statuses((namespace, name), None, pool_invalid=pool)
                 return True
-            self._valid[body["metadata"]["uid"]] = pool
             members = self._member_statuses(pool.key, pool)
             tokens = self._tokens(pool)
             objects = build_pool(
@@ -177,12 +178,25 @@ class Reconciler:
                 agent_token=tokens[AGENT_TENANT],
                 operator_token=tokens[OPERATOR_TENANT],
             )
-            for manifest in objects:
-                self.cluster.apply(manifest)
-            self._remove_dropped_agents(pool)
             uid = body["metadata"]["uid"]
-            built = self._built[uid] = (_documents(objects), tokens[OPERATOR_TENANT])
             self._full_at[uid] = self.clock()
+            try:
+                for manifest in objects:
+                    self.cluster.apply(manifest)
+            except RefusedError as e:
+                # What pydantic let through and the API server did not (a child's field):
+                # the spec is invalid, and the children of the one before run on.
+                why = f"the API server refused the spec's {e}"
+                self._rejected[uid] = (body["metadata"].get("generation", 0), why)
+                if (before := self._built.get(uid)) is not None:
+                    self._refresh(pool, body, *before)
+                else:
+                    self._invalid(body, why)
+                return True
+            self._rejected.pop(uid, None)
+            self._valid[uid] = pool
+            self._remove_dropped_agents(pool)
+            built = self._built[uid] = (_documents(objects), tokens[OPERATOR_TENANT])
             self._refresh(pool, body, *built)
             return True
 
@@ -203,14 +217,11 @@ class Reconciler:
             uid = body["metadata"]["uid"]
             built, full_at = self._built.get(uid), self._full_at.get(uid)
             # No full pass in this process yet, or none for a while: do it whole.
-            if (
-                built is None
-                or full_at is None
-                or ((self.clock() - full_at).total_seconds() >= FULL_PASS_S)
-            ):
+            if full_at is None or (self.clock() - full_at).total_seconds() >= FULL_PASS_S:
                 self.reconcile_pool(namespace, name)  # the lock is reentrant
                 return
-            self._refresh(pool, body, *built)
+            if built is not None:  # (None: its children were refused; the status says so)
+                self._refresh(pool, body, *built)
 
     def _live_pool(
         self, namespace: str, name: str, body: dict[str, Any] | None = None
@@ -229,21 +240,24 @@ class Reconciler:
             return ActionPool.model_validate(body)
         except ValidationError as e:
             message = validation_message(e, body)
-            meta = body["metadata"]
-            shown = body.get("status") or {}
-            previous = parse_conditions(shown.get("conditions"))
-            seen = PoolObservation(
-                generation=meta.get("generation", 0),
-                previous=previous,
-                # A spec edited invalid leaves its scheduler running the one before: what
-                # the status showed of it stays until the spec is fixed.
-                endpoint=str(shown.get("endpoint") or ""),
-                last=last_figures(shown),
-                invalid=message,
-            )
-            status = pool_status(None, seen, rfc3339(self.clock()))
-            self._write_status(body, status, previous)
+            self._invalid(body, message)
             return message
+
+    def _invalid(self, body: dict[str, Any], message: str) -> None:
+        """Write that the pool's spec is invalid, for ``message``."""
+        meta = body["metadata"]
+        shown = body.get("status") or {}
+        previous = parse_conditions(shown.get("conditions"))
+        seen = PoolObservation(
+            generation=meta.get("generation", 0),
+            previous=previous,
+            # A spec edited invalid leaves its scheduler running the one before: what the
+            # status showed of it stays until the spec is fixed.
+            endpoint=str(shown.get("endpoint") or ""),
+            last=last_figures(shown),
+            invalid=message,
+        )
+        self._write_status(body, pool_status(None, seen, rfc3339(self.clock())), previous)
 
     def _member_statuses(
         self, key: ObjectKey, pool: ActionPool | None, pool_invalid: str | None = None
@@ -293,9 +307,12 @@ class Reconciler:
         except SchedulerError as e:
             unreachable = str(e)
         previous = parse_conditions((body.get("status") or {}).get("conditions"))
+        generation = meta.get("generation", 0)
+        rejected = self._rejected.get(meta["uid"])
         seen = PoolObservation(
-            generation=meta.get("generation", 0),
+            generation=generation,
             previous=previous,
+            invalid=rejected[1] if rejected is not None and rejected[0] == generation else None,
             endpoint=self.endpoints.cluster_url(pool),
             scheduler_available=self._scheduler_available(pool),
             figures=figures,
@@ -372,7 +389,7 @@ class Reconciler:
             self._member_statuses((namespace, name), None)  # they now name no pool
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
             memos = (self._pushed, self._built, self._full_at, self._refused, self._valid,
-                     self._written)  # fmt: skip
+                     self._written, self._rejected)  # fmt: skip
             for memo in memos:
                 memo.pop(meta.get("uid", ""), None)
 
