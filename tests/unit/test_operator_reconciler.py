@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -26,6 +28,8 @@ class Cluster:
         self.status_patches: list[Key] = []
         self.events: list[tuple[str, str]] = []  # (reason, message)
         self.refuse: str | None = None  # a Deployment whose container asks this is refused
+        self.reads: list[Key] = []
+        self.lists = 0
 
     def add(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -35,9 +39,11 @@ class Cluster:
         return obj
 
     def get_custom(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads.append((kind, namespace, name))
         return copy.deepcopy(self.objects.get((kind, namespace, name)))
 
     def list_custom(self, kind: str) -> list[dict[str, Any]]:
+        self.lists += 1
         return [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == kind]
 
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -240,3 +246,36 @@ def test_a_new_pool_whose_child_is_refused_says_so_and_its_refreshes_write_nothi
     for _ in range(3):
         r.refresh_pool("rl", "coding", cluster.get_custom("ActionPool", "rl", "coding"))
     assert cluster.status_patches == []
+
+
+def test_member_events_that_came_while_a_pass_waited_share_the_next_pass(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    """An operator's start (or ``kubectl apply -f envs/``) brings an event per member;
+    those that came before a pass of their pool began are answered by it."""
+    cluster, link, r = world
+    _running(cluster, link, r, open_=0)
+    names = [f"env-{i}" for i in range(6)]
+    for name in names:
+        cluster.add({"apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+                     "metadata": {"name": name, "namespace": "rl"},
+                     "spec": {"poolRef": "coding", "image": "img"}})  # fmt: skip
+    cluster.reads.clear()
+    with r._lock(("rl", "coding")):  # a pass of the pool under way
+        threads = [
+            threading.Thread(target=r.reconcile_member, args=("TrajectoryEnv", "rl", n))
+            for n in names
+        ]
+        for t in threads:
+            t.start()
+        while len(cluster.reads) < len(names):  # each has read its member: it waits
+            time.sleep(0.01)
+        cluster.lists = 0
+    for t in threads:
+        t.join(30)
+    assert cluster.lists == 2  # one pass: a list of each member kind
+    for name in names:
+        status = cluster.objects["TrajectoryEnv", "rl", name]["status"]
+        assert _ready(status)["reason"] == "Accepted"
+    r.reconcile_member("TrajectoryEnv", "rl", names[0])  # one that comes later has its own
+    assert cluster.lists == 4

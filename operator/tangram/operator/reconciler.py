@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import logging
 import secrets
 import threading
@@ -136,6 +137,9 @@ class Reconciler:
         # pool uid -> (generation, why) of a spec whose children the API server refused
         self._rejected: dict[str, tuple[int, str]] = {}
         self._written: dict[str, dict[str, Any]] = {}  # pool uid -> the status it last wrote
+        # Ticks order member events against pool passes (``_pool_pass_since``).
+        self._ticks = itertools.count()
+        self._pass_begun: dict[ObjectKey, int] = {}  # pool -> the tick its last pass began
         # pool uid -> why its scheduler refused the documents last pushed (said once).
         self._refused: dict[str, str] = {}
         # One pass at a time per pool (kopf runs handlers of different objects in threads);
@@ -158,9 +162,12 @@ class Reconciler:
         there is no pool to answer for its members (gone or being deleted). An invalid
         pool's status says why, and its members' status that it is invalid."""
         with self._lock((namespace, name)):
+            begun = next(self._ticks)
             live = self._live_pool(namespace, name)
             if live is None:
+                self._pass_begun.pop((namespace, name), None)
                 return False
+            self._pass_begun[namespace, name] = begun
             body, pool = live
             if isinstance(pool, str):
                 self._member_statuses((namespace, name), None, pool_invalid=pool)
@@ -458,19 +465,33 @@ class Reconciler:
 
     # ---- members ---------------------------------------------------------------------
     def reconcile_member(self, kind: str, namespace: str, name: str) -> None:
+        seen = next(self._ticks)  # before the member is read
         body = self.cluster.get_custom(kind, namespace, name)
         if body is None:
             return
         pool_key = self._member_pool_key(body)
         # The pool's pass writes this member's status along with the others'.
-        if pool_key is None or not self.reconcile_pool(*pool_key):
+        if pool_key is None or not self._pool_pass_since(pool_key, seen):
             self._member_status(kind, body, None)
 
     def member_deleted(self, body: dict[str, Any]) -> None:
         """Take a deleted member out of its pool's config."""
+        seen = next(self._ticks)
         pool_key = self._member_pool_key(body)
         if pool_key is not None:
-            self.reconcile_pool(*pool_key)
+            self._pool_pass_since(pool_key, seen)
+
+    def _pool_pass_since(self, key: ObjectKey, seen: int) -> bool:
+        """A pass of pool ``key`` that began after tick ``seen``: this call's, unless one
+        began since (it listed the members as they are now). On an operator's start, or
+        ``kubectl apply -f envs/``, each of M members' events would run a pass of its own
+        (two lists of every member, a dozen applies); they share one. False when there is
+        no pool to answer for its members."""
+        with self._lock(key):
+            begun = self._pass_begun.get(key)
+            if begun is not None and begun > seen:
+                return True
+            return self.reconcile_pool(*key)
 
     @staticmethod
     def _member_pool_key(body: dict[str, Any]) -> ObjectKey | None:
