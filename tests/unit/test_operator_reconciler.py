@@ -279,3 +279,19 @@ def test_member_events_that_came_while_a_pass_waited_share_the_next_pass(
         assert _ready(status)["reason"] == "Accepted"
     r.reconcile_member("TrajectoryEnv", "rl", names[0])  # one that comes later has its own
     assert cluster.lists == 4
+
+
+def test_a_pool_left_without_node_agents_loses_their_grants_too(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    cluster, link, r = world
+    _running(cluster, link, r, open_=0)
+    agents = [("DaemonSet", "tangram-coding-cpu-agent"), ("Role", "tangram-coding-agent"),
+              ("RoleBinding", "tangram-coding-agent"),
+              ("NetworkPolicy", "tangram-coding-sandboxes")]  # fmt: skip
+    assert all((kind, "rl", name) in cluster.objects for kind, name in agents)
+    body = cluster.objects["ActionPool", "rl", "coding"]
+    body["spec"] = {"apis": [{"name": "search", "concurrency": 4}]}
+    r.reconcile_pool("rl", "coding")
+    assert [k for k in agents if (k[0], "rl", k[1]) in cluster.objects] == []
+    assert ("Role", "rl", "tangram-coding-scheduler") in cluster.objects  # the scheduler's stays

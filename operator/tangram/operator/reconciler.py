@@ -79,6 +79,12 @@ MEMBER_KINDS: dict[str, type[TrajectoryEnv] | type[RewardService]] = {
     "RewardService": RewardService,
 }
 DRAIN_POLL_S = 5.0
+# What only node agents need (builders.build_pool makes them with spec.cpu or spec.gpu).
+_AGENT_GRANTS = (
+    ("rbac.authorization.k8s.io/v1", "RoleBinding", "agent"),
+    ("rbac.authorization.k8s.io/v1", "Role", "agent"),
+    ("networking.k8s.io/v1", "NetworkPolicy", "sandboxes"),
+)
 # The periodic refresh only reads the scheduler's figures and pushes what changed; this
 # often it applies the pool's children again too, so that one deleted or edited by hand
 # (a DaemonSet, the Service) comes back without waiting for a change of the spec.
@@ -295,11 +301,16 @@ class Reconciler:
         return tokens
 
     def _remove_dropped_agents(self, pool: ActionPool) -> None:
+        ns = pool.metadata.namespace
         for role, section in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)):
             if section is None:
                 name = child_name(pool, f"{role}-agent")
-                if self.cluster.delete("apps/v1", "DaemonSet", pool.metadata.namespace, name):
+                if self.cluster.delete("apps/v1", "DaemonSet", ns, name):
                     log.info("removed DaemonSet %s (no spec.%s)", name, role)
+        if pool.spec.cpu is None and pool.spec.gpu is None:  # no agents: nor their grants
+            for api, kind, suffix in _AGENT_GRANTS:
+                if self.cluster.delete(api, kind, ns, child_name(pool, suffix)):
+                    log.info("removed %s %s (no node agents)", kind, child_name(pool, suffix))
 
     def _refresh(self, pool: ActionPool, body: dict[str, Any], documents: str, token: str) -> None:
         meta = body["metadata"]
