@@ -543,7 +543,7 @@ def agent_command(
         "--token-file", TOKEN_FILE, "--node", "$(NODE_NAME)", "--state-dir", state_dir(pool, role),
         "--idle-cores", str(idle), "--log-json",
         # Sandboxes are pods the kubelet runs on the node's CRI runtime; never "auto",
-        # which would fall back to commands in the agent's own (privileged) container.
+        # which means Docker (a node of a current cluster has no Docker Engine).
         "--runtime", "pod", "--namespace", "$(POD_NAMESPACE)",
         # The init container of each sandbox copies the exec server out of this image.
         "--execd-image", image, "--pool-name", pool.metadata.name, "--pool-uid", uid,
