@@ -25,6 +25,7 @@ from tangram.scheduler.core.scheduler import Round, Scheduler, SchedulerConfig
 from tangram.sim.engine import Done
 from tangram.sim.events import EventLoop
 from tangram.sim.records import ActionRecord
+from tangram.sim.validate import why_no_node_holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -514,14 +515,7 @@ def _static_dop(svc: ServiceSpec, nodes: list[NodeSpec], cap: int, share: int) -
     for k in reversed(choices):
         if any(_fits(svc, k, n) for n in nodes):
             return k
-    most = max((n.gpus for n in nodes), default=0)
-    why = [
-        f"DoP {k} needs {k} GPUs on one node (the most any has: {most})"
-        if k > most
-        else f"DoP {k} needs {svc.gpu_memory_gb / (1 if svc.replicated else k):g} GB per GPU, "
-        "over its nodes' gpu_memory_gb"
-        for k in choices
-    ]
+    why = [why_no_node_holds(svc, k, nodes) for k in choices]
     raise ValueError(f"static-gpu: service {svc.name}: no DoP fits one node: {'; '.join(why)}")
 
 

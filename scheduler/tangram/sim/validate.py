@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tangram.api.action import ActionKind, ActionSpec
-from tangram.api.cluster import ClusterSpec, ServiceSpec
+from tangram.api.cluster import ClusterSpec, NodeSpec, ServiceSpec
 from tangram.api.demand import allowed_units
 from tangram.api.trace import TrajectoryTrace
 from tangram.scheduler.core.admission import quota_limit, quota_units
@@ -65,6 +65,18 @@ def _gpu_units(a: ActionSpec, svc: ServiceSpec) -> tuple[int, ...]:
     return allowed_units(a.gpu) if a.gpu is not None else tuple(svc.dop_choices)
 
 
+def why_no_node_holds(svc: ServiceSpec, k: int, nodes: Sequence[NodeSpec]) -> str:
+    """Why no node holds a DoP-``k`` instance of ``svc`` (GPUs, or memory per GPU)."""
+    size = chunk_level(k)
+    big = [n for n in nodes if n.gpus >= size]
+    if not big:
+        most_gpus = max((n.gpus for n in nodes), default=0)
+        return f"DoP {k} needs {size} GPUs on one node (gpus at most {most_gpus})"
+    per_gpu = gb_per_gpu(svc.gpu_memory_gb, svc.replicated, size)
+    most = max(n.gpu_memory_gb for n in big)
+    return f"DoP {k} needs {per_gpu:g} GB per GPU (gpu_memory_gb at most {most:g})"
+
+
 def _check_gpu(svc: ServiceSpec, wanted: tuple[int, ...], cluster: ClusterSpec, where: str) -> None:
     """As the scheduler's admission decides (``GpuPool.fits``): some DoP the call allows is
     one of the service's choices and an instance at it fits one node's GPUs."""
@@ -80,13 +92,7 @@ def _check_gpu(svc: ServiceSpec, wanted: tuple[int, ...], cluster: ClusterSpec, 
         per_gpu = gb_per_gpu(svc.gpu_memory_gb, svc.replicated, size)
         if any(holds(n.gpus, n.gpu_memory_gb, size, per_gpu) for n in cluster.nodes):
             return
-        big = [n for n in cluster.nodes if n.gpus >= size]
-        if big:
-            most = max(n.gpu_memory_gb for n in big)
-            why.append(f"DoP {k} needs {per_gpu:g} GB per GPU (gpu_memory_gb at most {most:g})")
-        else:
-            most_gpus = max((n.gpus for n in cluster.nodes), default=0)
-            why.append(f"DoP {k} needs {size} GPUs on one node (gpus at most {most_gpus})")
+        why.append(why_no_node_holds(svc, k, cluster.nodes))
     raise ValueError(
         f"{where}: gpu: no DoP in {choices} fits service {svc.name} on one node: " + "; ".join(why)
     )
