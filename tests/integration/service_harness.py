@@ -105,6 +105,20 @@ RUNTIMES = [
 
 
 @contextmanager
+def on_processes(config: PoolConfig, tmp: Path) -> Iterator[tuple[str, str, Any]]:
+    """The service and a process-runtime agent (root: it writes cgroups) on every core:
+    its URL, a client token and its engine."""
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    cores = len(os.sched_getaffinity(0))
+    agent = NodeAgent.create(
+        tmp / "agent", runtime="process", idle_cores=1, cores_for_actions=cores
+    )
+    with service(config, agent, tmp) as (running, token):
+        yield running.url, token, running.engine
+
+
+@contextmanager
 def box_pool(
     request: pytest.FixtureRequest, kind: str, tmp: Path, *, image: str | None = None, **config: Any
 ) -> Iterator[tuple[Running, str]]:

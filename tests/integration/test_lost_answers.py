@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,15 +16,13 @@ import pytest
 
 from tangram.api.cluster import ApiSpec
 from tangram.api.wire import EnvSpec
-from tangram.client import Client
-from tangram.node_agent.agent import NodeAgent
+from tangram.client import Client, TangramError
 from tangram.service.config import EnvConfig, PoolConfig
 
-from .service_harness import service
+from .service_harness import on_processes
 
 pytestmark = [pytest.mark.xdist_group("service")]
 
-CORES = sorted(os.sched_getaffinity(0))
 CONFIG = PoolConfig(
     envs={"shell": EnvConfig(spec=EnvSpec(name="shell", image="unused", memory_gb=0.1))},
     apis=(ApiSpec(name="search", concurrency=4),),
@@ -98,13 +95,8 @@ class LossyProxy:
 
 @pytest.fixture
 def running(tmp_path: Path) -> Iterator[tuple[str, str, object]]:
-    if os.geteuid() != 0:
-        pytest.skip("the process runtime writes cgroups: needs root")
-    agent = NodeAgent.create(
-        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
-    )
-    with service(CONFIG, agent, tmp_path) as (run, token):
-        yield run.url, token, run.engine
+    with on_processes(CONFIG, tmp_path) as served:
+        yield served
 
 
 @contextlib.contextmanager
@@ -172,3 +164,46 @@ def test_an_idempotency_key_of_another_open_is_a_conflict(
         # Once closed, the key names a trajectory that has ended: not opened again.
         late = http.post("/v1/trajectories", json={"env": "shell", "idempotency_key": "k1"})
         assert late.status_code == 409 and "has since ended" in late.text
+
+
+def test_a_remove_whose_answer_was_lost_is_done(running: tuple[str, str, object]) -> None:
+    url, token, _ = running
+    with Client(url, token, stream=False) as direct:
+        t = direct.open("shell")
+        direct.files(t.id).write("gone.txt", "x")
+        path = f"DELETE /v1/trajectories/{t.id}/files".encode()
+        with _through(url, token, path) as (proxy, client):
+            client.files(t.id).remove("gone.txt")  # the retry's 404: the first try did it
+            assert proxy.cuts == 1
+        assert not direct.files(t.id).exists("gone.txt")
+        with pytest.raises(TangramError) as missing:  # a plain 404 is still one
+            direct.files(t.id).remove("gone.txt")
+        assert missing.value.status == 404
+        direct.close(t.id)
+
+
+def test_a_rename_whose_answer_was_lost_is_done(running: tuple[str, str, object]) -> None:
+    url, token, _ = running
+    with Client(url, token, stream=False) as direct:
+        t = direct.open("shell")
+        direct.files(t.id).write("a.txt", "x")
+        with _through(url, token, b"/files/rename") as (proxy, client):
+            client.files(t.id).rename("a.txt", "b.txt")
+            assert proxy.cuts == 1
+        assert direct.files(t.id).read_text("b.txt") == "x"
+        assert not direct.files(t.id).exists("a.txt")
+        direct.close(t.id)
+
+
+def test_a_release_whose_answer_was_lost_is_done(running: tuple[str, str, object]) -> None:
+    url, token, engine = running
+    with Client(url, token, stream=False) as direct:
+        lease = direct.lease("search", units=1, hold_s=300).lease or ""
+        assert engine.core.quotas["search"].in_use == 1  # type: ignore[attr-defined]
+        with _through(url, token, b"DELETE /v1/leases") as (proxy, client):
+            got = client.release(lease)
+            assert proxy.cuts == 1 and got.status.value == "ok" and got.lease == lease
+        assert engine.core.quotas["search"].in_use == 0  # type: ignore[attr-defined]
+        with pytest.raises(TangramError) as missing:  # a plain 404 is still one
+            direct.release(lease)
+        assert missing.value.status == 404

@@ -14,21 +14,25 @@
 ``Client`` is the same API without ``await``. Every submission carries an idempotency
 key, so the client's retries (connection errors, 429 and 503 with Retry-After) never run
 an action twice. Errors: ``TangramError`` for the service's answers (status, code,
-field), ``ServiceUnreachableError`` when no answer came after every retry.
+field), ``ServiceUnreachableError`` when no answer came after every retry,
+``ActionTimeoutError`` (a ``TimeoutError``) past the client's ``timeout_s`` (the action is
+then cancelled by its key), ``ClientClosedError`` from a ``Client`` shut down or forked.
 """
 
 from tangram.api.wire import ActionResult, ActionStatus, TrajectoryInfo
 from tangram.client.aio import AsyncClient, AsyncTrajectory
-from tangram.client.common import ServiceUnreachableError, TangramError
+from tangram.client.common import ActionTimeoutError, ServiceUnreachableError, TangramError
 from tangram.client.stream import LiveAction
-from tangram.client.sync import Client, Trajectory
+from tangram.client.sync import Client, ClientClosedError, Trajectory
 
 __all__ = [
     "ActionResult",
     "ActionStatus",
+    "ActionTimeoutError",
     "AsyncClient",
     "AsyncTrajectory",
     "Client",
+    "ClientClosedError",
     "LiveAction",
     "ServiceUnreachableError",
     "TangramError",

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
+import socket
 import uuid
-from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Any, Self
+from collections.abc import Awaitable, Mapping, Sequence
+from types import SimpleNamespace, TracebackType
+from typing import Any, Self, TypeVar
+from urllib.parse import quote
 
 import aiohttp
 
-from tangram.api.wire import ActionResult, BatchResponse, TrajectoryInfo
+from tangram.api.wire import ActionResult, ActionStatus, BatchResponse, TrajectoryInfo
 from tangram.client.common import (
+    BATCH_KINDS,
     RETRY_STATUS,
+    ActionTimeoutError,
     Call,
     Reply,
     ServiceUnreachableError,
@@ -22,6 +28,7 @@ from tangram.client.common import (
     data,
     exec_body,
     keyed,
+    missing,
     open_body,
     result,
     retry_after,
@@ -32,9 +39,57 @@ from tangram.client.common import (
 from tangram.client.files import AsyncFiles
 from tangram.client.stream import ExecStream, LiveAction, NoStreamError
 
+log = logging.getLogger("tangram.client")
+T = TypeVar("T")
+
 # 0.1 s doubling to 10 s: about 23 s of retries, what a scheduler pod's restart takes.
 RETRIES = 8
 STREAM_RETRY_S = 30.0  # after a refused stream handshake, HTTP alone for this long
+# A connect that gets no SYN-ACK (a host gone, a partition) fails after this and is retried;
+# without it the kernel tries for about two minutes.
+CONNECT_S = 10.0
+# An HTTP exec's answer may take as long as its command: no read timeout. TCP keepalive
+# instead ends a connection whose peer vanished (no FIN): idle 30 s, then 3 probes 10 s
+# apart. A live host's kernel answers probes, however long the exec runs.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
+CANCEL_S = 5.0  # for the best-effort cancel of an action the caller gave up on
+
+
+def _keepalive_socket(addr: tuple[Any, ...]) -> socket.socket:
+    """A socket for the connector, with TCP keepalive on (aiohttp's ``socket_factory``)."""
+    family, kind, proto = addr[0], addr[1], addr[2]
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, name):  # (Linux; other systems keep their defaults)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    return sock
+
+
+def _connector() -> aiohttp.TCPConnector:
+    kw: dict[str, Any] = {"limit": 0}  # one connection per waiting action
+    if "socket_factory" in inspect.signature(aiohttp.TCPConnector).parameters:  # 3.12+
+        kw["socket_factory"] = _keepalive_socket
+    return aiohttp.TCPConnector(**kw)
+
+
+async def _counted(_: Any, ctx: SimpleNamespace, __: Any) -> None:
+    """Counts each time a request went out, aiohttp's own resend of a DELETE or PUT after
+    a dropped connection included (see ``_exchange``)."""
+    sends = ctx.trace_request_ctx
+    if isinstance(sends, _Sends):
+        sends.count += 1
+
+
+class _Sends:
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
 
 
 class AsyncClient:
@@ -51,10 +106,13 @@ class AsyncClient:
         """``stream``: execs go over one WebSocket (``/v1/stream``) rather than a request
         each, which under load costs the client and the scheduler about half as much
         (docs/benchmarks.md); a service without it is asked over HTTP. ``timeout_s``
-        bounds each request, a streamed exec's wait for its answer included."""
+        bounds each request, a streamed exec's wait for its answer included: past it, an
+        action is cancelled by its idempotency key and ``ActionTimeoutError`` (a
+        ``TimeoutError``) raised. Without it a request waits as long as its action runs;
+        a scheduler that vanishes is noticed by the stream's pings and TCP keepalive."""
         self.url, tok = settings(url, token)
         self._headers = {"Authorization": f"Bearer {tok}"} if tok else {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_S)
         self._session: aiohttp.ClientSession | None = None  # made on the loop that uses it
         self.retries, self.backoff_s = retries, backoff_s
         self._open_keys = True  # False against a scheduler that takes no key on opens
@@ -78,18 +136,30 @@ class AsyncClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
+            sends = aiohttp.TraceConfig()
+            sends.on_request_headers_sent.append(_counted)
             self._session = aiohttp.ClientSession(
                 self.url,
                 headers=self._headers,
                 timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=0),  # one connection per waiting action
+                connector=_connector(),
+                trace_configs=[sends],
             )
         return self._session
 
     async def _call(self, call: Call) -> Reply:
+        return check((await self._exchange(call))[0])
+
+    async def _exchange(self, call: Call) -> tuple[Reply, bool]:
+        """The last answer, unchecked, and whether an earlier try may have reached the
+        service and had its answer lost (then a 404 may answer a retry of what that try
+        did: a file removed, a lease released)."""
         session = self._http()
+        sends = _Sends()
+        lost = False
         for attempt in range(self.retries + 1):
             reply: Reply | None = None
+            before = sends.count
             try:
                 async with session.request(
                     call.method,
@@ -98,15 +168,52 @@ class AsyncClient:
                     data=call.content,
                     params=call.params,
                     headers=call.headers,
+                    trace_request_ctx=sends,
                 ) as response:
                     reply = Reply(response.status, await response.read(), response.headers)
+                # (more than one send in a try: aiohttp sent a DELETE or PUT again itself)
+                lost = lost or sends.count - before > 1
                 if reply.status not in RETRY_STATUS or attempt == self.retries:
-                    return check(reply)
+                    return reply, lost
             except aiohttp.ClientConnectionError as e:
+                lost = lost or sends.count > before  # sent, and no answer came
                 if attempt == self.retries:
                     raise ServiceUnreachableError(self.url, e) from e
             await asyncio.sleep(retry_after(reply, attempt, self.backoff_s))
         raise AssertionError("unreachable")
+
+    async def _keyed(self, keys: Sequence[str], work: Awaitable[T]) -> T:
+        """``work``'s answer. When the caller gives up on it (its task cancelled, or the
+        client's ``timeout_s`` passed) the action would go on with nobody to find it: it
+        is cancelled by its idempotency keys, as far as the service can be asked."""
+        try:
+            return await work
+        except asyncio.CancelledError:
+            await self._abandon(keys)
+            raise
+        except TimeoutError as e:
+            total = self._timeout.total
+            if total is None or isinstance(e, aiohttp.ClientError):  # not the client's own
+                raise
+            raise ActionTimeoutError(keys, total, await self._abandon(keys)) from e
+
+    async def _abandon(self, keys: Sequence[str]) -> int | None:
+        """Cancel the actions of ``keys``, once each, briefly (the caller is leaving): how
+        many were cancelled, None when the service could not be asked."""
+        session = self._http()
+        cancelled = 0
+        try:
+            async with asyncio.timeout(CANCEL_S):
+                for key in keys:
+                    async with session.delete(
+                        _action_path(f"key:{key}"), timeout=aiohttp.ClientTimeout(total=CANCEL_S)
+                    ) as response:
+                        reply = check(Reply(response.status, await response.read(), {}))
+                    cancelled += bool(data(reply).get("cancelled"))
+        except Exception as e:  # (a closed session, the service away, ...): best effort
+            log.warning("could not cancel the abandoned action of key %r: %s", keys[0], e)
+            return None
+        return cancelled
 
     # ---- trajectories --------------------------------------------------------------
     async def open(
@@ -151,6 +258,9 @@ class AsyncClient:
     ) -> ActionResult:
         """Run a command; see ``tangram.client.common.exec_body`` for the options."""
         body = exec_body(argv, **kw)
+        return await self._keyed([body["idempotency_key"]], self._exec(trajectory, body))
+
+    async def _exec(self, trajectory: str, body: dict[str, Any]) -> ActionResult:
         if self.stream:
             streamed = await self._stream_exec(trajectory, body)
             if streamed is not None:
@@ -228,13 +338,15 @@ class AsyncClient:
         ``{"trajectory": t, "exec": exec_body(["make"])}``, ``{"api": "search",
         "lease": {"units": 1}}`` or ``{"service": "judge", "score": {"inputs": [...]}}``;
         results in the same order."""
-        body = {"actions": [keyed(item) for item in items]}
-        reply = await self._call(Call("POST", "/v1/batch", body))
+        actions = [keyed(item) for item in items]
+        keys = [body["idempotency_key"] for a in actions for body in _bodies(a)]
+        reply = await self._keyed(keys, self._call(Call("POST", "/v1/batch", {"actions": actions})))
         return BatchResponse.model_validate_json(reply.body).results
 
     async def cancel(self, action: str) -> bool:
-        """Cancel by action id, or by idempotency key as ``key:<key>``."""
-        return bool(data(await self._call(Call("DELETE", f"/v1/actions/{action}")))["cancelled"])
+        """Cancel by action id, or by idempotency key as ``key:<key>`` (any key: it is
+        quoted into the path)."""
+        return bool(data(await self._call(Call("DELETE", _action_path(action))))["cancelled"])
 
     async def cancel_all(self, trajectory: str) -> int:
         """Cancel every queued and running action of a trajectory (it stays open)."""
@@ -243,8 +355,10 @@ class AsyncClient:
 
     async def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
         # Keyed like every submission: a retry after a lost answer takes no second lease.
-        body = {"units": units, "hold_s": hold_s, "idempotency_key": uuid.uuid4().hex}
-        return result(await self._call(Call("POST", f"/v1/apis/{api}/lease", body)))
+        key = uuid.uuid4().hex
+        body = {"units": units, "hold_s": hold_s, "idempotency_key": key}
+        call = Call("POST", f"/v1/apis/{api}/lease", body)
+        return result(await self._keyed([key], self._call(call)))
 
     async def call(
         self,
@@ -264,10 +378,17 @@ class AsyncClient:
         if body is not None:
             req["body"] = body
         req["idempotency_key"] = uuid.uuid4().hex
-        return result(await self._call(Call("POST", f"/v1/apis/{api}/call", req)))
+        call = Call("POST", f"/v1/apis/{api}/call", req)
+        return result(await self._keyed([req["idempotency_key"]], self._call(call)))
 
     async def release(self, lease: str) -> ActionResult:
-        return result(await self._call(Call("DELETE", f"/v1/leases/{lease}")))
+        """Give a lease's units back. Sent again after a lost answer, it may find the lease
+        already released by the first try: that is an ``ok`` result naming the lease, with
+        neither id nor timings (they were in the lost answer)."""
+        reply, resent = await self._exchange(Call("DELETE", f"/v1/leases/{lease}"))
+        if resent and missing(reply, "lease"):
+            return ActionResult(id="", kind="api", status=ActionStatus.OK, lease=lease)
+        return result(check(reply))
 
     async def score(
         self,
@@ -295,7 +416,8 @@ class AsyncClient:
             "queue_timeout_s": queue_timeout_s,
         }
         req.update({k: v for k, v in optional.items() if v is not None})
-        return result(await self._call(Call("POST", f"/v1/services/{service}/call", req)))
+        call = Call("POST", f"/v1/services/{service}/call", req)
+        return result(await self._keyed([key], self._call(call)))
 
 
 class AsyncTrajectory:
@@ -316,8 +438,16 @@ class AsyncTrajectory:
     async def __aexit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.info is not None:
+        if self.info is None:
+            return
+        try:
             await self.client.close(self.info.id)
+        except Exception as e:
+            if exc is None:
+                raise
+            # The body's error is the one to see; the failed close is noted on it.
+            log.warning("closing trajectory %s failed: %s", self.info.id, e)
+            exc.add_note(f"then closing trajectory {self.info.id} failed: {e!r}")
 
     async def exec(self, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
         return await self.client.exec(self.id, argv, **kw)
@@ -344,3 +474,13 @@ class AsyncTrajectory:
         return await self.client.exec(
             self.id, session={"kind": "python", "name": name}, code=code, **kw
         )
+
+
+def _action_path(action: str) -> str:
+    """``/v1/actions/<action>``, quoted whole: a key may hold '/', '?', '#' or '%'."""
+    return "/v1/actions/" + quote(action, safe=":")
+
+
+def _bodies(item: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The action bodies of a batch item (one)."""
+    return [b for kind in BATCH_KINDS if isinstance(b := item.get(kind), Mapping)]

@@ -47,6 +47,31 @@ class ServiceUnreachableError(ConnectionError):
         self.url = url
 
 
+class ActionTimeoutError(TimeoutError):
+    """The client's own ``timeout_s`` passed before the answer came. The action may still
+    have been queued or running: the client asked the service to cancel it by its
+    idempotency key (``cancelled``: how many it cancelled, None when asking failed). A
+    ``TimeoutError``, which is what a client timeout raised before."""
+
+    def __init__(self, keys: Sequence[str], timeout_s: float, cancelled: int | None) -> None:
+        named = ", ".join(repr(k) for k in keys[:3])
+        if len(keys) > 3:
+            named += f" and {len(keys) - 3} more"
+        if cancelled is None:
+            then = f"cancelling it failed; cancel it with cancel('key:{keys[0]}')"
+        elif cancelled:
+            then = "cancelled it"
+        else:
+            then = "it was no longer queued or running"
+        super().__init__(
+            f"no answer within the client's timeout_s={timeout_s:g} s to the action with "
+            f"idempotency key {named}: {then}"
+        )
+        self.idempotency_keys = list(keys)
+        self.timeout_s = timeout_s
+        self.cancelled = cancelled
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """An HTTP answer, whatever library carried it."""
@@ -149,6 +174,17 @@ def check(reply: Reply) -> Reply:
             text = reply.body[:500].decode(errors="replace")
             raise TangramError(reply.status, "http", text, []) from None
     return reply
+
+
+def missing(reply: Reply, field: str) -> bool:
+    """Whether the reply is a 404 saying ``field`` names nothing (not, say, the trajectory)."""
+    if reply.status != 404:
+        return False
+    try:
+        check(reply)
+    except TangramError as e:
+        return e.field == field
+    return False
 
 
 def retry_after(reply: Reply | None, attempt: int, base: float) -> float:

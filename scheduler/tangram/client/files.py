@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tangram.api.wire import FileEntry, FileList, FileWritten, MadeDir, Unpacked
-from tangram.client.common import Call, TangramError
+from tangram.client.common import Call, TangramError, check, missing
 
 if TYPE_CHECKING:
     from tangram.client.aio import AsyncClient
@@ -65,10 +65,22 @@ class AsyncFiles:
 
     async def remove(self, path: str) -> None:
         """Remove a file, a symlink or a whole directory tree."""
-        await self._client._call(Call("DELETE", self._at, params={"path": path}))
+        reply, resent = await self._client._exchange(
+            Call("DELETE", self._at, params={"path": path})
+        )
+        if resent and missing(reply, "path"):
+            return  # sent again after a lost answer: the first try removed it
+        check(reply)
 
     async def rename(self, path: str, to: str) -> None:
-        await self._client._call(Call("POST", f"{self._at}/rename", {"path": path, "to": to}))
+        call = Call("POST", f"{self._at}/rename", {"path": path, "to": to})
+        reply, resent = await self._client._exchange(call)
+        if resent and missing(reply, "path") and await self._moved(path, to):
+            return  # sent again after a lost answer: the first try moved it
+        check(reply)
+
+    async def _moved(self, path: str, to: str) -> bool:
+        return await self.exists(to) and not await self.exists(path)
 
     async def write_tar(self, path: str, data: bytes) -> Unpacked:
         """Extract a tar, or a gzipped one, into the directory ``path`` (made if missing),

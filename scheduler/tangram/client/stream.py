@@ -33,6 +33,16 @@ log = logging.getLogger("tangram.client")
 # over that would end the stream, not get a 413.
 MAX_MESSAGE_BYTES = 32 << 20
 _OUTPUT = re.compile(rb'\{"id":\d+,"(stdout|stderr)"')  # how the service writes output
+# A stream silent this long is pinged; no pong within half of it and the stream is taken
+# for dead (a scheduler host gone, a partition: nothing, not even a FIN, arrives), its
+# execs retried under their keys. Any frame received counts as a sign of life.
+HEARTBEAT_S = 15.0
+HANDSHAKE_S = 30.0  # an unanswered handshake is given up (and retried) after this
+# Output of a live exec that ``output()`` has not given out yet, kept at most (characters).
+# The stream carries every exec of the client, so it is always read (an unread one would
+# hold up the others' answers, and ``result()`` behind its own output): past this,
+# output is dropped, with a marker where it was, until the caller catches up.
+LIVE_BUFFER_CHARS = 16 << 20
 
 
 class LiveAction:
@@ -51,13 +61,45 @@ class LiveAction:
         self._stream, self.id, self._answer = stream, mid, answer
         self.interactive = interactive
         self._output: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+        self._buffered = 0  # characters queued in _output
+        self._dropping: dict[str, int] = {}  # by fd: characters dropped since the last kept
+        self.dropped = 0  # characters of output dropped, output() not read in time
         self.refused: list[TangramError] = []  # input or signals the service refused
 
     async def output(self) -> AsyncIterator[tuple[str, str]]:
-        """``("stdout" or "stderr", text)`` as the command writes it, until it ends."""
+        """``("stdout" or "stderr", text)`` as the command writes it, until it ends.
+        Output not taken here is kept up to ``LIVE_BUFFER_CHARS``; past that it is
+        dropped, and a line ``[tangram: N characters of output dropped ...]`` takes its
+        place (``dropped`` counts them). The result holds the output either way, up to
+        ``output_cap``."""
         while (piece := await self._output.get()) is not None:
+            self._buffered -= len(piece[1])
             yield piece
         self._output.put_nowait(None)  # ended for a second reader too
+
+    def _arrived(self, fd: str, text: str) -> None:
+        full = self._buffered > 0 and self._buffered + len(text) > LIVE_BUFFER_CHARS
+        # Once dropping, on until the reader took half: one gap and marker, not one a piece.
+        if full or (self._dropping and self._buffered > LIVE_BUFFER_CHARS // 2):
+            if not self.dropped:
+                log.warning("live exec %d: its output is not read; dropping it", self.id)
+            self._dropping[fd] = self._dropping.get(fd, 0) + len(text)
+            self.dropped += len(text)
+            return
+        self._mark_dropped()
+        self._buffered += len(text)
+        self._output.put_nowait((fd, text))
+
+    def _mark_dropped(self) -> None:
+        for fd, n in self._dropping.items():
+            marker = f"\n[tangram: {n} characters of output dropped: output() was not read]\n"
+            self._buffered += len(marker)
+            self._output.put_nowait((fd, marker))
+        self._dropping.clear()
+
+    def _ended(self) -> None:
+        self._mark_dropped()
+        self._output.put_nowait(None)
 
     async def write(self, text: str) -> None:
         """More of its standard input (it was started ``interactive``)."""
@@ -105,15 +147,22 @@ class ExecStream:
     @classmethod
     async def connect(cls, session: aiohttp.ClientSession, headers: dict[str, str]) -> ExecStream:
         try:
-            ws = await session.ws_connect(
-                STREAM_PATH,
-                protocols=(AGENT_SUBPROTOCOL,),
-                headers=headers,
-                max_msg_size=64 << 20,  # a frame of answers, each up to 16 MiB of output
-                compress=0,  # small JSON messages: deflate costs more than it saves
-            )
+            async with asyncio.timeout(HANDSHAKE_S) as limit:
+                ws = await session.ws_connect(
+                    STREAM_PATH,
+                    protocols=(AGENT_SUBPROTOCOL,),
+                    headers=headers,
+                    max_msg_size=64 << 20,  # a frame of answers, each up to 16 MiB of output
+                    compress=0,  # small JSON messages: deflate costs more than it saves
+                    heartbeat=HEARTBEAT_S,
+                )
         except aiohttp.WSServerHandshakeError as e:
             raise NoStreamError(e.status) from None
+        except TimeoutError:
+            if not limit.expired():
+                raise  # the client's own timeout_s
+            why = f"no answer to the stream's handshake in {HANDSHAKE_S:g} s"
+            raise StreamClosedError(why) from None
         if ws.protocol != AGENT_SUBPROTOCOL:  # not a service that answers a line each
             await ws.close()
             raise NoStreamError(400)
@@ -154,7 +203,7 @@ class ExecStream:
         self._pending.pop(mid, None)
         action = self._live.pop(mid, None)
         if action is not None:
-            action._output.put_nowait(None)
+            action._ended()
 
     def _post(self, msg: dict[str, Any]) -> None:
         if self.closed:
@@ -174,9 +223,7 @@ class ExecStream:
                 got = StreamOutput.model_validate_json(line)
                 action = self._live.get(got.id)
                 if action is not None:
-                    action._output.put_nowait(
-                        (out.group(1).decode(), got.stdout or got.stderr or "")
-                    )
+                    action._arrived(out.group(1).decode(), got.stdout or got.stderr or "")
                 return
         try:
             answer = StreamAnswer.model_validate_json(line)

@@ -6,6 +6,7 @@ One implementation of the protocol (``AsyncClient``), so the two clients cannot 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine, Sequence
@@ -20,21 +21,60 @@ from tangram.client.files import AsyncFiles
 T = TypeVar("T")
 
 
+class ClientClosedError(RuntimeError):
+    """The ``Client`` was shut down (before or while the call waited), or this process
+    is a fork of the one that made it: its event-loop thread did not come along."""
+
+
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, **kw: Any) -> None:
+        self._pid = os.getpid()  # a fork's child has no loop thread: see _run
+        self._closed = False
+        self._lock = threading.Lock()  # orders calls submitted against shutdown
+        self._calls: set[asyncio.Task[Any]] = set()  # those running (touched on the loop)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="tangram-client"
         )
         self._thread.start()
-        self._async = self._run(self._make(url, token, kw))
+        try:
+            self._async = self._run(self._make(url, token, kw))
+        except BaseException:  # (a misspelt keyword): no loop thread left behind
+            self._closed = True
+            self._stop_loop()
+            raise
 
     @staticmethod
     async def _make(url: str | None, token: str | None, kw: dict[str, Any]) -> AsyncClient:
         return AsyncClient(url, token, **kw)  # created on the loop that will use it
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if os.getpid() != self._pid:
+            coro.close()
+            raise ClientClosedError(
+                f"this Client was made in process {self._pid}, and its event-loop thread "
+                "does not exist in this fork of it: make a new Client here"
+            )
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise ClientClosedError("this Client was shut down: make a new one")
+            future = asyncio.run_coroutine_threadsafe(self._tracked(coro), self._loop)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:  # cancelled by shutdown()
+                raise ClientClosedError("the Client was shut down while this call waited") from None
+            raise
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        self._calls.add(task)
+        try:
+            return await coro
+        finally:
+            self._calls.discard(task)
 
     def __enter__(self) -> Self:
         return self
@@ -43,9 +83,31 @@ class Client:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Close the connections and stop the loop thread."""
-        if self._loop.is_running():
-            self._run(self._async.aclose())
+        """Cancel the calls still waiting (other threads' calls raise
+        ``ClientClosedError``; their actions are cancelled by key, as far as the service
+        can be asked), close the connections and stop the loop thread. Calls after it
+        raise ``ClientClosedError``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if os.getpid() != self._pid:
+            return  # a fork: the loop and its thread are the parent's, nothing to stop here
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._wind_down(), self._loop).result()
+        self._stop_loop()
+
+    async def _wind_down(self) -> None:
+        # Every call was submitted before _closed was set, so its task has registered
+        # (the loop runs what was submitted in order).
+        calls = list(self._calls)
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await self._async.aclose()
+
+    def _stop_loop(self) -> None:
+        if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
         self._loop.close()
@@ -115,7 +177,12 @@ class Trajectory:
     def __exit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.client._run(self._async.__aexit__(typ, exc, tb))
+        try:
+            self.client._run(self._async.__aexit__(typ, exc, tb))
+        except ClientClosedError as e:  # the body's error is the one to see, as in async
+            if exc is None:
+                raise
+            exc.add_note(f"then closing the trajectory failed: {e}")
 
     def exec(self, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
         return self.client._run(self._async.exec(argv, **kw))

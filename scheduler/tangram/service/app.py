@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Header, Request, WebSocket, WebSocketDisconnect
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
@@ -120,17 +120,22 @@ class BodyLimit:
             msg = await receive()
             seen += len(msg.get("body", b""))
             if seen > limit:
-                raise _TooLargeError
+                raise _TooLargeError(limit)
             return msg
 
         try:
             await self.app(scope, limited, send)
-        except _TooLargeError:
+        except _TooLargeError:  # (one no exception handler answered)
             await _error(413, "too_large", f"request body over {limit} bytes")(scope, receive, send)
 
 
-class _TooLargeError(Exception):
-    pass
+class _TooLargeError(HTTPException):
+    """A body (chunked, so of no declared length) that grew over the limit as it was read.
+    An HTTPException, which FastAPI lets through its body parsing (any other error there
+    becomes a 400) to the handler that answers it with 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body over {limit} bytes")
 
 
 _EXEC_PATH = re.compile(r"/v1/trajectories/([^/]+)/exec")
@@ -271,7 +276,9 @@ def create_app(
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # The framework's own answers (unknown route, wrong method, unreadable body) in
         # the same error shape as ours.
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
+            exc.status_code, "invalid"
+        )
         details = [{"field": "body", "message": str(exc.detail)}] if exc.status_code == 400 else []
         headers = dict(exc.headers) if exc.headers else None
         if exc.status_code == 405:  # every method of the path, not just its first route's
@@ -329,7 +336,8 @@ def create_app(
         parts = b",".join(payload(r, res) for r, res in zip(recs, results, strict=True))
         return Response(b'{"results":[' + parts + b"]}", media_type="application/json")
 
-    @app.delete("/v1/actions/{action}", responses=_ERRORS)
+    # :path: a key may hold '/' (sent as %2F, which the path arrives decoded from)
+    @app.delete("/v1/actions/{action:path}", responses=_ERRORS)
     async def cancel_action(action: str, who: TenantId) -> dict[str, bool]:
         if action.startswith("key:"):
             rec = engine.state.idempotent.get(who, action[4:])

@@ -1,0 +1,203 @@
+"""The client's calls that the caller leaves or ends: a client-side timeout, a cancelled
+task, a sync ``Client`` shut down while other threads wait; cancels by keys of any
+characters; the unread output of a live exec; oversized chunked bodies. Real service,
+real agent (process runtime), the real client, all on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tangram.api.wire import EnvSpec
+from tangram.client import ActionTimeoutError, AsyncClient, Client, ClientClosedError
+from tangram.client import stream as client_stream
+from tangram.service.config import EnvConfig, PoolConfig
+from tangram.service.engine import Engine
+from tangram.service.records import ActionRecord
+
+from .service_harness import on_processes, until
+
+pytestmark = [pytest.mark.xdist_group("service")]
+
+CONFIG = PoolConfig(
+    envs={"shell": EnvConfig(spec=EnvSpec(name="shell", image="unused", memory_gb=0.1))}
+)
+GUARD_S = 60  # a call not ended by then hangs: a failure, not a wait
+FOREVER = ["sleep", "600"]  # a command that ends only when cancelled
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[tuple[str, str, Engine]]:
+    with on_processes(CONFIG, tmp_path) as served:
+        yield served
+
+
+def _started(engine: Engine, key: str) -> bool:
+    rec = engine.state.idempotent.get("local", key)
+    return isinstance(rec, ActionRecord) and rec.started is not None
+
+
+async def _started_soon(engine: Engine, key: str) -> None:
+    async with asyncio.timeout(GUARD_S):
+        while not _started(engine, key):
+            await asyncio.sleep(0.01)
+
+
+async def _first_result(url: str, token: str, trajectory: str, key: str) -> Any:
+    """What the key's action ended with: a retry under its key answers with that (and
+    would wait for it, had it not ended)."""
+    async with AsyncClient(url, token, stream=False) as again:
+        r = await asyncio.wait_for(again.exec(trajectory, FOREVER, idempotency_key=key), GUARD_S)
+    return r.status.value
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])
+def test_a_client_timeout_cancels_the_action_and_names_its_key(
+    running: tuple[str, str, Engine], stream: bool
+) -> None:
+    url, token, _ = running
+
+    async def main() -> None:
+        async with AsyncClient(url, token, timeout_s=1.0, stream=stream) as c:
+            t = await c.open("shell")
+            with pytest.raises(ActionTimeoutError) as caught:
+                await asyncio.wait_for(c.exec(t.id, FOREVER, idempotency_key="slow/1"), GUARD_S)
+            assert isinstance(caught.value, TimeoutError)  # what callers caught before
+            assert "'slow/1'" in str(caught.value) and "timeout_s=1" in str(caught.value)
+            assert caught.value.cancelled == 1
+            assert await _first_result(url, token, t.id, "slow/1") == "cancelled"
+            await c.close(t.id)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])
+def test_a_cancelled_task_cancels_its_action(
+    running: tuple[str, str, Engine], stream: bool
+) -> None:
+    url, token, engine = running
+
+    async def main() -> None:
+        async with AsyncClient(url, token, stream=stream) as c:
+            t = await c.open("shell")
+            task = asyncio.create_task(c.exec(t.id, FOREVER, idempotency_key="left"))
+            await _started_soon(engine, "left")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await _first_result(url, token, t.id, "left") == "cancelled"
+            await c.close(t.id)
+
+    asyncio.run(main())
+
+
+def test_cancel_by_keys_holding_slash_question_mark_and_hash(
+    running: tuple[str, str, Engine],
+) -> None:
+    url, token, engine = running
+
+    async def main() -> None:
+        async with AsyncClient(url, token) as c:
+            t = await c.open("shell")
+            for key in ("rollout-3/step-7", "a?b", "k#1", "50%"):
+                task = asyncio.create_task(c.exec(t.id, FOREVER, idempotency_key=key))
+                await _started_soon(engine, key)
+                assert await c.cancel(f"key:{key}") is True
+                r = await asyncio.wait_for(task, GUARD_S)
+                assert r.status.value == "cancelled", key
+            await c.close(t.id)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])
+def test_shutdown_ends_the_calls_other_threads_wait_for(
+    running: tuple[str, str, Engine], stream: bool
+) -> None:
+    url, token, engine = running
+    c = Client(url, token, stream=stream)
+    t = c.open("shell")
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            c.exec(t.id, FOREVER, idempotency_key="waiting")
+        except BaseException as e:
+            got.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    until(lambda: _started(engine, "waiting"), "the action starts")
+    c.shutdown()
+    waiter.join(GUARD_S)
+    assert not waiter.is_alive(), "a call still waits after shutdown()"
+    assert len(got) == 1 and isinstance(got[0], ClientClosedError), got
+    with pytest.raises(ClientClosedError):
+        c.get(t.id)
+    c.shutdown()  # a second time: nothing
+    # The action nobody waits for any more was cancelled by its key.
+    assert asyncio.run(_first_result(url, token, t.id, "waiting")) == "cancelled"
+    with Client(url, token) as other:
+        other.close(t.id)
+
+
+def test_a_trajectory_left_after_shutdown_keeps_the_body_s_error(
+    running: tuple[str, str, Engine],
+) -> None:
+    url, token, _ = running
+    c = Client(url, token)
+    # The body's error, not the close's (the client is shut down by then).
+    with pytest.raises(ValueError, match="the body's") as caught, c.trajectory("shell") as t:
+        c.shutdown()
+        raise ValueError("the body's")
+    assert any("closing the trajectory failed" in n for n in caught.value.__notes__)
+    with Client(url, token) as other:
+        other.close(t.id)
+
+
+def test_unread_live_output_is_bounded_and_marked(
+    running: tuple[str, str, Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, token, _ = running
+    bound = 4096
+    monkeypatch.setattr(client_stream, "LIVE_BUFFER_CHARS", bound)
+    total = 4 << 20
+
+    async def main() -> None:
+        async with AsyncClient(url, token) as c, c.trajectory("shell") as t:
+            argv = ["sh", "-c", f"head -c {total} /dev/zero | tr '\\0' a"]
+            live = await t.exec_live(argv, output_cap=0)
+            r = await asyncio.wait_for(live.result(), GUARD_S)  # output() not read
+            assert r.status.value == "ok"
+            pieces = [text async for _, text in live.output()]
+            marks = [p for p in pieces if p.startswith("\n[tangram: ")]
+            kept = [p for p in pieces if p not in marks]
+            assert marks and all("characters of output dropped" in m for m in marks)
+            assert 0 < live.dropped < total
+            # Kept: what fit under the bound, past it at most the one piece that crossed it.
+            assert sum(map(len, kept)) <= bound + max(map(len, kept))
+            assert "".join(kept) == "a" * (total - live.dropped)  # nothing lost unsaid
+
+    asyncio.run(main())
+
+
+def test_a_chunked_body_over_the_limit_is_413(running: tuple[str, str, Engine]) -> None:
+    url, token, _ = running
+    body = b'{"env": "shell", "labels": {"x": "' + b"y" * (2 << 20) + b'"}}'
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit counts as it reads
+        for at in range(0, len(body), 65536):
+            yield body[at : at + 65536]
+
+    auth = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=url, headers=auth, timeout=GUARD_S) as http:
+        r = http.post("/v1/trajectories", content=chunks())
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "too_large" and str(1 << 20) in error["message"]
