@@ -64,15 +64,19 @@ def test_a_client_timeout_cancels_the_action_and_names_its_key(
     url, token, _ = running
 
     async def main() -> None:
-        async with AsyncClient(url, token, timeout_s=1.0, stream=stream) as c:
-            t = await c.open("shell")
-            with pytest.raises(ActionTimeoutError) as caught:
-                await asyncio.wait_for(c.exec(t.id, FOREVER, idempotency_key="slow/1"), GUARD_S)
+        # (the open and close on a client of their own: the timeout is the exec's alone,
+        # long enough that the exec reaches the service first on a loaded machine too)
+        async with AsyncClient(url, token) as plain:
+            t = await plain.open("shell")
+            async with AsyncClient(url, token, timeout_s=5.0, stream=stream) as c:
+                with pytest.raises(ActionTimeoutError) as caught:
+                    slow = c.exec(t.id, FOREVER, idempotency_key="slow/1")
+                    await asyncio.wait_for(slow, GUARD_S)
             assert isinstance(caught.value, TimeoutError)  # what callers caught before
-            assert "'slow/1'" in str(caught.value) and "timeout_s=1" in str(caught.value)
+            assert "'slow/1'" in str(caught.value) and "timeout_s=5" in str(caught.value)
             assert caught.value.cancelled == 1
             assert await _first_result(url, token, t.id, "slow/1") == "cancelled"
-            await c.close(t.id)
+            await plain.close(t.id)
 
     asyncio.run(main())
 
@@ -201,3 +205,21 @@ def test_a_chunked_body_over_the_limit_is_413(running: tuple[str, str, Engine]) 
     assert r.status_code == 413, r.text
     error = r.json()["error"]
     assert error["code"] == "too_large" and str(1 << 20) in error["message"]
+
+
+def test_a_batch_given_up_on_has_every_action_cancelled(
+    running: tuple[str, str, Engine],
+) -> None:
+    url, token, _ = running
+
+    async def main() -> None:
+        async with AsyncClient(url, token) as plain:
+            t = await plain.open("shell")
+            items = [{"trajectory": t.id, "exec": {"argv": FOREVER}} for _ in range(3)]
+            async with AsyncClient(url, token, timeout_s=5.0) as c:
+                with pytest.raises(ActionTimeoutError) as caught:
+                    await asyncio.wait_for(c.batch(items), GUARD_S)
+            assert caught.value.cancelled == 3 and len(caught.value.idempotency_keys) == 3
+            await plain.close(t.id)
+
+    asyncio.run(main())

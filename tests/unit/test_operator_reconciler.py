@@ -28,6 +28,7 @@ class Cluster:
         self.status_patches: list[Key] = []
         self.events: list[tuple[str, str]] = []  # (reason, message)
         self.refuse: str | None = None  # a Deployment whose container asks this is refused
+        self.down = False  # the API server fails every apply (a 500, say)
         self.reads: list[Key] = []
         self.lists = 0
 
@@ -51,12 +52,16 @@ class Cluster:
             obj["status"] = copy.deepcopy(status)
             self.status_patches.append((kind, namespace, name))
 
-    def apply(self, manifest: dict[str, Any]) -> None:
+    def apply(self, manifest: dict[str, Any], *, dry_run: bool = False) -> None:
         meta = manifest["metadata"]
+        if self.down:
+            raise RuntimeError("the API server answered 500")
         if manifest["kind"] == "Deployment" and self.refuse is not None:
             (container,) = manifest["spec"]["template"]["spec"]["containers"]
             if self.refuse in str(container.get("resources")):
                 raise RefusedError(f"Deployment {meta['name']}: {self.refuse} is refused")
+        if dry_run:
+            return
         key = (manifest["kind"], meta.get("namespace", ""), meta["name"])
         status = (self.objects.get(key) or {}).get("status")
         self.objects[key] = {**copy.deepcopy(manifest), **({"status": status} if status else {})}
@@ -213,9 +218,11 @@ def test_a_spec_whose_child_the_api_server_refuses_is_invalid_and_not_ready(
     the status keeps its figures, not a Ready computed from the refused spec."""
     cluster, link, r = world
     _running(cluster, link, r, open_=3)
+    children = copy.deepcopy({k: v for k, v in cluster.objects.items() if k[0] != "ActionPool"})
     cluster.refuse = "example.com/fpga"
     body = cluster.objects["ActionPool", "rl", "coding"]
     body["spec"]["scheduler"]["resources"] = {"limits": {"example.com/fpga": "1"}}
+    body["spec"]["scheduler"]["port"] = 9090  # (its Service's port too: nothing applied)
     body["metadata"]["generation"] = 2
     r.reconcile_pool("rl", "coding")
     r.refresh_pool("rl", "coding", cluster.get_custom("ActionPool", "rl", "coding"))
@@ -226,6 +233,16 @@ def test_a_spec_whose_child_the_api_server_refuses_is_invalid_and_not_ready(
         "example.com/fpga is refused"
     )
     assert status["trajectories"] == 3
+    # Nothing of the refused spec was applied (a restarted scheduler would read its
+    # definitions from the ConfigMap), and its scheduler is asked where it runs.
+    assert {k: v for k, v in cluster.objects.items() if k[0] != "ActionPool"} == children
+    assert status["endpoint"] == "http://tangram-coding-scheduler.rl.svc:8080"
+    body_now = cluster.get_custom("ActionPool", "rl", "coding")
+    assert body_now is not None
+    body_now["metadata"]["deletionTimestamp"] = "2026-11-28T11:59:00Z"
+    with pytest.raises(RetryError):
+        r.drain_pool(body_now)
+    assert link.drained == ["http://tangram-coding-scheduler.rl.svc:8080"]
     cluster.refuse = None  # (the cluster now takes it: a device plugin came)
     body["metadata"]["generation"] = 3
     r.reconcile_pool("rl", "coding")
@@ -295,3 +312,28 @@ def test_a_pool_left_without_node_agents_loses_their_grants_too(
     r.reconcile_pool("rl", "coding")
     assert [k for k in agents if (k[0], "rl", k[1]) in cluster.objects] == []
     assert ("Role", "rl", "tangram-coding-scheduler") in cluster.objects  # the scheduler's stays
+
+
+def test_a_member_event_is_not_answered_by_a_pass_that_failed_midway(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    cluster, link, r = world
+    _running(cluster, link, r, open_=0)
+    cluster.add({"apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+                 "metadata": {"name": "late", "namespace": "rl"},
+                 "spec": {"poolRef": "coding", "image": "img"}})  # fmt: skip
+    cluster.reads.clear()
+    with r._lock(("rl", "coding")):
+        member = threading.Thread(target=r.reconcile_member, args=("TrajectoryEnv", "rl", "late"))
+        member.start()
+        while not cluster.reads:  # it has read its member: it waits
+            time.sleep(0.01)
+        cluster.down = True
+        with pytest.raises(RuntimeError):
+            r.reconcile_pool("rl", "coding")  # began after the event came, and failed
+        cluster.down = False
+        cluster.objects["TrajectoryEnv", "rl", "late"].pop("status", None)
+        cluster.lists = 0
+    member.join(30)
+    assert cluster.lists == 2  # its own pass
+    assert _ready(cluster.objects["TrajectoryEnv", "rl", "late"]["status"])["reason"] == "Accepted"

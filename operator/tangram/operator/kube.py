@@ -106,8 +106,9 @@ class Cluster:
     def _resource(self, manifest: Manifest) -> Any:
         return self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
 
-    def apply(self, manifest: Manifest) -> None:
-        """Server-side apply; :class:`RefusedError` when the object is invalid."""
+    def apply(self, manifest: Manifest, *, dry_run: bool = False) -> None:
+        """Server-side apply (``dry_run``: validated and admitted, not stored);
+        :class:`RefusedError` when the object is invalid."""
         meta = manifest["metadata"]
         try:
             self._resource(manifest).server_side_apply(
@@ -116,6 +117,7 @@ class Cluster:
                 namespace=meta.get("namespace"),
                 field_manager=FIELD_MANAGER,
                 force_conflicts=True,  # the operator owns its children's fields
+                dry_run="All" if dry_run else None,
             )
         except ApiException as e:
             if e.status != 422:

@@ -79,6 +79,8 @@ MEMBER_KINDS: dict[str, type[TrajectoryEnv] | type[RewardService]] = {
     "RewardService": RewardService,
 }
 DRAIN_POLL_S = 5.0
+# The children that carry fields of the spec to the API server unchecked by the models.
+_PASSED_THROUGH = ("Deployment", "DaemonSet")
 # What only node agents need (builders.build_pool makes them with spec.cpu or spec.gpu).
 _AGENT_GRANTS = (
     ("rbac.authorization.k8s.io/v1", "RoleBinding", "agent"),
@@ -145,7 +147,8 @@ class Reconciler:
         self._written: dict[str, dict[str, Any]] = {}  # pool uid -> the status it last wrote
         # Ticks order member events against pool passes (``_pool_pass_since``).
         self._ticks = itertools.count()
-        self._pass_begun: dict[ObjectKey, int] = {}  # pool -> the tick its last pass began
+        # pool -> the tick at which its last pass that ran to its end began
+        self._pass_done: dict[ObjectKey, int] = {}
         # pool uid -> why its scheduler refused the documents last pushed (said once).
         self._refused: dict[str, str] = {}
         # One pass at a time per pool (kopf runs handlers of different objects in threads);
@@ -171,12 +174,12 @@ class Reconciler:
             begun = next(self._ticks)
             live = self._live_pool(namespace, name)
             if live is None:
-                self._pass_begun.pop((namespace, name), None)
+                self._pass_done.pop((namespace, name), None)
                 return False
-            self._pass_begun[namespace, name] = begun
             body, pool = live
             if isinstance(pool, str):
                 self._member_statuses((namespace, name), None, pool_invalid=pool)
+                self._pass_done[namespace, name] = begun
                 return True
             members = self._member_statuses(pool.key, pool)
             tokens = self._tokens(pool)
@@ -192,25 +195,33 @@ class Reconciler:
                 operator_token=tokens[OPERATOR_TENANT],
             )
             uid = body["metadata"]["uid"]
-            self._full_at[uid] = self.clock()
             try:
+                # The workloads carry what the user's spec passes through to the API
+                # server (resources, nodeSelector): tried first, so that a refusal leaves
+                # every child, the ConfigMap of definitions too, as the spec before made it.
+                for manifest in objects:
+                    if manifest["kind"] in _PASSED_THROUGH:
+                        self.cluster.apply(manifest, dry_run=True)
                 for manifest in objects:
                     self.cluster.apply(manifest)
             except RefusedError as e:
-                # What pydantic let through and the API server did not (a child's field):
-                # the spec is invalid, and the children of the one before run on.
                 why = f"the API server refused the spec's {e}"
                 self._rejected[uid] = (body["metadata"].get("generation", 0), why)
-                if (before := self._built.get(uid)) is not None:
-                    self._refresh(pool, body, *before)
+                self._full_at[uid] = self.clock()
+                before, valid = self._built.get(uid), self._valid.get(uid)
+                if before is not None and valid is not None:  # its scheduler runs that one
+                    self._refresh(valid, body, *before)
                 else:
                     self._invalid(body, why)
+                self._pass_done[namespace, name] = begun
                 return True
             self._rejected.pop(uid, None)
             self._valid[uid] = pool
             self._remove_dropped_agents(pool)
             built = self._built[uid] = (_documents(objects), tokens[OPERATOR_TENANT])
+            self._full_at[uid] = self.clock()
             self._refresh(pool, body, *built)
+            self._pass_done[namespace, name] = begun
             return True
 
     def refresh_pool(self, namespace: str, name: str, body: dict[str, Any] | None = None) -> None:
@@ -233,6 +244,8 @@ class Reconciler:
             if full_at is None or (self.clock() - full_at).total_seconds() >= FULL_PASS_S:
                 self.reconcile_pool(namespace, name)  # the lock is reentrant
                 return
+            if uid in self._rejected:  # its children refused: the scheduler runs the spec before
+                pool = self._valid.get(uid, pool)
             if built is not None:  # (None: its children were refused; the status says so)
                 self._refresh(pool, body, *built)
 
@@ -412,15 +425,19 @@ class Reconciler:
                 memo.pop(meta.get("uid", ""), None)
 
     def _drainable(self, body: dict[str, Any]) -> ActionPool | None:
-        """The pool whose scheduler to drain. A spec edited invalid leaves its scheduler
-        running (the edit was refused): then the last valid spec this operator saw, or,
+        """The pool whose scheduler to drain. A spec edited invalid, or whose children the
+        API server refused, leaves its scheduler running the one before: then the last
+        valid spec this operator saw, or,
         after an operator restart, the body with only its scheduler's port and drain time
         (defaults where those are what is invalid)."""
+        uid = body["metadata"].get("uid", "")
+        if uid in self._rejected and uid in self._valid:  # its children were refused
+            return self._valid[uid]
         try:
             return ActionPool.model_validate(body)
         except ValidationError:
             pass
-        last = self._valid.get(body["metadata"].get("uid", ""))
+        last = self._valid.get(uid)
         if last is not None:
             return last
         raw = (body.get("spec") or {}).get("scheduler") or {}
@@ -494,12 +511,12 @@ class Reconciler:
 
     def _pool_pass_since(self, key: ObjectKey, seen: int) -> bool:
         """A pass of pool ``key`` that began after tick ``seen``: this call's, unless one
-        began since (it listed the members as they are now). On an operator's start, or
-        ``kubectl apply -f envs/``, each of M members' events would run a pass of its own
-        (two lists of every member, a dozen applies); they share one. False when there is
-        no pool to answer for its members."""
+        began since and ran to its end (it listed the members as they are now). On an
+        operator's start, or ``kubectl apply -f envs/``, each of M members' events would
+        run a pass of its own (two lists of every member, a dozen applies); they share
+        one. False when there is no pool to answer for its members."""
         with self._lock(key):
-            begun = self._pass_begun.get(key)
+            begun = self._pass_done.get(key)  # (a pass that failed midway is not done)
             if begun is not None and begun > seen:
                 return True
             return self.reconcile_pool(*key)

@@ -53,6 +53,7 @@ CONNECT_S = 10.0
 # apart. A live host's kernel answers probes, however long the exec runs.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 CANCEL_S = 5.0  # for the best-effort cancel of an action the caller gave up on
+ABANDON_AT_ONCE = 32  # cancels in flight at once for a batch given up on
 
 
 def _keepalive_socket(addr: tuple[Any, ...]) -> socket.socket:
@@ -201,19 +202,19 @@ class AsyncClient:
         """Cancel the actions of ``keys``, once each, briefly (the caller is leaving): how
         many were cancelled, None when the service could not be asked."""
         session = self._http()
-        cancelled = 0
+        room = asyncio.Semaphore(ABANDON_AT_ONCE)  # a batch's keys at once, not one by one
+
+        async def one(key: str) -> bool:
+            async with room, session.delete(_action_path(f"key:{key}")) as response:
+                reply = check(Reply(response.status, await response.read(), {}))
+            return bool(data(reply).get("cancelled"))
+
         try:
             async with asyncio.timeout(CANCEL_S):
-                for key in keys:
-                    async with session.delete(
-                        _action_path(f"key:{key}"), timeout=aiohttp.ClientTimeout(total=CANCEL_S)
-                    ) as response:
-                        reply = check(Reply(response.status, await response.read(), {}))
-                    cancelled += bool(data(reply).get("cancelled"))
+                return sum(await asyncio.gather(*(one(key) for key in keys)))
         except Exception as e:  # (a closed session, the service away, ...): best effort
             log.warning("could not cancel the abandoned action of key %r: %s", keys[0], e)
             return None
-        return cancelled
 
     # ---- trajectories --------------------------------------------------------------
     async def open(

@@ -70,8 +70,8 @@ class ApiCalls:
             if endpoint is None:
                 why = f"quota {api!r} has no endpoint: lease it and call it yourself"
                 raise EngineError("invalid", "api", why)
-            if endpoint.unresolved is not None:
-                raise EngineError("unavailable", "api", _unresolved(api, endpoint.unresolved))
+            if endpoint.unresolved is not None:  # (502: not retried; a Secret is not seconds away)
+                raise EngineError("failed", "api", _unresolved(api, endpoint.unresolved))
         units = req.units if isinstance(req, ApiLeaseRequest) else 1
         # ``quotas`` are units beyond the one an api action holds anyway.
         return ActionSpec(kind="api", api=api, quotas={api: units - 1} if units > 1 else {})
