@@ -463,7 +463,7 @@ def test_a_deleted_env_leaves_its_running_scheduler(stack: Stack) -> None:
 
         try:
             _apply(stack, yaml.safe_dump(extra))
-            stack.wait_ready("tenv", "extra", "rl")
+            stack.wait_ready("tenv", "extra", "rl", "Accepted")
             wait_for("the new env to be served", served, timeout=60, every=1)
         finally:
             stack.kubectl("delete", "tenv", "extra", "-n", "rl", check=False)
