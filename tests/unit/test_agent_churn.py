@@ -5,6 +5,7 @@ agent can be told, and a keyed run cut off by the link keeps its outcome the age
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from tangram.api.wire import (
     ActionStatus,
@@ -18,8 +19,9 @@ from tangram.api.wire import (
 )
 from tangram.service.config import ANY_TENANT, TenantLimits
 from tangram.service.engine import Engine
+from tangram.service.learned_file import LearnedFile
 from tangram.service.records import KEY_SEP, EngineError
-from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run
+from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, make_engine, run
 
 
 def _memory_used(engine: Engine) -> float:
@@ -160,3 +162,36 @@ def test_an_open_retried_before_its_agent_is_back_leaves_one_trajectory() -> Non
         assert again is retry
 
     run(scenario, reconnecting=True)
+
+
+def test_a_close_answered_while_its_agent_was_away_outlives_a_scheduler_restart(
+    tmp_path: Path,
+) -> None:
+    """The next scheduler learns it from the document the last one left (a Helm upgrade
+    restarts the scheduler and the agents together): the environment its agent brings
+    back is closed, not taken back as an open trajectory nobody will use or close."""
+    store = LearnedFile(tmp_path / "learned.json")
+
+    async def go() -> None:
+        first = make_engine()
+        first.keep_learned(store)
+        await first.start()
+        await connect(first, Agent(hello()))
+        meta = (await first.open_trajectory("u", OpenTrajectory(env="e", id="t1"))).meta()
+        first.hub.links["n1"].socket.drop()  # type: ignore[attr-defined]
+        await left(first)
+        assert (await first.close_trajectory("u", "t1")).state is TrajectoryState.CLOSED
+        await first.stop(grace_s=0)  # (it saves what the next one resumes)
+        second = make_engine(reconnecting=True)
+        second.keep_learned(store)
+        await second.start()
+        try:
+            back = Agent(hello(trajectories=[meta]))
+            await connect(second, back)
+            assert [m["trajectory"] for m in back.ops("close")] == ["t1"]
+            assert ("u", "t1") not in second.state.named and not second.lifecycle.to_close
+        finally:
+            await second.stop(grace_s=0)
+        assert "closing" not in store.path.read_text()  # done: none left to close
+
+    asyncio.run(asyncio.wait_for(go(), 30))

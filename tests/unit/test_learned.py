@@ -111,3 +111,12 @@ def test_the_document_keeps_the_most_observed_types_of_sane_names() -> None:
     assert len(book.export(100, 256)) == 5
     with pytest.raises(ValidationError):  # and a document must not hold more
         LearnedState.model_validate({"profiles": {"x" * 300: BAD_FIT | {"counts": [1]}}})
+
+
+def test_the_environments_to_close_are_bounded_and_read_back() -> None:
+    from tangram.api.learned import MAX_CLOSING
+
+    with pytest.raises(ValidationError, match=f"closing: more than {MAX_CLOSING}"):
+        LearnedState(closing={"n1": [f"t{i}" for i in range(MAX_CLOSING + 1)]})
+    kept = LearnedState(closing={"n1": ["t1"]})
+    assert LearnedState.model_validate_json(kept.model_dump_json()) == kept

@@ -11,10 +11,11 @@ scheduler saves this document now and then and reads it back when it starts
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+MAX_CLOSING = 65_536  # environments to close kept at most (a bound on the document)
 MAX_LENGTHS = 4096  # finished trajectory lengths kept: the most recent (the model's window)
 # Action types kept: the most observed, with names of a sane length. A document stays well
 # under a ConfigMap's 1 MiB however many types clients invent.
@@ -63,9 +64,24 @@ class LearnedState(_Strict):
     think_s: LearnedMean = LearnedMean()
     exec_core_s: LearnedMean = LearnedMean()
     exec_run_s: LearnedMean = LearnedMean()
+    # Not learned, but kept with it, the one document a scheduler leaves its successor.
+    closing: Annotated[
+        dict[Annotated[str, Field(max_length=253)], list[Annotated[str, Field(max_length=256)]]],
+        Field(
+            description="node -> environments whose trajectory was closed while the node's "
+            "agent was away: closed when it is back, though this scheduler has gone"
+        ),
+    ] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Self:
+        if sum(len(keys) for keys in self.closing.values()) > MAX_CLOSING:
+            raise ValueError(f"closing: more than {MAX_CLOSING} environments")
+        return self
 
 
 __all__ = [
+    "MAX_CLOSING",
     "MAX_LENGTHS",
     "MAX_PROFILES",
     "MAX_TYPE_CHARS",

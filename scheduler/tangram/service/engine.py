@@ -24,7 +24,7 @@ from dataclasses import replace
 import aiohttp
 
 from tangram.api.cluster import ClusterSpec
-from tangram.api.learned import LearnedState
+from tangram.api.learned import MAX_CLOSING, LearnedState
 from tangram.api.wire import (
     ActionResult,
     ActionStatus,
@@ -130,6 +130,8 @@ class Engine:
         self._unread, self.resumed, self._saved = None, state, state
         if state is not None:
             self.core.resume(state)
+            for node, keys in state.closing.items():  # (before any agent's hello)
+                self.lifecycle.to_close.setdefault(node, set()).update(keys)
 
     def learned_note(self) -> str:
         """What a start says of the learned state: where it is kept, and what it resumed."""
@@ -155,7 +157,7 @@ class Engine:
                 self._resume(await asyncio.to_thread(read_state, store))
                 log.warning("the learned state %s can be read now: %s", store.where,
                             "resumed it" if self.resumed else "nothing to resume")  # fmt: skip
-            state = self.core.learned()  # here: the core is the loop's alone
+            state = self._kept()
             if state == self._saved:  # an idle scheduler writes nothing
                 return
             await asyncio.to_thread(write_state, store, state)
@@ -165,6 +167,17 @@ class Engine:
             self._save_error = str(e)
         else:
             self._saved, self._save_error = state, None
+
+    def _kept(self) -> LearnedState:
+        """What the next scheduler resumes: what the core learned, and the environments
+        still to close (their trajectories closed while their agents were away)."""
+        closing, room = {}, MAX_CLOSING
+        for node, keys in sorted(self.lifecycle.to_close.items()):
+            kept = sorted(keys)[:room]
+            if kept:
+                closing[node], room = kept, room - len(kept)
+        learned = self.core.learned()  # here: the core is the loop's alone
+        return learned.model_copy(update={"closing": closing}) if closing else learned
 
     async def _save_learned_every(self, every_s: float) -> None:
         while True:

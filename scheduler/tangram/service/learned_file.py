@@ -102,7 +102,9 @@ def read_state(store: LearnedStore) -> LearnedState | None:
 
 def write_state(store: LearnedStore, state: LearnedState) -> None:
     """Write ``state`` in place of the last, whole or not at all (OSError if not)."""
-    store.write(state.model_dump_json().encode())
+    # Without the environments to close when there are none: a scheduler of an earlier
+    # release, which refuses the field, still reads what was learned.
+    store.write(state.model_dump_json(exclude={"closing"} if not state.closing else None).encode())
 
 
 __all__ = [
