@@ -25,15 +25,20 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
     credentials (the agent's ServiceAccount), else ``KUBECONFIG``."""
     from kubernetes import client, config
     from kubernetes.client.exceptions import ApiException
+    from urllib3.util.retry import Retry
 
-    api_client: Any
+    settings = client.Configuration()
     try:
         if kubeconfig:
             raise config.ConfigException("a kubeconfig was given")
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-        api_client = client.ApiClient()
+        config.load_incluster_config(client_configuration=settings)  # type: ignore[no-untyped-call]
     except config.ConfigException:
-        api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        config.load_kube_config(config_file=kubeconfig, client_configuration=settings)  # type: ignore[no-untyped-call]
+    # urllib3 retries a read that timed out 3 times by default: 160 s for one call to an
+    # API server that stopped answering. A read is tried once, a connect twice; what
+    # fails is an ExecError worth retrying, which the runtime's callers do.
+    settings.retries = Retry(total=2, connect=1, read=0, redirect=0, status=0)
+    api_client: Any = client.ApiClient(settings)
     core = client.CoreV1Api(api_client)
 
     def to_dict(obj: Any) -> dict[str, Any]:
