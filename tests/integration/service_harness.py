@@ -25,6 +25,7 @@ from tangram.service.auth import TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.embedded import Running, free_port, run
 from tangram.service.learned_file import LearnedStore
+from tangram.service.records import ActionRecord
 from tangram.service.reviews import TokenReviewer
 
 
@@ -105,17 +106,25 @@ RUNTIMES = [
 
 
 @contextmanager
-def on_processes(config: PoolConfig, tmp: Path) -> Iterator[tuple[str, str, Any]]:
-    """The service and a process-runtime agent (root: it writes cgroups) on every core:
-    its URL, a client token and its engine."""
+def on_processes(
+    config: PoolConfig, tmp: Path, **service_kw: Any
+) -> Iterator[tuple[str, str, Any]]:
+    """The service (``service_kw``: more of ``service``'s options) and a process-runtime
+    agent (root: it writes cgroups) on every core: its URL, a client token and its engine."""
     if os.geteuid() != 0:
         pytest.skip("the process runtime writes cgroups: needs root")
     cores = len(os.sched_getaffinity(0))
     agent = NodeAgent.create(
         tmp / "agent", runtime="process", idle_cores=1, cores_for_actions=cores
     )
-    with service(config, agent, tmp) as (running, token):
+    with service(config, agent, tmp, **service_kw) as (running, token):
         yield running.url, token, running.engine
+
+
+def action_started(engine: Any, key: str) -> bool:
+    """Whether the local tenant's action of idempotency key ``key`` has started."""
+    rec = engine.state.idempotent.get("local", key)
+    return isinstance(rec, ActionRecord) and rec.started is not None
 
 
 @contextmanager

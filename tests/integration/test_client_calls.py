@@ -19,9 +19,8 @@ from tangram.client import ActionTimeoutError, AsyncClient, Client, ClientClosed
 from tangram.client import stream as client_stream
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.engine import Engine
-from tangram.service.records import ActionRecord
 
-from .service_harness import on_processes, until
+from .service_harness import action_started, on_processes, until
 
 pytestmark = [pytest.mark.xdist_group("service")]
 
@@ -38,14 +37,9 @@ def running(tmp_path: Path) -> Iterator[tuple[str, str, Engine]]:
         yield served
 
 
-def _started(engine: Engine, key: str) -> bool:
-    rec = engine.state.idempotent.get("local", key)
-    return isinstance(rec, ActionRecord) and rec.started is not None
-
-
 async def _started_soon(engine: Engine, key: str) -> None:
     async with asyncio.timeout(GUARD_S):
-        while not _started(engine, key):
+        while not action_started(engine, key):
             await asyncio.sleep(0.01)
 
 
@@ -137,7 +131,7 @@ def test_shutdown_ends_the_calls_other_threads_wait_for(
 
     waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
-    until(lambda: _started(engine, "waiting"), "the action starts")
+    until(lambda: action_started(engine, "waiting"), "the action starts")
     c.shutdown()
     waiter.join(GUARD_S)
     assert not waiter.is_alive(), "a call still waits after shutdown()"

@@ -18,9 +18,8 @@ from tangram.client import AsyncClient
 from tangram.client import stream as client_stream
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.engine import Engine
-from tangram.service.records import ActionRecord
 
-from .service_harness import on_processes
+from .service_harness import action_started, on_processes
 
 pytestmark = [pytest.mark.xdist_group("service")]
 
@@ -100,8 +99,7 @@ def test_an_exec_outlives_a_scheduler_gone_silent(
     script = f"echo run >> {runs}; while [ ! -e {go} ]; do sleep 0.01; done; echo done"
 
     def started() -> bool:
-        rec = engine.state.idempotent.get("local", "silent-1")
-        return isinstance(rec, ActionRecord) and rec.started is not None
+        return action_started(engine, "silent-1")
 
     async def main() -> None:
         async with AsyncClient(url, token) as direct:

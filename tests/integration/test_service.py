@@ -24,7 +24,7 @@ from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.config import ActionProfile, ApiEndpoint, EnvConfig, PoolConfig
 
 from .http_stub import JsonHandler, http_serving
-from .service_harness import service, until
+from .service_harness import on_processes, service, until
 
 pytestmark = [pytest.mark.xdist_group("service")]
 CORES = sorted(os.sched_getaffinity(0))
@@ -515,15 +515,10 @@ def test_a_close_that_comes_while_the_environment_opens_closes_what_it_makes(
 def test_stopping_the_service_gives_actions_in_flight_their_grace(tmp_path: Path) -> None:
     """Ctrl-C of `tangram up`: an action already running finishes within the grace and
     its caller gets its answer, before the trajectories are closed."""
-    if os.geteuid() != 0:
-        pytest.skip("the process runtime writes cgroups: needs root")
-    agent = NodeAgent.create(
-        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
-    )
     got: list[ActionResult] = []
     started = tmp_path / "started"
-    with service(CONFIG, agent, tmp_path, grace_s=30) as (running, token):
-        client = Client(running.url, token, retries=0)
+    with on_processes(CONFIG, tmp_path, grace_s=30) as (url, token, _):
+        client = Client(url, token, retries=0)
         t = client.open("shell")
         argv = ["sh", "-c", f"touch {started}; sleep 1; echo finished"]
         runner = threading.Thread(target=lambda: got.append(client.exec(t.id, argv)))

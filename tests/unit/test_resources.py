@@ -739,4 +739,6 @@ def test_what_the_api_server_takes_in_a_childs_resources_and_node_selector_is_ta
         cpu={"nodeSelector": {"kubernetes.io/os": "linux", "node-role.kubernetes.io/rl": ""}},
         scheduler={"resources": {"requests": requests, "limits": limits}},
     ))  # fmt: skip
-    assert res.pools[("default", "p")].spec.cpu is not None
+    spec = res.pools[("default", "p")].spec
+    assert spec.cpu is not None and spec.cpu.node_selector["node-role.kubernetes.io/rl"] == ""
+    assert spec.scheduler.resources == {"requests": requests, "limits": limits}
