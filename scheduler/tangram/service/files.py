@@ -142,7 +142,6 @@ class Files:
 
     async def _download(self, tenant: str, tid: str, path: str, action: FileOp) -> Download:
         link, req, traj = self._request(tenant, tid, action, path)
-        end = self._in_use(traj)
 
         async def close() -> None:
             end()
@@ -150,6 +149,7 @@ class Files:
 
         with agent_gone(link.node):
             stream = link.stream(req)
+            end = self._in_use(traj)  # (after: a stream that never opened holds nothing)
             try:
                 head = await stream.next()
                 if head is None or head.files is None or head.files.entry is None:
