@@ -224,7 +224,7 @@ class DockerRuntime(SandboxRuntime[Env]):
             # Any failure (a requests timeout, a cancel too): a container left behind
             # would keep its resources, and a trajectory's name, taken.
             self._discard(env)
-            if not isinstance(e, (APIError, DockerException)):
+            if not isinstance(e, DockerException):  # (APIError is one)
                 raise
             raise ExecError(
                 f"image {template.image}: cannot start the environment: {e}",

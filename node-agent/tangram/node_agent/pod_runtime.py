@@ -188,7 +188,7 @@ class PodRuntime(SandboxRuntime[Pod]):
         a trajectory's pods (the others' opens failed: a lost answer, then a retry).
         """
         selector = f"{LABEL}/sandbox=true,{AGENT}={label_value(self.agent)}"
-        warm: list[dict[str, Any]] = []
+        taken: list[tuple[str | None, dict[str, Any]]] = []  # warm ones first, then open ones
         opened: dict[str, list[dict[str, Any]]] = {}
         for obj in self.api.list(selector):
             meta = obj["metadata"]
@@ -199,10 +199,9 @@ class PodRuntime(SandboxRuntime[Pod]):
             if labels.get(STATE) == "open" and trajectory:
                 opened.setdefault(trajectory, []).append(obj)
             elif labels.get(STATE) == "warm":
-                warm.append(obj)
+                taken.append((None, obj))
             else:  # preparing (or a state this agent does not know)
                 self._delete(meta["name"])
-        taken: list[tuple[str | None, dict[str, Any]]] = [(None, obj) for obj in warm]
         for trajectory, objs in opened.items():
             *stale, last = sorted(objs, key=_open_since)
             for obj in stale:

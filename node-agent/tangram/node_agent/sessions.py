@@ -200,18 +200,17 @@ class BashSession(Session):
         )
         session = cls(chan)
         try:
-            try:
-                first = await session.run("true", timeout_s=30, output_cap=1 << 16)  # noise
-            except ExecError:
-                first = Reply(session.chan.exit_code, "", "", False, False, False)
-            if not session.alive or first.exit_code != 0:
-                raise ExecError(
-                    f"bash session: bash did not start (exit {first.exit_code}): "
-                    f"{first.stdout[-300:]}"
-                )
+            first = await session.run("true", timeout_s=30, output_cap=1 << 16)  # noise
+        except ExecError:
+            first = Reply(session.chan.exit_code, "", "", False, False, False)
         except BaseException:
             chan.close()  # nobody will use it: hanging up ends the shell
             raise
+        if not session.alive or first.exit_code != 0:
+            chan.close()
+            raise ExecError(
+                f"bash session: bash did not start (exit {first.exit_code}): {first.stdout[-300:]}"
+            )
         return session
 
     def __init__(self, chan: Channel) -> None:

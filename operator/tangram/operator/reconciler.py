@@ -209,8 +209,8 @@ class Reconciler:
                 self._rejected[uid] = (body["metadata"].get("generation", 0), why)
                 self._full_at[uid] = self.clock()
                 before, valid = self._built.get(uid), self._valid.get(uid)
-                if before is not None and valid is not None:  # its scheduler runs that one
-                    self._refresh(valid, body, *before)
+                if before is not None and valid is not None:
+                    self._refresh(self._serving(uid, pool), body, *before)
                 else:
                     self._invalid(body, why)
                 self._pass_done[namespace, name] = begun
@@ -244,10 +244,8 @@ class Reconciler:
             if full_at is None or (self.clock() - full_at).total_seconds() >= FULL_PASS_S:
                 self.reconcile_pool(namespace, name)  # the lock is reentrant
                 return
-            if uid in self._rejected:  # its children refused: the scheduler runs the spec before
-                pool = self._valid.get(uid, pool)
             if built is not None:  # (None: its children were refused; the status says so)
-                self._refresh(pool, body, *built)
+                self._refresh(self._serving(uid, pool), body, *built)
 
     def _live_pool(
         self, namespace: str, name: str, body: dict[str, Any] | None = None
@@ -424,17 +422,19 @@ class Reconciler:
             for memo in memos:
                 memo.pop(meta.get("uid", ""), None)
 
+    def _serving(self, uid: str, pool: ActionPool) -> ActionPool:
+        """The spec the pool's scheduler runs: the last valid one while the API server
+        refuses the children of ``pool`` (they are as that one made them)."""
+        return self._valid.get(uid, pool) if uid in self._rejected else pool
+
     def _drainable(self, body: dict[str, Any]) -> ActionPool | None:
         """The pool whose scheduler to drain. A spec edited invalid, or whose children the
         API server refused, leaves its scheduler running the one before: then the last
-        valid spec this operator saw, or,
-        after an operator restart, the body with only its scheduler's port and drain time
-        (defaults where those are what is invalid)."""
+        valid spec this operator saw, or, after an operator restart, the body with only
+        its scheduler's port and drain time (defaults where those are what is invalid)."""
         uid = body["metadata"].get("uid", "")
-        if uid in self._rejected and uid in self._valid:  # its children were refused
-            return self._valid[uid]
         try:
-            return ActionPool.model_validate(body)
+            return self._serving(uid, ActionPool.model_validate(body))
         except ValidationError:
             pass
         last = self._valid.get(uid)

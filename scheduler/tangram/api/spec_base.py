@@ -38,8 +38,8 @@ def quantity_value(amount: str | float) -> Fraction:
     if found is None:
         raise ValueError(f"{amount!r} is not a quantity")
     number, suffix = found.group(1), found.group(3) or ""
-    if suffix[:1] in ("e", "E") and suffix not in _SUFFIX:
-        return Fraction(number) * Fraction(10) ** int(suffix[1:])
+    if suffix not in _SUFFIX:  # an exponent (e3, E-2), which Fraction reads itself
+        return Fraction(number + suffix)
     return Fraction(number) * _SUFFIX[suffix]
 
 

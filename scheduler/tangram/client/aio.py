@@ -198,6 +198,11 @@ class AsyncClient:
                 raise
             raise ActionTimeoutError(keys, total, await self._abandon(keys)) from e
 
+    async def _submit(self, call: Call) -> ActionResult:
+        """The result of one keyed submission (its key in its body)."""
+        assert call.body is not None
+        return result(await self._keyed([call.body["idempotency_key"]], self._call(call)))
+
     async def _abandon(self, keys: Sequence[str]) -> int | None:
         """Cancel the actions of ``keys``, once each, briefly (the caller is leaving): how
         many were cancelled, None when the service could not be asked."""
@@ -358,8 +363,7 @@ class AsyncClient:
         # Keyed like every submission: a retry after a lost answer takes no second lease.
         key = uuid.uuid4().hex
         body = {"units": units, "hold_s": hold_s, "idempotency_key": key}
-        call = Call("POST", f"/v1/apis/{api}/lease", body)
-        return result(await self._keyed([key], self._call(call)))
+        return await self._submit(Call("POST", f"/v1/apis/{api}/lease", body))
 
     async def call(
         self,
@@ -379,8 +383,7 @@ class AsyncClient:
         if body is not None:
             req["body"] = body
         req["idempotency_key"] = uuid.uuid4().hex
-        call = Call("POST", f"/v1/apis/{api}/call", req)
-        return result(await self._keyed([req["idempotency_key"]], self._call(call)))
+        return await self._submit(Call("POST", f"/v1/apis/{api}/call", req))
 
     async def release(self, lease: str) -> ActionResult:
         """Give a lease's units back. Sent again after a lost answer, it may find the lease
@@ -417,8 +420,7 @@ class AsyncClient:
             "queue_timeout_s": queue_timeout_s,
         }
         req.update({k: v for k, v in optional.items() if v is not None})
-        call = Call("POST", f"/v1/services/{service}/call", req)
-        return result(await self._keyed([key], self._call(call)))
+        return await self._submit(Call("POST", f"/v1/services/{service}/call", req))
 
 
 class AsyncTrajectory:

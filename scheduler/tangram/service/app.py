@@ -111,7 +111,7 @@ class BodyLimit:
         limit = self.limit(scope)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _error(413, "too_large", f"request body over {limit} bytes")(scope, receive, send)
+            await _error(413, "too_large", _TooLargeError(limit).detail)(scope, receive, send)
             return
         seen = 0
 
@@ -125,8 +125,8 @@ class BodyLimit:
 
         try:
             await self.app(scope, limited, send)
-        except _TooLargeError:  # (one no exception handler answered)
-            await _error(413, "too_large", f"request body over {limit} bytes")(scope, receive, send)
+        except _TooLargeError as e:  # (one no exception handler answered)
+            await _error(413, "too_large", e.detail)(scope, receive, send)
 
 
 class _TooLargeError(HTTPException):

@@ -131,7 +131,8 @@ class Engine:
         if state is not None:
             self.core.resume(state)
             for node, keys in state.closing.items():  # (before any agent's hello)
-                self.lifecycle.to_close.setdefault(node, set()).update(keys)
+                for key in keys:
+                    self.lifecycle.close_later(node, key)
 
     def learned_note(self) -> str:
         """What a start says of the learned state: where it is kept, and what it resumed."""

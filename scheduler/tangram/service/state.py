@@ -130,8 +130,8 @@ class PoolState:
     def usable(self, tenant: str, tid: str) -> TrajectoryRecord:
         """An open trajectory of ``tenant``; 503 (retry) while its agent is away."""
         traj = self.trajectory(tenant, tid)
+        traj.active_at = self.clock()  # asked for: in use, its agent away or not
         if traj.state is TrajectoryState.AWAY:
-            traj.active_at = self.clock()  # asked for: in use, its agent away or not
             raise EngineError(
                 "unavailable",
                 "trajectory",
@@ -140,7 +140,6 @@ class PoolState:
         if traj.state is not TrajectoryState.OPEN:
             why = f": {traj.ended}" if traj.ended else ""
             raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}{why}")
-        traj.active_at = self.clock()
         return traj
 
     def admitting(self, tenant: str, extra: int = 1) -> None:

@@ -51,12 +51,13 @@ class Trajectories:
 
     async def open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
         key = req.idempotency_key
-        known = self._opens.get((tenant, key)) if key is not None else None
-        if known is not None:
-            return await self._again(tenant, req, *known)
         if key is None:
             return await self._open(tenant, req)
-        tenant_key, digest = (tenant, key), req.digest()
+        tenant_key = (tenant, key)
+        known = self._opens.get(tenant_key)
+        if known is not None:
+            return await self._again(tenant, req, *known)
+        digest = req.digest()
         opening: asyncio.Future[TrajectoryRecord] = asyncio.get_running_loop().create_future()
         self._remember(tenant_key, digest, opening)
         try:
