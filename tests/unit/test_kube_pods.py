@@ -3,19 +3,15 @@ answering fails the call instead of holding an agent thread forever."""
 
 from __future__ import annotations
 
-import socket
-import threading
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from tangram.node_agent import kube_pods
+from tangram.kube import REQUEST_TIMEOUT
 from tangram.node_agent.execution import ExecError
-from tangram.node_agent.kube_pods import LIST_TIMEOUT_S, REQUEST_TIMEOUT, kube_pod_api
+from tangram.node_agent.kube_pods import LIST_TIMEOUT_S, kube_pod_api
 
 
 class FakeCore:
@@ -74,11 +70,14 @@ def _every_call(namespace: str = "ns") -> None:
     api.delete("p")
 
 
-def test_every_api_call_has_a_client_timeout_and_lists_a_server_one(core: type[FakeCore]) -> None:
+def test_lists_ask_the_api_server_to_end_them_before_the_client_gives_up(
+    core: type[FakeCore],
+) -> None:
+    """Every call has a client timeout (tests/unit/test_kube.py); a list also has a
+    server-side one, shorter, so that a slow list ends with an answer, not a timeout."""
     _every_call()
     assert [m for m, _ in core.calls] == ["create", "read", "events", "list", "patch", "delete"]
     for method, kw in core.calls:
-        assert kw.get("_request_timeout") == REQUEST_TIMEOUT, method
         if method in ("list", "events"):
             assert kw.get("timeout_seconds") == LIST_TIMEOUT_S, method
     connect, read = REQUEST_TIMEOUT
@@ -92,40 +91,3 @@ def test_a_bad_gateway_is_worth_retrying(
     with pytest.raises(ExecError) as failed:
         kube_pod_api("ns", "kubeconfig").create({"metadata": {"name": "p"}})
     assert failed.value.retryable and "502" in str(failed.value)
-
-
-def test_a_read_the_api_server_does_not_answer_is_tried_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """urllib3 alone would send it 4 times, each waiting out the read timeout."""
-    server = socket.create_server(("127.0.0.1", 0))
-    requests: list[bytes] = []
-    held: list[socket.socket] = []
-
-    def serve() -> None:  # reads each request and never answers
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            held.append(conn)
-            requests.append(conn.recv(65536))
-
-    threading.Thread(target=serve, daemon=True).start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": f"http://127.0.0.1:{server.getsockname()[1]}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-    }))  # fmt: skip
-    monkeypatch.setattr(kube_pods, "REQUEST_TIMEOUT", (1.0, 0.5))
-    try:
-        with pytest.raises(ExecError) as failed:
-            kube_pod_api("ns", str(kubeconfig)).get("p")
-    finally:
-        server.close()
-        for conn in held:
-            conn.close()
-    assert failed.value.retryable and "not reachable" in str(failed.value)
-    assert len(requests) == 1 and requests[0].startswith(b"GET /api/v1/namespaces/ns/pods/p")

@@ -29,6 +29,7 @@ ADAPTERS = {
         "node-agent/tangram/node_agent/gpu_bench.py",
     },
     "kubernetes": {
+        "scheduler/tangram/kube/__init__.py",
         "scheduler/tangram/service/kube.py",
         "operator/tangram/operator/kube.py",
         "node-agent/tangram/node_agent/kube_pods.py",

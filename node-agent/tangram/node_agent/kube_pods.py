@@ -10,12 +10,8 @@ from typing import Any
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.pod_runtime import PodApi
 
-__all__ = ["LIST_TIMEOUT_S", "REQUEST_TIMEOUT", "kube_pod_api"]
+__all__ = ["LIST_TIMEOUT_S", "kube_pod_api"]
 
-# Every call's (connect, read) timeout: an API server that stops answering fails the call
-# (retryable) instead of holding an agent thread forever. The read allows for admission
-# webhooks (30 s at most each).
-REQUEST_TIMEOUT = (5.0, 40.0)
 # Lists also ask the API server to end the call by then (server-side timeoutSeconds).
 LIST_TIMEOUT_S = 30
 
@@ -23,22 +19,14 @@ LIST_TIMEOUT_S = 30
 def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
     """The Kubernetes API as the runtime uses it: ``kubeconfig`` if given, else in-cluster
     credentials (the agent's ServiceAccount), else ``KUBECONFIG``."""
-    from kubernetes import client, config
+    from kubernetes import client
     from kubernetes.client.exceptions import ApiException
-    from urllib3.util.retry import Retry
 
-    settings = client.Configuration()
-    try:
-        if kubeconfig:
-            raise config.ConfigException("a kubeconfig was given")
-        config.load_incluster_config(client_configuration=settings)  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=settings)  # type: ignore[no-untyped-call]
-    # urllib3 retries a read that timed out 3 times by default: 160 s for one call to an
-    # API server that stopped answering. A read is tried once, a connect twice; what
-    # fails is an ExecError worth retrying, which the runtime's callers do.
-    settings.retries = Retry(total=2, connect=1, read=0, redirect=0, status=0)
-    api_client: Any = client.ApiClient(settings)
+    from tangram.kube import api_client as make_client
+
+    # Calls are bounded (tangram.kube): what fails is an ExecError worth retrying, which
+    # the runtime's callers do.
+    api_client: Any = make_client(kubeconfig)
     core = client.CoreV1Api(api_client)
 
     def to_dict(obj: Any) -> dict[str, Any]:
@@ -66,15 +54,13 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
     class Api:
         def create(self, manifest: dict[str, Any]) -> None:
             try:
-                core.create_namespaced_pod(namespace, manifest, _request_timeout=REQUEST_TIMEOUT)  # type: ignore[arg-type]
+                core.create_namespaced_pod(namespace, manifest)  # type: ignore[arg-type]
             except Exception as e:
                 raise fail(e, f"creating pod {namespace}/{manifest['metadata']['name']}") from None
 
         def get(self, name: str) -> dict[str, Any] | None:
             try:
-                return to_dict(
-                    core.read_namespaced_pod(name, namespace, _request_timeout=REQUEST_TIMEOUT)
-                )
+                return to_dict(core.read_namespaced_pod(name, namespace))
             except Exception as e:
                 if isinstance(e, ApiException) and e.status == 404:
                     return None
@@ -86,7 +72,6 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
                     namespace,
                     field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}",
                     timeout_seconds=LIST_TIMEOUT_S,
-                    _request_timeout=REQUEST_TIMEOUT,
                 )
             except Exception:
                 return []  # events only add detail to an error: never fail for them
@@ -98,7 +83,6 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
                     namespace,
                     label_selector=selector,
                     timeout_seconds=LIST_TIMEOUT_S,
-                    _request_timeout=REQUEST_TIMEOUT,
                 )
             except Exception as e:
                 raise fail(e, f"listing pods {selector}") from None
@@ -109,17 +93,13 @@ def kube_pod_api(namespace: str, kubeconfig: str | None = None) -> PodApi:
         ) -> None:
             meta = {"labels": dict(labels), "annotations": dict(annotations)}
             try:
-                core.patch_namespaced_pod(
-                    name, namespace, {"metadata": meta}, _request_timeout=REQUEST_TIMEOUT
-                )
+                core.patch_namespaced_pod(name, namespace, {"metadata": meta})
             except Exception as e:
                 raise fail(e, f"labelling pod {namespace}/{name}") from None
 
         def delete(self, name: str) -> None:
             try:
-                core.delete_namespaced_pod(
-                    name, namespace, grace_period_seconds=0, _request_timeout=REQUEST_TIMEOUT
-                )
+                core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
             except Exception as e:
                 if not (isinstance(e, ApiException) and e.status == 404):
                     raise fail(e, f"deleting pod {namespace}/{name}") from None

@@ -13,14 +13,14 @@ import binascii
 import datetime as dt
 import json
 import logging
-import os
 from typing import Any, cast
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
 
+from tangram import kube
 from tangram.api.resources import API_VERSION, GROUP, PLURALS, VERSION
 from tangram.operator.builders import POOL_NAMESPACE_LABEL, Manifest
 
@@ -36,11 +36,10 @@ class RefusedError(ValueError):
 
 def api_client(kubeconfig: str | None = None) -> Any:
     """In a pod: its ServiceAccount; elsewhere ``kubeconfig`` or ``$KUBECONFIG`` (e2e runs
-    the operator as a process with the chart's ServiceAccount token in a kubeconfig)."""
-    if kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-        return client.ApiClient()
-    return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    the operator as a process with the chart's ServiceAccount token in a kubeconfig). Its
+    calls are bounded (``tangram.kube``): a handler's thread is never held by an API server
+    that stopped answering."""
+    return kube.api_client(kubeconfig)
 
 
 class Cluster:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import os
 from typing import Any
 
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from tangram import kube
 from tangram.api.resources import SecretRef
 from tangram.service.reviews import ReviewError
 
@@ -29,12 +29,10 @@ class KubeError(ReviewError):
 
 
 def api_client(kubeconfig: str | None = None) -> Any:
-    """A client for the pod's ServiceAccount in a cluster, else for a kubeconfig."""
+    """A client for the pod's ServiceAccount in a cluster, else for a kubeconfig; its calls
+    are bounded (``tangram.kube``)."""
     try:
-        if kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
-            return client.ApiClient()
-        return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        return kube.api_client(kubeconfig)
     except config.ConfigException as e:
         raise KubeError(f"no Kubernetes credentials: {e}") from None
 
