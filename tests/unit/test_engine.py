@@ -204,7 +204,8 @@ def test_a_trajectory_closed_while_its_agent_is_away_is_not_revived_by_its_retur
     closes: list[str] = []
 
     async def ask(node: str, req: Any) -> Any:
-        closes.append(f"{req.op} {getattr(req, 'trajectory', None)}")
+        if req.op != "warm":
+            closes.append(f"{req.op} {getattr(req, 'trajectory', None)}")
 
     engine.state.ask = ask  # type: ignore[method-assign, assignment]
     asyncio.run(go())
@@ -779,3 +780,36 @@ def test_a_reload_reports_what_only_a_restart_applies_and_keeps_the_running_valu
         assert e.reconfigure(PoolConfig(name="a", idle_cores=1)) == []
 
     asyncio.run(scenario())
+
+
+def test_agents_are_told_every_env_kept_warm_when_they_join_and_when_envs_change() -> None:
+    """The whole set, each time: an agent removes the warm sandboxes of any other env (one
+    removed, or set to warm 0, while it ran or while it was away), which would otherwise
+    hold their memory on the node for good."""
+    from tangram.api.wire import AgentWarm, EnvSpec
+    from tangram.service.config import EnvConfig
+
+    def env(name: str, warm: int) -> EnvConfig:
+        return EnvConfig(spec=EnvSpec(name=name, image="i", memory_gb=0.1, warm=warm))
+
+    engine = Engine(PoolConfig(envs={"a": env("a", 2), "b": env("b", 0), "c": env("c", 1)}))
+    told: list[tuple[str, list[str]]] = []
+
+    async def ask(node: str, req: Any) -> Any:
+        if isinstance(req, AgentWarm):
+            told.append((node, [e.name for e in req.envs]))
+
+    engine.state.ask = ask  # type: ignore[method-assign, assignment]
+
+    async def scenario() -> None:
+        await engine.membership.join(_agent())
+        engine.hub.links["n1"] = SimpleNamespace(closed=False)  # type: ignore[assignment]
+        await asyncio.sleep(0)
+        engine.reconfigure(PoolConfig(envs={"a": env("a", 0), "b": env("b", 0)}))
+        await asyncio.sleep(0)
+        engine.reconfigure(PoolConfig(envs={"a": env("a", 0), "b": env("b", 0)}, name="x"))
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    # Joining: a and c. Then a set to warm 0 and c removed: none. No env change: not told.
+    assert told == [("n1", ["a", "c"]), ("n1", [])]

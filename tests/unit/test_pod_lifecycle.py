@@ -239,3 +239,29 @@ def test_a_busy_api_server_past_the_start_deadline_fails_the_open(tmp_path: Path
     with pytest.raises(ExecError, match="429") as failed:
         rt.open("t-1", SPEC)
     assert failed.value.retryable and api.pods == {}
+
+
+def test_warm_pods_of_an_env_no_longer_kept_warm_are_deleted_and_open_ones_kept(
+    tmp_path: Path,
+) -> None:
+    """An env removed or set to warm 0: its warm pods each hold the env's memory on the
+    node, and nothing else would delete them (a restarted agent would adopt them again)."""
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    other = SPEC.model_copy(update={"name": "other", "image": "other:1", "warm": 1})
+    rt.warm(SPEC.model_copy(update={"warm": 3}))
+    assert rt.open("t-1", SPEC).warm  # one of them becomes the trajectory's
+    before = set(api.pods)
+    rt.warm(other)
+    (kept,) = set(api.pods) - before
+
+    def states() -> list[str]:
+        return sorted(api.state(name) for name in api.pods)
+
+    assert states() == ["open", "warm", "warm", "warm"]
+    assert rt.retire_warm({"other"}) == 2
+    assert states() == ["open", "warm"]  # the trajectory's pod and the kept env's warm one
+    assert api.state(kept) == "warm"
+    assert not rt.open("t-2", SPEC).warm  # nothing warm of the retired env is left
+    assert rt.open("t-3", other).warm  # the kept env's is
+    assert rt.retire_warm({"other", SPEC.name}) == 0

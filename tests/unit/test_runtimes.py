@@ -56,8 +56,8 @@ class Recorder:
         self.calls.append(("open", trajectory, spec.name))
         return 0.5, True
 
-    async def warm(self, spec: EnvSpec) -> None:
-        self.calls.append(("warm", spec.name))
+    async def keep_warm(self, specs: Sequence[EnvSpec]) -> None:
+        self.calls.append(("warm", ",".join(s.name for s in specs)))
 
     def close(self, trajectory: str) -> None:
         self.envs.discard(trajectory)
@@ -225,6 +225,25 @@ def test_top_ups_of_one_runtime_run_one_at_a_time() -> None:
 
     asyncio.run(refills())
     assert inner.peak == 1
+
+
+def test_keeping_a_set_warm_retires_every_other_env_first_then_tops_each_up() -> None:
+    class Inner:
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+        def retire_warm(self, keep: set[str]) -> int:
+            self.calls.append(("retire", sorted(keep)))
+            return 0
+
+        def warm(self, spec: EnvSpec) -> int:
+            self.calls.append(("warm", spec.name))
+            return 0
+
+    inner = Inner()
+    specs = [EnvSpec(name=n, image="unused", warm=1) for n in ("a", "b")]
+    asyncio.run(runtimes.Sandboxes("inner", inner).keep_warm(specs))
+    assert inner.calls == [("retire", ["a", "b"]), ("warm", "a"), ("warm", "b")]
 
 
 def test_an_open_cut_off_while_its_sandbox_starts_closes_the_sandbox_once_made() -> None:

@@ -462,7 +462,7 @@ class NodeAgent:
                     await asyncio.to_thread(self.close, req.trajectory)
                     return AgentReply(rid=req.rid, ok=True)
                 case AgentWarm():
-                    await self.warm(req.env)
+                    await self.runtime.keep_warm(req.envs)
                     return AgentReply(rid=req.rid, ok=True)
                 case AgentServices():
                     gpu = self._gpu()
@@ -497,9 +497,6 @@ class NodeAgent:
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
         return await self.runtime.open(trajectory, spec)
-
-    async def warm(self, spec: EnvSpec) -> None:
-        await self.runtime.warm(spec)
 
     def close(self, trajectory: str) -> None:
         self.runtime.close(trajectory)

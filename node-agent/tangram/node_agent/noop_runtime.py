@@ -36,7 +36,7 @@ class NoopRuntime:
         self._open.add(trajectory)
         return 0.0, False
 
-    async def warm(self, spec: EnvSpec) -> None:
+    async def keep_warm(self, specs: Sequence[EnvSpec]) -> None:
         return None
 
     def held(self) -> list[str]:

@@ -53,8 +53,9 @@ class Runtime(Protocol):
         """Make (or claim) the trajectory's environment: (seconds, whether warm)."""
         ...
 
-    async def warm(self, spec: EnvSpec) -> None:
-        """Top up the environments kept ready for ``spec`` (nothing where none are)."""
+    async def keep_warm(self, specs: Sequence[EnvSpec]) -> None:
+        """Keep environments ready for exactly ``specs``: each topped up to its ``warm``,
+        those of any other environment removed (nothing where none are kept)."""
         ...
 
     def close(self, trajectory: str) -> None: ...
@@ -200,6 +201,13 @@ class Sandboxes:
             refill.add_done_callback(self._background.discard)
         return float(opened.seconds), bool(opened.warm)
 
+    async def keep_warm(self, specs: Sequence[EnvSpec]) -> None:
+        async with self._warming:
+            with contextlib.suppress(ExecError):  # (a sandbox left is retired next time)
+                await asyncio.to_thread(self.inner.retire_warm, {s.name for s in specs})
+        for spec in specs:
+            await self.warm(spec)
+
     async def warm(self, spec: EnvSpec) -> None:
         async with self._warming:
             with contextlib.suppress(ExecError):  # a failed top-up fails the next open
@@ -278,7 +286,7 @@ class Processes:
                 )
         return loop.time() - t0, False
 
-    async def warm(self, spec: EnvSpec) -> None:
+    async def keep_warm(self, specs: Sequence[EnvSpec]) -> None:
         return None  # a directory needs no warming
 
     def close(self, trajectory: str) -> None:

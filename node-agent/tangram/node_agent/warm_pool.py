@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -121,6 +121,18 @@ class SandboxRuntime(ExecServerRuntime, Generic[E]):
         while len(ready) > template.warm:
             self._discard(ready.pop())
         return made
+
+    def retire_warm(self, keep: Collection[str]) -> int:
+        """Discard the warm sandboxes of every environment not named in ``keep`` (removed,
+        or no longer kept warm: each holds its memory on the node); how many."""
+        retired = 0
+        for key, ready in list(self.warm_pool.items()):
+            if ready and self._env_name(ready[0]) not in keep:
+                self.warm_pool.pop(key, None)
+                while ready:  # one at a time: an open may be claiming from the same list
+                    self._discard(ready.pop())
+                    retired += 1
+        return retired
 
     def close(self, trajectory: str) -> None:
         """Discard the trajectory's sandbox and everything it wrote."""

@@ -830,8 +830,12 @@ class AgentCancel(_AgentOp):
 
 
 class AgentWarm(_AgentOp):
+    """The full set of environments the node keeps warm sandboxes of, each topped up to its
+    ``warm``; the warm sandboxes of any other environment (removed, or no longer kept
+    warm) are removed."""
+
     op: Literal["warm"] = "warm"
-    env: EnvSpec
+    envs: list[EnvSpec] = Field(default_factory=list)
 
 
 class AgentServices(_AgentOp):

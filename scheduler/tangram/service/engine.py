@@ -28,7 +28,6 @@ from tangram.api.learned import MAX_CLOSING, LearnedState
 from tangram.api.wire import (
     ActionResult,
     ActionStatus,
-    AgentWarm,
     ApiCallRequest,
     ApiLeaseRequest,
     BatchItem,
@@ -315,9 +314,6 @@ class Engine:
             if before != after:
                 verb = "added" if before is None else "removed" if after is None else "changed"
                 changes.append(f"env {name} {verb}")
-                if after is not None and after.spec.warm:
-                    for node in self.hub.links:
-                        s.background(s.ask(node, AgentWarm(env=after.spec)))
         if old.services != config.services:
             changes.append("RewardServices " + (", ".join(sorted(config.services)) or "none"))
         if old.apis != config.apis:
@@ -365,6 +361,9 @@ class Engine:
         )
         if old.services != config.services:
             self.gpu.services_changed()
+        if old.envs != config.envs:
+            for node in self.hub.links:
+                s.keep_warm(node)
         self.hub.heartbeat_timeout_s = config.heartbeat_timeout_s
         s.wake.set()
         return changes

@@ -18,7 +18,6 @@ from tangram.api.reasons import Reason
 from tangram.api.wire import (
     ActionStatus,
     AgentReply,
-    AgentWarm,
     ExecRequest,
     RunningAction,
     TrajectoryMeta,
@@ -73,9 +72,7 @@ class Membership:
         adopted += self.gpu.adopt(hello.node, hello.calls)
         for tid in stale:  # environments nobody can use any more: lost before, or unknown
             s.background(self.trajectories.close_on(hello.node, tid))
-        for env in s.config.envs.values():
-            if env.spec.warm:
-                s.background(s.ask(hello.node, AgentWarm(env=env.spec)))
+        s.keep_warm(hello.node)  # also retires what it kept of envs removed while away
         log.info(
             "node %s joined: %d action cores, %s runtime, %d trajectories and %d running "
             "actions taken back, %d stale environments closed",

@@ -23,6 +23,7 @@ from tangram.api.wire import (
     AgentCancel,
     AgentReply,
     AgentRequest,
+    AgentWarm,
     TrajectoryState,
 )
 from tangram.scheduler.core.gpu_pool import Chunk
@@ -214,6 +215,13 @@ class PoolState:
         """The trajectory's environment as configured now, or as it was opened if its
         definition has since been removed."""
         return self.config.envs.get(traj.env) or traj.env_config
+
+    def keep_warm(self, node: str) -> None:
+        """Tell ``node``'s agent the environments it keeps warm sandboxes of, all of them:
+        it tops those up and removes the warm sandboxes of any other (a removed
+        environment, or one no longer kept warm, would hold their memory for good)."""
+        envs = [env.spec for env in self.config.envs.values() if env.spec.warm]
+        self.background(self.ask(node, AgentWarm(envs=envs)))
 
     def background(self, work: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> None:
         """Run ``work`` unawaited, kept referenced until it ends."""
