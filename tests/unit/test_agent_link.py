@@ -26,6 +26,7 @@ from tangram.api.wire import (
     unpack,
 )
 from tangram.client.outbox import Outbox
+from tangram.node_agent.execution import InputCutOffError
 from tangram.node_agent.streams import Stream
 from tangram.service.agents import AgentGoneError, AgentLink, LinkStream
 
@@ -338,6 +339,12 @@ def test_a_closed_stream_drops_what_waits_for_the_window() -> None:
         stream.close()
         await sender
         assert len(sent) == STREAM_WINDOW  # nothing more went out
-        assert [piece async for piece in stream.received()] == []  # input ends too
+        # Input not ended by its requester is cut off, never taken as its end.
+        with pytest.raises(InputCutOffError):
+            [piece async for piece in stream.received()]
+        ended = Stream(8, sent.append)
+        ended.take(AgentInput(target=8, eof=True))
+        ended.close()
+        assert [piece async for piece in ended.received()] == []  # ended before the close
 
     asyncio.run(scenario())

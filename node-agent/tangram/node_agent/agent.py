@@ -311,7 +311,9 @@ class NodeAgent:
 
     def detach(self) -> None:
         self._sink, self._post = None, _nowhere
-        for stream in self._streams.values():  # their output has nowhere to go now
+        # Their output has nowhere to go now, and input not ended is cut off: a keyed
+        # command reading it is killed and fails, rather than run on part of it.
+        for stream in self._streams.values():
             stream.close()
 
     def received(self, req: AgentRequest) -> None:
@@ -638,6 +640,7 @@ def exec_io(req: AgentExec, stream: Stream | None) -> ExecIO | None:
         stdin=stdin,
         signals=stream.signals if stream is not None else None,
         pty=req.pty,
+        stop_output=stream.stop_output if stream is not None and req.stream else None,
     )
 
 

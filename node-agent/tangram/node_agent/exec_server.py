@@ -37,6 +37,13 @@ SOCKET_NAME = "exec.sock"
 _HEAD = struct.Struct(">cI")
 FRAME_BYTES = 512 << 10  # stdin frames; exec_server.c refuses frames over 1 MiB
 KILL_SEND_S = 5.0  # a kill frame the server does not take by then: hang up instead
+UNANSWERED = "exec server: it closed the connection without an answer"
+# The exec server forks a handler per connection, and closes the connection unanswered
+# when that fork fails (exec_server.c's accept loop writes nothing then).
+NO_HANDLER = (
+    f"{UNANSWERED}; a likely cause is that the sandbox's process limit (pids) was "
+    "reached, so it could not fork a handler for the request"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,10 +181,15 @@ def _request(mode: str, argv: Sequence[str], cwd: str, env: Mapping[str, str]) -
 class Channel:
     """One command running under the exec server."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, unanswered: str = ""
+    ) -> None:
         self._reader = reader
         self._writer = writer
         self.exit_code: int | None = None  # set by the exit frame; negative: a signal
+        # Why the connection may end before any frame (see ``frame``).
+        self._unanswered = unanswered or UNANSWERED
+        self._answered = False
 
     @classmethod
     async def start(
@@ -208,13 +220,13 @@ class Channel:
     @classmethod
     async def connect(cls, sock_path: Path, server_pid: int | None = None) -> Channel:
         """A connection to the exec server, checked to be its own (see ``_connect``)."""
-        return await cls.over(_connect(sock_path, server_pid))
+        return await cls.over(_connect(sock_path, server_pid), NO_HANDLER)
 
     @classmethod
-    async def over(cls, sock: socket.socket) -> Channel:
+    async def over(cls, sock: socket.socket, unanswered: str = "") -> Channel:
         """A channel on a connected socket (a one-shot ``tangram-execd --files``)."""
         reader, writer = await asyncio.open_unix_connection(sock=sock)
-        return cls(reader, writer)
+        return cls(reader, writer, unanswered)
 
     async def ask_files(self, op: str, path: str, arg: str = "") -> None:
         """Send a file operation's request (``exec_files.c``)."""
@@ -227,16 +239,22 @@ class Channel:
             self._writer.write(_HEAD.pack(kind, len(data)) + data)
             await self._writer.drain()
         except ConnectionError:
+            if not self._answered:  # (a request the server hung up on unread)
+                raise ExecError(self._unanswered) from None
             raise ExecError("exec server: the command has ended") from None
 
     async def frame(self) -> tuple[bytes, bytes]:
-        """The next frame from the server; ``(b"", b"")`` once the connection ends."""
+        """The next frame from the server; ``(b"", b"")`` once the connection ends, and
+        ``ExecError`` saying why if it ends before the first (nothing answered at all)."""
         try:
             head = await self._reader.readexactly(_HEAD.size)
             kind, n = _HEAD.unpack(head)
             data = await self._reader.readexactly(n)
         except (asyncio.IncompleteReadError, ConnectionError):
+            if not self._answered:
+                raise ExecError(self._unanswered) from None
             return b"", b""
+        self._answered = True
         if kind == b"X":
             self.exit_code = int(data)
         return kind, data

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,12 @@ class ExecError(RuntimeError):
         self.reason = reason
         self.retryable = retryable
         self.errno = errno  # a file operation the environment refused: its error number
+
+
+class InputCutOffError(ExecError):
+    """A command's streamed input ended because nobody was left to send the rest (its
+    link dropped), not because its requester ended it: the command is killed, never run
+    on the part that came."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,9 +191,11 @@ async def supervise(
             raise asyncio.CancelledError
         return await asyncio.wait_for(asyncio.shield(task), timeout_s), False
     except TimeoutError:
+        _stop_output()  # a reader that gives no credit must not hold the kill back
         await kill()
         return await task, True
     except asyncio.CancelledError:
+        _stop_output()
         await kill()
         with contextlib.suppress(Exception):
             await task
@@ -202,6 +212,22 @@ class ExecIO:
     stdin: AsyncIterator[bytes] | None = None  # until its end, then stdin is closed
     signals: asyncio.Queue[int] | None = None
     pty: bool = False
+    # Once the command is being killed: ``output`` drops what it would wait to send.
+    stop_output: Callable[[], None] | None = None
+
+
+# What ``supervise`` calls as it kills a command: the ``stop_output`` of the ExecIO that
+# ``feeding`` runs the command with (this task's), if it has one. A context variable, so
+# that every runtime that feeds a command through ``feeding`` gets it unasked.
+_output_stop: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "_output_stop", default=None
+)
+
+
+def _stop_output() -> None:
+    stop = _output_stop.get()
+    if stop is not None:
+        stop()
 
 
 @contextlib.asynccontextmanager
@@ -216,12 +242,16 @@ async def feeding(
     if io is None:
         yield
         return
+    token = _output_stop.set(io.stop_output)
     task = asyncio.ensure_future(_feed(io, write, close_stdin, send_signal))
     try:
         yield
     finally:
+        _output_stop.reset(token)
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        (fed,) = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(fed, InputCutOffError):  # (killed for it: its exit is not its outcome)
+        raise fed
 
 
 async def _feed(
@@ -231,11 +261,19 @@ async def _feed(
     send_signal: Callable[[int], Awaitable[None]],
 ) -> None:
     async def stdin() -> None:
-        if io.stdin is not None:
-            with contextlib.suppress(ExecError):  # it ended, and stopped taking input
-                async for data in io.stdin:
-                    await write(data)
-                await close_stdin()
+        if io.stdin is None:
+            return
+        try:
+            async for data in io.stdin:
+                await write(data)
+            await close_stdin()
+        except InputCutOffError:
+            # Not its end: an EOF now would run it on part of its input.
+            with contextlib.suppress(ExecError):
+                await send_signal(signal.SIGKILL)
+            raise
+        except ExecError:
+            return  # it ended, and stopped taking input
 
     async def signals() -> None:
         while io.signals is not None:

@@ -55,6 +55,8 @@ STATE = f"{LABEL}/state"  # preparing | warm | open
 # any trajectory's (agents from before this state create pods warm or open at once).
 PREPARING = "preparing"
 AGENT = f"{LABEL}/agent"  # which agent's sandbox (label_value of PodRuntime.agent)
+SETUP_TIMEOUT_S = 600.0  # each setup command of an environment
+PASSWD_MAX_BYTES = 1 << 20  # of an image's /etc/passwd, read from the host
 
 
 # An open pod's trajectory: its id in full as an annotation, and as a label (for
@@ -314,8 +316,8 @@ class PodRuntime(SandboxRuntime[Pod]):
         if key not in self._facts:  # (another open or warm-up may have learnt them since)
             root = self.proc_root / str(reach.pid) / "root"
             try:
-                passwd = (root / "etc/passwd").read_text(errors="replace")
-            except OSError:
+                passwd = _read_file_in(root, "/etc/passwd", PASSWD_MAX_BYTES)
+            except OSError:  # none, or not a regular file of the image's own
                 passwd = ""
             configured = f"{running_as[0]}:{running_as[1]}" if running_as[0] else None
             user = pick_user(passwd, template.user, configured)
@@ -344,8 +346,17 @@ class PodRuntime(SandboxRuntime[Pod]):
         self._pids_limit(reach.cgroup, template.pids_limit)
         if template.setup:  # each on the idle cores, without the idle quota (group_enter)
             for argv in template.setup:
-                cmd = Command(list(argv), self.idle_cores, 600.0, dict(template.env), 1 << 16)
+                timeout = SETUP_TIMEOUT_S
+                cmd = Command(list(argv), self.idle_cores, timeout, dict(template.env), 1 << 16)
                 res = asyncio.run(self.fast.exec(reach, cmd))
+                if res.timed_out:
+                    # Not retried by clients: each retry would spend the whole timeout
+                    # again, and a command that hangs (a prompt, a dead mirror) hangs again.
+                    raise ExecError(
+                        f"setup {list(argv)} timed out after {timeout:g} s (killed): "
+                        f"{res.stderr[-500:]}",
+                        reason="SetupFailed",
+                    )
                 if res.exit_code != 0:
                     raise ExecError(
                         f"setup {list(argv)} failed with exit code {res.exit_code}: "
@@ -523,6 +534,32 @@ def _open_dir_in(root: Path, path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _read_file_in(root: Path, path: str, limit: int) -> str:
+    """The text of regular file ``path`` inside a container's root, its first ``limit``
+    bytes (whole lines), no component followed if it is a link (as ``_open_dir_in``): a
+    link to a host file, a FIFO or a device is refused (OSError), never read."""
+    parent, name = os.path.split(path)
+    if name in ("", ".", ".."):
+        raise OSError(errno.EINVAL, "not a file name")
+    dir_fd = _open_dir_in(root, parent or "/")
+    try:
+        # O_PATH first: a FIFO or a device is not even opened (that could block, or act).
+        pinned = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(pinned).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        fd = os.open(f"/proc/self/fd/{pinned}", os.O_RDONLY | os.O_CLOEXEC)  # that inode
+    finally:
+        os.close(pinned)
+    with open(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:  # cut: keep whole lines
+        data = data[:limit].rpartition(b"\n")[0]
+    return data.decode(errors="replace")
 
 
 def _workdir(root: Path, path: str) -> Workdir | None:

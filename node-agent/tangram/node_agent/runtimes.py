@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,6 +33,10 @@ from tangram.node_agent.exec_server import Built, build
 from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone
 
 log = logging.getLogger("tangram.agent")
+# Threads for making sandboxes (opens, warm top-ups): each may hold one for minutes (a
+# cold pod's start and setup), so they have threads of their own, and at most this many
+# run at once; the rest wait for one there, not in the default pool.
+MAKING_THREADS = 32
 
 
 class Runtime(Protocol):
@@ -178,6 +183,9 @@ class Sandboxes:
         # One top-up at a time: concurrent ones (a refill after each of several opens)
         # would each see the pool short and together overfill it.
         self._warming = asyncio.Lock()
+        # Closes, the gone watch and other short calls stay in the loop's default pool,
+        # which a burst of cold opens would otherwise fill.
+        self._making = ThreadPoolExecutor(MAKING_THREADS, thread_name_prefix="tangram-make")
 
     def adopt(self) -> list[str]:
         adopted: list[str] = self.inner.adopt()
@@ -186,8 +194,11 @@ class Sandboxes:
     def held(self) -> list[str]:
         return sorted(self.inner.envs)
 
+    def _make(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._making, fn, *args)
+
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
-        making = asyncio.ensure_future(asyncio.to_thread(self.inner.open, trajectory, spec))
+        making = self._make(self.inner.open, trajectory, spec)
         try:
             opened = await asyncio.shield(making)
         except asyncio.CancelledError:
@@ -211,7 +222,7 @@ class Sandboxes:
     async def warm(self, spec: EnvSpec) -> None:
         async with self._warming:
             with contextlib.suppress(ExecError):  # a failed top-up fails the next open
-                await asyncio.to_thread(self.inner.warm, spec)
+                await self._make(self.inner.warm, spec)
 
     def _abandoned(self, trajectory: str, making: asyncio.Future[Any]) -> None:
         if making.cancelled() or making.exception() is not None:
@@ -246,6 +257,7 @@ class Sandboxes:
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.inner.shutdown_warm)
+        self._making.shutdown(wait=False, cancel_futures=True)
 
 
 class Processes:

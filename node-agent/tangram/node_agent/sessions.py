@@ -160,15 +160,17 @@ class Session:
         if not self.alive:
             raise ExecError(f"{self.kind} session: it has ended")
         async with self._lock:
+            # Once the request is on its way, an exchange left unfinished (an error, a
+            # cancel, also one during the interrupt's grace) ends the session: half a
+            # request may have reached it, or its reply would answer the next action.
+            pending: asyncio.Future[Reply] | None = None
             try:
                 await self._send(code, output_cap, env or {})
-            except ExecError:
-                await self.kill()  # half a request may have reached it: start afresh
-                raise
-            pending = asyncio.ensure_future(self._reply(output_cap))
-            try:
-                return await asyncio.wait_for(asyncio.shield(pending), timeout_s)
-            except TimeoutError:
+                pending = asyncio.ensure_future(self._reply(output_cap))
+                try:
+                    return await asyncio.wait_for(asyncio.shield(pending), timeout_s)
+                except TimeoutError:
+                    pass
                 await self._interrupt()
                 try:
                     reply = await asyncio.wait_for(pending, INTERRUPT_GRACE_S)
@@ -176,14 +178,18 @@ class Session:
                     await self.kill()
                     return Reply(None, "", "", False, False, True)
                 return replace(reply, exit_code=None, timed_out=True)
-            except asyncio.CancelledError:
+            except BaseException:
+                if pending is not None:
+                    pending.cancel()
                 await self.kill()
                 raise
 
     async def kill(self) -> None:
         self.alive = False
-        await self.chan.kill()
-        self.chan.close()
+        try:
+            await self.chan.kill()
+        finally:
+            self.chan.close()  # (also when cancelled meanwhile: hanging up kills it too)
 
 
 class BashSession(Session):

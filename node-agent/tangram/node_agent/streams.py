@@ -21,6 +21,9 @@ from tangram.api.wire import (
     FilesOutcome,
     chunk_json,
 )
+from tangram.node_agent.execution import InputCutOffError
+
+_CUT = object()  # in the input queue: the stream closed before its input ended
 
 
 class Stream:
@@ -30,17 +33,26 @@ class Stream:
         self.rid = rid
         self._post = post
         self._window = asyncio.Semaphore(STREAM_WINDOW)  # output chunks not yet taken
-        self._input: asyncio.Queue[bytes | None] = asyncio.Queue()
+        # Input until its end (None, the requester's) or its cut (``_CUT``, ``close``).
+        self._input: asyncio.Queue[bytes | object | None] = asyncio.Queue()
         self.signals: asyncio.Queue[int] = asyncio.Queue()  # for a streamed exec's command
-        self.closed = False
+        self.closed = False  # its output is dropped
+
+    def stop_output(self) -> None:
+        """Its output is no longer waited for (its command is being killed, at its
+        deadline or cancelled): what would wait for credit is dropped, so the kill gets
+        through and the collection ends rather than wait for a window that may never
+        open. Input goes on as it was."""
+        if not self.closed:
+            self.closed = True
+            self._window.release()
 
     def close(self) -> None:
-        """Nobody takes its output any more (the request was cancelled, or its link went):
-        what would wait for credit is dropped, so a cancelled command's tree can be
-        killed and its collection end rather than wait for a window that never opens."""
-        self.closed = True
-        self._window.release()
-        self._input.put_nowait(None)
+        """Nobody is at the other end any more (the request ended or was cancelled, or its
+        link went): its output is dropped, and input its requester had not ended is cut
+        off, never taken as its end (see ``received``)."""
+        self.stop_output()
+        self._input.put_nowait(_CUT)
 
     def head(self, files: FilesOutcome) -> None:
         """What the scheduler needs before the data (a read's file entry)."""
@@ -57,8 +69,17 @@ class Stream:
             self._post(chunk_json(self.rid, data[start : start + STREAM_CHUNK], fd))
 
     async def received(self) -> AsyncIterator[bytes]:
-        """Input until its end; each chunk taken is acknowledged, so more may come."""
+        """Input until its end; each chunk taken is acknowledged, so more may come.
+        ``InputCutOffError`` when the stream closed before its requester ended the input: what
+        came is not all there was, so it must not be taken as whole (a command's EOF)."""
         while (data := await self._input.get()) is not None:
+            if data is _CUT:
+                self._input.put_nowait(_CUT)  # (stays cut for another reader)
+                raise InputCutOffError(
+                    "its input was cut off: the link to the scheduler dropped (or the "
+                    "request ended) before its input ended"
+                )
+            assert isinstance(data, bytes)
             yield data
             self._post(AgentReply(rid=self.rid, ok=True, more=True, credit=1).model_dump_json())
 
