@@ -155,3 +155,60 @@ def test_a_files_transfer_under_way_keeps_it_from_idling() -> None:
         assert _idle(engine, clock) == ["t1"]
 
     run(scenario, env=IDLE, clock=clock)
+
+
+def test_a_lost_trajectory_reads_as_lost_until_its_idle_timeout_then_is_closed() -> None:
+    """Its environment ended by itself: it holds nothing, but its record and its id would
+    stay for good. Its client reads it as lost for the idle timeout from then on; then it
+    is closed, and answers 404 saying why."""
+    clock = Clock()
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        clock.now += 50
+        engine.lifecycle.environment_lost("t1", "SandboxExited", "OOM")
+        clock.now += 59
+        assert _idle(engine, clock) == []  # counted from its loss, not its opening
+        assert engine.trajectory("u", "t1").state.value == "lost"
+        with pytest.raises(EngineError, match="lost"):
+            engine.state.usable("u", "t1")  # (asked for: in use from now)
+        clock.now += 60
+        assert _idle(engine, clock) == ["t1"]
+        engine.lifecycle.close_idle(clock())
+        while ("u", "t1") in engine.state.named:
+            await asyncio.sleep(0)
+        with pytest.raises(EngineError, match=r"closed: lost \(OOM \(SandboxExited\)\), then "
+                           r"closed after 60 s .* idleTimeoutSeconds"):  # fmt: skip
+            engine.trajectory("u", "t1")
+        assert not engine.state.trajectories
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))  # its id is free
+
+    run(scenario, env=IDLE, clock=clock)
+
+
+def test_a_trajectory_lost_while_its_agent_is_away_is_closed_after_its_idle_timeout() -> None:
+    """Its agent did not come back within the grace: lost, then closed that long after;
+    its environment, if it lives, is closed when its agent does come back."""
+    clock = Clock()
+
+    async def scenario(engine: Engine) -> None:
+        first = Agent(hello())
+        await connect(engine, first)
+        meta = (await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))).meta()
+        first.drop()
+        await left(engine)
+        rec = engine.trajectory("u", "t1")
+        while rec.state.value != "lost":  # (the pool's grace, 0 here)
+            await asyncio.sleep(0)
+        clock.now += 60
+        assert _idle(engine, clock) == ["t1"]
+        engine.lifecycle.close_idle(clock())
+        while ("u", "t1") in engine.state.named:
+            await asyncio.sleep(0)
+        back = Agent(hello(trajectories=[meta]))
+        await connect(engine, back)
+        assert [m["trajectory"] for m in back.ops("close")] == ["t1"]  # closed, not revived
+        assert ("u", "t1") not in engine.state.named
+
+    run(scenario, env=IDLE, clock=clock, agent_grace_s=0.0)

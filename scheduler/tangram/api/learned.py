@@ -6,7 +6,9 @@ the ``shortest-remaining`` ordering by the lengths of finished trajectories and 
 queueing time. All of it is learned from completed runs; a scheduler that restarts with
 nothing sizes every untrusted type at its minimum until it has seen enough runs again. The
 scheduler saves this document now and then and reads it back when it starts
-(docs/scheduler.md, "What a restart keeps").
+(docs/scheduler.md, "What a restart keeps"). With it go a few things that are not learned
+but must outlive the scheduler too: environments still to close, API leases held, and the
+starts the quotas' rate windows count (docs/service.md, "What a restart keeps").
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_CLOSING = 65_536  # environments to close kept at most (a bound on the document)
+MAX_LEASES = 4096  # API leases held kept at most: the newest
+MAX_STARTS = 16_384  # starts in the quotas' rate windows kept at most: the newest
 MAX_LENGTHS = 4096  # finished trajectory lengths kept: the most recent (the model's window)
 # Action types kept: the most observed, with names of a sane length. A document stays well
 # under a ConfigMap's 1 MiB however many types clients invent.
@@ -51,6 +55,24 @@ class LearnedMean(_Strict):
     seen: Count = 0
 
 
+class LearnedLease(_Strict):
+    """An API lease that was held when the state was saved: its units stay held by the
+    next scheduler until it is released (by its id) or its hold ends."""
+
+    lease: Annotated[str, Field(min_length=1, max_length=64)]
+    tenant: Annotated[str, Field(max_length=1024)]
+    api: Annotated[str, Field(min_length=1, max_length=253)]
+    units: Annotated[int, Field(ge=1, le=1024)]
+    started_at: Annotated[float, Field(ge=0, description="granted at, in unix seconds")]
+    hold_s: Annotated[float, Field(gt=0, le=3600, description="it ends at started_at + hold_s")]
+    key: Annotated[
+        str | None, Field(min_length=1, max_length=200, description="its idempotency key")
+    ] = None
+    digest: Annotated[
+        str | None, Field(max_length=64, description="its request's, which a retry must match")
+    ] = None
+
+
 class LearnedState(_Strict):
     version: Literal[1] = 1
     profiles: Annotated[
@@ -73,19 +95,37 @@ class LearnedState(_Strict):
         ),
     ] = Field(default_factory=dict)
 
+    leases: Annotated[list[LearnedLease], Field(max_length=MAX_LEASES)] = Field(
+        default_factory=list,
+        description="API leases held: still held after a restart, until released or ended",
+    )
+    windows: dict[
+        Annotated[str, Field(max_length=253)],
+        list[Annotated[float, Field(ge=0)]],
+    ] = Field(
+        default_factory=dict,
+        description="API quota -> the starts its rate window counted, in unix seconds: a "
+        "restart does not reopen the window",
+    )
+
     @model_validator(mode="after")
     def _bounded(self) -> Self:
         if sum(len(keys) for keys in self.closing.values()) > MAX_CLOSING:
             raise ValueError(f"closing: more than {MAX_CLOSING} environments")
+        if sum(len(starts) for starts in self.windows.values()) > MAX_STARTS:
+            raise ValueError(f"windows: more than {MAX_STARTS} starts")
         return self
 
 
 __all__ = [
     "MAX_CLOSING",
+    "MAX_LEASES",
     "MAX_LENGTHS",
     "MAX_PROFILES",
+    "MAX_STARTS",
     "MAX_TYPE_CHARS",
     "LearnedFit",
+    "LearnedLease",
     "LearnedMean",
     "LearnedState",
 ]

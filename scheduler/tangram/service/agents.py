@@ -13,8 +13,8 @@ import base64
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 from starlette.websockets import WebSocketDisconnect
 
@@ -107,12 +107,14 @@ class AgentLink:
 
     async def cancel(self, rid: int, reply: asyncio.Future[AgentReply], wait_s: float) -> None:
         """Cancel request ``rid`` and wait (bounded) for its reply, the agent's word that
-        what it ran is gone: its cores must not be handed out while it still runs."""
+        what it ran is gone: its cores must not be handed out while it still runs. The
+        wait runs its course even if the caller is cancelled again meanwhile (a second
+        cancel of the action): it is what keeps the cores held, and it is bounded."""
         if reply.done() or self.closed:
             return
         with contextlib.suppress(Exception):
             self.send(AgentCancel(rid=self.next_rid(), target=rid))
-            await asyncio.wait_for(asyncio.shield(reply), wait_s)
+        await _uninterrupted(_bounded(reply, wait_s))
 
     def stream(self, req: AgentFiles | AgentExec) -> LinkStream:
         """Send ``req``, a streamed request: its chunks and its reply come through the
@@ -323,3 +325,23 @@ class AgentHub:
 
 async def _nothing(link: AgentLink) -> None:
     return None
+
+
+async def _bounded(reply: asyncio.Future[AgentReply], wait_s: float) -> None:
+    """Wait up to ``wait_s`` for ``reply`` (left as it is), whatever it ends with."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(reply), wait_s)
+
+
+async def _uninterrupted(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` to its end even if the caller is cancelled meanwhile, once or many
+    times; a cancel that came is raised once ``work`` has ended."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

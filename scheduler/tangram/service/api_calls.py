@@ -11,13 +11,15 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 
 from tangram.api.action import ActionSpec
+from tangram.api.learned import MAX_LEASES, MAX_STARTS, LearnedLease
 from tangram.api.wire import ActionStatus, ApiCallRequest, ApiLeaseRequest
+from tangram.scheduler.core.scheduler import SchedulingError
 from tangram.service.config import ApiEndpoint
 from tangram.service.outcomes import Outcomes
 from tangram.service.records import ActionRecord, EngineError, err
@@ -57,6 +59,7 @@ class ApiCalls:
         self.outcomes = outcomes
         self._http = http
         self._own_http = http is None
+        self._wall_at_zero: float | None = None
 
     def spec(self, api: str, req: ApiLeaseRequest | ApiCallRequest) -> ActionSpec:
         """A lease of ``req.units`` of quota ``api``, or one call through it, as an action."""
@@ -83,15 +86,88 @@ class ApiCalls:
         if isinstance(rec.request, ApiCallRequest):
             return self._proxy(rec, rec.request)
         assert isinstance(rec.request, ApiLeaseRequest)
-        lease = f"l-{secrets.token_hex(8)}"
+        self._grant(rec, f"l-{secrets.token_hex(8)}", rec.request.hold_s)
+        return None
+
+    def _grant(self, rec: ActionRecord, lease: str, hold_s: float) -> None:
+        """``rec`` holds its units as ``lease``, for ``hold_s`` more at most."""
         self.s.leases[lease] = rec.id
         rec.lease = lease
-        rec.expiry = asyncio.get_running_loop().call_later(
-            rec.request.hold_s, self.outcomes.end_lease, rec
-        )
+        rec.expiry = asyncio.get_running_loop().call_later(hold_s, self.outcomes.end_lease, rec)
         if not rec.done.done():
             rec.done.set_result(self.outcomes.result(rec, ActionStatus.OK, lease=lease))
-        return None
+
+    # ---- across a restart ----------------------------------------------------------
+    def _wall(self) -> float:
+        """Unix seconds at the engine clock's zero (taken once: saved times stay put)."""
+        if self._wall_at_zero is None:
+            self._wall_at_zero = self.s.wall() - self.s.clock()
+        return self._wall_at_zero
+
+    def kept(self) -> tuple[list[LearnedLease], dict[str, list[float]]]:
+        """What the next scheduler needs of the quotas: the leases held (the newest
+        ``MAX_LEASES``), and the starts each rate window counts (the newest ``MAX_STARTS``
+        in all), in unix seconds."""
+        s, zero = self.s, self._wall()
+        leases: list[LearnedLease] = []
+        for lease, aid in s.leases.items():
+            rec = s.actions.get(aid)
+            req = rec.request if rec is not None else None
+            if rec is None or rec.started is None or not isinstance(req, ApiLeaseRequest):
+                continue
+            assert rec.assignment is not None
+            leases.append(
+                LearnedLease(
+                    lease=lease,
+                    tenant=rec.tenant,
+                    api=rec.assignment.quotas[0][0],  # (its api first)
+                    units=req.units,
+                    started_at=max(0.0, round(zero + rec.started, 3)),
+                    hold_s=req.hold_s,
+                    key=req.idempotency_key,
+                    digest=rec.digest,
+                )
+            )
+        leases = sorted(leases, key=lambda held: (held.started_at, held.lease))[-MAX_LEASES:]
+        windows, room = {}, MAX_STARTS
+        for name, starts in s.core.windows(s.clock()).items():
+            newest = starts[-room:] if room else []
+            if newest:
+                windows[name] = [max(0.0, round(zero + t, 3)) for t in newest]
+                room -= len(newest)
+        return leases, windows
+
+    def resume(self, leases: Sequence[LearnedLease], windows: Mapping[str, Sequence[float]]) -> int:
+        """Take back what an earlier scheduler saved (``kept``): its rate windows count here,
+        and each lease whose hold has not ended holds its units again, under its id (its
+        release works) and its idempotency key (a retry gets it), until released or ended.
+        Returns how many leases were taken back."""
+        s, zero, now = self.s, self._wall(), self.s.clock()
+        taken = 0
+        for held in leases:
+            started = held.started_at - zero
+            left = started + held.hold_s - now
+            if left <= 0 or held.lease in s.leases:
+                continue
+            req = ApiLeaseRequest(units=held.units, hold_s=held.hold_s, idempotency_key=held.key)
+            try:
+                spec = self.spec(held.api, req)
+                rec = s.record(held.tenant, None, "api", req, None, target=f"lease of {held.api}")
+                asg = s.core.adopt(rec.id, s.holder(held.tenant, "leases"), spec, units=1,
+                                   started_at=started, granted=True)  # fmt: skip
+            except (EngineError, SchedulingError) as e:
+                log.warning("lease %s of %s is not held again: %s", held.lease, held.api, e)
+                continue
+            rec.submitted, rec.started, rec.assignment = started, started, asg
+            rec.digest = held.digest
+            s.actions[rec.id] = rec
+            if held.key is not None and (held.tenant, held.key) not in s.idempotent:
+                s.idempotent.remember(held.tenant, held.key, rec)
+            self._grant(rec, held.lease, left)
+            taken += 1
+        s.core.resume_windows({name: [t - zero for t in ts] for name, ts in windows.items()})
+        s.wake.set()
+        return taken
 
     async def _proxy(self, rec: ActionRecord, req: ApiCallRequest) -> None:
         """Make the call with the quota's credential; the answer goes back, the credential

@@ -93,6 +93,7 @@ class Engine:
         self._saved: LearnedState | None = None  # what the file holds (loaded or saved)
         self.resumed: LearnedState | None = None  # what an earlier scheduler had learned
         self._unread: str | None = None  # why the store could not be read, until it can
+        self._quotas_due: LearnedState | None = None  # its leases and windows, for ``start``
         core.set_services(self.gpu.service_specs())
 
     # ---- the shared state, as the handlers read it -------------------------------------
@@ -132,6 +133,19 @@ class Engine:
             for node, keys in state.closing.items():  # (before any agent's hello)
                 for key in keys:
                     self.lifecycle.close_later(node, key)
+            self._quotas_due = state
+            if self._tasks:  # (read late: the store could not be read at the start)
+                self._resume_quotas()
+
+    def _resume_quotas(self) -> None:
+        """The leases held and the rate windows the resumed state holds, taken back once
+        the event loop runs (a lease's hold is a timer on it)."""
+        state, self._quotas_due = self._quotas_due, None
+        if state is not None and (state.leases or state.windows):
+            taken = self.api.resume(state.leases, state.windows)
+            windows = ", ".join(sorted(state.windows)) or "none"
+            log.info("API quotas resumed: %d of %d leases still held; the rate windows of %s",
+                     taken, len(state.leases), windows)  # fmt: skip
 
     def learned_note(self) -> str:
         """What a start says of the learned state: where it is kept, and what it resumed."""
@@ -169,15 +183,19 @@ class Engine:
             self._saved, self._save_error = state, None
 
     def _kept(self) -> LearnedState:
-        """What the next scheduler resumes: what the core learned, and the environments
-        still to close (their trajectories closed while their agents were away)."""
+        """What the next scheduler resumes: what the core learned, the environments still
+        to close (their trajectories closed while their agents were away), the API leases
+        held and the starts the quotas' rate windows count."""
         closing, room = {}, MAX_CLOSING
         for node, keys in sorted(self.lifecycle.to_close.items()):
             kept = sorted(keys)[:room]
             if kept:
                 closing[node], room = kept, room - len(kept)
+        leases, windows = self.api.kept()
         learned = self.core.learned()  # here: the core is the loop's alone
-        return learned.model_copy(update={"closing": closing}) if closing else learned
+        extra = {"closing": closing, "leases": leases, "windows": windows}
+        update = {name: value for name, value in extra.items() if value}
+        return learned.model_copy(update=update) if update else learned
 
     async def _save_learned_every(self, every_s: float) -> None:
         while True:
@@ -185,6 +203,7 @@ class Engine:
             await self.save_learned()
 
     async def start(self) -> None:
+        self._resume_quotas()  # (before anything is admitted: held units stay held)
         self._tasks = [
             asyncio.create_task(self.rounds.run(), name="rounds"),
             asyncio.create_task(self.hub.watch(), name="heartbeats"),

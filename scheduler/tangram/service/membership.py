@@ -191,7 +191,12 @@ class Membership:
         else:
             error = err("exec_failed", reply.error or "the agent refused the action")
         exec_s = out.exec_s if out is not None else 0.0
-        self.outcomes.end(rec, status, ok=reply.ok, error=error, exec_s=exec_s, reply=reply)
+        # Counted as a run to its end only when it was one (not one that timed out), as a
+        # dispatched run is; never learned from: its agent does not say the type its
+        # request named (``RunningAction``), and under the generic ``exec:cpuN`` it would
+        # size every untyped command of that many cores by it.
+        self.outcomes.end(rec, status, ok=status is ActionStatus.OK, learn=False, error=error,
+                          exec_s=exec_s, reply=reply)  # fmt: skip
 
     async def leave(self, link: AgentLink) -> None:
         s = self.s

@@ -60,10 +60,16 @@ class Outcomes:
         rec = s.actions.get(aid)
         if rec is None or rec.tenant != tenant:
             return False
-        rec.cancelled = True
+        again, rec.cancelled = rec.cancelled, True
         if rec.started is None:
             s.core.cancel(aid)
             self.finish(rec, ActionStatus.CANCELLED)
+            return True
+        if again and rec.task is not None:
+            # Its cancel is under way: its task waits (bounded) for the agent's word that
+            # the command is gone before its cores go back. Cancelled again, it would stop
+            # waiting, and the next round would hand them out under a running command (a
+            # retried DELETE, a trajectory's cancel or close after the action's own).
             return True
         agent_key = rec.agent_key
         if agent_key is not None and rec.kind != "api":  # its agent goes on if the cancel
@@ -114,10 +120,14 @@ class Outcomes:
 
     def finish(self, rec: ActionRecord, status: ActionStatus, **details: Any) -> None:
         """Give an action's result (``details`` as for ``result``) to its waiter; it leaves
-        the actions and its trajectory's running set, however it ended."""
+        the actions and its trajectory's running set, however it ended; and a round is due:
+        a queued action taken out (cancelled, timed out, its trajectory closed) may have
+        been the one the actions behind it waited for (the queue is first come, first
+        served on each resource), though no unit came back."""
         if rec.expiry is not None:
             rec.expiry.cancel()
         self.s.actions.pop(rec.id, None)
+        self.s.wake.set()
         if rec.trajectory is not None and (traj := self.s.trajectories.get(rec.trajectory)):
             traj.running.discard(rec.id)
             traj.active_at = self.s.clock()
@@ -130,13 +140,22 @@ class Outcomes:
         """A keyed exec or service call whose link to its agent failed: its outcome is the
         agent's to tell, so a retry of its key goes to the agent (a replay, a first run, or
         "unknown"; a run it still holds is adopted on its return), not to a kept node_lost."""
-        if rec.key is not None:
-            self.s.idempotent.forget(rec.tenant, rec.key, rec)
+        if rec.key is None:
+            return
+        self.s.idempotent.forget(rec.tenant, rec.key, rec)
+        if rec.started is not None:
+            # Nor is its end counted: the run it started is counted once its outcome is
+            # known here (its run adopted on the agent's return ends, or a retry of its key
+            # is answered), as the action it ended as.
+            self.s.uncounted.add(rec.id)
 
     def ended(self, rec: ActionRecord, result: ActionResult) -> None:
         """Count it, keep the answer for its key's retries, log it."""
         s = self.s
-        s.metrics.ended(result)
+        if rec.id in s.uncounted:  # (each action is counted once, by its final outcome)
+            s.uncounted.discard(rec.id)
+        else:
+            s.metrics.ended(result)
         if s.idempotent.in_flight(rec.id):  # what its submitter got (a lease: the grant)
             rec.answer = json_bytes(rec.done.result())
             s.idempotent.ended(rec, rec.target, rec.answer, rec.digest)

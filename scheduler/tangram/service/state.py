@@ -77,6 +77,11 @@ class PoolState:
         # goes on with (the cancel was lost with its link) is cancelled again if adopted.
         self.adopted: dict[tuple[str, str], ActionRecord] = {}
         self.cancelled_keys: OrderedDict[str, None] = OrderedDict()
+        # Actions whose end the metrics do not count, since another's counts the same run:
+        # a keyed one cut off from its agent (the run it started ends later, adopted, or
+        # its retry is answered), and an adopted run that answers nobody (its key's action
+        # is counted). Each leaves the set when it ends.
+        self.uncounted: set[str] = set()
         self.node_cores: dict[str, list[int]] = {}  # the pool's core index -> real core id
         self.node_gpus: dict[str, list[int]] = {}  # the pool's GPU index -> device index
         self.problems = ProblemLog()  # sandbox and node failures, for the pool's status
@@ -149,18 +154,21 @@ class PoolState:
         if not self.accepting:
             raise EngineError("unavailable", "service", "the scheduler is shutting down")
         if self.core.queued + extra > self.config.max_queued:
-            self.metrics.rejected.labels(self.config.name).inc()
-            raise EngineError("overloaded", "queue", f"{self.core.queued} actions are queued")
+            raise self.overloaded("queue", f"{self.core.queued} actions are queued")
         limit = self.config.limits(tenant).max_queued
         waiting = self.core.queued_by_tenant.get(tenant, 0)
         if limit is not None and waiting + extra > limit:
-            self.metrics.rejected.labels(self.config.name).inc()
-            raise EngineError(
-                "overloaded",
+            raise self.overloaded(
                 "queue",
                 f"tenant {tenant} has {waiting} actions waiting, its limit is "
                 f"{limit} (spec.access.tenants[].maxQueued)",
             )
+
+    def overloaded(self, field: str, message: str) -> EngineError:
+        """A refusal for want of room (429, Retry-After), counted as admission control
+        shedding (``tangram_admission_rejected``): every 429 is made here."""
+        self.metrics.rejected.labels(self.config.name).inc()
+        return EngineError("overloaded", field, message)
 
     def record(
         self,
@@ -191,6 +199,8 @@ class PoolState:
         self.actions[rec.id] = rec
         if (rec.tenant, rec.key) not in self.idempotent:
             self.idempotent.remember(rec.tenant, rec.key, rec)
+        else:
+            self.uncounted.add(rec.id)
         agent_key, node = rec.agent_key, asg.node
         self.adopted[(node or "", agent_key)] = rec
         if agent_key in self.cancelled_keys:

@@ -30,6 +30,7 @@ log = logging.getLogger("tangram.service")
 MAX_OPEN_KEYS = 4096
 IDLE_CHECK_S = 5.0  # how often idle trajectories are looked for (idleTimeoutSeconds)
 _ENDING = (TrajectoryState.CLOSING, TrajectoryState.CLOSED)
+_IDLING = (TrajectoryState.OPEN, TrajectoryState.LOST)  # closed by idleTimeoutSeconds
 
 
 class Trajectories:
@@ -139,8 +140,7 @@ class Trajectories:
             )
         limit = s.config.limits(tenant).max_trajectories
         if limit is not None and self._held(tenant) >= limit:
-            raise EngineError(
-                "overloaded",
+            raise s.overloaded(
                 "trajectory",
                 f"tenant {tenant} has {limit} trajectories open, its limit "
                 "(spec.access.tenants[].maxTrajectories); close one first",
@@ -156,11 +156,10 @@ class Trajectories:
         node = s.core.cpu.choose_node(env.spec.memory_gb, 0, {})
         if node is None:
             s.core.close_trajectory(key, finished=False)
-            raise EngineError(
-                "overloaded" if s.hub.links else "unavailable",
-                "env",
-                f"no node has {env.spec.memory_gb} GiB free for a new trajectory",
-            )
+            why = f"no node has {env.spec.memory_gb} GiB free for a new trajectory"
+            if s.hub.links:
+                raise s.overloaded("env", why)
+            raise EngineError("unavailable", "env", why)
         s.core.place_trajectory(key, node)
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
         rec.open_key = open_key
@@ -258,8 +257,10 @@ class Trajectories:
         return rec
 
     def idle(self, now: float) -> list[TrajectoryRecord]:
-        """Open trajectories whose env's ``idleTimeoutSeconds`` passed since they were
-        last in use, with nothing queued or running."""
+        """Open and lost trajectories whose env's ``idleTimeoutSeconds`` passed since they
+        were last in use (a lost one: since it was lost, or asked for), with nothing queued
+        or running. A lost one holds nothing, but its record and its id would stay for good:
+        its client reads it as lost until then, and learns it was closed after."""
         s = self.s
         if not any(e.idle_timeout_s for e in s.config.envs.values()):
             return []
@@ -267,7 +268,7 @@ class Trajectories:
         return [
             t
             for t in s.trajectories.values()
-            if t.state is TrajectoryState.OPEN
+            if t.state in _IDLING
             and t.opening is None
             and t.key not in busy
             and not t.transfers
@@ -280,12 +281,19 @@ class Trajectories:
         its own, and its environment would hold the node's memory for good."""
         while True:
             await asyncio.sleep(every_s)
-            now = self.s.clock()
-            for rec in self.idle(now):
-                limit = self.s.env_of(rec).idle_timeout_s
-                rec.ended = f"idle for {limit:g} s (TrajectoryEnv {rec.env} idleTimeoutSeconds)"
-                log.info("trajectory %s closed: %s", rec.key, rec.ended)
-                self.s.background(self.close(rec.tenant, rec.id))
+            self.close_idle(self.s.clock())
+
+    def close_idle(self, now: float) -> None:
+        """Close (in the background) the trajectories idle at ``now``, saying why."""
+        for rec in self.idle(now):
+            limit = self.s.env_of(rec).idle_timeout_s
+            setting = f"TrajectoryEnv {rec.env} idleTimeoutSeconds"
+            if rec.state is TrajectoryState.LOST:
+                rec.ended = f"lost ({rec.ended}), then closed after {limit:g} s ({setting})"
+            else:
+                rec.ended = f"idle for {limit:g} s ({setting})"
+            log.info("trajectory %s closed: %s", rec.key, rec.ended)
+            self.s.background(self.close(rec.tenant, rec.id))
 
     def _held(self, tenant: str) -> int:
         """The tenant's trajectories that count against its maxTrajectories: a lost one
@@ -345,6 +353,7 @@ class Trajectories:
         """The trajectory's environment is gone (or is closed on sight): every action
         answers 409 with ``why`` from now on."""
         rec.state, rec.ended = TrajectoryState.LOST, why
+        rec.active_at = self.s.clock()  # its client has the idle timeout to read it as lost
         log.warning("trajectory %s lost: %s", rec.key, why)
 
     def environment_lost(self, tid: str, reason: str, message: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -53,6 +54,16 @@ class Quota:
         self.in_use += n
         if self.per_period is not None:
             self.starts.extend([now] * n)
+
+    def hold(self, n: int) -> None:
+        """Hold ``n`` units granted before (by an earlier scheduler) again, whatever room is
+        left now: they are in use. Their start is the window's to count (``resume``)."""
+        self.in_use += n
+
+    def resume(self, starts: Iterable[float]) -> None:
+        """Count earlier starts (an earlier scheduler's, in this clock) in the rate window."""
+        if self.per_period is not None:
+            self.starts = deque(sorted([*self.starts, *starts]))
 
     def release(self, n: int) -> None:
         if n > self.in_use:

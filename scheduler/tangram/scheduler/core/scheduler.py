@@ -180,6 +180,24 @@ class Scheduler:
         r.work.restore(learned.exec_core_s)
         r.run.restore(learned.exec_run_s)
 
+    def windows(self, now: float) -> dict[str, list[float]]:
+        """The starts each rate-limited quota's window counts at ``now``, oldest first
+        (none: left out), for a restarted scheduler to count too (``resume_windows``)."""
+        kept: dict[str, list[float]] = {}
+        for name, q in sorted(self.quotas.items()):
+            q.window_room(now)  # (drops the starts that no longer count)
+            if q.per_period is not None and q.starts:
+                kept[name] = list(q.starts)
+        return kept
+
+    def resume_windows(self, starts: Mapping[str, Sequence[float]]) -> None:
+        """Count an earlier scheduler's starts (``windows``, as times of this clock) in the
+        rate windows of the quotas still configured: a restart does not reopen a window."""
+        for name, times in starts.items():
+            q = self.quotas.get(name)
+            if q is not None:
+                q.resume(times)
+
     def place_trajectory(self, tid: str, node: str) -> None:
         """Pin a trajectory to a node (its environment already lives there)."""
         traj = self._traj(tid)
@@ -446,6 +464,7 @@ class Scheduler:
         cores: Sequence[int] | None = None,
         joins: str | None = None,
         gpu_start: int | None = None,
+        granted: bool = False,
     ) -> Assignment:
         """Register an action that is already running (a restarted scheduler, ``explain``).
 
@@ -453,7 +472,10 @@ class Scheduler:
         new trajectory) with ``cores`` when given (the ones it runs on), else ``units``
         NUMA-chosen cores; service actions take a chunk: with ``gpu_start``, the one of
         ``node`` that starts at that GPU (the one it runs on); with ``joins`` (the id of a
-        running call of the same service), that call's instance, shared.
+        running call of the same service), that call's instance, shared. ``granted``: its
+        quota units were granted by an earlier scheduler (an API lease still held): they
+        are held again whatever room is left, and its start is not counted in the rate
+        window again (``resume_windows`` brings back the window it was counted in).
         """
         if cores is not None and len(set(cores)) != units:
             raise SchedulingError("cores", f"{len(set(cores))} distinct cores for {units} units")
@@ -466,7 +488,7 @@ class Scheduler:
             raise SchedulingError("units", f"{units} is not an allowed count {list(key_units)}")
         # Check every capacity before changing any state: a refused adopt leaves no trace.
         for q, n in a.quotas:
-            if self.quotas[q].free(started_at) < n:
+            if not granted and self.quotas[q].free(started_at) < n:
                 raise SchedulingError("quotas", f"{q} has no room for {n} more unit(s)")
         if joins is not None and gpu_start is not None:
             raise SchedulingError("gpu_start", "a call joins an instance or takes a chunk")
@@ -519,7 +541,7 @@ class Scheduler:
             join=chunk,
         )
         self._enqueue(a, (float(a.seq),), None)
-        asg = self._start(a, start, started_at, exact=cores, at=at)
+        asg = self._start(a, start, started_at, exact=cores, at=at, granted=granted)
         if asg is None:
             self._dequeue(action_id)
             raise SchedulingError("units", f"no free GPU chunk of {units} for {action_id}")
@@ -804,12 +826,15 @@ class Scheduler:
         a: Action,
         s: Start,
         now: float,
+        *,
         exact: Sequence[int] | None = None,
         at: Chunk | None = None,
+        granted: bool = False,
     ) -> Assignment | None:
         """Allocate and start; None (the action stays queued) if its GPU chunk went to an
         earlier candidate of this round (chunk counts cannot see per-node GPU memory).
-        ``exact``: these very cores, ``at``: this very chunk (an adopted action)."""
+        ``exact``: these very cores, ``at``: this very chunk, ``granted``: its quota units
+        granted before (an adopted action, ``adopt``)."""
         k = s.units
         grant = None
         if a.gpu:
@@ -842,7 +867,10 @@ class Scheduler:
             if restore:
                 expected += self.services[a.service].restore_cost(chunk.size)
         for q, n in a.quotas:
-            self.quotas[q].acquire(now, n)
+            if granted:
+                self.quotas[q].hold(n)
+            else:
+                self.quotas[q].acquire(now, n)
         asg = Assignment(
             action_id=a.id,
             trajectory=a.trajectory,

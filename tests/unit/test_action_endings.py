@@ -1,0 +1,351 @@
+"""How actions end, driven through the real hub, links and engine by a fake agent: what
+an ending frees is handed out at once and not before the agent says it is free, what an
+adopted run teaches, and how the metrics count endings and refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tangram.api.wire import (
+    ActionStatus,
+    AgentReply,
+    EnvSpec,
+    ExecOutcome,
+    ExecRequest,
+    OpenTrajectory,
+    RunningAction,
+    ServiceCallRequest,
+    TrajectoryMeta,
+)
+from tangram.service.config import ANY_TENANT, EnvConfig, TenantLimits
+from tangram.service.engine import Engine
+from tangram.service.records import KEY_SEP, EngineError
+from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run
+
+
+async def settle(done: Callable[[], bool] = lambda: False, ticks: int = 200) -> bool:
+    """Let the loop run what is ready (nothing here waits on time), until ``done``: whether
+    it is, within ``ticks`` turns of the loop."""
+    for _ in range(ticks):
+        if done():
+            return True
+        await asyncio.sleep(0)
+    return done()
+
+
+SMALL = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.5))  # 4 fit on n1
+
+
+def _held(msg: dict[str, Any]) -> AgentReply | None:
+    """An agent whose commands run until told otherwise; it answers everything else."""
+    return None if msg["op"] == "exec" else answer_all(msg)
+
+
+class Killing(Agent):
+    """An agent whose commands run until cancelled. While ``kills``, a cancel ends its
+    command at once (the command's reply follows the cancel's); else the command goes
+    on until the test pushes its reply. A stopping engine cancels what still runs, and
+    so need not wait for an answer that would never come."""
+
+    def __init__(self, kills: bool = True) -> None:
+        super().__init__(hello(), self._answer)
+        self.kills = kills
+
+    def _answer(self, msg: dict[str, Any]) -> AgentReply | None:
+        if msg["op"] == "exec":
+            return None
+        if msg["op"] == "cancel" and msg.get("target") is not None and self.kills:
+            self.push(AgentReply(rid=msg["target"], ok=False, error="cancelled"))
+        return answer_all(msg)
+
+
+def _outcome(exec_s: float = 1.0, timed_out: bool = False) -> ExecOutcome:
+    return ExecOutcome(exit_code=None if timed_out else 0, stdout="", stderr="",
+                       stdout_truncated=False, stderr_truncated=False, timed_out=timed_out,
+                       setup_s=0.0, exec_s=exec_s, teardown_s=0.0, path="fast")  # fmt: skip
+
+
+def _counted(engine: Engine) -> dict[tuple[str, str], float]:
+    """tangram_actions_total by (kind, status)."""
+    return {
+        (s.labels["kind"], s.labels["status"]): s.value
+        for m in engine.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "tangram_actions_total"
+    }
+
+
+def _rejected(engine: Engine) -> float:
+    value = engine.metrics.registry.get_sample_value(
+        "tangram_admission_rejected_total", {"pool": engine.config.name}
+    )
+    return value or 0.0
+
+
+# ---- a queued action taken out: the ones behind it start ---------------------------------
+
+
+@pytest.mark.parametrize("how", ["cancel", "queue_timeout", "close"])
+def test_a_queued_action_taken_out_lets_the_ones_it_blocked_start(how: str) -> None:
+    """Node n1 has 2 cores, one held by a long command. A 2-core action waits at the head;
+    a 1-core one behind it waits too (first come, first served on the node's cores). The
+    head goes — cancelled, its queue timeout passed, its trajectory closed — and the one
+    behind starts on the free core, with no other event."""
+
+    async def scenario(engine: Engine) -> None:
+        agent = Killing()
+        await connect(engine, agent)
+        for tid in ("t1", "t2", "t3"):
+            await engine.open_trajectory("u", OpenTrajectory(env="e", id=tid))
+        long = engine.submit_exec("u", "t1", ExecRequest(argv=["long"]))
+        assert await settle(lambda: long.started is not None)
+        timeout = 3600.0 if how == "queue_timeout" else None
+        wide = engine.submit_exec(
+            "u", "t2", ExecRequest(argv=["wide"], cpu=2, queue_timeout_s=timeout)
+        )
+        small = engine.submit_exec("u", "t3", ExecRequest(argv=["small"]))
+        assert not await settle(lambda: small.started is not None)  # behind the wide one
+        if how == "cancel":
+            assert engine.cancel("u", wide.id)
+        elif how == "queue_timeout":
+            engine.outcomes.queue_timeout(wide)  # (what its timer calls)
+        else:
+            await engine.close_trajectory("u", "t2")
+        assert wide.done.done() and wide.started is None
+        assert await settle(lambda: small.started is not None)
+        assert engine.core.cpu.nodes["n1"].free_cores == 0
+
+    run(scenario, env=SMALL)
+
+
+# ---- a started action cancelled twice: its cores wait for the agent's word -----------------
+
+
+@pytest.mark.parametrize("again", ["action", "trajectory", "close"])
+def test_a_second_cancel_does_not_free_the_cores_before_the_agent_answers(again: str) -> None:
+    """A running command is cancelled; its agent has not yet said it is gone when a
+    second cancel comes (a retried DELETE, the trajectory's cancel or close): its cores
+    stay held, for no one else's command to start on them, until the agent answers."""
+
+    async def scenario(engine: Engine) -> None:
+        agent = Killing(kills=False)
+        await connect(engine, agent)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t2"))
+        first = engine.submit_exec("u", "t1", ExecRequest(argv=["a"], cpu=2))
+        assert await settle(lambda: bool(agent.ops("exec")))
+        waiting = engine.submit_exec("u", "t2", ExecRequest(argv=["b"], cpu=2))
+        assert engine.cancel("u", first.id)
+        assert await settle(lambda: bool(agent.ops("cancel")))
+        assert first.task is not None
+        if again == "action":
+            assert engine.cancel("u", first.id)  # still cancelling: not ended yet
+        elif again == "trajectory":
+            assert engine.cancel_trajectory("u", "t1") == 1
+        else:
+            engine.state.background(engine.close_trajectory("u", "t1"))
+        await settle()
+        assert first.task.cancelling() == 1  # its task was not cancelled a second time
+        assert not first.done.done() and waiting.started is None
+        assert len(agent.ops("cancel")) == 1
+        rid = agent.ops("exec")[0]["rid"]
+        agent.push(AgentReply(rid=rid, ok=False, error="cancelled"))  # the command is gone
+        assert (await first.done).status is ActionStatus.CANCELLED
+        assert await settle(lambda: waiting.started is not None)
+        agent.kills = True
+
+    run(scenario)
+
+
+def test_an_actions_task_cancelled_twice_still_waits_for_the_agents_word() -> None:
+    """However its task comes to be cancelled again (a stop after a cancel, say), the
+    bounded wait for the agent's word that the command is gone runs its course."""
+
+    async def scenario(engine: Engine) -> None:
+        agent = Killing(kills=False)
+        await connect(engine, agent)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t2"))
+        first = engine.submit_exec("u", "t1", ExecRequest(argv=["a"], cpu=2))
+        assert await settle(lambda: bool(agent.ops("exec")))
+        waiting = engine.submit_exec("u", "t2", ExecRequest(argv=["b"], cpu=2))
+        assert first.task is not None
+        first.task.cancel()
+        assert await settle(lambda: bool(agent.ops("cancel")))
+        first.task.cancel()
+        await settle()
+        assert not first.done.done() and waiting.started is None
+        agent.push(AgentReply(rid=agent.ops("exec")[0]["rid"], ok=False, error="cancelled"))
+        assert (await first.done).status is ActionStatus.CANCELLED
+        assert await settle(lambda: waiting.started is not None)
+        agent.kills = True
+
+    run(scenario)
+
+
+# ---- adopted runs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timed_out", [True, False])
+def test_an_adopted_run_teaches_nothing_of_a_type_it_may_not_be(timed_out: bool) -> None:
+    """An agent hands back a keyed run (a scheduler restart, a link's blip) without the
+    type its request named: learned as the generic ``exec:cpu2`` it would size every
+    untyped 2-core command by a suite's 600 s. A timed-out one is no full run either."""
+
+    async def scenario(engine: Engine) -> None:
+        for _ in range(20):
+            engine.core.book.observe("exec:cpu2", 2, 1.0)
+        before = engine.core.book.mean_duration("exec:cpu2")
+        meta = TrajectoryMeta(id="t1", tenant="u", env="e")
+        run_ = RunningAction(key=f"u{KEY_SEP}suite", trajectory="t1", cores=[1, 2],
+                             running_s=600.0)  # fmt: skip
+        agent = Agent(hello([meta], [run_]))
+        await connect(engine, agent)
+        (rec,) = engine.state.actions.values()
+        agent.push(AgentReply(rid=0, ok=True, key=f"u{KEY_SEP}suite",
+                              result=_outcome(600.0, timed_out)))  # fmt: skip
+        result = await rec.done
+        assert result.status is (ActionStatus.TIMEOUT if timed_out else ActionStatus.OK)
+        assert engine.core.book.mean_duration("exec:cpu2") == before
+        assert engine.core.trajectories["t1"].steps_done == (0 if timed_out else 1)
+
+    run(scenario)
+
+
+# ---- metrics: each action once, by its final outcome; every 429 ---------------------------
+
+
+@pytest.mark.parametrize("blips", [1, 2])
+def test_a_keyed_exec_cut_off_by_its_link_is_counted_once_as_its_run_ended(blips: int) -> None:
+    """Its link blips (once, or again while its run is adopted): its waiter hears
+    node_lost (retryable), the agent goes on with the run, which is adopted when it is back
+    and ends ok: one command, counted once, ok."""
+
+    async def scenario(engine: Engine) -> None:
+        first = Agent(hello(), _held)
+        await connect(engine, first)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        cut = engine.submit_exec("u", "t1", ExecRequest(argv=["make"], idempotency_key="k"))
+        assert await settle(lambda: bool(first.ops("exec")))
+        first.drop()
+        await left(engine)
+        assert (await cut.done).error.code == "node_lost"  # type: ignore[union-attr]
+        meta = TrajectoryMeta(id="t1", tenant="u", env="e")
+        run_ = RunningAction(key=f"u{KEY_SEP}k", trajectory="t1",
+                             cores=first.ops("exec")[0]["cores"], running_s=0.5)  # fmt: skip
+        for _ in range(blips - 1):  # back, its run adopted, and gone again before it ends
+            again = Agent(hello([meta], [run_]))
+            await connect(engine, again)
+            (adopted,) = engine.state.actions.values()
+            again.drop()
+            await left(engine)
+            assert (await adopted.done).error.code == "node_lost"  # type: ignore[union-attr]
+        back = Agent(hello([meta], [run_]))
+        await connect(engine, back)
+        retry = engine.submit_exec("u", "t1", ExecRequest(argv=["make"], idempotency_key="k"))
+        back.push(AgentReply(rid=0, ok=True, key=f"u{KEY_SEP}k", result=_outcome()))
+        assert (await retry.done).status is ActionStatus.OK
+        assert _counted(engine) == {("exec", "ok"): 1.0}
+
+    run(scenario)
+
+
+def test_an_unkeyed_exec_cut_off_by_its_link_is_counted_as_lost() -> None:
+    """Without a key its run is killed with the link: node_lost is how it ended."""
+
+    async def scenario(engine: Engine) -> None:
+        first = Agent(hello(), _held)
+        await connect(engine, first)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        cut = engine.submit_exec("u", "t1", ExecRequest(argv=["make"]))
+        assert await settle(lambda: bool(first.ops("exec")))
+        first.drop()
+        await left(engine)
+        assert (await cut.done).error.code == "node_lost"  # type: ignore[union-attr]
+        assert _counted(engine) == {("exec", "error"): 1.0}
+
+    run(scenario)
+
+
+def test_an_adopted_run_answering_nobody_is_not_counted() -> None:
+    """Its key already has its answer here (the action was cancelled while its link was
+    down, and counted so); the run its agent went on with is not counted again."""
+
+    async def scenario(engine: Engine) -> None:
+        first = Agent(hello(), _held)
+        await connect(engine, first)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        meta = engine.trajectory("u", "t1").meta()
+        first.drop()
+        await left(engine)
+        answered = engine.state.record("u", "t1", "exec", ExecRequest(argv=["make"]), None,
+                                       target="exec on t1")  # fmt: skip
+        engine.state.idempotent.remember("u", "k", answered)
+        engine.outcomes.finish(answered, ActionStatus.CANCELLED)
+        run_ = RunningAction(key=f"u{KEY_SEP}k", trajectory="t1", cores=[1], running_s=1.0)
+        back = Agent(hello([meta], [run_]))
+        await connect(engine, back)
+        (held,) = engine.state.actions.values()
+        back.push(AgentReply(rid=0, ok=True, key=f"u{KEY_SEP}k", result=_outcome()))
+        await held.done
+        assert _counted(engine) == {("exec", "cancelled"): 1.0}
+
+    run(scenario)
+
+
+def test_a_service_call_cut_off_is_counted_once_as_its_node_reported_it() -> None:
+    """A keyed call whose node left mid-call ends there, unheld; its node, back, reports
+    it done: its outputs answer its key, and it is counted once, ok."""
+    from tangram.api.wire import ServiceDef, ServiceOutcome, ServiceStats
+    from tangram.service.config import PoolConfig, ServiceConfig
+
+    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+
+    async def scenario() -> None:
+        e = Engine(PoolConfig(services={"judge": ServiceConfig(spec=spec)}))
+        e.all_agents_joined()
+        await e.start()
+        try:
+            rec = e.state.record("u", None, "service",
+                                 ServiceCallRequest(inputs=[1], idempotency_key="k"), None,
+                                 target="call of service judge")  # fmt: skip
+            e.state.idempotent.remember("u", "k", rec)
+            rec.started = e.state.clock()  # (it ran: its node left mid-call)
+            e.outcomes.cut_off(rec)
+            e.outcomes.finish(rec, ActionStatus.ERROR)
+            stats = ServiceStats(service="judge", resident=True)
+            outcome = ServiceOutcome(outputs=[0.5], exec_s=1.0, stats=stats)
+            e.membership.orphan("g", AgentReply(rid=0, ok=True, key=f"u{KEY_SEP}k", call=outcome))
+            retry = e.submit_service(
+                "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="k")
+            )
+            assert (await retry.done).output == [0.5]
+            assert _counted(e) == {("service", "ok"): 1.0}
+        finally:
+            await e.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_every_429_is_counted_as_an_admission_rejection() -> None:
+    """A tenant's maxTrajectories, and no node with the memory, answer 429 like a full
+    queue; each is a rejection."""
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))  # 2 GiB; a trajectory takes 1
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        with pytest.raises(EngineError) as refused:
+            await engine.open_trajectory("u", OpenTrajectory(env="e", id="t2"))
+        assert (refused.value.kind, refused.value.field) == ("overloaded", "trajectory")
+        assert _rejected(engine) == 1
+        await engine.open_trajectory("v", OpenTrajectory(env="e", id="t1"))
+        with pytest.raises(EngineError) as full:
+            await engine.open_trajectory("w", OpenTrajectory(env="e", id="t1"))
+        assert (full.value.kind, full.value.field) == ("overloaded", "env")
+        assert _rejected(engine) == 2
+
+    run(scenario, tenants={ANY_TENANT: TenantLimits(max_trajectories=1)})
