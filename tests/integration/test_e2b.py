@@ -6,8 +6,10 @@ service only by E2B's environment variables, as a user would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -15,13 +17,24 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import AsyncSandbox, CommandExitException, FileType, Sandbox
+from e2b import (
+    AsyncSandbox,
+    CommandExitException,
+    FileType,
+    Sandbox,
+    SandboxQuery,
+    SandboxState,
+)
 from e2b.exceptions import (
     AuthenticationException,
     InvalidArgumentException,
+    NotEnoughSpaceException,
     NotFoundException,
+    RateLimitException,
     SandboxException,
 )
+
+from tangram.node_agent import env_files
 
 from .service_harness import RUNTIMES, box_pool, until
 
@@ -325,3 +338,176 @@ def test_the_async_sdk(e2b: tuple[str, str, str]) -> None:
             await sb.kill()
 
     asyncio.run(go())
+
+
+def test_list_keeps_to_the_query_and_pages(e2b: tuple[str, str, str]) -> None:
+    """A query is never ignored: killing what a metadata query lists kills only those."""
+    _, url, token = e2b
+    odd = {"run": "r 1&x=y", "kind": "a/b"}  # (E2B's SDK encodes them twice)
+    r1 = [Sandbox.create("box", metadata=odd) for _ in range(3)]
+    r2 = Sandbox.create("box", metadata={"run": "r2"})
+    try:
+        mine = Sandbox.list(query=SandboxQuery(metadata={"run": "r 1&x=y"}))
+        found = mine.next_items()
+        assert sorted(s.sandbox_id for s in found) == sorted(s.sandbox_id for s in r1)
+        assert not mine.has_next
+        assert Sandbox.list(query=SandboxQuery(metadata={"run": "r3"})).next_items() == []
+        assert Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items() == []
+        running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
+        assert len(running) == 4
+        assert Sandbox.list(query=SandboxQuery(template="other")).next_items() == []
+        for order in ("desc", "asc"):  # a page at a time, each sandbox once, in order
+            pages = Sandbox.list(limit=1, order=order)
+            seen = []
+            while pages.has_next:
+                page = pages.next_items()
+                assert len(page) == 1
+                seen += page
+            assert len(seen) == 4 and len({s.sandbox_id for s in seen}) == 4
+            starts = [s.started_at for s in seen]
+            assert starts == sorted(starts, reverse=order == "desc")
+        for info in Sandbox.list(query=SandboxQuery(metadata={"run": "r 1&x=y"})).next_items():
+            Sandbox.kill(info.sandbox_id)
+        assert r2.is_running() and not any(box.is_running() for box in r1)
+        key = {"X-API-KEY": token}
+        for params, field in (
+            ({"state": "sleeping"}, "state"),
+            ({"limit": "0"}, "limit"),
+            ({"nextToken": "not-a-token"}, "nextToken"),
+            ({"metadata": "no-pair"}, "metadata"),
+        ):
+            refused = httpx.get(f"{url}/v2/sandboxes", params=params, headers=key)
+            assert refused.status_code == 400, (params, refused.text)
+            assert field in refused.json()["message"], refused.text
+    finally:
+        for box in (*r1, r2):
+            with contextlib.suppress(SandboxException):
+                box.kill()
+
+
+def test_a_write_goes_through_a_symlink_and_keeps_the_files_mode(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    """As envd's: a symlink is written through, not replaced by a file, and a file keeps
+    its mode (a script stays executable); a symlink out of the sandbox is still refused."""
+    kind = e2b[0]
+    sandbox.commands.run(
+        "mkdir -p d && echo old > d/target.txt && ln -s d/target.txt link && "
+        "ln -s ../d/target.txt d/up && printf '#!/bin/sh\\necho old\\n' > run.sh && "
+        "chmod 750 run.sh && ln -s run.sh run"
+    )
+    sandbox.files.write("link", "through the link\n")
+    sandbox.files.write("d/up", "and again\n")
+    sandbox.files.write("run", "#!/bin/sh\necho new\n")  # a symlink to an executable
+    sandbox.files.write("fresh.txt", "new")
+    seen = sandbox.commands.run(
+        "test -L link && test -L d/up && test -L run && cat d/target.txt && ./run.sh && "
+        "stat -c '%a %n' run.sh fresh.txt d/target.txt"
+    )
+    assert seen.stdout == "and again\nnew\n750 run.sh\n644 fresh.txt\n644 d/target.txt\n"
+    out = "/proc/1/root/etc/x" if kind == "docker" else "/etc/tangram-test-never"
+    sandbox.commands.run(f"ln -s {out} out")
+    with pytest.raises(SandboxException, match="403"):
+        sandbox.files.write("out", "x")
+    assert sandbox.commands.run("test -L out && echo still a link").stdout == "still a link\n"
+
+
+def test_every_reader_of_a_command_gets_its_output_from_when_it_attached(
+    sandbox: Sandbox,
+) -> None:
+    """As envd fans events out: a second reader (connect) takes nothing from the first."""
+    first = sandbox.commands.run(
+        "echo one; read x; echo two; read y; echo three", background=True, stdin=True
+    )
+    seen: list[str] = []
+    ended: list[int] = []
+    reader = threading.Thread(
+        target=lambda: ended.append(first.wait(on_stdout=seen.append).exit_code)
+    )
+    reader.start()
+    until(lambda: seen == ["one\n"], "the first line, to the first reader")
+    second = sandbox.commands.connect(first.pid)  # attached once it has its start event
+    sandbox.commands.send_stdin(first.pid, "go\n")
+    until(lambda: seen == ["one\n", "two\n"], "the second line, to the first reader too")
+    sandbox.commands.send_stdin(first.pid, "go\n")
+    late = second.wait()
+    reader.join(30)
+    assert (late.stdout, late.exit_code) == ("two\nthree\n", 0)
+    assert seen == ["one\n", "two\n", "three\n"] and ended == [0]
+
+
+def test_a_command_killed_by_its_signal_ends_as_envds_does(sandbox: Sandbox) -> None:
+    """Go's ProcessState, as envd says it: exit code -1, "signal: killed"; an exit with
+    a non-zero code says its status as the error."""
+    handle = sandbox.commands.run("echo up; sleep 60", background=True)
+    seen: list[str] = []
+    waiter = threading.Thread(target=lambda: _wait_quietly(handle, seen))
+    waiter.start()
+    until(lambda: seen == ["up\n"], "the command started")
+    assert sandbox.commands.kill(handle.pid)
+    waiter.join(30)
+    assert seen[1:] == ["exit -1"]
+    with pytest.raises(CommandExitException) as killed:
+        handle.wait()
+    assert killed.value.error == "signal: killed"
+    with pytest.raises(CommandExitException) as exited:
+        sandbox.commands.run("exit 3")
+    assert (exited.value.exit_code, exited.value.error) == (3, "exit status 3")
+
+
+def test_remove_of_nothing_is_done_and_a_move_makes_its_parents(sandbox: Sandbox) -> None:
+    """envd's Remove is os.RemoveAll (nothing there: done), its Move makes the
+    destination's directories first."""
+    sandbox.files.remove("not/there/at/all")
+    sandbox.files.remove("nothing.txt")
+    sandbox.files.write("a.txt", "A")
+    moved = sandbox.files.rename("a.txt", "new/sub/a.txt")
+    assert moved.path.endswith("/new/sub/a.txt") and sandbox.files.read("new/sub/a.txt") == "A"
+    with pytest.raises(NotFoundException):  # a missing source is still not found
+        sandbox.files.rename("a.txt", "new/b.txt")
+
+
+def test_a_directory_too_large_for_one_listing_is_refused_naming_it(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent refuses where it lists (here at 20 entries, not 100,000), and not as
+    rate limiting: listing it again would not help."""
+    monkeypatch.setattr(env_files, "MAX_LIST", 20)
+    sandbox.commands.run("mkdir many && cd many && touch $(seq 21)")
+    with pytest.raises(SandboxException) as refused:
+        sandbox.files.list("many")
+    assert not isinstance(refused.value, RateLimitException)
+    assert "/many: the directory holds over 20 entries" in str(refused.value)
+    assert sandbox.commands.run("ls many | wc -l").stdout.strip() == "21"  # the node is fine
+
+
+@pytest.fixture
+def full_disk(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Sandbox]:
+    """A sandbox of the process runtime whose directory ``small`` is a tmpfs of 64 KiB
+    and 8 inodes."""
+    with box_pool(request, "process", tmp_path, max_file_bytes=LIMIT) as (running, token):
+        for name in ("E2B_API_URL", "E2B_SANDBOX_URL"):
+            monkeypatch.setenv(name, running.url)
+        monkeypatch.setenv("E2B_API_KEY", token)
+        sb = Sandbox.create("box")
+        small = tmp_path / "agent" / "trajectories" / sb.sandbox_id / "small"
+        small.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,nr_inodes=8", "tmpfs", str(small)],
+                       check=True, capture_output=True)  # fmt: skip
+        try:
+            yield sb
+        finally:
+            subprocess.run(["umount", str(small)], check=False)
+            sb.kill()
+
+
+def test_a_full_disk_is_envds_507_not_a_rate_limit(full_disk: Sandbox) -> None:
+    with pytest.raises(NotEnoughSpaceException, match="disk is full"):
+        full_disk.files.write("small/big.bin", b"x" * 200_000)
+    with pytest.raises(SandboxException) as no_dir:
+        for i in range(100):  # (until its inodes run out: a Connect call, MakeDir)
+            full_disk.files.make_dir(f"small/d{i}")
+    assert not isinstance(no_dir.value, RateLimitException)
+    assert "disk is full" in str(no_dir.value)

@@ -11,6 +11,7 @@ import hashlib
 import io
 import os
 import random
+import subprocess
 import tarfile
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +23,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from tangram.api.wire import AgentReply, FilesOutcome
 from tangram.client import Client, TangramError
 from tangram.client.sync import Trajectory
 from tangram.node_agent import env_files
@@ -504,3 +506,126 @@ def test_crafted_tars_are_refused_and_leave_nothing_astray(execd: Built, tmp_pat
     itself = tar_of(("a", tarfile.REGTYPE, b"hi"), ("a", tarfile.LNKTYPE, "a"))
     assert asyncio.run(untar(itself)) == 2
     assert sorted(os.listdir(tmp_path / "env" / "dst")) == ["a", "s"]  # no temporary left
+
+
+# --- bounds and refusals the probes found ----------------------------------------------
+
+
+def test_a_directory_too_large_for_one_listing_is_a_413_naming_it(
+    box: tuple[str, Trajectory], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent stops listing at its bounds (entries, and their bytes in the reply) and
+    says which directory and which bound, rather than send a reply its link cannot carry
+    (which would drop the link, and every command of the node with it). Small bounds here:
+    the real ones are checked below on the exec server alone."""
+    _, t = box
+    t.exec(["sh", "-c", "mkdir many && cd many && touch $(seq 21)"])
+    monkeypatch.setattr(env_files, "MAX_LIST", 20)
+    by_count = _refusal(lambda: t.files.list("many"))
+    assert (by_count.status, by_count.code, by_count.field) == (413, "too_large", "path")
+    assert "many: the directory holds over 20 entries" in str(by_count)
+    monkeypatch.setattr(env_files, "MAX_LIST", 100)
+    monkeypatch.setattr(env_files, "MAX_LIST_BYTES", 2000)  # a few entries' worth
+    by_bytes = _refusal(lambda: t.files.list("many"))
+    assert by_bytes.status == 413 and "many: the directory holds over" in str(by_bytes)
+    monkeypatch.setattr(env_files, "MAX_LIST_BYTES", 1 << 20)
+    assert len(t.files.list("many")) == 21
+    assert t.exec(["echo", "the node is still there"]).stdout == "the node is still there\n"
+
+
+def test_a_listing_is_held_to_what_one_reply_carries_at_the_real_bounds(
+    execd: Built, tmp_path: Path
+) -> None:
+    """Names of 255 bytes that JSON escapes six-fold make each entry about 3 KiB in the
+    reply: the listing is refused by its bytes (16 MiB), long before its count (100,000),
+    and what it would answer at the bound fits one frame of the agent's link (64 MiB)."""
+    assert execd.path is not None
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(6000):
+        name = f"{i:05d}".encode() + b"\x01" * 250
+        os.close(os.open(os.fsencode(many) + b"/" + name, os.O_CREAT | os.O_WRONLY, 0o644))
+    files = EnvFiles(one_shot(execd.path, tmp_path), "/")
+    with pytest.raises(FileError) as refused:
+        asyncio.run(files.list("/many"))
+    assert refused.value.errno == errno.E2BIG and "/many: " in str(refused.value)
+    for extra in os.listdir(many)[5000:]:
+        os.unlink(many / extra)
+    kept = asyncio.run(files.list("/many"))
+    reply = AgentReply(rid=1, ok=True, files=FilesOutcome(entries=kept)).model_dump_json()
+    assert 0.9 * env_files.MAX_LIST_BYTES < len(reply) < 64 << 20  # (near the bound)
+
+
+def test_a_gzipped_tar_is_held_to_the_file_limit_once_inflated(
+    box: tuple[str, Trajectory],
+) -> None:
+    """A few hundred KiB of gzip may inflate to any size: the tar as inflated counts
+    against admission.maxFileBytes, as a plain one does as sent."""
+    _, t = box
+    bomb = io.BytesIO()
+    with gzip.GzipFile(fileobj=bomb, mode="wb") as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        member = tarfile.TarInfo("zeros.bin")
+        member.size = LIMIT + 1
+        tar.addfile(member, io.BytesIO(bytes(member.size)))
+    assert len(bomb.getvalue()) < LIMIT // 100
+    refused = _refusal(lambda: t.files.write_tar("bomb", bomb.getvalue()))
+    assert (refused.status, refused.field) == (413, "body"), refused
+    assert "once inflated" in str(refused)
+    assert not t.files.exists("bomb/zeros.bin")
+    fine = gzip.compress(tar_of(("ok.txt", tarfile.REGTYPE, b"ok")))
+    assert t.files.write_tar("bomb", fine).members == 1
+
+
+def test_a_hard_link_to_a_symlink_is_judged_where_it_lands(execd: Built, tmp_path: Path) -> None:
+    """A hard link to a symlink is the symlink again, elsewhere: one that stayed inside at
+    its depth but would climb out from the link's is refused, naming the link."""
+    assert execd.path is not None
+    (tmp_path / "env").mkdir()
+    files = EnvFiles(one_shot(execd.path, tmp_path / "env"), "/")
+
+    async def untar(data: bytes) -> int | str:
+        async def body() -> AsyncIterator[bytes]:
+            yield data
+
+        try:
+            return (await files.untar("/", body()))[0]
+        except FileError as e:
+            return f"{e.errno} {e}"
+
+    escape = tar_of(
+        ("a/b/c", tarfile.DIRTYPE, b""),
+        ("a/b/c/up", tarfile.SYMTYPE, "../../.."),  # the root, from a/b/c: inside
+        ("up", tarfile.LNKTYPE, "a/b/c/up"),  # "../../.." from the root: out
+    )
+    answer = str(asyncio.run(untar(escape)))
+    assert answer.startswith(f"{errno.EXDEV} ") and "member up: " in answer, answer
+    assert not os.path.lexists(tmp_path / "env" / "up")
+    assert sorted(os.listdir(tmp_path / "env")) == ["a"]  # no temporary left either
+    same_depth = tar_of(("a/b/c/again", tarfile.LNKTYPE, "a/b/c/up"))
+    assert asyncio.run(untar(same_depth)) == 1
+    assert os.readlink(tmp_path / "env" / "a" / "b" / "c" / "again") == "../../.."
+
+
+@pytest.mark.xdist_group("service")
+def test_a_full_disk_is_a_507_not_a_413(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """No space left (a full disk, a quota) is no fault of the body's size: 507, code
+    no_space, whatever the operation (here a write and a mkdir), naming the path."""
+    with (
+        box_pool(request, "process", tmp_path, max_file_bytes=LIMIT) as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        small = tmp_path / "agent" / "trajectories" / t.id / "small"
+        small.mkdir()
+        mount = ["mount", "-t", "tmpfs", "-o", "size=64k,nr_inodes=8", "tmpfs", str(small)]
+        subprocess.run(mount, check=True, capture_output=True)
+        try:
+            full = _refusal(lambda: t.files.write("small/big.bin", bytes(200_000)))
+            assert (full.status, full.code, full.field) == (507, "no_space", "path"), full
+            assert "small/big.bin: the environment's disk is full" in str(full)
+            with pytest.raises(TangramError) as no_inode:
+                for i in range(100):
+                    t.files.make_dir(f"small/d{i}")
+            assert (no_inode.value.status, no_inode.value.code) == (507, "no_space")
+        finally:
+            subprocess.run(["umount", str(small)], check=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 from hypothesis import given
@@ -71,7 +72,9 @@ def test_a_keepalive_interval_that_is_no_number_of_seconds_is_ignored() -> None:
 
 def test_the_end_event_says_how_the_command_ended() -> None:
     exited = ActionResult(id="a", kind="exec", status=ActionStatus.OK, exit_code=3)
-    assert _end(exited) == {"exitCode": 3, "exited": True, "status": "exit status 3"}
+    assert _end(exited) == {  # (Go's exec.ExitError says the status too)
+        "exitCode": 3, "exited": True, "status": "exit status 3", "error": "exit status 3"
+    }  # fmt: skip
     timed_out = ActionResult(
         id="a", kind="exec", status=ActionStatus.TIMEOUT,
         error=ErrorInfo(code="timeout", message="killed at its 2 s timeout"),
@@ -79,6 +82,23 @@ def test_the_end_event_says_how_the_command_ended() -> None:
     assert _end(timed_out) == {
         "exitCode": -1, "exited": False, "status": "timeout", "error": "killed at its 2 s timeout"
     }  # fmt: skip
+
+
+def test_a_command_killed_by_the_signal_it_was_sent_ends_as_gos_process_state_says() -> None:
+    """128 + the signal this endpoint sent: envd's -1, not exited, "signal: killed"; the
+    same code with no such signal sent is an exit (the agent's result cannot tell)."""
+    killed = ActionResult(id="a", kind="exec", status=ActionStatus.OK, exit_code=137)
+    assert _end(killed, signal.SIGKILL) == {
+        "exitCode": -1, "exited": False, "status": "signal: killed", "error": "signal: killed"
+    }  # fmt: skip
+    terminated = killed.model_copy(update={"exit_code": 143})
+    assert _end(terminated, signal.SIGTERM)["status"] == "signal: terminated"
+    assert _end(terminated, signal.SIGKILL)["status"] == "exit status 143"  # not that one's
+    assert _end(killed) == {
+        "exitCode": 137, "exited": True, "status": "exit status 137", "error": "exit status 137"
+    }  # fmt: skip
+    ok = killed.model_copy(update={"exit_code": 0})
+    assert _end(ok, signal.SIGKILL) == {"exitCode": 0, "exited": True, "status": "exit status 0"}
 
 
 def test_an_entry_is_envds_entry_info() -> None:

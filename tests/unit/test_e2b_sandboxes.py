@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from tangram.api.wire import AgentReply, OpenTrajectory, TrajectoryState
 from tangram.service.e2b import add_e2b_routes, process
-from tangram.service.e2b.sandboxes import Proc, Sandbox, Sandboxes
+from tangram.service.e2b.sandboxes import OUTPUT_BACKLOG, Proc, Sandbox, Sandboxes
 from tangram.service.engine import Engine
 from tangram.service.records import EngineError
 from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, run
@@ -101,18 +101,45 @@ def test_a_reader_that_goes_mid_wait_leaves_no_wait_on_the_output_queue() -> Non
         proc.rec = cast(Any, SimpleNamespace(done=asyncio.get_running_loop().create_future()))
         events = process.events(proc, None)
         assert b'"start"' in await anext(events)
-        queue = proc.events
-        assert queue is not None
+        (queue,) = proc.readers
         reader = asyncio.ensure_future(anext(events))
         await asyncio.sleep(0)  # now waiting for output
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
-        assert proc.events is None  # detached
+        assert proc.readers == []  # detached
         queue.put_nowait(("stdout", "late"))
         for _ in range(3):
             await asyncio.sleep(0)
         assert queue.qsize() == 1  # no forgotten wait of the gone reader took it
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_every_reader_gets_every_event_and_the_command_waits_for_the_slowest() -> None:
+    """As envd fans events out: a second reader takes nothing from the first; the
+    buffers stay bounded, so a reader that does not read holds the command's output."""
+
+    async def scenario() -> None:
+        proc = Proc(1, None, {}, stdin=False, pty=False)
+        first = proc.attach()
+        proc.output("stdout", "before")
+        second = proc.attach()
+        proc.output("stderr", "after")
+        assert [first.get_nowait(), first.get_nowait()] == [("stdout", "before"),
+                                                            ("stderr", "after")]  # fmt: skip
+        assert second.get_nowait() == ("stderr", "after") and second.empty()
+        for i in range(OUTPUT_BACKLOG):
+            proc.output("stdout", str(i))
+        while not first.empty():
+            first.get_nowait()
+        proc.taken()
+        waiting = asyncio.ensure_future(proc.room())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # the second reader has taken none of it
+        proc.detach(second)  # it went: the command goes on
+        await asyncio.wait_for(waiting, 5)
+        assert proc.readers == [first]
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
 

@@ -7,7 +7,9 @@ import errno
 
 import pytest
 
+from tangram.node_agent import env_files
 from tangram.node_agent.env_files import FileError, _refusal, inside
+from tangram.service import files
 
 
 def test_an_exec_server_older_than_the_files_api_is_named_with_what_to_do() -> None:
@@ -26,3 +28,10 @@ def test_a_path_with_dotdot_is_refused_and_relative_ones_start_at_the_workdir() 
     for bad in ("../x", "a/../../b", "", "a\0b"):
         with pytest.raises(FileError):
             inside("/work", bad)
+
+
+def test_both_sides_read_a_writes_keep_flag_the_same_above_the_permission_bits() -> None:
+    """The scheduler sets it in ``AgentFiles.mode`` (an int) for E2B's writes; the agent
+    reads it: one number on both sides, clear of every mode bit a /v1 write may ask."""
+    assert files.KEEP_MODE == env_files.KEEP_MODE
+    assert files.KEEP_MODE & 0o7777 == 0 and files.KEEP_MODE & 0o170000 == 0

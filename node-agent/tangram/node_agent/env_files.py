@@ -23,6 +23,15 @@ from tangram.node_agent.exec_server import Channel
 from tangram.node_agent.execution import ExecError
 
 _TYPES: dict[bytes, FileType] = {b"f": "file", b"d": "dir", b"l": "symlink", b"o": "other"}
+# A listing is one reply on the agent's link, whose frames are at most 64 MiB: it is cut
+# off where it is made, past this many entries or bytes of them as the reply carries them.
+MAX_LIST = 100_000
+MAX_LIST_BYTES = 16 << 20
+# In a write's mode, above the permission bits (``AgentFiles.mode`` is an int): write
+# through a symlink at the path, keeping the mode of the file replaced (E2B's writes, as
+# envd's). Older agents mask it away: the plain write. (``tangram.service.files`` holds
+# the same number.)
+KEEP_MODE = 1 << 16
 
 
 class FileError(ExecError):
@@ -69,6 +78,8 @@ class EnvFiles:
         return entries[0]
 
     async def list(self, path: str) -> list[FileEntry]:
+        """The directory's members; one of more than ``MAX_LIST`` (or ``MAX_LIST_BYTES``
+        of them in the reply) is refused (``E2BIG``), read no further."""
         full = inside(self.workdir, path)
         return await self._entries("list", full, full)
 
@@ -76,14 +87,23 @@ class EnvFiles:
         chan = await self._ask(op, path)
         try:
             found: builtins.list[FileEntry] = []
+            size = 0
             while True:
                 kind, data = await _answer(chan)
-                if kind == b"1":
-                    found.append(entry(data, parent))
-                else:
+                if kind != b"1":
                     return found
+                found.append(entry(data, parent))
+                size += len(found[-1].model_dump_json()) + 1
+                if len(found) > MAX_LIST or size > MAX_LIST_BYTES:
+                    raise FileError(
+                        errno.E2BIG,
+                        f"{path}: the directory holds over {MAX_LIST} entries or "
+                        f"{MAX_LIST_BYTES >> 20} MiB of them, more than one listing answers; "
+                        "list a directory below it, or go through it with a command "
+                        "(ls, find)",
+                    )
         finally:
-            chan.close()
+            chan.close()  # (one cut off: the server stops at its next entry)
 
     async def _opened(self, op: str, path: str) -> tuple[Channel, FileEntry]:
         """A read or a tar begun: its channel, and the entry the server sends first."""
@@ -143,8 +163,11 @@ class EnvFiles:
 
     async def write(self, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
         """Write the file whole from ``chunks``: it appears at ``path`` only once all of
-        it is written (a reader sees the old file or the new one), with ``mode``."""
-        return int(await self._send("write", path, chunks, f"{mode & 0o7777:o}"))
+        it is written (a reader sees the old file or the new one), with ``mode``. With
+        ``KEEP_MODE`` in ``mode``: a symlink at ``path`` is written through (to a file
+        inside the environment), and a file replaced keeps its mode."""
+        arg = f"{mode & 0o7777:o}" + (":keep" if mode & KEEP_MODE else "")
+        return int(await self._send("write", path, chunks, arg))
 
     async def untar(self, path: str, chunks: AsyncIterable[bytes]) -> tuple[int, int]:
         """Extract the tar (or gzipped tar) of ``chunks`` into the directory ``path``,

@@ -19,6 +19,11 @@
  *                      sends 'I' data... and 'E'; the file is renamed over PATH (atomic:
  *                      readers see the old file or the whole new one), 'X' bytes written.
  *                      If the agent goes before 'E', the temporary file is removed.
+ *                      MODE "644:keep" (E2B's writes, as envd's): a symlink at PATH is
+ *                      written through, to the file it leads to (resolved as any path is:
+ *                      one leading out is refused), and a file replaced keeps its mode and,
+ *                      where the server may set it, its owner; 644 is a new file's mode.
+ *                      (An older server reads "644:keep" as 644.)
  *   list PATH          '1' an entry per directory member, 'X' "0"
  *   stat PATH          '1' the entry of PATH itself (a symlink is not followed)
  *   mkdir PATH         with its parents; 'X' "1" made, "0" it was a directory already
@@ -198,12 +203,74 @@ static int op_read(int sock, const char *path) {
     return send_text(sock, 'X', "0");
 }
 
+/* The parent directory of PATH (absolute; ".." components allowed: they are a symlink
+ * target's, resolved by openat2 within the root as the kernel resolves them), opened, and
+ * its last component, in DIR; like open_parent otherwise. */
+static int open_parent_raw(const char *path, char *dir, size_t dirlen, const char **base) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    if (n >= dirlen) return errno = ENAMETOOLONG, -1;
+    memcpy(dir, path, n);
+    dir[n] = '\0';
+    char *slash = strrchr(dir, '/');
+    *base = slash ? slash + 1 : dir;
+    if (**base == '\0' || strcmp(*base, ".") == 0 || strcmp(*base, "..") == 0)
+        return errno = EISDIR, -1; /* a directory, not a file to write */
+    if (slash) *slash = '\0';
+    const char *rel = dir;
+    while (*rel == '/') rel++;
+    int fd = open_at(files_root, files_resolve, *rel ? rel : ".", O_RDONLY | O_DIRECTORY);
+    if (slash) *slash = '/';
+    return fd;
+}
+
+/* Follows a symlink at *BASE in *DFD (PATH's last component, PATH in DIR) to what it leads
+ * to, hop by hop, until what is there is no symlink or nothing: *DFD and *BASE then name
+ * it. A target is resolved as the link's directory followed by the target (what the
+ * kernel does), from the root with the server's RESOLVE flags: in a container it stays in
+ * the container's root, in the process runtime's directory a target leading out of it is
+ * refused (EXDEV), an absolute one too (as RESOLVE_BENEATH refuses it). */
+static int follow_last(int *dfd, const char **base, char *dir, size_t dirlen) {
+    for (int hops = 0;; hops++) {
+        struct stat st;
+        if (fstatat(*dfd, *base, &st, AT_SYMLINK_NOFOLLOW) < 0) return errno == ENOENT ? 0 : -1;
+        if (!S_ISLNK(st.st_mode)) return 0;
+        if (hops >= 40) return errno = ELOOP, -1; /* as the kernel's limit */
+        char target[4096], next[8200];
+        ssize_t n = readlinkat(*dfd, *base, target, sizeof target - 1);
+        if (n <= 0) return n == 0 ? (errno = ENOENT, -1) : -1;
+        target[n] = '\0';
+        if (target[n - 1] == '/') return errno = EISDIR, -1; /* a directory's name */
+        if (target[0] == '/') {
+            if (files_resolve & RESOLVE_BENEATH) return errno = EXDEV, -1;
+            snprintf(next, sizeof next, "%s", target);
+        } else {
+            size_t keep = (size_t)(*base - dir); /* the link's directory, with its '/' */
+            snprintf(next, sizeof next, "%.*s%s", (int)keep, dir, target);
+        }
+        close(*dfd);
+        if ((*dfd = open_parent_raw(next, dir, dirlen, base)) < 0) return -1;
+    }
+}
+
 static int op_write(int sock, const char *path, const char *mode_text) {
     char dir[4096];
     const char *base;
-    mode_t mode = (mode_t)(strtoul(mode_text, NULL, 8) & 07777);
+    char *rest;
+    mode_t mode = (mode_t)(strtoul(mode_text, &rest, 8) & 07777);
+    int keep = strcmp(rest, ":keep") == 0;
     int dfd = open_parent(path, dir, sizeof dir, &base);
     if (dfd < 0) return fail(sock, errno, "write", path);
+    struct stat old;
+    int replaces = 0;
+    if (keep) {
+        if (follow_last(&dfd, &base, dir, sizeof dir) < 0) return fail(sock, errno, "write", path);
+        if (fstatat(dfd, base, &old, AT_SYMLINK_NOFOLLOW) == 0) {
+            if (S_ISDIR(old.st_mode)) return fail(sock, EISDIR, "write", path);
+            replaces = S_ISREG(old.st_mode);
+            if (replaces) mode = old.st_mode & 07777;
+        }
+    }
     char tmp[600];
     if (snprintf(tmp, sizeof tmp, ".%.200s.tangram-%d", base, (int)getpid()) >= (int)sizeof tmp)
         return fail(sock, ENAMETOOLONG, "write", path);
@@ -224,6 +291,9 @@ static int op_write(int sock, const char *path, const char *mode_text) {
         free(data);
         if (type == 'E') break;
     }
+    /* The owner first: a chown clears set-id bits, which the mode then sets again. Not
+     * permitted (the file was another user's): the writer's, as any new file is. */
+    if (!err && replaces && fchown(fd, old.st_uid, old.st_gid) < 0 && errno != EPERM) err = errno;
     if (!err && fchmod(fd, mode) < 0) err = errno;
     if (close(fd) < 0 && !err) err = errno; /* a full disk may show only here */
     if (!err && renameat(dfd, tmp, dfd, base) < 0) err = errno;

@@ -15,8 +15,8 @@
  * Extraction stays beneath PATH whatever the tar says: each member is resolved from
  * PATH's descriptor with RESOLVE_BENEATH, so a ".." member name (refused up front), an
  * absolute symlink or one climbing above PATH (judged by its directory's real depth,
- * with ".." allowed only ahead of names), and a member written through a symlink out
- * are all refused, never followed. Each file lands whole (a temporary beside
+ * with ".." allowed only ahead of names; a hard link to a symlink is judged so where it
+ * lands), and a member written through a symlink out are all refused, never followed. Each file lands whole (a temporary beside
  * it, then a rename), directory modes are set once their members are in, set-id bits
  * are dropped and devices and FIFOs refused. A tar that fails midway keeps the members
  * before the failure: the answer names the member that failed.
@@ -428,11 +428,24 @@ static int symlink_member(int dirfd, const char *tmp, void *target) {
     return symlinkat((const char *)target, dirfd, tmp);
 }
 
-struct hard_link { int fd; const char *base; };
+struct hard_link { int fd; const char *base; int depth, out; };
 
+/* A hard link to a symlink is that symlink again, in a new place: judged there as a
+ * symlink member is (on what was linked, so a source swapped meanwhile changes nothing),
+ * or a symlink that stayed beneath where it was would lead out from where it lands. */
 static int link_member(int dirfd, const char *tmp, void *arg) {
     struct hard_link *from = arg;
-    return linkat(from->fd, from->base, dirfd, tmp, 0);
+    if (linkat(from->fd, from->base, dirfd, tmp, 0) < 0) return -1;
+    struct stat st;
+    if (fstatat(dirfd, tmp, &st, AT_SYMLINK_NOFOLLOW) < 0) return -1;
+    if (!S_ISLNK(st.st_mode)) return 0;
+    char target[4096];
+    ssize_t n = readlinkat(dirfd, tmp, target, sizeof target - 1);
+    if (n < 0) return -1;
+    target[n] = '\0';
+    if (stays_beneath(from->depth, target)) return 0;
+    from->out = 1;
+    return errno = EXDEV, -1;
 }
 
 /* Extracts member M (its header read, its data next); *why for what is not an errno. */
@@ -482,7 +495,7 @@ static int extract(struct untar *u, struct member *m, const char **why) {
         rc = land(dirfd, base, symlink_member, m->link);
         break;
     case '1': {
-        struct hard_link from;
+        struct hard_link from = {.out = 0};
         char target[4096];
         if (clean(m->link, target) < 0) return *why = dotdot, -1;
         char *slash = strrchr(target, '/');
@@ -491,7 +504,10 @@ static int extract(struct untar *u, struct member *m, const char **why) {
         from.fd = open_at(u->root, BENEATH, slash ? target : ".", O_RDONLY | O_DIRECTORY);
         if (from.fd < 0) return -1;
         if ((dirfd = parent_of(u, name, &base)) >= 0) {
+            from.depth = depth_below(u->root, dirfd);
             rc = land(dirfd, base, link_member, &from);
+            if (rc < 0 && from.out)
+                *why = "it is a hard link to a symlink that leads out of the destination from here";
         }
         int err = errno;
         close(from.fd);

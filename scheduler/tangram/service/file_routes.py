@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from urllib.parse import quote
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.types import Scope
 
@@ -25,8 +25,9 @@ from tangram.api.wire import (
     RenameFile,
     Unpacked,
 )
+from tangram.service.answers import error_body
 from tangram.service.engine import Engine
-from tangram.service.files import Download
+from tangram.service.files import Download, NoSpaceError
 
 FILES = "/v1/trajectories/{trajectory}/files"
 _UPLOAD = re.compile(r"/v1/trajectories/[^/]+/files(/tar)?")
@@ -82,6 +83,13 @@ def add_file_routes(
     app: FastAPI, engine: Engine, tenant: Any, errors: dict[int | str, Any]
 ) -> None:
     """``tenant``: the dependency that names the caller's tenant (``TenantId``)."""
+    errors = {**errors, NoSpaceError.status: errors[413]}
+
+    # (A handler of the most specific class answers: this one, not the app's EngineError's.)
+    @app.exception_handler(NoSpaceError)
+    async def _no_space(_: Request, exc: NoSpaceError) -> JSONResponse:
+        details = [{"field": exc.field, "message": exc.message}]
+        return JSONResponse(error_body(exc.code, str(exc), details), status_code=exc.status)
 
     @app.get(FILES, responses={**errors, 200: _BINARY}, response_class=StreamingResponse)
     async def read_file(trajectory: str, path: Path, who: tenant) -> StreamingResponse:

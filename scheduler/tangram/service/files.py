@@ -13,6 +13,7 @@ import errno
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from tangram.api.gunzip import GzipError, inflated
 from tangram.api.wire import (
     FILES_FEATURE,
     STREAM_CHUNK,
@@ -42,16 +43,37 @@ _KINDS: dict[int, ErrorKind] = {
     errno.EISDIR: "invalid",
     errno.EINVAL: "invalid",
     errno.ENAMETOOLONG: "invalid",
-    errno.ENOSPC: "too_large",
-    errno.EDQUOT: "too_large",
     errno.EFBIG: "too_large",
+    errno.E2BIG: "too_large",  # a directory of more entries than one listing carries
 }
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # not the caller's: ``NoSpaceError``
 _WHY = {
     errno.EXDEV: "it leads out of the environment through a symlink",
     errno.ELOOP: "it goes through a /proc magic link or a symlink loop",
     errno.ENOSPC: "the environment's disk is full or at its limit",
     errno.EDQUOT: "the environment's disk is at its limit",
 }
+
+
+# In a write's mode, above the permission bits: write through a symlink at the path and
+# keep the mode of the file replaced (E2B's writes, as envd's); the agent's
+# ``env_files.KEEP_MODE``, the same number (the wire's mode is an int).
+KEEP_MODE = 1 << 16
+_GZIP = b"\x1f\x8b"
+
+
+class NoSpaceError(EngineError):
+    """The environment's disk is full, or at its limit (ENOSPC, EDQUOT): no fault of the
+    request's size (413) and nothing a retry soon mends, but a state of the environment
+    that freeing space ends. Answered 507 (Insufficient Storage), as envd answers it
+    (E2B's SDK: ``NotEnoughSpaceException``). Its ``kind`` is the nearest of the engine's
+    (``too_large``) for whoever reads only that."""
+
+    status = 507
+    code = "no_space"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__("too_large", field, message)
 
 
 def check_path(path: str, field: str = "path") -> str:
@@ -180,8 +202,11 @@ class Files:
     async def untar(
         self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes]
     ) -> FilesOutcome:
-        """Extract the tar (or gzipped tar) of ``body`` into the directory ``path``."""
-        return await self._upload(tenant, tid, path, body, "untar")
+        """Extract the tar (or gzipped tar) of ``body`` into the directory ``path``. A
+        gzipped one is inflated here, held to ``admission.maxFileBytes`` as inflated (a
+        plain tar is held to it as sent): a small body may inflate to any size."""
+        plain = tar_inflated(body, self.state.config.max_file_bytes)
+        return await self._upload(tenant, tid, path, plain, "untar")
 
     async def _upload(
         self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes], action: FileOp,
@@ -206,6 +231,49 @@ class Files:
         return done
 
 
+async def inflated_within(body: AsyncIterable[bytes], limit: int) -> AsyncIterator[bytes]:
+    """``body``, gzip, inflated a bounded piece at a time and held to ``limit`` bytes
+    (``admission.maxFileBytes``) once inflated, as a plain body is as sent: a body that
+    inflates past it is ``too_large``, one that is not whole gzip (empty, cut short,
+    trailing bytes) ``invalid``, both naming ``body``. The one way every gzip upload (a
+    file through E2B's envd, a tar through the files API) is read."""
+    size = 0
+    try:
+        async for piece in inflated(body):
+            size += len(piece)
+            if size > limit:
+                why = f"over {limit} bytes once inflated (admission.maxFileBytes)"
+                raise EngineError("too_large", "body", why)
+            yield piece
+    except GzipError as e:
+        raise EngineError("invalid", "body", str(e)) from None
+
+
+async def tar_inflated(body: AsyncIterable[bytes], limit: int) -> AsyncIterator[bytes]:
+    """A tar's body as it is, or, if it begins as gzip does, ``inflated_within`` the
+    limit."""
+    source = aiter(body)
+    first = b""
+    async for chunk in source:
+        first += chunk
+        if len(first) >= len(_GZIP):
+            break
+    rest = _then(first, source)
+    if not first.startswith(_GZIP):
+        async for chunk in rest:
+            yield chunk
+        return
+    async for piece in inflated_within(rest, limit):
+        yield piece
+
+
+async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
 async def _whole_chunks(body: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     """``body`` in pieces of ``STREAM_CHUNK`` (the last one shorter): an HTTP body comes
     in pieces of a few KiB, and each message on the link costs as much as its bytes."""
@@ -228,6 +296,7 @@ def _outcome(reply: AgentReply, path: str, told: bool = False) -> FilesOutcome:
     if reply.errno is None:  # not the environment's refusal: the trajectory or its agent
         raise EngineError("unavailable" if reply.retryable else "failed", "trajectory", message)
     why = None if told else _WHY.get(reply.errno)
-    raise EngineError(
-        _KINDS.get(reply.errno, "failed"), "path", f"{path}: {why}" if why else message
-    )
+    said = f"{path}: {why}" if why else message
+    if reply.errno in _NO_SPACE:
+        raise NoSpaceError("path", said)
+    raise EngineError(_KINDS.get(reply.errno, "failed"), "path", said)

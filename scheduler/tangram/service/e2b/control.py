@@ -4,11 +4,13 @@ and kill sandboxes. The API key is a tenant token of this service.
 No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
 """
 
+import base64
 import datetime as dt
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
+from urllib.parse import unquote_plus
 
-from fastapi import APIRouter, Depends, Header, Response
+from fastapi import APIRouter, Depends, Header, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
@@ -26,6 +28,8 @@ ENVD_VERSION = "0.5.7"  # the envd whose API is served: octet-stream uploads, st
 Admit = Callable[[str | None], Awaitable[str]]  # a token to its tenant, or E2BError
 
 Timeout = Annotated[int, Field(ge=1, le=MAX_TIMEOUT_S, description="seconds from now")]
+PAGE = 100  # sandboxes a page of the list holds by default and at most, as E2B's API
+STATES = ("running", "paused")  # E2B's; these sandboxes are only ever running
 
 
 class _Body(BaseModel):
@@ -118,10 +122,54 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
                                          req.env_vars)  # fmt: skip
             return sandbox(box, key)
 
-        @router.get(path)
-        async def list_sandboxes(who: tenant) -> list[SandboxDetail]:
-            """The caller's sandboxes made through this endpoint, all running."""
-            return [detail(box) for box in sandboxes.mine(who)]
+    @router.get("/sandboxes")
+    async def list_sandboxes(
+        who: tenant,
+        metadata: Annotated[str | None, Query(description=_METADATA)] = None,
+    ) -> list[SandboxDetail]:
+        """The caller's sandboxes made through this endpoint (all running), newest first,
+        those whose metadata has every pair of ``metadata`` only."""
+        return [detail(box) for box in _listed(sandboxes.mine(who), _pairs(metadata))]
+
+    @router.get("/v2/sandboxes")
+    async def list_sandboxes_v2(
+        who: tenant,
+        response: Response,
+        *,
+        metadata: Annotated[str | None, Query(description=_METADATA)] = None,
+        state: Annotated[
+            list[str] | None, Query(description="running, paused (comma separated or repeated)")
+        ] = None,
+        template: Annotated[str | None, Query(description="its TrajectoryEnv")] = None,
+        started_after: Annotated[dt.datetime | None, Query(alias="startedAfter")] = None,
+        order: Literal["asc", "desc"] = "desc",
+        limit: Annotated[int, Query(ge=1, description=f"at most {PAGE} are given")] = PAGE,
+        next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+    ) -> list[SandboxDetail]:
+        """The caller's sandboxes made through this endpoint that match every filter
+        given, a page of ``limit`` at a time (newest first unless ``order=asc``); the
+        ``X-Next-Token`` header, when more follow, is the next page's ``nextToken``. All
+        are running: a query for paused ones only answers none."""
+        wanted = {s.strip() for given in state or [] for s in given.split(",") if s.strip()}
+        if unknown := wanted - set(STATES):
+            raise E2BError(400, f"state: {sorted(unknown)} (known: {', '.join(STATES)})")
+        boxes = _listed(sandboxes.mine(who), _pairs(metadata), order == "asc")
+        if wanted and "running" not in wanted:
+            boxes = []
+        if template is not None:
+            boxes = [box for box in boxes if box.trajectory.env == template]
+        if started_after is not None:
+            if started_after.tzinfo is None:  # (E2B's SDK sends one with its zone)
+                started_after = started_after.astimezone()
+            since = started_after.timestamp()
+            boxes = [box for box in boxes if box.trajectory.opened_at >= since]
+        if next_token is not None:
+            after = _cursor(next_token, order)
+            boxes = [box for box in boxes if _key(box, order == "asc") > after]
+        page = boxes[: min(limit, PAGE)]
+        if len(boxes) > len(page):
+            response.headers["X-Next-Token"] = _token(page[-1], order)
+        return [detail(box) for box in page]
 
     @router.get("/sandboxes/{sandbox_id}")
     async def get_sandbox(sandbox_id: str, who: tenant) -> SandboxDetail:
@@ -169,6 +217,56 @@ def _not_served(done: str, tenant: Any) -> Callable[..., Awaitable[Response]]:
                        f"(sandbox {sandbox_id} is unchanged)")  # fmt: skip
 
     return not_served
+
+
+_METADATA = (
+    "key=value pairs joined by '&', each key and value percent-encoded and then "
+    "the whole once more (as E2B's SDK sends them): every pair must match"
+)
+
+
+def _pairs(query: str | None) -> dict[str, str]:
+    """The metadata pairs a list asks for, read as E2B's API reads them: the whole
+    unescaped, split at '&' and '=', each key and value unescaped again."""
+    if not query:
+        return {}
+    pairs = {}
+    for pair in unquote_plus(query).split("&"):
+        parts = pair.split("=")
+        if len(parts) != 2:
+            raise E2BError(400, f"metadata: {pair!r} is no key=value pair")
+        pairs[unquote_plus(parts[0])] = unquote_plus(parts[1])
+    return pairs
+
+
+def _listed(boxes: list[Sandbox], pairs: dict[str, str], ascending: bool = False) -> list[Sandbox]:
+    """The sandboxes whose metadata has every pair, in the list's order (by start, the
+    newest first unless ``ascending``; then by id)."""
+    chosen = [box for box in boxes if all(box.metadata.get(k) == v for k, v in pairs.items())]
+    return sorted(chosen, key=lambda box: _key(box, ascending))
+
+
+def _key(box: Sandbox, ascending: bool) -> tuple[float, str]:
+    opened = box.trajectory.opened_at
+    return (opened if ascending else -opened, box.id)
+
+
+def _token(box: Sandbox, order: str) -> str:
+    """The next page's token: where this page ended, in the order it was listed by."""
+    text = f"{box.trajectory.opened_at!r}__{box.id}__{order}"
+    return base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def _cursor(token: str, order: str) -> tuple[float, str]:
+    try:
+        opened, rest = base64.urlsafe_b64decode(token.encode()).decode().split("__", 1)
+        sid, made_for = rest.rsplit("__", 1)  # (an id of /v1 may hold "__")
+        at = float(opened)
+    except ValueError:  # (binascii's and the decoding's errors too)
+        raise E2BError(400, "nextToken: not a token this list gave") from None
+    if made_for != order:
+        raise E2BError(400, f"nextToken: given for order={made_for}, not {order}")
+    return (at if order == "asc" else -at, sid)
 
 
 def _invalid(message: str) -> PydanticCustomError:

@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 from starlette.types import Scope
 
-from tangram.api.gunzip import GzipError, inflated
 from tangram.api.wire import MAX_PATH, STREAM_CHUNK, FileEntry
 from tangram.service.e2b import process
 from tangram.service.e2b.connect import (
@@ -36,6 +35,7 @@ from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.sandboxes import Sandbox, Sandboxes
 from tangram.service.engine import Engine
 from tangram.service.file_routes import download_response
+from tangram.service.files import KEEP_MODE, check_path, inflated_within
 from tangram.service.records import EngineError
 
 _TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
@@ -119,17 +119,25 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
                 raise E2BError(400, "path: required for an octet-stream upload")
             body: AsyncIterator[bytes] = request.stream()
             if request.headers.get("content-encoding", "").lower() == "gzip":
-                body = _gunzip(body, engine.config.max_file_bytes)
+                # The file it makes is held to admission.maxFileBytes, not just its
+                # compressed bytes (413); a body that is no whole gzip is 400.
+                body = inflated_within(body, engine.config.max_file_bytes)
             written.append(await _write(who, box, path, body))
         return written
+
+    async def _parents(who: str, box: Sandbox, path: str) -> None:
+        """Make the directories that will hold ``path``, as envd's writes and moves do."""
+        parent = path.rstrip("/").rpartition("/")[0]
+        if parent not in ("", "."):
+            await files.ask(who, box.id, "mkdir", parent)
 
     async def _write(
         who: str, box: Sandbox, path: str, body: AsyncIterator[bytes]
     ) -> dict[str, str]:
-        parent = path.rstrip("/").rpartition("/")[0]
-        if parent not in ("", "."):
-            await files.ask(who, box.id, "mkdir", parent)  # E2B's writes make their parents
-        await files.write(who, box.id, path, body, 0o644)
+        await _parents(who, box, path)
+        # As envd's: through a symlink (to a file inside the sandbox), keeping the mode of
+        # a file it replaces (0644 for a new one); still whole or not at all.
+        await files.write(who, box.id, path, body, 0o644 | KEEP_MODE)
         entry = (await files.ask(who, box.id, "stat", path)).entry
         assert entry is not None
         return {"name": entry.name, "type": "file", "path": entry.path}
@@ -160,18 +168,30 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         return entry_info(found.entry)
 
     async def list_dir(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
+        """envd's ListDir: no pagination, so a listing past ``MAX_LIST`` entries (or one
+        directory past what the agent's link carries in one answer) is refused, naming
+        the directory and the limit. Not with resource_exhausted, which E2B's SDK reads
+        as "rate limited, try again later": asking again changes nothing."""
         found: list[dict[str, Any]] = []
-        level = [_path(msg, "path")]
+        top = _path(msg, "path")
+        level = [top]
         for _ in range(_depth(msg)):
             below = []
             for directory in level:
-                for e in (await _ask(who, box, "list", directory)).entries:
-                    found.append(entry_info(e))
-                    if e.type == "dir":
-                        below.append(e.path)
+                try:
+                    listed = await files.ask(who, box.id, "list", directory)
+                except EngineError as e:
+                    if e.kind == "too_large" and e.field == "path":
+                        raise ConnectError("failed_precondition", str(e)) from None
+                    raise process.from_engine(e) from None
+                for member in listed.entries:
+                    found.append(entry_info(member))
+                    if member.type == "dir":
+                        below.append(member.path)
                     if len(found) > MAX_LIST:
-                        too_many = f"over {MAX_LIST} entries: list with less depth"
-                        raise ConnectError("resource_exhausted", too_many)
+                        too_many = (f"{top}: over {MAX_LIST} entries at this depth; list it "
+                                    "with less depth, or a directory below it")  # fmt: skip
+                        raise ConnectError("failed_precondition", too_many)
             if not below:
                 break  # the tree ends here, whatever depth was asked
             level = below
@@ -184,12 +204,22 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         return {"entry": await _entry(who, box, path)}
 
     async def remove(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
-        await _ask(who, box, "remove", _path(msg, "path"))
+        """As envd's (Go's os.RemoveAll): a path that is not there is no error."""
+        try:
+            await files.ask(who, box.id, "remove", _path(msg, "path"))
+        except EngineError as e:
+            if not (e.kind == "not_found" and e.field == "path"):  # (not a missing sandbox)
+                raise process.from_engine(e) from None
         return {}
 
     async def move(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
-        to = _path(msg, "destination")
-        await _ask(who, box, "rename", _path(msg, "source"), to=to)
+        """As envd's: the destination's missing parent directories are made first."""
+        source, to = _path(msg, "source"), _path(msg, "destination")
+        try:
+            await _parents(who, box, check_path(to, "to"))
+        except EngineError as e:
+            raise process.from_engine(e) from None
+        await _ask(who, box, "rename", source, to=to)
         return {"entry": await _entry(who, box, to)}
 
     async def _ask(who: str, box: Sandbox, op: Any, path: str, **kw: Any) -> Any:
@@ -311,21 +341,6 @@ def _unimplemented(what: str) -> Response:
 async def _part(part: UploadFile) -> AsyncIterator[bytes]:
     while chunk := await part.read(STREAM_CHUNK):
         yield chunk
-
-
-async def _gunzip(body: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
-    """The body inflated a bounded piece at a time; the file it makes is held to
-    ``admission.maxFileBytes`` as a plain body is (413), not just its compressed bytes."""
-    size = 0
-    try:
-        async for piece in inflated(body):
-            size += len(piece)
-            if size > limit:
-                raise E2BError(413, f"body: over {limit} bytes once inflated "
-                               "(admission.maxFileBytes)")  # fmt: skip
-            yield piece
-    except GzipError as e:
-        raise E2BError(400, f"body: {e}") from None
 
 
 _UPLOAD_DOC = {

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from tangram.service.answers import RETRY_AFTER_S, RETRY_STATUS, STATUS, invalid
+from tangram.service.files import NoSpaceError
 from tangram.service.records import EngineError
 
 
@@ -37,7 +38,9 @@ def answer(status: int, message: str) -> JSONResponse:
 
 
 def from_engine(e: EngineError) -> JSONResponse:
-    return answer(STATUS[e.kind], str(e))
+    """The engine's error in E2B's shape; a full disk is envd's 507 (the SDK's
+    ``NotEnoughSpaceException``)."""
+    return answer(e.status if isinstance(e, NoSpaceError) else STATUS[e.kind], str(e))
 
 
 class E2BRoute(APIRoute):
@@ -63,5 +66,6 @@ class E2BRoute(APIRoute):
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": E2BErrorBody} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503)
+    code: {"model": E2BErrorBody}
+    for code in (400, 401, 403, 404, 409, 413, 429, 502, 503, NoSpaceError.status)
 }

@@ -21,12 +21,15 @@ from tangram.api.wire import ActionResult, ExecRequest, env_problem
 from tangram.service.e2b.connect import KIND_CODE, ConnectError, end_of_stream, envelope
 from tangram.service.e2b.sandboxes import Proc, Sandbox
 from tangram.service.engine import Engine
+from tangram.service.files import NoSpaceError
 from tangram.service.live import LiveExec
 from tangram.service.records import EngineError
 
 # envd's signals, by name or (proto JSON allows both) by number.
 SIGNALS: dict[object, int] = {"SIGNAL_SIGTERM": signal.SIGTERM, "SIGNAL_SIGKILL": signal.SIGKILL,
                               15: signal.SIGTERM, 9: signal.SIGKILL}  # fmt: skip
+# What Go (envd's ProcessState) calls a signal a command died of.
+_GO_NAMES: dict[int, str] = {signal.SIGKILL: "killed", signal.SIGTERM: "terminated"}
 # A command asked to run in another directory: the exec runs in the environment's
 # workdir, so a shell moves first ($0 is the directory, "$@" the command).
 _CD = 'cd -- "$0" && exec "$@"'
@@ -86,7 +89,7 @@ async def events(proc: Proc, keepalive_s: float | None) -> AsyncIterator[bytes]:
             if done in ready:
                 while not queue.empty():  # what came before it ended
                     yield _data(*queue.get_nowait())
-                yield envelope({"event": {"end": _end(done.result())}})
+                yield envelope({"event": {"end": _end(done.result(), proc.signalled)}})
                 yield end_of_stream()
                 return
             yield envelope({"event": {"keepalive": {}}})
@@ -137,6 +140,7 @@ def send_signal(proc: Proc, msg: dict[str, Any]) -> None:
     if number is None:
         raise ConnectError("invalid_argument", f"signal: {msg.get('signal')!r} is not one of "
                            "SIGNAL_SIGTERM, SIGNAL_SIGKILL")  # fmt: skip
+    proc.signalled = number
     proc.live.signal(number)
 
 
@@ -150,6 +154,10 @@ def listed(box: Sandbox) -> dict[str, Any]:
 
 
 def from_engine(e: EngineError) -> ConnectError:
+    if isinstance(e, NoSpaceError):
+        # Not resource_exhausted, which E2B's SDK reads as rate limiting ("try again
+        # later"): nothing changes until space is freed. (SandboxException in the SDK.)
+        return ConnectError("failed_precondition", str(e))
     return ConnectError(KIND_CODE.get(e.kind, "internal"), str(e))
 
 
@@ -157,16 +165,29 @@ def _data(kind: str, text: str) -> bytes:
     return envelope({"event": {"data": {kind: base64.b64encode(text.encode()).decode()}}})
 
 
-def _end(result: ActionResult) -> dict[str, Any]:
-    """envd's end event for the action's result."""
+def _end(result: ActionResult, signalled: int | None = None) -> dict[str, Any]:
+    """envd's end event for the action's result, as Go's ProcessState says it: an exit's
+    code and status, and for a non-zero one the same as ``error``; a death by a signal
+    exit code -1, not exited, "signal: killed".
+
+    The agent's result gives a signal death as 128 + the signal, as shells do, which an
+    exit with that code is too: it is read as the death only for the signal this endpoint
+    sent the command (SendSignal, ``signalled``). A command killed otherwise (by itself,
+    another process, the kernel) ends as "exit status 137" here.
+    """
     end: dict[str, Any] = {}
-    if result.exit_code is not None:
-        end.update(exitCode=result.exit_code, exited=True,
-                   status=f"exit status {result.exit_code}")  # fmt: skip
+    code = result.exit_code
+    if code is not None and signalled in _GO_NAMES and code == 128 + signalled:
+        status = f"signal: {_GO_NAMES[signalled]}"
+        end.update(exitCode=-1, exited=False, status=status, error=status)
+    elif code is not None:
+        end.update(exitCode=code, exited=True, status=f"exit status {code}")
+        if code != 0:
+            end["error"] = end["status"]  # (Go's exec.ExitError says the same)
     else:
         end.update(exitCode=-1, exited=False, status=str(result.status))
     if result.error is not None:
         end["error"] = result.error.message
-    elif result.exit_code is None:
+    elif code is None:
         end["error"] = f"the command ended {result.status}"
     return end

@@ -44,35 +44,41 @@ class Proc:
     pty: bool
     rec: ActionRecord = field(init=False)  # once submitted
     live: LiveExec = field(init=False)
-    # Its output on the way to the stream reading it; None while no stream does (E2B's
-    # disconnect leaves the command running: its output is then dropped, not held).
-    events: asyncio.Queue[tuple[str, str]] | None = None
+    # Its output on the way to each stream reading it: every reader gets every event from
+    # when it attached, as envd fans them out. None reading (E2B's disconnect leaves the
+    # command running): its output is dropped, not held.
+    readers: list[asyncio.Queue[tuple[str, str]]] = field(default_factory=list)
+    signalled: int | None = None  # the last signal SendSignal sent it
     _room: asyncio.Event = field(default_factory=asyncio.Event)
 
     def output(self, kind: str, text: str) -> None:
-        if self.events is not None:
-            self.events.put_nowait(("pty" if self.pty else kind, text))
+        event = ("pty" if self.pty else kind, text)
+        for queue in self.readers:
+            queue.put_nowait(event)
+
+    def _full(self) -> bool:
+        return any(queue.qsize() >= OUTPUT_BACKLOG for queue in self.readers)
 
     async def room(self) -> None:
-        """Until its reader has taken enough of its output (its command waits meanwhile)."""
-        while self.events is not None and self.events.qsize() >= OUTPUT_BACKLOG:
+        """Until each reader has taken enough of its output (its command waits meanwhile,
+        for the slowest reader)."""
+        while self._full():
             self._room.clear()
             await self._room.wait()
 
     def taken(self) -> None:
-        if self.events is None or self.events.qsize() < OUTPUT_BACKLOG:
+        if not self._full():
             self._room.set()
 
     def attach(self) -> asyncio.Queue[tuple[str, str]]:
-        """A new reader: it gets the output from now on (one reader at a time)."""
-        self.events = asyncio.Queue()
-        self._room.set()
-        return self.events
+        """A new reader: it gets the output from now on, beside any reader already there."""
+        queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self.readers.append(queue)
+        return queue
 
-    def detach(self, events: asyncio.Queue[tuple[str, str]]) -> None:
-        if self.events is events:
-            self.events = None
-            self._room.set()
+    def detach(self, queue: asyncio.Queue[tuple[str, str]]) -> None:
+        self.readers = [q for q in self.readers if q is not queue]
+        self.taken()  # (a command that waited for this reader goes on)
 
 
 @dataclass(eq=False)
