@@ -11,13 +11,22 @@ submitted ``think_s`` after the previous action completes). The driver calls
 * FCFS (``ordering="fcfs"``): nothing overtakes a waiting action on a resource it needs
   (details in ``check_fcfs``);
 * liveness: the workload runs to completion in a bounded number of rounds, never with
-  a queued action, nothing running and nothing to wake up for.
+  a queued action, nothing running and nothing to wake up for;
+* bookkeeping: the GPUs' running instances are exactly the running calls' (none left
+  behind), every trajectory counts exactly its queued and running actions, and each
+  node's thinking trajectories are its placed ones with none.
+
+With a node drained (and maybe back later), the runs on its cores or GPUs end there and
+the others go on; an action the pool cannot host meanwhile holds nothing back (it is
+exempt from the FCFS check, and the rest must still complete), and one still waiting
+for a node that never comes back ends by its queue timeout.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -75,9 +84,17 @@ class Traj:
 
 
 @dataclass(frozen=True)
+class Drain:
+    node: str
+    at: float
+    back_at: float | None  # it joins again, empty, as it was; None: never
+
+
+@dataclass(frozen=True)
 class Workload:
     cluster: ClusterSpec
     trajectories: tuple[Traj, ...]
+    drain: Drain | None = None
 
     @property
     def actions(self) -> int:
@@ -223,6 +240,18 @@ def workloads(draw: st.DrawFn, extra_quotas: bool = True, api: bool | None = Non
 
 
 @st.composite
+def drain_workloads(draw: st.DrawFn) -> Workload:
+    """``workloads`` with one node leaving while actions run: often a CPU node while
+    calls of its trajectories run on a GPU node, or a GPU node under calls of
+    trajectories on the others."""
+    w = draw(workloads())
+    node = draw(st.sampled_from([n.name for n in w.cluster.nodes]))
+    at = draw(st.floats(0.0, 6.0))
+    back = draw(st.one_of(st.none(), st.floats(0.1, 8.0).map(lambda d: at + d)))
+    return Workload(w.cluster, w.trajectories, Drain(node, at, back))
+
+
+@st.composite
 def gpu_workloads(draw: st.DrawFn) -> Workload:
     """Calls of a batching service and of a wide one on a few GPUs: wide calls that fit
     are often better off waiting for more GPUs, while calls of the batching service join
@@ -340,6 +369,7 @@ class Sim:
     aborted: set[str] = field(default_factory=set)
     cancelled: set[str] = field(default_factory=set)
     ahead: dict[Instance, float] = field(default_factory=dict)  # restores ahead -> their end
+    ended: set[str] = field(default_factory=set)  # runs a drain ended (on its units)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -364,13 +394,24 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
         sim.closed.add(tid)
         assert tid not in sched.cpu.placement
 
+    def next_step(tid: str) -> None:
+        """``tid``'s last action ended: its next step after its think time, or its end."""
+        if tid not in sim.aborted and sim.next_step[tid] < len(sim.traj(tid).steps):
+            push(sim.now + sim.traj(tid).steps[sim.next_step[tid]].think_s, "submit", tid)
+        else:
+            close(tid, finished=tid not in sim.aborted)
+
     for t in w.trajectories:
         push(t.arrival_s + t.steps[0].think_s, "submit", t.id)
         if t.abort_s is not None:
             push(t.abort_s, "abort", t.id)
         sched.open_trajectory(t.id, memory_gb=t.memory_gb)
         sim.next_step[t.id] = 0
-    cap = 6 * w.actions + 10
+    if w.drain is not None:
+        push(w.drain.at, "drain", w.drain.node)
+        if w.drain.back_at is not None:
+            push(w.drain.back_at, "join", w.drain.node)
+    cap = 6 * w.actions + 20
     while True:
         # Restores ahead due now end (the worker says so, as the service's engine hears).
         for inst, ready in sorted(sim.ahead.items(), key=lambda kv: (kv[1], str(kv[0]))):
@@ -386,12 +427,17 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
             assert done == asg
             del sim.running[aid]
             tid = sim.traj_of[aid]
-            if tid not in sim.aborted and sim.next_step[tid] < len(sim.traj(tid).steps):
-                push(sim.now + sim.traj(tid).steps[sim.next_step[tid]].think_s, "submit", tid)
-            else:
-                close(tid, finished=tid not in sim.aborted)
+            if tid not in sim.closed:  # (a drain closes a trajectory under its calls elsewhere)
+                next_step(tid)
         while sim.events and sim.events[0][0] <= sim.now:
             _, _, kind, tid = heapq.heappop(sim.events)
+            if kind == "drain":
+                for ended in drain(sim, tid):
+                    next_step(ended)
+                continue
+            if kind == "join":
+                join(sim, tid)
+                continue
             if tid in sim.closed:
                 continue
             if kind == "abort":
@@ -403,7 +449,16 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
             i = sim.next_step[tid]
             sim.next_step[tid] += 1
             aid = f"{tid}.{i}"
-            sched.submit(aid, tid, sim.traj(tid).steps[i].spec, sim.now)
+            try:
+                sched.submit(aid, tid, sim.traj(tid).steps[i].spec, sim.now)
+            except SchedulingError:
+                # A drained node took what it needs (no CPU node, no GPU its service fits,
+                # a smaller largest node): refused at once, and its client gives up.
+                assert w.drain is not None
+                event("a submit refused while a node was away")
+                sim.aborted.add(tid)
+                close(tid, finished=False)
+                continue
             sim.spec[aid] = sim.traj(tid).steps[i].spec
             sim.traj_of[aid] = tid
             sim.submitted_at[aid] = sim.now
@@ -420,11 +475,22 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
         nxt += [sim.events[0][0]] if sim.events else []
         nxt += [rnd.wake_at] if rnd.wake_at is not None else []
         if not nxt:
-            assert not sim.queued, (
-                f"deadlock at t={sim.now}: {sorted(sim.queued)} queued, nothing running, "
+            stuck = sim.queued - sched.stranded
+            assert not stuck, (
+                f"deadlock at t={sim.now}: {sorted(stuck)} queued, nothing running, "
                 f"nothing to wake up for; blocked={rnd.blocked}"
             )
-            break
+            if not sim.queued:
+                break
+            # Only actions no node in the pool can host are left, and none will join:
+            # their queue timeouts end them (a timeout cancels).
+            event("a stranded action timed out")
+            for aid in sorted(sim.queued):
+                tid = sim.traj_of[aid]
+                abort(sim, tid)
+                if tid not in sim.closed:
+                    close(tid, finished=False)
+            continue
         sim.rounds += 1
         assert sim.rounds <= cap, (
             f"no progress after {sim.rounds} rounds; queued {sorted(sim.queued)}"
@@ -434,10 +500,47 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
     assert sim.started | sim.cancelled == set(sim.order)
     assert sim.closed == {t.id for t in w.trajectories}
     assert sched.queued == 0 and not sched.running and not sched.trajectories
-    assert not sched.cpu.placement
+    assert not sched.cpu.placement and not sched.closing and not sched.stranded
     if sim.cancelled:
         event("some actions cancelled")
     return sim
+
+
+def drain(sim: Sim, node: str) -> list[str]:
+    """``node`` leaves: the runs on its cores or GPUs end, and only they; its
+    trajectories close (their queued actions dropped, their runs elsewhere going on).
+    Returns the trajectories that live on after a run of theirs ended (failed)."""
+    sched = sim.sched
+    placed = {t for t, n in sched.cpu.placement.items() if n == node}
+    elsewhere = {a for a, (asg, _) in sim.running.items() if sim.traj_of[a] in placed} - {
+        a for a, (asg, _) in sim.running.items() if asg.node == node
+    }
+    d = sched.drain_node(node)
+    assert set(d.running) == {a for a, (asg, _) in sim.running.items() if asg.node == node}
+    assert set(d.trajectories) == placed
+    assert set(d.dropped) == {a for a in sim.queued if sim.traj_of[a] in placed}
+    assert elsewhere <= set(sched.running), "a run off the drained node was ended"
+    if elsewhere:
+        event("a drain left runs of its trajectories going on elsewhere")
+    if any(sim.traj_of[a] not in placed for a in d.running):
+        event("a drain ended a call of a trajectory on another node")
+    for aid in d.running:
+        del sim.running[aid]
+        sim.ended.add(aid)
+    for aid in d.dropped:
+        sim.queued.discard(aid)
+        sim.cancelled.add(aid)
+    sim.closed.update(placed)
+    return sorted({sim.traj_of[a] for a in d.running} - placed)
+
+
+def join(sim: Sim, name: str) -> None:
+    """The drained node comes back, empty."""
+    spec = next(n for n in sim.cluster.nodes if n.name == name)
+    if spec.cpus:
+        sim.sched.add_node(name, spec.cpus, spec.numa_nodes, spec.memory_gb)
+    if spec.gpus:
+        sim.sched.add_gpu_node(name, spec.gpus, spec.gpu_memory_gb)
 
 
 def abort(sim: Sim, tid: str) -> None:
@@ -466,6 +569,8 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
     queued_before = [a for a in sim.order if a in sim.queued]
     learned = {a: sched.book.learned(sim.spec[a].action_type()) is not None for a in queued_before}
     resident_before = set(sched.gpu.resident)
+    stranded_before = set(sched.stranded)
+    check_stranded(sim)
     plan = sched.plan(now)
     assert dict(sched.cpu.placement) == placed_before, "planning placed a trajectory"
     check_stops_early_on_nothing(plan, plan_round(sched, now, whole_queue=True))
@@ -475,6 +580,8 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
         assert rnd.wake_at > now, "a wake-up time that is not in the future"
     ids = [a.action_id for a in rnd.assignments]
     assert len(ids) == len(set(ids))
+    assert stranded_before.isdisjoint(ids), "an action the pool cannot host started"
+    assert rnd.invalid == ()  # closed loops: a trajectory's next action waits for its last
     for asg in rnd.assignments:
         aid = asg.action_id
         assert aid in sim.queued, f"{aid} started but was not queued"
@@ -505,10 +612,55 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
         name = f"{inst.service}@{inst.chunk.node}:{inst.chunk.start}+{inst.chunk.size}"
         assert inst in sched.gpu.resident or name in evicted, f"{name} vanished"
     check_capacity(sim)
+    check_bookkeeping(sim)
     check_groups(sim, rnd, queued_before)
     if fcfs_check:
-        check_fcfs(sim, rnd, queued_before, placed_before)
+        check_fcfs(sim, rnd, [a for a in queued_before if a not in stranded_before], placed_before)
     return rnd
+
+
+def check_stranded(sim: Sim) -> None:
+    """The actions a round skips as the pool cannot host them are exactly those no node
+    present can: an exec action of an unplaced trajectory whose minimum or memory no node
+    has, a call whose DoPs fit no GPU node."""
+    sched = sim.sched
+    for aid in sim.queued:
+        spec, a = sim.spec[aid], sched.actions[aid]
+        hostable = True
+        if spec.kind is ActionKind.EXEC and sim.traj_of[aid] not in sched.cpu.placement:
+            low = allowed_units(spec.cpu)[0] if spec.cpu is not None else 1
+            mem = sim.traj(sim.traj_of[aid]).memory_gb
+            hostable = any(n.cores >= low and n.memory_gb >= mem for n in sched.cpu.nodes.values())
+        elif spec.kind is ActionKind.SERVICE:
+            hostable = any(sched.gpu.fits(a.service or "", k) for k in a.gpu)
+        assert (aid in sched.stranded) == (not hostable), f"{aid}: hostable {hostable}"
+        if not hostable:
+            event("an action waited for a node that can host it")
+
+
+def check_bookkeeping(sim: Sim) -> None:
+    """What the core counts matches what runs and waits: each running call's instance
+    (nothing left busy by an action that ended), every GPU free or under a running
+    instance, each trajectory's actions in flight, each node's thinking trajectories."""
+    sched = sim.sched
+    calls = Counter(
+        Instance(sim.spec[aid].service or "", asg.chunk)
+        for aid, (asg, _) in sim.running.items()
+        if asg.chunk is not None
+    )
+    assert sched.gpu.busy == dict(calls), "a GPU instance busy with no call, or the reverse"
+    for g in sched.gpu.nodes.values():
+        held = {x for i in calls if i.chunk.node == g.name for x in i.chunk.gpus}
+        assert g.free_gpus + len(held) == g.gpus, f"GPUs of {g.name} lost"
+    for tid, traj in [*sched.trajectories.items(), *sched.closing.items()]:
+        queued = sum(1 for a in sim.queued if sim.traj_of[a] == tid)
+        running = sum(1 for a in sim.running if sim.traj_of[a] == tid)
+        assert traj.in_flight == queued + running, f"{tid}: in flight {traj.in_flight}"
+    assert set(sched.closing).isdisjoint(sched.trajectories)
+    thinking = Counter(
+        n for t, n in sched.cpu.placement.items() if sched.trajectories[t].in_flight == 0
+    )
+    assert sched.returns.thinking == dict(thinking)
 
 
 def check_assignment(sim: Sim, asg: Assignment, learned: bool) -> None:
@@ -543,7 +695,7 @@ def check_capacity(sim: Sim) -> None:
     sched = sim.sched
     running = [asg for asg, _ in sim.running.values()]
     for node in sim.cluster.nodes:
-        if not node.cpus:
+        if not node.cpus or node.name not in sched.cpu.nodes:  # (drained)
             continue
         held = [c for a in running if a.node == node.name for c in a.cores]
         assert len(held) == len(set(held)), f"a core of {node.name} is held twice"
@@ -846,6 +998,15 @@ def test_calls_passing_a_quota_waiter_keep_the_invariants(w: Workload) -> None:
 @given(workloads(), st.integers(1, 3))
 def test_max_candidates_keeps_the_invariants(w: Workload, limit: int) -> None:
     simulate(w, SchedulerConfig(max_candidates=limit), fcfs_check=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(drain_workloads(), st.sampled_from(["hold", "pass"]))
+def test_node_drains_keep_the_invariants(w: Workload, waiting: str) -> None:
+    """A node leaves (and maybe comes back) while actions run on it and elsewhere: the
+    runs on it end and every unit they held comes back, the runs elsewhere finish, and
+    what no node can host meanwhile holds nothing back."""
+    simulate(w, SchedulerConfig(quota_waiting=waiting), fcfs_check=True)  # type: ignore[arg-type]
 
 
 # ---- deterministic scenarios ----------------------------------------------------------

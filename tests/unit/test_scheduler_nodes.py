@@ -8,7 +8,7 @@ from tangram.api.action import ActionSpec
 from tangram.api.cluster import ServiceSpec
 from tangram.scheduler import Scheduler, SchedulingError
 
-from .helpers import api_call, cluster, exec_action
+from .helpers import api_call, cluster, exec_action, started
 
 
 def test_a_pool_starts_empty_and_schedules_once_a_node_joins() -> None:
@@ -57,13 +57,17 @@ def test_draining_a_node_ends_its_work_and_frees_what_it_held() -> None:
     assert started == {"run", "call", "other"}
     s.submit("queued", "t1", exec_action(1, t1=1.0), now=0.1)
     drained = s.drain_node("n1")
-    assert set(drained.running) == {"run", "call"} and drained.trajectories == ("t1",)
+    # The run on its cores ends; t1's API call holds no unit of n1's and goes on.
+    assert drained.running == ("run",) and drained.trajectories == ("t1",)
     assert drained.dropped == ("queued",)
     assert "t1" not in s.trajectories and "n1" not in s.cpu.nodes
     with pytest.raises(SchedulingError, match="not running"):
-        s.complete("call", now=1.0)
+        s.complete("run", now=1.0)
     s.open_trajectory("t3", memory_gb=1)
     s.submit("next", "t3", api_call("search"), now=1.0)
+    assert s.schedule(1.0).assignments == ()  # "call" still holds the quota's unit
+    s.complete("call", now=1.0)
+    assert "t1" not in s.closing  # its last run ended
     assert [a.action_id for a in s.schedule(1.0).assignments] == ["next"]
     s.complete("other", now=1.0)
     with pytest.raises(SchedulingError, match="not part"):
@@ -209,3 +213,82 @@ def test_a_call_never_lands_on_a_node_that_could_not_load_its_service() -> None:
     assert not s.gpu.fits("x", 1) and s.gpu.fits("y", 1)
     with pytest.raises(SchedulingError, match="no GPUs"):
         s.set_unloadable("z", [])
+
+
+# ---- a drain ends the runs on the node's units, and only those ---------------------------
+
+
+def _cpu_node_and_gpus(max_calls: int = 1) -> Scheduler:
+    """t on CPU node c0 (its first command done), its call c1 running on GPU node g."""
+    s = Scheduler(
+        cluster(
+            nodes=[
+                {"name": "c0", "cpus": 8, "memory_gb": 16},
+                {"name": "c1", "cpus": 8, "memory_gb": 16},
+                {"name": "g", "gpus": 1, "gpu_memory_gb": 80},
+            ],
+            services=[
+                {"name": "rm", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": max_calls}
+            ],
+        )
+    )
+    s.open_trajectory("t", memory_gb=1)
+    s.place_trajectory("t", "c0")
+    s.submit("c1", "t", _service_action("rm", 10.0), now=1.0)
+    (asg,) = s.schedule(1.0).assignments
+    assert asg.node == "g"
+    return s
+
+
+def test_a_call_on_other_gpus_outlives_its_trajectorys_node_and_frees_its_chunk() -> None:
+    s = _cpu_node_and_gpus()
+    drained = s.drain_node("c0")
+    assert drained.running == () and drained.trajectories == ("t",)
+    assert "c1" in s.running and "t" not in s.trajectories
+    s.open_trajectory("u")
+    s.submit("c2", "u", _service_action("rm", 10.0), now=2.0)
+    assert s.schedule(2.0).assignments == ()  # the only GPU is still c1's
+    done = s.complete("c1", now=11.0)  # it ends as any run does
+    assert done.chunk is not None and not s.gpu.busy and s.gpu.chunk_counts() == (1, 0, 0, 0)
+    assert not s.closing  # its trajectory's last run ended
+    assert [a.action_id for a in s.schedule(11.0).assignments] == ["c2"]
+
+
+def test_a_batching_instance_outliving_a_drain_takes_joiners_and_frees_at_its_last() -> None:
+    s = _cpu_node_and_gpus(max_calls=4)
+    s.drain_node("c0")
+    s.open_trajectory("u")
+    s.submit("c2", "u", _service_action("rm", 10.0), now=2.0)
+    (joined,) = s.schedule(2.0).assignments  # the instance runs: a join, no KeyError
+    assert joined.sharing == 1
+    s.complete("c1", now=11.0)
+    s.complete("c2", now=12.0)
+    assert not s.gpu.busy and s.gpu.chunk_counts() == (1, 0, 0, 0)
+
+
+def test_draining_a_gpu_node_settles_the_trajectories_of_its_calls() -> None:
+    s = _cpu_node_and_gpus()
+    assert s.trajectories["t"].in_flight == 1 and s.returns.thinking == {}
+    drained = s.drain_node("g")
+    assert drained.running == ("c1",) and drained.trajectories == ()
+    assert s.trajectories["t"].in_flight == 0
+    assert s.returns.thinking == {"c0": 1}  # thinking again: its next action comes back
+    s.submit("e", "t", exec_action(1, 1.0), now=5.0)  # not a think time: its call failed
+    assert s.returns.think.seen == 0
+    assert started(s, 5.0) == ["e"]
+    s.complete("e", now=6.0)
+    assert s.trajectories["t"].in_flight == 0 and s.returns.thinking == {"c0": 1}
+
+
+def test_a_trajectory_opened_again_counts_its_run_that_outlived_the_drain() -> None:
+    s = _cpu_node_and_gpus()
+    s.drain_node("c0")
+    s.open_trajectory("t", memory_gb=1)  # its agent came back elsewhere
+    s.place_trajectory("t", "c1")
+    assert s.trajectories["t"].in_flight == 1 and s.returns.thinking == {}
+    with pytest.raises(SchedulingError, match="running"):
+        s.close_trajectory("t")
+    s.complete("c1", now=11.0)
+    assert s.trajectories["t"].in_flight == 0 and s.returns.thinking == {"c1": 1}
+    s.close_trajectory("t")
+    assert not s.closing and not s.returns.thinking

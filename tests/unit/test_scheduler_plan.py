@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tangram.scheduler import Assignment, Scheduler
+from tangram.scheduler import Assignment, Scheduler, SchedulerConfig
 from tangram.scheduler.core.decisions import GroupDecision, Start
 from tangram.scheduler.core.resource import Resource
 
@@ -92,3 +92,62 @@ def test_decision_records_take_keywords_only() -> None:
     ):
         with pytest.raises(TypeError):
             positional()
+
+
+# ---- a warm instance is warm for one call of a round -----------------------------------
+
+
+def _one_warm_instance(gpus: int = 8, warm: int = 1) -> Scheduler:
+    """``warm`` DoP-1 instances of ``rm`` resident (restore 20 s, 10 s at DoP 1, perfectly
+    parallel), then two calls that may take DoP 1 or 2."""
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "g", "gpus": gpus, "gpu_memory_gb": 80}],
+            services=[
+                {"name": "rm", "gpu_memory_gb": 10, "dop_choices": [1, 2], "restore_s": 20.0,
+                 "efficiency": {"amdahl": 1.0}}
+            ],
+        ),
+        SchedulerConfig(restore_ahead=False),
+    )  # fmt: skip
+    s.open_trajectory("w")
+    for i in range(warm):
+        s.submit(f"warm{i}", "w", service_call("rm", 10.0, gpu=1), now=0.0)
+    assert len(s.schedule(0.0).assignments) == warm
+    for i in range(warm):
+        s.complete(f"warm{i}", now=30.0)
+    assert len(s.gpu.resident) == warm
+    for i in range(2):
+        s.open_trajectory(f"t{i}")
+        s.submit(f"c{i}", f"t{i}", service_call("rm", 10.0, gpu={"choices": [1, 2]}), now=40.0)
+    return s
+
+
+def test_the_round_prices_a_single_warm_instance_warm_for_one_call_only() -> None:
+    s = _one_warm_instance()
+    (group,) = s.plan(40.0).groups
+    kept = next(step for step in group.steps if step.kept == group.kept)
+    rnd = s.schedule(40.0)
+    got = {a.action_id: (a.units, a.restore, a.expected_s) for a in rnd.assignments}
+    # c0 takes the warm DoP-1 instance; c1 restores, better at DoP 2 (5 s + 20 s / 2)
+    # than on a cold DoP-1 chunk (10 s + 20 s).
+    assert got == {"c0": (1, False, 10.0), "c1": (2, True, 15.0)}
+    # The DP's exact sum is what the calls are expected to take, restores included.
+    assert kept.exact == pytest.approx(sum(e for _, _, e in got.values()))
+
+
+def test_two_warm_instances_are_warm_for_two_calls() -> None:
+    s = _one_warm_instance(warm=2)
+    rnd = s.schedule(40.0)
+    assert {(a.units, a.restore) for a in rnd.assignments} == {(1, False)}
+    assert sum(a.expected_s for a in rnd.assignments) == pytest.approx(20.0)
+
+
+def test_warm_landings_follow_the_allocator_over_successive_calls() -> None:
+    s = _one_warm_instance(warm=2)
+    idle = s.gpu.idle_resident()
+    assert idle == {("rm", 1): 2}
+    landings = list(s.gpu.warm_landings("rm", 1, 2))
+    assert landings == [0.0, 0.0]  # then none is left warm: the calls after restore
+    assert s.gpu.chunk_counts() == (0, 0, 0, 1)  # the pool's own chunks untouched
+    assert list(s.gpu.warm_landings("rm", 2, 0)) == []  # no DoP-2 instance resident

@@ -108,6 +108,14 @@ class ApiSpec(_Strict):
     concurrency: Annotated[int | None, Field(ge=1)] = None
     rate_per_s: Annotated[float | None, Field(gt=0)] = None
     period_s: Annotated[float, Field(gt=0, description="window the rate is counted over")] = 1.0
+    burst: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="calls that may start at once: at most burst starts in any window of "
+            "burst / rate_per_s seconds (unset: the rate's own window)",
+        ),
+    ] = None
     timeout_s: Annotated[
         float, Field(gt=0, description="unmanaged baseline: how long an over-limit call hangs")
     ] = 600.0
@@ -122,6 +130,27 @@ class ApiSpec(_Strict):
             return None
         calls = max(1, math.floor(self.rate_per_s * self.period_s + 1e-9))
         return calls, calls / self.rate_per_s
+
+    def burst_window(self) -> tuple[int, float] | None:
+        """The burst as (calls, seconds): at most ``burst`` starts in any window of the time
+        ``burst`` calls take at the rate, so the long-run rate stays ``rate_per_s``. None
+        when unset or the same as :meth:`window`.
+
+        A burst below the rate window's calls is a second limit beside it (both hold: never
+        more than the rate in its window either); a burst above them replaces it (more
+        than the rate's calls may start at once, and none again until the time they take
+        at the rate has passed).
+        """
+        rate = self.window()
+        if self.burst is None or self.rate_per_s is None or rate is None or self.burst == rate[0]:
+            return None
+        return self.burst, self.burst / self.rate_per_s
+
+    @model_validator(mode="after")
+    def _burst_of_a_rate(self) -> Self:
+        if self.burst is not None and self.rate_per_s is None:
+            raise ValueError("burst: only a rate has a burst")
+        return self
 
 
 class ClusterSpec(_Strict):

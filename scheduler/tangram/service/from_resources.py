@@ -86,6 +86,7 @@ def pool_config(
             concurrency=q.concurrency,
             rate_per_s=q.rate / q.period_seconds if q.rate is not None else None,
             period_s=q.period_seconds,
+            burst=q.burst,
         )
         for q in spec.apis
     )

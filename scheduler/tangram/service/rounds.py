@@ -50,6 +50,10 @@ class Rounds:
                 except Exception:  # one bad start must not end the loop
                     log.exception("starting %s failed", asg.action_id)
                     self._abandon(asg.action_id)
+            for bad in rnd.invalid:  # out of the queue: it could never run (as at submit)
+                if (rec := s.actions.get(bad.action_id)) is not None:
+                    error = err("invalid", str(bad))
+                    self.outcomes.finish(rec, ActionStatus.REJECTED, error=error)
             for ahead in rnd.ahead:
                 s.background(self.gpu.restore_ahead(ahead))
             if rnd.again:  # calls may join an instance it opened

@@ -26,6 +26,10 @@ class Trajectory:
     in_flight: int = 0  # its actions queued or running: none, and it is thinking
     idle_since: float | None = None  # when its last action ended (its think time starts)
     queued_work: float = 0.0  # core-seconds of its queued exec actions (their ``work``)
+    # At least the largest minimum core count of its queued exec actions (not lowered as
+    # they leave the queue, only once none is left): a placement on a smaller node looks
+    # for the ones it must refuse only when this says there may be some.
+    widest: int = 0
 
 
 @dataclass(slots=True, kw_only=True)

@@ -1,6 +1,12 @@
 """What a submitted action is, checked against the pool: its allowed units per resource,
 the quota units it holds, its profile. A request the pool can never run is refused here,
-with a ``SchedulingError`` naming the field at fault, rather than waiting forever."""
+with a ``SchedulingError`` naming the field at fault, rather than waiting forever.
+
+The pool changes after submit: an exec action queued before its trajectory was placed
+is refused when the placement gives it a node with fewer cores than its minimum
+(``Scheduler._place``, the same error), and one that the pool as it is now cannot host
+(its node, GPUs or quota limit left) waits without holding anyone back until the pool
+can (``Scheduler.stranded``)."""
 
 from __future__ import annotations
 
@@ -28,6 +34,14 @@ def quota_units(spec: ActionSpec) -> dict[str, int]:
 def quota_limit(quota: Quota) -> int:
     """The most units of ``quota`` one action may ever hold at once."""
     return min(x for x in (quota.concurrency, quota.per_period, 1 << 30) if x is not None)
+
+
+def too_wide(minimum: int, trajectory: str, node: str | None, cores: int) -> SchedulingError:
+    """The refusal of an exec action whose ``minimum`` cores exceed ``node`` (where its
+    trajectory lives; None: not placed yet, the largest node) of ``cores`` cores: at submit,
+    and when its trajectory is placed on a smaller node while it is queued."""
+    where = f"node {node}, where {trajectory} lives," if node else "the largest node"
+    return SchedulingError("cpu", f"minimum {minimum} cores exceeds {where} ({cores} cores)")
 
 
 def resolve(
@@ -61,8 +75,7 @@ def resolve(
         placed = cpu_pool.placement.get(trajectory)
         cap = cpu_pool.nodes[placed].cores if placed is not None else sizing.biggest_node
         if cpu[0] > cap:
-            where = f"node {placed}, where {trajectory} lives," if placed else "the largest node"
-            raise SchedulingError("cpu", f"minimum {cpu[0]} cores exceeds {where} ({cap} cores)")
+            raise too_wide(cpu[0], trajectory, placed, cap)
     elif spec.kind is ActionKind.SERVICE:
         assert spec.service is not None
         svc = services.get(spec.service)

@@ -1,6 +1,6 @@
 """What the scheduler decides, as plain records: a round's plan, the assignments it started,
-how each key resource's candidates were arranged (for ``tangram explain``), and what a
-drained node took with it."""
+how each key resource's candidates were arranged (for ``tangram explain``), the actions it
+refused, and what a drained node took with it."""
 
 from __future__ import annotations
 
@@ -88,6 +88,20 @@ class Ahead:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Invalid:
+    """A queued action refused because it can never run where it must: its trajectory was
+    placed on a node with fewer cores than its minimum. It left the queue; the caller
+    fails it as it would have been refused at submit (``SchedulingError(field, message)``)."""
+
+    action_id: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Round:
     """A committed round: the actions it started."""
 
@@ -102,12 +116,17 @@ class Round:
     # counts free chunks; which service fits on which is the allocator's): still queued,
     # and in ``blocked`` with why.
     refused: tuple[str, ...] = ()
+    # Taken out of the queue for good: they can never run (``Invalid``). Those refused by a
+    # placement made outside a round (``place_trajectory``, ``adopt``) come with the next.
+    invalid: tuple[Invalid, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Drained:
     """What a node took with it when it left (its agent stopped answering)."""
 
-    running: tuple[str, ...]  # actions that were running there: they end in error
+    # Actions that ran on its cores or GPUs: they end in error. Other runs of its
+    # trajectories (a service call on another node's GPUs, an API call) go on.
+    running: tuple[str, ...]
     trajectories: tuple[str, ...]  # trajectories placed there: their environments are lost
     dropped: tuple[str, ...]  # queued actions of those trajectories

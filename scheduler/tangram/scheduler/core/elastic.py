@@ -7,6 +7,7 @@ objective (Algorithm 2) strictly improves. All prefixes read one DP table.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,14 @@ class Arrangement:
     kept: int  # the first `kept` candidates run now
     units: tuple[int, ...]
     steps: tuple[EvictionStep, ...]
+
+
+def _improves(objective: float, best: float) -> bool:
+    """Whether ``objective`` is lower than ``best`` by more than rounding (relative 1e-9);
+    equal infinities are a tie."""
+    if math.isinf(best):
+        return objective < best
+    return objective < best - 1e-9 * max(1.0, abs(best))
 
 
 def _pending(d: Durations) -> Pending:
@@ -105,8 +114,10 @@ def greedy_evict(
     while p > keep_at_least:
         step = evaluate(p - 1)
         steps.append(step)
-        # Strictly better beyond rounding: a tie in exact arithmetic must not evict.
-        if step.objective >= best.objective - 1e-9 * max(1.0, abs(best.objective)):
+        # Strictly better beyond rounding: a tie in exact arithmetic must not evict. Nor
+        # does a tie of infinite objectives (some action behind can never get its units
+        # in the estimate): ``inf - 1e-9 * inf`` would be NaN, and every step a gain.
+        if not _improves(step.objective, best.objective):
             break
         best, p = step, p - 1
     return Arrangement(kept=best.kept, units=best.units, steps=tuple(steps))

@@ -21,7 +21,7 @@ one.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from tangram.scheduler.core.dp import CHUNK_SIZES, ChunkState, chunk_level
@@ -68,6 +68,15 @@ class GpuNode:
     @property
     def free_gpus(self) -> int:
         return sum(size * len(starts) for size, starts in self.free.items())
+
+
+@dataclass(slots=True)
+class _Choosing:
+    """What the allocator's choice reads of the pool besides the free chunks: the GB the
+    restores ahead pin per (node, GPU), and the recency of what is resident there."""
+
+    pinned: dict[tuple[str, int], float]
+    newest_on: dict[tuple[str, int], int] | None = None
 
 
 @dataclass(slots=True)
@@ -199,6 +208,43 @@ class GpuPool:
             return False, None
         inst = Instance(service, chunk)
         return True, (self.ahead.get(inst, 0.0) if inst in self.resident else None)
+
+    def idle_resident(self) -> dict[tuple[str, int], int]:
+        """How many resident instances of each (service, chunk size) a call could land on
+        now: on a free chunk, of a node that can load the service."""
+        idle: dict[tuple[str, int], int] = {}
+        for inst in self.resident:
+            chunk = inst.chunk
+            if self.hosts(chunk.node, inst.service) and self.is_free(chunk):
+                key = (inst.service, chunk.size)
+                idle[key] = idle.get(key, 0) + 1
+        return idle
+
+    def warm_landings(self, service: str, k: int, warm: int) -> Iterator[float | None]:
+        """``warm_at`` of successive DoP-k calls of ``service``, each on the chunk the
+        allocator would give it once the calls before it took theirs (so a warm instance
+        counts for one of them), ``warm`` of its instances being idle (``idle_resident``).
+        It ends once none is left for the calls after (each of them restores), or no free
+        chunk can host one more. The allocator runs on a copy of the free chunks, only for
+        as many calls as are asked for, and only while warm instances are left."""
+        size = chunk_level(k)
+        free: dict[str, dict[int, set[int]]] | None = None
+        shared = _Choosing(self._pinned())  # what the choices read and do not change
+        while warm:
+            chunk = self._choose(service, size, free, shared)
+            if chunk is None:
+                return
+            inst = Instance(service, chunk)
+            if inst in self.resident:
+                warm -= 1
+                yield self.ahead.get(inst, 0.0)
+            else:
+                yield None
+            if free is None:  # (a copy once a second call asks)
+                free = {
+                    n: {lvl: set(st) for lvl, st in g.free.items()} for n, g in self.nodes.items()
+                }
+            _carve(free[chunk.node], self.nodes[chunk.node].gpus, chunk)
 
     def joinable(
         self,
@@ -419,8 +465,16 @@ class GpuPool:
         for g in inst.chunk.gpus:
             node.used_gb[g] = max(0.0, node.used_gb[g] - per_gpu)
 
-    def _choose(self, service: str, size: int) -> Chunk | None:
+    def _choose(
+        self,
+        service: str,
+        size: int,
+        free: Mapping[str, dict[int, set[int]]] | None = None,
+        shared: _Choosing | None = None,
+    ) -> Chunk | None:
         """Smallest free level >= size; within it, the aligned position that evicts least.
+        ``free``: each node's free chunks, if not the pool's own, and ``shared`` what
+        successive choices on them read (``warm_landings``).
 
         A position already holding the requested instance wins (seed 000 §5.3); after
         that, the one whose GPUs need the least resident memory evicted (our addition:
@@ -430,14 +484,15 @@ class GpuPool:
         level is tried.
         """
         need = self.per_gpu(service, size)
-        newest_on: dict[tuple[str, int], int] | None = None  # when an eviction asks for it
-        pinned = self._pinned()
+        if shared is None:
+            shared = _Choosing(self._pinned())
+        pinned = shared.pinned
         for level in (s for s in CHUNK_SIZES if s >= size):
             best: tuple[tuple[int, float, int, str, int], Chunk] | None = None
             for node in self.nodes.values():
                 if need > node.memory_gb + 1e-9 or not self.hosts(node.name, service):
                     continue
-                for start in node.free[level]:
+                for start in (node.free if free is None else free[node.name])[level]:
                     for sub in range(start, start + level, size):
                         chunk = Chunk(node.name, sub, size)
                         hit = Instance(service, chunk) in self.resident
@@ -452,9 +507,11 @@ class GpuPool:
                         # Among equal evictions, disturb the least recently used instances (LRU).
                         newest = -1
                         if excess > 0:
-                            if newest_on is None:
-                                newest_on = self._newest_on()
-                            newest = max(newest_on.get((node.name, g), -1) for g in chunk.gpus)
+                            if shared.newest_on is None:  # when an eviction asks for it
+                                shared.newest_on = self._newest_on()
+                            newest = max(
+                                shared.newest_on.get((node.name, g), -1) for g in chunk.gpus
+                            )
                         key = (0 if hit else 1, excess, newest, node.name, sub)
                         if best is None or key < best[0]:
                             best = (key, chunk)
@@ -484,21 +541,11 @@ class GpuPool:
     def is_free(self, chunk: Chunk) -> bool:
         """Whether ``chunk`` (an aligned one of its node) lies within a free chunk."""
         node = self.nodes.get(chunk.node)
-        return node is not None and _free_level(node, chunk) is not None
+        return node is not None and _free_level(node.free, node.gpus, chunk) is not None
 
     def _carve(self, node: GpuNode, target: Chunk) -> None:
         """Split the free chunk containing ``target`` down to it, freeing the other buddies."""
-        level = _free_level(node, target)
-        if level is None:
-            raise ValueError(f"chunk {target} is not free")
-        start = target.start - target.start % level
-        node.free[level].remove(start)
-        while level > target.size:
-            level //= 2
-            left, right = start, start + level
-            keep = left if target.start < right else right
-            node.free[level].add(right if keep == left else left)
-            start = keep
+        _carve(node.free, node.gpus, target)
 
     def _release_chunk(self, node: GpuNode, chunk: Chunk) -> None:
         start, size = chunk.start, chunk.size
@@ -526,11 +573,27 @@ def holds(gpus: int, memory_gb: float, size: int, per_gpu: float) -> bool:
     return gpus >= size and memory_gb + 1e-9 >= per_gpu
 
 
-def _free_level(node: GpuNode, chunk: Chunk) -> int | None:
-    """The size of the free chunk of ``node`` that contains ``chunk``, or None."""
+def _free_level(free: Mapping[int, set[int]], gpus: int, chunk: Chunk) -> int | None:
+    """The size of the free chunk (of a node of ``gpus`` GPUs whose free chunks are
+    ``free``) that contains ``chunk``, or None."""
     level = chunk.size
-    while level <= node.gpus:
-        if chunk.start - chunk.start % level in node.free[level]:
+    while level <= gpus:
+        if chunk.start - chunk.start % level in free[level]:
             return level
         level *= 2
     return None
+
+
+def _carve(free: dict[int, set[int]], gpus: int, target: Chunk) -> None:
+    """Split the free chunk containing ``target`` down to it, freeing the other buddies."""
+    level = _free_level(free, gpus, target)
+    if level is None:
+        raise ValueError(f"chunk {target} is not free")
+    start = target.start - target.start % level
+    free[level].remove(start)
+    while level > target.size:
+        level //= 2
+        left, right = start, start + level
+        keep = left if target.start < right else right
+        free[level].add(right if keep == left else left)
+        start = keep

@@ -16,7 +16,10 @@
    anyone waits for is closed, or, under "pass", once each action left needs a closed
    quota (or the GPUs), by per-resource counts of queued demand. An elastic exec
    candidate keeps only the sizes worth their cores at its node's load (``core.pricing``;
-   ``core_price``).
+   ``core_price``). An action the pool as it is now cannot host (``Scheduler.stranded``:
+   the node, GPUs or quota limit it needs left) is skipped, reserving nothing, and left
+   out of the estimate; so is one whose trajectory this round places on a node smaller
+   than its minimum (the commit refuses it).
 2. Split candidates by key resource (the cores of one node, the GPU pool, one quota).
 3. Groups with no elastic candidate run at minimum units; the others go through greedy
    eviction (``elastic.greedy_evict``) with the ACT approximation.
@@ -28,7 +31,7 @@ allocates exact cores, GPU chunks and quota units, and starts the actions).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,6 +86,8 @@ class RoundInputs(Protocol):
     def queued_work(self) -> Mapping[Resource, float]: ...  # their core-seconds, by resource
     @property
     def returns(self) -> Returns: ...  # thinking trajectories per node, mean think time
+    @property
+    def stranded(self) -> Set[str]: ...  # queued actions the pool cannot host now
     def round_caps(self) -> RoundCaps | None: ...  # capped tenants' room; None: none capped
 
 
@@ -127,7 +132,12 @@ class _Candidate:
     capped_from: int | None = None  # its largest allowed size, when the core price cut it
     join: Chunk | None = None  # a service call joins the instance there: not arranged
     extends: bool = False  # a joiner expected to end after the instance's last call
+    nth: int = 0  # a service call taking a chunk: its service's calls that took one before
 
+
+# Why an action the pool cannot host now waits (``Plan.blocked``).
+_STRANDED = "the pool cannot host it now (no node, GPUs or quota limit left fit it)"
+_DONE = object()  # the end of an iterator
 
 # Resources whose name does not depend on where a trajectory is placed: the walk's needs
 # and the scheduler's ``waiting`` counts agree on them, so the counts say what is left.
@@ -173,6 +183,12 @@ class _Planner:
         # not change), looked up per queued call. Built when first needed.
         self.instances: dict[tuple[str, int], list[Instance]] | None = None
         self.landing: dict[tuple[str, int], tuple[bool, float | None]] = {}
+        # A call after the first of its service and DoP finds the warm instances the calls
+        # before it took: the allocator's landings for them, as far as asked
+        # (``GpuPool.warm_landings``), and the rest of the sequence.
+        self.warm: dict[tuple[str, int], tuple[list[float | None], Iterator[float | None]]] = {}
+        self.idle: dict[tuple[str, int], int] | None = None  # idle resident instances
+        self.taking: dict[str, int] = {}  # candidates of each service taking a chunk, so far
         # The instance a call of (service, chunk size) would join: changes only when a
         # call joins one of them, so most of the queue reads it rather than scanning.
         self.joinable: dict[tuple[str, int], Instance | None] = {}
@@ -289,8 +305,18 @@ class _Planner:
             if stopping
             else {}
         )
+        stranded = s.stranded
         for aid in order:
             a = actions[aid]
+            if stranded and aid in stranded:
+                # No node (quota) in the pool can host it now: it holds nobody back, and
+                # waits for one that can to join. (It is in no count of ``waiting``.)
+                left -= 1
+                if join_left > 0 and a.service in joining:  # seen: no call left to join
+                    join_left -= 1
+                    unseen[a.service] -= 1
+                waits.append((aid, _STRANDED))
+                continue
             if stopping:
                 left -= 1
                 pool = a.pool_wide
@@ -323,6 +349,8 @@ class _Planner:
             node = placement.get(a.trajectory) if a.cpu else None
             if node is None and a.cpu:
                 node = planned.get(a.trajectory)
+                if node is not None and a.cpu[0] > s.cpu.nodes[node].cores:
+                    continue  # the placement refuses it (``Scheduler._place``): no wait
             units, durations, pending = s.sizing.choices(a, node)
             wants = needs(a, node, placement)
             if room is not None and not at_share:
@@ -362,7 +390,11 @@ class _Planner:
                         allowed = units[-1]
                         units, durations = self._priced(units, durations, node)
                         capped_from = allowed if units[-1] < allowed else None
-                    cands.append(_Candidate(a, resource, node, durations, capped_from))
+                    cand = _Candidate(a, resource, node, durations, capped_from)
+                    if a.service is not None:  # it takes a chunk: warm for the first ones
+                        cand.nth = self.taking.get(a.service, 0)
+                        self.taking[a.service] = cand.nth + 1
+                    cands.append(cand)
                     if caps is not None:
                         caps.take(a, tenant, max(durations))
                     if len(durations) > 1:
@@ -479,9 +511,10 @@ class _Planner:
         if best is None:
             return None
         if alone and not closed:
+            nth = self.taking.get(a.service, 0)  # the chunk it would take is the next one
             own = min(
                 (
-                    durations[k] + self._restore_s(svc, k)
+                    durations[k] + self._restore_s(svc, k, nth)
                     for k in units
                     if take_chunk(prov.chunks, k) is not None and self._lands(a.service, k)[0]
                 ),
@@ -519,12 +552,21 @@ class _Planner:
         open_lists = {r: rest.setdefault(r, []) for r in resources}
         actions, placement, node_of = s.actions, s.cpu.placement, self._node_of
         version = s.sizing.book.version
+        stranded = s.stranded
         for aid in order:
+            if stranded and aid in stranded:
+                continue  # it cannot run in the pool as it is: nobody waits for it there
             a = actions[aid]
             wants = a.needs or needs(a, node_of(a), placement)
             target = open_lists.get(wants[0])
             if target is None:
                 continue
+            if (
+                a.cpu
+                and a.trajectory not in placement
+                and a.cpu[0] > s.cpu.nodes[wants[0].name].cores
+            ):
+                continue  # too wide for the node planned for its trajectory: refused there
             cache = a.cache  # inlined cache hit of Sizing.choices: this loop sees the whole queue
             if cache is not None and (cache[0] == -1 or cache[0] == version(a.type)):
                 target.append(cache[3])
@@ -659,15 +701,37 @@ class _Planner:
         if not a.gpu or a.service is None:
             return c.durations
         svc = self.s.services[a.service]
-        return {k: d + self._restore_s(svc, k) for k, d in c.durations.items()}
+        return {k: d + self._restore_s(svc, k, c.nth) for k, d in c.durations.items()}
 
-    def _restore_s(self, svc: ServiceSpec, k: int) -> float:
+    def _restore_s(self, svc: ServiceSpec, k: int, nth: int = 0) -> float:
         """The restore a DoP-k call of ``svc`` needs first where the allocator would put it
-        (what is left of it, if it is being restored ahead there)."""
-        ready = self._lands(svc.name, k)[1]
+        (what is left of it, if it is being restored ahead there), after ``nth`` calls of
+        the service took their chunks before it in this round (as if at DoP k too: each
+        warm instance counts for one call, the calls after it restore)."""
+        ready = self._warm_at(svc.name, k, nth)
         if ready is None:
             return svc.restore_cost(chunk_level(k))
         return max(0.0, ready - self.now)
+
+    def _warm_at(self, service: str, k: int, nth: int) -> float | None:
+        """``GpuPool.warm_at`` for the ``nth`` call of ``service`` at DoP k taking a chunk
+        this round (0: the first, the allocator's choice now)."""
+        if nth == 0:
+            return self._lands(service, k)[1]
+        key = (service, k)
+        got = self.warm.get(key)
+        if got is None:
+            if self.idle is None:
+                self.idle = self.s.gpu.idle_resident()
+            warm = self.idle.get((service, chunk_level(k)), 0)
+            got = self.warm[key] = ([], self.s.gpu.warm_landings(service, k, warm))
+        seen, rest = got
+        while len(seen) <= nth:
+            nxt = next(rest, _DONE)
+            if nxt is _DONE:
+                return None  # no warm instance is left for it: it restores
+            seen.append(nxt)  # type: ignore[arg-type]
+        return seen[nth]
 
 
 def _first(

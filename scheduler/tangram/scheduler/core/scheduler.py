@@ -19,13 +19,14 @@ from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
 from tangram.api.learned import MAX_LENGTHS, MAX_PROFILES, MAX_TYPE_CHARS, LearnedState
 from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
-from tangram.scheduler.core.admission import resolve
+from tangram.scheduler.core.admission import quota_limit, resolve, too_wide
 from tangram.scheduler.core.config import SchedulerConfig, SchedulingError
 from tangram.scheduler.core.cpu_pool import CpuPool
 from tangram.scheduler.core.decisions import (
     Ahead,
     Assignment,
     Drained,
+    Invalid,
     Plan,
     Round,
     Start,
@@ -55,6 +56,7 @@ __all__ = [
     "Action",
     "Assignment",
     "Drained",
+    "Invalid",
     "Plan",
     "Round",
     "Scheduler",
@@ -77,9 +79,7 @@ class Scheduler:
             {s.name: s.max_calls for s in cluster.services},
         )
         self.services = {s.name: s for s in cluster.services}
-        self.quotas = {
-            a.name: Quota(a.name, a.concurrency, *(a.window() or (None, 1.0))) for a in cluster.apis
-        }
+        self.quotas = {a.name: Quota.of(a) for a in cluster.apis}
         self.book = ProfileBook()
         self.sizing = Sizing(self.cpu, self.book, self.config, _biggest(self.cpu))
         self.lengths = LengthModel()
@@ -88,6 +88,10 @@ class Scheduler:
         self.recent_wait = RunningMean()
         self.returns = Returns()  # thinking trajectories per node, learned think time
         self.trajectories: dict[str, Trajectory] = {}
+        # Trajectories a drain closed while runs of theirs went on elsewhere (a service
+        # call on another node's GPUs, an API call): their ends still settle them here,
+        # and the trajectory, opened again (its agent came back), counts them as its own.
+        self.closing: dict[str, Trajectory] = {}
         self.actions: dict[str, Action] = {}
         self.shares: dict[str, TenantShare] = {}  # by tenant; others get default_share
         self.default_share = EQUAL
@@ -100,6 +104,12 @@ class Scheduler:
         self.waiting: dict[Resource, int] = {}
         self.queued_work: dict[Resource, float] = {}  # their core-seconds (the core price)
         self.queued_calls: dict[str, int] = {}  # queued calls of each service (joins)
+        # Queued actions the pool as it is now cannot host (the nodes, GPUs or quota limit
+        # they need left): they wait for one that can, hold nobody back (rounds skip them,
+        # the estimate leaves them out) and are not in ``waiting``.
+        self.stranded: set[str] = set()
+        # Queued actions refused since the last round (``Invalid``), for the next to report.
+        self.invalid: list[Invalid] = []
 
     # ---- trajectories -------------------------------------------------------------
     def open_trajectory(
@@ -111,9 +121,12 @@ class Scheduler:
             raise SchedulingError("memory_gb", "must be >= 0")
         if self.cpu.nodes and all(memory_gb > n.memory_gb for n in self.cpu.nodes.values()):
             raise SchedulingError("memory_gb", f"{memory_gb} GB exceeds every node's memory")
-        self.trajectories[tid] = Trajectory(
-            id=tid, memory_gb=memory_gb, hint_steps=hint_steps, tenant=tenant
-        )
+        traj = Trajectory(id=tid, memory_gb=memory_gb, hint_steps=hint_steps, tenant=tenant)
+        gone = self.closing.pop(tid, None)
+        if gone is not None:  # a drain closed it while runs of it went on: they are its own
+            traj.in_flight = gone.in_flight
+            traj.steps_done, traj.busy_s = gone.steps_done, gone.busy_s
+        self.trajectories[tid] = traj
 
     def close_trajectory(self, tid: str, finished: bool = True) -> list[str]:
         """Close a trajectory; its queued actions are dropped and returned.
@@ -121,20 +134,28 @@ class Scheduler:
         Running actions must end (``complete``) first.
         """
         traj = self._traj(tid)
+        # None queued or running (most closes): no need to look.
+        if traj.in_flight and any(r.action.trajectory == tid for r in self.running.values()):
+            raise SchedulingError("trajectory", f"{tid} still has running actions")
+        return self._close(traj, finished)
+
+    def _close(self, traj: Trajectory, finished: bool) -> list[str]:
+        """Close ``traj``: drop its queued actions (returned) and unplace it. Runs of it
+        that go on (a drain closes it under them) keep it in ``closing`` until they end."""
+        tid = traj.id
         dropped: list[str] = []
-        if traj.in_flight:  # none queued or running (most closes): no need to look
-            if any(r.action.trajectory == tid for r in self.running.values()):
-                raise SchedulingError("trajectory", f"{tid} still has running actions")
+        if traj.in_flight:
             dropped = [a.id for a in self.actions.values() if a.trajectory == tid]
         for aid in dropped:
             self._dequeue(aid)
-        # Thinking unless actions of it still count (running ones a drained node forgot).
-        if traj.in_flight == 0:
+        if traj.in_flight == 0:  # it was thinking on its node
             self.returns.stops_thinking(self.cpu.placement.get(tid))
         self.cpu.unplace(tid)
         if finished:
             self.lengths.finished(traj.steps_done)
         del self.trajectories[tid]
+        if traj.in_flight:
+            self.closing[tid] = traj
         return dropped
 
     def assume_recent_wait(self, wait_s: float) -> None:
@@ -251,6 +272,7 @@ class Scheduler:
             self.gpu.set_service(
                 spec.name, spec.gpu_memory_gb, spec.replicated, spec.revision, spec.max_calls
             )
+        self._recount()  # a footprint may fit the GPUs no more, or again
 
     def sync_resident(self, node: str, instances: Iterable[tuple[str, int, int]]) -> None:
         """What ``node``'s worker holds in GPU memory: ``(service, first GPU, GPUs)``, least
@@ -265,38 +287,63 @@ class Scheduler:
         if node not in self.gpu.nodes:
             raise SchedulingError("node", f"{node} has no GPUs in the pool")
         self.gpu.unloadable[node] = frozenset(services)
+        self._recount()
 
     def drain_node(self, name: str) -> Drained:
-        """Take a node out: its trajectories are closed, every running action of theirs
-        or on its GPUs forgotten (quota units come back), their queued actions dropped."""
+        """Take a node out. The runs on its cores or GPUs end (``Drained.running``): their
+        quota units come back, and their trajectories stop counting them. Its trajectories
+        are closed and their queued actions dropped; their runs elsewhere (a service call
+        on another node's GPUs, an API call) go on, and end with ``complete`` as any run
+        does, giving back what they hold."""
         if name not in self.cpu.nodes and name not in self.gpu.nodes:
             raise SchedulingError("node", f"{name} is not part of the pool")
         placed = tuple(sorted(t for t, n in self.cpu.placement.items() if n == name))
-        lost = set(placed)
-        running = tuple(
-            aid
-            for aid, r in self.running.items()
-            if r.assignment.node == name or r.action.trajectory in lost
-        )
-        for aid in running:
+        # Exec actions hold cores of their trajectory's node, service calls a chunk of a
+        # GPU node: either way, ``node`` is where their units are.
+        ended = tuple(aid for aid, r in self.running.items() if r.assignment.node == name)
+        for aid in ended:
             run = self.running.pop(aid)
             for q, n in run.assignment.quotas:
                 self.quotas[q].release(n)
+            # Its cores and its chunk leave with the node (``remove_node`` below).
+            traj = self._owner(run.action.trajectory)
+            if traj is not None and self._settle(traj):
+                traj.idle_since = None  # no think time: it did not end on its own
         dropped: list[str] = []
         for tid in placed:
-            dropped.extend(self.close_trajectory(tid, finished=False))
+            dropped.extend(self._close(self.trajectories[tid], finished=False))
         self.cpu.nodes.pop(name, None)
         self.gpu.remove_node(name)
         self._nodes_changed()
-        return Drained(running=running, trajectories=placed, dropped=tuple(dropped))
+        return Drained(running=ended, trajectories=placed, dropped=tuple(dropped))
 
     def _nodes_changed(self) -> None:
-        """Capacity changed: every cached choice and waiting count is stale."""
+        """Capacity changed: every cached choice, waiting count and stranded action is stale."""
         self.sizing = replace(self.sizing, biggest_node=_biggest(self.cpu))
-        self.waiting, self.queued_work = {}, {}
         for a in self.actions.values():
             a.cache, a.needs = None, None
+        self._recount()
+
+    def _recount(self) -> None:
+        """Which queued actions the pool can host now, and the waiting counts of those."""
+        self.waiting, self.queued_work = {}, {}
+        self.stranded = {a.id for a in self.actions.values() if not self._hostable(a)}
+        for a in self.actions.values():
             self._count(a, +1)
+
+    def _hostable(self, a: Action) -> bool:
+        """Whether the pool as it is now can ever run queued action ``a``: a node with its
+        minimum cores and its trajectory's memory (placed: its node, checked at placement),
+        a GPU node its service fits at one of its DoPs, its quota units within the limits."""
+        if a.cpu and a.trajectory not in self.cpu.placement:
+            mem = self.trajectories[a.trajectory].memory_gb
+            if not any(
+                n.cores >= a.cpu[0] and n.memory_gb + 1e-9 >= mem for n in self.cpu.nodes.values()
+            ):
+                return False
+        if a.service is not None and not any(self.gpu.fits(a.service, k) for k in a.gpu):
+            return False
+        return all(n <= quota_limit(self.quotas[q]) for q, n in a.quotas)
 
     # ---- configuration changes while running --------------------------------------
     def set_quotas(self, apis: Sequence[ApiSpec]) -> None:
@@ -305,17 +352,17 @@ class Scheduler:
         queued or running action needs it, so nothing waiting is dropped."""
         wanted = {a.name: a for a in apis}
         for name, spec in wanted.items():
-            per, period = spec.window() or (None, 1.0)
             q = self.quotas.get(name)
             if q is None:
-                self.quotas[name] = Quota(name, spec.concurrency, per, period)
+                self.quotas[name] = Quota.of(spec)
             else:
-                q.concurrency, q.per_period, q.period_s = spec.concurrency, per, period
+                q.set_limits(spec)
         needed = {q for a in self.actions.values() for q, _ in a.quotas} | {
             q for r in self.running.values() for q, _ in r.assignment.quotas
         }
         for name in [n for n in self.quotas if n not in wanted and n not in needed]:
             del self.quotas[name]
+        self._recount()  # a lower limit may leave an action asking more than it
 
     def set_config(self, config: SchedulerConfig) -> None:
         """New scheduling settings; the queue ordering (and whether tenants are queued
@@ -355,7 +402,7 @@ class Scheduler:
         while some tenant is capped), so that starts and completions pay nothing for it."""
         held = Holdings()
         for run in self.running.values():
-            traj = self.trajectories.get(run.action.trajectory)
+            traj = self._owner(run.action.trajectory)
             if traj is not None:  # "" too: the default share caps it like any other
                 # A call that joined an instance holds no GPUs of its own.
                 units = 0 if run.assignment.sharing else run.assignment.units
@@ -431,7 +478,7 @@ class Scheduler:
             self.gpu.release(a.service, asg.chunk, resident=resident)
         for q, n in asg.quotas:
             self.quotas[q].release(n)
-        traj = self.trajectories.get(a.trajectory)
+        traj = self._owner(a.trajectory)
         if traj is not None and self._settle(traj):
             traj.idle_since = now  # its think time starts
         if traj is not None and ok:
@@ -636,7 +683,7 @@ class Scheduler:
         """Apply a plan made at ``now`` with nothing changed since: place its trajectories,
         then allocate exact units and start its actions in queue order."""
         for tid, node in plan.placements:
-            self._place(tid, node)
+            self._place(tid, node)  # (refuses its queued actions too wide for the node)
         assignments: list[Assignment] = []
         refused: list[str] = []
         for s in plan.starts:
@@ -653,12 +700,14 @@ class Scheduler:
             for name, q in self.quotas.items()
             if waiting.get(Resource.api(name), 0) > 0 and (t := q.next_expiry_s(now)) is not None
         ]
+        invalid, self.invalid = tuple(self.invalid), []
         return Round(
             assignments=tuple(assignments),
             wake_at=min(wake, default=None),
             groups=plan.groups,
             blocked=plan.blocked + tuple((aid, _NO_LANDING) for aid in refused),
             refused=tuple(refused),
+            invalid=invalid,
             again=self._joiners_wait(assignments),
             ahead=self._restore_ahead(now) if self.config.restore_ahead else (),
         )
@@ -746,8 +795,13 @@ class Scheduler:
             self.returns.asks(k, d)
             traj.queued_exec += 1
             traj.queued_work += a.work
+            traj.widest = max(traj.widest, a.cpu[0])
         by_tenant = self.queued_by_tenant
         by_tenant[traj.tenant] = by_tenant.get(traj.tenant, 0) + 1
+        # Admission checked the rest against the pool as it is; not the memory of a
+        # trajectory opened before the nodes with enough of it left.
+        if a.cpu and node is None and not self._hostable(a):
+            self.stranded.add(a.id)
         self._count(a, +1)
         if a.service is not None:
             self.queued_calls[a.service] = self.queued_calls.get(a.service, 0) + 1
@@ -765,6 +819,7 @@ class Scheduler:
             self.queue.remove(action_id)
         a = self.actions.pop(action_id)
         self._count(a, -1)
+        self.stranded.discard(action_id)
         if a.service is not None:
             calls = self.queued_calls[a.service] - 1
             if calls:
@@ -775,6 +830,8 @@ class Scheduler:
         if a.cpu:
             traj.queued_exec -= 1
             traj.queued_work = traj.queued_work - a.work if traj.queued_exec else 0.0
+            if not traj.queued_exec:
+                traj.widest = 0
         if not started and self._settle(traj):
             traj.idle_since = None  # cancelled: the gap to its next action is no think time
         left = self.queued_by_tenant[traj.tenant] - 1
@@ -785,6 +842,8 @@ class Scheduler:
         return a
 
     def _count(self, a: Action, delta: int) -> None:
+        if self.stranded and a.id in self.stranded:
+            return  # it waits for the pool to change, for nothing in it
         w, placement = self.waiting, self.cpu.placement
         wants = needs(a, placement.get(a.trajectory) if a.cpu else None, placement)
         for r in wants:
@@ -804,12 +863,23 @@ class Scheduler:
         traj.in_flight -= 1
         if traj.in_flight:
             return False
+        if self.closing.get(traj.id) is traj:  # closed by a drain: its last run ended
+            del self.closing[traj.id]
+            return False
         self.returns.starts_thinking(self.cpu.placement.get(traj.id))
         return True
 
+    def _owner(self, tid: str) -> Trajectory | None:
+        """The trajectory a run counts for: open, or closed by a drain while it ran."""
+        traj = self.trajectories.get(tid)
+        return traj if traj is not None else self.closing.get(tid)
+
     def _place(self, tid: str, node: str) -> None:
-        """Place a trajectory; its queued exec actions now wait on that node's cores."""
+        """Place a trajectory; its queued exec actions now wait on that node's cores, but
+        those whose minimum exceeds them, which are refused (``invalid``)."""
         traj = self.trajectories[tid]
+        if traj.queued_exec and traj.widest > self.cpu.nodes[node].cores:
+            self._refuse_wider(traj, node, self.cpu.nodes[node].cores)
         self.cpu.place(tid, node, traj.memory_gb)
         if traj.in_flight == 0:
             self.returns.starts_thinking(node)
@@ -820,6 +890,20 @@ class Scheduler:
             w[cores] = w.get(cores, 0) + traj.queued_exec
             self._add_work(PLACE, -traj.queued_work)
             self._add_work(cores, traj.queued_work)
+
+    def _refuse_wider(self, traj: Trajectory, node: str, cores: int) -> None:
+        """Take out of the queue ``traj``'s exec actions that need more than the ``cores``
+        of ``node``, where it is being placed: they could never run (the trajectory stays
+        there). Refused as at submit, they are reported by the next round."""
+        tid, widest = traj.id, 0
+        for a in [a for a in self.actions.values() if a.trajectory == tid and a.cpu]:
+            if a.cpu[0] <= cores:
+                widest = max(widest, a.cpu[0])
+                continue
+            self._dequeue(a.id)
+            e = too_wide(a.cpu[0], tid, node, cores)
+            self.invalid.append(Invalid(action_id=a.id, field=e.field, message=e.message))
+        traj.widest = widest
 
     def _start(
         self,

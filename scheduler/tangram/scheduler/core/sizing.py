@@ -56,7 +56,10 @@ class Sizing:
         units = a.cpu or a.gpu or (1,)
         if a.cpu:
             # Never more cores than the trajectory's node has (unplaced: the largest node), so
-            # fixed DoP and probe sizes stay runnable.
+            # fixed DoP and probe sizes stay runnable. A minimum over the cap never reaches a
+            # round: it is refused at submit or at placement, or, the largest node gone, the
+            # action is stranded (``Scheduler.stranded``); kept here only for the figures
+            # (fair queuing's work) read before then.
             cap = self.cpu.nodes[node].cores if node is not None else self.biggest_node
             if units[-1] > cap:
                 units = tuple(k for k in units if k <= cap) or units[:1]
