@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from tangram.api.action import ActionKind
 from tangram.api.demand import AmdahlEfficiency
 from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.sim.backends import (
+    K8sStaticBackend,
     Overheads,
     SchedulerBackend,
     StaticGpuBackend,
@@ -136,6 +138,57 @@ def test_replay_is_deterministic_for_a_seed() -> None:
     a = simulate(trace, cluster, "elastic", seed=5).summary()
     b = simulate(trace, cluster, "elastic", seed=5).summary()
     assert a == b
+
+
+def _profiles(policy: str, trace: list[TrajectoryTrace], seed: int) -> dict[str, float]:
+    """The t1 the scheduler is told for each profiled action under ``policy``: the trace's,
+    times that action's profiling noise."""
+    replay = build(policy, scenario_cluster("coding", cpu_nodes=1), seed=seed)
+    backend = replay.routes[ActionKind.EXEC]
+    assert isinstance(backend, SchedulerBackend)
+    told: dict[str, float] = {}
+    submit = backend.sched.submit
+
+    def record(aid: str, trajectory: str, spec: Any, now: float) -> Any:
+        if spec.t1_s is not None:
+            told[aid] = spec.t1_s
+        return submit(aid, trajectory, spec, now)
+
+    backend.sched.submit = record  # type: ignore[method-assign,assignment]
+    replay.run(trace, None)
+    return told
+
+
+def test_policies_at_one_seed_see_the_same_profiling_noise() -> None:
+    # One node: the policies' rounds differ, so actions are submitted in other orders.
+    trace = generate("coding", 64, 3)
+    elastic = _profiles("elastic", trace, seed=0)
+    assert elastic and elastic == _profiles("elastic-load", trace, seed=0)
+    assert elastic == _profiles("fixed-dop-4", trace, seed=0)
+    other = _profiles("elastic", trace, seed=1)
+    assert other.keys() == elastic.keys() and other != elastic  # the seed draws it
+
+
+def test_a_pods_start_latency_is_its_trajectorys_whatever_the_order() -> None:
+    step = [{"think_s": 0.0, "action": {"kind": "exec", "t1_s": 1.0}}]
+    trace = [traj(f"t{i}", step) for i in range(4)]
+
+    def ready_at(order: list[TrajectoryTrace]) -> dict[str, float]:
+        loop = EventLoop()
+        pods = K8sStaticBackend(loop, cpu_cluster(cpus=8), NO_OVERHEAD, 7)
+        ready: dict[str, float] = {}
+
+        def when(tid: str) -> Callable[[], None]:
+            return lambda: ready.__setitem__(tid, loop.now)
+
+        for t in order:
+            pods.open(t, 0.0, when(t.id))
+        loop.run()
+        return ready
+
+    forward = ready_at(trace)
+    assert len(set(forward.values())) == 4  # each its own draw
+    assert ready_at(trace[::-1]) == forward
 
 
 def test_policy_names_are_checked() -> None:

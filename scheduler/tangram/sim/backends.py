@@ -5,11 +5,13 @@ Modelling assumptions are listed in docs/simulator.md; each class states its own
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from statistics import NormalDist
 
 import numpy as np
 
@@ -38,6 +40,22 @@ class Overheads:
     profile_noise: float = 0.2  # lognormal sigma of profiled t1 vs the truth
 
 
+_NORMAL = NormalDist()
+
+
+def keyed_normal(seed: int, *key: str | int) -> float:
+    """A standard normal draw fixed by ``seed`` and ``key`` alone (a hash, inverted
+    through the normal CDF): independent of the order of the draws and of any other, so
+    every policy replaying a trace at one seed draws the same for the same key."""
+    digest = hashlib.blake2b(repr((seed, *key)).encode(), digest_size=8).digest()
+    return _NORMAL.inv_cdf((int.from_bytes(digest, "big") + 0.5) / 2.0**64)
+
+
+def profile_factor(seed: int, sigma: float, trajectory: str, step: int) -> float:
+    """The profiling noise of a trajectory's step: lognormal(0, ``sigma``), by its key."""
+    return math.exp(sigma * keyed_normal(seed, "profile", trajectory, step))
+
+
 def true_duration(spec: ActionSpec, units: int) -> float:
     """What the action really takes with ``units`` key units (the trace's ground truth)."""
     t1 = spec.t1_s if spec.t1_s is not None else 1.0
@@ -64,7 +82,9 @@ class SchedulerBackend:
 
     What the scheduler is told mirrors the paper's setup (§6.1): profiles (t1 and
     efficiency) only for actions that carry an efficiency curve, perturbed by
-    profiling noise; every other duration it learns online from completions.
+    profiling noise; every other duration it learns online from completions. The noise
+    of an action is a function of the seed, its trajectory and its step
+    (``profile_factor``), so every policy sees the same profiles at one seed.
     """
 
     def __init__(
@@ -73,7 +93,7 @@ class SchedulerBackend:
         cluster: ClusterSpec,
         config: SchedulerConfig,
         overheads: Overheads,
-        rng: np.random.Generator,
+        seed: int,
         *,
         steps_hint: tuple[float, np.random.Generator] | None = None,
     ) -> None:
@@ -83,7 +103,7 @@ class SchedulerBackend:
         # the true count times lognormal(0, sigma); None: no client sends a hint.
         self.steps_hint = steps_hint
         self.overheads = overheads
-        self.rng = rng
+        self.seed = seed
         self.services = {s.name: s for s in cluster.services}
         self._pending: dict[str, tuple[ActionRecord, ActionSpec, Done]] = {}
         self._dirty = False
@@ -111,16 +131,18 @@ class SchedulerBackend:
     def submit(self, record: ActionRecord, spec: ActionSpec, done: Done) -> None:
         aid = f"{record.trajectory}#{record.step}"
         self._pending[aid] = (record, spec, done)
-        self.sched.submit(aid, record.trajectory, self._visible(spec), record.submitted)
+        self.sched.submit(aid, record.trajectory, self._visible(spec, record), record.submitted)
         self._dirty = True
 
-    def _visible(self, spec: ActionSpec) -> ActionSpec:
+    def _visible(self, spec: ActionSpec, record: ActionRecord) -> ActionSpec:
+        """What the scheduler is told of ``spec``, the step ``record`` of its trajectory."""
         if spec.efficiency is None and spec.kind is not ActionKind.SERVICE:
             return spec.model_copy(update={"t1_s": None})
-        if spec.t1_s is None or self.overheads.profile_noise <= 0:
+        sigma = self.overheads.profile_noise
+        if spec.t1_s is None or sigma <= 0:
             return spec
-        noisy = spec.t1_s * float(self.rng.lognormal(0.0, self.overheads.profile_noise))
-        return spec.model_copy(update={"t1_s": noisy})
+        noise = profile_factor(self.seed, sigma, record.trajectory, record.step)
+        return spec.model_copy(update={"t1_s": spec.t1_s * noise})
 
     def _round(self, now: float) -> None:
         if not self._dirty and now not in self._wake:
@@ -241,7 +263,8 @@ class K8sStaticBackend:
     * Pods request ``request`` cores and the trajectory's memory; the kube-scheduler
       places a pod on the node with the most unrequested CPU where requests fit, or
       leaves it Pending (FIFO) until a pod ends. A placed pod becomes ready after a
-      lognormal start latency (median ``pod_start_s``).
+      lognormal start latency (median ``pod_start_s``), a function of the seed and its
+      trajectory, whatever order pods start in.
     * Each exec action runs in its pod with up to ``dop`` processes, capped by the
       pod's CPU ``limit``. Running actions on a node share its cores like CFS with
       equal shares: max-min fair water-filling of their demands; an action's progress
@@ -254,7 +277,7 @@ class K8sStaticBackend:
         loop: EventLoop,
         cluster: ClusterSpec,
         overheads: Overheads,
-        rng: np.random.Generator,
+        seed: int,
         *,
         request: float = 0.5,
         limit: float = 4.0,
@@ -264,7 +287,7 @@ class K8sStaticBackend:
     ) -> None:
         self.loop = loop
         self.overheads = overheads
-        self.rng = rng
+        self.seed = seed
         self.request, self.limit, self.dop = request, limit, dop
         self.pod_start_s, self.pod_start_sigma = pod_start_s, pod_start_sigma
         self.nodes = [_PodNode(n.name, float(n.cpus), n.memory_gb) for n in cluster.nodes if n.cpus]
@@ -295,7 +318,8 @@ class K8sStaticBackend:
             node.requested += self.request
             node.memory_used += traj.memory_gb
             self.pods[traj.id] = (node, now)
-            start = float(self.rng.lognormal(math.log(self.pod_start_s), self.pod_start_sigma))
+            z = keyed_normal(self.seed, "pod", traj.id)
+            start = self.pod_start_s * math.exp(self.pod_start_sigma * z)
             self.loop.at(now + start, ready)
 
     def close(self, traj: TrajectoryTrace, now: float) -> None:
@@ -558,12 +582,7 @@ class UnmanagedApiBackend(_NoTrajectoryState):
         self.loop = loop
         self.overheads = overheads
         self.retries, self.reject_s = retries, reject_s
-        self.providers = {
-            a.name: _Provider(
-                Quota(a.name, a.concurrency, *(a.window() or (None, 1.0))), a.timeout_s
-            )
-            for a in cluster.apis
-        }
+        self.providers = {a.name: _Provider(Quota.of(a), a.timeout_s) for a in cluster.apis}
         self.unit_seconds: dict[str, float] = {}
         self.errors = 0
 

@@ -104,7 +104,6 @@ def build(
     check_policy(policy)
     base = config or SchedulerConfig()
     oh = overheads or Overheads()
-    rng = np.random.default_rng(seed)
     if policy == "elastic-priority":
         base = replace(base, ordering="trajectory-priority")
     if policy == "elastic-doubling":
@@ -129,11 +128,11 @@ def build(
         pooled_cluster = cluster.model_copy(
             update={"services": [s.model_copy(update={"max_calls": 1}) for s in cluster.services]}
         )
-    pooled = SchedulerBackend(loop, pooled_cluster, base, oh, rng, steps_hint=hint)
+    pooled = SchedulerBackend(loop, pooled_cluster, base, oh, seed, steps_hint=hint)
     routes: dict[ActionKind, Backend] = dict.fromkeys(ActionKind, pooled)
     if m := _K8S.match(policy):
         dop = int(m.group(1) or 1)
-        routes[ActionKind.EXEC] = K8sStaticBackend(loop, cluster, oh, rng, dop=dop)
+        routes[ActionKind.EXEC] = K8sStaticBackend(loop, cluster, oh, seed, dop=dop)
     elif m := _STATIC.match(policy):
         batch = int(m.group(1)) if m.group(1) else None  # None: each service's maxCalls
         routes[ActionKind.SERVICE] = StaticGpuBackend(loop, cluster, oh, max_batch=batch)

@@ -62,6 +62,17 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _check_distributions(params: object) -> None:
+    """Each LogNormal field of ``params`` can be drawn from, or a ValueError names it
+    (numpy's own error, "math domain error" or a NaN trace, would not)."""
+    for f in fields(params):  # type: ignore[arg-type]
+        d = getattr(params, f.name)
+        if isinstance(d, LogNormal):
+            _require(d.median > 0, f.name, f"median must be > 0, not {d.median:g}")
+            _require(d.sigma >= 0, f.name, f"sigma must be >= 0, not {d.sigma:g}")
+            _require(d.lo <= d.hi, f.name, f"lo ({d.lo:g}) must not exceed hi ({d.hi:g})")
+
+
 # --- Clusters ([T] §6.1, §6.3) --------------------------------------------------------------
 
 CPU_NODES = 5  # [T] §6.3 "1280 CPU cores across five nodes"
@@ -132,6 +143,7 @@ class CodingParams:
     group_size: int = 16  # ASSUMPTION: GRPO G, [H] §7 "16 samples per prompt"
 
     def __post_init__(self) -> None:
+        _check_distributions(self)
         _require(self.group_size >= 1, "group_size", "must be at least 1")
         lo, hi = self.amdahl_p
         _require(0.0 <= lo <= hi <= 1.0, "amdahl_p", "must be (lo, hi) with 0 <= lo <= hi <= 1")
@@ -151,6 +163,7 @@ class DeepSearchParams:
     judge_s: LogNormal = LogNormal(3.0, 0.6)  # ASSUMPTION: judge latency at JUDGE_REF_DOP
 
     def __post_init__(self) -> None:
+        _check_distributions(self)
         _require(0.0 <= self.pdf_fraction <= 1.0, "pdf_fraction", "must be in [0, 1]")
 
 
@@ -173,6 +186,7 @@ class MopdParams:
     search: DeepSearchParams = field(default_factory=DeepSearchParams)  # search-like: API params
 
     def __post_init__(self) -> None:
+        _check_distributions(self)
         weights = self.type_weights
         _require(min(weights) >= 0 and sum(weights) > 0, "type_weights", "must be >= 0, not all 0")
         _require(1 <= self.teachers <= TEACHERS, "teachers", f"must be 1..{TEACHERS}")

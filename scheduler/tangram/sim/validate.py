@@ -20,9 +20,7 @@ def check_trace(
     """Raise ``ValueError`` naming the trajectory, step and field that the cluster cannot
     serve, under any policy or one of ``policies``."""
     services = {s.name: s for s in cluster.services}
-    quotas = {
-        a.name: Quota(a.name, a.concurrency, *(a.window() or (None, 1.0))) for a in cluster.apis
-    }
+    quotas = {a.name: Quota.of(a) for a in cluster.apis}
     cpu_nodes = [n for n in cluster.nodes if n.cpus]
     biggest = max((n.cpus for n in cpu_nodes), default=0)
     most_memory = max((n.memory_gb for n in cpu_nodes), default=0.0)
