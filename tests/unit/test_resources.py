@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
@@ -527,14 +528,22 @@ def test_errors_count_documents_from_one_including_empty_ones(tmp_path: Path) ->
     assert e.value.problems == [f"{f}: document 2 (ActionPool/p): spec.x: {_UNKNOWN}"]
 
 
-def test_directory_reads_yaml_files_sorted_and_not_recursively(tmp_path: Path) -> None:
+def test_directory_reads_yaml_and_json_files_sorted_and_not_recursively(tmp_path: Path) -> None:
     _write(tmp_path / "b.yml", ENV)
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "k"},
+        "stringData": {"t": "v"},
+    }
+    _write(tmp_path / "s.json", json.dumps(secret))
     _write(tmp_path / "a.yaml", POOL)
     _write(tmp_path / "c.txt", "not: [yaml")
     _write(tmp_path / "nested" / "d.yaml", POOL.replace("name: p", "name: q"))
     resources = load_documents([tmp_path])
     assert list(resources.pools) == [("default", "p")]
     assert list(resources.envs) == [("default", "e")]
+    assert resources.secret_value("default", SecretRef(name="k", key="t")) == "v"
     assert resources.declared[("ActionPool", "default", "p")] == (
         f"{tmp_path / 'a.yaml'}: document 1",
     )
@@ -583,7 +592,7 @@ def test_errors_of_several_files_are_raised_together(tmp_path: Path) -> None:
 
 def test_a_directory_without_manifests_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ResourceError, match=r"no \*\.yaml or \*\.yml files"):
+    with pytest.raises(ResourceError, match=r"no \*\.yaml, \*\.yml or \*\.json files"):
         load_documents([tmp_path / "empty"])
 
 

@@ -19,7 +19,8 @@ import json
 import logging
 
 import websockets
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.uri import parse_uri
 
 from tangram.api.wire import (
     AGENT_BACKOFF_MAX_S,
@@ -46,8 +47,31 @@ CLOSE_TIMEOUT_S = 2.0  # the closing handshake, which a silent scheduler never a
 GONE_CHECK_S = 2.0  # how often environments that ended by themselves are looked for
 
 
+class SchedulerUrlError(ValueError):
+    """A scheduler URL no retry can reach: the agent ends, saying why."""
+
+
+def check_url(url: str) -> None:
+    """Raise :class:`SchedulerUrlError` unless ``url`` is a WebSocket URL."""
+    try:
+        parse_uri(url)
+    except InvalidURI as e:
+        raise SchedulerUrlError(_invalid(url, e)) from None
+
+
+def _invalid(url: str, e: InvalidURI) -> str:
+    why = e.msg if url == e.uri else f"it leads to {e.uri}: {e.msg}"
+    return (
+        f"{url} is not a scheduler URL ({why}): give ws://HOST:PORT/v1/agents "
+        "(wss:// with TLS; an IPv6 address in brackets)"
+    )
+
+
 async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> None:
-    """Serve the scheduler at ``url`` (ws://host:port/v1/agents) until ``stop`` is set."""
+    """Serve the scheduler at ``url`` (ws://host:port/v1/agents) until ``stop`` is set.
+    A URL that no retry can reach (not ws:// or wss://, no host) ends it at once with
+    :class:`SchedulerUrlError`; every other failure is retried with backoff."""
+    check_url(url)
     backoff = 0.1
     while not stop.is_set():
         try:
@@ -67,6 +91,8 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
                 await ws.send(agent.hello().model_dump_json())
                 log.info("connected to %s as %s", url, agent.node)
                 await _session(agent, ws, stop)
+        except InvalidURI as e:  # (a redirect to one): a permanent error, not retried
+            raise SchedulerUrlError(_invalid(url, e)) from None
         except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as e:
             if stop.is_set():
                 break

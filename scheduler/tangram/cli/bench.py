@@ -16,6 +16,7 @@ import numpy as np
 from tangram.api.orderings import QuotaWaiting
 from tangram.cli.files import (
     InputError,
+    Interrupted,
     check_writable,
     load_cluster,
     load_trace_file,
@@ -88,13 +89,20 @@ def register(sub: Any) -> None:
     p.add_argument("--cluster", help="cluster YAML: nodes, services, apis")
     p.add_argument("--policy", default="elastic", help="comma-separated policies")
     p.add_argument("--seed", type=whole_number(0), default=0)
-    p.add_argument("--depth", type=whole_number(1), default=2, help="ACT approximation depth")
+    p.add_argument(
+        "--depth",
+        type=whole_number(1, 4),
+        default=2,
+        help="ACT approximation depth, 1 to 4 (as the ActionPool's spec.scheduling.depth)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--plot", help="PNG of ACT distributions per policy (default: next to the trace)"
     )
     p.add_argument("--no-plot", action="store_true", help="do not draw the ACT plot")
-    p.add_argument("--out", help="output file (scheduler) or directory (paper)")
+    p.add_argument(
+        "--out", help="the report as JSON (a replay, a named benchmark), or a directory (paper)"
+    )
     p.add_argument("--quick", action="store_true", help="paper: smaller sweeps for a smoke run")
     p.add_argument(
         "--gc",
@@ -213,7 +221,67 @@ def register(sub: Any) -> None:
                    help="tenants: the flood's backlog")  # fmt: skip
     t.add_argument("--flood-trajectories", type=whole_number(1), default=8,
                    help="tenants: trajectories the backlog is spread over")  # fmt: skip
-    p.set_defaults(run=run)
+    options = {a.dest: (a.option_strings[-1], a.default) for a in p._actions if a.option_strings}
+    options.pop("help")
+    p.set_defaults(run=run, bench_options=options)
+
+
+REPLAY = "replay"  # the mode without a named benchmark: --trace on --cluster
+_SEEDS = ("coding-seeds", "gpu-seeds", "search-seeds")
+_GPU_POOL = (
+    "services", "pooled", "devices", "per_device", "rounds", "round_s", "burst", "compute_ms",
+    "active",
+)  # fmt: skip
+_TENANTS = ("cores", "action_s", "steps", "think_s", "flood_actions", "flood_trajectories")
+_SERVICE = (
+    "trajectories", "think", "sweep", "duration", "warmup", "generator_gc", "transport",
+    "placement",
+)  # fmt: skip
+_EXEC = ("actions", "opens", "state_dir", "runtime", "namespace", "node", "execd_image",
+         "kubeconfig")  # fmt: skip
+# Which modes read each option (every option is listed: a test checks it). One given to
+# a mode that does not read it is refused, naming it, rather than silently ignored.
+APPLIES: dict[str, tuple[str, ...]] = {
+    "json": ("*",),
+    "out": ("*",),
+    **dict.fromkeys(("trace", "cluster", "policy", "depth", "plot", "no_plot"), (REPLAY,)),
+    "seed": (REPLAY, "paper", "gpu-pool"),
+    "quick": ("paper",),
+    "gc": ("scheduler",),
+    **dict.fromkeys(("batches", "seeds", "jobs"), _SEEDS),
+    "mixed_batch": ("gpu-seeds",),
+    **dict.fromkeys(_EXEC, ("exec",)),
+    "image": ("exec", "files"),
+    **dict.fromkeys(("sizes", "repeats"), ("files",)),
+    **dict.fromkeys(_SERVICE, ("service",)),
+    "size_mb": ("gpu", "gpu-pool"),
+    **dict.fromkeys(_GPU_POOL, ("gpu-pool",)),
+    **dict.fromkeys(_TENANTS, ("tenants",)),
+}
+
+
+def _mode_name(mode: str) -> str:
+    return "a trace replay" if mode == REPLAY else f"bench {mode}"
+
+
+def _modes(modes: tuple[str, ...]) -> str:
+    names = [_mode_name(m) for m in modes]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse the options given that the chosen mode does not read, naming each and the
+    modes that do (a value equal to its default is not told from none given)."""
+    mode = args.what or REPLAY
+    wrong = [
+        (flag, APPLIES[dest])
+        for dest, (flag, default) in args.bench_options.items()
+        if getattr(args, dest) != default and "*" not in APPLIES[dest] and mode not in APPLIES[dest]
+    ]
+    if wrong:
+        flags = ", ".join(flag for flag, _ in wrong)
+        where = "; ".join(f"{flag} is for {_modes(modes)}" for flag, modes in wrong)
+        raise InputError(f"{flags}: not options of {_mode_name(mode)} ({where})")
 
 
 # Imported when asked for: each pulls in what only it needs (the client, Docker, PyTorch).
@@ -230,7 +298,8 @@ _REPORTS = {
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.out and args.what not in (None, "paper"):  # checked now, written at the end
+    check_options(args)
+    if args.out and args.what != "paper":  # checked now, written at the end
         check_writable(args.out, "--out")
     if args.what == "scheduler":
         report = run_round_bench(progress=not args.json, gc_settings=args.gc)
@@ -251,9 +320,15 @@ def run(args: argparse.Namespace) -> int:
         from tangram.cli.paper import run_paper
 
         out = Path(args.out or "docs/bench")
-        report = run_paper(out, quick=args.quick, seed=args.seed)
+        try:
+            figures = run_paper(out, quick=args.quick, seed=args.seed)
+        except ReplayInterrupted as e:  # its sweeps' figures are written only at the end
+            raise Interrupted(
+                f"{e.args[0].split(';')[0]} ({out}/paper.json is written at the end of the "
+                "sweeps: nothing was; each finished batch was noted above)"
+            ) from None
         if args.json:
-            print(json.dumps(report, indent=2))
+            print(json.dumps(figures, indent=2))
         return 0
     if not args.trace or not args.cluster:
         raise InputError("--trace and --cluster are required for a replay (or name a benchmark)")
@@ -286,7 +361,12 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise InputError(f"--plot: {e}") from None
         check_writable(plot, "--plot", parents=False)
-    results = replay_all(trace, cluster, policies, seed=args.seed, depth=args.depth)
+    try:
+        results = replay_all(trace, cluster, policies, seed=args.seed, depth=args.depth)
+        stopped = None
+    except ReplayInterrupted as e:  # what finished is reported, then the exit is 130
+        results, stopped = e.finished, e
+        plot = None
     report = {
         "trace": args.trace,
         "cluster": args.cluster,
@@ -299,6 +379,11 @@ def run(args: argparse.Namespace) -> int:
         report["avg_act_ratio_vs_elastic"] = {
             p: r.summary()["avg_act_s"] / base if base else None for p, r in results.items()
         }
+    if stopped is not None:
+        report["interrupted_during"] = stopped.policy
+        if results:
+            _emit(report, args)
+        raise stopped
     if plot is not None:
         from tangram.cli.plots import act_cdf
 
@@ -374,9 +459,23 @@ def _latency(seconds: list[float]) -> dict[str, Any]:
     }
 
 
+class ReplayInterrupted(Interrupted):
+    """Ctrl-C during ``policy``'s replay: ``finished`` holds the policies replayed before."""
+
+    def __init__(self, policy: str, finished: dict[str, SimResult]) -> None:
+        done = ", ".join(finished) or "none"
+        super().__init__(
+            f"interrupted during {policy}; finished: {done}"
+            + (" (their figures are above)" if finished else "")
+        )
+        self.policy, self.finished = policy, finished
+
+
 def replay_all(
     trace: Any, cluster: Any, policies: list[str], *, seed: int, depth: int = 2
 ) -> dict[str, SimResult]:
+    """Each policy's replay, in order; Ctrl-C raises :class:`ReplayInterrupted` with those
+    that finished."""
     config = SchedulerConfig(depth=depth)
     results: dict[str, SimResult] = {}
     for policy in policies:
@@ -387,6 +486,8 @@ def replay_all(
                 )
         except (ValueError, RuntimeError) as e:
             raise InputError(f"policy {policy}: {e}") from None
+        except KeyboardInterrupt:
+            raise ReplayInterrupted(policy, results) from None
     return results
 
 
@@ -398,7 +499,7 @@ def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
     else:
         _table(report)
     sys.stdout.flush()
-    if args.out and args.what is not None:  # a named benchmark's report (a replay's: stdout)
+    if args.out:
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -515,12 +616,32 @@ def _table(report: dict[str, Any]) -> None:
                 )
             console.print(t)
         return
-    t = Table(title=f"{report['trajectories']} trajectories, {report['actions']} actions")
-    cols = ("avg_act_s", "p99_act_s", "avg_traj_act_s", "makespan_s", "unit_seconds")
-    t.add_column("policy")
-    for col in cols:
-        t.add_column(col, justify="right")
-    for p, s in report["policies"].items():
-        t.add_row(p, *(f"{s[c]:.2f}" for c in cols))
-    console.print(t)
+    console.print(replay_table(report, console))
     sys.stdout.flush()
+
+
+def replay_table(report: dict[str, Any], console: Any) -> Any:
+    """A replay's figures, a row per policy. A policy's name is never cut (fixed-dop-4 and
+    fixed-dop-16 would read the same): on a narrow terminal the headers break at their
+    first underscore, then the figures fold."""
+    from rich.table import Table
+
+    cols = ("avg_act_s", "p99_act_s", "avg_traj_act_s", "makespan_s", "unit_seconds")
+    names = list(report["policies"])
+
+    def table(headers: tuple[str, ...]) -> Table:
+        t = Table(title=f"{report['trajectories']} trajectories, {report['actions']} actions")
+        t.add_column("policy", no_wrap=True, min_width=max(map(len, names), default=6))
+        for header in headers:
+            t.add_column(header, justify="right", overflow="fold")
+        for p, s in report["policies"].items():
+            t.add_row(p, *(f"{s[c]:.2f}" for c in cols))
+        return t
+
+    cells = [[f"{s[c]:.2f}" for c in cols] for s in report["policies"].values()]
+    widths = [max(map(len, names), default=6)] + [
+        max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(cols)
+    ]
+    if sum(w + 3 for w in widths) + 1 <= console.width:  # (padding and a border each)
+        return table(cols)
+    return table(tuple(c.replace("_", "_\n", 1) for c in cols))

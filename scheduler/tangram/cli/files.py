@@ -22,6 +22,11 @@ class InputError(Exception):
     """Bad user input; the message is printed as is, without a traceback."""
 
 
+class Interrupted(Exception):  # noqa: N818 (Ctrl-C, not an error)
+    """Ctrl-C during a long run: the message says what had finished (its results were
+    printed already); the command exits 130, as a plain Ctrl-C does."""
+
+
 def documented_command(sub: Any, name: str, summary: str, doc: str | None) -> Any:
     """A sub-command listed with ``summary``, whose ``--help`` shows its module's docstring
     ``doc`` as written."""
@@ -30,16 +35,18 @@ def documented_command(sub: Any, name: str, summary: str, doc: str | None) -> An
     )
 
 
-def whole_number(least: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``least``; argparse names the flag in its error."""
+def whole_number(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least`` (and <= ``most``); argparse names the flag
+    in its error."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        if value < least or (most is not None and value > most):
+            within = f"at least {least}" if most is None else f"{least} to {most}"
+            raise argparse.ArgumentTypeError(f"must be {within}, got {value}")
         return value
 
     return parse

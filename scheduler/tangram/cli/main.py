@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tangram.cli.files import InputError
+    from tangram.cli.files import InputError, Interrupted
 
     parser = build_parser()
     try:
@@ -38,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as e:
         print(f"tangram: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"tangram: {e}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         return 130
     return code

@@ -15,7 +15,7 @@ import yaml
 
 from tangram.api.documents import Document, ResourceError, Resources, parse_documents
 
-SUFFIXES = (".yaml", ".yml")
+SUFFIXES = (".yaml", ".yml", ".json")  # as kubectl reads a folder (JSON is YAML here)
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -38,7 +38,8 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def manifest_files(path: str | Path) -> list[Path]:
-    """A file as is, or a directory's ``*.yaml`` and ``*.yml`` files, sorted, not recursive."""
+    """A file as is, or a directory's ``*.yaml``, ``*.yml`` and ``*.json`` files, sorted, not
+    recursive."""
     p = Path(path)
     if p.is_dir():
         return sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
@@ -101,7 +102,8 @@ def load_documents(paths: Sequence[str | Path]) -> Resources:
             continue
         files = manifest_files(p)
         if not files:
-            problems.append(f"{p}: no {' or '.join('*' + s for s in SUFFIXES)} files")
+            globs = [f"*{s}" for s in SUFFIXES]
+            problems.append(f"{p}: no {', '.join(globs[:-1])} or {globs[-1]} files")
         for f in files:
             documents.extend(read_documents(f, problems))
     try:

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tangram.cli.files import InputError, check_writable
+from tangram.cli.files import InputError, Interrupted, check_writable
 from tangram.cli.progress import note
 
 J = TypeVar("J", bound=Hashable)
@@ -54,12 +54,22 @@ def run_jobs(
     """Each job's result, replayed in ``workers`` processes (default: one per CPU), with a
     progress line per job as it ends."""
     got: dict[J, R] = {}
-    with ProcessPoolExecutor(workers or os.cpu_count() or 1) as pool:
+    pool = ProcessPoolExecutor(workers or os.cpu_count() or 1)
+    wait = True
+    try:
         futures = {pool.submit(replay, job): job for job in jobs}
         for done, future in enumerate(as_completed(futures), 1):
             job = futures[future]
             got[job] = future.result()
             note(f"[{done}/{len(jobs)}] {describe(job, got[job])}")
+    except KeyboardInterrupt:  # Ctrl-C: each finished replay's figures were noted above
+        wait = False  # (the workers had their Ctrl-C too)
+        raise Interrupted(
+            f"interrupted after {len(got)} of {len(jobs)} replays"
+            + (" (each one's figures are above)" if got else "")
+        ) from None
+    finally:
+        pool.shutdown(wait=wait, cancel_futures=True)
     return got
 
 

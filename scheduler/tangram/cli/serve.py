@@ -77,7 +77,13 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run_serve)
 
     a = sub.add_parser("agent", help="run a node agent that serves a scheduler")
-    a.add_argument("--scheduler", required=True, help="ws://HOST:PORT/v1/agents")
+    a.add_argument(
+        "--scheduler",
+        required=True,
+        type=scheduler_url,
+        help="ws://HOST:PORT/v1/agents, as `tangram serve` prints it (wss:// with TLS; "
+        "http(s):// is taken as ws(s)://, and a URL without a path gets /v1/agents)",
+    )
     a.add_argument(
         "--token-file", default=_TOKENS, help="holds a system:agent token (read, never made)"
     )
@@ -108,6 +114,26 @@ def register(sub: Any) -> None:
     add_gpu_flags(a)
     add_log_flags(a)
     a.set_defaults(run=run_agent)
+
+
+def scheduler_url(text: str) -> str:
+    """An argparse type: the scheduler's agent endpoint as a WebSocket URL. http(s) is
+    the same server's ws(s) (the scheme `tangram serve` printed before); a URL without a
+    path means the agent endpoint. Anything else is a usage error at once, not a link
+    retried for ever."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from tangram.node_agent.link import SchedulerUrlError, check_url
+
+    parts = urlsplit(text.strip())
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme.lower(), parts.scheme)
+    path = parts.path if parts.path not in ("", "/") else "/v1/agents"
+    url = urlunsplit(parts._replace(scheme=scheme, path=path)) if parts.netloc else text
+    try:
+        check_url(url)
+    except SchedulerUrlError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return url
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -141,7 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def ready(r: Running) -> None:
         reload_on_hangup(args.file, args.pool, r.engine, secrets)
-        note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.url}/v1/agents")
+        note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.agents_url}")
         note(r.engine.learned_note())
 
     # Environments outlive a scheduler restart: the next scheduler takes them back.
@@ -166,6 +192,7 @@ def _learned_configmap(args: argparse.Namespace) -> tuple[str, str] | None:
 
 
 def run_agent(args: argparse.Namespace) -> int:
+    from tangram.node_agent.link import SchedulerUrlError
     from tangram.node_agent.link import serve as serve_link
 
     setup_logging(args)
@@ -184,7 +211,9 @@ def run_agent(args: argparse.Namespace) -> int:
 
     try:
         run_loop(main())
-    except BaseException:  # a failed link: main's own shutdown did not run
+    except BaseException as e:  # a failed link: main's own shutdown did not run
         shut_down(agent)
+        if isinstance(e, SchedulerUrlError):  # (a redirect to a URL no retry reaches)
+            raise InputError(f"--scheduler: {e}") from None
         raise
     return 0

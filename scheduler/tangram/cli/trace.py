@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
-from tangram.cli.files import InputError, dump_cluster, whole_number
+from tangram.cli.files import InputError, check_writable, dump_cluster, whole_number
 from tangram.sim.tracegen import SCENARIOS, generate, scenario_cluster
 
 
@@ -29,6 +30,17 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Both paths are checked before either is written: no trace left behind without the
+    # cluster it was asked with.
+    outs = [
+        (flag, path)
+        for flag, path in (("--out", args.out), ("--cluster-out", args.cluster_out))
+        if path
+    ]
+    for flag, path in outs:
+        check_writable(path, flag, parents=False)
+    if len(outs) == 2 and Path(args.out).resolve() == Path(args.cluster_out).resolve():
+        raise InputError(f"--cluster-out: {args.cluster_out} is the --out file too")
     trajs = generate(args.scenario, args.trajectories, args.seed)
     lines = "".join(t.model_dump_json(exclude_defaults=True) + "\n" for t in trajs)
     if args.out:

@@ -20,17 +20,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tangram.api.demand import allowed_units
 from tangram.api.documents import Resources
 from tangram.api.resources import ActionPool
 from tangram.cli.files import InputError, documented_command, port, seconds, whole_number
 from tangram.cli.manifests import load_documents, load_text
 from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
+from tangram.node_agent.link import SchedulerUrlError
 from tangram.node_agent.runtimes import help_text as runtime_help
 from tangram.node_agent.runtimes import names as runtime_names
+from tangram.scheduler.core.gpu_pool import gb_per_gpu, holds
 from tangram.service.auth import AGENT_TENANT, TokenError, TokenStore
 from tangram.service.config import PoolConfig
-from tangram.service.embedded import Running, run
+from tangram.service.embedded import Running, Stopping, run
 from tangram.service.from_resources import (
     PoolChoiceError,
     SecretLookup,
@@ -146,6 +149,14 @@ def run_up(args: argparse.Namespace) -> int:
             f"--token-file {args.token_file}: no {AGENT_TENANT} line (the local agent's token)"
         )
     agent = make_agent(args, config.idle_cores, args.cores or config.cores_per_node)
+    warnings = fit_warnings(
+        config,
+        host_cores=None if virtual_cores(agent.kind) else len(os.sched_getaffinity(0)),
+        memory_gb=agent.inventory.memory_gb,
+        action_cores=agent.action_cores,
+        idle_cores=agent.idle_cores,
+        cores_flag=args.cores,
+    ) + gpu_warnings(config, agent.gpu.info if agent.gpu is not None else None, args.gpus)
 
     def ready(r: Running) -> None:
         reload_on_hangup(args.file, args.pool, r.engine)
@@ -159,12 +170,15 @@ def run_up(args: argparse.Namespace) -> int:
             f"  node {agent.node}: action cores {agent.action_cores}, "
             f"idle {agent.idle_cores}, {runtime} runtime\n"
             f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
+            f"RewardServices: {', '.join(sorted(config.services)) or 'none'}; "
             f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
             f"  token file: {args.token_file}\n"
             f"  {r.engine.learned_note()}\n"
             f"  try: .venv/bin/python examples/rollout.py --url {r.url}\n"
             f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
         )
+        for warning in warnings:  # after the banner, where they are read
+            note(f"[bold yellow]warning[/]: {warning}")
 
     try:
         _local_images(agent, [e.spec.image for e in config.envs.values()])
@@ -177,6 +191,95 @@ def run_up(args: argparse.Namespace) -> int:
         raise
     note("stopped; every environment was removed")
     return 0
+
+
+def virtual_cores(runtime: str) -> bool:
+    """Whether ``runtime``'s cores are virtual (noop): none of this machine's are used."""
+    from tangram.node_agent.runtimes import registration
+
+    return registration(runtime).virtual_cores
+
+
+def fit_warnings(
+    config: PoolConfig,
+    *,
+    host_cores: int | None,
+    memory_gb: float,
+    action_cores: Sequence[int],
+    idle_cores: Sequence[int],
+    cores_flag: int | None = None,
+) -> list[str]:
+    """What the pool asks of a node that this machine cannot give, each naming the field
+    and this machine's figure: the agent shrinks the pool to fit (cores) or the action
+    fails only when it comes (a profile's cores, an environment's memory).
+    ``host_cores``: the cores this process may use (None: virtual cores, not checked)."""
+    out: list[str] = []
+    actions, idle = sorted(action_cores), sorted(idle_cores)
+    shared = sorted(set(actions) & set(idle))
+    split = f"action cores {actions}, idle {idle}"
+    if host_cores is not None:
+        asked = cores_flag or config.cores_per_node
+        if config.idle_cores >= host_cores:
+            out.append(
+                f"spec.cpu.idleCores {config.idle_cores}: this machine has {host_cores} "
+                f"cores, so idle sandboxes share cores with actions ({split})"
+            )
+        elif asked is not None and asked + config.idle_cores > host_cores:
+            name = f"--cores {cores_flag}" if cores_flag else f"spec.cpu.coresPerNode {asked}"
+            out.append(
+                f"{name} and spec.cpu.idleCores {config.idle_cores} need "
+                f"{asked + config.idle_cores} cores; this machine has {host_cores}: "
+                f"actions get {len(actions)} ({split}"
+                + (f"; {shared} are both" if shared else "")
+                + ")"
+            )
+    for name, env in sorted(config.envs.items()):
+        demands = [("spec.cpu", env.cpu)] + [
+            (f"spec.actions[{p}].cpu", profile.cpu) for p, profile in env.profiles.items()
+        ]
+        for field, demand in demands:
+            least = min(allowed_units(demand))
+            if host_cores is not None and least > len(actions):
+                out.append(
+                    f"TrajectoryEnv {name}: {field} needs at least {least} cores; actions "
+                    f"here get {len(actions)} ({actions}): those actions cannot run"
+                )
+        if env.spec.memory_gb > memory_gb:
+            out.append(
+                f"TrajectoryEnv {name}: spec.memoryGiB {env.spec.memory_gb:g} is more than "
+                f"this machine's {memory_gb:.1f} GiB: its trajectories cannot open"
+            )
+    return out
+
+
+def gpu_warnings(config: PoolConfig, gpu: Any, flag: str) -> list[str]:
+    """The pool's RewardServices that no GPU here can run (``gpu``: the agent's GPU
+    worker, None without one), saying what to pass."""
+    if not config.services:
+        return []
+    names = sorted(config.services)
+    if gpu is None:
+        found = "found no CUDA device" if flag == "auto" else "serves none"
+        return [
+            f"the pool's RewardServices ({', '.join(names)}) have no GPU here: --gpus {flag} "
+            f"{found}, so their calls wait, then fail (503). Pass --gpus cpu:N (N of 1, 2, 4, "
+            "8 CPU-backed devices, with PyTorch: the gpu extra) to run them without a GPU"
+        ]
+    devices, gib = len(gpu.devices), min(gpu.memory_bytes) / 2**30
+    out = []
+    for name in names:
+        svc = config.services[name]
+        if not any(
+            holds(devices, gib, k, gb_per_gpu(svc.spec.gpu_memory_gb, svc.spec.replicated, k))
+            for k in svc.dop_choices
+        ):
+            out.append(
+                f"RewardService {name}: spec.dopChoices {list(svc.dop_choices)} and "
+                f"spec.gpuMemoryGiB {svc.spec.gpu_memory_gb:g} fit none of this machine's "
+                f"{devices} {gpu.backend} devices of {gib:.1f} GiB (--gpus {flag}"
+                "; --gpu-memory-mib sets what each offers): its calls cannot run"
+            )
+    return out
 
 
 def shut_down(agent: Any) -> None:
@@ -337,10 +440,30 @@ def reload_on_hangup(
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hangup)
 
 
-def stop_on_signals(stop: asyncio.Event) -> None:
+def stop_on_signals(stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
+    """SIGINT or SIGTERM sets ``stop``; a second one sets ``hurry``: stop now."""
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if not stop.is_set():
+            stop.set()
+        elif hurry is not None and not hurry.is_set():
+            hurry.set()
+            note("stopping now: cancelling what still runs")
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
+
+
+def stopping_note(s: Stopping) -> None:
+    """What a stop waits for, said as it begins: a silent grace reads as a hang."""
+    actions = f"{s.running} action{'s' if s.running != 1 else ''}"
+    envs = f"; then {s.environments} environment(s) are removed" if s.environments else ""
+    if s.running:
+        note(f"stopping: waiting up to {s.grace_s:g} s for {actions}{envs} "
+             "(Ctrl-C again to stop now)")  # fmt: skip
+    else:
+        note(f"stopping: no action in flight{envs}")
 
 
 def add_learned_flag(p: Any, default: str) -> None:
@@ -370,10 +493,10 @@ def serve_until_signalled(
     learned: LearnedStore | None = None,
 ) -> None:
     """Serve the pool on ``--host``/``--port`` until SIGINT or SIGTERM."""
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
 
     async def main() -> None:
-        stop_on_signals(stop)
+        stop_on_signals(stop, hurry)
         await run(
             config,
             tokens,
@@ -386,10 +509,14 @@ def serve_until_signalled(
             close_on_exit=close_on_exit,
             reviewer=reviewer,
             learned=learned,
+            hurry=hurry,
+            on_stopping=stopping_note,
         )
 
     try:
         run_loop(main())
+    except SchedulerUrlError as e:  # the local agent's URL: a --host it cannot reach
+        raise InputError(f"--host {args.host}: the local agent cannot connect: {e}") from None
     except OSError as e:
         raise InputError(f"--port {args.port}: {e.strerror}") from None
     except SystemExit:  # uvicorn's "could not start" (its reason logged): a port taken late

@@ -13,6 +13,7 @@ import logging
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -41,6 +42,34 @@ class Running:
     url: str
     engine: Engine
 
+    @property
+    def agents_url(self) -> str:
+        """Where node agents connect: ``tangram agent --scheduler`` takes it as is."""
+        return "ws" + self.url.removeprefix("http") + "/v1/agents"
+
+
+@dataclass(frozen=True, slots=True)
+class Stopping:
+    """What a stop waits for, as it begins (``run``'s ``on_stopping``)."""
+
+    grace_s: float
+    running: int  # actions in flight, which get up to ``grace_s`` to finish
+    environments: int  # trajectories whose environments are removed then (0: kept)
+
+
+CLOSE_MIN_S = 10.0  # removing the environments, when the actions took the whole grace
+
+
+def url_host(host: str) -> str:
+    """``host`` as the host part of a URL: an IPv6 address in brackets (RFC 3986)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def local_host(host: str) -> str:
+    """Where a process of this host reaches a server listening on ``host``: a wildcard
+    address is reached on the loopback of its family."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
+
 
 def quiet_gc() -> None:
     """Long-lived start-up objects never need collecting again. Young collections every
@@ -53,7 +82,7 @@ def quiet_gc() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -71,12 +100,18 @@ async def run(
     close_on_exit: bool = True,
     reviewer: TokenReviewer | None = None,
     learned: LearnedStore | None = None,
+    hurry: asyncio.Event | None = None,
+    on_stopping: Callable[[Stopping], None] | None = None,
 ) -> None:
     """Serve until ``stop`` is set; then stop admitting, let in-flight actions finish
     within ``grace_s``, stop the agent. With ``close_on_exit`` (embedded mode) every
-    environment is removed; without it (a scheduler alone) they stay on their nodes for
-    the next scheduler to take back. ``learned``: where the scheduler keeps what it
-    learned across restarts (read now, saved while it runs and when it stops)."""
+    environment is removed, all at once, in what is left of ``grace_s`` (at least
+    ``CLOSE_MIN_S``); without it (a scheduler alone) they stay on their nodes for the next
+    scheduler to take back. ``hurry`` set (a second Ctrl-C) ends the wait for in-flight
+    actions at once: they are cancelled. ``on_stopping`` is told, as the stop begins, what
+    it waits for. ``stop`` set before the local agent has joined (one that never can: a
+    scheduler it cannot reach) ends the start too. ``learned``: where the scheduler keeps
+    what it learned across restarts (read now, saved while it runs and when it stops)."""
     engine = Engine(config)
     if learned is not None:
         engine.keep_learned(learned)
@@ -100,35 +135,33 @@ async def run(
             server_task.result()  # re-raises why it could not start (port in use, ...)
             return
         await asyncio.sleep(0.01)
-    url = f"http://{host}:{port}"
+    url = f"http://{url_host(host)}:{port}"
     agent_stop = asyncio.Event()
     agent_task = None
-    if agent is not None:
-        token = tokens.token_for(AGENT_TENANT)
-        if token is None:
-            raise ValueError(f"the token file has no {AGENT_TENANT} token for the local agent")
-        ws_url = f"ws://{host}:{port}/v1/agents"
-        agent_task = asyncio.create_task(serve_agent(agent, ws_url, token, agent_stop))
-        while agent.node not in engine.hub.links:
-            if agent_task.done():
-                agent_task.result()
-            await asyncio.sleep(0.01)
-        engine.all_agents_joined()  # its only agent: nothing else will come
-    quiet_gc()
-    if on_ready is not None:
-        on_ready(Running(url, engine))
+    hurry = hurry if hurry is not None else asyncio.Event()
+    served = False
     try:
-        await stop.wait()
+        if agent is not None:
+            token = tokens.token_for(AGENT_TENANT)
+            if token is None:
+                raise ValueError(f"the token file has no {AGENT_TENANT} token for the local agent")
+            ws_url = f"ws://{url_host(local_host(host))}:{port}/v1/agents"
+            agent_task = asyncio.create_task(serve_agent(agent, ws_url, token, agent_stop))
+            while agent.node not in engine.hub.links and not stop.is_set():
+                if agent_task.done():
+                    agent_task.result()  # why the agent ended (a URL it can never reach)
+                    raise RuntimeError("the local agent stopped before it joined")
+                await asyncio.sleep(0.01)
+            engine.all_agents_joined()  # its only agent: nothing else will come
+        if not stop.is_set():
+            quiet_gc()
+            if on_ready is not None:
+                on_ready(Running(url, engine))
+            served = True
+            await stop.wait()
     finally:
-        # In-flight actions get their grace before their trajectories close (a close
-        # cancels what still runs in it).
-        await engine.wind_down(grace_s)
-        for rec in list(engine.trajectories.values()) if close_on_exit else []:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(engine.close_trajectory(rec.tenant, rec.id), grace_s)
-        # Streamed actions get their answers as HTTP requests do (the server waits for
-        # those): each stream closes once it has answered what it admitted.
-        await asyncio.gather(*(s.drain(grace_s) for s in list(app.streams)), return_exceptions=True)
+        told = on_stopping if served else None
+        await _stop(engine, app, grace_s, close=close_on_exit, hurry=hurry, told=told)
         agent_stop.set()
         if agent_task is not None:
             await asyncio.gather(agent_task, return_exceptions=True)
@@ -136,3 +169,42 @@ async def run(
             await agent.shutdown()
         server.should_exit = True
         await server_task
+
+
+async def _stop(
+    engine: Engine,
+    app: Any,
+    grace_s: float,
+    *,
+    close: bool,
+    hurry: asyncio.Event,
+    told: Callable[[Stopping], None] | None,
+) -> None:
+    """In-flight actions get their grace before their trajectories close (a close cancels
+    what still runs in it); the closes run together; ``hurry`` cuts the grace short."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    if told is not None:
+        running = sum(1 for r in engine.state.actions.values() if r.task is not None)
+        told(Stopping(grace_s, running, len(engine.trajectories) if close else 0))
+    winding = asyncio.create_task(engine.wind_down(grace_s))
+    hurried = asyncio.create_task(hurry.wait())
+    await asyncio.wait({winding, hurried}, return_when=asyncio.FIRST_COMPLETED)
+    hurried.cancel()
+    if not winding.done():  # told to stop now: what still runs is cancelled
+        winding.cancel()
+        await asyncio.gather(winding, return_exceptions=True)
+        await engine.wind_down(0)
+    closing = list(engine.trajectories.values()) if close else []
+    if closing:
+        closes = [asyncio.create_task(engine.close_trajectory(r.tenant, r.id)) for r in closing]
+        _, late = await asyncio.wait(closes, timeout=max(deadline - loop.time(), CLOSE_MIN_S))
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*closes, return_exceptions=True)
+        if late:
+            log.warning("%d environment(s) were not removed in time", len(late))
+    # Streamed actions get their answers as HTTP requests do (the server waits for those):
+    # each stream closes once it has answered what it admitted.
+    left = max(deadline - loop.time(), 0.0)
+    await asyncio.gather(*(s.drain(left) for s in list(app.streams)), return_exceptions=True)
