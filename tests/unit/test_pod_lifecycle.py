@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ from tangram.node_agent.env_template import digest
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.fast_path import Reachable
 from tangram.node_agent.pod_runtime import AGENT, OPENED_AT, STATE, TRAJECTORY, PodRuntime
-from tangram.node_agent.pod_template import LABEL, SANDBOX, label_value
+from tangram.node_agent.pod_template import LABEL, SANDBOX, label_value, sandbox_pod
 
 SPEC = EnvSpec(name="swe", image="swe:1", pool="p", setup=[["pip", "install", "x"]])
 
@@ -167,9 +167,10 @@ def test_a_create_whose_answer_was_lost_leaves_no_pod(tmp_path: Path) -> None:
 
 
 def _pod(name: str, state: str, trajectory: str | None = None, *, created: str = "",
-         opened: str = "", annotate: bool = True) -> dict[str, Any]:  # fmt: skip
+         opened: str = "", annotate: bool = True, node: str = "n1") -> dict[str, Any]:  # fmt: skip
     labels = {f"{LABEL}/sandbox": "true", AGENT: label_value("a"), STATE: state,
-              f"{LABEL}/template": digest(SPEC), f"{LABEL}/env": SPEC.name}  # fmt: skip
+              f"{LABEL}/template": digest(SPEC), f"{LABEL}/env": SPEC.name,
+              f"{LABEL}/node": label_value(node)}  # fmt: skip
     notes = {}
     if trajectory:
         labels[TRAJECTORY] = label_value(trajectory)
@@ -179,7 +180,37 @@ def _pod(name: str, state: str, trajectory: str | None = None, *, created: str =
         notes[OPENED_AT] = opened
     meta = {"name": name, "labels": labels, "annotations": notes,
             "creationTimestamp": created or "2025-01-01T00:00:00Z"}  # fmt: skip
-    return {"metadata": meta, "spec": {"containers": [{"name": SANDBOX}]}, "status": {}}
+    return {"metadata": meta, "spec": {"nodeName": node, "containers": [{"name": SANDBOX}]},
+            "status": {}}  # fmt: skip
+
+
+def test_a_restarted_agent_leaves_the_pods_of_other_nodes_alone(tmp_path: Path) -> None:
+    """Every agent of a pool has one id (the same state dir on every node): a restart of
+    one must not take, nor delete, the sandboxes another node's agent holds."""
+    api = FakeApi()
+    for state, trajectory in (("open", "t-9"), ("warm", None), ("preparing", None)):
+        api.pods[f"n2-{state}"] = _pod(f"n2-{state}", state, trajectory, node="n2")
+    api.pods["n1-open"] = _pod("n1-open", "open", "t-1")
+    # (a pod labelled for this node but bound to another: its label cannot be trusted)
+    api.pods["moved"] = _pod("moved", "warm", node="n1")
+    api.pods["moved"]["spec"]["nodeName"] = "n2"
+    rt = _runtime(api, tmp_path)
+    assert rt.adopt() == ["t-1"]
+    assert set(api.pods) == {"n2-open", "n2-warm", "n2-preparing", "n1-open", "moved"}
+    assert rt.warm_pool == {}
+
+
+def test_a_warm_pod_that_died_while_it_waited_is_not_handed_out(tmp_path: Path) -> None:
+    api = FakeApi()
+    rt = _runtime(api, tmp_path)
+    rt.warm(SPEC.model_copy(update={"warm": 1}))
+    ((dead,),) = rt.warm_pool.values()
+    # Its exec server is no longer the process it was found with (evicted, OOM-killed).
+    (tmp_path / "proc" / "7").mkdir()
+    dead.reach = Reachable(dead.name, tmp_path / "s", 7, "g", "/", 12345, tmp_path / "proc")
+    opened = rt.open("t-1", SPEC)
+    assert not opened.warm and rt.envs["t-1"].name != dead.name
+    assert dead.name not in api.pods  # discarded, not left holding the node's memory
 
 
 def test_a_restarted_agent_keeps_the_last_opened_pod_of_a_trajectory(tmp_path: Path) -> None:
@@ -265,3 +296,56 @@ def test_warm_pods_of_an_env_no_longer_kept_warm_are_deleted_and_open_ones_kept(
     assert not rt.open("t-2", SPEC).warm  # nothing warm of the retired env is left
     assert rt.open("t-3", other).warm  # the kept env's is
     assert rt.retire_warm({"other", SPEC.name}) == 0
+
+
+@pytest.mark.parametrize("workdir", ["/tmp", "/tmp/", "/work"])
+def test_a_read_only_root_mounts_each_path_once(workdir: str) -> None:
+    """Two mounts at one path make a pod the API server refuses (mountPath must be unique)."""
+    env = SPEC.model_copy(update={"workdir": workdir, "read_only_root": True})
+    pod = sandbox_pod(env, name="n", namespace="ns", node="n1", execd_image="x",
+                      execd_path="/x", extra_labels={})  # fmt: skip
+    (sandbox,) = [c for c in pod["spec"]["containers"] if c["name"] == SANDBOX]
+    paths = [str(PurePosixPath(m["mountPath"])) for m in sandbox["volumeMounts"]]
+    assert len(paths) == len(set(paths)) and "/tmp" in paths
+    assert str(PurePosixPath(workdir)) in paths  # writable, as the root is not
+    names = {m["name"] for m in sandbox["volumeMounts"]}
+    assert names <= {v["name"] for v in pod["spec"]["volumes"]}
+
+
+def test_what_a_read_only_root_pod_shows_of_its_workdir_is_not_taken_for_the_image(
+    tmp_path: Path,
+) -> None:
+    """Its workdir is an emptyDir (0777): an env of the same image with a writable root
+    must still learn that the image lacks the workdir (and mount one the user owns)."""
+    proc = tmp_path / "proc"
+    root = proc / "42" / "root"
+    (root / "etc").mkdir(parents=True)
+    (proc / "42" / "status").write_text("Uid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\n")
+    (root / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    (root / "work").mkdir()
+    (root / "work").chmod(0o777)  # the read-only env's emptyDir
+    (tmp_path / "cg").mkdir()
+    rt = PodRuntime([0], api=FakeApi(), node="n1", namespace="ns", execd_image="x", agent="a",
+                    cgroup_root=tmp_path / "cg", proc_root=proc)  # fmt: skip
+    ro = EnvSpec(name="ro", image="img:1", pool="p", read_only_root=True)
+    rw = EnvSpec(name="rw", image="img:1", pool="p")
+    rt._learn_facts(ro, Reachable("k", tmp_path / "s", 42, "g", "/work"))
+    (root / "work").rmdir()  # what the rw env's first pod shows: the image has none
+    assert rt._learn_facts(rw, Reachable("k", tmp_path / "s", 42, "g", "/work"))  # remade
+    assert rt._facts[rt._facts_key(rw)][1] is None  # its next pods get their own workdir
+
+
+def test_a_sandbox_that_ends_as_it_starts_fails_its_open_naming_the_pod(tmp_path: Path) -> None:
+    """The API may show the container running after its processes ended (killed, OOM at
+    start): the open fails with the pod's name and a reason the pool's status counts,
+    not a bare OSError or a hint at the agent's configuration alone."""
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "cg").mkdir()
+    api = FakeApi()
+    rt = PodRuntime([0], api=api, node="n1", namespace="ns", execd_image="x", agent="a",
+                    cgroup_root=tmp_path / "cg", proc_root=tmp_path / "proc")  # fmt: skip
+    with pytest.raises(ExecError) as e:
+        rt.open("t-1", SPEC)
+    assert e.value.reason == "SandboxStartFailed"
+    assert str(e.value).startswith("pod ns/tangram-p-") and "ended as it started" in str(e.value)
+    assert api.pods == {}  # the pod is deleted

@@ -163,6 +163,8 @@ class PodRuntime(SandboxRuntime[Pod]):
         return self._create(template, trajectory)
 
     def _claim(self, pod: Pod, trajectory: str) -> bool:
+        if not pod.reach.alive():  # evicted or killed while warm: the next one, or a cold open
+            return False
         try:
             self.api.label(pod.name, *_opening(trajectory))
         except ExecError as e:
@@ -189,11 +191,19 @@ class PodRuntime(SandboxRuntime[Pod]):
         setup got is unknown; their open never answered) and all but the last opened of
         a trajectory's pods (the others' opens failed: a lost answer, then a retry).
         """
-        selector = f"{LABEL}/sandbox=true,{AGENT}={label_value(self.agent)}"
+        # Every agent of a pool has the same id (the DaemonSet gives each node the same
+        # state dir): the node label keeps it to this node's pods, and a pod bound to
+        # another node is never touched (its own agent holds it).
+        selector = (
+            f"{LABEL}/sandbox=true,{AGENT}={label_value(self.agent)},"
+            f"{LABEL}/node={label_value(self.node)}"
+        )
         taken: list[tuple[str | None, dict[str, Any]]] = []  # warm ones first, then open ones
         opened: dict[str, list[dict[str, Any]]] = {}
         for obj in self.api.list(selector):
             meta = obj["metadata"]
+            if (obj.get("spec") or {}).get("nodeName", self.node) != self.node:
+                continue
             labels = meta.get("labels") or {}
             # (a pod opened by an agent from before the annotation has the id as its label)
             notes = meta.get("annotations") or {}
@@ -293,7 +303,11 @@ class PodRuntime(SandboxRuntime[Pod]):
             # Made before its image's facts were known (the first pod of the image, or one
             # made while another thread learnt them): redo it unless it is as the next
             # ones will be.
-            if facts is None and self._learn_facts(template, reach):
+            try:
+                relearn = facts is None and self._learn_facts(template, reach)
+            except OSError as e:  # /proc/<pid> gone: it ended before its facts were read
+                raise self._ended_at_start(name, e) from None
+            if relearn:
                 self._delete(name)
                 return self._create(template, trajectory)
             self._prepare(reach, template)
@@ -305,7 +319,10 @@ class PodRuntime(SandboxRuntime[Pod]):
 
     @staticmethod
     def _facts_key(template: EnvSpec) -> str:
-        return f"{template.image}|{template.user}|{template.workdir}"
+        # A read-only root's pods mount an emptyDir at the workdir: what they show of it
+        # is not the image's, so an env of the same image with a writable root learns its own.
+        ro = "|ro" if template.read_only_root else ""
+        return f"{template.image}|{template.user}|{template.workdir}{ro}"
 
     def _learn_facts(self, template: EnvSpec, reach: Reachable) -> bool:
         """Read the image's users and workdir from a pod made without them (no runAsUser:
@@ -456,8 +473,14 @@ class PodRuntime(SandboxRuntime[Pod]):
         if not ids or "://" not in ids[0]:
             raise ExecError(f"pod {obj['metadata']['name']}: the sandbox is not running")
         container_id = ids[0].split("://", 1)[1]
-        pid = self._init_pid(container_id)
-        group = cgroup_of(pid, self.cgroups, self.proc_root)
+        name = obj["metadata"]["name"]
+        try:
+            pid = self._init_pid(container_id)
+            group = cgroup_of(pid, self.cgroups, self.proc_root)
+        except ExecError as e:
+            raise ExecError(f"pod {self.namespace}/{name}: {e}", reason=e.reason) from None
+        except OSError as e:  # its processes ended between the reads
+            raise self._ended_at_start(name, e) from None
         socket = self.proc_root / str(pid) / "root" / IN_CONTAINER_RUN.lstrip("/") / SOCKET_NAME
         deadline = time.monotonic() + wait_s
         while not socket.exists():
@@ -465,8 +488,17 @@ class PodRuntime(SandboxRuntime[Pod]):
                 raise ExecError(f"pod {obj['metadata']['name']}: the exec server did not start")
             time.sleep(0.002)
         workdir = obj["spec"]["containers"][0].get("workingDir") or "/"
-        started = start_time(pid, self.proc_root)
+        try:
+            started = start_time(pid, self.proc_root)
+        except OSError as e:
+            raise self._ended_at_start(name, e) from None
         return Reachable(container_id, socket, pid, group, workdir, started, self.proc_root)
+
+    def _ended_at_start(self, name: str, e: OSError) -> ExecError:
+        return ExecError(
+            f"pod {self.namespace}/{name}: its sandbox ended as it started ({e.strerror or e})",
+            reason="SandboxStartFailed",
+        )
 
     def _init_pid(self, container_id: str) -> int:
         """The container's PID 1 among the host's processes (needs the host PID
@@ -487,8 +519,9 @@ class PodRuntime(SandboxRuntime[Pod]):
                 if fields[0] == "NSpid:" and len(fields) == 3 and fields[2] == "1":
                     return int(entry.name)
         raise ExecError(
-            f"container {container_id[:12]}: its processes are not visible here (the agent "
-            "needs the host's PID namespace: hostPID)"
+            f"container {container_id[:12]}: no process of it is visible here: it ended as "
+            "it started, or the agent lacks the host's PID namespace (hostPID)",
+            reason="SandboxStartFailed",
         )
 
     def _delete(self, name: str) -> None:

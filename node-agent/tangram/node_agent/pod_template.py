@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
 from tangram.api.wire import EnvSpec
@@ -93,7 +94,9 @@ def sandbox_pod(
     if own_workdir or template.read_only_root:
         mounts.append({"name": "workdir", "mountPath": template.workdir})
         volumes.append({"name": "workdir", "emptyDir": {}})
-    if template.read_only_root:
+    if template.read_only_root and PurePosixPath(template.workdir) != PurePosixPath("/tmp"):
+        # (a workdir at /tmp is that writable emptyDir already: a second mount there is
+        # a pod the API server refuses)
         mounts.append({"name": "tmp", "mountPath": "/tmp"})
         volumes.append({"name": "tmp", "emptyDir": {}})
     sandbox: dict[str, Any] = {
