@@ -137,11 +137,13 @@ def test_a_pod_still_shown_running_is_not_judged_yet() -> None:
 
 
 # ---- the kubelet's CPU manager ------------------------------------------------------------
-def _kubelet(proc: Path, pid: int, argv: list[str], files: dict[str, str]) -> None:
+def _kubelet(
+    proc: Path, pid: int, argv: list[str], files: dict[str, str], comm: str = "kubelet"
+) -> None:
     """A kubelet process as /proc shows it, its files under its root."""
     entry = proc / str(pid)
     entry.mkdir(parents=True)
-    (entry / "comm").write_text("kubelet\n")
+    (entry / "comm").write_text(f"{comm}\n")
     (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
     for path, text in files.items():
         target = entry / "root" / path.lstrip("/")
@@ -179,6 +181,25 @@ def test_without_a_checkpoint_the_flag_then_the_config_file_then_the_default(
     assert cpu_manager_policy(tmp_path / "c") == "none"
     _kubelet(tmp_path / "d", 7, ["kubelet"], {})
     assert cpu_manager_policy(tmp_path / "d") == "none"
+
+
+def test_a_kubelet_embedded_in_k3s_is_read_from_its_checkpoint_or_kubelet_args(
+    tmp_path: Path,
+) -> None:
+    _kubelet(tmp_path / "a", 9, ["/usr/local/bin/k3s", "server"],
+             {"/var/lib/kubelet/cpu_manager_state": _checkpoint("static")},
+             comm="k3s-server")  # fmt: skip
+    assert cpu_manager_policy(tmp_path / "a") == "static"
+    argv = ["k3s", "agent", "--kubelet-arg=root-dir=/srv/k", "--kubelet-arg",
+            "cpu-manager-policy=static", "--node-label", "x=y"]  # fmt: skip
+    _kubelet(tmp_path / "b", 9, argv, {}, comm="k3s-agent")
+    assert cpu_manager_policy(tmp_path / "b") == "static"
+    _kubelet(tmp_path / "c", 9, argv[:3], {"/srv/k/cpu_manager_state": _checkpoint("none")},
+             comm="k3s-agent")  # fmt: skip
+    assert cpu_manager_policy(tmp_path / "c") == "none"
+    _kubelet(tmp_path / "d", 9, ["k3s", "server", "--node-label", "cpu-manager-policy=static"],
+             {}, comm="k3s-server")  # fmt: skip
+    assert cpu_manager_policy(tmp_path / "d") == "none"  # not a kubelet's flag
 
 
 def test_no_visible_kubelet_is_no_policy(tmp_path: Path) -> None:

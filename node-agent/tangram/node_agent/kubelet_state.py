@@ -11,7 +11,9 @@ agent shares the host's PID namespace): its checkpoint ``<root-dir>/cpu_manager_
 holds the running policy (a kubelet refuses to start when the checkpoint and its
 configuration disagree), else its ``--cpu-manager-policy`` flag or ``--config`` file.
 No mount, chart value or API permission is needed, and a kubelet with its own
-``--root-dir`` is found the same way.
+``--root-dir`` is found the same way. A kubelet embedded in another binary (k3s runs it
+inside its ``k3s server``/``k3s agent`` process) is read the same way, its settings
+from that process's ``--kubelet-arg`` values.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ __all__ = ["DEFAULT_ROOT_DIR", "cpu_manager_policy"]
 
 DEFAULT_ROOT_DIR = "/var/lib/kubelet"
 CHECKPOINT = "cpu_manager_state"
+# Processes that run a kubelet inside them (by their comm, at most 15 characters), and
+# the flag whose values are that kubelet's own flags (``name=value``).
+EMBEDDING = {"k3s": "--kubelet-arg", "k3s-server": "--kubelet-arg", "k3s-agent": "--kubelet-arg"}
 
 
 def cpu_manager_policy(proc_root: Path = Path("/proc")) -> str | None:
@@ -42,7 +47,8 @@ def _kubelets(proc_root: Path) -> list[Path]:
         if not entry.name.isdigit():
             continue
         try:
-            if (entry / "comm").read_text().strip() == "kubelet":
+            comm = (entry / "comm").read_text().strip()
+            if comm == "kubelet" or comm in EMBEDDING:
                 out.append(entry)
         except OSError:
             continue  # ended while we looked
@@ -52,9 +58,10 @@ def _kubelets(proc_root: Path) -> list[Path]:
 def _policy(proc: Path) -> str | None:
     try:
         argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")]
+        comm = (proc / "comm").read_text().strip()
     except OSError:
         return None
-    flags = _flags(argv[1:])
+    flags = _flags(argv[1:]) if comm not in EMBEDDING else _embedded(argv[1:], EMBEDDING[comm])
     host = proc / "root"  # the kubelet's view of the file system (the host's)
     root_dir = flags.get("--root-dir", DEFAULT_ROOT_DIR)
     try:
@@ -86,3 +93,16 @@ def _flags(args: list[str]) -> dict[str, str]:
             value = args[i + 1]
         out[name] = value
     return out
+
+
+def _embedded(args: list[str], flag: str) -> dict[str, str]:
+    """The kubelet flags an embedding process passes on, each ``flag`` value
+    (``--kubelet-arg=cpu-manager-policy=static`` or ``--kubelet-arg cpu-manager-policy=static``,
+    repeated) as ``--cpu-manager-policy=static``."""
+    passed: list[str] = []
+    for i, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            passed.append(arg[len(flag) + 1 :])
+        elif arg == flag and i + 1 < len(args):
+            passed.append(args[i + 1])
+    return _flags(["--" + a.removeprefix("--") for a in passed])
