@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -81,6 +82,7 @@ class Traj:
     # dropped by closing the trajectory ("close"); a running one is let finish.
     abort_s: float | None = None
     abort_by: str = "cancel"
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -379,7 +381,16 @@ class Sim:
         return next(t for t in self.workload.trajectories if t.id == tid)
 
 
-def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
+def simulate(
+    w: Workload,
+    config: SchedulerConfig,
+    *,
+    fcfs_check: bool,
+    switches: Sequence[tuple[float, SchedulerConfig]] = (),
+    on_switch: Callable[[Sim, SchedulerConfig], None] | None = None,
+) -> Sim:
+    """Run ``w`` to its end under ``config``, checking every round. ``switches``: new
+    settings given at those times (``on_switch`` applies them; default ``set_config``)."""
     sim = Sim(w, Scheduler(w.cluster, config))
     sched = sim.sched
     seq = 0
@@ -405,8 +416,10 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
         push(t.arrival_s + t.steps[0].think_s, "submit", t.id)
         if t.abort_s is not None:
             push(t.abort_s, "abort", t.id)
-        sched.open_trajectory(t.id, memory_gb=t.memory_gb)
+        sched.open_trajectory(t.id, memory_gb=t.memory_gb, tenant=t.tenant)
         sim.next_step[t.id] = 0
+    for i, (at, _) in enumerate(switches):
+        push(at, "config", str(i))
     if w.drain is not None:
         push(w.drain.at, "drain", w.drain.node)
         if w.drain.back_at is not None:
@@ -437,6 +450,13 @@ def simulate(w: Workload, config: SchedulerConfig, *, fcfs_check: bool) -> Sim:
                 continue
             if kind == "join":
                 join(sim, tid)
+                continue
+            if kind == "config":
+                new = switches[int(tid)][1]
+                if on_switch is not None:
+                    on_switch(sim, new)
+                else:
+                    sched.set_config(new)
                 continue
             if tid in sim.closed:
                 continue
@@ -755,7 +775,9 @@ def check_groups(sim: Sim, rnd: Round, queued_before: list[str]) -> None:
         assert 0 <= g.kept <= len(cands)
         assert set(cands[: g.kept]) <= started | refused
         assert started.isdisjoint(cands[g.kept :]) and refused.isdisjoint(cands[g.kept :])
-        if sim.sched.config.ordering == "fcfs":
+        tenants = {t.tenant for t in sim.workload.trajectories}
+        fair = sim.sched.config.tenant_fairness and len(tenants) > 1  # (tenants interleave)
+        if sim.sched.config.ordering == "fcfs" and not fair:
             assert [pos[a] for a in cands] == sorted(pos[a] for a in cands)
         if not g.elastic:
             assert g.kept == len(cands)

@@ -109,19 +109,21 @@ def test_quota_definitions_change_in_place_and_waiting_actions_keep_theirs() -> 
     assert s.quotas == {}
 
 
-def test_the_ordering_changes_only_with_an_empty_queue() -> None:
+def test_the_ordering_changes_at_once_with_actions_queued() -> None:
+    """Applied whole while actions are queued, the rest of the settings with it; the
+    queued action stays queued and starts (tests/unit/test_scheduler_reorder.py: the
+    order)."""
     from tangram.scheduler import SchedulerConfig
 
     s = Scheduler(cluster(nodes=[{"name": "n1", "cpus": 1, "memory_gb": 1}]))
     s.open_trajectory("t1")
     s.submit("a", "t1", exec_action(1, t1=1.0), now=0.0)
-    with pytest.raises(SchedulingError, match="ordering"):
-        s.set_config(SchedulerConfig(ordering="trajectory-priority"))
-    s.set_config(SchedulerConfig(depth=3))
-    assert s.config.depth == 3
-    s.schedule(0.0)
-    s.set_config(SchedulerConfig(ordering="trajectory-priority"))
-    assert s.config.ordering == "trajectory-priority"
+    asked = SchedulerConfig(ordering="trajectory-priority", tenant_fairness=False, depth=3)
+    s.set_config(asked)
+    assert s.config == asked and len(s.queue) == 1 and "a" in s.queue
+    s.set_config(SchedulerConfig(depth=4))
+    assert (s.config.ordering, s.config.tenant_fairness, s.config.depth) == ("fcfs", True, 4)
+    assert started(s, 0.0) == ["a"]
 
 
 def _service_action(name: str, t1: float | None = 1.0) -> ActionSpec:

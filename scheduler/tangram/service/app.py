@@ -138,6 +138,12 @@ class _TooLargeError(HTTPException):
         super().__init__(413, f"request body over {limit} bytes")
 
 
+# The operator's config push (``POST /v1/admin/reload``: the pool's ``pool.yaml``) is
+# authenticated admin traffic, not a user's action: its own cap, not the pool's
+# ``admission.maxRequestBytes``. The documents come from a ConfigMap, whose data the API
+# server holds to 1 MiB, so any pool the operator can run fits.
+RELOAD_MAX_BYTES = 4 * 1024 * 1024
+RELOAD_PATH = "/v1/admin/reload"
 _EXEC_PATH = re.compile(r"/v1/trajectories/([^/]+)/exec")
 _JSON = [(b"content-type", b"application/json")]
 
@@ -259,6 +265,8 @@ def create_app(
 
     def limit(scope: Scope) -> int:
         config = engine.config
+        if scope.get("path") == RELOAD_PATH:  # (read only once the token is the operator's)
+            return RELOAD_MAX_BYTES
         upload = is_upload(scope) or is_e2b_upload(scope)
         return config.max_file_bytes if upload else config.max_request_bytes
 
@@ -383,10 +391,11 @@ def create_app(
         if _bearer(tokens, request.headers.get("authorization")) != OPERATOR_TENANT:
             raise _UnauthorizedError
 
-    @app.post("/v1/admin/reload", include_in_schema=False)
+    @app.post(RELOAD_PATH, include_in_schema=False)
     async def reload(request: Request) -> JSONResponse:
         """Apply new definitions: the pool's documents as a YAML body (the operator pushes
-        its ConfigMap's ``pool.yaml``), or with no body re-read the files."""
+        its ConfigMap's ``pool.yaml``), or with no body re-read the files. The answer
+        names what changed; all of it applies at once."""
         operator(request)
         if engine.reloader is None:
             return _error(409, "conflict", "this scheduler has no files to reload")

@@ -37,7 +37,7 @@ from tangram.api.wire import (
     ServiceCallRequest,
     TrajectoryState,
 )
-from tangram.scheduler.core.scheduler import Scheduler, SchedulingError
+from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from tangram.service.admission import Admission
 from tangram.service.agents import AgentHub
 from tangram.service.api_calls import ApiCalls
@@ -346,15 +346,10 @@ class Engine:
         )
         if moved:
             changes.append("API endpoints or credentials of " + ", ".join(moved))
-        scheduling = config.scheduling
-        if scheduling != old.scheduling:
-            try:
-                s.core.set_config(scheduling)
-                changes.append("scheduling")
-            except SchedulingError as e:
-                scheduling = replace(scheduling, ordering=old.scheduling.ordering)
-                s.core.set_config(scheduling)
-                changes.append(f"scheduling, except {e}")
+        if config.scheduling != old.scheduling:
+            s.core.set_config(config.scheduling)
+            changes.append("scheduling" + _reordered(old.scheduling, config.scheduling,
+                                                     s.core.queued))  # fmt: skip
         if old.tenants != config.tenants:
             s.core.set_tenants(*config.shares())
             changes.append("tenants " + (", ".join(sorted(config.tenants)) or "none"))
@@ -373,7 +368,6 @@ class Engine:
             changes.append("needs a restart, kept as running: " + ", ".join(unapplied))
         s.config = replace(
             config,
-            scheduling=scheduling,
             name=old.name,
             idle_cores=old.idle_cores,
             cores_per_node=old.cores_per_node,
@@ -421,3 +415,19 @@ class Engine:
 
     def release(self, tenant: str, lease: str) -> ActionResult:
         return self.outcomes.release(tenant, lease)
+
+
+def _reordered(old: SchedulerConfig, new: SchedulerConfig, queued: int) -> str:
+    """What a scheduling change did to the queue's order, by the ActionPool's fields
+    (empty: the order is the same)."""
+    flag = {True: "true", False: "false"}
+    moved = []
+    if old.ordering != new.ordering:
+        moved.append(f"spec.scheduling.ordering {old.ordering} -> {new.ordering}")
+    if old.tenant_fairness != new.tenant_fairness:
+        moved.append(f"spec.scheduling.tenantFairness {flag[old.tenant_fairness]} -> "
+                     f"{flag[new.tenant_fairness]}")  # fmt: skip
+    if not moved:
+        return ""
+    plural = "" if queued == 1 else "s"
+    return f" ({', '.join(moved)}: {queued} queued action{plural} re-ordered)"

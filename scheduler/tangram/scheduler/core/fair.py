@@ -80,6 +80,11 @@ class FairQueue:
         queue.push(action_id, key, seq, deadline)
         self._entries[action_id] = (tenant, seq)
 
+    def resume_tags(self, other: FairQueue) -> None:
+        """Go on from ``other``'s virtual times (this queue replaces it: a new ordering):
+        the tenants keep what they used, none banks or loses credit."""
+        self.virtual, self._used = other.virtual, dict(other._used)
+
     def remove(self, action_id: str) -> None:
         """Out of the queue without being served (cancelled, timed out); see ``started``."""
         tenant, _ = self._entries.pop(action_id)

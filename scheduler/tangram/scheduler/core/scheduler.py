@@ -365,21 +365,39 @@ class Scheduler:
         self._recount()  # a lower limit may leave an action asking more than it
 
     def set_config(self, config: SchedulerConfig) -> None:
-        """New scheduling settings; the queue ordering (and whether tenants are queued
-        fairly) can only change with an empty queue."""
+        """New scheduling settings, all applied at once. A change of the queue ordering or
+        of whether tenants are queued fairly rebuilds the queue under the new settings
+        (``_requeue``): the queued actions stay queued, re-ordered by the new policy."""
         reorder = (config.ordering, config.tenant_fairness) != (
             self.config.ordering,
             self.config.tenant_fairness,
         )
-        if reorder and len(self.queue):
-            field = "ordering" if config.ordering != self.config.ordering else "tenant_fairness"
-            raise SchedulingError(field, "can only change while no action is queued")
-        if reorder:
-            self.queue = self._new_queue(config)
         self.config = config
         self.sizing = replace(self.sizing, config=config)
         for a in self.actions.values():
             a.cache = None
+        if reorder:
+            self._requeue(config)
+
+    def _requeue(self, config: SchedulerConfig) -> None:
+        """A new queue in ``config``'s order holding the queued actions: each pushed again
+        in submission order with its key as the new policy makes it now and its ageing
+        deadline counted from its own submission (a change does not reset ageing). Nothing
+        else of the actions changes: their waiting counts, stranding and trajectories'
+        bookkeeping are the queue's contents, which stay. A fair queue replacing a fair
+        queue keeps the tenants' virtual times, so no tenant banks or loses credit."""
+        old = self.queue
+        queue = self._new_queue(config)
+        if isinstance(old, FairQueue) and isinstance(queue, FairQueue):
+            queue.resume_tags(old)
+        self.queue = queue
+        policy = POLICIES[config.ordering]
+        for a in sorted(self.actions.values(), key=lambda a: a.seq):  # (the queued ones)
+            traj = self.trajectories[a.trajectory]
+            expected = partial(self._expected, a)
+            key = policy.key(a.seq, traj, self.lengths, expected)
+            deadline = policy.deadline(a.submitted_at, expected, config, self.recent_wait_s)
+            self._push(a, traj.tenant, key, deadline)
 
     def set_tenants(self, shares: Mapping[str, TenantShare], default: TenantShare = EQUAL) -> None:
         """Each tenant's weight and cap; tenants not named get ``default``. Queued actions
@@ -805,8 +823,12 @@ class Scheduler:
         self._count(a, +1)
         if a.service is not None:
             self.queued_calls[a.service] = self.queued_calls.get(a.service, 0) + 1
+        self._push(a, traj.tenant, key, deadline)
+
+    def _push(self, a: Action, tenant: str, key: tuple[float, ...], deadline: float | None) -> None:
+        """Into the queue (a fair queue: under its trajectory's tenant)."""
         if isinstance(self.queue, FairQueue):
-            self.queue.push(a.id, key, a.seq, deadline, tenant=traj.tenant)
+            self.queue.push(a.id, key, a.seq, deadline, tenant=tenant)
         else:
             self.queue.push(a.id, key, a.seq, deadline)
 
