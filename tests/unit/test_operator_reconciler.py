@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tangram.api.wire import PoolFigures
-from tangram.operator.kube import RefusedError
+from tangram.operator.kube import ApiServerError, DeniedError, RefusedError
 from tangram.operator.reconciler import Reconciler, RetryError
-from tangram.operator.scheduler_link import SchedulerError
+from tangram.operator.scheduler_link import Reloaded, SchedulerError, SchedulerRefusedError
 
 NOW = dt.datetime(2026, 11, 28, 12, 0, tzinfo=dt.UTC)
 Key = tuple[str, str, str]  # kind, namespace, name
@@ -55,7 +55,7 @@ class Cluster:
     def apply(self, manifest: dict[str, Any], *, dry_run: bool = False) -> None:
         meta = manifest["metadata"]
         if self.down:
-            raise RuntimeError("the API server answered 500")
+            raise ApiServerError(f"{manifest['kind']} {meta['name']}: HTTP 500: etcd timeout")
         if manifest["kind"] == "Deployment" and self.refuse is not None:
             (container,) = manifest["spec"]["template"]["spec"]["containers"]
             if self.refuse in str(container.get("resources")):
@@ -90,6 +90,7 @@ class Link:
         self.trajectories = 0
         self.down = False
         self.drained: list[str] = []
+        self.pushed: list[str] = []  # the documents of each reload
 
     def _figures(self) -> PoolFigures:
         if self.down:
@@ -102,9 +103,10 @@ class Link:
     def figures(self, base: str, token: str) -> PoolFigures:
         return self._figures()
 
-    def reload(self, base: str, token: str, documents: str) -> list[str]:
+    def reload(self, base: str, token: str, documents: str) -> Reloaded:
         self._figures()
-        return []
+        self.pushed.append(documents)
+        return Reloaded(changes=[])
 
     def drain(self, base: str, token: str) -> PoolFigures:
         self.drained.append(base)
@@ -329,7 +331,7 @@ def test_a_member_event_is_not_answered_by_a_pass_that_failed_midway(
         while not cluster.reads:  # it has read its member: it waits
             time.sleep(0.01)
         cluster.down = True
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RetryError):
             r.reconcile_pool("rl", "coding")  # began after the event came, and failed
         cluster.down = False
         cluster.objects["TrajectoryEnv", "rl", "late"].pop("status", None)
@@ -337,3 +339,259 @@ def test_a_member_event_is_not_answered_by_a_pass_that_failed_midway(
     member.join(30)
     assert cluster.lists == 2  # its own pass
     assert _ready(cluster.objects["TrajectoryEnv", "rl", "late"]["status"])["reason"] == "Accepted"
+
+
+# ---- what a pass may not claim (a push or an apply that did not get through) ---------------
+class ReorderLink(Link):
+    """A scheduler that re-orders its queue for an ordering change, as it takes it."""
+
+    def reload(self, base: str, token: str, documents: str) -> Reloaded:
+        super().reload(base, token, documents)
+        if "trajectory-priority" not in documents:
+            return Reloaded(changes=[])
+        return Reloaded(changes=["scheduling (spec.scheduling.ordering fcfs -> "
+                                 "trajectory-priority: 3 queued actions re-ordered)"])  # fmt: skip
+
+
+def _edit(cluster: Cluster, **spec: Any) -> dict[str, Any]:
+    body = cluster.objects["ActionPool", "rl", "coding"]
+    body["spec"].update(spec)
+    body["metadata"]["generation"] += 1
+    return body
+
+
+def _refresh(cluster: Cluster, r: Reconciler) -> dict[str, Any]:
+    r.refresh_pool("rl", "coding", copy.deepcopy(cluster.objects["ActionPool", "rl", "coding"]))
+    return _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])
+
+
+def test_an_ordering_change_is_pushed_once_and_the_pool_stays_ready() -> None:
+    """The scheduler applies an ordering change at once, queue or not: the pool is Ready
+    after the push, and the push is not made again (no reason waits on the queue)."""
+    cluster, link = Cluster(), ReorderLink()
+    r = _reconciler(cluster, link)
+    _running(cluster, link, r, open_=0)
+    _edit(cluster, scheduling={"ordering": "trajectory-priority"})
+    r.reconcile_pool("rl", "coding")
+    cond = _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])
+    assert (cond["status"], cond["reason"]) == ("True", "Ready")
+    assert "trajectory-priority" in link.pushed[-1]
+    pushes = len(link.pushed)
+    for _ in range(2):
+        assert _refresh(cluster, r)["reason"] == "Ready"
+    assert len(link.pushed) == pushes  # taken whole: not pushed again
+
+
+class FailingLink(Link):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failure: str | None = "POST x/v1/admin/reload: HTTP 413 request body over 1024 bytes"
+
+    def reload(self, base: str, token: str, documents: str) -> Reloaded:
+        if self.failure is not None:
+            raise SchedulerError(self.failure)
+        return super().reload(base, token, documents)
+
+
+def test_a_push_that_fails_otherwise_than_a_refusal_is_said_and_retried() -> None:
+    cluster, link = Cluster(), FailingLink()
+    r = _reconciler(cluster, link)
+    cluster.add(_pool())
+    cluster.add({"apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+                 "metadata": {"name": "swe", "namespace": "rl"},
+                 "spec": {"poolRef": "coding", "image": "img"}})  # fmt: skip
+    r.reconcile_pool("rl", "coding")
+    cond = _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])
+    assert (cond["status"], cond["reason"]) == ("False", "ConfigPushFailed")
+    assert cond["message"].endswith("HTTP 413 request body over 1024 bytes")
+    env = _ready(cluster.objects["TrajectoryEnv", "rl", "swe"]["status"])
+    assert (env["status"], env["reason"]) == ("False", "NotServed")
+    assert "HTTP 413" in env["message"]
+    link.failure = None
+    assert _refresh(cluster, r)["reason"] == "Ready"  # pushed again, and taken
+    assert _ready(cluster.objects["TrajectoryEnv", "rl", "swe"]["status"])["reason"] == "Accepted"
+
+
+def test_members_are_accepted_only_once_their_scheduler_took_them() -> None:
+    cluster, link = Cluster(), Link()
+    r = _reconciler(cluster, link)
+    link.down = True  # the scheduler has not started yet
+    cluster.add(_pool())
+    cluster.add({"apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+                 "metadata": {"name": "swe", "namespace": "rl"},
+                 "spec": {"poolRef": "coding", "image": "img"}})  # fmt: skip
+    r.reconcile_member("TrajectoryEnv", "rl", "swe")
+    env = _ready(cluster.objects["TrajectoryEnv", "rl", "swe"]["status"])
+    assert (env["status"], env["reason"]) == ("False", "NotServed")
+    assert "connection refused" in env["message"]
+    link.down = False
+    _refresh(cluster, r)
+    assert _ready(cluster.objects["TrajectoryEnv", "rl", "swe"]["status"])["reason"] == "Accepted"
+
+
+def test_a_member_of_a_pool_whose_scheduler_refuses_the_push_is_not_accepted() -> None:
+    class Refusing(Link):
+        def reload(self, base: str, token: str, documents: str) -> Reloaded:
+            raise SchedulerRefusedError("reload refused: apis[search].secretRef: no Secret keys")
+
+    cluster, link = Cluster(), Refusing()
+    r = _reconciler(cluster, link)
+    cluster.add(_pool())
+    cluster.add({"apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+                 "metadata": {"name": "swe", "namespace": "rl"},
+                 "spec": {"poolRef": "coding", "image": "img"}})  # fmt: skip
+    r.reconcile_member("TrajectoryEnv", "rl", "swe")
+    assert _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])["reason"] == (
+        "ConfigRefused"
+    )
+    env = _ready(cluster.objects["TrajectoryEnv", "rl", "swe"]["status"])
+    assert (env["status"], env["reason"]) == ("False", "PoolConfigRefused")
+    assert env["message"].endswith("no Secret keys")
+
+
+def test_a_child_the_api_server_denies_is_said_on_a_new_pool_and_not_retried_each_pass() -> None:
+    cluster, link = Cluster(), Link()
+    r = _reconciler(cluster, link)
+    applies: list[str] = []
+    real = cluster.apply
+
+    def apply(manifest: dict[str, Any], *, dry_run: bool = False) -> None:
+        applies.append(manifest["kind"])
+        if manifest["kind"] == "DaemonSet" and cluster.refuse == "deny":
+            raise DeniedError(f"DaemonSet {manifest['metadata']['name']}: HTTP 403: admission "
+                              'webhook "validation.gatekeeper.sh" denied the request')  # fmt: skip
+        real(manifest, dry_run=dry_run)
+
+    cluster.apply = apply  # type: ignore[method-assign]
+    cluster.refuse = "deny"
+    cluster.add(_pool())
+    r.reconcile_pool("rl", "coding")
+    status = cluster.objects["ActionPool", "rl", "coding"]["status"]
+    cond = _ready(status)
+    assert (cond["status"], cond["reason"]) == ("False", "ChildDenied")
+    assert (
+        'DaemonSet tangram-coding-cpu-agent: HTTP 403: admission webhook "validation'
+        in (cond["message"])
+    )
+    assert status["observedGeneration"] == 0  # nothing of generation 1 applied
+    applies.clear()
+    for _ in range(3):
+        _refresh(cluster, r)
+    assert applies == []  # until the spec changes, or the next full pass
+    cluster.refuse = None
+    _edit(cluster, scheduler={"drainSeconds": 60})
+    r.reconcile_pool("rl", "coding")
+    assert _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])["reason"] == "Ready"
+
+
+def test_an_api_server_failure_is_retried_and_its_generation_not_claimed(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    cluster, link, r = world
+    _running(cluster, link, r, open_=0)
+    _edit(cluster, scheduling={"ordering": "trajectory-priority"})
+    cluster.down = True
+    with pytest.raises(RetryError, match="HTTP 500"):
+        r.reconcile_pool("rl", "coding")  # the update handler's pass: retried
+    status = cluster.objects["ActionPool", "rl", "coding"]["status"]
+    assert (_ready(status)["reason"], status["observedGeneration"]) == ("ApplyFailed", 1)
+    with pytest.raises(RetryError):  # the timer's pass tries it whole, not the old documents
+        r.refresh_pool("rl", "coding", copy.deepcopy(cluster.objects["ActionPool", "rl", "coding"]))
+    status = cluster.objects["ActionPool", "rl", "coding"]["status"]
+    assert (_ready(status)["reason"], status["observedGeneration"]) == ("ApplyFailed", 1)
+    cluster.down = False
+    assert _refresh(cluster, r)["reason"] == "Ready"
+    status = cluster.objects["ActionPool", "rl", "coding"]["status"]
+    assert status["observedGeneration"] == 2
+    assert "trajectory-priority" in link.pushed[-1]
+
+
+class GpuLink(Link):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpus = 0
+
+    def _figures(self) -> PoolFigures:
+        return self._figures_base().model_copy(update={"gpus": self.gpus})
+
+    def _figures_base(self) -> PoolFigures:
+        return Link._figures(self)
+
+
+@pytest.mark.parametrize(
+    ("ds_status", "says"),
+    [
+        ({"desiredNumberScheduled": 0}, "no node matches spec.gpu.nodeSelector"),
+        (
+            {"desiredNumberScheduled": 2, "currentNumberScheduled": 0},
+            "agent pods created on 0 of 2 nodes",
+        ),
+        (
+            {"desiredNumberScheduled": 1, "currentNumberScheduled": 1, "numberReady": 1},
+            "found no GPU devices",
+        ),
+    ],
+)
+def test_a_pool_with_a_gpu_section_and_no_gpu_is_not_ready(
+    ds_status: dict[str, int], says: str
+) -> None:
+    cluster, link = Cluster(), GpuLink()
+    r = _reconciler(cluster, link)
+    pool = _pool()
+    pool["spec"]["gpu"] = {"nodeSelector": {"gpu": "yes"}}
+    cluster.add(pool)
+    r.reconcile_pool("rl", "coding")
+    cluster.objects["DaemonSet", "rl", "tangram-coding-gpu-agent"]["status"] = ds_status
+    cond = _refresh(cluster, r)
+    assert (cond["status"], cond["reason"]) == ("False", "NoGpus")
+    assert cond["message"].startswith("spec.gpu is set but the scheduler has no GPU (")
+    assert says in cond["message"]
+    link.gpus = 4
+    assert _refresh(cluster, r)["reason"] == "Ready"
+
+
+def test_no_nodes_says_when_the_agent_pods_could_not_be_created() -> None:
+    """Pod Security admission refusing the privileged agents, not a nodeSelector."""
+    cluster, link = Cluster(), Link()
+    r = _reconciler(cluster, link)
+    cluster.add(_pool())
+    r.reconcile_pool("rl", "coding")
+    cluster.objects["DaemonSet", "rl", "tangram-coding-cpu-agent"]["status"] = {
+        "desiredNumberScheduled": 3, "currentNumberScheduled": 0, "numberReady": 0,
+    }  # fmt: skip
+    link_nodes = Link._figures
+
+    def no_nodes(self: Link) -> PoolFigures:
+        return link_nodes(self).model_copy(update={"nodes": 0})
+
+    link._figures = no_nodes.__get__(link)  # type: ignore[method-assign]
+    cond = _refresh(cluster, r)
+    assert cond["reason"] == "NoNodes"
+    assert "agent pods created on 0 of 3 nodes" in cond["message"]
+    assert "Pod Security admission" in cond["message"]
+
+
+@pytest.mark.parametrize("deployment", ["gone", "being deleted"])
+def test_a_foreground_deletion_ends_the_drain_at_once(
+    world: tuple[Cluster, Link, Reconciler], deployment: str
+) -> None:
+    """The garbage collector deletes the children (blockOwnerDeletion) while the finalizer
+    waits: no scheduler is left to drain, so the drain does not wait drainSeconds."""
+    cluster, link, r = world
+    _running(cluster, link, r, open_=7)
+    key = ("Deployment", "rl", "tangram-coding-scheduler")
+    if deployment == "gone":
+        del cluster.objects[key]
+    else:
+        cluster.objects[key]["metadata"]["deletionTimestamp"] = "2026-11-28T11:59:30Z"
+    link.down = True
+    body = cluster.get_custom("ActionPool", "rl", "coding")
+    assert body is not None
+    body["metadata"]["deletionTimestamp"] = "2026-11-28T11:59:00Z"
+    body["metadata"]["finalizers"] = ["foregroundDeletion", "tangram.dev/drain"]
+    r.drain_pool(body)  # no RetryError: done
+    assert any(reason == "DrainSkipped" and "foreground deletion" in message
+               for reason, message in cluster.events)  # fmt: skip
+    body["metadata"]["finalizers"] = ["tangram.dev/drain"]  # background: waited for
+    with pytest.raises(RetryError):
+        r.drain_pool(body)

@@ -86,9 +86,12 @@ def test_pool_ready_reasons(seen: dict[str, object], reason: str) -> None:
     assert status.observed_generation == 3 and cond.observed_generation == 3
     if reason == "SchedulerUnreachable":
         assert cond.message == "refused"
-    if reason == "NoNodes":
-        agents = "DaemonSets tangram-coding-cpu-agent"
-        assert cond.message == f"no node agent connected ({agents}: check their nodeSelector)"
+    if reason == "NoNodes":  # (its DaemonSet's status not read: both usual causes)
+        assert cond.message == (
+            "no node agent connected (DaemonSet tangram-coding-cpu-agent: check "
+            "spec.cpu.nodeSelector, and its events for agent pods that could not be created "
+            "(Pod Security admission, a ResourceQuota))"
+        )
     if reason == "Draining" and obs.figures is not None:
         assert "9 trajectories still open" in cond.message and "42 s" in cond.message
     if reason == "Draining" and obs.figures is None:  # restarting: it is waited for

@@ -15,6 +15,7 @@ import json
 import logging
 from typing import Any, cast
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
@@ -30,8 +31,23 @@ FIELD_MANAGER = "tangram-operator"
 JSON_PATCH = "application/json-patch+json"
 
 
-class RefusedError(ValueError):
+class ApplyError(RuntimeError):
+    """The API server did not take a child: the message names the child, the HTTP
+    status and the API server's reason."""
+
+
+class RefusedError(ApplyError, ValueError):
     """The API server refused a child as invalid (422), saying which of its fields."""
+
+
+class DeniedError(ApplyError):
+    """The API server denied a child (400 or 403: an admission webhook, a policy, a
+    ResourceQuota, missing RBAC): valid, but not admitted until something outside the
+    spec changes, so not worth retrying at once."""
+
+
+class ApiServerError(ApplyError):
+    """The API server failed (5xx, 429, a timeout, no answer): worth retrying soon."""
 
 
 def api_client(kubeconfig: str | None = None) -> Any:
@@ -106,8 +122,9 @@ class Cluster:
         return self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
 
     def apply(self, manifest: Manifest, *, dry_run: bool = False) -> None:
-        """Server-side apply (``dry_run``: validated and admitted, not stored);
-        :class:`RefusedError` when the object is invalid."""
+        """Server-side apply (``dry_run``: validated and admitted, not stored). Every
+        failure is an :class:`ApplyError`: :class:`RefusedError` when the object is
+        invalid, :class:`DeniedError` when it is denied, else :class:`ApiServerError`."""
         meta = manifest["metadata"]
         try:
             self._resource(manifest).server_side_apply(
@@ -119,9 +136,14 @@ class Cluster:
                 dry_run="All" if dry_run else None,
             )
         except ApiException as e:
-            if e.status != 422:
-                raise
-            raise RefusedError(f"{manifest['kind']} {meta['name']}: {_message(e)}") from None
+            what = f"{manifest['kind']} {meta['name']}"
+            if e.status == 422:
+                raise RefusedError(f"{what}: {_message(e)}") from None
+            if e.status in (400, 403):
+                raise DeniedError(f"{what}: HTTP {e.status}: {_message(e)}") from None
+            raise ApiServerError(f"{what}: HTTP {e.status}: {_message(e)}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:  # no answer (timeouts too)
+            raise ApiServerError(f"{manifest['kind']} {meta['name']}: {e}") from None
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         res = self.dynamic.resources.get(api_version=api_version, kind=kind)
@@ -199,7 +221,15 @@ class Cluster:
             log.warning("event not posted: %s %s", e.status, e.reason)
 
 
-__all__ = ["FIELD_MANAGER", "Cluster", "RefusedError", "api_client"]
+__all__ = [
+    "FIELD_MANAGER",
+    "ApiServerError",
+    "ApplyError",
+    "Cluster",
+    "DeniedError",
+    "RefusedError",
+    "api_client",
+]
 
 
 def _message(e: ApiException) -> str:

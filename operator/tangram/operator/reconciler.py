@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tangram.api.documents import yaml_path
+from tangram.api.reasons import Reason
 from tangram.api.resources import (
     ActionPool,
     ObjectKey,
@@ -55,7 +56,7 @@ from tangram.operator.builders import (
     child_name,
     parse_tokens,
 )
-from tangram.operator.kube import Cluster, RefusedError
+from tangram.operator.kube import ApiServerError, Cluster, DeniedError, RefusedError
 from tangram.operator.scheduler_link import (
     Endpoints,
     SchedulerError,
@@ -79,6 +80,8 @@ MEMBER_KINDS: dict[str, type[TrajectoryEnv] | type[RewardService]] = {
     "RewardService": RewardService,
 }
 DRAIN_POLL_S = 5.0
+FOREGROUND = "foregroundDeletion"  # the finalizer of a foreground deletion
+DRAIN_SKIPPED = "DrainSkipped"  # the Event of a drain a foreground deletion cut short
 # The children that carry fields of the spec to the API server unchecked by the models.
 _PASSED_THROUGH = ("Deployment", "DaemonSet")
 # What only node agents need (builders.build_pool makes them with spec.cpu or spec.gpu).
@@ -91,6 +94,23 @@ _AGENT_GRANTS = (
 # often it applies the pool's children again too, so that one deleted or edited by hand
 # (a DaemonSet, the Service) comes back without waiting for a change of the spec.
 FULL_PASS_S = 300.0
+# A pass whose apply the API server failed (5xx, no answer) is tried again this soon.
+APPLY_RETRY_S = 15.0
+# A member of a pool: its kind, its object as last read, its model.
+MemberSeen = tuple[str, dict[str, Any], Member]
+# What identifies a member's definition in the documents pushed: kind, ns, name, generation.
+MemberKey = tuple[str, str, str, int]
+
+
+class _Build:
+    """The documents of a pool's last full pass: what the periodic refresh pushes, without
+    reading the ConfigMap and the Secret back every 10 s."""
+
+    def __init__(self, documents: str, token: str, generation: int,
+                 members: frozenset[MemberKey]) -> None:  # fmt: skip
+        self.documents, self.token = documents, token
+        self.generation = generation  # the pool's, whose spec made them
+        self.members = members  # the members they define
 
 
 class RetryError(Exception):
@@ -137,13 +157,17 @@ class Reconciler:
         # pool uid -> (scheduler epoch, digest of the documents it was last given): a
         # restarted scheduler (new epoch) or changed documents get a push, nothing else.
         self._pushed: dict[str, tuple[str, str]] = {}
-        # pool uid -> (documents, operator token) of its last full pass: what the periodic
-        # refresh pushes, without reading the ConfigMap and the Secret back every 10 s.
-        self._built: dict[str, tuple[str, str]] = {}
+        # pool uid -> the documents of its last full pass whose children were applied
+        self._built: dict[str, _Build] = {}
+        # pool uid -> the members its scheduler was last given, and the members of its last
+        # pass that it can serve (their statuses say whether it does: ``_members_served``)
+        self._served: dict[str, frozenset[MemberKey]] = {}
+        self._members: dict[str, list[MemberSeen]] = {}
         self._full_at: dict[str, dt.datetime] = {}  # pool uid -> its last full pass
         self._valid: dict[str, ActionPool] = {}  # pool uid -> its last valid spec (to drain)
-        # pool uid -> (generation, why) of a spec whose children the API server refused
-        self._rejected: dict[str, tuple[int, str]] = {}
+        # pool uid -> (generation, why, denied) of a spec whose children the API server
+        # refused as invalid (422) or denied (400, 403: ``denied`` True)
+        self._rejected: dict[str, tuple[int, str, bool]] = {}
         self._written: dict[str, dict[str, Any]] = {}  # pool uid -> the status it last wrote
         # Ticks order member events against pool passes (``_pool_pass_since``).
         self._ticks = itertools.count()
@@ -181,7 +205,8 @@ class Reconciler:
                 self._member_statuses((namespace, name), None, pool_invalid=pool)
                 self._pass_done[namespace, name] = begun
                 return True
-            members = self._member_statuses(pool.key, pool)
+            seen = self._member_statuses(pool.key, pool)
+            members = [m for _, _, m in seen]
             tokens = self._tokens(pool)
             objects = build_pool(
                 pool,
@@ -195,6 +220,8 @@ class Reconciler:
                 operator_token=tokens[OPERATOR_TENANT],
             )
             uid = body["metadata"]["uid"]
+            generation = body["metadata"].get("generation", 0)
+            self._members[uid] = seen
             try:
                 # The workloads carry what the user's spec passes through to the API
                 # server (resources, nodeSelector): tried first, so that a refusal leaves
@@ -204,25 +231,51 @@ class Reconciler:
                         self.cluster.apply(manifest, dry_run=True)
                 for manifest in objects:
                     self.cluster.apply(manifest)
-            except RefusedError as e:
-                why = f"the API server refused the spec's {e}"
-                self._rejected[uid] = (body["metadata"].get("generation", 0), why)
+            except (RefusedError, DeniedError) as e:
+                # Not retried before the spec changes or the next full pass: what a denial
+                # needs (a webhook's policy, a ResourceQuota) is outside the spec.
+                denied = isinstance(e, DeniedError)
+                why = str(e) if denied else f"the API server refused the spec's {e}"
+                self._rejected[uid] = (generation, why, denied)
                 self._full_at[uid] = self.clock()
-                before, valid = self._built.get(uid), self._valid.get(uid)
-                if before is not None and valid is not None:
-                    self._refresh(self._serving(uid, pool), body, *before)
-                else:
-                    self._invalid(body, why)
+                self._unapplied(uid, pool, body)
                 self._pass_done[namespace, name] = begun
                 return True
+            except ApiServerError as e:  # (kopf's retry; the timer's full pass too)
+                self._rejected.pop(uid, None)
+                self._unapplied(uid, pool, body, failed=str(e))
+                raise RetryError(f"applying the spec failed: {e}", APPLY_RETRY_S) from None
             self._rejected.pop(uid, None)
             self._valid[uid] = pool
             self._remove_dropped_agents(pool)
-            built = self._built[uid] = (_documents(objects), tokens[OPERATOR_TENANT])
+            built = self._built[uid] = _Build(
+                _documents(objects), tokens[OPERATOR_TENANT], generation,
+                frozenset(_member_key(kind, b) for kind, b, _ in seen),
+            )  # fmt: skip
             self._full_at[uid] = self.clock()
-            self._refresh(pool, body, *built)
+            self._refresh(pool, body, built)
             self._pass_done[namespace, name] = begun
             return True
+
+    def _unapplied(
+        self, uid: str, pool: ActionPool, body: dict[str, Any], failed: str | None = None
+    ) -> None:
+        """The status of a pass whose children the API server did not take (refused or
+        denied: ``_rejected``; ``failed``: it failed): the scheduler runs on with what the
+        spec before made, if one did; status.observedGeneration stays that spec's, except
+        for a spec refused as invalid (judged, if not applied)."""
+        before, valid = self._built.get(uid), self._valid.get(uid)
+        if before is not None and valid is not None:
+            self._refresh(valid, body, before, failed=failed)
+            return
+        rejected = self._rejected.get(uid)
+        if rejected is not None and not rejected[2]:
+            self._invalid(body, rejected[1])
+        else:
+            denied = rejected[1] if rejected is not None else None
+            self._invalid(body, None, pool=pool, denied=denied, failed=failed)
+        why = rejected[1] if rejected is not None else f"applying it failed: {failed}"
+        self._members_served(uid, pool, f"the spec of its ActionPool was not applied: {why}")
 
     def refresh_pool(self, namespace: str, name: str, body: dict[str, Any] | None = None) -> None:
         """The periodic pass: status from the scheduler, and a push if it missed one.
@@ -240,12 +293,23 @@ class Reconciler:
                 return
             uid = body["metadata"]["uid"]
             built, full_at = self._built.get(uid), self._full_at.get(uid)
+            generation = body["metadata"].get("generation", 0)
+            rejected = self._rejected.get(uid)
+            # A spec whose pass did not get through (the API server failed it): not
+            # claimed with the documents of the spec before, but tried again whole.
+            unhandled = (built is None or built.generation != generation) and (
+                rejected is None or rejected[0] != generation
+            )
             # No full pass in this process yet, or none for a while: do it whole.
-            if full_at is None or (self.clock() - full_at).total_seconds() >= FULL_PASS_S:
+            if (
+                full_at is None
+                or unhandled
+                or (self.clock() - full_at).total_seconds() >= FULL_PASS_S
+            ):
                 self.reconcile_pool(namespace, name)  # the lock is reentrant
                 return
             if built is not None:  # (None: its children were refused; the status says so)
-                self._refresh(self._serving(uid, pool), body, *built)
+                self._refresh(self._serving(uid, pool), body, built)
 
     def _live_pool(
         self, namespace: str, name: str, body: dict[str, Any] | None = None
@@ -267,8 +331,17 @@ class Reconciler:
             self._invalid(body, message)
             return message
 
-    def _invalid(self, body: dict[str, Any], message: str) -> None:
-        """Write that the pool's spec is invalid, for ``message``."""
+    def _invalid(
+        self,
+        body: dict[str, Any],
+        message: str | None,
+        *,
+        pool: ActionPool | None = None,
+        denied: str | None = None,
+        failed: str | None = None,
+    ) -> None:
+        """Write that the pool's spec is invalid, for ``message``; or (``message`` None)
+        that the API server denied or failed the children of ``pool``, which has none yet."""
         meta = body["metadata"]
         shown = body.get("status") or {}
         previous = parse_conditions(shown.get("conditions"))
@@ -280,24 +353,52 @@ class Reconciler:
             endpoint=str(shown.get("endpoint") or ""),
             last=last_figures(shown),
             invalid=message,
+            denied=denied,
+            apply_failed=failed,
+            applied_generation=None if message else int(shown.get("observedGeneration") or 0),
         )
-        self._write_status(body, pool_status(None, seen, rfc3339(self.clock())), previous)
+        self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
 
     def _member_statuses(
         self, key: ObjectKey, pool: ActionPool | None, pool_invalid: str | None = None
-    ) -> list[Member]:
-        """Write the status of every member naming the pool ``key`` (``pool`` None: there
-        is none, or it is invalid for ``pool_invalid``); the members it can serve (the
-        others' status says why they are left out of its config)."""
-        usable: list[Member] = []
+    ) -> list[MemberSeen]:
+        """The members naming the pool ``key`` that it can serve (``pool`` None: there is
+        none, or it is invalid for ``pool_invalid``). The others' status is written here,
+        saying why they are left out of its config; theirs once the push is done
+        (``_members_served``)."""
+        usable: list[MemberSeen] = []
         for kind in MEMBER_KINDS:
             for body in self.cluster.list_custom(kind):
                 if self._member_pool_key(body) != key:
                     continue
-                member = self._member_status(kind, body, pool, pool_invalid)
+                member = self._member_status(kind, body, pool, pool_invalid, write=False)
                 if member is not None:
-                    usable.append(member)
+                    usable.append((kind, body, member))
         return usable
+
+    def _members_served(self, uid: str, pool: ActionPool, not_served: str | None) -> None:
+        """Write the status of the pool's members its pass can serve: Accepted when the
+        scheduler took the definitions that include them, else why not (``not_served``:
+        why it has not the current ones; a refusal of the scheduler's own is named as
+        such). Written only when it changes (``_write_status``)."""
+        served = self._served.get(uid, frozenset())
+        refused = self._refused.get(uid)
+        ns, name = pool.key
+        now = rfc3339(self.clock())
+        for kind, body, member in self._members.get(uid, []):
+            why: tuple[str, str] | None = None
+            if _member_key(kind, body) not in served:
+                scheduler = f"the scheduler of ActionPool {ns}/{name}"
+                if refused is not None:
+                    why = (Reason.POOL_CONFIG_REFUSED,
+                           f"{scheduler} refused the current definitions: {refused}")  # fmt: skip
+                else:
+                    why = (Reason.NOT_SERVED, f"not given to {scheduler} yet: "
+                           f"{not_served or 'it has not answered yet'}")  # fmt: skip
+            previous = parse_conditions((body.get("status") or {}).get("conditions"))
+            status = member_status(member, pool, previous, now, not_served=why)
+            self._write_status(body, status, previous)
+            body["status"] = status.model_dump(by_alias=True, mode="json")  # (ours: a copy)
 
     def _live_tokens(self, pool: ActionPool) -> dict[str, str]:
         """tenant -> token in the pool's live tokens Secret (empty before the first pass)."""
@@ -323,68 +424,101 @@ class Reconciler:
                 if self.cluster.delete(api, kind, ns, child_name(pool, suffix)):
                     log.info("removed %s %s (no node agents)", kind, child_name(pool, suffix))
 
-    def _refresh(self, pool: ActionPool, body: dict[str, Any], documents: str, token: str) -> None:
+    def _refresh(
+        self, pool: ActionPool, body: dict[str, Any], built: _Build, failed: str | None = None
+    ) -> None:
+        """Figures, a push if the scheduler misses ``built``, the pool's status and its
+        members'. ``failed``: the API server failed this pass's apply (the spec before
+        runs on)."""
         meta = body["metadata"]
+        uid, token = meta["uid"], built.token
         base = self.endpoints.url(pool)
-        figures, unreachable, refused = None, None, None
+        figures, unreachable, push = None, None, _Pushed()
         try:
             figures = self.link.figures(base, token)
-            taken, refused = self._push(pool, meta["uid"], figures, documents, base=base,
-                                        token=token)  # fmt: skip
-            if taken:  # the figures of what it runs now (new quotas, say)
+            push = self._push(pool, uid, figures, built, base=base)
+            if push.changed:  # the figures of what it runs now (new quotas, say)
                 figures = self.link.figures(base, token)
         except SchedulerError as e:
             unreachable = str(e)
         previous = parse_conditions((body.get("status") or {}).get("conditions"))
         generation = meta.get("generation", 0)
-        rejected = self._rejected.get(meta["uid"])
+        rejected = self._rejected.get(uid)
+        if rejected is not None and rejected[0] != generation:
+            rejected = None
+        unapplied = failed is not None or (rejected is not None and rejected[2])
         seen = PoolObservation(
             generation=generation,
             previous=previous,
-            invalid=rejected[1] if rejected is not None and rejected[0] == generation else None,
+            invalid=rejected[1] if rejected is not None and not rejected[2] else None,
+            denied=rejected[1] if rejected is not None and rejected[2] else None,
+            apply_failed=failed,
+            applied_generation=built.generation if unapplied else None,
             endpoint=self.endpoints.cluster_url(pool),
             scheduler_available=self._scheduler_available(pool),
             figures=figures,
             unreachable=unreachable,
             last=last_figures(body.get("status")),
-            refused=refused,
+            refused=push.refused,
+            push_failed=push.failed,
+            agents=self._agents(pool, figures),
         )
         self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
+        not_served = push.failed or unreachable
+        if rejected is not None or failed is not None:
+            why = rejected[1] if rejected is not None else f"applying it failed: {failed}"
+            not_served = f"the spec of its ActionPool was not applied: {why}"
+        self._members_served(uid, pool, not_served)
+
+    def _agents(
+        self, pool: ActionPool, figures: PoolFigures | None
+    ) -> dict[str, dict[str, Any] | None]:
+        """The status of the agent DaemonSets whose agents are missing (none read while
+        all are there): why they are, for the status to say."""
+        if figures is None:
+            return {}
+        missing = [r for r, s in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu))
+                   if s is not None and figures.nodes == 0]  # fmt: skip
+        if pool.spec.gpu is not None and figures.gpus == 0 and "gpu" not in missing:
+            missing.append("gpu")
+        found: dict[str, dict[str, Any] | None] = {}
+        for role in missing:
+            ds = self.cluster.get("apps/v1", "DaemonSet", pool.metadata.namespace,
+                                  child_name(pool, f"{role}-agent"))  # fmt: skip
+            found[role] = None if ds is None else dict(ds.get("status") or {})
+        return found
 
     def _push(
-        self,
-        pool: ActionPool,
-        uid: str,
-        figures: PoolFigures,
-        documents: str,
-        *,
-        base: str,
-        token: str,
-    ) -> tuple[bool, str | None]:
-        """Push the documents unless this scheduler run has them: whether it took them
-        now, and why it refused them (it keeps running the ones before). Refused ones are
-        pushed again on each pass: what was wrong may be outside the spec (a Secret not
-        created yet)."""
-        digest = hashlib.sha256(documents.encode())
+        self, pool: ActionPool, uid: str, figures: PoolFigures, built: _Build, *, base: str
+    ) -> _Pushed:
+        """Push the documents unless this scheduler run has them all applied. Refused or
+        failed ones are pushed again on each pass: what was wrong may be outside the spec
+        (a Secret not created yet, a scheduler restarting)."""
+        digest = hashlib.sha256(built.documents.encode())
         # The scheduler reads its API credentials when it loads the documents, which only
         # name their Secrets: a changed Secret is a change to push.
         for version in self._credential_versions(pool):
             digest.update(f"\0{version}".encode())
         given = (figures.epoch, digest.hexdigest())
         if self._pushed.get(uid) == given:
-            return False, None
+            return _Pushed()
+        where = f"pool {pool.metadata.namespace}/{pool.metadata.name}"
         try:
-            changes = self.link.reload(base, token, documents)
+            answer = self.link.reload(base, built.token, built.documents)
         except SchedulerRefusedError as e:
             if self._refused.get(uid) != str(e):
-                log.warning("pool %s/%s: the scheduler refused its config: %s",
-                            pool.metadata.namespace, pool.metadata.name, e)  # fmt: skip
+                log.warning("%s: the scheduler refused its config: %s", where, e)
             self._refused[uid] = str(e)
-            return False, str(e)
-        self._pushed[uid] = given
+            return _Pushed(refused=str(e))
+        except SchedulerError as e:  # 413, 5xx, no answer: it may run the ones before
+            log.warning("%s: pushing its config failed: %s", where, e)
+            self._refused.pop(uid, None)
+            return _Pushed(failed=str(e))
+        self._served[uid] = built.members
         self._refused.pop(uid, None)
-        log.info("pushed config to %s: %s", base, "; ".join(changes) or "no changes")
-        return True, None
+        self._pushed[uid] = given
+        log.info("pushed config to %s: %s", base, "; ".join(answer.changes) or "no changes")
+        return _Pushed(changed=bool(answer.changes))
 
     def _credential_versions(self, pool: ActionPool) -> list[str]:
         """The resourceVersion of each Secret the pool's API quotas name ("-": none)."""
@@ -418,7 +552,7 @@ class Reconciler:
             self._member_statuses((namespace, name), None)  # they now name no pool
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
             memos = (self._pushed, self._built, self._full_at, self._refused, self._valid,
-                     self._written, self._rejected)  # fmt: skip
+                     self._written, self._rejected, self._served, self._members)  # fmt: skip
             for memo in memos:
                 memo.pop(meta.get("uid", ""), None)
 
@@ -455,6 +589,8 @@ class Reconciler:
         token = self._live_tokens(pool).get(OPERATOR_TENANT)
         if token is None:
             return
+        if self._scheduler_collected(pool, body):
+            return
         since = body["metadata"].get("deletionTimestamp") or rfc3339(self.clock())
         started = dt.datetime.fromisoformat(since.replace("Z", "+00:00"))
         left = pool.spec.scheduler.drain_seconds - (self.clock() - started).total_seconds()
@@ -490,6 +626,26 @@ class Reconciler:
         self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
         what = f"{figures.trajectories} trajectories open" if figures else unreachable
         raise RetryError(f"{what}; {left:.0f} s left")
+
+    def _scheduler_collected(self, pool: ActionPool, body: dict[str, Any]) -> bool:
+        """Whether a foreground deletion (``kubectl delete --cascade=foreground``, Argo
+        CD) has the garbage collector delete the scheduler while the finalizer waits:
+        the children block their owner's deletion, so they go first, and there is no
+        scheduler left to drain. Said in an Event and the log."""
+        if FOREGROUND not in (body["metadata"].get("finalizers") or []):
+            return False
+        scheduler = child_name(pool, "scheduler")
+        deployment = self.cluster.get("apps/v1", "Deployment", pool.metadata.namespace, scheduler)
+        if deployment is not None and not (deployment.get("metadata") or {}).get(
+            "deletionTimestamp"
+        ):
+            return False
+        message = (f"foreground deletion: Deployment {scheduler} is deleted with the pool, so "
+                   "open trajectories are not drained (delete with the default background "
+                   "propagation to drain them)")  # fmt: skip
+        log.warning("pool %s/%s: %s", pool.metadata.namespace, pool.metadata.name, message)
+        self.cluster.event(body, "Warning", DRAIN_SKIPPED, message, self.clock())
+        return True
 
     # ---- members ---------------------------------------------------------------------
     def reconcile_member(self, kind: str, namespace: str, name: str) -> None:
@@ -533,8 +689,12 @@ class Reconciler:
         body: dict[str, Any],
         pool: ActionPool | None,
         pool_invalid: str | None = None,
+        *,
+        write: bool = True,
     ) -> Member | None:
-        """Write the member's status; the member when its pool can serve it."""
+        """Write the member's status; the member when its pool can serve it. With
+        ``write`` False, a member its pool can serve is returned unwritten: its status
+        waits for the push (``_members_served``)."""
         meta = body["metadata"]
         previous = parse_conditions((body.get("status") or {}).get("conditions"))
         now = rfc3339(self.clock())
@@ -548,9 +708,11 @@ class Reconciler:
             )
         else:
             status = member_status(member, pool, previous, now, pool_invalid)
-        self._write_status(body, status, previous)
         cond = ready(status.conditions)
-        return member if cond is not None and cond.status == "True" else None
+        usable = member is not None and cond is not None and cond.status == "True"
+        if write or not usable:
+            self._write_status(body, status, previous)
+        return member if usable else None
 
     # ---- status ----------------------------------------------------------------------
     def _write_status(
@@ -586,6 +748,19 @@ _NEWS: dict[str, Callable[[Condition], tuple[str, ...]]] = {
     READY: lambda c: (c.status, c.reason),
     SANDBOXES_HEALTHY: lambda c: (c.status, c.reason, c.message),
 }
+
+
+class _Pushed:
+    """How a push went: whether the scheduler changed something, or why not."""
+
+    def __init__(self, *, changed: bool = False, refused: str | None = None,
+                 failed: str | None = None) -> None:  # fmt: skip
+        self.changed, self.refused, self.failed = changed, refused, failed
+
+
+def _member_key(kind: str, body: dict[str, Any]) -> MemberKey:
+    meta = body.get("metadata") or {}
+    return kind, meta.get("namespace", ""), meta.get("name", ""), meta.get("generation", 0)
 
 
 def _documents(objects: list[Manifest]) -> str:

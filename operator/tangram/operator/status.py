@@ -37,6 +37,15 @@ class PoolObservation:
     figures: PoolFigures | None = None  # the scheduler's own, None when unreachable
     unreachable: str | None = None  # why the figures are missing
     refused: str | None = None  # why the scheduler refused the spec pushed to it
+    push_failed: str | None = None  # why the push failed otherwise (413, 5xx, no answer)
+    denied: str | None = None  # the API server denied a child of this generation's spec
+    apply_failed: str | None = None  # the API server failed to take a child (5xx, ...)
+    # The generation whose spec the children and the scheduler run (status
+    # ``observedGeneration``) when it is not ``generation``: a denied or failed apply.
+    applied_generation: int | None = None
+    # role ("cpu", "gpu") -> its agent DaemonSet's status, read when agents are missing
+    # (None: no such DaemonSet); roles not in it were not read.
+    agents: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
     deleting: bool = False
     drain_left_s: float = 0.0
     # The figures the status last showed (``last_figures``): they stand while the scheduler
@@ -73,7 +82,9 @@ def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> Poo
         else seen.last
     )
     return PoolStatus(
-        observed_generation=seen.generation,
+        observed_generation=(
+            seen.generation if seen.applied_generation is None else seen.applied_generation
+        ),
         conditions=conditions,
         endpoint=seen.endpoint,
         **live,
@@ -122,6 +133,20 @@ def _pool_ready(
             Reason.DRAINING,
             f"being deleted: {f.trajectories} trajectories still open, {left}",
         )
+    if seen.denied is not None:
+        return (
+            "False",
+            Reason.CHILD_DENIED,
+            f"the API server denied the spec's {seen.denied}; what the spec before made "
+            "runs on (tried again on each edit of the spec and every 5 minutes)",
+        )
+    if seen.apply_failed is not None:
+        return (
+            "False",
+            Reason.APPLY_FAILED,
+            f"applying the spec failed: {seen.apply_failed}; what the spec before made "
+            "runs on (retried every few seconds)",
+        )
     if f is None:
         if not seen.scheduler_available:
             why = f"Deployment {child_name(pool, 'scheduler')} has no available pod"
@@ -137,19 +162,57 @@ def _pool_ready(
             "the scheduler refused the current definitions (the pool's or a member's) and "
             f"runs the ones before: {seen.refused}",
         )
-    sections = [r for r, s in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)) if s is not None]
-    if sections and f.nodes == 0:
-        agents = ", ".join(child_name(pool, f"{r}-agent") for r in sections)
+    if seen.push_failed is not None:
         return (
             "False",
-            Reason.NO_NODES,
-            f"no node agent connected (DaemonSets {agents}: check their nodeSelector)",
+            Reason.CONFIG_PUSH_FAILED,
+            "pushing the current definitions to the scheduler failed, so it may run the "
+            f"ones before (pushed again every 10 s): {seen.push_failed}",
         )
+    sections = [r for r, s in (("cpu", pool.spec.cpu), ("gpu", pool.spec.gpu)) if s is not None]
+    if sections and f.nodes == 0:
+        hints = "; ".join(_agents_hint(pool, r, seen.agents) for r in sections)
+        return "False", Reason.NO_NODES, f"no node agent connected ({hints})"
+    if pool.spec.gpu is not None and f.gpus == 0:
+        hint = _agents_hint(pool, "gpu", seen.agents, gpus=True)
+        return "False", Reason.NO_GPUS, f"spec.gpu is set but the scheduler has no GPU ({hint})"
     return (
         "True",
         Reason.READY,
         f"{f.nodes} nodes, {f.cores} cores, {f.gpus} GPUs, {len(f.apis)} API quotas",
     )
+
+
+def _agents_hint(
+    pool: ActionPool,
+    role: str,
+    agents: Mapping[str, Mapping[str, Any] | None],
+    *,
+    gpus: bool = False,
+) -> str:
+    """What the agent DaemonSet of ``role`` says of why its agents are missing."""
+    name = f"DaemonSet {child_name(pool, f'{role}-agent')}"
+    selector = f"spec.{role}.nodeSelector"
+    if role not in agents:  # not read: both usual causes
+        return (f"{name}: check {selector}, and its events for agent pods that could not "
+                "be created (Pod Security admission, a ResourceQuota)")  # fmt: skip
+    status = agents[role]
+    if status is None:
+        return f"{name} does not exist"
+    desired = int(status.get("desiredNumberScheduled") or 0)
+    created = int(status.get("currentNumberScheduled") or 0)
+    ready_ = int(status.get("numberReady") or 0)
+    if desired == 0:
+        return f"{name}: no node matches {selector} (or tolerates its taints)"
+    if created < desired:
+        return (f"{name}: agent pods created on {created} of {desired} nodes; "
+                f"`kubectl describe daemonset` shows why (Pod Security admission, a "
+                "ResourceQuota)")  # fmt: skip
+    if ready_ < desired:
+        return f"{name}: {ready_} of {desired} agent pods ready (see their logs and events)"
+    if gpus:
+        return f"{name}: {desired} agent pods run but found no GPU devices (drivers, runtime)"
+    return f"{name}: {desired} agent pods ready but not connected to the scheduler"
 
 
 def member_status(
@@ -158,14 +221,20 @@ def member_status(
     previous: Sequence[Condition],
     now: str,
     pool_invalid: str | None = None,
+    *,
+    not_served: tuple[str, str] | None = None,
 ) -> MemberStatus:
-    """Ready when the pool it names exists and can serve it. ``pool_invalid``: why the
-    pool's spec does not validate (``pool`` is then None)."""
+    """Accepted when the pool it names exists, can serve it and its scheduler has taken
+    the definitions that include it. ``pool_invalid``: why the pool's spec does not
+    validate (``pool`` is then None); ``not_served``: (reason, why) its scheduler was not
+    given it yet."""
     generation = member.metadata.generation or 0
     ns, name = member.pool_key()
-    problem = reference_problem(member, pool)
+    problem: tuple[str, str] | None = reference_problem(member, pool)
     if pool is None and pool_invalid is not None:
         problem = Reason.POOL_INVALID, f"ActionPool {ns}/{name} is invalid: {pool_invalid}"
+    if problem is None and not_served is not None:
+        problem = not_served
     if problem is None:
         return _member(generation, f"{ns}/{name}", previous, now,
                        ("True", Reason.ACCEPTED, f"served by ActionPool {ns}/{name}"))  # fmt: skip

@@ -21,6 +21,10 @@ class Reason(StrEnum):
     SCHEDULER_UNREACHABLE = "SchedulerUnreachable"
     CONFIG_REFUSED = "ConfigRefused"  # the running scheduler refused the pushed spec
     NO_NODES = "NoNodes"
+    NO_GPUS = "NoGpus"  # a pool with spec.gpu whose scheduler has no GPU
+    CHILD_DENIED = "ChildDenied"  # the API server denied a child (400/403: a webhook, quota)
+    APPLY_FAILED = "ApplyFailed"  # the API server failed to take a child (5xx, no answer)
+    CONFIG_PUSH_FAILED = "ConfigPushFailed"  # the push to the scheduler failed (not a 400)
     # A TrajectoryEnv's or RewardService's Ready condition.
     ACCEPTED = "Accepted"
     POOL_NOT_FOUND = "PoolNotFound"
@@ -29,6 +33,8 @@ class Reason(StrEnum):
     NO_CPU_SECTION = "NoCpuSection"
     NO_GPU_SECTION = "NoGpuSection"
     DOP_DOES_NOT_FIT = "DopDoesNotFit"
+    NOT_SERVED = "NotServed"  # its pool's scheduler has not been given it (yet)
+    POOL_CONFIG_REFUSED = "PoolConfigRefused"  # its pool's scheduler refused the push
     # An ActionPool's SandboxesHealthy condition: quiet, or the latest failure's cause.
     NO_RECENT_FAILURES = "NoRecentFailures"
     IMAGE_UNAVAILABLE = "ImageUnavailable"  # not on the node and not pullable
