@@ -12,14 +12,14 @@ waiting with nothing to wake it.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from tangram.scheduler import Scheduler, SchedulerConfig
+from tangram.scheduler import SchedulerConfig
 from tangram.scheduler.core.fair import FairQueue
 
+from ..unit.helpers import queued_books
 from .test_scheduler_invariants import Sim, Workload, drain_workloads, simulate, workloads
 
 ORDERINGS = ["fcfs", "trajectory-priority", "shortest-remaining"]
@@ -54,23 +54,11 @@ def switch_lists(draw: st.DrawFn, w: Workload) -> list[tuple[float, SchedulerCon
     return draw(st.lists(st.tuples(times, configs()), min_size=1, max_size=6))
 
 
-def books(s: Scheduler) -> tuple[Any, ...]:
-    return (
-        dict(s.waiting),
-        dict(s.queued_work),
-        dict(s.queued_calls),
-        dict(s.queued_by_tenant),
-        set(s.stranded),
-        {t: (x.in_flight, x.queued_exec, x.queued_work) for t, x in s.trajectories.items()},
-        {a.id: (a.seq, a.submitted_at, a.work) for a in s.actions.values()},
-    )
-
-
 def switch(sim: Sim, config: SchedulerConfig) -> None:
     s = sim.sched
     queued = set(sim.queued)
     assert set(s.actions) == queued and len(s.queue) == len(queued)
-    before = books(s)
+    before = queued_books(s)
     reorder = (s.config.ordering, s.config.tenant_fairness) != (
         config.ordering,
         config.tenant_fairness,
@@ -78,7 +66,7 @@ def switch(sim: Sim, config: SchedulerConfig) -> None:
     s.set_config(config)
     assert s.config == config
     assert isinstance(s.queue, FairQueue) == config.tenant_fairness
-    assert books(s) == before, "a reorder changed what is counted of the queued actions"
+    assert queued_books(s) == before, "a reorder changed what is counted of the queued actions"
     order = list(s.queue.order(sim.now))
     assert len(order) == len(set(order)), "an action queued twice"
     assert set(order) == queued and all(a in s.queue for a in queued), "an action lost"

@@ -13,6 +13,20 @@ def started(s: Scheduler, now: float) -> list[str]:
     return [a.action_id for a in s.schedule(now).assignments]
 
 
+def queued_books(s: Scheduler) -> tuple[Any, ...]:
+    """What the scheduler counts of its queued actions, besides the queue's order."""
+    return (
+        sorted(s.actions),
+        dict(s.waiting),
+        dict(s.queued_work),
+        dict(s.queued_calls),
+        dict(s.queued_by_tenant),
+        set(s.stranded),
+        {t: (x.in_flight, x.queued_exec, x.queued_work) for t, x in s.trajectories.items()},
+        {a.id: (a.seq, a.submitted_at, a.work) for a in s.actions.values()},
+    )
+
+
 def cluster(**kw: Any) -> ClusterSpec:
     return ClusterSpec.model_validate(kw)
 

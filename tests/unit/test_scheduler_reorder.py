@@ -4,11 +4,9 @@ ageing deadlines counted from their own submissions, and nothing else of them ch
 
 from __future__ import annotations
 
-from typing import Any
-
 from tangram.scheduler import Scheduler, SchedulerConfig
 
-from .helpers import cluster, exec_action, started
+from .helpers import cluster, exec_action, queued_books, started
 
 
 def _pool(config: SchedulerConfig | None = None, cores: int = 8) -> Scheduler:
@@ -24,20 +22,6 @@ def _queue(s: Scheduler, hints: dict[str, int], now: float = 0.0) -> None:
         s.submit(f"{tid}.a", tid, exec_action(1, t1=1.0), now=now)
 
 
-def _books(s: Scheduler) -> tuple[Any, ...]:
-    """What the scheduler counts of its queued actions, besides the queue's order."""
-    return (
-        sorted(s.actions),
-        dict(s.waiting),
-        dict(s.queued_work),
-        dict(s.queued_calls),
-        dict(s.queued_by_tenant),
-        set(s.stranded),
-        {t: (x.in_flight, x.queued_exec, x.queued_work) for t, x in s.trajectories.items()},
-        {a.id: (a.seq, a.submitted_at, a.work) for a in s.actions.values()},
-    )
-
-
 def test_a_new_ordering_reorders_the_queued_actions_at_once_and_back() -> None:
     """fcfs -> trajectory-priority (most predicted work first) while queued: the next
     round starts them in the new order; back to fcfs restores submission order."""
@@ -45,13 +29,13 @@ def test_a_new_ordering_reorders_the_queued_actions_at_once_and_back() -> None:
     for back in (False, True):
         s = _pool()
         _queue(s, hints)
-        before = _books(s)
+        before = queued_books(s)
         s.set_config(SchedulerConfig(ordering="trajectory-priority"))
         assert s.config.ordering == "trajectory-priority"
-        assert len(s.queue) == 3 and _books(s) == before
+        assert len(s.queue) == 3 and queued_books(s) == before
         if back:
             s.set_config(SchedulerConfig(ordering="fcfs"))
-            assert _books(s) == before
+            assert queued_books(s) == before
             assert started(s, 0.0) == ["little.a", "most.a", "some.a"]
         else:
             assert started(s, 0.0) == ["most.a", "some.a", "little.a"]
@@ -99,11 +83,11 @@ def test_turning_tenant_fairness_on_and_off_reorders_the_queue_at_once() -> None
             fair = fair_first != switch
             s = _pool(SchedulerConfig(tenant_fairness=fair_first))
             _tenants(s)
-            before = _books(s)
+            before = queued_books(s)
             if switch:
                 s.set_config(SchedulerConfig(tenant_fairness=not fair_first))
                 assert s.config.tenant_fairness is fair
-                assert _books(s) == before
+                assert queued_books(s) == before
             assert started(s, 0.0) == (fair_order if fair else plain_order)
 
 
