@@ -310,11 +310,17 @@ def test_examples_become_ready_with_their_figures(stack: Stack) -> None:
     secrets_rule = next(r for r in role["rules"] if r["resources"] == ["secrets"])
     assert secrets_rule["resourceNames"] == ["search-api-keys"]
 
-    # The MOPD pool's members are accepted and its GPU agents are declared; no node here
-    # has a GPU, so no agent pod is scheduled.
+    # The MOPD pool's members are accepted once its scheduler took them (not served
+    # before: no scheduler runs it yet), and its GPU agents are declared; no node here has
+    # a GPU, so no agent pod is scheduled and the pool says so.
+    cond = stack.wait_ready("rsvc", "judge", "rl", "NotServed")
+    assert cond["status"] == "False" and "ActionPool rl/mopd" in cond["message"]
+    _start_scheduler(stack, "mopd", "rl")
     for service in ("judge", "math-teacher", "code-teacher"):
         stack.wait_ready("rsvc", service, "rl", "Accepted")
     assert stack.exists("daemonset", "tangram-mopd-gpu-agent", "rl")
+    cond = stack.wait_ready("ap", "mopd", "rl", "NoNodes")
+    assert "tangram-mopd-gpu-agent" in cond["message"]
 
     table = stack.kubectl("get", "ap", "-n", "rl").stdout
     header = table.splitlines()[0].split()
