@@ -111,7 +111,7 @@ def reaped() -> Iterator[list[subprocess.Popen[str]]]:
 
 def test_urls_bracket_an_ipv6_host() -> None:
     assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1"
-    assert Running("http://[::1]:8080", None).agents_url == "ws://[::1]:8080/v1/agents"  # type: ignore[arg-type]
+    assert scheduler_url("http://[::1]:8080") == "ws://[::1]:8080/v1/agents"
 
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from tangram.api.documents import Resources
@@ -117,12 +118,15 @@ def _up_warnings(pool: Path, tmp_path: Path) -> str:
     )  # fmt: skip
     assert up.stdout is not None
     lines = []
+    guard = threading.Timer(120, up.send_signal, (signal.SIGINT,))  # no warning: no hang
+    guard.start()
     try:
         for line in up.stdout:
             lines.append(line)
             if "warning" in line or "Traceback" in line:
                 break
     finally:
+        guard.cancel()
         up.send_signal(signal.SIGINT)
         rest, _ = up.communicate(timeout=120)
     text = "".join(lines) + rest

@@ -150,4 +150,5 @@ def test_warm_landings_follow_the_allocator_over_successive_calls() -> None:
     landings = list(s.gpu.warm_landings("rm", 1, 2))
     assert landings == [0.0, 0.0]  # then none is left warm: the calls after restore
     assert s.gpu.chunk_counts() == (0, 0, 0, 1)  # the pool's own chunks untouched
-    assert list(s.gpu.warm_landings("rm", 2, 0)) == []  # no DoP-2 instance resident
+    two = idle.get(("rm", 2), 0)  # no DoP-2 instance resident
+    assert two == 0 and list(s.gpu.warm_landings("rm", 2, two)) == []

@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
             figures = run_paper(out, quick=args.quick, seed=args.seed)
         except ReplayInterrupted as e:  # its sweeps' figures are written only at the end
             raise Interrupted(
-                f"{e.args[0].split(';')[0]} ({out}/paper.json is written at the end of the "
+                f"interrupted during {e.policy} ({out}/paper.json is written at the end of the "
                 "sweeps: nothing was; each finished batch was noted above)"
             ) from None
         if args.json:

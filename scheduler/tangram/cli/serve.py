@@ -167,7 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def ready(r: Running) -> None:
         reload_on_hangup(args.file, args.pool, r.engine, secrets)
-        note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {r.agents_url}")
+        note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {scheduler_url(r.url)}")
         note(r.engine.learned_note())
 
     # Environments outlive a scheduler restart: the next scheduler takes them back.

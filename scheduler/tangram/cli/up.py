@@ -186,7 +186,7 @@ def run_up(args: argparse.Namespace) -> int:
         serve_until_signalled(
             args, config, tokens, agent, ready, close_on_exit=True, learned=learned
         )
-    except BaseException:  # a failed start: its serving would have stopped the agent
+    except BaseException:  # a failed start: the run stops the agent only once serving
         shut_down(agent)
         raise
     note("stopped; every environment was removed")
@@ -283,8 +283,9 @@ def gpu_warnings(config: PoolConfig, gpu: Any, flag: str) -> list[str]:
 
 
 def shut_down(agent: Any) -> None:
-    """After a failed start: the embedded run stops the agent only once it has served, so
-    its cgroups, containers and state lock would outlive the process. (Twice is harmless.)"""
+    """After a failed start: the embedded run stops the agent only once its server has
+    started, so its cgroups, containers and state lock would outlive the process. (Twice is
+    harmless: a failure after the server started has the run stop it too.)"""
     try:
         run_loop(agent.shutdown())
     except Exception as e:  # the failure that brought us here is the one to report

@@ -42,11 +42,6 @@ class Running:
     url: str
     engine: Engine
 
-    @property
-    def agents_url(self) -> str:
-        """Where node agents connect: ``tangram agent --scheduler`` takes it as is."""
-        return "ws" + self.url.removeprefix("http") + "/v1/agents"
-
 
 @dataclass(frozen=True, slots=True)
 class Stopping:

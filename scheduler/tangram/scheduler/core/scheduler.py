@@ -391,13 +391,9 @@ class Scheduler:
         if isinstance(old, FairQueue) and isinstance(queue, FairQueue):
             queue.resume_tags(old)
         self.queue = queue
-        policy = POLICIES[config.ordering]
         for a in sorted(self.actions.values(), key=lambda a: a.seq):  # (the queued ones)
             traj = self.trajectories[a.trajectory]
-            expected = partial(self._expected, a)
-            key = policy.key(a.seq, traj, self.lengths, expected)
-            deadline = policy.deadline(a.submitted_at, expected, config, self.recent_wait_s)
-            self._push(a, traj.tenant, key, deadline)
+            self._push(a, traj.tenant, *self._rank(a, traj))
 
     def set_tenants(self, shares: Mapping[str, TenantShare], default: TenantShare = EQUAL) -> None:
         """Each tenant's weight and cap; tenants not named get ``default``. Queued actions
@@ -450,11 +446,15 @@ class Scheduler:
         action = self._resolve(action_id, trajectory, spec, now)
         if traj.in_flight == 0 and traj.idle_since is not None:
             self.returns.think.observe(max(0.0, now - traj.idle_since))
-        policy, expected = POLICIES[self.config.ordering], partial(self._expected, action)
-        key = policy.key(action.seq, traj, self.lengths, expected)
-        deadline = policy.deadline(now, expected, self.config, self.recent_wait_s)
-        self._enqueue(action, key, deadline)
+        self._enqueue(action, *self._rank(action, traj))
         return action
+
+    def _rank(self, a: Action, traj: Trajectory) -> tuple[tuple[float, ...], float | None]:
+        """``a``'s key and ageing deadline under the current ordering (the deadline counted
+        from its submission)."""
+        policy, expected = POLICIES[self.config.ordering], partial(self._expected, a)
+        key = policy.key(a.seq, traj, self.lengths, expected)
+        return key, policy.deadline(a.submitted_at, expected, self.config, self.recent_wait_s)
 
     def cancel(self, action_id: str) -> bool:
         """Remove a queued action; False if it is not queued (running ones end in ``complete``)."""
