@@ -349,3 +349,35 @@ def test_a_sandbox_that_ends_as_it_starts_fails_its_open_naming_the_pod(tmp_path
     assert e.value.reason == "SandboxStartFailed"
     assert str(e.value).startswith("pod ns/tangram-p-") and "ended as it started" in str(e.value)
     assert api.pods == {}  # the pod is deleted
+
+
+def test_a_sandbox_whose_init_is_gone_once_its_server_is_up_fails_naming_the_pod(
+    tmp_path: Path,
+) -> None:
+    """/proc/<pid>/stat gone after the cgroup and socket were seen: a start time of 0
+    would read later as "alive whatever runs under that pid"; the open fails instead."""
+    from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
+
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    (proc / "42" / "root" / IN_CONTAINER_RUN.lstrip("/")).mkdir(parents=True)
+    (proc / "42" / "root" / IN_CONTAINER_RUN.lstrip("/") / SOCKET_NAME).touch()
+    (proc / "42" / "cgroup").write_text("0::/pods/abc123\n")
+    (proc / "42" / "status").write_text("NSpid:\t42\t1\n")  # no stat: the process is gone
+    (cg / "pods" / "abc123").mkdir(parents=True)
+    (cg / "cgroup.controllers").write_text("cpuset cpu\n")
+    (cg / "pods" / "abc123" / "cpuset.cpus").write_text("0\n")
+    rt = PodRuntime([0], api=FakeApi(), node="n1", namespace="ns", execd_image="x", agent="a",
+                    cgroup_root=cg, proc_root=proc)  # fmt: skip
+    pod = {
+        "metadata": {"name": "tangram-p-1"},
+        "spec": {"containers": [{"name": SANDBOX}]},
+        "status": {"containerStatuses": [
+            {"name": SANDBOX, "containerID": "containerd://abc123", "state": {"running": {}}},
+        ]},
+    }  # fmt: skip
+    with pytest.raises(ExecError) as e:
+        rt._reach(pod, wait_s=0.1)
+    assert e.value.reason == "SandboxStartFailed"
+    assert str(e.value) == (
+        "pod ns/tangram-p-1: its sandbox ended as it started (its init process is gone)"
+    )

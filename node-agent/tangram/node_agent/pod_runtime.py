@@ -488,15 +488,15 @@ class PodRuntime(SandboxRuntime[Pod]):
                 raise ExecError(f"pod {obj['metadata']['name']}: the exec server did not start")
             time.sleep(0.002)
         workdir = obj["spec"]["containers"][0].get("workingDir") or "/"
-        try:
-            started = start_time(pid, self.proc_root)
-        except OSError as e:
-            raise self._ended_at_start(name, e) from None
+        started = start_time(pid, self.proc_root)
+        if not started:  # /proc/<pid> gone: 0 would read as "always alive" later
+            raise self._ended_at_start(name, "its init process is gone")
         return Reachable(container_id, socket, pid, group, workdir, started, self.proc_root)
 
-    def _ended_at_start(self, name: str, e: OSError) -> ExecError:
+    def _ended_at_start(self, name: str, e: OSError | str) -> ExecError:
+        why = e if isinstance(e, str) else e.strerror or str(e)
         return ExecError(
-            f"pod {self.namespace}/{name}: its sandbox ended as it started ({e.strerror or e})",
+            f"pod {self.namespace}/{name}: its sandbox ended as it started ({why})",
             reason="SandboxStartFailed",
         )
 
