@@ -85,7 +85,7 @@ def test_an_ordering_change_under_load_applies_in_the_same_push(
         assert len(core.queue) == 1 and len(core.actions) == 1
         assert "browse" in core.quotas if "browse" in docs else True  # the rest applied
         # The same push again: nothing left to change.
-        assert link.reload(running.url, OPERATOR, docs).changes == []
+        assert link.reload(running.url, OPERATOR, docs) == []
         c.release(held.lease)  # the queued lease starts under the new ordering
         waiter.join(10)
         assert not waiter.is_alive()
@@ -103,7 +103,7 @@ def test_the_operators_push_is_not_capped_by_the_pools_max_request_bytes(
         running.engine.reloader = lambda _text: config
         link = SchedulerLink()
         docs = "# " + "x" * 2000 + "\n"
-        assert link.reload(running.url, OPERATOR, docs).changes == []
+        assert link.reload(running.url, OPERATOR, docs) == []
         with pytest.raises(SchedulerError) as over:  # (413, or the reset that cuts it short)
             link.reload(running.url, OPERATOR, "#" * (RELOAD_MAX_BYTES + 1))
         assert not isinstance(over.value, SchedulerRefusedError)

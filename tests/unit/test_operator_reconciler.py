@@ -14,7 +14,7 @@ import pytest
 from tangram.api.wire import PoolFigures
 from tangram.operator.kube import ApiServerError, DeniedError, RefusedError
 from tangram.operator.reconciler import Reconciler, RetryError
-from tangram.operator.scheduler_link import Reloaded, SchedulerError, SchedulerRefusedError
+from tangram.operator.scheduler_link import SchedulerError, SchedulerRefusedError
 
 NOW = dt.datetime(2026, 11, 28, 12, 0, tzinfo=dt.UTC)
 Key = tuple[str, str, str]  # kind, namespace, name
@@ -103,10 +103,10 @@ class Link:
     def figures(self, base: str, token: str) -> PoolFigures:
         return self._figures()
 
-    def reload(self, base: str, token: str, documents: str) -> Reloaded:
+    def reload(self, base: str, token: str, documents: str) -> list[str]:
         self._figures()
         self.pushed.append(documents)
-        return Reloaded(changes=[])
+        return []
 
     def drain(self, base: str, token: str) -> PoolFigures:
         self.drained.append(base)
@@ -345,12 +345,14 @@ def test_a_member_event_is_not_answered_by_a_pass_that_failed_midway(
 class ReorderLink(Link):
     """A scheduler that re-orders its queue for an ordering change, as it takes it."""
 
-    def reload(self, base: str, token: str, documents: str) -> Reloaded:
+    def reload(self, base: str, token: str, documents: str) -> list[str]:
         super().reload(base, token, documents)
         if "trajectory-priority" not in documents:
-            return Reloaded(changes=[])
-        return Reloaded(changes=["scheduling (spec.scheduling.ordering fcfs -> "
-                                 "trajectory-priority: 3 queued actions re-ordered)"])  # fmt: skip
+            return []
+        return [
+            "scheduling (spec.scheduling.ordering fcfs -> "
+            "trajectory-priority: 3 queued actions re-ordered)"
+        ]
 
 
 def _edit(cluster: Cluster, **spec: Any) -> dict[str, Any]:
@@ -387,7 +389,7 @@ class FailingLink(Link):
         super().__init__()
         self.failure: str | None = "POST x/v1/admin/reload: HTTP 413 request body over 1024 bytes"
 
-    def reload(self, base: str, token: str, documents: str) -> Reloaded:
+    def reload(self, base: str, token: str, documents: str) -> list[str]:
         if self.failure is not None:
             raise SchedulerError(self.failure)
         return super().reload(base, token, documents)
@@ -431,7 +433,7 @@ def test_members_are_accepted_only_once_their_scheduler_took_them() -> None:
 
 def test_a_member_of_a_pool_whose_scheduler_refuses_the_push_is_not_accepted() -> None:
     class Refusing(Link):
-        def reload(self, base: str, token: str, documents: str) -> Reloaded:
+        def reload(self, base: str, token: str, documents: str) -> list[str]:
             raise SchedulerRefusedError("reload refused: apis[search].secretRef: no Secret keys")
 
     cluster, link = Cluster(), Refusing()

@@ -24,7 +24,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -113,6 +113,15 @@ class _Build:
         self.members = members  # the members they define
 
 
+class _Rejected(NamedTuple):
+    """A spec whose children the API server refused as invalid (422) or denied (400,
+    403: ``denied``)."""
+
+    generation: int
+    why: str
+    denied: bool
+
+
 class RetryError(Exception):
     """Not done yet: call again after ``delay_s``."""
 
@@ -165,9 +174,7 @@ class Reconciler:
         self._members: dict[str, list[MemberSeen]] = {}
         self._full_at: dict[str, dt.datetime] = {}  # pool uid -> its last full pass
         self._valid: dict[str, ActionPool] = {}  # pool uid -> its last valid spec (to drain)
-        # pool uid -> (generation, why, denied) of a spec whose children the API server
-        # refused as invalid (422) or denied (400, 403: ``denied`` True)
-        self._rejected: dict[str, tuple[int, str, bool]] = {}
+        self._rejected: dict[str, _Rejected] = {}  # pool uid -> its spec refused, if it is
         self._written: dict[str, dict[str, Any]] = {}  # pool uid -> the status it last wrote
         # Ticks order member events against pool passes (``_pool_pass_since``).
         self._ticks = itertools.count()
@@ -236,7 +243,7 @@ class Reconciler:
                 # needs (a webhook's policy, a ResourceQuota) is outside the spec.
                 denied = isinstance(e, DeniedError)
                 why = str(e) if denied else f"the API server refused the spec's {e}"
-                self._rejected[uid] = (generation, why, denied)
+                self._rejected[uid] = _Rejected(generation, why, denied)
                 self._full_at[uid] = self.clock()
                 self._unapplied(uid, pool, body)
                 self._pass_done[namespace, name] = begun
@@ -269,13 +276,12 @@ class Reconciler:
             self._refresh(valid, body, before, failed=failed)
             return
         rejected = self._rejected.get(uid)
-        if rejected is not None and not rejected[2]:
-            self._invalid(body, rejected[1])
+        if rejected is not None and not rejected.denied:
+            self._invalid(body, rejected.why)
         else:
-            denied = rejected[1] if rejected is not None else None
+            denied = rejected.why if rejected is not None else None
             self._invalid(body, None, pool=pool, denied=denied, failed=failed)
-        why = rejected[1] if rejected is not None else f"applying it failed: {failed}"
-        self._members_served(uid, pool, f"the spec of its ActionPool was not applied: {why}")
+        self._members_served(uid, pool, _not_applied(rejected, failed))
 
     def refresh_pool(self, namespace: str, name: str, body: dict[str, Any] | None = None) -> None:
         """The periodic pass: status from the scheduler, and a push if it missed one.
@@ -298,7 +304,7 @@ class Reconciler:
             # A spec whose pass did not get through (the API server failed it): not
             # claimed with the documents of the spec before, but tried again whole.
             unhandled = (built is None or built.generation != generation) and (
-                rejected is None or rejected[0] != generation
+                rejected is None or rejected.generation != generation
             )
             # No full pass in this process yet, or none for a while: do it whole.
             if (
@@ -397,8 +403,7 @@ class Reconciler:
                            f"{not_served or 'it has not answered yet'}")  # fmt: skip
             previous = parse_conditions((body.get("status") or {}).get("conditions"))
             status = member_status(member, pool, previous, now, not_served=why)
-            self._write_status(body, status, previous)
-            body["status"] = status.model_dump(by_alias=True, mode="json")  # (ours: a copy)
+            body["status"] = self._write_status(body, status, previous)  # (ours: a copy)
 
     def _live_tokens(self, pool: ActionPool) -> dict[str, str]:
         """tenant -> token in the pool's live tokens Secret (empty before the first pass)."""
@@ -444,14 +449,14 @@ class Reconciler:
         previous = parse_conditions((body.get("status") or {}).get("conditions"))
         generation = meta.get("generation", 0)
         rejected = self._rejected.get(uid)
-        if rejected is not None and rejected[0] != generation:
+        if rejected is not None and rejected.generation != generation:
             rejected = None
-        unapplied = failed is not None or (rejected is not None and rejected[2])
+        unapplied = failed is not None or (rejected is not None and rejected.denied)
         seen = PoolObservation(
             generation=generation,
             previous=previous,
-            invalid=rejected[1] if rejected is not None and not rejected[2] else None,
-            denied=rejected[1] if rejected is not None and rejected[2] else None,
+            invalid=rejected.why if rejected is not None and not rejected.denied else None,
+            denied=rejected.why if rejected is not None and rejected.denied else None,
             apply_failed=failed,
             applied_generation=built.generation if unapplied else None,
             endpoint=self.endpoints.cluster_url(pool),
@@ -466,8 +471,7 @@ class Reconciler:
         self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
         not_served = push.failed or unreachable
         if rejected is not None or failed is not None:
-            why = rejected[1] if rejected is not None else f"applying it failed: {failed}"
-            not_served = f"the spec of its ActionPool was not applied: {why}"
+            not_served = _not_applied(rejected, failed)
         self._members_served(uid, pool, not_served)
 
     def _agents(
@@ -504,7 +508,7 @@ class Reconciler:
             return _Pushed()
         where = f"pool {pool.metadata.namespace}/{pool.metadata.name}"
         try:
-            answer = self.link.reload(base, built.token, built.documents)
+            changes = self.link.reload(base, built.token, built.documents)
         except SchedulerRefusedError as e:
             if self._refused.get(uid) != str(e):
                 log.warning("%s: the scheduler refused its config: %s", where, e)
@@ -517,8 +521,8 @@ class Reconciler:
         self._served[uid] = built.members
         self._refused.pop(uid, None)
         self._pushed[uid] = given
-        log.info("pushed config to %s: %s", base, "; ".join(answer.changes) or "no changes")
-        return _Pushed(changed=bool(answer.changes))
+        log.info("pushed config to %s: %s", base, "; ".join(changes) or "no changes")
+        return _Pushed(changed=bool(changes))
 
     def _credential_versions(self, pool: ActionPool) -> list[str]:
         """The resourceVersion of each Secret the pool's API quotas name ("-": none)."""
@@ -720,13 +724,14 @@ class Reconciler:
         body: dict[str, Any],
         status: PoolStatus | MemberStatus,
         previous: list[Any],
-    ) -> None:
-        """Patch the status when it changed, and post an Event for each condition that
-        changed (not on every pass): Ready when its status or reason changes;
-        SandboxesHealthy also when its message does, which counts each new failure."""
-        new = status.model_dump(by_alias=True, mode="json")
+    ) -> dict[str, Any]:
+        """Patch the status when it changed (the status as written, returned), and post an
+        Event for each condition that changed (not on every pass): Ready when its status or
+        reason changes; SandboxesHealthy also when its message does, which counts each new
+        failure."""
+        new: dict[str, Any] = status.model_dump(by_alias=True, mode="json")
         if (body.get("status") or {}) == new:
-            return
+            return new
         meta = body["metadata"]
         self.cluster.patch_status(body["kind"], meta["namespace"], meta["name"], new)
         if body["kind"] == "ActionPool":  # (what the timer's refresh compares against)
@@ -741,6 +746,7 @@ class Reconciler:
                 continue  # a first "all is well" is no news
             type_ = "Normal" if cond.status == "True" else "Warning"
             self.cluster.event(body, type_, cond.reason, cond.message, self.clock())
+        return new
 
 
 # Conditions that post Events, by what of them is news when it changes.
@@ -756,6 +762,12 @@ class _Pushed:
     def __init__(self, *, changed: bool = False, refused: str | None = None,
                  failed: str | None = None) -> None:  # fmt: skip
         self.changed, self.refused, self.failed = changed, refused, failed
+
+
+def _not_applied(rejected: _Rejected | None, failed: str | None) -> str:
+    """What a member hears of its pool's spec that the API server did not take."""
+    why = rejected.why if rejected is not None else f"applying it failed: {failed}"
+    return f"the spec of its ActionPool was not applied: {why}"
 
 
 def _member_key(kind: str, body: dict[str, Any]) -> MemberKey:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -32,13 +31,6 @@ class SchedulerError(RuntimeError):
 class SchedulerRefusedError(SchedulerError):
     """The scheduler answered and said no (HTTP 400: the pushed definitions are wrong);
     the message is its own."""
-
-
-@dataclass(frozen=True)
-class Reloaded:
-    """A push the scheduler took: what changed (all of it applies at once)."""
-
-    changes: list[str]
 
 
 class Endpoints:
@@ -89,8 +81,8 @@ class SchedulerLink:
         data = self._call("GET", f"{base}/v1/admin/status", token)
         return _figures(f"{base}: not a scheduler's status", data)
 
-    def reload(self, base: str, token: str, documents: str) -> Reloaded:
-        """Push the pool's documents: what the scheduler changed.
+    def reload(self, base: str, token: str, documents: str) -> list[str]:
+        """Push the pool's documents: what the scheduler changed (all of it applies at once).
         :class:`SchedulerRefusedError` when it refused them (400), any other
         :class:`SchedulerError` when the push failed (no answer, 413, 5xx)."""
         data = self._call("POST", f"{base}/v1/admin/reload", token, documents.encode("utf-8"))
@@ -102,7 +94,7 @@ class SchedulerLink:
         if not isinstance(changes, list):
             # A SchedulerError, which the reconciler handles, not one its pass dies of.
             raise SchedulerError(f"{base}: not a scheduler's reload answer: {data[:200]!r}")
-        return Reloaded(changes=[str(c) for c in changes])
+        return [str(c) for c in changes]
 
     def drain(self, base: str, token: str) -> PoolFigures:
         data = self._call("POST", f"{base}/v1/admin/drain", token, b"")
@@ -128,4 +120,4 @@ def _message(detail: str) -> str:
     return str(message)
 
 
-__all__ = ["Endpoints", "Reloaded", "SchedulerError", "SchedulerLink", "SchedulerRefusedError"]
+__all__ = ["Endpoints", "SchedulerError", "SchedulerLink", "SchedulerRefusedError"]
