@@ -261,6 +261,8 @@ class Scheduler:
         running action needs it (nothing waiting is dropped); a changed footprint drops its
         idle instances."""
         wanted = {s.name: s for s in services}
+        if wanted == self.services:
+            return  # (each agent's sync says them again: no recount of the queue for that)
         needed = {a.service for a in self.actions.values()} | {
             r.action.service for r in self.running.values()
         }
@@ -286,7 +288,10 @@ class Scheduler:
         there (others may still run them)."""
         if node not in self.gpu.nodes:
             raise SchedulingError("node", f"{node} has no GPUs in the pool")
-        self.gpu.unloadable[node] = frozenset(services)
+        unloadable = frozenset(services)
+        if self.gpu.unloadable.get(node, frozenset()) == unloadable:
+            return
+        self.gpu.unloadable[node] = unloadable
         self._recount()
 
     def drain_node(self, name: str) -> Drained:
