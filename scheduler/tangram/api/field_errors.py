@@ -13,6 +13,11 @@ def field_path(loc: Sequence[int | str], whole: str = "") -> str:
     return ".".join(str(p) for p in loc) or whole
 
 
+def alternatives(names: Sequence[str]) -> str:
+    """``a, b or c``: a list of choices as a message says it."""
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+
+
 def described(e: ValidationError, whole: str = "", most: int = 1) -> str:
     """ "path: message" of the first ``most`` problems, then how many more there are."""
     errors = e.errors(include_url=False)

@@ -15,6 +15,8 @@ from typing import Annotated, Literal, get_args
 from pydantic import PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
+from tangram.api.field_errors import alternatives
+
 ORDERINGS: Mapping[str, str] = MappingProxyType(
     {
         "fcfs": "first come first served: submission order",
@@ -36,8 +38,7 @@ CORE_PRICES: tuple[str, ...] = get_args(CorePrice)
 
 def expected_orderings() -> str:
     """The names as pydantic lists a Literal's: ``'a', 'b' or 'c'``."""
-    names = [repr(n) for n in ORDERINGS]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return alternatives([repr(n) for n in ORDERINGS])
 
 
 def _check(value: object) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tangram.api.field_errors import alternatives
 from tangram.api.orderings import QuotaWaiting
 from tangram.cli.files import (
     InputError,
@@ -265,8 +266,7 @@ def _mode_name(mode: str) -> str:
 
 
 def _modes(modes: tuple[str, ...]) -> str:
-    names = [_mode_name(m) for m in modes]
-    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+    return alternatives([_mode_name(m) for m in modes])
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from tangram.api.documents import Document, ResourceError, Resources, parse_documents
+from tangram.api.field_errors import alternatives
 
 SUFFIXES = (".yaml", ".yml", ".json")  # as kubectl reads a folder (JSON is YAML here)
 
@@ -102,8 +103,7 @@ def load_documents(paths: Sequence[str | Path]) -> Resources:
             continue
         files = manifest_files(p)
         if not files:
-            globs = [f"*{s}" for s in SUFFIXES]
-            problems.append(f"{p}: no {', '.join(globs[:-1])} or {globs[-1]} files")
+            problems.append(f"{p}: no {alternatives([f'*{s}' for s in SUFFIXES])} files")
         for f in files:
             documents.extend(read_documents(f, problems))
     try:

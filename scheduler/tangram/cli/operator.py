@@ -14,6 +14,7 @@ from typing import Any
 
 from tangram.cli.files import InputError, documented_command, port
 from tangram.cli.up import add_log_flags, setup_logging
+from tangram.service.embedded import url_host
 
 SUMMARY = "run the Kubernetes operator (ActionPool, TrajectoryEnv, RewardService)"
 
@@ -83,7 +84,7 @@ def run_operator(args: argparse.Namespace) -> int:
             endpoints=Endpoints(args.scheduler_endpoints, loopback=loopback is not None),
         )
     )
-    host = f"[{args.liveness_host}]" if ":" in args.liveness_host else args.liveness_host
+    host = url_host(args.liveness_host)
     liveness = f"http://{host}:{args.liveness_port}/healthz" if args.liveness_port else None
     asyncio.run(
         kopf.operator(
