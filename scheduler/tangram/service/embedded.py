@@ -180,16 +180,8 @@ async def _stop(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     if told is not None:
-        running = sum(1 for r in engine.state.actions.values() if r.task is not None)
-        told(Stopping(grace_s, running, len(engine.trajectories) if close else 0))
-    winding = asyncio.create_task(engine.wind_down(grace_s))
-    hurried = asyncio.create_task(hurry.wait())
-    await asyncio.wait({winding, hurried}, return_when=asyncio.FIRST_COMPLETED)
-    hurried.cancel()
-    if not winding.done():  # told to stop now: what still runs is cancelled
-        winding.cancel()
-        await asyncio.gather(winding, return_exceptions=True)
-        await engine.wind_down(0)
+        told(Stopping(grace_s, engine.running(), len(engine.trajectories) if close else 0))
+    await engine.wind_down(grace_s, hurry)
     closing = list(engine.trajectories.values()) if close else []
     if closing:
         closes = [asyncio.create_task(engine.close_trajectory(r.tenant, r.id)) for r in closing]

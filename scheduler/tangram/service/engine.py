@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import aiohttp
 
@@ -222,9 +223,9 @@ class Engine:
         await self.save_learned()  # with what the last runs taught
         await self.api.close()
 
-    async def wind_down(self, grace_s: float) -> None:
+    async def wind_down(self, grace_s: float, hurry: asyncio.Event | None = None) -> None:
         """Stop admitting; end queued actions (retryable); give running ones ``grace_s``
-        to finish, and cancel those still running then."""
+        to finish (less if ``hurry`` is set meanwhile), and cancel those still running."""
         s = self.state
         s.accepting = False
         for rec in list(s.actions.values()):
@@ -233,12 +234,24 @@ class Engine:
                 stopped = err("shutdown", "the scheduler stopped", retryable=True)
                 self.outcomes.finish(rec, ActionStatus.CANCELLED, error=stopped)
         running = [r.task for r in s.actions.values() if r.task is not None]
-        if running:
-            _, late = await asyncio.wait(running, timeout=grace_s)
-            for t in late:
-                t.cancel()
-            with contextlib.suppress(Exception):
-                await asyncio.gather(*late, return_exceptions=True)
+        if not running:
+            return
+        # (cancelling a wait leaves what it waits for running)
+        waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(asyncio.wait(running))}
+        if hurry is not None:
+            waits.add(asyncio.ensure_future(hurry.wait()))
+        await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        late = [t for t in running if not t.done()]
+        for t in late:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*waits, *late, return_exceptions=True)
+
+    def running(self) -> int:
+        """How many actions run now (started, not ended)."""
+        return sum(1 for r in self.state.actions.values() if r.task is not None)
 
     @property
     def ready(self) -> bool:
