@@ -202,3 +202,50 @@ def test_the_core_holds_granted_units_again_and_counts_earlier_starts() -> None:
     rnd = s.schedule(115.0)
     assert [a.action_id for a in rnd.assignments] == ["next"]
     assert s.windows(115.0) == {"search": [99.0, 115.0]}
+
+
+def test_what_a_document_holds_beyond_the_quota_or_the_clock_is_bounded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Leases over the quota's (new) concurrency are not held again, the oldest kept; a
+    lease or a start dated ahead of this scheduler's clock (another host's clock, an
+    edited document) counts from now: a lease holds at most its hold_s from here, and a
+    start blocks the window for at most one period."""
+    store, now = LearnedFile(tmp_path / "learned.json"), time.time()
+
+    def held(lease: str, units: int, at: float) -> LearnedLease:
+        return LearnedLease(lease=lease, tenant="u", api="search", units=units,
+                            started_at=at, hold_s=600)  # fmt: skip
+
+    async def go(leases: list[LearnedLease], windows: dict[str, list[float]],
+                 limits: dict[str, float]) -> Engine:  # fmt: skip
+        write_state(store, LearnedState(leases=leases, windows=windows))
+        engine = _engine(store, limits)
+        await engine.start()
+        return engine
+
+    async def check() -> None:
+        over = [held("l-1", 2, now - 3), held("l-2", 2, now - 2), held("l-3", 2, now - 1)]
+        engine = await go(over, {}, {"concurrency": 3})
+        try:
+            assert set(engine.state.leases) == {"l-1"}  # the oldest, within 3
+            assert engine.core.quotas["search"].in_use == 2
+        finally:
+            await engine.stop(grace_s=0)
+        assert "lease l-2 of search is not held again" in caplog.text
+
+        ahead = now + 30 * 86400.0
+        limits = {"concurrency": 2, "rate_per_s": 1 / 60, "period_s": 60.0}
+        engine = await go([held("l-9", 1, ahead)], {"search": [now + 10 * 365 * 86400.0]}, limits)
+        try:
+            clock = engine.state.clock()
+            rec = engine.state.actions[engine.state.leases["l-9"]]
+            assert rec.started is not None and rec.started <= clock
+            assert rec.expiry is not None
+            assert rec.expiry.when() - asyncio.get_running_loop().time() <= 600
+            assert engine.core.quotas["search"].next_expiry_s(clock) is not None
+            assert engine.core.quotas["search"].next_expiry_s(clock) <= clock + 60  # type: ignore[operator]
+        finally:
+            await engine.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(check(), 30))

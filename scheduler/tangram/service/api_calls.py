@@ -145,13 +145,20 @@ class ApiCalls:
         s, zero, now = self.s, self._wall(), self.s.clock()
         taken = 0
         for held in leases:
-            started = held.started_at - zero
+            # A time ahead of this clock (another host's, a hand-edited document) counts as
+            # now: a lease never outlives its hold_s from here, nor a start its period.
+            started = min(held.started_at - zero, now)
             left = started + held.hold_s - now
             if left <= 0 or held.lease in s.leases:
                 continue
             req = ApiLeaseRequest(units=held.units, hold_s=held.hold_s, idempotency_key=held.key)
             try:
                 spec = self.spec(held.api, req)
+                quota = s.core.quotas[held.api]
+                if quota.concurrency is not None and quota.in_use + held.units > quota.concurrency:
+                    raise EngineError("conflict", "api", f"its {held.units} unit(s) are over "
+                                      f"the quota's concurrency {quota.concurrency} "
+                                      f"({quota.in_use} held again already)")  # fmt: skip
                 rec = s.record(held.tenant, None, "api", req, None, target=f"lease of {held.api}")
                 asg = s.core.adopt(rec.id, s.holder(held.tenant, "leases"), spec, units=1,
                                    started_at=started, granted=True)  # fmt: skip
@@ -165,7 +172,9 @@ class ApiCalls:
                 s.idempotent.remember(held.tenant, held.key, rec)
             self._grant(rec, held.lease, left)
             taken += 1
-        s.core.resume_windows({name: [t - zero for t in ts] for name, ts in windows.items()})
+        s.core.resume_windows(
+            {name: [min(t - zero, now) for t in ts] for name, ts in windows.items()}
+        )
         s.wake.set()
         return taken
 
