@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import logging
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Mapping, Sequence
 from types import SimpleNamespace, TracebackType
@@ -14,6 +15,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from tangram.api.resent import RESENT_HEADER, resent_header
 from tangram.api.wire import ActionResult, ActionStatus, BatchResponse, TrajectoryInfo
 from tangram.client.common import (
     BATCH_KINDS,
@@ -157,10 +159,14 @@ class AsyncClient:
         did: a file removed, a lease released)."""
         session = self._http()
         sends = _Sends()
-        lost = False
+        lost_at: float | None = None  # when the first try that may have got through went out
         for attempt in range(self.retries + 1):
             reply: Reply | None = None
-            before = sends.count
+            before, went = sends.count, time.monotonic()
+            headers = call.headers
+            if lost_at is not None:  # (a restarted scheduler may not know what that try did)
+                age = resent_header(time.monotonic() - lost_at)
+                headers = {**(call.headers or {}), RESENT_HEADER: age}
             try:
                 async with session.request(
                     call.method,
@@ -168,16 +174,18 @@ class AsyncClient:
                     json=call.body,
                     data=call.content,
                     params=call.params,
-                    headers=call.headers,
+                    headers=headers,
                     trace_request_ctx=sends,
                 ) as response:
                     reply = Reply(response.status, await response.read(), response.headers)
                 # (more than one send in a try: aiohttp sent a DELETE or PUT again itself)
-                lost = lost or sends.count - before > 1
+                if lost_at is None and sends.count - before > 1:
+                    lost_at = went
                 if reply.status not in RETRY_STATUS or attempt == self.retries:
-                    return reply, lost
+                    return reply, lost_at is not None
             except aiohttp.ClientConnectionError as e:
-                lost = lost or sends.count > before  # sent, and no answer came
+                if lost_at is None and sends.count > before:  # sent, and no answer came
+                    lost_at = went
                 if attempt == self.retries:
                     raise ServiceUnreachableError(self.url, e) from e
             await asyncio.sleep(retry_after(reply, attempt, self.backoff_s))

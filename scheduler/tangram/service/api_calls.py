@@ -18,7 +18,8 @@ import aiohttp
 
 from tangram.api.action import ActionSpec
 from tangram.api.learned import MAX_LEASES, MAX_STARTS, LearnedLease
-from tangram.api.wire import ActionStatus, ApiCallRequest, ApiLeaseRequest
+from tangram.api.resent import IDEMPOTENT_METHODS
+from tangram.api.wire import ActionStatus, ApiCallRequest, ApiLeaseRequest, ErrorInfo
 from tangram.scheduler.core.scheduler import SchedulingError
 from tangram.service.config import ApiEndpoint
 from tangram.service.outcomes import Outcomes
@@ -26,6 +27,9 @@ from tangram.service.records import ActionRecord, EngineError, err
 from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
+
+# A resent try may reach a scheduler started this long after the try went out (in transit).
+RESENT_SLACK_S = 1.0
 
 # A proxied call's answer is held whole (decoded, kept for its idempotency key, sent
 # back): one larger than this is an error, not the scheduler's memory.
@@ -60,6 +64,7 @@ class ApiCalls:
         self._http = http
         self._own_http = http is None
         self._wall_at_zero: float | None = None
+        self._born = state.clock()  # (what a resent call's age is compared with)
 
     def spec(self, api: str, req: ApiLeaseRequest | ApiCallRequest) -> ActionSpec:
         """A lease of ``req.units`` of quota ``api``, or one call through it, as an action."""
@@ -78,6 +83,24 @@ class ApiCalls:
         units = req.units if isinstance(req, ApiLeaseRequest) else 1
         # ``quotas`` are units beyond the one an api action holds anyway.
         return ActionSpec(kind="api", api=api, quotas={api: units - 1} if units > 1 else {})
+
+    def unsure(self, tenant: str, req: ApiCallRequest, resent_s: float) -> ErrorInfo | None:
+        """Why a call sent again, ``resent_s`` after its earlier try went out, is not made:
+        a scheduler before this one may have made it, and lost its answer with it. None when
+        it may be made: its key is known here (the usual answer follows), its method is
+        idempotent, or this scheduler was up when the try went out (then the try reached
+        this one or none, and a key unknown here never reached it)."""
+        key = req.idempotency_key
+        if key is None or (tenant, key) in self.s.idempotent:
+            return None
+        if req.method in IDEMPOTENT_METHODS:
+            return None
+        if self.s.clock() - self._born > resent_s + RESENT_SLACK_S:
+            return None
+        return err("outcome_unknown", f"idempotency_key {key!r}: this {req.method} may have "
+                   "been made by the scheduler before a restart, and its answer lost with "
+                   "it; it is not made a second time. Ask the API whether it took effect; "
+                   "to make it anyway, call again with a new key")  # fmt: skip
 
     def start(self, rec: ActionRecord) -> Coroutine[Any, Any, None] | None:
         """The round granted the quota: the call to make, or None: the lease is granted."""

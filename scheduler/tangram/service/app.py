@@ -30,15 +30,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tangram.api.resent import RESENT_HEADER, resent_age
 from tangram.api.wire import (
     AGENT_SUBPROTOCOL,
     STREAM_PATH,
     ActionResult,
+    ActionStatus,
     ApiCallRequest,
     ApiLeaseRequest,
     BatchRequest,
     BatchResponse,
     ErrorBody,
+    ErrorInfo,
     ExecRequest,
     IdempotencyKey,
     OpenTrajectory,
@@ -337,11 +340,21 @@ def create_app(
     async def cancel_trajectory(trajectory: str, who: TenantId) -> dict[str, int]:
         return {"cancelled": engine.cancel_trajectory(who, trajectory)}
 
-    @app.post("/v1/batch", response_model=BatchResponse, responses=_ERRORS)
-    async def batch(req: BatchRequest, who: TenantId) -> Response:
-        recs = engine.submit_batch(who, req.actions)
+    @app.post("/v1/batch", response_model=BatchResponse, responses=_ERRORS,
+              openapi_extra=_resent_header())  # fmt: skip
+    async def batch(req: BatchRequest, who: TenantId, request: Request) -> Response:
+        resent_s = _resent_s(request)
+        unsure = {} if resent_s is None else {
+            i: why for i, item in enumerate(req.actions)
+            if item.call is not None and (why := engine.api.unsure(who, item.call, resent_s))
+        }  # fmt: skip
+        recs = engine.submit_batch(who, [a for i, a in enumerate(req.actions) if i not in unsure])
         results = await asyncio.gather(*(asyncio.shield(r.done) for r in recs))
-        parts = b",".join(payload(r, res) for r, res in zip(recs, results, strict=True))
+        made = iter(payload(r, res) for r, res in zip(recs, results, strict=True))
+        parts = b",".join(
+            json_bytes(_not_made(unsure[i])) if i in unsure else next(made)
+            for i in range(len(req.actions))
+        )
         return Response(b'{"results":[' + parts + b"]}", media_type="application/json")
 
     # :path: a key may hold '/' (sent as %2F, which the path arrives decoded from)
@@ -356,8 +369,13 @@ def create_app(
     async def lease(api: str, req: ApiLeaseRequest, who: TenantId) -> Response:
         return await _answer(engine.lease_api(who, api, req))
 
-    @app.post("/v1/apis/{api}/call", response_model=ActionResult, responses=_ERRORS)
-    async def call_api(api: str, req: ApiCallRequest, who: TenantId) -> Response:
+    @app.post("/v1/apis/{api}/call", response_model=ActionResult, responses=_ERRORS,
+              openapi_extra=_resent_header())  # fmt: skip
+    async def call_api(api: str, req: ApiCallRequest, who: TenantId, request: Request) -> Response:
+        resent_s = _resent_s(request)
+        unsure = None if resent_s is None else engine.api.unsure(who, req, resent_s)
+        if unsure is not None:
+            return Response(json_bytes(_not_made(unsure)), media_type="application/json")
         return await _answer(engine.lease_api(who, api, req))
 
     @app.post("/v1/services/{service}/call", response_model=ActionResult, responses=_ERRORS)
@@ -524,6 +542,33 @@ def _header_key(key: str) -> str:
 
 def _json(model: BaseModel) -> Response:
     return Response(json_bytes(model), media_type="application/json")
+
+
+def _resent_s(request: Request) -> float | None:
+    """How long ago the earlier try of this request went out (``tangram.api.resent``), if
+    the client says it sends it again."""
+    value = request.headers.get(RESENT_HEADER)
+    if value is None:
+        return None
+    try:
+        return resent_age(value)
+    except ValueError as e:
+        raise EngineError("invalid", f"header {RESENT_HEADER}", str(e)) from None
+
+
+def _resent_header() -> dict[str, Any]:
+    """OpenAPI for the ``Tangram-Resent`` header a route reads."""
+    return {"parameters": [{
+        "name": RESENT_HEADER, "in": "header", "required": False,
+        "description": "seconds since an earlier try of this request went out whose answer "
+        "was lost (the client sends it again)",
+        "schema": {"type": "string", "maxLength": 40},
+    }]}  # fmt: skip
+
+
+def _not_made(why: ErrorInfo) -> ActionResult:
+    """The answer to a proxied call not made again (``ApiCalls.unsure``)."""
+    return ActionResult(id="", kind="api", status=ActionStatus.ERROR, error=why)
 
 
 async def _answer(rec: ActionRecord) -> Response:
