@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tangram.cli.serve import _learned_configmap
 from tangram.cli.up import learned_file
 from tangram.client import ActionStatus, Client
 from tangram.node_agent.agent import NodeAgent
+from tangram.scheduler import SchedulerConfig
 from tangram.service.auth import TokenStore
 from tangram.service.config import PoolConfig
 from tangram.service.engine import Engine
@@ -112,6 +114,32 @@ def test_a_file_that_cannot_be_read_is_moved_aside_and_named(
     assert str(path) in caplog.text and why in caplog.text
     asyncio.run(engine.save_learned())  # the next save starts a new file beside it
     assert LearnedState.model_validate_json(path.read_bytes()) == LearnedState()
+
+
+def test_a_number_the_core_cannot_use_is_set_aside_and_actions_then_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trajectory length of 10**400 steps is an int, but ``shortest-remaining`` divides
+    it into a float at each submission: resumed, it failed every exec (500) at every
+    restart, and each stop saved it again. Out of range: set aside, the field named."""
+    path, text = tmp_path / "learned.json", json.dumps({"version": 1, "lengths": [10**400, 3]})
+    path.write_text(text)
+    caplog.set_level(logging.ERROR, "tangram.service")
+    config = replace(CONFIG, scheduling=SchedulerConfig(ordering="shortest-remaining"))
+    with (
+        service(config, _agent(tmp_path / "a"), tmp_path, learned=LearnedFile(path)) as (
+            running,
+            token,
+        ),
+        Client(running.url, token) as c,
+        c.trajectory("shell") as t,
+    ):
+        assert running.engine.learned_note() == f"learned state: {path} (nothing to resume)"
+        assert (tmp_path / "learned.json.bad").read_text() == text
+        assert str(path) in caplog.text and "lengths.0: Input should be less than" in caplog.text
+        for _ in range(2):
+            assert t.exec(["true"]).status is ActionStatus.OK
+    assert LearnedState.model_validate_json(path.read_bytes()).lengths == [2]  # saved anew
 
 
 def test_the_flag_defaults_to_the_state_dir_and_an_empty_one_keeps_nothing() -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
-from tangram.api.learned import LearnedState
+from tangram.api.field_errors import described
+from tangram.api.learned import MAX_SECONDS, MAX_STEPS, LearnedFit, LearnedState
 from tangram.scheduler import Scheduler, SchedulerConfig
 from tangram.scheduler.core.ordering import LengthModel
 from tangram.scheduler.core.profiles import ProfileBook
+from tangram.service.learned_file import LearnedFile, _unusable, read_state
 
 from .helpers import cluster, exec_action
 
@@ -120,3 +125,53 @@ def test_the_environments_to_close_are_bounded_and_read_back() -> None:
         LearnedState(closing={"n1": [f"t{i}" for i in range(MAX_CLOSING + 1)]})
     kept = LearnedState(closing={"n1": ["t1"]})
     assert LearnedState.model_validate_json(kept.model_dump_json()) == kept
+
+
+FIT = {"n": 3, "sx": 1.5, "sy": 30.0, "sxx": 1.25, "sxy": 12.0, "syy": 400.0, "counts": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "where"),
+    [
+        ("lengths", [10**400, 3], "lengths.0"),  # validated as an int, overflowed every estimate
+        ("lengths", [3, MAX_STEPS + 1], "lengths.1"),
+        ("profiles", {"suite": {**FIT, "sy": 1e300}}, "profiles.suite.sy"),
+        ("profiles", {"suite": {**FIT, "n": 10**30}}, "profiles.suite.n"),
+        ("profiles", {"suite": {**FIT, "counts": [1, 10**6]}}, "profiles.suite.counts.1"),
+        ("think_s", {"mean": 1e300, "seen": 3}, "think_s.mean"),
+        ("exec_run_s", {"mean": 1.0, "seen": 10**20}, "exec_run_s.seen"),
+    ],
+)
+def test_a_number_no_scheduler_learns_is_refused_naming_the_field(
+    field: str, value: object, where: str
+) -> None:
+    with pytest.raises(ValidationError) as e:
+        LearnedState.model_validate({field: value})
+    assert described(e.value).startswith(f"{where}: Input should be less than or equal to")
+
+
+def test_what_a_real_scheduler_learns_is_in_range_and_the_core_can_use_it() -> None:
+    s = _taught()
+    s.lengths.finished(MAX_STEPS * 10)  # a trajectory longer than any: counted as MAX_STEPS
+    s.book.observe("suite", 16, MAX_SECONDS)
+    kept = LearnedState.model_validate_json(s.learned().model_dump_json())
+    assert max(kept.lengths) == MAX_STEPS and _unusable(kept) is None
+    assert _unusable(LearnedState(profiles={"suite": LearnedFit.model_validate(FIT)})) is None
+
+
+def test_a_document_the_core_cannot_compute_with_is_set_aside_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second line: were a bound missed, reading computes what the core would, and a
+    document it cannot compute with is set aside, the field named, as one out of range."""
+    huge = LearnedState.model_construct(**{**dict(LearnedState()), "lengths": [10**400, 3]})
+    why = _unusable(huge)
+    assert why is not None and why.startswith("lengths: the scheduler cannot compute with it")
+    assert "OverflowError" in why
+    store = LearnedFile(tmp_path / "learned.json")
+    store.write(b"{}")
+    monkeypatch.setattr(LearnedState, "model_validate_json", lambda document: huge)
+    caplog.set_level(logging.ERROR, "tangram.service")
+    assert read_state(store) is None
+    assert (tmp_path / "learned.json.bad").read_bytes() == b"{}" and not store.path.exists()
+    assert "lengths: the scheduler cannot compute with it" in caplog.text

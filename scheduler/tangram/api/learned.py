@@ -17,6 +17,8 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tangram.api.demand import MAX_UNITS
+
 MAX_CLOSING = 65_536  # environments to close kept at most (a bound on the document)
 MAX_LEASES = 4096  # API leases held kept at most: the newest
 MAX_STARTS = 16_384  # starts in the quotas' rate windows kept at most: the newest
@@ -26,8 +28,19 @@ MAX_LENGTHS = 4096  # finished trajectory lengths kept: the most recent (the mod
 MAX_PROFILES = 1024
 MAX_TYPE_CHARS = 256
 
-Sum = Annotated[float, Field(allow_inf_nan=False)]
-Count = Annotated[int, Field(ge=0)]
+# What a real scheduler can have learned, so that what the core computes from it stays a
+# finite float (a length of 10**400 steps validates as an int and breaks every estimate):
+MAX_STEPS = 10**6  # steps of a finished trajectory (longer ones are counted as this many)
+MAX_SECONDS = 1e9  # any duration or mean time learned (~32 years of a monotonic clock)
+MAX_COUNT = 2**53  # runs or samples counted (exact as a float, which the core divides by)
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+# The running sums of a fit over n runs of x = 1/units in (0, 1] and a duration d in
+# [0, MAX_SECONDS]: sums of x and x² are at most n, of d and x·d at most n·MAX_SECONDS,
+# of d² at most n·MAX_SECONDS²; bounded here with n = MAX_COUNT.
+SumX = Annotated[float, Field(ge=0, le=MAX_COUNT, allow_inf_nan=False)]
+SumD = Annotated[float, Field(ge=0, le=MAX_COUNT * MAX_SECONDS, allow_inf_nan=False)]
+SumDD = Annotated[float, Field(ge=0, le=MAX_COUNT * MAX_SECONDS**2, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -39,19 +52,22 @@ class LearnedFit(_Strict):
     (``core.profiles``), and how many of its submissions were counted for probing."""
 
     n: Count
-    sx: Sum
-    sy: Sum
-    sxx: Sum
-    sxy: Sum
-    syy: Sum
-    counts: list[Annotated[int, Field(ge=1)]] = Field(description="unit counts it ran with")
+    sx: SumX
+    sy: SumD
+    sxx: SumX
+    sxy: SumD
+    syy: SumDD
+    counts: Annotated[
+        list[Annotated[int, Field(ge=1, le=MAX_UNITS)]], Field(max_length=MAX_UNITS)
+    ] = Field(description="unit counts it ran with")
     submitted: Count = 0
 
 
 class LearnedMean(_Strict):
-    """A running mean (``core.returns.RunningMean``): its value and how many samples."""
+    """A running mean (``core.returns.RunningMean``): its value and how many samples. A
+    value is seconds, or core-seconds of an action at up to ``MAX_UNITS`` cores."""
 
-    mean: Annotated[float, Field(ge=0)] = 0.0
+    mean: Annotated[float, Field(ge=0, le=MAX_UNITS * MAX_SECONDS)] = 0.0
     seen: Count = 0
 
 
@@ -79,9 +95,9 @@ class LearnedState(_Strict):
         dict[Annotated[str, Field(max_length=MAX_TYPE_CHARS)], LearnedFit],
         Field(max_length=MAX_PROFILES, description="by action type"),
     ] = Field(default_factory=dict)
-    lengths: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_LENGTHS)] = Field(
-        default_factory=list, description="steps of finished trajectories, sorted"
-    )
+    lengths: Annotated[
+        list[Annotated[int, Field(ge=0, le=MAX_STEPS)]], Field(max_length=MAX_LENGTHS)
+    ] = Field(default_factory=list, description="steps of finished trajectories, sorted")
     recent_wait_s: LearnedMean = LearnedMean()
     think_s: LearnedMean = LearnedMean()
     exec_core_s: LearnedMean = LearnedMean()
@@ -119,10 +135,13 @@ class LearnedState(_Strict):
 
 __all__ = [
     "MAX_CLOSING",
+    "MAX_COUNT",
     "MAX_LEASES",
     "MAX_LENGTHS",
     "MAX_PROFILES",
+    "MAX_SECONDS",
     "MAX_STARTS",
+    "MAX_STEPS",
     "MAX_TYPE_CHARS",
     "LearnedFit",
     "LearnedLease",

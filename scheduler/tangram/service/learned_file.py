@@ -7,13 +7,19 @@ a key of a ConfigMap that the operator makes for the pool (``service.kube``), wh
 outlives the scheduler's pod. A document that cannot be read (not JSON, a field out of
 range, from a newer version) is set aside (``NAME.bad``) and the scheduler starts from
 nothing: the log names the store and the field, and the next save does not overwrite
-what someone may want to look at.
+what someone may want to look at. A document is read as the core will use it: what the
+core derives from each part (the trajectory-length estimates, each type's fit, the offered
+load) is computed once here, so one it cannot compute with is set aside the same way,
+instead of failing every action of the scheduler that resumed it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -21,6 +27,9 @@ from pydantic import ValidationError
 
 from tangram.api.field_errors import described
 from tangram.api.learned import LearnedState
+from tangram.scheduler.core.ordering import LengthModel
+from tangram.scheduler.core.profiles import ProfileBook
+from tangram.scheduler.core.returns import Returns
 
 SAVE_EVERY_S = 30.0  # what a killed scheduler loses at most
 
@@ -87,9 +96,14 @@ def read_state(store: LearnedStore) -> LearnedState | None:
     if document is None:
         return None
     try:
-        return LearnedState.model_validate_json(document)
+        state = LearnedState.model_validate_json(document)
     except ValidationError as e:
         why = described(e, "(document)")
+    else:
+        unusable = _unusable(state)
+        if unusable is None:
+            return state
+        why = unusable
     try:
         aside = f"moved to {store.set_aside(document)}"
     except OSError as e:
@@ -98,6 +112,49 @@ def read_state(store: LearnedStore) -> LearnedState | None:
         "the learned state %s is not valid, %s; %s, starting without it", store.where, why, aside
     )
     return None
+
+
+def _unusable(state: LearnedState) -> str | None:
+    """Why the core cannot use ``state`` ("FIELD: why"), or None: each figure it derives
+    from it, computed as it computes them, must be a finite number."""
+    for where, derived in _derived(state):
+        try:
+            value = derived()
+        except (ArithmeticError, ValueError) as e:
+            return f"{where}: the scheduler cannot compute with it ({type(e).__name__}: {e})"
+        if not math.isfinite(value):
+            return f"{where}: the scheduler cannot compute with it (it gives {value})"
+    return None
+
+
+def _derived(state: LearnedState) -> Iterator[tuple[str, Callable[[], float]]]:
+    """(the field, a figure the core computes from it), for every figure that can differ."""
+    lengths = LengthModel()
+    lengths.restore(list(state.lengths))
+    # The estimate takes one form between consecutive lengths: one figure for each.
+    for taken in sorted({0, *state.lengths}):
+        yield "lengths", partial(lengths.expected_remaining, taken)
+    # Every fit solved, however few its runs or loose its error (so the check sees each).
+    book = ProfileBook(min_samples=0, max_p_stderr=math.inf)
+    book.restore(state.profiles)
+    for name, fit in state.profiles.items():
+        yield f"profiles.{name}", partial(book.mean_duration, name)
+        yield f"profiles.{name}", partial(_sizes, book, name, fit.counts)
+    returns = Returns()
+    returns.think.restore(state.think_s)
+    returns.work.restore(state.exec_core_s)
+    returns.run.restore(state.exec_run_s)
+    yield "think_s, exec_core_s, exec_run_s", lambda: returns.offered_load(1, 1)
+
+
+def _sizes(book: ProfileBook, name: str, counts: list[int]) -> float:
+    """The first duration that is not finite of those the learned profile of ``name``
+    gives at ``counts``, else 0."""
+    profile = book.learned(name)
+    if profile is None or not counts:
+        return 0.0
+    durations = profile.durations(tuple(sorted(set(counts)))).values()
+    return next((d for d in durations if not math.isfinite(d)), 0.0)
 
 
 def write_state(store: LearnedStore, state: LearnedState) -> None:

@@ -32,7 +32,7 @@ from itertools import accumulate
 from types import MappingProxyType
 from typing import Protocol
 
-from tangram.api.learned import MAX_LENGTHS
+from tangram.api.learned import MAX_LENGTHS, MAX_STEPS
 from tangram.scheduler.core.actions import Trajectory
 from tangram.scheduler.core.config import SchedulerConfig
 
@@ -46,6 +46,7 @@ class LengthModel:
     lengths as the policy learns, and a long run finishes millions of trajectories, which
     would make the model grow and each estimate (one per submission) slow. An estimate
     reads prefix sums of the sorted lengths, rebuilt once after each change: O(log n).
+    A trajectory longer than ``MAX_STEPS`` counts as that long, as the saved state does.
     """
 
     lengths: list[int] = field(default_factory=list)  # sorted
@@ -59,6 +60,7 @@ class LengthModel:
         self._arrived = deque(self.lengths)  # their order is not known: as sorted
 
     def finished(self, steps: int) -> None:
+        steps = min(steps, MAX_STEPS)
         bisect.insort(self.lengths, steps)
         self._arrived.append(steps)
         while len(self._arrived) > self.window:
