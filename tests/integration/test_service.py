@@ -187,6 +187,10 @@ def test_metrics_and_health(client: Client) -> None:
     assert _gauge(text, 'tangram_think_seconds{pool="default"}') > 0.0
     assert httpx.get(f"{url}/healthz").text == "ok"
     assert httpx.get(f"{url}/readyz").status_code == 200
+    # Closed, the trajectory leaves every state at 0, each series still there.
+    after = httpx.get(f"{url}/metrics").text
+    for state in ("open", "away", "lost", "closing", "closed"):
+        assert _gauge(after, f'tangram_trajectories{{pool="default",state="{state}"}}') == 0.0
 
 
 def _gauge(text: str, series: str) -> float:

@@ -302,7 +302,8 @@ class Engine:
             units.append(Units("gpu", name, gpu.gpus, gpu.gpus - gpu.free_gpus))
         for name, q in core.quotas.items():
             units.append(Units(f"api:{name}", "", q.concurrency, q.in_use))
-        states: dict[str, int] = {}
+        # Every state, 0 when none is in it: a series that vanishes reads as no data.
+        states = dict.fromkeys((state.value for state in TrajectoryState), 0)
         for rec in s.trajectories.values():
             states[rec.state.value] = states.get(rec.state.value, 0) + 1
         resident: dict[tuple[str, str], int] = {}
