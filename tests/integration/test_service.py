@@ -4,6 +4,7 @@ processes in real cgroups (the process runtime), the real client."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -531,3 +532,27 @@ def test_stopping_the_service_gives_actions_in_flight_their_grace(tmp_path: Path
     runner.join(30)  # the service has stopped (the context's end)
     client.shutdown()
     assert [(r.status, r.stdout) for r in got] == [(ActionStatus.OK, "finished\n")]
+
+
+def test_an_unkeyed_lease_whose_client_left_is_cancelled_not_granted_to_nobody(
+    tmp_path: Path,
+) -> None:
+    """A raw HTTP client (no idempotency key) waits for a lease behind another and closes
+    its connection: nobody could ever learn that lease's id or release it, so the queued
+    lease is cancelled; held, it would block the quota for its whole hold."""
+    config = PoolConfig(apis=(ApiSpec(name="q", concurrency=1),))
+    with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
+        held = c.lease("q", hold_s=600)
+        assert held.lease is not None
+        state = running.engine.state
+        body = b'{"hold_s": 600}'
+        with socket.create_connection(("127.0.0.1", int(running.url.rsplit(":", 1)[1]))) as s:
+            head = (f"POST /v1/apis/q/lease HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    f"{token}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+            s.sendall(head.encode() + body)
+            until(lambda: len(state.actions) == 2, "the second lease was not queued")
+        until(lambda: len(state.actions) == 1, "the lease of the client that left stayed")
+        c.release(held.lease)
+        after = c.lease("q", hold_s=600)  # the unit is free
+        assert after.status is ActionStatus.OK and list(state.leases) == [after.lease]

@@ -221,7 +221,7 @@ class _Service(FastAPI):
         except EngineError as e:  # answered here: submitting again would count it twice
             await _engine_error(e)(scope, receive, send)
             return
-        answer = payload(rec, await asyncio.shield(rec.done))
+        answer = await _result(rec, engine, receive)
         headers = [*_JSON, (b"content-length", str(len(answer)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
@@ -334,7 +334,7 @@ def create_app(
         key = request.headers.get("idempotency-key")
         if key and req.idempotency_key is None:  # the header's key, checked as the field is
             req = req.model_copy(update={"idempotency_key": _header_key(key)})
-        return await _answer(engine.submit_exec(who, trajectory, req))
+        return await _answer(engine.submit_exec(who, trajectory, req), engine, request.receive)
 
     @app.post("/v1/trajectories/{trajectory}/cancel", responses=_ERRORS)
     async def cancel_trajectory(trajectory: str, who: TenantId) -> dict[str, int]:
@@ -366,8 +366,8 @@ def create_app(
         return {"cancelled": engine.cancel(who, action)}
 
     @app.post("/v1/apis/{api}/lease", response_model=ActionResult, responses=_ERRORS)
-    async def lease(api: str, req: ApiLeaseRequest, who: TenantId) -> Response:
-        return await _answer(engine.lease_api(who, api, req))
+    async def lease(api: str, req: ApiLeaseRequest, who: TenantId, request: Request) -> Response:
+        return await _answer(engine.lease_api(who, api, req), engine, request.receive)
 
     @app.post("/v1/apis/{api}/call", response_model=ActionResult, responses=_ERRORS,
               openapi_extra=_resent_header())  # fmt: skip
@@ -376,11 +376,13 @@ def create_app(
         unsure = None if resent_s is None else engine.api.unsure(who, req, resent_s)
         if unsure is not None:
             return Response(json_bytes(_not_made(unsure)), media_type="application/json")
-        return await _answer(engine.lease_api(who, api, req))
+        return await _answer(engine.lease_api(who, api, req), engine, request.receive)
 
     @app.post("/v1/services/{service}/call", response_model=ActionResult, responses=_ERRORS)
-    async def call_service(service: str, req: ServiceCallRequest, who: TenantId) -> Response:
-        return await _answer(engine.submit_service(who, service, req))
+    async def call_service(
+        service: str, req: ServiceCallRequest, who: TenantId, request: Request
+    ) -> Response:
+        return await _answer(engine.submit_service(who, service, req), engine, request.receive)
 
     add_file_routes(app, engine, TenantId, _ERRORS)
 
@@ -571,9 +573,38 @@ def _not_made(why: ErrorInfo) -> ActionResult:
     return ActionResult(id="", kind="api", status=ActionStatus.ERROR, error=why)
 
 
-async def _answer(rec: ActionRecord) -> Response:
+async def _answer(rec: ActionRecord, engine: Engine, receive: Receive) -> Response:
     """The action's result once it ends, as JSON."""
-    return Response(payload(rec, await asyncio.shield(rec.done)), media_type="application/json")
+    return Response(await _result(rec, engine, receive), media_type="application/json")
+
+
+async def _result(rec: ActionRecord, engine: Engine, receive: Receive) -> bytes:
+    """The action's result once it ends, as JSON. An unkeyed action whose client leaves
+    before (``receive`` says the connection closed) could never be collected: it is
+    cancelled if still queued, and a lease granted it is released (held, nobody could
+    release it: its quota would be blocked for its whole hold). A keyed one goes on for
+    the retry that collects it by its key."""
+    done = asyncio.shield(rec.done)
+    if rec.request is None or rec.request.idempotency_key is not None or rec.done.done():
+        return payload(rec, await done)
+    gone = asyncio.ensure_future(_closed(receive))
+    waits: set[asyncio.Future[Any]] = {done, gone}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not rec.done.done() and rec.started is None:
+        engine.cancel(rec.tenant, rec.id)
+    result = await done
+    if gone.done() and not gone.cancelled() and result.lease is not None:
+        engine.release(rec.tenant, result.lease)
+    return payload(rec, result)
+
+
+async def _closed(receive: Receive) -> None:
+    """Returns once the client closed the connection (its body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _body(model: type[BaseModel], header: str | None = None) -> dict[str, Any]:
