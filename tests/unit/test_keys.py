@@ -22,7 +22,7 @@ def test_an_ended_action_leaves_only_its_answer_untracked_by_the_gc() -> None:
     kept = m.get("t", "k")
     assert kept == Remembered("a-1", "exec on x", b'{"id":"a-1"}') and not m.in_flight("a-1")
     assert m.bytes == len(b'a-1\x00exec on x\x00\x00{"id":"a-1"}')  # all it keeps (no digest)
-    (joined, stored), *_ = m._entries.items()
+    (joined, stored), *_ = m._tenants["t"].items()
     # no container the GC tracks: a str key and a bytes value, walked by no collection
     assert isinstance(joined, str) and isinstance(stored, bytes)
 
@@ -48,6 +48,30 @@ def test_the_byte_bound_counts_what_ended_actions_keep() -> None:
         m.remember("t", f"k{i}", rec)
         m.ended(rec, "x", b"12345")  # kept as b"a-i\x00x\x00\x0012345": 12 bytes
     assert m.keys() == [("t", "k1"), ("t", "k2")] and m.bytes == 24
+
+
+def test_one_tenants_flood_of_keys_does_not_erase_anothers() -> None:
+    """Over a bound, the tenant holding the most loses its oldest keys: a retry of the
+    quiet tenant's key still gets its answer (else it would run again)."""
+    m: KeyMemory[Rec] = KeyMemory(max_keys=10, max_bytes=1000)
+    for i in range(3):
+        rec = Rec(f"b-{i}")
+        m.remember("bob", f"k{i}", rec)
+        m.ended(rec, "x", b"{}")
+    for i in range(100):
+        rec = Rec(f"a-{i}")
+        m.remember("alice", f"k{i}", rec)
+        m.ended(rec, "x", b"{}")
+    kept = m.keys()
+    assert [k for t, k in kept if t == "bob"] == ["k0", "k1", "k2"]
+    assert len(m) == 10 and next(k for t, k in kept if t == "alice") == "k93"
+    big = Rec("a-big")  # the bytes bound: the tenant holding the most bytes pays
+    m.remember("alice", "big", big)
+    m.ended(big, "x", b"y" * 900)
+    assert ("bob", "k0") in m and m.bytes <= 1000
+    assert m.bytes == sum(
+        len(e) for es in m._tenants.values() for e in es.values() if isinstance(e, bytes)
+    )
 
 
 def test_forget_and_a_late_end_touch_only_their_own_record() -> None:
