@@ -466,6 +466,53 @@ def test_an_action_adopted_after_a_restart_can_be_cancelled(
         client.close(t.id)
 
 
+def _while_gated(submit: Callable[[], object], gate: Path) -> object:
+    """What ``submit`` got while a gated run still ran, then opens the gate. Were it to wait
+    for that run rather than be refused, it gets the run's result once the gate opens (at
+    most 30 s on): the caller's check then shows it, rather than the test hanging."""
+    seen: list[object] = []
+
+    def run() -> None:
+        try:
+            seen.append(submit())
+        except Exception as e:  # the caller looks at what it was
+            seen.append(e)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    runner.join(30)
+    gate.touch()
+    runner.join(30)
+    return seen[0]
+
+
+def test_after_a_scheduler_restart_an_adopted_key_refuses_another_request(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Another request under the key of a run the restarted scheduler adopted is a
+    conflict, as it is before a restart: never answered with the adopted run's output,
+    neither while it runs nor once it ended (its answer kept for the key)."""
+    cluster.agent("state-a")
+    marker, gate = tmp_path / "runs", tmp_path / "gate"
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell")
+    waits = f"echo run >> {marker}; while [ ! -e {gate} ]; do sleep 0.1; done; echo finished"
+    slow = ["sh", "-c", waits]
+    _crash_mid_action(cluster, t.id, slow, "k", marker)
+    other = ["sh", "-c", f"echo other >> {marker}"]
+    with Client(cluster.url, retries=5) as client:
+        running = _while_gated(lambda: client.exec(t.id, other, idempotency_key="k"), gate)
+        r = client.exec(t.id, slow, idempotency_key="k")  # the same request: its result
+        assert r.status is ActionStatus.OK and r.stdout == "finished\n"
+        with pytest.raises(TangramError) as ended:
+            client.exec(t.id, other, idempotency_key="k")
+        for e in (running, ended.value):
+            assert isinstance(e, TangramError) and e.status == 409, e
+            assert "'k' was used for exec on" in str(e) and "with another request" in str(e)
+        assert marker.read_text() == "run\n"  # the other command never ran
+        client.close(t.id)
+
+
 GPU_POOL = """
 apiVersion: tangram.dev/v1alpha1
 kind: ActionPool
@@ -573,6 +620,25 @@ def test_a_service_call_adopted_after_a_restart_can_be_cancelled(
         assert r.status is ActionStatus.CANCELLED
         assert log.read_text() == "run\n"  # never run again
         assert client.score("judge", inputs).status is ActionStatus.OK  # its GPU came back
+
+
+@pytest.mark.torch
+def test_after_a_scheduler_restart_an_adopted_call_key_refuses_another_request(
+    gpu_cluster: Cluster, tmp_path: Path
+) -> None:
+    """As for an action: another call under an adopted call's key is a conflict."""
+    inputs, log, gate = _gated(tmp_path)
+    _crash_mid_call(gpu_cluster, inputs, log)
+    with Client(gpu_cluster.url, retries=5) as client:
+        running = _while_gated(lambda: client.score("judge", inputs[:1], idempotency_key="k"), gate)
+        r = client.score("judge", inputs, idempotency_key="k")  # the same call: its result
+        assert r.status is ActionStatus.OK and r.output == _scores(inputs)
+        with pytest.raises(TangramError) as ended:
+            client.score("judge", inputs[:1], idempotency_key="k")
+        for e in (running, ended.value):
+            assert isinstance(e, TangramError) and e.status == 409, e
+            assert "with another request" in str(e)
+        assert log.read_text() == "run\n"  # it ran once
 
 
 def _scores(inputs: list[dict[str, object]]) -> list[float]:

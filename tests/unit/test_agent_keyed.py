@@ -189,6 +189,72 @@ def test_a_journal_line_cut_by_a_crash_is_skipped(tmp_path: Path) -> None:
     assert done == {"a": b'{"rid":0,"ok":true}'} and started == {"b"}
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"null",
+        b"[1,2]",
+        b'"s"',
+        b'{"s":["k"]}',
+        b'{"d":{"k":1},"r":{"rid":0,"ok":true}}',
+        b'{"x":"k"}',
+        b'{"d":"b","a":"exec on t"}',  # no reply
+        b'{"d":"b","r":{"rid":"zero","ok":true}}',  # not a reply
+        b'{"d":"b","r":[1]}',
+        b'{"s":"b","a":7}',
+    ],
+)
+def test_a_journal_line_not_of_its_form_is_skipped_and_logged(
+    tmp_path: Path, line: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A line that is JSON but neither a start nor an end with a reply is skipped, counted
+    and logged, the lines around it taken up; a key it names is kept as cut off (its run
+    began, its reply is unknown: it is never run again)."""
+    path = tmp_path / "keys.journal"
+    path.write_bytes(
+        b'{"s":"a","a":"exec on t"}\n' + line + b'\n{"d":"a","r":{"rid":0,"ok":true}}\n{"s":"c"}\n'
+    )
+    journal = KeyJournal(path)
+    with caplog.at_level("WARNING", logger="tangram.agent"):
+        done, started = journal.load()
+    assert done == {"a": b'{"rid":0,"ok":true}'}
+    assert started == ({"b", "c"} if b'"b"' in line else {"c"})
+    assert journal.asked == {"a": "exec on t"} and journal.malformed == [2]
+    (warning,) = caplog.records
+    assert f"the key journal {path}: skipped 1 line(s) not of its form (line 2)" in (
+        warning.getMessage()
+    )
+
+
+def test_an_agent_starts_on_a_journal_with_lines_not_of_its_form(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent's start takes them up (a retry of a key they name is unknown, not run),
+    says which lines once, and rewrites the journal without them."""
+    path = tmp_path / "keys.journal"
+    ok = b'{"rid":0,"ok":true}'
+    path.write_bytes(
+        b'{"s":"a"}\n[1,2]\n{"d":"a","r":' + ok + b'}\nnull\n{"d":"b","r":{"rid":"zero"}}\n'
+    )
+    with caplog.at_level("WARNING", logger="tangram.agent"):
+        agent = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1)
+    assert [r.getMessage() for r in caplog.records if "key journal" in r.getMessage()] == [
+        f"the key journal {path}: skipped 3 line(s) not of its form (line 2, 4, 5); a key "
+        "named there without a reply is answered as cut off"
+    ]
+
+    async def retries() -> list[AgentReply]:
+        reqs = [AgentExec(rid=i, trajectory="t", argv=["true"], cores=[0], key=k)
+                for i, k in enumerate("ab", 1)]  # fmt: skip
+        return [await agent.handle(r) for r in reqs]
+
+    a, b = asyncio.run(retries())
+    assert a.ok and a.replayed
+    assert b.unknown and not b.ok
+    assert KeyJournal(path).load()[0].keys() == {"a", "b"}  # rewritten, whole
+    assert not any(b"[1,2]" in x or x == b"null" for x in path.read_bytes().splitlines())
+
+
 def test_a_line_the_disk_took_only_part_of_leaves_the_next_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

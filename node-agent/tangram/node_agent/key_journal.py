@@ -15,12 +15,16 @@ from what is kept once it holds more than twice that, so it stays bounded.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
+from tangram.api.wire import AgentReply
+
 __all__ = ["KeyJournal"]
+log = logging.getLogger("tangram.agent")
 
 
 class KeyJournal:
@@ -30,6 +34,7 @@ class KeyJournal:
         self._written = 0  # bytes since the last rewrite
         self._torn = False  # the last append landed in part: the file ends mid-line
         self.asked: dict[str, str] = {}  # what each key loaded ran (lines that say so)
+        self.malformed: list[int] = []  # numbers of the lines load skipped: not of its form
 
     def load(self) -> tuple[OrderedDict[str, bytes], set[str]]:
         """(replies of the runs that ended, oldest first; keys of runs that started and
@@ -40,20 +45,42 @@ class KeyJournal:
             lines = self.path.read_bytes().splitlines()
         except FileNotFoundError:
             lines = []
-        for line in lines:
+        for number, line in enumerate(lines, 1):
             try:
                 entry = json.loads(line)
             except ValueError:
                 continue  # a line cut by the crash: nothing after it was written either
-            key = entry.get("s", entry.get("d"))
-            if isinstance(entry.get("a"), str) and isinstance(key, str):
-                self.asked[key] = entry["a"]
-            if "s" in entry:
-                started.add(entry["s"])
-            elif "d" in entry:
-                started.discard(entry["d"])
-                done[entry["d"]] = json.dumps(entry["r"], separators=(",", ":")).encode()
-                done.move_to_end(entry["d"])
+            # Any other line not of the journal's form (the file edited, or written by
+            # another program) is skipped, not a failed start: the lines around it count.
+            key = entry.get("s", entry.get("d")) if isinstance(entry, dict) else None
+            if not isinstance(key, str):
+                self.malformed.append(number)  # no key to keep
+                continue
+            asked = entry.get("a", "")
+            reply = None if "s" in entry else _reply(entry.get("r"))
+            if not isinstance(asked, str) or ("s" not in entry and reply is None):
+                self.malformed.append(number)
+                if key not in done:  # its run started, its reply unknown: never run again
+                    started.add(key)
+                continue
+            if "a" in entry:
+                self.asked[key] = asked
+            if reply is None:  # a start
+                started.add(key)
+            else:
+                started.discard(key)
+                done[key] = reply
+                done.move_to_end(key)
+        if self.malformed:
+            shown = ", ".join(map(str, self.malformed[:10]))
+            log.warning(
+                "the key journal %s: skipped %d line(s) not of its form (line %s%s); a key "
+                "named there without a reply is answered as cut off",
+                self.path,
+                len(self.malformed),
+                shown,
+                ", ..." if len(self.malformed) > 10 else "",
+            )
         return done, started
 
     def started(self, key: str, asked: str = "") -> None:
@@ -106,6 +133,17 @@ class KeyJournal:
             raise
         self._torn = False
         self._written += len(line)
+
+
+def _reply(reply: object) -> bytes | None:
+    """A done line's reply as the agent keeps it (compact JSON), or None when it is not
+    one the agent could replay."""
+    kept = json.dumps(reply, separators=(",", ":")).encode()
+    try:
+        AgentReply.model_validate_json(kept)
+    except ValueError:
+        return None
+    return kept
 
 
 def _line(key: str, asked: str, reply: bytes | None = None) -> bytes:

@@ -617,6 +617,7 @@ class RunningAction(_Strict):
     trajectory: str
     cores: list[int]
     running_s: float
+    digest: str | None = None  # its request's, as its scheduler sent it (_Command.digest)
 
 
 class RunningCall(_Strict):
@@ -628,6 +629,7 @@ class RunningCall(_Strict):
     service: str
     gpus: list[int]  # device indexes of its chunk
     running_s: float
+    digest: str | None = None  # its request's, as its scheduler sent it (AgentCall.digest)
 
 
 class GpuWorkerInfo(_Strict):
@@ -790,6 +792,10 @@ class _Command(_AgentOp):
     environ: dict[str, str] = Field(default_factory=dict)
     output_cap: int = 1 << 20
     key: str | None = None  # runs at most once per key; a repeat gets the first result
+    # The digest of the request its key was admitted with (the scheduler's), handed back
+    # in the hello while it runs: a restarted scheduler that adopts it then refuses another
+    # request under its key as the first one did. None from an older scheduler.
+    digest: str | None = None
 
 
 class AgentOpen(_AgentOp):
@@ -856,6 +862,7 @@ class AgentCall(_AgentOp):
     # A call's tenant-scoped idempotency key: the agent runs it at most once while it keeps
     # the key's reply, and a call whose link dropped goes on and is reported unasked.
     key: str | None = None
+    digest: str | None = None  # its request's, for a scheduler that adopts it (_Command's)
 
 
 FileOp = Literal["read", "write", "list", "stat", "mkdir", "remove", "rename", "tar", "untar"]

@@ -188,6 +188,8 @@ class Admission:
             )
         if again.digest is not None and again.digest != digest:
             first = again.request if isinstance(again, ActionRecord) else None
+            if first is not None and request_digest(first) != again.digest:
+                first = None  # an adopted run's stand-in: its request is not at hand
             raise EngineError(
                 "conflict",
                 "idempotency_key",

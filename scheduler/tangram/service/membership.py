@@ -146,6 +146,9 @@ class Membership:
         req = ExecRequest(argv=["(adopted)"], idempotency_key=key)
         target = f"exec on {traj.id}"  # as its tenant named it when submitting
         rec = s.record(tenant, run.trajectory, "exec", req, None, target=target)
+        # Its request's digest, as its agent kept it: another request under its key is
+        # refused as it was before the restart (None from an older agent: not checked).
+        rec.digest = run.digest
         rec.submitted = rec.submitted - run.running_s
         try:
             asg = s.core.adopt(

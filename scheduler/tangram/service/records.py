@@ -119,8 +119,9 @@ class ActionRecord:
     answer: bytes | None = None  # ``done``'s result as JSON, once kept for its key's retries
     trajectory_id: str | None = None  # the tenant's id of its trajectory
     live: LiveExec | None = None  # a streamed exec: its output out, its input in, as it runs
-    # A keyed request's digest (keys.request_digest), which a retry must match; None for
-    # the stand-ins of runs adopted or answered while nobody asked (their request unknown)
+    # A keyed request's digest (keys.request_digest), which a retry must match; an adopted
+    # run's is its agent's copy. None for the stand-ins of runs answered while nobody asked
+    # or adopted from an agent that kept none (their request unknown)
     digest: str | None = None
 
     @property

@@ -141,13 +141,14 @@ class Rounds:
             assert req.code is not None
             op = AgentSession(session=req.session, code=req.code, trajectory=rec.trajectory,
                               cores=cores, timeout_s=timeout, environ=dict(req.env),
-                              output_cap=req.output_cap, key=key)  # fmt: skip
+                              output_cap=req.output_cap, key=key,
+                              digest=rec.digest)  # fmt: skip
         else:
             assert rec.argv is not None
             live = rec.live
             op = AgentExec(argv=rec.argv, trajectory=rec.trajectory, cores=cores,
                            timeout_s=timeout, environ=dict(req.env), output_cap=req.output_cap,
-                           key=key, stdin=req.stdin, pty=req.pty,
+                           key=key, digest=rec.digest, stdin=req.stdin, pty=req.pty,
                            stream=live is not None and live.output is not None,
                            interactive=live is not None and live.interactive)  # fmt: skip
         t0 = s.clock()
