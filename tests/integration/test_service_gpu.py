@@ -331,13 +331,32 @@ def test_bad_calls_and_bad_services_are_named(tmp_path: Path) -> None:
         cases: list[tuple[str, dict[str, int], int, str]] = [
             ("nope", {}, 404, "unknown RewardService 'nope'"),
             ("judge", {"gpu": 2}, 400, "dopChoices"),
-            ("broken", {}, 503, "none.pt"),
+            ("broken", {}, 409, "none.pt"),  # every node failed to load it: no retry
         ]
         for name, options, status, text in cases:
             with pytest.raises(TangramError) as e:
                 client.score(name, INPUTS, **options)
             assert e.value.status == status and text in str(e.value)
         assert client.score("judge", INPUTS).status is ActionStatus.OK
+
+
+def test_outputs_json_cannot_carry_fail_the_call_not_the_gpu(tmp_path: Path) -> None:
+    """A score that returns its tensor (not ``.tolist()``) gets an error reply that says
+    so, and its GPU is free again: the next call, of another service, runs there."""
+    tensor = _service(tmp_path, "tensor", 4)
+    tensor = replace(
+        tensor,
+        spec=tensor.spec.model_copy(
+            update={"entrypoint": "tests.fixtures.odd_reward:build_tensor"}
+        ),
+    )
+    with _running(tmp_path, [tensor, _service(tmp_path, "judge", 4)]) as client:
+        bad = client.score("tensor", INPUTS, timeout_s=20)
+        assert bad.status is ActionStatus.ERROR and bad.error is not None, bad
+        assert "score returned a torch.Tensor at outputs[0]" in bad.error.message
+        good = client.score("judge", INPUTS, timeout_s=20)
+        assert good.status is ActionStatus.OK and good.allocation.gpus == [0]
+        assert good.output == _expected(0)
 
 
 def test_reloaded_services_are_loaded_and_edited_ones_reloaded(tmp_path: Path) -> None:

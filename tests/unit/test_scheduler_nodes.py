@@ -7,6 +7,7 @@ import pytest
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ServiceSpec
 from tangram.scheduler import Scheduler, SchedulingError
+from tangram.scheduler.core.decisions import Invalid
 
 from .helpers import api_call, cluster, exec_action, started
 
@@ -161,7 +162,7 @@ def test_a_replicated_instance_holds_the_whole_model_on_each_gpu() -> None:
     assert s.gpu.fits("s", 2) and not s.gpu.fits("r", 2)
 
 
-def test_redefining_services_keeps_what_waiting_calls_need() -> None:
+def test_redefining_services_drops_the_stale_instances_and_the_removed_services() -> None:
     s = Scheduler(cluster(nodes=[]))
     s.add_gpu_node("g", gpus=1, memory_gb=10)
     s.set_services([ServiceSpec(name=n, gpu_memory_gb=4, dop_choices=[1]) for n in "ab"])
@@ -170,15 +171,74 @@ def test_redefining_services_keeps_what_waiting_calls_need() -> None:
     s.schedule(0.0)
     s.complete("c1", 1.0)
     assert [i.service for i in s.gpu.resident] == ["a"]
-    s.submit("c2", "~svc", _service_action("b"), now=1.0)
     s.set_services([ServiceSpec(name="a", gpu_memory_gb=5, dop_choices=[1])])
-    assert set(s.services) == {"a", "b"}  # b is removed but still awaited
+    assert set(s.services) == {"a"} and "b" not in s.gpu.memory_gb  # nothing needed b
     assert not s.gpu.resident  # a's footprint changed: its idle instance is stale
-    (asg,) = s.schedule(1.0).assignments
-    assert asg.action_id == "c2"
-    s.complete("c2", 2.0)
-    s.set_services([ServiceSpec(name="a", gpu_memory_gb=5, dop_choices=[1])])
+
+
+def test_a_removed_service_refuses_its_queued_calls_and_goes_when_its_last_call_ends() -> None:
+    """Its workers drop it at once: a queued call of it is refused by the next round (it
+    would only be refused by its worker), a running one goes on, and the service, with
+    its instance, goes when the last such call has ended."""
+    s = Scheduler(cluster(nodes=[]))
+    s.add_gpu_node("g", gpus=1, memory_gb=10)
+    s.set_services([ServiceSpec(name=n, gpu_memory_gb=4, dop_choices=[1]) for n in "ab"])
+    s.open_trajectory("~svc")
+    s.submit("c1", "~svc", _service_action("b"), now=0.0)
+    assert started(s, 0.0) == ["c1"]
+    s.submit("c2", "~svc", _service_action("b"), now=0.5)  # waits for the GPU
+    s.submit("c3", "~svc", _service_action("a"), now=0.5)
+    s.set_services([ServiceSpec(name="a", gpu_memory_gb=4, dop_choices=[1])])  # b removed
+    with pytest.raises(SchedulingError, match="unknown RewardService 'b'"):
+        s.submit("c4", "~svc", _service_action("b"), now=1.0)
+    rnd = s.schedule(1.0)
+    why = "RewardService b was removed from the pool"
+    assert rnd.invalid == (Invalid(action_id="c2", field="service", message=why),)
+    assert rnd.assignments == () and "c2" not in s.actions and len(s.queue) == 1
+    assert set(s.services) == {"a", "b"}  # c1 still runs on it
+    s.complete("c1", 2.0)
     assert set(s.services) == {"a"} and "b" not in s.gpu.memory_gb
+    assert not s.gpu.resident and s.gpu.nodes["g"].used_gb == [0.0]  # nothing of b counted
+    assert started(s, 2.0) == ["c3"]
+
+
+def test_a_removed_service_is_not_restored_ahead_and_may_come_back() -> None:
+    s = Scheduler(cluster(nodes=[]))
+    s.add_gpu_node("g", gpus=2, memory_gb=10)
+    b = ServiceSpec(name="b", gpu_memory_gb=4, dop_choices=[1])
+    s.set_services([b])
+    s.open_trajectory("~svc")
+    s.submit("c1", "~svc", _service_action("b"), now=0.0)
+    rnd = s.schedule(0.0)
+    (ahead,) = rnd.ahead  # for the calls to come, on the other GPU
+    s.ahead_done("b", ahead.chunk)
+    s.set_services([])  # removed while c1 runs
+    assert [i.chunk.start for i in s.gpu.resident] == [0]  # the idle copy went
+    assert s.schedule(1.0).ahead == ()  # no call of it can come
+    s.set_services([b])  # back, as it was: its workers load it again
+    s.complete("c1", 2.0)
+    assert set(s.services) == {"b"} and s.gpu.memory_gb == {"b": 4}
+    assert not s.gpu.resident  # the instance c1 ran on was dropped with the old load
+    s.submit("c2", "~svc", _service_action("b"), now=2.0)
+    assert started(s, 2.0) == ["c2"]
+
+
+def test_a_call_waits_while_its_service_is_loading_on_every_node() -> None:
+    """A worker reloading an edited service (or loading it, having just joined) refuses
+    its calls until it has: none is placed there, yet a call is not refused for it."""
+    s = Scheduler(cluster(nodes=[]))
+    s.add_gpu_node("g", gpus=1, memory_gb=10)
+    s.set_services([ServiceSpec(name="a", gpu_memory_gb=4, dop_choices=[1])])
+    s.set_unloadable("g", [], loading=["a"])
+    s.open_trajectory("~svc")
+    s.submit("c1", "~svc", _service_action("a"), now=0.0)
+    rnd = s.schedule(0.0)
+    assert rnd.assignments == () and rnd.ahead == () and s.stranded == {"c1"}
+    s.set_unloadable("g", [])  # its answer: loaded
+    assert started(s, 1.0) == ["c1"]
+    s.set_unloadable("g", ["a"])  # a load that failed: refused, as before
+    with pytest.raises(SchedulingError, match="fits service a"):
+        s.submit("c2", "~svc", _service_action("a"), now=1.0)
 
 
 def test_an_instance_redefined_while_it_ran_is_dropped_when_it_ends() -> None:

@@ -84,9 +84,9 @@ class _KeyedRun:
         req, running_s = self.request, now - self.started
         if isinstance(req, AgentCall):
             return RunningCall(key=key, service=req.service, gpus=list(req.gpus),
-                               running_s=running_s)  # fmt: skip
+                               running_s=running_s, digest=req.digest)  # fmt: skip
         return RunningAction(key=key, trajectory=req.trajectory, cores=list(req.cores),
-                             running_s=running_s)  # fmt: skip
+                             running_s=running_s, digest=req.digest)  # fmt: skip
 
     @property
     def asked(self) -> str:
@@ -109,8 +109,9 @@ def _what(req: Keyed) -> str:
 
 
 # What may differ between a request and its retry: the link's id, where the scheduler
-# placed it, the key itself, and how its output travels.
-_PLACEMENT = {"rid", "cores", "gpus", "key", "stream", "interactive", "ahead"}
+# placed it, the key itself, and how its output travels. The scheduler's digest is the
+# scheduler's to compare (an older one sends none): left out, journals stay comparable.
+_PLACEMENT = {"rid", "cores", "gpus", "key", "stream", "interactive", "ahead", "digest"}
 
 
 def _asked(req: Keyed) -> str:
@@ -621,6 +622,8 @@ class NodeAgent:
             self.journal = None
         for task in self._tasks.values():
             task.cancel()
+        if self.gpu is not None:
+            self.gpu.close()
         await self.runtime.shutdown()
         if self._state_lock is not None:
             state_lock.release(self._state_lock)

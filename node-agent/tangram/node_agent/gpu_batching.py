@@ -18,6 +18,11 @@ from typing import Any
 
 Pass = Callable[[list[Any]], list[Any]]  # inputs -> one output per input
 
+# The most calls the scheduler runs on one instance at once: the bound of a RewardService's
+# ``batching.maxCalls``. Agents are not told each service's own figure, so the threads of
+# the GPU role and the worker may grow (on demand only) to this many calls per device.
+MAX_CALLS = 1024
+
 
 @dataclass(eq=False)
 class _Call:
@@ -119,4 +124,4 @@ def _score(
     return out
 
 
-__all__ = ["Pass", "SharedPasses"]
+__all__ = ["MAX_CALLS", "Pass", "SharedPasses"]

@@ -10,20 +10,28 @@ fits behind the same interface: ``load`` starts the server once and puts it to s
 forwarded to the server.
 
 :class:`GpuRole` runs a backend for the agent: torch work happens in threads off the
-event loop, and a call answers only once its thread has finished, even when cancelled,
-so the scheduler never hands a GPU to a second call while the first still runs on it.
+event loop, in threads of its own (never the loop's default executor, which Docker exec
+output and closes share: a batch holding threads there would starve calls on free GPUs),
+and a call answers only once its thread has finished, even when cancelled, so the
+scheduler never hands a GPU to a second call while the first still runs on it. A call's
+outputs must be plain JSON (numbers, strings, lists, dicts): anything else fails that call,
+with the type and where it is, rather than the reply that carries it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import contextvars
 import logging
+import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
+
+import pydantic_core
 
 from tangram.api.wire import (
     GpuWorkerInfo,
@@ -34,6 +42,7 @@ from tangram.api.wire import (
     ServiceStats,
 )
 from tangram.node_agent.execution import ExecError
+from tangram.node_agent.gpu_batching import MAX_CALLS
 
 log = logging.getLogger("tangram.agent.gpu")
 T = TypeVar("T")
@@ -116,6 +125,15 @@ class GpuOptions:
         )
 
 
+def role_threads(devices: int) -> int:
+    """The most threads the GPU role may need at once: on each device, the calls of its
+    instance (up to ``batching.maxCalls``, bounded by :data:`MAX_CALLS`: agents are not
+    told each service's figure) and a restore ahead; twice that for the calls from before
+    a reconnect, which may still run while their successors wait for the devices. Threads
+    are started only when none is idle, so this bounds the pool, it does not fill it."""
+    return 2 * max(1, devices) * (MAX_CALLS + 1)
+
+
 class GpuRole:
     def __init__(self, backend: ServiceBackend, info: GpuWorkerInfo) -> None:
         self.backend = backend
@@ -123,6 +141,24 @@ class GpuRole:
         self.defs: dict[str, ServiceDef] = {}
         self.loaded: dict[str, ServiceLoad] = {}
         self._sync_lock = asyncio.Lock()
+        # The role's own threads: a call placed on a free GPU starts at once, whatever
+        # batches hold threads on the other GPUs or the loop's default executor.
+        self.threads = self._threads()
+
+    def _threads(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(
+            max_workers=role_threads(len(self.info.devices)), thread_name_prefix="gpu-call"
+        )
+
+    def close(self) -> None:
+        """The agent stops: the threads end once their calls have ended, and so do the
+        backend's, if it has any to stop. The role stays usable (an embedded scheduler
+        restarted around the same agent): later work gets new threads."""
+        old, self.threads = self.threads, self._threads()
+        old.shutdown(wait=False)
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()
 
     @classmethod
     def start(cls, options: GpuOptions, nvml_gpus: int = 0) -> GpuRole | None:
@@ -187,7 +223,7 @@ class GpuRole:
         async with self._sync_lock:
             wanted = {d.name: d for d in defs}
             for name in [n for n in self.defs if wanted.get(n) != self.defs[n]]:
-                await asyncio.to_thread(self.backend.unload, name)
+                await _run_in(self.threads, partial(self.backend.unload, name))
                 self.defs.pop(name)
             for name in [n for n in self.loaded if n not in self.defs]:
                 del self.loaded[name]  # changed or removed; a failed load is tried again
@@ -195,7 +231,7 @@ class GpuRole:
                 if name in self.defs:
                     continue
                 try:
-                    seconds = await asyncio.to_thread(self.backend.load, spec)
+                    seconds = await _run_in(self.threads, partial(self.backend.load, spec))
                 except Exception as e:  # reported, never fatal; the next sync tries again
                     self.loaded[name] = ServiceLoad(ok=False, error=str(e))
                     log.warning("RewardService %s not loaded: %s", name, e)
@@ -225,7 +261,8 @@ class GpuRole:
         """The scheduler's restore ahead of a call: no inputs, no outputs, the stats of the
         restore. Its thread, like a call's, is waited for even when cancelled."""
         self._check(service, gpus)
-        stats = await _in_thread(service, partial(self.backend.restore_ahead, service, list(gpus)))
+        ahead = partial(self.backend.restore_ahead, service, list(gpus))
+        stats = await _in_thread(service, ahead, self.threads)
         return ServiceOutcome(outputs=[], stats=_stats(service, stats), exec_s=0.0)
 
     async def call(self, service: str, gpus: Sequence[int], inputs: list[Any]) -> ServiceOutcome:
@@ -233,10 +270,11 @@ class GpuRole:
 
         def run() -> tuple[list[Any], CallStatsLike, int]:
             outputs, stats = self.backend.call(service, list(gpus), inputs)
-            # Measured here, in the thread: up to 8 MiB of JSON would stall the agent's loop.
-            return outputs, stats, len(json.dumps(outputs, default=str))
+            # Checked and measured here, in the thread: up to 8 MiB of JSON would stall the
+            # agent's loop. Outputs the reply could not carry fail this call, not the reply.
+            return outputs, stats, json_size(outputs)
 
-        outputs, stats, size = await _in_thread(service, run)
+        outputs, stats, size = await _in_thread(service, run, self.threads)
         if size > MAX_OUTPUT_BYTES:  # the reply must fit a WebSocket message of the link
             raise ExecError(
                 f"service {service}: outputs of {size} bytes exceed {MAX_OUTPUT_BYTES}; "
@@ -245,10 +283,80 @@ class GpuRole:
         return ServiceOutcome(outputs=outputs, stats=_stats(service, stats), exec_s=stats.exec_s)
 
 
-async def _in_thread(service: str, work: Callable[[], T]) -> T:
-    """``work`` on the GPUs, in a thread; its errors as the agent reports them. The thread
-    cannot be stopped: a cancelled caller is answered once it is done with the GPUs."""
-    running = asyncio.ensure_future(asyncio.to_thread(work))
+def json_size(outputs: Any) -> int:
+    """The size of ``outputs`` as the reply encodes them, once they are found to be plain
+    JSON: None, booleans, numbers (finite: JSON has no NaN or Infinity, which the reply
+    would turn into null), strings, and lists, tuples and dicts with string keys of these.
+    Raises ``ValueError`` naming the first thing that is not, and where it is."""
+    if not isinstance(outputs, (list, tuple)):
+        raise ValueError(f"score returned {_a(outputs)}, not a list with one output per input")
+    try:
+        problem = _not_json(outputs, "outputs")
+    except RecursionError:
+        problem = "outputs nested too deeply (or holding themselves)"
+    if problem is not None:
+        raise ValueError(f"score returned {problem}")
+    try:  # the reply's own encoder, so the size is the reply's
+        return len(pydantic_core.to_json(outputs))
+    except (pydantic_core.PydanticSerializationError, ValueError) as e:
+        raise ValueError(f"score returned outputs the reply cannot carry: {e}") from None
+
+
+_ADVICE = "return plain numbers, lists, dicts or strings (.tolist())"
+_SCALARS = (str, int, type(None))  # bool is an int
+
+
+def _not_json(value: Any, at: str) -> str | None:
+    """What in ``value`` (at ``at``) is not plain JSON, or None (see :func:`json_size`)."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return None
+        return f"{value} at {at}: JSON has no NaN or Infinity; return a finite number or None"
+    if isinstance(value, _SCALARS):
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            kind = type(item)
+            if kind is str or kind is int or (kind is float and math.isfinite(item)):
+                continue  # the common case, checked without a call
+            problem = _not_json(item, f"{at}[{i}]")
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"a dict key {key!r} ({_type(key)}) at {at}: JSON object keys are strings"
+            problem = _not_json(item, f"{at}[{key!r}]")
+            if problem is not None:
+                return problem
+        return None
+    return f"{_a(value)} at {at}: {_ADVICE}"
+
+
+def _type(value: Any) -> str:
+    kind = type(value)
+    module = kind.__module__
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+def _a(value: Any) -> str:
+    kind = _type(value)
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
+
+
+async def _run_in(threads: Executor | None, work: Callable[[], T]) -> T:
+    """``work`` in one of ``threads`` (None: the loop's default executor), in this task's
+    context, as ``asyncio.to_thread`` runs it."""
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(threads, partial(context.run, work))
+
+
+async def _in_thread(service: str, work: Callable[[], T], threads: Executor | None = None) -> T:
+    """``work`` on the GPUs, in one of ``threads`` (the GPU role's own); its errors as the
+    agent reports them. The thread cannot be stopped: a cancelled caller is answered once
+    it is done with the GPUs."""
+    running = asyncio.ensure_future(_run_in(threads, work))  # a closed role's fails below
     try:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
@@ -273,4 +381,4 @@ def _stats(service: str, stats: CallStatsLike) -> ServiceStats:
     )
 
 
-__all__ = ["GpuOptions", "GpuRole", "ServiceBackend"]
+__all__ = ["GpuOptions", "GpuRole", "ServiceBackend", "json_size", "role_threads"]

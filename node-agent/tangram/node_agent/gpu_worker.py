@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 import torch
 
 from tangram.api.wire import ServiceDef
-from tangram.node_agent.gpu_batching import SharedPasses
+from tangram.node_agent.gpu_batching import MAX_CALLS, SharedPasses
 from tangram.node_agent.gpu_residency import (
     InstanceKey,
     Plan,
@@ -193,11 +193,13 @@ class GpuWorker:
         self._calls: dict[InstanceKey, int] = {}  # instance -> its calls, restoring or running
         self._ahead: set[InstanceKey] = set()  # instances being restored ahead of their calls
         # Threads for a call's other replicas (its own thread drives the first). Joined
-        # calls wait in their replicas' shared passes, so there is room for several calls
-        # per device; restores have threads of their own, never queued behind those.
-        devices = max(1, len(capacity))
-        self._pool = ThreadPoolExecutor(max_workers=8 * devices, thread_name_prefix="gpu-replica")
-        self._restorer = ThreadPoolExecutor(max_workers=devices, thread_name_prefix="gpu-restore")
+        # calls wait in their replicas' shared passes, each holding a thread, so there is
+        # room for as many calls as the scheduler may run on each device (twice: calls from
+        # before a reconnect), started only as needed: a call on a free chunk never queues
+        # behind a batch elsewhere. Restores have threads of their own, never queued behind
+        # those.
+        self._devices = max(1, len(capacity))
+        self._pool, self._restorer = self._threads()
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # notified when calls leave devices
 
@@ -314,6 +316,9 @@ class GpuWorker:
             else:
                 plan = self.residency.plan(key, service.bytes_per_device)
             stats = CallStats(hit=plan.hit)
+            # How the scheduler will take a failure of this call: one that restored its
+            # instance, or joined others on it, leaves the instance out of its books.
+            doubtful = not plan.hit or bool(self._calls.get(key))
             self._carry_out(plan, stats)
             # Ours from here (with any calls that join): no other instance plans on them.
             self._calls[key] = self._calls.get(key, 0) + 1
@@ -326,6 +331,7 @@ class GpuWorker:
                 self.hits += 1
                 resident = self.instances[key]
             self.residency.acquire(key)
+        failed = True
         try:
             if not plan.hit:  # outside the lock: calls on other chunks go on meanwhile
                 resident = self._copy(service, chunk, stats)
@@ -336,14 +342,20 @@ class GpuWorker:
             t0 = self.clock()
             outputs = self._run(resident, chunk, inputs)
             stats.exec_s = self.clock() - t0
+            failed = False
         finally:
             with self._lock:
                 self.residency.release(key)
                 last = self._calls[key] == 1
                 if last and (
-                    key not in self.instances or self.services.get(service_name) is not service
+                    key not in self.instances
+                    or self.services.get(service_name) is not service
+                    or (failed and doubtful)
                 ):
-                    self._evict(key)  # its restore failed; or its service was edited or removed
+                    # Its restore failed; or its service was edited or removed; or it failed
+                    # after restoring (or joining) the instance, which the scheduler then
+                    # counts as not resident: the worker must not hold what it does not see.
+                    self._evict(key)
                 if last:
                     del self._calls[key]
                     for d in chunk:
@@ -514,6 +526,21 @@ class GpuWorker:
         parts = self._parallel([partial(replica_run, r) for r in range(k)])
         self._synchronize(chunk)
         return [o for part in parts for o in part]
+
+    def _threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """Threads for replicas, and for restores."""
+        devices = self._devices
+        replicas = ThreadPoolExecutor(2 * devices * MAX_CALLS, thread_name_prefix="gpu-replica")
+        return replicas, ThreadPoolExecutor(devices, thread_name_prefix="gpu-restore")
+
+    def close(self) -> None:
+        """The agent stops: the threads of replicas and restores end once their work has
+        ended. Later work (the same agent under a restarted embedded scheduler) gets new
+        ones."""
+        old = (self._pool, self._restorer)
+        self._pool, self._restorer = self._threads()
+        for threads in old:
+            threads.shutdown(wait=False)
 
     def evict_all(self, service: str | None = None) -> None:
         """Drop idle instances (of ``service``, or all); running ones stay. Their memory

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ServiceSpec
@@ -52,6 +52,13 @@ class GpuCalls:
         self.outcomes = outcomes
         self.h2d_gbps: dict[str, float] = {}  # measured by each GPU node's agent
         self.loads: dict[str, dict[str, ServiceLoad]] = {}  # node -> service -> load
+        # node -> service -> the definition (``revision``) its worker's last answer was
+        # for. Until it answers for the current one, it is loading it (or has unloaded it
+        # to reload it) and refuses its calls: none is placed there meanwhile.
+        self.synced: dict[str, dict[str, str]] = {}
+        self.revisions: dict[str, str] = {}  # service -> its current definition's revision
+        self._syncs: dict[str, int] = {}  # node -> syncs sent to it
+        self._applied: dict[str, int] = {}  # node -> the latest sync whose answer counted
 
     # ---- nodes and their services --------------------------------------------------
     def join(self, node: str, gpu: GpuWorkerInfo) -> None:
@@ -73,6 +80,8 @@ class GpuCalls:
             return
         s.node_gpus[node] = list(gpu.devices[:count])
         self.h2d_gbps[node] = gpu.h2d_gbps
+        self.synced.pop(node, None)
+        self._hosted(node)  # nothing yet: its worker loads every service first
         log.info(
             "node %s: %d %s GPUs join, %.1f GiB each for services, host-to-device %.1f GB/s",
             node,
@@ -87,38 +96,90 @@ class GpuCalls:
         self.s.node_gpus.pop(node, None)
         self.h2d_gbps.pop(node, None)
         self.loads.pop(node, None)
+        self.synced.pop(node, None)
 
     def services_changed(self) -> None:
-        """The pool's RewardServices changed: the core's view, and every worker's set."""
+        """The pool's RewardServices changed: the core's view, and every worker's set. A
+        worker unloads an edited service before it loads the new one and refuses its calls
+        meanwhile, so no call of it is placed there until its answer comes (they wait)."""
         self.s.core.set_services(self.service_specs())
         for node in self.s.node_gpus:
+            self._hosted(node)
             self.s.background(self.sync_services(node))
 
     async def sync_services(self, node: str) -> None:
         """Have ``node``'s worker hold exactly the pool's services (it loads each once into
         host memory); their measured sizes feed the restore estimates."""
         s = self.s
-        defs = [c.spec for c in s.config.services.values()]
+        configs = list(s.config.services.values())
+        sent = {c.spec.name: revision(c) for c in configs}
+        seq = self._syncs[node] = self._syncs.get(node, 0) + 1
         try:
-            reply = await s.ask(node, AgentServices(services=defs))
+            reply = await s.ask(node, AgentServices(services=[c.spec for c in configs]))
         except EngineError as e:
             log.warning("services not synced to %s: %s", node, e.message)
             return
         if not reply.ok:
             log.warning("services not synced to %s: %s", node, reply.error)
             return
-        if node in s.node_gpus:
+        if node in s.node_gpus and seq >= self._applied.get(node, 0):
+            self._applied[node] = seq  # (an earlier sync's answer coming later is older)
             self._sync_resident(node, reply.resident)
             self.loads[node] = dict(reply.loaded)
+            self.synced[node] = {n: sent[n] for n in reply.loaded if n in sent}
             for name, load in sorted(reply.loaded.items()):
                 if not load.ok:
                     log.warning("RewardService %s cannot load on %s: %s", name, node, load.error)
             s.core.set_services(self.service_specs())
-            s.core.set_unloadable(node, (n for n, load in reply.loaded.items() if not load.ok))
+            self._hosted(node)
+            self._fail_unloadable()
             s.wake.set()
 
+    def _hosted(self, node: str) -> None:
+        """Tell the core which services ``node``'s worker cannot take calls of: those it
+        could not load, and those it has not answered for in their current definition."""
+        synced = self.synced.get(node, {})
+        loads = self.loads.get(node, {})
+        loading = {n for n, rev in self.revisions.items() if synced.get(n) != rev}
+        failed = {n for n, load in loads.items() if not load.ok and n not in loading}
+        self.s.core.set_unloadable(node, failed, loading=loading)
+
+    def _load_failures(self, service: str) -> dict[str, str] | None:
+        """The load error of ``service`` on each GPU node, when every one of them has
+        answered for its current definition and none could load it; else None (one holds
+        it, or is still loading it, or no GPU node is connected)."""
+        rev = self.revisions.get(service)
+        failures: dict[str, str] = {}
+        for node in self.s.node_gpus:
+            load = self.loads.get(node, {}).get(service)
+            if load is None or load.ok or self.synced.get(node, {}).get(service) != rev:
+                return None
+            failures[node] = load.error or "not loaded"
+        return failures or None
+
+    def _fail_unloadable(self) -> None:
+        """Queued calls of a service that every GPU node has now failed to load (its
+        definition was edited and the new one fails) end now, with the load errors: no
+        node would take them until the service is edited again."""
+        s = self.s
+        queued: dict[str, list[ActionRecord]] = {}
+        for rec in s.actions.values():
+            a = s.core.actions.get(rec.id) if rec.kind == "service" else None
+            if a is not None and a.service is not None and rec.started is None:
+                queued.setdefault(a.service, []).append(rec)
+        for service, recs in queued.items():
+            failures = self._load_failures(service)
+            if failures is None:
+                continue
+            error = err("service_failed", _cannot_load(service, failures))
+            for rec in recs:
+                s.core.cancel(rec.id)
+                self.outcomes.finish(rec, ActionStatus.REJECTED, error=error)
+
     def service_specs(self) -> list[ServiceSpec]:
-        return [self._service_spec(c) for c in self.s.config.services.values()]
+        specs = [self._service_spec(c) for c in self.s.config.services.values()]
+        self.revisions = {spec.name: spec.revision for spec in specs}
+        return specs
 
     def _service_spec(self, cfg: ServiceConfig) -> ServiceSpec:
         """The core's view of a service. Its restore cost is the declared one, or the
@@ -141,8 +202,7 @@ class GpuCalls:
             replicated=cfg.spec.replicated,
             max_calls=cfg.max_calls,
             batch_slowdown=cfg.batch_slowdown,
-            # What the workers load: any change to it makes them reload the service.
-            revision=hashlib.sha256(json_bytes(cfg.spec)).hexdigest()[:16],
+            revision=revision(cfg),
         )
 
     def _sync_resident(self, node: str, resident: list[ResidentInstance]) -> None:
@@ -180,13 +240,17 @@ class GpuCalls:
             raise EngineError("unavailable", "service", "no GPU node agent is connected")
         states = {n: loads[service] for n, loads in self.loads.items() if service in loads}
         if not any(st.ok for st in states.values()):
+            failures = self._load_failures(service)
+            if failures is not None:  # a retry would fail the same way until an edit
+                raise EngineError("conflict", "service", _cannot_load(service, failures))
             why = "; ".join(f"{n}: {st.error}" for n, st in sorted(states.items()))
-            raise EngineError(
+            raise EngineError(  # no worker has answered yet, or one is still loading it
                 "unavailable",
                 "service",
                 f"{service} is loaded on no GPU node{': ' if why else ''}{why}",
             )
-        return elastic_call_spec(cfg, req)
+        gpu = s.core.gpu
+        return elastic_call_spec(cfg, req, fits=lambda k: gpu.fits(service, k, soon=True))
 
     async def call(self, rec: ActionRecord, asg: Assignment) -> None:
         s = self.s
@@ -202,7 +266,8 @@ class GpuCalls:
         # Keyed, the agent runs it at most once and goes on with it if the link drops; a
         # scheduler that starts meanwhile adopts it (``adopt``).
         key = rec.agent_key
-        op = AgentCall(service=service, gpus=gpus, inputs=req.inputs, key=key)
+        op = AgentCall(service=service, gpus=gpus, inputs=req.inputs, key=key, digest=rec.digest)
+        sent = self.revisions.get(service)  # the definition the call was placed for
         # The call's thread cannot be stopped once it runs: its chunk stays held until the
         # agent answers, even when the caller stops waiting (timeout, cancel).
         ask = asyncio.ensure_future(s.ask(asg.node, op))
@@ -211,7 +276,7 @@ class GpuCalls:
             if reply.ok and reply.call is not None:
                 status = ActionStatus.OK
             else:
-                error = err("service_failed", reply.error or "the agent refused the call")
+                error = self._failed(service, sent, reply.error, reply.retryable)
         except asyncio.CancelledError:
             status = ActionStatus.CANCELLED
         except TimeoutError:
@@ -248,6 +313,27 @@ class GpuCalls:
 
             ask.add_done_callback(late)
         self._end(rec, status, call, error, now - t0)
+
+    def _failed(
+        self, service: str, sent: str | None, why: str | None, retryable: bool = False
+    ) -> ErrorInfo:
+        """The error of a call of ``service`` placed for its definition ``sent`` that its
+        agent answered with ``why``. Removed or edited since, the agent may have refused it
+        for that (it unloads the old definition first): said so, and an edited one's call
+        is retryable (the new definition takes it once loaded); else as the agent said."""
+        why = why or "the agent refused the call"
+        if service not in self.s.config.services:
+            return err(
+                "service_failed", f"RewardService {service} was removed from the pool ({why})"
+            )
+        if self.revisions.get(service) != sent:
+            return err(
+                "service_failed",
+                f"RewardService {service} was edited meanwhile ({why}); a retry "
+                "runs it on the new definition",
+                retryable=True,
+            )
+        return err("service_failed", why, retryable)
 
     def _end(
         self,
@@ -303,6 +389,7 @@ class GpuCalls:
             return ""  # its service is gone: no call can be placed on it, nothing waits
         req = ServiceCallRequest(inputs=["(adopted)"], idempotency_key=key)
         rec = s.record(tenant, None, "service", req, None, target=call_target(run.service))
+        rec.digest = run.digest  # another request under its key is refused, as before
         rec.submitted -= run.running_s
         try:
             asg = s.core.adopt(
@@ -388,13 +475,31 @@ class GpuCalls:
             s.wake.set()
 
 
+def revision(cfg: ServiceConfig) -> str:
+    """What the workers load of a service: any change to it makes them reload it."""
+    return hashlib.sha256(json_bytes(cfg.spec)).hexdigest()[:16]
+
+
+def _cannot_load(service: str, failures: dict[str, str]) -> str:
+    why = "; ".join(f"{n}: {e}" for n, e in sorted(failures.items()))
+    return (
+        f"RewardService {service} cannot load on any GPU node ({why}); "
+        "fix its definition (an edit makes the nodes load it again)"
+    )
+
+
 def _restore_s(call: ServiceOutcome | None) -> float:
     """What making the call's instance resident cost it (evictions included)."""
     return call.stats.restore_s + call.stats.evict_s if call is not None else 0.0
 
 
-def elastic_call_spec(cfg: ServiceConfig, req: ServiceCallRequest) -> ActionSpec:
-    """A call of the service ``cfg`` as the elastic algorithm sees it (see ``call_spec``)."""
+def elastic_call_spec(
+    cfg: ServiceConfig, req: ServiceCallRequest, fits: Callable[[int], bool] | None = None
+) -> ActionSpec:
+    """A call of the service ``cfg`` as the elastic algorithm sees it (see ``call_spec``).
+    ``fits``: whether a DoP can fit the pool's GPUs; the DoPs that cannot are left out
+    first, and only then those without a profile when some of the others have one (if
+    none that fits has a profile, the call is learned online at those that fit)."""
     name = cfg.spec.name
     allowed = set(cfg.dop_choices)
     if req.gpu is not None:
@@ -406,6 +511,10 @@ def elastic_call_spec(cfg: ServiceConfig, req: ServiceCallRequest) -> ActionSpec
                 f"no DoP in {list(allowed_units(req.gpu))} is one of {name}'s dopChoices "
                 f"{list(cfg.dop_choices)}",
             )
+    if fits is not None:
+        fitting = {k for k in allowed if fits(k)}
+        if fitting:  # (none: the core refuses the call, naming the DoPs it asked for)
+            allowed = fitting
     durations = {k: d for k, d in cfg.durations(req.input_size).items() if k in allowed}
     kind = f"service:{name}"
     if not durations:  # unprofiled: the request's t1, else learned online

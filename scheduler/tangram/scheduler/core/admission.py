@@ -5,8 +5,8 @@ with a ``SchedulingError`` naming the field at fault, rather than waiting foreve
 The pool changes after submit: an exec action queued before its trajectory was placed
 is refused when the placement gives it a node with fewer cores than its minimum
 (``Scheduler._place``, the same error), and one that the pool as it is now cannot host
-(its node, GPUs or quota limit left) waits without holding anyone back until the pool
-can (``Scheduler.stranded``)."""
+(its node, GPUs or quota limit left, or its service is being loaded) waits without
+holding anyone back until the pool can (``Scheduler.stranded``)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def resolve(
         if svc is None:
             raise SchedulingError("service", f"unknown RewardService {spec.service!r}")
         wanted = allowed_units(spec.gpu) if spec.gpu is not None else tuple(svc.dop_choices)
-        gpus = tuple(k for k in wanted if k in svc.dop_choices and gpu.fits(svc.name, k))
+        # A node still loading the service counts: the call waits for it, is not refused.
+        gpus = tuple(k for k in wanted if k in svc.dop_choices and gpu.fits(svc.name, k, soon=True))
         if not gpus:
             raise SchedulingError(
                 "gpu", f"no DoP in {list(wanted)} fits service {svc.name} on this pool's GPUs"

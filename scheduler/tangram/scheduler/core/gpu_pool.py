@@ -99,6 +99,10 @@ class GpuPool:
     revision: dict[str, str] = field(default_factory=dict)  # service -> what workers load
     # Services a node cannot host (its worker could not load them): never placed there.
     unloadable: dict[str, frozenset[str]] = field(default_factory=dict)
+    # Services a node's worker is loading (it joined, or they were edited) and has not
+    # answered for yet: not placed there until it has, but calls of them are not refused
+    # for it (``fits(..., soon=True)``): they wait for the load.
+    loading: dict[str, frozenset[str]] = field(default_factory=dict)
     # Instances being restored ahead -> when their restore is expected to end. Resident
     # (their memory is charged) and never evicted until it ended (``ahead_done``).
     ahead: dict[Instance, float] = field(default_factory=dict)
@@ -130,6 +134,7 @@ class GpuPool:
         """Forget a node with whatever it held (its agent is gone)."""
         self.nodes.pop(name, None)
         self.unloadable.pop(name, None)
+        self.loading.pop(name, None)
         for inst in [i for i in self.resident if i.chunk.node == name]:
             del self.resident[inst]
         self.busy = {i: n for i, n in self.busy.items() if i.chunk.node != name}
@@ -171,18 +176,24 @@ class GpuPool:
         """GB a chunk-``size`` instance of ``service`` holds on each of its GPUs."""
         return gb_per_gpu(self.memory_gb[service], service in self.replicated, size)
 
-    def fits(self, service: str, k: int) -> bool:
-        """Whether a DoP-k instance of ``service`` can ever fit in GPU memory."""
+    def fits(self, service: str, k: int, *, soon: bool = False) -> bool:
+        """Whether a DoP-k instance of ``service`` can ever fit in GPU memory, on a node
+        whose worker holds the service; ``soon``: or is loading it (``loading``)."""
+        if service not in self.memory_gb:
+            return False
         size = chunk_level(k)
         per_gpu = self.per_gpu(service, size)
         return any(
-            holds(n.gpus, n.memory_gb, size, per_gpu) and self.hosts(n.name, service)
+            holds(n.gpus, n.memory_gb, size, per_gpu) and self.hosts(n.name, service, soon=soon)
             for n in self.nodes.values()
         )
 
-    def hosts(self, node: str, service: str) -> bool:
-        """Whether ``node``'s worker holds ``service`` (it could load it)."""
-        return service not in self.unloadable.get(node, ())
+    def hosts(self, node: str, service: str, *, soon: bool = False) -> bool:
+        """Whether ``node``'s worker holds ``service`` (it could load it, and is not
+        loading it again); ``soon``: or is loading it."""
+        if service in self.unloadable.get(node, ()):
+            return False
+        return soon or not (self.loading and service in self.loading.get(node, ()))
 
     def can_host(self, service: str, k: int) -> bool:
         """Whether a free chunk on a node with large enough GPUs can take a DoP-k call now."""

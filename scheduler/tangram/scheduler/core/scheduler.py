@@ -79,6 +79,9 @@ class Scheduler:
             {s.name: s.max_calls for s in cluster.services},
         )
         self.services = {s.name: s for s in cluster.services}
+        # Services removed while calls of theirs ran: kept in ``services`` until the last
+        # of those ends, and taking no new call.
+        self.retired: set[str] = set()
         self.quotas = {a.name: Quota.of(a) for a in cluster.apis}
         self.book = ProfileBook()
         self.sizing = Sizing(self.cpu, self.book, self.config, _biggest(self.cpu))
@@ -257,24 +260,43 @@ class Scheduler:
         self._nodes_changed()
 
     def set_services(self, services: Sequence[ServiceSpec]) -> None:
-        """New RewardService definitions. A removed service stays while any queued or
-        running action needs it (nothing waiting is dropped); a changed footprint drops its
-        idle instances."""
+        """New RewardService definitions. A removed service's queued calls are refused
+        (``invalid``, reported by the next round: the workers no longer hold it); its
+        running calls go on, their instances dropped as they end, and the service itself
+        once the last has ended (``retired``). A changed footprint drops its idle
+        instances."""
         wanted = {s.name: s for s in services}
-        if wanted == self.services:
+        if wanted == self.services and not self.retired:
             return  # (each agent's sync says them again: no recount of the queue for that)
-        needed = {a.service for a in self.actions.values()} | {
-            r.action.service for r in self.running.values()
-        }
-        for name in [n for n in self.services if n not in wanted and n not in needed]:
-            del self.services[name]
-            self.gpu.remove_service(name)
+        running = {r.action.service for r in self.running.values()}
+        for name in [n for n in self.services if n not in wanted]:
+            why = f"RewardService {name} was removed from the pool"
+            for a in [a for a in self.actions.values() if a.service == name]:
+                self._dequeue(a.id)
+                self.invalid.append(Invalid(action_id=a.id, field="service", message=why))
+            if name in running:
+                self.retired.add(name)
+                self.gpu.forget(name)  # its instances go as their calls end, as the workers'
+            else:
+                self._drop_service(name)
         for spec in wanted.values():
+            self.retired.discard(spec.name)
             self.services[spec.name] = spec
             self.gpu.set_service(
                 spec.name, spec.gpu_memory_gb, spec.replicated, spec.revision, spec.max_calls
             )
         self._recount()  # a footprint may fit the GPUs no more, or again
+
+    def _drop_service(self, name: str) -> None:
+        self.retired.discard(name)
+        self.services.pop(name, None)
+        self.gpu.remove_service(name)
+
+    def _drop_retired(self) -> None:
+        """Drop the removed services whose last running call has ended."""
+        running = {r.action.service for r in self.running.values()}
+        for name in [n for n in self.retired if n not in running]:
+            self._drop_service(name)
 
     def sync_resident(self, node: str, instances: Iterable[tuple[str, int, int]]) -> None:
         """What ``node``'s worker holds in GPU memory: ``(service, first GPU, GPUs)``, least
@@ -283,15 +305,27 @@ class Scheduler:
             raise SchedulingError("node", f"{node} has no GPUs in the pool")
         self.gpu.sync_node(node, instances)
 
-    def set_unloadable(self, node: str, services: Iterable[str]) -> None:
+    def set_unloadable(
+        self, node: str, services: Iterable[str], *, loading: Iterable[str] = ()
+    ) -> None:
         """The services ``node``'s GPU worker could not load: no call of them is placed
-        there (others may still run them)."""
+        there (others may still run them). ``loading``: those it is loading and has not
+        answered for yet (the node joined, or they were edited): no call of them is placed
+        there either until it has (the worker would refuse it), but they are not refused
+        for want of a node: they wait, as for a node that is busy."""
         if node not in self.gpu.nodes:
             raise SchedulingError("node", f"{node} has no GPUs in the pool")
-        unloadable = frozenset(services)
-        if self.gpu.unloadable.get(node, frozenset()) == unloadable:
+        unloadable, pending = frozenset(services), frozenset(loading)
+        if (
+            self.gpu.unloadable.get(node, frozenset()) == unloadable
+            and self.gpu.loading.get(node, frozenset()) == pending
+        ):
             return
         self.gpu.unloadable[node] = unloadable
+        if pending:
+            self.gpu.loading[node] = pending
+        else:
+            self.gpu.loading.pop(node, None)
         self._recount()
 
     def drain_node(self, name: str) -> Drained:
@@ -319,6 +353,8 @@ class Scheduler:
             dropped.extend(self._close(self.trajectories[tid], finished=False))
         self.cpu.nodes.pop(name, None)
         self.gpu.remove_node(name)
+        if self.retired:
+            self._drop_retired()  # their last calls may have run there
         self._nodes_changed()
         return Drained(running=ended, trajectories=placed, dropped=tuple(dropped))
 
@@ -519,7 +555,8 @@ class Scheduler:
                         restore_s = restore_s if asg.restore else 0.0
                     took -= restore_s
                 self.book.observe(a.type, asg.units, max(0.0, took))
-
+        if self.retired and a.service in self.retired:
+            self._drop_retired()  # removed while it ran: gone once its last call ended
         return asg
 
     def adopt(
@@ -749,7 +786,7 @@ class Scheduler:
         fixed = self.config.fixed_dop
         for service in sorted(demand, key=lambda s: (-demand[s], s)):
             svc = self.services.get(service)
-            if svc is None:
+            if svc is None or service in self.retired:  # (removed: no call will come)
                 continue
             sizes = [k for k in svc.dop_choices if fixed is None or k <= fixed]
             k = max((k for k in sizes if self.gpu.fits(service, k)), default=None)
@@ -785,7 +822,11 @@ class Scheduler:
             now=now,
             sizing=self.sizing,
             gpu=self.gpu,
-            services=self.services,
+            services=(
+                {n: v for n, v in self.services.items() if n not in self.retired}
+                if self.retired
+                else self.services
+            ),
             quotas=self.quotas,
         )
         self._seq += 1  # only once it is accepted
@@ -822,8 +863,9 @@ class Scheduler:
         by_tenant = self.queued_by_tenant
         by_tenant[traj.tenant] = by_tenant.get(traj.tenant, 0) + 1
         # Admission checked the rest against the pool as it is; not the memory of a
-        # trajectory opened before the nodes with enough of it left.
-        if a.cpu and node is None and not self._hostable(a):
+        # trajectory opened before the nodes with enough of it left, nor a service call's
+        # nodes still loading its service (``set_unloadable``).
+        if ((a.cpu and node is None) or a.service is not None) and not self._hostable(a):
             self.stranded.add(a.id)
         self._count(a, +1)
         if a.service is not None:
