@@ -74,3 +74,38 @@ def _lease_keyed(url: str, token: str, key: str) -> None:
     headers = {"authorization": f"Bearer {token}"}
     body = {"idempotency_key": key}
     httpx.post(f"{url}/v1/apis/search/lease", json=body, headers=headers, timeout=30)
+
+
+def test_an_action_over_what_its_tenants_share_may_hold_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """team-a may hold half the pool: 2 of the agent's 4 cores, 2 of the quota's 4 units.
+    Asking more is answered 400 naming the request's field, not left waiting forever."""
+    store, token = _tokens()
+    config = PoolConfig(
+        envs=CONFIG.envs,
+        apis=(ApiSpec(name="wide", concurrency=4),),
+        tenants={"team-a": TenantLimits(max_share=0.5)},
+    )
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=4)
+    with (
+        service(config, agent, tmp_path, tokens=store) as (running, _),
+        Client(running.url, token["team-a"], retries=0) as a,
+        Client(running.url, token["team-b"], retries=0) as b,
+    ):
+        # (A queue timeout only so that a wait, the fault this guards against, ends.)
+        lease = httpx.post(f"{running.url}/v1/apis/wide/lease", timeout=60,
+                           headers={"authorization": f"Bearer {token['team-a']}"},
+                           json={"units": 3, "queue_timeout_s": 30})  # fmt: skip
+        assert lease.status_code == 400, lease.text
+        (detail,) = lease.json()["error"]["details"]
+        assert detail["field"] == "units" and "maxShare" in detail["message"]
+        tid = a.open("box").id
+        with pytest.raises(TangramError) as wide:
+            a.exec(tid, ["true"], cores=3, queue_timeout_s=30)
+        assert (wide.value.status, wide.value.field) == (400, "cpu")
+        assert "maxShare" in wide.value.message
+        assert a.exec(tid, ["true"], cores=2).status == "ok"  # at its share: it runs
+        held = b.lease("wide", units=3)  # team-b is not capped
+        assert held.lease is not None
+        b.release(held.lease)

@@ -98,7 +98,9 @@ def resolve(
     for q, n in held.items():
         limit = quota_limit(quotas[q])
         if n > limit:
-            raise SchedulingError("quotas", f"{n} units of {q} exceed its limit of {limit}")
+            # An api action's own quota: the units of the lease (the request's ``units``).
+            field = "units" if q == spec.api else "quotas"
+            raise SchedulingError(field, f"{n} units of {q} exceed its limit of {limit}")
     units = cpu or gpus
     elastic_capable = len(units) > 1
     ordered = tuple(sorted(held.items(), key=lambda kv: (kv[0] != spec.api, kv[0])))

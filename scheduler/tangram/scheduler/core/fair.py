@@ -11,8 +11,15 @@ idle does not bank credit (``V`` catches it up). Every start moves some tag forw
 positive amount, so every waiting action's turn comes: no tenant starves another, and a
 tenant alone is served in exactly the pool's order.
 
+The cost at the start is only the action's expected work (a client's declared ``t1_s``,
+or what the pool learned): it orders the start. When the action ends (``ended``), its
+tenant's virtual time is corrected to what it really held, units times seconds it ran, so
+a tenant that declares less work than it does pays the truth all the same, and one that
+declares more gets the difference back. Until its runs end a tenant is ahead by at most
+what it holds running.
+
 Goyal, Vin & Cheng, "Start-time fair queueing", SIGCOMM 1996 — here with the action's
-expected work as its length.
+expected work as its length at the start, corrected to the work it did at its end.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ class FairQueue:
         self._entries: dict[str, tuple[str, int]] = {}  # action id -> (tenant, seq)
         self._used: dict[str, float] = {}  # F_t: virtual time each tenant has used
         self.virtual = 0.0  # V: the start tag of the latest action started
+        # Started actions not ended yet: (tenant, virtual time charged at the start, the
+        # tenant's weight then), for ``ended`` to correct to the work they did.
+        self._charged: dict[str, tuple[str, float, float]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -82,8 +92,10 @@ class FairQueue:
 
     def resume_tags(self, other: FairQueue) -> None:
         """Go on from ``other``'s virtual times (this queue replaces it: a new ordering):
-        the tenants keep what they used, none banks or loses credit."""
+        the tenants keep what they used, none banks or loses credit, and the actions it
+        started are still corrected when they end."""
         self.virtual, self._used = other.virtual, dict(other._used)
+        self._charged = dict(other._charged)
 
     def remove(self, action_id: str) -> None:
         """Out of the queue without being served (cancelled, timed out); see ``started``."""
@@ -97,14 +109,34 @@ class FairQueue:
         """Out of the queue because it starts: its tenant is charged its cost. A tenant
         alone in the queue is charged the least step instead of its work (which is then
         never worked out): tags only order tenants waiting together, so all that matters
-        is that a tenant arriving now goes ahead of its next action."""
+        is that a tenant arriving now goes ahead of its next action. Either way the charge
+        is corrected to the work it did when it ends (``ended``)."""
         tenant, _ = self._entries[action_id]
         start = max(self.virtual, self._used.get(tenant, 0.0))
         alone = len(self._queues) == 1
-        step = MIN_COST if alone else self._cost(action_id) / self.weight(tenant)
+        weight = self.weight(tenant)
+        step = MIN_COST if alone else self._cost(action_id) / weight
         self._used[tenant] = start + step
+        self._charged[action_id] = (tenant, step, weight)
         self.virtual = start
         self.remove(action_id)
+
+    def ended(self, action_id: str, work: float) -> None:
+        """A started action ended, having done ``work`` (the units it held times the
+        seconds it held them): its tenant is charged that instead of what it was charged
+        at the start, over the weight it started with. (Unknown here, as one started
+        before this queue took over from a queue without fairness: nothing to correct.)"""
+        charged = self._charged.pop(action_id, None)
+        if charged is None:
+            return
+        tenant, step, weight = charged
+        used = self._used.get(tenant, 0.0) - step + max(work, MIN_COST) / weight
+        self._used[tenant] = max(0.0, used)
+
+    def forget(self, action_id: str) -> None:
+        """A started action is gone without an end to measure (its node drained): it keeps
+        the charge of its start."""
+        self._charged.pop(action_id, None)
 
     def _cost(self, action_id: str) -> float:
         return max(self.work(action_id), MIN_COST)

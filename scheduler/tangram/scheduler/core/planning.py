@@ -136,7 +136,10 @@ class _Candidate:
 
 
 # Why an action the pool cannot host now waits (``Plan.blocked``).
-_STRANDED = "the pool cannot host it now (no node, GPUs or quota limit left fit it)"
+_STRANDED = (
+    "the pool cannot host it now (no node, GPUs or quota limit left fit it, within its "
+    "tenant's maxShare)"
+)
 _DONE = object()  # the end of an iterator
 
 # Resources whose name does not depend on where a trajectory is placed: the walk's needs
@@ -354,6 +357,13 @@ class _Planner:
             units, durations, pending = s.sizing.choices(a, node)
             wants = needs(a, node, placement)
             if room is not None and not at_share:
+                if room < units[0] and caps is not None:
+                    # Its smallest size after sizing (a probe, a fixed DoP) may be over all
+                    # its tenant may ever hold, not just what is left now: then it is sized
+                    # within that, as over a smaller node, rather than wait forever.
+                    most = caps.most(a, tenant)
+                    if most is not None and most < units[0]:
+                        units, durations = s.sizing.within(a, node, most)
                 if room < units[0]:  # its smallest size (after sizing) is over the share
                     waits.append((aid, f"tenant {tenant} at its maxShare"))
                     continue

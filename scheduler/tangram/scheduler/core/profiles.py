@@ -153,6 +153,12 @@ class ProfileBook:
         self._fits = dict(ranked[: self.max_types])
         self._versions = {t: v for t, v in self._versions.items() if t in self._fits}
 
+    def knows(self, action_type: str) -> bool:
+        """Whether the book has seen a run of ``action_type`` (else its durations are the
+        default's)."""
+        fit = self._fits.get(action_type)
+        return fit is not None and fit.n > 0
+
     def mean_duration(self, action_type: str) -> float:
         fit = self._fits.get(action_type)
         return fit.mean() if fit and fit.n else self.default_s

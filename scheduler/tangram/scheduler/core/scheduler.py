@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
-from tangram.api.action import ActionSpec
+from tangram.api.action import ActionKind, ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
 from tangram.api.learned import MAX_LENGTHS, MAX_PROFILES, MAX_TYPE_CHARS, LearnedState
 from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
@@ -47,6 +47,7 @@ from tangram.scheduler.core.shares import (
     Holdings,
     RoundCaps,
     TenantShare,
+    over_share,
     units_held,
 )
 from tangram.scheduler.core.sizing import Sizing
@@ -89,6 +90,9 @@ class Scheduler:
         # Mean queueing time of recently started actions (shortest-remaining's ageing),
         # over the starts of rounds (``_commit``); an adopted action never queued here.
         self.recent_wait = RunningMean()
+        # Mean work (units held times seconds) of the recent runs of each kind of action
+        # (``_work_kind``): fair queuing's length of an action of a type not known yet.
+        self.recent_work: dict[str, RunningMean] = {}
         self.returns = Returns()  # thinking trajectories per node, learned think time
         self.trajectories: dict[str, Trajectory] = {}
         # Trajectories a drain closed while runs of theirs went on elsewhere (a service
@@ -342,6 +346,8 @@ class Scheduler:
         ended = tuple(aid for aid, r in self.running.items() if r.assignment.node == name)
         for aid in ended:
             run = self.running.pop(aid)
+            if isinstance(self.queue, FairQueue):
+                self.queue.forget(aid)
             for q, n in run.assignment.quotas:
                 self.quotas[q].release(n)
             # Its cores and its chunk leave with the node (``remove_node`` below).
@@ -368,14 +374,19 @@ class Scheduler:
     def _recount(self) -> None:
         """Which queued actions the pool can host now, and the waiting counts of those."""
         self.waiting, self.queued_work = {}, {}
-        self.stranded = {a.id for a in self.actions.values() if not self._hostable(a)}
+        capacity = self._capacity() if self.round_caps_apply() else None
+        self.stranded = {a.id for a in self.actions.values() if not self._hostable(a, capacity)}
         for a in self.actions.values():
             self._count(a, +1)
 
-    def _hostable(self, a: Action) -> bool:
+    def _hostable(self, a: Action, capacity: Mapping[Resource, int] | None = None) -> bool:
         """Whether the pool as it is now can ever run queued action ``a``: a node with its
         minimum cores and its trajectory's memory (placed: its node, checked at placement),
-        a GPU node its service fits at one of its DoPs, its quota units within the limits."""
+        a GPU node its service fits at one of its DoPs, its quota units within the limits;
+        with the pool's ``capacity`` (``_capacity``), its smallest size within its tenant's
+        share of it (checked at submit: nodes or quota concurrency may go since)."""
+        if capacity is not None and self._over_share(a, capacity) is not None:
+            return False
         if a.cpu and a.trajectory not in self.cpu.placement:
             mem = self.trajectories[a.trajectory].memory_gb
             if not any(
@@ -438,19 +449,65 @@ class Scheduler:
 
     def set_tenants(self, shares: Mapping[str, TenantShare], default: TenantShare = EQUAL) -> None:
         """Each tenant's weight and cap; tenants not named get ``default``. Queued actions
-        keep their places; the new weights count from the next start on."""
+        keep their places; the new weights count from the next start on. A queued action
+        whose tenant's cap is lowered below its smallest size could never start: it is
+        refused, as at submit (``invalid``, reported by the next round)."""
+        before = {t: self.share_of(t).max_share for t in self.queued_by_tenant}
         self.shares, self.default_share = dict(shares), default
+        changed = {t for t, m in before.items() if self.share_of(t).max_share != m}
+        if not changed:
+            return
+        lowered = {t for t in changed if self.share_of(t).max_share < before[t]}
+        capacity = self._capacity()
+        for a in list(self.actions.values()):
+            if self.trajectories[a.trajectory].tenant in lowered:
+                e = self._over_share(a, capacity)
+                if e is not None:
+                    self._dequeue(a.id)
+                    self.invalid.append(Invalid(action_id=a.id, field=e.field, message=e.message))
+        self._recount()  # a higher cap may host an action stranded by a smaller pool
 
     def share_of(self, tenant: str) -> TenantShare:
         return self.shares.get(tenant, self.default_share)
 
+    def round_caps_apply(self) -> bool:
+        """Whether some tenant is capped (its ``max_share`` below 1)."""
+        return self.default_share.max_share < 1.0 or any(
+            s.max_share < 1.0 for s in self.shares.values()
+        )
+
     def round_caps(self) -> RoundCaps | None:
         """The room capped tenants have in a round; None when no tenant is capped."""
-        if self.default_share.max_share >= 1.0 and all(
-            s.max_share >= 1.0 for s in self.shares.values()
-        ):
+        if not self.round_caps_apply():
             return None
         return RoundCaps(self.share_of, self.holdings(), self._capacity())
+
+    def _over_share(self, a: Action, capacity: Mapping[Resource, int]) -> SchedulingError | None:
+        """Why ``a`` could never start under its tenant's cap, as a refusal naming the
+        request's field; None when its smallest size fits the cap (``core.shares``). A call
+        of a service that batches may join an instance, holding no GPUs: only its quota
+        units count then."""
+        tenant = self.trajectories[a.trajectory].tenant
+        share = self.share_of(tenant).max_share
+        batches = a.service is not None and self.gpu.max_calls.get(a.service, 1) > 1
+        hit = over_share(a, share, capacity, gpus=not batches)
+        if hit is None:
+            return None
+        r, n, of, cap = hit
+        if r == POOL_CORES:
+            field, what, pool = "cpu", "cores", f"the pool's {of} cores"
+        elif r == GPU:
+            field, what, pool = "gpu", "GPUs", f"the pool's {of} GPUs"
+        else:
+            q = r.name
+            # An api action's own quota: its units are the request's ``units`` (a lease).
+            field = "units" if a.kind is ActionKind.API and q == a.quotas[0][0] else "quotas"
+            what, pool = f"units of {q}", f"{q}'s concurrency of {of}"
+        return SchedulingError(
+            field,
+            f"{n} {what} exceed the most tenant {tenant!r} may ever hold, {cap}: its cap "
+            f"spec.access.tenants[].maxShare is {share} of {pool}",
+        )
 
     def holdings(self) -> Holdings:
         """What each tenant's running actions hold, counted when a round needs it (only
@@ -484,7 +541,7 @@ class Scheduler:
         traj = self._traj(trajectory)
         if action_id in self.actions or action_id in self.running:
             raise SchedulingError("id", f"action {action_id} already exists")
-        action = self._resolve(action_id, trajectory, spec, now)
+        action = self._resolve(action_id, trajectory, spec, now, capped=True)
         if traj.in_flight == 0 and traj.idle_since is not None:
             self.returns.think.observe(max(0.0, now - traj.idle_since))
         self._enqueue(action, *self._rank(action, traj))
@@ -537,6 +594,14 @@ class Scheduler:
             self.gpu.release(a.service, asg.chunk, resident=resident)
         for q, n in asg.quotas:
             self.quotas[q].release(n)
+        # What it did: the units it held times the seconds it held them (a call that joined
+        # an instance, its part of the instance's GPUs). Its tenant pays that in fair
+        # queuing, whatever it was expected to be.
+        work = _held_units(a, asg.units) * max(0.0, now - asg.started_at) / (asg.sharing + 1)
+        if isinstance(self.queue, FairQueue):
+            self.queue.ended(action_id, work)
+        if learn:
+            self.recent_work.setdefault(_work_kind(a), RunningMean()).observe(work)
         traj = self._owner(a.trajectory)
         if traj is not None and self._settle(traj):
             traj.idle_since = now  # its think time starts
@@ -813,7 +878,12 @@ class Scheduler:
         except KeyError:
             raise SchedulingError("trajectory", f"{tid} is not open") from None
 
-    def _resolve(self, action_id: str, trajectory: str, spec: ActionSpec, now: float) -> Action:
+    def _resolve(
+        self, action_id: str, trajectory: str, spec: ActionSpec, now: float, *, capped: bool = False
+    ) -> Action:
+        """The action ``spec`` describes, or a SchedulingError naming the field at fault;
+        ``capped``: refused too if its tenant's share could never hold it (a new action,
+        not one adopted, which runs already)."""
         a = resolve(
             spec,
             action_id=action_id,
@@ -829,6 +899,10 @@ class Scheduler:
             ),
             quotas=self.quotas,
         )
+        if capped and self.round_caps_apply():
+            refused = self._over_share(a, self._capacity())
+            if refused is not None:
+                raise refused
         self._seq += 1  # only once it is accepted
         return a
 
@@ -842,9 +916,19 @@ class Scheduler:
         return FairQueue(policy.new_queue, lambda t: self.share_of(t).weight, self._work)
 
     def _work(self, action_id: str) -> float:
-        """A queued action's length in fair queuing: the work it is expected to be
-        (unknown: one unit)."""
-        return self._expected(self.actions[action_id]) or 1.0
+        """A queued action's length in fair queuing: the work it is expected to be, the
+        units it holds at its smallest size times its expected duration then. Of a type
+        neither declared (``t1_s``) nor learned yet: the mean work of the recent runs of
+        its kind (``recent_work``), the default duration only until one has ended. Either
+        way only its start is ordered by it: its tenant is charged what it did when it
+        ends (``complete``, ``FairQueue.ended``)."""
+        a = self.actions[action_id]
+        if a.profile is None and not self.book.knows(a.type):
+            recent = self.recent_work.get(_work_kind(a))
+            if recent is not None and recent.seen:
+                return recent.mean
+        k, d = self.sizing.smallest(a, self.cpu.placement.get(a.trajectory) if a.cpu else None)
+        return _held_units(a, k) * d
 
     def _enqueue(self, a: Action, key: tuple[float, ...], deadline: float | None) -> None:
         traj = self.trajectories[a.trajectory]
@@ -1042,6 +1126,24 @@ class Scheduler:
         )
         self.running[a.id] = Running(asg, a, now + expected, s.resource)
         return asg
+
+
+def _held_units(a: Action, units: int) -> int:
+    """The units ``a`` holds started with ``units`` (its cores or GPUs), as fair queuing
+    counts its work: those, or an API action's units of its quota."""
+    if a.cpu or a.gpu or not a.quotas:
+        return units
+    return a.quotas[0][1]
+
+
+def _work_kind(a: Action) -> str:
+    """The kind of action whose recent runs stand for one of a type not known yet: exec
+    actions, the calls of one service, those of one API quota."""
+    if a.service is not None:
+        return f"service:{a.service}"
+    if a.kind is ActionKind.API and a.quotas:
+        return f"api:{a.quotas[0][0]}"
+    return a.kind.value
 
 
 def _learned(name: str, value: float) -> float:

@@ -4,6 +4,8 @@ a capped tenant (``max_share`` below 1) may take in a round.
 A share is counted pool-wide per kind of unit: all the pool's cores (whatever node they
 are on), all its GPUs, each API quota's concurrency. A capped tenant may hold at most
 ``max_share`` of each (at least one unit, so that a small pool does not shut it out).
+An action whose smallest size is over that (``over_share``) could never start: it is
+refused when submitted, or when a lower share is configured while it waits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,29 @@ class TenantShare:
 
 
 EQUAL = TenantShare()
+
+
+def cap_units(share: float, capacity: int) -> int:
+    """The most units of a kind with ``capacity`` units that a tenant of ``share`` may hold."""
+    return max(1, math.floor(share * capacity + 1e-9))
+
+
+def over_share(
+    a: Action, share: float, capacity: Mapping[Resource, int], *, gpus: bool = True
+) -> tuple[Resource, int, int, int] | None:
+    """The first kind of unit that ``a`` at its smallest size needs more of than a tenant
+    of ``share`` may ever hold: (the kind, the units it needs, the pool's units of that
+    kind, the tenant's cap); None when every kind fits. ``gpus`` False: its GPUs are not
+    counted (a call of a service that batches may join an instance, holding none)."""
+    if share >= 1.0:
+        return None
+    for r, n in units_held(a, (a.cpu or a.gpu or (1,))[0]):
+        if r == GPU and not gpus:
+            continue
+        capacity_r = capacity.get(r)
+        if capacity_r is not None and n > (cap := cap_units(share, capacity_r)):
+            return r, n, capacity_r, cap
+    return None
 
 
 def units_held(a: Action, units: int) -> list[tuple[Resource, int]]:
@@ -101,6 +126,19 @@ class RoundCaps:
                 room = left if room is None else min(room, left)
         return room  # None: its quota units fit, and no cores or GPUs of it are capped
 
+    def most(self, a: Action, tenant: str) -> int | None:
+        """The most cores or GPUs ``a``'s tenant may ever hold (its cap of the kinds ``a``
+        takes), whatever its other actions hold; None when not capped."""
+        share = self._share(tenant).max_share
+        if share >= 1.0:
+            return None
+        caps = [
+            cap_units(share, self._capacity[r])
+            for r, _ in units_held(a, 1)
+            if r.kind != "api" and r in self._capacity
+        ]
+        return min(caps, default=None)
+
     def quotas_fit(self, a: Action, tenant: str) -> bool:
         """Whether ``a``'s quota units fit its tenant's share (what a call that joins a
         running instance takes: no cores or GPUs of its own)."""
@@ -125,6 +163,6 @@ class RoundCaps:
         capacity = self._capacity.get(r)
         if capacity is None:
             return None
-        cap = max(1, math.floor(share * capacity + 1e-9))
+        cap = cap_units(share, capacity)
         held = self._holdings.of(tenant).get(r, 0) + self._planned.get((tenant, r), 0)
         return max(0, cap - held)

@@ -43,6 +43,15 @@ class Sizing:
         a.cache = (stamp, units, durations, pending)
         return units, durations, pending
 
+    def within(
+        self, a: Action, node: str | None, most: int
+    ) -> tuple[tuple[int, ...], dict[int, float]]:
+        """Allowed key units and their durations as ``choices``, of at most ``most`` units
+        (a capped tenant's share; at least the minimum): a probe or a fixed DoP over it
+        falls back as it would over a node's cores. Not cached: asked only of an action
+        whose sizes ``choices`` gave are all over its tenant's share."""
+        return self._compute(a, node, most)
+
     def smallest(self, a: Action, node: str | None) -> tuple[int, float]:
         """The minimum units and the expected duration with them."""
         units, durations, _ = self.choices(a, node)
@@ -52,8 +61,12 @@ class Sizing:
         """Expected duration at the minimum units."""
         return self.smallest(a, node)[1]
 
-    def _compute(self, a: Action, node: str | None) -> tuple[tuple[int, ...], dict[int, float]]:
+    def _compute(
+        self, a: Action, node: str | None, most: int | None = None
+    ) -> tuple[tuple[int, ...], dict[int, float]]:
         units = a.cpu or a.gpu or (1,)
+        if most is not None and units[-1] > most:
+            units = tuple(k for k in units if k <= most) or units[:1]
         if a.cpu:
             # Never more cores than the trajectory's node has (unplaced: the largest node), so
             # fixed DoP and probe sizes stay runnable. A minimum over the cap never reaches a
