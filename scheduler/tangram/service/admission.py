@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -32,7 +33,13 @@ from tangram.service.gpu_calls import GROUP, GpuCalls, call_target
 from tangram.service.keys import Remembered, request_digest
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import ActionKind, ActionRecord, EngineError, Request
+from tangram.service.records import (
+    ActionKind,
+    ActionRecord,
+    EngineError,
+    Request,
+    TrajectoryRecord,
+)
 from tangram.service.state import PoolState
 
 MAX_SHAPES = 10_000  # validated exec shapes kept
@@ -51,80 +58,129 @@ class Admission:
     ) -> ActionRecord:
         """Queue an exec action; ``await record.done`` for its result. ``live``: its
         streamed side, taken by a new action only (a repeat keeps the first's)."""
-
-        def new(target: str) -> ActionRecord:
-            traj = self.s.usable(tenant, tid)
-            argv, spec = self._exec_spec(self.s.env_of(traj), req)
-            rec = self._enter(tenant, req, spec, tid=traj.key, holder=traj.key, kind="exec",
-                              argv=argv, target=target)  # fmt: skip
-            rec.live = live
-            traj.actions += 1
-            return rec
-
-        return self._admit(tenant, req, f"exec on {tid}", new)
+        return self._admit(
+            tenant, req, f"exec on {tid}", lambda: self._exec(tenant, tid, req), live
+        )
 
     def lease_api(
         self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest
     ) -> ActionRecord:
         """Queue a lease of ``req.units`` of an API quota (the result carries the lease
         id), or a call the service makes for the caller once the quota admits it."""
-        what = f"{'lease' if isinstance(req, ApiLeaseRequest) else 'call'} of {api}"
-        return self._admit(tenant, req, what, lambda target: self._detached(
-            tenant, req, self.api.spec(api, req), group="leases", kind="api", target=target
-        ))  # fmt: skip
+        return self._admit(tenant, req, _api_target(api, req), lambda: self._api(tenant, api, req))
 
     def submit_service(self, tenant: str, service: str, req: ServiceCallRequest) -> ActionRecord:
         """Queue one call of a RewardService; ``await record.done`` for its result."""
-        return self._admit(tenant, req, call_target(service), lambda target: self._detached(
-            tenant, req, self.gpu.call_spec(service, req), group=GROUP, kind="service",
-            target=target,
-        ))  # fmt: skip
+        return self._admit(
+            tenant, req, call_target(service), lambda: self._service(tenant, service, req)
+        )
 
     def _admit(
-        self, tenant: str, req: Request, target: str, new: Callable[[str], ActionRecord]
+        self,
+        tenant: str,
+        req: Request,
+        target: str,
+        check: Callable[[], _Checked],
+        live: LiveExec | None = None,
     ) -> ActionRecord:
-        """The action ``req``'s idempotency key already names, or a new one (``new``) once
-        the scheduler takes work and the queue has room."""
+        """The action ``req``'s idempotency key already names, or a new one (``check``ed,
+        then queued) once the scheduler takes work and the queue has room."""
         key = req.idempotency_key
         digest = None if key is None else request_digest(req)
         again = self._repeat(tenant, key, target, req, digest)
         if again is not None:
             return again
         self.s.admitting(tenant)
-        rec = new(target)
+        new = check()
+        rec = self._queue(tenant, new, target)
         rec.digest = digest
+        self._commit(tenant, rec, new, live)
         return rec
 
-    def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:
-        """Admit every item or none: an item refused withdraws the ones this call admitted
-        before it (their keys too, so a retry runs them)."""
-        self.s.admitting(tenant, extra=len(items))
-        admitted: list[ActionRecord] = []
-        fresh: list[ActionRecord] = []  # created here, not earlier actions found by key
-        try:
-            for item in items:
-                before = len(self.s.actions)
-                if item.exec is not None:
-                    assert item.trajectory is not None
-                    rec = self.submit_exec(tenant, item.trajectory, item.exec)
-                elif item.score is not None:
-                    assert item.service is not None
-                    rec = self.submit_service(tenant, item.service, item.score)
-                else:
-                    assert item.api is not None
-                    req = item.lease if item.lease is not None else item.call
-                    assert req is not None
-                    rec = self.lease_api(tenant, item.api, req)
-                admitted.append(rec)
-                if len(self.s.actions) > before:
-                    fresh.append(rec)
-        except EngineError:
-            for rec in fresh:
-                if rec.key is not None:  # first: a cancelled action's key would keep its answer
-                    self.s.idempotent.forget(tenant, rec.key, rec)
-                self.outcomes.cancel(tenant, rec.id)
-            raise
-        return admitted
+    def submit_batch(
+        self, tenant: str, items: Sequence[BatchItem], numbers: Sequence[int] | None = None
+    ) -> list[ActionRecord]:
+        """Admit every item or none. Every item is checked (its key, trajectory, quota or
+        service, its spec) before any is queued, and the queue's bound counts only the
+        items that add an action: an item whose key is known gets that key's action (as a
+        single request would), and items repeating a key within the batch share one. An
+        item the core refuses withdraws the ones queued before it, unseen: nothing ended,
+        nothing counted, no key kept. A refusal names its item: field ``actions.<n>.…``,
+        ``n`` from ``numbers`` (the items' places in the request; default: in ``items``)."""
+        plan: list[ActionRecord | int] = []  # per item: a known key's action, or a new one's
+        new: list[tuple[_Checked, str, str | None, int]] = []  # checked, target, digest, item
+        seen: dict[str, int] = {}  # a key new in this batch -> its action in ``new``
+        for i, item in enumerate(items):
+            what, req, target, check = self._item(tenant, item)
+            key = req.idempotency_key
+            digest = None if key is None else request_digest(req)
+            try:
+                if key is not None and key in seen:
+                    earlier, earlier_target, earlier_digest, _ = new[seen[key]]
+                    was = (earlier_target, earlier_digest)
+                    _same(key, target, req, digest, was=was, first=earlier.request)
+                    plan.append(seen[key])
+                    continue
+                again = self._repeat(tenant, key, target, req, digest)
+                if again is not None:
+                    plan.append(again)
+                    continue
+                checked = check()
+            except EngineError as e:
+                raise _of_item(e, _number(numbers, i), what) from None
+            if key is not None:
+                seen[key] = len(new)
+            plan.append(len(new))
+            new.append((checked, target, digest, i))
+        if new:
+            self.s.admitting(tenant, extra=len(new))
+        queued: list[ActionRecord] = []
+        for checked, target, _, i in new:
+            try:
+                queued.append(self._queue(tenant, checked, target))
+            except EngineError as e:
+                for rec in queued:  # taken back before anyone saw them
+                    self.s.core.cancel(rec.id)
+                raise _of_item(e, _number(numbers, i), self._item(tenant, items[i])[0]) from None
+        for rec, (checked, _, digest, _) in zip(queued, new, strict=True):
+            rec.digest = digest
+            self._commit(tenant, rec, checked)
+        return [queued[p] if isinstance(p, int) else p for p in plan]
+
+    def _item(
+        self, tenant: str, item: BatchItem
+    ) -> tuple[str, Request, str, Callable[[], _Checked]]:
+        """A batch item's request (and its name in the item), what its key is for, and
+        its check."""
+        if item.exec is not None:
+            tid, ex = item.trajectory, item.exec
+            assert tid is not None
+            return "exec", ex, f"exec on {tid}", lambda: self._exec(tenant, tid, ex)
+        if item.score is not None:
+            service, score = item.service, item.score
+            assert service is not None
+            return (
+                "score",
+                score,
+                call_target(service),
+                lambda: self._service(tenant, service, score),
+            )
+        api, req = item.api, item.lease if item.lease is not None else item.call
+        assert api is not None and req is not None
+        what = "lease" if item.lease is not None else "call"
+        return what, req, _api_target(api, req), lambda: self._api(tenant, api, req)
+
+    def _exec(self, tenant: str, tid: str, req: ExecRequest) -> _Checked:
+        traj = self.s.usable(tenant, tid)
+        argv, spec = self._exec_spec(self.s.env_of(traj), req)
+        return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj)
+
+    def _api(self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest) -> _Checked:
+        return self._detached(tenant, req, self.api.spec(api, req), group="leases", kind="api")
+
+    def _service(self, tenant: str, service: str, req: ServiceCallRequest) -> _Checked:
+        spec = self.gpu.call_spec(service, req)
+        return self._detached(tenant, req, spec, group=GROUP, kind="service")
 
     def _detached(
         self,
@@ -134,43 +190,40 @@ class Admission:
         *,
         group: str,
         kind: ActionKind,
-        target: str,
-    ) -> ActionRecord:
+    ) -> _Checked:
         """An action that belongs to no trajectory (API leases and calls, service calls):
         the core counts it under the tenant's holder, ``~group/tenant``."""
-        holder = self.s.holder(tenant, group)
-        return self._enter(tenant, req, spec, tid=None, holder=holder, kind=kind, argv=None,
-                           target=target)  # fmt: skip
+        return _Checked(req, spec, None, self.s.holder(tenant, group), kind, None, None)
 
-    def _enter(
-        self,
-        tenant: str,
-        req: Request,
-        spec: ActionSpec,
-        *,
-        tid: str | None,
-        holder: str,
-        kind: ActionKind,
-        argv: list[str] | None,
-        target: str,
-    ) -> ActionRecord:
-        """The one way into the queue: ``spec`` under the core's trajectory ``holder``
-        (the action's own, or its tenant's holder of detached actions)."""
-        s = self.s
-        rec = s.record(tenant, tid, kind, req, argv, target=target)
+    def _queue(self, tenant: str, new: _Checked, target: str) -> ActionRecord:
+        """Into the core's queue: ``new``'s spec under its trajectory's holder (the
+        action's own, or its tenant's holder of detached actions). Nothing else knows of
+        it until :meth:`_commit` (a batch may take it back: ``core.cancel``)."""
+        rec = self.s.record(tenant, new.tid, new.kind, new.req, new.argv, target=target)
         try:
-            s.core.submit(rec.id, holder, spec, rec.submitted)
+            self.s.core.submit(rec.id, new.holder, new.spec, rec.submitted)
         except SchedulingError as e:
             raise EngineError("invalid", e.field, e.message) from None
+        return rec
+
+    def _commit(
+        self, tenant: str, rec: ActionRecord, new: _Checked, live: LiveExec | None = None
+    ) -> None:
+        """A queued action is in: it is known, its key remembered, its queue timeout set,
+        its trajectory's count up, and a round is due."""
+        s = self.s
         s.actions[rec.id] = rec
+        req = new.req
         if req.idempotency_key is not None:
             s.idempotent.remember(tenant, req.idempotency_key, rec)
         if req.queue_timeout_s is not None:
             rec.expiry = asyncio.get_running_loop().call_later(
                 req.queue_timeout_s, self.outcomes.queue_timeout, rec
             )
+        if new.traj is not None:
+            rec.live = live
+            new.traj.actions += 1
         s.wake.set()
-        return rec
 
     def _repeat(
         self, tenant: str, key: str | None, target: str, req: Request, digest: str | None
@@ -182,20 +235,14 @@ class Admission:
         again = self.s.idempotent.get(tenant, key)
         if again is None:
             return None
-        if again.target != target:
-            raise EngineError(
-                "conflict", "idempotency_key", f"{key!r} was used for {again.target}, not {target}"
-            )
-        if again.digest is not None and again.digest != digest:
-            first = again.request if isinstance(again, ActionRecord) else None
-            if first is not None and request_digest(first) != again.digest:
-                first = None  # an adopted run's stand-in: its request is not at hand
-            raise EngineError(
-                "conflict",
-                "idempotency_key",
-                f"{key!r} was used for {target} with another request{_differing(first, req)};"
-                " a retry must send the same request, and another request a new key",
-            )
+
+        def first() -> Request | None:
+            request = again.request if isinstance(again, ActionRecord) else None
+            if request is not None and request_digest(request) != again.digest:
+                return None  # an adopted run's stand-in: its request is not at hand
+            return request
+
+        _same(key, target, req, digest, was=(again.target, again.digest), first=first)
         if isinstance(again, Remembered):
             return self._replay(tenant, again)
         return again
@@ -250,6 +297,68 @@ class Admission:
             if shape and len(self._specs) < MAX_SHAPES:
                 self._specs[shape] = spec
         return argv, spec
+
+
+@dataclass(slots=True)
+class _Checked:
+    """An action checked as its route checks it, not queued yet: its request, its spec,
+    its trajectory's key (None: detached), the core's trajectory that holds it, and its
+    trajectory's record (exec)."""
+
+    req: Request
+    spec: ActionSpec
+    tid: str | None
+    holder: str
+    kind: ActionKind
+    argv: list[str] | None
+    traj: TrajectoryRecord | None
+
+    def request(self) -> Request:
+        return self.req
+
+
+def _api_target(api: str, req: ApiLeaseRequest | ApiCallRequest) -> str:
+    return f"{'lease' if isinstance(req, ApiLeaseRequest) else 'call'} of {api}"
+
+
+def _same(
+    key: str,
+    target: str,
+    req: Request,
+    digest: str | None,
+    *,
+    was: tuple[str, str | None],
+    first: Callable[[], Request | None],
+) -> None:
+    """Refuse a key reused for another operation, target or request: ``was``, the target
+    and digest of the key's first request, and ``first()`` that request where at hand (to
+    name the fields that differ)."""
+    first_target, first_digest = was
+    if first_target != target:
+        raise EngineError(
+            "conflict", "idempotency_key", f"{key!r} was used for {first_target}, not {target}"
+        )
+    if first_digest is not None and first_digest != digest:
+        raise EngineError(
+            "conflict",
+            "idempotency_key",
+            f"{key!r} was used for {target} with another request{_differing(first(), req)};"
+            " a retry must send the same request, and another request a new key",
+        )
+
+
+ITEM_FIELDS = frozenset({"trajectory", "api", "service"})  # the item's own, not its request's
+
+
+def _number(numbers: Sequence[int] | None, i: int) -> int:
+    return numbers[i] if numbers is not None else i
+
+
+def _of_item(e: EngineError, n: int, what: str) -> EngineError:
+    """``e`` as the batch's refusal: its field under item ``n`` (``actions.3.api``, or
+    ``actions.3.exec.profile`` for a field of the item's ``what`` request)."""
+    field = e.field if e.field in ITEM_FIELDS else f"{what}.{e.field}"
+    return EngineError(e.kind, f"actions.{n}.{field}", e.message)
 
 
 def _named(e: ValidationError) -> tuple[str, str]:

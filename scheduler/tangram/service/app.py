@@ -348,7 +348,8 @@ def create_app(
             i: why for i, item in enumerate(req.actions)
             if item.call is not None and (why := engine.api.unsure(who, item.call, resent_s))
         }  # fmt: skip
-        recs = engine.submit_batch(who, [a for i, a in enumerate(req.actions) if i not in unsure])
+        kept = [i for i in range(len(req.actions)) if i not in unsure]  # (refusals name these)
+        recs = engine.submit_batch(who, [req.actions[i] for i in kept], kept)
         results = await asyncio.gather(*(asyncio.shield(r.done) for r in recs))
         made = iter(payload(r, res) for r, res in zip(recs, results, strict=True))
         parts = b",".join(

@@ -421,8 +421,11 @@ class Engine:
     ) -> ActionRecord:
         return self.admission.lease_api(tenant, api, req)
 
-    def submit_batch(self, tenant: str, items: Sequence[BatchItem]) -> list[ActionRecord]:
-        return self.admission.submit_batch(tenant, items)
+    def submit_batch(
+        self, tenant: str, items: Sequence[BatchItem], numbers: Sequence[int] | None = None
+    ) -> list[ActionRecord]:
+        """``numbers``: each item's place in the request, which a refusal names."""
+        return self.admission.submit_batch(tenant, items, numbers)
 
     def cancel(self, tenant: str, aid: str) -> bool:
         return self.outcomes.cancel(tenant, aid)
