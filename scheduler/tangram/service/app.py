@@ -561,12 +561,17 @@ def _resent_s(request: Request) -> float | None:
 
 def _resent_header() -> dict[str, Any]:
     """OpenAPI for the ``Tangram-Resent`` header a route reads."""
-    return {"parameters": [{
-        "name": RESENT_HEADER, "in": "header", "required": False,
-        "description": "seconds since an earlier try of this request went out whose answer "
-        "was lost (the client sends it again)",
-        "schema": {"type": "string", "maxLength": 40},
-    }]}  # fmt: skip
+    why = "seconds since an earlier try of this request went out whose answer was lost"
+    return {"parameters": [_header_param(RESENT_HEADER, 40, why)]}
+
+
+def _header_param(name: str, max_length: int, description: str | None = None) -> dict[str, Any]:
+    """OpenAPI for an optional request header a route reads."""
+    param: dict[str, Any] = {"name": name, "in": "header", "required": False}
+    if description:
+        param["description"] = description
+    param["schema"] = {"type": "string", "maxLength": max_length}
+    return param
 
 
 def _not_made(why: ErrorInfo) -> ActionResult:
@@ -620,14 +625,7 @@ def _body(model: type[BaseModel], header: str | None = None) -> dict[str, Any]:
         "x-tangram-body": model.__name__,
     }
     if header:
-        extra["parameters"] = [
-            {
-                "name": header,
-                "in": "header",
-                "required": False,
-                "schema": {"type": "string", "maxLength": 200},
-            }
-        ]
+        extra["parameters"] = [_header_param(header, 200)]
     return extra
 
 
