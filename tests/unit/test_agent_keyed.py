@@ -69,7 +69,7 @@ def test_a_requester_cancelled_as_its_keyed_run_ends_still_gets_it_reported(
 
     async def go() -> list[AgentReply]:
         gate = _gate(agent, monkeypatch)
-        req = AgentExec(rid=7, trajectory="t", argv=["true"], key="k")
+        req = AgentExec(rid=7, trajectory="t", argv=["true"], key="k", digest="d1")
         requester = asyncio.create_task(agent._once(req, "k"))
         await asyncio.sleep(0)  # the run started and waits at the gate
         gate.set_result(None)  # the run ends in the next step ...
@@ -83,6 +83,7 @@ def test_a_requester_cancelled_as_its_keyed_run_ends_still_gets_it_reported(
 
     (reply,) = asyncio.run(go())
     assert reply.ok and reply.key == "k" and reply.rid == 0
+    assert reply.digest == "d1"  # so that a scheduler that did not place it can compare
 
 
 class _DroppingLink:

@@ -34,6 +34,7 @@ from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.service.config import PoolConfig, ServiceConfig
 from tangram.service.engine import Engine
 from tangram.service.gpu_calls import elastic_call_spec
+from tangram.service.keys import request_digest
 from tangram.service.records import ActionRecord, EngineError
 
 
@@ -533,13 +534,20 @@ def test_adoption_holds_the_gpus_of_a_call_whose_key_is_answered_and_keeps_late_
                 "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="old")
             )
             assert (await kept.done).status is ActionStatus.TIMEOUT  # the key's answer stays
-            e.membership.orphan("g", AgentReply(rid=0, ok=True, key="u\x1flate", call=outcome))
-            late = e.submit_service(
-                "u", "judge", ServiceCallRequest(inputs=[1], idempotency_key="late")
+            asked = ServiceCallRequest(inputs=[1], idempotency_key="late")
+            late_reply = AgentReply(
+                rid=0, ok=True, key="u\x1flate", call=outcome, digest=request_digest(asked)
             )
+            e.membership.orphan("g", late_reply)
+            late = e.submit_service("u", "judge", asked)
             result = await late.done  # answered at once: nothing queued, nothing run
             assert result.status is ActionStatus.OK and result.output == [0.75]
             assert e.core.queued == 0 and not e.core.running
+            with pytest.raises(EngineError) as other:  # its key, with another request
+                e.submit_service(
+                    "u", "judge", ServiceCallRequest(inputs=[2], idempotency_key="late")
+                )
+            assert other.value.kind == "conflict", other.value
         finally:
             await e.stop(grace_s=0)
 

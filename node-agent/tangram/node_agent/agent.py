@@ -406,13 +406,16 @@ class NodeAgent:
         return reply.model_copy(update={"rid": req.rid, "key": key, "replayed": again})
 
     def _keyed_done(self, key: str, task: asyncio.Task[AgentReply]) -> None:
+        run = self._keyed_info.pop(key, None)
+        # the scheduler's digest of the request, so that a scheduler that did not place
+        # the run (restarted, or its node was away) still refuses another request's key
+        digest = run.request.digest if run is not None else None
         if task.cancelled():
-            reply = AgentReply(rid=0, ok=False, error="cancelled", key=key)
+            reply = AgentReply(rid=0, ok=False, error="cancelled", key=key, digest=digest)
         else:
-            reply = task.result().model_copy(update={"rid": 0, "key": key})
+            reply = task.result().model_copy(update={"rid": 0, "key": key, "digest": digest})
         kept = self._keep(key, json_bytes(reply))
         self._keyed.pop(key, None)
-        run = self._keyed_info.pop(key, None)
         if run is not None:
             self._ran[key] = run.asked
         if run is not None and not run.journaled:

@@ -974,6 +974,7 @@ class AgentReply(_Strict):
     warm: bool | None = None
     key: str | None = None
     replayed: bool = False  # the result of an earlier run with the same key
+    digest: str | None = None  # rid 0: the scheduler's digest of the run's request
     # a keyed run that an earlier agent started and never ended: it may have run, and it
     # is not run again
     unknown: bool = False

@@ -429,6 +429,7 @@ class GpuCalls:
             return
         req = ServiceCallRequest(inputs=["(ended)"], idempotency_key=key)
         rec = s.record(tenant, None, "service", req, None, target=call_target(call.stats.service))
+        rec.digest = reply.digest  # another request under its key is refused, as before
         s.idempotent.remember(tenant, key, rec)
         self._end(rec, ActionStatus.OK, call, None, 0.0)
 
