@@ -450,6 +450,9 @@ def test_a_command_killed_by_its_signal_ends_as_envds_does(sandbox: Sandbox) -> 
     with pytest.raises(CommandExitException) as killed:
         handle.wait()
     assert killed.value.error == "signal: killed"
+    with pytest.raises(CommandExitException) as own:  # a signal this endpoint did not send
+        sandbox.commands.run("kill -SEGV $$")
+    assert (own.value.exit_code, own.value.error) == (-1, "signal: segmentation fault")
     with pytest.raises(CommandExitException) as exited:
         sandbox.commands.run("exit 3")
     assert (exited.value.exit_code, exited.value.error) == (3, "exit status 3")

@@ -85,8 +85,9 @@ def test_the_end_event_says_how_the_command_ended() -> None:
 
 
 def test_a_command_killed_by_the_signal_it_was_sent_ends_as_gos_process_state_says() -> None:
-    """128 + the signal this endpoint sent: envd's -1, not exited, "signal: killed"; the
-    same code with no such signal sent is an exit (the agent's result cannot tell)."""
+    """From an agent whose result names no signal: 128 + the signal this endpoint sent is
+    envd's -1, not exited, "signal: killed"; the same code with no such signal sent is
+    an exit (such a result cannot tell)."""
     killed = ActionResult(id="a", kind="exec", status=ActionStatus.OK, exit_code=137)
     assert _end(killed, signal.SIGKILL) == {
         "exitCode": -1, "exited": False, "status": "signal: killed", "error": "signal: killed"
@@ -99,6 +100,20 @@ def test_a_command_killed_by_the_signal_it_was_sent_ends_as_gos_process_state_sa
     }  # fmt: skip
     ok = killed.model_copy(update={"exit_code": 0})
     assert _end(ok, signal.SIGKILL) == {"exitCode": 0, "exited": True, "status": "exit status 0"}
+
+
+def test_a_command_killed_by_any_signal_its_result_names_ends_as_gos_process_state_says() -> None:
+    """A signal this endpoint did not send (the command's own, another process's, the
+    kernel's): the agent's result names it."""
+    killed = ActionResult(id="a", kind="exec", status=ActionStatus.OK, exit_code=137, signal=9)
+    assert _end(killed)["status"] == "signal: killed" and _end(killed)["exitCode"] == -1
+    segv = killed.model_copy(update={"exit_code": 139, "signal": 11})
+    assert _end(segv) == {
+        "exitCode": -1, "exited": False, "status": "signal: segmentation fault",
+        "error": "signal: segmentation fault",
+    }  # fmt: skip
+    rare = killed.model_copy(update={"exit_code": 128 + 40, "signal": 40})
+    assert _end(rare)["status"] == "signal: signal 40"  # as Go names a signal it has no name for
 
 
 def test_an_entry_is_envds_entry_info() -> None:

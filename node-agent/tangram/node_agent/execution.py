@@ -70,6 +70,7 @@ class ExecResult:
     teardown_s: float  # back to the idle set
     path: str = "process"  # how it was started: fast, portable (Docker) or process
     fallback: str = ""  # why the fast path was not taken, when it was not
+    signal: int | None = None  # the signal that killed the command, when one did
 
     @property
     def dop(self) -> int:
@@ -88,11 +89,14 @@ class ExecResult:
     ) -> ExecResult:
         """Assemble a result from the output and the four time stamps of an exec.
 
-        A command killed by a signal reports 128 + the signal, as shells and Docker do.
+        A command killed by a signal (``code`` is minus the signal) reports 128 + the
+        signal, as shells and Docker do, and the signal apart: an exit with that code is
+        not a death by it.
         """
         t0, t1, t2, t3 = stamps
+        killed = -code if code is not None and code < 0 else None
         return cls(
-            128 - code if code is not None and code < 0 else code,
+            128 + killed if killed is not None else code,
             output.stdout.decode(errors="replace"),
             output.stderr.decode(errors="replace"),
             output.stdout_truncated,
@@ -103,6 +107,7 @@ class ExecResult:
             t2 - t1,
             t3 - t2,
             path,
+            signal=killed,
         )
 
 

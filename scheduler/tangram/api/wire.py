@@ -326,6 +326,9 @@ class ActionResult(_Answer):
     kind: Literal["exec", "service", "api"]
     status: ActionStatus
     exit_code: int | None = None
+    # The signal that killed the command; its exit_code is then 128 + it, as a shell's
+    # (an exit with that code, a shell's own for a child killed, has none).
+    signal: int | None = None
     stdout: str = ""
     stderr: str = ""
     stdout_truncated: bool = False
@@ -918,6 +921,7 @@ class ExecOutcome(_Strict):
     teardown_s: float
     path: str
     fallback: str = ""
+    signal: int | None = None  # the signal that killed the command (exit_code: 128 + it)
 
 
 class FilesOutcome(_Strict):

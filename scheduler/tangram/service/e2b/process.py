@@ -29,7 +29,17 @@ from tangram.service.records import EngineError
 SIGNALS: dict[object, int] = {"SIGNAL_SIGTERM": signal.SIGTERM, "SIGNAL_SIGKILL": signal.SIGKILL,
                               15: signal.SIGTERM, 9: signal.SIGKILL}  # fmt: skip
 # What Go (envd's ProcessState) calls a signal a command died of.
-_GO_NAMES: dict[int, str] = {signal.SIGKILL: "killed", signal.SIGTERM: "terminated"}
+# How Go's syscall.Signal names a signal (its ProcessState's "signal: ..."); one it has no
+# name for is "signal N".
+_GO_NAMES: dict[int, str] = {
+    signal.SIGHUP: "hangup", signal.SIGINT: "interrupt", signal.SIGQUIT: "quit",
+    signal.SIGILL: "illegal instruction", signal.SIGTRAP: "trace/breakpoint trap",
+    signal.SIGABRT: "aborted", signal.SIGBUS: "bus error",
+    signal.SIGFPE: "floating point exception", signal.SIGKILL: "killed",
+    signal.SIGUSR1: "user defined signal 1", signal.SIGSEGV: "segmentation fault",
+    signal.SIGUSR2: "user defined signal 2", signal.SIGPIPE: "broken pipe",
+    signal.SIGALRM: "alarm clock", signal.SIGTERM: "terminated",
+}  # fmt: skip
 # A command asked to run in another directory: the exec runs in the environment's
 # workdir, so a shell moves first ($0 is the directory, "$@" the command).
 _CD = 'cd -- "$0" && exec "$@"'
@@ -170,15 +180,18 @@ def _end(result: ActionResult, signalled: int | None = None) -> dict[str, Any]:
     code and status, and for a non-zero one the same as ``error``; a death by a signal
     exit code -1, not exited, "signal: killed".
 
-    The agent's result gives a signal death as 128 + the signal, as shells do, which an
-    exit with that code is too: it is read as the death only for the signal this endpoint
-    sent the command (SendSignal, ``signalled``). A command killed otherwise (by itself,
-    another process, the kernel) ends as "exit status 137" here.
+    The result names the signal that killed the command. An agent from before it was
+    named gives only 128 + the signal, as shells do, which an exit with that code is too:
+    then it is read as the death only for the signal this endpoint sent the command
+    (SendSignal, ``signalled``).
     """
     end: dict[str, Any] = {}
     code = result.exit_code
-    if code is not None and signalled in _GO_NAMES and code == 128 + signalled:
-        status = f"signal: {_GO_NAMES[signalled]}"
+    killed = result.signal
+    if killed is None and code is not None and signalled is not None and code == 128 + signalled:
+        killed = signalled
+    if killed is not None:
+        status = f"signal: {_GO_NAMES.get(killed, f'signal {killed}')}"
         end.update(exitCode=-1, exited=False, status=status, error=status)
     elif code is not None:
         end.update(exitCode=code, exited=True, status=f"exit status {code}")
