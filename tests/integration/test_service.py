@@ -3,6 +3,7 @@ processes in real cgroups (the process runtime), the real client."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -556,3 +557,27 @@ def test_an_unkeyed_lease_whose_client_left_is_cancelled_not_granted_to_nobody(
         c.release(held.lease)
         after = c.lease("q", hold_s=600)  # the unit is free
         assert after.status is ActionStatus.OK and list(state.leases) == [after.lease]
+
+
+def test_a_batchs_unkeyed_items_whose_client_left_are_cancelled_and_their_leases_released(
+    tmp_path: Path,
+) -> None:
+    """As for a single request: of a batch whose client closed its connection, the
+    queued unkeyed item is cancelled and the lease already granted to another released
+    (nobody could learn its id); the quota has only the lease held before."""
+    config = PoolConfig(apis=(ApiSpec(name="q", concurrency=2),))
+    with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
+        held = c.lease("q", hold_s=600)
+        assert held.lease is not None
+        state = running.engine.state
+        lease = {"api": "q", "lease": {"hold_s": 600}}
+        body = json.dumps({"actions": [lease, lease]}).encode()
+        with socket.create_connection(("127.0.0.1", int(running.url.rsplit(":", 1)[1]))) as s:
+            head = (f"POST /v1/batch HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    f"{token}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+            s.sendall(head.encode() + body)
+            until(lambda: len(state.leases) == 2 and len(state.actions) == 3,
+                  "one item was not granted and the other queued")  # fmt: skip
+        until(lambda: len(state.actions) == 1, "the queued item of the client that left stayed")
+        until(lambda: list(state.leases) == [held.lease], "the granted item's lease stayed held")

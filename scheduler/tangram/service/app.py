@@ -350,7 +350,7 @@ def create_app(
         }  # fmt: skip
         kept = [i for i in range(len(req.actions)) if i not in unsure]  # (refusals name these)
         recs = engine.submit_batch(who, [req.actions[i] for i in kept], kept)
-        results = await asyncio.gather(*(asyncio.shield(r.done) for r in recs))
+        results = await _ended(recs, engine, request.receive)
         made = iter(payload(r, res) for r, res in zip(recs, results, strict=True))
         parts = b",".join(
             json_bytes(_not_made(unsure[i])) if i in unsure else next(made)
@@ -585,26 +585,41 @@ async def _answer(rec: ActionRecord, engine: Engine, receive: Receive) -> Respon
 
 
 async def _result(rec: ActionRecord, engine: Engine, receive: Receive) -> bytes:
-    """The action's result once it ends, as JSON. An unkeyed action whose client leaves
+    """The action's result once it ends, as JSON (``_ended``)."""
+    (result,) = await _ended([rec], engine, receive)
+    return payload(rec, result)
+
+
+async def _ended(
+    recs: Sequence[ActionRecord], engine: Engine, receive: Receive
+) -> list[ActionResult]:
+    """The actions' results once all have ended. An unkeyed action whose client leaves
     before (``receive`` says the connection closed) could never be collected: it is
     cancelled if still queued, and a lease granted it is released (held, nobody could
     release it: its quota would be blocked for its whole hold). A keyed one goes on for
     the retry that collects it by its key."""
-    done = asyncio.shield(rec.done)
-    if rec.request is None or rec.request.idempotency_key is not None or rec.done.done():
-        return payload(rec, await done)
+    every = asyncio.gather(*(asyncio.shield(r.done) for r in recs))
+    unkeyed = [r for r in recs if r.request is not None and r.request.idempotency_key is None]
+    if not unkeyed or all(r.done.done() for r in recs):
+        return await every
     gone = asyncio.ensure_future(_closed(receive))
-    waits: set[asyncio.Future[Any]] = {done, gone}
+    waits: set[asyncio.Future[Any]] = {every, gone}
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if not rec.done.done() and rec.started is None:
-        engine.cancel(rec.tenant, rec.id)
-    result = await done
-    if gone.done() and not gone.cancelled() and result.lease is not None:
-        engine.release(rec.tenant, result.lease)
-    return payload(rec, result)
+    left = gone.done() and not gone.cancelled()
+    if left:
+        for rec in unkeyed:
+            if not rec.done.done() and rec.started is None:
+                engine.cancel(rec.tenant, rec.id)
+    results = await every
+    if left:
+        loose = {r.id for r in unkeyed}
+        for rec, result in zip(recs, results, strict=True):
+            if rec.id in loose and result.lease is not None:
+                engine.release(rec.tenant, result.lease)
+    return results
 
 
 async def _closed(receive: Receive) -> None:
