@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ from tangram.api.wire import (
     ActionStatus,
     AgentCall,
     AgentCancel,
+    AgentExec,
     AgentReply,
     AgentRequest,
     ApiLeaseRequest,
@@ -76,7 +78,7 @@ def test_an_efficiency_table_is_not_cached_but_still_accepted() -> None:
             t1_s=1.0,
             efficiency=TableEfficiency(table={1: 1.0, 2: 0.9}),
         )
-        argv, spec = e.admission._exec_spec(env, req)
+        argv, spec, _ = e.admission._exec_spec(env, req)
         assert argv == ["true"] and spec.efficiency is not None
         assert e.admission._specs == {}
 
@@ -477,6 +479,45 @@ def test_a_call_answered_by_a_replay_teaches_no_duration_and_no_residency(
     observed, resident = asyncio.run(scenario())
     assert observed[0] == 0 and not resident
     assert observed[1] == 1  # the same call, really run, is learned from
+
+
+def test_a_queued_exec_keeps_its_profiles_command_and_time_limit_across_a_reload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a profile gives an exec is taken when it is admitted: a reload that changes
+    or drops the profile meanwhile neither fails it (it did: a KeyError at dispatch, an
+    internal error) nor runs its command under the new limit."""
+    from tangram.service.config import ActionProfile
+
+    engine = _engine_with_t1()
+    env = engine.state.config.envs["e"]
+    profiled = replace(env, profiles={"tests": ActionProfile(("pytest",), timeout_s=7)})
+    engine.reconfigure(replace(engine.state.config, envs={"e": profiled}))
+    sent: list[AgentExec] = []
+
+    async def ask(node: str | None, req: AgentRequest) -> AgentReply:
+        assert isinstance(req, AgentExec)
+        sent.append(req)
+        out = ExecOutcome(exit_code=0, stdout="", stderr="", stdout_truncated=False,
+                          stderr_truncated=False, timed_out=False, setup_s=0.0, exec_s=0.1,
+                          teardown_s=0.0, path="portable")  # fmt: skip
+        return AgentReply(rid=req.rid, ok=True, result=out)
+
+    monkeypatch.setattr(engine.state, "ask", ask)
+
+    async def scenario() -> ActionStatus:
+        await engine.start()
+        try:
+            rec = engine.submit_exec("u", "t1", ExecRequest(profile="tests", args=["-x"]))
+            renamed = {"tests-renamed": ActionProfile(("true",), timeout_s=1)}
+            engine.reconfigure(replace(engine.state.config,
+                                       envs={"e": replace(env, profiles=renamed)}))  # fmt: skip
+            return (await rec.done).status
+        finally:
+            await engine.stop(grace_s=0)
+
+    assert asyncio.run(scenario()) is ActionStatus.OK
+    assert [(r.argv, r.timeout_s) for r in sent] == [(["pytest", "-x"], 7.0)]
 
 
 def test_an_exec_answered_by_a_replay_teaches_no_duration(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -172,8 +172,8 @@ class Admission:
 
     def _exec(self, tenant: str, tid: str, req: ExecRequest) -> _Checked:
         traj = self.s.usable(tenant, tid)
-        argv, spec = self._exec_spec(self.s.env_of(traj), req)
-        return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj)
+        argv, spec, timeout = self._exec_spec(self.s.env_of(traj), req)
+        return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj, timeout)
 
     def _api(self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest) -> _Checked:
         return self._detached(tenant, req, self.api.spec(api, req), group="leases", kind="api")
@@ -200,6 +200,7 @@ class Admission:
         action's own, or its tenant's holder of detached actions). Nothing else knows of
         it until :meth:`_commit` (a batch may take it back: ``core.cancel``)."""
         rec = self.s.record(tenant, new.tid, new.kind, new.req, new.argv, target=target)
+        rec.timeout_s = new.timeout_s
         try:
             self.s.core.submit(rec.id, new.holder, new.spec, rec.submitted)
         except SchedulingError as e:
@@ -266,8 +267,11 @@ class Admission:
             digest=kept.digest,
         )
 
-    def _exec_spec(self, env: EnvConfig, req: ExecRequest) -> tuple[list[str] | None, ActionSpec]:
-        cpu, t1, eff, argv = req.cpu, req.t1_s, req.efficiency, req.argv
+    def _exec_spec(
+        self, env: EnvConfig, req: ExecRequest
+    ) -> tuple[list[str] | None, ActionSpec, float | None]:
+        """Its command, spec and time limit, its profile's where the request gives none."""
+        cpu, t1, eff, argv, timeout = req.cpu, req.t1_s, req.efficiency, req.argv, req.timeout_s
         kind = req.type
         if req.profile is not None:
             prof = env.profiles.get(req.profile)
@@ -282,6 +286,7 @@ class Admission:
             cpu = cpu if cpu is not None else prof.cpu
             t1 = t1 if t1 is not None else prof.t1_s
             eff = eff if eff is not None else prof.efficiency
+            timeout = timeout if timeout is not None else prof.timeout_s
             kind = kind or f"exec:{env.spec.name}/{req.profile}"
         cores = cpu if cpu is not None else env.cpu
         shape: tuple[Any, ...] = (cores, t1, eff, kind)
@@ -296,7 +301,7 @@ class Admission:
                 raise EngineError("invalid", *_named(e)) from None
             if shape and len(self._specs) < MAX_SHAPES:
                 self._specs[shape] = spec
-        return argv, spec
+        return argv, spec, timeout
 
 
 @dataclass(slots=True)
@@ -312,6 +317,7 @@ class _Checked:
     kind: ActionKind
     argv: list[str] | None
     traj: TrajectoryRecord | None
+    timeout_s: float | None = None  # an exec's (``_exec_spec``)
 
     def request(self) -> Request:
         return self.req

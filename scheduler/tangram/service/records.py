@@ -123,6 +123,9 @@ class ActionRecord:
     # run's is its agent's copy. None for the stand-ins of runs answered while nobody asked
     # or adopted from an agent that kept none (their request unknown)
     digest: str | None = None
+    # An exec's time limit: its request's, else its profile's, taken when it was admitted
+    # with the profile's command (a reload may change or drop the profile meanwhile)
+    timeout_s: float | None = None
 
     @property
     def shown_trajectory(self) -> str | None:

@@ -131,10 +131,7 @@ class Rounds:
         assert rec.trajectory is not None
         req = rec.request
         cores = [s.node_cores[asg.node][i] for i in asg.cores]
-        env = s.env_of(s.trajectories[rec.trajectory])
-        timeout = req.timeout_s
-        if timeout is None and req.profile is not None:
-            timeout = env.profiles[req.profile].timeout_s
+        timeout = rec.timeout_s
         key = rec.agent_key
         op: AgentExec | AgentSession
         if req.session is not None:
