@@ -260,6 +260,25 @@ def test_proxied_api_calls_use_the_credential_and_never_return_it(
     assert SECRET not in caplog.text
 
 
+def test_a_proxied_call_cannot_leave_its_endpoints_base_path(tmp_path: Path) -> None:
+    """An endpoint scoped to a prefix of a gateway keeps its credential under it: dot
+    segments, as written or percent-encoded (the HTTP client would normalise them away),
+    are refused naming the path."""
+    with http_serving(_Provider) as url:
+        config = PoolConfig(
+            apis=(ApiSpec(name="search", concurrency=1),),
+            endpoints={"search": ApiEndpoint(url + "/api/v1", SECRET)},
+        )
+        with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
+            r = c.call("search", "/find/.../x.y")  # (dots that are no segment of their own)
+            assert r.output == {"status": 200, "body": {"path": "/api/v1/find/.../x.y",
+                                                         "auth_ok": True}}  # fmt: skip
+            for climbing in ("/../../admin", "/a/%2e%2e/%2E%2E/admin", "/a/..%2f..%2fadmin"):
+                with pytest.raises(TangramError) as e:
+                    c.call("search", climbing)
+                assert e.value.status == 400 and e.value.field == "path", climbing
+
+
 def _raw_call(api: str, body: dict[str, object]) -> Call:
     return Call("POST", f"/v1/apis/{api}/call", body)
 

@@ -13,8 +13,10 @@ import json
 import re
 from enum import StrEnum
 from typing import Annotated, Any, AnyStr, Literal, Self
+from urllib.parse import unquote
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -229,12 +231,28 @@ class ApiLeaseRequest(_Strict):
     idempotency_key: IdempotencyKey | None = None
 
 
+def _under_endpoint(path: str) -> str:
+    """Refuse a path with a '.' or '..' segment, as written or once its percent-escapes
+    are decoded (the HTTP client normalises ``%2e%2e`` as ``..``; a server may decode
+    ``%2f`` as ``/``): the call would leave its endpoint's base path, credential and all."""
+    head = re.split(r"[?#]", path, maxsplit=1)[0]
+    for segment in head.split("/"):
+        if any(part in (".", "..") for part in re.split(r"[/\\]", unquote(segment))):
+            raise ValueError(
+                "'.' and '..' segments (also percent-encoded) are refused: a call stays "
+                "under its endpoint's URL, which its credential is for"
+            )
+    return path
+
+
 class ApiCallRequest(_Strict):
     """A request the service makes for the caller against a quota's endpoint, with the
     credential it holds (never returned, never logged)."""
 
     method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "GET"
-    path: Annotated[str, Field(pattern=r"^/[^\s]*$", max_length=2048)] = "/"
+    path: Annotated[
+        str, Field(pattern=r"^/[^\s]*$", max_length=2048), AfterValidator(_under_endpoint)
+    ] = "/"
     query: dict[str, str] = Field(default_factory=dict)
     body: Any = None  # sent as JSON when given
     headers: dict[str, str] = Field(
