@@ -43,5 +43,21 @@ def test_what_an_agent_keeps_is_readable_by_it_alone(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert _mode(state) == 0o700 and _mode(state / "meta" / "t1.json") == 0o600
+    assert _mode(state / "meta") == 0o700  # (its file names are the trajectories')
     NodeAgent.create(state, runtime="noop", cores_for_actions=1)  # rewrites its journal
     assert _mode(state / "keys.journal") == 0o600
+
+
+def test_the_schedulers_learned_file_is_readable_by_it_alone(tmp_path: Path) -> None:
+    """It names tenants and holds their idempotency keys (leases): 0600 in a directory of
+    its own, 0700, whatever the umask lets other files be."""
+    from tangram.service.learned_file import LearnedFile
+
+    learned = LearnedFile(tmp_path / "state" / "learned" / "pool.json")
+    old = os.umask(0o022)
+    try:
+        learned.write(b"{}")
+        learned.write(b"{}")  # (replaced, as each save does)
+    finally:
+        os.umask(old)
+    assert _mode(learned.path) == 0o600 and _mode(learned.path.parent) == 0o700

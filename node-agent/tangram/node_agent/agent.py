@@ -528,7 +528,7 @@ class NodeAgent:
     def _remember(self, meta: TrajectoryMeta) -> None:
         self.meta[meta.id] = meta
         if self.meta_dir is not None:
-            self.meta_dir.mkdir(parents=True, exist_ok=True)
+            self.meta_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             tmp = self.meta_dir / f".{meta.id}.json"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             with open(fd, "wb") as out:  # (its tenant's name: this agent's alone to read)

@@ -96,7 +96,7 @@ class KeyJournal:
         ``asked``: what each key ran."""
         asked = asked or {}
         tmp = self.path.with_suffix(".tmp")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with open(fd, "wb") as out:  # (replies hold commands' output: this agent's alone)
             for key in started:
@@ -119,7 +119,7 @@ class KeyJournal:
 
     def _append(self, line: bytes) -> None:
         if self._fd < 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                                0o600)  # fmt: skip
         if self._torn:  # what was left of the last line: this one starts on a line of its own

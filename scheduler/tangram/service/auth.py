@@ -48,7 +48,7 @@ class TokenStore:
     @staticmethod
     def create(path: Path, tenant: str = "local") -> TokenStore:
         """Write a new file with one client token for ``tenant`` and one agent token."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         client, agent = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -71,10 +71,12 @@ class LearnedFile:
             return None
 
     def write(self, document: bytes) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Its owner's alone: it names tenants and holds their idempotency keys.
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(document)
                 f.flush()
                 os.fsync(f.fileno())
