@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -205,6 +207,98 @@ def test_gzip_uploads_are_whole_gzip_held_to_the_file_limit_once_inflated(
         assert refused.status_code == 400, refused.text
         assert refused.json()["message"].startswith("body: ") and why in refused.text
     assert sandbox.files.read("kept.txt") == "kept"  # none of them replaced it
+
+
+BOUNDARY = "XyZbOuNdArY"
+
+
+def _form_part(name: str, data: bytes = b"", filename: str | None = None) -> bytes:
+    named = f'; filename="{filename}"' if filename is not None else ""
+    head = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"{named}\r\n\r\n'
+    return head.encode() + data + b"\r\n"
+
+
+@contextlib.contextmanager
+def _posting(url: str, sandbox: Sandbox, token: str, length: int) -> Iterator[socket.socket]:
+    """A socket with ``POST /files`` begun, its body (``length`` bytes, multipart) to be
+    sent a piece at a time."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"POST /files HTTP/1.1\r\nHost: {host}\r\n"
+                  f"X-Access-Token: {token}\r\nE2b-Sandbox-Id: {sandbox.sandbox_id}\r\n"
+                  f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+                  f"Content-Length: {length}\r\n\r\n".encode())  # fmt: skip
+        yield s
+
+
+def _answer(s: socket.socket) -> tuple[int, str]:
+    got = b""
+    while b"\r\n\r\n" not in got or not got.rstrip().endswith((b"}", b"]")):
+        piece = s.recv(65536)
+        if not piece:
+            break
+        got += piece
+    head, _, body = got.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+def test_a_multipart_upload_is_written_part_by_part_as_it_streams(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    """Each file part is written as it comes (whole, as any write), not once the whole
+    body is in the scheduler: a body as large as maxFileBytes is never held there."""
+    _, url, token = e2b
+    data = os.urandom(300_000)
+    first = _form_part("file", data, "s/one.bin")
+    second = _form_part("file", b"two", "s/two.txt")
+    end = f"--{BOUNDARY}--\r\n".encode()
+    with _posting(url, sandbox, token, len(first + second + end)) as s:
+        s.sendall(first + second[:60])  # the second part begun: the first has ended
+        until(lambda: sandbox.files.exists("s/one.bin"), "the first part written mid-body")
+        assert not sandbox.files.exists("s/two.txt")  # (a write lands whole)
+        s.sendall(second[60:] + end)
+        status, body = _answer(s)
+    assert status == 200, body
+    assert sandbox.files.read("s/one.bin", format="bytes") == data
+    assert sandbox.files.read("s/two.txt") == "two"
+
+
+def test_a_multipart_upload_refuses_large_other_parts_at_once_naming_them(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    """Parts other than ``file`` (E2B's SDK sends none) are read past but held to a few
+    KiB: a body of large ones is refused while it is still coming, not kept to its end."""
+    _, url, token = e2b
+    field = _form_part("f0", b"a" * 1_000_000)
+    with _posting(url, sandbox, token, 7 * len(field)) as s:  # (under the limit, 8 MiB)
+        s.sendall(field[:65536])
+        status, body = _answer(s)
+    assert status == 400 and json.loads(body)["message"].startswith("f0: over 4096 bytes")
+
+    envd = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token,
+            "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}  # fmt: skip
+    end = f"--{BOUNDARY}--\r\n".encode()
+
+    def upload(body: bytes, **params: str) -> httpx.Response:
+        return httpx.post(f"{url}/files", params=params, content=body + end, headers=envd,
+                          timeout=30)  # fmt: skip
+
+    # Small ones are read past, as envd does; an upload of no file part says so.
+    r = upload(_form_part("note", b"n" * 4096) + _form_part("file", b"f", "f.txt"))
+    assert r.status_code == 200 and sandbox.files.read("f.txt") == "f"
+    r = upload(_form_part("note", b"n"))
+    assert r.status_code == 400 and r.json()["message"].startswith("file: ")
+    # The body is held to maxFileBytes as it comes, of no declared length too (chunked).
+    over = iter([_form_part("file", b"x" * LIMIT, "over.bin"), end])
+    r = httpx.post(f"{url}/files", content=over, headers=envd, timeout=30)
+    assert r.status_code == 413, r.text
+    assert not sandbox.files.exists("over.bin")
+    # One ?path= names one file: a second file part is refused (the first is written, as
+    # in envd).
+    r = upload(_form_part("file", b"1", "a") + _form_part("file", b"2", "b"), path="only.txt")
+    assert r.status_code == 400 and r.json()["message"].startswith("path: names one file")
+    assert sandbox.files.read("only.txt") == "1"
+    assert not sandbox.files.exists("b")
 
 
 def test_a_path_out_of_the_sandbox_is_refused_naming_it(sandbox: Sandbox) -> None:

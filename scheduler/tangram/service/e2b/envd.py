@@ -12,14 +12,14 @@ No ``from __future__ import annotations``: FastAPI reads the routes' annotations
 
 import stat as stat_bits
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.datastructures import UploadFile
 from starlette.types import Scope
 
-from tangram.api.wire import MAX_PATH, STREAM_CHUNK, FileEntry
+from tangram.api.wire import MAX_PATH, FileEntry
 from tangram.service.e2b import process
 from tangram.service.e2b.connect import (
     CODE_STATUS,
@@ -32,6 +32,7 @@ from tangram.service.e2b.connect import (
 )
 from tangram.service.e2b.control import Admit, iso
 from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
+from tangram.service.e2b.multipart import file_parts
 from tangram.service.e2b.sandboxes import Sandbox, Sandboxes
 from tangram.service.engine import Engine
 from tangram.service.file_routes import download_response
@@ -46,7 +47,6 @@ _STATUS_CODE = {400: "invalid_argument", 401: "unauthenticated", 403: "permissio
 MAX_LIST = 100_000  # entries a ListDir answers at most
 MAX_UINT32 = (1 << 32) - 1  # the largest depth envd's proto can carry
 MAX_DEPTH = MAX_PATH // 2  # levels a ListDir walks at most ("a/" each)
-MAX_UPLOAD_FILES = 1000  # files in one multipart upload
 
 Path = Annotated[str, Query(min_length=1, max_length=MAX_PATH)]
 Username = Annotated[str | None, Query(description="ignored: commands and files are the "
@@ -98,22 +98,25 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         username: Username = None,
     ) -> list[dict[str, str]]:  # fmt: skip
         """Write files: the body as one file at ``path`` (``application/octet-stream``,
-        ``Content-Encoding: gzip`` allowed), or the ``file`` parts of a multipart body
-        (each at ``path`` if there is one part, else at its filename). Missing parent
-        directories are made."""
+        ``Content-Encoding: gzip`` allowed), or the ``file`` parts of a multipart body,
+        each written as it streams in, one after another (at ``path`` if given, which
+        names one file, else at its filename). Missing parent directories are made."""
         who, box = await caller(request)
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        written = []
-        if kind == "multipart/form-data":
-            form = await request.form(max_files=MAX_UPLOAD_FILES)
-            parts = [p for p in form.getlist("file") if isinstance(p, UploadFile)]
-            if not parts:
+        content_type = request.headers.get("content-type", "")
+        written: list[dict[str, str]] = []
+        if content_type.split(";")[0].strip().lower() == "multipart/form-data":
+            parts = file_parts(request.stream(), content_type)
+            async with aclosing(parts):
+                async for filename, data in parts:
+                    if path and written:  # (envd's: the first part is written, not the rest)
+                        raise E2BError(400, f"path: names one file ({written[0]['path']}, "
+                                       "written): several file parts are named each by "
+                                       "its filename, without ?path=")  # fmt: skip
+                    if not (path or filename):
+                        raise E2BError(400, "path: a part without a filename needs ?path=")
+                    written.append(await _write(who, box, path or filename, data))
+            if not written:
                 raise E2BError(400, "file: the multipart body has no file part")
-            for part in parts:
-                target = path if path and len(parts) == 1 else part.filename
-                if not target:
-                    raise E2BError(400, "path: a part without a filename needs ?path=")
-                written.append(await _write(who, box, target, _part(part)))
         else:
             if not path:
                 raise E2BError(400, "path: required for an octet-stream upload")
@@ -336,11 +339,6 @@ def _keepalive(header: str | None) -> float | None:
 def _unimplemented(what: str) -> Response:
     error = ConnectError("unimplemented", f"{what} is not served by ARL-Tangram's E2B endpoint")
     return JSONResponse(error.body(), CODE_STATUS[error.code])
-
-
-async def _part(part: UploadFile) -> AsyncIterator[bytes]:
-    while chunk := await part.read(STREAM_CHUNK):
-        yield chunk
 
 
 _UPLOAD_DOC = {

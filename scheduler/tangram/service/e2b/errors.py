@@ -59,7 +59,7 @@ class E2BRoute(APIRoute):
                 return from_engine(e)
             except E2BError as e:
                 return answer(e.status, e.message)
-            except HTTPException as e:  # the framework's (an unreadable multipart body)
+            except HTTPException as e:  # the framework's (a body grown over its limit: 413)
                 return answer(e.status_code, str(e.detail))
 
         return handle
