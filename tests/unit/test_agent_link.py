@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -164,6 +166,43 @@ def test_an_outbox_counts_what_it_has_not_sent_and_says_when_all_is_sent() -> No
         box.close()
 
     asyncio.run(go())
+
+
+def test_a_closed_outbox_drops_what_it_holds_and_lets_its_owner_go() -> None:
+    """A peer that stopped reading: closed, its outbox drops the answers waiting for it
+    and those posted later, and its owner (whose callback it holds, as it holds the
+    outbox) is freed when dropped, with no collection of cycles (they are rare in the
+    scheduler: a dead stream's answers stayed until a full collection)."""
+
+    class Owner:
+        def __init__(self) -> None:
+            self.box: Outbox[bytes] = Outbox(self.send, self.failed, packed=True)
+
+        async def send(self, frame: bytes) -> None:
+            await asyncio.Event().wait()  # never read
+
+        async def failed(self, e: Exception) -> None:
+            raise AssertionError(e)
+
+    async def go() -> weakref.ref[Owner]:
+        owner = Owner()
+        owner.box.post(b"a" * 1000)
+        await asyncio.sleep(0.01)  # the writer holds it, sending
+        owner.box.post(b"b" * 1000)
+        assert owner.box.backlog == 2000
+        owner.box.close()
+        owner.box.post(b"c" * 1000)  # (an answer that ends after the peer left)
+        assert owner.box.backlog == 0
+        await asyncio.sleep(0.01)  # the writer's cancel lands
+        await asyncio.wait_for(owner.box.flushed(), 5)  # nobody waits for a closed one
+        return weakref.ref(owner)
+
+    gc.disable()
+    try:
+        gone = asyncio.run(go())
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_a_reply_field_from_a_newer_agent_is_ignored_not_a_broken_link() -> None:

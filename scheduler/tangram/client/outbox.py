@@ -38,8 +38,11 @@ class Outbox(Generic[AnyStr]):
         self.backlog = 0  # bytes (or characters) posted and not sent yet
         self._empty = asyncio.Event()  # nothing posted is unsent
         self._empty.set()
+        self._closed = False
 
     def post(self, message: AnyStr) -> None:
+        if self._closed:
+            return  # nothing more is written: dropped, as what was queued
         self._queue.append(message)
         self.backlog += len(message)
         self._empty.clear()
@@ -54,9 +57,18 @@ class Outbox(Generic[AnyStr]):
             await self._empty.wait()
 
     def close(self) -> None:
-        """Stop writing (what is still queued is dropped)."""
+        """Stop writing: what is still queued is dropped now, and what is posted later.
+        Its callbacks are let go, so that an owner and its outbox (each holding the
+        other) holding a peer's unread answers are freed as soon as the owner is
+        dropped, not at a full collection that may not come for long."""
+        self._closed = True
         if self._writer is not None and self._writer is not asyncio.current_task():
             self._writer.cancel()
+        self._writer = None
+        self._queue = []
+        self.backlog = 0
+        self._send, self._on_failure = _unsent, _ignore
+        self._empty.set()
 
     async def _write_forever(self) -> None:
         try:
@@ -76,3 +88,11 @@ class Outbox(Generic[AnyStr]):
                 await self._on_failure(e)
         finally:
             self._empty.set()  # nothing more will be sent: nobody may wait for it
+
+
+async def _unsent(_: object) -> None:
+    """A closed outbox's writer: nothing more is written."""
+
+
+async def _ignore(_: Exception) -> None:
+    """A closed outbox's failure callback: its owner has stopped listening."""
