@@ -317,8 +317,9 @@ def test_fuzzed_messages_are_answered_below_500_and_the_stream_goes_on(
 
 
 def test_an_exec_too_large_for_a_frame_goes_over_http(running: tuple[Running, str]) -> None:
-    """Over 32 MiB the client does not put it on the stream (whose frames stop at 64 MiB):
-    HTTP answers it, here with the pool's 413, and the stream stays up for the rest."""
+    """Over a frame (1 MiB) the client does not put it on the stream (a frame far over the
+    pool's maxRequestBytes would end the stream): HTTP answers it, here with the pool's
+    413, and the stream stays up for the rest."""
     run, token = running
 
     async def go() -> None:
@@ -326,7 +327,7 @@ def test_an_exec_too_large_for_a_frame_goes_over_http(running: tuple[Running, st
             tid = (await client.open("noop")).id
             assert (await client.exec(tid, ["true"])).status is ActionStatus.OK
             with pytest.raises(TangramError) as e:
-                await client.exec(tid, ["echo", "x" * (33 << 20)])
+                await client.exec(tid, ["echo", "x" * (3 << 20)])
             assert (e.value.status, e.value.code) == (413, "too_large")
             # HTTP's wording: the stream would have said "message over ..." instead.
             assert e.value.message.startswith("request body over")

@@ -20,6 +20,7 @@ import aiohttp
 
 from tangram.api.wire import (
     AGENT_SUBPROTOCOL,
+    FRAME_BYTES,
     STREAM_PATH,
     ActionResult,
     StreamAnswer,
@@ -29,9 +30,10 @@ from tangram.client.common import TangramError, stream_error
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
-# A larger exec goes over HTTP: the service reads frames of up to 64 MiB, and a message
-# over that would end the stream, not get a 413.
-MAX_MESSAGE_BYTES = 32 << 20
+# A larger exec goes over HTTP: the service reads a stream's frames up to about twice the
+# larger of this and the pool's maxRequestBytes, and a frame over that ends the stream
+# (1009), not just its message with a 413.
+MAX_MESSAGE_BYTES = FRAME_BYTES
 _OUTPUT = re.compile(rb'\{"id":\d+,"(stdout|stderr)"')  # how the service writes output
 # A stream silent this long is pinged; no pong within half of it and the stream is taken
 # for dead (a scheduler host gone, a partition: nothing, not even a FIN, arrives), its

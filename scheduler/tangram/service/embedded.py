@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.http11 import Request
 
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.link import serve as serve_agent
@@ -25,8 +27,96 @@ from tangram.service.config import PoolConfig
 from tangram.service.engine import Engine
 from tangram.service.learned_file import LearnedStore
 from tangram.service.reviews import TokenReviewer
+from tangram.service.stream import frame_limit
 
 log = logging.getLogger("tangram.service")
+
+
+# A request's line and headers, at most: llhttp (httptools) has no bound of its own, and
+# uvicorn keeps every header it is sent until the head ends, so one connection could grow
+# the scheduler without limit before any token is checked. Far above any real client's.
+HEAD_BYTES = 64 << 10
+# The agents' link: a reply may be up to 16 MiB of output, escaped (as the agent's own).
+AGENT_FRAME_BYTES = 64 << 20
+AGENTS_PATH = "/v1/agents"
+
+_HTTP: type[asyncio.Protocol] | str  # the HTTP/1.1 protocol uvicorn is given
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # no httptools (uvicorn[standard] brings it): h11, bounded by h11 itself
+    _HTTP = "h11"
+else:
+
+    class _BoundedHead(HttpToolsProtocol):
+        """uvicorn's httptools protocol with the request head bounded (``HEAD_BYTES``):
+        past it the answer is 431 and the connection closes. Counted a read at a time,
+        from the read after the one the request began in (its offset in that read is not
+        known): the head kept is under ``HEAD_BYTES`` plus one read (256 KiB). One add a
+        read on the hot path; httptools' parsing, unlike h11's, stays."""
+
+        _head: int | None = None  # bytes of the open head (None: none open)
+
+        def data_received(self, data: bytes) -> None:
+            if self._head is not None:
+                self._head += len(data)
+            super().data_received(data)
+            if self._head is not None and self._head > HEAD_BYTES:
+                self._refuse_head()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head = 0
+
+        def on_headers_complete(self) -> None:
+            self._head = None
+            super().on_headers_complete()
+
+        def _refuse_head(self) -> None:
+            self._head = None
+            if self.transport.is_closing():
+                return
+            log.info("a request head over %d bytes: 431, connection closed", HEAD_BYTES)
+            body = b"request header fields too large"
+            head = [b"HTTP/1.1 431 Request Header Fields Too Large\r\n"]
+            head += [b"%s: %s\r\n" % kv for kv in self.server_state.default_headers]
+            head.append(b"content-type: text/plain; charset=utf-8\r\n")
+            head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
+
+    _HTTP = _BoundedHead
+
+
+def _set_frame_limit(conn: Any, size: int) -> None:
+    """The largest message ``conn`` (websockets' sans-I/O protocol) reads from its next
+    frame on: websockets reads the limit as each frame begins."""
+    if hasattr(conn, "max_message_size"):  # later websockets: message and fragment limits
+        conn.max_message_size = size
+    else:
+        conn.max_size = size
+
+
+def _ws_protocol(engine: Engine) -> type[WebSocketsSansIOProtocol]:
+    """uvicorn's websockets-sansio protocol with a frame limit by route: a client's action
+    stream reads frames up to ``stream.frame_limit`` of the pool's ``maxRequestBytes`` (as
+    the handshake found it), the agents' link up to ``AGENT_FRAME_BYTES``. websockets
+    refuses a larger frame from its header, a larger fragmented message at the fragment
+    that passes the limit (1009), so neither is ever held whole."""
+
+    class Protocol(WebSocketsSansIOProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Until the path is known, the smaller: what a client pipelines behind its
+            # handshake is read under it.
+            _set_frame_limit(self.conn, frame_limit(engine.config.max_request_bytes))
+
+        def handle_connect(self, event: Request) -> None:
+            super().handle_connect(event)
+            scope = getattr(self, "scope", None)  # (none: the handshake was refused)
+            if scope is not None and scope["path"] == AGENTS_PATH:
+                _set_frame_limit(self.conn, AGENT_FRAME_BYTES)
+
+    return Protocol
 
 
 class _Server(uvicorn.Server):
@@ -118,9 +208,11 @@ async def run(
             port=port,
             log_level="warning",
             lifespan="on",
-            ws="websockets-sansio",
+            http=_HTTP,
+            h11_max_incomplete_event_size=HEAD_BYTES,  # (h11: a 400 past it)
+            ws=_ws_protocol(engine),
             ws_per_message_deflate=False,
-            ws_max_size=64 << 20,  # as the agent's: a reply may be up to 16 MiB of output
+            ws_max_size=AGENT_FRAME_BYTES,  # set again by route (_ws_protocol)
             proxy_headers=False,  # nothing reads the client's address: skip a wrapper a call
         )
     )

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from pydantic import TypeAdapter, ValidationError
 
-from tangram.api.wire import SIGNALS, StreamExec, StreamInput, StreamSignal
+from tangram.api.wire import FRAME_BYTES, SIGNALS, StreamExec, StreamInput, StreamSignal
 from tangram.client.outbox import Outbox
 from tangram.service.answers import RETRY_AFTER_S, RETRY_STATUS, engine_error, error_body, payload
 from tangram.service.answers import invalid as invalid_body
@@ -41,9 +41,20 @@ log = logging.getLogger("tangram.service")
 # Answers not yet sent beyond which the stream reads nothing more until they are: a client
 # that submits and never reads holds its own stream, not the scheduler's memory.
 BACKLOG_BYTES = 64 << 20
+FRAME_SLACK = 64 << 10  # beyond twice the largest frame a client sends (below)
 _ID = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,16})\s*[,}]')  # of a message we cannot parse
 _EXEC = re.compile(rb'"exec"\s*:')  # an exec message (not input or a signal)
 _CONTROL: TypeAdapter[StreamInput | StreamSignal] = TypeAdapter(StreamInput | StreamSignal)
+
+
+def frame_limit(max_request_bytes: int) -> int:
+    """The largest frame (or fragmented message) a client's stream may send, in bytes;
+    a larger one ends the stream (1009) as it arrives, never assembled. A client packs
+    messages into frames of up to ``FRAME_BYTES`` (``wire.pack``), a larger message alone,
+    so frames of messages within the pool's ``max_request_bytes`` stay under the larger of
+    the two; twice that leaves a message somewhat over the limit its 413 answer, the stream
+    going on. The agents' link (``/v1/agents``) has a limit of its own (``embedded``)."""
+    return 2 * max(max_request_bytes, FRAME_BYTES) + FRAME_SLACK
 
 
 class Socket(Protocol):
