@@ -198,3 +198,23 @@ def test_a_dropped_stream_ends_its_interactive_commands_input(
         assert (again.exit_code, again.stdout) == (0, "kept\n")
 
     on(scenario)
+
+
+def test_a_dropped_stream_cancels_its_streamed_commands_sent_without_a_key(
+    on: Callable[[Scenario], None],
+) -> None:
+    """Nobody can collect one (no key), read its output or end its input once its caller's
+    stream is gone: it is cancelled, even running, so an endless one does not hold its
+    cores (and its trajectory) for good."""
+
+    async def scenario(t: AsyncTrajectory) -> None:
+        other = AsyncClient(t.client.url, t.client._headers["Authorization"][7:])
+        async with other:
+            argv = ["sh", "-c", "while true; do echo spam; sleep 0.05; done"]
+            action = await other.exec_live(t.id, argv, cores=len(CORES))
+            await _until(action, "spam")
+        # Every core was the endless command's: one that needs them all runs once it ends.
+        after = await t.exec(["echo", "after"], cores=len(CORES), queue_timeout_s=60)
+        assert after.stdout == "after\n", after
+
+    on(scenario)

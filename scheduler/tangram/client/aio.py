@@ -293,8 +293,12 @@ class AsyncClient:
         (``async for fd, text in action.output()``), its stdin open when ``interactive``
         (``action.write``, ``action.close_stdin``), signals (``action.signal("SIGINT")``),
         and ``await action.result()`` at its end. ``pty=True`` gives it a terminal. It
-        needs the action stream, and is not retried: a dropped stream fails it."""
+        needs the action stream, and is not retried: a dropped stream fails it, and the
+        service cancels it then (its output has nowhere to go), unless it was given an
+        ``idempotency_key``: then it runs on, and ``exec`` under that key gets its result."""
         body = exec_body(argv, **kw)
+        if kw.get("idempotency_key") is None:
+            del body["idempotency_key"]  # (one of its own would only keep it running)
         stream = await self._open_stream() if self.stream else None
         if stream is None:
             raise TangramError(

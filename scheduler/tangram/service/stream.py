@@ -13,8 +13,8 @@ The caller's tenant is the one its bearer token names at the handshake, and ever
 is admitted as an HTTP request is (``refusal``: the token file, or the cached review and
 the pool's live access list); a frame that is not gets each of its messages refused with
 the status HTTP would give, and the stream goes on answering what it admitted. A stream
-that drops loses only its answers: the actions go on, and a retry with the same
-idempotency key gets the result.
+that drops loses only its answers: keyed actions go on, and a retry with the same
+idempotency key gets the result; what it sent without a key is cancelled (``_abandon``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ log = logging.getLogger("tangram.service")
 # Answers not yet sent beyond which the stream reads nothing more until they are: a client
 # that submits and never reads holds its own stream, not the scheduler's memory.
 BACKLOG_BYTES = 64 << 20
+# Answers of actions admitted before that keep coming; past this many bytes unsent the
+# client is taken for one that will never read: the stream ends (1008), its unsent answers
+# dropped (a keyed action's result stays for a retry under its key).
+UNREAD_BYTES = 4 * BACKLOG_BYTES
 FRAME_SLACK = 64 << 10  # beyond twice the largest frame a client sends (below)
 _ID = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,16})\s*[,}]')  # of a message we cannot parse
 _EXEC = re.compile(rb'"exec"\s*:')  # an exec message (not input or a signal)
@@ -84,7 +88,10 @@ class ActionStream:
         self._outbox: Outbox[bytes] = Outbox(socket.send_bytes, self._send_failed, packed=True)
         self.in_flight = 0  # admitted actions not answered yet
         self._live: dict[int, LiveExec] = {}  # streamed execs running or queued, by id
+        self._unkeyed: dict[int, ActionRecord] = {}  # admitted without a key, not ended
+        self._overflow: asyncio.Task[None] | None = None  # the close of a client not reading
         self.closed = False
+        self._abandoned = False
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -108,12 +115,27 @@ class ActionStream:
                     else:
                         self._answer(_line_id(line), *refused)
         finally:
-            self.closed = True
-            self._idle.set()
-            self._outbox.close()
-            for live in self._live.values():  # nobody can end their input any more
-                if live.interactive:
-                    live.close_stdin()
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """The client is gone (or taken for gone): nothing more is sent. What it sent
+        without a key can never be collected, so it is cancelled while queued, as an HTTP
+        request's is, and a streamed exec of it even while it runs (its output has nowhere
+        to go, its input no writer: left, an endless one would hold its cores and its
+        trajectory for good). A keyed one goes on for the retry under its key, an
+        interactive one's input ended."""
+        if self._abandoned:
+            return
+        self._abandoned = self.closed = True
+        self._idle.set()
+        self._outbox.close()
+        for mid, rec in list(self._unkeyed.items()):
+            if not rec.done.done() and (rec.started is None or mid in self._live):
+                self.engine.cancel(self.tenant, rec.id)
+        self._unkeyed.clear()
+        for live in self._live.values():  # nobody can end their input any more
+            if live.interactive:
+                live.close_stdin()
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (bounded) until every admitted action is answered and the answers are
@@ -165,6 +187,8 @@ class ActionStream:
         self._idle.clear()
         if live is not None and rec.live is live:  # (a repeat's key keeps the first's)
             self._live[msg.id] = live
+        if msg.exec.idempotency_key is None:
+            self._unkeyed[msg.id] = rec
         rec.done.add_done_callback(lambda _: self._ended(msg.id, rec))
 
     def _control(self, line: bytes) -> None:
@@ -205,9 +229,20 @@ class ActionStream:
 
     def _output(self, mid: int, fd: str, text: str) -> None:
         if not self.closed:
-            self._outbox.post(json.dumps({"id": mid, fd: text}, separators=(",", ":")).encode())
+            self._post(json.dumps({"id": mid, fd: text}, separators=(",", ":")).encode())
+
+    def _post(self, message: bytes) -> None:
+        """Queue a message for the client; past ``UNREAD_BYTES`` unsent, end the stream."""
+        self._outbox.post(message)
+        if self._outbox.backlog > UNREAD_BYTES and not self.closed:
+            log.warning("stream of %s: over %d bytes of answers unread; closing it",
+                        self.tenant, UNREAD_BYTES)  # fmt: skip
+            self._abandon()
+            reason = f"over {UNREAD_BYTES >> 20} MiB of answers unread"
+            self._overflow = asyncio.ensure_future(self.socket.close(code=1008, reason=reason))
 
     def _ended(self, mid: int, rec: ActionRecord) -> None:
+        self._unkeyed.pop(mid, None)
         self._live.pop(mid, None)
         self.in_flight -= 1
         if self.in_flight == 0:
@@ -219,7 +254,7 @@ class ActionStream:
             self._answer(mid, 503, body)
             return
         answer = payload(rec, rec.done.result())
-        self._outbox.post(b'{"id":%d,"status":200,"result":%b}' % (mid, answer))
+        self._post(b'{"id":%d,"status":200,"result":%b}' % (mid, answer))
 
     def _answer(
         self, mid: int | None, status: int, body: dict[str, Any], about: str | None = None
@@ -230,7 +265,7 @@ class ActionStream:
             msg["about"] = about
         if status in RETRY_STATUS:
             msg["retry_after"] = RETRY_AFTER_S
-        self._outbox.post(json.dumps(msg, separators=(",", ":")).encode())
+        self._post(json.dumps(msg, separators=(",", ":")).encode())
 
     async def _send_failed(self, e: Exception) -> None:
         log.info("stream of %s: send failed (%s); closing it", self.tenant, e)

@@ -1,0 +1,133 @@
+"""An action stream whose client never reads: the answers of actions it had admitted keep
+coming after the stream stops reading, and past ``UNREAD_BYTES`` unsent the client is
+taken for gone. The stream ends (1008) and drops what it held; what the client sent
+without a key is cancelled while queued, and a keyed action goes on for its retry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tangram.api.wire import (
+    AgentExec,
+    AgentReply,
+    AgentRequest,
+    EnvSpec,
+    ExecOutcome,
+    ExecRequest,
+)
+from tangram.service import stream as stream_module
+from tangram.service.config import EnvConfig, PoolConfig
+from tangram.service.engine import Engine
+from tangram.service.live import LiveExec
+from tangram.service.records import ActionRecord, TrajectoryRecord
+from tangram.service.stream import ActionStream
+
+ANSWER_BYTES = 600_000  # each answer's output; two are over the bound set below
+
+
+class _DeafClient:
+    """A client that sent one frame and reads nothing: every send waits for good."""
+
+    def __init__(self, frame: bytes) -> None:
+        self.frames = [frame]
+        self.closed: tuple[int, str | None] | None = None
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        if self.frames:
+            return {"type": "websocket.receive", "bytes": self.frames.pop()}
+        await self.gone.wait()
+        return {"type": "websocket.disconnect"}
+
+    async def send_bytes(self, data: bytes) -> None:
+        await asyncio.Event().wait()
+
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
+        self.closed = (code, reason)
+        self.gone.set()
+
+
+def _engine() -> Engine:
+    from tangram.api.inventory import NodeInventory
+    from tangram.api.wire import AgentHello
+
+    env = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.1))
+    engine = Engine(PoolConfig(envs={"e": env}))
+    engine.all_agents_joined()
+    inventory = NodeInventory(node_id="n1", hostname="n1", numa=[[0, 1]], memory_gb=8.0,
+                              cgroup_version=2)  # fmt: skip
+    hello = AgentHello(node="n1", inventory=inventory, runtime="noop", action_cores=[0],
+                       idle_cores=[1])  # fmt: skip
+    link: Any = SimpleNamespace(hello=hello, node="n1")  # what the engine reads of a link
+    asyncio.run(engine.membership.join(link))
+    engine.core.open_trajectory("t1", 0.1)
+    engine.core.place_trajectory("t1", "n1")
+    engine.state.add_trajectory(TrajectoryRecord("t1", "u", "e", "n1", {}, 0.0, env))
+    return engine
+
+
+def test_a_client_that_never_reads_has_its_stream_ended_and_its_unkeyed_work_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(stream_module, "BACKLOG_BYTES", 1 << 19)
+    monkeypatch.setattr(stream_module, "UNREAD_BYTES", 1 << 20)
+    engine = _engine()
+    gate = asyncio.Event()  # holds the keyed command, the last one on the only core
+
+    async def ask(node: str | None, req: AgentRequest) -> AgentReply:
+        assert isinstance(req, AgentExec)
+        if req.key is not None:
+            await gate.wait()
+        out = ExecOutcome(exit_code=0, stdout="x" * ANSWER_BYTES, stderr="",
+                          stdout_truncated=False, stderr_truncated=False, timed_out=False,
+                          setup_s=0.0, exec_s=0.01, teardown_s=0.0, path="portable")  # fmt: skip
+        return AgentReply(rid=req.rid, ok=True, result=out)
+
+    monkeypatch.setattr(engine.state, "ask", ask)
+    admitted: list[ActionRecord] = []
+    submit = engine.submit_exec
+
+    def kept(tenant: str, tid: str, req: ExecRequest, live: LiveExec | None = None) -> Any:
+        admitted.append(submit(tenant, tid, req, live))
+        return admitted[-1]
+
+    monkeypatch.setattr(engine, "submit_exec", kept)
+
+    def message(mid: int, key: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"argv": ["true"], "output_cap": 1 << 20}
+        if key is not None:
+            body["idempotency_key"] = key
+        return {"id": mid, "trajectory": "t1", "exec": body}
+
+    # Two answers over the bound, then one queued without a key, then one keyed.
+    sent = [message(1), message(2), message(3, key="k"), message(4)]
+    frame = b"\n".join(json.dumps(m).encode() for m in sent)
+
+    async def scenario() -> tuple[_DeafClient, ActionStream]:
+        await engine.start()
+        try:
+            client = _DeafClient(frame)
+            stream = ActionStream(engine, "u", client, refusal=_admitted)
+            await asyncio.wait_for(stream.serve(), 30)
+            gate.set()  # the keyed command ends: its result is kept for the retry
+            await asyncio.wait_for(admitted[2].done, 30)
+            return client, stream
+        finally:
+            await engine.stop(grace_s=0)
+
+    client, stream = asyncio.run(scenario())
+    assert client.closed is not None and client.closed[0] == 1008, client.closed
+    assert stream._outbox.backlog == 0  # nothing it held is kept
+    first, second, keyed, unkeyed = (r.done.result() for r in admitted)
+    assert [first.status.value, second.status.value] == ["ok", "ok"]
+    assert unkeyed.status.value == "cancelled"  # never run: nobody could collect it
+    assert keyed.status.value == "ok" and keyed.stdout == "x" * ANSWER_BYTES
+
+
+async def _admitted() -> None:
+    return None
