@@ -29,5 +29,5 @@ def test_bench_exec_prints_the_design_shape(
         assert 0 < report[path]["p50_ms"] <= report[path]["p99_ms"]
     assert report["open"]["opens"] == 2
     assert {"cold", "warm"} <= report["open"].keys()
-    assert not any((tmp_path / "state" / "run").iterdir())  # every environment was removed
+    assert not (tmp_path / "state" / "run").exists()  # no socket directory on the host
     assert docker_client.containers.list(all=True, filters={"name": "tangram-t-bench"}) == []

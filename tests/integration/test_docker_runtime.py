@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -23,6 +24,8 @@ from tangram.node_agent.exec_server import Built
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.fast_path import cgroup_of
 from tangram.node_agent.inventory import parse_cpulist
+
+from .service_harness import until
 
 # One worker runs every Docker test, so only one of them may start (and stop) dockerd.
 pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker")]
@@ -329,7 +332,7 @@ def test_failing_setup_and_bad_requests_are_refused(runtime: DockerRuntime, busy
     with pytest.raises(ExecError, match="setup"):
         runtime.open(tid(), template(busybox, setup=[["false"]]))
     assert runtime.envs == {}
-    assert not any(runtime.state_dir.joinpath("run").iterdir())  # no socket dir left behind
+    assert not any(runtime.state_dir.iterdir())  # nothing of it on the host
     with pytest.raises(ExecError, match="not open"):
         run(runtime, "nope", ["true"], CORES[:1])
     with pytest.raises(ExecError, match="not found"):
@@ -358,9 +361,9 @@ def test_a_listener_planted_over_the_exec_socket_is_refused(
     runtime.open(t, template(busybox))
     assert run(runtime, t, ["true"], CORES[-1:]).path == "fast"
     env = runtime.envs[t]
-    assert env.run_dir is not None
-    real = env.run_dir / "exec.sock"
-    fake = env.run_dir / "planted.sock"
+    assert env.reach is not None
+    real = env.reach.socket  # in the container's own directory, as the agent reaches it
+    fake = real.with_name("planted.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as planted:
         planted.bind(str(fake))
         planted.listen(1)
@@ -368,6 +371,72 @@ def test_a_listener_planted_over_the_exec_socket_is_refused(
         with pytest.raises(ExecError, match="not by the environment's exec server"):
             run(runtime, t, ["echo", "forged"], CORES[-1:])
     assert group_limits(runtime, t) == (CORES[:1], 0.1)  # the refusal left the idle set
+
+
+def test_the_exec_servers_directory_holds_no_more_than_a_few_pages(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """/.tangram/run is the container's to write (its exec server, of the sandbox's user,
+    makes the socket there). Whatever a command writes there must be bounded: it was a
+    directory of the agent's state, bind-mounted, where writes past the env's diskGiB
+    were neither refused nor counted (the writable layer's size is what is measured)."""
+    runtime.disk_check_s = 0
+    t = tid()
+    runtime.open(t, template(busybox, disk_gb=0.05))  # 51 MiB
+    fill = "head -c 104857600 /dev/zero > /.tangram/run/fill; echo $?; wc -c < /.tangram/run/fill"
+    res = run(runtime, t, ["sh", "-c", fill], CORES[:1])
+    status, held = res.stdout.split()
+    assert status != "0", res  # refused (no space), not taken
+    assert int(held) <= 64 << 10
+    assert not [p for p in runtime.state_dir.rglob("*") if p.name == "fill"]  # not the host's
+    # The full directory still serves: the socket is there already and takes no space.
+    assert run(runtime, t, ["echo", "served"], CORES[:1]).stdout == "served\n"
+    assert runtime.gone() == []  # and nothing of it counts as the env's disk use
+
+
+def test_a_socket_replaced_from_inside_is_refused_without_the_agents_paths(
+    runtime: DockerRuntime, busybox: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A command replaces exec.sock by a link: the next actions fail, telling the tenant
+    what is wrong but not where the agent keeps the socket (its state directory, a host
+    pid's /proc). The agent's log says where."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    swap = "cd /.tangram/run && mv exec.sock moved.sock && ln -s moved.sock exec.sock"
+    assert run(runtime, t, ["sh", "-c", swap], CORES[:1]).exit_code == 0
+    with caplog.at_level(logging.WARNING, logger="tangram.agent"):
+        with pytest.raises(ExecError, match="exec server socket: not a socket") as action:
+            run(runtime, t, ["id"], CORES[:1])
+        with pytest.raises(ExecError, match="exec server socket: not a socket") as files:
+            asyncio.run(runtime.files(t).list("/"))
+    for refused in (str(action.value), str(files.value)):
+        assert str(runtime.state_dir) not in refused and "/proc/" not in refused
+    reach = runtime.envs[t].reach
+    assert reach is not None and str(reach.socket) in caplog.text  # the agent's log has it
+    assert group_limits(runtime, t) == (CORES[:1], 0.1)  # the refusal left the idle set
+
+
+def test_a_stopped_container_is_restarted_and_reached_through_its_new_pid(
+    runtime: DockerRuntime, docker_client: Any, busybox: str, execd: Built
+) -> None:
+    """The socket is in the container's own tmpfs, reached through its PID 1: a restart
+    (adopt restarts stopped containers) gives it a new PID 1 and a new, empty tmpfs."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    run(runtime, t, ["sh", "-c", "echo kept > notes.txt"], CORES[:1])
+    runtime.envs[t].container.stop(timeout=1)
+    restarted = DockerRuntime(
+        CORES[:1], client=docker_client, execd=execd, state_dir=runtime.state_dir
+    )
+    assert t in restarted.adopt()
+    env = restarted.envs[t]
+    env.container.reload()
+    pid = env.container.attrs["State"]["Pid"]
+    sock = Path(f"/proc/{pid}/root/.tangram/run/exec.sock")
+    until(sock.exists, "the restarted exec server's socket", 30)
+    res = run(restarted, t, ["cat", "notes.txt"], CORES[:1], path="fast")
+    assert res.stdout == "kept\n"
+    assert env.reach is not None and env.reach.pid == pid
 
 
 def test_an_exec_server_whose_pid_went_to_another_process_is_not_trusted(
@@ -479,7 +548,7 @@ def test_a_container_whose_answer_is_lost_is_removed(
     with pytest.raises(requests.exceptions.ReadTimeout):
         runtime.open(t, template(busybox))
     assert containers_of(runtime, docker_client) == []
-    assert not any(runtime.state_dir.joinpath("run").iterdir())  # nor its socket dir
+    assert not any(runtime.state_dir.iterdir())  # nor anything of it on the host
     monkeypatch.undo()
     runtime.open(t, template(busybox))  # the trajectory's name is free
     assert run(runtime, t, ["true"], CORES[:1]).exit_code == 0

@@ -8,6 +8,7 @@ sessions are tested on their own.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -322,12 +323,19 @@ def test_bad_requests_are_refused_before_anything_runs(server: Path) -> None:
 
 
 def test_a_link_planted_in_the_socket_directory_is_not_followed(
-    server: Path, tmp_path: Path
+    server: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Refused, and the refusal (which the tenant whose command planted the link reads)
+    names no path of the agent's: the agent's log does."""
     planted = tmp_path / "exec.sock"
     planted.symlink_to(server)
-    with pytest.raises(ExecError, match="exec server socket"):
-        asyncio.run(collect(planted, ["true"]))
+    with caplog.at_level(logging.WARNING, logger="tangram.agent"):
+        with pytest.raises(ExecError, match="exec server socket: not a socket") as refused:
+            asyncio.run(collect(planted, ["true"]))
+        with pytest.raises(ExecError, match="exec server socket: No such file") as missing:
+            asyncio.run(collect(tmp_path / "gone.sock", ["true"]))
+    assert str(tmp_path) not in str(refused.value) + str(missing.value)
+    assert f"{planted}: not a socket" in caplog.text and f"{tmp_path}/gone.sock" in caplog.text
 
 
 def test_ansi_c_quoting_round_trips_through_bash() -> None:

@@ -78,11 +78,10 @@ def test_the_spec_is_hardened_and_wires_the_exec_server() -> None:
     kw = spec(
         tpl,
         name="tangram-t-x",
-        labels={"dev.tangram/run": "tok"},
+        labels={"dev.tangram/owner": "o"},
         idle_cores=[0, 1],
         user=User(1000, 1000),
         execd="/cache/execd",
-        run_dir="/state/run/tok",
     )
     assert kw["network_mode"] == "none"
     assert kw["cap_drop"] == ["ALL"] and kw["security_opt"] == ["no-new-privileges"]
@@ -90,15 +89,32 @@ def test_the_spec_is_hardened_and_wires_the_exec_server() -> None:
     assert kw["cpuset_cpus"] == "0-1" and kw["cpu_quota"] == 10_000
     assert kw["user"] == "1000:1000"
     assert kw["entrypoint"] == ["/.tangram/execd", "/.tangram/run/exec.sock"]
-    assert kw["volumes"]["/cache/execd"] == {"bind": "/.tangram/execd", "mode": "ro"}
-    assert kw["labels"]["dev.tangram/pool"] == "p" and kw["labels"]["dev.tangram/run"] == "tok"
-    plain = spec(tpl, name="n", labels={}, idle_cores=[0], user=None, execd=None, run_dir=None)
+    assert kw["labels"]["dev.tangram/pool"] == "p" and kw["labels"]["dev.tangram/owner"] == "o"
+    plain = spec(tpl, name="n", labels={}, idle_cores=[0], user=None, execd=None)
     assert plain["entrypoint"] == ["sleep"] and "volumes" not in plain and "user" not in plain
+    assert "tmpfs" not in plain
+
+
+def test_the_exec_servers_socket_directory_is_a_bounded_tmpfs_not_a_host_directory() -> None:
+    """Whatever the sandbox can write there is bounded by the kernel: a host directory
+    bind-mounted there (the agent's state) took writes no disk limit counted."""
+    tpl = EnvSpec(name="swe", image="img", pool="p")
+    kw = spec(tpl, name="n", labels={}, idle_cores=[0], user=User(7, 8), execd="/cache/execd")
+    assert kw["volumes"] == {"/cache/execd": {"bind": "/.tangram/execd", "mode": "ro"}}
+    options = dict(o.partition("=")[::2] for o in kw["tmpfs"]["/.tangram/run"].split(","))
+    assert options["size"] == "64k" and int(options["nr_inodes"]) <= 16
+    # The exec server (the sandbox's user) makes its socket there, also after a restart.
+    assert (options["uid"], options["gid"]) == ("7", "8")
+    as_root = spec(tpl, name="n", labels={}, idle_cores=[0], user=None, execd="/cache/execd")
+    assert "uid=" not in as_root["tmpfs"]["/.tangram/run"]
+    ro = tpl.model_copy(update={"read_only_root": True})
+    kw = spec(ro, name="n", labels={}, idle_cores=[0], user=User(7, 8), execd="/cache/execd")
+    assert set(kw["tmpfs"]) == {"/work", "/tmp", "/.tangram/run"}  # the workdir's kept
 
 
 def test_a_read_only_root_gets_a_workdir_the_user_can_write() -> None:
     tpl = EnvSpec(name="e", image="i", read_only_root=True)
-    kw = spec(tpl, name="n", labels={}, idle_cores=[0], user=User(7, 8), execd=None, run_dir=None)
+    kw = spec(tpl, name="n", labels={}, idle_cores=[0], user=User(7, 8), execd=None)
     assert kw["read_only"] and kw["tmpfs"]["/work"] == "rw,exec,uid=7,gid=8"
 
 

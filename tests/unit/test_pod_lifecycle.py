@@ -312,6 +312,22 @@ def test_a_read_only_root_mounts_each_path_once(workdir: str) -> None:
     assert names <= {v["name"] for v in pod["spec"]["volumes"]}
 
 
+@pytest.mark.parametrize("disk_gb", [None, 1.0])
+def test_the_exec_servers_socket_directory_is_a_small_tmpfs(disk_gb: float | None) -> None:
+    """The sandbox's user can write /.tangram/run: a memory emptyDir is a tmpfs the kubelet
+    sizes by its sizeLimit, so writes there fail at that size, whatever the env's disk
+    limit. On the node's disk they would fill it until the kubelet next measured the
+    volume, and end the sandbox for a reason that is not its disk limit."""
+    env = SPEC.model_copy(update={"disk_gb": disk_gb})
+    pod = sandbox_pod(env, name="n", namespace="ns", node="n1", execd_image="x",
+                      execd_path="/x", extra_labels={})  # fmt: skip
+    (sandbox,) = [c for c in pod["spec"]["containers"] if c["name"] == SANDBOX]
+    (mount,) = [m for m in sandbox["volumeMounts"] if m["mountPath"] == "/.tangram/run"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert volume["emptyDir"]["sizeLimit"] == "64Ki"
+
+
 def test_what_a_read_only_root_pod_shows_of_its_workdir_is_not_taken_for_the_image(
     tmp_path: Path,
 ) -> None:

@@ -14,10 +14,15 @@ the idle set again. Two paths:
 
 Opening takes a ready container from the template's warm pool when there is one (a
 rename), else creates one. Docker labels are immutable, so a container's trajectory is
-its name (``tangram-t-<trajectory>``); labels name the pool, the environment, the
-template version and the socket directory. The name is also the ready marker: a
-container is made under ``tangram-m-<random>`` and renamed only once its setup ran, so
-``adopt`` discards what an agent killed meanwhile half built.
+its name (``tangram-t-<trajectory>``); labels name the pool, the environment and the
+template version. The name is also the ready marker: a container is made under
+``tangram-m-<random>`` and renamed only once its setup ran, so ``adopt`` discards what an
+agent killed meanwhile half built.
+
+The exec server's socket is in a tiny tmpfs of the container's own
+(``env_template.run_tmpfs``), reached through its PID 1's root as the pod runtime does:
+no host directory is shared with the container, so nothing it writes lands in the
+agent's state uncounted by its disk limit.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from tangram.node_agent.env_template import (
     pick_user,
     spec,
 )
-from tangram.node_agent.exec_server import IN_CONTAINER_BIN, SOCKET_NAME, Built
+from tangram.node_agent.exec_server import IN_CONTAINER_BIN, IN_CONTAINER_RUN, SOCKET_NAME, Built
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
@@ -88,7 +93,10 @@ class Env:
     container: Any
     template: str  # digest() of the EnvSpec it was built from
     workdir: str
-    run_dir: Path | None  # the socket directory shared with the exec server, if any
+    execd: bool  # its PID 1 is the exec server
+    # A container of an older agent: its socket directory, a host directory it can write
+    # (``{state}/run/<token>``, label ``run``). None: the socket is in its own tmpfs.
+    run_dir: Path | None = None
     reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
 
 
@@ -151,8 +159,11 @@ class DockerRuntime(SandboxRuntime[Env]):
                 continue
             run = c.labels.get(f"{LABEL}/run")
             run_dir = self.state_dir / "run" / run if run else None
-            if c.name.startswith(MAKING_PREFIX):  # its agent ended before its setup did
-                self._discard(Env(c, "", "/", run_dir))
+            # Its agent ended before its setup did; or it is a warm one of an older agent,
+            # whose socket directory is a host directory its commands could fill: the
+            # pool makes a new one (a trajectory's is kept, with its files).
+            if c.name.startswith(MAKING_PREFIX) or (run_dir and c.name.startswith(WARM_PREFIX)):
+                self._discard(Env(c, "", "/", False, run_dir))
                 continue
             try:
                 if c.status == "paused":
@@ -162,11 +173,13 @@ class DockerRuntime(SandboxRuntime[Env]):
             except (APIError, NotFound):
                 continue
             entry = (c.attrs.get("Config", {}).get("Entrypoint") or [""])[0]
+            execd = entry == IN_CONTAINER_BIN
             env = Env(
                 c,
                 c.labels[f"{LABEL}/template"],
                 c.attrs.get("Config", {}).get("WorkingDir") or "/",
-                run_dir if entry == IN_CONTAINER_BIN else None,
+                execd,
+                run_dir if execd else None,
             )
             if c.name.startswith(TRAJECTORY_PREFIX):
                 self.envs[c.name.removeprefix(TRAJECTORY_PREFIX)] = env
@@ -180,15 +193,7 @@ class DockerRuntime(SandboxRuntime[Env]):
         nothing a successor would take for ready."""
         user, workdir = self._image_facts(template)
         name = MAKING_PREFIX + secrets.token_hex(6)
-        run_dir: Path | None = None
         labels: dict[str, str] = {f"{LABEL}/owner": self.owner}
-        if self.execd is not None:
-            token = secrets.token_hex(8)
-            run_dir = self.state_dir / "run" / token
-            run_dir.mkdir(parents=True, exist_ok=False)
-            run_dir.chmod(0o1777)  # the container's user creates the socket; sticky: no one
-            # else on the host can remove or replace it once there
-            labels[f"{LABEL}/run"] = token
         if trajectory:
             labels[f"{LABEL}/trajectory"] = trajectory
         kwargs = spec(
@@ -198,13 +203,10 @@ class DockerRuntime(SandboxRuntime[Env]):
             idle_cores=self.idle_cores,
             user=user,
             execd=str(self.execd) if self.execd else None,
-            run_dir=str(run_dir) if run_dir else None,
         )
         try:
             container = self._create_sized(template, kwargs)
         except BaseException as e:
-            if run_dir:
-                shutil.rmtree(run_dir, ignore_errors=True)
             if not isinstance(e, DockerException):  # no answer (a timeout): it may exist
                 self._remove_named(name)
                 raise
@@ -212,7 +214,7 @@ class DockerRuntime(SandboxRuntime[Env]):
                 f"image {template.image}: cannot create the environment: {e}",
                 reason="SandboxStartFailed",
             ) from None
-        env = Env(container, digest(template), template.workdir, run_dir)
+        env = Env(container, digest(template), template.workdir, self.execd is not None)
         try:
             if user and not template.read_only_root and not (workdir and workdir.writable_by(user)):
                 self._own_workdir(container, template.workdir, user, workdir)
@@ -342,11 +344,19 @@ class DockerRuntime(SandboxRuntime[Env]):
         env.container.update(cpu_period=PERIOD_US, cpu_quota=int(IDLE_QUOTA_CORES * PERIOD_US))
 
     def _await_exec_server(self, env: Env) -> None:
-        if env.run_dir is None:
+        if not env.execd:
             return
-        sock = env.run_dir / SOCKET_NAME
+        env.container.reload()
+        sock = self._socket(env, int(env.container.attrs["State"].get("Pid") or 0))
         deadline = time.monotonic() + 10
-        while not sock.exists():
+        while True:
+            try:
+                os.stat(sock)
+                return
+            except PermissionError:
+                return  # out of this agent's reach: the portable path serves it (below)
+            except OSError:
+                pass  # not there yet (or its PID 1 ended: then the deadline tells)
             if time.monotonic() > deadline:
                 env.container.reload()
                 logs = env.container.logs(tail=5).decode(errors="replace").strip()
@@ -354,6 +364,14 @@ class DockerRuntime(SandboxRuntime[Env]):
                     f"the exec server did not start (container {env.container.status}): {logs}"
                 )
             time.sleep(0.002)
+
+    def _socket(self, env: Env, pid: int) -> Path:
+        """Where this agent reaches the exec server's socket: in the container's own
+        tmpfs, through its PID 1's root (``pid``, as this agent's /proc sees it); in the
+        host socket directory of a container of an older agent."""
+        if env.run_dir is not None:
+            return env.run_dir / SOCKET_NAME
+        return self.proc_root / str(pid) / "root" / IN_CONTAINER_RUN.lstrip("/") / SOCKET_NAME
 
     @staticmethod
     def _own_workdir(container: Any, path: str, user: User, workdir: Workdir | None) -> None:
@@ -444,7 +462,7 @@ class DockerRuntime(SandboxRuntime[Env]):
 
     def _fast_unavailable(self, env: Env) -> str:
         """Why the fast path cannot serve this container ('' when it can)."""
-        if env.run_dir is None:
+        if not env.execd:
             return self.no_fast if self.execd is None else "created without the exec server"
         if env.reach is None:
             try:
@@ -453,7 +471,16 @@ class DockerRuntime(SandboxRuntime[Env]):
                 group = cgroup_of(pid, self.cgroups, self.proc_root)
             except ExecError as e:
                 return str(e)
-            socket = env.run_dir / SOCKET_NAME
+            socket = self._socket(env, pid)
+            try:
+                os.stat(socket.parent)
+            except PermissionError as e:  # (a missing socket is no reason: exec says so)
+                return (
+                    f"the exec server's socket is reached through /proc/<pid>/root, which "
+                    f"this agent may not enter ({e.strerror}): that takes root"
+                )
+            except OSError:
+                pass
             env.reach = Reachable(
                 str(env.container.id), socket, pid, group, env.workdir,
                 start_time(pid, self.proc_root), self.proc_root,

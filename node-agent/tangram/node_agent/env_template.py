@@ -5,7 +5,8 @@ environment is built from; ``spec`` turns one into the keyword arguments of Dock
 create call: hardened by default (no network, every capability dropped,
 no-new-privileges, a pids limit, memory reserved and limited with no swap, the idle core
 set with a minimal quota) and, when the exec server is available, with it as PID 1
-behind a socket directory shared with the agent.
+listening in a tiny tmpfs of the container's own (``RUN_TMPFS``), which the agent reaches
+through the container's PID 1 (``/proc/<pid>/root``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ TRAJECTORY_PREFIX = "tangram-t-"  # container name of an open trajectory's envir
 WARM_PREFIX = "tangram-w-"  # container name of a ready, unassigned environment
 MAKING_PREFIX = "tangram-m-"  # container name until its setup is done (never adopted)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# The exec server's socket directory: the socket needs one inode and no data. A tmpfs of
+# the container's own, so that what a command writes there is bounded by the kernel (and
+# charged to the container's memory), and nothing of the host's is shared with it: a
+# directory of the agent's state bind-mounted there held whatever a command wrote,
+# uncounted by the disk limit.
+RUN_TMPFS = "size=64k,nr_inodes=16,mode=0700"
 
 
 def digest(template: EnvSpec) -> str:
@@ -46,6 +53,15 @@ class User:
     @property
     def spec(self) -> str:
         return f"{self.uid}:{self.gid}"
+
+
+def run_tmpfs(user: User | None) -> str:
+    """The socket directory's tmpfs options: owned by the user the exec server runs as
+    (None: root), who makes the socket. Owned, not world-writable, because runc before
+    1.1.8 gives a tmpfs the mode of the directory it is mounted on, which a restarted
+    container has (runc made it 0755, root's, at the first start): a mode option is lost
+    then, an owner is not (opencontainers/runc#3911)."""
+    return RUN_TMPFS + (f",uid={user.uid},gid={user.gid}" if user else "")
 
 
 def check_trajectory_id(trajectory: str) -> None:
@@ -124,9 +140,9 @@ def spec(
     idle_cores: Sequence[int],
     user: User | None,
     execd: str | None,
-    run_dir: str | None,
 ) -> dict[str, Any]:
-    """Keyword arguments for ``client.containers.create``."""
+    """Keyword arguments for ``client.containers.create``; ``execd``: the exec server
+    binary's host path (None: the container runs without it)."""
     mem = int(template.memory_gb * 1024**3)
     kwargs: dict[str, Any] = {
         "name": name,
@@ -151,20 +167,21 @@ def spec(
         "read_only": template.read_only_root,
         "init": False,
     }
-    if execd and run_dir:
+    tmpfs: dict[str, str] = {}
+    if template.read_only_root:
+        owner = f",uid={user.uid},gid={user.gid}" if user else ""
+        tmpfs |= {template.workdir: f"rw,exec{owner}", "/tmp": "rw,mode=1777"}
+    if execd:
         # The exec server is PID 1: it reaps orphans and starts commands on request.
         kwargs["entrypoint"] = [IN_CONTAINER_BIN, f"{IN_CONTAINER_RUN}/{SOCKET_NAME}"]
         kwargs["command"] = []
-        kwargs["volumes"] = {
-            execd: {"bind": IN_CONTAINER_BIN, "mode": "ro"},
-            run_dir: {"bind": IN_CONTAINER_RUN, "mode": "rw"},
-        }
+        kwargs["volumes"] = {execd: {"bind": IN_CONTAINER_BIN, "mode": "ro"}}
+        tmpfs[IN_CONTAINER_RUN] = run_tmpfs(user)
     else:
         kwargs["entrypoint"] = ["sleep"]  # PID 1 only keeps the environment alive
         kwargs["command"] = ["2147483647"]
-    if template.read_only_root:
-        owner = f",uid={user.uid},gid={user.gid}" if user else ""
-        kwargs["tmpfs"] = {template.workdir: f"rw,exec{owner}", "/tmp": "rw,mode=1777"}
+    if tmpfs:
+        kwargs["tmpfs"] = tmpfs
     if user:
         kwargs["user"] = user.spec
     return kwargs

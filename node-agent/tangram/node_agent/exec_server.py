@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ from typing import Literal
 
 from tangram.node_agent.execution import ExecError, Output, cap
 
+log = logging.getLogger("tangram.agent")
 SOURCE = Path(__file__).with_name("exec_server.c")
 # exec_server.c includes the others
 SOURCES = tuple(SOURCE.with_name(n) for n in ("exec_server.c", "exec_files.c", "exec_tar.c"))
@@ -126,27 +128,36 @@ def _connect(path: Path, server_pid: int | None = None) -> socket.socket:
     ``server_pid`` (the exec server, as this agent's /proc sees it), the socket must have
     been listened on by that process (SO_PEERCRED): a command that planted its own server
     under the socket's name answers from another pid and is refused.
+
+    A refusal goes back to the tenant whose command broke the socket: it says what is
+    wrong, never ``path``, which is the agent's (its state directory, a host pid's /proc);
+    the agent's log has that.
     """
+
+    def refused(why: str) -> ExecError:
+        log.warning("exec server socket %s: %s", path, why)
+        return ExecError(f"exec server socket: {why}")
+
     try:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        raise ExecError(f"exec server socket {path}: {e.strerror}") from None
+        raise refused(e.strerror or str(e)) from None
     try:
         if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            raise ExecError(f"exec server socket {path}: not a socket")
+            raise refused("not a socket")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(f"/proc/self/fd/{fd}")
         except OSError as e:
             sock.close()
-            raise ExecError(f"exec server socket {path}: {e.strerror}") from None
+            raise refused(e.strerror or str(e)) from None
         if server_pid is not None:
             pid = peer_pid(sock)
             if pid != server_pid:
                 sock.close()
-                raise ExecError(
-                    f"exec server socket {path}: answered by pid {pid}, not by the "
-                    f"environment's exec server (pid {server_pid}); refused"
+                raise refused(
+                    f"answered by pid {pid}, not by the environment's exec server "
+                    f"(pid {server_pid}); refused"
                 )
         sock.setblocking(False)
         return sock

@@ -30,6 +30,7 @@ from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
 SANDBOX = "sandbox"  # the container's name
 EXECD_DIR = "/.tangram/bin"
 EXECD = f"{EXECD_DIR}/execd"
+RUN_SIZE = "64Ki"  # the exec server's socket directory: one inode, no data
 LABEL = "tangram.dev"
 MANAGED_BY = "tangram-node-agent"
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
@@ -89,7 +90,12 @@ def sandbox_pod(
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "tangram-bin", "emptyDir": {"sizeLimit": "16Mi"}},
-        {"name": "tangram-run", "emptyDir": {"sizeLimit": "1Mi"}},
+        # The socket's directory, which the sandbox's user can write: a tmpfs of RUN_SIZE
+        # (the kubelet mounts a memory emptyDir with its sizeLimit as its size), so what a
+        # command puts there fails at that size and is charged to the sandbox's memory. On
+        # the node's disk it would be evicted only once the kubelet measured it (every
+        # volume stats period, a minute by default), for a reason not the env's disk limit.
+        {"name": "tangram-run", "emptyDir": {"medium": "Memory", "sizeLimit": RUN_SIZE}},
     ]
     if own_workdir or template.read_only_root:
         mounts.append({"name": "workdir", "mountPath": template.workdir})
