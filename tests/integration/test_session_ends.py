@@ -14,6 +14,7 @@ import pytest
 
 from tangram.node_agent import sessions
 from tangram.node_agent.exec_server import Built
+from tangram.node_agent.execution import ExecError
 from tangram.node_agent.sessions import PythonSession
 
 from .host_env import fast_path, reach
@@ -115,3 +116,24 @@ def test_a_session_cancelled_while_its_request_is_sent_is_killed(
     s, interpreter = asyncio.run(asyncio.wait_for(go(), GUARD_S))
     assert not s.alive  # half a request reached it: never used again
     until(lambda: not alive(interpreter), "the interpreter with half a request is killed")
+
+
+def test_a_session_killed_again_after_its_channel_closed_is_no_error(
+    server: tuple[Path, int], tmp_path: Path
+) -> None:
+    """A session whose server hung up (bash missing from the image, a failed action) is
+    killed on each path that gives it up: the later kills write to a closed transport,
+    which raised RuntimeError (not an ExecError), so each such action was answered as an
+    agent failure with two tracebacks in the log, a tenant's to repeat at will. On
+    uvloop, the loop the scheduler and `tangram up` run on, whose transports raise there."""
+    uvloop = pytest.importorskip("uvloop")  # (uvicorn[standard], a dependency)
+    sock, pid = server
+
+    async def go() -> None:
+        s = await sessions.BashSession.start(sock, str(tmp_path), {}, server_pid=pid)
+        await s.kill()  # hangs up: the channel is closed
+        await s.kill()
+        with pytest.raises(ExecError, match="it has ended"):
+            await s.run("true", timeout_s=5, output_cap=100)
+
+    uvloop.run(asyncio.wait_for(go(), GUARD_S))

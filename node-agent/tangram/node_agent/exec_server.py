@@ -247,6 +247,8 @@ class Channel:
 
     async def _send(self, kind: bytes, data: bytes) -> None:
         try:
+            if self._writer.is_closing():  # (uvloop raises RuntimeError at the write)
+                raise ConnectionResetError
             self._writer.write(_HEAD.pack(kind, len(data)) + data)
             await self._writer.drain()
         except ConnectionError:
