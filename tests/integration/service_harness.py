@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tangram.api.wire import EnvSpec
+from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, EnvSpec
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
@@ -160,3 +160,11 @@ def tar_of(*members: tuple[str, bytes, bytes | str]) -> bytes:
             info.size = len(content)
             tar.addfile(info, io.BytesIO(content))
     return out.getvalue()
+
+
+def stream_socket(session: Any, token: str) -> Any:
+    """A raw action stream of ``token``'s tenant on ``session`` (an aiohttp ClientSession
+    with the service's URL as its base): ``async with stream_socket(s, t) as ws``."""
+    return session.ws_connect(
+        STREAM_PATH, protocols=(AGENT_SUBPROTOCOL,), headers={"Authorization": f"Bearer {token}"}
+    )

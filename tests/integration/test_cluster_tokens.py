@@ -14,12 +14,12 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, EnvSpec
+from tangram.api.wire import EnvSpec
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.reviews import ReviewError, TokenReviewer
 
-from .service_harness import service
+from .service_harness import service, stream_socket
 
 CONFIG = PoolConfig(
     name="coding",
@@ -88,11 +88,7 @@ def test_every_frame_of_an_action_stream_is_admitted_as_a_request_is(tmp_path: P
             seen: list[tuple[int, str | None]] = []
             async with (
                 aiohttp.ClientSession(running.url) as session,
-                session.ws_connect(
-                    STREAM_PATH,
-                    protocols=(AGENT_SUBPROTOCOL,),
-                    headers={"Authorization": "Bearer worker"},
-                ) as ws,
+                stream_socket(session, "worker") as ws,
             ):
                 for i, now in enumerate(
                     [USERS["worker"], ReviewError("down"), USERS["stranger"], None, USERS["worker"]]

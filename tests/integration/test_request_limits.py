@@ -22,7 +22,7 @@ from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.embedded import HEAD_BYTES, Running
 from tangram.service.stream import frame_limit
 
-from .service_harness import service
+from .service_harness import service, stream_socket
 
 pytestmark = [pytest.mark.xdist_group("service")]
 CONFIG = PoolConfig(envs={"noop": EnvConfig(spec=EnvSpec(name="noop", image="none"))})
@@ -178,11 +178,7 @@ def test_a_message_over_the_request_limit_within_the_bound_is_answered_413(
     async def go(url: str, token: str) -> list[dict[str, object]]:
         async with (
             aiohttp.ClientSession(url) as session,
-            session.ws_connect(
-                STREAM_PATH,
-                protocols=(AGENT_SUBPROTOCOL,),
-                headers={"Authorization": f"Bearer {token}"},
-            ) as ws,
+            stream_socket(session, token) as ws,
         ):
             big = b'{"id":7,"trajectory":"t-none","exec":{"argv":["' + b"a" * (6 << 20) + b'"]}}'
             small = b'{"id":8,"trajectory":"t-none","exec":{"argv":["true"]}}'

@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, EnvSpec
+from tangram.api.wire import STREAM_PATH, EnvSpec
 from tangram.client import ActionStatus, AsyncClient, Client, TangramError
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.embedded import Running
 
-from .service_harness import service
+from .service_harness import service, stream_socket
 
 pytestmark = [pytest.mark.xdist_group("service")]
 CONFIG = PoolConfig(envs={"noop": EnvConfig(spec=EnvSpec(name="noop", image="none"))})
@@ -38,11 +38,7 @@ async def _raw(url: str, token: str, lines: list[bytes]) -> list[dict[str, Any]]
     """Send ``lines`` in one frame on a stream of our own; the answers, by id order."""
     async with (
         aiohttp.ClientSession(url) as session,
-        session.ws_connect(
-            STREAM_PATH,
-            protocols=(AGENT_SUBPROTOCOL,),
-            headers={"Authorization": f"Bearer {token}"},
-        ) as ws,
+        stream_socket(session, token) as ws,
     ):
         await ws.send_bytes(b"\n".join(lines))
         answers: list[dict[str, Any]] = []
@@ -132,11 +128,7 @@ def test_a_bad_token_is_refused_at_the_handshake_and_answered_as_http_does(
     async def go() -> None:
         async with aiohttp.ClientSession(run.url) as session:
             with pytest.raises(aiohttp.WSServerHandshakeError) as e:
-                await session.ws_connect(
-                    STREAM_PATH,
-                    protocols=(AGENT_SUBPROTOCOL,),
-                    headers={"Authorization": "Bearer wrong"},
-                )
+                await stream_socket(session, "wrong")
             assert e.value.status == 401
             with pytest.raises(aiohttp.WSServerHandshakeError) as e:  # no subprotocol
                 await session.ws_connect(STREAM_PATH, headers={"Authorization": f"Bearer {token}"})
