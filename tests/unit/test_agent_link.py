@@ -387,3 +387,19 @@ def test_a_closed_stream_drops_what_waits_for_the_window() -> None:
         assert [piece async for piece in ended.received()] == []  # ended before the close
 
     asyncio.run(scenario())
+
+
+def test_an_exec_reply_with_a_signal_parses_at_a_scheduler_of_the_release_before() -> None:
+    """Agents (a DaemonSet) are often upgraded first. A scheduler of the release before
+    refuses an unknown field inside ExecOutcome (every exec reply would break its link),
+    so the signal travels in AgentReply, whose unknown fields it ignores."""
+    from tangram.node_agent.agent import outcome
+    from tangram.node_agent.execution import ExecResult, Output
+
+    before = {"exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated",
+              "timed_out", "setup_s", "exec_s", "teardown_s", "path", "fallback"}  # fmt: skip
+    killed = ExecResult.of(-9, Output(b"", False, b"", False), False, [0], (0.0, 0.0, 0.1, 0.1))
+    assert (killed.exit_code, killed.signal) == (137, 9)
+    reply = AgentReply(rid=1, ok=True, result=outcome(killed), signal=killed.signal)
+    sent = json.loads(reply.model_dump_json())
+    assert set(sent["result"]) <= before and sent["signal"] == 9

@@ -483,7 +483,8 @@ class NodeAgent:
                     return AgentReply(rid=req.rid, ok=True, call=out)
                 case AgentExec() | AgentSession():
                     result = await self.exec(req, self._streams.get(req.rid))
-                    return AgentReply(rid=req.rid, ok=True, result=outcome(result))
+                    return AgentReply(rid=req.rid, ok=True, result=outcome(result),
+                                      signal=result.signal)  # fmt: skip
                 case AgentFiles():
                     files = await self.files(req, self._streams[req.rid])
                     return AgentReply(rid=req.rid, ok=True, files=files)

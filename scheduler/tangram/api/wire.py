@@ -931,6 +931,10 @@ def parse_agent_request(text: str | bytes) -> AgentRequest:
 
 
 class ExecOutcome(_Strict):
+    # Inside AgentReply, upgraded apart as it is: a later field is ignored, not a broken
+    # link. (A scheduler before this ignoring refuses one: the signal travels beside it.)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
     exit_code: int | None
     stdout: str
     stderr: str
@@ -942,7 +946,6 @@ class ExecOutcome(_Strict):
     teardown_s: float
     path: str
     fallback: str = ""
-    signal: int | None = None  # the signal that killed the command (exit_code: 128 + it)
 
 
 class FilesOutcome(_Strict):
@@ -1000,6 +1003,9 @@ class AgentReply(_Strict):
     key: str | None = None
     replayed: bool = False  # the result of an earlier run with the same key
     digest: str | None = None  # rid 0: the scheduler's digest of the run's request
+    # The signal that killed the command of ``result`` (its exit_code: 128 + it); here,
+    # not in ExecOutcome, which schedulers before it refuse unknown fields of.
+    signal: int | None = None
     # a keyed run that an earlier agent started and never ended: it may have run, and it
     # is not run again
     unknown: bool = False

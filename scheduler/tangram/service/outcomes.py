@@ -212,7 +212,7 @@ class Outcomes:
             kind=rec.kind,
             status=status,
             exit_code=out.exit_code if out is not None else None,
-            signal=out.signal if out is not None else None,
+            signal=reply.signal if reply is not None and out is not None else None,
             stdout=out.stdout if out is not None else "",
             stderr=out.stderr if out is not None else "",
             stdout_truncated=out.stdout_truncated if out is not None else False,
