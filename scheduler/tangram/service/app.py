@@ -618,7 +618,8 @@ async def _ended(
         loose = {r.id for r in unkeyed}
         for rec, result in zip(recs, results, strict=True):
             if rec.id in loose and result.lease is not None:
-                engine.release(rec.tenant, result.lease)
+                with contextlib.suppress(EngineError):  # (its hold ran out meanwhile)
+                    engine.release(rec.tenant, result.lease)
     return results
 
 

@@ -110,6 +110,8 @@ class ActionStream:
                 lines = [line for line in data.split(b"\n") if line.strip()]
                 refused = await self._refusal()
                 for line in lines:
+                    if self._abandoned:  # (meanwhile: what follows would run for nobody)
+                        break
                     if refused is None:
                         self._take(line)
                     else:
