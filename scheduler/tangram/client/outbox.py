@@ -67,7 +67,7 @@ class Outbox(Generic[AnyStr]):
         self._writer = None
         self._queue = []
         self.backlog = 0
-        self._send, self._on_failure = _unsent, _ignore
+        self._send, self._on_failure = _nothing, _nothing
         self._empty.set()
 
     async def _write_forever(self) -> None:
@@ -90,9 +90,5 @@ class Outbox(Generic[AnyStr]):
             self._empty.set()  # nothing more will be sent: nobody may wait for it
 
 
-async def _unsent(_: object) -> None:
-    """A closed outbox's writer: nothing more is written."""
-
-
-async def _ignore(_: Exception) -> None:
-    """A closed outbox's failure callback: its owner has stopped listening."""
+async def _nothing(_: object) -> None:
+    """A closed outbox's send and failure callback: nothing is written, nobody listens."""

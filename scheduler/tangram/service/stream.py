@@ -88,10 +88,8 @@ class ActionStream:
         self._outbox: Outbox[bytes] = Outbox(socket.send_bytes, self._send_failed, packed=True)
         self.in_flight = 0  # admitted actions not answered yet
         self._live: dict[int, LiveExec] = {}  # streamed execs running or queued, by id
-        self._unkeyed: dict[int, ActionRecord] = {}  # admitted without a key, not ended
-        self._overflow: asyncio.Task[None] | None = None  # the close of a client not reading
-        self.closed = False
-        self._abandoned = False
+        self._unkeyed: dict[str, ActionRecord] = {}  # admitted without a key, not ended
+        self.closed = False  # (``_abandon``)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -108,14 +106,7 @@ class ActionStream:
                 if data is None:
                     data = (msg.get("text") or "").encode()
                 lines = [line for line in data.split(b"\n") if line.strip()]
-                refused = await self._refusal()
-                for line in lines:
-                    if self._abandoned:  # (meanwhile: what follows would run for nobody)
-                        break
-                    if refused is None:
-                        self._take(line)
-                    else:
-                        self._answer(_line_id(line), *refused)
+                self._admit(lines, await self._refusal())
         finally:
             self._abandon()
 
@@ -126,13 +117,13 @@ class ActionStream:
         to go, its input no writer: left, an endless one would hold its cores and its
         trajectory for good). A keyed one goes on for the retry under its key, an
         interactive one's input ended."""
-        if self._abandoned:
+        if self.closed:
             return
-        self._abandoned = self.closed = True
+        self.closed = True
         self._idle.set()
         self._outbox.close()
-        for mid, rec in list(self._unkeyed.items()):
-            if not rec.done.done() and (rec.started is None or mid in self._live):
+        for rec in list(self._unkeyed.values()):
+            if rec.started is None or rec.live is not None:  # (ended ones are gone from it)
                 self.engine.cancel(self.tenant, rec.id)
         self._unkeyed.clear()
         for live in self._live.values():  # nobody can end their input any more
@@ -147,6 +138,16 @@ class ActionStream:
                 await self._idle.wait()
                 await self._outbox.flushed()
         await self.socket.close(code=1001, reason="the scheduler is stopping")
+
+    def _admit(self, lines: list[bytes], refused: tuple[int, dict[str, Any]] | None) -> None:
+        """A frame's messages, each admitted or refused as ``refused`` says."""
+        for line in lines:
+            if self.closed:  # (abandoned while it was admitted: the rest would run for nobody)
+                return
+            if refused is None:
+                self._take(line)
+            else:
+                self._answer(_line_id(line), *refused)
 
     def _take(self, line: bytes) -> None:
         """Admit one message, or answer at once why not."""
@@ -190,7 +191,7 @@ class ActionStream:
         if live is not None and rec.live is live:  # (a repeat's key keeps the first's)
             self._live[msg.id] = live
         if msg.exec.idempotency_key is None:
-            self._unkeyed[msg.id] = rec
+            self._unkeyed[rec.id] = rec
         rec.done.add_done_callback(lambda _: self._ended(msg.id, rec))
 
     def _control(self, line: bytes) -> None:
@@ -241,10 +242,10 @@ class ActionStream:
                         self.tenant, UNREAD_BYTES)  # fmt: skip
             self._abandon()
             reason = f"over {UNREAD_BYTES >> 20} MiB of answers unread"
-            self._overflow = asyncio.ensure_future(self.socket.close(code=1008, reason=reason))
+            self.engine.state.background(self.socket.close(code=1008, reason=reason))
 
     def _ended(self, mid: int, rec: ActionRecord) -> None:
-        self._unkeyed.pop(mid, None)
+        self._unkeyed.pop(rec.id, None)
         self._live.pop(mid, None)
         self.in_flight -= 1
         if self.in_flight == 0:
@@ -271,7 +272,7 @@ class ActionStream:
 
     async def _send_failed(self, e: Exception) -> None:
         log.info("stream of %s: send failed (%s); closing it", self.tenant, e)
-        self.closed = True
+        self._abandon()
         await self.socket.close(code=1011, reason="send failed")
 
 
