@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, EnvSpec
+from tangram.api.wire import AGENT_SUBPROTOCOL, AGENTS_PATH, STREAM_PATH, EnvSpec
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
@@ -207,7 +207,7 @@ def test_the_agents_link_still_reads_frames_of_many_mib(tmp_path: Path) -> None:
         async with (
             aiohttp.ClientSession(run.url) as session,
             session.ws_connect(
-                "/v1/agents",
+                AGENTS_PATH,
                 protocols=(AGENT_SUBPROTOCOL,),
                 headers={"Authorization": f"Bearer {token}"},
             ) as ws,

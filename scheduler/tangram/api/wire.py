@@ -487,6 +487,7 @@ class ErrorBody(_Answer):
 # agent link's framing (``AGENT_SUBPROTOCOL``: a frame holds messages one a line). Under
 # load a request per action costs the client and the scheduler more than the action.
 STREAM_PATH = "/v1/stream"
+AGENTS_PATH = "/v1/agents"  # the node agents' links (WebSocket)
 
 
 StreamId = Annotated[int, Field(ge=0, le=1 << 53)]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tangram.api.spec_base import DNS_LABEL_RE, DNS_SUBDOMAIN
+from tangram.api.wire import AGENTS_PATH
 from tangram.cli.files import InputError, port, seconds, whole_number
 from tangram.cli.progress import note
 from tangram.cli.up import (
@@ -127,7 +128,7 @@ def scheduler_url(text: str) -> str:
 
     parts = urlsplit(text.strip())
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme.lower(), parts.scheme)
-    path = parts.path if parts.path not in ("", "/") else "/v1/agents"
+    path = parts.path if parts.path not in ("", "/") else AGENTS_PATH
     url = urlunsplit(parts._replace(scheme=scheme, path=path)) if parts.netloc else text
     try:
         check_url(url)

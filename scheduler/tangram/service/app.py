@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tangram.api.resent import RESENT_HEADER, resent_age
 from tangram.api.wire import (
     AGENT_SUBPROTOCOL,
+    AGENTS_PATH,
     STREAM_PATH,
     ActionResult,
     ActionStatus,
@@ -171,7 +172,7 @@ class _Service(FastAPI):
             if match is not None:
                 await self._exec(match.group(1), scope, receive, send)
                 return
-        elif kind == "websocket" and scope["path"] == "/v1/agents" and self.agents_ws:
+        elif kind == "websocket" and scope["path"] == AGENTS_PATH and self.agents_ws:
             await self.agents_ws(WebSocket(scope, receive, send))
             return
         elif kind == "websocket" and scope["path"] == STREAM_PATH and self.stream_ws:
@@ -457,7 +458,7 @@ def create_app(
         why = "no agent connected" if engine.state.accepting else "stopping"
         return PlainTextResponse(why, 503)
 
-    @app.websocket("/v1/agents")
+    @app.websocket(AGENTS_PATH)
     async def agents(ws: WebSocket) -> None:
         if _bearer(tokens, ws.headers.get("authorization")) != AGENT_TENANT:
             await ws.close(code=1008, reason="an agent token is required")
@@ -599,7 +600,7 @@ async def _ended(
     release it: its quota would be blocked for its whole hold). A keyed one goes on for
     the retry that collects it by its key."""
     every = asyncio.gather(*(asyncio.shield(r.done) for r in recs))
-    unkeyed = [r for r in recs if r.request is not None and r.request.idempotency_key is None]
+    unkeyed = {r.id: r for r in recs if r.request is not None and r.request.idempotency_key is None}
     if not unkeyed or all(r.done.done() for r in recs):
         return await every
     gone = asyncio.ensure_future(_closed(receive))
@@ -610,14 +611,13 @@ async def _ended(
         gone.cancel()
     left = gone.done() and not gone.cancelled()
     if left:
-        for rec in unkeyed:
+        for rec in unkeyed.values():
             if not rec.done.done() and rec.started is None:
                 engine.cancel(rec.tenant, rec.id)
     results = await every
     if left:
-        loose = {r.id for r in unkeyed}
         for rec, result in zip(recs, results, strict=True):
-            if rec.id in loose and result.lease is not None:
+            if rec.id in unkeyed and result.lease is not None:
                 with contextlib.suppress(EngineError):  # (its hold ran out meanwhile)
                     engine.release(rec.tenant, result.lease)
     return results

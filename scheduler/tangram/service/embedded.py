@@ -19,6 +19,7 @@ import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Request
 
+from tangram.api.wire import AGENTS_PATH
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.link import serve as serve_agent
 from tangram.service.app import create_app
@@ -38,7 +39,6 @@ log = logging.getLogger("tangram.service")
 HEAD_BYTES = 64 << 10
 # The agents' link: a reply may be up to 16 MiB of output, escaped (as the agent's own).
 AGENT_FRAME_BYTES = 64 << 20
-AGENTS_PATH = "/v1/agents"
 
 _HTTP: type[asyncio.Protocol] | str  # the HTTP/1.1 protocol uvicorn is given
 try:
