@@ -20,7 +20,7 @@ from docker.errors import APIError
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import DockerRuntime
 from tangram.node_agent.env_template import DEFAULT_USER, LABEL
-from tangram.node_agent.exec_server import Built
+from tangram.node_agent.exec_server import Built, socket_in
 from tangram.node_agent.execution import ExecError, ExecResult
 from tangram.node_agent.fast_path import cgroup_of
 from tangram.node_agent.inventory import parse_cpulist
@@ -432,7 +432,7 @@ def test_a_stopped_container_is_restarted_and_reached_through_its_new_pid(
     env = restarted.envs[t]
     env.container.reload()
     pid = env.container.attrs["State"]["Pid"]
-    sock = Path(f"/proc/{pid}/root/.tangram/run/exec.sock")
+    sock = socket_in(Path("/proc"), pid)
     until(sock.exists, "the restarted exec server's socket", 30)
     res = run(restarted, t, ["cat", "notes.txt"], CORES[:1], path="fast")
     assert res.stdout == "kept\n"

@@ -59,7 +59,7 @@ from tangram.node_agent.env_template import (
     pick_user,
     spec,
 )
-from tangram.node_agent.exec_server import IN_CONTAINER_BIN, IN_CONTAINER_RUN, SOCKET_NAME, Built
+from tangram.node_agent.exec_server import IN_CONTAINER_BIN, SOCKET_NAME, Built, socket_in
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
@@ -371,7 +371,7 @@ class DockerRuntime(SandboxRuntime[Env]):
         host socket directory of a container of an older agent."""
         if env.run_dir is not None:
             return env.run_dir / SOCKET_NAME
-        return self.proc_root / str(pid) / "root" / IN_CONTAINER_RUN.lstrip("/") / SOCKET_NAME
+        return socket_in(self.proc_root, pid)
 
     @staticmethod
     def _own_workdir(container: Any, path: str, user: User, workdir: Workdir | None) -> None:

@@ -36,6 +36,15 @@ SOURCES = tuple(SOURCE.with_name(n) for n in ("exec_server.c", "exec_files.c", "
 IN_CONTAINER_BIN = "/.tangram/execd"
 IN_CONTAINER_RUN = "/.tangram/run"
 SOCKET_NAME = "exec.sock"
+
+
+def socket_in(proc_root: Path, pid: int) -> Path:
+    """The exec server's socket in the environment whose PID 1 is ``pid`` (as ``proc_root``
+    sees it), reached through that process's root: the runtimes share no directory with
+    the environment."""
+    return proc_root / str(pid) / "root" / IN_CONTAINER_RUN.lstrip("/") / SOCKET_NAME
+
+
 _HEAD = struct.Struct(">cI")
 FRAME_BYTES = 512 << 10  # stdin frames; exec_server.c refuses frames over 1 MiB
 KILL_SEND_S = 5.0  # a kill frame the server does not take by then: hang up instead

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from tangram.api.wire import EnvSpec, Problem
 from tangram.node_agent.cgroups import CgroupError
 from tangram.node_agent.env_template import User, Workdir, digest, pick_user
-from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
+from tangram.node_agent.exec_server import socket_in
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
@@ -481,7 +481,7 @@ class PodRuntime(SandboxRuntime[Pod]):
             raise ExecError(f"pod {self.namespace}/{name}: {e}", reason=e.reason) from None
         except OSError as e:  # its processes ended between the reads
             raise self._ended_at_start(name, e) from None
-        socket = self.proc_root / str(pid) / "root" / IN_CONTAINER_RUN.lstrip("/") / SOCKET_NAME
+        socket = socket_in(self.proc_root, pid)
         deadline = time.monotonic() + wait_s
         while not socket.exists():
             if time.monotonic() > deadline:
