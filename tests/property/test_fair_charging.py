@@ -15,10 +15,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram.api.action import ActionSpec
 from tangram.scheduler import Scheduler
 
-from ..unit.helpers import cluster
+from ..unit.helpers import cluster, exec_action
 
 Work = list[tuple[int, float]]  # each action's (cores, seconds), cycled
 
@@ -43,7 +42,7 @@ def _serve(cores: int, work: dict[str, Work], declared: dict[str, float | None])
         aid = f"a{len(truth)}"
         truth[aid] = (k, d)
         t1 = None if factor is None else factor * d
-        s.submit(aid, tid, ActionSpec(kind="exec", cpu=k, t1_s=t1, type=tenant), now)
+        s.submit(aid, tid, exec_action(k, t1, type_=tenant), now)
 
     for tenant in work:
         for i in range(2 * cores):

@@ -597,7 +597,8 @@ class Scheduler:
         # What it did: the units it held times the seconds it held them (a call that joined
         # an instance, its part of the instance's GPUs). Its tenant pays that in fair
         # queuing, whatever it was expected to be.
-        work = _held_units(a, asg.units) * max(0.0, now - asg.started_at) / (asg.sharing + 1)
+        took = max(0.0, now - asg.started_at)
+        work = _held_units(a, asg.units) * took / (asg.sharing + 1)
         if isinstance(self.queue, FairQueue):
             self.queue.ended(action_id, work)
         if learn:
@@ -606,7 +607,6 @@ class Scheduler:
         if traj is not None and self._settle(traj):
             traj.idle_since = now  # its think time starts
         if traj is not None and ok:
-            took = max(0.0, now - asg.started_at)
             traj.steps_done += 1
             traj.busy_s += took
             # Not from a call that joined an instance: its time holds the batch's slowdown
@@ -899,7 +899,8 @@ class Scheduler:
             ),
             quotas=self.quotas,
         )
-        if capped and self.round_caps_apply():
+        # Only its own tenant's cap can refuse it: the pool's capacity is summed then.
+        if capped and self.share_of(self._traj(trajectory).tenant).max_share < 1.0:
             refused = self._over_share(a, self._capacity())
             if refused is not None:
                 raise refused
