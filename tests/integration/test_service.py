@@ -273,7 +273,9 @@ def test_a_proxied_call_cannot_leave_its_endpoints_base_path(tmp_path: Path) -> 
             r = c.call("search", "/find/.../x.y")  # (dots that are no segment of their own)
             assert r.output == {"status": 200, "body": {"path": "/api/v1/find/.../x.y",
                                                          "auth_ok": True}}  # fmt: skip
-            for climbing in ("/../../admin", "/a/%2e%2e/%2E%2E/admin", "/a/..%2f..%2fadmin"):
+            climbs = ("/../../admin", "/a/%2e%2e/%2E%2E/admin", "/a/..%2f..%2fadmin",
+                      "/a/..;x/b", "/a/.%3b/..%3Bjsessionid=1/admin")  # fmt: skip
+            for climbing in climbs:
                 with pytest.raises(TangramError) as e:
                     c.call("search", climbing)
                 assert e.value.status == 400 and e.value.field == "path", climbing
@@ -600,3 +602,28 @@ def test_a_batchs_unkeyed_items_whose_client_left_are_cancelled_and_their_leases
                   "one item was not granted and the other queued")  # fmt: skip
         until(lambda: len(state.actions) == 1, "the queued item of the client that left stayed")
         until(lambda: list(state.leases) == [held.lease], "the granted item's lease stayed held")
+
+
+def test_a_batchs_lease_whose_client_left_is_released_before_its_slowest_item_ends(
+    tmp_path: Path,
+) -> None:
+    """Of a batch whose client left, the lease granted to one item is released when the
+    client goes, not once another item, a command still running, ends."""
+    config = PoolConfig(envs=CONFIG.envs, apis=(ApiSpec(name="q", concurrency=1),))
+    started = tmp_path / "started"
+    with on_processes(config, tmp_path) as (url, token, engine), Client(url, token) as c:
+        t = c.open("shell")
+        slow = exec_body(["sh", "-c", f"touch {started}; sleep 600"])
+        items = [{"api": "q", "lease": {"hold_s": 600}}, {"trajectory": t.id, "exec": slow}]
+        body = json.dumps({"actions": items}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as s:
+            head = (f"POST /v1/batch HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    f"{token}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+            s.sendall(head.encode() + body)
+            until(lambda: started.exists() and len(engine.state.leases) == 1,
+                  "the lease was not granted and the command not started")  # fmt: skip
+        until(lambda: not engine.state.leases, "the lease waited for the running command")
+        assert len(engine.state.actions) == 1  # the command runs on (it has started)
+        after = c.lease("q", hold_s=1)
+        assert after.status is ActionStatus.OK

@@ -236,11 +236,13 @@ _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
 def _under_endpoint(path: str) -> str:
     """Refuse a path with a '.' or '..' segment, as written or once its percent-escapes
     are decoded (the HTTP client normalises ``%2e%2e`` as ``..``; a server may decode
-    ``%2f`` as ``/``): the call would leave its endpoint's base path, credential and all."""
+    ``%2f`` as ``/``; a servlet container takes ``..;x`` for ``..``): the call would leave
+    its endpoint's base path, credential and all."""
     head = re.split(r"[?#]", path, maxsplit=1)[0]
     for segment in head.split("/"):
         decoded = _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), segment)
-        if any(part in (".", "..") for part in re.split(r"[/\\]", decoded)):
+        parts = re.split(r"[/\\]", decoded)
+        if any(part.split(";", 1)[0] in (".", "..") for part in parts):
             raise ValueError(
                 "'.' and '..' segments (also percent-encoded) are refused: a call stays "
                 "under its endpoint's URL, which its credential is for"

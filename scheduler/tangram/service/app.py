@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -609,18 +610,23 @@ async def _ended(
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    left = gone.done() and not gone.cancelled()
-    if left:
+    if gone.done() and not gone.cancelled():
         for rec in unkeyed.values():
             if not rec.done.done() and rec.started is None:
                 engine.cancel(rec.tenant, rec.id)
-    results = await every
-    if left:
-        for rec, result in zip(recs, results, strict=True):
-            if rec.id in unkeyed and result.lease is not None:
-                with contextlib.suppress(EngineError):  # (its hold ran out meanwhile)
-                    engine.release(rec.tenant, result.lease)
-    return results
+            # each as it ends: a batch's lease is not held until its slowest item ends
+            rec.done.add_done_callback(functools.partial(_release_lease, engine, rec))
+    return await every
+
+
+def _release_lease(engine: Engine, rec: ActionRecord, done: asyncio.Future[ActionResult]) -> None:
+    """Release the lease granted to an action whose client left (``_ended``)."""
+    if done.cancelled() or done.exception() is not None:
+        return
+    lease = done.result().lease
+    if lease is not None:
+        with contextlib.suppress(EngineError):  # (its hold ran out meanwhile)
+            engine.release(rec.tenant, lease)
 
 
 async def _closed(receive: Receive) -> None:
