@@ -5,6 +5,7 @@ the environment's exec server (Docker) or the process runtime."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import textwrap
 from collections.abc import Callable
@@ -87,6 +88,27 @@ def test_interactive_stdin_is_answered_as_it_goes(on: Callable[[Scenario], None]
         await action.close_stdin()
         result = await action.result()
         assert (result.exit_code, result.stdout) == (0, "one\ntwo\n")
+
+    on(scenario)
+
+
+def test_a_write_larger_than_a_frame_arrives_whole_and_the_stream_goes_on(
+    on: Callable[[Scenario], None],
+) -> None:
+    """Over 3 MiB of input, as JSON over 6 MiB: characters beyond the BMP (12 bytes each,
+    escaped), others escaped too. One message of it would end the stream (1009); it goes
+    in several, in order."""
+    text = "\U0001f600" * (1 << 18) + "line \u2713 \t\x01\n" * (1 << 18)
+
+    async def scenario(t: AsyncTrajectory) -> None:
+        action = await t.exec_live(["sha256sum"], interactive=True)
+        await action.write(text)
+        await action.close_stdin()
+        result = await action.result()
+        assert result.exit_code == 0, result
+        assert result.stdout.split()[0] == hashlib.sha256(text.encode()).hexdigest()
+        assert not action.refused and not action._stream.closed
+        assert (await t.exec(["echo", "after"])).stdout == "after\n"
 
     on(scenario)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,11 @@ from hypothesis import strategies as st
 from tangram.api.wire import STREAM_PATH, EnvSpec
 from tangram.client import ActionStatus, AsyncClient, Client, TangramError
 from tangram.node_agent.agent import NodeAgent
+from tangram.service import stream as stream_module
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.embedded import Running
 
-from .service_harness import service, stream_socket
+from .service_harness import on_processes, service, stream_socket
 
 pytestmark = [pytest.mark.xdist_group("service")]
 CONFIG = PoolConfig(envs={"noop": EnvConfig(spec=EnvSpec(name="noop", image="none"))})
@@ -353,3 +355,94 @@ def test_input_and_signals_name_what_they_cannot_reach(running: tuple[Running, s
     # Refused input is not an exec's answer: a client routes it apart.
     assert [a.get("about") for a in answers] == [None, "input", "input", "input", None]
     assert "session step is not streamed" in answers[4]["error"]["message"]
+
+
+def test_a_client_that_never_reads_is_cut_off_and_its_connection_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answers pile up past the bounds and none leaves for STALL_S: the stream ends. Its
+    close frame cannot reach a client whose window is full, so the service lets go of
+    the connection itself rather than hold it (and what it queued) until the client reads
+    or goes. When the client reads at last, what was in flight comes, then the end."""
+    bounds = {"BACKLOG_BYTES": 1 << 19, "UNREAD_BYTES": 1 << 20, "STALL_S": 0.2,
+              "CLOSE_WAIT_S": 0.2}  # fmt: skip
+    for name, value in bounds.items():
+        monkeypatch.setattr(stream_module, name, value)
+    shell = EnvConfig(spec=EnvSpec(name="shell", image="unused", memory_gb=0.1))
+    with on_processes(PoolConfig(envs={"shell": shell}), tmp_path) as (url, token, _):
+        with Client(url, token) as sync:
+            tid = sync.open("shell").id
+        asyncio.run(asyncio.wait_for(_submit_and_never_read(url, token, tid), 120))
+
+
+async def _submit_and_never_read(url: str, token: str, tid: str) -> None:
+    # 64 MB of answers: far more than the kernel's buffers on both ends hold.
+    body = {"argv": ["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' x"],
+            "output_cap": 1 << 20}  # fmt: skip
+    lines = [json.dumps({"id": i, "trajectory": tid, "exec": body}).encode() for i in range(64)]
+    service_port = int(url.rsplit(":", 1)[1])
+    async with aiohttp.ClientSession(url) as session, stream_socket(session, token) as ws:
+        client_port = ws.get_extra_info("sockname")[1]
+        assert _service_holds(service_port, client_port)  # (found where it is looked for)
+        await ws.send_bytes(b"\n".join(lines))
+        while _service_holds(service_port, client_port):
+            await asyncio.sleep(0.05)
+        while (await ws.receive()).type is aiohttp.WSMsgType.BINARY:
+            pass  # answers the kernel had taken before the service let go, then the end
+
+
+def _service_holds(service_port: int, client_port: int) -> bool:
+    """Whether a process still holds the service's end of the connection from
+    ``client_port``: Linux's table of TCP sockets gives an end let go no inode."""
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, inode = row.split()[1], row.split()[2], row.split()[9]
+        if local.endswith(f":{service_port:04X}") and remote.endswith(f":{client_port:04X}"):
+            return inode != "0"
+    return False
+
+
+def test_a_stopping_service_lets_go_of_a_client_that_never_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service stops while a client's answers wait unread (not yet cut off): after its
+    bounded wait for them, the stream's 1001 close cannot reach the client either, and
+    the stop does not wait on it: the connection is let go and the service ends."""
+    monkeypatch.setattr(stream_module, "CLOSE_WAIT_S", 0.2)
+    shell = EnvConfig(spec=EnvSpec(name="shell", image="unused", memory_gb=0.1))
+    holding = threading.Event()
+    stopped = threading.Event()
+
+    def serve(ready: list[tuple[str, str, str]]) -> None:
+        with on_processes(PoolConfig(envs={"shell": shell}), tmp_path, grace_s=0.5) as (
+            url, token, _
+        ):  # fmt: skip
+            with Client(url, token) as sync:
+                ready.append((url, token, sync.open("shell").id))
+            holding.wait(120)
+        stopped.set()
+
+    ready: list[tuple[str, str, str]] = []
+    server = threading.Thread(target=serve, args=(ready,), daemon=True)
+    server.start()
+    while not ready:
+        assert server.is_alive(), "the service did not start"
+        stopped.wait(0.05)
+    asyncio.run(asyncio.wait_for(_stop_while_unread(*ready[0], holding, stopped), 120))
+
+
+async def _stop_while_unread(
+    url: str, token: str, tid: str, holding: threading.Event, stopped: threading.Event
+) -> None:
+    body = {"argv": ["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' x"],
+            "output_cap": 1 << 20}  # fmt: skip
+    lines = [json.dumps({"id": i, "trajectory": tid, "exec": body}).encode() for i in range(16)]
+    service_port = int(url.rsplit(":", 1)[1])
+    async with aiohttp.ClientSession(url) as session, stream_socket(session, token) as ws:
+        client_port = ws.get_extra_info("sockname")[1]
+        await ws.send_bytes(b"\n".join(lines))
+        await asyncio.sleep(1)  # (the answers come and fill both ends' buffers)
+        holding.set()  # stop the service, the client still not reading
+        while _service_holds(service_port, client_port):  # (a stuck close holds it)
+            await asyncio.sleep(0.05)
+        while not stopped.is_set():
+            await asyncio.sleep(0.05)

@@ -1,7 +1,9 @@
 """An action stream whose client never reads: the answers of actions it had admitted keep
-coming after the stream stops reading, and past ``UNREAD_BYTES`` unsent the client is
-taken for gone. The stream ends (1008) and drops what it held; what the client sent
-without a key is cancelled while queued, and a keyed action goes on for its retry."""
+coming after the stream stops reading, and past ``UNREAD_BYTES`` unsent with nothing sent
+for ``STALL_S`` (or past ``UNREAD_LIMIT_BYTES`` at all) the client is taken for gone. The
+stream ends (1008) and drops what it held; what the client sent without a key is
+cancelled while queued, and a keyed action goes on for its retry. A client that reads,
+however slowly, keeps its stream when many answers wait at once."""
 
 from __future__ import annotations
 
@@ -71,11 +73,47 @@ def _engine() -> Engine:
     return engine
 
 
+class _SlowClient:
+    """A client that sent one frame and reads steadily, a frame every ``pace_s``."""
+
+    def __init__(self, frame: bytes, pace_s: float) -> None:
+        self.frame: bytes | None = frame
+        self.pace_s = pace_s
+        self.answers: list[dict[str, Any]] = []
+        self.closed: tuple[int, str | None] | None = None
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        if self.frame is not None:
+            frame, self.frame = self.frame, None
+            return {"type": "websocket.receive", "bytes": frame}
+        await self.gone.wait()
+        return {"type": "websocket.disconnect"}
+
+    async def send_bytes(self, data: bytes) -> None:
+        await asyncio.sleep(self.pace_s)
+        self.answers += [json.loads(line) for line in data.split(b"\n")]
+
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
+        self.closed = (code, reason)
+        self.gone.set()
+
+
+# Past UNREAD_BYTES: (never) sent for STALL_S, or past UNREAD_LIMIT_BYTES, sent or not.
+CUT_OFF = {
+    "nothing-sent": {"STALL_S": 0.05, "UNREAD_LIMIT_BYTES": 1 << 30},
+    "over-the-limit": {"STALL_S": 3600.0, "UNREAD_LIMIT_BYTES": 1 << 20},
+}
+
+
+@pytest.mark.parametrize("why", list(CUT_OFF))
 def test_a_client_that_never_reads_has_its_stream_ended_and_its_unkeyed_work_cancelled(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, why: str
 ) -> None:
     monkeypatch.setattr(stream_module, "BACKLOG_BYTES", 1 << 19)
-    monkeypatch.setattr(stream_module, "UNREAD_BYTES", 1 << 20)
+    monkeypatch.setattr(stream_module, "UNREAD_BYTES", 1 << 19)
+    for name, value in CUT_OFF[why].items():
+        monkeypatch.setattr(stream_module, name, value)
     engine = _engine()
     gate = asyncio.Event()  # holds the keyed command, the last one on the only core
 
@@ -104,7 +142,7 @@ def test_a_client_that_never_reads_has_its_stream_ended_and_its_unkeyed_work_can
             body["idempotency_key"] = key
         return {"id": mid, "trajectory": "t1", "exec": body}
 
-    # Two answers over the bound, then one queued without a key, then one keyed.
+    # Two answers over the bounds, then one queued without a key, then one keyed.
     sent = [message(1), message(2), message(3, key="k"), message(4)]
     frame = b"\n".join(json.dumps(m).encode() for m in sent)
 
@@ -127,6 +165,48 @@ def test_a_client_that_never_reads_has_its_stream_ended_and_its_unkeyed_work_can
     assert [first.status.value, second.status.value] == ["ok", "ok"]
     assert unkeyed.status.value == "cancelled"  # never run: nobody could collect it
     assert keyed.status.value == "ok" and keyed.stdout == "x" * ANSWER_BYTES
+
+
+def test_a_client_that_reads_slowly_keeps_its_stream_while_many_answers_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers come faster than it reads, far past UNREAD_BYTES, but a frame leaves well
+    within every STALL_S: all of them reach it and its stream goes on."""
+    stall_s = 0.5
+    monkeypatch.setattr(stream_module, "BACKLOG_BYTES", 1 << 19)
+    monkeypatch.setattr(stream_module, "UNREAD_BYTES", 1 << 20)
+    monkeypatch.setattr(stream_module, "STALL_S", stall_s)
+    engine = _engine()
+
+    async def ask(node: str | None, req: AgentRequest) -> AgentReply:
+        out = ExecOutcome(exit_code=0, stdout="x" * ANSWER_BYTES, stderr="",
+                          stdout_truncated=False, stderr_truncated=False, timed_out=False,
+                          setup_s=0.0, exec_s=0.01, teardown_s=0.0, path="portable")  # fmt: skip
+        return AgentReply(rid=req.rid, ok=True, result=out)
+
+    monkeypatch.setattr(engine.state, "ask", ask)
+    count = 24  # read in a few STALL_S: watched while it reads, not only once it has read
+    body = {"argv": ["true"], "output_cap": 1 << 20}
+    sent = [{"id": mid, "trajectory": "t1", "exec": body} for mid in range(1, count + 1)]
+    client = _SlowClient(b"\n".join(json.dumps(m).encode() for m in sent), stall_s / 10)
+
+    async def scenario() -> ActionStream:
+        await engine.start()
+        try:
+            stream = ActionStream(engine, "u", client, refusal=_admitted)
+            serving = asyncio.create_task(stream.serve())
+            while len(client.answers) < count and not serving.done():
+                await asyncio.sleep(0.01)
+            client.gone.set()
+            await asyncio.wait_for(serving, 30)
+            return stream
+        finally:
+            await engine.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert client.closed is None  # never cut off
+    assert sorted(a["id"] for a in client.answers) == list(range(1, count + 1))
+    assert all(a["status"] == 200 for a in client.answers)
 
 
 async def _admitted() -> None:

@@ -36,6 +36,7 @@ class Outbox(Generic[AnyStr]):
         self._queued = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self.backlog = 0  # bytes (or characters) posted and not sent yet
+        self.sent = 0  # bytes (or characters) of frames sent: whether the peer reads at all
         self._empty = asyncio.Event()  # nothing posted is unsent
         self._empty.set()
         self._closed = False
@@ -78,6 +79,7 @@ class Outbox(Generic[AnyStr]):
                 batch, self._queue = self._queue, []
                 for frame in pack(batch) if self.packed else batch:
                     await self._send(frame)
+                    self.sent += len(frame)
                 self.backlog -= sum(len(m) for m in batch)
                 if not self._queue:
                     self._empty.set()

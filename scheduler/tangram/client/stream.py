@@ -34,6 +34,10 @@ log = logging.getLogger("tangram.client")
 # larger of this and the pool's maxRequestBytes, and a frame over that ends the stream
 # (1009), not just its message with a 413.
 MAX_MESSAGE_BYTES = FRAME_BYTES
+# A live exec's input goes in messages of at most this many characters: escaped as JSON
+# (12 bytes a character at worst: one beyond the BMP, as two escapes) each stays under
+# MAX_MESSAGE_BYTES, its id and field names included.
+STDIN_CHARS = (MAX_MESSAGE_BYTES - 1024) // 12
 _OUTPUT = re.compile(rb'\{"id":\d+,"(stdout|stderr)"')  # how the service writes output
 # A stream silent this long is pinged; no pong within half of it and the stream is taken
 # for dead (a scheduler host gone, a partition: nothing, not even a FIN, arrives), its
@@ -104,10 +108,12 @@ class LiveAction:
         self._output.put_nowait(None)
 
     async def write(self, text: str) -> None:
-        """More of its standard input (it was started ``interactive``)."""
+        """More of its standard input (it was started ``interactive``). A long text goes
+        in several messages, in order: one over a frame would end the whole stream."""
         if not self.interactive:
             raise TangramError(0, "invalid", "write: the exec was not started interactive", [])
-        self._stream._post({"id": self.id, "stdin": text})
+        for start in range(0, len(text), STDIN_CHARS):
+            self._stream._post({"id": self.id, "stdin": text[start : start + STDIN_CHARS]})
 
     async def close_stdin(self) -> None:
         self._stream._post({"id": self.id, "eof": True})

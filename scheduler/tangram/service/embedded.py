@@ -28,7 +28,7 @@ from tangram.service.config import PoolConfig
 from tangram.service.engine import Engine
 from tangram.service.learned_file import LearnedStore
 from tangram.service.reviews import TokenReviewer
-from tangram.service.stream import frame_limit
+from tangram.service.stream import TRANSPORT_EXTENSION, frame_limit
 
 log = logging.getLogger("tangram.service")
 
@@ -113,8 +113,13 @@ def _ws_protocol(engine: Engine) -> type[WebSocketsSansIOProtocol]:
         def handle_connect(self, event: Request) -> None:
             super().handle_connect(event)
             scope = getattr(self, "scope", None)  # (none: the handshake was refused)
-            if scope is not None and scope["path"] == AGENTS_PATH:
+            if scope is None:
+                return
+            if scope["path"] == AGENTS_PATH:
                 _set_frame_limit(self.conn, AGENT_FRAME_BYTES)
+            # The connection, for a stream to drop a client that never reads (ASGI has
+            # no way to abort one).
+            scope.setdefault("extensions", {})[TRANSPORT_EXTENSION] = self.transport
 
     return Protocol
 

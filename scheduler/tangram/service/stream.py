@@ -41,10 +41,16 @@ log = logging.getLogger("tangram.service")
 # Answers not yet sent beyond which the stream reads nothing more until they are: a client
 # that submits and never reads holds its own stream, not the scheduler's memory.
 BACKLOG_BYTES = 64 << 20
-# Answers of actions admitted before that keep coming; past this many bytes unsent the
-# client is taken for one that will never read: the stream ends (1008), its unsent answers
-# dropped (a keyed action's result stays for a retry under its key).
+# Answers of actions admitted before that keep coming. Past this many bytes unsent with
+# not one frame sent for STALL_S, the client is taken for one that will never read: the
+# stream ends (1008), its unsent answers dropped (a keyed action's result stays for a retry
+# under its key), and its connection with them (``_close``). A client that reads, however
+# slowly, may have more waiting (many large answers at once), up to UNREAD_LIMIT_BYTES.
 UNREAD_BYTES = 4 * BACKLOG_BYTES
+STALL_S = 30.0
+UNREAD_LIMIT_BYTES = 2 * UNREAD_BYTES  # the memory a client's unsent answers may hold
+TRANSPORT_EXTENSION = "tangram.transport"  # the ASGI scope's extension holding the connection
+CLOSE_WAIT_S = 5.0  # for the close frame of a client cut off, before its connection drops
 FRAME_SLACK = 64 << 10  # beyond twice the largest frame a client sends (below)
 _ID = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,16})\s*[,}]')  # of a message we cannot parse
 _EXEC = re.compile(rb'"exec"\s*:')  # an exec message (not input or a signal)
@@ -90,6 +96,7 @@ class ActionStream:
         self._live: dict[int, LiveExec] = {}  # streamed execs running or queued, by id
         self._unkeyed: dict[str, ActionRecord] = {}  # admitted without a key, not ended
         self.closed = False  # (``_abandon``)
+        self._watch: asyncio.TimerHandle | None = None  # (``_watch_progress``)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -122,6 +129,8 @@ class ActionStream:
         self.closed = True
         self._idle.set()
         self._outbox.close()
+        if self._watch is not None:
+            self._watch.cancel()
         for rec in list(self._unkeyed.values()):
             if rec.started is None or rec.live is not None:  # (ended ones are gone from it)
                 self.engine.cancel(self.tenant, rec.id)
@@ -137,7 +146,7 @@ class ActionStream:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
                 await self._outbox.flushed()
-        await self.socket.close(code=1001, reason="the scheduler is stopping")
+        await self._close(1001, "the scheduler is stopping")
 
     def _admit(self, lines: list[bytes], refused: tuple[int, dict[str, Any]] | None) -> None:
         """A frame's messages, each admitted or refused as ``refused`` says."""
@@ -235,14 +244,47 @@ class ActionStream:
             self._post(json.dumps({"id": mid, fd: text}, separators=(",", ":")).encode())
 
     def _post(self, message: bytes) -> None:
-        """Queue a message for the client; past ``UNREAD_BYTES`` unsent, end the stream."""
+        """Queue a message for the client; past ``UNREAD_BYTES`` unsent, watch that it
+        reads; past ``UNREAD_LIMIT_BYTES``, end the stream whether it reads or not."""
         self._outbox.post(message)
-        if self._outbox.backlog > UNREAD_BYTES and not self.closed:
-            log.warning("stream of %s: over %d bytes of answers unread; closing it",
-                        self.tenant, UNREAD_BYTES)  # fmt: skip
-            self._abandon()
-            reason = f"over {UNREAD_BYTES >> 20} MiB of answers unread"
-            self.engine.state.background(self.socket.close(code=1008, reason=reason))
+        backlog = self._outbox.backlog
+        if backlog <= UNREAD_BYTES or self.closed:
+            return
+        if backlog > UNREAD_LIMIT_BYTES:
+            self._cut_off(f"over {UNREAD_LIMIT_BYTES >> 20} MiB of answers unread")
+        elif self._watch is None:
+            self._watch_progress()
+
+    def _watch_progress(self) -> None:
+        """Look again in ``STALL_S`` whether any of the answers left meanwhile."""
+        sent = self._outbox.sent
+        self._watch = asyncio.get_running_loop().call_later(STALL_S, self._looked, sent)
+
+    def _looked(self, sent: int) -> None:
+        """Still over ``UNREAD_BYTES`` and nothing sent since ``sent``: the client does
+        not read (a slow one takes a frame now and then, and is watched on)."""
+        self._watch = None
+        if self.closed or self._outbox.backlog <= UNREAD_BYTES:
+            return
+        if self._outbox.sent == sent:
+            self._cut_off(f"over {UNREAD_BYTES >> 20} MiB of answers unread for {STALL_S:g} s")
+        else:
+            self._watch_progress()
+
+    def _cut_off(self, why: str) -> None:
+        log.warning("stream of %s: %s; closing it", self.tenant, why)
+        self._abandon()
+        self.engine.state.background(self._close(1008, why))
+
+    async def _close(self, code: int, reason: str) -> None:
+        """Close, and drop the connection if the close cannot leave: a client that does
+        not read keeps the close waiting for room to write it, and the connection open
+        behind the answers it never takes, for as long as it likes."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.socket.close(code=code, reason=reason), CLOSE_WAIT_S)
+        transport = _transport(self.socket)
+        if transport is not None and transport.get_write_buffer_size() > 0:
+            transport.abort()  # (unsent bytes dropped, the close frame among them)
 
     def _ended(self, mid: int, rec: ActionRecord) -> None:
         self._unkeyed.pop(rec.id, None)
@@ -274,6 +316,20 @@ class ActionStream:
         log.info("stream of %s: send failed (%s); closing it", self.tenant, e)
         self._abandon()
         await self.socket.close(code=1011, reason="send failed")
+
+
+class _Transport(Protocol):
+    def get_write_buffer_size(self) -> int: ...
+    def abort(self) -> None: ...
+
+
+def _transport(socket: Socket) -> _Transport | None:
+    """The connection under ``socket``, where the server lends it (``embedded``)."""
+    scope = getattr(socket, "scope", None) or {}
+    transport = scope.get("extensions", {}).get(TRANSPORT_EXTENSION)
+    if hasattr(transport, "abort") and hasattr(transport, "get_write_buffer_size"):
+        return transport  # type: ignore[no-any-return]
+    return None
 
 
 def _line_id(line: bytes) -> int | None:
