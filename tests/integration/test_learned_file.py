@@ -40,10 +40,9 @@ def _agent(state: Path) -> NodeAgent:
 
 def test_a_restarted_scheduler_resumes_what_the_last_one_learned(tmp_path: Path) -> None:
     saved, tokens = tmp_path / "learned" / "pool.json", TokenStore.create(tmp_path / "tokens")
+    first = LearnedFile(saved)
     with (
-        service(
-            CONFIG, _agent(tmp_path / "a"), tmp_path, tokens=tokens, learned=LearnedFile(saved)
-        ) as (
+        service(CONFIG, _agent(tmp_path / "a"), tmp_path, tokens=tokens, learned=first) as (
             running,
             token,
         ),
@@ -53,6 +52,7 @@ def test_a_restarted_scheduler_resumes_what_the_last_one_learned(tmp_path: Path)
         for _ in range(3):
             assert t.exec(["true"], action_type="probe").status is ActionStatus.OK
     learned = LearnedState.model_validate_json(saved.read_bytes())  # saved at its stop
+    first.close()  # (the file is one scheduler's at a time: the next one's now)
     assert learned.profiles["probe"].n == 3 and learned.profiles["probe"].counts == [1]
     assert learned.lengths == [3]  # the trajectory closed after three steps
     assert learned.think_s.seen == 2 and learned.exec_run_s.seen == 3
@@ -91,7 +91,8 @@ def test_it_saves_while_it_runs_so_a_killed_scheduler_loses_little(tmp_path: Pat
 
     on_disk = asyncio.run(go())
     assert on_disk.profiles["probe"].n == 1 and on_disk.profiles["probe"].counts == [2]
-    assert [p.name for p in tmp_path.iterdir()] == ["learned.json"]  # no temporary left
+    # No temporary left; the lock file stays (removed, a waiting store could lock the old).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["learned.json", "learned.json.lock"]
 
 
 @pytest.mark.parametrize(
@@ -187,7 +188,9 @@ def test_a_store_that_cannot_be_read_is_not_saved_over_until_it_can(
         engine.core.book.observe("probe", 1, 2.0)
         await engine.save_learned()  # still unreadable: nothing written
         blocker.unlink()
-        LearnedFile(store.path).write(kept.model_dump_json().encode())
+        other = LearnedFile(store.path)  # a scheduler that could, saved, and stopped
+        other.write(kept.model_dump_json().encode())
+        other.close()
         assert store.path.read_bytes() == kept.model_dump_json().encode()
         await engine.save_learned()  # read at last: resumed, then saved with what it learned
         return engine

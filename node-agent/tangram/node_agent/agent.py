@@ -56,6 +56,7 @@ from tangram.node_agent.key_journal import KeyJournal
 from tangram.node_agent.pod_runtime import DEFAULT_EXECD_PATH
 from tangram.node_agent.runtimes import Runtime, Setting, create, registration
 from tangram.node_agent.streams import Stream
+from tangram.private_files import private_dir, write_private
 
 log = logging.getLogger("tangram.agent")
 MAX_REMEMBERED = 50_000  # results kept per agent for retried keys ...
@@ -250,7 +251,7 @@ class NodeAgent:
         gpus: GpuOptions | None,
         pods: PodOptions | None,
     ) -> NodeAgent:
-        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # outputs and tenants
+        private_dir(state_dir, narrow=True)  # outputs and tenants (its journal, meta/)
         options = gpus or GpuOptions()
         inventory = read_inventory(gpus=nvml_gpus if options.mode in ("auto", "cuda") else None)
         name = node or inventory.hostname
@@ -529,12 +530,8 @@ class NodeAgent:
     def _remember(self, meta: TrajectoryMeta) -> None:
         self.meta[meta.id] = meta
         if self.meta_dir is not None:
-            self.meta_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = self.meta_dir / f".{meta.id}.json"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with open(fd, "wb") as out:  # (its tenant's name: this agent's alone to read)
-                out.write(meta.model_dump_json().encode())
-            tmp.replace(self.meta_dir / f"{meta.id}.json")  # atomic: never half a file
+            # Atomic, never half a file; its tenant's name: this agent's alone to read.
+            write_private(self.meta_dir / f"{meta.id}.json", meta.model_dump_json().encode())
 
     def use_journal(self, journal: KeyJournal) -> None:
         """Keep keyed runs in ``journal``, first taking up what a previous agent left in

@@ -18,10 +18,11 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from tangram.api.wire import AgentReply
+from tangram.private_files import private_dir, write_private
 
 __all__ = ["KeyJournal"]
 log = logging.getLogger("tangram.agent")
@@ -95,16 +96,10 @@ class KeyJournal:
         """Replace the file by what is kept (atomically: a crash leaves the old or the new);
         ``asked``: what each key ran."""
         asked = asked or {}
-        tmp = self.path.with_suffix(".tmp")
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with open(fd, "wb") as out:  # (replies hold commands' output: this agent's alone)
-            for key in started:
-                out.write(_line(key, asked.get(key, "")))
-            for key, reply in done.items():
-                out.write(_line(key, asked.get(key, ""), reply))
-        self.close()
-        tmp.replace(self.path)
+        # 0600: replies hold commands' output. Not synced, as the appends are not: the
+        # page cache outlives a crash of the agent.
+        write_private(self.path, _lines(done, started, asked))
+        self.close()  # (the appends' descriptor: of the file replaced)
         self._written = 0
         self._torn = False  # a new file
 
@@ -119,7 +114,7 @@ class KeyJournal:
 
     def _append(self, line: bytes) -> None:
         if self._fd < 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_dir(self.path.parent)  # (the agent's state directory, narrowed at its start)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                                0o600)  # fmt: skip
         if self._torn:  # what was left of the last line: this one starts on a line of its own
@@ -144,6 +139,16 @@ def _reply(reply: object) -> bytes | None:
     except ValueError:
         return None
     return kept
+
+
+def _lines(
+    done: Mapping[str, bytes], started: set[str], asked: Mapping[str, str]
+) -> Iterator[bytes]:
+    """The journal's lines for a rewrite, one at a time (the replies may be many MB)."""
+    for key in started:
+        yield _line(key, asked.get(key, ""))
+    for key, reply in done.items():
+        yield _line(key, asked.get(key, ""), reply)
 
 
 def _line(key: str, asked: str, reply: bytes | None = None) -> bytes:

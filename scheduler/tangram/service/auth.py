@@ -10,11 +10,11 @@ ServiceAccount tokens checked with TokenReview instead.
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 from pathlib import Path
 
 from tangram.api.tokens import token_lines
+from tangram.private_files import write_private
 
 AGENT_TENANT = "system:agent"
 OPERATOR_TENANT = "system:operator"  # may only reload the configuration
@@ -48,13 +48,11 @@ class TokenStore:
     @staticmethod
     def create(path: Path, tenant: str = "local") -> TokenStore:
         """Write a new file with one client token for ``tenant`` and one agent token."""
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         client, agent = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(
-                f"# ARL-Tangram tokens: TOKEN TENANT\n{client} {tenant}\n{agent} {AGENT_TENANT}\n"
-            )
+        text = f"# ARL-Tangram tokens: TOKEN TENANT\n{client} {tenant}\n{agent} {AGENT_TENANT}\n"
+        # Never over one already there (FileExistsError), and whole: a crash mid-write
+        # leaves no file, not one that a start would find cut short.
+        write_private(path, text.encode(), exclusive=True)
         return TokenStore({client: tenant, agent: AGENT_TENANT})
 
     def tenant(self, token: str) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 
 from tangram.api.field_errors import described
 from tangram.api.learned import LearnedState
+from tangram.private_files import LockHeldError, let_go, take_lock, write_private
 from tangram.scheduler.core.ordering import LengthModel
 from tangram.scheduler.core.profiles import ProfileBook
 from tangram.scheduler.core.returns import Returns
@@ -53,41 +55,65 @@ class LearnedStore(Protocol):
         ...
 
 
+class InUseError(OSError):
+    """Another scheduler (another process, or another store in this one) holds the file."""
+
+
 class LearnedFile:
     """A file, replaced whole by each write (a temporary file renamed over it), so a
-    scheduler killed mid-write leaves the last whole document."""
+    scheduler killed mid-write leaves the last whole document.
+
+    One scheduler's at a time: two saving to one file would each overwrite what the other
+    learned. The first use (a read or a write) takes a lock on ``NAME.lock`` beside it,
+    held until ``close`` (or the store is dropped, or the process ends); a store that
+    finds it taken is refused with InUseError, an OSError: the engine then starts
+    without the state and saves nothing over it, and tries again at each save."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self._held: weakref.finalize[[int], LearnedFile] | None = None  # lets go of the lock
 
     @property
     def where(self) -> str:
         return str(self.path)
 
     def read(self) -> bytes | None:
+        self._hold()
         try:
             return self.path.read_bytes()
         except FileNotFoundError:
             return None
 
     def write(self, document: bytes) -> None:
-        # Its owner's alone: it names tenants and holds their idempotency keys.
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with open(fd, "wb") as f:
-                f.write(document)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        self._hold()
+        # Its owner's alone: it names tenants and holds their idempotency keys. Synced
+        # before the rename: a node's crash leaves the last document, never an empty one.
+        write_private(self.path, document, sync=True)
 
     def set_aside(self, document: bytes) -> str:
+        self._hold()
         bad = self.path.with_name(self.path.name + ".bad")
         os.replace(self.path, bad)
         return str(bad)
+
+    def close(self) -> None:
+        """Let another store (the next scheduler) have the file."""
+        if self._held is not None:
+            self._held()
+            self._held = None
+
+    def _hold(self) -> None:
+        if self._held is not None:
+            return
+        try:
+            fd = take_lock(self.lock_path)
+        except LockHeldError as e:
+            raise InUseError(
+                f"{self.path} is in use by another scheduler (pid {e.holder}): give each "
+                "scheduler its own --learned-file"
+            ) from None
+        self._held = weakref.finalize(self, let_go, fd)  # a store dropped unclosed too
 
 
 def read_state(store: LearnedStore) -> LearnedState | None:
@@ -173,6 +199,7 @@ _NOT_LEARNED = ("closing", "leases", "windows")  # left out of the document when
 
 __all__ = [
     "SAVE_EVERY_S",
+    "InUseError",
     "LearnedFile",
     "LearnedStore",
     "read_state",
