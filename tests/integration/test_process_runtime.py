@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import pytest
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent import runtimes
+from tangram.node_agent import process_runtime, runtimes
 from tangram.node_agent.cgroups import CgroupV1, CgroupV2, detect, format_cpulist
 from tangram.node_agent.inventory import parse_cpulist
 from tangram.node_agent.process_runtime import ExecError, ProcessRuntime, _alive
@@ -153,6 +153,41 @@ def test_what_an_action_leaves_ends_with_the_last_concurrent_action(
 
     assert len(run(scenario())) == 1  # the short action's sleeper, alive meanwhile
     assert runtime.cgroups.pids(group) == []
+
+
+def test_an_action_that_starts_as_the_last_other_ends_is_not_taken_for_its_leftover(
+    runtime: ProcessRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command is in the trajectory's cgroup from its fork, before its start returns: a
+    concurrent one that ends meanwhile, the last counted, would kill it with what it left."""
+    runtime.open("t1")
+    spawned = process_runtime._spawned
+    first: list[asyncio.Task[Any]] = []
+    calls: list[None] = []
+
+    async def the_first_ends_meanwhile(spawn: Any) -> Any:
+        started = await spawned(spawn)
+        calls.append(None)
+        if len(calls) == 2:  # the second command: forked, in the cgroup, not yet returned
+            (runtime.workdir("t1") / "go").touch()
+            await asyncio.wait(first)
+            (runtime.workdir("t1") / "go2").touch()
+        return started
+
+    monkeypatch.setattr(process_runtime, "_spawned", the_first_ends_meanwhile)
+
+    async def scenario() -> tuple[int | None, str]:
+        wait = "while [ ! -e {} ]; do sleep 0.01; done"
+        first.append(asyncio.create_task(runtime.exec(
+            "t1", ["sh", "-c", wait.format("go")], CORES[:1], timeout_s=60)))  # fmt: skip
+        await asyncio.sleep(0)  # (the first is started before the second)
+        second = await runtime.exec(
+            "t1", ["sh", "-c", wait.format("go2") + "; echo second"], CORES[:1], timeout_s=60
+        )
+        assert (await first[0]).exit_code == 0
+        return second.exit_code, second.stdout
+
+    assert run(scenario()) == (0, "second\n")
 
 
 def test_a_timeout_kills_its_action_and_not_a_concurrent_one(runtime: ProcessRuntime) -> None:

@@ -198,11 +198,17 @@ class ProcessRuntime:
         try:
             await _exited(proc)
         finally:  # also when the action is cancelled
-            self._running[trajectory] -= 1
-            last = not self._running[trajectory]
-            if last:
-                del self._running[trajectory]
+            last = self._leave(trajectory)
         return self._kill_leftovers(self._group(trajectory)) if last else set()
+
+    def _leave(self, trajectory: str) -> bool:
+        """One command of ``trajectory`` is done (or never started); whether it was the
+        last one counted."""
+        self._running[trajectory] -= 1
+        if self._running[trajectory]:
+            return False
+        del self._running[trajectory]
+        return True
 
     def _kill_leftovers(self, group: str) -> set[int]:
         """SIGKILL every process in the cgroup; the ones killed. It does not wait for them
@@ -266,6 +272,10 @@ class ProcessRuntime:
             self.cgroups.limit(group, *(rest or (self.idle_cores, IDLE_QUOTA_CORES)))
 
         stdin = asyncio.subprocess.PIPE if io and io.stdin else asyncio.subprocess.DEVNULL
+        # Counted before it starts: it is in the cgroup as soon as it is forked, and
+        # another command ending meanwhile must not take it for a leftover (``_when_done``,
+        # ``kill``) and kill it.
+        self._running[trajectory] = self._running.get(trajectory, 0) + 1
         try:
             proc, cancelled = await _spawned(
                 asyncio.create_subprocess_exec(
@@ -282,6 +292,7 @@ class ProcessRuntime:
         except (OSError, subprocess.SubprocessError) as e:
             # Not started (no such program, not executable, the cgroup not joined): its
             # cores go back, and it ends as the exec server reports such a command.
+            self._not_started(trajectory, group)
             release()
             why = f"tangram: {argv[0]}: {e.strerror if isinstance(e, OSError) else e}\n"
             t2 = time.perf_counter()
@@ -289,6 +300,7 @@ class ProcessRuntime:
                 127, Output(b"", False, why.encode(), False), False, cores, (t0, t1, t2, t2)
             )
         except BaseException:  # cancelled while it failed to start
+            self._not_started(trajectory, group)
             release()
             raise
 
@@ -297,7 +309,6 @@ class ProcessRuntime:
         # command of the trajectory runs any more (while one does, the leftovers cannot be
         # told from its processes). That also ends an action whose leftover holds its
         # output pipes open.
-        self._running[trajectory] = self._running.get(trajectory, 0) + 1
         watch = asyncio.ensure_future(self._when_done(trajectory, proc))
 
         # Stopped when the action is killed beside others of its trajectory: what it left
@@ -367,6 +378,12 @@ class ProcessRuntime:
         return ExecResult.of(
             None if timed_out else code, output, timed_out, cores, (t0, t1, t2, t3)
         )
+
+    def _not_started(self, trajectory: str, group: str) -> None:
+        """Uncount a command that did not start; the last one counted, it ends what the
+        others left (they ended while it started, and left that to it)."""
+        if self._leave(trajectory):
+            self._kill_group(group)
 
     def _kill(self, proc: asyncio.subprocess.Process, group: str | None) -> None:
         with contextlib.suppress(ProcessLookupError):
