@@ -34,6 +34,7 @@ from e2b.exceptions import (
     NotFoundException,
     RateLimitException,
     SandboxException,
+    TimeoutException,
 )
 
 from tangram.node_agent import env_files
@@ -122,6 +123,25 @@ def test_kill_stops_a_running_command_and_frees_its_cores(
     assert not sandbox.commands.kill(handle.pid)  # gone: E2B's "not found" is False
     # Its cores came back: the next command runs at once.
     assert sandbox.commands.run("echo again").stdout == "again\n"
+
+
+def test_a_command_still_queued_at_its_timeout_never_runs(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    """The SDK's timeout (envd's Connect-Timeout-Ms) is a deadline from the request: a
+    command still queued when it passes is never run later (the caller was told it timed
+    out, and may well run it again)."""
+    cores = len(os.sched_getaffinity(0))  # the pool's action cores
+    holders = [sandbox.commands.run("touch held.$$; sleep 60", background=True)
+               for _ in range(cores)]  # fmt: skip
+    files = sandbox.files
+    until(lambda: sum(e.name.startswith("held.") for e in files.list(".")) == len(holders),
+          "the commands did not take every core")  # fmt: skip
+    with pytest.raises(TimeoutException):
+        sandbox.commands.run("echo ran > ghost", timeout=1)
+    for h in holders:
+        sandbox.commands.kill(h.pid)
+    assert sandbox.commands.run("test -e ghost && echo ran || echo never").stdout == "never\n"
 
 
 def _wait_quietly(handle: object, seen: list[str]) -> None:
