@@ -17,6 +17,7 @@ from tangram.api.wire import (
     OpenTrajectory,
 )
 from tangram.service.config import EnvConfig
+from tangram.service.e2b.sandboxes import Sandboxes
 from tangram.service.engine import Engine
 from tangram.service.files import Files
 from tangram.service.from_resources import env_config
@@ -212,3 +213,21 @@ def test_a_trajectory_lost_while_its_agent_is_away_is_closed_after_its_idle_time
         assert ("u", "t1") not in engine.state.named
 
     run(scenario, env=IDLE, clock=clock, agent_grace_s=0.0)
+
+
+def test_an_e2b_sandbox_ends_at_its_own_timeout_not_its_envs_idle_timeout() -> None:
+    """E2B's promise: a sandbox lives till its ``timeout`` passes, however idle (its client
+    sets and extends it; the reaper ends it). A /v1 trajectory beside it idles out."""
+    clock = Clock()
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))
+        sandboxes = Sandboxes(engine, clock=clock)
+        box = await sandboxes.create("u", "e", 600, {}, {})
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="plain"))
+        clock.now += 120.0  # past the env's 60 s, within the sandbox's 600 s
+        assert _idle(engine, clock) == ["plain"]
+        sandboxes.set_timeout(box, 30)  # (any timeout of its own, shorter too)
+        assert _idle(engine, clock) == ["plain"]
+
+    run(scenario, env=IDLE, clock=clock)

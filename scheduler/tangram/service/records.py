@@ -70,6 +70,9 @@ class TrajectoryRecord:
     # Engine clock when it was last in use: opened or taken back, an action or a files
     # request asked, an action ended (its env's idle timeout counts from there).
     active_at: float = 0.0
+    # It ends at a timeout of its own (an E2B sandbox's, which its client sets and
+    # extends), not at its env's idle timeout.
+    timed: bool = False
     transfers: int = 0  # files requests under way (it is not idle meanwhile)
     # What the core and the agent know it by, unique in the pool: its id, unless another
     # tenant held that id when it opened.

@@ -259,8 +259,9 @@ class Trajectories:
     def idle(self, now: float) -> list[TrajectoryRecord]:
         """Open and lost trajectories whose env's ``idleTimeoutSeconds`` passed since they
         were last in use (a lost one: since it was lost, or asked for), with nothing queued
-        or running. A lost one holds nothing, but its record and its id would stay for good:
-        its client reads it as lost until then, and learns it was closed after."""
+        or running, and no timeout of their own (``timed``). A lost one holds nothing, but
+        its record and its id would stay for good: its client reads it as lost until then,
+        and learns it was closed after."""
         s = self.s
         if not any(e.idle_timeout_s for e in s.config.envs.values()):
             return []
@@ -272,6 +273,7 @@ class Trajectories:
             and t.opening is None
             and t.key not in busy
             and not t.transfers
+            and not t.timed
             and (limit := s.env_of(t).idle_timeout_s) is not None
             and now - t.active_at >= limit
         ]

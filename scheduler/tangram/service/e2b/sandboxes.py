@@ -116,7 +116,8 @@ class Sandboxes:
     ) -> Sandbox:  # fmt: skip
         labels = {**metadata, TIMEOUT_LABEL: str(timeout_s)}
         rec = await self.engine.open_trajectory(tenant, OpenTrajectory(env=template, labels=labels))
-        box = Sandbox(tenant, rec.id, rec, self.clock() + timeout_s, dict(env_vars))
+        box = Sandbox(tenant, rec.id, rec, None, dict(env_vars))
+        self._end(box, self.clock() + timeout_s)
         self._known[(tenant, rec.id)] = box
         return box
 
@@ -135,7 +136,8 @@ class Sandboxes:
             raise EngineError("not_found", "sandbox", f"sandbox {sid} was not found "
                               f"({rec.state}{why})")  # fmt: skip
         if box is None:
-            box = self._known[(tenant, sid)] = Sandbox(tenant, sid, rec, self._adopted_end(rec))
+            box = self._known[(tenant, sid)] = Sandbox(tenant, sid, rec, None)
+            self._end(box, self._adopted_end(rec))
         return box
 
     def mine(self, tenant: str) -> list[Sandbox]:
@@ -158,7 +160,14 @@ class Sandboxes:
         /v1 trajectory) keeps none."""
         end = self.clock() + timeout_s
         if not extend_only or (box.end_at is not None and end > box.end_at):
-            box.end_at = end
+            self._end(box, end)
+
+    @staticmethod
+    def _end(box: Sandbox, end_at: float | None) -> None:
+        """Its timeout: what ends it, not its env's idle timeout (the docs promise the
+        sandbox lives till ``timeout`` passes, however idle)."""
+        box.end_at = end_at
+        box.trajectory.timed = end_at is not None
 
     def _adopted_end(self, rec: TrajectoryRecord) -> float | None:
         """When a sandbox made before a restart ends. Anyone may set the label through
