@@ -106,6 +106,19 @@ def test_stdin_is_sent_and_closed(sandbox: Sandbox) -> None:
     assert handle.wait().stdout == "typed\nend\n"
 
 
+def test_input_over_the_request_limit_is_an_invalid_argument_not_a_rate_limit(
+    sandbox: Sandbox,
+) -> None:
+    """Over the pool's maxRequestBytes, the SDK is told to send it in parts: a 413 it would
+    take for rate limiting ("try again later"), which no retry mends."""
+    handle = sandbox.commands.run("wc -c", background=True, stdin=True)
+    with pytest.raises(InvalidArgumentException, match=r"maxRequestBytes.*in parts"):
+        sandbox.commands.send_stdin(handle.pid, "x" * (2 << 20))
+    sandbox.commands.send_stdin(handle.pid, "x" * 1000)  # the command goes on
+    sandbox.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout.strip() == "1000"
+
+
 def test_kill_stops_a_running_command_and_frees_its_cores(
     sandbox: Sandbox, e2b: tuple[str, str, str]
 ) -> None:

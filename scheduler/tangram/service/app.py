@@ -63,6 +63,7 @@ from tangram.service.answers import (
 from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.e2b import add_e2b_routes
 from tangram.service.e2b.envd import is_upload as is_e2b_upload
+from tangram.service.e2b.envd import too_large as e2b_too_large
 from tangram.service.e2b.errors import E2BError
 from tangram.service.engine import Engine
 from tangram.service.file_routes import add_file_routes, is_upload
@@ -109,6 +110,10 @@ class BodyLimit:
     def __init__(self, app: ASGIApp, limit: Callable[[Scope], int]) -> None:
         self.app, self.limit = app, limit
 
+    @staticmethod
+    def _refuse(scope: Scope, detail: str) -> ASGIApp:
+        return e2b_too_large(scope, detail) or _error(413, "too_large", detail)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -116,7 +121,7 @@ class BodyLimit:
         limit = self.limit(scope)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _error(413, "too_large", _TooLargeError(limit).detail)(scope, receive, send)
+            await self._refuse(scope, _TooLargeError(limit).detail)(scope, receive, send)
             return
         seen = 0
 
@@ -131,7 +136,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited, send)
         except _TooLargeError as e:  # (one no exception handler answered)
-            await _error(413, "too_large", e.detail)(scope, receive, send)
+            await self._refuse(scope, e.detail)(scope, receive, send)
 
 
 class _TooLargeError(HTTPException):

@@ -58,6 +58,20 @@ def is_upload(scope: Scope) -> bool:
     return bool(scope["method"] == "POST" and scope["path"] == "/files")
 
 
+def too_large(scope: Scope, detail: str) -> Response | None:
+    """A body over the pool's limit as envd's clients read a refusal, for a Connect call
+    (None for any other route): an invalid argument, not the 413 that the SDK takes for
+    rate limiting ("try again later"), which no retry would mend."""
+    if not scope["path"].startswith(("/process.Process/", "/filesystem.Filesystem/")):
+        return None
+    error = ConnectError("invalid_argument", f"{detail} (admission.maxRequestBytes): send "
+                         "it in parts")  # fmt: skip
+    content_type = dict(scope.get("headers") or []).get(b"content-type", b"")
+    if content_type.startswith(STREAM_TYPE.encode()):  # (a stream answers 200, then why)
+        return Response(end_of_stream(error), media_type=STREAM_TYPE)
+    return JSONResponse(error.body(), status_code=CODE_STATUS[error.code])
+
+
 Call = Callable[[str, Sandbox, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
