@@ -157,6 +157,30 @@ def test_a_command_still_queued_at_its_timeout_never_runs(
     assert sandbox.commands.run("test -e ghost && echo ran || echo never").stdout == "never\n"
 
 
+def test_a_queued_command_killed_never_runs_and_ends_at_once(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    """envd's process dies at the kill; here one still queued is taken out of the queue
+    (it ends as killed) rather than run when a core frees."""
+    cores = len(os.sched_getaffinity(0))  # the pool's action cores
+    holders = [sandbox.commands.run("touch held.$$; sleep 600", background=True)
+               for _ in range(cores)]  # fmt: skip
+    files = sandbox.files
+    until(lambda: sum(e.name.startswith("held.") for e in files.list(".")) == len(holders),
+          "the commands did not take every core")  # fmt: skip
+    queued = sandbox.commands.run("touch ghost", background=True)
+    assert sandbox.commands.kill(queued.pid)
+    # (the others run 600 s: it ends now, or waits for one of their cores)
+    until(lambda: queued.pid not in [p.pid for p in sandbox.commands.list()],
+          "the killed command waited for a core")  # fmt: skip
+    with pytest.raises(CommandExitException) as ended:
+        queued.wait()
+    assert ended.value.exit_code == -1 and ended.value.error == "signal: killed"
+    for h in holders:
+        sandbox.commands.kill(h.pid)
+    assert sandbox.commands.run("test -e ghost && echo ran || echo never").stdout == "never\n"
+
+
 def _wait_quietly(handle: object, seen: list[str]) -> None:
     with pytest.raises(CommandExitException) as killed:
         handle.wait(on_stdout=seen.append)  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ API (the environment's exec server; no core); commands are exec actions.
 No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
 """
 
+import contextlib
 import stat as stat_bits
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -265,7 +266,11 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         return {}
 
     async def send_signal(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:
-        process.send_signal(process.select(box, msg), msg)
+        proc = process.select(box, msg)
+        process.send_signal(proc, msg)
+        if proc.rec.started is None:  # queued: it never runs (envd's would die at once)
+            with contextlib.suppress(EngineError):  # (it ended meanwhile)
+                engine.cancel(box.tenant, proc.rec.id)
         return {}
 
     async def list_processes(who: str, box: Sandbox, msg: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tangram.api.field_errors import described
-from tangram.api.wire import ActionResult, ExecRequest, env_problem
+from tangram.api.wire import ActionResult, ActionStatus, ExecRequest, env_problem
 from tangram.service.e2b.connect import KIND_CODE, ConnectError, end_of_stream, envelope
 from tangram.service.e2b.sandboxes import Proc, Sandbox
 from tangram.service.engine import Engine
@@ -191,6 +191,8 @@ def _end(result: ActionResult, signalled: int | None = None) -> dict[str, Any]:
     killed = result.signal
     if killed is None and code is not None and signalled is not None and code == 128 + signalled:
         killed = signalled
+    if killed is None and signalled is not None and result.status is ActionStatus.CANCELLED:
+        killed = signalled  # signalled while queued: it never ran (``envd.send_signal``)
     if killed is not None:
         status = f"signal: {_GO_NAMES.get(killed, f'signal {killed}')}"
         end.update(exitCode=-1, exited=False, status=status, error=status)
@@ -200,8 +202,7 @@ def _end(result: ActionResult, signalled: int | None = None) -> dict[str, Any]:
             end["error"] = end["status"]  # (Go's exec.ExitError says the same)
     else:
         end.update(exitCode=-1, exited=False, status=str(result.status))
+        end["error"] = f"the command ended {result.status}"
     if result.error is not None:
         end["error"] = result.error.message
-    elif code is None:
-        end["error"] = f"the command ended {result.status}"
     return end
