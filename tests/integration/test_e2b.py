@@ -22,6 +22,7 @@ import pytest
 from e2b import (
     AsyncSandbox,
     CommandExitException,
+    CommandHandle,
     FileType,
     Sandbox,
     SandboxQuery,
@@ -144,12 +145,7 @@ def test_a_command_still_queued_at_its_timeout_never_runs(
     """The SDK's timeout (envd's Connect-Timeout-Ms) is a deadline from the request: a
     command still queued when it passes is never run later (the caller was told it timed
     out, and may well run it again)."""
-    cores = len(os.sched_getaffinity(0))  # the pool's action cores
-    holders = [sandbox.commands.run("touch held.$$; sleep 60", background=True)
-               for _ in range(cores)]  # fmt: skip
-    files = sandbox.files
-    until(lambda: sum(e.name.startswith("held.") for e in files.list(".")) == len(holders),
-          "the commands did not take every core")  # fmt: skip
+    holders = _hold_every_core(sandbox, 60)
     with pytest.raises(TimeoutException):
         sandbox.commands.run("echo ran > ghost", timeout=1)
     for h in holders:
@@ -162,12 +158,7 @@ def test_a_queued_command_killed_never_runs_and_ends_at_once(
 ) -> None:
     """envd's process dies at the kill; here one still queued is taken out of the queue
     (it ends as killed) rather than run when a core frees."""
-    cores = len(os.sched_getaffinity(0))  # the pool's action cores
-    holders = [sandbox.commands.run("touch held.$$; sleep 600", background=True)
-               for _ in range(cores)]  # fmt: skip
-    files = sandbox.files
-    until(lambda: sum(e.name.startswith("held.") for e in files.list(".")) == len(holders),
-          "the commands did not take every core")  # fmt: skip
+    holders = _hold_every_core(sandbox, 600)
     queued = sandbox.commands.run("touch ghost", background=True)
     assert sandbox.commands.kill(queued.pid)
     # (the others run 600 s: it ends now, or waits for one of their cores)
@@ -179,6 +170,17 @@ def test_a_queued_command_killed_never_runs_and_ends_at_once(
     for h in holders:
         sandbox.commands.kill(h.pid)
     assert sandbox.commands.run("test -e ghost && echo ran || echo never").stdout == "never\n"
+
+
+def _hold_every_core(sandbox: Sandbox, seconds: int) -> list[CommandHandle]:
+    """Commands running for ``seconds`` on each of the pool's action cores (one a core)."""
+    cores = len(os.sched_getaffinity(0))
+    holders = [sandbox.commands.run(f"touch held.$$; sleep {seconds}", background=True)
+               for _ in range(cores)]  # fmt: skip
+    files = sandbox.files
+    until(lambda: sum(e.name.startswith("held.") for e in files.list(".")) == cores,
+          "the commands did not take every core")  # fmt: skip
+    return holders
 
 
 def _wait_quietly(handle: object, seen: list[str]) -> None:

@@ -377,9 +377,7 @@ def test_a_client_that_never_reads_is_cut_off_and_its_connection_dropped(
 
 async def _submit_and_never_read(url: str, token: str, tid: str) -> None:
     # 64 MB of answers: far more than the kernel's buffers on both ends hold.
-    body = {"argv": ["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' x"],
-            "output_cap": 1 << 20}  # fmt: skip
-    lines = [json.dumps({"id": i, "trajectory": tid, "exec": body}).encode() for i in range(64)]
+    lines = _megabyte_answers(tid, 64)
     service_port = int(url.rsplit(":", 1)[1])
     async with aiohttp.ClientSession(url) as session, stream_socket(session, token) as ws:
         client_port = ws.get_extra_info("sockname")[1]
@@ -389,6 +387,13 @@ async def _submit_and_never_read(url: str, token: str, tid: str) -> None:
             await asyncio.sleep(0.05)
         while (await ws.receive()).type is aiohttp.WSMsgType.BINARY:
             pass  # answers the kernel had taken before the service let go, then the end
+
+
+def _megabyte_answers(tid: str, count: int) -> list[bytes]:
+    """Stream messages of ``count`` execs, each answered with 1 MB of output."""
+    body = {"argv": ["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' x"],
+            "output_cap": 1 << 20}  # fmt: skip
+    return [json.dumps({"id": i, "trajectory": tid, "exec": body}).encode() for i in range(count)]
 
 
 def _service_holds(service_port: int, client_port: int) -> bool:
@@ -433,9 +438,7 @@ def test_a_stopping_service_lets_go_of_a_client_that_never_reads(
 async def _stop_while_unread(
     url: str, token: str, tid: str, holding: threading.Event, stopped: threading.Event
 ) -> None:
-    body = {"argv": ["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' x"],
-            "output_cap": 1 << 20}  # fmt: skip
-    lines = [json.dumps({"id": i, "trajectory": tid, "exec": body}).encode() for i in range(16)]
+    lines = _megabyte_answers(tid, 16)
     service_port = int(url.rsplit(":", 1)[1])
     async with aiohttp.ClientSession(url) as session, stream_socket(session, token) as ws:
         client_port = ws.get_extra_info("sockname")[1]
