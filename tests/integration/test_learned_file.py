@@ -52,7 +52,6 @@ def test_a_restarted_scheduler_resumes_what_the_last_one_learned(tmp_path: Path)
         for _ in range(3):
             assert t.exec(["true"], action_type="probe").status is ActionStatus.OK
     learned = LearnedState.model_validate_json(saved.read_bytes())  # saved at its stop
-    first.close()  # (the file is one scheduler's at a time: the next one's now)
     assert learned.profiles["probe"].n == 3 and learned.profiles["probe"].counts == [1]
     assert learned.lengths == [3]  # the trajectory closed after three steps
     assert learned.think_s.seen == 2 and learned.exec_run_s.seen == 3

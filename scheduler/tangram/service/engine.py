@@ -221,6 +221,8 @@ class Engine:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.save_learned()  # with what the last runs taught
+        if self._learned is not None:
+            self._learned[0].close()
         await self.api.close()
 
     async def wind_down(self, grace_s: float, hurry: asyncio.Event | None = None) -> None:

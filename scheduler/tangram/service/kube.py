@@ -112,6 +112,9 @@ class LearnedConfigMap:
         self._patch({LEARNED_KEY: None, f"{LEARNED_KEY}.bad": document.decode()})
         return f"its key {LEARNED_KEY}.bad"
 
+    def close(self) -> None:
+        pass  # nothing held: one scheduler a pool, its Deployment's (Recreate)
+
     def _patch(self, data: dict[str, str | None]) -> None:
         self._call(self._core.patch_namespaced_config_map, self.name, self.namespace,
                    {"data": data})  # fmt: skip

@@ -54,6 +54,10 @@ class LearnedStore(Protocol):
         """Keep ``document`` apart from where the next one goes; say where it went."""
         ...
 
+    def close(self) -> None:
+        """Let the next scheduler have it (the scheduler stops)."""
+        ...
+
 
 class InUseError(OSError):
     """Another scheduler (another process, or another store in this one) holds the file."""
