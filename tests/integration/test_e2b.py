@@ -611,6 +611,12 @@ def test_a_command_killed_by_its_signal_ends_as_envds_does(sandbox: Sandbox) -> 
     assert (exited.value.exit_code, exited.value.error) == (3, "exit status 3")
 
 
+def test_removing_the_sandboxs_root_is_refused_as_an_invalid_argument(sandbox: Sandbox) -> None:
+    """A mount point (EBUSY) is no conflict to retry: 'invalid', saying why."""
+    with pytest.raises(InvalidArgumentException, match="mount point"):
+        sandbox.files.remove("/")
+
+
 def test_remove_of_nothing_is_done_and_a_move_makes_its_parents(sandbox: Sandbox) -> None:
     """envd's Remove is os.RemoveAll (nothing there: done), its Move makes the
     destination's directories first."""

@@ -38,7 +38,7 @@ _KINDS: dict[int, ErrorKind] = {
     errno.ELOOP: "forbidden",  # a /proc magic link, or a symlink loop
     errno.EEXIST: "conflict",
     errno.ENOTEMPTY: "conflict",
-    errno.EBUSY: "conflict",
+    errno.EBUSY: "invalid",  # a mount point (the environment's root, its workdir volume)
     errno.ENOTDIR: "invalid",
     errno.EISDIR: "invalid",
     errno.EINVAL: "invalid",
@@ -50,6 +50,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # not the caller's: ``NoSpaceError``
 _WHY = {
     errno.EXDEV: "it leads out of the environment through a symlink",
     errno.ELOOP: "it goes through a /proc magic link or a symlink loop",
+    errno.EBUSY: "it is a mount point of the environment (its root or a volume)",
     errno.ENOSPC: "the environment's disk is full or at its limit",
     errno.EDQUOT: "the environment's disk is at its limit",
 }
