@@ -325,6 +325,36 @@ def test_a_restarted_scheduler_takes_back_trajectories_and_running_actions(
         client.close(t.id)
 
 
+def test_a_restarted_scheduler_gives_a_trajectorys_variables_to_its_commands_still(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``env_vars`` (and an E2B sandbox's ``envs``) are kept by the agent with the
+    environment: after a scheduler restart the trajectory's commands still get them."""
+    from e2b import Sandbox
+
+    cluster.agent("state-a")
+    echo = ["sh", "-c", 'echo "$KEPT $OWN"']
+    monkeypatch.setenv("E2B_SANDBOX_URL", cluster.url)
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell", env_vars={"KEPT": "kept", "OWN": "trajectory's"})
+        assert client.exec(t.id, echo, env={"OWN": "own"}).stdout == "kept own\n"
+        token = settings(cluster.url, None)[1]
+        box = Sandbox.create("shell", envs={"KEPT": "boxed"}, api_url=cluster.url, api_key=token)
+        assert box.commands.run("echo $KEPT").stdout == "boxed\n"
+    cluster.scheduler.kill()
+    cluster.scheduler.wait(10)
+    cluster.start_scheduler()
+    _wait(lambda: cluster._get("/readyz") == 200, "the agent did not come back")
+    with Client(cluster.url, retries=5) as client:
+        assert client.exec(t.id, echo, env={"OWN": "own"}).stdout == "kept own\n"
+        assert client.exec(t.id, echo).stdout == "kept trajectory's\n"
+        token = settings(cluster.url, None)[1]  # (a restarted scheduler writes new tokens)
+        again = Sandbox.connect(box.sandbox_id, api_url=cluster.url, api_key=token)
+        assert again.commands.run("echo $KEPT").stdout == "boxed\n"
+        again.kill()
+        client.close(t.id)
+
+
 def _crash_mid_action(
     cluster: Cluster, trajectory: str, argv: list[str], key: str, started: Path
 ) -> object:

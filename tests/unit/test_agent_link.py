@@ -246,6 +246,30 @@ def test_an_opens_key_goes_only_to_agents_that_keep_it() -> None:
     assert OpenTrajectory(env="shell", idempotency_key="k1").digest() != req.digest()
 
 
+def test_a_trajectorys_variables_go_to_its_agent_only_when_it_has_some() -> None:
+    """``env_vars`` ride in the metadata its agent keeps (a restarted scheduler reads
+    them back from there); none given, the field is left out for earlier releases."""
+    from pydantic import ValidationError
+
+    from tangram.api.wire import EnvSpec, OpenTrajectory, TrajectoryMeta
+    from tangram.service.config import EnvConfig
+    from tangram.service.records import TrajectoryRecord
+
+    rec = TrajectoryRecord(
+        "t-1", "alice", "shell", "n1", {}, 0.0, EnvConfig(spec=EnvSpec(name="shell", image="i"))
+    )
+    assert "env_vars" not in rec.meta().model_dump_json()
+    rec.env_vars = {"TOKEN": "s3cret", "EMPTY": ""}
+    kept = TrajectoryMeta.model_validate_json(rec.meta().model_dump_json())
+    assert kept.env_vars == {"TOKEN": "s3cret", "EMPTY": ""}
+    assert "env_vars" not in rec.info().model_dump_json()  # no answer repeats them
+    # They are part of what a keyed retry of the open must repeat.
+    with_vars = OpenTrajectory(env="shell", env_vars={"A": "1"}, idempotency_key="k")
+    assert with_vars.digest() != OpenTrajectory(env="shell", idempotency_key="k").digest()
+    with pytest.raises(ValidationError, match=r"env_vars: 'MY-VAR' is not a variable name"):
+        OpenTrajectory(env="shell", env_vars={"MY-VAR": "x"})
+
+
 # ---- streamed requests (a file's bytes): credit windows each way ---------------------
 
 

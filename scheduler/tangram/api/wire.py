@@ -115,10 +115,23 @@ class OpenTrajectory(_Strict):
             "shortest-remaining orderings",
         ),
     ] = None
+    env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variables of each of its commands (a command's own env "
+        "overrides a variable of the same name); its agent keeps them, so they outlast a "
+        "scheduler restart",
+        json_schema_extra={"propertyNames": {"pattern": _ENV_NAME.pattern}},
+    )
     idempotency_key: Annotated[
         IdempotencyKey | None,
         Field(description="a retry with the same key answers with the trajectory it opened"),
     ] = None
+
+    @model_validator(mode="after")
+    def _env_vars(self) -> Self:
+        if (problem := env_problem(self.env_vars)) is not None:
+            raise ValueError(f"env_vars: {problem}")
+        return self
 
     def digest(self) -> str:
         """What a retry under the same key must repeat: the request less its key, fields
@@ -623,13 +636,16 @@ class TrajectoryMeta(_Strict):
     # Given only to agents that say they keep it (OPEN_KEYS_FEATURE).
     open_key: str | None = None
     open_digest: str | None = None
+    # OpenTrajectory.env_vars: kept here so a restarted scheduler gives them to its
+    # commands still (an agent of an earlier release drops them; the open still works).
+    env_vars: dict[str, str] = Field(default_factory=dict)
 
     @model_serializer(mode="wrap")
     def _optional_when_set(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Releases before ``name`` refuse unknown fields here: leave these out unless set.
         data: dict[str, Any] = dump(self)
-        for optional in ("name", "open_key", "open_digest"):
-            if data.get(optional) is None:
+        for optional in ("name", "open_key", "open_digest", "env_vars"):
+            if not data.get(optional):
                 data.pop(optional, None)
         return data
 

@@ -237,8 +237,11 @@ class AsyncClient:
         id: str | None = None,
         labels: Mapping[str, str] | None = None,
         expected_steps: int | None = None,
+        env_vars: Mapping[str, str] | None = None,
     ) -> TrajectoryInfo:
-        body = open_body(env, id, labels, expected_steps)
+        """Open a trajectory of TrajectoryEnv ``env``; ``env_vars`` go to each of its
+        commands (a command's own ``env`` overrides them)."""
+        body = open_body(env, id, labels, expected_steps, env_vars)
         if not self._open_keys:
             body.pop("idempotency_key")
         try:

@@ -242,7 +242,11 @@ def keyed(item: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def open_body(
-    env: str, id: str | None, labels: Mapping[str, str] | None, expected_steps: int | None
+    env: str,
+    id: str | None,
+    labels: Mapping[str, str] | None,
+    expected_steps: int | None,
+    env_vars: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     # A retry after an answer lost on the way opens nothing more: it gets that trajectory.
     body: dict[str, Any] = {"env": env, "idempotency_key": uuid.uuid4().hex}
@@ -252,4 +256,6 @@ def open_body(
         body["labels"] = dict(labels)
     if expected_steps is not None:
         body["expected_steps"] = expected_steps
+    if env_vars:
+        body["env_vars"] = dict(env_vars)
     return body

@@ -118,6 +118,7 @@ class Membership:
         rec = TrajectoryRecord(
             name, meta.tenant, meta.env, node, dict(meta.labels), meta.opened_at, env, key=meta.id
         )  # fmt: skip
+        rec.env_vars = dict(meta.env_vars)
         if meta.open_key is not None and meta.open_digest is not None:
             rec.open_key = (meta.open_key, meta.open_digest)
         s.add_trajectory(rec)

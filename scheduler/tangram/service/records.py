@@ -83,6 +83,7 @@ class TrajectoryRecord:
     # The open's idempotency key and its request's digest (OpenTrajectory.digest), kept by
     # the agent too: a restarted scheduler answers the open's retry with this record.
     open_key: tuple[str, str] | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)  # OpenTrajectory.env_vars
 
     def __post_init__(self) -> None:
         self.key = self.key or self.id
@@ -97,7 +98,7 @@ class TrajectoryRecord:
         return TrajectoryMeta(
             id=self.key, name=self.id if self.id != self.key else None, tenant=self.tenant,
             env=self.env, labels=dict(self.labels), opened_at=self.opened_at,
-            open_key=key, open_digest=digest,
+            open_key=key, open_digest=digest, env_vars=dict(self.env_vars),
         )  # fmt: skip
 
 

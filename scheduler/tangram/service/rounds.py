@@ -133,18 +133,20 @@ class Rounds:
         cores = [s.node_cores[asg.node][i] for i in asg.cores]
         timeout = rec.timeout_s
         key = rec.agent_key
+        traj = s.trajectories.get(rec.trajectory)
+        environ = {**(traj.env_vars if traj is not None else {}), **req.env}
         op: AgentExec | AgentSession
         if req.session is not None:
             assert req.code is not None
             op = AgentSession(session=req.session, code=req.code, trajectory=rec.trajectory,
-                              cores=cores, timeout_s=timeout, environ=dict(req.env),
+                              cores=cores, timeout_s=timeout, environ=environ,
                               output_cap=req.output_cap, key=key,
                               digest=rec.digest)  # fmt: skip
         else:
             assert rec.argv is not None
             live = rec.live
             op = AgentExec(argv=rec.argv, trajectory=rec.trajectory, cores=cores,
-                           timeout_s=timeout, environ=dict(req.env), output_cap=req.output_cap,
+                           timeout_s=timeout, environ=environ, output_cap=req.output_cap,
                            key=key, digest=rec.digest, stdin=req.stdin, pty=req.pty,
                            stream=live is not None and live.output is not None,
                            interactive=live is not None and live.interactive)  # fmt: skip

@@ -162,7 +162,7 @@ class Trajectories:
             raise EngineError("unavailable", "env", why)
         s.core.place_trajectory(key, node)
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
-        rec.open_key = open_key
+        rec.open_key, rec.env_vars = open_key, dict(req.env_vars)
         made = rec.opening = asyncio.get_running_loop().create_future()
         s.add_trajectory(rec)
         link = s.hub.links.get(node)  # (none: the ask below fails as it should)

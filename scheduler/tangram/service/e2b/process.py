@@ -65,7 +65,7 @@ def start(engine: Engine, box: Sandbox, msg: dict[str, Any], timeout_s: float | 
     try:
         # The caller's deadline (envd's Connect-Timeout-Ms) bounds the wait in the queue
         # too: one not started by then never runs (the SDK has raised its timeout).
-        req = ExecRequest(argv=argv, env={**box.env_vars, **envs}, timeout_s=timeout_s,
+        req = ExecRequest(argv=argv, env=envs, timeout_s=timeout_s,
                           queue_timeout_s=timeout_s, pty=pty, output_cap=0)  # fmt: skip
     except ValidationError as e:
         raise ConnectError("invalid_argument", described(e, "process")) from None

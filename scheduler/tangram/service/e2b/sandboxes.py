@@ -1,11 +1,12 @@
 """E2B sandboxes: trajectories with the lifetime E2B gives a sandbox (killed when its
 timeout passes, unless extended) and their commands, known by pid.
 
-A sandbox made here carries its timeout as a trajectory label, which its node agent keeps:
-after a scheduler restart the trajectory comes back from its agent, and the sandbox gets a
-fresh timeout of that length when the reaper first sees it (its remaining time is not
-kept). Any other open trajectory of the tenant may be used as a sandbox too; it has no
-timeout, as it had none. A sandbox whose environment ended by itself (its trajectory lost)
+A sandbox made here carries its timeout as a trajectory label and its ``envVars`` as the
+trajectory's ``env_vars``, both kept by its node agent: after a scheduler restart the
+trajectory comes back from its agent, its commands still get its variables, and the
+sandbox gets a fresh timeout of that length when the reaper first sees it (its remaining
+time is not kept). Any other open trajectory of the tenant may be used as a sandbox too;
+it has no timeout, as it had none. A sandbox whose environment ended by itself (its trajectory lost)
 serves nothing, but can be killed, and is closed when its timeout passes.
 """
 
@@ -87,7 +88,6 @@ class Sandbox:
     id: str
     trajectory: TrajectoryRecord
     end_at: float | None  # unix seconds; None: no timeout
-    env_vars: dict[str, str] = field(default_factory=dict)  # for every command it runs
     procs: dict[int, Proc] = field(default_factory=dict)
     next_pid: int = 1
 
@@ -115,8 +115,9 @@ class Sandboxes:
         env_vars: dict[str, str],
     ) -> Sandbox:  # fmt: skip
         labels = {**metadata, TIMEOUT_LABEL: str(timeout_s)}
-        rec = await self.engine.open_trajectory(tenant, OpenTrajectory(env=template, labels=labels))
-        box = Sandbox(tenant, rec.id, rec, None, dict(env_vars))
+        req = OpenTrajectory(env=template, labels=labels, env_vars=env_vars)
+        rec = await self.engine.open_trajectory(tenant, req)
+        box = Sandbox(tenant, rec.id, rec, None)
         self._end(box, self.clock() + timeout_s)
         self._known[(tenant, rec.id)] = box
         return box
