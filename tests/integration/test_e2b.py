@@ -37,6 +37,7 @@ from e2b.exceptions import (
     SandboxException,
     TimeoutException,
 )
+from e2b.sandbox.commands.command_handle import PtySize
 
 from tangram.node_agent import env_files
 
@@ -105,6 +106,23 @@ def test_stdin_is_sent_and_closed(sandbox: Sandbox) -> None:
     sandbox.commands.send_stdin(handle.pid, "typed\n")
     sandbox.commands.close_stdin(handle.pid)
     assert handle.wait().stdout == "typed\nend\n"
+
+
+def test_a_terminal_runs_an_interactive_shell_or_is_refused_saying_why(
+    e2b: tuple[str, str, str], sandbox: Sandbox
+) -> None:
+    """``pty.create``: a login shell on a terminal where the runtime makes terminals; the
+    process runtime has none, and says so at once (the SDK gave an empty error after the
+    command had been queued and run)."""
+    if e2b[0] == "process":
+        with pytest.raises(InvalidArgumentException, match=r"^pty: the process runtime has no"):
+            sandbox.pty.create(PtySize(rows=24, cols=80))
+        return
+    terminal = sandbox.pty.create(PtySize(rows=24, cols=80))
+    sandbox.pty.send_stdin(terminal.pid, b"echo $((6 * 7)); exit\n")
+    seen: list[bytes] = []
+    assert terminal.wait(on_pty=seen.append).exit_code == 0
+    assert b"42\n" in b"".join(seen)  # (what was typed is not echoed: only its output)
 
 
 def test_input_over_the_request_limit_is_an_invalid_argument_not_a_rate_limit(

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tangram.client import AsyncClient, AsyncTrajectory, LiveAction
+from tangram.client import AsyncClient, AsyncTrajectory, LiveAction, TangramError
 
 from .service_harness import RUNTIMES, box_pool
 
@@ -159,12 +159,18 @@ def test_a_pty_is_a_terminal_or_refused_where_there_is_none(
 
     async def scenario(t: AsyncTrajectory) -> None:
         argv = ["sh", "-c", "test -t 0 && test -t 1 && echo terminal"]
-        r = await t.exec(argv, pty=True)
         if has_terminals:
+            r = await t.exec(argv, pty=True)
             assert (r.exit_code, r.stdout) == (0, "terminal\n"), r
-        else:  # the process runtime has none, and says so
-            assert r.status.value == "error" and r.error is not None, r
-            assert "pty" in r.error.message
+            return
+        # The process runtime has none, and says so when asked, before it queues.
+        with pytest.raises(TangramError, match="the process runtime has no terminals") as e:
+            await t.exec(argv, pty=True)
+        assert (e.value.status, e.value.field) == (400, "pty")
+        live = await t.exec_live(argv, pty=True)  # the same, streamed
+        with pytest.raises(TangramError, match="the process runtime has no terminals") as e:
+            await live.result()
+        assert (e.value.status, e.value.field) == (400, "pty")
 
     on(scenario)
 

@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tangram.api.wire import NO_TERMINALS_WHY
 from tangram.node_agent.cgroups import Cgroups, join
 from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
@@ -259,7 +260,7 @@ class ProcessRuntime:
         its stdin, streamed output and signals (no terminal here)."""
         check_request(trajectory in self._open, trajectory, argv, cores)
         if io is not None and io.pty:
-            raise ExecError("pty: the process runtime has no terminals (docker or pod have)")
+            raise ExecError(f"pty: {NO_TERMINALS_WHY}")
         group = self._group(trajectory)
         t0 = time.perf_counter()
         quota = float(quota_cores if quota_cores is not None else len(cores))

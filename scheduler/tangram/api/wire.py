@@ -981,6 +981,10 @@ class FilesOutcome(_Strict):
 # chunks): a slow reader holds its own request, never the link every request shares.
 STREAM_WINDOW = 8
 STREAM_CHUNK = 1 << 20  # bytes a chunk carries at most (before base64)
+# Runtimes whose environments have no terminals (ExecRequest.pty): the process runtime
+# runs commands on the host, with no exec server to make a pty in.
+NO_TERMINALS = frozenset({"process"})
+NO_TERMINALS_WHY = "the process runtime has no terminals (docker or pod have)"
 FILES_FEATURE = "files"  # an agent that serves AgentFiles says so in its hello
 TAR_FEATURE = "files-tar"  # and one that serves its tar and untar actions
 OPEN_KEYS_FEATURE = "open-keys"  # one that keeps TrajectoryMeta.open_key for its scheduler
