@@ -19,7 +19,6 @@ from pydantic import ValidationError
 from tangram.api.action import ActionSpec
 from tangram.api.field_errors import field_path
 from tangram.api.wire import (
-    NO_TERMINALS,
     NO_TERMINALS_WHY,
     ActionResult,
     ApiCallRequest,
@@ -174,9 +173,8 @@ class Admission:
 
     def _exec(self, tenant: str, tid: str, req: ExecRequest) -> _Checked:
         traj = self.s.usable(tenant, tid)
-        if req.pty and (link := self.s.hub.links.get(traj.node or "")) is not None:
-            if link.hello.runtime in NO_TERMINALS:  # (refused now, not once it ran)
-                raise EngineError("invalid", "pty", NO_TERMINALS_WHY)
+        if req.pty and not self.s.makes_terminals(traj.node):  # (refused now, not once run)
+            raise EngineError("invalid", "pty", NO_TERMINALS_WHY)
         argv, spec, timeout = self._exec_spec(self.s.env_of(traj), req)
         return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj, timeout)
 

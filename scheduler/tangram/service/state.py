@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from tangram.api.wire import (
+    NO_TERMINALS,
     ActionResult,
     AgentCancel,
     AgentReply,
@@ -147,6 +148,12 @@ class PoolState:
             why = f": {traj.ended}" if traj.ended else ""
             raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}{why}")
         return traj
+
+    def makes_terminals(self, node: str | None) -> bool:
+        """Whether ``node``'s agent can run a command under a pty (its runtime can, or it
+        is away: then it is asked once back, and says so itself)."""
+        link = self.hub.links.get(node or "")
+        return link is None or link.hello.runtime not in NO_TERMINALS
 
     def admitting(self, tenant: str, extra: int = 1) -> None:
         """Refuse new work while stopping, or when ``extra`` more would overfill the queue
