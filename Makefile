@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 export PYTHONPATH := $(CURDIR)/scheduler:$(CURDIR)/operator:$(CURDIR)/node-agent
 
-.PHONY: setup run test test-gpu e2e bench-pods lint typecheck bench bench-quick gpu-kit images manifests chart-lint clean
+.PHONY: setup run test test-gpu e2e bench-pods bench-control-plane lint typecheck bench bench-quick gpu-kit images manifests chart-lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -66,6 +66,7 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	$(BIN)/tangram bench search-seeds --out docs/bench/search-seeds.json
 	$(BIN)/tangram bench exec --json --out docs/bench/exec.json  # needs a Docker Engine
 	$(BIN)/python e2e/bench_pods.py  # the pod runtime on a real kubelet: root, containerd
+	$(BIN)/python e2e/bench_control_plane.py  # a real kube-scheduler's binding rate
 	$(BIN)/tangram bench service --sweep 2,1,0.7,0.5,0.48,0.45,0.4,0.33,0.25,0.2,0.16,0.13,0.1 --json --out docs/bench/service.json
 	$(BIN)/tangram bench service --transport http --sweep 2,1,0.7,0.5,0.48,0.45,0.4,0.33,0.28,0.25,0.2 --json --out docs/bench/service_http.json
 	$(BIN)/tangram bench tenants --json --out docs/bench/tenants.json
@@ -91,6 +92,9 @@ gpu-kit: setup ## wheels (cp312, the versions in .venv) a lent GPU machine lacks
 
 bench-pods: setup ## the pod runtime's overhead and open latency on a real kubelet (root)
 	$(BIN)/python e2e/bench_pods.py
+
+bench-control-plane: setup ## how fast a real kube-scheduler binds a batch of trajectory pods
+	$(BIN)/python e2e/bench_control_plane.py
 
 bench-quick: setup ## a smaller paper sweep for a smoke run (writes out/bench)
 	$(BIN)/tangram bench paper --quick --out out/bench

@@ -237,6 +237,9 @@ def test_coding_seeds_replays_every_batch_and_seed_and_reports_the_spread(
             assert v["elastic_vs_best_fixed"] == pytest.approx(act["elastic"] / best, abs=1e-4)
             load = act["elastic-load"] / best  # the rule without the return term, same run
             assert v["load_vs_best_fixed"] == pytest.approx(load, abs=1e-4)
+            cp = act["k8s-static-cp"] / act["elastic"]
+            assert v["k8s_cp_over_elastic"] == pytest.approx(cp, abs=1e-3)
+            assert act["k8s-static-cp"] >= act["k8s-static"]  # (binding only ever waits)
             ratios.append(v["elastic_vs_best_fixed"])
         spread = row["elastic_vs_best_fixed"]
         assert (spread["min"], spread["max"]) == (min(ratios), max(ratios))

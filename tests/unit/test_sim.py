@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from tangram.sim.backends import (
     Overheads,
     SchedulerBackend,
     StaticGpuBackend,
+    TokenBucket,
     _water_fill,
     speedup,
 )
@@ -191,11 +193,52 @@ def test_a_pods_start_latency_is_its_trajectorys_whatever_the_order() -> None:
     assert ready_at(trace[::-1]) == forward
 
 
+def test_a_token_bucket_lets_a_burst_go_then_one_request_per_interval() -> None:
+    bucket = TokenBucket(per_s=2.0, burst=3)
+    assert [bucket.take(0.0) for _ in range(5)] == [0.0, 0.0, 0.0, 0.5, 1.0]
+    assert bucket.take(0.2) == 1.5  # (after the ones asked before it)
+    assert bucket.take(10.0) == 10.0  # the bucket refilled meanwhile: at once
+    assert [bucket.take(10.0) for _ in range(2)] == [10.0, 10.0]
+    assert bucket.take(10.0) == 10.5  # three in a row: the burst is spent again
+    with pytest.raises(ValueError, match="per_s > 0 and burst >= 1"):
+        TokenBucket(per_s=0.0, burst=1)
+
+
+def test_pods_start_once_the_control_plane_has_bound_them_at_its_rate() -> None:
+    """``binds``: pods past the burst are bound one per interval, in order of placement;
+    each then starts after its own latency, the one it has unbound."""
+    step = [{"think_s": 0.0, "action": {"kind": "exec", "t1_s": 1.0}}]
+    trace = [traj(f"t{i}", step) for i in range(6)]
+
+    def ready_at(binds: tuple[float, int] | None) -> dict[str, float]:
+        loop = EventLoop()
+        pods = K8sStaticBackend(loop, cpu_cluster(cpus=8), NO_OVERHEAD, 7, binds=binds)
+        ready: dict[str, float] = {}
+        for t in trace:
+            pods.open(t, 0.0, partial(lambda tid: ready.__setitem__(tid, loop.now), t.id))
+        loop.run()
+        return ready
+
+    free, bound = ready_at(None), ready_at((4.0, 2))
+    waits = [bound[t.id] - free[t.id] for t in trace]
+    assert waits == pytest.approx([0.0, 0.0, 0.25, 0.5, 0.75, 1.0])
+    # The policy's bucket (the kube-scheduler's 50/s, bursts of 100): the 101st pod on.
+    batch = [traj(f"t{i}", step) for i in range(150)]
+    room = cpu_cluster(cpus=128, memory=1000.0)  # (every pod fits at once)
+    r = simulate(batch, room, "k8s-static-cp", overheads=NO_OVERHEAD)
+    plain = simulate(batch, room, "k8s-static", overheads=NO_OVERHEAD)
+    started = {x.trajectory: x.started for x in plain.records}
+    later = sorted(x.started - started[x.trajectory] for x in r.records)
+    assert later[:100] == [0.0] * 100 and later[-1] == pytest.approx(50 / 50.0)
+
+
 def test_policy_names_are_checked() -> None:
-    good = ("elastic", "fixed-dop-16", "k8s-static", "k8s-static-dop-4", "static-gpu")
+    good = ("elastic", "fixed-dop-16", "k8s-static", "k8s-static-dop-4", "k8s-static-dop-4-cp",
+            "k8s-static-cp", "static-gpu")  # fmt: skip
     for name in (*good, "elastic-shortest-hinted-0", "elastic-shortest-hinted-1.25"):
         assert check_policy(name) == name
-    for bad in ("fixed-dop-0", "k8s", "elastic2", "elastic-shortest-hinted-", "-hinted-.5"):
+    for bad in ("fixed-dop-0", "k8s", "elastic2", "elastic-shortest-hinted-", "-hinted-.5",
+                "k8s-static-cp-dop-4"):  # fmt: skip
         with pytest.raises(ValueError, match="unknown"):
             check_policy(bad)
 

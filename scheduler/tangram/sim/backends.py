@@ -270,6 +270,9 @@ class K8sStaticBackend:
       equal shares: max-min fair water-filling of their demands; an action's progress
       rate is its speed-up at that (fractional) share.
     * Unit-seconds are the requested cores times each pod's lifetime.
+    * ``binds``: the control plane binds placed pods no faster than a token bucket of
+      ``(per_s, burst)`` allows, in order (the kube-scheduler's client rate limit;
+      ``K8S_SCHEDULER_BINDS``); a pod starts once bound. None: bound at once.
     """
 
     def __init__(
@@ -284,6 +287,7 @@ class K8sStaticBackend:
         dop: int = 1,
         pod_start_s: float = 5.0,
         pod_start_sigma: float = 0.5,
+        binds: tuple[float, int] | None = None,
     ) -> None:
         self.loop = loop
         self.overheads = overheads
@@ -296,6 +300,7 @@ class K8sStaticBackend:
         self.unit_seconds: dict[str, float] = {}
         self.max_pending = 0
         self._jid = 0
+        self._binds = TokenBucket(*binds) if binds is not None else None
 
     def open(self, traj: TrajectoryTrace, now: float, ready: Callable[[], None]) -> None:
         self.pending.append((traj, ready))
@@ -318,9 +323,10 @@ class K8sStaticBackend:
             node.requested += self.request
             node.memory_used += traj.memory_gb
             self.pods[traj.id] = (node, now)
+            bound = self._binds.take(now) if self._binds is not None else now
             z = keyed_normal(self.seed, "pod", traj.id)
             start = self.pod_start_s * math.exp(self.pod_start_sigma * z)
-            self.loop.at(now + start, ready)
+            self.loop.at(bound + start, ready)
 
     def close(self, traj: TrajectoryTrace, now: float) -> None:
         node, since = self.pods.pop(traj.id)
@@ -383,6 +389,34 @@ class K8sStaticBackend:
 
     def finish(self, now: float) -> tuple[dict[str, float], list[str]]:
         return self.unit_seconds, [f"k8s-static: most pods pending at once: {self.max_pending}"]
+
+
+# The kube-scheduler's binding rate with its default client settings (v1.34
+# KubeSchedulerConfiguration clientConnection: qps 50, burst 100): one API request a
+# binding. e2e/bench_control_plane.py measures it on a real kube-scheduler
+# (docs/benchmarks.md, "A control plane that binds at its rate").
+K8S_SCHEDULER_BINDS = (50.0, 100)
+
+
+class TokenBucket:
+    """client-go's token-bucket rate limiter over simulated time: ``burst`` tokens at
+    first, refilled at ``per_s``; each request takes one, in the order asked."""
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        if per_s <= 0 or burst < 1:
+            raise ValueError(f"a token bucket needs per_s > 0 and burst >= 1, got {per_s}, {burst}")
+        self.per_s, self.burst = per_s, burst
+        self._at, self._tokens = 0.0, float(burst)  # tokens held at time _at
+
+    def take(self, now: float) -> float:
+        """When a request asked at ``now`` goes (not before an earlier one)."""
+        at = max(now, self._at)
+        tokens = min(float(self.burst), self._tokens + (at - self._at) * self.per_s)
+        if tokens < 1.0:
+            at += (1.0 - tokens) / self.per_s
+            tokens = 1.0
+        self._at, self._tokens = at, tokens - 1.0
+        return at
 
 
 def _water_fill(wants: list[float], capacity: float) -> list[float]:

@@ -19,7 +19,9 @@
 ``elastic-no-ahead`` the same without restoring instances ahead of their calls
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
 ``k8s-static``       exec actions in a pod per trajectory (0.5 CPU request, 4 limit),
-                     single-process commands; ``k8s-static-dop-N`` runs N processes
+                     single-process commands; ``k8s-static-dop-N`` runs N processes;
+                     ``k8s-static-cp``, ``k8s-static-dop-N-cp``: and pods are bound at
+                     the kube-scheduler's default rate (50/s, bursts of 100)
 ``static-gpu``       service calls on dedicated always-resident GPUs per service,
                      batching up to the service's ``max_calls`` calls an instance;
                      ``static-gpu-batch-N``: N
@@ -44,6 +46,7 @@ from tangram.api.orderings import CorePrice
 from tangram.api.trace import TrajectoryTrace
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.backends import (
+    K8S_SCHEDULER_BINDS,
     K8sStaticBackend,
     Overheads,
     SchedulerBackend,
@@ -61,7 +64,7 @@ _CORE_PRICE: dict[str, CorePrice] = {
     "elastic-load": "load",
 }
 _FIXED = re.compile(r"^fixed-dop-([1-9][0-9]*)$")
-_K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?$")
+_K8S = re.compile(r"^k8s-static(?:-dop-([1-9][0-9]*))?(-cp)?$")
 _STATIC = re.compile(r"^static-gpu(?:-batch-([1-9][0-9]*))?$")
 _HINTED = re.compile(r"^elastic-shortest-hinted(?:-([0-9]+(?:\.[0-9]+)?))?$")
 # How far off a client's remaining-steps hint is (lognormal sigma): the true count times a
@@ -89,7 +92,7 @@ def check_policy(name: str) -> str:
     raise ValueError(
         f"policy {name!r} is unknown; use one of {', '.join(NAMED)}, "
         "elastic-shortest-hinted-S (S: the hints' lognormal sigma), fixed-dop-N, "
-        "k8s-static, k8s-static-dop-N, static-gpu or static-gpu-batch-N"
+        "k8s-static, k8s-static-dop-N (either with -cp), static-gpu or static-gpu-batch-N"
     )
 
 
@@ -132,7 +135,8 @@ def build(
     routes: dict[ActionKind, Backend] = dict.fromkeys(ActionKind, pooled)
     if m := _K8S.match(policy):
         dop = int(m.group(1) or 1)
-        routes[ActionKind.EXEC] = K8sStaticBackend(loop, cluster, oh, seed, dop=dop)
+        binds = K8S_SCHEDULER_BINDS if m.group(2) else None
+        routes[ActionKind.EXEC] = K8sStaticBackend(loop, cluster, oh, seed, dop=dop, binds=binds)
     elif m := _STATIC.match(policy):
         batch = int(m.group(1)) if m.group(1) else None  # None: each service's maxCalls
         routes[ActionKind.SERVICE] = StaticGpuBackend(loop, cluster, oh, max_batch=batch)
