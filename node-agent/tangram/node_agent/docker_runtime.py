@@ -165,10 +165,11 @@ class DockerRuntime(SandboxRuntime[Env]):
             if c.name.startswith(MAKING_PREFIX) or (run_dir and c.name.startswith(WARM_PREFIX)):
                 self._discard(Env(c, "", "/", False, run_dir))
                 continue
+            started = c.status not in ("running", "paused")
             try:
                 if c.status == "paused":
                     c.unpause()
-                elif c.status != "running":
+                elif started:
                     c.start()
             except (APIError, NotFound):
                 continue
@@ -181,6 +182,11 @@ class DockerRuntime(SandboxRuntime[Env]):
                 execd,
                 run_dir if execd else None,
             )
+            if started:  # its exec server starts again with it: taken back once it listens
+                try:
+                    self._await_exec_server(env)
+                except (ExecError, DockerException) as e:  # its commands will say so too
+                    log.warning("container %s restarted, but %s", c.name, e)
             if c.name.startswith(TRAJECTORY_PREFIX):
                 self.envs[c.name.removeprefix(TRAJECTORY_PREFIX)] = env
             elif c.name.startswith(WARM_PREFIX):
