@@ -59,41 +59,30 @@ class Admission:
     ) -> ActionRecord:
         """Queue an exec action; ``await record.done`` for its result. ``live``: its
         streamed side, taken by a new action only (a repeat keeps the first's)."""
-        return self._admit(
-            tenant, req, f"exec on {tid}", lambda: self._exec(tenant, tid, req), live
-        )
+        return self._admit(tenant, self._exec_ask(tenant, tid, req), live)
 
     def lease_api(
         self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest
     ) -> ActionRecord:
         """Queue a lease of ``req.units`` of an API quota (the result carries the lease
         id), or a call the service makes for the caller once the quota admits it."""
-        return self._admit(tenant, req, _api_target(api, req), lambda: self._api(tenant, api, req))
+        return self._admit(tenant, self._api_ask(tenant, api, req))
 
     def submit_service(self, tenant: str, service: str, req: ServiceCallRequest) -> ActionRecord:
         """Queue one call of a RewardService; ``await record.done`` for its result."""
-        return self._admit(
-            tenant, req, call_target(service), lambda: self._service(tenant, service, req)
-        )
+        return self._admit(tenant, self._service_ask(tenant, service, req))
 
-    def _admit(
-        self,
-        tenant: str,
-        req: Request,
-        target: str,
-        check: Callable[[], _Checked],
-        live: LiveExec | None = None,
-    ) -> ActionRecord:
-        """The action ``req``'s idempotency key already names, or a new one (``check``ed,
+    def _admit(self, tenant: str, ask: _Ask, live: LiveExec | None = None) -> ActionRecord:
+        """The action ``ask``'s idempotency key already names, or a new one (checked,
         then queued) once the scheduler takes work and the queue has room."""
-        key = req.idempotency_key
-        digest = None if key is None else request_digest(req)
-        again = self._repeat(tenant, key, target, req, digest)
+        req = ask.req
+        digest = ask.digest()
+        again = self._repeat(tenant, req.idempotency_key, ask.target, req, digest)
         if again is not None:
             return again
         self.s.admitting(tenant)
-        new = check()
-        rec = self._queue(tenant, new, target)
+        new = ask.check()
+        rec = self._queue(tenant, new, ask.target)
         rec.digest = digest
         self._commit(tenant, rec, new, live)
         return rec
@@ -109,67 +98,66 @@ class Admission:
         nothing counted, no key kept. A refusal names its item: field ``actions.<n>.…``,
         ``n`` from ``numbers`` (the items' places in the request; default: in ``items``)."""
         plan: list[ActionRecord | int] = []  # per item: a known key's action, or a new one's
-        new: list[tuple[_Checked, str, str | None, int]] = []  # checked, target, digest, item
+        new: list[_New] = []
         seen: dict[str, int] = {}  # a key new in this batch -> its action in ``new``
         for i, item in enumerate(items):
-            what, req, target, check = self._item(tenant, item)
-            key = req.idempotency_key
-            digest = None if key is None else request_digest(req)
+            ask = self._item(tenant, item)
+            req, key, digest = ask.req, ask.req.idempotency_key, ask.digest()
             try:
                 if key is not None and key in seen:
-                    earlier, earlier_target, earlier_digest, _ = new[seen[key]]
-                    was = (earlier_target, earlier_digest)
-                    _same(key, target, req, digest, was=was, first=earlier.request)
+                    earlier = new[seen[key]]
+                    was = (earlier.ask.target, earlier.digest)
+                    _same(key, ask.target, req, digest, was=was, first=earlier.checked.request)
                     plan.append(seen[key])
                     continue
-                again = self._repeat(tenant, key, target, req, digest)
+                again = self._repeat(tenant, key, ask.target, req, digest)
                 if again is not None:
                     plan.append(again)
                     continue
-                checked = check()
+                checked = ask.check()
             except EngineError as e:
-                raise _of_item(e, _number(numbers, i), what) from None
+                raise _of_item(e, _number(numbers, i), ask.what) from None
             if key is not None:
                 seen[key] = len(new)
             plan.append(len(new))
-            new.append((checked, target, digest, i))
+            new.append(_New(ask, checked, digest, i))
         if new:
             self.s.admitting(tenant, extra=len(new))
         queued: list[ActionRecord] = []
-        for checked, target, _, i in new:
+        for n in new:
             try:
-                queued.append(self._queue(tenant, checked, target))
+                queued.append(self._queue(tenant, n.checked, n.ask.target))
             except EngineError as e:
                 for rec in queued:  # taken back before anyone saw them
                     self.s.core.cancel(rec.id)
-                raise _of_item(e, _number(numbers, i), self._item(tenant, items[i])[0]) from None
-        for rec, (checked, _, digest, _) in zip(queued, new, strict=True):
-            rec.digest = digest
-            self._commit(tenant, rec, checked)
+                raise _of_item(e, _number(numbers, n.item), n.ask.what) from None
+        for rec, n in zip(queued, new, strict=True):
+            rec.digest = n.digest
+            self._commit(tenant, rec, n.checked)
         return [queued[p] if isinstance(p, int) else p for p in plan]
 
-    def _item(
-        self, tenant: str, item: BatchItem
-    ) -> tuple[str, Request, str, Callable[[], _Checked]]:
-        """A batch item's request (and its name in the item), what its key is for, and
-        its check."""
+    def _item(self, tenant: str, item: BatchItem) -> _Ask:
+        """A batch item's request, as its own route would ask it."""
         if item.exec is not None:
-            tid, ex = item.trajectory, item.exec
-            assert tid is not None
-            return "exec", ex, f"exec on {tid}", lambda: self._exec(tenant, tid, ex)
+            assert item.trajectory is not None
+            return self._exec_ask(tenant, item.trajectory, item.exec)
         if item.score is not None:
-            service, score = item.service, item.score
-            assert service is not None
-            return (
-                "score",
-                score,
-                call_target(service),
-                lambda: self._service(tenant, service, score),
-            )
-        api, req = item.api, item.lease if item.lease is not None else item.call
-        assert api is not None and req is not None
-        what = "lease" if item.lease is not None else "call"
-        return what, req, _api_target(api, req), lambda: self._api(tenant, api, req)
+            assert item.service is not None
+            return self._service_ask(tenant, item.service, item.score)
+        req = item.lease if item.lease is not None else item.call
+        assert item.api is not None and req is not None
+        return self._api_ask(tenant, item.api, req)
+
+    def _exec_ask(self, tenant: str, tid: str, req: ExecRequest) -> _Ask:
+        return _Ask("exec", req, f"exec on {tid}", lambda: self._exec(tenant, tid, req))
+
+    def _service_ask(self, tenant: str, service: str, req: ServiceCallRequest) -> _Ask:
+        target = call_target(service)
+        return _Ask("score", req, target, lambda: self._service(tenant, service, req))
+
+    def _api_ask(self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest) -> _Ask:
+        what = "lease" if isinstance(req, ApiLeaseRequest) else "call"
+        return _Ask(what, req, f"{what} of {api}", lambda: self._api(tenant, api, req))
 
     def _exec(self, tenant: str, tid: str, req: ExecRequest) -> _Checked:
         traj = self.s.usable(tenant, tid)
@@ -326,8 +314,31 @@ class _Checked:
         return self.req
 
 
-def _api_target(api: str, req: ApiLeaseRequest | ApiCallRequest) -> str:
-    return f"{'lease' if isinstance(req, ApiLeaseRequest) else 'call'} of {api}"
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """A request to admit, as its route asks it: its name in a batch item (``exec``,
+    ``score``, ``lease``, ``call``), the request, what its idempotency key is for, and
+    its check (which makes the action, not queued yet)."""
+
+    what: str
+    req: Request
+    target: str
+    check: Callable[[], _Checked]
+
+    def digest(self) -> str | None:
+        """What a retry under its key must repeat; None without a key."""
+        return None if self.req.idempotency_key is None else request_digest(self.req)
+
+
+@dataclass(frozen=True, slots=True)
+class _New:
+    """A batch item that adds an action: its ask, the action checked, its request's
+    digest and its place among the items."""
+
+    ask: _Ask
+    checked: _Checked
+    digest: str | None
+    item: int
 
 
 def _same(
