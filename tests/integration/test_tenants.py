@@ -4,28 +4,30 @@ queue is what is measured here, not the commands) and the real client."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 
 from tangram.api.cluster import ApiSpec
-from tangram.api.wire import EnvSpec
-from tangram.client import Client, TangramError
+from tangram.api.wire import AGENT_SUBPROTOCOL, STREAM_PATH, EnvSpec
+from tangram.client import AsyncClient, Client, TangramError
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig, TenantLimits
 
-from .service_harness import service, until
+from .service_harness import service, stream_socket, until
 
 pytestmark = [pytest.mark.xdist_group("service")]
 
 CONFIG = PoolConfig(
     envs={"box": EnvConfig(spec=EnvSpec(name="box", image="unused", memory_gb=0.01))},
     apis=(ApiSpec(name="search", concurrency=1),),
-    tenants={"team-a": TenantLimits(max_trajectories=1, max_queued=2)},
+    tenants={"team-a": TenantLimits(max_trajectories=1, max_queued=2, max_streams=1)},
 )
 
 
@@ -67,6 +69,58 @@ def test_a_tenants_limits_answer_429_naming_the_field_and_spare_the_others(
             assert a.cancel(f"key:{key}")
             w.join(30)
             assert not w.is_alive()
+
+
+def test_a_tenants_action_streams_past_its_limit_are_refused_and_it_goes_on_over_http(
+    tmp_path: Path,
+) -> None:
+    """``maxStreams``: each stream may hold answers its client has not read, so a tenant
+    opens no more than its limit; the next handshake is 429 naming the field, another
+    tenant is not counted, and the client of the one refused submits over HTTP."""
+    store, token = _tokens()
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=4)
+
+    async def scenario(url: str) -> None:
+        async with (
+            aiohttp.ClientSession(url) as session,
+            AsyncClient(url, token["team-a"], retries=0) as first,
+            AsyncClient(url, token["team-a"], retries=0) as second,
+        ):
+            t = await first.open("box")
+            live = await first.exec_live(t.id, ["true"])  # its stream: team-a's one
+            assert (await live.result()).exit_code == 0
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await stream_socket(session, token["team-a"])
+            assert refused.value.status == 429
+            answer = await asyncio.to_thread(_handshake, url, token["team-a"])
+            assert answer.status_code == 429 and "Retry-After" in answer.headers
+            assert "spec.access.tenants[].maxStreams" in answer.json()["error"]["message"]
+            assert (await second.exec(t.id, ["true"])).exit_code == 0  # over HTTP
+            with pytest.raises(TangramError, match="needs the action stream"):
+                await second.exec_live(t.id, ["true"])
+            async with stream_socket(session, token["team-b"]):  # not team-a's to count
+                pass
+            await first.aclose()  # its stream closes: team-a may open one again
+            for _ in range(100):
+                try:
+                    async with stream_socket(session, token["team-a"]):
+                        return
+                except aiohttp.WSServerHandshakeError as e:
+                    assert e.status == 429
+                    await asyncio.sleep(0.1)
+            raise AssertionError("team-a's stream was still counted after it closed")
+
+    with service(CONFIG, agent, tmp_path, tokens=store) as (running, _):
+        asyncio.run(scenario(running.url))
+
+
+def _handshake(url: str, token: str) -> httpx.Response:
+    """A stream's handshake as plain HTTP: the answer of one refused, body and headers."""
+    upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+               "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+               "Sec-WebSocket-Protocol": AGENT_SUBPROTOCOL}  # fmt: skip
+    with httpx.Client(base_url=url) as http:
+        return http.get(STREAM_PATH, headers={"Authorization": f"Bearer {token}", **upgrade})
 
 
 def _lease_keyed(url: str, token: str, key: str) -> None:

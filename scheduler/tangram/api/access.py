@@ -60,6 +60,15 @@ class TenantPolicy(Spec):
         int | None,
         Field(ge=1, description="actions it may have waiting at once; unset = no limit"),
     ] = None
+    max_streams: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="action streams (/v1/stream) it may have open at once, each of "
+            "which may hold up to 512 MiB of answers its client has not read; the next is "
+            "refused with 429 (the Python client then submits over HTTP); unset = no limit",
+        ),
+    ] = None
     max_share: Annotated[
         float,
         Field(

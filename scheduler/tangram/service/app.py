@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import re
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
@@ -170,6 +171,7 @@ class _Service(FastAPI):
     agents_ws: Callable[[WebSocket], Awaitable[None]] | None = None
     stream_ws: Callable[[WebSocket], Awaitable[None]] | None = None
     streams: set[ActionStream]  # open action streams, drained when the service stops
+    stream_count: Counter[str]  # streams open or opening, by tenant (maxStreams)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -499,6 +501,15 @@ def create_app(
             await ws.send_denial_response(_error(400, "invalid", message))
             return
         first = tenant
+        limit = engine.state.config.limits(first).max_streams
+        if limit is not None and app.stream_count[first] >= limit:
+            message = (
+                f"tenant {first} has {limit} action streams open, its limit "
+                "(spec.access.tenants[].maxStreams): close one, or submit over HTTP"
+            )
+            await ws.send_denial_response(_engine_error(engine.state.overloaded("stream", message)))
+            return
+        app.stream_count[first] += 1  # (counted before the accept's await: no race past it)
 
         async def refusal() -> tuple[int, dict[str, Any]] | None:
             now = await admit()
@@ -506,18 +517,24 @@ def create_app(
                 return None if now == first else UNAUTHORIZED
             return now
 
-        await ws.accept(subprotocol=AGENT_SUBPROTOCOL)
-        link = ActionStream(engine, first, ws, refusal=refusal)
-        app.streams.add(link)
         try:
-            await link.serve()
+            await ws.accept(subprotocol=AGENT_SUBPROTOCOL)
+            link = ActionStream(engine, first, ws, refusal=refusal)
+            app.streams.add(link)
+            try:
+                await link.serve()
+            finally:
+                app.streams.discard(link)
         finally:
-            app.streams.discard(link)
+            app.stream_count[first] -= 1
+            if not app.stream_count[first]:
+                del app.stream_count[first]
 
     app.hot = (engine, tokens, reviewer)
     app.agents_ws = agents
     app.stream_ws = stream
     app.streams = set()
+    app.stream_count = Counter()
     return app
 
 

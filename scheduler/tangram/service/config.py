@@ -67,6 +67,7 @@ class TenantLimits:
     max_queued: int | None = None
     weight: float = 1.0
     max_share: float = 1.0
+    max_streams: int | None = None
 
 
 NO_LIMITS = TenantLimits()

@@ -122,7 +122,9 @@ def pool_config(
         access_namespaces=tuple(spec.access.namespaces),
         access_service_accounts=tuple(spec.access.service_accounts),
         tenants={
-            t.name: TenantLimits(t.max_trajectories, t.max_queued, t.weight, t.max_share)
+            t.name: TenantLimits(
+                t.max_trajectories, t.max_queued, t.weight, t.max_share, t.max_streams
+            )
             for t in spec.access.tenants
         },
     )
