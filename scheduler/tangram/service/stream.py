@@ -161,11 +161,16 @@ class ActionStream:
     def _take(self, line: bytes) -> None:
         """Admit one message, or answer at once why not."""
         limit = self.engine.config.max_request_bytes
+        control = _EXEC.search(line) is None  # input or a signal for a streamed exec
         if len(line) > limit:
-            body = error_body("too_large", f"message over {limit} bytes")
-            self._answer(_line_id(line), 413, body)
+            if control:  # (its exec goes on: the refusal is about this input only)
+                why = f"input message over maxRequestBytes ({limit} bytes): write it in parts"
+                self._answer(_line_id(line), 413, error_body("too_large", why), about="input")
+            else:
+                body = error_body("too_large", f"message over {limit} bytes")
+                self._answer(_line_id(line), 413, body)
             return
-        if _EXEC.search(line) is None:  # input or a signal for a streamed exec
+        if control:
             self._control(line)
             return
         try:
