@@ -46,6 +46,21 @@ def env_problem(env: dict[str, str]) -> str | None:
     return None
 
 
+# What a trajectory's env_vars may hold in all, names and values in UTF-8: its agent sends
+# them with every environment it holds in each hello, which one frame carries.
+MAX_ENV_VARS_BYTES = 32 << 10
+
+
+def env_vars_problem(env: dict[str, str]) -> str | None:
+    """What is wrong with a trajectory's ``env_vars``: a command's checks, and their size."""
+    if (problem := env_problem(env)) is not None:
+        return problem
+    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+    if size > MAX_ENV_VARS_BYTES:
+        return f"{size} bytes in all, over the {MAX_ENV_VARS_BYTES} a trajectory may carry"
+    return None
+
+
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 MAX_OUTPUT = 16 << 20
 
@@ -129,7 +144,7 @@ class OpenTrajectory(_Strict):
 
     @model_validator(mode="after")
     def _env_vars(self) -> Self:
-        if (problem := env_problem(self.env_vars)) is not None:
+        if (problem := env_vars_problem(self.env_vars)) is not None:
             raise ValueError(f"env_vars: {problem}")
         return self
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from tangram.api.demand import allowed_units
-from tangram.api.wire import env_problem
+from tangram.api.wire import env_vars_problem
 from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
@@ -48,7 +48,7 @@ class NewSandbox(_Body):
     @classmethod
     def _variables(cls, env: dict[str, str]) -> dict[str, str]:
         """Refused here, or every command of the sandbox would be refused for them."""
-        if (problem := env_problem(env)) is not None:
+        if (problem := env_vars_problem(env)) is not None:
             raise _invalid(problem)  # (the error names envVars)
         return env
 
