@@ -268,10 +268,13 @@ def test_a_trajectorys_variables_go_to_its_agent_only_when_it_has_some() -> None
     assert with_vars.digest() != OpenTrajectory(env="shell", idempotency_key="k").digest()
     with pytest.raises(ValidationError, match=r"env_vars: 'MY-VAR' is not a variable name"):
         OpenTrajectory(env="shell", env_vars={"MY-VAR": "x"})
-    # Bounded, as every hello of its agent carries them: 32 KiB in all.
-    OpenTrajectory(env="shell", env_vars={"A": "x" * (32 * 1024 - 3)})
-    with pytest.raises(ValidationError, match=r"env_vars: 32769 bytes in all, over the 32768"):
-        OpenTrajectory(env="shell", env_vars={"A": "x" * (32 * 1024 - 2)})
+    # Bounded, as every hello of its agent carries them: 16 KiB in all, labels alike.
+    OpenTrajectory(env="shell", env_vars={"A": "x" * (16 * 1024 - 3)})
+    with pytest.raises(ValidationError, match=r"env_vars: 16385 bytes in all, over the 16384"):
+        OpenTrajectory(env="shell", env_vars={"A": "x" * (16 * 1024 - 2)})
+    OpenTrajectory(env="shell", labels={"é": "x" * (16 * 1024 - 4)})  # (é: 2 bytes)
+    with pytest.raises(ValidationError, match=r"labels: 16385 bytes in all, over the 16384"):
+        OpenTrajectory(env="shell", labels={"é": "x" * (16 * 1024 - 3)})
 
 
 # ---- streamed requests (a file's bytes): credit windows each way ---------------------

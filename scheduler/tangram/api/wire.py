@@ -46,19 +46,23 @@ def env_problem(env: dict[str, str]) -> str | None:
     return None
 
 
-# What a trajectory's env_vars may hold in all, names and values in UTF-8: its agent sends
-# them with every environment it holds in each hello, which one frame carries.
-MAX_ENV_VARS_BYTES = 32 << 10
+# What a trajectory's labels, and its env_vars, may hold in all (names and values, UTF-8):
+# its agent sends both with every environment it holds in each hello, which one frame
+# carries (thousands of trajectories of a node, 32 KiB each, stay far under it).
+MAX_CARRIED_BYTES = 16 << 10
+
+
+def carried_problem(pairs: dict[str, str]) -> str | None:
+    """Why a trajectory's labels or env_vars are too large to carry; None when they are not."""
+    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in pairs.items())
+    if size > MAX_CARRIED_BYTES:
+        return f"{size} bytes in all, over the {MAX_CARRIED_BYTES} a trajectory may carry"
+    return None
 
 
 def env_vars_problem(env: dict[str, str]) -> str | None:
     """What is wrong with a trajectory's ``env_vars``: a command's checks, and their size."""
-    if (problem := env_problem(env)) is not None:
-        return problem
-    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
-    if size > MAX_ENV_VARS_BYTES:
-        return f"{size} bytes in all, over the {MAX_ENV_VARS_BYTES} a trajectory may carry"
-    return None
+    return env_problem(env) or carried_problem(env)
 
 
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
@@ -146,6 +150,8 @@ class OpenTrajectory(_Strict):
     def _env_vars(self) -> Self:
         if (problem := env_vars_problem(self.env_vars)) is not None:
             raise ValueError(f"env_vars: {problem}")
+        if (problem := carried_problem(self.labels)) is not None:
+            raise ValueError(f"labels: {problem}")
         return self
 
     def digest(self) -> str:

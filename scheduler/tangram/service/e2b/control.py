@@ -15,11 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from tangram.api.demand import allowed_units
-from tangram.api.wire import env_vars_problem
+from tangram.api.wire import carried_problem, env_vars_problem
 from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
+    TIMEOUT_LABEL,
     Sandbox,
     Sandboxes,
 )
@@ -51,6 +52,15 @@ class NewSandbox(_Body):
         if (problem := env_vars_problem(env)) is not None:
             raise _invalid(problem)  # (the error names envVars)
         return env
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, metadata: dict[str, str]) -> dict[str, str]:
+        """The trajectory's labels, its timeout's among them: bounded as labels are."""
+        labels = {**metadata, TIMEOUT_LABEL: str(MAX_TIMEOUT_S)}
+        if (problem := carried_problem(labels)) is not None:
+            raise _invalid(problem)  # (the error names metadata)
+        return metadata
 
 
 class SetTimeout(_Body):
