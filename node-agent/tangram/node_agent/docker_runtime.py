@@ -113,7 +113,10 @@ class DockerRuntime(SandboxRuntime[Env]):
     ) -> None:
         super().__init__(idle_cores, cgroup_root, proc_root)
         try:
-            self.client = client or docker.from_env()
+            # One connection per thread that may call the engine at once (asyncio's
+            # default executor has at most 32): the SDK's 10 made a burst of opens log
+            # "Connection pool is full" and reconnect.
+            self.client = client or docker.from_env(max_pool_size=32)
             self.client.ping()
         except DockerException as e:
             raise ExecError(f"docker: the engine is not reachable: {e}") from None
