@@ -209,5 +209,93 @@ def test_a_client_that_reads_slowly_keeps_its_stream_while_many_answers_wait(
     assert all(a["status"] == 200 for a in client.answers)
 
 
+class _Connection:
+    """What the server lends of a client's connection (``TRANSPORT_EXTENSION``): the
+    bytes written and not yet taken by the client, which takes ``rate`` bytes a second."""
+
+    def __init__(self, rate: float) -> None:
+        self.held, self.rate, self.aborted = 0, rate, False
+
+    def get_write_buffer_size(self) -> int:
+        return self.held
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    async def drain_forever(self, tick_s: float = 0.01) -> None:
+        while True:
+            await asyncio.sleep(tick_s)
+            self.held = max(0, self.held - int(self.rate * tick_s))
+
+
+class _PipeClient(_SlowClient):
+    """A client behind a connection, as uvicorn sends to it: a frame is written whole at
+    once, and the next waits until the connection holds under its high-water mark."""
+
+    HIGH_WATER = 64 << 10
+
+    def __init__(self, frame: bytes, connection: _Connection) -> None:
+        super().__init__(frame, 0.0)
+        self.connection = connection
+        self.scope = {"extensions": {stream_module.TRANSPORT_EXTENSION: connection}}
+
+    async def send_bytes(self, data: bytes) -> None:
+        while self.connection.held > self.HIGH_WATER:
+            await asyncio.sleep(0.005)
+        self.connection.held += len(data) + 10  # (and its frame header)
+        self.answers += [json.loads(line) for line in data.split(b"\n")]
+
+
+@pytest.mark.parametrize("rate", [2e6, 0.0])
+def test_a_large_answer_read_slowly_counts_as_reading_and_one_never_read_does_not(
+    monkeypatch: pytest.MonkeyPatch, rate: float
+) -> None:
+    """Each answer takes its client longer than STALL_S to read, so no frame is sent
+    within one: it still reads, and keeps its stream. One whose connection takes nothing
+    (``rate`` 0) is cut off, the first answer written into its connection or not."""
+    stall_s = 0.15
+    monkeypatch.setattr(stream_module, "BACKLOG_BYTES", 1 << 19)
+    monkeypatch.setattr(stream_module, "UNREAD_BYTES", 1 << 20)
+    monkeypatch.setattr(stream_module, "STALL_S", stall_s)
+    monkeypatch.setattr(stream_module, "CLOSE_WAIT_S", 0.1)
+    engine = _engine()
+    answer_bytes = 700_000  # 0.35 s at 2 MB/s: over two STALL_S each
+
+    async def ask(node: str | None, req: AgentRequest) -> AgentReply:
+        out = ExecOutcome(exit_code=0, stdout="x" * answer_bytes, stderr="",
+                          stdout_truncated=False, stderr_truncated=False, timed_out=False,
+                          setup_s=0.0, exec_s=0.01, teardown_s=0.0, path="portable")  # fmt: skip
+        return AgentReply(rid=req.rid, ok=True, result=out)
+
+    monkeypatch.setattr(engine.state, "ask", ask)
+    count = 5
+    body = {"argv": ["true"], "output_cap": 1 << 20}
+    sent = [{"id": mid, "trajectory": "t1", "exec": body} for mid in range(1, count + 1)]
+    connection = _Connection(rate)
+    client = _PipeClient(b"\n".join(json.dumps(m).encode() for m in sent), connection)
+
+    async def scenario() -> None:
+        await engine.start()
+        draining = asyncio.create_task(connection.drain_forever())
+        try:
+            stream = ActionStream(engine, "u", client, refusal=_admitted)
+            serving = asyncio.create_task(stream.serve())
+            while len(client.answers) < count and client.closed is None:
+                await asyncio.sleep(0.01)
+            client.gone.set()
+            await asyncio.wait_for(serving, 30)
+        finally:
+            draining.cancel()
+            await engine.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    if rate:
+        assert client.closed is None  # never cut off
+        assert sorted(a["id"] for a in client.answers) == list(range(1, count + 1))
+    else:
+        assert client.closed is not None and client.closed[0] == 1008, client.closed
+        assert len(client.answers) == 1  # the one its connection took in, and holds
+
+
 async def _admitted() -> None:
     return None

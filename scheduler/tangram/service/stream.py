@@ -262,19 +262,28 @@ class ActionStream:
 
     def _watch_progress(self) -> None:
         """Look again in ``STALL_S`` whether any of the answers left meanwhile."""
-        sent = self._outbox.sent
-        self._watch = asyncio.get_running_loop().call_later(STALL_S, self._looked, sent)
+        taken = self._taken()
+        self._watch = asyncio.get_running_loop().call_later(STALL_S, self._looked, taken)
 
-    def _looked(self, sent: int) -> None:
-        """Still over ``UNREAD_BYTES`` and nothing sent since ``sent``: the client does
-        not read (a slow one takes a frame now and then, and is watched on)."""
+    def _looked(self, taken: int) -> None:
+        """Still over ``UNREAD_BYTES`` and nothing taken since ``taken``: the client does
+        not read (a slow one takes some bytes now and then, and is watched on)."""
         self._watch = None
         if self.closed or self._outbox.backlog <= UNREAD_BYTES:
             return
-        if self._outbox.sent == sent:
+        if self._taken() <= taken:
             self._cut_off(f"over {UNREAD_BYTES >> 20} MiB of answers unread for {STALL_S:g} s")
         else:
             self._watch_progress()
+
+    def _taken(self) -> int:
+        """How far the client has read: the bytes of the frames written to its connection
+        less what the connection still holds of them, so that a large answer read slowly
+        counts as it goes (a frame is written whole, and the next waits until it has
+        mostly left). Where the server lends no connection, the frames written."""
+        transport = _transport(self.socket)
+        held = transport.get_write_buffer_size() if transport is not None else 0
+        return self._outbox.sent - held
 
     def _cut_off(self, why: str) -> None:
         log.warning("stream of %s: %s; closing it", self.tenant, why)
