@@ -392,6 +392,25 @@ def test_a_tenant_at_its_share_of_gpus_still_joins_a_running_instance() -> None:
     assert dict(r.blocked)["x3"] == "tenant  at its maxShare"
 
 
+def test_a_call_wider_than_its_tenants_share_waits_to_join_an_instance_it_cannot_start(
+) -> None:  # fmt: skip
+    """An instance of ``a`` takes 2 GPUs, the capped tenant may hold 1: its call is
+    accepted (it may join), never starts one, and joins the one another tenant starts."""
+    from tangram.scheduler.core.shares import TenantShare
+
+    s = batching(gpus=4, dop_choices=[2])
+    s.set_tenants({"capped": TenantShare(max_share=0.25)})
+    s.open_trajectory("c", tenant="capped")
+    s.submit("x0", "c", service_call("a"), 0.0)  # not refused: it may join
+    r = s.schedule(0.0)
+    assert not r.assignments and dict(r.blocked)["x0"] == "tenant capped at its maxShare"
+    s.submit("y0", "t", service_call("a"), 1.0)  # another tenant's call starts one
+    assert [a.action_id for a in s.schedule(1.0).assignments] == ["y0"]
+    (joined,) = s.schedule(1.0).assignments
+    assert (joined.action_id, joined.sharing) == ("x0", 1)
+    assert s.holdings().of("capped").get(GPU, 0) == 0
+
+
 def test_a_tenant_at_its_share_of_a_quota_joins_nothing() -> None:
     from tangram.scheduler.core.shares import TenantShare
 
