@@ -392,8 +392,7 @@ def test_a_tenant_at_its_share_of_gpus_still_joins_a_running_instance() -> None:
     assert dict(r.blocked)["x3"] == "tenant  at its maxShare"
 
 
-def test_a_call_wider_than_its_tenants_share_waits_to_join_an_instance_it_cannot_start(
-) -> None:  # fmt: skip
+def test_a_call_wider_than_its_tenants_share_only_ever_joins_an_instance() -> None:
     """An instance of ``a`` takes 2 GPUs, the capped tenant may hold 1: its call is
     accepted (it may join), never starts one, and joins the one another tenant starts."""
     from tangram.scheduler.core.shares import TenantShare
