@@ -353,14 +353,18 @@ class DockerRuntime(SandboxRuntime[Env]):
         env.container.update(cpu_period=PERIOD_US, cpu_quota=int(IDLE_QUOTA_CORES * PERIOD_US))
 
     def _await_exec_server(self, env: Env) -> None:
+        """Until the container's exec server listens; then its reach is resolved, so that
+        its first action asks the engine nothing more."""
         if not env.execd:
             return
         env.container.reload()
-        sock = self._socket(env, int(env.container.attrs["State"].get("Pid") or 0))
+        pid = int(env.container.attrs["State"].get("Pid") or 0)
+        sock = self._socket(env, pid)
         deadline = time.monotonic() + 10
         while True:
             try:
                 os.stat(sock)
+                self._resolve(env, pid)  # (a reason it cannot be: its first action says it)
                 return
             except PermissionError:
                 return  # out of this agent's reach: the portable path serves it (below)
@@ -474,26 +478,30 @@ class DockerRuntime(SandboxRuntime[Env]):
         if not env.execd:
             return self.no_fast if self.execd is None else "created without the exec server"
         if env.reach is None:
-            try:
-                env.container.reload()
-                pid = int(env.container.attrs["State"]["Pid"])
-                group = cgroup_of(pid, self.cgroups, self.proc_root)
-            except ExecError as e:
-                return str(e)
-            socket = self._socket(env, pid)
-            try:
-                os.stat(socket.parent)
-            except PermissionError as e:  # (a missing socket is no reason: exec says so)
-                return (
-                    f"the exec server's socket is reached through /proc/<pid>/root, which "
-                    f"this agent may not enter ({e.strerror}): that takes root"
-                )
-            except OSError:
-                pass
-            env.reach = Reachable(
-                str(env.container.id), socket, pid, group, env.workdir,
-                start_time(pid, self.proc_root), self.proc_root,
-            )  # fmt: skip
+            env.container.reload()
+            return self._resolve(env, int(env.container.attrs["State"]["Pid"]))
+        return ""
+
+    def _resolve(self, env: Env, pid: int) -> str:
+        """Resolve ``env.reach`` for its PID 1 ``pid``; why it cannot be ('' when it is)."""
+        try:
+            group = cgroup_of(pid, self.cgroups, self.proc_root)
+        except ExecError as e:
+            return str(e)
+        socket = self._socket(env, pid)
+        try:
+            os.stat(socket.parent)
+        except PermissionError as e:  # (a missing socket is no reason: exec says so)
+            return (
+                f"the exec server's socket is reached through /proc/<pid>/root, which "
+                f"this agent may not enter ({e.strerror}): that takes root"
+            )
+        except OSError:
+            pass
+        env.reach = Reachable(
+            str(env.container.id), socket, pid, group, env.workdir,
+            start_time(pid, self.proc_root), self.proc_root,
+        )  # fmt: skip
         return ""
 
     async def _exec_portable(self, held: Env, cmd: Command) -> ExecResult:
