@@ -465,10 +465,10 @@ def test_refusals_name_what_is_wrong(e2b: tuple[str, str, str]) -> None:
     # Refused at create, not by every command after it.
     with pytest.raises(SandboxException, match=r"400: envVars: 'MY-VAR' is not a variable name"):
         Sandbox.create("box", envs={"MY-VAR": "x"})
-    with pytest.raises(SandboxException, match=r"400: envVars: 20002 bytes in all, over the"):
-        Sandbox.create("box", envs={"BIG": "x" * 19_997})
-    with pytest.raises(SandboxException, match=r"400: metadata: \d+ bytes in all, over the"):
-        Sandbox.create("box", metadata={"big": "x" * 16_360})
+    with pytest.raises(SandboxException, match=r"400: envVars: 10010 bytes as JSON, over the"):
+        Sandbox.create("box", envs={"BIG": "x" * 10_000})
+    with pytest.raises(SandboxException, match=r"400: metadata: \d+ bytes as JSON, over the"):
+        Sandbox.create("box", metadata={"big": "x" * 8_170})  # (8,180 bytes, and its timeout)
     sb = Sandbox.create("box")
     try:
         with pytest.raises(SandboxException, match="501: sandboxes cannot be paused"):

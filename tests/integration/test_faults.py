@@ -333,6 +333,9 @@ def test_a_restarted_scheduler_gives_a_trajectorys_variables_to_its_commands_sti
     from e2b import Sandbox
 
     cluster.agent("state-a")
+    with _http(cluster) as http:  # a refusal names the field, as any 400 does
+        bad = http.post("/v1/trajectories", json={"env": "shell", "env_vars": {"A-B": "x"}})
+        assert bad.status_code == 400 and bad.json()["error"]["details"][0]["field"] == "env_vars"
     echo = ["sh", "-c", 'echo "$KEPT $OWN"']
     monkeypatch.setenv("E2B_SANDBOX_URL", cluster.url)
     with Client(cluster.url, retries=0) as client:

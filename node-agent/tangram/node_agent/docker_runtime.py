@@ -173,6 +173,8 @@ class DockerRuntime(SandboxRuntime[Env]):
                 if c.status == "paused":
                     c.unpause()
                 elif started:
+                    if run_dir is not None:  # its last socket would pass for the new one's
+                        (run_dir / SOCKET_NAME).unlink(missing_ok=True)
                     c.start()
             except (APIError, NotFound):
                 continue
@@ -360,18 +362,23 @@ class DockerRuntime(SandboxRuntime[Env]):
         env.container.reload()
         pid = int(env.container.attrs["State"].get("Pid") or 0)
         sock = self._socket(env, pid)
-        deadline = time.monotonic() + 10
+        now = time.monotonic()
+        deadline, look = now + 10, now + 0.25
         while True:
             try:
-                os.stat(sock)
-                self._resolve(env, pid)  # (a reason it cannot be: its first action says it)
-                return
+                if pid:  # (0: its PID 1 has already ended)
+                    os.stat(sock)
+                    self._resolve(env, pid)  # (a reason it cannot be: its first action says)
+                    return
             except PermissionError:
                 return  # out of this agent's reach: the portable path serves it (below)
             except OSError:
-                pass  # not there yet (or its PID 1 ended: then the deadline tells)
-            if time.monotonic() > deadline:
+                pass  # not there yet
+            now = time.monotonic()
+            if not pid or now > look:  # an exited container would hold us till the deadline
                 env.container.reload()
+                look = now + 0.25
+            if not pid or now > deadline or env.container.status != "running":
                 logs = env.container.logs(tail=5).decode(errors="replace").strip()
                 raise ExecError(
                     f"the exec server did not start (container {env.container.status}): {logs}"

@@ -21,9 +21,11 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     TypeAdapter,
+    field_validator,
     model_serializer,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from tangram.api.action import MAX_T1_S
 from tangram.api.demand import Demand, Efficiency
@@ -46,17 +48,18 @@ def env_problem(env: dict[str, str]) -> str | None:
     return None
 
 
-# What a trajectory's labels, and its env_vars, may hold in all (names and values, UTF-8):
-# its agent sends both with every environment it holds in each hello, which one frame
-# carries (thousands of trajectories of a node, 32 KiB each, stay far under it).
-MAX_CARRIED_BYTES = 16 << 10
+# What a trajectory's labels, and its env_vars, may each take as JSON: its agent sends both
+# with every environment it holds in each hello, one frame of at most 64 MiB (4,096
+# trajectories of a node at 16 KiB each fit in it).
+MAX_CARRIED_BYTES = 8 << 10
 
 
 def carried_problem(pairs: dict[str, str]) -> str | None:
-    """Why a trajectory's labels or env_vars are too large to carry; None when they are not."""
-    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in pairs.items())
+    """Why a trajectory's labels or env_vars are too large to carry (measured as the hello
+    writes them: JSON, a control character as six bytes); None when they are not."""
+    size = len(json.dumps(pairs, ensure_ascii=False, separators=(",", ":")).encode())
     if size > MAX_CARRIED_BYTES:
-        return f"{size} bytes in all, over the {MAX_CARRIED_BYTES} a trajectory may carry"
+        return f"{size} bytes as JSON, over the {MAX_CARRIED_BYTES} a trajectory may carry"
     return None
 
 
@@ -146,13 +149,19 @@ class OpenTrajectory(_Strict):
         Field(description="a retry with the same key answers with the trajectory it opened"),
     ] = None
 
-    @model_validator(mode="after")
-    def _env_vars(self) -> Self:
-        if (problem := env_vars_problem(self.env_vars)) is not None:
-            raise ValueError(f"env_vars: {problem}")
-        if (problem := carried_problem(self.labels)) is not None:
-            raise ValueError(f"labels: {problem}")
-        return self
+    @field_validator("env_vars")
+    @classmethod
+    def _env_vars(cls, env: dict[str, str]) -> dict[str, str]:
+        if (problem := env_vars_problem(env)) is not None:
+            raise PydanticCustomError("invalid", problem)  # (its location names the field)
+        return env
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        if (problem := carried_problem(labels)) is not None:
+            raise PydanticCustomError("invalid", problem)
+        return labels
 
     def digest(self) -> str:
         """What a retry under the same key must repeat: the request less its key, fields

@@ -42,7 +42,7 @@ log = logging.getLogger("tangram.service")
 # that submits and never reads holds its own stream, not the scheduler's memory.
 BACKLOG_BYTES = 64 << 20
 # Answers of actions admitted before that keep coming. Past this many bytes unsent with
-# not one frame sent for STALL_S, the client is taken for one that will never read: the
+# not one byte taken by the client for STALL_S, it is taken for one that will never read: the
 # stream ends (1008), its unsent answers dropped (a keyed action's result stays for a retry
 # under its key), and its connection with them (``_close``). A client that reads, however
 # slowly, may have more waiting (many large answers at once), up to UNREAD_LIMIT_BYTES.
