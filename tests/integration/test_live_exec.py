@@ -24,10 +24,10 @@ Scenario = Callable[[AsyncTrajectory], Any]
 
 
 def _run(request: pytest.FixtureRequest, kind: str, tmp: Path, scenario: Scenario,
-         image: str | None = None) -> None:  # fmt: skip
+         image: str | None = None, **config: Any) -> None:  # fmt: skip
     """``scenario`` on a trajectory of the ``box`` environment on ``kind``, with the async
-    client on its action stream."""
-    with box_pool(request, kind, tmp, image=image) as (running, token):
+    client on its action stream; ``config``: more PoolConfig fields."""
+    with box_pool(request, kind, tmp, image=image, **config) as (running, token):
 
         async def go() -> None:
             async with AsyncClient(running.url, token) as c, c.trajectory("box") as t:
@@ -92,13 +92,17 @@ def test_interactive_stdin_is_answered_as_it_goes(on: Callable[[Scenario], None]
     on(scenario)
 
 
+@pytest.mark.parametrize("limit", [None, 2048])
+@pytest.mark.parametrize("kind", RUNTIMES)
 def test_a_write_larger_than_a_frame_arrives_whole_and_the_stream_goes_on(
-    on: Callable[[Scenario], None],
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, limit: int | None
 ) -> None:
     """Over 3 MiB of input, as JSON over 6 MiB: characters beyond the BMP (12 bytes each,
     escaped), others escaped too. One message of it would end the stream (1009); it goes
-    in several, in order."""
+    in several, in order. A pool's ``maxRequestBytes`` (2 KiB) bounds execs, not their
+    input: its parts, each under a frame, all arrive."""
     text = "\U0001f600" * (1 << 18) + "line \u2713 \t\x01\n" * (1 << 18)
+    config = {} if limit is None else {"max_request_bytes": limit}
 
     async def scenario(t: AsyncTrajectory) -> None:
         action = await t.exec_live(["sha256sum"], interactive=True)
@@ -110,7 +114,7 @@ def test_a_write_larger_than_a_frame_arrives_whole_and_the_stream_goes_on(
         assert not action.refused and not action._stream.closed
         assert (await t.exec(["echo", "after"])).stdout == "after\n"
 
-    on(scenario)
+    _run(request, kind, tmp_path, scenario, **config)
 
 
 def test_refused_input_is_kept_on_the_action_and_the_command_goes_on(

@@ -160,18 +160,16 @@ class ActionStream:
 
     def _take(self, line: bytes) -> None:
         """Admit one message, or answer at once why not."""
-        limit = self.engine.config.max_request_bytes
-        control = _EXEC.search(line) is None  # input or a signal for a streamed exec
-        if len(line) > limit:
-            if control:  # (its exec goes on: the refusal is about this input only)
-                why = f"input message over maxRequestBytes ({limit} bytes): write it in parts"
-                self._answer(_line_id(line), 413, error_body("too_large", why), about="input")
-            else:
-                body = error_body("too_large", f"message over {limit} bytes")
-                self._answer(_line_id(line), 413, body)
-            return
-        if control:
+        if _EXEC.search(line) is None:  # input or a signal for a streamed exec
+            # Held only to the frame's bound: it was read whole already, and goes to its
+            # command's stdin, which takes it as it can (the client's parts stay under a
+            # frame, whatever the pool's maxRequestBytes).
             self._control(line)
+            return
+        limit = self.engine.config.max_request_bytes
+        if len(line) > limit:
+            body = error_body("too_large", f"message over {limit} bytes")
+            self._answer(_line_id(line), 413, body)
             return
         try:
             msg = StreamExec.model_validate_json(line)
