@@ -102,7 +102,7 @@ def test_a_write_larger_than_a_frame_arrives_whole_and_the_stream_goes_on(
     in several, in order. A pool's ``maxRequestBytes`` (2 KiB) bounds execs, not their
     input: its parts, each under a frame, all arrive."""
     text = "\U0001f600" * (1 << 18) + "line \u2713 \t\x01\n" * (1 << 18)
-    config = {} if limit is None else {"max_request_bytes": limit}
+    config: dict[str, Any] = {} if limit is None else {"max_request_bytes": limit}
 
     async def scenario(t: AsyncTrajectory) -> None:
         action = await t.exec_live(["sha256sum"], interactive=True)
