@@ -54,6 +54,13 @@ class _DeafClient:
         self.gone.set()
 
 
+def _outcome(size: int) -> ExecOutcome:
+    """A command's result whose output is ``size`` bytes."""
+    return ExecOutcome(exit_code=0, stdout="x" * size, stderr="", stdout_truncated=False,
+                       stderr_truncated=False, timed_out=False, setup_s=0.0, exec_s=0.01,
+                       teardown_s=0.0, path="portable")  # fmt: skip
+
+
 def _engine() -> Engine:
     from tangram.api.inventory import NodeInventory
     from tangram.api.wire import AgentHello
@@ -121,9 +128,7 @@ def test_a_client_that_never_reads_has_its_stream_ended_and_its_unkeyed_work_can
         assert isinstance(req, AgentExec)
         if req.key is not None:
             await gate.wait()
-        out = ExecOutcome(exit_code=0, stdout="x" * ANSWER_BYTES, stderr="",
-                          stdout_truncated=False, stderr_truncated=False, timed_out=False,
-                          setup_s=0.0, exec_s=0.01, teardown_s=0.0, path="portable")  # fmt: skip
+        out = _outcome(ANSWER_BYTES)
         return AgentReply(rid=req.rid, ok=True, result=out)
 
     monkeypatch.setattr(engine.state, "ask", ask)
@@ -179,10 +184,7 @@ def test_a_client_that_reads_slowly_keeps_its_stream_while_many_answers_wait(
     engine = _engine()
 
     async def ask(node: str | None, req: AgentRequest) -> AgentReply:
-        out = ExecOutcome(exit_code=0, stdout="x" * ANSWER_BYTES, stderr="",
-                          stdout_truncated=False, stderr_truncated=False, timed_out=False,
-                          setup_s=0.0, exec_s=0.01, teardown_s=0.0, path="portable")  # fmt: skip
-        return AgentReply(rid=req.rid, ok=True, result=out)
+        return AgentReply(rid=req.rid, ok=True, result=_outcome(ANSWER_BYTES))
 
     monkeypatch.setattr(engine.state, "ask", ask)
     count = 24  # read in a few STALL_S: watched while it reads, not only once it has read
@@ -262,10 +264,7 @@ def test_a_large_answer_read_slowly_counts_as_reading_and_one_never_read_does_no
     answer_bytes = 700_000  # 0.35 s at 2 MB/s: over two STALL_S each
 
     async def ask(node: str | None, req: AgentRequest) -> AgentReply:
-        out = ExecOutcome(exit_code=0, stdout="x" * answer_bytes, stderr="",
-                          stdout_truncated=False, stderr_truncated=False, timed_out=False,
-                          setup_s=0.0, exec_s=0.01, teardown_s=0.0, path="portable")  # fmt: skip
-        return AgentReply(rid=req.rid, ok=True, result=out)
+        return AgentReply(rid=req.rid, ok=True, result=_outcome(answer_bytes))
 
     monkeypatch.setattr(engine.state, "ask", ask)
     count = 5

@@ -160,16 +160,12 @@ class ActionStream:
 
     def _take(self, line: bytes) -> None:
         """Admit one message, or answer at once why not."""
-        if _EXEC.search(line) is None:  # input or a signal for a streamed exec
-            # Held only to the frame's bound: it was read whole already, and goes to its
-            # command's stdin, which takes it as it can (the client's parts stay under a
-            # frame, whatever the pool's maxRequestBytes).
-            self._control(line)
-            return
         limit = self.engine.config.max_request_bytes
+        if _EXEC.search(line) is None:  # input or a signal for a streamed exec
+            self._control(line, limit)
+            return
         if len(line) > limit:
-            body = error_body("too_large", f"message over {limit} bytes")
-            self._answer(_line_id(line), 413, body)
+            self._too_large(line, limit)
             return
         try:
             msg = StreamExec.model_validate_json(line)
@@ -206,11 +202,20 @@ class ActionStream:
             self._unkeyed[rec.id] = rec
         rec.done.add_done_callback(lambda _: self._ended(msg.id, rec))
 
-    def _control(self, line: bytes) -> None:
-        """Input or a signal for a streamed exec of this stream, by its id."""
+    def _too_large(self, line: bytes, limit: int) -> None:
+        self._answer(_line_id(line), 413, error_body("too_large", f"message over {limit} bytes"))
+
+    def _control(self, line: bytes, limit: int) -> None:
+        """Input or a signal for a streamed exec of this stream, by its id. Input is held
+        only to the frame's bound, not to ``limit`` (maxRequestBytes): it was read whole
+        already, and goes to its command's stdin as that takes it (the client's parts stay
+        under a frame, whatever the pool's limit); anything else over ``limit`` is 413."""
         try:
             msg = _CONTROL.validate_json(line)
         except ValidationError as e:
+            if len(line) > limit:
+                self._too_large(line, limit)
+                return
             errors = [
                 {**err, "loc": ("message", *err["loc"][1:])} for err in e.errors(include_url=False)
             ]
