@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,11 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 E2E = Path(__file__).resolve().parent
 ROOT = E2E.parent
 sys.path[:0] = [str(E2E), str(ROOT)]
 
 from harness.controlplane import ControlPlane  # noqa: E402
+from harness.tools import tools_dir  # noqa: E402
 from kubernetes import client, config, watch  # noqa: E402
 
 NODES, CORES = 5, 256  # the coding replays' cluster (scenario_cluster("coding"))
@@ -59,12 +60,8 @@ def _client(kubeconfig: Path) -> client.ApiClient:
 
 
 def _quantiles(values: Sequence[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {
-        "p50": round(statistics.median(ordered), 3),
-        "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
-        "max": round(ordered[-1], 3),
-    }
+    p50, p99, most = np.percentile(values, [50, 99, 100])
+    return {"p50": round(float(p50), 3), "p99": round(float(p99), 3), "max": round(float(most), 3)}
 
 
 def measure(core: client.CoreV1Api, namespace: str, batch: int) -> dict[str, Any]:
@@ -142,29 +139,26 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="bursts of each batch")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    tools = subprocess.run(["bash", str(E2E / "build-tools.sh")], stdout=subprocess.PIPE,
-                           text=True, check=True).stdout.split()[-1]  # fmt: skip
+    tools = tools_dir()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="tangram-bench-cp-") as work:
-        cp = ControlPlane(tools, Path(work) / "cp")
-        cp.start()
-        try:
-            for i in range(NODES):
-                cp.add_fake_node(f"node-{i}", cpu=str(CORES), memory="4Ti", pods=4000)
-            core = client.CoreV1Api(_client(cp.admin_kubeconfig))
-            runs = []
-            for batch in batches:
-                for repeat in range(args.repeats):
-                    namespace = f"burst-{batch}-{repeat}"
-                    cp.kubectl("create", "namespace", namespace)
-                    run = measure(core, namespace, batch)
-                    took = run["all_running_s"]
-                    print(f"{batch} pods: bound at {run['bind_per_s']}/s, all running "
-                          f"{took} s after the first create", flush=True)  # fmt: skip
-                    runs.append(run)
-                    _clear(core, namespace)
-        finally:
-            cp.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="tangram-bench-cp-") as work,
+        ControlPlane(tools, Path(work) / "cp") as cp,
+    ):
+        for i in range(NODES):
+            cp.add_fake_node(f"node-{i}", cpu=str(CORES), memory="4Ti", pods=4000)
+        core = client.CoreV1Api(_client(cp.admin_kubeconfig))
+        runs = []
+        for batch in batches:
+            for repeat in range(args.repeats):
+                namespace = f"burst-{batch}-{repeat}"
+                cp.kubectl("create", "namespace", namespace)
+                run = measure(core, namespace, batch)
+                took = run["all_running_s"]
+                print(f"{batch} pods: bound at {run['bind_per_s']}/s, all running "
+                      f"{took} s after the first create", flush=True)  # fmt: skip
+                runs.append(run)
+                _clear(core, namespace)
     report = {
         "command": " ".join(["python e2e/bench_control_plane.py", *sys.argv[1:]]),
         "machine": f"{platform.node()}, {platform.machine()}, Python {platform.python_version()}",

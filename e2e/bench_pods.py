@@ -20,6 +20,7 @@ sys.path[:0] = [str(E2E), str(ROOT)]
 
 from harness.controlplane import ControlPlane  # noqa: E402
 from harness.kubelet import RealNode  # noqa: E402
+from harness.tools import tools_dir  # noqa: E402
 from tests.integration.docker_engine import busybox_image, engine  # noqa: E402
 
 from tangram.node_agent.exec_server import build  # noqa: E402
@@ -35,8 +36,7 @@ def main() -> int:
     parser.add_argument("--actions", type=int, default=500)
     parser.add_argument("--opens", type=int, default=30)
     args = parser.parse_args()
-    tools = subprocess.run(["bash", str(E2E / "build-tools.sh")], stdout=subprocess.PIPE,
-                           text=True, check=True).stdout.split()[-1]  # fmt: skip
+    tools = tools_dir()
     work = Path(tempfile.mkdtemp(prefix="tangram-bench-pods-"))
     docker = engine()
     client = next(docker)

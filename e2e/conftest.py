@@ -8,8 +8,6 @@ prints the bin dir (a first build takes ~20 minutes; later runs ~1 s).
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +15,8 @@ from typing import Any
 import pytest
 from harness.controlplane import ControlPlane
 from harness.kubelet import RealNode, node_prerequisites
+from harness.tools import ToolsError, tools_dir
 
-E2E_DIR = Path(__file__).resolve().parent
-BUILD_TOOLS = E2E_DIR / "build-tools.sh"
 REAL_NODE = "node-0"
 SANDBOX_LABELS = {"tangram.dev/role": "sandbox"}
 
@@ -31,16 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _bin_dir() -> Path:
-    override = os.environ.get("TANGRAM_E2E_BIN")
-    if override:
-        return Path(override)
-    # stderr (the build's progress) passes through; stdout's last line is the bin dir.
-    result = subprocess.run(
-        ["bash", str(BUILD_TOOLS)], stdout=subprocess.PIPE, text=True, check=False
-    )
-    if result.returncode != 0:
-        pytest.fail(f"{BUILD_TOOLS} failed with status {result.returncode}", pytrace=False)
-    return Path(result.stdout.strip().splitlines()[-1])
+    try:
+        return tools_dir()
+    except ToolsError as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 @pytest.fixture(scope="session")

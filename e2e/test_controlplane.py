@@ -17,10 +17,9 @@ from typing import Any
 
 import pytest
 from harness.controlplane import ControlPlane
+from harness.tools import BUILD_TOOLS
 
 pytestmark = pytest.mark.e2e
-
-BUILD_TOOLS = Path(__file__).resolve().parent / "build-tools.sh"
 
 
 def _pinned_kubernetes_version() -> str:
