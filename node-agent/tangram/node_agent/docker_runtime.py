@@ -360,30 +360,30 @@ class DockerRuntime(SandboxRuntime[Env]):
         if not env.execd:
             return
         env.container.reload()
-        pid = int(env.container.attrs["State"].get("Pid") or 0)
+        pid = int(env.container.attrs["State"].get("Pid") or 0)  # (0: it has ended already)
         sock = self._socket(env, pid)
         now = time.monotonic()
         deadline, look = now + 10, now + 0.25
-        while True:
+        while pid:
             try:
-                if pid:  # (0: its PID 1 has already ended)
-                    os.stat(sock)
-                    self._resolve(env, pid)  # (a reason it cannot be: its first action says)
-                    return
+                os.stat(sock)
             except PermissionError:
                 return  # out of this agent's reach: the portable path serves it (below)
             except OSError:
                 pass  # not there yet
+            else:
+                self._resolve(env, pid)  # (a reason it cannot be: its first action says)
+                return
             now = time.monotonic()
-            if not pid or now > look:  # an exited container would hold us till the deadline
+            if now > look:  # one that exited would otherwise hold us till the deadline
                 env.container.reload()
                 look = now + 0.25
-            if not pid or now > deadline or env.container.status != "running":
-                logs = env.container.logs(tail=5).decode(errors="replace").strip()
-                raise ExecError(
-                    f"the exec server did not start (container {env.container.status}): {logs}"
-                )
+            if now > deadline or env.container.status != "running":
+                break
             time.sleep(0.002)
+        env.container.reload()
+        logs = env.container.logs(tail=5).decode(errors="replace").strip()
+        raise ExecError(f"the exec server did not start (container {env.container.status}): {logs}")
 
     def _socket(self, env: Env, pid: int) -> Path:
         """Where this agent reaches the exec server's socket: in the container's own
