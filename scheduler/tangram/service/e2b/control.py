@@ -20,9 +20,9 @@ from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
-    TIMEOUT_LABEL,
     Sandbox,
     Sandboxes,
+    sandbox_labels,
 )
 
 ENVD_VERSION = "0.5.7"  # the envd whose API is served: octet-stream uploads, stdin control
@@ -57,8 +57,7 @@ class NewSandbox(_Body):
     @classmethod
     def _metadata(cls, metadata: dict[str, str]) -> dict[str, str]:
         """The trajectory's labels, its timeout's among them: bounded as labels are."""
-        labels = {**metadata, TIMEOUT_LABEL: str(MAX_TIMEOUT_S)}
-        if (problem := carried_problem(labels)) is not None:
+        if (problem := carried_problem(sandbox_labels(metadata, MAX_TIMEOUT_S))) is not None:
             raise _invalid(problem)  # (the error names metadata)
         return metadata
 

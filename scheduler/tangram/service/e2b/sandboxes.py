@@ -6,8 +6,8 @@ trajectory's ``env_vars``, both kept by its node agent: after a scheduler restar
 trajectory comes back from its agent, its commands still get its variables, and the
 sandbox gets a fresh timeout of that length when the reaper first sees it (its remaining
 time is not kept). Any other open trajectory of the tenant may be used as a sandbox too;
-it has no timeout, as it had none. A sandbox whose environment ended by itself (its trajectory lost)
-serves nothing, but can be killed, and is closed when its timeout passes.
+it has no timeout, as it had none. A sandbox whose environment ended by itself (its
+trajectory lost) serves nothing, but can be killed, and is closed when its timeout passes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ MAX_TIMEOUT_S = 24 * 3600
 REAP_EVERY_S = 1.0
 OUTPUT_BACKLOG = 256  # output chunks held for a reader before its command waits
 _ENDED = (TrajectoryState.CLOSING, TrajectoryState.CLOSED)
+
+
+def sandbox_labels(metadata: dict[str, str], timeout_s: int) -> dict[str, str]:
+    """A sandbox's trajectory labels: its metadata, and its timeout."""
+    return {**metadata, TIMEOUT_LABEL: str(timeout_s)}
 
 
 @dataclass(eq=False)
@@ -114,8 +119,9 @@ class Sandboxes:
         self, tenant: str, template: str, timeout_s: int, metadata: dict[str, str],
         env_vars: dict[str, str],
     ) -> Sandbox:  # fmt: skip
-        labels = {**metadata, TIMEOUT_LABEL: str(timeout_s)}
-        req = OpenTrajectory(env=template, labels=labels, env_vars=env_vars)
+        req = OpenTrajectory(
+            env=template, labels=sandbox_labels(metadata, timeout_s), env_vars=env_vars
+        )
         rec = await self.engine.open_trajectory(tenant, req)
         box = Sandbox(tenant, rec.id, rec, None)
         self._end(box, self.clock() + timeout_s)
