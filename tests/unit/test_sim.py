@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import pytest
@@ -174,23 +173,26 @@ def test_policies_at_one_seed_see_the_same_profiling_noise() -> None:
 def test_a_pods_start_latency_is_its_trajectorys_whatever_the_order() -> None:
     step = [{"think_s": 0.0, "action": {"kind": "exec", "t1_s": 1.0}}]
     trace = [traj(f"t{i}", step) for i in range(4)]
-
-    def ready_at(order: list[TrajectoryTrace]) -> dict[str, float]:
-        loop = EventLoop()
-        pods = K8sStaticBackend(loop, cpu_cluster(cpus=8), NO_OVERHEAD, 7)
-        ready: dict[str, float] = {}
-
-        def when(tid: str) -> Callable[[], None]:
-            return lambda: ready.__setitem__(tid, loop.now)
-
-        for t in order:
-            pods.open(t, 0.0, when(t.id))
-        loop.run()
-        return ready
-
-    forward = ready_at(trace)
+    forward = _pods_ready(trace)
     assert len(set(forward.values())) == 4  # each its own draw
-    assert ready_at(trace[::-1]) == forward
+    assert _pods_ready(trace[::-1]) == forward
+
+
+def _pods_ready(
+    order: list[TrajectoryTrace], binds: tuple[float, int] | None = None
+) -> dict[str, float]:
+    """When each trajectory's pod is ready, opened at 0 in ``order`` (8 cores, seed 7)."""
+    loop = EventLoop()
+    pods = K8sStaticBackend(loop, cpu_cluster(cpus=8), NO_OVERHEAD, 7, binds=binds)
+    ready: dict[str, float] = {}
+
+    def when(tid: str) -> Callable[[], None]:
+        return lambda: ready.__setitem__(tid, loop.now)
+
+    for t in order:
+        pods.open(t, 0.0, when(t.id))
+    loop.run()
+    return ready
 
 
 def test_a_token_bucket_lets_a_burst_go_then_one_request_per_interval() -> None:
@@ -209,17 +211,7 @@ def test_pods_start_once_the_control_plane_has_bound_them_at_its_rate() -> None:
     each then starts after its own latency, the one it has unbound."""
     step = [{"think_s": 0.0, "action": {"kind": "exec", "t1_s": 1.0}}]
     trace = [traj(f"t{i}", step) for i in range(6)]
-
-    def ready_at(binds: tuple[float, int] | None) -> dict[str, float]:
-        loop = EventLoop()
-        pods = K8sStaticBackend(loop, cpu_cluster(cpus=8), NO_OVERHEAD, 7, binds=binds)
-        ready: dict[str, float] = {}
-        for t in trace:
-            pods.open(t, 0.0, partial(lambda tid: ready.__setitem__(tid, loop.now), t.id))
-        loop.run()
-        return ready
-
-    free, bound = ready_at(None), ready_at((4.0, 2))
+    free, bound = _pods_ready(trace), _pods_ready(trace, binds=(4.0, 2))
     waits = [bound[t.id] - free[t.id] for t in trace]
     assert waits == pytest.approx([0.0, 0.0, 0.25, 0.5, 0.75, 1.0])
     # The policy's bucket (the kube-scheduler's 50/s, bursts of 100): the 101st pod on.
