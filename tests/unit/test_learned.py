@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from pydantic import ValidationError
@@ -13,6 +14,7 @@ from tangram.api.learned import MAX_SECONDS, MAX_STEPS, LearnedFit, LearnedState
 from tangram.scheduler import Scheduler, SchedulerConfig
 from tangram.scheduler.core.ordering import LengthModel
 from tangram.scheduler.core.profiles import ProfileBook
+from tangram.scheduler.core.returns import RunningMean
 from tangram.service.learned_file import LearnedFile, _unusable, read_state
 
 from .helpers import cluster, exec_action
@@ -96,6 +98,7 @@ def test_many_lengths_are_kept_as_evenly_spaced_quantiles() -> None:
         ("lengths", [3, -1], "lengths.1"),
         ("profiles", {"suite": {**BAD_FIT, "counts": [0]}}, "profiles.suite.counts.0"),
         ("think_s", {"mean": -1.0, "seen": 3}, "think_s.mean"),
+        ("recent_work", {"exec": {"mean": -1.0, "seen": 3}}, "recent_work.exec.mean"),
         ("extra", 1, "extra"),
     ],
 )
@@ -116,6 +119,19 @@ def test_the_document_keeps_the_most_observed_types_of_sane_names() -> None:
     assert len(book.export(100, 256)) == 5
     with pytest.raises(ValidationError):  # and a document must not hold more
         LearnedState.model_validate({"profiles": {"x" * 300: BAD_FIT | {"counts": [1]}}})
+
+
+def test_the_document_keeps_the_recent_work_of_the_most_run_kinds_of_sane_names() -> None:
+    s = _node()
+    for kind, runs in (("exec", 3), ("api:search", 2), ("service:judge", 1), ("x" * 300, 5)):
+        for _ in range(runs):
+            s.recent_work.setdefault(kind, RunningMean()).observe(2.0)
+    s.recent_work["api:idle"] = RunningMean()  # none ended: nothing learned
+    assert set(s.learned().recent_work) == {"exec", "api:search", "service:judge"}
+    with patch("tangram.scheduler.core.scheduler.MAX_PROFILES", 2):
+        assert set(s.learned().recent_work) == {"exec", "api:search"}
+    with pytest.raises(ValidationError):  # and a document must not hold a longer one
+        LearnedState.model_validate({"recent_work": {"x" * 300: {"mean": 1.0, "seen": 1}}})
 
 
 def test_the_environments_to_close_are_bounded_and_read_back() -> None:

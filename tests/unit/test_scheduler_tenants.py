@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram.api.action import ActionSpec
+from tangram.api.learned import LearnedState
 from tangram.scheduler import Scheduler, SchedulerConfig, SchedulingError
 from tangram.scheduler.core.shares import TenantShare
 
@@ -187,10 +188,14 @@ def test_an_over_declared_action_is_charged_only_what_it_took() -> None:
     assert served == ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "b3"]
 
 
-def test_work_of_an_unknown_type_counts_as_its_kinds_recent_mean_not_a_second() -> None:
+@pytest.mark.parametrize("restarted", [False, True])
+def test_work_of_an_unknown_type_counts_as_its_kinds_recent_mean_not_a_second(
+    restarted: bool,
+) -> None:
     """A's actions of a learned type take 10 ms. B's first action of a new type runs long
     on one core; its second waits for the other core, where it should come after a turn
-    or two of A's, not after the hundred that a second of expected work would make."""
+    or two of A's, not after the hundred that a second of expected work would make. A
+    scheduler that resumes what the one that saw A's runs learned does the same."""
     s = _pool()
     _open(s, "a", "a")
     now = 0.0
@@ -199,6 +204,11 @@ def test_work_of_an_unknown_type_counts_as_its_kinds_recent_mean_not_a_second() 
         assert started(s, now) == [f"w{i}"]
         now += 0.01
         s.complete(f"w{i}", now)
+    if restarted:
+        learned = LearnedState.model_validate_json(s.learned().model_dump_json())
+        s = _pool()
+        s.resume(learned)
+        _open(s, "a", "a")
     for i in range(200):
         s.submit(f"a{i}", "a", exec_action(1, type_="quick"), now)
     _open(s, "b", "b")

@@ -27,6 +27,9 @@ MAX_LENGTHS = 4096  # finished trajectory lengths kept: the most recent (the mod
 # under a ConfigMap's 1 MiB however many types clients invent.
 MAX_PROFILES = 1024
 MAX_TYPE_CHARS = 256
+# A kind of action whose recent work is kept ("exec", "service:NAME", "api:NAME"; a name of
+# a Kubernetes object has at most 253 characters).
+MAX_KIND_CHARS = 8 + 253
 
 # What a real scheduler can have learned, so that what the core computes from it stays a
 # finite float (a length of 10**400 steps validates as an int and breaks every estimate):
@@ -102,6 +105,14 @@ class LearnedState(_Strict):
     think_s: LearnedMean = LearnedMean()
     exec_core_s: LearnedMean = LearnedMean()
     exec_run_s: LearnedMean = LearnedMean()
+    recent_work: Annotated[
+        dict[Annotated[str, Field(min_length=1, max_length=MAX_KIND_CHARS)], LearnedMean],
+        Field(
+            max_length=MAX_PROFILES,
+            description="kind of action -> the mean work (units x seconds) of its recent "
+            "runs: fair queuing's length of an action of a type not known yet",
+        ),
+    ] = Field(default_factory=dict)
     # Not learned, but kept with it, the one document a scheduler leaves its successor.
     closing: Annotated[
         dict[Annotated[str, Field(max_length=253)], list[Annotated[str, Field(max_length=256)]]],
@@ -136,6 +147,7 @@ class LearnedState(_Strict):
 __all__ = [
     "MAX_CLOSING",
     "MAX_COUNT",
+    "MAX_KIND_CHARS",
     "MAX_LEASES",
     "MAX_LENGTHS",
     "MAX_PROFILES",

@@ -17,7 +17,14 @@ from functools import partial
 
 from tangram.api.action import ActionKind, ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
-from tangram.api.learned import MAX_LENGTHS, MAX_PROFILES, MAX_TYPE_CHARS, LearnedState
+from tangram.api.learned import (
+    MAX_KIND_CHARS,
+    MAX_LENGTHS,
+    MAX_PROFILES,
+    MAX_TYPE_CHARS,
+    LearnedMean,
+    LearnedState,
+)
 from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
 from tangram.scheduler.core.admission import quota_limit, resolve, too_wide
 from tangram.scheduler.core.config import SchedulerConfig, SchedulingError
@@ -195,6 +202,7 @@ class Scheduler:
             think_s=r.think.export(),
             exec_core_s=r.work.export(),
             exec_run_s=r.run.export(),
+            recent_work=_most_seen(self.recent_work, MAX_PROFILES),
         )
 
     def resume(self, learned: LearnedState) -> None:
@@ -207,6 +215,8 @@ class Scheduler:
         r.think.restore(learned.think_s)
         r.work.restore(learned.exec_core_s)
         r.run.restore(learned.exec_run_s)
+        for kind, mean in learned.recent_work.items():
+            self.recent_work.setdefault(kind, RunningMean()).restore(mean)
 
     def windows(self, now: float) -> dict[str, list[float]]:
         """The starts each rate-limited quota's window counts at ``now``, oldest first
@@ -1145,6 +1155,14 @@ def _work_kind(a: Action) -> str:
     if a.kind is ActionKind.API and a.quotas:
         return f"api:{a.quotas[0][0]}"
     return a.kind.value
+
+
+def _most_seen(means: Mapping[str, RunningMean], most: int) -> dict[str, LearnedMean]:
+    """The ``most`` of ``means`` with the most samples (ties by kind), exported; a kind of
+    a name too long for the document (a simulated cluster's names are unbounded) is not."""
+    sane = [k for k, m in means.items() if m.seen and len(k) <= MAX_KIND_CHARS]
+    kept = sorted(sane, key=lambda k: (-means[k].seen, k))[:most]
+    return {k: means[k].export() for k in sorted(kept)}
 
 
 def _learned(name: str, value: float) -> float:
