@@ -36,6 +36,7 @@ class HostServer:
 
     kind = "host"
     fast_path = ""
+    no_io = ""
     problem = None
 
     def __init__(self, sock: Path, pid: int, workdir: Path) -> None:

@@ -8,13 +8,15 @@ import asyncio
 import hashlib
 import os
 import textwrap
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tangram.client import AsyncClient, AsyncTrajectory, LiveAction, TangramError
+from tangram.node_agent import runtimes
+from tangram.node_agent.exec_server import Built
 
 from .service_harness import RUNTIMES, box_pool
 
@@ -177,6 +179,38 @@ def test_a_pty_is_a_terminal_or_refused_where_there_is_none(
         assert (e.value.status, e.value.field) == (400, "pty")
 
     on(scenario)
+
+
+@pytest.mark.docker
+@pytest.mark.xdist_group("docker")
+def test_without_the_exec_server_input_terminals_and_streams_are_refused_before_they_queue(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Docker agent without the exec server (no C compiler to build it) runs plain
+    commands on the portable path; what needs the server is refused at once, naming the
+    field and why, instead of queueing and failing once run."""
+    monkeypatch.setattr(runtimes, "build", lambda cache_dir: Built(None, "no C compiler"))
+
+    async def scenario(t: AsyncTrajectory) -> None:
+        r = await t.exec(["echo", "plain"])
+        assert (r.exit_code, r.stdout) == (0, "plain\n"), r
+        assert (r.allocation.path, r.allocation.fallback) == ("portable", "no C compiler")
+        asks: list[tuple[str, Callable[[], Any]]] = [
+            ("pty", lambda: t.exec(["true"], pty=True)),
+            ("stdin", lambda: t.exec(["cat"], stdin="x")),
+            ("stream", lambda: _result_of(t.exec_live(["true"]))),
+            ("interactive", lambda: _result_of(t.exec_live(["cat"], interactive=True))),
+        ]
+        for field, ask in asks:
+            with pytest.raises(TangramError, match=r"exec server.*no C compiler") as e:
+                await ask()
+            assert (e.value.status, e.value.field) == (400, field)
+
+    _run(request, "docker", tmp_path, scenario)
+
+
+async def _result_of(started: Awaitable[LiveAction]) -> Any:
+    return await (await started).result()
 
 
 PYTEST_SUITE = textwrap.dedent(

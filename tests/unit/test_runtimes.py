@@ -33,6 +33,7 @@ class Recorder:
 
     kind = "recorder"
     fast_path = ""
+    no_io = ""
 
     def __init__(self, setting: runtimes.Setting) -> None:
         self.setting = setting

@@ -288,6 +288,7 @@ class NodeAgent:
             action_cores=self.action_cores,
             idle_cores=self.idle_cores,
             fast_path=self.fast_path,
+            no_io=self.runtime.no_io,
             trajectories=[
                 self.meta.get(t) or TrajectoryMeta(id=t, tenant="", env="") for t in self._held()
             ],

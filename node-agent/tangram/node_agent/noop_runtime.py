@@ -24,6 +24,7 @@ _NOTHING = Output(b"", False, b"", False)
 class NoopRuntime:
     kind = "noop"
     fast_path = "the noop runtime"
+    no_io = ""  # (it runs nothing, whatever is asked)
     problem: Problem | None = None
 
     def __init__(self) -> None:

@@ -44,6 +44,7 @@ class Runtime(Protocol):
 
     kind: str  # its registered name, which the agent's hello reports
     fast_path: str  # why actions cannot take the fast path ('' when they can)
+    no_io: str  # why commands cannot have input, a pty or streamed output ('' when they can)
     problem: Problem | None  # why this node cannot run actions at all (None: it can)
 
     def adopt(self) -> list[str]:
@@ -178,6 +179,7 @@ class Sandboxes:
 
     def __init__(self, kind: str, inner: Any, fast_path: str = "") -> None:
         self.kind, self.inner, self.fast_path = kind, inner, fast_path
+        self.no_io = fast_path  # (no fast path here: no exec server, which io needs)
         self.problem: Problem | None = getattr(inner, "problem", None)
         self._background: set[asyncio.Future[None]] = set()
         # One top-up at a time: concurrent ones (a refill after each of several opens)
@@ -266,6 +268,7 @@ class Processes:
 
     kind = "process"
     fast_path = "the process runtime"
+    no_io = ""  # (input and streamed output; no pty, refused by its runtime's name)
     problem: Problem | None = None
 
     def __init__(self, inner: Any, idle: list[int], cache_dir: Path) -> None:

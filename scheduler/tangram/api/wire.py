@@ -767,6 +767,9 @@ class AgentHello(_Strict):
     action_cores: Annotated[list[int], Field(description="cores it runs actions on")]
     idle_cores: list[int]
     fast_path: str = ""  # why the fast path is unavailable ('' when it is)
+    # Why its commands cannot have input, a terminal or streamed output ('' when they can):
+    # a Docker agent without the exec server. Such requests are refused before they queue.
+    no_io: str = ""
     trajectories: list[TrajectoryMeta] = Field(
         default_factory=list, description="environments it holds (re-adopted included)"
     )

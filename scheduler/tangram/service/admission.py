@@ -19,7 +19,6 @@ from pydantic import ValidationError
 from tangram.api.action import ActionSpec
 from tangram.api.field_errors import field_path
 from tangram.api.wire import (
-    NO_TERMINALS_WHY,
     ActionResult,
     ApiCallRequest,
     ApiLeaseRequest,
@@ -59,7 +58,7 @@ class Admission:
     ) -> ActionRecord:
         """Queue an exec action; ``await record.done`` for its result. ``live``: its
         streamed side, taken by a new action only (a repeat keeps the first's)."""
-        return self._admit(tenant, self._exec_ask(tenant, tid, req), live)
+        return self._admit(tenant, self._exec_ask(tenant, tid, req, live), live)
 
     def lease_api(
         self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest
@@ -148,8 +147,10 @@ class Admission:
         assert item.api is not None and req is not None
         return self._api_ask(tenant, item.api, req)
 
-    def _exec_ask(self, tenant: str, tid: str, req: ExecRequest) -> _Ask:
-        return _Ask("exec", req, f"exec on {tid}", lambda: self._exec(tenant, tid, req))
+    def _exec_ask(
+        self, tenant: str, tid: str, req: ExecRequest, live: LiveExec | None = None
+    ) -> _Ask:
+        return _Ask("exec", req, f"exec on {tid}", lambda: self._exec(tenant, tid, req, live))
 
     def _service_ask(self, tenant: str, service: str, req: ServiceCallRequest) -> _Ask:
         target = call_target(service)
@@ -159,10 +160,12 @@ class Admission:
         what = "lease" if isinstance(req, ApiLeaseRequest) else "call"
         return _Ask(what, req, f"{what} of {api}", lambda: self._api(tenant, api, req))
 
-    def _exec(self, tenant: str, tid: str, req: ExecRequest) -> _Checked:
+    def _exec(self, tenant: str, tid: str, req: ExecRequest, live: LiveExec | None) -> _Checked:
         traj = self.s.usable(tenant, tid)
-        if req.pty and not self.s.makes_terminals(traj.node):  # (refused now, not once run)
-            raise EngineError("invalid", "pty", NO_TERMINALS_WHY)
+        streamed = live is not None and live.output is not None
+        interactive = live is not None and live.interactive
+        if (refused := self.s.io_refused(traj.node, req, streamed, interactive)) is not None:
+            raise refused  # now, not once run
         argv, spec, timeout = self._exec_spec(self.s.env_of(traj), req)
         return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj, timeout)
 

@@ -20,11 +20,13 @@ from typing import Any
 
 from tangram.api.wire import (
     NO_TERMINALS,
+    NO_TERMINALS_WHY,
     ActionResult,
     AgentCancel,
     AgentReply,
     AgentRequest,
     AgentWarm,
+    ExecRequest,
     TrajectoryState,
 )
 from tangram.scheduler.core.gpu_pool import Chunk
@@ -149,11 +151,32 @@ class PoolState:
             raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}{why}")
         return traj
 
-    def makes_terminals(self, node: str | None) -> bool:
-        """Whether ``node``'s agent can run a command under a pty (its runtime can, or it
-        is away: then it is asked once back, and says so itself)."""
+    def io_refused(
+        self, node: str | None, req: ExecRequest, streamed: bool, interactive: bool
+    ) -> EngineError | None:
+        """Why ``node``'s agent cannot give the command of ``req`` what it asks (a pty,
+        input, its output streamed), or None. Refused before it queues rather than failed
+        once run; an agent away is asked once back, and says so itself."""
         link = self.hub.links.get(node or "")
-        return link is None or link.hello.runtime not in NO_TERMINALS
+        if link is None:
+            return None
+        if req.pty and link.hello.runtime in NO_TERMINALS:
+            return EngineError("invalid", "pty", NO_TERMINALS_WHY)
+        asked = [
+            ("pty", req.pty),
+            ("stdin", req.stdin is not None),
+            ("interactive", interactive),
+            ("stream", streamed),
+        ]
+        field = next((name for name, on in asked if on), None)  # the first asked is named
+        if field is None or not link.hello.no_io:
+            return None
+        return EngineError(
+            "invalid",
+            field,
+            "input, a pty and streamed output need the environment's exec server, which "
+            f"the agent of node {node} has not: {link.hello.no_io}",
+        )
 
     def admitting(self, tenant: str, extra: int = 1) -> None:
         """Refuse new work while stopping, or when ``extra`` more would overfill the queue
