@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
@@ -374,6 +375,38 @@ def test_close_removes_everything(runtime: ProcessRuntime) -> None:
         runtime.cgroups.cpus(runtime._group("t1"))
     with pytest.raises(ExecError, match="not open"):
         run(runtime.exec("t1", ["true"], CORES[:1]))
+
+
+def test_close_removes_a_tree_deeper_than_pythons_recursion_limit(
+    runtime: ProcessRuntime,
+) -> None:
+    """``shutil.rmtree`` recursed once per level: a command's deep ``mkdir -p`` left the
+    directory, which a restarted agent then took back as an open trajectory."""
+    work = runtime.open("t1")
+    deep = "d/" * (sys.getrecursionlimit() + 100)
+    res = run(runtime.exec("t1", ["mkdir", "-p", deep], CORES[:1]))
+    assert res.exit_code == 0, res
+    assert (work / deep).is_dir()
+    runtime.close("t1")
+    assert list(runtime.base_dir.iterdir()) == []  # nothing left, under any name
+    restarted = ProcessRuntime(
+        runtime.base_dir, runtime.cgroups, idle_cores=CORES[:1], group_prefix=runtime.prefix
+    )
+    assert restarted.adopt() == []
+
+
+def test_what_a_close_could_not_remove_is_never_adopted_and_removed_at_a_restart(
+    runtime: ProcessRuntime,
+) -> None:
+    runtime.open("t1")
+    runtime.close("t1")
+    left = runtime.base_dir / ".closed-0123456789abcdef"  # as a removal that failed leaves it
+    (left / "sub").mkdir(parents=True)
+    restarted = ProcessRuntime(
+        runtime.base_dir, runtime.cgroups, idle_cores=CORES[:1], group_prefix=runtime.prefix
+    )
+    assert restarted.adopt() == []
+    assert not left.exists()
 
 
 def test_bad_requests_are_refused(runtime: ProcessRuntime) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -76,6 +77,7 @@ async def _drain(
 # action ends without the rest (a leftover of it may hold its pipes open).
 LEFTOVER_GRACE_S = 1.0
 KILL_WAIT_S = 5.0  # how long a close waits for a killed files server to be gone
+CLOSED_PREFIX = ".closed-"  # a closed trajectory's directory, renamed as its removal starts
 
 
 async def _returncode(proc: asyncio.subprocess.Process) -> int:
@@ -164,9 +166,15 @@ class ProcessRuntime:
         with contextlib.suppress(FileNotFoundError):
             self.cgroups.remove(group)
         work = self.workdir(trajectory)
-        shutil.rmtree(work, ignore_errors=True)
-        if work.exists():  # a restarted agent would take it back as a trajectory
-            log.warning("trajectory %s: its directory %s was not all removed", trajectory, work)
+        # Out of the trajectories' names first, so that nothing left of it (a tree no
+        # removal could finish) is ever taken back as an open trajectory by a restart.
+        closed = self.base_dir / f"{CLOSED_PREFIX}{secrets.token_hex(8)}"
+        try:
+            work.rename(closed)
+        except FileNotFoundError:
+            closed = work
+        if not remove_tree(closed):
+            log.warning("trajectory %s: its directory was not all removed: %s", trajectory, closed)
         self._open.discard(trajectory)
 
     def release(self) -> None:
@@ -183,6 +191,9 @@ class ProcessRuntime:
             return []
         for work in sorted(self.base_dir.iterdir()):
             name = work.name
+            if name.startswith(CLOSED_PREFIX):  # closed, what was left of it: try again
+                remove_tree(work)
+                continue
             if not work.is_dir() or name in self._open or name.startswith("."):
                 continue
             group = self._group(name)
@@ -436,3 +447,15 @@ def _enter(files: Sequence[str]) -> None:
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
             with contextlib.suppress(OSError, ValueError):  # the C library's own
                 signal.signal(sig, signal.SIG_DFL)
+
+
+def remove_tree(path: Path) -> bool:
+    """Remove ``path`` and all it holds, however deep; whether it is gone. Before Python
+    3.13 ``shutil.rmtree`` recurses once per level, so a tree deeper than the recursion
+    limit (a command's ``mkdir -p`` makes one in a moment) is left, and its RecursionError
+    escapes ``ignore_errors``: then coreutils' ``rm``, which walks any depth."""
+    with contextlib.suppress(RecursionError):
+        shutil.rmtree(path, ignore_errors=True)
+    if path.exists() or path.is_symlink():
+        subprocess.run(["rm", "-rf", "--", str(path)], check=False, capture_output=True)
+    return not (path.exists() or path.is_symlink())
