@@ -217,3 +217,42 @@ def test_a_batch_given_up_on_has_every_action_cancelled(
             await plain.close(t.id)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])
+def test_non_ascii_input_counts_its_utf8_bytes_against_the_bound(
+    running: tuple[str, str, Engine], stream: bool
+) -> None:
+    """800 kB of Cyrillic (400,000 characters) is under the pool's 1 MiB: it was sent as
+    \\u escapes, 2.4 MB, and refused 413."""
+    url, token, _ = running
+    text = "ж" * 400_000
+    with Client(url, token, stream=stream) as c, c.trajectory("shell") as t:
+        r = t.exec(["wc", "-c"], stdin=text)
+        assert (r.exit_code, r.stdout.strip()) == (0, str(len(text.encode()))), r
+
+
+def test_what_cannot_be_sent_as_asked_is_refused_before_anything_is_sent(
+    running: tuple[str, str, Engine],
+) -> None:
+    """A path of a lone surrogate (``os.fsdecode`` of a name that is not UTF-8) lost that
+    character from the query and named another file; a string argv ran its first letter."""
+    url, token, engine = running
+    with Client(url, token) as c, c.trajectory("shell") as t:
+        t.files.write("notes.txt", "precious")
+        actions = len(engine.state.actions)
+        for call in (
+            lambda: t.files.write("\udcffnotes.txt", "overwritten"),
+            lambda: t.files.remove("\udcffnotes.txt"),
+            lambda: t.files.read("\udcffnotes.txt"),
+        ):
+            with pytest.raises(ValueError, match=r"path: .*lone surrogate"):
+                call()
+        assert t.files.read_text("notes.txt") == "precious"
+        with pytest.raises(ValueError, match=r"argv.1: .*lone surrogate"):
+            t.exec(["echo", "\udcff"])
+        with pytest.raises(TypeError, match="argv: a list of arguments, not a string"):
+            t.exec("echo hello")
+        with pytest.raises(ValueError, match="elastic: give"):
+            t.exec(["true"], elastic=(1,))
+        assert len(engine.state.actions) == actions  # none reached the scheduler

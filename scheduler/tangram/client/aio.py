@@ -28,6 +28,7 @@ from tangram.client.common import (
     backoff,
     check,
     data,
+    encode_json,
     exec_body,
     keyed,
     missing,
@@ -56,6 +57,7 @@ CONNECT_S = 10.0
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 CANCEL_S = 5.0  # for the best-effort cancel of an action the caller gave up on
 ABANDON_AT_ONCE = 32  # cancels in flight at once for a batch given up on
+_JSON = {"Content-Type": "application/json"}
 
 
 def _keepalive_socket(addr: tuple[Any, ...]) -> socket.socket:
@@ -163,16 +165,15 @@ class AsyncClient:
         for attempt in range(self.retries + 1):
             reply: Reply | None = None
             before, went = sends.count, time.monotonic()
-            headers = call.headers
+            headers = call.headers if call.body is None else {**(call.headers or {}), **_JSON}
             if lost_at is not None:  # (a restarted scheduler may not know what that try did)
                 age = resent_header(time.monotonic() - lost_at)
-                headers = {**(call.headers or {}), RESENT_HEADER: age}
+                headers = {**(headers or {}), RESENT_HEADER: age}
             try:
                 async with session.request(
                     call.method,
                     call.path,
-                    json=call.body,
-                    data=call.content,
+                    data=call.content if call.body is None else encode_json(call.body),
                     params=call.params,
                     headers=headers,
                     trace_request_ctx=sends,

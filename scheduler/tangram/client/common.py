@@ -90,6 +90,41 @@ class Call:
     params: Mapping[str, str] | None = None  # the query
     content: bytes | None = None  # sent as it is (a file's bytes), instead of a JSON body
 
+    def __post_init__(self) -> None:
+        # A lone surrogate (``os.fsdecode`` of a name that is not UTF-8) is dropped from a
+        # query without a word, naming another file, and refused in JSON as "body": named
+        # here instead, before anything is sent.
+        for name, value in (self.params or {}).items():
+            _utf8(value, name)
+        _utf8(self.body, "body")
+
+
+def encode_json(value: object) -> bytes:
+    """``value`` as compact JSON in UTF-8. Not ASCII-escaped: a non-ASCII character as
+    ``\\uXXXX`` is 6 to 12 bytes, so text well under a request's byte bound went over it."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _utf8(value: object, where: str) -> None:
+    """ValueError naming ``where`` when a text in ``value`` is not Unicode that UTF-8 can
+    carry."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where}: {value[max(0, e.start - 20) : e.end + 20]!r} is not valid Unicode "
+                f"(a lone surrogate at {e.start}: a name that is not UTF-8, as os.fsdecode "
+                "gives it, cannot be sent)"
+            ) from None
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _utf8(key, where)
+            _utf8(item, f"{where}.{key}" if where != "body" else str(key))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _utf8(item, f"{where}.{i}")
+
 
 def settings(url: str | None, token: str | None) -> tuple[str, str | None]:
     """URL and token from the arguments, else TANGRAM_URL / TANGRAM_TOKEN, else the token
@@ -130,11 +165,11 @@ def exec_body(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"idempotency_key": idempotency_key or uuid.uuid4().hex}
     if argv is not None:
-        body["argv"] = list(argv)
+        body["argv"] = _texts(argv, "argv")
     if profile is not None:
         body["profile"] = profile
     if args:
-        body["args"] = list(args)
+        body["args"] = _texts(args, "args")
     if session is not None:
         body["session"], body["code"] = session, code
     if sum(x is not None for x in (cores, elastic, choices)) > 1:
@@ -142,6 +177,8 @@ def exec_body(
     if cores is not None:
         body["cpu"] = cores
     if elastic is not None:
+        if len(elastic) != 2:
+            raise ValueError(f"elastic: give (min, max) cores, not {elastic!r}")
         body["cpu"] = {"min": elastic[0], "max": elastic[1]}
     if choices is not None:
         body["cpu"] = {"choices": list(choices)}
@@ -161,7 +198,15 @@ def exec_body(
         body["env"] = dict(env)
     if pty:
         body["pty"] = True
+    _utf8(body, "body")
     return body
+
+
+def _texts(texts: Sequence[str], name: str) -> list[str]:
+    """``texts`` as a list; a string is refused (``list("echo hi")`` would run ``e``)."""
+    if isinstance(texts, str | bytes):
+        raise TypeError(f"{name}: a list of arguments, not a string: {texts!r}")
+    return list(texts)
 
 
 def check(reply: Reply) -> Reply:

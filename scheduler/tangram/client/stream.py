@@ -26,7 +26,7 @@ from tangram.api.wire import (
     StreamAnswer,
     StreamOutput,
 )
-from tangram.client.common import TangramError, stream_error
+from tangram.client.common import TangramError, encode_json, stream_error
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
@@ -199,7 +199,7 @@ class ExecStream:
             raise StreamClosedError("the action stream is closed")
         self._ids += 1
         mid = self._ids
-        line = json.dumps({"id": mid, **msg}, separators=(",", ":")).encode()
+        line = encode_json({"id": mid, **msg})
         if len(line) > MAX_MESSAGE_BYTES:
             raise NoStreamError(413)
         fut: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
@@ -216,7 +216,7 @@ class ExecStream:
     def _post(self, msg: dict[str, Any]) -> None:
         if self.closed:
             raise StreamClosedError("the action stream is closed")
-        self._outbox.post(json.dumps(msg, separators=(",", ":")).encode())
+        self._outbox.post(encode_json(msg))
 
     async def aclose(self) -> None:
         self._outbox.close()
