@@ -162,6 +162,16 @@ def test_bad_input_is_a_400_naming_the_field(client: Client) -> None:
     with pytest.raises(TangramError) as e:
         client.exec("nope", ["true"])
     assert e.value.status == 404
+    # A step count no trajectory has overflowed the orderings' arithmetic (500 on every
+    # exec of it); a key with a newline could not be named by the cancel route.
+    with pytest.raises(TangramError) as e:
+        client.open("shell", expected_steps=10**400)
+    assert (e.value.status, e.value.field) == (400, "expected_steps")
+    with client.trajectory("shell") as t:
+        with pytest.raises(TangramError) as e:
+            t.exec(["true"], idempotency_key="job-1\n")
+        assert (e.value.status, e.value.field) == (400, "idempotency_key")
+        assert "control characters" in str(e.value)
 
 
 def test_metrics_and_health(client: Client) -> None:

@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 from tangram.api.action import MAX_T1_S
 from tangram.api.demand import Demand, Efficiency
 from tangram.api.inventory import NodeInventory
-from tangram.api.learned import MAX_TYPE_CHARS
+from tangram.api.learned import MAX_STEPS, MAX_TYPE_CHARS
 from tangram.api.spec_base import ENV_NAME
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
@@ -106,6 +106,17 @@ class _Answer(BaseModel):
 
 
 Id = Annotated[str, Field(pattern=ID_PATTERN, description="letters, digits, _ . -; ≤ 128")]
+
+
+def _printable_key(key: str) -> str:
+    # A newline or other control character in a key cannot be named in a URL path (the
+    # cancel route, DELETE /v1/actions/key:KEY, would look up another key).
+    if _CONTROL.search(key):
+        raise ValueError("no control characters (a newline, a tab, ...) in a key")
+    return key
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 IdempotencyKey = Annotated[
     str,
     Field(
@@ -113,6 +124,7 @@ IdempotencyKey = Annotated[
         max_length=200,
         description="a retried submission with the same key never runs the action twice",
     ),
+    AfterValidator(_printable_key),
 ]
 
 
@@ -133,6 +145,7 @@ class OpenTrajectory(_Strict):
         int | None,
         Field(
             ge=1,
+            le=MAX_STEPS,
             description="remaining actions, for the trajectory-priority and "
             "shortest-remaining orderings",
         ),
