@@ -22,6 +22,7 @@ import pytest
 from tangram.api.wire import EnvSpec
 from tangram.node_agent import process_runtime, runtimes
 from tangram.node_agent.cgroups import CgroupV1, CgroupV2, detect, format_cpulist
+from tangram.node_agent.exec_server import Built
 from tangram.node_agent.inventory import parse_cpulist
 from tangram.node_agent.process_runtime import ExecError, ProcessRuntime, _alive
 
@@ -407,6 +408,24 @@ def test_what_a_close_could_not_remove_is_never_adopted_and_removed_at_a_restart
     )
     assert restarted.adopt() == []
     assert not left.exists()
+
+
+def test_a_failed_build_of_the_files_server_is_tried_again(
+    runtime: ProcessRuntime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that failed once (a full disk) failed the files API until the agent
+    restarted; it is built again once ``REBUILD_AFTER_S`` has passed (0 here)."""
+    real = runtimes.build
+    failed = [Built(None, "No space left on device")]
+    monkeypatch.setattr(runtimes, "build", lambda d: failed.pop() if failed else real(d))
+    monkeypatch.setattr(runtimes, "REBUILD_AFTER_S", 0.0)
+    procs = runtimes.Processes(runtime, CORES[:1], tmp_path / "cache")
+    work = runtime.open("t1")
+    (work / "notes.txt").write_text("kept")
+    with pytest.raises(ExecError, match="No space left on device"):
+        procs.files("t1")
+    entry = run(procs.files("t1").stat("notes.txt"))
+    assert entry.size == 4
 
 
 def test_bad_requests_are_refused(runtime: ProcessRuntime) -> None:

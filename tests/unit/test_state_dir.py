@@ -48,6 +48,21 @@ def test_what_an_agent_keeps_is_readable_by_it_alone(tmp_path: Path) -> None:
     assert _mode(state / "keys.journal") == 0o600
 
 
+def test_an_open_whose_metadata_cannot_be_kept_fails_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """The metadata not written (a full disk, here a directory where its file goes), the
+    open failed after the environment was made, and each retry left one more behind."""
+    agent = NodeAgent.create(tmp_path / "state", runtime="noop", cores_for_actions=1)
+    assert agent.meta_dir is not None
+    (agent.meta_dir / "t1.json").mkdir(parents=True)
+    meta = TrajectoryMeta(id="t1", tenant="alice", env="e")
+    open_ = AgentOpen(rid=1, trajectory="t1", env=EnvSpec(name="e", image="i"), meta=meta)
+    reply = asyncio.run(agent.handle(open_))
+    assert not reply.ok and reply.error is not None and "t1.json" in reply.error
+    assert agent.runtime.held() == [] and "t1" not in agent.meta
+
+
 def test_the_schedulers_learned_file_is_readable_by_it_alone(tmp_path: Path) -> None:
     """It names tenants and holds their idempotency keys (leases): 0600 in a directory of
     its own, 0700, whatever the umask lets other files be."""

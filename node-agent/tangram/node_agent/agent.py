@@ -464,7 +464,11 @@ class NodeAgent:
                 case AgentOpen():
                     seconds, warm = await self.open(req.trajectory, req.env)
                     if req.meta is not None:
-                        self._remember(req.meta)
+                        try:
+                            self._remember(req.meta)
+                        except OSError:  # (a full disk) the open fails: not left behind
+                            await asyncio.to_thread(self.close, req.trajectory)
+                            raise
                     return AgentReply(rid=req.rid, ok=True, opened_s=seconds, warm=warm)
                 case AgentClose():
                     await asyncio.to_thread(self.close, req.trajectory)

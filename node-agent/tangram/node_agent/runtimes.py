@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ log = logging.getLogger("tangram.agent")
 # cold pod's start and setup), so they have threads of their own, and at most this many
 # run at once; the rest wait for one there, not in the default pool.
 MAKING_THREADS = 32
+REBUILD_AFTER_S = 30.0  # a failed build of the process runtime's files server, tried again
 
 
 class Runtime(Protocol):
@@ -278,6 +281,7 @@ class Processes:
         self._env: dict[str, dict[str, str]] = {}
         self._cache_dir = cache_dir
         self._execd: Built | None = None
+        self._failed_at = -math.inf  # when building it last failed (monotonic)
 
     def adopt(self) -> list[str]:
         adopted: list[str] = self.inner.adopt()
@@ -333,8 +337,13 @@ class Processes:
     def files(self, trajectory: str) -> EnvFiles:
         if trajectory not in self.inner.held():
             raise ExecError(f"trajectory: {trajectory} is not open")
-        if self._execd is None:  # built once, when the files API is first used
+        # Built when the files API is first used; a failed build (a full disk, a compiler
+        # missing) is tried again after a while, not given up on for the agent's life.
+        retry = time.monotonic() - self._failed_at > REBUILD_AFTER_S
+        if self._execd is None or (self._execd.path is None and retry):
             self._execd = build(self._cache_dir)
+            if self._execd.path is None:
+                self._failed_at = time.monotonic()
         if self._execd.path is None:
             raise ExecError(f"files: {self._execd.reason}")
         root, running = self.inner.workdir(trajectory), self.inner.files_servers
