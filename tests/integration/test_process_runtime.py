@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import pytest
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent import process_runtime, runtimes
+from tangram.node_agent import exec_server, process_runtime, runtimes
 from tangram.node_agent.cgroups import CgroupV1, CgroupV2, detect, format_cpulist
 from tangram.node_agent.exec_server import Built
 from tangram.node_agent.inventory import parse_cpulist
@@ -415,7 +415,7 @@ def test_a_failed_build_of_the_files_server_is_tried_again(
 ) -> None:
     """A build that failed once (a full disk) failed the files API until the agent
     restarted; it is built again once ``REBUILD_AFTER_S`` has passed (0 here)."""
-    real = runtimes.build
+    real = exec_server.build
     failed = [Built(None, "No space left on device")]
     monkeypatch.setattr(runtimes, "build", lambda d: failed.pop() if failed else real(d))
     monkeypatch.setattr(runtimes, "REBUILD_AFTER_S", 0.0)
