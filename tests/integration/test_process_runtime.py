@@ -7,6 +7,7 @@ cleanly otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -426,6 +427,28 @@ def test_a_failed_build_of_the_files_server_is_tried_again(
         procs.files("t1")
     entry = run(procs.files("t1").stat("notes.txt"))
     assert entry.size == 4
+
+
+def test_under_uvloop_a_background_job_with_its_output_elsewhere_does_not_hold_the_action(
+    runtime: ProcessRuntime,
+) -> None:
+    """uvloop (the embedded mode's loop) spawned commands with copies of their own output
+    sockets: a job sent to the background with its output elsewhere held them, and the
+    action ended only when the trajectory's last command did (here: never)."""
+    uvloop = pytest.importorskip("uvloop")  # (uvicorn[standard] brings it)
+    runtime.open("t1")
+    job = "sleep 600 >/dev/null 2>&1 </dev/null & echo started; ls /proc/self/fd"
+
+    async def scenario() -> None:
+        other = asyncio.ensure_future(runtime.exec("t1", ["sleep", "600"], CORES[:1]))
+        res = await asyncio.wait_for(runtime.exec("t1", ["sh", "-c", job], CORES[:1]), 60)
+        assert res.stdout.split() == ["started", "0", "1", "2", "3"], res  # 3: ls's own
+        assert not other.done()
+        other.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await other
+
+    uvloop.run(scenario())
 
 
 def test_bad_requests_are_refused(runtime: ProcessRuntime) -> None:

@@ -447,6 +447,17 @@ def _enter(files: Sequence[str]) -> None:
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
             with contextlib.suppress(OSError, ValueError):  # the C library's own
                 signal.signal(sig, signal.SIG_DFL)
+    # Nothing but its stdin, stdout and stderr crosses the exec. uvloop's spawn (the
+    # embedded mode's loop) leaves the command copies of its own output sockets: a job it
+    # put in the background with its output sent elsewhere then held the action open.
+    for fd in _open_fds():
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)
+
+
+def _open_fds() -> list[int]:
+    return [int(name) for name in os.listdir("/proc/self/fd")]
 
 
 def remove_tree(path: Path) -> bool:
