@@ -397,6 +397,25 @@ def test_close_removes_a_tree_deeper_than_pythons_recursion_limit(
     assert restarted.adopt() == []
 
 
+@pytest.mark.parametrize("where", ["data", "."], ids=["inside", "over-its-directory"])
+def test_close_unmounts_what_a_command_mounted_and_never_deletes_through_it(
+    runtime: ProcessRuntime, tmp_path: Path, where: str
+) -> None:
+    """A bind mount a command left in its directory (nothing isolates a root command
+    here): the removal went through it and deleted the host's files."""
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "precious.txt").write_text("keep me")
+    work = runtime.open("t1")
+    mount = f"mkdir -p data && mount --bind {host} {where}"
+    assert run(runtime.exec("t1", ["sh", "-c", mount], CORES[:1])).exit_code == 0
+    assert process_runtime.mounts_under(runtime.base_dir)
+    runtime.close("t1")
+    assert (host / "precious.txt").read_text() == "keep me"
+    assert not work.exists() and list(runtime.base_dir.iterdir()) == []
+    assert process_runtime.mounts_under(runtime.base_dir) == []
+
+
 def test_what_a_close_could_not_remove_is_never_adopted_and_removed_at_a_restart(
     runtime: ProcessRuntime,
 ) -> None:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -171,7 +173,7 @@ class ProcessRuntime:
         closed = self.base_dir / f"{CLOSED_PREFIX}{secrets.token_hex(8)}"
         try:
             work.rename(closed)
-        except FileNotFoundError:
+        except OSError:  # gone already, or a mount point itself (EBUSY)
             closed = work
         if not remove_tree(closed):
             log.warning("trajectory %s: its directory was not all removed: %s", trajectory, closed)
@@ -464,9 +466,39 @@ def remove_tree(path: Path) -> bool:
     """Remove ``path`` and all it holds, however deep; whether it is gone. Before Python
     3.13 ``shutil.rmtree`` recurses once per level, so a tree deeper than the recursion
     limit (a command's ``mkdir -p`` makes one in a moment) is left, and its RecursionError
-    escapes ``ignore_errors``: then coreutils' ``rm``, which walks any depth."""
+    escapes ``ignore_errors``: then coreutils' ``rm``, which walks any depth.
+
+    A file system a command mounted in it (a root command may: nothing isolates it) is
+    unmounted first, and if one cannot be, nothing is removed: ``rmtree`` and ``rm
+    --one-file-system`` alike delete what a bind mount of the same file system shows."""
+    for point in sorted(mounts_under(path), key=lambda p: -len(p.parts)):
+        if _LIBC.umount2(os.fsencode(point), MNT_DETACH) != 0:
+            log.warning("%s: not unmounted (%s)", point, os.strerror(ctypes.get_errno()))
+    if mounts_under(path):
+        return False
     with contextlib.suppress(RecursionError):
         shutil.rmtree(path, ignore_errors=True)
     if path.exists() or path.is_symlink():
         subprocess.run(["rm", "-rf", "--", str(path)], check=False, capture_output=True)
     return not (path.exists() or path.is_symlink())
+
+
+def mounts_under(path: Path) -> list[Path]:
+    """The mount points at or under ``path``, from this process's mount table."""
+    try:
+        table = Path("/proc/self/mountinfo").read_bytes()
+    except OSError:
+        return []
+    inside = []
+    for line in table.splitlines():
+        fields = line.split(b" ")
+        if len(fields) > 4:  # the fifth is the mount point, with \ooo escapes
+            point = Path(os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8)]), fields[4])))
+            if point == path or path in point.parents:
+                inside.append(point)
+    return inside
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+MNT_DETACH = 2  # umount2: detach now, free once nothing uses it
