@@ -616,6 +616,38 @@ def test_same_name_in_other_kinds_or_namespaces_is_no_duplicate() -> None:
     assert [p for p in res.check_references() if "declared" in p] == []
 
 
+def test_two_of_one_name_in_one_pool_from_two_namespaces_are_reported() -> None:
+    """Clients open an environment (call a service) by name alone: of two TrajectoryEnvs
+    ``e`` the pool admits from two namespaces, one was dropped without a word."""
+    res = parse(
+        pool("p", cpu={}, access={"namespaces": ["default", "team"]}),
+        env("e"),
+        env("e", "team", poolRef="default/p"),
+        env("f", "team", poolRef="default/p"),
+    )
+    assert res.check_references() == [
+        "TrajectoryEnvs of one name, 'e', in ActionPool default/p, which its clients name by "
+        "name alone: default/e (test.yaml: document 2), team/e (test.yaml: document 3); "
+        "rename all but one"
+    ]
+
+
+def test_a_pool_is_chosen_by_name_or_namespace_and_name() -> None:
+    from tangram.service.from_resources import PoolChoiceError, choose_pool
+
+    res = parse(pool("p", "a", apis=[{"name": "alpha", "concurrency": 1}]),
+                pool("p", "b", apis=[{"name": "beta", "concurrency": 1}]), pool("q"))  # fmt: skip
+    assert choose_pool(res, "b/p").spec.apis[0].name == "beta"
+    assert choose_pool(res, "q").metadata.namespace == "default"
+    # (the first of two was served, and the second could not be named)
+    with pytest.raises(PoolChoiceError, match=r"2 ActionPools are named 'p'; .*: a/p, b/p"):
+        choose_pool(res, "p")
+    with pytest.raises(PoolChoiceError, match=r"3 ActionPools declared \(a/p, b/p, default/q\)"):
+        choose_pool(res, None)
+    with pytest.raises(PoolChoiceError, match=r"no ActionPool 'c/p' \(declared: a/p, b/p"):
+        choose_pool(res, "c/p")
+
+
 def test_dangling_and_unusable_references_are_reported() -> None:
     res = parse(
         pool("p"),

@@ -89,6 +89,19 @@ class Resources:
             problem = reference_problem(obj, self.pools.get(obj.pool_key()))
             if problem is not None:
                 problems.append(f"{who}: {problem[1]}")
+        # Clients name a pool's environments and services by name alone: two of one name
+        # (from two namespaces the pool admits) would leave one of them unserved.
+        served: dict[tuple[str, tuple[str, str], str], list[str]] = {}
+        for obj in users:
+            ns, name = obj.key
+            place = f"{ns}/{name}{self._where(obj.kind, obj.key)}"
+            served.setdefault((obj.kind, obj.pool_key(), name), []).append(place)
+        for (kind, (pool_ns, pool), name), same in served.items():
+            if len(same) > 1:
+                problems.append(
+                    f"{kind}s of one name, {name!r}, in ActionPool {pool_ns}/{pool}, which "
+                    f"its clients name by name alone: {', '.join(same)}; rename all but one"
+                )
         return problems
 
     def secret_value(self, namespace: str, ref: SecretRef) -> str | None:

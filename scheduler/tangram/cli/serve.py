@@ -49,9 +49,12 @@ _TOKENS = os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE))
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the scheduler service of one pool (no local agent)")
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or directory")
-    p.add_argument("--pool", help="the ActionPool to serve when the files declare several")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port, default=8080)
+    p.add_argument(
+        "--pool",
+        help="the ActionPool to serve when the files declare several: NAME, or NAMESPACE/NAME",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    p.add_argument("--port", type=port, default=8080, help="port to serve on (default 8080)")
     p.add_argument("--token-file", default=_TOKENS, help="TOKEN TENANT lines (created if missing)")
     p.add_argument(
         "--grace", type=seconds, default=10.0, help="seconds in-flight actions get at exit"

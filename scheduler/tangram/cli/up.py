@@ -49,7 +49,10 @@ SUMMARY = "run the scheduler and a local node agent (embedded mode)"
 def register(sub: Any) -> None:
     p = documented_command(sub, "up", SUMMARY, __doc__)
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or directory")
-    p.add_argument("--pool", help="the ActionPool to serve when the files declare several")
+    p.add_argument(
+        "--pool",
+        help="the ActionPool to serve when the files declare several: NAME, or NAMESPACE/NAME",
+    )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this host)"
     )

@@ -24,21 +24,31 @@ class PoolChoiceError(ValueError):
 
 
 def choose_pool(resources: Resources, name: str | None) -> ActionPool:
-    """The pool to serve: the one named, or the only one declared."""
+    """The pool to serve: the one named (NAME, or NAMESPACE/NAME when two namespaces
+    declare one of that name), or the only one declared."""
     pools = list(resources.pools.values())
+    declared = ", ".join(_shown(p) for p in pools) or "none"
     if name is not None:
-        found = [p for p in pools if p.metadata.name == name]
+        found = [p for p in pools if name in (p.metadata.name, _shown(p))]
         if not found:
-            known = ", ".join(p.metadata.name for p in pools) or "none"
-            raise PoolChoiceError(f"--pool: no ActionPool {name!r} (declared: {known})")
+            raise PoolChoiceError(f"--pool: no ActionPool {name!r} (declared: {declared})")
+        if len(found) > 1:
+            raise PoolChoiceError(
+                f"--pool: {len(found)} ActionPools are named {name!r}; give one as "
+                f"NAMESPACE/NAME: {', '.join(_shown(p) for p in found)}"
+            )
         return found[0]
     if len(pools) != 1:
         raise PoolChoiceError(
-            f"{len(pools)} ActionPools declared; name the one to serve with --pool"
+            f"{len(pools)} ActionPools declared ({declared}); name the one to serve with --pool"
             if pools
             else "no ActionPool declared: the files need one (kind: ActionPool)"
         )
     return pools[0]
+
+
+def _shown(pool: ActionPool) -> str:
+    return f"{pool.metadata.namespace}/{pool.metadata.name}"
 
 
 SecretLookup = Callable[[str, SecretRef], str]
