@@ -453,6 +453,9 @@ def test_metadata_ignores_what_the_api_server_adds_and_status_is_accepted() -> N
     [
         ({**pool(), "kind": "ActionPools"}, "kind: 'ActionPools' is not a kind of tangram.dev"),
         ({**pool(), "apiVersion": "tangram.dev/v1"}, "apiVersion: 'tangram.dev/v1' is not served"),
+        # Ours by kind, of another group (a typo): it was set aside as another API's.
+        ({**env(), "apiVersion": "tangram.io/v1alpha1"}, "'tangram.io/v1alpha1' is not tangram"),
+        ({**pool(), "apiVersion": "v1alpha1"}, "apiVersion: 'v1alpha1' is not tangram.dev's; use"),
         ({"kind": "ActionPool", "metadata": {"name": "p"}}, "apiVersion: required"),
         ({"apiVersion": "v1", "metadata": {"name": "p"}}, "kind: required"),
         (["a", "list"], "a manifest must be a mapping, not list"),

@@ -205,6 +205,10 @@ def parse_documents(documents: Iterable[Document]) -> Resources:
             if api_version == "v1" and kind == "List" and isinstance(body.get("items"), list):
                 for i, item in enumerate(body["items"]):
                     one(f"{where} items[{i}]", item)
+            elif kind in KINDS:  # ours by its kind: a misspelt group, not another API's
+                problems.append(
+                    f"{label}: apiVersion: {api_version!r} is not {GROUP}'s; use {API_VERSION}"
+                )
             else:
                 other.append(body)
             return
