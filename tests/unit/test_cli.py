@@ -680,3 +680,27 @@ def test_trace_generate_checks_both_outputs_before_writing_either(
     assert not trace.exists()  # nothing written: the cluster's path was bad
     code, _, err = _run(capsys, *argv, "--cluster-out", str(trace))
     assert code == 2 and "is the --out file too" in err and not trace.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["trace", "generate", "--scenario", "coding", "--trajectories", "4"],
+        ["explain", "examples/explain/waiting.json", "--json"],
+    ],
+)
+def test_a_reader_that_left_ends_the_command_without_a_traceback(argv: list[str]) -> None:
+    """``tangram … | head`` (here: a pipe whose reader is gone) printed BrokenPipeError's
+    traceback and exited 1."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    root = Path(__file__).resolve().parents[2]
+    code = "import sys; from tangram.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", code, *argv], stdout=write, cwd=root,
+                          stderr=subprocess.PIPE, text=True, timeout=120, check=False)  # fmt: skip
+    os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -43,7 +44,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # its reader left (``| head``): nothing more to say to it
+        _quiet_stdout()
+        return 141  # as a shell reports a command SIGPIPE ended
+    try:
+        sys.stdout.flush()  # (a reader that left shows here, at the last write)
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
     return code
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's own flush at exit does not fail again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
 
 
 if __name__ == "__main__":
