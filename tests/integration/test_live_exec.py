@@ -196,6 +196,7 @@ def test_without_the_exec_server_input_terminals_and_streams_are_refused_before_
         assert (r.exit_code, r.stdout) == (0, "plain\n"), r
         assert (r.allocation.path, r.allocation.fallback) == ("portable", "no C compiler")
         asks: list[tuple[str, Callable[[], Any]]] = [
+            ("session", lambda: t.bash("pwd")),
             ("pty", lambda: t.exec(["true"], pty=True)),
             ("stdin", lambda: t.exec(["cat"], stdin="x")),
             ("stream", lambda: _result_of(t.exec_live(["true"]))),
@@ -207,6 +208,20 @@ def test_without_the_exec_server_input_terminals_and_streams_are_refused_before_
             assert (e.value.status, e.value.field) == (400, field)
 
     _run(request, "docker", tmp_path, scenario)
+
+
+def test_a_session_on_the_process_runtime_is_refused_before_it_queues(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """It queued, took a core, and failed once run (``exec_failed``)."""
+
+    async def scenario(t: AsyncTrajectory) -> None:
+        for ask in (lambda: t.bash("pwd"), lambda: t.python("1 + 1")):
+            with pytest.raises(TangramError, match="sessions need the Docker or pod") as e:
+                await ask()
+            assert (e.value.status, e.value.field) == (400, "session")
+
+    _run(request, "process", tmp_path, scenario)
 
 
 async def _result_of(started: Awaitable[LiveAction]) -> Any:

@@ -29,7 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from tangram.api.wire import EnvSpec, Problem
+from tangram.api.wire import NO_SESSIONS_WHY, EnvSpec, Problem
 from tangram.node_agent.env_files import EnvFiles, one_shot
 from tangram.node_agent.exec_server import Built, build
 from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone
@@ -332,7 +332,7 @@ class Processes:
 
     async def session(self, trajectory: str, kind: str, code: str, cores: Sequence[int],
                       **kw: Any) -> ExecResult:  # fmt: skip
-        raise ExecError("session: persistent sessions need the Docker or pod runtime")
+        raise ExecError(f"session: {NO_SESSIONS_WHY}")
 
     def files(self, trajectory: str) -> EnvFiles:
         if trajectory not in self.inner.held():

@@ -1031,6 +1031,10 @@ STREAM_CHUNK = 1 << 20  # bytes a chunk carries at most (before base64)
 # runs commands on the host, with no exec server to make a pty in.
 NO_TERMINALS = frozenset({"process"})
 NO_TERMINALS_WHY = "the process runtime has no terminals (docker or pod have)"
+# Runtimes without persistent sessions (ExecRequest.session): they are processes an
+# environment's exec server keeps.
+NO_SESSIONS = frozenset({"process", "noop"})
+NO_SESSIONS_WHY = "persistent sessions need the Docker or pod runtime"
 FILES_FEATURE = "files"  # an agent that serves AgentFiles says so in its hello
 TAR_FEATURE = "files-tar"  # and one that serves its tar and untar actions
 OPEN_KEYS_FEATURE = "open-keys"  # one that keeps TrajectoryMeta.open_key for its scheduler

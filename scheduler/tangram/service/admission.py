@@ -164,7 +164,7 @@ class Admission:
         traj = self.s.usable(tenant, tid)
         streamed = live is not None and live.output is not None
         interactive = live is not None and live.interactive
-        if (refused := self.s.io_refused(traj.node, req, streamed, interactive)) is not None:
+        if (refused := self.s.unservable(traj.node, req, streamed, interactive)) is not None:
             raise refused  # now, not once run
         argv, spec, timeout = self._exec_spec(self.s.env_of(traj), req)
         return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj, timeout)

@@ -19,6 +19,8 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from tangram.api.wire import (
+    NO_SESSIONS,
+    NO_SESSIONS_WHY,
     NO_TERMINALS,
     NO_TERMINALS_WHY,
     ActionResult,
@@ -151,18 +153,22 @@ class PoolState:
             raise EngineError("conflict", "trajectory", f"{tid} is {traj.state.value}{why}")
         return traj
 
-    def io_refused(
+    def unservable(
         self, node: str | None, req: ExecRequest, streamed: bool, interactive: bool
     ) -> EngineError | None:
-        """Why ``node``'s agent cannot give the command of ``req`` what it asks (a pty,
-        input, its output streamed), or None. Refused before it queues rather than failed
-        once run; an agent away is asked once back, and says so itself."""
+        """Why ``node``'s agent cannot give the command of ``req`` what it asks (a session,
+        a pty, input, its output streamed), or None. Refused before it queues rather than
+        failed once run; an agent away is asked once back, and says so itself."""
         link = self.hub.links.get(node or "")
         if link is None:
             return None
-        if req.pty and link.hello.runtime in NO_TERMINALS:
+        runtime = link.hello.runtime
+        if req.pty and runtime in NO_TERMINALS:
             return EngineError("invalid", "pty", NO_TERMINALS_WHY)
+        if req.session is not None and runtime in NO_SESSIONS:
+            return EngineError("invalid", "session", f"{NO_SESSIONS_WHY}, not {runtime}")
         asked = [
+            ("session", req.session is not None),
             ("pty", req.pty),
             ("stdin", req.stdin is not None),
             ("interactive", interactive),
@@ -174,8 +180,8 @@ class PoolState:
         return EngineError(
             "invalid",
             field,
-            "input, a pty and streamed output need the environment's exec server, which "
-            f"the agent of node {node} has not: {link.hello.no_io}",
+            "sessions, input, a pty and streamed output need the environment's exec "
+            f"server, which the agent of node {node} has not: {link.hello.no_io}",
         )
 
     def admitting(self, tenant: str, extra: int = 1) -> None:
