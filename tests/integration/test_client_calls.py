@@ -256,3 +256,21 @@ def test_what_cannot_be_sent_as_asked_is_refused_before_anything_is_sent(
         with pytest.raises(ValueError, match="elastic: give"):
             t.exec(["true"], elastic=(1,))
         assert len(engine.state.actions) == actions  # none reached the scheduler
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])
+def test_a_key_reused_in_a_trajectory_opened_again_under_its_id_runs_there(
+    running: tuple[str, str, Engine], stream: bool
+) -> None:
+    """Keys of the form trajectory id + step: in the trajectory opened again under the
+    closed one's id (the next RL step's rollout of the same task), the same key replayed
+    the closed environment's result, and the command never ran."""
+    url, token, _ = running
+    with Client(url, token, stream=stream) as c:
+        for content in ("first environment", "second environment"):
+            with c.trajectory("shell", id="task-7") as t:
+                t.files.write("state.txt", content)
+                r = t.exec(["cat", "state.txt"], idempotency_key="task-7-step-1")
+                assert r.stdout == content, r
+                again = t.exec(["cat", "state.txt"], idempotency_key="task-7-step-1")
+                assert again.id == r.id  # (within one, a retry is still the same action)

@@ -11,6 +11,7 @@ from tangram.service.keys import KeyMemory, Remembered, request_digest
 @dataclass
 class Rec:
     id: str
+    target: str = "exec on t-1"
 
 
 def test_an_ended_action_leaves_only_its_answer_untracked_by_the_gc() -> None:

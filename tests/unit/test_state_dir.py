@@ -63,6 +63,32 @@ def test_an_open_whose_metadata_cannot_be_kept_fails_and_leaves_nothing(
     assert agent.runtime.held() == [] and "t1" not in agent.meta
 
 
+def test_a_restarted_agent_forgets_the_keyed_runs_of_trajectories_it_no_longer_holds(
+    tmp_path: Path,
+) -> None:
+    """Their environments are gone (closed while no agent ran): a key of theirs, reused in
+    a trajectory opened again under the same name, must run there, not replay."""
+    state = tmp_path / "state"
+    spec = EnvSpec(name="e", image="i")
+    run = AgentExec(rid=2, trajectory="t1", argv=["true"], cores=[0], key="alice\x1fk")
+
+    async def first() -> None:
+        agent = NodeAgent.create(state, runtime="noop", cores_for_actions=1)
+        await agent.handle(AgentOpen(rid=1, trajectory="t1", env=spec))
+        assert (await agent.handle(run)).ok
+        assert (await agent.handle(run)).replayed  # (a retry, while it is held)
+        await agent.shutdown()  # the noop runtime keeps nothing: t1 is not held after it
+
+    async def second() -> None:
+        agent = NodeAgent.create(state, runtime="noop", cores_for_actions=1)
+        again = await agent.handle(run)
+        assert not again.replayed and not again.ok and "t1" in (again.error or "")
+        await agent.shutdown()
+
+    asyncio.run(first())
+    asyncio.run(second())
+
+
 def test_the_schedulers_learned_file_is_readable_by_it_alone(tmp_path: Path) -> None:
     """It names tenants and holds their idempotency keys (leases): 0600 in a directory of
     its own, 0700, whatever the umask lets other files be."""

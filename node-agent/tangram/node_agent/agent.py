@@ -109,6 +109,15 @@ def _what(req: Keyed) -> str:
     return f"{req.op} on {req.trajectory}"
 
 
+def _trajectory_of(asked: str) -> str | None:
+    """The trajectory a run (an ``_asked``) ran in; None for a service call's."""
+    what = asked.partition("\0")[0]
+    for op in ("exec on ", "session on "):
+        if what.startswith(op):
+            return what[len(op) :]
+    return None
+
+
 # What may differ between a request and its retry: the link's id, where the scheduler
 # placed it, the key itself, and how its output travels. The scheduler's digest is the
 # scheduler's to compare (an older one sends none): left out, journals stay comparable.
@@ -196,6 +205,11 @@ class NodeAgent:
         self._unjournaled: set[str] = set()  # keys in _results the journal does not hold
         self._unjournaled_bytes = 0
         self._ran: dict[str, str] = {}  # _asked of the keys in _results (journaled: unknown)
+        # The keys of each trajectory's runs: forgotten when it closes, since a trajectory
+        # opened again under its name is another environment (a key reused there must run
+        # there, not replay what ran in the one closed). Running at its close: not kept.
+        self._keys_of: dict[str, set[str]] = {}
+        self._unkept: set[str] = set()
         self._keyed: dict[str, asyncio.Task[AgentReply]] = {}
         self._keyed_info: dict[str, _KeyedRun] = {}
         self._orphaned: set[str] = set()  # keyed runs whose requester's link dropped
@@ -390,6 +404,8 @@ class NodeAgent:
             task = asyncio.ensure_future(self._run(req))
             self._keyed[key] = task
             self._keyed_info[key] = run
+            if not isinstance(req, AgentCall):
+                self._keys_of.setdefault(req.trajectory, set()).add(key)
             task.add_done_callback(lambda t: self._keyed_done(key, t))
         self._tasks[req.rid] = task  # an explicit cancel request cancels the run itself
         try:
@@ -416,8 +432,14 @@ class NodeAgent:
             reply = AgentReply(rid=0, ok=False, error="cancelled", key=key, digest=digest)
         else:
             reply = task.result().model_copy(update={"rid": 0, "key": key, "digest": digest})
-        kept = self._keep(key, json_bytes(reply))
         self._keyed.pop(key, None)
+        if key in self._unkept:  # its trajectory closed: the run is no one's to retry
+            self._unkept.discard(key)
+            if key in self._orphaned:
+                self._orphaned.discard(key)
+                self._deliver(reply)
+            return
+        kept = self._keep(key, json_bytes(reply))
         if run is not None:
             self._ran[key] = run.asked
         if run is not None and not run.journaled:
@@ -444,13 +466,20 @@ class NodeAgent:
         self._results[key] = reply
         self._result_bytes += len(reply)
         while len(self._results) > MAX_REMEMBERED or self._result_bytes > MAX_REMEMBERED_BYTES:
-            gone, old = self._results.popitem(last=False)
-            self._result_bytes -= len(old)
-            self._ran.pop(gone, None)
-            if gone in self._unjournaled:
-                self._unjournaled.remove(gone)
-                self._unjournaled_bytes -= len(old)
+            self._drop_result(next(iter(self._results)))
         return reply
+
+    def _drop_result(self, key: str) -> None:
+        old = self._results.pop(key, None)
+        if old is None:
+            return
+        self._result_bytes -= len(old)
+        trajectory = _trajectory_of(self._ran.pop(key, ""))
+        if trajectory is not None:
+            self._keys_of.get(trajectory, set()).discard(key)
+        if key in self._unjournaled:
+            self._unjournaled.remove(key)
+            self._unjournaled_bytes -= len(old)
 
     def _deliver(self, reply: AgentReply) -> None:
         if self._sink is not None:
@@ -514,6 +543,11 @@ class NodeAgent:
     def close(self, trajectory: str) -> None:
         self.runtime.close(trajectory)
         self._forget(trajectory)
+        for key in self._keys_of.pop(trajectory, set()):
+            if key in self._keyed:
+                self._unkept.add(key)
+            else:
+                self._drop_result(key)
 
     def _forget(self, trajectory: str) -> None:
         self.meta.pop(trajectory, None)
@@ -550,6 +584,15 @@ class NodeAgent:
                                                   error=CUT_OFF)))  # fmt: skip
         # What each key ran: a reuse of it for another request is still refused.
         self._ran.update((k, a) for k, a in journal.asked.items() if k in self._results)
+        held = set(self._held())
+        for key, asked in list(self._ran.items()):
+            trajectory = _trajectory_of(asked)
+            if trajectory is None:
+                continue
+            if trajectory in held:
+                self._keys_of.setdefault(trajectory, set()).add(key)
+            else:  # closed since (or while no agent ran): its runs are no one's to retry
+                self._drop_result(key)
         journal.rewrite(self._results, set(), self._ran)
         self.journal = journal
 

@@ -30,7 +30,7 @@ from tangram.scheduler.core.scheduler import SchedulingError
 from tangram.service.api_calls import ApiCalls
 from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GROUP, GpuCalls, call_target
-from tangram.service.keys import Remembered, request_digest
+from tangram.service.keys import Remembered, exec_target, request_digest
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
 from tangram.service.records import (
@@ -150,7 +150,7 @@ class Admission:
     def _exec_ask(
         self, tenant: str, tid: str, req: ExecRequest, live: LiveExec | None = None
     ) -> _Ask:
-        return _Ask("exec", req, f"exec on {tid}", lambda: self._exec(tenant, tid, req, live))
+        return _Ask("exec", req, exec_target(tid), lambda: self._exec(tenant, tid, req, live))
 
     def _service_ask(self, tenant: str, service: str, req: ServiceCallRequest) -> _Ask:
         target = call_target(service)
@@ -218,6 +218,8 @@ class Admission:
         if new.traj is not None:
             rec.live = live
             new.traj.actions += 1
+            if req.idempotency_key is not None:
+                new.traj.action_keys.add(req.idempotency_key)
         s.wake.set()
 
     def _repeat(

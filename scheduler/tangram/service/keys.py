@@ -44,6 +44,14 @@ class _Record(Protocol):
     @property
     def id(self) -> str: ...
 
+    @property
+    def target(self) -> str: ...
+
+
+def exec_target(trajectory: str) -> str:
+    """What an exec (a session step) on the trajectory its tenant calls so is for."""
+    return f"exec on {trajectory}"
+
 
 R = TypeVar("R", bound=_Record)
 
@@ -108,6 +116,25 @@ class KeyMemory(Generic[R]):
             self._count -= 1
             self._in_flight.pop(record.id, None)
             self._drop_if_empty(tenant)
+
+    def drop(self, tenant: str, key: str, target: str) -> None:
+        """Forget ``key`` if it is used for ``target`` (its action ended or not: one still
+        running ends unremembered)."""
+        entries = self._tenants.get(tenant)
+        entry = None if entries is None else entries.get(key)
+        if entries is None or entry is None:
+            return
+        if isinstance(entry, bytes):
+            if entry.split(b"\x00", 2)[1].decode() != target:
+                return
+            self._kept(tenant, -len(entry))
+        elif entry.target != target:
+            return
+        else:
+            self._in_flight.pop(entry.id, None)
+        del entries[key]
+        self._count -= 1
+        self._drop_if_empty(tenant)
 
     def ended(self, record: R, target: str, answer: bytes, digest: str | None = None) -> None:
         """``record`` ended and its submitter got ``answer``: keep only that for a retry

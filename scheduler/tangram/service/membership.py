@@ -27,6 +27,7 @@ from tangram.scheduler.core.scheduler import SchedulingError
 from tangram.service.agents import AgentLink, NodeRefusedError
 from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GpuCalls
+from tangram.service.keys import exec_target
 from tangram.service.outcomes import Outcomes
 from tangram.service.records import KEY_SEP, TrajectoryRecord, err
 from tangram.service.state import PoolState
@@ -145,7 +146,7 @@ class Membership:
             return False
         index = {c: i for i, c in enumerate(s.node_cores[node])}
         req = ExecRequest(argv=["(adopted)"], idempotency_key=key)
-        target = f"exec on {traj.id}"  # as its tenant named it when submitting
+        target = exec_target(traj.id)  # as its tenant named it when submitting
         rec = s.record(tenant, run.trajectory, "exec", req, None, target=target)
         # Its request's digest, as its agent kept it: another request under its key is
         # refused as it was before the restart (None from an older agent: not checked).

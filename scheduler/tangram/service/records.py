@@ -84,6 +84,9 @@ class TrajectoryRecord:
     # the agent too: a restarted scheduler answers the open's retry with this record.
     open_key: tuple[str, str] | None = None
     env_vars: dict[str, str] = field(default_factory=dict)  # OpenTrajectory.env_vars
+    # The idempotency keys of its actions: forgotten when it ends, as its agent forgets
+    # them, since a trajectory opened again under its id is another environment.
+    action_keys: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.id

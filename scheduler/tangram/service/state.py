@@ -35,7 +35,7 @@ from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.scheduler import Assignment, Scheduler
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import EnvConfig, PoolConfig
-from tangram.service.keys import KeyMemory
+from tangram.service.keys import KeyMemory, exec_target
 from tangram.service.metrics import Metrics
 from tangram.service.problems import ProblemLog
 from tangram.service.records import (
@@ -137,6 +137,9 @@ class PoolState:
         self.trajectories.pop(rec.key, None)
         if self.named.get((rec.tenant, rec.id)) is rec:
             self.named.pop((rec.tenant, rec.id))
+        for key in rec.action_keys:  # (its own uses only: the key may be used elsewhere since)
+            self.idempotent.drop(rec.tenant, key, exec_target(rec.id))
+        rec.action_keys.clear()
 
     def usable(self, tenant: str, tid: str) -> TrajectoryRecord:
         """An open trajectory of ``tenant``; 503 (retry) while its agent is away."""
@@ -237,6 +240,9 @@ class PoolState:
             self.idempotent.remember(rec.tenant, rec.key, rec)
         else:
             self.uncounted.add(rec.id)
+        traj = self.trajectories.get(rec.trajectory or "")
+        if traj is not None and rec.kind == "exec":
+            traj.action_keys.add(rec.key)
         agent_key, node = rec.agent_key, asg.node
         self.adopted[(node or "", agent_key)] = rec
         if agent_key in self.cancelled_keys:
