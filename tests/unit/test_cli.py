@@ -704,3 +704,32 @@ def test_a_reader_that_left_ends_the_command_without_a_traceback(argv: list[str]
                           stderr=subprocess.PIPE, text=True, timeout=120, check=False)  # fmt: skip
     os.close(write)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_up_refuses_a_learned_file_it_could_not_save_before_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory given as --learned-file: it served, and only logged that it could not
+    read or save the file."""
+    from tangram.service.embedded import free_port
+
+    pool = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "local"
+    code, _, err = _run(
+        capsys, "up", "-f", str(pool), "--runtime", "noop", "--cores", "2",
+        "--port", str(free_port()), "--state-dir", str(tmp_path / "state"),
+        "--token-file", str(tmp_path / "tokens"), "--learned-file", str(tmp_path),
+    )  # fmt: skip
+    assert code == 2
+    assert f"--learned-file: cannot write {tmp_path}: Is a directory" in err
+
+
+def test_the_banners_client_hint_names_a_token_file_the_client_would_not_find(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tangram.cli.up import _tokens_env
+    from tangram.client.common import DEFAULT_TOKEN_FILE
+
+    monkeypatch.delenv("TANGRAM_TOKEN_FILE", raising=False)
+    assert _tokens_env(str(DEFAULT_TOKEN_FILE)) == ""
+    # (the hint was the default's, and the example, run as told, got 401)
+    assert _tokens_env("/tmp/a b/tokens") == "TANGRAM_TOKEN_FILE='/tmp/a b/tokens' "

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import errno
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -23,7 +24,14 @@ from typing import Any
 from tangram.api.demand import allowed_units
 from tangram.api.documents import Resources
 from tangram.api.resources import ActionPool
-from tangram.cli.files import InputError, documented_command, port, seconds, whole_number
+from tangram.cli.files import (
+    InputError,
+    check_writable,
+    documented_command,
+    port,
+    seconds,
+    whole_number,
+)
 from tangram.cli.manifests import load_documents, load_text
 from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
@@ -177,7 +185,8 @@ def run_up(args: argparse.Namespace) -> int:
             f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
             f"  token file: {args.token_file}\n"
             f"  {r.engine.learned_note()}\n"
-            f"  try: .venv/bin/python examples/rollout.py --url {r.url}\n"
+            f"  try: {_tokens_env(args.token_file)}.venv/bin/python examples/rollout.py "
+            f"--url {r.url}\n"
             f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
         )
         for warning in warnings:  # after the banner, where they are read
@@ -479,10 +488,22 @@ def add_learned_flag(p: Any, default: str) -> None:
 
 
 def learned_file(args: argparse.Namespace, pool: str, state_dir: str) -> LearnedFile | None:
-    """``--learned-file``, or its default under ``state_dir``; None for ''."""
+    """``--learned-file``, or its default under ``state_dir``; None for ''. One that could
+    not be saved (a directory, under a file) is refused now, not at the first save."""
     if args.learned_file is None:
         return LearnedFile(Path(state_dir) / "learned" / f"{pool}.json")
-    return LearnedFile(Path(args.learned_file)) if args.learned_file else None
+    if not args.learned_file:
+        return None
+    check_writable(args.learned_file, "--learned-file")
+    return LearnedFile(Path(args.learned_file))
+
+
+def _tokens_env(token_file: str) -> str:
+    """What a client run from this shell needs to find ``token_file`` ('' for the one
+    it reads unasked)."""
+    if Path(token_file) == Path(os.environ.get("TANGRAM_TOKEN_FILE", DEFAULT_TOKEN_FILE)):
+        return ""
+    return f"TANGRAM_TOKEN_FILE={shlex.quote(token_file)} "
 
 
 def serve_until_signalled(
