@@ -35,9 +35,8 @@
 # toolchain download), npm, python3 and flock; not root, not apt.
 #
 # Cost, measured on the project's machine (2 cores, 24 GiB, Debian 12, Go 1.26.8)
-# with an empty cache: first run 6 min (360 s: go get 14 s, kube binaries 4 min,
-# etcd 25 s, kwok 75 s, kubectl/helm 2 s; a busy machine took 8 min). Disk:
-# 5.1 GiB in $CACHE (Go build cache 3.5 GiB, module cache 1.1 GiB, bin/ 461 MiB).
+# with an empty cache: 6 to 11 min (e2e/README.md has the runs); about 5 GiB in
+# $CACHE (Go build cache, module cache, bin/ ~0.5 GiB).
 # `rm -rf "$CACHE/go"` afterwards keeps only bin/ (later runs rebuild nothing).
 # A run with everything built takes under a second. The kube binaries are
 # bit-for-bit reproducible (same sha256 from two empty caches).

@@ -61,7 +61,7 @@ class ConfigState(_Strict):
     """``SchedulerConfig``'s fields; see docs/scheduler.md."""
 
     ordering: OrderingName = DEFAULT_ORDERING
-    depth: Annotated[int, Field(ge=1)] = 2
+    depth: Annotated[int, Field(ge=1, le=4)] = 2  # (as an ActionPool allows)
     explore: Literal["paper", "doubling"] = "paper"
     max_candidates: Annotated[int | None, Field(ge=1)] = None
     elastic: bool = True
