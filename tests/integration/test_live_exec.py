@@ -262,6 +262,23 @@ def test_pytest_v_shows_its_first_result_before_it_ends_and_sigint_stops_it(
     _run(request, "docker", tmp_path, scenario, coding_image)
 
 
+def test_input_past_what_may_wait_for_the_command_kills_it_and_says_so(
+    on: Callable[[Scenario], None],
+) -> None:
+    """Over 16 MiB of input waiting for a command that does not read: the rest was
+    refused, and the command ran on what had gone through and ended ``ok``."""
+
+    async def scenario(t: AsyncTrajectory) -> None:
+        action = await t.exec_live(["sh", "-c", "sleep 600; wc -c"], interactive=True)
+        await action.write("x" * (24 << 20))
+        result = await action.result()
+        assert result.status == "error" and result.error is not None, result
+        assert result.error.code == "input_refused", result.error
+        assert action.refused and action.refused[0].status == 413
+
+    on(scenario)
+
+
 def test_a_dropped_stream_ends_its_interactive_commands_input(
     on: Callable[[Scenario], None],
 ) -> None:

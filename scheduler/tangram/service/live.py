@@ -15,6 +15,7 @@ import asyncio
 import base64
 import codecs
 import contextlib
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -41,12 +42,18 @@ class LiveExec:
     _stream: LinkStream | None = None
     _pump: asyncio.Task[None] | None = None
     _decoders: dict[int, codecs.IncrementalDecoder] = field(default_factory=dict)
+    # Why part of its input was refused: its command is then killed and its result is an
+    # error, since a command that read the rest of its input without that part would end
+    # as if it had all of it.
+    input_lost: str | None = None
 
     def write(self, data: bytes) -> None:
         if self._queued_bytes + len(data) > MAX_QUEUED_INPUT:
-            raise EngineError(
-                "too_large", "stdin", f"over {MAX_QUEUED_INPUT} bytes wait for the command"
-            )
+            why = f"over {MAX_QUEUED_INPUT} bytes of input waited for the command to read it"
+            if self.input_lost is None:
+                self.input_lost = why
+                self.signal(signal.SIGKILL)
+            raise EngineError("too_large", "stdin", why)
         self._queued_bytes += len(data)
         self._queue.put_nowait(data)
 

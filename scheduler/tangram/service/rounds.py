@@ -157,7 +157,11 @@ class Rounds:
                 reply = await self._streamed(asg.node, op, rec.live)
             else:
                 reply = await s.ask(asg.node, op)
-            if reply.ok and reply.result is not None:
+            lost = rec.live.input_lost if rec.live is not None else None
+            if reply.ok and reply.result is not None and lost is not None:
+                error = err("input_refused", f"part of its input was refused ({lost}): the "
+                            "command was killed rather than left to run without it")  # fmt: skip
+            elif reply.ok and reply.result is not None:
                 status = ActionStatus.TIMEOUT if reply.result.timed_out else ActionStatus.OK
             elif reply.unknown:
                 error = err("outcome_unknown", reply.error or "its outcome is unknown")
