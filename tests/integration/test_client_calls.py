@@ -274,3 +274,27 @@ def test_a_key_reused_in_a_trajectory_opened_again_under_its_id_runs_there(
                 assert r.stdout == content, r
                 again = t.exec(["cat", "state.txt"], idempotency_key="task-7-step-1")
                 assert again.id == r.id  # (within one, a retry is still the same action)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])
+def test_aclose_ends_the_calls_waiting_and_cancels_their_actions(
+    running: tuple[str, str, Engine], stream: bool
+) -> None:
+    """They raised a bare RuntimeError ("Session is closed"), and the command ran on."""
+    url, token, engine = running
+
+    async def scenario() -> None:
+        c = AsyncClient(url, token, stream=stream)
+        t = await c.open("shell")
+        waiting = asyncio.ensure_future(c.exec(t.id, FOREVER, idempotency_key="closed-on"))
+        await _started_soon(engine, "closed-on")
+        await c.aclose()
+        with pytest.raises(ClientClosedError):
+            await asyncio.wait_for(waiting, GUARD_S)
+        with pytest.raises(ClientClosedError):
+            await c.get(t.id)
+        assert await _first_result(url, token, t.id, "closed-on") == "cancelled"
+        async with AsyncClient(url, token) as other:
+            await other.close(t.id)
+
+    asyncio.run(scenario())

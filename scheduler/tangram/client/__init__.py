@@ -16,14 +16,19 @@ key, so the client's retries (connection errors, 429 and 503 with Retry-After) n
 an action twice. Errors: ``TangramError`` for the service's answers (status, code,
 field), ``ServiceUnreachableError`` when no answer came after every retry,
 ``ActionTimeoutError`` (a ``TimeoutError``) past the client's ``timeout_s`` (the action is
-then cancelled by its key), ``ClientClosedError`` from a ``Client`` shut down or forked.
+then cancelled by its key), ``ClientClosedError`` from a client closed (or a ``Client`` forked).
 """
 
 from tangram.api.wire import ActionResult, ActionStatus, TrajectoryInfo
 from tangram.client.aio import AsyncClient, AsyncTrajectory
-from tangram.client.common import ActionTimeoutError, ServiceUnreachableError, TangramError
+from tangram.client.common import (
+    ActionTimeoutError,
+    ClientClosedError,
+    ServiceUnreachableError,
+    TangramError,
+)
 from tangram.client.stream import LiveAction
-from tangram.client.sync import Client, ClientClosedError, Trajectory
+from tangram.client.sync import Client, Trajectory
 
 __all__ = [
     "ActionResult",

@@ -22,6 +22,7 @@ from tangram.client.common import (
     RETRY_STATUS,
     ActionTimeoutError,
     Call,
+    ClientClosedError,
     Reply,
     ServiceUnreachableError,
     TangramError,
@@ -119,6 +120,8 @@ class AsyncClient:
         self._headers = {"Authorization": f"Bearer {tok}"} if tok else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_S)
         self._session: aiohttp.ClientSession | None = None  # made on the loop that uses it
+        self._closed = False
+        self._waiting: dict[str, int] = {}  # keys of the calls waiting: how many wait on each
         self.retries, self.backoff_s = retries, backoff_s
         self._open_keys = True  # False against a scheduler that takes no key on opens
         self.stream = stream
@@ -133,13 +136,23 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the connections. Calls still waiting raise ``ClientClosedError``, and
+        their actions are cancelled by key, as far as the service can be asked: they
+        would go on with nobody to read their results. Calls after it raise it too."""
+        if self._closed:
+            return
         self.stream = False  # what is still retrying goes over HTTP, on no new stream
+        if self._waiting:
+            await self._abandon(list(self._waiting))
+        self._closed = True
         if self._stream is not None:
             await self._stream.aclose()
         if self._session is not None:
             await self._session.close()
 
     def _http(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise ClientClosedError("this client was closed: make a new one")
         if self._session is None:
             sends = aiohttp.TraceConfig()
             sends.on_request_headers_sent.append(_counted)
@@ -196,6 +209,8 @@ class AsyncClient:
         """``work``'s answer. When the caller gives up on it (its task cancelled, or the
         client's ``timeout_s`` passed) the action would go on with nobody to find it: it
         is cancelled by its idempotency keys, as far as the service can be asked."""
+        for key in keys:
+            self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
             return await work
         except asyncio.CancelledError:
@@ -206,6 +221,17 @@ class AsyncClient:
             if total is None or isinstance(e, aiohttp.ClientError):  # not the client's own
                 raise
             raise ActionTimeoutError(keys, total, await self._abandon(keys)) from e
+        except Exception as e:
+            if self._closed and not isinstance(e, ClientClosedError):  # (by aclose, which
+                raise ClientClosedError(  # cancelled its action and closed its connections)
+                    "the client was closed while this call waited"
+                ) from e
+            raise
+        finally:
+            for key in keys:
+                self._waiting[key] -= 1
+                if not self._waiting[key]:
+                    del self._waiting[key]
 
     async def _submit(self, call: Call) -> ActionResult:
         """The result of one keyed submission (its key in its body)."""

@@ -72,6 +72,12 @@ class ActionTimeoutError(TimeoutError):
         self.cancelled = cancelled
 
 
+class ClientClosedError(RuntimeError):
+    """The client was closed (``Client.shutdown``, ``AsyncClient.aclose``) before or while
+    the call waited, or this process is a fork of the one that made a ``Client``: its
+    event-loop thread did not come along."""
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """An HTTP answer, whatever library carried it."""

@@ -16,14 +16,10 @@ from typing import Any, Self, TypeVar
 
 from tangram.api.wire import ActionResult, FileEntry, FileWritten, TrajectoryInfo, Unpacked
 from tangram.client.aio import AsyncClient, AsyncTrajectory
+from tangram.client.common import ClientClosedError
 from tangram.client.files import AsyncFiles
 
 T = TypeVar("T")
-
-
-class ClientClosedError(RuntimeError):
-    """The ``Client`` was shut down (before or while the call waited), or this process
-    is a fork of the one that made it: its event-loop thread did not come along."""
 
 
 class Client:
