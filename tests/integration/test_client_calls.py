@@ -298,3 +298,21 @@ def test_aclose_ends_the_calls_waiting_and_cancels_their_actions(
             await other.close(t.id)
 
     asyncio.run(scenario())
+
+
+def test_a_client_dropped_without_shutdown_lets_its_thread_and_connections_go(
+    running: tuple[str, str, Engine],
+) -> None:
+    """200 Clients dropped unclosed left 200 threads and streams for the process's life."""
+    import gc
+
+    url, token, _ = running
+    c = Client(url, token)
+    with c.trajectory("shell") as t:
+        assert t.exec(["true"]).exit_code == 0  # (its stream open)
+    thread, inner = c._thread, c._async
+    del c, t
+    gc.collect()
+    thread.join(GUARD_S)
+    assert not thread.is_alive()
+    assert inner._closed

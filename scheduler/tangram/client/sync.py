@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -20,6 +22,7 @@ from tangram.client.common import ClientClosedError
 from tangram.client.files import AsyncFiles
 
 T = TypeVar("T")
+LET_GO_S = 5.0  # how long a Client no one holds takes to close, at most
 
 
 class Client:
@@ -39,6 +42,11 @@ class Client:
             self._closed = True
             self._stop_loop()
             raise
+        # Dropped without shutdown(), its thread, stream and connections were kept for the
+        # life of the process (each stream counting against the tenant's maxStreams).
+        self._finalizer = weakref.finalize(
+            self, _let_go, self._loop, self._thread, self._async, self._pid
+        )
 
     @staticmethod
     async def _make(url: str | None, token: str | None, kw: dict[str, Any]) -> AsyncClient:
@@ -87,6 +95,7 @@ class Client:
             if self._closed:
                 return
             self._closed = True
+        self._finalizer.detach()
         if os.getpid() != self._pid:
             return  # a fork: the loop and its thread are the parent's, nothing to stop here
         if self._thread.is_alive():
@@ -241,3 +250,25 @@ class Files:
 
     def download_dir(self, path: str, local: str | os.PathLike[str]) -> Path:
         return self._run(self._async.download_dir(path, local))
+
+
+def _let_go(
+    loop: asyncio.AbstractEventLoop,
+    thread: threading.Thread,
+    client: AsyncClient,
+    pid: int,
+) -> None:
+    """A ``Client`` no one holds any more (or the interpreter's exit): close its client
+    and stop its loop thread. Nothing waits on it: no call can, with the Client gone."""
+    if os.getpid() != pid or not thread.is_alive() or loop.is_closed():
+        return
+    closing = asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+    if threading.current_thread() is thread:  # (collected on its own loop: cannot wait)
+        closing.add_done_callback(lambda _: loop.stop())
+        return
+    with contextlib.suppress(Exception):
+        closing.result(LET_GO_S)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(LET_GO_S)
+    if not thread.is_alive():
+        loop.close()
