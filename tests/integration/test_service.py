@@ -172,6 +172,15 @@ def test_bad_input_is_a_400_naming_the_field(client: Client) -> None:
             t.exec(["true"], idempotency_key="job-1\n")
         assert (e.value.status, e.value.field) == (400, "idempotency_key")
         assert "control characters" in str(e.value)
+        # What a check across the body finds names its field, not "body".
+        for field, kw in (
+            ("argv", {"argv": ["echo", "a\0b"]}),
+            ("env", {"argv": ["true"], "env": {"1BAD": "x"}}),
+            ("stdin", {"argv": ["cat"], "stdin": "a\0b"}),
+        ):
+            with pytest.raises(TangramError) as e:
+                client.exec(t.id, **kw)
+            assert (e.value.status, e.value.field) == (400, field), e.value
 
 
 def test_metrics_and_health(client: Client) -> None:

@@ -3,6 +3,7 @@ the action stream): the status of each engine error, the error body, a result's 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,12 +31,23 @@ def engine_error(exc: EngineError) -> tuple[int, dict[str, Any]]:
     return STATUS[exc.kind], error_body(exc.kind, str(exc), details)
 
 
+# A check across a model's fields says which one it found wrong first ("argv: ...").
+_NAMED = re.compile(r"Value error, ([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*): (.+)", re.S)
+
+
+def _detail(error: Any, skip: int) -> dict[str, str]:
+    """One error as ``{"field", "message"}``: a whole body's names the field its message
+    starts with (it was "body" for NUL bytes in ``argv``, a bad ``env``)."""
+    loc, message = error["loc"][skip:], error["msg"]
+    if not loc and (named := _NAMED.fullmatch(message)) is not None:
+        return {"field": named[1], "message": named[2]}
+    return {"field": field_path(loc or error["loc"]), "message": message}
+
+
 def invalid(errors: Sequence[Any], skip: int) -> dict[str, Any]:
     """The 400 body for pydantic's ``errors``, fields named from the body's root (the
     first ``skip`` parts of each location say where the body was)."""
-    details = [
-        {"field": field_path(e["loc"][skip:] or e["loc"]), "message": e["msg"]} for e in errors
-    ]
+    details = [_detail(e, skip) for e in errors]
     first = details[0] if details else {"field": "body", "message": "invalid"}
     return error_body("invalid", f"{first['field']}: {first['message']}", details)
 
