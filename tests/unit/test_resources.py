@@ -459,6 +459,11 @@ def test_metadata_ignores_what_the_api_server_adds_and_status_is_accepted() -> N
         ({"kind": "ActionPool", "metadata": {"name": "p"}}, "apiVersion: required"),
         ({"apiVersion": "v1", "metadata": {"name": "p"}}, "kind: required"),
         (["a", "list"], "a manifest must be a mapping, not list"),
+        # (kubectl's strict field validation refuses it; the pool ran in "default")
+        (
+            {**pool(), "metadata": {"name": "p", "namspace": "rl"}},
+            "metadata: namspace: unknown field (misspelt? keys are camelCase)",
+        ),
     ],
 )
 def test_documents_that_are_not_resources(doc: object, words: str) -> None:

@@ -78,16 +78,37 @@ _HTTP_URL: TypeAdapter[HttpUrl] = TypeAdapter(HttpUrl)
 POOL_NAME_MAX = 63 - len("tangram-") - len("-scheduler")
 
 
+# ObjectMeta's other fields (Kubernetes' own, set by the API server or by kubectl), which
+# Tangram does not read; any other key is a misspelling (``namspace``), refused as the
+# API server's strict field validation refuses it.
+_OTHER_META = frozenset({
+    "uid", "resourceVersion", "creationTimestamp", "deletionTimestamp",
+    "deletionGracePeriodSeconds", "managedFields", "ownerReferences", "finalizers",
+    "generateName", "selfLink", "clusterName",
+})  # fmt: skip
+
+
 class ObjectMeta(BaseModel):
-    """The part of Kubernetes object metadata that Tangram reads; other keys are ignored."""
+    """The part of Kubernetes object metadata that Tangram reads; Kubernetes' other
+    fields are ignored, any other key is an error naming it."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
         validate_by_name=True,
         validate_by_alias=True,
-        extra="ignore",  # uid, resourceVersion, creationTimestamp, managedFields, ...
+        extra="ignore",  # the fields of _OTHER_META (the validator below refuses the rest)
         frozen=True,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ours = {f.alias or n for n, f in cls.model_fields.items()} | set(cls.model_fields)
+            unknown = sorted(str(k) for k in data if k not in ours and k not in _OTHER_META)
+            if unknown:
+                raise ValueError(f"{unknown[0]}: unknown field (misspelt? keys are camelCase)")
+        return data
 
     name: Annotated[
         str,
