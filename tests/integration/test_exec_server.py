@@ -14,6 +14,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -320,6 +321,39 @@ def test_bad_requests_are_refused_before_anything_runs(server: Path) -> None:
         asyncio.run(collect(server, ["true"], env={"A=B": "x"}))
     with pytest.raises(ExecError, match="NUL"):
         asyncio.run(collect(server, ["echo", "a\0b"]))
+
+
+_ASK_FROM_INSIDE = """
+import asyncio, sys
+from tangram.node_agent.exec_server import Channel
+async def main() -> None:
+    try:
+        chan = await Channel.start(sys.argv[1], ["sleep", "600"])
+    except Exception as e:
+        print("refused:", e)
+    else:
+        print("served", chan.pid)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a PID namespace of its own needs root")
+def test_as_pid_1_it_serves_the_agent_and_not_a_process_of_its_sandbox(execd: Built) -> None:
+    """A command that asked its own sandbox's server for a command started a process no
+    action owned, which outlived its action."""
+    with serving(execd, ["unshare", "--pid", "--fork", "--kill-child"]) as (sock, unshare):
+        try:
+            out, _, code = asyncio.run(collect(sock, ["sh", "-c", "echo $$"]))  # the agent's
+            assert code == 0 and int(out) > 1  # (run in the server's namespace)
+            env = {"PYTHONPATH": os.pathsep.join(sys.path), "PATH": os.environ["PATH"]}
+            argv = [sys.executable, "-c", _ASK_FROM_INSIDE, str(sock)]
+            out, err, code = asyncio.run(collect(sock, argv, env=env))
+            assert code == 0, err
+            assert out.decode().startswith("refused: exec server: a process of the sandbox"), out
+        finally:  # (unshare ignores the SIGTERM that ends a server: its PID 1 does not)
+            children = Path(f"/proc/{unshare}/task/{unshare}/children").read_text().split()
+            for child in children:
+                os.kill(int(child), signal.SIGTERM)
 
 
 def test_a_link_planted_in_the_socket_directory_is_not_followed(

@@ -27,7 +27,11 @@
  * The agent checks that the socket it reaches is this process's (SO_PEERCRED: the pid
  * that called listen()), so a command that plants its own server over the socket's name
  * is refused. This process is made non-dumpable so that no command of the same user can
- * ptrace it or take its listening socket.
+ * ptrace it or take its listening socket. As a container's PID 1, it serves only
+ * connections from outside its PID namespace (the agent's: SO_PEERCRED gives pid 0 for a
+ * peer this namespace cannot see): a command that connected to the socket itself could
+ * otherwise start processes no action owns, which outlive it (and could tamper with the
+ * next action's run, a grading run say).
  *
  * `tangram-execd --install DEST` copies the binary to DEST (mode 0555) and exits: how a
  * pod's init container, from the node agent's image, puts it into a volume the sandbox
@@ -485,6 +489,23 @@ static int install(const char *dest) {
     return 0;
 }
 
+/* Whether the peer of `conn` is a process this PID namespace does not see (pid 0). */
+static int from_outside(int conn) {
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    return getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == 0;
+}
+
+/* A process of the sandbox asked: its request is read (so that the answer is not lost to
+ * a reset) and refused. */
+static void refuse_insider(int conn) {
+    static const char why[] = "a process of the sandbox may not ask for commands";
+    char type, *data;
+    uint32_t len;
+    if (recv_frame(conn, &type, &data, &len) == 0) free(data);
+    send_frame(conn, 'Z', why, sizeof why - 1);
+}
+
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--install") == 0) return install(argv[2]);
     if (argc == 3 && strcmp(argv[1], "--files") == 0) {
@@ -508,6 +529,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* no ptrace, no pidfd_getfd by commands */
+    int as_init = getpid() == 1; /* a container's: its sandbox's processes share its namespace */
     /* Bind under a temporary name, listen, then rename into place: the final name appears
      * only once connections are accepted, so a client that waits for it never races
      * bind() against listen() (ECONNREFUSED). */
@@ -548,7 +570,8 @@ int main(int argc, char **argv) {
             if (pid == 0) {
                 close(lfd);
                 close(sfd);
-                handle(conn);
+                if (as_init && !from_outside(conn)) refuse_insider(conn);
+                else handle(conn);
                 _exit(0);
             }
             close(conn);
