@@ -379,9 +379,12 @@ def test_the_act_plot_is_drawn_next_to_the_trace_by_default(
         "--cluster-out",
         str(cluster),
     )
-    code, out, _ = _run(capsys, "bench", "--trace", str(trace), "--cluster", str(cluster), "--json")
+    code, out, err = _run(
+        capsys, "bench", "--trace", str(trace), "--cluster", str(cluster), "--json"
+    )
     assert code == 0
     assert json.loads(out)["plot"] == str(tmp_path / "t.act.png")
+    assert f"wrote {tmp_path / 't.act.png'}" in err  # (said nowhere but in the JSON)
     assert (tmp_path / "t.act.png").read_bytes()[:4] == b"\x89PNG"
     code, _, err = _run(
         capsys,
@@ -733,3 +736,8 @@ def test_the_banners_client_hint_names_a_token_file_the_client_would_not_find(
     assert _tokens_env(str(DEFAULT_TOKEN_FILE)) == ""
     # (the hint was the default's, and the example, run as told, got 401)
     assert _tokens_env("/tmp/a b/tokens") == "TANGRAM_TOKEN_FILE='/tmp/a b/tokens' "
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--version")
+    assert code == 0 and out.startswith("tangram ") and len(out.split()) >= 2

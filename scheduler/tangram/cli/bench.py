@@ -390,6 +390,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             act_cdf(results, plot, title=Path(args.trace).name)
             report["plot"] = plot
+            note(f"wrote {plot}")
         except (OSError, ValueError) as e:  # the replays' figures stand without it
             why = e.strerror if isinstance(e, OSError) else str(e)
             note(f"tangram: warning: --plot: cannot write {plot}: {why}")

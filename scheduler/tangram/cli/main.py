@@ -8,11 +8,21 @@ import sys
 from collections.abc import Sequence
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("arl-tangram")
+    except PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tangram",
         description="ARL-Tangram: action-level pooling of external resources for agentic RL.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from tangram.cli import bench, crds, explain, operator, serve, trace, up
 
