@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tangram.api.wire import AgentExec, AgentOpen, EnvSpec, TrajectoryMeta
+from tangram.api.wire import AgentClose, AgentExec, AgentOpen, EnvSpec, TrajectoryMeta
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.execution import ExecError
 
@@ -63,26 +63,32 @@ def test_an_open_whose_metadata_cannot_be_kept_fails_and_leaves_nothing(
     assert agent.runtime.held() == [] and "t1" not in agent.meta
 
 
-def test_a_restarted_agent_forgets_the_keyed_runs_of_trajectories_it_no_longer_holds(
+def test_a_restarted_agent_still_forgets_the_keys_of_a_trajectory_closed_before(
     tmp_path: Path,
 ) -> None:
-    """Their environments are gone (closed while no agent ran): a key of theirs, reused in
-    a trajectory opened again under the same name, must run there, not replay."""
+    """A key reused in a trajectory opened again under the same name must run there, not
+    replay what ran in the one closed, after the agent restarted too (its journal)."""
     state = tmp_path / "state"
     spec = EnvSpec(name="e", image="i")
     run = AgentExec(rid=2, trajectory="t1", argv=["true"], cores=[0], key="alice\x1fk")
+    kept = AgentExec(rid=3, trajectory="t2", argv=["true"], cores=[0], key="alice\x1fk2")
 
     async def first() -> None:
         agent = NodeAgent.create(state, runtime="noop", cores_for_actions=1)
-        await agent.handle(AgentOpen(rid=1, trajectory="t1", env=spec))
-        assert (await agent.handle(run)).ok
-        assert (await agent.handle(run)).replayed  # (a retry, while it is held)
-        await agent.shutdown()  # the noop runtime keeps nothing: t1 is not held after it
+        for trajectory in ("t1", "t2"):
+            await agent.handle(AgentOpen(rid=1, trajectory=trajectory, env=spec))
+        assert (await agent.handle(run)).ok and (await agent.handle(kept)).ok
+        assert (await agent.handle(run)).replayed  # (a retry, while it is open)
+        await agent.handle(AgentClose(rid=4, trajectory="t1"))
+        await agent.shutdown()
 
     async def second() -> None:
         agent = NodeAgent.create(state, runtime="noop", cores_for_actions=1)
+        for trajectory in ("t1", "t2"):
+            await agent.handle(AgentOpen(rid=1, trajectory=trajectory, env=spec))
         again = await agent.handle(run)
-        assert not again.replayed and not again.ok and "t1" in (again.error or "")
+        assert again.ok and not again.replayed
+        assert (await agent.handle(kept)).replayed  # (the open one's keys are kept)
         await agent.shutdown()
 
     asyncio.run(first())

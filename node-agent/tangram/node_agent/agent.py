@@ -435,6 +435,7 @@ class NodeAgent:
         self._keyed.pop(key, None)
         if key in self._unkept:  # its trajectory closed: the run is no one's to retry
             self._unkept.discard(key)
+            self._unjournal(key)
             if key in self._orphaned:
                 self._orphaned.discard(key)
                 self._deliver(reply)
@@ -548,6 +549,15 @@ class NodeAgent:
                 self._unkept.add(key)
             else:
                 self._drop_result(key)
+                self._unjournal(key)
+
+    def _unjournal(self, key: str) -> None:
+        """Write down that ``key`` is forgotten: a restarted agent must not take it back."""
+        if self.journal is not None:
+            try:
+                self.journal.forget(key)
+            except OSError as e:
+                log.error("the key journal %s: %s", self.journal.path, e)
 
     def _forget(self, trajectory: str) -> None:
         self.meta.pop(trajectory, None)
@@ -584,15 +594,9 @@ class NodeAgent:
                                                   error=CUT_OFF)))  # fmt: skip
         # What each key ran: a reuse of it for another request is still refused.
         self._ran.update((k, a) for k, a in journal.asked.items() if k in self._results)
-        held = set(self._held())
-        for key, asked in list(self._ran.items()):
-            trajectory = _trajectory_of(asked)
-            if trajectory is None:
-                continue
-            if trajectory in held:
+        for key, asked in self._ran.items():
+            if (trajectory := _trajectory_of(asked)) is not None:
                 self._keys_of.setdefault(trajectory, set()).add(key)
-            else:  # closed since (or while no agent ran): its runs are no one's to retry
-                self._drop_result(key)
         journal.rewrite(self._results, set(), self._ran)
         self.journal = journal
 

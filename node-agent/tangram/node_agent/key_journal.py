@@ -6,7 +6,8 @@ never runs the command a second time.
 An append-only file in the agent's state directory: ``{"s": key, "a": asked}`` before a
 run starts, ``{"d": key, "a": asked, "r": reply}`` when it ends (the reply as the agent
 sends it; ``asked``, what the key ran, so that a restarted agent still refuses the key
-for another request instead of answering with this one's reply). Appends go to
+for another request instead of answering with this one's reply), and ``{"f": key}`` when
+its trajectory closed (the key is no one's to retry any more). Appends go to
 the page cache, which outlives the process: a crash of the agent loses nothing; a crash
 of the node loses at most the last writes, with the sandboxes. The file is rewritten
 from what is kept once it holds more than twice that, so it stays bounded.
@@ -54,6 +55,12 @@ class KeyJournal:
             # Any other line not of the journal's form (the file edited, or written by
             # another program) is skipped, not a failed start: the lines around it count.
             key = entry.get("s", entry.get("d")) if isinstance(entry, dict) else None
+            forgotten = entry.get("f") if isinstance(entry, dict) else None
+            if isinstance(forgotten, str):
+                done.pop(forgotten, None)
+                started.discard(forgotten)
+                self.asked.pop(forgotten, None)
+                continue
             if not isinstance(key, str):
                 self.malformed.append(number)  # no key to keep
                 continue
@@ -89,6 +96,9 @@ class KeyJournal:
 
     def done(self, key: str, reply: bytes, asked: str = "") -> None:
         self._append(_line(key, asked, reply))
+
+    def forget(self, key: str) -> None:
+        self._append(b'{"f":' + _quoted(key) + b"}\n")
 
     def rewrite(
         self, done: Mapping[str, bytes], started: set[str], asked: Mapping[str, str] | None = None
