@@ -470,6 +470,25 @@ def test_under_uvloop_a_background_job_with_its_output_elsewhere_does_not_hold_t
     uvloop.run(scenario())
 
 
+def test_the_files_api_does_not_follow_a_trajectory_directory_replaced_by_a_link(
+    runtime: ProcessRuntime, tmp_path: Path
+) -> None:
+    """A command replaced its directory with a link to another: the files API read and
+    overwrote the files there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.txt").write_text("keep me")
+    procs = runtimes.Processes(runtime, CORES[:1], tmp_path / "cache")
+    runtime.open("t1")
+    swap = f'd="$PWD"; cd /; rm -rf "$d" && ln -s {outside} "$d"'
+    assert run(runtime.exec("t1", ["sh", "-c", swap], CORES[:1])).exit_code == 0
+    with pytest.raises(Exception, match="Not a directory|Too many levels"):
+        run(procs.files("t1").stat("victim.txt"))
+    assert (outside / "victim.txt").read_text() == "keep me"
+    runtime.close("t1")
+    assert (outside / "victim.txt").read_text() == "keep me"  # (nor removed through it)
+
+
 def test_bad_requests_are_refused(runtime: ProcessRuntime) -> None:
     with pytest.raises(ExecError, match="trajectory"):
         runtime.open("../escape")

@@ -429,9 +429,10 @@ static void handle_files(int sock, char *data, uint32_t len) {
     else fail(sock, EINVAL, "request: no such file operation:", op);
 }
 
-/* Where file operations resolve: the container's root, or ROOT of --files. */
+/* Where file operations resolve: the container's root, or ROOT of --files. Not through a
+ * link: a command may replace its directory with one leading out of it. */
 static int files_at(const char *root, int beneath) {
-    files_root = open(root, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    files_root = open(root, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     files_resolve = RESOLVE_NO_MAGICLINKS | (beneath ? RESOLVE_BENEATH : RESOLVE_IN_ROOT);
     return files_root;
 }
