@@ -35,6 +35,7 @@ from tangram.cli.files import (
 from tangram.cli.manifests import load_documents, load_text
 from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
+from tangram.node_agent.cgroups import format_cpulist
 from tangram.node_agent.link import SchedulerUrlError
 from tangram.node_agent.runtimes import help_text as runtime_help
 from tangram.node_agent.runtimes import names as runtime_names
@@ -178,8 +179,8 @@ def run_up(args: argparse.Namespace) -> int:
             runtime = "[bold red]process[/] (no isolation: commands run on this host)"
         note(
             f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
-            f"  node {agent.node}: action cores {agent.action_cores}, "
-            f"idle {agent.idle_cores}, {runtime} runtime\n"
+            f"  node {agent.node}: action cores {format_cpulist(agent.action_cores)}, "
+            f"idle {format_cpulist(agent.idle_cores)}, {runtime} runtime\n"
             f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
             f"RewardServices: {', '.join(sorted(config.services)) or 'none'}; "
             f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
