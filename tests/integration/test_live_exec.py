@@ -262,15 +262,29 @@ def test_pytest_v_shows_its_first_result_before_it_ends_and_sigint_stops_it(
     _run(request, "docker", tmp_path, scenario, coding_image)
 
 
+@pytest.mark.parametrize("queued", [False, True], ids=["running", "queued"])
 def test_input_past_what_may_wait_for_the_command_kills_it_and_says_so(
-    on: Callable[[Scenario], None],
+    on: Callable[[Scenario], None], queued: bool
 ) -> None:
     """Over 16 MiB of input waiting for a command that does not read: the rest was
-    refused, and the command ran on what had gone through and ended ``ok``."""
+    refused, and the command ran on what had gone through and ended ``ok``. Queued when
+    it overflowed, the kill must go ahead of the input, which the command never reads."""
 
     async def scenario(t: AsyncTrajectory) -> None:
+        holder = None
+        if queued:
+            hold = ["sh", "-c", "touch held; sleep 60"]
+            holder = asyncio.ensure_future(t.exec(hold, cores=len(CORES), idempotency_key="h"))
+            while not await t.files.exists("held"):  # it holds every core from here on
+                assert not holder.done(), holder.result()
+                await asyncio.sleep(0.05)
         action = await t.exec_live(["sh", "-c", "sleep 600; wc -c"], interactive=True)
         await action.write("x" * (24 << 20))
+        if holder is not None:
+            while not action.refused:  # (the refusal comes while it still queues)
+                await asyncio.sleep(0.05)
+            await t.client.cancel("key:h")
+            await holder
         result = await action.result()
         assert result.status == "error" and result.error is not None, result
         assert result.error.code == "input_refused", result.error

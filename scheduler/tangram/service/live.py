@@ -48,14 +48,25 @@ class LiveExec:
     input_lost: str | None = None
 
     def write(self, data: bytes) -> None:
+        if self.input_lost is not None:  # its command is being killed for it
+            raise EngineError("too_large", "stdin", self.input_lost)
         if self._queued_bytes + len(data) > MAX_QUEUED_INPUT:
             why = f"over {MAX_QUEUED_INPUT} bytes of input waited for the command to read it"
             if self.input_lost is None:
                 self.input_lost = why
-                self.signal(signal.SIGKILL)
+                self._kill_first()
             raise EngineError("too_large", "stdin", why)
         self._queued_bytes += len(data)
         self._queue.put_nowait(data)
+
+    def _kill_first(self) -> None:
+        """Kill its command ahead of the input waiting for it, which it will never read
+        (behind that input, a kill waited for a command that does not read)."""
+        while not self._queue.empty():
+            dropped = self._queue.get_nowait()
+            if isinstance(dropped, bytes):
+                self._queued_bytes -= len(dropped)
+        self.signal(signal.SIGKILL)  # (queued: the first thing it gets when it starts)
 
     def close_stdin(self) -> None:
         self._queue.put_nowait(None)
