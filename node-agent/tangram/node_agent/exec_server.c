@@ -509,14 +509,15 @@ static void refuse_insider(int conn) {
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--install") == 0) return install(argv[2]);
     if (argc == 3 && strcmp(argv[1], "--files") == 0) {
-        /* One file operation on the connected socket at fd 0, beneath ROOT. */
+        /* One file operation on the connected socket at fd 0, beneath ROOT. The request is
+         * read first: an answer sent with it unread would be lost to the reset. */
+        char type, *data;
+        uint32_t len;
+        if (recv_frame(0, &type, &data, &len) < 0 || type != 'F') return 2;
         if (files_at(argv[2], 1) < 0) {
             fail(0, errno, "files: the environment's directory", argv[2]);
             return 1;
         }
-        char type, *data;
-        uint32_t len;
-        if (recv_frame(0, &type, &data, &len) < 0 || type != 'F') return 2;
         handle_files(0, data, len);
         return 0;
     }
