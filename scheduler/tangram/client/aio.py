@@ -175,10 +175,13 @@ class AsyncClient:
         session = self._http()
         sends = _Sends()
         lost_at: float | None = None  # when the first try that may have got through went out
+        # Encoded once, before anything is sent (a text it cannot carry is refused here).
+        data = call.content if call.body is None else encode_json(call.body)
+        base = call.headers if call.body is None else {**(call.headers or {}), **_JSON}
         for attempt in range(self.retries + 1):
             reply: Reply | None = None
             before, went = sends.count, time.monotonic()
-            headers = call.headers if call.body is None else {**(call.headers or {}), **_JSON}
+            headers = base
             if lost_at is not None:  # (a restarted scheduler may not know what that try did)
                 age = resent_header(time.monotonic() - lost_at)
                 headers = {**(headers or {}), RESENT_HEADER: age}
@@ -186,7 +189,7 @@ class AsyncClient:
                 async with session.request(
                     call.method,
                     call.path,
-                    data=call.content if call.body is None else encode_json(call.body),
+                    data=data,
                     params=call.params,
                     headers=headers,
                     trace_request_ctx=sends,

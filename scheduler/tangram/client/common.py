@@ -98,17 +98,21 @@ class Call:
 
     def __post_init__(self) -> None:
         # A lone surrogate (``os.fsdecode`` of a name that is not UTF-8) is dropped from a
-        # query without a word, naming another file, and refused in JSON as "body": named
-        # here instead, before anything is sent.
+        # query without a word, naming another file: named here, before anything is sent
+        # (in a JSON body, ``encode_json`` names it).
         for name, value in (self.params or {}).items():
             _utf8(value, name)
-        _utf8(self.body, "body")
 
 
 def encode_json(value: object) -> bytes:
     """``value`` as compact JSON in UTF-8. Not ASCII-escaped: a non-ASCII character as
     ``\\uXXXX`` is 6 to 12 bytes, so text well under a request's byte bound went over it."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: found again, to name where it is
+        _utf8(value, "body")
+        raise
 
 
 def _utf8(value: object, where: str) -> None:
@@ -204,7 +208,6 @@ def exec_body(
         body["env"] = dict(env)
     if pty:
         body["pty"] = True
-    _utf8(body, "body")
     return body
 
 
