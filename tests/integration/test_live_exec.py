@@ -22,6 +22,10 @@ from .service_harness import RUNTIMES, box_pool
 
 CORES = sorted(os.sched_getaffinity(0))
 HANG_GUARD_S = 120  # a scenario that has not ended by then hangs: a failure, not a wait
+# More input than can ever wait for a running command that does not read: the service's
+# 16 MiB, the link's window of chunks (8 MiB) and the exec server's 16 MiB (24 MiB could
+# all be taken by the node when its pump kept up: no refusal, and the command slept on).
+OVERFLOWING_INPUT = 64 << 20
 Scenario = Callable[[AsyncTrajectory], Any]
 
 
@@ -279,7 +283,7 @@ def test_input_past_what_may_wait_for_the_command_kills_it_and_says_so(
                 assert not holder.done(), holder.result()
                 await asyncio.sleep(0.05)
         action = await t.exec_live(["sh", "-c", "sleep 600; wc -c"], interactive=True)
-        await action.write("x" * (24 << 20))
+        await action.write("x" * OVERFLOWING_INPUT)
         if holder is not None:
             while not action.refused:  # (the refusal comes while it still queues)
                 await asyncio.sleep(0.05)
