@@ -427,6 +427,30 @@ def test_unknown_fields_are_rejected_by_name() -> None:
 _UNKNOWN = "unknown field (misspelt? keys are camelCase)"
 
 
+@pytest.mark.parametrize(
+    "doc, path, words",
+    [  # what the API server's schema refuses as the wrong JSON type, embedded mode too
+        (pool(cpu={"idleCores": True}), "spec.cpu.idleCores", "valid integer"),
+        (pool(cpu={}, scheduling={"depth": "2"}), "spec.scheduling.depth", "valid integer"),
+        (pool(cpu={}, scheduling={"elastic": "yes"}), "spec.scheduling.elastic", "valid boolean"),
+        (env(memoryGiB="1"), "spec.memoryGiB", "valid number"),
+        (env(warmPool=1.5), "spec.warmPool", "valid integer"),
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_as_the_api_server_refuses_them(
+    doc: Any, path: str, words: str
+) -> None:
+    """Coerced before (``true`` as one core, ``"yes"`` as true): files that ran here were
+    then refused by ``kubectl apply``, though the same files are meant to run both ways."""
+    (found,) = problems(doc)
+    assert f": {path}: " in found and words in found, found
+
+
+def test_whole_numbers_are_numbers() -> None:
+    (e,) = parse(pool(), env(memoryGiB=1, actions=[{"name": "a", "t1Seconds": 2}])).envs.values()
+    assert e.spec.memory_gib == 1.0 and e.spec.actions[0].t1_seconds == 2.0
+
+
 def test_yaml_keys_must_be_camel_case() -> None:
     (found,) = problems(pool(cpu={"cores_per_node": 4}))
     assert found.endswith("spec.cpu.cores_per_node: " + _UNKNOWN)

@@ -64,7 +64,9 @@ def label_value_problem(value: str) -> str | None:
 
 
 class Spec(BaseModel):
-    """A part of a spec: camelCase keys, unknown keys rejected, finite numbers only."""
+    """A part of a spec: camelCase keys, unknown keys rejected, finite numbers only, and
+    no coercion (``true`` is no count, ``"2"`` no number): embedded mode refuses what the
+    API server's schema refuses, so files that run here also apply to a cluster."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
@@ -73,6 +75,7 @@ class Spec(BaseModel):
         extra="forbid",
         frozen=True,
         allow_inf_nan=False,
+        strict=True,
     )
 
 
