@@ -15,7 +15,7 @@ from tangram.api.documents import Resources
 from tangram.api.resources import ActionPool
 from tangram.api.wire import GpuWorkerInfo
 from tangram.cli.manifests import load_documents, load_text
-from tangram.cli.up import fit_warnings, gpu_warnings
+from tangram.cli.up import cluster_only_warnings, fit_warnings, gpu_warnings
 from tangram.service.config import PoolConfig
 from tangram.service.embedded import free_port
 from tangram.service.from_resources import choose_pool, pool_config
@@ -132,6 +132,39 @@ def _up_warnings(pool: Path, tmp_path: Path) -> str:
     text = "".join(lines) + rest
     assert up.returncode == 0, text
     return text
+
+
+CLUSTER_ONLY = """
+apiVersion: tangram.dev/v1alpha1
+kind: ActionPool
+metadata: {name: p}
+spec:
+  cpu: {nodeSelector: {tier: sandbox}}
+  scheduler: {port: 9000, drainSeconds: 5, agentGraceSeconds: 3}
+---
+apiVersion: tangram.dev/v1alpha1
+kind: TrajectoryEnv
+metadata: {name: box}
+spec: {poolRef: p, image: busybox, runtimeClassName: runc-hardened}
+"""
+
+
+def test_what_only_a_cluster_uses_is_named_and_what_both_use_is_not() -> None:
+    resources = load_text(CLUSTER_ONLY, "pool.yaml")
+    pool = choose_pool(resources, None)
+    said = cluster_only_warnings(pool, pool_config(resources, pool), 8080)
+    assert said == [
+        "spec.cpu.nodeSelector: chooses a cluster's nodes; here this machine is the pool's "
+        "one node",
+        "spec.scheduler.drainSeconds: the operator's scheduler pod's setting; not used here",
+        "spec.scheduler.port: the operator's scheduler pod's setting; this process serves on "
+        "--port 8080",
+        "TrajectoryEnv box: spec.runtimeClassName runc-hardened: the sandbox pods' "
+        "RuntimeClass on a cluster; not used here",
+    ]  # (agentGraceSeconds is used here too: not named)
+    local = load_documents([str(LOCAL)])
+    pool = choose_pool(local, None)
+    assert cluster_only_warnings(pool, pool_config(local, pool), 8080) == []
 
 
 def test_up_lists_the_reward_services_and_warns_when_no_gpu_can_run_them(

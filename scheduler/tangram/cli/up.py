@@ -169,6 +169,7 @@ def run_up(args: argparse.Namespace) -> int:
         idle_cores=agent.idle_cores,
         cores_flag=args.cores,
     ) + gpu_warnings(config, agent.gpu.info if agent.gpu is not None else None, args.gpus)
+    warnings += cluster_only_warnings(pool, config, args.port)
 
     def ready(r: Running) -> None:
         reload_on_hangup(args.file, args.pool, r.engine)
@@ -262,6 +263,31 @@ def fit_warnings(
                 f"TrajectoryEnv {name}: spec.memoryGiB {env.spec.memory_gb:g} is more than "
                 f"this machine's {memory_gb:.1f} GiB: its trajectories cannot open"
             )
+    return out
+
+
+def cluster_only_warnings(pool: ActionPool, config: PoolConfig, port: int) -> list[str]:
+    """The fields the files set that only a cluster uses (the operator's: which nodes,
+    the scheduler pod, the sandbox pods), each named: set and silently unused, they read
+    as if they had taken effect here."""
+    spec = pool.spec
+    out = [
+        f"spec.{part}.nodeSelector: chooses a cluster's nodes; here this machine is the "
+        "pool's one node"
+        for part, section in (("cpu", spec.cpu), ("gpu", spec.gpu))
+        if section is not None and section.node_selector
+    ]
+    pod = spec.scheduler
+    for field in sorted(pod.model_fields_set & {"port", "resources", "drain_seconds"}):
+        name = type(pod).model_fields[field].alias or field
+        why = f"this process serves on --port {port}" if field == "port" else "not used here"
+        out.append(f"spec.scheduler.{name}: the operator's scheduler pod's setting; {why}")
+    out += [
+        f"TrajectoryEnv {name}: spec.runtimeClassName {env.spec.runtime_class_name}: the "
+        "sandbox pods' RuntimeClass on a cluster; not used here"
+        for name, env in sorted(config.envs.items())
+        if env.spec.runtime_class_name is not None
+    ]
     return out
 
 
