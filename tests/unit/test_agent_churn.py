@@ -48,6 +48,28 @@ def test_a_close_cut_off_by_the_link_closes_the_environment_on_the_agents_return
     run(scenario)
 
 
+def test_a_second_close_waits_for_the_first_to_end() -> None:
+    """It answered at once while the agent still removed the environment: embedded mode's
+    stop, closing what was open behind an idle timeout's close, said every environment was
+    removed and stopped the agent under it."""
+
+    async def scenario(engine: Engine) -> None:
+        agent = Agent(hello(), lambda m: None if m["op"] == "close" else answer_all(m))
+        await connect(engine, agent)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        first = asyncio.ensure_future(engine.close_trajectory("u", "t1"))
+        while not agent.ops("close"):
+            await asyncio.sleep(0)
+        second = asyncio.ensure_future(engine.close_trajectory("u", "t1"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not second.done()  # the agent has not answered
+        agent.push(AgentReply(rid=agent.ops("close")[0]["rid"], ok=True))
+        assert (await second).state is (await first).state is TrajectoryState.CLOSED
+
+    run(scenario)
+
+
 def test_a_stale_environment_whose_close_is_cut_off_is_closed_on_the_next_return() -> None:
     async def scenario(engine: Engine) -> None:
         await connect(engine, Agent(hello()))

@@ -217,9 +217,12 @@ class Engine:
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop admitting; give running actions ``grace_s`` to finish, cancel the rest."""
         await self.wind_down(grace_s)
-        for t in self._tasks:
+        # Then the loops, and what they left running in the background (an agent's grace,
+        # a cancel to tell it): none of it outlives the engine.
+        spawned = self.state.spawned()
+        for t in (*self._tasks, *spawned):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *spawned, return_exceptions=True)
         await self.save_learned()  # with what the last runs taught
         if self._learned is not None:
             self._learned[0].close()

@@ -80,6 +80,9 @@ class TrajectoryRecord:
     # While its agent makes its environment: done with whether it did. A close that comes
     # meanwhile waits for it, so that what the agent makes is closed too.
     opening: asyncio.Future[bool] | None = None
+    # While it closes: done once it is closed. Another close meanwhile (embedded mode's
+    # at its stop, behind an idle timeout's) waits for it rather than answer at once.
+    closing: asyncio.Future[None] | None = None
     # The open's idempotency key and its request's digest (OpenTrajectory.digest), kept by
     # the agent too: a restarted scheduler answers the open's retry with this record.
     open_key: tuple[str, str] | None = None

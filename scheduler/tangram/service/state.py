@@ -282,6 +282,10 @@ class PoolState:
         task.add_done_callback(self._spawned.discard)
         task.add_done_callback(_said)
 
+    def spawned(self) -> list[asyncio.Future[Any]]:
+        """What ``background`` runs and has not ended."""
+        return list(self._spawned)
+
     def link(self, node: str | None) -> AgentLink:
         """The link to ``node``'s agent; EngineError ("unavailable") when it has none, or
         its link is ending."""

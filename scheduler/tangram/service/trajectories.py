@@ -233,8 +233,18 @@ class Trajectories:
             if e.kind != "not_found" or recent is None:
                 raise
             return recent  # a retry of a close whose answer was lost
-        if rec.state in (TrajectoryState.CLOSED, TrajectoryState.CLOSING):
+        if rec.state in _ENDING:
+            if rec.closing is not None:
+                await asyncio.shield(rec.closing)
             return rec
+        rec.closing = closed = asyncio.get_running_loop().create_future()
+        try:
+            return await self._close(rec)
+        finally:
+            closed.set_result(None)
+
+    async def _close(self, rec: TrajectoryRecord) -> TrajectoryRecord:
+        s, tenant = self.s, rec.tenant
         had_environment = rec.state is TrajectoryState.OPEN
         rec.state = TrajectoryState.CLOSING  # before any await: no new action gets in now
         for aid in [a for a, r in s.actions.items() if r.trajectory == rec.key]:
