@@ -219,6 +219,9 @@ def test_the_agent_refuses_a_scheduler_url_it_could_never_reach(
                      str(tokens), "--state-dir", str(tmp_path / "state")])  # fmt: skip
         err = capsys.readouterr().err
         assert code == 2 and "--scheduler" in err and "is not a scheduler URL" in err
+    code = main(["agent", "--scheduler", "http://", "--runtime", "noop", "--token-file",
+                 str(tokens), "--state-dir", str(tmp_path / "state")])  # fmt: skip
+    assert "http:// is not a scheduler URL (no host)" in capsys.readouterr().err  # not scheme
     assert not (tmp_path / "state").exists()  # refused before any agent was made
 
 

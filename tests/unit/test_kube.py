@@ -145,3 +145,13 @@ def test_in_a_pod_the_service_account_is_used(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(config, "load_kube_config", no_kubeconfig)
     api = kube.api_client()
     assert filled == [api.configuration] and api.configuration.host == "https://127.0.0.1:6443"
+
+
+def test_a_kubeconfig_that_is_not_there_is_named(tmp_path: Path) -> None:
+    """The client says "Invalid kube-config file. No configuration found." for a path
+    that does not exist, as for an empty file: which it is was left to guess."""
+    missing = tmp_path / "nope"
+    with pytest.raises(config.ConfigException, match=f"kubeconfig {missing}: no such file"):
+        kube.api_client(str(missing))
+    with pytest.raises(service_kube.KubeError, match="no such file"):
+        service_kube.api_client(str(missing))

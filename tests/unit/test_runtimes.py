@@ -157,9 +157,25 @@ def test_auto_is_docker_and_without_an_engine_fails_naming_the_fix(
     err = capsys.readouterr().err
     assert code == 2
     assert [line for line in err.splitlines() if line.startswith("tangram: error:")] == [
-        f"tangram: error: --runtime auto --gpus auto: {said}"
+        f"tangram: error: --runtime auto: {said}"  # (no --gpus: not its cause)
     ]
     assert not (tmp_path / "state" / "trajectories").exists()  # no process runtime made
+
+
+def test_a_gpu_role_that_cannot_start_is_said_once_by_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--runtime auto --gpus cuda:9: --gpus cuda:9: no CUDA device`` named it twice (and
+    the runtime, not its cause). Without PyTorch it is that which is missing: named alike."""
+    from tangram.cli.main import main
+
+    root = Path(__file__).resolve().parents[2]
+    code = main(["up", "-f", str(root / "manifests/examples/local"), "--runtime", "noop",
+                 "--gpus", "cuda:9", "--state-dir", str(tmp_path / "state"),
+                 "--token-file", str(tmp_path / "tokens")])  # fmt: skip
+    (said,) = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert code == 2
+    assert said.startswith("tangram: error: --gpus cuda") and said.count("--") == 1, said
 
 
 def test_a_sandbox_failure_reaches_the_agents_reply_with_its_cause(

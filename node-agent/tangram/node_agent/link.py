@@ -60,7 +60,10 @@ def check_url(url: str) -> None:
 
 
 def _invalid(url: str, e: InvalidURI) -> str:
-    why = e.msg if url == e.uri else f"it leads to {e.uri}: {e.msg}"
+    return not_a_url(url, e.msg if url == e.uri else f"it leads to {e.uri}: {e.msg}")
+
+
+def not_a_url(url: str, why: str) -> str:
     return (
         f"{url} is not a scheduler URL ({why}): give ws://HOST:PORT/v1/agents "
         "(wss:// with TLS; an IPv6 address in brackets)"

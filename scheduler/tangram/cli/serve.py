@@ -127,10 +127,12 @@ def scheduler_url(text: str) -> str:
     retried for ever."""
     from urllib.parse import urlsplit, urlunsplit
 
-    from tangram.node_agent.link import SchedulerUrlError, check_url
+    from tangram.node_agent.link import SchedulerUrlError, check_url, not_a_url
 
     parts = urlsplit(text.strip())
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme.lower(), parts.scheme)
+    if scheme in ("ws", "wss") and not parts.netloc:  # (``http://``: not its scheme's fault)
+        raise argparse.ArgumentTypeError(not_a_url(text, "no host"))
     path = parts.path if parts.path not in ("", "/") else AGENTS_PATH
     url = urlunsplit(parts._replace(scheme=scheme, path=path)) if parts.netloc else text
     try:

@@ -423,7 +423,10 @@ def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
     except InUseError as e:
         raise InputError(str(e)) from None
     except (ExecError, OSError) as e:
-        raise InputError(f"--runtime {args.runtime} --gpus {args.gpus}: {e}") from None
+        why = str(e)  # (one that names its flag, --gpus ..., is said as it is)
+        raise InputError(
+            why if why.startswith("--") else f"--runtime {args.runtime}: {why}"
+        ) from None
 
 
 def _local_images(agent: Any, images: list[str]) -> None:

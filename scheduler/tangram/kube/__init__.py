@@ -41,6 +41,9 @@ def api_client(kubeconfig: str | None = None) -> Any:
     if kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
         config.load_incluster_config(client_configuration=settings)  # type: ignore[no-untyped-call]
     else:
+        if kubeconfig is not None and not os.path.isfile(kubeconfig):  # (the client: "no
+            # configuration found", as for an empty one)
+            raise config.ConfigException(f"kubeconfig {kubeconfig}: no such file")
         config.load_kube_config(config_file=kubeconfig, client_configuration=settings)  # type: ignore[no-untyped-call]
     settings.retries = Retry(total=2, connect=1, read=0, redirect=0, status=0)
     api = client.ApiClient(settings)
