@@ -467,6 +467,16 @@ def test_the_idempotency_key_header_works_like_the_field(client: Client) -> None
         too_long = {**headers, "Idempotency-Key": "k" * 201}
         bad = httpx.post(f"{url}/v1/trajectories/{t.id}/exec", json=send, headers=too_long)
         assert bad.status_code == 400 and "Idempotency-Key" in bad.json()["error"]["message"]
+        # Another key in the body: refused, not one of them silently (which to retry with?)
+        other = {**send, "idempotency_key": "b1"}
+        both = httpx.post(f"{url}/v1/trajectories/{t.id}/exec", json=other, headers=headers)
+        assert both.status_code == 400, both.text
+        assert "'h1' is not the body's idempotency_key 'b1'" in both.json()["error"]["message"]
+        same = httpx.post(
+            f"{url}/v1/trajectories/{t.id}/exec", json={**send, "idempotency_key": "h1"},
+            headers=headers,
+        )  # fmt: skip
+        assert same.json()["id"] == first.json()["id"]  # the same key both ways: fine
 
 
 POOL_DOCUMENTS = """\

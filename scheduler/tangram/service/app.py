@@ -341,8 +341,8 @@ def create_app(
         who = await _tenant(request, request.headers.get("authorization"))
         req = _parse(ExecRequest, await request.body())
         key = request.headers.get("idempotency-key")
-        if key and req.idempotency_key is None:  # the header's key, checked as the field is
-            req = req.model_copy(update={"idempotency_key": _header_key(key)})
+        if key:  # the header's key, checked as the field is
+            req = _with_header_key(req, _header_key(key))
         return await _answer(engine.submit_exec(who, trajectory, req), engine, request.receive)
 
     @app.post("/v1/trajectories/{trajectory}/cancel", responses=_ERRORS)
@@ -565,6 +565,20 @@ def _header_key(key: str) -> str:
         raise RequestValidationError(
             [{**err, "loc": ("header", "Idempotency-Key")} for err in e.errors(include_url=False)]
         ) from None
+
+
+def _with_header_key(req: ExecRequest, key: str) -> ExecRequest:
+    """The request under the header's key; one the body names otherwise is refused (which
+    key a retry must repeat would be a guess)."""
+    if req.idempotency_key is None:
+        return req.model_copy(update={"idempotency_key": key})
+    if req.idempotency_key != key:
+        raise RequestValidationError([{
+            "type": "value_error", "loc": ("header", "Idempotency-Key"),
+            "msg": f"{key!r} is not the body's idempotency_key {req.idempotency_key!r}",
+            "input": key,
+        }])  # fmt: skip
+    return req
 
 
 def _json(model: BaseModel) -> Response:
