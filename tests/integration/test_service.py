@@ -148,6 +148,9 @@ def test_api_leases_respect_the_quota(client: Client) -> None:
     ((got_at, second),) = granted
     assert got_at >= released_at and second.timings.queued_s > 0  # only after the release
     assert second.lease
+    # Held: a lease that may wait only so long gives up, and takes nothing.
+    late = client.lease("search", queue_timeout_s=0.2)
+    assert late.status is ActionStatus.REJECTED and not late.lease, late
     client.release(second.lease)
 
 

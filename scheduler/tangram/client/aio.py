@@ -404,10 +404,21 @@ class AsyncClient:
         reply = await self._call(Call("POST", f"/v1/trajectories/{trajectory}/cancel"))
         return int(data(reply)["cancelled"])
 
-    async def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
+    async def lease(
+        self,
+        api: str,
+        units: int = 1,
+        hold_s: float = 300.0,
+        *,
+        queue_timeout_s: float | None = None,
+    ) -> ActionResult:
+        """``units`` of the quota for up to ``hold_s`` (give them back with ``release``);
+        ``queue_timeout_s``: give up if not granted by then (status ``rejected``)."""
         # Keyed like every submission: a retry after a lost answer takes no second lease.
-        key = uuid.uuid4().hex
-        body = {"units": units, "hold_s": hold_s, "idempotency_key": key}
+        body: dict[str, Any] = {"units": units, "hold_s": hold_s}
+        if queue_timeout_s is not None:
+            body["queue_timeout_s"] = queue_timeout_s
+        body["idempotency_key"] = uuid.uuid4().hex
         return await self._submit(Call("POST", f"/v1/apis/{api}/lease", body))
 
     async def call(
@@ -418,15 +429,22 @@ class AsyncClient:
         method: str = "GET",
         query: dict[str, str] | None = None,
         body: Any = None,
+        headers: dict[str, str] | None = None,
         timeout_s: float = 60.0,
+        queue_timeout_s: float | None = None,
     ) -> ActionResult:
         """Have the service make the request, with the quota's credential, when the quota
-        admits it; ``result.output`` is ``{"status", "body"}``."""
+        admits it; ``result.output`` is ``{"status", "body"}``. ``queue_timeout_s``: give
+        up if the quota has not admitted it by then (status ``rejected``)."""
         req: dict[str, Any] = {"method": method, "path": path, "timeout_s": timeout_s}
         if query:
             req["query"] = query
         if body is not None:
             req["body"] = body
+        if headers:
+            req["headers"] = headers
+        if queue_timeout_s is not None:
+            req["queue_timeout_s"] = queue_timeout_s
         req["idempotency_key"] = uuid.uuid4().hex
         return await self._submit(Call("POST", f"/v1/apis/{api}/call", req))
 

@@ -146,8 +146,8 @@ class Client:
     def cancel_all(self, trajectory: str) -> int:
         return self._run(self._async.cancel_all(trajectory))
 
-    def lease(self, api: str, units: int = 1, hold_s: float = 300.0) -> ActionResult:
-        return self._run(self._async.lease(api, units, hold_s))
+    def lease(self, api: str, units: int = 1, hold_s: float = 300.0, **kw: Any) -> ActionResult:
+        return self._run(self._async.lease(api, units, hold_s, **kw))
 
     def call(self, api: str, path: str = "/", **kw: Any) -> ActionResult:
         return self._run(self._async.call(api, path, **kw))
