@@ -323,3 +323,16 @@ def test_a_streamed_request_leaves_no_stream_behind_keyed_or_not(
         agent.received(req)  # as the link does, before the request's task starts
         assert asyncio.run(agent.handle(req)).ok
     assert agent._streams == {}
+
+
+def test_output_cut_at_its_cap_inside_a_character_leaves_the_character_out() -> None:
+    """Cut at the cap, "é" (two bytes) ended as U+FFFD, a character the command never
+    wrote; output not cut that ends in a broken character still shows it."""
+    from tangram.node_agent.execution import ExecResult, Output
+
+    cut = b"ab" + "é".encode()[:1]
+    stamps = (0.0, 0.0, 0.0, 0.0)
+    r = ExecResult.of(0, Output(cut, True, b"x\xff", True), False, [0], stamps)
+    assert (r.stdout, r.stderr) == ("ab", "x\ufffd")  # (a byte that is no UTF-8: shown)
+    whole = ExecResult.of(0, Output(cut, False, b"", False), False, [0], stamps)
+    assert whole.stdout == "ab\ufffd"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import contextvars
 import hashlib
@@ -97,8 +98,8 @@ class ExecResult:
         killed = -code if code is not None and code < 0 else None
         return cls(
             128 + killed if killed is not None else code,
-            output.stdout.decode(errors="replace"),
-            output.stderr.decode(errors="replace"),
+            _text(output.stdout, output.stdout_truncated),
+            _text(output.stderr, output.stderr_truncated),
             output.stdout_truncated,
             output.stderr_truncated,
             timed_out,
@@ -167,6 +168,14 @@ def check_request(
 def render(argv: Sequence[str], dop: int) -> list[str]:
     """Fill ``{dop}`` in an argv template; nothing else is interpreted."""
     return [a.replace("{dop}", str(dop)) for a in argv]
+
+
+def _text(data: bytes, cut: bool) -> str:
+    """Output as text. Cut at its cap, it may end inside a character: that part is left
+    out rather than shown as U+FFFD, which would read as output the command wrote."""
+    if not cut:
+        return data.decode(errors="replace")
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=False)
 
 
 def cap(kept: bytearray, chunk: bytes, limit: int) -> bool:
