@@ -629,3 +629,39 @@ def test_a_full_disk_is_a_507_not_a_413(request: pytest.FixtureRequest, tmp_path
             assert (no_inode.value.status, no_inode.value.code) == (507, "no_space")
         finally:
             subprocess.run(["umount", str(small)], check=False)
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+def test_an_upload_cut_off_by_its_trajectorys_close_says_it_was_closed(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """It was a 502 ``failed`` with the agent's words, as if the node had broken; it is a
+    409 naming the close, as a request sent after it is."""
+    with (
+        box_pool(request, kind, tmp_path) as (running, token),
+        Client(running.url, token) as client,
+    ):
+        t = client.open("box")
+        sent, go_on = threading.Event(), threading.Event()
+
+        def body() -> Iterator[bytes]:
+            yield b"x" * (1 << 20)
+            sent.set()
+            go_on.wait(30)
+            yield b"y" * (1 << 20)
+
+        def upload() -> httpx.Response:
+            return httpx.put(
+                f"{running.url}/v1/trajectories/{t.id}/files", params={"path": "f.bin"},
+                content=body(), headers={"Authorization": f"Bearer {token}"}, timeout=60,
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(upload)
+            assert sent.wait(30)
+            until(lambda: running.engine.trajectories[t.id].transfers > 0, "under way")
+            client.close(t.id)
+            go_on.set()
+            got = answer.result(60)
+        assert got.status_code == 409, got.text
+        assert f"{t.id} was closed during the request" in got.json()["error"]["message"]

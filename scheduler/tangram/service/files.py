@@ -9,8 +9,16 @@ environment through a symlink is refused by the exec server (403).
 
 from __future__ import annotations
 
+import contextlib
 import errno
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+)
 from dataclasses import dataclass
 
 from tangram.api.gunzip import GzipError, inflated
@@ -23,6 +31,7 @@ from tangram.api.wire import (
     FileEntry,
     FileOp,
     FilesOutcome,
+    TrajectoryState,
 )
 from tangram.service.agents import AgentLink
 from tangram.service.records import EngineError, ErrorKind, TrajectoryRecord
@@ -151,7 +160,8 @@ class Files:
         link, req, traj = self._request(tenant, tid, action, path, **kw)
         end = self._in_use(traj)
         try:
-            return _outcome(await self.state.ask(link.node, req), path)
+            with _closed_under(traj, tid):
+                return _outcome(await self.state.ask(link.node, req), path)
         finally:
             end()
 
@@ -170,7 +180,7 @@ class Files:
             end()
             await stream.close()
 
-        with agent_gone(link.node):
+        with _closed_under(traj, tid), agent_gone(link.node):
             stream = link.stream(req)
             end = self._in_use(traj)  # (after: a stream that never opened holds nothing)
             try:
@@ -184,7 +194,7 @@ class Files:
 
         async def data() -> AsyncGenerator[bytes, None]:
             try:
-                with agent_gone(link.node):
+                with _closed_under(traj, tid), agent_gone(link.node):
                     async for chunk in stream.data():
                         yield chunk
                     _outcome(await stream.reply(), path)  # a read that failed midway raises
@@ -216,7 +226,7 @@ class Files:
         link, req, traj = self._request(tenant, tid, action, path, **kw)
         end = self._in_use(traj)
         try:
-            with agent_gone(link.node):
+            with _closed_under(traj, tid), agent_gone(link.node):
                 stream = link.stream(req)
                 try:
                     async for chunk in _whole_chunks(body):
@@ -230,6 +240,22 @@ class Files:
         finally:
             end()
         return done
+
+
+@contextlib.contextmanager
+def _closed_under(traj: TrajectoryRecord, tid: str) -> Iterator[None]:
+    """A request that the trajectory's close cut off says so: a 409, as one sent after
+    the close, not the agent's words for its environment going (a 502, read as a broken
+    node)."""
+    try:
+        yield
+    except EngineError:
+        if traj.state not in (TrajectoryState.CLOSING, TrajectoryState.CLOSED):
+            raise
+        why = f" ({traj.ended})" if traj.ended else ""
+        raise EngineError(
+            "conflict", "trajectory", f"{tid} was closed during the request{why}"
+        ) from None
 
 
 async def inflated_within(body: AsyncIterable[bytes], limit: int) -> AsyncIterator[bytes]:
