@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -122,10 +123,23 @@ def test_a_broken_or_oversized_message_is_answered_and_the_stream_goes_on(
     assert answers[4]["error"]["details"][0]["field"] == "id"
 
 
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def test_a_bad_token_is_refused_at_the_handshake_and_answered_as_http_does(
     running: tuple[Running, str],
 ) -> None:
+    """... and logged as a refusal is, not as an ERROR of the server's for each (uvicorn's
+    "ASGI callable returned without completing handshake")."""
     run, token = running
+    said = _Kept()
+    logging.getLogger("uvicorn.error").addHandler(said)
 
     async def go() -> None:
         async with aiohttp.ClientSession(run.url) as session:
@@ -140,7 +154,11 @@ def test_a_bad_token_is_refused_at_the_handshake_and_answered_as_http_does(
                 await client.exec("t-any", ["true"])
             assert (err.value.status, err.value.code) == (401, "unauthorized")
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(said)
+    assert not said.records, [r.getMessage() for r in said.records]
 
 
 def test_a_retry_after_the_stream_dropped_never_runs_the_action_twice(

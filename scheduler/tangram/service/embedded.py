@@ -121,6 +121,13 @@ def _ws_protocol(engine: Engine) -> type[WebSocketsSansIOProtocol]:
             # no way to abort one).
             scope.setdefault("extensions", {})[TRANSPORT_EXTENSION] = self.transport
 
+        async def send(self, message: Any) -> None:
+            await super().send(message)
+            # A refusal (401, 403, 429 as an HTTP answer) ends the handshake too: uvicorn
+            # 0.54 does not count it so and logs an ERROR for each refused client.
+            if message["type"] == "websocket.http.response.body" and self.close_sent:
+                self.handshake_complete = True
+
     return Protocol
 
 
