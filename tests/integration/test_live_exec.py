@@ -334,3 +334,20 @@ def test_a_dropped_stream_cancels_its_streamed_commands_sent_without_a_key(
         assert after.stdout == "after\n", after
 
     on(scenario)
+
+
+def test_input_for_an_exec_that_has_ended_is_refused_at_once(
+    on: Callable[[Scenario], None],
+) -> None:
+    """It went out and was refused on the stream later, only logged: the caller's write
+    looked taken."""
+
+    async def scenario(t: AsyncTrajectory) -> None:
+        action = await t.exec_live(["sh", "-c", "echo done"], interactive=True)
+        assert (await action.result()).stdout == "done\n"
+        for late in (action.write("late\n"), action.close_stdin()):
+            with pytest.raises(TangramError) as e:
+                await late
+            assert e.value.code == "conflict" and "the exec has ended" in str(e.value)
+
+    on(scenario)

@@ -112,11 +112,21 @@ class LiveAction:
         in several messages, in order: one over a frame would end the whole stream."""
         if not self.interactive:
             raise TangramError(0, "invalid", "write: the exec was not started interactive", [])
+        self._running("write")
         for start in range(0, len(text), STDIN_CHARS):
             self._stream._post({"id": self.id, "stdin": text[start : start + STDIN_CHARS]})
 
     async def close_stdin(self) -> None:
+        self._running("close_stdin")
         self._stream._post({"id": self.id, "eof": True})
+
+    def _running(self, what: str) -> None:
+        """Input for an exec that has ended reaches nothing: said here (the service's
+        404 for it would come on the stream, after the caller moved on)."""
+        if self._answer.done():
+            raise TangramError(
+                0, "conflict", f"{what}: the exec has ended (result() has its outcome)", []
+            )
 
     async def signal(self, name: str = "SIGINT") -> None:
         """SIGINT, SIGTERM or SIGKILL for its command's process group."""
