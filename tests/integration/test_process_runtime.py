@@ -131,6 +131,30 @@ def test_no_process_outlives_its_action(runtime: ProcessRuntime, script: str) ->
     assert runtime.cgroups.pids(runtime._group("t1")) == []
 
 
+def test_a_process_that_left_its_cgroup_holding_the_output_does_not_hold_the_action(
+    runtime: ProcessRuntime,
+) -> None:
+    """A root command can move a child out of its trajectory's cgroup, where no kill of the
+    group finds it; holding the command's output pipes, it held the action (and, without a
+    timeout, the trajectory) for as long as it liked."""
+    runtime.open("t1")
+    cg = runtime.cgroups
+    assert isinstance(cg, CgroupV1 | CgroupV2)
+    escape = f"{cg.cpuset}/cgroup.procs"  # the hierarchy's root group
+    if isinstance(cg, CgroupV1):
+        escape += f" {cg.cpu}/cgroup.procs"
+    script = (f"sleep 1003 & for f in {escape}; do echo $! > $f; done; echo $! > pid; "
+              "echo started")  # fmt: skip
+    try:
+        action = runtime.exec("t1", ["sh", "-c", script], CORES[:1])  # (no timeout of its own)
+        res = run(asyncio.wait_for(action, 120))  # (a guard: before, it never ended)
+        assert (res.exit_code, res.stdout) == (0, "started\n")
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((runtime.workdir("t1") / "pid").read_text()), signal.SIGKILL)
+    assert runtime.cgroups.pids(runtime._group("t1")) == []
+
+
 def test_what_an_action_leaves_ends_with_the_last_concurrent_action(
     runtime: ProcessRuntime,
 ) -> None:

@@ -205,15 +205,17 @@ class ProcessRuntime:
             self._open.add(name)
         return sorted(self._open)
 
-    async def _when_done(self, trajectory: str, proc: asyncio.subprocess.Process) -> set[int]:
+    async def _when_done(
+        self, trajectory: str, proc: asyncio.subprocess.Process
+    ) -> set[int] | None:
         """Once the command has exited: if it was the trajectory's last one running, kill
         what is left in its cgroup (on the event loop, so that no command of the
-        trajectory starts in between); the processes killed."""
+        trajectory starts in between); the processes killed, None if it was not the last."""
         try:
             await _exited(proc)
         finally:  # also when the action is cancelled
             last = self._leave(trajectory)
-        return self._kill_leftovers(self._group(trajectory)) if last else set()
+        return self._kill_leftovers(self._group(trajectory)) if last else None
 
     def _leave(self, trajectory: str) -> bool:
         """One command of ``trajectory`` is done (or never started); whether it was the
@@ -335,10 +337,29 @@ class ProcessRuntime:
         abandoned = False
 
         async def collect() -> Output:
+            nonlocal abandoned
             try:
+                await asyncio.wait((reading, watch), return_when=asyncio.FIRST_COMPLETED)
+                # Exited as the trajectory's last command, its cgroup emptied: what still
+                # holds its pipes left the cgroup (root can), and would hold the action
+                # for as long as it likes.
+                if (
+                    not reading.done()
+                    and _emptied(watch)
+                    and not (await asyncio.wait((reading,), timeout=LEFTOVER_GRACE_S))[0]
+                ):
+                    log.warning("trajectory %s: a process that left its cgroup holds the "
+                                "output of %s; not waited for", trajectory, argv[0])  # fmt: skip
+                    abandoned = True
+                    reading.cancel()
+                    # Our ends of its pipes, which nothing will close now (asyncio's
+                    # Process has no public close; its transport's closes the pipes of
+                    # an exited command).
+                    proc._transport.close()  # type: ignore[attr-defined]
                 await reading
             except asyncio.CancelledError:
                 if not abandoned:  # (the action's own cancel)
+                    reading.cancel()
                     raise
             return Output(bytes(out.data), out.cut, bytes(err.data), err.cut)
 
@@ -404,6 +425,16 @@ class ProcessRuntime:
             os.killpg(proc.pid, signal.SIGKILL)
         if group is not None:
             self._kill_group(group)
+
+
+def _emptied(watch: asyncio.Future[set[int] | None]) -> bool:
+    """Whether the command's watch has ended its trajectory's cgroup (its last command)."""
+    return (
+        watch.done()
+        and not watch.cancelled()
+        and watch.exception() is None
+        and (watch.result() is not None)
+    )
 
 
 def _kill_all(pids: set[int]) -> None:
