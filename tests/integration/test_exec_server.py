@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tangram.node_agent.exec_server import Built, Channel
+from tangram.node_agent.exec_server import MAX_ARGS, MAX_FRAME, Built, Channel
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.sessions import BashSession, PythonSession, ansi_c_quote
 
@@ -81,6 +81,26 @@ def test_argv_env_and_cwd_reach_the_command(server: Path, tmp_path: Path) -> Non
         )
     )
     assert out == f"x y|{tmp_path}|a b;c\n".encode() and err == b"oops\n" and code == 4
+
+
+def test_the_servers_limits_are_said_as_limits_and_what_is_within_them_runs(
+    server: Path,
+) -> None:
+    """Past 4096 variables the server said "bad argv count"; past its 1 MiB frame it hung
+    up unanswered, which reads as its pids limit. Both are said before anything is sent."""
+    most = ["sh", "-c", 'echo "$#"', "sh", *(["a"] * (MAX_ARGS - 4))]
+    assert asyncio.run(collect(server, most))[0] == f"{MAX_ARGS - 4}\n".encode()
+    many_env = {f"V{i}": "" for i in range(MAX_ARGS + 1)}
+    for argv, env, said in [
+        ([*most, "one more"], {}, f"argv: {MAX_ARGS + 1} entries, over the exec server's"),
+        (["true"], many_env, f"env: {MAX_ARGS + 1} entries, over the exec server's"),
+        (["echo", "x" * MAX_FRAME], {}, "argv and env: 1048592 bytes in all, over"),
+    ]:
+        with pytest.raises(ExecError, match=said):
+            asyncio.run(collect(server, argv, env=env))
+    # within the frame: it runs (the kernel takes 128 KiB an argument at most)
+    within = ["sh", "-c", 'echo "$#"', "sh", *(["y" * 100_000] * 9)]
+    assert asyncio.run(collect(server, within))[0] == b"9\n"
 
 
 def _ignored(status: str) -> set[signal.Signals]:

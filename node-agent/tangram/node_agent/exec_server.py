@@ -47,6 +47,8 @@ def socket_in(proc_root: Path, pid: int) -> Path:
 
 _HEAD = struct.Struct(">cI")
 FRAME_BYTES = 512 << 10  # stdin frames; exec_server.c refuses frames over 1 MiB
+MAX_FRAME = 1 << 20  # exec_server.c's MAX_FRAME: a larger one is hung up on, unanswered
+MAX_ARGS = 4096  # exec_server.c's MAX_ARGS: arguments, and variables, of a command
 KILL_SEND_S = 5.0  # a kill frame the server does not take by then: hang up instead
 UNANSWERED = "exec server: it closed the connection without an answer"
 # The exec server forks a handler per connection, and closes the connection unanswered
@@ -187,6 +189,9 @@ def _request(mode: str, argv: Sequence[str], cwd: str, env: Mapping[str, str]) -
             raise ExecError(f"env: {k!r} is not a valid variable")
     if any("\0" in a for a in argv) or "\0" in cwd:
         raise ExecError("argv: arguments cannot contain NUL bytes")
+    for name, count in (("argv", len(argv)), ("env", len(env))):
+        if count > MAX_ARGS:  # (else refused as "bad argv count", whichever it was)
+            raise ExecError(f"{name}: {count} entries, over the exec server's {MAX_ARGS}")
     fields = [
         mode,
         cwd,
@@ -195,7 +200,13 @@ def _request(mode: str, argv: Sequence[str], cwd: str, env: Mapping[str, str]) -
         str(len(env)),
         *(f"{k}={v}" for k, v in env.items()),
     ]
-    return b"".join(f.encode() + b"\0" for f in fields)
+    payload = b"".join(f.encode() + b"\0" for f in fields)
+    if len(payload) > MAX_FRAME:  # (else hung up on unanswered: read as a pids limit)
+        raise ExecError(
+            f"argv and env: {len(payload)} bytes in all, over the exec server's "
+            f"{MAX_FRAME} (pass large inputs as stdin or a file)"
+        )
+    return payload
 
 
 class Channel:
