@@ -97,6 +97,10 @@ def test_overwriting_is_atomic_and_keeps_the_new_mode(box: tuple[str, Trajectory
     entry = t.files.stat("f")
     assert (entry.size, entry.mode) == (11, 0o640)
     assert t.files.read("f") == b"new content"
+    with pytest.raises(TangramError) as e:  # a directory's spelling: it replaced "f"
+        t.files.write("f/", b"gone?")
+    assert (e.value.status, e.value.field) == (400, "path") and "end in '/'" in str(e.value)
+    assert t.files.read("f") == b"new content"
 
 
 def _refusal(call: Any) -> TangramError:

@@ -207,6 +207,8 @@ class Files:
         self, tenant: str, tid: str, path: str, body: AsyncIterable[bytes], mode: int
     ) -> int:
         """Write the file from ``body``; it replaces ``path`` only once whole."""
+        if path.endswith("/"):  # (the environment's path walk drops it: a.txt/ is a.txt)
+            raise EngineError("invalid", "path", f"{path}: a file's path cannot end in '/'")
         done = await self._upload(tenant, tid, path, body, "write", mode=mode)
         return done.written or 0
 
