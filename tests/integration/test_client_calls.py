@@ -316,3 +316,23 @@ def test_a_client_dropped_without_shutdown_lets_its_thread_and_connections_go(
     thread.join(GUARD_S)
     assert not thread.is_alive()
     assert inner._closed
+
+
+def test_an_async_client_used_on_a_second_loop_says_so_and_sends_nothing(
+    running: tuple[str, str, Engine],
+) -> None:
+    """Reused after its first asyncio.run ended: "Event loop is closed" from inside aiohttp,
+    with the open possibly sent (a trajectory left open, its id never told)."""
+    url, token, engine = running
+    c = AsyncClient(url, token)
+
+    async def first() -> None:
+        await c.close((await c.open("shell")).id)
+
+    async def second() -> None:
+        with pytest.raises(RuntimeError, match="made for another event loop"):
+            await c.open("shell")
+
+    asyncio.run(first())
+    asyncio.run(second())
+    assert not engine.trajectories  # the second open never went out

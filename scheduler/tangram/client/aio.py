@@ -120,6 +120,7 @@ class AsyncClient:
         self._headers = {"Authorization": f"Bearer {tok}"} if tok else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_S)
         self._session: aiohttp.ClientSession | None = None  # made on the loop that uses it
+        self._loop: asyncio.AbstractEventLoop | None = None  # that loop
         self._closed = False
         self._waiting: dict[str, int] = {}  # keys of the calls waiting: how many wait on each
         self.retries, self.backoff_s = retries, backoff_s
@@ -153,9 +154,17 @@ class AsyncClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._closed:
             raise ClientClosedError("this client was closed: make a new one")
+        if self._session is not None and self._loop is not asyncio.get_running_loop():
+            # (its connections and stream belong to a loop that has ended: "Event loop is
+            # closed" came from deep inside aiohttp, after a request may have gone out)
+            raise RuntimeError(
+                "this AsyncClient was made for another event loop (an earlier asyncio.run): "
+                "make one per loop, or use Client, which runs its own"
+            )
         if self._session is None:
             sends = aiohttp.TraceConfig()
             sends.on_request_headers_sent.append(_counted)
+            self._loop = asyncio.get_running_loop()
             self._session = aiohttp.ClientSession(
                 self.url,
                 headers=self._headers,
