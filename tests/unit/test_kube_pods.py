@@ -3,6 +3,7 @@ answering fails the call instead of holding an agent thread forever."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -49,9 +50,12 @@ class FakeCore:
 
 
 @pytest.fixture
-def core(monkeypatch: pytest.MonkeyPatch) -> type[FakeCore]:
+def core(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> type[FakeCore]:
     def not_in_a_cluster() -> None:
         raise config.ConfigException("not in a cluster")
+
+    monkeypatch.chdir(tmp_path)
+    Path("kubeconfig").touch()  # (read by no one: load_kube_config is replaced)
 
     monkeypatch.setattr(config, "load_incluster_config", not_in_a_cluster)
     monkeypatch.setattr(config, "load_kube_config", lambda **kw: None)
