@@ -596,3 +596,24 @@ def test_only_a_container_whose_setup_ran_is_adopted(
     assert sum(len(v) for v in after.warm_pool.values()) == (1 if warm else 0)
     if not warm:
         assert run(after, t, ["cat", "setup.txt"], CORES[:1]).stdout == "ok\n"
+
+
+def test_a_command_whose_container_dies_under_it_fails_and_is_no_success(
+    runtime: DockerRuntime, docker_client: Any, busybox: str
+) -> None:
+    """Found on a real kubelet (a sandbox pod deleted mid-command): the exec server's
+    connection ended without an exit status, and the action was ``ok`` with an exit code
+    of None, as if the command had run to its end (a keyed retry replayed that)."""
+    t = tid()
+    runtime.open(t, template(busybox))
+
+    async def scenario() -> None:
+        action = asyncio.ensure_future(runtime.exec(t, ["sh", "-c", "touch up; sleep 60"],
+                                                    CORES[:1], path="fast"))  # fmt: skip
+        while not (await runtime.exec(t, ["ls"], CORES[:1], path="fast")).stdout.count("up"):
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(runtime.envs[t].container.kill)
+        with pytest.raises(ExecError, match="ended before the command's exit status"):
+            await asyncio.wait_for(action, 60)
+
+    asyncio.run(scenario())

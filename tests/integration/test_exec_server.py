@@ -8,6 +8,7 @@ sessions are tested on their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -101,6 +102,26 @@ def test_the_servers_limits_are_said_as_limits_and_what_is_within_them_runs(
     # within the frame: it runs (the kernel takes 128 KiB an argument at most)
     within = ["sh", "-c", 'echo "$#"', "sh", *(["y" * 100_000] * 9)]
     assert asyncio.run(collect(server, within))[0] == b"9\n"
+
+
+def test_the_exit_status_arrives_though_input_was_left_unread(server: Path) -> None:
+    """The command ends with input still on its way: the server closed a socket with data
+    unread, which resets the connection, and the agent's reader dropped the exit status
+    it had not read yet (an action then ended with no exit code). Tried a number of times:
+    the reset raced the reading."""
+
+    async def once() -> int | None:
+        chan = await Channel.start(server, ["sh", "-c", "exit 3"])
+        with contextlib.suppress(ExecError):  # (the server may be gone before it is sent)
+            await chan.write(b"x" * (4 << 20))
+        await chan.collect(1 << 20)
+        chan.close()
+        return chan.exit_code
+
+    async def many() -> list[int | None]:
+        return [await once() for _ in range(30)]
+
+    assert set(asyncio.run(many())) == {3}
 
 
 def _ignored(status: str) -> set[signal.Signals]:

@@ -489,6 +489,27 @@ static int install(const char *dest) {
     return 0;
 }
 
+/* Closes a connection whose last frames (the exit status) the agent may not have read,
+ * once it has: a socket closed with input unread (stdin the command never took) resets
+ * the connection, and the agent's reader then drops what it had not read yet, the exit
+ * status with it. So the server stops writing, discards what still comes until the
+ * agent, having read it all, hangs up; for at most two seconds. */
+static void drain_then_close(int sock) {
+    shutdown(sock, SHUT_WR);
+    char buf[65536];
+    for (int waited_ms = 0; waited_ms < 2000;) {
+        struct pollfd p = {.fd = sock, .events = POLLIN};
+        int ready = poll(&p, 1, 100);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready == 0) {
+            waited_ms += 100;
+            continue;
+        }
+        if (ready < 0 || read(sock, buf, sizeof buf) <= 0) break; /* its end, or an error */
+    }
+    close(sock);
+}
+
 /* Whether the peer of `conn` is a process this PID namespace does not see (pid 0). */
 static int from_outside(int conn) {
     struct ucred cred;
@@ -573,6 +594,7 @@ int main(int argc, char **argv) {
                 close(sfd);
                 if (as_init && !from_outside(conn)) refuse_insider(conn);
                 else handle(conn);
+                drain_then_close(conn);
                 _exit(0);
             }
             close(conn);

@@ -308,6 +308,8 @@ class Channel:
                 await asyncio.wait_for(self._send(b"K", str(int(sig)).encode()), KILL_SEND_S)
             except TimeoutError:
                 self._writer.transport.abort()
+                if self.exit_code is None:  # no exit frame will come: its end is this kill
+                    self.exit_code = -signal.SIGKILL
 
     async def collect(
         self, limit: int, on_output: Callable[[int, bytes], Awaitable[None]] | None = None

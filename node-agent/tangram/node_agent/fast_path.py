@@ -205,6 +205,14 @@ class FastPath:
         finally:
             await idle()  # also when the server failed the command: no cores stay held
         t3 = time.perf_counter()
+        if not timed_out and chan.exit_code is None:
+            # The connection ended before the command's exit: its environment went (a
+            # deleted pod, a killed container) or its handler did. No outcome to give: an
+            # exit of None read as a command that ran to its end.
+            gone = "" if env.alive() else "; the environment is gone"
+            raise ExecError(
+                f"the exec server's connection ended before the command's exit status{gone}"
+            )
         code = None if timed_out else chan.exit_code
         return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
 
