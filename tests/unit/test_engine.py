@@ -236,6 +236,22 @@ def test_a_restarted_scheduler_takes_back_a_trajectory_under_its_tenants_id() ->
     assert set(engine.core.trajectories) >= {"x", "x.0a1b2c3d"}
 
 
+def test_an_agent_back_without_an_environment_loses_its_trajectory_at_once() -> None:
+    """Found on a real kubelet: a sandbox pod deleted while its agent restarted left its
+    trajectory away, every exec a 503 to retry, for the whole grace, and then lost "as its
+    agent did not come back", which it had, within seconds."""
+    engine = _engine_with_t1(grace_s=120.0)
+
+    async def go() -> None:
+        await engine.membership.leave(_agent())
+        await engine.membership.join(_agent([]))  # back, without t1's environment
+
+    engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
+    asyncio.run(go())
+    t1 = engine.trajectories["t1"]
+    assert t1.state.value == "lost" and "came back without its environment" in t1.ended
+
+
 def test_the_grace_of_an_earlier_absence_does_not_end_a_later_one() -> None:
     engine = _engine_with_t1(grace_s=0.0)
 

@@ -63,6 +63,7 @@ class Membership:
         if hello.gpu is not None:
             self.gpu.join(hello.node, hello.gpu)
         stale = [m.id for m in hello.trajectories if not self._take_back(m, hello.node)]
+        self._lose_unlisted(hello.node, {m.id for m in hello.trajectories})
         # What it did not hand back is gone; what it did and nobody answers for is to close
         # until it says it closed it (its link may drop first: its next hello lists it).
         if stale:
@@ -85,6 +86,17 @@ class Membership:
             len(stale),
         )
         s.wake.set()
+
+    def _lose_unlisted(self, node: str, listed: set[str]) -> None:
+        """The trajectories that waited for ``node``'s agent and that it did not bring back
+        (their environment ended while it was away: a deleted pod, a killed container) are
+        lost now, saying so, not at the grace's end as if the agent had not come back."""
+        for rec in list(self.s.trajectories.values()):
+            if rec.node == node and rec.state is TrajectoryState.AWAY and rec.key not in listed:
+                self.trajectories.lose(
+                    rec, f"the agent of node {node} came back without its environment: it "
+                    "ended while the agent was away",
+                )  # fmt: skip
 
     def _take_back(self, meta: TrajectoryMeta, node: str) -> bool:
         """A trajectory an agent holds: this scheduler's (a reconnect), or one a previous
