@@ -252,6 +252,15 @@ def test_an_agent_back_without_an_environment_loses_its_trajectory_at_once() -> 
     assert t1.state.value == "lost" and "came back without its environment" in t1.ended
 
 
+def test_a_lost_trajectory_is_not_counted_as_open() -> None:
+    """Counted, it held a pool's deletion for its whole drainSeconds (10 minutes by
+    default) though it holds nothing, and the status said "1 trajectories still open"."""
+    engine = _engine_with_t1()
+    assert engine.figures().trajectories == 1
+    engine.lifecycle.lose(engine.trajectories["t1"], "its pod was deleted")
+    assert engine.figures().trajectories == 0
+
+
 def test_the_grace_of_an_earlier_absence_does_not_end_a_later_one() -> None:
     engine = _engine_with_t1(grace_s=0.0)
 

@@ -60,6 +60,10 @@ log = logging.getLogger("tangram.service")
 __all__ = ["Engine"]
 
 
+# The states of a trajectory that holds an environment, or may (its agent away).
+_HOLDING = (TrajectoryState.OPEN, TrajectoryState.AWAY, TrajectoryState.CLOSING)
+
+
 class Engine:
     def __init__(
         self,
@@ -288,9 +292,9 @@ class Engine:
             gpus_in_use=sum(n.gpus - n.free_gpus for n in gpus),
             queue_depth=core.queued,
             running=sum(1 for r in s.actions.values() if r.started is not None),
-            trajectories=sum(
-                1 for t in s.trajectories.values() if t.state is not TrajectoryState.CLOSED
-            ),
+            # (a lost one holds no environment: a drain must not wait for its client to
+            # close it, nor the status count it as open)
+            trajectories=sum(1 for t in s.trajectories.values() if t.state in _HOLDING),
             apis={name: q.in_use for name, q in sorted(core.quotas.items())},
             environments=len(s.config.envs),
             problems=s.problems.recent(s.clock()),
