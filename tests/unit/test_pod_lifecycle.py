@@ -397,3 +397,21 @@ def test_a_sandbox_whose_init_is_gone_once_its_server_is_up_fails_naming_the_pod
     assert str(e.value) == (
         "pod ns/tangram-p-1: its sandbox ended as it started (its init process is gone)"
     )
+
+
+def test_a_failed_start_is_said_by_the_sandbox_container_not_the_completed_init() -> None:
+    """The init container that copies the exec server in had done its work ("Completed"),
+    and its state was what an open, the pool's status and its Events said of an image
+    that could not be pulled."""
+    from tangram.node_agent.pod_runtime import _why
+
+    status = {
+        "initContainerStatuses": [{"name": "tangram-execd", "state": {
+            "terminated": {"exitCode": 0, "reason": "Completed"}}}],
+        "containerStatuses": [{"name": "sandbox", "state": {"waiting": {
+            "reason": "ErrImagePull", "message": "pull access denied for nowhere/absent"}}}],
+    }  # fmt: skip
+    assert _why(status) == "sandbox: ErrImagePull pull access denied for nowhere/absent"
+    failed_init = {"initContainerStatuses": [{"name": "tangram-execd", "state": {
+        "terminated": {"exitCode": 1, "reason": "Error", "message": "no space"}}}]}  # fmt: skip
+    assert _why(failed_init) == "tangram-execd: Error no space"

@@ -724,7 +724,9 @@ def _why(status: Mapping[str, Any]) -> str:
     for c in [*(status.get("initContainerStatuses") or []),
               *(status.get("containerStatuses") or [])]:  # fmt: skip
         for state in (c.get("state") or {}).values():
-            if isinstance(state, dict) and (state.get("message") or state.get("reason")):
+            if not isinstance(state, dict) or state.get("exitCode") == 0:
+                continue  # (an init container that did its work: "Completed" tells nothing)
+            if state.get("message") or state.get("reason"):
                 return f"{c.get('name')}: {state.get('reason', '')} {state.get('message', '')}"
     for cond in status.get("conditions") or []:
         if cond.get("status") == "False" and cond.get("message"):
