@@ -217,3 +217,18 @@ def test_a_close_answered_while_its_agent_was_away_outlives_a_scheduler_restart(
         assert "closing" not in store.path.read_text()  # done: none left to close
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_an_agent_gone_under_a_request_is_named_once() -> None:
+    """An open said "node node-0: node node-0: the agent disconnected"."""
+    import pytest
+
+    from tangram.service.agents import AgentGoneError
+    from tangram.service.state import agent_gone
+
+    with pytest.raises(EngineError) as e, agent_gone("n1"):
+        raise AgentGoneError("node n1: the agent disconnected")
+    assert str(e.value).count("n1") == 1 and e.value.kind == "unavailable"
+    with pytest.raises(EngineError) as e, agent_gone("n1"):
+        raise ConnectionResetError("reset by peer")
+    assert "node n1: reset by peer" in str(e.value)

@@ -311,7 +311,9 @@ def agent_gone(node: str | None) -> Iterator[None]:
     """A link that ends under what talks to it, as the engine says it: "unavailable"."""
     try:
         yield
-    except (AgentGoneError, RuntimeError, OSError) as e:  # incl. a socket closing under us
+    except AgentGoneError as e:  # (its message names the node already)
+        raise EngineError("unavailable", "node", str(e)) from None
+    except (RuntimeError, OSError) as e:  # incl. a socket closing under us
         raise EngineError("unavailable", "node", f"node {node}: {e}") from None
 
 
