@@ -573,19 +573,22 @@ def test_no_nodes_says_when_the_agent_pods_could_not_be_created() -> None:
     assert "Pod Security admission" in cond["message"]
 
 
-@pytest.mark.parametrize("deployment", ["gone", "being deleted"])
+@pytest.mark.parametrize("deployment", ["gone", "being deleted", "gone with its tokens"])
 def test_a_foreground_deletion_ends_the_drain_at_once(
     world: tuple[Cluster, Link, Reconciler], deployment: str
 ) -> None:
     """The garbage collector deletes the children (blockOwnerDeletion) while the finalizer
-    waits: no scheduler is left to drain, so the drain does not wait drainSeconds."""
+    waits: no scheduler is left to drain, so the drain does not wait drainSeconds. Said
+    also when the tokens Secret went first (on a real cluster it did, and nothing was)."""
     cluster, link, r = world
     _running(cluster, link, r, open_=7)
     key = ("Deployment", "rl", "tangram-coding-scheduler")
-    if deployment == "gone":
+    if deployment.startswith("gone"):
         del cluster.objects[key]
     else:
         cluster.objects[key]["metadata"]["deletionTimestamp"] = "2026-11-28T11:59:30Z"
+    if deployment == "gone with its tokens":
+        del cluster.objects[("Secret", "rl", "tangram-coding-tokens")]
     link.down = True
     body = cluster.get_custom("ActionPool", "rl", "coding")
     assert body is not None
@@ -594,6 +597,8 @@ def test_a_foreground_deletion_ends_the_drain_at_once(
     r.drain_pool(body)  # no RetryError: done
     assert any(reason == "DrainSkipped" and "foreground deletion" in message
                for reason, message in cluster.events)  # fmt: skip
+    if deployment == "gone with its tokens":
+        return  # (no token: no background drain either)
     body["metadata"]["finalizers"] = ["tangram.dev/drain"]  # background: waited for
     with pytest.raises(RetryError):
         r.drain_pool(body)

@@ -590,10 +590,11 @@ class Reconciler:
         return None  # its name itself is invalid: the API server made no children of it
 
     def _drain(self, pool: ActionPool, body: dict[str, Any]) -> None:
+        # (first: a foreground deletion may have collected the tokens Secret too)
+        if self._scheduler_collected(pool, body):
+            return
         token = self._live_tokens(pool).get(OPERATOR_TENANT)
         if token is None:
-            return
-        if self._scheduler_collected(pool, body):
             return
         since = body["metadata"].get("deletionTimestamp") or rfc3339(self.clock())
         started = dt.datetime.fromisoformat(since.replace("Z", "+00:00"))
