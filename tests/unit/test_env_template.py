@@ -33,8 +33,9 @@ def test_the_images_first_regular_user_is_chosen_unless_one_is_asked_for() -> No
     assert pick_user(PASSWD, "dev:50") == User(1001, 50)
     assert pick_user(PASSWD, "1234") == User(1234, 1234)
     assert pick_user(PASSWD, "1001") == User(1001, 1001)
-    with pytest.raises(ExecError, match="user: 'ghost'"):
+    with pytest.raises(ExecError, match=r"security\.user: 'ghost' is not in") as e:
         pick_user(PASSWD, "ghost")
+    assert e.value.reason == "SandboxStartFailed" and not e.value.retryable  # (was a 503)
 
 
 def test_root_only_when_the_environment_names_it() -> None:

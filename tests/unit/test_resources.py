@@ -435,6 +435,7 @@ _UNKNOWN = "unknown field (misspelt? keys are camelCase)"
         (pool(cpu={}, scheduling={"elastic": "yes"}), "spec.scheduling.elastic", "valid boolean"),
         (env(memoryGiB="1"), "spec.memoryGiB", "valid number"),
         (env(warmPool=1.5), "spec.warmPool", "valid integer"),
+        (env(security={"user": "root:wheel:x"}), "spec.security.user", "should match"),
     ],
 )
 def test_values_of_the_wrong_type_are_refused_as_the_api_server_refuses_them(
@@ -691,12 +692,20 @@ def test_dangling_and_unusable_references_are_reported() -> None:
         service("nogpu", poolRef="p"),
         service("big", "infra", poolRef="shared", dopChoices=[4, 8]),
         service("lost", "team", poolRef="p"),
+        pool("small", cpu={"coresPerNode": 2}),
+        env("wide", poolRef="small", cpu={"min": 4, "max": 8}),
+        env("one-wide", poolRef="small", actions=[{"name": "t", "cpu": {"choices": [3, 6]}}]),
+        env("narrow", poolRef="small", cpu=2),
     )
     assert res.check_references() == [
         "TrajectoryEnv default/lost (test.yaml: document 4): spec.poolRef: "
         "no ActionPool default/nowhere",
         "TrajectoryEnv team/across (test.yaml: document 5): spec.poolRef: "
         "ActionPool infra/shared does not admit namespace team (spec.access.namespaces)",
+        "TrajectoryEnv default/wide (test.yaml: document 11): spec.poolRef: spec.cpu needs at "
+        "least 4 cores; coresPerNode of ActionPool small is 2",
+        "TrajectoryEnv default/one-wide (test.yaml: document 12): spec.poolRef: "
+        "spec.actions[t].cpu needs at least 3 cores; coresPerNode of ActionPool small is 2",
         "RewardService default/nogpu (test.yaml: document 7): spec.poolRef: "
         "ActionPool p has no gpu section",
         "RewardService infra/big (test.yaml: document 8): spec.poolRef: "

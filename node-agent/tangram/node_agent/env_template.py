@@ -109,15 +109,15 @@ def pick_user(passwd: str, requested: str | None, image: str | None = None) -> U
         if len(parts) >= 4 and parts[2].isdigit() and parts[3].isdigit():
             entries[parts[0]] = User(int(parts[2]), int(parts[3]))
     if requested:
-        return _named(entries, requested)
-    chosen = _named(entries, image) if image else None
+        return _named(entries, requested, "security.user")
+    chosen = _named(entries, image, "the image's USER") if image else None
     if chosen is not None:
         return chosen
     regular = sorted((u for u in entries.values() if 1000 <= u.uid < 60000), key=lambda u: u.uid)
     return regular[0] if regular else DEFAULT_USER
 
 
-def _named(entries: Mapping[str, User], name_or_id: str) -> User | None:
+def _named(entries: Mapping[str, User], name_or_id: str, what: str) -> User | None:
     name, _, group = name_or_id.partition(":")
     if name.isdigit():
         uid = int(name)
@@ -125,7 +125,10 @@ def _named(entries: Mapping[str, User], name_or_id: str) -> User | None:
         gid = int(group) if group.isdigit() else by_uid.get(uid, User(uid, uid)).gid
         return None if uid == 0 else User(uid, gid)
     if name not in entries:
-        raise ExecError(f"user: {name!r} is not in the image's /etc/passwd")
+        raise ExecError(  # (not worth a retry: the open fails, naming the setting)
+            f"{what}: {name!r} is not in the image's /etc/passwd",
+            reason="SandboxStartFailed",
+        )
     user = entries[name]
     if group.isdigit():
         user = User(user.uid, int(group))

@@ -420,8 +420,9 @@ class Security(Spec):
     user: Annotated[
         str | None,
         Field(
-            min_length=1,
-            description="user (name or uid[:gid]) commands run as; unset = the image's USER, else "
+            pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[0-9]+)?$",
+            description="user (name or uid, then :gid) commands run as; unset = the image's "
+            "USER, else "
             'its first regular user, else 65532 (never root: name "0" for root)',
         ),
     ] = None
@@ -812,8 +813,24 @@ def reference_problem(
             f"ActionPool {pool_ns}/{pool_name} does not admit namespace {ns} "
             "(spec.access.namespaces)",
         )
-    if isinstance(obj, TrajectoryEnv) and pool.spec.cpu is None:
-        return Reason.NO_CPU_SECTION, f"ActionPool {pool_name} has no cpu section"
+    if isinstance(obj, TrajectoryEnv):
+        cpu = pool.spec.cpu
+        if cpu is None:
+            return Reason.NO_CPU_SECTION, f"ActionPool {pool_name} has no cpu section"
+        if cpu.cores_per_node is not None:
+            demands = [("spec.cpu", obj.spec.cpu)] + [
+                (f"spec.actions[{a.name}].cpu", a.cpu)
+                for a in obj.spec.actions
+                if a.cpu is not None
+            ]
+            for field, demand in demands:
+                least = min(allowed_units(demand))
+                if least > cpu.cores_per_node:  # (else every such action is a 400)
+                    return (
+                        Reason.DOP_DOES_NOT_FIT,
+                        f"{field} needs at least {least} cores; coresPerNode of ActionPool "
+                        f"{pool_name} is {cpu.cores_per_node}",
+                    )
     if isinstance(obj, RewardService):
         gpu = pool.spec.gpu
         if gpu is None:
