@@ -156,3 +156,15 @@ def test_invalid_member_status() -> None:
     st = invalid_member_status(2, "coding", [], "spec.cpu: min > max", T0)
     cond = ready(st.conditions)
     assert cond is not None and cond.reason == "InvalidSpec" and st.pool == "coding"
+
+
+def test_agent_pods_not_ready_are_sent_to_where_the_reason_is() -> None:
+    """A Pending agent pod (no node with the CPU it requests) has no logs to see: the hint
+    said "see their logs and events"."""
+    from tangram.operator.status import _agents_hint
+
+    pool, _ = _coding()
+    ds = {"desiredNumberScheduled": 1, "currentNumberScheduled": 1, "numberReady": 0}
+    said = _agents_hint(pool, "cpu", {"cpu": ds})
+    assert "0 of 1 agent pods ready; `kubectl describe pod` of the others says why" in said
+    assert "Pending: no node has the CPU or memory they request" in said

@@ -209,7 +209,9 @@ def _agents_hint(
                 f"`kubectl describe daemonset` shows why (Pod Security admission, a "
                 "ResourceQuota)")  # fmt: skip
     if ready_ < desired:
-        return f"{name}: {ready_} of {desired} agent pods ready (see their logs and events)"
+        return (f"{name}: {ready_} of {desired} agent pods ready; `kubectl describe pod` of "
+                "the others says why (Pending: no node has the CPU or memory they request; "
+                "else their logs)")  # fmt: skip
     if gpus:
         return f"{name}: {desired} agent pods run but found no GPU devices (drivers, runtime)"
     return f"{name}: {desired} agent pods ready but not connected to the scheduler"
