@@ -486,6 +486,30 @@ def test_a_child_the_api_server_denies_is_said_on_a_new_pool_and_not_retried_eac
     assert _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])["reason"] == "Ready"
 
 
+def test_a_pool_whose_namespace_is_being_deleted_is_not_called_denied() -> None:
+    """Seen on a real cluster (kubectl delete namespace): the pass re-applied children into
+    the terminating namespace and the pool turned ChildDenied on the way out."""
+    cluster, link = Cluster(), Link()
+    r = _reconciler(cluster, link)
+    cluster.add(_pool())
+    r.reconcile_pool("rl", "coding")
+    before = _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])
+    real = cluster.apply
+
+    def apply(manifest: dict[str, Any], *, dry_run: bool = False) -> None:
+        if manifest["kind"] == "ConfigMap":
+            raise DeniedError(f"ConfigMap {manifest['metadata']['name']}: HTTP 403: configmaps "
+                              'is forbidden: unable to create new content in namespace rl '
+                              "because it is being terminated")  # fmt: skip
+        real(manifest, dry_run=dry_run)
+
+    cluster.apply = apply  # type: ignore[method-assign]
+    _edit(cluster, scheduler={"drainSeconds": 60})
+    r.reconcile_pool("rl", "coding")
+    after = _ready(cluster.objects["ActionPool", "rl", "coding"]["status"])
+    assert after["reason"] != "ChildDenied" and after == before
+
+
 def test_an_api_server_failure_is_retried_and_its_generation_not_claimed(
     world: tuple[Cluster, Link, Reconciler],
 ) -> None:

@@ -73,6 +73,8 @@ from tangram.operator.status import (
 )
 
 log = logging.getLogger("tangram.operator")
+# What the API server's NamespaceLifecycle admission says of a namespace being deleted.
+_NAMESPACE_ENDING = "because it is being terminated"
 
 Member = TrajectoryEnv | RewardService
 MEMBER_KINDS: dict[str, type[TrajectoryEnv] | type[RewardService]] = {
@@ -239,6 +241,13 @@ class Reconciler:
                 for manifest in objects:
                     self.cluster.apply(manifest)
             except (RefusedError, DeniedError) as e:
+                if isinstance(e, DeniedError) and _NAMESPACE_ENDING in str(e):
+                    # The namespace is being deleted, the pool with it (its drain says so):
+                    # not a denial of the spec's to show as the pool's state.
+                    log.info("pool %s/%s: its namespace is being deleted; nothing applied",
+                             namespace, name)  # fmt: skip
+                    self._pass_done[namespace, name] = begun
+                    return True
                 # Not retried before the spec changes or the next full pass: what a denial
                 # needs (a webhook's policy, a ResourceQuota) is outside the spec.
                 denied = isinstance(e, DeniedError)
