@@ -472,6 +472,30 @@ def test_exit_ends_the_bash_session(server: Path, tmp_path: Path) -> None:
     assert asyncio.run(scenario()) == (7, False)
 
 
+def test_a_bash_session_whose_server_dies_under_a_command_fails_it(
+    execd: Built, tmp_path: Path
+) -> None:
+    """Its connection ended with no exit status (the environment went): the command's
+    reply was an exit code of None, read as an end of its own."""
+
+    async def scenario(sock: Path, pid: int) -> None:
+        bash = await BashSession.start(sock, str(tmp_path), {}, server_pid=pid)
+        shell = int((await bash.run("echo $$", timeout_s=30, output_cap=64)).stdout)
+        running = asyncio.ensure_future(bash.run("sleep 30", timeout_s=None, output_cap=1024))
+        await asyncio.sleep(0.5)
+        os.killpg(pid, signal.SIGKILL)  # the server and its handlers, as a sandbox's end
+        try:
+            with pytest.raises(ExecError, match="ended before the shell's exit status"):
+                await asyncio.wait_for(running, 30)
+            assert not bash.alive
+        finally:  # (on a host, unlike in a sandbox, the shell outlives its server)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(shell), signal.SIGKILL)
+
+    with serving(execd) as (sock, pid):
+        asyncio.run(scenario(sock, pid))
+
+
 def test_the_python_session_keeps_its_variables(server: Path, tmp_path: Path) -> None:
     async def scenario() -> list[tuple[int | None, str, str]]:
         py = await PythonSession.start(server, str(tmp_path), {})

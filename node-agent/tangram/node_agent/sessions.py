@@ -269,6 +269,11 @@ class BashSession(Session):
                 self._buffer += data
             elif kind in (b"X", b""):  # the shell exited (``exit`` in the command)
                 self.alive = False
+                if self.chan.exit_code is None:  # (no exit status: not an end of its own)
+                    raise ExecError(
+                        "bash session: its connection ended before the shell's exit status "
+                        "(its environment may be gone)"
+                    )
                 out = bytes(self._buffer)
                 truncated = cut or len(out) > cap
                 text = out[:cap].decode(errors="replace")
