@@ -21,11 +21,19 @@ def test_the_kept_head_fits_and_is_cut_only_when_the_whole_does_not(text: str, b
     assert cut == (_size(text) > budget)
     if cut:
         assert _size(kept) <= budget
-        # Not cut much further than needed: the next character would not have fitted,
-        # or what is kept is within 1 % (and a character) of the budget.
-        assert _size(text[: len(kept) + 1]) > budget or _size(kept) >= 0.98 * budget - 6
+        # Cut no further than needed: the next character would not have fitted (a light
+        # head before heavy control bytes was cut short of the budget: "00" of "00\x1f…"
+        # with room for 11 bytes).
+        assert _size(text[: len(kept) + 1]) > budget
     else:
         assert kept == text
+
+
+def test_a_light_head_before_heavy_bytes_is_kept_whole() -> None:
+    kept, cut = fit_output("00\x1f" + "\0" * 50, budget=11)
+    assert cut and kept == "00\x1f"
+    kept, cut = fit_output("a" * 1000 + "\0" * 100_000, budget=2000)
+    assert cut and kept.startswith("a" * 1000) and _size(kept) > 1994
 
 
 def test_nul_bytes_are_kept_by_what_they_encode_to() -> None:

@@ -82,10 +82,19 @@ def fit_output(text: str, budget: int = MAX_OUTPUT) -> tuple[str, bool]:
     size = _encoded_size(text)
     if size <= budget:
         return text, False
-    keep = len(text)
+    keep = over = len(text)  # ``over``: a length known not to fit
     while size > budget:  # shrinks by at least 1 % a turn: a few turns
-        keep = min(keep - 1, int(keep * budget / size * 0.99))
+        over, keep = keep, min(keep - 1, int(keep * budget / size * 0.99))
         size = _encoded_size(text[:keep])
+    # The estimate takes the cut characters to weigh the average: when they are lighter
+    # (a plain head before control bytes) it cut too much; bisect back up to the most
+    # that fits (a few encodings more, and only for output that is cut).
+    while over - keep > 1:
+        mid = (keep + over) // 2
+        if _encoded_size(text[:mid]) <= budget:
+            keep = mid
+        else:
+            over = mid
     return text[:keep], True
 
 
