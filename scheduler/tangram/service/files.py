@@ -160,7 +160,7 @@ class Files:
         link, req, traj = self._request(tenant, tid, action, path, **kw)
         end = self._in_use(traj)
         try:
-            with _closed_under(traj, tid):
+            with _closed_under(traj):
                 return _outcome(await self.state.ask(link.node, req), path)
         finally:
             end()
@@ -180,7 +180,7 @@ class Files:
             end()
             await stream.close()
 
-        with _closed_under(traj, tid), agent_gone(link.node):
+        with _closed_under(traj), agent_gone(link.node):
             stream = link.stream(req)
             end = self._in_use(traj)  # (after: a stream that never opened holds nothing)
             try:
@@ -194,7 +194,7 @@ class Files:
 
         async def data() -> AsyncGenerator[bytes, None]:
             try:
-                with _closed_under(traj, tid), agent_gone(link.node):
+                with _closed_under(traj), agent_gone(link.node):
                     async for chunk in stream.data():
                         yield chunk
                     _outcome(await stream.reply(), path)  # a read that failed midway raises
@@ -228,7 +228,7 @@ class Files:
         link, req, traj = self._request(tenant, tid, action, path, **kw)
         end = self._in_use(traj)
         try:
-            with _closed_under(traj, tid), agent_gone(link.node):
+            with _closed_under(traj), agent_gone(link.node):
                 stream = link.stream(req)
                 try:
                     async for chunk in _whole_chunks(body):
@@ -245,7 +245,7 @@ class Files:
 
 
 @contextlib.contextmanager
-def _closed_under(traj: TrajectoryRecord, tid: str) -> Iterator[None]:
+def _closed_under(traj: TrajectoryRecord) -> Iterator[None]:
     """A request that the trajectory's close cut off says so: a 409, as one sent after
     the close, not the agent's words for its environment going (a 502, read as a broken
     node)."""
@@ -256,7 +256,7 @@ def _closed_under(traj: TrajectoryRecord, tid: str) -> Iterator[None]:
             raise
         why = f" ({traj.ended})" if traj.ended else ""
         raise EngineError(
-            "conflict", "trajectory", f"{tid} was closed during the request{why}"
+            "conflict", "trajectory", f"{traj.id} was closed during the request{why}"
         ) from None
 
 
