@@ -12,7 +12,9 @@ trajectory goes on after the scheduler pod is deleted too, and the new pod resum
 the last one learned → a
 TrajectoryEnv whose image is nowhere and a sandbox killed behind the agent's back end
 their trajectories with the kubelet's reason, on the pool's SandboxesHealthy condition and
-as Events → the pool is deleted: no pod, cgroup or exec server is left.
+as Events → the node leaves the pool's nodeSelector: after agentGraceSeconds the operator
+deletes the sandbox pod no agent will take back → the pool is deleted: no pod, cgroup or
+exec server is left.
 
 The images are the project's own (``images/build.sh``, nothing pulled), imported into the
 node's containerd. The tests share state and run in file order, like one user's session.
@@ -404,6 +406,48 @@ def test_sandbox_failures_end_their_trajectories_and_show_on_the_pool(session: S
 
     s.wait("a Warning Event with the condition's cause", event, 60)
     s.kubectl("delete", "tenv", "ghost", "-n", NS)
+
+
+def test_a_node_that_leaves_the_pool_has_its_sandbox_pods_deleted(session: Session) -> None:
+    """The pool's nodeSelector stops matching the node while a trajectory is open there:
+    the DaemonSet takes the agent pod away (which removes its warm sandbox, not the open
+    one, as it would on a restart), the trajectory is lost after agentGraceSeconds, and
+    the operator deletes the sandbox pod no agent will take back. Back in the pool, the
+    node serves again."""
+    s = session
+
+    def patch(spec: dict[str, Any]) -> None:
+        s.kubectl("patch", "ap", "coding", "-n", NS, "--type=merge", "-p",
+                  json.dumps({"spec": spec}))  # fmt: skip
+
+    patch({"scheduler": {"agentGraceSeconds": 5}})
+    with Client(s.url, s.token("rollout-worker"), retries=30) as client:
+        t = client.open("swe")
+        (pod,) = s.pods(NS, f"tangram.dev/trajectory={t.id}")
+        patch({"cpu": {"nodeSelector": {"tangram.dev/role": "elsewhere"}}})
+        agents = "app.kubernetes.io/component=node-agent"
+        s.wait("the agent pod gone from the node", lambda: not s.pods(NS, agents), 120)
+        s.wait("the trajectory lost", lambda: client.get(t.id).state.value == "lost", 60)
+        s.wait("its sandbox pod deleted", lambda: not s.pods(NS, "tangram.dev/sandbox=true"), 90)
+        client.close(t.id)
+
+    def event() -> str | None:
+        out = s.kubectl("get", "events", "-n", NS, "-o", "json",
+                        "--field-selector", "involvedObject.kind=ActionPool").stdout  # fmt: skip
+        said = [e["message"] for e in json.loads(out)["items"]
+                if (e["type"], e["reason"]) == ("Warning", "OrphanedSandboxesDeleted")]  # fmt: skip
+        return said[0] if said else None
+
+    message = s.wait("the operator's Event for the deleted sandbox", event, 30)
+    assert f"on node {s.node.name} ({pod['metadata']['name']})" in message, message
+
+    patch({"cpu": {"nodeSelector": {"tangram.dev/role": "sandbox"}},
+           "scheduler": {"agentGraceSeconds": 120}})  # fmt: skip
+    s.wait("a warm sandbox pod again", lambda: s.pods(NS, "tangram.dev/sandbox=true"), 180)
+    with Client(s.url, s.token("rollout-worker"), retries=30) as client:
+        t = client.open("swe")
+        assert client.exec(t.id, ["true"]).status.value == "ok"
+        client.close(t.id)
 
 
 def test_deleting_the_pool_leaves_no_pod_cgroup_or_exec_server(session: Session) -> None:

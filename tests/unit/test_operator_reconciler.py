@@ -75,6 +75,17 @@ class Cluster:
     def delete_cluster_children(self, namespace: str, pool: str) -> list[str]:
         return []
 
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        if self.down:
+            raise ApiServerError(f"listing pods {selector}: HTTP 500: etcd timeout")
+        wanted = dict(term.split("=") for term in selector.split(","))
+        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items()
+                if k == "Pod" and ns == namespace
+                and wanted.items() <= o["metadata"].get("labels", {}).items()]  # fmt: skip
+
+    def delete_pod(self, namespace: str, name: str) -> bool:
+        return self.delete("v1", "Pod", namespace, name)
+
     def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
         secret = self.objects.get(("Secret", namespace, name))
         return None if secret is None else dict(secret.get("stringData") or {})
@@ -626,3 +637,76 @@ def test_a_foreground_deletion_ends_the_drain_at_once(
     body["metadata"]["finalizers"] = ["tangram.dev/drain"]  # background: waited for
     with pytest.raises(RetryError):
         r.drain_pool(body)
+
+
+def _pod(name: str, node: str, labels: dict[str, str], **meta: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "rl", "labels": labels, **meta},
+            "spec": {"nodeName": node}, "status": {"phase": "Running"}}  # fmt: skip
+
+
+def _sandbox(name: str, node: str, owner: str = "uid-coding") -> dict[str, Any]:
+    labels = {"tangram.dev/sandbox": "true", "tangram.dev/pool": "coding"}
+    return _pod(name, node, labels, ownerReferences=[{"kind": "ActionPool", "uid": owner}])
+
+
+def _agent(node: str) -> dict[str, Any]:
+    labels = {"app.kubernetes.io/name": "arl-tangram", "app.kubernetes.io/instance": "coding",
+              "app.kubernetes.io/component": "node-agent"}  # fmt: skip
+    return _pod(f"agent-{node}", node, labels)
+
+
+def test_sandboxes_on_a_node_without_an_agent_go_after_the_agents_grace() -> None:
+    """A node that left the pool (its agent pod gone for good): its sandbox pods are
+    deleted once agentGraceSeconds passed, with a Warning Event naming the node; those of
+    a node with an agent, of another pool of the same name, and a node whose agent came
+    back in time are left alone."""
+    cluster, link = Cluster(), Link()
+    now = [NOW]
+    r = Reconciler(cluster, image="tangram:test", link=link,  # type: ignore[arg-type]
+                   clock=lambda: now[0])  # fmt: skip
+    cluster.add(_pool(agentGraceSeconds=60))
+    for pod in (_agent("a"), _sandbox("sb-a", "a"), _sandbox("sb-b1", "b"),
+                _sandbox("sb-b2", "b"), _sandbox("sb-c", "c"),
+                _sandbox("old-b", "b", owner="uid-of-an-earlier-pool")):  # fmt: skip
+        cluster.add(pod)
+
+    def left() -> set[str]:
+        return {name for kind, _, name in cluster.objects if kind == "Pod"}
+
+    r.refresh_pool("rl", "coding")  # b and c seen without an agent: their grace starts
+    now[0] += dt.timedelta(seconds=30)
+    cluster.add(_agent("c"))  # c's agent is back within the grace
+    r.refresh_pool("rl", "coding")
+    now[0] += dt.timedelta(seconds=29)
+    r.refresh_pool("rl", "coding")
+    assert left() == {"agent-a", "agent-c", "sb-a", "sb-b1", "sb-b2", "sb-c", "old-b"}
+    assert not any(reason == "OrphanedSandboxesDeleted" for reason, _ in cluster.events)
+    now[0] += dt.timedelta(seconds=1)
+    r.refresh_pool("rl", "coding")
+    assert left() == {"agent-a", "agent-c", "sb-a", "sb-c", "old-b"}
+    (message,) = [m for reason, m in cluster.events if reason == "OrphanedSandboxesDeleted"]
+    assert "2 sandbox pod(s) on node b (sb-b1, sb-b2)" in message and "60 s" in message
+    # c's agent goes for good: its grace starts anew, not from when it was first away.
+    del cluster.objects["Pod", "rl", "agent-c"]
+    r.refresh_pool("rl", "coding")
+    assert "sb-c" in left()
+    now[0] += dt.timedelta(seconds=60)
+    r.refresh_pool("rl", "coding")
+    assert left() == {"agent-a", "sb-a", "old-b"}
+
+
+def test_an_api_server_that_fails_the_sandbox_sweep_leaves_the_pods_for_the_next_one() -> None:
+    cluster, link = Cluster(), Link()
+    now = [NOW]
+    r = Reconciler(cluster, image="tangram:test", link=link,  # type: ignore[arg-type]
+                   clock=lambda: now[0])  # fmt: skip
+    cluster.add(_pool(agentGraceSeconds=0))
+    cluster.add(_sandbox("sb-b", "b"))
+    r.reconcile_pool("rl", "coding")
+    cluster.down = True
+    r.refresh_pool("rl", "coding")  # the full pass's apply fails, and so does the list
+    assert ("Pod", "rl", "sb-b") in cluster.objects
+    cluster.down = False
+    r.refresh_pool("rl", "coding")
+    assert ("Pod", "rl", "sb-b") not in cluster.objects

@@ -129,6 +129,22 @@ def selector_labels(pool: ActionPool, component: str) -> dict[str, str]:
     }
 
 
+def label_selector(labels: dict[str, str]) -> str:
+    """``labels`` as a label selector (``k=v,...``)."""
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def agent_pods_selector(pool: ActionPool) -> str:
+    """The pool's node-agent pods (both DaemonSets')."""
+    return label_selector(selector_labels(pool, "node-agent"))
+
+
+def sandbox_pods_selector(pool: ActionPool) -> str:
+    """The sandbox pods the pool's node agents made (as ``pod_template.labels`` labels
+    them; pool names are DNS labels, so the name is its own label value)."""
+    return label_selector({"tangram.dev/sandbox": "true", "tangram.dev/pool": pool.metadata.name})
+
+
 def labels(pool: ActionPool, component: str) -> dict[str, str]:
     return {**selector_labels(pool, component), "app.kubernetes.io/managed-by": "tangram-operator"}
 

@@ -29,6 +29,7 @@ log = logging.getLogger("tangram.operator")
 
 FIELD_MANAGER = "tangram-operator"
 JSON_PATCH = "application/json-patch+json"
+LIST_TIMEOUT_S = 30  # lists also ask the API server to end the call by then
 
 
 class ApplyError(RuntimeError):
@@ -161,6 +162,30 @@ class Cluster:
             return False
         return True
 
+    # ---- pods (the node agents' sandboxes, read and deleted by the orphan sweep) ----------
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The pods of ``namespace`` that ``selector`` (a label selector) matches."""
+        try:
+            found = self._core.list_namespaced_pod(
+                namespace, label_selector=selector, timeout_seconds=LIST_TIMEOUT_S
+            )
+        except _NOT_DONE as e:
+            raise _failed(f"listing pods {selector}", e) from None
+        pods: list[dict[str, Any]] = self.api.sanitize_for_serialization(found.items)
+        return pods
+
+    def delete_pod(self, namespace: str, name: str) -> bool:
+        """False when there is no such pod (any more)."""
+        try:
+            self._core.delete_namespaced_pod(name, namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise _failed(f"deleting pod {name}", e) from None
+        except _NO_ANSWER as e:
+            raise _failed(f"deleting pod {name}", e) from None
+        return True
+
     def delete_cluster_children(self, namespace: str, pool: str) -> list[str]:
         """The pool's cluster-scoped children (found by labels: they have no owner)."""
         selector = f"app.kubernetes.io/instance={pool},{POOL_NAMESPACE_LABEL}={namespace}"
@@ -230,6 +255,19 @@ __all__ = [
     "RefusedError",
     "api_client",
 ]
+
+
+# What a call that got no answer raises (timeouts too).
+_NO_ANSWER = (urllib3.exceptions.HTTPError, OSError)
+# ... and what one the API server failed or refused raises too.
+_NOT_DONE = (*_NO_ANSWER, ApiException)
+
+
+def _failed(what: str, e: Exception) -> ApiServerError:
+    """A read or delete the API server failed, or that got no answer."""
+    if isinstance(e, ApiException):
+        return ApiServerError(f"{what}: HTTP {e.status}: {_message(e)}")
+    return ApiServerError(f"{what}: {e}")
 
 
 def _message(e: ApiException) -> str:

@@ -9,6 +9,8 @@ pure builders and applies them, so a missed or repeated event is harmless.
   scheduler, which reconfigures without a restart; write the members' and its own status.
 - A member (TrajectoryEnv, RewardService): write its status (Ready, or why not, with a
   Warning Event when that changes), then reconcile the pool it names.
+- Each periodic refresh also deletes the pool's sandbox pods on nodes that have had no
+  agent of the pool for ``agentGraceSeconds`` (:mod:`tangram.operator.orphans`).
 - A deleted pool: the scheduler stops admitting trajectories; the finalizer holds the pool
   until the open ones are closed or ``spec.scheduler.drainSeconds`` passed; then the
   cluster-scoped RBAC goes and the garbage collector takes the rest (owner references).
@@ -52,11 +54,14 @@ from tangram.operator.builders import (
     SCHEDULER_TOKENS_KEY,
     Loopback,
     Manifest,
+    agent_pods_selector,
     build_pool,
     child_name,
     parse_tokens,
+    sandbox_pods_selector,
 )
 from tangram.operator.kube import ApiServerError, Cluster, DeniedError, RefusedError
+from tangram.operator.orphans import agent_nodes, sandbox_nodes, sweep
 from tangram.operator.scheduler_link import (
     Endpoints,
     SchedulerError,
@@ -84,6 +89,8 @@ MEMBER_KINDS: dict[str, type[TrajectoryEnv] | type[RewardService]] = {
 DRAIN_POLL_S = 5.0
 FOREGROUND = "foregroundDeletion"  # the finalizer of a foreground deletion
 DRAIN_SKIPPED = "DrainSkipped"  # the Event of a drain a foreground deletion cut short
+# The Event of sandbox pods deleted on a node no agent of their pool runs on any more.
+ORPHANS_DELETED = "OrphanedSandboxesDeleted"
 # The children that carry fields of the spec to the API server unchecked by the models.
 _PASSED_THROUGH = ("Deployment", "DaemonSet")
 # What only node agents need (builders.build_pool makes them with spec.cpu or spec.gpu).
@@ -178,6 +185,8 @@ class Reconciler:
         self._valid: dict[str, ActionPool] = {}  # pool uid -> its last valid spec (to drain)
         self._rejected: dict[str, _Rejected] = {}  # pool uid -> its spec refused, if it is
         self._written: dict[str, dict[str, Any]] = {}  # pool uid -> the status it last wrote
+        # pool uid -> node -> since when it has had sandboxes of the pool and no agent
+        self._orphans: dict[str, dict[str, dt.datetime]] = {}
         # Ticks order member events against pool passes (``_pool_pass_since``).
         self._ticks = itertools.count()
         # pool -> the tick at which its last pass that ran to its end began
@@ -322,9 +331,9 @@ class Reconciler:
                 or (self.clock() - full_at).total_seconds() >= FULL_PASS_S
             ):
                 self.reconcile_pool(namespace, name)  # the lock is reentrant
-                return
-            if built is not None:  # (None: its children were refused; the status says so)
+            elif built is not None:  # (None: its children were refused; the status says so)
                 self._refresh(self._serving(uid, pool), body, built)
+            self._sweep_orphans(self._serving(uid, pool), body)
 
     def _live_pool(
         self, namespace: str, name: str, body: dict[str, Any] | None = None
@@ -565,7 +574,8 @@ class Reconciler:
             self._member_statuses((namespace, name), None)  # they now name no pool
             log.info("pool %s/%s removed; also %s", namespace, name, ", ".join(deleted) or "-")
             memos = (self._pushed, self._built, self._full_at, self._refused, self._valid,
-                     self._written, self._rejected, self._served, self._members)  # fmt: skip
+                     self._written, self._rejected, self._served, self._members,
+                     self._orphans)  # fmt: skip
             for memo in memos:
                 memo.pop(meta.get("uid", ""), None)
 
@@ -660,6 +670,45 @@ class Reconciler:
         log.warning("pool %s/%s: %s", pool.metadata.namespace, pool.metadata.name, message)
         self.cluster.event(body, "Warning", DRAIN_SKIPPED, message, self.clock())
         return True
+
+    # ---- sandboxes no agent will take back --------------------------------------------
+    def _sweep_orphans(self, pool: ActionPool, body: dict[str, Any]) -> None:
+        """Delete the pool's sandbox pods on nodes without an agent of the pool for its
+        ``agentGraceSeconds`` (:mod:`tangram.operator.orphans`), with a Warning Event per
+        node. A failed read or delete is tried again on the next refresh."""
+        ns, uid = pool.metadata.namespace, body["metadata"]["uid"]
+        grace = pool.spec.scheduler.agent_grace_seconds
+        try:
+            sandboxes = sandbox_nodes(self.cluster.list_pods(ns, sandbox_pods_selector(pool)), uid)
+            attended = set()
+            if sandboxes:  # (no sandbox: no need to read the agents)
+                attended = agent_nodes(self.cluster.list_pods(ns, agent_pods_selector(pool)))
+        except ApiServerError as e:
+            log.warning("pool %s/%s: sandbox pods not checked for an agent: %s", ns,
+                        pool.metadata.name, e)  # fmt: skip
+            return
+        found = sweep(sandboxes, attended, self._orphans.get(uid, {}), self.clock(), grace)
+        self._orphans[uid] = found.waiting
+        by_node: dict[str, list[str]] = {}
+        for pod, node in sorted(found.delete.items()):
+            by_node.setdefault(node, []).append(pod)
+        for node, pods in sorted(by_node.items()):
+            try:
+                deleted = [pod for pod in pods if self.cluster.delete_pod(ns, pod)]
+            except ApiServerError as e:
+                log.warning("pool %s/%s: sandbox pods on node %s not deleted: %s", ns,
+                            pool.metadata.name, node, e)  # fmt: skip
+                continue
+            if not deleted:
+                continue
+            message = (
+                f"deleted {len(deleted)} sandbox pod(s) on node {node} ({', '.join(deleted)}): "
+                f"no node agent of the pool has run there for {grace} s "
+                "(agentGraceSeconds), so none would take them back; their trajectories are "
+                "lost. The node left spec.cpu.nodeSelector, or the agent DaemonSet went."
+            )
+            log.warning("pool %s/%s: %s", ns, pool.metadata.name, message)
+            self.cluster.event(body, "Warning", ORPHANS_DELETED, message, self.clock())
 
     # ---- members ---------------------------------------------------------------------
     def reconcile_member(self, kind: str, namespace: str, name: str) -> None:

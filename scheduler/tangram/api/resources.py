@@ -341,8 +341,9 @@ class SchedulerDeployment(Spec):
             ge=0,
             le=86_400,
             description="how long the trajectories of a node whose agent went away (a pod "
-            "restart, a crash) wait for it to come back with their environments before they "
-            "are lost; meanwhile their actions are answered 503",
+            "restart, a crash, the node leaving the pool) wait for it to come back with their "
+            "environments before they are lost (meanwhile their actions are answered 503); "
+            "the operator then deletes the sandbox pods of a node left without an agent",
         ),
     ] = 120
 
