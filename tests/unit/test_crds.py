@@ -251,18 +251,21 @@ def test_printer_columns() -> None:
 
     ready = '.status.conditions[?(@.type=="Ready")].status'
     age = ".metadata.creationTimestamp"
+    sandboxes = '.status.conditions[?(@.type=="SandboxesHealthy")].reason'
     assert cols("ActionPool") == [
         ("Ready", ready),
         ("Nodes", ".status.nodes"),
         ("Cores", ".status.cores"),
         ("GPUs", ".status.gpus"),
         ("Queue", ".status.queueDepth"),
+        ("Sandboxes", sandboxes),
         ("Age", age),
     ]
     assert cols("TrajectoryEnv") == [
         ("Pool", ".spec.poolRef"),
         ("Image", ".spec.image"),
         ("Ready", ready),
+        ("Sandboxes", sandboxes),
         ("Age", age),
     ]
     assert cols("RewardService") == [

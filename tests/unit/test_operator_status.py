@@ -8,7 +8,7 @@ import pytest
 
 from tangram.api.resources import ActionPool, TrajectoryEnv
 from tangram.api.status import Condition, condition, parse_conditions, ready
-from tangram.api.wire import PoolFigures
+from tangram.api.wire import PoolFigures, ProblemFigure
 from tangram.cli.manifests import load_documents
 from tangram.operator.status import (
     PoolObservation,
@@ -150,6 +150,39 @@ def test_member_status_names_the_pool_or_why_not() -> None:
     no_cpu = pool.model_copy(update={"spec": pool.spec.model_copy(update={"cpu": None})})
     cond = ready(member_status(env, no_cpu, [], T0).conditions)
     assert cond is not None and cond.reason == "NoCpuSection"
+
+
+def test_a_trajectory_envs_own_sandbox_failures_show_beside_its_ready() -> None:
+    """Accepted (its pool serves it) and its image nowhere: SandboxesHealthy False with its
+    own failures only; True once none is recent; as it was when the figures are unknown."""
+    pool, env = _coding()
+    problems = [
+        ProblemFigure(reason="SandboxEvicted", subject="node n1", count=1,
+                      message="evicted", last_s=1),
+        ProblemFigure(reason="ImageUnavailable", subject="TrajectoryEnv swe", count=3,
+                      message="image ghcr.io/example/swe-env:latest is not on node n1",
+                      last_s=5),
+        ProblemFigure(reason="SetupFailed", subject="TrajectoryEnv other", count=1,
+                      message="exit 1", last_s=9),
+    ]  # fmt: skip
+
+    def healthy(conditions: list[Condition]) -> Condition:
+        return next(c for c in conditions if c.type == "SandboxesHealthy")
+
+    failing = member_status(env, pool, [], T0, problems=problems)
+    cond = ready(failing.conditions)
+    assert cond is not None and (cond.status, cond.reason) == ("True", "Accepted")
+    said = healthy(failing.conditions)
+    assert (said.status, said.reason) == ("False", "ImageUnavailable")
+    assert said.message == (
+        "ImageUnavailable (TrajectoryEnv swe, 3×): image ghcr.io/example/swe-env:latest is "
+        "not on node n1"
+    )
+    unknown = member_status(env, pool, failing.conditions, T1)
+    assert healthy(unknown.conditions) == said
+    quiet = healthy(member_status(env, pool, failing.conditions, T1, problems=[]).conditions)
+    assert (quiet.status, quiet.reason) == ("True", "NoRecentFailures")
+    assert quiet.last_transition_time == T1
 
 
 def test_invalid_member_status() -> None:

@@ -47,7 +47,7 @@ from tangram.api.status import (
     parse_conditions,
     ready,
 )
-from tangram.api.wire import PoolFigures
+from tangram.api.wire import PoolFigures, ProblemFigure
 from tangram.operator.builders import (
     AGENT_TENANT,
     OPERATOR_TENANT,
@@ -400,11 +400,18 @@ class Reconciler:
                     usable.append((kind, body, member))
         return usable
 
-    def _members_served(self, uid: str, pool: ActionPool, not_served: str | None) -> None:
+    def _members_served(
+        self,
+        uid: str,
+        pool: ActionPool,
+        not_served: str | None,
+        problems: list[ProblemFigure] | None = None,
+    ) -> None:
         """Write the status of the pool's members its pass can serve: Accepted when the
         scheduler took the definitions that include them, else why not (``not_served``:
         why it has not the current ones; a refusal of the scheduler's own is named as
-        such). Written only when it changes (``_write_status``)."""
+        such); a TrajectoryEnv's recent sandbox failures from ``problems`` (the
+        scheduler's). Written only when it changes (``_write_status``)."""
         served = self._served.get(uid, frozenset())
         refused = self._refused.get(uid)
         ns, name = pool.key
@@ -420,7 +427,8 @@ class Reconciler:
                     why = (Reason.NOT_SERVED, f"not given to {scheduler} yet: "
                            f"{not_served or 'it has not answered yet'}")  # fmt: skip
             previous = parse_conditions((body.get("status") or {}).get("conditions"))
-            status = member_status(member, pool, previous, now, not_served=why)
+            status = member_status(member, pool, previous, now, not_served=why,
+                                   problems=problems)  # fmt: skip
             body["status"] = self._write_status(body, status, previous)  # (ours: a copy)
 
     def _live_tokens(self, pool: ActionPool) -> dict[str, str]:
@@ -490,7 +498,8 @@ class Reconciler:
         not_served = push.failed or unreachable
         if rejected is not None or failed is not None:
             not_served = _not_applied(rejected, failed)
-        self._members_served(uid, pool, not_served)
+        self._members_served(uid, pool, not_served,
+                             figures.problems if figures is not None else None)  # fmt: skip
 
     def _agents(
         self, pool: ActionPool, figures: PoolFigures | None
@@ -704,8 +713,9 @@ class Reconciler:
             message = (
                 f"deleted {len(deleted)} sandbox pod(s) on node {node} ({', '.join(deleted)}): "
                 f"no node agent of the pool has run there for {grace} s "
-                "(agentGraceSeconds), so none would take them back; their trajectories are "
-                "lost. The node left spec.cpu.nodeSelector, or the agent DaemonSet went."
+                "(agentGraceSeconds), so none would take them back; the trajectories open "
+                "in them are lost. The node left spec.cpu.nodeSelector, or the agent "
+                "DaemonSet went."
             )
             log.warning("pool %s/%s: %s", ns, pool.metadata.name, message)
             self.cluster.event(body, "Warning", ORPHANS_DELETED, message, self.clock())

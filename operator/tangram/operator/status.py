@@ -21,7 +21,7 @@ from tangram.api.status import (
     PoolStatus,
     condition,
 )
-from tangram.api.wire import PoolFigures
+from tangram.api.wire import PoolFigures, ProblemFigure
 from tangram.operator.builders import child_name
 
 
@@ -73,7 +73,7 @@ def pool_status(pool: ActionPool | None, seen: PoolObservation, now: str) -> Poo
         now=now,
     )
     if seen.figures is not None:  # unknown without them: the previous one stands
-        healthy, cause, why = _sandboxes_healthy(seen.figures)
+        healthy, cause, why = _sandboxes_healthy(seen.figures.problems)
         conditions = condition(conditions, type=SANDBOXES_HEALTHY, status=healthy, reason=cause,
                                message=why, generation=seen.generation, now=now)  # fmt: skip
     live = (
@@ -101,16 +101,18 @@ def last_figures(status: Mapping[str, Any] | None) -> dict[str, Any]:
     return shown.model_dump(include=set(LIVE_FIGURES))
 
 
-def _sandboxes_healthy(f: PoolFigures) -> tuple[ConditionStatus, str, str]:
+def _sandboxes_healthy(
+    problems: Sequence[ProblemFigure], quiet: str = "no sandbox or node failed recently"
+) -> tuple[ConditionStatus, str, str]:
     """False while sandboxes or nodes failed within the scheduler's window, with the
     latest cause as the reason and the latest few as the message."""
-    if not f.problems:
-        return "True", Reason.NO_RECENT_FAILURES, "no sandbox or node failed recently"
+    if not problems:
+        return "True", Reason.NO_RECENT_FAILURES, quiet
     shown = "; ".join(
-        f"{p.reason} ({p.subject}, {p.count}×): {p.message}" for p in f.problems[:SHOWN_PROBLEMS]
+        f"{p.reason} ({p.subject}, {p.count}×): {p.message}" for p in problems[:SHOWN_PROBLEMS]
     )
-    more = len(f.problems) - SHOWN_PROBLEMS
-    return "False", f.problems[0].reason, shown + (f"; and {more} more" if more > 0 else "")
+    more = len(problems) - SHOWN_PROBLEMS
+    return "False", problems[0].reason, shown + (f"; and {more} more" if more > 0 else "")
 
 
 def _pool_ready(
@@ -225,11 +227,13 @@ def member_status(
     pool_invalid: str | None = None,
     *,
     not_served: tuple[str, str] | None = None,
+    problems: Sequence[ProblemFigure] | None = None,
 ) -> MemberStatus:
     """Accepted when the pool it names exists, can serve it and its scheduler has taken
     the definitions that include it. ``pool_invalid``: why the pool's spec does not
     validate (``pool`` is then None); ``not_served``: (reason, why) its scheduler was not
-    given it yet."""
+    given it yet; ``problems``: the scheduler's recent failures (None: not read, the
+    TrajectoryEnv's SandboxesHealthy stands as it was)."""
     generation = member.metadata.generation or 0
     ns, name = member.pool_key()
     problem: tuple[str, str] | None = reference_problem(member, pool)
@@ -237,10 +241,24 @@ def member_status(
         problem = Reason.POOL_INVALID, f"ActionPool {ns}/{name} is invalid: {pool_invalid}"
     if problem is None and not_served is not None:
         problem = not_served
-    if problem is None:
-        return _member(generation, f"{ns}/{name}", previous, now,
-                       ("True", Reason.ACCEPTED, f"served by ActionPool {ns}/{name}"))  # fmt: skip
-    return _member(generation, f"{ns}/{name}", previous, now, ("False", *problem))
+    ready_as: tuple[ConditionStatus, str, str] = (
+        ("True", Reason.ACCEPTED, f"served by ActionPool {ns}/{name}")
+        if problem is None
+        else ("False", *problem)
+    )
+    status = _member(generation, f"{ns}/{name}", previous, now, ready_as)
+    if isinstance(member, TrajectoryEnv) and problems is not None:
+        # Accepted says its pool serves it, not that its sandboxes start: an image that is
+        # nowhere fails every open. Its own recent failures show here, as on the pool.
+        subject = f"TrajectoryEnv {member.metadata.name}"
+        healthy, cause, why = _sandboxes_healthy(
+            [p for p in problems if p.subject == subject], "no sandbox of it failed recently"
+        )
+        conditions = condition(status.conditions, type=SANDBOXES_HEALTHY, status=healthy,
+                               reason=cause, message=why, generation=generation,
+                               now=now)  # fmt: skip
+        status = status.model_copy(update={"conditions": conditions})
+    return status
 
 
 def invalid_member_status(

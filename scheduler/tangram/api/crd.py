@@ -155,6 +155,12 @@ _READY = {
     "type": "string",
     "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
 }
+# The latest cause of recent sandbox failures, or NoRecentFailures.
+_SANDBOXES = {
+    "name": "Sandboxes",
+    "type": "string",
+    "jsonPath": '.status.conditions[?(@.type=="SandboxesHealthy")].reason',
+}
 _AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
 _POOL = {"name": "Pool", "type": "string", "jsonPath": ".spec.poolRef"}
 PRINTER_COLUMNS: dict[str, list[dict[str, str]]] = {
@@ -164,12 +170,14 @@ PRINTER_COLUMNS: dict[str, list[dict[str, str]]] = {
         {"name": "Cores", "type": "integer", "jsonPath": ".status.cores"},
         {"name": "GPUs", "type": "integer", "jsonPath": ".status.gpus"},
         {"name": "Queue", "type": "integer", "jsonPath": ".status.queueDepth"},
+        _SANDBOXES,
         _AGE,
     ],
     "TrajectoryEnv": [
         _POOL,
         {"name": "Image", "type": "string", "jsonPath": ".spec.image"},
         _READY,
+        _SANDBOXES,
         _AGE,
     ],
     "RewardService": [

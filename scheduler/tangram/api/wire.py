@@ -203,6 +203,11 @@ class TrajectoryState(StrEnum):
     CLOSING = "closing"  # its actions are being cancelled and its environment removed
     CLOSED = "closed"
 
+    @property
+    def closed(self) -> bool:
+        """Its owner closed it (it may still be closing): nothing is done on it any more."""
+        return self in (TrajectoryState.CLOSING, TrajectoryState.CLOSED)
+
 
 class TrajectoryInfo(_Answer):
     id: str

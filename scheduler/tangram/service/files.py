@@ -31,7 +31,6 @@ from tangram.api.wire import (
     FileEntry,
     FileOp,
     FilesOutcome,
-    TrajectoryState,
 )
 from tangram.service.agents import AgentLink
 from tangram.service.records import EngineError, ErrorKind, TrajectoryRecord
@@ -252,7 +251,7 @@ def _closed_under(traj: TrajectoryRecord) -> Iterator[None]:
     try:
         yield
     except EngineError:
-        if traj.state not in (TrajectoryState.CLOSING, TrajectoryState.CLOSED):
+        if not traj.state.closed:
             raise
         why = f" ({traj.ended})" if traj.ended else ""
         raise EngineError(

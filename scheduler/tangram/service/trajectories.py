@@ -29,7 +29,6 @@ log = logging.getLogger("tangram.service")
 # Opens remembered by idempotency key: a retry comes within seconds of its first try.
 MAX_OPEN_KEYS = 4096
 IDLE_CHECK_S = 5.0  # how often idle trajectories are looked for (idleTimeoutSeconds)
-_ENDING = (TrajectoryState.CLOSING, TrajectoryState.CLOSED)
 _IDLING = (TrajectoryState.OPEN, TrajectoryState.LOST)  # closed by idleTimeoutSeconds
 
 
@@ -174,12 +173,12 @@ class Trajectories:
         except BaseException:
             made.set_result(False)
             self.close_later(node, key)  # the agent may have made it: closed on its return
-            if rec.state not in _ENDING:  # (its agent gone meanwhile: AWAY) a close forgets
+            if not rec.state.closed:  # (its agent gone meanwhile: AWAY) a close forgets
                 self.forget(rec)  # it itself
             raise
         made.set_result(reply.ok)
         rec.opening = None
-        if rec.state in _ENDING:  # closed meanwhile: the close ends it
+        if rec.state.closed:  # closed meanwhile: the close ends it
             raise EngineError("conflict", "trajectory", f"{tid} was closed while it opened")
         if not reply.ok:
             self.forget(rec)
@@ -233,7 +232,7 @@ class Trajectories:
             if e.kind != "not_found" or recent is None:
                 raise
             return recent  # a retry of a close whose answer was lost
-        if rec.state in _ENDING:
+        if rec.state.closed:
             if rec.closing is not None:
                 await asyncio.shield(rec.closing)
             return rec

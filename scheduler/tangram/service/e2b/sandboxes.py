@@ -31,7 +31,6 @@ DEFAULT_TIMEOUT_S = 300  # E2B's default
 MAX_TIMEOUT_S = 24 * 3600
 REAP_EVERY_S = 1.0
 OUTPUT_BACKLOG = 256  # output chunks held for a reader before its command waits
-_ENDED = (TrajectoryState.CLOSING, TrajectoryState.CLOSED)
 
 
 def sandbox_labels(metadata: dict[str, str], timeout_s: int) -> dict[str, str]:
@@ -135,9 +134,9 @@ class Sandboxes:
         box = self._known.get((tenant, sid))
         if box is not None and box.trajectory is not rec:
             box = None  # the id was closed and opened again since
-        if rec.state in _ENDED:
+        if rec.state.closed:
             self._known.pop((tenant, sid), None)
-        if rec.state in _ENDED or (rec.state is TrajectoryState.LOST and not lost):
+        if rec.state.closed or (rec.state is TrajectoryState.LOST and not lost):
             # (a lost one stays known: the reaper still closes it at its timeout)
             why = f": {rec.ended}" if rec.ended else ""
             raise EngineError("not_found", "sandbox", f"sandbox {sid} was not found "
@@ -207,7 +206,7 @@ class Sandboxes:
         now = self.clock()
         due = []
         for key, box in list(self._known.items()):
-            if box.trajectory.state in _ENDED:
+            if box.trajectory.state.closed:
                 self._known.pop(key, None)
             elif box.end_at is not None and box.end_at <= now:
                 due.append(box)
