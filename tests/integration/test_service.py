@@ -659,3 +659,35 @@ def test_a_batchs_lease_whose_client_left_is_released_before_its_slowest_item_en
         assert len(engine.state.actions) == 1  # the command runs on (it has started)
         after = c.lease("q", hold_s=1)
         assert after.status is ActionStatus.OK
+
+
+def test_an_env_no_node_has_the_memory_for_fails_its_open_and_one_that_waits_is_told_to(
+    tmp_path: Path,
+) -> None:
+    """More memory than any node has for sandboxes: 400 naming spec.memoryGiB and the
+    largest node, noted against the TrajectoryEnv (its status shows it), not a 429 a
+    client would retry. Memory that is only taken now: 429."""
+    config = PoolConfig(
+        envs={
+            "huge": EnvConfig(spec=EnvSpec(name="huge", image="unused", memory_gb=1e6)),
+        }
+    )
+    with on_processes(config, tmp_path) as (url, token, engine), Client(url, token) as c:
+        (node,) = engine.state.core.cpu.nodes.values()
+        with pytest.raises(TangramError) as never:
+            c.open("huge")
+        assert never.value.status == 400
+        said = str(never.value)
+        assert "(MemoryDoesNotFit)" in said and "TrajectoryEnv huge" in said
+        assert "spec.memoryGiB 1e+06" in said
+        assert f"(the most: {node.memory_gb:g} GiB, node {node.name})" in said
+        (problem,) = engine.figures().problems
+        assert (problem.reason, problem.subject) == ("MemoryDoesNotFit", "TrajectoryEnv huge")
+        # "big" fits the node, but not twice over its memory: the second waits (429).
+        big = EnvSpec(name="big", image="unused", memory_gb=node.memory_gb * 0.6)
+        engine.state.config.envs["big"] = EnvConfig(spec=big)
+        t = c.open("big")
+        with pytest.raises(TangramError) as full:
+            Client(url, token, retries=0).open("big")
+        assert full.value.status == 429 and "GiB free for a new trajectory" in str(full.value)
+        c.close(t.id)

@@ -50,6 +50,8 @@ class Reason(StrEnum):
     SANDBOX_EXITED = "SandboxExited"  # its exec server ended
     SANDBOX_DELETED = "SandboxDeleted"  # someone deleted it
     CPU_MANAGER_STATIC = "CPUManagerStatic"  # the kubelet rewrites container cpusets itself
+    # The scheduler's: a TrajectoryEnv's memoryGiB is more than any node of the pool has.
+    MEMORY_DOES_NOT_FIT = "MemoryDoesNotFit"
 
 
 # The causes a node agent names a failed sandbox (or refused node) with.

@@ -9,6 +9,7 @@ import logging
 import secrets
 from collections import OrderedDict
 
+from tangram.api.reasons import Reason
 from tangram.api.wire import (
     OPEN_KEYS_FEATURE,
     ActionStatus,
@@ -151,6 +152,8 @@ class Trajectories:
         try:
             s.core.open_trajectory(key, env.spec.memory_gb, req.expected_steps, tenant=tenant)
         except SchedulingError as e:
+            if e.field == "memory_gb":
+                raise self._never_fits(req.env, env.spec.memory_gb) from None
             raise EngineError("invalid", e.field, e.message) from None
         node = s.core.cpu.choose_node(env.spec.memory_gb, 0, {})
         if node is None:
@@ -203,6 +206,20 @@ class Trajectories:
             },
         )
         return rec
+
+    def _never_fits(self, env: str, memory_gb: float) -> EngineError:
+        """The open of a TrajectoryEnv whose memory no node connected has for sandboxes,
+        free or not (the core refuses it): the error names the field and the largest
+        node, and is noted against the TrajectoryEnv, whose status shows it."""
+        s = self.s
+        largest = max(s.core.cpu.nodes.values(), key=lambda n: (n.memory_gb, n.name))
+        why = (
+            f"TrajectoryEnv {env} asks spec.memoryGiB {memory_gb:g} and no node of the pool "
+            f"has that much for sandboxes (the most: {largest.memory_gb:g} GiB, node "
+            f"{largest.name}): lower it, or add a node with more memory"
+        )
+        s.problems.note(Reason.MEMORY_DOES_NOT_FIT, f"TrajectoryEnv {env}", why, s.clock())
+        return EngineError("invalid", "env", f"{why} ({Reason.MEMORY_DOES_NOT_FIT})")
 
     def free_key(self, tid: str) -> str:
         """A pool-wide key for a new trajectory its tenant calls ``tid``: ``tid`` itself
