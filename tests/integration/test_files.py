@@ -130,6 +130,18 @@ def test_paths_that_leave_the_environment_are_refused_naming_the_path(
         refused = _refusal(call)
         assert refused.status == 403 and refused.field == "path", refused
         assert escape.split("/")[0] in str(refused)
+    # A rename blames the path at fault: its target, leading out, or a directory in the way.
+    t.files.write("mine", b"x")
+    t.files.make_dir("full")
+    t.files.write("full/f", b"x")
+    t.files.make_dir("vacant")
+    for target, status in (("esc/stolen", 403), ("full", 409)):
+        source = "vacant" if target == "full" else "mine"
+        refused = _refusal(lambda: t.files.rename(source, target))  # noqa: B023 (called now)
+        assert (refused.status, refused.field) == (status, "to"), refused
+        assert target in str(refused) and source not in str(refused), refused
+    gone = _refusal(lambda: t.files.rename("nope", "there"))
+    assert (gone.status, gone.field) == (404, "path") and "nope" in str(gone)
     missing = _refusal(lambda: t.files.read("nope"))
     assert (missing.status, missing.field) == (404, "path")
     is_dir = _refusal(lambda: t.files.read(f"{_workdir(kind)}/"))

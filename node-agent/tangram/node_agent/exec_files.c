@@ -389,8 +389,11 @@ static int op_rename(int sock, const char *path, const char *to) {
     if (dfd < 0) return fail(sock, errno, "rename", path);
     int tfd = open_parent(to, todir, sizeof todir, &tobase);
     if (tfd < 0) return fail(sock, errno, "rename to", to);
-    if (renameat(dfd, base, tfd, tobase) < 0) /* ENOENT: the source; the rest: either */
-        return fail(sock, errno, "rename", errno == ENOENT ? path : to);
+    /* ENOENT: the source (the target's directory was opened); the rest (EISDIR,
+     * ENOTEMPTY, EINVAL for a directory into itself, ...): what it would replace. */
+    if (renameat(dfd, base, tfd, tobase) < 0)
+        return errno == ENOENT ? fail(sock, errno, "rename", path)
+                               : fail(sock, errno, "rename to", to);
     return send_text(sock, 'X', "0");
 }
 

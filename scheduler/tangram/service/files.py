@@ -160,7 +160,10 @@ class Files:
         end = self._in_use(traj)
         try:
             with _closed_under(traj):
-                return _outcome(await self.state.ask(link.node, req), path)
+                reply = await self.state.ask(link.node, req)
+                if action == "rename" and (reply.error or "").startswith("rename to "):
+                    return _outcome(reply, str(kw.get("to")), field="to")  # the target's
+                return _outcome(reply, path)
         finally:
             end()
 
@@ -315,9 +318,10 @@ async def _whole_chunks(body: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         yield bytes(pending)
 
 
-def _outcome(reply: AgentReply, path: str, told: bool = False) -> FilesOutcome:
-    """The outcome of a reply, or why it failed; ``told``: the environment's message says
-    it all already (an untar's names the member it refused)."""
+def _outcome(reply: AgentReply, path: str, told: bool = False, field: str = "path") -> FilesOutcome:
+    """The outcome of a reply, or why it failed, blaming ``path`` (the request's ``field``);
+    ``told``: the environment's message says it all already (an untar's names the member
+    it refused)."""
     if reply.ok and reply.files is not None:
         return reply.files
     message = reply.error or "the agent did not say"
@@ -326,5 +330,5 @@ def _outcome(reply: AgentReply, path: str, told: bool = False) -> FilesOutcome:
     why = None if told else _WHY.get(reply.errno)
     said = f"{path}: {why}" if why else message
     if reply.errno in _NO_SPACE:
-        raise NoSpaceError("path", said)
-    raise EngineError(_KINDS.get(reply.errno, "failed"), "path", said)
+        raise NoSpaceError(field, said)
+    raise EngineError(_KINDS.get(reply.errno, "failed"), field, said)
