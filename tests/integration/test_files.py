@@ -223,6 +223,35 @@ def test_remove_takes_symlinks_away_never_what_they_point_to(execd: Built, tmp_p
     assert (outside / "precious").read_text() == "keep"
 
 
+def test_a_tree_deeper_than_the_server_descends_is_refused_saying_so(
+    execd: Built, tmp_path: Path
+) -> None:
+    """Past 256 directory levels a remove and a tar stop with E2BIG (a limit, answered
+    413) saying the tree is too deep: it was ELOOP, read as a symlink loop."""
+    assert execd.path is not None
+    root = tmp_path / "env"
+    root.joinpath("t", *["d"] * 300).mkdir(parents=True)
+    files = EnvFiles(one_shot(execd.path, root), "/")
+
+    async def refusal(call: Any) -> FileError:
+        with pytest.raises(FileError) as refused:
+            await call()
+        return refused.value
+
+    async def tar_all() -> None:
+        _, data = await files.tar("/t")
+        async for _ in data:
+            pass
+
+    async def scenario() -> list[FileError]:
+        return [await refusal(lambda: files.remove("/t")), await refusal(tar_all)]
+
+    for refused in asyncio.run(scenario()):
+        assert refused.errno == errno.E2BIG, refused
+        assert "deeper than 256 directory levels" in str(refused), refused
+    assert (root / "t").is_dir()  # (a remove unlinks bottom up: it failed before any)
+
+
 def test_a_fifo_is_refused_not_read_forever(execd: Built, tmp_path: Path) -> None:
     assert execd.path is not None
     os.mkfifo(tmp_path / "pipe")

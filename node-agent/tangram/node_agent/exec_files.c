@@ -36,16 +36,23 @@
 #include <linux/openat2.h>
 #include <sys/syscall.h>
 
-#define MAX_DEPTH 256 /* directory levels a remove descends */
+#define MAX_DEPTH 256 /* directory levels a remove or a tar descends */
+/* Said of a tree past MAX_DEPTH, with E2BIG (a limit of the server's, as a listing's
+ * entries are), not ELOOP, which callers read as a symlink loop. */
+#define TOO_DEEP "the tree is deeper than 256 directory levels"
 
 static int files_root = -1;
 static unsigned long long files_resolve;
 
-static int fail(int sock, int err, const char *what, const char *path) {
+static int fail_why(int sock, int err, const char *what, const char *path, const char *why) {
     char msg[4200];
-    snprintf(msg, sizeof msg, "%d %s %s: %s", err, what, path, strerror(err));
+    snprintf(msg, sizeof msg, "%d %s %s: %s", err, what, path, why);
     send_text(sock, 'Z', msg);
     return -1;
+}
+
+static int fail(int sock, int err, const char *what, const char *path) {
+    return fail_why(sock, err, what, path, strerror(err));
 }
 
 /* The root-relative form of an absolute path, or NULL (errno EPERM) if it has "..". */
@@ -351,7 +358,7 @@ static int remove_tree(int dirfd, const char *name, int depth) {
     int first = errno;
     if (first != EISDIR && first != EPERM) return -1;
     if (depth >= MAX_DEPTH) {
-        errno = ELOOP;
+        errno = E2BIG;
         return -1;
     }
     int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -378,7 +385,11 @@ static int op_remove(int sock, const char *path) {
     char dir[4096];
     const char *base;
     int dfd = open_parent(path, dir, sizeof dir, &base);
-    if (dfd < 0 || remove_tree(dfd, base, 0) < 0) return fail(sock, errno, "remove", path);
+    if (dfd < 0) return fail(sock, errno, "remove", path);
+    if (remove_tree(dfd, base, 0) < 0)
+        return errno == E2BIG /* (unlinkat never says it) */
+                   ? fail_why(sock, E2BIG, "remove", path, TOO_DEEP ": remove its depths first")
+                   : fail(sock, errno, "remove", path);
     return send_text(sock, 'X', "0");
 }
 

@@ -51,7 +51,7 @@ static int tar_file(int sock, int dirfd, const char *name, const char *rel) {
 
 /* The members of the directory DIRFD, whose path relative to the tar's root is REL. */
 static int tar_walk(int sock, int dirfd, char *rel, size_t rlen, int depth) {
-    if (depth >= MAX_DEPTH) return fail(sock, ELOOP, "tar", rel);
+    if (depth >= MAX_DEPTH) return fail_why(sock, E2BIG, "tar", rel, TOO_DEEP);
     struct dirent **names;
     int n = scandirat(dirfd, ".", &names, skip_dots, alphasort);
     if (n < 0) return fail(sock, errno, "tar", rlen ? rel : ".");
