@@ -130,6 +130,13 @@ def test_a_registered_runtime_serves_the_agent_without_naming_it_anywhere_else(
                         ("exec", "t1", ["true"], [3], {"A": "1"}), ("shutdown",)]  # fmt: skip
 
 
+def test_a_runtime_of_virtual_cores_keeps_its_idle_core_apart_from_the_actions(
+    tmp_path: Path,
+) -> None:
+    agent = NodeAgent.create(tmp_path / "state", runtime="noop", cores_for_actions=4)
+    assert (agent.action_cores, agent.idle_cores) == ([0, 1, 2, 3], [4])
+
+
 def test_an_unknown_runtime_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(ExecError, match=r"'gvisor': unknown \(known: auto, docker, pod"):
         NodeAgent.create(tmp_path / "state", runtime="gvisor")

@@ -270,7 +270,9 @@ class NodeAgent:
         inventory = read_inventory(gpus=nvml_gpus if options.mode in ("auto", "cuda") else None)
         name = node or inventory.hostname
         if runtime != "auto" and registration(runtime).virtual_cores:
-            actions, idle = list(range(cores_for_actions or 1024)), [0]
+            # Cores that are numbers only; the idle one apart from them, as a host's is.
+            actions = list(range(cores_for_actions or 1024))
+            idle = [len(actions)]
         else:
             host = sorted(os.sched_getaffinity(0))
             actions, idle = split_cores(host, idle_cores, cores_for_actions)
