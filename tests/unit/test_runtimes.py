@@ -307,6 +307,40 @@ def test_an_open_cut_off_while_its_sandbox_starts_closes_the_sandbox_once_made()
     assert made.is_set() and inner.closed == ["pod-for-t1"] and sandboxes.held() == []
 
 
+def test_a_warm_environment_still_being_made_as_the_agent_stops_is_released_with_the_rest() -> None:
+    """The agent stops (its tasks cancelled) while a warm pod starts: the pod is made all
+    the same, in its thread, and must not land after the warm pool was emptied."""
+    started, go = threading.Event(), threading.Event()
+
+    class Inner:
+        def __init__(self) -> None:
+            self.warm_pool: list[str] = []
+            self.released: list[str] = []
+
+        def warm(self, spec: EnvSpec) -> int:
+            started.set()
+            go.wait(30)
+            self.warm_pool.append("warm-pod")
+            return 1
+
+        def shutdown_warm(self) -> None:
+            self.released += self.warm_pool
+            self.warm_pool.clear()
+
+    inner = Inner()
+    sandboxes = runtimes.Sandboxes("inner", inner)
+
+    async def scenario() -> None:
+        topping_up = asyncio.ensure_future(sandboxes.warm(EnvSpec(name="b", image="i", warm=1)))
+        await asyncio.to_thread(started.wait, 30)
+        topping_up.cancel()  # as the agent's shutdown cancels what runs
+        threading.Timer(0.2, go.set).start()  # the pod comes up while the agent stops
+        await sandboxes.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))  # (a guard against a hang)
+    assert (inner.released, inner.warm_pool) == (["warm-pod"], [])
+
+
 def test_a_file_request_goes_to_the_runtime_and_its_refusal_is_the_reply(
     recorder: list[Recorder], tmp_path: Path
 ) -> None:

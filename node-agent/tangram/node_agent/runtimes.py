@@ -23,7 +23,8 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -39,6 +40,9 @@ log = logging.getLogger("tangram.agent")
 # cold pod's start and setup), so they have threads of their own, and at most this many
 # run at once; the rest wait for one there, not in the default pool.
 MAKING_THREADS = 32
+# How long a stopping agent waits for environments still being made (a warm one made after
+# the warm pool was emptied would be left behind). Within the 30 s a pod is given to stop.
+SHUTDOWN_MAKING_S = 10.0
 REBUILD_AFTER_S = 30.0  # a failed build of the process runtime's files server, tried again
 
 
@@ -191,6 +195,7 @@ class Sandboxes:
         # Closes, the gone watch and other short calls stay in the loop's default pool,
         # which a burst of cold opens would otherwise fill.
         self._making = ThreadPoolExecutor(MAKING_THREADS, thread_name_prefix="tangram-make")
+        self._in_flight: set[Future[Any]] = set()  # makes running or queued in it
 
     def adopt(self) -> list[str]:
         adopted: list[str] = self.inner.adopt()
@@ -200,7 +205,10 @@ class Sandboxes:
         return sorted(self.inner.envs)
 
     def _make(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        return asyncio.get_running_loop().run_in_executor(self._making, fn, *args)
+        making = self._making.submit(fn, *args)
+        self._in_flight.add(making)
+        making.add_done_callback(self._in_flight.discard)
+        return asyncio.wrap_future(making)
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
         making = self._make(self.inner.open, trajectory, spec)
@@ -261,8 +269,14 @@ class Sandboxes:
         return found
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self.inner.shutdown_warm)
+        """Queued makes never start; those running finish (for ``SHUTDOWN_MAKING_S`` at
+        most), so that a warm environment made meanwhile is released with the rest, not
+        left (a node that leaves the pool gets no agent to take it back)."""
         self._making.shutdown(wait=False, cancel_futures=True)
+        running = [f for f in self._in_flight if not f.done()]
+        if running:
+            await asyncio.to_thread(wait_all, running, SHUTDOWN_MAKING_S)
+        await asyncio.to_thread(self.inner.shutdown_warm)
 
 
 class Processes:
