@@ -252,6 +252,29 @@ def test_a_tree_deeper_than_the_server_descends_is_refused_saying_so(
     assert (root / "t").is_dir()  # (a remove unlinks bottom up: it failed before any)
 
 
+def test_a_rename_across_file_systems_says_so_naming_both_paths(
+    execd: Built, tmp_path: Path
+) -> None:
+    """renameat's EXDEV (a volume mounted inside) is not a symlink leading out."""
+    assert execd.path is not None
+    if os.geteuid() != 0:
+        pytest.skip("mounting a file system inside the environment needs root")
+    root = tmp_path / "env"
+    (root / "vol").mkdir(parents=True)
+    (root / "f").write_text("x")
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(root / "vol")], check=True)
+    try:
+        files = EnvFiles(one_shot(execd.path, root), "/")
+        with pytest.raises(FileError) as refused:
+            asyncio.run(files.rename("/f", "/vol/f"))
+    finally:
+        subprocess.run(["umount", str(root / "vol")], check=True)
+    assert refused.value.errno == errno.EXDEV
+    assert str(refused.value) == (
+        "rename /f to /vol/f: they are on different file systems (a volume): copy, then remove"
+    )
+
+
 def test_a_fifo_is_refused_not_read_forever(execd: Built, tmp_path: Path) -> None:
     assert execd.path is not None
     os.mkfifo(tmp_path / "pipe")

@@ -27,11 +27,12 @@ def _pinned(node: str) -> dict[str, Any]:
             "status": {"phase": "Pending"}}  # fmt: skip
 
 
-def test_an_agent_pod_attends_its_node_until_it_ended_or_is_being_deleted() -> None:
+def test_an_agent_pod_attends_its_node_until_it_ended_or_is_gone() -> None:
+    """One being deleted still runs, connected, until it is gone (a rollout's old pod)."""
     pods = [_pod("running"), _pod("pending", phase="Pending"), _pinned("unbound"),
             _pod("failed", phase="Failed"), _pod("done", phase="Succeeded"),
             _pod("going", deletionTimestamp="2026-11-29T09:00:00Z"), _pod(None)]  # fmt: skip
-    assert agent_nodes(pods) == {"running", "pending", "unbound"}
+    assert agent_nodes(pods) == {"running", "pending", "unbound", "going"}
 
 
 def test_sandboxes_are_the_pools_own_and_not_already_going() -> None:

@@ -710,3 +710,26 @@ def test_an_api_server_that_fails_the_sandbox_sweep_leaves_the_pods_for_the_next
     cluster.down = False
     r.refresh_pool("rl", "coding")
     assert ("Pod", "rl", "sb-b") not in cluster.objects
+
+
+def test_a_sandbox_whose_delete_fails_does_not_hide_those_deleted_beside_it() -> None:
+    cluster, link = Cluster(), Link()
+    r = _reconciler(cluster, link)
+    cluster.add(_pool(agentGraceSeconds=0))
+    for name in ("sb-1", "sb-2", "sb-3"):
+        cluster.add(_sandbox(name, "b"))
+    deleting = cluster.delete_pod
+
+    def delete_pod(namespace: str, name: str) -> bool:
+        if name == "sb-2":
+            raise ApiServerError("deleting pod sb-2: HTTP 500: etcd timeout")
+        return deleting(namespace, name)
+
+    cluster.delete_pod = delete_pod  # type: ignore[method-assign]
+    r.refresh_pool("rl", "coding")
+    assert {name for kind, _, name in cluster.objects if kind == "Pod"} == {"sb-2"}
+    (message,) = [m for reason, m in cluster.events if reason == "OrphanedSandboxesDeleted"]
+    assert "2 sandbox pod(s) on node b (sb-1, sb-3)" in message
+    cluster.delete_pod = deleting  # type: ignore[method-assign]
+    r.refresh_pool("rl", "coding")  # tried again at the next sweep
+    assert not any(kind == "Pod" for kind, _, _ in cluster.objects)

@@ -180,6 +180,8 @@ def test_a_trajectory_envs_own_sandbox_failures_show_beside_its_ready() -> None:
     )
     unknown = member_status(env, pool, failing.conditions, T1)
     assert healthy(unknown.conditions) == said
+    # Nothing changed, so nothing to patch: the conditions keep their order either way.
+    assert unknown.conditions == failing.conditions
     quiet = healthy(member_status(env, pool, failing.conditions, T1, problems=[]).conditions)
     assert (quiet.status, quiet.reason) == ("True", "NoRecentFailures")
     assert quiet.last_transition_time == T1

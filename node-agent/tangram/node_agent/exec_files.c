@@ -400,12 +400,21 @@ static int op_rename(int sock, const char *path, const char *to) {
     if (dfd < 0) return fail(sock, errno, "rename", path);
     int tfd = open_parent(to, todir, sizeof todir, &tobase);
     if (tfd < 0) return fail(sock, errno, "rename to", to);
-    /* ENOENT: the source (the target's directory was opened); the rest (EISDIR,
-     * ENOTEMPTY, EINVAL for a directory into itself, ...): what it would replace. */
-    if (renameat(dfd, base, tfd, tobase) < 0)
-        return errno == ENOENT ? fail(sock, errno, "rename", path)
-                               : fail(sock, errno, "rename to", to);
-    return send_text(sock, 'X', "0");
+    if (renameat(dfd, base, tfd, tobase) == 0) return send_text(sock, 'X', "0");
+    int err = errno;
+    char both[8300];
+    snprintf(both, sizeof both, "%s to %s", path, to);
+    switch (err) {
+    case ENOENT: /* the source: the target's directory was opened */
+        return fail(sock, err, "rename", path);
+    case EISDIR: case ENOTDIR: case ENOTEMPTY: case EEXIST: case EINVAL:
+        return fail(sock, err, "rename to", to); /* what it would replace, or land in */
+    case EXDEV: /* not a symlink leading out (the directories were opened beneath) */
+        return fail_why(sock, err, "rename", both,
+                        "they are on different file systems (a volume): copy, then remove");
+    default: /* EACCES, EPERM, EBUSY: either of them */
+        return fail(sock, err, "rename", both);
+    }
 }
 
 #include "exec_tar.c"

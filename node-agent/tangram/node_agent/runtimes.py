@@ -273,7 +273,7 @@ class Sandboxes:
         most), so that a warm environment made meanwhile is released with the rest, not
         left (a node that leaves the pool gets no agent to take it back)."""
         self._making.shutdown(wait=False, cancel_futures=True)
-        running = [f for f in self._in_flight if not f.done()]
+        running = [f for f in list(self._in_flight) if not f.done()]  # (threads discard)
         if running:
             await asyncio.to_thread(wait_all, running, SHUTDOWN_MAKING_S)
         await asyncio.to_thread(self.inner.shutdown_warm)

@@ -167,7 +167,10 @@ class Cluster:
         """The pods of ``namespace`` that ``selector`` (a label selector) matches."""
         try:
             found = self._core.list_namespaced_pod(
-                namespace, label_selector=selector, timeout_seconds=LIST_TIMEOUT_S
+                namespace,
+                label_selector=selector,
+                timeout_seconds=LIST_TIMEOUT_S,
+                resource_version="0",  # the API server's cache, not etcd: every 10 s a pool
             )
         except _NOT_DONE as e:
             raise _failed(f"listing pods {selector}", e) from None
@@ -244,6 +247,8 @@ class Cluster:
             self._core.create_namespaced_event(meta["namespace"], body)
         except ApiException as e:  # an Event is a courtesy: never fail a reconcile on it
             log.warning("event not posted: %s %s", e.status, e.reason)
+        except _NO_ANSWER as e:
+            log.warning("event not posted: %s", e)
 
 
 __all__ = [

@@ -40,12 +40,11 @@ def _node_of(pod: Mapping[str, Any]) -> str | None:
 
 
 def agent_nodes(pods: Iterable[Mapping[str, Any]]) -> set[str]:
-    """The nodes with an agent pod that is or will be running there (a pending pod's agent
-    takes the node's sandboxes back once it starts)."""
+    """The nodes with an agent pod that is or will be running there: a pending pod's agent
+    takes the node's sandboxes back once it starts, and one being deleted still runs (and
+    is still connected: the scheduler's grace starts when it stops) until it is gone."""
     nodes = set()
     for pod in pods:
-        if (pod.get("metadata") or {}).get("deletionTimestamp"):
-            continue
         if (pod.get("status") or {}).get("phase") in _ENDED:
             continue
         if (node := _node_of(pod)) is not None:

@@ -325,15 +325,17 @@ class Reconciler:
                 rejected is None or rejected.generation != generation
             )
             # No full pass in this process yet, or none for a while: do it whole.
-            if (
-                full_at is None
-                or unhandled
-                or (self.clock() - full_at).total_seconds() >= FULL_PASS_S
-            ):
-                self.reconcile_pool(namespace, name)  # the lock is reentrant
-            elif built is not None:  # (None: its children were refused; the status says so)
-                self._refresh(self._serving(uid, pool), body, built)
-            self._sweep_orphans(self._serving(uid, pool), body)
+            try:
+                if (
+                    full_at is None
+                    or unhandled
+                    or (self.clock() - full_at).total_seconds() >= FULL_PASS_S
+                ):
+                    self.reconcile_pool(namespace, name)  # the lock is reentrant
+                elif built is not None:  # (None: its children were refused; status says so)
+                    self._refresh(self._serving(uid, pool), body, built)
+            finally:  # (also when a pass failed: a pool whose applies fail still sweeps)
+                self._sweep_orphans(self._serving(uid, pool), body)
 
     def _live_pool(
         self, namespace: str, name: str, body: dict[str, Any] | None = None
@@ -702,12 +704,14 @@ class Reconciler:
         for pod, node in sorted(found.delete.items()):
             by_node.setdefault(node, []).append(pod)
         for node, pods in sorted(by_node.items()):
-            try:
-                deleted = [pod for pod in pods if self.cluster.delete_pod(ns, pod)]
-            except ApiServerError as e:
-                log.warning("pool %s/%s: sandbox pods on node %s not deleted: %s", ns,
-                            pool.metadata.name, node, e)  # fmt: skip
-                continue
+            deleted = []
+            for pod in pods:
+                try:
+                    if self.cluster.delete_pod(ns, pod):
+                        deleted.append(pod)
+                except ApiServerError as e:  # (the next sweep tries it again)
+                    log.warning("pool %s/%s: sandbox pod %s on node %s not deleted: %s", ns,
+                                pool.metadata.name, pod, node, e)  # fmt: skip
             if not deleted:
                 continue
             message = (

@@ -106,8 +106,10 @@ def condition(
     generation: int,
     now: str,
 ) -> list[Condition]:
-    """``previous`` with the condition ``type`` set; its transition time moves only when its
-    status changes (so watchers see when it became Ready, not when it was last checked)."""
+    """``previous`` with the condition ``type`` set, in its place (a new one last: an order
+    that moved would make the status differ, and be patched, on every pass); its
+    transition time moves only when its status changes (so watchers see when it became
+    Ready, not when it was last checked)."""
     old = next((c for c in previous if c.type == type), None)
     since = old.last_transition_time if old is not None and old.status == status else now
     new = Condition(
@@ -118,7 +120,9 @@ def condition(
         last_transition_time=since,
         observed_generation=generation,
     )
-    return [*(c for c in previous if c.type != type), new]
+    if old is None:
+        return [*previous, new]
+    return [new if c.type == type else c for c in previous]
 
 
 def ready(conditions: Sequence[Condition]) -> Condition | None:

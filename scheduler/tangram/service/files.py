@@ -161,9 +161,13 @@ class Files:
         try:
             with _closed_under(traj):
                 reply = await self.state.ask(link.node, req)
-                if action == "rename" and (reply.error or "").startswith("rename to "):
+                said = reply.error or ""
+                if action == "rename" and said.startswith("rename to "):
                     return _outcome(reply, str(kw.get("to")), field="to")  # the target's
-                return _outcome(reply, path)
+                # A refusal of the rename itself names both paths, and says it all (its
+                # EXDEV is two file systems, not a symlink leading out).
+                both = action == "rename" and said.startswith("rename ") and " to " in said
+                return _outcome(reply, path, told=both)
         finally:
             end()
 
