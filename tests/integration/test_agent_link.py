@@ -199,3 +199,42 @@ def test_the_scheduler_answers_the_agents_pings(tmp_path: Path) -> None:
     with service(CONFIG, None, tmp_path, tokens=tokens) as (running, _):
         url = running.url.replace("http://", "ws://") + "/v1/agents"
         asyncio.run(ping(url))  # the pong came back (its wait is bounded: 30 s)
+
+
+def test_a_second_agent_of_the_pool_for_a_node_is_refused_and_the_first_keeps_it(
+    tmp_path: Path,
+) -> None:
+    """A pool's CPU and GPU agents on one node say hello under the same node name: the
+    second was taken as the first's reconnect, and the two took each other's place. It is
+    refused (1008), saying why, on the pool's status; the first serves on."""
+    tokens = TokenStore.create(tmp_path / "tokens")
+    agent_token = tokens.token_for(AGENT_TENANT)
+    first = NodeAgent.create(tmp_path / "cpu", runtime="noop", cores_for_actions=1, node="n1")
+    second = NodeAgent.create(tmp_path / "gpu", runtime="noop", cores_for_actions=1, node="n1")
+    assert first.agent_id and second.agent_id and first.agent_id != second.agent_id
+
+    async def knock(url: str) -> websockets.frames.Close | None:
+        async with websockets.connect(
+            url, additional_headers={"Authorization": f"Bearer {agent_token}"}
+        ) as ws:
+            await ws.send(second.hello().model_dump_json())
+            with pytest.raises(websockets.ConnectionClosed) as ended:
+                await asyncio.wait_for(ws.recv(), 30)
+            return ended.value.rcvd
+
+    with (
+        service(CONFIG, first, tmp_path, tokens=tokens) as (running, token),
+        Client(running.url, token) as client,
+    ):
+        url = running.url.replace("http://", "ws://") + "/v1/agents"
+        until(lambda: "n1" in running.engine.hub.links, "the first agent joined")
+        link_before = running.engine.hub.links["n1"]
+        closed = asyncio.run(knock(url))
+        assert closed is not None and closed.code == 1008
+        assert "another agent of this pool" in closed.reason
+        assert running.engine.hub.links["n1"] is link_before  # the first one kept its place
+        (problem,) = running.engine.figures().problems
+        assert (problem.reason, problem.subject) == ("DuplicateAgent", "node n1")
+        assert f"agent {second.agent_id} refused, agent {first.agent_id}" in problem.message
+        t = client.open("noop")  # and it serves
+        assert client.exec(t.id, ["true"]).status is ActionStatus.OK

@@ -438,3 +438,18 @@ def test_an_exec_reply_with_a_signal_parses_at_a_scheduler_of_the_release_before
     reply = AgentReply(rid=1, ok=True, result=outcome(killed), signal=killed.signal)
     sent = json.loads(reply.model_dump_json())
     assert set(sent["result"]) <= before and sent["signal"] == 9
+
+
+def test_an_agent_refused_at_once_backs_off_and_one_that_served_reconnects_at_once() -> None:
+    """A scheduler that closes the link as it is made (it refuses the node) is knocked on
+    ever more slowly, up to the cap; a link that served a while is made again at once."""
+    from tangram.api.wire import AGENT_BACKOFF_MAX_S
+    from tangram.node_agent.link import STABLE_S, next_wait
+
+    backoff, waits = 0.1, []
+    for _ in range(8):
+        wait, backoff = next_wait(backoff, 0.01)  # closed as it was made
+        waits.append(wait)
+    assert waits == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, AGENT_BACKOFF_MAX_S, AGENT_BACKOFF_MAX_S]
+    assert next_wait(backoff, STABLE_S) == (0.1, 0.2)
+    assert next_wait(0.4, None) == (0.4, 0.8)  # no connection at all

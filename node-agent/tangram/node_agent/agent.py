@@ -192,6 +192,9 @@ class NodeAgent:
         self.action_cores = action_cores
         self.idle_cores = idle_cores
         self.node = node
+        # Which agent this is to the scheduler (its state directory's digest, set by
+        # ``create``): another agent of the pool on the same node has another.
+        self.agent_id = ""
         self.meta_dir: Path | None = None  # where trajectory metadata outlives the agent
         self._state_lock: int | None = None  # its state directory's lock (state_lock.hold)
         self.meta: dict[str, TrajectoryMeta] = {}
@@ -278,6 +281,7 @@ class NodeAgent:
             actions, idle = split_cores(host, idle_cores, cores_for_actions)
         setting = Setting(state_dir, name, idle, cache_dir, owner_id(state_dir), {"pods": pods})
         agent = cls(create(runtime, setting), inventory, actions, idle, node=name)
+        agent.agent_id = setting.owner_id
         if agent.runtime.problem is not None:  # the scheduler refuses it, and says so
             log.error("this node cannot run actions: %s", agent.runtime.problem.message)
         agent.runtime.adopt()  # what a previous agent left; hello() reports what is held
@@ -313,6 +317,7 @@ class NodeAgent:
             gpu=self.gpu.info if self.gpu is not None else None,
             problem=self.runtime.problem,
             features=[FILES_FEATURE, TAR_FEATURE, OPEN_KEYS_FEATURE],
+            agent=self.agent_id,
         )
 
     def _held(self) -> list[str]:

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import json
 import logging
+import time
 
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
@@ -45,6 +46,9 @@ PING_INTERVAL_S = 2.0
 PING_TIMEOUT_S = 15.0
 CLOSE_TIMEOUT_S = 2.0  # the closing handshake, which a silent scheduler never answers
 GONE_CHECK_S = 2.0  # how often environments that ended by themselves are looked for
+# A link that lasted this long resets the backoff; one the scheduler closed sooner (it
+# refused the node) does not, or a refused agent would knock ten times a second.
+STABLE_S = 10.0
 
 
 class SchedulerUrlError(ValueError):
@@ -76,6 +80,7 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
     :class:`SchedulerUrlError`; every other failure is retried with backoff."""
     check_url(url)
     backoff = 0.1
+    connected: float | None = None  # when the current link's connection was made
     while not stop.is_set():
         try:
             async with websockets.connect(
@@ -88,7 +93,7 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
                 open_timeout=10,
                 subprotocols=[websockets.Subprotocol(AGENT_SUBPROTOCOL)],
             ) as ws:
-                backoff = 0.1
+                connected = time.monotonic()
                 gc.collect()
                 gc.freeze()  # start-up objects are forever: keep collections short
                 await ws.send(agent.hello().model_dump_json())
@@ -99,13 +104,31 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
         except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as e:
             if stop.is_set():
                 break
-            log.warning("scheduler link: %s; retrying in %.1fs", e, backoff)
+            wait, backoff, connected = _retry(backoff, connected)
+            log.warning("scheduler link: %s; retrying in %.1fs", e, wait)
         except Exception:  # a bug in one session must not end the agent: reconnect
-            log.exception("scheduler link failed; retrying in %.1fs", backoff)
+            wait, backoff, connected = _retry(backoff, connected)
+            log.exception("scheduler link failed; retrying in %.1fs", wait)
+        else:
+            wait, backoff, connected = _retry(backoff, connected)
         if not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff)
-            backoff = min(backoff * 2, AGENT_BACKOFF_MAX_S)
+                await asyncio.wait_for(stop.wait(), wait)
+
+
+def _retry(backoff: float, connected: float | None) -> tuple[float, float, None]:
+    """``next_wait`` for a link connected at ``connected`` (monotonic; None: never)."""
+    lasted = None if connected is None else time.monotonic() - connected
+    return (*next_wait(backoff, lasted), None)
+
+
+def next_wait(backoff: float, lasted_s: float | None) -> tuple[float, float]:
+    """How long to wait before connecting again, and the backoff after: a link that
+    served ``STABLE_S`` or longer starts the series again; one refused sooner, or no
+    connection at all (``lasted_s`` None), goes on doubling it."""
+    if lasted_s is not None and lasted_s >= STABLE_S:
+        backoff = 0.1
+    return backoff, min(backoff * 2, AGENT_BACKOFF_MAX_S)
 
 
 async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyncio.Event) -> None:

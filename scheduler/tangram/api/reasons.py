@@ -52,6 +52,8 @@ class Reason(StrEnum):
     CPU_MANAGER_STATIC = "CPUManagerStatic"  # the kubelet rewrites container cpusets itself
     # The scheduler's: a TrajectoryEnv's memoryGiB is more than any node of the pool has.
     MEMORY_DOES_NOT_FIT = "MemoryDoesNotFit"
+    # The scheduler's: a second agent of the pool for a node (its CPU and GPU agents).
+    DUPLICATE_AGENT = "DuplicateAgent"
 
 
 # The causes a node agent names a failed sandbox (or refused node) with.

@@ -809,6 +809,11 @@ class AgentHello(_Strict):
     features: list[str] = Field(
         default_factory=list, description="what it serves beyond actions (files)"
     )
+    agent: str = Field(
+        "",
+        description="which agent: its state directory's digest, the same across its "
+        "restarts ('' from agents before it)",
+    )
 
 
 class EnvSpec(_Strict):

@@ -262,22 +262,39 @@ class AgentHub:
         self._on_join: Callable[[AgentLink], Awaitable[None]] = _nothing
         self._on_leave: Callable[[AgentLink], Awaitable[None]] = _nothing
         self._on_orphan: Callable[[str, AgentReply], None] = lambda node, reply: None
+        self._on_second: Callable[[str, str], None] = lambda node, why: None
 
     def attach(
         self,
         on_join: Callable[[AgentLink], Awaitable[None]],
         on_leave: Callable[[AgentLink], Awaitable[None]],
         on_orphan: Callable[[str, AgentReply], None],
+        on_second: Callable[[str, str], None] | None = None,
     ) -> None:
-        """Who hears of nodes joining (it may refuse one by raising) and leaving, and of
-        replies no request awaits (runs that outlived their link, lost environments)."""
+        """Who hears of nodes joining (it may refuse one by raising) and leaving, of
+        replies no request awaits (runs that outlived their link, lost environments), and
+        of a second agent refused for a node another one serves (``on_second``: node, why)."""
         self._on_join, self._on_leave, self._on_orphan = on_join, on_leave, on_orphan
+        if on_second is not None:
+            self._on_second = on_second
 
     async def serve(self, socket: Socket, *, packed: bool = False) -> None:
         """Run one agent's connection from its hello to its end; ``packed``: the agent
         took the subprotocol that lets a frame hold several messages."""
         hello = AgentHello.model_validate_json(await socket.receive_text())
         old = self.links.get(hello.node)
+        if old is not None and old.hello.agent and hello.agent and old.hello.agent != hello.agent:
+            # Another agent for the same node (a pool's CPU and GPU agents on one node): the
+            # two would take each other's place at every reconnect. The one serving stays.
+            why = (
+                f"node {hello.node}: agent {hello.agent} refused, agent {old.hello.agent} "
+                "of this pool serves the node (a pool's CPU and GPU agents on one node: give "
+                "spec.cpu.nodeSelector and spec.gpu.nodeSelector different nodes)"
+            )
+            log.warning("%s", why)
+            self._on_second(hello.node, why)
+            await socket.close(code=1008, reason="another agent of this pool serves the node")
+            return
         if old is not None:  # a reconnect: the old link is dead even if TCP has not noticed
             await self._leave(old)
         link = AgentLink(hello, socket, self._on_orphan, packed=packed)

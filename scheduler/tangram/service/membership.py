@@ -46,6 +46,16 @@ class Membership:
         self.gpu = gpu
         self.refused: dict[str, str] = {}  # node -> why its agent was refused (standing)
 
+    def second_agent(self, node: str, why: str) -> None:
+        """A second agent was refused for ``node``: on the pool's status, as a refused
+        node's cause is (counted once per cause while it keeps trying)."""
+        s, subject = self.s, f"node {node}"
+        if self.refused.get(node) == why:
+            s.problems.touch(Reason.DUPLICATE_AGENT, subject, s.clock())
+        else:
+            s.problems.note(Reason.DUPLICATE_AGENT, subject, why, s.clock())
+        self.refused[node] = why
+
     async def join(self, link: AgentLink) -> None:
         s, hello = self.s, link.hello
         if hello.problem is not None:
