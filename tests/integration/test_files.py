@@ -252,6 +252,35 @@ def test_a_tree_deeper_than_the_server_descends_is_refused_saying_so(
     assert (root / "t").is_dir()  # (a remove unlinks bottom up: it failed before any)
 
 
+def test_a_symlink_deeper_than_the_server_judges_is_refused_as_too_deep(
+    execd: Built, tmp_path: Path
+) -> None:
+    """Where a symlink member's target leads is judged by its directory's depth, which
+    the server counts to 256 levels: deeper, the member is refused saying so (it was
+    called a symlink leading out of the destination). A file that deep is extracted."""
+    assert execd.path is not None
+    deep = "/".join(["d"] * 300)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        member = tarfile.TarInfo(f"{deep}/f")
+        member.size = 1
+        tar.addfile(member, io.BytesIO(b"x"))
+        link = tarfile.TarInfo(f"{deep}/link")
+        link.type, link.linkname = tarfile.SYMTYPE, "f"
+        tar.addfile(link)
+    (tmp_path / "env" / "dst").mkdir(parents=True)
+    files = EnvFiles(one_shot(execd.path, tmp_path / "env"), "/")
+
+    async def body() -> AsyncIterator[bytes]:
+        yield buffer.getvalue()
+
+    with pytest.raises(FileError) as refused:
+        asyncio.run(files.untar("/dst", body()))
+    assert refused.value.errno == errno.E2BIG, refused.value
+    assert f"member {deep}/link: the tree is deeper than 256" in str(refused.value)
+    assert (tmp_path / "env" / "dst" / deep / "f").read_bytes() == b"x"
+
+
 def test_a_rename_across_file_systems_says_so_naming_both_paths(
     execd: Built, tmp_path: Path
 ) -> None:

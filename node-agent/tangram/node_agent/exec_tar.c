@@ -486,14 +486,20 @@ static int extract(struct untar *u, struct member *m, const char **why) {
         m->size = 0; /* its data is taken */
         break;
     }
-    case '2':
+    case '2': {
         if ((dirfd = parent_of(u, name, &base)) < 0) return -1;
-        if (!stays_beneath(depth_below(u->root, dirfd), m->link)) {
+        int depth = depth_below(u->root, dirfd);
+        if (depth < 0) { /* too deep to judge where its target leads: refused as such */
+            close(dirfd);
+            return *why = TOO_DEEP, errno = E2BIG, -1;
+        }
+        if (!stays_beneath(depth, m->link)) {
             close(dirfd);
             return *why = "it is a symlink that leads out of the destination", errno = EXDEV, -1;
         }
         rc = land(dirfd, base, symlink_member, m->link);
         break;
+    }
     case '1': {
         struct hard_link from = {.out = 0};
         char target[4096];
