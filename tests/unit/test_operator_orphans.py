@@ -53,7 +53,7 @@ def test_a_node_waits_out_its_grace_from_when_it_was_first_seen_without_an_agent
     early = sweep(sandboxes, {"a"}, first.waiting, T0 + dt.timedelta(seconds=59), 60)
     assert early.delete == {} and early.waiting == {"b": T0}
     due = sweep(sandboxes, {"a"}, early.waiting, T0 + dt.timedelta(seconds=60), 60)
-    assert due.delete == {"b1": "b", "b2": "b"}
+    assert due.delete == {"b": ["b1", "b2"]}
     # Still listed at the next sweep (the delete failed): deleted again, no new grace.
     assert due.waiting == {"b": T0}
 
@@ -66,7 +66,7 @@ def test_an_agent_back_or_no_sandbox_left_ends_the_wait() -> None:
 
 
 def test_grace_zero_deletes_at_the_first_sweep() -> None:
-    assert sweep({"b1": "b"}, set(), {}, T0, 0).delete == {"b1": "b"}
+    assert sweep({"b1": "b"}, set(), {}, T0, 0).delete == {"b": ["b1"]}
 
 
 _STEPS = st.tuples(st.integers(0, 50), st.frozensets(st.sampled_from("abc")))
@@ -92,4 +92,4 @@ def test_a_sandbox_goes_only_after_its_node_had_no_agent_for_the_whole_grace(
             for at, seen in history:
                 away_since = None if node in seen else (away_since or at)
             expected = away_since is not None and (now - away_since).total_seconds() >= grace
-            assert (f"{node}1" in found.delete) == expected
+            assert found.delete.get(node, []) == ([f"{node}1"] if expected else [])

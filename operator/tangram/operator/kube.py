@@ -181,11 +181,9 @@ class Cluster:
         """False when there is no such pod (any more)."""
         try:
             self._core.delete_namespaced_pod(name, namespace)
-        except ApiException as e:
-            if e.status == 404:
+        except _NOT_DONE as e:
+            if isinstance(e, ApiException) and e.status == 404:
                 return False
-            raise _failed(f"deleting pod {name}", e) from None
-        except _NO_ANSWER as e:
             raise _failed(f"deleting pod {name}", e) from None
         return True
 

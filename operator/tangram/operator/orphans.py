@@ -72,7 +72,7 @@ class Sweep:
     """What to delete now, and since when each node has had sandboxes and no agent (to
     pass to the next sweep: a deletion that failed is tried again there at once)."""
 
-    delete: dict[str, str] = field(default_factory=dict)  # pod name -> node
+    delete: dict[str, list[str]] = field(default_factory=dict)  # node -> its pods, sorted
     waiting: dict[str, dt.datetime] = field(default_factory=dict)
 
 
@@ -87,5 +87,9 @@ def sweep(
     since ``grace_s`` or longer. ``waiting`` is the last sweep's: a node first seen so now
     starts its grace now; a node with an agent again, or with no sandbox left, leaves it."""
     since = {n: waiting.get(n, now) for n in set(sandboxes.values()) if n not in attended}
-    due = {n for n, t in since.items() if (now - t).total_seconds() >= grace_s}
-    return Sweep(delete={pod: n for pod, n in sandboxes.items() if n in due}, waiting=since)
+    due = sorted(n for n, t in since.items() if (now - t).total_seconds() >= grace_s)
+    delete: dict[str, list[str]] = {n: [] for n in due}
+    for pod, node in sorted(sandboxes.items()):
+        if node in delete:
+            delete[node].append(pod)
+    return Sweep(delete=delete, waiting=since)

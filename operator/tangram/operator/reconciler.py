@@ -324,6 +324,7 @@ class Reconciler:
             unhandled = (built is None or built.generation != generation) and (
                 rejected is None or rejected.generation != generation
             )
+            serving = self._serving(uid, pool)
             # No full pass in this process yet, or none for a while: do it whole.
             try:
                 if (
@@ -333,9 +334,9 @@ class Reconciler:
                 ):
                     self.reconcile_pool(namespace, name)  # the lock is reentrant
                 elif built is not None:  # (None: its children were refused; status says so)
-                    self._refresh(self._serving(uid, pool), body, built)
+                    self._refresh(serving, body, built)
             finally:  # (also when a pass failed: a pool whose applies fail still sweeps)
-                self._sweep_orphans(self._serving(uid, pool), body)
+                self._sweep_orphans(serving, body)
 
     def _live_pool(
         self, namespace: str, name: str, body: dict[str, Any] | None = None
@@ -700,10 +701,7 @@ class Reconciler:
             return
         found = sweep(sandboxes, attended, self._orphans.get(uid, {}), self.clock(), grace)
         self._orphans[uid] = found.waiting
-        by_node: dict[str, list[str]] = {}
-        for pod, node in sorted(found.delete.items()):
-            by_node.setdefault(node, []).append(pod)
-        for node, pods in sorted(by_node.items()):
+        for node, pods in found.delete.items():
             deleted = []
             for pod in pods:
                 try:
