@@ -46,26 +46,25 @@ class Membership:
         self.gpu = gpu
         self.refused: dict[str, str] = {}  # node -> why its agent was refused (standing)
 
-    def second_agent(self, node: str, why: str) -> None:
-        """A second agent was refused for ``node``: on the pool's status, as a refused
-        node's cause is (counted once per cause while it keeps trying)."""
+    def _refused(self, node: str, reason: str, why: str) -> None:
+        """``node``'s agent refused for ``why``: on the pool's status, counted once per
+        cause while the agent keeps reconnecting."""
         s, subject = self.s, f"node {node}"
-        if self.refused.get(node) == why:
-            s.problems.touch(Reason.DUPLICATE_AGENT, subject, s.clock())
+        if self.refused.get(node) == why:  # the same cause, reconnecting
+            s.problems.touch(reason, subject, s.clock())
         else:
-            s.problems.note(Reason.DUPLICATE_AGENT, subject, why, s.clock())
+            s.problems.note(reason, subject, why, s.clock())
         self.refused[node] = why
+
+    def second_agent(self, node: str, why: str) -> None:
+        """A second agent was refused for ``node`` (the hub keeps the one serving it)."""
+        self._refused(node, Reason.DUPLICATE_AGENT, why)
 
     async def join(self, link: AgentLink) -> None:
         s, hello = self.s, link.hello
         if hello.problem is not None:
-            p, subject = hello.problem, f"node {hello.node}"
-            if self.refused.get(hello.node) == p.message:  # the same cause, reconnecting
-                s.problems.touch(p.reason, subject, s.clock())
-            else:
-                s.problems.note(p.reason, subject, p.message, s.clock())
-            self.refused[hello.node] = p.message
-            raise NodeRefusedError(p.message)
+            self._refused(hello.node, hello.problem.reason, hello.problem.message)
+            raise NodeRefusedError(hello.problem.message)
         self.refused.pop(hello.node, None)
         cores = sorted(hello.action_cores)
         s.core.add_node(hello.node, cores=len(cores), memory_gb=hello.inventory.memory_gb)
