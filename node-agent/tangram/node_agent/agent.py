@@ -185,6 +185,7 @@ class NodeAgent:
         *,
         node: str,
         gpu: GpuRole | None = None,
+        agent_id: str = "",
     ) -> None:
         self.runtime = runtime
         self.gpu = gpu  # RewardService calls on this node's GPUs, if it serves them
@@ -192,9 +193,9 @@ class NodeAgent:
         self.action_cores = action_cores
         self.idle_cores = idle_cores
         self.node = node
-        # Which agent this is to the scheduler (its state directory's digest, set by
-        # ``create``): another agent of the pool on the same node has another.
-        self.agent_id = ""
+        # Which agent this is to the scheduler (its state directory's digest): another
+        # agent of the pool on the same node has another.
+        self.agent_id = agent_id
         self.meta_dir: Path | None = None  # where trajectory metadata outlives the agent
         self._state_lock: int | None = None  # its state directory's lock (state_lock.hold)
         self.meta: dict[str, TrajectoryMeta] = {}
@@ -280,8 +281,8 @@ class NodeAgent:
             host = sorted(os.sched_getaffinity(0))
             actions, idle = split_cores(host, idle_cores, cores_for_actions)
         setting = Setting(state_dir, name, idle, cache_dir, owner_id(state_dir), {"pods": pods})
-        agent = cls(create(runtime, setting), inventory, actions, idle, node=name)
-        agent.agent_id = setting.owner_id
+        agent = cls(create(runtime, setting), inventory, actions, idle, node=name,
+                    agent_id=setting.owner_id)  # fmt: skip
         if agent.runtime.problem is not None:  # the scheduler refuses it, and says so
             log.error("this node cannot run actions: %s", agent.runtime.problem.message)
         agent.runtime.adopt()  # what a previous agent left; hello() reports what is held

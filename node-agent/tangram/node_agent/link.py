@@ -80,8 +80,9 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
     :class:`SchedulerUrlError`; every other failure is retried with backoff."""
     check_url(url)
     backoff = 0.1
-    connected: float | None = None  # when the current link's connection was made
     while not stop.is_set():
+        connected: float | None = None  # when this try's connection was made
+        failure: BaseException | None = None
         try:
             async with websockets.connect(
                 url,
@@ -104,22 +105,18 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
         except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as e:
             if stop.is_set():
                 break
-            wait, backoff, connected = _retry(backoff, connected)
-            log.warning("scheduler link: %s; retrying in %.1fs", e, wait)
-        except Exception:  # a bug in one session must not end the agent: reconnect
-            wait, backoff, connected = _retry(backoff, connected)
-            log.exception("scheduler link failed; retrying in %.1fs", wait)
-        else:
-            wait, backoff, connected = _retry(backoff, connected)
+            failure = e
+        except Exception as e:  # a bug in one session must not end the agent: reconnect
+            failure = e
+            log.exception("scheduler link failed")
+        wait, backoff = next_wait(
+            backoff, None if connected is None else time.monotonic() - connected
+        )
+        if failure is not None:
+            log.warning("scheduler link: %s; retrying in %.1fs", failure, wait)
         if not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
-
-
-def _retry(backoff: float, connected: float | None) -> tuple[float, float, None]:
-    """``next_wait`` for a link connected at ``connected`` (monotonic; None: never)."""
-    lasted = None if connected is None else time.monotonic() - connected
-    return (*next_wait(backoff, lasted), None)
 
 
 def next_wait(backoff: float, lasted_s: float | None) -> tuple[float, float]:
