@@ -4,6 +4,7 @@ hello and the command line take it up without naming it anywhere else."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import threading
 import time
@@ -307,10 +308,18 @@ def test_an_open_cut_off_while_its_sandbox_starts_closes_the_sandbox_once_made()
     assert made.is_set() and inner.closed == ["pod-for-t1"] and sandboxes.held() == []
 
 
-def test_a_warm_environment_still_being_made_as_the_agent_stops_is_released_with_the_rest() -> None:
+def test_a_warm_environment_still_being_made_as_the_agent_stops_is_released_with_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The agent stops (its tasks cancelled) while a warm pod starts: the pod is made all
     the same, in its thread, and must not land after the warm pool was emptied."""
     started, go = threading.Event(), threading.Event()
+
+    def pod_up_while_stopping(running: Any, timeout: float) -> Any:
+        go.set()  # the pod comes up once the agent is stopping, not before
+        return concurrent.futures.wait(running, timeout)
+
+    monkeypatch.setattr("tangram.node_agent.runtimes.wait_all", pod_up_while_stopping)
 
     class Inner:
         def __init__(self) -> None:
@@ -319,7 +328,7 @@ def test_a_warm_environment_still_being_made_as_the_agent_stops_is_released_with
 
         def warm(self, spec: EnvSpec) -> int:
             started.set()
-            go.wait(30)
+            go.wait(5)  # (a stop that does not wait for it: the pod lands after)
             self.warm_pool.append("warm-pod")
             return 1
 
@@ -334,7 +343,6 @@ def test_a_warm_environment_still_being_made_as_the_agent_stops_is_released_with
         topping_up = asyncio.ensure_future(sandboxes.warm(EnvSpec(name="b", image="i", warm=1)))
         await asyncio.to_thread(started.wait, 30)
         topping_up.cancel()  # as the agent's shutdown cancels what runs
-        threading.Timer(0.2, go.set).start()  # the pod comes up while the agent stops
         await sandboxes.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))  # (a guard against a hang)
