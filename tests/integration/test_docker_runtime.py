@@ -327,8 +327,9 @@ def test_read_only_root_with_a_writable_workdir(runtime: DockerRuntime, busybox:
 
 
 def test_failing_setup_and_bad_requests_are_refused(runtime: DockerRuntime, busybox: str) -> None:
-    with pytest.raises(ExecError, match="setup"):
+    with pytest.raises(ExecError, match=r"setup \['false'\] failed with exit code 1") as e:
         runtime.open(tid(), template(busybox, setup=[["false"]]))
+    assert e.value.reason == "SetupFailed"
     assert runtime.envs == {}
     assert not any(runtime.state_dir.iterdir())  # nothing of it on the host
     with pytest.raises(ExecError, match="not open"):
@@ -337,6 +338,22 @@ def test_failing_setup_and_bad_requests_are_refused(runtime: DockerRuntime, busy
         runtime.open(tid(), template("tangram-test/missing:0"))
     with pytest.raises(ExecError, match="trajectory"):
         runtime.open("bad/name", template(busybox))
+
+
+def test_a_setup_command_past_its_time_is_killed_and_said_to_have_timed_out(
+    runtime: DockerRuntime, docker_client: Any, busybox: str
+) -> None:
+    """Docker ran setup commands with no time limit (pods had 600 s): one waiting on a
+    prompt held its open, its thread and its container for good."""
+    runtime.setup_timeout_s = 0.5
+    hang = ["sh", "-c", "echo 'Proceed (y/n)?' >&2; exec sleep 600"]
+    with pytest.raises(ExecError) as e:
+        runtime.open(tid(), template(busybox, setup=[hang]))
+    assert "timed out after 0.5 s (killed): Proceed (y/n)?" in str(e.value), e.value
+    assert e.value.reason == "SetupFailed" and not e.value.retryable
+    assert runtime.envs == {}
+    mine = {"label": f"{LABEL}/owner={runtime.owner}"}
+    assert docker_client.containers.list(all=True, filters=mine) == []
 
 
 def test_an_agent_adopts_only_its_own_containers(

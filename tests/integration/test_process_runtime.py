@@ -513,6 +513,28 @@ def test_the_files_api_does_not_follow_a_trajectory_directory_replaced_by_a_link
     assert (outside / "victim.txt").read_text() == "keep me"  # (nor removed through it)
 
 
+def test_a_setup_command_fails_or_times_out_as_in_the_other_runtimes(
+    runtime: ProcessRuntime, tmp_path: Path
+) -> None:
+    """The process runtime ran setup commands with no time limit, and its failures had
+    no reason (the pool's status could not say SetupFailed)."""
+    procs = runtimes.Processes(runtime, CORES[:1], tmp_path / "cache")
+    procs.setup_timeout_s = 0.5
+    hang = ["sh", "-c", "echo $$ > ../hung.pid; echo 'Proceed (y/n)?' >&2; exec sleep 600"]
+    for setup, said in (
+        (["sh", "-c", "echo no mirror >&2; exit 3"], "failed with exit code 3: no mirror"),
+        (hang, "timed out after 0.5 s (killed): Proceed (y/n)?"),
+    ):
+        with pytest.raises(ExecError) as e:
+            run(procs.open("t1", EnvSpec(name="e", image="-", setup=[setup])))
+        assert said in str(e.value), e.value
+        assert e.value.reason == "SetupFailed" and not e.value.retryable
+        assert "t1" not in runtime.held()
+    hung = int((runtime.base_dir / "hung.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung, 0)
+
+
 def test_bad_requests_are_refused(runtime: ProcessRuntime) -> None:
     with pytest.raises(ExecError, match="trajectory"):
         runtime.open("../escape")

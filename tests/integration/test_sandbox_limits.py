@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from tangram.api.wire import EnvSpec
-from tangram.node_agent import pod_runtime
 from tangram.node_agent.env_files import EnvFiles
 from tangram.node_agent.exec_server import Built, Channel
 from tangram.node_agent.execution import ExecError
@@ -26,10 +25,10 @@ from .test_exec_server import alive, serving
 
 
 def test_a_setup_command_past_its_time_is_said_to_have_timed_out(
-    execd: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    execd: Built, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(pod_runtime, "SETUP_TIMEOUT_S", 0.5)
     rt = object.__new__(PodRuntime)  # its setup step only: no cluster
+    rt.setup_timeout_s = 0.5
     rt.fast = fast_path()
     rt.cgroups = RecordedCgroups()  # type: ignore[assignment]
     rt.idle_cores = (0,)

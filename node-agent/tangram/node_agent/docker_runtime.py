@@ -38,7 +38,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,7 @@ from tangram.node_agent.execution import (
     Output,
     cap,
     owner_id,
+    setup_failure,
     supervise,
 )
 from tangram.node_agent.fast_path import (
@@ -98,6 +99,10 @@ class Env:
     # (``{state}/run/<token>``, label ``run``). None: the socket is in its own tmpfs.
     run_dir: Path | None = None
     reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
+
+
+async def _nothing() -> None:
+    return None
 
 
 class DockerRuntime(SandboxRuntime[Env]):
@@ -344,14 +349,14 @@ class DockerRuntime(SandboxRuntime[Env]):
             return
         # Setup is bounded work at open time: the idle cores without the idle quota.
         env.container.update(cpu_quota=-1)
+        timeout = self.setup_timeout_s
         for argv in template.setup:
-            code, out = env.container.exec_run(list(argv), workdir=template.workdir)
-            if code != 0:
-                raise ExecError(
-                    f"setup {list(argv)} failed with exit code {code}: "
-                    f"{out.decode(errors='replace')[-500:]}",
-                    reason="SetupFailed",
-                )
+            cmd = Command(list(argv), self.idle_cores, timeout, {}, 1 << 16)
+            ran = self._engine_exec(env.container, cmd, env.workdir)
+            output, timed_out, code = asyncio.run(ran)
+            if timed_out or code != 0:
+                said = (output.stderr or output.stdout).decode(errors="replace")
+                raise setup_failure(argv, code, timeout if timed_out else None, said)
         env.container.update(cpu_period=PERIOD_US, cpu_quota=int(IDLE_QUOTA_CORES * PERIOD_US))
 
     def _await_exec_server(self, env: Env) -> None:
@@ -524,7 +529,6 @@ class DockerRuntime(SandboxRuntime[Env]):
                 left = True
                 await asyncio.to_thread(self._update, container, *self.fast.leave(key, cmd.cores))
 
-        api = self.client.api
         try:
             # Shielded: on a cancel the leave's update must not race this one's thread.
             entering = asyncio.ensure_future(asyncio.to_thread(self._update, container, *entered))
@@ -535,25 +539,8 @@ class DockerRuntime(SandboxRuntime[Env]):
                     await entering
                 raise
             t1 = time.perf_counter()
-            exec_id = (
-                await asyncio.to_thread(
-                    api.exec_create,
-                    container.id,
-                    cmd.argv,
-                    environment=cmd.env,
-                    workdir=held.workdir,
-                )
-            )["Id"]
-
-            async def kill() -> None:
-                await asyncio.to_thread(self._kill_exec, api, exec_id)
-
-            collect = asyncio.to_thread(self._collect, api, exec_id, cmd.output_cap)
-            output, timed_out = await supervise(collect, cmd.timeout_s, kill, idle)
+            output, timed_out, code = await self._engine_exec(container, cmd, held.workdir, idle)
             t2 = time.perf_counter()
-            code = None
-            if not timed_out:
-                code = (await asyncio.to_thread(api.exec_inspect, exec_id))["ExitCode"]
         finally:
             # Also when the exec could not be created (a restarting container) or the
             # action was cancelled before it ran: its cores must not stay in the cgroup.
@@ -561,6 +548,31 @@ class DockerRuntime(SandboxRuntime[Env]):
         t3 = time.perf_counter()
         stamps = (t0, t1, t2, t3)
         return ExecResult.of(code, output, timed_out, cmd.cores, stamps, path="portable")
+
+    async def _engine_exec(
+        self,
+        container: Any,
+        cmd: Command,
+        workdir: str,
+        on_cancel: Callable[[], Awaitable[None]] = _nothing,
+    ) -> tuple[Output, bool, int | None]:
+        """``cmd`` through the engine's exec API (its cores are the caller's to set), its
+        process tree killed at its timeout: its output, whether the deadline passed and its
+        exit code (None: killed)."""
+        api = self.client.api
+        created = await asyncio.to_thread(
+            api.exec_create, container.id, cmd.argv, environment=cmd.env, workdir=workdir
+        )
+        exec_id = created["Id"]
+
+        async def kill() -> None:
+            await asyncio.to_thread(self._kill_exec, api, exec_id)
+
+        collect = asyncio.to_thread(self._collect, api, exec_id, cmd.output_cap)
+        output, timed_out = await supervise(collect, cmd.timeout_s, kill, on_cancel)
+        if timed_out:
+            return output, True, None
+        return output, False, (await asyncio.to_thread(api.exec_inspect, exec_id))["ExitCode"]
 
     @staticmethod
     def _update(container: Any, cores: Sequence[int], quota_cores: float) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 IDLE_QUOTA_CORES = 0.1  # what a trajectory may use between actions (shells, stray jobs)
+SETUP_TIMEOUT_S = 600.0  # each setup command of an environment, in every runtime
 
 
 class ExecError(RuntimeError):
@@ -37,6 +38,19 @@ class InputCutOffError(ExecError):
     """A command's streamed input ended because nobody was left to send the rest (its
     link dropped), not because its requester ended it: the command is killed, never run
     on the part that came."""
+
+
+def setup_failure(
+    argv: Sequence[str], code: int | None, timeout_s: float | None, stderr: str
+) -> ExecError:
+    """Why an environment's setup command ``argv`` failed, in the same words in every
+    runtime: its exit code, or the ``timeout_s`` it ran past (then it was killed). Not
+    retried by clients: a retry would spend the whole timeout again, and a command that
+    hangs (a prompt, a dead mirror) hangs again."""
+    said = f"failed with exit code {code}"
+    if timeout_s is not None:
+        said = f"timed out after {timeout_s:g} s (killed)"
+    return ExecError(f"setup {list(argv)} {said}: {stderr[-500:]}", reason="SetupFailed")
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
+    setup_failure,
 )
 from tangram.node_agent.fast_path import Command, Reachable, cgroup_of, start_time
 from tangram.node_agent.kubelet_state import cpu_manager_policy
@@ -55,7 +56,6 @@ STATE = f"{LABEL}/state"  # preparing | warm | open
 # any trajectory's (agents from before this state create pods warm or open at once).
 PREPARING = "preparing"
 AGENT = f"{LABEL}/agent"  # which agent's sandbox (label_value of PodRuntime.agent)
-SETUP_TIMEOUT_S = 600.0  # each setup command of an environment
 PASSWD_MAX_BYTES = 1 << 20  # of an image's /etc/passwd, read from the host
 
 
@@ -363,23 +363,12 @@ class PodRuntime(SandboxRuntime[Pod]):
         self._pids_limit(reach.cgroup, template.pids_limit)
         if template.setup:  # each on the idle cores, without the idle quota (group_enter)
             for argv in template.setup:
-                timeout = SETUP_TIMEOUT_S
+                timeout = self.setup_timeout_s
                 cmd = Command(list(argv), self.idle_cores, timeout, dict(template.env), 1 << 16)
                 res = asyncio.run(self.fast.exec(reach, cmd))
-                if res.timed_out:
-                    # Not retried by clients: each retry would spend the whole timeout
-                    # again, and a command that hangs (a prompt, a dead mirror) hangs again.
-                    raise ExecError(
-                        f"setup {list(argv)} timed out after {timeout:g} s (killed): "
-                        f"{res.stderr[-500:]}",
-                        reason="SetupFailed",
-                    )
-                if res.exit_code != 0:
-                    raise ExecError(
-                        f"setup {list(argv)} failed with exit code {res.exit_code}: "
-                        f"{res.stderr[-500:]}",
-                        reason="SetupFailed",
-                    )
+                if res.timed_out or res.exit_code != 0:
+                    limit = timeout if res.timed_out else None
+                    raise setup_failure(argv, res.exit_code, limit, res.stderr)
         self._limit(reach, IDLE_QUOTA_CORES)
 
     def _own_workdir(self, reach: Reachable, path: str, user: User) -> None:

@@ -33,7 +33,14 @@ from typing import Any, Protocol
 from tangram.api.wire import NO_SESSIONS_WHY, EnvSpec, Problem
 from tangram.node_agent.env_files import EnvFiles, one_shot
 from tangram.node_agent.exec_server import Built, build
-from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, Gone
+from tangram.node_agent.execution import (
+    SETUP_TIMEOUT_S,
+    ExecError,
+    ExecIO,
+    ExecResult,
+    Gone,
+    setup_failure,
+)
 
 log = logging.getLogger("tangram.agent")
 # Threads for making sandboxes (opens, warm top-ups): each may hold one for minutes (a
@@ -296,6 +303,7 @@ class Processes:
         self._cache_dir = cache_dir
         self._execd: Built | None = None
         self._failed_at = -math.inf  # when building it last failed (monotonic)
+        self.setup_timeout_s = SETUP_TIMEOUT_S  # each setup command's
 
     def adopt(self) -> list[str]:
         adopted: list[str] = self.inner.adopt()
@@ -311,12 +319,14 @@ class Processes:
         self.inner.open(trajectory)
         self._env[trajectory] = dict(spec.env)
         for argv in spec.setup:
-            res = await self.inner.exec(trajectory, argv, self.idle, env=spec.env)
-            if res.exit_code != 0:
+            timeout = self.setup_timeout_s
+            res = await self.inner.exec(
+                trajectory, argv, self.idle, timeout_s=timeout, env=spec.env
+            )
+            if res.timed_out or res.exit_code != 0:
                 self.close(trajectory)
-                raise ExecError(
-                    f"setup {argv} failed with exit code {res.exit_code}: {res.stderr[-500:]}"
-                )
+                limit = timeout if res.timed_out else None
+                raise setup_failure(argv, res.exit_code, limit, res.stderr)
         return loop.time() - t0, False
 
     async def keep_warm(self, specs: Sequence[EnvSpec]) -> None:

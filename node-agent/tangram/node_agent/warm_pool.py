@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.cgroups import Cgroups, detect
 from tangram.node_agent.env_template import User, Workdir, check_trajectory_id, digest
-from tangram.node_agent.execution import ExecError, Gone, Opened
+from tangram.node_agent.execution import SETUP_TIMEOUT_S, ExecError, Gone, Opened
 from tangram.node_agent.fast_path import ExecServerRuntime, FastPath
 
 __all__ = ["SandboxRuntime"]
@@ -44,6 +44,7 @@ class SandboxRuntime(ExecServerRuntime, Generic[E]):
         self.envs = {}
         self.warm_pool: dict[str, list[E]] = {}  # by template digest
         self.fast = FastPath(self.cgroups, self.idle_cores)
+        self.setup_timeout_s = SETUP_TIMEOUT_S  # each setup command's
         # What an image taught: the sandboxes' user, and the image's own workdir (None:
         # it has none).
         self._facts: dict[str, tuple[User | None, Workdir | None]] = {}
