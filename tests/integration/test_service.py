@@ -43,7 +43,12 @@ CONFIG = PoolConfig(
                     efficiency=AmdahlEfficiency(amdahl=0.99),
                 )
             },
-        )
+        ),
+        "capped": EnvConfig(
+            spec=EnvSpec(name="capped", image="unused-by-the-process-runtime", memory_gb=0.1),
+            profiles={"hang": ActionProfile(command=("sleep", "30"), timeout_s=0.3)},
+            max_command_s=0.5,
+        ),
     },
     apis=(ApiSpec(name="search", concurrency=1),),
 )
@@ -86,6 +91,26 @@ def test_a_timeout_counts_execution_only(client: Client) -> None:
     with client.trajectory("shell") as t:
         r = t.exec(["sleep", "30"], timeout_s=0.5)
         assert r.status is ActionStatus.TIMEOUT and r.exit_code is None, r.error
+
+
+def test_no_command_runs_past_its_environments_max_command_seconds(client: Client) -> None:
+    """An endless command given no timeout held its cores, and its trajectory (whose idle
+    timeout waits for running actions), for good: a TrajectoryEnv's maxCommandSeconds
+    bounds it. A timeout says which limit killed it."""
+    with client.trajectory("capped") as t:
+        r = t.exec(["sleep", "30"])
+        assert r.status is ActionStatus.TIMEOUT and r.error is not None, r
+        assert r.error.message == "killed after 0.5 s (TrajectoryEnv capped's maxCommandSeconds)"
+        r = t.exec(profile="hang")
+        assert r.error is not None, r
+        assert r.error.message == "killed after 0.3 s (profile hang's timeoutSeconds)"
+        r = t.exec(["sleep", "30"], timeout_s=0.2)
+        assert r.error is not None and r.error.message == "killed after 0.2 s (timeout_s)", r
+        r = t.exec(["sleep", "30"], timeout_s=60)  # (cut, not refused: E2B's SDK sends 60)
+        said = "killed after 0.5 s (TrajectoryEnv capped's maxCommandSeconds; timeout_s asked 60 s)"
+        assert r.error is not None and r.error.message == said, r
+    with client.trajectory("shell") as t:  # no limit there
+        assert t.exec(["sleep", "0.7"]).status is ActionStatus.OK
 
 
 def test_idempotent_retries_run_once(client: Client, tmp_path: Path) -> None:

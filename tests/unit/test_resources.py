@@ -352,6 +352,12 @@ def test_names_of_the_api_group() -> None:
             "less than or equal to 1",
         ),
         (env(actions=[{"name": "a", "t1Seconds": 0}]), "spec.actions[0].t1Seconds", "than 0"),
+        (env(maxCommandSeconds=0), "spec.maxCommandSeconds", "greater than 0"),
+        (
+            env(maxCommandSeconds=60, actions=[{"name": "a"}, {"name": "b", "timeoutSeconds": 90}]),
+            "spec",
+            "actions[1].timeoutSeconds: 90 s is over maxCommandSeconds (60 s)",
+        ),
         (env(actions=[{"name": "a", "cpu": {"choices": [0, 2]}}]), "spec.actions", "one core"),
         (service(entrypoint="pkg.mod.fn"), "spec.entrypoint", "pattern"),
         (service(gpuMemoryGiB=0), "spec.gpuMemoryGiB", "greater than 0"),

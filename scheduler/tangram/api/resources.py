@@ -528,6 +528,14 @@ class TrajectoryEnvSpec(Spec):
         float | None,
         Field(gt=0, description="close a trajectory idle this long; unset = never"),
     ] = None
+    max_command_seconds: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            description="no command runs longer: one given no timeout, or a longer one, is "
+            "killed after this long (status timeout); unset = no limit",
+        ),
+    ] = None
     actions: Annotated[list[ActionProfile], Field(description="named action profiles")] = []
 
     @field_validator("env")
@@ -563,6 +571,17 @@ class TrajectoryEnvSpec(Spec):
             if profile.command and not profile.command[0]:
                 raise ValueError(f"actions[{i}].command: the program name is empty")
         return v
+
+    @model_validator(mode="after")
+    def _timeouts_within_the_limit(self) -> Self:
+        limit = self.max_command_seconds
+        for i, profile in enumerate(self.actions):
+            if limit is not None and (profile.timeout_seconds or 0) > limit:
+                raise ValueError(
+                    f"actions[{i}].timeoutSeconds: {profile.timeout_seconds:g} s is over "
+                    f"maxCommandSeconds ({limit:g} s)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _efficiency_needs_a_range(self) -> Self:

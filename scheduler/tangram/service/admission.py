@@ -167,7 +167,7 @@ class Admission:
         if (refused := self.s.unservable(traj.node, req, streamed, interactive)) is not None:
             raise refused  # now, not once run
         argv, spec, timeout = self._exec_spec(self.s.env_of(traj), req)
-        return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj, timeout)
+        return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj, *timeout)
 
     def _api(self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest) -> _Checked:
         return self._detached(tenant, req, self.api.spec(api, req), group="leases", kind="api")
@@ -194,7 +194,7 @@ class Admission:
         action's own, or its tenant's holder of detached actions). Nothing else knows of
         it until :meth:`_commit` (a batch may take it back: ``core.cancel``)."""
         rec = self.s.record(tenant, new.tid, new.kind, new.req, new.argv, target=target)
-        rec.timeout_s = new.timeout_s
+        rec.timeout_s, rec.timeout_from = new.timeout_s, new.timeout_from
         try:
             self.s.core.submit(rec.id, new.holder, new.spec, rec.submitted)
         except SchedulingError as e:
@@ -265,9 +265,11 @@ class Admission:
 
     def _exec_spec(
         self, env: EnvConfig, req: ExecRequest
-    ) -> tuple[list[str] | None, ActionSpec, float | None]:
-        """Its command, spec and time limit, its profile's where the request gives none."""
+    ) -> tuple[list[str] | None, ActionSpec, tuple[float | None, str]]:
+        """Its command, spec and time limit (with whose it is), its profile's where the
+        request gives none, its environment's ``maxCommandSeconds`` where neither does."""
         cpu, t1, eff, argv, timeout = req.cpu, req.t1_s, req.efficiency, req.argv, req.timeout_s
+        limit = _time_limit(env, timeout, "timeout_s")
         kind = req.type
         if req.profile is not None:
             prof = env.profiles.get(req.profile)
@@ -282,7 +284,8 @@ class Admission:
             cpu = cpu if cpu is not None else prof.cpu
             t1 = t1 if t1 is not None else prof.t1_s
             eff = eff if eff is not None else prof.efficiency
-            timeout = timeout if timeout is not None else prof.timeout_s
+            if timeout is None:
+                limit = _time_limit(env, prof.timeout_s, f"profile {req.profile}'s timeoutSeconds")
             kind = kind or f"exec:{env.spec.name}/{req.profile}"
         cores = cpu if cpu is not None else env.cpu
         shape: tuple[Any, ...] = (cores, t1, eff, kind)
@@ -297,7 +300,18 @@ class Admission:
                 raise EngineError("invalid", *_named(e)) from None
             if shape and len(self._specs) < MAX_SHAPES:
                 self._specs[shape] = spec
-        return argv, spec, timeout
+        return argv, spec, limit
+
+
+def _time_limit(env: EnvConfig, seconds: float | None, whose: str) -> tuple[float | None, str]:
+    """A command's time limit, ``seconds`` from ``whose`` (None: none given), and whose it
+    is: its environment's ``maxCommandSeconds`` when that is shorter. A longer request
+    is cut, not refused: clients send a default of their own (E2B's SDK, 60 s)."""
+    most = env.max_command_s
+    if most is None or (seconds is not None and seconds <= most):
+        return seconds, whose if seconds is not None else ""
+    owner = f"TrajectoryEnv {env.spec.name}'s maxCommandSeconds"
+    return most, owner if seconds is None else f"{owner}; {whose} asked {seconds:g} s"
 
 
 @dataclass(slots=True)
@@ -314,6 +328,7 @@ class _Checked:
     argv: list[str] | None
     traj: TrajectoryRecord | None
     timeout_s: float | None = None  # an exec's (``_exec_spec``)
+    timeout_from: str = ""  # whose limit it is
 
     def request(self) -> Request:
         return self.req

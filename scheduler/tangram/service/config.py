@@ -29,6 +29,7 @@ class EnvConfig:
     cpu: Demand = field(default_factory=lambda: RangeDemand(min=1, max=1))  # per action default
     profiles: dict[str, ActionProfile] = field(default_factory=dict)
     idle_timeout_s: float | None = None  # a trajectory idle this long is closed (None: never)
+    max_command_s: float | None = None  # no command runs longer (None: no limit)
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,6 +172,7 @@ def env_config(env: TrajectoryEnv, pool: str) -> EnvConfig:
         cpu=s.cpu,
         profiles=profiles,
         idle_timeout_s=s.idle_timeout_seconds,
+        max_command_s=s.max_command_seconds,
     )
 
 

@@ -133,9 +133,11 @@ class ActionRecord:
     # run's is its agent's copy. None for the stand-ins of runs answered while nobody asked
     # or adopted from an agent that kept none (their request unknown)
     digest: str | None = None
-    # An exec's time limit: its request's, else its profile's, taken when it was admitted
-    # with the profile's command (a reload may change or drop the profile meanwhile)
+    # An exec's time limit: its request's, else its profile's, else its environment's
+    # maxCommandSeconds, taken when it was admitted with the profile's command (a reload
+    # may change or drop the profile meanwhile); and whose limit it is, which a timeout says
     timeout_s: float | None = None
+    timeout_from: str = ""
 
     @property
     def shown_trajectory(self) -> str | None:

@@ -161,8 +161,12 @@ class Rounds:
             if reply.ok and reply.result is not None and lost is not None:
                 error = err("input_refused", f"part of its input was refused ({lost}): the "
                             "command was killed rather than left to run without it")  # fmt: skip
+            elif reply.ok and reply.result is not None and reply.result.timed_out:
+                status = ActionStatus.TIMEOUT
+                if timeout is not None:  # (what limit killed it: the caller may have set none)
+                    error = err("timeout", f"killed after {timeout:g} s ({rec.timeout_from})")
             elif reply.ok and reply.result is not None:
-                status = ActionStatus.TIMEOUT if reply.result.timed_out else ActionStatus.OK
+                status = ActionStatus.OK
             elif reply.unknown:
                 error = err("outcome_unknown", reply.error or "its outcome is unknown")
             else:
