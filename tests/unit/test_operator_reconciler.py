@@ -650,23 +650,24 @@ def _sandbox(name: str, node: str, owner: str = "uid-coding") -> dict[str, Any]:
     return _pod(name, node, labels, ownerReferences=[{"kind": "ActionPool", "uid": owner}])
 
 
-def _agent(node: str) -> dict[str, Any]:
+def _agent(node: str, role: str = "cpu") -> dict[str, Any]:
     labels = {"app.kubernetes.io/name": "arl-tangram", "app.kubernetes.io/instance": "coding",
-              "app.kubernetes.io/component": "node-agent"}  # fmt: skip
-    return _pod(f"agent-{node}", node, labels)
+              "app.kubernetes.io/component": "node-agent",
+              "tangram.dev/agent-role": role}  # fmt: skip
+    return _pod(f"{role}-agent-{node}", node, labels)
 
 
 def test_sandboxes_on_a_node_without_an_agent_go_after_the_agents_grace() -> None:
     """A node that left the pool (its agent pod gone for good): its sandbox pods are
     deleted once agentGraceSeconds passed, with a Warning Event naming the node; those of
     a node with an agent, of another pool of the same name, and a node whose agent came
-    back in time are left alone."""
+    back in time are left alone. A GPU agent takes no sandbox back: b's does not count."""
     cluster, link = Cluster(), Link()
     now = [NOW]
     r = Reconciler(cluster, image="tangram:test", link=link,  # type: ignore[arg-type]
                    clock=lambda: now[0])  # fmt: skip
     cluster.add(_pool(agentGraceSeconds=60))
-    for pod in (_agent("a"), _sandbox("sb-a", "a"), _sandbox("sb-b1", "b"),
+    for pod in (_agent("a"), _agent("b", role="gpu"), _sandbox("sb-a", "a"), _sandbox("sb-b1", "b"),
                 _sandbox("sb-b2", "b"), _sandbox("sb-c", "c"),
                 _sandbox("old-b", "b", owner="uid-of-an-earlier-pool")):  # fmt: skip
         cluster.add(pod)
@@ -680,20 +681,29 @@ def test_sandboxes_on_a_node_without_an_agent_go_after_the_agents_grace() -> Non
     r.refresh_pool("rl", "coding")
     now[0] += dt.timedelta(seconds=29)
     r.refresh_pool("rl", "coding")
-    assert left() == {"agent-a", "agent-c", "sb-a", "sb-b1", "sb-b2", "sb-c", "old-b"}
+    assert left() == {
+        "cpu-agent-a",
+        "cpu-agent-c",
+        "gpu-agent-b",
+        "sb-a",
+        "sb-b1",
+        "sb-b2",
+        "sb-c",
+        "old-b",
+    }
     assert not any(reason == "OrphanedSandboxesDeleted" for reason, _ in cluster.events)
     now[0] += dt.timedelta(seconds=1)
     r.refresh_pool("rl", "coding")
-    assert left() == {"agent-a", "agent-c", "sb-a", "sb-c", "old-b"}
+    assert left() == {"cpu-agent-a", "cpu-agent-c", "gpu-agent-b", "sb-a", "sb-c", "old-b"}
     (message,) = [m for reason, m in cluster.events if reason == "OrphanedSandboxesDeleted"]
     assert "2 sandbox pod(s) on node b (sb-b1, sb-b2)" in message and "60 s" in message
     # c's agent goes for good: its grace starts anew, not from when it was first away.
-    del cluster.objects["Pod", "rl", "agent-c"]
+    del cluster.objects["Pod", "rl", "cpu-agent-c"]
     r.refresh_pool("rl", "coding")
     assert "sb-c" in left()
     now[0] += dt.timedelta(seconds=60)
     r.refresh_pool("rl", "coding")
-    assert left() == {"agent-a", "sb-a", "old-b"}
+    assert left() == {"cpu-agent-a", "gpu-agent-b", "sb-a", "old-b"}
 
 
 def test_an_api_server_that_fails_the_sandbox_sweep_leaves_the_pods_for_the_next_one() -> None:

@@ -58,6 +58,7 @@ POOL_FILE = f"{CONFIG_DIR}/pool.yaml"
 TOKEN_FILE = f"{CONFIG_DIR}/tokens"
 SCHEDULER_TOKENS_KEY = "tokens"  # keys of the tokens Secret
 AGENT_TOKENS_KEY = "agent"
+AGENT_ROLE = "tangram.dev/agent-role"  # cpu | gpu: which DaemonSet an agent pod is of
 AGENT_TENANT = "system:agent"  # tangram.service.auth.AGENT_TENANT; the operator sits apart
 OPERATOR_TENANT = "system:operator"  # tangram.service.auth.OPERATOR_TENANT
 STATE_ROOT = "/var/lib/tangram"
@@ -134,9 +135,10 @@ def label_selector(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
-def agent_pods_selector(pool: ActionPool) -> str:
-    """The pool's node-agent pods (both DaemonSets')."""
-    return label_selector(selector_labels(pool, "node-agent"))
+def cpu_agent_pods_selector(pool: ActionPool) -> str:
+    """The pool's CPU node-agent pods: the ones that make and take back sandbox pods (a
+    GPU agent serves RewardService calls alone)."""
+    return label_selector({**selector_labels(pool, "node-agent"), AGENT_ROLE: "cpu"})
 
 
 def sandbox_pods_selector(pool: ActionPool) -> str:
@@ -644,7 +646,7 @@ def agent_daemon_set(
     if section is None:
         raise ValueError(f"ActionPool {pool.metadata.name}: no spec.{role}, so no {role} agents")
     name = child_name(pool, f"{role}-agent")
-    match = {**selector_labels(pool, "node-agent"), "tangram.dev/agent-role": role}
+    match = {**selector_labels(pool, "node-agent"), AGENT_ROLE: role}
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",

@@ -6,7 +6,8 @@ cannot (``PodRuntime.adopt``). A node that leaves the pool — its ``nodeSelecto
 longer matches, ``spec.cpu`` was removed, the agent DaemonSet was deleted — gets no agent
 again, so nobody would: its sandboxes would hold their memory and disk (and their pod
 slots) until the pool itself is deleted. The operator deletes them once the node has had
-no agent pod of the pool for the pool's ``agentGraceSeconds``: by then the scheduler has
+no CPU agent pod of the pool (a GPU agent there takes no sandbox back) for the pool's
+``agentGraceSeconds``: by then the scheduler has
 lost their trajectories, since it waits just as long for an agent to come back.
 """
 

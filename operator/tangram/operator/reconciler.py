@@ -54,9 +54,9 @@ from tangram.operator.builders import (
     SCHEDULER_TOKENS_KEY,
     Loopback,
     Manifest,
-    agent_pods_selector,
     build_pool,
     child_name,
+    cpu_agent_pods_selector,
     parse_tokens,
     sandbox_pods_selector,
 )
@@ -694,7 +694,7 @@ class Reconciler:
             sandboxes = sandbox_nodes(self.cluster.list_pods(ns, sandbox_pods_selector(pool)), uid)
             attended = set()
             if sandboxes:  # (no sandbox: no need to read the agents)
-                attended = agent_nodes(self.cluster.list_pods(ns, agent_pods_selector(pool)))
+                attended = agent_nodes(self.cluster.list_pods(ns, cpu_agent_pods_selector(pool)))
         except ApiServerError as e:
             log.warning("pool %s/%s: sandbox pods not checked for an agent: %s", ns,
                         pool.metadata.name, e)  # fmt: skip
