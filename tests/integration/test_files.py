@@ -252,12 +252,14 @@ def test_a_tree_deeper_than_the_server_descends_is_refused_saying_so(
     assert (root / "t").is_dir()  # (a remove unlinks bottom up: it failed before any)
 
 
+@pytest.mark.parametrize("kind", ["symlink", "hard link to a symlink"])
 def test_a_symlink_deeper_than_the_server_judges_is_refused_as_too_deep(
-    execd: Built, tmp_path: Path
+    execd: Built, tmp_path: Path, kind: str
 ) -> None:
     """Where a symlink member's target leads is judged by its directory's depth, which
     the server counts to 256 levels: deeper, the member is refused saying so (it was
-    called a symlink leading out of the destination). A file that deep is extracted."""
+    called a symlink leading out of the destination; a hard link to a symlink, landing
+    that deep, was too). A file that deep is extracted."""
     assert execd.path is not None
     deep = "/".join(["d"] * 300)
     buffer = io.BytesIO()
@@ -267,6 +269,11 @@ def test_a_symlink_deeper_than_the_server_judges_is_refused_as_too_deep(
         tar.addfile(member, io.BytesIO(b"x"))
         link = tarfile.TarInfo(f"{deep}/link")
         link.type, link.linkname = tarfile.SYMTYPE, "f"
+        if kind != "symlink":  # a shallow symlink, then a hard link to it that deep
+            shallow = tarfile.TarInfo("s")
+            shallow.type, shallow.linkname = tarfile.SYMTYPE, "f"
+            tar.addfile(shallow)
+            link.type, link.linkname = tarfile.LNKTYPE, "s"
         tar.addfile(link)
     (tmp_path / "env" / "dst").mkdir(parents=True)
     files = EnvFiles(one_shot(execd.path, tmp_path / "env"), "/")

@@ -428,7 +428,7 @@ static int symlink_member(int dirfd, const char *tmp, void *target) {
     return symlinkat((const char *)target, dirfd, tmp);
 }
 
-struct hard_link { int fd; const char *base; int depth, out; };
+struct hard_link { int fd; const char *base; int depth, out, deep; };
 
 /* A hard link to a symlink is that symlink again, in a new place: judged there as a
  * symlink member is (on what was linked, so a source swapped meanwhile changes nothing),
@@ -443,6 +443,10 @@ static int link_member(int dirfd, const char *tmp, void *arg) {
     ssize_t n = readlinkat(dirfd, tmp, target, sizeof target - 1);
     if (n < 0) return -1;
     target[n] = '\0';
+    if (from->depth < 0) { /* too deep to judge where it leads: refused as such */
+        from->deep = 1;
+        return errno = E2BIG, -1;
+    }
     if (stays_beneath(from->depth, target)) return 0;
     from->out = 1;
     return errno = EXDEV, -1;
@@ -501,7 +505,7 @@ static int extract(struct untar *u, struct member *m, const char **why) {
         break;
     }
     case '1': {
-        struct hard_link from = {.out = 0};
+        struct hard_link from = {.out = 0, .deep = 0};
         char target[4096];
         if (clean(m->link, target) < 0) return *why = dotdot, -1;
         char *slash = strrchr(target, '/');
@@ -514,6 +518,8 @@ static int extract(struct untar *u, struct member *m, const char **why) {
             rc = land(dirfd, base, link_member, &from);
             if (rc < 0 && from.out)
                 *why = "it is a hard link to a symlink that leads out of the destination from here";
+            else if (rc < 0 && from.deep)
+                *why = TOO_DEEP;
         }
         int err = errno;
         close(from.fd);
