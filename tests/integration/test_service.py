@@ -138,20 +138,25 @@ def test_output_whose_encoding_is_over_the_links_frame_ends_only_its_own_action(
         assert t.exec(["true"]).status is ActionStatus.OK  # the node is still there
 
 
-def test_cancel_a_running_action_by_its_key(client: Client) -> None:
+def test_cancel_a_running_action_by_its_key(client: Client, tmp_path: Path) -> None:
+    """A cancelled command is killed; its result keeps what it wrote and the time it ran
+    as its exec_s (it was all lost, the run time counted as overhead)."""
+    started = tmp_path / "started"
     with client.trajectory("shell") as t:
-        box: list[object] = []
-        worker = threading.Thread(
-            target=lambda: box.append(t.exec(["sleep", "30"], idempotency_key="slow"))
-        )
+        box: list[ActionResult] = []
+        argv = ["sh", "-c", f"echo before; echo err >&2; touch {started}; exec sleep 30"]
+        worker = threading.Thread(target=lambda: box.append(t.exec(argv, idempotency_key="slow")))
         worker.start()
-        deadline = time.monotonic() + 10
-        while not client.cancel("key:slow"):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        until(started.exists, "the command did not start")
+        assert client.cancel("key:slow")
         worker.join(20)
         (r,) = box
-        assert r.status is ActionStatus.CANCELLED  # type: ignore[attr-defined]
+        assert r.status is ActionStatus.CANCELLED and r.error is None, r
+        assert (r.stdout, r.stderr, r.allocation.path) == ("before\n", "err\n", "process"), r
+        assert r.timings.exec_s > 0 and r.exit_code is None, r
+        # The key's answer is the same one.
+        again = t.exec(argv, idempotency_key="slow")
+        assert (again.status, again.stdout) == (ActionStatus.CANCELLED, "before\n"), again
 
 
 def test_api_leases_respect_the_quota(client: Client) -> None:
@@ -611,6 +616,28 @@ def test_stopping_the_service_gives_actions_in_flight_their_grace(tmp_path: Path
     runner.join(30)  # the service has stopped (the context's end)
     client.shutdown()
     assert [(r.status, r.stdout) for r in got] == [(ActionStatus.OK, "finished\n")]
+
+
+def test_a_command_still_running_when_the_grace_ends_is_said_to_be_stopped_by_it(
+    tmp_path: Path,
+) -> None:
+    """Its caller could not tell it from a cancel of its own: no error at all (queued
+    actions were told `shutdown`)."""
+    got: list[ActionResult] = []
+    started = tmp_path / "started"
+    with on_processes(CONFIG, tmp_path, grace_s=0.5) as (url, token, _):
+        client = Client(url, token, retries=0)
+        t = client.open("shell")
+        argv = ["sh", "-c", f"echo partial; touch {started}; exec sleep 60"]
+        runner = threading.Thread(target=lambda: got.append(client.exec(t.id, argv)))
+        runner.start()
+        until(started.exists, "the action did not start")
+    runner.join(30)
+    client.shutdown()
+    (r,) = got
+    assert r.status is ActionStatus.CANCELLED and r.error is not None, r
+    assert r.error.code == "shutdown" and not r.error.retryable, r.error
+    assert r.stdout == "partial\n", r
 
 
 def test_an_unkeyed_lease_whose_client_left_is_cancelled_not_granted_to_nobody(

@@ -17,7 +17,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tangram.api.inventory import NodeInventory
@@ -48,7 +48,14 @@ from tangram.api.wire import (
     json_bytes,
 )
 from tangram.node_agent import state_lock
-from tangram.node_agent.execution import ExecError, ExecIO, ExecResult, given, owner_id
+from tangram.node_agent.execution import (
+    STOP,
+    ExecError,
+    ExecIO,
+    ExecResult,
+    given,
+    owner_id,
+)
 from tangram.node_agent.gpu_service import GpuOptions, GpuRole
 from tangram.node_agent.gpus import nvml_gpus
 from tangram.node_agent.inventory import read_inventory
@@ -59,6 +66,8 @@ from tangram.node_agent.streams import Stream
 from tangram.private_files import private_dir, write_private
 
 log = logging.getLogger("tangram.agent")
+# A stopped exec not ended this long after (its kill could not end it) is cancelled.
+STOP_GRACE_S = 10.0
 MAX_REMEMBERED = 50_000  # results kept per agent for retried keys ...
 MAX_REMEMBERED_BYTES = 256 << 20  # ... and the bytes they may hold
 CUT_OFF = (
@@ -72,6 +81,11 @@ def _nowhere(message: str) -> None:
 
 
 Keyed = AgentExec | AgentSession | AgentCall
+
+
+def _cancel(task: asyncio.Future[AgentReply]) -> None:
+    if not task.done():
+        task.cancel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +214,8 @@ class NodeAgent:
         self._state_lock: int | None = None  # its state directory's lock (state_lock.hold)
         self.meta: dict[str, TrajectoryMeta] = {}
         self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
+        # A running exec's stop (its task's ``STOP``): set by a cancel that keeps its output
+        self._stops: dict[asyncio.Future[AgentReply], asyncio.Event] = {}
         # At-most-once execution per key: finished replies, and keyed runs in flight.
         # Keyed runs outlive the link that asked for them.
         # Replies are kept as JSON: bytes are invisible to the cyclic GC, whereas 50,000
@@ -367,7 +383,11 @@ class NodeAgent:
             task = self._keyed.get(req.key) if req.key else self._tasks.get(req.target or -1)
             if (stream := self._streams.get(req.target or -1)) is not None:
                 stream.close()  # what waits to send its output would hold the kill back
-            if task is not None:
+            if task is not None and (stop := self._stops.get(task)) and req.output:
+                stop.set()  # killed as at its deadline: it answers with what it wrote
+                # (and is cancelled after all if the kill cannot end it)
+                asyncio.get_running_loop().call_later(STOP_GRACE_S, _cancel, task)
+            elif task is not None:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
         self.received(req)  # (the link has, unless a caller hands the request in directly)
@@ -525,7 +545,9 @@ class NodeAgent:
                 case AgentCall():
                     out = await self._gpu().call(req.service, req.gpus, req.inputs)
                     return AgentReply(rid=req.rid, ok=True, call=out)
-                case AgentExec() | AgentSession():
+                case AgentExec():
+                    return await self._stoppable(req)
+                case AgentSession():
                     result = await self.exec(req, self._streams.get(req.rid))
                     return AgentReply(rid=req.rid, ok=True, result=outcome(result),
                                       signal=result.signal)  # fmt: skip
@@ -540,6 +562,23 @@ class NodeAgent:
         except Exception as e:  # a request must always be answered: say what failed, stay up
             log.exception("%s %s failed", req.op, getattr(req, "trajectory", ""))
             return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}")
+
+    async def _stoppable(self, req: AgentExec) -> AgentReply:
+        """An exec that a cancel asking for its output stops (``STOP``): it is killed and
+        answered as ``cancelled``, with what it wrote and how long it ran."""
+        stop, task = asyncio.Event(), asyncio.current_task()
+        STOP.set(stop)  # (this task's own context)
+        if task is not None:
+            self._stops[task] = stop
+        try:
+            result = await self.exec(req, self._streams.get(req.rid))
+        finally:
+            self._stops.pop(task, None)  # type: ignore[arg-type]
+        cancelled = stop.is_set() and result.timed_out
+        if cancelled:
+            result = replace(result, timed_out=False)
+        return AgentReply(rid=req.rid, ok=True, result=outcome(result), signal=result.signal,
+                          cancelled=cancelled)  # fmt: skip
 
     def _gpu(self) -> GpuRole:
         if self.gpu is None:

@@ -209,15 +209,27 @@ async def supervise(
 ) -> tuple[Output, bool]:
     """Await a command's output; at the deadline kill it, on cancellation kill and re-raise.
 
-    Returns the output (what it wrote before being killed, if it was) and whether the
-    deadline passed. ``cancelled``: the caller was cancelled while the command started,
-    and it is killed at once.
+    Returns the output (what it wrote before being killed, if it was) and whether it was
+    killed before its end: at the deadline, or when this task's ``STOP`` was set (a cancel
+    that keeps the output, which the caller tells from a timeout by the event).
+    ``cancelled``: the caller was cancelled while the command started, and it is killed at
+    once.
     """
     task = asyncio.ensure_future(collect)
+    stop = STOP.get()
     try:
         if cancelled:
             raise asyncio.CancelledError
-        return await asyncio.wait_for(asyncio.shield(task), timeout_s), False
+        if stop is None:
+            return await asyncio.wait_for(asyncio.shield(task), timeout_s), False
+        stopped = asyncio.ensure_future(stop.wait())
+        try:  # (asyncio.wait cancels neither on a cancel: the except below kills)
+            await asyncio.wait({task, stopped}, timeout=timeout_s, return_when=FIRST)
+        finally:
+            stopped.cancel()
+        if task.done():
+            return task.result(), False
+        raise TimeoutError
     except TimeoutError:
         _stop_output()  # a reader that gives no credit must not hold the kill back
         await kill()
@@ -243,6 +255,11 @@ class ExecIO:
     # Once the command is being killed: ``output`` drops what it would wait to send.
     stop_output: Callable[[], None] | None = None
 
+
+# Set, the command that ``supervise`` watches in this task is killed as at its deadline,
+# and its output kept: how the agent cancels an exec whose scheduler wants what it wrote.
+STOP: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("STOP", default=None)
+FIRST = asyncio.FIRST_COMPLETED
 
 # What ``supervise`` calls as it kills a command: the ``stop_output`` of the ExecIO that
 # ``feeding`` runs the command with (this task's), if it has one. A context variable, so

@@ -941,6 +941,10 @@ class AgentCancel(_AgentOp):
     op: Literal["cancel"] = "cancel"
     target: int | None = None
     key: str | None = None
+    # The scheduler reads a cancelled exec's result: the agent kills the command as at its
+    # deadline and answers with what it wrote and how long it ran (``cancelled``), instead
+    # of cancelling the run. Unset (older schedulers): the run is cancelled, its output lost.
+    output: bool = False
 
 
 class AgentWarm(_AgentOp):
@@ -1114,3 +1118,4 @@ class AgentReply(_Strict):
     credit: int = 0
     errno: int | None = None  # a file operation's failure, as the environment's errno
     files: FilesOutcome | None = None
+    cancelled: bool = False  # ``result`` is of a command killed by a cancel (``output``)

@@ -51,6 +51,15 @@ class AgentGoneError(RuntimeError):
     """The agent's connection ended while a request was outstanding."""
 
 
+class RunCancelled(asyncio.CancelledError):
+    """A request cancelled whose agent answered with what it ran (``reply``: an exec's
+    output so far and how long it ran, ``reply.cancelled``)."""
+
+    def __init__(self, reply: AgentReply) -> None:
+        super().__init__("cancelled")
+        self.reply = reply
+
+
 class NodeRefusedError(RuntimeError):
     """A node that cannot run actions, by its agent's own account (its hello's problem):
     the pool does not take it; the cause shows on the pool's status."""
@@ -93,6 +102,9 @@ class AgentLink:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             await self.cancel(rid, fut, CANCEL_WAIT_S)
+            answered = fut.done() and not fut.cancelled() and fut.exception() is None
+            if answered and fut.result().cancelled:
+                raise RunCancelled(fut.result()) from None
             raise
         finally:
             self._pending.pop(rid, None)
@@ -112,8 +124,8 @@ class AgentLink:
         cancel of the action): it is what keeps the cores held, and it is bounded."""
         if reply.done() or self.closed:
             return
-        with contextlib.suppress(Exception):
-            self.send(AgentCancel(rid=self.next_rid(), target=rid))
+        with contextlib.suppress(Exception):  # (an exec's agent answers with its output)
+            self.send(AgentCancel(rid=self.next_rid(), target=rid, output=True))
         await _uninterrupted(_bounded(reply, wait_s))
 
     def stream(self, req: AgentFiles | AgentExec) -> LinkStream:

@@ -210,7 +210,9 @@ class Membership:
         out = reply.result
         status = ActionStatus.ERROR
         error = None
-        if reply.ok and out is not None:
+        if reply.ok and out is not None and reply.cancelled:
+            status = ActionStatus.CANCELLED  # (killed by a cancel, its output kept)
+        elif reply.ok and out is not None:
             status = ActionStatus.TIMEOUT if out.timed_out else ActionStatus.OK
         elif reply.error == "cancelled":
             status = ActionStatus.CANCELLED

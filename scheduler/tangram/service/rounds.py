@@ -11,7 +11,7 @@ from typing import Any
 
 from tangram.api.wire import ActionStatus, AgentExec, AgentReply, AgentSession, ExecRequest
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
-from tangram.service.agents import CANCEL_WAIT_S
+from tangram.service.agents import CANCEL_WAIT_S, RunCancelled
 from tangram.service.api_calls import ApiCalls
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.live import LiveExec
@@ -175,8 +175,12 @@ class Rounds:
                 )
                 if reply.reason:  # the node's fault (its cgroups), not the command's
                     s.problems.note(reply.reason, f"node {asg.node}", reply.error or "", t0)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
             status = ActionStatus.CANCELLED
+            if isinstance(e, RunCancelled):  # killed: what it wrote, how long it ran
+                reply = e.reply
+            if not s.accepting:  # (queued ones are told the same by wind_down)
+                error = err("shutdown", "the scheduler stopped: killed at the end of its grace")
         except EngineError as e:
             error = err("node_lost", e.message, retryable=True)
             self.outcomes.cut_off(rec)

@@ -1,0 +1,85 @@
+"""How a running command's wait ends (``execution.supervise``): its end, its deadline, a
+stop that keeps its output (a cancel the scheduler wants the output of), a cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from tangram.node_agent.execution import STOP, Output, supervise
+
+
+class Command:
+    """A command that writes ``said`` and runs until it is killed or ``end`` is set."""
+
+    def __init__(self, said: bytes = b"partial\n") -> None:
+        self.said, self.end, self.kills = said, asyncio.Event(), 0
+
+    async def collect(self) -> Output:
+        await self.end.wait()
+        return Output(self.said, False, b"", False)
+
+    async def kill(self) -> None:
+        self.kills += 1
+        self.end.set()
+
+
+async def _nothing() -> None:
+    return None
+
+
+def test_a_command_that_ends_is_not_killed() -> None:
+    async def go() -> tuple[Output, bool, int]:
+        cmd = Command()
+        cmd.end.set()
+        STOP.set(asyncio.Event())
+        out, killed = await supervise(cmd.collect(), None, cmd.kill, _nothing)
+        return out, killed, cmd.kills
+
+    assert asyncio.run(go()) == (Output(b"partial\n", False, b"", False), False, 0)
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_deadline_kills_and_keeps_the_output_with_or_without_a_stop(stop: bool) -> None:
+    async def go() -> tuple[bytes, bool, int]:
+        cmd = Command()
+        if stop:
+            STOP.set(asyncio.Event())  # never set
+        out, killed = await supervise(cmd.collect(), 0.01, cmd.kill, _nothing)
+        return out.stdout, killed, cmd.kills
+
+    assert asyncio.run(go()) == (b"partial\n", True, 1)
+
+
+def test_a_stop_kills_the_command_and_keeps_what_it_wrote() -> None:
+    async def go() -> tuple[bytes, bool, int]:
+        cmd, stop = Command(), asyncio.Event()
+        STOP.set(stop)
+        watching = asyncio.ensure_future(supervise(cmd.collect(), None, cmd.kill, _nothing))
+        await asyncio.sleep(0)
+        assert not watching.done()
+        stop.set()
+        out, killed = await watching
+        return out.stdout, killed, cmd.kills
+
+    assert asyncio.run(go()) == (b"partial\n", True, 1)
+
+
+def test_a_cancel_kills_and_cancels_as_before() -> None:
+    async def go() -> tuple[bool, int, int]:
+        cmd, left = Command(), []
+
+        async def on_cancel() -> None:
+            left.append(1)
+
+        STOP.set(asyncio.Event())
+        watching = asyncio.ensure_future(supervise(cmd.collect(), None, cmd.kill, on_cancel))
+        await asyncio.sleep(0)
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+        return watching.cancelled(), cmd.kills, len(left)
+
+    assert asyncio.run(go()) == (True, 1, 1)
