@@ -7,6 +7,7 @@ import codecs
 import contextlib
 import contextvars
 import hashlib
+import re
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -179,9 +180,14 @@ def check_request(
         raise ExecError("cores: an action needs at least one core")
 
 
+_DOP = re.compile(r"\{\{dop\}\}|\{dop\}")
+
+
 def render(argv: Sequence[str], dop: int) -> list[str]:
-    """Fill ``{dop}`` in an argv template; nothing else is interpreted."""
-    return [a.replace("{dop}", str(dop)) for a in argv]
+    """Fill ``{dop}`` in an argv template, ``{{dop}}`` being a literal ``{dop}`` (an
+    f-string's, say); nothing else is interpreted."""
+    fill = str(dop)
+    return [_DOP.sub(lambda m: "{dop}" if len(m[0]) == 7 else fill, a) for a in argv]
 
 
 def _text(data: bytes, cut: bool) -> str:

@@ -1,5 +1,6 @@
-"""How a running command's wait ends (``execution.supervise``): its end, its deadline, a
-stop that keeps its output (a cancel the scheduler wants the output of), a cancel."""
+"""What every runtime shares about running a command: how its argv's ``{dop}`` is filled,
+and how the wait for it ends (``execution.supervise``): its end, its deadline, a stop that
+keeps its output (a cancel the scheduler wants the output of), a cancel."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 
 import pytest
 
-from tangram.node_agent.execution import STOP, Output, supervise
+from tangram.node_agent.execution import STOP, Output, render, supervise
 
 
 class Command:
@@ -83,3 +84,11 @@ def test_a_cancel_kills_and_cancels_as_before() -> None:
         return watching.cancelled(), cmd.kills, len(left)
 
     assert asyncio.run(go()) == (True, 1, 1)
+
+
+def test_dop_is_filled_and_a_doubled_one_is_left_literal() -> None:
+    """``{{dop}}`` used to become ``{1}``: a Python f-string's ``{dop}`` in ``python3 -c``
+    could not be written at all."""
+    argv = ["echo", "{dop}", "{dop", "{{dop}}", "{DOP}", "x{dop}y", 'print(f"{{dop}}")']
+    assert render(argv, 4) == ["echo", "4", "{dop", "{dop}", "{DOP}", "x4y", 'print(f"{dop}")']
+    assert render(["{{{dop}}}"], 2) == ["{{dop}}"]  # (the doubled form is taken first)
