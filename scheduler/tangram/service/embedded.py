@@ -47,32 +47,44 @@ except ImportError:  # no httptools (uvicorn[standard] brings it): h11, bounded 
     _HTTP = "h11"
 else:
 
+    class _HeadTooLargeError(Exception):
+        """Raised from a parser callback: httptools stops parsing there."""
+
     class _BoundedHead(HttpToolsProtocol):
         """uvicorn's httptools protocol with the request head bounded (``HEAD_BYTES``):
-        past it the answer is 431 and the connection closes. Counted a read at a time,
-        from the read after the one the request began in (its offset in that read is not
-        known): the head kept is under ``HEAD_BYTES`` plus one read (256 KiB). One add a
-        read on the hot path; httptools' parsing, unlike h11's, stays."""
+        past it the answer is 431 and the connection closes. The URL and header lines
+        are counted as the parser hands them over, so a head that came in one read is
+        bounded as one that trickles in, and parsing stops at the bound. httptools'
+        parsing, unlike h11's, stays."""
 
-        _head: int | None = None  # bytes of the open head (None: none open)
-
-        def data_received(self, data: bytes) -> None:
-            if self._head is not None:
-                self._head += len(data)
-            super().data_received(data)
-            if self._head is not None and self._head > HEAD_BYTES:
-                self._refuse_head()
+        _head = 0  # bytes of the open head: its URL, header names and values
+        _over = False  # refused: the parse error uvicorn reports is this
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head = 0
 
-        def on_headers_complete(self) -> None:
-            self._head = None
-            super().on_headers_complete()
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)  # ": " and CRLF
+            super().on_header(name, value)
+
+        def _count(self, size: int) -> None:
+            self._head += size
+            if self._head > HEAD_BYTES:
+                self._over = True
+                raise _HeadTooLargeError  # (uvicorn takes it for a parse error: below)
+
+        def send_400_response(self, msg: str) -> None:
+            if self._over:
+                self._refuse_head()
+            else:
+                super().send_400_response(msg)
 
         def _refuse_head(self) -> None:
-            self._head = None
             if self.transport.is_closing():
                 return
             log.info("a request head over %d bytes: 431, connection closed", HEAD_BYTES)
