@@ -21,7 +21,7 @@ from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import DockerRuntime
 from tangram.node_agent.env_template import DEFAULT_USER, LABEL
 from tangram.node_agent.exec_server import Built, socket_in
-from tangram.node_agent.execution import ExecError, ExecResult
+from tangram.node_agent.execution import STOP, ExecError, ExecResult
 from tangram.node_agent.fast_path import cgroup_of
 from tangram.node_agent.inventory import parse_cpulist
 
@@ -136,6 +136,30 @@ def test_a_runaway_command_is_killed_at_its_timeout(
     assert res.timed_out and res.exit_code is None
     assert only_pid1_left(runtime, t)
     assert group_limits(runtime, t) == (CORES[:1], 0.1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_stopped_command_is_killed_with_what_it_wrote_kept(
+    runtime: DockerRuntime, busybox: str, path: str
+) -> None:
+    """The agent's cancel that keeps the output (``STOP``): killed as at a deadline."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    argv = ["sh", "-c", "echo before; echo err >&2; touch /work/started; exec sleep 600"]
+
+    async def go() -> ExecResult:
+        stop = asyncio.Event()
+        STOP.set(stop)
+        running = asyncio.ensure_future(runtime.exec(t, argv, CORES[:1], path=path))
+        while (await runtime.exec(t, ["ls", "/work"], CORES[:1])).stdout != "started\n":
+            await asyncio.sleep(0.05)
+        stop.set()
+        return await running
+
+    res = asyncio.run(go())
+    assert res.timed_out and res.exit_code is None, res
+    assert (res.stdout, res.stderr) == ("before\n", "err\n"), res
+    assert only_pid1_left(runtime, t)
 
 
 def test_the_fast_path_also_kills_what_a_command_orphaned(
