@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -695,3 +696,65 @@ def test_a_full_disk_is_envds_507_not_a_rate_limit(full_disk: Sandbox) -> None:
             full_disk.files.make_dir(f"small/d{i}")
     assert not isinstance(no_dir.value, RateLimitException)
     assert "disk is full" in str(no_dir.value)
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("form", ["octet-stream", "multipart"])
+def test_an_upload_the_client_cuts_off_keeps_the_old_file_and_logs_no_traceback(
+    sandbox: Sandbox, e2b: tuple[str, str, str], form: str
+) -> None:
+    """envd's upload, 6 MB said, 3 MB sent, then the client goes: the old file stays, no
+    temporary one is left, and the service logs nothing. It logged "Exception in ASGI
+    application" with a traceback ending in starlette's ClientDisconnect."""
+    _, url, token = e2b
+    sandbox.files.write("f.bin", "old")
+    head = _form_part("file", b"", "f.bin")[:-2] if form == "multipart" else b""  # (no CRLF)
+    kind = (
+        f"multipart/form-data; boundary={BOUNDARY}"
+        if form == "multipart"
+        else "application/octet-stream"
+    )
+    host, port = url.removeprefix("http://").split(":")
+
+    def temporaries() -> list[str]:
+        return [e.name for e in sandbox.files.list(".") if e.name.startswith(".f.bin.tangram-")]
+
+    kept = _Kept()
+    loggers = [logging.getLogger("uvicorn.error"), logging.getLogger()]
+    for logger in loggers:
+        logger.addHandler(kept)
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"POST /files?path=f.bin HTTP/1.1\r\nHost: {host}\r\n"
+                      f"X-Access-Token: {token}\r\nE2b-Sandbox-Id: {sandbox.sandbox_id}\r\n"
+                      f"Content-Type: {kind}\r\nContent-Length: 6000000\r\n\r\n".encode()
+                      + head + b"n" * 3_000_000)  # fmt: skip
+            until(lambda: temporaries() != [], "the write under way")
+        until(lambda: temporaries() == [], "the cut-off write dropped")
+        assert sandbox.files.read("f.bin") == "old"
+    finally:
+        for logger in loggers:
+            logger.removeHandler(kept)
+    lines = [r.getMessage() for r in kept.records]
+    assert not any(r.exc_info for r in kept.records) and len(lines) <= 1, lines
+
+
+def test_a_file_of_proc_downloads_whole(sandbox: Sandbox, e2b: tuple[str, str, str]) -> None:
+    """envd's download of a file whose size stat cannot tell (/proc's say 0): it was an
+    empty file; it is what the file holds, with that Content-Length."""
+    if e2b[0] == "process":
+        pytest.skip("the process runtime's environment is its directory: it has no /proc")
+    _, url, token = e2b
+    envd = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token}
+    got = httpx.get(f"{url}/files", params={"path": "/proc/version"}, headers=envd, timeout=30)
+    assert got.status_code == 200 and got.content == Path("/proc/version").read_bytes()
+    assert int(got.headers["content-length"]) == len(got.content)
+    assert sandbox.files.read("/proc/self/status").startswith("Name:")

@@ -5,16 +5,19 @@ container and in the process runtime's directory."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gzip
 import hashlib
 import io
+import logging
 import os
 import random
+import socket
 import subprocess
 import tarfile
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -462,15 +465,31 @@ def test_tar_members_that_would_leave_the_directory_are_refused_naming_them(
 def test_a_body_that_is_no_tar_and_a_tar_of_no_directory_are_refused(
     box: tuple[str, Trajectory],
 ) -> None:
+    """A body that is no tar is the body's fault (400 naming ``body``, as one that is no
+    gzip is; they named ``path``) and changes nothing: the destination is made only once
+    the body's first header is read whole and valid (it was made, with its parents,
+    before the body was read). An empty tar, its end blocks alone, makes it."""
     _, t = box
     for body, why in (
-        (b"", "empty"),
+        (b"", "the body is empty, not a tar"),
+        (b"not a tar", "the tar ends inside a header"),
+        (b"x" * 1024, "not a tar: a header's checksum is wrong"),
         (b"this is not a tar" * 64, "checksum"),
+        (_pax(b"\n" * 10 + b"3 " + b"a" * 20, tar_of()), "an extended header is malformed"),
+    ):
+        refusal = _refusal(lambda body=body: t.files.write_tar("d_empty/sub", body))
+        assert (refusal.status, refusal.field) == (400, "body"), refusal
+        assert why in str(refusal), refusal
+        assert not t.files.exists("d_empty"), why
+    for body, why in (
         (tar_of(("t", tarfile.REGTYPE, bytes(5000)))[:2048], "ends inside"),
         (gzip.compress(tar_of(("t", tarfile.REGTYPE, b"t")))[:-12], "gzip"),
     ):
         refusal = _refusal(lambda body=body: t.files.write_tar("dst", body))
-        assert refusal.status == 400 and why in str(refusal), refusal
+        assert (refusal.status, refusal.field) == (400, "body"), refusal
+        assert why in str(refusal), refusal
+    assert t.files.write_tar("d_empty/sub", tar_of()).members == 0
+    assert t.files.stat("d_empty/sub").type == "dir"
     too_large = _refusal(lambda: t.files.write_tar("dst", bytes(LIMIT + 1)))
     assert too_large.status == 413
     t.files.write("file", b"x")
@@ -603,8 +622,8 @@ def test_crafted_tars_are_refused_and_leave_nothing_astray(execd: Built, tmp_pat
 
     for name, data in cases.items():
         answer = str(asyncio.run(untar(data)))
-        if name in ("pax", "size"):
-            assert answer.startswith(f"{errno.EINVAL} "), answer
+        if name in ("pax", "size"):  # the body's fault: no tar
+            assert answer.startswith(f"{errno.EBADMSG} "), answer
         else:
             assert answer.startswith(f"{errno.EXDEV} ") and f"member {name}:" in answer, answer
     itself = tar_of(("a", tarfile.REGTYPE, b"hi"), ("a", tarfile.LNKTYPE, "a"))
@@ -769,3 +788,284 @@ def test_an_upload_cut_off_by_its_trajectorys_close_says_it_was_closed(
             got = answer.result(60)
         assert got.status_code == 409, got.text
         assert f"{t.id} was closed during the request" in got.json()["error"]["message"]
+
+
+# --- what an outside probe found: cut-off uploads, /proc and /sys, files that shrink ------
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _service_log() -> Iterator[list[logging.LogRecord]]:
+    """What the running service logs at WARNING and above: uvicorn's records (its logger
+    does not reach the root's) and the rest. (Made after the service started: uvicorn
+    sets its loggers' handlers as it starts.)"""
+    kept = _Kept()
+    loggers = [logging.getLogger("uvicorn.error"), logging.getLogger()]
+    for logger in loggers:
+        logger.addHandler(kept)
+    try:
+        yield kept.records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(kept)
+
+
+def _no_traceback(records: list[logging.LogRecord]) -> None:
+    """At most one line, and no traceback (an unhandled exception's)."""
+    lines = [r.getMessage() for r in records]
+    assert len(records) <= 1, lines
+    assert not any(r.exc_info for r in records), lines
+    assert not any("Exception in ASGI application" in line for line in lines), lines
+
+
+def _temporaries(t: Trajectory, name: str) -> list[str]:
+    return [e.name for e in t.files.list(".") if e.name.startswith(f".{name}.tangram-")]
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+def test_an_upload_the_client_cuts_off_keeps_the_old_file_and_logs_no_traceback(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """The client says 10 MB, sends 3 and closes: the old file stays, no temporary one is
+    left, and the service handles it as a refusal of the body. It logged "Exception in
+    ASGI application" with a traceback ending in starlette's ClientDisconnect."""
+    with (
+        box_pool(request, kind, tmp_path, max_file_bytes=LIMIT) as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+        _service_log() as logged,
+    ):
+        t.files.write("f.bin", b"old")
+        host, port = running.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"PUT /v1/trajectories/{t.id}/files?path=f.bin HTTP/1.1\r\nHost: {host}"
+                      f"\r\nAuthorization: Bearer {token}\r\nContent-Length: 10000000\r\n\r\n"
+                      .encode() + b"n" * 3_000_000)  # fmt: skip
+            until(lambda: _temporaries(t, "f.bin") != [], "the write under way")
+        until(lambda: _temporaries(t, "f.bin") == [], "the cut-off write dropped")
+        assert t.files.read("f.bin") == b"old"
+        _no_traceback(logged)
+
+
+def _mounted(source: str, target: Path, *options: str) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def mount() -> Iterator[None]:
+        target.mkdir()
+        subprocess.run(["mount", *options, source, str(target)], check=True, capture_output=True)
+        try:
+            yield
+        finally:
+            subprocess.run(["umount", "-l", str(target)], check=False)
+
+    return mount()
+
+
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"  # sysfs: 4096 bytes said, ~23 held
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+def test_a_file_of_proc_or_sys_downloads_whole_with_its_real_size(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """/proc's files say they are empty and sysfs's that they hold 4096 bytes, whatever
+    they hold: /proc/version was a 200 with an empty body, and the sysfs file promised
+    4096 bytes and sent 23 (the client's read broke, the log got a traceback). Each is
+    read whole, and its Content-Length is what it holds. (The process runtime's
+    environment is its directory: /proc and /sys are mounted in it.)"""
+    if not os.path.exists(THP):
+        pytest.skip(f"no {THP} on this kernel")
+    with (
+        box_pool(request, kind, tmp_path) as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+        contextlib.ExitStack() as mounts,
+    ):
+        if kind == "process":
+            root = tmp_path / "agent" / "trajectories" / t.id
+            mounts.enter_context(_mounted("proc", root / "proc", "-t", "proc"))
+            mounts.enter_context(_mounted("/sys", root / "sys", "--bind"))
+        seen = {}
+        url, auth = (
+            f"{running.url}/v1/trajectories/{t.id}/files",
+            {"Authorization": f"Bearer {token}"},
+        )
+        with _service_log() as logged:
+            for path in ("/proc/version", "/proc/self/status", "/proc/cpuinfo", THP):
+                got = httpx.get(url, params={"path": path}, headers=auth, timeout=30)
+                assert got.status_code == 200, got.text
+                assert got.content and int(got.headers["content-length"]) == len(got.content)
+                seen[path] = got.content
+            _no_traceback(logged)
+        assert seen["/proc/version"] == Path("/proc/version").read_bytes()  # the same kernel
+        assert seen[THP] == Path(THP).read_bytes()
+        assert seen["/proc/self/status"].startswith(b"Name:\t")
+
+
+def test_the_exec_server_reads_a_file_whose_size_stat_cannot_tell_within_a_bound(
+    execd: Built,
+) -> None:
+    """The server alone, on the host's root: a file of /proc (size 0) or sysfs (4096) is
+    read whole, its entry saying the size read; one that holds more than 16 MiB (a
+    process's pagemap holds gigabytes) is refused saying so, not read on and on."""
+    assert execd.path is not None
+    files = EnvFiles(one_shot(execd.path, Path("/")), "/")
+
+    async def read(path: str) -> tuple[int, bytes]:
+        entry, data = await files.read(path)
+        return entry.size, b"".join([piece async for piece in data])
+
+    for path in ("/proc/version", "/proc/self/status", *([THP] if os.path.exists(THP) else [])):
+        size, got = asyncio.run(read(path))
+        assert got and size == len(got), path
+        if path != "/proc/self/status":  # (the server's own)
+            assert got == Path(path).read_bytes()
+    with pytest.raises(FileError) as refused:
+        asyncio.run(read("/proc/self/pagemap"))
+    assert refused.value.errno == errno.EFBIG
+    assert "/proc/self/pagemap: its size is not known ahead" in str(refused.value)
+    assert "over 16 MiB" in str(refused.value)
+
+
+def test_a_file_that_shrinks_while_it_is_read_fails_never_ends_short(
+    execd: Built, tmp_path: Path
+) -> None:
+    """Its entry said 16 MiB; truncated once its first chunk came (the server cannot have
+    read more than two: it waits on a reader that has stopped), it ended short without a
+    word (and the service's Content-Length was a lie). It fails, saying why."""
+    assert execd.path is not None
+    (tmp_path / "f").write_bytes(bytes(16 << 20))
+    files = EnvFiles(one_shot(execd.path, tmp_path), "/")
+
+    async def scenario() -> tuple[int, int, FileError]:
+        entry, data = await files.read("/f")
+        got = len(await anext(data))
+        os.truncate(tmp_path / "f", 0)
+        with pytest.raises(FileError) as refused:
+            async for piece in data:
+                got += len(piece)
+        return entry.size, got, refused.value
+
+    size, got, refused = asyncio.run(scenario())
+    assert size == 16 << 20 and got < size
+    assert refused.errno == errno.ESTALE and "/f: it shrank while it was read" in str(refused)
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+def test_a_download_cut_short_breaks_the_response_and_logs_one_line(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """A file truncated during its download: the client was promised its size and gets
+    less, so the connection is closed there (a broken download, never a short one taken
+    for whole), and the log says so in one line; it got a RuntimeError's traceback
+    ("Response content shorter than Content-Length"). The link's flow control keeps the
+    server within a few tens of MiB of a reader that stopped: 256 MiB is never all read."""
+    with (
+        box_pool(request, kind, tmp_path) as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        t.exec(["dd", "if=/dev/zero", "of=big", "bs=1M", "count=0", "seek=256"])
+        url = f"{running.url}/v1/trajectories/{t.id}/files"
+        with (
+            _service_log() as logged,
+            httpx.stream(
+                "GET",
+                url,
+                params={"path": "big"},
+                timeout=60,
+                headers={"Authorization": f"Bearer {token}"},
+            ) as got,  # fmt: skip
+        ):
+            assert got.headers["content-length"] == str(256 << 20)
+            pieces = got.iter_raw()
+            received = len(next(pieces))
+            t.exec(["sh", "-c", ": > big"])
+            with pytest.raises(httpx.RemoteProtocolError):
+                for piece in pieces:
+                    received += len(piece)
+        assert received < 256 << 20
+        _no_traceback(logged)
+        (line,) = [r.getMessage() for r in logged]
+        assert line.startswith(f"the download of big (trajectory {t.id}): cut short after"), line
+        assert "it shrank while it was read" in line
+
+
+@pytest.mark.xdist_group("service")
+def test_a_download_that_ends_short_or_fails_at_once_is_answered_as_such(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As an exec server that predates the fix answers: data that ends short of the size
+    without a word is cut short by the service itself (one log line); and a read that
+    fails before its first byte is an error answer of its own, not a 200 cut short."""
+    real_read = EnvFiles.read
+    ending = "short"
+
+    async def read(self: EnvFiles, path: str) -> tuple[Any, AsyncGenerator[bytes, None]]:
+        entry, data = await real_read(self, path)
+
+        async def first_only() -> AsyncGenerator[bytes, None]:
+            async with contextlib.aclosing(data):
+                if ending == "at once":
+                    raise FileError(errno.ESTALE, f"read {path}: it shrank while it was read")
+                yield await anext(data)
+
+        return entry, first_only()
+
+    with (
+        box_pool(request, "process", tmp_path) as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        t.files.write("f", bytes(3 << 20))
+        monkeypatch.setattr(EnvFiles, "read", read)
+        url = f"{running.url}/v1/trajectories/{t.id}/files"
+        auth = {"Authorization": f"Bearer {token}"}
+        with _service_log() as logged:
+            with pytest.raises(httpx.RemoteProtocolError):
+                httpx.get(url, params={"path": "f"}, headers=auth, timeout=30)
+            _no_traceback(logged)
+            (line,) = [r.getMessage() for r in logged]
+            assert f"cut short: {1 << 20} of its {3 << 20} bytes came" in line, line
+            ending = "at once"
+            got = httpx.get(url, params={"path": "f"}, headers=auth, timeout=30)
+            assert got.status_code == 409, got.text
+            assert "it shrank while it was read" in got.json()["error"]["message"]
+            assert len(logged) == 1  # (nothing more)
+
+
+# Docker only: the process runtime's files server runs as the agent's user, root.
+@pytest.mark.parametrize("kind", RUNTIMES[1:])
+def test_a_tar_that_fails_at_once_is_an_error_answer_and_one_midway_is_cut_off(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """A member the environment's user cannot read: met before the tar's first piece
+    went, the answer is the refusal itself (a 403), not a 200 cut short; met later, the
+    download is cut off there, with one log line, not a traceback (it was one)."""
+    with (
+        box_pool(request, kind, tmp_path) as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        make = ("mkdir a b && dd if=/dev/zero of=b/0big bs=1M count=3 && "
+                "echo x | tee a/locked > b/locked && chmod 000 a/locked b/locked")  # fmt: skip
+        made = t.exec(["sh", "-c", make])
+        assert made.exit_code == 0, made
+        url = f"{running.url}/v1/trajectories/{t.id}/files/tar"
+        auth = {"Authorization": f"Bearer {token}"}
+        with _service_log() as logged:
+            at_once = httpx.get(url, params={"path": "a"}, headers=auth, timeout=30)
+            assert at_once.status_code == 403, at_once.text
+            assert "locked" in at_once.json()["error"]["message"]
+            with pytest.raises(httpx.RemoteProtocolError):
+                httpx.get(url, params={"path": "b"}, headers=auth, timeout=30)
+            _no_traceback(logged)
+        (line,) = [r.getMessage() for r in logged]
+        assert line.startswith(f"the tar of b (trajectory {t.id}): cut short after"), line

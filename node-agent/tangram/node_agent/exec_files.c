@@ -14,7 +14,12 @@
  * that leads out of the directory is refused (EXDEV). /proc magic links are refused in
  * both (RESOLVE_NO_MAGICLINKS), and a ".." component is refused before any lookup.
  *
- *   read PATH          'S' entry of the opened file, '1' data..., 'X' "0"
+ *   read PATH          'S' entry of the opened file, '1' data of exactly the entry's size,
+ *                      'X' "0". A file whose size stat cannot tell (0, as /proc's are, or
+ *                      of sysfs and its like, 4096 whatever they hold) is read whole first,
+ *                      at most 16 MiB (more: EFBIG), and its entry says the size read. A
+ *                      file that shrinks while it is read fails midway (ESTALE), never
+ *                      ends short of its entry's size; one that grows is sent as it was.
  *   write PATH MODE    'S' once a temporary file beside PATH is open; then the agent
  *                      sends 'I' data... and 'E'; the file is renamed over PATH (atomic:
  *                      readers see the old file or the whole new one), 'X' bytes written.
@@ -34,6 +39,7 @@
  * uid, gid, name, symlink target. A failure is a 'Z' frame: "<errno> <message>".
  */
 #include <linux/openat2.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 
 #define MAX_DEPTH 256 /* directory levels a remove or a tar descends */
@@ -175,9 +181,10 @@ static int send_entry(int sock, int dirfd, const char *name, const struct stat *
 }
 
 /* The first ``size`` bytes of ``fd`` as '1' frames. A file that grows meanwhile is sent as
- * it was (a reader may count on the size it was told); one that shrinks ends short, or,
- * with ``pad``, is filled with zeros to the size (a tar member must have the size its
- * header said). -1 once a read failed (said as ``what`` ``shown``) or a send did. */
+ * it was (a reader may count on the size it was told). One that shrinks is, with ``pad``,
+ * filled with zeros to the size (a tar member must have the size its header said), and
+ * otherwise a failure (ESTALE): the reader was told a size that no longer holds, and gets
+ * no silently short file. -1 once a read failed (said as ``what`` ``shown``) or a send did. */
 static int send_contents(int sock, int fd, off_t size, int pad, const char *what,
                          const char *shown) {
     static char buf[1 << 20]; /* a chunk of the agent link (STREAM_CHUNK) */
@@ -188,7 +195,13 @@ static int send_contents(int sock, int fd, off_t size, int pad, const char *what
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) return fail(sock, errno, what, shown);
         if (n == 0) {
-            if (!pad) break;
+            if (!pad) {
+                char why[160];
+                snprintf(why, sizeof why, "it shrank while it was read (it ended after %lld "
+                         "of its %lld bytes): read it again", (long long)(size - left),
+                         (long long)size);
+                return fail_why(sock, ESTALE, what, shown, why);
+            }
             memset(buf, 0, want);
             n = (ssize_t)want;
         }
@@ -198,12 +211,98 @@ static int send_contents(int sock, int fd, off_t size, int pad, const char *what
     return 0;
 }
 
+/* The most a read takes of a file whose size stat cannot tell (size_known): such a file
+ * is read whole before its entry is sent, so that the entry says the size it has. */
+#define MAX_UNSIZED (16u << 20)
+
+/* Whether ST's size is what reading FD gives. Not for a file of size 0 (/proc's, cgroupfs's:
+ * they have content all the same) nor for any of a file system whose sizes are made up
+ * (sysfs says 4096, whatever an attribute holds). */
+static int size_known(int fd, const struct stat *st) {
+    struct statfs fs;
+    if (st->st_size == 0) return 0;
+    if (fstatfs(fd, &fs) < 0) return 1;
+    switch ((unsigned long)fs.f_type) {
+    case 0x9fa0UL:     /* proc */
+    case 0x62656572UL: /* sysfs */
+    case 0x27e0ebUL:   /* cgroup */
+    case 0x63677270UL: /* cgroup2 */
+    case 0x64626720UL: /* debugfs */
+    case 0x74726163UL: /* tracefs */
+    case 0x73636673UL: /* securityfs */
+    case 0x62656570UL: /* configfs */
+        return 0;
+    default:
+        return 1;
+    }
+}
+
+/* Reads FD to its end, at most MAX_UNSIZED bytes, into *OUT (malloc'd), its length in
+ * *LEN; -1 with errno (EFBIG: it holds more; EAGAIN: reading it would block). Reads ask
+ * for whole pages (/proc's pagemap reads only in 8-byte steps). */
+static int read_whole(int fd, char **out, size_t *len) {
+    size_t cap = 64 << 10, got = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (buf == NULL) return errno = ENOMEM, -1;
+        if (got > MAX_UNSIZED) {
+            free(buf);
+            return errno = EFBIG, -1;
+        }
+        if (got == cap) {
+            cap = cap < MAX_UNSIZED ? cap * 2 : MAX_UNSIZED + 4096; /* room to see it is more */
+            char *more = realloc(buf, cap);
+            if (more == NULL) free(buf);
+            buf = more;
+            continue;
+        }
+        ssize_t n = read(fd, buf + got, cap - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            int err = errno;
+            free(buf);
+            return errno = err, -1;
+        }
+        if (n == 0) {
+            *out = buf, *len = got;
+            return 0;
+        }
+        got += (size_t)n;
+    }
+}
+
+/* A file whose size stat cannot tell: read whole first, then sent with the size it had. */
+static int read_unsized(int sock, int fd, const char *path, struct stat *st) {
+    char *data;
+    size_t len;
+    if (read_whole(fd, &data, &len) < 0) {
+        if (errno == EFBIG)
+            return fail_why(sock, EFBIG, "read", path, "its size is not known ahead (0, or "
+                            "a file of /proc or /sys) and it holds over 16 MiB: read it with "
+                            "a command");
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return fail_why(sock, EINVAL, "read", path, "reading it would block (a stream, "
+                            "not a file): read it with a command");
+        return fail(sock, errno, "read", path);
+    }
+    st->st_size = (off_t)len;
+    const char *slash = strrchr(path, '/');
+    int rc = send_entry(sock, fd, slash ? slash + 1 : path, st);
+    for (size_t at = 0; rc == 0 && at < len; at += 1u << 20) {
+        size_t n = len - at < (1u << 20) ? len - at : 1u << 20;
+        rc = send_frame(sock, '1', data + at, (uint32_t)n);
+    }
+    free(data);
+    return rc < 0 ? -1 : send_text(sock, 'X', "0");
+}
+
 static int op_read(int sock, const char *path) {
     int fd = open_in(path, O_RDONLY | O_NOCTTY | O_NONBLOCK);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) < 0) return fail(sock, errno, "read", path);
     if (!S_ISREG(st.st_mode)) /* a FIFO or a device could block or never end */
         return fail(sock, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, "read", path);
+    if (!size_known(fd, &st)) return read_unsized(sock, fd, path, &st);
     const char *slash = strrchr(path, '/');
     if (send_entry(sock, fd, slash ? slash + 1 : path, &st) < 0) return -1;
     if (send_contents(sock, fd, st.st_size, 0, "read", path) < 0) return -1;

@@ -8,9 +8,13 @@
  *                and for a file '1' data of exactly the entry's size; 'X' "0". The agent
  *                writes the tar headers (Python's tarfile: ustar, pax for what ustar
  *                cannot hold), so this side knows nothing of the format.
- *   untar PATH   makes the directory PATH with its parents, 'S'; then the agent sends a
- *                tar as 'I' data... and 'E', and the server extracts it beneath PATH;
- *                '1' "<members> <bytes>", 'X' "0".
+ *   untar PATH   'S' once PATH is a directory or can be one (what is in its way fails
+ *                at once); then the agent sends a tar as 'I' data... and 'E', and the
+ *                server extracts it beneath PATH, made with its parents once the body's
+ *                first header (or its end blocks) shows a tar: a body that is no tar at
+ *                all changes nothing. '1' "<members> <bytes>", 'X' "0". A body that is
+ *                not a tar, or is cut short, fails with EBADMSG (the body's fault, not
+ *                PATH's: the service names the body).
  *
  * Extraction stays beneath PATH whatever the tar says: each member is resolved from
  * PATH's descriptor with RESOLVE_BENEATH, so a ".." member name (refused up front), an
@@ -263,18 +267,21 @@ static int header(struct member *m, const char **why) {
         unsigned char h[TAR_BLOCK];
         size_t got = in_read((char *)h, TAR_BLOCK);
         if (got == 0) return 1; /* no end-of-archive blocks: the end all the same */
-        if (got < TAR_BLOCK) return *why = "the tar ends inside a header", -1;
+        if (got < TAR_BLOCK) return *why = "the tar ends inside a header", errno = EBADMSG, -1;
         int zero = 1;
         for (int i = 0; i < TAR_BLOCK && zero; i++) zero = h[i] == 0;
         if (zero) return 1;
-        if (!checksum_ok(h)) return *why = "not a tar: a header's checksum is wrong", -1;
+        if (!checksum_ok(h))
+            return *why = "not a tar: a header's checksum is wrong", errno = EBADMSG, -1;
         unsigned long long size, mode;
         if (number(h + 124, 12, &size) < 0 || number(h + 100, 8, &mode) < 0 || size > MAX_MEMBER)
-            return *why = "not a tar: a header's size or mode is not a number in range", -1;
+            return *why = "not a tar: a header's size or mode is not a number in range",
+                   errno = EBADMSG, -1;
         char type = (char)h[156];
         if (type == 'x' || type == 'g' || type == 'L' || type == 'K') {
             char *data = in_meta(size);
-            if (data == NULL) return *why = "an extended header is too long or cut short", -1;
+            if (data == NULL)
+                return *why = "an extended header is too long or cut short", errno = EBADMSG, -1;
             int bad = 0;
             if (type == 'x') bad = pax(data, (size_t)size);
             else if (type == 'L' || type == 'K') {
@@ -284,7 +291,7 @@ static int header(struct member *m, const char **why) {
                 *(type == 'L' ? &next.has_name : &next.has_link) = 1;
             }
             free(data);
-            if (bad) return *why = "an extended header is malformed", -1;
+            if (bad) return *why = "an extended header is malformed", errno = EBADMSG, -1;
             continue;
         }
         m->type = type;
@@ -418,7 +425,7 @@ static int write_member(int dirfd, const char *tmp, void *arg) {
         if (!err && write_all(fd, p, k) < 0) err = errno; /* the rest is still taken */
         left -= k;
     }
-    if (left > 0) f->short_read = 1, err = err ? err : EINVAL;
+    if (left > 0) f->short_read = 1, err = err ? err : EBADMSG;
     if (!err && fchmod(fd, f->m->mode & 01777) < 0) err = errno; /* no set-id bits */
     if (close(fd) < 0 && !err) err = errno; /* a full disk may show only here */
     return err ? (errno = err, -1) : 0;
@@ -550,16 +557,24 @@ static void set_dir_modes(struct untar *u) {
 }
 
 static int op_untar(int sock, const char *path) {
-    int made = 0;
     const char *rel = relative(path);
-    struct untar u = {.root = rel ? make_dirs(files_root, files_resolve, rel, &made) : -1};
-    if (u.root < 0) return fail(sock, errno, "untar", path);
+    /* The destination as it is; made (with its parents) only once the body shows a tar,
+     * so that a body that is none leaves no directory behind. What is in its way (a
+     * file, a symlink leading out, a directory not to be searched) fails at once. */
+    struct untar u = {.root = -1};
+    if (rel != NULL) u.root = open_at(files_root, files_resolve, rel, O_RDONLY | O_DIRECTORY);
+    if (u.root < 0 && (rel == NULL || errno != ENOENT)) return fail(sock, errno, "untar", path);
     send_text(sock, 'S', "ready");
     in.sock = sock;
     static struct member m;
     const char *why = NULL;
-    int err = 0, got;
-    while ((got = header(&m, &why)) == 0) {
+    int err = 0, got = header(&m, &why);
+    if (u.root < 0 && (got == 0 || (got == 1 && in.total > 0))) { /* a tar, if an empty one */
+        int made = 0;
+        if ((u.root = make_dirs(files_root, files_resolve, rel, &made)) < 0)
+            err = errno, m.name[0] = '\0';
+    }
+    while (got == 0 && !err) {
         why = NULL;
         unsigned long long pad = padding(m.size);
         if (extract(&u, &m, &why) < 0) {
@@ -568,21 +583,23 @@ static int op_untar(int sock, const char *path) {
         }
         if (!in_skip(m.size + pad)) { /* what extract left of its data, and the padding */
             why = "the tar ends inside a member's data";
-            err = EINVAL;
+            err = EBADMSG;
             break;
         }
+        got = header(&m, &why);
     }
-    if (got < 0) err = EINVAL, m.name[0] = '\0';
+    if (got < 0) err = EBADMSG, m.name[0] = '\0';
     if (got == 1 && in.total == 0) { /* not even the end blocks an empty tar has */
         why = "the body is empty, not a tar";
-        err = EINVAL;
+        err = EBADMSG;
     }
     set_dir_modes(&u);
-    close(u.root);
+    if (u.root >= 0) close(u.root);
     while (!in.ended) in_skip(1u << 30); /* what is left unread: the agent still sends it */
     if (in.gone) return -1;
     char msg[8400];
-    if (err == EXDEV && why == NULL) why = "it leads out of the destination through a symlink";
+    if (err == EXDEV && why == NULL && m.name[0])
+        why = "it leads out of the destination through a symlink";
     if (err) {
         snprintf(msg, sizeof msg, "%d untar %s: %s%s%s%s", err, path,
                  m.name[0] ? "member " : "", m.name, m.name[0] ? ": " : "",

@@ -51,7 +51,9 @@ _KINDS: dict[int, ErrorKind] = {
     errno.EISDIR: "invalid",
     errno.EINVAL: "invalid",
     errno.ENAMETOOLONG: "invalid",
-    errno.EFBIG: "too_large",
+    errno.EFBIG: "too_large",  # over a bound (a file of /proc read whole: 16 MiB)
+    errno.ESTALE: "conflict",  # a file that shrank while it was read: read it again
+    errno.EBADMSG: "invalid",  # an untar's body that is no tar (or is cut short)
     errno.E2BIG: "too_large",  # a directory of more entries than one listing carries
 }
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # not the caller's: ``NoSpaceError``
@@ -242,7 +244,11 @@ class Files:
                             break  # refused: the reply says why
                     else:
                         stream.end_input()
-                    done = _outcome(await stream.reply(), path, told=action == "untar")
+                    reply = await stream.reply()
+                    # A body that is no tar (or is cut short) is the body's fault, as a
+                    # body that is no gzip is, not the path's.
+                    blame = "body" if action == "untar" and reply.errno == errno.EBADMSG else "path"
+                    done = _outcome(reply, path, told=action == "untar", field=blame)
                 finally:
                     await stream.close()  # a body that broke off cancels the write
         finally:

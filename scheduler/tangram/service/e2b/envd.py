@@ -36,7 +36,7 @@ from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
 from tangram.service.e2b.multipart import file_parts
 from tangram.service.e2b.sandboxes import Sandbox, Sandboxes
 from tangram.service.engine import Engine
-from tangram.service.file_routes import download_response
+from tangram.service.file_routes import download_response, request_body
 from tangram.service.files import KEEP_MODE, check_path, inflated_within
 from tangram.service.records import EngineError
 
@@ -105,7 +105,8 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
     async def download(path: Path, request: Request, username: Username = None) -> Response:
         who, box = await caller(request)
         got = await files.read(who, box.id, path)
-        return await download_response(got, _sized, "application/octet-stream")
+        what = f"the download of {path} (sandbox {box.id})"
+        return await download_response(got, _sized, "application/octet-stream", what)
 
     @router.post("/files", openapi_extra=_UPLOAD_DOC)
     async def upload(
@@ -120,7 +121,7 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         content_type = request.headers.get("content-type", "")
         written: list[dict[str, str]] = []
         if content_type.split(";")[0].strip().lower() == "multipart/form-data":
-            parts = file_parts(request.stream(), content_type)
+            parts = file_parts(request_body(request), content_type)
             async with aclosing(parts):
                 async for filename, data in parts:
                     if path and written:  # (envd's: the first part is written, not the rest)
@@ -135,7 +136,7 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         else:
             if not path:
                 raise E2BError(400, "path: required for an octet-stream upload")
-            body: AsyncIterator[bytes] = request.stream()
+            body: AsyncIterator[bytes] = request_body(request)
             if request.headers.get("content-encoding", "").lower() == "gzip":
                 # The file it makes is held to admission.maxFileBytes, not just its
                 # compressed bytes (413); a body that is no whole gzip is 400.
