@@ -747,11 +747,11 @@ def test_an_upload_the_client_cuts_off_keeps_the_old_file_and_logs_no_traceback(
     assert not any(r.exc_info for r in kept.records) and len(lines) <= 1, lines
 
 
+# (Docker's only: the process runtime's environment is its directory, with no /proc.)
+@pytest.mark.parametrize("e2b", [p for p in RUNTIMES if p.values[0] == "docker"], indirect=True)
 def test_a_file_of_proc_downloads_whole(sandbox: Sandbox, e2b: tuple[str, str, str]) -> None:
     """envd's download of a file whose size stat cannot tell (/proc's say 0): it was an
     empty file; it is what the file holds, with that Content-Length."""
-    if e2b[0] == "process":
-        pytest.skip("the process runtime's environment is its directory: it has no /proc")
     _, url, token = e2b
     envd = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token}
     got = httpx.get(f"{url}/files", params={"path": "/proc/version"}, headers=envd, timeout=30)
