@@ -223,8 +223,22 @@ def test_a_body_over_1_mib_is_413(http: httpx.Client, chunked: bool) -> None:
         ("/v1/batch", {"actions": [{"trajectory": TRAJECTORY, "exec": []}]}, "actions.0.exec"),
         # (a fixed core count has nothing for an efficiency to choose between)
         (EXEC, {"argv": ["ls"], "efficiency": {"amdahl": 0.9}}, "efficiency"),
+        # Of the right JSON type or refused, never converted (these were taken as true, 1,
+        # 5 s, 100, 5 steps, 1 unit for 1 s).
+        (EXEC, {"argv": ["ls"], "pty": "yes"}, "pty"),  # (also: the process runtime's no pty)
+        (EXEC, {"argv": ["ls"], "cpu": True}, "cpu"),
+        (EXEC, {"argv": ["ls"], "timeout_s": "5"}, "timeout_s"),
+        (EXEC, {"argv": ["ls"], "output_cap": "100"}, "output_cap"),
+        ("/v1/trajectories", {"env": "shell", "expected_steps": "5"}, "expected_steps"),
+        ("/v1/apis/search/lease", {"units": True, "hold_s": 1}, "units"),
+        ("/v1/apis/search/lease", {"units": 1, "hold_s": "1"}, "hold_s"),
+        # Named as sent, without the tags of pydantic's unions (efficiency.amdahl.amdahl).
+        (EXEC, {"argv": ["ls"], "efficiency": {"amdahl": 2}}, "efficiency.amdahl"),
+        (EXEC, {"argv": ["ls"], "cpu": {"choices": []}}, "cpu.choices"),
+        ("/v1/batch", {"actions": [{"trajectory": TRAJECTORY, "exec": {"argv": ["ls"],
+         "cpu": {"min": 3, "max": 2}}}]}, "actions.0.exec.cpu"),
     ],
-)
+)  # fmt: skip
 def test_a_wrong_typed_field_is_400_naming_it(
     http: httpx.Client, path: str, body: dict[str, Any], field: str
 ) -> None:

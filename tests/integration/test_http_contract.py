@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tangram.api.cluster import ApiSpec
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.agent import NodeAgent
 from tangram.service.config import EnvConfig, PoolConfig
@@ -78,3 +79,54 @@ def test_a_batch_item_is_one_kind_in_the_schema_as_in_the_service(tmp_path: Path
             mixed = {"trajectory": "t", "exec": {"argv": ["true"]}, "api": "a", "lease": {}}
             answer = http.post("/v1/batch", json={"actions": [mixed]})
             assert answer.status_code == 400 and "exactly one" in answer.text
+
+
+ARGV = {"argv": ["true"]}
+
+
+def test_a_value_of_the_wrong_json_type_is_refused_naming_its_field(tmp_path: Path) -> None:
+    """Never converted, on a route that reads its body as JSON (an exec) as on one FastAPI
+    reads (a batch, a lease, an open): ``"yes"`` ran the command under a terminal, ``true``
+    on a core. Every refusal is a 400 naming the field, and nothing ran."""
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=2)
+    config = PoolConfig(envs=CONFIG.envs, apis=(ApiSpec(name="search", concurrency=4),))
+    with service(config, agent, tmp_path) as (running, token):
+        auth = {"authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=running.url, headers=auth) as http:
+            tid = http.post("/v1/trajectories", json={"env": "box"}).json()["id"]
+            exec_path = f"/v1/trajectories/{tid}/exec"
+            cases = [
+                *((exec_path, {**ARGV, "pty": v}, ["pty"]) for v in ("yes", "on", "1", 1, "true")),
+                (exec_path, {**ARGV, "cpu": True}, ["cpu"]),
+                (exec_path, {**ARGV, "cpu": "1"}, ["cpu"]),
+                (exec_path, {**ARGV, "timeout_s": "5"}, ["timeout_s"]),
+                (exec_path, {**ARGV, "output_cap": "100"}, ["output_cap"]),
+                ("/v1/trajectories", {"env": "box", "expected_steps": "5"}, ["expected_steps"]),
+                ("/v1/apis/search/lease", {"units": True, "hold_s": "1"}, ["units", "hold_s"]),
+                ("/v1/batch", {"actions": [{"trajectory": tid, "exec": {**ARGV, "cpu": True}}]},
+                 ["actions.0.exec.cpu"]),
+                # The path the caller sent, not pydantic's (its unions' tags in it).
+                (exec_path, {**ARGV, "efficiency": {"amdahl": 2}}, ["efficiency.amdahl"]),
+                (exec_path, {**ARGV, "cpu": {"min": 3, "max": 2}}, ["cpu"]),
+                (exec_path, {**ARGV, "cpu": {"choices": []}}, ["cpu.choices"]),
+            ]  # fmt: skip
+            for path, body, fields in cases:
+                answer = http.post(path, json=body)
+                assert answer.status_code == 400, (body, answer.text)
+                error = answer.json()["error"]
+                assert error["code"] == "invalid"
+                assert [d["field"] for d in error["details"]] == fields, (body, error)
+                assert error["message"].startswith(f"{fields[0]}: "), error
+            assert http.get(f"/v1/trajectories/{tid}").json()["actions"] == 0
+
+            # What is right is taken: a JSON integer for seconds, a table's keys as JSON
+            # writes them, on either kind of route.
+            right = {**ARGV, "cpu": {"choices": [1, 2]}, "timeout_s": 5, "t1_s": 1,
+                     "efficiency": {"table": {"1": 1, "2": 0.9}}, "pty": False}  # fmt: skip
+            answer = http.post(exec_path, json=right)
+            assert answer.status_code == 200 and answer.json()["status"] == "ok", answer.text
+            lease = {"api": "search", "lease": {"units": 1, "hold_s": 1}}
+            batch = {"actions": [{"trajectory": tid, "exec": right}, lease]}
+            answer = http.post("/v1/batch", json=batch)
+            assert answer.status_code == 200, answer.text
+            assert [r["status"] for r in answer.json()["results"]] == ["ok", "ok"]

@@ -11,8 +11,10 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import httpx
 import pytest
 
 from tangram.api.wire import AGENT_SUBPROTOCOL, AGENTS_PATH, STREAM_PATH, EnvSpec
@@ -27,6 +29,8 @@ from .service_harness import service, stream_socket
 pytestmark = [pytest.mark.xdist_group("service")]
 CONFIG = PoolConfig(envs={"noop": EnvConfig(spec=EnvSpec(name="noop", image="none"))})
 WAIT_S = 30.0  # for an answer that comes at once; only a missing one waits this long
+# The exec server's bounds on a command (exec_server.c's MAX_ARGS, MAX_FRAME).
+EXEC_MAX_ENTRIES, EXEC_MAX_BYTES = 4096, 1 << 20
 
 
 @pytest.fixture
@@ -195,6 +199,58 @@ def test_a_message_over_the_request_limit_within_the_bound_is_answered_413(
         answers = asyncio.run(go(run.url, token))
     status = {a["id"]: a["status"] for a in answers}
     assert status[7] == 413 and status[8] != 413  # (no agent here: 503, answered all the same)
+
+
+def test_a_command_the_exec_server_cannot_start_is_refused_before_it_takes_a_core(
+    tmp_path: Path,
+) -> None:
+    """Over the exec server's 4,096 arguments (or its 1 MiB request, under a pool that
+    takes larger bodies) an exec was admitted, took a core and only then failed
+    (``exec_failed``): it is a 400 naming ``argv`` now, over HTTP, in a batch and on the
+    stream, and nothing of it is queued. At the bound it runs."""
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=2)
+    config = PoolConfig(envs=CONFIG.envs, max_request_bytes=4 << 20)
+    over = ["echo", *["x"] * EXEC_MAX_ENTRIES]
+    refused = [
+        ({"argv": ["echo", *["x"] * 50_002]}, "argv", "50003 entries, over the exec server's 4096"),
+        ({"argv": over}, "argv", "4097 entries"),
+        ({"argv": ["echo", "a" * EXEC_MAX_BYTES]}, "argv", f"over the {EXEC_MAX_BYTES}"),
+        ({"argv": ["true"], "env": {f"V{i}": "" for i in range(EXEC_MAX_ENTRIES)}}, "env",
+         "4097 variables"),
+    ]  # fmt: skip
+
+    async def streamed(url: str, token: str, tid: str) -> dict[str, Any]:
+        async with (
+            aiohttp.ClientSession(url) as session,
+            stream_socket(session, token) as ws,
+        ):
+            message = {"id": 1, "trajectory": tid, "exec": {"argv": over}}
+            await ws.send_bytes(json.dumps(message).encode())
+            msg = await ws.receive(timeout=WAIT_S)
+            return dict(json.loads(msg.data))
+
+    with service(config, agent, tmp_path) as (run, token):
+        auth = {"authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=run.url, headers=auth, timeout=WAIT_S) as http:
+            tid = http.post("/v1/trajectories", json={"env": "noop"}).json()["id"]
+            for body, field, words in refused:
+                answer = http.post(f"/v1/trajectories/{tid}/exec", json=body)
+                assert answer.status_code == 400, answer.text[:300]
+                error = answer.json()["error"]
+                assert error["details"][0]["field"] == field and words in error["message"], error
+            batch = {"actions": [{"trajectory": tid, "exec": {"argv": ["true"]}},
+                                 {"trajectory": tid, "exec": {"argv": over}}]}  # fmt: skip
+            answer = http.post("/v1/batch", json=batch)
+            assert answer.status_code == 400, answer.text[:300]
+            assert answer.json()["error"]["details"][0]["field"] == "actions.1.exec.argv"
+            on_stream = asyncio.run(streamed(run.url, token, tid))
+            assert on_stream["status"] == 400, on_stream
+            assert on_stream["error"]["details"][0]["field"] == "argv"
+            assert http.get(f"/v1/trajectories/{tid}").json()["actions"] == 0
+            assert not run.engine.state.actions  # nothing queued, no core taken
+
+            answer = http.post(f"/v1/trajectories/{tid}/exec", json={"argv": over[:-1]})
+            assert answer.status_code == 200 and answer.json()["status"] == "ok", answer.text
 
 
 def test_the_agents_link_still_reads_frames_of_many_mib(tmp_path: Path) -> None:

@@ -370,10 +370,38 @@ def test_input_and_signals_name_what_they_cannot_reach(running: tuple[Running, s
         (1, 200), (7, 404), (8, 400), (9, 404), (10, 400)
     ]  # fmt: skip
     assert "7 is no streamed exec" in answers[1]["error"]["message"]
-    assert answers[2]["error"]["details"][0]["field"] == "signal"
+    # Only why the signal is refused: not also "signal: Extra inputs are not permitted",
+    # from reading the message as input as well.
+    assert answers[2]["error"]["details"] == [
+        {"field": "signal", "message": "Input should be 'SIGINT', 'SIGTERM' or 'SIGKILL'"}
+    ]
+    assert answers[2]["error"]["message"].startswith("signal: Input should be 'SIGINT'")
     # Refused input is not an exec's answer: a client routes it apart.
     assert [a.get("about") for a in answers] == [None, "input", "input", "input", None]
     assert "session step is not streamed" in answers[4]["error"]["message"]
+
+
+def test_a_message_of_the_wrong_json_types_is_refused_naming_the_field(
+    running: tuple[Running, str],
+) -> None:
+    """The stream reads the exec as the HTTP route does, never converting a value; its
+    own fields (the id, ``stream``) and control messages alike."""
+    run, token = running
+    with Client(run.url, token) as sync:
+        tid = sync.open("noop").id
+    lines = [
+        json.dumps({"id": 1, "trajectory": tid, "exec": {"argv": ["true"], "pty": "yes"}}),
+        json.dumps({"id": 2, "trajectory": tid, "exec": {"argv": ["true"], "cpu": True}}),
+        json.dumps({"id": 3, "trajectory": tid, "exec": {"argv": ["true"]}, "stream": 1}),
+        json.dumps({"id": 4, "trajectory": tid, "exec": {"argv": ["true"],
+                                                         "cpu": {"min": 3, "max": 2}}}),
+        json.dumps({"id": 5, "stdin": "x", "eof": "yes"}),
+        json.dumps({"id": 6, "signal": "SIGINT", "stdin": "x"}),
+    ]  # fmt: skip
+    answers = asyncio.run(_raw(run.url, token, [line.encode() for line in lines]))
+    assert [(a["id"], a["status"]) for a in answers] == [(i, 400) for i in range(1, 7)]
+    fields = [[d["field"] for d in a["error"]["details"]] for a in answers]
+    assert fields == [["pty"], ["cpu"], ["stream"], ["cpu"], ["eof"], ["stdin"]]
 
 
 def test_a_client_that_never_reads_is_cut_off_and_its_connection_dropped(

@@ -1,4 +1,5 @@
-"""Output is cut to what its JSON encoding lets a link frame carry."""
+"""Output is cut to what its JSON encoding lets a link frame carry; output with nothing to
+escape is measured by its bytes, as ``output_cap`` measures it."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tangram.api.wire import fit_output
+from tangram.api.wire import MAX_OUTPUT, fit_output
+from tangram.node_agent.agent import outcome
+from tangram.node_agent.execution import ExecResult
 
 
 def _size(text: str) -> int:
-    return len(json.dumps(text, ensure_ascii=False).encode())
+    """Its bytes as JSON writes it, between the quotes."""
+    return len(json.dumps(text, ensure_ascii=False).encode()) - 2
 
 
-@given(st.text(st.characters(codec="utf-8"), max_size=200), st.integers(2, 1200))
+@given(st.text(st.characters(codec="utf-8"), max_size=200), st.integers(0, 1200))
 def test_the_kept_head_fits_and_is_cut_only_when_the_whole_does_not(text: str, budget: int) -> None:
     kept, cut = fit_output(text, budget)
     assert text.startswith(kept)
@@ -38,5 +42,21 @@ def test_a_light_head_before_heavy_bytes_is_kept_whole() -> None:
 
 def test_nul_bytes_are_kept_by_what_they_encode_to() -> None:
     kept, cut = fit_output("\0" * 1000, budget=602)
-    assert cut and _size(kept) <= 602 and len(kept) >= 95  # 6 bytes each, and the quotes
-    assert fit_output("a" * 600, budget=602) == ("a" * 600, False)
+    assert cut and kept == "\0" * 100  # 6 bytes each
+    assert fit_output("a" * 600, budget=600) == ("a" * 600, False)
+    assert fit_output("é" * 300, budget=600) == ("é" * 300, False)  # UTF-8: 2 bytes each
+    assert fit_output("é" * 301, budget=600) == ("é" * 300, True)
+
+
+def test_an_output_at_the_largest_cap_comes_back_whole() -> None:
+    """16 MiB of output, the most ``output_cap`` lets a command keep, is sent whole and not
+    marked cut (the JSON's quotes were counted against it: 2 characters short, "cut"), as 1
+    MiB at a cap of 1 MiB is; a byte more is cut to the cap."""
+    whole = "a" * MAX_OUTPUT
+    assert fit_output(whole) == (whole, False)
+    kept, cut = fit_output(whole + "b")
+    assert cut and kept == whole
+    result = ExecResult(0, whole, "é" * (MAX_OUTPUT // 2), False, False, False, (0,), 0, 0, 0)
+    sent = outcome(result)
+    assert (len(sent.stdout), sent.stdout_truncated) == (MAX_OUTPUT, False)
+    assert (len(sent.stderr), sent.stderr_truncated) == (MAX_OUTPUT // 2, False)

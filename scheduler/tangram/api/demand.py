@@ -8,10 +8,12 @@ t1 into duration(m) = t1 / (E(m) * m).
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Annotated, Any, Protocol, Self, TypeVar
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -24,7 +26,9 @@ MAX_UNITS = 4096  # more cores or GPUs than any node has; bounds what validation
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Strict: ``true`` is no unit count and ``"2"`` no number, in an HTTP request as in a
+    # custom resource (a JSON integer is still a number).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 class _Bounds(Protocol):
@@ -88,7 +92,10 @@ def _demand_tag(v: Any) -> str:
     return "fixed"
 
 
-# Tagged so that a bad range reports "cpu.range.min ..." rather than one error per union member.
+# Tagged so that a bad range reports one error, not one per union member. The tag is a part
+# of pydantic's error locations ("cpu.range.min"), which is no field a caller sent:
+# ``field_errors.field_path`` leaves it out ("cpu.min"), as ``documents.yaml_path`` does.
+DEMAND_TAGS = frozenset({"fixed", "range", "choices"})
 Demand = Annotated[
     Annotated[int, Tag("fixed")]
     | Annotated[RangeDemand, Tag("range")]
@@ -116,11 +123,20 @@ class AmdahlEfficiency(_Strict):
         return 1.0 / (m * ((1.0 - p) + p / m))
 
 
+_WHOLE = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
+def _unit_count_key(key: object) -> object:
+    """A table's key as JSON (and YAML, quoted) writes it, ``"4"``, as the count it names;
+    anything else is left to the strict check (``true``, ``"4.0"``, ``" 4"``: refused)."""
+    return int(key) if isinstance(key, str) and _WHOLE.fullmatch(key) else key
+
+
 class TableEfficiency(_Strict):
     """Measured efficiency per unit count; counts between entries are interpolated linearly."""
 
     table: Annotated[
-        dict[int, float],
+        dict[Annotated[int, BeforeValidator(_unit_count_key)], float],
         Field(
             min_length=1,
             json_schema_extra={
@@ -166,6 +182,7 @@ def _efficiency_tag(v: Any) -> str:
     return "table" if isinstance(v, TableEfficiency) else "amdahl"
 
 
+EFFICIENCY_TAGS = frozenset({"amdahl", "table"})
 Efficiency = Annotated[
     Annotated[AmdahlEfficiency, Tag("amdahl")] | Annotated[TableEfficiency, Tag("table")],
     Discriminator(_efficiency_tag),

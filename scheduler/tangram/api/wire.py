@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 import re
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, AnyStr, Literal, Self
 
@@ -73,11 +74,13 @@ MAX_OUTPUT = 16 << 20
 
 
 def fit_output(text: str, budget: int = MAX_OUTPUT) -> tuple[str, bool]:
-    """The head of ``text`` whose JSON encoding takes at most ``budget`` bytes, and whether
-    it was cut. A control byte takes 6 (``\\u0000``): 16 MiB of them would make a reply of
-    96 MiB per stream, over every link's frame limit (64 MiB), and a frame over it ends
-    the link and every action on it, on each retry again."""
-    if 6 * len(text) + 2 <= budget:  # (no character takes more than 6)
+    """The head of ``text`` that JSON writes in at most ``budget`` bytes, between its
+    quotes, and whether it was cut. Text with nothing to escape takes its UTF-8 bytes, what
+    ``output_cap`` counts, so an output at the largest cap (16 MiB) comes back whole. A
+    control byte takes 6 (``\\u0000``): 16 MiB of them would make a reply of 96 MiB per
+    stream, over every link's frame limit (64 MiB), and a frame over it ends the link and
+    every action on it, on each retry again."""
+    if 6 * len(text) <= budget:  # (no character takes more than 6)
         return text, False
     size = _encoded_size(text)
     if size <= budget:
@@ -99,11 +102,23 @@ def fit_output(text: str, budget: int = MAX_OUTPUT) -> tuple[str, bool]:
 
 
 def _encoded_size(text: str) -> int:
-    return len(json.dumps(text, ensure_ascii=False).encode())
+    """Bytes of ``text`` as JSON writes it, less its two quotes."""
+    return len(json.dumps(text, ensure_ascii=False).encode()) - 2
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class _Request(_Strict):
+    """What a client sends: besides unknown fields, a value of the wrong JSON type is
+    refused, never converted. ``"yes"`` or ``1`` is no ``true`` (``pty``), ``true`` no
+    core count, ``"5"`` no number (a JSON integer is one, for a field of seconds too): a
+    400 names the field, as for the custom resources' files. A literal is given as its
+    JSON string still. (FastAPI validates a route's body as Python objects, where a
+    strict enum takes only its members: an enum field would need ``Strict(False)``.)"""
+
+    model_config = ConfigDict(strict=True)
 
 
 class _Answer(BaseModel):
@@ -146,7 +161,7 @@ class ActionStatus(StrEnum):
 
 
 # ---- trajectories ----------------------------------------------------------------
-class OpenTrajectory(_Strict):
+class OpenTrajectory(_Request):
     env: Annotated[str, Field(min_length=1, description="TrajectoryEnv name in the pool")]
     id: Annotated[Id | None, Field(description="chosen by the server when absent")] = None
     labels: dict[str, str] = Field(default_factory=dict)
@@ -222,12 +237,12 @@ class TrajectoryInfo(_Answer):
 
 
 # ---- actions -----------------------------------------------------------------------
-class Session(_Strict):
+class Session(_Request):
     kind: Literal["bash", "python"]
     name: Annotated[str, Field(pattern=ID_PATTERN)] = "main"
 
 
-class ExecRequest(_Strict):
+class ExecRequest(_Request):
     """A command in the trajectory's environment: an argv, a named action profile of
     the TrajectoryEnv (plus ``args``), or ``code`` for a persistent session."""
 
@@ -291,7 +306,46 @@ class ExecRequest(_Strict):
         return self
 
 
-class ApiLeaseRequest(_Strict):
+# What the exec server in an environment takes of one command (node-agent's exec_server.c,
+# MAX_ARGS and MAX_FRAME): 4,096 arguments and 4,096 environment variables, and 1 MiB for
+# the request that starts it, each argument and ``K=V`` with a NUL. Admission holds every
+# command to them, whatever the runtime: one over them would take its cores, and only then
+# fail (``exec_failed``).
+EXEC_MAX_ENTRIES = 4096
+EXEC_MAX_BYTES = 1 << 20
+_DOP_VARIABLE = "TANGRAM_DOP"  # the agent adds it to each command's environment
+
+
+def exec_server_problem(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(field, why)`` when the exec server cannot start ``argv`` with the variables
+    ``environ`` (a trajectory's ``env_vars`` and the command's ``env``): ``argv`` or
+    ``env``, the larger part for their bytes together; None when it may. Only what must
+    fail is refused: ``{dop}`` counts as the one digit it becomes at least, and the rest of
+    the request (its directory, the counts) not at all."""
+    if len(argv) > EXEC_MAX_ENTRIES:
+        return "argv", f"{len(argv)} entries, over the exec server's {EXEC_MAX_ENTRIES}"
+    variables = len(environ) + (_DOP_VARIABLE not in environ)
+    if variables > EXEC_MAX_ENTRIES:
+        return "env", (
+            f"{variables} variables with the trajectory's env_vars and {_DOP_VARIABLE}, over "
+            f"the exec server's {EXEC_MAX_ENTRIES}"
+        )
+    args = sum(_nul_terminated(a.replace("{dop}", "1")) for a in argv)
+    env = sum(_nul_terminated(f"{k}={v}") for k, v in environ.items())
+    if args + env > EXEC_MAX_BYTES:
+        return "argv" if args >= env else "env", (
+            f"argv and env: {args} + {env} bytes (a NUL after each entry), over the "
+            f"{EXEC_MAX_BYTES} the exec server takes of a command (pass large inputs as "
+            "stdin or a file)"
+        )
+    return None
+
+
+def _nul_terminated(text: str) -> int:
+    return len(text.encode(errors="surrogatepass")) + 1
+
+
+class ApiLeaseRequest(_Request):
     units: Annotated[int, Field(ge=1, le=1024)] = 1
     hold_s: Annotated[
         float, Field(gt=0, le=3600, description="the lease ends by itself after this long")
@@ -320,7 +374,7 @@ def _under_endpoint(path: str) -> str:
     return path
 
 
-class ApiCallRequest(_Strict):
+class ApiCallRequest(_Request):
     """A request the service makes for the caller against a quota's endpoint, with the
     credential it holds (never returned, never logged)."""
 
@@ -354,7 +408,7 @@ class ApiCallRequest(_Strict):
         return self
 
 
-class ServiceCallRequest(_Strict):
+class ServiceCallRequest(_Request):
     """One call of a RewardService: its ``inputs`` are scored together (a batch) on the
     GPUs the scheduler gives the call, the model restored there first if it is not."""
 
@@ -456,7 +510,7 @@ def _batch_kinds(schema: dict[str, Any]) -> None:
     ]
 
 
-class BatchItem(_Strict):
+class BatchItem(_Request):
     """One action of a batch: ``exec`` on a ``trajectory``, a ``lease`` or ``call`` of an
     ``api`` quota, or a ``score`` call of a RewardService named by ``service``."""
 
@@ -490,7 +544,7 @@ class BatchItem(_Strict):
         return self
 
 
-class BatchRequest(_Strict):
+class BatchRequest(_Request):
     actions: Annotated[list[BatchItem], Field(min_length=1, max_length=1000)]
 
 
@@ -566,7 +620,7 @@ StreamId = Annotated[int, Field(ge=0, le=1 << 53)]
 SIGNALS = {"SIGINT": 2, "SIGTERM": 15, "SIGKILL": 9}  # what a caller may send a command
 
 
-class StreamExec(_Strict):
+class StreamExec(_Request):
     """What ``POST /v1/trajectories/{trajectory}/exec`` takes, with an id of the caller's
     choosing that the answer carries."""
 
@@ -587,7 +641,7 @@ class StreamExec(_Strict):
         return self
 
 
-class StreamInput(_Strict):
+class StreamInput(_Request):
     """More standard input for a running interactive exec (by the id it was sent with)."""
 
     id: StreamId
@@ -595,7 +649,7 @@ class StreamInput(_Strict):
     eof: bool = False  # then its stdin is closed
 
 
-class StreamSignal(_Strict):
+class StreamSignal(_Request):
     """A signal for a streamed exec's command (its process group); queued ones get it
     when they start."""
 
@@ -660,7 +714,7 @@ class Unpacked(_Answer):
     size: int = Field(ge=0, description="bytes of file content written")
 
 
-class MakeDir(_Strict):
+class MakeDir(_Request):
     path: Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
 
 
@@ -669,7 +723,7 @@ class MadeDir(_Answer):
     created: bool = Field(description="false: it was a directory already")
 
 
-class RenameFile(_Strict):
+class RenameFile(_Request):
     path: Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
     to: Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
 

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tangram.api.action import ActionSpec
-from tangram.api.field_errors import field_path
+from tangram.api.field_errors import error_message, field_path
 from tangram.api.wire import (
     ActionResult,
     ApiCallRequest,
@@ -25,6 +25,7 @@ from tangram.api.wire import (
     BatchItem,
     ExecRequest,
     ServiceCallRequest,
+    exec_server_problem,
 )
 from tangram.scheduler.core.scheduler import SchedulingError
 from tangram.service.api_calls import ApiCalls
@@ -167,6 +168,11 @@ class Admission:
         if (refused := self.s.unservable(traj.node, req, streamed, interactive)) is not None:
             raise refused  # now, not once run
         argv, spec, timeout = self._exec_spec(self.s.env_of(traj), req)
+        if argv is not None:  # (refused before it takes a core: it could never start)
+            bad = exec_server_problem(argv, {**traj.env_vars, **req.env})
+            if bad is not None:
+                field = "args" if bad[0] == "argv" and req.profile is not None else bad[0]
+                raise EngineError("invalid", field, bad[1])
         return _Checked(req, spec, traj.key, traj.key, "exec", argv, traj, *timeout)
 
     def _api(self, tenant: str, api: str, req: ApiLeaseRequest | ApiCallRequest) -> _Checked:
@@ -405,13 +411,13 @@ def _named(e: ValidationError) -> tuple[str, str]:
     """(field, message) of an action's first problem: its location, else the field its
     model's check names first ("efficiency: given, but ..."), else ``cpu``."""
     err = e.errors(include_url=False)[0]
-    message = str(err["msg"]).removeprefix("Value error, ")
+    said = error_message(err)
     if err["loc"]:
-        return field_path(err["loc"]), message
-    field, sep, rest = message.partition(": ")
+        return field_path(err["loc"]), said
+    field, sep, rest = said.partition(": ")
     if sep and field.isidentifier():
         return field, rest
-    return "cpu", message
+    return "cpu", said
 
 
 def _differing(first: Request | None, again: Request) -> str:

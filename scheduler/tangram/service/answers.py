@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from tangram.api.field_errors import field_path
+from tangram.api.field_errors import error_message, field_path
 from tangram.api.wire import ActionResult, json_bytes
 from tangram.service.records import ActionRecord, EngineError
 
@@ -38,10 +38,10 @@ _NAMED = re.compile(r"Value error, ([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*):
 def _detail(error: Any, skip: int) -> dict[str, str]:
     """One error as ``{"field", "message"}``: a whole body's names the field its message
     starts with (it was "body" for NUL bytes in ``argv``, a bad ``env``)."""
-    loc, message = error["loc"][skip:], error["msg"]
-    if not loc and (named := _NAMED.fullmatch(message)) is not None:
+    loc = error["loc"][skip:]
+    if not loc and (named := _NAMED.fullmatch(error["msg"])) is not None:
         return {"field": named[1], "message": named[2]}
-    return {"field": field_path(loc or error["loc"]), "message": message}
+    return {"field": field_path(loc or error["loc"]), "message": error_message(error)}
 
 
 def invalid(errors: Sequence[Any], skip: int) -> dict[str, Any]:

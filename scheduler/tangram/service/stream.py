@@ -25,9 +25,9 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 
 from tangram.api.wire import FRAME_BYTES, SIGNALS, StreamExec, StreamInput, StreamSignal
 from tangram.client.outbox import Outbox
@@ -54,7 +54,22 @@ CLOSE_WAIT_S = 5.0  # for the close frame of a client cut off, before its connec
 FRAME_SLACK = 64 << 10  # beyond twice the largest frame a client sends (below)
 _ID = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,16})\s*[,}]')  # of a message we cannot parse
 _EXEC = re.compile(rb'"exec"\s*:')  # an exec message (not input or a signal)
-_CONTROL: TypeAdapter[StreamInput | StreamSignal] = TypeAdapter(StreamInput | StreamSignal)
+
+
+def _control_kind(message: Any) -> str:
+    """A control message is a signal when it gives one, else input: it is checked as
+    that alone (a bad signal's error is the signal's, not also "signal: extra input" from
+    reading it as input)."""
+    if isinstance(message, dict):
+        return "signal" if "signal" in message else "input"
+    return "signal" if isinstance(message, StreamSignal) else "input"
+
+
+_Control = Annotated[
+    Annotated[StreamInput, Tag("input")] | Annotated[StreamSignal, Tag("signal")],
+    Discriminator(_control_kind),
+]
+_CONTROL: TypeAdapter[StreamInput | StreamSignal] = TypeAdapter(_Control)
 
 
 def frame_limit(max_request_bytes: int) -> int:
@@ -216,7 +231,7 @@ class ActionStream:
             if len(line) > limit:
                 self._too_large(line, limit)
                 return
-            errors = [
+            errors = [  # (its location's first part is the tag: input or signal)
                 {**err, "loc": ("message", *err["loc"][1:])} for err in e.errors(include_url=False)
             ]
             self._answer(_line_id(line), 400, invalid_body(errors, skip=1), about="input")
