@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import tarfile
 import threading
@@ -97,6 +98,19 @@ def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None
 
 # The runtimes a test of environments runs on: the process runtime, and Docker containers
 # (its tests share the worker that may start dockerd).
+
+
+class KeptRecords(logging.Handler):
+    """Log records of WARNING and above, kept for a test to read (add it to a logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 RUNTIMES = [
     pytest.param("process", marks=pytest.mark.xdist_group("service")),
     pytest.param(

@@ -42,7 +42,7 @@ from e2b.sandbox.commands.command_handle import PtySize
 
 from tangram.node_agent import env_files
 
-from .service_harness import RUNTIMES, box_pool, until
+from .service_harness import RUNTIMES, KeptRecords, box_pool, until
 
 pytestmark = pytest.mark.slow
 LIMIT = 8 << 20  # the pool's admission.maxFileBytes here
@@ -698,15 +698,6 @@ def test_a_full_disk_is_envds_507_not_a_rate_limit(full_disk: Sandbox) -> None:
     assert "disk is full" in str(no_dir.value)
 
 
-class _Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.mark.parametrize("form", ["octet-stream", "multipart"])
 def test_an_upload_the_client_cuts_off_keeps_the_old_file_and_logs_no_traceback(
     sandbox: Sandbox, e2b: tuple[str, str, str], form: str
@@ -727,7 +718,7 @@ def test_an_upload_the_client_cuts_off_keeps_the_old_file_and_logs_no_traceback(
     def temporaries() -> list[str]:
         return [e.name for e in sandbox.files.list(".") if e.name.startswith(".f.bin.tangram-")]
 
-    kept = _Kept()
+    kept = KeptRecords()
     loggers = [logging.getLogger("uvicorn.error"), logging.getLogger()]
     for logger in loggers:
         logger.addHandler(kept)

@@ -33,7 +33,7 @@ from tangram.node_agent import env_files
 from tangram.node_agent.env_files import EnvFiles, FileError, one_shot
 from tangram.node_agent.exec_server import Built
 
-from .service_harness import RUNTIMES, box_pool, tar_of, until
+from .service_harness import RUNTIMES, KeptRecords, box_pool, tar_of, until
 
 CORES = sorted(os.sched_getaffinity(0))
 LIMIT = 64 << 20  # the pool's admission.maxFileBytes here
@@ -793,21 +793,12 @@ def test_an_upload_cut_off_by_its_trajectorys_close_says_it_was_closed(
 # --- what an outside probe found: cut-off uploads, /proc and /sys, files that shrink ------
 
 
-class _Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @contextlib.contextmanager
 def _service_log() -> Iterator[list[logging.LogRecord]]:
     """What the running service logs at WARNING and above: uvicorn's records (its logger
     does not reach the root's) and the rest. (Made after the service started: uvicorn
     sets its loggers' handlers as it starts.)"""
-    kept = _Kept()
+    kept = KeptRecords()
     loggers = [logging.getLogger("uvicorn.error"), logging.getLogger()]
     for logger in loggers:
         logger.addHandler(kept)

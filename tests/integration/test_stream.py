@@ -24,7 +24,7 @@ from tangram.service import stream as stream_module
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.embedded import Running
 
-from .service_harness import on_processes, service, stream_socket
+from .service_harness import KeptRecords, on_processes, service, stream_socket
 
 pytestmark = [pytest.mark.xdist_group("service")]
 CONFIG = PoolConfig(envs={"noop": EnvConfig(spec=EnvSpec(name="noop", image="none"))})
@@ -123,22 +123,13 @@ def test_a_broken_or_oversized_message_is_answered_and_the_stream_goes_on(
     assert answers[4]["error"]["details"][0]["field"] == "id"
 
 
-class _Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def test_a_bad_token_is_refused_at_the_handshake_and_answered_as_http_does(
     running: tuple[Running, str],
 ) -> None:
     """... and logged as a refusal is, not as an ERROR of the server's for each (uvicorn's
     "ASGI callable returned without completing handshake")."""
     run, token = running
-    said = _Kept()
+    said = KeptRecords()
     logging.getLogger("uvicorn.error").addHandler(said)
 
     async def go() -> None:
