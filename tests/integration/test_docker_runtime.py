@@ -162,6 +162,29 @@ def test_a_stopped_command_is_killed_with_what_it_wrote_kept(
     assert only_pid1_left(runtime, t)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_a_command_stopped_as_it_starts_is_killed_too(
+    runtime: DockerRuntime, busybox: str, path: str, delay: float
+) -> None:
+    """A stop that came while the portable path's exec was being started (no pid yet)
+    killed nothing: the command ran to its own end, its cores given away meanwhile."""
+    t = tid()
+    runtime.open(t, template(busybox))
+
+    async def go() -> ExecResult:
+        stop = asyncio.Event()
+        STOP.set(stop)
+        running = asyncio.ensure_future(runtime.exec(t, ["sleep", "600"], CORES[:1], path=path))
+        await asyncio.sleep(delay)
+        stop.set()
+        return await asyncio.wait_for(running, 60)  # (a hang guard: it ends at once)
+
+    res = asyncio.run(go())
+    assert res.timed_out and res.exit_code is None, res
+    assert only_pid1_left(runtime, t)
+
+
 def test_the_fast_path_also_kills_what_a_command_orphaned(
     runtime: DockerRuntime, busybox: str
 ) -> None:

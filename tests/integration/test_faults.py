@@ -488,14 +488,43 @@ def test_an_action_adopted_after_a_restart_can_be_cancelled(
     marker = tmp_path / "runs"
     with Client(cluster.url, retries=0) as client:
         t = client.open("shell")
-    slow = ["sh", "-c", f"echo run >> {marker}; sleep 30; echo done >> {marker}"]
+    slow = ["sh", "-c", f"echo run >> {marker}; echo started; sleep 30; echo done >> {marker}"]
     _crash_mid_action(cluster, t.id, slow, "long", marker)
     with Client(cluster.url, retries=5) as client:
         assert client.cancel("key:long")
         r = client.exec(t.id, slow, idempotency_key="long")  # the same action: now ended
         assert r.status is ActionStatus.CANCELLED
+        assert r.stdout == "started\n", r  # (what it wrote, as a run this scheduler placed)
         assert marker.read_text() == "run\n"  # killed, never finished, never rerun
         assert client.exec(t.id, ["true"]).status is ActionStatus.OK  # its cores came back
+        client.close(t.id)
+
+
+def test_a_cancelled_keyed_run_is_answered_cancelled_again_after_a_restart(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Its agent keeps the key's answer, a killed run with its output; a scheduler that
+    did not see the cancel (restarted) took that answer for ok, with no exit code."""
+    cluster.agent("state-a")
+    started = tmp_path / "started"
+    argv = ["sh", "-c", f"echo before; touch {started}; exec sleep 30"]
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell")
+        box: list[ActionResult] = []
+        run = threading.Thread(
+            target=lambda: box.append(client.exec(t.id, argv, idempotency_key="k"))
+        )
+        run.start()
+        _wait(started.exists, "the command did not start")
+        assert client.cancel("key:k")
+        run.join(30)
+    assert [(r.status, r.stdout) for r in box] == [(ActionStatus.CANCELLED, "before\n")]
+    cluster.scheduler.kill()
+    cluster.scheduler.wait()
+    cluster.start_scheduler()
+    with Client(cluster.url, retries=10) as client:
+        again = client.exec(t.id, argv, idempotency_key="k")
+        assert (again.status, again.stdout) == (ActionStatus.CANCELLED, "before\n"), again
         client.close(t.id)
 
 

@@ -65,6 +65,24 @@ def test_stdin_given_with_the_request(on: Callable[[Scenario], None]) -> None:
     on(scenario)
 
 
+def test_a_streamed_command_cancelled_by_its_key_ends_with_its_run_time(
+    on: Callable[[Scenario], None],
+) -> None:
+    """Its result said it ran for no time at all (exec_s 0): the run time went to
+    overhead, as a plain exec's did before its cancel kept it."""
+
+    async def scenario(t: AsyncTrajectory) -> None:
+        argv = ["sh", "-c", "echo first; exec sleep 60"]
+        action = await t.exec_live(argv, idempotency_key="live")
+        await _until(action, "first")
+        assert await t.client.cancel("key:live")
+        result = await action.result()
+        assert result.status.value == "cancelled" and result.error is None, result
+        assert result.timings.exec_s > 0 and result.allocation.path is not None, result
+
+    on(scenario)
+
+
 def test_output_streams_before_the_end_and_sigint_stops_it_and_frees_its_cores(
     on: Callable[[Scenario], None],
 ) -> None:

@@ -17,7 +17,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from tangram.api.inventory import NodeInventory
@@ -66,8 +66,9 @@ from tangram.node_agent.streams import Stream
 from tangram.private_files import private_dir, write_private
 
 log = logging.getLogger("tangram.agent")
-# A stopped exec not ended this long after (its kill could not end it) is cancelled.
-STOP_GRACE_S = 10.0
+# A stopped exec not ended this long after (its kill could not end it) is cancelled:
+# within the scheduler's wait for the answer (CANCEL_WAIT_S, 5 s).
+STOP_GRACE_S = 4.0
 MAX_REMEMBERED = 50_000  # results kept per agent for retried keys ...
 MAX_REMEMBERED_BYTES = 256 << 20  # ... and the bytes they may hold
 CUT_OFF = (
@@ -574,9 +575,8 @@ class NodeAgent:
             result = await self.exec(req, self._streams.get(req.rid))
         finally:
             self._stops.pop(task, None)  # type: ignore[arg-type]
+        # (timed_out stays: a scheduler that reads no ``cancelled`` says timeout, not ok)
         cancelled = stop.is_set() and result.timed_out
-        if cancelled:
-            result = replace(result, timed_out=False)
         return AgentReply(rid=req.rid, ok=True, result=outcome(result), signal=result.signal,
                           cancelled=cancelled)  # fmt: skip
 

@@ -101,6 +101,9 @@ class Env:
     reach: Reachable | None = None  # its exec server and cgroup, resolved on first use
 
 
+KILL_START_S = 5.0  # how long a kill waits for an exec being started to have a pid
+
+
 async def _nothing() -> None:
     return None
 
@@ -594,12 +597,17 @@ class DockerRuntime(SandboxRuntime[Env]):
         return Output(bytes(out), out_cut, bytes(err), err_cut)
 
     def _kill_exec(self, api: Any, exec_id: str) -> None:
-        """SIGKILL the exec's process, its process group and all its descendants."""
-        pid = int(api.exec_inspect(exec_id).get("Pid") or 0)
-        if pid > 0:
-            for victim in tree(self.proc_root, pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(victim, signal.SIGKILL)
+        """SIGKILL the exec's process, its process group and all its descendants. One not
+        started yet (a cancel that came as it was being started: no pid) is waited for,
+        for ``KILL_START_S`` at most, and killed once it runs."""
+        deadline = time.monotonic() + KILL_START_S
+        while (pid := int((seen := api.exec_inspect(exec_id)).get("Pid") or 0)) <= 0:
+            if seen.get("ExitCode") is not None or time.monotonic() > deadline:
+                return  # (ended already)
+            time.sleep(0.01)
+        for victim in tree(self.proc_root, pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
 
 
 def _rename(container: Any, name: str) -> None:

@@ -65,6 +65,10 @@ class NodeRefusedError(RuntimeError):
     the pool does not take it; the cause shows on the pool's status."""
 
 
+def _answered(fut: asyncio.Future[AgentReply]) -> AgentReply | None:
+    return fut.result() if fut.done() and not fut.cancelled() and not fut.exception() else None
+
+
 class AgentLink:
     """One agent's connection. Requests are queued and written by one writer task, a
     frame per loop tick when the agent reads packed frames (``packed``, ``Outbox``)."""
@@ -102,9 +106,8 @@ class AgentLink:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             await self.cancel(rid, fut, CANCEL_WAIT_S)
-            answered = fut.done() and not fut.cancelled() and fut.exception() is None
-            if answered and fut.result().cancelled:
-                raise RunCancelled(fut.result()) from None
+            if (reply := _answered(fut)) is not None and reply.cancelled:
+                raise RunCancelled(reply) from None
             raise
         finally:
             self._pending.pop(rid, None)
@@ -221,6 +224,10 @@ class LinkStream:
 
     async def reply(self) -> AgentReply:
         return await self._reply
+
+    def answered(self) -> AgentReply | None:
+        """Its reply, if it has come (None: not yet, or the link went)."""
+        return _answered(self._reply)
 
     async def next(self) -> AgentReply | None:
         """The next chunk with a head or data (its data acknowledged); None at the end."""

@@ -52,17 +52,32 @@ else:
 
     class _BoundedHead(HttpToolsProtocol):
         """uvicorn's httptools protocol with the request head bounded (``HEAD_BYTES``):
-        past it the answer is 431 and the connection closes. The URL and header lines
-        are counted as the parser hands them over, so a head that came in one read is
-        bounded as one that trickles in, and parsing stops at the bound. httptools'
-        parsing, unlike h11's, stays."""
+        past it the answer is 431 and the connection closes. Counted twice, since neither
+        count sees every head: the URL and header lines as the parser hands them over (a
+        head that came in one read; parsing stops at the bound), and the bytes of each
+        read from the one after the head began (a header that never ends, which httptools
+        keeps growing without a callback: bounded at ``HEAD_BYTES`` plus one read).
+        httptools' parsing, unlike h11's, stays."""
 
         _head = 0  # bytes of the open head: its URL, header names and values
+        _read: int | None = None  # bytes read since the read it began in (None: none open)
         _over = False  # refused: the parse error uvicorn reports is this
+
+        def data_received(self, data: bytes) -> None:
+            if self._read is not None:
+                self._read += len(data)
+            super().data_received(data)
+            if self._read is not None and self._read > HEAD_BYTES:
+                self._over = True
+                self._refuse_head()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head = 0
+            self._head, self._read = 0, 0
+
+        def on_headers_complete(self) -> None:
+            self._read = None
+            super().on_headers_complete()
 
         def on_url(self, url: bytes) -> None:
             self._count(len(url))
@@ -85,6 +100,7 @@ else:
                 super().send_400_response(msg)
 
         def _refuse_head(self) -> None:
+            self._read = None
             if self.transport.is_closing():
                 return
             log.info("a request head over %d bytes: 431, connection closed", HEAD_BYTES)

@@ -81,7 +81,7 @@ class Outcomes:
         else:  # adopted after a restart: only its agent holds it; its result follows
             node = rec.assignment.node if rec.assignment else None
             if agent_key is not None and node is not None:
-                s.background(s.ask(node, AgentCancel(key=agent_key)))
+                s.background(s.ask(node, AgentCancel(key=agent_key, output=True)))
         return True
 
     def release(self, tenant: str, lease: str) -> ActionResult:

@@ -161,6 +161,8 @@ class Rounds:
             if reply.ok and reply.result is not None and lost is not None:
                 error = err("input_refused", f"part of its input was refused ({lost}): the "
                             "command was killed rather than left to run without it")  # fmt: skip
+            elif reply.ok and reply.result is not None and reply.cancelled:
+                status = ActionStatus.CANCELLED  # (its key's run, cancelled, answered again)
             elif reply.ok and reply.result is not None and reply.result.timed_out:
                 status = ActionStatus.TIMEOUT
                 if timeout is not None:  # (what limit killed it: the caller may have set none)
@@ -179,7 +181,7 @@ class Rounds:
             status = ActionStatus.CANCELLED
             if isinstance(e, RunCancelled):  # killed: what it wrote, how long it ran
                 reply = e.reply
-            if not s.accepting:  # (queued ones are told the same by wind_down)
+            if not s.accepting and not rec.cancelled:  # (queued ones: wind_down says so)
                 error = err("shutdown", "the scheduler stopped: killed at the end of its grace")
         except EngineError as e:
             error = err("node_lost", e.message, retryable=True)
@@ -205,6 +207,8 @@ class Rounds:
                 return await stream.reply()
             except asyncio.CancelledError:
                 await stream.close(CANCEL_WAIT_S)  # (the close below then does nothing)
+                if (reply := stream.answered()) is not None and reply.cancelled:
+                    raise RunCancelled(reply) from None  # what it ran, as a plain one's
                 raise
             finally:
                 live.detach()

@@ -247,7 +247,7 @@ class PoolState:
         self.adopted[(node or "", agent_key)] = rec
         if agent_key in self.cancelled_keys:
             rec.cancelled = True
-            self.background(self.ask(node, AgentCancel(key=agent_key)))
+            self.background(self.ask(node, AgentCancel(key=agent_key, output=True)))
 
     def note_cancelled(self, agent_key: str) -> None:
         self.cancelled_keys[agent_key] = None
