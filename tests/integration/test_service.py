@@ -640,6 +640,29 @@ def test_a_command_still_running_when_the_grace_ends_is_said_to_be_stopped_by_it
     assert r.stdout == "partial\n", r
 
 
+def test_a_cancel_of_its_own_in_the_grace_is_no_shutdown(tmp_path: Path) -> None:
+    """A caller's cancel while the service winds down (no longer admitting) was labelled
+    as the grace's end (`shutdown`)."""
+    got: list[ActionResult] = []
+    started = tmp_path / "started"
+    with on_processes(CONFIG, tmp_path) as (url, token, engine):
+        client = Client(url, token, retries=0)
+        t = client.open("shell")
+        argv = ["sh", "-c", f"touch {started}; exec sleep 60"]
+        run = threading.Thread(
+            target=lambda: got.append(client.exec(t.id, argv, idempotency_key="k"))
+        )
+        run.start()
+        until(started.exists, "the action did not start")
+        engine.state.accepting = False  # (what a stop does first)
+        assert client.cancel("key:k")
+        run.join(30)
+        engine.state.accepting = True
+        client.shutdown()
+    (r,) = got
+    assert r.status is ActionStatus.CANCELLED and r.error is None, r
+
+
 def test_an_unkeyed_lease_whose_client_left_is_cancelled_not_granted_to_nobody(
     tmp_path: Path,
 ) -> None:
