@@ -67,8 +67,8 @@ from tangram.node_agent.execution import (
     Opened,
     Output,
     cap,
+    check_setup,
     owner_id,
-    setup_failure,
     supervise,
 )
 from tangram.node_agent.fast_path import (
@@ -357,9 +357,8 @@ class DockerRuntime(SandboxRuntime[Env]):
             cmd = Command(list(argv), self.idle_cores, timeout, {}, 1 << 16)
             ran = self._engine_exec(env.container, cmd, env.workdir)
             output, timed_out, code = asyncio.run(ran)
-            if timed_out or code != 0:
-                said = (output.stderr or output.stdout).decode(errors="replace")
-                raise setup_failure(argv, code, timeout if timed_out else None, said)
+            said = (output.stderr or output.stdout).decode(errors="replace")
+            check_setup(argv, code, timed_out, timeout, said)
         env.container.update(cpu_period=PERIOD_US, cpu_quota=int(IDLE_QUOTA_CORES * PERIOD_US))
 
     def _await_exec_server(self, env: Env) -> None:

@@ -41,17 +41,20 @@ class InputCutOffError(ExecError):
     on the part that came."""
 
 
-def setup_failure(
-    argv: Sequence[str], code: int | None, timeout_s: float | None, stderr: str
-) -> ExecError:
-    """Why an environment's setup command ``argv`` failed, in the same words in every
-    runtime: its exit code, or the ``timeout_s`` it ran past (then it was killed). Not
-    retried by clients: a retry would spend the whole timeout again, and a command that
-    hangs (a prompt, a dead mirror) hangs again."""
-    said = f"failed with exit code {code}"
-    if timeout_s is not None:
+def check_setup(
+    argv: Sequence[str], code: int | None, timed_out: bool, timeout_s: float, stderr: str
+) -> None:
+    """Raise why an environment's setup command ``argv`` failed, if it did, in the same
+    words in every runtime: its exit code, or the ``timeout_s`` it ran past (then it was
+    killed). Not retried by clients: a retry would spend the whole timeout again, and a
+    command that hangs (a prompt, a dead mirror) hangs again."""
+    if timed_out:
         said = f"timed out after {timeout_s:g} s (killed)"
-    return ExecError(f"setup {list(argv)} {said}: {stderr[-500:]}", reason="SetupFailed")
+    elif code != 0:
+        said = f"failed with exit code {code}"
+    else:
+        return
+    raise ExecError(f"setup {list(argv)} {said}: {stderr[-500:]}", reason="SetupFailed")
 
 
 @dataclass(frozen=True, slots=True)

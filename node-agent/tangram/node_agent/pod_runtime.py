@@ -39,7 +39,7 @@ from tangram.node_agent.execution import (
     IDLE_QUOTA_CORES,
     ExecError,
     ExecResult,
-    setup_failure,
+    check_setup,
 )
 from tangram.node_agent.fast_path import Command, Reachable, cgroup_of, start_time
 from tangram.node_agent.kubelet_state import cpu_manager_policy
@@ -366,9 +366,7 @@ class PodRuntime(SandboxRuntime[Pod]):
                 timeout = self.setup_timeout_s
                 cmd = Command(list(argv), self.idle_cores, timeout, dict(template.env), 1 << 16)
                 res = asyncio.run(self.fast.exec(reach, cmd))
-                if res.timed_out or res.exit_code != 0:
-                    limit = timeout if res.timed_out else None
-                    raise setup_failure(argv, res.exit_code, limit, res.stderr)
+                check_setup(argv, res.exit_code, res.timed_out, timeout, res.stderr)
         self._limit(reach, IDLE_QUOTA_CORES)
 
     def _own_workdir(self, reach: Reachable, path: str, user: User) -> None:

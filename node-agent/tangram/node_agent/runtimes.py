@@ -39,7 +39,7 @@ from tangram.node_agent.execution import (
     ExecIO,
     ExecResult,
     Gone,
-    setup_failure,
+    check_setup,
 )
 
 log = logging.getLogger("tangram.agent")
@@ -323,10 +323,11 @@ class Processes:
             res = await self.inner.exec(
                 trajectory, argv, self.idle, timeout_s=timeout, env=spec.env
             )
-            if res.timed_out or res.exit_code != 0:
+            try:
+                check_setup(argv, res.exit_code, res.timed_out, timeout, res.stderr)
+            except ExecError:
                 self.close(trajectory)
-                limit = timeout if res.timed_out else None
-                raise setup_failure(argv, res.exit_code, limit, res.stderr)
+                raise
         return loop.time() - t0, False
 
     async def keep_warm(self, specs: Sequence[EnvSpec]) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tangram.api.demand import DEMAND_TAGS, EFFICIENCY_TAGS
+from tangram.api.field_errors import error_message
 from tangram.api.resources import (
     API_VERSION,
     GROUP,
@@ -129,7 +131,7 @@ class Resources:
         return None
 
 
-_UNION_TAGS = frozenset({"fixed", "range", "choices", "amdahl", "table"})
+_UNION_TAGS = DEMAND_TAGS | EFFICIENCY_TAGS
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 
@@ -162,8 +164,7 @@ def yaml_path(loc: Sequence[int | str], data: object) -> str:
 def _message(err: Mapping[str, Any]) -> str:
     if err["type"] == "extra_forbidden":
         return "unknown field (misspelt? keys are camelCase)"
-    msg = str(err["msg"])
-    return msg.removeprefix("Value error, ")
+    return error_message(err)
 
 
 def _describe(body: Mapping[str, Any]) -> str:

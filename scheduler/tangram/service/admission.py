@@ -275,7 +275,7 @@ class Admission:
         """Its command, spec and time limit (with whose it is), its profile's where the
         request gives none, its environment's ``maxCommandSeconds`` where neither does."""
         cpu, t1, eff, argv, timeout = req.cpu, req.t1_s, req.efficiency, req.argv, req.timeout_s
-        limit = _time_limit(env, timeout, "timeout_s")
+        whose = "timeout_s"
         kind = req.type
         if req.profile is not None:
             prof = env.profiles.get(req.profile)
@@ -291,7 +291,7 @@ class Admission:
             t1 = t1 if t1 is not None else prof.t1_s
             eff = eff if eff is not None else prof.efficiency
             if timeout is None:
-                limit = _time_limit(env, prof.timeout_s, f"profile {req.profile}'s timeoutSeconds")
+                timeout, whose = prof.timeout_s, f"profile {req.profile}'s timeoutSeconds"
             kind = kind or f"exec:{env.spec.name}/{req.profile}"
         cores = cpu if cpu is not None else env.cpu
         shape: tuple[Any, ...] = (cores, t1, eff, kind)
@@ -306,7 +306,7 @@ class Admission:
                 raise EngineError("invalid", *_named(e)) from None
             if shape and len(self._specs) < MAX_SHAPES:
                 self._specs[shape] = spec
-        return argv, spec, limit
+        return argv, spec, _time_limit(env, timeout, whose)
 
 
 def _time_limit(env: EnvConfig, seconds: float | None, whose: str) -> tuple[float | None, str]:

@@ -29,7 +29,7 @@ from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.keys import exec_target
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import KEY_SEP, TrajectoryRecord, err
+from tangram.service.records import KEY_SEP, TrajectoryRecord, err, ran_status
 from tangram.service.state import PoolState
 from tangram.service.trajectories import Trajectories
 
@@ -210,10 +210,8 @@ class Membership:
         out = reply.result
         status = ActionStatus.ERROR
         error = None
-        if reply.ok and out is not None and reply.cancelled:
-            status = ActionStatus.CANCELLED  # (killed by a cancel, its output kept)
-        elif reply.ok and out is not None:
-            status = ActionStatus.TIMEOUT if out.timed_out else ActionStatus.OK
+        if (ran := ran_status(reply)) is not None:
+            status = ran
         elif reply.error == "cancelled":
             status = ActionStatus.CANCELLED
         else:

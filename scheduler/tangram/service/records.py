@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Literal
 from tangram.api.wire import (
     AGENT_BACKOFF_MAX_S,
     ActionResult,
+    ActionStatus,
+    AgentReply,
     ApiCallRequest,
     ApiLeaseRequest,
     ErrorInfo,
@@ -154,6 +156,16 @@ class ActionRecord:
         """The key its agent runs it under: its key, scoped by its tenant."""
         key = self.key
         return None if key is None else f"{self.tenant}{KEY_SEP}{key}"
+
+
+def ran_status(reply: AgentReply) -> ActionStatus | None:
+    """How an exec that ran ended, by its agent's reply: killed by a cancel that kept its
+    output, killed at its time limit, or run to its end; None when it did not run."""
+    if not reply.ok or reply.result is None:
+        return None
+    if reply.cancelled:
+        return ActionStatus.CANCELLED
+    return ActionStatus.TIMEOUT if reply.result.timed_out else ActionStatus.OK
 
 
 def err(code: str, message: str, retryable: bool = False) -> ErrorInfo:

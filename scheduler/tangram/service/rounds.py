@@ -16,7 +16,7 @@ from tangram.service.api_calls import ApiCalls
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import ActionRecord, EngineError, err
+from tangram.service.records import ActionRecord, EngineError, err, ran_status
 from tangram.service.state import PoolState, agent_gone
 
 log = logging.getLogger("tangram.service")
@@ -161,14 +161,10 @@ class Rounds:
             if reply.ok and reply.result is not None and lost is not None:
                 error = err("input_refused", f"part of its input was refused ({lost}): the "
                             "command was killed rather than left to run without it")  # fmt: skip
-            elif reply.ok and reply.result is not None and reply.cancelled:
-                status = ActionStatus.CANCELLED  # (its key's run, cancelled, answered again)
-            elif reply.ok and reply.result is not None and reply.result.timed_out:
-                status = ActionStatus.TIMEOUT
-                if timeout is not None:  # (what limit killed it: the caller may have set none)
+            elif (ran := ran_status(reply)) is not None:  # (cancelled: its key's run again)
+                status = ran
+                if ran is ActionStatus.TIMEOUT and timeout is not None:  # say which limit
                     error = err("timeout", f"killed after {timeout:g} s ({rec.timeout_from})")
-            elif reply.ok and reply.result is not None:
-                status = ActionStatus.OK
             elif reply.unknown:
                 error = err("outcome_unknown", reply.error or "its outcome is unknown")
             else:
