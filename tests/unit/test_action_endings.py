@@ -216,6 +216,30 @@ def test_an_adopted_run_teaches_nothing_of_a_type_it_may_not_be(timed_out: bool)
     run(scenario)
 
 
+@pytest.mark.parametrize("limit", [30.0, None])
+def test_an_adopted_run_that_timed_out_says_it_was_killed(limit: float | None) -> None:
+    """Its limit was set by the scheduler before the restart: the timeout's message says
+    after how long it was killed where its agent says (an older agent does not)."""
+
+    async def scenario(engine: Engine) -> None:
+        meta = TrajectoryMeta(id="t1", tenant="u", env="e")
+        run_ = RunningAction(key=f"u{KEY_SEP}k", trajectory="t1", cores=[1],
+                             running_s=29.0, timeout_s=limit)  # fmt: skip
+        agent = Agent(hello([meta], [run_]))
+        await connect(engine, agent)
+        (rec,) = engine.state.actions.values()
+        agent.push(AgentReply(rid=0, ok=True, key=f"u{KEY_SEP}k",
+                              result=_outcome(30.0, True)))  # fmt: skip
+        result = await rec.done
+        assert result.status is ActionStatus.TIMEOUT and result.error is not None
+        assert result.error.code == "timeout"
+        after = "killed after 30 s" if limit is not None else "killed (its limit"
+        assert result.error.message.startswith(after), result.error.message
+        assert "scheduler restarted" in result.error.message
+
+    run(scenario)
+
+
 # ---- metrics: each action once, by its final outcome; every 429 ---------------------------
 
 

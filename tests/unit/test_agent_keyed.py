@@ -19,6 +19,7 @@ from tangram.api.wire import (
     AgentExec,
     AgentReply,
     AgentRequest,
+    RunningAction,
     RunningCall,
     ServiceOutcome,
     ServiceStats,
@@ -348,6 +349,31 @@ def test_a_keyed_call_outlives_its_link_shows_in_the_next_hello_and_runs_once(
     assert again.replayed and again.call == outcome
     done, _ = KeyJournal(tmp_path / "keys.journal").load()
     assert done == {}  # in memory only
+
+
+def test_a_keyed_exec_outlives_its_link_and_the_hello_names_its_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next link's hello names the run with its cores, digest and time limit: the
+    scheduler that adopts it says after how long a timeout killed it."""
+    agent = NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=2)
+
+    async def go() -> RunningAction:
+        _gate(agent, monkeypatch)  # never opened: the run goes on
+        req = AgentExec(rid=1, trajectory="t", argv=["make"], cores=[1], key="u\x1fk",
+                        digest="d", timeout_s=45.0)  # fmt: skip
+        requester = asyncio.create_task(agent.handle(req))
+        await asyncio.sleep(0)
+        requester.cancel()  # its link dropped
+        with pytest.raises(asyncio.CancelledError):
+            await requester
+        (running,) = agent.hello().running
+        return running
+
+    running = asyncio.run(go())
+    assert running.model_dump(exclude={"running_s"}) == RunningAction(
+        key="u\x1fk", trajectory="t", cores=[1], running_s=0.0, digest="d", timeout_s=45.0
+    ).model_dump(exclude={"running_s"})
 
 
 def test_a_keyed_call_cut_off_by_the_agents_end_runs_again_when_retried(

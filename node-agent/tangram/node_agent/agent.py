@@ -102,7 +102,8 @@ class _KeyedRun:
             return RunningCall(key=key, service=req.service, gpus=list(req.gpus),
                                running_s=running_s, digest=req.digest)  # fmt: skip
         return RunningAction(key=key, trajectory=req.trajectory, cores=list(req.cores),
-                             running_s=running_s, digest=req.digest)  # fmt: skip
+                             running_s=running_s, digest=req.digest,
+                             timeout_s=req.timeout_s)  # fmt: skip
 
     @property
     def asked(self) -> str:

@@ -772,6 +772,9 @@ class RunningAction(_Strict):
     cores: list[int]
     running_s: float
     digest: str | None = None  # its request's, as its scheduler sent it (_Command.digest)
+    # Its time limit as sent (None: none, or from an agent older than this field), so that
+    # a timeout of the run says after how long it was killed.
+    timeout_s: float | None = None
 
 
 class RunningCall(_Strict):

@@ -172,6 +172,7 @@ class Membership:
         # Its request's digest, as its agent kept it: another request under its key is
         # refused as it was before the restart (None from an older agent: not checked).
         rec.digest = run.digest
+        rec.timeout_s = run.timeout_s
         rec.submitted = rec.submitted - run.running_s
         try:
             asg = s.core.adopt(
@@ -212,6 +213,10 @@ class Membership:
         error = None
         if (ran := ran_status(reply)) is not None:
             status = ran
+            if ran is ActionStatus.TIMEOUT:  # its limit's owner went with the old scheduler
+                after = "" if rec.timeout_s is None else f" after {rec.timeout_s:g} s"
+                error = err("timeout", f"killed{after} (its limit as sent before the "
+                            "scheduler restarted)")  # fmt: skip
         elif reply.error == "cancelled":
             status = ActionStatus.CANCELLED
         else:
