@@ -65,15 +65,16 @@ def test_stdin_given_with_the_request(on: Callable[[Scenario], None]) -> None:
     on(scenario)
 
 
+@pytest.mark.parametrize("interactive", [False, True])
 def test_a_streamed_command_cancelled_by_its_key_ends_with_its_run_time(
-    on: Callable[[Scenario], None],
+    on: Callable[[Scenario], None], interactive: bool
 ) -> None:
     """Its result said it ran for no time at all (exec_s 0): the run time went to
-    overhead, as a plain exec's did before its cancel kept it."""
+    overhead, as a plain exec's did before its cancel kept it. Its stdin open, the same."""
 
     async def scenario(t: AsyncTrajectory) -> None:
         argv = ["sh", "-c", "echo first; exec sleep 60"]
-        action = await t.exec_live(argv, idempotency_key="live")
+        action = await t.exec_live(argv, idempotency_key="live", interactive=interactive)
         await _until(action, "first")
         assert await t.client.cancel("key:live")
         result = await action.result()

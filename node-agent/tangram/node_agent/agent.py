@@ -383,9 +383,13 @@ class NodeAgent:
         """Answer one request; errors become a reply, never an exception."""
         if isinstance(req, AgentCancel):
             task = self._keyed.get(req.key) if req.key else self._tasks.get(req.target or -1)
+            stop = self._stops.get(task) if task is not None and req.output else None
             if (stream := self._streams.get(req.target or -1)) is not None:
-                stream.close()  # what waits to send its output would hold the kill back
-            if task is not None and (stop := self._stops.get(task)) and req.output:
+                # What waits to send its output would hold the kill back. A stopped
+                # command's input is not cut: it would end failing for its input, not
+                # cancelled with what it wrote.
+                stream.stop_output() if stop is not None else stream.close()
+            if task is not None and stop is not None:
                 stop.set()  # killed as at its deadline: it answers with what it wrote
                 # (and is cancelled after all if the kill cannot end it)
                 asyncio.get_running_loop().call_later(STOP_GRACE_S, _cancel, task)
