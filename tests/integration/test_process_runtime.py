@@ -535,6 +535,31 @@ def test_a_setup_command_fails_or_times_out_as_in_the_other_runtimes(
         os.kill(hung, 0)
 
 
+def test_an_open_cancelled_during_its_setup_leaves_nothing(
+    runtime: ProcessRuntime, tmp_path: Path
+) -> None:
+    """The scheduler forgets an open it cut off (its agent's link dropped, the agent
+    stopped): the directory, cgroup and setup command were left, and the trajectory was
+    named held in the next hello, nobody's."""
+    procs = runtimes.Processes(runtime, CORES[:1], tmp_path / "cache")
+    setup = ["sh", "-c", "echo $$ > ../setup.pid; exec sleep 600"]
+
+    async def scenario() -> None:
+        opening = asyncio.ensure_future(procs.open("t1", EnvSpec(name="e", image="-",
+                                                                 setup=[setup])))  # fmt: skip
+        pid_file = runtime.base_dir / "setup.pid"
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            await asyncio.sleep(0.01)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+
+    run(scenario())
+    assert "t1" not in runtime.held() and not runtime.workdir("t1").exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((runtime.base_dir / "setup.pid").read_text()), 0)
+
+
 def test_bad_requests_are_refused(runtime: ProcessRuntime) -> None:
     with pytest.raises(ExecError, match="trajectory"):
         runtime.open("../escape")

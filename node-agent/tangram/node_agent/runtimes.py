@@ -318,16 +318,16 @@ class Processes:
         t0 = loop.time()
         self.inner.open(trajectory)
         self._env[trajectory] = dict(spec.env)
-        for argv in spec.setup:
-            timeout = self.setup_timeout_s
-            res = await self.inner.exec(
-                trajectory, argv, self.idle, timeout_s=timeout, env=spec.env
-            )
-            try:
+        try:
+            for argv in spec.setup:
+                timeout = self.setup_timeout_s
+                res = await self.inner.exec(
+                    trajectory, argv, self.idle, timeout_s=timeout, env=spec.env
+                )
                 check_setup(argv, res.exit_code, res.timed_out, timeout, res.stderr)
-            except ExecError:
-                self.close(trajectory)
-                raise
+        except BaseException:  # failed, or cut off: the scheduler forgets an open cut off
+            self.close(trajectory)
+            raise
         return loop.time() - t0, False
 
     async def keep_warm(self, specs: Sequence[EnvSpec]) -> None:
