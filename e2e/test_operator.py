@@ -12,6 +12,7 @@ Engine. The tests share state and run in file order, like one user's session.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import subprocess
 import sys
@@ -442,11 +443,16 @@ def _secret(stack: Stack, name: str, value: str) -> None:
     _apply(stack, manifest.stdout)
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 class _EchoApi(JsonHandler):
-    """A web API on 127.0.0.1 that answers with the credential it was sent."""
+    """A web API on 127.0.0.1 that answers with a digest of the credential it was sent
+    (the service never returns a credential as it is)."""
 
     def do_GET(self) -> None:  # noqa: N802 (http.server names it)
-        self.answer(200, {"authorization": self.headers.get("Authorization")})
+        self.answer(200, {"authorization": _digest(self.headers.get("Authorization") or "")})
 
 
 def test_a_deleted_env_leaves_its_running_scheduler(stack: Stack) -> None:
@@ -500,11 +506,12 @@ def test_a_refused_spec_and_a_rotated_secret_show_on_the_pool_and_reach_its_sche
                     assert result.status.value == "ok", result
                     return str(result.output["body"]["authorization"])
 
-                assert seen() == "Bearer first"
+                assert seen() == _digest("Bearer first")
                 # A rotated key reaches the running scheduler (the operator watches the Secret
                 # through its resourceVersion and pushes the pool again).
                 _secret(stack, "echo-key", "second")
-                wait_for("the rotated key", lambda: seen() == "Bearer second", timeout=60, every=1)
+                second = _digest("Bearer second")
+                wait_for("the rotated key", lambda: seen() == second, timeout=60, every=1)
 
                 # A quota naming a Secret that does not exist: the scheduler refuses the new
                 # definitions and keeps serving the old ones; the pool says so.
@@ -520,7 +527,7 @@ def test_a_refused_spec_and_a_rotated_secret_show_on_the_pool_and_reach_its_sche
                 cond = stack.wait_ready("ap", "echo", "rl", "ConfigRefused", timeout=60)
                 assert cond["status"] == "False"
                 assert "apis[echo-two].secretRef" in cond["message"] and "absent" in cond["message"]
-                assert seen() == "Bearer second"
+                assert seen() == _digest("Bearer second")
                 events = stack.kubectl("get", "events", "-n", "rl", "--field-selector",
                                        "involvedObject.name=echo", "-o", "json").stdout  # fmt: skip
                 assert any(e["reason"] == "ConfigRefused" for e in json.loads(events)["items"])
@@ -529,7 +536,7 @@ def test_a_refused_spec_and_a_rotated_secret_show_on_the_pool_and_reach_its_sche
                 # refuses the other's calls, saying why, until the Secret exists.
                 stack.stop("echo-scheduler")
                 _start_scheduler(stack, "echo", "rl", port=httpx.URL(url).port)
-                assert seen() == "Bearer second"
+                assert seen() == _digest("Bearer second")
                 with pytest.raises(TangramError) as e:
                     client.call("echo-two", "/")
                 assert e.value.status == 502 and "apis[echo-two].secretRef" in str(e.value)

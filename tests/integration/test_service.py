@@ -288,10 +288,8 @@ def test_proxied_api_calls_use_the_credential_and_never_return_it(
             assert httpx.get(f"{running.url}/readyz").status_code == 200
             r = c.call("search", "/v1/find", query={"q": "tangram"})
             assert r.status is ActionStatus.OK and r.kind == "api"
-            assert r.output == {
-                "status": 200,
-                "body": {"path": "/v1/find?q=tangram", "auth_ok": True},
-            }
+            assert r.output is not None and r.output["status"] == 200
+            assert r.output["body"] == {"path": "/v1/find?q=tangram", "auth_ok": True}
             assert SECRET not in r.model_dump_json()
             with pytest.raises(TangramError) as e:
                 c.call("plain", "/")
@@ -323,8 +321,8 @@ def test_a_proxied_call_cannot_leave_its_endpoints_base_path(tmp_path: Path) -> 
         )
         with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
             r = c.call("search", "/find/.../x.y")  # (dots that are no segment of their own)
-            assert r.output == {"status": 200, "body": {"path": "/api/v1/find/.../x.y",
-                                                         "auth_ok": True}}  # fmt: skip
+            assert r.output is not None and r.output["body"] == {
+                "path": "/api/v1/find/.../x.y", "auth_ok": True}  # fmt: skip
             climbs = ("/../../admin", "/a/%2e%2e/%2E%2E/admin", "/a/..%2f..%2fadmin",
                       "/a/..;x/b", "/a/.%3b/..%3Bjsessionid=1/admin")  # fmt: skip
             for climbing in climbs:

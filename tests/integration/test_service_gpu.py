@@ -201,6 +201,10 @@ def test_a_timed_out_call_keeps_its_gpu_until_it_ends(tmp_path: Path) -> None:
         with _serving(tmp_path, [slow]) as (running, client):  # one device
             late = client.score("slow", INPUTS, timeout_s=0.2)
             assert late.status is ActionStatus.TIMEOUT and late.output is None
+            # Said so, and its time is its run's, not the service's overhead.
+            assert late.error is not None and late.error.code == "timeout"
+            assert late.error.message.startswith("no answer within 0.2 s (timeout_s)")
+            assert late.timings.exec_s > 0 and late.timings.overhead_s == 0, late.timings
             # Its thread still holds device 0: the next call must wait for it.
             box: list[ActionResult] = []
             nxt = threading.Thread(target=lambda: box.append(client.score("slow", INPUTS)))

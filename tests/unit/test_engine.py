@@ -856,6 +856,26 @@ def test_a_reload_reports_what_only_a_restart_applies_and_keeps_the_running_valu
     asyncio.run(scenario())
 
 
+def test_a_reload_names_every_setting_it_changed() -> None:
+    """A reload that set ``admission.maxQueued`` was applied (the next requests were
+    refused at the new bound) but said "no changes"."""
+
+    async def scenario() -> None:
+        e = Engine(PoolConfig())
+        changed = PoolConfig(max_queued=3, access_namespaces=("rl", "eval"),
+                             gpus_per_node=2, agent_grace_s=30.0)  # fmt: skip
+        assert e.reconfigure(changed) == [
+            "spec.admission.maxQueued 100000 -> 3",
+            "spec.access.namespaces [] -> [rl, eval]",
+            "spec.gpu.gpusPerNode (nodes joining from now on) unset -> 2",
+            "spec.scheduler.agentGraceSeconds 120 -> 30",
+        ]
+        assert e.state.config.max_queued == 3
+        assert e.reconfigure(changed) == []
+
+    asyncio.run(scenario())
+
+
 def test_agents_are_told_every_env_kept_warm_when_they_join_and_when_envs_change() -> None:
     """The whole set, each time: an agent removes the warm sandboxes of any other env (one
     removed, or set to warm 0, while it ran or while it was away), which would otherwise

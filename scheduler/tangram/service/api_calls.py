@@ -8,6 +8,7 @@ caller, nor into logs or errors.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import secrets
@@ -34,6 +35,14 @@ RESENT_SLACK_S = 1.0
 # A proxied call's answer is held whole (decoded, kept for its idempotency key, sent
 # back): one larger than this is an error, not the scheduler's memory.
 MAX_RESPONSE_BYTES = 16 << 20
+
+
+# Response headers about the connection or the transfer, not the answer, which comes back
+# whole and decoded: not passed back.
+_TRANSFER_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer",
+    "transfer-encoding", "upgrade", "content-length", "content-encoding",
+})  # fmt: skip
 
 
 class _TooLargeError(Exception):
@@ -63,6 +72,9 @@ class ApiCalls:
         self.outcomes = outcomes
         self._http = http
         self._own_http = http is None
+        # The endpoints of quotas a reload removed while calls still queued for them: those
+        # are made as admitted (``reconfigured``).
+        self._retired: dict[str, ApiEndpoint] = {}
         self._wall_at_zero: float | None = None
         self._born = state.clock()  # (what a resent call's age is compared with)
 
@@ -207,7 +219,7 @@ class ApiCalls:
         s = self.s
         assert rec.assignment is not None
         api = rec.assignment.quotas[0][0] if rec.assignment.quotas else ""
-        endpoint = s.config.endpoints.get(api)
+        endpoint = s.config.endpoints.get(api) or self._retired.get(api)
         t0 = s.clock()
         status, output, error = ActionStatus.ERROR, None, None
         try:
@@ -226,33 +238,85 @@ class ApiCalls:
                 timeout=aiohttp.ClientTimeout(total=req.timeout_s),
                 allow_redirects=False,  # a redirect would carry the credential elsewhere
             ) as resp:
-                raw = await _body(resp, api)
-                try:
-                    body: Any = json.loads(raw) if raw else None
-                except ValueError:
-                    body = raw.decode(errors="replace")
-                output = {"status": resp.status, "body": body}
+                output = _answer(resp, await _body(resp, api), endpoint)
                 status = ActionStatus.OK
         except asyncio.CancelledError:
             status = ActionStatus.CANCELLED
         except TimeoutError:
             status = ActionStatus.TIMEOUT
-        except (aiohttp.ClientError, EngineError) as e:
+            error = err("timeout", f"no answer within {req.timeout_s:g} s (timeout_s)"
+                        + _maybe_made(req.method))  # fmt: skip
+        except (aiohttp.ClientConnectorError, EngineError) as e:  # it never reached the API
             error = err("api_failed", _scrub(str(e), endpoint), retryable=True)
+        except aiohttp.ClientError as e:  # sent, and its answer cut off
+            why = _scrub(str(e) or type(e).__name__, endpoint)
+            if req.method in IDEMPOTENT_METHODS:
+                error = err("api_failed", why, retryable=True)
+            else:  # a second try could make it twice
+                error = err("outcome_unknown", f"{why}{_maybe_made(req.method)}: ask the "
+                            "API whether it was; to make it anyway, call again with a new "
+                            "key")  # fmt: skip
         except _TooLargeError as e:  # the same request would get the same answer
             error = err("api_failed", str(e))
         except Exception as e:  # anything else must still end the call and free its unit
             error = err("api_failed", _scrub(f"{type(e).__name__}: {e}", endpoint))
         self.outcomes.end(rec, status, error=error, exec_s=s.clock() - t0, output=output)
 
+    def reconfigured(self, old: Mapping[str, ApiEndpoint], new: Mapping[str, ApiEndpoint]) -> None:
+        """A reload replaced the endpoints (``old`` by ``new``): a removed quota's calls
+        still queued are made through its last endpoint, as its quota stays for them
+        (``Scheduler.set_quotas``); forgotten once the quota is gone."""
+        self._retired.update((name, e) for name, e in old.items() if name not in new)
+        self._retired = {
+            name: e
+            for name, e in self._retired.items()
+            if name not in new and name in self.s.core.quotas
+        }
+
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
-            self._http = aiohttp.ClientSession()
+            # No connection limit: the quotas bound the calls, and aiohttp's default (100
+            # in all) would make the calls of every quota wait for one slow quota's. No
+            # cookie jar: it would hand one tenant's cookies to every other's calls.
+            self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
+            )
         return self._http
 
     async def close(self) -> None:
         if self._own_http and self._http is not None:
             await self._http.close()
+
+
+def _answer(resp: aiohttp.ClientResponse, raw: bytes, endpoint: ApiEndpoint) -> dict[str, Any]:
+    """The answer as the caller gets it: ``status``; ``headers`` (names in lower case, a
+    repeated header's values joined by ", ", Set-Cookie's by a line break); ``body``: the
+    JSON decoded, else the text, else (not UTF-8) None with the bytes in ``body_base64``.
+    An API that echoes the request (its headers) does not return the credential."""
+    if endpoint.credential:
+        raw = raw.replace(endpoint.credential.encode(), b"***")
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in resp.headers.items():
+        name, value = raw_name.lower(), _scrub(raw_value, endpoint)
+        if name not in _TRANSFER_HEADERS:
+            sep = "\n" if name == "set-cookie" else ", "
+            headers[name] = f"{headers[name]}{sep}{value}" if name in headers else value
+    out: dict[str, Any] = {"status": resp.status, "headers": headers}
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        return out | {"body": None, "body_base64": base64.b64encode(raw).decode()}
+    try:
+        out["body"] = json.loads(text) if text else None
+    except ValueError:
+        out["body"] = text
+    return out
+
+
+def _maybe_made(method: str) -> str:
+    """What a caller must know of a call cut off after it was sent: nothing for a method
+    whose repeat has the effect of one."""
+    return "" if method in IDEMPOTENT_METHODS else f"; the {method} may have been made"
 
 
 def _unresolved(api: str, why: str) -> str:

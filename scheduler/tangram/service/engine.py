@@ -370,6 +370,7 @@ class Engine:
         )
         if moved:
             changes.append("API endpoints or credentials of " + ", ".join(moved))
+            self.api.reconfigured(old.endpoints, config.endpoints)
         if config.scheduling != old.scheduling:
             s.core.set_config(config.scheduling)
             changes.append("scheduling" + _reordered(old.scheduling, config.scheduling,
@@ -377,6 +378,11 @@ class Engine:
         if old.tenants != config.tenants:
             s.core.set_tenants(*config.shares())
             changes.append("tenants " + (", ".join(sorted(config.tenants)) or "none"))
+        changes += [
+            f"{field} {_shown(getattr(old, attr))} -> {_shown(getattr(config, attr))}"
+            for attr, field in _READ_AS_NEEDED
+            if getattr(old, attr) != getattr(config, attr)
+        ]
         # Agents size their core sets when they start, and the name keys the learned state
         # and the metrics: reported, and the running values kept so the config says what is.
         unapplied = [
@@ -442,6 +448,28 @@ class Engine:
 
     def release(self, tenant: str, lease: str) -> ActionResult:
         return self.outcomes.release(tenant, lease)
+
+
+# Settings read where they apply (a request's admission, a node joining, an agent
+# leaving): a reload changes them with nothing more to do than say so, by their fields.
+_READ_AS_NEEDED = (
+    ("max_queued", "spec.admission.maxQueued"),
+    ("max_request_bytes", "spec.admission.maxRequestBytes"),
+    ("max_file_bytes", "spec.admission.maxFileBytes"),
+    ("access_namespaces", "spec.access.namespaces"),
+    ("access_service_accounts", "spec.access.serviceAccounts"),
+    ("gpus_per_node", "spec.gpu.gpusPerNode (nodes joining from now on)"),
+    ("agent_grace_s", "spec.scheduler.agentGraceSeconds"),
+    ("heartbeat_timeout_s", "heartbeat timeout"),
+)
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _reordered(old: SchedulerConfig, new: SchedulerConfig, queued: int) -> str:

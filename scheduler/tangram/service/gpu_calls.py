@@ -281,6 +281,9 @@ class GpuCalls:
             status = ActionStatus.CANCELLED
         except TimeoutError:
             status = ActionStatus.TIMEOUT
+            error = err("timeout", f"no answer within {req.timeout_s or 0:g} s (timeout_s); the "
+                        "call runs on, and holds its GPUs, until it ends: a running call "
+                        "cannot be stopped")  # fmt: skip
         except EngineError as e:
             error = err("node_lost", e.message, retryable=True)
             self.outcomes.cut_off(rec)
@@ -343,8 +346,11 @@ class GpuCalls:
         error: ErrorInfo | None,
         spent_s: float,
     ) -> None:
-        """Give a call's result to its waiter; ``spent_s``: from its start to its reply."""
+        """Give a call's result to its waiter; ``spent_s``: from its start to its reply.
+        A call timed out had no reply: its time was its run's, as far as anyone knows."""
         exec_s = call.exec_s if call is not None else 0.0
+        if call is None and status is ActionStatus.TIMEOUT:
+            exec_s = spent_s
         restore_s = _restore_s(call)
         self.outcomes.end(
             rec,
