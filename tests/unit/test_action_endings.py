@@ -240,6 +240,47 @@ def test_an_adopted_run_that_timed_out_says_it_was_killed(limit: float | None) -
     run(scenario)
 
 
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_trajectory_taken_back_after_a_restart_goes_on_from_what_it_had_done(
+    saved: bool,
+) -> None:
+    """Its action count read 0 after a restart, and its length, learned when it ended, was
+    the part after the restart: every length learned short. With what the scheduler before
+    saved, it goes on counting; without, its length is not learned."""
+    kept: list[Any] = []
+
+    def ran(msg: dict[str, Any]) -> AgentReply | None:
+        ok = AgentReply(rid=0, ok=True, result=_outcome())
+        return ok if msg["op"] == "exec" else answer_all(msg)
+
+    async def before(engine: Engine) -> None:
+        await connect(engine, Agent(hello(), ran))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1", expected_steps=9))
+        for _ in range(3):
+            await engine.submit_exec("u", "t1", ExecRequest(argv=["true"])).done
+        kept.append(engine._kept())
+
+    async def after(engine: Engine) -> None:
+        if saved:
+            engine._resume(kept[0])
+        meta = TrajectoryMeta(id="t1", tenant="u", env="e")
+        await connect(engine, Agent(hello([meta]), ran))
+        assert engine.trajectory("u", "t1").actions == (3 if saved else 0)
+        await engine.submit_exec("u", "t1", ExecRequest(argv=["true"])).done
+        traj = engine.core.trajectories["t1"]
+        assert (traj.steps_done, traj.hint_steps) == ((4, 9) if saved else (1, None))
+        await engine.close_trajectory("u", "t1")
+        assert engine.core.learned().lengths == ([4] if saved else [])
+
+    run(before)
+    (state,) = kept
+    assert state.progress["t1"].model_dump() == {
+        "actions": 3, "steps": 3, "busy_s": state.progress["t1"].busy_s,
+        "hint_steps": 9, "hint_at": 0,
+    }  # fmt: skip
+    run(after, reconnecting=True)
+
+
 # ---- metrics: each action once, by its final outcome; every 429 ---------------------------
 
 

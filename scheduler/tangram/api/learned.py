@@ -22,6 +22,7 @@ from tangram.api.demand import MAX_UNITS
 MAX_CLOSING = 65_536  # environments to close kept at most (a bound on the document)
 MAX_LEASES = 4096  # API leases held kept at most: the newest
 MAX_STARTS = 16_384  # starts in the quotas' rate windows kept at most: the newest
+MAX_PROGRESS = 65_536  # open trajectories whose progress is kept at most
 MAX_LENGTHS = 4096  # finished trajectory lengths kept: the most recent (the model's window)
 # Action types kept: the most observed, with names of a sane length. A document stays well
 # under a ConfigMap's 1 MiB however many types clients invent.
@@ -92,6 +93,18 @@ class LearnedLease(_Strict):
     ] = None
 
 
+class LearnedProgress(_Strict):
+    """What an open trajectory had done when the state was saved: a restarted scheduler
+    that takes it back from its agent goes on counting from there, and learns its length
+    whole when it ends (not the part after the restart)."""
+
+    actions: Count = 0  # submitted
+    steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 0  # ended ok
+    busy_s: Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)] = 0.0
+    hint_steps: Annotated[int | None, Field(ge=0, le=MAX_STEPS)] = None  # its client's hint
+    hint_at: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 0  # steps when it was given
+
+
 class LearnedState(_Strict):
     version: Literal[1] = 1
     profiles: Annotated[
@@ -135,6 +148,15 @@ class LearnedState(_Strict):
         "restart does not reopen the window",
     )
 
+    progress: Annotated[
+        dict[Annotated[str, Field(max_length=256)], LearnedProgress],
+        Field(max_length=MAX_PROGRESS),
+    ] = Field(
+        default_factory=dict,
+        description="open trajectory (its pool-wide key) -> what it had done: a restart "
+        "goes on from there",
+    )
+
     @model_validator(mode="after")
     def _bounded(self) -> Self:
         if sum(len(keys) for keys in self.closing.values()) > MAX_CLOSING:
@@ -151,6 +173,7 @@ __all__ = [
     "MAX_LEASES",
     "MAX_LENGTHS",
     "MAX_PROFILES",
+    "MAX_PROGRESS",
     "MAX_SECONDS",
     "MAX_STARTS",
     "MAX_STEPS",
@@ -158,5 +181,6 @@ __all__ = [
     "LearnedFit",
     "LearnedLease",
     "LearnedMean",
+    "LearnedProgress",
     "LearnedState",
 ]

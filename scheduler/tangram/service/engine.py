@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from tangram.api.cluster import ClusterSpec
-from tangram.api.learned import MAX_CLOSING, LearnedState
+from tangram.api.learned import MAX_CLOSING, MAX_PROGRESS, LearnedProgress, LearnedState
 from tangram.api.wire import (
     ActionResult,
     ActionStatus,
@@ -140,6 +140,7 @@ class Engine:
                 for key in keys:
                     self.lifecycle.close_later(node, key)
             self._quotas_due = state
+            self.state.progress_due = dict(state.progress)  # (for the agents' hellos)
             if self._tasks:  # (read late: the store could not be read at the start)
                 self._resume_quotas()
 
@@ -199,7 +200,12 @@ class Engine:
                 closing[node], room = kept, room - len(kept)
         leases, windows = self.api.kept()
         learned = self.core.learned()  # here: the core is the loop's alone
-        extra = {"closing": closing, "leases": leases, "windows": windows}
+        progress: dict[str, LearnedProgress] = {}
+        for rec in self.state.trajectories.values():
+            if rec.key in self.core.trajectories and len(progress) < MAX_PROGRESS:
+                done = self.core.progress(rec.key)
+                progress[rec.key] = done.model_copy(update={"actions": rec.actions})
+        extra = {"closing": closing, "leases": leases, "windows": windows, "progress": progress}
         update = {name: value for name, value in extra.items() if value}
         return learned.model_copy(update=update) if update else learned
 

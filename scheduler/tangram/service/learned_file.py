@@ -191,14 +191,14 @@ def _sizes(book: ProfileBook, name: str, counts: list[int]) -> float:
 
 def write_state(store: LearnedStore, state: LearnedState) -> None:
     """Write ``state`` in place of the last, whole or not at all (OSError if not)."""
-    # Without the environments to close, the leases held and the rate windows when there
-    # are none: a scheduler of an earlier release, which refuses those fields, still reads
-    # what was learned.
+    # Without the environments to close, the leases held, the rate windows and the open
+    # trajectories' progress when there are none: a scheduler of an earlier release, which
+    # refuses those fields, still reads what was learned.
     empty = {name for name in _NOT_LEARNED if not getattr(state, name)}
     store.write(state.model_dump_json(exclude=empty or None).encode())
 
 
-_NOT_LEARNED = ("closing", "leases", "windows")  # left out of the document when empty
+_NOT_LEARNED = ("closing", "leases", "windows", "progress")  # left out of the document when empty
 
 
 __all__ = [

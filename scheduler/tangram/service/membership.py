@@ -143,6 +143,9 @@ class Membership:
         rec.env_vars = dict(meta.env_vars)
         if meta.open_key is not None and meta.open_digest is not None:
             rec.open_key = (meta.open_key, meta.open_digest)
+        done = s.progress_due.pop(meta.id, None)
+        rec.actions = done.actions if done is not None else 0
+        s.core.resume_progress(meta.id, done)
         s.add_trajectory(rec)
         self.trajectories.taken_back(rec)
         return True

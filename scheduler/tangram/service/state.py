@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+from tangram.api.learned import LearnedProgress
 from tangram.api.wire import (
     NO_SESSIONS,
     NO_SESSIONS_WHY,
@@ -81,6 +82,9 @@ class PoolState:
         # the agent keys of runs cancelled while running, most recent last: a run its agent
         # goes on with (the cancel was lost with its link) is cancelled again if adopted.
         self.adopted: dict[tuple[str, str], ActionRecord] = {}
+        # What the open trajectories had done when the scheduler before this one saved its
+        # state, by key: taken when their agents' hellos bring them back.
+        self.progress_due: dict[str, LearnedProgress] = {}
         self.cancelled_keys: OrderedDict[str, None] = OrderedDict()
         # Actions whose end the metrics do not count, since another's counts the same run:
         # a keyed one cut off from its agent (the run it started ends later, adopted, or

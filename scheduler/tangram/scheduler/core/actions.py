@@ -21,6 +21,9 @@ class Trajectory:
     hint_at: int = 0  # ... when it had taken this many
     steps_done: int = 0
     busy_s: float = 0.0
+    # False for one taken back after a restart with its steps before it unknown: its
+    # length, when it ends, is not learned (it would be counted short).
+    length_known: bool = True
     queued_exec: int = 0  # queued exec actions (their key resource moves when it is placed)
     tenant: str = ""  # whose: queued fairly between tenants, and held to its share
     in_flight: int = 0  # its actions queued or running: none, and it is thinking

@@ -21,8 +21,11 @@ from tangram.api.learned import (
     MAX_KIND_CHARS,
     MAX_LENGTHS,
     MAX_PROFILES,
+    MAX_SECONDS,
+    MAX_STEPS,
     MAX_TYPE_CHARS,
     LearnedMean,
+    LearnedProgress,
     LearnedState,
 )
 from tangram.scheduler.core.actions import Action, Running, Trajectory, needs
@@ -165,7 +168,7 @@ class Scheduler:
         if traj.in_flight == 0:  # it was thinking on its node
             self.returns.stops_thinking(self.cpu.placement.get(tid))
         self.cpu.unplace(tid)
-        if finished:
+        if finished and traj.length_known:
             self.lengths.finished(traj.steps_done)
         del self.trajectories[tid]
         if traj.in_flight:
@@ -217,6 +220,24 @@ class Scheduler:
         r.run.restore(learned.exec_run_s)
         for kind, mean in learned.recent_work.items():
             self.recent_work.setdefault(kind, RunningMean()).restore(mean)
+
+    def progress(self, tid: str) -> LearnedProgress:
+        """What an open trajectory has done, for a restarted scheduler (``resume_progress``)."""
+        t = self._traj(tid)
+        hint = None if t.hint_steps is None else min(t.hint_steps, MAX_STEPS)
+        return LearnedProgress(steps=min(t.steps_done, MAX_STEPS), hint_steps=hint,
+                               busy_s=min(t.busy_s, MAX_SECONDS),
+                               hint_at=min(t.hint_at, MAX_STEPS))  # fmt: skip
+
+    def resume_progress(self, tid: str, progress: LearnedProgress | None) -> None:
+        """An open trajectory taken back after a restart goes on from what it had done
+        (``progress``); without it, its length is not learned when it ends."""
+        t = self._traj(tid)
+        if progress is None:
+            t.length_known = False
+            return
+        t.steps_done, t.busy_s = progress.steps, progress.busy_s
+        t.hint_steps, t.hint_at = progress.hint_steps, progress.hint_at
 
     def windows(self, now: float) -> dict[str, list[float]]:
         """The starts each rate-limited quota's window counts at ``now``, oldest first
