@@ -24,7 +24,7 @@ from tangram.api.wire import (
     ServiceOutcome,
     ServiceStats,
 )
-from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.agent import NodeAgent, PodOptions
 from tangram.node_agent.key_journal import KeyJournal
 from tangram.node_agent.link import _session
 
@@ -156,6 +156,33 @@ def test_keyed_runs_outlive_the_agent_in_its_journal_and_none_runs_twice(tmp_pat
     assert ended3.ok and ended3.replayed and new3.ok and new3.replayed
     assert cut3.unknown and not cut3.ok
     assert len((tmp_path / "keys.journal").read_bytes().splitlines()) == 3
+
+
+def test_a_pool_made_again_under_its_name_gets_nothing_of_the_deleted_ones_keys(
+    tmp_path: Path,
+) -> None:
+    """The state directory is named after the pool's namespace and name: a pool deleted
+    and made again under them had its agents replay the deleted pool's answers (a retry of
+    ``task-7-step-1`` got the old sandbox's output, never run). Its own restart still
+    replays them."""
+
+    def agent(uid: str | None) -> NodeAgent:
+        pods = None if uid is None else PodOptions(namespace="rl", execd_image="i",
+                                                   pool="box", pool_uid=uid)  # fmt: skip
+        return NodeAgent.create(tmp_path, runtime="noop", cores_for_actions=1, pods=pods)
+
+    async def exec_(agent: NodeAgent, key: str) -> AgentReply:
+        await agent.runtime.open("t", None)  # type: ignore[arg-type]
+        req = AgentExec(rid=1, trajectory="t", argv=["true"], cores=[0], key=key)
+        return await agent.handle(req)
+
+    assert not asyncio.run(exec_(agent(None), "before")).replayed  # (an agent before uids)
+    assert asyncio.run(exec_(agent("uid-1"), "before")).replayed  # taken as it was
+    assert not asyncio.run(exec_(agent("uid-1"), "step-1")).replayed
+    assert asyncio.run(exec_(agent("uid-1"), "step-1")).replayed  # its own restart
+    made_again = agent("uid-2")
+    assert not asyncio.run(exec_(made_again, "step-1")).replayed
+    assert (tmp_path / "pool-uid").read_text() == "uid-2"
 
 
 def test_a_restarted_agent_still_refuses_a_key_reused_for_another_request(

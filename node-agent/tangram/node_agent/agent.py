@@ -288,6 +288,8 @@ class NodeAgent:
         pods: PodOptions | None,
     ) -> NodeAgent:
         private_dir(state_dir, narrow=True)  # outputs and tenants (its journal, meta/)
+        if pods is not None and pods.pool_uid:
+            state_lock.claim(state_dir, pods.pool_uid)
         options = gpus or GpuOptions()
         inventory = read_inventory(gpus=nvml_gpus if options.mode in ("auto", "cuda") else None)
         name = node or inventory.hostname
@@ -304,8 +306,8 @@ class NodeAgent:
         if agent.runtime.problem is not None:  # the scheduler refuses it, and says so
             log.error("this node cannot run actions: %s", agent.runtime.problem.message)
         agent.runtime.adopt()  # what a previous agent left; hello() reports what is held
-        agent.load_meta(state_dir / "meta")
-        agent.use_journal(KeyJournal(state_dir / "keys.journal"))
+        agent.load_meta(state_dir / state_lock.META_DIR)
+        agent.use_journal(KeyJournal(state_dir / state_lock.JOURNAL_FILE))
         agent.gpu = GpuRole.start(options, nvml_gpus=len(inventory.gpus))
         return agent
 
