@@ -442,6 +442,40 @@ def test_members_are_accepted_only_once_their_scheduler_took_them() -> None:
     assert _ready(cluster.objects["TrajectoryEnv", "rl", "swe"]["status"])["reason"] == "Accepted"
 
 
+def test_a_member_of_a_name_another_namespace_serves_is_left_out_not_the_whole_pool() -> None:
+    """A TrajectoryEnv of an admitted namespace named as one of the pool's own made every
+    push refused ("TrajectoryEnvs of one name"), the owner's edits and new envs included,
+    until it was deleted. Only the newcomer is left out now, saying why."""
+    cluster, link = Cluster(), Link()
+    r = _reconciler(cluster, link)
+    pool = _pool()
+    pool["spec"]["access"] = {"namespaces": ["eval"]}
+    cluster.add(pool)
+
+    def env(ns: str, name: str, created: str) -> None:
+        cluster.add({"apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+                     "metadata": {"name": name, "namespace": ns, "creationTimestamp": created},
+                     "spec": {"poolRef": "rl/coding", "image": f"{ns}-img"}})  # fmt: skip
+
+    env("eval", "swe", "2026-01-01T00:00:00Z")  # older, but not the pool's namespace
+    env("rl", "swe", "2026-02-01T00:00:00Z")
+    env("eval", "other", "2026-03-01T00:00:00Z")
+    env("rl", "other", "2026-03-02T00:00:00Z")  # (the owner's, made later: it wins)
+    env("eval", "mine", "2026-03-03T00:00:00Z")
+    env("eval", "mine2", "2026-03-04T00:00:00Z")
+    r.reconcile_pool("rl", "coding")
+    (pushed,) = link.pushed
+    images = sorted(line.split()[-1] for line in pushed.splitlines() if "image:" in line)
+    assert images == ["eval-img", "eval-img", "rl-img", "rl-img"]  # mine, mine2, rl's two
+    for ns, name, reason in (("rl", "swe", "Accepted"), ("eval", "swe", "NameTaken"),
+                             ("rl", "other", "Accepted"), ("eval", "other", "NameTaken"),
+                             ("eval", "mine", "Accepted")):  # fmt: skip
+        ready = _ready(cluster.objects["TrajectoryEnv", ns, name]["status"])
+        assert ready["reason"] == reason, (ns, name, ready)
+    taken = _ready(cluster.objects["TrajectoryEnv", "eval", "swe"]["status"])
+    assert taken["message"].startswith("TrajectoryEnv rl/swe serves the name 'swe' in ")
+
+
 def test_a_member_of_a_pool_whose_scheduler_refuses_the_push_is_not_accepted() -> None:
     class Refusing(Link):
         def reload(self, base: str, token: str, documents: str) -> list[str]:

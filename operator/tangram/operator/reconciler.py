@@ -401,7 +401,35 @@ class Reconciler:
                 member = self._member_status(kind, body, pool, pool_invalid, write=False)
                 if member is not None:
                     usable.append((kind, body, member))
-        return usable
+        return self._one_per_name(key, pool, usable)
+
+    def _one_per_name(
+        self, key: ObjectKey, pool: ActionPool | None, usable: list[MemberSeen]
+    ) -> list[MemberSeen]:
+        """Clients name a pool's environments and services by name alone: of members of
+        one kind and name (from namespaces the pool admits), the one in the pool's own
+        namespace serves it, else the oldest; the others are told so and left out, so
+        that a newcomer in another namespace refuses no one's config but its own."""
+        by_name: dict[tuple[str, str], list[MemberSeen]] = {}
+        for seen in usable:
+            by_name.setdefault((seen[0], seen[2].metadata.name), []).append(seen)
+        kept: list[MemberSeen] = []
+        for (kind, name), same in by_name.items():
+            same.sort(key=lambda s: (s[2].metadata.namespace != key[0],
+                                     s[1]["metadata"].get("creationTimestamp") or "",
+                                     s[2].metadata.namespace))  # fmt: skip
+            kept.append(same[0])
+            holder = f"{kind} {same[0][2].metadata.namespace}/{name}"
+            for _, body, member in same[1:]:
+                previous = parse_conditions((body.get("status") or {}).get("conditions"))
+                why = (Reason.NAME_TAKEN, f"{holder} serves the name {name!r} in ActionPool "
+                       f"{key[0]}/{key[1]}, whose clients name its {kind}s by name alone (the "
+                       "one in the pool's namespace, else the oldest, serves it): rename this "
+                       "one")  # fmt: skip
+                status = member_status(member, pool, previous, rfc3339(self.clock()),
+                                       not_served=why)  # fmt: skip
+                self._write_status(body, status, previous)
+        return kept
 
     def _members_served(
         self,

@@ -34,6 +34,8 @@ class Reason(StrEnum):
     NO_GPU_SECTION = "NoGpuSection"
     DOP_DOES_NOT_FIT = "DopDoesNotFit"
     NOT_SERVED = "NotServed"  # its pool's scheduler has not been given it (yet)
+    # Another member of its kind serves its name in the pool (from another namespace).
+    NAME_TAKEN = "NameTaken"
     POOL_CONFIG_REFUSED = "PoolConfigRefused"  # its pool's scheduler refused the push
     # An ActionPool's SandboxesHealthy condition: quiet, or the latest failure's cause.
     NO_RECENT_FAILURES = "NoRecentFailures"
