@@ -476,6 +476,24 @@ def test_a_member_of_a_name_another_namespace_serves_is_left_out_not_the_whole_p
     assert taken["message"].startswith("TrajectoryEnv rl/swe serves the name 'swe' in ")
 
 
+def test_an_invalid_members_status_names_the_field_a_check_across_fields_found() -> None:
+    """It read ``spec: Value error, actions[0].timeoutSeconds: ...``: pydantic's words, and
+    the path stopped at the model whose check it was."""
+    cluster, link = Cluster(), Link()
+    r = _reconciler(cluster, link)
+    cluster.add(_pool())
+    cluster.add({"apiVersion": "tangram.dev/v1alpha1", "kind": "TrajectoryEnv",
+                 "metadata": {"name": "swe", "namespace": "rl"},
+                 "spec": {"poolRef": "coding", "image": "img", "maxCommandSeconds": 10,
+                          "actions": [{"name": "t", "timeoutSeconds": 60}]}})  # fmt: skip
+    r.reconcile_member("TrajectoryEnv", "rl", "swe")
+    ready = _ready(cluster.objects["TrajectoryEnv", "rl", "swe"]["status"])
+    assert (ready["reason"], ready["message"]) == (
+        "InvalidSpec",
+        "spec.actions[0].timeoutSeconds: 60 s is over maxCommandSeconds (10 s)",
+    )
+
+
 def test_a_member_of_a_pool_whose_scheduler_refuses_the_push_is_not_accepted() -> None:
     class Refusing(Link):
         def reload(self, base: str, token: str, documents: str) -> list[str]:

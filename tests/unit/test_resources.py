@@ -235,7 +235,11 @@ def test_names_of_the_api_group() -> None:
     ("doc", "path", "words"),
     [
         (pool(apis=[{"name": "q"}]), "spec.apis[0]", "concurrency, rate or both"),
-        (pool(apis=[{"name": "q", "concurrency": 1, "burst": 5}]), "spec.apis[0]", "burst"),
+        (
+            pool(apis=[{"name": "q", "concurrency": 1, "burst": 5}]),
+            "spec.apis[0].burst",
+            "only a rate has a burst",
+        ),
         (
             pool(apis=[{"name": "q", "rate": 1}, {"name": "q", "concurrency": 1}]),
             "spec.apis",
@@ -281,7 +285,7 @@ def test_names_of_the_api_group() -> None:
         ),
         (
             pool(cpu={}, scheduler={"resources": {"limits": {"memory": "1 Gi"}}}),
-            "spec.scheduler.resources",
+            "spec.scheduler.resources.limits.memory",
             "not a quantity",
         ),
         (
@@ -289,18 +293,18 @@ def test_names_of_the_api_group() -> None:
                 cpu={},
                 scheduler={"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}},
             ),
-            "spec.scheduler.resources",
-            "requests.cpu: '2' is more than limits.cpu ('1500m')",
+            "spec.scheduler.resources.requests.cpu",
+            "'2' is more than limits.cpu ('1500m')",
         ),
         (
             pool(cpu={}, scheduler={"resources": {"limits": {"gpu": "1"}}}),
-            "spec.scheduler.resources",
-            "limits.gpu: 'gpu' is not a resource",
+            "spec.scheduler.resources.limits.gpu",
+            "'gpu' is not a resource",
         ),
         (
             pool(cpu={"nodeSelector": {"pool": "rl workers"}}),
-            "spec.cpu.nodeSelector",
-            "pool: 'rl workers': at most 63",
+            "spec.cpu.nodeSelector.pool",
+            "'rl workers': at most 63",
         ),
         (
             pool(gpu={"nodeSelector": {"Example.com/gpu": "a100"}}),
@@ -343,8 +347,8 @@ def test_names_of_the_api_group() -> None:
         ),
         (
             env(actions=[{"name": "a", "efficiency": {"amdahl": 0.9}}]),
-            "spec",
-            "actions[0].efficiency: given, but cpu allows only one core count",
+            "spec.actions[0].efficiency",
+            "given, but cpu allows only one core count",
         ),
         (
             env(actions=[{"name": "a", "cpu": {"min": 1, "max": 4}, "efficiency": {"amdahl": 2}}]),
@@ -355,10 +359,14 @@ def test_names_of_the_api_group() -> None:
         (env(maxCommandSeconds=0), "spec.maxCommandSeconds", "greater than 0"),
         (
             env(maxCommandSeconds=60, actions=[{"name": "a"}, {"name": "b", "timeoutSeconds": 90}]),
-            "spec",
-            "actions[1].timeoutSeconds: 90 s is over maxCommandSeconds (60 s)",
+            "spec.actions[1].timeoutSeconds",
+            "90 s is over maxCommandSeconds (60 s)",
         ),
-        (env(actions=[{"name": "a", "cpu": {"choices": [0, 2]}}]), "spec.actions", "one core"),
+        (
+            env(actions=[{"name": "a", "cpu": {"choices": [0, 2]}}]),
+            "spec.actions[0].cpu",
+            "one core",
+        ),
         (service(entrypoint="pkg.mod.fn"), "spec.entrypoint", "pattern"),
         (service(gpuMemoryGiB=0), "spec.gpuMemoryGiB", "greater than 0"),
         (service(dopChoices=[3]), "spec.dopChoices[0]", "Input should be 1, 2, 4 or 8"),
@@ -366,8 +374,8 @@ def test_names_of_the_api_group() -> None:
         (service(dopChoices=[]), "spec.dopChoices", "at least 1 item"),
         (
             service(profiles=[{"dop": 2, "t1Seconds": 1}]),
-            "spec",
-            "profiles[0].dop: 2 is not one of dopChoices [1]",
+            "spec.profiles[0].dop",
+            "2 is not one of dopChoices [1]",
         ),
         (
             service(profiles=[{"dop": 1, "t1Seconds": 1, "inputSize": {"min": 9, "max": 1}}]),
@@ -381,8 +389,8 @@ def test_names_of_the_api_group() -> None:
                     {"dop": 1, "t1Seconds": 2, "inputSize": {"min": 100, "max": 200}},
                 ]
             ),
-            "spec",
-            "profiles[1]: overlaps profiles[0]",
+            "spec.profiles[1]",
+            "overlaps profiles[0]",
         ),
         (service(maxBatch=0), "spec.maxBatch", "greater than or equal to 1"),
     ],
@@ -493,7 +501,7 @@ def test_metadata_ignores_what_the_api_server_adds_and_status_is_accepted() -> N
         # (kubectl's strict field validation refuses it; the pool ran in "default")
         (
             {**pool(), "metadata": {"name": "p", "namspace": "rl"}},
-            "metadata: namspace: unknown field (misspelt? keys are camelCase)",
+            "metadata.namspace: unknown field (misspelt? keys are camelCase)",
         ),
     ],
 )

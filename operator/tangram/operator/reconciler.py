@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from tangram.api.documents import yaml_path
+from tangram.api.documents import problem
 from tangram.api.reasons import Reason
 from tangram.api.resources import (
     ActionPool,
@@ -149,7 +149,7 @@ def rfc3339(t: dt.datetime) -> str:
 
 def validation_message(e: ValidationError, body: dict[str, Any]) -> str:
     """The first problems of a spec, in YAML spelling (``spec.apis[0].rate: ...``)."""
-    parts = [f"{yaml_path(err['loc'], body)}: {err['msg']}" for err in e.errors()[:5]]
+    parts = [problem(err, body) for err in e.errors()[:5]]
     return "; ".join(parts)
 
 

@@ -167,6 +167,24 @@ def _message(err: Mapping[str, Any]) -> str:
     return error_message(err)
 
 
+# A check across a spec's fields names the one it found wrong ("actions[0].cpu: ...").
+_NAMES_FIELD = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*): (.+)", re.S)
+
+
+def problem(err: Mapping[str, Any], body: object) -> str:
+    """One validation error of a document as ``path: what is wrong``, the path in YAML
+    spelling down to the field a check across fields named (``spec.actions[0].timeoutSeconds``,
+    not ``spec``)."""
+    path, message = yaml_path(err["loc"], body), _message(err)
+    if err["type"] == "value_error" and (named := _NAMES_FIELD.fullmatch(message)):
+        head, _, last = path.rpartition(".")
+        if re.match(rf"{re.escape(last)}\b", named[1]):  # (a list's check: "actions[0]...")
+            path = head
+        path = f"{path}.{named[1]}" if path and path != "(document)" else named[1]
+        message = named[2]
+    return f"{path}: {message}"
+
+
 def _describe(body: Mapping[str, Any]) -> str:
     kind, meta = body.get("kind"), body.get("metadata")
     name = meta.get("name") if isinstance(meta, Mapping) else None
@@ -228,9 +246,7 @@ def parse_documents(documents: Iterable[Document]) -> Resources:
         try:
             obj = cls.model_validate(body, by_alias=True, by_name=False)
         except ValidationError as e:
-            problems.extend(
-                f"{label}: {yaml_path(err['loc'], body)}: {_message(err)}" for err in e.errors()
-            )
+            problems.extend(f"{label}: {problem(err, body)}" for err in e.errors())
             return
         found[kind][obj.key] = obj
         decl = (kind, *obj.key)
