@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tangram.api.resources import RESERVED_DIR
 from tangram.node_agent.execution import ExecError, Output, cap
 
 log = logging.getLogger("tangram.agent")
@@ -34,7 +35,7 @@ SOURCE = Path(__file__).with_name("exec_server.c")
 # exec_server.c includes the others
 SOURCES = tuple(SOURCE.with_name(n) for n in ("exec_server.c", "exec_files.c", "exec_tar.c"))
 IN_CONTAINER_BIN = "/.tangram/execd"
-IN_CONTAINER_RUN = "/.tangram/run"
+IN_CONTAINER_RUN = f"{RESERVED_DIR}/run"
 SOCKET_NAME = "exec.sock"
 
 

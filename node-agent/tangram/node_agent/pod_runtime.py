@@ -18,7 +18,6 @@ next, which cannot know how far its setup got.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import os
@@ -401,8 +400,12 @@ class PodRuntime(SandboxRuntime[Pod]):
             if self.cgroups.version == 1
             else self.cgroup_root / group / "pids.max"
         )
-        with contextlib.suppress(OSError):  # no pids controller: the node's limit holds
+        try:
             path.write_text(str(limit))
+        except FileNotFoundError:  # no pids controller: the node's limit holds
+            pass
+        except OSError as e:  # (the CRD bounds it to what the kernel takes)
+            log.warning("%s: pidsLimit %d not applied: %s", group, limit, e.strerror)
 
     def _running(self, name: str) -> dict[str, Any]:
         """The pod once its sandbox container runs; a clear error, with the kubelet's

@@ -23,12 +23,13 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
+from tangram.api.resources import RESERVED_DIR
 from tangram.api.wire import EnvSpec
 from tangram.node_agent.env_template import User, digest
 from tangram.node_agent.exec_server import IN_CONTAINER_RUN, SOCKET_NAME
 
 SANDBOX = "sandbox"  # the container's name
-EXECD_DIR = "/.tangram/bin"
+EXECD_DIR = f"{RESERVED_DIR}/bin"
 EXECD = f"{EXECD_DIR}/execd"
 RUN_SIZE = "64Ki"  # the exec server's socket directory: one inode, no data
 LABEL = "tangram.dev"

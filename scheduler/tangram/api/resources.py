@@ -16,6 +16,7 @@ which hands the parsed documents to :func:`tangram.api.documents.parse_documents
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Annotated, Any, Literal, Self, TypeAlias
 
@@ -76,6 +77,10 @@ _HTTP_URL: TypeAdapter[HttpUrl] = TypeAdapter(HttpUrl)
 # The operator names a pool's children tangram-<pool>-<role>; the longest that must be a
 # DNS label (63 characters) is the scheduler's Service, tangram-<pool>-scheduler.
 POOL_NAME_MAX = 63 - len("tangram-") - len("-scheduler")
+# Where a sandbox's exec server and its socket are mounted: no workdir of an env.
+RESERVED_DIR = "/.tangram"
+# The kernel's largest pid_max (PID_MAX_LIMIT on 64-bit): a cgroup's pids.max refuses more.
+PID_MAX_LIMIT = 4_194_304
 
 
 # ObjectMeta's other fields (Kubernetes' own, set by the API server or by kubectl), which
@@ -428,7 +433,13 @@ class Security(Spec):
         ),
     ] = None
     pids_limit: Annotated[
-        int, Field(ge=16, description="processes and threads per container at most")
+        int,
+        Field(
+            ge=16,
+            le=PID_MAX_LIMIT,
+            description="processes and threads per container at most (the kernel's pid_max "
+            "bounds it: 4194304)",
+        ),
     ] = 512
 
 
@@ -581,6 +592,18 @@ class TrajectoryEnvSpec(Spec):
                     f"actions[{i}].timeoutSeconds: {profile.timeout_seconds:g} s is over "
                     f"maxCommandSeconds ({limit:g} s)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _workdir_is_usable(self) -> Self:
+        where = posixpath.normpath(self.workdir)
+        if where == RESERVED_DIR or where.startswith(f"{RESERVED_DIR}/"):
+            raise ValueError(f"workdir: {RESERVED_DIR} holds the exec server (read-only); "
+                             "name another directory")  # fmt: skip
+        if where == "/" and self.security.read_only_root:
+            raise ValueError("workdir: / cannot be the writable directory a read-only "
+                             "root (security.readOnlyRoot) gets; name one below it, as "
+                             "/work")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -168,7 +168,7 @@ def exec_body(
     queue_timeout_s: float | None = None,
     env: Mapping[str, str] | None = None,
     output_cap: int | None = None,
-    stdin: str | None = None,
+    stdin: str | bytes | None = None,
     pty: bool = False,
     idempotency_key: str | None = None,
     action_type: str | None = None,
@@ -199,7 +199,7 @@ def exec_body(
         ("timeout_s", timeout_s),
         ("queue_timeout_s", queue_timeout_s),
         ("output_cap", output_cap),
-        ("stdin", stdin),
+        ("stdin", as_text(stdin, "stdin") if stdin is not None else None),
         ("type", action_type),
     ):
         if value is not None:
@@ -209,6 +209,20 @@ def exec_body(
     if pty:
         body["pty"] = True
     return body
+
+
+def as_text(data: str | bytes, name: str) -> str:
+    """Text as the service takes it: bytes are taken as UTF-8; others are refused here,
+    naming ``name``, not by the JSON encoder deep in a send."""
+    if isinstance(data, str):
+        return data
+    if isinstance(data, bytes | bytearray | memoryview):
+        try:
+            return bytes(data).decode()
+        except UnicodeDecodeError as e:
+            why = f"{name}: bytes that are not UTF-8 (at {e.start}); the service takes text"
+            raise ValueError(f"{why}: put binary data in a file (files.write)") from None
+    raise TypeError(f"{name}: text or bytes, not {type(data).__name__}")
 
 
 def _texts(texts: Sequence[str], name: str) -> list[str]:

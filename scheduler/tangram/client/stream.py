@@ -26,7 +26,7 @@ from tangram.api.wire import (
     StreamAnswer,
     StreamOutput,
 )
-from tangram.client.common import TangramError, encode_json, stream_error
+from tangram.client.common import TangramError, as_text, encode_json, stream_error
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
@@ -107,11 +107,13 @@ class LiveAction:
         self._mark_dropped()
         self._output.put_nowait(None)
 
-    async def write(self, text: str) -> None:
-        """More of its standard input (it was started ``interactive``). A long text goes
-        in several messages, in order: one over a frame would end the whole stream."""
+    async def write(self, text: str | bytes) -> None:
+        """More of its standard input (it was started ``interactive``): text, or bytes of
+        UTF-8. A long text goes in several messages, in order: one over a frame would end
+        the whole stream."""
         if not self.interactive:
             raise TangramError(0, "invalid", "write: the exec was not started interactive", [])
+        text = as_text(text, "write")
         self._running("write")
         for start in range(0, len(text), STDIN_CHARS):
             self._stream._post({"id": self.id, "stdin": text[start : start + STDIN_CHARS]})
