@@ -551,6 +551,8 @@ def test_the_operator_pushes_documents_reads_figures_and_drains(tmp_path: Path) 
             reload, content=POOL_DOCUMENTS.replace("concurrency: 3", "x: 1"), headers=op
         )
         assert bad.status_code == 400 and "spec.apis[0].x" in bad.json()["error"]["message"]
+        (detail,) = bad.json()["error"]["details"]  # (each problem, a client need not parse)
+        assert detail["field"] == "body" and "spec.apis[0].x: unknown field" in detail["message"]
         assert running.engine.core.quotas["search"].concurrency == 1  # the old config stays
         good = httpx.post(reload, content=POOL_DOCUMENTS, headers=op)
         assert good.status_code == 200, good.text

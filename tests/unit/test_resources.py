@@ -697,6 +697,11 @@ def test_a_pool_is_chosen_by_name_or_namespace_and_name() -> None:
         choose_pool(res, None)
     with pytest.raises(PoolChoiceError, match=r"no ActionPool 'c/p' \(declared: a/p, b/p"):
         choose_pool(res, "c/p")
+    # A reload of a pool served without --pool, after a second pool's file was added: the
+    # pool served, not a refusal asking for --pool.
+    assert choose_pool(res, None, serving="b/p").spec.apis[0].name == "beta"
+    with pytest.raises(PoolChoiceError, match=r"none of them c/p, the one served; a new pool"):
+        choose_pool(res, None, serving="c/p")
 
 
 def test_dangling_and_unusable_references_are_reported() -> None:

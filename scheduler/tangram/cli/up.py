@@ -140,12 +140,13 @@ def _pool_of(
     name: str | None,
     secrets: SecretLookup | None,
     unresolved_ok: bool = False,
+    serving: str | None = None,
 ) -> tuple[ActionPool, PoolConfig]:
     problems = resources.check_references()
     if problems:
         raise InputError("; ".join(problems))
     try:
-        pool = choose_pool(resources, name)
+        pool = choose_pool(resources, name, serving)
         return pool, pool_config(resources, pool, secrets, unresolved_ok=unresolved_ok)
     except PoolChoiceError as e:
         raise InputError(str(e)) from None
@@ -442,15 +443,24 @@ def _local_images(agent: Any, images: list[str]) -> None:
 
 
 def pool_reloader(
-    files: list[str], pool: str | None, secrets: SecretLookup | None = None
+    files: list[str],
+    pool: str | None,
+    secrets: SecretLookup | None = None,
+    serving: str | None = None,
 ) -> Callable[[str | None], PoolConfig]:
     """The engine's reloader: pushed documents (text), or with None the files anew;
-    ValueError naming every problem."""
+    ValueError naming every problem. ``serving``: the pool served (NAMESPACE/NAME), which
+    the files' documents are read for when they declare another too and --pool was not
+    given."""
 
     def read(text: str | None) -> PoolConfig:
         try:
             if text is None:
-                return load_pool(files, pool, secrets)[1]
+                try:
+                    resources = load_documents(files)
+                except ValueError as e:
+                    raise InputError(str(e)) from None
+                return _pool_of(resources, pool, secrets, serving=serving)[1]
             return load_pool_text(text, pool, secrets)[1]
         except InputError as e:
             raise ValueError(str(e)) from None
@@ -464,7 +474,8 @@ def reload_on_hangup(
     """SIGHUP (or ``POST /v1/admin/reload`` with an operator token) re-reads the files, or
     takes the documents pushed in the request, and applies them while running (nothing
     queued is lost); definitions with errors are reported and the running ones kept."""
-    engine.reloader = pool_reloader(files, pool, secrets)
+    served = engine.state.config
+    engine.reloader = pool_reloader(files, pool, secrets, f"{served.namespace}/{served.name}")
     pending: set[asyncio.Task[None]] = set()
 
     async def reload() -> None:

@@ -433,7 +433,10 @@ def create_app(
         try:
             changes = await engine.reload(text)
         except ValueError as e:  # the definitions are wrong: keep running as before
-            return _error(400, "invalid", f"reload refused: {e}")
+            # One detail a problem (a line each), under what was read: the body, the files.
+            read = "body" if text is not None else "files"
+            problems = [{"field": read, "message": p} for p in str(e).splitlines() if p]
+            return _error(400, "invalid", f"reload refused: {e}", problems)
         return JSONResponse({"changes": changes})
 
     @app.get("/v1/admin/status", include_in_schema=False)

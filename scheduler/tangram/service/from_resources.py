@@ -23,11 +23,18 @@ class PoolChoiceError(ValueError):
     pass
 
 
-def choose_pool(resources: Resources, name: str | None) -> ActionPool:
+def choose_pool(resources: Resources, name: str | None, serving: str | None = None) -> ActionPool:
     """The pool to serve: the one named (NAME, or NAMESPACE/NAME when two namespaces
-    declare one of that name), or the only one declared."""
+    declare one of that name), or the only one declared; ``serving`` (NAMESPACE/NAME: a
+    reload's, of the pool it serves) when several are declared and none is named."""
     pools = list(resources.pools.values())
     declared = ", ".join(_shown(p) for p in pools) or "none"
+    if name is None and serving is not None and len(pools) > 1:
+        for p in pools:
+            if _shown(p) == serving:
+                return p
+        raise PoolChoiceError(f"{len(pools)} ActionPools declared ({declared}), none of them "
+                              f"{serving}, the one served; a new pool needs a restart")  # fmt: skip
     if name is not None:
         found = [p for p in pools if name in (p.metadata.name, _shown(p))]
         if not found:
