@@ -245,3 +245,25 @@ def test_a_call_queued_for_a_quota_a_reload_removed_is_still_made(
                 call.join(HANG_GUARD_S)
     assert [r.status for r in results] == [ActionStatus.OK, ActionStatus.OK], results
     assert all(r.output is not None and r.output["body"] == {"gated": True} for r in results)
+
+
+def test_a_call_holds_the_other_quotas_it_names_while_it_runs(
+    provider: str, tmp_path: Path
+) -> None:
+    config = PoolConfig(
+        apis=(ApiSpec(name="api", concurrency=1), ApiSpec(name="parse", concurrency=1)),
+        endpoints={"api": ApiEndpoint(provider, SECRET)},
+    )
+    with service(config, None, tmp_path) as (running, token), Client(running.url, token) as c:
+        results: list[ActionResult] = []
+        call = threading.Thread(
+            target=lambda: results.append(c.call("api", "/gate", quotas={"parse": 1}))
+        )
+        call.start()
+        parse = running.engine.core.quotas["parse"]
+        until(lambda: _Provider.in_flight == 1, "the call at the API")
+        assert parse.in_use == 1  # held with it
+        _Provider.gate.set()
+        call.join(HANG_GUARD_S)
+        (result,) = results
+        assert result.status is ActionStatus.OK and parse.in_use == 0

@@ -13,9 +13,16 @@ starts the quotas' rate windows count (docs/service.md, "What a restart keeps").
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from tangram.api.demand import MAX_UNITS
 
@@ -91,6 +98,21 @@ class LearnedLease(_Strict):
     digest: Annotated[
         str | None, Field(max_length=64, description="its request's, which a retry must match")
     ] = None
+    quotas: Annotated[
+        dict[
+            Annotated[str, Field(min_length=1, max_length=253)],
+            Annotated[int, Field(ge=1, le=1024)],
+        ],
+        Field(max_length=16, description="units of other quotas held with it"),
+    ] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _quotas_when_held(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A scheduler of an earlier release refuses the field: left out when there are none.
+        data: dict[str, Any] = dump(self)
+        if not self.quotas:
+            data.pop("quotas", None)
+        return data
 
 
 class LearnedProgress(_Strict):

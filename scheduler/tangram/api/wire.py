@@ -345,8 +345,20 @@ def _nul_terminated(text: str) -> int:
     return len(text.encode(errors="surrogatepass")) + 1
 
 
+# Units of other quotas an API action holds with its own, all granted together (a step
+# that calls two rate-limited APIs): quota name -> units.
+OtherQuotas = Annotated[
+    dict[Annotated[str, Field(min_length=1, max_length=253)], Annotated[int, Field(ge=1, le=1024)]],
+    Field(
+        max_length=16,
+        description="units of other quotas held with it, all granted together (quota -> units)",
+    ),
+]
+
+
 class ApiLeaseRequest(_Request):
     units: Annotated[int, Field(ge=1, le=1024)] = 1
+    quotas: OtherQuotas = Field(default_factory=dict)
     hold_s: Annotated[
         float, Field(gt=0, le=3600, description="the lease ends by itself after this long")
     ] = 300.0
@@ -395,6 +407,7 @@ class ApiCallRequest(_Request):
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
     queue_timeout_s: Annotated[float | None, Field(gt=0)] = None
     idempotency_key: IdempotencyKey | None = None
+    quotas: OtherQuotas = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _no_credentials(self) -> Self:

@@ -420,13 +420,18 @@ class AsyncClient:
         hold_s: float = 300.0,
         *,
         queue_timeout_s: float | None = None,
+        quotas: Mapping[str, int] | None = None,
     ) -> ActionResult:
         """``units`` of the quota for up to ``hold_s`` (give them back with ``release``);
-        ``queue_timeout_s``: give up if not granted by then (status ``rejected``)."""
+        ``queue_timeout_s``: give up if not granted by then (status ``rejected``);
+        ``quotas``: units of other quotas held with it, all granted together (a step that
+        calls two rate-limited APIs)."""
         # Keyed like every submission: a retry after a lost answer takes no second lease.
         body: dict[str, Any] = {"units": units, "hold_s": hold_s}
         if queue_timeout_s is not None:
             body["queue_timeout_s"] = queue_timeout_s
+        if quotas:
+            body["quotas"] = dict(quotas)
         body["idempotency_key"] = uuid.uuid4().hex
         return await self._submit(Call("POST", f"/v1/apis/{api}/lease", body))
 
@@ -441,11 +446,15 @@ class AsyncClient:
         headers: dict[str, str] | None = None,
         timeout_s: float = 60.0,
         queue_timeout_s: float | None = None,
+        quotas: Mapping[str, int] | None = None,
     ) -> ActionResult:
         """Have the service make the request, with the quota's credential, when the quota
-        admits it; ``result.output`` is ``{"status", "body"}``. ``queue_timeout_s``: give
-        up if the quota has not admitted it by then (status ``rejected``)."""
+        admits it; ``result.output`` is ``{"status", "headers", "body"}``.
+        ``queue_timeout_s``: give up if the quota has not admitted it by then (status
+        ``rejected``); ``quotas``: units of other quotas held while it runs."""
         req: dict[str, Any] = {"method": method, "path": path, "timeout_s": timeout_s}
+        if quotas:
+            req["quotas"] = dict(quotas)
         if query:
             req["query"] = query
         if body is not None:

@@ -92,9 +92,18 @@ class ApiCalls:
                 raise EngineError("invalid", "api", why)
             if endpoint.unresolved is not None:  # (502: not retried; a Secret is not seconds away)
                 raise EngineError("failed", "api", _unresolved(api, endpoint.unresolved))
+        for other in req.quotas:
+            if other == api:
+                raise EngineError("invalid", "quotas", f"quotas: names {api!r}, whose units are "
+                                  "this request's own (units)")  # fmt: skip
+            if other not in configured or other not in self.s.core.quotas:
+                known = ", ".join(sorted(configured))
+                raise EngineError("invalid", "quotas", f"quotas: unknown API quota {other!r} "
+                                  f"(known: {known})")  # fmt: skip
         units = req.units if isinstance(req, ApiLeaseRequest) else 1
         # ``quotas`` are units beyond the one an api action holds anyway.
-        return ActionSpec(kind="api", api=api, quotas={api: units - 1} if units > 1 else {})
+        held = {api: units - 1} if units > 1 else {}
+        return ActionSpec(kind="api", api=api, quotas=held | dict(req.quotas))
 
     def unsure(self, tenant: str, req: ApiCallRequest, resent_s: float) -> ErrorInfo | None:
         """Why a call sent again, ``resent_s`` after its earlier try went out, is not made:
@@ -157,6 +166,7 @@ class ApiCalls:
                     tenant=rec.tenant,
                     api=rec.assignment.quotas[0][0],  # (its api first)
                     units=req.units,
+                    quotas=dict(req.quotas),
                     started_at=max(0.0, round(zero + rec.started, 3)),
                     hold_s=req.hold_s,
                     key=req.idempotency_key,
@@ -186,14 +196,16 @@ class ApiCalls:
             left = started + held.hold_s - now
             if left <= 0 or held.lease in s.leases:
                 continue
-            req = ApiLeaseRequest(units=held.units, hold_s=held.hold_s, idempotency_key=held.key)
+            req = ApiLeaseRequest(units=held.units, hold_s=held.hold_s, idempotency_key=held.key,
+                                  quotas=held.quotas)  # fmt: skip
             try:
                 spec = self.spec(held.api, req)
-                quota = s.core.quotas[held.api]
-                if quota.concurrency is not None and quota.in_use + held.units > quota.concurrency:
-                    raise EngineError("conflict", "api", f"its {held.units} unit(s) are over "
-                                      f"the quota's concurrency {quota.concurrency} "
-                                      f"({quota.in_use} held again already)")  # fmt: skip
+                for name, units in {held.api: held.units, **held.quotas}.items():
+                    quota = s.core.quotas[name]
+                    if quota.concurrency is not None and quota.in_use + units > quota.concurrency:
+                        raise EngineError("conflict", "api", f"its {units} unit(s) of {name} "
+                                          f"are over its concurrency {quota.concurrency} "
+                                          f"({quota.in_use} held again already)")  # fmt: skip
                 rec = s.record(held.tenant, None, "api", req, None, target=f"lease of {held.api}")
                 asg = s.core.adopt(rec.id, s.holder(held.tenant, "leases"), spec, units=1,
                                    started_at=started, granted=True)  # fmt: skip
