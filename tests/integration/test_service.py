@@ -601,6 +601,51 @@ def test_a_close_that_comes_while_the_environment_opens_closes_what_it_makes(
         assert r.engine.core.trajectories == {}
 
 
+def test_the_end_of_a_deleted_pools_drain_ends_every_action_saying_so(tmp_path: Path) -> None:
+    """The drain's time ran out with a trajectory open: its pool's objects were deleted
+    under the scheduler, and its actions failed with what a missing sandbox says
+    (``exec_failed``: the exec server's socket is gone). The operator ends them first."""
+    if os.geteuid() != 0:
+        pytest.skip("the process runtime writes cgroups: needs root")
+    user, operator, agent_token = "u" * 24, "o" * 24, "g" * 24
+    tokens = TokenStore({user: "local", operator: OPERATOR_TENANT, agent_token: AGENT_TENANT})
+    agent = NodeAgent.create(
+        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
+    )
+    started = tmp_path / "started"
+    got: list[ActionResult] = []
+    with (
+        service(CONFIG, agent, tmp_path, tokens=tokens) as (running, _),
+        Client(running.url, user, retries=0) as client,
+    ):
+        t = client.open("shell")
+        long = ["sh", "-c", f"echo partial; touch {started}; exec sleep 60"]
+        runs = [
+            threading.Thread(target=lambda: got.append(client.exec(t.id, long, cores=len(CORES)))),
+            threading.Thread(target=lambda: got.append(client.exec(t.id, ["echo", "queued"]))),
+        ]
+        runs[0].start()
+        until(started.exists, "the command did not start")
+        runs[1].start()
+        until(lambda: running.engine.core.queued == 1, "the second did not queue")
+        op = {"Authorization": f"Bearer {operator}"}
+        ended = httpx.post(f"{running.url}/v1/admin/drain?end=true", headers=op, timeout=30)
+        assert ended.status_code == 200, ended.text
+        for run in runs:
+            run.join(30)
+        with pytest.raises(TangramError) as refused:
+            client.exec(t.id, ["true"])
+        assert refused.value.status == 503 and "ActionPool was deleted" in str(refused.value)
+    by_output = {r.stdout: r for r in got}
+    killed, never = by_output["partial\n"], by_output[""]
+    for r, words in ((killed, "killed"), (never, "never ran")):
+        assert r.status is ActionStatus.CANCELLED and r.error is not None, r
+        assert r.error.code == "pool_deleted" and not r.error.retryable, r.error
+        assert r.error.message == (
+            f"the ActionPool was deleted and its drainSeconds ran out: {words}"
+        )
+
+
 def test_stopping_the_service_gives_actions_in_flight_their_grace(tmp_path: Path) -> None:
     """Ctrl-C of `tangram up`: an action already running finishes within the grace and
     its caller gets its answer, before the trajectories are closed."""

@@ -119,8 +119,8 @@ class Link:
         self.pushed.append(documents)
         return []
 
-    def drain(self, base: str, token: str) -> PoolFigures:
-        self.drained.append(base)
+    def drain(self, base: str, token: str, *, end: bool = False) -> PoolFigures:
+        self.drained.append(f"{base} (end)" if end else base)
         return self._figures()
 
 
@@ -203,6 +203,21 @@ def test_a_pool_edited_invalid_is_drained_before_it_goes(
     assert link.drained == ["http://tangram-coding-scheduler.rl.svc:8080"]
     link.trajectories = 0
     r.drain_pool(body)  # done: the finalizer goes
+
+
+def test_a_drain_whose_time_ran_out_ends_the_schedulers_actions_before_it_goes(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    """Its children were collected with actions still running: they failed as the
+    sandboxes vanished (``exec_failed``), saying nothing of the deletion."""
+    cluster, link, r = world
+    _running(cluster, link, r, open_=2)
+    body = cluster.get_custom("ActionPool", "rl", "coding")
+    assert body is not None
+    body["metadata"]["deletionTimestamp"] = "2026-11-28T11:49:00Z"  # 660 s ago: 600 s drain
+    r.drain_pool(body)  # no RetryError: the finalizer goes
+    assert link.drained == ["http://tangram-coding-scheduler.rl.svc:8080",
+                            "http://tangram-coding-scheduler.rl.svc:8080 (end)"]  # fmt: skip
 
 
 def test_a_refresh_whose_body_a_pass_made_stale_reads_the_pool_again(

@@ -674,6 +674,12 @@ class Reconciler:
             if figures is None:
                 log.warning("pool %s: its scheduler did not answer within drainSeconds (%s); "
                             "removing it", pool.metadata.name, unreachable)  # fmt: skip
+            elif figures.trajectories:  # its actions end saying why, before the sandboxes go
+                try:
+                    self.link.drain(self.endpoints.url(pool), token, end=True)
+                except SchedulerError as e:
+                    log.warning("pool %s: ending its scheduler's actions: %s",
+                                pool.metadata.name, e)  # fmt: skip
             return
         previous = parse_conditions((body.get("status") or {}).get("conditions"))
         seen = PoolObservation(

@@ -96,8 +96,9 @@ class SchedulerLink:
             raise SchedulerError(f"{base}: not a scheduler's reload answer: {data[:200]!r}")
         return [str(c) for c in changes]
 
-    def drain(self, base: str, token: str) -> PoolFigures:
-        data = self._call("POST", f"{base}/v1/admin/drain", token, b"")
+    def drain(self, base: str, token: str, *, end: bool = False) -> PoolFigures:
+        """Refuse new trajectories; ``end``: the drain's time ran out, every action ends."""
+        data = self._call("POST", f"{base}/v1/admin/drain{'?end=true' if end else ''}", token, b"")
         # As a SchedulerError a wrong answer counts as none, which the finalizer waits on
         # for at most drainSeconds; anything else would fail it on every retry, forever.
         return _figures(f"{base}: not a scheduler's drain answer", data)

@@ -254,6 +254,8 @@ class ApiCalls:
                 status = ActionStatus.OK
         except asyncio.CancelledError:
             status = ActionStatus.CANCELLED
+            if not s.accepting and not rec.cancelled:  # the stop's, not its caller's
+                error = s.stopped(ran=True)
         except TimeoutError:
             status = ActionStatus.TIMEOUT
             error = err("timeout", f"no answer within {req.timeout_s:g} s (timeout_s)"

@@ -447,11 +447,14 @@ def create_app(
     @app.post("/v1/admin/drain", include_in_schema=False)
     async def drain(request: Request) -> Response:
         """Refuse new trajectories (the ActionPool is being deleted); open ones go on until
-        their owners close them or the operator's drain timeout passes."""
+        their owners close them or the operator's drain timeout passes. ``?end=true``: it
+        passed; every action ends now, saying so, before the pool's objects go."""
         operator(request)
         if not engine.state.draining:
             engine.state.draining = True
             log.info("draining: no new trajectories")
+        if request.query_params.get("end") == "true":
+            await engine.end_drain()
         return _json(engine.figures())
 
     @app.get("/metrics", include_in_schema=False)

@@ -50,7 +50,7 @@ from tangram.service.live import LiveExec
 from tangram.service.membership import Membership
 from tangram.service.metrics import LiveFigures, Metrics, Units
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import ActionRecord, TrajectoryRecord, err
+from tangram.service.records import ActionRecord, TrajectoryRecord
 from tangram.service.rounds import Rounds
 from tangram.service.state import PoolState
 from tangram.service.trajectories import Trajectories
@@ -247,8 +247,7 @@ class Engine:
         for rec in list(s.actions.values()):
             if rec.started is None:
                 s.core.cancel(rec.id)
-                stopped = err("shutdown", "the scheduler stopped", retryable=True)
-                self.outcomes.finish(rec, ActionStatus.CANCELLED, error=stopped)
+                self.outcomes.finish(rec, ActionStatus.CANCELLED, error=s.stopped(ran=False))
         running = [r.task for r in s.actions.values() if r.task is not None]
         if not running:
             return
@@ -264,6 +263,16 @@ class Engine:
             t.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*waits, *late, return_exceptions=True)
+
+    async def end_drain(self) -> None:
+        """Its pool was deleted and the drain's time ran out, with trajectories still open:
+        end every action now, saying so (``pool_deleted``), before the pool's objects go
+        (agents and sandboxes going first would fail them with what a missing sandbox
+        says). The scheduler admits nothing more."""
+        if self.state.ended is None:
+            self.state.ended = "the ActionPool was deleted and its drainSeconds ran out"
+            log.warning("drain ended: %s", self.state.ended)
+        await self.wind_down(0.0)
 
     def running(self) -> int:
         """How many actions run now (started, not ended)."""

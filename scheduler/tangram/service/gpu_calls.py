@@ -279,6 +279,8 @@ class GpuCalls:
                 error = self._failed(service, sent, reply.error, reply.retryable)
         except asyncio.CancelledError:
             status = ActionStatus.CANCELLED
+            if not s.accepting and not rec.cancelled:  # the stop's, not its caller's
+                error = s.stopped(ran=True)
         except TimeoutError:
             status = ActionStatus.TIMEOUT
             error = err("timeout", f"no answer within {req.timeout_s or 0:g} s (timeout_s); the "

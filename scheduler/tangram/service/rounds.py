@@ -178,7 +178,7 @@ class Rounds:
             if isinstance(e, RunCancelled):  # killed: what it wrote, how long it ran
                 reply = e.reply
             if not s.accepting and not rec.cancelled:  # (queued ones: wind_down says so)
-                error = err("shutdown", "the scheduler stopped: killed at the end of its grace")
+                error = s.stopped(ran=True)
         except EngineError as e:
             error = err("node_lost", e.message, retryable=True)
             self.outcomes.cut_off(rec)

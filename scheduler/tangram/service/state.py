@@ -29,6 +29,7 @@ from tangram.api.wire import (
     AgentReply,
     AgentRequest,
     AgentWarm,
+    ErrorInfo,
     ExecRequest,
     TrajectoryState,
 )
@@ -46,6 +47,7 @@ from tangram.service.records import (
     EngineError,
     Request,
     TrajectoryRecord,
+    err,
 )
 
 log = logging.getLogger("tangram.service")
@@ -97,6 +99,9 @@ class PoolState:
         self.leases: dict[str, str] = {}  # an API lease's id -> its action's id
         self.accepting = True
         self.draining = False  # the pool is being deleted: no new trajectories
+        # Why it stopped, when its pool was deleted and the drain's time ran out
+        # (``Engine.end_drain``); None: a stop of the scheduler itself.
+        self.ended: str | None = None
         # Until then an unknown trajectory answers 503 (retry), not 404; ended early by
         # whoever knows every agent is back (the embedded mode's single local agent).
         self.reconnect_until = clock() + RECONNECT_WINDOW_S
@@ -191,11 +196,22 @@ class PoolState:
             f"server, which the agent of node {node} has not: {link.hello.no_io}",
         )
 
+    def stopped(self, ran: bool) -> ErrorInfo:
+        """The error of an action the stop ended: queued (``ran`` False: retryable, unless
+        its pool is gone) or killed running at the end of the grace (it ran in part)."""
+        if self.ended is not None:
+            return err("pool_deleted", f"{self.ended}: " + ("killed" if ran else "never ran"))
+        if ran:
+            return err("shutdown", "the scheduler stopped: killed at the end of its grace")
+        return err("shutdown", "the scheduler stopped", retryable=True)
+
     def admitting(self, tenant: str, extra: int = 1) -> None:
         """Refuse new work while stopping, or when ``extra`` more would overfill the queue
         or the tenant's share of it (``spec.access.tenants[].maxQueued``)."""
         if not self.accepting:
-            raise EngineError("unavailable", "service", "the scheduler is shutting down")
+            raise EngineError(
+                "unavailable", "service", self.ended or "the scheduler is shutting down"
+            )
         if self.core.queued + extra > self.config.max_queued:
             raise self.overloaded("queue", f"{self.core.queued} actions are queued")
         limit = self.config.limits(tenant).max_queued
