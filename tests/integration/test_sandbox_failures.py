@@ -7,6 +7,7 @@ into the pool's SandboxesHealthy condition and Events."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,34 @@ def test_failed_and_ended_sandboxes_are_answered_and_counted_by_cause(
         }
         assert problems[("ImageUnavailable", "TrajectoryEnv ghost")]["count"] == 1
         client.close(opened.id)  # a lost trajectory still closes cleanly
+
+
+def test_a_command_whose_sandbox_is_removed_under_it_says_why(
+    docker_client: Any, busybox: str, tmp_path: Path
+) -> None:
+    """It said only that the exec server's connection ended; the cause (SandboxDeleted)
+    came with the next watch, seconds later, to the commands after it."""
+    agent = NodeAgent.create(tmp_path / "agent", runtime="docker", idle_cores=1)
+    tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT, AGENT: AGENT_TENANT})
+    with (
+        service(_config(busybox), agent, tmp_path, tokens=tokens) as (running, _),
+        Client(running.url, USER) as client,
+    ):
+        opened = client.open("box")
+        started = "/tmp/started"
+        got: list[Any] = []
+        runner = threading.Thread(target=lambda: got.append(
+            client.exec(opened.id, ["sh", "-c", f"touch {started}; exec sleep 60"])))  # fmt: skip
+        runner.start()
+        container = docker_client.containers.get(TRAJECTORY_PREFIX + opened.id)
+        until(lambda: container.exec_run(["test", "-e", started]).exit_code == 0,
+              "the command did not start")  # fmt: skip
+        container.remove(force=True)
+        runner.join(60)
+        (result,) = got
+        assert result.error is not None and result.error.code == "exec_failed", result
+        assert "(SandboxDeleted: container " in result.error.message, result.error
+        assert client.get(opened.id).state is TrajectoryState.LOST  # told before the answer
 
 
 def test_a_trajectory_that_writes_past_its_disk_limit_is_lost_with_the_reason(

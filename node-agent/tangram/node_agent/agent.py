@@ -53,6 +53,7 @@ from tangram.node_agent.execution import (
     ExecError,
     ExecIO,
     ExecResult,
+    Gone,
     given,
     owner_id,
 )
@@ -69,6 +70,9 @@ log = logging.getLogger("tangram.agent")
 # A stopped exec not ended this long after (its kill could not end it) is cancelled:
 # within the scheduler's wait for the answer (CANCEL_WAIT_S, 5 s).
 STOP_GRACE_S = 4.0
+MAX_ENDED = 1024  # environments found ended kept, to say why a request on one failed
+# How long a request whose exec server went looks for its environment's end, and how often.
+ENDED_LOOK_S, ENDED_LOOK_EVERY_S = 2.0, 0.1
 MAX_REMEMBERED = 50_000  # results kept per agent for retried keys ...
 MAX_REMEMBERED_BYTES = 256 << 20  # ... and the bytes they may hold
 CUT_OFF = (
@@ -218,6 +222,10 @@ class NodeAgent:
         self._tasks: dict[int, asyncio.Task[AgentReply]] = {}
         # A running exec's stop (its task's ``STOP``): set by a cancel that keeps its output
         self._stops: dict[asyncio.Future[AgentReply], asyncio.Event] = {}
+        # Environments found ended, by trajectory, the latest few: why a request on one
+        # failed (``ended_why``). The looks for them one at a time (``_looking``).
+        self._ended: dict[str, Gone] = {}
+        self._looking = asyncio.Lock()
         # At-most-once execution per key: finished replies, and keyed runs in flight.
         # Keyed runs outlive the link that asked for them.
         # Replies are kept as JSON: bytes are invisible to the cyclic GC, whereas 50,000
@@ -565,7 +573,10 @@ class NodeAgent:
                 case _:  # a cancel is answered by handle(), an input by input(): never run
                     raise ExecError(f"{req.op}: not a request to run")
         except ExecError as e:
-            return AgentReply(rid=req.rid, ok=False, error=str(e), reason=e.reason or None,
+            why = str(e)
+            if e.ended and isinstance(req, AgentExec | AgentSession):
+                why += await self.ended_why(req.trajectory)
+            return AgentReply(rid=req.rid, ok=False, error=why, reason=e.reason or None,
                               retryable=e.retryable, errno=e.errno)  # fmt: skip
         except Exception as e:  # a request must always be answered: say what failed, stay up
             log.exception("%s %s failed", req.op, getattr(req, "trajectory", ""))
@@ -622,13 +633,35 @@ class NodeAgent:
         """Tell the scheduler, unasked, of environments that ended by themselves (killed,
         evicted, deleted): their trajectories are lost, for the reason given. A notice
         that finds no link waits for the next one, like an orphaned result."""
-        ended = await self.runtime.gone()
+        async with self._looking:  # (the watch's look and a failed request's, not both)
+            ended = await self.runtime.gone()
         for g in ended:
             log.warning("trajectory %s: its environment ended: %s", g.trajectory, g.message)
             self._forget(g.trajectory)
+            self._ended[g.trajectory] = g
+            while len(self._ended) > MAX_ENDED:
+                del self._ended[next(iter(self._ended))]
             self._deliver(AgentReply(rid=0, ok=False, lost=g.trajectory, reason=g.reason,
                                      error=g.message))  # fmt: skip
         return len(ended)
+
+    async def ended_why(self, trajectory: str) -> str:
+        """Why a request on ``trajectory`` found its exec server gone, looked for now
+        rather than at the next watch (the scheduler hears of the loss first): the cause,
+        as `` (SandboxDeleted: ...)``, or "" when its environment still runs."""
+        # The engine may not show the end yet as the server's connection drops (a kill's
+        # state lands after it): looked at again for a moment.
+        deadline = time.monotonic() + ENDED_LOOK_S
+        while trajectory not in self._ended and time.monotonic() < deadline:
+            try:
+                await self.report_gone()
+            except Exception:  # (the watch looks again)
+                log.exception("looking for ended environments failed")
+                break
+            if trajectory not in self._ended:
+                await asyncio.sleep(ENDED_LOOK_EVERY_S)
+        g = self._ended.get(trajectory)
+        return "" if g is None else f" ({g.reason}: {g.message})"
 
     def _remember(self, meta: TrajectoryMeta) -> None:
         self.meta[meta.id] = meta

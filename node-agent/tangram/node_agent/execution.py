@@ -27,12 +27,21 @@ class ExecError(RuntimeError):
     """
 
     def __init__(
-        self, message: str, *, reason: str = "", retryable: bool = False, errno: int | None = None
+        self,
+        message: str,
+        *,
+        reason: str = "",
+        retryable: bool = False,
+        errno: int | None = None,
+        ended: bool = False,
     ) -> None:
         super().__init__(message)
         self.reason = reason
         self.retryable = retryable
         self.errno = errno  # a file operation the environment refused: its error number
+        # The environment may have ended under the request (its exec server went): the
+        # agent looks at once, to say why (``NodeAgent.ended_why``).
+        self.ended = ended
 
 
 class InputCutOffError(ExecError):

@@ -59,7 +59,9 @@ class Reachable:
     def check_alive(self) -> None:
         if not self.alive():
             raise ExecError(
-                f"the environment's exec server (pid {self.pid}) has ended: the environment is gone"
+                f"the environment's exec server (pid {self.pid}) has ended: the environment is "
+                "gone",
+                ended=True,
             )
 
 
@@ -211,7 +213,8 @@ class FastPath:
             # exit of None read as a command that ran to its end.
             gone = "" if env.alive() else "; the environment is gone"
             raise ExecError(
-                f"the exec server's connection ended before the command's exit status{gone}"
+                f"the exec server's connection ended before the command's exit status{gone}",
+                ended=True,
             )
         code = None if timed_out else chan.exit_code
         return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
