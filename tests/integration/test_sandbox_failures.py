@@ -84,6 +84,22 @@ def test_failed_and_ended_sandboxes_are_answered_and_counted_by_cause(
         client.close(opened.id)  # a lost trajectory still closes cleanly
 
 
+def test_a_warm_sandbox_that_cannot_be_made_shows_before_any_open_fails(
+    busybox: str, tmp_path: Path
+) -> None:
+    """Its top-up failed in silence (the env said SandboxesHealthy until a user's open
+    failed): it counts now, as a failed open of the env does."""
+    agent = NodeAgent.create(tmp_path / "agent", runtime="docker", idle_cores=1)
+    tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT, AGENT: AGENT_TENANT})
+    spec = EnvSpec(name="ghost", image="tangram-test/not-here:1", memory_gb=0.1, warm=1)
+    config = PoolConfig(envs={"ghost": EnvConfig(spec=spec)})
+    with service(config, agent, tmp_path, tokens=tokens) as (running, _):
+        until(lambda: ("ImageUnavailable", "TrajectoryEnv ghost") in _problems(running.url),
+              "the warm sandbox's failure was not reported")  # fmt: skip
+        problem = _problems(running.url)[("ImageUnavailable", "TrajectoryEnv ghost")]
+        assert "tangram-test/not-here:1: not found on this node" in problem["message"]
+
+
 def test_a_command_whose_sandbox_is_removed_under_it_says_why(
     docker_client: Any, busybox: str, tmp_path: Path
 ) -> None:

@@ -43,6 +43,7 @@ class Recorder:
         self.problem: Problem | None = None
         self.ended: list[Gone] = []  # what the next gone() reports
         self.refuse: ExecError | None = None  # what the next open raises
+        self.warm_failed: runtimes.WarmFailed | None = None
 
     def adopt(self) -> list[str]:
         self.calls.append(("adopt",))

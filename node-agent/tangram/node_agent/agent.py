@@ -208,6 +208,7 @@ class NodeAgent:
         agent_id: str = "",
     ) -> None:
         self.runtime = runtime
+        runtime.warm_failed = self._warm_failed
         self.gpu = gpu  # RewardService calls on this node's GPUs, if it serves them
         self.inventory = inventory
         self.action_cores = action_cores
@@ -644,6 +645,14 @@ class NodeAgent:
             self._deliver(AgentReply(rid=0, ok=False, lost=g.trajectory, reason=g.reason,
                                      error=g.message))  # fmt: skip
         return len(ended)
+
+    def _warm_failed(self, env: str, e: ExecError) -> None:
+        """A warm sandbox of ``env`` could not be made: the scheduler counts it as a failed
+        open (the pool's and the TrajectoryEnv's SandboxesHealthy), unasked. Not kept for a
+        later link: the next top-up says it again if it still fails."""
+        if self._sink is not None:
+            self._sink(AgentReply(rid=0, ok=False, warm_failed=env, error=str(e),
+                                  reason=e.reason or None))  # fmt: skip
 
     async def ended_why(self, trajectory: str) -> str:
         """Why a request on ``trajectory`` found its exec server gone, looked for now

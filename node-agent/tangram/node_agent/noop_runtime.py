@@ -5,7 +5,7 @@ with it, an action's whole time is the system's overhead."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tangram.api.wire import EnvSpec, Problem
@@ -26,6 +26,7 @@ class NoopRuntime:
     fast_path = "the noop runtime"
     no_io = ""  # (it runs nothing, whatever is asked)
     problem: Problem | None = None
+    warm_failed: Callable[[str, ExecError], None] | None = None  # (nothing is made warm)
 
     def __init__(self) -> None:
         self._open: set[str] = set()

@@ -53,6 +53,9 @@ SHUTDOWN_MAKING_S = 10.0
 REBUILD_AFTER_S = 30.0  # a failed build of the process runtime's files server, tried again
 
 
+WarmFailed = Callable[[str, ExecError], None]
+
+
 class Runtime(Protocol):
     """The environments of one agent."""
 
@@ -60,6 +63,9 @@ class Runtime(Protocol):
     fast_path: str  # why actions cannot take the fast path ('' when they can)
     no_io: str  # why commands cannot have input, a pty or streamed output ('' when they can)
     problem: Problem | None  # why this node cannot run actions at all (None: it can)
+    # Told of each warm environment it could not make (the env's name, why); set by the
+    # agent, which tells the scheduler: nothing else would until an open failed too.
+    warm_failed: WarmFailed | None
 
     def adopt(self) -> list[str]:
         """Take back what a previous agent with the same state left; the trajectories."""
@@ -195,6 +201,7 @@ class Sandboxes:
         self.kind, self.inner, self.fast_path = kind, inner, fast_path
         self.no_io = fast_path  # (no fast path here: no exec server, which io needs)
         self.problem: Problem | None = getattr(inner, "problem", None)
+        self.warm_failed: WarmFailed | None = None
         self._background: set[asyncio.Future[None]] = set()
         # One top-up at a time: concurrent ones (a refill after each of several opens)
         # would each see the pool short and together overfill it.
@@ -241,8 +248,12 @@ class Sandboxes:
 
     async def warm(self, spec: EnvSpec) -> None:
         async with self._warming:
-            with contextlib.suppress(ExecError):  # a failed top-up fails the next open
+            try:
                 await self._make(self.inner.warm, spec)
+            except ExecError as e:  # the next open fails the same way: said now, not then
+                log.warning("a warm sandbox of %s could not be made: %s", spec.name, e)
+                if self.warm_failed is not None:
+                    self.warm_failed(spec.name, e)
 
     def _abandoned(self, trajectory: str, making: asyncio.Future[Any]) -> None:
         if making.cancelled() or making.exception() is not None:
@@ -294,6 +305,7 @@ class Processes:
     fast_path = "the process runtime"
     no_io = ""  # (input and streamed output; no pty, refused by its runtime's name)
     problem: Problem | None = None
+    warm_failed: WarmFailed | None = None  # (a directory is never made warm)
 
     def __init__(self, inner: Any, idle: list[int], cache_dir: Path) -> None:
         """``cache_dir``: where the exec server its files API runs is built, on first use

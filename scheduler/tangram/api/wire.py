@@ -1163,6 +1163,9 @@ class AgentReply(_Strict):
     reason: str | None = None  # a sandbox failure's cause in one CamelCase word
     # rid 0: this trajectory's environment ended by itself (``reason``, ``error`` say why)
     lost: str | None = None
+    # rid 0: a warm sandbox of this TrajectoryEnv could not be made (``reason``, ``error``
+    # say why): no open failed yet, but the next will.
+    warm_failed: str | None = None
     result: ExecOutcome | None = None
     opened_s: float | None = None
     warm: bool | None = None

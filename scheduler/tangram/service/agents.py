@@ -181,9 +181,9 @@ class AgentLink:
                         fut.set_result(reply)
                         if stream is not None:
                             stream.ended()
-                    elif reply.rid == 0 and (reply.key or reply.lost):
-                        # A run that outlived the link that asked for it, or an
-                        # environment that ended by itself.
+                    elif reply.rid == 0 and (reply.key or reply.lost or reply.warm_failed):
+                        # A run that outlived the link that asked for it, an environment
+                        # that ended by itself, or a warm one that could not be made.
                         self.on_orphan(self.node, reply)
         finally:
             self.fail_pending()

@@ -202,6 +202,12 @@ class Membership:
                 reply.lost, reply.reason or Reason.SANDBOX_EXITED, reply.error or ""
             )
             return
+        if reply.warm_failed is not None:  # counted as a failed open of it is
+            s = self.s
+            s.problems.note(reply.reason or Reason.SANDBOX_START_FAILED,
+                            f"TrajectoryEnv {reply.warm_failed}", reply.error or "",
+                            s.clock())  # fmt: skip
+            return
         self.s.cancelled_keys.pop(reply.key or "", None)  # (its run has ended)
         rec = self.s.adopted.pop((node, reply.key or ""), None)
         if rec is None:  # nobody holds its run: it ended while its node was away
