@@ -28,10 +28,16 @@ class JsonHandler(BaseHTTPRequestHandler):
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    # A listen backlog for a burst of connections at once (socketserver's is 5): one over
+    # it is dropped and tried again by the client after 1, 3, 7, ... s.
+    request_queue_size = 256
+
+
 @contextlib.contextmanager
 def http_serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """``handler`` served on 127.0.0.1 while the block runs: its base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _Server(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"

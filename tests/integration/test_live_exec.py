@@ -115,11 +115,12 @@ def test_interactive_stdin_is_answered_as_it_goes(on: Callable[[Scenario], None]
         action = await t.exec_live(["cat"], interactive=True)
         await action.write("one\n")
         assert await _until(action, "one\n") == "one\n"  # answered before stdin ends
-        await action.write(b"two\n")  # (bytes of UTF-8 too)
-        await _until(action, "two\n")
+        await action.write(b"tw\xc3")  # bytes of UTF-8 too, a character split in two
+        await action.write(b"\xb6\n")
+        await _until(action, "twö\n")
         await action.close_stdin()
         result = await action.result()
-        assert (result.exit_code, result.stdout) == (0, "one\ntwo\n")
+        assert (result.exit_code, result.stdout) == (0, "one\ntwö\n")
 
     on(scenario)
 

@@ -269,6 +269,8 @@ def test_a_trajectory_taken_back_after_a_restart_goes_on_from_what_it_had_done(
         await engine.submit_exec("u", "t1", ExecRequest(argv=["true"])).done
         traj = engine.core.trajectories["t1"]
         assert (traj.steps_done, traj.hint_steps) == ((4, 9) if saved else (1, None))
+        # Saved again only when known whole: a count from the restart on is not its length.
+        assert ("t1" in engine._kept().progress) is saved
         await engine.close_trajectory("u", "t1")
         assert engine.core.learned().lengths == ([4] if saved else [])
 

@@ -489,6 +489,16 @@ def test_a_member_of_a_name_another_namespace_serves_is_left_out_not_the_whole_p
         assert ready["reason"] == reason, (ns, name, ready)
     taken = _ready(cluster.objects["TrajectoryEnv", "eval", "swe"]["status"])
     assert taken["message"].startswith("TrajectoryEnv rl/swe serves the name 'swe' in ")
+    # A namespace admitted later, whose "mine" is older than the one served: the one
+    # served keeps the name (its clients would silently open another team's image).
+    env("late", "mine", "2025-01-01T00:00:00Z")
+    cluster.objects["ActionPool", "rl", "coding"]["spec"]["access"]["namespaces"].append("late")
+    r.reconcile_pool("rl", "coding")
+    assert _ready(cluster.objects["TrajectoryEnv", "eval", "mine"]["status"])["reason"] == (
+        "Accepted"
+    )
+    late = _ready(cluster.objects["TrajectoryEnv", "late", "mine"]["status"])
+    assert late["reason"] == "NameTaken" and "TrajectoryEnv eval/mine serves" in late["message"]
 
 
 def test_an_invalid_members_status_names_the_field_a_check_across_fields_found() -> None:

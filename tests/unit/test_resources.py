@@ -369,6 +369,8 @@ def test_names_of_the_api_group() -> None:
         ),
         (env(workdir="/work/../.tangram/bin"), "spec.workdir", "holds the exec server"),
         (env(workdir="/.tangram"), "spec.workdir", "holds the exec server"),
+        (env(workdir="//.tangram/run"), "spec.workdir", "holds the exec server"),
+        (env(workdir="//", security={"readOnlyRoot": True}), "spec.workdir", "below it"),
         (env(workdir="/", security={"readOnlyRoot": True}), "spec.workdir", "below it"),
         (env(security={"pidsLimit": 5_000_000}), "spec.security.pidsLimit", "less than or equal"),
         (service(entrypoint="pkg.mod.fn"), "spec.entrypoint", "pattern"),

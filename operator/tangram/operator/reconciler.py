@@ -223,7 +223,8 @@ class Reconciler:
                 self._member_statuses((namespace, name), None, pool_invalid=pool)
                 self._pass_done[namespace, name] = begun
                 return True
-            seen = self._member_statuses(pool.key, pool)
+            served = self._served.get(body["metadata"]["uid"], frozenset())
+            seen = self._member_statuses(pool.key, pool, served=served)
             members = [m for _, _, m in seen]
             tokens = self._tokens(pool)
             objects = build_pool(
@@ -387,7 +388,12 @@ class Reconciler:
         self._write_status(body, pool_status(pool, seen, rfc3339(self.clock())), previous)
 
     def _member_statuses(
-        self, key: ObjectKey, pool: ActionPool | None, pool_invalid: str | None = None
+        self,
+        key: ObjectKey,
+        pool: ActionPool | None,
+        pool_invalid: str | None = None,
+        *,
+        served: frozenset[MemberKey] = frozenset(),
     ) -> list[MemberSeen]:
         """The members naming the pool ``key`` that it can serve (``pool`` None: there is
         none, or it is invalid for ``pool_invalid``). The others' status is written here,
@@ -401,21 +407,27 @@ class Reconciler:
                 member = self._member_status(kind, body, pool, pool_invalid, write=False)
                 if member is not None:
                     usable.append((kind, body, member))
-        return self._one_per_name(key, pool, usable)
+        return self._one_per_name(key, pool, usable, served)
 
     def _one_per_name(
-        self, key: ObjectKey, pool: ActionPool | None, usable: list[MemberSeen]
+        self,
+        key: ObjectKey,
+        pool: ActionPool | None,
+        usable: list[MemberSeen],
+        served: frozenset[MemberKey],
     ) -> list[MemberSeen]:
         """Clients name a pool's environments and services by name alone: of members of
-        one kind and name (from namespaces the pool admits), the one in the pool's own
-        namespace serves it, else the oldest; the others are told so and left out, so
-        that a newcomer in another namespace refuses no one's config but its own."""
+        one kind and name (from namespaces the pool admits), the one its scheduler serves
+        keeps it (``served``: its last push), else the one in the pool's own namespace,
+        else the oldest; the others are told so and left out, so that a newcomer in
+        another namespace refuses no one's config but its own, and takes no one's name."""
         by_name: dict[tuple[str, str], list[MemberSeen]] = {}
         for seen in usable:
             by_name.setdefault((seen[0], seen[2].metadata.name), []).append(seen)
         kept: list[MemberSeen] = []
         for (kind, name), same in by_name.items():
-            same.sort(key=lambda s: (s[2].metadata.namespace != key[0],
+            same.sort(key=lambda s: (_member_key(s[0], s[1]) not in served,
+                                     s[2].metadata.namespace != key[0],
                                      s[1]["metadata"].get("creationTimestamp") or "",
                                      s[2].metadata.namespace))  # fmt: skip
             kept.append(same[0])
@@ -424,8 +436,8 @@ class Reconciler:
                 previous = parse_conditions((body.get("status") or {}).get("conditions"))
                 why = (Reason.NAME_TAKEN, f"{holder} serves the name {name!r} in ActionPool "
                        f"{key[0]}/{key[1]}, whose clients name its {kind}s by name alone (the "
-                       "one in the pool's namespace, else the oldest, serves it): rename this "
-                       "one")  # fmt: skip
+                       "one served keeps it; else the one in the pool's namespace, else the "
+                       "oldest): rename this one")  # fmt: skip
                 status = member_status(member, pool, previous, rfc3339(self.clock()),
                                        not_served=why)  # fmt: skip
                 self._write_status(body, status, previous)
@@ -674,7 +686,8 @@ class Reconciler:
             if figures is None:
                 log.warning("pool %s: its scheduler did not answer within drainSeconds (%s); "
                             "removing it", pool.metadata.name, unreachable)  # fmt: skip
-            elif figures.trajectories:  # its actions end saying why, before the sandboxes go
+            elif figures.trajectories or figures.running or figures.queue_depth:
+                # Its actions end saying why, before the sandboxes (and agents) go.
                 try:
                     self.link.drain(self.endpoints.url(pool), token, end=True)
                 except SchedulerError as e:

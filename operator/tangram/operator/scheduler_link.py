@@ -22,6 +22,7 @@ from tangram.api.wire import PoolFigures
 from tangram.operator.builders import scheduler_address
 
 TIMEOUT_S = 5.0
+END_TIMEOUT_S = 20.0  # the drain's end: its cancels wait up to 5 s each, together
 
 
 class SchedulerError(RuntimeError):
@@ -59,13 +60,20 @@ class SchedulerLink:
     def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, url: str, token: str, body: bytes | None = None) -> bytes:
+    def _call(
+        self,
+        method: str,
+        url: str,
+        token: str,
+        body: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> bytes:
         headers = {"Authorization": f"Bearer {token}"}
         if body is not None:
             headers["Content-Type"] = "application/yaml"
         req = urllib.request.Request(url, data=body, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 data: bytes = resp.read()
                 return data
         except urllib.error.HTTPError as e:
@@ -97,8 +105,10 @@ class SchedulerLink:
         return [str(c) for c in changes]
 
     def drain(self, base: str, token: str, *, end: bool = False) -> PoolFigures:
-        """Refuse new trajectories; ``end``: the drain's time ran out, every action ends."""
-        data = self._call("POST", f"{base}/v1/admin/drain{'?end=true' if end else ''}", token, b"")
+        """Refuse new trajectories; ``end``: the drain's time ran out, every action ends
+        (answered once each has: a cancel waits for its agent's word, 5 s at most)."""
+        url = f"{base}/v1/admin/drain{'?end=true' if end else ''}"
+        data = self._call("POST", url, token, b"", END_TIMEOUT_S if end else None)
         # As a SchedulerError a wrong answer counts as none, which the finalizer waits on
         # for at most drainSeconds; anything else would fail it on every retry, forever.
         return _figures(f"{base}: not a scheduler's drain answer", data)

@@ -29,7 +29,10 @@ from tangram.api.demand import MAX_UNITS
 MAX_CLOSING = 65_536  # environments to close kept at most (a bound on the document)
 MAX_LEASES = 4096  # API leases held kept at most: the newest
 MAX_STARTS = 16_384  # starts in the quotas' rate windows kept at most: the newest
-MAX_PROGRESS = 65_536  # open trajectories whose progress is kept at most
+# Open trajectories whose progress is kept at most (those furthest along): about 130
+# bytes each, so the document stays within a ConfigMap's 1 MiB with the rest; one left
+# out starts from 0 after a restart and teaches no length.
+MAX_PROGRESS = 1024
 MAX_LENGTHS = 4096  # finished trajectory lengths kept: the most recent (the model's window)
 # Action types kept: the most observed, with names of a sane length. A document stays well
 # under a ConfigMap's 1 MiB however many types clients invent.

@@ -596,7 +596,7 @@ class TrajectoryEnvSpec(Spec):
 
     @model_validator(mode="after")
     def _workdir_is_usable(self) -> Self:
-        where = posixpath.normpath(self.workdir)
+        where = "/" + posixpath.normpath(self.workdir).lstrip("/")  # (normpath keeps "//")
         if where == RESERVED_DIR or where.startswith(f"{RESERVED_DIR}/"):
             raise ValueError(f"workdir: {RESERVED_DIR} holds the exec server (read-only); "
                              "name another directory")  # fmt: skip

@@ -9,6 +9,7 @@ writer; the client may not import it (it needs only the wire models).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import logging
@@ -26,7 +27,7 @@ from tangram.api.wire import (
     StreamAnswer,
     StreamOutput,
 )
-from tangram.client.common import TangramError, as_text, encode_json, stream_error
+from tangram.client.common import TangramError, encode_json, stream_error
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
@@ -71,6 +72,9 @@ class LiveAction:
         self._dropping: dict[str, int] = {}  # by fd: characters dropped since the last kept
         self.dropped = 0  # characters of output dropped, output() not read in time
         self.refused: list[TangramError] = []  # input or signals the service refused
+        # Bytes written are UTF-8 read across writes: a character split between two
+        # writes (a reader's chunks) is whole in the second.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
 
     async def output(self) -> AsyncIterator[tuple[str, str]]:
         """``("stdout" or "stderr", text)`` as the command writes it, until it ends.
@@ -113,12 +117,21 @@ class LiveAction:
         the whole stream."""
         if not self.interactive:
             raise TangramError(0, "invalid", "write: the exec was not started interactive", [])
-        text = as_text(text, "write")
+        if not isinstance(text, str):
+            try:
+                text = self._utf8.decode(bytes(text))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"write: bytes that are not UTF-8 ({e.reason}); the "
+                                 "service takes text") from None  # fmt: skip
         self._running("write")
         for start in range(0, len(text), STDIN_CHARS):
             self._stream._post({"id": self.id, "stdin": text[start : start + STDIN_CHARS]})
 
     async def close_stdin(self) -> None:
+        try:
+            self._utf8.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ValueError("close_stdin: the bytes written end inside a character") from None
         self._running("close_stdin")
         self._stream._post({"id": self.id, "eof": True})
 

@@ -12,6 +12,7 @@ import base64
 import json
 import logging
 import secrets
+import urllib.parse
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -35,13 +36,17 @@ RESENT_SLACK_S = 1.0
 # A proxied call's answer is held whole (decoded, kept for its idempotency key, sent
 # back): one larger than this is an error, not the scheduler's memory.
 MAX_RESPONSE_BYTES = 16 << 20
+# Connections of one quota's proxied calls at once, at most.
+MAX_CONNECTIONS = 1024
 
 
-# Response headers about the connection or the transfer, not the answer, which comes back
-# whole and decoded: not passed back.
-_TRANSFER_HEADERS = frozenset({
+# Response headers not passed back: those about the connection or the transfer, not the
+# answer (which comes back whole and decoded); and the cookies a session opened for the
+# pool's credential, which would let the caller use the API outside its quota.
+_NOT_PASSED = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer",
-    "transfer-encoding", "upgrade", "content-length", "content-encoding",
+    "transfer-encoding", "upgrade", "content-length", "content-encoding", "set-cookie",
+    "set-cookie2",
 })  # fmt: skip
 
 
@@ -63,15 +68,13 @@ async def _body(resp: aiohttp.ClientResponse, api: str) -> bytes:
 
 
 class ApiCalls:
-    def __init__(
-        self, state: PoolState, outcomes: Outcomes, http: aiohttp.ClientSession | None = None
-    ) -> None:
-        """``http``: the session outbound calls use; without one, the first call makes
-        one that :meth:`close` closes."""
+    def __init__(self, state: PoolState, outcomes: Outcomes) -> None:
         self.s = state
         self.outcomes = outcomes
-        self._http = http
-        self._own_http = http is None
+        # Each quota's calls go through an HTTP session of their own (made on its first
+        # call): one quota's slow calls never hold another's connections (a shared pool of
+        # aiohttp's default 100 did), and each quota's sockets are bounded.
+        self._http: dict[str, aiohttp.ClientSession] = {}
         # The endpoints of quotas a reload removed while calls still queued for them: those
         # are made as admitted (``reconfigured``).
         self._retired: dict[str, ApiEndpoint] = {}
@@ -241,7 +244,7 @@ class ApiCalls:
             headers = {k: v for k, v in req.headers.items() if k.lower() != endpoint.header.lower()}
             if endpoint.credential is not None:
                 headers[endpoint.header] = f"Bearer {endpoint.credential}"
-            async with self._session().request(
+            async with self._session(api).request(
                 req.method,
                 endpoint.url.rstrip("/") + req.path,
                 params=req.query,
@@ -287,34 +290,36 @@ class ApiCalls:
             if name not in new and name in self.s.core.quotas
         }
 
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            # No connection limit: the quotas bound the calls, and aiohttp's default (100
-            # in all) would make the calls of every quota wait for one slow quota's. No
-            # cookie jar: it would hand one tenant's cookies to every other's calls.
-            self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
+    def _session(self, api: str) -> aiohttp.ClientSession:
+        session = self._http.get(api)
+        if session is None:
+            # Connections up to MAX_CONNECTIONS: more than a quota's concurrency lets run
+            # (which the scheduler holds it to), a bound for one of a rate alone whose API
+            # hangs. No cookie jar: it would hand one tenant's cookies to every other's.
+            connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS)
+            session = aiohttp.ClientSession(
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar()
             )
-        return self._http
+            self._http[api] = session
+        return session
 
     async def close(self) -> None:
-        if self._own_http and self._http is not None:
-            await self._http.close()
+        sessions, self._http = list(self._http.values()), {}
+        for session in sessions:
+            await session.close()
 
 
 def _answer(resp: aiohttp.ClientResponse, raw: bytes, endpoint: ApiEndpoint) -> dict[str, Any]:
     """The answer as the caller gets it: ``status``; ``headers`` (names in lower case, a
-    repeated header's values joined by ", ", Set-Cookie's by a line break); ``body``: the
-    JSON decoded, else the text, else (not UTF-8) None with the bytes in ``body_base64``.
-    An API that echoes the request (its headers) does not return the credential."""
-    if endpoint.credential:
-        raw = raw.replace(endpoint.credential.encode(), b"***")
+    repeated header's values joined by ", "); ``body``: the JSON decoded, else the text,
+    else (not UTF-8) None with the bytes in ``body_base64``. An API that echoes the
+    request (its headers) does not return the credential."""
+    raw = _scrub_bytes(raw, endpoint)
     headers: dict[str, str] = {}
     for raw_name, raw_value in resp.headers.items():
         name, value = raw_name.lower(), _scrub(raw_value, endpoint)
-        if name not in _TRANSFER_HEADERS:
-            sep = "\n" if name == "set-cookie" else ", "
-            headers[name] = f"{headers[name]}{sep}{value}" if name in headers else value
+        if name not in _NOT_PASSED:
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
     out: dict[str, Any] = {"status": resp.status, "headers": headers}
     try:
         text = raw.decode()
@@ -337,8 +342,27 @@ def _unresolved(api: str, why: str) -> str:
     return f"quota {api!r} cannot be called until its credential can be read: {why}"
 
 
+def _spellings(credential: str) -> list[str]:
+    r"""How an answer may spell the credential: as it is, JSON-escaped (``\/``, ``\u002b``
+    and the like) and URL-encoded."""
+    escaped = json.dumps(credential)[1:-1]
+    return sorted({credential, escaped, escaped.replace("/", "\\/"),
+                   json.dumps(credential, ensure_ascii=True)[1:-1],
+                   *("".join(f"\\u{ord(c):{case}}" if not c.isalnum() else c for c in credential)
+                     for case in ("04x", "04X")),
+                   urllib.parse.quote(credential, safe="")}, key=len, reverse=True)  # fmt: skip
+
+
 def _scrub(text: str, endpoint: ApiEndpoint | None) -> str:
-    """An error message without the credential, whatever the library put in it."""
+    """Text without the credential, whatever the library or the API put in it."""
     if endpoint is not None and endpoint.credential:
-        text = text.replace(endpoint.credential, "***")
+        for spelling in _spellings(endpoint.credential):
+            text = text.replace(spelling, "***")
     return text
+
+
+def _scrub_bytes(raw: bytes, endpoint: ApiEndpoint) -> bytes:
+    if endpoint.credential:
+        for spelling in _spellings(endpoint.credential):
+            raw = raw.replace(spelling.encode(), b"***")
+    return raw

@@ -22,8 +22,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
-
 from tangram.api.cluster import ClusterSpec
 from tangram.api.learned import MAX_CLOSING, MAX_PROGRESS, LearnedProgress, LearnedState
 from tangram.api.wire import (
@@ -71,10 +69,8 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         *,
         hub: AgentHub | None = None,
-        http: aiohttp.ClientSession | None = None,
     ) -> None:
-        """``hub``: where agents connect (one is made from the config without it);
-        ``http``: the session proxied API calls use (one is made on first use)."""
+        """``hub``: where agents connect (one is made from the config without it)."""
         core = Scheduler(ClusterSpec(apis=list(config.apis)), config.scheduling)
         core.set_tenants(*config.shares())
         self.hub = hub or AgentHub(config.heartbeat_timeout_s)
@@ -82,7 +78,7 @@ class Engine:
         self.state = s = PoolState(config, core, self.hub, self.metrics, clock=clock)
         self.outcomes = Outcomes(s)
         self.gpu = GpuCalls(s, self.outcomes)
-        self.api = ApiCalls(s, self.outcomes, http)
+        self.api = ApiCalls(s, self.outcomes)
         self.lifecycle = Trajectories(s, self.outcomes)
         self.admission = Admission(s, self.outcomes, self.gpu, self.api)
         self.membership = Membership(s, self.outcomes, self.lifecycle, self.gpu)
@@ -200,11 +196,18 @@ class Engine:
                 closing[node], room = kept, room - len(kept)
         leases, windows = self.api.kept()
         learned = self.core.learned()  # here: the core is the loop's alone
+        # Those furthest along, whose lengths a restart would lose the most of; not one
+        # whose steps before an earlier restart are unknown (its count would pass as whole).
+        known = [
+            (t.steps_done, rec)
+            for rec in self.state.trajectories.values()
+            if (t := self.core.trajectories.get(rec.key)) is not None and t.length_known
+        ]
+        known.sort(key=lambda k: (-k[0], k[1].key))
         progress: dict[str, LearnedProgress] = {}
-        for rec in self.state.trajectories.values():
-            if rec.key in self.core.trajectories and len(progress) < MAX_PROGRESS:
-                done = self.core.progress(rec.key)
-                progress[rec.key] = done.model_copy(update={"actions": rec.actions})
+        for _, rec in known[:MAX_PROGRESS]:
+            done = self.core.progress(rec.key)
+            progress[rec.key] = done.model_copy(update={"actions": rec.actions})
         extra = {"closing": closing, "leases": leases, "windows": windows, "progress": progress}
         update = {name: value for name, value in extra.items() if value}
         return learned.model_copy(update=update) if update else learned

@@ -280,7 +280,7 @@ class GpuCalls:
         except asyncio.CancelledError:
             status = ActionStatus.CANCELLED
             if not s.accepting and not rec.cancelled:  # the stop's, not its caller's
-                error = s.stopped(ran=True)
+                error = s.stopped(ran=True, killed=False)
         except TimeoutError:
             status = ActionStatus.TIMEOUT
             error = err("timeout", f"no answer within {req.timeout_s or 0:g} s (timeout_s); the "

@@ -196,13 +196,15 @@ class PoolState:
             f"server, which the agent of node {node} has not: {link.hello.no_io}",
         )
 
-    def stopped(self, ran: bool) -> ErrorInfo:
+    def stopped(self, ran: bool, killed: bool = True) -> ErrorInfo:
         """The error of an action the stop ended: queued (``ran`` False: retryable, unless
-        its pool is gone) or killed running at the end of the grace (it ran in part)."""
+        its pool is gone) or running at the end of the grace (it ran in part): killed, or
+        (``killed`` False: a RewardService call) left to run on, no longer waited for."""
+        end = "killed" if killed else "no longer waited for (it runs on to its end)"
         if self.ended is not None:
-            return err("pool_deleted", f"{self.ended}: " + ("killed" if ran else "never ran"))
+            return err("pool_deleted", f"{self.ended}: " + (end if ran else "never ran"))
         if ran:
-            return err("shutdown", "the scheduler stopped: killed at the end of its grace")
+            return err("shutdown", f"the scheduler stopped: {end} at the end of its grace")
         return err("shutdown", "the scheduler stopped", retryable=True)
 
     def admitting(self, tenant: str, extra: int = 1) -> None:
