@@ -283,6 +283,30 @@ def test_a_trajectory_taken_back_after_a_restart_goes_on_from_what_it_had_done(
     run(after, reconnecting=True)
 
 
+def test_the_progress_kept_is_of_the_trajectories_furthest_along(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At most MAX_PROGRESS of them (the document must fit a ConfigMap): those whose
+    lengths a restart would lose the most of."""
+    import tangram.service.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_PROGRESS", 1)
+
+    def ran(msg: dict[str, Any]) -> AgentReply | None:
+        ok = AgentReply(rid=0, ok=True, result=_outcome())
+        return ok if msg["op"] == "exec" else answer_all(msg)
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello(), ran))
+        for tid, steps in (("t1", 1), ("t2", 2)):
+            await engine.open_trajectory("u", OpenTrajectory(env="e", id=tid))
+            for _ in range(steps):
+                await engine.submit_exec("u", tid, ExecRequest(argv=["true"])).done
+        assert list(engine._kept().progress) == ["t2"]
+
+    run(scenario)
+
+
 # ---- metrics: each action once, by its final outcome; every 429 ---------------------------
 
 
