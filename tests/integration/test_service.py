@@ -525,15 +525,27 @@ spec: {poolRef: p, image: unused-by-the-process-runtime}
 """
 
 
-def test_the_operator_pushes_documents_reads_figures_and_drains(tmp_path: Path) -> None:
-    """The three admin calls the operator makes, against a real agent."""
+USER_TOKEN, OPERATOR_TOKEN, AGENT_TOKEN = "u" * 24, "o" * 24, "g" * 24
+
+
+def _operated(tmp_path: Path) -> tuple[TokenStore, NodeAgent]:
+    """Tokens of a user (tenant local), the operator and the agent, and a process-runtime
+    agent on every core: a pool as the operator runs it, for its admin calls."""
     if os.geteuid() != 0:
         pytest.skip("the process runtime writes cgroups: needs root")
-    user, operator, agent_token = "u" * 24, "o" * 24, "g" * 24
-    tokens = TokenStore({user: "local", operator: OPERATOR_TENANT, agent_token: AGENT_TENANT})
+    tokens = TokenStore(
+        {USER_TOKEN: "local", OPERATOR_TOKEN: OPERATOR_TENANT, AGENT_TOKEN: AGENT_TENANT}
+    )
     agent = NodeAgent.create(
         tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
     )
+    return tokens, agent
+
+
+def test_the_operator_pushes_documents_reads_figures_and_drains(tmp_path: Path) -> None:
+    """The three admin calls the operator makes, against a real agent."""
+    tokens, agent = _operated(tmp_path)
+    user, operator = USER_TOKEN, OPERATOR_TOKEN
     with (
         service(CONFIG, agent, tmp_path, tokens=tokens) as (running, _),
         Client(running.url, user) as client,
@@ -605,13 +617,8 @@ def test_the_end_of_a_deleted_pools_drain_ends_every_action_saying_so(tmp_path: 
     """The drain's time ran out with a trajectory open: its pool's objects were deleted
     under the scheduler, and its actions failed with what a missing sandbox says
     (``exec_failed``: the exec server's socket is gone). The operator ends them first."""
-    if os.geteuid() != 0:
-        pytest.skip("the process runtime writes cgroups: needs root")
-    user, operator, agent_token = "u" * 24, "o" * 24, "g" * 24
-    tokens = TokenStore({user: "local", operator: OPERATOR_TENANT, agent_token: AGENT_TENANT})
-    agent = NodeAgent.create(
-        tmp_path / "agent", runtime="process", idle_cores=1, cores_for_actions=len(CORES)
-    )
+    tokens, agent = _operated(tmp_path)
+    user, operator = USER_TOKEN, OPERATOR_TOKEN
     started = tmp_path / "started"
     got: list[ActionResult] = []
     with (

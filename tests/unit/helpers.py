@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from tangram.api import ActionSpec, ClusterSpec
@@ -95,3 +97,13 @@ def suite_state() -> dict[str, Any]:
                         "efficiency": {"amdahl": 0.8}}},
         ],
     }  # fmt: skip
+
+
+async def settle(done: Callable[[], bool] = lambda: False, ticks: int = 100) -> bool:
+    """Let the loop run what is ready (nothing here waits on time), until ``done``:
+    whether it is, within ``ticks`` turns of the loop."""
+    for _ in range(ticks):
+        if done():
+            return True
+        await asyncio.sleep(0)
+    return done()

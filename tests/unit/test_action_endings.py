@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tangram.api.wire import (
+    ActionResult,
     ActionStatus,
     AgentReply,
     EnvSpec,
@@ -190,6 +191,18 @@ def test_an_actions_task_cancelled_twice_still_waits_for_the_agents_word() -> No
 # ---- adopted runs ------------------------------------------------------------------------
 
 
+async def _adopted_and_ended(
+    engine: Engine, run_: RunningAction, outcome: ExecOutcome
+) -> ActionResult:
+    """``run_`` of trajectory t1 handed back by an agent's hello (a restart), then its
+    result, unasked: what its record ends with."""
+    agent = Agent(hello([TrajectoryMeta(id="t1", tenant="u", env="e")], [run_]))
+    await connect(engine, agent)
+    (rec,) = engine.state.actions.values()
+    agent.push(AgentReply(rid=0, ok=True, key=run_.key, result=outcome))
+    return await rec.done
+
+
 @pytest.mark.parametrize("timed_out", [True, False])
 def test_an_adopted_run_teaches_nothing_of_a_type_it_may_not_be(timed_out: bool) -> None:
     """An agent hands back a keyed run (a scheduler restart, a link's blip) without the
@@ -200,15 +213,9 @@ def test_an_adopted_run_teaches_nothing_of_a_type_it_may_not_be(timed_out: bool)
         for _ in range(20):
             engine.core.book.observe("exec:cpu2", 2, 1.0)
         before = engine.core.book.mean_duration("exec:cpu2")
-        meta = TrajectoryMeta(id="t1", tenant="u", env="e")
         run_ = RunningAction(key=f"u{KEY_SEP}suite", trajectory="t1", cores=[1, 2],
                              running_s=600.0)  # fmt: skip
-        agent = Agent(hello([meta], [run_]))
-        await connect(engine, agent)
-        (rec,) = engine.state.actions.values()
-        agent.push(AgentReply(rid=0, ok=True, key=f"u{KEY_SEP}suite",
-                              result=_outcome(600.0, timed_out)))  # fmt: skip
-        result = await rec.done
+        result = await _adopted_and_ended(engine, run_, _outcome(600.0, timed_out))
         assert result.status is (ActionStatus.TIMEOUT if timed_out else ActionStatus.OK)
         assert engine.core.book.mean_duration("exec:cpu2") == before
         assert engine.core.trajectories["t1"].steps_done == (0 if timed_out else 1)
@@ -222,15 +229,9 @@ def test_an_adopted_run_that_timed_out_says_it_was_killed(limit: float | None) -
     after how long it was killed where its agent says (an older agent does not)."""
 
     async def scenario(engine: Engine) -> None:
-        meta = TrajectoryMeta(id="t1", tenant="u", env="e")
         run_ = RunningAction(key=f"u{KEY_SEP}k", trajectory="t1", cores=[1],
                              running_s=29.0, timeout_s=limit)  # fmt: skip
-        agent = Agent(hello([meta], [run_]))
-        await connect(engine, agent)
-        (rec,) = engine.state.actions.values()
-        agent.push(AgentReply(rid=0, ok=True, key=f"u{KEY_SEP}k",
-                              result=_outcome(30.0, True)))  # fmt: skip
-        result = await rec.done
+        result = await _adopted_and_ended(engine, run_, _outcome(30.0, True))
         assert result.status is ActionStatus.TIMEOUT and result.error is not None
         assert result.error.code == "timeout"
         after = "killed after 30 s" if limit is not None else "killed (its limit"

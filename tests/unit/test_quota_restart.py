@@ -22,18 +22,9 @@ from tangram.service.config import PoolConfig
 from tangram.service.engine import Engine
 from tangram.service.learned_file import LearnedFile, read_state, write_state
 
-from .helpers import api_call, cluster
+from .helpers import api_call, cluster, settle
 
 HOUR = 3600.0
-
-
-async def settle(done: Callable[[], bool] = lambda: False, ticks: int = 100) -> bool:
-    """Let the loop run what is ready (nothing here waits on time), until ``done``."""
-    for _ in range(ticks):
-        if done():
-            return True
-        await asyncio.sleep(0)
-    return done()
 
 
 def _engine(

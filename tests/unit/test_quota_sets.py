@@ -5,7 +5,6 @@ rate-limited APIs): granted together, given back together, waiting by the pool's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,7 @@ from tangram.service.engine import Engine
 from tangram.service.learned_file import LearnedFile
 from tangram.service.records import EngineError
 
-
-async def settle(done: Callable[[], bool] = lambda: False, ticks: int = 100) -> bool:
-    """Let the loop run what is ready (nothing here waits on time), until ``done``."""
-    for _ in range(ticks):
-        if done():
-            return True
-        await asyncio.sleep(0)
-    return done()
+from .helpers import settle
 
 
 def _engine(waiting: str = "hold") -> Engine:
