@@ -105,9 +105,26 @@ def test_quota_definitions_change_in_place_and_waiting_actions_keep_theirs() -> 
     s.set_quotas([])  # removed, but running actions still hold it
     assert "search" in s.quotas and "browse" not in s.quotas
     s.complete("a", now=1.0)
+    assert "search" in s.quotas  # (b still holds it)
     s.complete("b", now=1.0)
-    s.set_quotas([])
-    assert s.quotas == {}
+    assert s.quotas == {}  # gone with the last that held it, not at the next reload
+
+
+def test_a_removed_quota_goes_once_no_queued_action_needs_it() -> None:
+    from tangram.api import ApiSpec
+
+    s = Scheduler(
+        cluster(nodes=[{"name": "n1", "cpus": 1}], apis=[{"name": "search", "concurrency": 1}])
+    )
+    s.open_trajectory("t1")
+    s.submit("a", "t1", api_call("search"), now=0.0)
+    s.submit("b", "t1", api_call("search"), now=0.0)
+    assert [x.action_id for x in s.schedule(0.0).assignments] == ["a"]
+    s.set_quotas([ApiSpec(name="other", concurrency=1)])
+    s.complete("a", now=1.0)
+    assert "search" in s.quotas  # b waits for it
+    assert s.cancel("b")
+    assert set(s.quotas) == {"other"}
 
 
 def test_the_ordering_changes_at_once_with_actions_queued() -> None:

@@ -94,6 +94,9 @@ class Scheduler:
         # of those ends, and taking no new call.
         self.retired: set[str] = set()
         self.quotas = {a.name: Quota.of(a) for a in cluster.apis}
+        # Quotas removed while queued or running actions needed them: kept in ``quotas``
+        # until the last of those has ended or left the queue.
+        self.retired_quotas: set[str] = set()
         self.book = ProfileBook()
         self.sizing = Sizing(self.cpu, self.book, self.config, _biggest(self.cpu))
         self.lengths = LengthModel()
@@ -440,12 +443,18 @@ class Scheduler:
                 self.quotas[name] = Quota.of(spec)
             else:
                 q.set_limits(spec)
+        self.retired_quotas = {n for n in self.quotas if n not in wanted}
+        self._drop_retired_quotas()
+        self._recount()  # a lower limit may leave an action asking more than it
+
+    def _drop_retired_quotas(self) -> None:
+        """Forget the removed quotas no queued or running action needs any more."""
         needed = {q for a in self.actions.values() for q, _ in a.quotas} | {
             q for r in self.running.values() for q, _ in r.assignment.quotas
         }
-        for name in [n for n in self.quotas if n not in wanted and n not in needed]:
+        for name in [n for n in self.retired_quotas if n not in needed]:
             del self.quotas[name]
-        self._recount()  # a lower limit may leave an action asking more than it
+            self.retired_quotas.discard(name)
 
     def set_config(self, config: SchedulerConfig) -> None:
         """New scheduling settings, all applied at once. A change of the queue ordering or
@@ -653,6 +662,8 @@ class Scheduler:
                 self.book.observe(a.type, asg.units, max(0.0, took))
         if self.retired and a.service in self.retired:
             self._drop_retired()  # removed while it ran: gone once its last call ended
+        if self.retired_quotas and any(q in self.retired_quotas for q, _ in asg.quotas):
+            self._drop_retired_quotas()
         return asg
 
     def adopt(
@@ -1024,6 +1035,12 @@ class Scheduler:
             self.queued_by_tenant[traj.tenant] = left
         else:
             del self.queued_by_tenant[traj.tenant]
+        if (
+            not started
+            and self.retired_quotas
+            and any(q in self.retired_quotas for q, _ in a.quotas)
+        ):
+            self._drop_retired_quotas()  # (cancelled, dropped: it needs them no more)
         return a
 
     def _count(self, a: Action, delta: int) -> None:
