@@ -18,3 +18,18 @@ def test_json_lines_carry_extra_fields() -> None:
     assert line["msg"] == "action ended" and line["level"] == "info"
     assert line["action"] == "a-1" and line["trajectory"] == "t-9"
     assert line["ts"].endswith("Z")
+
+
+def test_a_librarys_objects_on_a_record_stay_out_of_the_line() -> None:
+    """kopf puts its whole settings object on every record: each line was 2 KB of its
+    repr (an executor's address and all); its reference to the object is kept."""
+
+    class Settings:
+        def __repr__(self) -> str:
+            return "OperatorSettings(executor=<ThreadPoolExecutor at 0x7f>)"
+
+    record = logging.LogRecord("kopf.objects", logging.INFO, "f.py", 1, "handled", None, None)
+    record.settings = Settings()
+    record.k8s_ref = {"kind": "ActionPool", "name": "coding", "namespace": "rl"}
+    line = json.loads(JsonFormatter().format(record))
+    assert "settings" not in line and line["k8s_ref"]["name"] == "coding"

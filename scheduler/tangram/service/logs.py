@@ -19,10 +19,25 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        # Fields of plain data only: a library's objects (kopf attaches its whole settings,
+        # executor and all, to every record) would print as their repr on every line.
+        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD and _plain(v)})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+def _plain(value: object, depth: int = 0) -> bool:
+    """Whether ``value`` is JSON's own data (a few levels deep)."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return True
+    if depth > 3:
+        return False
+    if isinstance(value, list | tuple):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def setup(verbose: bool, as_json: bool) -> None:
