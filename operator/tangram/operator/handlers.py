@@ -9,6 +9,8 @@ else there; the status itself is patched by the reconciler.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 import kopf
@@ -20,6 +22,7 @@ FINALIZER = "tangram.dev/drain"
 REFRESH_S = 10.0  # status refresh, and a config push to a scheduler that missed one
 
 _state: dict[str, Reconciler] = {}
+log = logging.getLogger("tangram.operator")
 
 
 def install(reconciler: Reconciler) -> None:
@@ -65,6 +68,22 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events say what matters
     logging.getLogger("kopf.objects").addFilter(_NOT_DONE_YET)  # (a set: added once)
     settings.peering.standalone = True  # one replica (the chart's Deployment is Recreate)
+
+
+@kopf.on.startup()
+def watch_crd_deletion(**_: Any) -> None:
+    """kopf serves no pool while their CRD is being deleted, finalizer included: a thread
+    of its own does that part (``Reconciler.finish_unserved_deletions``)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(REFRESH_S)
+            try:
+                _r().finish_unserved_deletions(FINALIZER)
+            except Exception:  # (tried again at the next look)
+                log.exception("finishing the deletions of pools whose CRD is going")
+
+    threading.Thread(target=watch, name="crd-deletion", daemon=True).start()
 
 
 @kopf.on.login()

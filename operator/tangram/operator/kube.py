@@ -99,6 +99,37 @@ class Cluster:
             items.extend(cast(dict[str, Any], found).get("items", []))
         return items
 
+    def crd_deleting(self, kind: str) -> bool:
+        """Whether the CustomResourceDefinition of ``kind`` is being deleted."""
+        try:
+            crd = client.ApiextensionsV1Api(self.api).read_custom_resource_definition(
+                f"{PLURALS[kind]}.{GROUP}"
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return crd.metadata is not None and crd.metadata.deletion_timestamp is not None
+
+    def remove_finalizer(self, kind: str, namespace: str, name: str, finalizer: str) -> bool:
+        """Take ``finalizer`` off the object (a JSON patch that tests it is still where it
+        was read); False when it is gone or has none."""
+        obj = self.get_custom(kind, namespace, name)
+        finalizers = list(((obj or {}).get("metadata") or {}).get("finalizers") or [])
+        if finalizer not in finalizers:
+            return False
+        at = f"/metadata/finalizers/{finalizers.index(finalizer)}"
+        patch = [{"op": "test", "path": at, "value": finalizer}, {"op": "remove", "path": at}]
+        try:
+            self._custom.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURALS[kind], name, patch, _content_type=JSON_PATCH
+            )
+        except ApiException as e:
+            if e.status in (404, 422):  # gone, or changed meanwhile: the next look decides
+                return False
+            raise
+        return True
+
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Replace ``status`` whole. A JSON patch, not a merge patch: a merge patch keeps
         every map key it does not name (a quota dropped from ``status.apis`` would stay,

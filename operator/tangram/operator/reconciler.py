@@ -631,6 +631,34 @@ class Reconciler:
             for memo in memos:
                 memo.pop(meta.get("uid", ""), None)
 
+    def finish_unserved_deletions(self, finalizer: str) -> int:
+        """While the ActionPool CRD is being deleted (``helm uninstall`` with
+        ``crds.keep=false``, ``kubectl delete crd``) the API server stops offering patch
+        on pools, so kopf stops serving them and their finalizer never runs: pools, the
+        CRD and their namespaces stay stuck, their agents running. Its work is done here
+        instead: each pool being deleted is drained as the finalizer would (within its
+        drainSeconds) and let go. Returns how many were let go."""
+        if not self.cluster.crd_deleting("ActionPool"):
+            return 0
+        let_go = 0
+        for body in self.cluster.list_custom("ActionPool"):
+            meta = body["metadata"]
+            if not meta.get("deletionTimestamp") or finalizer not in (meta.get("finalizers") or []):
+                continue
+            where = f"{meta['namespace']}/{meta['name']}"
+            try:
+                self.drain_pool(body)
+            except RetryError as e:
+                log.info("pool %s (its CRD is being deleted): %s", where, e)
+                continue
+            except Exception:  # nothing else will run it: let go, undrained, rather than stick
+                log.exception("pool %s (its CRD is being deleted): the drain failed", where)
+            if self.cluster.remove_finalizer("ActionPool", meta["namespace"], meta["name"],
+                                             finalizer):  # fmt: skip
+                log.warning("pool %s let go: its CRD is being deleted", where)
+                let_go += 1
+        return let_go
+
     def _serving(self, uid: str, pool: ActionPool) -> ActionPool:
         """The spec the pool's scheduler runs: the last valid one while the API server
         refuses the children of ``pool`` (they are as that one made them)."""
