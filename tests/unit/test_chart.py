@@ -307,10 +307,13 @@ def test_service_monitor_selects_the_schedulers_services() -> None:
 def test_network_policy_admits_only_the_liveness_port() -> None:
     text = (TEMPLATES / "networkpolicy.yaml").read_text()
     spec = yaml.safe_load(
-        text[text.index("\nspec:\n") : text.rindex("{{- end }}")].replace(
-            '{{- include "arl-tangram.operatorSelectorLabels" . | nindent 6 }}', "{}"
-        )
+        text[text.index("\nspec:\n") : text.rindex("{{- end }}")]
+        .replace('{{- include "arl-tangram.operatorSelectorLabels" . | nindent 6 }}', "{}")
+        .replace('{{ include "arl-tangram.livenessPort" . }}', str(LIVENESS_PORT))
     )["spec"]
+    # The one the deployment's probe uses, in loopback mode too (it was 8080 always).
+    deployment = (TEMPLATES / "deployment.yaml").read_text()
+    assert 'containerPort: {{ include "arl-tangram.livenessPort" . }}' in deployment
     assert spec["policyTypes"] == ["Ingress", "Egress"]
     assert spec["ingress"] == [{"ports": [{"port": LIVENESS_PORT, "protocol": "TCP"}]}]
     assert spec["egress"] == [{}]

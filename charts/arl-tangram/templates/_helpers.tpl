@@ -25,6 +25,17 @@ unless the release name already contains it.
 {{- end }}
 {{- end }}
 
+{{/* Cluster-scoped objects: the release's namespace and full name (pools' own
+ClusterRoles are tangram-<ns>.<pool>-tokenreview: no clash). */}}
+{{- define "arl-tangram.clusterName" -}}
+{{- printf "%s.%s" .Release.Namespace (include "arl-tangram.fullname" .) | trunc 253 | trimSuffix "-" | trimSuffix "." }}
+{{- end }}
+
+{{/* The port of kopf's liveness endpoint: the node's livenessPort in loopback mode. */}}
+{{- define "arl-tangram.livenessPort" -}}
+{{- if .Values.loopback.enabled }}{{ .Values.loopback.livenessPort }}{{ else }}8080{{ end }}
+{{- end }}
+
 {{- define "arl-tangram.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
