@@ -89,9 +89,8 @@ def test_adopting_an_action_on_its_exact_cores() -> None:
     assert s.cpu.nodes["n1"].free_cores == 4
 
 
-def test_quota_definitions_change_in_place_and_waiting_actions_keep_theirs() -> None:
-    from tangram.api import ApiSpec
-
+def _one_running_one_waiting() -> Scheduler:
+    """Quota search of 1: action a holds it, b waits for it."""
     s = Scheduler(
         cluster(nodes=[{"name": "n1", "cpus": 1}], apis=[{"name": "search", "concurrency": 1}])
     )
@@ -99,6 +98,13 @@ def test_quota_definitions_change_in_place_and_waiting_actions_keep_theirs() -> 
     s.submit("a", "t1", api_call("search"), now=0.0)
     s.submit("b", "t1", api_call("search"), now=0.0)
     assert [x.action_id for x in s.schedule(0.0).assignments] == ["a"]
+    return s
+
+
+def test_quota_definitions_change_in_place_and_waiting_actions_keep_theirs() -> None:
+    from tangram.api import ApiSpec
+
+    s = _one_running_one_waiting()
     s.set_quotas([ApiSpec(name="search", concurrency=2), ApiSpec(name="browse", concurrency=1)])
     assert [x.action_id for x in s.schedule(0.1).assignments] == ["b"]  # the raised limit
     assert "browse" in s.quotas
@@ -113,13 +119,7 @@ def test_quota_definitions_change_in_place_and_waiting_actions_keep_theirs() -> 
 def test_a_removed_quota_goes_once_no_queued_action_needs_it() -> None:
     from tangram.api import ApiSpec
 
-    s = Scheduler(
-        cluster(nodes=[{"name": "n1", "cpus": 1}], apis=[{"name": "search", "concurrency": 1}])
-    )
-    s.open_trajectory("t1")
-    s.submit("a", "t1", api_call("search"), now=0.0)
-    s.submit("b", "t1", api_call("search"), now=0.0)
-    assert [x.action_id for x in s.schedule(0.0).assignments] == ["a"]
+    s = _one_running_one_waiting()
     s.set_quotas([ApiSpec(name="other", concurrency=1)])
     s.complete("a", now=1.0)
     assert "search" in s.quotas  # b waits for it
