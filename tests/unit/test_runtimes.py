@@ -23,6 +23,7 @@ from tangram.api.wire import (
     Problem,
     Session,
 )
+from tangram.node_agent import agent as agent_module
 from tangram.node_agent import runtimes
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.env_files import EnvFiles, FileError
@@ -216,6 +217,25 @@ def test_an_environment_that_ended_is_reported_lost_unasked_even_between_links(
     assert notice.reason == "SandboxEvicted" and notice.error == "pod rl/x was evicted"
     assert agent.hello().trajectories == []
     assert asyncio.run(agent.report_gone()) == 0
+
+
+def test_a_request_whose_exec_server_went_is_told_why_and_an_id_opened_again_is_not(
+    recorder: list[Recorder], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cause is looked for at once; once the id is opened again (a tenant's own id:
+    another environment), an old cause is not the new one's."""
+    monkeypatch.setattr(agent_module, "ENDED_LOOK_S", 0.05)
+    agent = NodeAgent.create(tmp_path / "state", runtime="recorder", node="n1")
+    (rt,) = recorder
+    rt.ended = [Gone("t1", "SandboxDeleted", "pod rl/t1 was deleted")]
+    spec = EnvSpec(name="box", image="unused", memory_gb=0.1)
+
+    async def scenario() -> tuple[str, str]:
+        first = await agent.ended_why("t1")
+        await agent.open("t1", spec)
+        return first, await agent.ended_why("t1")
+
+    assert asyncio.run(scenario()) == (" (SandboxDeleted: pod rl/t1 was deleted)", "")
 
 
 def test_a_node_that_cannot_run_actions_says_why_in_its_hello(

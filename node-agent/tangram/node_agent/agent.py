@@ -605,6 +605,7 @@ class NodeAgent:
         return self.gpu
 
     async def open(self, trajectory: str, spec: EnvSpec) -> tuple[float, bool]:
+        self._ended.pop(trajectory, None)  # (an id opened again: another environment)
         return await self.runtime.open(trajectory, spec)
 
     def close(self, trajectory: str) -> None:
