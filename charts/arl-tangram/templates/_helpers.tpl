@@ -36,6 +36,17 @@ ClusterRoles are tangram-<ns>.<pool>-tokenreview: no clash). */}}
 {{- if .Values.loopback.enabled }}{{ .Values.loopback.livenessPort }}{{ else }}8080{{ end }}
 {{- end }}
 
+{{/* A duration as Prometheus writes it (1h30m, 10s, 500ms) in milliseconds. */}}
+{{- define "arl-tangram.durationMs" -}}
+{{- $ms := dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 }}
+{{- $total := 0 }}
+{{- range regexFindAll "[0-9]+(ms|s|m|h)" . -1 }}
+{{- $n := regexFind "^[0-9]+" . }}
+{{- $total = add $total (mul (atoi $n) (get $ms (trimPrefix $n .))) }}
+{{- end }}
+{{- $total }}
+{{- end }}
+
 {{- define "arl-tangram.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
