@@ -280,7 +280,7 @@ def test_service_monitor_selects_the_schedulers_services() -> None:
     condition = (
         '.Values.serviceMonitor.enabled (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")'
     )
-    assert text.startswith(f"{{{{- if and {condition} }}}}")
+    assert f"\n{{{{- if and {condition} }}}}\n" in text  # (after the values' check)
     spec_text = text[text.index("\nspec:\n") : text.rindex("{{- end }}")]
     for key, value in _values()["serviceMonitor"].items():
         spec_text = spec_text.replace(f"{{{{ .Values.serviceMonitor.{key} }}}}", str(value))
