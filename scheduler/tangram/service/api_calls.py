@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import secrets
@@ -256,9 +257,7 @@ class ApiCalls:
                 output = _answer(resp, await _body(resp, api), endpoint)
                 status = ActionStatus.OK
         except asyncio.CancelledError:
-            status = ActionStatus.CANCELLED
-            if not s.accepting and not rec.cancelled:  # the stop's, not its caller's
-                error = s.stopped(ran=True)
+            status, error = ActionStatus.CANCELLED, s.stop_ended(rec)
         except TimeoutError:
             status = ActionStatus.TIMEOUT
             error = err("timeout", f"no answer within {req.timeout_s:g} s (timeout_s)"
@@ -317,8 +316,9 @@ def _answer(resp: aiohttp.ClientResponse, raw: bytes, endpoint: ApiEndpoint) -> 
     raw = _scrub_bytes(raw, endpoint)
     headers: dict[str, str] = {}
     for raw_name, raw_value in resp.headers.items():
-        name, value = raw_name.lower(), _scrub(raw_value, endpoint)
+        name = raw_name.lower()
         if name not in _NOT_PASSED:
+            value = _scrub(raw_value, endpoint)
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
     out: dict[str, Any] = {"status": resp.status, "headers": headers}
     try:
@@ -342,15 +342,18 @@ def _unresolved(api: str, why: str) -> str:
     return f"quota {api!r} cannot be called until its credential can be read: {why}"
 
 
-def _spellings(credential: str) -> list[str]:
-    r"""How an answer may spell the credential: as it is, JSON-escaped (``\/``, ``\u002b``
-    and the like) and URL-encoded."""
-    escaped = json.dumps(credential)[1:-1]
-    return sorted({credential, escaped, escaped.replace("/", "\\/"),
-                   json.dumps(credential, ensure_ascii=True)[1:-1],
-                   *("".join(f"\\u{ord(c):{case}}" if not c.isalnum() else c for c in credential)
-                     for case in ("04x", "04X")),
-                   urllib.parse.quote(credential, safe="")}, key=len, reverse=True)  # fmt: skip
+@functools.lru_cache(maxsize=256)
+def _spellings(credential: str) -> tuple[str, ...]:
+    r"""How an answer may spell the credential, longest first: as it is, JSON-escaped
+    (``\/``, ``\u002b`` and the like) and URL-encoded. Worked out once per credential,
+    not per header of every answer."""
+    escaped = json.dumps(credential, ensure_ascii=False)[1:-1]
+    return tuple(sorted({credential, escaped, escaped.replace("/", "\\/"),
+                         json.dumps(credential)[1:-1],  # (non-ASCII as \uXXXX)
+                         *("".join(f"\\u{ord(c):{case}}" if not c.isalnum() else c
+                                   for c in credential) for case in ("04x", "04X")),
+                         urllib.parse.quote(credential, safe="")},
+                        key=len, reverse=True))  # fmt: skip
 
 
 def _scrub(text: str, endpoint: ApiEndpoint | None) -> str:

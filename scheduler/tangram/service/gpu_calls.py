@@ -278,9 +278,7 @@ class GpuCalls:
             else:
                 error = self._failed(service, sent, reply.error, reply.retryable)
         except asyncio.CancelledError:
-            status = ActionStatus.CANCELLED
-            if not s.accepting and not rec.cancelled:  # the stop's, not its caller's
-                error = s.stopped(ran=True, killed=False)
+            status, error = ActionStatus.CANCELLED, s.stop_ended(rec, killed=False)
         except TimeoutError:
             status = ActionStatus.TIMEOUT
             error = err("timeout", f"no answer within {req.timeout_s or 0:g} s (timeout_s); the "

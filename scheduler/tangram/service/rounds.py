@@ -177,8 +177,7 @@ class Rounds:
             status = ActionStatus.CANCELLED
             if isinstance(e, RunCancelled):  # killed: what it wrote, how long it ran
                 reply = e.reply
-            if not s.accepting and not rec.cancelled:  # (queued ones: wind_down says so)
-                error = s.stopped(ran=True)
+            error = s.stop_ended(rec)  # (queued ones: wind_down says so)
         except EngineError as e:
             error = err("node_lost", e.message, retryable=True)
             self.outcomes.cut_off(rec)

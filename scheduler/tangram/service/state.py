@@ -207,6 +207,11 @@ class PoolState:
             return err("shutdown", f"the scheduler stopped: {end} at the end of its grace")
         return err("shutdown", "the scheduler stopped", retryable=True)
 
+    def stop_ended(self, rec: ActionRecord, killed: bool = True) -> ErrorInfo | None:
+        """Why a running action was cancelled when the stop did it (the grace ended, the
+        pool's drain ran out); None for a cancel its caller asked for."""
+        return None if self.accepting or rec.cancelled else self.stopped(True, killed)
+
     def admitting(self, tenant: str, extra: int = 1) -> None:
         """Refuse new work while stopping, or when ``extra`` more would overfill the queue
         or the tenant's share of it (``spec.access.tenants[].maxQueued``)."""
