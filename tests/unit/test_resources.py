@@ -574,6 +574,20 @@ def test_multi_document_file_skips_empty_documents(tmp_path: Path) -> None:
     assert resources.check_references() == []
 
 
+def test_numbers_are_read_as_kubectl_reads_them(tmp_path: Path) -> None:
+    """PyYAML reads YAML 1.1, where ``1e-1`` is a string and ``2.0`` no integer; kubectl
+    takes both (YAML 1.2 floats, and Go's JSON writes a whole float as an integer)."""
+    spec = "{poolRef: p, image: img, memoryGiB: 5e-1, warmPool: 2.0, actions: [{name: a, "
+    spec += "t1Seconds: 1E1}]}"
+    f = _write(tmp_path / "p.yaml", POOL + "---" + ENV.replace("{poolRef: p, image: img}", spec))
+    (e,) = load_documents([f]).envs.values()
+    assert (e.spec.memory_gib, e.spec.warm_pool, e.spec.actions[0].t1_seconds) == (0.5, 2, 10.0)
+    bad = _write(tmp_path / "q.yaml", ENV.replace("image: img", "image: img, warmPool: 2.5e0"))
+    with pytest.raises(ResourceError) as err:
+        load_documents([bad])
+    assert "spec.warmPool" in str(err.value) and "valid integer" in str(err.value)
+
+
 def test_errors_count_documents_from_one_including_empty_ones(tmp_path: Path) -> None:
     f = _write(tmp_path / "p.yaml", f"---\n---\n{POOL.replace('{cpu: {}}', '{cpu: {}, x: 1}')}")
     with pytest.raises(ResourceError) as e:

@@ -7,6 +7,8 @@ files, splits them into YAML documents and says where each came from.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,24 @@ class _StrictLoader(yaml.SafeLoader):
             if isinstance(key, Hashable):
                 seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float | int:
+        """A float as ``kubectl`` sends it: Go's JSON writes a whole float64 (``2.0``,
+        ``1e3``) as an integer, which an integer field takes."""
+        value = float(super().construct_yaml_float(node))
+        if math.isfinite(value) and value.is_integer() and abs(value) < 1e21:
+            return int(value)
+        return value
+
+
+# PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent: ``1e3`` and
+# ``1.5e-3`` were strings, refused as "not a number", while kubectl (YAML 1.2 floats) takes them.
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _StrictLoader.construct_yaml_float)
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def manifest_files(path: str | Path) -> list[Path]:
