@@ -205,16 +205,18 @@ def test_a_command_the_exec_server_cannot_start_is_refused_before_it_takes_a_cor
     tmp_path: Path,
 ) -> None:
     """Over the exec server's 4,096 arguments (or its 1 MiB request, under a pool that
-    takes larger bodies) an exec was admitted, took a core and only then failed
-    (``exec_failed``): it is a 400 naming ``argv`` now, over HTTP, in a batch and on the
-    stream, and nothing of it is queued. At the bound it runs."""
+    takes larger bodies, or Linux's 128 KiB for one argument) an exec was admitted, took a
+    core and only then failed (``exec_failed``): it is a 400 naming ``argv`` now, over
+    HTTP, in a batch and on the stream, and nothing of it is queued. At the bound it runs."""
     agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=2)
     config = PoolConfig(envs=CONFIG.envs, max_request_bytes=4 << 20)
     over = ["echo", *["x"] * EXEC_MAX_ENTRIES]
     refused = [
         ({"argv": ["echo", *["x"] * 50_002]}, "argv", "50003 entries, over the exec server's 4096"),
         ({"argv": over}, "argv", "4097 entries"),
-        ({"argv": ["echo", "a" * EXEC_MAX_BYTES]}, "argv", f"over the {EXEC_MAX_BYTES}"),
+        ({"argv": ["echo", *["a" * 100_000] * 11]}, "argv", f"over the {EXEC_MAX_BYTES}"),
+        ({"argv": ["echo", "a" * (128 << 10)]}, "argv", "an argument of 131073 bytes"),
+        ({"argv": ["true"], "env": {"V": "a" * (128 << 10)}}, "env", "'V': 131075 bytes"),
         ({"argv": ["true"], "env": {f"V{i}": "" for i in range(EXEC_MAX_ENTRIES)}}, "env",
          "4097 variables"),
     ]  # fmt: skip

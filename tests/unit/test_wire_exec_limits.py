@@ -1,16 +1,20 @@
 """A command the environment's exec server could never start (over its 4,096 arguments or
-variables, or its 1 MiB request) is refused at admission, naming the field: it took a core
-and only then failed (``exec_failed: "argv: 50003 entries, over the exec server's 4096"``)."""
+variables, or its 1 MiB request, or Linux's 128 KiB for one of them) is refused at admission,
+naming the field: it took a core and only then failed (``exec_failed: "argv: 50003 entries,
+over the exec server's 4096"``)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import subprocess
 
 import pytest
 
 from tangram.api.wire import (
     EXEC_MAX_BYTES,
     EXEC_MAX_ENTRIES,
+    EXEC_MAX_ENTRY_BYTES,
     BatchItem,
     EnvSpec,
     ExecRequest,
@@ -44,17 +48,35 @@ def test_entries_over_the_bound_are_refused_naming_their_field() -> None:
     assert exec_server_problem(["x"], {**_vars(EXEC_MAX_ENTRIES - 1), "TANGRAM_DOP": "1"}) is None
 
 
+_ENTRY = "a" * (EXEC_MAX_ENTRY_BYTES - 1)  # the longest argument Linux takes, with its NUL
+_FULL = EXEC_MAX_BYTES // EXEC_MAX_ENTRY_BYTES  # so many of them fill the request
+
+
 def test_bytes_over_the_bound_are_refused_naming_the_larger_part() -> None:
-    most = EXEC_MAX_BYTES - 1  # an argument's bytes, and its NUL
-    assert exec_server_problem(["a" * most], {}) is None
-    field, why = exec_server_problem(["a" * (most + 1)], {}) or ("", "")
+    most = [_ENTRY] * (_FULL - 1) + ["a" * (EXEC_MAX_ENTRY_BYTES - 1)]
+    assert exec_server_problem(most, {}) is None
+    field, why = exec_server_problem([*most, ""], {}) or ("", "")  # one NUL more
     assert field == "argv" and f"over the {EXEC_MAX_BYTES}" in why
     # ``{dop}`` becomes one digit at least: what may fit once rendered is not refused.
-    assert exec_server_problem(["a" * (most - 1) + "{dop}"], {}) is None
-    assert _field(["true"], {"A": "é" * (EXEC_MAX_BYTES // 2)}) == "env"  # (UTF-8 bytes)
-    half = "a" * (EXEC_MAX_BYTES // 2)
-    assert _field([half + "aaa"], {"A": half}) == "argv"  # A=…: 2 bytes more than half
-    assert _field([half + "a"], {"A": half}) == "env"
+    assert exec_server_problem([*most[:-1], "a" * (EXEC_MAX_ENTRY_BYTES - 2) + "{dop}"], {}) is None
+    wide = {f"A{i}": "é" * 60_000 for i in range(_FULL + 1)}  # (counted in UTF-8 bytes)
+    assert _field(["true"], wide) == "env"
+    # Half each, 1 KiB an entry with its NUL ("V000=" and 1,018 bytes): the bound exactly.
+    args, env = ["a" * 1023] * 512, {f"V{i:03}": "a" * 1018 for i in range(512)}
+    assert _field(args, env) is None
+    assert _field([*args[1:], "a" * 1024], env) == "argv"
+    assert _field(args, {**env, "V000": "a" * 1019}) == "env"
+
+
+def test_one_argument_or_variable_over_linuxs_bound_is_refused() -> None:
+    """Linux refuses an argv or envp entry over MAX_ARG_STRLEN (E2BIG) however small the
+    rest: the command took its cores, then failed to start."""
+    assert exec_server_problem([_ENTRY], {"V": "a" * (EXEC_MAX_ENTRY_BYTES - 3)}) is None
+    field, why = exec_server_problem(["sh", "-c", _ENTRY + "a"], {}) or ("", "")
+    assert field == "argv" and why.startswith(f"an argument of {EXEC_MAX_ENTRY_BYTES + 1} bytes")
+    assert "MAX_ARG_STRLEN" in why and "stdin or a file" in why
+    field, why = exec_server_problem(["true"], {"V": "é" * (EXEC_MAX_ENTRY_BYTES // 2)}) or ("", "")
+    assert field == "env" and why.startswith("variable 'V': ")
 
 
 def _field(argv: list[str], environ: dict[str, str]) -> str | None:
@@ -102,3 +124,15 @@ def test_a_command_over_the_bounds_is_refused_before_it_queues() -> None:
         assert len(sent[2]["environ"]) == EXEC_MAX_ENTRIES - 1
 
     run(scenario, env=ENV)
+
+
+def test_the_entry_bound_is_the_kernels() -> None:
+    """The bound is this kernel's: ``true`` starts with the longest argument and variable
+    admitted, and one byte more is E2BIG."""
+    subprocess.run(["true", _ENTRY], check=True)
+    subprocess.run(["true"], env={"V": "a" * (EXEC_MAX_ENTRY_BYTES - 3)}, check=True)
+    for argv, environ in ((["true", _ENTRY + "a"], {}), (["true"], {"V": _ENTRY[2:] + "a"})):
+        with pytest.raises(OSError) as e:
+            subprocess.run(argv, env=environ, check=True)
+        assert e.value.errno == errno.E2BIG
+        assert exec_server_problem(argv, environ) is not None

@@ -308,16 +308,19 @@ class ExecRequest(_Request):
 
 # What the exec server in an environment takes of one command (node-agent's exec_server.c,
 # MAX_ARGS and MAX_FRAME): 4,096 arguments and 4,096 environment variables, and 1 MiB for
-# the request that starts it, each argument and ``K=V`` with a NUL. Admission holds every
-# command to them, whatever the runtime: one over them would take its cores, and only then
-# fail (``exec_failed``).
+# the request that starts it, each argument and ``K=V`` with a NUL (and Linux 128 KiB for one
+# of them). Admission holds every command to them, whatever the runtime: one over them
+# would take its cores, and only then fail (``exec_failed``).
 EXEC_MAX_ENTRIES = 4096
 EXEC_MAX_BYTES = 1 << 20
+# Linux's own bound on one argument or ``K=V`` of execve, its NUL included (MAX_ARG_STRLEN,
+# 32 pages of 4 KiB): over it execve fails with E2BIG whatever the total.
+EXEC_MAX_ENTRY_BYTES = 32 * 4096
 _DOP_VARIABLE = "TANGRAM_DOP"  # the agent adds it to each command's environment
 
 
 def exec_server_problem(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[str, str] | None:
-    """``(field, why)`` when the exec server cannot start ``argv`` with the variables
+    """``(field, why)`` when the exec server (or Linux) cannot start ``argv`` with the variables
     ``environ`` (a trajectory's ``env_vars`` and the command's ``env``): ``argv`` or
     ``env``, the larger part for their bytes together; None when it may. Only what must
     fail is refused: ``{dop}`` counts as the one digit it becomes at least, and the rest of
@@ -330,8 +333,14 @@ def exec_server_problem(argv: Sequence[str], environ: Mapping[str, str]) -> tupl
             f"{variables} variables with the trajectory's env_vars and {_DOP_VARIABLE}, over "
             f"the exec server's {EXEC_MAX_ENTRIES}"
         )
-    args = sum(_nul_terminated(a.replace("{dop}", "1")) for a in argv)
-    env = sum(_nul_terminated(f"{k}={v}") for k, v in environ.items())
+    arg_bytes = [_nul_terminated(a.replace("{dop}", "1")) for a in argv]
+    env_bytes = {k: _nul_terminated(f"{k}={v}") for k, v in environ.items()}
+    if (longest := max(arg_bytes, default=0)) > EXEC_MAX_ENTRY_BYTES:
+        return "argv", f"an argument of {longest} bytes, {_OVER_ENTRY}"
+    for k, n in env_bytes.items():
+        if n > EXEC_MAX_ENTRY_BYTES:
+            return "env", f"variable {k!r}: {n} bytes, {_OVER_ENTRY}"
+    args, env = sum(arg_bytes), sum(env_bytes.values())
     if args + env > EXEC_MAX_BYTES:
         return "argv" if args >= env else "env", (
             f"argv and env: {args} + {env} bytes (a NUL after each entry), over the "
@@ -339,6 +348,12 @@ def exec_server_problem(argv: Sequence[str], environ: Mapping[str, str]) -> tupl
             "stdin or a file)"
         )
     return None
+
+
+_OVER_ENTRY = (
+    f"over the {EXEC_MAX_ENTRY_BYTES} Linux takes of one (MAX_ARG_STRLEN, with its NUL; pass "
+    "large inputs as stdin or a file)"
+)
 
 
 def _nul_terminated(text: str) -> int:
