@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from tangram.api.wire import EnvSpec
 from tangram.node_agent.docker_runtime import DockerRuntime
 from tangram.node_agent.env_template import DEFAULT_USER, LABEL
 from tangram.node_agent.exec_server import Built, socket_in
-from tangram.node_agent.execution import STOP, ExecError, ExecResult
+from tangram.node_agent.execution import STOP, ExecError, ExecIO, ExecResult
 from tangram.node_agent.fast_path import cgroup_of
 from tangram.node_agent.inventory import parse_cpulist
 
@@ -255,6 +255,35 @@ def test_exit_codes_and_signals(runtime: DockerRuntime, busybox: str, path: str)
     assert run(runtime, t, ["sh", "-c", "kill -9 $$"], CORES[:1], path=path).exit_code == 137
     missing = run(runtime, t, ["no-such-tool"], CORES[:1], path=path)
     assert missing.exit_code == 127 if path == "fast" else missing.exit_code in (126, 127)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_command_given_no_stdin_reads_its_end_at_once(
+    runtime: DockerRuntime, busybox: str, path: str
+) -> None:
+    """Without ``stdin`` a command's input was a pipe nobody wrote or closed: ``cat`` held
+    its core until its timeout. Its input ends at once now, as /dev/null's, also when its
+    output streams; one given ``stdin`` reads it to its end."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    argv = ["sh", "-c", "cat; echo after"]
+    res = run(runtime, t, argv, CORES[:1], timeout_s=60, path=path)
+    assert (res.exit_code, res.stdout, res.timed_out) == (0, "after\n", False)
+    if path == "portable":  # (streams and stdin take the exec server)
+        return
+    chunks: list[bytes] = []
+
+    async def output(fd: int, data: bytes) -> None:
+        chunks.append(data)
+
+    res = run(runtime, t, argv, CORES[:1], timeout_s=60, io=ExecIO(output=output))
+    assert (res.exit_code, b"".join(chunks), res.timed_out) == (0, b"after\n", False)
+
+    async def given() -> AsyncIterator[bytes]:
+        yield b"typed\n"
+
+    res = run(runtime, t, argv, CORES[:1], timeout_s=60, io=ExecIO(stdin=given()))
+    assert (res.exit_code, res.stdout) == (0, "typed\nafter\n")
 
 
 def test_a_restarted_agent_readopts_its_containers_with_their_files(

@@ -233,11 +233,16 @@ class Channel:
         env: Mapping[str, str] | None = None,
         mode: Literal["pipe", "pty"] = "pipe",
         server_pid: int | None = None,
+        stdin: bool = True,
     ) -> Channel:
+        """Start ``argv``; ``stdin`` False: its standard input ends at once, as /dev/null's
+        (no command waits for its timeout on input nobody will send)."""
         payload = _request(mode, argv, cwd, env or {})
         chan = await cls.connect(sock_path, server_pid)
         try:
-            await chan._send(b"R", payload)
+            # The end of input goes with the request: no second write, and a server
+            # that fails the request never reads it.
+            await chan._send_all((b"R", payload), *([] if stdin else [(b"E", b"")]))
             kind, data = await chan.frame()
         except BaseException:
             # A cancel after the request: the server may start the command anyway, and
@@ -267,10 +272,13 @@ class Channel:
         await self._send(b"F", b"".join(f.encode() + b"\0" for f in (op, path, arg)))
 
     async def _send(self, kind: bytes, data: bytes) -> None:
+        await self._send_all((kind, data))
+
+    async def _send_all(self, *frames: tuple[bytes, bytes]) -> None:
         try:
             if self._writer.is_closing():  # (uvloop raises RuntimeError at the write)
                 raise ConnectionResetError
-            self._writer.write(_HEAD.pack(kind, len(data)) + data)
+            self._writer.write(b"".join(_HEAD.pack(k, len(d)) + d for k, d in frames))
             await self._writer.drain()
         except ConnectionError:
             if not self._answered:  # (a request the server hung up on unread)

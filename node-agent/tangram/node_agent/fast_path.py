@@ -191,6 +191,8 @@ class FastPath:
             chan = await Channel.start(
                 env.socket, cmd.argv, cwd=env.workdir, env=cmd.env, server_pid=env.pid,
                 mode="pty" if io is not None and io.pty else "pipe",
+                # A terminal's input stays open, as a terminal's does.
+                stdin=io is not None and (io.stdin is not None or io.pty),
             )  # fmt: skip
             t1 = time.perf_counter()
             try:
