@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -218,6 +219,79 @@ def test_no_process_outlives_its_action(
     assert only_pid1_left(runtime, t)
     # The next action starts on a clean slate and runs as usual.
     assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
+
+
+def soon_only_pid1_left(runtime: DockerRuntime, t: str) -> bool:
+    """Whether only PID 1 is left within a while: its sweep of what a killed handler left
+    follows the connection's end, which the agent sees first."""
+    deadline = time.monotonic() + 30
+    while not only_pid1_left(runtime, t):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("sig", ["STOP", "KILL"])
+def test_a_command_that_stops_or_kills_its_handler_ends_with_all_it_started(
+    runtime: DockerRuntime, busybox: str, sig: str
+) -> None:
+    """The exec server's handler runs as the command's user, which may signal it. Stopped,
+    it never answered the kill at the deadline: the action, and its core, were held for
+    good. Killed, the command and its busy loop ran on, on the idle cores and in every
+    later action's. Now the server kills a stopped handler, and what a killed one left."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    argv = ["sh", "-c", f"(while :; do :; done) & sleep 0.2; kill -{sig} $PPID; sleep 100"]
+    with pytest.raises(ExecError) as e:
+        run(runtime, t, argv, CORES[:1], timeout_s=60, path="fast")
+    assert "its handler ended first" in str(e.value), e.value
+    assert soon_only_pid1_left(runtime, t)
+    assert group_limits(runtime, t) == (CORES[:1], 0.1)
+    assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
+
+
+def test_a_tree_that_respawns_as_fast_as_it_dies_is_killed_whole(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """Each shell of the chain starts the next and waits for it, up to the pids limit; the
+    deepest one forks again as soon as a pid is free. Killed a generation at a time, the
+    chain outgrew the kill's rounds and lived on, at the pids limit: every later command
+    failed to start. It is stopped whole first now, then killed."""
+    t = tid()
+    runtime.open(t, template(busybox, pids_limit=64))
+    hydra = "while :; do setsid sh ./h.sh & wait; done"
+    argv = ["sh", "-c", f"echo '{hydra}' > h.sh; setsid sh ./h.sh & sleep 1; echo done"]
+    res = run(runtime, t, argv, CORES[:1], timeout_s=60, path="fast")
+    assert (res.exit_code, res.stdout) == (0, "done\n")
+    assert only_pid1_left(runtime, t)
+    assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
+
+
+def test_a_command_cannot_stop_its_sandbox_by_signalling_pid_1(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """The exec server, PID 1, stops on SIGTERM or SIGINT from the runtime; from a command
+    of the sandbox (its user's, as PID 1's) they are ignored: `kill 1` ended the sandbox,
+    and the trajectory was lost as a sandbox failure of the pool."""
+    t = tid()
+    runtime.open(t, template(busybox))
+    argv = ["sh", "-c", "kill -TERM 1; kill -INT 1; sleep 0.5; echo alive"]
+    assert run(runtime, t, argv, CORES[:1], path="fast").stdout == "alive\n"
+    assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
+
+
+def test_what_a_setup_command_leaves_running_is_killed_at_its_end(
+    runtime: DockerRuntime, busybox: str
+) -> None:
+    """Setup ran through Docker's exec, where nothing killed what it left: a busy loop
+    started there ran on the idle cores while the sandbox was idle, and took part of every
+    action's cores. It runs through the exec server now, as every action (and as pods)."""
+    t = tid()
+    loop = "(while :; do :; done) > /dev/null 2>&1 &"
+    runtime.open(t, template(busybox, setup=[["sh", "-c", f"{loop} echo set > ready"]]))
+    assert only_pid1_left(runtime, t)
+    assert run(runtime, t, ["cat", "ready"], CORES[:1]).stdout == "set\n"
 
 
 @pytest.mark.parametrize("path", PATHS)

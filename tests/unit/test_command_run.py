@@ -9,7 +9,8 @@ import contextlib
 
 import pytest
 
-from tangram.node_agent.execution import STOP, Output, render, supervise
+from tangram.node_agent import execution
+from tangram.node_agent.execution import STOP, ExecError, Output, render, supervise
 
 
 class Command:
@@ -84,6 +85,48 @@ def test_a_cancel_kills_and_cancels_as_before() -> None:
         return watching.cancelled(), cmd.kills, len(left)
 
     assert asyncio.run(go()) == (True, 1, 1)
+
+
+class Unanswered(Command):
+    """A command whose kill is never answered (its exec server's handler was stopped)."""
+
+    async def kill(self) -> None:
+        self.kills += 1
+
+
+@pytest.mark.parametrize("ending", ["deadline", "cancel"])
+def test_a_kill_that_is_never_answered_is_given_up(
+    ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait after a kill was unbounded: a command whose end never came held its
+    action, and its cores, for good. It is given up after ``KILL_ANSWER_S``, saying so,
+    and the command's wait is cancelled; a cancel still cancels."""
+    monkeypatch.setattr(execution, "KILL_ANSWER_S", 0.05)
+
+    async def go() -> str:
+        cmd, left = Unanswered(), []
+
+        async def on_cancel() -> None:
+            left.append(1)
+
+        collect = asyncio.ensure_future(cmd.collect())
+        timeout = 0.01 if ending == "deadline" else None
+        watching = asyncio.ensure_future(supervise(collect, timeout, cmd.kill, on_cancel))
+        if ending == "cancel":
+            await asyncio.sleep(0)
+            watching.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await watching
+            assert left == [1]
+            return ""
+        with pytest.raises(ExecError) as e:
+            await watching
+        await asyncio.sleep(0)
+        assert collect.cancelled() and cmd.kills == 1
+        return str(e.value)
+
+    said = asyncio.run(go())
+    assert ending == "cancel" or "its end was not told within 0.05 s" in said
 
 
 def test_dop_is_filled_and_a_doubled_one_is_left_literal() -> None:

@@ -143,14 +143,105 @@ static void reap(void) {
         if (w == cmd_pid) cmd_exited = 1, cmd_status = st;
 }
 
+/* A list of pids, grown as needed. */
+struct pids {
+    pid_t *v;
+    size_t n, cap;
+};
+
+static int pids_has(const struct pids *s, pid_t p) {
+    for (size_t i = 0; i < s->n; i++)
+        if (s->v[i] == p) return 1;
+    return 0;
+}
+
+static void pids_add(struct pids *s, pid_t p) {
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 64;
+        pid_t *v = realloc(s->v, cap * sizeof *v);
+        if (v == NULL) return; /* (then the next round's walk finds it again) */
+        s->v = v, s->cap = cap;
+    }
+    s->v[s->n++] = p;
+}
+
+static void pids_remove(struct pids *s, pid_t p) {
+    for (size_t i = 0; i < s->n; i++)
+        if (s->v[i] == p) {
+            s->v[i] = s->v[--s->n];
+            return;
+        }
+}
+
+/* Appends the children of every thread of `pid` to `out`. */
+static void children_of(pid_t pid, struct pids *out) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    DIR *d = opendir(path);
+    if (d == NULL) return;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+        char file[300]; /* (d_name: 256 bytes at most) */
+        snprintf(file, sizeof file, "/proc/%d/task/%s/children", (int)pid, e->d_name);
+        FILE *f = fopen(file, "r");
+        if (f == NULL) continue;
+        int child;
+        while (fscanf(f, "%d", &child) == 1) pids_add(out, child);
+        fclose(f);
+    }
+    closedir(d);
+}
+
+#define MAX_TREE (1u << 16)
+
+/* Stops every descendant of `root` not yet in `stopped` (but the subtrees of `spare`) and
+ * adds it there; how many it stopped. */
+static size_t stop_below(pid_t root, const struct pids *spare, struct pids *stopped) {
+    struct pids walk = {0};
+    size_t fresh = 0;
+    children_of(root, &walk);
+    for (size_t i = 0; i < walk.n && i < MAX_TREE; i++) {
+        pid_t p = walk.v[i];
+        if (spare != NULL && pids_has(spare, p)) continue;
+        if (!pids_has(stopped, p)) {
+            kill(p, SIGSTOP);
+            pids_add(stopped, p);
+            fresh++;
+        }
+        children_of(p, &walk);
+    }
+    free(walk.v);
+    return fresh;
+}
+
+/* Kills every descendant of `root` but the subtrees of `spare`: all of it stopped first,
+ * then killed. Killing a generation at a time loses to a tree that respawns as fast as it
+ * dies (a loop of setsid children holding the pids limit: each death frees the pid its
+ * deepest one forks again); a stopped process forks no more, so walks until two find
+ * nothing new, a millisecond apart, have the whole tree. */
+static void kill_below(pid_t root, const struct pids *spare) {
+    struct pids stopped = {0};
+    for (int walk = 0, quiet = 0; walk < 1000 && quiet < 2; walk++) {
+        if (stop_below(root, spare, &stopped) > 0) {
+            quiet = 0;
+        } else if (++quiet < 2) {
+            usleep(1000); /* one that was still forking as it was stopped has forked now */
+        }
+    }
+    for (size_t i = 0; i < stopped.n; i++) kill(stopped.v[i], SIGKILL);
+    free(stopped.v);
+}
+
 /* Descendants orphaned by the command are re-parented to this handler (a subreaper), so
- * killing "the tree" means: the command's process group, then every child we still have,
- * until none is left (each round reaches one more generation of a chain; a process that
- * will not die, stuck in the kernel, ends the rounds). No process can leave this tree:
- * setsid and double forks only re-parent to us. */
+ * killing "the tree" means: the command's process group, then every descendant we have
+ * (kill_below), then reaping until no child is left (a process that will not die, stuck
+ * in the kernel, ends the rounds). No process can leave this tree: setsid and double
+ * forks only re-parent to us. */
 static void kill_tree(pid_t group, int sig) {
     if (group > 0) kill(-group, sig);
     if (sig != SIGKILL) return; /* an interrupt is for the command, delivered once */
+    kill_below(getpid(), NULL);
     for (int round = 0; round < 1000; round++) {
         char path[64];
         snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
@@ -527,6 +618,38 @@ static void refuse_insider(int conn) {
     send_frame(conn, 'Z', why, sizeof why - 1);
 }
 
+/* The handlers this server forked and that still run. */
+static struct pids handlers;
+
+/* Reaps ended children; whether a handler was killed (its command's processes are
+ * orphans now). A handler that stopped was stopped by its command (a handler has no
+ * terminal to stop it; the command runs as the same user and may signal its parent): it
+ * would never answer the agent's kill, so the command's cores would stay held. It is
+ * killed: its connection's end tells the agent. (A handler ends by exiting, after
+ * killing what its command left; only a signal kills one.) */
+static int reap_handlers(void) {
+    pid_t w;
+    int st, killed = 0;
+    while ((w = waitpid(-1, &st, WNOHANG | WUNTRACED)) > 0) {
+        if (WIFSTOPPED(st)) {
+            kill(w, SIGKILL);
+        } else if (pids_has(&handlers, w)) {
+            pids_remove(&handlers, w);
+            killed |= WIFSIGNALED(st);
+        }
+    }
+    return killed;
+}
+
+/* As a container's init: kills every process re-parented to it that no handler owns,
+ * once a handler was killed (`kill -9 $PPID` from its command, or stopped and killed
+ * above): its command and what it started would run on between actions and into the
+ * next, on cores nobody accounts for. */
+static void sweep_orphans(void) {
+    do kill_below(getpid(), &handlers);
+    while (reap_handlers());
+}
+
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--install") == 0) return install(argv[2]);
     if (argc == 3 && strcmp(argv[1], "--files") == 0) {
@@ -581,9 +704,12 @@ int main(int argc, char **argv) {
         if (p[0].revents & POLLIN) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) == sizeof si)
-                if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) return 0;
-            while (waitpid(-1, NULL, WNOHANG) > 0) {
-            }
+                /* As init, a stop comes from the runtime, outside this PID namespace (the
+                 * sender's pid is 0 here): a command's `kill 1` does not end its sandbox. */
+                if ((si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) &&
+                    !(as_init && si.ssi_pid != 0))
+                    return 0;
+            if (reap_handlers() && as_init) sweep_orphans();
         }
         if (p[1].revents & POLLIN) {
             int conn = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
@@ -597,6 +723,7 @@ int main(int argc, char **argv) {
                 drain_then_close(conn);
                 _exit(0);
             }
+            if (pid > 0) pids_add(&handlers, pid);
             close(conn);
         }
     }

@@ -251,14 +251,32 @@ async def supervise(
     except TimeoutError:
         _stop_output()  # a reader that gives no credit must not hold the kill back
         await kill()
-        return await task, True
+        return await _killed(task), True
     except asyncio.CancelledError:
         _stop_output()
         await kill()
         with contextlib.suppress(Exception):
-            await task
+            await _killed(task)
         await on_cancel()
         raise
+
+
+# How long a killed command's end is awaited. Its end comes from whatever ran it (an exec
+# server's handler, a cgroup): one that never says it (a handler its command stopped,
+# under an exec server older than the one that kills such a handler) must not hold the
+# action, and its cores, for ever.
+KILL_ANSWER_S = 10.0
+
+
+async def _killed(task: asyncio.Future[Output]) -> Output:
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), KILL_ANSWER_S)
+    except TimeoutError:
+        task.cancel()
+        raise ExecError(
+            f"the command was killed but its end was not told within {KILL_ANSWER_S:g} s "
+            "(was its exec server's handler stopped?): given up, its cores given back"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -213,7 +213,10 @@ class FastPath:
             # The connection ended before the command's exit: its environment went (a
             # deleted pod, a killed container) or its handler did. No outcome to give: an
             # exit of None read as a command that ran to its end.
-            gone = "" if env.alive() else "; the environment is gone"
+            gone = "; the environment is gone" if not env.alive() else (
+                " (its handler ended first: a command that signals its parent, $PPID, "
+                "ends its own run)"
+            )
             raise ExecError(
                 f"the exec server's connection ended before the command's exit status{gone}",
                 ended=True,
