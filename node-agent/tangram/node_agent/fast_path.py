@@ -213,10 +213,8 @@ class FastPath:
             # The connection ended before the command's exit: its environment went (a
             # deleted pod, a killed container) or its handler did. No outcome to give: an
             # exit of None read as a command that ran to its end.
-            gone = "; the environment is gone" if not env.alive() else (
-                " (its handler ended first: a command that signals its parent, $PPID, "
-                "ends its own run)"
-            )
+            why = " (its handler ended first: a command that signals its parent, $PPID, ends"
+            gone = f"{why} its own run)" if env.alive() else "; the environment is gone"
             raise ExecError(
                 f"the exec server's connection ended before the command's exit status{gone}",
                 ended=True,
