@@ -21,6 +21,9 @@ class RecordedCgroups:
     def limit(self, group: str, cores: Sequence[int], quota_cores: float | None) -> None:
         self.limits.append((list(cores), quota_cores))
 
+    def oom_kills(self, group: str) -> int | None:
+        return None
+
 
 def fast_path() -> FastPath:
     return FastPath(RecordedCgroups(), [0])  # type: ignore[arg-type]

@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 
 from tangram.api.wire import EnvSpec
+from tangram.node_agent import sessions
 from tangram.node_agent.docker_runtime import DockerRuntime
 from tangram.node_agent.exec_server import Built
+from tangram.node_agent.execution import ExecError
 
 # One worker runs every Docker test, so only one of them may start (and stop) dockerd.
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.xdist_group("docker")]
@@ -230,5 +232,34 @@ def test_the_memory_limit_holds(env: tuple[DockerRuntime, str]) -> None:
     grab = "b = bytearray(900 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096]); print('survived')"
     res = asyncio.run(runtime.exec(t, ["python3", "-c", grab], CORES[:1], timeout_s=120))
     assert res.exit_code == 137 and "survived" not in res.stdout  # SIGKILL by the OOM killer
+    assert res.oom_killed  # (told apart from any other SIGKILL: the result said nothing)
     alive = asyncio.run(runtime.exec(t, ["true"], CORES[:1]))
     assert alive.exit_code == 0  # the environment itself lives on
+    killed = asyncio.run(runtime.exec(t, ["sh", "-c", "kill -9 $$"], CORES[:1]))
+    assert killed.exit_code == 137 and not killed.oom_killed
+    # A Python session's interpreter killed so: its failure said "exited: " and no more.
+    with pytest.raises(ExecError) as e:
+        asyncio.run(runtime.session(t, "python", grab.replace("print", "_ = str"), CORES[:1]))
+    assert "ended (killed by SIGKILL)" in str(e.value) and "out-of-memory" in str(e.value)
+
+
+def test_a_session_killed_at_its_timeout_says_its_state_is_lost(
+    env: tuple[DockerRuntime, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session that ignored its interrupt was killed, and its result read as that of one
+    that lived through it: the next step ran in a fresh session, its state silently gone."""
+    monkeypatch.setattr(sessions, "INTERRUPT_GRACE_S", 0.5)
+    runtime, t = env
+
+    async def scenario() -> list[tuple[bool, str, str]]:
+        said = []
+        for code in ["X=5", "sleep 30", "echo X=$X", "trap '' INT; while :; do sleep 0.1; done",
+                     "echo X=$X"]:  # fmt: skip
+            res = await runtime.session(t, "bash", code, CORES[:1], timeout_s=1)
+            said.append((res.timed_out, res.note, res.stdout.strip()))
+        return said
+
+    _, interrupted, kept, killed, fresh = asyncio.run(scenario())
+    assert interrupted[:2] == (True, "") and kept == (False, "", "X=5")
+    assert killed[0] and "was killed: its state is lost" in killed[1], killed
+    assert fresh == (False, "", "X=")

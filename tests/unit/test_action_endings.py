@@ -20,6 +20,7 @@ from tangram.api.wire import (
     OpenTrajectory,
     RunningAction,
     ServiceCallRequest,
+    Session,
     TrajectoryMeta,
 )
 from tangram.service.config import ANY_TENANT, EnvConfig, TenantLimits
@@ -441,3 +442,34 @@ def test_every_429_is_counted_as_an_admission_rejection() -> None:
         assert _rejected(engine) == 2
 
     run(scenario, tenants={ANY_TENANT: TenantLimits(max_trajectories=1)})
+
+
+# ---- what the agent says beside an outcome ---------------------------------------------------
+
+
+def test_an_oom_kill_and_a_lost_session_are_said_in_the_result() -> None:
+    """A command the OOM killer ended read as any SIGKILL (status ok, exit 137, no word of
+    why), and a session killed at its timeout as one that lived through it: the agent says
+    both now, and the result carries it (``out_of_memory``; the timeout's message)."""
+    lost = "the bash session did not answer its interrupt within 2 s and was killed"
+
+    def ran(msg: dict[str, Any]) -> AgentReply | None:
+        if msg["op"] == "exec":
+            return AgentReply(rid=0, ok=True, result=_outcome(), signal=9, oom_killed=True)
+        if msg["op"] == "session":
+            return AgentReply(rid=0, ok=True, result=_outcome(timed_out=True), error=lost)
+        return answer_all(msg)
+
+    async def scenario(engine: Engine) -> None:
+        docker = hello().model_copy(update={"runtime": "docker"})  # (one with sessions)
+        await connect(engine, Agent(docker, ran))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        oom = await engine.submit_exec("u", "t1", ExecRequest(argv=["grab"])).done
+        assert oom.status is ActionStatus.OK and oom.error is not None
+        assert oom.error.code == "out_of_memory" and "spec.memoryGiB" in oom.error.message
+        step = ExecRequest(session=Session(kind="bash"), code="sleep 9", timeout_s=1)
+        killed = await engine.submit_exec("u", "t1", step).done
+        assert killed.status is ActionStatus.TIMEOUT and killed.error is not None
+        assert killed.error.message == f"killed after 1 s (timeout_s); {lost}"
+
+    run(scenario)

@@ -567,7 +567,7 @@ class NodeAgent:
                 case AgentSession():
                     result = await self.exec(req, self._streams.get(req.rid))
                     return AgentReply(rid=req.rid, ok=True, result=outcome(result),
-                                      signal=result.signal)  # fmt: skip
+                                      signal=result.signal, error=result.note or None)  # fmt: skip
                 case AgentFiles():
                     files = await self.files(req, self._streams[req.rid])
                     return AgentReply(rid=req.rid, ok=True, files=files)
@@ -597,7 +597,7 @@ class NodeAgent:
         # (timed_out stays: a scheduler that reads no ``cancelled`` says timeout, not ok)
         cancelled = stop.is_set() and result.timed_out
         return AgentReply(rid=req.rid, ok=True, result=outcome(result), signal=result.signal,
-                          cancelled=cancelled)  # fmt: skip
+                          cancelled=cancelled, oom_killed=result.oom_killed)  # fmt: skip
 
     def _gpu(self) -> GpuRole:
         if self.gpu is None:

@@ -52,6 +52,7 @@ class Cgroups(Protocol):
     def cpus(self, group: str) -> str: ...
     def pids(self, group: str) -> list[int]: ...
     def remove(self, group: str) -> None: ...
+    def oom_kills(self, group: str) -> int | None: ...
 
 
 class _Reads:
@@ -65,6 +66,22 @@ class _Reads:
     def pids(self, group: str) -> list[int]:
         text = (self.cpuset / group / "cgroup.procs").read_text(encoding="utf-8")
         return [int(p) for p in text.split()]
+
+    def oom_kills(self, group: str) -> int | None:
+        """How many processes of the group the kernel's OOM killer has killed; None when
+        the group has no memory controller here (or a kernel before 4.13 counts none)."""
+        try:
+            text = self._oom_file(group).read_text(encoding="utf-8")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            name, _, count = line.partition(" ")
+            if name == "oom_kill":
+                return int(count)
+        return None
+
+    def _oom_file(self, group: str) -> Path:
+        raise NotImplementedError
 
 
 class CgroupV1(_Reads):
@@ -96,6 +113,9 @@ class CgroupV1(_Reads):
 
     def join_files(self, group: str) -> list[str]:
         return [str(self.cpuset / group / "cgroup.procs"), str(self.cpu / group / "cgroup.procs")]
+
+    def _oom_file(self, group: str) -> Path:
+        return self.cpuset.parent / "memory" / group / "memory.oom_control"
 
     def remove(self, group: str) -> None:
         for hierarchy in (self.cpu, self.cpuset):
@@ -131,6 +151,9 @@ class CgroupV2(_Reads):
 
     def join_files(self, group: str) -> list[str]:
         return [str(self.root / group / "cgroup.procs")]
+
+    def _oom_file(self, group: str) -> Path:
+        return self.root / group / "memory.events"
 
     def remove(self, group: str) -> None:
         path = self.root / group

@@ -11,10 +11,11 @@ plants a server over the socket's name cannot answer for the environment.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,12 @@ from tangram.node_agent.execution import (
     render,
     supervise,
 )
-from tangram.node_agent.sessions import BashSession, PythonSession, Session
+from tangram.node_agent.sessions import (
+    INTERRUPT_GRACE_S,
+    BashSession,
+    PythonSession,
+    Session,
+)
 
 __all__ = ["Command", "ExecServerRuntime", "FastPath", "Reachable", "cgroup_of"]
 
@@ -177,6 +183,7 @@ class FastPath:
     async def exec(self, env: Reachable, cmd: Command) -> ExecResult:
         t0 = time.perf_counter()
         env.check_alive()
+        ooms = self.cgroups.oom_kills(env.cgroup)  # (a SIGKILL's cause, told below)
         self.group_enter(env, cmd.cores)
         left = False
 
@@ -220,12 +227,27 @@ class FastPath:
                 ended=True,
             )
         code = None if timed_out else chan.exit_code
-        return ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
+        result = ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
+        if code == -signal.SIGKILL and ooms is not None:  # the OOM killer's signal
+            after = self.cgroups.oom_kills(env.cgroup)
+            if after is not None and after > ooms:
+                result = replace(result, oom_killed=True)
+        return result
 
     def end_sessions(self, trajectory: str) -> None:
         """The trajectory's environment is going: its sessions end with it."""
         for key in [k for k in self.sessions if k[0] == trajectory]:
             self.sessions.pop(key).alive = False
+
+
+OOM_KILLED = "the kernel's out-of-memory killer killed in the sandbox meanwhile: its memory ran out"
+
+
+def _session_lost(kind: str) -> str:
+    return (
+        f"the {kind} session did not answer its interrupt within {INTERRUPT_GRACE_S:g} s "
+        "and was killed: its state is lost, the next step starts a fresh session"
+    )
 
 
 class ExecServerRuntime:
@@ -308,7 +330,18 @@ class ExecServerRuntime:
             t1 = time.perf_counter()
             # {dop} is filled in bash commands, as in argv; Python reads TANGRAM_DOP.
             text = render([code], len(cores))[0] if kind == "bash" else code
-            reply = await sess.run(text, timeout_s=timeout_s, output_cap=output_cap, env=dop_env)
+            ooms = fast.cgroups.oom_kills(reach.cgroup)
+            try:
+                reply = await sess.run(
+                    text, timeout_s=timeout_s, output_cap=output_cap, env=dop_env
+                )
+            except ExecError as e:  # (the session's own process ended: was it the OOM killer?)
+                after = fast.cgroups.oom_kills(reach.cgroup) if ooms is not None else None
+                if after is None or ooms is None or after <= ooms:
+                    raise
+                raise ExecError(
+                    f"{e} ({OOM_KILLED})", retryable=e.retryable, ended=e.ended
+                ) from None
             t2 = time.perf_counter()
         finally:
             fast.group_leave(reach, cores)
@@ -319,6 +352,9 @@ class ExecServerRuntime:
             reply.stderr.encode(),
             reply.stderr_truncated,
         )
-        return ExecResult.of(
+        result = ExecResult.of(
             reply.exit_code, output, reply.timed_out, cores, (t0, t1, t2, t3), path=kind
         )
+        if reply.lost:  # (else its timeout reads as one the session lived through)
+            result = replace(result, note=_session_lost(kind))
+        return result

@@ -97,6 +97,20 @@ class Reply:
     stdout_truncated: bool
     stderr_truncated: bool
     timed_out: bool
+    lost: bool = False  # killed: its state is gone, the next action starts a fresh one
+
+
+def _how(kind: bytes, data: bytes) -> str:
+    """How a session's process ended, from its exit frame (none: its connection ended)."""
+    if kind != b"X":
+        return "its exec server's connection ended"
+    code = int(data)
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _escaped(ch: str) -> str:
@@ -176,7 +190,7 @@ class Session:
                     reply = await asyncio.wait_for(pending, INTERRUPT_GRACE_S)
                 except TimeoutError:
                     await self.kill()
-                    return Reply(None, "", "", False, False, True)
+                    return Reply(None, "", "", False, False, True, lost=True)
                 return replace(reply, exit_code=None, timed_out=True)
             except BaseException:
                 if pending is not None:
@@ -314,9 +328,10 @@ class PythonSession(Session):
                 self._stray += data
             elif kind in (b"X", b""):
                 self.alive = False
+                said = bytes(self._stray[-500:]).decode(errors="replace").strip()
                 raise ExecError(
-                    f"python session: the interpreter exited: "
-                    f"{bytes(self._stray[-500:]).decode(errors='replace')}"
+                    f"python session: the interpreter ended ({_how(kind, data)})"
+                    f"{': ' + said if said else ''}; the next step starts a fresh session"
                 )
         line, _, rest = bytes(self._lines).partition(b"\n")
         self._lines = bytearray(rest)

@@ -1190,6 +1190,8 @@ class AgentReply(_Strict):
     # The signal that killed the command of ``result`` (its exit_code: 128 + it); here,
     # not in ExecOutcome, which schedulers before it refuse unknown fields of.
     signal: int | None = None
+    # that signal was the kernel's OOM killer's: its sandbox's memory ran out
+    oom_killed: bool = False
     # a keyed run that an earlier agent started and never ended: it may have run, and it
     # is not run again
     unknown: bool = False

@@ -21,6 +21,11 @@ from tangram.service.state import PoolState, agent_gone
 
 log = logging.getLogger("tangram.service")
 
+OOM_KILLED = (
+    "killed by the kernel's out-of-memory killer: its sandbox reached the memory limit of "
+    "its TrajectoryEnv (spec.memoryGiB)"
+)
+
 
 class Rounds:
     def __init__(self, state: PoolState, outcomes: Outcomes, gpu: GpuCalls, api: ApiCalls) -> None:
@@ -164,7 +169,10 @@ class Rounds:
             elif (ran := ran_status(reply)) is not None:  # (cancelled: its key's run again)
                 status = ran
                 if ran is ActionStatus.TIMEOUT and timeout is not None:  # say which limit
-                    error = err("timeout", f"killed after {timeout:g} s ({rec.timeout_from})")
+                    said = f"; {reply.error}" if reply.error else ""  # (a session's loss)
+                    error = err("timeout", f"killed after {timeout:g} s ({rec.timeout_from}){said}")
+                elif ran is ActionStatus.OK and reply.oom_killed:  # (it ran: status stays ok)
+                    error = err("out_of_memory", OOM_KILLED)
             elif reply.unknown:
                 error = err("outcome_unknown", reply.error or "its outcome is unknown")
             else:
