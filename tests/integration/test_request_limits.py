@@ -291,3 +291,24 @@ def test_the_agents_link_still_reads_frames_of_many_mib(tmp_path: Path) -> None:
 async def _until_closed(ws: aiohttp.ClientWebSocketResponse) -> None:
     async for _ in ws:  # what the scheduler asks of the node: left unanswered
         pass
+
+
+def test_a_body_sent_as_a_form_is_refused_naming_its_content_type(
+    running: tuple[Running, str],
+) -> None:
+    """``curl -d`` sends a form's content type; the framework then reads no JSON, and the
+    answer was "body: Input should be a valid dictionary". It names the header now (415);
+    a JSON body of the wrong shape is still a 400 naming its field."""
+    run, token = running
+    auth = {"authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=run.url, headers=auth, timeout=WAIT_S) as http:
+        for kind in ("application/x-www-form-urlencoded", "text/plain"):
+            answer = http.post(
+                "/v1/trajectories", content=b'{"env": "noop"}', headers={"content-type": kind}
+            )
+            assert answer.status_code == 415, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "unsupported_media_type"
+            assert "Content-Type: application/json" in error["message"] and kind in error["message"]
+        answer = http.post("/v1/trajectories", json={"env": 3})
+        assert answer.status_code == 400 and answer.json()["error"]["details"][0]["field"] == "env"

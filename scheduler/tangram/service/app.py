@@ -289,7 +289,9 @@ def create_app(
     app.openapi = lambda: _schema(app, [ExecRequest])  # type: ignore[method-assign]
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if (wrong := _not_json(request, exc)) is not None:
+            return _error(415, "unsupported_media_type", wrong)
         return JSONResponse(invalid(exc.errors(), skip=1), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -571,6 +573,18 @@ def _header_key(key: str) -> str:
         raise RequestValidationError(
             [{**err, "loc": ("header", "Idempotency-Key")} for err in e.errors(include_url=False)]
         ) from None
+
+
+def _not_json(request: Request, exc: RequestValidationError) -> str | None:
+    """Why a body was not read, when the reason is its content type: the framework reads a
+    body as JSON only when it says it is, and ``curl -d`` says it is a form. The answer
+    was "body: Input should be a valid dictionary", which points nowhere near the header."""
+    given = request.headers.get("content-type")
+    if given is None or given.split(";")[0].strip().lower() in ("application/json", ""):
+        return None
+    if not any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
+        return None
+    return f"the body is read as JSON, sent with Content-Type: application/json (not {given!r})"
 
 
 def _with_header_key(req: ExecRequest, key: str) -> ExecRequest:
