@@ -147,20 +147,28 @@ def _error_body(response: httpx.Response | Response) -> ErrorBody:
         "Basic dXNlcjpwYXNz",
         "Bearer",
         "Bearer tökén",  # non-ASCII: HTTP header values are bytes, read as latin-1
-        "agent",  # the node agent's token: agents do not submit
     ],
 )
 def test_without_a_valid_token_it_is_401(target: Target, authorization: str | None) -> None:
     headers: dict[bytes, bytes] = {}
-    if authorization == "agent":
-        headers[b"Authorization"] = f"Bearer {target.agent_token}".encode()
-    elif authorization is not None:
+    if authorization is not None:
         headers[b"Authorization"] = authorization.encode("latin-1")
     with httpx.Client(base_url=target.url, timeout=REQUEST_TIMEOUT_S) as c:
         r = c.post("/v1/trajectories", json={"env": "shell"}, headers=headers)
     assert r.status_code == 401, r.text
     assert r.headers["WWW-Authenticate"] == "Bearer"
     assert _error_body(r).error.code == "unauthorized"
+
+
+def test_the_agents_token_is_valid_but_submits_nothing(target: Target) -> None:
+    """A valid token of a role that does not submit: 403 saying whose it is (it was a 401,
+    "a valid bearer token is required", as if it were none)."""
+    headers = {"Authorization": f"Bearer {target.agent_token}"}
+    with httpx.Client(base_url=target.url, timeout=REQUEST_TIMEOUT_S) as c:
+        r = c.post("/v1/trajectories", json={"env": "shell"}, headers=headers)
+    assert r.status_code == 403, r.text
+    error = _error_body(r).error
+    assert error.code == "forbidden" and "is for the node agents' link" in error.message
 
 
 def test_every_operation_needs_a_token(target: Target) -> None:

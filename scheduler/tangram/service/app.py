@@ -420,8 +420,14 @@ def create_app(
         return engine.release(who, lease)
 
     def operator(request: Request) -> None:
-        if _bearer(tokens, request.headers.get("authorization")) != OPERATOR_TENANT:
+        who = _bearer(tokens, request.headers.get("authorization"))
+        if who is None:
             raise _UnauthorizedError
+        if who != OPERATOR_TENANT:  # (a valid token, of another role: 403, not 401)
+            raise NotAdmittedError(
+                f"the /v1/admin routes take the operator's token ({OPERATOR_TENANT}), not "
+                f"the token of {who}"
+            )
 
     @app.post(RELOAD_PATH, include_in_schema=False)
     async def reload(request: Request) -> JSONResponse:
@@ -763,15 +769,19 @@ async def _tenant(request: Request, authorization: Annotated[str | None, Header(
 async def _client(
     tokens: TokenStore, reviewer: TokenReviewer | None, engine: Engine, authorization: str | None
 ) -> str:
-    """The tenant of a client's token. Raises _UnauthorizedError for no valid token or an
-    agent's or the operator's (they do not submit), NotAdmittedError for a ServiceAccount
-    the pool's access list does not admit, EngineError when the token cannot be checked."""
+    """The tenant of a client's token. Raises _UnauthorizedError for no valid token,
+    NotAdmittedError for an agent's or the operator's (they do not submit) and for a
+    ServiceAccount the pool's access list does not admit, EngineError when the token
+    cannot be checked."""
     try:
         who = await _who(tokens, reviewer, engine, authorization)
     except (ReviewError, OSError) as e:
         raise _unchecked(e) from None
-    if who is None or who in (AGENT_TENANT, OPERATOR_TENANT):
+    if who is None:
         raise _UnauthorizedError
+    if who in (AGENT_TENANT, OPERATOR_TENANT):  # (valid, of another role: 403, not 401)
+        use = "node agents' link" if who == AGENT_TENANT else "/v1/admin routes"
+        raise NotAdmittedError(f"the token of {who} is for the {use}, not for submitting")
     return who
 
 
