@@ -86,7 +86,9 @@ class ActionSpec(BaseModel):
         for field in ("cpu", "gpu"):
             demand = getattr(self, field)
             if demand is not None and min(allowed_units(demand)) < 1:
-                raise ValueError(f"{field}: an action needs at least one unit")
+                # The part of the demand that allows none (``cpu.min``), as it was spelled.
+                part = {RangeDemand: ".min", ChoicesDemand: ".choices"}.get(type(demand), "")
+                raise ValueError(f"{field}{part}: an action needs at least one unit")
         key = self.elastic_key()
         if self.key is not None and self.key not in self._variable_resources():
             raise ValueError(f"key: {self.key} is not a resource this action demands elastically")

@@ -415,7 +415,8 @@ def _named(e: ValidationError) -> tuple[str, str]:
     if err["loc"]:
         return field_path(err["loc"]), said
     field, sep, rest = said.partition(": ")
-    if sep and field.isidentifier():
+    head, _, parts = field.partition(".")  # (a part may name a quota: ``quotas.web-x``)
+    if sep and head.isidentifier() and (not parts or " " not in parts):
         return field, rest
     return "cpu", said
 
