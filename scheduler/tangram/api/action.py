@@ -87,7 +87,11 @@ class ActionSpec(BaseModel):
             demand = getattr(self, field)
             if demand is not None and min(allowed_units(demand)) < 1:
                 # The part of the demand that allows none (``cpu.min``), as it was spelled.
-                part = {RangeDemand: ".min", ChoicesDemand: ".choices"}.get(type(demand), "")
+                part = (
+                    ".min" if isinstance(demand, RangeDemand)
+                    else ".choices" if isinstance(demand, ChoicesDemand)
+                    else ""
+                )  # fmt: skip
                 raise ValueError(f"{field}{part}: an action needs at least one unit")
         key = self.elastic_key()
         if self.key is not None and self.key not in self._variable_resources():
