@@ -5,6 +5,7 @@ adopted run teaches, and how the metrics count endings and refusals."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -473,3 +474,21 @@ def test_an_oom_kill_and_a_lost_session_are_said_in_the_result() -> None:
         assert killed.error.message == f"killed after 1 s (timeout_s); {lost}"
 
     run(scenario)
+
+
+def test_an_ended_actions_log_line_names_its_node(caplog: pytest.LogCaptureFixture) -> None:
+    """``--log-json`` promises ``node`` among the ids; the line of an action's end had the
+    trajectory but no node (only a trajectory's opening had it)."""
+
+    def ran(msg: dict[str, Any]) -> AgentReply | None:
+        return AgentReply(rid=0, ok=True, result=_outcome()) if msg["op"] == "exec" else None
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello(), lambda m: ran(m) or answer_all(m)))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        await engine.submit_exec("u", "t1", ExecRequest(argv=["true"])).done
+
+    with caplog.at_level(logging.INFO, logger="tangram.service"):
+        run(scenario)
+    (ended,) = [r for r in caplog.records if r.getMessage() == "action ended"]
+    assert (getattr(ended, "node", None), getattr(ended, "trajectory", None)) == ("n1", "t1")

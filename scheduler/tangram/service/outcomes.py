@@ -165,6 +165,7 @@ class Outcomes:
                 extra={
                     "action": result.id,
                     "trajectory": rec.trajectory,
+                    "node": result.allocation.node,  # (None: it never started)
                     "kind": result.kind,
                     "status": result.status.value,
                     "act_s": round(result.timings.act_s, 6),
