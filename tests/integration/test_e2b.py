@@ -36,6 +36,7 @@ from e2b.exceptions import (
     NotFoundException,
     RateLimitException,
     SandboxException,
+    SandboxNotRunningException,
     TimeoutException,
 )
 from e2b.sandbox.commands.command_handle import PtySize
@@ -442,6 +443,27 @@ def test_labels_that_are_no_timeout_stop_no_reaping(e2b: tuple[str, str, str]) -
         assert len(ends) == 3  # the labelled ones, each ending within the 24 h bound
         for tid in odd_ones:
             assert http.delete(f"/v1/trajectories/{tid}").status_code == 200
+
+
+def test_a_killed_sandbox_is_not_running_to_the_sdk(e2b: tuple[str, str, str]) -> None:
+    """As behind E2B's proxy: its commands and files say it was killed or timed out, not
+    that it could not be reached (its state unknown)."""
+    sb = Sandbox.create("box")
+    sb.kill()
+    for call in (lambda: sb.commands.run("true"), lambda: sb.files.read("a"),
+                 lambda: sb.files.list(".")):  # fmt: skip
+        with pytest.raises(SandboxNotRunningException, match=f"{sb.sandbox_id} was not found"):
+            call()
+
+    async def go() -> None:
+        asb = await AsyncSandbox.create("box")
+        await asb.kill()
+        with pytest.raises(SandboxNotRunningException, match="was not found"):
+            await asb.commands.run("true")
+        with pytest.raises(SandboxNotRunningException, match="was not found"):
+            await asb.files.write("a", "x")
+
+    asyncio.run(go())
 
 
 def test_list_info_and_kill(e2b: tuple[str, str, str]) -> None:

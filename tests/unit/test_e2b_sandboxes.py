@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from types import SimpleNamespace
 from typing import Any, cast
 
 import httpx
 import pytest
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from e2b.envd.api import format_envd_api_exception, get_message
+from e2b.envd.rpc import handle_rpc_exception
+from e2b.exceptions import SandboxNotRunningException
 from fastapi import FastAPI
 
 from tangram.api.wire import AgentReply, OpenTrajectory, TrajectoryState
 from tangram.service.e2b import add_e2b_routes, process
+from tangram.service.e2b.connect import envelope
 from tangram.service.e2b.sandboxes import OUTPUT_BACKLOG, Proc, Sandbox, Sandboxes
 from tangram.service.engine import Engine
 from tangram.service.records import EngineError
@@ -164,5 +171,48 @@ def test_envd_says_why_a_sandbox_is_gone() -> None:
                 r = await http.get("/health", headers={"E2b-Sandbox-Id": box.id})
                 assert r.status_code == 502
                 assert box.id in r.json()["message"] and why in r.json()["message"]
+
+    run(scenario)
+
+
+def test_a_killed_or_unknown_sandbox_is_what_e2bs_sdk_calls_not_running() -> None:
+    """E2B's SDK takes a 502 (REST) or ``unavailable`` (Connect) whose message says "was
+    not found" for a sandbox killed or past its timeout; any other message it reads as
+    unreachable, its state unknown. A sandbox killed here has no record left."""
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))
+
+        async def admit(token: str | None) -> str:
+            return "u"
+
+        app = FastAPI()
+        boxes, _ = add_e2b_routes(app, engine, admit)
+        killed, expired = [await boxes.create("u", "e", 60, {}, {}) for _ in range(2)]
+        await boxes.kill("u", killed.id)
+        boxes.set_timeout(expired, 1)
+        await engine.close_trajectory("u", expired.id)  # (as the reaper does at its timeout)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            for sid in (killed.id, expired.id, "t-never-made"):
+                head = {"E2b-Sandbox-Id": sid}
+                health = await http.get("/health", headers=head)
+                download = await http.get("/files", params={"path": "a"}, headers=head)
+                for r in (health, download):
+                    assert r.status_code == 502, r.text
+                    error = format_envd_api_exception(r.status_code, get_message(r))
+                    assert isinstance(error, SandboxNotRunningException), error
+                    assert sid in str(error)
+                r = await http.post("/filesystem.Filesystem/Stat", json={"path": "a"},
+                                    headers=head)  # fmt: skip
+                body = r.json()
+                error = handle_rpc_exception(ConnectError(Code(body["code"]), body["message"]))
+                assert isinstance(error, SandboxNotRunningException), error
+                start = {"process": {"cmd": "true"}}
+                r = await http.post("/process.Process/Start", content=envelope(start), headers={
+                    **head, "Content-Type": "application/connect+json"})  # fmt: skip
+                end = json.loads(r.content[5:])["error"]
+                error = handle_rpc_exception(ConnectError(Code(end["code"]), end["message"]))
+                assert isinstance(error, SandboxNotRunningException), error
 
     run(scenario)

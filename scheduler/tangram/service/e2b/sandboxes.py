@@ -130,7 +130,15 @@ class Sandboxes:
     def find(self, tenant: str, sid: str, *, lost: bool = False) -> Sandbox:
         """``tenant``'s sandbox ``sid``: any of its trajectories that is open; ``lost``:
         or lost (its environment gone), which can still be killed."""
-        rec = self.engine.trajectory(tenant, sid)  # 404 for an unknown or a stranger's
+        try:
+            rec = self.engine.trajectory(tenant, sid)  # 404 for an unknown or a stranger's
+        except EngineError as e:
+            if e.kind != "not_found":
+                raise
+            # E2B's SDK reads "was not found" as a sandbox killed or past its timeout
+            # (SandboxNotRunningException); one killed here has left no record.
+            raise EngineError("not_found", "sandbox", f"sandbox {sid} was not found "
+                              f"({e.message})") from None  # fmt: skip
         box = self._known.get((tenant, sid))
         if box is not None and box.trajectory is not rec:
             box = None  # the id was closed and opened again since
