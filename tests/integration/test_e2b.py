@@ -524,6 +524,42 @@ def test_refusals_name_what_is_wrong(e2b: tuple[str, str, str]) -> None:
         sb.kill()
 
 
+def test_what_is_not_served_says_so_in_e2bs_shape(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    """E2B's SDK reads only ``{"code", "message"}``: metrics crashed it (KeyError 'code')."""
+    _, url, token = e2b
+    sid = sandbox.sandbox_id
+    with pytest.raises(SandboxException, match="501: sandbox metrics are not served"):
+        sandbox.get_metrics()
+    with pytest.raises(SandboxException, match="501: sandbox metrics are not served"):
+        Sandbox.get_metrics(sid)
+    api = {"X-API-KEY": token}
+    for method, path, status, said in (
+        ("GET", "/sandboxes/metrics", 501, "metrics are not served"),
+        ("GET", f"/sandboxes/{sid}/logs", 501, "logs are not served"),
+        ("GET", f"/v2/sandboxes/{sid}/logs", 501, "logs are not served"),
+        ("PUT", f"/sandboxes/{sid}/network", 404, "is not served"),
+        ("GET", "/templates", 404, "is not served"),
+        ("GET", "/v3/templates/x/builds", 404, "is not served"),
+        ("PATCH", "/sandboxes", 405, "endpoint (it serves GET, POST)"),
+    ):
+        r = httpx.request(method, f"{url}{path}", headers=api)
+        assert r.status_code == status, (path, r.text)
+        assert r.json()["code"] == status and said in r.json()["message"], (path, r.text)
+        assert status != 405 or r.headers["allow"] == "GET, POST"
+    # The code interpreter's requests (e2b_code_interpreter's run_code): its port, by header.
+    interpreter = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token}
+    for path in ("/execute", "/contexts", "/health"):
+        r = httpx.post(f"{url}{path}", headers=interpreter, json={"code": "1"})
+        assert r.status_code == 501, (path, r.text)
+        message = r.json()["message"]
+        assert "code interpreter" in message and "commands.run" in message, message
+    assert httpx.get(f"{url}/healthz").status_code == 200  # (the service's own paths keep theirs)
+    r = httpx.get(f"{url}/v1/nope", headers=api)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
 def test_the_async_sdk(e2b: tuple[str, str, str]) -> None:
     async def go() -> None:
         sb = await AsyncSandbox.create("box")

@@ -16,7 +16,7 @@ import functools
 import logging
 import re
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -65,7 +65,7 @@ from tangram.service.auth import AGENT_TENANT, OPERATOR_TENANT, TokenStore
 from tangram.service.e2b import add_e2b_routes
 from tangram.service.e2b.envd import is_upload as is_e2b_upload
 from tangram.service.e2b.envd import too_large as e2b_too_large
-from tangram.service.e2b.errors import E2BError
+from tangram.service.e2b.errors import E2BError, unrouted
 from tangram.service.engine import Engine
 from tangram.service.file_routes import add_file_routes, is_upload
 from tangram.service.records import ActionRecord, EngineError
@@ -303,8 +303,16 @@ def create_app(
         )
         details = [{"field": "body", "message": str(exc.detail)}] if exc.status_code == 400 else []
         headers = dict(exc.headers) if exc.headers else None
+        allow = None
         if exc.status_code == 405:  # every method of the path, not just its first route's
-            headers = {**(headers or {}), "Allow": ", ".join(_methods(app, request.scope))}
+            # (the E2B routers' routes too: FastAPI lists an included router as one entry)
+            allow = ", ".join(_methods([*app.router.routes, *e2b_routes], request.scope))
+            headers = {**(headers or {}), "Allow": allow}
+        if exc.status_code in (404, 405):  # (E2B's SDKs read only E2B's shape)
+            e2b = unrouted(request.method, request.url.path, request.headers, exc.status_code,
+                           allow)  # fmt: skip
+            if e2b is not None:
+                return e2b
         return _error(exc.status_code, code, str(exc.detail), details, headers)
 
     @app.exception_handler(EngineError)
@@ -817,11 +825,11 @@ def _bearer(tokens: TokenStore, header: str | None) -> str | None:
     return tokens.tenant(token) if token is not None else None
 
 
-def _methods(app: FastAPI, scope: Scope) -> list[str]:
+def _methods(routes: Iterable[BaseRoute], scope: Scope) -> list[str]:
     """The methods the routes matching ``scope``'s path take, for a 405's Allow header
     (each method of a path is its own route)."""
     found: set[str] = set()
-    for route in app.router.routes:
+    for route in routes:
         if isinstance(route, APIRoute) and route.path_regex.match(scope["path"]):
             found.update(route.methods or ())
     return sorted(found)

@@ -180,6 +180,10 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
             response.headers["X-Next-Token"] = _token(page[-1], order)
         return [detail(box) for box in page]
 
+    # Registered before /sandboxes/{sandbox_id}, which would take "metrics" for an id.
+    no_metrics = _unserved_get("metrics", tenant, per_sandbox=False)
+    router.get("/sandboxes/metrics", name="no_metrics_of_all", include_in_schema=False)(no_metrics)
+
     @router.get("/sandboxes/{sandbox_id}")
     async def get_sandbox(sandbox_id: str, who: tenant) -> SandboxDetail:
         return detail(sandboxes.find(who, sandbox_id))
@@ -216,8 +220,32 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
     for what, done in unserved.items():
         router.post(f"/sandboxes/{{sandbox_id}}/{what}", name=f"not_{done}",
                     include_in_schema=False)(_not_served(done, tenant))  # fmt: skip
+    for path, what in (("/sandboxes/{sandbox_id}/metrics", "metrics"),
+                       ("/sandboxes/{sandbox_id}/logs", "logs"),
+                       ("/v2/sandboxes/{sandbox_id}/logs", "logs")):  # fmt: skip
+        router.get(path, name=f"no_{what}", include_in_schema=False)(_unserved_get(what, tenant))
 
     return router
+
+
+def _unserved_get(what: str, tenant: Any, *, per_sandbox: bool = True) -> Callable[..., Any]:
+    """Metrics and logs: 501 saying so. Not 404, which E2B's SDK reads as the sandbox gone
+    ("Sandbox ... not found", SandboxNotFoundException) without showing this message."""
+    instead = {"metrics": "the scheduler's /metrics exports its pools'",
+               "logs": "a command's output comes with its result"}[what]  # fmt: skip
+    message = f"sandbox {what} are not served by ARL-Tangram's E2B endpoint ({instead})"
+
+    if per_sandbox:
+
+        async def for_one(sandbox_id: str, who: tenant) -> Response:
+            raise E2BError(501, message)
+
+        return for_one
+
+    async def for_all(who: tenant) -> Response:
+        raise E2BError(501, message)
+
+    return for_all
 
 
 def _not_served(done: str, tenant: Any) -> Callable[..., Awaitable[Response]]:

@@ -32,7 +32,7 @@ from tangram.service.e2b.connect import (
     timeout_s,
 )
 from tangram.service.e2b.control import Admit, iso
-from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute
+from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute, port_problem
 from tangram.service.e2b.multipart import file_parts
 from tangram.service.e2b.sandboxes import Sandbox, Sandboxes
 from tangram.service.engine import Engine
@@ -44,7 +44,7 @@ _TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FI
 _BITS = {"file": stat_bits.S_IFREG, "dir": stat_bits.S_IFDIR, "symlink": stat_bits.S_IFLNK}
 _STATUS_CODE = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied",
                 404: "not_found", 413: "resource_exhausted", 429: "resource_exhausted",
-                502: "unavailable", 503: "unavailable"}  # fmt: skip
+                501: "unimplemented", 502: "unavailable", 503: "unavailable"}  # fmt: skip
 MAX_LIST = 100_000  # entries a ListDir answers at most
 MAX_UINT32 = (1 << 32) - 1  # the largest depth envd's proto can carry
 MAX_DEPTH = MAX_PATH // 2  # levels a ListDir walks at most ("a/" each)
@@ -82,6 +82,8 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
 
     async def caller(request: Request) -> tuple[str, Sandbox]:
         who = await admit(request.headers.get("x-access-token"))
+        if (problem := port_problem(request.headers)) is not None:
+            raise E2BError(501, problem)
         sid = request.headers.get("e2b-sandbox-id")
         if not sid:
             raise E2BError(400, "E2b-Sandbox-Id: the header naming the sandbox is required "
