@@ -18,10 +18,11 @@ from e2b.envd.rpc import handle_rpc_exception
 from e2b.exceptions import SandboxNotRunningException
 from fastapi import FastAPI
 
-from tangram.api.wire import AgentReply, OpenTrajectory, TrajectoryState
+from tangram.api.wire import AgentReply, EnvSpec, OpenTrajectory, TrajectoryState
+from tangram.service.config import EnvConfig
 from tangram.service.e2b import add_e2b_routes, process
 from tangram.service.e2b.connect import envelope
-from tangram.service.e2b.sandboxes import OUTPUT_BACKLOG, Proc, Sandbox, Sandboxes
+from tangram.service.e2b.sandboxes import NO_END_S, OUTPUT_BACKLOG, Proc, Sandbox, Sandboxes
 from tangram.service.engine import Engine
 from tangram.service.records import EngineError
 from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, run
@@ -94,9 +95,37 @@ def test_connect_gives_a_trajectory_without_a_timeout_none() -> None:
         for box in (plain, made):
             boxes.set_timeout(box, 5, extend_only=True)  # E2B's connect
         assert plain.end_at is None  # kept none: not killed 5 s from now
+        assert boxes.shown_end(plain) == v1.opened_at + NO_END_S  # (its env: no idle timeout)
         assert made.end_at is not None and made.end_at > boxes.clock() + 5  # not shortened
 
     run(scenario)
+
+
+def test_a_v1_trajectory_is_listed_and_ends_when_its_idle_timeout_would_close_it() -> None:
+    """``Sandbox.connect`` takes any open trajectory of the tenant: ``list`` names them all,
+    and a trajectory without a timeout ends (``endAt``) when its env's idle timeout finds
+    it idle, not a year on."""
+    engine_now = [500.0]
+    idle = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.5), idle_timeout_s=600)
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello()))
+        boxes = Sandboxes(engine, clock=lambda: 1000.0)
+        made = await boxes.create("u", "e", 60, {}, {})
+        v1 = await engine.open_trajectory("u", OpenTrajectory(env="e", labels={"a": "b"}))
+        await engine.open_trajectory("other", OpenTrajectory(env="e"))  # (not the tenant's)
+        listed = {box.id: box for box in boxes.mine("u")}
+        assert set(listed) == {made.id, v1.id}
+        assert listed[v1.id].metadata == {"a": "b"}
+        assert boxes.shown_end(made) == 1060.0  # its own timeout
+        engine_now[0] += 100  # idle for 100 s of its 600
+        assert boxes.shown_end(listed[v1.id]) == 1500.0
+        engine_now[0] += 1000
+        assert boxes.shown_end(listed[v1.id]) == 1000.0  # due now: never in the past
+        v1.running.add("a-1")  # a command runs: not idle until 600 s after it ends
+        assert boxes.shown_end(listed[v1.id]) == 1600.0
+
+    run(scenario, env=idle, clock=lambda: engine_now[0])
 
 
 def test_a_reader_that_goes_mid_wait_leaves_no_wait_on_the_output_queue() -> None:

@@ -112,7 +112,7 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
     def detail(box: Sandbox) -> SandboxDetail:
         rec = box.trajectory
         spec = rec.env_config.spec
-        end = box.end_at if box.end_at is not None else rec.opened_at + MAX_TIMEOUT_S * 365
+        end = sandboxes.shown_end(box)
         return SandboxDetail(
             template_id=rec.env, sandbox_id=box.id, client_id=rec.node or "",
             envd_version=ENVD_VERSION, started_at=iso(rec.opened_at), end_at=iso(end),
@@ -136,8 +136,9 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
         who: tenant,
         metadata: Annotated[str | None, Query(description=_METADATA)] = None,
     ) -> list[SandboxDetail]:
-        """The caller's sandboxes made through this endpoint (all running), newest first,
-        those whose metadata has every pair of ``metadata`` only."""
+        """The caller's sandboxes (all running: its open trajectories, those opened
+        through /v1 too), newest first, those whose metadata has every pair of
+        ``metadata`` only."""
         return [detail(box) for box in _listed(sandboxes.mine(who), _pairs(metadata))]
 
     @router.get("/v2/sandboxes")
@@ -155,10 +156,10 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
         limit: Annotated[int, Query(ge=1, description=f"at most {PAGE} are given")] = PAGE,
         next_token: Annotated[str | None, Query(alias="nextToken")] = None,
     ) -> list[SandboxDetail]:
-        """The caller's sandboxes made through this endpoint that match every filter
-        given, a page of ``limit`` at a time (newest first unless ``order=asc``); the
-        ``X-Next-Token`` header, when more follow, is the next page's ``nextToken``. All
-        are running: a query for paused ones only answers none."""
+        """The caller's sandboxes (its open trajectories, those opened through /v1 too)
+        that match every filter given, a page of ``limit`` at a time (newest first unless
+        ``order=asc``); the ``X-Next-Token`` header, when more follow, is the next page's
+        ``nextToken``. All are running: a query for paused ones only answers none."""
         wanted = {s.strip() for given in state or [] for s in given.split(",") if s.strip()}
         if unknown := wanted - set(STATES):
             raise E2BError(400, f"state: {sorted(unknown)} (known: {', '.join(STATES)})")

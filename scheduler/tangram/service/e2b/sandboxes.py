@@ -5,9 +5,10 @@ A sandbox made here carries its timeout as a trajectory label and its ``envVars`
 trajectory's ``env_vars``, both kept by its node agent: after a scheduler restart the
 trajectory comes back from its agent, its commands still get its variables, and the
 sandbox gets a fresh timeout of that length when the reaper first sees it (its remaining
-time is not kept). Any other open trajectory of the tenant may be used as a sandbox too;
-it has no timeout, as it had none. A sandbox whose environment ended by itself (its
-trajectory lost) serves nothing, but can be killed, and is closed when its timeout passes.
+time is not kept). Any other open trajectory of the tenant is a sandbox too (found,
+listed); it has no timeout, as it had none, and ends as any trajectory does. A sandbox
+whose environment ended by itself (its trajectory lost) serves nothing, but can be
+killed, and is closed when its timeout passes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TIMEOUT_LABEL = "e2b.tangram.dev/timeout-s"
 DEFAULT_TIMEOUT_S = 300  # E2B's default
 MAX_TIMEOUT_S = 24 * 3600
 REAP_EVERY_S = 1.0
+NO_END_S = 365 * 24 * 3600  # the endAt of a sandbox that has no end: a year after it opened
 OUTPUT_BACKLOG = 256  # output chunks held for a reader before its command waits
 
 
@@ -155,10 +157,11 @@ class Sandboxes:
         return box
 
     def mine(self, tenant: str) -> list[Sandbox]:
-        """The tenant's sandboxes made through E2B, still open."""
+        """The tenant's sandboxes: every trajectory of its that is open, those opened
+        through /v1 too, as ``find`` takes any of them (E2B lists all it can connect to)."""
         found = []
         for rec in list(self.engine.state.trajectories.values()):
-            if rec.tenant == tenant and TIMEOUT_LABEL in rec.labels:
+            if rec.tenant == tenant:
                 with contextlib.suppress(EngineError):
                     found.append(self.find(tenant, rec.id))
         return found
@@ -168,6 +171,23 @@ class Sandboxes:
         self.find(tenant, sid, lost=True)
         self._known.pop((tenant, sid), None)
         await self.engine.close_trajectory(tenant, sid)
+
+    def shown_end(self, box: Sandbox) -> float:
+        """When the sandbox ends unless it is used or extended (E2B's ``endAt``, unix
+        seconds): its timeout. A trajectory without one (opened through /v1) ends when
+        its env's idleTimeoutSeconds finds it idle: that long after its last use, or from
+        now while a command runs. With no idle timeout either it has no end:
+        ``NO_END_S`` after it opened, as E2B's API needs a date."""
+        if box.end_at is not None:
+            return box.end_at
+        rec, now = box.trajectory, self.clock()
+        limit = self.engine.state.env_of(rec).idle_timeout_s
+        if limit is None:
+            return rec.opened_at + NO_END_S
+        if rec.running:
+            return now + limit
+        idle_for = self.engine.state.clock() - rec.active_at  # (the engine's clock: monotonic)
+        return now + max(0.0, limit - idle_for)
 
     def set_timeout(self, box: Sandbox, timeout_s: int, *, extend_only: bool = False) -> None:
         """``extend_only`` (a connect): only ever later, and a sandbox with no timeout (a
