@@ -258,6 +258,31 @@ def test_what_cannot_be_sent_as_asked_is_refused_before_anything_is_sent(
         assert len(engine.state.actions) == actions  # none reached the scheduler
 
 
+def test_a_mode_the_files_api_cannot_set_is_refused_naming_it(
+    running: tuple[str, str, Engine],
+) -> None:
+    """Masked to 0o777, 0o4755 was written as 0o755 and 0o10000 as 0, without a word."""
+    url, token, _ = running
+    bad = ((0o10000, "0o10000"), (0o4755, "0o4755"), (-1, "-1"))
+    with Client(url, token) as c, c.trajectory("shell") as t:
+        for mode, named in bad:
+            with pytest.raises(ValueError, match=f"mode: {named} is not permission bits"):
+                t.files.write("s3.sh", "x", mode=mode)
+        assert not t.files.exists("s3.sh")  # nothing was sent
+        t.files.write("s3.sh", "x", mode=0o755)
+        assert t.files.stat("s3.sh").mode == 0o755
+
+    async def go() -> None:
+        async with AsyncClient(url, token) as c, c.trajectory("shell") as t:
+            with pytest.raises(ValueError, match="mode: 0o4755 is not permission bits"):
+                await t.files.write("s3.sh", "x", mode=0o4755)
+            with pytest.raises(TypeError, match="mode: an int"):
+                await t.files.write("s3.sh", "x", mode="755")  # type: ignore[arg-type]
+            assert not await t.files.exists("s3.sh")
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])
 def test_a_key_reused_in_a_trajectory_opened_again_under_its_id_runs_there(
     running: tuple[str, str, Engine], stream: bool

@@ -36,7 +36,7 @@ class AsyncFiles:
         """Write the whole file (its directory must exist): it replaces ``path`` at once,
         so a reader sees the old file or the new one, never a part."""
         content = data.encode() if isinstance(data, str) else bytes(data)
-        params = {"path": path, "mode": f"{mode & 0o777:03o}"}
+        params = {"path": path, "mode": f"{_mode(mode):03o}"}
         reply = await self._client._call(Call("PUT", self._at, params=params, content=content))
         return FileWritten.model_validate_json(reply.body)
 
@@ -110,6 +110,19 @@ class AsyncFiles:
         ``local`` (made if missing); its path."""
         data = await self.read_tar(path)
         return await asyncio.to_thread(unpack, data, Path(local))
+
+
+def _mode(mode: int) -> int:
+    """``mode`` as the files API takes it, or why not: masking it wrote 0o4755 as 0o755
+    and 0o10000 as 0 without a word (the API itself refuses them with 400)."""
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise TypeError(f"mode: an int such as 0o644, not {type(mode).__name__}")
+    if not 0 <= mode <= 0o777:
+        raise ValueError(
+            f"mode: {oct(mode) if mode >= 0 else mode} is not permission bits from 0o000 to "
+            "0o777 (the files API sets no setuid, setgid or sticky bit, nor a file type)"
+        )
+    return mode
 
 
 def pack(local: Path, compress: bool) -> bytes:
