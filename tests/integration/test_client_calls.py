@@ -15,7 +15,13 @@ import httpx
 import pytest
 
 from tangram.api.wire import EnvSpec
-from tangram.client import ActionTimeoutError, AsyncClient, Client, ClientClosedError
+from tangram.client import (
+    ActionTimeoutError,
+    AsyncClient,
+    Client,
+    ClientClosedError,
+    TangramError,
+)
 from tangram.client import stream as client_stream
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.engine import Engine
@@ -281,6 +287,34 @@ def test_a_mode_the_files_api_cannot_set_is_refused_naming_it(
             assert not await t.files.exists("s3.sh")
 
     asyncio.run(go())
+
+
+def test_a_401_for_no_token_says_where_the_client_looked(
+    running: tuple[str, str, Engine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for a client run as another user than `make run`: a bare 401 did not tell a
+    token file that is not there from a wrong token."""
+    url, _, _ = running
+    monkeypatch.delenv("TANGRAM_TOKEN", raising=False)
+    gone = tmp_path / "nonexistent"
+    monkeypatch.setenv("TANGRAM_TOKEN_FILE", str(gone))
+    said = rf"401 unauthorized: .*TANGRAM_TOKEN is unset, and {gone} \(TANGRAM_TOKEN_FILE\) "
+    with Client(url) as c, pytest.raises(TangramError, match=f"{said}does not exist") as caught:
+        c.get("t-1")
+    assert caught.value.status == 401
+    agents_only = tmp_path / "tokens"
+    agents_only.write_text("agent-token-of-this-test system:agent\n")
+    monkeypatch.setenv("TANGRAM_TOKEN_FILE", str(agents_only))
+
+    async def go() -> None:
+        async with AsyncClient(url) as c:  # an exec: the stream's refusal, then HTTP's 401
+            with pytest.raises(TangramError, match=f"{agents_only} .*has no client token"):
+                await c.exec("t-1", ["true"])
+
+    asyncio.run(go())
+    # A token was sent: the 401 as it was.
+    with Client(url, "a-wrong-token") as c, pytest.raises(TangramError, match=r"required$"):
+        c.get("t-1")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])

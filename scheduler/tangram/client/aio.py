@@ -33,6 +33,7 @@ from tangram.client.common import (
     exec_body,
     keyed,
     missing,
+    no_token_found,
     open_body,
     result,
     retry_after,
@@ -118,6 +119,7 @@ class AsyncClient:
         a scheduler that vanishes is noticed by the stream's pings and TCP keepalive."""
         self.url, tok = settings(url, token)
         self._headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        self._no_token = None if tok else no_token_found(token)  # (said with a 401)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_S)
         self._session: aiohttp.ClientSession | None = None  # made on the loop that uses it
         self._loop: asyncio.AbstractEventLoop | None = None  # that loop
@@ -207,6 +209,8 @@ class AsyncClient:
                 # (more than one send in a try: aiohttp sent a DELETE or PUT again itself)
                 if lost_at is None and sends.count - before > 1:
                     lost_at = went
+                if reply.status == 401 and self._no_token is not None:
+                    raise _sent_no_token(reply, self._no_token)
                 if reply.status not in RETRY_STATUS or attempt == self.retries:
                     return reply, lost_at is not None
             except aiohttp.ClientConnectionError as e:
@@ -558,6 +562,15 @@ class AsyncTrajectory:
         return await self.client.exec(
             self.id, session={"kind": "python", "name": name}, code=code, **kw
         )
+
+
+def _sent_no_token(reply: Reply, why: str) -> TangramError:
+    """The service's 401, saying that no token was found to send, and where."""
+    try:
+        check(reply)
+    except TangramError as e:
+        return TangramError(e.status, e.code, f"{e.message}: {why}", e.details)
+    raise AssertionError("a 401 is an error")
 
 
 def _action_path(action: str) -> str:

@@ -152,6 +152,24 @@ def settings(url: str | None, token: str | None) -> tuple[str, str | None]:
     return url.rstrip("/"), token
 
 
+def no_token_found(token_given: str | None = None) -> str:
+    """Where ``settings`` looked for a token and found none: said with the 401 that
+    follows, which alone did not tell a missing token file from a wrong token."""
+    variable = os.environ.get("TANGRAM_TOKEN")
+    named = os.environ.get("TANGRAM_TOKEN_FILE")
+    path = Path(named or DEFAULT_TOKEN_FILE)
+    where = f"{path} (TANGRAM_TOKEN_FILE)" if named else f"the default token file {path}"
+    if not path.exists():
+        found = f"{where} does not exist"
+        if not named:  # (`make run` as another user: in that user's home)
+            found += " (`tangram up` writes it in the home of the user it runs as)"
+    else:
+        found = f"{where} has no client token (a 'TOKEN TENANT' line of a tenant not system:*)"
+    unset = "empty" if variable == "" else "unset"
+    given = "an empty token= was given" if token_given == "" else "no token= was given"
+    return f"the client sent no token: {given}, TANGRAM_TOKEN is {unset}, and {found}"
+
+
 def exec_body(
     argv: Sequence[str] | None,
     *,
