@@ -180,17 +180,24 @@ def test_every_reader_gets_every_event_and_the_command_waits_for_the_slowest() -
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def _routes(engine: Engine) -> tuple[FastAPI, Sandboxes]:
+    """An app with only the E2B routes, every token tenant ``u``'s."""
+
+    async def admit(token: str | None) -> str:
+        return "u"
+
+    app = FastAPI()
+    boxes, _ = add_e2b_routes(app, engine, admit)
+    return app, boxes
+
+
 def test_envd_says_why_a_sandbox_is_gone() -> None:
     """E2B's SDK shows envd's 502 message: it names what happened to the sandbox."""
 
     async def scenario(engine: Engine) -> None:
         await connect(engine, Agent(hello()))
 
-        async def admit(token: str | None) -> str:
-            return "u"
-
-        app = FastAPI()
-        boxes, _ = add_e2b_routes(app, engine, admit)
+        app, boxes = _routes(engine)
         lost, closed = [await boxes.create("u", "e", 60, {}, {}) for _ in range(2)]
         engine.lifecycle.environment_lost(lost.trajectory.key, "SandboxExited", "killed")
         await engine.close_trajectory("u", closed.id)
@@ -212,11 +219,7 @@ def test_a_killed_or_unknown_sandbox_is_what_e2bs_sdk_calls_not_running() -> Non
     async def scenario(engine: Engine) -> None:
         await connect(engine, Agent(hello()))
 
-        async def admit(token: str | None) -> str:
-            return "u"
-
-        app = FastAPI()
-        boxes, _ = add_e2b_routes(app, engine, admit)
+        app, boxes = _routes(engine)
         killed, expired = [await boxes.create("u", "e", 60, {}, {}) for _ in range(2)]
         await boxes.kill("u", killed.id)
         boxes.set_timeout(expired, 1)
