@@ -143,18 +143,19 @@ def action_started(engine: Any, key: str) -> bool:
 
 @contextmanager
 def box_pool(
-    request: pytest.FixtureRequest, kind: str, tmp: Path, *, image: str | None = None, **config: Any
-) -> Iterator[tuple[Running, str]]:
+    request: pytest.FixtureRequest, kind: str, tmp: Path, *, image: str | None = None,
+    user: str | None = None, **config: Any,
+) -> Iterator[tuple[Running, str]]:  # fmt: skip
     """The service and a ``kind`` agent (root: it writes cgroups) serving one
     environment, ``box`` (workdir /work): of ``image``, else of the busybox test image on
-    Docker. ``config``: more PoolConfig fields."""
+    Docker, as ``user`` (None: the default rule's). ``config``: more PoolConfig fields."""
     if os.geteuid() != 0:
         pytest.skip("the agents write cgroups: needs root")
     if kind == "docker":
         request.getfixturevalue("docker_client")
         image = image or request.getfixturevalue("busybox")
     spec = EnvSpec(name="box", image=image or "unused-by-the-process-runtime", memory_gb=0.3,
-                   workdir="/work")  # fmt: skip
+                   workdir="/work", user=user)  # fmt: skip
     cores = len(os.sched_getaffinity(0))
     agent = NodeAgent.create(tmp / "agent", runtime=kind, idle_cores=1, cores_for_actions=cores)
     with service(PoolConfig(envs={"box": EnvConfig(spec=spec)}, **config), agent, tmp) as s:

@@ -14,10 +14,11 @@ import logging
 import os
 import random
 import socket
+import stat
 import subprocess
 import tarfile
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -315,12 +316,88 @@ def test_a_rename_across_file_systems_says_so_naming_both_paths(
 
 
 def test_a_fifo_is_refused_not_read_forever(execd: Built, tmp_path: Path) -> None:
+    """Saying why: it was a bare "Invalid argument"."""
     assert execd.path is not None
     os.mkfifo(tmp_path / "pipe")
     files = EnvFiles(one_shot(execd.path, tmp_path), "/")
     with pytest.raises(FileError) as refused:
         asyncio.run(files.read("/pipe"))
     assert refused.value.errno == errno.EINVAL
+    assert str(refused.value) == (
+        "read /pipe: not a regular file: it is a FIFO, whose read may block or never end: "
+        "read it with a command"
+    )
+
+
+def _specials(root: Path) -> list[str]:
+    """A FIFO, a socket and (where the test may make one) a character device, /dev/null's
+    numbers, in ``root``: their names."""
+    os.mkfifo(root / "fifo")
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(root / "sock"))
+    listening.close()  # (the socket file stays)
+    names = ["fifo", "sock"]
+    with contextlib.suppress(PermissionError):  # mknod needs CAP_MKNOD
+        os.mknod(root / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        names.append("null")
+    return names
+
+
+def _kinds(root: Path) -> dict[str, int]:
+    return {name: stat.S_IFMT(os.lstat(root / name).st_mode) for name in os.listdir(root)}
+
+
+def test_a_device_fifo_or_socket_is_never_replaced_by_a_write_a_tar_or_a_rename(
+    execd: Built, tmp_path: Path
+) -> None:
+    """A write's temporary file renamed over a device made it a regular file (/dev/null,
+    and every "> /dev/null" of the sandbox after it, wrote into it): a device, FIFO or
+    socket at the path, or where a symlink at it leads (E2B's writes go through one), is
+    refused before anything is made, as is a tar member or a rename that would replace
+    one."""
+    assert execd.path is not None
+    root = tmp_path / "env"
+    root.mkdir()
+    names = _specials(root)
+    (root / "to-fifo").symlink_to("fifo")
+    (root / "f").write_text("f")
+    before = _kinds(root)
+    files = EnvFiles(one_shot(execd.path, root), "/")
+    what = {"fifo": "a FIFO", "sock": "a socket", "null": "a character device"}
+
+    async def data() -> AsyncIterator[bytes]:
+        yield b"hello"
+
+    async def refusal(call: Awaitable[object]) -> str:
+        with pytest.raises(FileError) as refused:
+            await call
+        assert refused.value.errno == errno.EINVAL, refused.value
+        return str(refused.value)
+
+    async def body(tar: bytes) -> AsyncIterator[bytes]:
+        yield tar
+
+    async def scenario() -> list[tuple[str, str]]:
+        said = []
+        keep = 0o644 | env_files.KEEP_MODE  # (E2B's write: through a symlink at the path)
+        for name in names:
+            it = f"not a regular file: it is {what[name]}"
+            for mode in (0o644, keep):
+                wrote = await refusal(files.write(f"/{name}", data(), mode))
+                said.append((f"write /{name}: {it}", wrote))
+            said.append((f"rename to /{name}: {it}", await refusal(files.rename("/f", f"/{name}"))))
+            for kind, content in ((tarfile.REGTYPE, b"x"), (tarfile.SYMTYPE, "f"),
+                                  (tarfile.LNKTYPE, "f")):  # fmt: skip
+                untarred = await refusal(files.untar("/", body(tar_of((name, kind, content)))))
+                said.append((f"untar /: member {name}: {it}", untarred))
+        through = await refusal(files.write("/to-fifo", data(), keep))
+        said.append(("write /to-fifo: not a regular file: it leads to a FIFO", through))
+        return said
+
+    for want, got in asyncio.run(scenario()):
+        assert got.startswith(want), (want, got)
+    assert _kinds(root) == before  # each still what it was, and no temporary left
+    assert (root / "f").read_text() == "f"
 
 
 def test_dotdot_is_refused_by_the_server_itself_for_every_path(
@@ -1060,3 +1137,35 @@ def test_a_tar_that_fails_at_once_is_an_error_answer_and_one_midway_is_cut_off(
             _no_traceback(logged)
         (line,) = [r.getMessage() for r in logged]
         assert line.startswith(f"the tar of b (trajectory {t.id}): cut short after"), line
+
+
+def _said(call: Any) -> tuple[int, str, str]:
+    refused = _refusal(call)
+    return refused.status, refused.field or "", str(refused)
+
+
+# Docker only: /dev is a container's.
+@pytest.mark.parametrize("kind", RUNTIMES[1:])
+@pytest.mark.parametrize("user", ["0", None])
+def test_dev_null_is_never_replaced_whatever_the_user(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path, user: str | None
+) -> None:
+    """A write to /dev/null replaced it with a regular file as root (and every "> /dev/null"
+    of the sandbox wrote into it), and was a 403 for another user (its temporary could not
+    be made in /dev): a 400 saying why for both, before anything is made; a tar member
+    there likewise."""
+    with (
+        box_pool(request, kind, tmp_path, user=user) as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        assert t.exec(["mkfifo", "/tmp/ff"]).exit_code == 0
+        for path, what in (("/dev/null", "a character device"), ("/tmp/ff", "a FIFO")):
+            status, field, said = _said(lambda path=path: t.files.write(path, "hello"))
+            assert (status, field) == (400, "path"), said
+            assert f"{path}: not a regular file: it is {what}" in said
+        tar = tar_of(("null", tarfile.REGTYPE, b"hello"))
+        status, _, said = _said(lambda: t.files.write_tar("/dev", tar))
+        assert status == 400 and "member null: not a regular file" in said, said
+        kept = t.exec(["sh", "-c", "test -c /dev/null && test -p /tmp/ff && ls -A /dev /tmp"])
+        assert kept.exit_code == 0 and ".tangram-" not in kept.stdout, kept  # no temporary

@@ -20,10 +20,13 @@
  *                      at most 16 MiB (more: EFBIG), and its entry says the size read. A
  *                      file that shrinks while it is read fails midway (ESTALE), never
  *                      ends short of its entry's size; one that grows is sent as it was.
+ *                      A device, FIFO or socket is refused (EINVAL).
  *   write PATH MODE    'S' once a temporary file beside PATH is open; then the agent
  *                      sends 'I' data... and 'E'; the file is renamed over PATH (atomic:
  *                      readers see the old file or the whole new one), 'X' bytes written.
- *                      If the agent goes before 'E', the temporary file is removed.
+ *                      If the agent goes before 'E', the temporary file is removed. A
+ *                      device, FIFO or socket at PATH is refused (EINVAL) before any
+ *                      temporary is made: it is never replaced.
  *                      MODE "644:keep" (E2B's writes, as envd's): a symlink at PATH is
  *                      written through, to the file it leads to (resolved as any path is:
  *                      one leading out is refused), and a file replaced keeps its mode and,
@@ -33,7 +36,7 @@
  *   stat PATH          '1' the entry of PATH itself (a symlink is not followed)
  *   mkdir PATH         with its parents; 'X' "1" made, "0" it was a directory already
  *   remove PATH        a file, a symlink or a whole tree (never following symlinks)
- *   rename PATH TO     'X' "0"
+ *   rename PATH TO     'X' "0"; a device, FIFO or socket at TO is refused (EINVAL)
  *   tar PATH, untar PATH: a directory as one tar stream (exec_tar.c)
  * An entry is 8 NUL-terminated strings: type (f d l o), mode (octal), size, mtime (ns),
  * uid, gid, name, symlink target. A failure is a 'Z' frame: "<errno> <message>".
@@ -59,6 +62,36 @@ static int fail_why(int sock, int err, const char *what, const char *path, const
 
 static int fail(int sock, int err, const char *what, const char *path) {
     return fail_why(sock, err, what, path, strerror(err));
+}
+
+/* What a file of MODE is, if it is one that a write or a tar must never replace: a device,
+ * FIFO or socket is used through its name (a "> /dev/null" of every command), and a
+ * regular file renamed over it would take its place. NULL for any other. */
+static const char *special(mode_t mode) {
+    return S_ISCHR(mode)    ? "a character device"
+           : S_ISBLK(mode)  ? "a block device"
+           : S_ISFIFO(mode) ? "a FIFO"
+           : S_ISSOCK(mode) ? "a socket"
+                            : NULL;
+}
+
+/* Why NAME in DIRFD may not be replaced, into WHY (LEADS: it was named through a symlink),
+ * or NULL when it may be (or is not there). */
+static const char *not_replaced(int dirfd, const char *name, int leads, char *why, size_t n) {
+    struct stat st;
+    const char *kind = fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 ? special(st.st_mode) : NULL;
+    if (kind == NULL) return NULL;
+    snprintf(why, n, "not a regular file: it %s %s, which the files API never replaces (a "
+             "command can write to it)", leads ? "leads to" : "is", kind);
+    return why;
+}
+
+/* Refuses (EINVAL, said as WHAT PATH) replacing NAME in DIRFD when not_replaced says so. */
+static int refuse_special(int sock, int dirfd, const char *name, const char *what,
+                          const char *path, int leads) {
+    char why[200];
+    if (not_replaced(dirfd, name, leads, why, sizeof why) == NULL) return 0;
+    return fail_why(sock, EINVAL, what, path, why);
 }
 
 /* The root-relative form of an absolute path, or NULL (errno EPERM) if it has "..". */
@@ -299,9 +332,17 @@ static int read_unsized(int sock, int fd, const char *path, struct stat *st) {
 static int op_read(int sock, const char *path) {
     int fd = open_in(path, O_RDONLY | O_NOCTTY | O_NONBLOCK);
     struct stat st;
+    if (fd < 0 && errno == ENXIO) /* what open(2) says of a socket */
+        return fail_why(sock, EINVAL, "read", path, "not a regular file: it is a socket (or a "
+                        "device with no driver): read it with a command");
     if (fd < 0 || fstat(fd, &st) < 0) return fail(sock, errno, "read", path);
-    if (!S_ISREG(st.st_mode)) /* a FIFO or a device could block or never end */
-        return fail(sock, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, "read", path);
+    if (S_ISDIR(st.st_mode)) return fail(sock, EISDIR, "read", path);
+    if (!S_ISREG(st.st_mode)) { /* a FIFO or a device could block or never end */
+        char why[200];
+        snprintf(why, sizeof why, "not a regular file: it is %s, whose read may block or never "
+                 "end: read it with a command", special(st.st_mode) ? special(st.st_mode) : "no file");
+        return fail_why(sock, EINVAL, "read", path, why);
+    }
     if (!size_known(fd, &st)) return read_unsized(sock, fd, path, &st);
     const char *slash = strrchr(path, '/');
     if (send_entry(sock, fd, slash ? slash + 1 : path, &st) < 0) return -1;
@@ -335,12 +376,13 @@ static int open_parent_raw(const char *path, char *dir, size_t dirlen, const cha
  * it. A target is resolved as the link's directory followed by the target (what the
  * kernel does), from the root with the server's RESOLVE flags: in a container it stays in
  * the container's root, in the process runtime's directory a target leading out of it is
- * refused (EXDEV), an absolute one too (as RESOLVE_BENEATH refuses it). */
+ * refused (EXDEV), an absolute one too (as RESOLVE_BENEATH refuses it). The symlinks
+ * followed, or -1. */
 static int follow_last(int *dfd, const char **base, char *dir, size_t dirlen) {
     for (int hops = 0;; hops++) {
         struct stat st;
-        if (fstatat(*dfd, *base, &st, AT_SYMLINK_NOFOLLOW) < 0) return errno == ENOENT ? 0 : -1;
-        if (!S_ISLNK(st.st_mode)) return 0;
+        if (fstatat(*dfd, *base, &st, AT_SYMLINK_NOFOLLOW) < 0) return errno == ENOENT ? hops : -1;
+        if (!S_ISLNK(st.st_mode)) return hops;
         if (hops >= 40) return errno = ELOOP, -1; /* as the kernel's limit */
         char target[4096], next[8200];
         ssize_t n = readlinkat(*dfd, *base, target, sizeof target - 1);
@@ -368,14 +410,15 @@ static int op_write(int sock, const char *path, const char *mode_text) {
     int dfd = open_parent(path, dir, sizeof dir, &base);
     if (dfd < 0) return fail(sock, errno, "write", path);
     struct stat old;
-    int replaces = 0;
-    if (keep) {
-        if (follow_last(&dfd, &base, dir, sizeof dir) < 0) return fail(sock, errno, "write", path);
-        if (fstatat(dfd, base, &old, AT_SYMLINK_NOFOLLOW) == 0) {
-            if (S_ISDIR(old.st_mode)) return fail(sock, EISDIR, "write", path);
-            replaces = S_ISREG(old.st_mode);
-            if (replaces) mode = old.st_mode & 07777;
-        }
+    int replaces = 0, hops = keep ? follow_last(&dfd, &base, dir, sizeof dir) : 0;
+    if (hops < 0) return fail(sock, errno, "write", path);
+    /* Before the temporary is made: its rename would put a file in the device's place,
+     * and where the user may not make one (/dev) the refusal would be EACCES instead. */
+    if (refuse_special(sock, dfd, base, "write", path, hops > 0) < 0) return -1;
+    if (keep && fstatat(dfd, base, &old, AT_SYMLINK_NOFOLLOW) == 0) {
+        if (S_ISDIR(old.st_mode)) return fail(sock, EISDIR, "write", path);
+        replaces = S_ISREG(old.st_mode);
+        if (replaces) mode = old.st_mode & 07777;
     }
     char tmp[600];
     if (snprintf(tmp, sizeof tmp, ".%.200s.tangram-%d", base, (int)getpid()) >= (int)sizeof tmp)
@@ -499,6 +542,7 @@ static int op_rename(int sock, const char *path, const char *to) {
     if (dfd < 0) return fail(sock, errno, "rename", path);
     int tfd = open_parent(to, todir, sizeof todir, &tobase);
     if (tfd < 0) return fail(sock, errno, "rename to", to);
+    if (refuse_special(sock, tfd, tobase, "rename to", to, 0) < 0) return -1;
     if (renameat(dfd, base, tfd, tobase) == 0) return send_text(sock, 'X', "0");
     int err = errno;
     char both[8300];

@@ -22,7 +22,8 @@
  * with ".." allowed only ahead of names; a hard link to a symlink is judged so where it
  * lands), and a member written through a symlink out are all refused, never followed. Each file lands whole (a temporary beside
  * it, then a rename), directory modes are set once their members are in, set-id bits
- * are dropped and devices and FIFOs refused. A tar that fails midway keeps the members
+ * are dropped and devices and FIFOs refused, as is a member that would replace a device,
+ * FIFO or socket. A tar that fails midway keeps the members
  * before the failure: the answer names the member that failed.
  *
  * Formats: ustar (with its name prefix), pax extended headers (path, linkpath, size)
@@ -394,8 +395,13 @@ static int parent_of(struct untar *u, char *name, const char **base) {
 }
 
 /* Puts what `create` makes at BASE in DIRFD through a temporary name and a rename, so
- * that it replaces what was there at once. */
-static int land(int dirfd, const char *base, int (*create)(int, const char *, void *), void *arg) {
+ * that it replaces what was there at once; never a device, FIFO or socket (EINVAL, *WHY
+ * saying so), before anything is made. */
+static int land(int dirfd, const char *base, int (*create)(int, const char *, void *), void *arg,
+                const char **why) {
+    static char special_why[200];
+    if ((*why = not_replaced(dirfd, base, 0, special_why, sizeof special_why)) != NULL)
+        return errno = EINVAL, -1;
     char tmp[600];
     if (snprintf(tmp, sizeof tmp, ".%.200s.tangram-%d", base, (int)getpid()) >= (int)sizeof tmp)
         return errno = ENAMETOOLONG, -1;
@@ -491,7 +497,7 @@ static int extract(struct untar *u, struct member *m, const char **why) {
     case '0': case '\0': case '7': {
         struct file_data f = {m, 0};
         if ((dirfd = parent_of(u, name, &base)) < 0) return -1;
-        rc = land(dirfd, base, write_member, &f);
+        rc = land(dirfd, base, write_member, &f, why);
         if (rc == 0) u->bytes += (long long)m->size;
         else if (f.short_read) *why = "the tar ends inside this file";
         m->size = 0; /* its data is taken */
@@ -508,7 +514,7 @@ static int extract(struct untar *u, struct member *m, const char **why) {
             close(dirfd);
             return *why = "it is a symlink that leads out of the destination", errno = EXDEV, -1;
         }
-        rc = land(dirfd, base, symlink_member, m->link);
+        rc = land(dirfd, base, symlink_member, m->link, why);
         break;
     }
     case '1': {
@@ -522,7 +528,7 @@ static int extract(struct untar *u, struct member *m, const char **why) {
         if (from.fd < 0) return -1;
         if ((dirfd = parent_of(u, name, &base)) >= 0) {
             from.depth = depth_below(u->root, dirfd);
-            rc = land(dirfd, base, link_member, &from);
+            rc = land(dirfd, base, link_member, &from, why);
             if (rc < 0 && from.out)
                 *why = "it is a hard link to a symlink that leads out of the destination from here";
             else if (rc < 0 && from.deep)
