@@ -1169,3 +1169,22 @@ def test_dev_null_is_never_replaced_whatever_the_user(
         assert status == 400 and "member null: not a regular file" in said, said
         kept = t.exec(["sh", "-c", "test -c /dev/null && test -p /tmp/ff && ls -A /dev /tmp"])
         assert kept.exit_code == 0 and ".tangram-" not in kept.stdout, kept  # no temporary
+
+
+@pytest.mark.parametrize("kind", RUNTIMES[1:])
+def test_a_symlink_member_in_a_directory_that_cannot_be_entered_is_a_403(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """As uid 1000 (root enters any). It was a 413 "deeper than 256 directory levels": the
+    step up that measures its depth failed, and was taken for depth. A file there is a
+    403 too."""
+    with (
+        box_pool(request, kind, tmp_path, user="1000") as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        made = t.exec(["sh", "-c", "mkdir -p r2/locked && chmod 644 r2/locked"])
+        assert made.exit_code == 0, made
+        for member in (("locked/l", tarfile.SYMTYPE, "x"), ("locked/f", tarfile.REGTYPE, b"x")):
+            status, _, said = _said(lambda member=member: t.files.write_tar("r2", tar_of(member)))
+            assert status == 403 and said.endswith(f"member {member[0]}: Permission denied"), said

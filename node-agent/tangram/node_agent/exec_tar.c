@@ -336,23 +336,30 @@ static int clean(const char *name, char *out) {
     return 0;
 }
 
-/* How many levels DIRFD lies beneath ROOT (it does: it was opened beneath it), or -1. */
+/* How many levels DIRFD lies beneath ROOT (it does: it was opened beneath it), or -1: with
+ * E2BIG past MAX_DEPTH, else why a step up failed (EACCES: a directory on the way that may
+ * not be searched, where nothing could be made anyway). */
 static int depth_below(int root, int dirfd) {
     struct stat top, at;
     if (fstat(root, &top) < 0) return -1;
     int fd = dup(dirfd), depth = 0;
-    while (fd >= 0 && fstat(fd, &at) == 0 && depth <= MAX_DEPTH) {
+    while (fd >= 0 && fstat(fd, &at) == 0) {
         if (at.st_dev == top.st_dev && at.st_ino == top.st_ino) {
             close(fd);
             return depth;
         }
-        int up = openat(fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (depth >= MAX_DEPTH) {
+            close(fd);
+            return errno = E2BIG, -1;
+        }
+        int up = openat(fd, "..", O_PATH | O_DIRECTORY | O_CLOEXEC);
         close(fd);
         fd = up;
         depth++;
     }
+    int err = errno;
     if (fd >= 0) close(fd);
-    return -1;
+    return errno = err, -1;
 }
 
 /* Whether a symlink to TARGET, in a directory DEPTH levels beneath the destination,
@@ -441,7 +448,7 @@ static int symlink_member(int dirfd, const char *tmp, void *target) {
     return symlinkat((const char *)target, dirfd, tmp);
 }
 
-struct hard_link { int fd; const char *base; int depth, out, deep; };
+struct hard_link { int fd; const char *base; int depth, depth_err, out, deep; };
 
 /* A hard link to a symlink is that symlink again, in a new place: judged there as a
  * symlink member is (on what was linked, so a source swapped meanwhile changes nothing),
@@ -456,9 +463,9 @@ static int link_member(int dirfd, const char *tmp, void *arg) {
     ssize_t n = readlinkat(dirfd, tmp, target, sizeof target - 1);
     if (n < 0) return -1;
     target[n] = '\0';
-    if (from->depth < 0) { /* too deep to judge where it leads: refused as such */
-        from->deep = 1;
-        return errno = E2BIG, -1;
+    if (from->depth < 0) { /* too deep to judge where it leads, or not to be entered */
+        from->deep = from->depth_err == E2BIG;
+        return errno = from->depth_err, -1;
     }
     if (stays_beneath(from->depth, target)) return 0;
     from->out = 1;
@@ -506,9 +513,11 @@ static int extract(struct untar *u, struct member *m, const char **why) {
     case '2': {
         if ((dirfd = parent_of(u, name, &base)) < 0) return -1;
         int depth = depth_below(u->root, dirfd);
-        if (depth < 0) { /* too deep to judge where its target leads: refused as such */
+        if (depth < 0) { /* too deep to judge where its target leads, or not to be entered */
+            int err = errno;
             close(dirfd);
-            return *why = TOO_DEEP, errno = E2BIG, -1;
+            if (err == E2BIG) *why = TOO_DEEP;
+            return errno = err, -1;
         }
         if (!stays_beneath(depth, m->link)) {
             close(dirfd);
@@ -528,6 +537,7 @@ static int extract(struct untar *u, struct member *m, const char **why) {
         if (from.fd < 0) return -1;
         if ((dirfd = parent_of(u, name, &base)) >= 0) {
             from.depth = depth_below(u->root, dirfd);
+            from.depth_err = errno;
             rc = land(dirfd, base, link_member, &from, why);
             if (rc < 0 && from.out)
                 *why = "it is a hard link to a symlink that leads out of the destination from here";
