@@ -387,6 +387,18 @@ def test_a_path_out_of_the_sandbox_is_refused_naming_it(sandbox: Sandbox) -> Non
         sandbox.files.list("a/../..")
 
 
+def test_a_write_into_a_directory_the_user_cannot_read_names_the_file(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    """As the image's user (uid 1000), into /root (0700): it was "mkdir /root: Permission
+    denied" (the parent made first could not be opened, though it is there)."""
+    if e2b[0] != "docker":
+        pytest.skip("the process runtime's files are root's")
+    with pytest.raises(SandboxException) as refused:
+        sandbox.files.write("/root/x", "x")
+    assert "write /root/x: Permission denied" in str(refused.value), refused.value
+
+
 def test_timeout_kills_the_sandbox_and_can_be_extended(
     e2b: tuple[str, str, str],
 ) -> None:

@@ -1188,3 +1188,27 @@ def test_a_symlink_member_in_a_directory_that_cannot_be_entered_is_a_403(
         for member in (("locked/l", tarfile.SYMTYPE, "x"), ("locked/f", tarfile.REGTYPE, b"x")):
             status, _, said = _said(lambda member=member: t.files.write_tar("r2", tar_of(member)))
             assert status == 403 and said.endswith(f"member {member[0]}: Permission denied"), said
+
+
+@pytest.mark.parametrize("kind", RUNTIMES[1:])
+def test_a_directory_that_cannot_be_read_is_there_to_make_and_write_in(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """As uid 1000 (root reads any). A directory that exists but may not be read was
+    refused to a mkdir ("mkdir: Permission denied"; E2B's write to /root/x, which makes its
+    parent first, said so), and one that may be written and searched could not be made
+    in: a command can, so the files API does."""
+    with (
+        box_pool(request, kind, tmp_path, user="1000") as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        made = t.exec(["sh", "-c", "mkdir noread wo && chmod 000 noread && chmod 300 wo"])
+        assert made.exit_code == 0, made
+        assert t.files.make_dir("noread") is False  # there already
+        status, _, said = _said(lambda: t.files.write("noread/x", "x"))
+        assert status == 403 and "write /work/noread/x: Permission denied" in said, said
+        assert t.files.make_dir("wo/sub") is True
+        assert t.files.write_tar("wo/t", tar_of(("a/l", tarfile.SYMTYPE, "b"))).members == 1
+        seen = t.exec(["sh", "-c", "chmod 700 wo && ls wo wo/t/a"])
+        assert seen.stdout == "wo:\nsub\nt\n\nwo/t/a:\nl\n", seen

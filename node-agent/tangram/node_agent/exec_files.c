@@ -128,8 +128,9 @@ static int open_in(const char *path, int flags) {
 }
 
 /* Makes the directory REL (no "..") and its missing parents, each resolved from AT as
- * RESOLVE says, and opens it; *made tells whether any was made. A file in the way is
- * ENOTDIR. */
+ * RESOLVE says, and opens it (O_PATH: a directory that is there need not be readable to
+ * be made or to make, write and link in, as for a command); *made tells whether any was
+ * made. A file in the way is ENOTDIR. */
 static int make_dirs(int at, unsigned long long resolve, const char *rel, int *made) {
     char prefix[4096];
     size_t n = strlen(rel);
@@ -138,7 +139,7 @@ static int make_dirs(int at, unsigned long long resolve, const char *rel, int *m
         return -1;
     }
     memcpy(prefix, rel, n + 1);
-    int fd = open_at(at, resolve, prefix, O_RDONLY | O_DIRECTORY);
+    int fd = open_at(at, resolve, prefix, O_PATH | O_DIRECTORY);
     if (fd >= 0 || errno != ENOENT) return fd; /* the common case: it is there already */
     /* From the top: each component is made in its parent, opened afresh from AT. */
     for (size_t i = 1; i <= n; i++) {
@@ -148,7 +149,7 @@ static int make_dirs(int at, unsigned long long resolve, const char *rel, int *m
         const char *base = slash ? slash + 1 : prefix;
         if (*base != '\0' && strcmp(base, ".") != 0) {
             if (slash) *slash = '\0';
-            int pfd = open_at(at, resolve, slash ? prefix : ".", O_RDONLY | O_DIRECTORY);
+            int pfd = open_at(at, resolve, slash ? prefix : ".", O_PATH | O_DIRECTORY);
             if (slash) *slash = '/';
             if (pfd < 0) return -1;
             int rc = mkdirat(pfd, base, 0755), err = errno;
@@ -158,7 +159,7 @@ static int make_dirs(int at, unsigned long long resolve, const char *rel, int *m
         }
         prefix[i] = rel[i];
     }
-    return open_at(at, resolve, rel, O_RDONLY | O_DIRECTORY); /* ENOTDIR: a file in the way */
+    return open_at(at, resolve, rel, O_PATH | O_DIRECTORY); /* ENOTDIR: a file in the way */
 }
 
 /* Splits PATH into its parent directory (opened) and its last component. */
