@@ -387,6 +387,22 @@ def test_a_path_out_of_the_sandbox_is_refused_naming_it(sandbox: Sandbox) -> Non
         sandbox.files.list("a/../..")
 
 
+def test_a_refused_write_names_the_path_asked_for(
+    sandbox: Sandbox, e2b: tuple[str, str, str]
+) -> None:
+    """A write judged the parent it makes first: "path: a/..", "path: ../../etc"."""
+    _, url, token = e2b
+    with pytest.raises(SandboxException) as dotdot:
+        sandbox.files.write("a/../z.txt", "z")
+    assert "path: a/../z.txt: a '..' component is refused" in str(dotdot.value)
+    envd = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token,
+            "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}  # fmt: skip
+    body = _form_part("file", b"x", "../../etc/x") + f"--{BOUNDARY}--\r\n".encode()
+    r = httpx.post(f"{url}/files", content=body, headers=envd, timeout=30)
+    assert r.status_code == 403 and "path: ../../etc/x: a '..'" in r.json()["message"], r.text
+    assert not sandbox.files.exists("a")
+
+
 def test_a_write_into_a_directory_the_user_cannot_read_names_the_file(
     sandbox: Sandbox, e2b: tuple[str, str, str]
 ) -> None:
