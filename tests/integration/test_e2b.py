@@ -390,7 +390,8 @@ def test_a_path_out_of_the_sandbox_is_refused_naming_it(sandbox: Sandbox) -> Non
 def test_a_refused_write_names_the_path_asked_for(
     sandbox: Sandbox, e2b: tuple[str, str, str]
 ) -> None:
-    """A write judged the parent it makes first: "path: a/..", "path: ../../etc"."""
+    """A write judged the parent it makes first: "path: a/..", "path: ../../etc"; and, for
+    /.tangram, its mkdir of /.tangram/run."""
     _, url, token = e2b
     with pytest.raises(SandboxException) as dotdot:
         sandbox.files.write("a/../z.txt", "z")
@@ -400,7 +401,10 @@ def test_a_refused_write_names_the_path_asked_for(
     body = _form_part("file", b"x", "../../etc/x") + f"--{BOUNDARY}--\r\n".encode()
     r = httpx.post(f"{url}/files", content=body, headers=envd, timeout=30)
     assert r.status_code == 403 and "path: ../../etc/x: a '..'" in r.json()["message"], r.text
-    assert not sandbox.files.exists("a")
+    with pytest.raises(SandboxException) as reserved:
+        sandbox.files.write("/.tangram/run/x", "x")
+    assert "path: /.tangram/run/x: /.tangram is reserved" in str(reserved.value)
+    assert not sandbox.files.exists("a") and not sandbox.files.exists("/.tangram/run/x")
 
 
 def test_a_write_into_a_directory_the_user_cannot_read_names_the_file(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tangram.node_agent import env_files
 from tangram.node_agent.exec_server import MAX_ARGS, MAX_FRAME, Built, Channel
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.sessions import BashSession, PythonSession, ansi_c_quote
@@ -686,3 +688,44 @@ def test_eof_reaches_a_command_under_a_terminal(server: Path) -> None:
 
     stdout, code = asyncio.run(scenario())
     assert code == 0 and stdout == b"typed\n"
+
+
+def test_a_change_in_tangram_is_refused_by_the_server_itself(server: Path, execd: Built) -> None:
+    """A container's /.tangram (the server's binary and socket directory) is changed by no
+    file operation, refused before any lookup whatever the service let through (the
+    server serves the host's root here: nothing is at /.tangram, and nothing is made);
+    reads are not refused. The process runtime's directory reserves nothing."""
+    assert execd.path is not None
+
+    async def ask(chan: Channel, op: str, path: str, arg: str = "") -> bytes:
+        try:
+            await chan.ask_files(op, path, arg)
+            kind, data = await chan.frame()
+            return kind + b" " + data
+        finally:
+            chan.close()
+
+    read = ("stat", "/.tangram/x")
+    asked = {  # a request: what its refusal names
+        ("remove", "/.tangram/run"): b"remove /.tangram/run",
+        ("remove", "/.tangram"): b"remove /.tangram",
+        ("write", "/./.tangram/x", "644"): b"write /./.tangram/x",
+        ("untar", "/.tangram/x"): b"untar /.tangram/x",
+        ("rename", "/.tangram/x", "/tmp/never"): b"rename /.tangram/x",
+        ("rename", "/tmp/never", "/.tangram/x"): b"rename to /.tangram/x",
+    }
+
+    async def scenario() -> list[bytes]:
+        return [await ask(await Channel.connect(server), *a) for a in [*asked, read]]
+
+    reserved = (b"/.tangram is reserved for the exec server (its binary and socket): the "
+                b"files API changes nothing in it")  # fmt: skip
+    *changes, stat = asyncio.run(scenario())
+    for answer, said in zip(changes, asked.values(), strict=True):
+        assert answer == b"Z %d %s: %s" % (errno.EPERM, said, reserved)
+    assert stat.startswith(b"Z %d stat /.tangram/x: No such file" % errno.ENOENT), stat
+    with tempfile.TemporaryDirectory() as root:  # the process runtime's: a name as any
+        os.mkdir(f"{root}/.tangram")
+        connect = env_files.one_shot(execd.path, Path(root))
+        asyncio.run(env_files.EnvFiles(connect, "/").remove("/.tangram"))
+        assert os.listdir(root) == []

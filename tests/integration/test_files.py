@@ -1144,7 +1144,7 @@ def _said(call: Any) -> tuple[int, str, str]:
     return refused.status, refused.field or "", str(refused)
 
 
-# Docker only: /dev is a container's.
+# Docker only: /dev and /.tangram are a container's.
 @pytest.mark.parametrize("kind", RUNTIMES[1:])
 @pytest.mark.parametrize("user", ["0", None])
 def test_dev_null_is_never_replaced_whatever_the_user(
@@ -1169,6 +1169,52 @@ def test_dev_null_is_never_replaced_whatever_the_user(
         assert status == 400 and "member null: not a regular file" in said, said
         kept = t.exec(["sh", "-c", "test -c /dev/null && test -p /tmp/ff && ls -A /dev /tmp"])
         assert kept.exit_code == 0 and ".tangram-" not in kept.stdout, kept  # no temporary
+
+
+@pytest.mark.parametrize("kind", RUNTIMES[1:])
+def test_the_reserved_tangram_directory_is_changed_by_no_file_operation(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """/.tangram holds the exec server's binary and socket: a remove of /.tangram/run took
+    the socket first and was refused only at the mount after it (every command then failed
+    with the sandbox running on). Every change there is refused up front, also reached
+    through a symlink (by the exec server: the service sees only the link's path), as
+    root; reads are served."""
+    reserved = "/.tangram is reserved for the exec server (its binary and socket)"
+    with (
+        box_pool(request, kind, tmp_path, user="0") as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        t.files.write("f", "f")
+        made = t.exec(["sh", "-c", "ln -s /.tangram/run r && ln -s / top"])
+        assert made.exit_code == 0, made
+        tar = tar_of(("x", tarfile.REGTYPE, b"x"))
+        to = "to"  # (the field a rename's target is refused as)
+        calls = [
+            ("/.tangram/run", "path", lambda: t.files.remove("/.tangram/run")),
+            ("/.tangram", "path", lambda: t.files.remove("/.tangram")),
+            ("/./.tangram/run/exec.sock", "path",
+             lambda: t.files.remove("/./.tangram/run/exec.sock")),
+            ("/.tangram/run/x", "path", lambda: t.files.write("/.tangram/run/x", "x")),
+            ("/.tangram/new", "path", lambda: t.files.make_dir("/.tangram/new")),
+            ("/.tangram/run/exec.sock", "path",
+             lambda: t.files.rename("/.tangram/run/exec.sock", "s")),
+            ("/.tangram/run/f", to, lambda: t.files.rename("f", "/.tangram/run/f")),
+            ("/.tangram/run/", "path", lambda: t.files.write_tar("/.tangram/run/", tar)),
+            # Through symlinks: the exec server knows the directories themselves.
+            ("remove /work/r/exec.sock", "path", lambda: t.files.remove("r/exec.sock")),
+            ("rename /work/r/exec.sock", "path", lambda: t.files.rename("r/exec.sock", "s")),
+            ("rename to /work/r/exec.sock", to, lambda: t.files.rename("f", "r/exec.sock")),
+            ("write /work/r/y", "path", lambda: t.files.write("r/y", "y")),
+            ("remove /work/top/.tangram", "path", lambda: t.files.remove("top/.tangram")),
+        ]  # fmt: skip
+        for path, field, call in calls:
+            said = _said(call)
+            assert said[:2] == (403, field) and f"{path}: {reserved}" in said[2], (path, said)
+        assert t.exec(["true"]).exit_code == 0  # the socket is there: commands run
+        assert {e.name for e in t.files.list("/.tangram")} >= {"run"}
+        assert t.files.stat("/.tangram/run/exec.sock").type == "other"
 
 
 @pytest.mark.parametrize("kind", RUNTIMES[1:])

@@ -10,6 +10,7 @@ import pytest
 from tangram.node_agent import env_files
 from tangram.node_agent.env_files import FileError, _refusal, inside
 from tangram.service import files
+from tangram.service.records import EngineError
 
 
 def test_an_exec_server_older_than_the_files_api_is_named_with_what_to_do() -> None:
@@ -35,3 +36,17 @@ def test_both_sides_read_a_writes_keep_flag_the_same_above_the_permission_bits()
     reads it: one number on both sides, clear of every mode bit a /v1 write may ask."""
     assert files.KEEP_MODE == env_files.KEEP_MODE
     assert files.KEEP_MODE & 0o7777 == 0 and files.KEEP_MODE & 0o170000 == 0
+
+
+def test_a_change_in_the_reserved_tangram_directory_is_refused_by_the_service() -> None:
+    """At or under /.tangram, however spelled, for an operation that changes it; a read,
+    and a name that only begins so, pass."""
+    for path in ("/.tangram", "/.tangram/run", "//./.tangram/run/exec.sock", "/.tangram/"):
+        with pytest.raises(EngineError) as refused:
+            files.check_path(path, "to", changes=True)
+        assert (refused.value.kind, refused.value.field) == ("forbidden", "to")
+        assert refused.value.message == f"{path}: {files.RESERVED}"
+        assert files.check_path(path) == path  # a read
+    for path in ("/.tangram2/x", "/work/.tangram", ".tangram/x"):  # (relative: the server's)
+        assert files.check_path(path, changes=True) == path
+    assert {"write", "mkdir", "remove", "rename", "untar"} == files.CHANGES

@@ -12,7 +12,9 @@
  * symlink resolves as the environment sees it and never above its root; in a directory
  * of the host (`--files ROOT`, the process runtime) with RESOLVE_BENEATH, so a symlink
  * that leads out of the directory is refused (EXDEV). /proc magic links are refused in
- * both (RESOLVE_NO_MAGICLINKS), and a ".." component is refused before any lookup.
+ * both (RESOLVE_NO_MAGICLINKS), and a ".." component is refused before any lookup. In a
+ * container, a change at or under /.tangram (this server's binary and socket) is refused
+ * (EPERM), by its path up front and by identity through a symlink.
  *
  *   read PATH          'S' entry of the opened file, '1' data of exactly the entry's size,
  *                      'X' "0". A file whose size stat cannot tell (0, as /proc's are, or
@@ -108,6 +110,48 @@ static const char *relative(const char *path) {
     }
     while (*path == '/') path++;
     return *path ? path : ".";
+}
+
+/* Said of a change at or under /.tangram (the exec server's binary and socket directory,
+ * mounts of the runtime's): a remove there took the socket, then met the mount (EBUSY). */
+#define RESERVED "/.tangram is reserved for the exec server (its binary and socket): the " \
+                 "files API changes nothing in it"
+
+/* Whether PATH (absolute, no "..") is /.tangram or beneath it, in a container's root (the
+ * process runtime's directory reserves nothing). */
+static int reserved(const char *path) {
+    if (!(files_resolve & RESOLVE_IN_ROOT)) return 0;
+    for (const char *p = path; *p;) {
+        while (*p == '/') p++;
+        const char *end = strchr(p, '/');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n == 1 && p[0] == '.') { /* "/./.tangram" is /.tangram */
+            p += n;
+            continue;
+        }
+        return n == 8 && memcmp(p, ".tangram", 8) == 0;
+    }
+    return 0;
+}
+
+/* /.tangram, /.tangram/run and (pods) /.tangram/bin as the server found them at start (a
+ * container's), so that a change reached through a symlink (a link to /.tangram/run) is
+ * refused too. */
+static struct { dev_t dev; ino_t ino; } reserved_dirs[3];
+static int nreserved;
+
+static int is_reserved(const struct stat *st) {
+    for (int i = 0; i < nreserved; i++)
+        if (st->st_dev == reserved_dirs[i].dev && st->st_ino == reserved_dirs[i].ino) return 1;
+    return 0;
+}
+
+/* Whether NAME in the directory DIRFD is one of reserved_dirs or in one. */
+static int in_reserved(int dirfd, const char *name) {
+    struct stat st;
+    if (nreserved == 0) return 0;
+    if (fstat(dirfd, &st) == 0 && is_reserved(&st)) return 1;
+    return fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && is_reserved(&st);
 }
 
 /* REL (no "..") opened from the directory AT, resolved as RESOLVE says. */
@@ -413,6 +457,7 @@ static int op_write(int sock, const char *path, const char *mode_text) {
     struct stat old;
     int replaces = 0, hops = keep ? follow_last(&dfd, &base, dir, sizeof dir) : 0;
     if (hops < 0) return fail(sock, errno, "write", path);
+    if (in_reserved(dfd, base)) return fail_why(sock, EPERM, "write", path, RESERVED);
     /* Before the temporary is made: its rename would put a file in the device's place,
      * and where the user may not make one (/dev) the refusal would be EACCES instead. */
     if (refuse_special(sock, dfd, base, "write", path, hops > 0) < 0) return -1;
@@ -529,6 +574,7 @@ static int op_remove(int sock, const char *path) {
     const char *base;
     int dfd = open_parent(path, dir, sizeof dir, &base);
     if (dfd < 0) return fail(sock, errno, "remove", path);
+    if (in_reserved(dfd, base)) return fail_why(sock, EPERM, "remove", path, RESERVED);
     if (remove_tree(dfd, base, 0) < 0)
         return errno == E2BIG /* (unlinkat never says it) */
                    ? fail_why(sock, E2BIG, "remove", path, TOO_DEEP ": remove its depths first")
@@ -541,8 +587,10 @@ static int op_rename(int sock, const char *path, const char *to) {
     const char *base, *tobase;
     int dfd = open_parent(path, dir, sizeof dir, &base);
     if (dfd < 0) return fail(sock, errno, "rename", path);
+    if (in_reserved(dfd, base)) return fail_why(sock, EPERM, "rename", path, RESERVED);
     int tfd = open_parent(to, todir, sizeof todir, &tobase);
     if (tfd < 0) return fail(sock, errno, "rename to", to);
+    if (in_reserved(tfd, tobase)) return fail_why(sock, EPERM, "rename to", to, RESERVED);
     if (refuse_special(sock, tfd, tobase, "rename to", to, 0) < 0) return -1;
     if (renameat(dfd, base, tfd, tobase) == 0) return send_text(sock, 'X', "0");
     int err = errno;
@@ -573,7 +621,10 @@ static void handle_files(int sock, char *data, uint32_t len) {
     }
     const char *op = f[0], *path = f[1], *arg = n > 2 ? f[2] : "";
     int renaming = strcmp(op, "rename") == 0;
-    /* Absolute, and no ".." anywhere: refused before any lookup, the target too. */
+    int changes = renaming || strcmp(op, "write") == 0 || strcmp(op, "mkdir") == 0 ||
+                  strcmp(op, "remove") == 0 || strcmp(op, "untar") == 0;
+    /* Absolute, no ".." anywhere, and no change in /.tangram: refused before any lookup,
+     * the target too. */
     for (const char *p = path; p != NULL; p = renaming && p == path ? arg : NULL) {
         if (p[0] != '/') {
             fail(sock, EINVAL, op, p);
@@ -581,6 +632,10 @@ static void handle_files(int sock, char *data, uint32_t len) {
         }
         if (relative(p) == NULL) {
             fail(sock, errno, op, p);
+            return;
+        }
+        if (changes && reserved(p)) {
+            fail_why(sock, EPERM, renaming && p == arg ? "rename to" : op, p, RESERVED);
             return;
         }
     }
@@ -601,5 +656,12 @@ static void handle_files(int sock, char *data, uint32_t len) {
 static int files_at(const char *root, int beneath) {
     files_root = open(root, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     files_resolve = RESOLVE_NO_MAGICLINKS | (beneath ? RESOLVE_BENEATH : RESOLVE_IN_ROOT);
+    static const char *const dirs[] = {".tangram", ".tangram/run", ".tangram/bin"};
+    struct stat st;
+    for (int i = 0; !beneath && files_root >= 0 && i < 3; i++)
+        if (fstatat(files_root, dirs[i], &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode)) {
+            reserved_dirs[nreserved].dev = st.st_dev;
+            reserved_dirs[nreserved++].ino = st.st_ino;
+        }
     return files_root;
 }

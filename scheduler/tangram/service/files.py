@@ -87,17 +87,31 @@ class NoSpaceError(EngineError):
         super().__init__("too_large", field, message)
 
 
-def check_path(path: str, field: str = "path") -> str:
+# The operations that change what is at their path (and a rename's ``to``).
+CHANGES = frozenset({"write", "mkdir", "remove", "rename", "untar"})
+RESERVED = (
+    "/.tangram is reserved for the exec server (its binary and socket): the files API "
+    "changes nothing in it"
+)
+
+
+def check_path(path: str, field: str = "path", changes: bool = False) -> str:
     """A path the agents are asked about (its length the route's models check): no NUL,
-    no ``..`` component."""
+    no ``..`` component; ``changes``: not at or under ``/.tangram`` either (the
+    environment's exec server refuses that too, also through a relative path or a
+    symlink: here it is refused before anything else of the request is done)."""
     if "\0" in path:
         raise EngineError("invalid", field, f"{path[:200]!r}: a path cannot hold NUL")
-    if ".." in path.split("/"):
+    parts = path.split("/")
+    if ".." in parts:
         raise EngineError(
             "forbidden",
             field,
             f"{path}: a '..' component is refused (paths stay in the environment)",
         )
+    named = [p for p in parts if p not in ("", ".")]
+    if changes and path.startswith("/") and named[:1] == [".tangram"]:
+        raise EngineError("forbidden", field, f"{path}: {RESERVED}")
     return path
 
 
@@ -119,7 +133,7 @@ class Files:
     def _request(
         self, tenant: str, tid: str, action: FileOp, path: str, **kw: object
     ) -> tuple[AgentLink, AgentFiles, TrajectoryRecord]:
-        check_path(path)
+        check_path(path, changes=action in CHANGES)
         traj = self.state.usable(tenant, tid)
         link = self.state.link(traj.node)
         # An agent with tar streams has the files API too (it came first).
@@ -157,7 +171,7 @@ class Files:
     ) -> FilesOutcome:
         """list, stat, mkdir, remove, rename: one request, one reply."""
         if action == "rename":
-            check_path(str(kw.get("to") or ""), "to")
+            check_path(str(kw.get("to") or ""), "to", changes=True)
         link, req, traj = self._request(tenant, tid, action, path, **kw)
         end = self._in_use(traj)
         try:

@@ -157,7 +157,7 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
     ) -> dict[str, str]:
         # The path asked for is judged before its parents are made: a refusal names it
         # (a '..' in it was refused naming the parent made first, "a/..").
-        await _parents(who, box, check_path(path))
+        await _parents(who, box, check_path(path, changes=True))
         # As envd's: through a symlink (to a file inside the sandbox), keeping the mode of
         # a file it replaces (0644 for a new one); still whole or not at all.
         await files.write(who, box.id, path, body, 0o644 | KEEP_MODE)
@@ -239,8 +239,8 @@ def envd_routes(engine: Engine, sandboxes: Sandboxes, admit: Admit) -> APIRouter
         """As envd's: the destination's missing parent directories are made first."""
         source, to = _path(msg, "source"), _path(msg, "destination")
         try:
-            check_path(source)  # (before the destination's parents are made)
-            await _parents(who, box, check_path(to, "to"))
+            check_path(source, changes=True)  # (before the destination's parents are made)
+            await _parents(who, box, check_path(to, "to", changes=True))
         except EngineError as e:
             raise process.from_engine(e) from None
         await _ask(who, box, "rename", source, to=to)
