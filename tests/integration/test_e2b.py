@@ -407,6 +407,18 @@ def test_a_refused_write_names_the_path_asked_for(
     assert not sandbox.files.exists("a") and not sandbox.files.exists("/.tangram/run/x")
 
 
+def test_a_cwd_that_cannot_be_entered_is_said_naming_it(sandbox: Sandbox) -> None:
+    """It was the shell's "sub: 1: cd: can't cd to sub" (the directory taken for the
+    script's name)."""
+    with pytest.raises(CommandExitException) as cwd:
+        sandbox.commands.run("pwd", cwd="sub")
+    assert (cwd.value.exit_code, cwd.value.stderr) == (1, "cwd: sub: No such file or directory\n")
+    sandbox.files.write("file", "")
+    with pytest.raises(CommandExitException) as not_dir:
+        sandbox.commands.run("pwd", cwd="file")
+    assert not_dir.value.stderr == "cwd: file: Not a directory\n"
+
+
 def test_a_write_into_a_directory_the_user_cannot_read_names_the_file(
     sandbox: Sandbox, e2b: tuple[str, str, str]
 ) -> None:

@@ -41,8 +41,14 @@ _GO_NAMES: dict[int, str] = {
     signal.SIGALRM: "alarm clock", signal.SIGTERM: "terminated",
 }  # fmt: skip
 # A command asked to run in another directory: the exec runs in the environment's
-# workdir, so a shell moves first ($0 is the directory, "$@" the command).
-_CD = 'cd -- "$0" && exec "$@"'
+# workdir, so a shell moves first ($0 is the directory, "$@" the command). A directory it
+# cannot enter is said as the field, not in the shell's words ("sub: 1: cd: can't cd to
+# sub", $0 taken for the script's name), and the command does not run.
+_CD = (
+    'cd -- "$0" 2>/dev/null || { if [ ! -e "$0" ]; then why="No such file or directory"; '
+    'elif [ ! -d "$0" ]; then why="Not a directory"; else why="Permission denied"; fi; '
+    'printf "cwd: %s: %s\\n" "$0" "$why" >&2; exit 1; }; exec "$@"'
+)
 
 
 def start(engine: Engine, box: Sandbox, msg: dict[str, Any], timeout_s: float | None) -> Proc:
