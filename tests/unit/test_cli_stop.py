@@ -222,6 +222,10 @@ def test_the_agent_refuses_a_scheduler_url_it_could_never_reach(
     code = main(["agent", "--scheduler", "http://", "--runtime", "noop", "--token-file",
                  str(tokens), "--state-dir", str(tmp_path / "state")])  # fmt: skip
     assert "http:// is not a scheduler URL (no host)" in capsys.readouterr().err  # not scheme
+    code = main(["agent", "--scheduler", "ftp://127.0.0.1:9", "--runtime", "noop",
+                 "--token-file", str(tokens), "--state-dir", str(tmp_path / "state")])  # fmt: skip
+    err = capsys.readouterr().err  # quoted as given: not with the /v1/agents it would get
+    assert code == 2 and "ftp://127.0.0.1:9 is not a scheduler URL" in err, err
     assert not (tmp_path / "state").exists()  # refused before any agent was made
 
 

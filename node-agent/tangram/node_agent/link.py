@@ -55,16 +55,19 @@ class SchedulerUrlError(ValueError):
     """A scheduler URL no retry can reach: the agent ends, saying why."""
 
 
-def check_url(url: str) -> None:
-    """Raise :class:`SchedulerUrlError` unless ``url`` is a WebSocket URL."""
+def check_url(url: str, given: str | None = None) -> None:
+    """Raise :class:`SchedulerUrlError` unless ``url`` is a WebSocket URL. ``given``: what
+    the user wrote, which ``url`` was made from (a scheme or a path added), named in the
+    error instead: a path the user never wrote reads as theirs."""
     try:
         parse_uri(url)
     except InvalidURI as e:
-        raise SchedulerUrlError(_invalid(url, e)) from None
+        raise SchedulerUrlError(_invalid(url, e, given)) from None
 
 
-def _invalid(url: str, e: InvalidURI) -> str:
-    return not_a_url(url, e.msg if url == e.uri else f"it leads to {e.uri}: {e.msg}")
+def _invalid(url: str, e: InvalidURI, given: str | None = None) -> str:
+    why = e.msg if url == e.uri else f"it leads to {e.uri}: {e.msg}"
+    return not_a_url(given if given is not None else url, why)
 
 
 def not_a_url(url: str, why: str) -> str:

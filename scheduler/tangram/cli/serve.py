@@ -136,7 +136,7 @@ def scheduler_url(text: str) -> str:
     path = parts.path if parts.path not in ("", "/") else AGENTS_PATH
     url = urlunsplit(parts._replace(scheme=scheme, path=path)) if parts.netloc else text
     try:
-        check_url(url)
+        check_url(url, given=text)
     except SchedulerUrlError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return url
