@@ -30,9 +30,11 @@ typecheck: setup
 
 # auto is Docker; RUNTIME=process runs commands on this host, unisolated (README).
 RUNTIME ?= auto
+# `make run PORT=8081` when 8080 is taken; clients then need TANGRAM_URL=http://127.0.0.1:8081.
+PORT ?= 8080
 
 run: setup ## the embedded default: scheduler + local node agent serving manifests/examples/local
-	$(BIN)/tangram up -f manifests/examples/local --runtime $(RUNTIME)
+	$(BIN)/tangram up -f manifests/examples/local --runtime $(RUNTIME) --port $(PORT)
 
 test: setup lint typecheck ## lint, type-check and run the whole test suite
 	$(BIN)/pytest -n 2 --dist loadgroup -q
