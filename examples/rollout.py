@@ -7,6 +7,15 @@ execution. Start the service first (`make run`), then:
 
     python examples/rollout.py                   # 16 trajectories x 6 steps
     python examples/rollout.py -n 64 --steps 10 --think 0.2
+
+What it runs: its defaults fit the pool of `make run` (manifests/examples/local). Each
+trajectory opens the TrajectoryEnv --env (`sandbox`); its steps run `sh -c 'echo step N'`
+under the profile --shell-profile (`shell`: one that takes the request's command, so the
+image needs `sh`), every third step leases and releases a unit of the API quota --api
+(`search`; no request is made), and its last step runs the profile --tests-profile
+(`tests`: one with a command of its own, elastic). Another pool names its own: `tangram
+up` prints the flags its pool needs, or read its TrajectoryEnv's spec.actions and the
+ActionPool's spec.apis.
 """
 
 from __future__ import annotations
@@ -37,17 +46,19 @@ async def trajectory(
     async with client.trajectory(args.env, labels=labels, expected_steps=args.steps) as t:
         for step in range(args.steps):
             await asyncio.sleep(rng.expovariate(1 / args.think) if args.think > 0 else 0)
-            if step == args.steps - 1:  # the last step runs the (elastic) test suite
-                kind, r = "tests", await t.exec(profile="tests")
+            if args.tests_profile and step == args.steps - 1:  # the (elastic) test suite
+                kind, r = "tests", await t.exec(profile=args.tests_profile)
             elif args.api and step % 3 == 2:  # a metered API call: lease, call, release
                 kind, r = "api", await client.lease(args.api)
                 if r.lease:
                     await client.release(r.lease)
             else:  # a one-core shell command
-                kind, r = (
-                    "shell",
-                    await t.exec(profile="shell", args=["sh", "-c", f"echo step {step}"]),
-                )
+                command = ["sh", "-c", f"echo step {step}"]
+                if args.shell_profile:
+                    r = await t.exec(profile=args.shell_profile, args=command)
+                else:
+                    r = await t.exec(command)
+                kind = "shell"
             out[kind].append(r)
             if r.status is not ActionStatus.OK:
                 print(f"trajectory {t.id} step {step}: {r.status.value} {r.error}", file=sys.stderr)
@@ -78,21 +89,43 @@ async def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--url", help="service URL (default: TANGRAM_URL or http://127.0.0.1:8080)")
-    p.add_argument("--env", default="sandbox", help="TrajectoryEnv to open")
-    p.add_argument("-n", "--trajectories", type=int, default=16)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--think", type=float, default=0.05, help="mean think time, seconds")
-    p.add_argument("--api", default="search", help="API quota to lease ('' for none)")
+    p.add_argument("--env", default="sandbox", help="TrajectoryEnv to open (default: %(default)s)")
+    p.add_argument(
+        "-n", "--trajectories", type=int, default=16, help="trajectories at once (default: 16)"
+    )
+    p.add_argument("--steps", type=int, default=6, help="actions a trajectory (default: 6)")
+    p.add_argument(
+        "--think", type=float, default=0.05, help="mean think time, seconds (default: 0.05)"
+    )
+    p.add_argument(
+        "--shell-profile",
+        default="shell",
+        help="the env's profile for the shell steps, one taking the request's command "
+        "('' for none: the env's default demand) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tests-profile",
+        default="tests",
+        help="the env's profile for the last step, one with its own command ('' for none: "
+        "a shell step) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--api", default="search", help="API quota to lease ('' for none) (default: %(default)s)"
+    )
     args = p.parse_args()
     out: dict[str, list[ActionResult]] = defaultdict(list)
+    failed: list[BaseException] = []
     t0 = time.perf_counter()
     try:
-        async with AsyncClient(args.url) as client:
-            await asyncio.gather(
-                *(trajectory(client, i, args, out) for i in range(args.trajectories))
-            )
-    except (TangramError, ServiceUnreachableError) as e:
-        print(f"rollout: {e}", file=sys.stderr)
+        # The task group cancels the other trajectories at the first error and waits for
+        # each to close before the client does: none is left open.
+        async with AsyncClient(args.url) as client, asyncio.TaskGroup() as group:
+            for i in range(args.trajectories):
+                group.create_task(trajectory(client, i, args, out))
+    except* (TangramError, ServiceUnreachableError) as errors:
+        failed.extend(errors.exceptions)
+    if failed:
+        print(f"rollout: {failed[0]}", file=sys.stderr)
         return 1
     report(out, time.perf_counter() - t0)
     return 0

@@ -24,6 +24,7 @@ from tangram.cli.up import (
     add_log_flags,
     add_runtime_flag,
     check_listen,
+    cores_note,
     learned_file,
     load_pool,
     load_tokens,
@@ -34,6 +35,7 @@ from tangram.cli.up import (
     setup_logging,
     shut_down,
     stop_on_signals,
+    virtual_cores,
 )
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.service.auth import AGENT_TENANT
@@ -208,7 +210,8 @@ def run_agent(args: argparse.Namespace) -> int:
         raise InputError(f"--token-file {args.token_file}: no {AGENT_TENANT} token")
     agent = make_agent(args, args.idle_cores, args.cores)
     stop = asyncio.Event()
-    note(f"agent {agent.node}: {agent.kind} runtime, action cores {agent.action_cores}")
+    cores = cores_note(agent.action_cores, agent.idle_cores, virtual_cores(agent.kind))
+    note(f"agent {agent.node}: {agent.kind} runtime, {cores}")
 
     async def main() -> None:
         stop_on_signals(stop)

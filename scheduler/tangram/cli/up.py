@@ -179,17 +179,24 @@ def run_up(args: argparse.Namespace) -> int:
             runtime += f" (portable path only: {agent.fast_path})"
         if agent.kind == "process":
             runtime = "[bold red]process[/] (no isolation: commands run on this host)"
+        cores = cores_note(agent.action_cores, agent.idle_cores, virtual_cores(agent.kind))
+        flags = rollout_flags(config)
+        hint = (
+            ""
+            if flags is None  # (it opens trajectories: a pool without a TrajectoryEnv has none)
+            else f"  try: {_tokens_env(args.token_file)}.venv/bin/python examples/rollout.py "
+            + " ".join([f"--url {r.url}", *flags])
+            + "\n"
+        )
         note(
             f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
-            f"  node {agent.node}: action cores {format_cpulist(agent.action_cores)}, "
-            f"idle {format_cpulist(agent.idle_cores)}, {runtime} runtime\n"
+            f"  node {agent.node}: {cores}; {runtime} runtime\n"
             f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
             f"RewardServices: {', '.join(sorted(config.services)) or 'none'}; "
             f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
             f"  token file: {args.token_file}\n"
             f"  {r.engine.learned_note()}\n"
-            f"  try: {_tokens_env(args.token_file)}.venv/bin/python examples/rollout.py "
-            f"--url {r.url}\n"
+            f"{hint}"
             f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
         )
         for warning in warnings:  # after the banner, where they are read
@@ -206,6 +213,57 @@ def run_up(args: argparse.Namespace) -> int:
         raise
     note("stopped; every environment was removed")
     return 0
+
+
+def cores_note(actions: Sequence[int], idle: Sequence[int], virtual: bool = False) -> str:
+    """How many cores go to actions and to idle sandboxes, each with its CPU list (the
+    lists alone, ``1`` and ``0``, read as counts)."""
+
+    def part(cores: Sequence[int], what: str) -> str:
+        n = len(set(cores))
+        if not n:
+            return f"no core {what}"
+        cpus = f"{'virtual ' if virtual else ''}CPU{'s' if n != 1 else ''}"
+        return f"{n} core{'s' if n != 1 else ''} {what} ({cpus} {format_cpulist(cores)})"
+
+    return f"{part(actions, 'for actions')}, {part(idle, 'for idle sandboxes')}"
+
+
+# What examples/rollout.py opens, runs and leases unless told otherwise: the local example's.
+ROLLOUT_DEFAULTS = {
+    "--env": "sandbox",
+    "--shell-profile": "shell",
+    "--tests-profile": "tests",
+    "--api": "search",
+}
+
+
+def rollout_flags(config: PoolConfig) -> list[str] | None:
+    """The flags examples/rollout.py needs to run against this pool, beyond --url (none for
+    manifests/examples/local, whose names are its defaults); None when it cannot: it opens
+    trajectories, and the pool has no TrajectoryEnv."""
+    if not config.envs:
+        return None
+
+    def pick(flag: str, names: Sequence[str]) -> str:  # its default, else the first; '': none
+        return ROLLOUT_DEFAULTS[flag] if ROLLOUT_DEFAULTS[flag] in names else min(names, default="")
+
+    env = pick("--env", list(config.envs))
+    profiles = config.envs[env].profiles
+    chosen = {
+        "--env": env,
+        # its shell steps bring their own command; its last step runs the profile's
+        "--shell-profile": pick(
+            "--shell-profile", [n for n, p in profiles.items() if not p.command]
+        ),
+        "--tests-profile": pick("--tests-profile", [n for n, p in profiles.items() if p.command]),
+        "--api": pick("--api", [a.name for a in config.apis]),
+    }
+    return [
+        f"{flag} {shlex.quote(value)}"
+        for flag, value in chosen.items()
+        if value != ROLLOUT_DEFAULTS[flag]
+    ]
 
 
 def virtual_cores(runtime: str) -> bool:
