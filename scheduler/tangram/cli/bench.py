@@ -88,8 +88,18 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
     p.add_argument("--cluster", help="cluster YAML: nodes, services, apis")
-    p.add_argument("--policy", default="elastic", help="comma-separated policies")
-    p.add_argument("--seed", type=whole_number(0), default=0)
+    p.add_argument(
+        "--policy",
+        default="elastic",
+        help="comma-separated policies (docs/simulator.md: elastic, elastic-paper, fixed-dop-N, "
+        "k8s-static, ...)",
+    )
+    p.add_argument(
+        "--seed",
+        type=whole_number(0),
+        default=0,
+        help="the replay's random choices (a replay, paper); the trace's are its own",
+    )
     p.add_argument(
         "--depth",
         type=whole_number(1, 4),

@@ -27,12 +27,43 @@ class Interrupted(Exception):  # noqa: N818 (Ctrl-C, not an error)
     printed already); the command exits 130, as a plain Ctrl-C does."""
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that says each flag's default: ``(default: …)`` is appended unless the text
+    says it already (``(default``) or there is none to say (None, False, '')."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, default = action.help, action.default
+        if (
+            not text
+            or "(default" in text
+            or not action.option_strings
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or default == ""
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class RawDocDefaultsShown(argparse.RawDescriptionHelpFormatter, DefaultsShown):
+    """:class:`DefaultsShown`, with the description printed as written (a docstring)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """The ``tangram`` parser: its sub-commands' parsers are of this class too, and their
+    help shows each flag's default (:class:`DefaultsShown`) unless given another
+    formatter."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+
 def documented_command(sub: Any, name: str, summary: str, doc: str | None) -> Any:
     """A sub-command listed with ``summary``, whose ``--help`` shows its module's docstring
     ``doc`` as written."""
-    return sub.add_parser(
-        name, help=summary, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    return sub.add_parser(name, help=summary, description=doc, formatter_class=RawDocDefaultsShown)
 
 
 def whole_number(least: int, most: int | None = None) -> Callable[[str], int]:

@@ -18,7 +18,9 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from tangram.cli.files import Parser
+
+    parser = Parser(
         prog="tangram",
         description="ARL-Tangram: action-level pooling of external resources for agentic RL.",
     )

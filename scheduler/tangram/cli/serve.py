@@ -16,10 +16,11 @@ from typing import Any
 
 from tangram.api.spec_base import DNS_LABEL_RE, DNS_SUBDOMAIN
 from tangram.api.wire import AGENTS_PATH
-from tangram.cli.files import InputError, port, seconds, whole_number
+from tangram.cli.files import InputError, port, whole_number
 from tangram.cli.progress import note
 from tangram.cli.up import (
     add_gpu_flags,
+    add_grace_flag,
     add_learned_flag,
     add_log_flags,
     add_runtime_flag,
@@ -49,7 +50,16 @@ _TOKENS = os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE))
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the scheduler service of one pool (no local agent)")
+    p = sub.add_parser(
+        "serve",
+        help="run the scheduler service of one pool (no local agent)",
+        description="Serve one pool declared in the CR files (ActionPool, TrajectoryEnv and "
+        "RewardService documents) on --host/--port, without a node agent: what a cluster's "
+        "scheduler Deployment runs. Node agents join it with `tangram agent --scheduler URL`, "
+        "the agents' URL it prints. Ctrl-C or SIGTERM stops admitting and gives in-flight "
+        "actions --grace seconds; environments stay on their nodes for the next scheduler to "
+        "take back. SIGHUP reloads the files. docs/service.md tells the rest.",
+    )
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or directory")
     p.add_argument(
         "--pool",
@@ -57,10 +67,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--port", type=port, default=8080, help="port to serve on (default 8080)")
-    p.add_argument("--token-file", default=_TOKENS, help="TOKEN TENANT lines (created if missing)")
     p.add_argument(
-        "--grace", type=seconds, default=10.0, help="seconds in-flight actions get at exit"
+        "--token-file",
+        default=_TOKENS,
+        help="TOKEN TENANT lines (created if missing; default: $TANGRAM_TOKEN_FILE, else "
+        "~/.config/tangram/tokens)",
     )
+    add_grace_flag(p)
     p.add_argument(
         "--kubernetes",
         action="store_true",
@@ -82,7 +95,14 @@ def register(sub: Any) -> None:
     add_log_flags(p)
     p.set_defaults(run=run_serve)
 
-    a = sub.add_parser("agent", help="run a node agent that serves a scheduler")
+    a = sub.add_parser(
+        "agent",
+        help="run a node agent that serves a scheduler",
+        description="Run a node agent for this machine that connects to a scheduler (`tangram "
+        "serve`) and runs its actions on this machine's cores: what a cluster's node-agent "
+        "DaemonSet runs. It reads its token from --token-file and never makes one. "
+        "docs/node-agent.md tells the rest.",
+    )
     a.add_argument(
         "--scheduler",
         required=True,
@@ -91,7 +111,10 @@ def register(sub: Any) -> None:
         "http(s):// is taken as ws(s)://, and a URL without a path gets /v1/agents)",
     )
     a.add_argument(
-        "--token-file", default=_TOKENS, help="holds a system:agent token (read, never made)"
+        "--token-file",
+        default=_TOKENS,
+        help="holds a system:agent token (read, never made; default: $TANGRAM_TOKEN_FILE, else "
+        "~/.config/tangram/tokens)",
     )
     a.add_argument("--node", help="node name (default: the hostname)")
     add_runtime_flag(a)
@@ -108,7 +131,12 @@ def register(sub: Any) -> None:
     k.add_argument(
         "--kubeconfig", help="outside a pod: the kubeconfig to act with (default: in-cluster)"
     )
-    a.add_argument("--state-dir", default=_STATE)
+    a.add_argument(
+        "--state-dir",
+        default=_STATE,
+        help="the agent's state: socket directories, process-runtime workdirs (default: "
+        "$TANGRAM_STATE_DIR, else ~/.local/state/tangram)",
+    )
     a.add_argument(
         "--idle-cores", type=whole_number(1), default=1, help="size of the idle core set"
     )

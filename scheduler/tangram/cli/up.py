@@ -67,24 +67,39 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--port", type=port, default=8080, help="port to serve on (default 8080)")
     add_runtime_flag(p, leave_out=("pod",))  # the operator's: `tangram agent` takes it
-    p.add_argument("--cores", type=whole_number(1), help="cores for actions (noop: virtual cores)")
+    p.add_argument(
+        "--cores",
+        type=whole_number(1),
+        help="cores for actions (default: the pool's spec.cpu.coresPerNode, else every core but "
+        "the idle ones; noop: that many virtual cores, else 1024)",
+    )
     add_gpu_flags(p)
     p.add_argument(
         "--state-dir",
         default=os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram")),
-        help="the agent's state: socket directories, process-runtime workdirs",
+        help="the agent's state: socket directories, process-runtime workdirs (default: "
+        "$TANGRAM_STATE_DIR, else ~/.local/state/tangram)",
     )
     p.add_argument(
         "--token-file",
         default=os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE)),
-        help="TOKEN TENANT lines; created with a client and an agent token if missing",
+        help="TOKEN TENANT lines; created with a client and an agent token if missing "
+        "(default: $TANGRAM_TOKEN_FILE, else ~/.config/tangram/tokens)",
     )
     add_learned_flag(p, "STATE_DIR/learned/POOL.json")
-    p.add_argument(
-        "--grace", type=seconds, default=10.0, help="seconds in-flight actions get at exit"
-    )
+    add_grace_flag(p)
     add_log_flags(p)
     p.set_defaults(run=run_up)
+
+
+def add_grace_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--grace",
+        type=seconds,
+        default=10.0,
+        help="seconds in-flight actions get to finish at Ctrl-C or SIGTERM; a second one "
+        "cancels them at once (default: 10)",
+    )
 
 
 def setup_logging(args: argparse.Namespace) -> None:
