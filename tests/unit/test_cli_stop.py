@@ -244,6 +244,8 @@ def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_stops_now(
 
     token = TokenStore.load(tmp_path / "tokens").token_for("local")
 
+    results: list[Any] = []
+
     async def run_forever() -> None:
         async with AsyncClient(url, token) as client:
             t = await client.open("sandbox")
@@ -252,7 +254,7 @@ def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_stops_now(
                 "-c",
                 f"echo $$ > {started}.pid; mv {started}.pid {started}; exec sleep 3600",
             ]
-            await client.exec(t.id, argv, timeout_s=3600)
+            results.append(await client.exec(t.id, argv, timeout_s=3600))
 
     runner = threading.Thread(target=lambda: _quietly(run_forever()), daemon=True)
     runner.start()
@@ -268,6 +270,10 @@ def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_stops_now(
         proc.send_signal(signal.SIGINT)
         assert _stopped(proc) == 0, out.text()
         assert "every environment was removed" in out.text()
+        runner.join(GUARD_S)
+        (result,) = results  # killed by the second Ctrl-C: not said to have had its grace
+        assert result.error.code == "shutdown", result
+        assert "second stop signal" in result.error.message, result.error.message
     finally:  # (a failed run leaves the command behind)
         _kill_if("sleep", started.read_text().strip())
 

@@ -204,7 +204,11 @@ class PoolState:
         if self.ended is not None:
             return err("pool_deleted", f"{self.ended}: " + (end if ran else "never ran"))
         if ran:
-            return err("shutdown", f"the scheduler stopped: {end} at the end of its grace")
+            return err(  # (the stop does not tell a grace run out from a second signal)
+                "shutdown",
+                f"the scheduler stopped: {end} (its grace ran out, or a second stop signal "
+                "cut it short)",
+            )
         return err("shutdown", "the scheduler stopped", retryable=True)
 
     def stop_ended(self, rec: ActionRecord, killed: bool = True) -> ErrorInfo | None:
