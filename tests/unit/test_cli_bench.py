@@ -63,6 +63,16 @@ def test_ctrl_c_during_a_replay_reports_the_policies_that_finished(
     code, out, err = _run(capsys, *replay, "--policy", "fixed-dop-4,elastic")
     assert (code, out) == (130, "")
     assert err == "tangram: interrupted during fixed-dop-4; finished: none\n"
+    # --out is written all the same (it was not): no policy, and where it stopped.
+    out_json.unlink()
+    code, out, err = _run(
+        capsys, *replay, "--policy", "fixed-dop-4,elastic", "--out", str(out_json)
+    )
+    assert (code, out) == (130, "") and "finished: none" in err
+    written = json.loads(out_json.read_text())
+    assert (written["policies"], written["interrupted_during"]) == ({}, "fixed-dop-4")
+    code, out, err = _run(capsys, *replay, "--policy", "fixed-dop-4", "--json")
+    assert code == 130 and json.loads(out)["policies"] == {}
 
 
 def _ctrl_c_at_the_second(job: int, result: int) -> str:

@@ -391,8 +391,9 @@ def run(args: argparse.Namespace) -> int:
         }
     if stopped is not None:
         report["interrupted_during"] = stopped.policy
-        if results:
-            _emit(report, args)
+        # In the first policy: no row to print, but --out and --json say where it stopped.
+        if results or args.json or args.out:
+            _emit(report, args, rows=bool(results))
         raise stopped
     if plot is not None:
         from tangram.cli.plots import act_cdf
@@ -502,12 +503,13 @@ def replay_all(
     return results
 
 
-def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
+def _emit(report: dict[str, Any], args: argparse.Namespace, *, rows: bool = True) -> None:
     """Print the report, then write it to ``--out`` and its table beside it: a write that
-    fails however --out was checked before leaves the printed report."""
+    fails however --out was checked before leaves the printed report. ``rows`` False:
+    no table is printed (a replay stopped before any policy finished has no row)."""
     if args.json:
         print(json.dumps(report))
-    else:
+    elif rows:
         _table(report)
     sys.stdout.flush()
     if args.out:
