@@ -45,7 +45,8 @@ def test_every_flag_with_a_default_says_it() -> None:
     for name, parser in _parsers(build_parser()):
         for action in parser._actions:
             default = action.default
-            if not action.option_strings or default in (None, False, "", argparse.SUPPRESS):
+            none = default is None or default is False or default == argparse.SUPPRESS
+            if not action.option_strings or none or default == "":
                 continue
             # as --help prints it: the flag and its help, the default appended or written
             said = " ".join(parser._get_formatter()._format_action(action).split())

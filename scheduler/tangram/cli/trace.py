@@ -23,7 +23,12 @@ def register(sub: Any) -> None:
     g.add_argument(
         "--trajectories", type=whole_number(1), required=True, help="batch size (trajectories)"
     )
-    g.add_argument("--seed", type=whole_number(0), default=0)
+    g.add_argument(
+        "--seed",
+        type=whole_number(0),
+        default=0,
+        help="the generator's random seed: the same seed, scenario and size give the same trace",
+    )
     g.add_argument("--out", "-o", help="trace file (default: stdout)")
     g.add_argument("--cluster-out", help="also write the scenario's paper cluster as YAML")
     g.set_defaults(run=run)
