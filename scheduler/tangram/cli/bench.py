@@ -86,8 +86,16 @@ def register(sub: Any) -> None:
         ),
         help="a named benchmark",
     )
-    p.add_argument("--trace", help="JSON Lines trace (tangram trace generate)")
-    p.add_argument("--cluster", help="cluster YAML: nodes, services, apis")
+    p.add_argument(
+        "--trace",
+        help="JSON Lines trace, one trajectory a line (tangram trace generate; the format: "
+        "docs/simulator.md, 'Trace and cluster files')",
+    )
+    p.add_argument(
+        "--cluster",
+        help="cluster YAML: nodes, services, apis (trace generate --cluster-out; the format: "
+        "docs/simulator.md, 'Trace and cluster files')",
+    )
     p.add_argument(
         "--policy",
         default="elastic",

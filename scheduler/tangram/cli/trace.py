@@ -16,8 +16,11 @@ def register(sub: Any) -> None:
     tsub = p.add_subparsers(dest="trace_command", required=True, metavar="SUBCOMMAND")
     g = tsub.add_parser(
         "generate",
-        help="write a JSON Lines trace (docs/architecture.md) for one of the paper's workloads",
-        description="Parameters and their sources: docs/trace-generator.md.",
+        help="write a JSON Lines trace for one of the paper's workloads",
+        description="Write one RL step of a paper workload as a trace, JSON Lines, one "
+        "trajectory a line, and with --cluster-out the cluster file it replays on: both "
+        "formats, every field with its unit, in docs/simulator.md, 'Trace and cluster "
+        "files'. Parameters and their sources: docs/trace-generator.md.",
     )
     g.add_argument("--scenario", required=True, choices=SCENARIOS)
     g.add_argument(
@@ -30,7 +33,11 @@ def register(sub: Any) -> None:
         help="the generator's random seed: the same seed, scenario and size give the same trace",
     )
     g.add_argument("--out", "-o", help="trace file (default: stdout)")
-    g.add_argument("--cluster-out", help="also write the scenario's paper cluster as YAML")
+    g.add_argument(
+        "--cluster-out",
+        help="also write the scenario's paper cluster as YAML (the cluster file of "
+        "tangram bench --cluster)",
+    )
     g.set_defaults(run=run)
 
 
