@@ -492,3 +492,25 @@ def test_an_ended_actions_log_line_names_its_node(caplog: pytest.LogCaptureFixtu
         run(scenario)
     (ended,) = [r for r in caplog.records if r.getMessage() == "action ended"]
     assert (getattr(ended, "node", None), getattr(ended, "trajectory", None)) == ("n1", "t1")
+
+
+@pytest.mark.parametrize("hurried", [False, True])
+def test_a_command_the_stop_killed_says_why_its_grace_ended(hurried: bool) -> None:
+    """Killed by a second Ctrl-C, a command said it was killed at the end of its grace,
+    which had not run out: each end says its own."""
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Killing())
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        rec = engine.submit_exec("u", "t1", ExecRequest(argv=["long"]))
+        assert await settle(lambda: rec.started is not None)
+        hurry = asyncio.Event()
+        if hurried:
+            hurry.set()
+        await engine.wind_down(0.0 if not hurried else 3600.0, hurry)
+        result = await rec.done
+        assert result.status is ActionStatus.CANCELLED and result.error is not None
+        why = "a second stop signal cut its grace short" if hurried else "its grace ran out"
+        assert result.error.message == f"the scheduler stopped: killed ({why})"
+
+    run(scenario)

@@ -259,6 +259,7 @@ class Engine:
         if hurry is not None:
             waits.add(asyncio.ensure_future(hurry.wait()))
         await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        s.hurried = hurry is not None and hurry.is_set()  # (what the killed ones are told)
         for w in waits:
             w.cancel()
         late = [t for t in running if not t.done()]

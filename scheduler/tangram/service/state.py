@@ -102,6 +102,7 @@ class PoolState:
         # Why it stopped, when its pool was deleted and the drain's time ran out
         # (``Engine.end_drain``); None: a stop of the scheduler itself.
         self.ended: str | None = None
+        self.hurried = False  # the stop's grace was cut short (a second Ctrl-C)
         # Until then an unknown trajectory answers 503 (retry), not 404; ended early by
         # whoever knows every agent is back (the embedded mode's single local agent).
         self.reconnect_until = clock() + RECONNECT_WINDOW_S
@@ -204,11 +205,10 @@ class PoolState:
         if self.ended is not None:
             return err("pool_deleted", f"{self.ended}: " + (end if ran else "never ran"))
         if ran:
-            return err(  # (the stop does not tell a grace run out from a second signal)
-                "shutdown",
-                f"the scheduler stopped: {end} (its grace ran out, or a second stop signal "
-                "cut it short)",
-            )
+            why = "its grace ran out"
+            if self.hurried:
+                why = "a second stop signal cut its grace short"
+            return err("shutdown", f"the scheduler stopped: {end} ({why})")
         return err("shutdown", "the scheduler stopped", retryable=True)
 
     def stop_ended(self, rec: ActionRecord, killed: bool = True) -> ErrorInfo | None:
