@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from tangram.service.logs import JsonFormatter
+from tangram.service.logs import JsonFormatter, TextFormatter
 
 
 def test_json_lines_carry_extra_fields() -> None:
@@ -33,3 +33,15 @@ def test_a_librarys_objects_on_a_record_stay_out_of_the_line() -> None:
     record.k8s_ref = {"kind": "ActionPool", "name": "coding", "namespace": "rl"}
     line = json.loads(JsonFormatter().format(record))
     assert "settings" not in line and line["k8s_ref"]["name"] == "coding"
+
+
+def test_text_lines_carry_the_ids_after_the_message() -> None:
+    """``-v`` printed "action ended" and nothing to tell one action from another."""
+    record = logging.LogRecord(
+        "tangram.service", logging.INFO, "f.py", 1, "action ended", None, None
+    )
+    record.action, record.trajectory, record.node, record.status = "a-1", "t-9", None, "ok"
+    line = TextFormatter().format(record)
+    assert line.endswith(" INFO tangram.service action ended action=a-1 trajectory=t-9 status=ok")
+    plain = logging.LogRecord("tangram.service", logging.INFO, "f.py", 1, "ready", None, None)
+    assert TextFormatter().format(plain).endswith(" ready")

@@ -40,13 +40,33 @@ def _plain(value: object, depth: int = 0) -> bool:
     return False
 
 
+# The ids a text line shows after its message, in this order, as ``key=value``: the
+# fields the service's own records carry (a library's, kopf's, are left to the JSON form).
+TEXT_FIELDS = (
+    "action", "trajectory", "tenant", "env", "node", "kind", "status", "act_s", "actions",
+    "open_s", "warm",
+)  # fmt: skip
+
+
+class TextFormatter(logging.Formatter):
+    """A line for a terminal, with the record's ids after its message: ``-v`` printed
+    "action ended" and no more, its ids only in ``--log-json``'s fields."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        ids = [f"{k}={v}" for k in TEXT_FIELDS if (v := getattr(record, k, None)) is not None]
+        if not ids:
+            return line
+        head, sep, tail = line.partition("\n")  # (after the message, before a traceback)
+        return f"{head} {' '.join(ids)}{sep}{tail}"
+
+
 def setup(verbose: bool, as_json: bool) -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(
-        JsonFormatter()
-        if as_json
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
-    )
+    handler.setFormatter(JsonFormatter() if as_json else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if verbose else logging.WARNING)
