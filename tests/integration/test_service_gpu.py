@@ -377,9 +377,11 @@ def test_reloaded_services_are_loaded_and_edited_ones_reloaded(tmp_path: Path) -
             headers={"Authorization": f"Bearer {OPERATOR}"},
             timeout=30,
         )
-        assert (
-            answer.status_code == 200 and "RewardServices critic, judge" in answer.json()["changes"]
-        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["changes"] == [
+            "RewardService critic added",
+            "RewardService judge changed (spec.gpu_memory_gb)",
+        ]
         assert _eventually(lambda: client.score("critic", INPUTS).output == _expected(2))
         assert _eventually(lambda: client.score("judge", INPUTS).output == _expected(5))
         figures = httpx.get(

@@ -40,6 +40,7 @@ from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from tangram.service.admission import Admission
 from tangram.service.agents import AgentHub
 from tangram.service.api_calls import ApiCalls
+from tangram.service.changes import named_changes
 from tangram.service.config import PoolConfig
 from tangram.service.files import Files
 from tangram.service.gpu_calls import GpuCalls
@@ -371,16 +372,14 @@ class Engine:
         s = self.state
         changes: list[str] = []
         old = s.config
-        for name in sorted(set(old.envs) | set(config.envs)):
-            before, after = old.envs.get(name), config.envs.get(name)
-            if before != after:
-                verb = "added" if before is None else "removed" if after is None else "changed"
-                changes.append(f"env {name} {verb}")
-        if old.services != config.services:
-            changes.append("RewardServices " + (", ".join(sorted(config.services)) or "none"))
+        changes += named_changes("env", old.envs, config.envs)
+        # Each by name and what changed in it: the list of those left said neither what
+        # went nor what was edited.
+        changes += named_changes("RewardService", old.services, config.services)
         if old.apis != config.apis:
             s.core.set_quotas(config.apis)
-            changes.append("API quotas " + ", ".join(a.name for a in config.apis))
+            quotas = ({a.name: a for a in apis} for apis in (old.apis, config.apis))
+            changes += named_changes("API quota", *quotas)
         # Named only: an endpoint holds its credential (a rotated Secret is such a change).
         moved = sorted(
             name
