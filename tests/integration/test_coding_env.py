@@ -237,6 +237,10 @@ def test_the_memory_limit_holds(env: tuple[DockerRuntime, str]) -> None:
     assert alive.exit_code == 0  # the environment itself lives on
     killed = asyncio.run(runtime.exec(t, ["sh", "-c", "kill -9 $$"], CORES[:1]))
     assert killed.exit_code == 137 and not killed.oom_killed
+    # A shell whose child the OOM killer killed exits 137: said as well.
+    shell = ["sh", "-c", f'python3 -c "{grab}"; exit $?']
+    child = asyncio.run(runtime.exec(t, shell, CORES[:1], timeout_s=120))
+    assert child.exit_code == 137 and child.signal is None and child.oom_killed
     # A Python session's interpreter killed so: its failure said "exited: " and no more.
     with pytest.raises(ExecError) as e:
         asyncio.run(runtime.session(t, "python", grab.replace("print", "_ = str"), CORES[:1]))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import logging
 import os
 import socket
+import subprocess
+import tarfile
 import threading
 import time
 import uuid
@@ -243,8 +246,8 @@ def test_a_command_that_stops_or_kills_its_handler_ends_with_all_it_started(
     t = tid()
     runtime.open(t, template(busybox))
     argv = ["sh", "-c", f"(while :; do :; done) & sleep 0.2; kill -{sig} $PPID; sleep 100"]
-    with pytest.raises(ExecError) as e:
-        run(runtime, t, argv, CORES[:1], timeout_s=60, path="fast")
+    with pytest.raises(ExecError) as e:  # (a stopped handler held it past any timeout)
+        asyncio.run(asyncio.wait_for(runtime.exec(t, argv, CORES[:1], path="fast"), 60))
     assert "its handler ended first" in str(e.value), e.value
     assert soon_only_pid1_left(runtime, t)
     assert group_limits(runtime, t) == (CORES[:1], 0.1)
@@ -262,14 +265,16 @@ def test_a_tree_that_respawns_as_fast_as_it_dies_is_killed_whole(
     runtime.open(t, template(busybox, pids_limit=64))
     hydra = "while :; do setsid sh ./h.sh & wait; done"
     argv = ["sh", "-c", f"echo '{hydra}' > h.sh; setsid sh ./h.sh & sleep 1; echo done"]
-    res = run(runtime, t, argv, CORES[:1], timeout_s=60, path="fast")
-    assert (res.exit_code, res.stdout) == (0, "done\n")
-    assert only_pid1_left(runtime, t)
-    assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
+    for _ in range(3):  # (the old kill lost the race most times, not every time)
+        res = run(runtime, t, argv, CORES[:1], timeout_s=60, path="fast")
+        assert (res.exit_code, res.stdout) == (0, "done\n")
+        top = runtime.envs[t].container.top(ps_args="-eo pid,ppid,stat,args")["Processes"]
+        assert soon_only_pid1_left(runtime, t), top
+        assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
 
 
 def test_a_command_cannot_stop_its_sandbox_by_signalling_pid_1(
-    runtime: DockerRuntime, busybox: str
+    runtime: DockerRuntime, busybox: str, tmp_path: Path
 ) -> None:
     """The exec server, PID 1, stops on SIGTERM or SIGINT from the runtime; from a command
     of the sandbox (its user's, as PID 1's) they are ignored: `kill 1` ended the sandbox,
@@ -278,7 +283,50 @@ def test_a_command_cannot_stop_its_sandbox_by_signalling_pid_1(
     runtime.open(t, template(busybox))
     argv = ["sh", "-c", "kill -TERM 1; kill -INT 1; sleep 0.5; echo alive"]
     assert run(runtime, t, argv, CORES[:1], path="fast").stdout == "alive\n"
+    # Nor by queueing one that says it came from pid 0, as the runtime's do.
+    forger = _static_binary(tmp_path, FORGED_TERM)
+    with forger.open("rb") as f:
+        data = f.read()
+    runtime.envs[t].container.put_archive("/work", _tar("forge", data))
+    argv = ["sh", "-c", "./forge; sleep 0.5; echo alive"]
+    res = run(runtime, t, argv, CORES[:1], path="fast")
+    assert (res.exit_code, res.stdout) == (0, "alive\n"), res
     assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
+
+
+# SIGTERM queued to PID 1 with a sender pid of 0: what the kernel lets a process of the
+# namespace say (any negative code, here SI_QUEUE).
+FORGED_TERM = r"""
+#define _GNU_SOURCE
+#include <signal.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    siginfo_t si;
+    memset(&si, 0, sizeof si);
+    si.si_signo = SIGTERM;
+    si.si_code = SI_QUEUE;
+    si.si_pid = 0;
+    return syscall(SYS_rt_sigqueueinfo, 1, SIGTERM, &si) == 0 ? 0 : 1;
+}
+"""
+
+
+def _static_binary(tmp_path: Path, source: str) -> Path:
+    src, out = tmp_path / "prog.c", tmp_path / "prog"
+    src.write_text(source)
+    subprocess.run(["cc", "-static", "-O2", "-o", str(out), str(src)], check=True)
+    return out
+
+
+def _tar(name: str, data: bytes) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = len(data), 0o755
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def test_what_a_setup_command_leaves_running_is_killed_at_its_end(

@@ -125,7 +125,7 @@ def test_a_kill_that_is_never_answered_is_given_up(
         assert collect.cancelled() and cmd.kills == 1
         return str(e.value)
 
-    said = asyncio.run(go())
+    said = asyncio.run(asyncio.wait_for(go(), 30))  # (the wait it bounds was for ever)
     assert ending == "cancel" or "its end was not told within 0.05 s" in said
 
 

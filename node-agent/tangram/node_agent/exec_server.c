@@ -55,6 +55,7 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <termios.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_FRAME (1u << 20)
@@ -155,14 +156,15 @@ static int pids_has(const struct pids *s, pid_t p) {
     return 0;
 }
 
-static void pids_add(struct pids *s, pid_t p) {
+static int pids_add(struct pids *s, pid_t p) {
     if (s->n == s->cap) {
         size_t cap = s->cap ? s->cap * 2 : 64;
         pid_t *v = realloc(s->v, cap * sizeof *v);
-        if (v == NULL) return; /* (then the next round's walk finds it again) */
+        if (v == NULL) return -1;
         s->v = v, s->cap = cap;
     }
     s->v[s->n++] = p;
+    return 0;
 }
 
 static void pids_remove(struct pids *s, pid_t p) {
@@ -171,6 +173,36 @@ static void pids_remove(struct pids *s, pid_t p) {
             s->v[i] = s->v[--s->n];
             return;
         }
+}
+
+/* A set of pids: the list of its members and a hash table over them (open addressing, at
+ * most half full), so that a tree of thousands is walked in linear time. */
+struct pidset {
+    struct pids all;
+    pid_t *slot; /* 0: empty */
+    size_t cap;
+};
+
+/* Adds `p`: 1 when it is new, 0 when it was there, -1 when memory ran out. */
+static int pidset_add(struct pidset *s, pid_t p) {
+    if ((s->all.n + 1) * 2 > s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 256;
+        pid_t *slot = calloc(cap, sizeof *slot);
+        if (slot == NULL) return -1;
+        for (size_t i = 0; i < s->all.n; i++) {
+            size_t h = ((size_t)s->all.v[i] * 2654435761u) & (cap - 1);
+            while (slot[h]) h = (h + 1) & (cap - 1);
+            slot[h] = s->all.v[i];
+        }
+        free(s->slot);
+        s->slot = slot, s->cap = cap;
+    }
+    size_t h = ((size_t)p * 2654435761u) & (s->cap - 1);
+    for (; s->slot[h]; h = (h + 1) & (s->cap - 1))
+        if (s->slot[h] == p) return 0;
+    if (pids_add(&s->all, p) < 0) return -1;
+    s->slot[h] = p;
+    return 1;
 }
 
 /* Appends the children of every thread of `pid` to `out`. */
@@ -187,50 +219,64 @@ static void children_of(pid_t pid, struct pids *out) {
         FILE *f = fopen(file, "r");
         if (f == NULL) continue;
         int child;
-        while (fscanf(f, "%d", &child) == 1) pids_add(out, child);
+        while (fscanf(f, "%d", &child) == 1)
+            if (pids_add(out, child) < 0) kill(child, SIGKILL); /* unwalkable: killed now */
         fclose(f);
     }
     closedir(d);
 }
 
 #define MAX_TREE (1u << 16)
+#define MAX_WALK_NS 2000000000LL /* a kill's walks stop after 2 s (then the rounds go on) */
 
-/* Stops every descendant of `root` not yet in `stopped` (but the subtrees of `spare`) and
- * adds it there; how many it stopped. */
-static size_t stop_below(pid_t root, const struct pids *spare, struct pids *stopped) {
+/* Stops every descendant of `root` but the subtrees of `spare`, those stopped before
+ * again (a process not stopped yet may have continued one), and adds them to `stopped`;
+ * how many were new. */
+static size_t stop_below(pid_t root, const struct pids *spare, struct pidset *stopped) {
     struct pids walk = {0};
     size_t fresh = 0;
     children_of(root, &walk);
     for (size_t i = 0; i < walk.n && i < MAX_TREE; i++) {
         pid_t p = walk.v[i];
         if (spare != NULL && pids_has(spare, p)) continue;
-        if (!pids_has(stopped, p)) {
-            kill(p, SIGSTOP);
-            pids_add(stopped, p);
-            fresh++;
-        }
+        kill(p, SIGSTOP);
+        int added = pidset_add(stopped, p);
+        if (added < 0) kill(p, SIGKILL); /* no room to remember it: killed now */
+        fresh += added > 0;
         children_of(p, &walk);
     }
     free(walk.v);
     return fresh;
 }
 
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
 /* Kills every descendant of `root` but the subtrees of `spare`: all of it stopped first,
  * then killed. Killing a generation at a time loses to a tree that respawns as fast as it
  * dies (a loop of setsid children holding the pids limit: each death frees the pid its
  * deepest one forks again); a stopped process forks no more, so walks until two find
- * nothing new, a millisecond apart, have the whole tree. */
+ * nothing new, a millisecond apart, have the whole tree. Nothing below (the common case):
+ * one walk, no wait. */
 static void kill_below(pid_t root, const struct pids *spare) {
-    struct pids stopped = {0};
-    for (int walk = 0, quiet = 0; walk < 1000 && quiet < 2; walk++) {
+    struct pidset stopped = {0};
+    long long start = now_ns();
+    for (int walk = 0, quiet = 0; quiet < 2 && walk < 1000; walk++) {
         if (stop_below(root, spare, &stopped) > 0) {
             quiet = 0;
+        } else if (stopped.all.n == 0) {
+            break;
         } else if (++quiet < 2) {
             usleep(1000); /* one that was still forking as it was stopped has forked now */
         }
+        if (now_ns() - start > MAX_WALK_NS) break;
     }
-    for (size_t i = 0; i < stopped.n; i++) kill(stopped.v[i], SIGKILL);
-    free(stopped.v);
+    for (size_t i = 0; i < stopped.all.n; i++) kill(stopped.all.v[i], SIGKILL);
+    free(stopped.all.v);
+    free(stopped.slot);
 }
 
 /* Descendants orphaned by the command are re-parented to this handler (a subreaper), so
@@ -621,33 +667,42 @@ static void refuse_insider(int conn) {
 /* The handlers this server forked and that still run. */
 static struct pids handlers;
 
-/* Reaps ended children; whether a handler was killed (its command's processes are
- * orphans now). A handler that stopped was stopped by its command (a handler has no
- * terminal to stop it; the command runs as the same user and may signal its parent): it
- * would never answer the agent's kill, so the command's cores would stay held. It is
- * killed: its connection's end tells the agent. (A handler ends by exiting, after
- * killing what its command left; only a signal kills one.) */
+/* Reaps ended children; whether a handler ended (what it leaves is killed by the caller,
+ * as init). A handler that stopped was stopped by its command (a handler has no terminal
+ * to stop it; the command runs as the same user and may signal its parent): it would
+ * never answer the agent's kill, so the command's cores would stay held. It is killed:
+ * its connection's end tells the agent. */
 static int reap_handlers(void) {
     pid_t w;
-    int st, killed = 0;
+    int st, ended = 0;
     while ((w = waitpid(-1, &st, WNOHANG | WUNTRACED)) > 0) {
         if (WIFSTOPPED(st)) {
             kill(w, SIGKILL);
         } else if (pids_has(&handlers, w)) {
             pids_remove(&handlers, w);
-            killed |= WIFSIGNALED(st);
+            ended = 1;
         }
     }
-    return killed;
+    return ended;
 }
 
-/* As a container's init: kills every process re-parented to it that no handler owns,
- * once a handler was killed (`kill -9 $PPID` from its command, or stopped and killed
- * above): its command and what it started would run on between actions and into the
- * next, on cores nobody accounts for. */
+/* As a container's init, once a handler has ended: kills every process re-parented to it
+ * that no handler owns. A handler killed by its own command (`kill -9 $PPID`, or stopped
+ * and killed above) left the command running, and one whose kill a process of the tree
+ * outlasted left that; either would run on between actions and into the next, on cores
+ * nobody accounts for. (A command run without a handler, a Docker exec, leaves its
+ * orphans here too.) Nothing re-parented (the common case): one read. */
 static void sweep_orphans(void) {
     do kill_below(getpid(), &handlers);
     while (reap_handlers());
+}
+
+/* Whether a stop signal came from the container's runtime (docker stop, the kubelet): it
+ * is outside this PID namespace, so its pid reads 0 here, and a kill() or the kernel
+ * sent it. A process of the sandbox may queue a signal saying pid 0, but only with a
+ * negative code (SI_QUEUE), never SI_USER or SI_KERNEL. */
+static int from_runtime(const struct signalfd_siginfo *si) {
+    return si->ssi_pid == 0 && (si->ssi_code == SI_USER || si->ssi_code == SI_KERNEL);
 }
 
 int main(int argc, char **argv) {
@@ -704,10 +759,10 @@ int main(int argc, char **argv) {
         if (p[0].revents & POLLIN) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) == sizeof si)
-                /* As init, a stop comes from the runtime, outside this PID namespace (the
-                 * sender's pid is 0 here): a command's `kill 1` does not end its sandbox. */
+                /* As init, a stop comes from the runtime: a command's `kill 1` does not
+                 * end its sandbox. */
                 if ((si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) &&
-                    !(as_init && si.ssi_pid != 0))
+                    (!as_init || from_runtime(&si)))
                     return 0;
             if (reap_handlers() && as_init) sweep_orphans();
         }
@@ -723,7 +778,8 @@ int main(int argc, char **argv) {
                 drain_then_close(conn);
                 _exit(0);
             }
-            if (pid > 0) pids_add(&handlers, pid);
+            if (pid > 0 && pids_add(&handlers, pid) < 0)
+                kill(pid, SIGKILL); /* a handler no sweep would spare: not served */
             close(conn);
         }
     }

@@ -100,7 +100,7 @@ class ExecResult:
     fallback: str = ""  # why the fast path was not taken, when it was not
     signal: int | None = None  # the signal that killed the command, when one did
     note: str = ""  # beside the outcome, what its caller must know (a session's state lost)
-    oom_killed: bool = False  # SIGKILLed as the kernel's OOM killer killed in its sandbox
+    oom_killed: bool = False  # it (or its child) SIGKILLed as the OOM killer killed in its sandbox
 
     @property
     def dop(self) -> int:

@@ -60,7 +60,10 @@ class Reachable:
         """The exec server is still the process this environment was found with: a dead
         server's pid may have gone to another process, even another sandbox's server,
         which the listener check alone would then let through."""
-        return not self.started or start_time(self.pid, self.proc_root) == self.started
+        fields = stat_fields(self.pid, self.proc_root)
+        if fields is not None and fields[0] in ("Z", "X"):  # ended, not yet reaped
+            return False
+        return not self.started or (fields is not None and int(fields[19]) == self.started)
 
     def check_alive(self) -> None:
         if not self.alive():
@@ -220,15 +223,22 @@ class FastPath:
             # The connection ended before the command's exit: its environment went (a
             # deleted pod, a killed container) or its handler did. No outcome to give: an
             # exit of None read as a command that ran to its end.
+            # (A sandbox's PID 1 ends its handlers before it ends itself: looked at again.)
+            alive = env.alive()
+            if alive:
+                await asyncio.sleep(ENDING_S)
+                alive = env.alive()
             why = " (its handler ended first: a command that signals its parent, $PPID, ends"
-            gone = f"{why} its own run)" if env.alive() else "; the environment is gone"
+            gone = f"{why} its own run)" if alive else "; the environment is gone"
             raise ExecError(
                 f"the exec server's connection ended before the command's exit status{gone}",
                 ended=True,
             )
         code = None if timed_out else chan.exit_code
         result = ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
-        if code == -signal.SIGKILL and ooms is not None:  # the OOM killer's signal
+        # The OOM killer's signal, to the command or to a process it waited for (a shell's
+        # 137): an OOM kill in its sandbox meanwhile says which.
+        if code in (-signal.SIGKILL, 128 + signal.SIGKILL) and ooms is not None:
             after = self.cgroups.oom_kills(env.cgroup)
             if after is not None and after > ooms:
                 result = replace(result, oom_killed=True)
@@ -241,6 +251,9 @@ class FastPath:
 
 
 OOM_KILLED = "the kernel's out-of-memory killer killed in the sandbox meanwhile: its memory ran out"
+
+
+ENDING_S = 0.2  # how long a PID 1 that ends its handlers may take to end itself
 
 
 def _session_lost(kind: str) -> str:

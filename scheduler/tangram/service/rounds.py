@@ -22,8 +22,8 @@ from tangram.service.state import PoolState, agent_gone
 log = logging.getLogger("tangram.service")
 
 OOM_KILLED = (
-    "killed by the kernel's out-of-memory killer: its sandbox reached the memory limit of "
-    "its TrajectoryEnv (spec.memoryGiB)"
+    "the kernel's out-of-memory killer killed it (or a process it waited for): its sandbox "
+    "reached its TrajectoryEnv's spec.memoryGiB, or the node ran out of memory"
 )
 
 
