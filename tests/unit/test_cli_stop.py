@@ -31,6 +31,7 @@ from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.embedded import Running, free_port, url_host
 from tangram.service.engine import Engine
 from tangram.service.from_resources import choose_pool, pool_config
+from tests import GPU_EXTRA
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_POOL = str(ROOT / "manifests" / "examples" / "local")
@@ -276,6 +277,64 @@ def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_stops_now(
         assert result.error.message.endswith("(a second stop signal cut its grace short)")
     finally:  # (a failed run leaves the command behind)
         _kill_if("sleep", started.read_text().strip())
+
+
+@pytest.mark.torch
+def test_up_stops_within_its_grace_while_a_service_call_cannot_end(
+    tmp_path: Path, reaped: list[subprocess.Popen[str]]
+) -> None:
+    """A RewardService call whose score never returns is abandoned at the stop: the
+    process exits (its GPU call threads hold nothing), rather than say it stopped, let go
+    of its state directory and live on until the call returns."""
+    pytest.importorskip("torch", reason=GPU_EXTRA)
+    from tests.fixtures.tiny_reward import weights
+
+    weights(str(tmp_path / "stuck.pt"))
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    (pool / "pool.yaml").write_text(
+        "apiVersion: tangram.dev/v1alpha1\nkind: ActionPool\nmetadata: {name: gp}\n"
+        "spec: {gpu: {gpusPerNode: 1}}\n---\n"
+        "apiVersion: tangram.dev/v1alpha1\nkind: RewardService\nmetadata: {name: stuck}\n"
+        "spec: {poolRef: gp, entrypoint: 'tests.fixtures.odd_reward:build_stuck', "
+        f"weights: '{tmp_path / 'stuck.pt'}', gpuMemoryGiB: 0.01}}\n"
+    )
+    port = free_port()
+    proc, out = _tangram(
+        "up", "-f", str(pool), "--port", str(port), "--runtime", "noop", "--gpus", "cpu:1",
+        "--grace", "0", "--state-dir", str(tmp_path / "state"), "--learned-file", "",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    reaped.append(proc)
+    out.wait_for("ready at", proc)
+    token = TokenStore.load(tmp_path / "tokens").token_for("local")
+    results: list[Any] = []
+
+    async def call() -> None:
+        async with AsyncClient(f"http://127.0.0.1:{port}", token) as client:
+            results.append(await client.score("stuck", [[0.0] * 16]))
+
+    caller = threading.Thread(target=lambda: _quietly(call()), daemon=True)
+    caller.start()
+    deadline = time.monotonic() + GUARD_S
+    while not _gpus_in_use(port):  # the call runs on the GPU
+        assert proc.poll() is None and time.monotonic() < deadline, out.text()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert _stopped(proc) == 0, out.text()
+    assert "every environment was removed" in out.text() and "Traceback" not in out.text()
+    caller.join(GUARD_S)
+    (result,) = results
+    assert result.error.code == "shutdown", result
+
+
+def _gpus_in_use(port: int) -> bool:
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return any(
+        line.startswith("tangram_units_in_use{") and 'resource="gpu"' in line
+        and not line.endswith(" 0.0")
+        for line in metrics.splitlines()
+    )  # fmt: skip
 
 
 def _kill_if(command: str, pid: str) -> None:

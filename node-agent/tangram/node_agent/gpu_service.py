@@ -26,7 +26,7 @@ import contextvars
 import logging
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -41,6 +41,7 @@ from tangram.api.wire import (
     ServiceOutcome,
     ServiceStats,
 )
+from tangram.node_agent.daemon_threads import DaemonThreads
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.gpu_batching import MAX_CALLS
 
@@ -145,15 +146,16 @@ class GpuRole:
         # batches hold threads on the other GPUs or the loop's default executor.
         self.threads = self._threads()
 
-    def _threads(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(
-            max_workers=role_threads(len(self.info.devices)), thread_name_prefix="gpu-call"
-        )
+    def _threads(self) -> DaemonThreads:
+        # Daemons: a call still running when the agent stops is abandoned, not waited for
+        # by the process's exit (daemon_threads).
+        return DaemonThreads(role_threads(len(self.info.devices)), thread_name_prefix="gpu-call")
 
     def close(self) -> None:
         """The agent stops: the threads end once their calls have ended, and so do the
-        backend's, if it has any to stop. The role stays usable (an embedded scheduler
-        restarted around the same agent): later work gets new threads."""
+        backend's, if it has any to stop; the process does not wait for them. The role
+        stays usable (an embedded scheduler restarted around the same agent): later work
+        gets new threads."""
         old, self.threads = self.threads, self._threads()
         old.shutdown(wait=False)
         close = getattr(self.backend, "close", None)

@@ -36,7 +36,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 import torch
 
 from tangram.api.wire import ServiceDef
+from tangram.node_agent.daemon_threads import DaemonThreads
 from tangram.node_agent.gpu_batching import MAX_CALLS, SharedPasses
 from tangram.node_agent.gpu_residency import (
     InstanceKey,
@@ -447,9 +448,7 @@ class GpuWorker:
             and resident.service is self.services.get(key[0])
         )
 
-    def _parallel(
-        self, jobs: list[Callable[[], T]], pool: ThreadPoolExecutor | None = None
-    ) -> list[T]:
+    def _parallel(self, jobs: list[Callable[[], T]], pool: Executor | None = None) -> list[T]:
         """Run one job per device at once (a DoP-k call drives its k GPUs together): the
         first in this thread, the others in ``pool``. Returns once every job has ended,
         raising the first error: a replica still on its GPU must not outlive the call."""
@@ -527,11 +526,12 @@ class GpuWorker:
         self._synchronize(chunk)
         return [o for part in parts for o in part]
 
-    def _threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """Threads for replicas, and for restores."""
+    def _threads(self) -> tuple[DaemonThreads, DaemonThreads]:
+        """Threads for replicas, and for restores: daemons, so that a call that cannot be
+        stopped does not hold the process's exit."""
         devices = self._devices
-        replicas = ThreadPoolExecutor(2 * devices * MAX_CALLS, thread_name_prefix="gpu-replica")
-        return replicas, ThreadPoolExecutor(devices, thread_name_prefix="gpu-restore")
+        replicas = DaemonThreads(2 * devices * MAX_CALLS, thread_name_prefix="gpu-replica")
+        return replicas, DaemonThreads(devices, thread_name_prefix="gpu-restore")
 
     def close(self) -> None:
         """The agent stops: the threads of replicas and restores end once their work has
