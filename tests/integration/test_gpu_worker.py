@@ -172,6 +172,34 @@ def test_refusals_name_the_problem(tmp_path: Path) -> None:
         w.load(_def("sharded", big.weights, 1, replicated=False))
 
 
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [  # (the agent's error names the service: the worker's does not name it again)
+        ("build_dict_of_one", "score returned a dict, not a list with one output per input"),
+        ("build_dict_per_input", "score returned a dict, not a list with one output per input"),
+        ("build_generator", "score returned a generator, not a list with one output per input"),
+    ],
+)
+def test_a_score_that_returns_no_list_is_named_for_what_it_returned(
+    tmp_path: Path, entry: str, says: str
+) -> None:
+    w = _worker(devices=1)
+    base = _spec(tmp_path, "base")
+    w.load(_def("odd", base.weights, 4, entry=f"tests.fixtures.odd_reward:{entry}"))
+    with pytest.raises(ServiceError) as e:
+        w.call("odd", [0], INPUTS[:2])
+    assert str(e.value) == says
+
+
+def test_a_build_that_raises_is_refused_with_its_exception_type(tmp_path: Path) -> None:
+    w = _worker(devices=1)
+    base = _spec(tmp_path, "base")
+    entry = "tests.fixtures.odd_reward:build_raising"
+    with pytest.raises(ServiceError) as e:
+        w.load(_def("raises", base.weights, 4, entry=entry))
+    assert str(e.value) == f"raises: {entry} raised RuntimeError: build exploded"
+
+
 @pytest.mark.parametrize("restore", ["call", "ahead"])
 def test_a_running_instance_is_never_evicted(tmp_path: Path, restore: str) -> None:
     """Neither a call's restore nor a restore ahead evicts an instance whose call runs."""

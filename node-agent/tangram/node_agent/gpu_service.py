@@ -291,7 +291,7 @@ def json_size(outputs: Any) -> int:
     would turn into null), strings, and lists, tuples and dicts with string keys of these.
     Raises ``ValueError`` naming the first thing that is not, and where it is."""
     if not isinstance(outputs, (list, tuple)):
-        raise ValueError(f"score returned {_a(outputs)}, not a list with one output per input")
+        raise ValueError(f"score returned {a_type(outputs)}, not a list with one output per input")
     try:
         problem = _not_json(outputs, "outputs")
     except RecursionError:
@@ -333,7 +333,7 @@ def _not_json(value: Any, at: str) -> str | None:
             if problem is not None:
                 return problem
         return None
-    return f"{_a(value)} at {at}: {_ADVICE}"
+    return f"{a_type(value)} at {at}: {_ADVICE}"
 
 
 def _type(value: Any) -> str:
@@ -342,7 +342,8 @@ def _type(value: Any) -> str:
     return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
 
 
-def _a(value: Any) -> str:
+def a_type(value: Any) -> str:
+    """``a dict``, ``a torch.Tensor``: what a score returned, as its errors name it."""
     kind = _type(value)
     return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
 
@@ -383,4 +384,4 @@ def _stats(service: str, stats: CallStatsLike) -> ServiceStats:
     )
 
 
-__all__ = ["GpuOptions", "GpuRole", "ServiceBackend", "json_size", "role_threads"]
+__all__ = ["GpuOptions", "GpuRole", "ServiceBackend", "a_type", "json_size", "role_threads"]

@@ -35,7 +35,7 @@ import statistics
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,6 +54,7 @@ from tangram.node_agent.gpu_residency import (
     name,
     size_text,
 )
+from tangram.node_agent.gpu_service import a_type
 
 GIB = 2**30
 
@@ -159,6 +160,10 @@ def resolve(entrypoint: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ServiceError(f"entrypoint {entrypoint}: {e}") from None
+    except Exception as e:  # the module itself failed as it ran (a SyntaxError, a NameError)
+        raise ServiceError(
+            f"entrypoint {entrypoint}: importing it raised {type(e).__name__}: {e}"
+        ) from None
     if not callable(fn):
         raise ServiceError(f"entrypoint {entrypoint}: not callable")
     built: Callable[[], tuple[torch.nn.Module, Score]] = fn
@@ -289,8 +294,13 @@ class GpuWorker:
         """``build()`` with its parameters on ``meta`` (no memory, no init). Its buffers are
         on ``meta`` too unless ``computed_buffers``: then they are computed on the CPU, as at
         load, where the ones missing from the weights are kept."""
-        with parameters_on_meta() if computed_buffers else torch.device("meta"):
-            built = build()
+        try:
+            with parameters_on_meta() if computed_buffers else torch.device("meta"):
+                built = build()
+        except Exception as e:  # its type says what went wrong as much as its message
+            raise ServiceError(
+                f"{spec.name}: {spec.entrypoint} raised {type(e).__name__}: {e}"
+            ) from None
         if not (isinstance(built, tuple) and len(built) == 2):
             raise ServiceError(f"{spec.name}: {spec.entrypoint} must return (module, score)")
         module, score = built
@@ -512,11 +522,18 @@ class GpuWorker:
                 # and the pass may run in the thread of another call on this replica.
                 with torch.inference_mode(), self._current(chunk[r]):
                     got = score(replicas[r], batch)
-                if len(got) != len(batch):
+                # Before its length is taken or it is sliced: a dict or a generator would
+                # fail there with a message that names neither. (The service is named by
+                # the agent's error, once.) A tensor passes, to be named with where it is
+                # by the check of the outputs.
+                if isinstance(got, (Mapping, str, bytes)) or not (
+                    hasattr(got, "__len__") and hasattr(got, "__getitem__")
+                ):
                     raise ServiceError(
-                        f"{service.spec.name}: score returned {len(got)} outputs for "
-                        f"{len(batch)} inputs"
+                        f"score returned {a_type(got)}, not a list with one output per input"
                     )
+                if len(got) != len(batch):
+                    raise ServiceError(f"score returned {len(got)} outputs for {len(batch)} inputs")
                 return got
 
             # Forward passes of at most maxBatch inputs, shared with concurrent calls.
