@@ -58,8 +58,10 @@ def _worker(devices: int = 2, mb: int = 10) -> GpuWorker:
 
 def test_load_once_restore_then_hit(tmp_path: Path) -> None:
     w = _worker()
-    w.load(_spec(tmp_path, "judge"))
-    assert w.load(_spec(tmp_path, "judge")) == 0.0 and w.loads == 1
+    spec = _spec(tmp_path, "judge")
+    w.load(spec)
+    # (Its files unchanged: a weights file written again would be loaded again.)
+    assert w.load(spec) == 0.0 and w.loads == 1
     first, stats = w.call("judge", [0], INPUTS)
     assert not stats.hit and stats.restored_bytes > 0 and len(first) == len(INPUTS)
     again, stats = w.call("judge", [0], INPUTS)
@@ -93,6 +95,66 @@ def test_the_weights_file_is_read_once_and_may_change_after(tmp_path: Path) -> N
     Path(spec.weights).unlink()
     after, stats = w.call("a", [0], INPUTS)
     assert not stats.hit and after == before and w.loads == 2
+
+
+def _module(path: Path, body: str) -> None:
+    """An entry point module whose score gives every input ``body``'s value."""
+    path.write_text(f"from tests.fixtures.tiny_reward import TinyReward\n\n{body}\n")
+
+
+def test_a_load_after_an_edit_of_the_entry_point_module_runs_the_new_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """importlib.import_module returns the module as first imported: a function added
+    to it since was missing, and a changed one ran as before, until the agent restarted."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = tmp_path / "edited_entry.py"
+    _module(source, "def build():\n    return TinyReward(), lambda m, xs: [1.0] * len(xs)\n")
+    w = _worker(devices=1)
+    spec = _def("e", _spec(tmp_path, "base").weights, 4, entry="edited_entry:build")
+    w.load(spec)
+    assert w.call("e", [0], INPUTS[:2])[0] == [1.0, 1.0]
+    w.unload("e")
+    _module(source, "def build2():\n    return TinyReward(), lambda m, xs: [2.0] * len(xs)\n")
+    w.load(spec.model_copy(update={"entrypoint": "edited_entry:build2"}))  # a new function
+    assert w.call("e", [0], INPUTS[:2])[0] == [2.0, 2.0]
+    # Its body changed, and its size kept: only the file's time and inode tell.
+    _module(source, "def build2():\n    return TinyReward(), lambda m, xs: [3.0] * len(xs)\n")
+    w.unload("e")
+    w.load(spec.model_copy(update={"entrypoint": "edited_entry:build2", "max_batch": 5}))
+    assert w.call("e", [0], INPUTS[:2])[0] == [3.0, 3.0]
+
+
+def test_a_service_whose_files_changed_is_loaded_again_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its definition unchanged: a new weights file renamed over the old one (as gpu.md
+    advises), or an edit of its entry point module, is loaded again at the next sync."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    w = _worker(devices=1)
+    spec = _spec(tmp_path, "a")
+    w.load(spec)
+    before, _ = w.call("a", [0], INPUTS)
+    assert w.load(spec) == 0.0 and w.loads == 1  # nothing changed: not read again
+    weights(str(tmp_path / "next.pt"), seed=5)
+    Path(tmp_path / "next.pt").replace(spec.weights)
+    assert w.load(spec) > 0.0 and w.loads == 2
+    after, stats = w.call("a", [0], INPUTS)
+    assert not stats.hit and after != before  # the resident instance had the old weights
+    Path(tmp_path / "bad.pt").write_text("not a torch file")
+    Path(tmp_path / "bad.pt").replace(spec.weights)
+    with pytest.raises(ServiceError, match="weights"):
+        w.load(spec)
+    assert w.call("a", [0], INPUTS)[0] == after  # the one loaded serves on
+    source = tmp_path / "entry_in_place.py"
+    _module(source, "def build():\n    return TinyReward(), lambda m, xs: [1.0] * len(xs)\n")
+    weights(str(tmp_path / "b.pt"))
+    entry = _def("b", str(tmp_path / "b.pt"), 4, entry="entry_in_place:build")
+    w.load(entry)
+    assert w.call("b", [0], INPUTS[:1])[0] == [1.0]
+    _module(source, "def build():\n    return TinyReward(), lambda m, xs: [4.0] * len(xs)\n")
+    assert w.load(entry) > 0.0
+    assert w.call("b", [0], INPUTS[:1])[0] == [4.0]
 
 
 def test_weights_are_mapped_from_the_file_not_read_into_a_first_copy(tmp_path: Path) -> None:

@@ -414,6 +414,27 @@ def test_new_weights_of_the_same_size_leave_nothing_resident(tmp_path: Path) -> 
         assert _eventually(lambda: client.score("judge", INPUTS).output == _expected(5))
 
 
+def test_a_reload_of_unchanged_documents_loads_a_weights_file_renamed_over(
+    tmp_path: Path,
+) -> None:
+    """The RewardService is as it was; its weights file is new (written beside it and
+    renamed over it, as gpu.md advises): SIGHUP, or a reload, loads it again."""
+    judge = _service(tmp_path, "judge", 4, seed=0)
+    with _serving(tmp_path, [judge]) as (running, client):
+        assert client.score("judge", INPUTS).output == _expected(0)
+        weights(str(tmp_path / "next.pt"), 5)
+        (tmp_path / "next.pt").replace(tmp_path / "judge.pt")
+        same = PoolConfig(services={"judge": judge})
+        running.engine.reloader = lambda _text: same
+        answer = httpx.post(
+            f"{running.url}/v1/admin/reload",
+            headers={"Authorization": f"Bearer {OPERATOR}"},
+            timeout=30,
+        )
+        assert answer.status_code == 200
+        assert _eventually(lambda: client.score("judge", INPUTS).output == _expected(5))
+
+
 def test_a_restarted_scheduler_learns_what_the_worker_holds(tmp_path: Path) -> None:
     judge = _service(tmp_path, "judge", 4, seed=0)
     agent = NodeAgent.create(

@@ -68,7 +68,9 @@ class ServiceBackend(Protocol):
     """What serves RewardService calls on this node's GPUs (see the module docstring)."""
 
     def load(self, spec: ServiceDef) -> float:
-        """Bring ``spec`` into host memory once; seconds it took. Raises on a bad service."""
+        """Bring ``spec`` into host memory once; seconds it took. Raises on a bad service.
+        Called again at each sync for a service it holds: 0.0 when nothing changed; it
+        may load it again if its files changed (the worker does, replacing it)."""
         ...
 
     def loaded_bytes(self, service: str) -> int:
@@ -221,7 +223,8 @@ class GpuRole:
 
     async def sync(self, defs: Sequence[ServiceDef]) -> dict[str, ServiceLoad]:
         """Hold exactly ``defs``: new ones are loaded (once, into host memory), changed ones
-        reloaded, removed ones dropped. One failing service does not stop the others."""
+        reloaded, removed ones dropped, and unchanged ones whose files changed loaded again.
+        One failing service does not stop the others."""
         async with self._sync_lock:
             wanted = {d.name: d for d in defs}
             for name in [n for n in self.defs if wanted.get(n) != self.defs[n]]:
@@ -231,6 +234,7 @@ class GpuRole:
                 del self.loaded[name]  # changed or removed; a failed load is tried again
             for name, spec in wanted.items():
                 if name in self.defs:
+                    await self._refresh(spec)
                     continue
                 try:
                     seconds = await _run_in(self.threads, partial(self.backend.load, spec))
@@ -244,6 +248,33 @@ class GpuRole:
                 )
                 log.info("RewardService %s loaded in %.2f s", name, seconds)
             return dict(self.loaded)
+
+    async def _refresh(self, spec: ServiceDef) -> None:
+        """A service held in this definition: the backend loads it again if its files
+        changed (a weights file renamed over, an edited entry point module), which costs a
+        stat of each. Failing, the one loaded serves on, as a reload keeps the running
+        definitions when the new ones are wrong."""
+        name = spec.name
+        try:
+            seconds = await _run_in(self.threads, partial(self.backend.load, spec))
+        except Exception as e:
+            log.warning(
+                "RewardService %s: its weights file or entrypoint module changed, but does "
+                "not load (the one loaded before serves on): %s",
+                name,
+                e,
+            )
+            return
+        if seconds > 0.0:
+            self.loaded[name] = ServiceLoad(
+                ok=True, bytes=self.backend.loaded_bytes(name), load_s=seconds
+            )
+            log.info(
+                "RewardService %s loaded again in %.2f s: its weights file or entrypoint "
+                "module changed",
+                name,
+                seconds,
+            )
 
     def resident(self) -> list[ResidentInstance]:
         return [

@@ -31,9 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import pickle
 import statistics
+import sys
 import threading
 import time
+import types
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, wait
@@ -89,6 +95,14 @@ class _Service:
     # like the rotary ``inv_freq`` of most transformers): computed once at load, copied
     # like the weights, since a skeleton built on ``meta`` holds no values for them.
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The files it was loaded from (its weights, its entry point's module), with their
+    # stat before they were read: one that changed since makes a sync load it again.
+    sources: dict[str, Stat | None] = field(default_factory=dict)
+
+    def changed(self) -> str | None:
+        """Which of its files changed since it was loaded, or None."""
+        moved = [path for path, stat in self.sources.items() if file_stat(path) != stat]
+        return ", ".join(moved) or None
 
     @property
     def bytes_per_device(self) -> int:
@@ -154,10 +168,87 @@ def read_weights(path: str) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
 
 
-def resolve(entrypoint: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
+Stat = tuple[int, int, int, int]  # (device, inode, size, mtime in ns) of a file
+
+
+def file_stat(path: str | None) -> Stat | None:
+    """What tells a file from its next version (a rename over it, or a rewrite); None when
+    it is not there."""
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class _SourceOnly(importlib.machinery.SourceFileLoader):
+    """Compiles the module from its source: a cached ``.pyc`` is trusted when the source's
+    mtime (in whole seconds) and size match, which an edit within a second may keep."""
+
+    def get_code(self, fullname: str) -> Any:
+        path = self.get_filename(fullname)
+        return self.source_to_code(self.get_data(path), path)
+
+
+# Entry point modules as resolve last used them, with their source's stat then: one whose
+# source changed since is imported afresh. The lock keeps two loads from doing it at once.
+_MODULES: dict[str, tuple[types.ModuleType, Stat | None]] = {}
+_IMPORTS = threading.Lock()
+
+
+def _import(module_name: str) -> tuple[types.ModuleType, Stat | None]:
+    """The module, imported afresh (a new module object: calls running the old one keep
+    it) when its source changed since it was last used here; and its source's stat."""
+    with _IMPORTS:
+        module = sys.modules.get(module_name)
+        seen = _MODULES.get(module_name)
+        if module is None:
+            importlib.invalidate_caches()  # a module written since its directory was listed
+            module = importlib.import_module(module_name)
+        elif (
+            seen is not None
+            and seen[0] is module
+            and seen[1] != file_stat(getattr(module, "__file__", None))
+        ):
+            module = _fresh(module_name, module)
+        # (Taken after a first import: an edit during it is seen only at the next one.)
+        _MODULES[module_name] = (module, file_stat(getattr(module, "__file__", None)))
+        return _MODULES[module_name]
+
+
+def _fresh(module_name: str, old: types.ModuleType) -> types.ModuleType:
+    """``module_name`` imported again from its source, as a new module object; ``old``
+    stays in ``sys.modules`` if that fails."""
+    del sys.modules[module_name]
+    try:
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(module_name)
+        if spec is None or spec.loader is None:
+            raise ModuleNotFoundError(f"No module named {module_name!r}")
+        if isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            spec.loader = _SourceOnly(spec.loader.name, spec.loader.path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules[module_name] = old
+        raise
+    parent, _, leaf = module_name.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], leaf, module)  # as an import binds it
+    return module
+
+
+def resolve(
+    entrypoint: str,
+) -> tuple[Callable[[], tuple[torch.nn.Module, Score]], dict[str, Stat | None]]:
+    """The entry point's function, and its module's source file with its stat (none for
+    a module without one). A module whose source changed since it was last resolved is
+    imported afresh."""
     module_name, _, attr = entrypoint.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        module, stat = _import(module_name)
+        fn = getattr(module, attr)
     except (ImportError, AttributeError) as e:
         raise ServiceError(f"entrypoint {entrypoint}: {e}") from None
     except Exception as e:  # the module itself failed as it ran (a SyntaxError, a NameError)
@@ -167,7 +258,8 @@ def resolve(entrypoint: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
     if not callable(fn):
         raise ServiceError(f"entrypoint {entrypoint}: not callable")
     built: Callable[[], tuple[torch.nn.Module, Score]] = fn
-    return built
+    source = getattr(module, "__file__", None)
+    return built, ({source: stat} if source else {})
 
 
 class GpuWorker:
@@ -227,8 +319,13 @@ class GpuWorker:
 
     # ---- loading ---------------------------------------------------------------------
     def load(self, spec: ServiceDef) -> float:
-        """Read ``spec``'s weights into host memory (once); seconds it took."""
-        if spec.name in self.services:
+        """Read ``spec``'s weights into host memory (once); seconds it took, 0.0 when it
+        holds it already. Held, but its weights file or its entry point's source changed
+        since (a new file renamed over the old), it is loaded again: the new one replaces
+        it once loaded (its idle instances go; running calls finish on the old one), and
+        one that fails to load leaves the old one in place."""
+        held = self.services.get(spec.name)
+        if held is not None and held.changed() is None:
             return 0.0
         largest = max(self.residency.capacity.values(), default=0)
         if bytes_per_device(spec) > largest:  # refused before it costs a pinned host copy
@@ -242,10 +339,13 @@ class GpuWorker:
                 "a sharded model needs an external inference server (parallelism: shard)"
             )
         t0 = self.clock()
-        build = resolve(spec.entrypoint)
+        sources = {spec.weights: file_stat(spec.weights)}  # before it is read
+        build, source = resolve(spec.entrypoint)
+        sources.update(source)
         try:
             state = read_weights(spec.weights)
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
+            # (UnpicklingError: a file that is no torch.save output, e.g. half written)
             raise ServiceError(f"{spec.name}: weights {spec.weights}: {e}") from None
         if not isinstance(state, dict):
             raise ServiceError(f"{spec.name}: {spec.weights} is not a state dict")
@@ -272,7 +372,11 @@ class GpuWorker:
             )
         host, buffers = self._keep(state), self._keep(computed)
         del state  # unmaps the file
-        self.services[spec.name] = _Service(spec, build, score, host, nbytes, buffers)
+        service = _Service(spec, build, score, host, nbytes, buffers, sources)
+        with self._lock:  # with its idle instances' eviction: no call may start on one
+            self.services[spec.name] = service
+            if held is not None:
+                self._evict_idle(spec.name)
         self.loads += 1
         return self.clock() - t0
 
@@ -563,15 +667,20 @@ class GpuWorker:
         """Drop idle instances (of ``service``, or all); running ones stay. Their memory
         goes back to the device, for other processes' NVML view."""
         with self._lock:
-            idle = [
-                key
-                for key, placement in self.residency.resident.items()
-                if (service is None or key[0] == service) and not placement.busy
-            ]
-            for key in idle:
-                self._evict(key)
+            idle = self._evict_idle(service)
         if idle and self.cuda:
             torch.cuda.empty_cache()
+
+    def _evict_idle(self, service: str | None) -> bool:
+        """Drop the idle instances of ``service`` (or all), holding the lock; whether any."""
+        idle = [
+            key
+            for key, placement in self.residency.resident.items()
+            if (service is None or key[0] == service) and not placement.busy
+        ]
+        for key in idle:
+            self._evict(key)
+        return bool(idle)
 
     def unload(self, service: str) -> None:
         """Forget a service (its RewardService was removed or changed): its idle instances

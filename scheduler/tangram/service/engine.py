@@ -420,7 +420,10 @@ class Engine:
             idle_cores=old.idle_cores,
             cores_per_node=old.cores_per_node,
         )
-        if old.services != config.services:
+        if old.services != config.services or config.services:
+            # Unchanged too: each worker loads again the services whose files changed (a
+            # weights file renamed over the old one, an edited entry point module), which
+            # no document shows.
             self.gpu.services_changed()
         if old.envs != config.envs:
             for node in self.hub.links:

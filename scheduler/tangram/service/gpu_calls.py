@@ -491,7 +491,7 @@ def _cannot_load(service: str, failures: dict[str, str]) -> str:
     why = "; ".join(f"{n}: {e}" for n, e in sorted(failures.items()))
     return (
         f"RewardService {service} cannot load on any GPU node ({why}); "
-        "fix its definition (an edit makes the nodes load it again)"
+        "fix its definition or its files (an edit, or a reload, makes the nodes load it again)"
     )
 
 
