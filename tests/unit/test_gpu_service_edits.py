@@ -105,9 +105,9 @@ async def _until(check: Callable[[], bool]) -> None:
 
 
 @asynccontextmanager
-async def _engine(config: PoolConfig, worker: Worker) -> Any:
+async def _engine(config: PoolConfig, worker: Worker, clock: Any = None) -> Any:
     """An engine whose GPU node ``g`` (one device) is ``worker``."""
-    e = Engine(config)
+    e = Engine(config) if clock is None else Engine(config, clock=clock)
     e.state.ask = worker.ask  # type: ignore[method-assign]
     await e.start()
     try:
@@ -279,3 +279,23 @@ def test_the_dops_that_cannot_fit_go_before_the_unprofiled_ones() -> None:
     assert _dops({1, 2, 4}, 4) == (ChoicesDemand(choices=[4]), 0.25)
     # None fits: the DoPs it would have had, for the core to refuse by name.
     assert _dops(set(), 2) == (ChoicesDemand(choices=[2]), 0.5)
+
+
+def test_a_call_cancelled_while_it_runs_counts_its_time_as_its_run() -> None:
+    """Its time was its run's (it was on the GPU), not overhead: as for a timeout."""
+
+    async def scenario() -> None:
+        worker, now = Worker(), [100.0]
+        async with _engine(_pool(), worker, clock=lambda: now[0]) as e:
+            await _until(lambda: "judge" in e.gpu.loads.get("g", {}))
+            worker.running.clear()
+            rec = e.submit_service("u", "judge", CALL)
+            await _until(lambda: worker.events[-1:] == ["call judge"])
+            now[0] += 1.5
+            assert e.cancel("u", rec.id)
+            result = await _result(rec)
+            assert result.status is ActionStatus.CANCELLED
+            assert result.timings.exec_s == 1.5 and result.timings.overhead_s == 0.0
+            worker.running.set()
+
+    asyncio.run(scenario())

@@ -347,9 +347,10 @@ class GpuCalls:
         spent_s: float,
     ) -> None:
         """Give a call's result to its waiter; ``spent_s``: from its start to its reply.
-        A call timed out had no reply: its time was its run's, as far as anyone knows."""
+        A call timed out or cancelled while it ran had no reply: its time was its run's,
+        as far as anyone knows (as an exec's that is cancelled)."""
         exec_s = call.exec_s if call is not None else 0.0
-        if call is None and status is ActionStatus.TIMEOUT:
+        if call is None and status in (ActionStatus.TIMEOUT, ActionStatus.CANCELLED):
             exec_s = spent_s
         restore_s = _restore_s(call)
         self.outcomes.end(
