@@ -221,13 +221,17 @@ def test_calls_waiting_for_an_edit_that_no_node_can_load_end_with_its_error() ->
 
 
 def test_a_removed_service_fails_its_queued_calls_and_leaves_with_its_last() -> None:
+    """... the scheduler's bookkeeping and its metrics."""
+
     async def scenario() -> None:
         worker = Worker()
         async with _engine(_pool(), worker) as e:
             await _until(lambda: "judge" in e.gpu.loads.get("g", {}))
+            first = await _result(e.submit_service("u", "judge", CALL))
+            assert first.status is ActionStatus.OK  # a series of judge's metrics
             worker.running.clear()
             running = e.submit_service("u", "judge", CALL)
-            await _until(lambda: worker.events[-1:] == ["call judge"])
+            await _until(lambda: worker.events.count("call judge") == 2)
             queued = e.submit_service("u", "judge", CALL)  # behind it on the one GPU
             await _settled(e)
             e.reconfigure(PoolConfig())
@@ -236,11 +240,14 @@ def test_a_removed_service_fails_its_queued_calls_and_leaves_with_its_last() -> 
             assert not result.error.retryable
             assert "RewardService judge was removed from the pool" in result.error.message
             assert "judge" in e.core.services  # its call still runs
+            assert 'service="judge"' in e.metrics.scrape().decode()  # and so it stays
             worker.running.set()
             ran = await _result(running)
             assert ran.status is ActionStatus.OK and ran.output == ["/v1.pt"]
             assert "judge" not in e.core.services and not e.core.gpu.resident
-            assert worker.events.count("call judge") == 1
+            assert worker.events.count("call judge") == 2
+            # Its series leave with it (they were exported for ever).
+            assert 'service="judge"' not in e.metrics.scrape().decode()
 
     asyncio.run(scenario())
 

@@ -103,6 +103,7 @@ class GpuCalls:
         worker unloads an edited service before it loads the new one and refuses its calls
         meanwhile, so no call of it is placed there until its answer comes (they wait)."""
         self.s.core.set_services(self.service_specs())
+        self._forget_removed()  # (those with no call running are dropped at once)
         for node in self.s.node_gpus:
             self._hosted(node)
             self.s.background(self.sync_services(node))
@@ -260,7 +261,7 @@ class GpuCalls:
         gpus = self.outcomes.devices(asg)
         service = s.core.running[rec.id].action.service or ""
         if asg.sharing:
-            s.metrics.joined_calls.labels(s.metrics.pool, service).inc()
+            s.metrics.joined(service)
         t0 = s.clock()
         status, reply, error = ActionStatus.ERROR, None, None
         # Keyed, the agent runs it at most once and goes on with it if the link drops; a
@@ -313,6 +314,7 @@ class GpuCalls:
                     s.cancelled_keys.pop(key, None)
                 ran = answer is not None and answer.ok and not answer.replayed
                 self._complete(rec.id, ok=False, resident=ran or None)
+                self._forget_removed()
 
             ask.add_done_callback(late)
         self._end(rec, status, call, error, now - t0)
@@ -364,6 +366,13 @@ class GpuCalls:
             output=call.outputs if call is not None else None,
             service=call.stats if call is not None else None,
         )
+        self._forget_removed()
+
+    def _forget_removed(self) -> None:
+        """The metric series of services removed from the pool go once the scheduler has
+        dropped them (their last call ended), as gpu.md says."""
+        s = self.s
+        s.metrics.forget_services({*s.config.services, *s.core.services})
 
     # ---- calls from before a restart -----------------------------------------------
     def adopt(self, node: str, calls: Sequence[RunningCall]) -> int:
@@ -464,6 +473,7 @@ class GpuCalls:
         finally:
             s.core.ahead_done(ahead.service, chunk, ok=stats is not None)
             s.metrics.restored_ahead(ahead.service, stats)
+            self._forget_removed()
             s.wake.set()
 
     def _complete(

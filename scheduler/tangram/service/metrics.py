@@ -7,7 +7,8 @@ figures taken at scrape time (:class:`LiveFigures`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,8 @@ class Metrics:
         }
         self.service_calls = Counter(
             "tangram_service_calls",
-            "RewardService calls ended, by whether the model was already on its GPUs",
+            "RewardService calls answered with outputs, by whether the model was already on "
+            'its GPUs (every call ended: tangram_actions_total{kind="service"})',
             ("pool", "service", "resident"),
             registry=self.registry,
         )
@@ -129,6 +131,26 @@ class Metrics:
         self.pool = pool
         self.registry.register(_Live(lambda: self.pool, snapshot))
         self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        # service -> the labelled series it has, so that a removed one's can go
+        self._series: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}
+
+    def _of(self, metric: Any, service: str, *labels: str) -> Any:
+        """``metric``'s child of ``service`` (and ``labels``), remembered as its series."""
+        values = (self.pool, service, *labels)
+        self._series.setdefault(service, set()).add((metric, values))
+        return metric.labels(*values)
+
+    def joined(self, service: str) -> None:
+        """A call joined an instance running calls (batching)."""
+        self._of(self.joined_calls, service).inc()
+
+    def forget_services(self, keep: Container[str]) -> None:
+        """The series of every service not in ``keep`` go (removed from the pool, its last
+        call ended): they would be exported for ever, though no call of it can come."""
+        for service in [s for s in self._series if s not in keep]:
+            for metric, values in self._series.pop(service):
+                with contextlib.suppress(KeyError):
+                    metric.remove(*values)
 
     def ended(self, result: ActionResult) -> None:
         key = (result.kind, result.status.value)
@@ -149,25 +171,25 @@ class Metrics:
         stats = result.service
         if stats is not None:  # service calls only: off the exec hot path
             self.phases["restore"].labels(self.pool, result.kind).observe(result.timings.restore_s)
-            self.service_calls.labels(self.pool, stats.service, str(stats.resident).lower()).inc()
+            self._of(self.service_calls, stats.service, str(stats.resident).lower()).inc()
             self._residency(stats)
 
     def restored_ahead(self, service: str, stats: ServiceStats | None) -> None:
         """A restore ahead ended: ``stats`` from its worker, or None if it failed."""
         result = "failed" if stats is None else "resident" if stats.resident else "restored"
-        self.restores_ahead.labels(self.pool, service, result).inc()
+        self._of(self.restores_ahead, service, result).inc()
         if stats is not None:
             self._residency(stats)
 
     def _residency(self, stats: ServiceStats) -> None:
         """What making a model resident cost, for a call or a restore ahead."""
         svc = stats.service
-        self.restored_bytes.labels(self.pool, svc).inc(stats.restored_bytes)
+        self._of(self.restored_bytes, svc).inc(stats.restored_bytes)
         if stats.evicted:
-            self.evictions.labels(self.pool, svc).inc(len(stats.evicted))
-            self.service_phases["evict"].labels(self.pool, svc).observe(stats.evict_s)
+            self._of(self.evictions, svc).inc(len(stats.evicted))
+            self._of(self.service_phases["evict"], svc).observe(stats.evict_s)
         if not stats.resident:
-            self.service_phases["restore"].labels(self.pool, svc).observe(stats.restore_s)
+            self._of(self.service_phases["restore"], svc).observe(stats.restore_s)
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)
