@@ -84,9 +84,11 @@ def _outcome(service: str, outputs: list[Any]) -> ServiceOutcome:
     return ServiceOutcome(outputs=outputs, exec_s=0.0, stats=stats)
 
 
-def _pool(weights: str = "/v1.pt", **kw: Any) -> PoolConfig:
+def _pool(weights: str = "/v1.pt", gpu_memory_gb: float = 1, **kw: Any) -> PoolConfig:
     """One RewardService, ``judge``, of these weights (``kw``: the rest of its config)."""
-    spec = ServiceDef(name="judge", entrypoint="m:build", weights=weights, gpu_memory_gb=1)
+    spec = ServiceDef(
+        name="judge", entrypoint="m:build", weights=weights, gpu_memory_gb=gpu_memory_gb
+    )
     return PoolConfig(services={"judge": ServiceConfig(spec=spec, **kw)})
 
 
@@ -304,5 +306,21 @@ def test_a_call_cancelled_while_it_runs_counts_its_time_as_its_run() -> None:
             assert result.status is ActionStatus.CANCELLED
             assert result.timings.exec_s == 1.5 and result.timings.overhead_s == 0.0
             worker.running.set()
+
+    asyncio.run(scenario())
+
+
+def test_the_gpu_memory_gauge_reads_as_the_sizes_declared() -> None:
+    """Two instances of 0.1 and 0.2 GiB on one GPU hold 0.3 GiB, not 0.30000000000000004."""
+
+    async def scenario() -> None:
+        spec = ServiceDef(name="critic", entrypoint="m:build", weights="/c.pt", gpu_memory_gb=0.2)
+        config = _pool(gpu_memory_gb=0.1)
+        config.services["critic"] = ServiceConfig(spec=spec)
+        async with _engine(config, Worker()) as e:
+            await _until(lambda: "critic" in e.gpu.loads.get("g", {}))
+            e.core.sync_resident("g", [("judge", 0, 1), ("critic", 0, 1)])
+            assert e.live().gpu_memory_gb == {("g", 0): 0.3}
+            assert 'gpu="0",node="g",pool="default"} 0.3\n' in e.metrics.scrape().decode()
 
     asyncio.run(scenario())

@@ -344,7 +344,9 @@ class Engine:
         for name, gpus in core.gpu.nodes.items():
             devices = s.node_gpus.get(name, [])
             for g, gb in enumerate(gpus.used_gb):
-                memory[(name, devices[g] if g < len(devices) else g)] = gb
+                # Rounded to a byte's worth: a sum of decimal GiB (0.1 + 0.2) is not one,
+                # and read 0.30000000000000004.
+                memory[(name, devices[g] if g < len(devices) else g)] = round(gb, 9)
         now = time.monotonic()  # as the links' last_seen
         return LiveFigures(
             queue_depth=core.queued,
