@@ -302,7 +302,7 @@ def test_up_stops_within_its_grace_while_a_service_call_cannot_end(
     port = free_port()
     proc, out = _tangram(
         "up", "-f", str(pool), "--port", str(port), "--runtime", "noop", "--gpus", "cpu:1",
-        "--grace", "0", "--state-dir", str(tmp_path / "state"), "--learned-file", "",
+        "--grace", "0", "--state-dir", str(tmp_path / "state"), "--learned-file", "", "-v",
         tmp_path=tmp_path,
     )  # fmt: skip
     reaped.append(proc)
@@ -323,6 +323,9 @@ def test_up_stops_within_its_grace_while_a_service_call_cannot_end(
     proc.send_signal(signal.SIGINT)
     assert _stopped(proc) == 0, out.text()
     assert "every environment was removed" in out.text() and "Traceback" not in out.text()
+    # The stop's own leaving (logged with -v) is no node lost: nobody waits for its agent.
+    assert "node vm left as the scheduler stops: 1 actions ended" in out.text()
+    assert "trajectories wait" not in out.text()
     caller.join(GUARD_S)
     (result,) = results
     assert result.error.code == "shutdown", result

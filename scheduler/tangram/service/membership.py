@@ -272,14 +272,17 @@ class Membership:
             s.trajectories[tid].away_since = now
         if away:
             s.background(self.lose_after_grace(link.node, away, now))
-        log.log(
-            logging.WARNING if s.accepting else logging.INFO,  # expected at shutdown
-            "node %s left: %d actions ended, %d trajectories wait %.0f s for its agent",
-            link.node,
-            len(drained.running) + len(drained.dropped),
-            len(away),
-            s.config.agent_grace_s,
-        )
+        ended = len(drained.running) + len(drained.dropped)
+        if not s.accepting:  # the stop's own doing: no node was lost, nobody waits for it
+            log.info("node %s left as the scheduler stops: %d actions ended", link.node, ended)
+        else:
+            log.warning(
+                "node %s left: %d actions ended, %d trajectories wait %.0f s for its agent",
+                link.node,
+                ended,
+                len(away),
+                s.config.agent_grace_s,
+            )
         s.wake.set()
 
     async def lose_after_grace(self, node: str, tids: Sequence[str], since: float) -> None:
