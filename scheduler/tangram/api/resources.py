@@ -675,7 +675,8 @@ class RewardServiceSpec(Spec):
     entrypoint: Annotated[
         str,
         Field(
-            pattern=ENTRYPOINT, description="callable serving the model, package.module:function"
+            pattern=ENTRYPOINT,
+            description="package.module:function, a function returning (torch module, score)",
         ),
     ]
     weights: Annotated[
