@@ -419,13 +419,10 @@ def test_a_cwd_that_cannot_be_entered_is_said_naming_it(sandbox: Sandbox) -> Non
     assert not_dir.value.stderr == "cwd: file: Not a directory\n"
 
 
-def test_a_write_into_a_directory_the_user_cannot_read_names_the_file(
-    sandbox: Sandbox, e2b: tuple[str, str, str]
-) -> None:
+@pytest.mark.parametrize("e2b", ["docker"], indirect=True)  # (the process runtime's are root's)
+def test_a_write_into_a_directory_the_user_cannot_read_names_the_file(sandbox: Sandbox) -> None:
     """As the image's user (uid 1000), into /root (0700): it was "mkdir /root: Permission
     denied" (the parent made first could not be opened, though it is there)."""
-    if e2b[0] != "docker":
-        pytest.skip("the process runtime's files are root's")
     with pytest.raises(SandboxException) as refused:
         sandbox.files.write("/root/x", "x")
     assert "write /root/x: Permission denied" in str(refused.value), refused.value
