@@ -287,19 +287,16 @@ static void kill_below(pid_t root, const struct pids *spare) {
 static void kill_tree(pid_t group, int sig) {
     if (group > 0) kill(-group, sig);
     if (sig != SIGKILL) return; /* an interrupt is for the command, delivered once */
-    kill_below(getpid(), NULL);
     for (int round = 0; round < 1000; round++) {
-        char path[64];
+        char path[64]; /* (this handler has one thread: its children are all here) */
         snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
         FILE *f = fopen(path, "r");
         if (f == NULL) return;
         int pid, found = 0;
-        while (fscanf(f, "%d", &pid) == 1) {
-            kill(pid, sig);
-            found = 1;
-        }
+        while (!found && fscanf(f, "%d", &pid) == 1) found = 1;
         fclose(f);
-        if (!found) return;
+        if (!found) return; /* (an action that left nothing: one read, its usual end) */
+        kill_below(getpid(), NULL); /* all of it, and what re-parented to us since */
         usleep(1000);
         reap(); /* dead children leave the list once reaped */
     }
