@@ -186,7 +186,6 @@ class FastPath:
     async def exec(self, env: Reachable, cmd: Command) -> ExecResult:
         t0 = time.perf_counter()
         env.check_alive()
-        ooms = self.cgroups.oom_kills(env.cgroup)  # (a SIGKILL's cause, told below)
         self.group_enter(env, cmd.cores)
         left = False
 
@@ -205,6 +204,9 @@ class FastPath:
                 stdin=io is not None and (io.stdin is not None or io.pty),
             )  # fmt: skip
             t1 = time.perf_counter()
+            # A SIGKILL's cause, told below; read as the command starts, beside its run
+            # rather than before it (an OOM kill in these microseconds goes untold).
+            ooms = self.cgroups.oom_kills(env.cgroup)
             try:
                 async with feeding(io, chan.write, chan.close_stdin, chan.kill):
                     output, timed_out = await supervise(
