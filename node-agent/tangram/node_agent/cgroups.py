@@ -69,16 +69,27 @@ class _Reads:
 
     def oom_kills(self, group: str) -> int | None:
         """How many processes of the group the kernel's OOM killer has killed; None when
-        the group has no memory controller here (or a kernel before 4.13 counts none)."""
+        the group has no memory controller here (or a kernel before 4.13 counts none).
+        Read on every action: a few system calls, no path built again."""
+        paths: dict[str, str] = self.__dict__.setdefault("_oom_paths", {})
+        path = paths.get(group)
+        if path is None:
+            if len(paths) >= 4096:  # (groups of environments long gone)
+                paths.clear()
+            path = paths[group] = str(self._oom_file(group))
         try:
-            text = self._oom_file(group).read_text(encoding="utf-8")
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = b"\n" + os.read(fd, 4096)
+            finally:
+                os.close(fd)
         except OSError:
             return None
-        for line in text.splitlines():
-            name, _, count = line.partition(" ")
-            if name == "oom_kill":
-                return int(count)
-        return None
+        at = data.find(b"\noom_kill ")
+        if at < 0:
+            return None
+        end = data.find(b"\n", at + 1)
+        return int(data[at + 10 : end if end >= 0 else None])
 
     def _oom_file(self, group: str) -> Path:
         raise NotImplementedError
