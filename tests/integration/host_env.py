@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tangram.node_agent.exec_server import Channel
 from tangram.node_agent.execution import ExecIO, ExecResult
 from tangram.node_agent.fast_path import Command, FastPath, Reachable, start_time
 
@@ -57,3 +58,14 @@ class HostServer:
 
     async def shutdown(self) -> None:
         return None
+
+
+async def file_answer(chan: Channel, op: str, path: str, arg: str = "") -> bytes:
+    """One file operation asked of an exec server on ``chan`` (then closed): its first
+    frame's kind, a space and its data (``b"Z write /x: ..."``)."""
+    try:
+        await chan.ask_files(op, path, arg)
+        kind, data = await chan.frame()
+        return kind + b" " + data
+    finally:
+        chan.close()

@@ -30,6 +30,7 @@ from tangram.node_agent.exec_server import MAX_ARGS, MAX_FRAME, Built, Channel
 from tangram.node_agent.execution import ExecError
 from tangram.node_agent.sessions import BashSession, PythonSession, ansi_c_quote
 
+from .host_env import file_answer
 from .service_harness import until
 
 
@@ -697,14 +698,6 @@ def test_a_change_in_tangram_is_refused_by_the_server_itself(server: Path, execd
     reads are not refused. The process runtime's directory reserves nothing."""
     assert execd.path is not None
 
-    async def ask(chan: Channel, op: str, path: str, arg: str = "") -> bytes:
-        try:
-            await chan.ask_files(op, path, arg)
-            kind, data = await chan.frame()
-            return kind + b" " + data
-        finally:
-            chan.close()
-
     read = ("stat", "/.tangram/x")
     asked = {  # a request: what its refusal names
         ("remove", "/.tangram/run"): b"remove /.tangram/run",
@@ -716,7 +709,7 @@ def test_a_change_in_tangram_is_refused_by_the_server_itself(server: Path, execd
     }
 
     async def scenario() -> list[bytes]:
-        return [await ask(await Channel.connect(server), *a) for a in [*asked, read]]
+        return [await file_answer(await Channel.connect(server), *a) for a in [*asked, read]]
 
     reserved = (b"/.tangram is reserved for the exec server (its binary and socket): the "
                 b"files API changes nothing in it")  # fmt: skip

@@ -34,6 +34,7 @@ from tangram.node_agent import env_files
 from tangram.node_agent.env_files import EnvFiles, FileError, one_shot
 from tangram.node_agent.exec_server import Built
 
+from .host_env import file_answer
 from .service_harness import RUNTIMES, KeptRecords, box_pool, tar_of, until
 
 CORES = sorted(os.sched_getaffinity(0))
@@ -410,13 +411,7 @@ def test_dotdot_is_refused_by_the_server_itself_for_every_path(
     connect = one_shot(execd.path, tmp_path)
 
     async def ask(op: str, path: str, arg: str = "") -> bytes:
-        chan = await connect()
-        try:
-            await chan.ask_files(op, path, arg)
-            kind, data = await chan.frame()
-            return kind + b" " + data
-        finally:
-            chan.close()
+        return await file_answer(await connect(), op, path, arg)
 
     async def scenario() -> list[bytes]:
         return [await ask("stat", "/a/.."), await ask("rename", "/a", "/a/../b")]
