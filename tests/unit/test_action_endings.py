@@ -514,3 +514,22 @@ def test_a_command_the_stop_killed_says_why_its_grace_ended(hurried: bool) -> No
         assert result.error.message == f"the scheduler stopped: killed ({why})"
 
     run(scenario)
+
+
+def test_a_command_that_failed_running_counts_its_run_as_exec_time() -> None:
+    """A command whose handler was killed under it failed after running 2.5 s: all of it
+    was overhead_s, exec_s 0. The agent says how long it ran, and that is its exec_s."""
+
+    def failed(msg: dict[str, Any]) -> AgentReply | None:
+        if msg["op"] == "exec":
+            return AgentReply(rid=0, ok=False, error="its handler ended first", ran_s=2.5)
+        return answer_all(msg)
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello(), failed))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        result = await engine.submit_exec("u", "t1", ExecRequest(argv=["x"])).done
+        assert result.status is ActionStatus.ERROR and result.timings.exec_s == 2.5
+        assert result.timings.overhead_s < 2.5
+
+    run(scenario)

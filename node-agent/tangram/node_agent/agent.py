@@ -578,7 +578,7 @@ class NodeAgent:
             if e.ended and isinstance(req, AgentExec | AgentSession):
                 why += await self.ended_why(req.trajectory)
             return AgentReply(rid=req.rid, ok=False, error=why, reason=e.reason or None,
-                              retryable=e.retryable, errno=e.errno)  # fmt: skip
+                              retryable=e.retryable, errno=e.errno, ran_s=e.ran_s)  # fmt: skip
         except Exception as e:  # a request must always be answered: say what failed, stay up
             log.exception("%s %s failed", req.op, getattr(req, "trajectory", ""))
             return AgentReply(rid=req.rid, ok=False, error=f"{req.op}: {e}")

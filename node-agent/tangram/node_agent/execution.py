@@ -42,6 +42,9 @@ class ExecError(RuntimeError):
         # The environment may have ended under the request (its exec server went): the
         # agent looks at once, to say why (``NodeAgent.ended_why``).
         self.ended = ended
+        # A command that failed once started: how long it ran (its action's exec_s, not
+        # time the system added).
+        self.ran_s: float | None = None
 
 
 class InputCutOffError(ExecError):

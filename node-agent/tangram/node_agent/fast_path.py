@@ -215,6 +215,9 @@ class FastPath:
                         chan.kill,
                         idle,
                     )
+            except ExecError as e:
+                e.ran_s = time.perf_counter() - t1
+                raise
             finally:
                 chan.close()
             t2 = time.perf_counter()
@@ -232,10 +235,12 @@ class FastPath:
                 alive = env.alive()
             why = " (its handler ended first: a command that signals its parent, $PPID, ends"
             gone = f"{why} its own run)" if alive else "; the environment is gone"
-            raise ExecError(
+            ended = ExecError(
                 f"the exec server's connection ended before the command's exit status{gone}",
                 ended=True,
             )
+            ended.ran_s = t2 - t1
+            raise ended
         code = None if timed_out else chan.exit_code
         result = ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
         # The OOM killer's signal, to the command or to a process it waited for (a shell's
@@ -351,12 +356,13 @@ class ExecServerRuntime:
                     text, timeout_s=timeout_s, output_cap=output_cap, env=dop_env
                 )
             except ExecError as e:  # (the session's own process ended: was it the OOM killer?)
+                e.ran_s = time.perf_counter() - t1
                 after = fast.cgroups.oom_kills(reach.cgroup) if ooms is not None else None
                 if after is None or ooms is None or after <= ooms:
                     raise
-                raise ExecError(
-                    f"{e} ({OOM_KILLED})", retryable=e.retryable, ended=e.ended
-                ) from None
+                said = ExecError(f"{e} ({OOM_KILLED})", retryable=e.retryable, ended=e.ended)
+                said.ran_s = e.ran_s
+                raise said from None
             t2 = time.perf_counter()
         finally:
             fast.group_leave(reach, cores)

@@ -1192,6 +1192,8 @@ class AgentReply(_Strict):
     signal: int | None = None
     # that signal was the kernel's OOM killer's: its sandbox's memory ran out
     oom_killed: bool = False
+    # a command that failed (``ok`` false) once started: how long it ran
+    ran_s: float | None = Field(default=None, ge=0)
     # a keyed run that an earlier agent started and never ended: it may have run, and it
     # is not run again
     unknown: bool = False

@@ -192,7 +192,8 @@ class Rounds:
         if key is not None and reply is not None:
             s.cancelled_keys.pop(key, None)  # its run ended: a cancel of it is moot
         out = reply.result if reply is not None else None
-        exec_s = out.exec_s if out is not None else 0.0
+        ran_s = reply.ran_s if reply is not None else None  # (a command that failed running)
+        exec_s = out.exec_s if out is not None else (ran_s or 0.0)
         overhead = max(0.0, (s.clock() - t0) - exec_s)
         self.outcomes.end(rec, status, error=error, exec_s=exec_s, overhead_s=overhead, reply=reply,
                           learn=reply is None or not reply.replayed)  # fmt: skip
