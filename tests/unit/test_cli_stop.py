@@ -280,12 +280,14 @@ def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_stops_now(
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("build", ["build_stuck", "build_busy"])
 def test_up_stops_within_its_grace_while_a_service_call_cannot_end(
-    tmp_path: Path, reaped: list[subprocess.Popen[str]]
+    tmp_path: Path, reaped: list[subprocess.Popen[str]], build: str
 ) -> None:
     """A RewardService call whose score never returns is abandoned at the stop: the
     process exits (its GPU call threads hold nothing), rather than say it stopped, let go
-    of its state directory and live on until the call returns."""
+    of its state directory and live on until the call returns. One inside a torch op
+    (``build_busy``) aborted the exit (SIGABRT) as the interpreter tore down under it."""
     pytest.importorskip("torch", reason=GPU_EXTRA)
     from tests.fixtures.tiny_reward import weights
 
@@ -296,7 +298,7 @@ def test_up_stops_within_its_grace_while_a_service_call_cannot_end(
         "apiVersion: tangram.dev/v1alpha1\nkind: ActionPool\nmetadata: {name: gp}\n"
         "spec: {gpu: {gpusPerNode: 1}}\n---\n"
         "apiVersion: tangram.dev/v1alpha1\nkind: RewardService\nmetadata: {name: stuck}\n"
-        "spec: {poolRef: gp, entrypoint: 'tests.fixtures.odd_reward:build_stuck', "
+        f"spec: {{poolRef: gp, entrypoint: 'tests.fixtures.odd_reward:{build}', "
         f"weights: '{tmp_path / 'stuck.pt'}', gpuMemoryGiB: 0.01}}\n"
     )
     port = free_port()

@@ -20,6 +20,24 @@ T = TypeVar("T")
 _Work = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
+class _Running:
+    """Work running now in any pool's threads: at exit, one still inside a library (a
+    torch op) when the interpreter tears down under it aborts the process (``busy``)."""
+
+    count = 0
+    lock = threading.Lock()
+
+    @classmethod
+    def add(cls, step: int) -> None:
+        with cls.lock:
+            cls.count += step
+
+
+def busy() -> bool:
+    """Whether some work given to these threads still runs (an abandoned call)."""
+    return _Running.count > 0
+
+
 class DaemonThreads(Executor):
     """At most ``max_workers`` daemon threads, started only when none is idle (as the
     standard pool does); ``shutdown`` lets them end once the work already given has."""
@@ -59,12 +77,15 @@ class DaemonThreads(Executor):
             future, fn, args, kwargs = work
             del work
             if future.set_running_or_notify_cancel():
+                _Running.add(1)
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as e:  # (as the standard pool: the future carries it)
                     future.set_exception(e)
                 else:
                     future.set_result(result)
+                finally:
+                    _Running.add(-1)
             del future, fn, args, kwargs  # no reference kept while idle
             self._idle.release()
 
@@ -87,4 +108,4 @@ class DaemonThreads(Executor):
                 thread.join()
 
 
-__all__ = ["DaemonThreads"]
+__all__ = ["DaemonThreads", "busy"]

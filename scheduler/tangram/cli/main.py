@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from tangram.node_agent import daemon_threads
 
 
 def _version() -> str:
@@ -67,6 +72,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def run() -> NoReturn:
+    """The ``tangram`` command: ``main``, then the exit. A RewardService call abandoned at
+    a stop may still run inside a library (a torch op); the interpreter's teardown under it
+    aborts the process (SIGABRT, exit 134), so with one still running the process leaves
+    without a teardown, its logs and output flushed first."""
+    code = main()
+    if daemon_threads.busy():
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _quiet_stdout() -> None:
     """Point stdout at /dev/null, so that Python's own flush at exit does not fail again."""
     null = os.open(os.devnull, os.O_WRONLY)
@@ -74,4 +94,4 @@ def _quiet_stdout() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
