@@ -125,6 +125,35 @@ def test_a_load_after_an_edit_of_the_entry_point_module_runs_the_new_code(
     assert w.call("e", [0], INPUTS[:2])[0] == [3.0, 3.0]
 
 
+def test_an_edited_package_entry_point_keeps_its_submodules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package imported afresh ran its ``import pkg.sub`` with pkg.sub already imported,
+    which binds nothing: the new package had no ``sub``, its build loaded, and every call
+    failed (AttributeError)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    package = tmp_path / "edited_pkg"
+    package.mkdir()
+    (package / "sub.py").write_text("VALUE = 1.0\n")
+
+    def init(value: float) -> None:
+        (package / "__init__.py").write_text(
+            "import edited_pkg.sub\nfrom tests.fixtures.tiny_reward import TinyReward\n\n"
+            "def build():\n    return TinyReward(), "
+            f"lambda m, xs: [edited_pkg.sub.VALUE + {value}] * len(xs)\n"
+        )
+
+    init(0.0)
+    w = _worker(devices=1)
+    spec = _def("p", _spec(tmp_path, "base").weights, 4, entry="edited_pkg:build")
+    w.load(spec)
+    assert w.call("p", [0], INPUTS[:2])[0] == [1.0, 1.0]
+    w.unload("p")
+    init(1.0)
+    w.load(spec.model_copy(update={"max_batch": 5}))
+    assert w.call("p", [0], INPUTS[:2])[0] == [2.0, 2.0]
+
+
 def test_a_service_whose_files_changed_is_loaded_again_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

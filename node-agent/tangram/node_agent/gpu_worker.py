@@ -228,6 +228,13 @@ def _fresh(module_name: str, old: types.ModuleType) -> types.ModuleType:
         if isinstance(spec.loader, importlib.machinery.SourceFileLoader):
             spec.loader = _SourceOnly(spec.loader.name, spec.loader.path)
         module = importlib.util.module_from_spec(spec)
+        # A package's submodules stay imported: bound on the new object as on the old
+        # (its ``import pkg.sub`` finds pkg.sub imported and binds nothing: pkg.sub was
+        # missing on it, and every call failed).
+        prefix = module_name + "."
+        for name, sub in list(sys.modules.items()):
+            if name.startswith(prefix) and "." not in name[len(prefix) :] and sub is not None:
+                setattr(module, name[len(prefix) :], sub)
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     except BaseException:
