@@ -315,6 +315,15 @@ def test_a_401_for_no_token_says_where_the_client_looked(
     # A token was sent: the 401 as it was.
     with Client(url, "a-wrong-token") as c, pytest.raises(TangramError, match=r"required$"):
         c.get("t-1")
+    # TANGRAM_TOKEN set but empty is unset: the file is read (it was not, and its token
+    # said missing from a file that held it).
+    _, token, _ = running
+    (tmp_path / "client").write_text(f"{token} local\n")
+    monkeypatch.setenv("TANGRAM_TOKEN", "")
+    monkeypatch.setenv("TANGRAM_TOKEN_FILE", str(tmp_path / "client"))
+    with Client(url) as c, pytest.raises(TangramError) as unknown:
+        c.get("t-1")
+    assert unknown.value.status == 404, unknown.value
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["http", "stream"])

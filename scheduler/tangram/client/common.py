@@ -140,7 +140,7 @@ def settings(url: str | None, token: str | None) -> tuple[str, str | None]:
     """URL and token from the arguments, else TANGRAM_URL / TANGRAM_TOKEN, else the token
     file that embedded mode writes (its first token of a tenant not ``system:*``)."""
     url = url or os.environ.get("TANGRAM_URL") or DEFAULT_URL
-    token = token or os.environ.get("TANGRAM_TOKEN")
+    token = token or os.environ.get("TANGRAM_TOKEN") or None  # (empty: as unset)
     if token is None:
         path = Path(os.environ.get("TANGRAM_TOKEN_FILE", DEFAULT_TOKEN_FILE))
         if path.exists():
