@@ -18,7 +18,7 @@ from e2b.envd.rpc import handle_rpc_exception
 from e2b.exceptions import SandboxNotRunningException
 from fastapi import FastAPI
 
-from tangram.api.wire import AgentReply, EnvSpec, OpenTrajectory, TrajectoryState
+from tangram.api.wire import AgentReply, EnvSpec, ExecRequest, OpenTrajectory, TrajectoryState
 from tangram.service.config import EnvConfig
 from tangram.service.e2b import add_e2b_routes, process
 from tangram.service.e2b.connect import envelope
@@ -108,8 +108,11 @@ def test_a_v1_trajectory_is_listed_and_ends_when_its_idle_timeout_would_close_it
     engine_now = [500.0]
     idle = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.5), idle_timeout_s=600)
 
+    def held(msg: dict[str, Any]) -> AgentReply | None:  # (its commands run until the end)
+        return None if msg["op"] == "exec" else AgentReply(rid=0, ok=True, opened_s=0.0)
+
     async def scenario(engine: Engine) -> None:
-        await connect(engine, Agent(hello()))
+        await connect(engine, Agent(hello(), held))
         boxes = Sandboxes(engine, clock=lambda: 1000.0)
         made = await boxes.create("u", "e", 60, {}, {})
         v1 = await engine.open_trajectory("u", OpenTrajectory(env="e", labels={"a": "b"}))
@@ -123,6 +126,16 @@ def test_a_v1_trajectory_is_listed_and_ends_when_its_idle_timeout_would_close_it
         engine_now[0] += 1000
         assert boxes.shown_end(listed[v1.id]) == 1000.0  # due now: never in the past
         v1.running.add("a-1")  # a command runs: not idle until 600 s after it ends
+        assert boxes.shown_end(listed[v1.id]) == 1600.0
+        v1.running.discard("a-1")
+        # Its command queued behind another trajectory's on both cores: busy too (it read
+        # as due now, though the idle timeout closes no trajectory with one queued).
+        for _ in range(2):
+            engine.submit_exec("u", made.id, ExecRequest(argv=["long"]))
+        waiting = engine.submit_exec("u", v1.id, ExecRequest(argv=["short"]))
+        await asyncio.sleep(0)
+        engine_now[0] += 1000  # queued past its idle timeout
+        assert waiting.started is None and not v1.running
         assert boxes.shown_end(listed[v1.id]) == 1600.0
 
     run(scenario, env=idle, clock=lambda: engine_now[0])

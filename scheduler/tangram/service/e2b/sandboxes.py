@@ -176,7 +176,8 @@ class Sandboxes:
         """When the sandbox ends unless it is used or extended (E2B's ``endAt``, unix
         seconds): its timeout. A trajectory without one (opened through /v1) ends when
         its env's idleTimeoutSeconds finds it idle: that long after its last use, or from
-        now while a command runs. With no idle timeout either it has no end:
+        now while it is busy (a command queued or running, a files request, its opening).
+        With no idle timeout either it has no end:
         ``NO_END_S`` after it opened, as E2B's API needs a date."""
         if box.end_at is not None:
             return box.end_at
@@ -184,8 +185,9 @@ class Sandboxes:
         limit = self.engine.state.env_of(rec).idle_timeout_s
         if limit is None:
             return rec.opened_at + NO_END_S
-        if rec.running:
-            return now + limit
+        held = self.engine.core.trajectories.get(rec.key)  # (its actions queued or running)
+        if rec.running or rec.transfers or rec.opening is not None or (held and held.in_flight):
+            return now + limit  # busy: the idle timeout closes it only once it is not
         idle_for = self.engine.state.clock() - rec.active_at  # (the engine's clock: monotonic)
         return now + max(0.0, limit - idle_for)
 
