@@ -168,6 +168,10 @@ def test_a_command_still_queued_at_its_timeout_never_runs(
     holders = _hold_every_core(sandbox, 60)
     with pytest.raises(TimeoutException):
         sandbox.commands.run("echo ran > ghost", timeout=1)
+    # The service's deadline counts from the request's arrival, a little after the SDK's
+    # from its sending: a core freed in between (a loaded machine) would start it.
+    _, url, _ = e2b
+    until(lambda: _queued(url) == 0, "the queued command's own deadline")
     for h in holders:
         sandbox.commands.kill(h.pid)
     assert sandbox.commands.run("test -e ghost && echo ran || echo never").stdout == "never\n"
@@ -190,6 +194,14 @@ def test_a_queued_command_killed_never_runs_and_ends_at_once(
     for h in holders:
         sandbox.commands.kill(h.pid)
     assert sandbox.commands.run("test -e ghost && echo ran || echo never").stdout == "never\n"
+
+
+def _queued(url: str) -> float:
+    """The pool's queue depth, as its metrics say."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("tangram_queue_depth{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no tangram_queue_depth in the metrics")
 
 
 def _hold_every_core(sandbox: Sandbox, seconds: int) -> list[CommandHandle]:
