@@ -1212,6 +1212,21 @@ def test_the_reserved_tangram_directory_is_changed_by_no_file_operation(
         assert t.files.stat("/.tangram/run/exec.sock").type == "other"
 
 
+@contextlib.contextmanager
+def _as_uid_1000(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path, setup: str
+) -> Iterator[Trajectory]:
+    """A trajectory of a pool whose commands run as uid 1000, after ``setup`` (sh) ran."""
+    with (
+        box_pool(request, kind, tmp_path, user="1000") as (running, token),
+        Client(running.url, token) as client,
+        client.trajectory("box") as t,
+    ):
+        made = t.exec(["sh", "-c", setup])
+        assert made.exit_code == 0, made
+        yield t
+
+
 @pytest.mark.parametrize("kind", RUNTIMES[1:])
 def test_a_symlink_member_in_a_directory_that_cannot_be_entered_is_a_403(
     request: pytest.FixtureRequest, kind: str, tmp_path: Path
@@ -1219,13 +1234,7 @@ def test_a_symlink_member_in_a_directory_that_cannot_be_entered_is_a_403(
     """As uid 1000 (root enters any). It was a 413 "deeper than 256 directory levels": the
     step up that measures its depth failed, and was taken for depth. A file there is a
     403 too."""
-    with (
-        box_pool(request, kind, tmp_path, user="1000") as (running, token),
-        Client(running.url, token) as client,
-        client.trajectory("box") as t,
-    ):
-        made = t.exec(["sh", "-c", "mkdir -p r2/locked && chmod 644 r2/locked"])
-        assert made.exit_code == 0, made
+    with _as_uid_1000(request, kind, tmp_path, "mkdir -p r2/locked && chmod 644 r2/locked") as t:
         for member in (("locked/l", tarfile.SYMTYPE, "x"), ("locked/f", tarfile.REGTYPE, b"x")):
             status, _, said = _said(lambda member=member: t.files.write_tar("r2", tar_of(member)))
             assert status == 403 and said.endswith(f"member {member[0]}: Permission denied"), said
@@ -1239,13 +1248,9 @@ def test_a_directory_that_cannot_be_read_is_there_to_make_and_write_in(
     refused to a mkdir ("mkdir: Permission denied"; E2B's write to /root/x, which makes its
     parent first, said so), and one that may be written and searched could not be made
     in: a command can, so the files API does."""
-    with (
-        box_pool(request, kind, tmp_path, user="1000") as (running, token),
-        Client(running.url, token) as client,
-        client.trajectory("box") as t,
-    ):
-        made = t.exec(["sh", "-c", "mkdir noread wo && chmod 000 noread && chmod 300 wo"])
-        assert made.exit_code == 0, made
+    with _as_uid_1000(
+        request, kind, tmp_path, "mkdir noread wo && chmod 000 noread && chmod 300 wo"
+    ) as t:
         assert t.files.make_dir("noread") is False  # there already
         status, _, said = _said(lambda: t.files.write("noread/x", "x"))
         assert status == 403 and "write /work/noread/x: Permission denied" in said, said

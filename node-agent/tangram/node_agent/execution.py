@@ -34,6 +34,7 @@ class ExecError(RuntimeError):
         retryable: bool = False,
         errno: int | None = None,
         ended: bool = False,
+        ran_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.reason = reason
@@ -44,7 +45,7 @@ class ExecError(RuntimeError):
         self.ended = ended
         # A command that failed once started: how long it ran (its action's exec_s, not
         # time the system added).
-        self.ran_s: float | None = None
+        self.ran_s = ran_s
 
 
 class InputCutOffError(ExecError):

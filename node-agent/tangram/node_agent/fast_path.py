@@ -235,21 +235,24 @@ class FastPath:
                 alive = env.alive()
             why = " (its handler ended first: a command that signals its parent, $PPID, ends"
             gone = f"{why} its own run)" if alive else "; the environment is gone"
-            ended = ExecError(
+            raise ExecError(
                 f"the exec server's connection ended before the command's exit status{gone}",
                 ended=True,
+                ran_s=t2 - t1,
             )
-            ended.ran_s = t2 - t1
-            raise ended
         code = None if timed_out else chan.exit_code
         result = ExecResult.of(code, output, timed_out, cmd.cores, (t0, t1, t2, t3), path="fast")
         # The OOM killer's signal, to the command or to a process it waited for (a shell's
         # 137): an OOM kill in its sandbox meanwhile says which.
-        if code in (-signal.SIGKILL, 128 + signal.SIGKILL) and ooms is not None:
-            after = self.cgroups.oom_kills(env.cgroup)
-            if after is not None and after > ooms:
-                result = replace(result, oom_killed=True)
+        if code in (-signal.SIGKILL, 128 + signal.SIGKILL) and self.oom_since(env, ooms):
+            result = replace(result, oom_killed=True)
         return result
+
+    def oom_since(self, env: Reachable, before: int | None) -> bool:
+        """Whether the OOM killer killed in ``env``'s sandbox since its count was
+        ``before`` (None: the count cannot be read here)."""
+        after = self.cgroups.oom_kills(env.cgroup) if before is not None else None
+        return after is not None and before is not None and after > before
 
     def end_sessions(self, trajectory: str) -> None:
         """The trajectory's environment is going: its sessions end with it."""
@@ -357,12 +360,11 @@ class ExecServerRuntime:
                 )
             except ExecError as e:  # (the session's own process ended: was it the OOM killer?)
                 e.ran_s = time.perf_counter() - t1
-                after = fast.cgroups.oom_kills(reach.cgroup) if ooms is not None else None
-                if after is None or ooms is None or after <= ooms:
+                if not fast.oom_since(reach, ooms):
                     raise
-                said = ExecError(f"{e} ({OOM_KILLED})", retryable=e.retryable, ended=e.ended)
-                said.ran_s = e.ran_s
-                raise said from None
+                raise ExecError(
+                    f"{e} ({OOM_KILLED})", retryable=e.retryable, ended=e.ended, ran_s=e.ran_s
+                ) from None
             t2 = time.perf_counter()
         finally:
             fast.group_leave(reach, cores)

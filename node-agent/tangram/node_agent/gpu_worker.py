@@ -202,16 +202,16 @@ def _import(module_name: str) -> tuple[types.ModuleType, Stat | None]:
     with _IMPORTS:
         module = sys.modules.get(module_name)
         seen = _MODULES.get(module_name)
+        stat = None if module is None else file_stat(getattr(module, "__file__", None))
         if module is None:
             importlib.invalidate_caches()  # a module written since its directory was listed
             module = importlib.import_module(module_name)
-        elif (
-            seen is not None
-            and seen[0] is module
-            and seen[1] != file_stat(getattr(module, "__file__", None))
-        ):
+        elif seen is not None and seen[0] is module and seen[1] != stat:
             module = _fresh(module_name, module)
-        # (Taken after a first import: an edit during it is seen only at the next one.)
+        else:  # as it is, with the stat just read
+            _MODULES[module_name] = (module, stat)
+            return _MODULES[module_name]
+        # (Taken after an import: an edit during it is seen only at the next one.)
         _MODULES[module_name] = (module, file_stat(getattr(module, "__file__", None)))
         return _MODULES[module_name]
 
