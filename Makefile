@@ -79,9 +79,10 @@ bench: setup ## the benchmarks recorded in docs/benchmarks.md
 	else echo "skipping bench gpu and gpu-pool: no PyTorch (make setup EXTRAS=dev,gpu)"; fi
 
 # What a lent GPU machine lacks: its python3 (3.12) holds PyTorch and most of the rest, and
-# it reaches no registry, so these travel as wheels in .whl/ (docs/gpu.md, tests/gpu-device.sh).
+# it reaches no registry, so these travel as wheels in .whl/ (docs/gpu.md, tests/gpu-device.sh);
+# typing_extensions too, as pydantic needs a newer one than its image may hold.
 GPU_KIT := pydantic pydantic_core annotated_types typing_inspection docker fastapi starlette \
-	uvicorn httptools websockets
+	uvicorn httptools websockets python-multipart opentelemetry-api typing_extensions
 GPU_PLATFORMS := $(foreach n,2_17 2_24 2_27 2_28 2_31 2_34 2_35,--platform manylinux_$(n)_x86_64) \
 	--platform manylinux2014_x86_64 --platform manylinux1_x86_64
 

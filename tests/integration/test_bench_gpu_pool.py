@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests import GPU_EXTRA
+from tests import GPU_EXTRA, TANGRAM_CLI
 
 pytest.importorskip("torch", reason=GPU_EXTRA)
 pytestmark = pytest.mark.torch
 
 
 def test_pooled_and_static_serve_the_same_calls_and_pooling_restores(tmp_path: Path) -> None:
-    tangram = str(Path(sys.executable).parent / "tangram")
     out = tmp_path / "pool.json"
     args = ["--services", "2", "--pooled", "1", "--per-device", "1", "--rounds", "2"]
     args += ["--round-s", "1", "--burst", "3", "--compute-ms", "20", "--active", "1"]
     done = subprocess.run(
-        [tangram, "bench", "gpu-pool", "--json", "--size-mb", "32", "--out", str(out), *args],
+        [*TANGRAM_CLI, "bench", "gpu-pool", "--json", "--size-mb", "32", "--out", str(out), *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -147,7 +147,7 @@ def test_a_chunk_never_waits_for_replica_threads_a_batch_holds_elsewhere(
     the gate; a DoP-2 call on the free GPUs 2-3 still runs to its end meanwhile."""
     slow = _spec(tmp_path, "slow", "tests.fixtures.odd_reward:build_gated")
     fast = _spec(tmp_path, "fast")
-    worker = GpuWorker({d: 10 * MB for d in range(4)})
+    worker = GpuWorker({d: 10 * MB for d in range(4)}, cpu=True)  # four, wherever it runs
     worker.load(slow)
     worker.load(fast)
     odd_reward.GATE.clear()

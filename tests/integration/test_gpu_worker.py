@@ -1,5 +1,7 @@
-"""The GPU worker on the CPU: the same code paths as on a GPU (load once, restore, evict,
-LRU, refusal, DoP split), with a tiny model built in code. CUDA runs are marked ``gpu``."""
+"""The GPU worker: load once, restore, evict, LRU, refusal, DoP split, with a tiny model
+built in code. Where CUDA is there (a lent GPU machine, tests/gpu-device.sh) every test runs
+on it, the worker's logical devices sharing the GPUs there are; elsewhere on the CPU, the
+same code paths. The tests that need CUDA itself are marked ``gpu``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests import GPU_EXTRA
+from tests import GPU_EXTRA, TANGRAM_CLI
 
 torch = pytest.importorskip("torch", reason=GPU_EXTRA)
 pytestmark = pytest.mark.torch
@@ -52,8 +54,17 @@ def _spec(tmp: Path, name: str, seed: int = 0, mb: int = 4, max_batch: int = 16)
     return _def(name, str(path), mb, max_batch=max_batch)
 
 
+def _on_this_machine(capacity: dict[int, int]) -> GpuWorker:
+    """A worker on CUDA where there is any (logical device ``i`` on GPU ``i mod count``: the
+    tests' two devices fit one GPU, capacity being the worker's own count), else the CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus:
+        return GpuWorker(capacity)
+    return GpuWorker(capacity, device=lambda i: torch.device("cuda", i % gpus))
+
+
 def _worker(devices: int = 2, mb: int = 10) -> GpuWorker:
-    return GpuWorker({d: mb * MB for d in range(devices)})
+    return _on_this_machine({d: mb * MB for d in range(devices)})
 
 
 def test_load_once_restore_then_hit(tmp_path: Path) -> None:
@@ -210,11 +221,11 @@ def test_buffers_the_module_computes_itself_are_restored(tmp_path: Path) -> None
 
     path = tmp_path / "rotary.pt"
     weights(str(path), seed=3)  # RotaryReward's state dict is TinyReward's
+    w = _worker(devices=2)
     model = RotaryReward()
     model.load_state_dict(torch.load(path, weights_only=True))
-    with torch.inference_mode():
-        want = score(model, INPUTS)
-    w = _worker(devices=2)
+    with torch.inference_mode():  # on the worker's device: a GPU's sums differ from a CPU's
+        want = score(model.to(w.device(0)), INPUTS)
     w.load(_def("rotary", str(path), 4, entry="tests.fixtures.tiny_reward:build_rotary"))
     got, _ = w.call("rotary", [0], INPUTS)
     w.evict_all()
@@ -236,7 +247,7 @@ def test_least_recently_used_goes_first(tmp_path: Path) -> None:
 
 
 def test_refusals_name_the_problem(tmp_path: Path) -> None:
-    w = GpuWorker({0: 3 * MB, 1: 5 * MB})
+    w = _on_this_machine({0: 3 * MB, 1: 5 * MB})
     big = _spec(tmp_path, "big", mb=4)
     with pytest.raises(ServiceError, match=r"gpuMemoryGiB 0.0078125 is more than any GPU here"):
         w.load(_def("huge", big.weights, 8))  # refused before it is read: no host copy
@@ -387,11 +398,9 @@ def test_restore_and_evict_on_a_real_gpu(tmp_path: Path) -> None:
 def test_bench_gpu_prints_the_design_shape() -> None:
     import json
     import subprocess
-    import sys
 
-    tangram = str(Path(sys.executable).parent / "tangram")
     done = subprocess.run(
-        [tangram, "bench", "gpu", "--json", "--size-mb", "32"],
+        [*TANGRAM_CLI, "bench", "gpu", "--json", "--size-mb", "32"],
         capture_output=True,
         text=True,
         check=True,
