@@ -272,6 +272,23 @@ def test_bench_gpu_seeds_reports_each_seed_and_the_fewest_gpus(
     assert report["command"].endswith("--mixed-batch 16 --out " + str(out))
 
 
+def test_bench_gpu_seeds_replays_with_the_restore_cost_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tangram.cli.bench_gpu_seeds import _replay
+
+    job = ("mopd", 16, 0, "elastic-unbatched", None)  # every call restores its instance
+    assumed = _replay(job)["avg_act_service_s"]
+    measured = _replay(job, restore_gbps=44.4, restore_fixed_s=0.1)["avg_act_service_s"]
+    assert measured < assumed
+    for flag, value in (("--restore-gbps", "0"), ("--restore-gbps", "nan"),
+                        ("--restore-fixed-s", "-1"), ("--restore-fixed-s", "inf")):  # fmt: skip
+        code, _, err = _run(capsys, "bench", "gpu-seeds", flag, value)
+        assert code == 2 and flag in err, err
+    code, _, err = _run(capsys, "bench", "coding-seeds", "--restore-gbps", "44.4")
+    assert code == 2 and "--restore-gbps" in err and "gpu-seeds" in err, err
+
+
 def test_bench_search_seeds_counts_the_points_each_policy_meets(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

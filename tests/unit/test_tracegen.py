@@ -6,6 +6,7 @@ batches are generated once per module so the file stays fast.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -268,3 +269,33 @@ def test_invocations_vary_by_about_three_orders_of_magnitude(scenario: str, n: i
     counts = np.bincount((np.array(times) // 10).astype(int))
     busy = counts[counts > 0]
     assert busy.max() / busy.min() >= 500
+
+
+def test_the_restore_cost_can_be_a_measured_one() -> None:
+    # One H200 restored at 44.4 GB/s with a few ms of set-up (docs/benchmarks.md).
+    for svc in scenario_cluster("mixed", restore_gbps=44.4, restore_fixed_s=0.1).services:
+        for m in svc.dop_choices:
+            assert svc.restore_cost(m) == pytest.approx(
+                0.1 + svc.gpu_memory_gb / m / 44.4, abs=1e-3
+            )
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"restore_gbps": 0.0}, "restore_gbps"),
+        ({"restore_gbps": -25.0}, "restore_gbps"),
+        ({"restore_gbps": math.inf}, "restore_gbps"),
+        ({"restore_gbps": math.nan}, "restore_gbps"),
+        ({"restore_fixed_s": -1.0}, "restore_fixed_s"),
+        ({"restore_fixed_s": math.nan}, "restore_fixed_s"),
+    ],
+)
+def test_a_restore_cost_that_is_no_cost_is_refused_naming_it(
+    given: dict[str, float], named: str
+) -> None:
+    restore = {"restore_gbps": 25.0, "restore_fixed_s": 1.0, **given}
+    with pytest.raises(ValueError, match=named):
+        scenario_cluster(
+            "mopd", restore_gbps=restore["restore_gbps"], restore_fixed_s=restore["restore_fixed_s"]
+        )

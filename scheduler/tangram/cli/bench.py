@@ -21,6 +21,8 @@ from tangram.cli.files import (
     check_writable,
     load_cluster,
     load_trace_file,
+    positive_number,
+    seconds,
     whole_number,
 )
 from tangram.cli.progress import bar, note
@@ -39,6 +41,7 @@ from tangram.sim.roundbench import (
     measure_gpu,
     measure_quota,
 )
+from tangram.sim.tracegen import RESTORE_FIXED_S, RESTORE_GBPS
 from tangram.sim.validate import check_trace
 
 
@@ -141,6 +144,19 @@ def register(sub: Any) -> None:
         type=whole_number(1),
         default=1024,
         help="gpu-seeds: batch of the 10-service mix",
+    )
+    p.add_argument(
+        "--restore-gbps",
+        type=positive_number,
+        default=RESTORE_GBPS,
+        help="gpu-seeds: host-to-device restore bandwidth of each GPU, GB/s (`tangram bench "
+        "gpu` measures one GPU's)",
+    )
+    p.add_argument(
+        "--restore-fixed-s",
+        type=seconds,
+        default=RESTORE_FIXED_S,
+        help="gpu-seeds: set-up time added to every restore, seconds",
     )
     p.add_argument(
         "--jobs",
@@ -268,7 +284,7 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "quick": ("paper",),
     "gc": ("scheduler",),
     **dict.fromkeys(("batches", "seeds", "jobs"), _SEEDS),
-    "mixed_batch": ("gpu-seeds",),
+    **dict.fromkeys(("mixed_batch", "restore_gbps", "restore_fixed_s"), ("gpu-seeds",)),
     **dict.fromkeys(_EXEC, ("exec",)),
     "image": ("exec", "files"),
     **dict.fromkeys(("sizes", "repeats"), ("files",)),

@@ -8,19 +8,25 @@ Two questions, each over several generated traces so that one lucky seed proves 
 - MOPD + DeepSearch (10 services): the fewest pooled GPUs whose average service-call ACT
   is no worse than static deployments on all 40.
 
+A restore costs ``--restore-fixed-s`` + GB / DoP / ``--restore-gbps`` (the generator's
+assumption by default; ``tangram bench gpu`` measures a GPU's bandwidth).
+
 Replays are independent and deterministic; they run in parallel processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import time
 from typing import Any
 
+from tangram.cli.files import InputError
 from tangram.cli.paper import with_gpus
 from tangram.cli.seed_runs import check_out, header, header_line, numbers, run_jobs
 from tangram.sim.policies import simulate
-from tangram.sim.tracegen import generate, scenario_cluster
+from tangram.sim.tracegen import RESTORE_FIXED_S, RESTORE_GBPS, generate, scenario_cluster
 
 MOPD_POLICIES = ("elastic", "elastic-unbatched", "static-gpu")
 BATCHES = (1024, 2048)
@@ -32,9 +38,11 @@ METRIC = "avg_act_service_s"
 Job = tuple[str, int, int, str, int | None]  # scenario, batch, seed, policy, pooled GPUs
 
 
-def _replay(job: Job) -> dict[str, float]:
+def _replay(
+    job: Job, restore_gbps: float = RESTORE_GBPS, restore_fixed_s: float = RESTORE_FIXED_S
+) -> dict[str, float]:
     scenario, batch, seed, policy, gpus = job
-    cluster = scenario_cluster(scenario)
+    cluster = scenario_cluster(scenario, restore_gbps=restore_gbps, restore_fixed_s=restore_fixed_s)
     if gpus is not None:
         cluster = with_gpus(cluster, gpus)
     summary = simulate(generate(scenario, batch, seed), cluster, policy, seed=seed).summary()
@@ -51,8 +59,11 @@ def run_gpu_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
     mixed_batch = args.mixed_batch
     jobs += [("mixed", mixed_batch, s, "static-gpu", None) for s in seeds]
     jobs += [("mixed", mixed_batch, s, "elastic", g) for s in seeds for g in MIXED_GPUS]
+    if not math.isfinite(args.restore_fixed_s):
+        raise InputError(f"--restore-fixed-s: {args.restore_fixed_s} is not a finite number")
+    restore = {"restore_gbps": args.restore_gbps, "restore_fixed_s": args.restore_fixed_s}
     started = time.perf_counter()
-    got = run_jobs(_replay, jobs, args.jobs, _progress)
+    got = run_jobs(functools.partial(_replay, **restore), jobs, args.jobs, _progress)
     mopd = {
         str(b): {
             str(s): _mopd_row({p: got[("mopd", b, s, p, None)] for p in MOPD_POLICIES})
@@ -62,7 +73,15 @@ def run_gpu_seeds_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     mixed = {str(s): _mixed_row(mixed_batch, s, got) for s in seeds}
     report: dict[str, Any] = {
-        **header(args, "gpu-seeds", started, mixed_batch=(mixed_batch, 1024)),
+        **header(
+            args,
+            "gpu-seeds",
+            started,
+            mixed_batch=(mixed_batch, 1024),
+            restore_gbps=(args.restore_gbps, RESTORE_GBPS),
+            restore_fixed_s=(args.restore_fixed_s, RESTORE_FIXED_S),
+        ),
+        "restore": {"gbps": args.restore_gbps, "fixed_s": args.restore_fixed_s},
         "mopd": mopd,
         "mixed": {"batch": mixed_batch, "seeds": mixed},
     }

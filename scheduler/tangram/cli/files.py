@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -99,6 +100,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value >= 0:  # also NaN
         raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):  # also NaN
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
     return value
 
 

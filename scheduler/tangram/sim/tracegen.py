@@ -94,7 +94,8 @@ JUDGE_DOP = (1, 2, 4, 8)  # [T] §4.1 "(e.g. 1, 2, 4, 8)"; min 1 GPU is an ASSUM
 JUDGE_REF_DOP = 8  # [T] §6.1 baseline judge "degree of TP as 8"
 
 RESTORE_FIXED_S = 1.0  # ASSUMPTION: per-restore set-up cost; [T] §5.3 gives no number
-RESTORE_GBPS = 25.0  # ASSUMPTION: pinned host-to-device PCIe Gen5, per GPU
+RESTORE_GBPS = 25.0  # ASSUMPTION: pinned host-to-device PCIe Gen5, per GPU, all restoring
+# (one H200 alone measured 44.4 GB/s and a few ms of set-up: docs/benchmarks.md)
 # An instance serves up to 8 calls at once, each slowed 10 % per call already in flight:
 # the inference server's batching (SGLang in [T] §6.1), the same for the static baseline
 # and the pooled instances. ASSUMPTION: [T] gives neither figure.
@@ -249,6 +250,8 @@ def scenario_cluster(
     cpu_nodes: int = CPU_NODES,
     gpu_nodes: int = GPU_NODES,
     quota_scale: float = 1.0,
+    restore_gbps: float = RESTORE_GBPS,
+    restore_fixed_s: float = RESTORE_FIXED_S,
 ) -> ClusterSpec:
     """The paper's cluster for ``scenario``.
 
@@ -256,25 +259,31 @@ def scenario_cluster(
     mopd: CPU nodes (coding-like trajectories), GPU nodes with the teachers, API quotas
     (search-like trajectories). mixed: all of it, teachers and judge (10 services).
     ``cpu_nodes``/``gpu_nodes`` shrink or grow the capacity; ``quota_scale`` multiplies every
-    API limit (the note asks for a sweep over 0.25-2x).
+    API limit (the note asks for a sweep over 0.25-2x). ``restore_gbps`` and
+    ``restore_fixed_s`` set the services' restore cost (``restore_seconds``), for a
+    machine whose restores were measured (``tangram bench gpu``).
     """
     _check_scenario(scenario)
     if cpu_nodes < 0 or gpu_nodes < 0:
         raise ValueError("cpu_nodes/gpu_nodes: must be >= 0")
     if quota_scale <= 0:
         raise ValueError(f"quota_scale: must be > 0, got {quota_scale}")
+    if not (restore_gbps > 0 and math.isfinite(restore_gbps)):
+        raise ValueError(f"restore_gbps: must be a number > 0, got {restore_gbps}")
+    if not (restore_fixed_s >= 0 and math.isfinite(restore_fixed_s)):
+        raise ValueError(f"restore_fixed_s: must be a number >= 0, got {restore_fixed_s}")
     cpu = [_cpu_node(i) for i in range(cpu_nodes)]
     gpu = [_gpu_node(i) for i in range(gpu_nodes)]
-    teachers = [_teacher_service(i) for i in range(1, TEACHERS + 1)]
+    restore = (restore_gbps, restore_fixed_s)
+    teachers = [_teacher_service(i, *restore) for i in range(1, TEACHERS + 1)]
+    judge = _judge_service(*restore)
     if scenario == "coding":
         return ClusterSpec(nodes=cpu)
     if scenario == "deepsearch":
-        return ClusterSpec(nodes=gpu, services=[_judge_service()], apis=_apis(quota_scale))
+        return ClusterSpec(nodes=gpu, services=[judge], apis=_apis(quota_scale))
     if scenario == "mopd":
         return ClusterSpec(nodes=cpu + gpu, services=teachers, apis=_apis(quota_scale))
-    return ClusterSpec(
-        nodes=cpu + gpu, services=[*teachers, _judge_service()], apis=_apis(quota_scale)
-    )
+    return ClusterSpec(nodes=cpu + gpu, services=[*teachers, judge], apis=_apis(quota_scale))
 
 
 def service_efficiency(steps: int) -> TableEfficiency:
@@ -288,13 +297,13 @@ def service_efficiency(steps: int) -> TableEfficiency:
     return TableEfficiency(table={**SERVICE_EFFICIENCY, 8: e8})
 
 
-def restore_seconds(gpu_memory_gb: float) -> float:
+def restore_seconds(gpu_memory_gb: float, gbps: float = RESTORE_GBPS) -> float:
     """``restore_s``: copying the whole model over one GPU's host link (the note's model).
 
     The cost at DoP m is ``restore_fixed_s + restore_s / m`` (``ServiceSpec.restore_cost``),
-    with ``restore_fixed_s = RESTORE_FIXED_S``.
+    with ``restore_fixed_s = RESTORE_FIXED_S`` unless a cluster is given another.
     """
-    return round(gpu_memory_gb / RESTORE_GBPS, 3)
+    return round(gpu_memory_gb / gbps, 3)
 
 
 def zipf_weights(n: int, s: float = 1.0) -> np.ndarray:
@@ -331,26 +340,26 @@ def _gpu_node(i: int) -> NodeSpec:
     )
 
 
-def _teacher_service(rank: int) -> ServiceSpec:
+def _teacher_service(rank: int, restore_gbps: float, restore_fixed_s: float) -> ServiceSpec:
     return ServiceSpec(
         name=teacher_name(rank),
         gpu_memory_gb=TEACHER_GPU_MEMORY_GB,
         dop_choices=list(TEACHER_DOP),
-        restore_s=restore_seconds(TEACHER_GPU_MEMORY_GB),
-        restore_fixed_s=RESTORE_FIXED_S,
+        restore_s=restore_seconds(TEACHER_GPU_MEMORY_GB, restore_gbps),
+        restore_fixed_s=restore_fixed_s,
         efficiency=service_efficiency(1),  # default for calls that carry no profile
         max_calls=SERVER_BATCH,
         batch_slowdown=SERVER_BATCH_SLOWDOWN,
     )
 
 
-def _judge_service() -> ServiceSpec:
+def _judge_service(restore_gbps: float, restore_fixed_s: float) -> ServiceSpec:
     return ServiceSpec(
         name=JUDGE,
         gpu_memory_gb=JUDGE_GPU_MEMORY_GB,
         dop_choices=list(JUDGE_DOP),
-        restore_s=restore_seconds(JUDGE_GPU_MEMORY_GB),
-        restore_fixed_s=RESTORE_FIXED_S,
+        restore_s=restore_seconds(JUDGE_GPU_MEMORY_GB, restore_gbps),
+        restore_fixed_s=restore_fixed_s,
         efficiency=service_efficiency(1),
         max_calls=SERVER_BATCH,
         batch_slowdown=SERVER_BATCH_SLOWDOWN,
