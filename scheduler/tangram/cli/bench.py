@@ -25,7 +25,7 @@ from tangram.cli.files import (
     seconds,
     whole_number,
 )
-from tangram.cli.progress import bar, note
+from tangram.cli.progress import bar, note, plain_console
 from tangram.cli.seed_runs import write_table
 from tangram.scheduler.core.scheduler import SchedulerConfig
 from tangram.sim.policies import build, check_policy, simulate
@@ -568,12 +568,12 @@ def _markdown(report: dict[str, Any]) -> str | None:
 
 
 def _table(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     # Off a terminal (a pipe, a CI log) rich would cut tables at 80 columns, where
     # policy names such as fixed-dop-4 and fixed-dop-16 become the same "fixed-d…".
-    console = Console() if sys.stdout.isatty() else Console(width=200)
+    # (plain: a cell's text, a trace's or a policy's name, is printed as it is)
+    console = plain_console() if sys.stdout.isatty() else plain_console(width=200)
     if "actions_per_s" in report or "vs_static" in report:
         return  # bench service and gpu-pool printed their lines already
     markdown = _markdown(report)

@@ -206,14 +206,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
+    from rich.text import Text
 
-    c = Console()
+    from tangram.cli.progress import plain_console
+
+    c = plain_console()  # (names from the trace are printed as they are)
     for g in report["groups"]:
         kind = "elastic" if g["elastic"] else "fixed units"
         c.print(
-            f"[bold]{g['resource']}[/bold]: {len(g['candidates'])} candidates ({kind}), "
-            f"{g['kept']} start now"
+            Text.assemble(
+                (g["resource"], "bold"),
+                f": {len(g['candidates'])} candidates ({kind}), {g['kept']} start now",
+            )
         )
         c.print(f"  candidates in queue order: {', '.join(g['candidates'])}")
         if g["core_price"] is not None:
@@ -250,7 +254,7 @@ def _print(report: dict[str, Any]) -> None:
             )
         if g["elastic"] and g["eviction_steps"]:
             c.print("  greedy eviction stops at the first step that does not lower the objective")
-    c.print("[bold]assignments[/bold]")
+    c.print(Text("assignments", style="bold"))
     for a in report["assignments"]:
         where = f"cores {a['cores']}" if a["cores"] else (f"GPUs {a['gpus']}" if a["gpus"] else "")
         extra = " (restore)" if a["restore"] else ""
@@ -261,6 +265,6 @@ def _print(report: dict[str, Any]) -> None:
             f"expected {a['expected_s']:.2f} s"
         )
     if report["waiting"]:
-        c.print("[bold]waiting[/bold]")
+        c.print(Text("waiting", style="bold"))
         for w in report["waiting"]:
             c.print(f"  {w['action']}: {w['because']}")

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
-_err = Console(stderr=True)
+
+def plain_console(**kwargs: Any) -> Console:
+    """A console that prints strings verbatim: what the CLI prints holds paths, names and
+    error text from the user, and rich's markup (``[bold]``, ``[/]``) or emoji codes
+    (``:cat:``) in them would be eaten or raise MarkupError. Styles go in as
+    :class:`rich.text.Text`."""
+    return Console(markup=False, emoji=False, **kwargs)
+
+
+_err = plain_console(stderr=True)
 
 
 @contextmanager
@@ -18,7 +29,7 @@ def bar(label: str, total: int, enabled: bool = True) -> Iterator[Callable[[int,
         yield lambda done, total: None
         return
     with Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # (a label may name a user's policy)
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -33,7 +44,8 @@ def bar(label: str, total: int, enabled: bool = True) -> Iterator[Callable[[int,
         yield update
 
 
-def note(message: str) -> None:
+def note(message: str | Text) -> None:
+    """``message`` on stderr, as written (a :class:`Text` with its styles)."""
     # Not wrapped at the console's width: in a log (80 columns when not a terminal) a URL
     # or a path broken over two lines could no longer be found or copied.
     _err.print(message, soft_wrap=True)
