@@ -45,3 +45,19 @@ def test_text_lines_carry_the_ids_after_the_message() -> None:
     assert line.endswith(" INFO tangram.service action ended action=a-1 trajectory=t-9 status=ok")
     plain = logging.LogRecord("tangram.service", logging.INFO, "f.py", 1, "ready", None, None)
     assert TextFormatter().format(plain).endswith(" ready")
+
+
+def test_text_and_json_lines_say_the_same_utc_time() -> None:
+    """Text lines were in local time without a zone, JSON ones in UTC: two hosts' lines,
+    or one host's two forms, could not be put in order."""
+    record = logging.LogRecord("tangram.service", logging.INFO, "f.py", 1, "ready", None, None)
+    record.created, record.msecs = 0.25, 250.0
+    assert TextFormatter().format(record).startswith("1970-01-01T00:00:00.250Z INFO ")
+    assert json.loads(JsonFormatter().format(record))["ts"] == "1970-01-01T00:00:00.250Z"
+
+
+def test_durations_in_fields_are_rounded_to_the_microsecond() -> None:
+    record = logging.LogRecord("tangram.service", logging.INFO, "f.py", 1, "opened", None, None)
+    record.open_s = 0.0019999999999527063
+    assert TextFormatter().format(record).endswith(" opened open_s=0.002")
+    assert json.loads(JsonFormatter().format(record))["open_s"] == 0.002

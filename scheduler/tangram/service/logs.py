@@ -10,18 +10,46 @@ import time
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
+# Loggers whose INFO records show at the default level (WARNING): what an SRE follows
+# without -v, a few lines a start, a reload or a node: the CLI's own start, reload and
+# stop (``tangram.cli``), nodes joining and leaving the scheduler, its reloads, an agent's
+# link to it. -v adds the other INFO records, one or more an action.
+LIFECYCLE = ("tangram.cli", "tangram.service.nodes", "tangram.service.reload", "tangram.agent.link")
+
+
+def as_json() -> bool:
+    """Whether :func:`setup` made the lines JSON: what the CLI says then goes out as log
+    records, not as text among them."""
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+
+
+def utc_time(record: logging.LogRecord) -> str:
+    """The record's time in UTC, to the millisecond, with its zone (Z): text and JSON
+    lines alike, so that the two (and hosts in other zones) line up."""
+    return (
+        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        + f".{int(record.msecs):03d}Z"
+    )
+
+
+def _rounded(value: object) -> object:
+    """A float field to the microsecond: ``open_s=0.0019999999999527063`` reads as noise."""
+    return round(value, 6) if isinstance(value, float) else value
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": utc_time(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
         }
         # Fields of plain data only: a library's objects (kopf attaches its whole settings,
         # executor and all, to every record) would print as their repr on every line.
-        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD and _plain(v)})
+        out.update(
+            {k: _rounded(v) for k, v in vars(record).items() if k not in _STANDARD and _plain(v)}
+        )
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -44,7 +72,7 @@ def _plain(value: object, depth: int = 0) -> bool:
 # fields the service's own records carry (a library's, kopf's, are left to the JSON form).
 TEXT_FIELDS = (
     "action", "trajectory", "tenant", "env", "node", "kind", "status", "act_s", "actions",
-    "open_s", "warm",
+    "open_s", "warm", "ran_s",
 )  # fmt: skip
 
 
@@ -55,9 +83,14 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        return utc_time(record)  # (local time without its zone could not be compared)
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        ids = [f"{k}={v}" for k in TEXT_FIELDS if (v := getattr(record, k, None)) is not None]
+        ids = [
+            f"{k}={_rounded(v)}" for k in TEXT_FIELDS if (v := getattr(record, k, None)) is not None
+        ]
         if not ids:
             return line
         head, sep, tail = line.partition("\n")  # (after the message, before a traceback)
@@ -70,3 +103,5 @@ def setup(verbose: bool, as_json: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if verbose else logging.WARNING)
+    for name in LIFECYCLE:
+        logging.getLogger(name).setLevel(logging.INFO)
