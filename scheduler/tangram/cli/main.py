@@ -54,7 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.run(args)
     except InputError as e:
-        print(f"tangram: error: {e}", file=sys.stderr)
+        from tangram.service.logs import as_json
+
+        if as_json():  # (a serve or an agent with --log-json: its log's last line)
+            logging.getLogger("tangram.cli").error("%s", e)
+        else:
+            print(f"tangram: error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:
         print(f"tangram: {e}", file=sys.stderr)

@@ -16,9 +16,10 @@ from typing import Any
 
 from tangram.api.spec_base import DNS_LABEL_RE, DNS_SUBDOMAIN
 from tangram.api.wire import AGENTS_PATH
+from tangram.cli.events import say
 from tangram.cli.files import InputError, port, whole_number
-from tangram.cli.progress import note
 from tangram.cli.up import (
+    EarlyHangup,
     add_gpu_flags,
     add_grace_flag,
     add_learned_flag,
@@ -174,6 +175,7 @@ def scheduler_url(text: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     setup_logging(args)
+    early = EarlyHangup.install()  # (SIGHUP reloads: never a kill during the start)
     secrets, reviewer = None, None
     learned_map = _learned_configmap(args)
     if args.kubernetes:
@@ -202,13 +204,16 @@ def run_serve(args: argparse.Namespace) -> int:
         learned = learned_file(args, pool.metadata.name, _STATE)
 
     def ready(r: Running) -> None:
-        reload_on_hangup(args.file, args.pool, r.engine, secrets)
-        note(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {scheduler_url(r.url)}")
-        note(r.engine.learned_note())
+        reload_on_hangup(args.file, args.pool, r.engine, secrets, early)
+        agents = scheduler_url(r.url)
+        say(f"pool {pool.metadata.name}: scheduler at {r.url}, agents at {agents}",
+            pool=pool.metadata.name, url=r.url, agents_url=agents, pid=os.getpid())  # fmt: skip
+        say(r.engine.learned_note())
 
     # Environments outlive a scheduler restart: the next scheduler takes them back.
     serve_until_signalled(args, config, tokens, None, ready, close_on_exit=False,
                           reviewer=reviewer, learned=learned)  # fmt: skip
+    say("stopped; environments stay on their nodes for the next scheduler")
     return 0
 
 
@@ -239,7 +244,8 @@ def run_agent(args: argparse.Namespace) -> int:
     agent = make_agent(args, args.idle_cores, args.cores)
     stop = asyncio.Event()
     cores = cores_note(agent.action_cores, agent.idle_cores, virtual_cores(agent.kind))
-    note(f"agent {agent.node}: {agent.kind} runtime, {cores}")
+    say(f"agent {agent.node}: {agent.kind} runtime, {cores}", node=agent.node,
+        runtime=agent.kind, scheduler=args.scheduler)  # fmt: skip
 
     async def main() -> None:
         stop_on_signals(stop)
@@ -253,4 +259,5 @@ def run_agent(args: argparse.Namespace) -> int:
         if isinstance(e, SchedulerUrlError):  # (a redirect to a URL no retry reaches)
             raise InputError(f"--scheduler: {e}") from None
         raise
+    say(f"agent {agent.node} stopped", node=agent.node)
     return 0

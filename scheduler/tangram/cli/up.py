@@ -12,18 +12,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import logging
 import os
 import shlex
 import signal
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.text import Text
+
 from tangram.api.demand import allowed_units
 from tangram.api.documents import Resources
 from tangram.api.resources import ActionPool
+from tangram.cli.events import say, warn
 from tangram.cli.files import (
     InputError,
     check_writable,
@@ -33,7 +36,6 @@ from tangram.cli.files import (
     whole_number,
 )
 from tangram.cli.manifests import load_documents, load_text
-from tangram.cli.progress import note
 from tangram.client.common import DEFAULT_TOKEN_FILE
 from tangram.node_agent.cgroups import format_cpulist
 from tangram.node_agent.link import SchedulerUrlError
@@ -169,6 +171,7 @@ def _pool_of(
 
 def run_up(args: argparse.Namespace) -> int:
     setup_logging(args)
+    early = EarlyHangup.install()  # the banner says SIGHUP reloads: never a kill, even now
     pool, config = load_pool(args.file, args.pool)
     check_listen(args.host, args.port)
     tokens = load_tokens(Path(args.token_file))
@@ -188,34 +191,11 @@ def run_up(args: argparse.Namespace) -> int:
     warnings += cluster_only_warnings(pool, config, args.port)
 
     def ready(r: Running) -> None:
-        reload_on_hangup(args.file, args.pool, r.engine)
-        runtime = agent.kind
-        if agent.kind == "docker" and agent.fast_path:
-            runtime += f" (portable path only: {agent.fast_path})"
-        if agent.kind == "process":
-            runtime = "[bold red]process[/] (no isolation: commands run on this host)"
-        cores = cores_note(agent.action_cores, agent.idle_cores, virtual_cores(agent.kind))
-        flags = rollout_flags(config)
-        hint = (
-            ""
-            if flags is None  # (it opens trajectories: a pool without a TrajectoryEnv has none)
-            else f"  try: {_tokens_env(args.token_file)}.venv/bin/python examples/rollout.py "
-            + " ".join([f"--url {r.url}", *flags])
-            + "\n"
-        )
-        note(
-            f"[bold]ARL-Tangram[/] pool [cyan]{pool.metadata.name}[/] ready at {r.url}\n"
-            f"  node {agent.node}: {cores}; {runtime} runtime\n"
-            f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
-            f"RewardServices: {', '.join(sorted(config.services)) or 'none'}; "
-            f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
-            f"  token file: {args.token_file}\n"
-            f"  {r.engine.learned_note()}\n"
-            f"{hint}"
-            f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files"
-        )
+        reload_on_hangup(args.file, args.pool, r.engine, early=early)
+        say(banner(args, pool, config, agent, r), pool=pool.metadata.name, url=r.url,
+            node=agent.node, runtime=agent.kind, pid=os.getpid())  # fmt: skip
         for warning in warnings:  # after the banner, where they are read
-            note(f"[bold yellow]warning[/]: {warning}")
+            warn(warning)
 
     try:
         _local_images(agent, [e.spec.image for e in config.envs.values()])
@@ -226,8 +206,40 @@ def run_up(args: argparse.Namespace) -> int:
     except BaseException:  # a failed start: the run stops the agent only once serving
         shut_down(agent)
         raise
-    note("stopped; every environment was removed")
+    say("stopped; every environment was removed")
     return 0
+
+
+def banner(args: argparse.Namespace, pool: ActionPool, config: PoolConfig, agent: Any,
+           r: Running) -> Text:  # fmt: skip
+    """What ``up`` says once ready: where, what runs, and how to stop and reload it. Styled
+    as Text: the names and paths in it are printed as they are, whatever their brackets."""
+    runtime: Text | str = agent.kind
+    if agent.kind == "docker" and agent.fast_path:
+        runtime = f"docker (portable path only: {agent.fast_path})"
+    if agent.kind == "process":
+        unisolated = " (no isolation: commands run on this host)"
+        runtime = Text.assemble(("process", "bold red"), unisolated)
+    cores = cores_note(agent.action_cores, agent.idle_cores, virtual_cores(agent.kind))
+    flags = rollout_flags(config)
+    hint = (
+        ""
+        if flags is None  # (it opens trajectories: a pool without a TrajectoryEnv has none)
+        else f"  try: {_tokens_env(args.token_file)}.venv/bin/python examples/rollout.py "
+        + " ".join([f"--url {r.url}", *flags])
+        + "\n"
+    )
+    return Text.assemble(
+        ("ARL-Tangram", "bold"), " pool ", (pool.metadata.name, "cyan"), f" ready at {r.url}\n",
+        f"  node {agent.node}: {cores}; ", runtime, " runtime\n",
+        f"  environments: {', '.join(sorted(config.envs)) or 'none'}; "
+        f"RewardServices: {', '.join(sorted(config.services)) or 'none'}; "
+        f"API quotas: {', '.join(a.name for a in config.apis) or 'none'}\n"
+        f"  token file: {args.token_file}\n"
+        f"  {r.engine.learned_note()}\n"
+        f"{hint}"
+        f"  Ctrl-C stops; kill -HUP {os.getpid()} reloads the files",
+    )  # fmt: skip
 
 
 def cores_note(actions: Sequence[int], idle: Sequence[int], virtual: bool = False) -> str:
@@ -402,7 +414,8 @@ def shut_down(agent: Any) -> None:
     try:
         run_loop(agent.shutdown())
     except Exception as e:  # the failure that brought us here is the one to report
-        print(f"tangram: warning: stopping the local agent: {e}", file=sys.stderr)
+        say(f"tangram: warning: stopping the local agent: {e}", level=logging.WARNING,
+            msg=f"stopping the local agent: {e}")  # fmt: skip
 
 
 def check_listen(host: str, port: int) -> None:
@@ -432,14 +445,28 @@ def load_tokens(path: Path, *, create: bool = True) -> TokenStore:
     """The token file; made (a client and an agent token) when missing and ``create``."""
     try:
         if path.exists():
-            return TokenStore.load(path)
+            store = TokenStore.load(path)
+            _warn_if_readable(path)
+            return store
         if not create:
             raise InputError(f"--token-file {path}: no such file")
         store = TokenStore.create(path)
-        note(f"created {path} (a client and an agent token)")
+        say(f"created {path} (a client and an agent token)", token_file=str(path))
         return store
     except (TokenError, OSError) as e:
         raise InputError(f"--token-file: {e}") from None
+
+
+def _warn_if_readable(path: Path) -> None:
+    """A token file every user can read hands them its tokens (the agent's, the
+    operator's): said, naming its mode; not refused (a mounted file may not be ours to
+    change). Its group may read it: the operator mounts the scheduler's 0440, for the
+    pod's fsGroup."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o004:
+        chmod = f"chmod 600 {shlex.quote(str(path))}"
+        warn(f"--token-file {path}: mode {mode:04o}: every user of this host can read its "
+             f"tokens ({chmod})", token_file=str(path), mode=f"{mode:04o}")  # fmt: skip
 
 
 def add_gpu_flags(p: argparse.ArgumentParser) -> None:
@@ -498,9 +525,20 @@ def make_agent(args: argparse.Namespace, idle: int, cores: int | None) -> Any:
         raise InputError(str(e)) from None
     except (ExecError, OSError) as e:
         why = str(e)  # (one that names its flag, --gpus ..., is said as it is)
+        if isinstance(e, OSError) and _under(e.filename, args.state_dir):
+            raise InputError(f"--state-dir {args.state_dir}: {why}") from None
         raise InputError(
             why if why.startswith("--") else f"--runtime {args.runtime}: {why}"
         ) from None
+
+
+def _under(filename: object, folder: str) -> bool:
+    """Whether an OSError's ``filename`` is ``folder`` or in it: the flag to name is the
+    one that gave the path, not the runtime that failed to make it."""
+    if not isinstance(filename, str | bytes | os.PathLike):
+        return False
+    path, top = Path(os.fsdecode(filename)).absolute(), Path(folder).absolute()
+    return path == top or top in path.parents
 
 
 def _local_images(agent: Any, images: list[str]) -> None:
@@ -512,7 +550,8 @@ def _local_images(agent: Any, images: list[str]) -> None:
     client = agent.runtime.inner.client  # runtimes.Sandboxes around the DockerRuntime
     for image in images:
         if image.startswith(LOCAL_BUSYBOX) and import_busybox(client, image) is None:
-            print(f"tangram: warning: {image}: busybox-static is not installed", file=sys.stderr)
+            why = f"{image}: busybox-static is not installed"
+            say(f"tangram: warning: {why}", level=logging.WARNING, msg=why)
 
 
 def pool_reloader(
@@ -541,12 +580,36 @@ def pool_reloader(
     return read
 
 
+class EarlyHangup:
+    """SIGHUP from the start of a run until the reload's own handler is in place (once
+    serving): its default action would end the process (rc 129) that the banner tells to
+    reload with it. It is kept, and the reload runs once ready (the files read at the start
+    may be older than the signal)."""
+
+    def __init__(self) -> None:
+        self.came = False
+
+    @classmethod
+    def install(cls) -> EarlyHangup:
+        early = cls()
+        signal.signal(signal.SIGHUP, early._got)
+        return early
+
+    def _got(self, signum: int, frame: object) -> None:
+        self.came = True  # (only a flag: a Python handler runs between any two bytecodes)
+
+
 def reload_on_hangup(
-    files: list[str], pool: str | None, engine: Any, secrets: SecretLookup | None = None
+    files: list[str],
+    pool: str | None,
+    engine: Any,
+    secrets: SecretLookup | None = None,
+    early: EarlyHangup | None = None,
 ) -> None:
     """SIGHUP (or ``POST /v1/admin/reload`` with an operator token) re-reads the files, or
     takes the documents pushed in the request, and applies them while running (nothing
-    queued is lost); definitions with errors are reported and the running ones kept."""
+    queued is lost); definitions with errors are reported and the running ones kept.
+    ``early``: a SIGHUP that came during the start, reloaded now."""
     served = engine.state.config
     engine.reloader = pool_reloader(files, pool, secrets, f"{served.namespace}/{served.name}")
     pending: set[asyncio.Task[None]] = set()
@@ -555,9 +618,12 @@ def reload_on_hangup(
         try:
             changes = await engine.reload(None)
         except ValueError as e:
-            note(f"[red]reload refused[/]: {e}")
+            reasons = [p for p in str(e).splitlines() if p]
+            say(Text.assemble(("reload refused", "red"), f": {e}"), level=logging.WARNING,
+                via="SIGHUP", reasons=reasons)  # fmt: skip
             return
-        note("reloaded: " + ("; ".join(changes) if changes else "no changes"))
+        said = "; ".join(changes) if changes else "no changes"
+        say(f"reloaded: {said}", via="SIGHUP", changes=changes)
 
     def hangup() -> None:  # off the handler: reading files and secrets must not block
         task = asyncio.ensure_future(reload())
@@ -565,6 +631,9 @@ def reload_on_hangup(
         task.add_done_callback(pending.discard)
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hangup)
+    if early is not None and early.came:
+        say("SIGHUP during the start: reloading the files now", via="SIGHUP")
+        hangup()
 
 
 def stop_on_signals(stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
@@ -576,7 +645,7 @@ def stop_on_signals(stop: asyncio.Event, hurry: asyncio.Event | None = None) -> 
             stop.set()
         elif hurry is not None and not hurry.is_set():
             hurry.set()
-            note("stopping now: cancelling what still runs")
+            say("stopping now: cancelling what still runs")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signalled)
@@ -586,11 +655,12 @@ def stopping_note(s: Stopping) -> None:
     """What a stop waits for, said as it begins: a silent grace reads as a hang."""
     actions = f"{s.running} action{'s' if s.running != 1 else ''}"
     envs = f"; then {s.environments} environment(s) are removed" if s.environments else ""
+    fields = {"running": s.running, "environments": s.environments, "grace_s": s.grace_s}
     if s.running:
-        note(f"stopping: waiting up to {s.grace_s:g} s for {actions}{envs} "
-             "(Ctrl-C again to stop now)")  # fmt: skip
+        say(f"stopping: waiting up to {s.grace_s:g} s for {actions}{envs} "
+            "(Ctrl-C again to stop now)", **fields)  # fmt: skip
     else:
-        note(f"stopping: no action in flight{envs}")
+        say(f"stopping: no action in flight{envs}", **fields)
 
 
 def add_learned_flag(p: Any, default: str) -> None:
