@@ -5,6 +5,7 @@ re-ordered under it), the answer says so; the push is capped apart from the pool
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -111,3 +112,24 @@ def test_the_operators_push_is_not_capped_by_the_pools_max_request_bytes(
         big = httpx.post(f"{running.url}/v1/trajectories", content=b"{" + b" " * 2000 + b"}",
                          headers={"Authorization": f"Bearer {USER}"})  # fmt: skip
         assert big.status_code == 413
+
+
+def test_a_push_is_logged_applied_with_its_changes_and_refused_with_its_reasons(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reload by ``POST /v1/admin/reload`` (the operator's) logged nothing, applied or
+    refused: a SIGHUP's is said by the CLI, this one only the log can tell."""
+    caplog.set_level(logging.INFO, logger="tangram.service.reload")
+    tokens = TokenStore({USER: "local", OPERATOR: OPERATOR_TENANT})
+    config = PoolConfig(name="p", namespace="rl", apis=(ApiSpec(name="search", concurrency=1),))
+    with service(config, None, tmp_path, tokens=tokens) as (running, _):
+        running.engine.reloader = pool_reloader([], None)
+        link = SchedulerLink()
+        changes = link.reload(running.url, OPERATOR, _docs(ordering="trajectory-priority"))
+        with pytest.raises(SchedulerRefusedError):
+            link.reload(running.url, OPERATOR, _docs().replace("ordering:", "'[/]': 1, ordering:"))
+    applied, refused = (r for r in caplog.records if r.name == "tangram.service.reload")
+    assert applied.levelno == logging.INFO and applied.changes == changes != []  # type: ignore[attr-defined]
+    assert applied.getMessage() == "reloaded: " + "; ".join(changes)
+    assert refused.levelno == logging.WARNING and refused.getMessage().startswith("reload refused")
+    assert any("[/]" in r for r in refused.reasons)  # type: ignore[attr-defined]

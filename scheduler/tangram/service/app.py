@@ -73,6 +73,9 @@ from tangram.service.reviews import NotAdmittedError, ReviewError, TokenReviewer
 from tangram.service.stream import ActionStream
 
 log = logging.getLogger("tangram.service")
+# Reloads, applied or refused: shown at the default level (logs.LIFECYCLE), the operator's
+# pushes as much as a SIGHUP's (which the CLI says itself).
+reloads = logging.getLogger("tangram.service.reload")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503)
@@ -446,13 +449,18 @@ def create_app(
         if engine.reloader is None:
             return _error(409, "conflict", "this scheduler has no files to reload")
         text = (await request.body()).decode("utf-8", "replace") or None
+        read = "body" if text is not None else "files"
         try:
             changes = await engine.reload(text)
         except ValueError as e:  # the definitions are wrong: keep running as before
             # One detail a problem (a line each), under what was read: the body, the files.
-            read = "body" if text is not None else "files"
-            problems = [{"field": read, "message": p} for p in str(e).splitlines() if p]
+            reasons = [p for p in str(e).splitlines() if p]
+            reloads.warning("reload refused: %s", e, extra={"via": RELOAD_PATH, "read": read,
+                                                            "reasons": reasons})  # fmt: skip
+            problems = [{"field": read, "message": p} for p in reasons]
             return _error(400, "invalid", f"reload refused: {e}", problems)
+        reloads.info("reloaded: %s", "; ".join(changes) or "no changes",
+                     extra={"via": RELOAD_PATH, "read": read, "changes": changes})  # fmt: skip
         return JSONResponse({"changes": changes})
 
     @app.get("/v1/admin/status", include_in_schema=False)

@@ -34,6 +34,9 @@ from tangram.service.state import PoolState
 from tangram.service.trajectories import Trajectories
 
 log = logging.getLogger("tangram.service")
+# Nodes joining and leaving: shown at the default level (logs.LIFECYCLE), both of them, so
+# that a leave in the log is followed by its node's return, or by nothing.
+nodes = logging.getLogger("tangram.service.nodes")
 
 
 class Membership:
@@ -84,7 +87,7 @@ class Membership:
         for tid in stale:  # environments nobody can use any more: lost before, or unknown
             s.background(self.trajectories.close_on(hello.node, tid))
         s.keep_warm(hello.node)  # also retires what it kept of envs removed while away
-        log.info(
+        nodes.info(
             "node %s joined: %d action cores, %s runtime, %d trajectories and %d running "
             "actions taken back, %d stale environments closed",
             hello.node,
@@ -93,6 +96,7 @@ class Membership:
             len(hello.trajectories) - len(stale),
             adopted,
             len(stale),
+            extra={"node": hello.node},
         )
         s.wake.set()
 
@@ -274,14 +278,20 @@ class Membership:
             s.background(self.lose_after_grace(link.node, away, now))
         ended = len(drained.running) + len(drained.dropped)
         if not s.accepting:  # the stop's own doing: no node was lost, nobody waits for it
-            log.info("node %s left as the scheduler stops: %d actions ended", link.node, ended)
+            nodes.info(
+                "node %s left as the scheduler stops: %d actions ended",
+                link.node,
+                ended,
+                extra={"node": link.node},
+            )
         else:
-            log.warning(
+            nodes.warning(
                 "node %s left: %d actions ended, %d trajectories wait %.0f s for its agent",
                 link.node,
                 ended,
                 len(away),
                 s.config.agent_grace_s,
+                extra={"node": link.node},
             )
         s.wake.set()
 
@@ -302,9 +312,10 @@ class Membership:
                 rec, f"the agent of node {node} did not come back in {grace:.0f} s"
             )
         if lost:
-            log.warning(
+            nodes.warning(
                 "node %s: its agent did not come back in %.0f s: %d trajectories lost",
                 node,
                 grace,
                 len(lost),
+                extra={"node": node},
             )
