@@ -534,6 +534,27 @@ class NodeAgent:
             self._unsent.append(reply)
 
     async def _run(self, req: AgentRequest) -> AgentReply:
+        """Run one request; with -v (INFO) each one is logged as it ends, with its ids."""
+        if not log.isEnabledFor(logging.INFO):
+            return await self._run_op(req)
+        started = time.monotonic()
+        reply: AgentReply | None = None
+        try:
+            reply = await self._run_op(req)
+            return reply
+        finally:
+            status = "cancelled" if reply is None else "ok" if reply.ok else "failed"
+            log.info(
+                "%s ran", req.op,
+                extra={
+                    "action": getattr(req, "key", None),
+                    "trajectory": getattr(req, "trajectory", None),
+                    "node": self.node, "kind": req.op, "status": status,
+                    "ran_s": round(time.monotonic() - started, 6),
+                },
+            )  # fmt: skip
+
+    async def _run_op(self, req: AgentRequest) -> AgentReply:
         try:
             match req:
                 case AgentOpen():

@@ -36,6 +36,10 @@ from tangram.api.wire import (
 from tangram.node_agent.agent import NodeAgent
 
 log = logging.getLogger("tangram.agent")
+# The link's connects and failures: shown at the default level (the CLI's logs.LIFECYCLE
+# names it), so that a log that says the scheduler was unreachable also says when it was
+# reached again.
+link_log = logging.getLogger("tangram.agent.link")
 HEARTBEAT_S = 1.0
 # A scheduler whose host died or that a partition cut off sends nothing, not even a close:
 # without an answer to a ping in PING_TIMEOUT_S the agent drops the link and reconnects.
@@ -83,6 +87,7 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
     :class:`SchedulerUrlError`; every other failure is retried with backoff."""
     check_url(url)
     backoff = 0.1
+    down = Outage()
     while not stop.is_set():
         connected: float | None = None  # when this try's connection was made
         failure: BaseException | None = None
@@ -101,7 +106,8 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
                 gc.collect()
                 gc.freeze()  # start-up objects are forever: keep collections short
                 await ws.send(agent.hello().model_dump_json())
-                log.info("connected to %s as %s", url, agent.node)
+                link_log.info("connected to %s as %s%s", url, agent.node, down.ended(),
+                              extra={"url": url, "node": agent.node})  # fmt: skip
                 await _session(agent, ws, stop)
         except InvalidURI as e:  # (a redirect to one): a permanent error, not retried
             raise SchedulerUrlError(_invalid(url, e)) from None
@@ -116,10 +122,40 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
             backoff, None if connected is None else time.monotonic() - connected
         )
         if failure is not None:
-            log.warning("scheduler link: %s; retrying in %.1fs", failure, wait)
+            link_log.warning(
+                "scheduler link to %s: %s; retrying in %.1fs%s", url, failure, wait,
+                down.failed(), extra={"url": url, "node": agent.node},
+            )  # fmt: skip
         if not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
+
+
+class Outage:
+    """The failed attempts since the link last connected (the first connect too), said
+    with each failure and with the connect that ends them."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.since = 0.0  # (monotonic) the first failure's
+        self.connected = False  # ever: a first connect is not "again"
+
+    def failed(self) -> str:
+        if not self.failures:
+            self.since = time.monotonic()
+        self.failures += 1
+        return "" if self.failures == 1 else f" ({self._count()} so far)"
+
+    def ended(self) -> str:
+        """'' when nothing failed, else how long and how many tries it took; reset."""
+        again = " again" if self.connected else ""
+        said = f"{again} after {self._count()}" if self.failures else ""
+        self.failures, self.connected = 0, True
+        return said
+
+    def _count(self) -> str:
+        n, lasted = self.failures, time.monotonic() - self.since
+        return f"{n} failed attempt{'s' if n != 1 else ''} over {lasted:.0f} s"
 
 
 def next_wait(backoff: float, lasted_s: float | None) -> tuple[float, float]:
