@@ -655,7 +655,8 @@ def stopping_note(s: Stopping) -> None:
     """What a stop waits for, said as it begins: a silent grace reads as a hang."""
     actions = f"{s.running} action{'s' if s.running != 1 else ''}"
     envs = f"; then {s.environments} environment(s) are removed" if s.environments else ""
-    fields = {"running": s.running, "environments": s.environments, "grace_s": s.grace_s}
+    fields: dict[str, Any] = {"running": s.running, "environments": s.environments,
+                              "grace_s": s.grace_s}  # fmt: skip
     if s.running:
         say(f"stopping: waiting up to {s.grace_s:g} s for {actions}{envs} "
             "(Ctrl-C again to stop now)", **fields)  # fmt: skip

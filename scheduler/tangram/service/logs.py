@@ -39,7 +39,7 @@ def _rounded(value: object) -> object:
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {
+        out: dict[str, object] = {
             "ts": utc_time(record),
             "level": record.levelname.lower(),
             "logger": record.name,
