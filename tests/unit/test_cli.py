@@ -610,7 +610,7 @@ def test_a_failed_start_after_the_agent_is_built_shuts_the_agent_down(
     assert len(stopped) == 1
     # Serving, then failing before the embedded run's own shutdown is reached.
 
-    def broken(*args: Any) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("broken reload handler")
 
     monkeypatch.setattr("tangram.cli.up.reload_on_hangup", broken)
@@ -625,6 +625,7 @@ def test_up_refuses_a_token_file_without_an_agent_token_before_starting(
     stopped = _spy_on_agent_shutdowns(monkeypatch)
     tokens = tmp_path / "tokens"
     tokens.write_text("abcdefghijklmnopqrstuvwx alice\n")
+    tokens.chmod(0o600)  # (one every user can read is warned of first)
     code, _, err = _run(capsys, *_up(tmp_path, free_port()))
     assert code == 2
     said = f"--token-file {tokens}: no system:agent line (the local agent's token)"

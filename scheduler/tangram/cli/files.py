@@ -30,15 +30,13 @@ class Interrupted(Exception):  # noqa: N818 (Ctrl-C, not an error)
 
 class DefaultsShown(argparse.HelpFormatter):
     """Help that says each flag's default: ``(default: …)`` is appended unless the text
-    says it already (``(default``, or ``default:`` inside its own parentheses, as in
-    ``(created if missing; default: …)``) or there is none to say (None, False, '')."""
+    says it already (``(default``) or there is none to say (None, False, '')."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text, default = action.help, action.default
         if (
             not text
             or "(default" in text
-            or "default:" in text
             or not action.option_strings
             or default is None
             or default is False

@@ -71,7 +71,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--token-file",
         default=_TOKENS,
-        help="TOKEN TENANT lines (created if missing; default: $TANGRAM_TOKEN_FILE, else "
+        # "(default" as the formatter looks for it: "; default:" had it said twice
+        help="TOKEN TENANT lines, created if missing (default: $TANGRAM_TOKEN_FILE, else "
         "~/.config/tangram/tokens)",
     )
     add_grace_flag(p)
@@ -114,8 +115,8 @@ def register(sub: Any) -> None:
     a.add_argument(
         "--token-file",
         default=_TOKENS,
-        help="holds a system:agent token (read, never made; default: $TANGRAM_TOKEN_FILE, else "
-        "~/.config/tangram/tokens)",
+        help="holds a system:agent token, read, never made (default: $TANGRAM_TOKEN_FILE, "
+        "else ~/.config/tangram/tokens)",
     )
     a.add_argument("--node", help="node name (default: the hostname)")
     add_runtime_flag(a)
