@@ -109,7 +109,7 @@ def test_bad_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
     code, _, err = _run(capsys, "bench", "--trace", str(trace), "--cluster", str(bad_cluster))
     assert code == 2 and "line 1: steps.0.action.cpu: min (2) is greater than max (1)" in err
-    trace.write_text('{"version":1,"id":"x","steps":[]}\n')
+    trace.write_text('{"version":1,"id":"x","steps":[{"action":{"kind":"exec"}}]}\n')
     code, _, err = _run(capsys, "bench", "--trace", str(trace), "--cluster", str(bad_cluster))
     assert code == 2 and "nodes.0.cpus" in err
     code, _, err = _run(

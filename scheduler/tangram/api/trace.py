@@ -6,18 +6,25 @@ closed-loop, so a step starts when the previous action completes.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tangram.api.action import ActionSpec
+from tangram.api.action import MAX_T1_S, ActionSpec
 from tangram.api.field_errors import described
+
+# The latest time a trace may give (``arrival_s``) and the longest think time: t1_s's cap,
+# ~4 months. A replay's clock is a float in seconds: up to this bound one ulp is ~2 ns, so
+# a 1 ms action still takes 1 ms; past 2**53 s (~9e15) it would take 0 s, or several
+# seconds, and ACTs read as zeros (an arrival of 1e20, Unix epoch times as arrivals).
+MAX_TIME_S = MAX_T1_S
 
 
 class Step(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    think_s: Annotated[float, Field(ge=0)] = 0.0
+    think_s: Annotated[float, Field(ge=0, le=MAX_TIME_S)] = 0.0
     action: ActionSpec
 
 
@@ -27,7 +34,7 @@ class TrajectoryTrace(BaseModel):
     version: Literal[1]
     id: Annotated[str, Field(min_length=1)]
     task: str = "coding"
-    arrival_s: Annotated[float, Field(ge=0)] = 0.0
+    arrival_s: Annotated[float, Field(ge=0, le=MAX_TIME_S)] = 0.0
     memory_gb: Annotated[float, Field(ge=0)] = 0.0
     steps: list[Step] = Field(default_factory=list)
 
@@ -40,8 +47,34 @@ class TraceError(ValueError):
         self.line = line
 
 
+class JsonKeyError(ValueError):
+    """A JSON text gives a key twice in one object, or a number JSON has not (NaN)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # JSON parsers let the last one win, unseen
+            raise JsonKeyError(f"{key}: key given twice in one object")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise JsonKeyError(f"{name} is not a JSON number")
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` that refuses a key given twice in an object (``JsonKeyError`` naming
+    it) and ``NaN``/``Infinity`` (Python's extension, not JSON)."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
 def load_trace(lines: list[str]) -> list[TrajectoryTrace]:
-    """Parse trace lines; the first bad line raises ``TraceError`` naming its field."""
+    """Parse trace lines; the first bad line raises ``TraceError`` naming its field.
+
+    Strict, as docs/simulator.md says: a value of the wrong JSON type (``"t1_s": "30"``,
+    ``"cpu": true``) is refused, not coerced; an integer still takes a float field."""
     from pydantic import ValidationError
 
     out: list[TrajectoryTrace] = []
@@ -50,7 +83,13 @@ def load_trace(lines: list[str]) -> list[TrajectoryTrace]:
         if not raw.strip():
             continue
         try:
-            traj = TrajectoryTrace.model_validate_json(raw)
+            strict_json(raw)  # (pydantic's own parser lets a repeated key's last one win)
+        except json.JSONDecodeError as e:
+            raise TraceError(no, f"not valid JSON: {e.msg} (column {e.pos + 1})") from None
+        except JsonKeyError as e:
+            raise TraceError(no, str(e)) from None
+        try:
+            traj = TrajectoryTrace.model_validate_json(raw, strict=True)
         except ValidationError as e:
             raise TraceError(no, described(e, "(line)")) from None
         if traj.id in seen:

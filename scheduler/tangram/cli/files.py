@@ -4,19 +4,22 @@ or the file, the line and the field."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
-from collections.abc import Callable
+import re
+import sys
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
 from tangram.api.cluster import ClusterSpec
 from tangram.api.field_errors import described
-from tangram.api.trace import TraceError, TrajectoryTrace, load_trace
+from tangram.api.trace import JsonKeyError, TraceError, TrajectoryTrace, load_trace, strict_json
 
 
 class InputError(Exception):
@@ -136,30 +139,90 @@ def check_writable(path: str | Path, flag: str, *, parents: bool = True) -> None
         raise InputError(f"{flag}: cannot write {p}: Permission denied")
 
 
-def _read(path: str | Path, parse: Callable[[TextIO], Any], kind: str) -> Any:
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (kubectl refuses it too):
+    custom resources, cluster files. Without it the last one would win unseen."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"found key {key!r} twice (first on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )
+            if isinstance(key, Hashable):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float | int:
+        """A float as ``kubectl`` sends it: Go's JSON writes a whole float64 (``2.0``,
+        ``1e3``) as an integer, which an integer field takes."""
+        value = float(super().construct_yaml_float(node))
+        if math.isfinite(value) and value.is_integer() and abs(value) < 1e21:
+            return int(value)
+        return value
+
+
+# PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent: ``1e3`` and
+# ``1.5e-3`` were strings, refused as "not a number", while kubectl (YAML 1.2 floats) takes them.
+StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _no_bom(path: str | Path, first: str) -> None:
+    """Refuse a file that starts with a byte-order mark: the parsers would say only
+    "unexpected character" at line 1 (JSON has none; some Windows editors add one)."""
+    if first == "\ufeff":  # (one character once decoded)
+        raise InputError(f"{path}: starts with a UTF-8 byte-order mark (BOM); save it without one")
+
+
+def _read(path: str | Path, parse: Callable[[str], Any], kind: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
-            return parse(f)
+            text = f.read()  # whole (a pipe cannot seek back)
+        _no_bom(path, text[:1])
+        return parse(text)
     except OSError as e:
         raise InputError(f"{path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not valid {kind}: {e}") from None
+    except JsonKeyError as e:
+        raise InputError(f"{path}: {e}") from None
 
 
 def read_yaml(path: str | Path) -> Any:
-    return _read(path, yaml.safe_load, "YAML")
+    """One YAML document; a key given twice in a mapping is refused, naming it."""
+
+    def parse(text: str) -> Any:
+        stream = io.StringIO(text)
+        stream.name = str(path)  # (its errors' marks name the file, not "<unicode string>")
+        return yaml.load(stream, Loader=StrictLoader)  # (a SafeLoader)
+
+    return _read(path, parse, "YAML")
 
 
 def read_json(path: str | Path) -> Any:
-    return _read(path, json.load, "JSON")
+    """One JSON document; a key given twice in an object, ``NaN`` or ``Infinity`` (Python
+    reads them, JSON has no such numbers) are refused, naming them."""
+    return _read(path, strict_json, "JSON")
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
     data = read_yaml(path)
     try:
-        cluster = ClusterSpec.model_validate(data)
+        # Strict: ``cpus: "8"`` or ``cpus: true`` is no core count (an integer still takes a
+        # float field; StrictLoader reads a whole float, ``8.0``, as an integer).
+        cluster = ClusterSpec.model_validate(data, strict=True)
     except ValidationError as e:
         raise InputError(f"{path}: {described(e, '(top level)', most=5)}") from None
     if not cluster.nodes:
@@ -167,20 +230,36 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     return cluster
 
 
-def load_trace_file(path: str | Path) -> list[TrajectoryTrace]:
+STDIN = "-"  # a file name that means the standard input, as for most commands
+
+
+def _trace_lines(path: str | Path) -> list[str]:
     try:
+        if str(path) == STDIN:
+            return sys.stdin.readlines()
         with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+            return f.readlines()
     except OSError as e:
         raise InputError(f"{path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def load_trace_file(path: str | Path) -> list[TrajectoryTrace]:
+    """The trace at ``path`` (``-``: the standard input), refused whole, naming the file,
+    when it holds no trajectory or no action at all: a replay of it would report zeros."""
+    lines = _trace_lines(path)
+    _no_bom(path, lines[0][:1] if lines else "")
     try:
         trace = load_trace(lines)
     except TraceError as e:
         raise InputError(f"{path}: {e}") from None
     if not trace:
         raise InputError(f"{path}: no trajectories")
+    if not any(t.steps for t in trace):
+        # A trajectory without steps among others is kept: an episode the LLM ends without
+        # a tool call is real, and holds its memory (and its pod under k8s-static).
+        raise InputError(f"{path}: no actions: none of its trajectories has a step")
     return trace
 
 

@@ -7,55 +7,16 @@ files, splits them into YAML documents and says where each came from.
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from tangram.api.documents import Document, ResourceError, Resources, parse_documents
 from tangram.api.field_errors import alternatives
+from tangram.cli.files import StrictLoader
 
 SUFFIXES = (".yaml", ".yml", ".json")  # as kubectl reads a folder (JSON is YAML here)
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (kubectl refuses it too)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        seen: dict[object, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping",
-                    node.start_mark,
-                    f"found key {key!r} twice (first on line {seen[key] + 1})",
-                    key_node.start_mark,
-                )
-            if isinstance(key, Hashable):
-                seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-    def construct_yaml_float(self, node: yaml.ScalarNode) -> float | int:
-        """A float as ``kubectl`` sends it: Go's JSON writes a whole float64 (``2.0``,
-        ``1e3``) as an integer, which an integer field takes."""
-        value = float(super().construct_yaml_float(node))
-        if math.isfinite(value) and value.is_integer() and abs(value) < 1e21:
-            return int(value)
-        return value
-
-
-# PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent: ``1e3`` and
-# ``1.5e-3`` were strings, refused as "not a number", while kubectl (YAML 1.2 floats) takes them.
-_StrictLoader.add_constructor("tag:yaml.org,2002:float", _StrictLoader.construct_yaml_float)
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
 
 
 def manifest_files(path: str | Path) -> list[Path]:
@@ -83,7 +44,7 @@ def read_documents(path: Path, problems: list[str]) -> list[Document]:
 def split_documents(text: str, source: str, problems: list[str]) -> list[Document]:
     """The YAML documents of ``text`` (from ``source``, for messages)."""
     documents: list[Document] = []
-    stream = yaml.load_all(text, Loader=_StrictLoader)  # a SafeLoader
+    stream = yaml.load_all(text, Loader=StrictLoader)  # a SafeLoader
     index = 0
     while True:
         index += 1
