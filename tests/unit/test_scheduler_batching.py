@@ -258,7 +258,7 @@ def test_explain_shows_calls_joining_an_instance(
     assert started == {"x0": 0, "x1": 1}
     assert [w["action"] for w in decision["waiting"]] == ["x2"]
     assert main(["explain", str(tmp_path / "state.json")]) == 0
-    assert "x1: 1 units on g GPUs ['g', 0, 1] (joins an instance running 1 calls)" in (
+    assert "x1: 1 units on g, GPU 0 (joins an instance running 1 calls)" in (
         capsys.readouterr().out
     )
 
