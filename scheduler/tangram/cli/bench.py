@@ -16,8 +16,10 @@ import numpy as np
 from tangram.api.field_errors import alternatives
 from tangram.api.orderings import QuotaWaiting
 from tangram.cli.files import (
+    STDIN,
     InputError,
     Interrupted,
+    OutputError,
     check_writable,
     load_cluster,
     load_trace_file,
@@ -91,8 +93,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--trace",
-        help="JSON Lines trace, one trajectory a line (tangram trace generate; the format: "
-        "docs/simulator.md, 'Trace and cluster files')",
+        help="JSON Lines trace, one trajectory a line, or - for the standard input (tangram "
+        "trace generate; the format: docs/simulator.md, 'Trace and cluster files')",
     )
     p.add_argument(
         "--cluster",
@@ -119,7 +121,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
-        "--plot", help="PNG of ACT distributions per policy (default: next to the trace)"
+        "--plot",
+        help="PNG of ACT distributions per policy, its folder created if missing (default: "
+        "next to the trace, when that is a regular file; otherwise none is drawn)",
     )
     p.add_argument("--no-plot", action="store_true", help="do not draw the ACT plot")
     p.add_argument(
@@ -385,16 +389,7 @@ def run(args: argparse.Namespace) -> int:
             build(p, cluster)
         except ValueError as e:
             raise InputError(f"policy {p}: {e}") from None
-    plot = None
-    if not args.no_plot:  # checked before the replays, drawn after them
-        from tangram.cli.plots import check_plot
-
-        plot = args.plot or str(Path(args.trace).with_suffix(".act.png"))
-        try:
-            check_plot(plot)
-        except ValueError as e:
-            raise InputError(f"--plot: {e}") from None
-        check_writable(plot, "--plot", parents=False)
+    plot = _plot_path(args)  # checked before the replays, drawn after them
     try:
         results = replay_all(trace, cluster, policies, seed=args.seed, depth=args.depth)
         stopped = None
@@ -423,7 +418,8 @@ def run(args: argparse.Namespace) -> int:
         from tangram.cli.plots import act_cdf
 
         try:
-            act_cdf(results, plot, title=Path(args.trace).name)
+            Path(plot).parent.mkdir(parents=True, exist_ok=True)  # (as --out's)
+            act_cdf(results, plot, title=_trace_name(args.trace))
             report["plot"] = plot
             note(f"wrote {plot}")
         except (OSError, ValueError) as e:  # the replays' figures stand without it
@@ -431,6 +427,33 @@ def run(args: argparse.Namespace) -> int:
             note(f"tangram: warning: --plot: cannot write {plot}: {why}")
     _emit(report, args)
     return 0
+
+
+def _plot_path(args: argparse.Namespace) -> str | None:
+    """Where the ACT plot goes: ``--plot``, else beside the trace when that is a regular
+    file (``--trace -`` or ``/dev/stdin`` has no folder of its own to put it in: a
+    ``/dev/stdin.act.png`` is no place for it), else nowhere, with a note."""
+    if args.no_plot:
+        return None
+    plot: str | None = args.plot
+    if plot is None:
+        if args.trace == STDIN or not Path(args.trace).is_file():
+            where = "the standard input" if args.trace == STDIN else args.trace
+            note(f"tangram: no plot: {where} is not a regular file to put it beside (--plot FILE)")
+            return None
+        plot = str(Path(args.trace).with_suffix(".act.png"))
+    from tangram.cli.plots import check_plot
+
+    try:
+        check_plot(plot)
+    except ValueError as e:
+        raise InputError(f"--plot: {e}") from None
+    check_writable(plot, "--plot")
+    return plot
+
+
+def _trace_name(trace: str) -> str:
+    return "the standard input" if trace == STDIN else Path(trace).name
 
 
 def run_round_bench(
@@ -531,11 +554,7 @@ def _emit(report: dict[str, Any], args: argparse.Namespace, *, rows: bool = True
     """Print the report, then write it to ``--out`` and its table beside it: a write that
     fails however --out was checked before leaves the printed report. ``rows`` False:
     no table is printed (a replay stopped before any policy finished has no row)."""
-    if args.json:
-        print(json.dumps(report))
-    elif rows:
-        _table(report)
-    sys.stdout.flush()
+    failed = _print_report(report, args, rows=rows)
     if args.out:
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -548,6 +567,25 @@ def _emit(report: dict[str, Any], args: argparse.Namespace, *, rows: bool = True
         table = _markdown(report)
         if table is not None:
             write_table(args, table)
+    if failed is not None:
+        written = f" ({args.out} is written)" if args.out else ""
+        raise OutputError(f"cannot write the report to the standard output: {failed}{written}")
+
+
+def _print_report(report: dict[str, Any], args: argparse.Namespace, *, rows: bool) -> str | None:
+    """Print the report; what failed (a full disk, ``> /dev/full``), or None. A reader that
+    left (``| head``) is no failure to report: main ends quietly then."""
+    try:
+        if args.json:
+            print(json.dumps(report))
+        elif rows:
+            _table(report)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def _markdown(report: dict[str, Any]) -> str | None:

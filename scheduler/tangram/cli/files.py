@@ -26,6 +26,11 @@ class InputError(Exception):
     """Bad user input; the message is printed as is, without a traceback."""
 
 
+class OutputError(InputError):
+    """The standard output could not be written (a full disk, ``> /dev/full``): said on
+    stderr, exit 2 as for a file that cannot be written, no traceback."""
+
+
 class Interrupted(Exception):  # noqa: N818 (Ctrl-C, not an error)
     """Ctrl-C during a long run: the message says what had finished (its results were
     printed already); the command exits 130, as a plain Ctrl-C does."""
