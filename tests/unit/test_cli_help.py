@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tangram.cli import main as main_module
 from tangram.cli.main import build_parser
 
 
@@ -30,6 +33,46 @@ def test_every_command_has_a_summary_in_the_list(capsys: pytest.CaptureFixture[s
     text = _help(capsys=capsys)
     for command in ("up", "serve", "agent", "bench", "explain", "crds", "operator"):
         assert f"    {command} " in text, command
+
+
+def test_the_list_of_commands_imports_none_and_says_what_they_register(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`tangram --help` lists every command from main.COMMANDS without importing them: it
+    must read as the list their modules register does."""
+    full = _help(capsys=capsys)
+    with pytest.raises(SystemExit):
+        build_parser(["--help"]).parse_args(["--help"])
+    assert capsys.readouterr().out == full
+
+
+@pytest.mark.parametrize("command", ["trace", "bench", "explain"])
+def test_the_simulator_commands_start_without_the_service(command: str) -> None:
+    """(`build_parser` imported every command, the service and the Kubernetes client
+    among them: seconds before `tangram bench` started.)"""
+    code = (
+        "import sys; from tangram.cli.main import build_parser; "
+        f"build_parser([{command!r}, '--help']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('tangram.service', 'kubernetes', "
+        "'fastapi', 'kopf', 'tangram.operator'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_ctrl_c_while_starting_ends_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(argv: object = None) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main_module, "build_parser", interrupted)
+    try:
+        code = main_module.main(["bench", "--help"])
+    except KeyboardInterrupt:  # (it escaped main, with its traceback)
+        pytest.fail("Ctrl-C while starting escaped main")
+    assert code == 130
+    assert capsys.readouterr().err == "tangram: interrupted\n"
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "tangram") -> Iterator[tuple[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -22,7 +23,32 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Every command: the module that registers it (``register(sub)``) and its summary in
+# ``tangram --help``, kept here so that listing them imports none: ``serve``, ``up`` and
+# ``operator`` pull in the service, the Kubernetes client and more, seconds that ``trace``,
+# ``bench`` and ``explain`` need not wait (tests/unit/test_cli_help.py checks that these
+# summaries are the ones the modules register).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("up", "run the scheduler and a local node agent (embedded mode)"),
+    "serve": ("serve", "run the scheduler service of one pool (no local agent)"),
+    "agent": ("serve", "run a node agent that serves a scheduler"),
+    "trace": ("trace", "generate synthetic traces"),
+    "bench": ("bench", "replay a trace under several policies, or run a benchmark"),
+    "explain": ("explain", "show the scheduler's decision for a state, step by step"),
+    "crds": (
+        "crds",
+        "write the CustomResourceDefinitions (and the chart's CRD templates) from the models",
+    ),
+    "operator": (
+        "operator",
+        "run the Kubernetes operator (ActionPool, TrajectoryEnv, RewardService)",
+    ),
+}
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser. With ``argv``, only the command it names is registered whole (its
+    module imported); the others are listed by their summary. Without: all of them."""
     from tangram.cli.files import Parser
 
     parser = Parser(
@@ -31,28 +57,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from tangram.cli import bench, crds, explain, operator, serve, trace, up
-
-    up.register(sub)
-    serve.register(sub)
-    trace.register(sub)
-    bench.register(sub)
-    explain.register(sub)
-    crds.register(sub)
-    operator.register(sub)
+    named = _command_of(argv) if argv is not None else None
+    done: set[str] = set()
+    for name, (module, summary) in COMMANDS.items():
+        if module in done:
+            continue  # (it registered this command with another)
+        if argv is None or name == named or COMMANDS.get(named or "", ("",))[0] == module:
+            importlib.import_module(f"tangram.cli.{module}").register(sub)
+            done.add(module)
+        else:
+            sub.add_parser(name, help=summary, add_help=False)  # listed; never run
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from tangram.cli.files import InputError, Interrupted
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names: its first word that is no option (``tangram`` itself
+    takes only ``--help`` and ``--version``)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
-    parser = build_parser()
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:  # Ctrl-C while importing, before a command runs
+        print("tangram: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
+    from tangram.cli.files import InputError, Interrupted, OutputError
+
+    parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage errors (exit 2, flag named) and --help (exit 0)
         return int(e.code or 0)
     try:
         code: int = args.run(args)
+    except OutputError as e:  # stdout failed: nothing more can go there
+        _quiet_stdout()
+        print(f"tangram: error: {e}", file=sys.stderr)
+        return 2
     except InputError as e:
         from tangram.service.logs import as_json
 
@@ -74,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 141
+    except OSError as e:  # (a full disk, ``> /dev/full``)
+        _quiet_stdout()
+        print(f"tangram: error: cannot write to the standard output: {e.strerror}", file=sys.stderr)
+        return 2
     return code
 
 
