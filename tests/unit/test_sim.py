@@ -229,9 +229,13 @@ def test_policy_names_are_checked() -> None:
             "k8s-static-cp", "static-gpu")  # fmt: skip
     for name in (*good, "elastic-shortest-hinted-0", "elastic-shortest-hinted-1.25"):
         assert check_policy(name) == name
-    for bad in ("fixed-dop-0", "k8s", "elastic2", "elastic-shortest-hinted-", "-hinted-.5",
-                "k8s-static-cp-dop-4"):  # fmt: skip
+    for bad in ("k8s", "elastic2", "elastic-shortest-hinted-", "-hinted-.5",
+                "k8s-static-cp-dop-4", "fixed-dop-0-cp"):  # fmt: skip
         with pytest.raises(ValueError, match="unknown"):
+            check_policy(bad)
+    # A known policy with a bad count says so (it was "unknown").
+    for bad in ("fixed-dop-0", "static-gpu-batch-0", "k8s-static-dop-0-cp", "fixed-dop-04"):
+        with pytest.raises(ValueError, match=r"-N must be a whole number >= 1"):
             check_policy(bad)
 
 

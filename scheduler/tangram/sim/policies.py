@@ -85,10 +85,21 @@ NAMED = (
 )
 
 
+# A count a policy name ends in that is no count: ``fixed-dop-0``, ``static-gpu-batch-007``
+# name known policies with a bad N, said so rather than "unknown policy".
+_BAD_COUNT = re.compile(r"^(fixed-dop|k8s-static-dop|static-gpu-batch)-([0-9]+)(-cp)?$")
+
+
 def check_policy(name: str) -> str:
     """Validate a policy name; the error names the allowed forms."""
     if any(p.match(name) for p in (_FIXED, _K8S, _STATIC, _HINTED)) or name in NAMED:
         return name
+    bad = _BAD_COUNT.match(name)
+    if bad and (bad.group(3) is None or bad.group(1) == "k8s-static-dop"):
+        raise ValueError(
+            f"policy {name!r}: N of {bad.group(1)}-N must be a whole number >= 1 "
+            f"(without leading zeros), got {bad.group(2)}"
+        )
     raise ValueError(
         f"policy {name!r} is unknown; use one of {', '.join(NAMED)}, "
         "elastic-shortest-hinted-S (S: the hints' lognormal sigma), fixed-dop-N, "
