@@ -250,10 +250,16 @@ def test_metrics_and_health(client: Client) -> None:
     assert _gauge(text, 'tangram_think_seconds{pool="default"}') > 0.0
     assert httpx.get(f"{url}/healthz").text == "ok"
     assert httpx.get(f"{url}/readyz").status_code == 200
-    # Closed, the trajectory leaves every state at 0, each series still there.
+    # Closed, the trajectory leaves every state at 0, each series still there; "closed"
+    # is no state a held trajectory is in (it was always 0): the counters say it.
     after = httpx.get(f"{url}/metrics").text
-    for state in ("open", "away", "lost", "closing", "closed"):
+    for state in ("open", "away", "lost", "closing"):
         assert _gauge(after, f'tangram_trajectories{{pool="default",state="{state}"}}') == 0.0
+    assert 'state="closed"' not in after
+    # (the service is the module's: other tests' trajectories count too, all closed)
+    opened = _gauge(after, 'tangram_trajectories_opened_total{pool="default"}')
+    assert opened >= 1.0
+    assert _gauge(after, 'tangram_trajectories_closed_total{pool="default"}') == opened
 
 
 def _gauge(text: str, series: str) -> float:

@@ -82,11 +82,16 @@ def _counted(engine: Engine) -> dict[tuple[str, str], float]:
     }
 
 
-def _rejected(engine: Engine) -> float:
-    value = engine.metrics.registry.get_sample_value(
-        "tangram_admission_rejected_total", {"pool": engine.config.name}
+def _rejected(engine: Engine, reason: str | None = None) -> float:
+    """tangram_admission_rejected_total, of ``reason`` or of every reason."""
+    return sum(
+        s.value
+        for m in engine.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "tangram_admission_rejected_total"
+        and s.labels["pool"] == engine.config.name
+        and reason in (None, s.labels["reason"])
     )
-    return value or 0.0
 
 
 # ---- a queued action taken out: the ones behind it start ---------------------------------
@@ -443,6 +448,81 @@ def test_every_429_is_counted_as_an_admission_rejection() -> None:
         assert _rejected(engine) == 2
 
     run(scenario, tenants={ANY_TENANT: TenantLimits(max_trajectories=1)})
+
+
+def test_a_429_is_counted_by_its_reason_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The code knew what was full (a tenant's maxTrajectories, no node's memory, the
+    queue) but the counter had no label for it and nothing was logged, even with -v."""
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello(), _held))  # 2 GiB; a trajectory takes 1
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        with pytest.raises(EngineError):
+            await engine.open_trajectory("u", OpenTrajectory(env="e", id="t2"))
+        await engine.open_trajectory("v", OpenTrajectory(env="e", id="t1"))
+        with pytest.raises(EngineError):
+            await engine.open_trajectory("w", OpenTrajectory(env="e", id="t1"))
+        engine.submit_exec("u", "t1", ExecRequest(argv=["long"]))
+        with pytest.raises(EngineError) as full:
+            engine.submit_exec("u", "t1", ExecRequest(argv=["more"]))
+        assert (full.value.kind, full.value.field) == ("overloaded", "queue")
+        counted = {r: _rejected(engine, r) for r in ("queue", "trajectory", "env", "stream")}
+        assert counted == {"queue": 1, "trajectory": 1, "env": 1, "stream": 0}
+
+    with caplog.at_level(logging.INFO, logger="tangram.service"):
+        run(scenario, tenants={ANY_TENANT: TenantLimits(max_trajectories=1, max_queued=1)})
+    said = [getattr(r, "reason", None) for r in caplog.records
+            if r.getMessage().startswith("admission rejected")]  # fmt: skip
+    assert said == ["trajectory", "env", "queue"]
+
+
+def test_an_action_ended_by_its_nodes_loss_counts_its_time_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A command 6.4 s in when its node was lost ended with act_s 0.0009 (its queueing
+    alone), and its log line said status=error and not why."""
+    now = [1000.0]
+
+    async def scenario(engine: Engine) -> None:
+        first = Agent(hello(), _held)
+        await connect(engine, first)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        cut = engine.submit_exec("u", "t1", ExecRequest(argv=["make"]))
+        assert await settle(lambda: bool(first.ops("exec")))
+        now[0] += 6.4
+        first.drop()
+        await left(engine)
+        result = await cut.done
+        assert result.error is not None and result.error.code == "node_lost"
+        assert result.timings.act_s == pytest.approx(6.4)
+        assert result.timings.queued_s + result.timings.overhead_s == pytest.approx(6.4)
+
+    with caplog.at_level(logging.INFO, logger="tangram.service"):
+        run(scenario, clock=lambda: now[0])
+    (ended,) = [r for r in caplog.records if r.getMessage() == "action ended"]
+    assert getattr(ended, "act_s", None) == pytest.approx(6.4)
+    assert getattr(ended, "error", None) == "node_lost"
+    assert getattr(ended, "detail", None) == "node n1 left the pool"
+
+
+def test_a_queue_timeout_is_logged_with_its_cause(caplog: pytest.LogCaptureFixture) -> None:
+    """``queue_timeout`` logged status=rejected and no reason."""
+
+    async def scenario(engine: Engine) -> None:
+        await connect(engine, Agent(hello(), _held))
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        rec = engine.submit_exec("u", "t1", ExecRequest(argv=["x"]))
+        engine.outcomes.queue_timeout(rec)  # (at once: no round has started it yet)
+        assert (await rec.done).status is ActionStatus.REJECTED
+
+    with caplog.at_level(logging.INFO, logger="tangram.service"):
+        run(scenario)
+    (ended,) = [r for r in caplog.records if r.getMessage() == "action ended"]
+    assert (getattr(ended, "status", None), getattr(ended, "error", None)) == (
+        "rejected",
+        "queue_timeout",
+    )
+    assert "queue_timeout_s" in getattr(ended, "detail", "")
 
 
 # ---- what the agent says beside an outcome ---------------------------------------------------

@@ -61,3 +61,15 @@ def test_durations_in_fields_are_rounded_to_the_microsecond() -> None:
     record.open_s = 0.0019999999999527063
     assert TextFormatter().format(record).endswith(" opened open_s=0.002")
     assert json.loads(JsonFormatter().format(record))["open_s"] == 0.002
+
+
+def test_a_text_lines_error_is_named_and_its_message_quoted() -> None:
+    """An action that ended in error said status=error and no more: the code and a short
+    message follow, the message quoted (its spaces would read as further fields)."""
+    record = logging.LogRecord(
+        "tangram.service", logging.INFO, "f.py", 1, "action ended", None, None
+    )
+    record.action, record.status, record.error = "a-1", "error", "node_lost"
+    record.detail = "node vm left the pool"
+    line = TextFormatter().format(record)
+    assert line.endswith(' action=a-1 status=error error=node_lost detail="node vm left the pool"')

@@ -35,3 +35,31 @@ def test_thinking_trajectories_are_counted_whatever_the_price_rule() -> None:
         assert 'tangram_thinking_trajectories{node="n1",pool="default"} 0.0' in text
     text = _scrape(_figures({"n0": load}))
     assert 'tangram_core_price{node="n0",pool="default"} 0.03' in text
+
+
+def test_help_texts_say_what_is_counted_and_in_which_unit() -> None:
+    """units_in_use said "held by running actions" while memory counted idle open
+    trajectories, and no help said a unit."""
+    text = _scrape(_figures({}))
+    helps = {ln.split()[2]: ln for ln in text.splitlines() if ln.startswith("# HELP")}
+    for name in ("tangram_units_capacity", "tangram_units_in_use"):
+        assert "cpu: cores" in helps[name] and "memory_gb: GiB" in helps[name], helps[name]
+    assert "running actions" in helps["tangram_units_in_use"]
+    assert "trajectories placed" in helps["tangram_units_in_use"]
+
+
+def test_trajectories_opened_and_closed_are_counted_and_rejections_by_reason() -> None:
+    text = _scrape(_figures({}))
+    assert 'tangram_trajectories_opened_total{pool="default"} 0.0' in text
+    assert 'tangram_trajectories_closed_total{pool="default"} 0.0' in text
+    for reason in ("queue", "trajectory", "env", "stream"):
+        assert f'tangram_admission_rejected_total{{pool="default",reason="{reason}"}} 0.0' in text
+
+
+def test_the_histograms_cover_the_longest_command_a_pool_allows() -> None:
+    """The largest bucket was 1200 s; the example pool's maxCommandSeconds is 3600."""
+    metrics = Metrics("default", lambda: _figures({}))
+    metrics.phases["act"].labels("default", "exec").observe(3600.0)
+    text = generate_latest(metrics.registry).decode()
+    line = 'tangram_action_act_seconds_bucket{kind="exec",le="3600.0",pool="default"} 1.0'
+    assert line in text

@@ -61,6 +61,8 @@ __all__ = ["Engine"]
 
 # The states of a trajectory that holds an environment, or may (its agent away).
 _HOLDING = (TrajectoryState.OPEN, TrajectoryState.AWAY, TrajectoryState.CLOSING)
+# The states tangram_trajectories shows: every one but closed.
+_SHOWN = frozenset(TrajectoryState) - {TrajectoryState.CLOSED}
 
 
 class Engine:
@@ -332,10 +334,12 @@ class Engine:
             units.append(Units("gpu", name, gpu.gpus, gpu.gpus - gpu.free_gpus))
         for name, q in core.quotas.items():
             units.append(Units(f"api:{name}", "", q.concurrency, q.in_use))
-        # Every state, 0 when none is in it: a series that vanishes reads as no data.
-        states = dict.fromkeys((state.value for state in TrajectoryState), 0)
+        # Every state a held trajectory can be in, 0 when none is: a series that vanishes
+        # reads as no data. Not "closed": a closed one is no longer held (it was always 0).
+        states = dict.fromkeys((st.value for st in TrajectoryState if st in _SHOWN), 0)
         for rec in s.trajectories.values():
-            states[rec.state.value] = states.get(rec.state.value, 0) + 1
+            if rec.state in _SHOWN:
+                states[rec.state.value] += 1
         resident: dict[tuple[str, str], int] = {}
         for inst in core.gpu.resident:
             key = (inst.service, inst.chunk.node)

@@ -71,8 +71,8 @@ def _plain(value: object, depth: int = 0) -> bool:
 # The ids a text line shows after its message, in this order, as ``key=value``: the
 # fields the service's own records carry (a library's, kopf's, are left to the JSON form).
 TEXT_FIELDS = (
-    "action", "trajectory", "tenant", "env", "node", "kind", "status", "act_s", "actions",
-    "open_s", "warm", "ran_s",
+    "action", "trajectory", "tenant", "env", "node", "kind", "status", "act_s", "error",
+    "reason", "actions", "open_s", "warm", "ran_s", "detail",
 )  # fmt: skip
 
 
@@ -89,12 +89,21 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         ids = [
-            f"{k}={_rounded(v)}" for k in TEXT_FIELDS if (v := getattr(record, k, None)) is not None
+            f"{k}={_value(_rounded(v))}"
+            for k in TEXT_FIELDS
+            if (v := getattr(record, k, None)) is not None
         ]
         if not ids:
             return line
         head, sep, tail = line.partition("\n")  # (after the message, before a traceback)
         return f"{head} {' '.join(ids)}{sep}{tail}"
+
+
+def _value(v: object) -> str:
+    """A field's value on a text line: quoted when it holds a space (an error's message),
+    which would read as the start of the next field."""
+    text = str(v)
+    return json.dumps(text) if any(c.isspace() for c in text) or not text else text
 
 
 def setup(verbose: bool, as_json: bool) -> None:

@@ -29,7 +29,7 @@ from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.keys import exec_target
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import KEY_SEP, TrajectoryRecord, err, ran_status
+from tangram.service.records import KEY_SEP, ActionRecord, TrajectoryRecord, err, ran_status
 from tangram.service.state import PoolState
 from tangram.service.trajectories import Trajectories
 
@@ -257,7 +257,7 @@ class Membership:
                     rec.task.cancel()
                 if rec.kind in ("exec", "service"):
                     self.outcomes.cut_off(rec)
-                self.outcomes.finish(rec, ActionStatus.ERROR, error=lost)
+                self.outcomes.finish(rec, ActionStatus.ERROR, error=lost, **_held_since(rec, s))
         # Its adopted runs end here too, those whose units already came back included (their
         # trajectory ended first); back, its hello lists those still running.
         for held in [k for k in s.adopted if k[0] == link.node]:
@@ -265,7 +265,7 @@ class Membership:
             if not rec.done.done():
                 if rec.key is not None:
                     s.idempotent.forget(rec.tenant, rec.key, rec)
-                self.outcomes.finish(rec, ActionStatus.ERROR, error=lost)
+                self.outcomes.finish(rec, ActionStatus.ERROR, error=lost, **_held_since(rec, s))
         away = [
             t for t in drained.trajectories
             if t in s.trajectories and s.trajectories[t].state is TrajectoryState.OPEN
@@ -319,3 +319,10 @@ class Membership:
                 len(lost),
                 extra={"node": node},
             )
+
+
+def _held_since(rec: ActionRecord, s: PoolState) -> dict[str, float]:
+    """The time a started action held its units until its node was lost, as its overhead:
+    no reply says how long its command ran (a lost request in ``rounds`` counts it so).
+    Without it the result's ACT was its queueing alone: 1 ms for a command 6 s in."""
+    return {} if rec.started is None else {"overhead_s": max(0.0, s.clock() - rec.started)}

@@ -19,7 +19,9 @@ from prometheus_client.registry import Collector
 from tangram.api.wire import ActionResult, ServiceStats
 from tangram.scheduler.core.pricing import NodePrice
 
-# From 100 µs (the fast path's share) to 20 minutes (a long test suite).
+# From 100 µs (the fast path's share) to two hours: past the example pool's
+# maxCommandSeconds (3600), so that the longest commands a pool allows fall in a bucket
+# of their own rather than in +Inf with everything over 20 minutes.
 _BUCKETS = (
     0.0001,
     0.0005,
@@ -42,7 +44,20 @@ _BUCKETS = (
     300,
     600,
     1200,
+    1800,
+    3600,
+    7200,
 )
+
+# Why admission control refused (``PoolState.overloaded``'s field): the queue (the pool's
+# maxQueued or a tenant's), a tenant's maxTrajectories, no node with the memory for an
+# environment, a tenant's maxStreams. The label of tangram_admission_rejected_total takes
+# these values only, each exported from the start (0: none yet).
+REJECTED_REASONS = ("queue", "trajectory", "env", "stream")
+
+# The unit of each resource's units (tangram_units_capacity, tangram_units_in_use); an
+# API quota's are its concurrency: calls and leases at once.
+UNITS_HELP = "cpu: cores; memory_gb: GiB; gpu: GPUs; api:<quota>: calls or leases at once"
 
 
 _PHASES = ("act", "queued", "overhead", "exec")
@@ -124,10 +139,28 @@ class Metrics:
         }
         self.rejected = Counter(
             "tangram_admission_rejected",
-            "Requests shed by admission control (429)",
+            "Requests shed by admission control (429), by what was full (reason: queue, "
+            "trajectory: a tenant's maxTrajectories, env: no node with the memory, stream: "
+            "a tenant's maxStreams)",
+            ("pool", "reason"),
+            registry=self.registry,
+        )
+        for reason in REJECTED_REASONS:
+            self.rejected.labels(pool, reason)
+        self.opened = Counter(
+            "tangram_trajectories_opened",
+            "Trajectories opened (their environment made)",
             ("pool",),
             registry=self.registry,
         )
+        self.closed = Counter(
+            "tangram_trajectories_closed",
+            "Trajectories closed, by their owner or their env's idleTimeoutSeconds",
+            ("pool",),
+            registry=self.registry,
+        )
+        self.opened.labels(pool)
+        self.closed.labels(pool)
         self.pool = pool
         self.registry.register(_Live(lambda: self.pool, snapshot))
         self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
@@ -233,11 +266,15 @@ class _Live(Collector):
         depth.add_metric([pool], live.queue_depth)
         yield depth
         cap = GaugeMetricFamily(
-            "tangram_units_capacity", "Units a resource has", labels=["pool", "resource", "node"]
+            "tangram_units_capacity",
+            f"Units a resource has, per node ({UNITS_HELP})",
+            labels=["pool", "resource", "node"],
         )
         used = GaugeMetricFamily(
             "tangram_units_in_use",
-            "Units held by running actions",
+            "Units held now: cores, GPUs and quota units by running actions and held leases; "
+            f"memory by the environments of trajectories placed on the node, idle or not "
+            f"({UNITS_HELP})",
             labels=["pool", "resource", "node"],
         )
         for u in live.units:
@@ -277,7 +314,10 @@ class _Live(Collector):
             age.add_metric([pool, name], seconds)
         yield age
         traj = GaugeMetricFamily(
-            "tangram_trajectories", "Trajectories by state", labels=["pool", "state"]
+            "tangram_trajectories",
+            "Trajectories the pool holds now, by state (those closed are counted by "
+            "tangram_trajectories_closed_total)",
+            labels=["pool", "state"],
         )
         for state, n in sorted(live.trajectories.items()):
             traj.add_metric([pool, state], n)

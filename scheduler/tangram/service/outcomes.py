@@ -27,6 +27,13 @@ from tangram.service.records import ActionRecord, EngineError, err
 from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
+DETAIL_CHARS = 200  # an error's message on an action's log line, cut to this
+
+
+def _short(message: str) -> str:
+    """An error's message for a log line: its first line, within ``DETAIL_CHARS``."""
+    first = message.splitlines()[0] if message else ""
+    return first if len(first) <= DETAIL_CHARS else first[: DETAIL_CHARS - 3] + "..."
 
 
 class Outcomes:
@@ -169,6 +176,10 @@ class Outcomes:
                     "kind": result.kind,
                     "status": result.status.value,
                     "act_s": round(result.timings.act_s, 6),
+                    # why it ended so (None for an action that ran to its end): a line
+                    # saying status=error and no more sent the reader to the client's logs
+                    "error": result.error.code if result.error is not None else None,
+                    "detail": _short(result.error.message) if result.error is not None else None,
                 },
             )
 

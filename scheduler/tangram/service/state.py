@@ -38,7 +38,7 @@ from tangram.scheduler.core.scheduler import Assignment, Scheduler
 from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.keys import KeyMemory, exec_target
-from tangram.service.metrics import Metrics
+from tangram.service.metrics import REJECTED_REASONS, Metrics
 from tangram.service.problems import ProblemLog
 from tangram.service.records import (
     RECONNECT_WINDOW_S,
@@ -236,8 +236,11 @@ class PoolState:
 
     def overloaded(self, field: str, message: str) -> EngineError:
         """A refusal for want of room (429, Retry-After), counted as admission control
-        shedding (``tangram_admission_rejected``): every 429 is made here."""
-        self.metrics.rejected.labels(self.config.name).inc()
+        shedding (``tangram_admission_rejected``, by ``field``: what was full, one of
+        ``REJECTED_REASONS``) and logged at INFO (``-v``): every 429 is made here."""
+        assert field in REJECTED_REASONS, field  # a label's values stay a few
+        self.metrics.rejected.labels(self.config.name, field).inc()
+        log.info("admission rejected: %s", message, extra={"reason": field})
         return EngineError("overloaded", field, message)
 
     def record(

@@ -194,6 +194,7 @@ class Trajectories:
             kind: ErrorKind = "failed" if reply.reason and not reply.retryable else "unavailable"
             raise EngineError(kind, "env", f"opening on {node} failed{why}: {reply.error}")
         rec.open_s, rec.warm = reply.opened_s, reply.warm
+        s.metrics.opened.labels(s.config.name).inc()
         log.info(
             "trajectory opened",
             extra={
@@ -278,6 +279,7 @@ class Trajectories:
             self.close_later(rec.node, rec.key)
         self.forget(rec)
         rec.state = TrajectoryState.CLOSED
+        s.metrics.closed.labels(s.config.name).inc()
         s.was_closed(rec)
         log.info("trajectory closed", extra={"trajectory": rec.key, "actions": rec.actions})
         return rec
