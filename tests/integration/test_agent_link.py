@@ -6,6 +6,8 @@ message a frame, so a rolling upgrade of the DaemonSet keeps working."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from tangram.node_agent.agent import NodeAgent
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
 
-from .service_harness import service, until
+from .service_harness import KeptRecords, service, until
 
 pytestmark = [pytest.mark.xdist_group("service")]
 CONFIG = PoolConfig(envs={"noop": EnvConfig(spec=EnvSpec(name="noop", image="none"))})
@@ -238,3 +240,71 @@ def test_a_second_agent_of_the_pool_for_a_node_is_refused_and_the_first_keeps_it
         assert f"agent {second.agent_id} refused, agent {first.agent_id}" in problem.message
         t = client.open("noop")  # and it serves
         assert client.exec(t.id, ["true"]).status is ActionStatus.OK
+
+
+class _Refusals(logging.Handler):
+    """The agent's "refused" lines: the first one stops its link (``stop``)."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        super().__init__(logging.ERROR)
+        self.stop = stop
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("the scheduler refused this agent"):
+            self.lines.append(record.getMessage())
+            self.stop.set()
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "said", "meaning"),
+    [
+        ("unknown token", 401, "a valid bearer token is required", "wrong token"),
+        ("client token", 403, "the token of local is not a node agent's", "wrong role"),
+        ("wrong path", 404, "no WebSocket endpoint at /wrong/path", "wrong path"),
+    ],
+)
+def test_a_refused_agent_is_told_why_and_both_sides_log_it(
+    tmp_path: Path, how: str, status: int, said: str, meaning: str
+) -> None:
+    """A refused agent got a bare 403 (a close before the accept), logged only "HTTP 403;
+    retrying in 5.0s" for ever, and the scheduler logged nothing. The refusal carries its
+    status and error body, the agent says what it was told and that its configuration is
+    wrong and knocks again after REFUSED_BACKOFF_S, and the scheduler logs it (not the
+    token)."""
+    tokens = TokenStore.create(tmp_path / "tokens")
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=1)
+    agent_token = tokens.token_for(AGENT_TENANT)
+    assert agent_token is not None
+    token = {"unknown token": "wrongtoken1234567890abc", "client token": tokens.token_for("local")}
+    sent = token.get(how, agent_token)
+    assert sent is not None
+    kept = KeptRecords()
+    logging.getLogger("tangram.service").addHandler(kept)
+
+    async def knock(url: str) -> tuple[list[str], websockets.InvalidStatus]:
+        stop = asyncio.Event()
+        refusals = _Refusals(stop)
+        logging.getLogger("tangram.agent").addHandler(refusals)
+        try:
+            await asyncio.wait_for(link.serve(agent, url, sent, stop), 60)
+        finally:
+            logging.getLogger("tangram.agent").removeHandler(refusals)
+        with pytest.raises(websockets.InvalidStatus) as raw:
+            await websockets.connect(url, additional_headers={"Authorization": f"Bearer {sent}"})
+        return refusals.lines, raw.value
+
+    try:
+        with service(CONFIG, None, tmp_path, tokens=tokens) as (running, _):
+            path = "/wrong/path" if how == "wrong path" else "/v1/agents"
+            lines, raw = asyncio.run(knock(running.url.replace("http://", "ws://") + path))
+    finally:
+        logging.getLogger("tangram.service").removeHandler(kept)
+    (line,) = lines
+    assert f"HTTP {status}: {said}" in line and f"a configuration error: {meaning}" in line
+    assert line.endswith(f"retrying in {link.REFUSED_BACKOFF_S:.0f}s")
+    assert raw.response.status_code == status
+    assert said in json.loads(raw.response.body or b"")["error"]["message"]
+    logged = [r.getMessage() for r in kept.records]
+    assert any(f"({status})" in m and said in m for m in logged), logged
+    assert not any(sent in m for m in logged)  # the token is never logged

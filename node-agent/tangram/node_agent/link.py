@@ -20,7 +20,7 @@ import logging
 import time
 
 import websockets
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.uri import parse_uri
 
 from tangram.api.wire import (
@@ -53,6 +53,17 @@ GONE_CHECK_S = 2.0  # how often environments that ended by themselves are looked
 # A link that lasted this long resets the backoff; one the scheduler closed sooner (it
 # refused the node) does not, or a refused agent would knock ten times a second.
 STABLE_S = 10.0
+# A handshake the scheduler refused (401, 403, 404): a configuration error no retry soon
+# mends, but an operator may (a Secret fixed, the scheduler's tokens reloaded), so the
+# agent goes on knocking, this much more slowly than for a scheduler not there yet.
+REFUSED_BACKOFF_S = 30.0
+# What each refusal means for an agent's configuration, said beside the scheduler's word.
+_REFUSED_WHY = {
+    401: "wrong token: the --token-file's system:agent token is not one the scheduler knows "
+    "(the pool's agent token Secret)",
+    403: "wrong role: the token is not the agents' (a system:agent line of the token file)",
+    404: "wrong path: the scheduler serves agents at ws://HOST:PORT/v1/agents",
+}
 
 
 class SchedulerUrlError(ValueError):
@@ -91,6 +102,7 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
     while not stop.is_set():
         connected: float | None = None  # when this try's connection was made
         failure: BaseException | None = None
+        refusal: str | None = None  # why the scheduler refused the handshake
         try:
             async with websockets.connect(
                 url,
@@ -111,6 +123,12 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
                 await _session(agent, ws, stop)
         except InvalidURI as e:  # (a redirect to one): a permanent error, not retried
             raise SchedulerUrlError(_invalid(url, e)) from None
+        except InvalidStatus as e:
+            if stop.is_set():
+                break
+            refusal = refused(e)
+            if refusal is None:  # (a proxy's 502, a scheduler starting): as any failure
+                failure = e
         except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as e:
             if stop.is_set():
                 break
@@ -121,7 +139,13 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
         wait, backoff = next_wait(
             backoff, None if connected is None else time.monotonic() - connected
         )
-        if failure is not None:
+        if refusal is not None:  # (logged as an error: an operator has to act)
+            wait = REFUSED_BACKOFF_S
+            link_log.error(
+                "the scheduler refused this agent: %s (%s); retrying in %.0fs%s", refusal, url,
+                wait, down.failed(), extra={"url": url, "node": agent.node},
+            )  # fmt: skip
+        elif failure is not None:
             link_log.warning(
                 "scheduler link to %s: %s; retrying in %.1fs%s", url, failure, wait,
                 down.failed(), extra={"url": url, "node": agent.node},
@@ -165,6 +189,22 @@ def next_wait(backoff: float, lasted_s: float | None) -> tuple[float, float]:
     if lasted_s is not None and lasted_s >= STABLE_S:
         backoff = 0.1
     return backoff, min(backoff * 2, AGENT_BACKOFF_MAX_S)
+
+
+def refused(e: InvalidStatus) -> str | None:
+    """What the scheduler said refusing the handshake, with what it means for this
+    agent's configuration; None for a status that is no refusal of the agent."""
+    status = e.response.status_code
+    meaning = _REFUSED_WHY.get(status)
+    if meaning is None:
+        return None
+    try:
+        said = json.loads(e.response.body or b"")["error"]["message"]
+    except (ValueError, TypeError, KeyError):  # (an older scheduler's bare 403)
+        said = e.response.reason_phrase or "no reason given"
+        if status == 403:
+            meaning = "wrong token, role or path: a scheduler of an earlier release says no more"
+    return f"HTTP {status}: {said} (a configuration error: {meaning})"
 
 
 async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyncio.Event) -> None:

@@ -189,6 +189,18 @@ class _Service(FastAPI):
         elif kind == "websocket" and scope["path"] == STREAM_PATH and self.stream_ws:
             await self.stream_ws(WebSocket(scope, receive, send))
             return
+        elif kind == "websocket" and scope["path"] not in (AGENTS_PATH, STREAM_PATH):
+            # Starlette refuses a WebSocket no route takes with a bare 403, which reads as a
+            # wrong token: say 404, and which paths take one.
+            message = (
+                f"no WebSocket endpoint at {scope['path']}: node agents connect to "
+                f"{AGENTS_PATH}, action streams to {STREAM_PATH}"
+            )
+            log.warning("WebSocket refused (404): %s", message)
+            await WebSocket(scope, receive, send).send_denial_response(
+                _error(404, "not_found", message)
+            )
+            return
         await super().__call__(scope, receive, send)
 
     async def _exec(self, tid: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -498,8 +510,16 @@ def create_app(
 
     @app.websocket(AGENTS_PATH)
     async def agents(ws: WebSocket) -> None:
-        if _bearer(tokens, ws.headers.get("authorization")) != AGENT_TENANT:
-            await ws.close(code=1008, reason="an agent token is required")
+        refusal = _agent_refusal(_bearer(tokens, ws.headers.get("authorization")))
+        if refusal is not None:
+            # Refused with its status and the usual error body, before the accept (a close
+            # there was a bare 403 the agent could not tell from any other), and logged:
+            # a refused agent knocks every 30 s, and its operator looks here first.
+            status, body = refusal
+            peer = f"{ws.client.host}:{ws.client.port}" if ws.client else "an unknown peer"
+            log.warning("agent link from %s refused (%d): %s", peer, status,
+                        body["error"]["message"])  # fmt: skip
+            await ws.send_denial_response(_refused(status, body))
             return
         packed = AGENT_SUBPROTOCOL in ws.scope.get("subprotocols", ())
         await ws.accept(subprotocol=AGENT_SUBPROTOCOL if packed else None)
@@ -799,6 +819,24 @@ async def _client(
         use = "node agents' link" if who == AGENT_TENANT else "/v1/admin routes"
         raise NotAdmittedError(f"the token of {who} is for the {use}, not for submitting")
     return who
+
+
+def _agent_refusal(who: str | None) -> tuple[int, dict[str, Any]] | None:
+    """Why the agents' link refuses a token's holder (None: an agent's, taken), as the
+    routes refuse: 401 for no valid token, 403 naming whose token it is. Never the token."""
+    if who is None:
+        return 401, error_body(
+            "unauthorized",
+            "a valid bearer token is required: the agent's --token-file holds no token this "
+            f"scheduler knows (a {AGENT_TENANT} line of the pool's token file or Secret)",
+        )
+    if who != AGENT_TENANT:
+        return 403, error_body(
+            "forbidden",
+            f"the token of {who} is not a node agent's: the agents' link takes the "
+            f"{AGENT_TENANT} token",
+        )
+    return None
 
 
 def _unchecked(e: Exception) -> EngineError:
