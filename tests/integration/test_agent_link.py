@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from tangram.api.wire import AgentHello, EnvSpec, parse_agent_request, unpack
 from tangram.client import ActionStatus, Client
 from tangram.node_agent import link
 from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.execution import ExecResult
+from tangram.node_agent.inventory import read_inventory
+from tangram.node_agent.noop_runtime import NoopRuntime
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
 
@@ -308,3 +312,84 @@ def test_a_refused_agent_is_told_why_and_both_sides_log_it(
     logged = [r.getMessage() for r in kept.records]
     assert any(f"({status})" in m and said in m for m in logged), logged
     assert not any(sent in m for m in logged)  # the token is never logged
+
+
+class _Holding(NoopRuntime):
+    """Commands named ``hold`` run until the test releases them (or they are killed);
+    any other exits 0 at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = threading.Event()  # a hold runs
+        self.release = threading.Event()
+
+    async def exec(
+        self, trajectory: str, argv: Sequence[str], cores: Sequence[int], **options: Any
+    ) -> ExecResult:
+        if argv[0] == "hold":
+            self.holding.set()
+            while not self.release.is_set():  # (the test's thread sets it)
+                await asyncio.sleep(0.01)
+        return await super().exec(trajectory, argv, cores, **options)
+
+
+@pytest.mark.parametrize("grace_s", [600.0, 0.0])
+def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
+    tmp_path: Path, grace_s: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM (a DaemonSet pod deleted) ended the agent at once: its running command's
+    client got node_lost, the scheduler logged the node as lost (WARNING), and the agent's
+    log held an unretrieved CancelledError. Now it tells the scheduler it leaves, refuses
+    new work, lets what runs finish within its grace (its client gets the result) or kills
+    it at the grace's end saying so, and the scheduler logs "stopped" at INFO."""
+    tokens = TokenStore.create(tmp_path / "tokens")
+    agent_token = tokens.token_for(AGENT_TENANT)
+    assert agent_token is not None
+    runtime = _Holding()
+    agent = NodeAgent(runtime, read_inventory(), [0, 1], [2], node="n1", agent_id="a1")
+    caplog.set_level(logging.INFO, logger="tangram.service")
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    results: list[Any] = []
+    try:
+        with service(CONFIG, None, tmp_path, tokens=tokens) as (running, token):
+            url = running.url.replace("http://", "ws://") + "/v1/agents"
+            serving = threading.Thread(
+                target=loop.run_until_complete,
+                args=(link.run(agent, url, agent_token, stop, grace_s=grace_s),),
+                daemon=True,
+            )
+            serving.start()
+            until(lambda: "n1" in running.engine.hub.links, "the agent joined")
+            with Client(running.url, token) as client:
+                t = client.open("noop")
+                held = threading.Thread(
+                    target=lambda: results.append(client.exec(t.id, ["hold"])), daemon=True
+                )
+                held.start()
+                until(runtime.holding.is_set, "the command runs")
+                loop.call_soon_threadsafe(stop.set)
+                if grace_s:
+                    until(lambda: running.engine.hub.links["n1"].leaving, "told it leaves")
+                    refused = client.exec(t.id, ["true"])  # new work, during the grace
+                    assert refused.error is not None and refused.error.retryable
+                    assert "the node agent is stopping" in refused.error.message
+                    runtime.release.set()
+                held.join(60)
+                serving.join(60)
+                assert not serving.is_alive() and not held.is_alive()
+                until(lambda: "n1" not in running.engine.hub.links, "the node left")
+    finally:
+        runtime.release.set()
+        loop.close()
+    (result,) = results
+    if grace_s:
+        assert result.status is ActionStatus.OK, result
+    else:
+        assert result.error is not None and result.error.code != "node_lost"
+        assert result.error.message.startswith(
+            "the node agent stopped: killed at the end of its 0 s grace"
+        ), result.error
+    said = [r for r in caplog.records if r.getMessage().startswith("node n1 ")]
+    assert any(r.getMessage().startswith("node n1 stopped: ") for r in said), said
+    assert all(r.levelno == logging.INFO for r in said), said

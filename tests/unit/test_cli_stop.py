@@ -405,3 +405,30 @@ def test_environments_are_closed_together_at_the_stop(
     asyncio.run(go())
     assert len(entered) == n
     assert [(s.running, s.environments) for s in told] == [(0, n)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_an_agent_signalled_to_stop_logs_its_stop_and_ends_cleanly(
+    tmp_path: Path, reaped: list[subprocess.Popen[str]], sig: signal.Signals
+) -> None:
+    """``tangram agent`` ended at SIGTERM with nothing in its log but an unretrieved
+    CancelledError's traceback, and SIGHUP killed it silently (rc 129). Both stop it now,
+    as said in its log, with exit status 0 (here while its link is down: nothing runs)."""
+    TokenStore.create(tmp_path / "tokens")
+    with socket.socket() as s:  # a port nothing listens on: the agent retries its link
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, out = _tangram(
+        "agent", "--scheduler", f"ws://127.0.0.1:{port}/v1/agents", "--runtime", "noop",
+        "--cores", "1", "--state-dir", str(tmp_path / "state"), "--node", "n1",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    reaped.append(proc)
+    out.wait_for("retrying in", proc)  # (its signal handlers are in place by then)
+    proc.send_signal(sig)
+    assert _stopped(proc) == 0, out.text()
+    out.wait_for("stopped", proc)
+    assert "stopping: 0 request(s) in flight" in out.text()
+    assert "never retrieved" not in out.text() and "Traceback" not in out.text()
+    if sig == signal.SIGHUP:
+        assert "SIGHUP: stopping as for SIGTERM" in out.text()

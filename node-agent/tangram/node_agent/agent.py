@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tangram.api.inventory import NodeInventory
 from tangram.api.wire import (
@@ -249,6 +250,11 @@ class NodeAgent:
         self._post: Callable[[str], None] = _nowhere  # chunks of streamed requests (JSON)
         self._streams: dict[int, Stream] = {}  # by rid
         self.journal: KeyJournal | None = None  # keyed runs on disk (with a state dir)
+        # Set once the agent stops (``wind_down``): why new work is refused, when its grace
+        # for what runs ends (loop time), and what a command cut off at its end is told.
+        self.stopping: str | None = None
+        self._stop_at: float | None = None
+        self._cut_why = "cancelled"
 
     @classmethod
     def create(
@@ -407,6 +413,8 @@ class NodeAgent:
             elif task is not None:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
+        if self.stopping is not None and self._new_work(req):
+            return AgentReply(rid=req.rid, ok=False, retryable=True, error=self.stopping)
         self.received(req)  # (the link has, unless a caller hands the request in directly)
         try:
             if isinstance(req, Keyed) and req.key is not None:
@@ -416,7 +424,7 @@ class NodeAgent:
             try:
                 return await task
             except asyncio.CancelledError:
-                return AgentReply(rid=req.rid, ok=False, error="cancelled")
+                return AgentReply(rid=req.rid, ok=False, error=self._cut_why)
             finally:
                 self._tasks.pop(req.rid, None)
         finally:
@@ -456,8 +464,8 @@ class NodeAgent:
         try:
             reply = await asyncio.shield(task)
         except asyncio.CancelledError:
-            if task.cancelled():  # cancelled on request
-                return AgentReply(rid=req.rid, ok=False, error="cancelled", key=key)
+            if task.cancelled():  # cancelled on request, or by the agent's stop
+                return AgentReply(rid=req.rid, ok=False, error=self._cut_why, key=key)
             if key in self._results:  # it finished just as the link dropped: report it
                 self._deliver(AgentReply.model_validate_json(self._results[key]))
             else:  # running, or finished with its done-callback still to come: that one
@@ -782,6 +790,62 @@ class NodeAgent:
             case "rename":
                 await files.rename(req.path, req.to or "")
         return FilesOutcome()
+
+    def _new_work(self, req: AgentRequest) -> bool:
+        """Whether ``req`` would start something: refused while the agent stops (a keyed
+        one already run or running is answered: a retry of it starts nothing)."""
+        if isinstance(req, Keyed) and req.key is not None:
+            return req.key not in self._keyed and req.key not in self._results
+        return isinstance(req, AgentOpen | AgentExec | AgentSession | AgentCall | AgentWarm)
+
+    def running(self) -> set[asyncio.Future[AgentReply]]:
+        """The requests in flight: commands, calls, opens (keyed runs whose link went too)."""
+        return {t for t in (*self._tasks.values(), *self._keyed.values()) if not t.done()}
+
+    async def wind_down(self, grace_s: float, hurry: asyncio.Event | None = None) -> int:
+        """Stop on purpose: refuse new work (a retryable error), let what runs finish for
+        up to ``grace_s`` from the first call (or until ``hurry`` is set), then kill what
+        is left, each told why. Returns how many were killed. Called again (the link went
+        meanwhile), it waits out what is left of the same grace."""
+        loop = asyncio.get_running_loop()
+        if self._stop_at is None:
+            self._stop_at = loop.time() + grace_s
+            self.stopping = (
+                "the node agent is stopping: it takes no new work (retryable: its node's "
+                "trajectories wait for an agent to be back)"
+            )
+            # (WARNING: an agent logs no INFO without -v, and its stop must show in its log)
+            log.warning("stopping: %d request(s) in flight get up to %g s to finish; new work "
+                        "is refused", len(self.running()), grace_s)  # fmt: skip
+        hurried = asyncio.ensure_future(hurry.wait()) if hurry is not None else None
+        try:
+            while (left := self.running()) and (timeout := self._stop_at - loop.time()) > 0:
+                if hurried is not None and hurried.done():
+                    break
+                waits: set[asyncio.Future[Any]] = {*left}
+                if hurried is not None:
+                    waits.add(hurried)
+                await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if hurried is not None:
+                hurried.cancel()
+        left = self.running()
+        if not left:
+            return 0
+        when = (
+            f"at a second stop signal, within its {grace_s:g} s grace"
+            if hurry is not None and hurry.is_set()
+            else f"at the end of its {grace_s:g} s grace"
+        )
+        log.warning("stopping: %d request(s) still running killed %s", len(left), when)
+        self._cut_why = f"the node agent stopped: killed {when}"
+        if self.journal is not None:  # (cut-off keyed runs read "unknown" to the next agent,
+            self.journal.close()  # as for any stop: the journal holds them as started)
+            self.journal = None
+        for task in left:
+            task.cancel()
+        await asyncio.wait(left, timeout=STOP_GRACE_S)  # (a kill that cannot end it: bounded)
+        return len(left)
 
     async def shutdown(self) -> None:
         """Cancel what runs (on the loop: tasks are not thread-safe), then let the runtime

@@ -25,6 +25,7 @@ from websockets.uri import parse_uri
 
 from tangram.api.wire import (
     AGENT_BACKOFF_MAX_S,
+    AGENT_LEAVING,
     AGENT_SUBPROTOCOL,
     AgentInput,
     AgentReply,
@@ -92,10 +93,21 @@ def not_a_url(url: str, why: str) -> str:
     )
 
 
-async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> None:
+async def serve(
+    agent: NodeAgent,
+    url: str,
+    token: str,
+    stop: asyncio.Event,
+    *,
+    grace_s: float | None = None,
+    hurry: asyncio.Event | None = None,
+) -> None:
     """Serve the scheduler at ``url`` (ws://host:port/v1/agents) until ``stop`` is set.
     A URL that no retry can reach (not ws:// or wss://, no host) ends it at once with
-    :class:`SchedulerUrlError`; every other failure is retried with backoff."""
+    :class:`SchedulerUrlError`; every other failure is retried with backoff. With
+    ``grace_s`` (``tangram agent``), a stop is a leaving: the scheduler is told
+    (``AGENT_LEAVING``), what runs gets up to ``grace_s`` (or until ``hurry``) and its
+    results go out on the link, before it closes (``NodeAgent.wind_down``)."""
     check_url(url)
     backoff = 0.1
     down = Outage()
@@ -120,7 +132,7 @@ async def serve(agent: NodeAgent, url: str, token: str, stop: asyncio.Event) -> 
                 await ws.send(agent.hello().model_dump_json())
                 link_log.info("connected to %s as %s%s", url, agent.node, down.ended(),
                               extra={"url": url, "node": agent.node})  # fmt: skip
-                await _session(agent, ws, stop)
+                await _session(agent, ws, stop, grace_s, hurry)
         except InvalidURI as e:  # (a redirect to one): a permanent error, not retried
             raise SchedulerUrlError(_invalid(url, e)) from None
         except InvalidStatus as e:
@@ -182,6 +194,22 @@ class Outage:
         return f"{n} failed attempt{'s' if n != 1 else ''} over {lasted:.0f} s"
 
 
+async def run(
+    agent: NodeAgent,
+    url: str,
+    token: str,
+    stop: asyncio.Event,
+    *,
+    grace_s: float,
+    hurry: asyncio.Event | None = None,
+) -> None:
+    """``tangram agent``: serve until ``stop``, then leave as :func:`serve` says, finish
+    the wind-down the link could not wait for (it was down), and shut the agent down."""
+    await serve(agent, url, token, stop, grace_s=grace_s, hurry=hurry)
+    await agent.wind_down(grace_s, hurry)
+    await agent.shutdown()  # (the CLI says "agent NODE stopped", as a record with --log-json)
+
+
 def next_wait(backoff: float, lasted_s: float | None) -> tuple[float, float]:
     """How long to wait before connecting again, and the backoff after: a link that
     served ``STABLE_S`` or longer starts the series again; one refused sooner, or no
@@ -207,7 +235,13 @@ def refused(e: InvalidStatus) -> str | None:
     return f"HTTP {status}: {said} (a configuration error: {meaning})"
 
 
-async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyncio.Event) -> None:
+async def _session(
+    agent: NodeAgent,
+    ws: websockets.ClientConnection,
+    stop: asyncio.Event,
+    grace_s: float | None = None,
+    hurry: asyncio.Event | None = None,
+) -> None:
     packed = ws.subprotocol == AGENT_SUBPROTOCOL  # the scheduler reads packed frames
     tasks: set[asyncio.Task[None]] = set()
     outbox: list[str] = []
@@ -298,6 +332,29 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
 
+    async def leave(grace_s: float) -> set[asyncio.Task[None]]:
+        """A stop with the link up: say so to the scheduler, wind the agent down while the
+        link carries the results of what ends, send what is left, close the link as going
+        away (1001). Returns the parts that ended meanwhile (the link failed: the caller
+        then finishes the wind-down without it)."""
+        post(AGENT_LEAVING)
+        winding = asyncio.create_task(agent.wind_down(grace_s, hurry))
+        done, _ = await asyncio.wait({*parts, winding}, return_when=asyncio.FIRST_COMPLETED)
+        if winding not in done:
+            winding.cancel()  # (what runs goes on: the caller's wind_down waits for it)
+            return {p for p in parts if p in done}
+        winding.result()
+        if tasks:  # the replies of what ended or was killed, still being made
+            await asyncio.wait(set(tasks), timeout=CLOSE_TIMEOUT_S)
+        for _ in range(int(CLOSE_TIMEOUT_S / 0.01)):  # until the writer has sent them
+            if not (outbox or sending) or any(p.done() for p in parts):
+                break
+            await asyncio.sleep(0.01)
+        with contextlib.suppress(Exception):
+            await ws.close(1001, "the node agent is stopping")
+        log.info("left the scheduler: the agent stops")
+        return set()
+
     parts = [
         asyncio.create_task(keepalive()),  # first: its error says why the reader's ended
         asyncio.create_task(read_forever()),
@@ -309,8 +366,11 @@ async def _session(agent: NodeAgent, ws: websockets.ClientConnection, stop: asyn
     agent.attach(orphan, post)
     try:
         done, _ = await asyncio.wait({*parts, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        ended: set[asyncio.Task[None]] = {p for p in parts if p in done}
+        if grace_s is not None and stopping in done and not ended:
+            ended = await leave(grace_s)
         for part in parts:
-            if part in done:
+            if part in ended:
                 part.result()  # re-raises why the link ended (ConnectionClosed: reconnect)
     finally:
         agent.detach()

@@ -75,6 +75,11 @@ async def _drain(
             kept.cut |= cap(kept.data, chunk, limit)
 
 
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 # After a kill beside other commands: how long its output may still come before the
 # action ends without the rest (a leftover of it may hold its pipes open).
 LEFTOVER_GRACE_S = 1.0
@@ -334,6 +339,10 @@ class ProcessRuntime:
             _drain(proc.stdout, output_cap, 1, io.output if io else None, out),
             _drain(proc.stderr, output_cap, 2, io.output if io else None, err),
         )
+        # Retrieved whatever happens: an action cancelled before it collected its output
+        # (the agent's stop) left the gather's CancelledError "never retrieved", a
+        # traceback in the agent's log at every stop.
+        reading.add_done_callback(_retrieved)
         abandoned = False
 
         async def collect() -> Output:

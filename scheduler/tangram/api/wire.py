@@ -931,6 +931,11 @@ def json_bytes(model: BaseModel) -> bytes:
 # at the handshake and packs only when the other has said it reads packed frames, so an
 # agent and a scheduler of different releases still talk, one message a frame.
 AGENT_SUBPROTOCOL = "tangram.lines.v1"
+# What an agent sends when it stops on purpose (SIGTERM: a DaemonSet pod deleted), before
+# its grace for running commands: the scheduler logs its leaving as a stop, not a loss. A
+# heartbeat with one more field, so that a scheduler of an earlier release, which skips
+# every message starting as a heartbeat does, reads it as one.
+AGENT_LEAVING = '{"heartbeat":true,"leaving":true}'
 # An agent whose link drops tries again after 0.1 s, doubling up to this: a scheduler
 # that has just started knows its agents are all back within a few times this.
 AGENT_BACKOFF_MAX_S = 5.0

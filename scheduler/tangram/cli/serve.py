@@ -11,13 +11,14 @@ import asyncio
 import logging
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
 from tangram.api.spec_base import DNS_LABEL_RE, DNS_SUBDOMAIN
 from tangram.api.wire import AGENTS_PATH
 from tangram.cli.events import say
-from tangram.cli.files import InputError, port, whole_number
+from tangram.cli.files import InputError, port, seconds, whole_number
 from tangram.cli.up import (
     EarlyHangup,
     add_gpu_flags,
@@ -45,6 +46,8 @@ from tangram.service.embedded import Running
 from tangram.service.learned_file import LearnedStore
 
 log = logging.getLogger("tangram.service")
+_agent_log = logging.getLogger("tangram.agent")
+AGENT_GRACE_S = 20.0  # the agent's --grace: within Kubernetes' default 30 s for its pod
 
 _STATE = os.environ.get("TANGRAM_STATE_DIR", str(Path.home() / ".local/state/tangram"))
 _TOKENS = os.environ.get("TANGRAM_TOKEN_FILE", str(DEFAULT_TOKEN_FILE))
@@ -147,6 +150,14 @@ def register(sub: Any) -> None:
         type=whole_number(1),
         help="cores for actions (default: all but the idle set; noop: virtual)",
     )
+    a.add_argument(
+        "--grace",
+        type=seconds,
+        default=AGENT_GRACE_S,
+        help="at SIGTERM (or SIGINT, SIGHUP): seconds running commands get to finish, new "
+        "ones refused, before they are killed; a second signal kills them at once (default: "
+        f"{AGENT_GRACE_S:g}, within a pod's 30 s terminationGracePeriodSeconds)",
+    )
     add_gpu_flags(a)
     add_log_flags(a)
     a.set_defaults(run=run_agent)
@@ -233,9 +244,14 @@ def _learned_configmap(args: argparse.Namespace) -> tuple[str, str] | None:
     return namespace, name
 
 
+def _hangup(stop: asyncio.Event, hurry: asyncio.Event) -> None:
+    _agent_log.warning("SIGHUP: stopping as for SIGTERM")
+    (hurry if stop.is_set() else stop).set()
+
+
 def run_agent(args: argparse.Namespace) -> int:
     from tangram.node_agent.link import SchedulerUrlError
-    from tangram.node_agent.link import serve as serve_link
+    from tangram.node_agent.link import run as run_link
 
     setup_logging(args)
     # Only read: a token made here is one no scheduler knows (403, retried for ever).
@@ -248,10 +264,14 @@ def run_agent(args: argparse.Namespace) -> int:
     say(f"agent {agent.node}: {agent.kind} runtime, {cores}", node=agent.node,
         runtime=agent.kind, scheduler=args.scheduler)  # fmt: skip
 
+    hurry = asyncio.Event()
+
     async def main() -> None:
-        stop_on_signals(stop)
-        await serve_link(agent, args.scheduler, token, stop)
-        await agent.shutdown()
+        stop_on_signals(stop, hurry)
+        # SIGHUP (its terminal gone) stops it as SIGTERM does: it has nothing to reload,
+        # and its default, a silent death, read as a crash to its scheduler.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _hangup, stop, hurry)
+        await run_link(agent, args.scheduler, token, stop, grace_s=args.grace, hurry=hurry)
 
     try:
         run_loop(main())

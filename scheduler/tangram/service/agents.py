@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from starlette.websockets import WebSocketDisconnect
 
 from tangram.api.wire import (
+    AGENT_LEAVING,
     STREAM_CHUNK,
     STREAM_WINDOW,
     AgentCancel,
@@ -37,6 +38,9 @@ from tangram.client.outbox import Outbox
 log = logging.getLogger("tangram.service")
 HEARTBEAT = '{"heartbeat"'  # how an agent's heartbeat message starts
 CANCEL_WAIT_S = 5.0  # how long a cancelled request waits for its command to be gone
+# Loop turns from a reply's arrival to its waiter ending the action (the shield around a
+# request, the waiter's task): an agent that left on purpose has its replies taken first.
+_REPLY_TURNS = 8
 
 
 class Socket(Protocol):
@@ -92,6 +96,7 @@ class AgentLink:
         self._streams: dict[int, LinkStream] = {}
         self._outbox: Outbox[str] = Outbox(self._send, self._send_failed, packed=packed)
         self.closed = False
+        self.leaving = False  # its agent said it stops on purpose (``AGENT_LEAVING``)
 
     def next_rid(self) -> int:
         self._rid += 1
@@ -169,6 +174,9 @@ class AgentLink:
                 self.last_seen = time.monotonic()
                 for text in unpack(frame):  # an agent that does not pack sends one a frame
                     if text.startswith(HEARTBEAT):
+                        if text == AGENT_LEAVING and not self.leaving:
+                            self.leaving = True
+                            log.info("node %s: its agent is stopping", self.node)
                         continue
                     reply = AgentReply.model_validate_json(text)
                     stream = self._streams.get(reply.rid)
@@ -338,6 +346,12 @@ class AgentHub:
         except Exception:  # a message we cannot read: drop the link, drain the same way
             log.exception("node %s: bad message from its agent; dropping the link", link.node)
         finally:
+            if link.leaving:
+                # Its last replies (what ended in its grace, or was killed at its end) have
+                # resolved their requests, whose waiters resume a few loop turns later: let
+                # them end their actions with those replies, not node_lost.
+                for _ in range(_REPLY_TURNS):
+                    await asyncio.sleep(0)
             if self.links.get(hello.node) is link:
                 await self._leave(link)
 

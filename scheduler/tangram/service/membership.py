@@ -284,6 +284,15 @@ class Membership:
                 ended,
                 extra={"node": link.node},
             )
+        elif link.leaving:  # its agent said it stops (SIGTERM): not lost, and it says so
+            nodes.info(
+                "node %s stopped: %d actions ended, %d trajectories wait %.0f s for its agent",
+                link.node,
+                ended,
+                len(away),
+                s.config.agent_grace_s,
+                extra={"node": link.node},
+            )
         else:
             nodes.warning(
                 "node %s left: %d actions ended, %d trajectories wait %.0f s for its agent",
