@@ -638,7 +638,7 @@ def test_the_agent_only_reads_its_token_file(
 ) -> None:
     stopped = _spy_on_agent_shutdowns(monkeypatch)
 
-    async def link_fails(*args: Any) -> None:
+    async def link_fails(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("the scheduler link failed")
 
     monkeypatch.setattr("tangram.node_agent.link.serve", link_fails)
