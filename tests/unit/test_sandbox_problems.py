@@ -302,6 +302,38 @@ def test_an_unwritable_cgroup_of_a_live_sandbox_is_the_nodes_problem(tmp_path: P
     assert e.value.reason == ""
 
 
+def test_giving_back_the_cores_of_an_environment_that_went_is_no_error(tmp_path: Path) -> None:
+    """A container removed under its command takes its cgroup along; the write that gives
+    the command's cores back failed, and its error (``writing '0' to .../cpuset.cpus``)
+    replaced the command's own ending, which looks for why the environment ended
+    (SandboxDeleted). A live environment's failed write is still an error."""
+    import os
+
+    from tangram.node_agent.cgroups import CgroupError
+    from tangram.node_agent.execution import ExecError
+    from tangram.node_agent.fast_path import FastPath, Reachable, start_time
+
+    class GoneAfterEnter:
+        version = 1
+        entered = False
+
+        def limit(self, group: str, cores: Any, quota_cores: Any) -> None:
+            if self.entered:
+                raise CgroupError(f"writing '0' to /sys/fs/cgroup/cpuset/{group}: No such file")
+            self.entered = True
+
+    me = os.getpid()
+    fast = FastPath(GoneAfterEnter(), [0])  # type: ignore[arg-type]
+    ended = Reachable("k", tmp_path / "s", me, "docker/c1", "/", start_time(me) + 1)
+    fast.group_enter(ended, [3])
+    fast.group_leave(ended, [3])  # no error: the group went with the environment
+    fast = FastPath(GoneAfterEnter(), [0])  # type: ignore[arg-type]
+    live = Reachable("k", tmp_path / "s", me, "docker/c1", "/", start_time(me))
+    fast.group_enter(live, [3])
+    with pytest.raises(ExecError, match="No such file"):
+        fast.group_leave(live, [3])
+
+
 def test_cores_of_an_action_whose_cgroup_write_failed_are_not_kept_for_the_next(
     tmp_path: Path,
 ) -> None:

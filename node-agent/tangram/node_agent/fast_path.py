@@ -181,7 +181,15 @@ class FastPath:
             raise
 
     def group_leave(self, env: Reachable, cores: Sequence[int]) -> None:
-        self._limit(env, *self.leave(env.key, cores))
+        rest = self.leave(env.key, cores)
+        try:
+            self._limit(env, *rest)
+        except ExecError:
+            if env.alive():
+                raise
+            # Its group went with its environment (a removed container): nothing is left
+            # to limit, and the command's own ending says why, the environment's end
+            # looked for (this error, raised in exec's ``finally``, hid that).
 
     async def exec(self, env: Reachable, cmd: Command) -> ExecResult:
         t0 = time.perf_counter()
