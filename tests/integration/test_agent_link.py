@@ -9,19 +9,27 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import websockets
 
-from tangram.api.wire import AgentHello, EnvSpec, parse_agent_request, unpack
+from tangram.api.wire import (
+    AgentHello,
+    AgentReply,
+    AgentRequest,
+    EnvSpec,
+    parse_agent_request,
+    unpack,
+)
 from tangram.client import ActionStatus, Client
 from tangram.node_agent import link
-from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.agent import NodeAgent, NotTaken
 from tangram.node_agent.execution import ExecResult
 from tangram.node_agent.inventory import read_inventory
+from tangram.node_agent.key_journal import KeyJournal
 from tangram.node_agent.noop_runtime import NoopRuntime
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
@@ -333,63 +341,127 @@ class _Holding(NoopRuntime):
         return await super().exec(trajectory, argv, cores, **options)
 
 
+def _agent(runtime: _Holding, journal: Path) -> NodeAgent:
+    """An agent of node n1 on ``runtime`` keeping its keys in ``journal``: a second one
+    on the same two stands in for the next agent of a DaemonSet roll (the environments
+    and the state directory outlive the pod)."""
+    agent = NodeAgent(runtime, read_inventory(), [0, 1], [2], node="n1", agent_id="a1")
+    agent.use_journal(KeyJournal(journal))
+    return agent
+
+
+class _Served:
+    """``link.run`` (with ``grace_s``: the stop of ``tangram agent``) or ``link.serve`` on
+    a loop of its own thread, until ``stop``."""
+
+    def __init__(self, agent: NodeAgent, url: str, token: str, grace_s: float | None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.stop = asyncio.Event()
+        serving = (
+            link.run(agent, url, token, self.stop, grace_s=grace_s)
+            if grace_s is not None
+            else link.serve(agent, url, token, self.stop)
+        )
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(serving,), daemon=True
+        )
+        self.thread.start()
+
+    def end(self) -> None:
+        """Set ``stop`` and wait (a minute at most) for the agent's stop to end."""
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+        self.loop.close()
+
+
+def _in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """``work`` run on a thread of its own: the thread, and where its answer lands."""
+    answers: list[Any] = []
+    thread = threading.Thread(target=lambda: answers.append(work()), daemon=True)
+    thread.start()
+    return thread, answers
+
+
+def _not_taken(agent: NodeAgent) -> threading.Event:
+    """Set once ``agent`` leaves a request untaken (it came after the stop began)."""
+    seen, handle = threading.Event(), agent.handle
+
+    async def noting(req: AgentRequest) -> AgentReply:
+        try:
+            return await handle(req)
+        except NotTaken:
+            seen.set()
+            raise
+
+    agent.handle = noting  # type: ignore[method-assign]
+    return seen
+
+
 @pytest.mark.parametrize("grace_s", [600.0, 0.0])
 def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
     tmp_path: Path, grace_s: float, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """SIGTERM (a DaemonSet pod deleted) ended the agent at once: its running command's
-    client got node_lost, the scheduler logged the node as lost (WARNING), and the agent's
-    log held an unretrieved CancelledError. Now it tells the scheduler it leaves, refuses
-    new work, lets what runs finish within its grace (its client gets the result) or kills
-    it at the grace's end saying so, and the scheduler logs "stopped" at INFO."""
+    """SIGTERM (a DaemonSet pod deleted) ended the agent at once, and the scheduler logged
+    its node as lost (WARNING). A first stop on purpose then refused new work (clients
+    spun on the leaving node for its grace) and answered what it killed at the grace's
+    end exec_failed, not retryable, which the scheduler kept for its key. Now what runs
+    may finish within the grace (its client gets the result); what still runs at its end
+    is killed unanswered and ends node_lost (retryable), its key's retry outcome_unknown,
+    as docs/operator.md says of an agent roll; a request sent during the grace is not
+    answered by the agent and ends node_lost as the link closes; and the scheduler logs
+    "stopped" at INFO."""
     tokens = TokenStore.create(tmp_path / "tokens")
     agent_token = tokens.token_for(AGENT_TENANT)
     assert agent_token is not None
     runtime = _Holding()
-    agent = NodeAgent(runtime, read_inventory(), [0, 1], [2], node="n1", agent_id="a1")
+    agent = _agent(runtime, tmp_path / "keys.journal")
+    not_taken = _not_taken(agent)
     caplog.set_level(logging.INFO, logger="tangram.service")
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    results: list[Any] = []
     try:
         with service(CONFIG, None, tmp_path, tokens=tokens) as (running, token):
             url = running.url.replace("http://", "ws://") + "/v1/agents"
-            serving = threading.Thread(
-                target=loop.run_until_complete,
-                args=(link.run(agent, url, agent_token, stop, grace_s=grace_s),),
-                daemon=True,
-            )
-            serving.start()
+            first = _Served(agent, url, agent_token, grace_s)
             until(lambda: "n1" in running.engine.hub.links, "the agent joined")
             with Client(running.url, token) as client:
                 t = client.open("noop")
-                held = threading.Thread(
-                    target=lambda: results.append(client.exec(t.id, ["hold"])), daemon=True
+                held, results = _in_thread(
+                    lambda: client.exec(t.id, ["hold"], idempotency_key="k1")
                 )
-                held.start()
                 until(runtime.holding.is_set, "the command runs")
-                loop.call_soon_threadsafe(stop.set)
+                first.loop.call_soon_threadsafe(first.stop.set)
                 if grace_s:
                     until(lambda: running.engine.hub.links["n1"].leaving, "told it leaves")
-                    refused = client.exec(t.id, ["true"])  # new work, during the grace
-                    assert refused.error is not None and refused.error.retryable
-                    assert "the node agent is stopping" in refused.error.message
+                    late, lates = _in_thread(lambda: client.exec(t.id, ["true"]))
+                    until(not_taken.is_set, "the agent got the request sent in its grace")
+                    assert late.is_alive()  # not refused: not answered at all
                     runtime.release.set()
+                    late.join(60)
+                    (result,) = lates
+                    assert result.error is not None and result.error.code == "node_lost"
+                    assert result.error.retryable, result.error
                 held.join(60)
-                serving.join(60)
-                assert not serving.is_alive() and not held.is_alive()
+                first.end()
+                assert not held.is_alive()
                 until(lambda: "n1" not in running.engine.hub.links, "the node left")
+                said = [r for r in caplog.records if r.getMessage().startswith("node n1 ")]
+                (result,) = results
+                if grace_s:
+                    assert result.status is ActionStatus.OK, result
+                else:  # killed at the grace's end: as any agent lost, retryable
+                    assert result.error is not None and result.error.code == "node_lost"
+                    assert result.error.retryable, result.error
+                    # The next agent (the roll's new pod) answers the key's retry.
+                    second = _Served(_agent(runtime, tmp_path / "keys.journal"), url,
+                                     agent_token, None)  # fmt: skip
+                    try:
+                        until(lambda: "n1" in running.engine.hub.links, "the agent is back")
+                        again = client.exec(t.id, ["hold"], idempotency_key="k1")
+                    finally:
+                        second.end()
+                    assert again.error is not None, again
+                    assert again.error.code == "outcome_unknown", again.error
     finally:
         runtime.release.set()
-        loop.close()
-    (result,) = results
-    if grace_s:
-        assert result.status is ActionStatus.OK, result
-    else:
-        assert result.error is not None and result.error.code != "node_lost"
-        assert result.error.message.startswith(
-            "the node agent stopped: killed at the end of its 0 s grace"
-        ), result.error
-    said = [r for r in caplog.records if r.getMessage().startswith("node n1 ")]
     assert any(r.getMessage().startswith("node n1 stopped: ") for r in said), said
     assert all(r.levelno == logging.INFO for r in said), said

@@ -89,6 +89,12 @@ def _nowhere(message: str) -> None:
 Keyed = AgentExec | AgentSession | AgentCall
 
 
+class NotTaken(Exception):  # noqa: N818 (a request's fate, not an error of the agent's)
+    """A request that came after the agent's stop began: neither run nor answered. Its
+    scheduler ends it (``node_lost``, retryable) when the link closes, as for any agent
+    that leaves, and places its retry elsewhere or with the next agent."""
+
+
 def _cancel(task: asyncio.Future[AgentReply]) -> None:
     if not task.done():
         task.cancel()
@@ -250,11 +256,13 @@ class NodeAgent:
         self._post: Callable[[str], None] = _nowhere  # chunks of streamed requests (JSON)
         self._streams: dict[int, Stream] = {}  # by rid
         self.journal: KeyJournal | None = None  # keyed runs on disk (with a state dir)
-        # Set once the agent stops (``wind_down``): why new work is refused, when its grace
-        # for what runs ends (loop time), and what a command cut off at its end is told.
-        self.stopping: str | None = None
-        self._stop_at: float | None = None
-        self._cut_why = "cancelled"
+        # A stop on purpose: when it began (monotonic: the signal's time, ``note_stop``),
+        # its one wind-down, and whether that killed what still ran. What the stop kills
+        # is not answered: its scheduler ends it as for any agent lost (``node_lost``; a
+        # keyed one, "started" in the journal, reads "unknown" to the next agent).
+        self.stop_began: float | None = None
+        self._winding: asyncio.Future[int] | None = None
+        self._cut = False
 
     @classmethod
     def create(
@@ -397,7 +405,10 @@ class NodeAgent:
         self._unsent.append(reply)
 
     async def handle(self, req: AgentRequest) -> AgentReply:
-        """Answer one request; errors become a reply, never an exception."""
+        """Answer one request; errors become a reply, never an exception. Two are not
+        answered, at a stop on purpose: a request that came after it began (``NotTaken``
+        is raised) and one it killed (``CancelledError``); the scheduler ends both when
+        the link closes, as ``node_lost``."""
         if isinstance(req, AgentCancel):
             task = self._keyed.get(req.key) if req.key else self._tasks.get(req.target or -1)
             stop = self._stops.get(task) if task is not None and req.output else None
@@ -413,10 +424,10 @@ class NodeAgent:
             elif task is not None:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
-        if self.stopping is not None and self._new_work(req):
-            return AgentReply(rid=req.rid, ok=False, retryable=True, error=self.stopping)
-        self.received(req)  # (the link has, unless a caller hands the request in directly)
         try:
+            if self.stop_began is not None:  # not started: nothing of it to wait for
+                raise NotTaken(f"{req.op}: the node agent is stopping")
+            self.received(req)  # (the link has, unless a caller hands it in directly)
             if isinstance(req, Keyed) and req.key is not None:
                 return await self._once(req, req.key)
             task = asyncio.ensure_future(self._run(req))
@@ -424,7 +435,9 @@ class NodeAgent:
             try:
                 return await task
             except asyncio.CancelledError:
-                return AgentReply(rid=req.rid, ok=False, error=self._cut_why)
+                if self._cut:  # killed by the stop: left unanswered, as said above
+                    raise
+                return AgentReply(rid=req.rid, ok=False, error="cancelled")
             finally:
                 self._tasks.pop(req.rid, None)
         finally:
@@ -464,8 +477,10 @@ class NodeAgent:
         try:
             reply = await asyncio.shield(task)
         except asyncio.CancelledError:
-            if task.cancelled():  # cancelled on request, or by the agent's stop
-                return AgentReply(rid=req.rid, ok=False, error=self._cut_why, key=key)
+            if task.cancelled():  # cancelled on request, or killed by the agent's stop
+                if self._cut:  # (unanswered: see ``_cut``)
+                    raise
+                return AgentReply(rid=req.rid, ok=False, error="cancelled", key=key)
             if key in self._results:  # it finished just as the link dropped: report it
                 self._deliver(AgentReply.model_validate_json(self._results[key]))
             else:  # running, or finished with its done-callback still to come: that one
@@ -478,6 +493,13 @@ class NodeAgent:
 
     def _keyed_done(self, key: str, task: asyncio.Task[AgentReply]) -> None:
         run = self._keyed_info.pop(key, None)
+        if task.cancelled() and self._cut:
+            # Killed by the stop: no reply kept or sent. The journal, closed first, holds
+            # it as started: the next agent answers its retry "unknown".
+            self._keyed.pop(key, None)
+            self._orphaned.discard(key)
+            self._unkept.discard(key)
+            return
         # the scheduler's digest of the request, so that a scheduler that did not place
         # the run (restarted, or its node was away) still refuses another request's key
         digest = run.request.digest if run is not None else None
@@ -791,35 +813,62 @@ class NodeAgent:
                 await files.rename(req.path, req.to or "")
         return FilesOutcome()
 
-    def _new_work(self, req: AgentRequest) -> bool:
-        """Whether ``req`` would start something: refused while the agent stops (a keyed
-        one already run or running is answered: a retry of it starts nothing)."""
-        if isinstance(req, Keyed) and req.key is not None:
-            return req.key not in self._keyed and req.key not in self._results
-        return isinstance(req, AgentOpen | AgentExec | AgentSession | AgentCall | AgentWarm)
-
     def running(self) -> set[asyncio.Future[AgentReply]]:
         """The requests in flight: commands, calls, opens (keyed runs whose link went too)."""
         return {t for t in (*self._tasks.values(), *self._keyed.values()) if not t.done()}
 
+    def note_stop(self, at: float | None = None) -> None:
+        """A stop on purpose began ``at`` (monotonic; default now): requests that come
+        from now on are not taken (``NotTaken``), and the grace of what runs counts from
+        here. The first call counts: the signal handler's, ahead of a link still
+        connecting or a loop busy elsewhere (the pod's 30 s run from the signal)."""
+        if self.stop_began is None:
+            self.stop_began = time.monotonic() if at is None else at
+
     async def wind_down(self, grace_s: float, hurry: asyncio.Event | None = None) -> int:
-        """Stop on purpose: refuse new work (a retryable error), let what runs finish for
-        up to ``grace_s`` from the first call (or until ``hurry`` is set), then kill what
-        is left, each told why. Returns how many were killed. Called again (the link went
-        meanwhile), it waits out what is left of the same grace."""
+        """Stop on purpose: take no new request, let what runs finish within ``grace_s``
+        of the stop's start (``note_stop``; or until ``hurry`` is set), then kill what is
+        left, unanswered. Returns how many were killed. One wind-down, however often
+        called (the link's leave, then ``link.run`` once the link is gone): a later call
+        waits for the same one, which goes on if a caller is cancelled."""
+        if self._winding is None:
+            self._winding = asyncio.ensure_future(self._wind_down(grace_s, hurry))
+        return await asyncio.shield(self._winding)
+
+    async def _wind_down(self, grace_s: float, hurry: asyncio.Event | None) -> int:
+        self.note_stop()
+        assert self.stop_began is not None
+        left_s = grace_s - (time.monotonic() - self.stop_began)
+        # (WARNING: an agent logs no INFO without -v, and its stop must show in its log)
+        log.warning("stopping: %d request(s) in flight get up to %g s to finish; new requests "
+                    "are not taken", len(self.running()), max(0.0, left_s))  # fmt: skip
+        await self._grace(left_s, hurry)
+        left = self.running()
+        if not left:
+            return 0
+        when = (
+            f"at a second stop signal, within its {grace_s:g} s grace"
+            if hurry is not None and hurry.is_set()
+            else f"at the end of its {grace_s:g} s grace"
+        )
+        log.warning("stopping: %d request(s) still running killed %s, unanswered: the "
+                    "scheduler ends them as node_lost", len(left), when)  # fmt: skip
+        self._cut = True
+        if self.journal is not None:  # (cut-off keyed runs read "unknown" to the next agent,
+            self.journal.close()  # as for any stop: the journal holds them as started)
+            self.journal = None
+        for task in left:
+            task.cancel()
+        await asyncio.wait(left, timeout=STOP_GRACE_S)  # (a kill that cannot end it: bounded)
+        return len(left)
+
+    async def _grace(self, left_s: float, hurry: asyncio.Event | None) -> None:
+        """Until nothing started before the stop runs, ``left_s`` pass, or ``hurry``."""
         loop = asyncio.get_running_loop()
-        if self._stop_at is None:
-            self._stop_at = loop.time() + grace_s
-            self.stopping = (
-                "the node agent is stopping: it takes no new work (retryable: its node's "
-                "trajectories wait for an agent to be back)"
-            )
-            # (WARNING: an agent logs no INFO without -v, and its stop must show in its log)
-            log.warning("stopping: %d request(s) in flight get up to %g s to finish; new work "
-                        "is refused", len(self.running()), grace_s)  # fmt: skip
+        deadline = loop.time() + left_s
         hurried = asyncio.ensure_future(hurry.wait()) if hurry is not None else None
         try:
-            while (left := self.running()) and (timeout := self._stop_at - loop.time()) > 0:
+            while (left := self.running()) and (timeout := deadline - loop.time()) > 0:
                 if hurried is not None and hurried.done():
                     break
                 waits: set[asyncio.Future[Any]] = {*left}
@@ -829,23 +878,6 @@ class NodeAgent:
         finally:
             if hurried is not None:
                 hurried.cancel()
-        left = self.running()
-        if not left:
-            return 0
-        when = (
-            f"at a second stop signal, within its {grace_s:g} s grace"
-            if hurry is not None and hurry.is_set()
-            else f"at the end of its {grace_s:g} s grace"
-        )
-        log.warning("stopping: %d request(s) still running killed %s", len(left), when)
-        self._cut_why = f"the node agent stopped: killed {when}"
-        if self.journal is not None:  # (cut-off keyed runs read "unknown" to the next agent,
-            self.journal.close()  # as for any stop: the journal holds them as started)
-            self.journal = None
-        for task in left:
-            task.cancel()
-        await asyncio.wait(left, timeout=STOP_GRACE_S)  # (a kill that cannot end it: bounded)
-        return len(left)
 
     async def shutdown(self) -> None:
         """Cancel what runs (on the loop: tasks are not thread-safe), then let the runtime

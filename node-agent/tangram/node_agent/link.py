@@ -34,7 +34,7 @@ from tangram.api.wire import (
     parse_agent_request,
     unpack,
 )
-from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.agent import NodeAgent, NotTaken
 
 log = logging.getLogger("tangram.agent")
 # The link's connects and failures: shown at the default level (the CLI's logs.LIFECYCLE
@@ -116,16 +116,10 @@ async def serve(
         failure: BaseException | None = None
         refusal: str | None = None  # why the scheduler refused the handshake
         try:
-            async with websockets.connect(
-                url,
-                additional_headers={"Authorization": f"Bearer {token}"},
-                max_size=64 << 20,
-                ping_interval=None,  # ``keepalive`` pings: its deadline covers the send too
-                close_timeout=CLOSE_TIMEOUT_S,
-                compression=None,  # small JSON messages: deflate costs more than it saves
-                open_timeout=10,
-                subprotocols=[websockets.Subprotocol(AGENT_SUBPROTOCOL)],
-            ) as ws:
+            connection = await _connect(url, token, stop)
+            if connection is None:  # stopped while connecting
+                break
+            async with connection as ws:
                 connected = time.monotonic()
                 gc.collect()
                 gc.freeze()  # start-up objects are forever: keep collections short
@@ -165,6 +159,35 @@ async def serve(
         if not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
+
+
+async def _connect(url: str, token: str, stop: asyncio.Event) -> websockets.ClientConnection | None:
+    """A connection to the scheduler, or None if ``stop`` is set first: a stop signal
+    does not wait for a connect that may take its ``open_timeout`` to fail, out of the
+    pod's termination grace."""
+    connecting = asyncio.ensure_future(
+        websockets.connect(
+            url,
+            additional_headers={"Authorization": f"Bearer {token}"},
+            max_size=64 << 20,
+            ping_interval=None,  # ``keepalive`` pings: its deadline covers the send too
+            close_timeout=CLOSE_TIMEOUT_S,
+            compression=None,  # small JSON messages: deflate costs more than it saves
+            open_timeout=10,
+            subprotocols=[websockets.Subprotocol(AGENT_SUBPROTOCOL)],
+        )
+    )
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not connecting.done():
+            connecting.cancel()  # (its socket closes as the task ends; its end retrieved)
+            connecting.add_done_callback(lambda t: t.cancelled() or t.exception())
+    if not connecting.done():
+        return None
+    return connecting.result()  # (connected as the stop came: its session leaves at once)
 
 
 class Outage:
@@ -269,7 +292,11 @@ async def _session(
             sending = []
 
     async def answer(req: AgentRequest) -> None:
-        post((await agent.handle(req)).model_dump_json())
+        try:
+            reply = await agent.handle(req)
+        except NotTaken:  # (came after the stop began: the scheduler ends it as we close)
+            return
+        post(reply.model_dump_json())
 
     async def heartbeat() -> None:
         while True:
@@ -334,17 +361,20 @@ async def _session(
 
     async def leave(grace_s: float) -> set[asyncio.Task[None]]:
         """A stop with the link up: say so to the scheduler, wind the agent down while the
-        link carries the results of what ends, send what is left, close the link as going
-        away (1001). Returns the parts that ended meanwhile (the link failed: the caller
-        then finishes the wind-down without it)."""
+        link carries the results of what ends within the grace, send them, close the link
+        as going away (1001). What the stop killed, and what came after it began, goes
+        unanswered: the scheduler ends it (``node_lost``) as the link closes. Returns the
+        parts that ended meanwhile (the link failed: the caller then finishes the
+        wind-down without it)."""
         post(AGENT_LEAVING)
         winding = asyncio.create_task(agent.wind_down(grace_s, hurry))
         done, _ = await asyncio.wait({*parts, winding}, return_when=asyncio.FIRST_COMPLETED)
         if winding not in done:
-            winding.cancel()  # (what runs goes on: the caller's wind_down waits for it)
+            winding.cancel()  # (the wind-down goes on: the caller's wind_down waits for it)
             return {p for p in parts if p in done}
         winding.result()
-        if tasks:  # the replies of what ended or was killed, still being made
+        if tasks:  # the replies of what ended in the grace, still being made (the rest,
+            # killed or not taken, end at once, unanswered)
             await asyncio.wait(set(tasks), timeout=CLOSE_TIMEOUT_S)
         for _ in range(int(CLOSE_TIMEOUT_S / 0.01)):  # until the writer has sent them
             if not (outbox or sending) or any(p.done() for p in parts):
