@@ -17,6 +17,7 @@ import pytest
 import websockets
 
 from tangram.api.wire import (
+    AGENT_LEAVING,
     AgentHello,
     AgentReply,
     AgentRequest,
@@ -31,6 +32,7 @@ from tangram.node_agent.execution import ExecResult
 from tangram.node_agent.inventory import read_inventory
 from tangram.node_agent.key_journal import KeyJournal
 from tangram.node_agent.noop_runtime import NoopRuntime
+from tangram.service.agents import AgentLink
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import EnvConfig, PoolConfig
 
@@ -465,3 +467,56 @@ def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
         runtime.release.set()
     assert any(r.getMessage().startswith("node n1 stopped: ") for r in said), said
     assert all(r.levelno == logging.INFO for r in said), said
+
+
+async def _answers_then_leaves(agent: NodeAgent, url: str, token: str) -> None:
+    """An agent that answers its first exec as it leaves on purpose: the leaving
+    heartbeat, the exec's reply, then the close (1001), one right after the other."""
+    async with websockets.connect(
+        url, additional_headers={"Authorization": f"Bearer {token}"}, compression=None
+    ) as ws:
+        await ws.send(agent.hello().model_dump_json())
+        while True:
+            text = await ws.recv()
+            assert isinstance(text, str)
+            req = parse_agent_request(text)
+            if req.op == "exec":
+                await ws.send(AGENT_LEAVING)
+                await ws.send((await agent.handle(req)).model_dump_json())
+                await ws.close(1001, "the node agent is stopping")
+                return
+            await ws.send((await agent.handle(req)).model_dump_json())
+
+
+def test_a_reply_a_leaving_agent_sent_ends_its_action_however_late_its_waiter_takes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler gave the waiters of a leaving agent's last replies 8 loop turns, then
+    ended every action not yet done node_lost: a reply that came was dropped when its
+    waiter needed more (a stream, a call's own task, a loaded loop). The actions answered
+    are left to their waiters now, however many turns they take (here: far more)."""
+    tokens = TokenStore.create(tmp_path / "tokens")
+    agent_token = tokens.token_for(AGENT_TENANT)
+    assert agent_token is not None
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=1)
+    request = AgentLink.request
+
+    async def late(self: AgentLink, *args: Any, **kwargs: Any) -> AgentReply:
+        reply = await request(self, *args, **kwargs)
+        for _ in range(200):  # a loaded loop: the waiter resumes many turns later
+            await asyncio.sleep(0)
+        return reply
+
+    monkeypatch.setattr(AgentLink, "request", late)
+    with service(CONFIG, None, tmp_path, tokens=tokens) as (running, token):
+        url = running.url.replace("http://", "ws://") + "/v1/agents"
+        served, failure = _in_thread(
+            lambda: asyncio.run(_answers_then_leaves(agent, url, agent_token))
+        )
+        until(lambda: agent.node in running.engine.hub.links, "the agent joined")
+        with Client(running.url, token) as client:
+            t = client.open("noop")
+            result = client.exec(t.id, ["true"])
+        served.join(60)
+        assert not served.is_alive()
+    assert result.status is ActionStatus.OK, result

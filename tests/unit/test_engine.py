@@ -177,7 +177,7 @@ def _agent(trajectories: tuple[str, ...] | list[str] = (), problem: str | None =
         trajectories=metas,
         problem=Problem(reason="CPUManagerStatic", message=problem) if problem else None,
     )  # fmt: skip
-    return SimpleNamespace(hello=hello, node="n1", leaving=False)
+    return SimpleNamespace(hello=hello, node="n1", leaving=False, answered=set())
 
 
 def _engine_with_t1(grace_s: float = 120.0) -> Engine:
@@ -629,7 +629,7 @@ def _gpu_agent(calls: list[RunningCall], node: str = "g") -> Any:
                               cgroup_version=2)  # fmt: skip
     hello = AgentHello(node=node, inventory=inventory, runtime="noop", action_cores=[0],
                        idle_cores=[1], gpu=_devices(0, 1), calls=calls)  # fmt: skip
-    return SimpleNamespace(hello=hello, node=node, leaving=False)
+    return SimpleNamespace(hello=hello, node=node, leaving=False, answered=set())
 
 
 def test_a_cancel_lost_with_its_link_is_sent_again_when_the_call_is_adopted_again(

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 from starlette.websockets import WebSocketDisconnect
@@ -38,9 +39,9 @@ from tangram.client.outbox import Outbox
 log = logging.getLogger("tangram.service")
 HEARTBEAT = '{"heartbeat"'  # how an agent's heartbeat message starts
 CANCEL_WAIT_S = 5.0  # how long a cancelled request waits for its command to be gone
-# Loop turns from a reply's arrival to its waiter ending the action (the shield around a
-# request, the waiter's task): an agent that left on purpose has its replies taken first.
-_REPLY_TURNS = 8
+# The action the requests sent from this context are for (an action's task sets it for
+# itself): what a leaving agent's link says it answered (``AgentLink.answered``).
+ACTION: ContextVar[str | None] = ContextVar("tangram_action", default=None)
 
 
 class Socket(Protocol):
@@ -93,6 +94,12 @@ class AgentLink:
         self.last_seen = time.monotonic()
         self._rid = 0
         self._pending: dict[int, asyncio.Future[AgentReply]] = {}
+        self._owners: dict[int, str] = {}  # the action each request is for, if any
+        # The actions whose replies came once its agent said it leaves: its last replies,
+        # which may still be on their way to their waiters as the link closes (a shield,
+        # a stream, a call's own task, a busy loop). Its node's leave leaves these
+        # actions to their waiters, which end them with the reply, not node_lost.
+        self.answered: set[str] = set()
         self._streams: dict[int, LinkStream] = {}
         self._outbox: Outbox[str] = Outbox(self._send, self._send_failed, packed=packed)
         self.closed = False
@@ -115,7 +122,7 @@ class AgentLink:
                 raise RunCancelled(reply) from None
             raise
         finally:
-            self._pending.pop(rid, None)
+            self._forget(rid)
 
     def _start(self, req: AgentRequest) -> tuple[int, asyncio.Future[AgentReply]]:
         """Send ``req`` under the next request id: the id, and the future of its reply."""
@@ -123,6 +130,8 @@ class AgentLink:
         fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
         self._post(req.model_dump_json())
         self._pending[req.rid] = fut
+        if (owner := ACTION.get()) is not None:
+            self._owners[req.rid] = owner
         return req.rid, fut
 
     async def cancel(self, rid: int, reply: asyncio.Future[AgentReply], wait_s: float) -> None:
@@ -146,6 +155,7 @@ class AgentLink:
     def _forget(self, rid: int) -> None:
         self._pending.pop(rid, None)
         self._streams.pop(rid, None)
+        self._owners.pop(rid, None)
 
     def send(self, req: AgentCancel | AgentInput) -> None:
         """Fire and forget (cancel requests, a stream's input): queued in order, sent by
@@ -187,6 +197,8 @@ class AgentLink:
                     fut = self._pending.get(reply.rid)
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
+                        if self.leaving and (owner := self._owners.get(reply.rid)):
+                            self.answered.add(owner)
                         if stream is not None:
                             stream.ended()
                     elif reply.rid == 0 and (reply.key or reply.lost or reply.warm_failed):
@@ -346,12 +358,6 @@ class AgentHub:
         except Exception:  # a message we cannot read: drop the link, drain the same way
             log.exception("node %s: bad message from its agent; dropping the link", link.node)
         finally:
-            if link.leaving:
-                # Its last replies (what ended in its grace, or was killed at its end) have
-                # resolved their requests, whose waiters resume a few loop turns later: let
-                # them end their actions with those replies, not node_lost.
-                for _ in range(_REPLY_TURNS):
-                    await asyncio.sleep(0)
             if self.links.get(hello.node) is link:
                 await self._leave(link)
 

@@ -32,6 +32,7 @@ from tangram.api.wire import (
 from tangram.scheduler.core.decisions import Ahead
 from tangram.scheduler.core.dp import CHUNK_SIZES
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
+from tangram.service.agents import ACTION
 from tangram.service.config import ServiceConfig
 from tangram.service.outcomes import Outcomes
 from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
@@ -271,6 +272,7 @@ class GpuCalls:
         sent = self.revisions.get(service)  # the definition the call was placed for
         # The call's thread cannot be stopped once it runs: its chunk stays held until the
         # agent answers, even when the caller stops waiting (timeout, cancel).
+        ACTION.set(rec.id)  # (its ask's task takes it along: ``AgentLink.answered``)
         ask = asyncio.ensure_future(s.ask(asg.node, op))
         try:
             reply = await asyncio.wait_for(asyncio.shield(ask), req.timeout_s)

@@ -250,9 +250,13 @@ class Membership:
         del s.node_cores[link.node]
         self.gpu.leave(link.node)
         lost = err("node_lost", f"node {link.node} left the pool", retryable=True)
+        ended = 0
         for aid in (*drained.running, *drained.dropped):
             rec = s.actions.get(aid)
-            if rec is not None:
+            # One its leaving agent answered is its waiter's to end, with that answer
+            # (its units came back with the node).
+            if rec is not None and aid not in link.answered:
+                ended += 1
                 if rec.task is not None:
                     rec.task.cancel()
                 if rec.kind in ("exec", "service"):
@@ -276,7 +280,6 @@ class Membership:
             s.trajectories[tid].away_since = now
         if away:
             s.background(self.lose_after_grace(link.node, away, now))
-        ended = len(drained.running) + len(drained.dropped)
         if not s.accepting:  # the stop's own doing: no node was lost, nobody waits for it
             nodes.info(
                 "node %s left as the scheduler stops: %d actions ended",

@@ -11,7 +11,7 @@ from typing import Any
 
 from tangram.api.wire import ActionStatus, AgentExec, AgentReply, AgentSession, ExecRequest
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
-from tangram.service.agents import CANCEL_WAIT_S, RunCancelled
+from tangram.service.agents import ACTION, CANCEL_WAIT_S, RunCancelled
 from tangram.service.api_calls import ApiCalls
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.live import LiveExec
@@ -157,6 +157,7 @@ class Rounds:
                            interactive=live is not None and live.interactive)  # fmt: skip
         t0 = s.clock()
         status, reply, error = ActionStatus.ERROR, None, None
+        ACTION.set(rec.id)  # (this task's own context: ``AgentLink.answered``)
         try:
             if rec.live is not None and isinstance(op, AgentExec):
                 reply = await self._streamed(asg.node, op, rec.live)
