@@ -432,3 +432,44 @@ def test_an_agent_signalled_to_stop_logs_its_stop_and_ends_cleanly(
     assert "never retrieved" not in out.text() and "Traceback" not in out.text()
     if sig == signal.SIGHUP:
         assert "SIGHUP: stopping as for SIGTERM" in out.text()
+
+
+_HANGUP_DURING_THE_START = """
+import os, signal, sys
+from tangram.cli import serve
+from tangram.cli.main import main
+
+made = serve.make_agent
+
+
+def hung_up_meanwhile(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGHUP)  # (the terminal gone while it reads its state)
+    return made(*args, **kwargs)
+
+
+serve.make_agent = hung_up_meanwhile
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_agent_hung_up_on_during_its_start_stops_once_started(
+    tmp_path: Path, reaped: list[subprocess.Popen[str]]
+) -> None:
+    """The agent's SIGHUP handler came with its loop: one during its start (reading its
+    state, adopting pods) killed it silently (rc 129). It stops it now, as once running."""
+    TokenStore.create(tmp_path / "tokens")
+    with socket.socket() as s:  # a port nothing listens on: the agent retries its link
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HANGUP_DURING_THE_START, "agent", "--scheduler",
+         f"ws://127.0.0.1:{port}/v1/agents", "--runtime", "noop", "--cores", "1",
+         "--state-dir", str(tmp_path / "state"), "--node", "n1"],
+        cwd=ROOT, env={**os.environ, "TANGRAM_TOKEN_FILE": str(tmp_path / "tokens")},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    reaped.append(proc)
+    code = _stopped(proc)
+    said = proc.stdout.read() if proc.stdout is not None else ""
+    assert code == 0, said
+    assert "SIGHUP: stopping as for SIGTERM" in said and "agent n1 stopped" in said, said

@@ -12,6 +12,8 @@ import logging
 import os
 import re
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,6 @@ from tangram.cli.up import (
     serve_until_signalled,
     setup_logging,
     shut_down,
-    stop_on_signals,
     virtual_cores,
 )
 from tangram.client.common import DEFAULT_TOKEN_FILE
@@ -244,15 +245,66 @@ def _learned_configmap(args: argparse.Namespace) -> tuple[str, str] | None:
     return namespace, name
 
 
-def _hangup(stop: asyncio.Event, hurry: asyncio.Event) -> None:
-    _agent_log.warning("SIGHUP: stopping as for SIGTERM")
-    (hurry if stop.is_set() else stop).set()
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class AgentSignals:
+    """SIGTERM, SIGINT and SIGHUP stop ``tangram agent``, from the top of its run: one
+    during its start (reading its state, adopting pods: seconds) is kept, with its time,
+    and stops it once it runs; its default action would end it silently (SIGHUP: rc
+    129) or with a traceback, which its scheduler reads as a crash. A second one hurries
+    the stop: what still runs is killed at once."""
+
+    def __init__(self) -> None:
+        self.came: list[signal.Signals] = []  # before the loop took over
+        self.first_at: float | None = None  # (monotonic) the stop's start: its grace's
+        self._stop: asyncio.Event | None = None
+        self._hurry: asyncio.Event | None = None
+        self._began: Callable[[float], None] = lambda at: None
+
+    @classmethod
+    def install(cls) -> AgentSignals:
+        signals = cls()
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signals._early)
+        return signals
+
+    def _early(self, signum: int, frame: object) -> None:
+        # (only flags: a Python handler runs between any two bytecodes)
+        self.first_at = self.first_at or time.monotonic()
+        self.came.append(signal.Signals(signum))
+
+    def take_over(
+        self, stop: asyncio.Event, hurry: asyncio.Event, began: Callable[[float], None]
+    ) -> None:
+        """On the loop: the signals set ``stop``, then ``hurry``, and ``began`` is told
+        when the stop began (the first signal's time: the agent's grace counts from it);
+        those that came during the start do so now."""
+        self._stop, self._hurry, self._began = stop, hurry, began
+        loop = asyncio.get_running_loop()
+        for sig in _STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.got, sig)
+        for sig in self.came:
+            self.got(sig)
+
+    def got(self, sig: signal.Signals) -> None:
+        assert self._stop is not None and self._hurry is not None
+        self.first_at = self.first_at or time.monotonic()
+        self._began(self.first_at)
+        if sig == signal.SIGHUP:
+            _agent_log.warning("SIGHUP: stopping as for SIGTERM")
+        if not self._stop.is_set():
+            self._stop.set()
+        elif not self._hurry.is_set():
+            self._hurry.set()
+            say("stopping now: cancelling what still runs")
 
 
 def run_agent(args: argparse.Namespace) -> int:
     from tangram.node_agent.link import SchedulerUrlError
     from tangram.node_agent.link import run as run_link
 
+    signals = AgentSignals.install()  # (before anything slow: a signal now stops it too)
     setup_logging(args)
     # Only read: a token made here is one no scheduler knows (403, retried for ever).
     token = load_tokens(Path(args.token_file), create=False).token_for(AGENT_TENANT)
@@ -267,10 +319,9 @@ def run_agent(args: argparse.Namespace) -> int:
     hurry = asyncio.Event()
 
     async def main() -> None:
-        stop_on_signals(stop, hurry)
         # SIGHUP (its terminal gone) stops it as SIGTERM does: it has nothing to reload,
         # and its default, a silent death, read as a crash to its scheduler.
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _hangup, stop, hurry)
+        signals.take_over(stop, hurry, agent.note_stop)
         await run_link(agent, args.scheduler, token, stop, grace_s=args.grace, hurry=hurry)
 
     try:
