@@ -263,9 +263,12 @@ def test_the_log_level_default_shows_lifecycle_records_only(
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level
+    levels = {n: logging.getLogger(n).level for n in LIFECYCLE}  # setup() sets them too
     try:
         setup(verbose=False, as_json=False)
         assert not logging.getLogger("tangram.service").isEnabledFor(logging.INFO)
         assert all(logging.getLogger(n).isEnabledFor(logging.INFO) for n in LIFECYCLE)
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
+        for name, level in levels.items():  # (later tests in this worker see the defaults)
+            logging.getLogger(name).setLevel(level)

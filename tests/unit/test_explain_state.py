@@ -150,7 +150,8 @@ def test_api_calls_and_restores_ahead_are_shown(
     assert code == 0 and "None" not in out
     assert "e#0: under quota search x1, expected 1.00 s" in out
     assert "f#0: api:search: quota search has no room now" in out
-    assert "restored ahead" in out and "judge: GPUs 2-3 of n0" in out
+    assert "\nrestored ahead (for the next calls of their service)\n" in out  # (no tags)
+    assert "judge: GPUs 2-3 of n0" in out
     code, out, _ = _explain(tmp_path, capsys, copy.deepcopy(API_STATE), "--json")
     decision = json.loads(out)
     assert decision["ahead"] == [

@@ -322,7 +322,9 @@ def _print(report: dict[str, Any]) -> None:
 
     from tangram.cli.progress import plain_console
 
-    c = plain_console()  # (names from the trace are printed as they are)
+    # Names from the trace are printed as they are; a long reason is one line, not folded
+    # at 80 columns when piped (``soft_wrap``, as ``note`` prints).
+    c = plain_console(soft_wrap=True)
     for g in report["groups"]:
         kind = "elastic" if g["elastic"] else "fixed units"
         c.print(
@@ -374,7 +376,7 @@ def _print(report: dict[str, Any]) -> None:
         for w in report["waiting"]:
             c.print(f"  {w['action']}: {w['because']}")
     if report["ahead"]:
-        c.print("[bold]restored ahead[/bold] (for the next calls of their service)")
+        c.print(Text.assemble(("restored ahead", "bold"), " (for the next calls of their service)"))
         for h in report["ahead"]:
             node, start, size = h["gpus"]
             ready = f"ready in {h['expected_s']:.2f} s"

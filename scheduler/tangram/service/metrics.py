@@ -149,13 +149,15 @@ class Metrics:
             self.rejected.labels(pool, reason)
         self.opened = Counter(
             "tangram_trajectories_opened",
-            "Trajectories opened (their environment made)",
+            "Trajectories opened (their environment made) since this scheduler started",
             ("pool",),
             registry=self.registry,
         )
         self.closed = Counter(
             "tangram_trajectories_closed",
-            "Trajectories closed, by their owner or their env's idleTimeoutSeconds",
+            "Trajectories closed, by their owner or their env's idleTimeoutSeconds, since this "
+            "scheduler started (one it took back after a restart counts when it closes: this "
+            "may exceed the opened count)",
             ("pool",),
             registry=self.registry,
         )
