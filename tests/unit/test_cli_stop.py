@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -326,7 +327,8 @@ def test_up_stops_within_its_grace_while_a_service_call_cannot_end(
     assert _stopped(proc) == 0, out.text()
     assert "every environment was removed" in out.text() and "Traceback" not in out.text()
     # The stop's own leaving (logged with -v) is no node lost: nobody waits for its agent.
-    assert "node vm left as the scheduler stops: 1 actions ended" in out.text()
+    # (The call ended `shutdown` at the grace's end, before or as its node left.)
+    assert re.search(r"node vm left as the scheduler stops: [01] actions ended", out.text())
     assert "trajectories wait" not in out.text()
     caller.join(GUARD_S)
     (result,) = results
