@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,16 +26,6 @@ from tangram.service.embedded import free_port
 from tests.unit.test_cli_stop import LOCAL_POOL, ROOT, Lines, _stopped
 
 BRACKETS = "[bold]b[/] :cat:"  # rich markup and an emoji code, neither to be read as such
-
-
-@pytest.fixture
-def reaped() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def _tangram(

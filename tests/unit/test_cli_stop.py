@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -99,16 +98,6 @@ def _stopped(proc: subprocess.Popen[str]) -> int:
         proc.kill()
         proc.wait()
         pytest.fail("still running long after it was told to stop")
-
-
-@pytest.fixture
-def reaped() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def test_urls_bracket_an_ipv6_host() -> None:
