@@ -99,6 +99,7 @@ class Link:
 
     def __init__(self) -> None:
         self.trajectories = 0
+        self.nodes = 1
         self.down = False
         self.drained: list[str] = []
         self.pushed: list[str] = []  # the documents of each reload
@@ -106,7 +107,8 @@ class Link:
     def _figures(self) -> PoolFigures:
         if self.down:
             raise SchedulerError("connection refused")
-        return PoolFigures(pool="coding", epoch="e1", accepting=True, draining=False, nodes=1,
+        return PoolFigures(pool="coding", epoch="e1", accepting=True, draining=False,
+                           nodes=self.nodes,
                            cores=8, cores_in_use=0, gpus=0, gpus_in_use=0, queue_depth=0,
                            running=0, trajectories=self.trajectories, apis={},
                            environments=1)  # fmt: skip
@@ -202,6 +204,31 @@ def test_a_pool_edited_invalid_is_drained_before_it_goes(
         r.drain_pool(body)
     assert link.drained == ["http://tangram-coding-scheduler.rl.svc:8080"]
     link.trajectories = 0
+    r.drain_pool(body)  # done: the finalizer goes
+
+
+def test_a_drain_waits_for_a_restarted_scheduler_to_hear_from_its_agents(
+    world: tuple[Cluster, Link, Reconciler],
+) -> None:
+    """A scheduler restarted mid-drain answered 0 trajectories before its agent's hello
+    (a second later) told it of the open one: the drain ended and the pool's objects were
+    collected under the trajectory. With no agent connected its 0 is no answer."""
+    cluster, link, r = world
+    _running(cluster, link, r, open_=1)
+    body = cluster.get_custom("ActionPool", "rl", "coding")
+    assert body is not None
+    body["metadata"]["deletionTimestamp"] = "2026-11-28T11:59:00Z"
+    with pytest.raises(RetryError, match="1 trajectories open"):
+        r.drain_pool(body)
+    body = cluster.get_custom("ActionPool", "rl", "coding")
+    assert body is not None
+    link.trajectories, link.nodes = 0, 0  # restarted: its agent not back yet
+    with pytest.raises(RetryError, match="no node agent connected yet"):
+        r.drain_pool(body)
+    link.trajectories, link.nodes = 1, 1  # the agent's hello: the trajectory goes on
+    with pytest.raises(RetryError, match="1 trajectories open"):
+        r.drain_pool(body)
+    link.trajectories = 0  # closed by its owner
     r.drain_pool(body)  # done: the finalizer goes
 
 

@@ -710,6 +710,12 @@ class Reconciler:
             if not last.get("trajectories"):
                 log.info("pool %s: no scheduler to drain (%s)", pool.metadata.name, e)
                 return
+        if figures is not None and figures.nodes == 0 and last.get("trajectories"):
+            # A scheduler that has just restarted learns of the trajectories its agents
+            # hold from their hellos: with none connected yet its 0 is no answer (it ended
+            # the drain, and collected the pool's objects, a second before the agent came).
+            unreachable = "its scheduler has no node agent connected yet"
+            figures = None
         if left <= 0 or (figures is not None and figures.trajectories == 0):
             if figures is None:
                 log.warning("pool %s: its scheduler did not answer within drainSeconds (%s); "
