@@ -90,3 +90,23 @@ def test_a_standard_output_that_cannot_be_written_is_said_without_a_traceback(
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
     assert "cannot write the report to the standard output: No space left" in done.stderr
+
+
+def test_a_reader_that_left_still_gets_the_out_file_written(tmp_path: Path, cluster: Path) -> None:
+    """``tangram bench ... --out r.json | head -1``: the broken pipe ended the command
+    before ``--out`` was written (a full disk did write it)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(TRACE)
+    out = tmp_path / "r.json"
+    argv = ["bench", "--trace", str(trace), "--cluster", str(cluster), "--json", "--no-plot",
+            "--out", str(out)]  # fmt: skip
+    code = f"import sys; from tangram.cli.main import main; sys.exit(main({argv!r}))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader leaves before the report is printed
+    err = proc.stderr.read()
+    assert proc.wait(120) == 141, err  # (a guard only)
+    assert "Traceback" not in err
+    assert json.loads(out.read_text())["policies"]

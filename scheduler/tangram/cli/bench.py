@@ -555,7 +555,7 @@ def _emit(report: dict[str, Any], args: argparse.Namespace, *, rows: bool = True
     fails however --out was checked before leaves the printed report. ``rows`` False:
     no table is printed (a replay stopped before any policy finished has no row)."""
     failed = _print_report(report, args, rows=rows)
-    if args.out:
+    if args.out:  # (also when the reader left: the file is what was asked for)
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -567,9 +567,14 @@ def _emit(report: dict[str, Any], args: argparse.Namespace, *, rows: bool = True
         table = _markdown(report)
         if table is not None:
             write_table(args, table)
+    if failed is _READER_LEFT:
+        raise BrokenPipeError  # (main ends quietly, as for any reader gone)
     if failed is not None:
         written = f" ({args.out} is written)" if args.out else ""
         raise OutputError(f"cannot write the report to the standard output: {failed}{written}")
+
+
+_READER_LEFT = "the reader left"  # (``| head``): told apart from a write that failed
 
 
 def _print_report(report: dict[str, Any], args: argparse.Namespace, *, rows: bool) -> str | None:
@@ -582,7 +587,7 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace, *, rows: boo
             _table(report)
         sys.stdout.flush()
     except BrokenPipeError:
-        raise
+        return _READER_LEFT
     except OSError as e:
         return e.strerror or str(e)
     return None
