@@ -26,7 +26,7 @@ from tangram.api.wire import (
 )
 from tangram.service.config import ANY_TENANT, EnvConfig, TenantLimits
 from tangram.service.engine import Engine
-from tangram.service.records import KEY_SEP, EngineError
+from tangram.service.records import KEY_SEP, ActionRecord, EngineError
 from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run
 
 
@@ -353,15 +353,21 @@ def test_a_keyed_exec_cut_off_by_its_link_is_counted_once_as_its_run_ended(blips
     run(scenario)
 
 
+async def _exec_running_on_its_agent(engine: Engine) -> tuple[Agent, ActionRecord]:
+    """An unkeyed exec of trajectory t1 that its agent holds (it never answers)."""
+    agent = Agent(hello(), _held)
+    await connect(engine, agent)
+    await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+    cut = engine.submit_exec("u", "t1", ExecRequest(argv=["make"]))
+    assert await settle(lambda: bool(agent.ops("exec")))
+    return agent, cut
+
+
 def test_an_unkeyed_exec_cut_off_by_its_link_is_counted_as_lost() -> None:
     """Without a key its run is killed with the link: node_lost is how it ended."""
 
     async def scenario(engine: Engine) -> None:
-        first = Agent(hello(), _held)
-        await connect(engine, first)
-        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
-        cut = engine.submit_exec("u", "t1", ExecRequest(argv=["make"]))
-        assert await settle(lambda: bool(first.ops("exec")))
+        first, cut = await _exec_running_on_its_agent(engine)
         first.drop()
         await left(engine)
         assert (await cut.done).error.code == "node_lost"  # type: ignore[union-attr]
@@ -484,11 +490,7 @@ def test_an_action_ended_by_its_nodes_loss_counts_its_time_and_says_why(
     now = [1000.0]
 
     async def scenario(engine: Engine) -> None:
-        first = Agent(hello(), _held)
-        await connect(engine, first)
-        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
-        cut = engine.submit_exec("u", "t1", ExecRequest(argv=["make"]))
-        assert await settle(lambda: bool(first.ops("exec")))
+        first, cut = await _exec_running_on_its_agent(engine)
         now[0] += 6.4
         first.drop()
         await left(engine)
