@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA checks on a lent GPU machine (docs/gpu.md, "On a lent GPU machine"): the GPU
 # worker's tests on the device, the service's CUDA tests, the restore-bandwidth bench (1 and
-# 4 GiB) and the pooled-vs-static bench. Run it from the repository root there, with .whl/
+# 4 GiB) and the pooled-vs-static bench (modeled compute; real decode steps, batched and
+# not). Run it from the repository root there, with .whl/
 # (`make gpu-kit`) carried along; its python3 must hold PyTorch with CUDA. Each step's
-# output goes to $OUT/device.log (or out/gpu), the JSON reports beside it (at most five
+# output goes to $OUT/device.log (or out/gpu), the JSON reports beside it (at most seven
 # files: the lent machine returns eight). Each step has its own time limit, so one that
 # hangs leaves time for the rest; exits non-zero if a step failed, after running the others.
 # Steps named as arguments run alone (`bash tests/gpu-device.sh pytest-gpu`), for a rerun.
@@ -38,6 +39,11 @@ step bench-gpu 150 "$py" -m tangram.cli.main bench gpu --json --out "$out/gpu.js
 step bench-gpu-4g 200 "$py" -m tangram.cli.main bench gpu --json --size-mb 4096 \
     --out "$out/gpu_4g.json"
 step bench-gpu-pool 240 "$py" -m tangram.cli.main bench gpu-pool --json --out "$out/gpu_pool.json"
+# Real compute (decode steps), calls batched 16 at once on an instance, then one at a time.
+for b in 16 1; do
+    step "bench-gpu-pool-decode-b$b" 240 "$py" -m tangram.cli.main bench gpu-pool --json \
+        --compute decode --batch "$b" --rounds 4 --out "$out/gpu_pool_decode_b$b.json"
+done
 # The GPU worker's tests run on the device where CUDA is there (test_gpu_worker.py); the
 # service's on CPU-backed devices but for the ones marked gpu. Only these files: the rest of
 # the suite needs what this machine lacks (kopf, the kubernetes client, a Docker Engine).

@@ -38,3 +38,39 @@ def test_pooled_and_static_serve_the_same_calls_and_pooling_restores(tmp_path: P
     assert pooled["restores"] >= 1 and pooled["evictions"] >= 1
     for side in (static, pooled):  # a device is never busy with two calls at once
         assert 0 < side["gpu_seconds_busy"] <= side["gpu_seconds_held"]
+
+
+def test_decoding_batched_calls_the_static_side_runs_alone_and_busy_counts_a_pass_once(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "pool.json"
+    args = ["--services", "2", "--pooled", "1", "--per-device", "1", "--rounds", "2"]
+    args += ["--round-s", "1", "--burst", "4", "--compute-ms", "10", "--active", "1"]
+    args += ["--compute", "decode", "--batch", "4", "--devices", "cpu"]
+    done = subprocess.run(
+        [*TANGRAM_CLI, "bench", "gpu-pool", "--json", "--size-mb", "32", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert (report["compute"], report["batch"]) == ("decode", 4)
+    assert report["decode_step_ms"] > 0 and "real compute" in report["device"]
+    static, pooled = report["sides"]["static"], report["sides"]["pooled-1"]
+    assert static["calls"] == pooled["calls"] == report["calls"] > 0
+    assert static["restores"] == 0 and pooled["restores"] >= 1
+    for side in (static, pooled):  # calls sharing a pass keep the device busy once
+        assert 0 < side["gpu_seconds_busy"] <= side["gpu_seconds_held"]
+
+
+def test_a_batch_over_what_an_instance_may_run_is_refused() -> None:
+    done = subprocess.run(
+        [*TANGRAM_CLI, "bench", "gpu-pool", "--batch", "2000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0 and "--batch: 2000" in done.stderr

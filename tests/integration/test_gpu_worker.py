@@ -411,6 +411,27 @@ def test_bench_gpu_prints_the_design_shape() -> None:
     assert report["bytes"] == 32 * 2**20 and report["restore_gbps"] > 0
 
 
+def test_the_decode_bench_model_runs_each_row_its_steps_and_refuses_other_inputs() -> None:
+    from tangram.node_agent import gpu_bench
+
+    module = gpu_bench._Wide(1).to("cuda:0" if torch.cuda.is_available() else "cpu")
+    rows: list[int] = []
+    module.layers[0].register_forward_hook(lambda _m, args, _out: rows.append(len(args[0])))
+    with torch.inference_mode():
+        out = gpu_bench._decode(module, [3, 0, 5, 1])
+        # Rows leave as their steps run out: all three decoding rows, then the 3 and the 5,
+        # then the 5 alone; a call of 0 steps is answered without a pass.
+        assert rows == [3, 2, 2, 1, 1]
+        check = gpu_bench._checksum(module.state_dict())
+        assert out == [check] * 4
+        rows.clear()
+        assert gpu_bench._decode(module, [0]) == [check] and rows == []
+        assert gpu_bench._decode(module, []) == []
+        for bad in (["many"], [-1], [None]):
+            with pytest.raises(ValueError, match="number of steps"):
+                gpu_bench._decode(module, bad)
+
+
 def test_calls_of_one_instance_run_together_and_another_instance_waits(tmp_path: Path) -> None:
     """Calls on a resident instance share it (the scheduler's batching); a call of another
     service on the same GPU waits until the last of them has ended."""

@@ -54,17 +54,61 @@ def _timed(module: torch.nn.Module, inputs: list[Any]) -> list[Any]:
     return [_checksum(module.state_dict())] * len(inputs)
 
 
+def _decode(module: torch.nn.Module, inputs: list[Any]) -> list[Any]:
+    """Real compute, shaped like a generative model's decoding: each input is a number of
+    steps, one row of the batch; the pass runs the stack once per step over every row still
+    decoding (rows leave as they finish, as a decode loop's sequences do) and waits for the
+    device. Calls sharing a pass share its steps: on a GPU a step over 16 rows costs about
+    what one over a single row does (each step reads every weight once), which is what a
+    deployment gains by batching. Answers the weights' checksum per input, as ``timed``."""
+    try:
+        steps = [int(x) for x in inputs]
+    except (TypeError, ValueError):
+        raise ValueError("decode bench service: every input is a number of steps") from None
+    if any(n < 0 for n in steps):
+        raise ValueError("decode bench service: a number of steps is never negative")
+    weight = next(module.parameters())
+    left = sorted(steps, reverse=True)  # row r decodes left[r] steps: the last rows leave first
+    x = torch.full((len(steps), WIDTH), 1e-3, dtype=weight.dtype, device=weight.device)
+    rows = len(left)
+    for step in range(left[0] if left else 0):
+        while left[rows - 1] <= step:
+            rows -= 1
+        x = module(x[:rows])
+    if weight.device.type == "cuda":
+        torch.cuda.synchronize(weight.device)
+    return [_checksum(module.state_dict())] * len(inputs)
+
+
+def step_seconds(layers: int, device: str, steps: int = 200) -> float:
+    """Seconds of one ``decode`` step over one row of a ``layers``-deep stack on ``device``
+    (median of 3 runs after a warm-up): what a call's ``--compute-ms`` becomes in steps."""
+    module = _Wide(layers).to(device)
+    runs = []
+    with torch.inference_mode():
+        _decode(module, [2])
+        for _ in range(3):
+            t0 = time.perf_counter()
+            _decode(module, [steps])
+            runs.append((time.perf_counter() - t0) / steps)
+    del module
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return statistics.median(runs)
+
+
 def _checksum(state: dict[str, torch.Tensor]) -> float:
     return float(state["layers.0.weight"][0, :8].float().sum())
 
 
-_SCORES: dict[str, Score] = {"wide": _echo, "timed": _timed}
+_SCORES: dict[str, Score] = {"wide": _echo, "timed": _timed, "decode": _decode}
 
 
 def __getattr__(name: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
     """Entry points sized by their name (PEP 562): ``wide_<layers>`` (score echoes its
-    inputs; ``tangram bench gpu``) and ``timed_<layers>`` (modeled compute; ``tangram bench
-    gpu-pool``), each a stack of ``<layers>`` fp16 layers of 32 MiB."""
+    inputs; ``tangram bench gpu``), ``timed_<layers>`` (modeled compute) and
+    ``decode_<layers>`` (real compute; both ``tangram bench gpu-pool``), each a stack of
+    ``<layers>`` fp16 layers of 32 MiB."""
     kind, _, layers = name.partition("_")
     if kind not in _SCORES or not layers.isdigit() or int(layers) < 1:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -120,4 +164,4 @@ def run(size_mb: int = 1024, repeats: int = 5) -> dict[str, Any]:
     }
 
 
-__all__ = ["entrypoint", "run", "write_weights"]
+__all__ = ["entrypoint", "run", "step_seconds", "write_weights"]

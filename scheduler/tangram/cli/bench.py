@@ -251,6 +251,18 @@ def register(sub: Any) -> None:
         "--compute-ms", type=float, default=150.0, help="median modeled compute per call"
     )
     g.add_argument("--active", type=float, default=0.5, help="chance a service is in a round's mix")
+    g.add_argument(
+        "--compute",
+        choices=("timed", "decode"),
+        default="timed",
+        help="a call's compute: modeled (timed, it sleeps) or real decode steps",
+    )
+    g.add_argument(
+        "--batch",
+        type=whole_number(1),
+        default=1,
+        help="calls one instance runs at once, sharing forward passes (batching.maxCalls)",
+    )
     t = p.add_argument_group("tenants")
     t.add_argument("--cores", type=whole_number(1), default=2, help="tenants: action cores")
     t.add_argument("--action-s", type=float, default=0.05, help="tenants: each action's sleep")
@@ -269,7 +281,7 @@ REPLAY = "replay"  # the mode without a named benchmark: --trace on --cluster
 _SEEDS = ("coding-seeds", "gpu-seeds", "search-seeds")
 _GPU_POOL = (
     "services", "pooled", "devices", "per_device", "rounds", "round_s", "burst", "compute_ms",
-    "active",
+    "active", "compute", "batch",
 )  # fmt: skip
 _TENANTS = ("cores", "action_s", "steps", "think_s", "flood_actions", "flood_trajectories")
 _SERVICE = (

@@ -13,9 +13,15 @@ open-loop trace replayed against each setup:
 
 The trace follows the shape of multi-teacher distillation: rounds of rollouts, in each a
 changing subset of the services (the domains of that batch) called in a burst as
-trajectories finish. A call's compute is modeled (``timed`` bench model: it sleeps its
-milliseconds, on the device's thread) so the figures show what pooling changes: queueing,
-restores, evictions; restores are real copies of the service's weights. With CUDA
+trajectories finish. A call's compute is modeled by default (``--compute timed``: it
+sleeps its milliseconds, on the device's thread) so the figures show what pooling changes:
+queueing, restores, evictions; restores are real copies of the service's weights. With
+``--compute decode`` it is real: each call decodes a number of steps through the model's
+layers (``--compute-ms`` at one row, measured on the device before the trace), and with
+``--batch N`` both sides run up to N calls of a service at once on its instance, sharing
+forward passes (a RewardService's ``batching.maxCalls``), as a deployment batches; static
+deployments then run one after another, each alone on the device and the host, as each
+would on its own GPU. With CUDA
 (``--devices auto`` finds it) the agents serve real devices (``--gpus cuda:I,...``): the
 pooled sides need that many, and static deployments share them round-robin when there are
 fewer than services, which leaves their figures alone (after the warm-up they never
@@ -23,7 +29,8 @@ restore, and their compute is modeled). Without CUDA the devices are CPU-backed 
 cpu:N``). The report says which.
 
 GPU-seconds: ``held`` is devices × the run's span (what a deployment pays for);
-``busy`` is the sum over calls of (restore + compute) × devices of the call.
+``busy`` is, summed over the devices, the time some call was restoring or computing there
+(each call's span taken back from its answer's arrival; calls sharing passes count once).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +59,7 @@ from tangram.cli.progress import note
 from tangram.cli.up import run_loop
 from tangram.client import AsyncClient
 from tangram.node_agent.agent import NodeAgent
+from tangram.node_agent.gpu_batching import MAX_CALLS
 from tangram.node_agent.gpu_service import GpuOptions
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import PoolConfig, ServiceConfig
@@ -66,6 +74,14 @@ class Call:
     at_s: float  # from the start of the trace
     service: str
     compute_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    call: Call
+    result: ActionResult
+    setup: str  # the scheduler that ran it: its devices are its own
+    end_s: float  # when its answer arrived, from the start of the trace
 
 
 def call_trace(
@@ -146,19 +162,25 @@ async def _until_loaded(running: Running, services: list[str], timeout_s: float 
 
 
 async def _replay(
-    clients: dict[str, AsyncClient], calls: list[Call], checks: dict[str, float]
-) -> tuple[list[tuple[Call, ActionResult]], float]:
+    clients: dict[str, tuple[str, AsyncClient]],
+    calls: list[Call],
+    checks: dict[str, float],
+    step_s: float | None,
+) -> tuple[list[Answered], float]:
     """Submit each call at its time (open loop); the results and the span, first arrival
     to last completion. Every answer must carry its own service's checksum: a call that
-    ran on another model's weights (a residency bug) stops the bench."""
-    out: list[tuple[Call, ActionResult]] = []
+    ran on another model's weights (a residency bug) stops the bench. ``step_s``: calls
+    decode ``compute_ms`` worth of steps of that many seconds (None: modeled compute)."""
+    out: list[Answered] = []
     start = time.perf_counter()
     end = start
 
     async def one(c: Call) -> None:
         nonlocal end
         await asyncio.sleep(max(0.0, start + c.at_s - time.perf_counter()))
-        r = await clients[c.service].score(c.service, [c.compute_ms], input_size=1)
+        setup, client = clients[c.service]
+        work = c.compute_ms if step_s is None else max(1, round(c.compute_ms / 1000 / step_s))
+        r = await client.score(c.service, [work], input_size=1)
         if r.status != ActionStatus.OK:
             raise InputError(f"bench gpu-pool: a call of {c.service} ended {r.status}: {r.error}")
         if r.output != [checks[c.service]]:
@@ -166,23 +188,38 @@ async def _replay(
                 f"bench gpu-pool: a call of {c.service} ran on other weights "
                 f"(answered {r.output}, its model's checksum is {checks[c.service]})"
             )
-        out.append((c, r))
-        end = max(end, time.perf_counter())
+        now = time.perf_counter()
+        out.append(Answered(c, r, setup, now - start))
+        end = max(end, now)
 
     await asyncio.gather(*(one(c) for c in calls))
     return out, end - start
 
 
-def _summary(
-    results: list[tuple[Call, ActionResult]], span_s: float, devices: int
-) -> dict[str, Any]:
-    act = np.array([r.timings.act_s for _, r in results])
-    queued = np.array([r.timings.queued_s for _, r in results])
-    restore = np.array([r.timings.restore_s for _, r in results])
-    busy = sum(
-        (r.timings.restore_s + r.timings.exec_s) * len(r.allocation.gpus) for _, r in results
-    )
-    hits = sum(1 for _, r in results if r.service is not None and r.service.resident)
+def busy_seconds(answers: list[Answered]) -> float:
+    """Summed over devices, the time some call restored or computed there: the union of
+    the calls' spans, each taken back from its answer's arrival (calls sharing a pass
+    overlap and count once)."""
+    spans: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for a in answers:
+        t = a.result.timings
+        for gpu in a.result.allocation.gpus:
+            spans.setdefault((a.setup, gpu), []).append((a.end_s - t.restore_s - t.exec_s, a.end_s))
+    total = 0.0
+    for intervals in spans.values():
+        reach = -np.inf
+        for lo, hi in sorted(intervals):
+            total += max(0.0, hi - max(lo, reach))
+            reach = max(reach, hi)
+    return total
+
+
+def _summary(answers: list[Answered], span_s: float, devices: int) -> dict[str, Any]:
+    results = [a.result for a in answers]
+    act = np.array([r.timings.act_s for r in results])
+    queued = np.array([r.timings.queued_s for r in results])
+    restore = np.array([r.timings.restore_s for r in results])
+    hits = sum(1 for r in results if r.service is not None and r.service.resident)
     return {
         "devices": devices,
         "calls": len(results),
@@ -193,41 +230,64 @@ def _summary(
         "avg_restore_s": float(restore.mean()),
         "hit_rate": hits / len(results),
         "restores": len(results) - hits,
-        "evictions": sum(len(r.service.evicted) for _, r in results if r.service is not None),
+        "evictions": sum(len(r.service.evicted) for r in results if r.service is not None),
         "span_s": span_s,
         "gpu_seconds_held": devices * span_s,
-        "gpu_seconds_busy": busy,
+        "gpu_seconds_busy": busy_seconds(answers),
     }
 
 
-async def _run_setup(
-    setups: list[Setup],
-    calls: list[Call],
-    checks: dict[str, float],
-    tmp: Path,
-    per_device_mib: int,
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """What every side replays, and how."""
+
+    calls: list[Call]
+    checks: dict[str, float]  # each service's checksum: what its calls must answer
+    tmp: Path
+    per_device_mib: int
+    step_s: float | None  # a decode step's seconds (None: modeled compute)
+
+
+async def _run_setup(setups: list[Setup], replay: Replay) -> tuple[list[Answered], float]:
     """Start every scheduler of one side, make each service resident once (a deployment
-    is warm before traffic), replay the trace, stop them."""
+    is warm before traffic), replay the trace, stop them: the answers and the span."""
     async with AsyncExitStack() as stack:
-        clients: dict[str, AsyncClient] = {}
+        clients: dict[str, tuple[str, AsyncClient]] = {}
         for setup in setups:
-            running, token = await _serve(setup, tmp, per_device_mib, stack)
+            running, token = await _serve(setup, replay.tmp, replay.per_device_mib, stack)
             client = await stack.enter_async_context(AsyncClient(running.url, token))
             for s in setup.services:
-                clients[s.spec.name] = client
-        for name, client in clients.items():
-            warm = await client.score(name, [0.0], input_size=1)
+                clients[s.spec.name] = (setup.name, client)
+        for name, (_, client) in clients.items():
+            warm = await client.score(name, [0], input_size=1)
             if warm.status != ActionStatus.OK:
                 raise InputError(
                     f"bench gpu-pool: warming {name} ended {warm.status}: {warm.error}"
                 )
-        results, span = await _replay(clients, calls, checks)
-    return _summary(results, span, sum(s.devices for s in setups))
+        return await _replay(clients, replay.calls, replay.checks, replay.step_s)
+
+
+def _run_side(setups: list[Setup], replay: Replay, *, alone: bool) -> dict[str, Any]:
+    """One side's figures: its setups together, or (``alone``) one after another, each
+    replaying its own services' calls with the machine to itself. Every run starts at the
+    trace's start; the side's span is the longest (each deployment is held until the last
+    call of the trace is answered, as when they run together)."""
+    if not alone:
+        answers, span = run_loop(_run_setup(setups, replay))
+        return _summary(answers, span, sum(s.devices for s in setups))
+    answers, span = [], 0.0
+    for setup in setups:
+        names = {s.spec.name for s in setup.services}
+        mine = [c for c in replay.calls if c.service in names]
+        if mine:
+            got, took = run_loop(_run_setup([setup], replace(replay, calls=mine)))
+            answers += got
+            span = max(span, took)
+    return _summary(answers, span, sum(s.devices for s in setups))
 
 
 def _services(
-    names: list[str], weights: Path, layers: int, compute_ms: float
+    names: list[str], weights: Path, *, layers: int, compute_ms: float, compute: str, batch: int
 ) -> list[tuple[ServiceConfig, float]]:
     """One bench model per name (seeded apart), and the checksum its calls answer."""
     from tangram.node_agent.gpu_bench import entrypoint, write_weights  # needs PyTorch
@@ -238,30 +298,33 @@ def _services(
         nbytes, check = write_weights(path, layers, seed=i)
         spec = ServiceDef(
             name=name,
-            entrypoint=entrypoint("timed", layers),
+            entrypoint=entrypoint(compute, layers),
             weights=str(path),
             gpu_memory_gb=nbytes * HEADROOM / 2**30,
-            max_batch=1,
+            max_batch=batch,
         )
         # The profile the elastic algorithm plans with: a call's median compute at DoP 1.
-        cfg = ServiceConfig(spec=spec, profiles=((1, compute_ms / 1000, None),))
+        cfg = ServiceConfig(spec=spec, profiles=((1, compute_ms / 1000, None),), max_calls=batch)
         out.append((cfg, check))
     return out
 
 
-def _devices_said(visible: int, services: int) -> str:
+def _devices_said(visible: int, services: int, compute: str) -> str:
+    how = "modeled compute" if compute == "timed" else "real compute (decode steps)"
     if not visible:
-        return "cpu-backed devices (--gpus cpu:N; modeled compute, real restores)"
+        return f"cpu-backed devices (--gpus cpu:N; {how}, real restores)"
     from tangram.node_agent.gpu_worker import cuda_name
 
     name = cuda_name(0)
-    shared = (
-        f"; the {services} static deployments share them round-robin (no restores after "
-        "warm-up, modeled compute)"
-        if visible < services
-        else ""
-    )
-    return f"{visible} × {name} (--gpus cuda:...; modeled compute, real restores){shared}"
+    shared = ""
+    if visible < services and compute == "timed":
+        shared = (
+            f"; the {services} static deployments share them round-robin (no restores after "
+            "warm-up, modeled compute)"
+        )
+    elif visible < services:
+        shared = f"; the {services} static deployments run one after another, each alone"
+    return f"{visible} × {name} (--gpus cuda:...; {how}, real restores){shared}"
 
 
 def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,6 +348,8 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
                 f"--pooled: {g} devices, but {visible} CUDA devices are visible "
                 "(--pooled up to that, or --devices cpu)"
             )
+    if args.batch > MAX_CALLS:
+        raise InputError(f"--batch: {args.batch} calls at once is over the most, {MAX_CALLS}")
     layers = max(1, (args.size_mb or 256) // LAYER_MB)
     names = [f"teacher-{i}" for i in range(n)]
     calls = call_trace(
@@ -299,10 +364,25 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not calls:
         raise InputError("bench gpu-pool: the trace has no calls (raise --burst or --rounds)")
     model_mib = layers * LAYER_MB
+    # Room for the calls' activations too: a decode pass holds two (rows, width) tensors.
     per_device_mib = int(model_mib * HEADROOM * args.per_device) + 1
+    step_s = None
+    if args.compute == "decode":
+        from tangram.node_agent.gpu_bench import step_seconds
+
+        step_s = step_seconds(layers, "cuda:0" if visible else "cpu")
+        if not args.json:
+            note(f"a decode step of one row takes {step_s * 1000:.3f} ms on the device")
     tmp = Path(tempfile.mkdtemp(prefix="tangram-bench-gpu-pool-"))
     try:
-        made = _services(names, tmp, layers, args.compute_ms)
+        made = _services(
+            names,
+            tmp,
+            layers=layers,
+            compute_ms=args.compute_ms,
+            compute=args.compute,
+            batch=args.batch,
+        )
         services = [cfg for cfg, _ in made]
         checks = {cfg.spec.name: check for cfg, check in made}
 
@@ -322,7 +402,9 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
                 note(
                     f"[{i + 1}/{len(sides)}] {side}: {len(calls)} calls over {len(names)} services"
                 )
-            report_sides[side] = run_loop(_run_setup(setups, calls, checks, tmp, per_device_mib))
+            replay = Replay(calls, checks, tmp, per_device_mib, step_s)
+            alone = side == "static" and args.compute == "decode"
+            report_sides[side] = _run_side(setups, replay, alone=alone)
             if not args.json:
                 s = report_sides[side]
                 note(
@@ -334,10 +416,13 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     static = report_sides["static"]
     return {
-        "device": _devices_said(visible, n),
+        "device": _devices_said(visible, n, args.compute),
         "services": n,
         "model_mb": model_mib,
         "per_device": args.per_device,
+        "compute": args.compute,
+        "batch": args.batch,
+        "decode_step_ms": None if step_s is None else step_s * 1000,
         "calls": len(calls),
         "trace": {
             "rounds": args.rounds,
