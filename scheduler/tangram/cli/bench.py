@@ -258,6 +258,13 @@ def register(sub: Any) -> None:
         help="a call's compute: modeled (timed, it sleeps) or real decode steps",
     )
     g.add_argument(
+        "--step-ms",
+        type=positive_number,
+        default=None,
+        help="decode: a step's milliseconds, to turn --compute-ms into steps (default: "
+        "measured on the device first; give it to compare runs with the same work)",
+    )
+    g.add_argument(
         "--batch",
         type=whole_number(1),
         default=1,
@@ -281,7 +288,7 @@ REPLAY = "replay"  # the mode without a named benchmark: --trace on --cluster
 _SEEDS = ("coding-seeds", "gpu-seeds", "search-seeds")
 _GPU_POOL = (
     "services", "pooled", "devices", "per_device", "rounds", "round_s", "burst", "compute_ms",
-    "active", "compute", "batch",
+    "active", "compute", "batch", "step_ms",
 )  # fmt: skip
 _TENANTS = ("cores", "action_s", "steps", "think_s", "flood_actions", "flood_trajectories")
 _SERVICE = (

@@ -367,7 +367,9 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
     # Room for the calls' activations too: a decode pass holds two (rows, width) tensors.
     per_device_mib = int(model_mib * HEADROOM * args.per_device) + 1
     step_s = None
-    if args.compute == "decode":
+    if args.compute == "decode" and args.step_ms is not None:
+        step_s = args.step_ms / 1000  # the same work in every run, to compare runs
+    elif args.compute == "decode":
         from tangram.node_agent.gpu_bench import step_seconds
 
         step_s = step_seconds(layers, "cuda:0" if visible else "cpu")
