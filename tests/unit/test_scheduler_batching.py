@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ApiSpec, ServiceSpec
@@ -142,18 +144,24 @@ def test_one_call_per_instance_without_max_calls() -> None:
     assert asg.action_id == "x0" and asg.sharing == 0
 
 
-def test_a_joiner_never_delays_a_call_waiting_for_the_chunk() -> None:
-    """``b`` waits for the only GPU, which ``a``'s instance holds until 10 s; later calls
-    of ``a`` may join only if they end by then, so ``b`` starts at 10 s whatever comes."""
-    s = Scheduler(
+def _one_gpu_two_services(joining: str) -> Scheduler:
+    return Scheduler(
         cluster(
             nodes=[{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
             services=[
                 {"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": 8},
                 {"name": "b", "gpu_memory_gb": 10, "dop_choices": [1]},
             ],
-        )
+        ),
+        SchedulerConfig(gpu_joining=joining),  # type: ignore[arg-type]
     )
+
+
+def test_a_joiner_never_delays_a_call_waiting_for_the_chunk() -> None:
+    """``b`` waits for the only GPU, which ``a``'s instance holds until 10 s; under
+    "no-delay" later calls of ``a`` may join only if they end by then, so ``b`` starts at
+    10 s whatever comes."""
+    s = _one_gpu_two_services("no-delay")
     s.open_trajectory("t")
     s.submit("a0", "t", service_call("a", t1=10.0), 0.0)
     s.schedule(0.0)
@@ -167,6 +175,92 @@ def test_a_joiner_never_delays_a_call_waiting_for_the_chunk() -> None:
     s.complete("a0", 10.0)
     (b,) = s.schedule(10.0).assignments
     assert b.action_id == "b0"
+
+
+def test_joiners_keep_the_chunk_from_a_waiting_call_until_it_is_overdue() -> None:
+    """Under "until-overdue" (the default) calls of ``a`` join its busy instance past
+    ``b`` waiting for the only GPU, and so keep it longer, until ``b`` is overdue (after
+    4 x its 1 s, at 5 s): from then on a joiner must end before the instance's last call,
+    and ``b`` starts when that one ends."""
+    assert SchedulerConfig().gpu_joining == "until-overdue"
+    s = _one_gpu_two_services("until-overdue")
+    s.open_trajectory("t")
+    s.submit("a0", "t", service_call("a", t1=10.0), 0.0)
+    s.schedule(0.0)
+    s.submit("b0", "t", service_call("b", t1=1.0), 1.0)
+    s.submit("long", "t", service_call("a", t1=10.0), 1.0)  # ends at 11 s, after a0
+    s.submit("short", "t", service_call("a", t1=2.0), 1.0)
+    r = s.schedule(1.0)
+    assert sorted(a.action_id for a in r.assignments) == ["long", "short"]
+    assert "b0" in dict(r.blocked)
+    s.complete("short", 3.0)
+    assert s.schedule(3.0).assignments == ()
+    s.submit("before", "t", service_call("a", t1=3.0), 4.9)  # ends at 7.9: b0 not yet owed
+    assert [a.action_id for a in s.schedule(4.9).assignments] == ["before"]
+    s.submit("after", "t", service_call("a", t1=8.0), 5.0)  # would end at 13 s: b0 is owed
+    s.submit("inside", "t", service_call("a", t1=1.0), 5.0)  # ends by 11 s: it may join
+    r = s.schedule(5.0)
+    assert [a.action_id for a in r.assignments] == ["inside"]
+    assert "b0" in dict(r.blocked) and "after" not in s.running
+    for aid, at in (("inside", 6.0), ("before", 7.9), ("a0", 10.0)):
+        s.complete(aid, at)
+        assert s.schedule(at).assignments == ()
+    s.complete("long", 11.0)
+    (b,) = s.schedule(11.0).assignments
+    assert b.action_id == "b0"
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    joiners=st.lists(
+        st.tuples(st.integers(0, 40), st.sampled_from([1, 2, 4, 8])), min_size=1, max_size=20
+    ),
+    b_at=st.integers(1, 20),
+    b_s=st.sampled_from([1, 2, 4]),
+)
+def test_a_call_waiting_for_gpus_is_never_starved_by_joiners(
+    joiners: list[tuple[int, int]], b_at: int, b_s: int
+) -> None:
+    """Starvation-freedom of "until-overdue", against a brute-force replay: however calls
+    of ``a`` keep joining its instance on the only GPU (in halves of a second, each as long
+    as its profile says), ``b`` starts by the time it is overdue plus the longest call of
+    ``a``: joiners before that end by then, and after it none may keep the GPU longer."""
+    config = SchedulerConfig(learn=False)  # durations stay as profiled
+    s = Scheduler(
+        cluster(
+            nodes=[{"name": "g", "gpus": 1, "gpu_memory_gb": 80}],
+            services=[
+                {"name": "a", "gpu_memory_gb": 10, "dop_choices": [1], "max_calls": 64},
+                {"name": "b", "gpu_memory_gb": 10, "dop_choices": [1], "restore_s": 0},
+            ],
+        ),
+        config,
+    )
+    s.open_trajectory("t")
+    arrivals = [(0.0, "a-first", "a", 8.0), (b_at / 2, "b", "b", float(b_s))]
+    arrivals += [(at / 2, f"a{i}", "a", float(d)) for i, (at, d) in enumerate(joiners)]
+    arrivals.sort()
+    took = {aid: d for _, aid, _, d in arrivals}
+    ends: dict[str, float] = {}
+    started_at: dict[str, float] = {}
+    while arrivals or ends:
+        now = min([*ends.values(), *(arrivals[0][:1] if arrivals else ())])
+        for aid in [aid for aid, end in ends.items() if end <= now]:
+            s.complete(aid, now)
+            del ends[aid]
+        while arrivals and arrivals[0][0] <= now:
+            _, aid, service, d = arrivals.pop(0)
+            s.submit(aid, "t", service_call(service, t1=d), now)
+        for asg in s.schedule(now).assignments:
+            started_at[asg.action_id] = now
+            ends[asg.action_id] = now + took[asg.action_id]
+    owed = b_at / 2 + config.overdue_after(b_s)
+    assert started_at["b"] <= owed + max(took.values()) + 1e-9
+
+
+def test_an_unknown_gpu_joining_rule_is_refused() -> None:
+    with pytest.raises(SchedulingError, match="gpu_joining"):
+        SchedulerConfig(gpu_joining="sometimes")  # type: ignore[arg-type]
 
 
 def test_a_redefined_instance_takes_no_joiners() -> None:

@@ -54,6 +54,18 @@ def _timed(module: torch.nn.Module, inputs: list[Any]) -> list[Any]:
     return [_checksum(module.state_dict())] * len(inputs)
 
 
+def _batched(module: torch.nn.Module, inputs: list[Any]) -> list[Any]:
+    """Modeled compute as a GPU batches it: a pass of several calls costs its longest one
+    (on an H200 a decode step over 16 rows costs what one over a single row does), so calls
+    sharing a pass share its time. Inputs and answers as ``timed``."""
+    try:
+        ms = max((float(x) for x in inputs), default=0.0)
+    except (TypeError, ValueError):
+        raise ValueError("batched bench service: every input is a number of milliseconds") from None
+    time.sleep(ms / 1000)
+    return [_checksum(module.state_dict())] * len(inputs)
+
+
 def _decode(module: torch.nn.Module, inputs: list[Any]) -> list[Any]:
     """Real compute, shaped like a generative model's decoding: each input is a number of
     steps, one row of the batch; the pass runs the stack once per step over every row still
@@ -101,14 +113,19 @@ def _checksum(state: dict[str, torch.Tensor]) -> float:
     return float(state["layers.0.weight"][0, :8].float().sum())
 
 
-_SCORES: dict[str, Score] = {"wide": _echo, "timed": _timed, "decode": _decode}
+_SCORES: dict[str, Score] = {
+    "wide": _echo,
+    "timed": _timed,
+    "batched": _batched,
+    "decode": _decode,
+}
 
 
 def __getattr__(name: str) -> Callable[[], tuple[torch.nn.Module, Score]]:
     """Entry points sized by their name (PEP 562): ``wide_<layers>`` (score echoes its
-    inputs; ``tangram bench gpu``), ``timed_<layers>`` (modeled compute) and
-    ``decode_<layers>`` (real compute; both ``tangram bench gpu-pool``), each a stack of
-    ``<layers>`` fp16 layers of 32 MiB."""
+    inputs; ``tangram bench gpu``), ``timed_<layers>`` and ``batched_<layers>`` (modeled
+    compute) and ``decode_<layers>`` (real compute; all three ``tangram bench gpu-pool``),
+    each a stack of ``<layers>`` fp16 layers of 32 MiB."""
     kind, _, layers = name.partition("_")
     if kind not in _SCORES or not layers.isdigit() or int(layers) < 1:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,6 +31,11 @@ DEFAULT_ORDERING = "fcfs"
 QuotaWaiting = Literal["hold", "pass"]
 QUOTA_WAITING: tuple[str, ...] = get_args(QuotaWaiting)
 
+# Whether calls joining a running service instance may keep its GPUs past the time a
+# call waiting for GPUs would get them (docs/scheduler.md, "Joining a running instance").
+GpuJoining = Literal["no-delay", "until-overdue"]
+GPU_JOINING: tuple[str, ...] = get_args(GpuJoining)
+
 # How far an elastic action may grow on a loaded node (docs/scheduler.md, "The core price").
 CorePrice = Literal["none", "load", "arrivals"]
 CORE_PRICES: tuple[str, ...] = get_args(CorePrice)

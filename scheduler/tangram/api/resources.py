@@ -36,7 +36,13 @@ from pydantic.alias_generators import to_camel
 from tangram.api.access import Access, TenantPolicy, namespace_admitted
 from tangram.api.action import _API_NAME
 from tangram.api.demand import Demand, Efficiency, RangeDemand, allowed_units, ordered
-from tangram.api.orderings import DEFAULT_ORDERING, CorePrice, OrderingName, QuotaWaiting
+from tangram.api.orderings import (
+    DEFAULT_ORDERING,
+    CorePrice,
+    GpuJoining,
+    OrderingName,
+    QuotaWaiting,
+)
 from tangram.api.reasons import Reason
 from tangram.api.spec_base import (
     DNS_LABEL,
@@ -293,6 +299,17 @@ class Scheduling(Spec):
             "it, and the first one waiting keeps just its own units (the lower mean)"
         ),
     ] = "hold"
+    gpu_joining: Annotated[
+        GpuJoining,
+        Field(
+            description="calls joining a busy RewardService instance while another call "
+            "waits for GPUs — until-overdue (the default): they may keep the instance's GPUs "
+            "longer until the waiting call is overdue (its ageing bound), so a busy "
+            "instance's calls batch instead of taking turns with it; no-delay: only calls "
+            "that end before the instance's last call join (the waiting call is never "
+            "delayed)"
+        ),
+    ] = "until-overdue"
     core_price: Annotated[
         CorePrice,
         Field(

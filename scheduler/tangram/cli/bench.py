@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from tangram.api.field_errors import alternatives
-from tangram.api.orderings import QuotaWaiting
+from tangram.api.orderings import GPU_JOINING, QuotaWaiting
 from tangram.cli.files import (
     STDIN,
     InputError,
@@ -253,9 +253,17 @@ def register(sub: Any) -> None:
     g.add_argument("--active", type=float, default=0.5, help="chance a service is in a round's mix")
     g.add_argument(
         "--compute",
-        choices=("timed", "decode"),
+        choices=("timed", "batched", "decode"),
         default="timed",
-        help="a call's compute: modeled (timed, it sleeps) or real decode steps",
+        help="a call's compute: modeled (timed: a pass sleeps its calls' sum; batched: its "
+        "longest call's, as on a GPU) or real decode steps",
+    )
+    g.add_argument(
+        "--gpu-joining",
+        choices=GPU_JOINING,
+        default=SchedulerConfig().gpu_joining,
+        help="the pooled schedulers' rule for calls joining a busy instance past a call "
+        "waiting for GPUs (ActionPool spec.scheduling.gpuJoining)",
     )
     g.add_argument(
         "--step-ms",
@@ -288,7 +296,7 @@ REPLAY = "replay"  # the mode without a named benchmark: --trace on --cluster
 _SEEDS = ("coding-seeds", "gpu-seeds", "search-seeds")
 _GPU_POOL = (
     "services", "pooled", "devices", "per_device", "rounds", "round_s", "burst", "compute_ms",
-    "active", "compute", "batch", "step_ms",
+    "active", "compute", "batch", "step_ms", "gpu_joining",
 )  # fmt: skip
 _TENANTS = ("cores", "action_s", "steps", "think_s", "flood_actions", "flood_trajectories")
 _SERVICE = (

@@ -46,7 +46,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from tangram.client import AsyncClient
 from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.gpu_batching import MAX_CALLS
 from tangram.node_agent.gpu_service import GpuOptions
+from tangram.scheduler.core.config import SchedulerConfig
 from tangram.service.auth import AGENT_TENANT, TokenStore
 from tangram.service.config import PoolConfig, ServiceConfig
 from tangram.service.embedded import Running
@@ -121,6 +122,7 @@ class Setup:
     services: tuple[ServiceConfig, ...]
     devices: int
     cuda: tuple[int, ...] = ()  # the CUDA devices it serves; none: CPU-backed devices
+    scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
 async def _serve(
@@ -137,7 +139,11 @@ async def _serve(
         if setup.cuda
         else GpuOptions(f"cpu:{setup.devices}", per_device_mib),
     )
-    config = PoolConfig(name=setup.name, services={s.spec.name: s for s in setup.services})
+    config = PoolConfig(
+        name=setup.name,
+        services={s.spec.name: s for s in setup.services},
+        scheduling=setup.scheduling,
+    )
     running = await stack.enter_async_context(
         serving(config, tokens, agent, what=f"gpu-pool ({setup.name})")
     )
@@ -310,14 +316,14 @@ def _services(
 
 
 def _devices_said(visible: int, services: int, compute: str) -> str:
-    how = "modeled compute" if compute == "timed" else "real compute (decode steps)"
+    how = "real compute (decode steps)" if compute == "decode" else f"modeled compute ({compute})"
     if not visible:
         return f"cpu-backed devices (--gpus cpu:N; {how}, real restores)"
     from tangram.node_agent.gpu_worker import cuda_name
 
     name = cuda_name(0)
     shared = ""
-    if visible < services and compute == "timed":
+    if visible < services and compute != "decode":
         shared = (
             f"; the {services} static deployments share them round-robin (no restores after "
             "warm-up, modeled compute)"
@@ -397,7 +403,10 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
             ]
         }
         for g in pooled:
-            sides[f"pooled-{g}"] = [Setup(f"pooled-{g}", tuple(services), g, cuda(0, g))]
+            scheduling = SchedulerConfig(gpu_joining=args.gpu_joining)
+            sides[f"pooled-{g}"] = [
+                Setup(f"pooled-{g}", tuple(services), g, cuda(0, g), scheduling)
+            ]
         report_sides: dict[str, Any] = {}
         for i, (side, setups) in enumerate(sides.items()):
             if not args.json:
@@ -423,6 +432,7 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
         "model_mb": model_mib,
         "per_device": args.per_device,
         "compute": args.compute,
+        "gpu_joining": args.gpu_joining,
         "batch": args.batch,
         "decode_step_ms": None if step_s is None else step_s * 1000,
         "calls": len(calls),

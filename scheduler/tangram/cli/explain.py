@@ -25,7 +25,13 @@ from tangram.api.action import ActionSpec
 from tangram.api.cluster import ClusterSpec
 from tangram.api.field_errors import described
 from tangram.api.learned import MAX_STEPS
-from tangram.api.orderings import DEFAULT_ORDERING, CorePrice, OrderingName, QuotaWaiting
+from tangram.api.orderings import (
+    DEFAULT_ORDERING,
+    CorePrice,
+    GpuJoining,
+    OrderingName,
+    QuotaWaiting,
+)
 from tangram.cli.files import InputError, read_json
 from tangram.scheduler.core.actions import needs
 from tangram.scheduler.core.resource import Resource
@@ -77,6 +83,7 @@ class ConfigState(_Strict):
     horizon: Annotated[int | None, Field(ge=1)] = None
     quota_waiting: QuotaWaiting = "hold"
     core_price: CorePrice = "arrivals"
+    gpu_joining: GpuJoining = "until-overdue"
 
 
 class State(_Strict):

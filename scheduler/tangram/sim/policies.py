@@ -17,6 +17,9 @@
 ``elastic-unbatched`` the same with every service's ``max_calls`` at 1: a call has its
                      instance to itself (the paper's GPU manager)
 ``elastic-no-ahead`` the same without restoring instances ahead of their calls
+``elastic-no-delay`` the same with ``gpu_joining="no-delay"``: a call joins a busy
+                     instance past one waiting for GPUs only if it ends before the
+                     instance's last call (the rule before 2026-11-30)
 ``fixed-dop-N``      action-level pooling, but elastic actions always get N units
 ``k8s-static``       exec actions in a pod per trajectory (0.5 CPU request, 4 limit),
                      single-process commands; ``k8s-static-dop-N`` runs N processes;
@@ -81,6 +84,7 @@ NAMED = (
     "elastic-load",
     "elastic-unbatched",
     "elastic-no-ahead",
+    "elastic-no-delay",
     "unmanaged",
 )
 
@@ -132,6 +136,8 @@ def build(
             hint = (sigma, np.random.default_rng([seed, 1]))
     if policy == "elastic-no-ahead":
         base = replace(base, restore_ahead=False)
+    if policy == "elastic-no-delay":
+        base = replace(base, gpu_joining="no-delay")
     if policy in _CORE_PRICE:
         base = replace(base, core_price=_CORE_PRICE[policy])
     if m := _FIXED.match(policy):

@@ -9,9 +9,11 @@ from typing import Literal
 from tangram.api.orderings import (
     CORE_PRICES,
     DEFAULT_ORDERING,
+    GPU_JOINING,
     ORDERINGS,
     QUOTA_WAITING,
     CorePrice,
+    GpuJoining,
     QuotaWaiting,
 )
 
@@ -56,6 +58,11 @@ class SchedulerConfig:
     # service with calls queued or running, one at its largest DoP where its next call
     # would land, while that chunk is free.
     restore_ahead: bool = True
+    # While a call waits for GPUs, calls joining a running instance: "no-delay" only when
+    # they end before the instance's last call (the chunk frees as it would without them);
+    # "until-overdue" also when they keep it longer, until the waiting call is overdue
+    # (``overdue_after``): calls of a busy instance batch instead of taking turns with it.
+    gpu_joining: GpuJoining = "until-overdue"
 
     def overdue_after(self, expected_s: float) -> float:
         """The ageing bound: how long an action expected to take ``expected_s`` may wait
@@ -65,6 +72,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.quota_waiting not in QUOTA_WAITING:
             raise SchedulingError("quota_waiting", f"unknown rule {self.quota_waiting!r}")
+        if self.gpu_joining not in GPU_JOINING:
+            raise SchedulingError("gpu_joining", f"unknown rule {self.gpu_joining!r}")
         if self.core_price not in CORE_PRICES:
             raise SchedulingError("core_price", f"unknown rule {self.core_price!r}")
         if not 0 <= self.ageing_wait < math.inf:  # NaN or inf would make nothing overdue

@@ -30,6 +30,7 @@ allocates exact cores, GPU chunks and quota units, and starts the actions).
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
@@ -176,6 +177,9 @@ class _Planner:
             {q: quota.free(now) for q, quota in s.quotas.items()},
         )
         self.blocked: set[Resource] = set()  # reserved for the rest of the round
+        # When the first of the calls walked so far that wait for GPUs is overdue: until
+        # then joiners may keep their instance's chunk longer (``gpu_joining``).
+        self.gpus_owed_at = math.inf
         self.caps = s.round_caps()
         self.prices: dict[str, NodePrice] = {}  # per node, computed when first needed
         # Calls on each running service instance, as this round's joiners add theirs.
@@ -419,6 +423,9 @@ class _Planner:
                 waits.append((aid, ",".join(sorted(str(r) for r in fit))))
             else:
                 blocked.update(self._reserves(a, node, wants, set()))
+            if a.gpu:  # a call waiting for GPUs: owed them once overdue
+                owed = a.submitted_at + s.config.overdue_after(durations[units[0]])
+                self.gpus_owed_at = min(self.gpus_owed_at, owed)
             key = wants[0]
             if key in elastic_resources and (horizon is None or len(rest.get(key, ())) < horizon):
                 rest.setdefault(key, []).append(pending)
@@ -498,7 +505,10 @@ class _Planner:
 
         While an earlier call waits for a chunk (the GPUs are closed), a joiner must end
         before the instance's last call does: then the chunk frees when it would have
-        without it, so joining never delays a waiting call and cannot starve it.
+        without it, so joining never delays a waiting call and cannot starve it. Under
+        ``gpu_joining`` "until-overdue" that holds only once a waiting call is overdue:
+        before, joiners may keep the chunk longer (batching beats taking turns), and the
+        wait they add is bounded by the ageing bound.
         """
         s, prov, calls = self.s, self.prov, self.calls
         assert a.service is not None
@@ -508,13 +518,14 @@ class _Planner:
             return None
         svc = s.services[a.service]
         closed = GPU in self.blocked
+        owed = closed and (s.config.gpu_joining == "no-delay" or self.now >= self.gpus_owed_at)
         best: tuple[float, int, Instance, float] | None = None
         for k in units:
             inst = self._joinable(a.service, k)
             if inst is not None:
                 ready, end = self._times()[inst.chunk]
                 d = max(0.0, ready - self.now) + durations[k] * svc.slowdown(calls[inst])
-                if closed and self.now + d > end + 1e-9:
+                if owed and self.now + d > end + 1e-9:
                     continue
                 if best is None or d < best[0]:
                     best = (d, k, inst, end)
