@@ -46,7 +46,7 @@ from tangram.api import (
     ServiceSpec,
     allowed_units,
 )
-from tangram.api.orderings import CorePrice
+from tangram.api.orderings import GPU_JOINING, CorePrice
 from tangram.scheduler import Assignment, Round, Scheduler, SchedulerConfig, SchedulingError
 from tangram.scheduler.core.config import Ordering
 from tangram.scheduler.core.decisions import Plan
@@ -841,8 +841,9 @@ def check_fcfs(
     started = {a.action_id: a for a in rnd.assignments}
 
     # A call that joined a running instance took no chunk: it may pass one waiting for
-    # GPUs only if it ends before the instance's last call did, so the chunk frees as
-    # it would have without it.
+    # GPUs if it ends before the instance's last call did, so the chunk frees as it would
+    # have without it; under "until-overdue" also while the waiting call is not overdue.
+    patient = sim.sched.config.gpu_joining == "until-overdue"
     def last_end(joiner: Assignment) -> float:
         """When the other calls on its chunk are expected to end, the last of them."""
         return max(
@@ -925,6 +926,9 @@ def check_fcfs(
                 uses.discard(GPU)
                 if GPU in needs:
                     event("a joiner passed a call waiting for GPUs")
+            elif later.sharing and patient and GPU in needs and not overdue(a):
+                uses.discard(GPU)
+                event("a joiner kept a chunk longer from a call waiting for GPUs")
             clash = needs & uses
             if not clash:
                 continue
@@ -991,12 +995,13 @@ def test_trajectory_orderings_are_starvation_free(
 
 
 @SIM
-@given(gpu_workloads())
-def test_joiners_never_delay_a_call_held_back_for_more_gpus(w: Workload) -> None:
+@given(gpu_workloads(), st.sampled_from(GPU_JOINING))
+def test_joiners_never_delay_a_call_held_back_for_more_gpus(w: Workload, joining: str) -> None:
     """A call that fits but has waited for a bigger chunk past its ageing bound is owed
     what a call that did not fit is: no joiner behind it keeps a chunk past its
-    instance's last call."""
-    simulate(w, SchedulerConfig(), fcfs_check=True)
+    instance's last call; one that did not fit is owed that from the start under
+    "no-delay", once overdue under "until-overdue"."""
+    simulate(w, SchedulerConfig(gpu_joining=joining), fcfs_check=True)  # type: ignore[arg-type]
 
 
 @settings(max_examples=100, deadline=None)
