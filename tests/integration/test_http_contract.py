@@ -4,6 +4,8 @@ takes, so that a request valid by the schema is not refused for them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -130,3 +132,55 @@ def test_a_value_of_the_wrong_json_type_is_refused_naming_its_field(tmp_path: Pa
             answer = http.post("/v1/batch", json=batch)
             assert answer.status_code == 200, answer.text
             assert [r["status"] for r in answer.json()["results"]] == ["ok", "ok"]
+
+
+@contextmanager
+def _sandbox(tmp: Path) -> Iterator[tuple[httpx.Client, str, str]]:
+    """The service on a noop agent, a client of its E2B API (the key sent), a sandbox of
+    ``box`` made there and the key."""
+    agent = NodeAgent.create(tmp / "agent", runtime="noop", cores_for_actions=2)
+    with (
+        service(CONFIG, agent, tmp) as (running, token),
+        httpx.Client(base_url=running.url, headers={"X-API-KEY": token}, timeout=30) as http,
+    ):
+        made = http.post("/sandboxes", json=SANDBOX)
+        assert made.status_code == 201, made.text
+        yield http, made.json()["sandboxID"], token
+
+
+SANDBOX = {"templateID": "box", "timeout": 300, "metadata": {"run": "1"}, "envVars": {"A": "1"}}
+
+
+def test_the_e2b_api_refuses_a_value_of_the_wrong_json_type_naming_its_field(
+    tmp_path: Path,
+) -> None:
+    """As /v1, E2B's API takes a value only as the JSON type it is (E2B's own, in Go, does
+    too): ``"timeout": "30"`` made a sandbox of 30 s, ``true`` one of 1 s. Each is a 400
+    in E2B's shape naming the field, nothing opened or changed; what E2B's SDK sends is
+    taken."""
+    with _sandbox(tmp_path) as (http, sid, _):
+        end = http.get(f"/sandboxes/{sid}").json()["endAt"]
+        wrong = [
+            ("/sandboxes", {**SANDBOX, "timeout": "30"}, "timeout"),
+            ("/sandboxes", {**SANDBOX, "timeout": True}, "timeout"),
+            ("/sandboxes", {**SANDBOX, "timeout": 30.0}, "timeout"),  # (Go's int32 refuses it)
+            ("/v2/sandboxes", {**SANDBOX, "templateID": ["box"]}, "templateID"),
+            ("/sandboxes", {**SANDBOX, "metadata": {"run": 1}}, "metadata.run"),
+            ("/sandboxes", {**SANDBOX, "envVars": {"A": True}}, "envVars.A"),
+            (f"/sandboxes/{sid}/timeout", {"timeout": "30"}, "timeout"),
+            (f"/sandboxes/{sid}/timeout", {"timeout": False}, "timeout"),
+            (f"/sandboxes/{sid}/connect", {"timeout": "600"}, "timeout"),
+            (f"/v2/sandboxes/{sid}/connect", {"timeout": 600.5}, "timeout"),
+        ]
+        for path, body, field in wrong:
+            answer = http.post(path, json=body)
+            assert answer.status_code == 400, (path, body, answer.text)
+            assert answer.json()["code"] == 400
+            assert answer.json()["message"].startswith(f"{field}: "), (body, answer.text)
+        assert [box["sandboxID"] for box in http.get("/sandboxes").json()] == [sid]
+        assert http.get(f"/sandboxes/{sid}").json()["endAt"] == end
+
+        # A whole number of seconds, as E2B's SDK sends it, is taken.
+        assert http.post(f"/sandboxes/{sid}/timeout", json={"timeout": 30}).status_code == 204
+        assert http.get(f"/sandboxes/{sid}").json()["endAt"] != end
+        assert http.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code == 200

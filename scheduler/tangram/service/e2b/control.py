@@ -35,7 +35,11 @@ STATES = ("running", "paused")  # E2B's; these sandboxes are only ever running
 
 class _Body(BaseModel):
     # E2B's clients send more than is served (autoPause, network, mcp...): not refused.
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # What is served is taken only as the JSON type it is, as /v1's requests are
+    # (``wire._Request``) and E2B's own API (Go) takes it: ``"timeout": "30"``, ``true``
+    # or ``30.0`` is a 400 naming ``timeout``, not a sandbox of 30 s, or of 1. Strict in
+    # the model, not by validating the raw body: FastAPI hands the route the parsed JSON.
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
 class NewSandbox(_Body):
