@@ -4,9 +4,11 @@ takes, so that a request valid by the schema is not refused for them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -134,6 +136,21 @@ def test_a_value_of_the_wrong_json_type_is_refused_naming_its_field(tmp_path: Pa
             assert [r["status"] for r in answer.json()["results"]] == ["ok", "ok"]
 
 
+def _envelope(message: dict[str, Any]) -> bytes:
+    data = json.dumps(message).encode()
+    return b"\0" + len(data).to_bytes(4, "big") + data
+
+
+def _messages(body: bytes) -> list[dict[str, Any]]:
+    """A Connect server stream's messages, its end's last."""
+    found = []
+    while body:
+        size = int.from_bytes(body[1:5], "big")
+        found.append(json.loads(body[5 : 5 + size]))
+        body = body[5 + size :]
+    return found
+
+
 @contextmanager
 def _sandbox(tmp: Path) -> Iterator[tuple[httpx.Client, str, str]]:
     """The service on a noop agent, a client of its E2B API (the key sent), a sandbox of
@@ -184,3 +201,48 @@ def test_the_e2b_api_refuses_a_value_of_the_wrong_json_type_naming_its_field(
         assert http.post(f"/sandboxes/{sid}/timeout", json={"timeout": 30}).status_code == 204
         assert http.get(f"/sandboxes/{sid}").json()["endAt"] != end
         assert http.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code == 200
+
+
+def test_envd_refuses_a_value_of_the_wrong_json_type_naming_its_field(tmp_path: Path) -> None:
+    """envd's process calls take a field only as the JSON type its proto JSON has:
+    ``"stdin": "no"`` was an open stdin, ``"pty": false`` a terminal, ``"cwd": 5`` a
+    directory "5", ``"pid": true`` pid 1. Each is Connect's ``invalid_argument`` naming
+    the field, and nothing runs; what E2B's SDK sends runs."""
+    with _sandbox(tmp_path) as (http, sid, token):
+        envd = {"E2b-Sandbox-Id": sid, "X-Access-Token": token}
+        streamed = {**envd, "Content-Type": "application/connect+json"}
+        command = {"cmd": "/bin/true"}
+        refused: list[tuple[dict[str, Any], str]] = [
+            ({"process": command, "stdin": "no"}, "stdin"),
+            ({"process": command, "stdin": 0}, "stdin"),
+            ({"process": command, "pty": False}, "pty"),
+            ({"process": {**command, "cwd": 5}}, "process.cwd"),
+            ({"process": command, "tag": 7}, "tag"),
+        ]
+        for msg, field in refused:
+            answer = http.post("/process.Process/Start", content=_envelope(msg), headers=streamed)
+            messages = _messages(answer.content)  # (Connect's streams answer 200)
+            assert len(messages) == 1, (msg, messages)  # the end of the stream, no start
+            error = messages[0]["error"]
+            assert error["code"] == "invalid_argument", (msg, error)
+            assert error["message"].startswith(f"{field}: "), (msg, error)
+        v1 = {"authorization": f"Bearer {token}"}
+        assert http.get(f"/v1/trajectories/{sid}", headers=v1).json()["actions"] == 0
+
+        for selector, field in (({"pid": True}, "process.pid"), ({"pid": "1"}, "process.pid"),
+                                ({"tag": 1}, "process.tag")):  # fmt: skip
+            for method in ("CloseStdin", "SendSignal"):
+                body = {"process": selector, "signal": "SIGNAL_SIGKILL"}
+                answer = http.post(f"/process.Process/{method}", json=body, headers=envd)
+                assert answer.status_code == 400, (method, selector, answer.text)
+                assert answer.json()["code"] == "invalid_argument", answer.text
+                assert answer.json()["message"].startswith(f"{field}: "), answer.text
+
+        start = {"process": {**command, "cwd": "/", "args": []}, "stdin": False, "tag": "t"}
+        answer = http.post("/process.Process/Start", content=_envelope(start), headers=streamed)
+        events = _messages(answer.content)
+        assert events[0] == {"event": {"start": {"pid": 1}}}, events
+        assert events[-2]["event"]["end"]["exitCode"] == 0 and events[-1] == {}, events
+        answer = http.post("/process.Process/CloseStdin", json={"process": {"pid": 1}},
+                           headers=envd)  # fmt: skip
+        assert answer.status_code == 404, answer.text  # (it has ended: read, then not found)

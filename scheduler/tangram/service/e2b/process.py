@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import signal
 from collections.abc import AsyncIterator
 from typing import Any
@@ -63,9 +64,13 @@ def start(engine: Engine, box: Sandbox, msg: dict[str, Any], timeout_s: float | 
         raise ConnectError("invalid_argument", "process.envs: a map of strings is required")
     if (problem := env_problem(envs)) is not None:
         raise ConnectError("invalid_argument", f"process.envs: {problem}")
+    _given(config, "cwd", str, "process.cwd: a string")
+    _given(msg, "tag", str, "tag: a string")
+    _given(msg, "pty", dict, 'pty: an object ({"size": ...})')
+    _given(msg, "stdin", bool, "stdin: true or false")
     argv = [config["cmd"], *args]
     if cwd:
-        argv = ["/bin/sh", "-c", _CD, str(cwd), *argv]
+        argv = ["/bin/sh", "-c", _CD, cwd, *argv]
     pty = msg.get("pty") is not None
     stdin = bool(msg.get("stdin")) or pty  # a terminal takes what is typed
     try:
@@ -122,11 +127,25 @@ def select(box: Sandbox, msg: dict[str, Any]) -> Proc:
     selector = msg.get("process") or {}
     if not isinstance(selector, dict):
         raise ConnectError("invalid_argument", "process: a selector (pid or tag) is required")
-    pid, tag = selector.get("pid"), selector.get("tag")
+    pid = _given(selector, "pid", int, "process.pid: an integer")
+    tag = _given(selector, "tag", str, "process.tag: a string")
     for proc in box.procs.values():
         if (pid is not None and proc.pid == pid) or (tag is not None and proc.tag == tag):
             return proc
     raise ConnectError("not_found", f"process {pid if pid is not None else tag!r} not found")
+
+
+def _given(msg: dict[str, Any], field: str, kind: type, what: str) -> Any:
+    """``msg[field]`` when absent (None) or of the JSON type ``kind``, as envd's proto
+    JSON takes it; any other type is refused naming the field, never converted (a
+    ``"stdin": "no"`` was an open stdin, ``"pty": false`` a terminal, ``"pid": true``
+    pid 1)."""
+    value = msg.get(field)
+    if value is not None and (
+        not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)
+    ):
+        raise ConnectError("invalid_argument", f"{what} is required, not {json.dumps(value)}")
+    return value
 
 
 def send_input(proc: Proc, msg: dict[str, Any]) -> None:
