@@ -90,8 +90,9 @@ ARGV = {"argv": ["true"]}
 
 def test_a_value_of_the_wrong_json_type_is_refused_naming_its_field(tmp_path: Path) -> None:
     """Never converted, on a route that reads its body as JSON (an exec) as on one FastAPI
-    reads (a batch, a lease, an open): ``"yes"`` ran the command under a terminal, ``true``
-    on a core. Every refusal is a 400 naming the field, and nothing ran."""
+    reads (a batch, a lease, a call, an open, the files API's): ``"yes"`` ran the command
+    under a terminal, ``true`` on a core. Every refusal is a 400 naming the field, and
+    nothing ran."""
     agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=2)
     config = PoolConfig(envs=CONFIG.envs, apis=(ApiSpec(name="search", concurrency=4),))
     with service(config, agent, tmp_path) as (running, token):
@@ -113,6 +114,15 @@ def test_a_value_of_the_wrong_json_type_is_refused_naming_its_field(tmp_path: Pa
                 (exec_path, {**ARGV, "efficiency": {"amdahl": 2}}, ["efficiency.amdahl"]),
                 (exec_path, {**ARGV, "cpu": {"min": 3, "max": 2}}, ["cpu"]),
                 (exec_path, {**ARGV, "cpu": {"choices": []}}, ["cpu.choices"]),
+                # The other routes that take a JSON body.
+                ("/v1/trajectories", {"env": "box", "labels": {"run": 1}}, ["labels.run"]),
+                (exec_path, {"session": {"kind": "bash", "name": 1}, "code": "x"},
+                 ["session.name"]),
+                ("/v1/apis/search/call", {"path": "/", "timeout_s": "5"}, ["timeout_s"]),
+                ("/v1/apis/search/call", {"query": {"q": 1}}, ["query.q"]),
+                ("/v1/services/score/call", {"inputs": [1], "input_size": "5"}, ["input_size"]),
+                (f"/v1/trajectories/{tid}/files/mkdir", {"path": 5}, ["path"]),
+                (f"/v1/trajectories/{tid}/files/rename", {"path": "a", "to": ["b"]}, ["to"]),
             ]  # fmt: skip
             for path, body, fields in cases:
                 answer = http.post(path, json=body)
