@@ -17,7 +17,9 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import time
+from collections.abc import Callable
 
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
@@ -152,9 +154,11 @@ async def serve(
                 wait, down.failed(), extra={"url": url, "node": agent.node},
             )  # fmt: skip
         elif failure is not None:
-            link_log.warning(
+            count = down.failed()
+            link_log.log(
+                logging.WARNING if down.loud() else logging.DEBUG,
                 "scheduler link to %s: %s; retrying in %.1fs%s", url, failure, wait,
-                down.failed(), extra={"url": url, "node": agent.node},
+                count, extra={"url": url, "node": agent.node},
             )  # fmt: skip
         if not stop.is_set():
             with contextlib.suppress(TimeoutError):
@@ -192,28 +196,43 @@ async def _connect(url: str, token: str, stop: asyncio.Event) -> websockets.Clie
 
 class Outage:
     """The failed attempts since the link last connected (the first connect too), said
-    with each failure and with the connect that ends them."""
+    with each failure and with the connect that ends them; and which failures are worth a
+    warning: the first ``LOUD_FIRST``, then one a ``LOUD_EVERY_S`` (a scheduler down for
+    an hour is not 700 warnings; the rest are logged at debug, and the count says them)."""
 
-    def __init__(self) -> None:
+    LOUD_FIRST = 3
+    LOUD_EVERY_S = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.failures = 0
-        self.since = 0.0  # (monotonic) the first failure's
+        self.since = 0.0  # (clock) the first failure's
+        self.said = -math.inf  # (clock) when a failure was last worth a warning
         self.connected = False  # ever: a first connect is not "again"
 
     def failed(self) -> str:
         if not self.failures:
-            self.since = time.monotonic()
+            self.since = self.clock()
         self.failures += 1
         return "" if self.failures == 1 else f" ({self._count()} so far)"
+
+    def loud(self) -> bool:
+        """Whether the failure just counted is worth a warning (the others: debug)."""
+        now = self.clock()
+        if self.failures <= self.LOUD_FIRST or now - self.said >= self.LOUD_EVERY_S:
+            self.said = now
+            return True
+        return False
 
     def ended(self) -> str:
         """'' when nothing failed, else how long and how many tries it took; reset."""
         again = " again" if self.connected else ""
         said = f"{again} after {self._count()}" if self.failures else ""
-        self.failures, self.connected = 0, True
+        self.failures, self.connected, self.said = 0, True, -math.inf
         return said
 
     def _count(self) -> str:
-        n, lasted = self.failures, time.monotonic() - self.since
+        n, lasted = self.failures, self.clock() - self.since
         return f"{n} failed attempt{'s' if n != 1 else ''} over {lasted:.0f} s"
 
 
