@@ -844,6 +844,7 @@ def check_fcfs(
     # GPUs if it ends before the instance's last call did, so the chunk frees as it would
     # have without it; under "until-overdue" also while the waiting call is not overdue.
     patient = sim.sched.config.gpu_joining == "until-overdue"
+
     def last_end(joiner: Assignment) -> float:
         """When the other calls on its chunk are expected to end, the last of them."""
         return max(
