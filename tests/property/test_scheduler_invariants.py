@@ -19,7 +19,8 @@ submitted ``think_s`` after the previous action completes). The driver calls
 With a node drained (and maybe back later), the runs on its cores or GPUs end there and
 the others go on; an action the pool cannot host meanwhile holds nothing back (it is
 exempt from the FCFS check, and the rest must still complete), and one still waiting
-for a node that never comes back ends by its queue timeout.
+for a node that never comes back ends by its queue timeout. A node may be cordoned
+first (its agent said it stops): nothing starts on it from then on.
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class Drain:
     node: str
     at: float
     back_at: float | None  # it joins again, empty, as it was; None: never
+    # Its agent said it stops at this time (at or before ``at``): cordoned until it leaves,
+    # it takes no new work. None: it is lost without a word.
+    cordon_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -245,12 +249,15 @@ def workloads(draw: st.DrawFn, extra_quotas: bool = True, api: bool | None = Non
 def drain_workloads(draw: st.DrawFn) -> Workload:
     """``workloads`` with one node leaving while actions run: often a CPU node while
     calls of its trajectories run on a GPU node, or a GPU node under calls of
-    trajectories on the others."""
+    trajectories on the others; half the time its agent says it stops first."""
     w = draw(workloads())
     node = draw(st.sampled_from([n.name for n in w.cluster.nodes]))
     at = draw(st.floats(0.0, 6.0))
+    cordon = None
+    if draw(st.booleans()):  # its agent says it stops, and leaves once what runs ended
+        cordon, at = at, at + draw(st.floats(0.0, 10.0))
     back = draw(st.one_of(st.none(), st.floats(0.1, 8.0).map(lambda d: at + d)))
-    return Workload(w.cluster, w.trajectories, Drain(node, at, back))
+    return Workload(w.cluster, w.trajectories, Drain(node, at, back, cordon))
 
 
 @st.composite
@@ -372,6 +379,7 @@ class Sim:
     cancelled: set[str] = field(default_factory=set)
     ahead: dict[Instance, float] = field(default_factory=dict)  # restores ahead -> their end
     ended: set[str] = field(default_factory=set)  # runs a drain ended (on its units)
+    cordoned: set[str] = field(default_factory=set)  # nodes whose agent said it stops
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -421,6 +429,8 @@ def simulate(
     for i, (at, _) in enumerate(switches):
         push(at, "config", str(i))
     if w.drain is not None:
+        if w.drain.cordon_at is not None:
+            push(w.drain.cordon_at, "cordon", w.drain.node)
         push(w.drain.at, "drain", w.drain.node)
         if w.drain.back_at is not None:
             push(w.drain.back_at, "join", w.drain.node)
@@ -444,9 +454,14 @@ def simulate(
                 next_step(tid)
         while sim.events and sim.events[0][0] <= sim.now:
             _, _, kind, tid = heapq.heappop(sim.events)
+            if kind == "cordon":
+                sched.cordon_node(tid)
+                sim.cordoned.add(tid)
+                continue
             if kind == "drain":
                 for ended in drain(sim, tid):
                     next_step(ended)
+                sim.cordoned.discard(tid)
                 continue
             if kind == "join":
                 join(sim, tid)
@@ -605,6 +620,9 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
     for asg in rnd.assignments:
         aid = asg.action_id
         assert aid in sim.queued, f"{aid} started but was not queued"
+        assert asg.node not in sim.cordoned, f"{aid} started on {asg.node}, which is leaving"
+        if sim.cordoned:
+            event("an action started while a node was leaving")
         check_assignment(sim, asg, learned[aid])
         sim.queued.discard(aid)
         sim.started.add(aid)
@@ -641,16 +659,25 @@ def run_round(sim: Sim, fcfs_check: bool) -> Round:
 
 def check_stranded(sim: Sim) -> None:
     """The actions a round skips as the pool cannot host them are exactly those no node
-    present can: an exec action of an unplaced trajectory whose minimum or memory no node
-    has, a call whose DoPs fit no GPU node."""
+    present and not leaving (cordoned) can: an exec action of an unplaced trajectory whose
+    minimum or memory no such node has, or of one placed on a leaving node, a call whose
+    DoPs fit no GPU node."""
     sched = sim.sched
     for aid in sim.queued:
         spec, a = sim.spec[aid], sched.actions[aid]
         hostable = True
-        if spec.kind is ActionKind.EXEC and sim.traj_of[aid] not in sched.cpu.placement:
+        node = sched.cpu.placement.get(sim.traj_of[aid])
+        if spec.kind is ActionKind.EXEC and node is None:
             low = allowed_units(spec.cpu)[0] if spec.cpu is not None else 1
             mem = sim.traj(sim.traj_of[aid]).memory_gb
-            hostable = any(n.cores >= low and n.memory_gb >= mem for n in sched.cpu.nodes.values())
+            hostable = any(
+                n.cores >= low and n.memory_gb >= mem and n.name not in sim.cordoned
+                for n in sched.cpu.nodes.values()
+            )
+        elif spec.kind is ActionKind.EXEC:
+            hostable = node not in sim.cordoned
+            if not hostable:
+                event("an action waited for its trajectory's node, which was leaving")
         elif spec.kind is ActionKind.SERVICE:
             hostable = any(sched.gpu.fits(a.service or "", k) for k in a.gpu)
         assert (aid in sched.stranded) == (not hostable), f"{aid}: hostable {hostable}"
@@ -1033,7 +1060,9 @@ def test_max_candidates_keeps_the_invariants(w: Workload, limit: int) -> None:
 def test_node_drains_keep_the_invariants(w: Workload, waiting: str) -> None:
     """A node leaves (and maybe comes back) while actions run on it and elsewhere: the
     runs on it end and every unit they held comes back, the runs elsewhere finish, and
-    what no node can host meanwhile holds nothing back."""
+    what no node can host meanwhile holds nothing back. A node whose agent said it stops
+    first (cordoned) starts nothing new from then on, and what waits for it holds nothing
+    back either."""
     simulate(w, SchedulerConfig(quota_waiting=waiting), fcfs_check=True)  # type: ignore[arg-type]
 
 

@@ -371,3 +371,121 @@ def test_a_trajectory_opened_again_counts_its_run_that_outlived_the_drain() -> N
     assert s.trajectories["t"].in_flight == 0 and s.returns.thinking == {"c1": 1}
     s.close_trajectory("t")
     assert not s.closing and not s.returns.thinking
+
+
+# ---- a cordoned node (its agent stops, and lets what runs finish) takes no new work -----
+
+
+def _exec_with_quota(cores: int, t1: float, quota: str) -> ActionSpec:
+    return ActionSpec(kind="exec", cpu=cores, t1_s=t1, quotas={quota: 1})
+
+
+def test_a_cordoned_node_starts_nothing_new_and_lets_what_runs_end() -> None:
+    """An agent that said it stops kept getting new trajectories and the next commands
+    of its own, which it never ran: they ended node_lost when it left. A cordoned node
+    takes none: new trajectories go to the others; its own trajectories' next actions
+    wait (holding nobody back) and are dropped with the node; what runs there ends."""
+    s = Scheduler(
+        cluster(
+            nodes=[
+                {"name": "n1", "cpus": 4, "memory_gb": 8},
+                {"name": "n2", "cpus": 4, "memory_gb": 8},
+            ],
+            apis=[{"name": "search", "concurrency": 1}],
+        )
+    )
+    s.open_trajectory("t0", memory_gb=4)  # n2 half full: n1 is the one chosen
+    s.place_trajectory("t0", "n2")
+    s.open_trajectory("t1", memory_gb=1)
+    s.place_trajectory("t1", "n1")
+    s.submit("run", "t1", exec_action(1, t1=5.0), now=0.0)
+    assert started(s, 0.0) == ["run"]
+    s.cordon_node("n1")
+    s.cordon_node("n1")  # (said twice: one cordon)
+    s.submit("next", "t1", _exec_with_quota(1, 1.0, "search"), now=1.0)
+    s.open_trajectory("t2", memory_gb=1)
+    s.submit("new", "t2", _exec_with_quota(1, 1.0, "search"), now=1.0)
+    rnd = s.schedule(1.0)
+    # t1's next command waits for its node, which has free cores but takes no new work,
+    # and does not keep the quota from t2's, which goes to n2.
+    assert [(a.action_id, a.node) for a in rnd.assignments] == [("new", "n2")]
+    assert s.stranded == {"next"} and s.cpu.placement["t2"] == "n2"
+    s.open_trajectory("t3", memory_gb=1)
+    with pytest.raises(SchedulingError, match="n1 takes no new trajectories"):
+        s.place_trajectory("t3", "n1")
+    assert s.cpu.choose_node(1.0, 0, {}) == "n2"
+    done = s.complete("run", now=5.0)  # what ran when it was cordoned ends as any run
+    assert done.node == "n1" and s.cpu.nodes["n1"].free_cores == 4
+    assert s.schedule(5.0).assignments == ()
+    drained = s.drain_node("n1")  # its agent's link closed
+    assert drained.running == () and drained.trajectories == ("t1",)
+    assert drained.dropped == ("next",) and not s.stranded
+    s.add_node("n1", cores=4, memory_gb=8)  # its next agent: not cordoned
+    s.place_trajectory("t3", "n1")
+    s.submit("back", "t3", exec_action(1, t1=1.0), now=6.0)
+    assert [(a.action_id, a.node) for a in s.schedule(6.0).assignments] == [("back", "n1")]
+
+
+def test_a_new_trajectory_waits_for_room_as_if_the_cordoned_node_were_gone() -> None:
+    """n1 (cordoned, empty) is left out of where a new trajectory may go: its first
+    action waits for memory on n2, naming no core of n1; with n1 alone, it waits for a
+    node to join (stranded), not refused."""
+    s = Scheduler(
+        cluster(
+            nodes=[
+                {"name": "n1", "cpus": 2, "memory_gb": 8},
+                {"name": "n2", "cpus": 2, "memory_gb": 2},
+            ]
+        )
+    )
+    s.open_trajectory("full", memory_gb=2)
+    s.place_trajectory("full", "n2")
+    s.cordon_node("n1")
+    s.open_trajectory("t", memory_gb=1)
+    s.submit("a", "t", exec_action(1, t1=1.0), now=0.0)
+    rnd = s.schedule(0.0)
+    assert rnd.assignments == () and rnd.blocked == (("a", "place"),) and not s.stranded
+    s.close_trajectory("full")
+    assert [(a.action_id, a.node) for a in s.schedule(1.0).assignments] == [("a", "n2")]
+    s.complete("a", now=2.0)
+    s.close_trajectory("t")
+    s.drain_node("n2")  # n1, cordoned, is all that is left
+    s.open_trajectory("u", memory_gb=1)  # not refused: the node may come back
+    s.submit("b", "u", exec_action(1, t1=1.0), now=3.0)
+    assert s.schedule(3.0).assignments == () and s.stranded == {"b"}
+    s.drain_node("n1")
+    s.add_node("n1", cores=2, memory_gb=8)  # its next agent
+    assert started(s, 4.0) == ["b"]
+    with pytest.raises(SchedulingError, match="not part"):
+        s.cordon_node("n9")
+
+
+def test_a_cordoned_gpu_node_takes_no_call_and_no_joiner() -> None:
+    """A call lands on another node's GPUs, not on the instance running on the cordoned
+    one (it batches: it would join it); a free GPU there counts for nothing; a call only
+    it could run waits for it (not refused), nothing restored ahead, until it is back."""
+    s = Scheduler(cluster(nodes=[]))
+    s.add_gpu_node("a", gpus=1, memory_gb=80)
+    s.add_gpu_node("b", gpus=1, memory_gb=80)
+    rm = ServiceSpec(name="rm", gpu_memory_gb=10, dop_choices=[1], max_calls=4)
+    s.set_services([rm])
+    s.open_trajectory("~svc")
+    s.submit("c1", "~svc", _service_action("rm", 10.0), now=0.0)
+    (first,) = s.schedule(0.0).assignments
+    assert first.node == "a"
+    s.cordon_node("a")
+    s.submit("c2", "~svc", _service_action("rm", 10.0), now=1.0)
+    rnd = s.schedule(1.0)
+    (second,) = rnd.assignments  # not a join of c1's instance on a: a chunk of b
+    assert (second.node, second.sharing) == ("b", 0)
+    assert s.gpu.chunk_counts() == (0, 0, 0, 0)  # a's GPU is busy, b's taken
+    s.complete("c1", now=10.0)
+    assert s.gpu.chunk_counts() == (0, 0, 0, 0)  # a's free GPU takes no new work
+    s.complete("c2", now=11.0)
+    s.drain_node("b")  # now only the cordoned a is left
+    s.submit("c3", "~svc", _service_action("rm", 10.0), now=12.0)  # accepted: it waits
+    rnd = s.schedule(12.0)
+    assert rnd.assignments == () and rnd.ahead == () and s.stranded == {"c3"}
+    s.drain_node("a")
+    s.add_gpu_node("a", gpus=1, memory_gb=80)  # its agent is back
+    assert [(g.action_id, g.node) for g in s.schedule(13.0).assignments] == [("c3", "a")]

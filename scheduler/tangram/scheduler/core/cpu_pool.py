@@ -42,6 +42,9 @@ class CpuPool:
     nodes: dict[str, CpuNode] = field(default_factory=dict)
     placement: dict[str, str] = field(default_factory=dict)  # trajectory -> node
     reserved_gb: dict[str, float] = field(default_factory=dict)  # trajectory -> memory
+    # Nodes that take no new work (their agent said it stops): no trajectory is placed
+    # there; what runs there goes on (``Scheduler.cordon_node``).
+    cordoned: set[str] = field(default_factory=set)
 
     @classmethod
     def build(cls, nodes: Iterable[tuple[str, int, int, float]]) -> CpuPool:
@@ -69,11 +72,15 @@ class CpuPool:
 
         ``free`` overrides the free-core counts and ``used_gb`` the memory in use (the
         round's provisional view). Among fitting nodes the one with the largest free memory
-        fraction wins (memory load balancing); ties go to the name for determinism.
+        fraction wins (memory load balancing); ties go to the name for determinism. A
+        cordoned node is never chosen.
         """
         best: tuple[float, str] | None = None
+        cordoned = self.cordoned
         for node in self.nodes.values():
             if free.get(node.name, node.free_cores) < min_cores:
+                continue
+            if cordoned and node.name in cordoned:
                 continue
             free_gb = node.memory_gb - used_gb.get(node.name, node.memory_used_gb)
             if free_gb + 1e-9 < memory_gb:
@@ -87,10 +94,12 @@ class CpuPool:
     def memory_fits_somewhere(
         self, memory_gb: float, used_gb: Mapping[str, float] = _NONE
     ) -> list[str]:
+        """The nodes (not cordoned) with ``memory_gb`` free for a new trajectory."""
         return [
             n.name
             for n in self.nodes.values()
             if n.memory_gb - used_gb.get(n.name, n.memory_used_gb) + 1e-9 >= memory_gb
+            and n.name not in self.cordoned
         ]
 
     def place(self, trajectory: str, node: str, memory_gb: float) -> None:

@@ -106,6 +106,11 @@ class GpuPool:
     # Instances being restored ahead -> when their restore is expected to end. Resident
     # (their memory is charged) and never evicted until it ended (``ahead_done``).
     ahead: dict[Instance, float] = field(default_factory=dict)
+    # Nodes that take no new work (their agent said it stops): no call lands on their
+    # chunks or joins their instances, and nothing is restored ahead there; the calls
+    # running there go on (``Scheduler.cordon_node``). Calls are not refused for them
+    # (``fits(..., soon=True)``): they wait for GPUs elsewhere, or for the node's return.
+    cordoned: set[str] = field(default_factory=set)
 
     @classmethod
     def build(
@@ -135,6 +140,7 @@ class GpuPool:
         self.nodes.pop(name, None)
         self.unloadable.pop(name, None)
         self.loading.pop(name, None)
+        self.cordoned.discard(name)
         for inst in [i for i in self.resident if i.chunk.node == name]:
             del self.resident[inst]
         self.busy = {i: n for i, n in self.busy.items() if i.chunk.node != name}
@@ -190,8 +196,11 @@ class GpuPool:
 
     def hosts(self, node: str, service: str, *, soon: bool = False) -> bool:
         """Whether ``node``'s worker holds ``service`` (it could load it, and is not
-        loading it again); ``soon``: or is loading it."""
+        loading it again) and the node takes new work; ``soon``: or is loading it, or the
+        node is cordoned (its agent stops, and may come back)."""
         if service in self.unloadable.get(node, ()):
+            return False
+        if self.cordoned and node in self.cordoned and not soon:
             return False
         return soon or not (self.loading and service in self.loading.get(node, ()))
 
@@ -200,8 +209,11 @@ class GpuPool:
         return self.landing(service, k)[0]
 
     def chunk_counts(self) -> ChunkState:
+        """The free chunks of each size, over the nodes that take new work."""
         c = [0, 0, 0, 0]
         for node in self.nodes.values():
+            if self.cordoned and node.name in self.cordoned:
+                continue
             for i, size in enumerate(CHUNK_SIZES):
                 c[i] += len(node.free[size])
         return (c[0], c[1], c[2], c[3])
@@ -285,11 +297,13 @@ class GpuPool:
         return best
 
     def has_room(self, inst: Instance, calls: int) -> bool:
-        """Whether running ``inst``, with ``calls`` calls on it, may take one more."""
+        """Whether running ``inst``, with ``calls`` calls on it, may take one more (none
+        on a cordoned node)."""
         return (
             0 < calls < self.max_calls.get(inst.service, 1)
             and not (self.stale and inst in self.stale)  # (most often empty: no hashing)
             and not (self.doubtful and inst in self.doubtful)
+            and not (self.cordoned and inst.chunk.node in self.cordoned)
         )
 
     def allocate(
@@ -490,9 +504,9 @@ class GpuPool:
         A position already holding the requested instance wins (seed 000 §5.3); after
         that, the one whose GPUs need the least resident memory evicted (our addition:
         otherwise a free, empty GPU could be passed over for one holding a warm model).
-        Nodes whose GPUs are too small for the instance even when empty, or whose worker
-        could not load the service, are skipped; if a level has no other position, a larger
-        level is tried.
+        Nodes whose GPUs are too small for the instance even when empty, whose worker
+        could not load the service, or that are cordoned, are skipped; if a level has no
+        other position, a larger level is tried.
         """
         need = self.per_gpu(service, size)
         if shared is None:

@@ -19,7 +19,8 @@
    ``core_price``). An action the pool as it is now cannot host (``Scheduler.stranded``:
    the node, GPUs or quota limit it needs left) is skipped, reserving nothing, and left
    out of the estimate; so is one whose trajectory this round places on a node smaller
-   than its minimum (the commit refuses it).
+   than its minimum (the commit refuses it). A cordoned node (its agent stops) offers no
+   placement, chunk or instance to join, and the actions of its trajectories are stranded.
 2. Split candidates by key resource (the cores of one node, the GPU pool, one quota).
 3. Groups with no elastic candidate run at minimum units; the others go through greedy
    eviction (``elastic.greedy_evict``) with the ACT approximation.

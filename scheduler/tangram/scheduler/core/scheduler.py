@@ -265,6 +265,8 @@ class Scheduler:
         traj = self._traj(tid)
         if node not in self.cpu.nodes:
             raise SchedulingError("node", f"unknown CPU node {node!r}")
+        if node in self.cpu.cordoned:
+            raise SchedulingError("node", f"{node} takes no new trajectories: it is leaving")
         if tid in self.cpu.placement:
             raise SchedulingError(
                 "trajectory", f"{tid} is already placed on {self.cpu.placement[tid]}"
@@ -366,6 +368,24 @@ class Scheduler:
             self.gpu.loading.pop(node, None)
         self._recount()
 
+    def cordon_node(self, name: str) -> None:
+        """``name`` takes no new work (its agent said it stops, and lets what runs finish):
+        no trajectory is placed there, nothing starts on its cores or GPUs, no call joins
+        an instance there, and nothing is restored ahead there, as if its capacity were
+        gone. What runs there goes on and ends with ``complete`` as any run does. Queued
+        actions of its trajectories (they cannot run elsewhere) and calls no other node can
+        host wait, holding nobody back (``stranded``), until ``drain_node`` takes the node
+        out (dropping the former, ``Drained.dropped``). Cordoning a node twice is one."""
+        if name not in self.cpu.nodes and name not in self.gpu.nodes:
+            raise SchedulingError("node", f"{name} is not part of the pool")
+        if name in self.cpu.cordoned or name in self.gpu.cordoned:
+            return
+        if name in self.cpu.nodes:
+            self.cpu.cordoned.add(name)
+        if name in self.gpu.nodes:
+            self.gpu.cordoned.add(name)
+        self._nodes_changed()
+
     def drain_node(self, name: str) -> Drained:
         """Take a node out. The runs on its cores or GPUs end (``Drained.running``): their
         quota units come back, and their trajectories stop counting them. Its trajectories
@@ -392,6 +412,7 @@ class Scheduler:
         for tid in placed:
             dropped.extend(self._close(self.trajectories[tid], finished=False))
         self.cpu.nodes.pop(name, None)
+        self.cpu.cordoned.discard(name)  # (one that joins again takes work)
         self.gpu.remove_node(name)
         if self.retired:
             self._drop_retired()  # their last calls may have run there
@@ -416,17 +437,22 @@ class Scheduler:
     def _hostable(self, a: Action, capacity: Mapping[Resource, int] | None = None) -> bool:
         """Whether the pool as it is now can ever run queued action ``a``: a node with its
         minimum cores and its trajectory's memory (placed: its node, checked at placement),
-        a GPU node its service fits at one of its DoPs, its quota units within the limits;
+        a GPU node its service fits at one of its DoPs, its quota units within the limits,
+        none of it on a cordoned node (``cordon_node``);
         with the pool's ``capacity`` (``_capacity``), its smallest size within its tenant's
         share of it (checked at submit: nodes or quota concurrency may go since)."""
         if capacity is not None and self._over_share(a, capacity) is not None:
             return False
+        cordoned = self.cpu.cordoned
         if a.cpu and a.trajectory not in self.cpu.placement:
             mem = self.trajectories[a.trajectory].memory_gb
             if not any(
-                n.cores >= a.cpu[0] and n.memory_gb + 1e-9 >= mem for n in self.cpu.nodes.values()
+                n.cores >= a.cpu[0] and n.memory_gb + 1e-9 >= mem and n.name not in cordoned
+                for n in self.cpu.nodes.values()
             ):
                 return False
+        elif a.cpu and cordoned and self.cpu.placement[a.trajectory] in cordoned:
+            return False  # its trajectory's node takes no new work
         if a.service is not None and not any(self.gpu.fits(a.service, k) for k in a.gpu):
             return False
         return all(n <= quota_limit(self.quotas[q]) for q, n in a.quotas)
@@ -990,9 +1016,12 @@ class Scheduler:
         by_tenant = self.queued_by_tenant
         by_tenant[traj.tenant] = by_tenant.get(traj.tenant, 0) + 1
         # Admission checked the rest against the pool as it is; not the memory of a
-        # trajectory opened before the nodes with enough of it left, nor a service call's
-        # nodes still loading its service (``set_unloadable``).
-        if ((a.cpu and node is None) or a.service is not None) and not self._hostable(a):
+        # trajectory opened before the nodes with enough of it left, a service call's
+        # nodes still loading its service (``set_unloadable``) or cordoned, nor a placed
+        # trajectory's node cordoned.
+        if (
+            (a.cpu and (node is None or node in self.cpu.cordoned)) or a.service is not None
+        ) and not self._hostable(a):
             self.stranded.add(a.id)
         self._count(a, +1)
         if a.service is not None:
