@@ -410,8 +410,9 @@ def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
     end exec_failed, not retryable, which the scheduler kept for its key. Now what runs
     may finish within the grace (its client gets the result); what still runs at its end
     is killed unanswered and ends node_lost (retryable), its key's retry outcome_unknown,
-    as docs/operator.md says of an agent roll; a request sent during the grace is not
-    answered by the agent and ends node_lost as the link closes; and the scheduler logs
+    as docs/operator.md says of an agent roll; a request sent during the grace (it was
+    sent to the agent, which left it unanswered) waits in the scheduler, never sent to
+    the leaving agent, and ends node_lost as the link closes; and the scheduler logs
     "stopped" at INFO."""
     tokens = TokenStore.create(tmp_path / "tokens")
     agent_token = tokens.token_for(AGENT_TENANT)
@@ -435,13 +436,14 @@ def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
                 if grace_s:
                     until(lambda: running.engine.hub.links["n1"].leaving, "told it leaves")
                     late, lates = _in_thread(lambda: client.exec(t.id, ["true"]))
-                    until(not_taken.is_set, "the agent got the request sent in its grace")
-                    assert late.is_alive()  # not refused: not answered at all
+                    until(lambda: bool(running.engine.core.stranded), "the late one queued")
+                    assert late.is_alive()  # not refused: it waits for its node
                     runtime.release.set()
                     late.join(60)
                     (result,) = lates
                     assert result.error is not None and result.error.code == "node_lost"
                     assert result.error.retryable, result.error
+                    assert not not_taken.is_set()  # never sent to the leaving agent
                 held.join(60)
                 first.end()
                 assert not held.is_alive()
@@ -467,6 +469,61 @@ def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
         runtime.release.set()
     assert any(r.getMessage().startswith("node n1 stopped: ") for r in said), said
     assert all(r.levelno == logging.INFO for r in said), said
+
+
+def test_during_an_agents_grace_new_work_goes_to_the_other_nodes(tmp_path: Path) -> None:
+    """Two real agents; n1's is told to stop while a command of t runs there. New
+    trajectories went on opening on n1 (it sorts first), and their opens, as t's next
+    commands, were sent to an agent that took nothing more: they hung for its grace and
+    ended unavailable or node_lost. Now a trajectory opened in the grace opens on n2 and
+    its command runs there at once, while t's next command waits, is never sent to n1,
+    and ends node_lost (retryable) once n1's agent has gone; the command that ran there
+    when it was told to stop finishes with its result."""
+    tokens = TokenStore.create(tmp_path / "tokens")
+    agent_token = tokens.token_for(AGENT_TENANT)
+    assert agent_token is not None
+    runtime = _Holding()
+    leaving = _agent(runtime, tmp_path / "keys.journal")
+    not_taken = _not_taken(leaving)
+    staying = NodeAgent.create(tmp_path / "n2", runtime="noop", cores_for_actions=1, node="n2")
+    try:
+        with service(CONFIG, None, tmp_path, tokens=tokens) as (running, token):
+            url = running.url.replace("http://", "ws://") + "/v1/agents"
+            first = _Served(leaving, url, agent_token, 600.0)
+            other = _Served(staying, url, agent_token, None)
+            links = running.engine.hub.links
+            until(lambda: {"n1", "n2"} <= set(links), "both agents joined")
+            with Client(running.url, token) as client:
+                t, t0 = client.open("noop"), client.open("noop")  # one each: n1 sorts first
+                nodes = [running.engine.state.trajectory("local", x.id).node for x in (t, t0)]
+                assert nodes == ["n1", "n2"]
+                held, results = _in_thread(lambda: client.exec(t.id, ["hold"]))
+                until(runtime.holding.is_set, "the command runs")
+                first.loop.call_soon_threadsafe(first.stop.set)
+                until(lambda: links["n1"].leaving, "told it leaves")
+                opening, opened = _in_thread(lambda: client.open("noop"))
+                opening.join(30)  # (sent to n1, it waited for n1's link to close)
+                (u,) = opened
+                assert running.engine.state.trajectory("local", u.id).node == "n2"
+                ran = client.exec(u.id, ["true"])
+                assert ran.status is ActionStatus.OK and ran.allocation.node == "n2", ran
+                late, lates = _in_thread(lambda: client.exec(t.id, ["true"]))
+                until(lambda: bool(running.engine.core.stranded), "t's next command queued")
+                assert late.is_alive()
+                runtime.release.set()
+                held.join(60)
+                first.end()
+                late.join(60)
+                assert not held.is_alive() and not late.is_alive()
+                other.end()
+        (result,) = results
+        assert result.status is ActionStatus.OK, result
+        (lost,) = lates
+        assert lost.error is not None and lost.error.code == "node_lost", lost
+        assert lost.error.retryable and lost.allocation.node is None  # it never started
+        assert not not_taken.is_set()  # nothing was sent to n1 once it said it stops
+    finally:
+        runtime.release.set()
 
 
 async def _answers_then_leaves(agent: NodeAgent, url: str, token: str) -> None:

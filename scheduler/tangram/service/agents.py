@@ -85,9 +85,11 @@ class AgentLink:
         on_orphan: Callable[[str, AgentReply], None] = lambda node, reply: None,
         *,
         packed: bool = False,
+        on_leaving: Callable[[AgentLink], None] = lambda link: None,
     ) -> None:
         self.hello = hello
         self.on_orphan = on_orphan
+        self.on_leaving = on_leaving  # told once, when its agent says it stops
         self.node = hello.node
         self.socket = socket
         self.packed = packed
@@ -186,7 +188,7 @@ class AgentLink:
                     if text.startswith(HEARTBEAT):
                         if text == AGENT_LEAVING and not self.leaving:
                             self.leaving = True
-                            log.info("node %s: its agent is stopping", self.node)
+                            self.on_leaving(self)  # its node takes no new work
                         continue
                     reply = AgentReply.model_validate_json(text)
                     stream = self._streams.get(reply.rid)
@@ -302,6 +304,7 @@ class AgentHub:
         self._on_leave: Callable[[AgentLink], Awaitable[None]] = _nothing
         self._on_orphan: Callable[[str, AgentReply], None] = lambda node, reply: None
         self._on_second: Callable[[str, str], None] = lambda node, why: None
+        self._on_leaving: Callable[[AgentLink], None] = lambda link: None
 
     def attach(
         self,
@@ -309,13 +312,18 @@ class AgentHub:
         on_leave: Callable[[AgentLink], Awaitable[None]],
         on_orphan: Callable[[str, AgentReply], None],
         on_second: Callable[[str, str], None] | None = None,
+        on_leaving: Callable[[AgentLink], None] | None = None,
     ) -> None:
         """Who hears of nodes joining (it may refuse one by raising) and leaving, of
-        replies no request awaits (runs that outlived their link, lost environments), and
-        of a second agent refused for a node another one serves (``on_second``: node, why)."""
+        replies no request awaits (runs that outlived their link, lost environments), of
+        a second agent refused for a node another one serves (``on_second``: node, why),
+        and of an agent that says it stops (``on_leaving``: its link, still open, whose
+        node then leaves as the link closes)."""
         self._on_join, self._on_leave, self._on_orphan = on_join, on_leave, on_orphan
         if on_second is not None:
             self._on_second = on_second
+        if on_leaving is not None:
+            self._on_leaving = on_leaving
 
     async def serve(self, socket: Socket, *, packed: bool = False) -> None:
         """Run one agent's connection from its hello to its end; ``packed``: the agent
@@ -336,7 +344,8 @@ class AgentHub:
             return
         if old is not None:  # a reconnect: the old link is dead even if TCP has not noticed
             await self._leave(old)
-        link = AgentLink(hello, socket, self._on_orphan, packed=packed)
+        link = AgentLink(hello, socket, self._on_orphan, packed=packed,
+                         on_leaving=self._on_leaving)  # fmt: skip
         self.links[hello.node] = link
         try:
             await self._on_join(link)

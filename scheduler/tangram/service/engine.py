@@ -88,7 +88,7 @@ class Engine:
         self.files = Files(s)  # no queue, no round: straight to the trajectory's agent
         self.rounds = Rounds(s, self.outcomes, self.gpu, self.api)
         self.hub.attach(self.membership.join, self.membership.leave, self.membership.orphan,
-                        self.membership.second_agent)  # fmt: skip
+                        self.membership.second_agent, self.membership.stopping)  # fmt: skip
         # The pool's definitions anew (set by the CLI): from pushed documents, or with None
         # from the files; POST /v1/admin/reload calls it (in a thread: it may do I/O).
         self.reloader: Callable[[str | None], PoolConfig] | None = None

@@ -2,7 +2,8 @@
 
 A joining agent brings its cores, GPUs and the environments it holds: this scheduler's
 (a reconnect) or a previous scheduler's (a restart); they are taken back with their files,
-and actions and keyed service calls still running on it are adopted. A leaving agent's
+and actions and keyed service calls still running on it are adopted. An agent that says
+it stops takes no new work from then on; what runs there may finish. A leaving agent's
 running actions end; its trajectories wait out the pool's grace for it before they are
 lost.
 """
@@ -10,6 +11,7 @@ lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -241,6 +243,35 @@ class Membership:
         # size every untyped command of that many cores by it.
         self.outcomes.end(rec, status, ok=status is ActionStatus.OK, learn=False, error=error,
                           exec_s=exec_s, reply=reply)  # fmt: skip
+
+    def stopping(self, link: AgentLink) -> None:
+        """``link``'s agent said it stops (SIGTERM): its node takes no new work from now
+        on, as if its capacity were gone (the core's ``cordon_node``): new trajectories
+        and service calls go to the other nodes, or wait for room. What runs there gets
+        the agent's grace to finish, as usual.
+
+        The next actions of its trajectories wait too, sent nowhere: their environment
+        lives on that node and cannot move. When the link closes they end node_lost,
+        retryable, with the node's other queued actions (``leave``), and the trajectories
+        wait for its agent as after any loss: the path of a node lost, taken a little
+        early. (Sent to the agent, which takes nothing once it stops, they held its cores
+        unanswered until the link closed, then ended the same way.)"""
+        s, node = self.s, link.node
+        if s.hub.links.get(node) is not link or node not in s.node_cores:
+            return  # (not joined, or replaced by a newer link)
+        with contextlib.suppress(SchedulingError):  # (a node of neither cores nor GPUs)
+            s.core.cordon_node(node)
+        running = sum(1 for r in s.core.running.values() if r.assignment.node == node)
+        placed = sum(1 for n in s.core.cpu.placement.values() if n == node)
+        nodes.info(
+            "node %s is stopping: no new work goes there; %d actions run on within its "
+            "agent's grace, new actions of its %d trajectories wait for it",
+            node,
+            running,
+            placed,
+            extra={"node": node},
+        )
+        s.wake.set()  # what waited behind its trajectories' next actions may start
 
     async def leave(self, link: AgentLink) -> None:
         s = self.s

@@ -155,12 +155,14 @@ class Trajectories:
             if e.field == "memory_gb":
                 raise self._never_fits(req.env, env.spec.memory_gb) from None
             raise EngineError("invalid", e.field, e.message) from None
-        node = s.core.cpu.choose_node(env.spec.memory_gb, 0, {})
+        node = s.core.cpu.choose_node(env.spec.memory_gb, 0, {})  # (none that is leaving)
         if node is None:
             s.core.close_trajectory(key, finished=False)
             why = f"no node has {env.spec.memory_gb} GiB free for a new trajectory"
-            if s.hub.links:
+            if any(not link.leaving for link in s.hub.links.values()):
                 raise s.overloaded("env", why)
+            if s.hub.links:  # each of their nodes takes no new work until its agent is back
+                why = "no node takes new trajectories: the agents connected are stopping"
             raise EngineError("unavailable", "env", why)
         s.core.place_trajectory(key, node)
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)

@@ -1,0 +1,202 @@
+"""An agent that says it stops (SIGTERM: the ``leaving`` heartbeat) and then lets what it
+runs finish within its grace, driven through the real hub, links and engine by fake
+agents: its node takes no new work from that word on. New trajectories, commands and
+service calls go to the other nodes; the next commands of its own trajectories wait,
+sent nowhere, and end node_lost (retryable) when its link closes; its next agent (a new
+link) takes work again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tangram.api.wire import (
+    AGENT_LEAVING,
+    ActionStatus,
+    AgentReply,
+    ExecOutcome,
+    ExecRequest,
+    GpuWorkerInfo,
+    OpenTrajectory,
+    ServiceCallRequest,
+    ServiceDef,
+    ServiceLoad,
+    ServiceOutcome,
+    ServiceStats,
+)
+from tangram.service.config import PoolConfig, ServiceConfig
+from tangram.service.engine import Engine
+from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run
+
+
+async def settle(done: Callable[[], bool] = lambda: False, ticks: int = 200) -> bool:
+    """Let the loop run what is ready (nothing here waits on time), until ``done``: whether
+    it is, within ``ticks`` turns of the loop."""
+    for _ in range(ticks):
+        if done():
+            return True
+        await asyncio.sleep(0)
+    return done()
+
+
+def _outcome() -> ExecOutcome:
+    return ExecOutcome(exit_code=0, stdout="", stderr="", stdout_truncated=False,
+                       stderr_truncated=False, timed_out=False, setup_s=0.0, exec_s=0.1,
+                       teardown_s=0.0, path="fast")  # fmt: skip
+
+
+def _commands(msg: dict[str, Any]) -> AgentReply | None:
+    """An agent whose ``hold`` command runs until the test answers it; any other command
+    exits 0 at once, and everything else is answered."""
+    if msg["op"] == "exec":
+        return None if msg["argv"] == ["hold"] else AgentReply(rid=0, ok=True, result=_outcome())
+    return answer_all(msg)
+
+
+def _said_stopping(caplog: pytest.LogCaptureFixture, node: str) -> list[logging.LogRecord]:
+    said = f"node {node} is stopping"
+    return [
+        r
+        for r in caplog.records
+        if r.name == "tangram.service.nodes" and r.getMessage().startswith(said)
+    ]
+
+
+def test_a_leaving_node_takes_no_new_work_while_what_runs_there_finishes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """n1's agent says it stops while a command of t1 runs there. A trajectory opened
+    then went to n1 (it sorts first) and its open, like t1's next command, was sent to an
+    agent that took nothing more: both hung until its link closed. Now the new trajectory
+    opens on n2 and its command runs there; t1's next command waits, never sent to n1, and
+    ends node_lost (retryable) when n1's link closes; the command running when the agent
+    said it stops ends with its result. n1's next agent takes work again."""
+    caplog.set_level(logging.INFO, logger="tangram.service.nodes")
+
+    async def scenario(engine: Engine) -> None:
+        n1, n2 = Agent(hello(node="n1"), _commands), Agent(hello(node="n2"), _commands)
+        await connect(engine, n1)
+        await connect(engine, n2)
+        for tid in ("t1", "t0"):  # one on each node (1 GiB of their 2): n1 is chosen next
+            await engine.open_trajectory("u", OpenTrajectory(env="e", id=tid))
+        assert [engine.state.trajectory("u", t).node for t in ("t1", "t0")] == ["n1", "n2"]
+        held = engine.submit_exec("u", "t1", ExecRequest(argv=["hold"]))
+        assert await settle(lambda: len(n1.ops("exec")) == 1)
+
+        opens = len(n1.ops("open"))  # (t1's)
+        n1.inbox.put_nowait(AGENT_LEAVING)
+        assert await settle(lambda: engine.hub.links["n1"].leaving)
+        (said,) = _said_stopping(caplog, "n1")
+        assert said.levelno == logging.INFO and said.__dict__["node"] == "n1"
+        assert "1 actions run on" in said.getMessage()
+        nxt = engine.submit_exec("u", "t1", ExecRequest(argv=["true"]))
+        t2 = await asyncio.wait_for(
+            engine.open_trajectory("u", OpenTrajectory(env="e", id="t2")), 5
+        )
+        assert t2.node == "n2"
+        other = engine.submit_exec("u", "t2", ExecRequest(argv=["true"]))
+        result = await asyncio.wait_for(other.done, 5)
+        assert result.status is ActionStatus.OK and result.allocation.node == "n2"
+        assert not await settle(lambda: nxt.started is not None)  # held here, sent nowhere
+        assert len(n1.ops("exec")) == 1 and len(n1.ops("open")) == opens
+        assert nxt.id in engine.core.stranded
+
+        n1.push(AgentReply(rid=n1.ops("exec")[0]["rid"], ok=True, result=_outcome()))
+        assert (await asyncio.wait_for(held.done, 5)).status is ActionStatus.OK
+        n1.drop()  # its grace is over: the link closes
+        await left(engine, "n1")
+        lost = await asyncio.wait_for(nxt.done, 5)
+        assert lost.error is not None and lost.error.code == "node_lost", lost
+        assert lost.error.retryable and lost.allocation.node is None  # it never started
+
+        back = Agent(hello(node="n1"), _commands)  # its next agent: a link not leaving
+        await connect(engine, back)
+        assert not engine.hub.links["n1"].leaving and not engine.core.cpu.cordoned
+        t3 = await engine.open_trajectory("u", OpenTrajectory(env="e", id="t3"))
+        assert t3.node == "n1"  # (n2 is full)
+        again = engine.submit_exec("u", "t3", ExecRequest(argv=["true"]))
+        assert (await asyncio.wait_for(again.done, 5)).status is ActionStatus.OK
+        assert len(back.ops("exec")) == 1
+
+    run(scenario)
+
+
+def test_an_open_while_every_agent_stops_is_503_not_sent_to_them() -> None:
+    async def scenario(engine: Engine) -> None:
+        n1 = Agent(hello(node="n1"), _commands)
+        await connect(engine, n1)
+        n1.inbox.put_nowait(AGENT_LEAVING)
+        assert await settle(lambda: engine.hub.links["n1"].leaving)
+        with pytest.raises(Exception) as refused:
+            await asyncio.wait_for(engine.open_trajectory("u", OpenTrajectory(env="e", id="t")), 5)
+        assert getattr(refused.value, "kind", None) == "unavailable", refused.value
+        assert "stopping" in str(refused.value)
+        assert not n1.ops("open")
+
+    run(scenario)
+
+
+# ---- GPU nodes ----------------------------------------------------------------------------
+
+
+def _gpu_hello(node: str, devices: int) -> Any:
+    gpu = GpuWorkerInfo(backend="cpu", devices=list(range(devices)),
+                        memory_bytes=[2**31] * devices, h2d_gbps=1)  # fmt: skip
+    return hello(node=node).model_copy(update={"gpu": gpu})
+
+
+def _worker(msg: dict[str, Any]) -> AgentReply | None:
+    """A GPU node's agent that holds ``judge`` and holds each call until answered."""
+    if msg["op"] == "services":
+        return AgentReply(rid=0, ok=True, loaded={"judge": ServiceLoad(ok=True, bytes=1 << 20)})
+    if msg["op"] == "call":
+        return None
+    return answer_all(msg)
+
+
+def _scored(rid: int) -> AgentReply:
+    stats = ServiceStats(service="judge", resident=True)
+    return AgentReply(rid=rid, ok=True, call=ServiceOutcome(outputs=[1.0], exec_s=0.1, stats=stats))
+
+
+def _calls(agent: Agent) -> list[dict[str, Any]]:
+    return [m for m in agent.ops("call") if not m.get("ahead")]
+
+
+def test_a_service_call_goes_to_another_gpu_node_than_a_leaving_one() -> None:
+    """g1 runs a call on one of its two GPUs (first by name); its agent says it stops.
+    The next call went to g1's other GPU (the smallest free chunk, where the first call's
+    service was restored ahead), and hung there until g1's link closed. It goes to g2
+    now, and the call g1 ran ends with its result."""
+    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    pool = PoolConfig(services={"judge": ServiceConfig(spec=spec)})
+
+    async def go() -> None:
+        engine = Engine(pool)
+        engine.all_agents_joined()
+        await engine.start()
+        try:
+            g1, g2 = Agent(_gpu_hello("g1", 2), _worker), Agent(_gpu_hello("g2", 2), _worker)
+            for agent in (g1, g2):
+                await connect(engine, agent)
+            assert await settle(lambda: {"g1", "g2"} <= set(engine.gpu.loads))
+            first = engine.submit_service("u", "judge", ServiceCallRequest(inputs=[1]))
+            assert await settle(lambda: len(_calls(g1)) == 1)
+            g1.inbox.put_nowait(AGENT_LEAVING)
+            assert await settle(lambda: engine.hub.links["g1"].leaving)
+            second = engine.submit_service("u", "judge", ServiceCallRequest(inputs=[2]))
+            assert await settle(lambda: len(_calls(g2)) == 1)
+            assert len(_calls(g1)) == 1
+            g2.push(_scored(_calls(g2)[0]["rid"]))
+            done = await asyncio.wait_for(second.done, 5)
+            assert done.status is ActionStatus.OK and done.allocation.node == "g2"
+            g1.push(_scored(_calls(g1)[0]["rid"]))
+            assert (await asyncio.wait_for(first.done, 5)).status is ActionStatus.OK
+        finally:
+            await engine.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(go(), 30))
