@@ -869,7 +869,8 @@ def check_fcfs(
 
     # A call that joined a running instance took no chunk: it may pass one waiting for
     # GPUs if it ends before the instance's last call did, so the chunk frees as it would
-    # have without it; under "until-overdue" also while the waiting call is not overdue.
+    # have without it; under "until-overdue" also if it ends by the time the waiting call
+    # is overdue.
     patient = sim.sched.config.gpu_joining == "until-overdue"
 
     def last_end(joiner: Assignment) -> float:
@@ -888,10 +889,15 @@ def check_fcfs(
     # Held back from the GPUs (waiting beats starting now) past its ageing bound: owed what
     # a call waiting for GPUs is, so a joiner behind it must not keep its chunk longer
     # either. (One held back more briefly may be passed.)
-    def overdue(a: str) -> bool:
+    def owed_at(a: str) -> float:
+        """When ``a`` is overdue: a waiting call is owed the GPUs from then on."""
         action = sim.sched.actions[a]
-        bound = sim.sched.config.overdue_after(sim.sched.sizing.expected(action, None))
-        return sim.now - action.submitted_at >= bound
+        return action.submitted_at + sim.sched.config.overdue_after(
+            sim.sched.sizing.expected(action, None)
+        )
+
+    def overdue(a: str) -> bool:
+        return sim.now >= owed_at(a)
 
     held_from_gpus = {
         a
@@ -954,7 +960,12 @@ def check_fcfs(
                 uses.discard(GPU)
                 if GPU in needs:
                     event("a joiner passed a call waiting for GPUs")
-            elif later.sharing and patient and GPU in needs and not overdue(a):
+            elif (
+                later.sharing
+                and patient
+                and GPU in needs
+                and later.started_at + later.expected_s <= owed_at(a) + 1e-9
+            ):
                 uses.discard(GPU)
                 event("a joiner kept a chunk longer from a call waiting for GPUs")
             clash = needs & uses

@@ -144,9 +144,10 @@ async def serve(
         except Exception as e:  # a bug in one session must not end the agent: reconnect
             failure = e
             log.exception("scheduler link failed")
-        wait, backoff = next_wait(
-            backoff, None if connected is None else time.monotonic() - connected
-        )
+        lasted = None if connected is None else time.monotonic() - connected
+        wait, backoff = next_wait(backoff, lasted)
+        if lasted is not None and lasted >= STABLE_S:
+            down.settled()
         if refusal is not None:  # (logged as an error: an operator has to act)
             wait = REFUSED_BACKOFF_S
             link_log.error(
@@ -198,7 +199,10 @@ class Outage:
     """The failed attempts since the link last connected (the first connect too), said
     with each failure and with the connect that ends them; and which failures are worth a
     warning: the first ``LOUD_FIRST``, then one a ``LOUD_EVERY_S`` (a scheduler down for
-    an hour is not 700 warnings; the rest are logged at debug, and the count says them)."""
+    an hour is not 700 warnings; the rest are logged at debug, and the count says them).
+    A link that connects and soon fails again (a node refused after its hello, a scheduler
+    crash-looping) goes on with the same quota: only a session that lasted (``settled``)
+    starts it again."""
 
     LOUD_FIRST = 3
     LOUD_EVERY_S = 60.0
@@ -208,6 +212,7 @@ class Outage:
         self.failures = 0
         self.since = 0.0  # (clock) the first failure's
         self.said = -math.inf  # (clock) when a failure was last worth a warning
+        self.warned = 0  # failures worth a warning since the link last settled
         self.connected = False  # ever: a first connect is not "again"
 
     def failed(self) -> str:
@@ -219,16 +224,20 @@ class Outage:
     def loud(self) -> bool:
         """Whether the failure just counted is worth a warning (the others: debug)."""
         now = self.clock()
-        if self.failures <= self.LOUD_FIRST or now - self.said >= self.LOUD_EVERY_S:
-            self.said = now
+        if self.warned < self.LOUD_FIRST or now - self.said >= self.LOUD_EVERY_S:
+            self.said, self.warned = now, self.warned + 1
             return True
         return False
+
+    def settled(self) -> None:
+        """The link served long enough: the next outage warns from its first again."""
+        self.said, self.warned = -math.inf, 0
 
     def ended(self) -> str:
         """'' when nothing failed, else how long and how many tries it took; reset."""
         again = " again" if self.connected else ""
         said = f"{again} after {self._count()}" if self.failures else ""
-        self.failures, self.connected, self.said = 0, True, -math.inf
+        self.failures, self.connected = 0, True
         return said
 
     def _count(self) -> str:

@@ -507,9 +507,9 @@ class _Planner:
         While an earlier call waits for a chunk (the GPUs are closed), a joiner must end
         before the instance's last call does: then the chunk frees when it would have
         without it, so joining never delays a waiting call and cannot starve it. Under
-        ``gpu_joining`` "until-overdue" that holds only once a waiting call is overdue:
-        before, joiners may keep the chunk longer (batching beats taking turns), and the
-        wait they add is bounded by the ageing bound.
+        ``gpu_joining`` "until-overdue" a joiner may also end later, but no later than the
+        first waiting call is overdue (batching beats taking turns): that call is owed the
+        chunk by the later of its ageing bound and the end of the calls there before it.
         """
         s, prov, calls = self.s, self.prov, self.calls
         assert a.service is not None
@@ -519,14 +519,18 @@ class _Planner:
             return None
         svc = s.services[a.service]
         closed = GPU in self.blocked
-        owed = closed and (s.config.gpu_joining == "no-delay" or self.now >= self.gpus_owed_at)
+        # How late a joiner may end while a call waits for GPUs: by the instance's last
+        # call; under "until-overdue" also by the time the first waiting call is owed them
+        # (a bound on the joiner's end, not its start: slowed by the calls it joins, or
+        # after a restore, it might otherwise run far past it).
+        owed_at = self.gpus_owed_at if s.config.gpu_joining == "until-overdue" else -math.inf
         best: tuple[float, int, Instance, float] | None = None
         for k in units:
             inst = self._joinable(a.service, k)
             if inst is not None:
                 ready, end = self._times()[inst.chunk]
                 d = max(0.0, ready - self.now) + durations[k] * svc.slowdown(calls[inst])
-                if owed and self.now + d > end + 1e-9:
+                if closed and self.now + d > max(end, owed_at) + 1e-9:
                     continue
                 if best is None or d < best[0]:
                     best = (d, k, inst, end)
