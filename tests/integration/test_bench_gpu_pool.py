@@ -58,6 +58,7 @@ def test_decoding_batched_calls_the_static_side_runs_alone_and_busy_counts_a_pas
     report = json.loads(done.stdout)
     assert (report["compute"], report["batch"]) == ("decode", 4)
     assert report["decode_step_ms"] > 0 and "real compute" in report["device"]
+    assert "static deployments run one after another" in report["device"]
     static, pooled = report["sides"]["static"], report["sides"]["pooled-1"]
     assert static["calls"] == pooled["calls"] == report["calls"] > 0
     assert static["restores"] == 0 and pooled["restores"] >= 1
@@ -65,12 +66,20 @@ def test_decoding_batched_calls_the_static_side_runs_alone_and_busy_counts_a_pas
         assert 0 < side["gpu_seconds_busy"] <= side["gpu_seconds_held"]
 
 
-def test_a_batch_over_what_an_instance_may_run_is_refused() -> None:
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--batch", "2000"], "--batch: 2000"),
+        (["--step-ms", "0.2"], "--step-ms: only --compute decode"),
+        (["--step-ms", "0.2", "--compute", "batched"], "--step-ms: only --compute decode"),
+    ],
+)
+def test_options_that_cannot_apply_are_refused(args: list[str], said: str) -> None:
     done = subprocess.run(
-        [*TANGRAM_CLI, "bench", "gpu-pool", "--batch", "2000"],
+        [*TANGRAM_CLI, "bench", "gpu-pool", *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert done.returncode != 0 and "--batch: 2000" in done.stderr
+    assert done.returncode != 0 and said in done.stderr

@@ -317,20 +317,19 @@ def _services(
 
 def _devices_said(visible: int, services: int, compute: str) -> str:
     how = "real compute (decode steps)" if compute == "decode" else f"modeled compute ({compute})"
-    if not visible:
-        return f"cpu-backed devices (--gpus cpu:N; {how}, real restores)"
-    from tangram.node_agent.gpu_worker import cuda_name
-
-    name = cuda_name(0)
-    shared = ""
-    if visible < services and compute != "decode":
-        shared = (
+    static = ""
+    if compute == "decode":
+        static = f"; the {services} static deployments run one after another, each alone"
+    elif visible and visible < services:
+        static = (
             f"; the {services} static deployments share them round-robin (no restores after "
             "warm-up, modeled compute)"
         )
-    elif visible < services:
-        shared = f"; the {services} static deployments run one after another, each alone"
-    return f"{visible} × {name} (--gpus cuda:...; {how}, real restores){shared}"
+    if not visible:
+        return f"cpu-backed devices (--gpus cpu:N; {how}, real restores){static}"
+    from tangram.node_agent.gpu_worker import cuda_name
+
+    return f"{visible} × {cuda_name(0)} (--gpus cuda:...; {how}, real restores){static}"
 
 
 def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -354,6 +353,8 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
                 f"--pooled: {g} devices, but {visible} CUDA devices are visible "
                 "(--pooled up to that, or --devices cpu)"
             )
+    if args.step_ms is not None and args.compute != "decode":
+        raise InputError("--step-ms: only --compute decode has steps")
     if args.batch > MAX_CALLS:
         raise InputError(f"--batch: {args.batch} calls at once is over the most, {MAX_CALLS}")
     layers = max(1, (args.size_mb or 256) // LAYER_MB)
@@ -370,7 +371,6 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not calls:
         raise InputError("bench gpu-pool: the trace has no calls (raise --burst or --rounds)")
     model_mib = layers * LAYER_MB
-    # Room for the calls' activations too: a decode pass holds two (rows, width) tensors.
     per_device_mib = int(model_mib * HEADROOM * args.per_device) + 1
     step_s = None
     if args.compute == "decode" and args.step_ms is not None:
@@ -432,7 +432,7 @@ def run_gpu_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
         "model_mb": model_mib,
         "per_device": args.per_device,
         "compute": args.compute,
-        "gpu_joining": args.gpu_joining,
+        "gpu_joining": args.gpu_joining,  # the pooled schedulers' (static: the default)
         "batch": args.batch,
         "decode_step_ms": None if step_s is None else step_s * 1000,
         "calls": len(calls),
