@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,20 +16,27 @@ pytest.importorskip("torch", reason=GPU_EXTRA)
 pytestmark = pytest.mark.torch
 
 
-def test_pooled_and_static_serve_the_same_calls_and_pooling_restores(tmp_path: Path) -> None:
-    out = tmp_path / "pool.json"
-    args = ["--services", "2", "--pooled", "1", "--per-device", "1", "--rounds", "2"]
-    args += ["--round-s", "1", "--burst", "3", "--compute-ms", "20", "--active", "1"]
+def _bench(tmp: Path, *args: str) -> dict[str, Any]:
+    """A small run: 2 services, one pooled device holding one of them, 2 rounds of 1 s,
+    every service in each; the report it printed, which --out wrote too."""
+    out = tmp / "pool.json"
+    small = ["--services", "2", "--pooled", "1", "--per-device", "1", "--rounds", "2"]
+    small += ["--round-s", "1", "--active", "1", "--size-mb", "32"]
     done = subprocess.run(
-        [*TANGRAM_CLI, "bench", "gpu-pool", "--json", "--size-mb", "32", "--out", str(out), *args],
+        [*TANGRAM_CLI, "bench", "gpu-pool", "--json", "--out", str(out), *small, *args],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout)
+    report: dict[str, Any] = json.loads(done.stdout)
     assert json.loads(out.read_text()) == report
+    return report
+
+
+def test_pooled_and_static_serve_the_same_calls_and_pooling_restores(tmp_path: Path) -> None:
+    report = _bench(tmp_path, "--burst", "3", "--compute-ms", "20")
     static, pooled = report["sides"]["static"], report["sides"]["pooled-1"]
     assert static["calls"] == pooled["calls"] == report["calls"] > 0
     assert (static["devices"], pooled["devices"]) == (2, 1)
@@ -43,19 +51,8 @@ def test_pooled_and_static_serve_the_same_calls_and_pooling_restores(tmp_path: P
 def test_decoding_batched_calls_the_static_side_runs_alone_and_busy_counts_a_pass_once(
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "pool.json"
-    args = ["--services", "2", "--pooled", "1", "--per-device", "1", "--rounds", "2"]
-    args += ["--round-s", "1", "--burst", "4", "--compute-ms", "10", "--active", "1"]
-    args += ["--compute", "decode", "--batch", "4", "--devices", "cpu"]
-    done = subprocess.run(
-        [*TANGRAM_CLI, "bench", "gpu-pool", "--json", "--size-mb", "32", "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout)
+    args = "--burst 4 --compute-ms 10 --compute decode --batch 4 --devices cpu".split()
+    report = _bench(tmp_path, *args)
     assert (report["compute"], report["batch"]) == ("decode", 4)
     assert report["decode_step_ms"] > 0 and "real compute" in report["device"]
     assert "static deployments run one after another" in report["device"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,18 +26,7 @@ from tangram.api.wire import (
 from tangram.service.config import ANY_TENANT, EnvConfig, TenantLimits
 from tangram.service.engine import Engine
 from tangram.service.records import KEY_SEP, ActionRecord, EngineError
-from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run
-
-
-async def settle(done: Callable[[], bool] = lambda: False, ticks: int = 200) -> bool:
-    """Let the loop run what is ready (nothing here waits on time), until ``done``: whether
-    it is, within ``ticks`` turns of the loop."""
-    for _ in range(ticks):
-        if done():
-            return True
-        await asyncio.sleep(0)
-    return done()
-
+from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run, settle
 
 SMALL = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.5))  # 4 fit on n1
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,17 +29,7 @@ from tangram.api.wire import (
 )
 from tangram.service.config import PoolConfig, ServiceConfig
 from tangram.service.engine import Engine
-from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run
-
-
-async def settle(done: Callable[[], bool] = lambda: False, ticks: int = 200) -> bool:
-    """Let the loop run what is ready (nothing here waits on time), until ``done``: whether
-    it is, within ``ticks`` turns of the loop."""
-    for _ in range(ticks):
-        if done():
-            return True
-        await asyncio.sleep(0)
-    return done()
+from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run, settle
 
 
 def _outcome() -> ExecOutcome:
