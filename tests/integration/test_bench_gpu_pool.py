@@ -51,8 +51,8 @@ def test_pooled_and_static_serve_the_same_calls_and_pooling_restores(tmp_path: P
 def test_decoding_batched_calls_the_static_side_runs_alone_and_busy_counts_a_pass_once(
     tmp_path: Path,
 ) -> None:
-    args = "--burst 4 --compute-ms 10 --compute decode --batch 4 --devices cpu".split()
-    report = _bench(tmp_path, *args)
+    decode = ["--compute", "decode", "--batch", "4", "--devices", "cpu"]
+    report = _bench(tmp_path, "--burst", "4", "--compute-ms", "10", *decode)
     assert (report["compute"], report["batch"]) == ("decode", 4)
     assert report["decode_step_ms"] > 0 and "real compute" in report["device"]
     assert "static deployments run one after another" in report["device"]
