@@ -448,8 +448,12 @@ def e2b_schema(target: Target, request: pytest.FixtureRequest) -> BaseSchema:
     def existing_sandbox(ctx: HookContext, params: dict[str, Any] | None) -> st.SearchStrategy[Any]:
         if not isinstance(params, dict) or "sandbox_id" not in params:
             return st.just(params)
-        if ctx.operation and ctx.operation.method.upper() == "DELETE":
-            return st.just(params)  # (killing it would leave nothing to steer at)
+        if ctx.operation and (
+            ctx.operation.method.upper() == "DELETE" or ctx.operation.path.endswith("/timeout")
+        ):
+            # (killing it, or giving it a second to live, would leave nothing to steer at:
+            # the later cases' sandbox gone, answered 502 as E2B's proxy does)
+            return st.just(params)
         return st.sampled_from([params, {**params, "sandbox_id": TRAJECTORY}])
 
     @schema.hook("flatmap_body")

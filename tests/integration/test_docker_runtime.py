@@ -249,7 +249,9 @@ def test_a_command_that_stops_or_kills_its_handler_ends_with_all_it_started(
     with pytest.raises(ExecError) as e:  # (a stopped handler held it past any timeout)
         asyncio.run(asyncio.wait_for(runtime.exec(t, argv, CORES[:1], path="fast"), 60))
     assert "its handler ended first" in str(e.value), e.value
-    assert e.value.ran_s is not None and e.value.ran_s > 0.2  # (its exec_s, not overhead)
+    # Its exec_s, not overhead: it slept 0.2 s before the kill (the agent's clock starts
+    # a little after the command's: 0.198 s was read under load, so not "> 0.2").
+    assert e.value.ran_s is not None and e.value.ran_s > 0.1
     assert soon_only_pid1_left(runtime, t)
     assert group_limits(runtime, t) == (CORES[:1], 0.1)
     assert run(runtime, t, ["sh", "-c", "echo next"], CORES[:1]).stdout == "next\n"
