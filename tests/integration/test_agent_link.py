@@ -65,6 +65,14 @@ def _batch_of_execs(client: Client) -> list[str]:
     return ids
 
 
+def _tokens(tmp: Path) -> tuple[TokenStore, str]:
+    """A token file in ``tmp``, and its agents' token."""
+    tokens = TokenStore.create(tmp / "tokens")
+    agent_token = tokens.token_for(AGENT_TENANT)
+    assert agent_token is not None
+    return tokens, agent_token
+
+
 def test_a_current_agent_gets_the_execs_of_one_round_in_one_frame(tmp_path: Path) -> None:
     agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=N)
     with service(CONFIG, agent, tmp_path) as (running, token), Client(running.url, token) as c:
@@ -414,9 +422,7 @@ def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
     sent to the agent, which left it unanswered) waits in the scheduler, never sent to
     the leaving agent, and ends node_lost as the link closes; and the scheduler logs
     "stopped" at INFO."""
-    tokens = TokenStore.create(tmp_path / "tokens")
-    agent_token = tokens.token_for(AGENT_TENANT)
-    assert agent_token is not None
+    tokens, agent_token = _tokens(tmp_path)
     runtime = _Holding()
     agent = _agent(runtime, tmp_path / "keys.journal")
     not_taken = _not_taken(agent)
@@ -479,9 +485,7 @@ def test_during_an_agents_grace_new_work_goes_to_the_other_nodes(tmp_path: Path)
     its command runs there at once, while t's next command waits, is never sent to n1,
     and ends node_lost (retryable) once n1's agent has gone; the command that ran there
     when it was told to stop finishes with its result."""
-    tokens = TokenStore.create(tmp_path / "tokens")
-    agent_token = tokens.token_for(AGENT_TENANT)
-    assert agent_token is not None
+    tokens, agent_token = _tokens(tmp_path)
     runtime = _Holding()
     leaving = _agent(runtime, tmp_path / "keys.journal")
     not_taken = _not_taken(leaving)
@@ -552,9 +556,7 @@ def test_a_reply_a_leaving_agent_sent_ends_its_action_however_late_its_waiter_ta
     ended every action not yet done node_lost: a reply that came was dropped when its
     waiter needed more (a stream, a call's own task, a loaded loop). The actions answered
     are left to their waiters now, however many turns they take (here: far more)."""
-    tokens = TokenStore.create(tmp_path / "tokens")
-    agent_token = tokens.token_for(AGENT_TENANT)
-    assert agent_token is not None
+    tokens, agent_token = _tokens(tmp_path)
     agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=1)
     request = AgentLink.request
 
