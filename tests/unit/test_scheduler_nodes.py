@@ -6,10 +6,11 @@ import pytest
 
 from tangram.api.action import ActionSpec
 from tangram.api.cluster import ServiceSpec
-from tangram.scheduler import Scheduler, SchedulingError
+from tangram.scheduler import Scheduler, SchedulerConfig, SchedulingError
 from tangram.scheduler.core.decisions import Invalid
+from tangram.scheduler.core.shares import TenantShare
 
-from .helpers import api_call, cluster, exec_action, started
+from .helpers import api_call, cluster, elastic, exec_action, service_call, started
 
 
 def test_a_pool_starts_empty_and_schedules_once_a_node_joins() -> None:
@@ -489,3 +490,78 @@ def test_a_cordoned_gpu_node_takes_no_call_and_no_joiner() -> None:
     s.drain_node("a")
     s.add_gpu_node("a", gpus=1, memory_gb=80)  # its agent is back
     assert [(g.action_id, g.node) for g in s.schedule(13.0).assignments] == [("c3", "a")]
+
+
+def _two_nodes(n1: int, n2: int, config: SchedulerConfig | None = None) -> Scheduler:
+    nodes = [{"name": "n1", "cpus": n1, "memory_gb": 8}, {"name": "n2", "cpus": n2, "memory_gb": 8}]
+    return Scheduler(cluster(nodes=nodes), config)
+
+
+def test_a_capped_tenants_share_is_of_the_cores_that_take_new_work() -> None:
+    """A tenant capped at half the pool may hold half its cores. With n1 cordoned, half
+    of both nodes was all of n2, the only node taking new work: the capped tenant could
+    take it whole, leaving the others none. Its share is now of n2's cores alone, and
+    what it still runs on n1 counts for none of it (n1's cores are not in the pool it is
+    a share of). An action that half the whole pool fits, but not half of n2, waits for
+    n1 to come back (stranded: it holds nobody back), rather than being refused."""
+    s = _two_nodes(4, 4)
+    s.set_tenants({"capped": TenantShare(max_share=0.5)})
+    for tid, tenant, node in (("old", "capped", "n1"), ("c", "capped", "n2"),
+                              ("f", "free", "n2")):  # fmt: skip
+        s.open_trajectory(tid, memory_gb=1, tenant=tenant)
+        s.place_trajectory(tid, node)
+    s.submit("on-n1", "old", exec_action(2, t1=10.0), now=0.0)
+    assert started(s, 0.0) == ["on-n1"]
+    s.cordon_node("n1")
+    for i in range(4):
+        s.submit(f"c{i}", "c", exec_action(1, t1=10.0), now=1.0)
+    # 2 of n2's 4 cores (counting n1's: all 4; counting its run on n1 too: none).
+    assert started(s, 1.0) == ["c0", "c1"]
+    assert dict(s.plan(1.0).blocked)["c2"] == "tenant capped at its maxShare"
+    for aid in ("c2", "c3"):
+        s.cancel(aid)
+    for i in range(2):
+        s.submit(f"f{i}", "f", exec_action(1, t1=10.0), now=2.0)
+    assert started(s, 2.0) == ["f0", "f1"]  # the cores the cap left free
+    s.submit("wide", "c", exec_action(3, t1=1.0), now=3.0)  # 3 <= 4, half of 8 cores
+    assert s.stranded == {"wide"}
+    for aid in ("on-n1", "c0", "c1", "f0", "f1"):
+        s.complete(aid, now=10.0)
+    s.drain_node("n1")
+    s.add_node("n1", cores=4, memory_gb=8)  # its next agent: half the pool is 4 again
+    assert not s.stranded
+    rnd = s.schedule(11.0)
+    assert [(a.action_id, a.node, a.units) for a in rnd.assignments] == [("wide", "n2", 3)]
+
+
+def test_a_capped_tenants_gpu_share_is_of_the_gpus_that_take_new_work() -> None:
+    """The same for GPUs: half of a's and b's is all of b's with a cordoned."""
+    gpus = [{"name": n, "gpus": 2, "gpu_memory_gb": 80} for n in ("a", "b")]
+    rm = {"name": "rm", "gpu_memory_gb": 10, "dop_choices": [1]}
+    s = Scheduler(cluster(nodes=gpus, services=[rm]), SchedulerConfig(restore_ahead=False))
+    s.set_tenants({"capped": TenantShare(max_share=0.5)})
+    s.cordon_node("a")
+    s.open_trajectory("w", tenant="capped")
+    for i in range(2):
+        s.submit(f"c{i}", "w", service_call("rm", 1.0, gpu=1), now=0.0)
+    assert [(g.action_id, g.node) for g in s.schedule(0.0).assignments] == [("c0", "b")]
+
+
+def test_an_unplaced_action_is_sized_for_the_nodes_that_take_new_work() -> None:
+    """n1 (8 cores) is cordoned; n2 has 2. A trajectory not placed yet can only go to n2,
+    so its action is sized for n2's 2 cores, not at the fixed DoP of 4 that only n1 has
+    (its figures read so: fair queuing's work). One whose minimum only n1 can hold is not
+    refused: it waits for n1 (stranded), and runs there once its next agent joins."""
+    s = _two_nodes(8, 2, SchedulerConfig(fixed_dop=4))
+    s.cordon_node("n1")
+    s.open_trajectory("t", memory_gb=1)
+    s.submit("e", "t", elastic(1, 8, 40.0, 0.5), now=0.0)
+    units, durations, _ = s.sizing.choices(s.actions["e"], None)
+    assert units == (2,) and s.actions["e"].work == pytest.approx(2 * durations[2])
+    s.open_trajectory("w", memory_gb=1)
+    s.submit("wide", "w", exec_action(4, t1=1.0), now=0.0)
+    assert s.stranded == {"wide"}
+    assert [(a.action_id, a.node, a.units) for a in s.schedule(0.0).assignments] == [("e", "n2", 2)]
+    s.drain_node("n1")
+    s.add_node("n1", cores=8, memory_gb=8)
+    assert [(a.action_id, a.node) for a in s.schedule(1.0).assignments] == [("wide", "n1")]

@@ -73,7 +73,7 @@ def resolve(
             raise SchedulingError("kind", "this pool has no CPU nodes for exec actions")
         cpu = allowed_units(spec.cpu) if spec.cpu is not None else (1,)
         placed = cpu_pool.placement.get(trajectory)
-        cap = cpu_pool.nodes[placed].cores if placed is not None else sizing.biggest_node
+        cap = cpu_pool.nodes[placed].cores if placed is not None else sizing.biggest_any_node
         if cpu[0] > cap:
             raise too_wide(cpu[0], trajectory, placed, cap)
     elif spec.kind is ActionKind.SERVICE:

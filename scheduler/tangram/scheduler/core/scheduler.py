@@ -98,7 +98,9 @@ class Scheduler:
         # until the last of those has ended or left the queue.
         self.retired_quotas: set[str] = set()
         self.book = ProfileBook()
-        self.sizing = Sizing(self.cpu, self.book, self.config, _biggest(self.cpu))
+        self.sizing = Sizing(
+            self.cpu, self.book, self.config, _biggest(self.cpu), _biggest(self.cpu, cordoned=True)
+        )
         self.lengths = LengthModel()
         # Mean queueing time of recently started actions (shortest-remaining's ageing),
         # over the starts of rounds (``_commit``); an adopted action never queued here.
@@ -421,7 +423,11 @@ class Scheduler:
 
     def _nodes_changed(self) -> None:
         """Capacity changed: every cached choice, waiting count and stranded action is stale."""
-        self.sizing = replace(self.sizing, biggest_node=_biggest(self.cpu))
+        self.sizing = replace(
+            self.sizing,
+            biggest_node=_biggest(self.cpu),
+            biggest_any_node=_biggest(self.cpu, cordoned=True),
+        )
         for a in self.actions.values():
             a.cache, a.needs = None, None
         self._recount()
@@ -524,7 +530,7 @@ class Scheduler:
         if not changed:
             return
         lowered = {t for t in changed if self.share_of(t).max_share < before[t]}
-        capacity = self._capacity()
+        capacity = self._capacity(cordoned=True)
         for a in list(self.actions.values()):
             if self.trajectories[a.trajectory].tenant in lowered:
                 e = self._over_share(a, capacity)
@@ -546,7 +552,7 @@ class Scheduler:
         """The room capped tenants have in a round; None when no tenant is capped."""
         if not self.round_caps_apply():
             return None
-        return RoundCaps(self.share_of, self.holdings(), self._capacity())
+        return RoundCaps(self.share_of, self.holdings(cordoned=False), self._capacity())
 
     def _over_share(self, a: Action, capacity: Mapping[Resource, int]) -> SchedulingError | None:
         """Why ``a`` could never start under its tenant's cap, as a refusal naming the
@@ -575,23 +581,37 @@ class Scheduler:
             f"spec.access.tenants[].maxShare is {share} of {pool}",
         )
 
-    def holdings(self) -> Holdings:
+    def holdings(self, *, cordoned: bool = True) -> Holdings:
         """What each tenant's running actions hold, counted when a round needs it (only
-        while some tenant is capped), so that starts and completions pay nothing for it."""
+        while some tenant is capped), so that starts and completions pay nothing for it.
+        ``cordoned`` False: not the cores or GPUs of runs on a cordoned node, which are
+        not in the capacity a round's shares are of (``_capacity``); their quota units
+        are (a quota is the pool's, not a node's)."""
         held = Holdings()
+        out = set() if cordoned else self.cpu.cordoned | self.gpu.cordoned
         for run in self.running.values():
             traj = self._owner(run.action.trajectory)
             if traj is not None:  # "" too: the default share caps it like any other
                 # A call that joined an instance holds no GPUs of its own.
-                units = 0 if run.assignment.sharing else run.assignment.units
+                asg = run.assignment
+                units = 0 if asg.sharing or (out and asg.node in out) else asg.units
                 held.add(traj.tenant, units_held(run.action, units))
         return held
 
-    def _capacity(self) -> dict[Resource, int]:
-        """The pool's units of each kind a tenant's share caps (for one round)."""
+    def _capacity(self, *, cordoned: bool = False) -> dict[Resource, int]:
+        """The pool's units of each kind a tenant's share caps (for one round).
+
+        A cordoned node's cores and GPUs are left out: nothing new starts there (its agent
+        stops), so counting them would let a capped tenant take more than its share of the
+        units that do take new work, and leave the other tenants less of them.
+        ``cordoned``: counted too, for a refusal of what could never start (at submit, a
+        lower share): its agent may come back (a roll), and until then what only a share
+        of it would fit waits (``_hostable``), as for a node gone."""
+        cpu_out = () if cordoned else self.cpu.cordoned
+        gpu_out = () if cordoned else self.gpu.cordoned
         capacity = {
-            POOL_CORES: sum(n.cores for n in self.cpu.nodes.values()),
-            GPU: sum(n.gpus for n in self.gpu.nodes.values()),
+            POOL_CORES: sum(n.cores for n in self.cpu.nodes.values() if n.name not in cpu_out),
+            GPU: sum(n.gpus for n in self.gpu.nodes.values() if n.name not in gpu_out),
         }
         for name, quota in self.quotas.items():
             if quota.concurrency is not None:
@@ -969,7 +989,7 @@ class Scheduler:
         )
         # Only its own tenant's cap can refuse it: the pool's capacity is summed then.
         if capped and self.share_of(self._traj(trajectory).tenant).max_share < 1.0:
-            refused = self._over_share(a, self._capacity())
+            refused = self._over_share(a, self._capacity(cordoned=True))
             if refused is not None:
                 raise refused
         self._seq += 1  # only once it is accepted
@@ -1017,11 +1037,19 @@ class Scheduler:
         by_tenant[traj.tenant] = by_tenant.get(traj.tenant, 0) + 1
         # Admission checked the rest against the pool as it is; not the memory of a
         # trajectory opened before the nodes with enough of it left, a service call's
-        # nodes still loading its service (``set_unloadable``) or cordoned, nor a placed
-        # trajectory's node cordoned.
+        # nodes still loading its service (``set_unloadable``) or cordoned, a placed
+        # trajectory's node cordoned, nor its tenant's share of the nodes taking new work
+        # (admission counts a cordoned node's units: ``_capacity``).
+        shares = (
+            self._capacity()
+            if (self.cpu.cordoned or self.gpu.cordoned) and self.round_caps_apply()
+            else None
+        )
         if (
-            (a.cpu and (node is None or node in self.cpu.cordoned)) or a.service is not None
-        ) and not self._hostable(a):
+            (a.cpu and (node is None or node in self.cpu.cordoned))
+            or a.service is not None
+            or shares is not None
+        ) and not self._hostable(a, shares):
             self.stranded.add(a.id)
         self._count(a, +1)
         if a.service is not None:
@@ -1240,5 +1268,10 @@ def _learned(name: str, value: float) -> float:
     return value
 
 
-def _biggest(cpu: CpuPool) -> int:
-    return max((n.cores for n in cpu.nodes.values()), default=0)
+def _biggest(cpu: CpuPool, *, cordoned: bool = False) -> int:
+    """Cores of the largest node taking new work; ``cordoned``: of the largest node,
+    cordoned or not (``Sizing.biggest_any_node``)."""
+    return max(
+        (n.cores for n in cpu.nodes.values() if cordoned or n.name not in cpu.cordoned),
+        default=0,
+    )

@@ -23,7 +23,14 @@ class Sizing:
     cpu: CpuPool
     book: ProfileBook
     config: SchedulerConfig
-    biggest_node: int  # cores of the largest node: the cap of an action not yet on a node
+    # Cores of the largest node taking new work: the cap of an action not yet on a node.
+    # A cordoned node (its agent stops) is left out: no trajectory is placed there, so
+    # sizes only it could give (a probe, a fixed DoP) are ones the action never gets.
+    biggest_node: int
+    # Cores of the largest node, cordoned or not: an action not yet on a node whose
+    # minimum is over this is refused at submit (admission). A cordoned node's agent may
+    # come back (a roll): an action only it could host waits (stranded) meanwhile.
+    biggest_any_node: int
 
     def choices(self, a: Action, node: str | None) -> Choices:
         """Allowed key units, their expected durations (no restore), as Pending too.
@@ -68,11 +75,12 @@ class Sizing:
         if most is not None and units[-1] > most:
             units = tuple(k for k in units if k <= most) or units[:1]
         if a.cpu:
-            # Never more cores than the trajectory's node has (unplaced: the largest node), so
-            # fixed DoP and probe sizes stay runnable. A minimum over the cap never reaches a
-            # round: it is refused at submit or at placement, or, the largest node gone, the
-            # action is stranded (``Scheduler.stranded``); kept here only for the figures
-            # (fair queuing's work) read before then.
+            # Never more cores than the trajectory's node has (unplaced: the largest node
+            # taking new work), so fixed DoP and probe sizes stay runnable. A minimum over
+            # the cap never reaches a round: it is refused at submit or at placement, or,
+            # the largest node gone or cordoned, the action is stranded
+            # (``Scheduler.stranded``); kept here only for the figures (fair queuing's
+            # work) read before then.
             cap = self.cpu.nodes[node].cores if node is not None else self.biggest_node
             if units[-1] > cap:
                 units = tuple(k for k in units if k <= cap) or units[:1]
