@@ -565,3 +565,28 @@ def test_an_unplaced_action_is_sized_for_the_nodes_that_take_new_work() -> None:
     s.drain_node("n1")
     s.add_node("n1", cores=8, memory_gb=8)
     assert [(a.action_id, a.node) for a in s.schedule(1.0).assignments] == [("wide", "n1")]
+
+
+def test_a_call_is_not_held_for_the_gpus_a_cordoned_node_frees() -> None:
+    """Node a runs a short call on both its GPUs and is cordoned; b has one GPU free and
+    one busy for long. An elastic call (DoP 1 or 2, perfectly parallel) planned as if
+    a's GPUs came back waited for them (1 s, then 50 s at DoP 2, beating 100 s now at
+    DoP 1) and got nothing when they did: a's chunks take no new work. It starts now on
+    b's free GPU."""
+    rm = {"name": "rm", "gpu_memory_gb": 10, "dop_choices": [1, 2], "restore_s": 0.0,
+          "efficiency": {"amdahl": 1.0}}  # fmt: skip
+    gpus = [{"name": n, "gpus": 2, "gpu_memory_gb": 80} for n in ("a", "b")]
+    s = Scheduler(cluster(nodes=gpus, services=[rm]), SchedulerConfig(restore_ahead=False))
+    s.open_trajectory("w")
+    s.submit("short", "w", service_call("rm", 2.0, gpu=2), now=0.0)
+    s.submit("long", "w", service_call("rm", 100.0, gpu=1), now=0.0)
+    assert {a.action_id: a.node for a in s.schedule(0.0).assignments} == {
+        "short": "a",
+        "long": "b",
+    }
+    s.cordon_node("a")
+    s.open_trajectory("t")
+    s.submit("c", "t", service_call("rm", 100.0, gpu={"choices": [1, 2]}), now=0.5)
+    rnd = s.schedule(0.5)
+    assert rnd.blocked == ()
+    assert [(g.action_id, g.node, g.units) for g in rnd.assignments] == [("c", "b", 1)]

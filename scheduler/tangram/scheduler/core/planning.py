@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping, Set
+from collections.abc import Collection, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -700,7 +700,11 @@ class _Planner:
                 price=price,
                 capped=capped,
             )
-        running = _running(s.running.values(), resource, self.now)
+        # What runs on a cordoned node's GPUs frees nothing a call may take (its chunks
+        # take no new work, ``GpuPool.chunk_counts``): counted, a call would be held back
+        # waiting for units it never gets, until the node had left.
+        leaving = s.gpu.cordoned if resource == GPU else ()
+        running = _running(s.running.values(), resource, self.now, leaving)
         depth, doubling = s.config.depth, s.config.explore == "doubling"
         if resource == GPU:
             arrangement = greedy_evict(
@@ -790,12 +794,15 @@ def _chunk_times(
     return times
 
 
-def _running(runs: Iterable[Running], resource: Resource, now: float) -> list[tuple[float, int]]:
+def _running(
+    runs: Iterable[Running], resource: Resource, now: float, leaving: Collection[str] = ()
+) -> list[tuple[float, int]]:
     """(seconds left, units) of what runs on ``resource``; a GPU chunk shared by several
-    calls is one entry, free when its last call ends."""
+    calls is one entry, free when its last call ends. Not what runs on a node of
+    ``leaving`` (cordoned: what it frees takes no new work)."""
     ends: dict[Chunk | str, tuple[float, int]] = {}
     for r in runs:
-        if r.resource == resource:
+        if r.resource == resource and not (leaving and r.assignment.node in leaving):
             left = max(0.0, r.expected_end - now)
             key = r.assignment.chunk or r.assignment.action_id
             held = ends.get(key)
