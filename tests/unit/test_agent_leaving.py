@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,9 +28,10 @@ from tangram.api.wire import (
     ServiceOutcome,
     ServiceStats,
 )
-from tangram.service.config import PoolConfig, ServiceConfig
+from tangram.service.config import EnvConfig, PoolConfig, ServiceConfig
 from tangram.service.engine import Engine
-from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run, settle
+from tangram.service.records import EngineError
+from tests.fixtures.fake_agent import ENV, Agent, answer_all, connect, hello, left, run, settle
 
 
 def _outcome() -> ExecOutcome:
@@ -129,6 +131,27 @@ def test_an_open_while_every_agent_stops_is_503_not_sent_to_them() -> None:
     run(scenario)
 
 
+def test_a_stopping_agent_is_not_told_to_keep_environments_warm() -> None:
+    """An edit of the pool's environments tells each agent the warm sandboxes to keep.
+    A stopping agent's node opens no new trajectory: it would start them for nobody, and
+    remove them as it ends. Only n2 is told."""
+
+    async def scenario(engine: Engine) -> None:
+        n1, n2 = Agent(hello(node="n1"), _commands), Agent(hello(node="n2"), _commands)
+        await connect(engine, n1)
+        await connect(engine, n2)
+        n1.inbox.put_nowait(AGENT_LEAVING)
+        assert await settle(lambda: engine.hub.links["n1"].leaving)
+        told = {a.node: len(a.ops("warm")) for a in (n1, n2)}
+        warm = EnvConfig(spec=ENV.spec.model_copy(update={"warm": 2}))
+        engine.reconfigure(replace(engine.config, envs={"e": warm}))
+        assert await settle(lambda: len(n2.ops("warm")) == told["n2"] + 1)
+        assert [e["warm"] for e in n2.ops("warm")[-1]["envs"]] == [2]
+        assert len(n1.ops("warm")) == told["n1"]
+
+    run(scenario)
+
+
 # ---- GPU nodes ----------------------------------------------------------------------------
 
 
@@ -185,6 +208,62 @@ def test_a_service_call_goes_to_another_gpu_node_than_a_leaving_one() -> None:
             assert done.status is ActionStatus.OK and done.allocation.node == "g2"
             g1.push(_scored(_calls(g1)[0]["rid"]))
             assert (await asyncio.wait_for(first.done, 5)).status is ActionStatus.OK
+        finally:
+            await engine.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def _loads_v1_only(msg: dict[str, Any]) -> AgentReply | None:
+    """A GPU node's agent that loads ``judge`` from /w.pt and fails to from any other
+    weights; calls are held until answered."""
+    if msg["op"] == "services":
+        (judge,) = msg["services"]
+        load = (
+            ServiceLoad(ok=True, bytes=1 << 20)
+            if judge["weights"] == "/w.pt"
+            else ServiceLoad(ok=False, error=f"no file {judge['weights']}")
+        )
+        return AgentReply(rid=0, ok=True, loaded={"judge": load})
+    if msg["op"] == "call":
+        return None
+    return answer_all(msg)
+
+
+def test_a_stopping_gpu_agent_is_not_synced_and_counts_for_no_load() -> None:
+    """judge is edited (new weights) while g1's agent stops. g1 takes no new call, so its
+    worker is not told to load the edit: only g2 is. g2 cannot load it: the call queued
+    meanwhile is refused with g2's error and a new one is a conflict, as if g1 were gone
+    (g1's word on the old weights counts for nothing; counted as still loading, it
+    kept them waiting, and new ones admitted, until their queue timeout)."""
+    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    edited = spec.model_copy(update={"weights": "/w2.pt"})
+
+    async def go() -> None:
+        engine = Engine(PoolConfig(services={"judge": ServiceConfig(spec=spec)}))
+        engine.all_agents_joined()
+        await engine.start()
+        try:
+            g1 = Agent(_gpu_hello("g1", 1), _loads_v1_only)
+            g2 = Agent(_gpu_hello("g2", 1), _loads_v1_only)
+            for agent in (g1, g2):
+                await connect(engine, agent)
+            assert await settle(lambda: {"g1", "g2"} <= set(engine.gpu.loads))
+            g1.inbox.put_nowait(AGENT_LEAVING)
+            assert await settle(lambda: engine.hub.links["g1"].leaving)
+            synced = {a.node: len(a.ops("services")) for a in (g1, g2)}
+            engine.reconfigure(PoolConfig(services={"judge": ServiceConfig(spec=edited)}))
+            queued = engine.submit_service("u", "judge", ServiceCallRequest(inputs=[1]))
+            assert await settle(lambda: len(g2.ops("services")) == synced["g2"] + 1)
+            assert len(g1.ops("services")) == synced["g1"]
+            assert await settle(queued.done.done)
+            refused = queued.done.result()
+            assert refused.status is ActionStatus.REJECTED and refused.error is not None
+            assert "no file /w2.pt" in refused.error.message
+            with pytest.raises(EngineError) as never:
+                engine.submit_service("u", "judge", ServiceCallRequest(inputs=[2]))
+            assert never.value.kind == "conflict" and "g1" not in never.value.message
+            assert not _calls(g1) and not _calls(g2)
         finally:
             await engine.stop(grace_s=0)
 

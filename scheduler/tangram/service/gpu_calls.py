@@ -111,8 +111,13 @@ class GpuCalls:
 
     async def sync_services(self, node: str) -> None:
         """Have ``node``'s worker hold exactly the pool's services (it loads each once into
-        host memory); their measured sizes feed the restore estimates."""
+        host memory); their measured sizes feed the restore estimates. Not a worker whose
+        agent said it stops: its node takes no new call, so it would load them for
+        nothing while it winds down; the worker its next agent brings is synced as it
+        joins."""
         s = self.s
+        if s.core.is_cordoned(node):
+            return
         configs = list(s.config.services.values())
         sent = {c.spec.name: revision(c) for c in configs}
         seq = self._syncs[node] = self._syncs.get(node, 0) + 1
@@ -149,15 +154,27 @@ class GpuCalls:
     def _load_failures(self, service: str) -> dict[str, str] | None:
         """The load error of ``service`` on each GPU node, when every one of them has
         answered for its current definition and none could load it; else None (one holds
-        it, or is still loading it, or no GPU node is connected)."""
+        it, or is still loading it, or no GPU node is connected). A node whose agent said
+        it stops and has not answered for it counts as gone: it is not asked
+        (``sync_services``), and would take no call of it."""
         rev = self.revisions.get(service)
         failures: dict[str, str] = {}
         for node in self.s.node_gpus:
             load = self.loads.get(node, {}).get(service)
+            if self._unasked(node, service):
+                continue
             if load is None or load.ok or self.synced.get(node, {}).get(service) != rev:
                 return None
             failures[node] = load.error or "not loaded"
         return failures or None
+
+    def _unasked(self, node: str, service: str) -> bool:
+        """Whether ``node``'s agent said it stops and its worker has not answered for the
+        current definition of ``service``: no sync goes to it now (``sync_services``),
+        so what it said of an earlier one stands for nothing (and its node takes no call
+        anyway)."""
+        rev = self.revisions.get(service)
+        return self.s.core.is_cordoned(node) and self.synced.get(node, {}).get(service) != rev
 
     def _fail_unloadable(self) -> None:
         """Queued calls of a service that every GPU node has now failed to load (its
@@ -240,7 +257,11 @@ class GpuCalls:
             )
         if not s.node_gpus:
             raise EngineError("unavailable", "service", "no GPU node agent is connected")
-        states = {n: loads[service] for n, loads in self.loads.items() if service in loads}
+        states = {
+            n: loads[service]
+            for n, loads in self.loads.items()
+            if service in loads and not self._unasked(n, service)
+        }
         if not any(st.ok for st in states.values()):
             failures = self._load_failures(service)
             if failures is not None:  # a retry would fail the same way until an edit

@@ -305,7 +305,12 @@ class PoolState:
     def keep_warm(self, node: str) -> None:
         """Tell ``node``'s agent the environments it keeps warm sandboxes of, all of them:
         it tops those up and removes the warm sandboxes of any other (a removed
-        environment, or one no longer kept warm, would hold their memory for good)."""
+        environment, or one no longer kept warm, would hold their memory for good).
+        Not an agent that said it stops: no new trajectory opens on its node, so new warm
+        sandboxes would serve nobody and hold up its stop (it waits for the ones it is
+        making, then removes them all); its next agent is told as it joins."""
+        if self.core.is_cordoned(node):
+            return
         envs = [env.spec for env in self.config.envs.values() if env.spec.warm]
         self.background(self.ask(node, AgentWarm(envs=envs)))
 

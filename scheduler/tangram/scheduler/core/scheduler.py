@@ -388,6 +388,10 @@ class Scheduler:
             self.gpu.cordoned.add(name)
         self._nodes_changed()
 
+    def is_cordoned(self, name: str) -> bool:
+        """Whether ``name`` takes no new work (``cordon_node``), until it is drained."""
+        return name in self.cpu.cordoned or name in self.gpu.cordoned
+
     def drain_node(self, name: str) -> Drained:
         """Take a node out. The runs on its cores or GPUs end (``Drained.running``): their
         quota units come back, and their trajectories stop counting them. Its trajectories
