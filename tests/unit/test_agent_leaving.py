@@ -12,6 +12,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+import httpx
 import pytest
 
 from tangram.api.wire import (
@@ -28,6 +29,8 @@ from tangram.api.wire import (
     ServiceOutcome,
     ServiceStats,
 )
+from tangram.service.app import create_app
+from tangram.service.auth import TokenStore
 from tangram.service.config import EnvConfig, PoolConfig, ServiceConfig
 from tangram.service.engine import Engine
 from tangram.service.records import EngineError
@@ -148,6 +151,34 @@ def test_a_stopping_agent_is_not_told_to_keep_environments_warm() -> None:
         assert await settle(lambda: len(n2.ops("warm")) == told["n2"] + 1)
         assert [e["warm"] for e in n2.ops("warm")[-1]["envs"]] == [2]
         assert len(n1.ops("warm")) == told["n1"]
+
+    run(scenario)
+
+
+def test_only_stopping_agents_leave_the_pool_not_ready() -> None:
+    """Readiness (``/readyz``) says whether the pool can take new work: an agent that said
+    it stops cannot, so with only such agents the pool is not ready (503, saying why),
+    and is again once an agent that does not stop is connected. Liveness (``/healthz``)
+    stays ok throughout: a not-ready scheduler is not restarted."""
+
+    async def probes(engine: Engine) -> tuple[bool, int, str, int]:
+        """``Engine.ready``, /readyz's status and text, /healthz's status."""
+        app = create_app(engine, TokenStore({}))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            ready, alive = await http.get("/readyz"), await http.get("/healthz")
+        return engine.ready, ready.status_code, ready.text, alive.status_code
+
+    async def scenario(engine: Engine) -> None:
+        n1 = Agent(hello(node="n1"), _commands)
+        await connect(engine, n1)
+        assert await probes(engine) == (True, 200, "ready", 200)
+        n1.inbox.put_nowait(AGENT_LEAVING)
+        assert await settle(lambda: engine.hub.links["n1"].leaving)
+        ready, status, why, alive = await probes(engine)
+        assert (ready, status, alive) == (False, 503, 200) and "stopping" in why
+        await connect(engine, Agent(hello(node="n2"), _commands))
+        assert await probes(engine) == (True, 200, "ready", 200)
 
     run(scenario)
 

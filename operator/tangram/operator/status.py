@@ -156,7 +156,8 @@ def _pool_ready(
         return "False", Reason.SCHEDULER_UNREACHABLE, silent
     # The scheduler answered, so it runs, whatever its Deployment says: its pod is not
     # ready (not available) exactly while it serves environments and no agent is connected,
-    # which is the case NoNodes names with its hint.
+    # which is the case NoNodes names with its hint, or every agent connected is stopping
+    # (an agent roll on a one-node pool: for the agent's grace, until its next agent joins).
     if seen.refused is not None:
         return (
             "False",

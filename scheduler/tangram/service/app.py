@@ -505,7 +505,12 @@ def create_app(
     async def readyz() -> PlainTextResponse:
         if engine.ready:
             return PlainTextResponse("ready")
-        why = "no agent connected" if engine.state.accepting else "stopping"
+        if not engine.state.accepting:
+            why = "stopping"
+        elif engine.hub.links:
+            why = "no agent connected takes new work: they are stopping"
+        else:
+            why = "no agent connected"
         return PlainTextResponse(why, 503)
 
     @app.websocket(AGENTS_PATH)

@@ -287,10 +287,17 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        """Admitting, and able to run something: an agent is connected, or the pool has no
-        environments and no RewardServices (API quotas only: nothing needs a node)."""
+        """Admitting, and able to run something: an agent is connected that did not say
+        it stops, or the pool has no environments and no RewardServices (API quotas only:
+        nothing needs a node). A stopping agent's node takes no new work
+        (``Membership.stopping``): with only such agents, a new trajectory is refused
+        (503) and a new call waits, as with none. Readiness only (``/readyz``): the
+        liveness probe (``/healthz``) stays ok, and the scheduler's Service publishes a
+        pod that is not ready, so that agents, the next ones too, still reach it."""
         needs_node = bool(self.config.envs or self.config.services)
-        return self.state.accepting and (bool(self.hub.links) or not needs_node)
+        if not self.state.accepting:
+            return False
+        return not needs_node or any(not link.leaving for link in self.hub.links.values())
 
     def all_agents_joined(self) -> None:
         """Whoever knows every agent is back (the embedded mode, with its one) ends the
