@@ -4,6 +4,7 @@ takes, so that a request valid by the schema is not refused for them."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -161,11 +162,22 @@ def _messages(body: bytes) -> list[dict[str, Any]]:
     return found
 
 
+def _next_message(chunks: Iterator[bytes], held: bytearray) -> dict[str, Any]:
+    """The next message of a Connect server stream being read (``held``: what was read
+    of it past the last message)."""
+    while len(held) < 5 or len(held) < 5 + int.from_bytes(held[1:5], "big"):
+        held += next(chunks)
+    size = int.from_bytes(held[1:5], "big")
+    found: dict[str, Any] = json.loads(held[5 : 5 + size])
+    del held[: 5 + size]
+    return found
+
+
 @contextmanager
-def _sandbox(tmp: Path) -> Iterator[tuple[httpx.Client, str, str]]:
-    """The service on a noop agent, a client of its E2B API (the key sent), a sandbox of
-    ``box`` made there and the key."""
-    agent = NodeAgent.create(tmp / "agent", runtime="noop", cores_for_actions=2)
+def _sandbox(tmp: Path, runtime: str = "noop") -> Iterator[tuple[httpx.Client, str, str]]:
+    """The service on a ``runtime`` agent, a client of its E2B API (the key sent), a
+    sandbox of ``box`` made there and the key."""
+    agent = NodeAgent.create(tmp / "agent", runtime=runtime, cores_for_actions=2)
     with (
         service(CONFIG, agent, tmp) as (running, token),
         httpx.Client(base_url=running.url, headers={"X-API-KEY": token}, timeout=30) as http,
@@ -239,7 +251,7 @@ def test_envd_refuses_a_value_of_the_wrong_json_type_naming_its_field(tmp_path: 
         v1 = {"authorization": f"Bearer {token}"}
         assert http.get(f"/v1/trajectories/{sid}", headers=v1).json()["actions"] == 0
 
-        for selector, field in (({"pid": True}, "process.pid"), ({"pid": "1"}, "process.pid"),
+        for selector, field in (({"pid": True}, "process.pid"), ({"pid": "one"}, "process.pid"),
                                 ({"tag": 1}, "process.tag")):  # fmt: skip
             for method in ("CloseStdin", "SendSignal"):
                 body = {"process": selector, "signal": "SIGNAL_SIGKILL"}
@@ -256,3 +268,61 @@ def test_envd_refuses_a_value_of_the_wrong_json_type_naming_its_field(tmp_path: 
         answer = http.post("/process.Process/CloseStdin", json={"process": {"pid": 1}},
                            headers=envd)  # fmt: skip
         assert answer.status_code == 404, answer.text  # (it has ended: read, then not found)
+
+
+def test_envd_takes_an_integer_as_proto_json_does_a_number_or_a_decimal_string(
+    tmp_path: Path,
+) -> None:
+    """A ``uint32`` of envd's proto (a process's pid, ListDir's depth) is, in protobuf's
+    canonical JSON mapping, a JSON number or a decimal string of one: ``"pid": "1"``
+    names pid 1, as envd's own (Go's protojson) reads it. Anything else stays refused
+    naming the field, never converted, and a refused call does nothing to the command
+    (a SIGKILL sent with ``"pid": true`` does not reach pid 1)."""
+    with _sandbox(tmp_path, runtime="process") as (http, sid, token):
+        envd = {"E2b-Sandbox-Id": sid, "X-Access-Token": token}
+        streamed = {**envd, "Content-Type": "application/connect+json"}
+        start = {"process": {"cmd": "/bin/sh", "args": ["-c", "read line; echo got $line"]},
+                 "stdin": True}  # fmt: skip
+        with http.stream("POST", "/process.Process/Start", content=_envelope(start),
+                         headers=streamed) as stream:  # fmt: skip
+            chunks, held = stream.iter_bytes(), bytearray()
+            assert _next_message(chunks, held) == {"event": {"start": {"pid": 1}}}
+            for pid in (True, False, 1.5, "1.5", -1, "-1", 2**32, str(2**32), "one", " 1",
+                        "0x1", "", [1], {"pid": 1}):  # fmt: skip
+                body = {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}
+                answer = http.post("/process.Process/SendSignal", json=body, headers=envd)
+                assert answer.status_code == 400, (pid, answer.text)
+                assert answer.json()["code"] == "invalid_argument", answer.text
+                assert answer.json()["message"].startswith("process.pid: "), answer.text
+                assert json.dumps(pid) in answer.json()["message"], answer.text
+            line = {"stdin": base64.b64encode(b"it\n").decode()}
+            answer = http.post("/process.Process/SendInput", headers=envd,
+                               json={"process": {"pid": "1"}, "input": line})  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            answer = http.post("/process.Process/CloseStdin", headers=envd,
+                               json={"process": {"pid": "1e0"}})  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            events = [_next_message(chunks, held)]
+            while "end" not in events[-1].get("event", {}):
+                events.append(_next_message(chunks, held))
+        out = b"".join(base64.b64decode(e["event"]["data"]["stdout"]) for e in events[:-1])
+        assert out == b"got it\n", events  # alive after the refusals, then read its line
+        assert events[-1]["event"]["end"]["exitCode"] == 0, events
+
+        def list_dir(depth: object) -> httpx.Response:
+            return http.post("/filesystem.Filesystem/ListDir", headers=envd,
+                             json={"path": "tree", "depth": depth})  # fmt: skip
+
+        made = http.post("/filesystem.Filesystem/MakeDir", json={"path": "tree/a/b"},
+                         headers=envd)  # fmt: skip
+        assert made.status_code == 200, made.text
+        for depth, names in (("2", ["a", "b"]), (2, ["a", "b"]), ("0", ["a"]), ("1", ["a"]),
+                             (str(2**32 - 1), ["a", "b"]), (2.0, ["a", "b"])):  # fmt: skip
+            answer = list_dir(depth)
+            assert answer.status_code == 200, (depth, answer.text)
+            assert sorted(e["name"] for e in answer.json()["entries"]) == names, depth
+        for depth in (True, "2.5", 2.5, "-1", -1, str(2**32), 2**32, "two", "+2"):
+            answer = list_dir(depth)
+            assert answer.status_code == 400, (depth, answer.text)
+            assert answer.json()["code"] == "invalid_argument", answer.text
+            assert answer.json()["message"].startswith("depth: "), answer.text

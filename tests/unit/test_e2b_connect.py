@@ -17,6 +17,7 @@ from tangram.service.e2b.connect import (
     envelope,
     first_message,
     timeout_s,
+    uint32,
 )
 from tangram.service.e2b.envd import _keepalive, entry_info
 from tangram.service.e2b.process import _end
@@ -54,6 +55,30 @@ def test_the_end_of_a_stream_carries_its_error() -> None:
 def test_a_bad_request_message_is_refused_saying_why(body: bytes, why: str) -> None:
     with pytest.raises(ConnectError, match=why):
         first_message(body)
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [(0, 0), (123, 123), ("123", 123), (1.0, 1), (1e2, 100), ("1e2", 100), ("12.50e1", 125),
+     ("-0", 0), (2**32 - 1, 2**32 - 1), (str(2**32 - 1), 2**32 - 1)],
+)  # fmt: skip
+def test_a_uint32_is_a_json_number_or_a_decimal_string_as_proto_json_reads_one(
+    value: object, read: int
+) -> None:
+    assert uint32({"pid": value}, "pid", "process.pid") == read
+    assert uint32({}, "pid", "process.pid") is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [True, False, 1.5, "1.5", -1, "-1", 2**32, str(2**32), "4294967296.0", "4294967295.5",
+     "1e999999999", "1e-999999999", float("inf"), float("nan"), "Infinity", "NaN", "one", "",
+     " 1", "1 ", "+1", "01", "0x1", "1_0", "\u0661", [1], {"pid": 1}],
+)  # fmt: skip
+def test_anything_else_is_no_uint32_and_is_refused_naming_the_field(value: object) -> None:
+    with pytest.raises(ConnectError, match=r"^invalid_argument: process\.pid: ") as refused:
+        uint32({"pid": value}, "pid", "process.pid")
+    assert refused.value.message.endswith(f"not {json.dumps(value)}")
 
 
 def test_the_callers_deadline() -> None:

@@ -8,12 +8,18 @@ envelope of a stream has the ``END_STREAM`` flag and holds ``{}`` or ``{"error":
 from __future__ import annotations
 
 import json
+import re
+from decimal import Decimal
 from typing import Any
 
 END_STREAM = 0x02
 COMPRESSED = 0x01
 STREAM_TYPE = "application/connect+json"
 MAX_MESSAGE = 16 << 20  # a request message larger than this is refused
+MAX_UINT32 = (1 << 32) - 1
+# A JSON number, the only text proto JSON reads as a quoted integer (no sign but "-", no
+# spaces, no "0x", no "_", no "Infinity").
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 # Connect's codes and the HTTP status each is answered with in a unary call.
 CODE_STATUS = {
@@ -87,6 +93,27 @@ def message(data: bytes) -> dict[str, Any]:
     if not isinstance(got, dict):
         raise ConnectError("invalid_argument", "the message is not a JSON object")
     return got
+
+
+def uint32(msg: dict[str, Any], field: str, name: str) -> int | None:
+    """``msg[field]``, a ``uint32`` of envd's proto, read as protobuf's canonical JSON
+    mapping reads one (None when absent): a JSON number or a decimal string of one
+    (``123``, ``"123"``, ``1e2``), of an integer value from 0 to 2**32 - 1. Anything else
+    is ``invalid_argument`` naming the field, never converted: ``true`` (not pid 1),
+    ``1.5``, ``-1``, ``2**32``, ``"one"``, ``" 1"``, ``"0x1"``, ``""``."""
+    value = msg.get(field)
+    if value is None:
+        return None
+    # A number is read as the JSON it came as (1e2 as "100.0"; inf, nan match no number).
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    text = json.dumps(value) if is_number else value if isinstance(value, str) else ""
+    # (Decimal: exact, so "4294967296.0" is out of range, not rounded into it)
+    number = Decimal(text) if _JSON_NUMBER.fullmatch(text) else None
+    if number is None or number != number.to_integral_value() or not 0 <= number <= MAX_UINT32:
+        raise ConnectError("invalid_argument", f"{name}: an integer from 0 to {MAX_UINT32} "
+                           f"(a number or a decimal string) is required, not "
+                           f"{json.dumps(value)}")  # fmt: skip
+    return int(number)
 
 
 def timeout_s(header: str | None) -> float | None:

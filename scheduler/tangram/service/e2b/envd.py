@@ -30,6 +30,7 @@ from tangram.service.e2b.connect import (
     first_message,
     message,
     timeout_s,
+    uint32,
 )
 from tangram.service.e2b.control import Admit, iso
 from tangram.service.e2b.errors import ERRORS, E2BError, E2BRoute, port_problem
@@ -46,7 +47,6 @@ _STATUS_CODE = {400: "invalid_argument", 401: "unauthenticated", 403: "permissio
                 404: "not_found", 413: "resource_exhausted", 429: "resource_exhausted",
                 501: "unimplemented", 502: "unavailable", 503: "unavailable"}  # fmt: skip
 MAX_LIST = 100_000  # entries a ListDir answers at most
-MAX_UINT32 = (1 << 32) - 1  # the largest depth envd's proto can carry
 MAX_DEPTH = MAX_PATH // 2  # levels a ListDir walks at most ("a/" each)
 
 Path = Annotated[str, Query(min_length=1, max_length=MAX_PATH)]
@@ -342,13 +342,10 @@ def _path(msg: dict[str, Any], field: str) -> str:
 
 
 def _depth(msg: dict[str, Any]) -> int:
-    """ListDir's ``depth`` (0 or absent: 1), a uint32 as in envd's proto, walked no
-    deeper than ``MAX_DEPTH``: no deeper directory has a path of ``MAX_PATH`` characters."""
-    depth = msg.get("depth") or 1
-    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_UINT32:
-        raise ConnectError("invalid_argument", f"depth: {depth!r} is not an integer from 0 to "
-                           f"{MAX_UINT32}")  # fmt: skip
-    return min(depth, MAX_DEPTH)
+    """ListDir's ``depth`` (0 or absent: 1), a uint32 as in envd's proto (up to
+    2**32 - 1; a number or, as proto JSON, a decimal string), walked no deeper than
+    ``MAX_DEPTH``: no deeper directory has a path of ``MAX_PATH`` characters."""
+    return min(uint32(msg, "depth", "depth") or 1, MAX_DEPTH)
 
 
 def _keepalive(header: str | None) -> float | None:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from tangram.api.field_errors import described
 from tangram.api.wire import ActionResult, ActionStatus, ExecRequest, env_problem
-from tangram.service.e2b.connect import KIND_CODE, ConnectError, end_of_stream, envelope
+from tangram.service.e2b.connect import KIND_CODE, ConnectError, end_of_stream, envelope, uint32
 from tangram.service.e2b.sandboxes import Proc, Sandbox
 from tangram.service.engine import Engine
 from tangram.service.files import NoSpaceError
@@ -127,7 +127,7 @@ def select(box: Sandbox, msg: dict[str, Any]) -> Proc:
     selector = msg.get("process") or {}
     if not isinstance(selector, dict):
         raise ConnectError("invalid_argument", "process: a selector (pid or tag) is required")
-    pid = _given(selector, "pid", int, "process.pid: an integer")
+    pid = uint32(selector, "pid", "process.pid")  # (a number or, as proto JSON, "123")
     tag = _given(selector, "tag", str, "process.tag: a string")
     for proc in box.procs.values():
         if (pid is not None and proc.pid == pid) or (tag is not None and proc.tag == tag):
@@ -138,8 +138,8 @@ def select(box: Sandbox, msg: dict[str, Any]) -> Proc:
 def _given(msg: dict[str, Any], field: str, kind: type, what: str) -> Any:
     """``msg[field]`` when absent (None) or of the JSON type ``kind``, as envd's proto
     JSON takes it; any other type is refused naming the field, never converted (a
-    ``"stdin": "no"`` was an open stdin, ``"pty": false`` a terminal, ``"pid": true``
-    pid 1)."""
+    ``"stdin": "no"`` was an open stdin, ``"pty": false`` a terminal). Integers are
+    ``connect.uint32``'s: proto JSON takes them as numbers or decimal strings."""
     value = msg.get(field)
     if value is not None and (
         not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)
