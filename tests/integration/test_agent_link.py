@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -330,6 +331,57 @@ def test_a_refused_agent_is_told_why_and_both_sides_log_it(
     logged = [r.getMessage() for r in kept.records]
     assert any(f"({status})" in m and said in m for m in logged), logged
     assert not any(sent in m for m in logged)  # the token is never logged
+
+
+class _Connects(logging.Handler):
+    """The agent's "connected to" lines, at any level: the ``last``-th stops its link."""
+
+    def __init__(self, stop: asyncio.Event, last: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.stop, self.last = stop, last
+        self.levels: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("connected to "):
+            self.levels.append(record.levelno)
+            if len(self.levels) == self.last:
+                self.stop.set()
+
+
+def test_a_node_refused_after_its_hello_logs_its_connects_as_its_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scheduler that takes the hello and closes the link (a node it refuses then, a
+    scheduler crash-looping): the agent logged "connected ... again" at info every cycle,
+    though its failures warn only the first few times (then one a minute, made never
+    here). A connect is at info when it is the first or ends a failure that warned."""
+    monkeypatch.setattr(link, "next_wait", lambda backoff, lasted: (0.0, 0.0))  # no waits
+    monkeypatch.setattr(link.Outage, "LOUD_EVERY_S", math.inf)
+    caplog.set_level(logging.DEBUG, logger="tangram.agent.link")
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=1)
+
+    async def refuse(ws: Any) -> None:
+        await ws.recv()  # the hello
+        await ws.close(1008, "this node is refused")
+
+    async def scenario() -> list[int]:
+        stop = asyncio.Event()
+        connects = _Connects(stop, last=10)
+        logging.getLogger("tangram.agent.link").addHandler(connects)
+        try:
+            async with websockets.serve(refuse, "127.0.0.1", 0) as scheduler:
+                port = scheduler.sockets[0].getsockname()[1]
+                url = f"ws://127.0.0.1:{port}/v1/agents"
+                await asyncio.wait_for(link.serve(agent, url, "token", stop), 60)
+        finally:
+            logging.getLogger("tangram.agent.link").removeHandler(connects)
+        return connects.levels
+
+    levels = asyncio.run(scenario())
+    loud = link.Outage.LOUD_FIRST
+    assert levels == [logging.INFO] * (1 + loud) + [logging.DEBUG] * (9 - loud), levels
+    warned = [r for r in caplog.records if r.getMessage().startswith("scheduler link to ")]
+    assert [r.levelno for r in warned[: loud + 1]] == [logging.WARNING] * loud + [logging.DEBUG]
 
 
 class _Holding(NoopRuntime):

@@ -117,6 +117,7 @@ async def serve(
         connected: float | None = None  # when this try's connection was made
         failure: BaseException | None = None
         refusal: str | None = None  # why the scheduler refused the handshake
+        logged = False  # the failure was logged above debug already (a bug's traceback)
         try:
             connection = await _connect(url, token, stop)
             if connection is None:  # stopped while connecting
@@ -126,8 +127,9 @@ async def serve(
                 gc.collect()
                 gc.freeze()  # start-up objects are forever: keep collections short
                 await ws.send(agent.hello().model_dump_json())
-                link_log.info("connected to %s as %s%s", url, agent.node, down.ended(),
-                              extra={"url": url, "node": agent.node})  # fmt: skip
+                level, said = down.ended()
+                link_log.log(level, "connected to %s as %s%s", url, agent.node, said,
+                             extra={"url": url, "node": agent.node})  # fmt: skip
                 await _session(agent, ws, stop, grace_s, hurry)
         except InvalidURI as e:  # (a redirect to one): a permanent error, not retried
             raise SchedulerUrlError(_invalid(url, e)) from None
@@ -142,7 +144,7 @@ async def serve(
                 break
             failure = e
         except Exception as e:  # a bug in one session must not end the agent: reconnect
-            failure = e
+            failure, logged = e, True
             log.exception("scheduler link failed")
         lasted = None if connected is None else time.monotonic() - connected
         wait, backoff = next_wait(backoff, lasted)
@@ -152,10 +154,10 @@ async def serve(
             wait = REFUSED_BACKOFF_S
             link_log.error(
                 "the scheduler refused this agent: %s (%s); retrying in %.0fs%s", refusal, url,
-                wait, down.failed(), extra={"url": url, "node": agent.node},
+                wait, down.failed(said=True), extra={"url": url, "node": agent.node},
             )  # fmt: skip
         elif failure is not None:
-            count = down.failed()
+            count = down.failed(said=logged)
             link_log.log(
                 logging.WARNING if down.loud() else logging.DEBUG,
                 "scheduler link to %s: %s; retrying in %.1fs%s", url, failure, wait,
@@ -202,7 +204,14 @@ class Outage:
     an hour is not 700 warnings; the rest are logged at debug, and the count says them).
     A link that connects and soon fails again (a node refused after its hello, a scheduler
     crash-looping) goes on with the same quota: only a session that lasted (``settled``)
-    starts it again."""
+    starts it again.
+
+    A connect is said at info when it is the first, or when it ends failures one of which
+    was said (a warning, a refusal's error): a log that says the scheduler could not be
+    reached also says when it was reached again, and a link that lasted then failed warns
+    (its quota started again), so the reconnect after that outage is always said. Any
+    other connect (a flapping link's, its failures at debug) is at debug too: the connect
+    of each connect-fail cycle follows its failure's quota, not one info line a cycle."""
 
     LOUD_FIRST = 3
     LOUD_EVERY_S = 60.0
@@ -214,11 +223,16 @@ class Outage:
         self.said = -math.inf  # (clock) when a failure was last worth a warning
         self.warned = 0  # failures worth a warning since the link last settled
         self.connected = False  # ever: a first connect is not "again"
+        self.owed = False  # a failure since the last connect was said: so is the connect
+        self.quiet = 0  # connects said at debug since one was said at info
 
-    def failed(self) -> str:
+    def failed(self, *, said: bool = False) -> str:
+        """Count a failure; ``said``: it is logged above debug whatever the quota (a
+        refusal, an error), so the connect that ends it will be too."""
         if not self.failures:
             self.since = self.clock()
         self.failures += 1
+        self.owed = self.owed or said
         return "" if self.failures == 1 else f" ({self._count()} so far)"
 
     def loud(self) -> bool:
@@ -226,6 +240,7 @@ class Outage:
         now = self.clock()
         if self.warned < self.LOUD_FIRST or now - self.said >= self.LOUD_EVERY_S:
             self.said, self.warned = now, self.warned + 1
+            self.owed = True
             return True
         return False
 
@@ -233,12 +248,19 @@ class Outage:
         """The link served long enough: the next outage warns from its first again."""
         self.said, self.warned = -math.inf, 0
 
-    def ended(self) -> str:
-        """'' when nothing failed, else how long and how many tries it took; reset."""
+    def ended(self) -> tuple[int, str]:
+        """The level the connect just made is logged at (see the class), and '' when
+        nothing failed, else how long and how many tries it took (and how many connects
+        were said only at debug since the last said above it); reset."""
         again = " again" if self.connected else ""
         said = f"{again} after {self._count()}" if self.failures else ""
-        self.failures, self.connected = 0, True
-        return said
+        loud = not self.connected or self.owed
+        if loud and self.quiet:
+            n = self.quiet
+            said += f" ({n} connect{'s' if n != 1 else ''} logged at debug since the last said)"
+        self.quiet = 0 if loud else self.quiet + 1
+        self.failures, self.connected, self.owed = 0, True, False
+        return (logging.INFO if loud else logging.DEBUG), said
 
     def _count(self) -> str:
         n, lasted = self.failures, self.clock() - self.since
