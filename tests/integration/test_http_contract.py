@@ -326,3 +326,41 @@ def test_envd_takes_an_integer_as_proto_json_does_a_number_or_a_decimal_string(
             assert answer.status_code == 400, (depth, answer.text)
             assert answer.json()["code"] == "invalid_argument", answer.text
             assert answer.json()["message"].startswith("depth: "), answer.text
+
+
+def test_the_e2b_list_names_only_the_sandboxes_made_through_it(tmp_path: Path) -> None:
+    """An E2B cleanup lists every sandbox and kills each: the list named the tenant's
+    trajectories opened through /v1 too (an RL trainer's), and the cleanup killed them.
+    Both lists name only the sandboxes made through E2B's API, whatever the query; a /v1
+    trajectory is still a sandbox by its id (info, connect, envd, kill)."""
+    with _sandbox(tmp_path) as (http, sid, token):
+        v1 = {"authorization": f"Bearer {token}"}
+        opened = http.post("/v1/trajectories", headers=v1,
+                           json={"env": "box", "labels": {"run": "1"}})  # fmt: skip
+        assert opened.status_code == 201, opened.text
+        tid = opened.json()["id"]
+        for path, query in (
+            ("/sandboxes", {}),
+            ("/sandboxes", {"metadata": "run=1"}),  # (the sandbox's metadata, the /v1 labels)
+            ("/v2/sandboxes", {}),
+            ("/v2/sandboxes", {"template": "box", "state": "running", "order": "asc"}),
+            ("/v2/sandboxes", {"metadata": "run=1", "limit": "1"}),
+        ):
+            listed = http.get(path, params=query)
+            assert listed.status_code == 200, listed.text
+            assert [box["sandboxID"] for box in listed.json()] == [sid], (path, query)
+            assert "X-Next-Token" not in listed.headers
+
+        for box in http.get("/v2/sandboxes").json():  # the cleanup
+            assert http.delete(f"/sandboxes/{box['sandboxID']}").status_code == 204
+        assert http.get("/sandboxes").json() == []
+        assert http.get(f"/v1/trajectories/{tid}", headers=v1).json()["state"] == "open"
+
+        info = http.get(f"/sandboxes/{tid}")
+        assert info.status_code == 200 and info.json()["metadata"] == {"run": "1"}, info.text
+        assert http.post(f"/sandboxes/{tid}/connect", json={"timeout": 60}).status_code == 200
+        envd = {"E2b-Sandbox-Id": tid, "X-Access-Token": token}
+        assert http.get("/health", headers=envd).status_code == 204
+        assert http.get("/sandboxes").json() == []  # (found by its id: still not listed)
+        assert http.delete(f"/sandboxes/{tid}").status_code == 204
+        assert http.get(f"/v1/trajectories/{tid}", headers=v1).status_code == 404  # closed

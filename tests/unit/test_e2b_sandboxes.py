@@ -101,10 +101,11 @@ def test_connect_gives_a_trajectory_without_a_timeout_none() -> None:
     run(scenario)
 
 
-def test_a_v1_trajectory_is_listed_and_ends_when_its_idle_timeout_would_close_it() -> None:
-    """``Sandbox.connect`` takes any open trajectory of the tenant: ``list`` names them all,
-    and a trajectory without a timeout ends (``endAt``) when its env's idle timeout finds
-    it idle, not a year on."""
+def test_a_v1_trajectory_is_found_not_listed_and_ends_when_its_idle_timeout_would() -> None:
+    """``Sandbox.connect`` takes any open trajectory of the tenant, but ``list`` names only
+    the sandboxes made through E2B's API (a cleanup that kills all it lists killed an RL
+    trainer's /v1 trajectories); a trajectory without a timeout ends (``endAt``) when its
+    env's idle timeout finds it idle, not a year on."""
     engine_now = [500.0]
     idle = EnvConfig(spec=EnvSpec(name="e", image="i", memory_gb=0.5), idle_timeout_s=600)
 
@@ -117,9 +118,10 @@ def test_a_v1_trajectory_is_listed_and_ends_when_its_idle_timeout_would_close_it
         made = await boxes.create("u", "e", 60, {}, {})
         v1 = await engine.open_trajectory("u", OpenTrajectory(env="e", labels={"a": "b"}))
         await engine.open_trajectory("other", OpenTrajectory(env="e"))  # (not the tenant's)
-        listed = {box.id: box for box in boxes.mine("u")}
-        assert set(listed) == {made.id, v1.id}
+        assert [box.id for box in boxes.mine("u")] == [made.id]
+        listed = {made.id: made, v1.id: boxes.find("u", v1.id)}
         assert listed[v1.id].metadata == {"a": "b"}
+        assert [box.id for box in boxes.mine("u")] == [made.id]  # (found, still not listed)
         assert boxes.shown_end(made) == 1060.0  # its own timeout
         engine_now[0] += 100  # idle for 100 s of its 600
         assert boxes.shown_end(listed[v1.id]) == 1500.0

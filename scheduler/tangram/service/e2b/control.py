@@ -140,9 +140,9 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
         who: tenant,
         metadata: Annotated[str | None, Query(description=_METADATA)] = None,
     ) -> list[SandboxDetail]:
-        """The caller's sandboxes (all running: its open trajectories, those opened
-        through /v1 too), newest first, those whose metadata has every pair of
-        ``metadata`` only."""
+        """The caller's sandboxes (all running: those made through this API; its
+        trajectories opened through /v1 are not listed, though each is a sandbox by its
+        id), newest first, those whose metadata has every pair of ``metadata`` only."""
         return [detail(box) for box in _listed(sandboxes.mine(who), _pairs(metadata))]
 
     @router.get("/v2/sandboxes")
@@ -160,10 +160,11 @@ def control_routes(sandboxes: Sandboxes, admit: Admit) -> APIRouter:
         limit: Annotated[int, Query(ge=1, description=f"at most {PAGE} are given")] = PAGE,
         next_token: Annotated[str | None, Query(alias="nextToken")] = None,
     ) -> list[SandboxDetail]:
-        """The caller's sandboxes (its open trajectories, those opened through /v1 too)
-        that match every filter given, a page of ``limit`` at a time (newest first unless
-        ``order=asc``); the ``X-Next-Token`` header, when more follow, is the next page's
-        ``nextToken``. All are running: a query for paused ones only answers none."""
+        """The caller's sandboxes (those made through this API, not its trajectories
+        opened through /v1) that match every filter given, a page of ``limit`` at a time
+        (newest first unless ``order=asc``); the ``X-Next-Token`` header, when more
+        follow, is the next page's ``nextToken``. All are running: a query for paused
+        ones only answers none."""
         wanted = {s.strip() for given in state or [] for s in given.split(",") if s.strip()}
         if unknown := wanted - set(STATES):
             raise E2BError(400, f"state: {sorted(unknown)} (known: {', '.join(STATES)})")

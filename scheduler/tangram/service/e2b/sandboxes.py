@@ -5,10 +5,12 @@ A sandbox made here carries its timeout as a trajectory label and its ``envVars`
 trajectory's ``env_vars``, both kept by its node agent: after a scheduler restart the
 trajectory comes back from its agent, its commands still get its variables, and the
 sandbox gets a fresh timeout of that length when the reaper first sees it (its remaining
-time is not kept). Any other open trajectory of the tenant is a sandbox too (found,
-listed); it has no timeout, as it had none, and ends as any trajectory does. A sandbox
-whose environment ended by itself (its trajectory lost) serves nothing, but can be
-killed, and is closed when its timeout passes.
+time is not kept). Any other open trajectory of the tenant is a sandbox too by its id
+(found: connected to, killed), but is not listed: a list is of the sandboxes made here,
+so that an E2B cleanup that kills all it lists leaves the trajectories opened through /v1
+(an RL trainer's) alone. It has no timeout, as it had none, and ends as any trajectory
+does. A sandbox whose environment ended by itself (its trajectory lost) serves nothing,
+but can be killed, and is closed when its timeout passes.
 """
 
 from __future__ import annotations
@@ -157,11 +159,13 @@ class Sandboxes:
         return box
 
     def mine(self, tenant: str) -> list[Sandbox]:
-        """The tenant's sandboxes: every trajectory of its that is open, those opened
-        through /v1 too, as ``find`` takes any of them (E2B lists all it can connect to)."""
+        """The tenant's sandboxes made through E2B's API (their timeout's label says so,
+        after a restart too) that are open. Not its other trajectories, though ``find``
+        takes any of them by id: an E2B script that lists every sandbox and kills it
+        (a cleanup) killed the trajectories an RL trainer opened through /v1."""
         found = []
         for rec in list(self.engine.state.trajectories.values()):
-            if rec.tenant == tenant:
+            if rec.tenant == tenant and TIMEOUT_LABEL in rec.labels:
                 with contextlib.suppress(EngineError):
                     found.append(self.find(tenant, rec.id))
         return found
