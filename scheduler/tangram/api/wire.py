@@ -514,6 +514,11 @@ class ActionResult(_Answer):
     error: ErrorInfo | None = None
     allocation: Allocation = Field(default_factory=Allocation)
     timings: Timings = Field(default_factory=Timings)
+    # The idempotency key it was submitted under, the caller's or one its client made
+    # (None: submitted without one): a retry under it never runs the action a second
+    # time, and ``DELETE /v1/actions/key:<it>`` cancels it. Added later: a scheduler of
+    # an earlier release leaves it out, and a client of one ignores it.
+    idempotency_key: str | None = None
 
 
 # A batch item's kinds: the fields each one gives (the first names what it acts on).

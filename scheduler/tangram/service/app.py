@@ -387,7 +387,7 @@ def create_app(
         results = await _ended(recs, engine, request.receive)
         made = iter(payload(r, res) for r, res in zip(recs, results, strict=True))
         parts = b",".join(
-            json_bytes(_not_made(unsure[i])) if i in unsure else next(made)
+            json_bytes(_not_made(unsure[i], req.actions[i].call)) if i in unsure else next(made)
             for i in range(len(req.actions))
         )
         return Response(b'{"results":[' + parts + b"]}", media_type="application/json")
@@ -410,7 +410,7 @@ def create_app(
         resent_s = _resent_s(request)
         unsure = None if resent_s is None else engine.api.unsure(who, req, resent_s)
         if unsure is not None:
-            return Response(json_bytes(_not_made(unsure)), media_type="application/json")
+            return Response(json_bytes(_not_made(unsure, req)), media_type="application/json")
         return await _answer(engine.lease_api(who, api, req), engine, request.receive)
 
     @app.post("/v1/services/{service}/call", response_model=ActionResult, responses=_ERRORS)
@@ -679,9 +679,12 @@ def _header_param(name: str, max_length: int, description: str | None = None) ->
     return param
 
 
-def _not_made(why: ErrorInfo) -> ActionResult:
-    """The answer to a proxied call not made again (``ApiCalls.unsure``)."""
-    return ActionResult(id="", kind="api", status=ActionStatus.ERROR, error=why)
+def _not_made(why: ErrorInfo, call: ApiCallRequest | None) -> ActionResult:
+    """The answer to a proxied call not made again (``ApiCalls.unsure``), with its key."""
+    key = call.idempotency_key if call is not None else None
+    return ActionResult(
+        id="", kind="api", status=ActionStatus.ERROR, error=why, idempotency_key=key
+    )
 
 
 async def _answer(rec: ActionRecord, engine: Engine, receive: Receive) -> Response:

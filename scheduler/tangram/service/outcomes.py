@@ -241,4 +241,5 @@ class Outcomes:
                 exec_s=exec_s,
                 act_s=queued + overhead_s + restore_s + exec_s,
             ),
+            idempotency_key=rec.key,
         )
