@@ -469,8 +469,9 @@ def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
     spun on the leaving node for its grace) and answered what it killed at the grace's
     end exec_failed, not retryable, which the scheduler kept for its key. Now what runs
     may finish within the grace (its client gets the result); what still runs at its end
-    is killed unanswered and ends node_lost (retryable), its key's retry outcome_unknown,
-    as docs/operator.md says of an agent roll; a request sent during the grace (it was
+    is killed unanswered and ends outcome_unknown (not retryable: it ran in part), as
+    does its key's retry, as docs/operator.md says of an agent roll; a request sent
+    during the grace (it was
     sent to the agent, which left it unanswered) waits in the scheduler, never sent to
     the leaving agent, and ends node_lost as the link closes; and the scheduler logs
     "stopped" at INFO."""
@@ -510,9 +511,11 @@ def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
                 (result,) = results
                 if grace_s:
                     assert result.status is ActionStatus.OK, result
-                else:  # killed at the grace's end: as any agent lost, retryable
-                    assert result.error is not None and result.error.code == "node_lost"
-                    assert result.error.retryable, result.error
+                else:  # killed at the grace's end: it ran in part, not to run again
+                    assert result.error is not None, result
+                    assert result.error.code == "outcome_unknown", result.error
+                    assert not result.error.retryable and result.idempotency_key == "k1"
+                    assert "agent stopped after the action was sent" in result.error.message
                     # The next agent (the roll's new pod) answers the key's retry.
                     second = _Served(_agent(runtime, tmp_path / "keys.journal"), url,
                                      agent_token, None)  # fmt: skip

@@ -309,8 +309,8 @@ def test_the_progress_kept_is_of_the_trajectories_furthest_along(
 @pytest.mark.parametrize("blips", [1, 2])
 def test_a_keyed_exec_cut_off_by_its_link_is_counted_once_as_its_run_ended(blips: int) -> None:
     """Its link blips (once, or again while its run is adopted): its waiter hears
-    node_lost (retryable), the agent goes on with the run, which is adopted when it is back
-    and ends ok: one command, counted once, ok."""
+    outcome_unknown (it was sent: it may have run), the agent goes on with the run, which
+    is adopted when it is back and ends ok: one command, counted once, ok."""
 
     async def scenario(engine: Engine) -> None:
         first = Agent(hello(), _held)
@@ -320,7 +320,7 @@ def test_a_keyed_exec_cut_off_by_its_link_is_counted_once_as_its_run_ended(blips
         assert await settle(lambda: bool(first.ops("exec")))
         first.drop()
         await left(engine)
-        assert (await cut.done).error.code == "node_lost"  # type: ignore[union-attr]
+        assert (await cut.done).error.code == "outcome_unknown"  # type: ignore[union-attr]
         meta = TrajectoryMeta(id="t1", tenant="u", env="e")
         run_ = RunningAction(key=f"u{KEY_SEP}k", trajectory="t1",
                              cores=first.ops("exec")[0]["cores"], running_s=0.5)  # fmt: skip
@@ -330,7 +330,7 @@ def test_a_keyed_exec_cut_off_by_its_link_is_counted_once_as_its_run_ended(blips
             (adopted,) = engine.state.actions.values()
             again.drop()
             await left(engine)
-            assert (await adopted.done).error.code == "node_lost"  # type: ignore[union-attr]
+            assert (await adopted.done).error.code == "outcome_unknown"  # type: ignore[union-attr]
         back = Agent(hello([meta], [run_]))
         await connect(engine, back)
         retry = engine.submit_exec("u", "t1", ExecRequest(argv=["make"], idempotency_key="k"))
@@ -352,13 +352,14 @@ async def _exec_running_on_its_agent(engine: Engine) -> tuple[Agent, ActionRecor
 
 
 def test_an_unkeyed_exec_cut_off_by_its_link_is_counted_as_lost() -> None:
-    """Without a key its run is killed with the link: node_lost is how it ended."""
+    """Without a key its run is killed with the link, if its agent lives: it ended
+    outcome_unknown, counted so (no retry can ask its agent)."""
 
     async def scenario(engine: Engine) -> None:
         first, cut = await _exec_running_on_its_agent(engine)
         first.drop()
         await left(engine)
-        assert (await cut.done).error.code == "node_lost"  # type: ignore[union-attr]
+        assert (await cut.done).error.code == "outcome_unknown"  # type: ignore[union-attr]
         assert _counted(engine) == {("exec", "error"): 1.0}
 
     run(scenario)
@@ -408,7 +409,8 @@ def test_a_service_call_cut_off_is_counted_once_as_its_node_reported_it() -> Non
                                  target="call of service judge")  # fmt: skip
             e.state.idempotent.remember("u", "k", rec)
             rec.started = e.state.clock()  # (it ran: its node left mid-call)
-            e.outcomes.cut_off(rec)
+            rec.sent = True
+            e.outcomes.cut_off(rec, "node g left the pool")
             e.outcomes.finish(rec, ActionStatus.ERROR)
             stats = ServiceStats(service="judge", resident=True)
             outcome = ServiceOutcome(outputs=[0.5], exec_s=1.0, stats=stats)
@@ -483,7 +485,7 @@ def test_an_action_ended_by_its_nodes_loss_counts_its_time_and_says_why(
         first.drop()
         await left(engine)
         result = await cut.done
-        assert result.error is not None and result.error.code == "node_lost"
+        assert result.error is not None and result.error.code == "outcome_unknown"
         assert result.timings.act_s == pytest.approx(6.4)
         assert result.timings.queued_s + result.timings.overhead_s == pytest.approx(6.4)
 
@@ -491,8 +493,8 @@ def test_an_action_ended_by_its_nodes_loss_counts_its_time_and_says_why(
         run(scenario, clock=lambda: now[0])
     (ended,) = [r for r in caplog.records if r.getMessage() == "action ended"]
     assert getattr(ended, "act_s", None) == pytest.approx(6.4)
-    assert getattr(ended, "error", None) == "node_lost"
-    assert getattr(ended, "detail", None) == "node n1 left the pool"
+    assert getattr(ended, "error", None) == "outcome_unknown"
+    assert getattr(ended, "detail", "").startswith("node n1 left the pool after the action was")
 
 
 def test_a_queue_timeout_is_logged_with_its_cause(caplog: pytest.LogCaptureFixture) -> None:

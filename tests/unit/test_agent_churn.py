@@ -114,7 +114,8 @@ def test_an_open_whose_answer_was_lost_is_closed_on_the_agents_return() -> None:
 
 def test_a_keyed_run_cut_off_by_a_failed_send_gets_its_agents_result() -> None:
     """The send fails, so the link fails what waits before the hub drains the node: the
-    key must not keep that node_lost; the run the agent still holds answers its retry."""
+    key must not keep that outcome_unknown; the run the agent still holds answers its
+    retry."""
 
     async def scenario(engine: Engine) -> None:
         first = Agent(hello(), lambda m: None if m["op"] == "exec" else answer_all(m))
@@ -126,7 +127,7 @@ def test_a_keyed_run_cut_off_by_a_failed_send_gets_its_agents_result() -> None:
             await asyncio.sleep(0)
         first.broken = True
         engine.submit_exec("u", "t1", ExecRequest(argv=["true"]))  # its send fails
-        assert (await cut.done).error.code == "node_lost"  # type: ignore[union-attr]
+        assert (await cut.done).error.code == "outcome_unknown"  # type: ignore[union-attr]
         await left(engine)
         held = RunningAction(key=f"u{KEY_SEP}K", trajectory="t1",
                              cores=first.ops("exec")[0]["cores"], running_s=1.0)  # fmt: skip

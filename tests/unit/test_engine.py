@@ -743,8 +743,8 @@ async def _adopted_after_a_restart(engine: Engine) -> ActionRecord:
 
 def test_an_adopted_run_whose_trajectory_ended_still_ends_when_its_node_leaves() -> None:
     """Its cores came back with its trajectory, but its record waited for the reply; the
-    node leaving ends it (node_lost) and frees its key for a retry, instead of keeping both
-    forever."""
+    node leaving ends it (outcome_unknown: it ran there) and frees its key for a retry,
+    instead of keeping both forever."""
     engine = _engine_with_t1()
     engine.state.background = lambda work: work.close()  # type: ignore[method-assign, union-attr]
 
@@ -753,7 +753,7 @@ def test_an_adopted_run_whose_trajectory_ended_still_ends_when_its_node_leaves()
         engine.lifecycle.environment_lost("t1", "SandboxExited", "its container exited")
         await engine.membership.leave(_agent())
         result = await asyncio.wait_for(rec.done, 1)
-        assert result.error is not None and result.error.code == "node_lost"
+        assert result.error is not None and result.error.code == "outcome_unknown"
         assert ("u", "k") not in engine.state.idempotent and not engine.state.adopted
 
     asyncio.run(scenario())
@@ -772,7 +772,7 @@ def test_an_adopted_run_ended_by_its_node_leaving_leaves_its_trajectorys_running
         assert traj.running == {rec.id}
         await engine.membership.leave(_agent())
         result = await asyncio.wait_for(rec.done, 1)
-        assert result.error is not None and result.error.code == "node_lost"
+        assert result.error is not None and result.error.code == "outcome_unknown"
         assert traj.running == set()
 
     asyncio.run(scenario())

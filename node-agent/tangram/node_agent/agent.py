@@ -91,8 +91,9 @@ Keyed = AgentExec | AgentSession | AgentCall
 
 class NotTaken(Exception):  # noqa: N818 (a request's fate, not an error of the agent's)
     """A request that came after the agent's stop began: neither run nor answered. Its
-    scheduler ends it (``node_lost``, retryable) when the link closes, as for any agent
-    that leaves, and places its retry elsewhere or with the next agent."""
+    scheduler ends it when the link closes, as any request sent to an agent that leaves
+    (``outcome_unknown``: it cannot tell it from one the stop killed); a retry of its key
+    reaches the next agent, which runs it (no agent took it)."""
 
 
 def _cancel(task: asyncio.Future[AgentReply]) -> None:
@@ -258,8 +259,8 @@ class NodeAgent:
         self.journal: KeyJournal | None = None  # keyed runs on disk (with a state dir)
         # A stop on purpose: when it began (monotonic: the signal's time, ``note_stop``),
         # its one wind-down, and whether that killed what still ran. What the stop kills
-        # is not answered: its scheduler ends it as for any agent lost (``node_lost``; a
-        # keyed one, "started" in the journal, reads "unknown" to the next agent).
+        # is not answered: its scheduler ends it as for any agent lost (``outcome_unknown``;
+        # a keyed one, "started" in the journal, reads "unknown" to the next agent too).
         self.stop_began: float | None = None
         self._winding: asyncio.Future[int] | None = None
         self._cut = False
@@ -408,7 +409,7 @@ class NodeAgent:
         """Answer one request; errors become a reply, never an exception. Two are not
         answered, at a stop on purpose: a request that came after it began (``NotTaken``
         is raised) and one it killed (``CancelledError``); the scheduler ends both when
-        the link closes, as ``node_lost``."""
+        the link closes, as ``outcome_unknown``."""
         if isinstance(req, AgentCancel):
             task = self._keyed.get(req.key) if req.key else self._tasks.get(req.target or -1)
             stop = self._stops.get(task) if task is not None and req.output else None
@@ -852,7 +853,7 @@ class NodeAgent:
             else f"at the end of its {grace_s:g} s grace"
         )
         log.warning("stopping: %d request(s) still running killed %s, unanswered: the "
-                    "scheduler ends them as node_lost", len(left), when)  # fmt: skip
+                    "scheduler ends them as outcome_unknown", len(left), when)  # fmt: skip
         self._cut = True
         if self.journal is not None:  # (cut-off keyed runs read "unknown" to the next agent,
             self.journal.close()  # as for any stop: the journal holds them as started)

@@ -413,7 +413,7 @@ async def _session(
         """A stop with the link up: say so to the scheduler, wind the agent down while the
         link carries the results of what ends within the grace, send them, close the link
         as going away (1001). What the stop killed, and what came after it began, goes
-        unanswered: the scheduler ends it (``node_lost``) as the link closes. Returns the
+        unanswered: the scheduler ends it (``outcome_unknown``) as the link closes. Returns the
         parts that ended meanwhile (the link failed: the caller then finishes the
         wind-down without it)."""
         post(AGENT_LEAVING)

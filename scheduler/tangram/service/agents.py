@@ -100,7 +100,7 @@ class AgentLink:
         # The actions whose replies came once its agent said it leaves: its last replies,
         # which may still be on their way to their waiters as the link closes (a shield,
         # a stream, a call's own task, a busy loop). Its node's leave leaves these
-        # actions to their waiters, which end them with the reply, not node_lost.
+        # actions to their waiters, which end them with the reply, not as lost with it.
         self.answered: set[str] = set()
         self._streams: dict[int, LinkStream] = {}
         self._outbox: Outbox[str] = Outbox(self._send, self._send_failed, packed=packed)

@@ -35,7 +35,7 @@ from tangram.scheduler.core.scheduler import Assignment, SchedulingError
 from tangram.service.agents import ACTION
 from tangram.service.config import ServiceConfig
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
+from tangram.service.records import KEY_SEP, ActionRecord, EngineError, NoAgentError, err
 from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
@@ -295,6 +295,7 @@ class GpuCalls:
         # agent answers, even when the caller stops waiting (timeout, cancel).
         ACTION.set(rec.id)  # (its ask's task takes it along: ``AgentLink.answered``)
         ask = asyncio.ensure_future(s.ask(asg.node, op))
+        rec.sent = True  # (by its ask's first step: the call may run from there)
         try:
             reply = await asyncio.wait_for(asyncio.shield(ask), req.timeout_s)
             if reply.ok and reply.call is not None:
@@ -309,8 +310,8 @@ class GpuCalls:
                         "call runs on, and holds its GPUs, until it ends: a running call "
                         "cannot be stopped")  # fmt: skip
         except EngineError as e:
-            error = err("node_lost", e.message, retryable=True)
-            self.outcomes.cut_off(rec)
+            rec.sent = not isinstance(e, NoAgentError)  # (none: nothing was sent)
+            error = self.outcomes.cut_off(rec, e.message)
         now = s.clock()
         call = reply.call if reply is not None else None
         if key is not None and reply is not None:

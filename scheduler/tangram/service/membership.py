@@ -4,8 +4,9 @@ A joining agent brings its cores, GPUs and the environments it holds: this sched
 (a reconnect) or a previous scheduler's (a restart); they are taken back with their files,
 and actions and keyed service calls still running on it are adopted. An agent that says
 it stops takes no new work from then on; what runs there may finish. A leaving agent's
-running actions end; its trajectories wait out the pool's grace for it before they are
-lost.
+actions end: ``node_lost`` (retryable) those never sent to it, ``outcome_unknown`` those
+sent (they may have run; a retry of the key is the agent's to answer, once it is back).
+Its trajectories wait out the pool's grace for it before they are lost.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tangram.service.agents import AgentLink, NodeRefusedError
 from tangram.service.config import EnvConfig
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.keys import exec_target
-from tangram.service.outcomes import Outcomes
+from tangram.service.outcomes import Outcomes, lost_error
 from tangram.service.records import KEY_SEP, ActionRecord, TrajectoryRecord, err, ran_status
 from tangram.service.state import PoolState
 from tangram.service.trajectories import Trajectories
@@ -254,8 +255,9 @@ class Membership:
         lives on that node and cannot move. When the link closes they end node_lost,
         retryable, with the node's other queued actions (``leave``), and the trajectories
         wait for its agent as after any loss: the path of a node lost, taken a little
-        early. (Sent to the agent, which takes nothing once it stops, they held its cores
-        unanswered until the link closed, then ended the same way.)"""
+        early. (Sent to the agent, which takes nothing once it stops, they would hold its
+        cores unanswered until the link closed, then end ``outcome_unknown``: sent, as far
+        as the scheduler can tell, though never run.)"""
         s, node = self.s, link.node
         if s.hub.links.get(node) is not link or node not in s.node_cores:
             return  # (not joined, or replaced by a newer link)
@@ -280,8 +282,12 @@ class Membership:
         drained = s.core.drain_node(link.node)
         del s.node_cores[link.node]
         self.gpu.leave(link.node)
-        lost = err("node_lost", f"node {link.node} left the pool", retryable=True)
+        why = f"node {link.node} left the pool"
+        if link.leaving:
+            why = f"node {link.node}'s agent stopped"
         ended = 0
+        # Each ends by whether it was sent there (``lost_error``): not by running or
+        # queued, since a round may have started one whose task has not sent it yet.
         for aid in (*drained.running, *drained.dropped):
             rec = s.actions.get(aid)
             # One its leaving agent answered is its waiter's to end, with that answer
@@ -290,8 +296,7 @@ class Membership:
                 ended += 1
                 if rec.task is not None:
                     rec.task.cancel()
-                if rec.kind in ("exec", "service"):
-                    self.outcomes.cut_off(rec)
+                lost = self.outcomes.cut_off(rec, why, stopping=link.leaving)
                 self.outcomes.finish(rec, ActionStatus.ERROR, error=lost, **_held_since(rec, s))
         # Its adopted runs end here too, those whose units already came back included (their
         # trajectory ended first); back, its hello lists those still running.
@@ -300,6 +305,7 @@ class Membership:
             if not rec.done.done():
                 if rec.key is not None:
                     s.idempotent.forget(rec.tenant, rec.key, rec)
+                lost = lost_error(rec, why, stopping=link.leaving)
                 self.outcomes.finish(rec, ActionStatus.ERROR, error=lost, **_held_since(rec, s))
         away = [
             t for t in drained.trajectories

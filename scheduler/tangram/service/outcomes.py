@@ -36,6 +36,51 @@ def _short(message: str) -> str:
     return first if len(first) <= DETAIL_CHARS else first[: DETAIL_CHARS - 3] + "..."
 
 
+def lost_error(rec: ActionRecord, why: str, *, stopping: bool = False) -> ErrorInfo:
+    """The error of an action whose node's agent went before answering it: ``why`` says
+    how, naming the node; ``stopping``: its agent had said it stops (it kills what still
+    runs at the end of its grace).
+
+    Never sent there, it never ran: ``node_lost``, retryable, under its key or a new one.
+    Sent, it may have run, in part or to its end, and may run on: ``outcome_unknown``, not
+    retryable (as a new action: that could run it twice). A retry under its idempotency
+    key is never run again: it answers the run's outcome once the agent is back (the run
+    adopted, its recorded reply), or ``outcome_unknown`` (an agent that restarted while it
+    ran). A RewardService call has no side effect a second run could repeat (the agent
+    runs a cut-off call again when retried, too): ``node_lost``, retryable, either way."""
+    if not rec.sent:
+        never = "the action was never sent there, so it did not run; a retry runs it"
+        return err("node_lost", f"{why}: {never}", retryable=True)
+    if rec.kind == "service":
+        again = (
+            "the call may have run there (its thread runs on to its end); a call has no "
+            "side effect, so a retry runs it again, or, under its idempotency_key once that "
+            "node is back, gets its outputs"
+        )
+        return err("node_lost", f"{why}: {again}", retryable=True)
+    fate = "it may have run in part or to its end"
+    if stopping:
+        fate += ": its agent lets what runs finish within its grace, then kills what is left"
+    elif rec.key is not None:
+        fate += (
+            ", and may still be running there: nothing killed it (an agent lets a keyed "
+            "command run on when its link drops)"
+        )
+    else:
+        fate += ": an agent that lives on kills an unkeyed command when its link drops"
+    if rec.cancelled:
+        fate += "; its cancel was not confirmed"
+    if rec.key is None:
+        then = "without an idempotency key its outcome cannot be asked for"
+    else:
+        then = (
+            f"it is not run again under its idempotency_key {rec.key!r}: a retry with that "
+            "key answers its outcome once the node's agent is back (or outcome_unknown), "
+            "while another key would run it a second time"
+        )
+    return err("outcome_unknown", f"{why} after the action was sent there: {fate}; {then}")
+
+
 class Outcomes:
     def __init__(self, state: PoolState) -> None:
         self.s = state
@@ -143,18 +188,20 @@ class Outcomes:
             rec.done.set_result(result)
             self.ended(rec, result)
 
-    def cut_off(self, rec: ActionRecord) -> None:
-        """A keyed exec or service call whose link to its agent failed: its outcome is the
-        agent's to tell, so a retry of its key goes to the agent (a replay, a first run, or
-        "unknown"; a run it still holds is adopted on its return), not to a kept node_lost."""
-        if rec.key is None:
-            return
-        self.s.idempotent.forget(rec.tenant, rec.key, rec)
-        if rec.started is not None:
-            # Nor is its end counted: the run it started is counted once its outcome is
-            # known here (its run adopted on the agent's return ends, or a retry of its key
-            # is answered), as the action it ended as.
-            self.s.uncounted.add(rec.id)
+    def cut_off(self, rec: ActionRecord, why: str, *, stopping: bool = False) -> ErrorInfo:
+        """An action whose node's agent went before answering it (``why`` says how, naming
+        the node; ``stopping``: its agent had said it stops): the error it ends with
+        (``lost_error``). A keyed exec or service call's outcome is the agent's to tell, so
+        a retry of its key goes to the agent (a replay, a first run, or "unknown"; a run it
+        still holds is adopted on its return), not to a kept error."""
+        if rec.key is not None and rec.kind in ("exec", "service"):
+            self.s.idempotent.forget(rec.tenant, rec.key, rec)
+            if rec.sent:
+                # Nor is its end counted: the run it started is counted once its outcome is
+                # known here (its run adopted on the agent's return ends, or a retry of its
+                # key is answered), as the action it ended as. One never sent ended here.
+                self.s.uncounted.add(rec.id)
+        return lost_error(rec, why, stopping=stopping)
 
     def ended(self, rec: ActionRecord, result: ActionResult) -> None:
         """Count it, keep the answer for its key's retries, log it."""

@@ -53,6 +53,13 @@ class EngineError(Exception):
         self.message = message
 
 
+class NoAgentError(EngineError):
+    """A node with no agent connected, or whose link is ending: nothing was sent to it."""
+
+    def __init__(self, node: str | None) -> None:
+        super().__init__("unavailable", "node", f"node {node} has no agent connected")
+
+
 @dataclass(slots=True)
 class TrajectoryRecord:
     id: str  # the tenant's name for it: ids are per tenant
@@ -140,6 +147,10 @@ class ActionRecord:
     # may change or drop the profile meanwhile); and whose limit it is, which a timeout says
     timeout_s: float | None = None
     timeout_from: str = ""
+    # Its request went to its node's agent (an exec, a service call; an adopted run): from
+    # then on it may have run, whatever becomes of the link. A node lost before is safe to
+    # retry; after, its outcome is the agent's to tell (``outcomes.lost_error``).
+    sent: bool = False
 
     @property
     def shown_trajectory(self) -> str | None:

@@ -16,7 +16,7 @@ from tangram.service.api_calls import ApiCalls
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import ActionRecord, EngineError, err, ran_status
+from tangram.service.records import ActionRecord, EngineError, NoAgentError, err, ran_status
 from tangram.service.state import PoolState, agent_gone
 
 log = logging.getLogger("tangram.service")
@@ -158,6 +158,9 @@ class Rounds:
         t0 = s.clock()
         status, reply, error = ActionStatus.ERROR, None, None
         ACTION.set(rec.id)  # (this task's own context: ``AgentLink.answered``)
+        link = s.hub.links.get(asg.node)
+        stopping = link is not None and link.leaving  # (its agent said it stops)
+        rec.sent = True  # from here the agent may run it, whatever becomes of its link
         try:
             if rec.live is not None and isinstance(op, AgentExec):
                 reply = await self._streamed(asg.node, op, rec.live)
@@ -188,8 +191,9 @@ class Rounds:
                 reply = e.reply
             error = s.stop_ended(rec)  # (queued ones: wind_down says so)
         except EngineError as e:
-            error = err("node_lost", e.message, retryable=True)
-            self.outcomes.cut_off(rec)
+            # No agent there (its link went before the round's start ran): nothing sent.
+            rec.sent = not isinstance(e, NoAgentError)
+            error = self.outcomes.cut_off(rec, e.message, stopping=stopping)
         if key is not None and reply is not None:
             s.cancelled_keys.pop(key, None)  # its run ended: a cancel of it is moot
         out = reply.result if reply is not None else None

@@ -45,6 +45,7 @@ from tangram.service.records import (
     ActionKind,
     ActionRecord,
     EngineError,
+    NoAgentError,
     Request,
     TrajectoryRecord,
     err,
@@ -269,6 +270,7 @@ class PoolState:
         its link) is cancelled again."""
         assert rec.key is not None and rec.agent_key is not None
         rec.started, rec.assignment = asg.started_at, asg
+        rec.sent = True  # (it runs there)
         self.actions[rec.id] = rec
         if (rec.tenant, rec.key) not in self.idempotent:
             self.idempotent.remember(rec.tenant, rec.key, rec)
@@ -326,11 +328,11 @@ class PoolState:
         return list(self._spawned)
 
     def link(self, node: str | None) -> AgentLink:
-        """The link to ``node``'s agent; EngineError ("unavailable") when it has none, or
-        its link is ending."""
+        """The link to ``node``'s agent; NoAgentError (an EngineError, "unavailable") when
+        it has none, or its link is ending."""
         link = self.hub.links.get(node or "")
         if link is None or link.closed:
-            raise EngineError("unavailable", "node", f"node {node} has no agent connected")
+            raise NoAgentError(node)
         return link
 
     def devices(self, chunk: Chunk) -> list[int]:
