@@ -134,6 +134,26 @@ def test_an_open_while_every_agent_stops_is_503_not_sent_to_them() -> None:
     run(scenario)
 
 
+@pytest.mark.parametrize("reconnecting", [False, True])
+def test_an_open_with_no_agent_connected_says_so_not_that_memory_is_short(
+    reconnecting: bool,
+) -> None:
+    """With no agent at all, an open said "no node has 1.0 GiB free for a new trajectory":
+    a 503 that sent its reader to the nodes' memory, when there was no node. It says no
+    agent is connected (and, just after a start, that they may be reconnecting)."""
+
+    async def scenario(engine: Engine) -> None:
+        with pytest.raises(EngineError) as refused:
+            await engine.open_trajectory("u", OpenTrajectory(env="e", id="t"))
+        assert (refused.value.kind, refused.value.field) == ("unavailable", "env")
+        said = "no node agent is connected: no node to open a trajectory on"
+        if reconnecting:
+            said += " (this scheduler has just started: they may be reconnecting)"
+        assert refused.value.message == said
+
+    run(scenario, reconnecting=reconnecting)
+
+
 def test_a_stopping_agent_is_not_told_to_keep_environments_warm() -> None:
     """An edit of the pool's environments tells each agent the warm sandboxes to keep.
     A stopping agent's node opens no new trajectory: it would start them for nobody, and

@@ -163,6 +163,10 @@ class Trajectories:
                 raise s.overloaded("env", why)
             if s.hub.links:  # each of their nodes takes no new work until its agent is back
                 why = "no node takes new trajectories: the agents connected are stopping"
+            else:  # (not memory: there is no node to have any)
+                why = "no node agent is connected: no node to open a trajectory on"
+                if s.reconnecting():
+                    why += " (this scheduler has just started: they may be reconnecting)"
             raise EngineError("unavailable", "env", why)
         s.core.place_trajectory(key, node)
         rec = TrajectoryRecord(tid, tenant, req.env, node, dict(req.labels), s.wall(), env, key=key)
