@@ -40,6 +40,7 @@ from tangram.client.common import (
     settings,
     stream_error,
     trajectory_info,
+    with_key,
 )
 from tangram.client.files import AsyncFiles
 from tangram.client.stream import ExecStream, LiveAction, NoStreamError
@@ -242,6 +243,9 @@ class AsyncClient:
                 raise ClientClosedError(  # cancelled its action and closed its connections)
                     "the client was closed while this call waited"
                 ) from e
+            if isinstance(e, ServiceUnreachableError) and not e.idempotency_keys:
+                # It may have been submitted before the service went: say so, and its keys.
+                raise ServiceUnreachableError(e.url, e.cause, keys) from e.__cause__
             raise
         finally:
             for key in keys:
@@ -250,9 +254,10 @@ class AsyncClient:
                     del self._waiting[key]
 
     async def _submit(self, call: Call) -> ActionResult:
-        """The result of one keyed submission (its key in its body)."""
+        """The result of one keyed submission (its key in its body), naming its key."""
         assert call.body is not None
-        return result(await self._keyed([call.body["idempotency_key"]], self._call(call)))
+        key = call.body["idempotency_key"]
+        return with_key(result(await self._keyed([key], self._call(call))), key)
 
     async def _abandon(self, keys: Sequence[str]) -> int | None:
         """Cancel the actions of ``keys``, once each, briefly (the caller is leaving): how
@@ -316,9 +321,19 @@ class AsyncClient:
     async def exec(
         self, trajectory: str, argv: Sequence[str] | None = None, **kw: Any
     ) -> ActionResult:
-        """Run a command; see ``tangram.client.common.exec_body`` for the options."""
+        """Run a command; see ``tangram.client.common.exec_body`` for the options.
+
+        Its result names the idempotency key it ran under (``result.idempotency_key``: the
+        one given, else a fresh one). A result ``outcome_unknown`` (its node was lost after
+        the command was sent there: it may have run, and may still run) is not to be
+        submitted again as a new command: under that key, a retry is never run twice and
+        answers the run's outcome once its node is back. ``node_lost`` with
+        ``error.retryable`` means it never ran: a retry runs it. A
+        ``ServiceUnreachableError`` raised once it may have been submitted names the key
+        too (``idempotency_keys``)."""
         body = exec_body(argv, **kw)
-        return await self._keyed([body["idempotency_key"]], self._exec(trajectory, body))
+        key = body["idempotency_key"]
+        return with_key(await self._keyed([key], self._exec(trajectory, body)), key)
 
     async def _exec(self, trajectory: str, body: dict[str, Any]) -> ActionResult:
         if self.stream:
@@ -405,7 +420,8 @@ class AsyncClient:
         actions = [keyed(item) for item in items]
         keys = [body["idempotency_key"] for a in actions for body in _bodies(a)]
         reply = await self._keyed(keys, self._call(Call("POST", "/v1/batch", {"actions": actions})))
-        return BatchResponse.model_validate_json(reply.body).results
+        results = BatchResponse.model_validate_json(reply.body).results
+        return [with_key(r, k) for r, k in zip(results, keys, strict=True)]
 
     async def cancel(self, action: str) -> bool:
         """Cancel by action id, or by idempotency key as ``key:<key>`` (any key: it is

@@ -37,14 +37,45 @@ class TangramError(Exception):
 
 class ServiceUnreachableError(ConnectionError):
     """No answer from the service at all, after every retry: nothing listens at its URL,
-    or the connection keeps dropping. The message says where, in one line."""
+    or the connection keeps dropping. The message says where, in one line.
 
-    def __init__(self, url: str, cause: Exception) -> None:
-        super().__init__(
+    Raised for a submission (an exec, a lease, a call, a score, a batch), the action may
+    have reached the service before its answer was lost, and may have run, or still run:
+    ``idempotency_keys`` names its key (the caller's or the one the client made; empty for
+    other requests), and the message says so. Submitted again under that key once the
+    service is back (``exec(..., idempotency_key=key)``), it is never run a second time:
+    the answer is its result, or the service's word that it never got it (then it runs,
+    once). ``cancel(f"key:{key}")`` cancels it instead."""
+
+    def __init__(self, url: str, cause: Exception, keys: Sequence[str] = ()) -> None:
+        said = (
             f"cannot reach the ARL-Tangram service at {url}: {cause} (is it running? "
             "`make run` or `tangram up` starts one; TANGRAM_URL or url= names another)"
         )
+        if len(keys) == 1:
+            said += (
+                f"; the action with idempotency key {keys[0]!r} may have been submitted and "
+                "may have run (or still run): submit it again under that key for its result "
+                f"(it never runs twice), or cancel it with cancel('key:{keys[0]}')"
+            )
+        elif keys:
+            said += (
+                f"; the actions with idempotency keys {_named(keys)} may have been submitted "
+                "and may have run (or still run): submit them again under those keys for "
+                "their results (none runs twice), or cancel them by key"
+            )
+        super().__init__(said)
         self.url = url
+        self.cause = cause
+        self.idempotency_keys = list(keys)
+
+
+def _named(keys: Sequence[str]) -> str:
+    """Up to three keys, quoted, and how many more."""
+    named = ", ".join(repr(k) for k in keys[:3])
+    if len(keys) > 3:
+        named += f" and {len(keys) - 3} more"
+    return named
 
 
 class ActionTimeoutError(TimeoutError):
@@ -54,9 +85,7 @@ class ActionTimeoutError(TimeoutError):
     ``TimeoutError``, which is what a client timeout raised before."""
 
     def __init__(self, keys: Sequence[str], timeout_s: float, cancelled: int | None) -> None:
-        named = ", ".join(repr(k) for k in keys[:3])
-        if len(keys) > 3:
-            named += f" and {len(keys) - 3} more"
+        named = _named(keys)
         if cancelled is None:
             then = f"cancelling it failed; cancel it with cancel('key:{keys[0]}')"
         elif cancelled:
@@ -191,6 +220,10 @@ def exec_body(
     idempotency_key: str | None = None,
     action_type: str | None = None,
 ) -> dict[str, Any]:
+    """An exec's request body. ``idempotency_key``: the key it is submitted under, a fresh
+    one unless given. Its result names it (``ActionResult.idempotency_key``), and so does
+    a ``ServiceUnreachableError`` raised once it may have been submitted: submitted again
+    under it, the command is never run a second time."""
     body: dict[str, Any] = {"idempotency_key": idempotency_key or uuid.uuid4().hex}
     if argv is not None:
         body["argv"] = _texts(argv, "argv")
@@ -303,6 +336,14 @@ def stream_error(answer: StreamAnswer) -> TangramError:
 
 def result(reply: Reply) -> ActionResult:
     return ActionResult.model_validate_json(reply.body)
+
+
+def with_key(answer: ActionResult, key: str) -> ActionResult:
+    """``answer`` naming the idempotency key ``key`` it was submitted under: a scheduler
+    of an earlier release leaves ``idempotency_key`` out of its results."""
+    if answer.idempotency_key is not None:
+        return answer
+    return answer.model_copy(update={"idempotency_key": key})
 
 
 def trajectory_info(reply: Reply) -> TrajectoryInfo:

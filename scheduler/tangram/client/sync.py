@@ -135,6 +135,8 @@ class Client:
         return Files(self, self._async.files(trajectory))
 
     def exec(self, trajectory: str, argv: Sequence[str] | None = None, **kw: Any) -> ActionResult:
+        """Run a command (``AsyncClient.exec``): its result names the idempotency key it
+        ran under, the one to retry an ``outcome_unknown`` under."""
         return self._run(self._async.exec(trajectory, argv, **kw))
 
     def batch(self, items: Sequence[dict[str, Any]]) -> list[ActionResult]:
