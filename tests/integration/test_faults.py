@@ -194,6 +194,57 @@ def test_a_keyed_action_cut_off_by_an_agent_crash_is_reported_unknown_never_run_
         client.close(t.id)
 
 
+def test_a_command_cut_off_by_an_agent_crash_is_retried_under_its_returned_key_never_twice(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The probe's F1, as a rollout worker meets it: no key given, the agent killed -9
+    while the command runs (on its one core) and a second command waits for that core.
+    The command ran on to its end, unkilled, yet its result said node_lost, retryable,
+    and its resubmission ran it again. Now the running one ends outcome_unknown, not
+    retryable, naming the key the client made; the waiting one ends node_lost, retryable
+    (never sent). With the agent back, a retry under each returned key runs the waiting
+    one once and answers the other unknown: each command ran once."""
+    victim = cluster.agent("state-a", "--cores", "1")
+    runs = tmp_path / "runs"
+    slow = ["sh", "-c", f"echo start >> {runs}; sleep 3; echo end >> {runs}"]
+    after = ["sh", "-c", f"echo after >> {runs}"]
+    box: dict[str, ActionResult] = {}
+
+    def exec_(name: str, client: Client, tid: str, argv: list[str]) -> threading.Thread:
+        thread = threading.Thread(target=lambda: box.update({name: client.exec(tid, argv)}))
+        thread.start()
+        return thread
+
+    with Client(cluster.url, retries=0) as client:
+        t = client.open("shell")
+        running = exec_("running", client, t.id, slow)
+        _wait(lambda: runs.exists() and "start" in runs.read_text(), "it did not start")
+        waiting = exec_("waiting", client, t.id, after)
+        _wait(lambda: _metric(cluster, "tangram_queue_depth") == 1, "the second did not queue")
+        victim.kill()
+        running.join(30)
+        waiting.join(30)
+    ran, waited = box["running"], box["waiting"]
+    assert ran.status is ActionStatus.ERROR and ran.error is not None, ran
+    assert (ran.error.code, ran.error.retryable) == ("outcome_unknown", False)
+    assert "after the action was sent there: it may have run" in ran.error.message
+    assert ran.idempotency_key and ran.idempotency_key in ran.error.message
+    assert waited.status is ActionStatus.ERROR and waited.error is not None, waited
+    assert (waited.error.code, waited.error.retryable) == ("node_lost", True)
+    assert waited.allocation.node is None and waited.idempotency_key
+    _wait(lambda: "end" in runs.read_text(), "the command was not left to run to its end")
+    cluster.agent("state-a", "--cores", "1")
+    with Client(cluster.url, retries=10) as client:  # rides out the agent's return
+        again = client.exec(t.id, slow, idempotency_key=ran.idempotency_key)
+        assert again.error is not None and again.error.code == "outcome_unknown", again
+        assert again.idempotency_key == ran.idempotency_key
+        for _ in range(2):  # its first run, then that run's answer
+            late = client.exec(t.id, after, idempotency_key=waited.idempotency_key)
+            assert late.status is ActionStatus.OK and late.exit_code == 0, late
+        assert runs.read_text().split() == ["start", "end", "after"]
+        client.close(t.id)
+
+
 def test_the_embedded_mode_killed_mid_action_never_runs_the_action_twice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
