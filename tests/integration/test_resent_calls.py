@@ -126,6 +126,7 @@ def test_a_scheduler_up_when_the_try_went_out_makes_a_resent_call(cluster: Clust
     fresh = {**body, "idempotency_key": "k-2"}
     unsure = httpx.post(url, json=fresh, headers={**auth, RESENT_HEADER: "999"}, timeout=30)
     assert unsure.json()["error"]["code"] == "outcome_unknown"
+    assert unsure.json()["idempotency_key"] == "k-2"  # (the key to ask the API about)
     batch = httpx.post(
         f"{cluster.url}/v1/batch",
         json={"actions": [{"api": "pay", "call": fresh}, {"api": "pay", "lease": {}}]},
@@ -134,6 +135,7 @@ def test_a_scheduler_up_when_the_try_went_out_makes_a_resent_call(cluster: Clust
     )
     first, second = batch.json()["results"]
     assert first["error"]["code"] == "outcome_unknown" and second["status"] == "ok"
+    assert first["idempotency_key"] == "k-2"
     bad = httpx.post(url, json=fresh, headers={**auth, RESENT_HEADER: "soon"}, timeout=30)
     assert bad.status_code == 400
     assert json.loads(bad.content)["error"]["message"].startswith(f"header {RESENT_HEADER}")
