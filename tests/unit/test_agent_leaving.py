@@ -319,3 +319,52 @@ def test_a_stopping_gpu_agent_is_not_synced_and_counts_for_no_load() -> None:
             await engine.stop(grace_s=0)
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def _loads_nothing_new(msg: dict[str, Any]) -> AgentReply | None:
+    """A GPU node's agent whose worker never answers for an edit of ``judge`` (still
+    loading it when its node stops or leaves)."""
+    if msg["op"] == "services" and msg["services"][0]["weights"] != "/w.pt":
+        return None
+    return _loads_v1_only(msg)
+
+
+@pytest.mark.parametrize("how", ["stops", "leaves"])
+def test_a_call_queued_for_an_edit_ends_when_the_last_node_loading_it_goes(how: str) -> None:
+    """judge is edited; g2 fails to load the edit, g1 is still loading it, so a call waits
+    (g1 may load it). Then g1's agent says it stops, or its link is lost: no node is left
+    that may load it, and the waiting call ends with g2's load error at once, as a new
+    one is refused (it waited for its queue timeout, or for ever without one: only a
+    load's answer looked at the queued calls again)."""
+    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    edited = spec.model_copy(update={"weights": "/w2.pt"})
+
+    async def go() -> None:
+        engine = Engine(PoolConfig(services={"judge": ServiceConfig(spec=spec)}))
+        engine.all_agents_joined()
+        await engine.start()
+        try:
+            g1 = Agent(_gpu_hello("g1", 1), _loads_nothing_new)
+            g2 = Agent(_gpu_hello("g2", 1), _loads_v1_only)
+            for agent in (g1, g2):
+                await connect(engine, agent)
+            assert await settle(lambda: {"g1", "g2"} <= set(engine.gpu.loads))
+            synced = len(g2.ops("services"))
+            engine.reconfigure(PoolConfig(services={"judge": ServiceConfig(spec=edited)}))
+            assert await settle(lambda: not engine.gpu.loads["g2"]["judge"].ok)
+            assert len(g2.ops("services")) == synced + 1
+            queued = engine.submit_service("u", "judge", ServiceCallRequest(inputs=[1]))
+            assert not await settle(queued.done.done)  # g1 may still load it
+            if how == "stops":
+                g1.inbox.put_nowait(AGENT_LEAVING)
+            else:
+                g1.drop()
+            assert await settle(queued.done.done)
+            refused = queued.done.result()
+            assert refused.status is ActionStatus.REJECTED and refused.error is not None
+            assert "no file /w2.pt" in refused.error.message
+            assert not _calls(g1) and not _calls(g2)
+        finally:
+            await engine.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(go(), 30))

@@ -139,7 +139,7 @@ class GpuCalls:
                     log.warning("RewardService %s cannot load on %s: %s", name, node, load.error)
             s.core.set_services(self.service_specs())
             self._hosted(node)
-            self._fail_unloadable()
+            self.fail_unloadable()
             s.wake.set()
 
     def _hosted(self, node: str) -> None:
@@ -176,10 +176,12 @@ class GpuCalls:
         rev = self.revisions.get(service)
         return self.s.core.is_cordoned(node) and self.synced.get(node, {}).get(service) != rev
 
-    def _fail_unloadable(self) -> None:
+    def fail_unloadable(self) -> None:
         """Queued calls of a service that every GPU node has now failed to load (its
         definition was edited and the new one fails) end now, with the load errors: no
-        node would take them until the service is edited again."""
+        node would take them until the service is edited again. Asked when a load is
+        answered, and when a node that had not answered stops or leaves (the rest may
+        all have failed by then)."""
         s = self.s
         queued: dict[str, list[ActionRecord]] = {}
         for rec in s.actions.values():

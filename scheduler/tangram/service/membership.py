@@ -263,6 +263,7 @@ class Membership:
             return  # (not joined, or replaced by a newer link)
         with contextlib.suppress(SchedulingError):  # (a node of neither cores nor GPUs)
             s.core.cordon_node(node)
+        self.gpu.fail_unloadable()  # it was perhaps the last node still loading a service
         running = sum(1 for r in s.core.running.values() if r.assignment.node == node)
         placed = sum(1 for n in s.core.cpu.placement.values() if n == node)
         nodes.info(
@@ -307,6 +308,7 @@ class Membership:
                     s.idempotent.forget(rec.tenant, rec.key, rec)
                 lost = lost_error(rec, why, stopping=link.leaving)
                 self.outcomes.finish(rec, ActionStatus.ERROR, error=lost, **_held_since(rec, s))
+        self.gpu.fail_unloadable()  # (as at its stop: the rest may all have failed a load)
         away = [
             t for t in drained.trajectories
             if t in s.trajectories and s.trajectories[t].state is TrajectoryState.OPEN
