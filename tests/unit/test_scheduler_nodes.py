@@ -534,6 +534,19 @@ def test_a_capped_tenants_share_is_of_the_cores_that_take_new_work() -> None:
     assert [(a.action_id, a.node, a.units) for a in rnd.assignments] == [("wide", "n2", 3)]
 
 
+def test_a_capped_tenant_with_nothing_on_a_cordoned_node_takes_half_of_the_others() -> None:
+    """With n1 cordoned and nothing of the capped tenant there, half of both nodes' cores
+    was all of n2's: it took n2 whole. Half of n2 now."""
+    s = _two_nodes(4, 4)
+    s.set_tenants({"capped": TenantShare(max_share=0.5)})
+    s.open_trajectory("c", memory_gb=1, tenant="capped")
+    s.place_trajectory("c", "n2")
+    s.cordon_node("n1")
+    for i in range(4):
+        s.submit(f"c{i}", "c", exec_action(1, t1=10.0), now=0.0)
+    assert started(s, 0.0) == ["c0", "c1"]
+
+
 def test_a_capped_tenants_gpu_share_is_of_the_gpus_that_take_new_work() -> None:
     """The same for GPUs: half of a's and b's is all of b's with a cordoned."""
     gpus = [{"name": n, "gpus": 2, "gpu_memory_gb": 80} for n in ("a", "b")]

@@ -158,8 +158,7 @@ class Rounds:
         t0 = s.clock()
         status, reply, error = ActionStatus.ERROR, None, None
         ACTION.set(rec.id)  # (this task's own context: ``AgentLink.answered``)
-        link = s.hub.links.get(asg.node)
-        stopping = link is not None and link.leaving  # (its agent said it stops)
+        link = s.hub.links.get(asg.node)  # (whether its agent said it stops: read at a loss)
         rec.sent = True  # from here the agent may run it, whatever becomes of its link
         try:
             if rec.live is not None and isinstance(op, AgentExec):
@@ -193,6 +192,7 @@ class Rounds:
         except EngineError as e:
             # No agent there (its link went before the round's start ran): nothing sent.
             rec.sent = not isinstance(e, NoAgentError)
+            stopping = link is not None and link.leaving  # (said since it was sent, too)
             error = self.outcomes.cut_off(rec, e.message, stopping=stopping)
         if key is not None and reply is not None:
             s.cancelled_keys.pop(key, None)  # its run ended: a cancel of it is moot
