@@ -8,7 +8,9 @@ link) takes work again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -34,7 +36,17 @@ from tangram.service.auth import TokenStore
 from tangram.service.config import EnvConfig, PoolConfig, ServiceConfig
 from tangram.service.engine import Engine
 from tangram.service.records import EngineError
-from tests.fixtures.fake_agent import ENV, Agent, answer_all, connect, hello, left, run, settle
+from tests.fixtures.fake_agent import (
+    ENV,
+    Agent,
+    Policy,
+    answer_all,
+    connect,
+    hello,
+    left,
+    run,
+    settle,
+)
 
 
 def _outcome() -> ExecOutcome:
@@ -281,29 +293,41 @@ def _loads_v1_only(msg: dict[str, Any]) -> AgentReply | None:
     return answer_all(msg)
 
 
+JUDGE = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+EDITED = JUDGE.model_copy(update={"weights": "/w2.pt"})
+
+
+@contextlib.asynccontextmanager
+async def _judge_on_g1_g2(g1_policy: Policy) -> AsyncIterator[tuple[Engine, Agent, Agent]]:
+    """An engine serving ``judge`` (JUDGE) on GPU nodes g1 (its agent ``g1_policy``) and
+    g2 (loads /w.pt only), both loaded; stopped at the end."""
+    engine = Engine(PoolConfig(services={"judge": ServiceConfig(spec=JUDGE)}))
+    engine.all_agents_joined()
+    await engine.start()
+    try:
+        g1 = Agent(_gpu_hello("g1", 1), g1_policy)
+        g2 = Agent(_gpu_hello("g2", 1), _loads_v1_only)
+        for agent in (g1, g2):
+            await connect(engine, agent)
+        assert await settle(lambda: {"g1", "g2"} <= set(engine.gpu.loads))
+        yield engine, g1, g2
+    finally:
+        await engine.stop(grace_s=0)
+
+
 def test_a_stopping_gpu_agent_is_not_synced_and_counts_for_no_load() -> None:
     """judge is edited (new weights) while g1's agent stops. g1 takes no new call, so its
     worker is not told to load the edit: only g2 is. g2 cannot load it: the call queued
     meanwhile is refused with g2's error and a new one is a conflict, as if g1 were gone
     (g1's word on the old weights counts for nothing; counted as still loading, it
     kept them waiting, and new ones admitted, until their queue timeout)."""
-    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-    edited = spec.model_copy(update={"weights": "/w2.pt"})
 
     async def go() -> None:
-        engine = Engine(PoolConfig(services={"judge": ServiceConfig(spec=spec)}))
-        engine.all_agents_joined()
-        await engine.start()
-        try:
-            g1 = Agent(_gpu_hello("g1", 1), _loads_v1_only)
-            g2 = Agent(_gpu_hello("g2", 1), _loads_v1_only)
-            for agent in (g1, g2):
-                await connect(engine, agent)
-            assert await settle(lambda: {"g1", "g2"} <= set(engine.gpu.loads))
+        async with _judge_on_g1_g2(_loads_v1_only) as (engine, g1, g2):
             g1.inbox.put_nowait(AGENT_LEAVING)
             assert await settle(lambda: engine.hub.links["g1"].leaving)
             synced = {a.node: len(a.ops("services")) for a in (g1, g2)}
-            engine.reconfigure(PoolConfig(services={"judge": ServiceConfig(spec=edited)}))
+            engine.reconfigure(PoolConfig(services={"judge": ServiceConfig(spec=EDITED)}))
             queued = engine.submit_service("u", "judge", ServiceCallRequest(inputs=[1]))
             assert await settle(lambda: len(g2.ops("services")) == synced["g2"] + 1)
             assert len(g1.ops("services")) == synced["g1"]
@@ -315,8 +339,6 @@ def test_a_stopping_gpu_agent_is_not_synced_and_counts_for_no_load() -> None:
                 engine.submit_service("u", "judge", ServiceCallRequest(inputs=[2]))
             assert never.value.kind == "conflict" and "g1" not in never.value.message
             assert not _calls(g1) and not _calls(g2)
-        finally:
-            await engine.stop(grace_s=0)
 
     asyncio.run(asyncio.wait_for(go(), 30))
 
@@ -336,21 +358,11 @@ def test_a_call_queued_for_an_edit_ends_when_the_last_node_loading_it_goes(how: 
     that may load it, and the waiting call ends with g2's load error at once, as a new
     one is refused (it waited for its queue timeout, or for ever without one: only a
     load's answer looked at the queued calls again)."""
-    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-    edited = spec.model_copy(update={"weights": "/w2.pt"})
 
     async def go() -> None:
-        engine = Engine(PoolConfig(services={"judge": ServiceConfig(spec=spec)}))
-        engine.all_agents_joined()
-        await engine.start()
-        try:
-            g1 = Agent(_gpu_hello("g1", 1), _loads_nothing_new)
-            g2 = Agent(_gpu_hello("g2", 1), _loads_v1_only)
-            for agent in (g1, g2):
-                await connect(engine, agent)
-            assert await settle(lambda: {"g1", "g2"} <= set(engine.gpu.loads))
+        async with _judge_on_g1_g2(_loads_nothing_new) as (engine, g1, g2):
             synced = len(g2.ops("services"))
-            engine.reconfigure(PoolConfig(services={"judge": ServiceConfig(spec=edited)}))
+            engine.reconfigure(PoolConfig(services={"judge": ServiceConfig(spec=EDITED)}))
             assert await settle(lambda: not engine.gpu.loads["g2"]["judge"].ok)
             assert len(g2.ops("services")) == synced + 1
             queued = engine.submit_service("u", "judge", ServiceCallRequest(inputs=[1]))
@@ -364,7 +376,5 @@ def test_a_call_queued_for_an_edit_ends_when_the_last_node_loading_it_goes(how: 
             assert refused.status is ActionStatus.REJECTED and refused.error is not None
             assert "no file /w2.pt" in refused.error.message
             assert not _calls(g1) and not _calls(g2)
-        finally:
-            await engine.stop(grace_s=0)
 
     asyncio.run(asyncio.wait_for(go(), 30))
