@@ -141,11 +141,12 @@ def _printable_key(key: str) -> str:
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_KEY_CHARS = 200  # an idempotency key's length, at most
 IdempotencyKey = Annotated[
     str,
     Field(
         min_length=1,
-        max_length=200,
+        max_length=MAX_KEY_CHARS,
         description="a retried submission with the same key never runs the action twice",
     ),
     AfterValidator(_printable_key),

@@ -350,6 +350,12 @@ def create_app(
     async def get_trajectory(trajectory: str, who: TenantId) -> TrajectoryInfo:
         return engine.trajectory(who, trajectory).info()
 
+    # Before the route by id, which would take "key:k" as one (an id holds no ':'); :path:
+    # a key may hold '/' (sent as %2F, which the path arrives decoded from).
+    @app.delete("/v1/trajectories/key:{key:path}", responses=_ERRORS)
+    async def close_opened(key: str, who: TenantId) -> TrajectoryInfo:
+        return await engine.close_opened(who, key)
+
     @app.delete("/v1/trajectories/{trajectory}", responses=_ERRORS)
     async def close_trajectory(trajectory: str, who: TenantId) -> TrajectoryInfo:
         return (await engine.close_trajectory(who, trajectory)).info()

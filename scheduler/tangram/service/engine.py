@@ -34,6 +34,7 @@ from tangram.api.wire import (
     OpenTrajectory,
     PoolFigures,
     ServiceCallRequest,
+    TrajectoryInfo,
     TrajectoryState,
 )
 from tangram.scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -454,6 +455,10 @@ class Engine:
 
     async def close_trajectory(self, tenant: str, tid: str) -> TrajectoryRecord:
         return await self.lifecycle.close(tenant, tid)
+
+    async def close_opened(self, tenant: str, key: str) -> TrajectoryInfo:
+        """Close what the open of idempotency key ``key`` opened (``Trajectories.close_by_key``)."""
+        return await self.lifecycle.close_by_key(tenant, key)
 
     def cancel_trajectory(self, tenant: str, tid: str) -> int:
         return self.lifecycle.cancel_actions(tenant, tid)

@@ -11,12 +11,14 @@ from collections import OrderedDict
 
 from tangram.api.reasons import Reason
 from tangram.api.wire import (
+    MAX_KEY_CHARS,
     OPEN_KEYS_FEATURE,
     ActionStatus,
     AgentClose,
     AgentOpen,
     ErrorInfo,
     OpenTrajectory,
+    TrajectoryInfo,
     TrajectoryMeta,
     TrajectoryState,
 )
@@ -49,12 +51,22 @@ class Trajectories:
         self._opens: OrderedDict[tuple[str, str], tuple[str, asyncio.Future[TrajectoryRecord]]] = (
             OrderedDict()
         )
+        # (tenant, idempotency key) of opens given up by key before any open of it came
+        # (``close_by_key``), newest last; apart, so that they evict no open's key.
+        self._given_up: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     async def open(self, tenant: str, req: OpenTrajectory) -> TrajectoryRecord:
         key = req.idempotency_key
         if key is None:
             return await self._open(tenant, req)
         tenant_key = (tenant, key)
+        if tenant_key in self._given_up:
+            raise EngineError(
+                "conflict",
+                "idempotency_key",
+                f"{key} was given up by its client (closed by key) before this open came: "
+                "open under a new key",
+            )
         known = self._opens.get(tenant_key)
         if known is not None:
             return await self._again(tenant, req, *known)
@@ -83,11 +95,53 @@ class Trajectories:
         while len(self._opens) > MAX_OPEN_KEYS:
             self._opens.popitem(last=False)
 
+    async def close_by_key(self, tenant: str, key: str) -> TrajectoryInfo:
+        """Close the trajectory that the open of idempotency key ``key`` made, or is making
+        (its client gave up on that open: cancelled, timed out). One still opening is
+        closed as soon as its agent has made it, in the background: answered ``closing``
+        at once. A key no open is known by is kept as given up (404): an open of it that
+        comes later is refused, and a trajectory an agent hands back under it, after a
+        restart, is closed."""
+        tenant_key = (tenant, key)
+        known = self._opens.get(tenant_key)
+        rec = None
+        if known is not None:
+            opening = known[1]
+            if not opening.done():  # its record is made before the first await of _open
+                rec = next(
+                    (t for t in self.s.trajectories.values()
+                     if t.tenant == tenant and t.open_key and t.open_key[0] == key),
+                    None,
+                )  # fmt: skip
+            elif not opening.cancelled() and opening.exception() is None:
+                rec = opening.result()
+        if rec is None:
+            if known is None and len(key) <= MAX_KEY_CHARS:  # (a longer one opens nothing)
+                self._given_up[tenant_key] = None
+                while len(self._given_up) > MAX_OPEN_KEYS:
+                    self._given_up.popitem(last=False)
+            raise EngineError(
+                "not_found",
+                "idempotency_key",
+                f"no trajectory is open under idempotency key {key}: an open of it that "
+                "comes later is refused",
+            )
+        if rec.state.closed or self.s.named.get((tenant, rec.id)) is not rec:
+            return rec.info()  # closed already (its id may name a newer one now)
+        if rec.opening is not None:  # its agent is still making it: closed once made
+            self.s.background(self.close(tenant, rec.id))
+            return rec.info().model_copy(update={"state": TrajectoryState.CLOSING})
+        return (await self.close(tenant, rec.id)).info()
+
     def opened_again(self, meta: TrajectoryMeta) -> bool:
         """Whether a retry of the open that made ``meta``'s trajectory has opened another
         since (its agent came back after the retry): the client has that one, and never
-        learnt of this one."""
-        return meta.open_key is not None and (meta.tenant, meta.open_key) in self._opens
+        learnt of this one; or its client gave the open up (``close_by_key``)."""
+        if meta.open_key is None:
+            return False
+        return (meta.tenant, meta.open_key) in self._opens or (
+            (meta.tenant, meta.open_key) in self._given_up
+        )
 
     def taken_back(self, rec: TrajectoryRecord) -> None:
         """A trajectory an agent handed back after a restart: its open's retry gets it."""
