@@ -21,13 +21,16 @@ Errors: ``TangramError`` for the service's answers (status, code, field),
 ``ServiceUnreachableError`` when no answer came after every retry (a submission's names
 its key: it may have run),
 ``ActionTimeoutError`` (a ``TimeoutError``) past the client's ``timeout_s`` (the action is
-then cancelled by its key), ``ClientClosedError`` from a client closed (or a ``Client`` forked).
+then cancelled by its key), ``CallTimeoutError`` (a ``TimeoutError`` too) for any other
+call past it, naming the call, ``ClientClosedError`` from a client closed (or a ``Client``
+forked).
 """
 
 from tangram.api.wire import ActionResult, ActionStatus, TrajectoryInfo
 from tangram.client.aio import AsyncClient, AsyncTrajectory
 from tangram.client.common import (
     ActionTimeoutError,
+    CallTimeoutError,
     ClientClosedError,
     ServiceUnreachableError,
     TangramError,
@@ -41,6 +44,7 @@ __all__ = [
     "ActionTimeoutError",
     "AsyncClient",
     "AsyncTrajectory",
+    "CallTimeoutError",
     "Client",
     "ClientClosedError",
     "LiveAction",

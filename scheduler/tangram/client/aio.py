@@ -22,6 +22,7 @@ from tangram.client.common import (
     RETRY_STATUS,
     ActionTimeoutError,
     Call,
+    CallTimeoutError,
     ClientClosedError,
     Reply,
     ServiceUnreachableError,
@@ -219,6 +220,10 @@ class AsyncClient:
                     lost_at = went
                 if attempt == self.retries:
                     raise ServiceUnreachableError(self.url, e) from e
+            except TimeoutError as e:  # (aiohttp's for the whole request: timeout_s)
+                if self._timeout.total is None:
+                    raise
+                raise CallTimeoutError(call.name, self._timeout.total) from e
             await asyncio.sleep(retry_after(reply, attempt, self.backoff_s))
         raise AssertionError("unreachable")
 
@@ -290,10 +295,13 @@ class AsyncClient:
         """Open a trajectory of TrajectoryEnv ``env``; ``env_vars`` go to each of its
         commands (a command's own ``env`` overrides them)."""
         body = open_body(env, id, labels, expected_steps, env_vars)
+        what = f"open({env!r})"
         if not self._open_keys:
             body.pop("idempotency_key")
         try:
-            return trajectory_info(await self._call(Call("POST", "/v1/trajectories", body)))
+            return trajectory_info(
+                await self._call(Call("POST", "/v1/trajectories", body, what=what))
+            )
         except TangramError as e:
             # A scheduler of a release before opens took a key refuses the field: opened
             # unkeyed from now on (a retry after a lost answer may then open twice).
@@ -301,13 +309,17 @@ class AsyncClient:
                 raise
             self._open_keys = False
             del body["idempotency_key"]
-            return trajectory_info(await self._call(Call("POST", "/v1/trajectories", body)))
+            return trajectory_info(
+                await self._call(Call("POST", "/v1/trajectories", body, what=what))
+            )
 
     async def get(self, trajectory: str) -> TrajectoryInfo:
-        return trajectory_info(await self._call(Call("GET", f"/v1/trajectories/{trajectory}")))
+        call = Call("GET", f"/v1/trajectories/{trajectory}", what=f"get({trajectory!r})")
+        return trajectory_info(await self._call(call))
 
     async def close(self, trajectory: str) -> TrajectoryInfo:
-        return trajectory_info(await self._call(Call("DELETE", f"/v1/trajectories/{trajectory}")))
+        call = Call("DELETE", f"/v1/trajectories/{trajectory}", what=f"close({trajectory!r})")
+        return trajectory_info(await self._call(call))
 
     def trajectory(self, env: str, **kw: Any) -> AsyncTrajectory:
         """``async with client.trajectory(env) as t``: opened on entry, closed on exit."""
@@ -426,11 +438,13 @@ class AsyncClient:
     async def cancel(self, action: str) -> bool:
         """Cancel by action id, or by idempotency key as ``key:<key>`` (any key: it is
         quoted into the path)."""
-        return bool(data(await self._call(Call("DELETE", _action_path(action))))["cancelled"])
+        call = Call("DELETE", _action_path(action), what=f"cancel({action!r})")
+        return bool(data(await self._call(call))["cancelled"])
 
     async def cancel_all(self, trajectory: str) -> int:
         """Cancel every queued and running action of a trajectory (it stays open)."""
-        reply = await self._call(Call("POST", f"/v1/trajectories/{trajectory}/cancel"))
+        what = f"cancel_all({trajectory!r})"
+        reply = await self._call(Call("POST", f"/v1/trajectories/{trajectory}/cancel", what=what))
         return int(data(reply)["cancelled"])
 
     async def lease(
@@ -490,7 +504,8 @@ class AsyncClient:
         """Give a lease's units back. Sent again after a lost answer, it may find the lease
         already released by the first try: that is an ``ok`` result naming the lease, with
         neither id nor timings (they were in the lost answer)."""
-        reply, resent = await self._exchange(Call("DELETE", f"/v1/leases/{lease}"))
+        call = Call("DELETE", f"/v1/leases/{lease}", what=f"release({lease!r})")
+        reply, resent = await self._exchange(call)
         if resent and missing(reply, "lease"):
             return ActionResult(id="", kind="api", status=ActionStatus.OK, lease=lease)
         return result(check(reply))

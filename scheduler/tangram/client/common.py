@@ -101,6 +101,25 @@ class ActionTimeoutError(TimeoutError):
         self.cancelled = cancelled
 
 
+class CallTimeoutError(TimeoutError):
+    """The client's own ``timeout_s`` passed before the answer to a call that is not an
+    action (an open, a get, a close, a cancel, a release, a file's read or write): it
+    names the call (``call``) and the timeout (``timeout_s``). ``timeout_s`` bounds each
+    request the client sends, a file's whole upload or download included. A
+    ``TimeoutError``, which is what such a timeout raised before."""
+
+    def __init__(self, call: str, timeout_s: float, then: str = "") -> None:
+        said = f"no answer within the client's timeout_s={timeout_s:g} s to {call}"
+        if call.startswith("files."):
+            said += (
+                ": timeout_s bounds each request, a file's whole transfer included (a "
+                "client with a larger timeout_s, or none, for large files)"
+            )
+        super().__init__(said + then)
+        self.call = call
+        self.timeout_s = timeout_s
+
+
 class ClientClosedError(RuntimeError):
     """The client was closed (``Client.shutdown``, ``AsyncClient.aclose``) before or while
     the call waited, or this process is a fork of the one that made a ``Client``: its
@@ -124,6 +143,11 @@ class Call:
     headers: Mapping[str, str] | None = None
     params: Mapping[str, str] | None = None  # the query
     content: bytes | None = None  # sent as it is (a file's bytes), instead of a JSON body
+    what: str | None = None  # the call as errors name it ("files.write('a.py')")
+
+    @property
+    def name(self) -> str:
+        return self.what or f"{self.method} {self.path}"
 
     def __post_init__(self) -> None:
         # A lone surrogate (``os.fsdecode`` of a name that is not UTF-8) is dropped from a

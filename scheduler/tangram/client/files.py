@@ -24,10 +24,16 @@ class AsyncFiles:
 
     def __init__(self, client: AsyncClient, trajectory: str) -> None:
         self._client = client
+        self._trajectory = trajectory
         self._at = f"/v1/trajectories/{trajectory}/files"
 
+    def _what(self, op: str, *paths: str) -> str:
+        """The call as a timeout names it: ``files.write('a.py') of trajectory t-1``."""
+        return f"files.{op}({', '.join(map(repr, paths))}) of trajectory {self._trajectory}"
+
     async def read(self, path: str) -> bytes:
-        return (await self._client._call(Call("GET", self._at, params={"path": path}))).body
+        call = Call("GET", self._at, params={"path": path}, what=self._what("read", path))
+        return (await self._client._call(call)).body
 
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
@@ -37,16 +43,22 @@ class AsyncFiles:
         so a reader sees the old file or the new one, never a part."""
         content = data.encode() if isinstance(data, str) else bytes(data)
         params = {"path": path, "mode": f"{_mode(mode):03o}"}
-        reply = await self._client._call(Call("PUT", self._at, params=params, content=content))
+        what = self._what("write", path)
+        call = Call("PUT", self._at, params=params, content=content, what=what)
+        reply = await self._client._call(call)
         return FileWritten.model_validate_json(reply.body)
 
     async def list(self, path: str = ".") -> list[FileEntry]:
         """The members of a directory (symlinks are listed, not followed)."""
-        reply = await self._client._call(Call("GET", f"{self._at}/list", params={"path": path}))
+        what = self._what("list", path)
+        call = Call("GET", f"{self._at}/list", params={"path": path}, what=what)
+        reply = await self._client._call(call)
         return FileList.model_validate_json(reply.body).entries
 
     async def stat(self, path: str) -> FileEntry:
-        reply = await self._client._call(Call("GET", f"{self._at}/stat", params={"path": path}))
+        what = self._what("stat", path)
+        call = Call("GET", f"{self._at}/stat", params={"path": path}, what=what)
+        reply = await self._client._call(call)
         return FileEntry.model_validate_json(reply.body)
 
     async def exists(self, path: str) -> bool:
@@ -60,20 +72,24 @@ class AsyncFiles:
 
     async def make_dir(self, path: str) -> bool:
         """Make the directory and its parents; False if it was one already."""
-        reply = await self._client._call(Call("POST", f"{self._at}/mkdir", {"path": path}))
+        what = self._what("make_dir", path)
+        reply = await self._client._call(
+            Call("POST", f"{self._at}/mkdir", {"path": path}, what=what)
+        )
         return MadeDir.model_validate_json(reply.body).created
 
     async def remove(self, path: str) -> None:
         """Remove a file, a symlink or a whole directory tree."""
         reply, resent = await self._client._exchange(
-            Call("DELETE", self._at, params={"path": path})
+            Call("DELETE", self._at, params={"path": path}, what=self._what("remove", path))
         )
         if resent and missing(reply, "path"):
             return  # sent again after a lost answer: the first try removed it
         check(reply)
 
     async def rename(self, path: str, to: str) -> None:
-        call = Call("POST", f"{self._at}/rename", {"path": path, "to": to})
+        what = self._what("rename", path, to)
+        call = Call("POST", f"{self._at}/rename", {"path": path, "to": to}, what=what)
         reply, resent = await self._client._exchange(call)
         if resent and missing(reply, "path") and await self._moved(path, to):
             return  # sent again after a lost answer: the first try moved it
@@ -88,13 +104,15 @@ class AsyncFiles:
         kind = "application/gzip" if data[:2] == b"\x1f\x8b" else "application/x-tar"
         call = Call(
             "PUT", f"{self._at}/tar", params={"path": path}, content=bytes(data),
-            headers={"Content-Type": kind},
+            headers={"Content-Type": kind}, what=self._what("write_tar", path),
         )  # fmt: skip
         return Unpacked.model_validate_json((await self._client._call(call)).body)
 
     async def read_tar(self, path: str) -> bytes:
         """The directory ``path`` as a tar, its members named relative to it."""
-        call = Call("GET", f"{self._at}/tar", params={"path": path})
+        call = Call(
+            "GET", f"{self._at}/tar", params={"path": path}, what=self._what("read_tar", path)
+        )
         return (await self._client._call(call)).body
 
     async def upload_dir(
