@@ -26,6 +26,7 @@ from tangram.client import stream as client_stream
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.engine import Engine
 
+from .proxies import Proxy
 from .service_harness import action_started, on_processes, until
 
 pytestmark = [pytest.mark.xdist_group("service")]
@@ -364,6 +365,30 @@ def test_aclose_ends_the_calls_waiting_and_cancels_their_actions(
         assert await _first_result(url, token, t.id, "closed-on") == "cancelled"
         async with AsyncClient(url, token) as other:
             await other.close(t.id)
+
+    asyncio.run(scenario())
+
+
+def test_aclose_ends_every_call_under_way(running: tuple[str, str, Engine]) -> None:
+    """Not only the keyed ones: a file's read stuck mid-answer hung for good after
+    aclose, and a live exec's result raised the stream's own error."""
+    url, token, _ = running
+
+    async def scenario() -> None:
+        async with AsyncClient(url, token) as direct, Proxy(url) as proxy:
+            t = await direct.open("shell")
+            await direct.files(t.id).write("big.bin", b"x" * (4 << 20))
+            proxy.stall_after = 1 << 20  # of each connection's answers: the rest held back
+            c = AsyncClient(proxy.url, token)
+            live = await c.exec_live(t.id, FOREVER)
+            reading = asyncio.ensure_future(c.files(t.id).read("big.bin"))
+            await asyncio.wait_for(proxy.stalled.wait(), GUARD_S)  # mid-answer
+            await asyncio.wait_for(c.aclose(), GUARD_S)
+            with pytest.raises(ClientClosedError):
+                await asyncio.wait_for(reading, GUARD_S)
+            with pytest.raises(ClientClosedError):
+                await asyncio.wait_for(live.result(), GUARD_S)
+            await direct.close(t.id)
 
     asyncio.run(scenario())
 

@@ -125,8 +125,12 @@ class AsyncClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_S)
         self._session: aiohttp.ClientSession | None = None  # made on the loop that uses it
         self._loop: asyncio.AbstractEventLoop | None = None  # that loop
-        self._closed = False
-        self._waiting: dict[str, int] = {}  # keys of the calls waiting: how many wait on each
+        self._closing = False  # aclose has begun: no call starts any more
+        self._closed = False  # and has closed the connections
+        # The tasks inside a call (how deep: a call made by a call), which aclose ends.
+        self._calls: dict[asyncio.Task[Any], int] = {}
+        self._ended: set[asyncio.Task[Any]] = set()  # those aclose cancelled
+        self._drained: asyncio.Future[None] | None = None  # aclose's: no call left
         self.retries, self.backoff_s = retries, backoff_s
         self._open_keys = True  # False against a scheduler that takes no key on opens
         self.stream = stream
@@ -141,19 +145,38 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connections. Calls still waiting raise ``ClientClosedError``, and
-        their actions are cancelled by key, as far as the service can be asked: they
-        would go on with nobody to read their results. Calls after it raise it too."""
-        if self._closed:
+        """Close the connections. Every call still under way (an exec, a file's read or
+        write, an open, anything) raises ``ClientClosedError``; first it is cancelled as
+        a task of it would be, so its action is cancelled by key, and a trajectory an
+        open may have opened is closed, as far as the service can be asked (they would
+        go on with nobody to read their results). Calls after it raise it too."""
+        if self._closing:
             return
+        self._closing = True
         self.stream = False  # what is still retrying goes over HTTP, on no new stream
-        if self._waiting:
-            await self._abandon(list(self._waiting))
+        calls = [task for task in self._calls if task is not asyncio.current_task()]
+        for task in calls:
+            if not task.cancelling():  # (one cancelled already ends by itself)
+                self._ended.add(task)
+                task.cancel()
+        if calls:
+            self._drained = asyncio.get_running_loop().create_future()
+            try:  # (each call's cancels are bounded by CANCEL_S)
+                async with asyncio.timeout(2 * CANCEL_S):
+                    await asyncio.shield(self._drained)
+            except TimeoutError:
+                log.warning("closing the client: %d calls still under way", len(self._calls))
         self._closed = True
         if self._stream is not None:
             await self._stream.aclose()
         if self._session is not None:
             await self._session.close()
+
+    def _tracking(self) -> _Tracked:
+        """``with self._tracking():`` around each call, so that ``aclose`` can end it."""
+        if self._closing and not self._calls.get(asyncio.current_task()):  # type: ignore[arg-type]
+            raise ClientClosedError("this client was closed: make a new one")
+        return _Tracked(self)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -185,6 +208,10 @@ class AsyncClient:
         """The last answer, unchecked, and whether an earlier try may have reached the
         service and had its answer lost (then a 404 may answer a retry of what that try
         did: a file removed, a lease released)."""
+        with self._tracking():
+            return await self._exchanged(call)
+
+    async def _exchanged(self, call: Call) -> tuple[Reply, bool]:
         session = self._http()
         sends = _Sends()
         lost_at: float | None = None  # when the first try that may have got through went out
@@ -231,32 +258,29 @@ class AsyncClient:
         """``work``'s answer. When the caller gives up on it (its task cancelled, or the
         client's ``timeout_s`` passed) the action would go on with nobody to find it: it
         is cancelled by its idempotency keys, as far as the service can be asked."""
-        for key in keys:
-            self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
-            return await work
-        except asyncio.CancelledError:
-            await self._abandon(keys)
+            tracked = self._tracking()
+        except ClientClosedError:
+            if inspect.iscoroutine(work):
+                work.close()  # (never to be awaited)
             raise
-        except TimeoutError as e:
-            total = self._timeout.total
-            if total is None or isinstance(e, aiohttp.ClientError):  # not the client's own
+        with tracked:
+            try:
+                return await work
+            except asyncio.CancelledError:
+                if not self._closed:  # (aclose's cancel comes before it closes)
+                    await self._abandon(keys)
                 raise
-            raise ActionTimeoutError(keys, total, await self._abandon(keys)) from e
-        except Exception as e:
-            if self._closed and not isinstance(e, ClientClosedError):  # (by aclose, which
-                raise ClientClosedError(  # cancelled its action and closed its connections)
-                    "the client was closed while this call waited"
-                ) from e
-            if isinstance(e, ServiceUnreachableError) and not e.idempotency_keys:
+            except TimeoutError as e:
+                total = self._timeout.total
+                if total is None or isinstance(e, aiohttp.ClientError):  # not the client's own
+                    raise
+                raise ActionTimeoutError(keys, total, await self._abandon(keys)) from e
+            except ServiceUnreachableError as e:
+                if e.idempotency_keys:
+                    raise
                 # It may have been submitted before the service went: say so, and its keys.
                 raise ServiceUnreachableError(e.url, e.cause, keys) from e.__cause__
-            raise
-        finally:
-            for key in keys:
-                self._waiting[key] -= 1
-                if not self._waiting[key]:
-                    del self._waiting[key]
 
     async def _submit(self, call: Call) -> ActionResult:
         """The result of one keyed submission (its key in its body), naming its key."""
@@ -406,6 +430,10 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def _open_stream(self) -> ExecStream | None:
+        with self._tracking():
+            return await self._opened_stream()
+
+    async def _opened_stream(self) -> ExecStream | None:
         stream = self._stream
         if stream is not None and not stream.closed:
             return stream
@@ -593,6 +621,43 @@ class AsyncTrajectory:
         return await self.client.exec(
             self.id, session={"kind": "python", "name": name}, code=code, **kw
         )
+
+
+class _Tracked:
+    """A call under way (``AsyncClient._tracking``): its task is known to ``aclose``,
+    which cancels it, and the call then raises ``ClientClosedError``."""
+
+    __slots__ = ("client", "depth", "task")
+
+    def __init__(self, client: AsyncClient) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.client, self.task = client, task
+        self.depth = client._calls.get(task, 0)
+
+    def __enter__(self) -> None:
+        self.client._calls[self.task] = self.depth + 1
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        client, task = self.client, self.task
+        if self.depth:  # a call within a call: the outer one says how it ended
+            client._calls[task] = self.depth
+            return
+        del client._calls[task]
+        ended = task in client._ended
+        client._ended.discard(task)
+        if not client._calls and client._drained is not None and not client._drained.done():
+            client._drained.set_result(None)
+        if ended:
+            task.uncancel()  # (aclose's cancel: this error stands for it)
+        if exc is None or isinstance(exc, ClientClosedError):
+            return
+        if ended or (client._closed and isinstance(exc, Exception)):
+            # Ended by aclose, or under it (a connection closed under a call left when
+            # aclose stopped waiting: aiohttp's "Session is closed").
+            raise ClientClosedError("the client was closed while this call waited") from exc
 
 
 def _sent_no_token(reply: Reply, why: str) -> TangramError:

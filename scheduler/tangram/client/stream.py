@@ -27,7 +27,7 @@ from tangram.api.wire import (
     StreamAnswer,
     StreamOutput,
 )
-from tangram.client.common import TangramError, encode_json, stream_error
+from tangram.client.common import ClientClosedError, TangramError, encode_json, stream_error
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
@@ -175,6 +175,7 @@ class ExecStream:
         self._ids = 0
         self._outbox: Outbox[bytes] = Outbox(ws.send_bytes, self._send_failed, packed=True)
         self.closed = False
+        self._by_client = False  # closed by its client (aclose), not dropped
         self._reader = asyncio.create_task(self._read_forever())
 
     @classmethod
@@ -244,6 +245,8 @@ class ExecStream:
         self._outbox.post(encode_json(msg))
 
     async def aclose(self) -> None:
+        """Close it: what still waits on it (a live exec) raises ``ClientClosedError``."""
+        self._by_client = True
         self._outbox.close()
         await self._ws.close()
         await asyncio.gather(self._reader, return_exceptions=True)
@@ -306,4 +309,8 @@ class ExecStream:
             why = self._ws.close_code
             for fut in self._pending.values():
                 if not fut.done():
-                    fut.set_exception(StreamClosedError(f"the action stream closed ({why})"))
+                    fut.set_exception(
+                        ClientClosedError("the client was closed while this call waited")
+                        if self._by_client
+                        else StreamClosedError(f"the action stream closed ({why})")
+                    )
