@@ -16,7 +16,13 @@ from urllib.parse import quote
 import aiohttp
 
 from tangram.api.resent import RESENT_HEADER, resent_header
-from tangram.api.wire import ActionResult, ActionStatus, BatchResponse, TrajectoryInfo
+from tangram.api.wire import (
+    ActionResult,
+    ActionStatus,
+    BatchResponse,
+    TrajectoryInfo,
+    TrajectoryState,
+)
 from tangram.client.common import (
     BATCH_KINDS,
     RETRY_STATUS,
@@ -317,15 +323,33 @@ class AsyncClient:
         env_vars: Mapping[str, str] | None = None,
     ) -> TrajectoryInfo:
         """Open a trajectory of TrajectoryEnv ``env``; ``env_vars`` go to each of its
-        commands (a command's own ``env`` overrides them)."""
+        commands (a command's own ``env`` overrides them). Given up (its task cancelled,
+        the client's ``timeout_s`` passed, the client closed), the open may still have
+        reached the service: the trajectory it opened, or is opening, is closed by the
+        open's idempotency key, as far as the service can be asked; past ``timeout_s`` the
+        ``CallTimeoutError`` says what became of it."""
         body = open_body(env, id, labels, expected_steps, env_vars)
-        what = f"open({env!r})"
+        call = Call("POST", "/v1/trajectories", body, what=f"open({env!r})")
+        with self._tracking():
+            try:
+                return await self._open(call)
+            except (asyncio.CancelledError, CallTimeoutError) as e:
+                key = body.get("idempotency_key")
+                then = await self._close_opened(key) if key is not None else None
+                if then is None:
+                    then = "what it may have opened is closed after its idle timeout (no key)"
+                if isinstance(e, CallTimeoutError):
+                    raise CallTimeoutError(call.name, e.timeout_s, f": {then}") from e
+                log.info("%s given up: %s", call.name, then)
+                raise
+
+    async def _open(self, call: Call) -> TrajectoryInfo:
+        body = call.body
+        assert body is not None
         if not self._open_keys:
             body.pop("idempotency_key")
         try:
-            return trajectory_info(
-                await self._call(Call("POST", "/v1/trajectories", body, what=what))
-            )
+            return trajectory_info(await self._call(call))
         except TangramError as e:
             # A scheduler of a release before opens took a key refuses the field: opened
             # unkeyed from now on (a retry after a lost answer may then open twice).
@@ -333,9 +357,31 @@ class AsyncClient:
                 raise
             self._open_keys = False
             del body["idempotency_key"]
-            return trajectory_info(
-                await self._call(Call("POST", "/v1/trajectories", body, what=what))
+            return trajectory_info(await self._call(call))
+
+    async def _close_opened(self, key: str) -> str:
+        """Close what the open of ``key`` opened or is opening (it was given up on),
+        briefly (the caller is leaving): what became of it, in words."""
+        session = self._http()
+        try:
+            async with (
+                asyncio.timeout(CANCEL_S),
+                session.delete("/v1/trajectories/" + quote(f"key:{key}", safe=":")) as response,
+            ):
+                reply = Reply(response.status, await response.read(), {})
+            if missing(reply, "idempotency_key"):
+                return f"it had opened nothing (idempotency key {key!r}; an open of it that " \
+                    "comes later is refused)"  # fmt: skip
+            info = trajectory_info(check(reply))
+        except Exception as e:  # (the service away, one without the route, ...): best effort
+            log.warning("could not close what the open of key %r opened: %s", key, e)
+            return (
+                f"closing what it may have opened (idempotency key {key!r}) failed ({e}): "
+                "that is closed after its TrajectoryEnv's idleTimeoutSeconds"
             )
+        if info.state is TrajectoryState.CLOSING:
+            return f"trajectory {info.id}, which it was opening, is closed once made"
+        return f"trajectory {info.id}, which it opened, was closed"
 
     async def get(self, trajectory: str) -> TrajectoryInfo:
         call = Call("GET", f"/v1/trajectories/{trajectory}", what=f"get({trajectory!r})")
