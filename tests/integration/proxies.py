@@ -13,8 +13,9 @@ class Proxy:
     ``silence()`` stops every connection open now, both ways, holding it open: what
     arrives is read and never passed on (later connections go through). ``stall_after``
     bytes of answers on a connection, the rest is held back (``stalled`` is set once one
-    is): an answer stuck mid-body. ``cut_after`` bytes of answers, the connection is
-    aborted, for the next ``cuts`` connections that get that far: an answer cut off.
+    is): an answer stuck mid-body. ``cut_after`` bytes of an answer, the connection is
+    aborted, for the next ``cuts`` answers that get that far: an answer cut off. (An
+    answer's bytes: those that come back after the last bytes sent on its connection.)
     ``abort()`` aborts every connection open now."""
 
     def __init__(self, upstream: str) -> None:
@@ -56,15 +57,17 @@ class Proxy:
         self.writers += [cw, uw]
         quiet = asyncio.Event()
         self.silenced.append(quiet)
+        answered = [0]  # bytes of the answer coming back now
 
         async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, answers: bool) -> None:
-            sent = 0
             with contextlib.suppress(ConnectionError, OSError):
                 while data := await r.read(65536):
                     if quiet.is_set():
                         await self.closing.wait()  # silent from now on, closing nothing
                         return
-                    cut, stall = self.cut_after, self.stall_after
+                    if not answers:  # a request: what comes back next is its answer
+                        answered[0] = 0
+                    sent, cut, stall = answered[0], self.cut_after, self.stall_after
                     if answers and self.cuts and cut is not None and sent + len(data) > cut:
                         self.cuts -= 1
                         self.cut += 1
@@ -81,7 +84,8 @@ class Proxy:
                         return
                     w.write(data)
                     await w.drain()
-                    sent += len(data)
+                    if answers:
+                        answered[0] += len(data)
 
         try:
             await asyncio.gather(pipe(cr, uw, False), pipe(ur, cw, True))

@@ -20,6 +20,7 @@ from tangram.client import (
     AsyncClient,
     Client,
     ClientClosedError,
+    ServiceUnreachableError,
     TangramError,
 )
 from tangram.client import stream as client_stream
@@ -388,6 +389,30 @@ def test_aclose_ends_every_call_under_way(running: tuple[str, str, Engine]) -> N
                 await asyncio.wait_for(reading, GUARD_S)
             with pytest.raises(ClientClosedError):
                 await asyncio.wait_for(live.result(), GUARD_S)
+            await direct.close(t.id)
+
+    asyncio.run(scenario())
+
+
+def test_a_download_cut_off_is_tried_again_then_named(running: tuple[str, str, Engine]) -> None:
+    """It raised aiohttp's own ClientPayloadError at once: no retry, and none of the
+    client's errors (a worker catching TangramError and ServiceUnreachableError died)."""
+    url, token, _ = running
+    content = bytes(range(256)) * (16 << 10)  # 4 MiB
+
+    async def scenario() -> None:
+        async with AsyncClient(url, token) as direct, Proxy(url) as proxy:
+            t = await direct.open("shell")
+            await direct.files(t.id).write("big.bin", content)
+            proxy.cut_after, proxy.cuts = 1 << 20, 1  # the first answer's first MiB only
+            async with AsyncClient(proxy.url, token, retries=2, backoff_s=0.01) as c:
+                assert await asyncio.wait_for(c.files(t.id).read("big.bin"), GUARD_S) == content
+                assert proxy.cut == 1
+                proxy.cuts = 3  # every try's
+                with pytest.raises(ServiceUnreachableError) as caught:
+                    await asyncio.wait_for(c.files(t.id).read("big.bin"), GUARD_S)
+            assert proxy.cut == 4
+            assert caught.value.cut_off and "every answer was cut off" in str(caught.value)
             await direct.close(t.id)
 
     asyncio.run(scenario())

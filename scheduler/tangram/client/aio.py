@@ -248,11 +248,14 @@ class AsyncClient:
                     raise _sent_no_token(reply, self._no_token)
                 if reply.status not in RETRY_STATUS or attempt == self.retries:
                     return reply, lost_at is not None
-            except aiohttp.ClientConnectionError as e:
+            # An answer cut off in the middle (ClientPayloadError) is one lost as well: the
+            # request is sent again, as after a connection dropped before its answer.
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
                 if lost_at is None and sends.count > before:  # sent, and no answer came
                     lost_at = went
                 if attempt == self.retries:
-                    raise ServiceUnreachableError(self.url, e) from e
+                    cut_off = isinstance(e, aiohttp.ClientPayloadError)
+                    raise ServiceUnreachableError(self.url, e, cut_off=cut_off) from e
             except TimeoutError as e:  # (aiohttp's for the whole request: timeout_s)
                 if self._timeout.total is None:
                     raise
@@ -286,7 +289,8 @@ class AsyncClient:
                 if e.idempotency_keys:
                     raise
                 # It may have been submitted before the service went: say so, and its keys.
-                raise ServiceUnreachableError(e.url, e.cause, keys) from e.__cause__
+                again = ServiceUnreachableError(e.url, e.cause, keys, cut_off=e.cut_off)
+                raise again from e.__cause__
 
     async def _submit(self, call: Call) -> ActionResult:
         """The result of one keyed submission (its key in its body), naming its key."""

@@ -37,7 +37,8 @@ class TangramError(Exception):
 
 class ServiceUnreachableError(ConnectionError):
     """No answer from the service at all, after every retry: nothing listens at its URL,
-    or the connection keeps dropping. The message says where, in one line.
+    or the connection keeps dropping, before the answer or in the middle of it
+    (``cut_off``: a download cut off each time). The message says where, in one line.
 
     Raised for a submission (an exec, a lease, a call, a score, a batch), the action may
     have reached the service before its answer was lost, and may have run, or still run:
@@ -47,11 +48,19 @@ class ServiceUnreachableError(ConnectionError):
     the answer is its result, or the service's word that it never got it (then it runs,
     once). ``cancel(f"key:{key}")`` cancels it instead."""
 
-    def __init__(self, url: str, cause: Exception, keys: Sequence[str] = ()) -> None:
-        said = (
-            f"cannot reach the ARL-Tangram service at {url}: {cause} (is it running? "
-            "`make run` or `tangram up` starts one; TANGRAM_URL or url= names another)"
-        )
+    def __init__(
+        self, url: str, cause: Exception, keys: Sequence[str] = (), *, cut_off: bool = False
+    ) -> None:
+        if cut_off:
+            said = (
+                f"the ARL-Tangram service at {url} answered, and every answer was cut off: "
+                f"{cause} (the connection dropped in the middle of each)"
+            )
+        else:
+            said = (
+                f"cannot reach the ARL-Tangram service at {url}: {cause} (is it running? "
+                "`make run` or `tangram up` starts one; TANGRAM_URL or url= names another)"
+            )
         if len(keys) == 1:
             said += (
                 f"; the action with idempotency key {keys[0]!r} may have been submitted and "
@@ -68,6 +77,7 @@ class ServiceUnreachableError(ConnectionError):
         self.url = url
         self.cause = cause
         self.idempotency_keys = list(keys)
+        self.cut_off = cut_off
 
 
 def _named(keys: Sequence[str]) -> str:
