@@ -21,6 +21,7 @@ from tangram.client import (
     Client,
     ClientClosedError,
     ServiceUnreachableError,
+    StreamClosedError,
     TangramError,
 )
 from tangram.client import stream as client_stream
@@ -413,6 +414,34 @@ def test_a_download_cut_off_is_tried_again_then_named(running: tuple[str, str, E
                     await asyncio.wait_for(c.files(t.id).read("big.bin"), GUARD_S)
             assert proxy.cut == 4
             assert caught.value.cut_off and "every answer was cut off" in str(caught.value)
+            await direct.close(t.id)
+
+    asyncio.run(scenario())
+
+
+def test_a_live_exec_cut_off_by_a_dropped_stream_says_so(
+    running: tuple[str, str, Engine],
+) -> None:
+    """Its output() ended as a finished command's does, and result() raised an error of
+    aiohttp's family that tangram.client did not export."""
+    url, token, _ = running
+
+    async def scenario() -> None:
+        async with AsyncClient(url, token) as direct, Proxy(url) as proxy:
+            t = await direct.open("shell")
+            async with AsyncClient(proxy.url, token) as c:
+                live = await c.exec_live(t.id, ["sh", "-c", "echo started; exec sleep 600"])
+                pieces, seen = live.output(), ""
+                while "started" not in seen:
+                    seen += (await asyncio.wait_for(anext(pieces), GUARD_S))[1]
+                proxy.abort()  # the stream's connection drops
+                with pytest.raises(StreamClosedError):
+                    async with asyncio.timeout(GUARD_S):
+                        async for _ in pieces:
+                            pass
+                with pytest.raises(StreamClosedError) as caught:
+                    await asyncio.wait_for(live.result(), GUARD_S)
+            assert isinstance(caught.value, ConnectionError)
             await direct.close(t.id)
 
     asyncio.run(scenario())

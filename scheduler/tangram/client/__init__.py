@@ -23,7 +23,7 @@ its key: it may have run),
 ``ActionTimeoutError`` (a ``TimeoutError``) past the client's ``timeout_s`` (the action is
 then cancelled by its key), ``CallTimeoutError`` (a ``TimeoutError`` too) for any other
 call past it, naming the call, ``ClientClosedError`` from a client closed (or a ``Client``
-forked).
+forked), ``StreamClosedError`` (a ``ConnectionError``) from a live exec whose stream dropped.
 """
 
 from tangram.api.wire import ActionResult, ActionStatus, TrajectoryInfo
@@ -33,6 +33,7 @@ from tangram.client.common import (
     CallTimeoutError,
     ClientClosedError,
     ServiceUnreachableError,
+    StreamClosedError,
     TangramError,
 )
 from tangram.client.stream import LiveAction
@@ -49,6 +50,7 @@ __all__ = [
     "ClientClosedError",
     "LiveAction",
     "ServiceUnreachableError",
+    "StreamClosedError",
     "TangramError",
     "Trajectory",
     "TrajectoryInfo",

@@ -32,6 +32,7 @@ from tangram.client.common import (
     ClientClosedError,
     Reply,
     ServiceUnreachableError,
+    StreamClosedError,
     TangramError,
     backoff,
     check,
@@ -472,7 +473,8 @@ class AsyncClient:
                     return answer.result
                 if answer.status not in RETRY_STATUS or attempt == self.retries:
                     raise stream_error(answer)
-            except aiohttp.ClientConnectionError as e:  # the stream dropped: again, same key
+            # The stream dropped, or its handshake went unanswered: again, same key.
+            except (aiohttp.ClientConnectionError, StreamClosedError) as e:
                 if attempt == self.retries:
                     raise ServiceUnreachableError(self.url, e) from e
             given = answer.retry_after if answer is not None else None

@@ -88,6 +88,16 @@ def _named(keys: Sequence[str]) -> str:
     return named
 
 
+class StreamClosedError(ConnectionError):
+    """The action stream (``/v1/stream``) ended before an answer came: its connection
+    dropped (the scheduler restarted or went silent, the network). An exec is retried
+    under its key on a new stream and never raises it; a live exec is not retried, and
+    its ``output()`` and ``result()`` raise it: without an ``idempotency_key`` the
+    service cancelled it (its output had nowhere to go); with one it runs on, and
+    ``exec`` under that key gets its result. A ``ConnectionError``, as
+    ``ServiceUnreachableError`` is."""
+
+
 class ActionTimeoutError(TimeoutError):
     """The client's own ``timeout_s`` passed before the answer came. The action may still
     have been queued or running: the client asked the service to cancel it by its

@@ -27,7 +27,13 @@ from tangram.api.wire import (
     StreamAnswer,
     StreamOutput,
 )
-from tangram.client.common import ClientClosedError, TangramError, encode_json, stream_error
+from tangram.client.common import (
+    ClientClosedError,
+    StreamClosedError,
+    TangramError,
+    encode_json,
+    stream_error,
+)
 from tangram.client.outbox import Outbox
 
 log = logging.getLogger("tangram.client")
@@ -81,11 +87,17 @@ class LiveAction:
         Output not taken here is kept up to ``LIVE_BUFFER_CHARS``; past that it is
         dropped, and a line ``[tangram: N characters of output dropped ...]`` takes its
         place (``dropped`` counts them). The result holds the output either way, up to
-        ``output_cap``."""
+        ``output_cap``. Output cut off — the stream dropped (``StreamClosedError``), the
+        client closed (``ClientClosedError``) — raises that error, as ``result()`` does,
+        once what came is given out: it does not end as if the command had."""
         while (piece := await self._output.get()) is not None:
             self._buffered -= len(piece[1])
             yield piece
         self._output.put_nowait(None)  # ended for a second reader too
+        if self._answer.done() and not self._answer.cancelled():
+            cut = self._answer.exception()
+            if isinstance(cut, StreamClosedError | ClientClosedError):
+                raise cut
 
     def _arrived(self, fd: str, text: str) -> None:
         full = self._buffered > 0 and self._buffered + len(text) > LIVE_BUFFER_CHARS
@@ -152,10 +164,6 @@ class LiveAction:
         if answer.status == 200 and answer.result is not None:
             return answer.result
         raise stream_error(answer)
-
-
-class StreamClosedError(aiohttp.ClientConnectionError):
-    """The stream ended before the answer came: retry under the same idempotency key."""
 
 
 class NoStreamError(Exception):
