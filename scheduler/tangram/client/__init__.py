@@ -23,7 +23,9 @@ its key: it may have run),
 ``ActionTimeoutError`` (a ``TimeoutError``) past the client's ``timeout_s`` (the action is
 then cancelled by its key), ``CallTimeoutError`` (a ``TimeoutError`` too) for any other
 call past it, naming the call, ``ClientClosedError`` from a client closed (or a ``Client``
-forked), ``StreamClosedError`` (a ``ConnectionError``) from a live exec whose stream dropped.
+forked), ``StreamClosedError`` (a ``ConnectionError``) from a live exec whose stream
+dropped, ``TooManyOpenFilesError`` (an ``OSError``, not retried) when this process has no
+file descriptor left for a connection.
 """
 
 from tangram.api.wire import ActionResult, ActionStatus, TrajectoryInfo
@@ -35,6 +37,7 @@ from tangram.client.common import (
     ServiceUnreachableError,
     StreamClosedError,
     TangramError,
+    TooManyOpenFilesError,
 )
 from tangram.client.stream import LiveAction
 from tangram.client.sync import Client, Trajectory
@@ -52,6 +55,7 @@ __all__ = [
     "ServiceUnreachableError",
     "StreamClosedError",
     "TangramError",
+    "TooManyOpenFilesError",
     "Trajectory",
     "TrajectoryInfo",
 ]

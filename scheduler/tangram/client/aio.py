@@ -25,6 +25,7 @@ from tangram.api.wire import (
 )
 from tangram.client.common import (
     BATCH_KINDS,
+    OUT_OF_FILES,
     RETRY_STATUS,
     ActionTimeoutError,
     Call,
@@ -34,9 +35,11 @@ from tangram.client.common import (
     ServiceUnreachableError,
     StreamClosedError,
     TangramError,
+    TooManyOpenFilesError,
     backoff,
     check,
     data,
+    default_max_connections,
     encode_json,
     exec_body,
     keyed,
@@ -86,8 +89,8 @@ def _keepalive_socket(addr: tuple[Any, ...]) -> socket.socket:
     return sock
 
 
-def _connector() -> aiohttp.TCPConnector:
-    kw: dict[str, Any] = {"limit": 0}  # one connection per waiting action
+def _connector(limit: int) -> aiohttp.TCPConnector:
+    kw: dict[str, Any] = {"limit": limit}  # (0: none)
     if "socket_factory" in inspect.signature(aiohttp.TCPConnector).parameters:  # 3.12+
         kw["socket_factory"] = _keepalive_socket
     return aiohttp.TCPConnector(**kw)
@@ -118,6 +121,7 @@ class AsyncClient:
         backoff_s: float = 0.1,
         timeout_s: float | None = None,
         stream: bool = True,
+        max_connections: int | None = None,
     ) -> None:
         """``stream``: execs go over one WebSocket (``/v1/stream``) rather than a request
         each, which under load costs the client and the scheduler about half as much
@@ -125,12 +129,24 @@ class AsyncClient:
         bounds each request, a streamed exec's wait for its answer included: past it, an
         action is cancelled by its idempotency key and ``ActionTimeoutError`` (a
         ``TimeoutError``) raised. Without it a request waits as long as its action runs;
-        a scheduler that vanishes is noticed by the stream's pings and TCP keepalive."""
+        a scheduler that vanishes is noticed by the stream's pings and TCP keepalive.
+        ``max_connections``: HTTP connections open at once, at most (a request past them
+        waits for one; an HTTP exec holds one while it runs); by default half the
+        process's soft limit on open files (RLIMIT_NOFILE), from 16 to 4096; 0 for no
+        bound. The cancels of actions given up on have up to 32 more of their own."""
         self.url, tok = settings(url, token)
         self._headers = {"Authorization": f"Bearer {tok}"} if tok else {}
         self._no_token = None if tok else no_token_found(token)  # (said with a 401)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_S)
+        self.max_connections = (
+            default_max_connections() if max_connections is None else max_connections
+        )
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections: 0 (no bound) or more, not {max_connections}")
         self._session: aiohttp.ClientSession | None = None  # made on the loop that uses it
+        # The cancels of what was given up: their own connections, so that requests
+        # holding every one of the session's (HTTP execs) cannot hold them up.
+        self._control: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # that loop
         self._closing = False  # aclose has begun: no call starts any more
         self._closed = False  # and has closed the connections
@@ -178,6 +194,8 @@ class AsyncClient:
             await self._stream.aclose()
         if self._session is not None:
             await self._session.close()
+        if self._control is not None:
+            await self._control.close()
 
     def _tracking(self) -> _Tracked:
         """``with self._tracking():`` around each call, so that ``aclose`` can end it."""
@@ -203,10 +221,22 @@ class AsyncClient:
                 self.url,
                 headers=self._headers,
                 timeout=self._timeout,
-                connector=_connector(),
+                connector=_connector(self.max_connections),
                 trace_configs=[sends],
             )
         return self._session
+
+    def _cancels(self) -> aiohttp.ClientSession:
+        """The session of the cancels (``_abandon``, ``_close_opened``)."""
+        self._http()  # (closed, or of another loop: said as for any call)
+        if self._control is None:
+            self._control = aiohttp.ClientSession(
+                self.url,
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=CANCEL_S, sock_connect=CONNECT_S),
+                connector=_connector(ABANDON_AT_ONCE),
+            )
+        return self._control
 
     async def _call(self, call: Call) -> Reply:
         return check((await self._exchange(call))[0])
@@ -252,6 +282,7 @@ class AsyncClient:
             # An answer cut off in the middle (ClientPayloadError) is one lost as well: the
             # request is sent again, as after a connection dropped before its answer.
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                self._out_of_files(e)
                 if lost_at is None and sends.count > before:  # sent, and no answer came
                     lost_at = went
                 if attempt == self.retries:
@@ -263,6 +294,13 @@ class AsyncClient:
                 raise CallTimeoutError(call.name, self._timeout.total) from e
             await asyncio.sleep(retry_after(reply, attempt, self.backoff_s))
         raise AssertionError("unreachable")
+
+    def _out_of_files(self, e: Exception) -> None:
+        """A connection this process had no file descriptor for: said at once, as what it
+        is (no retry would find one, and the service is not to blame)."""
+        code = getattr(e, "errno", None)
+        if code in OUT_OF_FILES:
+            raise TooManyOpenFilesError(self.url, code, self.max_connections) from e
 
     async def _keyed(self, keys: Sequence[str], work: Awaitable[T]) -> T:
         """``work``'s answer. When the caller gives up on it (its task cancelled, or the
@@ -302,7 +340,7 @@ class AsyncClient:
     async def _abandon(self, keys: Sequence[str]) -> int | None:
         """Cancel the actions of ``keys``, once each, briefly (the caller is leaving): how
         many were cancelled, None when the service could not be asked."""
-        session = self._http()
+        session = self._cancels()
         room = asyncio.Semaphore(ABANDON_AT_ONCE)  # a batch's keys at once, not one by one
 
         async def one(key: str) -> bool:
@@ -367,7 +405,7 @@ class AsyncClient:
     async def _close_opened(self, key: str) -> str:
         """Close what the open of ``key`` opened or is opening (it was given up on),
         briefly (the caller is leaving): what became of it, in words."""
-        session = self._http()
+        session = self._cancels()
         try:
             async with (
                 asyncio.timeout(CANCEL_S),
@@ -475,6 +513,7 @@ class AsyncClient:
                     raise stream_error(answer)
             # The stream dropped, or its handshake went unanswered: again, same key.
             except (aiohttp.ClientConnectionError, StreamClosedError) as e:
+                self._out_of_files(e)
                 if attempt == self.retries:
                     raise ServiceUnreachableError(self.url, e) from e
             given = answer.retry_after if answer is not None else None
@@ -496,6 +535,9 @@ class AsyncClient:
             if self._stream is None or self._stream.closed:
                 try:
                     self._stream = await ExecStream.connect(self._http(), self._headers)
+                except aiohttp.ClientConnectionError as e:
+                    self._out_of_files(e)
+                    raise
                 except NoStreamError as e:
                     if e.status in (400, 404):  # an earlier release, or a proxy in the way
                         self.stream = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import uuid
@@ -96,6 +97,54 @@ class StreamClosedError(ConnectionError):
     service cancelled it (its output had nowhere to go); with one it runs on, and
     ``exec`` under that key gets its result. A ``ConnectionError``, as
     ``ServiceUnreachableError`` is."""
+
+
+class TooManyOpenFilesError(OSError):
+    """This process ran out of file descriptors (EMFILE, or the system's: ENFILE) making a
+    connection to the service: a limit of this machine, not the service being away, so it
+    is raised at once, not retried. Its message names the limit on open files and the
+    client's ``max_connections``."""
+
+    def __init__(self, url: str, code: int, max_connections: int) -> None:
+        soft = open_files_limit()
+        limit = "unknown" if soft is None else f"{soft}"
+        whose = "this process's" if code == errno.EMFILE else "the system's"
+        bound = "none" if not max_connections else f"{max_connections}"
+        super().__init__(
+            code,
+            f"{whose} file descriptors ran out connecting to the ARL-Tangram service at "
+            f"{url}: this process may have {limit} files open at once (its soft "
+            f"RLIMIT_NOFILE, `ulimit -n`), and this client up to {bound} connections "
+            "(max_connections). Raise the limit (`ulimit -n`, resource.setrlimit) or lower "
+            "max_connections (each client in the process has its own)",
+        )
+
+
+def open_files_limit() -> int | None:
+    """The soft limit on this process's open files, None when there is none (or no way
+    to ask: not Unix)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+
+
+# A client's connections at once, by default: half the process's limit on open files, so
+# the rest is left for the worker's own (and its other clients), within these bounds.
+MIN_CONNECTIONS, MAX_CONNECTIONS = 16, 4096
+
+
+def default_max_connections() -> int:
+    """``max_connections`` unless given: half the soft RLIMIT_NOFILE, from 16 to 4096."""
+    soft = open_files_limit()
+    if soft is None:
+        return MAX_CONNECTIONS
+    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, soft // 2))
+
+
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 
 class ActionTimeoutError(TimeoutError):
