@@ -71,6 +71,24 @@ def test_a_tenants_limits_answer_429_naming_the_field_and_spare_the_others(
             assert not w.is_alive()
 
 
+def test_an_open_past_max_trajectories_is_refused_at_once_not_retried(tmp_path: Path) -> None:
+    """That 429 clears only when the tenant closes one of its own ("close one first"):
+    the client retried it for 25 s, as if a queue would drain, before it surfaced."""
+    store, token = _tokens()
+    agent = NodeAgent.create(tmp_path / "agent", runtime="noop", cores_for_actions=4)
+    with (
+        service(CONFIG, agent, tmp_path, tokens=store) as (running, _),
+        Client(running.url, token["team-a"], retries=3, backoff_s=0.01) as a,
+    ):
+        a.open("box")
+        with pytest.raises(TangramError) as refused:
+            a.open("box")
+        assert (refused.value.status, refused.value.field) == (429, "trajectory")
+        assert not refused.value.retryable
+        counted = running.engine.state.metrics.rejected.labels(CONFIG.name, "trajectory")
+        assert counted._value.get() == 1  # asked once
+
+
 def test_a_tenants_action_streams_past_its_limit_are_refused_and_it_goes_on_over_http(
     tmp_path: Path,
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import random
 import socket
 import time
 import uuid
@@ -46,6 +47,7 @@ from tangram.client.common import (
     missing,
     no_token_found,
     open_body,
+    refusal,
     result,
     retry_after,
     settings,
@@ -122,6 +124,7 @@ class AsyncClient:
         timeout_s: float | None = None,
         stream: bool = True,
         max_connections: int | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         """``stream``: execs go over one WebSocket (``/v1/stream``) rather than a request
         each, which under load costs the client and the scheduler about half as much
@@ -133,7 +136,11 @@ class AsyncClient:
         ``max_connections``: HTTP connections open at once, at most (a request past them
         waits for one; an HTTP exec holds one while it runs); by default half the
         process's soft limit on open files (RLIMIT_NOFILE), from 16 to 4096; 0 for no
-        bound. The cancels of actions given up on have up to 32 more of their own."""
+        bound. The cancels of actions given up on have up to 32 more of their own.
+        Retries (``retries``, waits from ``backoff_s``) are logged at INFO on the
+        ``tangram.client`` logger; each wait is stretched at random by up to half, drawn
+        from ``rng`` (a seeded ``random.Random`` repeats them; by default one of its
+        own)."""
         self.url, tok = settings(url, token)
         self._headers = {"Authorization": f"Bearer {tok}"} if tok else {}
         self._no_token = None if tok else no_token_found(token)  # (said with a 401)
@@ -155,6 +162,7 @@ class AsyncClient:
         self._ended: set[asyncio.Task[Any]] = set()  # those aclose cancelled
         self._drained: asyncio.Future[None] | None = None  # aclose's: no call left
         self.retries, self.backoff_s = retries, backoff_s
+        self._rng = rng if rng is not None else random.Random()
         self._open_keys = True  # False against a scheduler that takes no key on opens
         self.stream = stream
         self._stream: ExecStream | None = None
@@ -279,6 +287,10 @@ class AsyncClient:
                     raise _sent_no_token(reply, self._no_token)
                 if reply.status not in RETRY_STATUS or attempt == self.retries:
                     return reply, lost_at is not None
+                refused = refusal(reply)
+                if not refused.retryable:  # (waiting will not clear it)
+                    return reply, lost_at is not None
+                why: Exception = refused
             # An answer cut off in the middle (ClientPayloadError) is one lost as well: the
             # request is sent again, as after a connection dropped before its answer.
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
@@ -288,12 +300,22 @@ class AsyncClient:
                 if attempt == self.retries:
                     cut_off = isinstance(e, aiohttp.ClientPayloadError)
                     raise ServiceUnreachableError(self.url, e, cut_off=cut_off) from e
+                why = e
             except TimeoutError as e:  # (aiohttp's for the whole request: timeout_s)
                 if self._timeout.total is None:
                     raise
                 raise CallTimeoutError(call.name, self._timeout.total) from e
-            await asyncio.sleep(retry_after(reply, attempt, self.backoff_s))
+            wait = retry_after(reply, attempt, self.backoff_s, self._rng)
+            self._retrying(call.name, attempt, why, wait)
+            await asyncio.sleep(wait)
         raise AssertionError("unreachable")
+
+    def _retrying(self, what: str, attempt: int, why: Exception, wait: float) -> None:
+        log.info(
+            "%s: try %d of %d failed (%s): trying again in %.2f s",
+            what, attempt + 1, self.retries + 1, why, wait,
+            extra={"attempt": attempt + 1, "retries": self.retries, "wait_s": wait},
+        )  # fmt: skip
 
     def _out_of_files(self, e: Exception) -> None:
         """A connection this process had no file descriptor for: said at once, as what it
@@ -509,15 +531,21 @@ class AsyncClient:
                     return None
                 if answer.status == 200 and answer.result is not None:
                     return answer.result
-                if answer.status not in RETRY_STATUS or attempt == self.retries:
-                    raise stream_error(answer)
+                refused = stream_error(answer)
+                if not refused.retryable or attempt == self.retries:
+                    raise refused
+                why: Exception = refused
             # The stream dropped, or its handshake went unanswered: again, same key.
             except (aiohttp.ClientConnectionError, StreamClosedError) as e:
                 self._out_of_files(e)
                 if attempt == self.retries:
                     raise ServiceUnreachableError(self.url, e) from e
+                why = e
             given = answer.retry_after if answer is not None else None
-            await asyncio.sleep(backoff(given, attempt, self.backoff_s))
+            wait = backoff(given, attempt, self.backoff_s, self._rng)
+            key = body.get("idempotency_key")
+            self._retrying(f"exec on trajectory {trajectory} (key {key!r})", attempt, why, wait)
+            await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
     async def _open_stream(self) -> ExecStream | None:

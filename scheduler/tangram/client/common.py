@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,12 @@ from tangram.api.wire import ActionResult, StreamAnswer, TrajectoryInfo
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_TOKEN_FILE = Path.home() / ".config" / "tangram" / "tokens"
 RETRY_STATUS = (429, 503)
+# What a 429 names as full (its details' field) when waiting does not make room: the
+# tenant's maxTrajectories, which only a close of one of its own trajectories clears
+# ("close one first"). The service's other 429s — a queue full (``queue``), no node
+# with the memory (``env``), a tenant's maxStreams (``stream``) — clear as others' work
+# ends, and are retried.
+LASTING_REFUSALS = ("trajectory",)
 SYSTEM = "system:"  # the tenants of the service's own parts (auth.py), not of clients
 
 
@@ -33,7 +40,8 @@ class TangramError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.status in RETRY_STATUS
+        """Whether trying again later may succeed (the client has already retried it)."""
+        return retried(self.status, self.field)
 
 
 class ServiceUnreachableError(ConnectionError):
@@ -399,23 +407,54 @@ def missing(reply: Reply, field: str) -> bool:
     return False
 
 
-def retry_after(reply: Reply | None, attempt: int, base: float) -> float:
+def retried(status: int, field: str | None) -> bool:
+    """Whether an answer of ``status`` naming ``field`` is tried again: a 429 or a 503,
+    unless waiting cannot clear it (``LASTING_REFUSALS``)."""
+    if status not in RETRY_STATUS:
+        return False
+    return not (status == 429 and field in LASTING_REFUSALS)
+
+
+def refusal(reply: Reply) -> TangramError:
+    """The error an error answer carries (as ``check`` raises it)."""
+    try:
+        check(reply)
+    except TangramError as e:
+        return e
+    raise ValueError(f"not an error answer: {reply.status}")
+
+
+def retry_after(
+    reply: Reply | None, attempt: int, base: float, rng: random.Random | None = None
+) -> float:
     """How long to wait before retry ``attempt``: Retry-After when given, else backoff."""
     if reply is not None:
         given = reply.headers.get("retry-after", "")
         if given.replace(".", "", 1).isdigit():
-            return backoff(float(given), attempt, base)
-    return backoff(None, attempt, base)
+            return backoff(float(given), attempt, base, rng)
+    return backoff(None, attempt, base, rng)
 
 
-def backoff(given: float | None, attempt: int, base: float) -> float:
+JITTER = 0.5  # each wait is stretched by up to this much of itself, at random
+
+
+def backoff(
+    given: float | None, attempt: int, base: float, rng: random.Random | None = None
+) -> float:
     """Exponential backoff from ``base`` (at most 10 s a wait), never sooner than the
     service's ``given`` wait (at most 30 s): a 503 saying "1 s" while agents reconnect
-    after a scheduler's restart (up to 15 s) is still ridden out by the default retries."""
+    after a scheduler's restart (up to 15 s) is still ridden out by the default retries.
+    With ``rng`` (the client's), the wait is stretched by a random 0 to 50 %: clients
+    refused at one moment (a scheduler's restart) do not all come back at the same ones.
+    A stretch, not full jitter (a wait drawn from 0 to it): that would halve the retries'
+    23 s on average, and leave a restart's 20 s not ridden out."""
     exponential = min(base * 2.0**attempt, 10.0)
+    wait = exponential
     if given is not None and given >= 0:
-        return min(max(given, exponential), 30.0)
-    return exponential
+        wait = min(max(given, exponential), 30.0)
+    if rng is not None:
+        wait *= 1.0 + JITTER * rng.random()
+    return wait
 
 
 def stream_error(answer: StreamAnswer) -> TangramError:
