@@ -12,11 +12,15 @@
                 print(text, end="")
 
 ``Client`` is the same API without ``await``. Every submission carries an idempotency
-key, so the client's retries (connection errors, 429 and 503 with Retry-After) never run
-an action twice. Each result names its key (``r.idempotency_key``): a result whose
+key, so the client's retries (connection errors, answers cut off, 429 and 503 with
+Retry-After, logged at INFO on ``tangram.client``) never run an action twice; a 429 no
+wait clears (the tenant's maxTrajectories) is raised at once. A call given up (its task
+cancelled, ``timeout_s``, ``aclose``) cancels its action by key, and an open closes what
+it opened. Each result names its key (``r.idempotency_key``): a result whose
 ``r.error.retryable`` is set (``node_lost``: an exec never ran; a RewardService call may
-have, but a call has no side effect) may be submitted again as it is; one ``outcome_unknown`` (its node lost once it was sent: it may have run) only under
-that key, which never runs it twice and answers its outcome once its node is back.
+have, but a call has no side effect) may be submitted again as it is; one
+``outcome_unknown`` (its node lost once it was sent: it may have run) only under that
+key, which never runs it twice and answers its outcome once its node is back.
 Errors: ``TangramError`` for the service's answers (status, code, field),
 ``ServiceUnreachableError`` when no answer came after every retry (a submission's names
 its key: it may have run),
