@@ -435,8 +435,8 @@ class AsyncClient:
             ):
                 reply = Reply(response.status, await response.read(), {})
             if missing(reply, "idempotency_key"):
-                return f"it had opened nothing (idempotency key {key!r}; an open of it that " \
-                    "comes later is refused)"  # fmt: skip
+                later = "an open of it that comes later is refused"
+                return f"it had opened nothing (idempotency key {key!r}; {later})"
             info = trajectory_info(check(reply))
         except Exception as e:  # (the service away, one without the route, ...): best effort
             log.warning("could not close what the open of key %r opened: %s", key, e)
