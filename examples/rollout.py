@@ -31,9 +31,24 @@ from collections import defaultdict
 from tangram.client import (
     ActionResult,
     ActionStatus,
+    ActionTimeoutError,
     AsyncClient,
+    CallTimeoutError,
     ServiceUnreachableError,
+    StreamClosedError,
     TangramError,
+    TooManyOpenFilesError,
+)
+
+# What a rollout worker reports rather than crashes on: the service's answers, the service
+# out of reach, a stream cut off, the client's own timeouts, this process out of descriptors.
+CLIENT_ERRORS = (
+    TangramError,
+    ServiceUnreachableError,
+    StreamClosedError,
+    ActionTimeoutError,
+    CallTimeoutError,
+    TooManyOpenFilesError,
 )
 
 
@@ -122,7 +137,7 @@ async def main() -> int:
         async with AsyncClient(args.url) as client, asyncio.TaskGroup() as group:
             for i in range(args.trajectories):
                 group.create_task(trajectory(client, i, args, out))
-    except* (TangramError, ServiceUnreachableError) as errors:
+    except* CLIENT_ERRORS as errors:
         failed.extend(errors.exceptions)
     if failed:
         print(f"rollout: {failed[0]}", file=sys.stderr)
