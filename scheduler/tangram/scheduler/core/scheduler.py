@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
+from types import MappingProxyType
 
 from tangram.api.action import ActionKind, ActionSpec
 from tangram.api.cluster import ApiSpec, ClusterSpec, ServiceSpec
@@ -97,6 +98,10 @@ class Scheduler:
         # Quotas removed while queued or running actions needed them: kept in ``quotas``
         # until the last of those has ended or left the queue.
         self.retired_quotas: set[str] = set()
+        # ``_capacity``'s answers by its ``cordoned``, summed once: a submit asks for them
+        # while some tenant is capped. Dropped wherever their inputs change (the nodes,
+        # their cordons, the quotas and their concurrency): ``_capacity_changed``.
+        self._capacities: dict[bool, Mapping[Resource, int]] = {}
         self.book = ProfileBook()
         self.sizing = Sizing(
             self.cpu, self.book, self.config, _biggest(self.cpu), _biggest(self.cpu, cordoned=True)
@@ -427,6 +432,7 @@ class Scheduler:
 
     def _nodes_changed(self) -> None:
         """Capacity changed: every cached choice, waiting count and stranded action is stale."""
+        self._capacity_changed()
         self.sizing = replace(
             self.sizing,
             biggest_node=_biggest(self.cpu),
@@ -480,6 +486,7 @@ class Scheduler:
             else:
                 q.set_limits(spec)
         self.retired_quotas = {n for n in self.quotas if n not in wanted}
+        self._capacity_changed()  # (a concurrency changed, a quota came or went)
         self._drop_retired_quotas()
         self._recount()  # a lower limit may leave an action asking more than it
 
@@ -491,6 +498,7 @@ class Scheduler:
         for name in [n for n in self.retired_quotas if n not in needed]:
             del self.quotas[name]
             self.retired_quotas.discard(name)
+            self._capacity_changed()  # (its concurrency counted till now)
 
     def set_config(self, config: SchedulerConfig) -> None:
         """New scheduling settings, all applied at once. A change of the queue ordering or
@@ -602,7 +610,7 @@ class Scheduler:
                 held.add(traj.tenant, units_held(run.action, units))
         return held
 
-    def _capacity(self, *, cordoned: bool = False) -> dict[Resource, int]:
+    def _capacity(self, *, cordoned: bool = False) -> Mapping[Resource, int]:
         """The pool's units of each kind a tenant's share caps (for one round).
 
         A cordoned node's cores and GPUs are left out: nothing new starts there (its agent
@@ -610,7 +618,12 @@ class Scheduler:
         units that do take new work, and leave the other tenants less of them.
         ``cordoned``: counted too, for a refusal of what could never start (at submit, a
         lower share): its agent may come back (a roll), and until then what only a share
-        of it would fit waits (``_hostable``), as for a node gone."""
+        of it would fit waits (``_hostable``), as for a node gone.
+
+        Summed once and kept (read-only) until ``_capacity_changed``."""
+        cached = self._capacities.get(cordoned)
+        if cached is not None:
+            return cached
         cpu_out = () if cordoned else self.cpu.cordoned
         gpu_out = () if cordoned else self.gpu.cordoned
         capacity = {
@@ -620,7 +633,13 @@ class Scheduler:
         for name, quota in self.quotas.items():
             if quota.concurrency is not None:
                 capacity[Resource.api(name)] = quota.concurrency
-        return capacity
+        kept = self._capacities[cordoned] = MappingProxyType(capacity)
+        return kept
+
+    def _capacity_changed(self) -> None:
+        """What ``_capacity`` sums changed (a node came, went or was cordoned; a quota came,
+        went or took new limits): it is summed again when next asked."""
+        self._capacities.clear()
 
     def set_hint(self, tid: str, remaining_steps: int | None) -> None:
         traj = self._traj(tid)
