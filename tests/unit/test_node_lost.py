@@ -7,6 +7,7 @@ result carries the idempotency key it ran under, so that the retry can be made."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any
 
@@ -20,7 +21,7 @@ from tangram.api.wire import (
     RunningAction,
 )
 from tangram.service.engine import Engine
-from tangram.service.records import KEY_SEP, ActionRecord
+from tangram.service.records import KEY_SEP, ActionRecord, EngineError
 from tests.fixtures.fake_agent import Agent, answer_all, connect, hello, left, run, settle
 
 UNKNOWN = "its outcome is unknown: it was running when the node agent stopped"
@@ -208,6 +209,39 @@ def test_a_command_its_stopping_agent_left_unanswered_may_have_run_in_part() -> 
             "part or to its end: its agent lets what runs finish within its grace, then "
             "kills what is left"
         )
+
+    run(scenario)
+
+
+def test_a_command_cut_off_by_a_failed_send_after_its_agent_said_it_stops_says_so() -> None:
+    """The agent said it stops only after the command was sent there; then a write to
+    it failed (a close of another trajectory), so the link failed what waits before the
+    hub drained the node, and the command's own task ended it, not the node's leave (as
+    in the test above). Whether the agent stops is read at that loss, not at the send:
+    its outcome_unknown says the agent lets what runs finish within its grace."""
+
+    async def scenario(engine: Engine) -> None:
+        first = Agent(hello(), _first_agent)
+        await connect(engine, first)
+        for tid in ("t1", "t2"):
+            await engine.open_trajectory("u", OpenTrajectory(env="e", id=tid))
+        rec = engine.submit_exec("u", "t1", ExecRequest(argv=["hold"]))
+        assert await settle(lambda: bool(first.ops("exec")))
+        assert not engine.hub.links["n1"].leaving  # (as the command was sent)
+        first.inbox.put_nowait(AGENT_LEAVING)
+        assert await settle(lambda: engine.hub.links["n1"].leaving)
+        first.broken = True
+        closing = asyncio.ensure_future(engine.close_trajectory("u", "t2"))  # its send fails
+        result = await asyncio.wait_for(rec.done, 5)
+        assert result.error is not None and result.error.code == "outcome_unknown", result
+        assert result.error.message.startswith(
+            "node n1: the agent disconnected after the action was sent there: it may have run "
+            "in part or to its end: its agent lets what runs finish within its grace, then "
+            "kills what is left"
+        )  # (the link's word, not the leave's "node n1's agent stopped")
+        await left(engine)
+        with contextlib.suppress(EngineError):
+            await closing
 
     run(scenario)
 
