@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # (python -m tangram.cli.main: a Ctrl-C in the imports below
+    import tangram.cli.start  # noqa: F401  ends as in the console script's, that module's)
+
 import argparse
 import contextlib
 import importlib
@@ -78,10 +81,23 @@ def _command_of(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        _take_ctrl_c()
         return _main(sys.argv[1:] if argv is None else list(argv))
     except KeyboardInterrupt:  # Ctrl-C while importing, before a command runs
-        print("tangram: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()
+
+
+def _take_ctrl_c() -> None:
+    """From here a Ctrl-C is a KeyboardInterrupt, ended here or by the command (which may
+    take it for its stop): the console script's handler for its imports gives it back."""
+    start = sys.modules.get("tangram.cli.start")
+    if start is not None:
+        start.hand_over()
+
+
+def _interrupted() -> int:
+    print("tangram: interrupted", file=sys.stderr)
+    return 130  # as a shell reports a command that SIGINT ended
 
 
 def _main(argv: list[str]) -> int:
@@ -109,8 +125,8 @@ def _main(argv: list[str]) -> int:
     except Interrupted as e:
         print(f"tangram: {e}", file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # (a command that did not take it: say so, as above)
+        return _interrupted()
     except BrokenPipeError:  # its reader left (``| head``): nothing more to say to it
         _quiet_stdout()
         return 141  # as a shell reports a command SIGPIPE ended

@@ -180,24 +180,24 @@ def run_up(args: argparse.Namespace) -> int:
             f"--token-file {args.token_file}: no {AGENT_TENANT} line (the local agent's token)"
         )
     agent = make_agent(args, config.idle_cores, args.cores or config.cores_per_node)
-    warnings = fit_warnings(
-        config,
-        host_cores=None if virtual_cores(agent.kind) else len(os.sched_getaffinity(0)),
-        memory_gb=agent.inventory.memory_gb,
-        action_cores=agent.action_cores,
-        idle_cores=agent.idle_cores,
-        cores_flag=args.cores,
-    ) + gpu_warnings(config, agent.gpu.info if agent.gpu is not None else None, args.gpus)
-    warnings += cluster_only_warnings(pool, config, args.port)
+    try:  # (from here: a Ctrl-C as the warnings are reckoned left the agent running)
+        warnings = fit_warnings(
+            config,
+            host_cores=None if virtual_cores(agent.kind) else len(os.sched_getaffinity(0)),
+            memory_gb=agent.inventory.memory_gb,
+            action_cores=agent.action_cores,
+            idle_cores=agent.idle_cores,
+            cores_flag=args.cores,
+        ) + gpu_warnings(config, agent.gpu.info if agent.gpu is not None else None, args.gpus)
+        warnings += cluster_only_warnings(pool, config, args.port)
 
-    def ready(r: Running) -> None:
-        reload_on_hangup(args.file, args.pool, r.engine, early=early)
-        say(banner(args, pool, config, agent, r), pool=pool.metadata.name, url=r.url,
-            node=agent.node, runtime=agent.kind, pid=os.getpid())  # fmt: skip
-        for warning in warnings:  # after the banner, where they are read
-            warn(warning)
+        def ready(r: Running) -> None:
+            reload_on_hangup(args.file, args.pool, r.engine, early=early)
+            say(banner(args, pool, config, agent, r), pool=pool.metadata.name, url=r.url,
+                node=agent.node, runtime=agent.kind, pid=os.getpid())  # fmt: skip
+            for warning in warnings:  # after the banner, where they are read
+                warn(warning)
 
-    try:
         _local_images(agent, [e.spec.image for e in config.envs.values()])
         learned = learned_file(args, pool.metadata.name, args.state_dir)
         serve_until_signalled(
@@ -599,6 +599,32 @@ class EarlyHangup:
         self.came = True  # (only a flag: a Python handler runs between any two bytecodes)
 
 
+class EarlyInterrupt:
+    """SIGINT while the event loop starts, until :func:`stop_on_signals` takes it: noted.
+    asyncio's own handler for it there cancelled the start where it then was, uvicorn's
+    lifespan starting (which logged the CancelledError's traceback as an error); the
+    start ends instead as at a Ctrl-C just before (``tangram: interrupted``, 130)."""
+
+    def __init__(self) -> None:
+        self.came = False
+        self.previous: Any = None
+
+    @classmethod
+    def install(cls) -> EarlyInterrupt:
+        early = cls()
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not ignored)
+            early.previous = signal.signal(signal.SIGINT, early._got)
+        return early
+
+    def _got(self, signum: int, frame: object) -> None:
+        self.came = True
+
+    def restore(self) -> None:
+        """Ctrl-C as before, unless the loop's handlers took it (and put back Python's)."""
+        if self.previous is not None and signal.getsignal(signal.SIGINT) == self._got:
+            signal.signal(signal.SIGINT, self.previous)
+
+
 def reload_on_hangup(
     files: list[str],
     pool: str | None,
@@ -702,11 +728,15 @@ def serve_until_signalled(
     reviewer: Any = None,
     learned: LearnedStore | None = None,
 ) -> None:
-    """Serve the pool on ``--host``/``--port`` until SIGINT or SIGTERM."""
+    """Serve the pool on ``--host``/``--port`` until SIGINT or SIGTERM. A SIGINT before
+    the loop's handlers are in place ends the start (KeyboardInterrupt, as one before)."""
     stop, hurry = asyncio.Event(), asyncio.Event()
+    early = EarlyInterrupt.install()
 
-    async def main() -> None:
+    async def main() -> bool:
         stop_on_signals(stop, hurry)
+        if early.came:
+            return False
         await run(
             config,
             tokens,
@@ -722,15 +752,20 @@ def serve_until_signalled(
             hurry=hurry,
             on_stopping=stopping_note,
         )
+        return True
 
     try:
-        run_loop(main())
+        started = run_loop(main())
     except SchedulerUrlError as e:  # the local agent's URL: a --host it cannot reach
         raise InputError(f"--host {args.host}: the local agent cannot connect: {e}") from None
     except OSError as e:
         raise InputError(f"--port {args.port}: {e.strerror}") from None
     except SystemExit:  # uvicorn's "could not start" (its reason logged): a port taken late
         raise InputError(f"--port {args.port}: the server could not listen there") from None
+    finally:
+        early.restore()
+    if not started:
+        raise KeyboardInterrupt
 
 
 def run_loop(coro: Any) -> Any:
