@@ -10,6 +10,7 @@ import socket
 import pytest
 
 from tangram.client import AsyncClient, ClientClosedError
+from tests.unit.test_client_liveness import _silent_server
 
 GUARD_S = 60  # a call not ended by then hangs: a failure, not a wait
 
@@ -40,5 +41,28 @@ def test_aclose_ends_a_call_waiting_to_try_again() -> None:
                 await asyncio.wait_for(call, GUARD_S)
         with pytest.raises(ClientClosedError):  # and what comes after
             await c.get("t-1")
+
+    asyncio.run(main())
+
+
+def test_aclose_cancelled_while_its_calls_wind_down_still_closes_the_connections() -> None:
+    """Its wait for the calls it ended (an exec's cancel by key, on a service that does
+    not answer) was cut short: it left the connections open, and a second aclose(), the
+    client already closing, returned at once, closing nothing."""
+
+    async def main() -> None:
+        async with _silent_server() as url:
+            c = AsyncClient(url, "t" * 24, stream=False)
+            call = asyncio.ensure_future(c.exec("t-1", ["true"]))
+            while not c._calls:  # under way: sent, waiting for its answer
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            with pytest.raises(TimeoutError):  # (the cancel by key waits up to CANCEL_S)
+                await asyncio.wait_for(c.aclose(), 0.5)
+            await c.aclose()
+            assert c._session is not None and c._session.closed
+            assert c._control is not None and c._control.closed
+            with pytest.raises(ClientClosedError):
+                await asyncio.wait_for(call, GUARD_S)
 
     asyncio.run(main())

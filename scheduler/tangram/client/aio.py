@@ -190,20 +190,22 @@ class AsyncClient:
             if not task.cancelling():  # (one cancelled already ends by itself)
                 self._ended.add(task)
                 task.cancel()
-        if calls:
-            self._drained = asyncio.get_running_loop().create_future()
-            try:  # (each call's cancels are bounded by CANCEL_S)
-                async with asyncio.timeout(2 * CANCEL_S):
-                    await asyncio.shield(self._drained)
-            except TimeoutError:
-                log.warning("closing the client: %d calls still under way", len(self._calls))
-        self._closed = True
-        if self._stream is not None:
-            await self._stream.aclose()
-        if self._session is not None:
-            await self._session.close()
-        if self._control is not None:
-            await self._control.close()
+        try:
+            if calls:
+                self._drained = asyncio.get_running_loop().create_future()
+                try:  # (each call's cancels are bounded by CANCEL_S)
+                    async with asyncio.timeout(2 * CANCEL_S):
+                        await asyncio.shield(self._drained)
+                except TimeoutError:
+                    log.warning("closing the client: %d calls still under way", len(self._calls))
+        finally:  # (cut short, it closes them still: another aclose would find it closing)
+            self._closed = True
+            if self._stream is not None:
+                await self._stream.aclose()
+            if self._session is not None:
+                await self._session.close()
+            if self._control is not None:
+                await self._control.close()
 
     def _tracking(self) -> _Tracked:
         """``with self._tracking():`` around each call, so that ``aclose`` can end it."""
