@@ -66,3 +66,16 @@ def test_aclose_cancelled_while_its_calls_wind_down_still_closes_the_connections
                 await asyncio.wait_for(call, GUARD_S)
 
     asyncio.run(main())
+
+
+def test_a_live_exec_after_aclose_says_the_client_was_closed() -> None:
+    """aclose turns the stream off (what still retries goes over HTTP): a live exec then
+    said it needed the action stream, a ``TangramError`` naming no closed client."""
+
+    async def main() -> None:
+        c = AsyncClient(f"http://127.0.0.1:{_refusing_port()}", "t" * 24)
+        await c.aclose()
+        with pytest.raises(ClientClosedError):
+            await c.exec_live("t-1", ["cat"], interactive=True)
+
+    asyncio.run(main())

@@ -509,7 +509,7 @@ class AsyncClient:
         body = exec_body(argv, **kw)
         if kw.get("idempotency_key") is None:
             del body["idempotency_key"]  # (one of its own would only keep it running)
-        stream = await self._open_stream() if self.stream else None
+        stream = await self._open_stream()  # (a closed client says so here)
         if stream is None:
             raise TangramError(
                 0, "no_stream", "a live exec needs the action stream (/v1/stream)", []
