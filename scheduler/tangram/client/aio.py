@@ -368,8 +368,8 @@ class AsyncClient:
         room = asyncio.Semaphore(ABANDON_AT_ONCE)  # a batch's keys at once, not one by one
 
         async def one(key: str) -> bool:
-            async with room, session.delete(_action_path(f"key:{key}")) as response:
-                reply = check(Reply(response.status, await response.read(), {}))
+            async with room:
+                reply = check(await _delete(session, _item_path("actions", f"key:{key}")))
             return bool(data(reply).get("cancelled"))
 
         try:
@@ -401,10 +401,7 @@ class AsyncClient:
             try:
                 return await self._open(call)
             except (asyncio.CancelledError, CallTimeoutError) as e:
-                key = body.get("idempotency_key")
-                then = await self._close_opened(key) if key is not None else None
-                if then is None:
-                    then = "what it may have opened is closed after its idle timeout (no key)"
+                then = await self._close_opened(body.get("idempotency_key"))
                 if isinstance(e, CallTimeoutError):
                     raise CallTimeoutError(call.name, e.timeout_s, f": {then}") from e
                 log.info("%s given up: %s", call.name, then)
@@ -426,16 +423,15 @@ class AsyncClient:
             del body["idempotency_key"]
             return trajectory_info(await self._call(call))
 
-    async def _close_opened(self, key: str) -> str:
+    async def _close_opened(self, key: str | None) -> str:
         """Close what the open of ``key`` opened or is opening (it was given up on),
         briefly (the caller is leaving): what became of it, in words."""
+        if key is None:  # (opened unkeyed: a scheduler that takes no key on opens)
+            return "what it may have opened is closed after its idle timeout (no key)"
         session = self._cancels()
         try:
-            async with (
-                asyncio.timeout(CANCEL_S),
-                session.delete("/v1/trajectories/" + quote(f"key:{key}", safe=":")) as response,
-            ):
-                reply = Reply(response.status, await response.read(), {})
+            async with asyncio.timeout(CANCEL_S):
+                reply = await _delete(session, _item_path("trajectories", f"key:{key}"))
             if missing(reply, "idempotency_key"):
                 later = "an open of it that comes later is refused"
                 return f"it had opened nothing (idempotency key {key!r}; {later})"
@@ -590,7 +586,7 @@ class AsyncClient:
     async def cancel(self, action: str) -> bool:
         """Cancel by action id, or by idempotency key as ``key:<key>`` (any key: it is
         quoted into the path)."""
-        call = Call("DELETE", _action_path(action), what=f"cancel({action!r})")
+        call = Call("DELETE", _item_path("actions", action), what=f"cancel({action!r})")
         return bool(data(await self._call(call))["cancelled"])
 
     async def cancel_all(self, trajectory: str) -> int:
@@ -793,9 +789,17 @@ def _sent_no_token(reply: Reply, why: str) -> TangramError:
     raise AssertionError("a 401 is an error")
 
 
-def _action_path(action: str) -> str:
-    """``/v1/actions/<action>``, quoted whole: a key may hold '/', '?', '#' or '%'."""
-    return "/v1/actions/" + quote(action, safe=":")
+def _item_path(collection: str, name: str) -> str:
+    """``/v1/<collection>/<name>``, the name quoted whole: a key (``key:<key>``) may hold
+    '/', '?', '#' or '%'."""
+    return f"/v1/{collection}/" + quote(name, safe=":")
+
+
+async def _delete(session: aiohttp.ClientSession, path: str) -> Reply:
+    """The answer to one ``DELETE`` of ``path``, unchecked and not retried: a cancel of
+    what the caller gave up on (``_abandon``, ``_close_opened``), on the cancels' session."""
+    async with session.delete(path) as response:
+        return Reply(response.status, await response.read(), {})
 
 
 def _bodies(item: Mapping[str, Any]) -> list[Mapping[str, Any]]:
