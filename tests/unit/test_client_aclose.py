@@ -61,7 +61,7 @@ def test_aclose_cancelled_while_its_calls_wind_down_still_closes_the_connections
                 await asyncio.wait_for(c.aclose(), 0.5)
             await c.aclose()
             assert c._session is not None and c._session.closed
-            assert c._control is not None and c._control.closed
+            assert c._cancel_session is not None and c._cancel_session.closed
             with pytest.raises(ClientClosedError):
                 await asyncio.wait_for(call, GUARD_S)
 

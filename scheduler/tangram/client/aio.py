@@ -153,7 +153,7 @@ class AsyncClient:
         self._session: aiohttp.ClientSession | None = None  # made on the loop that uses it
         # The cancels of what was given up: their own connections, so that requests
         # holding every one of the session's (HTTP execs) cannot hold them up.
-        self._control: aiohttp.ClientSession | None = None
+        self._cancel_session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # that loop
         self._closing = False  # aclose has begun: no call starts any more
         self._closed = False  # and has closed the connections
@@ -204,8 +204,8 @@ class AsyncClient:
                 await self._stream.aclose()
             if self._session is not None:
                 await self._session.close()
-            if self._control is not None:
-                await self._control.close()
+            if self._cancel_session is not None:
+                await self._cancel_session.close()
 
     def _tracking(self) -> _Tracked:
         """``with self._tracking():`` around each call, so that ``aclose`` can end it."""
@@ -239,14 +239,14 @@ class AsyncClient:
     def _cancels(self) -> aiohttp.ClientSession:
         """The session of the cancels (``_abandon``, ``_close_opened``)."""
         self._http()  # (closed, or of another loop: said as for any call)
-        if self._control is None:
-            self._control = aiohttp.ClientSession(
+        if self._cancel_session is None:
+            self._cancel_session = aiohttp.ClientSession(
                 self.url,
                 headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=CANCEL_S, sock_connect=CONNECT_S),
                 connector=_connector(ABANDON_AT_ONCE),
             )
-        return self._control
+        return self._cancel_session
 
     async def _call(self, call: Call) -> Reply:
         return check((await self._exchange(call))[0])
