@@ -782,11 +782,8 @@ class _Tracked:
 
 def _sent_no_token(reply: Reply, why: str) -> TangramError:
     """The service's 401, saying that no token was found to send, and where."""
-    try:
-        check(reply)
-    except TangramError as e:
-        return TangramError(e.status, e.code, f"{e.message}: {why}", e.details)
-    raise AssertionError("a 401 is an error")
+    e = refusal(reply)
+    return TangramError(e.status, e.code, f"{e.message}: {why}", e.details)
 
 
 def _item_path(collection: str, name: str) -> str:

@@ -398,13 +398,7 @@ def check(reply: Reply) -> Reply:
 
 def missing(reply: Reply, field: str) -> bool:
     """Whether the reply is a 404 saying ``field`` names nothing (not, say, the trajectory)."""
-    if reply.status != 404:
-        return False
-    try:
-        check(reply)
-    except TangramError as e:
-        return e.field == field
-    return False
+    return reply.status == 404 and refusal(reply).field == field
 
 
 def retried(status: int, field: str | None) -> bool:
