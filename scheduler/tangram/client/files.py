@@ -31,9 +31,13 @@ class AsyncFiles:
         """The call as a timeout names it: ``files.write('a.py') of trajectory t-1``."""
         return f"files.{op}({', '.join(map(repr, paths))}) of trajectory {self._trajectory}"
 
-    async def read(self, path: str) -> bytes:
-        call = Call("GET", self._at, params={"path": path}, what=self._what("read", path))
+    async def _get(self, op: str, path: str, under: str = "") -> bytes:
+        """The body of ``GET files<under>?path=<path>``, the call named ``files.<op>``."""
+        call = Call("GET", self._at + under, params={"path": path}, what=self._what(op, path))
         return (await self._client._call(call)).body
+
+    async def read(self, path: str) -> bytes:
+        return await self._get("read", path)
 
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
@@ -50,16 +54,10 @@ class AsyncFiles:
 
     async def list(self, path: str = ".") -> list[FileEntry]:
         """The members of a directory (symlinks are listed, not followed)."""
-        what = self._what("list", path)
-        call = Call("GET", f"{self._at}/list", params={"path": path}, what=what)
-        reply = await self._client._call(call)
-        return FileList.model_validate_json(reply.body).entries
+        return FileList.model_validate_json(await self._get("list", path, "/list")).entries
 
     async def stat(self, path: str) -> FileEntry:
-        what = self._what("stat", path)
-        call = Call("GET", f"{self._at}/stat", params={"path": path}, what=what)
-        reply = await self._client._call(call)
-        return FileEntry.model_validate_json(reply.body)
+        return FileEntry.model_validate_json(await self._get("stat", path, "/stat"))
 
     async def exists(self, path: str) -> bool:
         try:
@@ -110,10 +108,7 @@ class AsyncFiles:
 
     async def read_tar(self, path: str) -> bytes:
         """The directory ``path`` as a tar, its members named relative to it."""
-        call = Call(
-            "GET", f"{self._at}/tar", params={"path": path}, what=self._what("read_tar", path)
-        )
-        return (await self._client._call(call)).body
+        return await self._get("read_tar", path, "/tar")
 
     async def upload_dir(
         self, local: str | os.PathLike[str], path: str, *, compress: bool = True
