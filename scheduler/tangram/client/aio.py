@@ -9,7 +9,7 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from types import SimpleNamespace, TracebackType
 from typing import Any, Self, TypeVar
 from urllib.parse import quote
@@ -326,15 +326,14 @@ class AsyncClient:
         if code in OUT_OF_FILES:
             raise TooManyOpenFilesError(self.url, code, self.max_connections) from e
 
-    async def _keyed(self, keys: Sequence[str], work: Awaitable[T]) -> T:
+    async def _keyed(self, keys: Sequence[str], work: Coroutine[Any, Any, T]) -> T:
         """``work``'s answer. When the caller gives up on it (its task cancelled, or the
         client's ``timeout_s`` passed) the action would go on with nobody to find it: it
         is cancelled by its idempotency keys, as far as the service can be asked."""
         try:
             tracked = self._tracking()
         except ClientClosedError:
-            if inspect.iscoroutine(work):
-                work.close()  # (never to be awaited)
+            work.close()  # (never to be awaited)
             raise
         with tracked:
             try:
