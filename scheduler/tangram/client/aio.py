@@ -45,6 +45,7 @@ from tangram.client.common import (
     exec_body,
     keyed,
     missing,
+    named_keys,
     no_token_found,
     open_body,
     refusal,
@@ -375,7 +376,8 @@ class AsyncClient:
             async with asyncio.timeout(CANCEL_S):
                 return sum(await asyncio.gather(*(one(key) for key in keys)))
         except Exception as e:  # (a closed session, the service away, ...): best effort
-            log.warning("could not cancel the abandoned action of key %r: %s", keys[0], e)
+            said = named_keys(keys)
+            log.warning("could not cancel what was given up, by idempotency key %s: %s", said, e)
             return None
 
     # ---- trajectories --------------------------------------------------------------

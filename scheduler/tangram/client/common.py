@@ -78,7 +78,7 @@ class ServiceUnreachableError(ConnectionError):
             )
         elif keys:
             said += (
-                f"; the actions with idempotency keys {_named(keys)} may have been submitted "
+                f"; the actions with idempotency keys {named_keys(keys)} may have been submitted "
                 "and may have run (or still run): submit them again under those keys for "
                 "their results (none runs twice), or cancel them by key"
             )
@@ -89,7 +89,7 @@ class ServiceUnreachableError(ConnectionError):
         self.cut_off = cut_off
 
 
-def _named(keys: Sequence[str]) -> str:
+def named_keys(keys: Sequence[str]) -> str:
     """Up to three keys, quoted, and how many more."""
     named = ", ".join(repr(k) for k in keys[:3])
     if len(keys) > 3:
@@ -162,16 +162,22 @@ class ActionTimeoutError(TimeoutError):
     ``TimeoutError``, which is what a client timeout raised before."""
 
     def __init__(self, keys: Sequence[str], timeout_s: float, cancelled: int | None) -> None:
-        named = _named(keys)
-        if cancelled is None:
-            then = f"cancelling it failed; cancel it with cancel('key:{keys[0]}')"
-        elif cancelled:
-            then = "cancelled it"
-        else:
-            then = "it was no longer queued or running"
+        if len(keys) == 1:
+            what = f"the action with idempotency key {keys[0]!r}"
+            if cancelled is None:
+                then = f"cancelling it failed; cancel it with cancel('key:{keys[0]}')"
+            else:
+                then = "cancelled it" if cancelled else "it was no longer queued or running"
+        else:  # (a batch's: as ServiceUnreachableError names them)
+            what = f"the actions with idempotency keys {named_keys(keys)}"
+            if cancelled is None:
+                then = "cancelling them failed; cancel them by key"
+            elif cancelled:
+                then = f"cancelled {cancelled} of the {len(keys)}"
+            else:
+                then = "none was still queued or running"
         super().__init__(
-            f"no answer within the client's timeout_s={timeout_s:g} s to the action with "
-            f"idempotency key {named}: {then}"
+            f"no answer within the client's timeout_s={timeout_s:g} s to {what}: {then}"
         )
         self.idempotency_keys = list(keys)
         self.timeout_s = timeout_s
