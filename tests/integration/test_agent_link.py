@@ -28,7 +28,7 @@ from tangram.api.wire import (
 )
 from tangram.client import ActionStatus, Client
 from tangram.node_agent import link
-from tangram.node_agent.agent import NodeAgent, NotTaken
+from tangram.node_agent.agent import NodeAgent
 from tangram.node_agent.execution import ExecResult
 from tangram.node_agent.inventory import read_inventory
 from tangram.node_agent.key_journal import KeyJournal
@@ -446,15 +446,14 @@ def _in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 
 
 def _not_taken(agent: NodeAgent) -> threading.Event:
-    """Set once ``agent`` leaves a request untaken (it came after the stop began)."""
+    """Set once ``agent`` answers a request not taken (it came after the stop began)."""
     seen, handle = threading.Event(), agent.handle
 
     async def noting(req: AgentRequest) -> AgentReply:
-        try:
-            return await handle(req)
-        except NotTaken:
+        reply = await handle(req)
+        if reply.not_taken:
             seen.set()
-            raise
+        return reply
 
     agent.handle = noting  # type: ignore[method-assign]
     return seen
@@ -530,6 +529,51 @@ def test_an_agent_stopped_on_purpose_leaves_as_a_stop_not_a_loss(
         runtime.release.set()
     assert any(r.getMessage().startswith("node n1 stopped: ") for r in said), said
     assert all(r.levelno == logging.INFO for r in said), said
+
+
+def test_work_that_reaches_an_agent_whose_stop_began_ends_at_once_retryable(
+    tmp_path: Path,
+) -> None:
+    """A request that crossed its agent's word that it stops (the stop began, the
+    scheduler not yet told) was left unanswered: its command waited for the agent's
+    whole grace, then ended outcome_unknown, not retryable, though nothing of it ran.
+    Now the agent answers it not taken: the command ends at once node_lost, retryable,
+    its key not held as run, so its retry under the key runs on the next agent."""
+    tokens, agent_token = _tokens(tmp_path)
+    runtime = _Holding()
+    agent = _agent(runtime, tmp_path / "keys.journal")
+    not_taken = _not_taken(agent)
+    with service(CONFIG, None, tmp_path, tokens=tokens) as (running, token):
+        url = running.url.replace("http://", "ws://") + "/v1/agents"
+        first = _Served(agent, url, agent_token, 600.0)
+        try:
+            until(lambda: "n1" in running.engine.hub.links, "the agent joined")
+            with Client(running.url, token) as client:
+                t = client.open("noop")
+                first.loop.call_soon_threadsafe(agent.note_stop)  # (no word of it yet)
+                until(lambda: agent.stop_began is not None, "the stop began")
+                ran, results = _in_thread(lambda: client.exec(t.id, ["true"], idempotency_key="k1"))
+                ran.join(30)  # (before: unanswered until the link closed)
+                assert not ran.is_alive(), "the command waited for the agent's grace"
+                (result,) = results
+                assert not_taken.is_set()
+                assert result.error is not None and result.error.code == "node_lost", result
+                assert result.error.retryable and result.idempotency_key == "k1"
+                assert "the node agent is stopping" in result.error.message
+                assert "did not run" in result.error.message, result.error.message
+                assert not running.engine.hub.links["n1"].leaving  # (it crossed the word)
+            first.end()
+            until(lambda: "n1" not in running.engine.hub.links, "the node left")
+            second = _Served(_agent(runtime, tmp_path / "keys.journal"), url, agent_token, None)
+            try:
+                until(lambda: "n1" in running.engine.hub.links, "the agent is back")
+                with Client(running.url, token) as client:
+                    again = client.exec(t.id, ["true"], idempotency_key="k1")
+            finally:
+                second.end()
+            assert again.status is ActionStatus.OK and not again.error, again  # ran: a first run
+        finally:
+            runtime.release.set()
 
 
 def test_during_an_agents_grace_new_work_goes_to_the_other_nodes(tmp_path: Path) -> None:

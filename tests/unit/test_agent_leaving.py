@@ -277,6 +277,37 @@ def test_a_service_call_goes_to_another_gpu_node_than_a_leaving_one() -> None:
     asyncio.run(asyncio.wait_for(go(), 30))
 
 
+def test_a_service_call_its_stopping_agent_did_not_take_ends_at_once_retryable() -> None:
+    """A call that reached g1's agent after its stop began, before its word of it came:
+    the agent answers it not taken. It ended with the link's close (the agent's grace
+    later); it ends now, node_lost and retryable, saying it did not run."""
+    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+    pool = PoolConfig(services={"judge": ServiceConfig(spec=spec)})
+
+    async def go() -> None:
+        engine = Engine(pool)
+        engine.all_agents_joined()
+        await engine.start()
+        try:
+            g1 = Agent(_gpu_hello("g1", 1), _worker)
+            await connect(engine, g1)
+            assert await settle(lambda: "g1" in engine.gpu.loads)
+            call = engine.submit_service("u", "judge", ServiceCallRequest(inputs=[1]))
+            assert await settle(lambda: len(_calls(g1)) == 1)
+            stopping = "call: the node agent is stopping"
+            rid = _calls(g1)[0]["rid"]
+            g1.push(AgentReply(rid=rid, ok=False, retryable=True, not_taken=True, error=stopping))
+            done = await asyncio.wait_for(call.done, 5)
+            assert done.status is ActionStatus.ERROR and done.error is not None, done
+            assert done.error.code == "node_lost" and done.error.retryable, done.error
+            assert "took no new action, so it did not run" in done.error.message, done.error
+            assert "g1" in engine.hub.links  # (not the link's close: the answer)
+        finally:
+            await engine.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
 def _loads_v1_only(msg: dict[str, Any]) -> AgentReply | None:
     """A GPU node's agent that loads ``judge`` from /w.pt and fails to from any other
     weights; calls are held until answered."""

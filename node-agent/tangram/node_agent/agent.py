@@ -89,13 +89,6 @@ def _nowhere(message: str) -> None:
 Keyed = AgentExec | AgentSession | AgentCall
 
 
-class NotTaken(Exception):  # noqa: N818 (a request's fate, not an error of the agent's)
-    """A request that came after the agent's stop began: neither run nor answered. Its
-    scheduler ends it when the link closes, as any request sent to an agent that leaves
-    (``outcome_unknown``: it cannot tell it from one the stop killed); a retry of its key
-    reaches the next agent, which runs it (no agent took it)."""
-
-
 def _cancel(task: asyncio.Future[AgentReply]) -> None:
     if not task.done():
         task.cancel()
@@ -406,10 +399,11 @@ class NodeAgent:
         self._unsent.append(reply)
 
     async def handle(self, req: AgentRequest) -> AgentReply:
-        """Answer one request; errors become a reply, never an exception. Two are not
-        answered, at a stop on purpose: a request that came after it began (``NotTaken``
-        is raised) and one it killed (``CancelledError``); the scheduler ends both when
-        the link closes, as ``outcome_unknown``."""
+        """Answer one request; errors become a reply, never an exception. At a stop on
+        purpose, a request that came after it began is answered at once ``not_taken``
+        (nothing of it ran: its scheduler ends it retryable, and a retry of its key
+        reaches an agent that runs it), and one the stop killed is not answered
+        (``CancelledError``): the scheduler ends it as the link closes, ``outcome_unknown``."""
         if isinstance(req, AgentCancel):
             task = self._keyed.get(req.key) if req.key else self._tasks.get(req.target or -1)
             stop = self._stops.get(task) if task is not None and req.output else None
@@ -427,7 +421,8 @@ class NodeAgent:
             return AgentReply(rid=req.rid, ok=True)
         try:
             if self.stop_began is not None:  # not started: nothing of it to wait for
-                raise NotTaken(f"{req.op}: the node agent is stopping")
+                return AgentReply(rid=req.rid, ok=False, retryable=True, not_taken=True,
+                                  error=f"{req.op}: the node agent is stopping")  # fmt: skip
             self.received(req)  # (the link has, unless a caller hands it in directly)
             if isinstance(req, Keyed) and req.key is not None:
                 return await self._once(req, req.key)
@@ -820,7 +815,7 @@ class NodeAgent:
 
     def note_stop(self, at: float | None = None) -> None:
         """A stop on purpose began ``at`` (monotonic; default now): requests that come
-        from now on are not taken (``NotTaken``), and the grace of what runs counts from
+        from now on are not taken (answered ``not_taken``), and the grace of what runs counts from
         here. The first call counts: the signal handler's, ahead of a link still
         connecting or a loop busy elsewhere (the pod's 30 s run from the signal)."""
         if self.stop_began is None:

@@ -36,7 +36,7 @@ from tangram.api.wire import (
     parse_agent_request,
     unpack,
 )
-from tangram.node_agent.agent import NodeAgent, NotTaken
+from tangram.node_agent.agent import NodeAgent
 
 log = logging.getLogger("tangram.agent")
 # The link's connects and failures: shown at the default level (the CLI's logs.LIFECYCLE
@@ -342,11 +342,7 @@ async def _session(
             sending = []
 
     async def answer(req: AgentRequest) -> None:
-        try:
-            reply = await agent.handle(req)
-        except NotTaken:  # (came after the stop began: the scheduler ends it as we close)
-            return
-        post(reply.model_dump_json())
+        post((await agent.handle(req)).model_dump_json())
 
     async def heartbeat() -> None:
         while True:
@@ -412,8 +408,9 @@ async def _session(
     async def leave(grace_s: float) -> set[asyncio.Task[None]]:
         """A stop with the link up: say so to the scheduler, wind the agent down while the
         link carries the results of what ends within the grace, send them, close the link
-        as going away (1001). What the stop killed, and what came after it began, goes
-        unanswered: the scheduler ends it (``outcome_unknown``) as the link closes. Returns the
+        as going away (1001). What the stop killed goes unanswered: the scheduler ends it
+        (``outcome_unknown``) as the link closes; what came after it began is answered
+        ``not_taken`` (``NodeAgent.handle``). Returns the
         parts that ended meanwhile (the link failed: the caller then finishes the
         wind-down without it)."""
         post(AGENT_LEAVING)

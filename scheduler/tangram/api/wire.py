@@ -1222,3 +1222,6 @@ class AgentReply(_Strict):
     errno: int | None = None  # a file operation's failure, as the environment's errno
     files: FilesOutcome | None = None
     cancelled: bool = False  # ``result`` is of a command killed by a cancel (``output``)
+    # came after the agent's stop began: not taken, nothing of it ran (a retry runs it);
+    # ``retryable`` too, for a scheduler that predates this field
+    not_taken: bool = False

@@ -56,6 +56,11 @@ class AgentGoneError(RuntimeError):
     """The agent's connection ended while a request was outstanding."""
 
 
+class RequestNotTakenError(AgentGoneError):
+    """The agent answered that it took the request not: its stop had begun before the
+    request came (its heartbeat saying so crossed the request). Nothing of it ran."""
+
+
 class RunCancelled(asyncio.CancelledError):
     """A request cancelled whose agent answered with what it ran (``reply``: an exec's
     output so far and how long it ran, ``reply.cancelled``)."""
@@ -197,7 +202,12 @@ class AgentLink:
                             stream.arrived(reply)
                         continue
                     fut = self._pending.get(reply.rid)
-                    if fut is not None and not fut.done():
+                    if fut is not None and not fut.done() and reply.not_taken:
+                        why = f"node {self.node}: {reply.error or 'its agent is stopping'}"
+                        fut.set_exception(RequestNotTakenError(why))
+                        if stream is not None:
+                            stream.ended()
+                    elif fut is not None and not fut.done():
                         fut.set_result(reply)
                         if self.leaving and (owner := self._owners.get(reply.rid)):
                             self.answered.add(owner)

@@ -36,12 +36,16 @@ def _short(message: str) -> str:
     return first if len(first) <= DETAIL_CHARS else first[: DETAIL_CHARS - 3] + "..."
 
 
-def lost_error(rec: ActionRecord, why: str, *, stopping: bool = False) -> ErrorInfo:
+def lost_error(
+    rec: ActionRecord, why: str, *, stopping: bool = False, not_taken: bool = False
+) -> ErrorInfo:
     """The error of an action whose node's agent went before answering it: ``why`` says
     how, naming the node; ``stopping``: its agent had said it stops (it kills what still
-    runs at the end of its grace).
+    runs at the end of its grace); ``not_taken``: its agent answered that it took it not,
+    its stop begun.
 
-    Never sent there, it never ran: ``node_lost``, retryable, under its key or a new one.
+    Never sent there, or not taken, it never ran: ``node_lost``, retryable, under its key
+    or a new one.
     Sent, it may have run, in part or to its end, and may run on: ``outcome_unknown``, not
     retryable (as a new action: that could run it twice). A retry under its idempotency
     key is never run again: it answers the run's outcome once the agent is back (the run
@@ -49,7 +53,8 @@ def lost_error(rec: ActionRecord, why: str, *, stopping: bool = False) -> ErrorI
     ran). A RewardService call has no side effect a second run could repeat (the agent
     runs a cut-off call again when retried, too): ``node_lost``, retryable, either way."""
     if not rec.sent:
-        never = "the action was never sent there, so it did not run; a retry runs it"
+        never = "the action was never sent there" if not not_taken else "it took no new action"
+        never += ", so it did not run; a retry runs it"
         return err("node_lost", f"{why}: {never}", retryable=True)
     if rec.kind == "service":
         again = (
@@ -188,12 +193,15 @@ class Outcomes:
             rec.done.set_result(result)
             self.ended(rec, result)
 
-    def cut_off(self, rec: ActionRecord, why: str, *, stopping: bool = False) -> ErrorInfo:
-        """An action whose node's agent went before answering it (``why`` says how, naming
-        the node; ``stopping``: its agent had said it stops): the error it ends with
-        (``lost_error``). A keyed exec or service call's outcome is the agent's to tell, so
-        a retry of its key goes to the agent (a replay, a first run, or "unknown"; a run it
-        still holds is adopted on its return), not to a kept error."""
+    def cut_off(
+        self, rec: ActionRecord, why: str, *, stopping: bool = False, not_taken: bool = False
+    ) -> ErrorInfo:
+        """An action whose node's agent went before answering it (``why`` says how,
+        naming the node; ``stopping``: its agent had said it stops; ``not_taken``: its
+        agent, stopping, said it took it not): the error it ends with (``lost_error``). A
+        keyed exec or service call's outcome is the agent's to tell, so a retry of its key
+        goes to the agent (a replay, a first run, or "unknown"; a run it still holds is
+        adopted on its return), not to a kept error."""
         if rec.key is not None and rec.kind in ("exec", "service"):
             self.s.idempotent.forget(rec.tenant, rec.key, rec)
             if rec.sent:
@@ -201,7 +209,7 @@ class Outcomes:
                 # known here (its run adopted on the agent's return ends, or a retry of its
                 # key is answered), as the action it ended as. One never sent ended here.
                 self.s.uncounted.add(rec.id)
-        return lost_error(rec, why, stopping=stopping)
+        return lost_error(rec, why, stopping=stopping, not_taken=not_taken)
 
     def ended(self, rec: ActionRecord, result: ActionResult) -> None:
         """Count it, keep the answer for its key's retries, log it."""

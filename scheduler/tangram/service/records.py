@@ -56,8 +56,13 @@ class EngineError(Exception):
 class NoAgentError(EngineError):
     """A node with no agent connected, or whose link is ending: nothing was sent to it."""
 
-    def __init__(self, node: str | None) -> None:
-        super().__init__("unavailable", "node", f"node {node} has no agent connected")
+    def __init__(self, node: str | None, why: str | None = None) -> None:
+        super().__init__("unavailable", "node", why or f"node {node} has no agent connected")
+
+
+class NotTakenError(NoAgentError):
+    """A request its node's agent did not take, its stop begun (``why`` names the node):
+    nothing of it ran there, as for a node with no agent."""
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from tangram.api.wire import (
 )
 from tangram.scheduler.core.gpu_pool import Chunk
 from tangram.scheduler.core.scheduler import Assignment, Scheduler
-from tangram.service.agents import AgentGoneError, AgentHub, AgentLink
+from tangram.service.agents import AgentGoneError, AgentHub, AgentLink, RequestNotTakenError
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.keys import KeyMemory, exec_target
 from tangram.service.metrics import REJECTED_REASONS, Metrics
@@ -46,6 +46,7 @@ from tangram.service.records import (
     ActionRecord,
     EngineError,
     NoAgentError,
+    NotTakenError,
     Request,
     TrajectoryRecord,
     err,
@@ -352,6 +353,8 @@ def agent_gone(node: str | None) -> Iterator[None]:
     """A link that ends under what talks to it, as the engine says it: "unavailable"."""
     try:
         yield
+    except RequestNotTakenError as e:  # (its message names the node already)
+        raise NotTakenError(node, str(e)) from None
     except AgentGoneError as e:  # (its message names the node already)
         raise EngineError("unavailable", "node", str(e)) from None
     except (RuntimeError, OSError) as e:  # incl. a socket closing under us
