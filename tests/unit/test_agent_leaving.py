@@ -190,8 +190,9 @@ def test_a_stopping_agent_is_not_told_to_keep_environments_warm() -> None:
 def test_only_stopping_agents_leave_the_pool_not_ready() -> None:
     """Readiness (``/readyz``) says whether the pool can take new work: an agent that said
     it stops cannot, so with only such agents the pool is not ready (503, saying why),
-    and is again once an agent that does not stop is connected. Liveness (``/healthz``)
-    stays ok throughout: a not-ready scheduler is not restarted."""
+    and is again once an agent that does not stop is connected; the figures the operator
+    reads count the agents that stop. Liveness (``/healthz``) stays ok throughout: a
+    not-ready scheduler is not restarted."""
 
     async def probes(engine: Engine) -> tuple[bool, int, str, int]:
         """``Engine.ready``, /readyz's status and text, /healthz's status."""
@@ -209,8 +210,11 @@ def test_only_stopping_agents_leave_the_pool_not_ready() -> None:
         assert await settle(lambda: engine.hub.links["n1"].leaving)
         ready, status, why, alive = await probes(engine)
         assert (ready, status, alive) == (False, 503, 200) and "stopping" in why
+        figures = engine.figures()  # (the operator's AgentsStopping reads them)
+        assert (figures.nodes, figures.stopping) == (1, 1)
         await connect(engine, Agent(hello(node="n2"), _commands))
         assert await probes(engine) == (True, 200, "ready", 200)
+        assert engine.figures().stopping == 1
 
     run(scenario)
 

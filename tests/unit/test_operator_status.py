@@ -67,6 +67,12 @@ def test_unparseable_conditions_are_dropped() -> None:
         # not available; the Service publishes it anyway and the figures come back.
         (dict(scheduler_available=False, figures=_figures(nodes=0)), "NoNodes"),
         (dict(scheduler_available=True, figures=_figures()), "Ready"),
+        # An agent roll on a one-node pool: its only agent stopping, the next not joined.
+        (
+            dict(scheduler_available=False, figures=_figures(nodes=1, stopping=1)),
+            "AgentsStopping",
+        ),
+        (dict(scheduler_available=True, figures=_figures(nodes=2, stopping=1)), "Ready"),
         (dict(scheduler_available=False, figures=_figures()), "Ready"),  # answering: it runs
         (dict(deleting=True, figures=_figures(), drain_left_s=42.4), "Draining"),
         (dict(deleting=True, unreachable="no route", drain_left_s=42.4), "Draining"),
@@ -96,6 +102,8 @@ def test_pool_ready_reasons(seen: dict[str, object], reason: str) -> None:
         assert "9 trajectories still open" in cond.message and "42 s" in cond.message
     if reason == "Draining" and obs.figures is None:  # restarting: it is waited for
         assert "waiting for its scheduler (no route)" in cond.message and "42 s" in cond.message
+    if reason == "AgentsStopping":
+        assert cond.message.startswith("every node agent connected (1) is stopping")
     if reason == "ConfigRefused":
         assert cond.message.endswith("runs the ones before: apis[x]: no Secret")
         assert status.nodes == 2  # the figures of what it runs

@@ -157,7 +157,8 @@ def _pool_ready(
     # The scheduler answered, so it runs, whatever its Deployment says: its pod is not
     # ready (not available) exactly while it serves environments and no agent is connected,
     # which is the case NoNodes names with its hint, or every agent connected is stopping
-    # (an agent roll on a one-node pool: for the agent's grace, until its next agent joins).
+    # (an agent roll on a one-node pool: for the agent's grace, until its next agent
+    # joins), AgentsStopping's.
     if seen.refused is not None:
         return (
             "False",
@@ -176,6 +177,14 @@ def _pool_ready(
     if sections and f.nodes == 0:
         hints = "; ".join(_agents_hint(pool, r, seen.agents) for r in sections)
         return "False", Reason.NO_NODES, f"no node agent connected ({hints})"
+    if sections and f.stopping >= f.nodes:  # (a scheduler before the field says 0)
+        return (
+            "False",
+            Reason.AGENTS_STOPPING,
+            f"every node agent connected ({f.nodes}) is stopping, so no new work is placed "
+            "until another joins (an agent roll: the DaemonSet's next pod on the node); "
+            "what runs finishes within the agents' grace",
+        )
     if pool.spec.gpu is not None and f.gpus == 0:
         hint = _agents_hint(pool, "gpu", seen.agents, gpus=True)
         return "False", Reason.NO_GPUS, f"spec.gpu is set but the scheduler has no GPU ({hint})"

@@ -21,6 +21,7 @@ class Reason(StrEnum):
     SCHEDULER_UNREACHABLE = "SchedulerUnreachable"
     CONFIG_REFUSED = "ConfigRefused"  # the running scheduler refused the pushed spec
     NO_NODES = "NoNodes"
+    AGENTS_STOPPING = "AgentsStopping"  # every agent connected said it stops (a roll)
     NO_GPUS = "NoGpus"  # a pool with spec.gpu whose scheduler has no GPU
     CHILD_DENIED = "ChildDenied"  # the API server denied a child (400/403: a webhook, quota)
     APPLY_FAILED = "ApplyFailed"  # the API server failed to take a child (5xx, no answer)

@@ -614,6 +614,9 @@ class PoolFigures(_Answer):
     accepting: bool = Field(description="admitting actions (false while stopping)")
     draining: bool = Field(description="refusing new trajectories (the pool is being deleted)")
     nodes: int = Field(ge=0, description="node agents connected")
+    stopping: int = Field(
+        0, ge=0, description="of them, agents that said they stop (a roll): given no new work"
+    )
     cores: int = Field(ge=0, description="cores for actions, all nodes")
     cores_in_use: int = Field(ge=0)
     gpus: int = Field(ge=0)

@@ -317,6 +317,7 @@ class Engine:
             accepting=s.accepting,
             draining=s.draining,
             nodes=len(self.hub.links),
+            stopping=sum(1 for link in self.hub.links.values() if link.leaving),
             cores=sum(n.cores for n in nodes),
             cores_in_use=sum(n.cores - n.free_cores for n in nodes),
             gpus=sum(n.gpus for n in gpus),
