@@ -222,6 +222,22 @@ def test_only_stopping_agents_leave_the_pool_not_ready() -> None:
 # ---- GPU nodes ----------------------------------------------------------------------------
 
 
+JUDGE = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
+EDITED = JUDGE.model_copy(update={"weights": "/w2.pt"})
+
+
+@contextlib.asynccontextmanager
+async def _serving_judge() -> AsyncIterator[Engine]:
+    """A started engine whose pool serves ``judge`` (JUDGE); stopped at the end."""
+    engine = Engine(PoolConfig(services={"judge": ServiceConfig(spec=JUDGE)}))
+    engine.all_agents_joined()
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop(grace_s=0)
+
+
 def _gpu_hello(node: str, devices: int) -> Any:
     gpu = GpuWorkerInfo(backend="cpu", devices=list(range(devices)),
                         memory_bytes=[2**31] * devices, h2d_gbps=1)  # fmt: skip
@@ -251,14 +267,9 @@ def test_a_service_call_goes_to_another_gpu_node_than_a_leaving_one() -> None:
     The next call went to g1's other GPU (the smallest free chunk, where the first call's
     service was restored ahead), and hung there until g1's link closed. It goes to g2
     now, and the call g1 ran ends with its result."""
-    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-    pool = PoolConfig(services={"judge": ServiceConfig(spec=spec)})
 
     async def go() -> None:
-        engine = Engine(pool)
-        engine.all_agents_joined()
-        await engine.start()
-        try:
+        async with _serving_judge() as engine:
             g1, g2 = Agent(_gpu_hello("g1", 2), _worker), Agent(_gpu_hello("g2", 2), _worker)
             for agent in (g1, g2):
                 await connect(engine, agent)
@@ -275,8 +286,6 @@ def test_a_service_call_goes_to_another_gpu_node_than_a_leaving_one() -> None:
             assert done.status is ActionStatus.OK and done.allocation.node == "g2"
             g1.push(_scored(_calls(g1)[0]["rid"]))
             assert (await asyncio.wait_for(first.done, 5)).status is ActionStatus.OK
-        finally:
-            await engine.stop(grace_s=0)
 
     asyncio.run(asyncio.wait_for(go(), 30))
 
@@ -285,14 +294,9 @@ def test_a_service_call_its_stopping_agent_did_not_take_ends_at_once_retryable()
     """A call that reached g1's agent after its stop began, before its word of it came:
     the agent answers it not taken. It ended with the link's close (the agent's grace
     later); it ends now, node_lost and retryable, saying it did not run."""
-    spec = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-    pool = PoolConfig(services={"judge": ServiceConfig(spec=spec)})
 
     async def go() -> None:
-        engine = Engine(pool)
-        engine.all_agents_joined()
-        await engine.start()
-        try:
+        async with _serving_judge() as engine:
             g1 = Agent(_gpu_hello("g1", 1), _worker)
             await connect(engine, g1)
             assert await settle(lambda: "g1" in engine.gpu.loads)
@@ -306,8 +310,6 @@ def test_a_service_call_its_stopping_agent_did_not_take_ends_at_once_retryable()
             assert done.error.code == "node_lost" and done.error.retryable, done.error
             assert "took no new action, so it did not run" in done.error.message, done.error
             assert "g1" in engine.hub.links  # (not the link's close: the answer)
-        finally:
-            await engine.stop(grace_s=0)
 
     asyncio.run(asyncio.wait_for(go(), 30))
 
@@ -328,26 +330,17 @@ def _loads_v1_only(msg: dict[str, Any]) -> AgentReply | None:
     return answer_all(msg)
 
 
-JUDGE = ServiceDef(name="judge", entrypoint="m:build", weights="/w.pt", gpu_memory_gb=1)
-EDITED = JUDGE.model_copy(update={"weights": "/w2.pt"})
-
-
 @contextlib.asynccontextmanager
 async def _judge_on_g1_g2(g1_policy: Policy) -> AsyncIterator[tuple[Engine, Agent, Agent]]:
     """An engine serving ``judge`` (JUDGE) on GPU nodes g1 (its agent ``g1_policy``) and
     g2 (loads /w.pt only), both loaded; stopped at the end."""
-    engine = Engine(PoolConfig(services={"judge": ServiceConfig(spec=JUDGE)}))
-    engine.all_agents_joined()
-    await engine.start()
-    try:
+    async with _serving_judge() as engine:
         g1 = Agent(_gpu_hello("g1", 1), g1_policy)
         g2 = Agent(_gpu_hello("g2", 1), _loads_v1_only)
         for agent in (g1, g2):
             await connect(engine, agent)
         assert await settle(lambda: {"g1", "g2"} <= set(engine.gpu.loads))
         yield engine, g1, g2
-    finally:
-        await engine.stop(grace_s=0)
 
 
 def test_a_stopping_gpu_agent_is_not_synced_and_counts_for_no_load() -> None:
