@@ -21,7 +21,7 @@ import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -37,8 +37,23 @@ from tangram.node_agent.exec_server import Built
 from .host_env import file_answer
 from .service_harness import RUNTIMES, KeptRecords, box_pool, tar_of, until
 
+T = TypeVar("T")
+
 CORES = sorted(os.sched_getaffinity(0))
 LIMIT = 64 << 20  # the pool's admission.maxFileBytes here
+
+
+def _run(work: Awaitable[T]) -> T:
+    """``asyncio.run`` of ``work``, then until the one-shot files servers it started have
+    ended: its loop closes only then (asyncio's child watcher logs one it outlived)."""
+
+    async def then_reaped() -> T:
+        try:
+            return await work
+        finally:
+            await env_files.one_shots_ended()
+
+    return asyncio.run(then_reaped())
 
 
 @pytest.fixture(params=RUNTIMES)
@@ -202,7 +217,7 @@ def test_a_write_cut_off_midway_leaves_neither_the_file_nor_a_temporary(
             await files.write("/f", broken())
         await asyncio.gather(*env_files._servers)  # the one-shot server saw the end: gone
 
-    asyncio.run(scenario())
+    _run(scenario())
     assert sorted(os.listdir(root)) == ["f"]
     assert (root / "f").read_bytes() == b"old"
 
@@ -223,7 +238,7 @@ def test_remove_takes_symlinks_away_never_what_they_point_to(execd: Built, tmp_p
         await files.remove("/tree")
         await files.remove("/link")
 
-    asyncio.run(scenario())
+    _run(scenario())
     assert os.listdir(root) == []
     assert (outside / "precious").read_text() == "keep"
 
@@ -251,7 +266,7 @@ def test_a_tree_deeper_than_the_server_descends_is_refused_saying_so(
     async def scenario() -> list[FileError]:
         return [await refusal(lambda: files.remove("/t")), await refusal(tar_all)]
 
-    for refused in asyncio.run(scenario()):
+    for refused in _run(scenario()):
         assert refused.errno == errno.E2BIG, refused
         assert "deeper than 256 directory levels" in str(refused), refused
     assert (root / "t").is_dir()  # (a remove unlinks bottom up: it failed before any)
@@ -287,7 +302,7 @@ def test_a_symlink_deeper_than_the_server_judges_is_refused_as_too_deep(
         yield buffer.getvalue()
 
     with pytest.raises(FileError) as refused:
-        asyncio.run(files.untar("/dst", body()))
+        _run(files.untar("/dst", body()))
     assert refused.value.errno == errno.E2BIG, refused.value
     assert f"member {deep}/link: the tree is deeper than 256" in str(refused.value)
     assert (tmp_path / "env" / "dst" / deep / "f").read_bytes() == b"x"
@@ -307,7 +322,7 @@ def test_a_rename_across_file_systems_says_so_naming_both_paths(
     try:
         files = EnvFiles(one_shot(execd.path, root), "/")
         with pytest.raises(FileError) as refused:
-            asyncio.run(files.rename("/f", "/vol/f"))
+            _run(files.rename("/f", "/vol/f"))
     finally:
         subprocess.run(["umount", str(root / "vol")], check=True)
     assert refused.value.errno == errno.EXDEV
@@ -322,7 +337,7 @@ def test_a_fifo_is_refused_not_read_forever(execd: Built, tmp_path: Path) -> Non
     os.mkfifo(tmp_path / "pipe")
     files = EnvFiles(one_shot(execd.path, tmp_path), "/")
     with pytest.raises(FileError) as refused:
-        asyncio.run(files.read("/pipe"))
+        _run(files.read("/pipe"))
     assert refused.value.errno == errno.EINVAL
     assert str(refused.value) == (
         "read /pipe: not a regular file: it is a FIFO, whose read may block or never end: "
@@ -395,7 +410,7 @@ def test_a_device_fifo_or_socket_is_never_replaced_by_a_write_a_tar_or_a_rename(
         said.append(("write /to-fifo: not a regular file: it leads to a FIFO", through))
         return said
 
-    for want, got in asyncio.run(scenario()):
+    for want, got in _run(scenario()):
         assert got.startswith(want), (want, got)
     assert _kinds(root) == before  # each still what it was, and no temporary left
     assert (root / "f").read_text() == "f"
@@ -416,7 +431,7 @@ def test_dotdot_is_refused_by_the_server_itself_for_every_path(
     async def scenario() -> list[bytes]:
         return [await ask("stat", "/a/.."), await ask("rename", "/a", "/a/../b")]
 
-    for answer in asyncio.run(scenario()):
+    for answer in _run(scenario()):
         assert answer.startswith(b"Z %d " % errno.EPERM), answer
 
 
@@ -597,7 +612,7 @@ def test_the_exec_server_reads_every_common_tar_format(
         for start in range(0, len(data), 6000):  # members cut across pieces
             yield data[start : start + 6000]
 
-    asyncio.run(files.untar("/dst", pieces()))
+    _run(files.untar("/dst", pieces()))
     assert _snapshot(root / "dst") == _snapshot(src)  # "ro" is read-only, "ro/f" in it
     assert (root / "dst" / "setuid").stat().st_mode & 0o7777 == 0o755
 
@@ -619,7 +634,7 @@ def test_a_directory_tar_keeps_symlinks_and_leaves_out_what_has_no_content(
         assert (entry.name, entry.type) == ("d", "dir")
         return b"".join([piece async for piece in data])
 
-    with tarfile.open(fileobj=io.BytesIO(asyncio.run(scenario()))) as tar:
+    with tarfile.open(fileobj=io.BytesIO(_run(scenario()))) as tar:
         found = {m.name: (m.type, m.linkname, m.size) for m in tar.getmembers()}
     assert found == {"f": (tarfile.REGTYPE, "", 0), "out": (tarfile.SYMTYPE, "/etc", 0)}
 
@@ -655,7 +670,7 @@ def test_a_symlink_through_dotdot_resolves_while_the_system_renames(
     renamer = threading.Thread(target=rename_all_the_time)
     renamer.start()
     try:
-        assert asyncio.run(reads()) == [b"ok"] * 200
+        assert _run(reads()) == [b"ok"] * 200
     finally:
         stop.set()
         renamer.join()
@@ -693,13 +708,13 @@ def test_crafted_tars_are_refused_and_leave_nothing_astray(execd: Built, tmp_pat
             return f"{e.errno} {e}"
 
     for name, data in cases.items():
-        answer = str(asyncio.run(untar(data)))
+        answer = str(_run(untar(data)))
         if name in ("pax", "size"):  # the body's fault: no tar
             assert answer.startswith(f"{errno.EBADMSG} "), answer
         else:
             assert answer.startswith(f"{errno.EXDEV} ") and f"member {name}:" in answer, answer
     itself = tar_of(("a", tarfile.REGTYPE, b"hi"), ("a", tarfile.LNKTYPE, "a"))
-    assert asyncio.run(untar(itself)) == 2
+    assert _run(untar(itself)) == 2
     assert sorted(os.listdir(tmp_path / "env" / "dst")) == ["a", "s"]  # no temporary left
 
 
@@ -742,11 +757,11 @@ def test_a_listing_is_held_to_what_one_reply_carries_at_the_real_bounds(
         os.close(os.open(os.fsencode(many) + b"/" + name, os.O_CREAT | os.O_WRONLY, 0o644))
     files = EnvFiles(one_shot(execd.path, tmp_path), "/")
     with pytest.raises(FileError) as refused:
-        asyncio.run(files.list("/many"))
+        _run(files.list("/many"))
     assert refused.value.errno == errno.E2BIG and "/many: " in str(refused.value)
     for extra in os.listdir(many)[5000:]:
         os.unlink(many / extra)
-    kept = asyncio.run(files.list("/many"))
+    kept = _run(files.list("/many"))
     reply = AgentReply(rid=1, ok=True, files=FilesOutcome(entries=kept)).model_dump_json()
     assert 0.9 * env_files.MAX_LIST_BYTES < len(reply) < 64 << 20  # (near the bound)
 
@@ -792,12 +807,12 @@ def test_a_hard_link_to_a_symlink_is_judged_where_it_lands(execd: Built, tmp_pat
         ("a/b/c/up", tarfile.SYMTYPE, "../../.."),  # the root, from a/b/c: inside
         ("up", tarfile.LNKTYPE, "a/b/c/up"),  # "../../.." from the root: out
     )
-    answer = str(asyncio.run(untar(escape)))
+    answer = str(_run(untar(escape)))
     assert answer.startswith(f"{errno.EXDEV} ") and "member up: " in answer, answer
     assert not os.path.lexists(tmp_path / "env" / "up")
     assert sorted(os.listdir(tmp_path / "env")) == ["a"]  # no temporary left either
     same_depth = tar_of(("a/b/c/again", tarfile.LNKTYPE, "a/b/c/up"))
-    assert asyncio.run(untar(same_depth)) == 1
+    assert _run(untar(same_depth)) == 1
     assert os.readlink(tmp_path / "env" / "a" / "b" / "c" / "again") == "../../.."
 
 
@@ -986,12 +1001,12 @@ def test_the_exec_server_reads_a_file_whose_size_stat_cannot_tell_within_a_bound
         return entry.size, b"".join([piece async for piece in data])
 
     for path in ("/proc/version", "/proc/self/status", *([THP] if os.path.exists(THP) else [])):
-        size, got = asyncio.run(read(path))
+        size, got = _run(read(path))
         assert got and size == len(got), path
         if path != "/proc/self/status":  # (the server's own)
             assert got == Path(path).read_bytes()
     with pytest.raises(FileError) as refused:
-        asyncio.run(read("/proc/self/pagemap"))
+        _run(read("/proc/self/pagemap"))
     assert refused.value.errno == errno.EFBIG
     assert "/proc/self/pagemap: its size is not known ahead" in str(refused.value)
     assert "over 16 MiB" in str(refused.value)
@@ -1016,7 +1031,7 @@ def test_a_file_that_shrinks_while_it_is_read_fails_never_ends_short(
                 got += len(piece)
         return entry.size, got, refused.value
 
-    size, got, refused = asyncio.run(scenario())
+    size, got, refused = _run(scenario())
     assert size == 16 << 20 and got < size
     assert refused.errno == errno.ESTALE and "/f: it shrank while it was read" in str(refused)
 

@@ -254,6 +254,17 @@ def entry(data: bytes, parent: str) -> FileEntry:
 
 
 _servers: set[asyncio.Future[int]] = set()  # one-shot servers, until they are reaped
+ONE_SHOTS_END_S = 5.0  # each ends with its connection: at once, once that is closed
+
+
+async def one_shots_ended(timeout_s: float = ONE_SHOTS_END_S) -> None:
+    """Until every one-shot server started on this loop has ended and been reaped (within
+    ``timeout_s``): a loop that closes first leaves asyncio's child watcher to log, as
+    each ends, that the loop handling its pid is closed."""
+    loop = asyncio.get_running_loop()
+    mine = [f for f in _servers if f.get_loop() is loop]
+    if mine:
+        await asyncio.wait(mine, timeout=timeout_s)
 
 
 def one_shot(binary: Path, root: Path, running: set[int] | None = None) -> Connect:

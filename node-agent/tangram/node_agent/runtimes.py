@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tangram.api.wire import NO_SESSIONS_WHY, EnvSpec, Problem
-from tangram.node_agent.env_files import EnvFiles, one_shot
+from tangram.node_agent.env_files import EnvFiles, one_shot, one_shots_ended
 from tangram.node_agent.exec_server import Built, build
 from tangram.node_agent.execution import (
     SETUP_TIMEOUT_S,
@@ -389,6 +389,7 @@ class Processes:
         )
 
     async def shutdown(self) -> None:
+        await one_shots_ended()  # (their connections closed with the requests they served)
         self.inner.release()
 
 
