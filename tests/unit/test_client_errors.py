@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from tangram.client import ActionTimeoutError
+import errno
+import resource
+
+import pytest
+
+from tangram.client import ActionTimeoutError, TooManyOpenFilesError
 
 
 def test_a_batch_past_timeout_s_names_its_actions_as_many() -> None:
@@ -19,3 +24,14 @@ def test_a_batch_past_timeout_s_names_its_actions_as_many() -> None:
         "no answer within the client's timeout_s=5 s to the action with idempotency key "
         "'a': cancelling it failed; cancel it with cancel('key:a')"
     )
+
+
+@pytest.mark.parametrize(("soft", "said"), [(1024, "1024"), (resource.RLIM_INFINITY, "unlimited")])
+def test_out_of_files_names_the_limit_unlimited_when_there_is_none(
+    monkeypatch: pytest.MonkeyPatch, soft: int, said: str
+) -> None:
+    """A soft RLIMIT_NOFILE of RLIM_INFINITY was said to be "unknown"."""
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, soft))
+    e = TooManyOpenFilesError("http://127.0.0.1:1", errno.EMFILE, 512)
+    assert f"this process may have {said} files open at once" in str(e)
+    assert e.errno == errno.EMFILE

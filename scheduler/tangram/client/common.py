@@ -114,8 +114,7 @@ class TooManyOpenFilesError(OSError):
     client's ``max_connections``."""
 
     def __init__(self, url: str, code: int, max_connections: int) -> None:
-        soft = open_files_limit()
-        limit = "unknown" if soft is None else f"{soft}"
+        limit = _open_files()
         whose = "this process's" if code == errno.EMFILE else "the system's"
         bound = "none" if not max_connections else f"{max_connections}"
         super().__init__(
@@ -131,12 +130,21 @@ class TooManyOpenFilesError(OSError):
 def open_files_limit() -> int | None:
     """The soft limit on this process's open files, None when there is none (or no way
     to ask: not Unix)."""
+    soft = _open_files()
+    return soft if isinstance(soft, int) else None
+
+
+def _open_files() -> int | str:
+    """The soft limit on this process's open files, else ``"unlimited"`` (RLIM_INFINITY)
+    or ``"unknown"`` (no way to ask: not Unix), as ``TooManyOpenFilesError`` says it."""
     try:
         import resource
     except ImportError:
-        return None
+        return "unknown"
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+    if soft == resource.RLIM_INFINITY:
+        return "unlimited"
+    return soft if soft >= 0 else "unknown"
 
 
 # A client's connections at once, by default: half the process's limit on open files, so
