@@ -79,3 +79,24 @@ def test_a_live_exec_after_aclose_says_the_client_was_closed() -> None:
             await c.exec_live("t-1", ["cat"], interactive=True)
 
     asyncio.run(main())
+
+
+def test_a_stream_that_fails_to_close_leaves_no_session_open() -> None:
+    """Its error came out of aclose before either HTTP session was closed: their
+    connections were left open."""
+
+    class FailingStream:
+        closed = False
+
+        async def aclose(self) -> None:
+            raise OSError("the stream would not close")
+
+    async def main() -> None:
+        c = AsyncClient(f"http://127.0.0.1:{_refusing_port()}", "t" * 24)
+        session, cancels = c._http(), c._cancels()
+        c._stream = FailingStream()  # type: ignore[assignment]
+        with pytest.raises(OSError, match="the stream would not close"):
+            await c.aclose()
+        assert session.closed and cancels.closed
+
+    asyncio.run(main())

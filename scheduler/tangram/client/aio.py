@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import random
@@ -201,12 +202,18 @@ class AsyncClient:
                     log.warning("closing the client: %d calls still under way", len(self._calls))
         finally:  # (cut short, it closes them still: another aclose would find it closing)
             self._closed = True
-            if self._stream is not None:
-                await self._stream.aclose()
-            if self._session is not None:
-                await self._session.close()
+            await self._close_connections()
+
+    async def _close_connections(self) -> None:
+        """Close the stream and both sessions: each of them, even when closing one before
+        it fails (that error is raised once the rest are closed)."""
+        async with contextlib.AsyncExitStack() as closing:  # (called last to first)
             if self._cancel_session is not None:
-                await self._cancel_session.close()
+                closing.push_async_callback(self._cancel_session.close)
+            if self._session is not None:
+                closing.push_async_callback(self._session.close)
+            if self._stream is not None:
+                closing.push_async_callback(self._stream.aclose)
 
     def _tracking(self) -> _Tracked:
         """``with self._tracking():`` around each call, so that ``aclose`` can end it."""
