@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 import pytest
 
 from tangram.client import AsyncClient, ClientClosedError
+from tangram.client import aio as client_aio
 from tests.unit.test_client_liveness import _silent_server
 
 GUARD_S = 60  # a call not ended by then hangs: a failure, not a wait
@@ -45,6 +47,21 @@ def test_aclose_ends_a_call_waiting_to_try_again() -> None:
     asyncio.run(main())
 
 
+async def _exec_under_way(url: str) -> tuple[AsyncClient, asyncio.Future[Any]]:
+    """A client of ``url`` and its exec under way: sent, waiting for its answer."""
+    c = AsyncClient(url, "t" * 24, stream=False)
+    call = asyncio.ensure_future(c.exec("t-1", ["true"]))
+    while not c._calls:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    return c, call
+
+
+def _all_closed(c: AsyncClient) -> bool:
+    """Whether both of the client's HTTP sessions are closed."""
+    return bool(c._session and c._session.closed and c._cancel_session and c._cancel_session.closed)
+
+
 def test_aclose_cancelled_while_its_calls_wind_down_still_closes_the_connections() -> None:
     """Its wait for the calls it ended (an exec's cancel by key, on a service that does
     not answer) was cut short: it left the connections open, and a second aclose(), the
@@ -52,18 +69,82 @@ def test_aclose_cancelled_while_its_calls_wind_down_still_closes_the_connections
 
     async def main() -> None:
         async with _silent_server() as url:
-            c = AsyncClient(url, "t" * 24, stream=False)
-            call = asyncio.ensure_future(c.exec("t-1", ["true"]))
-            while not c._calls:  # under way: sent, waiting for its answer
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)
+            c, call = await _exec_under_way(url)
             with pytest.raises(TimeoutError):  # (the cancel by key waits up to CANCEL_S)
                 await asyncio.wait_for(c.aclose(), 0.5)
             await c.aclose()
-            assert c._session is not None and c._session.closed
-            assert c._cancel_session is not None and c._cancel_session.closed
+            assert _all_closed(c)
             with pytest.raises(ClientClosedError):
                 await asyncio.wait_for(call, GUARD_S)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("cut_short", [False, True])
+def test_a_second_aclose_returns_once_the_first_is_done(
+    monkeypatch: pytest.MonkeyPatch, cut_short: bool
+) -> None:
+    """The first waits for the calls it ended to wind down (an exec's cancel by key, on a
+    service that does not answer); the second, finding the client closing, returned at
+    once, its caller told the client was closed while the first still waited. Whether the
+    first ends by itself or is cancelled, the second returns after it, all closed."""
+    monkeypatch.setattr(client_aio, "CANCEL_S", 0.2)  # (the cancel by key's wait)
+
+    async def main() -> None:
+        async with _silent_server() as url:
+            c, call = await _exec_under_way(url)
+            first = asyncio.ensure_future(c.aclose())
+            while c._drained is None:  # waiting for the exec to wind down
+                await asyncio.sleep(0)
+            second = asyncio.ensure_future(c.aclose())
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert not second.done() and not first.done()
+            if cut_short:
+                first.cancel()
+            await asyncio.wait_for(second, GUARD_S)
+            assert _all_closed(c)
+            assert call.done() or cut_short  # (wound down, unless the first stopped waiting)
+            if cut_short:
+                with pytest.raises(asyncio.CancelledError):
+                    await first
+            else:
+                await first
+            with pytest.raises(ClientClosedError):
+                await asyncio.wait_for(call, GUARD_S)
+
+    asyncio.run(main())
+
+
+def test_an_aclose_cancelled_while_closing_still_closes_and_is_waited_for() -> None:
+    """Cancelled again while it closed the stream, the first aclose left the closing half
+    done, and a second aclose waiting for it returned with it."""
+
+    class SlowStream:
+        closed = False
+
+        def __init__(self) -> None:
+            self.closing, self.go_on = asyncio.Event(), asyncio.Event()
+
+        async def aclose(self) -> None:
+            self.closing.set()
+            await self.go_on.wait()
+            self.closed = True
+
+    async def main() -> None:
+        c = AsyncClient(f"http://127.0.0.1:{_refusing_port()}", "t" * 24)
+        session = c._http()
+        c._stream = stream = SlowStream()  # type: ignore[assignment]
+        first = asyncio.ensure_future(c.aclose())
+        await asyncio.wait_for(stream.closing.wait(), GUARD_S)
+        second = asyncio.ensure_future(c.aclose())
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert not second.done()
+        stream.go_on.set()
+        await asyncio.wait_for(second, GUARD_S)
+        assert stream.closed and session.closed
 
     asyncio.run(main())
 

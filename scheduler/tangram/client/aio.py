@@ -163,6 +163,7 @@ class AsyncClient:
         self._calls: dict[asyncio.Task[Any], int] = {}
         self._ended: set[asyncio.Task[Any]] = set()  # those aclose cancelled
         self._drained: asyncio.Future[None] | None = None  # aclose's: no call left
+        self._shut: asyncio.Future[None] | None = None  # aclose's: and all is closed
         self.retries, self.backoff_s = retries, backoff_s
         self._rng = rng if rng is not None else random.Random()
         self._open_keys = True  # False against a scheduler that takes no key on opens
@@ -182,10 +183,15 @@ class AsyncClient:
         write, an open, anything) raises ``ClientClosedError``; first it is cancelled as
         a task of it would be, so its action is cancelled by key, and a trajectory an
         open may have opened is closed, as far as the service can be asked (they would
-        go on with nobody to read their results). Calls after it raise it too."""
+        go on with nobody to read their results). Calls after it raise it too. A second
+        aclose while one is under way returns once that one is done (its calls wound
+        down, the connections closed), even when that one is cut short."""
         if self._closing:
+            if self._shut is not None and not self._shut.done():
+                await asyncio.shield(self._shut)
             return
         self._closing = True
+        self._shut = shut = asyncio.get_running_loop().create_future()
         self.stream = False  # what is still retrying goes over HTTP, on no new stream
         calls = [task for task in self._calls if task is not asyncio.current_task()]
         for task in calls:
@@ -200,9 +206,12 @@ class AsyncClient:
                         await asyncio.shield(self._drained)
                 except TimeoutError:
                     log.warning("closing the client: %d calls still under way", len(self._calls))
-        finally:  # (cut short, it closes them still: another aclose would find it closing)
+        finally:  # (cut short, it closes them still: another aclose waits for that)
             self._closed = True
-            await self._close_connections()
+            # Shielded: cancelled again, it does not leave the closing half done either.
+            closing = asyncio.ensure_future(self._close_connections())
+            closing.add_done_callback(lambda _: shut.set_result(None))
+            await asyncio.shield(closing)
 
     async def _close_connections(self) -> None:
         """Close the stream and both sessions: each of them, even when closing one before
