@@ -23,7 +23,7 @@ have, but a call has no side effect) may be submitted again as it is; one
 key, which never runs it twice and answers its outcome once its node is back.
 Errors: ``TangramError`` for the service's answers (status, code, field),
 ``ServiceUnreachableError`` when no answer came after every retry (a submission's names
-its key: it may have run),
+its key: it may have run, unless no try reached the service, ``maybe_sent``),
 ``ActionTimeoutError`` (a ``TimeoutError``) past the client's ``timeout_s`` (the action is
 then cancelled by its key), ``CallTimeoutError`` (a ``TimeoutError`` too) for any other
 call past it, naming the call, ``ClientClosedError`` from a client closed (or a ``Client``

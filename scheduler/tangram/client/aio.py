@@ -279,6 +279,7 @@ class AsyncClient:
         session = self._http()
         sends = _Sends()
         lost_at: float | None = None  # when the first try that may have got through went out
+        turned_away = 0  # tries answered with a 429 or 503 to try again (they took nothing)
         # Encoded once, before anything is sent (a text it cannot carry is refused here).
         data = call.content if call.body is None else encode_json(call.body)
         base = call.headers if call.body is None else {**(call.headers or {}), **_JSON}
@@ -310,6 +311,7 @@ class AsyncClient:
                 if not refused.retryable:  # (waiting will not clear it)
                     return reply, lost_at is not None
                 why: Exception = refused
+                turned_away += 1
             # An answer cut off in the middle (ClientPayloadError) is one lost as well: the
             # request is sent again, as after a connection dropped before its answer.
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
@@ -317,8 +319,14 @@ class AsyncClient:
                 if lost_at is None and sends.count > before:  # sent, and no answer came
                     lost_at = went
                 if attempt == self.retries:
-                    cut_off = isinstance(e, aiohttp.ClientPayloadError)
-                    raise ServiceUnreachableError(self.url, e, cut_off=cut_off) from e
+                    raise ServiceUnreachableError(
+                        self.url,
+                        e,
+                        cut_off=isinstance(e, aiohttp.ClientPayloadError),
+                        maybe_sent=lost_at is not None,
+                        tries=attempt + 1,
+                        refused=turned_away,
+                    ) from e
                 why = e
             except TimeoutError as e:  # (aiohttp's for the whole request: timeout_s)
                 if self._timeout.total is None:
@@ -367,9 +375,9 @@ class AsyncClient:
             except ServiceUnreachableError as e:
                 if e.idempotency_keys:
                     raise
-                # It may have been submitted before the service went: say so, and its keys.
-                again = ServiceUnreachableError(e.url, e.cause, keys, cut_off=e.cut_off)
-                raise again from e.__cause__
+                # It may have been submitted before the service went (or was certainly not,
+                # as its tries say): said, with its keys.
+                raise e.replaced(keys=keys) from e.__cause__
 
     async def _submit(self, call: Call) -> ActionResult:
         """The result of one keyed submission (its key in its body), naming its key."""
@@ -498,11 +506,19 @@ class AsyncClient:
         return with_key(await self._keyed([key], self._exec(trajectory, body)), key)
 
     async def _exec(self, trajectory: str, body: dict[str, Any]) -> ActionResult:
+        streamed = _Streamed()
         if self.stream:
-            streamed = await self._stream_exec(trajectory, body)
-            if streamed is not None:
-                return streamed
-        return result(await self._call(Call("POST", f"/v1/trajectories/{trajectory}/exec", body)))
+            answer = await self._stream_exec(trajectory, body, streamed)
+            if answer is not None:
+                return answer
+        call = Call("POST", f"/v1/trajectories/{trajectory}/exec", body)
+        try:
+            return result(await self._call(call))
+        except ServiceUnreachableError as e:
+            if e.maybe_sent or not streamed.maybe_sent:
+                raise
+            # The stream may have carried it before the service refused the stream.
+            raise e.replaced(maybe_sent=True) from e.__cause__
 
     async def exec_live(
         self,
@@ -529,20 +545,25 @@ class AsyncClient:
             )
         return stream.live(trajectory, body, interactive=interactive)
 
-    async def _stream_exec(self, trajectory: str, body: dict[str, Any]) -> ActionResult | None:
+    async def _stream_exec(
+        self, trajectory: str, body: dict[str, Any], streamed: _Streamed
+    ) -> ActionResult | None:
         """The exec's result over the stream; None when the service refuses the stream
-        (HTTP then answers, canonically: a bad token's 401, an earlier release's route)."""
+        (HTTP then answers, canonically: a bad token's 401, an earlier release's route).
+        ``streamed`` is told when a try may have sent it, or was refused for now."""
         for attempt in range(self.retries + 1):
             answer = None
             try:
                 stream = await self._open_stream()
                 if stream is None:
                     return None
+                streamed.maybe_sent = True  # (posted on the stream: its answer may be lost)
                 try:
                     answer = await asyncio.wait_for(
                         stream.exec(trajectory, body), self._timeout.total
                     )
                 except NoStreamError:  # too large for a frame: HTTP says 413 or runs it
+                    streamed.maybe_sent = False  # (nor was it by a try before: the same body)
                     return None
                 if answer.status == 200 and answer.result is not None:
                     return answer.result
@@ -550,11 +571,18 @@ class AsyncClient:
                 if not refused.retryable or attempt == self.retries:
                     raise refused
                 why: Exception = refused
+                streamed.refused += 1
             # The stream dropped, or its handshake went unanswered: again, same key.
             except (aiohttp.ClientConnectionError, StreamClosedError) as e:
                 self._out_of_files(e)
                 if attempt == self.retries:
-                    raise ServiceUnreachableError(self.url, e) from e
+                    raise ServiceUnreachableError(
+                        self.url,
+                        e,
+                        maybe_sent=streamed.maybe_sent,
+                        tries=attempt + 1,
+                        refused=streamed.refused,
+                    ) from e
                 why = e
             given = answer.retry_after if answer is not None else None
             wait = backoff(given, attempt, self.backoff_s, self._rng)
@@ -758,6 +786,16 @@ class AsyncTrajectory:
         return await self.client.exec(
             self.id, session={"kind": "python", "name": name}, code=code, **kw
         )
+
+
+class _Streamed:
+    """What the tries of an exec on the stream did (``AsyncClient._stream_exec``)."""
+
+    __slots__ = ("maybe_sent", "refused")
+
+    def __init__(self) -> None:
+        self.maybe_sent = False  # a try may have reached the service, its answer lost
+        self.refused = 0  # tries answered with a 429 or 503 to try again
 
 
 class _Tracked:

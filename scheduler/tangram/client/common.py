@@ -50,15 +50,26 @@ class ServiceUnreachableError(ConnectionError):
     (``cut_off``: a download cut off each time). The message says where, in one line.
 
     Raised for a submission (an exec, a lease, a call, a score, a batch), the action may
-    have reached the service before its answer was lost, and may have run, or still run:
-    ``idempotency_keys`` names its key (the caller's or the one the client made; empty for
-    other requests), and the message says so. Submitted again under that key once the
-    service is back (``exec(..., idempotency_key=key)``), it is never run a second time:
-    the answer is its result, or the service's word that it never got it (then it runs,
-    once). ``cancel(f"key:{key}")`` cancels it instead."""
+    have reached the service before its answer was lost, and may have run, or still run
+    (``maybe_sent``): ``idempotency_keys`` names its key (the caller's or the one the
+    client made; empty for other requests), and the message says so. Submitted again
+    under that key once the service is back (``exec(..., idempotency_key=key)``), it is
+    never run a second time: the answer is its result, or the service's word that it
+    never got it (then it runs, once). ``cancel(f"key:{key}")`` cancels it instead. When
+    no try may have reached it (each of the ``tries`` failed to connect, or was refused
+    for now with a 429 or 503: ``refused``), ``maybe_sent`` is false and the message says
+    that it was not submitted."""
 
     def __init__(
-        self, url: str, cause: Exception, keys: Sequence[str] = (), *, cut_off: bool = False
+        self,
+        url: str,
+        cause: Exception,
+        keys: Sequence[str] = (),
+        *,
+        cut_off: bool = False,
+        maybe_sent: bool = True,
+        tries: int = 0,
+        refused: int = 0,
     ) -> None:
         if cut_off:
             said = (
@@ -70,7 +81,9 @@ class ServiceUnreachableError(ConnectionError):
                 f"cannot reach the ARL-Tangram service at {url}: {cause} (is it running? "
                 "`make run` or `tangram up` starts one; TANGRAM_URL or url= names another)"
             )
-        if len(keys) == 1:
+        if keys and not maybe_sent:
+            said += "; " + _not_submitted(keys, tries, refused)
+        elif len(keys) == 1:
             said += (
                 f"; the action with idempotency key {keys[0]!r} may have been submitted and "
                 "may have run (or still run): submit it again under that key for its result "
@@ -87,6 +100,38 @@ class ServiceUnreachableError(ConnectionError):
         self.cause = cause
         self.idempotency_keys = list(keys)
         self.cut_off = cut_off
+        self.maybe_sent = maybe_sent
+        self.tries = tries
+        self.refused = refused
+
+    def replaced(
+        self, *, keys: Sequence[str] | None = None, maybe_sent: bool | None = None
+    ) -> ServiceUnreachableError:
+        """This error naming ``keys``, or saying ``maybe_sent``, instead."""
+        return ServiceUnreachableError(
+            self.url,
+            self.cause,
+            self.idempotency_keys if keys is None else keys,
+            cut_off=self.cut_off,
+            maybe_sent=self.maybe_sent if maybe_sent is None else maybe_sent,
+            tries=self.tries,
+            refused=self.refused,
+        )
+
+
+def _not_submitted(keys: Sequence[str], tries: int, refused: int) -> str:
+    """Said of the actions of ``keys`` when none of the ``tries`` may have reached the
+    service (``refused`` of them it answered with a 429 or 503)."""
+    if refused:
+        how = (
+            f"none of the {tries} tries was taken by the service ({refused} refused with a "
+            "429 or 503, the rest sent nothing)"
+        )
+    else:
+        how = f"none of the {tries} tries reached the service"
+    if len(keys) == 1:
+        return f"{how}: the action with idempotency key {keys[0]!r} was not submitted"
+    return f"{how}: the actions with idempotency keys {named_keys(keys)} were not submitted"
 
 
 def named_keys(keys: Sequence[str]) -> str:
