@@ -16,10 +16,17 @@ import httpx
 import pytest
 
 from tangram.api.wire import EnvSpec
-from tangram.client import AsyncClient, CallTimeoutError, Client, ClientClosedError
+from tangram.client import (
+    AsyncClient,
+    CallTimeoutError,
+    Client,
+    ClientClosedError,
+    ServiceUnreachableError,
+)
 from tangram.service.config import EnvConfig, PoolConfig
 from tangram.service.engine import Engine
 
+from .proxies import Proxy
 from .service_harness import on_processes
 
 pytestmark = [pytest.mark.xdist_group("service")]
@@ -164,3 +171,28 @@ def test_a_close_by_a_key_no_open_came_with_refuses_that_open_later(
         )
         assert late.status_code == 409 and "given up" in late.text, late.text
     assert not engine.trajectories
+
+
+def test_an_open_whose_every_answer_was_lost_closes_what_it_opened(
+    gated: tuple[str, str, Engine, Path],
+) -> None:
+    """Each try reached the service, which opened the trajectory (the same one: the same
+    key), and each answer was cut off: the trajectory stayed open, its environment and
+    memory held, until its idle timeout."""
+    url, token, engine, go = gated
+    go.touch()  # (made at once: the open answers)
+
+    async def main() -> None:
+        async with Proxy(url) as proxy:
+            proxy.cut_after, proxy.cuts = 1, 2  # each try's answer; not the close's
+            async with AsyncClient(proxy.url, token, retries=1, backoff_s=0.01) as c:
+                with pytest.raises(ServiceUnreachableError) as caught:
+                    await asyncio.wait_for(c.open("gated"), GUARD_S)
+        assert caught.value.maybe_sent and proxy.cut == 2
+        (note,) = caught.value.__notes__
+        assert note.startswith("open('gated') may have reached the service: trajectory ")
+        assert note.endswith(", which it opened, was closed")
+        await _until(lambda: not engine.trajectories)
+        assert engine.state.metrics.closed.labels(engine.config.name)._value.get() == 1
+
+    asyncio.run(main())

@@ -416,10 +416,12 @@ class AsyncClient:
     ) -> TrajectoryInfo:
         """Open a trajectory of TrajectoryEnv ``env``; ``env_vars`` go to each of its
         commands (a command's own ``env`` overrides them). Given up (its task cancelled,
-        the client's ``timeout_s`` passed, the client closed), the open may still have
-        reached the service: the trajectory it opened, or is opening, is closed by the
-        open's idempotency key, as far as the service can be asked; past ``timeout_s`` the
-        ``CallTimeoutError`` says what became of it."""
+        the client's ``timeout_s`` passed, the client closed), or every answer lost (a
+        ``ServiceUnreachableError`` whose tries may have reached the service), the open
+        may still have reached the service: the trajectory it opened, or is opening, is
+        closed by the open's idempotency key, as far as the service can be asked; past
+        ``timeout_s`` the ``CallTimeoutError`` says what became of it, and a note on the
+        ``ServiceUnreachableError`` does."""
         body = open_body(env, id, labels, expected_steps, env_vars)
         call = Call("POST", "/v1/trajectories", body, what=f"open({env!r})")
         with self._tracking():
@@ -430,6 +432,12 @@ class AsyncClient:
                 if isinstance(e, CallTimeoutError):
                     raise CallTimeoutError(call.name, e.timeout_s, f": {then}") from e
                 log.info("%s given up: %s", call.name, then)
+                raise
+            except ServiceUnreachableError as e:
+                if e.maybe_sent:  # (a try reached the service, and its answer was lost)
+                    then = await self._close_opened(body.get("idempotency_key"))
+                    log.info("%s unanswered: %s", call.name, then)
+                    e.add_note(f"{call.name} may have reached the service: {then}")
                 raise
 
     async def _open(self, call: Call) -> TrajectoryInfo:
@@ -453,8 +461,8 @@ class AsyncClient:
         briefly (the caller is leaving): what became of it, in words."""
         if key is None:  # (opened unkeyed: a scheduler that takes no key on opens)
             return "what it may have opened is closed after its idle timeout (no key)"
-        session = self._cancels()
         try:
+            session = self._cancels()
             async with asyncio.timeout(CANCEL_S):
                 reply = await _delete(session, _item_path("trajectories", f"key:{key}"))
             if missing(reply, "idempotency_key"):
