@@ -88,3 +88,29 @@ def test_a_wind_down_asked_for_again_is_the_same_one(
         assert asyncio.run(scenario()) == [1, 1]
     killed = [r for r in caplog.records if "still running killed" in r.getMessage()]
     assert len(killed) == 1, killed
+
+
+def test_a_key_that_ran_asked_again_after_the_stop_began_is_replayed_not_refused() -> None:
+    """A request that came after the stop began is answered not taken ("nothing of it
+    ran": its scheduler ends it retryable); but one whose key this agent ran, or runs,
+    did run: it gets its replay (a run in flight, its end), never "not taken", which would
+    let a retry under another key run it twice. A key it never saw is not taken."""
+
+    async def scenario() -> None:
+        agent = NodeAgent(NoopRuntime(), read_inventory(), [0], [1], node="n1")
+        await agent.handle(AgentOpen(rid=1, trajectory="t", env=EnvSpec(name="e", image="i")))
+        first = await agent.handle(
+            AgentExec(rid=2, trajectory="t", argv=["x"], cores=[0], key="u/k")
+        )
+        assert first.ok and first.result is not None, first
+        agent.note_stop()
+        again = await agent.handle(
+            AgentExec(rid=3, trajectory="t", argv=["x"], cores=[0], key="u/k")
+        )
+        assert again.ok and again.replayed and not again.not_taken, again
+        new = await agent.handle(
+            AgentExec(rid=4, trajectory="t", argv=["x"], cores=[0], key="u/other")
+        )
+        assert new.not_taken and new.retryable and not new.ok, new
+
+    asyncio.run(asyncio.wait_for(scenario(), GUARD_S))

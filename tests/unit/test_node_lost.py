@@ -263,3 +263,28 @@ def test_an_unkeyed_action_sent_when_its_node_is_lost_says_its_outcome_cannot_be
         )
 
     run(scenario)
+
+
+def test_a_command_answered_not_taken_as_its_agent_leaves_at_once_did_not_run() -> None:
+    """An idle agent that stops sends its word that it leaves, its answer "not taken" to
+    an exec that crossed that word, and its close, back to back: the node's leave ran
+    before the exec's waiter woke and ended the exec as sent, maybe run
+    (``outcome_unknown``). Answered, it is left to its waiter: ``node_lost``, retryable."""
+
+    async def scenario(engine: Engine) -> None:
+        a = Agent(hello(), lambda m: None if m["op"] == "exec" else answer_all(m))
+        await connect(engine, a)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        rec = _keyed(engine, ["x"], "k")
+        assert await settle(lambda: bool(a.ops("exec")))
+        rid = a.ops("exec")[0]["rid"]
+        a.inbox.put_nowait(AGENT_LEAVING)
+        a.push(AgentReply(rid=rid, ok=False, retryable=True, not_taken=True,
+                          error="exec: the node agent is stopping"))  # fmt: skip
+        a.drop()
+        result = await asyncio.wait_for(rec.done, 5)
+        await left(engine)
+        assert result.error is not None and result.error.code == "node_lost", result.error
+        assert result.error.retryable and "did not run" in result.error.message, result.error
+
+    run(scenario)

@@ -420,7 +420,12 @@ class NodeAgent:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
         try:
-            if self.stop_began is not None:  # not started: nothing of it to wait for
+            known = (
+                isinstance(req, Keyed)
+                and req.key is not None
+                and (req.key in self._results or req.key in self._keyed)
+            )  # (ran, or runs, here: its replay or its run's end, never 'not taken')
+            if self.stop_began is not None and not known:
                 return AgentReply(rid=req.rid, ok=False, retryable=True, not_taken=True,
                                   error=f"{req.op}: the node agent is stopping")  # fmt: skip
             self.received(req)  # (the link has, unless a caller hands it in directly)

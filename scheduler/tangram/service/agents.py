@@ -102,10 +102,11 @@ class AgentLink:
         self._rid = 0
         self._pending: dict[int, asyncio.Future[AgentReply]] = {}
         self._owners: dict[int, str] = {}  # the action each request is for, if any
-        # The actions whose replies came once its agent said it leaves: its last replies,
-        # which may still be on their way to their waiters as the link closes (a shield,
-        # a stream, a call's own task, a busy loop). Its node's leave leaves these
-        # actions to their waiters, which end them with the reply, not as lost with it.
+        # The actions whose replies came once its agent said it leaves (and those it
+        # answered not taken, its stop begun): its last replies, which may still be on
+        # their way to their waiters as the link closes (a shield, a stream, a call's own
+        # task, a busy loop). Its node's leave leaves these actions to their waiters,
+        # which end them with the reply, not as lost with it.
         self.answered: set[str] = set()
         self._streams: dict[int, LinkStream] = {}
         self._outbox: Outbox[str] = Outbox(self._send, self._send_failed, packed=packed)
@@ -205,6 +206,8 @@ class AgentLink:
                     if fut is not None and not fut.done() and reply.not_taken:
                         why = f"node {self.node}: {reply.error or 'its agent is stopping'}"
                         fut.set_exception(RequestNotTakenError(why))
+                        if owner := self._owners.get(reply.rid):
+                            self.answered.add(owner)
                         if stream is not None:
                             stream.ended()
                     elif fut is not None and not fut.done():
