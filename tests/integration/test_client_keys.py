@@ -228,3 +228,23 @@ def test_an_exec_refused_then_unreachable_says_it_was_not_submitted() -> None:
         "none of the 2 tries was taken by the service (1 refused with a 429 or 503, the "
         "rest sent nothing): the action with idempotency key 'k1' was not submitted"
     )
+
+
+def test_a_proxys_503_is_no_proof_that_nothing_was_submitted() -> None:
+    """A gateway's own 503 (Envoy's reset upstream: it may have passed the request on),
+    then nothing listening: the error said no try reached the service and the action was
+    not submitted, as after the service's own 503. Only the service's 503 takes nothing."""
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: asyncio.Server) -> None:
+        await _request(r)
+        s.close()
+        body = b"upstream connect error or disconnect/reset before headers"
+        w.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        await w.drain()
+
+    lost = asyncio.run(_raise_from(serve, stream=False))
+    assert lost.maybe_sent and (lost.tries, lost.refused) == (2, 0), str(lost)
+    assert "'k1' may have been submitted and may have run" in str(lost)

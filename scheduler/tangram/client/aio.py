@@ -311,7 +311,10 @@ class AsyncClient:
                 if not refused.retryable:  # (waiting will not clear it)
                     return reply, lost_at is not None
                 why: Exception = refused
-                turned_away += 1
+                if refused.code != "http":  # the service's own: it took nothing
+                    turned_away += 1
+                elif lost_at is None:  # a proxy's (a gateway's reset upstream, say), which
+                    lost_at = went  # may have passed the request on before it failed
             # An answer cut off in the middle (ClientPayloadError) is one lost as well: the
             # request is sent again, as after a connection dropped before its answer.
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
