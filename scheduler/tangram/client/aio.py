@@ -215,7 +215,8 @@ class AsyncClient:
 
     async def _close_connections(self) -> None:
         """Close the stream and both sessions: each of them, even when closing one before
-        it fails (that error is raised once the rest are closed)."""
+        it fails (an error is raised once the rest are closed: the last, the earlier ones
+        chained to it as its context)."""
         async with contextlib.AsyncExitStack() as closing:  # (called last to first)
             if self._cancel_session is not None:
                 closing.push_async_callback(self._cancel_session.close)
