@@ -392,7 +392,6 @@ class AsyncClient:
     async def _abandon(self, keys: Sequence[str]) -> int | None:
         """Cancel the actions of ``keys``, once each, briefly (the caller is leaving): how
         many were cancelled, None when the service could not be asked."""
-        session = self._cancels()
         room = asyncio.Semaphore(ABANDON_AT_ONCE)  # a batch's keys at once, not one by one
 
         async def one(key: str) -> bool:
@@ -400,7 +399,8 @@ class AsyncClient:
                 reply = check(await _delete(session, _item_path("actions", f"key:{key}")))
             return bool(data(reply).get("cancelled"))
 
-        try:
+        try:  # (from the session on: a client closed meanwhile must not hide the caller's
+            session = self._cancels()  # error with its own, as in _close_opened)
             async with asyncio.timeout(CANCEL_S):
                 return sum(await asyncio.gather(*(one(key) for key in keys)))
         except Exception as e:  # (a closed session, the service away, ...): best effort
