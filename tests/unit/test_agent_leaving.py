@@ -131,6 +131,30 @@ def test_a_leaving_node_takes_no_new_work_while_what_runs_there_finishes(
     run(scenario)
 
 
+def test_an_answer_not_taken_is_the_agents_word_that_it_stops() -> None:
+    """An agent whose stop began answers what comes not taken; its heartbeat saying it
+    stops may still be on its way (the signal came between two). Until that word came,
+    the next command of the trajectory was sent there again, and refused again; the
+    answer is the word now: the node takes no new work, and the command waits."""
+
+    async def scenario(engine: Engine) -> None:
+        n1 = Agent(hello(node="n1"), lambda m: None if m["op"] == "exec" else answer_all(m))
+        await connect(engine, n1)
+        await engine.open_trajectory("u", OpenTrajectory(env="e", id="t1"))
+        first = engine.submit_exec("u", "t1", ExecRequest(argv=["true"]))
+        assert await settle(lambda: len(n1.ops("exec")) == 1)
+        n1.push(AgentReply(rid=n1.ops("exec")[0]["rid"], ok=False, retryable=True,
+                           not_taken=True, error="exec: the node agent is stopping"))  # fmt: skip
+        lost = await asyncio.wait_for(first.done, 5)
+        assert lost.error is not None and lost.error.code == "node_lost", lost.error
+        assert engine.hub.links["n1"].leaving  # (no AGENT_LEAVING came)
+        retry = engine.submit_exec("u", "t1", ExecRequest(argv=["true"]))
+        assert not await settle(lambda: retry.started is not None)  # held, sent nowhere
+        assert len(n1.ops("exec")) == 1 and retry.id in engine.core.stranded
+
+    run(scenario)
+
+
 def test_an_open_while_every_agent_stops_is_503_not_sent_to_them() -> None:
     async def scenario(engine: Engine) -> None:
         n1 = Agent(hello(node="n1"), _commands)

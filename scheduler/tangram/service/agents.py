@@ -192,9 +192,8 @@ class AgentLink:
                 self.last_seen = time.monotonic()
                 for text in unpack(frame):  # an agent that does not pack sends one a frame
                     if text.startswith(HEARTBEAT):
-                        if text == AGENT_LEAVING and not self.leaving:
-                            self.leaving = True
-                            self.on_leaving(self)  # its node takes no new work
+                        if text == AGENT_LEAVING:
+                            self._stops()
                         continue
                     reply = AgentReply.model_validate_json(text)
                     stream = self._streams.get(reply.rid)
@@ -204,6 +203,7 @@ class AgentLink:
                         continue
                     fut = self._pending.get(reply.rid)
                     if fut is not None and not fut.done() and reply.not_taken:
+                        self._stops()  # (its word that it stops may still be on its way)
                         why = f"node {self.node}: {reply.error or 'its agent is stopping'}"
                         fut.set_exception(RequestNotTakenError(why))
                         if owner := self._owners.get(reply.rid):
@@ -222,6 +222,13 @@ class AgentLink:
                         self.on_orphan(self.node, reply)
         finally:
             self.fail_pending()
+
+    def _stops(self) -> None:
+        """Its agent stops on purpose (it said so, or answered a request not taken):
+        once, its node takes no new work."""
+        if not self.leaving:
+            self.leaving = True
+            self.on_leaving(self)
 
     def fail_pending(self) -> None:
         self.closed = True
