@@ -35,14 +35,7 @@ from tangram.scheduler.core.scheduler import Assignment, SchedulingError
 from tangram.service.agents import ACTION
 from tangram.service.config import ServiceConfig
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import (
-    KEY_SEP,
-    ActionRecord,
-    EngineError,
-    NoAgentError,
-    NotTakenError,
-    err,
-)
+from tangram.service.records import KEY_SEP, ActionRecord, EngineError, err
 from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
@@ -319,8 +312,7 @@ class GpuCalls:
                         "call runs on, and holds its GPUs, until it ends: a running call "
                         "cannot be stopped")  # fmt: skip
         except EngineError as e:
-            rec.sent = not isinstance(e, NoAgentError)  # (none, or not taken: it did not run)
-            error = self.outcomes.cut_off(rec, e.message, not_taken=isinstance(e, NotTakenError))
+            error = self.outcomes.ask_failed(rec, e)
         now = s.clock()
         call = reply.call if reply is not None else None
         if key is not None and reply is not None:

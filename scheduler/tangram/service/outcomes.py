@@ -23,7 +23,7 @@ from tangram.api.wire import (
     json_bytes,
 )
 from tangram.scheduler.core.scheduler import Assignment, SchedulingError
-from tangram.service.records import ActionRecord, EngineError, err
+from tangram.service.records import ActionRecord, EngineError, NoAgentError, NotTakenError, err
 from tangram.service.state import PoolState
 
 log = logging.getLogger("tangram.service")
@@ -210,6 +210,16 @@ class Outcomes:
                 # key is answered), as the action it ended as. One never sent ended here.
                 self.s.uncounted.add(rec.id)
         return lost_error(rec, why, stopping=stopping, not_taken=not_taken)
+
+    def ask_failed(self, rec: ActionRecord, e: EngineError, *, stopping: bool = False) -> ErrorInfo:
+        """``cut_off`` for an action whose request to its agent failed with ``e``: with no
+        agent there (its link went before the request was made), or one that, stopping,
+        took it not, nothing of it ran."""
+        if isinstance(e, NoAgentError):
+            rec.sent = False
+        return self.cut_off(
+            rec, e.message, stopping=stopping, not_taken=isinstance(e, NotTakenError)
+        )
 
     def ended(self, rec: ActionRecord, result: ActionResult) -> None:
         """Count it, keep the answer for its key's retries, log it."""

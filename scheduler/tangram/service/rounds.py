@@ -16,14 +16,7 @@ from tangram.service.api_calls import ApiCalls
 from tangram.service.gpu_calls import GpuCalls
 from tangram.service.live import LiveExec
 from tangram.service.outcomes import Outcomes
-from tangram.service.records import (
-    ActionRecord,
-    EngineError,
-    NoAgentError,
-    NotTakenError,
-    err,
-    ran_status,
-)
+from tangram.service.records import ActionRecord, EngineError, err, ran_status
 from tangram.service.state import PoolState, agent_gone
 
 log = logging.getLogger("tangram.service")
@@ -197,12 +190,8 @@ class Rounds:
                 reply = e.reply
             error = s.stop_ended(rec)  # (queued ones: wind_down says so)
         except EngineError as e:
-            # No agent there (its link went before the round's start ran), or its agent,
-            # stopping, took it not: nothing of it ran.
-            rec.sent = not isinstance(e, NoAgentError)
             stopping = link is not None and link.leaving  # (said since it was sent, too)
-            not_taken = isinstance(e, NotTakenError)
-            error = self.outcomes.cut_off(rec, e.message, stopping=stopping, not_taken=not_taken)
+            error = self.outcomes.ask_failed(rec, e, stopping=stopping)
         if key is not None and reply is not None:
             s.cancelled_keys.pop(key, None)  # its run ended: a cancel of it is moot
         out = reply.result if reply is not None else None
