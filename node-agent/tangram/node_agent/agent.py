@@ -420,12 +420,7 @@ class NodeAgent:
                 task.cancel()
             return AgentReply(rid=req.rid, ok=True)
         try:
-            known = (
-                isinstance(req, Keyed)
-                and req.key is not None
-                and (req.key in self._results or req.key in self._keyed)
-            )  # (ran, or runs, here: its replay or its run's end, never 'not taken')
-            if self.stop_began is not None and not known:
+            if self.stop_began is not None and not self._ran_here(req):
                 return AgentReply(rid=req.rid, ok=False, retryable=True, not_taken=True,
                                   error=f"{req.op}: the node agent is stopping")  # fmt: skip
             self.received(req)  # (the link has, unless a caller hands it in directly)
@@ -444,6 +439,12 @@ class NodeAgent:
         finally:
             if (stream := self._streams.pop(req.rid, None)) is not None:
                 stream.close()
+
+    def _ran_here(self, req: AgentRequest) -> bool:
+        """Whether ``req`` is keyed and its key ran, or runs, here: its replay or its run's
+        end answers it, never "not taken" (which would let it run again elsewhere)."""
+        key = req.key if isinstance(req, Keyed) else None
+        return key is not None and (key in self._results or key in self._keyed)
 
     async def _once(self, req: Keyed, key: str) -> AgentReply:
         """Run a keyed action or service call at most once: a repeat gets the first run's
